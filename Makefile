@@ -1,0 +1,37 @@
+# kubeinfer: `make serve` and `make test` work on a fresh machine (they set up .venv first).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8080
+export OMP_WAIT_POLICY ?= PASSIVE
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup serve test test-fast lint bench clean
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
+	touch $@
+
+setup: $(VENV)/.installed
+
+serve: setup
+	$(PY) -m server --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check server kernels operator tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+bench: setup
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,32 @@
+"""Triton kernels for the GPU path: paged attention, KV-cache store, weight-only quantized GEMMs.
+
+Plain-torch twins and the AWQ/GPTQ/fp8 packing helpers live in `kernels.reference`.
+
+Triton decides at kernel *definition* time whether to compile for a GPU or to interpret on CPU
+(TRITON_INTERPRET=1). Without CUDA there is no driver to compile for, so importing this package on
+such a machine turns the interpreter on (unless TRITON_INTERPRET is already set): the kernels then
+run, slowly, on CPU tensors, which is what the tests and the CPU parity checks rely on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels.attention_decode import paged_attention_decode
+from kernels.attention_prefill import paged_prefill_attention
+from kernels.gemm_fp8 import fp8_gemm
+from kernels.gemm_int4 import int4_gemm
+from kernels.kv_store import store_kv_cache
+
+__all__ = [
+    "fp8_gemm",
+    "int4_gemm",
+    "paged_attention_decode",
+    "paged_prefill_attention",
+    "store_kv_cache",
+]

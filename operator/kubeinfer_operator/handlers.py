@@ -1,0 +1,230 @@
+"""Thin kopf handlers. create/update/resume run one idempotent reconcile; events on the labelled
+children repair drift and refresh the InferenceModel's status from the Deployment."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from .k8s import KINDS, ApiError, KubeClient
+from .render import FIELD_MANAGER, Capabilities, is_subset, render_all
+from .spec import GROUP, PLURAL, VERSION, InferenceModel, InvalidSpecError, semantic_errors
+from .status import ReconcileOutcome, compute_status, failed_status, same_status
+
+# Tunables read once at import; tests shorten them through the environment.
+RETRY_BASE_SECONDS = float(os.environ.get("KUBEINFER_RETRY_BASE_SECONDS", "5"))
+RETRY_MAX_SECONDS = float(os.environ.get("KUBEINFER_RETRY_MAX_SECONDS", "300"))
+REQUEST_TIMEOUT_SECONDS = float(os.environ.get("KUBEINFER_REQUEST_TIMEOUT_SECONDS", "30"))
+ANNOTATION_PREFIX = GROUP
+
+MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def backoff_delay(retry: int) -> float:
+    return float(min(RETRY_BASE_SECONDS * (2 ** max(retry, 0)), RETRY_MAX_SECONDS))
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Progress and the last-handled spec live in annotations: the CRD's structural schema would
+    # prune kopf's default status.kopf field, and our status is ours alone.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.posting.level = logging.WARNING
+    memo.kube = KubeClient.from_environment(request_timeout=REQUEST_TIMEOUT_SECONDS)
+
+
+@kopf.on.cleanup()
+def close(memo: kopf.Memo, **_: Any) -> None:
+    kube = getattr(memo, "kube", None)
+    if kube is not None:
+        kube.close()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # The same credential order as KubeClient.from_environment: service account, then KUBECONFIG.
+    return kopf.login_via_client(**kwargs)
+
+
+def _write_status(
+    kube: KubeClient, namespace: str, name: str, new: dict[str, Any], old: dict[str, Any] | None, logger: Any
+) -> None:
+    if same_status(old, new):
+        return
+    try:
+        kube.patch_status(namespace, name, new)
+    except ApiError as exc:
+        # A lost status write is repaired by the next reconcile or Deployment event.
+        logger.warning(f"status not written: {exc}")
+
+
+def _capabilities(kube: KubeClient) -> Capabilities:
+    return Capabilities(
+        service_monitor=kube.serves(KINDS["ServiceMonitor"].api_version, KINDS["ServiceMonitor"].plural),
+        keda=kube.serves(KINDS["ScaledObject"].api_version, KINDS["ScaledObject"].plural),
+    )
+
+
+def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 0) -> None:
+    """Render every child, apply it, remove children no longer wanted, then write status.
+
+    Raises kopf.PermanentError for a spec that cannot be deployed and kopf.TemporaryError (with
+    exponential backoff) when the API fails; the status says which in both cases.
+    """
+    meta = body.get("metadata") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    previous = body.get("status")
+    try:
+        im = InferenceModel.from_manifest(body)
+    except InvalidSpecError as exc:
+        status = failed_status(meta.get("generation"), str(exc), previous, _now())
+        _write_status(kube, namespace, name, status.to_dict(), previous, logger)
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+
+    problems = semantic_errors(im.spec)
+    if problems:
+        message = "; ".join(problems)
+        deployment = _safe_get(kube, "Deployment", namespace, name)
+        status = compute_status(im, deployment, ReconcileOutcome(invalid_spec=message), previous, _now())
+        _write_status(kube, namespace, name, status.to_dict(), previous, logger)
+        raise kopf.PermanentError(f"invalid spec: {message}")
+
+    monitoring_skipped: str | None = None
+    try:
+        caps = _capabilities(kube)
+        plan = render_all(im, caps)
+        monitoring_skipped = plan.monitoring_skipped_reason
+        if im.spec.autoscaled and im.spec.scaling.autoscaler == "KEDA" and not caps.keda:
+            raise ApiError(404, "CRDNotInstalled", "keda.sh/v1alpha1 ScaledObject is not served", "autoscaling")
+        deployment: dict[str, Any] | None = None
+        for obj in plan.objects:
+            live = kube.apply(obj)
+            if obj["kind"] == "Deployment":
+                deployment = live
+        for kind in plan.absent_kinds:
+            if kube.delete(kind, namespace, name, owner_uid=im.uid):
+                logger.info(f"deleted {kind} {namespace}/{name}: no longer wanted by the spec")
+    except ApiError as exc:
+        outcome = ReconcileOutcome(apply_error=str(exc), monitoring_skipped_reason=monitoring_skipped)
+        live_deployment = _safe_get(kube, "Deployment", namespace, name)
+        status = compute_status(im, live_deployment, outcome, previous, _now())
+        _write_status(kube, namespace, name, status.to_dict(), previous, logger)
+        if exc.transient:
+            raise kopf.TemporaryError(str(exc), delay=backoff_delay(retry)) from exc
+        raise kopf.PermanentError(str(exc)) from exc
+
+    outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped)
+    status = compute_status(im, deployment, outcome, previous, _now())
+    _write_status(kube, namespace, name, status.to_dict(), previous, logger)
+
+
+def _safe_get(kube: KubeClient, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return kube.get(kind, namespace, name)
+    except ApiError:
+        return None
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def reconcile_handler(body: kopf.Body, memo: kopf.Memo, logger: Any, retry: int, **_: Any) -> None:
+    reconcile(_plain(body), memo.kube, logger, retry)
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    return {k: _unwrap(v) for k, v in dict(body).items()}
+
+
+def _unwrap(value: Any) -> Any:
+    if hasattr(value, "items") and not isinstance(value, dict):
+        return {k: _unwrap(v) for k, v in value.items()}
+    if isinstance(value, dict):
+        return {k: _unwrap(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unwrap(v) for v in value]
+    return value
+
+
+def _owner_name(body: dict[str, Any]) -> str | None:
+    for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == "InferenceModel" and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+            return str(ref.get("name"))
+    return None
+
+
+def on_child_event(
+    kind: str, event_type: str | None, child: dict[str, Any], kube: KubeClient, logger: Any
+) -> None:
+    """A labelled child changed: restore it if it drifted or vanished, refresh status from a Deployment."""
+    owner = _owner_name(child)
+    meta = child.get("metadata") or {}
+    namespace = meta.get("namespace")
+    if owner is None or namespace is None:
+        return
+    owner_body = kube.get("InferenceModel", namespace, owner)
+    if owner_body is None or (owner_body.get("metadata") or {}).get("deletionTimestamp"):
+        return  # the owner is gone: garbage collection removes the children
+    owner_uid = (owner_body.get("metadata") or {}).get("uid")
+    if not any(ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or []):
+        return  # a stale child of an earlier object with the same name
+    try:
+        im = InferenceModel.from_manifest(owner_body)
+    except InvalidSpecError:
+        return  # the owner's own handler reports it
+    if semantic_errors(im.spec):
+        return
+
+    wanted = {obj["kind"]: obj for obj in render_all(im, _capabilities(kube)).objects}
+    desired = wanted.get(kind)
+    if event_type == "DELETED" or desired is None or not is_subset(desired, child):
+        logger.info(f"{kind} {namespace}/{meta.get('name')} drifted ({event_type or 'listed'}): reconciling")
+        try:
+            reconcile(owner_body, kube, logger)
+        except (kopf.TemporaryError, kopf.PermanentError) as exc:
+            logger.warning(f"drift repair of {namespace}/{owner} postponed: {exc}")
+        return
+
+    if kind == "Deployment":
+        previous = owner_body.get("status")
+        prev_degraded = next(
+            (c for c in (previous or {}).get("conditions") or [] if c.get("type") == "Degraded"), None
+        )
+        # A pending retry after an API failure keeps its Degraded note until a reconcile succeeds.
+        apply_error = None
+        if prev_degraded and prev_degraded.get("status") == "True" and prev_degraded.get("reason") == "ApplyFailed":
+            apply_error = prev_degraded.get("message") or "apply failed"
+        skipped = None
+        if not im.spec.monitoring.service_monitor.enabled:
+            skipped = "Disabled"
+        elif "ServiceMonitor" not in wanted:
+            skipped = "CRDNotInstalled"
+        outcome = ReconcileOutcome(apply_error=apply_error, monitoring_skipped_reason=skipped)
+        status = compute_status(im, child, outcome, previous, _now())
+        _write_status(kube, namespace, owner, status.to_dict(), previous, logger)
+
+
+def _register_child_watch(kind: str) -> None:
+    info = KINDS[kind]
+    group, _, version = info.api_version.rpartition("/")
+
+    @kopf.on.event(group, version, info.plural, labels=MANAGED, id=f"child-{kind.lower()}")
+    def _child_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        try:
+            on_child_event(kind, event.get("type"), _plain(body), memo.kube, logger)
+        except ApiError as exc:
+            logger.warning(f"{kind} event not handled: {exc}")
+
+
+for _kind in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor", "ScaledObject"):
+    _register_child_watch(_kind)

@@ -1,0 +1,194 @@
+"""The only module that talks to the Kubernetes API server (through the official kubernetes client).
+
+Children are written with server-side apply under one field manager, so a reconcile is idempotent and
+fields that other controllers own (an autoscaler's replica count, defaults) are left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+from kubernetes import client as kclient
+from kubernetes import config as kconfig
+from kubernetes.config.config_exception import ConfigException
+
+from .render import FIELD_MANAGER
+from .spec import API_VERSION, PLURAL
+
+
+@dataclass(frozen=True)
+class KindInfo:
+    api_version: str
+    plural: str
+
+
+KINDS: dict[str, KindInfo] = {
+    "Deployment": KindInfo("apps/v1", "deployments"),
+    "Service": KindInfo("v1", "services"),
+    "PodDisruptionBudget": KindInfo("policy/v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": KindInfo("autoscaling/v2", "horizontalpodautoscalers"),
+    "ServiceMonitor": KindInfo("monitoring.coreos.com/v1", "servicemonitors"),
+    "ScaledObject": KindInfo("keda.sh/v1alpha1", "scaledobjects"),
+    "InferenceModel": KindInfo(API_VERSION, PLURAL),
+}
+
+
+class ApiError(Exception):
+    """A failed API call. `status` is the HTTP code, or None when no response came back."""
+
+    def __init__(self, status: int | None, reason: str, message: str, action: str) -> None:
+        super().__init__(f"{action}: {status or 'no response'} {reason}: {message}".strip())
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.action = action
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying: conflicts, throttling, server errors, timeouts, missing namespaces/CRDs
+        (which appear later) and RBAC (which an admin may fix). Validation errors (400/422) are not."""
+        return self.status not in (400, 422)
+
+
+def object_path(api_version: str, plural: str, namespace: str | None, name: str | None = None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if namespace is not None:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    if name is not None:
+        base += f"/{name}"
+    return base
+
+
+class KubeClient:
+    def __init__(self, api_client: kclient.ApiClient, request_timeout: float = 30.0) -> None:
+        self._api = api_client
+        self._timeout = request_timeout
+        self._discovery: dict[str, tuple[float, bool]] = {}
+        self.discovery_ttl = 60.0
+
+    @classmethod
+    def from_environment(cls, request_timeout: float = 30.0) -> KubeClient:
+        """In-cluster service account if present, else KUBECONFIG (the same order kopf logs in with)."""
+        cfg = kclient.Configuration()
+        try:
+            kconfig.load_incluster_config(client_configuration=cfg)
+        except ConfigException:
+            kconfig.load_kube_config(client_configuration=cfg)
+        return cls(kclient.ApiClient(cfg), request_timeout=request_timeout)
+
+    def close(self) -> None:
+        self._api.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        action: str,
+        body: Any = None,
+        content_type: str | None = None,
+        query: list[tuple[str, str]] | None = None,
+    ) -> dict[str, Any] | None:
+        headers = {"Accept": "application/json"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        m, url, hdrs, payload, _ = self._api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            resp = self._api.call_api(m, url, header_params=hdrs, body=payload, _request_timeout=self._timeout)
+            data = resp.read()
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiError(None, type(exc).__name__, str(exc), action) from exc
+        if resp.status == 404 and method in ("GET", "DELETE"):
+            return None
+        if not 200 <= resp.status < 300:
+            reason, message = resp.reason or "", ""
+            try:
+                st = json.loads(data)
+                reason = st.get("reason") or reason
+                message = st.get("message") or ""
+            except (ValueError, AttributeError):
+                message = (data or b"")[:200].decode(errors="replace")
+            raise ApiError(resp.status, reason, message, action)
+        return json.loads(data) if data else {}
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        info = KINDS[obj["kind"]]
+        meta = obj["metadata"]
+        path = object_path(info.api_version, info.plural, meta["namespace"], meta["name"])
+        out = self._request(
+            "PATCH",
+            path,
+            action=f"applying {obj['kind']} {meta['namespace']}/{meta['name']}",
+            body=obj,
+            content_type="application/apply-patch+yaml",
+            # force: this operator is the single owner of what it renders; a hand edit is drift.
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+        )
+        assert out is not None
+        return out
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        info = KINDS[kind]
+        return self._request(
+            "GET",
+            object_path(info.api_version, info.plural, namespace, name),
+            action=f"reading {kind} {namespace}/{name}",
+        )
+
+    def delete(self, kind: str, namespace: str, name: str, owner_uid: str | None = None) -> bool:
+        """Delete a child if it exists and (when owner_uid is given) is controlled by that owner."""
+        if owner_uid is not None:
+            live = self.get(kind, namespace, name)
+            if live is None:
+                return False
+            owners = (live.get("metadata") or {}).get("ownerReferences") or []
+            if not any(o.get("uid") == owner_uid for o in owners):
+                return False  # not ours: never delete what someone else created under that name
+        info = KINDS[kind]
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if owner_uid is not None:
+            uid = ((live or {}).get("metadata") or {}).get("uid")
+            if uid:
+                body["preconditions"] = {"uid": uid}
+        out = self._request(
+            "DELETE",
+            object_path(info.api_version, info.plural, namespace, name),
+            action=f"deleting {kind} {namespace}/{name}",
+            body=body,
+            content_type="application/json",
+        )
+        return out is not None
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        path = object_path(API_VERSION, PLURAL, namespace, name) + "/status"
+        self._request(
+            "PATCH",
+            path,
+            action=f"writing status of InferenceModel {namespace}/{name}",
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the cluster serves a resource (e.g. an optional CRD), cached for discovery_ttl."""
+        key = f"{api_version}/{plural}"
+        cached = self._discovery.get(key)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < self.discovery_ttl:
+            return cached[1]
+        path = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        found = self._request("GET", path, action=f"discovering {api_version}")
+        served = found is not None and any(r.get("name") == plural for r in found.get("resources") or [])
+        self._discovery[key] = (now, served)
+        return served

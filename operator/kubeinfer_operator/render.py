@@ -1,0 +1,503 @@
+"""Pure renderers: InferenceModel -> the Kubernetes objects the operator applies. No I/O here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .spec import (
+    API_VERSION,
+    DEFAULT_SERVER_IMAGE,
+    KIND,
+    MODEL_MOUNT_ROOT,
+    InferenceModel,
+    model_location,
+)
+
+Manifest = dict[str, Any]
+
+FIELD_MANAGER = "kubeinfer-operator"
+CONTAINER_NAME = "server"
+SERVER_PORT = 8080
+CACHE_DIR = "/var/cache/kubeinfer"
+TMP_DIR = "/tmp"
+# The server process runs as this uid/gid; fsGroup makes mounted volumes writable for it.
+RUN_AS_USER = 65532
+STARTUP_PROBE_PERIOD_SECONDS = 10
+# Seconds between the pod leaving the Service endpoints and SIGTERM, so no new request is routed to a
+# draining server (kube-proxy and ingress controllers update asynchronously).
+PRESTOP_SLEEP_SECONDS = 5
+TERMINATION_MARGIN_SECONDS = 10
+
+METRIC_NAMES = {
+    "QueueDepth": "vllm:num_requests_waiting",
+    "KVCacheUsage": "vllm:kv_cache_usage_perc",
+    "RunningRequests": "vllm:num_requests_running",
+}
+
+
+def pods_metric_name(metric: str) -> str:
+    """Name of the per-pod custom metric the HPA reads (prometheus-adapter turns ':' into '_')."""
+    return METRIC_NAMES[metric].replace(":", "_")
+
+
+def selector_labels(im: InferenceModel) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kubeinfer-server", "app.kubernetes.io/instance": im.name}
+
+
+def labels(im: InferenceModel) -> dict[str, str]:
+    return {
+        **selector_labels(im),
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/part-of": "kubeinfer",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+    }
+
+
+def selector_string(im: InferenceModel) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(im).items())
+
+
+def owner_reference(im: InferenceModel) -> dict[str, Any]:
+    assert im.uid is not None
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": im.name,
+        "uid": im.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(im: InferenceModel, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": im.name,
+        "namespace": im.namespace,
+        "labels": {**(extra_labels or {}), **labels(im)},
+    }
+    if im.uid is not None:
+        meta["ownerReferences"] = [owner_reference(im)]
+    return meta
+
+
+def endpoint_url(im: InferenceModel) -> str:
+    return f"http://{im.name}.{im.namespace}.svc:{SERVER_PORT}"
+
+
+def server_args(im: InferenceModel) -> list[str]:
+    spec = im.spec
+    engine = spec.engine
+    args = [
+        "--model",
+        model_location(spec.model.uri).server_model,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(SERVER_PORT),
+        "--served-model-name",
+        spec.served_name,
+        "--dtype",
+        engine.dtype,
+        "--drain-timeout",
+        str(spec.rollout.drain_timeout_seconds),
+        "--log-format",
+        "json",
+        "--cache-dir",
+        CACHE_DIR,
+    ]
+    if engine.quantization is not None:
+        args += ["--quantize", engine.quantization]
+    if engine.max_model_len is not None:
+        args += ["--max-total-tokens", str(engine.max_model_len)]
+    if engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.max_concurrent_requests is not None:
+        args += ["--max-concurrent-requests", str(engine.max_concurrent_requests)]
+    if engine.enable_prefix_caching:
+        args.append("--enable-prefix-caching")
+    return args + list(engine.extra_args)
+
+
+def _env(im: InferenceModel) -> list[dict[str, Any]]:
+    spec = im.spec
+    env: list[dict[str, Any]] = [
+        {"name": "KUBEINFER_CACHE_DIR", "value": CACHE_DIR},
+        # Hub and compiler caches must land on writable volumes: the root filesystem is read-only.
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{TMP_DIR}/triton"},
+        {"name": "HOME", "value": TMP_DIR},
+        {"name": "TMPDIR", "value": TMP_DIR},
+    ]
+    if spec.model.revision is not None:
+        env.append({"name": "MODEL_REVISION", "value": spec.model.revision})
+    creds = spec.model.credentials_secret_ref
+    if creds is not None:
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": creds.name, "key": creds.key}}}
+        )
+    api_key = spec.engine.api_key_secret_ref
+    if api_key is not None:
+        env.append(
+            {"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": api_key.name, "key": api_key.key}}}
+        )
+    return env
+
+
+def _resources(im: InferenceModel) -> dict[str, Any]:
+    res = im.spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if res.cpu is not None:
+        requests["cpu"] = str(res.cpu)
+    if res.memory is not None:
+        # Memory limit equals request: an LLM server's footprint is known up front, and overcommit
+        # turns into OOM kills mid-request.
+        requests["memory"] = str(res.memory)
+        limits["memory"] = str(res.memory)
+    if res.gpu.count > 0:
+        requests[res.gpu.resource_name] = str(res.gpu.count)
+        limits[res.gpu.resource_name] = str(res.gpu.count)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def startup_failure_threshold(startup_timeout_seconds: int) -> int:
+    return max(1, math.ceil(startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS))
+
+
+def termination_grace_seconds(drain_timeout_seconds: int) -> int:
+    return drain_timeout_seconds + PRESTOP_SLEEP_SECONDS + TERMINATION_MARGIN_SECONDS
+
+
+def restricted_container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    spec = im.spec
+    cache_volume: dict[str, Any] = {"name": "cache"}
+    if spec.cache.claim_name is not None:
+        cache_volume["persistentVolumeClaim"] = {"claimName": spec.cache.claim_name}
+    else:
+        empty: dict[str, Any] = {}
+        if spec.cache.size_limit is not None:
+            empty["sizeLimit"] = str(spec.cache.size_limit)
+        cache_volume["emptyDir"] = empty
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        cache_volume,
+        # PyTorch shares tensors between threads/processes through /dev/shm; the runtime default is 64Mi.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": TMP_DIR},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    location = model_location(spec.model.uri)
+    if location.claim_name is not None:
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": location.claim_name, "readOnly": True},
+            }
+        )
+        mounts.append(
+            {"name": "model", "mountPath": f"{MODEL_MOUNT_ROOT}/{location.claim_name}", "readOnly": True}
+        )
+    return volumes, mounts
+
+
+def desired_replicas(im: InferenceModel) -> int:
+    """Replicas the operator sets on the Deployment (meaningless while an autoscaler owns the count)."""
+    return 0 if im.spec.suspend else im.spec.scaling.replicas
+
+
+def render_deployment(im: InferenceModel) -> Manifest:
+    spec = im.spec
+    volumes, mounts = _volumes(im)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.engine.image or DEFAULT_SERVER_IMAGE,
+        "imagePullPolicy": "IfNotPresent",
+        "args": server_args(im),
+        "env": _env(im),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "startupProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": STARTUP_PROBE_PERIOD_SECONDS,
+            "timeoutSeconds": 5,
+            "failureThreshold": startup_failure_threshold(spec.probes.startup_timeout_seconds),
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        # The server drains on SIGTERM itself; the sleep only covers endpoint propagation.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": restricted_container_security_context(),
+        "volumeMounts": mounts,
+    }
+    resources = _resources(im)
+    if resources:
+        container["resources"] = resources
+
+    node_selector = dict(spec.scheduling.node_selector)
+    if spec.resources.gpu.count > 0 and spec.resources.gpu.product is not None:
+        node_selector["nvidia.com/gpu.product"] = spec.resources.gpu.product
+
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec.rollout.drain_timeout_seconds),
+        # The server never calls the API server, so it gets no token and no service env vars.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if spec.scheduling.tolerations:
+        pod_spec["tolerations"] = list(spec.scheduling.tolerations)
+    if spec.scheduling.affinity is not None:
+        pod_spec["affinity"] = dict(spec.scheduling.affinity)
+    if spec.scheduling.priority_class_name is not None:
+        pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
+    if spec.scheduling.runtime_class_name is not None:
+        pod_spec["runtimeClassName"] = spec.scheduling.runtime_class_name
+
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(im)},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.max_unavailable,
+            },
+        },
+        # Loading weights can take as long as the startup timeout; only after that is a rollout stuck.
+        "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 300,
+        "revisionHistoryLimit": 5,
+        "template": {"metadata": {"labels": labels(im)}, "spec": pod_spec},
+    }
+    if not spec.autoscaled:
+        deployment_spec["replicas"] = desired_replicas(im)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(im),
+        "spec": deployment_spec,
+    }
+
+
+def render_service(im: InferenceModel) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(im),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(im),
+            "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_servicemonitor(im: InferenceModel) -> Manifest:
+    sm = im.spec.monitoring.service_monitor
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(im, extra_labels=sm.labels),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(im)},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": sm.interval}],
+        },
+    }
+
+
+def _quantity(value: float) -> str:
+    """A Kubernetes quantity for a target; fractions go to milli-units ("0.8" -> "800m")."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{round(value * 1000)}m"
+
+
+def render_hpa(im: InferenceModel) -> Manifest:
+    scaling = im.spec.scaling
+    assert scaling.max_replicas is not None  # guaranteed by the spec validator for autoscaled models
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(im),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.name},
+            "minReplicas": scaling.min_replicas,
+            "maxReplicas": scaling.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": pods_metric_name(scaling.metric)},
+                        "target": {
+                            "type": "AverageValue",
+                            "averageValue": _quantity(scaling.effective_target),
+                        },
+                    },
+                }
+            ],
+            "behavior": {
+                "scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_delay_seconds},
+            },
+        },
+    }
+
+
+def prometheus_query(im: InferenceModel) -> str:
+    """Sum over the model's pods; KEDA divides by the replica count for an AverageValue trigger."""
+    metric = METRIC_NAMES[im.spec.scaling.metric]
+    return f'sum({metric}{{namespace="{im.namespace}",model_name="{im.spec.served_name}"}})'
+
+
+def render_scaledobject(im: InferenceModel) -> Manifest:
+    scaling = im.spec.scaling
+    assert scaling.max_replicas is not None and scaling.prometheus_address is not None
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _metadata(im),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.name},
+            "minReplicaCount": scaling.min_replicas,
+            "maxReplicaCount": scaling.max_replicas,
+            "cooldownPeriod": scaling.scale_down_delay_seconds,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_delay_seconds}
+                    }
+                }
+            },
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": scaling.prometheus_address,
+                        "query": prometheus_query(im),
+                        "threshold": str(scaling.effective_target),
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render_pdb(im: InferenceModel) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(im),
+        "spec": {
+            "minAvailable": im.spec.disruption.min_available,
+            "selector": {"matchLabels": selector_labels(im)},
+        },
+    }
+
+
+def wants_pdb(im: InferenceModel) -> bool:
+    """A PDB only helps with more than one replica; with one it would block every node drain."""
+    if im.spec.suspend:
+        return False
+    scaling = im.spec.scaling
+    floor = scaling.min_replicas if im.spec.autoscaled else scaling.replicas
+    return floor > 1
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Optional APIs found on the cluster."""
+
+    service_monitor: bool = True
+    keda: bool = True
+
+
+@dataclass(frozen=True)
+class RenderPlan:
+    """Every child the operator wants, plus the optional kinds it wants absent."""
+
+    objects: list[Manifest]
+    absent_kinds: list[str]  # kinds whose child (same name) must not exist
+    monitoring_skipped_reason: str | None  # why no ServiceMonitor is rendered, if none is
+
+
+OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget")
+
+
+def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPlan:
+    caps = caps or Capabilities()
+    # Order matters for a partial failure: the Service and PDB exist before pods can serve or be evicted.
+    objects = [render_service(im)]
+    if wants_pdb(im):
+        objects.append(render_pdb(im))
+    objects.append(render_deployment(im))
+    skipped: str | None = None
+    if not im.spec.monitoring.service_monitor.enabled:
+        skipped = "Disabled"
+    elif not caps.service_monitor:
+        skipped = "CRDNotInstalled"
+    else:
+        objects.append(render_servicemonitor(im))
+    if im.spec.autoscaled and im.spec.scaling.autoscaler == "HPA":
+        objects.append(render_hpa(im))
+    elif im.spec.autoscaled and im.spec.scaling.autoscaler == "KEDA":
+        objects.append(render_scaledobject(im))
+    present = {obj["kind"] for obj in objects}
+    absent = [kind for kind in OPTIONAL_KINDS if kind not in present]
+    return RenderPlan(objects=objects, absent_kinds=absent, monitoring_skipped_reason=skipped)
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """True if every field of `desired` has the same value in `live` (lists compared item by item).
+
+    Used to detect hand edits of a child: the API server adds defaults, which are ignored here.
+    """
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(is_subset(d, v) for d, v in zip(desired, live, strict=True))
+        )
+    if isinstance(desired, (int, float)) and isinstance(live, str):
+        return str(desired) == live
+    return bool(desired == live)

@@ -1,0 +1,104 @@
+"""Per-request block tables on top of the BlockPool, with automatic prefix caching. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from server.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """Blocks of a request's prefix found in the cache, and how many tokens they cover."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self._req_to_hashes: dict[str, list[BlockHash]] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        hashes = self._req_to_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            tokens = [request.token_at(j) for j in range(i * bs, (i + 1) * bs)]
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of the request, in whole blocks. At least one token is always left
+        to compute, since the step must produce logits for the last one."""
+        if not self.enable_prefix_caching:
+            return ComputedBlocks([], 0)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        found: list[int] = []
+        for h in hashes[:max_blocks]:
+            block_id = self.pool.get_cached_block(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return ComputedBlocks(found, len(found) * self.block_size)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> list[int] | None:
+        """Make room for num_new_tokens more tokens after the computed ones (the request's
+        num_computed_tokens, plus `computed` for a request being admitted). Returns the whole block
+        table, or None (changing nothing) when the pool cannot supply the blocks."""
+        held = self.req_to_blocks.get(request.request_id, [])
+        computed_ids = computed.block_ids if computed else []
+        num_computed = request.num_computed_tokens + (computed.num_tokens if computed else 0)
+        need_total = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = need_total - len(held) - len(computed_ids)
+        # Reviving a free cached block also takes it off the free list.
+        num_revived = sum(1 for b in computed_ids if self.pool.blocks[b].ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_revived > self.pool.num_free_blocks:
+            return None
+        if computed_ids:
+            self.pool.touch(computed_ids)
+            held = held + computed_ids
+        if num_new_blocks > 0:
+            new = self.pool.allocate(num_new_blocks)
+            assert new is not None
+            held = held + new
+        self.req_to_blocks[request.request_id] = held
+        if self.enable_prefix_caching:
+            # Blocks whose tokens are all known (prompt or already sampled) become shareable. Their KV
+            # is written in this step's forward pass before any attention of that layer reads it.
+            known = min(num_computed + num_new_tokens, request.num_tokens)
+            num_full = known // self.block_size
+            hashes = self._block_hashes(request, num_full)
+            for i in range(num_full):
+                self.pool.cache_block(held[i], hashes[i])
+        return held
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self._req_to_hashes.pop(request_id, None)
+        if blocks:
+            self.pool.free(list(reversed(blocks)))
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks

@@ -1,0 +1,98 @@
+"""Plain types that cross the scheduler / worker / engine boundaries. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.request import FinishReason, Request
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [start, start + num_new_tokens) of its sequence."""
+
+    request: Request
+    num_new_tokens: int
+    start: int  # == request.num_computed_tokens when scheduled
+    block_ids: tuple[int, ...]  # the request's whole block table after allocation
+    # True when this chunk ends at the last known token, so the step yields a new token for it.
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that finished or were aborted since the previous step: the worker drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    chosen: Logprob
+    top: list[Logprob]  # most likely first, len == SamplingParams.logprobs
+
+
+@dataclass
+class ModelOutput:
+    """What one forward + sampling step produced, keyed by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # logprob of each prompt token given its prefix (None for the first), for TGI's decoder_input_details
+    prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
+    # A failure confined to one request (bad sampling state, injected fault): that request ends with ERROR.
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request, streamed to its caller."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # newly released text (held back while it may still become a stop string)
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by live requests, 0..1
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # cumulative, in tokens
+    prefix_cache_hits: int  # cumulative, in tokens
+    num_preemptions: int  # cumulative
+    num_prompt_tokens: int  # cumulative prompt tokens computed (cache hits excluded)
+    num_generation_tokens: int  # cumulative
+    num_batched_tokens: int = 0  # last step

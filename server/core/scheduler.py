@@ -1,0 +1,242 @@
+"""Continuous-batching scheduler: a per-step token budget, running requests first, then waiting ones.
+
+Plain Python. Each `schedule()` returns a SchedulerOutput; the engine runs it and hands the sampled
+tokens back through `update_from_output()`. Long prompts are split into chunks (chunked prefill);
+when blocks run out the most recently admitted running request is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from server.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from server.core.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
+from server.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    request: Request
+    reason: FinishReason
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._last_batched_tokens = 0
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        limit = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
+                f"{self.config.max_model_len} tokens"
+            )
+        if not self.kv.can_ever_fit(min(limit, self.config.max_model_len)):
+            raise ValueError(
+                f"prompt + max_tokens = {limit} tokens can never fit in the KV cache "
+                f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size} tokens)"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, "a running request always has at least one token to compute"
+            blocks = self.kv.allocate_slots(req, num_new)
+            while blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+                blocks = self.kv.allocate_slots(req, num_new)
+            if blocks is None:
+                break
+            scheduled.append(self._scheduled(req, num_new, blocks))
+            budget -= num_new
+            i += 1
+
+        # Admit waiting requests only when nobody was preempted: otherwise they would thrash.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+            use_cache = req.num_computed_tokens == 0 and not req.sampling_params.prompt_logprobs
+            computed = self.kv.get_computed_blocks(req) if use_cache else None
+            num_cached = computed.num_tokens if computed else 0
+            num_new = req.num_tokens - req.num_computed_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            blocks = self.kv.allocate_slots(req, num_new, computed)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self._admit(req, computed, now)
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, num_new, blocks))
+            budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids, []
+        num_batched = self.config.max_num_batched_tokens - budget
+        self._last_batched_tokens = num_batched
+        return SchedulerOutput(scheduled, num_batched, preempted, finished)
+
+    def _scheduled(self, req: Request, num_new: int, blocks: list[int]) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request=req,
+            num_new_tokens=num_new,
+            start=start,
+            block_ids=tuple(blocks),
+            sample=start + num_new == req.num_tokens,
+        )
+
+    def _admit(self, req: Request, computed: ComputedBlocks | None, now: float) -> None:
+        if computed is not None:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += computed.num_tokens
+            req.num_computed_tokens = computed.num_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = computed.num_tokens
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results ------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, output: ModelOutput) -> list[FinishedRequest]:
+        """Advance every scheduled request; returns those that finished in this step."""
+        finished: list[FinishedRequest] = []
+        now = time.monotonic()
+        for item in sched.scheduled:
+            req = item.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            # Prompt tokens recomputed after a preemption are not new prompt work for the counters.
+            prompt_part = max(0, min(item.start + item.num_new_tokens, req.num_prompt_tokens) - item.start)
+            if req.num_preemptions == 0:
+                self.num_prompt_tokens += prompt_part
+            req.num_computed_tokens = item.start + item.num_new_tokens
+            if req.request_id in output.errors:
+                req.error = output.errors[req.request_id]
+                self.finish_request(req.request_id, FinishReason.ERROR)
+                finished.append(FinishedRequest(req, FinishReason.ERROR))
+                continue
+            if not item.sample:
+                continue
+            token = output.sampled_token_ids[req.request_id]
+            req.output_token_ids.append(token)
+            self.num_generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self.finish_request(req.request_id, reason)
+                finished.append(FinishedRequest(req, reason))
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        params = req.sampling_params
+        num_out = len(req.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return FinishReason.STOP
+        if num_out >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> Request | None:
+        """End a request now (stop string, abort, error). Idempotent; unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        self._finished_ids.append(request_id)
+        return req
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_batched_tokens=self._last_batched_tokens,
+        )

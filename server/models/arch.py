@@ -1,0 +1,99 @@
+"""The architecture of a Llama-family checkpoint, read from its config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# architecture name in config.json -> whether q/k/v projections carry a bias by default
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def model_type(self) -> str:
+        return {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(self.architecture, "llama")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            mt = cfg.get("model_type")
+            archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"]}.get(mt or "", [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedModelError("sliding-window attention (use_sliding_window: true) is not supported")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise UnsupportedModelError(f"unsupported rope type {rope_type!r}; expected default, linear or llama3")
+        scaling = None
+        if rope_type != "default":
+            scaling = tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        default_qkv_bias = SUPPORTED_ARCHITECTURES[arch]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=default_qkv_bias or attention_bias,
+            o_bias=attention_bias and not default_qkv_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope_scaling=scaling,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

@@ -1,0 +1,165 @@
+"""Our Llama-family model (Llama, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+
+Module names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...), so weights
+load by name and a quantized Linear can replace any projection without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from server.models.arch import ArchConfig
+from server.worker.attention import AttentionBackend
+from server.worker.input_batch import AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [T, dim]
+        # Normalise in fp32 and cast back before the weight, as the reference implementation does.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rope_inv_freq(cfg: ArchConfig) -> Tensor:  # [head_dim / 2] fp32
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = _rope_inv_freq(cfg)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias, device=device)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias, device=device)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias, device=device)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias, device=device)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: Tensor,  # [T, hidden]
+        positions: Tensor,  # [T] int64
+        rotary: RotaryEmbedding,
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:  # [T, hidden]
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, device: torch.device | str | None) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias, device=device)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias, device=device)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, device)
+        self.mlp = MLP(cfg, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, device)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [T] int64
+        positions: Tensor,  # [T] int64
+        kv_caches: list[tuple[Tensor, Tensor]],  # per layer: 2 x [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:  # [T, hidden]
+        h = self.model.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            h = h + layer.self_attn(
+                layer.input_layernorm(h), positions, self.rotary, k_cache, v_cache, meta, backend
+            )
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # hidden: [N, hidden] -> [N, vocab] fp32
+        return self.lm_head(hidden).float()

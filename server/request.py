@@ -1,0 +1,122 @@
+"""Requests and their sampling parameters: plain Python, shared by the API, the scheduler and the worker."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # client went away or asked to cancel
+    ERROR = "error"  # the engine failed this request (the others keep running)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops. temperature == 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None = no logprobs; n >= 0 = chosen token + n top alternatives
+    prompt_logprobs: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0.0 < self.repetition_penalty <= 100.0):
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass
+class Request:
+    """A request as the engine tracks it. Block ids live in the KV cache manager, not here."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens of the prompt found in the prefix cache at the first admission (for stats and headers).
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]

@@ -1,0 +1,159 @@
+"""Attention over the paged KV cache: the backend protocol and the torch (CPU) implementation.
+
+KV cache layout, per layer: k_cache, v_cache each [num_blocks, block_size, num_kv_heads, head_dim];
+slot s = block_id * block_size + offset. A backend first stores this step's K/V at their slots for the
+whole batch, then attends, so a sequence may read blocks another sequence writes in the same step
+(prefix-cache sharing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from server.worker.input_batch import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: Tensor,  # [T, num_heads, head_dim]
+        k: Tensor,  # [T, num_kv_heads, head_dim]
+        v: Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+@dataclass
+class _DecodePlan:
+    rows: Tensor  # [Sd] int64, row in T of each decode sequence's token
+    slots: Tensor  # [Sd, L] int64, cache slot of every position up to the longest context
+    mask: Tensor  # [Sd, 1, 1, L] bool, True where the position is inside the context
+
+
+@dataclass
+class _PrefillSeq:
+    start: int  # first row in T
+    query_len: int
+    context_len: int
+    slots: Tensor | None  # [context_len] int64, None when there is no cached prefix
+    mask: Tensor | None  # [query_len, context_len] bool, None when plain causal works
+
+
+@dataclass
+class _Plan:
+    decode: _DecodePlan | None
+    prefill: list[_PrefillSeq]
+
+
+class TorchAttentionBackend:
+    """Gather-based attention for CPU: one batched SDPA over all single-token sequences, one SDPA per
+    longer chunk. The plan (slots, masks) is built once per step and reused by every layer."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._meta: AttentionMetadata | None = None
+        self._plan: _Plan | None = None
+
+    def _make_plan(self, meta: AttentionMetadata) -> _Plan:
+        bs = self.block_size
+        device = meta.block_tables.device
+        qsl = [0]
+        for n in meta.query_lens_cpu:
+            qsl.append(qsl[-1] + n)
+        decode_seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        decode: _DecodePlan | None = None
+        if decode_seqs:
+            idx = torch.tensor(decode_seqs, dtype=torch.int64, device=device)
+            ctx = meta.context_lens.index_select(0, idx).to(torch.int64)  # [Sd]
+            max_ctx = max(meta.context_lens_cpu[i] for i in decode_seqs)
+            pos = torch.arange(max_ctx, device=device)  # [L]
+            tables = meta.block_tables.index_select(0, idx).to(torch.int64)  # [Sd, max_blocks]
+            slots = tables[:, pos // bs] * bs + pos % bs  # [Sd, L]
+            decode = _DecodePlan(
+                rows=torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.int64, device=device),
+                slots=slots,
+                mask=(pos[None, :] < ctx[:, None])[:, None, None, :],
+            )
+        prefill: list[_PrefillSeq] = []
+        for i, n in enumerate(meta.query_lens_cpu):
+            if n == 1:
+                continue
+            ctx_len = meta.context_lens_cpu[i]
+            prefix = ctx_len - n
+            slots_i: Tensor | None = None
+            mask_i: Tensor | None = None
+            if prefix > 0:
+                pos = torch.arange(ctx_len, device=device)
+                table = meta.block_tables[i].to(torch.int64)
+                slots_i = table[pos // bs] * bs + pos % bs
+                q_pos = torch.arange(prefix, ctx_len, device=device)
+                mask_i = pos[None, :] <= q_pos[:, None]
+            prefill.append(_PrefillSeq(qsl[i], n, ctx_len, slots_i, mask_i))
+        return _Plan(decode, prefill)
+
+    def forward(
+        self,
+        q: Tensor,  # [T, num_heads, head_dim]
+        k: Tensor,  # [T, num_kv_heads, head_dim]
+        v: Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:  # [T, num_heads, head_dim]
+        if meta is not self._meta:
+            self._plan = self._make_plan(meta)
+            self._meta = meta
+        plan = self._plan
+        assert plan is not None
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        gqa = q.shape[1] != num_kv_heads
+        out = torch.empty_like(q)
+
+        if plan.decode is not None:
+            d = plan.decode
+            qd = q.index_select(0, d.rows).unsqueeze(2)  # [Sd, Hq, 1, D]
+            kd = flat_k[d.slots].transpose(1, 2)  # [Sd, Hkv, L, D]
+            vd = flat_v[d.slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
+            out.index_copy_(0, d.rows, od.squeeze(2))
+
+        for s in plan.prefill:
+            rows = slice(s.start, s.start + s.query_len)
+            qs = q[rows].transpose(0, 1)  # [Hq, n, D]
+            if s.slots is None:
+                ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, n, D]
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                ks = flat_k[s.slots].transpose(0, 1)  # [Hkv, ctx, D]
+                vs = flat_v[s.slots].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
+            out[rows] = o.transpose(0, 1)
+        return out
+
+
+def make_attention_backend(name: str, block_size: int) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttentionBackend(block_size)
+    if name == "triton":
+        from server.worker.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")

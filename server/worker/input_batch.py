@@ -1,0 +1,102 @@
+"""SchedulerOutput -> tensors. The only place where block ids become tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from server.core.outputs import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What an attention backend needs about the varlen batch (all sequences concatenated)."""
+
+    slot_mapping: Tensor  # [T] int64, cache slot (block_id * block_size + offset) of each new token
+    block_tables: Tensor  # [num_seqs, max_blocks] int32, unused entries 0
+    context_lens: Tensor  # [num_seqs] int32, KV length of each sequence including this step's tokens
+    query_start_loc: Tensor  # [num_seqs + 1] int32, offsets of each sequence's new tokens in T
+    max_query_len: int
+    max_context_len: int
+    # Host copies, so the torch backend can plan without device syncs.
+    query_lens_cpu: tuple[int, ...]
+    context_lens_cpu: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: Tensor  # [T] int64
+    positions: Tensor  # [T] int64
+    attn: AttentionMetadata
+    logits_indices: Tensor  # [num_sampled] int64, row in T of the last token of each sampling sequence
+    sampled_request_ids: list[str]  # the sequences behind logits_indices, in order
+    request_ids: list[str]  # every scheduled sequence, in batch order
+
+
+def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    tables: list[tuple[int, ...]] = []
+    logits_idx: list[int] = []
+    sampled_ids: list[str] = []
+    request_ids: list[str] = []
+    offset = 0
+    for item in sched.scheduled:
+        req = item.request
+        start, n = item.start, item.num_new_tokens
+        for pos in range(start, start + n):
+            input_ids.append(req.token_at(pos))
+            positions.append(pos)
+            slots.append(item.block_ids[pos // block_size] * block_size + pos % block_size)
+        query_lens.append(n)
+        context_lens.append(start + n)
+        tables.append(item.block_ids)
+        offset += n
+        request_ids.append(req.request_id)
+        if item.sample:
+            logits_idx.append(offset - 1)
+            sampled_ids.append(req.request_id)
+
+    max_blocks = max((len(t) for t in tables), default=1)
+    table_rows = [list(t) + [0] * (max_blocks - len(t)) for t in tables]
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+
+    def i64(x: list[int]) -> Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    def i32(x: list[int] | list[list[int]]) -> Tensor:
+        return torch.tensor(x, dtype=torch.int32, device=device)
+
+    attn = AttentionMetadata(
+        slot_mapping=i64(slots),
+        block_tables=i32(table_rows),
+        context_lens=i32(context_lens),
+        query_start_loc=i32(qsl),
+        max_query_len=max(query_lens, default=0),
+        max_context_len=max(context_lens, default=0),
+        query_lens_cpu=tuple(query_lens),
+        context_lens_cpu=tuple(context_lens),
+    )
+    return ForwardBatch(
+        input_ids=i64(input_ids),
+        positions=i64(positions),
+        attn=attn,
+        logits_indices=i64(logits_idx),
+        sampled_request_ids=sampled_ids,
+        request_ids=request_ids,
+    )

@@ -1,0 +1,123 @@
+"""Logits -> tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+
+Every operation is row-wise, so a request's result never depends on its batch neighbours. A seeded
+request draws its noise from a generator seeded by (seed, output position): the same seed gives the
+same text whatever else runs, and a preempted request continues where it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from server.core.outputs import Logprob, TokenLogprobs
+from server.request import Request, SamplingParams
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    request: Request
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:  # logits: [S, V] fp32
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.uses_penalties:
+            continue
+        req = row.request
+        device = logits.device
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.int64, device=device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and req.output_token_ids:
+            out = torch.tensor(req.output_token_ids, dtype=torch.int64, device=device)
+            counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=device)
+            counts.scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(logits: Tensor, p: SamplingParams) -> Tensor:  # logits: [V] fp32, already / temperature
+    if p.top_k > 0 and p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token once the mass before it already reaches top_p; the first token always stays.
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, idx, sorted_logits)
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def _noise(row: SamplingRow, vocab: int, device: torch.device) -> Tensor:  # [V] exponential(1)
+    seed = row.params.seed
+    if seed is None:
+        return torch.empty(vocab, device=device).exponential_()
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + len(row.request.output_token_ids)) & _MASK64)
+    return torch.empty(vocab, device=device).exponential_(generator=g)
+
+
+def sample_row(logits: Tensor, row: SamplingRow) -> int:  # logits: [V] fp32, penalties applied
+    p = row.params
+    if p.greedy:
+        return int(logits.argmax())
+    filtered = _filter(logits / p.temperature, p)
+    probs = filtered.softmax(-1)
+    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a sample from p.
+    return int((probs / _noise(row, probs.shape[0], probs.device)).argmax())
+
+
+def _ban_eos_early(logits: Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        p, req = row.params, row.request
+        if len(req.output_token_ids) < p.min_tokens:
+            banned = [*req.eos_token_ids, *p.stop_token_ids]
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def compute_logprobs(raw_logprobs: Tensor, token: int, n: int) -> TokenLogprobs:  # raw_logprobs: [V]
+    top: list[Logprob] = []
+    if n > 0:
+        vals, ids = torch.topk(raw_logprobs, n)
+        top = [Logprob(int(t), float(v)) for t, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    return TokenLogprobs(Logprob(token, float(raw_logprobs[token])), top)
+
+
+class Sampler:
+    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:  # logits: [S, V] fp32
+        """Samples every row. Raises on failure; the caller retries row by row to isolate the culprit."""
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw = logits.log_softmax(-1) if want_logprobs else None
+        logits = apply_penalties(logits.clone(), rows)
+        _ban_eos_early(logits, rows)
+        if all(r.params.greedy for r in rows):
+            tokens = logits.argmax(-1).tolist()
+        else:
+            tokens = [sample_row(logits[i], row) for i, row in enumerate(rows)]
+        lps: list[TokenLogprobs | None] = []
+        for i, row in enumerate(rows):
+            n = row.params.logprobs
+            lps.append(compute_logprobs(raw[i], tokens[i], n) if raw is not None and n is not None else None)
+        return SamplerOutput(tokens, lps)
