@@ -47,8 +47,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes < 1:
@@ -81,3 +81,57 @@ class EngineConfig:
             max_model_len=max(self.max_num_batched_tokens, 2) if not self.enable_chunked_prefill else 2048,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
+
+
+LOG_FORMATS = ("json", "text")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server around the engine: limits that the API enforces before anything reaches the engine."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "0.0.0.0"
+    port: int = 8080
+    max_concurrent_requests: int = 128
+    max_input_tokens: int | None = None  # None = max_total_tokens - 1
+    max_total_tokens: int | None = None  # None = the engine's context length
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_client_batch_size: int = 4
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+    log_format: str = "text"
+    max_payload_bytes: int = 2_000_000
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port <= 65535):
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+        if self.max_input_tokens is not None:
+            if self.max_input_tokens < 1:
+                raise ValueError(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
+            if self.max_total_tokens is not None and self.max_input_tokens >= self.max_total_tokens:
+                raise ValueError(
+                    f"max_input_tokens ({self.max_input_tokens}) must be < max_total_tokens ({self.max_total_tokens})"
+                )
+        mml = self.engine.model.max_model_len
+        if self.max_total_tokens is not None and mml is not None and self.max_total_tokens > mml:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) exceeds the model length ({mml})")
+        for name in ("max_best_of", "max_stop_sequences", "max_client_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (0 <= self.max_top_n_tokens <= 20):
+            raise ValueError(f"max_top_n_tokens must be in [0, 20], got {self.max_top_n_tokens}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when set")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.max_payload_bytes < 1024:
+            raise ValueError(f"max_payload_bytes must be >= 1024, got {self.max_payload_bytes}")

@@ -1,56 +1,202 @@
-"""Quantization chosen at startup. The model loader calls exactly these five functions.
+"""Quantization chosen at startup. The model loader calls exactly these five functions:
 
-(Interim version: dense only. The quantization work replaces this module's bodies, keeping the API.)
+resolve_quant_config -> prepare_for_checkpoint (pre-quantized only) -> keeps_dtype (per tensor) ->
+finalize (after load_state_dict) -> weight_bytes.
+
+Only the decoder's projections (q/k/v/o, gate/up/down) are quantized; embeddings, norms and lm_head stay
+in the model dtype, as TGI and vLLM do.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from server.quant.config import QuantConfig, resolve_quant_config
+from server.quant.formats import awq_decode, gptq_decode, pick_group_size, quantize_rtn
+from server.quant.layers import (
+    AwqCheckpointLinear,
+    BnbLinear,
+    Fp8CheckpointLinear,
+    Fp8Linear,
+    GptqCheckpointLinear,
+    Int4Linear,
+    Int8Linear,
+    QuantLinear,
+)
+
+__all__ = [
+    "QuantConfig",
+    "finalize",
+    "iter_projections",
+    "keeps_dtype",
+    "prepare_for_checkpoint",
+    "quantized_layer_bytes",
+    "resolve_quant_config",
+    "weight_bytes",
+]
+
+PROJECTION_RE = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$")
 
 
 @dataclass(frozen=True)
-class QuantConfig:
-    method: str
-    is_prequantized: bool
+class Projection:
+    name: str  # e.g. model.layers.3.self_attn.q_proj
+    parent: nn.Module
+    attr: str
+    module: nn.Module
 
 
-def resolve_quant_config(
-    flag: str | None, checkpoint_cfg: dict[str, Any] | None, device: torch.device
-) -> QuantConfig | None:
-    """--quantize and the checkpoint's quantization_config -> what to do (raises on conflicts)."""
-    if flag is None and checkpoint_cfg is None:
-        return None
-    method = flag or (checkpoint_cfg or {}).get("quant_method")
-    raise ValueError(f"quantization {method!r} is not supported by this build")
+def iter_projections(model: nn.Module) -> Iterator[Projection]:
+    """The decoder's projection layers (whatever their current class), in model order."""
+    for name, module in list(model.named_modules()):
+        if PROJECTION_RE.match(name):
+            parent_name, _, attr = name.rpartition(".")
+            yield Projection(name, model.get_submodule(parent_name), attr, module)
+
+
+def _skipped(name: str, qcfg: QuantConfig) -> bool:
+    return any(part and part in name for part in qcfg.modules_to_not_convert)
 
 
 def prepare_for_checkpoint(model: nn.Module, qcfg: QuantConfig) -> None:
-    """Before loading a pre-quantized checkpoint: swap Linear modules for ones whose tensors match it."""
-    raise NotImplementedError(qcfg.method)
+    """Before loading a pre-quantized checkpoint: swap projections for modules whose tensors match it."""
+    for p in iter_projections(model):
+        lin = p.module
+        if not isinstance(lin, nn.Linear) or _skipped(p.name, qcfg):
+            continue
+        device = lin.weight.device
+        has_bias = lin.bias is not None
+        new: nn.Module
+        group = lin.in_features if qcfg.group_size == -1 else qcfg.group_size
+        if qcfg.method == "awq":
+            new = AwqCheckpointLinear(lin.in_features, lin.out_features, group, has_bias, device)
+        elif qcfg.method == "gptq":
+            new = GptqCheckpointLinear(lin.in_features, lin.out_features, group, has_bias, device)
+        elif qcfg.method == "fp8":
+            new = Fp8CheckpointLinear(lin.in_features, lin.out_features, has_bias, device)
+        else:
+            raise ValueError(f"{qcfg.method} is not a pre-quantized checkpoint format")
+        setattr(p.parent, p.attr, new)
 
 
 def keeps_dtype(tensor_name: str, qcfg: QuantConfig | None) -> bool:
-    """Whether a checkpoint tensor must not be cast to the model dtype (packed ints, fp16 scales)."""
-    return False
+    """Whether a checkpoint tensor must not be cast to the model dtype."""
+    if qcfg is None:
+        return False
+    module_name, _, leaf = tensor_name.rpartition(".")
+    if not PROJECTION_RE.match(module_name) or _skipped(module_name, qcfg):
+        return False
+    if qcfg.method in ("awq", "gptq") and qcfg.is_prequantized:
+        return leaf == "scales"  # fp16 on disk, used as such
+    if qcfg.method == "fp8" and qcfg.is_prequantized:
+        return leaf in ("weight", "weight_scale")
+    # On-the-fly: quantize from the checkpoint's own precision, not from a bf16 rounding of it.
+    return leaf == "weight"
+
+
+def _bias(module: nn.Module, dtype: torch.dtype) -> Tensor | None:
+    bias = getattr(module, "bias", None)
+    return None if bias is None else bias.detach().to(dtype)
+
+
+def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Module | None:
+    bias = _bias(module, dtype)
+    if isinstance(module, AwqCheckpointLinear):
+        w = awq_decode(module.qweight, module.qzeros, module.scales, module.group_size)
+        return Int4Linear(w, bias)
+    if isinstance(module, GptqCheckpointLinear):
+        w = gptq_decode(
+            module.qweight, module.qzeros, module.scales, module.g_idx, module.group_size, qcfg.zero_offset
+        )
+        return Int4Linear(w, bias)
+    if isinstance(module, Fp8CheckpointLinear):
+        scale = module.weight_scale.float().reshape(-1)
+        if scale.numel() == 1:
+            scale = scale.expand(module.out_features)
+        if scale.numel() != module.out_features:
+            raise ValueError(f"fp8 weight_scale has {scale.numel()} values; expected 1 or {module.out_features}")
+        return Fp8Linear(module.weight, scale.contiguous(), bias)
+    if not isinstance(module, nn.Linear) or qcfg.is_prequantized:
+        return None
+    weight = module.weight.detach()  # [N, K]
+    if qcfg.method == "int8":
+        return Int8Linear.quantize(weight, bias)
+    if qcfg.method == "int4":
+        return Int4Linear(quantize_rtn(weight, pick_group_size(module.in_features, qcfg.group_size)), bias)
+    if qcfg.method == "fp8":
+        return Fp8Linear.quantize(weight, bias)
+    if qcfg.method.startswith("bitsandbytes"):
+        compute = dtype if dtype != torch.float32 else torch.bfloat16
+        return BnbLinear(weight, bias, qcfg.bnb_quant_type, compute)
+    raise ValueError(f"no on-the-fly quantization for {qcfg.method!r}")
 
 
 def finalize(model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> None:
-    """After loading: quantize on the fly or repack pre-quantized tensors for the device."""
-    raise NotImplementedError(qcfg.method)
+    """After loading: quantize projections on the fly, or repack pre-quantized tensors for the device."""
+    for p in iter_projections(model):
+        if _skipped(p.name, qcfg):
+            if isinstance(p.module, nn.Linear):
+                p.module.to(dtype)
+            continue
+        new = _convert(p.module, qcfg, dtype)
+        if new is not None:
+            setattr(p.parent, p.attr, new)
+    leftovers = [p.name for p in iter_projections(model) if not isinstance(p.module, QuantLinear | nn.Linear)]
+    assert not leftovers, f"unconverted checkpoint layers: {leftovers[:3]}"
+
+
+def _persistent_tensors(module: nn.Module) -> Iterator[Tensor]:
+    yield from module.parameters(recurse=False)
+    for name, buf in module.named_buffers(recurse=False):
+        if name not in module._non_persistent_buffers_set:
+            yield buf
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes held by the model's weights (parameters and buffers, each storage counted once)."""
+    """Bytes held by the model's weights (each storage counted once; caches such as RoPE tables excluded)."""
     seen: set[int] = set()
     total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.weight_nbytes()
             continue
-        seen.add(ptr)
-        total += t.untyped_storage().nbytes()
+        if any(isinstance(m, QuantLinear) for m in _ancestors(model, module)):
+            continue
+        for t in _persistent_tensors(module):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
     return total
+
+
+def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    # QuantLinear subclasses may hold inner modules (bitsandbytes): their tensors are already counted.
+    found: list[nn.Module] = []
+    for module in root.modules():
+        if isinstance(module, QuantLinear) and module is not target:
+            for sub in module.modules():
+                if sub is target:
+                    found.append(module)
+    return found
+
+
+def quantized_layer_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes the projection layers hold now, bytes they would hold as fp16): the quantization's own ratio."""
+    held = 0
+    fp16 = 0
+    for p in iter_projections(model):
+        m = p.module
+        if isinstance(m, QuantLinear):
+            held += m.weight_nbytes()
+            fp16 += 2 * (m.in_features * m.out_features + (m.out_features if getattr(m, "bias", None) is not None else 0))
+        elif isinstance(m, nn.Linear):
+            held += sum(t.numel() * t.element_size() for t in m.parameters())
+            fp16 += 2 * sum(t.numel() for t in m.parameters())
+    return held, fp16

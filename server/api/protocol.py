@@ -1,0 +1,152 @@
+"""Request bodies of both APIs as pydantic models (responses are built as plain dicts in the routes).
+
+Unknown fields are ignored, as TGI and vLLM do, so that newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import validation
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """Validates a JSON body; pydantic errors become one validation APIError naming the fields."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors()[:5]:
+            loc = ".".join(str(x) for x in err["loc"]) or "body"
+            parts.append(f"{loc}: {err['msg']}")
+        first = e.errors()[0]["loc"] if e.errors() else ()
+        raise validation("Input validation error: " + "; ".join(parts), ".".join(map(str, first)) or None) from None
+
+
+def _none_to_list(v: Any) -> Any:
+    return [] if v is None else v
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- TGI ---------------------------------------------------------------------------------------
+class TGIParameters(_Lenient):
+    best_of: int | None = None
+    decoder_input_details: bool = False
+    details: bool = False
+    do_sample: bool = False
+    frequency_penalty: float | None = None
+    grammar: Any = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = False
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+    adapter_id: str | None = None
+
+    _stop_none = field_validator("stop", mode="before")(_none_to_list)
+
+
+class TGIRequest(_Lenient):
+    inputs: str
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _params_none(cls, v: Any) -> Any:
+        return {} if v is None else v
+
+
+class TGITokenizeRequest(_Lenient):
+    inputs: str
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+
+
+# ---- OpenAI ------------------------------------------------------------------------------------
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """Fields both OpenAI routes share, with vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise validation(f"unsupported content part of type {part.get('type')!r}; only text parts", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    echo: bool = False

@@ -1,0 +1,185 @@
+"""What the HTTP layer knows about the server: loading phase, the engine, limits, admission and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.config import ServerConfig
+from server.core.outputs import SchedulerStats
+from server.engine import AsyncEngine, LLMEngine
+from server.metrics import ServerMetrics
+
+from .errors import APIError, ErrorKind
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class Phase(enum.StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+def expected_model_name(config: ServerConfig) -> str:
+    """The name the engine will report, known before loading (metrics labels must not change later)."""
+    mc = config.engine.model
+    if mc.served_model_name:
+        return mc.served_model_name
+    if not mc.model:
+        return EMBEDDED_MODEL_ID
+    path = Path(mc.model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Token limits the API enforces (TGI's max_input_tokens / max_total_tokens)."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+
+
+class Slot:
+    """One admitted request's share of --max-concurrent-requests; released exactly once."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._state.in_flight -= 1
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], LLMEngine] | None = None) -> None:
+        self.config = config
+        self.phase = Phase.LOADING
+        self.llm: LLMEngine | None = None
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self.limits: Limits | None = None
+        self.in_flight = 0
+        self.started_at = time.time()
+        self.model_name = expected_model_name(config)
+        self._engine_factory = engine_factory or (lambda: LLMEngine(config.engine))
+        self.on_load_failed: Callable[[BaseException], None] | None = None
+        self.metrics = ServerMetrics(
+            self.model_name, self._stats, lambda: self.in_flight, lambda: self.phase is Phase.READY and self.alive
+        )
+
+    def _stats(self) -> SchedulerStats | None:
+        return self.engine.last_stats if self.engine is not None else None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """Liveness: the process can still serve (loading counts), i.e. neither loading nor the loop failed."""
+        if self.phase is Phase.FAILED:
+            return False
+        return self.engine is None or self.engine.alive
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is Phase.READY and self.engine is not None and self.engine.alive
+
+    def start_loading(self) -> None:
+        """Loads and warms the model on a thread while the event loop serves probes."""
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._load, args=(loop,), name="model-loader", daemon=True).start()
+
+    def _load(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            mc = self.config.engine.model
+            log.info(
+                "loading model %s (dtype %s, quantization %s)",
+                mc.model or f"{EMBEDDED_MODEL_ID} (embedded)", mc.dtype, mc.quantize or "none",
+            )  # fmt: skip
+            t0 = time.monotonic()
+            llm = self._engine_factory()
+            log.info("model loaded in %.1f s; warming up", time.monotonic() - t0)
+            t1 = time.monotonic()
+            llm.warmup()
+            log.info("warm-up done in %.1f s", time.monotonic() - t1)
+        except BaseException as e:
+            log.exception("model loading failed")
+            loop.call_soon_threadsafe(self._fail, e)
+            return
+        asyncio.run_coroutine_threadsafe(self._attach(llm), loop)
+
+    def _fail(self, e: BaseException) -> None:
+        self.load_error = e
+        self.phase = Phase.FAILED
+        if self.on_load_failed is not None:
+            self.on_load_failed(e)
+
+    async def _attach(self, llm: LLMEngine) -> None:
+        self.attach(llm)
+
+    def attach(self, llm: LLMEngine) -> None:
+        """Must run on the event loop (AsyncEngine.start binds to it)."""
+        engine = AsyncEngine(llm)
+        engine.start()
+        self.llm = llm
+        self.engine = engine
+        self.model_name = llm.info.served_model_name
+        self.metrics.model_name = self.model_name
+        max_total = min(self.config.max_total_tokens or llm.max_model_len, llm.max_model_len)
+        max_input = self.config.max_input_tokens or max_total - 1
+        self.limits = Limits(max_input_tokens=min(max_input, max_total - 1), max_total_tokens=max_total)
+        if self.phase is Phase.LOADING:
+            self.phase = Phase.READY
+        info = llm.info
+        log.info(
+            "ready: model=%s architecture=%s dtype=%s quantization=%s parameters=%.1fM kv_blocks=%d "
+            "(block_size=%d, %d tokens) max_concurrent_sequences=%d max_concurrent_requests=%d "
+            "max_input_tokens=%d max_total_tokens=%d attention=%s device=%s url=http://%s:%d",
+            info.served_model_name, info.architecture, info.dtype, info.quantization or "none",
+            info.num_parameters / 1e6, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
+            info.max_num_seqs, self.config.max_concurrent_requests, self.limits.max_input_tokens,
+            self.limits.max_total_tokens, info.attention_backend, info.device, self.config.host, self.config.port,
+        )  # fmt: skip
+
+    # ---- admission and drain --------------------------------------------------------------------
+    def admit(self) -> Slot:
+        """Admits a generation request or raises at once (no waiting queue in front of the engine)."""
+        if self.phase is Phase.LOADING:
+            raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading; retry when /ready returns 200")
+        if self.phase is Phase.DRAINING:
+            raise APIError(ErrorKind.UNAVAILABLE, "the server is shutting down")
+        if self.phase is Phase.FAILED or self.engine is None or not self.engine.alive:
+            raise APIError(ErrorKind.INCOMPLETE, "the engine is not running")
+        if self.in_flight >= self.config.max_concurrent_requests:
+            raise APIError(
+                ErrorKind.OVERLOADED,
+                f"Model is overloaded: {self.in_flight} requests in flight "
+                f"(--max-concurrent-requests {self.config.max_concurrent_requests})",
+            )
+        self.in_flight += 1
+        return Slot(self)
+
+    def begin_drain(self) -> None:
+        if self.phase in (Phase.READY, Phase.LOADING):
+            log.info("draining: %d request(s) in flight; new requests get 503", self.in_flight)
+            self.phase = Phase.DRAINING
+
+    async def wait_drained(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()

@@ -1,0 +1,233 @@
+"""Prometheus metrics with vLLM's and TGI's names, so existing dashboards and autoscalers work unchanged.
+
+The only module that imports prometheus_client. Every server instance owns its own registry (tests run
+several in one process). Engine-wide values (queue depth, KV usage, cumulative token counters) are read
+from the engine's latest SchedulerStats at scrape time; per-request histograms are observed by the API
+layer when a request finishes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.registry import Collector
+
+from server.core.outputs import SchedulerStats
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass(frozen=True)
+class FinishedRequestTimes:
+    """What the API layer measured for one finished request (seconds, from time.monotonic())."""
+
+    finished_reason: str  # vLLM's label value: stop, length, abort, error
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+    inter_token_latencies: tuple[float, ...]
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        stats = m.stats_source()
+        name = m.model_name
+        counts = m.snapshot_counts()
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric([name], value)
+            return g
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric([name], value)
+            return c
+
+        running = float(stats.num_running) if stats else 0.0
+        waiting = float(stats.num_waiting) if stats else 0.0
+        usage = float(stats.kv_cache_usage) if stats else 0.0
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "Deprecated alias of vllm:kv_cache_usage_perc.", usage)
+        yield counter(
+            "vllm:prompt_tokens", "Prompt tokens computed (prefix cache hits excluded).",
+            float(stats.num_prompt_tokens) if stats else 0.0,
+        )  # fmt: skip
+        yield counter(
+            "vllm:generation_tokens", "Generated tokens.", float(stats.num_generation_tokens) if stats else 0.0
+        )
+        yield counter("vllm:num_preemptions", "Preemptions.", float(stats.num_preemptions) if stats else 0.0)
+        yield counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            float(stats.prefix_cache_queries) if stats else 0.0,
+        )  # fmt: skip
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            float(stats.prefix_cache_hits) if stats else 0.0,
+        )  # fmt: skip
+        yield gauge("tgi_queue_size", "Requests waiting to be scheduled (TGI name).", waiting)
+        yield gauge("tgi_batch_current_size", "Requests in the running batch (TGI name).", running)
+        yield gauge(
+            "tgi_batch_current_max_tokens", "Tokens in the last engine step (TGI name).",
+            float(stats.num_batched_tokens) if stats else 0.0,
+        )  # fmt: skip
+        yield gauge("kubeinfer_requests_in_flight", "HTTP generation requests admitted and not finished.",
+                    float(m.in_flight_source()))  # fmt: skip
+        yield gauge("kubeinfer_ready", "1 when the model is loaded and the server is not draining.",
+                    1.0 if m.ready_source() else 0.0)  # fmt: skip
+        # TGI's counters carry no _total suffix; prometheus_client would add one to a counter type.
+        for metric, doc, key in (
+            ("tgi_request_count", "Generation requests received (TGI name).", "count"),
+            ("tgi_request_success", "Generation requests that succeeded (TGI name).", "success"),
+        ):
+            u = UnknownMetricFamily(metric, doc, labels=["model_name"])
+            u.add_metric([name], float(counts.get(key, 0)))
+            yield u
+        fail = UnknownMetricFamily("tgi_request_failure", "Failed requests by error type (TGI name).",
+                                   labels=["model_name", "err"])  # fmt: skip
+        for err, value in sorted(counts.items()):
+            if err.startswith("failure:"):
+                fail.add_metric([name, err.removeprefix("failure:")], float(value))
+        yield fail
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        model_name: str,
+        stats_source: Callable[[], SchedulerStats | None],
+        in_flight_source: Callable[[], int],
+        ready_source: Callable[[], bool],
+    ) -> None:
+        self.model_name = model_name
+        self.stats_source = stats_source
+        self.in_flight_source = in_flight_source
+        self.ready_source = ready_source
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        r = self.registry
+        lbl = ["model_name"]
+        self.http_requests = Counter(
+            "kubeinfer_http_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.", [*lbl, "finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", lbl, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens.", lbl, buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency.", lbl, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", lbl,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token.", lbl,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds", "First token to finish.", lbl, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens_hist = Histogram(
+            "vllm:request_prompt_tokens", "Prompt length.", lbl, buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.gen_tokens_hist = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens.", lbl, buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.tgi_duration = Histogram(
+            "tgi_request_duration", "Request duration (TGI name).", lbl, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tgi_queue_duration = Histogram(
+            "tgi_request_queue_duration", "Queue time (TGI name).", lbl, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tgi_inference_duration = Histogram(
+            "tgi_request_inference_duration", "Inference time (TGI name).", lbl, buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.tgi_time_per_token = Histogram(
+            "tgi_request_mean_time_per_token_duration", "Mean time per token (TGI name).", lbl,
+            buckets=_ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tgi_generated_tokens = Histogram(
+            "tgi_request_generated_tokens", "Generated tokens (TGI name).", lbl, buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.tgi_input_length = Histogram(
+            "tgi_request_input_length", "Prompt tokens (TGI name).", lbl, buckets=_TOKEN_BUCKETS, registry=r
+        )
+        r.register(_EngineCollector(self))
+
+    # ---- counters kept here (exposed by the collector) ----------------------------------------------
+    def _bump(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def snapshot_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def request_received(self) -> None:
+        self._bump("count")
+
+    def request_succeeded(self) -> None:
+        self._bump("success")
+
+    def request_failed(self, err: str) -> None:
+        """err: TGI's error type (validation, overloaded, generation, incomplete_generation, unavailable)."""
+        self._bump(f"failure:{err}")
+
+    def http_request(self, route: str, status: int) -> None:
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def request_finished(self, t: FinishedRequestTimes) -> None:
+        name = self.model_name
+        self.request_success.labels(model_name=name, finished_reason=t.finished_reason).inc()
+        self.e2e.labels(model_name=name).observe(max(0.0, t.finished_time - t.arrival_time))
+        self.tgi_duration.labels(model_name=name).observe(max(0.0, t.finished_time - t.arrival_time))
+        self.prompt_tokens_hist.labels(model_name=name).observe(t.num_prompt_tokens)
+        self.tgi_input_length.labels(model_name=name).observe(t.num_prompt_tokens)
+        self.gen_tokens_hist.labels(model_name=name).observe(t.num_generation_tokens)
+        self.tgi_generated_tokens.labels(model_name=name).observe(t.num_generation_tokens)
+        if t.first_scheduled_time is not None:
+            queue = max(0.0, t.first_scheduled_time - t.arrival_time)
+            self.queue_time.labels(model_name=name).observe(queue)
+            self.tgi_queue_duration.labels(model_name=name).observe(queue)
+            inference = max(0.0, t.finished_time - t.first_scheduled_time)
+            self.tgi_inference_duration.labels(model_name=name).observe(inference)
+            if t.num_generation_tokens > 0:
+                self.tgi_time_per_token.labels(model_name=name).observe(inference / t.num_generation_tokens)
+            if t.first_token_time is not None:
+                self.prefill_time.labels(model_name=name).observe(max(0.0, t.first_token_time - t.first_scheduled_time))
+        if t.first_token_time is not None:
+            self.ttft.labels(model_name=name).observe(max(0.0, t.first_token_time - t.arrival_time))
+            self.decode_time.labels(model_name=name).observe(max(0.0, t.finished_time - t.first_token_time))
+        itl = self.itl.labels(model_name=name)
+        for gap in t.inter_token_latencies:
+            itl.observe(max(0.0, gap))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

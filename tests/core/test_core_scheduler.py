@@ -1,0 +1,138 @@
+"""Scheduler behaviour with a fake model: token budget, chunked prefill, preemption, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.core.kv_cache_manager import KVCacheManager
+from server.core.outputs import ModelOutput, SchedulerOutput
+from server.core.scheduler import Scheduler, SchedulerConfig
+from server.request import FinishReason, Request, RequestStatus, SamplingParams
+
+
+def make_sched(blocks: int = 64, bs: int = 4, budget: int = 32, seqs: int = 8, caching: bool = True) -> Scheduler:
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=256)
+    return Scheduler(cfg, KVCacheManager(blocks, bs, caching))
+
+
+def req(rid: str, n: int, max_tokens: int = 4, **kw: object) -> Request:
+    return Request(
+        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
+        eos_token_ids=frozenset({2}),
+    )
+
+
+def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = s.schedule()
+    mo = ModelOutput(sampled_token_ids={i.request.request_id: token for i in out.scheduled if i.sample})
+    s.update_from_output(out, mo)
+    return out
+
+
+def test_running_first_then_waiting_within_budget() -> None:
+    s = make_sched(budget=10, caching=False)
+    s.add_request(req("a", 6))
+    out = run_step(s)
+    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 6)]
+    s.add_request(req("b", 20))
+    out = run_step(s)
+    # a decodes one token first, then b gets the rest of the budget as a prefill chunk
+    assert [(i.request.request_id, i.num_new_tokens, i.sample) for i in out.scheduled] == [
+        ("a", 1, True),
+        ("b", 9, False),
+    ]
+    out = run_step(s)
+    assert [(i.request.request_id, i.num_new_tokens, i.sample) for i in out.scheduled] == [
+        ("a", 1, True),
+        ("b", 9, False),
+    ]
+    out = run_step(s)  # a's 4th token ends it (max_tokens=4); b's last chunk samples its first token
+    assert [(i.request.request_id, i.num_new_tokens, i.sample) for i in out.scheduled] == [
+        ("a", 1, True),
+        ("b", 2, True),
+    ]
+    assert s.requests.keys() == {"b"}
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    s = make_sched(seqs=2)
+    for r in ("a", "b", "c"):
+        s.add_request(req(r, 3))
+    out = s.schedule()
+    assert [i.request.request_id for i in out.scheduled] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_eos_and_stop_tokens_and_length() -> None:
+    s = make_sched()
+    s.add_request(req("eos", 3, max_tokens=10))
+    s.add_request(req("stoptok", 3, max_tokens=10, stop_token_ids=(9,)))
+    s.add_request(req("ign", 3, max_tokens=2, ignore_eos=True))
+    out = s.schedule()
+    fin = s.update_from_output(out, ModelOutput(sampled_token_ids={"eos": 2, "stoptok": 9, "ign": 2}))
+    assert {(f.request.request_id, f.reason) for f in fin} == {
+        ("eos", FinishReason.STOP),
+        ("stoptok", FinishReason.STOP),
+    }
+    out = run_step(s, token=2)
+    assert s.requests == {}
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_preemption_frees_the_latest_request_and_recomputes_it() -> None:
+    s = make_sched(blocks=4, bs=4, budget=64, caching=False)
+    s.add_request(req("a", 7, max_tokens=8))  # 2 blocks
+    s.add_request(req("b", 7, max_tokens=8))  # 2 blocks: the pool is full
+    run_step(s)
+    assert s.kv.pool.num_free_blocks == 0
+    assert run_step(s).preempted_request_ids == []  # token 8 still fits in 2 blocks
+    out = run_step(s)  # a needs a 3rd block for token 9: b, admitted last, is preempted
+    assert out.preempted_request_ids == ["b"]
+    b = next(r for r in s.waiting if r.request_id == "b")
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.output_token_ids == [7, 7]  # sampled tokens survive; the KV is recomputed
+    while s.running and s.running[0].request_id == "a":
+        run_step(s)
+    out = run_step(s)
+    # b comes back with its prompt + kept output recomputed in one chunk
+    assert [(i.request.request_id, i.start, i.num_new_tokens) for i in out.scheduled] == [("b", 0, 9)]
+    assert s.num_preemptions == 1
+
+
+def test_abort_waiting_and_running_frees_blocks() -> None:
+    s = make_sched()
+    s.add_request(req("a", 5))
+    run_step(s)
+    s.add_request(req("b", 5))
+    assert s.finish_request("a", FinishReason.ABORT) is not None
+    assert s.finish_request("b", FinishReason.ABORT) is not None
+    assert s.finish_request("b", FinishReason.ABORT) is None  # idempotent
+    assert not s.has_unfinished()
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert sorted(s.schedule().finished_request_ids) == ["a", "b"]
+
+
+def test_prefix_cache_hit_skips_computed_tokens() -> None:
+    s = make_sched(bs=4)
+    s.add_request(req("a", 13))
+    run_step(s)
+    s.add_request(req("b", 13))
+    out = s.schedule()
+    b = next(i for i in out.scheduled if i.request.request_id == "b")
+    assert (b.start, b.num_new_tokens) == (12, 1)
+    assert s.stats().prefix_cache_hits == 12
+
+
+def test_request_that_can_never_fit_is_rejected() -> None:
+    s = make_sched(blocks=2, bs=4)
+    with pytest.raises(ValueError, match="never fit"):
+        s.add_request(req("big", 6, max_tokens=10))
+    with pytest.raises(ValueError, match="at least one token"):
+        s.add_request(Request("empty", [], SamplingParams()))
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="chunked"):
+        SchedulerConfig(max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=False)

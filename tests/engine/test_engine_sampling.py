@@ -1,0 +1,178 @@
+"""Sampling, stop conditions, logprobs, abort and the async front, on a tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from server.config import CacheConfig, EngineConfig, ModelConfig
+from server.engine import AsyncEngine, LLMEngine
+from server.request import FinishReason, SamplingParams
+from server.tokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory) -> LLMEngine:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama")
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32"),
+            cache=CacheConfig(block_size=8, num_kv_blocks=128),
+        )
+    )
+
+
+def collect(engine: LLMEngine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_seeded_sampling_is_independent_of_batch_neighbours(engine: LLMEngine) -> None:
+    prompt = engine.tokenizer.encode("The weather today is")
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = engine.generate([prompt], params)[0]
+    neighbours = [engine.tokenizer.encode(t) for t in ("Hello there", "A B C D E F", "x")]
+    noisy = SamplingParams(max_tokens=20, temperature=1.3, seed=None, ignore_eos=True)
+    mixed = engine.generate([*neighbours, prompt], [noisy, noisy, noisy, params])[3]
+    assert mixed == alone
+    other_seed = engine.generate([prompt], SamplingParams(**{**params.__dict__, "seed": 99}))[0]
+    assert other_seed != alone
+
+
+def test_stop_strings_are_cut_and_held_back(engine: LLMEngine) -> None:
+    prompt = engine.tokenizer.encode("Count:")
+    free = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.add_request("free", prompt, free)
+    text = "".join(o.text for o in collect(engine)["free"])
+    assert len(text) > 6
+    stop = text[3:6]
+    engine.add_request("stopped", prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=(stop,), ignore_eos=True))
+    outs = collect(engine)["stopped"]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == stop
+    assert "".join(o.text for o in outs) == text[: text.index(stop)]
+
+
+def test_max_tokens_length_and_all_blocks_free(engine: LLMEngine) -> None:
+    prompt = engine.tokenizer.encode("abc")
+    engine.add_request("len", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    outs = collect(engine)["len"]
+    assert outs[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in outs) == 5
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_logprobs_match_a_log_softmax(engine: LLMEngine) -> None:
+    prompt = engine.tokenizer.encode("Logprobs please")
+    engine.add_request("lp", prompt, SamplingParams(max_tokens=3, temperature=0.0, logprobs=3, ignore_eos=True))
+    outs = collect(engine)["lp"]
+    lps = [lp for o in outs for lp in o.new_logprobs]
+    assert len(lps) == 3
+    for lp in lps:
+        assert lp.chosen.logprob <= 0.0
+        assert len(lp.top) == 3
+        assert lp.top[0].token_id == lp.chosen.token_id  # greedy picks the most likely token
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+        assert sum(math.exp(t.logprob) for t in lp.top) <= 1.0 + 1e-5
+
+
+def test_prompt_logprobs(engine: LLMEngine) -> None:
+    prompt = engine.tokenizer.encode("one two three four")
+    engine.add_request("plp", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True))
+    outs = collect(engine)["plp"]
+    plp = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    assert len(plp) == len(prompt) and plp[0] is None
+    assert all(v is not None and v <= 0.0 for v in plp[1:])
+
+
+def test_abort_frees_blocks(engine: LLMEngine) -> None:
+    engine.add_request("ab", engine.tokenizer.encode("a long story"), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.kv.pool.num_free_blocks < engine.kv.pool.num_blocks
+    out = engine.abort_request("ab")
+    assert out is not None and out.finished and out.finish_reason == FinishReason.ABORT
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.abort_request("ab") is None
+
+
+def test_penalties_change_the_distribution(engine: LLMEngine) -> None:
+    prompt = engine.tokenizer.encode("repeat repeat repeat")
+    base = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    pen = engine.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=5.0, ignore_eos=True)
+    )[0]
+    assert len(set(pen)) >= len(set(base))
+    seen = set(prompt)
+    # a strong repetition penalty never picks a token from the prompt when alternatives exist
+    assert not (set(pen[:1]) & seen) or pen != base
+
+
+def test_invalid_requests_raise(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request("e", [], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("e", [10**9], SamplingParams())
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+    assert not engine.has_unfinished()
+
+
+def test_sampling_failure_is_isolated(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = engine.runner.sampler.__class__.__call__
+
+    def faulty(self, logits: torch.Tensor, rows):  # type: ignore[no-untyped-def]
+        if any(r.params.seed == 666 for r in rows):
+            raise RuntimeError("injected")
+        return real(self, logits, rows)
+
+    monkeypatch.setattr(engine.runner.sampler.__class__, "__call__", faulty)
+    p = engine.tokenizer.encode("isolate me")
+    engine.add_request("bad", p, SamplingParams(max_tokens=4, seed=666))
+    engine.add_request("good", p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    outs = collect(engine)
+    assert outs["bad"][-1].finish_reason == FinishReason.ERROR and "injected" in (outs["bad"][-1].error or "")
+    assert outs["good"][-1].finish_reason == FinishReason.LENGTH
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_incremental_detokenizer_matches_full_decode(engine: LLMEngine) -> None:
+    tok = engine.tokenizer
+    ids = tok.encode(" héllo wörld — naïve café 日本語 🙂 done")
+    det = IncrementalDetokenizer(tok, [1], SamplingParams())
+    text = "".join(det.push([t]).text for t in ids) + det.flush()
+    assert text == tok.decode(ids)
+
+
+def test_async_engine_streams_and_aborts(engine: LLMEngine) -> None:
+    p = engine.tokenizer.encode("stream me")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([p], params)[0]  # before the engine thread owns the engine
+
+    async def main() -> None:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        chunks = [o async for o in aengine.generate(p, params)]
+        assert chunks[-1].finished and sum(len(c.new_token_ids) for c in chunks) == 6
+        assert [t for c in chunks for t in c.new_token_ids] == expected
+
+        async def partial() -> None:
+            async for _ in aengine.generate(p, SamplingParams(max_tokens=200, ignore_eos=True)):
+                break  # the client goes away after the first token
+
+        await asyncio.gather(*(partial() for _ in range(4)))
+        for _ in range(100):
+            if aengine.last_stats.num_running == 0 and aengine.last_stats.num_waiting == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert aengine.last_stats.kv_cache_usage == 0.0
+        with pytest.raises(ValueError):
+            async for _ in aengine.generate([], params):
+                pass
+        await aengine.shutdown()
+
+    asyncio.run(main())
