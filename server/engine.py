@@ -25,7 +25,7 @@ from server.core.scheduler import Scheduler, SchedulerConfig
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.request import FinishReason, Request, SamplingParams
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
-from server.worker.attention import make_attention_backend
+from server.attention import make_attention_backend
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,9 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
-        self._states[request_id] = _RequestState(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params))
+        self._states[request_id] = _RequestState(
+            req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        )
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -240,7 +242,9 @@ class LLMEngine:
             ),
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         """Offline helper: run prompts to completion, return each one's output token ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
@@ -260,6 +264,13 @@ class LLMEngine:
 
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 class AsyncEngine:
@@ -315,7 +326,7 @@ class AsyncEngine:
         self.engine.validate(prompt_token_ids, params)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt_token_ids, params)))
+        self._commands.put(("add", _AddCommand(request_id, prompt_token_ids, params)))
         self._wake.set()
         finished = False
         try:
@@ -356,11 +367,11 @@ class AsyncEngine:
             if kind == "stop":
                 return False
             if kind == "add":
-                rid, prompt, params = payload  # type: ignore[misc]
+                assert isinstance(payload, _AddCommand)
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params)
                 except ValueError as e:
-                    self._post(rid, e)
+                    self._post(payload.request_id, e)
             elif kind == "abort":
                 out = self.engine.abort_request(str(payload))
                 if out is not None:

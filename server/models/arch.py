@@ -62,14 +62,18 @@ class ArchConfig:
                 f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         if cfg.get("use_sliding_window"):
-            raise UnsupportedModelError("sliding-window attention (use_sliding_window: true) is not supported")
+            raise UnsupportedModelError(
+                "sliding-window attention (use_sliding_window: true) is not supported"
+            )
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"unsupported rope type {rope_type!r}; expected default, linear or llama3")
+            raise UnsupportedModelError(
+                f"unsupported rope type {rope_type!r}; expected default, linear or llama3"
+            )
         scaling = None
         if rope_type != "default":
             scaling = tuple(sorted((k, v) for k, v in rope.items() if k != "rope_theta"))

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from server.models.arch import ArchConfig
-from server.worker.attention import AttentionBackend
-from server.worker.input_batch import AttentionMetadata
+from server.attention import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -53,6 +52,9 @@ def _rope_inv_freq(cfg: ArchConfig) -> Tensor:  # [head_dim / 2] fp32
 
 
 class RotaryEmbedding(nn.Module):
+    cos: Tensor  # [max_positions, head_dim] fp32
+    sin: Tensor  # [max_positions, head_dim] fp32
+
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq = _rope_inv_freq(cfg)
@@ -154,7 +156,8 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> Tensor:  # [T, hidden]
         h = self.model.embed_tokens(input_ids)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             h = h + layer.self_attn(
                 layer.input_layernorm(h), positions, self.rotary, k_cache, v_cache, meta, backend
             )

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from server.core.outputs import ModelOutput, SchedulerOutput
 from server.models.llama import LlamaForCausalLM
-from server.worker.attention import AttentionBackend
+from server.attention import AttentionBackend
 from server.worker.input_batch import ForwardBatch, build_forward_batch
 from server.worker.sampler import Sampler, SamplingRow
 

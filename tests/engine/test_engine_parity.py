@@ -95,12 +95,9 @@ def test_smollm2_parity_under_preemption_and_chunked_prefill(
 
 
 @pytest.mark.slow
-def test_smollm2_prefix_caching_same_output_less_compute(
-    smollm2_dir: Path, smol: tuple[LLMEngine, list[list[int]], list[list[int]]]
-) -> None:
-    _, prompts, _ = smol
+def test_smollm2_prefix_caching_same_output_less_compute(smollm2_dir: Path) -> None:
     system = "You are a helpful assistant. Answer briefly and precisely, in one sentence. Question: "
-    shared = [engine_prompt for engine_prompt in (system + q for q in ("Why is the sky blue?", "What is rain?"))]
+    shared = [system + q for q in ("Why is the sky blue?", "What is rain?")]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     off = make_engine(smollm2_dir, cache=CacheConfig(enable_prefix_caching=False))
     on = make_engine(smollm2_dir, cache=CacheConfig(enable_prefix_caching=True))

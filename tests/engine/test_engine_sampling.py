@@ -52,7 +52,9 @@ def test_stop_strings_are_cut_and_held_back(engine: LLMEngine) -> None:
     text = "".join(o.text for o in collect(engine)["free"])
     assert len(text) > 6
     stop = text[3:6]
-    engine.add_request("stopped", prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=(stop,), ignore_eos=True))
+    engine.add_request(
+        "stopped", prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=(stop,), ignore_eos=True)
+    )
     outs = collect(engine)["stopped"]
     assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == stop
     assert "".join(o.text for o in outs) == text[: text.index(stop)]
@@ -69,7 +71,9 @@ def test_max_tokens_length_and_all_blocks_free(engine: LLMEngine) -> None:
 
 def test_logprobs_match_a_log_softmax(engine: LLMEngine) -> None:
     prompt = engine.tokenizer.encode("Logprobs please")
-    engine.add_request("lp", prompt, SamplingParams(max_tokens=3, temperature=0.0, logprobs=3, ignore_eos=True))
+    engine.add_request(
+        "lp", prompt, SamplingParams(max_tokens=3, temperature=0.0, logprobs=3, ignore_eos=True)
+    )
     outs = collect(engine)["lp"]
     lps = [lp for o in outs for lp in o.new_logprobs]
     assert len(lps) == 3
@@ -91,7 +95,9 @@ def test_prompt_logprobs(engine: LLMEngine) -> None:
 
 
 def test_abort_frees_blocks(engine: LLMEngine) -> None:
-    engine.add_request("ab", engine.tokenizer.encode("a long story"), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request(
+        "ab", engine.tokenizer.encode("a long story"), SamplingParams(max_tokens=50, ignore_eos=True)
+    )
     engine.step()
     assert engine.kv.pool.num_free_blocks < engine.kv.pool.num_blocks
     out = engine.abort_request("ab")

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache: the backend protocol and the torch (CPU) implementation.
+"""Attention over the paged KV cache in plain torch (the CPU path).
 
 KV cache layout, per layer: k_cache, v_cache each [num_blocks, block_size, num_kv_heads, head_dim];
 slot s = block_id * block_size + offset. A backend first stores this step's K/V at their slots for the
@@ -9,29 +9,11 @@ whole batch, then attends, so a sequence may read blocks another sequence writes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from server.worker.input_batch import AttentionMetadata
-
-
-class AttentionBackend(Protocol):
-    name: str
-
-    def forward(
-        self,
-        q: Tensor,  # [T, num_heads, head_dim]
-        k: Tensor,  # [T, num_kv_heads, head_dim]
-        v: Tensor,  # [T, num_kv_heads, head_dim]
-        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> Tensor:  # [T, num_heads, head_dim]
-        ...
+from server.attention.metadata import AttentionMetadata
 
 
 @dataclass
@@ -147,13 +129,3 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
             out[rows] = o.transpose(0, 1)
         return out
-
-
-def make_attention_backend(name: str, block_size: int) -> AttentionBackend:
-    if name == "torch":
-        return TorchAttentionBackend(block_size)
-    if name == "triton":
-        from server.worker.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
