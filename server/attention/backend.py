@@ -31,7 +31,7 @@ def make_attention_backend(name: str, block_size: int) -> AttentionBackend:
 
         return TorchAttentionBackend(block_size)
     if name == "triton":
-        from server.worker.triton_attention import TritonAttentionBackend
+        from server.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")

@@ -38,6 +38,23 @@ class _Plan:
     prefill: list[_PrefillSeq]
 
 
+def _decode_attention_upcast(
+    q: Tensor,  # [Sd, Hq, D]
+    k: Tensor,  # [Sd, Hkv, L, D]
+    v: Tensor,  # [Sd, Hkv, L, D]
+    mask: Tensor,  # [Sd, 1, 1, L] bool
+    scale: float,
+) -> Tensor:  # [Sd, Hq, D] fp32
+    # CPU SDPA is several times slower than this for one query token in bf16/fp16 (measured here), and
+    # small bf16 batched matmuls are slow too: upcast once and do the little math in fp32.
+    sd, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(sd, hkv, hq // hkv, d)  # [Sd, Hkv, G, D]
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [Sd, Hkv, G, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).view(sd, hq, d)
+
+
 class TorchAttentionBackend:
     """Gather-based attention for CPU: one batched SDPA over all single-token sequences, one SDPA per
     longer chunk. The plan (slots, masks) is built once per step and reused by every layer."""
@@ -111,11 +128,16 @@ class TorchAttentionBackend:
 
         if plan.decode is not None:
             d = plan.decode
-            qd = q.index_select(0, d.rows).unsqueeze(2)  # [Sd, Hq, 1, D]
+            qd = q.index_select(0, d.rows)  # [Sd, Hq, D]
             kd = flat_k[d.slots].transpose(1, 2)  # [Sd, Hkv, L, D]
             vd = flat_v[d.slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
-            out.index_copy_(0, d.rows, od.squeeze(2))
+            if q.dtype == torch.float32:
+                od = F.scaled_dot_product_attention(
+                    qd.unsqueeze(2), kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa
+                ).squeeze(2)
+            else:
+                od = _decode_attention_upcast(qd, kd, vd, d.mask, scale).to(q.dtype)
+            out.index_copy_(0, d.rows, od)
 
         for s in plan.prefill:
             rows = slice(s.start, s.start + s.query_len)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kern_paged import ATTN_TOL, make_paged_batch
+from kern_paged import ATTN_TOL, PagedBatch, make_paged_batch
 
 from kernels import paged_attention_decode
 from kernels.reference import paged_attention_decode_ref
@@ -17,7 +17,7 @@ def _contexts(block_size: int) -> list[int]:
     return [1, 2 * block_size, 3 * block_size + 5, 45]
 
 
-def _check(batch, out: torch.Tensor, scale: float) -> None:
+def _check(batch: PagedBatch, out: torch.Tensor, scale: float) -> None:
     ref = paged_attention_decode_ref(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale
     )
@@ -83,6 +83,19 @@ def test_decode_many_partitions_and_peaked_softmax(device: torch.device) -> None
         max_context_len=batch.max_context_len, partition_size=16,
     )  # fmt: skip
     _check(batch, out, 0.5)
+
+
+def test_decode_head_dim_not_a_power_of_two(device: torch.device) -> None:
+    # head_dim 80 (Phi-2 style) is padded to a 128-wide tile and masked.
+    batch = make_paged_batch(
+        [1, 1], [19, 50], num_heads=4, num_kv_heads=2, head_dim=80, block_size=16,
+        dtype=torch.float32, device=device,
+    )  # fmt: skip
+    out = paged_attention_decode(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 80**-0.5,
+        max_context_len=batch.max_context_len, partition_size=32,
+    )  # fmt: skip
+    _check(batch, out, 80**-0.5)
 
 
 def test_decode_max_context_len_above_actual(device: torch.device) -> None:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from kernels import paged_attention_decode, paged_prefill_attention, store_kv_cache
 from kernels.attention_decode import DEFAULT_PARTITION_SIZE
-from server.worker.input_batch import AttentionMetadata
+from server.attention.metadata import AttentionMetadata
 
 
 class TritonAttentionBackend:
