@@ -26,7 +26,9 @@ class ModelConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
     dtype: str = "auto"
     quantize: str | None = None
-    cache_dir: Path | None = None  # converted-weights cache; None = $KUBEINFER_CACHE_DIR or ~/.cache/kubeinfer
+    cache_dir: Path | None = (
+        None  # converted-weights cache; None = $KUBEINFER_CACHE_DIR or ~/.cache/kubeinfer
+    )
     served_model_name: str | None = None
     max_model_len: int | None = None  # None = min(model's max_position_embeddings, 8192)
 
@@ -69,7 +71,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -12,19 +12,47 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
 from server.core.outputs import SchedulerStats
 
 _LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# vLLM and TGI expose no *_created series; they would double the scrape size for nothing.
+disable_created_metrics()
 
 
 @dataclass(frozen=True)
@@ -69,31 +97,43 @@ class _EngineCollector(Collector):
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "Deprecated alias of vllm:kv_cache_usage_perc.", usage)
         yield counter(
-            "vllm:prompt_tokens", "Prompt tokens computed (prefix cache hits excluded).",
+            "vllm:prompt_tokens",
+            "Prompt tokens computed (prefix cache hits excluded).",
             float(stats.num_prompt_tokens) if stats else 0.0,
-        )  # fmt: skip
+        )
         yield counter(
-            "vllm:generation_tokens", "Generated tokens.", float(stats.num_generation_tokens) if stats else 0.0
+            "vllm:generation_tokens",
+            "Generated tokens.",
+            float(stats.num_generation_tokens) if stats else 0.0,
         )
         yield counter("vllm:num_preemptions", "Preemptions.", float(stats.num_preemptions) if stats else 0.0)
         yield counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
             float(stats.prefix_cache_queries) if stats else 0.0,
-        )  # fmt: skip
+        )
         yield counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
             float(stats.prefix_cache_hits) if stats else 0.0,
-        )  # fmt: skip
+        )
         yield gauge("tgi_queue_size", "Requests waiting to be scheduled (TGI name).", waiting)
         yield gauge("tgi_batch_current_size", "Requests in the running batch (TGI name).", running)
         yield gauge(
-            "tgi_batch_current_max_tokens", "Tokens in the last engine step (TGI name).",
+            "tgi_batch_current_max_tokens",
+            "Tokens in the last engine step (TGI name).",
             float(stats.num_batched_tokens) if stats else 0.0,
-        )  # fmt: skip
-        yield gauge("kubeinfer_requests_in_flight", "HTTP generation requests admitted and not finished.",
-                    float(m.in_flight_source()))  # fmt: skip
-        yield gauge("kubeinfer_ready", "1 when the model is loaded and the server is not draining.",
-                    1.0 if m.ready_source() else 0.0)  # fmt: skip
+        )
+        yield gauge(
+            "kubeinfer_requests_in_flight",
+            "HTTP generation requests admitted and not finished.",
+            float(m.in_flight_source()),
+        )
+        yield gauge(
+            "kubeinfer_ready",
+            "1 when the model is loaded and the server is not draining.",
+            1.0 if m.ready_source() else 0.0,
+        )
         # TGI's counters carry no _total suffix; prometheus_client would add one to a counter type.
         for metric, doc, key in (
             ("tgi_request_count", "Generation requests received (TGI name).", "count"),
@@ -102,8 +142,9 @@ class _EngineCollector(Collector):
             u = UnknownMetricFamily(metric, doc, labels=["model_name"])
             u.add_metric([name], float(counts.get(key, 0)))
             yield u
-        fail = UnknownMetricFamily("tgi_request_failure", "Failed requests by error type (TGI name).",
-                                   labels=["model_name", "err"])  # fmt: skip
+        fail = UnknownMetricFamily(
+            "tgi_request_failure", "Failed requests by error type (TGI name).", labels=["model_name", "err"]
+        )
         for err, value in sorted(counts.items()):
             if err.startswith("failure:"):
                 fail.add_metric([name, err.removeprefix("failure:")], float(value))
@@ -131,10 +172,17 @@ class ServerMetrics:
             "kubeinfer_http_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
         )
         self.request_success = Counter(
-            "vllm:request_success", "Finished requests by finish reason.", [*lbl, "finished_reason"], registry=r
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            [*lbl, "finished_reason"],
+            registry=r,
         )
         self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", lbl, buckets=_LATENCY_BUCKETS, registry=r
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
             "vllm:inter_token_latency_seconds", "Time between tokens.", lbl, buckets=_ITL_BUCKETS, registry=r
@@ -143,15 +191,25 @@ class ServerMetrics:
             "vllm:e2e_request_latency_seconds", "Request latency.", lbl, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", lbl,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "vllm:request_queue_time_seconds",
+            "Time waiting before first scheduled.",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prefill_time = Histogram(
-            "vllm:request_prefill_time_seconds", "First scheduled to first token.", lbl,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "vllm:request_prefill_time_seconds",
+            "First scheduled to first token.",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.decode_time = Histogram(
-            "vllm:request_decode_time_seconds", "First token to finish.", lbl, buckets=_LATENCY_BUCKETS, registry=r
+            "vllm:request_decode_time_seconds",
+            "First token to finish.",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens_hist = Histogram(
             "vllm:request_prompt_tokens", "Prompt length.", lbl, buckets=_TOKEN_BUCKETS, registry=r
@@ -166,15 +224,25 @@ class ServerMetrics:
             "tgi_request_queue_duration", "Queue time (TGI name).", lbl, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.tgi_inference_duration = Histogram(
-            "tgi_request_inference_duration", "Inference time (TGI name).", lbl, buckets=_LATENCY_BUCKETS,
+            "tgi_request_inference_duration",
+            "Inference time (TGI name).",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
         self.tgi_time_per_token = Histogram(
-            "tgi_request_mean_time_per_token_duration", "Mean time per token (TGI name).", lbl,
-            buckets=_ITL_BUCKETS, registry=r,
-        )  # fmt: skip
+            "tgi_request_mean_time_per_token_duration",
+            "Mean time per token (TGI name).",
+            lbl,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
         self.tgi_generated_tokens = Histogram(
-            "tgi_request_generated_tokens", "Generated tokens (TGI name).", lbl, buckets=_TOKEN_BUCKETS, registry=r
+            "tgi_request_generated_tokens",
+            "Generated tokens (TGI name).",
+            lbl,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
         self.tgi_input_length = Histogram(
             "tgi_request_input_length", "Prompt tokens (TGI name).", lbl, buckets=_TOKEN_BUCKETS, registry=r
@@ -221,7 +289,9 @@ class ServerMetrics:
             if t.num_generation_tokens > 0:
                 self.tgi_time_per_token.labels(model_name=name).observe(inference / t.num_generation_tokens)
             if t.first_token_time is not None:
-                self.prefill_time.labels(model_name=name).observe(max(0.0, t.first_token_time - t.first_scheduled_time))
+                self.prefill_time.labels(model_name=name).observe(
+                    max(0.0, t.first_token_time - t.first_scheduled_time)
+                )
         if t.first_token_time is not None:
             self.ttft.labels(model_name=name).observe(max(0.0, t.first_token_time - t.arrival_time))
             self.decode_time.labels(model_name=name).observe(max(0.0, t.finished_time - t.first_token_time))

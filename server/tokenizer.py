@@ -55,10 +55,14 @@ class Tokenizer:
             out.append((int(tid), text[start:stop], int(start), int(stop)))
         return out
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         return self.encode(str(text), add_special_tokens=False)
 
 
@@ -114,7 +118,11 @@ class IncrementalDetokenizer:
                     end = idx + len(stop_hit) if self._include_stop else idx
                     self.output_text = self.output_text[:end]
                     self.finished = True
-        limit = len(self.output_text) if self.finished else max(self._released, len(self.output_text) - self._hold)
+        limit = (
+            len(self.output_text)
+            if self.finished
+            else max(self._released, len(self.output_text) - self._hold)
+        )
         return DetokenizerUpdate(self._release(limit), stop_hit)
 
     def flush(self) -> str:

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 @pytest.fixture(scope="session")
@@ -73,9 +78,7 @@ def build_tiny_model(
 
 
 @pytest.fixture(scope="session")
-def tiny_model_factory(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
-) -> Callable[..., Path]:
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callable[..., Path]:
     cache: dict[tuple, Path] = {}
 
     def make(arch: str = "llama", tie: bool = True, **kw: int) -> Path:

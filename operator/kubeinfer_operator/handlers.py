@@ -19,6 +19,9 @@ from .status import ReconcileOutcome, compute_status, failed_status, same_status
 RETRY_BASE_SECONDS = float(os.environ.get("KUBEINFER_RETRY_BASE_SECONDS", "5"))
 RETRY_MAX_SECONDS = float(os.environ.get("KUBEINFER_RETRY_MAX_SECONDS", "300"))
 REQUEST_TIMEOUT_SECONDS = float(os.environ.get("KUBEINFER_REQUEST_TIMEOUT_SECONDS", "30"))
+# Full re-reconcile period. Child events repair drift at once, but a watch stream that drops while a
+# child is deleted loses that event (kopf re-lists, and absence is no event); the resync catches it.
+RESYNC_SECONDS = float(os.environ.get("KUBEINFER_RESYNC_SECONDS", "60"))
 ANNOTATION_PREFIX = GROUP
 
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
@@ -40,6 +43,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.posting.level = logging.WARNING
+    # Ending every watch stream periodically makes kopf re-list, which drives resync_handler.
+    if settings.watching.server_timeout is None:
+        settings.watching.server_timeout = RESYNC_SECONDS
+    if settings.watching.client_timeout is None:
+        settings.watching.client_timeout = RESYNC_SECONDS + 60
     memo.kube = KubeClient.from_environment(request_timeout=REQUEST_TIMEOUT_SECONDS)
 
 
@@ -57,14 +65,24 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 def _write_status(
-    kube: KubeClient, namespace: str, name: str, new: dict[str, Any], old: dict[str, Any] | None, logger: Any
+    kube: KubeClient,
+    namespace: str,
+    name: str,
+    new: dict[str, Any],
+    old: dict[str, Any] | None,
+    logger: Any,
+    retry: int | None = None,
 ) -> None:
+    """Write status if it changed. With `retry` given (the reconcile's success path) a failed write
+    is retried through kopf, so a finished reconcile never leaves a stale status behind; otherwise
+    (the write only accompanies an error that is retried anyway) the failure is logged."""
     if same_status(old, new):
         return
     try:
         kube.patch_status(namespace, name, new)
     except ApiError as exc:
-        # A lost status write is repaired by the next reconcile or Deployment event.
+        if retry is not None and exc.transient:
+            raise kopf.TemporaryError(str(exc), delay=backoff_delay(retry)) from exc
         logger.warning(f"status not written: {exc}")
 
 
@@ -83,6 +101,8 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     """
     meta = body.get("metadata") or {}
     namespace, name = meta["namespace"], meta["name"]
+    if meta.get("deletionTimestamp"):
+        return  # being deleted: garbage collection removes the children, nothing to apply
     previous = body.get("status")
     try:
         im = InferenceModel.from_manifest(body)
@@ -125,7 +145,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
 
     outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped)
     status = compute_status(im, deployment, outcome, previous, _now())
-    _write_status(kube, namespace, name, status.to_dict(), previous, logger)
+    _write_status(kube, namespace, name, status.to_dict(), previous, logger, retry=retry)
 
 
 def _safe_get(kube: KubeClient, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -140,6 +160,47 @@ def _safe_get(kube: KubeClient, kind: str, namespace: str, name: str) -> dict[st
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 def reconcile_handler(body: kopf.Body, memo: kopf.Memo, logger: Any, retry: int, **_: Any) -> None:
     reconcile(_plain(body), memo.kube, logger, retry)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL, id="resync")
+def resync_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    # Events without a type come from the (re)listing kopf does whenever a watch stream ends. The
+    # stream is ended every RESYNC_SECONDS (watching.server_timeout), so this is the periodic resync
+    # that catches what a dropped stream lost (e.g. a child deleted while its watch reconnected).
+    if event.get("type") is not None:
+        return
+    meta = body.get("metadata") or {}
+    try:
+        # The listing may be older than the latest spec; a stale snapshot must never be applied.
+        plain = memo.kube.get("InferenceModel", meta.get("namespace"), meta.get("name"))
+        if plain is None:
+            return
+        if children_drifted(plain, memo.kube):
+            logger.info("resync found missing or drifted children: reconciling")
+            reconcile(plain, memo.kube, logger)
+    except (kopf.TemporaryError, kopf.PermanentError) as exc:
+        logger.warning(f"resync postponed: {exc}")
+    except ApiError as exc:
+        logger.warning(f"resync skipped: {exc}")
+
+
+def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
+    """True if a wanted child is missing or differs, or an unwanted one still exists."""
+    meta = body.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return False
+    try:
+        im = InferenceModel.from_manifest(body)
+    except InvalidSpecError:
+        return False
+    if semantic_errors(im.spec):
+        return False
+    plan = render_all(im, _capabilities(kube))
+    for obj in plan.objects:
+        live = kube.get(obj["kind"], im.namespace, im.name)
+        if live is None or not is_subset(obj, live):
+            return True
+    return any(kube.get(kind, im.namespace, im.name) is not None for kind in plan.absent_kinds)
 
 
 def _plain(body: Any) -> dict[str, Any]:

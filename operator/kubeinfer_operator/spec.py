@@ -130,10 +130,11 @@ class ScalingSpec(_Model):
     def _check_rules(self) -> ScalingSpec:
         if self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("scaling.minReplicas must be <= scaling.maxReplicas")
-        if self.replicas < self.min_replicas or (
-            self.max_replicas is not None and self.replicas > self.max_replicas
+        if self.autoscaler == "None" and (
+            self.replicas < self.min_replicas
+            or (self.max_replicas is not None and self.replicas > self.max_replicas)
         ):
-            raise ValueError("scaling.replicas must lie within [minReplicas, maxReplicas]")
+            raise ValueError("without an autoscaler, scaling.replicas must lie within [minReplicas, maxReplicas]")
         if self.autoscaler != "None" and self.max_replicas is None:
             raise ValueError("an autoscaler needs scaling.maxReplicas")
         if self.autoscaler == "KEDA" and self.prometheus_address is None:

@@ -70,7 +70,12 @@ class APIError(Exception):
             return {"error": self.message, "error_type": self.kind.value}
         status = self.status(family)
         return {
-            "error": {"message": self.message, "type": _OPENAI_TYPE[self.kind], "param": self.param, "code": status}
+            "error": {
+                "message": self.message,
+                "type": _OPENAI_TYPE[self.kind],
+                "param": self.param,
+                "code": status,
+            }
         }
 
     def response(self, family: Family, headers: dict[str, str] | None = None) -> JSONResponse:

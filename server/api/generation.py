@@ -62,7 +62,9 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool = True)
     return tok.encode(text, add_special_tokens)
 
 
-def check_request(state: ServerState, prompt_ids: list[int], params: SamplingParams, new_tokens_name: str) -> None:
+def check_request(
+    state: ServerState, prompt_ids: list[int], params: SamplingParams, new_tokens_name: str
+) -> None:
     """The API's token limits, then the engine's own checks; raises a validation APIError."""
     assert state.limits is not None and state.llm is not None
     lim = state.limits
@@ -148,7 +150,9 @@ class Generation:
 
     def raise_if_failed(self) -> None:
         if self.finish_reason is FinishReason.ERROR:
-            raise APIError(ErrorKind.GENERATION, f"Request failed during generation: {self.error or 'engine error'}")
+            raise APIError(
+                ErrorKind.GENERATION, f"Request failed during generation: {self.error or 'engine error'}"
+            )
         if self.finish_reason is None or self.finish_reason is FinishReason.ABORT:
             raise APIError(ErrorKind.INCOMPLETE, "Request failed during generation: the request was aborted")
 
@@ -161,7 +165,9 @@ def split_text(out: RequestOutput) -> list[str]:
     return [""] * (n - 1) + [out.text]
 
 
-async def stream_engine(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+async def stream_engine(
+    state: ServerState, prompt_ids: list[int], params: SamplingParams
+) -> AsyncIterator[RequestOutput]:
     """The engine's stream for one request, recording its metrics when it ends (however it ends).
     Closing this generator early aborts the engine request."""
     engine = state.engine

@@ -22,7 +22,16 @@ def parse(model: type[BaseModel], data: Any) -> Any:
             loc = ".".join(str(x) for x in err["loc"]) or "body"
             parts.append(f"{loc}: {err['msg']}")
         first = e.errors()[0]["loc"] if e.errors() else ()
-        raise validation("Input validation error: " + "; ".join(parts), ".".join(map(str, first)) or None) from None
+        raise validation("Input validation error: " + "; ".join(parts), _param(first)) from None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """The field path of an error, without pydantic's union-member tags (`prompt.str` -> `prompt`)."""
+    keep = [str(x) for x in loc if isinstance(x, int) or ("[" not in str(x) and str(x) not in _TYPE_TAGS)]
+    return ".".join(keep) or None
 
 
 def _none_to_list(v: Any) -> Any:
@@ -80,7 +89,7 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Lenient):
+class SamplingFields(_Lenient):
     """Fields both OpenAI routes share, with vLLM's extras."""
 
     model: str | None = None
@@ -111,7 +120,7 @@ class _SamplingFields(_Lenient):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -134,12 +143,14 @@ class ChatMessage(_Lenient):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise validation(f"unsupported content part of type {part.get('type')!r}; only text parts", "messages")
+                raise validation(
+                    f"unsupported content part of type {part.get('type')!r}; only text parts", "messages"
+                )
             parts.append(part["text"])
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

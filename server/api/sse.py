@@ -51,12 +51,14 @@ class EventStreamResponse(Response):
         self.events = events
         self.status_code = 200
         self.background = None
-        self._on_close = on_close
+        self.on_close = on_close
         self.init_headers({**SSE_HEADERS, **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def pump() -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
             async for chunk in self.events:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -81,8 +83,8 @@ class EventStreamResponse(Response):
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-            if self._on_close is not None:
-                self._on_close()
+            if self.on_close is not None:
+                self.on_close()
         if pump_task.done() and not pump_task.cancelled():
             exc = pump_task.exception()
             if exc is not None and not isinstance(exc, OSError):

@@ -76,7 +76,10 @@ class ServerState:
         self._engine_factory = engine_factory or (lambda: LLMEngine(config.engine))
         self.on_load_failed: Callable[[BaseException], None] | None = None
         self.metrics = ServerMetrics(
-            self.model_name, self._stats, lambda: self.in_flight, lambda: self.phase is Phase.READY and self.alive
+            self.model_name,
+            self._stats,
+            lambda: self.in_flight,
+            lambda: self.phase is Phase.READY and self.alive,
         )
 
     def _stats(self) -> SchedulerStats | None:
@@ -104,8 +107,10 @@ class ServerState:
             mc = self.config.engine.model
             log.info(
                 "loading model %s (dtype %s, quantization %s)",
-                mc.model or f"{EMBEDDED_MODEL_ID} (embedded)", mc.dtype, mc.quantize or "none",
-            )  # fmt: skip
+                mc.model or f"{EMBEDDED_MODEL_ID} (embedded)",
+                mc.dtype,
+                mc.quantize or "none",
+            )
             t0 = time.monotonic()
             llm = self._engine_factory()
             log.info("model loaded in %.1f s; warming up", time.monotonic() - t0)
@@ -135,7 +140,18 @@ class ServerState:
         self.engine = engine
         self.model_name = llm.info.served_model_name
         self.metrics.model_name = self.model_name
-        max_total = min(self.config.max_total_tokens or llm.max_model_len, llm.max_model_len)
+        # A request longer than the whole KV cache could never be scheduled: cap the API's limit there,
+        # so that defaults (max_new_tokens absent) stay servable.
+        kv_tokens = llm.info.num_kv_blocks * llm.info.block_size
+        max_total = min(self.config.max_total_tokens or llm.max_model_len, llm.max_model_len, kv_tokens)
+        if self.config.max_total_tokens and max_total < self.config.max_total_tokens:
+            log.warning(
+                "--max-total-tokens %d lowered to %d: the KV cache holds %d tokens and the model %d",
+                self.config.max_total_tokens,
+                max_total,
+                kv_tokens,
+                llm.max_model_len,
+            )
         max_input = self.config.max_input_tokens or max_total - 1
         self.limits = Limits(max_input_tokens=min(max_input, max_total - 1), max_total_tokens=max_total)
         if self.phase is Phase.LOADING:
@@ -145,11 +161,23 @@ class ServerState:
             "ready: model=%s architecture=%s dtype=%s quantization=%s parameters=%.1fM kv_blocks=%d "
             "(block_size=%d, %d tokens) max_concurrent_sequences=%d max_concurrent_requests=%d "
             "max_input_tokens=%d max_total_tokens=%d attention=%s device=%s url=http://%s:%d",
-            info.served_model_name, info.architecture, info.dtype, info.quantization or "none",
-            info.num_parameters / 1e6, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
-            info.max_num_seqs, self.config.max_concurrent_requests, self.limits.max_input_tokens,
-            self.limits.max_total_tokens, info.attention_backend, info.device, self.config.host, self.config.port,
-        )  # fmt: skip
+            info.served_model_name,
+            info.architecture,
+            info.dtype,
+            info.quantization or "none",
+            info.num_parameters / 1e6,
+            info.num_kv_blocks,
+            info.block_size,
+            info.num_kv_blocks * info.block_size,
+            info.max_num_seqs,
+            self.config.max_concurrent_requests,
+            self.limits.max_input_tokens,
+            self.limits.max_total_tokens,
+            info.attention_backend,
+            info.device,
+            self.config.host,
+            self.config.port,
+        )
 
     # ---- admission and drain --------------------------------------------------------------------
     def admit(self) -> Slot:

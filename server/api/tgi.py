@@ -80,9 +80,13 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
     if p.top_k is not None and p.top_k <= 0:
         raise validation("Input validation error: `top_k` must be strictly positive", "top_k")
     if p.repetition_penalty is not None and not p.repetition_penalty > 0:
-        raise validation("Input validation error: `repetition_penalty` must be strictly positive", "repetition_penalty")
+        raise validation(
+            "Input validation error: `repetition_penalty` must be strictly positive", "repetition_penalty"
+        )
     if p.frequency_penalty is not None and not (-2.0 <= p.frequency_penalty <= 2.0):
-        raise validation("Input validation error: `frequency_penalty` must be >= -2.0 and <= 2.0", "frequency_penalty")
+        raise validation(
+            "Input validation error: `frequency_penalty` must be >= -2.0 and <= 2.0", "frequency_penalty"
+        )
     if p.typical_p is not None and not (0.0 < p.typical_p <= 1.0):
         raise validation("Input validation error: `typical_p` must be > 0.0 and < 1.0", "typical_p")
     if p.typical_p is not None and p.typical_p < 1.0:
@@ -94,7 +98,9 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
     if p.adapter_id:
         raise validation("Input validation error: `adapter_id` is not supported by this server", "adapter_id")
     if p.max_new_tokens is not None and p.max_new_tokens < 1:
-        raise validation("Input validation error: `max_new_tokens` must be strictly positive", "max_new_tokens")
+        raise validation(
+            "Input validation error: `max_new_tokens` must be strictly positive", "max_new_tokens"
+        )
     if p.seed is not None and not (0 <= p.seed < 2**63):
         raise validation("Input validation error: `seed` must be in [0, 2**63)", "seed")
     if len(p.stop) > cfg.max_stop_sequences:
@@ -125,11 +131,14 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
     best_of = p.best_of if p.best_of is not None else 1
     if best_of < 1 or best_of > cfg.max_best_of:
         raise validation(
-            f"Input validation error: `best_of` must be > 0 and <= {cfg.max_best_of}. Given: {best_of}", "best_of"
+            f"Input validation error: `best_of` must be > 0 and <= {cfg.max_best_of}. Given: {best_of}",
+            "best_of",
         )
     if best_of > 1:
         if stream:
-            raise validation("Input validation error: `best_of` != 1 is not supported when streaming tokens", "best_of")
+            raise validation(
+                "Input validation error: `best_of` != 1 is not supported when streaming tokens", "best_of"
+            )
         if p.seed is not None:
             raise validation("Input validation error: `seed` must not be set when `best_of` > 1", "seed")
         if not sampling:
@@ -143,7 +152,9 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
     prompt_ids = await encode(state, req.inputs)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate :]
-    max_new = p.max_new_tokens if p.max_new_tokens is not None else max(1, lim.max_total_tokens - len(prompt_ids))
+    max_new = (
+        p.max_new_tokens if p.max_new_tokens is not None else max(1, lim.max_total_tokens - len(prompt_ids))
+    )
     seeds: list[int | None] = []
     params: list[SamplingParams] = []
     for _ in range(best_of):
@@ -209,7 +220,13 @@ class _TokenView:
         out = []
         for i, tid in enumerate(gen.prompt_ids):
             lp = lps[i] if i < len(lps) else None
-            out.append({"id": tid, "text": self.tok.token_text(tid), "logprob": None if lp is None else safe_logprob(lp)})
+            out.append(
+                {
+                    "id": tid,
+                    "text": self.tok.token_text(tid),
+                    "logprob": None if lp is None else safe_logprob(lp),
+                }
+            )
         return out
 
 
@@ -261,7 +278,9 @@ def _headers(state: ServerState, plan: TGIPlan, gen: Generation) -> dict[str, st
     }
 
 
-def _response_body(state: ServerState, plan: TGIPlan, gens: list[Generation]) -> tuple[dict[str, Any], Generation]:
+def _response_body(
+    state: ServerState, plan: TGIPlan, gens: list[Generation]
+) -> tuple[dict[str, Any], Generation]:
     view = _TokenView(state)
     best = max(range(len(gens)), key=lambda i: gens[i].logprob_sum) if len(gens) > 1 else 0
     gen = gens[best]
@@ -345,7 +364,11 @@ async def _handle(request: Request, stream: bool | None, as_list: bool) -> Respo
         if streaming:
             response = EventStreamResponse(
                 _events(state, plan),
-                headers={"x-compute-type": "gpu" if state.llm and state.llm.info.device.startswith("cuda") else "cpu"},
+                headers={
+                    "x-compute-type": "gpu"
+                    if state.llm and state.llm.info.device.startswith("cuda")
+                    else "cpu"
+                },
                 on_close=slot.release,
             )
             slot = None  # the response releases it when the stream ends
@@ -384,7 +407,9 @@ async def compat_generate(request: Request) -> Response:
 async def info(request: Request) -> Response:
     state = _state(request)
     if state.llm is None or state.limits is None:
-        return JSONResponse({"error": "the model is still loading", "error_type": "unavailable"}, status_code=503)
+        return JSONResponse(
+            {"error": "the model is still loading", "error_type": "unavailable"}, status_code=503
+        )
     cfg = state.config
     i = state.llm.info
     return JSONResponse(
@@ -432,4 +457,6 @@ async def tokenize(request: Request) -> Response:
         offsets = await asyncio.to_thread(state.llm.tokenizer.offsets, req.inputs)
     except APIError as e:
         return e.response(Family.TGI)
-    return JSONResponse([{"id": tid, "text": text, "start": start, "stop": stop} for tid, text, start, stop in offsets])
+    return JSONResponse(
+        [{"id": tid, "text": text, "start": start, "stop": stop} for tid, text, start, stop in offsets]
+    )

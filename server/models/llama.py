@@ -64,11 +64,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # positions: [T] -> cos, sin: [T, 1, head_dim] in the activation dtype, once per step for all layers
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    # q: [T, Hq, D]; k: [T, Hkv, D]; cos, sin: [T, 1, D]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -90,8 +93,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,  # [T, hidden]
-        positions: Tensor,  # [T] int64
-        rotary: RotaryEmbedding,
+        cos: Tensor,  # [T, 1, head_dim]
+        sin: Tensor,  # [T, 1, head_dim]
         k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
@@ -101,7 +104,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos, sin)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -156,10 +159,11 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> Tensor:  # [T, hidden]
         h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             h = h + layer.self_attn(
-                layer.input_layernorm(h), positions, self.rotary, k_cache, v_cache, meta, backend
+                layer.input_layernorm(h), cos, sin, k_cache, v_cache, meta, backend
             )
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)

@@ -119,7 +119,9 @@ def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Mod
         if scale.numel() == 1:
             scale = scale.expand(module.out_features)
         if scale.numel() != module.out_features:
-            raise ValueError(f"fp8 weight_scale has {scale.numel()} values; expected 1 or {module.out_features}")
+            raise ValueError(
+                f"fp8 weight_scale has {scale.numel()} values; expected 1 or {module.out_features}"
+            )
         return Fp8Linear(module.weight, scale.contiguous(), bias)
     if not isinstance(module, nn.Linear) or qcfg.is_prequantized:
         return None
@@ -159,13 +161,18 @@ def _persistent_tensors(module: nn.Module) -> Iterator[Tensor]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes held by the model's weights (each storage counted once; caches such as RoPE tables excluded)."""
+    # Modules inside a QuantLinear (bitsandbytes' own Linear) are counted by its weight_nbytes().
+    inside: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            inside.update(id(sub) for sub in module.modules() if sub is not module)
     seen: set[int] = set()
     total = 0
     for module in model.modules():
+        if id(module) in inside:
+            continue
         if isinstance(module, QuantLinear):
             total += module.weight_nbytes()
-            continue
-        if any(isinstance(m, QuantLinear) for m in _ancestors(model, module)):
             continue
         for t in _persistent_tensors(module):
             ptr = t.untyped_storage().data_ptr()
@@ -176,17 +183,6 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
-    # QuantLinear subclasses may hold inner modules (bitsandbytes): their tensors are already counted.
-    found: list[nn.Module] = []
-    for module in root.modules():
-        if isinstance(module, QuantLinear) and module is not target:
-            for sub in module.modules():
-                if sub is target:
-                    found.append(module)
-    return found
-
-
 def quantized_layer_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes the projection layers hold now, bytes they would hold as fp16): the quantization's own ratio."""
     held = 0
@@ -195,7 +191,10 @@ def quantized_layer_bytes(model: nn.Module) -> tuple[int, int]:
         m = p.module
         if isinstance(m, QuantLinear):
             held += m.weight_nbytes()
-            fp16 += 2 * (m.in_features * m.out_features + (m.out_features if getattr(m, "bias", None) is not None else 0))
+            fp16 += 2 * (
+                m.in_features * m.out_features
+                + (m.out_features if getattr(m, "bias", None) is not None else 0)
+            )
         elif isinstance(m, nn.Linear):
             held += sum(t.numel() * t.element_size() for t in m.parameters())
             fp16 += 2 * sum(t.numel() for t in m.parameters())

@@ -92,9 +92,13 @@ def _from_checkpoint(cfg: dict[str, Any]) -> QuantConfig:
         )
     if method == "fp8":
         if cfg.get("weight_block_size"):
-            raise ValueError("block-wise fp8 checkpoints (weight_block_size) are not supported; per-tensor/channel only")
+            raise ValueError(
+                "block-wise fp8 checkpoints (weight_block_size) are not supported; per-tensor/channel only"
+            )
         return QuantConfig(
-            method="fp8", is_prequantized=True, modules_to_not_convert=tuple(cfg.get("modules_to_not_convert") or ())
+            method="fp8",
+            is_prequantized=True,
+            modules_to_not_convert=tuple(cfg.get("modules_to_not_convert") or ()),
         )
     if method == "bitsandbytes":
         raise ValueError(
@@ -109,14 +113,18 @@ def _from_checkpoint(cfg: dict[str, Any]) -> QuantConfig:
 
 def check_device(method: str, device: torch.device) -> None:
     if device.type not in SUPPORTED_DEVICES:
-        raise ValueError(f"quantization {method!r} cannot run on device {device.type!r} (supported: cpu, cuda)")
+        raise ValueError(
+            f"quantization {method!r} cannot run on device {device.type!r} (supported: cpu, cuda)"
+        )
     if method.startswith("bitsandbytes") and importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError(
             f"quantization {method!r} needs the bitsandbytes package, which is not installed "
             f"on this {device.type} host (pip install bitsandbytes)"
         )
     if method == "fp8" and not hasattr(torch, "float8_e4m3fn"):
-        raise ValueError(f"quantization 'fp8' cannot run on device {device.type!r}: this torch has no float8_e4m3fn")
+        raise ValueError(
+            f"quantization 'fp8' cannot run on device {device.type!r}: this torch has no float8_e4m3fn"
+        )
 
 
 def resolve_quant_config(

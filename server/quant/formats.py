@@ -183,7 +183,11 @@ def gptq_decode(
     if g_idx is None:
         g_idx = trivial_g_idx(q.shape[0], group_size, q.device)
     return Int4Weights(
-        intweight=q, zeros=zeros, scales=scales.to(torch.float16), g_idx=g_idx.to(torch.int32), group_size=group_size
+        intweight=q,
+        zeros=zeros,
+        scales=scales.to(torch.float16),
+        g_idx=g_idx.to(torch.int32),
+        group_size=group_size,
     )
 
 

@@ -43,7 +43,6 @@ class QuantLinear(nn.Module):
 
 
 def _register_bias(module: nn.Module, bias: Tensor | None) -> None:
-    module.bias: Tensor | None  # type: ignore[misc]
     if bias is None:
         module.register_parameter("bias", None)
     else:
@@ -65,8 +64,12 @@ class AwqCheckpointLinear(nn.Module):
             )
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         groups = in_features // group_size
-        self.register_buffer("qweight", torch.empty(in_features, out_features // 8, dtype=torch.int32, device=device))
-        self.register_buffer("qzeros", torch.empty(groups, out_features // 8, dtype=torch.int32, device=device))
+        self.register_buffer(
+            "qweight", torch.empty(in_features, out_features // 8, dtype=torch.int32, device=device)
+        )
+        self.register_buffer(
+            "qzeros", torch.empty(groups, out_features // 8, dtype=torch.int32, device=device)
+        )
         self.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
 
@@ -86,8 +89,12 @@ class GptqCheckpointLinear(nn.Module):
             )
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         groups = in_features // group_size
-        self.register_buffer("qweight", torch.empty(in_features // 8, out_features, dtype=torch.int32, device=device))
-        self.register_buffer("qzeros", torch.empty(groups, out_features // 8, dtype=torch.int32, device=device))
+        self.register_buffer(
+            "qweight", torch.empty(in_features // 8, out_features, dtype=torch.int32, device=device)
+        )
+        self.register_buffer(
+            "qzeros", torch.empty(groups, out_features // 8, dtype=torch.int32, device=device)
+        )
         self.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16, device=device))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
@@ -102,7 +109,9 @@ class Fp8CheckpointLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, device: Any) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        )
         # Shape depends on the checkpoint ([], [1], [N] or [N, 1]); assign=True takes whatever is stored.
         self.register_buffer("weight_scale", torch.empty(1, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
@@ -177,7 +186,9 @@ class Int4Linear(QuantLinear):
                 self.register_buffer("qzeros", None)
                 self.register_buffer("zeros_unpacked", zeros.to(torch.uint8))  # [K/G, N]
             self.register_buffer("scales", w.scales.to(torch.float16).contiguous())  # [K/G, N]
-            self.register_buffer("g_idx", None if w.has_trivial_g_idx() else w.g_idx.to(torch.int32).contiguous())
+            self.register_buffer(
+                "g_idx", None if w.has_trivial_g_idx() else w.g_idx.to(torch.int32).contiguous()
+            )
             self.perm = None
         else:
             raise ValueError(f"unknown int4 backend {backend!r}; expected auto, cpu, triton or dequant")
@@ -201,7 +212,9 @@ class Int4Linear(QuantLinear):
             xb = x.to(torch.bfloat16)
             if self.perm is not None:
                 xb = xb.index_select(-1, self.perm)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb, self.packed, self.group_size, self.scales_and_zeros
+            )
             y = y.to(x.dtype)
         elif self.backend == "triton":
             from kernels import int4_gemm
@@ -315,7 +328,9 @@ class Fp8Linear(QuantLinear):
 class BnbLinear(QuantLinear):
     """bitsandbytes nf4 / fp4 (blockwise 4-bit, block 64, double-quantized statistics) or LLM.int8()."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, quant_type: str, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, quant_type: str, compute_dtype: torch.dtype
+    ) -> None:
         # weight: [N, K] float
         super().__init__(weight.shape[1], weight.shape[0])
         import bitsandbytes as bnb
@@ -333,12 +348,20 @@ class BnbLinear(QuantLinear):
                 quant_type=quant_type,
                 device="meta",
             )
-            inner.weight = bnb.nn.Params4bit(weight.to(compute_dtype).cpu(), requires_grad=False, quant_type=quant_type)
+            inner.weight = bnb.nn.Params4bit(
+                weight.to(compute_dtype).cpu(), requires_grad=False, quant_type=quant_type
+            )
         elif quant_type == "int8":
             inner = bnb.nn.Linear8bitLt(
-                self.in_features, self.out_features, bias=bias is not None, has_fp16_weights=False, device="meta"
+                self.in_features,
+                self.out_features,
+                bias=bias is not None,
+                has_fp16_weights=False,
+                device="meta",
             )
-            inner.weight = bnb.nn.Int8Params(weight.to(compute_dtype).cpu(), requires_grad=False, has_fp16_weights=False)
+            inner.weight = bnb.nn.Int8Params(
+                weight.to(compute_dtype).cpu(), requires_grad=False, has_fp16_weights=False
+            )
         else:
             raise ValueError(f"unknown bitsandbytes quant_type {quant_type!r}; expected nf4, fp4 or int8")
         if bias is not None:
@@ -358,4 +381,7 @@ class BnbLinear(QuantLinear):
         return total
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, K] -> [T, N]
+        if self.quant_type == "int8":
+            # LLM.int8() computes in fp16 anyway (and warns on every call when handed anything else).
+            return self.inner(x.to(torch.float16)).to(x.dtype)
         return self.inner(x).to(x.dtype)

@@ -86,7 +86,7 @@ def test_prefix_sharing_and_ref_counts() -> None:
     a = make_req("a", list(range(10)))  # 2 full blocks + 2 tokens
     assert kv.get_computed_blocks(a).block_ids == []
     assert kv.allocate_slots(a, 10) == [0, 1, 2]
-    b = make_req("b", list(range(8)) + [99, 98, 97])
+    b = make_req("b", [*list(range(8)), 99, 98, 97])
     hit = kv.get_computed_blocks(b)
     assert hit.block_ids == [0, 1] and hit.num_tokens == 8
     assert kv.allocate_slots(b, 3, hit) == [0, 1, 3]

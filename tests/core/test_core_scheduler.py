@@ -10,14 +10,18 @@ from server.core.scheduler import Scheduler, SchedulerConfig
 from server.request import FinishReason, Request, RequestStatus, SamplingParams
 
 
-def make_sched(blocks: int = 64, bs: int = 4, budget: int = 32, seqs: int = 8, caching: bool = True) -> Scheduler:
+def make_sched(
+    blocks: int = 64, bs: int = 4, budget: int = 32, seqs: int = 8, caching: bool = True
+) -> Scheduler:
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=256)
     return Scheduler(cfg, KVCacheManager(blocks, bs, caching))
 
 
 def req(rid: str, n: int, max_tokens: int = 4, **kw: object) -> Request:
     return Request(
-        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
+        rid,
+        list(range(100, 100 + n)),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
         eos_token_ids=frozenset({2}),
     )
 

@@ -1,0 +1,147 @@
+"""The FastAPI app: TGI and OpenAI routes, probes, metrics, API key, payload limit and request metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.metrics import METRICS_CONTENT_TYPE
+
+from . import openai, tgi
+from .errors import APIError, ErrorKind, family_of_path
+from .state import Phase, ServerState
+
+log = logging.getLogger("server.api.access")
+
+# Probes, scrapes and /info stay reachable without the API key (kubelet and Prometheus carry none).
+OPEN_PATHS = frozenset(
+    {"/health", "/ready", "/metrics", "/info", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
+)
+_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class APIMiddleware:
+    """Pure ASGI (BaseHTTPMiddleware would break disconnect detection and streaming): API key, payload
+    size, HTTP request metrics and the access log line (route, status, duration; never bodies)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        key = state.config.api_key
+        self._key = key.encode() if key else None
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self._key is None:
+            return True
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+                    return True
+        return False
+
+    def _content_length(self, scope: Scope) -> int | None:
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit():
+                return int(value)
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        status = 500
+        t0 = time.monotonic()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            error: APIError | None = None
+            if path not in OPEN_PATHS and not self._authorized(scope):
+                error = APIError(
+                    ErrorKind.UNAUTHORIZED,
+                    "Unauthorized: a valid API key is required (Authorization: Bearer)",
+                )
+            else:
+                length = self._content_length(scope)
+                if length is not None and length > self.state.config.max_payload_bytes:
+                    error = APIError(
+                        ErrorKind.TOO_LARGE,
+                        f"request body is larger than {self.state.config.max_payload_bytes} bytes",
+                    )
+            if error is not None:
+                headers = {"WWW-Authenticate": "Bearer"} if error.kind is ErrorKind.UNAUTHORIZED else None
+                await error.response(family_of_path(path), headers=headers)(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, receive, send_wrapper)
+        finally:
+            route_obj = scope.get("route")
+            route = getattr(route_obj, "path", None) or "other"
+            self.state.metrics.http_request(route, status)
+            level = logging.DEBUG if path in _QUIET_PATHS else logging.INFO
+            log.log(
+                level, "%s %s %d %.1fms", scope.get("method"), route, status, (time.monotonic() - t0) * 1000
+            )
+
+
+def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if load_on_startup and state.phase is Phase.LOADING and state.engine is None:
+            state.start_loading()
+        yield
+        await state.shutdown()
+
+    app = FastAPI(
+        title="kubeinfer",
+        version=tgi.VERSION,
+        description="LLM inference server speaking the TGI and OpenAI wire formats.",
+        lifespan=lifespan,
+    )
+    app.state.server = state
+
+    @app.get("/health", summary="Liveness: 200 while the engine loop is alive (also while loading)")
+    async def health() -> Response:
+        if state.alive:
+            return JSONResponse({"status": "ok" if state.phase is not Phase.LOADING else "loading"})
+        reason = state.load_error or (state.engine.error if state.engine else None)
+        return JSONResponse({"status": "dead", "error": repr(reason)}, status_code=503)
+
+    @app.get("/ready", summary="Readiness: 200 once loaded and warmed up; 503 while loading or draining")
+    async def ready() -> Response:
+        if state.ready:
+            return JSONResponse({"status": "ready"})
+        status = state.phase.value if state.alive else "dead"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics", summary="Prometheus metrics (vLLM and TGI names)")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    app.include_router(tgi.router)
+    app.include_router(openai.router)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response(family_of_path(request.url.path))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        err = APIError(ErrorKind.INCOMPLETE, f"internal error: {type(exc).__name__}")
+        return err.response(family_of_path(request.url.path))
+
+    app.add_middleware(APIMiddleware, state=state)  # type: ignore[arg-type]
+    return app

@@ -1,0 +1,89 @@
+"""Runs the app under uvicorn: the port opens at once while the model loads on a thread, and SIGTERM
+drains (readiness off, new requests 503, admitted requests finish within --drain-timeout, exit 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from server.config import ServerConfig
+
+from .app import create_app
+from .state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_started = False
+        self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = 0
+        state.on_load_failed = self._load_failed
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def _load_failed(self, e: BaseException) -> None:
+        log.error("exiting: the model could not be loaded: %s", e)
+        self.exit_code = 1
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in uvicorn's captured signals: it would re-raise SIGTERM after shutdown, and the
+        # process would end by the signal instead of exiting 0.
+        if self._drain_started or self._loop is None:
+            log.warning("second %s: exiting now", signal.Signals(sig).name)
+            self.should_exit = True
+            self.force_exit = True
+            return
+        self._drain_started = True
+        self.state.begin_drain()
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        timeout = self.state.config.drain_timeout_s
+        ok = await self.state.wait_drained(timeout)
+        if ok:
+            log.info("drained; shutting down")
+        else:
+            log.warning(
+                "drain timeout (%.0f s) with %d request(s) still running; aborting them",
+                timeout,
+                self.state.in_flight,
+            )
+        self.should_exit = True
+
+
+def serve(config: ServerConfig) -> int:
+    state = ServerState(config)
+    app = create_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_config=None,  # our logging setup (text or JSON) applies to uvicorn's loggers too
+        access_log=False,  # the API middleware writes the access line
+        timeout_graceful_shutdown=2,
+        lifespan="on",
+    )
+    server = DrainingServer(uv_config, state)
+    log.info(
+        "listening on http://%s:%d (model loading in the background; /ready turns 200 when done)",
+        config.host,
+        config.port,
+    )
+    server.run()
+    return server.exit_code

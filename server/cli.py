@@ -1,0 +1,329 @@
+"""`python -m server` / `kubeinfer-server`: flags, their environment variables, logging, then serve.
+
+Every flag also reads an environment variable (TGI's names where TGI has the setting, else
+KUBEINFER_*); a flag given on the command line wins over the environment. The bind address reads
+KUBEINFER_HOST, not TGI's HOSTNAME: Docker and Kubernetes export HOSTNAME as the container's name,
+and binding to it would shut out `kubectl port-forward` and in-pod probes on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from server.config import (
+    ATTENTION_BACKENDS,
+    DTYPE_CHOICES,
+    LOG_FORMATS,
+    QUANTIZE_CHOICES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+)
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '1.5GiB', '500MB'."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes or e.g. 512MiB, 2GiB)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    env = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(
+        prog="kubeinfer-server",
+        description="LLM inference server speaking the TGI and OpenAI wire formats. "
+        "Each flag can also be set through the environment variable shown.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+    def add(
+        flag: str, env_name: str, help: str, type: Callable[[str], Any] = str, default: Any = None, **kw: Any
+    ) -> None:
+        value = default
+        if env_name in env and env[env_name] != "":
+            try:
+                value = type(env[env_name])
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"environment variable {env_name}={env[env_name]!r}: {e}")
+            if "choices" in kw and value not in kw["choices"]:
+                parser.error(f"environment variable {env_name}={value!r}: choose from {kw['choices']}")
+        parser.add_argument(flag, type=type, default=value, help=f"{help} [env: {env_name}]", **kw)
+
+    g = parser.add_argument_group("model")
+    add(
+        "--model",
+        "MODEL_ID",
+        "Hugging Face folder or .gguf file; omitted = the embedded SmolLM2-135M-Instruct",
+    )
+    add(
+        "--served-model-name",
+        "SERVED_MODEL_NAME",
+        "Model name reported by the APIs and metrics (default: the model id)",
+    )
+    add("--dtype", "DTYPE", "Weight and activation dtype", default="auto", choices=DTYPE_CHOICES)
+    add(
+        "--quantize",
+        "QUANTIZE",
+        "Quantization applied at load (or detected from the checkpoint)",
+        choices=QUANTIZE_CHOICES,
+    )
+    add(
+        "--cache-dir",
+        "KUBEINFER_CACHE_DIR",
+        "Folder for converted weights (default ~/.cache/kubeinfer)",
+        type=Path,
+    )
+    del g
+
+    add("--host", "KUBEINFER_HOST", "Address to bind", default="0.0.0.0")
+    add("--port", "PORT", "Port to listen on", type=int, default=8080)
+
+    add(
+        "--max-concurrent-requests",
+        "MAX_CONCURRENT_REQUESTS",
+        "Requests in flight beyond this get 429 at once (no waiting queue in front of the engine)",
+        type=_positive_int,
+        default=128,
+    )
+    add(
+        "--max-input-tokens",
+        "MAX_INPUT_TOKENS",
+        "Longest prompt accepted, in tokens (default: max total - 1)",
+        type=_positive_int,
+    )
+    add(
+        "--max-total-tokens",
+        "MAX_TOTAL_TOKENS",
+        "Longest prompt + max_new_tokens accepted, in tokens; also the engine's context length "
+        "(default: the model's, at most 8192)",
+        type=_positive_int,
+    )
+    add("--max-best-of", "MAX_BEST_OF", "Largest TGI best_of accepted", type=_positive_int, default=2)
+    add(
+        "--max-stop-sequences",
+        "MAX_STOP_SEQUENCES",
+        "Most stop sequences per TGI request",
+        type=_positive_int,
+        default=4,
+    )
+    add("--max-top-n-tokens", "MAX_TOP_N_TOKENS", "Largest TGI top_n_tokens accepted", type=int, default=5)
+    add(
+        "--max-payload-bytes",
+        "PAYLOAD_LIMIT",
+        "Largest request body in bytes (or e.g. 2MB); larger gets 413",
+        type=parse_size,
+        default=2_000_000,
+    )
+
+    add(
+        "--max-num-batched-tokens",
+        "KUBEINFER_MAX_NUM_BATCHED_TOKENS",
+        "Token budget of one engine step",
+        type=_positive_int,
+        default=2048,
+    )
+    add(
+        "--max-num-seqs",
+        "KUBEINFER_MAX_NUM_SEQS",
+        "Most sequences running in one batch",
+        type=_positive_int,
+        default=64,
+    )
+    add(
+        "--block-size",
+        "KUBEINFER_BLOCK_SIZE",
+        "KV cache block size in tokens",
+        type=int,
+        default=16,
+        choices=(8, 16, 32, 64, 128),
+    )
+    add(
+        "--num-kv-blocks",
+        "KUBEINFER_NUM_KV_BLOCKS",
+        "KV cache blocks (overrides --kv-cache-memory)",
+        type=_positive_int,
+    )
+    add(
+        "--kv-cache-memory",
+        "KUBEINFER_KV_CACHE_MEMORY",
+        "KV cache memory budget, bytes or e.g. 512MiB",
+        type=parse_size,
+        default=512 * 2**20,
+    )
+    prefix_default = parse_bool(env["ENABLE_PREFIX_CACHING"]) if env.get("ENABLE_PREFIX_CACHING") else True
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=prefix_default,
+        help="Reuse KV blocks of shared prompt prefixes [env: ENABLE_PREFIX_CACHING]",
+    )
+    add(
+        "--attention-backend",
+        "KUBEINFER_ATTENTION_BACKEND",
+        "Attention implementation (auto: triton on CUDA, torch on CPU)",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+    )
+    add("--device", "KUBEINFER_DEVICE", "auto, cpu, cuda or cuda:N", default="auto")
+    add(
+        "--num-threads",
+        "KUBEINFER_NUM_THREADS",
+        "torch intra-op threads on CPU (default: torch's)",
+        type=_positive_int,
+    )
+
+    add(
+        "--api-key",
+        "API_KEY",
+        "Require 'Authorization: Bearer <key>' on generation routes "
+        "(/health, /ready, /metrics, /info stay open)",
+    )
+    add(
+        "--drain-timeout",
+        "KUBEINFER_DRAIN_TIMEOUT",
+        "On SIGTERM, seconds to let admitted requests finish",
+        type=float,
+        default=30.0,
+    )
+    add("--log-format", "LOG_FORMAT", "Log line format", default="text", choices=LOG_FORMATS)
+    add(
+        "--log-level", "LOG_LEVEL", "Log level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    model = ModelConfig(
+        model=args.model,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        cache_dir=args.cache_dir,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_total_tokens,
+    )
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    engine = EngineConfig(
+        model=model,
+        cache=cache,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        attention_backend=args.attention_backend,
+        device=args.device,
+        num_threads=args.num_threads,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_best_of=args.max_best_of,
+        max_stop_sequences=args.max_stop_sequences,
+        max_top_n_tokens=args.max_top_n_tokens,
+        api_key=args.api_key or None,
+        drain_timeout_s=args.drain_timeout,
+        log_format=args.log_format,
+        max_payload_bytes=args.max_payload_bytes,
+    )
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc_info"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(log_format: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        formatter: logging.Formatter = JsonFormatter()
+        formatter.converter = __import__("time").gmtime
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    setup_logging(config.log_format, args.log_level)
+    # torch (imported by the engine) reads this at import; idle spinning threads hurt shared CPUs.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from server.api.server import serve
+
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Flags, their environment variables, and ServerConfig validation (no server started)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from server.cli import build_parser, config_from_args, parse_size
+from server.config import ServerConfig
+
+
+def _config(argv: list[str], env: dict[str, str] | None = None) -> ServerConfig:
+    parser = build_parser(env or {})
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_api_cli_defaults() -> None:
+    c = _config([])
+    assert c.port == 8080 and c.max_concurrent_requests == 128 and c.max_payload_bytes == 2_000_000
+    assert c.api_key is None and c.log_format == "text" and c.engine.model.model is None
+    assert c.engine.cache.enable_prefix_caching is True
+    assert c.engine.cache.kv_cache_memory_bytes == 512 * 2**20
+
+
+def test_api_cli_env_and_flag_precedence() -> None:
+    env = {
+        "MODEL_ID": "/models/x",
+        "PORT": "9000",
+        "MAX_CONCURRENT_REQUESTS": "7",
+        "MAX_INPUT_TOKENS": "100",
+        "MAX_TOTAL_TOKENS": "200",
+        "API_KEY": "k",
+        "QUANTIZE": "awq",
+        "DTYPE": "bfloat16",
+        "ENABLE_PREFIX_CACHING": "false",
+        "KUBEINFER_KV_CACHE_MEMORY": "1GiB",
+        "KUBEINFER_DRAIN_TIMEOUT": "5",
+        "LOG_FORMAT": "json",
+        "KUBEINFER_CACHE_DIR": "/cache",
+        "PAYLOAD_LIMIT": "1MB",
+    }
+    c = _config([], env)
+    assert c.engine.model.model == "/models/x" and c.port == 9000 and c.max_concurrent_requests == 7
+    assert c.max_input_tokens == 100 and c.max_total_tokens == 200 and c.engine.model.max_model_len == 200
+    assert c.api_key == "k" and c.engine.model.quantize == "awq" and c.engine.model.dtype == "bfloat16"
+    assert c.engine.cache.enable_prefix_caching is False and c.engine.cache.kv_cache_memory_bytes == 2**30
+    assert c.drain_timeout_s == 5.0 and c.log_format == "json" and str(c.engine.model.cache_dir) == "/cache"
+    assert c.max_payload_bytes == 1_000_000
+    # A flag on the command line wins over the environment.
+    c = _config(["--port", "9100", "--enable-prefix-caching", "--max-concurrent-requests", "3"], env)
+    assert c.port == 9100 and c.engine.cache.enable_prefix_caching is True and c.max_concurrent_requests == 3
+
+
+def test_api_cli_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser({"PORT": "eighty"})
+    with pytest.raises(SystemExit):
+        build_parser({"DTYPE": "float8"})
+    with pytest.raises(SystemExit):
+        _config(["--log-format", "xml"])
+    with pytest.raises(SystemExit):
+        _config(["--max-concurrent-requests", "0"])
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("123", 123), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5KiB", 1536)]
+)
+def test_api_cli_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+def test_api_server_config_validation() -> None:
+    c = ServerConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.port = 1  # type: ignore[misc]
+    for bad in (
+        {"port": 70000},
+        {"max_concurrent_requests": 0},
+        {"max_input_tokens": 10, "max_total_tokens": 10},
+        {"log_format": "xml"},
+        {"api_key": ""},
+        {"drain_timeout_s": -1},
+        {"max_payload_bytes": 10},
+    ):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)  # type: ignore[arg-type]

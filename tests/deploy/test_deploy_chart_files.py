@@ -1,0 +1,80 @@
+"""The chart's files without Helm: CRDs identical to crds/, a documented values.yaml, versions that agree."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+
+import yaml
+from deploy_helpers import CHART, REPO
+
+
+def test_chart_crds_are_identical_to_the_top_level_crds() -> None:
+    top = {p.name: p.read_bytes() for p in (REPO / "crds").glob("*.yaml")}
+    chart = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    assert top, "crds/ is empty"
+    assert chart == top, (
+        "charts/kubeinfer/crds/ must be a byte-identical copy of crds/ (cp crds/*.yaml charts/kubeinfer/crds/)"
+    )
+    for text in chart.values():
+        crd = yaml.safe_load(text)
+        assert crd["kind"] == "CustomResourceDefinition"
+        assert crd["spec"]["group"] == "kubeinfer.dev"
+
+
+def test_chart_versions_match_the_project() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert chart["apiVersion"] == "v2"
+    assert chart["appVersion"] == project["version"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    # The default image is the appVersion tag of the image Dockerfile.operator builds.
+    assert values["image"]["tag"] == ""
+    assert values["image"]["repository"] == "ghcr.io/kubeinfer/operator"
+    assert (
+        f'org.opencontainers.image.version="{project["version"]}"'
+        in (REPO / "Dockerfile.operator").read_text()
+    )
+
+
+@dataclass
+class _Key:
+    name: str
+    indent: int
+    documented: bool  # a `# --` comment right above the key
+    children: list[_Key] = field(default_factory=list)
+
+
+def _key_tree(text: str) -> list[_Key]:
+    lines = text.splitlines()
+    roots: list[_Key] = []
+    stack: list[_Key] = []
+    for i, line in enumerate(lines):
+        match = re.match(r"^( *)([A-Za-z_][A-Za-z0-9_]*):(\s|$)", line)
+        if not match:
+            continue
+        j, comment = i - 1, []
+        while j >= 0 and lines[j].strip().startswith("#"):
+            comment.append(lines[j])
+            j -= 1
+        node = _Key(match[2], len(match[1]), any("# --" in c for c in comment))
+        while stack and stack[-1].indent >= node.indent:
+            stack.pop()
+        (stack[-1].children if stack else roots).append(node)
+        stack.append(node)
+    return roots
+
+
+def _documented(node: _Key) -> bool:
+    """Documented itself, or a section whose every entry is (a documented map needs no per-field notes)."""
+    return node.documented or (bool(node.children) and all(_documented(c) for c in node.children))
+
+
+def test_every_value_is_documented() -> None:
+    roots = _key_tree((CHART / "values.yaml").read_text())
+    assert len(roots) >= 15
+    missing = [r.name for r in roots if not _documented(r)]
+    assert missing == [], f"values.yaml entries without a `# --` comment: {missing}"
+    # The check itself finds an undocumented knob.
+    assert not _documented(_key_tree("image:\n  # -- ok\n  tag: x\n  pullPolicy: y\n")[0])

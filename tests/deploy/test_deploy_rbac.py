@@ -1,0 +1,357 @@
+"""Least privilege, measured: the real operator (`kopf run -m kubeinfer_operator`) runs against kmock
+through a full InferenceModel life (create, autoscaler switch, monitoring off, drift, a bad spec,
+delete); every API request it makes is turned into an RBAC (group, resource, verb) and compared with
+the ClusterRole the chart renders. Every request must be allowed, and every granted permission must
+have been used, except the few listed with the reason they were not exercised here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+from deploy_helpers import HelmInstall, MockApiServer, helm_install, helm_python, helm_skip_reason
+from kubernetes.config import kube_config
+
+pytestmark = [
+    pytest.mark.skipif(helm_python() is None, reason=helm_skip_reason()),
+    pytest.mark.slow,
+]
+
+NS = "models"
+Perm = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
+
+# Granted but not exercised by this scenario, each with the reason it is still needed.
+UNEXERCISED: dict[Perm, str] = {}
+
+DISCOVERY_PREFIXES = ("/api", "/apis", "/version", "/openapi", "/healthz")
+
+
+class ThreadedApi:
+    """The mock API server on its own event loop, so that kopf (own thread, own loop) can call it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> ThreadedApi:
+        self.thread.start()
+        self.api, self.server = self.call(self._start)
+        self.url = str(self.server.url).rstrip("/")
+        return self
+
+    async def _start(self) -> tuple[MockApiServer, kmock.Server]:
+        api = MockApiServer()
+        await api.__aenter__()
+        api.resources.load_bundled()
+        extra = {
+            "kubeinfer.dev/v1alpha1/inferencemodels": ("InferenceModel", {"status", "scale"}),
+            "monitoring.coreos.com/v1/servicemonitors": ("ServiceMonitor", set()),
+            "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", set()),
+        }
+        for key, (kind, subresources) in extra.items():
+            api.resources[key] = kmock.ResourceInfo(
+                kind=kind,
+                singular=kind.lower(),
+                namespaced=True,
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+                subresources=subresources,
+            )
+        server = kmock.Server(api)
+        await server.__aenter__()
+        return api, server
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(fn(), self.loop)
+        return fut.result(timeout=30)
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            await self.server.__aexit__(None, None, None)
+            await self.api.__aexit__(None, None, None)
+
+        self.call(stop)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+    def http(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", content_type)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read() or b"null")
+
+    def objects(self) -> dict[tuple[str, str | None, str], dict[str, Any]]:
+        async def snapshot() -> dict[tuple[str, str | None, str], dict[str, Any]]:
+            return {
+                (res.plural or "", ns, name): json.loads(json.dumps(obj.raw))
+                for (res, ns, name), obj in self.api.objects.items()
+                if not obj.deleted
+            }
+
+        out: dict[tuple[str, str | None, str], dict[str, Any]] = self.call(snapshot)
+        return out
+
+    def requests(self) -> list[Any]:
+        async def snapshot() -> list[Any]:
+            return list(self.api)
+
+        out: list[Any] = self.call(snapshot)
+        return out
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def to_permission(req: Any) -> Iterator[Perm]:
+    path = req.url.path
+    if req.resource is None or req.resource.plural is None:
+        assert path.startswith(DISCOVERY_PREFIXES), f"unexpected non-resource request {req.method} {path}"
+        return  # discovery: allowed to every authenticated user (system:discovery)
+    group = req.resource.group or ""
+    resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
+    method = req.method.value
+    if method == "GET":
+        if req.params.get("watch") == "true":
+            yield group, resource, "watch"
+        else:
+            yield group, resource, "get" if req.name else "list"
+    elif method == "POST":
+        yield group, resource, "create"
+    elif method == "PATCH":
+        yield group, resource, "patch"
+        if "apply-patch" in req.headers.get("Content-Type", ""):
+            # An apply may create the object; the API server then also checks `create`.
+            yield group, resource, "create"
+    elif method == "PUT":
+        yield group, resource, "update"
+    elif method == "DELETE":
+        yield group, resource, "delete" if req.name else "deletecollection"
+    else:
+        raise AssertionError(f"unexpected method {method} {path}")
+
+
+def granted(role: dict[str, Any]) -> set[Perm]:
+    return {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+def model(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "kubeinfer.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "uid": f"uid-{name}",
+            "generation": 1,
+            "resourceVersion": "1",
+        },
+        "spec": spec,
+    }
+
+
+def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
+    from kopf.testing import KopfRunner
+
+    # The chart's own `kopf run` arguments; only the liveness address moves to a free local port.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        liveness_port = sock.getsockname()[1]
+    args = [
+        f"--liveness=http://127.0.0.1:{liveness_port}/healthz" if a.startswith("--liveness=") else a
+        for a in chart_args
+    ]
+
+    with ThreadedApi() as api:
+        kubeconfig = tmp_path / "kubeconfig.yaml"
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "k", "cluster": {"server": api.url}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "k", "context": {"cluster": "k", "user": "u", "namespace": NS}}],
+                    "current-context": "k",
+                }
+            )
+        )
+        env = {
+            "KUBECONFIG": str(kubeconfig),
+            "KUBEINFER_RETRY_BASE_SECONDS": "0.5",
+            "KUBEINFER_RETRY_MAX_SECONDS": "1",
+        }
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        # The kubernetes client reads $KUBECONFIG once, at import; point its default at the mock.
+        saved_default = kube_config.KUBE_CONFIG_DEFAULT_LOCATION
+        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(kubeconfig)
+        try:
+            with KopfRunner(args, timeout=120) as runner:
+                plural = "/apis/kubeinfer.dev/v1alpha1/namespaces/models/inferencemodels"
+
+                def deleted_by_operator() -> set[str]:
+                    return {
+                        r.resource.plural
+                        for r in api.requests()
+                        if r.method == "DELETE"
+                        and r.resource is not None
+                        and r.name == "m"
+                        and r.headers.get("User-Agent", "").startswith("OpenAPI-Generator")
+                    }
+
+                def children() -> set[str]:
+                    return {plural for plural, ns, name in api.objects() if ns == NS and name == "m"}
+
+                scaling: dict[str, Any] = {
+                    "minReplicas": 2,
+                    "maxReplicas": 4,
+                    "autoscaler": "HPA",
+                    "metric": "QueueDepth",
+                    "target": 4,
+                }
+                spec: dict[str, Any] = {
+                    "model": {"uri": "hf://org/tiny"},
+                    "scaling": scaling,
+                }
+                api.http("POST", plural, model("m", spec))
+                wait_for(
+                    "HPA, PDB and ServiceMonitor",
+                    lambda: (
+                        {
+                            "horizontalpodautoscalers",
+                            "poddisruptionbudgets",
+                            "servicemonitors",
+                            "deployments",
+                            "services",
+                        }
+                        <= children()
+                    ),
+                )
+                # Switch to KEDA: the ScaledObject appears, the HPA is deleted.
+                scaling["autoscaler"] = "KEDA"
+                scaling["prometheusAddress"] = "http://prometheus:9090"
+                api.http(
+                    "PATCH",
+                    f"{plural}/m",
+                    {"spec": spec, "metadata": {"generation": 2}},
+                    "application/merge-patch+json",
+                )
+                wait_for(
+                    "KEDA switch",
+                    lambda: "scaledobjects" in children() and "horizontalpodautoscalers" not in children(),
+                )
+                # One fixed replica, no monitoring: ScaledObject, PDB and ServiceMonitor go away.
+                spec2 = {
+                    "model": spec["model"],
+                    "scaling": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4, "autoscaler": "None"},
+                    "monitoring": {"serviceMonitor": {"enabled": False}},
+                }
+                api.http(
+                    "PATCH",
+                    f"{plural}/m",
+                    {"spec": spec2, "metadata": {"generation": 3}},
+                    "application/merge-patch+json",
+                )
+                optional = {"servicemonitors", "scaledobjects", "poddisruptionbudgets"}
+                wait_for(
+                    "optional children deleted by the operator", lambda: optional <= deleted_by_operator()
+                )
+                # Drift: a deleted Service comes back.
+                api.http("DELETE", f"/api/v1/namespaces/{NS}/services/m")
+                wait_for("Service restored", lambda: "services" in children())
+                # An undeployable spec: Degraded status, a warning event.
+                api.http(
+                    "POST",
+                    plural,
+                    model("bad", {"model": {"uri": "hf://org/tiny"}, "engine": {"extraArgs": ["--model=x"]}}),
+                )
+                wait_for(
+                    "Degraded status of the bad spec",
+                    lambda: any(
+                        r.method == "PATCH" and r.name == "bad" and r.subresource == "status"
+                        for r in api.requests()
+                    ),
+                )
+                wait_for(
+                    "kopf to post the permanent failure as an Event",
+                    lambda: any(
+                        r.method == "POST" and r.resource is not None and r.resource.plural == "events"
+                        for r in api.requests()
+                    ),
+                    timeout=20,
+                )
+                api.http("DELETE", f"{plural}/m")
+                api.http("DELETE", f"{plural}/bad")
+                time.sleep(1.0)
+            assert runner.exception is None, runner.output[-3000:]
+        finally:
+            kube_config.KUBE_CONFIG_DEFAULT_LOCATION = saved_default
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        used: set[Perm] = set()
+        for req in api.requests():
+            # The test's own requests (creating and editing InferenceModels) are not the operator's.
+            if not req.headers.get("User-Agent", "").startswith("Python-urllib"):
+                used |= set(to_permission(req))
+    return used
+
+
+@pytest.fixture(scope="module")
+def chart(tmp_path_factory: pytest.TempPathFactory) -> HelmInstall:
+    # Rendered and installed by Helm itself with the default values: cluster-wide, peering off.
+    inst = asyncio.run(helm_install({}, tmp_path_factory.mktemp("helm-rbac"), "kubeinfer-system", "ki"))
+    assert inst.ok, inst.error
+    return inst
+
+
+@pytest.fixture(scope="module")
+def clusterrole(chart: HelmInstall) -> dict[str, Any]:
+    return chart.one("ClusterRole", "ki-kubeinfer")
+
+
+@pytest.fixture(scope="module")
+def operator_permissions(chart: HelmInstall, tmp_path_factory: pytest.TempPathFactory) -> set[Perm]:
+    container = chart.one("Deployment", "ki-kubeinfer")["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][0] == "run"  # the image's entrypoint is `kopf`
+    return run_operator_life(tmp_path_factory.mktemp("rbac"), container["args"])
+
+
+def test_every_request_of_the_operator_is_allowed(
+    operator_permissions: set[Perm], clusterrole: dict[str, Any]
+) -> None:
+    missing = operator_permissions - granted(clusterrole)
+    assert not missing, f"the chart's ClusterRole lacks {sorted(missing)}"
+
+
+def test_every_granted_permission_is_used(
+    operator_permissions: set[Perm], clusterrole: dict[str, Any]
+) -> None:
+    unused = granted(clusterrole) - operator_permissions - set(UNEXERCISED)
+    assert not unused, f"granted but never used: {sorted(unused)}"

@@ -1,0 +1,397 @@
+"""A kmock-based Kubernetes API for the operator's integration tests.
+
+kmock's KubernetesEmulator keeps objects in memory and serves list/watch/get/create/patch/delete. The
+subclass here adds the few API-server behaviours the operator relies on: server-side apply creates a
+missing object, objects get a uid/generation/resourceVersion, owner references are garbage-collected,
+and faults (HTTP errors, dropped watch streams) can be injected *before* any state changes.
+
+It runs on its own event loop in a thread, so tests stay synchronous and the operator (kopf's
+KopfRunner, another thread) talks to it over real HTTP on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
+from kmock._internal import enums, rendering
+
+NAMESPACE = "default"
+
+BASE_RESOURCES: dict[str, ResourceInfo] = {
+    "kubeinfer.dev/v1alpha1/inferencemodels": ResourceInfo(
+        kind="InferenceModel", namespaced=True, subresources={"status", "scale"}
+    ),
+    "apps/v1/deployments": ResourceInfo(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
+    "v1/services": ResourceInfo(kind="Service", namespaced=True, subresources={"status"}),
+    "policy/v1/poddisruptionbudgets": ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
+    "autoscaling/v2/horizontalpodautoscalers": ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
+    "v1/events": ResourceInfo(kind="Event", namespaced=True),
+    # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
+    # (kmock cannot route the cluster-wide /api/v1/namespaces list).
+    "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False
+    ),
+}
+MONITORING = {"monitoring.coreos.com/v1/servicemonitors": ResourceInfo(kind="ServiceMonitor", namespaced=True)}
+KEDA = {"keda.sh/v1alpha1/scaledobjects": ResourceInfo(kind="ScaledObject", namespaced=True)}
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+PATHS = {
+    "InferenceModel": "/apis/kubeinfer.dev/v1alpha1/namespaces/{ns}/inferencemodels",
+    "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+    "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
+    "ServiceMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/servicemonitors",
+    "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+}
+PLURAL_KIND = {p.rsplit("/", 1)[-1]: k for k, p in PATHS.items()}
+
+
+@dataclass
+class Fault:
+    """Answer `count` matching requests with an HTTP error instead of serving them."""
+
+    status: int
+    count: int
+    method: str | None = None  # GET, PATCH, ...
+    plural: str | None = None
+    subresource: str | None = None
+    predicate: Callable[[rendering.Request], bool] | None = None
+    fired: int = 0
+
+
+@dataclass
+class WatchDrop:
+    """Close `count` matching watch streams after `after` seconds, as a flaky network or an API server
+    restart would."""
+
+    count: int
+    after: float
+    plural: str | None = None
+    fired: int = 0
+
+
+def _method(request: rendering.Request) -> str:
+    method = request.method
+    return str(getattr(method, "value", method)).upper()
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@attrs.define(kw_only=True)
+class ApiServer(KubernetesEmulator):
+    faults: list[Fault] = attrs.field(factory=list)
+    watch_drops: list[WatchDrop] = attrs.field(factory=list)
+    _rv: Any = attrs.field(factory=lambda: itertools.count(1000))
+
+    def _match_fault(self, request: rendering.Request) -> Fault | None:
+        if request.resource is None:
+            return None
+        for fault in self.faults:
+            if fault.fired >= fault.count:
+                continue
+            if fault.method is not None and _method(request) != fault.method:
+                continue
+            if fault.plural is not None and request.resource.plural != fault.plural:
+                continue
+            if fault.subresource is not None and request.subresource != fault.subresource:
+                continue
+            if fault.predicate is not None and not fault.predicate(request):
+                continue
+            if request.action == enums.action.WATCH:
+                continue  # watches are cut with WatchDrop, not failed
+            fault.fired += 1
+            return fault
+        return None
+
+    def _stamp(self, obj: dict[str, Any], namespace: str | None) -> None:
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if namespace and not meta.get("namespace"):
+            meta["namespace"] = namespace
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", _now())
+        meta["generation"] = 1
+        meta["resourceVersion"] = str(next(self._rv))
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        fault = self._match_fault(request)
+        if fault is not None:
+            raise KubernetesError(status=fault.status, reason="InjectedFault", message=f"injected {fault.status}")
+
+        deleted_uid: str | None = None
+        created: dict[str, Any] | None = None
+        key = None
+        if request.resource is not None and isinstance(request.data, dict):
+            data: dict[str, Any] = request.data
+            if request.action == enums.action.CREATE:
+                self._stamp(data, request.namespace)
+            elif request.action == enums.action.UPDATE and request.name is not None:
+                key = (request.resource, request.namespace, request.name)
+                async with self._lock:
+                    live = self._objects[key] if key in self._objects else None
+                    if live is None or live.deleted:
+                        if "apply-patch" in (request.headers.get("Content-Type") or ""):
+                            # Server-side apply of a missing object creates it.
+                            self._stamp(data, request.namespace)
+                            self._objects[key] = data
+                            raw = self._objects[key].raw
+                            await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+                            created = raw
+                    else:
+                        old = live.raw
+                        # resourceVersion stays as created: kopf guards finalizer removal with a JSON
+                        # patch `test` on it, and kmock's watch cannot replay versions anyway.
+                        if request.subresource is None and "spec" in data:
+                            merged_spec = kmock._internal.dicts.patch_dict(old.get("spec") or {}, data["spec"])
+                            if merged_spec != (old.get("spec") or {}):
+                                meta = data.setdefault("metadata", {})
+                                meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
+                        # The API server ignores status on the main resource and everything but status
+                        # on /status; the emulator merges whatever comes, so enforce that here.
+                        if request.subresource is None and live.get("status") is not None and "status" in data:
+                            old_kind = old.get("kind", "")
+                            if old_kind in ("InferenceModel", "Deployment"):
+                                data.pop("status")
+                if created is not None:
+                    await self._collect_orphan(request.resource, key)
+                    return aiohttp.web.json_response(created, status=201)
+
+        # Any write may delete: a DELETE, or a patch (JSON or merge) that removes the last finalizer.
+        if (
+            request.resource is not None
+            and request.action in (enums.action.DELETE, enums.action.UPDATE)
+            and request.name is not None
+        ):
+            key = (request.resource, request.namespace, request.name)
+        if key is not None and key in self._objects and not self._objects[key].deleted:
+            deleted_uid = (self._objects[key].raw.get("metadata") or {}).get("uid")
+        response = await super()._handle(request)
+        if key is not None and deleted_uid is not None and self._objects[key].deleted:
+            await self._collect_garbage(deleted_uid)
+        return response
+
+    async def _collect_orphan(self, resource: Any, key: Any) -> None:
+        """The garbage collector also removes a new dependent whose owner no longer exists (an apply
+        that raced with the owner's deletion)."""
+        async with self._lock:
+            obj = self._objects[key]
+            owners = (obj.raw.get("metadata") or {}).get("ownerReferences") or []
+            if not owners:
+                return
+            live_uids = {
+                (o.raw.get("metadata") or {}).get("uid") for o in self._objects.values() if not o.deleted
+            }
+            if all(ref.get("uid") in live_uids for ref in owners):
+                return
+            raw = obj.raw
+            obj.delete()
+            await self._buses[resource].put({"type": "DELETED", "object": raw})
+
+    async def _collect_garbage(self, owner_uid: str) -> None:
+        """Background cascading deletion: dependents of a deleted owner go too (recursively)."""
+        async with self._lock:
+            doomed = []
+            for (resource, _, _), obj in list(self._objects.items()):
+                if obj.deleted:
+                    continue
+                owners = (obj.raw.get("metadata") or {}).get("ownerReferences") or []
+                if any(o.get("uid") == owner_uid for o in owners):
+                    doomed.append((resource, obj))
+            uids = []
+            for resource, obj in doomed:
+                raw = obj.raw
+                obj.delete()
+                uids.append((raw.get("metadata") or {}).get("uid"))
+                await self._buses[resource].put({"type": "DELETED", "object": raw})
+        for uid in uids:
+            if uid:
+                await self._collect_garbage(uid)
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        drop = None
+        for candidate in self.watch_drops:
+            plural_ok = candidate.plural is None or (
+                request.resource is not None and request.resource.plural == candidate.plural
+            )
+            if candidate.fired < candidate.count and plural_ok:
+                candidate.fired += 1
+                drop = candidate
+                break
+        stream = super()._serve_watch(request)
+        # Like the API server, end the stream after ?timeoutSeconds= (kmock itself ignores it).
+        limit = float(request.params.get("timeoutSeconds") or 0) or None
+        if drop is not None:
+            limit = drop.after if limit is None else min(limit, drop.after)
+        if limit is None:
+            async for item in stream:
+                yield item
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        try:
+            while (remaining := deadline - loop.time()) > 0:
+                try:
+                    item = await asyncio.wait_for(anext(stream), timeout=remaining)
+                except (TimeoutError, StopAsyncIteration):
+                    break
+                yield item
+        finally:
+            await stream.aclose()
+
+
+@dataclass
+class MockCluster:
+    """The emulator on a private loop and thread, plus a tiny synchronous client for the tests."""
+
+    resources: dict[str, ResourceInfo]
+    server: ApiServer = field(init=False)
+    url: str = field(init=False, default="")
+    _loop: asyncio.AbstractEventLoop = field(init=False)
+    _thread: threading.Thread = field(init=False)
+    _stop: asyncio.Event = field(init=False)
+
+    def start(self) -> MockCluster:
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            self.server = ApiServer()
+            for key, info in self.resources.items():
+                info.verbs = set(VERBS)
+                self.server.resources[key] = info
+            async with self.server, kmock.Server(self.server) as srv:
+                self.url = str(srv.url).rstrip("/")
+                ready.set()
+                await self._stop.wait()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(main())
+
+        self._thread = threading.Thread(target=run, name="kmock", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("kmock did not start")
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def add_resources(self, resources: dict[str, ResourceInfo]) -> None:
+        for key, info in resources.items():
+            info.verbs = set(VERBS)
+            self.server.resources[key] = info
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+                    "users": [{"name": "tester", "user": {"token": "test-token"}}],
+                    "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}}],
+                    "current-context": "kmock",
+                }
+            )
+        )
+        return path
+
+    # --- a minimal kubectl
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                text = resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+        return json.loads(text) if text else None
+
+    def create(self, kind: str, obj: dict[str, Any], ns: str = NAMESPACE) -> dict[str, Any]:
+        out = self.request("POST", PATHS[kind].format(ns=ns), obj)
+        assert out is not None
+        return dict(out)
+
+    def get(self, kind: str, name: str, ns: str = NAMESPACE) -> dict[str, Any] | None:
+        return self.request("GET", f"{PATHS[kind].format(ns=ns)}/{name}")  # type: ignore[no-any-return]
+
+    def patch(self, kind: str, name: str, patch: dict[str, Any], ns: str = NAMESPACE, subresource: str = "") -> Any:
+        path = f"{PATHS[kind].format(ns=ns)}/{name}" + (f"/{subresource}" if subresource else "")
+        return self.request("PATCH", path, patch, "application/merge-patch+json")
+
+    def delete(self, kind: str, name: str, ns: str = NAMESPACE) -> Any:
+        return self.request("DELETE", f"{PATHS[kind].format(ns=ns)}/{name}")
+
+    def live(self, kind: str) -> list[dict[str, Any]]:
+        """Every existing object of a kind, straight from the emulator's store."""
+        plural = PATHS[kind].rsplit("/", 1)[-1]
+        return [
+            obj.raw for (res, _, _), obj in list(self.server.objects.items()) if res.plural == plural and not obj.deleted
+        ]
+
+    def history(self, kind: str, name: str, ns: str = NAMESPACE) -> list[dict[str, Any]]:
+        """Every stored version of an object, oldest first (deletions skipped)."""
+        plural = PATHS[kind].rsplit("/", 1)[-1]
+        out = []
+        for (res, namespace, obj_name), obj in list(self.server.objects.items()):
+            if res.plural == plural and namespace == ns and obj_name == name:
+                out += [dict(v.raw) for v in obj.history if v is not None]
+        return out
+
+    def count_requests(self, method: str, plural: str) -> int:
+        return sum(
+            1
+            for r in list(self.server)
+            if _method(r) == method and r.resource is not None and r.resource.plural == plural
+        )
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return dict(c)
+    return None

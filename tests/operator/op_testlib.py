@@ -1,0 +1,174 @@
+"""Helpers for the operator tests: the CRD's schema as the API server applies it (structural schema ->
+JSON Schema, defaulting, CEL rules through cel-python), plus paths and small loaders."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_PATH = REPO / "crds" / "kubeinfer.dev_inferencemodels.yaml"
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+K8S_VERSIONS = ("1.30.0", "1.37.0")  # oldest we support (preStop sleep action) and newest shipped
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    doc = yaml.safe_load(path.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def load_crd() -> dict[str, Any]:
+    return load_yaml(CRD_PATH)
+
+
+@functools.cache
+def _crd_schema_cached() -> dict[str, Any]:
+    (version,) = load_crd()["spec"]["versions"]
+    schema = version["schema"]["openAPIV3Schema"]
+    assert isinstance(schema, dict)
+    return schema
+
+
+@functools.cache
+def _crd_validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(to_jsonschema(_crd_schema_cached()))
+
+
+def crd_schema() -> dict[str, Any]:
+    """A fresh copy: tests may not mutate the shared one."""
+    return copy.deepcopy(_crd_schema_cached())
+
+
+def load_json_schema(name: str) -> dict[str, Any]:
+    out = json.loads((SCHEMAS / name).read_text())
+    assert isinstance(out, dict)
+    return out
+
+
+def to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
+    """Translate a structural OpenAPI v3 schema into JSON Schema with the API server's strictness:
+    unknown fields are errors (kubectl's default strict field validation), except where
+    x-kubernetes-preserve-unknown-fields allows them."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-") or key in ("description", "default", "nullable"):
+            continue
+        if key == "properties":
+            out["properties"] = {k: to_jsonschema(v) for k, v in value.items()}
+        elif key == "items":
+            out["items"] = to_jsonschema(value)
+        elif key == "additionalProperties" and isinstance(value, dict):
+            out["additionalProperties"] = to_jsonschema(value)
+        elif key == "anyOf":
+            out["anyOf"] = [to_jsonschema(v) for v in value]
+        elif key == "exclusiveMinimum" and value is True:
+            out["exclusiveMinimum"] = node["minimum"]
+        elif key == "minimum" and node.get("exclusiveMinimum") is True:
+            continue
+        elif key == "format" and value == "date-time":
+            continue  # the API server parses it; jsonschema would ignore it anyway
+        else:
+            out[key] = value
+    if node.get("type") == "object" and "properties" in node and not node.get(
+        "x-kubernetes-preserve-unknown-fields"
+    ):
+        out.setdefault("additionalProperties", False)
+    if node.get("type") == "object" and node.get("x-kubernetes-preserve-unknown-fields"):
+        out.pop("additionalProperties", None)
+    if node.get("nullable"):
+        out = {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
+    """Structural defaulting as the API server does it: a missing field with a default gets it, then
+    defaulting recurses into it. Also turns `type: number` values into floats, as CEL sees them."""
+    if schema.get("type") == "number" and isinstance(obj, int) and not isinstance(obj, bool):
+        return float(obj)
+    if isinstance(obj, dict) and "properties" in schema:
+        out = dict(obj)
+        for key, sub in schema["properties"].items():
+            if key not in out and "default" in sub:
+                out[key] = copy.deepcopy(sub["default"])
+            if key in out:
+                out[key] = apply_defaults(sub, out[key])
+        return out
+    if isinstance(obj, list) and "items" in schema:
+        return [apply_defaults(schema["items"], item) for item in obj]
+    return obj
+
+
+@dataclass(frozen=True)
+class CelRule:
+    path: str  # dotted path of the schema node that carries the rule
+    rule: str
+    message: str
+
+
+def cel_rules(schema: dict[str, Any], path: str = "") -> list[CelRule]:
+    rules = [CelRule(path, r["rule"], r.get("message", r["rule"])) for r in schema.get("x-kubernetes-validations", [])]
+    for key, sub in (schema.get("properties") or {}).items():
+        rules += cel_rules(sub, f"{path}.{key}" if path else key)
+    if "items" in schema:
+        rules += cel_rules(schema["items"], f"{path}[]")
+    return rules
+
+
+_CEL_ENV = celpy.Environment()
+_CEL_PROGRAMS: dict[str, Any] = {}
+
+
+def evaluate_cel(rule: str, value: Any) -> bool:
+    program = _CEL_PROGRAMS.get(rule)
+    if program is None:
+        program = _CEL_ENV.program(_CEL_ENV.compile(rule))
+        _CEL_PROGRAMS[rule] = program
+    result = program.evaluate({"self": celpy.json_to_cel(value)})
+    if isinstance(result, celpy.CELEvalError):
+        raise result
+    return bool(result)
+
+
+def _cel_failures(schema: dict[str, Any], value: Any) -> list[str]:
+    failures = [
+        r.get("message", r["rule"])
+        for r in schema.get("x-kubernetes-validations", [])
+        if not evaluate_cel(r["rule"], value)
+    ]
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in value:
+                failures += _cel_failures(sub, value[key])
+    if isinstance(value, list) and "items" in schema:
+        for item in value:
+            failures += _cel_failures(schema["items"], item)
+    return failures
+
+
+def crd_errors(obj: dict[str, Any]) -> list[str]:
+    """Everything the API server would reject the object for: schema, then (after defaulting) CEL."""
+    schema = _crd_schema_cached()
+    validator = _crd_validator()
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+    if errors:
+        return errors
+    return _cel_failures(schema, apply_defaults(schema, obj))
+
+
+def inference_model(spec: dict[str, Any], name: str = "m", namespace: str = "default") -> dict[str, Any]:
+    return {
+        "apiVersion": "kubeinfer.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }

@@ -1,0 +1,97 @@
+"""`python -m kubeinfer_operator render` (no cluster) and the kopf entry point."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kopf
+import pytest
+import yaml
+from kubeinfer_operator.__main__ import build_parser, main
+from op_cluster import MockCluster, wait_for
+from op_testlib import EXAMPLES, REPO, inference_model
+
+ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'operator'}"}
+
+
+def test_render_cli_prints_every_object_as_yaml() -> None:
+    autoscaled = REPO / "examples" / "autoscaled.yaml"
+    out = subprocess.run(
+        [sys.executable, "-m", "kubeinfer_operator", "render", "-f", str(autoscaled)],
+        capture_output=True, text=True, env=ENV, check=True, timeout=60,
+    )
+    docs = list(yaml.safe_load_all(out.stdout))
+    assert [d["kind"] for d in docs] == ["Service", "Deployment", "ServiceMonitor", "ScaledObject"]
+    assert all(d["metadata"]["name"] == "mistral-7b" for d in docs)
+    assert all("ownerReferences" not in d["metadata"] for d in docs)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_render_every_example(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "-f", str(path)]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert {"Deployment", "Service"} <= {d["kind"] for d in docs}
+
+
+def test_render_without_prometheus_operator(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "--no-service-monitor", "-f", str(EXAMPLES[0])]) == 0
+    assert "ServiceMonitor" not in {d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)}
+
+
+def test_render_rejects_an_invalid_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: kubeinfer.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: x}\n"
+        "spec: {model: {uri: 'hf://o/m'}, engine: {extraArgs: ['--host=1.2.3.4']}}\n"
+    )
+    assert main(["render", "-f", str(bad)]) == 1
+    assert "--host" in capsys.readouterr().err
+    bad.write_text("apiVersion: kubeinfer.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: x}\nspec: {model: {uri: 'ftp://x'}}\n")
+    assert main(["render", "-f", str(bad)]) == 1
+
+
+def test_run_options() -> None:
+    args = build_parser().parse_args(["run", "-A", "--peering", "kubeinfer", "--liveness", "http://0.0.0.0:9000/healthz"])
+    assert args.all_namespaces and args.peering == "kubeinfer" and args.liveness.endswith("/healthz")
+    args = build_parser().parse_args(["run", "-n", "a", "-n", "b", "--standalone"])
+    assert args.namespace == ["a", "b"] and args.standalone
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--peering", "x", "--standalone"])
+
+
+def test_importing_the_package_registers_every_handler() -> None:
+    # What `kopf run -m kubeinfer_operator` relies on: the import registers the handlers.
+    import kubeinfer_operator  # noqa: F401
+
+    registry = kopf.get_default_registry()
+    changing = {h.id for h in registry._changing.get_all_handlers()}
+    assert changing == {"reconcile_handler"}
+    reasons = {h.reason for h in registry._changing.get_all_handlers()}
+    assert {str(r) for r in reasons} >= {"create", "update", "resume"} or len(registry._changing.get_all_handlers()) == 3
+    watched = {h.selector.plural or h.selector.any_name for h in registry._watching.get_all_handlers()}
+    assert watched == {"deployments", "services", "poddisruptionbudgets", "horizontalpodautoscalers", "servicemonitors", "scaledobjects"}
+    activities = {h.id for h in registry._activities.get_all_handlers()}
+    assert {"configure", "close", "login"} <= activities
+
+
+def test_kopf_run_module_operates_a_cluster(cluster: MockCluster) -> None:
+    # The real entry point in its own process: `kopf run -m kubeinfer_operator`, cluster-wide, logging
+    # in through KUBECONFIG, with a liveness endpoint.
+    env = {**ENV, "KUBECONFIG": os.environ["KUBECONFIG"]}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kopf", "run", "-A", "--standalone", "-m", "kubeinfer_operator",
+         "--liveness", "http://127.0.0.1:0/healthz"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        cluster.create("InferenceModel", inference_model({"model": {"uri": "hf://o/m"}}, name="cli"))
+        wait_for(lambda: cluster.get("Deployment", "cli"), timeout=60, what="Deployment from the kopf CLI")
+        wait_for(lambda: (cluster.get("InferenceModel", "cli") or {}).get("status"), timeout=30, what="status")
+    finally:
+        proc.terminate()
+        output, _ = proc.communicate(timeout=30)
+    assert "Activity 'configure' succeeded" in output

@@ -1,0 +1,126 @@
+"""Every quantization method serves requests end to end: through LLMEngine, then through the HTTP API
+(TGI /generate and /info) with the same engine.
+
+On-the-fly methods run on a tiny random Llama (plumbing; their accuracy on a real model is in
+test_quant_accuracy.py); AWQ and GPTQ run on SmolLM2 checkpoints written by our quantizer.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from server.engine import LLMEngine
+from server.request import SamplingParams
+
+ON_THE_FLY = ["int8", "int4", "fp8", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"]
+PROMPT = "The capital of France is"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _engine(model: Path, quantize: str | None) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(model), quantize=quantize),
+            cache=CacheConfig(num_kv_blocks=32),
+            max_num_seqs=4,
+            device="cpu",
+            num_threads=1,
+        )
+    )
+
+
+def _serve_and_check(llm: LLMEngine, quantize: str, max_new: int) -> str:
+    """Greedy offline output, then the same request over HTTP; returns the HTTP text."""
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.api.state import ServerState
+
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    offline = llm.tokenizer.decode(
+        llm.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_new))[0]
+    )
+    port = _free_port()
+    state = ServerState(
+        ServerConfig(engine=llm.config, host="127.0.0.1", port=port), engine_factory=lambda: llm
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name=f"quant-{quantize}", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server not ready"
+            time.sleep(0.1)
+        info = httpx.get(f"{url}/info", timeout=10).json()
+        assert info["quantization"] == quantize
+        r = httpx.post(
+            f"{url}/generate",
+            json={"inputs": PROMPT, "parameters": {"max_new_tokens": max_new, "do_sample": False}},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        text = r.json()["generated_text"]
+        assert text == offline  # greedy: the HTTP path runs the same quantized model
+        return str(text)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(arch="llama", tie=True)
+
+
+@pytest.fixture(scope="module")
+def dense_tiny_weight_bytes(tiny_llama: Path) -> int:
+    return _engine(tiny_llama, None).info.weight_bytes
+
+
+@pytest.mark.parametrize("method", ON_THE_FLY)
+def test_quant_serves_on_the_fly(method: str, tiny_llama: Path, dense_tiny_weight_bytes: int) -> None:
+    llm = _engine(tiny_llama, method)
+    assert llm.info.quantization == method
+    # Tiny model: the (dense) embeddings dominate, so only "less than dense" is meaningful here.
+    assert llm.info.weight_bytes < dense_tiny_weight_bytes
+    text = _serve_and_check(llm, method, max_new=4)
+    assert len(llm.tokenizer.encode(text, add_special_tokens=False)) >= 1
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq"])
+def test_quant_serves_prequantized_smollm2(name: str, quantized_checkpoint: Callable[[str], Path]) -> None:
+    llm = _engine(quantized_checkpoint(name), None)  # detected from config.json
+    assert llm.info.quantization == name
+    text = _serve_and_check(llm, name, max_new=6)
+    assert "Paris" in text
+
+
+def test_quant_flag_matching_checkpoint_is_accepted_and_conflict_is_refused(
+    quantized_checkpoint: Callable[[str], Path],
+) -> None:
+    folder = quantized_checkpoint("awq")
+    assert _engine(folder, "awq").info.quantization == "awq"
+    with pytest.raises(ValueError, match=r"--quantize int8 conflicts with the checkpoint.*'awq'"):
+        _engine(folder, "int8")

@@ -1,0 +1,134 @@
+"""Helpers shared by the reliability tests: a `python -m server` subprocess on a free local port,
+Prometheus scraping, resident memory of a process, and prompt markers for the log checks."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def new_marker() -> str:
+    """A word no tokenizer output or log line contains by chance (checked against the logs later)."""
+    return f"qzmark{secrets.token_hex(6)}"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sums each metric's samples over its label sets (`name{...} value` lines)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=timeout).text)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size from /proc/<pid>/status (VmRSS is in kB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout_s} s")
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    for name in ("API_KEY", "PAYLOAD_LIMIT", "MAX_CONCURRENT_REQUESTS", "MAX_INPUT_TOKENS", "MAX_TOTAL_TOKENS"):
+        env.pop(name, None)
+    return env
+
+
+@dataclass
+class ServerProcess:
+    """`python -m server` running as a child process, its combined stdout/stderr in `log_path`."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def sigterm(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def start_server(model: Path, log_path: Path, *flags: str) -> ServerProcess:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        *flags,
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+    srv = ServerProcess(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+    try:
+        wait_ready(srv.url, proc)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
