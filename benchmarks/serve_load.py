@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,10 +228,15 @@ def _serve_and_load(
 ) -> dict[str, Any]:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.NamedTemporaryFile(prefix="serve_load-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc)
+        try:
+            _wait_ready(url, proc)
+        except (RuntimeError, TimeoutError):
+            print(Path(log.name).read_text(errors="replace")[-4000:], file=sys.stderr)
+            raise
         return asyncio.run(run_load(url, prompts, args.concurrency, args.max_new_tokens))
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -25,7 +25,11 @@ def render_documents(manifests: list[dict[str, Any]], caps: Capabilities) -> lis
 
 
 def _render(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+    if args.file == "-":
+        text = sys.stdin.read()
+    else:
+        with open(args.file, encoding="utf-8") as fh:
+            text = fh.read()
     manifests = [doc for doc in yaml.safe_load_all(text) if doc]
     caps = Capabilities(service_monitor=not args.no_service_monitor, keda=True)
     try:
@@ -45,7 +49,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.all_namespaces and args.namespace:
         print("error: use either --namespace or --all-namespaces", file=sys.stderr)
         return 2
-    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_json else kopf.LogFormat.FULL)
+    kopf.configure(
+        verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_json else kopf.LogFormat.FULL
+    )
     kopf.run(
         clusterwide=args.all_namespaces,
         namespaces=args.namespace or (),
@@ -68,16 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="render as for a cluster without the monitoring.coreos.com CRDs",
     )
 
-    run = sub.add_parser("run", help="run the operator (kopf) against the cluster of KUBECONFIG or in-cluster")
+    run = sub.add_parser(
+        "run", help="run the operator (kopf) against the cluster of KUBECONFIG or in-cluster"
+    )
     scope = run.add_mutually_exclusive_group()
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    run.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    run.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+    )
     run.add_argument(
         "--liveness", default="http://0.0.0.0:8081/healthz", help="liveness endpoint URL ('' to disable)"
     )
     peering = run.add_mutually_exclusive_group()
     peering.add_argument(
-        "--peering", default=None, help="kopf peering object name, for several replicas in HA (needs kopf CRDs)"
+        "--peering",
+        default=None,
+        help="kopf peering object name, for several replicas in HA (needs kopf CRDs)",
     )
     peering.add_argument("--standalone", action="store_true", help="no peering: a single replica")
     run.add_argument("-v", "--verbose", action="store_true")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 from typing import Any
 
 import kopf
@@ -114,8 +115,8 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     problems = semantic_errors(im.spec)
     if problems:
         message = "; ".join(problems)
-        deployment = _safe_get(kube, "Deployment", namespace, name)
-        status = compute_status(im, deployment, ReconcileOutcome(invalid_spec=message), previous, _now())
+        existing = _safe_get(kube, "Deployment", namespace, name)
+        status = compute_status(im, existing, ReconcileOutcome(invalid_spec=message), previous, _now())
         _write_status(kube, namespace, name, status.to_dict(), previous, logger)
         raise kopf.PermanentError(f"invalid spec: {message}")
 
@@ -125,7 +126,9 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         plan = render_all(im, caps)
         monitoring_skipped = plan.monitoring_skipped_reason
         if im.spec.autoscaled and im.spec.scaling.autoscaler == "KEDA" and not caps.keda:
-            raise ApiError(404, "CRDNotInstalled", "keda.sh/v1alpha1 ScaledObject is not served", "autoscaling")
+            raise ApiError(
+                404, "CRDNotInstalled", "keda.sh/v1alpha1 ScaledObject is not served", "autoscaling"
+            )
         deployment: dict[str, Any] | None = None
         for obj in plan.objects:
             live = kube.apply(obj)
@@ -159,7 +162,27 @@ def _safe_get(kube: KubeClient, kind: str, namespace: str, name: str) -> dict[st
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 def reconcile_handler(body: kopf.Body, memo: kopf.Memo, logger: Any, retry: int, **_: Any) -> None:
-    reconcile(_plain(body), memo.kube, logger, retry)
+    meta = body.get("metadata") or {}
+    with model_lock(meta["namespace"], meta["name"]):
+        try:
+            fresh = memo.kube.get("InferenceModel", meta["namespace"], meta["name"])
+        except ApiError as exc:
+            raise kopf.TemporaryError(str(exc), delay=backoff_delay(retry)) from exc
+        if fresh is None:
+            return  # deleted meanwhile
+        reconcile(fresh, memo.kube, logger, retry)
+
+
+_LOCKS: dict[tuple[str, str], threading.RLock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(namespace: str, name: str) -> threading.RLock:
+    """One reconcile or status write per InferenceModel at a time, each reading the model afresh
+    under the lock: whichever path (spec change, child event, resync) runs last saw the newest spec,
+    so a slow reconcile of an older spec can never have the last word."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault((namespace, name), threading.RLock())
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL, id="resync")
@@ -171,13 +194,14 @@ def resync_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logge
         return
     meta = body.get("metadata") or {}
     try:
-        # The listing may be older than the latest spec; a stale snapshot must never be applied.
-        plain = memo.kube.get("InferenceModel", meta.get("namespace"), meta.get("name"))
-        if plain is None:
-            return
-        if children_drifted(plain, memo.kube):
-            logger.info("resync found missing or drifted children: reconciling")
-            reconcile(plain, memo.kube, logger)
+        with model_lock(meta["namespace"], meta["name"]):
+            # The listing may be older than the latest spec; a stale snapshot must never be applied.
+            plain = memo.kube.get("InferenceModel", meta["namespace"], meta["name"])
+            if plain is None:
+                return
+            if children_drifted(plain, memo.kube):
+                logger.info("resync found missing or drifted children: reconciling")
+                reconcile(plain, memo.kube, logger)
     except (kopf.TemporaryError, kopf.PermanentError) as exc:
         logger.warning(f"resync postponed: {exc}")
     except ApiError as exc:
@@ -233,6 +257,20 @@ def on_child_event(
     namespace = meta.get("namespace")
     if owner is None or namespace is None:
         return
+    with model_lock(namespace, owner):
+        _on_child_event_locked(kind, event_type, child, owner, namespace, kube, logger)
+
+
+def _on_child_event_locked(
+    kind: str,
+    event_type: str | None,
+    child: dict[str, Any],
+    owner: str,
+    namespace: str,
+    kube: KubeClient,
+    logger: Any,
+) -> None:
+    meta = child.get("metadata") or {}
     owner_body = kube.get("InferenceModel", namespace, owner)
     if owner_body is None or (owner_body.get("metadata") or {}).get("deletionTimestamp"):
         return  # the owner is gone: garbage collection removes the children
@@ -248,7 +286,11 @@ def on_child_event(
 
     wanted = {obj["kind"]: obj for obj in render_all(im, _capabilities(kube)).objects}
     desired = wanted.get(kind)
-    if event_type == "DELETED" or desired is None or not is_subset(desired, child):
+    # Events can arrive late; judge the child as it is now.
+    current = kube.get(kind, namespace, str(meta.get("name")))
+    if current is not None and (current.get("metadata") or {}).get("uid") != meta.get("uid"):
+        return  # replaced meanwhile; its own events cover it
+    if current is None or desired is None or not is_subset(desired, current):
         logger.info(f"{kind} {namespace}/{meta.get('name')} drifted ({event_type or 'listed'}): reconciling")
         try:
             reconcile(owner_body, kube, logger)
@@ -263,7 +305,11 @@ def on_child_event(
         )
         # A pending retry after an API failure keeps its Degraded note until a reconcile succeeds.
         apply_error = None
-        if prev_degraded and prev_degraded.get("status") == "True" and prev_degraded.get("reason") == "ApplyFailed":
+        if (
+            prev_degraded
+            and prev_degraded.get("status") == "True"
+            and prev_degraded.get("reason") == "ApplyFailed"
+        ):
             apply_error = prev_degraded.get("message") or "apply failed"
         skipped = None
         if not im.spec.monitoring.service_monitor.enabled:
@@ -271,7 +317,7 @@ def on_child_event(
         elif "ServiceMonitor" not in wanted:
             skipped = "CRDNotInstalled"
         outcome = ReconcileOutcome(apply_error=apply_error, monitoring_skipped_reason=skipped)
-        status = compute_status(im, child, outcome, previous, _now())
+        status = compute_status(im, current, outcome, previous, _now())
         _write_status(kube, namespace, owner, status.to_dict(), previous, logger)
 
 
@@ -287,5 +333,12 @@ def _register_child_watch(kind: str) -> None:
             logger.warning(f"{kind} event not handled: {exc}")
 
 
-for _kind in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor", "ScaledObject"):
+for _kind in (
+    "Deployment",
+    "Service",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "ServiceMonitor",
+    "ScaledObject",
+):
     _register_child_watch(_kind)

@@ -105,7 +105,9 @@ class KubeClient:
             auth_settings=["BearerToken"],
         )
         try:
-            resp = self._api.call_api(m, url, header_params=hdrs, body=payload, _request_timeout=self._timeout)
+            resp = self._api.call_api(
+                m, url, header_params=hdrs, body=payload, _request_timeout=self._timeout
+            )
             data = resp.read()
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise ApiError(None, type(exc).__name__, str(exc), action) from exc
@@ -156,7 +158,11 @@ class KubeClient:
             if not any(o.get("uid") == owner_uid for o in owners):
                 return False  # not ours: never delete what someone else created under that name
         info = KINDS[kind]
-        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "propagationPolicy": "Background",
+        }
         if owner_uid is not None:
             uid = ((live or {}).get("metadata") or {}).get("uid")
             if uid:

@@ -57,9 +57,7 @@ MANAGED_FLAGS = frozenset(
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
-    )
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
 
 class SecretKeyRef(_Model):
@@ -134,7 +132,9 @@ class ScalingSpec(_Model):
             self.replicas < self.min_replicas
             or (self.max_replicas is not None and self.replicas > self.max_replicas)
         ):
-            raise ValueError("without an autoscaler, scaling.replicas must lie within [minReplicas, maxReplicas]")
+            raise ValueError(
+                "without an autoscaler, scaling.replicas must lie within [minReplicas, maxReplicas]"
+            )
         if self.autoscaler != "None" and self.max_replicas is None:
             raise ValueError("an autoscaler needs scaling.maxReplicas")
         if self.autoscaler == "KEDA" and self.prometheus_address is None:

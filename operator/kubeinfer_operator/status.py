@@ -143,7 +143,9 @@ def compute_status(
         )
     elif outcome.monitoring_skipped_reason == "Disabled":
         conditions.append(
-            cond("MonitoringAvailable", "False", "Disabled", "spec.monitoring.serviceMonitor.enabled is false")
+            cond(
+                "MonitoringAvailable", "False", "Disabled", "spec.monitoring.serviceMonitor.enabled is false"
+            )
         )
     elif outcome.invalid_spec is not None:
         conditions.append(cond("MonitoringAvailable", "Unknown", "InvalidSpec", ""))
@@ -219,7 +221,9 @@ def failed_status(
         observed_generation=generation,
         conditions=[
             make_condition(prev, generation, now, "Ready", "False", "InvalidSpec", message),
-            make_condition(prev, generation, now, "Progressing", "False", "InvalidSpec", "nothing is applied"),
+            make_condition(
+                prev, generation, now, "Progressing", "False", "InvalidSpec", "nothing is applied"
+            ),
             make_condition(prev, generation, now, "Degraded", "True", "InvalidSpec", message),
             make_condition(prev, generation, now, "MonitoringAvailable", "Unknown", "InvalidSpec", ""),
         ],

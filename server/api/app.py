@@ -16,6 +16,7 @@ from server.metrics import METRICS_CONTENT_TYPE
 
 from . import openai, tgi
 from .errors import APIError, ErrorKind, family_of_path
+from .openapi_doc import install_openapi
 from .state import Phase, ServerState
 
 log = logging.getLogger("server.api.access")
@@ -144,4 +145,5 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
         return err.response(family_of_path(request.url.path))
 
     app.add_middleware(APIMiddleware, state=state)  # type: ignore[arg-type]
+    install_openapi(app, METRICS_CONTENT_TYPE, OPEN_PATHS)
     return app

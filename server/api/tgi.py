@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import random
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +35,15 @@ from .state import ServerState
 
 router = APIRouter(tags=["TGI"])
 
-VERSION = "0.1.0"
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kubeinfer")
+    except importlib.metadata.PackageNotFoundError:  # running from a source checkout
+        return "0.1.0"
+
+
+VERSION = _version()
 
 
 def _state(request: Request) -> ServerState:

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -61,7 +62,7 @@ def embedded_gguf_path() -> Path:
 class ModelSource:
     folder: Path  # a Hugging Face folder: config.json, *.safetensors, tokenizer files
     model_id: str  # what /info and /v1/models report
-    origin: str  # "hf-folder", "gguf" or "embedded"
+    origin: str  # "hf-folder", "gguf", "hub" or "embedded"
 
 
 def resolve_model(model: str | None, cache_dir: Path | None = None) -> ModelSource:
@@ -79,10 +80,42 @@ def resolve_model(model: str | None, cache_dir: Path | None = None) -> ModelSour
         return ModelSource(path, path.name, "hf-folder")
     if path.exists():
         raise ModelLoadError(f"--model {model}: expected a Hugging Face folder or a .gguf file")
+    if _HUB_ID.fullmatch(model):
+        return ModelSource(download_from_hub(model, cache), model, "hub")
     raise ModelLoadError(
         f"--model {model}: no such file or folder (expected a local Hugging Face folder with config.json "
-        "and *.safetensors, or a .gguf file; hub downloads are not done at run time)"
+        "and *.safetensors, a .gguf file, or a hub id org/name)"
     )
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# Only what serving needs: no .bin/.pth duplicates, no GGUF/ONNX variants.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
+
+
+def download_from_hub(repo_id: str, cache_dir: Path) -> Path:
+    """Fetch a hub model into the cache (pods: the operator's cache volume). MODEL_REVISION pins a
+    revision; HF_TOKEN authenticates; HF_HUB_OFFLINE=1 makes this use the cache only."""
+    from huggingface_hub import snapshot_download
+
+    revision = os.environ.get("MODEL_REVISION") or None
+    log.info("fetching %s%s from the hub into %s", repo_id, f"@{revision}" if revision else "", cache_dir)
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=str(cache_dir / "hub"),
+            allow_patterns=_HUB_PATTERNS,
+            token=os.environ.get("HF_TOKEN") or None,
+        )
+    except Exception as e:  # offline, unknown repo, no access: one clear startup error
+        raise ModelLoadError(
+            f"--model {repo_id}: not a local path, and fetching it from the hub failed: {type(e).__name__}: {e}"
+        ) from e
+    path = Path(folder)
+    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"hub model {repo_id} has no config.json + *.safetensors (only those are served)")
+    return path
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:

@@ -133,8 +133,8 @@ def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Mod
     if qcfg.method == "fp8":
         return Fp8Linear.quantize(weight, bias)
     if qcfg.method.startswith("bitsandbytes"):
-        compute = dtype if dtype != torch.float32 else torch.bfloat16
-        return BnbLinear(weight, bias, qcfg.bnb_quant_type, compute)
+        # bitsandbytes computes in the model dtype (on this CPU fp32 prefill is ~4x faster than bf16).
+        return BnbLinear(weight, bias, qcfg.bnb_quant_type, dtype)
     raise ValueError(f"no on-the-fly quantization for {qcfg.method!r}")
 
 

@@ -10,6 +10,7 @@ Two kinds:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from server.quant.formats import AWQ_PACK_ORDER, Int4Weights, pack_int4_cols
 FP8_E4M3_MAX = 448.0
 
 
-def _nbytes(tensors: list[Tensor | None]) -> int:
+def _nbytes(tensors: Sequence[Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -55,6 +56,11 @@ def _register_bias(module: nn.Module, bias: Tensor | None) -> None:
 class AwqCheckpointLinear(nn.Module):
     """Holds an AWQ GEMM layer's tensors exactly as stored: qweight, qzeros, scales (+ bias)."""
 
+    qweight: Tensor
+    qzeros: Tensor
+    scales: Tensor
+    bias: nn.Parameter | None
+
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool, device: Any) -> None:
         super().__init__()
         if in_features % group_size or out_features % 8:
@@ -79,6 +85,12 @@ class AwqCheckpointLinear(nn.Module):
 
 class GptqCheckpointLinear(nn.Module):
     """Holds a GPTQ layer's tensors exactly as stored: qweight, qzeros, scales, g_idx (+ bias)."""
+
+    qweight: Tensor
+    qzeros: Tensor
+    scales: Tensor
+    g_idx: Tensor
+    bias: nn.Parameter | None
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool, device: Any) -> None:
         super().__init__()
@@ -105,6 +117,10 @@ class GptqCheckpointLinear(nn.Module):
 
 class Fp8CheckpointLinear(nn.Module):
     """An fp8 e4m3 checkpoint layer: weight [N, K] float8_e4m3fn and weight_scale (per tensor or per channel)."""
+
+    weight: Tensor
+    weight_scale: Tensor
+    bias: nn.Parameter | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: Any) -> None:
         super().__init__()
@@ -145,6 +161,15 @@ class Int4Linear(QuantLinear):
     """
 
     method = "int4"
+    bias: Tensor | None
+    packed: Tensor  # cpu: [N, K/2] uint8 in the kernel's tile order
+    scales_and_zeros: Tensor  # cpu: [K/G, N, 2] bf16
+    perm: Tensor | None  # cpu act-order: [K] int64 input-channel order
+    qweight: Tensor  # triton/dequant: [K, N/8] int32, AWQ order
+    qzeros: Tensor | None  # triton/dequant: [K/G, N/8] int32, AWQ order
+    zeros_unpacked: Tensor | None  # dequant with a zero of 16: [K/G, N] uint8
+    scales: Tensor  # triton/dequant: [K/G, N] fp16
+    g_idx: Tensor | None  # triton/dequant: [K] int32, None = k // G
 
     def __init__(self, w: Int4Weights, bias: Tensor | None, backend: str = "auto") -> None:
         super().__init__(w.in_features, w.out_features)
@@ -153,7 +178,6 @@ class Int4Linear(QuantLinear):
         if backend == "auto":
             backend = default_int4_backend(w, device)
         self.backend = backend
-        self.perm: Tensor | None
         _register_bias(self, bias)
         if backend == "cpu":
             perm = None
@@ -200,6 +224,7 @@ class Int4Linear(QuantLinear):
         if self.qzeros is not None:
             z = unpack_int4_cols(self.qzeros, AWQ_PACK_ORDER)
         else:
+            assert self.zeros_unpacked is not None
             z = self.zeros_unpacked.to(torch.int32)
         if self.g_idx is None:
             g = torch.arange(self.in_features, device=q.device) // self.group_size
@@ -217,8 +242,9 @@ class Int4Linear(QuantLinear):
             )
             y = y.to(x.dtype)
         elif self.backend == "triton":
-            from kernels import int4_gemm
+            from kernels.gemm_int4 import int4_gemm
 
+            assert self.qzeros is not None
             y = int4_gemm(x.contiguous(), self.qweight, self.qzeros, self.scales, self.group_size, self.g_idx)
         else:
             y = x @ self._dequantized(x.dtype)
@@ -250,6 +276,10 @@ class Int8Linear(QuantLinear):
     """Weight-only int8, one symmetric scale per output channel: w = q * scale[n]."""
 
     method = "int8"
+    bias: Tensor | None
+    qweight: Tensor  # [N, K] int8
+    scale: Tensor | None  # cpu: [N] bf16
+    scale_f32: Tensor | None  # other devices: [N] fp32
 
     def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None) -> None:
         # qweight: [N, K] int8; scale: [N] float
@@ -276,6 +306,7 @@ class Int8Linear(QuantLinear):
         if self.scale is not None:
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
         else:
+            assert self.scale_f32 is not None
             y = F.linear(x, self.qweight.to(x.dtype)) * self.scale_f32.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -293,6 +324,9 @@ class Fp8Linear(QuantLinear):
     """
 
     method = "fp8"
+    bias: Tensor | None
+    weight: Tensor  # [N, K] float8_e4m3fn
+    scale: Tensor  # [N] fp32
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None) -> None:
         # weight: [N, K] float8_e4m3fn; scale: [N] fp32
@@ -312,7 +346,7 @@ class Fp8Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, K] -> [T, N]
         if self.use_triton:
-            from kernels import fp8_gemm
+            from kernels.gemm_fp8 import fp8_gemm
 
             y = fp8_gemm(x.contiguous(), self.weight, self.scale)
         else:

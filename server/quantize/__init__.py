@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 
 from server.models.loader import load_model, resolve_model
 from server.quant import iter_projections
-from server.quant.evaluation import SequenceRunner
+from server.quant.evaluation import SequenceRunner, decoder_layers
 from server.quant.formats import Int4Weights, awq_encode, gptq_encode
-from server.quantize.algorithms import AwqOptions, GptqOptions, awq_layer, gptq_layer, rtn_layer
+from server.quantize.algorithms import AwqOptions, GptqOptions, awq_layer, gptq_layer, linear, rtn_layer
 from server.quantize.calibration import CALIBRATION_TEXT
 from server.tokenizer import Tokenizer
 
@@ -34,7 +34,9 @@ _SKIP_FILES = {"config.json", "quantize_config.json", "quant_config.json", "mode
 class QuantizeOptions:
     method: str  # awq | gptq | rtn (round-to-nearest, written in the AWQ layout: the baseline)
     group_size: int | None = None  # None = 128 if it divides every projection's in_features, else 64, 32
-    sym: bool = True  # gptq only (AWQ is always asymmetric)
+    sym: bool = (
+        False  # gptq only (AWQ is always asymmetric); see docs/quantization.md for why not AutoGPTQ's True
+    )
     act_order: bool = False  # gptq desc_act
     calib_tokens: int = 512
     damp_percent: float = 0.01
@@ -94,7 +96,8 @@ def quantize_model(model: str | None, out: Path, opts: QuantizeOptions) -> Quant
     quantized: dict[str, Int4Weights] = {}
     with torch.no_grad():
         h = runner.embed(ids)
-        for i, layer in enumerate(net.model.layers):
+        layers = decoder_layers(net)
+        for i, layer in enumerate(layers):
             if opts.method == "awq":
                 # Inputs of the next layer come from the full-precision layer, as in AutoAWQ.
                 h_next = runner.layer(layer, h)
@@ -121,7 +124,7 @@ def quantize_model(model: str | None, out: Path, opts: QuantizeOptions) -> Quant
             for name, w in result.items():
                 quantized[f"model.layers.{i}.{name}"] = w
             h = h_next
-            log.info("quantized layer %d/%d", i + 1, len(net.model.layers))
+            log.info("quantized layer %d/%d", i + 1, len(layers))
     write_checkpoint(net, quantized, opts, group, source.folder, out)
     return QuantizeResult(out, opts.method, group, int(ids.numel()), time.monotonic() - t0)
 
@@ -168,7 +171,7 @@ def write_checkpoint(
             continue
         state[name] = tensor.detach().to(torch.float16).contiguous()
     for name, w in quantized.items():
-        bias = model.get_submodule(name).bias
+        bias = linear(model, name).bias
         if opts.method == "gptq":
             g = gptq_encode(w)
             state.update(

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         help="default: 128 if it divides every in_features, else 64, else 32",
     )
     parser.add_argument(
-        "--asym", action="store_true", help="gptq: asymmetric zero points (default symmetric)"
+        "--sym", action="store_true", help="gptq: symmetric (zero 8) instead of asymmetric zero points"
     )
     parser.add_argument(
         "--act-order", action="store_true", help="gptq: desc_act (quantize columns by Hessian diagonal)"
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = QuantizeOptions(
             method=args.method,
             group_size=args.group_size,
-            sym=not args.asym,
+            sym=args.sym,
             act_order=args.act_order,
             calib_tokens=args.calib_tokens,
             damp_percent=args.damp_percent,

@@ -21,6 +21,14 @@ from server.quant.evaluation import SequenceRunner
 from server.quant.formats import MAXQ, Int4Weights, group_params, quantize_rtn, trivial_g_idx
 
 
+def linear(layer: nn.Module, name: str) -> nn.Linear:
+    """A projection of a decoder layer that is still a plain Linear (the quantizer works in full precision)."""
+    lin = layer.get_submodule(name)
+    if not isinstance(lin, nn.Linear):
+        raise TypeError(f"{name} is a {type(lin).__name__}, not a full-precision Linear")
+    return lin
+
+
 def fake_quantize(weight: Tensor, group_size: int) -> Tensor:  # weight: [N, K] -> [N, K] dequantized
     """Asymmetric RTN exactly as the AWQ checkpoint will store it (fp16 scales), back in float."""
     n_dim, k_dim = weight.shape
@@ -177,10 +185,10 @@ def awq_layer(
         }
         if opts.clip:
             for name, x in inputs.items():
-                lin = layer.get_submodule(name)
+                lin = linear(layer, name)
                 _apply_clip(lin, _search_clip(x, lin.weight.detach(), opts), opts.group_size)
 
-    return {name: quantize_rtn(layer.get_submodule(name).weight.detach(), opts.group_size) for name in _PROJ}
+    return {name: quantize_rtn(linear(layer, name).weight.detach(), opts.group_size) for name in _PROJ}
 
 
 _PROJ = (
@@ -195,7 +203,7 @@ _PROJ = (
 
 
 def rtn_layer(layer: DecoderLayer, group_size: int) -> dict[str, Int4Weights]:
-    return {name: quantize_rtn(layer.get_submodule(name).weight.detach(), group_size) for name in _PROJ}
+    return {name: quantize_rtn(linear(layer, name).weight.detach(), group_size) for name in _PROJ}
 
 
 # ------------------------------------------------------------------ GPTQ
@@ -321,7 +329,7 @@ def _gptq_shared(
 ) -> None:
     """Linears reading the same input share the Hessian, and GPTQ treats output rows independently, so one
     pass over their stacked rows is the same as one pass each, at a fraction of the per-column overhead."""
-    lins = [layer.get_submodule(n) for n in names]
+    lins = [linear(layer, n) for n in names]
     stacked = gptq_quantize_weight(torch.cat([lin.weight for lin in lins], dim=0), hessian, opts)
     n0 = 0
     for name, lin in zip(names, lins, strict=True):

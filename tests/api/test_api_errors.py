@@ -83,6 +83,7 @@ def test_api_tgi_malformed_and_stream_rules(live_server: LiveServer, no_engine_t
     assert "stream" in _tgi(httpx.post(f"{url}/generate_stream", json=body), 422, "validation")
     body = {"inputs": TGI_PROMPT, "parameters": {"decoder_input_details": True}}
     _tgi(httpx.post(f"{url}/generate_stream", json=body), 422, "validation")
+    assert 'err="validation"' in httpx.get(f"{url}/metrics").text  # tgi_request_failure{err}
     # The text-generation client maps error_type to its exception classes.
     with pytest.raises(text_generation.errors.ValidationError):
         text_generation.Client(url).generate(TGI_PROMPT, max_new_tokens=10**6)

@@ -26,6 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_INPUT, MAX_TOTAL = 48, 96
+
+pytestmark = pytest.mark.slow  # a separate server process loads the model (~15-40 s on 2 shared cores)
 # Greedy SmolLM2 keeps counting here for well over 80 tokens (no early EOS).
 COUNTING = "1, 2, 3, 4, 5,"
 

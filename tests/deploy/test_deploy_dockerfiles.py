@@ -153,7 +153,8 @@ def test_server_torch_wheel_matches_the_cuda_base() -> None:
     # The exact local version from the CUDA index, so no other CUDA build can be chosen.
     assert '"torch==${TORCH_VERSION}+${TORCH_CUDA}"' in text
     assert "https://download.pytorch.org/whl/${TORCH_CUDA}" in text
-    assert 'pip install ".[gpu]"' in text
+    # The GPU kernels (triton) and the load-time quantizers the CRD offers (bitsandbytes) are in.
+    assert 'pip install ".[gpu,quant]"' in text
 
 
 def test_operator_image_entrypoint_is_kopf_run() -> None:
@@ -190,6 +191,7 @@ def test_pyproject_pins_every_dependency_the_images_install() -> None:
     for req in (
         project["dependencies"]
         + project["optional-dependencies"]["gpu"]
+        + project["optional-dependencies"]["quant"]
         + project["optional-dependencies"]["operator"]
     ):
         assert re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.+\-]*", req), req

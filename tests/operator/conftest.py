@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import kopf
 import pytest
-from kopf.testing import KopfRunner
 from kubeinfer_operator import handlers
 from kubernetes.config import kube_config
-from op_cluster import BASE_RESOURCES, KEDA, MONITORING, MockCluster
+from op_cluster import BASE_RESOURCES, KEDA, MONITORING, MockCluster, run_operator
 
 
 @pytest.fixture
@@ -46,28 +43,6 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
 @pytest.fixture
 def cluster(cluster_factory: Callable[..., MockCluster]) -> MockCluster:
     return cluster_factory()
-
-
-def operator_settings() -> kopf.OperatorSettings:
-    settings = kopf.OperatorSettings()
-    settings.watching.connect_timeout = 5
-    # Each watch stream ends after 5 s (the emulator honours timeoutSeconds); the re-listing that
-    # follows is the operator's periodic resync.
-    settings.watching.server_timeout = 5
-    settings.watching.client_timeout = 30
-    settings.watching.reconnect_backoff = 0.05
-    settings.queueing.exit_timeout = 1.0
-    settings.queueing.idle_timeout = 1.0
-    # The watched namespace is given exactly and the CRDs are fixed per test: no need to scan.
-    settings.scanning.disabled = True
-    return settings
-
-
-@contextmanager
-def run_operator() -> Iterator[KopfRunner]:
-    args = ["run", "--standalone", "-n", "default", "-m", "kubeinfer_operator", "--verbose"]
-    with KopfRunner(args, settings=operator_settings(), timeout=30) as runner:
-        yield runner
 
 
 @pytest.fixture

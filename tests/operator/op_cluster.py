@@ -20,7 +20,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,10 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
+import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
+from kopf.testing import KopfRunner
 
 NAMESPACE = "default"
 
@@ -49,7 +52,9 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
         kind="CustomResourceDefinition", namespaced=False
     ),
 }
-MONITORING = {"monitoring.coreos.com/v1/servicemonitors": ResourceInfo(kind="ServiceMonitor", namespaced=True)}
+MONITORING = {
+    "monitoring.coreos.com/v1/servicemonitors": ResourceInfo(kind="ServiceMonitor", namespaced=True)
+}
 KEDA = {"keda.sh/v1alpha1/scaledobjects": ResourceInfo(kind="ScaledObject", namespaced=True)}
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
@@ -138,7 +143,9 @@ class ApiServer(KubernetesEmulator):
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         fault = self._match_fault(request)
         if fault is not None:
-            raise KubernetesError(status=fault.status, reason="InjectedFault", message=f"injected {fault.status}")
+            raise KubernetesError(
+                status=fault.status, reason="InjectedFault", message=f"injected {fault.status}"
+            )
 
         deleted_uid: str | None = None
         created: dict[str, Any] | None = None
@@ -150,7 +157,7 @@ class ApiServer(KubernetesEmulator):
             elif request.action == enums.action.UPDATE and request.name is not None:
                 key = (request.resource, request.namespace, request.name)
                 async with self._lock:
-                    live = self._objects[key] if key in self._objects else None
+                    live = self._objects[key] if key in self._objects else None  # noqa: SIM401
                     if live is None or live.deleted:
                         if "apply-patch" in (request.headers.get("Content-Type") or ""):
                             # Server-side apply of a missing object creates it.
@@ -164,13 +171,19 @@ class ApiServer(KubernetesEmulator):
                         # resourceVersion stays as created: kopf guards finalizer removal with a JSON
                         # patch `test` on it, and kmock's watch cannot replay versions anyway.
                         if request.subresource is None and "spec" in data:
-                            merged_spec = kmock._internal.dicts.patch_dict(old.get("spec") or {}, data["spec"])
+                            merged_spec = kmock._internal.dicts.patch_dict(
+                                old.get("spec") or {}, data["spec"]
+                            )
                             if merged_spec != (old.get("spec") or {}):
                                 meta = data.setdefault("metadata", {})
                                 meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
                         # The API server ignores status on the main resource and everything but status
                         # on /status; the emulator merges whatever comes, so enforce that here.
-                        if request.subresource is None and live.get("status") is not None and "status" in data:
+                        if (
+                            request.subresource is None
+                            and live.get("status") is not None
+                            and "status" in data
+                        ):
                             old_kind = old.get("kind", "")
                             if old_kind in ("InferenceModel", "Deployment"):
                                 data.pop("status")
@@ -239,7 +252,7 @@ class ApiServer(KubernetesEmulator):
                 candidate.fired += 1
                 drop = candidate
                 break
-        stream = super()._serve_watch(request)
+        stream: Any = super()._serve_watch(request)
         # Like the API server, end the stream after ?timeoutSeconds= (kmock itself ignores it).
         limit = float(request.params.get("timeoutSeconds") or 0) or None
         if drop is not None:
@@ -323,7 +336,9 @@ class MockCluster:
 
     # --- a minimal kubectl
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> Any:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", content_type)
@@ -344,7 +359,9 @@ class MockCluster:
     def get(self, kind: str, name: str, ns: str = NAMESPACE) -> dict[str, Any] | None:
         return self.request("GET", f"{PATHS[kind].format(ns=ns)}/{name}")  # type: ignore[no-any-return]
 
-    def patch(self, kind: str, name: str, patch: dict[str, Any], ns: str = NAMESPACE, subresource: str = "") -> Any:
+    def patch(
+        self, kind: str, name: str, patch: dict[str, Any], ns: str = NAMESPACE, subresource: str = ""
+    ) -> Any:
         path = f"{PATHS[kind].format(ns=ns)}/{name}" + (f"/{subresource}" if subresource else "")
         return self.request("PATCH", path, patch, "application/merge-patch+json")
 
@@ -355,7 +372,9 @@ class MockCluster:
         """Every existing object of a kind, straight from the emulator's store."""
         plural = PATHS[kind].rsplit("/", 1)[-1]
         return [
-            obj.raw for (res, _, _), obj in list(self.server.objects.items()) if res.plural == plural and not obj.deleted
+            obj.raw
+            for (res, _, _), obj in list(self.server.objects.items())
+            if res.plural == plural and not obj.deleted
         ]
 
     def history(self, kind: str, name: str, ns: str = NAMESPACE) -> list[dict[str, Any]]:
@@ -395,3 +414,25 @@ def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
         if c.get("type") == ctype:
             return dict(c)
     return None
+
+
+def operator_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.watching.connect_timeout = 5
+    # Each watch stream ends after 5 s (the emulator honours timeoutSeconds); the re-listing that
+    # follows is the operator's periodic resync.
+    settings.watching.server_timeout = 5
+    settings.watching.client_timeout = 30
+    settings.watching.reconnect_backoff = 0.05
+    settings.queueing.exit_timeout = 1.0
+    settings.queueing.idle_timeout = 1.0
+    # The watched namespace is given exactly and the CRDs are fixed per test: no need to scan.
+    settings.scanning.disabled = True
+    return settings
+
+
+@contextmanager
+def run_operator() -> Iterator[KopfRunner]:
+    args = ["run", "--standalone", "-n", "default", "-m", "kubeinfer_operator", "--verbose"]
+    with KopfRunner(args, settings=operator_settings(), timeout=30) as runner:
+        yield runner

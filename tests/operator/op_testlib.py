@@ -79,8 +79,10 @@ def to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
             continue  # the API server parses it; jsonschema would ignore it anyway
         else:
             out[key] = value
-    if node.get("type") == "object" and "properties" in node and not node.get(
-        "x-kubernetes-preserve-unknown-fields"
+    if (
+        node.get("type") == "object"
+        and "properties" in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
     ):
         out.setdefault("additionalProperties", False)
     if node.get("type") == "object" and node.get("x-kubernetes-preserve-unknown-fields"):
@@ -116,7 +118,10 @@ class CelRule:
 
 
 def cel_rules(schema: dict[str, Any], path: str = "") -> list[CelRule]:
-    rules = [CelRule(path, r["rule"], r.get("message", r["rule"])) for r in schema.get("x-kubernetes-validations", [])]
+    rules = [
+        CelRule(path, r["rule"], r.get("message", r["rule"]))
+        for r in schema.get("x-kubernetes-validations", [])
+    ]
     for key, sub in (schema.get("properties") or {}).items():
         rules += cel_rules(sub, f"{path}.{key}" if path else key)
     if "items" in schema:

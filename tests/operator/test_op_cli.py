@@ -21,7 +21,11 @@ def test_render_cli_prints_every_object_as_yaml() -> None:
     autoscaled = REPO / "examples" / "autoscaled.yaml"
     out = subprocess.run(
         [sys.executable, "-m", "kubeinfer_operator", "render", "-f", str(autoscaled)],
-        capture_output=True, text=True, env=ENV, check=True, timeout=60,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        check=True,
+        timeout=60,
     )
     docs = list(yaml.safe_load_all(out.stdout))
     assert [d["kind"] for d in docs] == ["Service", "Deployment", "ServiceMonitor", "ScaledObject"]
@@ -49,12 +53,16 @@ def test_render_rejects_an_invalid_spec(tmp_path: Path, capsys: pytest.CaptureFi
     )
     assert main(["render", "-f", str(bad)]) == 1
     assert "--host" in capsys.readouterr().err
-    bad.write_text("apiVersion: kubeinfer.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: x}\nspec: {model: {uri: 'ftp://x'}}\n")
+    bad.write_text(
+        "apiVersion: kubeinfer.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: x}\nspec: {model: {uri: 'ftp://x'}}\n"
+    )
     assert main(["render", "-f", str(bad)]) == 1
 
 
 def test_run_options() -> None:
-    args = build_parser().parse_args(["run", "-A", "--peering", "kubeinfer", "--liveness", "http://0.0.0.0:9000/healthz"])
+    args = build_parser().parse_args(
+        ["run", "-A", "--peering", "kubeinfer", "--liveness", "http://0.0.0.0:9000/healthz"]
+    )
     assert args.all_namespaces and args.peering == "kubeinfer" and args.liveness.endswith("/healthz")
     args = build_parser().parse_args(["run", "-n", "a", "-n", "b", "--standalone"])
     assert args.namespace == ["a", "b"] and args.standalone
@@ -67,12 +75,31 @@ def test_importing_the_package_registers_every_handler() -> None:
     import kubeinfer_operator  # noqa: F401
 
     registry = kopf.get_default_registry()
-    changing = {h.id for h in registry._changing.get_all_handlers()}
-    assert changing == {"reconcile_handler"}
-    reasons = {h.reason for h in registry._changing.get_all_handlers()}
-    assert {str(r) for r in reasons} >= {"create", "update", "resume"} or len(registry._changing.get_all_handlers()) == 3
-    watched = {h.selector.plural or h.selector.any_name for h in registry._watching.get_all_handlers()}
-    assert watched == {"deployments", "services", "poddisruptionbudgets", "horizontalpodautoscalers", "servicemonitors", "scaledobjects"}
+    changing = registry._changing.get_all_handlers()
+    assert {h.id for h in changing} == {"reconcile_handler"}
+    # create, update, and resume (registered as initial=True without a reason)
+    assert {(str(h.reason.value) if h.reason else None, h.initial) for h in changing} == {
+        ("create", None),
+        ("update", None),
+        (None, True),
+    }
+    for h in changing:
+        assert h.selector is not None
+        assert (h.selector.group, h.selector.any_name) == ("kubeinfer.dev", "inferencemodels")
+        assert not h.requires_finalizer  # deletion is left to garbage collection
+    watched = {
+        (h.selector.group, h.selector.any_name) for h in registry._watching.get_all_handlers() if h.selector
+    }
+    assert watched == {
+        ("kubeinfer.dev", "inferencemodels"),  # the periodic resync
+        ("apps", "deployments"),
+        ("", "services"),
+        ("policy", "poddisruptionbudgets"),
+        ("autoscaling", "horizontalpodautoscalers"),
+        ("monitoring.coreos.com", "servicemonitors"),
+        ("keda.sh", "scaledobjects"),
+    }
+    assert registry._spawning.get_all_handlers() == []  # no timers/daemons: they would need finalizers
     activities = {h.id for h in registry._activities.get_all_handlers()}
     assert {"configure", "close", "login"} <= activities
 
@@ -83,14 +110,29 @@ def test_kopf_run_module_operates_a_cluster(cluster: MockCluster) -> None:
     env = {**ENV, "KUBECONFIG": os.environ["KUBECONFIG"]}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kopf", "run", "-A", "--standalone", "-m", "kubeinfer_operator",
-         "--liveness", "http://127.0.0.1:0/healthz"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "kopf",
+            "run",
+            "-A",
+            "--standalone",
+            "-m",
+            "kubeinfer_operator",
+            "--liveness",
+            "http://127.0.0.1:0/healthz",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     try:
         cluster.create("InferenceModel", inference_model({"model": {"uri": "hf://o/m"}}, name="cli"))
         wait_for(lambda: cluster.get("Deployment", "cli"), timeout=60, what="Deployment from the kopf CLI")
-        wait_for(lambda: (cluster.get("InferenceModel", "cli") or {}).get("status"), timeout=30, what="status")
+        wait_for(
+            lambda: (cluster.get("InferenceModel", "cli") or {}).get("status"), timeout=30, what="status"
+        )
     finally:
         proc.terminate()
         output, _ = proc.communicate(timeout=30)

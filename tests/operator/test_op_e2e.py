@@ -54,21 +54,25 @@ def api() -> Iterator[Any]:
 def namespace(api: Any) -> Iterator[str]:
     from kubernetes import client
 
-    ext = client.ApiextensionsV1Api(api)
+    ext: Any = client.ApiextensionsV1Api(api)
     crd = yaml.safe_load(CRD_PATH.read_text())
     ext.patch_custom_resource_definition(
-        crd["metadata"]["name"], crd, field_manager="kubeinfer-e2e", force=True,
+        crd["metadata"]["name"],
+        crd,
+        field_manager="kubeinfer-e2e",
+        force=True,
         _content_type="application/apply-patch+yaml",
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         status = ext.read_custom_resource_definition(crd["metadata"]["name"]).status
-        if any(c.type == "Established" and c.status == "True" for c in (status.conditions or [])):
+        conditions = (status.conditions if status is not None else None) or []
+        if any(c.type == "Established" and c.status == "True" for c in conditions):
             break
         time.sleep(1)
     name = f"kubeinfer-e2e-{uuid.uuid4().hex[:6]}"
-    core = client.CoreV1Api(api)
-    core.create_namespace({"metadata": {"name": name}})
+    core: Any = client.CoreV1Api(api)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     yield name
     core.delete_namespace(name)
 
@@ -88,39 +92,59 @@ def test_operator_on_a_real_cluster(api: Any, namespace: str) -> None:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
-    objects = client.CustomObjectsApi(api)
-    apps = client.AppsV1Api(api)
-    core = client.CoreV1Api(api)
+    objects: Any = client.CustomObjectsApi(api)
+    apps: Any = client.AppsV1Api(api)
+    core: Any = client.CoreV1Api(api)
 
     # The API server enforces the CRD's CEL rules.
-    bad = inference_model({"model": {"uri": "hf://o/m"}, "scaling": {"autoscaler": "HPA"}}, name="bad", namespace=namespace)
+    bad = inference_model(
+        {"model": {"uri": "hf://o/m"}, "scaling": {"autoscaler": "HPA"}}, name="bad", namespace=namespace
+    )
     with pytest.raises(ApiException) as err:
         objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, bad)
     assert err.value.status == 422 and "maxReplicas" in str(err.value.body)
 
     doc = inference_model(
-        {"model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}, "resources": {"gpu": {"count": 0}, "memory": "2Gi"}},
+        {
+            "model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"},
+            "resources": {"gpu": {"count": 0}, "memory": "2Gi"},
+        },
         name="e2e",
         namespace=namespace,
     )
     with KopfRunner(["run", "--standalone", "-n", namespace, "-m", "kubeinfer_operator"], timeout=60):
         created = objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
         uid = created["metadata"]["uid"]
-        dep = _wait(lambda: _get(lambda: apps.read_namespaced_deployment("e2e", namespace)), what="Deployment")
+        dep = _wait(
+            lambda: _get(lambda: apps.read_namespaced_deployment("e2e", namespace)), what="Deployment"
+        )
         assert dep.metadata.owner_references[0].uid == uid
         assert _get(lambda: core.read_namespaced_service("e2e", namespace)) is not None
         im = _wait(
-            lambda: (o := objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "e2e")).get("status") and o,
+            lambda: (
+                (o := objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "e2e")).get(
+                    "status"
+                )
+                and o
+            ),
             what="status",
         )
         types = {c["type"] for c in im["status"]["conditions"]}
         assert types == {"Ready", "Progressing", "Degraded", "MonitoringAvailable"}
         # The scale subresource moves the Deployment.
-        objects.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, "e2e", {"spec": {"replicas": 2}})
-        _wait(lambda: apps.read_namespaced_deployment("e2e", namespace).spec.replicas == 2, what="scaled Deployment")
+        objects.patch_namespaced_custom_object_scale(
+            GROUP, VERSION, namespace, PLURAL, "e2e", {"spec": {"replicas": 2}}
+        )
+        _wait(
+            lambda: apps.read_namespaced_deployment("e2e", namespace).spec.replicas == 2,
+            what="scaled Deployment",
+        )
 
     objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "e2e")
-    _wait(lambda: _get(lambda: apps.read_namespaced_deployment("e2e", namespace)) is None, what="garbage collection")
+    _wait(
+        lambda: _get(lambda: apps.read_namespaced_deployment("e2e", namespace)) is None,
+        what="garbage collection",
+    )
 
 
 def _get(fn: Any) -> Any:

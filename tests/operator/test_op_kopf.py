@@ -3,10 +3,10 @@ conditions, suspend, delete, monitoring discovery and invalid specs."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from conftest import run_operator
-from op_cluster import MockCluster, condition, wait_for
+from op_cluster import MockCluster, condition, run_operator, wait_for
 from op_testlib import inference_model
 
 NAME = "llm"
@@ -50,7 +50,7 @@ def mark_deployment_ready(cluster: MockCluster, replicas: int = 1) -> None:
 def test_create_applies_children_and_reports_status(cluster: MockCluster, operator: Any) -> None:
     im = cluster.create("InferenceModel", im_doc())
     for kind in ("Deployment", "Service", "ServiceMonitor"):
-        wait_for(lambda kind=kind: cluster.get(kind, NAME), what=kind)
+        wait_for(functools.partial(cluster.get, kind, NAME), what=kind)
         assert owned_by(cluster.get(kind, NAME), im), kind  # type: ignore[arg-type]
     assert cluster.get("HorizontalPodAutoscaler", NAME) is None
     assert cluster.get("PodDisruptionBudget", NAME) is None
@@ -63,8 +63,10 @@ def test_create_applies_children_and_reports_status(cluster: MockCluster, operat
 
     mark_deployment_ready(cluster)
     ready = wait_for(
-        lambda: (cluster.get("InferenceModel", NAME) or {}).get("status", {}).get("phase") == "Ready"
-        and cluster.get("InferenceModel", NAME),
+        lambda: (
+            (cluster.get("InferenceModel", NAME) or {}).get("status", {}).get("phase") == "Ready"
+            and cluster.get("InferenceModel", NAME)
+        ),
         what="phase Ready",
     )
     st = ready["status"]
@@ -75,6 +77,10 @@ def test_create_applies_children_and_reports_status(cluster: MockCluster, operat
     assert ready_cond["lastTransitionTime"]
     assert condition(ready, "Progressing")["reason"] == "RolloutComplete"  # type: ignore[index]
     assert condition(ready, "Degraded")["status"] == "False"  # type: ignore[index]
+
+
+def gone(cluster: MockCluster, kind: str) -> bool:
+    return cluster.get(kind, NAME) is None
 
 
 def im_status(cluster: MockCluster) -> dict[str, Any]:
@@ -93,7 +99,10 @@ def test_update_rolls_out_the_new_spec(cluster: MockCluster, operator: Any) -> N
 
     cluster.patch("InferenceModel", NAME, {"spec": {"engine": {"maxModelLen": 4096, "dtype": "bfloat16"}}})
     dep = wait_for(
-        lambda: "--max-total-tokens" in container_args(cluster.get("Deployment", NAME)) and cluster.get("Deployment", NAME),
+        lambda: (
+            "--max-total-tokens" in container_args(cluster.get("Deployment", NAME))
+            and cluster.get("Deployment", NAME)
+        ),
         what="new args",
     )
     args = container_args(dep)
@@ -137,10 +146,17 @@ def test_drift_is_repaired(cluster: MockCluster, operator: Any) -> None:
     cluster.patch(
         "Deployment",
         NAME,
-        {"spec": {"template": {"spec": {"containers": [{**containers[0], "image": "attacker/image:latest"}]}}}},
+        {
+            "spec": {
+                "template": {"spec": {"containers": [{**containers[0], "image": "attacker/image:latest"}]}}
+            }
+        },
     )
     wait_for(
-        lambda: (cluster.get("Deployment", NAME) or {})["spec"]["template"]["spec"]["containers"][0]["image"] == image,
+        lambda: (
+            (cluster.get("Deployment", NAME) or {})["spec"]["template"]["spec"]["containers"][0]["image"]
+            == image
+        ),
         what="image restored",
     )
     # A deleted child comes back, still owned by the model.
@@ -157,7 +173,10 @@ def test_drift_is_repaired(cluster: MockCluster, operator: Any) -> None:
 
 
 def test_suspend_scales_to_zero_and_back(cluster: MockCluster, operator: Any) -> None:
-    spec = {"model": {"uri": "hf://org/model"}, "scaling": {"autoscaler": "HPA", "minReplicas": 2, "maxReplicas": 5}}
+    spec = {
+        "model": {"uri": "hf://org/model"},
+        "scaling": {"autoscaler": "HPA", "minReplicas": 2, "maxReplicas": 5},
+    }
     cluster.create("InferenceModel", im_doc(spec))
     wait_for(lambda: cluster.get("HorizontalPodAutoscaler", NAME), what="HPA")
     wait_for(lambda: cluster.get("PodDisruptionBudget", NAME), what="PDB")
@@ -178,13 +197,13 @@ def test_suspend_scales_to_zero_and_back(cluster: MockCluster, operator: Any) ->
 def test_delete_leaves_children_to_garbage_collection(cluster: MockCluster, operator: Any) -> None:
     cluster.create("InferenceModel", im_doc({"model": {"uri": "hf://org/model"}, "scaling": {"replicas": 2}}))
     for kind in ("Deployment", "Service", "ServiceMonitor", "PodDisruptionBudget"):
-        wait_for(lambda kind=kind: cluster.get(kind, NAME), what=kind)
+        wait_for(functools.partial(cluster.get, kind, NAME), what=kind)
     cluster.delete("InferenceModel", NAME)
     # No finalizer holds the model back, and every child carried the owner reference the
     # (emulated) garbage collector follows.
     wait_for(lambda: cluster.get("InferenceModel", NAME) is None, what="model gone")
     for kind in ("Deployment", "Service", "ServiceMonitor", "PodDisruptionBudget"):
-        wait_for(lambda kind=kind: cluster.get(kind, NAME) is None, what=f"{kind} collected")
+        wait_for(functools.partial(gone, cluster, kind), what=f"{kind} collected")
     # And the operator does not resurrect them from child events.
     import time
 
@@ -197,7 +216,9 @@ def test_without_prometheus_operator_monitoring_is_unavailable(cluster_factory: 
     with run_operator():
         cluster.create("InferenceModel", im_doc())
         wait_for(lambda: cluster.get("Deployment", NAME), what="Deployment")
-        cond = wait_for(lambda: condition(cluster.get("InferenceModel", NAME), "MonitoringAvailable"), what="condition")
+        cond = wait_for(
+            lambda: condition(cluster.get("InferenceModel", NAME), "MonitoringAvailable"), what="condition"
+        )
         assert (cond["status"], cond["reason"]) == ("False", "CRDNotInstalled")
         assert cluster.count_requests("PATCH", "servicemonitors") == 0
 

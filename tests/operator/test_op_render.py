@@ -33,7 +33,9 @@ from op_testlib import EXAMPLES, K8S_VERSIONS, inference_model, load_json_schema
 UID = "6f1c8c0e-8a57-4a4c-9d6e-2f7f2b1f0a11"
 
 
-def make(spec: dict[str, Any], name: str = "llm", namespace: str = "ml", uid: str | None = UID) -> InferenceModel:
+def make(
+    spec: dict[str, Any], name: str = "llm", namespace: str = "ml", uid: str | None = UID
+) -> InferenceModel:
     doc = inference_model(spec, name=name, namespace=namespace)
     if uid is not None:
         doc["metadata"]["uid"] = uid
@@ -42,10 +44,25 @@ def make(spec: dict[str, Any], name: str = "llm", namespace: str = "ml", uid: st
 
 
 HF = {"uri": "hf://org/model"}
-HPA_SPEC = {"model": HF, "scaling": {"autoscaler": "HPA", "minReplicas": 2, "maxReplicas": 6, "metric": "KVCacheUsage", "target": 0.8}}
-KEDA_SPEC = {
+HPA_SPEC: dict[str, Any] = {
     "model": HF,
-    "scaling": {"autoscaler": "KEDA", "minReplicas": 0, "replicas": 0, "maxReplicas": 4, "prometheusAddress": "http://prom:9090"},
+    "scaling": {
+        "autoscaler": "HPA",
+        "minReplicas": 2,
+        "maxReplicas": 6,
+        "metric": "KVCacheUsage",
+        "target": 0.8,
+    },
+}
+KEDA_SPEC: dict[str, Any] = {
+    "model": HF,
+    "scaling": {
+        "autoscaler": "KEDA",
+        "minReplicas": 0,
+        "replicas": 0,
+        "maxReplicas": 4,
+        "prometheusAddress": "http://prom:9090",
+    },
 }
 
 
@@ -95,8 +112,15 @@ def test_deployment_args_follow_the_spec() -> None:
 
 def test_deployment_leaves_optional_flags_out() -> None:
     args = container(render_deployment(make({"model": HF, "engine": {"enablePrefixCaching": False}})))["args"]
-    for name in ("--quantize", "--max-total-tokens", "--max-num-seqs", "--max-concurrent-requests", "--enable-prefix-caching"):
+    for name in (
+        "--quantize",
+        "--max-total-tokens",
+        "--max-num-seqs",
+        "--max-concurrent-requests",
+        "--enable-prefix-caching",
+    ):
         assert name not in args
+    assert "--no-enable-prefix-caching" in args  # the server enables it by default: turn it off explicitly
     assert flag(args, "--served-model-name") == "org/model"
 
 
@@ -146,7 +170,11 @@ def test_gpu_resources_and_scheduling() -> None:
     im = make(
         {
             "model": HF,
-            "resources": {"gpu": {"count": 1, "product": "NVIDIA-H100-80GB-HBM3"}, "cpu": 8, "memory": "64Gi"},
+            "resources": {
+                "gpu": {"count": 1, "product": "NVIDIA-H100-80GB-HBM3"},
+                "cpu": 8,
+                "memory": "64Gi",
+            },
             "scheduling": {
                 "nodeSelector": {"pool": "gpu"},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -179,7 +207,11 @@ def test_cpu_only_has_no_gpu_request() -> None:
 def test_secrets_and_cache() -> None:
     im = make(
         {
-            "model": {"uri": "hf://org/model", "revision": "abc123", "credentialsSecretRef": {"name": "hub", "key": "token"}},
+            "model": {
+                "uri": "hf://org/model",
+                "revision": "abc123",
+                "credentialsSecretRef": {"name": "hub", "key": "token"},
+            },
             "engine": {"apiKeySecretRef": {"name": "keys", "key": "k"}},
             "cache": {"claimName": "shared-cache"},
         }
@@ -198,7 +230,12 @@ def test_secrets_and_cache() -> None:
 
 
 def test_replicas_owned_by_operator_unless_autoscaled() -> None:
-    assert render_deployment(make({"model": HF, "scaling": {"replicas": 3, "maxReplicas": 3}}))["spec"]["replicas"] == 3
+    assert (
+        render_deployment(make({"model": HF, "scaling": {"replicas": 3, "maxReplicas": 3}}))["spec"][
+            "replicas"
+        ]
+        == 3
+    )
     assert "replicas" not in render_deployment(make(HPA_SPEC))["spec"]
     assert "replicas" not in render_deployment(make(KEDA_SPEC))["spec"]
     # Suspending wins over the autoscaler: zero replicas, and no autoscaler object.
@@ -210,7 +247,10 @@ def test_replicas_owned_by_operator_unless_autoscaled() -> None:
 
 def test_rollout_strategy() -> None:
     dep = render_deployment(make({"model": HF, "rollout": {"maxSurge": "25%", "maxUnavailable": 1}}))
-    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 1}}
+    assert dep["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 1},
+    }
 
 
 def test_metadata_labels_and_owner() -> None:
@@ -246,13 +286,17 @@ def test_service() -> None:
     im = make({"model": HF})
     svc = render_service(im)
     assert svc["spec"]["type"] == "ClusterIP"
-    assert svc["spec"]["ports"] == [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}
+    ]
     assert svc["spec"]["selector"] == selector_labels(im)
     assert endpoint_url(im) == f"http://llm.ml.svc:{SERVER_PORT}"
 
 
 def test_servicemonitor() -> None:
-    im = make({"model": HF, "monitoring": {"serviceMonitor": {"interval": "15s", "labels": {"release": "prom"}}}})
+    im = make(
+        {"model": HF, "monitoring": {"serviceMonitor": {"interval": "15s", "labels": {"release": "prom"}}}}
+    )
     sm = render_servicemonitor(im)
     assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
     assert sm["spec"]["selector"]["matchLabels"].items() <= render_service(im)["metadata"]["labels"].items()
@@ -292,7 +336,12 @@ def test_pdb_only_with_more_than_one_replica() -> None:
     ],
 )
 def test_hpa(metric: str, target: float | None, name: str, average: str) -> None:
-    scaling: dict[str, Any] = {"autoscaler": "HPA", "maxReplicas": 5, "metric": metric, "scaleDownDelaySeconds": 120}
+    scaling: dict[str, Any] = {
+        "autoscaler": "HPA",
+        "maxReplicas": 5,
+        "metric": metric,
+        "scaleDownDelaySeconds": 120,
+    }
     if target is not None:
         scaling["target"] = target
     hpa = render_hpa(make({"model": HF, "scaling": scaling}))
@@ -308,10 +357,18 @@ def test_hpa(metric: str, target: float | None, name: str, average: str) -> None
 
 @pytest.mark.parametrize(
     ("metric", "series"),
-    [("QueueDepth", "vllm:num_requests_waiting"), ("KVCacheUsage", "vllm:kv_cache_usage_perc"), ("RunningRequests", "vllm:num_requests_running")],
+    [
+        ("QueueDepth", "vllm:num_requests_waiting"),
+        ("KVCacheUsage", "vllm:kv_cache_usage_perc"),
+        ("RunningRequests", "vllm:num_requests_running"),
+    ],
 )
 def test_scaledobject(metric: str, series: str) -> None:
-    spec_doc = {**KEDA_SPEC, "scaling": {**KEDA_SPEC["scaling"], "metric": metric}, "model": {"uri": "hf://org/model", "servedName": "chat"}}
+    spec_doc = {
+        **KEDA_SPEC,
+        "scaling": {**KEDA_SPEC["scaling"], "metric": metric},
+        "model": {"uri": "hf://org/model", "servedName": "chat"},
+    }
     so = render_scaledobject(make(spec_doc))
     spec = so["spec"]
     assert spec["scaleTargetRef"]["name"] == "llm"
@@ -320,10 +377,12 @@ def test_scaledobject(metric: str, series: str) -> None:
     assert trigger["type"] == "prometheus"
     assert trigger["metadata"]["serverAddress"] == "http://prom:9090"
     assert all(isinstance(v, str) for v in trigger["metadata"].values())
-    expr = promql_parser.parse(trigger["metadata"]["query"])
+    expr: Any = promql_parser.parse(trigger["metadata"]["query"])
     assert isinstance(expr, promql_parser.AggregateExpr) and str(expr.op) == "sum"
-    assert expr.expr.name == series
-    matchers = {m.name: m.value for m in expr.expr.matchers.matchers}
+    selector: Any = expr.expr
+    assert isinstance(selector, promql_parser.VectorSelector)
+    assert selector.name == series
+    matchers = {m.name: m.value for m in selector.matchers.matchers}
     assert matchers == {"namespace": "ml", "model_name": "chat"}
     assert float(trigger["metadata"]["threshold"]) > 0
 
@@ -335,7 +394,7 @@ def test_prometheus_query_is_namespaced() -> None:
 # ---------------------------------------------------------------- schemas
 
 
-SPECS = {
+SPECS: dict[str, dict[str, Any]] = {
     "minimal": {"model": HF},
     "full": {
         "model": {"uri": "pvc://w/m", "servedName": "m", "credentialsSecretRef": {"name": "s", "key": "k"}},
@@ -366,7 +425,14 @@ CRD_KIND_SCHEMAS = {
 
 def test_every_kind_is_covered() -> None:
     kinds = {p.values[0]["kind"] for p in ALL_OBJECTS}  # type: ignore[index]
-    assert kinds == {"Deployment", "Service", "ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget"}
+    assert kinds == {
+        "Deployment",
+        "Service",
+        "ServiceMonitor",
+        "HorizontalPodAutoscaler",
+        "ScaledObject",
+        "PodDisruptionBudget",
+    }
 
 
 @pytest.mark.parametrize("obj", ALL_OBJECTS)

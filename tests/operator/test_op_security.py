@@ -63,7 +63,9 @@ def apparmor(pod: Pod) -> list[str]:
     bad_ann = [
         k
         for k, v in annotations.items()
-        if k.startswith("container.apparmor.security.beta.kubernetes.io/") and v != "runtime/default" and not v.startswith("localhost/")
+        if k.startswith("container.apparmor.security.beta.kubernetes.io/")
+        and v != "runtime/default"
+        and not v.startswith("localhost/")
     ]
     return [str(b) for b in bad] + bad_ann
 
@@ -102,7 +104,16 @@ def sysctls(pod: Pod) -> list[str]:
 
 
 def volume_types(pod: Pod) -> list[str]:
-    allowed = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+    allowed = {
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    }
     return [v["name"] for v in pod.get("volumes") or [] if not (set(v) - {"name"}) <= allowed]
 
 
@@ -170,7 +181,7 @@ RULES: dict[str, Callable[[Pod], list[str]]] = {
 
 
 def _spec_variants() -> list[Any]:
-    specs = {
+    specs: dict[str, dict[str, Any]] = {
         "minimal": {"model": {"uri": "hf://org/m"}},
         "pvc-cache-secrets": {
             "model": {"uri": "pvc://w/m", "credentialsSecretRef": {"name": "s", "key": "k"}},
@@ -251,7 +262,10 @@ def test_read_only_root_with_writable_tmp_and_cache() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     for path in ("/tmp", "/var/cache/kubeinfer"):
         assert path in mounts and not mounts[path].get("readOnly")
-        assert "emptyDir" in volumes[mounts[path]["name"]] or "persistentVolumeClaim" in volumes[mounts[path]["name"]]
+        assert (
+            "emptyDir" in volumes[mounts[path]["name"]]
+            or "persistentVolumeClaim" in volumes[mounts[path]["name"]]
+        )
     env = {e["name"]: e.get("value") for e in c["env"]}
     # Everything the server or its libraries write goes to a mounted volume.
     assert env["HOME"] == "/tmp" and env["HF_HOME"].startswith("/var/cache/kubeinfer")

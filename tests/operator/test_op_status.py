@@ -13,12 +13,20 @@ T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
 
 def model(spec: dict[str, Any] | None = None, generation: int = 4) -> InferenceModel:
-    doc = inference_model(spec or {"model": {"uri": "hf://o/m"}, "scaling": {"replicas": 2, "maxReplicas": 2}})
+    doc = inference_model(
+        spec or {"model": {"uri": "hf://o/m"}, "scaling": {"replicas": 2, "maxReplicas": 2}}
+    )
     doc["metadata"] |= {"uid": "u1", "generation": generation}
     return InferenceModel.from_manifest(doc)
 
 
-def deployment(replicas: int, ready: int, updated: int, conditions: list[dict[str, Any]] | None = None, spec_replicas: int = 2) -> dict[str, Any]:
+def deployment(
+    replicas: int,
+    ready: int,
+    updated: int,
+    conditions: list[dict[str, Any]] | None = None,
+    spec_replicas: int = 2,
+) -> dict[str, Any]:
     return {
         "metadata": {"generation": 7},
         "spec": {"replicas": spec_replicas},
@@ -60,17 +68,40 @@ def test_phase_from_deployment(dep: Any, phase: str, ready_reason: str, progress
 
 
 def test_stuck_rollout_is_degraded() -> None:
-    stuck = deployment(2, 1, 1, [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "too slow"}])
+    stuck = deployment(
+        2,
+        1,
+        1,
+        [
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "too slow",
+            }
+        ],
+    )
     st = compute_status(model(), stuck, ReconcileOutcome(), None, T0)
     c = conds(st)
     assert st.phase == "Degraded"
-    assert (c["Degraded"]["status"], c["Degraded"]["reason"], c["Degraded"]["message"]) == ("True", "ProgressDeadlineExceeded", "too slow")
-    failure = deployment(1, 0, 1, [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": "quota"}])
-    assert conds(compute_status(model(), failure, ReconcileOutcome(), None, T0))["Degraded"]["reason"] == "ReplicaFailure"
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"], c["Degraded"]["message"]) == (
+        "True",
+        "ProgressDeadlineExceeded",
+        "too slow",
+    )
+    failure = deployment(
+        1, 0, 1, [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": "quota"}]
+    )
+    assert (
+        conds(compute_status(model(), failure, ReconcileOutcome(), None, T0))["Degraded"]["reason"]
+        == "ReplicaFailure"
+    )
 
 
 def test_apply_error_then_recovery_keeps_the_story() -> None:
-    failing = compute_status(model(), None, ReconcileOutcome(apply_error="applying Deployment: 500"), None, T0).to_dict()
+    failing = compute_status(
+        model(), None, ReconcileOutcome(apply_error="applying Deployment: 500"), None, T0
+    ).to_dict()
     assert failing["phase"] == "Degraded"
     assert conds_of(failing)["Degraded"] == {
         "type": "Degraded",
@@ -85,7 +116,9 @@ def test_apply_error_then_recovery_keeps_the_story() -> None:
     assert (d["status"], d["reason"], d["lastTransitionTime"]) == ("False", "Recovered", T1)
     assert "applying Deployment: 500" in d["message"]
     # The note survives later refreshes until the next real transition.
-    later = compute_status(model(), deployment(2, 2, 2), ReconcileOutcome(), healed, "2026-01-01T01:00:00Z").to_dict()
+    later = compute_status(
+        model(), deployment(2, 2, 2), ReconcileOutcome(), healed, "2026-01-01T01:00:00Z"
+    ).to_dict()
     assert conds_of(later)["Degraded"]["reason"] == "Recovered"
     assert conds_of(later)["Degraded"]["lastTransitionTime"] == T1
     assert same_status(healed, later)
@@ -107,10 +140,19 @@ def test_transition_time_only_changes_on_transitions() -> None:
 
 def test_suspended_invalid_and_monitoring() -> None:
     spec = {"model": {"uri": "hf://o/m"}, "suspend": True}
-    st = compute_status(model(spec), deployment(0, 0, 0, spec_replicas=0), ReconcileOutcome(monitoring_skipped_reason="CRDNotInstalled"), None, T0)
+    st = compute_status(
+        model(spec),
+        deployment(0, 0, 0, spec_replicas=0),
+        ReconcileOutcome(monitoring_skipped_reason="CRDNotInstalled"),
+        None,
+        T0,
+    )
     c = conds(st)
     assert st.phase == "Suspended" and c["Ready"]["reason"] == "Suspended"
-    assert (c["MonitoringAvailable"]["status"], c["MonitoringAvailable"]["reason"]) == ("False", "CRDNotInstalled")
+    assert (c["MonitoringAvailable"]["status"], c["MonitoringAvailable"]["reason"]) == (
+        "False",
+        "CRDNotInstalled",
+    )
     invalid = compute_status(model(), None, ReconcileOutcome(invalid_spec="bad flag"), None, T0)
     assert invalid.phase == "Failed" and conds(invalid)["Degraded"]["message"] == "bad flag"
     assert invalid.endpoint is None

@@ -1,12 +1,16 @@
 """Quantized SmolLM2 checkpoints and the held-out scores, built once per test session.
 
 Calibration is deliberately small (128 tokens, a coarse AWQ grid) to keep the suite fast; the bounds in
-test_quant_accuracy.py were measured with exactly these settings.
+test_quant_accuracy.py were measured with exactly these settings. The quantizer itself is exercised on
+tiny models in every session (test_quant_formats.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,21 +33,47 @@ CHECKPOINTS: dict[str, dict[str, object]] = {
 }
 
 
+def _code_key(name: str, smollm2_dir: Path) -> str:
+    """Changes whenever anything that shapes the checkpoint changes: quantizer code, formats, model code."""
+    root = Path(__file__).resolve().parents[2]
+    files = [
+        *sorted((root / "server" / "quantize").glob("*.py")),
+        root / "server" / "quant" / "formats.py",
+        root / "server" / "quant" / "evaluation.py",
+        root / "server" / "models" / "llama.py",
+        root / "server" / "models" / "loader.py",
+    ]
+    h = hashlib.sha256(
+        f"{name}:{sorted(CHECKPOINTS[name].items())}:{CALIB_TOKENS}:{smollm2_dir.name}".encode()
+    )
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
-def quantized_checkpoint(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
-) -> Callable[[str], Path]:
+def quantized_checkpoint(smollm2_dir: Path) -> Callable[[str], Path]:
+    """Our quantizer's SmolLM2 checkpoints, cached next to the converted model (like it) and keyed by the
+    code that writes them, so a later session with unchanged code skips the ~1 min of calibration."""
+    from server.models.loader import default_cache_dir
     from server.quantize import QuantizeOptions, quantize_model
 
-    cache: dict[str, Path] = {}
-
     def get(name: str) -> Path:
-        if name not in cache:
-            out = tmp_path_factory.mktemp(f"smollm2-{name}")
-            opts = QuantizeOptions(calib_tokens=CALIB_TOKENS, **CHECKPOINTS[name])  # type: ignore[arg-type]
-            quantize_model(str(smollm2_dir), out, opts)
-            cache[name] = out
-        return cache[name]
+        target = default_cache_dir() / "quant-tests" / f"smollm2-{name}-{_code_key(name, smollm2_dir)}"
+        if not (target / "config.json").is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+            try:
+                opts = QuantizeOptions(calib_tokens=CALIB_TOKENS, **CHECKPOINTS[name])  # type: ignore[arg-type]
+                quantize_model(str(smollm2_dir), tmp, opts)
+                try:
+                    tmp.rename(target)
+                except OSError:  # another session finished the same checkpoint first
+                    if not (target / "config.json").is_file():
+                        raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return target
 
     return get
 

@@ -19,17 +19,20 @@ from server.models.loader import load_model
 from server.quant import QuantConfig, finalize, quantized_layer_bytes
 from server.quant.evaluation import SequenceScores, score_sequence, top1_agreement
 
-# method -> (max perplexity ratio to unquantized, min top-1 agreement, max bytes ratio to fp16)
+# method -> (max perplexity ratio to unquantized, min top-1 agreement, max bytes ratio to fp16).
+# Measured on this text (ratio, agreement): int8 0.995, 0.945; fp8 1.034, 0.922; bitsandbytes (LLM.int8)
+# 1.052, 0.875; int4 (group 128, 64 where 576 forces it) 1.308, 0.645; RTN group 64 1.254, 0.688;
+# AWQ 1.138, 0.781; GPTQ (asym, act-order) 1.178, 0.762; nf4 1.303, 0.707; fp4 1.451, 0.594.
 BOUNDS: dict[str, tuple[float, float, float]] = {
     "int8": (1.02, 0.90, 0.55),
-    "fp8": (1.06, 0.85, 0.55),
-    "bitsandbytes": (1.03, 0.88, 0.55),
-    "int4": (1.40, 0.62, 0.30),
-    "rtn-g64": (1.35, 0.64, 0.30),
-    "awq": (1.25, 0.68, 0.30),
-    "gptq": (1.30, 0.70, 0.30),
-    "bitsandbytes-nf4": (1.30, 0.65, 0.30),
-    "bitsandbytes-fp4": (1.60, 0.55, 0.30),
+    "fp8": (1.06, 0.88, 0.55),
+    "bitsandbytes": (1.08, 0.83, 0.55),
+    "int4": (1.38, 0.60, 0.30),
+    "rtn-g64": (1.32, 0.64, 0.30),
+    "awq": (1.20, 0.73, 0.30),
+    "gptq": (1.24, 0.71, 0.30),
+    "bitsandbytes-nf4": (1.37, 0.65, 0.30),
+    "bitsandbytes-fp4": (1.53, 0.54, 0.30),
 }
 
 
@@ -94,5 +97,5 @@ def test_quant_awq_and_gptq_beat_round_to_nearest(measure: Callable[[str], Measu
 
 @pytest.mark.slow
 def test_quant_unquantized_reference_is_sane(measure: Callable[[str], Measured]) -> None:
-    # The dequantized-Q4_1 SmolLM2-135M on plain English prose: measured 18.8.
-    assert 10 < measure("none").scores.perplexity < 30
+    # The dequantized-Q4_1 SmolLM2-135M on this plain English prose: measured 21.79.
+    assert 15 < measure("none").scores.perplexity < 30

@@ -82,10 +82,11 @@ def test_quant_int4_triton_path_matches() -> None:
 def test_quant_int8_per_channel() -> None:
     weight = _weight()
     layer = Int8Linear.quantize(weight, None)
-    assert layer.qweight.dtype == torch.int8
-    deq = layer.qweight.float() * layer.scale.float()[:, None]
+    assert layer.qweight.dtype == torch.int8 and layer.scale is not None
+    scale = layer.scale.float()[:, None]  # [N, 1]
+    deq = layer.qweight.float() * scale
     # Round to nearest: at most half a step per element.
-    assert bool(((deq - weight).abs() <= layer.scale.float()[:, None] * 0.5 + 1e-7).all())
+    assert bool(((deq - weight).abs() <= scale * 0.5 + 1e-7).all())
     x = _x()
     assert _rel_err(layer(x), x @ deq.t()) < 0.02
     assert _rel_err(layer(x), x @ weight.t()) < 0.03
@@ -136,6 +137,6 @@ def test_quant_weight_bytes_of_quantized_layers(method: str, ratio: float) -> No
     m = _TwoLayer()
     finalize(m, QuantConfig(method=method, is_prequantized=False), torch.bfloat16)
     assert isinstance(m.lm_head, nn.Linear)  # lm_head stays dense
-    assert type(m.model.layers[0].self_attn.q_proj).__name__ != "Linear"
+    assert type(m.get_submodule("model.layers.0.self_attn.q_proj")).__name__ != "Linear"
     held, fp16 = quantized_layer_bytes(m)
     assert held <= ratio * fp16, (held, fp16)

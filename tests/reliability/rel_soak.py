@@ -17,7 +17,6 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,30 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rel_support import new_marker, parse_metrics, rss_bytes  # noqa: E402
+from rel_support import new_marker, parse_metrics, rss_bytes
 
-WORDS = (
-    "river stone apple window garden silver morning paper orange cloud station market yellow "
-    "engine forest bridge castle winter summer candle"
-).split()
+WORDS = [
+    "river",
+    "stone",
+    "apple",
+    "window",
+    "garden",
+    "silver",
+    "morning",
+    "paper",
+    "orange",
+    "cloud",
+    "station",
+    "market",
+    "yellow",
+    "engine",
+    "forest",
+    "bridge",
+    "castle",
+    "winter",
+    "summer",
+    "candle",
+]
 
 # Kinds of request in the plan; the weights add up to 100.
 WELL_FORMED = ("tgi", "tgi_stream", "cmpl", "cmpl_stream", "chat", "chat_stream")
@@ -58,9 +75,9 @@ class SoakConfig:
     max_total_tokens: int = 192
     max_concurrent_requests: int = 24
     disconnect_rate: float = 0.2  # of well-formed requests
-    long_rate: float = 0.03  # well-formed requests asking for (almost) all of max_total_tokens
+    long_rate: float = 0.01  # well-formed requests asking for (almost) all of max_total_tokens
     burst_size: int = 40
-    burst_at: tuple[int, ...] = (250, 500, 750)  # completed-request counts that trigger a burst
+    num_bursts: int = 3  # fired when 1/4, 2/4 and 3/4 of the steady requests have completed
     memory_at: tuple[int, int] = (200, 1000)
     seed: int = 1234
     request_timeout_s: float = 120.0
@@ -119,7 +136,7 @@ def make_plan(cfg: SoakConfig, marker_prefix: str) -> list[Job]:
     rng = random.Random(cfg.seed)
     kinds = list(WEIGHTS)
     weights = [WEIGHTS[k] for k in kinds]
-    n_burst = cfg.burst_size * len(cfg.burst_at)
+    n_burst = cfg.burst_size * cfg.num_bursts
     jobs = []
     for i in range(cfg.num_requests):
         burst = i >= cfg.num_requests - n_burst
@@ -163,13 +180,14 @@ class Soak:
         cfg = self.cfg
         r = self.rng
         kind = job.kind
-        n_words = r.randint(2, 30)
+        # Chat templates add a system prompt (~30 tokens for SmolLM2's): keep chat prompts short.
+        n_words = r.randint(2, 8) if kind.startswith("chat") else r.randint(2, 24)
         if job.long:
             max_new = cfg.max_total_tokens - cfg.max_input_tokens
         elif job.burst:
             max_new = r.randint(2, 6)
         else:
-            max_new = r.randint(1, 16)
+            max_new = r.randint(1, 8)
         stream = kind.endswith("_stream")
         if kind in ("tgi", "tgi_stream"):
             params: dict[str, Any] = {"max_new_tokens": max_new, "details": r.random() < 0.5}
@@ -212,7 +230,12 @@ class Soak:
             if choice == 0:
                 return "/generate", {"inputs": [job.marker], "parameters": {"max_new_tokens": 4}}, False, 4
             if choice == 1:
-                return "/generate_stream", {"inputs": job.marker, "parameters": {"max_new_tokens": "x"}}, True, 4
+                return (
+                    "/generate_stream",
+                    {"inputs": job.marker, "parameters": {"max_new_tokens": "x"}},
+                    True,
+                    4,
+                )
             if choice == 2:
                 return "/v1/completions", {"prompt": {"text": job.marker}, "max_tokens": 4}, False, 4
             return "/v1/chat/completions", {"messages": job.marker, "max_tokens": 4}, False, 4
@@ -272,8 +295,14 @@ class Soak:
         except ValueError:
             return Result(job.index, job.kind, "unexpected", status, f"non-JSON body: {r.text[:200]!r}")
         if status == 429:
-            ok = (data["error"]["type"] == "RateLimitError") if openai_route else data["error_type"] == "overloaded"
-            return Result(job.index, job.kind, "rejected_429" if ok else "unexpected", status, str(data)[:200])
+            ok = (
+                (data["error"]["type"] == "RateLimitError")
+                if openai_route
+                else data["error_type"] == "overloaded"
+            )
+            return Result(
+                job.index, job.kind, "rejected_429" if ok else "unexpected", status, str(data)[:200]
+            )
         if job.kind in BAD:
             want = 413 if job.kind == "too_large" else (400 if openai_route else 422)
             if job.kind == "huge_max_new" and max_new == self.cfg.max_total_tokens:
@@ -339,7 +368,9 @@ class Soak:
                 "stop_sequence",
             ):
                 return bad("bad details")
-            return Result(job.index, job.kind, "completed", 200, output_text=last["generated_text"], generated_tokens=n)
+            return Result(
+                job.index, job.kind, "completed", 200, output_text=last["generated_text"], generated_tokens=n
+            )
         if events[-1] != "[DONE]":
             return bad("no [DONE]")
         parsed = [json.loads(e) for e in events[:-1]]
@@ -404,8 +435,11 @@ class Soak:
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=64)
         timeout = httpx.Timeout(cfg.request_timeout_s)
         async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
-            m0 = parse_metrics((await client.get("/metrics")).text)
-            for at in (*cfg.burst_at, *cfg.memory_at):
+            t0_text = (await client.get("/metrics")).text
+            m0 = parse_metrics(t0_text)
+            status0 = _status_counts(t0_text)
+            burst_at = [len(steady) * (k + 1) // (cfg.num_bursts + 1) for k in range(cfg.num_bursts)]
+            for at in (*burst_at, *cfg.memory_at):
                 self._milestones.setdefault(at, asyncio.Event())
             queue: asyncio.Queue[Job] = asyncio.Queue()
             for j in steady:
@@ -420,7 +454,7 @@ class Soak:
                     await self._guarded(client, job)
 
             async def burster() -> None:
-                for k, at in enumerate(cfg.burst_at):
+                for k, at in enumerate(burst_at):
                     await self._milestones[at].wait()
                     group = bursts[k * cfg.burst_size : (k + 1) * cfg.burst_size]
                     await asyncio.gather(*(self._guarded(client, j) for j in group))
@@ -439,18 +473,23 @@ class Soak:
             by_kind.setdefault(r.kind, {}).setdefault(r.outcome, 0)
             by_kind[r.kind][r.outcome] += 1
         statuses = Counter(str(r.status) for r in self.results)
-        gen_tokens = int(final.get("vllm:generation_tokens_total", 0) - m0.get("vllm:generation_tokens_total", 0))
-        lo, hi = (self.rss_at.get(str(k), 0) for k in cfg.memory_at)
-        server_5xx = sum(
-            v for k, v in _labelled(final, "kubeinfer_http_requests_total").items() if k.startswith("5")
+        gen_tokens = int(
+            final.get("vllm:generation_tokens_total", 0) - m0.get("vllm:generation_tokens_total", 0)
         )
+        lo, hi = (self.rss_at.get(str(k), 0) for k in cfg.memory_at)
+        status1 = _labelled(final, "kubeinfer_http_requests_total")
+        server_5xx = sum(v - status0.get(k, 0.0) for k, v in status1.items() if k.startswith("5"))
         samples = [r.output_text for r in self.results if len(r.output_text) >= 24][:400]
         return SoakReport(
             requests=len(self.results),
             outcomes=dict(outcomes),
             by_kind=by_kind,
             statuses=dict(statuses),
-            unexpected=[f"#{r.index} {r.kind} {r.status}: {r.detail}" for r in self.results if r.outcome == "unexpected"],
+            unexpected=[
+                f"#{r.index} {r.kind} {r.status}: {r.detail}"
+                for r in self.results
+                if r.outcome == "unexpected"
+            ],
             wall_s=round(wall, 2),
             requests_per_s=round(len(self.results) / wall, 2),
             completed_per_s=round(outcomes["completed"] / wall, 2),
@@ -463,7 +502,8 @@ class Soak:
             final_running=final.get("vllm:num_requests_running", -1.0),
             final_waiting=final.get("vllm:num_requests_waiting", -1.0),
             final_in_flight=final.get("kubeinfer_requests_in_flight", -1.0),
-            preemptions=final.get("vllm:num_preemptions_total", 0.0) - m0.get("vllm:num_preemptions_total", 0.0),
+            preemptions=final.get("vllm:num_preemptions_total", 0.0)
+            - m0.get("vllm:num_preemptions_total", 0.0),
             rss_bytes_at=dict(self.rss_at),
             rss_growth_frac=round((hi - lo) / lo, 4) if lo else -1.0,
             peak_rss_bytes=self.peak_rss,

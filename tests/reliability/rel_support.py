@@ -9,13 +9,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
+
+API_KEY = "rel-test-key-0123456789"
+SERVED_NAME = "rel-tiny"
+MAX_INPUT, MAX_TOTAL = 48, 96
 
 
 def free_port() -> int:
@@ -76,7 +82,13 @@ def subprocess_env() -> dict[str, str]:
         OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"
     )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    for name in ("API_KEY", "PAYLOAD_LIMIT", "MAX_CONCURRENT_REQUESTS", "MAX_INPUT_TOKENS", "MAX_TOTAL_TOKENS"):
+    for name in (
+        "API_KEY",
+        "PAYLOAD_LIMIT",
+        "MAX_CONCURRENT_REQUESTS",
+        "MAX_INPUT_TOKENS",
+        "MAX_TOTAL_TOKENS",
+    ):
         env.pop(name, None)
     return env
 
@@ -132,3 +144,60 @@ def start_server(model: Path, log_path: Path, *flags: str) -> ServerProcess:
         srv.stop()
         raise
     return srv
+
+
+@dataclass
+class InProcServer:
+    url: str
+    state: Any  # server.api.state.ServerState
+    llm: Any  # server.engine.LLMEngine
+    uvicorn_server: Any
+    thread: threading.Thread
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def stop(self) -> None:
+        self.uvicorn_server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def engine_config(model: Path, num_kv_blocks: int = 64) -> Any:
+    from server.config import CacheConfig, EngineConfig, ModelConfig
+
+    return EngineConfig(
+        model=ModelConfig(model=str(model), dtype="float32", served_model_name=SERVED_NAME),
+        cache=CacheConfig(num_kv_blocks=num_kv_blocks),
+        max_num_seqs=16,
+        num_threads=1,
+    )
+
+
+def serve_in_process(llm: Any, api_key: str | None = API_KEY, **server_kw: Any) -> InProcServer:
+    """Serves an already loaded LLMEngine with the real app on a free 127.0.0.1 port."""
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.api.state import ServerState
+    from server.config import ServerConfig
+
+    port = free_port()
+    config = ServerConfig(
+        engine=llm.config,
+        host="127.0.0.1",
+        port=port,
+        max_concurrent_requests=32,
+        max_input_tokens=MAX_INPUT,
+        max_total_tokens=MAX_TOTAL,
+        api_key=api_key,
+        **server_kw,
+    )
+    state = ServerState(config, engine_factory=lambda: llm)
+    app = create_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
+    thread = threading.Thread(target=server.run, name=f"rel-server-{port}", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, timeout_s=120)
+    return InProcServer(url=url, state=state, llm=llm, uvicorn_server=server, thread=thread)

@@ -1,0 +1,229 @@
+"""The OpenAPI document, completed with what FastAPI cannot infer from the routes.
+
+The generation routes read their JSON bodies themselves (to enforce the payload limit while reading,
+and to answer bad input in each client family's error format), so FastAPI sees neither their request
+bodies nor their error statuses nor their event-stream responses. This module adds them, so that
+clients, code generators and fuzzers (schemathesis) see the contract the server actually keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from .protocol import ChatCompletionRequest, CompletionRequest, TGIRequest, TGITokenizeRequest
+
+_REF = "#/components/schemas/{model}"
+
+_TGI_ERROR = {
+    "type": "object",
+    "required": ["error", "error_type"],
+    "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}},
+}
+_OPENAI_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+_TGI_GENERATION = {
+    "type": "object",
+    "required": ["generated_text"],
+    "properties": {"generated_text": {"type": "string"}, "details": {"type": "object"}},
+}
+_OPENAI_COMPLETION = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {"type": "array", "items": {"type": "object"}},
+        "usage": {"type": "object"},
+    },
+}
+_TOKENS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["id", "text", "start", "stop"],
+        "properties": {
+            "id": {"type": "integer"},
+            "text": {"type": "string"},
+            "start": {"type": "integer"},
+            "stop": {"type": "integer"},
+        },
+    },
+}
+_STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+# Before OpenAPI 3.2's itemSchema, an event-stream schema describes one event (as schemathesis reads it).
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "contentMediaType": "application/json"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+_EVENT_STREAM = {"text/event-stream": {"schema": _SSE_EVENT}}
+
+# Statuses each family of generation route can answer with, besides 200.
+_TGI_ERRORS = {
+    401: "Missing or wrong API key",
+    413: "Request body over the payload limit",
+    422: "Validation error (malformed JSON, wrong types, out-of-range parameters, token limits)",
+    424: "The engine failed this request (error_type generation)",
+    429: "Over --max-concurrent-requests (error_type overloaded)",
+    500: "The request ended early (error_type incomplete_generation)",
+    503: "Loading or draining (error_type unavailable)",
+}
+_OPENAI_ERRORS = {
+    400: "Validation error (malformed JSON, wrong types, out-of-range parameters, token limits)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body over the payload limit",
+    429: "Over --max-concurrent-requests",
+    500: "The engine failed this request, or it ended early",
+    503: "Loading or draining",
+}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _body(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template=_REF)
+    components.update(schema.pop("$defs", {}))
+    components[model.__name__] = schema
+    return {"required": True, "content": _json({"$ref": _REF.format(model=model.__name__)})}
+
+
+def _errors(table: dict[int, str], schema: dict[str, Any]) -> dict[str, Any]:
+    return {str(code): {"description": text, "content": _json(schema)} for code, text in table.items()}
+
+
+def _generation_routes(components: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    tgi, openai = _errors(_TGI_ERRORS, _TGI_ERROR), _errors(_OPENAI_ERRORS, _OPENAI_ERROR)
+    tgi_body, tokenize_body = _body(TGIRequest, components), _body(TGITokenizeRequest, components)
+    return {
+        "/generate": {
+            "requestBody": tgi_body,
+            "responses": {"200": {"description": "Generated text", "content": _json(_TGI_GENERATION)}, **tgi},
+        },
+        "/generate_stream": {
+            "requestBody": tgi_body,
+            "responses": {
+                "200": {"description": "Server-sent events, one per token", "content": _EVENT_STREAM},
+                **tgi,
+            },
+        },
+        "/": {
+            "requestBody": tgi_body,
+            "responses": {
+                "200": {
+                    "description": "A one-element list, or server-sent events when stream is true",
+                    "content": {**_json({"type": "array", "items": _TGI_GENERATION}), **_EVENT_STREAM},
+                },
+                **tgi,
+            },
+        },
+        "/tokenize": {
+            "requestBody": tokenize_body,
+            "responses": {
+                "200": {"description": "Tokens with their character offsets", "content": _json(_TOKENS)},
+                **{k: v for k, v in tgi.items() if k in ("401", "413", "422", "503")},
+            },
+        },
+        "/v1/completions": {
+            "requestBody": _body(CompletionRequest, components),
+            "responses": {
+                "200": {
+                    "description": "A completion, or server-sent events when stream is true",
+                    "content": {**_json(_OPENAI_COMPLETION), **_EVENT_STREAM},
+                },
+                **openai,
+            },
+        },
+        "/v1/chat/completions": {
+            "requestBody": _body(ChatCompletionRequest, components),
+            "responses": {
+                "200": {
+                    "description": "A chat completion, or server-sent events when stream is true",
+                    "content": {**_json(_OPENAI_COMPLETION), **_EVENT_STREAM},
+                },
+                **openai,
+            },
+        },
+    }
+
+
+def _other_routes(metrics_content_type: str) -> dict[str, dict[str, Any]]:
+    return {
+        "/health": {"responses": {"503": {"description": "The engine loop died", "content": _json(_STATUS)}}},
+        "/ready": {
+            "responses": {"503": {"description": "Loading, draining or dead", "content": _json(_STATUS)}}
+        },
+        "/metrics": {
+            "responses": {
+                "200": {
+                    "description": "Prometheus text format",
+                    "content": {metrics_content_type.split(";")[0]: {"schema": {"type": "string"}}},
+                }
+            }
+        },
+        "/info": {
+            "responses": {"503": {"description": "The model is still loading", "content": _json(_TGI_ERROR)}}
+        },
+        "/v1/models": {
+            "responses": {
+                "401": {"description": "Missing or wrong API key", "content": _json(_OPENAI_ERROR)},
+                "503": {"description": "The model is still loading", "content": _json(_OPENAI_ERROR)},
+            }
+        },
+    }
+
+
+def install_openapi(app: FastAPI, metrics_content_type: str, open_paths: frozenset[str]) -> None:
+    """Replaces app.openapi with a builder that adds request bodies, error responses, event-stream
+    responses and the bearer scheme (on every route outside `open_paths`)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        components.setdefault("securitySchemes", {})["bearerAuth"] = {"type": "http", "scheme": "bearer"}
+        extra = {**_generation_routes(schemas), **_other_routes(metrics_content_type)}
+        for path, item in schema.get("paths", {}).items():
+            for method, op in item.items():
+                add = extra.get(path, {})
+                if method == "post" and "requestBody" in add:
+                    op["requestBody"] = add["requestBody"]
+                for code, resp in add.get("responses", {}).items():
+                    op.setdefault("responses", {})[code] = resp
+                if path not in open_paths:
+                    op["security"] = [{"bearerAuth": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
