@@ -1,5 +1,6 @@
 """Offline throughput: our engine vs transformers generate one request at a time (what pipeline()
-does) vs transformers static batching, in the same run, all in bf16 by default. Prints JSON.
+does) vs transformers static batching, in the same run, all in one dtype: --dtype auto (the server's default) is bf16 where the CPU has
+native bf16 and fp32 on AVX2-only CPUs, where bf16 matmuls are emulated and ~5x slower. Prints JSON.
 
     python benchmarks/offline_throughput.py [--num-requests 64 --prompt-len 128 --new-tokens 64]
 """
@@ -109,7 +110,7 @@ def bench_hf_static(model, prompts: list[list[int]], new_tokens: int, batch: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -134,7 +135,10 @@ def main() -> None:
     probe = load_hf(folder, torch.bfloat16)
     vocab = probe.config.vocab_size
     prompts = make_prompts(args.num_requests, args.prompt_len, vocab, seed=0)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
+    from server.models.loader import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = str(dtype).removeprefix("torch.")
     hf = probe if dtype == torch.bfloat16 else load_hf(folder, dtype)
 
     ours = bench_engine(args, prompts)

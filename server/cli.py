@@ -107,7 +107,13 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "SERVED_MODEL_NAME",
         "Model name reported by the APIs and metrics (default: the model id)",
     )
-    add("--dtype", "DTYPE", "Weight and activation dtype", default="auto", choices=DTYPE_CHOICES)
+    add(
+        "--dtype",
+        "DTYPE",
+        "Weight and activation dtype (auto: bf16 on GPUs and on CPUs with native bf16, else fp32)",
+        default="auto",
+        choices=DTYPE_CHOICES,
+    )
     add(
         "--quantize",
         "QUANTIZE",

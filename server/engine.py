@@ -18,6 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
+from server.attention import make_attention_backend
 from server.config import EngineConfig
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
@@ -25,7 +26,6 @@ from server.core.scheduler import Scheduler, SchedulerConfig
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.request import FinishReason, Request, SamplingParams
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
-from server.attention import make_attention_backend
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 log = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ whole batch, then attends, so a sequence may read blocks another sequence writes
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from server.models.arch import ArchConfig
 from server.attention import AttentionBackend, AttentionMetadata
+from server.models.arch import ArchConfig
 
 
 class RMSNorm(nn.Module):
@@ -162,9 +162,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            h = h + layer.self_attn(
-                layer.input_layernorm(h), cos, sin, k_cache, v_cache, meta, backend
-            )
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, k_cache, v_cache, meta, backend)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 

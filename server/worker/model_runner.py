@@ -7,9 +7,9 @@ import logging
 import torch
 from torch import Tensor
 
+from server.attention import AttentionBackend
 from server.core.outputs import ModelOutput, SchedulerOutput
 from server.models.llama import LlamaForCausalLM
-from server.attention import AttentionBackend
 from server.worker.input_batch import ForwardBatch, build_forward_batch
 from server.worker.sampler import Sampler, SamplingRow
 

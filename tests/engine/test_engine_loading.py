@@ -79,3 +79,15 @@ def test_gguf_conversion_is_cached(smollm2_dir: Path, monkeypatch: pytest.Monkey
     again = convert_gguf(embedded_gguf_path(), smollm2_dir.parent)
     assert again == smollm2_dir
     assert (smollm2_dir / "model.safetensors").stat().st_size > 100_000_000
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.models import loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    assert loader.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    assert loader.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        loader.resolve_dtype("int3", torch.device("cpu"))

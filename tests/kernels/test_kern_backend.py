@@ -10,8 +10,8 @@ from kern_paged import ATTN_TOL
 
 from kernels.reference import paged_attention_ref, store_kv_cache_ref
 from server.attention.torch_backend import TorchAttentionBackend
-from server.worker.input_batch import AttentionMetadata
 from server.attention.triton_backend import TritonAttentionBackend
+from server.worker.input_batch import AttentionMetadata
 
 BLOCK_SIZE = 16
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 64
