@@ -5,7 +5,7 @@
 
 AWQ and GPTQ checkpoints are written once by our quantizer into --work-dir and reused. Perplexity is
 over the held-out text of server.quant.evaluation (scored in fp32, as the tests do); decode speed is a
-batch-1 greedy generation through LLMEngine in the serving dtype (bf16 on CPU), counted from the first
+batch-1 greedy generation through LLMEngine in the serving dtype ("auto"), counted from the first
 token to the last. The reference ("none") is the embedded model, itself dequantized Q4_1.
 """
 
@@ -44,8 +44,8 @@ ALL_METHODS = (
     "bitsandbytes-fp4",
 )
 PREQUANTIZED = {
-    "awq": {"method": "awq"},
-    "gptq": {"method": "gptq", "sym": False, "act_order": True},
+    "awq": {"method": "awq", "awq_grid": 10},
+    "gptq": {"method": "gptq", "sym": False, "act_order": True, "damp_percent": 0.1},
 }
 
 
@@ -55,8 +55,8 @@ class Row:
     perplexity: float
     perplexity_ratio: float
     top1_agreement_256: float
-    weight_bytes: int  # whole model, as /info reports it
-    quantized_layer_bytes: int  # the projections only
+    weight_bytes: int  # whole model in the serving dtype, as EngineInfo reports it
+    quantized_layer_bytes: int  # the projections only, in the serving dtype
     quantized_layer_ratio_vs_fp16: float
     decode_tokens_per_s: float
     load_s: float
@@ -87,7 +87,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/kubeinfer-quant-bench"))
-    ap.add_argument("--calib-tokens", type=int, default=512)
+    ap.add_argument("--calib-tokens", type=int, default=128, help="as the tests (see docs/quantization.md)")
     ap.add_argument("--eval-tokens", type=int, default=257)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
@@ -107,7 +107,6 @@ def main() -> int:
         flag = None if method in ("none", *PREQUANTIZED) else method
         loaded = load_model(folder, torch.float32, torch.device("cpu"), 1024, flag)
         scores = score_sequence(loaded.model, heldout)
-        held, fp16 = quantized_layer_bytes(loaded.model)
         del loaded
         base_scores = base_scores or scores
         t0 = time.perf_counter()
@@ -121,6 +120,7 @@ def main() -> int:
             )
         )
         load_s = time.perf_counter() - t0
+        held, fp16 = quantized_layer_bytes(llm.loaded.model)  # in the serving dtype
         prompt = llm.tokenizer.encode("The history of the printing press")
         rows.append(
             Row(

@@ -16,6 +16,7 @@ from server.metrics import METRICS_CONTENT_TYPE
 
 from . import openai, tgi
 from .errors import APIError, ErrorKind, family_of_path
+from .generation import ClientGone
 from .openapi_doc import install_openapi
 from .state import Phase, ServerState
 
@@ -137,6 +138,10 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         return exc.response(family_of_path(request.url.path))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from server.core.outputs import Logprob, RequestOutput
 from server.engine import EngineDeadError
@@ -43,11 +44,15 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         raise APIError(ErrorKind.TOO_LARGE, f"request body is larger than {max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(ErrorKind.TOO_LARGE, f"request body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(ErrorKind.TOO_LARGE, f"request body is larger than {max_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Gone halfway through its body (e.g. a client timeout on a busy server): cancelled, not a 500.
+        raise ClientGone() from None
     try:
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

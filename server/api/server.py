@@ -77,6 +77,10 @@ def serve(config: ServerConfig) -> int:
         log_config=None,  # our logging setup (text or JSON) applies to uvicorn's loggers too
         access_log=False,  # the API middleware writes the access line
         timeout_graceful_shutdown=2,
+        # Longer than the idle timeout of clients' pools (httpx, hence openai: 5 s) and load balancers
+        # (60 s): whoever holds an idle connection drops it first. With uvicorn's 5 s default, a request
+        # sent just as the server closed the connection failed with a reset (seen in the soak test).
+        timeout_keep_alive=75,
         lifespan="on",
     )
     server = DrainingServer(uv_config, state)

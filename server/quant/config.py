@@ -95,6 +95,10 @@ def _from_checkpoint(cfg: dict[str, Any]) -> QuantConfig:
             raise ValueError(
                 "block-wise fp8 checkpoints (weight_block_size) are not supported; per-tensor/channel only"
             )
+        if cfg.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(
+                "fp8 checkpoints with static activation scales are not supported (weight-only fp8)"
+            )
         return QuantConfig(
             method="fp8",
             is_prequantized=True,

@@ -128,9 +128,21 @@ class Fp8CheckpointLinear(nn.Module):
         self.register_buffer(
             "weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
         )
-        # Shape depends on the checkpoint ([], [1], [N] or [N, 1]); assign=True takes whatever is stored.
-        self.register_buffer("weight_scale", torch.empty(1, dtype=torch.float32, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, 1, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # Checkpoints store the scale per tensor ([] or [1]) or per channel ([N] or [N, 1]): one layout here.
+        key = prefix + "weight_scale"
+        scale = state_dict.get(key)
+        if isinstance(scale, Tensor):
+            scale = scale.float().reshape(-1, 1)
+            if scale.shape[0] == 1:
+                scale = scale.expand(self.out_features, 1).clone()
+            state_dict[key] = scale
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         raise RuntimeError("an fp8 checkpoint layer runs only after quant.finalize()")

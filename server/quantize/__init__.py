@@ -39,7 +39,7 @@ class QuantizeOptions:
     )
     act_order: bool = False  # gptq desc_act
     calib_tokens: int = 512
-    damp_percent: float = 0.01
+    damp_percent: float = 0.1  # gptq; AutoGPTQ's 0.01 overfits a calibration text this small
     awq_clip: bool = True
     awq_grid: int = 20  # scale exponents tried (and clipping ratios: half as many)
 

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         "--act-order", action="store_true", help="gptq: desc_act (quantize columns by Hessian diagonal)"
     )
     parser.add_argument("--calib-tokens", type=int, default=512, help="calibration tokens (default 512)")
-    parser.add_argument("--damp-percent", type=float, default=0.01)
+    parser.add_argument("--damp-percent", type=float, default=0.1, help="gptq: Hessian damping (default 0.1)")
     parser.add_argument("--awq-grid", type=int, default=20, help="awq: scale exponents tried (default 20)")
     parser.add_argument("--no-clip", action="store_true", help="awq: skip the clipping search")
     args = parser.parse_args(argv)

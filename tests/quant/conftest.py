@@ -29,7 +29,7 @@ EVAL_TOKENS = 257  # 256 predicted positions
 # Checkpoints the accuracy, format and engine tests share: name -> QuantizeOptions keywords.
 CHECKPOINTS: dict[str, dict[str, object]] = {
     "awq": {"method": "awq", "awq_grid": AWQ_GRID},
-    "gptq": {"method": "gptq", "sym": False, "act_order": True},
+    "gptq": {"method": "gptq", "sym": False, "act_order": True, "damp_percent": 0.1},
 }
 
 

@@ -261,3 +261,44 @@ def test_quant_awq_checkpoint_preserves_the_function(tiny_quantized: dict[str, P
     for variant in ("awq", "gptq"):
         q = score_sequence(_load(tiny_quantized[variant]).model, ids)
         assert abs(float(q.nll.mean()) - float(base.nll.mean())) < 0.15 * float(base.nll.mean()), variant
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_quant_fp8_checkpoint_loads(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    per_tensor: bool,
+) -> None:
+    """An fp8 e4m3 checkpoint (quant_method fp8, weight + weight_scale) loads into Fp8Linear layers that
+    compute with exactly the stored weights."""
+    import shutil
+
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file
+
+    from server.quant.layers import Fp8Linear
+
+    src = tiny_model_factory(arch="llama", tie=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    state = load_torch(str(src / "model.safetensors"))
+    for name in [k for k in state if k.endswith("_proj.weight")]:
+        w = state[name].float()
+        amax = w.abs().amax() if per_tensor else w.abs().amax(dim=1, keepdim=True)  # [] or [N, 1]
+        scale = (amax / 448.0).clamp(min=1e-12)
+        state[name] = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        state[name.removesuffix("weight") + "weight_scale"] = scale.reshape(-1) if per_tensor else scale
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    loaded = _load(tmp_path)
+    assert loaded.quantization == "fp8"
+    name = "model.layers.1.mlp.down_proj"
+    layer = loaded.model.get_submodule(name)
+    assert isinstance(layer, Fp8Linear)
+    w = state[name + ".weight"].float() * state[name + ".weight_scale"].float().reshape(-1, 1)  # [N, K]
+    x = torch.randn(3, w.shape[1])
+    assert torch.allclose(_layer_output(loaded.model, name, x), x @ w.t(), rtol=1e-5, atol=1e-5)

@@ -124,3 +124,51 @@ def test_quant_flag_matching_checkpoint_is_accepted_and_conflict_is_refused(
     assert _engine(folder, "awq").info.quantization == "awq"
     with pytest.raises(ValueError, match=r"--quantize int8 conflicts with the checkpoint.*'awq'"):
         _engine(folder, "int8")
+
+
+@pytest.mark.slow
+def test_quant_python_m_server_serves_our_awq_checkpoint(
+    quantized_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The documented flow: `python -m server --model DIR` on a checkpoint from `python -m server.quantize`."""
+    import os
+    import subprocess
+    import sys
+
+    folder = quantized_checkpoint("awq")
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    env.pop("API_KEY", None)
+    cmd = [sys.executable, "-m", "server", "--model", str(folder), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--num-kv-blocks", "32", "--num-threads", "1"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server not ready"
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/info", timeout=10).json()["quantization"] == "awq"
+        r = httpx.post(
+            f"{url}/generate",
+            json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6, "do_sample": False}},
+            timeout=120,
+        )
+        assert r.status_code == 200 and "Paris" in r.json()["generated_text"], r.text
+        assert "quantization=awq" in log_path.read_text(errors="replace")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rel_support import new_marker, parse_metrics, rss_bytes
+from rel_support import http_status_counts, new_marker, parse_metrics, rss_bytes
 
 WORDS = [
     "river",
@@ -169,6 +169,7 @@ class Soak:
         self.peak_rss = 0
         self.peak = {"kv": 0.0, "running": 0.0, "waiting": 0.0}
         self._milestones: dict[int, asyncio.Event] = {}
+        self._progress: dict[int, str] = {}
 
     # ---- request builders --------------------------------------------------------------------
     def _prompt(self, job: Job, n_words: int) -> str:
@@ -273,6 +274,7 @@ class Soak:
             r = await client.post(path, **kw)
             return self._check_plain(job, r, path, body, max_new)
         async with client.stream("POST", path, **kw) as r:
+            self._progress[job.index] = "headers received"
             if r.status_code != 200:
                 await r.aread()
                 return self._check_plain(job, r, path, body, max_new)
@@ -280,6 +282,7 @@ class Soak:
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
                     events.append(line[5:].strip())
+                    self._progress[job.index] = f"{len(events)} events received"
                     if job.disconnect and len(events) >= 1:
                         # Leaving the block closes the unfinished response, i.e. the connection.
                         return Result(job.index, job.kind, "disconnected", 200)
@@ -412,7 +415,8 @@ class Soak:
         try:
             res = await self._one(client, job)
         except (httpx.HTTPError, json.JSONDecodeError) as e:
-            res = Result(job.index, job.kind, "unexpected", None, f"{type(e).__name__}: {e}")
+            where = self._progress.get(job.index, "before the response")
+            res = Result(job.index, job.kind, "unexpected", None, f"{type(e).__name__} ({where}): {e!r}")
         self._record(res)
 
     async def _poll_metrics(self, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
@@ -432,7 +436,9 @@ class Soak:
         plan = make_plan(cfg, self.marker_prefix)
         steady = [j for j in plan if not j.burst]
         bursts = [j for j in plan if j.burst]
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=64)
+        # httpx's default 5 s keep-alive expiry, as the openai client has: a server that closes idle
+        # connections as early (uvicorn's default) makes a request now and then fail with a reset.
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=64, keepalive_expiry=5.0)
         timeout = httpx.Timeout(cfg.request_timeout_s)
         async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
             t0_text = (await client.get("/metrics")).text
@@ -536,11 +542,8 @@ class Soak:
 def _status_counts(text: str) -> dict[str, float]:
     """kubeinfer_http_requests_total summed by status."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kubeinfer_http_requests_total{"):
-            labels, value = line.rsplit(" ", 1)
-            status = labels.split('status="', 1)[1].split('"', 1)[0]
-            out[status] = out.get(status, 0.0) + float(value)
+    for (_, status), value in http_status_counts(text).items():
+        out[status] = out.get(status, 0.0) + value
     return out
 
 

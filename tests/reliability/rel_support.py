@@ -50,6 +50,18 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def http_status_counts(text: str) -> dict[tuple[str, str], float]:
+    """kubeinfer_http_requests_total by (route, status)."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if line.startswith("kubeinfer_http_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            route = labels.split('route="', 1)[1].split('"', 1)[0]
+            status = labels.split('status="', 1)[1].split('"', 1)[0]
+            out[(route, status)] = out.get((route, status), 0.0) + float(value)
+    return out
+
+
 def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
     return parse_metrics(httpx.get(f"{url}/metrics", timeout=timeout).text)
 

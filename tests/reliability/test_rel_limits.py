@@ -7,12 +7,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from rel_support import API_KEY, InProcServer, new_marker
+from rel_support import API_KEY, InProcServer, http_status_counts, new_marker
 
 DEFAULT_LIMIT = 2_000_000
 
@@ -189,3 +191,37 @@ def test_rel_limits_prompts_and_outputs_not_logged_at_info(
     texts = _record_texts(records)
     assert not [t for t in texts if marker in t]
     assert not [(o, t) for o in outputs for t in texts if o in t]
+
+
+def test_rel_limits_disconnect_while_sending_body_is_not_a_server_error(
+    rel_server: InProcServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that goes away halfway through its request body (an impatient client on a busy server)
+    is a cancelled request (499 in the metrics), not a 500 with a logged traceback."""
+    caplog.set_level(logging.INFO)
+    host, port = rel_server.url.removeprefix("http://").split(":")
+    paths = ("/generate", "/v1/completions", "/tokenize")
+
+    def counts() -> dict[tuple[str, str], float]:
+        text = httpx.get(f"{rel_server.url}/metrics", timeout=10).text
+        return {k: v for k, v in http_status_counts(text).items() if k[0] in paths}
+
+    before = counts()
+    for path in paths:
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            head = (
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            )
+            s.sendall(head.encode() + b'{"inputs": "half a bo')
+            time.sleep(0.3)  # the server is now waiting for the rest of the body
+    deadline = time.monotonic() + 15
+    while sum(counts().values()) - sum(before.values()) < len(paths):
+        assert time.monotonic() < deadline, "the server never finished the abandoned requests"
+        time.sleep(0.1)
+    after = counts()
+    new = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert not [k for k in new if k[1].startswith("5")], new
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert rel_server.state.in_flight == 0
