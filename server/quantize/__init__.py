@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from server.models.loader import load_model, resolve_model
+from server.models.loader import load_model, read_hf_config, resolve_model
 from server.quant import iter_projections
 from server.quant.evaluation import SequenceRunner, decoder_layers
 from server.quant.formats import Int4Weights, awq_encode, gptq_encode
@@ -84,6 +84,12 @@ def _auto_group_size(in_features: list[int]) -> int:
 def quantize_model(model: str | None, out: Path, opts: QuantizeOptions) -> QuantizeResult:
     t0 = time.monotonic()
     source = resolve_model(model)
+    existing = read_hf_config(source.folder).get("quantization_config")
+    if existing is not None:
+        raise ValueError(
+            f"{source.folder} is already quantized (quant_method {existing.get('quant_method')!r}): "
+            "quantize from a full-precision checkpoint"
+        )
     loaded = load_model(source.folder, torch.float32, torch.device("cpu"), opts.calib_tokens + 1)
     net = loaded.model
     projections = list(iter_projections(net))

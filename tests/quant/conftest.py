@@ -73,6 +73,9 @@ def quantized_checkpoint(smollm2_dir: Path) -> Callable[[str], Path]:
                         raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+            for stale in target.parent.glob(f"smollm2-{name}-*"):  # written by older code
+                if stale != target:
+                    shutil.rmtree(stale, ignore_errors=True)
         return target
 
     return get

@@ -302,3 +302,12 @@ def test_quant_fp8_checkpoint_loads(
     w = state[name + ".weight"].float() * state[name + ".weight_scale"].float().reshape(-1, 1)  # [N, K]
     x = torch.randn(3, w.shape[1])
     assert torch.allclose(_layer_output(loaded.model, name, x), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_quant_quantizer_refuses_an_already_quantized_checkpoint(
+    tiny_quantized: dict[str, Path], tmp_path: Path
+) -> None:
+    from server.quantize import QuantizeOptions, quantize_model
+
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(str(tiny_quantized["awq"]), tmp_path / "out", QuantizeOptions("gptq", calib_tokens=16))
