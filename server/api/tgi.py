@@ -445,6 +445,7 @@ async def info(request: Request) -> Response:
             "dtype": i.dtype,
             "quantization": i.quantization,
             "num_parameters": i.num_parameters,
+            "weight_bytes": i.weight_bytes,
             "kv_block_size": i.block_size,
             "kv_blocks": i.num_kv_blocks,
             "max_num_seqs": i.max_num_seqs,

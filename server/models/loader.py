@@ -252,7 +252,7 @@ def load_model(
         quant.finalize(model, qcfg, dtype)
     model.eval()
     model.requires_grad_(False)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = arch.num_parameters
     return LoadedModel(
         model=model,
         arch=arch,

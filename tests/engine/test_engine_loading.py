@@ -91,3 +91,9 @@ def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         loader.resolve_dtype("int3", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("arch", "tie"), [("llama", True), ("qwen2", False)])
+def test_logical_parameter_count_matches_the_dense_model(tiny_model_factory, arch: str, tie: bool) -> None:  # type: ignore[no-untyped-def]
+    loaded = load_model(tiny_model_factory(arch, tie=tie), torch.float32, torch.device("cpu"), 64)
+    assert loaded.num_parameters == sum(p.numel() for p in loaded.model.parameters())

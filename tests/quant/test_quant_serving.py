@@ -75,6 +75,7 @@ def _serve_and_check(llm: LLMEngine, quantize: str, max_new: int) -> str:
             time.sleep(0.1)
         info = httpx.get(f"{url}/info", timeout=10).json()
         assert info["quantization"] == quantize
+        assert info["weight_bytes"] == llm.info.weight_bytes > 0
         r = httpx.post(
             f"{url}/generate",
             json={"inputs": PROMPT, "parameters": {"max_new_tokens": max_new, "do_sample": False}},
