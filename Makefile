@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup serve test test-fast lint bench clean
 
-$(VENV)/.installed: pyproject.toml scripts/setup.sh
+$(VENV)/.installed: pyproject.toml scripts/setup.sh scripts/setup-helm.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
 	touch $@
 
