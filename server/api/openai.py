@@ -32,16 +32,11 @@ from .generation import (
 )
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from .sse import OPENAI_DONE, EventStreamResponse, openai_event
-from .state import ServerState
+from .state import ServerState, server_state
 
 router = APIRouter(tags=["OpenAI"])
 
 MAX_N = 16
-
-
-def _state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.server
-    return state
 
 
 @dataclass(frozen=True)
@@ -217,7 +212,7 @@ class Deferred:
 async def _serve(
     request: Request, prepare: Callable[[ServerState, Any], Awaitable[EventStreamResponse | Deferred]]
 ) -> Response:
-    state = _state(request)
+    state = server_state(request)
     slot = None
     try:
         slot = state.admit()
@@ -558,7 +553,7 @@ async def chat_completions(request: Request) -> Response:
 
 @router.get("/v1/models", summary="Served models (OpenAI)")
 async def models(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     if state.llm is None or state.limits is None:
         return APIError(ErrorKind.UNAVAILABLE, "the model is still loading").response(Family.OPENAI)
     info = state.llm.info

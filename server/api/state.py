@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from starlette.requests import Request
+
 from server.config import ServerConfig
 from server.core.outputs import SchedulerStats
 from server.engine import AsyncEngine, LLMEngine
@@ -213,3 +215,9 @@ class ServerState:
     async def shutdown(self) -> None:
         if self.engine is not None:
             await self.engine.shutdown()
+
+
+def server_state(request: Request) -> ServerState:
+    """The ServerState the app factory attached to the app."""
+    state: ServerState = request.app.state.server
+    return state

@@ -31,7 +31,7 @@ from .generation import (
 )
 from .protocol import TGIRequest, TGITokenizeRequest, parse
 from .sse import EventStreamResponse, tgi_event
-from .state import ServerState
+from .state import ServerState, server_state
 
 router = APIRouter(tags=["TGI"])
 
@@ -44,11 +44,6 @@ def _version() -> str:
 
 
 VERSION = _version()
-
-
-def _state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.server
-    return state
 
 
 @dataclass(frozen=True)
@@ -360,7 +355,7 @@ def _stream_details(plan: TGIPlan, gen: Generation) -> dict[str, Any]:
 
 
 async def _handle(request: Request, stream: bool | None, as_list: bool) -> Response:
-    state = _state(request)
+    state = server_state(request)
     received_at = time.monotonic()
     state.metrics.request_received()
     slot = None
@@ -414,7 +409,7 @@ async def compat_generate(request: Request) -> Response:
 
 @router.get("/info", summary="Model and router information (TGI)")
 async def info(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     if state.llm is None or state.limits is None:
         return JSONResponse(
             {"error": "the model is still loading", "error_type": "unavailable"}, status_code=503
@@ -458,7 +453,7 @@ async def info(request: Request) -> Response:
 
 @router.post("/tokenize", summary="Tokenize a prompt (TGI)")
 async def tokenize(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     try:
         if state.llm is None:
             raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
