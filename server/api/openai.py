@@ -49,6 +49,16 @@ class Job:
     params: SamplingParams
 
 
+def _stream_chunk(
+    rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool
+) -> dict[str, Any]:
+    """One streamed chunk; with include_usage every chunk carries "usage": null until the last one."""
+    c: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        c["usage"] = None
+    return c
+
+
 def _check_model(state: ServerState, model: str | None) -> None:
     assert state.llm is not None
     names = {state.llm.info.served_model_name, state.llm.info.model_id}
@@ -284,16 +294,7 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
 
         async def events() -> AsyncIterator[bytes]:
             def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-                c: dict[str, Any] = {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                }
-                if include_usage:
-                    c["usage"] = None
-                return c
+                return _stream_chunk(rid, "text_completion", created, model, choices, include_usage)
 
             completion_tokens = 0
             offsets = [0] * len(jobs)
@@ -453,16 +454,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            c: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if include_usage:
-                c["usage"] = None
-            return c
+            return _stream_chunk(rid, "chat.completion.chunk", created, model, choices, include_usage)
 
         async def events() -> AsyncIterator[bytes]:
             completion_tokens = 0
