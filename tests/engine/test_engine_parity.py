@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_driver import run_staggered
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
@@ -35,20 +36,6 @@ def hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]
             ids = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=0)
             outs.append(ids[0, len(p) :].tolist())
     return outs
-
-
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Requests arrive at different steps: request i is added before step i."""
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished():
-        if pending:
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", p, params)
-            got[f"r{i}"] = []
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(prompts))]
 
 
 def make_engine(folder: Path, **kw: object) -> LLMEngine:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from engine_driver import run_staggered
 
 import server.attention.triton_backend as triton_attention
 from server.config import CacheConfig, EngineConfig, ModelConfig
@@ -35,20 +36,6 @@ def _engine(folder: Path, backend: str) -> LLMEngine:
             attention_backend=backend,
         )
     )
-
-
-def _run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Request i arrives before step i, so prefills and decodes share steps."""
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished():
-        if pending:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params)
-            got[f"r{i}"] = []
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.slow
@@ -80,7 +67,7 @@ def test_triton_backend_greedy_tokens_equal_torch_backend(
         engine = _engine(folder, backend)
         assert engine.backend_name == backend
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-        results[backend] = _run_staggered(engine, prompts, params)
+        results[backend] = run_staggered(engine, prompts, params)
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
         assert stats.prefix_cache_hits > 0
