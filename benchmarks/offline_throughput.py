@@ -13,9 +13,13 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Every run in this process, ours and the baselines, gets server/cpu_env.py's CPU runtime settings:
+# importing the server package applies it, and it must happen before torch loads.
+import server  # noqa: F401
+
+# isort: split
 import torch
 
 

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import server  # noqa: F401  (applies server/cpu_env.py's CPU runtime settings before torch loads)
+
+# isort: split
 import torch
 
 from server.config import CacheConfig, EngineConfig, ModelConfig

@@ -226,7 +226,8 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600)
 def _serve_and_load(
     cmd: list[str], port: int, args: argparse.Namespace, prompts: list[str]
 ) -> dict[str, Any]:
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    # Both servers apply server/cpu_env.py's CPU runtime settings unless the caller's environment sets one.
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     log = tempfile.NamedTemporaryFile(prefix="serve_load-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

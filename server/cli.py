@@ -323,8 +323,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     setup_logging(config.log_format, args.log_level)
-    # torch (imported by the engine) reads this at import; idle spinning threads hurt shared CPUs.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from server.api.server import serve
 

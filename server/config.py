@@ -31,6 +31,8 @@ class ModelConfig:
     )
     served_model_name: str | None = None
     max_model_len: int | None = None  # None = min(model's max_position_embeddings, 8192)
+    # Fuse q/k/v and gate/up and pre-pack CPU weights after loading (models/serving_weights.py).
+    optimize_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

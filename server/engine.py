@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-# Must precede the first torch import anywhere in the process: with 2 cores and busy neighbours,
-# spinning OpenMP workers slow torch down 10-50x.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -24,6 +19,7 @@ from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
+from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, Request, SamplingParams
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -81,6 +77,8 @@ class LLMEngine:
         self.loaded: LoadedModel = load_model(
             self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize
         )
+        if config.model.optimize_weights:
+            prepare_for_serving(self.loaded.model, self.device, dtype)
         self.tokenizer = Tokenizer(self.source.folder)
         log.info("loaded weights from %s in %.1f s", self.source.folder, time.monotonic() - t0)
 

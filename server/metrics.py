@@ -169,7 +169,7 @@ class ServerMetrics:
         r = self.registry
         lbl = ["model_name"]
         self.http_requests = Counter(
-            "kubeinfer_http_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
+            "kubeinfer_http_requests", "HTTP requests by route and status.", [*lbl, "route", "status"], registry=r
         )
         self.request_success = Counter(
             "vllm:request_success",
@@ -269,7 +269,7 @@ class ServerMetrics:
         self._bump(f"failure:{err}")
 
     def http_request(self, route: str, status: int) -> None:
-        self.http_requests.labels(route=route, status=str(status)).inc()
+        self.http_requests.labels(model_name=self.model_name, route=route, status=str(status)).inc()
 
     def request_finished(self, t: FinishedRequestTimes) -> None:
         name = self.model_name

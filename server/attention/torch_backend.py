@@ -137,9 +137,11 @@ class TorchAttentionBackend:
             vd = v_cache.index_select(0, d.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
             # kd, vd: [Sd, Hkv, L, D]
             if q.dtype == torch.float32:
-                od = F.scaled_dot_product_attention(
-                    qd.unsqueeze(2), kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa
-                ).squeeze(2)
+                # The G query heads sharing a KV head become G query rows of one attention: each KV
+                # block is read once per KV head instead of once per query head.
+                qg = qd.view(sd, num_kv_heads, -1, head_dim)  # [Sd, Hkv, G, D]
+                od = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=d.mask, scale=scale)
+                od = od.reshape(sd, -1, head_dim)
             else:
                 od = _decode_attention_upcast(qd, kd, vd, d.mask, scale).to(q.dtype)
             out.index_copy_(0, d.rows, od)

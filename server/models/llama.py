@@ -53,30 +53,27 @@ def _rope_inv_freq(cfg: ArchConfig) -> Tensor:  # [head_dim / 2] fp32
 
 class RotaryEmbedding(nn.Module):
     cos: Tensor  # [max_positions, head_dim] fp32
-    sin: Tensor  # [max_positions, head_dim] fp32
+    sin: Tensor  # [max_positions, head_dim] fp32, first half negated (see apply_rotary)
 
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq = _rope_inv_freq(cfg)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # positions: [T] -> cos, sin: [T, 1, head_dim] in the activation dtype, once per step for all layers
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    # q: [T, Hq, D]; k: [T, Hkv, D]; cos, sin: [T, 1, D]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, D] -> [T, H, D]
+    # The reference computes x * cos + cat(-x2, x1) * sin; with the sign folded into `sin` the rotated
+    # half is a plain roll, and q and k go through together: 3 ops per layer instead of 10, which
+    # matters in decode steps where each op costs more in dispatch than in math.
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class Attention(nn.Module):
@@ -88,6 +85,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias, device=device)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias, device=device)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias, device=device)
+        # Set by serving_weights.prepare_for_serving: q/k/v in one matmul, replacing the three above.
+        self.qkv_proj: nn.Module | None = None
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -100,11 +99,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> Tensor:  # [T, hidden]
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+            qk = apply_rotary(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        else:
+            q = apply_rotary(self.q_proj(x).view(t, hq, d), cos, sin)
+            k = apply_rotary(self.k_proj(x).view(t, hkv, d), cos, sin)
+            v = self.v_proj(x).view(t, hkv, d)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -116,9 +120,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias, device=device)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias, device=device)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias, device=device)
+        # Set by serving_weights.prepare_for_serving: gate and up in one matmul.
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

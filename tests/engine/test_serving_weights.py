@@ -1,0 +1,62 @@
+"""Fused projections and CPU pre-packed weights compute what the model loaded by name computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from server.models.llama import DecoderLayer
+from server.models.loader import load_model
+from server.models.serving_weights import PackedLinear, cpu_packing_supported, prepare_for_serving
+from server.quant.evaluation import SequenceRunner
+
+CPU = torch.device("cpu")
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return SequenceRunner(model, ids.numel()).logits(ids)  # [T, vocab]
+
+
+@pytest.mark.parametrize(("arch", "tie"), [("llama", True), ("qwen2", False)])
+def test_fused_and_packed_model_matches_the_loaded_one(tiny_model_factory, arch: str, tie: bool) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory(arch, tie=tie)
+    ref = load_model(folder, torch.float32, CPU, 64).model
+    opt = load_model(folder, torch.float32, CPU, 64).model
+    report = prepare_for_serving(opt, CPU, torch.float32)
+
+    layers = [m for m in opt.model.layers if isinstance(m, DecoderLayer)]
+    assert report.fused_projections == 2 * len(layers)
+    for layer in layers:
+        assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
+        assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+    if cpu_packing_supported(CPU, torch.float32):
+        # qkv, o, gate_up, down per layer, and the vocabulary projection.
+        assert report.packed_linears == 4 * len(layers) + 1
+        assert isinstance(opt.lm_head, PackedLinear)
+        assert not any(type(m) is nn.Linear for m in opt.modules())
+
+    ids = torch.randint(3, opt.config.vocab_size, (37,), generator=torch.Generator().manual_seed(0))
+    want, got = _logits(ref, ids), _logits(opt, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_bf16_weights_are_fused_but_not_packed(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = load_model(tiny_model_factory("qwen2", tie=False), torch.bfloat16, CPU, 64).model
+    report = prepare_for_serving(model, CPU, torch.bfloat16)
+    assert report.fused_projections > 0 and report.packed_linears == 0
+    assert not cpu_packing_supported(CPU, torch.bfloat16)
+
+
+def test_quantized_projections_keep_their_names(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=True)
+    ref = load_model(folder, torch.float32, CPU, 64, "int8").model
+    model = load_model(folder, torch.float32, CPU, 64, "int8").model
+    report = prepare_for_serving(model, CPU, torch.float32)
+    assert report.fused_projections == 0
+    layer = model.model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    assert type(layer.self_attn.q_proj) is not nn.Linear and layer.self_attn.qkv_proj is None
+    ids = torch.randint(3, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(model, ids), _logits(ref, ids), rtol=1e-4, atol=1e-4)
