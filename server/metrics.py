@@ -169,7 +169,10 @@ class ServerMetrics:
         r = self.registry
         lbl = ["model_name"]
         self.http_requests = Counter(
-            "kubeinfer_http_requests", "HTTP requests by route and status.", [*lbl, "route", "status"], registry=r
+            "kubeinfer_http_requests",
+            "HTTP requests by route and status.",
+            [*lbl, "route", "status"],
+            registry=r,
         )
         self.request_success = Counter(
             "vllm:request_success",

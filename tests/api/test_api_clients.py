@@ -236,7 +236,9 @@ def test_api_metrics_names(live_server: LiveServer) -> None:
     ):
         assert f"\n{name}{{" in text, name
     assert f'model_name="{SERVED_NAME}"' in text
-    assert f'kubeinfer_http_requests_total{{model_name="{SERVED_NAME}",route="/generate",status="200"}}' in text
+    assert (
+        f'kubeinfer_http_requests_total{{model_name="{SERVED_NAME}",route="/generate",status="200"}}' in text
+    )
     assert live_server.metric("vllm:generation_tokens_total") > 0
 
 
