@@ -156,6 +156,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        layers = list(self.model.layers)
+        assert all(isinstance(layer, DecoderLayer) for layer in layers)
+        return layers  # type: ignore[return-value]
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -170,8 +175,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> Tensor:  # [T, hidden]
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        for layer, (k_cache, v_cache) in zip(self.decoder_layers(), kv_caches, strict=True):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, k_cache, v_cache, meta, backend)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)

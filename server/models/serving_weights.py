@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from server.models.llama import DecoderLayer, LlamaForCausalLM
+from server.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ def prepare_for_serving(
     model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
 ) -> ServingWeightsReport:
     fused = 0
-    for layer in model.model.layers:
-        assert isinstance(layer, DecoderLayer)
+    for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         if qkv is not None:

@@ -90,15 +90,9 @@ class SequenceRunner:
     @torch.inference_mode()
     def logits(self, input_ids: Tensor) -> Tensor:  # input_ids: [T] -> [T, vocab] fp32
         h = self.embed(input_ids)
-        for layer in decoder_layers(self.model):
+        for layer in self.model.decoder_layers():
             h = self.layer(layer, h)
         return self.model.compute_logits(self.model.model.norm(h))
-
-
-def decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
-    layers = list(model.model.layers)
-    assert all(isinstance(layer, DecoderLayer) for layer in layers)
-    return layers  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

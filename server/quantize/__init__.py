@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from server.models.loader import load_model, read_hf_config, resolve_model
 from server.quant import iter_projections
-from server.quant.evaluation import SequenceRunner, decoder_layers
+from server.quant.evaluation import SequenceRunner
 from server.quant.formats import Int4Weights, awq_encode, gptq_encode
 from server.quantize.algorithms import AwqOptions, GptqOptions, awq_layer, gptq_layer, linear, rtn_layer
 from server.quantize.calibration import CALIBRATION_TEXT
@@ -102,7 +102,7 @@ def quantize_model(model: str | None, out: Path, opts: QuantizeOptions) -> Quant
     quantized: dict[str, Int4Weights] = {}
     with torch.no_grad():
         h = runner.embed(ids)
-        layers = decoder_layers(net)
+        layers = net.decoder_layers()
         for i, layer in enumerate(layers):
             if opts.method == "awq":
                 # Inputs of the next layer come from the full-precision layer, as in AutoAWQ.

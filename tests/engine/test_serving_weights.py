@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from server.models.llama import DecoderLayer
 from server.models.loader import load_model
 from server.models.serving_weights import PackedLinear, cpu_packing_supported, prepare_for_serving
 from server.quant.evaluation import SequenceRunner
@@ -25,7 +24,7 @@ def test_fused_and_packed_model_matches_the_loaded_one(tiny_model_factory, arch:
     opt = load_model(folder, torch.float32, CPU, 64).model
     report = prepare_for_serving(opt, CPU, torch.float32)
 
-    layers = [m for m in opt.model.layers if isinstance(m, DecoderLayer)]
+    layers = opt.decoder_layers()
     assert report.fused_projections == 2 * len(layers)
     for layer in layers:
         assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
@@ -55,8 +54,7 @@ def test_quantized_projections_keep_their_names(tiny_model_factory) -> None:  # 
     model = load_model(folder, torch.float32, CPU, 64, "int8").model
     report = prepare_for_serving(model, CPU, torch.float32)
     assert report.fused_projections == 0
-    layer = model.model.layers[0]
-    assert isinstance(layer, DecoderLayer)
+    layer = model.decoder_layers()[0]
     assert type(layer.self_attn.q_proj) is not nn.Linear and layer.self_attn.qkv_proj is None
     ids = torch.randint(3, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(model, ids), _logits(ref, ids), rtol=1e-4, atol=1e-4)
