@@ -123,7 +123,7 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--cache-dir",
         "KUBEINFER_CACHE_DIR",
-        "Folder for converted weights (default ~/.cache/kubeinfer)",
+        "Folder for converted weights and built CPU kernels (default ~/.cache/kubeinfer)",
         type=Path,
     )
     del g
@@ -213,7 +213,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--attention-backend",
         "KUBEINFER_ATTENTION_BACKEND",
-        "Attention implementation (auto: triton on CUDA, torch on CPU)",
+        "Attention implementation (auto: triton on CUDA; on CPU, cpu = torch plus a compiled decode kernel "
+        "built at first start, or torch when no C++ compiler is found)",
         default="auto",
         choices=ATTENTION_BACKENDS,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,8 +18,18 @@ QUANTIZE_CHOICES = (
     "int8",
     "int4",
 )
+
+
+def default_cache_dir() -> Path:
+    """Converted weights and built CPU kernels: $KUBEINFER_CACHE_DIR, else ~/.cache/kubeinfer."""
+    env = os.environ.get("KUBEINFER_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kubeinfer"
+
+
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -26,9 +37,7 @@ class ModelConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
     dtype: str = "auto"
     quantize: str | None = None
-    cache_dir: Path | None = (
-        None  # converted-weights cache; None = $KUBEINFER_CACHE_DIR or ~/.cache/kubeinfer
-    )
+    cache_dir: Path | None = None  # converted weights and built CPU kernels; None = default_cache_dir()
     served_model_name: str | None = None
     max_model_len: int | None = None  # None = min(model's max_position_embeddings, 8192)
     # Fuse q/k/v and gate/up and pre-pack CPU weights after loading (models/serving_weights.py).
@@ -66,7 +75,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"  # auto = torch on CPU, triton on CUDA
+    attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     seed: int = 0  # for unseeded sampling

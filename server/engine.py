@@ -82,17 +82,17 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.source.folder)
         log.info("loaded weights from %s in %.1f s", self.source.folder, time.monotonic() - t0)
 
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if self.device.type == "cuda" else "torch"
-        self.backend_name = backend_name
         block_size = config.cache.block_size
+        backend = make_attention_backend(
+            config.attention_backend, block_size, self.device.type, config.model.cache_dir
+        )
+        self.backend_name = backend_name = backend.name
         num_blocks = config.cache.num_kv_blocks or max(
             1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block(self.loaded.model, block_size, dtype)
         )
         self.runner = ModelRunner(
             self.loaded.model,
-            make_attention_backend(backend_name, block_size),
+            backend,
             num_blocks,
             block_size,
             dtype,

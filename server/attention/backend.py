@@ -1,12 +1,17 @@
-"""The attention backend protocol and the factory that picks one (torch on CPU, Triton on CUDA)."""
+"""The attention backend protocol and the factory that picks one (cpu or torch on CPU, Triton on CUDA)."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+from pathlib import Path
 from typing import Protocol
 
 from torch import Tensor
 
 from server.attention.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -25,13 +30,34 @@ class AttentionBackend(Protocol):
         ...
 
 
-def make_attention_backend(name: str, block_size: int) -> AttentionBackend:
-    if name == "torch":
+def make_attention_backend(
+    name: str, block_size: int, device_type: str = "cpu", cache_dir: Path | None = None
+) -> AttentionBackend:
+    """`name`: "torch" (plain torch ops), "cpu" (torch plus the compiled decode kernel), "triton", or
+    "auto": triton on CUDA; on CPU "cpu" when the kernel builds here, else "torch" (logged, with why).
+    An explicit "cpu" whose kernel cannot be built raises KernelBuildError. `cache_dir`: where the
+    kernel is built and cached (under kernels/); None = the default cache folder."""
+    if name == "auto":
+        if device_type == "cuda":
+            name = "triton"
+        else:
+            from server.attention.cpu_kernel import KernelBuildError, load_decode_kernel
+
+            try:
+                load_decode_kernel(cache_dir)
+                name = "cpu"
+            except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
+                log.warning("CPU decode kernel unavailable, serving with plain torch attention: %s", e)
+                name = "torch"
+    if name in ("torch", "cpu"):
+        if name == "cpu" and device_type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on CPU only, the device is {device_type}")
+        from server.attention.cpu_kernel import load_decode_kernel
         from server.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(block_size)
+        return TorchAttentionBackend(block_size, load_decode_kernel(cache_dir) if name == "cpu" else None)
     if name == "triton":
         from server.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache in plain torch (the CPU path).
+"""Attention over the paged KV cache on CPU: torch ops, plus the compiled decode kernel when given.
 
 KV cache layout, per layer: k_cache, v_cache each [num_blocks, block_size, num_kv_heads, head_dim];
 slot s = block_id * block_size + offset. A backend first stores this step's K/V at their slots for the
@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from server.attention.cpu_kernel import DecodeKernel, check_decode_indices, supports_dtype
 from server.attention.metadata import AttentionMetadata
 
 
 @dataclass
 class _DecodePlan:
+    seqs: Tensor  # [Sd] int64, index of each decode sequence in the batch
     rows: Tensor  # [Sd] int64, row in T of each decode sequence's token
     blocks: Tensor  # [Sd * nb] int64, the first nb blocks of each table (L = nb * block_size)
     num_blocks: int  # nb, enough blocks for the longest context
@@ -58,13 +60,14 @@ def _decode_attention_upcast(
 
 
 class TorchAttentionBackend:
-    """Gather-based attention for CPU: one batched SDPA over all single-token sequences, one SDPA per
-    longer chunk. The plan (slots, masks) is built once per step and reused by every layer."""
+    """Attention for CPU. Single-token (decode) sequences: the compiled kernel when one is given (it
+    reads the paged cache in place), else a gather of their blocks and one batched SDPA. Longer chunks:
+    one SDPA each. The plan (slots, masks) is built once per step and reused by every layer."""
 
-    name = "torch"
-
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, decode_kernel: DecodeKernel | None = None) -> None:
         self.block_size = block_size
+        self.decode_kernel = decode_kernel
+        self.name = "cpu" if decode_kernel is not None else "torch"
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
 
@@ -83,6 +86,7 @@ class TorchAttentionBackend:
             pos = torch.arange(nb * bs, device=device)  # [L]
             tables = meta.block_tables.index_select(0, idx)[:, :nb].to(torch.int64)  # [Sd, nb]
             decode = _DecodePlan(
+                seqs=idx,
                 rows=torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.int64, device=device),
                 blocks=tables.reshape(-1),
                 num_blocks=nb,
@@ -117,6 +121,11 @@ class TorchAttentionBackend:
         if meta is not self._meta:
             self._plan = self._make_plan(meta)
             self._meta = meta
+            if self._plan.decode is not None and self._use_kernel(q.dtype):
+                d = self._plan.decode
+                check_decode_indices(
+                    q.shape[0], k_cache.shape, meta.block_tables, meta.context_lens, d.seqs, d.rows
+                )
         plan = self._plan
         assert plan is not None
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -128,7 +137,22 @@ class TorchAttentionBackend:
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
 
-        if plan.decode is not None:
+        if plan.decode is not None and self._use_kernel(q.dtype):
+            assert self.decode_kernel is not None
+            d = plan.decode
+            self.decode_kernel(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                d.seqs,
+                d.rows,
+                scale,
+                indices_checked=True,
+            )
+        elif plan.decode is not None:
             d = plan.decode
             qd = q.index_select(0, d.rows)  # [Sd, Hq, D]
             # Whole blocks are copied with index_select: ~4x faster than gathering token by token.
@@ -148,14 +172,18 @@ class TorchAttentionBackend:
 
         for s in plan.prefill:
             rows = slice(s.start, s.start + s.query_len)
-            qs = q[rows].transpose(0, 1)  # [Hq, n, D]
+            # 4-D [1, H, n, D] operands: with 3-D ones CPU SDPA takes its math path, ~2x slower here.
+            qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
             if s.blocks is None:
-                ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, n, D]
+                ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                ks = k_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)
-                vs = v_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)
-                # ks, vs: [Hkv, ctx, D]
+                ks = k_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)[None]
+                vs = v_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)[None]
+                # ks, vs: [1, Hkv, ctx, D]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
-            out[rows] = o.transpose(0, 1)
+            out[rows] = o[0].transpose(0, 1)
         return out
+
+    def _use_kernel(self, dtype: torch.dtype) -> bool:
+        return self.decode_kernel is not None and supports_dtype(dtype)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from server.config import default_cache_dir
 from server.models.arch import ArchConfig, UnsupportedModelError
 from server.models.llama import LlamaForCausalLM
 
@@ -35,13 +36,6 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelLoadError(RuntimeError):
     pass
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("KUBEINFER_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kubeinfer"
 
 
 def embedded_gguf_path() -> Path:

@@ -59,6 +59,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 @pytest.mark.slow
 def test_smollm2_greedy_parity_staggered(smol: tuple[LLMEngine, list[list[int]], list[list[int]]]) -> None:
     engine, prompts, ref = smol
+    assert engine.backend_name == "cpu"  # auto on CPU: the compiled decode kernel
     assert len({len(p) for p in prompts}) == len(prompts)  # all different lengths
     assert run_staggered(engine, prompts, GREEDY) == ref
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
@@ -98,23 +99,33 @@ def test_smollm2_prefix_caching_same_output_less_compute(smollm2_dir: Path) -> N
     assert on.stats().num_free_blocks == on.stats().num_total_blocks
 
 
+# "cpu" (the compiled decode kernel) is what auto picks on CPU and serves the SmolLM2 tests above;
+# "torch" is the fallback when no compiler is found.
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_tiny_qwen2_parity(tiny_model_factory, tie: bool) -> None:  # type: ignore[no-untyped-def]
+def test_tiny_qwen2_parity(tiny_model_factory, tie: bool, backend: str) -> None:  # type: ignore[no-untyped-def]
     folder = tiny_model_factory("qwen2", tie=tie, heads=4, kv_heads=2)
     import json
 
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"]
-    engine = make_engine(folder, cache=CacheConfig(block_size=8, num_kv_blocks=64))
+    engine = make_engine(folder, cache=CacheConfig(block_size=8, num_kv_blocks=64), attention_backend=backend)
+    assert engine.backend_name == backend
     assert engine.loaded.arch.qkv_bias and engine.loaded.arch.num_heads != engine.loaded.arch.num_kv_heads
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     ref = hf_greedy(folder, prompts, 16)
     assert run_staggered(engine, prompts, SamplingParams(max_tokens=16, temperature=0.0)) == ref
 
 
-def test_tiny_llama_preemption_parity(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_tiny_llama_preemption_parity(tiny_model_factory, backend: str) -> None:  # type: ignore[no-untyped-def]
     folder = tiny_model_factory("llama", tie=False)
-    engine = make_engine(folder, cache=CacheConfig(block_size=4, num_kv_blocks=20), max_num_batched_tokens=8)
+    engine = make_engine(
+        folder,
+        cache=CacheConfig(block_size=4, num_kv_blocks=20),
+        max_num_batched_tokens=8,
+        attention_backend=backend,
+    )
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     ref = hf_greedy(folder, prompts, 12)
     params = SamplingParams(max_tokens=12, temperature=0.0)

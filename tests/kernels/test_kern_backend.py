@@ -2,51 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from kern_paged import ATTN_TOL
+from paged_batch import ATTN_TOL, make_attention_metadata
 
 from kernels.reference import paged_attention_ref, store_kv_cache_ref
 from server.attention.torch_backend import TorchAttentionBackend
 from server.attention.triton_backend import TritonAttentionBackend
-from server.worker.input_batch import AttentionMetadata
 
 BLOCK_SIZE = 16
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 64
-
-
-def _meta(query_lens: list[int], prefix_lens: list[int], device: torch.device) -> AttentionMetadata:
-    """Sequences laid out in shuffled blocks; new tokens go to the slots after each prefix."""
-    context_lens = [q + p for q, p in zip(query_lens, prefix_lens, strict=True)]
-    needed = [math.ceil(c / BLOCK_SIZE) for c in context_lens]
-    order = (torch.randperm(sum(needed)) + 1).tolist()
-    tables: list[list[int]] = []
-    for n in needed:
-        tables.append(order[:n])
-        order = order[n:]
-    width = max(needed)
-    slots = [
-        table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        for table, p, c in zip(tables, prefix_lens, context_lens, strict=True)
-        for pos in range(p, c)
-    ]
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-        ),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-        query_lens_cpu=tuple(query_lens),
-        context_lens_cpu=tuple(context_lens),
-    )
 
 
 @pytest.mark.parametrize(
@@ -61,7 +26,7 @@ def _meta(query_lens: list[int], prefix_lens: list[int], device: torch.device) -
 def test_triton_backend_matches_torch_backend(
     query_lens: list[int], prefix_lens: list[int], dtype: torch.dtype, device: torch.device
 ) -> None:
-    meta = _meta(query_lens, prefix_lens, device)
+    meta = make_attention_metadata(query_lens, prefix_lens, BLOCK_SIZE, device)
     num_tokens = sum(query_lens)
     num_blocks = int(meta.block_tables.max()) + 2
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)

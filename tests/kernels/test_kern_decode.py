@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kern_paged import ATTN_TOL, PagedBatch, make_paged_batch
+from paged_batch import ATTN_TOL, PagedBatch, make_paged_batch
 
 from kernels import paged_attention_decode
 from kernels.reference import paged_attention_decode_ref

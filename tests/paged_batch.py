@@ -1,4 +1,4 @@
-"""Random paged-KV batches for the attention kernel tests (not a test module)."""
+"""Random paged-KV batches and step metadata for the attention tests (not a test module)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from server.attention.metadata import AttentionMetadata
 
 # (atol, rtol) of a kernel output against the fp32 torch reference rounded to the same dtype. 16-bit
 # budgets cover one rounding of the output plus, on GPUs, the softmax weights rounded to 16 bits
@@ -67,4 +69,38 @@ def make_paged_batch(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         max_query_len=max(query_lens, default=0),
         max_context_len=max(context_lens, default=0),
+    )
+
+
+def make_attention_metadata(
+    query_lens: list[int], prefix_lens: list[int], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Sequences laid out in shuffled blocks; new tokens go to the slots after each prefix."""
+    context_lens = [q + p for q, p in zip(query_lens, prefix_lens, strict=True)]
+    needed = [math.ceil(c / block_size) for c in context_lens]
+    order = (torch.randperm(sum(needed)) + 1).tolist()
+    tables: list[list[int]] = []
+    for n in needed:
+        tables.append(order[:n])
+        order = order[n:]
+    width = max(needed)
+    slots = [
+        table[pos // block_size] * block_size + pos % block_size
+        for table, p, c in zip(tables, prefix_lens, context_lens, strict=True)
+        for pos in range(p, c)
+    ]
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+        ),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        query_lens_cpu=tuple(query_lens),
+        context_lens_cpu=tuple(context_lens),
     )

@@ -1,0 +1,255 @@
+"""The compiled CPU decode-attention kernel (csrc/paged_decode.cpp): build once, cache, call via ctypes.
+
+Torch ops cannot read the paged KV cache in place: the torch path gathers each sequence's blocks into a
+dense copy, runs SDPA over it and scatters the result, so every K/V byte crosses memory three times.
+The kernel reads each K/V row once, straight from the block table. It is plain C++ with an extern "C"
+entry point (no torch headers, so it builds in ~2 s with any g++/clang++), compiled for this CPU
+(-march=native) and cached under the kubeinfer cache folder, keyed by source, flags and CPU features.
+Without a compiler, or if the build fails, `load_decode_kernel()` says why and the torch path serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from server.config import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+ABI_VERSION = 1
+# -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
+# step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
+# flush-to-zero for the whole process when the library loads.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+LINK_FLAGS = ("-shared", "-fopenmp")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str:
+    if cxx := os.environ.get("CXX"):
+        if path := shutil.which(cxx):
+            return path
+        raise KernelBuildError(f"CXX={cxx!r} is not an executable C++ compiler")
+    for candidate in ("g++", "c++", "clang++"):
+        if path := shutil.which(candidate):
+            return path
+    raise KernelBuildError("no C++ compiler found (install g++, or set CXX)")
+
+
+def _cpu_identity() -> str:
+    # -march=native code is only valid on a CPU with the same features: a cache folder on a shared
+    # volume may be read from nodes with different CPUs.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(cxx: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        obj, lib = Path(tmp) / "paged_decode.o", Path(tmp) / target.name
+        for cmd in (
+            [cxx, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [cxx, *LINK_FLAGS, str(obj), "-o", str(lib)],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+        os.replace(lib, target)  # atomic: concurrent builders each publish a complete library
+
+
+def _library_path(cache_dir: Path) -> Path:
+    # The compiler is not part of the key: a library built once (say, into a cache volume) loads on a
+    # machine with the same CPU features and no compiler at all.
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), repr(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_identity().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir / "kernels" / f"paged_decode-{key.hexdigest()[:20]}.so"
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """The loaded library; `__call__` checks its arguments, since a wrong pointer crashes the process."""
+
+    lib: ctypes.CDLL
+    path: Path
+
+    def __call__(
+        self,
+        out: Tensor,  # [T, Hq, D], rows[i] written for each decode sequence i
+        q: Tensor,  # [T, Hq, D]
+        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+        block_tables: Tensor,  # [num_seqs, max_blocks] int32
+        context_lens: Tensor,  # [num_seqs] int32
+        seqs: Tensor,  # [Sd] int64, the sequence (row of block_tables) of each decode query
+        rows: Tensor,  # [Sd] int64, the row of q/out of each decode query
+        scale: float,
+        indices_checked: bool = False,
+    ) -> None:
+        """`indices_checked=True` skips the bounds checks of `check_decode_indices` (a few reductions),
+        for a caller that ran them once for a batch it then sends through every layer."""
+        check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, seqs, rows)
+        if not indices_checked:
+            check_decode_indices(q.shape[0], k_cache.shape, block_tables, context_lens, seqs, rows)
+        _, hq, d = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        rc = self.lib.kubeinfer_paged_decode(
+            _DTYPE_CODES[q.dtype],
+            out.data_ptr(),
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            seqs.data_ptr(),
+            rows.data_ptr(),
+            seqs.shape[0],
+            q.stride(0),
+            out.stride(0),
+            block_tables.shape[1],
+            hq,
+            hkv,
+            d,
+            block_size,
+            float(scale),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"paged decode kernel returned {rc}")
+
+
+def supports_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES
+
+
+def check_decode_args(
+    out: Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    seqs: Tensor,
+    rows: Tensor,
+) -> None:
+    """Devices, dtypes, contiguity and shapes: metadata only, cheap enough for every layer."""
+    tensors = {
+        "out": out,
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": block_tables,
+        "context_lens": context_lens,
+        "seqs": seqs,
+        "rows": rows,
+    }
+    for name, t in tensors.items():
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: the CPU kernel needs CPU tensors, got {t.device}")
+        # q and out only need each row's heads contiguous: q is usually a view into the fused qkv output.
+        row_dense = (
+            t.dim() == 3
+            and t.stride(2) == 1
+            and t.stride(1) == t.shape[2]
+            and t.stride(0) >= t.shape[1] * t.shape[2]
+        )
+        if not (t.is_contiguous() or (name in ("q", "out") and row_dense)):
+            raise ValueError(f"{name}: must be contiguous, got strides {t.stride()} for {tuple(t.shape)}")
+    if q.dtype not in _DTYPE_CODES:
+        raise TypeError(f"q: dtype {q.dtype} not supported (float32 or bfloat16)")
+    for name in ("out", "k_cache", "v_cache"):
+        if tensors[name].dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {tensors[name].dtype}, expected {q.dtype} like q")
+    for name, dtype in (
+        ("block_tables", torch.int32),
+        ("context_lens", torch.int32),
+        ("seqs", torch.int64),
+        ("rows", torch.int64),
+    ):
+        if tensors[name].dtype != dtype:
+            raise TypeError(f"{name}: dtype {tensors[name].dtype}, expected {dtype}")
+    if q.dim() != 3 or out.shape != q.shape:
+        raise ValueError(f"q and out must both be [T, Hq, D], got {tuple(q.shape)} and {tuple(out.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must be one [num_blocks, block_size, Hkv, D] shape, got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d or hq % hkv:
+        raise ValueError(
+            f"head shapes disagree: q has {hq} heads of {d}, the cache {hkv} of {k_cache.shape[3]}"
+        )
+    if block_tables.dim() != 2 or context_lens.shape != (block_tables.shape[0],):
+        raise ValueError("block_tables must be [num_seqs, max_blocks] and context_lens [num_seqs]")
+    if seqs.dim() != 1 or rows.shape != seqs.shape:
+        raise ValueError("seqs and rows must be 1-D and of one length")
+
+
+def check_decode_indices(
+    num_rows: int,
+    cache_shape: torch.Size,  # [num_blocks, block_size, Hkv, D]
+    block_tables: Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: Tensor,  # [num_seqs] int32
+    seqs: Tensor,  # [Sd] int64
+    rows: Tensor,  # [Sd] int64
+) -> None:
+    """The bounds the kernel relies on: a bad batch raises here instead of reading stray memory."""
+    if not seqs.numel():
+        return
+    if int(seqs.min()) < 0 or int(seqs.max()) >= block_tables.shape[0]:
+        raise ValueError("seqs: index out of range of block_tables")
+    if int(rows.min()) < 0 or int(rows.max()) >= num_rows:
+        raise ValueError("rows: index out of range of q")
+    num_blocks, block_size = cache_shape[0], cache_shape[1]
+    ctx = context_lens.index_select(0, seqs)
+    if int(ctx.min()) < 1 or int(ctx.max()) > block_tables.shape[1] * block_size:
+        raise ValueError("context_lens: each decode context must be in [1, max_blocks * block_size]")
+    used = block_tables.index_select(0, seqs)[:, : -(-int(ctx.max()) // block_size)]
+    if int(used.min()) < 0 or int(used.max()) >= num_blocks:
+        raise ValueError("block_tables: block id out of range of the cache")
+
+
+@functools.cache
+def load_decode_kernel(cache_dir: Path | None = None) -> DecodeKernel:
+    """Builds (or finds under `cache_dir`/kernels, default `default_cache_dir()`) and loads the kernel;
+    raises KernelBuildError saying why not."""
+    path = _library_path(cache_dir or default_cache_dir())
+    if not path.is_file():
+        log.info("building the CPU decode-attention kernel into %s", path)
+        _build(_compiler(), path)
+    lib = ctypes.CDLL(str(path))
+    if lib.kubeinfer_paged_decode_abi() != ABI_VERSION:
+        raise KernelBuildError(
+            f"{path} reports ABI {lib.kubeinfer_paged_decode_abi()}, expected {ABI_VERSION}"
+        )
+    fn = lib.kubeinfer_paged_decode
+    fn.restype = ctypes.c_int32
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32]
+    return DecodeKernel(lib, path)
