@@ -203,6 +203,15 @@ class LoadedModel:
     weight_bytes: int
 
 
+def _drop_zero_biases_of_quantized_layers(state: dict[str, torch.Tensor], expected: set[str]) -> None:
+    """AutoGPTQ (and some AWQ exporters) write a `bias` for every quantized layer, zeros where the
+    model has none. Those are dropped; a non-zero one for a bias-free layer stays unexpected (an error)."""
+    for key in [k for k in state if k.endswith(".bias") and k not in expected]:
+        layer = key.removesuffix(".bias")
+        if f"{layer}.qweight" in state and not bool(state[key].any()):
+            del state[key]
+
+
 def load_model(
     folder: Path,
     dtype: torch.dtype,
@@ -231,6 +240,7 @@ def load_model(
     missing = sorted(expected - set(state))
     if missing:
         raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    _drop_zero_biases_of_quantized_layers(state, expected)
     unexpected = sorted(k for k in set(state) - expected if "rotary_emb" not in k)
     if unexpected:
         raise ModelLoadError(f"checkpoint in {folder} has unexpected tensors, e.g. {unexpected[:3]}")

@@ -311,3 +311,40 @@ def test_quant_quantizer_refuses_an_already_quantized_checkpoint(
 
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(str(tiny_quantized["awq"]), tmp_path / "out", QuantizeOptions("gptq", calib_tokens=16))
+
+
+def test_quant_zero_biases_of_bias_free_layers_are_accepted(
+    tiny_quantized: dict[str, Path], tmp_path: Path
+) -> None:
+    """AutoGPTQ writes a `bias` for every quantized layer, zeros where the model has none: such a
+    checkpoint loads and computes the same; a non-zero bias on a bias-free layer is still refused."""
+    import shutil
+
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file
+
+    from server.models.loader import ModelLoadError
+    from server.quant.evaluation import score_sequence
+
+    src = tiny_quantized["gptq"]
+    folder = tmp_path / "with-zero-bias"
+    shutil.copytree(src, folder)
+    (weights,) = folder.glob("*.safetensors")
+    state = load_torch(str(weights))
+    added = []
+    for key in [k for k in state if k.endswith(".qweight")]:
+        layer = key.removesuffix(".qweight")
+        if f"{layer}.bias" not in state:  # o/gate/up/down of Qwen2; q/k/v have real biases
+            state[f"{layer}.bias"] = torch.zeros(state[f"{layer}.scales"].shape[1], dtype=torch.float16)
+            added.append(layer)
+    assert any(name.endswith("mlp.down_proj") for name in added)
+    save_file(state, str(weights), metadata={"format": "pt"})
+
+    ids = torch.randint(0, 49152, (32,), generator=torch.Generator().manual_seed(3))
+    want = score_sequence(_load(src).model, ids).nll
+    torch.testing.assert_close(score_sequence(_load(folder).model, ids).nll, want)
+
+    state[f"{added[0]}.bias"][0] = 0.5
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="unexpected tensors"):
+        _load(folder)
