@@ -287,3 +287,14 @@ def test_backend_names() -> None:
         make_attention_backend("cpu", 16, "cuda")
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_attention_backend("flash", 16, "cpu")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+def test_kernel_shares_torchs_openmp_runtime(kernel: DecodeKernel) -> None:
+    """Two OpenMP runtimes in one process would mean two thread pools fighting over the cores."""
+    runtimes = {
+        line.split()[-1]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if "libgomp" in line or "libiomp" in line or "libomp" in line
+    }
+    assert len(runtimes) == 1, runtimes
