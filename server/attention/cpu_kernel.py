@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 ABI_VERSION = 1
+MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
 # flush-to-zero for the whole process when the library loads.
@@ -201,6 +202,8 @@ def check_decode_args(
         )
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} is above the kernel's {MAX_HEAD_DIM}")
     if k_cache.shape[3] != d or hq % hkv:
         raise ValueError(
             f"head shapes disagree: q has {hq} heads of {d}, the cache {hkv} of {k_cache.shape[3]}"

@@ -62,6 +62,40 @@ def test_kernel_matches_reference(
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_contexts_split_into_parts_match_reference(kernel: DecodeKernel, dtype: torch.dtype) -> None:
+    """Few sequences with long contexts: each context is cut into slices attended in parallel and
+    merged; the merge must give what one pass over the whole context gives."""
+    ctx = [3001, 700]
+    batch = make_paged_batch(
+        [1, 1],
+        ctx,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        q_scale=4.0,  # peaky softmax: a wrong rescaling of a slice shows up
+    )
+    out = torch.empty_like(batch.q)
+    kernel(
+        out,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.context_lens,
+        *_identity(2),
+        0.125,
+    )
+    ref = paged_attention_decode_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125
+    )
+    atol, rtol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
 def test_kernel_writes_only_its_rows_and_reads_strided_queries(kernel: DecodeKernel) -> None:
     """q as a view into a fused qkv projection (rows strided), decode sequences scattered among other
     rows of the batch: the kernel writes exactly rows[i] of out and reads the right table row."""
@@ -180,6 +214,16 @@ def _valid_args() -> dict[str, torch.Tensor]:
             "context_lens",
         ),
         ({"block_tables": lambda a: a["block_tables"] + 1000}, ValueError, "block id out of range"),
+        (
+            {
+                "q": lambda a: torch.zeros(2, 4, 576),
+                "out": lambda a: torch.zeros(2, 4, 576),
+                "k_cache": lambda a: torch.zeros(8, 8, 2, 576),
+                "v_cache": lambda a: torch.zeros(8, 8, 2, 576),
+            },
+            ValueError,
+            "head_dim 576",
+        ),
     ],
     ids=[
         "fp16",
@@ -192,6 +236,7 @@ def _valid_args() -> dict[str, torch.Tensor]:
         "empty-context",
         "context-past-table",
         "block-past-cache",
+        "head-dim-too-large",
     ],
 )
 def test_kernel_rejects_bad_arguments(
