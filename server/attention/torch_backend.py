@@ -19,12 +19,19 @@ from server.attention.metadata import AttentionMetadata
 
 
 @dataclass
-class _DecodePlan:
-    seqs: Tensor  # [Sd] int64, index of each decode sequence in the batch
-    rows: Tensor  # [Sd] int64, row in T of each decode sequence's token
+class _DecodeGather:
+    """What the torch decode path copies out of the cache; the compiled kernel needs none of it."""
+
     blocks: Tensor  # [Sd * nb] int64, the first nb blocks of each table (L = nb * block_size)
     num_blocks: int  # nb, enough blocks for the longest context
     mask: Tensor  # [Sd, 1, 1, L] bool, True where the position is inside the context
+
+
+@dataclass
+class _DecodePlan:
+    seqs: Tensor  # [Sd] int64, index of each decode sequence in the batch
+    rows: Tensor  # [Sd] int64, row in T of each decode sequence's token
+    gather: _DecodeGather | None  # None when the compiled kernel serves the decode rows
 
 
 @dataclass
@@ -71,7 +78,7 @@ class TorchAttentionBackend:
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
 
-    def _make_plan(self, meta: AttentionMetadata) -> _Plan:
+    def _make_plan(self, meta: AttentionMetadata, use_kernel: bool, cache_shape: torch.Size) -> _Plan:
         bs = self.block_size
         device = meta.block_tables.device
         qsl = [0]
@@ -81,17 +88,22 @@ class TorchAttentionBackend:
         decode: _DecodePlan | None = None
         if decode_seqs:
             idx = torch.tensor(decode_seqs, dtype=torch.int64, device=device)
-            ctx = meta.context_lens.index_select(0, idx).to(torch.int64)  # [Sd]
-            nb = -(-max(meta.context_lens_cpu[i] for i in decode_seqs) // bs)
-            pos = torch.arange(nb * bs, device=device)  # [L]
-            tables = meta.block_tables.index_select(0, idx)[:, :nb].to(torch.int64)  # [Sd, nb]
-            decode = _DecodePlan(
-                seqs=idx,
-                rows=torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.int64, device=device),
-                blocks=tables.reshape(-1),
-                num_blocks=nb,
-                mask=(pos[None, :] < ctx[:, None])[:, None, None, :],
-            )
+            rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.int64, device=device)
+            gather: _DecodeGather | None = None
+            if use_kernel:
+                # Once per step rather than in every layer's kernel call.
+                check_decode_indices(qsl[-1], cache_shape, meta.block_tables, meta.context_lens, idx, rows)
+            else:
+                ctx = meta.context_lens.index_select(0, idx).to(torch.int64)  # [Sd]
+                nb = -(-max(meta.context_lens_cpu[i] for i in decode_seqs) // bs)
+                pos = torch.arange(nb * bs, device=device)  # [L]
+                tables = meta.block_tables.index_select(0, idx)[:, :nb].to(torch.int64)  # [Sd, nb]
+                gather = _DecodeGather(
+                    blocks=tables.reshape(-1),
+                    num_blocks=nb,
+                    mask=(pos[None, :] < ctx[:, None])[:, None, None, :],
+                )
+            decode = _DecodePlan(seqs=idx, rows=rows, gather=gather)
         prefill: list[_PrefillSeq] = []
         for i, n in enumerate(meta.query_lens_cpu):
             if n == 1:
@@ -119,13 +131,8 @@ class TorchAttentionBackend:
         scale: float,
     ) -> Tensor:  # [T, num_heads, head_dim]
         if meta is not self._meta:
-            self._plan = self._make_plan(meta)
+            self._plan = self._make_plan(meta, self._use_kernel(q.dtype), k_cache.shape)
             self._meta = meta
-            if self._plan.decode is not None and self._use_kernel(q.dtype):
-                d = self._plan.decode
-                check_decode_indices(
-                    q.shape[0], k_cache.shape, meta.block_tables, meta.context_lens, d.seqs, d.rows
-                )
         plan = self._plan
         assert plan is not None
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -137,9 +144,9 @@ class TorchAttentionBackend:
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
 
-        if plan.decode is not None and self._use_kernel(q.dtype):
+        d = plan.decode
+        if d is not None and d.gather is None:
             assert self.decode_kernel is not None
-            d = plan.decode
             self.decode_kernel(
                 out,
                 q,
@@ -152,22 +159,22 @@ class TorchAttentionBackend:
                 scale,
                 indices_checked=True,
             )
-        elif plan.decode is not None:
-            d = plan.decode
+        elif d is not None and d.gather is not None:
+            g = d.gather
             qd = q.index_select(0, d.rows)  # [Sd, Hq, D]
             # Whole blocks are copied with index_select: ~4x faster than gathering token by token.
-            sd, length = d.rows.shape[0], d.num_blocks * self.block_size
-            kd = k_cache.index_select(0, d.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
-            vd = v_cache.index_select(0, d.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
+            sd, length = d.rows.shape[0], g.num_blocks * self.block_size
+            kd = k_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
+            vd = v_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
             # kd, vd: [Sd, Hkv, L, D]
             if q.dtype == torch.float32:
                 # The G query heads sharing a KV head become G query rows of one attention: each KV
                 # block is read once per KV head instead of once per query head.
                 qg = qd.view(sd, num_kv_heads, -1, head_dim)  # [Sd, Hkv, G, D]
-                od = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=d.mask, scale=scale)
+                od = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=g.mask, scale=scale)
                 od = od.reshape(sd, -1, head_dim)
             else:
-                od = _decode_attention_upcast(qd, kd, vd, d.mask, scale).to(q.dtype)
+                od = _decode_attention_upcast(qd, kd, vd, g.mask, scale).to(q.dtype)
             out.index_copy_(0, d.rows, od)
 
         for s in plan.prefill:

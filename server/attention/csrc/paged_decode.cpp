@@ -62,16 +62,31 @@ struct Part {
   int t_begin, t_end;
 };
 
+// Calls f(t, h, row) for every K or V row of the part: t its position in the part, h its KV head.
+// Blocks are walked in order and each is read front to back, so the part streams from memory.
+template <typename T, typename F>
+inline void for_each_row(const Args& a, const Part& part, const int32_t* table, const T* cache, F&& f) {
+  const int HKV = a.hkv, D = a.d, BS = a.block_size;
+  const int64_t block_elems = static_cast<int64_t>(BS) * HKV * D;  // one block is contiguous
+  for (int t = part.t_begin; t < part.t_end;) {
+    const int off = t % BS, n = std::min(BS - off, part.t_end - t);
+    const T* block = cache + table[t / BS] * block_elems;
+    for (int u = 0; u < n; ++u)
+      for (int h = 0; h < HKV; ++h)
+        f(t - part.t_begin + u, h, block + (static_cast<int64_t>(off + u) * HKV + h) * D);
+    t += n;
+  }
+}
+
 // Attends one part for every query head; leaves in m/l/acc (each [Hq] or [Hq, D]) the part's score max,
 // its sum of exp(score - max) and the matching unnormalized sum of V rows.
 template <typename T>
 void attend_part(const Args& a, const Part& part, std::vector<float>& scores, std::vector<float>& qf,
                  float* m_out, float* l_out, float* acc) {
-  const int HQ = a.hq, HKV = a.hkv, G = HQ / HKV, D = a.d, BS = a.block_size;
+  const int HQ = a.hq, G = HQ / a.hkv, D = a.d;
   const int64_t seq = a.seqs[part.i], row = a.rows[part.i];
   const int n_tok = part.t_end - part.t_begin;
   const int32_t* table = a.block_tables + seq * a.bt_stride;
-  const int64_t block_elems = static_cast<int64_t>(BS) * HKV * D;  // one block is contiguous
   const T* q = static_cast<const T*>(a.q) + row * a.q_row_stride;
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
@@ -81,24 +96,15 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
   for (int j = 0; j < HQ * D; ++j) qf[j] = to_float(q[j]) * a.scale;
   std::fill(acc, acc + static_cast<size_t>(HQ) * D, 0.0f);
 
-  // Blocks are walked in order and each is read front to back: the part streams from memory.
-  for (int t = part.t_begin; t < part.t_end;) {
-    const int off = t % BS, n = std::min(BS - off, part.t_end - t);
-    const T* kb = kc + table[t / BS] * block_elems;
-    for (int u = off; u < off + n; ++u) {
-      for (int h = 0; h < HKV; ++h) {
-        const T* kr = kb + (static_cast<int64_t>(u) * HKV + h) * D;
-        for (int g = 0; g < G; ++g) {
-          const float* qh = qf.data() + (h * G + g) * D;
-          float s = 0.0f;
+  for_each_row(a, part, table, kc, [&](int t, int h, const T* kr) {
+    for (int g = 0; g < G; ++g) {
+      const float* qh = qf.data() + (h * G + g) * D;
+      float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-          for (int j = 0; j < D; ++j) s += qh[j] * to_float(kr[j]);
-          scores[static_cast<size_t>(h * G + g) * n_tok + (t - part.t_begin) + (u - off)] = s;
-        }
-      }
+      for (int j = 0; j < D; ++j) s += qh[j] * to_float(kr[j]);
+      scores[static_cast<size_t>(h * G + g) * n_tok + t] = s;
     }
-    t += n;
-  }
+  });
 
   for (int hh = 0; hh < HQ; ++hh) {
     float* s = scores.data() + static_cast<size_t>(hh) * n_tok;
@@ -114,22 +120,14 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
     l_out[hh] = sum;
   }
 
-  for (int t = part.t_begin; t < part.t_end;) {
-    const int off = t % BS, n = std::min(BS - off, part.t_end - t);
-    const T* vb = vc + table[t / BS] * block_elems;
-    for (int u = off; u < off + n; ++u) {
-      for (int h = 0; h < HKV; ++h) {
-        const T* vr = vb + (static_cast<int64_t>(u) * HKV + h) * D;
-        for (int g = 0; g < G; ++g) {
-          const float p = scores[static_cast<size_t>(h * G + g) * n_tok + (t - part.t_begin) + (u - off)];
-          float* ah = acc + (h * G + g) * D;
+  for_each_row(a, part, table, vc, [&](int t, int h, const T* vr) {
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[static_cast<size_t>(h * G + g) * n_tok + t];
+      float* ah = acc + (h * G + g) * D;
 #pragma omp simd
-          for (int j = 0; j < D; ++j) ah[j] += p * to_float(vr[j]);
-        }
-      }
+      for (int j = 0; j < D; ++j) ah[j] += p * to_float(vr[j]);
     }
-    t += n;
-  }
+  });
 }
 
 // Tokens per part: whole sequences while there are enough of them to keep every thread busy; with few
