@@ -76,7 +76,7 @@ def open_page(browser: Any) -> Iterator[Callable[..., Tab]]:
     contexts: list[Any] = []
     tabs: list[Tab] = []
 
-    def make(url: str, viewport: dict[str, int] = DESKTOP, color_scheme: str = "light", **kw: Any) -> Tab:
+    def make(viewport: dict[str, int] = DESKTOP, color_scheme: str = "light", **kw: Any) -> Tab:
         ctx = browser.new_context(viewport=viewport, color_scheme=color_scheme, **kw)
         contexts.append(ctx)
         page = ctx.new_page()
@@ -275,7 +275,7 @@ def test_ui_no_ui_flag_and_env() -> None:
 def test_ui_streams_greedy_text_equal_to_openai_client(
     live_server: LiveServer, open_page: Callable[..., Tab]
 ) -> None:
-    tab = open_page(live_server.url)
+    tab = open_page()
     page = goto(tab, live_server.url)
     wait_models(page)
     assert page.input_value("#model") == SERVED_NAME
@@ -290,6 +290,8 @@ def test_ui_streams_greedy_text_equal_to_openai_client(
     send(page, QUESTION)
     wait_idle(page)
     seen = [s for s in page.evaluate("window.__seen") if s]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "live-greedy-reply.png"))
     client = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0)
     ref = client.chat.completions.create(
         model=SERVED_NAME, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24
@@ -325,7 +327,7 @@ def test_ui_stop_aborts_and_frees_kv(live_server: LiveServer, open_page: Callabl
         return float(m.group(1)) if m else 0.0
 
     before = aborts()
-    tab = open_page(live_server.url)
+    tab = open_page()
     page = goto(tab, live_server.url)
     wait_models(page)
     fill_knobs(page, temperature="0", max_tokens="600")
@@ -353,7 +355,7 @@ def test_ui_stop_aborts_and_frees_kv(live_server: LiveServer, open_page: Callabl
 def test_ui_regenerate_and_edit_last_on_real_model(
     live_server: LiveServer, open_page: Callable[..., Tab]
 ) -> None:
-    tab = open_page(live_server.url)
+    tab = open_page()
     page = goto(tab, live_server.url)
     wait_models(page)
     fill_knobs(page, temperature="0", max_tokens="8")
@@ -381,7 +383,7 @@ def test_ui_api_key_asked_wrong_refused_right_works(
     url = keyed_server.url
     assert httpx.get(f"{url}/", headers={"Accept": "text/html"}).status_code == 200  # the page is open
     assert httpx.get(f"{url}/v1/models").status_code == 401  # the API is not
-    tab = open_page(url)
+    tab = open_page()
     page = goto(tab, url)
     page.wait_for_selector("#auth:not([hidden])")
     server_msg = httpx.get(f"{url}/v1/models").json()["error"]["message"]
@@ -392,6 +394,8 @@ def test_ui_api_key_asked_wrong_refused_right_works(
     page.wait_for_function(
         "() => document.getElementById('auth-detail').textContent.startsWith('The key was refused')"
     )
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "api-key-refused.png"))
     assert "HTTP 401" in (page.text_content("#auth-detail") or "")
     assert page.locator("#model option").count() == 0
     page.fill("#auth-key", KEY)
@@ -421,7 +425,7 @@ def test_ui_shows_server_errors_as_sent(
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}
     r = httpx.post(f"{live_server.url}/v1/chat/completions", json=body)
     assert r.status_code == 400
-    page = goto(open_page(live_server.url), live_server.url)
+    page = goto(open_page(), live_server.url)
     wait_models(page)
     fill_knobs(page, max_tokens=str(10**6))
     send(page, "hi")
@@ -429,7 +433,7 @@ def test_ui_shows_server_errors_as_sent(
     assert page.text_content(".msg.error .status") == "HTTP 400"
     assert page.text_content(".msg.error .error-text") == r.json()["error"]["message"]
     # 503 while loading: in the model picker and on sending
-    page = goto(open_page(loading_server.url), loading_server.url)
+    page = goto(open_page(), loading_server.url)
     loading_msg = httpx.get(f"{loading_server.url}/v1/models").json()["error"]["message"]
     page.wait_for_function("() => document.getElementById('model-status').textContent.startsWith('HTTP 503')")
     assert loading_msg in (page.text_content("#model-status") or "")
@@ -444,7 +448,7 @@ def test_ui_shows_server_errors_as_sent(
     # 429: the one request slot of the keyed server is taken
     slot = keyed_server.state.admit()
     try:
-        tab = open_page(keyed_server.url)
+        tab = open_page()
         tab.page.add_init_script(f"localStorage.setItem('kubeinfer.apiKey', {json.dumps(json.dumps(KEY))})")
         page = goto(tab, keyed_server.url)
         wait_models(page)
@@ -470,7 +474,7 @@ HOSTILE = (
 
 
 def test_ui_model_output_never_becomes_html(live_server: LiveServer, open_page: Callable[..., Tab]) -> None:
-    tab = open_page(live_server.url)
+    tab = open_page()
     page = tab.page
     pieces = [HOSTILE[i : i + 7] for i in range(0, len(HOSTILE), 7)]  # split inside the tags, as tokens are
     page.route(
@@ -493,7 +497,7 @@ def test_ui_model_output_never_becomes_html(live_server: LiveServer, open_page: 
     assert page.text_content(".msg.assistant code.inline") == "<b>inline</b>"
     assert (
         page.text_content(".msg.assistant pre.code code")
-        == '<img src=y onerror="window.__pwned = 3"><b>bold</b>\n'
+        == '<img src=y onerror="window.__pwned = 3"><b>bold</b>'
     )
     assert page.get_attribute(".msg.assistant pre.code code", "data-lang") == "html"
     assert page.text_content(".msg.user .body") == '<img src=z onerror="window.__pwned = 4">'
@@ -519,7 +523,7 @@ def test_ui_model_output_never_becomes_html(live_server: LiveServer, open_page: 
 
 # ---- every knob in the request body -----------------------------------------------------------------
 def test_ui_request_body_carries_every_knob(live_server: LiveServer, open_page: Callable[..., Tab]) -> None:
-    tab = open_page(live_server.url)
+    tab = open_page()
     page = tab.page
     bodies: list[dict[str, Any]] = []
 
@@ -633,7 +637,7 @@ def test_ui_layouts_themes_screenshots(
     live_server: LiveServer, open_page: Callable[..., Tab], size: str, scheme: str
 ) -> None:
     viewport = DESKTOP if size == "desktop" else PHONE
-    tab = open_page(live_server.url, viewport=viewport, color_scheme=scheme, is_mobile=size == "phone")
+    tab = open_page(viewport=viewport, color_scheme=scheme, is_mobile=size == "phone")
     tab.page.add_init_script(_conversation_fixture())
     page = goto(tab, live_server.url)
     wait_models(page)
@@ -655,12 +659,14 @@ def test_ui_layouts_themes_screenshots(
         )
         assert page.evaluate("document.activeElement.id") == "system"
         page.screenshot(path=str(ARTIFACTS / f"settings-{size}-{scheme}.png"))
+        page.keyboard.press("Escape")
+        assert page.is_hidden("#settings") and page.evaluate("document.activeElement.id") == "toggle-settings"
     else:
         assert page.is_visible("#settings") and page.is_visible("#chats")
 
 
 def test_ui_keyboard_only(live_server: LiveServer, open_page: Callable[..., Tab]) -> None:
-    tab = open_page(live_server.url)
+    tab = open_page()
     page = tab.page
     page.route(
         "**/v1/chat/completions",

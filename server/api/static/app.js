@@ -107,14 +107,24 @@ function renderContent(container, text) {
   const fence = /```([^\n`]*)\n?([\s\S]*?)(```|$)/g;
   let last = 0;
   let match;
+  const addText = (segment) => {
+    // the line breaks around a fence belong to the fence, not to the paragraphs beside it
+    const trimmed = segment.replace(/^\n+|\n+$/g, "");
+    if (!trimmed) return;
+    const p = el("div", "text");
+    renderInline(p, trimmed);
+    container.append(p);
+  };
+  if (!text.includes("```")) {
+    const p = el("div", "text");
+    renderInline(p, text);
+    container.append(p);
+    return;
+  }
   while ((match = fence.exec(text)) !== null) {
-    if (match.index > last) {
-      const p = el("div", "text");
-      renderInline(p, text.slice(last, match.index));
-      container.append(p);
-    }
+    if (match.index > last) addText(text.slice(last, match.index));
     const pre = el("pre", "code");
-    const code = el("code", "", match[2]);
+    const code = el("code", "", match[3] ? match[2].replace(/\n$/, "") : match[2]);
     const lang = match[1].trim();
     if (lang) {
       code.dataset.lang = lang;
@@ -126,11 +136,7 @@ function renderContent(container, text) {
     if (match[0].length === 0) fence.lastIndex++; // an empty match at the end: stop looping
     if (last >= text.length) break;
   }
-  if (last < text.length) {
-    const p = el("div", "text");
-    renderInline(p, text.slice(last));
-    container.append(p);
-  }
+  if (last < text.length) addText(text.slice(last));
 }
 
 function formatStats(stats) {
@@ -148,7 +154,7 @@ function formatStats(stats) {
 function messageNode(msg) {
   const kind = msg.error ? "error" : msg.role;
   const node = el("article", `msg ${kind}`);
-  const label = { user: "You", assistant: "Model", error: "Server error" }[kind] || kind;
+  const label = { user: "You", assistant: "Model", error: msg.error && msg.error.status ? "Server error" : "Error" }[kind] || kind;
   node.append(el("header", "role", label));
   const body = el("div", "body");
   if (msg.error) {
@@ -513,9 +519,19 @@ function init() {
     }
   });
   document.addEventListener("keydown", (e) => {
-    if (e.key === "Escape" && busy) {
+    if (e.key !== "Escape") return;
+    if (busy) {
       e.preventDefault();
       stop();
+      return;
+    }
+    // on narrow screens, Escape closes an open panel and gives the focus back to its button
+    for (const panel of ["chats", "settings"]) {
+      if (document.body.classList.contains(`show-${panel}`)) {
+        const button = $(`toggle-${panel}`);
+        togglePanel(button, panel);
+        button.focus();
+      }
     }
   });
   $("stop").addEventListener("click", stop);
