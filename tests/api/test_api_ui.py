@@ -326,30 +326,40 @@ def test_ui_stop_aborts_and_frees_kv(live_server: LiveServer, open_page: Callabl
         m = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', text, re.M)
         return float(m.group(1)) if m else 0.0
 
-    before = aborts()
     tab = open_page()
     page = goto(tab, live_server.url)
     wait_models(page)
+    # greedy SmolLM2 answers this with ~120 tokens: seconds of streaming on a CPU
     fill_knobs(page, temperature="0", max_tokens="600")
     send(page, "Count from 1 to 500, separated by commas.")
-    page.wait_for_function(
-        "() => (document.querySelector('.msg.assistant.streaming .body')?.textContent || '').length > 10"
-    )
-    assert live_server.metric("vllm:kv_cache_usage_perc") > 0
-    page.keyboard.press("Escape")  # the keyboard's stop; the Stop button does the same
-    wait_idle(page, 10_000)
-    assert page.is_disabled("#stop")
-    assert "stopped" in (page.text_content(".msg.assistant .stats") or "")
-    msgs = stored_messages(page)
-    assert msgs[-1]["role"] == "assistant" and msgs[-1]["stats"]["stopped"] is True and msgs[-1]["content"]
-    # the server saw the disconnect, aborted the request and freed its blocks
-    for _ in range(100):
-        if aborts() == before + 1 and live_server.metric("vllm:num_requests_running") == 0:
-            break
-        threading.Event().wait(0.1)
-    assert aborts() == before + 1
-    assert live_server.metric("vllm:num_requests_running") == 0
-    assert live_server.metric("vllm:kv_cache_usage_perc") == 0
+    # first with the Stop button, then the same turn regenerated and stopped with Esc
+    for n, how in enumerate(("button", "escape"), start=1):
+        before = aborts()
+        if how == "escape":
+            page.click("#regenerate")
+        page.wait_for_function(
+            "() => (document.querySelector('.msg.assistant.streaming .body')?.textContent || '').length > 10"
+        )
+        assert live_server.metric("vllm:kv_cache_usage_perc") > 0
+        if how == "button":
+            page.click("#stop")
+        else:
+            page.keyboard.press("Escape")
+        wait_idle(page, 10_000)
+        assert page.is_disabled("#stop")
+        assert "stopped" in (page.text_content(".msg.assistant .stats") or ""), n
+        msgs = stored_messages(page)
+        assert [m["role"] for m in msgs] == ["user", "assistant"]
+        assert msgs[1]["stats"]["stopped"] is True and msgs[1]["stats"]["ttft_ms"] > 0 and msgs[1]["content"]
+        assert "finish_reason" not in msgs[1]["stats"]  # no usage chunk: the stream was cut
+        # the server saw the disconnect, aborted the request and freed its blocks
+        for _ in range(100):
+            if aborts() == before + 1 and live_server.metric("vllm:num_requests_running") == 0:
+                break
+            threading.Event().wait(0.1)
+        assert aborts() == before + 1, how
+        assert live_server.metric("vllm:num_requests_running") == 0
+        assert live_server.metric("vllm:kv_cache_usage_perc") == 0
 
 
 def test_ui_regenerate_and_edit_last_on_real_model(
