@@ -239,6 +239,18 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         type=float,
         default=30.0,
     )
+    ui_default = True
+    if env.get("KUBEINFER_UI"):
+        try:
+            ui_default = parse_bool(env["KUBEINFER_UI"])
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"environment variable KUBEINFER_UI: {e}")
+    parser.add_argument(
+        "--ui",
+        action=argparse.BooleanOptionalAction,
+        default=ui_default,
+        help="Serve the chat playground at GET / (browsers); --no-ui turns it off [env: KUBEINFER_UI]",
+    )
     add("--log-format", "LOG_FORMAT", "Log line format", default="text", choices=LOG_FORMATS)
     add(
         "--log-level", "LOG_LEVEL", "Log level", default="info", choices=("debug", "info", "warning", "error")
@@ -284,6 +296,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         drain_timeout_s=args.drain_timeout,
         log_format=args.log_format,
         max_payload_bytes=args.max_payload_bytes,
+        ui=args.ui,
     )
 
 

@@ -119,6 +119,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     log_format: str = "text"
     max_payload_bytes: int = 2_000_000
+    ui: bool = True  # the chat playground at GET / (--no-ui turns it off)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
-from . import openai, tgi
+from . import openai, tgi, ui
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
 from .openapi_doc import install_openapi
@@ -38,6 +38,7 @@ class APIMiddleware:
         self.state = state
         key = state.config.api_key
         self._key = key.encode() if key else None
+        self._ui = state.config.ui
 
     def _authorized(self, scope: Scope) -> bool:
         if self._key is None:
@@ -71,7 +72,8 @@ class APIMiddleware:
 
         try:
             error: APIError | None = None
-            if path not in OPEN_PATHS and not self._authorized(scope):
+            page = self._ui and ui.is_page_request(scope.get("method", ""), path)
+            if path not in OPEN_PATHS and not page and not self._authorized(scope):
                 error = APIError(
                     ErrorKind.UNAUTHORIZED,
                     "Unauthorized: a valid API key is required (Authorization: Bearer)",
@@ -134,6 +136,8 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
 
     app.include_router(tgi.router)
     app.include_router(openai.router)
+    if state.config.ui:
+        app.include_router(ui.router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -1,0 +1,721 @@
+"""The chat playground at GET / in a real browser: Debian's Chromium, headless, driven by Playwright.
+
+Streams against the real server (greedy text equal to the `openai` client's), stop freeing the KV cache,
+the API key flow, server errors shown as sent (real 400, 401, 429, 503), model text never becoming
+HTML, the request body every knob produces, keyboard-only use, phone width and both themes.
+Screenshots land in $KUBEINFER_ARTIFACTS (default build/artifacts)/playground/.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import SERVED_NAME, LiveServer, free_port, wait_ready
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("KUBEINFER_ARTIFACTS", REPO / "build" / "artifacts")) / "playground"
+KEY = "ui-secret-key"
+QUESTION = "What is the capital of France?"
+# Chromium refuses connections here without the background-networking flags; no sandbox as root in CI.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium (`apt-get install chromium`), or $KUBEINFER_CHROMIUM."""
+    return (
+        os.environ.get("KUBEINFER_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    )
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    exe = chromium_path()
+    if exe is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@dataclass
+class Tab:
+    """A page in a fresh browser context, with what it asked for and any script errors it raised."""
+
+    page: Any
+    requests: list[str]
+    errors: list[str]
+
+
+@pytest.fixture
+def open_page(browser: Any) -> Iterator[Callable[..., Tab]]:
+    contexts: list[Any] = []
+    tabs: list[Tab] = []
+
+    def make(viewport: dict[str, int] = DESKTOP, color_scheme: str = "light", **kw: Any) -> Tab:
+        ctx = browser.new_context(viewport=viewport, color_scheme=color_scheme, **kw)
+        contexts.append(ctx)
+        page = ctx.new_page()
+        tab = Tab(page, [], [])
+        page.on("request", lambda r: tab.requests.append(r.url))
+        page.on("pageerror", lambda e: tab.errors.append(str(e)))
+        page.on("console", lambda m: tab.errors.append(m.text) if m.type == "error" else None)
+        tabs.append(tab)
+        return tab
+
+    yield make
+    for ctx in contexts:
+        ctx.close()
+    for tab in tabs:
+        # no script error and no CSP violation on any page (CSP reports go to the console as errors);
+        # the 4xx/5xx the tests cause on purpose show up as failed-resource lines, which are allowed
+        real = [e for e in tab.errors if "Failed to load resource" not in e]
+        assert not real, real
+
+
+def goto(tab: Tab, url: str) -> Any:
+    page = tab.page
+    page.goto(f"{url}/")
+    page.wait_for_function("() => document.getElementById('model-status') !== null")
+    return page
+
+
+def wait_models(page: Any) -> None:
+    page.wait_for_function("() => document.querySelectorAll('#model option').length > 0")
+
+
+def wait_idle(page: Any, timeout_ms: float = 120_000) -> None:
+    page.wait_for_function(
+        "() => !document.querySelector('.msg.streaming') && !document.getElementById('send').disabled",
+        timeout=timeout_ms,
+    )
+
+
+def stored_messages(page: Any) -> list[dict[str, Any]]:
+    convs = page.evaluate("JSON.parse(localStorage.getItem('kubeinfer.conversations'))")
+    current = page.evaluate("JSON.parse(localStorage.getItem('kubeinfer.current'))")
+    return next(c for c in convs if c["id"] == current)["messages"]
+
+
+def fill_knobs(page: Any, **knobs: str) -> None:
+    for name, value in knobs.items():
+        page.fill(f"#{name}", value)
+
+
+def send(page: Any, text: str) -> None:
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def sse_body(*chunks: dict[str, Any]) -> str:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def delta(text: str) -> dict[str, Any]:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+
+
+def usage_chunk(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+
+
+# ---- servers without the session's model: loading (503), --no-ui, and a tiny model with --api-key ----
+@dataclass
+class AppServer:
+    url: str
+    state: Any
+    server: Any
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def serve_app(config_kw: dict[str, Any], engine_factory: Any = None, load: bool = True) -> AppServer:
+    """The real app on a free port; `load=False` keeps it loading for good (no engine, 503s)."""
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.api.state import ServerState
+    from server.config import ServerConfig
+
+    port = free_port()
+    config = ServerConfig(host="127.0.0.1", port=port, **config_kw)
+    state = ServerState(config, engine_factory=engine_factory)
+    app = create_app(state, load_on_startup=load)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
+    thread = threading.Thread(target=server.run, name=f"ui-server-{port}", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    if load:
+        wait_ready(url, timeout_s=120)
+    else:
+        wait_for_http(url)
+    return AppServer(url, state, server, thread)
+
+
+def wait_for_http(url: str) -> None:
+    for _ in range(200):
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+            return
+        except httpx.HTTPError:
+            threading.Event().wait(0.05)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def loading_server() -> Iterator[AppServer]:
+    srv = serve_app({}, load=False)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model_factory: Callable[..., Path]) -> Iterator[AppServer]:
+    """A tiny random model behind --api-key, at most one request in flight."""
+    from server.config import CacheConfig, EngineConfig, ModelConfig
+    from server.engine import LLMEngine
+
+    engine_cfg = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_factory()), dtype="float32", served_model_name="tiny"),
+        cache=CacheConfig(num_kv_blocks=32),
+        max_num_seqs=4,
+        num_threads=1,
+    )
+    srv = serve_app(
+        {"engine": engine_cfg, "api_key": KEY, "max_concurrent_requests": 1},
+        engine_factory=lambda: LLMEngine(engine_cfg),
+    )
+    yield srv
+    srv.stop()
+
+
+# ---- the routes -----------------------------------------------------------------------------------
+def test_ui_routes_csp_and_tgi_root(live_server: LiveServer) -> None:
+    url = live_server.url
+    r = httpx.get(f"{url}/", headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    for directive in (
+        "default-src 'none'",
+        "script-src 'self'",
+        "connect-src 'self'",
+        "frame-ancestors 'none'",
+    ):
+        assert directive in csp
+    assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert '<script src="/ui/app.js"' in r.text and "http" not in re.sub(r'name="viewport"[^>]*', "", r.text)
+    js = httpx.get(f"{url}/ui/app.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert "innerHTML" not in js.text.replace("never innerHTML", "")
+    assert httpx.get(f"{url}/ui/style.css").headers["content-security-policy"] == csp
+    assert httpx.get(f"{url}/ui/..%2fapp.py").status_code == 404
+    assert httpx.get(f"{url}/ui/nope.js").status_code == 404
+    # not a browser: 406 pointing at the page and at the generate routes
+    r = httpx.get(f"{url}/", headers={"Accept": "application/json"})
+    assert r.status_code == 406 and "POST /" in r.json()["error"]
+    # POST / is still TGI's compat route
+    r = httpx.post(f"{url}/", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and isinstance(r.json(), list) and "generated_text" in r.json()[0]
+    # the page is not part of the API's OpenAPI document
+    paths = httpx.get(f"{url}/openapi.json").json()["paths"]
+    assert "/ui/{name}" not in paths and "get" not in paths["/"]
+
+
+def test_ui_no_ui_flag_and_env() -> None:
+    from server.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser({}).parse_args([])).ui is True
+    assert config_from_args(build_parser({}).parse_args(["--no-ui"])).ui is False
+    assert config_from_args(build_parser({"KUBEINFER_UI": "false"}).parse_args([])).ui is False
+    assert config_from_args(build_parser({"KUBEINFER_UI": "0"}).parse_args(["--ui"])).ui is True
+    srv = serve_app({"ui": False}, load=False)
+    try:
+        assert httpx.get(f"{srv.url}/", headers={"Accept": "text/html"}).status_code == 405
+        assert httpx.get(f"{srv.url}/ui/app.js").status_code == 404
+    finally:
+        srv.stop()
+
+
+# ---- streaming against the real model ----------------------------------------------------------------
+def test_ui_streams_greedy_text_equal_to_openai_client(
+    live_server: LiveServer, open_page: Callable[..., Tab]
+) -> None:
+    tab = open_page()
+    page = goto(tab, live_server.url)
+    wait_models(page)
+    assert page.input_value("#model") == SERVED_NAME
+    fill_knobs(page, temperature="0", max_tokens="24")
+    # every rendered state of the streaming reply, to see it grow token by token
+    page.evaluate(
+        """() => { window.__seen = [];
+          new MutationObserver(() => { const b = document.querySelector('.msg.assistant.streaming .body');
+            if (b) window.__seen.push(b.textContent); })
+          .observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true}); }"""
+    )
+    send(page, QUESTION)
+    wait_idle(page)
+    seen = [s for s in page.evaluate("window.__seen") if s]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "live-greedy-reply.png"))
+    client = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0)
+    ref = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24
+    )
+    expected = ref.choices[0].message.content
+    assert expected
+    msgs = stored_messages(page)
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+    assert msgs[1]["content"] == expected
+    assert page.text_content(".msg.assistant .body") == expected  # no code fences in this reply
+    # streamed: at least three growing prefixes of the final text were on screen before it completed
+    distinct = list(dict.fromkeys(seen))
+    assert len(distinct) >= 3, distinct
+    assert all(expected.startswith(s) for s in distinct)
+    assert all(len(a) < len(b) for a, b in itertools.pairwise(distinct))
+    # per-reply stats from the stream's usage
+    stats = page.text_content(".msg.assistant .stats") or ""
+    assert f"{ref.usage.completion_tokens} tokens" in stats and f"prompt {ref.usage.prompt_tokens}" in stats
+    assert re.search(r"TTFT \d+ ms", stats) and re.search(r"[\d.]+ tokens/s", stats), stats
+    # only this server was asked for anything
+    assert tab.requests and all(u.startswith(live_server.url) for u in tab.requests)
+    # the conversation survives a reload (local storage)
+    page.reload()
+    page.wait_for_selector(".msg.assistant")
+    assert page.text_content(".msg.assistant .body") == expected
+    assert QUESTION in (page.text_content("#conversation-list") or "")
+
+
+def test_ui_stop_aborts_and_frees_kv(live_server: LiveServer, open_page: Callable[..., Tab]) -> None:
+    def aborts() -> float:
+        text = httpx.get(f"{live_server.url}/metrics").text
+        m = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    tab = open_page()
+    page = goto(tab, live_server.url)
+    wait_models(page)
+    # greedy SmolLM2 answers this with ~120 tokens: seconds of streaming on a CPU
+    fill_knobs(page, temperature="0", max_tokens="600")
+    send(page, "Count from 1 to 500, separated by commas.")
+    # first with the Stop button, then the same turn regenerated and stopped with Esc
+    for n, how in enumerate(("button", "escape"), start=1):
+        before = aborts()
+        if how == "escape":
+            page.click("#regenerate")
+        page.wait_for_function(
+            "() => (document.querySelector('.msg.assistant.streaming .body')?.textContent || '').length > 10"
+        )
+        assert live_server.metric("vllm:kv_cache_usage_perc") > 0
+        if how == "button":
+            page.click("#stop")
+        else:
+            page.keyboard.press("Escape")
+        wait_idle(page, 10_000)
+        assert page.is_disabled("#stop")
+        assert "stopped" in (page.text_content(".msg.assistant .stats") or ""), n
+        msgs = stored_messages(page)
+        assert [m["role"] for m in msgs] == ["user", "assistant"]
+        assert msgs[1]["stats"]["stopped"] is True and msgs[1]["stats"]["ttft_ms"] > 0 and msgs[1]["content"]
+        assert "finish_reason" not in msgs[1]["stats"]  # no usage chunk: the stream was cut
+        # the server saw the disconnect, aborted the request and freed its blocks
+        for _ in range(100):
+            if aborts() == before + 1 and live_server.metric("vllm:num_requests_running") == 0:
+                break
+            threading.Event().wait(0.1)
+        assert aborts() == before + 1, how
+        assert live_server.metric("vllm:num_requests_running") == 0
+        assert live_server.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_ui_regenerate_and_edit_last_on_real_model(
+    live_server: LiveServer, open_page: Callable[..., Tab]
+) -> None:
+    tab = open_page()
+    page = goto(tab, live_server.url)
+    wait_models(page)
+    fill_knobs(page, temperature="0", max_tokens="8")
+    send(page, "Say hello.")
+    wait_idle(page)
+    first = stored_messages(page)[1]["content"]
+    page.click("#regenerate")
+    wait_idle(page)
+    msgs = stored_messages(page)
+    assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[1]["content"] == first  # greedy
+    page.click("#edit-last")
+    assert page.input_value("#prompt") == "Say hello." and stored_messages(page) == []
+    page.fill("#prompt", QUESTION)
+    page.click("#send")
+    wait_idle(page)
+    msgs = stored_messages(page)
+    assert [m["content"] for m in msgs if m["role"] == "user"] == [QUESTION]
+    assert page.evaluate("document.activeElement.id") in ("prompt", "send")
+
+
+# ---- API key ------------------------------------------------------------------------------------
+def test_ui_api_key_asked_wrong_refused_right_works(
+    keyed_server: AppServer, open_page: Callable[..., Tab]
+) -> None:
+    url = keyed_server.url
+    assert httpx.get(f"{url}/", headers={"Accept": "text/html"}).status_code == 200  # the page is open
+    assert httpx.get(f"{url}/v1/models").status_code == 401  # the API is not
+    tab = open_page()
+    page = goto(tab, url)
+    page.wait_for_selector("#auth:not([hidden])")
+    server_msg = httpx.get(f"{url}/v1/models").json()["error"]["message"]
+    assert server_msg in (page.text_content("#auth-detail") or "")
+    assert page.evaluate("document.activeElement.id") == "auth-key"  # asked for, with the focus there
+    page.keyboard.type("wrong-key")
+    page.keyboard.press("Enter")
+    page.wait_for_function(
+        "() => document.getElementById('auth-detail').textContent.startsWith('The key was refused')"
+    )
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "api-key-refused.png"))
+    assert "HTTP 401" in (page.text_content("#auth-detail") or "")
+    assert page.locator("#model option").count() == 0
+    page.fill("#auth-key", KEY)
+    page.press("#auth-key", "Enter")
+    wait_models(page)
+    assert page.is_hidden("#auth") and page.input_value("#model") == "tiny"
+    assert page.evaluate("JSON.parse(localStorage.getItem('kubeinfer.apiKey'))") == KEY
+    fill_knobs(page, max_tokens="5", temperature="0")
+    send(page, "hi")
+    wait_idle(page)
+    assert "5 tokens" in (page.text_content(".msg.assistant .stats") or "")
+    # a key that stops working mid-conversation: the 401 is shown in the conversation as sent
+    page.fill("#api-key", "revoked")
+    page.dispatch_event("#api-key", "change")
+    send(page, "again")
+    wait_idle(page)
+    err = page.text_content(".msg.error") or ""
+    assert "HTTP 401" in err and server_msg in err
+    assert all(u.startswith(url) for u in tab.requests)
+
+
+# ---- errors shown as the server sent them -----------------------------------------------------------
+def test_ui_shows_server_errors_as_sent(
+    live_server: LiveServer, loading_server: AppServer, keyed_server: AppServer, open_page: Callable[..., Tab]
+) -> None:
+    # 400: the server's own message for a too-long max_tokens
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}
+    r = httpx.post(f"{live_server.url}/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    page = goto(open_page(), live_server.url)
+    wait_models(page)
+    fill_knobs(page, max_tokens=str(10**6))
+    send(page, "hi")
+    wait_idle(page)
+    assert page.text_content(".msg.error .status") == "HTTP 400"
+    assert page.text_content(".msg.error .error-text") == r.json()["error"]["message"]
+    # 503 while loading: in the model picker and on sending
+    page = goto(open_page(), loading_server.url)
+    loading_msg = httpx.get(f"{loading_server.url}/v1/models").json()["error"]["message"]
+    page.wait_for_function("() => document.getElementById('model-status').textContent.startsWith('HTTP 503')")
+    assert loading_msg in (page.text_content("#model-status") or "")
+    send(page, "hi")
+    wait_idle(page)
+    sent = httpx.post(
+        f"{loading_server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert sent.status_code == 503
+    assert page.text_content(".msg.error .status") == "HTTP 503"
+    assert page.text_content(".msg.error .error-text") == sent.json()["error"]["message"]
+    # 429: the one request slot of the keyed server is taken
+    slot = keyed_server.state.admit()
+    try:
+        tab = open_page()
+        tab.page.add_init_script(f"localStorage.setItem('kubeinfer.apiKey', {json.dumps(json.dumps(KEY))})")
+        page = goto(tab, keyed_server.url)
+        wait_models(page)
+        send(page, "hi")
+        wait_idle(page)
+        assert page.text_content(".msg.error .status") == "HTTP 429"
+        assert "Model is overloaded" in (page.text_content(".msg.error .error-text") or "")
+    finally:
+        slot.release()
+    # regenerate after an error resends the same turn, and now it works
+    fill_knobs(page, max_tokens="3")
+    page.click("#regenerate")
+    wait_idle(page)
+    assert [m["role"] for m in stored_messages(page)] == ["user", "assistant"]
+    assert page.locator(".msg.error").count() == 0
+
+
+# ---- rendering: model text is text ---------------------------------------------------------------------
+HOSTILE = (
+    'Here you go: <script>window.__pwned = 1</script> and <img src=x onerror="window.__pwned = 2"> '
+    'then `<b>inline</b>`\n```html\n<img src=y onerror="window.__pwned = 3"><b>bold</b>\n```\ndone'
+)
+
+
+def test_ui_model_output_never_becomes_html(live_server: LiveServer, open_page: Callable[..., Tab]) -> None:
+    tab = open_page()
+    page = tab.page
+    pieces = [HOSTILE[i : i + 7] for i in range(0, len(HOSTILE), 7)]  # split inside the tags, as tokens are
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=200,
+            headers={"Content-Type": "text/event-stream"},
+            body=sse_body(*[delta(p) for p in pieces], usage_chunk(9, len(pieces))),
+        ),
+    )
+    goto(tab, live_server.url)
+    wait_models(page)
+    send(page, '<img src=z onerror="window.__pwned = 4">')
+    wait_idle(page)
+    box = page.locator("#messages")
+    assert box.locator("script, img, b").count() == 0
+    assert page.evaluate("window.__pwned") is None
+    reply = page.text_content(".msg.assistant .body") or ""
+    assert "<script>window.__pwned = 1</script>" in reply and 'onerror="window.__pwned = 2"' in reply
+    assert page.text_content(".msg.assistant code.inline") == "<b>inline</b>"
+    assert (
+        page.text_content(".msg.assistant pre.code code")
+        == '<img src=y onerror="window.__pwned = 3"><b>bold</b>'
+    )
+    assert page.get_attribute(".msg.assistant pre.code code", "data-lang") == "html"
+    assert page.text_content(".msg.user .body") == '<img src=z onerror="window.__pwned = 4">'
+    assert f"{len(pieces)} tokens" in (page.text_content(".msg.assistant .stats") or "")
+    # an error event after the stream began: what came is kept, the error is shown as sent
+    err = {
+        "error": {"message": "the engine failed: boom <i>x</i>", "type": "InternalServerError", "code": 500}
+    }
+    page.unroute("**/v1/chat/completions")
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=200, headers={"Content-Type": "text/event-stream"}, body=sse_body(delta("partial"), err)
+        ),
+    )
+    send(page, "more")
+    wait_idle(page)
+    assert page.locator(".msg.assistant .body").last.text_content() == "partial"
+    assert page.text_content(".msg.error .status") == "HTTP 500"
+    assert page.text_content(".msg.error .error-text") == "the engine failed: boom <i>x</i>"
+    assert box.locator("i").count() == 0
+
+
+# ---- every knob in the request body -----------------------------------------------------------------
+def test_ui_request_body_carries_every_knob(live_server: LiveServer, open_page: Callable[..., Tab]) -> None:
+    tab = open_page()
+    page = tab.page
+    bodies: list[dict[str, Any]] = []
+
+    def handle(route: Any) -> None:
+        bodies.append(json.loads(route.request.post_data))
+        assert route.request.headers.get("authorization") == "Bearer k1"
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=sse_body(delta("ok")))
+
+    page.route("**/v1/chat/completions", handle)
+    goto(tab, live_server.url)
+    wait_models(page)
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    page.fill("#system", "Be terse.")
+    fill_knobs(page, temperature="0.7", top_p="0.9", top_k="40", min_p="0.05", max_tokens="64", seed="7")
+    page.fill("#stop-strings", "END\n\nSTOP")
+    page.fill("#api-key", "k1")
+    page.check("#json-mode")
+    page.fill("#json-schema", json.dumps(schema))
+    send(page, QUESTION)
+    wait_idle(page)
+    assert bodies == [
+        {
+            "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": QUESTION}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "model": SERVED_NAME,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 40,
+            "min_p": 0.05,
+            "max_tokens": 64,
+            "seed": 7,
+            "stop": ["END", "STOP"],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "playground", "schema": schema, "strict": True},
+            },
+        }
+    ]
+    # the next turn carries the history; emptied knobs fall back to the server's defaults (not sent)
+    for knob in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "system", "stop-strings"):
+        page.fill(f"#{knob}", "")
+    page.uncheck("#json-mode")
+    send(page, "And Spain?")
+    wait_idle(page)
+    assert bodies[1] == {
+        "messages": [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "And Spain?"},
+        ],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "model": SERVED_NAME,
+    }
+    # a schema that does not parse is refused in the page, before any request
+    page.check("#json-mode")
+    page.fill("#json-schema", "{not json")
+    send(page, "x")
+    wait_idle(page)
+    assert len(bodies) == 2
+    assert "the JSON schema does not parse" in (page.text_content(".msg.error") or "")
+    # the settings survive a reload (the key too, in this browser's storage only)
+    page.reload()
+    wait_models(page)
+    assert page.input_value("#api-key") == "k1" and page.is_checked("#json-mode")
+
+
+# ---- keyboard, phone width, themes, screenshots ----------------------------------------------------------
+def _conversation_fixture() -> str:
+    conv = {
+        "id": "shot",
+        "title": "Capital of France",
+        "updated": 0,
+        "messages": [
+            {"role": "user", "content": "What is the capital of France? And show me a Python hello world."},
+            {
+                "role": "assistant",
+                "content": 'The capital of France is Paris.\n\n```python\nprint("Hello, world!")\n```\n'
+                "Run it with `python hello.py`.",
+                "stats": {
+                    "prompt_tokens": 41,
+                    "completion_tokens": 32,
+                    "ttft_ms": 84,
+                    "tokens_per_s": 27.5,
+                    "finish_reason": "stop",
+                },
+            },
+            {"role": "user", "content": "<b>Is this bold?</b>"},
+            {
+                "role": "assistant",
+                "content": "",
+                "error": {"status": 429, "text": "Model is overloaded: 1 requests in flight"},
+            },
+        ],
+    }
+    return (
+        f"localStorage.setItem('kubeinfer.conversations', {json.dumps(json.dumps([conv]))});"
+        "localStorage.setItem('kubeinfer.current', '\"shot\"');"
+    )
+
+
+def _luminance(css_color: str) -> float:
+    r, g, b = (int(x) for x in re.findall(r"\d+", css_color)[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("size", ["desktop", "phone"])
+def test_ui_layouts_themes_screenshots(
+    live_server: LiveServer, open_page: Callable[..., Tab], size: str, scheme: str
+) -> None:
+    viewport = DESKTOP if size == "desktop" else PHONE
+    tab = open_page(viewport=viewport, color_scheme=scheme, is_mobile=size == "phone")
+    tab.page.add_init_script(_conversation_fixture())
+    page = goto(tab, live_server.url)
+    wait_models(page)
+    page.wait_for_selector("pre.code")
+    bg = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert (_luminance(bg) < 0.2) if scheme == "dark" else (_luminance(bg) > 0.9), bg
+    # nothing wider than the screen, and the composer in view
+    assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
+    box = page.locator("#composer").bounding_box()
+    assert box is not None and box["y"] + box["height"] <= viewport["height"] + 1
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"chat-{size}-{scheme}.png"))
+    if size == "phone":
+        assert page.is_hidden("#settings")
+        page.focus("#toggle-settings")
+        page.keyboard.press("Enter")
+        assert (
+            page.is_visible("#settings") and page.get_attribute("#toggle-settings", "aria-expanded") == "true"
+        )
+        assert page.evaluate("document.activeElement.id") == "system"
+        page.screenshot(path=str(ARTIFACTS / f"settings-{size}-{scheme}.png"))
+        page.keyboard.press("Escape")
+        assert page.is_hidden("#settings") and page.evaluate("document.activeElement.id") == "toggle-settings"
+    else:
+        assert page.is_visible("#settings") and page.is_visible("#chats")
+
+
+def test_ui_keyboard_only(live_server: LiveServer, open_page: Callable[..., Tab]) -> None:
+    tab = open_page()
+    page = tab.page
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=200,
+            headers={"Content-Type": "text/event-stream"},
+            body=sse_body(delta("Paris."), usage_chunk(5, 2)),
+        ),
+    )
+    goto(tab, live_server.url)
+    wait_models(page)
+    assert page.evaluate("document.activeElement.id") == "prompt"  # ready to type on load
+    page.keyboard.type("first line")
+    page.keyboard.press("Shift+Enter")
+    page.keyboard.type("second line")
+    page.keyboard.press("Enter")
+    wait_idle(page)
+    assert stored_messages(page)[0]["content"] == "first line\nsecond line"
+    # every control is reachable with Tab, each showing a focus ring
+    reached: list[str] = []
+    unringed: list[str] = []
+    for _ in range(60):
+        page.keyboard.press("Tab")
+        info = page.evaluate(
+            "[document.activeElement.id || document.activeElement.className,"
+            " getComputedStyle(document.activeElement).outlineStyle, document.activeElement.tagName]"
+        )
+        reached.append(info[0])
+        if info[1] == "none" and info[2] != "BODY":  # past the last control the focus leaves the page
+            unringed.append(info[0])
+    for control in (
+        "new-chat", "model", "messages", "prompt", "send", "regenerate", "edit-last",
+        "system", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop-strings",
+        "json-mode", "json-schema", "api-key", "conv-open",
+    ):  # fmt: skip
+        assert control in reached, (control, reached)
+    assert not unringed, unringed
+    # regenerate with the keyboard: focus it and press Enter
+    page.focus("#regenerate")
+    page.keyboard.press("Enter")
+    wait_idle(page)
+    assert [m["role"] for m in stored_messages(page)] == ["user", "assistant"]
