@@ -87,11 +87,15 @@ def test_logprobs_match_a_log_softmax(engine: LLMEngine) -> None:
 
 def test_prompt_logprobs(engine: LLMEngine) -> None:
     prompt = engine.tokenizer.encode("one two three four")
-    engine.add_request("plp", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True))
+    engine.add_request("plp", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
     outs = collect(engine)["plp"]
     plp = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
     assert len(plp) == len(prompt) and plp[0] is None
-    assert all(v is not None and v <= 0.0 for v in plp[1:])
+    for lp, tok in zip(plp[1:], prompt[1:], strict=True):
+        assert lp is not None and lp.chosen.token_id == tok and lp.chosen.logprob <= 0.0
+        assert len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob
+        assert lp.chosen.rank is not None and lp.chosen.rank >= 1
+        assert (lp.chosen.rank == 1) == (lp.top[0].token_id == tok)
 
 
 def test_abort_frees_blocks(engine: LLMEngine) -> None:
