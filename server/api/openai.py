@@ -627,8 +627,10 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     _check_prompt_logprobs(req.prompt_logprobs)
     if req.stream and req.prompt_logprobs is not None:
         raise validation("prompt_logprobs is not available when stream is true", "prompt_logprobs")
-    if req.tools and req.tool_choice != "none":
+    if req.tools:
         raise validation("tools are not supported by this server", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise validation("tool_choice needs tools, which this server does not support", "tool_choice")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise validation("only response_format type 'text' is supported", "response_format")
     if req.top_logprobs is not None:
