@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import SERVED_NAME, TGI_PROMPT, LiveServer, free_port, wait_ready
+from conftest import SERVED_NAME, TGI_PROMPT, LiveServer, free_port
 from pydantic import BaseModel
 
 from server.core.finish import FinishDecision, decide_finish
@@ -184,7 +184,7 @@ def test_api_conf_logprob_bytes_join_to_text(live_server: LiveServer) -> None:
     assert b"".join(bytes(t["bytes"]) for t in content) == r["message"]["content"].encode()
     # at least one token holds part of a character, and shows its own bytes, not U+FFFD's
     assert any(len(t["bytes"]) < 4 and t["token"].startswith("bytes:") for t in content)
-    assert all([239, 191, 189] != t["bytes"][-3:] for t in content)
+    assert all(t["bytes"][-3:] != [239, 191, 189] for t in content)
     for t in content:
         assert t["top_logprobs"][0]["bytes"] == t["bytes"]  # greedy: the chosen token is the top one
         for alt in t["top_logprobs"]:
