@@ -117,22 +117,16 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
     app.state.server = state
 
     # HEAD answers like GET without a body (uvicorn drops it), for probes and load balancers.
-    @app.api_route(
-        "/health",
-        methods=["GET", "HEAD"],
-        summary="Liveness: 200 while the engine loop is alive (also while loading)",
-    )
+    @app.get("/health", summary="Liveness: 200 while the engine loop is alive (also while loading)")
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         if state.alive:
             return JSONResponse({"status": "ok" if state.phase is not Phase.LOADING else "loading"})
         reason = state.load_error or (state.engine.error if state.engine else None)
         return JSONResponse({"status": "dead", "error": repr(reason)}, status_code=503)
 
-    @app.api_route(
-        "/ready",
-        methods=["GET", "HEAD"],
-        summary="Readiness: 200 once loaded and warmed up; 503 while loading or draining",
-    )
+    @app.get("/ready", summary="Readiness: 200 once loaded and warmed up; 503 while loading or draining")
+    @app.head("/ready", include_in_schema=False)
     async def ready() -> Response:
         if state.ready:
             return JSONResponse({"status": "ready"})
