@@ -741,6 +741,8 @@ def test_api_conf_lm_eval_local_completions(
         {"q": "The sun rises in the", "choices": [" west", " east", " north"], "gold": 1},
         {"q": "Water freezes at zero degrees", "choices": [" Celsius", " Kelvin"], "gold": 0},
         {"q": "🎉 A party emoji means", "choices": [" celebration", " sadness"], "gold": 0},
+        # a wrong gold on purpose, so that accuracy is not trivially 1 on both sides
+        {"q": "The capital of Germany is", "choices": [" Paris", " Berlin"], "gold": 0},
     ]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
