@@ -204,7 +204,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- vLLM utility routes -------------------------------------------------------------------------
-class TokenizeCompletionRequest(_Lenient):
+class TokenizeCompletionRequest(RequestModel):
     """vLLM's POST /tokenize with a prompt."""
 
     model: str | None = None
@@ -213,7 +213,7 @@ class TokenizeCompletionRequest(_Lenient):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Lenient):
+class TokenizeChatRequest(RequestModel):
     """vLLM's POST /tokenize with messages (the chat template applied)."""
 
     model: str | None = None
@@ -224,7 +224,7 @@ class TokenizeChatRequest(_Lenient):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(RequestModel):
     """vLLM's POST /detokenize."""
 
     model: str | None = None

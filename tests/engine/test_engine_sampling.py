@@ -158,6 +158,28 @@ def test_incremental_detokenizer_matches_full_decode(engine: LLMEngine) -> None:
     assert text == tok.decode(ids)
 
 
+def test_incremental_detokenizer_token_texts_and_stop_rules(engine: LLMEngine) -> None:
+    """Each token's own text whatever the stops; stop strings honour min_tokens and report the token
+    that completed them; drop_last keeps a stopping token's text out of the output."""
+    tok = engine.tokenizer
+    ids = tok.encode(" Paris is 🎉 big")
+    own = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16))
+    plain = [own.push([t]).token_texts[0] for t in ids]
+    assert "".join(plain) == tok.decode(ids) and "" in plain  # the emoji's first bytes carry no text
+    held = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16, stop=("zzzzzzzz",)))
+    assert held.push(ids).token_texts == plain
+    # a stop string inside the first min_tokens tokens is not a stop
+    first = tok.decode(ids[:1])
+    det = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16, min_tokens=1, stop=(first,)))
+    upd = det.push(ids[:2])
+    assert upd.stop_string is None
+    det = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16, stop=(" is",)))
+    upd = det.push(ids)
+    assert (upd.stop_string, upd.stop_index, upd.text) == (" is", 1, first)
+    det = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16))
+    assert det.push(ids[:2], drop_last=True).text + det.flush() == first
+
+
 def test_async_engine_streams_and_aborts(engine: LLMEngine) -> None:
     p = engine.tokenizer.encode("stream me")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
