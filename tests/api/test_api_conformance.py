@@ -842,3 +842,42 @@ def test_api_conf_tokenize_routes(live_server: LiveServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     v = httpx.get(f"{url}/version")
     assert v.status_code == 200 and isinstance(v.json()["version"], str) and v.json()["version"]
+
+
+# ---- a real benchmarking client ------------------------------------------------------------------
+@pytest.mark.slow
+def test_api_conf_guidellm_synchronous(
+    live_server: LiveServer, smollm2_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """guidellm (PyPI) runs a short synchronous benchmark against the server without an error, and
+    every request returns the number of tokens it asked for."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "guidellm.json"
+    guidellm = pathlib.Path(sys.executable).with_name("guidellm")
+    cmd = [
+        str(guidellm),
+        "run",
+        "--backend",
+        f"kind=openai_http,target={live_server.url},model={SERVED_NAME}",
+        "--profile",
+        "kind=synchronous",
+        "--constraint",
+        "kind=max_requests,count=3",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={smollm2_dir}",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    metrics = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    assert metrics["request_totals"] == {"successful": 3, "errored": 0, "incomplete": 0, "total": 3}
+    counts = metrics["output_token_count"]["successful"]
+    assert counts["min"] == counts["max"] == 8
