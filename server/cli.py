@@ -67,6 +67,23 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def parse_str_list(text: str) -> tuple[str, ...]:
+    """A list of strings from a JSON list (vLLM's form, '["http://a", "http://b"]') or 'a,b'."""
+    t = text.strip()
+    if t.startswith("["):
+        try:
+            value = json.loads(t)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} ({e})") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise argparse.ArgumentTypeError(f"not a list of non-empty strings: {text!r}")
+        return tuple(value)
+    items = tuple(p.strip() for p in t.split(",") if p.strip())
+    if not items:
+        raise argparse.ArgumentTypeError(f"empty list: {text!r}")
+    return items
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -251,6 +268,37 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         default=ui_default,
         help="Serve the chat playground at GET / (browsers); --no-ui turns it off [env: KUBEINFER_UI]",
     )
+    add(
+        "--allowed-origins",
+        "KUBEINFER_ALLOWED_ORIGINS",
+        "CORS: origins browsers may call from (JSON list or comma-separated; vLLM's flag)",
+        type=parse_str_list,
+        default=("*",),
+    )
+    add(
+        "--allowed-methods",
+        "KUBEINFER_ALLOWED_METHODS",
+        "CORS: allowed methods (JSON list or comma-separated)",
+        type=parse_str_list,
+        default=("*",),
+    )
+    add(
+        "--allowed-headers",
+        "KUBEINFER_ALLOWED_HEADERS",
+        "CORS: allowed request headers (JSON list or comma-separated)",
+        type=parse_str_list,
+        default=("*",),
+    )
+    credentials_default = (
+        parse_bool(env["KUBEINFER_ALLOW_CREDENTIALS"]) if env.get("KUBEINFER_ALLOW_CREDENTIALS") else False
+    )
+    parser.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=credentials_default,
+        help="CORS: allow credentials (cookies, Authorization) in cross-origin requests "
+        "[env: KUBEINFER_ALLOW_CREDENTIALS]",
+    )
     add("--log-format", "LOG_FORMAT", "Log line format", default="text", choices=LOG_FORMATS)
     add(
         "--log-level", "LOG_LEVEL", "Log level", default="info", choices=("debug", "info", "warning", "error")
@@ -297,6 +345,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_format=args.log_format,
         max_payload_bytes=args.max_payload_bytes,
         ui=args.ui,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
     )
 
 

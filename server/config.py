@@ -120,6 +120,11 @@ class ServerConfig:
     log_format: str = "text"
     max_payload_bytes: int = 2_000_000
     ui: bool = True  # the chat playground at GET / (--no-ui turns it off)
+    # CORS (vLLM's flags and defaults): browsers from these origins may call the API
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -149,5 +154,9 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name} must be a tuple of non-empty strings, got {value!r}")
         if self.max_payload_bytes < 1024:
             raise ValueError(f"max_payload_bytes must be >= 1024, got {self.max_payload_bytes}")

@@ -15,6 +15,7 @@ import torch
 
 from server.attention import make_attention_backend
 from server.config import EngineConfig
+from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
@@ -191,12 +192,13 @@ class LLMEngine:
             if not new_tokens and not req.is_finished:
                 continue
             text = ""
+            token_texts: list[str] = []
             try:
                 if new_tokens:
-                    upd = state.detok.push(new_tokens)
-                    text = upd.text
-                    if upd.stop_string is not None and not req.is_finished:
-                        self.scheduler.finish_request(rid, FinishReason.STOP, stop_reason=upd.stop_string)
+                    upd = state.detok.push(new_tokens, drop_last=self._stopped_by_token(req))
+                    text, token_texts = upd.text, upd.token_texts
+                    if upd.stop_string is not None and upd.stop_index is not None:
+                        self._finish_by_stop_string(req, new_tokens, upd.stop_index, upd.stop_string)
                 if req.is_finished:
                     text += state.detok.flush()
             except Exception as e:  # one request's detokenization must not take the batch down
@@ -205,11 +207,43 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, FinishReason.ERROR)
             lps = [model_out.logprobs[rid]] if rid in model_out.logprobs and new_tokens else []
             out = self._output(state, new_tokens, text, finished=req.is_finished, logprobs=lps)
+            out.new_token_texts = token_texts if len(token_texts) == len(new_tokens) else []
             out.prompt_logprobs = prompt_lps
             outputs.append(out)
             if req.is_finished:
                 del self._states[rid]
         return outputs
+
+    @staticmethod
+    def _stopped_by_token(req: Request) -> bool:
+        """The last token ended the request by itself (EOS or a stop id): its text stays out of the
+        output unless include_stop_str_in_output (vLLM's rule for stop-terminated sequences)."""
+        if not req.is_finished or req.finish_reason is not FinishReason.STOP:
+            return False
+        if req.sampling_params.include_stop_str_in_output:
+            return False
+        return not isinstance(req.stop_reason, str)
+
+    def _finish_by_stop_string(self, req: Request, new_tokens: list[int], index: int, stop: str) -> None:
+        """The detokenizer found `stop` in the text of new_tokens[index]: decide_finish gives the
+        verdict, which replaces a LENGTH finish the scheduler made on the same token."""
+        num_out = len(req.output_token_ids) - len(new_tokens) + index + 1
+        decision = decide_finish(
+            req.sampling_params,
+            new_tokens[index],
+            num_out,
+            req.num_prompt_tokens + num_out,
+            self.max_model_len,
+            req.eos_token_ids,
+            stop_string=stop,
+        )
+        if decision is None or decision.reason is not FinishReason.STOP:
+            return
+        if not req.is_finished:
+            self.scheduler.finish_request(req.request_id, decision.reason, stop_reason=decision.stop_reason)
+        elif req.finish_reason is FinishReason.LENGTH:
+            req.finish_reason = decision.reason
+            req.stop_reason = decision.stop_reason
 
     def _output(
         self,

@@ -39,7 +39,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None = no logprobs; n >= 0 = chosen token + n top alternatives
-    prompt_logprobs: bool = False
+    # None = off; n >= 0 = each prompt token's logprob (the first is None) + n top alternatives (vLLM)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -64,6 +65,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not (0 <= self.prompt_logprobs <= 20)
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an int in [0, 20], got {self.prompt_logprobs!r}"
+            )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not (0 <= self.seed < 2**63):

@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from server.core.finish import stops_count
 from server.request import SamplingParams
 
 # Tokens of prompt context decoded with the first output tokens, so that leading spaces and merged
 # characters come out as they would in a full decode.
 _PROMPT_CONTEXT = 5
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: each printable stand-in character -> its byte
+    (the `bytes_to_unicode` table of openai/gpt-2's encoder.py, used by Hugging Face ByteLevel)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table: dict[str, int] = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_decoder()
 
 
 class Tokenizer:
@@ -20,6 +43,10 @@ class Tokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(folder))
         self.vocab_size = len(self._tok)
         self.all_special_ids = frozenset(self._tok.all_special_ids)
+        self._added_ids = frozenset(getattr(self._tok, "added_tokens_decoder", {}) or ())
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        self._byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
+        self._bytes_cache: dict[int, bytes] = {}
 
     @property
     def hf(self) -> Any:
@@ -47,6 +74,31 @@ class Tokenizer:
         """The text a single token contributes (TGI's token.text)."""
         return str(self._tok.decode([token_id], skip_special_tokens=False))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a single token stands for, so that the bytes of consecutive output tokens join
+        to the UTF-8 of the output text, also when a token holds only part of a character (OpenAI's
+        logprob `bytes`). Byte-level BPE (GPT-2 alphabet) and SentencePiece pieces (`<0xNN>` byte
+        fallback, U+2581 for a space) map exactly; added/special tokens give their text's UTF-8.
+        A SentencePiece tokenizer's decode drops the first token's leading space; the bytes keep it."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is not None:
+            return cached
+        if token_id in self._added_ids or token_id in self.all_special_ids:
+            out = self.token_text(token_id).encode()
+        else:
+            piece = str(self._tok.convert_ids_to_tokens(token_id))
+            m = _BYTE_PIECE.fullmatch(piece)
+            if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+                out = bytes(_BYTE_LEVEL[c] for c in piece)
+            elif m is not None:
+                out = bytes([int(m.group(1), 16)])
+            elif not self._byte_level:
+                out = piece.replace("\u2581", " ").encode()
+            else:
+                out = self.token_text(token_id).encode()
+        self._bytes_cache[token_id] = out
+        return out
+
     def offsets(self, text: str) -> list[tuple[int, str, int, int]]:
         """(id, text, start, stop) per token, for TGI's /tokenize."""
         enc = self._tok(text, return_offsets_mapping=True, add_special_tokens=True)
@@ -56,28 +108,56 @@ class Tokenizer:
         return out
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
+        """Prompt ids for a conversation. continue_final_message: leave the last (assistant) message
+        open, without its end-of-turn tokens, so that the model continues it (vLLM's flag).
+        add_special_tokens: also add the tokenizer's own BOS/EOS around the templated text (off by
+        default: templates write their special tokens themselves)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         text = self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
-        return self.encode(str(text), add_special_tokens=False)
+        return self.encode(str(text), add_special_tokens=add_special_tokens)
 
 
 @dataclass
 class DetokenizerUpdate:
-    text: str  # newly released text
-    stop_string: str | None  # the stop string that ended the request, if any
+    """What one push released.
+
+    text: newly released output text (held back while it may still become a stop string).
+    stop_string: the stop string that ended the request, if any.
+    stop_index: index into the pushed ids of the token whose text completed `stop_string`.
+    token_texts: each pushed token's own text (TGI's token.text), one per pushed id: the decode
+        delta of that token alone, "" while it holds an incomplete UTF-8 character (the token that
+        completes the character carries it). Independent of stop strings and hold-back.
+    """
+
+    text: str
+    stop_string: str | None
+    stop_index: int | None = None
+    token_texts: list[str] = field(default_factory=list)
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas. Text that could still turn into a stop
-    string is held back until it cannot, or until the request ends."""
+    string is held back until it cannot, or until the request ends.
+
+    Stop strings are looked for only in text completed by output tokens past `min_tokens` (the rule
+    of server.core.finish.stops_count); the stop string is cut from the output unless
+    `include_stop_str_in_output`."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self._tok = tokenizer
+        self._params = params
         self._skip_special = params.skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
@@ -87,6 +167,7 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self.output_text = ""
         self._released = 0
+        self._num_output = 0
         self.finished = False
 
     def _decode_delta(self) -> str:
@@ -98,16 +179,24 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
-    def push(self, token_ids: list[int]) -> DetokenizerUpdate:
+    def push(self, token_ids: list[int], drop_last: bool = False) -> DetokenizerUpdate:
+        """Adds output tokens. drop_last: the last token ended the request by itself (EOS or a stop
+        token id) and its text stays out of the output (its own text is still reported)."""
         if self.finished:
-            return DetokenizerUpdate("", None)
-        self._ids.extend(token_ids)
-        delta = self._decode_delta()
+            return DetokenizerUpdate("", None, None, ["" for _ in token_ids])
+        token_texts: list[str] = []
         stop_hit: str | None = None
-        if delta:
+        stop_index: int | None = None
+        for i, tid in enumerate(token_ids):
+            self._ids.append(tid)
+            self._num_output += 1
+            delta = self._decode_delta()
+            token_texts.append(delta)
+            if self.finished or (drop_last and i == len(token_ids) - 1) or not delta:
+                continue
             search_from = max(0, len(self.output_text) - self._hold)
             self.output_text += delta
-            if self._stops:
+            if self._stops and stops_count(self._params, self._num_output):
                 best: tuple[int, str] | None = None
                 for s in self._stops:
                     idx = self.output_text.find(s, search_from)
@@ -115,6 +204,7 @@ class IncrementalDetokenizer:
                         best = (idx, s)
                 if best is not None:
                     idx, stop_hit = best
+                    stop_index = i
                     end = idx + len(stop_hit) if self._include_stop else idx
                     self.output_text = self.output_text[:end]
                     self.finished = True
@@ -123,7 +213,7 @@ class IncrementalDetokenizer:
             if self.finished
             else max(self._released, len(self.output_text) - self._hold)
         )
-        return DetokenizerUpdate(self._release(limit), stop_hit)
+        return DetokenizerUpdate(self._release(limit), stop_hit, stop_index, token_texts)
 
     def flush(self) -> str:
         """Release everything held back (the request ended for another reason)."""

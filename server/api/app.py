@@ -9,12 +9,14 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
-from . import openai, tgi, ui
+from . import openai, tgi, ui, utility
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
 from .openapi_doc import install_openapi
@@ -24,7 +26,7 @@ log = logging.getLogger("server.api.access")
 
 # Probes, scrapes and /info stay reachable without the API key (kubelet and Prometheus carry none).
 OPEN_PATHS = frozenset(
-    {"/health", "/ready", "/metrics", "/info", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
+    {"/health", "/ready", "/metrics", "/info", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
 )
 _QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -116,7 +118,9 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
     )
     app.state.server = state
 
+    # HEAD answers like GET without a body (uvicorn drops it), for probes and load balancers.
     @app.get("/health", summary="Liveness: 200 while the engine loop is alive (also while loading)")
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         if state.alive:
             return JSONResponse({"status": "ok" if state.phase is not Phase.LOADING else "loading"})
@@ -124,6 +128,7 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
         return JSONResponse({"status": "dead", "error": repr(reason)}, status_code=503)
 
     @app.get("/ready", summary="Readiness: 200 once loaded and warmed up; 503 while loading or draining")
+    @app.head("/ready", include_in_schema=False)
     async def ready() -> Response:
         if state.ready:
             return JSONResponse({"status": "ready"})
@@ -138,6 +143,19 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
     app.include_router(openai.router)
     if state.config.ui:
         app.include_router(ui.router)
+    app.include_router(utility.router)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # Unknown routes and methods answer in the route family's error shape, not FastAPI's `detail`.
+        path = request.url.path
+        if exc.status_code == 404:
+            err = APIError(ErrorKind.NOT_FOUND, f"no route {request.method} {path}")
+        elif exc.status_code == 405:
+            err = APIError(ErrorKind.METHOD_NOT_ALLOWED, f"method {request.method} is not allowed on {path}")
+        else:
+            return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+        return err.response(family_of_path(path), headers=dict(exc.headers) if exc.headers else None)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -154,5 +172,14 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
         return err.response(family_of_path(request.url.path))
 
     app.add_middleware(APIMiddleware, state=state)  # type: ignore[arg-type]
+    # Outermost, so that a browser's preflight is answered before the API key is asked for.
+    cfg = state.config
+    app.add_middleware(
+        CORSMiddleware,  # type: ignore[arg-type]
+        allow_origins=list(cfg.allowed_origins),
+        allow_methods=list(cfg.allowed_methods),
+        allow_headers=list(cfg.allowed_headers),
+        allow_credentials=cfg.allow_credentials,
+    )
     install_openapi(app, METRICS_CONTENT_TYPE, OPEN_PATHS)
     return app

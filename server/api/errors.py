@@ -21,7 +21,8 @@ class ErrorKind(enum.StrEnum):
     INCOMPLETE = "incomplete_generation"  # the stream ended early: 500
     UNAVAILABLE = "unavailable"  # loading or draining: 503
     UNAUTHORIZED = "unauthorized"  # 401
-    NOT_FOUND = "not_found"  # unknown model: 404
+    NOT_FOUND = "not_found"  # unknown model or route: 404
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
     TOO_LARGE = "payload_too_large"  # 413
 
 
@@ -38,6 +39,7 @@ _TGI_STATUS = {
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.UNAUTHORIZED: 401,
     ErrorKind.NOT_FOUND: 404,
+    ErrorKind.METHOD_NOT_ALLOWED: 405,
     ErrorKind.TOO_LARGE: 413,
 }
 _OPENAI_STATUS = {**_TGI_STATUS, ErrorKind.VALIDATION: 400, ErrorKind.GENERATION: 500}
@@ -49,6 +51,7 @@ _OPENAI_TYPE = {
     ErrorKind.UNAVAILABLE: "ServiceUnavailableError",
     ErrorKind.UNAUTHORIZED: "AuthenticationError",
     ErrorKind.NOT_FOUND: "NotFoundError",
+    ErrorKind.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
     ErrorKind.TOO_LARGE: "BadRequestError",
 }
 

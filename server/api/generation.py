@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from server.core.outputs import Logprob, RequestOutput
+from server.core.outputs import Logprob, RequestOutput, TokenLogprobs
 from server.engine import EngineDeadError
 from server.metrics import FinishedRequestTimes
 from server.request import FinishReason, SamplingParams
@@ -106,28 +106,23 @@ class Generation:
 
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    token_texts: list[str] = field(default_factory=list)  # text released with each token
+    token_texts: list[str] = field(default_factory=list)  # each token's own text
     logprobs: list[Logprob | None] = field(default_factory=list)
     top_logprobs: list[list[Logprob]] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    prompt_logprobs: list[float | None] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
-    def add(self, out: RequestOutput) -> tuple[list[str], str]:
-        """Folds one output in; returns the text of each new token and any text released without one."""
-        texts = split_text(out)
-        extra = ""
-        if not out.new_token_ids and out.text:
-            extra = out.text
-            if self.token_texts:
-                self.token_texts[-1] += out.text
+    def add(self, out: RequestOutput) -> list[str]:
+        """Folds one output in; returns each new token's own text (TGI's token.text)."""
+        texts = token_texts(out)
         for i, tid in enumerate(out.new_token_ids):
             self.token_ids.append(tid)
             self.token_texts.append(texts[i])
@@ -147,7 +142,7 @@ class Generation:
             self.stop_reason = out.stop_reason
             self.error = out.error
             self.finished_time = out.metrics.finished_time if out.metrics else time.monotonic()
-        return texts, extra
+        return texts
 
     @property
     def logprob_sum(self) -> float:
@@ -162,12 +157,13 @@ class Generation:
             raise APIError(ErrorKind.INCOMPLETE, "Request failed during generation: the request was aborted")
 
 
-def split_text(out: RequestOutput) -> list[str]:
-    """The released text goes with the last new token (one token per step in practice)."""
+def token_texts(out: RequestOutput) -> list[str]:
+    """Each new token's own text, as the detokenizer decoded it token by token: never shifted
+    between tokens by stop-string hold-back (the released `out.text` may lag behind)."""
+    if len(out.new_token_texts) == len(out.new_token_ids):
+        return list(out.new_token_texts)
     n = len(out.new_token_ids)
-    if n == 0:
-        return []
-    return [""] * (n - 1) + [out.text]
+    return [""] * max(0, n - 1) + [out.text] if n else []
 
 
 async def stream_engine(

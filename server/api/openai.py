@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.core.outputs import Logprob, RequestOutput
+from server.core.outputs import Logprob, RequestOutput, TokenLogprobs
 from server.request import FinishReason, SamplingParams
 
 from .errors import APIError, ErrorKind, Family, validation
@@ -81,6 +82,7 @@ def _build_params(
     max_tokens: int | None,
     logprobs: int | None,
     i: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     assert state.limits is not None
     if req.logit_bias:
@@ -107,6 +109,7 @@ def _build_params(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
     )
@@ -119,6 +122,38 @@ def _check_common(req: SamplingFields) -> None:
         raise validation("seed must be in [0, 2**63)", "seed")
     if req.stream_options is not None and not req.stream:
         raise validation("stream_options is only allowed when stream is true", "stream_options")
+    so = req.stream_options
+    if so is not None and so.continuous_usage_stats and not so.include_usage:
+        raise validation(
+            "stream_options.continuous_usage_stats requires stream_options.include_usage",
+            "stream_options.continuous_usage_stats",
+        )
+
+
+def _check_prompt_logprobs(value: int | None) -> None:
+    if value is not None and not (0 <= value <= 20):
+        raise validation("prompt_logprobs must be in [0, 20]", "prompt_logprobs")
+
+
+class UsageCounter:
+    """Token counts for streamed usage: the final usage chunk, and with stream_options
+    continuous_usage_stats, the running usage in every chunk (vLLM)."""
+
+    def __init__(self, prompt_tokens: int, num_jobs: int, continuous: bool) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.continuous = continuous
+        self._per_job = [0] * num_jobs
+
+    def update(self, job: int, num_output_tokens: int) -> None:
+        self._per_job[job] = num_output_tokens
+
+    def usage(self) -> dict[str, Any]:
+        return _usage(self.prompt_tokens, sum(self._per_job))
+
+    def stamp(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        if self.continuous:
+            chunk["usage"] = self.usage()
+        return chunk
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
@@ -137,19 +172,45 @@ def _error_event(e: APIError) -> bytes:
 
 
 # ---- logprob views -----------------------------------------------------------------------------
+class TextOffsets:
+    """Character offsets into the output text of consecutive tokens, from each token's own bytes:
+    a token holding part of a UTF-8 character starts where that character starts, so every offset
+    indexes the returned text (never past its end)."""
+
+    def __init__(self, start: int = 0, limit: int | None = None) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = start
+        self._limit = limit
+
+    def next(self, token: bytes) -> int:
+        """The offset of the token about to be added; then adds its bytes."""
+        offset = self._chars if self._limit is None else min(self._chars, self._limit)
+        self._chars += len(self._decoder.decode(token))
+        return offset
+
+
 class _Logprobs:
+    """Logprobs in OpenAI's shapes. A token's string is its text when its bytes are valid UTF-8 on
+    their own, else OpenAI's `bytes:\\xNN...` form; `bytes` are always the token's own bytes."""
+
     def __init__(self, state: ServerState) -> None:
         assert state.llm is not None
         self.tok = state.llm.tokenizer
 
+    def bytes(self, tid: int) -> bytes:
+        return self.tok.token_bytes(tid)
+
     def text(self, tid: int) -> str:
-        return self.tok.token_text(tid)
+        raw = self.tok.token_bytes(tid)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def completion(
-        self, ids: list[int], chosen: list[Logprob | None], tops: list[list[Logprob]], offset0: int
+        self, ids: list[int], chosen: list[Logprob | None], tops: list[list[Logprob]], offsets: TextOffsets
     ) -> dict[str, Any]:
-        tokens, token_lps, top, offsets = [], [], [], []
-        offset = offset0
+        tokens, token_lps, top, text_offsets = [], [], [], []
         for tid, lp, alts in zip(ids, chosen, tops, strict=True):
             t = self.text(tid)
             tokens.append(t)
@@ -158,30 +219,84 @@ class _Logprobs:
             if lp is not None:
                 d.setdefault(t, safe_logprob(lp.logprob))
             top.append(d)
-            offsets.append(offset)
-            offset += len(t)
-        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": top}
+            text_offsets.append(offsets.next(self.bytes(tid)))
+        return {
+            "text_offset": text_offsets,
+            "token_logprobs": token_lps,
+            "tokens": tokens,
+            "top_logprobs": top,
+        }
+
+    def prompt_completion(
+        self, ids: list[int], plps: list[TokenLogprobs | None], num_top: int, offsets: TextOffsets
+    ) -> dict[str, Any]:
+        """The echoed prompt's logprobs (the first token has none, as in vLLM)."""
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        text_offsets: list[int] = []
+        for i, tid in enumerate(ids):
+            p = plps[i] if i < len(plps) else None
+            t = self.text(tid)
+            tokens.append(t)
+            text_offsets.append(offsets.next(self.bytes(tid)))
+            if p is None:
+                token_lps.append(None)
+                top.append(None)
+                continue
+            token_lps.append(safe_logprob(p.chosen.logprob))
+            d = {self.text(a.token_id): safe_logprob(a.logprob) for a in p.top[:num_top]}
+            d.setdefault(t, safe_logprob(p.chosen.logprob))
+            top.append(d)
+        return {
+            "text_offset": text_offsets,
+            "token_logprobs": token_lps,
+            "tokens": tokens,
+            "top_logprobs": top,
+        }
 
     def chat(self, ids: list[int], chosen: list[Logprob | None], tops: list[list[Logprob]]) -> dict[str, Any]:
         content = []
         for tid, lp, alts in zip(ids, chosen, tops, strict=True):
-            t = self.text(tid)
             content.append(
                 {
-                    "token": t,
+                    "token": self.text(tid),
                     "logprob": safe_logprob(lp.logprob) if lp else MIN_LOGPROB,
-                    "bytes": list(t.encode()),
+                    "bytes": list(self.bytes(tid)),
                     "top_logprobs": [
                         {
                             "token": self.text(a.token_id),
                             "logprob": safe_logprob(a.logprob),
-                            "bytes": list(self.text(a.token_id).encode()),
+                            "bytes": list(self.bytes(a.token_id)),
                         }
                         for a in alts
                     ],
                 }
             )
         return {"content": content}
+
+    def prompt_logprobs(
+        self, plps: list[TokenLogprobs | None] | None, num_top: int
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token_id: {logprob, rank,
+        decoded_token}} holding the prompt token and its top `num_top` alternatives."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for p in plps or []:
+            if p is None:
+                out.append(None)
+                continue
+            d: dict[str, dict[str, Any]] = {}
+            for lp in (p.chosen, *p.top[:num_top]):
+                d.setdefault(
+                    str(lp.token_id),
+                    {
+                        "logprob": safe_logprob(lp.logprob),
+                        "rank": lp.rank,
+                        "decoded_token": self.text(lp.token_id),
+                    },
+                )
+            out.append(d)
+        return out
 
 
 def _chosen(out: RequestOutput) -> tuple[list[Logprob | None], list[list[Logprob]]]:
@@ -244,18 +359,53 @@ async def _serve(
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompletionPlan:
+    """What a validated /v1/completions call returns around its generations."""
+
+    echo_texts: list[str]  # per prompt: the text echoed in front ("" without echo)
+    id_lists: list[list[int]]  # per prompt: its token ids
+    score_only: bool  # max_tokens 0: the prompt's logprobs only; the one token run for them is dropped
+    echo_logprobs: int | None  # echo with logprobs: top alternatives per prompt token
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs extra
+
+
+def _completion_logprobs(
+    view: _Logprobs, plan: CompletionPlan, req: CompletionRequest, job: Job, g: Generation
+) -> dict[str, Any] | None:
+    if req.logprobs is None:
+        return None
+    offsets = TextOffsets(0, len(plan.echo_texts[job.prompt_index]) + len(g.text))
+    parts = []
+    if plan.echo_logprobs is not None:
+        parts.append(
+            view.prompt_completion(job.prompt_ids, g.prompt_logprobs or [], plan.echo_logprobs, offsets)
+        )
+    if not plan.score_only:
+        parts.append(view.completion(g.token_ids, g.logprobs, g.top_logprobs, offsets))
+    merged: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for part in parts:
+        for key in merged:
+            merged[key].extend(part[key])
+    return merged
+
+
 async def _prepare_completion(state: ServerState, body: Any) -> EventStreamResponse | Deferred:
     req: CompletionRequest = parse(CompletionRequest, body)
     _check_model(state, req.model)
     _check_common(req)
+    _check_prompt_logprobs(req.prompt_logprobs)
     if req.suffix:
         raise validation("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise validation("best_of other than n is not supported", "best_of")
     if req.logprobs is not None and not (0 <= req.logprobs <= 20):
         raise validation("logprobs must be in [0, 20]", "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise validation("echo together with logprobs is not supported", "echo")
+    score_only = req.max_tokens == 0
+    if score_only and not (req.echo or req.prompt_logprobs is not None):
+        raise validation(
+            "max_tokens 0 needs echo or prompt_logprobs (there is nothing else to return)", "max_tokens"
+        )
     prompt = req.prompt
     texts: list[str | None]
     if isinstance(prompt, str):
@@ -272,18 +422,29 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
         raise validation("prompt must be a string, a list of strings, or token ids", "prompt")
     if len(id_lists) * req.n > MAX_N * 4:
         raise validation(f"at most {MAX_N * 4} prompts x n per request", "prompt")
+    echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    wanted = [v for v in (echo_logprobs, req.prompt_logprobs) if v is not None]
+    engine_prompt_lps = max(wanted) if wanted else None
     jobs: list[Job] = []
     for pi, ids in enumerate(id_lists):
         for i in range(req.n):
-            params = _build_params(state, req, len(ids), req.max_tokens, req.logprobs, i)
+            params = _build_params(
+                state, req, len(ids), 1 if score_only else req.max_tokens, req.logprobs, i, engine_prompt_lps
+            )
             if i == 0:
                 check_request(state, ids, params, "max_tokens")
             jobs.append(Job(pi * req.n + i, pi, ids, params))
     assert state.llm is not None
-    echo_texts = [
-        (t if t is not None else state.llm.tokenizer.decode(ids)) if req.echo else ""
-        for t, ids in zip(texts, id_lists, strict=True)
-    ]
+    plan = CompletionPlan(
+        echo_texts=[
+            (t if t is not None else state.llm.tokenizer.decode(ids)) if req.echo else ""
+            for t, ids in zip(texts, id_lists, strict=True)
+        ],
+        id_lists=id_lists,
+        score_only=score_only,
+        echo_logprobs=echo_logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+    )
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.llm.info.served_model_name
@@ -291,55 +452,74 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        counter = UsageCounter(
+            sum(len(ids) for ids in id_lists),
+            len(jobs),
+            bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        )
 
         async def events() -> AsyncIterator[bytes]:
             def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-                return _stream_chunk(rid, "text_completion", created, model, choices, include_usage)
+                return counter.stamp(
+                    _stream_chunk(rid, "text_completion", created, model, choices, include_usage)
+                )
 
-            completion_tokens = 0
-            offsets = [0] * len(jobs)
+            offsets = [TextOffsets() for _ in jobs]
+            echoed = [False] * len(jobs)
             try:
-                if req.echo:
-                    for j in jobs:
-                        yield openai_event(
-                            chunk(
-                                [
-                                    {
-                                        "index": j.index,
-                                        "text": echo_texts[j.prompt_index],
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
-                                ]
-                            )
-                        )
                 async for tagged in merge_streams(_stream_factories(state, jobs)):
                     out, job = tagged.output, jobs[tagged.index]
                     if out.finished and out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                         g = Generation(prompt_ids=job.prompt_ids)
                         g.add(out)
                         g.raise_if_failed()
-                    if not out.text and not out.finished and req.logprobs is None:
+                    if not echoed[tagged.index] and (req.echo or plan.prompt_logprobs is not None):
+                        echoed[tagged.index] = True
+                        first: dict[str, Any] = {
+                            "index": job.index,
+                            "text": plan.echo_texts[job.prompt_index],
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        if echo_logprobs is not None:
+                            first["logprobs"] = view.prompt_completion(
+                                job.prompt_ids,
+                                out.prompt_logprobs or [],
+                                echo_logprobs,
+                                offsets[tagged.index],
+                            )
+                        if plan.prompt_logprobs is not None:
+                            first["prompt_logprobs"] = view.prompt_logprobs(
+                                out.prompt_logprobs, plan.prompt_logprobs
+                            )
+                        yield openai_event(chunk([first]))
+                    if score_only:
+                        out_ids: list[int] = []
+                        text = ""
+                    else:
+                        counter.update(tagged.index, out.num_output_tokens)
+                        out_ids, text = out.new_token_ids, out.text
+                    if not text and not out.finished and (req.logprobs is None or not out_ids):
                         continue
                     choice: dict[str, Any] = {
                         "index": job.index,
-                        "text": out.text,
+                        "text": text,
                         "logprobs": None,
                         "finish_reason": None,
                     }
                     if req.logprobs is not None:
                         chosen, tops = _chosen(out)
+                        n = len(out_ids)
                         choice["logprobs"] = view.completion(
-                            out.new_token_ids, chosen, tops, offsets[tagged.index]
+                            out_ids, chosen[:n], tops[:n], offsets[tagged.index]
                         )
-                    offsets[tagged.index] += len(out.text)
                     if out.finished:
-                        completion_tokens += out.num_output_tokens
-                        choice["finish_reason"] = _finish_reason(out.finish_reason)
-                        choice["stop_reason"] = out.stop_reason
+                        choice["finish_reason"] = (
+                            "length" if score_only else _finish_reason(out.finish_reason)
+                        )
+                        choice["stop_reason"] = None if score_only else out.stop_reason
                     yield openai_event(chunk([choice]))
                 if include_usage:
-                    usage = _usage(sum(len(ids) for ids in id_lists), completion_tokens)
                     yield openai_event(
                         {
                             "id": rid,
@@ -347,7 +527,7 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
                             "created": created,
                             "model": model,
                             "choices": [],
-                            "usage": usage,
+                            "usage": counter.usage(),
                         }
                     )
             except APIError as e:
@@ -356,37 +536,36 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
 
         return EventStreamResponse(events())
 
-    return Deferred(
-        jobs, lambda gens: _completion_body(state, req, rid, created, model, jobs, gens, echo_texts, id_lists)
-    )
+    return Deferred(jobs, lambda gens: _completion_body(state, req, plan, rid, created, model, jobs, gens))
 
 
 def _completion_body(
     state: ServerState,
     req: CompletionRequest,
+    plan: CompletionPlan,
     rid: str,
     created: int,
     model: str,
     jobs: list[Job],
     gens: list[Generation],
-    echo_texts: list[str],
-    id_lists: list[list[int]],
 ) -> dict[str, Any]:
     view = _Logprobs(state)
     choices = []
     for job, g in zip(jobs, gens, strict=True):
-        choices.append(
-            {
-                "index": job.index,
-                "text": echo_texts[job.prompt_index] + g.text,
-                "logprobs": view.completion(g.token_ids, g.logprobs, g.top_logprobs, 0)
-                if req.logprobs is not None
-                else None,
-                "finish_reason": _finish_reason(g.finish_reason),
-                "stop_reason": g.stop_reason,
-            }
-        )
-    usage = _usage(sum(len(ids) for ids in id_lists), sum(len(g.token_ids) for g in gens))
+        if plan.score_only:  # the token run to get the prompt's logprobs is not part of the answer
+            g.token_ids, g.logprobs, g.top_logprobs, g.text = [], [], [], ""
+            g.finish_reason, g.stop_reason = FinishReason.LENGTH, None
+        choice: dict[str, Any] = {
+            "index": job.index,
+            "text": plan.echo_texts[job.prompt_index] + g.text,
+            "logprobs": _completion_logprobs(view, plan, req, job, g),
+            "finish_reason": _finish_reason(g.finish_reason),
+            "stop_reason": g.stop_reason,
+        }
+        if plan.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = view.prompt_logprobs(g.prompt_logprobs, plan.prompt_logprobs)
+        choices.append(choice)
+    usage = _usage(sum(len(ids) for ids in plan.id_lists), sum(len(g.token_ids) for g in gens))
     return {
         "id": rid,
         "object": "text_completion",
@@ -403,7 +582,9 @@ async def completions(request: Request) -> Response:
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------------
-async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], str]:
+    """The prompt ids, and the text chat `echo` puts in front of the reply: the last message's
+    content when it is the assistant's (the reply's role), as vLLM does."""
     assert state.llm is not None
     messages = []
     for m in req.messages:
@@ -411,23 +592,45 @@ async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[i
         msg: dict[str, Any] = {"role": role, "content": m.text()}
         if m.name:
             msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
     if messages[-1]["role"] == "assistant" and req.add_generation_prompt and len(messages) == 1:
         raise validation("messages must contain at least one non-assistant message", "messages")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise validation(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        if messages[-1]["role"] != "assistant":
+            raise validation(
+                "continue_final_message needs a final assistant message", "continue_final_message"
+            )
+    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
     try:
-        return await asyncio.to_thread(
-            state.llm.tokenizer.apply_chat_template, messages, req.add_generation_prompt
+        ids = await asyncio.to_thread(
+            state.llm.tokenizer.apply_chat_template,
+            messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
         )
     except Exception as e:  # jinja raises its own errors for messages a template rejects
         raise validation(f"invalid messages for this model's chat template: {e}", "messages") from None
+    return ids, echo
 
 
 async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | Deferred:
     req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
     _check_model(state, req.model)
     _check_common(req)
-    if req.tools and req.tool_choice != "none":
+    _check_prompt_logprobs(req.prompt_logprobs)
+    if req.stream and req.prompt_logprobs is not None:
+        raise validation("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+    if req.tools:
         raise validation("tools are not supported by this server", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise validation("tool_choice needs tools, which this server does not support", "tool_choice")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise validation("only response_format type 'text' is supported", "response_format")
     if req.top_logprobs is not None:
@@ -437,10 +640,10 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             raise validation("top_logprobs must be in [0, 20]", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    ids = await _chat_prompt(state, req)
+    ids, echo = await _chat_prompt(state, req)
     jobs = []
     for i in range(req.n):
-        params = _build_params(state, req, len(ids), max_tokens, logprobs, i)
+        params = _build_params(state, req, len(ids), max_tokens, logprobs, i, req.prompt_logprobs)
         if i == 0:
             check_request(state, ids, params, "max_tokens")
         jobs.append(Job(i, 0, ids, params))
@@ -452,32 +655,40 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        counter = UsageCounter(
+            len(ids), len(jobs), bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        )
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            return _stream_chunk(rid, "chat.completion.chunk", created, model, choices, include_usage)
+            return counter.stamp(
+                _stream_chunk(rid, "chat.completion.chunk", created, model, choices, include_usage)
+            )
 
         async def events() -> AsyncIterator[bytes]:
-            completion_tokens = 0
             try:
                 for j in jobs:
-                    yield openai_event(
-                        chunk(
-                            [
-                                {
-                                    "index": j.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
+                    first = {"index": j.index, "delta": {"role": "assistant", "content": ""}}
+                    yield openai_event(chunk([{**first, "logprobs": None, "finish_reason": None}]))
+                    if echo:
+                        yield openai_event(
+                            chunk(
+                                [
+                                    {
+                                        "index": j.index,
+                                        "delta": {"content": echo},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ]
+                            )
                         )
-                    )
                 async for tagged in merge_streams(_stream_factories(state, jobs)):
                     out = tagged.output
                     if out.finished and out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                         g = Generation(prompt_ids=ids)
                         g.add(out)
                         g.raise_if_failed()
+                    counter.update(tagged.index, out.num_output_tokens)
                     if not out.text and not out.finished and logprobs is None:
                         continue
                     choice: dict[str, Any] = {
@@ -490,7 +701,6 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                         chosen, tops = _chosen(out)
                         choice["logprobs"] = view.chat(out.new_token_ids, chosen, tops)
                     if out.finished:
-                        completion_tokens += out.num_output_tokens
                         choice["finish_reason"] = _finish_reason(out.finish_reason)
                         choice["stop_reason"] = out.stop_reason
                     yield openai_event(chunk([choice]))
@@ -502,7 +712,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                             "created": created,
                             "model": model,
                             "choices": [],
-                            "usage": _usage(len(ids), completion_tokens),
+                            "usage": counter.usage(),
                         }
                     )
             except APIError as e:
@@ -517,7 +727,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             choices.append(
                 {
                     "index": job.index,
-                    "message": {"role": "assistant", "content": g.text},
+                    "message": {"role": "assistant", "content": echo + g.text},
                     "logprobs": view.chat(g.token_ids, g.logprobs, g.top_logprobs)
                     if logprobs is not None
                     else None,
@@ -526,7 +736,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                 }
             )
         cached = gens[0].num_cached_tokens if gens else 0
-        return {
+        body: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
@@ -534,6 +744,9 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             "choices": choices,
             "usage": _usage(len(ids), sum(len(g.token_ids) for g in gens), cached),
         }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = view.prompt_logprobs(gens[0].prompt_logprobs, req.prompt_logprobs)
+        return body
 
     return Deferred(jobs, build)
 

@@ -14,7 +14,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from .protocol import ChatCompletionRequest, CompletionRequest, TGIRequest, TGITokenizeRequest
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TGIRequest,
+    TGITokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 _REF = "#/components/schemas/{model}"
 
@@ -121,7 +129,23 @@ def _errors(table: dict[int, str], schema: dict[str, Any]) -> dict[str, Any]:
 
 def _generation_routes(components: dict[str, Any]) -> dict[str, dict[str, Any]]:
     tgi, openai = _errors(_TGI_ERRORS, _TGI_ERROR), _errors(_OPENAI_ERRORS, _OPENAI_ERROR)
-    tgi_body, tokenize_body = _body(TGIRequest, components), _body(TGITokenizeRequest, components)
+    tgi_body = _body(TGIRequest, components)
+    # /tokenize takes TGI's body or one of vLLM's two, and answers in the shape of the body it got
+    tokenize_refs = [
+        _body(m, components)["content"]["application/json"]["schema"]
+        for m in (TGITokenizeRequest, TokenizeCompletionRequest, TokenizeChatRequest)
+    ]
+    tokenize_body = {"required": True, "content": _json({"oneOf": tokenize_refs})}
+    vllm_tokens = {
+        "type": "object",
+        "required": ["count", "max_model_len", "tokens"],
+        "properties": {
+            "count": {"type": "integer"},
+            "max_model_len": {"type": "integer"},
+            "tokens": {"type": "array", "items": {"type": "integer"}},
+            "token_strs": {"type": "array", "items": {"type": "string"}},
+        },
+    }
     return {
         "/generate": {
             "requestBody": tgi_body,
@@ -147,8 +171,28 @@ def _generation_routes(components: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "/tokenize": {
             "requestBody": tokenize_body,
             "responses": {
-                "200": {"description": "Tokens with their character offsets", "content": _json(_TOKENS)},
+                "200": {
+                    "description": "TGI: tokens with their character offsets; vLLM: token ids and count",
+                    "content": _json({"oneOf": [_TOKENS, vllm_tokens]}),
+                },
                 **{k: v for k, v in tgi.items() if k in ("401", "413", "422", "503")},
+                **{k: v for k, v in openai.items() if k in ("400", "404")},
+            },
+        },
+        "/detokenize": {
+            "requestBody": _body(DetokenizeRequest, components),
+            "responses": {
+                "200": {
+                    "description": "The text of the token ids",
+                    "content": _json(
+                        {
+                            "type": "object",
+                            "required": ["prompt"],
+                            "properties": {"prompt": {"type": "string"}},
+                        }
+                    ),
+                },
+                **{k: v for k, v in openai.items() if k in ("400", "401", "404", "413", "503")},
             },
         },
         "/v1/completions": {

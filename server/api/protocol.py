@@ -1,6 +1,9 @@
 """Request bodies of both APIs as pydantic models (responses are built as plain dicts in the routes).
 
-Unknown fields are ignored, as TGI and vLLM do, so that newer clients keep working.
+Every declared field is honoured or refused by name (the table in `fields.py` says which, and a test
+walks these models against it). A field no model declares is refused with a 400/422 naming it, as
+OpenAI's API does ("Unrecognized request argument supplied"), unless its value is null: a null asks
+for nothing, and clients replaying earlier responses send e.g. `"tool_calls": null`.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from .errors import validation
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
-    """Validates a JSON body; pydantic errors become one validation APIError naming the fields."""
+    """Validates a JSON body; pydantic errors become one validation APIError naming the fields, and
+    so does a field that no model declares (null values aside)."""
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except ValidationError as e:
         parts = []
         for err in e.errors()[:5]:
@@ -23,6 +27,28 @@ def parse(model: type[BaseModel], data: Any) -> Any:
             parts.append(f"{loc}: {err['msg']}")
         first = e.errors()[0]["loc"] if e.errors() else ()
         raise validation("Input validation error: " + "; ".join(parts), _param(first)) from None
+    unknown = _unknown_fields(parsed, "")
+    if unknown:
+        raise validation(f"Unrecognized request argument supplied: {unknown}", unknown)
+    return parsed
+
+
+def _unknown_fields(obj: Any, path: str) -> str | None:
+    """The dotted path of the first undeclared field with a non-null value in a parsed body."""
+    if isinstance(obj, BaseModel):
+        for key, value in (obj.model_extra or {}).items():
+            if value is not None:
+                return f"{path}{key}"
+        for name in type(obj).model_fields:
+            found = _unknown_fields(getattr(obj, name), f"{path}{name}.")
+            if found:
+                return found
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            found = _unknown_fields(item, f"{path[:-1]}[{i}].")
+            if found:
+                return found
+    return None
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
@@ -38,8 +64,13 @@ def _none_to_list(v: Any) -> Any:
     return [] if v is None else v
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class RequestModel(BaseModel):
+    """Base of every request body: undeclared fields are kept aside so `parse` can refuse them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+_Lenient = RequestModel  # the former name, for code written against it
 
 
 # ---- TGI ---------------------------------------------------------------------------------------
@@ -81,6 +112,11 @@ class TGIRequest(_Lenient):
 class TGITokenizeRequest(_Lenient):
     inputs: str
     parameters: TGIParameters = Field(default_factory=TGIParameters)
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _params_none(cls, v: Any) -> Any:
+        return {} if v is None else v
 
 
 # ---- OpenAI ------------------------------------------------------------------------------------
@@ -127,6 +163,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM extra: each prompt token's logprob and this many top alternatives
+    prompt_logprobs: int | None = None
 
 
 class ChatMessage(_Lenient):
@@ -160,4 +198,34 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     echo: bool = False
+    prompt_logprobs: int | None = None
+
+
+# ---- vLLM utility routes -------------------------------------------------------------------------
+class TokenizeCompletionRequest(RequestModel):
+    """vLLM's POST /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(RequestModel):
+    """vLLM's POST /tokenize with messages (the chat template applied)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(RequestModel):
+    """vLLM's POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,4 +1,4 @@
-"""TGI's routes: /generate, /generate_stream, POST / (with "stream"), /info, /tokenize."""
+"""TGI's routes: /generate, /generate_stream, POST / (with "stream"), /info (/tokenize: utility.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from server.core.outputs import Logprob
 from server.request import FinishReason, SamplingParams
 
-from .errors import APIError, ErrorKind, Family, validation
+from .errors import APIError, Family, validation
 from .generation import (
     ClientGone,
     Generation,
@@ -29,7 +29,7 @@ from .generation import (
     stream_engine,
     until_disconnect,
 )
-from .protocol import TGIRequest, TGITokenizeRequest, parse
+from .protocol import TGIRequest, parse
 from .sse import EventStreamResponse, tgi_event
 from .state import ServerState, server_state
 
@@ -175,7 +175,7 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
                 seed=seed,
                 stop=tuple(p.stop),
                 logprobs=top_n,  # TGI reports every token's logprob
-                prompt_logprobs=p.decoder_input_details,
+                prompt_logprobs=0 if p.decoder_input_details else None,
                 include_stop_str_in_output=True,  # TGI's generated_text keeps the stop sequence
             )
         )
@@ -228,7 +228,7 @@ class _TokenView:
                 {
                     "id": tid,
                     "text": self.tok.token_text(tid),
-                    "logprob": None if lp is None else safe_logprob(lp),
+                    "logprob": None if lp is None else safe_logprob(lp.chosen.logprob),
                 }
             )
         return out
@@ -309,7 +309,7 @@ async def _events(state: ServerState, plan: TGIPlan) -> AsyncIterator[bytes]:
     last_token: dict[str, Any] | None = None
     try:
         async for out in stream_engine(state, plan.prompt_ids, plan.params[0]):
-            texts, _ = gen.add(out)
+            texts = gen.add(out)
             failed = out.finished and out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
             n = len(out.new_token_ids)
             for i, tid in enumerate(out.new_token_ids):
@@ -448,20 +448,4 @@ async def info(request: Request) -> Response:
             "attention_backend": i.attention_backend,
             "device": i.device,
         }
-    )
-
-
-@router.post("/tokenize", summary="Tokenize a prompt (TGI)")
-async def tokenize(request: Request) -> Response:
-    state = server_state(request)
-    try:
-        if state.llm is None:
-            raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
-        body = await read_json(request, state.config.max_payload_bytes)
-        req: TGITokenizeRequest = parse(TGITokenizeRequest, body)
-        offsets = await asyncio.to_thread(state.llm.tokenizer.offsets, req.inputs)
-    except APIError as e:
-        return e.response(Family.TGI)
-    return JSONResponse(
-        [{"id": tid, "text": text, "start": start, "stop": stop} for tid, text, start, stop in offsets]
     )

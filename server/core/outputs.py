@@ -36,6 +36,7 @@ class SchedulerOutput:
 class Logprob:
     token_id: int
     logprob: float
+    rank: int | None = None  # 1 = most likely; set for prompt tokens (vLLM's prompt_logprobs rank)
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ class ModelOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # logprob of each prompt token given its prefix (None for the first), for TGI's decoder_input_details
-    prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
+    # each prompt token's logprob given its prefix, with SamplingParams.prompt_logprobs top alternatives
+    # (None for the first token); TGI's decoder_input_details, vLLM's prompt_logprobs and echo
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     # A failure confined to one request (bad sampling state, injected fault): that request ends with ERROR.
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -72,10 +74,12 @@ class RequestOutput:
     new_token_ids: list[int]
     text: str  # newly released text (held back while it may still become a stop string)
     finished: bool
+    # Each new token's own text (see DetokenizerUpdate.token_texts); [] when not computed.
+    new_token_texts: list[str] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from server.core.finish import decide_finish
 from server.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from server.core.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from server.request import FinishReason, Request, RequestStatus
@@ -111,7 +112,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
-            use_cache = req.num_computed_tokens == 0 and not req.sampling_params.prompt_logprobs
+            use_cache = req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
             computed = self.kv.get_computed_blocks(req) if use_cache else None
             num_cached = computed.num_tokens if computed else 0
             num_new = req.num_tokens - req.num_computed_tokens - num_cached
@@ -194,18 +195,18 @@ class Scheduler:
         return finished
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
-        params = req.sampling_params
-        num_out = len(req.output_token_ids)
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
-                req.stop_reason = None
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return FinishReason.STOP
-        if num_out >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        decision = decide_finish(
+            req.sampling_params,
+            token,
+            len(req.output_token_ids),
+            req.num_tokens,
+            self.config.max_model_len,
+            req.eos_token_ids,
+        )
+        if decision is None:
+            return None
+        req.stop_reason = decision.stop_reason
+        return decision.reason
 
     def finish_request(
         self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None

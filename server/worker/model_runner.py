@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from server.attention import AttentionBackend
-from server.core.outputs import ModelOutput, SchedulerOutput
+from server.core.outputs import Logprob, ModelOutput, SchedulerOutput, TokenLogprobs
 from server.models.llama import LlamaForCausalLM
 from server.worker.input_batch import ForwardBatch, build_forward_batch
 from server.worker.sampler import Sampler, SamplingRow
@@ -43,7 +43,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler()
-        self._prompt_lps: dict[str, list[float | None]] = {}
+        self._prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -89,7 +89,8 @@ class ModelRunner:
             req, n = item.request, item.num_new_tokens
             rows_start = offset
             offset += n
-            if not req.sampling_params.prompt_logprobs or item.start >= req.num_prompt_tokens:
+            num_top = req.sampling_params.prompt_logprobs
+            if num_top is None or item.start >= req.num_prompt_tokens:
                 continue
             if item.start == 0:
                 self._prompt_lps[req.request_id] = [None]
@@ -97,11 +98,25 @@ class ModelRunner:
             # Row j predicts token start + j + 1; keep those that are still prompt tokens.
             last = min(item.start + n, req.num_prompt_tokens - 1)
             if last > item.start:
-                h = hidden[rows_start : rows_start + (last - item.start)]
-                lp = self.model.compute_logits(h).log_softmax(-1)
+                h = hidden[rows_start : rows_start + (last - item.start)]  # [m, H]
+                lp = self.model.compute_logits(h).float().log_softmax(-1)  # [m, V] fp32
                 targets = torch.tensor(
                     [req.prompt_token_ids[p + 1] for p in range(item.start, last)], device=lp.device
-                )
-                acc.extend(lp.gather(1, targets[:, None]).squeeze(1).tolist())
+                )  # [m]
+                chosen = lp.gather(1, targets[:, None])  # [m, 1]
+                ranks = ((lp > chosen).sum(-1) + 1).tolist()  # [m]
+                top_vals, top_ids = torch.topk(lp, num_top, dim=-1) if num_top else (None, None)  # [m, k]
+                for j, (tid, value, rank) in enumerate(
+                    zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks, strict=True)
+                ):
+                    top: list[Logprob] = []
+                    if top_vals is not None and top_ids is not None:
+                        top = [
+                            Logprob(int(t), float(v), r + 1)
+                            for r, (t, v) in enumerate(
+                                zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True)
+                            )
+                        ]
+                    acc.append(TokenLogprobs(Logprob(int(tid), float(value), int(rank)), top))
             if item.start + n >= req.num_prompt_tokens:
                 out.prompt_logprobs[req.request_id] = self._prompt_lps.pop(req.request_id)

@@ -87,11 +87,15 @@ def test_logprobs_match_a_log_softmax(engine: LLMEngine) -> None:
 
 def test_prompt_logprobs(engine: LLMEngine) -> None:
     prompt = engine.tokenizer.encode("one two three four")
-    engine.add_request("plp", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True))
+    engine.add_request("plp", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
     outs = collect(engine)["plp"]
     plp = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
     assert len(plp) == len(prompt) and plp[0] is None
-    assert all(v is not None and v <= 0.0 for v in plp[1:])
+    for lp, tok in zip(plp[1:], prompt[1:], strict=True):
+        assert lp is not None and lp.chosen.token_id == tok and lp.chosen.logprob <= 0.0
+        assert len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob
+        assert lp.chosen.rank is not None and lp.chosen.rank >= 1
+        assert (lp.chosen.rank == 1) == (lp.top[0].token_id == tok)
 
 
 def test_abort_frees_blocks(engine: LLMEngine) -> None:
@@ -152,6 +156,28 @@ def test_incremental_detokenizer_matches_full_decode(engine: LLMEngine) -> None:
     det = IncrementalDetokenizer(tok, [1], SamplingParams())
     text = "".join(det.push([t]).text for t in ids) + det.flush()
     assert text == tok.decode(ids)
+
+
+def test_incremental_detokenizer_token_texts_and_stop_rules(engine: LLMEngine) -> None:
+    """Each token's own text whatever the stops; stop strings honour min_tokens and report the token
+    that completed them; drop_last keeps a stopping token's text out of the output."""
+    tok = engine.tokenizer
+    ids = tok.encode(" Paris is 🎉 big")
+    own = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16))
+    plain = [own.push([t]).token_texts[0] for t in ids]
+    assert "".join(plain) == tok.decode(ids) and "" in plain  # the emoji's first bytes carry no text
+    held = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16, stop=("zzzzzzzz",)))
+    assert held.push(ids).token_texts == plain
+    # a stop string inside the first min_tokens tokens is not a stop
+    first = tok.decode(ids[:1])
+    det = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16, min_tokens=1, stop=(first,)))
+    upd = det.push(ids[:2])
+    assert upd.stop_string is None
+    det = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16, stop=(" is",)))
+    upd = det.push(ids)
+    assert (upd.stop_string, upd.stop_index, upd.text) == (" is", 1, first)
+    det = IncrementalDetokenizer(tok, [1], SamplingParams(max_tokens=16))
+    assert det.push(ids[:2], drop_last=True).text + det.flush() == first
 
 
 def test_async_engine_streams_and_aborts(engine: LLMEngine) -> None:

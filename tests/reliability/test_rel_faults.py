@@ -46,11 +46,11 @@ def detok_fault(
         real_init(self, tokenizer, prompt_ids, params)
         self._rel_fault = _contains(list(prompt_ids), fault_ids)
 
-    def push(self: Any, token_ids: list[int]) -> Any:
+    def push(self: Any, token_ids: list[int], drop_last: bool = False) -> Any:
         if getattr(self, "_rel_fault", False):
             hits.append(rel_server.llm.stats().num_running)
             raise RuntimeError("injected detokenization fault")
-        return real_push(self, token_ids)
+        return real_push(self, token_ids, drop_last)
 
     monkeypatch.setattr(IncrementalDetokenizer, "__init__", init)
     monkeypatch.setattr(IncrementalDetokenizer, "push", push)

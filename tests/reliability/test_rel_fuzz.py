@@ -116,7 +116,7 @@ SAMPLING_KWARGS = st.fixed_dictionaries(
         "ignore_eos": st.booleans(),
         "min_tokens": st.integers(-1, 6),
         "logprobs": st.one_of(st.none(), st.integers(-1, 22)),
-        "prompt_logprobs": st.booleans(),
+        "prompt_logprobs": st.one_of(st.none(), st.integers(0, 3)),
         "include_stop_str_in_output": st.booleans(),
         "skip_special_tokens": st.booleans(),
     },
@@ -187,10 +187,12 @@ def test_rel_fuzz_sampling_params_never_crash_the_engine(
                 assert len(lp.top) == params.logprobs
                 for value in (lp.chosen.logprob, *(a.logprob for a in lp.top)):
                     assert not math.isnan(value) and value <= 1e-4
-        if params.prompt_logprobs:
+        if params.prompt_logprobs is not None:
             plps = next(o.prompt_logprobs for o in seq if o.prompt_logprobs is not None)
             assert len(plps) == len(prompt) and plps[0] is None
-            assert all(v is not None and not math.isnan(v) for v in plps[1:])
+            for plp, tok in zip(plps[1:], prompt[1:], strict=True):
+                assert plp is not None and plp.chosen.token_id == tok
+                assert not math.isnan(plp.chosen.logprob) and len(plp.top) == params.prompt_logprobs
     stats = llm.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
 

@@ -1,0 +1,171 @@
+"""What the server does with every declared request field: the decision table.
+
+Each field of each request model in `protocol.py` has one row here, keyed by the model class that
+declares it (subclasses inherit their parents' rows). tests/api/test_api_conformance.py walks the
+models and fails on a field without a row, sends every refused example and expects a 400/422 naming
+the field, and checks that each implemented field's test exists and mentions it. Adding a field
+means adding its row: implement it as the reference server does (vLLM, OpenAI, TGI) or refuse it.
+
+how:
+  implemented - does what the reference server does with it; `test` proves it.
+  partial     - some values are implemented (`test`), others refused (`refused` is one of those).
+  refused     - any value other than the default/null is refused (`refused` is an example).
+  metadata    - describes the request and changes no output in the reference server either
+                (OpenAI's `user`); accepted as such.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+How = Literal["implemented", "partial", "refused", "metadata"]
+
+
+@dataclass(frozen=True)
+class FieldPolicy:
+    how: How
+    note: str
+    test: str | None = None  # a test function (in tests/) that exercises the field
+    refused: Any = None  # a value the server must refuse, naming the field (partial/refused)
+
+
+def _impl(test: str, note: str = "as the reference server") -> FieldPolicy:
+    return FieldPolicy("implemented", note, test=test)
+
+
+def _partial(test: str, refused: Any, note: str) -> FieldPolicy:
+    return FieldPolicy("partial", note, test=test, refused=refused)
+
+
+def _refused(example: Any, note: str) -> FieldPolicy:
+    return FieldPolicy("refused", note, refused=example)
+
+
+_STOP = "test_api_conf_stop_rules_table"
+_LP = "test_api_conf_logprob_bytes_join_to_text"
+_SCORE = "test_api_conf_prompt_scoring_matches_transformers"
+_ENGINE = "test_api_openai_completions_match_engine"
+_CHAT = "test_api_openai_chat_matches_engine"
+_TGI = "test_api_tgi_client_generate_matches_engine"
+_OAI_MAP = "test_api_conf_fields_reach_the_engine"
+_TGI_MAP = _OAI_MAP
+
+FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
+    "TGIRequest": {
+        "inputs": _impl(_TGI_MAP),
+        "parameters": _impl(_TGI_MAP),
+        "stream": _impl("test_api_tgi_raw_sse_and_headers"),
+    },
+    "TGIParameters": {
+        "best_of": _impl("test_api_tgi_sampling_best_of"),
+        "decoder_input_details": _impl(_TGI),
+        "details": _impl(_TGI),
+        "do_sample": _impl("test_api_tgi_sampling_best_of"),
+        "frequency_penalty": _impl(_TGI_MAP),
+        "grammar": _refused({"type": "json", "value": {}}, "structured outputs are not served yet"),
+        "max_new_tokens": _impl(_TGI),
+        "repetition_penalty": _impl(_TGI_MAP),
+        "return_full_text": _impl(_TGI),
+        "seed": _impl("test_api_tgi_sampling_best_of"),
+        "stop": _impl("test_api_conf_tgi_token_text_with_stop"),
+        "temperature": _impl(_TGI_MAP),
+        "top_k": _impl(_TGI_MAP),
+        "top_n_tokens": _impl(_TGI_MAP),
+        "top_p": _impl(_TGI_MAP),
+        "truncate": _impl("test_api_conf_tokenize_routes", "keeps the last `truncate` prompt tokens"),
+        "typical_p": _partial(_TGI_MAP, 0.5, "1.0 (off) accepted; typical sampling is not implemented"),
+        "watermark": _refused(True, "watermarking is not implemented"),
+        "adapter_id": _refused("my-lora", "adapters are not served yet"),
+    },
+    "TGITokenizeRequest": {
+        "inputs": _impl("test_api_conf_tokenize_routes"),
+        "parameters": _impl("test_api_conf_tokenize_routes", "TGI reads only `truncate` when tokenizing"),
+    },
+    "StreamOptions": {
+        "include_usage": _impl("test_api_conf_continuous_usage_stats"),
+        "continuous_usage_stats": _impl("test_api_conf_continuous_usage_stats"),
+    },
+    "SamplingFields": {
+        "model": _impl("test_api_openai_malformed_unknown_model"),
+        "n": _impl(_ENGINE),
+        "stream": _impl(_ENGINE),
+        "stream_options": _impl("test_api_conf_continuous_usage_stats"),
+        "stop": _impl(_STOP),
+        "seed": _impl(_OAI_MAP),
+        "temperature": _impl(_ENGINE),
+        "top_p": _impl(_OAI_MAP),
+        "presence_penalty": _impl(_OAI_MAP),
+        "frequency_penalty": _impl(_OAI_MAP),
+        "logit_bias": _refused({"11": 5.0}, "logit bias is not implemented"),
+        "user": FieldPolicy("metadata", "OpenAI's end-user id for abuse monitoring; no effect on output"),
+        "top_k": _impl(_OAI_MAP),
+        "min_p": _impl(_OAI_MAP),
+        "repetition_penalty": _impl(_OAI_MAP),
+        "ignore_eos": _impl(_OAI_MAP),
+        "min_tokens": _impl(_STOP),
+        "stop_token_ids": _impl(_STOP),
+        "skip_special_tokens": _impl(_OAI_MAP),
+        "include_stop_str_in_output": _impl(_STOP),
+    },
+    "CompletionRequest": {
+        "prompt": _impl(_ENGINE),
+        "max_tokens": _impl(_SCORE, "0 with echo or prompt_logprobs scores the prompt only"),
+        "logprobs": _impl(_LP),
+        "echo": _impl(_SCORE),
+        "best_of": _partial(_OAI_MAP, 3, "equal to n accepted; best_of > n is not implemented"),
+        "suffix": _refused("tail", "insertion (suffix) is not implemented"),
+        "prompt_logprobs": _impl(_SCORE),
+    },
+    "ChatMessage": {
+        "role": _impl(_CHAT),
+        "content": _impl(_CHAT),
+        "name": _impl("test_api_conf_chat_echo_and_continue", "passed to the chat template, as vLLM"),
+        "tool_call_id": _impl("test_api_conf_chat_echo_and_continue", "passed to the chat template, as vLLM"),
+    },
+    "ChatCompletionRequest": {
+        "messages": _impl(_CHAT),
+        "max_tokens": _impl(_CHAT),
+        "max_completion_tokens": _impl(_OAI_MAP),
+        "logprobs": _impl(_LP),
+        "top_logprobs": _impl(_LP),
+        "tools": _refused(
+            [{"type": "function", "function": {"name": "f"}}], "tool calling is not served yet"
+        ),
+        "tool_choice": _refused("auto", "tool calling is not served yet"),
+        "response_format": _partial(
+            _OAI_MAP, {"type": "json_object"}, "type text accepted; json modes not yet"
+        ),
+        "add_generation_prompt": _impl("test_api_conf_chat_echo_and_continue"),
+        "continue_final_message": _impl("test_api_conf_chat_echo_and_continue"),
+        "echo": _impl("test_api_conf_chat_echo_and_continue"),
+        "prompt_logprobs": _impl(_SCORE),
+    },
+    "TokenizeCompletionRequest": {
+        "model": _impl("test_api_conf_tokenize_routes"),
+        "prompt": _impl("test_api_conf_tokenize_routes"),
+        "add_special_tokens": _impl("test_api_conf_tokenize_routes"),
+        "return_token_strs": _impl("test_api_conf_tokenize_routes"),
+    },
+    "TokenizeChatRequest": {
+        "model": _impl("test_api_conf_tokenize_routes"),
+        "messages": _impl("test_api_conf_tokenize_routes"),
+        "add_generation_prompt": _impl("test_api_conf_tokenize_routes"),
+        "continue_final_message": _impl("test_api_conf_tokenize_routes"),
+        "add_special_tokens": _impl("test_api_conf_tokenize_routes"),
+        "return_token_strs": _impl("test_api_conf_tokenize_routes"),
+    },
+    "DetokenizeRequest": {
+        "model": _impl("test_api_conf_tokenize_routes"),
+        "tokens": _impl("test_api_conf_tokenize_routes"),
+    },
+}
+
+
+def policy_for(model: type, field: str) -> FieldPolicy | None:
+    """The row for `field` of request model `model`, looked up along its class hierarchy."""
+    for cls in model.__mro__:
+        row = FIELD_POLICY.get(cls.__name__, {}).get(field)
+        if row is not None:
+            return row
+    return None

@@ -1,0 +1,136 @@
+"""Utility routes: POST /tokenize (TGI's body or vLLM's), POST /detokenize and GET /version (vLLM).
+
+/tokenize answers in the shape of the body it got: `{"inputs": ...}` is TGI's request and gets
+TGI's list of `{id, text, start, stop}` (TGI errors); `{"prompt": ...}` or `{"messages": [...]}` is
+vLLM's and gets `{count, max_model_len, tokens[, token_strs]}` (OpenAI-shaped errors, as vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .errors import APIError, ErrorKind, Family, validation
+from .generation import encode, read_json
+from .protocol import (
+    DetokenizeRequest,
+    TGITokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    parse,
+)
+from .state import ServerState, server_state
+from .tgi import VERSION
+
+router = APIRouter(tags=["Utility"])
+
+
+def _loaded(state: ServerState) -> None:
+    if state.llm is None or state.limits is None:
+        raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    assert state.llm is not None
+    if model is not None and model not in {state.llm.info.served_model_name, state.llm.info.model_id}:
+        raise APIError(ErrorKind.NOT_FOUND, f"The model `{model}` does not exist.", "model")
+
+
+async def _tgi_tokenize(state: ServerState, body: Any) -> Response:
+    assert state.llm is not None and state.limits is not None
+    req: TGITokenizeRequest = parse(TGITokenizeRequest, body)
+    truncate = req.parameters.truncate
+    if truncate is not None and not (0 < truncate <= state.limits.max_input_tokens):
+        raise validation(
+            f"Input validation error: `truncate` must be strictly positive and less than "
+            f"{state.limits.max_input_tokens + 1}. Given: {truncate}",
+            "truncate",
+        )
+    offsets = await asyncio.to_thread(state.llm.tokenizer.offsets, req.inputs)
+    if truncate is not None:  # TGI keeps the last `truncate` tokens, as /generate does
+        offsets = offsets[-truncate:]
+    return JSONResponse(
+        [{"id": tid, "text": text, "start": start, "stop": stop} for tid, text, start, stop in offsets]
+    )
+
+
+async def _vllm_tokenize(state: ServerState, body: Any) -> Response:
+    assert state.llm is not None and state.limits is not None
+    tok = state.llm.tokenizer
+    return_token_strs: bool
+    if "messages" in body:
+        req: TokenizeChatRequest = parse(TokenizeChatRequest, body)
+        return_token_strs = req.return_token_strs
+        _check_model(state, req.model)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise validation(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            | ({"name": m.name} if m.name else {})
+            | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})
+            for m in req.messages
+        ]
+        try:
+            ids = await asyncio.to_thread(
+                tok.apply_chat_template,
+                messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.add_special_tokens,
+            )
+        except Exception as e:  # jinja raises its own errors for messages a template rejects
+            raise validation(f"invalid messages for this model's chat template: {e}", "messages") from None
+    else:
+        preq: TokenizeCompletionRequest = parse(TokenizeCompletionRequest, body)
+        _check_model(state, preq.model)
+        return_token_strs = preq.return_token_strs
+        ids = await encode(state, preq.prompt, preq.add_special_tokens)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.limits.max_total_tokens, "tokens": ids}
+    if return_token_strs:
+        out["token_strs"] = tok.hf.convert_ids_to_tokens(ids)
+    return JSONResponse(out)
+
+
+@router.post("/tokenize", summary="Tokenize: TGI's body ({inputs}) or vLLM's ({prompt} or {messages})")
+async def tokenize(request: Request) -> Response:
+    state = server_state(request)
+    family = Family.TGI
+    try:
+        body = await read_json(request, state.config.max_payload_bytes)
+        if isinstance(body, dict) and "inputs" not in body and ("prompt" in body or "messages" in body):
+            family = Family.OPENAI
+        _loaded(state)
+        if family is Family.OPENAI:
+            return await _vllm_tokenize(state, body)
+        return await _tgi_tokenize(state, body)
+    except APIError as e:
+        return e.response(family)
+
+
+@router.post("/detokenize", summary="Token ids to text (vLLM)")
+async def detokenize(request: Request) -> Response:
+    state = server_state(request)
+    try:
+        body = await read_json(request, state.config.max_payload_bytes)
+        _loaded(state)
+        assert state.llm is not None
+        req: DetokenizeRequest = parse(DetokenizeRequest, body)
+        _check_model(state, req.model)
+        vocab = state.llm.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise validation(f"token ids must be in [0, {vocab})", "tokens")
+        text = state.llm.tokenizer.decode(req.tokens)
+    except APIError as e:
+        return e.response(Family.OPENAI)
+    return JSONResponse({"prompt": text})
+
+
+@router.get("/version", summary="Server version (vLLM)")
+async def version() -> Response:
+    return JSONResponse({"version": VERSION})
