@@ -115,7 +115,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     problems = semantic_errors(im.spec)
     if problems:
         message = "; ".join(problems)
-        existing = _safe_get(kube, "Deployment", namespace, name)
+        existing = _safe_get(kube, "Deployment", namespace, im.child_name)
         status = compute_status(im, existing, ReconcileOutcome(invalid_spec=message), previous, _now())
         _write_status(kube, namespace, name, status.to_dict(), previous, logger)
         raise kopf.PermanentError(f"invalid spec: {message}")
@@ -135,11 +135,11 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             if obj["kind"] == "Deployment":
                 deployment = live
         for kind in plan.absent_kinds:
-            if kube.delete(kind, namespace, name, owner_uid=im.uid):
-                logger.info(f"deleted {kind} {namespace}/{name}: no longer wanted by the spec")
+            if kube.delete(kind, namespace, im.child_name, owner_uid=im.uid):
+                logger.info(f"deleted {kind} {namespace}/{im.child_name}: no longer wanted by the spec")
     except ApiError as exc:
         outcome = ReconcileOutcome(apply_error=str(exc), monitoring_skipped_reason=monitoring_skipped)
-        live_deployment = _safe_get(kube, "Deployment", namespace, name)
+        live_deployment = _safe_get(kube, "Deployment", namespace, im.child_name)
         status = compute_status(im, live_deployment, outcome, previous, _now())
         _write_status(kube, namespace, name, status.to_dict(), previous, logger)
         if exc.transient:
@@ -221,10 +221,10 @@ def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
         return False
     plan = render_all(im, _capabilities(kube))
     for obj in plan.objects:
-        live = kube.get(obj["kind"], im.namespace, im.name)
+        live = kube.get(obj["kind"], im.namespace, im.child_name)
         if live is None or not is_subset(obj, live):
             return True
-    return any(kube.get(kind, im.namespace, im.name) is not None for kind in plan.absent_kinds)
+    return any(kube.get(kind, im.namespace, im.child_name) is not None for kind in plan.absent_kinds)
 
 
 def _plain(body: Any) -> dict[str, Any]:

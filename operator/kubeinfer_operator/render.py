@@ -42,8 +42,14 @@ def pods_metric_name(metric: str) -> str:
     return METRIC_NAMES[metric].replace(":", "_")
 
 
+# On the pod template: the InferenceModel's own name (which need not be a valid label value), so a pod
+# event leads back to its model.
+MODEL_ANNOTATION = "kubeinfer.dev/inference-model"
+
+
 def selector_labels(im: InferenceModel) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kubeinfer-server", "app.kubernetes.io/instance": im.name}
+    # The derived child name: the InferenceModel's name may be 253 characters long, a label value 63.
+    return {"app.kubernetes.io/name": "kubeinfer-server", "app.kubernetes.io/instance": im.child_name}
 
 
 def labels(im: InferenceModel) -> dict[str, str]:
@@ -73,7 +79,7 @@ def owner_reference(im: InferenceModel) -> dict[str, Any]:
 
 def _metadata(im: InferenceModel, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "name": im.name,
+        "name": im.child_name,
         "namespace": im.namespace,
         "labels": {**(extra_labels or {}), **labels(im)},
     }
@@ -83,7 +89,7 @@ def _metadata(im: InferenceModel, extra_labels: dict[str, str] | None = None) ->
 
 
 def endpoint_url(im: InferenceModel) -> str:
-    return f"http://{im.name}.{im.namespace}.svc:{SERVER_PORT}"
+    return f"http://{im.child_name}.{im.namespace}.svc:{SERVER_PORT}"
 
 
 def server_args(im: InferenceModel) -> list[str]:
@@ -300,13 +306,16 @@ def render_deployment(im: InferenceModel) -> Manifest:
             "type": "RollingUpdate",
             "rollingUpdate": {
                 "maxSurge": spec.rollout.max_surge,
-                "maxUnavailable": spec.rollout.max_unavailable,
+                "maxUnavailable": spec.rollout.effective_max_unavailable,
             },
         },
         # Loading weights can take as long as the startup timeout; only after that is a rollout stuck.
         "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 300,
         "revisionHistoryLimit": 5,
-        "template": {"metadata": {"labels": labels(im)}, "spec": pod_spec},
+        "template": {
+            "metadata": {"labels": labels(im), "annotations": {MODEL_ANNOTATION: im.name}},
+            "spec": pod_spec,
+        },
     }
     if not spec.autoscaled:
         deployment_spec["replicas"] = desired_replicas(im)
@@ -359,7 +368,7 @@ def render_hpa(im: InferenceModel) -> Manifest:
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(im),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.name},
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.child_name},
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": [
@@ -381,10 +390,27 @@ def render_hpa(im: InferenceModel) -> Manifest:
     }
 
 
+def _promql_string(value: str) -> str:
+    """A PromQL double-quoted string literal (Go escaping), so a served name with quotes stays data."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
 def prometheus_query(im: InferenceModel) -> str:
-    """Sum over the model's pods; KEDA divides by the replica count for an AverageValue trigger."""
+    """Sum over the model's own pods; KEDA divides by the replica count for an AverageValue trigger.
+
+    Scoped by the `service` label the Prometheus Operator puts on every series scraped through a
+    ServiceMonitor (the model's Service), not only by the served name: two InferenceModels serving
+    the same name in one namespace must not read each other's load.
+    """
     metric = METRIC_NAMES[im.spec.scaling.metric]
-    return f'sum({metric}{{namespace="{im.namespace}",model_name="{im.spec.served_name}"}})'
+    matchers = ",".join(
+        [
+            f"namespace={_promql_string(im.namespace)}",
+            f"service={_promql_string(im.child_name)}",
+            f"model_name={_promql_string(im.spec.served_name)}",
+        ]
+    )
+    return f"sum({metric}{{{matchers}}})"
 
 
 def render_scaledobject(im: InferenceModel) -> Manifest:
@@ -395,7 +421,7 @@ def render_scaledobject(im: InferenceModel) -> Manifest:
         "kind": "ScaledObject",
         "metadata": _metadata(im),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.name},
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.child_name},
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
             "cooldownPeriod": scaling.scale_down_delay_seconds,

@@ -33,6 +33,7 @@ import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kopf.testing import KopfRunner
+from op_apichecks import api_errors
 
 NAMESPACE = "default"
 
@@ -152,6 +153,15 @@ class ApiServer(KubernetesEmulator):
         key = None
         if request.resource is not None and isinstance(request.data, dict):
             data: dict[str, Any] = request.data
+            whole = request.action == enums.action.CREATE or (
+                request.action == enums.action.UPDATE
+                and "apply-patch" in (request.headers.get("Content-Type") or "")
+            )
+            if whole and request.subresource is None:
+                # The refusals kmock does not make itself (names, labels, strategy): a real 422.
+                errors = api_errors({"kind": PLURAL_KIND.get(request.resource.plural or "", ""), **data})
+                if errors:
+                    raise KubernetesError(status=422, reason="Invalid", message="; ".join(errors))
             if request.action == enums.action.CREATE:
                 self._stamp(data, request.namespace)
             elif request.action == enums.action.UPDATE and request.name is not None:

@@ -383,7 +383,7 @@ def test_scaledobject(metric: str, series: str) -> None:
     assert isinstance(selector, promql_parser.VectorSelector)
     assert selector.name == series
     matchers = {m.name: m.value for m in selector.matchers.matchers}
-    assert matchers == {"namespace": "ml", "model_name": "chat"}
+    assert matchers == {"namespace": "ml", "service": "llm", "model_name": "chat"}
     assert float(trigger["metadata"]["threshold"]) > 0
 
 
