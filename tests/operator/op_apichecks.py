@@ -111,7 +111,8 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
     """What the API server would answer with 422 for this object (empty: accepted)."""
     kind = obj.get("kind", "")
     meta = obj.get("metadata") or {}
-    errors = _name_errors(kind, str(meta.get("name", "")))
+    # generateName: the server appends 5 characters to it.
+    errors = _name_errors(kind, str(meta.get("name") or (meta.get("generateName", "") + "x1234")))
     errors += _label_errors(meta.get("labels"), "metadata.labels")
     spec = obj.get("spec") or {}
     errors += _label_errors((spec.get("selector") or {}).get("matchLabels"), "spec.selector.matchLabels")

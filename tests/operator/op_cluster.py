@@ -46,6 +46,7 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
     "policy/v1/poddisruptionbudgets": ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
     "autoscaling/v2/horizontalpodautoscalers": ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
     "v1/events": ResourceInfo(kind="Event", namespaced=True),
+    "v1/pods": ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -67,6 +68,8 @@ PATHS = {
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "ServiceMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/servicemonitors",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+    "Pod": "/api/v1/namespaces/{ns}/pods",
+    "Event": "/api/v1/namespaces/{ns}/events",
 }
 PLURAL_KIND = {p.rsplit("/", 1)[-1]: k for k, p in PATHS.items()}
 

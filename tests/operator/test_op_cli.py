@@ -98,6 +98,8 @@ def test_importing_the_package_registers_every_handler() -> None:
         ("autoscaling", "horizontalpodautoscalers"),
         ("monitoring.coreos.com", "servicemonitors"),
         ("keda.sh", "scaledobjects"),
+        ("", "pods"),  # status reads the kubelet's reasons
+        ("apiextensions.k8s.io", "customresourcedefinitions"),  # optional CRDs installed later
     }
     assert registry._spawning.get_all_handlers() == []  # no timers/daemons: they would need finalizers
     activities = {h.id for h in registry._activities.get_all_handlers()}
