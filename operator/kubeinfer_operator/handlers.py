@@ -124,11 +124,13 @@ def _post_transition(
     ready = conds.get("Ready") or {}
     warning = degraded.get("status") == "True"
     source = degraded if warning else ready
-    ref = {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": {"namespace": namespace, "name": name, "uid": uid},
-    }
+    ref = kopf.Body(
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"namespace": namespace, "name": name, "uid": uid},
+        }
+    )
     try:
         kopf.event(
             ref,
