@@ -12,6 +12,7 @@ from typing import Any
 
 import kopf
 
+from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
 from .render import FIELD_MANAGER, MODEL_ANNOTATION, Capabilities, is_subset, render_all, selector_labels
 from .resync import Resyncer
@@ -186,6 +187,8 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             )
         deployment: dict[str, Any] | None = None
         for obj in plan.objects:
+            if obj["kind"] == "Deployment" and im.spec.autoscaled:
+                hand_over_replicas(im, obj, kube, logger)
             live = kube.apply(obj)
             if obj["kind"] == "Deployment":
                 deployment = live
@@ -204,6 +207,19 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped)
     status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
     _write_status(kube, namespace, name, status.to_dict(), previous, logger, retry=retry, uid=im.uid)
+
+
+def hand_over_replicas(im: InferenceModel, obj: dict[str, Any], kube: KubeClient, logger: Any) -> None:
+    """Before an apply without spec.replicas: make sure some manager other than ours holds the count
+    (see handover.py), so the apply cannot reset it to 1."""
+    live = kube.get("Deployment", im.namespace, im.child_name)
+    if live is None:
+        # First apply: create at the autoscaler's floor, then hand that count over below.
+        live = kube.apply({**obj, "spec": {**obj["spec"], "replicas": handover_count(im, None)}})
+    if owns_replicas(live):
+        count = handover_count(im, live)
+        logger.info(f"handing spec.replicas={count} of Deployment {im.child_name} over to the autoscaler")
+        kube.apply(render_handover(im, count), field_manager=HANDOVER_MANAGER)
 
 
 def _pods(kube: KubeClient, im: InferenceModel) -> list[dict[str, Any]] | None:

@@ -128,7 +128,7 @@ class KubeClient:
             raise ApiError(resp.status, reason, message, action)
         return json.loads(data) if data else {}
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         info = KINDS[obj["kind"]]
         meta = obj["metadata"]
         path = object_path(info.api_version, info.plural, meta["namespace"], meta["name"])
@@ -139,7 +139,7 @@ class KubeClient:
             body=obj,
             content_type="application/apply-patch+yaml",
             # force: this operator is the single owner of what it renders; a hand edit is drift.
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            query=[("fieldManager", field_manager), ("force", "true")],
         )
         assert out is not None
         return out

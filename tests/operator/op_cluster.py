@@ -166,11 +166,14 @@ class ApiServer(KubernetesEmulator):
                 if errors:
                     raise KubernetesError(status=422, reason="Invalid", message="; ".join(errors))
             if request.action == enums.action.CREATE:
+                self._own_replicas(request, data, None)
                 self._stamp(data, request.namespace)
             elif request.action == enums.action.UPDATE and request.name is not None:
                 key = (request.resource, request.namespace, request.name)
                 async with self._lock:
                     live = self._objects[key] if key in self._objects else None  # noqa: SIM401
+                    alive = live is not None and not live.deleted
+                    self._own_replicas(request, data, live.raw if alive and live is not None else None)
                     if live is None or live.deleted:
                         if "apply-patch" in (request.headers.get("Content-Type") or ""):
                             # Server-side apply of a missing object creates it.
@@ -217,6 +220,49 @@ class ApiServer(KubernetesEmulator):
         if key is not None and deleted_uid is not None and self._objects[key].deleted:
             await self._collect_garbage(deleted_uid)
         return response
+
+    def _own_replicas(
+        self, request: rendering.Request, data: dict[str, Any], old: dict[str, Any] | None
+    ) -> None:
+        """Server-side apply's field ownership, for a Deployment's spec.replicas only (kmock merges
+        patches and tracks no owners): a manager's apply that omits a field it owned gives the field
+        up, and a field nobody owns any more is reset to its default (1). An update (merge patch,
+        /scale) takes the field over. managedFields shows the owners, as the API server does."""
+        if request.resource is None or request.resource.plural != "deployments":
+            return
+        if request.subresource == "status":
+            return
+        apply = "apply-patch" in (request.headers.get("Content-Type") or "")
+        operation = "Apply" if apply else "Update"
+        manager = str(request.params.get("fieldManager") or "unknown")
+        owners = {
+            str(e.get("manager")): str(e.get("operation"))
+            for e in ((old or {}).get("metadata") or {}).get("managedFields") or []
+            if "f:replicas" in ((e.get("fieldsV1") or {}).get("f:spec") or {})
+        }
+        spec = data.get("spec") if isinstance(data.get("spec"), dict) else None
+        live_value = ((old or {}).get("spec") or {}).get("replicas")
+        if spec is not None and "replicas" in spec:
+            if old is not None and spec["replicas"] == live_value:
+                owners[manager] = operation
+            else:
+                owners = {manager: operation}
+        elif apply and request.subresource is None:
+            owners.pop(manager, None)
+            if not owners:
+                data.setdefault("spec", {})["replicas"] = 1
+        elif old is None:
+            data.setdefault("spec", {})["replicas"] = 1
+        data.setdefault("metadata", {})["managedFields"] = [
+            {
+                "manager": m,
+                "operation": op,
+                "apiVersion": "apps/v1",
+                "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:spec": {"f:replicas": {}}},
+            }
+            for m, op in sorted(owners.items())
+        ]
 
     async def _collect_orphan(self, resource: Any, key: Any) -> None:
         """The garbage collector also removes a new dependent whose owner no longer exists (an apply
@@ -373,10 +419,23 @@ class MockCluster:
         return self.request("GET", f"{PATHS[kind].format(ns=ns)}/{name}")  # type: ignore[no-any-return]
 
     def patch(
-        self, kind: str, name: str, patch: dict[str, Any], ns: str = NAMESPACE, subresource: str = ""
+        self,
+        kind: str,
+        name: str,
+        patch: dict[str, Any],
+        ns: str = NAMESPACE,
+        subresource: str = "",
+        field_manager: str = "",
     ) -> Any:
         path = f"{PATHS[kind].format(ns=ns)}/{name}" + (f"/{subresource}" if subresource else "")
+        if field_manager:
+            path += f"?fieldManager={field_manager}"
         return self.request("PATCH", path, patch, "application/merge-patch+json")
+
+    def apply(self, kind: str, obj: dict[str, Any], manager: str, ns: str = NAMESPACE) -> Any:
+        """Server-side apply (forced) under a field manager, as `kubectl apply --server-side` does."""
+        path = f"{PATHS[kind].format(ns=ns)}/{obj['metadata']['name']}?fieldManager={manager}&force=true"
+        return self.request("PATCH", path, obj, "application/apply-patch+yaml")
 
     def delete(self, kind: str, name: str, ns: str = NAMESPACE) -> Any:
         return self.request("DELETE", f"{PATHS[kind].format(ns=ns)}/{name}")
