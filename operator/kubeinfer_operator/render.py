@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .quantity import same_quantity
 from .spec import (
     API_VERSION,
     DEFAULT_SERVER_IMAGE,
@@ -511,19 +512,28 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
     return RenderPlan(objects=objects, absent_kinds=absent, monitoring_skipped_reason=skipped)
 
 
-def is_subset(desired: Any, live: Any) -> bool:
+# Keys whose values are quantities: the API server rewrites them canonically ("0.5" -> "500m").
+_QUANTITY_KEYS = frozenset({"requests", "limits", "sizeLimit"})
+
+
+def is_subset(desired: Any, live: Any, quantities: bool = False) -> bool:
     """True if every field of `desired` has the same value in `live` (lists compared item by item).
 
-    Used to detect hand edits of a child: the API server adds defaults, which are ignored here.
+    Used to detect hand edits of a child: the API server adds defaults, which are ignored here, and
+    stores quantities canonically, which are compared by value.
     """
     if isinstance(desired, dict):
-        return isinstance(live, dict) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+        return isinstance(live, dict) and all(
+            k in live and is_subset(v, live[k], quantities or k in _QUANTITY_KEYS) for k, v in desired.items()
+        )
     if isinstance(desired, list):
         return (
             isinstance(live, list)
             and len(desired) == len(live)
-            and all(is_subset(d, v) for d, v in zip(desired, live, strict=True))
+            and all(is_subset(d, v, quantities) for d, v in zip(desired, live, strict=True))
         )
+    if quantities and desired != live and same_quantity(desired, live):
+        return True
     if isinstance(desired, (int, float)) and isinstance(live, str):
         return str(desired) == live
     return bool(desired == live)

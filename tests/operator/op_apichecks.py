@@ -146,3 +146,40 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
         if int(spec.get("maxReplicas", 1)) < int(spec.get("minReplicas", 1)):
             errors.append("spec.maxReplicas: Invalid value: must be greater than or equal to `minReplicas`")
     return errors
+
+
+_BINARY = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]
+
+
+def canonical_quantity(value: Any) -> Any:
+    """The API server's canonical form for the common cases: fractions of a plain number become
+    milli-units ("0.5" -> "500m"), fractional binary units step down ("1.5Gi" -> "1536Mi"), whole
+    milli-units step up ("2000m" -> "2"). Other spellings are returned unchanged."""
+    from decimal import Decimal
+
+    text = str(value)
+    m = re.match(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|m)?$", text)
+    if m is None:
+        return value
+    number, suffix = Decimal(m.group(1)), m.group(2) or ""
+    if suffix == "" and number != number.to_integral_value():
+        return f"{int(number * 1000)}m" if (number * 1000) == (number * 1000).to_integral_value() else value
+    if suffix == "m" and number % 1000 == 0:
+        return str(int(number / 1000))
+    if suffix in _BINARY[1:] and number != number.to_integral_value():
+        i = _BINARY.index(suffix)
+        while i > 0 and number != number.to_integral_value():
+            number, i = number * 1024, i - 1
+        return f"{int(number)}{_BINARY[i]}"
+    return value if not isinstance(value, int) else str(value)
+
+
+def canonicalize_resources(obj: dict[str, Any]) -> None:
+    """Rewrite a Deployment's container requests and limits as the API server stores them."""
+    pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+    for c in pod.get("containers") or []:
+        for section in ("requests", "limits"):
+            values = (c.get("resources") or {}).get(section)
+            if isinstance(values, dict):
+                for key in list(values):
+                    values[key] = canonical_quantity(values[key])

@@ -33,7 +33,7 @@ import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kopf.testing import KopfRunner
-from op_apichecks import api_errors
+from op_apichecks import api_errors, canonicalize_resources
 
 NAMESPACE = "default"
 
@@ -165,6 +165,8 @@ class ApiServer(KubernetesEmulator):
                 errors = api_errors({"kind": PLURAL_KIND.get(request.resource.plural or "", ""), **data})
                 if errors:
                     raise KubernetesError(status=422, reason="Invalid", message="; ".join(errors))
+                if request.resource.plural == "deployments":
+                    canonicalize_resources(data)
             if request.action == enums.action.CREATE:
                 self._own_replicas(request, data, None)
                 self._stamp(data, request.namespace)

@@ -106,3 +106,15 @@ def test_surge_zero_alone_gets_one_unavailable() -> None:
     )
     dep = next(o for o in objs if o["kind"] == "Deployment")
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_quantities_are_compared_by_value() -> None:
+    from kubeinfer_operator.render import is_subset
+    from op_apichecks import canonical_quantity
+
+    assert canonical_quantity("0.5") == "500m" and canonical_quantity("1.5Gi") == "1536Mi"
+    desired = {"resources": {"requests": {"cpu": "0.5", "memory": "1.5Gi"}}}
+    live = {"resources": {"requests": {"cpu": "500m", "memory": "1536Mi"}}}
+    assert is_subset(desired, live)
+    assert not is_subset(desired, {"resources": {"requests": {"cpu": "600m", "memory": "1536Mi"}}})
+    assert not is_subset({"image": "0.5"}, {"image": "500m"})  # only quantity fields

@@ -116,3 +116,19 @@ def test_fixed_to_hpa_and_back_never_drops_capacity(cluster: MockCluster, operat
     wait_for(lambda: cluster.get("HorizontalPodAutoscaler", NAME) is None, what="HPA removed")
     dep = cluster.get("Deployment", NAME)
     assert dep is not None and owns_replicas(dep)
+
+
+def test_a_half_cpu_is_not_drift(cluster: MockCluster, operator: Any) -> None:
+    spec = {"model": HF, "resources": {"cpu": "0.5", "memory": "1.5Gi"}}
+    cluster.create("InferenceModel", inference_model(spec, name=NAME))
+    wait_for(lambda: cluster.get("Deployment", NAME), what="Deployment")
+    dep = cluster.get("Deployment", NAME)
+    assert dep is not None
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["requests"]["cpu"] == "500m"  # stored canonically, as the API server does
+    import time
+
+    time.sleep(3)  # the first reconciles (create, listing) settle
+    applies = cluster.count_requests("PATCH", "deployments")
+    time.sleep(6)  # several resyncs and child events
+    assert cluster.count_requests("PATCH", "deployments") == applies, "the Deployment is re-applied as drift"
