@@ -239,7 +239,11 @@ def test_dashboards_arrive_as_sidecar_configmaps(installs: dict[str, HelmInstall
             assert cm["metadata"]["namespace"] == ns
             shipped.update({k: json.loads(v) for k, v in cm["data"].items()})
         assert shipped == files
-    cm = _ok(installs, "namespaced-ha").find("ConfigMap", namespace="monitoring")[0]
+    cm = next(
+        c
+        for c in _ok(installs, "namespaced-ha").find("ConfigMap", namespace="monitoring")
+        if "grafana_dashboard" in c["metadata"]["labels"]
+    )
     assert cm["metadata"]["annotations"]["grafana_folder"] == "kubeinfer"
 
 
