@@ -128,7 +128,14 @@ def test_a_half_cpu_is_not_drift(cluster: MockCluster, operator: Any) -> None:
     assert c["resources"]["requests"]["cpu"] == "500m"  # stored canonically, as the API server does
     import time
 
-    time.sleep(3)  # the first reconciles (create, listing) settle
+    # The first reconciles (create handler, listing, resync) settle: no apply for 3 s in a row.
+    deadline = time.monotonic() + 30
     applies = cluster.count_requests("PATCH", "deployments")
+    while time.monotonic() < deadline:
+        time.sleep(3)
+        now = cluster.count_requests("PATCH", "deployments")
+        if now == applies:
+            break
+        applies = now
     time.sleep(6)  # several resyncs and child events
     assert cluster.count_requests("PATCH", "deployments") == applies, "the Deployment is re-applied as drift"
