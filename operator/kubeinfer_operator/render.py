@@ -149,16 +149,23 @@ def _env(im: InferenceModel) -> list[dict[str, Any]]:
         env.append(
             {"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": api_key.name, "key": api_key.key}}}
         )
-    return env
+    return env + [dict(e) for e in spec.pod.env]
+
+
+# Requests when the spec sets none, so that a pod is never BestEffort (first to be evicted, no
+# scheduling guarantee): about what the server needs to load a small model on CPU.
+DEFAULT_CPU_REQUEST = "1"
+DEFAULT_MEMORY_REQUEST = "2Gi"
 
 
 def _resources(im: InferenceModel) -> dict[str, Any]:
     res = im.spec.resources
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
-    if res.cpu is not None:
-        requests["cpu"] = str(res.cpu)
-    if res.memory is not None:
+    requests["cpu"] = str(res.cpu) if res.cpu is not None else DEFAULT_CPU_REQUEST
+    if res.memory is None:
+        requests["memory"] = DEFAULT_MEMORY_REQUEST  # a request only: no limit the user did not ask for
+    else:
         # Memory limit equals request: an LLM server's footprint is known up front, and overcommit
         # turns into OOM kills mid-request.
         requests["memory"] = str(res.memory)
@@ -208,7 +215,8 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         {"name": "tmp", "emptyDir": {}},
         cache_volume,
         # PyTorch shares tensors between threads/processes through /dev/shm; the runtime default is 64Mi.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # Sized: a memory-backed emptyDir counts against the memory limit and is unbounded otherwise.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.pod.shm_size)}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": TMP_DIR},
@@ -226,6 +234,8 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         mounts.append(
             {"name": "model", "mountPath": f"{MODEL_MOUNT_ROOT}/{location.claim_name}", "readOnly": True}
         )
+    volumes += [dict(v) for v in spec.pod.volumes]
+    mounts += [dict(m) for m in spec.pod.volume_mounts]
     return volumes, mounts
 
 
@@ -283,6 +293,9 @@ def render_deployment(im: InferenceModel) -> Manifest:
             "runAsUser": RUN_AS_USER,
             "runAsGroup": RUN_AS_USER,
             "fsGroup": RUN_AS_USER,
+            # Re-own a (cache) volume only when its root is not ours yet: a recursive chown of a large
+            # model cache on every start would delay each pod by minutes.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "terminationGracePeriodSeconds": termination_grace_seconds(spec.rollout.drain_timeout_seconds),
@@ -300,6 +313,14 @@ def render_deployment(im: InferenceModel) -> Manifest:
         pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
     if spec.scheduling.runtime_class_name is not None:
         pod_spec["runtimeClassName"] = spec.scheduling.runtime_class_name
+    if spec.scheduling.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [dict(c) for c in spec.scheduling.topology_spread_constraints]
+    if spec.pod.service_account_name is not None:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    if spec.pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [dict(r) for r in spec.pod.image_pull_secrets]
+    if spec.pod.env_from:
+        container["envFrom"] = [dict(e) for e in spec.pod.env_from]
 
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(im)},
@@ -314,7 +335,10 @@ def render_deployment(im: InferenceModel) -> Manifest:
         "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 300,
         "revisionHistoryLimit": 5,
         "template": {
-            "metadata": {"labels": labels(im), "annotations": {MODEL_ANNOTATION: im.name}},
+            "metadata": {
+                "labels": {**spec.pod.labels, **labels(im)},
+                "annotations": {**spec.pod.annotations, MODEL_ANNOTATION: im.name},
+            },
             "spec": pod_spec,
         },
     }
@@ -449,24 +473,31 @@ def render_scaledobject(im: InferenceModel) -> Manifest:
 
 
 def render_pdb(im: InferenceModel) -> Manifest:
+    """minAvailable from the spec while at least two replicas always run (admission keeps it below
+    that floor); otherwise (an autoscaler that may go down to one or zero) maxUnavailable 1, which
+    never forbids every eviction however many replicas exist."""
+    budget: dict[str, Any]
+    if im.spec.scaling.floor > 1:
+        budget = {"minAvailable": im.spec.disruption.min_available}
+    else:
+        budget = {"maxUnavailable": 1}
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(im),
-        "spec": {
-            "minAvailable": im.spec.disruption.min_available,
-            "selector": {"matchLabels": selector_labels(im)},
-        },
+        "spec": {**budget, "selector": {"matchLabels": selector_labels(im)}},
     }
 
 
 def wants_pdb(im: InferenceModel) -> bool:
-    """A PDB only helps with more than one replica; with one it would block every node drain."""
+    """A PDB whenever more than one replica can exist (a fixed count above one, or an autoscaler
+    allowed above one); with a single fixed replica it could only block node drains."""
     if im.spec.suspend:
         return False
     scaling = im.spec.scaling
-    floor = scaling.min_replicas if im.spec.autoscaled else scaling.replicas
-    return floor > 1
+    if im.spec.autoscaled:
+        return (scaling.max_replicas or 0) > 1
+    return scaling.replicas > 1
 
 
 @dataclass(frozen=True)

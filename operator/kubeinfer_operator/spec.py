@@ -309,6 +309,7 @@ class ProbesSpec(_Model):
 class SchedulingSpec(_Model):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] | None = None
     priority_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     runtime_class_name: str | None = Field(default=None, min_length=1, max_length=253)
@@ -324,6 +325,75 @@ class SchedulingSpec(_Model):
                 raise ValueError(
                     f"scheduling.{field} must be a DNS-1123 subdomain (lower case, digits, '-', '.')"
                 )
+        return self
+
+
+# Names the operator gives the pod's own env vars, volumes, mount paths and labels; a user entry that
+# repeated one would silently win or lose against the operator, so it is refused.
+MANAGED_ENV = (
+    "KUBEINFER_CACHE_DIR",
+    "HF_HOME",
+    "TRITON_CACHE_DIR",
+    "HOME",
+    "TMPDIR",
+    "MODEL_REVISION",
+    "HF_TOKEN",
+    "API_KEY",
+)
+MANAGED_VOLUMES = ("tmp", "cache", "dshm", "model")
+MANAGED_MOUNT_PATHS = ("/tmp", "/var/cache/kubeinfer", "/dev/shm", "/models")
+MANAGED_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/managed-by",
+)
+
+
+class PodSpec(_Model):
+    """What users set on the server pods beyond the engine (core/v1 objects passed through)."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
+    image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    env_from: list[dict[str, Any]] = Field(default_factory=list)
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
+    shm_size: int | str = "1Gi"
+
+    @model_validator(mode="after")
+    def _check_pod(self) -> PodSpec:
+        _check_labels(self.labels, "pod.labels")
+        if any(k in MANAGED_LABELS for k in self.labels):
+            raise ValueError(
+                "pod.labels must not set the app.kubernetes.io labels the operator selects pods by"
+            )
+        if self.service_account_name is not None and not is_dns1123_subdomain(self.service_account_name):
+            raise ValueError(
+                "pod.serviceAccountName must be a DNS-1123 subdomain (lower case, digits, '-', '.')"
+            )
+        for ref in self.image_pull_secrets:
+            if set(ref) != {"name"} or not is_dns1123_subdomain(ref["name"]):
+                raise ValueError("pod.imagePullSecrets entries are {name: <Secret name>}")
+        if any(e.get("name") in MANAGED_ENV for e in self.env):
+            raise ValueError(
+                "pod.env must not set a variable the operator sets (HF_TOKEN, API_KEY, HF_HOME, ...)"
+            )
+        if any(v.get("name") in MANAGED_VOLUMES for v in self.volumes):
+            raise ValueError(
+                "pod.volumes must not reuse the operator's volume names (tmp, cache, dshm, model)"
+            )
+        if any(m.get("mountPath") in MANAGED_MOUNT_PATHS for m in self.volume_mounts):
+            raise ValueError(
+                "pod.volumeMounts must not reuse the operator's mount paths (/tmp, /var/cache/kubeinfer, /dev/shm, /models)"
+            )
+        names = {v.get("name") for v in self.volumes}
+        if any(m.get("name") not in names for m in self.volume_mounts):
+            raise ValueError("every pod.volumeMounts entry must name a volume in pod.volumes")
+        _check_quantity(self.shm_size, "pod.shmSize")
         return self
 
 
@@ -362,6 +432,7 @@ class InferenceModelSpec(_Model):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     disruption: DisruptionSpec = Field(default_factory=DisruptionSpec)
+    pod: PodSpec = Field(default_factory=PodSpec)
     suspend: bool = False
 
     @model_validator(mode="after")

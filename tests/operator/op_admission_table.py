@@ -150,4 +150,65 @@ ADMISSION: list[Row] = [
         _s(disruption={"minAvailable": "101%"}),
         "disruption.minAvailable must not exceed 100%",
     ),
+    # pod customization
+    Row(
+        "pod-all-fields",
+        _s(
+            pod={
+                "labels": {"team": "search"},
+                "annotations": {"prometheus.io/scrape": "false"},
+                "serviceAccountName": "llm-reader",
+                "imagePullSecrets": [{"name": "regcred"}],
+                "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+                "envFrom": [{"configMapRef": {"name": "tuning"}}],
+                "volumes": [{"name": "extra", "configMap": {"name": "chat-templates"}}],
+                "volumeMounts": [{"name": "extra", "mountPath": "/etc/templates", "readOnly": True}],
+                "shmSize": "4Gi",
+            },
+            scheduling={
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "topology.kubernetes.io/zone",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                    }
+                ]
+            },
+        ),
+        None,
+    ),
+    Row("pod-label-bad", _s(pod={"labels": {"team": "a b"}}), "pod.labels must map"),
+    Row(
+        "pod-label-ours",
+        _s(pod={"labels": {"app.kubernetes.io/instance": "x"}}),
+        "must not set the app.kubernetes.io",
+    ),
+    Row("pod-sa-bad", _s(pod={"serviceAccountName": "My_SA"}), "pod.serviceAccountName must be"),
+    Row(
+        "pod-pull-secret-bad",
+        _s(pod={"imagePullSecrets": [{"name": "Reg_Cred"}]}),
+        "pod.imagePullSecrets entries",
+    ),
+    Row("pod-env-ours", _s(pod={"env": [{"name": "HF_TOKEN", "value": "x"}]}), "pod.env must not set"),
+    Row(
+        "pod-volume-ours",
+        _s(pod={"volumes": [{"name": "cache", "emptyDir": {}}]}),
+        "pod.volumes must not reuse",
+    ),
+    Row(
+        "pod-mount-ours",
+        _s(
+            pod={
+                "volumes": [{"name": "x", "emptyDir": {}}],
+                "volumeMounts": [{"name": "x", "mountPath": "/tmp"}],
+            }
+        ),
+        "pod.volumeMounts must not reuse",
+    ),
+    Row(
+        "pod-mount-unknown-volume",
+        _s(pod={"volumeMounts": [{"name": "nope", "mountPath": "/data"}]}),
+        "must name a volume in pod.volumes",
+    ),
+    Row("pod-shm-negative", _s(pod={"shmSize": -1}), "pod.shmSize must not be negative"),
 ]

@@ -28,7 +28,13 @@ def test_render_cli_prints_every_object_as_yaml() -> None:
         timeout=60,
     )
     docs = list(yaml.safe_load_all(out.stdout))
-    assert [d["kind"] for d in docs] == ["Service", "Deployment", "ServiceMonitor", "ScaledObject"]
+    assert [d["kind"] for d in docs] == [
+        "Service",
+        "PodDisruptionBudget",
+        "Deployment",
+        "ServiceMonitor",
+        "ScaledObject",
+    ]
     assert all(d["metadata"]["name"] == "mistral-7b" for d in docs)
     assert all("ownerReferences" not in d["metadata"] for d in docs)
 
