@@ -3,6 +3,7 @@ children repair drift and refresh the InferenceModel's status from the Deploymen
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import logging
 import os
@@ -11,9 +12,11 @@ from typing import Any
 
 import kopf
 
+from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
-from .render import FIELD_MANAGER, Capabilities, is_subset, render_all
-from .spec import GROUP, PLURAL, VERSION, InferenceModel, InvalidSpecError, semantic_errors
+from .render import FIELD_MANAGER, MODEL_ANNOTATION, Capabilities, is_subset, render_all, selector_labels
+from .resync import Resyncer
+from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceModel, InvalidSpecError, semantic_errors
 from .status import ReconcileOutcome, compute_status, failed_status, same_status
 
 # Tunables read once at import; tests shorten them through the environment.
@@ -23,6 +26,9 @@ REQUEST_TIMEOUT_SECONDS = float(os.environ.get("KUBEINFER_REQUEST_TIMEOUT_SECOND
 # Full re-reconcile period. Child events repair drift at once, but a watch stream that drops while a
 # child is deleted loses that event (kopf re-lists, and absence is no event); the resync catches it.
 RESYNC_SECONDS = float(os.environ.get("KUBEINFER_RESYNC_SECONDS", "60"))
+# How long discovery answers are cached: an optional CRD (ServiceMonitor, ScaledObject) installed
+# after the operator started is picked up by the next resync after this.
+DISCOVERY_TTL_SECONDS = float(os.environ.get("KUBEINFER_DISCOVERY_TTL_SECONDS", "60"))
 ANNOTATION_PREFIX = GROUP
 
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
@@ -49,11 +55,21 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.watching.server_timeout = RESYNC_SECONDS
     if settings.watching.client_timeout is None:
         settings.watching.client_timeout = RESYNC_SECONDS + 60
-    memo.kube = KubeClient.from_environment(request_timeout=REQUEST_TIMEOUT_SECONDS)
+    memo.kube = KubeClient.from_environment(
+        request_timeout=REQUEST_TIMEOUT_SECONDS, discovery_ttl=DISCOVERY_TTL_SECONDS
+    )
+    kube = memo.kube
+    resync_logger = logging.getLogger("kubeinfer_operator.resync")
+    memo.resyncer = Resyncer(lambda ns, name: resync_model(kube, ns, name, resync_logger), RESYNC_SECONDS)
+    # In kopf's context, so that kopf.event() works from the resync thread too.
+    memo.resyncer.start(run=contextvars.copy_context().run)
 
 
 @kopf.on.cleanup()
 def close(memo: kopf.Memo, **_: Any) -> None:
+    resyncer = getattr(memo, "resyncer", None)
+    if resyncer is not None:
+        resyncer.stop()
     kube = getattr(memo, "kube", None)
     if kube is not None:
         kube.close()
@@ -73,10 +89,12 @@ def _write_status(
     old: dict[str, Any] | None,
     logger: Any,
     retry: int | None = None,
+    uid: str | None = None,
 ) -> None:
     """Write status if it changed. With `retry` given (the reconcile's success path) a failed write
     is retried through kopf, so a finished reconcile never leaves a stale status behind; otherwise
-    (the write only accompanies an error that is retried anyway) the failure is logged."""
+    (the write only accompanies an error that is retried anyway) the failure is logged. A change of
+    phase or of the Degraded reason is also posted as a Kubernetes Event on the InferenceModel."""
     if same_status(old, new):
         return
     try:
@@ -85,6 +103,44 @@ def _write_status(
         if retry is not None and exc.transient:
             raise kopf.TemporaryError(str(exc), delay=backoff_delay(retry)) from exc
         logger.warning(f"status not written: {exc}")
+        return
+    if uid is not None:
+        _post_transition(namespace, name, uid, old, new, logger)
+
+
+def _transition_key(status: dict[str, Any] | None) -> tuple[str, str]:
+    conds = {c.get("type"): c for c in (status or {}).get("conditions") or []}
+    degraded = conds.get("Degraded") or {}
+    reason = str(degraded.get("reason") or "") if degraded.get("status") == "True" else ""
+    return str((status or {}).get("phase") or ""), reason
+
+
+def _post_transition(
+    namespace: str, name: str, uid: str, old: dict[str, Any] | None, new: dict[str, Any], logger: Any
+) -> None:
+    if _transition_key(old) == _transition_key(new):
+        return
+    conds = {c.get("type"): c for c in new.get("conditions") or []}
+    degraded = conds.get("Degraded") or {}
+    ready = conds.get("Ready") or {}
+    warning = degraded.get("status") == "True"
+    source = degraded if warning else ready
+    ref = kopf.Body(
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"namespace": namespace, "name": name, "uid": uid},
+        }
+    )
+    try:
+        kopf.event(
+            ref,
+            type="Warning" if warning else "Normal",
+            reason=str(source.get("reason") or new.get("phase") or "StatusChanged"),
+            message=f"{new.get('phase')}: {source.get('message') or ''}".rstrip(": "),
+        )
+    except LookupError:  # outside a running operator (unit tests calling reconcile directly)
+        logger.debug("no event posted: no operator context")
 
 
 def _capabilities(kube: KubeClient) -> Capabilities:
@@ -109,15 +165,15 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         im = InferenceModel.from_manifest(body)
     except InvalidSpecError as exc:
         status = failed_status(meta.get("generation"), str(exc), previous, _now())
-        _write_status(kube, namespace, name, status.to_dict(), previous, logger)
+        _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=meta.get("uid"))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
 
     problems = semantic_errors(im.spec)
     if problems:
         message = "; ".join(problems)
-        existing = _safe_get(kube, "Deployment", namespace, name)
+        existing = _safe_get(kube, "Deployment", namespace, im.child_name)
         status = compute_status(im, existing, ReconcileOutcome(invalid_spec=message), previous, _now())
-        _write_status(kube, namespace, name, status.to_dict(), previous, logger)
+        _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=im.uid)
         raise kopf.PermanentError(f"invalid spec: {message}")
 
     monitoring_skipped: str | None = None
@@ -131,24 +187,54 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             )
         deployment: dict[str, Any] | None = None
         for obj in plan.objects:
+            if obj["kind"] == "Deployment" and im.spec.autoscaled:
+                hand_over_replicas(im, obj, kube, logger)
             live = kube.apply(obj)
             if obj["kind"] == "Deployment":
                 deployment = live
         for kind in plan.absent_kinds:
-            if kube.delete(kind, namespace, name, owner_uid=im.uid):
-                logger.info(f"deleted {kind} {namespace}/{name}: no longer wanted by the spec")
+            if kube.delete(kind, namespace, im.child_name, owner_uid=im.uid):
+                logger.info(f"deleted {kind} {namespace}/{im.child_name}: no longer wanted by the spec")
     except ApiError as exc:
         outcome = ReconcileOutcome(apply_error=str(exc), monitoring_skipped_reason=monitoring_skipped)
-        live_deployment = _safe_get(kube, "Deployment", namespace, name)
-        status = compute_status(im, live_deployment, outcome, previous, _now())
-        _write_status(kube, namespace, name, status.to_dict(), previous, logger)
+        live_deployment = _safe_get(kube, "Deployment", namespace, im.child_name)
+        status = compute_status(im, live_deployment, outcome, previous, _now(), _pods(kube, im))
+        _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=im.uid)
         if exc.transient:
             raise kopf.TemporaryError(str(exc), delay=backoff_delay(retry)) from exc
         raise kopf.PermanentError(str(exc)) from exc
 
     outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped)
-    status = compute_status(im, deployment, outcome, previous, _now())
-    _write_status(kube, namespace, name, status.to_dict(), previous, logger, retry=retry)
+    status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
+    _write_status(kube, namespace, name, status.to_dict(), previous, logger, retry=retry, uid=im.uid)
+
+
+def hand_over_replicas(im: InferenceModel, obj: dict[str, Any], kube: KubeClient, logger: Any) -> None:
+    """Before an apply without spec.replicas: make sure some manager other than ours holds the count
+    (see handover.py), so the apply cannot reset it to 1."""
+    live = kube.get("Deployment", im.namespace, im.child_name)
+    if live is None:
+        # First apply: create at the autoscaler's floor, then hand that count over below.
+        live = kube.apply({**obj, "spec": {**obj["spec"], "replicas": handover_count(im, None)}})
+    if owns_replicas(live):
+        count = handover_count(im, live)
+        logger.info(f"handing spec.replicas={count} of Deployment {im.child_name} over to the autoscaler")
+        kube.apply(render_handover(im, count), field_manager=HANDOVER_MANAGER)
+
+
+def _pods(kube: KubeClient, im: InferenceModel) -> list[dict[str, Any]] | None:
+    """The model's pods (None if they cannot be listed: status then reads the Deployment alone)."""
+    wanted = selector_labels(im)
+    selector = ",".join(f"{k}={v}" for k, v in wanted.items())
+    try:
+        pods = kube.list("Pod", im.namespace, selector)
+    except ApiError:
+        return None
+    return [
+        p
+        for p in pods
+        if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in wanted.items())
+    ]
 
 
 def _safe_get(kube: KubeClient, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -187,25 +273,19 @@ def model_lock(namespace: str, name: str) -> threading.RLock:
 
 @kopf.on.event(GROUP, VERSION, PLURAL, id="resync")
 def resync_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    # Events without a type come from the (re)listing kopf does whenever a watch stream ends. The
-    # stream is ended every RESYNC_SECONDS (watching.server_timeout), so this is the periodic resync
-    # that catches what a dropped stream lost (e.g. a child deleted while its watch reconnected).
+    # Every event registers the model with the operator-wide resync thread (resync.Resyncer). Events
+    # without a type come from a (re)listing after a watch stream ended: resync at once, to catch what
+    # a dropped stream lost (e.g. a child deleted while its watch reconnected).
+    meta = body.get("metadata") or {}
+    resyncer = getattr(memo, "resyncer", None)
+    if resyncer is not None:
+        if event.get("type") == "DELETED":
+            resyncer.gone(meta["namespace"], meta["name"])
+        else:
+            resyncer.seen(meta["namespace"], meta["name"])
     if event.get("type") is not None:
         return
-    meta = body.get("metadata") or {}
-    try:
-        with model_lock(meta["namespace"], meta["name"]):
-            # The listing may be older than the latest spec; a stale snapshot must never be applied.
-            plain = memo.kube.get("InferenceModel", meta["namespace"], meta["name"])
-            if plain is None:
-                return
-            if children_drifted(plain, memo.kube):
-                logger.info("resync found missing or drifted children: reconciling")
-                reconcile(plain, memo.kube, logger)
-    except (kopf.TemporaryError, kopf.PermanentError) as exc:
-        logger.warning(f"resync postponed: {exc}")
-    except ApiError as exc:
-        logger.warning(f"resync skipped: {exc}")
+    resync_model(memo.kube, meta["namespace"], meta["name"], logger)
 
 
 def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
@@ -221,10 +301,10 @@ def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
         return False
     plan = render_all(im, _capabilities(kube))
     for obj in plan.objects:
-        live = kube.get(obj["kind"], im.namespace, im.name)
+        live = kube.get(obj["kind"], im.namespace, im.child_name)
         if live is None or not is_subset(obj, live):
             return True
-    return any(kube.get(kind, im.namespace, im.name) is not None for kind in plan.absent_kinds)
+    return any(kube.get(kind, im.namespace, im.child_name) is not None for kind in plan.absent_kinds)
 
 
 def _plain(body: Any) -> dict[str, Any]:
@@ -299,26 +379,104 @@ def _on_child_event_locked(
         return
 
     if kind == "Deployment":
-        previous = owner_body.get("status")
-        prev_degraded = next(
-            (c for c in (previous or {}).get("conditions") or [] if c.get("type") == "Degraded"), None
-        )
-        # A pending retry after an API failure keeps its Degraded note until a reconcile succeeds.
-        apply_error = None
-        if (
-            prev_degraded
-            and prev_degraded.get("status") == "True"
-            and prev_degraded.get("reason") == "ApplyFailed"
-        ):
-            apply_error = prev_degraded.get("message") or "apply failed"
-        skipped = None
-        if not im.spec.monitoring.service_monitor.enabled:
-            skipped = "Disabled"
-        elif "ServiceMonitor" not in wanted:
-            skipped = "CRDNotInstalled"
-        outcome = ReconcileOutcome(apply_error=apply_error, monitoring_skipped_reason=skipped)
-        status = compute_status(im, current, outcome, previous, _now())
-        _write_status(kube, namespace, owner, status.to_dict(), previous, logger)
+        refresh_status(im, owner_body, current, wanted, kube, logger)
+
+
+def refresh_status(
+    im: InferenceModel,
+    owner_body: dict[str, Any],
+    deployment: dict[str, Any] | None,
+    wanted: dict[str, dict[str, Any]],
+    kube: KubeClient,
+    logger: Any,
+) -> None:
+    """Recompute and write status from the live Deployment and pods, without applying anything."""
+    previous = owner_body.get("status")
+    prev_degraded = next(
+        (c for c in (previous or {}).get("conditions") or [] if c.get("type") == "Degraded"), None
+    )
+    # A pending retry after an API failure keeps its Degraded note until a reconcile succeeds.
+    apply_error = None
+    if (
+        prev_degraded
+        and prev_degraded.get("status") == "True"
+        and prev_degraded.get("reason") == "ApplyFailed"
+    ):
+        apply_error = prev_degraded.get("message") or "apply failed"
+    skipped = None
+    if not im.spec.monitoring.service_monitor.enabled:
+        skipped = "Disabled"
+    elif "ServiceMonitor" not in wanted:
+        skipped = "CRDNotInstalled"
+    elif kube.get("ServiceMonitor", im.namespace, im.child_name) is None:
+        skipped = "NotApplied"  # report only what exists; the resync applies it
+    outcome = ReconcileOutcome(apply_error=apply_error, monitoring_skipped_reason=skipped)
+    status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
+    _write_status(kube, im.namespace, im.name, status.to_dict(), previous, logger, uid=im.uid)
+
+
+def on_pod_event(pod: dict[str, Any], kube: KubeClient, logger: Any) -> None:
+    """A model's pod changed (scheduled, pulled, crashed, became ready): refresh the model's status."""
+    meta = pod.get("metadata") or {}
+    owner = (meta.get("annotations") or {}).get(MODEL_ANNOTATION)
+    namespace = meta.get("namespace")
+    if not owner or not namespace:
+        return
+    with model_lock(namespace, owner):
+        owner_body = kube.get("InferenceModel", namespace, owner)
+        if owner_body is None or (owner_body.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        try:
+            im = InferenceModel.from_manifest(owner_body)
+        except InvalidSpecError:
+            return
+        if semantic_errors(im.spec):
+            return
+        if ((meta.get("labels") or {}).get("app.kubernetes.io/instance")) != im.child_name:
+            return  # a pod of another model that copied the annotation
+        wanted = {obj["kind"]: obj for obj in render_all(im, _capabilities(kube)).objects}
+        deployment = kube.get("Deployment", namespace, im.child_name)
+        refresh_status(im, owner_body, deployment, wanted, kube, logger)
+
+
+@kopf.on.event("", "v1", "pods", labels=MANAGED, id="pods")
+def pod_event_handler(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    try:
+        on_pod_event(_plain(body), memo.kube, logger)
+    except ApiError as exc:
+        logger.warning(f"pod event not handled: {exc}")
+
+
+def resync_model(kube: KubeClient, namespace: str, name: str, logger: Any) -> None:
+    """Reconcile one model if a child is missing, drifted, or newly possible (an optional CRD)."""
+    try:
+        with model_lock(namespace, name):
+            # A listing may be older than the latest spec; a stale snapshot must never be applied.
+            plain = kube.get("InferenceModel", namespace, name)
+            if plain is None:
+                return
+            if children_drifted(plain, kube):
+                logger.info(f"resync of {namespace}/{name}: children missing, drifted or newly possible")
+                reconcile(plain, kube, logger)
+    except (kopf.TemporaryError, kopf.PermanentError) as exc:
+        logger.warning(f"resync of {namespace}/{name} postponed: {exc}")
+    except ApiError as exc:
+        logger.warning(f"resync of {namespace}/{name} skipped: {exc}")
+
+
+# Optional kinds the operator renders once their CRD exists.
+OPTIONAL_CRDS = frozenset({"servicemonitors.monitoring.coreos.com", "scaledobjects.keda.sh"})
+
+
+@kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", id="optional-crds")
+def crd_event_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """The Prometheus Operator or KEDA installed (or removed) after the models: resync them now."""
+    if (body.get("metadata") or {}).get("name") not in OPTIONAL_CRDS:
+        return
+    memo.kube.forget_discovery()
+    resyncer = getattr(memo, "resyncer", None)
+    if resyncer is not None:
+        resyncer.trigger()
 
 
 def _register_child_watch(kind: str) -> None:

@@ -34,6 +34,7 @@ KINDS: dict[str, KindInfo] = {
     "ServiceMonitor": KindInfo("monitoring.coreos.com/v1", "servicemonitors"),
     "ScaledObject": KindInfo("keda.sh/v1alpha1", "scaledobjects"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
+    "Pod": KindInfo("v1", "pods"),
 }
 
 
@@ -65,21 +66,24 @@ def object_path(api_version: str, plural: str, namespace: str | None, name: str 
 
 
 class KubeClient:
-    def __init__(self, api_client: kclient.ApiClient, request_timeout: float = 30.0) -> None:
+    def __init__(
+        self, api_client: kclient.ApiClient, request_timeout: float = 30.0, discovery_ttl: float = 60.0
+    ) -> None:
         self._api = api_client
         self._timeout = request_timeout
         self._discovery: dict[str, tuple[float, bool]] = {}
-        self.discovery_ttl = 60.0
+        # An optional CRD installed later is seen within this many seconds.
+        self.discovery_ttl = discovery_ttl
 
     @classmethod
-    def from_environment(cls, request_timeout: float = 30.0) -> KubeClient:
+    def from_environment(cls, request_timeout: float = 30.0, discovery_ttl: float = 60.0) -> KubeClient:
         """In-cluster service account if present, else KUBECONFIG (the same order kopf logs in with)."""
         cfg = kclient.Configuration()
         try:
             kconfig.load_incluster_config(client_configuration=cfg)
         except ConfigException:
             kconfig.load_kube_config(client_configuration=cfg)
-        return cls(kclient.ApiClient(cfg), request_timeout=request_timeout)
+        return cls(kclient.ApiClient(cfg), request_timeout=request_timeout, discovery_ttl=discovery_ttl)
 
     def close(self) -> None:
         self._api.close()
@@ -124,7 +128,7 @@ class KubeClient:
             raise ApiError(resp.status, reason, message, action)
         return json.loads(data) if data else {}
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         info = KINDS[obj["kind"]]
         meta = obj["metadata"]
         path = object_path(info.api_version, info.plural, meta["namespace"], meta["name"])
@@ -135,7 +139,7 @@ class KubeClient:
             body=obj,
             content_type="application/apply-patch+yaml",
             # force: this operator is the single owner of what it renders; a hand edit is drift.
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            query=[("fieldManager", field_manager), ("force", "true")],
         )
         assert out is not None
         return out
@@ -147,6 +151,17 @@ class KubeClient:
             object_path(info.api_version, info.plural, namespace, name),
             action=f"reading {kind} {namespace}/{name}",
         )
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """Objects of `kind` in `namespace` matching a label selector (`k=v,k2=v2`)."""
+        info = KINDS[kind]
+        out = self._request(
+            "GET",
+            object_path(info.api_version, info.plural, namespace),
+            action=f"listing {info.plural} in {namespace}",
+            query=[("labelSelector", label_selector)],
+        )
+        return list((out or {}).get("items") or [])
 
     def delete(self, kind: str, namespace: str, name: str, owner_uid: str | None = None) -> bool:
         """Delete a child if it exists and (when owner_uid is given) is controlled by that owner."""
@@ -185,6 +200,10 @@ class KubeClient:
             body={"status": status},
             content_type="application/merge-patch+json",
         )
+
+    def forget_discovery(self) -> None:
+        """Drop cached discovery answers (a CRD was added or removed)."""
+        self._discovery.clear()
 
     def serves(self, api_version: str, plural: str) -> bool:
         """Whether the cluster serves a resource (e.g. an optional CRD), cached for discovery_ttl."""

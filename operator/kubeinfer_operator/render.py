@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .quantity import same_quantity
 from .spec import (
     API_VERSION,
     DEFAULT_SERVER_IMAGE,
@@ -42,8 +43,14 @@ def pods_metric_name(metric: str) -> str:
     return METRIC_NAMES[metric].replace(":", "_")
 
 
+# On the pod template: the InferenceModel's own name (which need not be a valid label value), so a pod
+# event leads back to its model.
+MODEL_ANNOTATION = "kubeinfer.dev/inference-model"
+
+
 def selector_labels(im: InferenceModel) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kubeinfer-server", "app.kubernetes.io/instance": im.name}
+    # The derived child name: the InferenceModel's name may be 253 characters long, a label value 63.
+    return {"app.kubernetes.io/name": "kubeinfer-server", "app.kubernetes.io/instance": im.child_name}
 
 
 def labels(im: InferenceModel) -> dict[str, str]:
@@ -73,7 +80,7 @@ def owner_reference(im: InferenceModel) -> dict[str, Any]:
 
 def _metadata(im: InferenceModel, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "name": im.name,
+        "name": im.child_name,
         "namespace": im.namespace,
         "labels": {**(extra_labels or {}), **labels(im)},
     }
@@ -83,7 +90,7 @@ def _metadata(im: InferenceModel, extra_labels: dict[str, str] | None = None) ->
 
 
 def endpoint_url(im: InferenceModel) -> str:
-    return f"http://{im.name}.{im.namespace}.svc:{SERVER_PORT}"
+    return f"http://{im.child_name}.{im.namespace}.svc:{SERVER_PORT}"
 
 
 def server_args(im: InferenceModel) -> list[str]:
@@ -142,16 +149,23 @@ def _env(im: InferenceModel) -> list[dict[str, Any]]:
         env.append(
             {"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": api_key.name, "key": api_key.key}}}
         )
-    return env
+    return env + [dict(e) for e in spec.pod.env]
+
+
+# Requests when the spec sets none, so that a pod is never BestEffort (first to be evicted, no
+# scheduling guarantee): about what the server needs to load a small model on CPU.
+DEFAULT_CPU_REQUEST = "1"
+DEFAULT_MEMORY_REQUEST = "2Gi"
 
 
 def _resources(im: InferenceModel) -> dict[str, Any]:
     res = im.spec.resources
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
-    if res.cpu is not None:
-        requests["cpu"] = str(res.cpu)
-    if res.memory is not None:
+    requests["cpu"] = str(res.cpu) if res.cpu is not None else DEFAULT_CPU_REQUEST
+    if res.memory is None:
+        requests["memory"] = DEFAULT_MEMORY_REQUEST  # a request only: no limit the user did not ask for
+    else:
         # Memory limit equals request: an LLM server's footprint is known up front, and overcommit
         # turns into OOM kills mid-request.
         requests["memory"] = str(res.memory)
@@ -201,7 +215,8 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         {"name": "tmp", "emptyDir": {}},
         cache_volume,
         # PyTorch shares tensors between threads/processes through /dev/shm; the runtime default is 64Mi.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # Sized: a memory-backed emptyDir counts against the memory limit and is unbounded otherwise.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.pod.shm_size)}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": TMP_DIR},
@@ -219,6 +234,8 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         mounts.append(
             {"name": "model", "mountPath": f"{MODEL_MOUNT_ROOT}/{location.claim_name}", "readOnly": True}
         )
+    volumes += [dict(v) for v in spec.pod.volumes]
+    mounts += [dict(m) for m in spec.pod.volume_mounts]
     return volumes, mounts
 
 
@@ -276,6 +293,9 @@ def render_deployment(im: InferenceModel) -> Manifest:
             "runAsUser": RUN_AS_USER,
             "runAsGroup": RUN_AS_USER,
             "fsGroup": RUN_AS_USER,
+            # Re-own a (cache) volume only when its root is not ours yet: a recursive chown of a large
+            # model cache on every start would delay each pod by minutes.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "terminationGracePeriodSeconds": termination_grace_seconds(spec.rollout.drain_timeout_seconds),
@@ -293,6 +313,14 @@ def render_deployment(im: InferenceModel) -> Manifest:
         pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
     if spec.scheduling.runtime_class_name is not None:
         pod_spec["runtimeClassName"] = spec.scheduling.runtime_class_name
+    if spec.scheduling.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [dict(c) for c in spec.scheduling.topology_spread_constraints]
+    if spec.pod.service_account_name is not None:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    if spec.pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [dict(r) for r in spec.pod.image_pull_secrets]
+    if spec.pod.env_from:
+        container["envFrom"] = [dict(e) for e in spec.pod.env_from]
 
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(im)},
@@ -300,13 +328,19 @@ def render_deployment(im: InferenceModel) -> Manifest:
             "type": "RollingUpdate",
             "rollingUpdate": {
                 "maxSurge": spec.rollout.max_surge,
-                "maxUnavailable": spec.rollout.max_unavailable,
+                "maxUnavailable": spec.rollout.effective_max_unavailable,
             },
         },
         # Loading weights can take as long as the startup timeout; only after that is a rollout stuck.
         "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 300,
         "revisionHistoryLimit": 5,
-        "template": {"metadata": {"labels": labels(im)}, "spec": pod_spec},
+        "template": {
+            "metadata": {
+                "labels": {**spec.pod.labels, **labels(im)},
+                "annotations": {**spec.pod.annotations, MODEL_ANNOTATION: im.name},
+            },
+            "spec": pod_spec,
+        },
     }
     if not spec.autoscaled:
         deployment_spec["replicas"] = desired_replicas(im)
@@ -359,7 +393,7 @@ def render_hpa(im: InferenceModel) -> Manifest:
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(im),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.name},
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.child_name},
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": [
@@ -381,10 +415,27 @@ def render_hpa(im: InferenceModel) -> Manifest:
     }
 
 
+def _promql_string(value: str) -> str:
+    """A PromQL double-quoted string literal (Go escaping), so a served name with quotes stays data."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
 def prometheus_query(im: InferenceModel) -> str:
-    """Sum over the model's pods; KEDA divides by the replica count for an AverageValue trigger."""
+    """Sum over the model's own pods; KEDA divides by the replica count for an AverageValue trigger.
+
+    Scoped by the `service` label the Prometheus Operator puts on every series scraped through a
+    ServiceMonitor (the model's Service), not only by the served name: two InferenceModels serving
+    the same name in one namespace must not read each other's load.
+    """
     metric = METRIC_NAMES[im.spec.scaling.metric]
-    return f'sum({metric}{{namespace="{im.namespace}",model_name="{im.spec.served_name}"}})'
+    matchers = ",".join(
+        [
+            f"namespace={_promql_string(im.namespace)}",
+            f"service={_promql_string(im.child_name)}",
+            f"model_name={_promql_string(im.spec.served_name)}",
+        ]
+    )
+    return f"sum({metric}{{{matchers}}})"
 
 
 def render_scaledobject(im: InferenceModel) -> Manifest:
@@ -395,7 +446,7 @@ def render_scaledobject(im: InferenceModel) -> Manifest:
         "kind": "ScaledObject",
         "metadata": _metadata(im),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.name},
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.child_name},
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
             "cooldownPeriod": scaling.scale_down_delay_seconds,
@@ -422,24 +473,31 @@ def render_scaledobject(im: InferenceModel) -> Manifest:
 
 
 def render_pdb(im: InferenceModel) -> Manifest:
+    """minAvailable from the spec while at least two replicas always run (admission keeps it below
+    that floor); otherwise (an autoscaler that may go down to one or zero) maxUnavailable 1, which
+    never forbids every eviction however many replicas exist."""
+    budget: dict[str, Any]
+    if im.spec.scaling.floor > 1:
+        budget = {"minAvailable": im.spec.disruption.min_available}
+    else:
+        budget = {"maxUnavailable": 1}
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(im),
-        "spec": {
-            "minAvailable": im.spec.disruption.min_available,
-            "selector": {"matchLabels": selector_labels(im)},
-        },
+        "spec": {**budget, "selector": {"matchLabels": selector_labels(im)}},
     }
 
 
 def wants_pdb(im: InferenceModel) -> bool:
-    """A PDB only helps with more than one replica; with one it would block every node drain."""
+    """A PDB whenever more than one replica can exist (a fixed count above one, or an autoscaler
+    allowed above one); with a single fixed replica it could only block node drains."""
     if im.spec.suspend:
         return False
     scaling = im.spec.scaling
-    floor = scaling.min_replicas if im.spec.autoscaled else scaling.replicas
-    return floor > 1
+    if im.spec.autoscaled:
+        return (scaling.max_replicas or 0) > 1
+    return scaling.replicas > 1
 
 
 @dataclass(frozen=True)
@@ -485,19 +543,28 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
     return RenderPlan(objects=objects, absent_kinds=absent, monitoring_skipped_reason=skipped)
 
 
-def is_subset(desired: Any, live: Any) -> bool:
+# Keys whose values are quantities: the API server rewrites them canonically ("0.5" -> "500m").
+_QUANTITY_KEYS = frozenset({"requests", "limits", "sizeLimit"})
+
+
+def is_subset(desired: Any, live: Any, quantities: bool = False) -> bool:
     """True if every field of `desired` has the same value in `live` (lists compared item by item).
 
-    Used to detect hand edits of a child: the API server adds defaults, which are ignored here.
+    Used to detect hand edits of a child: the API server adds defaults, which are ignored here, and
+    stores quantities canonically, which are compared by value.
     """
     if isinstance(desired, dict):
-        return isinstance(live, dict) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+        return isinstance(live, dict) and all(
+            k in live and is_subset(v, live[k], quantities or k in _QUANTITY_KEYS) for k, v in desired.items()
+        )
     if isinstance(desired, list):
         return (
             isinstance(live, list)
             and len(desired) == len(live)
-            and all(is_subset(d, v) for d, v in zip(desired, live, strict=True))
+            and all(is_subset(d, v, quantities) for d, v in zip(desired, live, strict=True))
         )
+    if quantities and desired != live and same_quantity(desired, live):
+        return True
     if isinstance(desired, (int, float)) and isinstance(live, str):
         return str(desired) == live
     return bool(desired == live)

@@ -14,6 +14,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from .names import (
+    DNS1123_SUBDOMAIN,
+    child_name,
+    is_dns1123_subdomain,
+    is_label_value,
+    is_qualified_name,
+)
+
 GROUP = "kubeinfer.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -34,6 +42,20 @@ HF_URI = re.compile(r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]
 PVC_URI = re.compile(r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?$")
 IMAGE_PATH = re.compile(r"^/.+$")
 DURATION = re.compile(r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
+# A non-negative Kubernetes quantity (the API server refuses negative requests and limits).
+QUANTITY = re.compile(
+    r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+# An image reference as the container runtime parses it ([host[:port]/]path[:tag][@sha256:digest]);
+# anything else never starts (InvalidImageName). No backslashes: the CEL copy stays escape-free.
+IMAGE_REF = re.compile(
+    "^([a-zA-Z0-9][a-zA-Z0-9.-]*(:[0-9]+)?/)?[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*"
+    "(/[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$"
+)
+EXTENDED_RESOURCE = re.compile(f"^{DNS1123_SUBDOMAIN}/[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$")
+SECRET_KEY = re.compile("^[-._a-zA-Z0-9]+$")
+PERCENT = re.compile("^[0-9]+%$")
+PROMETHEUS_URL = re.compile("^https?://[^/ ]+(/[^ ]*)?$")
 
 # Flags the operator sets itself; an extraArgs entry that repeats one would silently fight the operator.
 MANAGED_FLAGS = frozenset(
@@ -56,13 +78,71 @@ MANAGED_FLAGS = frozenset(
 )
 
 
+MANAGED_FLAGS_RE = re.compile("^(" + "|".join(sorted(MANAGED_FLAGS)) + ")(=.*)?$")
+
+
+def _check_quantity(value: int | str | None, field: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{field} must not be negative")
+    elif not QUANTITY.match(str(value)):
+        raise ValueError(f"{field} must be a non-negative quantity such as 500m, 2, 16Gi")
+
+
+def _check_labels(labels: dict[str, str], field: str) -> None:
+    for key, value in labels.items():
+        if not (is_qualified_name(key) and is_label_value(value)):
+            raise ValueError(
+                f"{field} must map label keys (prefix/name) to label values (63 characters at most)"
+            )
+
+
+def _int_or_percent(value: int | str, field: str, max_percent: int | None = None) -> int | None:
+    """The integer, or None for a percentage; refuses what the API server refuses."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{field} must be a non-negative number or a percentage like 25%")
+        return value
+    if not PERCENT.match(value):
+        raise ValueError(f"{field} must be a non-negative number or a percentage like 25%")
+    if max_percent is not None and int(value[:-1]) > max_percent:
+        raise ValueError(f"{field} must not exceed {max_percent}%")
+    return None
+
+
+def is_zero(value: int | str) -> bool:
+    return value == 0 or (
+        isinstance(value, str) and PERCENT.match(value) is not None and int(value[:-1]) == 0
+    )
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
 
-class SecretKeyRef(_Model):
+class _SecretRef(_Model):
     name: str = Field(min_length=1, max_length=253)
     key: str = Field(min_length=1, max_length=253)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> _SecretRef:
+        if not is_dns1123_subdomain(self.name):
+            raise ValueError("a Secret name must be a DNS-1123 subdomain (lower case, digits, '-', '.')")
+        if not SECRET_KEY.match(self.key):
+            raise ValueError("a Secret key may only hold letters, digits, '-', '_' and '.'")
+        return self
+
+
+class SecretKeyRef(_SecretRef):
+    """The hub token's Secret; the key defaults as the CRD defaults it."""
+
+    key: str = Field(default="HF_TOKEN", min_length=1, max_length=253)
+
+
+class ApiKeySecretRef(_SecretRef):
+    key: str = Field(default="API_KEY", min_length=1, max_length=253)
 
 
 class ModelSource(_Model):
@@ -93,14 +173,39 @@ class EngineSpec(_Model):
     max_concurrent_requests: int | None = Field(default=None, ge=1, le=65536)
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(default=1, ge=1, le=16)
-    api_key_secret_ref: SecretKeyRef | None = None
+    api_key_secret_ref: ApiKeySecretRef | None = None
     extra_args: list[str] = Field(default_factory=list, max_length=64)
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> EngineSpec:
+        if self.image is not None and not IMAGE_REF.match(self.image):
+            raise ValueError(
+                "engine.image must be an image reference like registry/repo:tag or repo@sha256:digest"
+            )
+        if any(MANAGED_FLAGS_RE.match(arg) for arg in self.extra_args):
+            raise ValueError(
+                "engine.extraArgs must not set a flag the operator manages from the spec "
+                "(--model, --port, --served-model-name, --quantize, --dtype, ...)"
+            )
+        return self
 
 
 class GPUSpec(_Model):
     count: int = Field(default=1, ge=0, le=16)
-    product: str | None = Field(default=None, min_length=1, max_length=128)
+    product: str | None = Field(default=None, min_length=1, max_length=63)
     resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253)
+
+    @model_validator(mode="after")
+    def _check_gpu(self) -> GPUSpec:
+        if self.product is not None and not is_label_value(self.product):
+            raise ValueError(
+                "resources.gpu.product must be a node label value (letters, digits, '-', '_', '.')"
+            )
+        if not EXTENDED_RESOURCE.match(self.resource_name) or self.resource_name.startswith("kubernetes.io/"):
+            raise ValueError(
+                "resources.gpu.resourceName must be an extended resource name like nvidia.com/gpu"
+            )
+        return self
 
 
 class ResourcesSpec(_Model):
@@ -108,10 +213,23 @@ class ResourcesSpec(_Model):
     cpu: int | str | None = None
     memory: int | str | None = None
 
+    @model_validator(mode="after")
+    def _check_quantities(self) -> ResourcesSpec:
+        _check_quantity(self.cpu, "resources.cpu")
+        _check_quantity(self.memory, "resources.memory")
+        return self
+
 
 class CacheSpec(_Model):
     claim_name: str | None = Field(default=None, min_length=1, max_length=253)
     size_limit: int | str | None = None
+
+    @model_validator(mode="after")
+    def _check_cache(self) -> CacheSpec:
+        if self.claim_name is not None and not is_dns1123_subdomain(self.claim_name):
+            raise ValueError("cache.claimName must be a DNS-1123 subdomain (lower case, digits, '-', '.')")
+        _check_quantity(self.size_limit, "cache.sizeLimit")
+        return self
 
 
 class ScalingSpec(_Model):
@@ -143,7 +261,14 @@ class ScalingSpec(_Model):
             raise ValueError("an HPA cannot scale to zero (minReplicas >= 1); use KEDA for scale-to-zero")
         if self.metric == "KVCacheUsage" and self.target is not None and self.target > 1.0:
             raise ValueError("a KVCacheUsage target is a fraction in (0, 1]")
+        if self.prometheus_address is not None and not PROMETHEUS_URL.match(self.prometheus_address):
+            raise ValueError("scaling.prometheusAddress must be an http:// or https:// URL")
         return self
+
+    @property
+    def floor(self) -> int:
+        """The fewest replicas this spec runs while not suspended."""
+        return self.replicas if self.autoscaler == "None" else self.min_replicas
 
     @property
     def effective_target(self) -> float:
@@ -155,8 +280,26 @@ class ScalingSpec(_Model):
 
 class RolloutSpec(_Model):
     max_surge: int | str = 1
-    max_unavailable: int | str = 0
+    # None: 0 (never below the wanted count) unless maxSurge is 0, then 1 (the API server refuses both 0).
+    max_unavailable: int | str | None = None
     drain_timeout_seconds: int = Field(default=30, ge=1, le=3600)
+
+    @model_validator(mode="after")
+    def _check_rollout(self) -> RolloutSpec:
+        _int_or_percent(self.max_surge, "rollout.maxSurge")
+        if self.max_unavailable is not None:
+            _int_or_percent(self.max_unavailable, "rollout.maxUnavailable", max_percent=100)
+            if is_zero(self.max_surge) and is_zero(self.max_unavailable):
+                raise ValueError(
+                    "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: a rollout could never start"
+                )
+        return self
+
+    @property
+    def effective_max_unavailable(self) -> int | str:
+        if self.max_unavailable is not None:
+            return self.max_unavailable
+        return 1 if is_zero(self.max_surge) else 0
 
 
 class ProbesSpec(_Model):
@@ -166,15 +309,103 @@ class ProbesSpec(_Model):
 class SchedulingSpec(_Model):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] | None = None
     priority_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     runtime_class_name: str | None = Field(default=None, min_length=1, max_length=253)
+
+    @model_validator(mode="after")
+    def _check_scheduling(self) -> SchedulingSpec:
+        _check_labels(self.node_selector, "scheduling.nodeSelector")
+        for field, value in (
+            ("priorityClassName", self.priority_class_name),
+            ("runtimeClassName", self.runtime_class_name),
+        ):
+            if value is not None and not is_dns1123_subdomain(value):
+                raise ValueError(
+                    f"scheduling.{field} must be a DNS-1123 subdomain (lower case, digits, '-', '.')"
+                )
+        return self
+
+
+# Names the operator gives the pod's own env vars, volumes, mount paths and labels; a user entry that
+# repeated one would silently win or lose against the operator, so it is refused.
+MANAGED_ENV = (
+    "KUBEINFER_CACHE_DIR",
+    "HF_HOME",
+    "TRITON_CACHE_DIR",
+    "HOME",
+    "TMPDIR",
+    "MODEL_REVISION",
+    "HF_TOKEN",
+    "API_KEY",
+)
+MANAGED_VOLUMES = ("tmp", "cache", "dshm", "model")
+MANAGED_MOUNT_PATHS = ("/tmp", "/var/cache/kubeinfer", "/dev/shm", "/models")
+MANAGED_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/managed-by",
+)
+
+
+class PodSpec(_Model):
+    """What users set on the server pods beyond the engine (core/v1 objects passed through)."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
+    image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    env_from: list[dict[str, Any]] = Field(default_factory=list)
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
+    shm_size: int | str = "1Gi"
+
+    @model_validator(mode="after")
+    def _check_pod(self) -> PodSpec:
+        _check_labels(self.labels, "pod.labels")
+        if any(k in MANAGED_LABELS for k in self.labels):
+            raise ValueError(
+                "pod.labels must not set the app.kubernetes.io labels the operator selects pods by"
+            )
+        if self.service_account_name is not None and not is_dns1123_subdomain(self.service_account_name):
+            raise ValueError(
+                "pod.serviceAccountName must be a DNS-1123 subdomain (lower case, digits, '-', '.')"
+            )
+        for ref in self.image_pull_secrets:
+            if set(ref) != {"name"} or not is_dns1123_subdomain(ref["name"]):
+                raise ValueError("pod.imagePullSecrets entries are {name: <Secret name>}")
+        if any(e.get("name") in MANAGED_ENV for e in self.env):
+            raise ValueError(
+                "pod.env must not set a variable the operator sets (HF_TOKEN, API_KEY, HF_HOME, ...)"
+            )
+        if any(v.get("name") in MANAGED_VOLUMES for v in self.volumes):
+            raise ValueError(
+                "pod.volumes must not reuse the operator's volume names (tmp, cache, dshm, model)"
+            )
+        if any(m.get("mountPath") in MANAGED_MOUNT_PATHS for m in self.volume_mounts):
+            raise ValueError(
+                "pod.volumeMounts must not reuse the operator's mount paths (/tmp, /var/cache/kubeinfer, /dev/shm, /models)"
+            )
+        names = {v.get("name") for v in self.volumes}
+        if any(m.get("name") not in names for m in self.volume_mounts):
+            raise ValueError("every pod.volumeMounts entry must name a volume in pod.volumes")
+        _check_quantity(self.shm_size, "pod.shmSize")
+        return self
 
 
 class ServiceMonitorSpec(_Model):
     enabled: bool = True
     interval: str = Field(default="30s", pattern=DURATION.pattern)
     labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_sm_labels(self) -> ServiceMonitorSpec:
+        _check_labels(self.labels, "monitoring.serviceMonitor.labels")
+        return self
 
 
 class MonitoringSpec(_Model):
@@ -183,6 +414,11 @@ class MonitoringSpec(_Model):
 
 class DisruptionSpec(_Model):
     min_available: int | str = 1
+
+    @model_validator(mode="after")
+    def _check_disruption(self) -> DisruptionSpec:
+        _int_or_percent(self.min_available, "disruption.minAvailable", max_percent=100)
+        return self
 
 
 class InferenceModelSpec(_Model):
@@ -196,6 +432,7 @@ class InferenceModelSpec(_Model):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     disruption: DisruptionSpec = Field(default_factory=DisruptionSpec)
+    pod: PodSpec = Field(default_factory=PodSpec)
     suspend: bool = False
 
     @model_validator(mode="after")
@@ -204,6 +441,18 @@ class InferenceModelSpec(_Model):
         expected = gpus if gpus > 0 else 1
         if self.engine.tensor_parallel_size != expected:
             raise ValueError("engine.tensorParallelSize must equal resources.gpu.count (1 without GPUs)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_evictable(self) -> InferenceModelSpec:
+        floor = self.scaling.floor
+        min_available = self.disruption.min_available
+        forbids_all = min_available == "100%" if isinstance(min_available, str) else min_available >= floor
+        if floor > 1 and forbids_all:
+            raise ValueError(
+                "disruption.minAvailable must leave a pod evictable: below the replica count "
+                "(minReplicas when autoscaled) and below 100%"
+            )
         return self
 
     @property
@@ -289,6 +538,11 @@ class InferenceModel:
     uid: str | None = None  # None when rendering offline: no owner references then
     generation: int | None = None
 
+    @property
+    def child_name(self) -> str:
+        """Name of every child object (a DNS-1035 label derived from `name`, see names.child_name)."""
+        return child_name(self.name)
+
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], default_namespace: str = "default") -> InferenceModel:
         if manifest.get("apiVersion") != API_VERSION or manifest.get("kind") != KIND:
@@ -313,10 +567,6 @@ class InferenceModel:
 def semantic_errors(spec: InferenceModelSpec) -> list[str]:
     """Problems the schema cannot express; each makes the spec undeployable."""
     errors: list[str] = []
-    for arg in spec.engine.extra_args:
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            errors.append(f"engine.extraArgs sets {flag}, which the operator manages from the spec")
     if spec.engine.tensor_parallel_size > 1:
         errors.append(
             "engine.tensorParallelSize > 1 is not supported by the server image (one device per replica)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .pods import diagnose
 from .render import desired_replicas, endpoint_url, selector_string
 from .spec import Condition, InferenceModel, InferenceModelStatus, Phase
 
@@ -16,7 +17,7 @@ class ReconcileOutcome:
 
     invalid_spec: str | None = None  # permanent: the spec cannot be deployed
     apply_error: str | None = None  # temporary: an API call failed, a retry is scheduled
-    monitoring_skipped_reason: str | None = None  # "CRDNotInstalled" | "Disabled" | None
+    monitoring_skipped_reason: str | None = None  # "CRDNotInstalled" | "Disabled" | "NotApplied" | None
 
 
 def _deployment_condition(deployment: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
@@ -50,7 +51,10 @@ def compute_status(
     outcome: ReconcileOutcome,
     previous: dict[str, Any] | None,
     now: str,
+    pods: list[dict[str, Any]] | None = None,
 ) -> InferenceModelStatus:
+    """Phase and conditions. `pods` (the model's pods, when listed) supply the kubelet's and the
+    scheduler's reasons; a model that was ready and has no ready replica left is Degraded."""
     replicas, ready, updated = _counts(deployment)
     desired = _desired(im, deployment)
     generation = im.generation
@@ -77,6 +81,23 @@ def compute_status(
         assert failure_cond is not None
         degraded_reason = "ReplicaFailure"
         degraded_message = str(failure_cond.get("message") or "")
+    # Pod-level reasons: serving replicas may remain (a bad rollout, one crashing replica).
+    pod_problem = diagnose(pods or []) if not im.spec.suspend else None
+    if degraded_reason is None and pod_problem is not None:
+        degraded_reason, degraded_message = pod_problem.reason, pod_problem.message
+    prev_conditions = _previous_conditions(previous)
+    was_serving = _was_serving(prev_conditions)
+    if (
+        degraded_reason is None
+        and was_serving
+        and ready == 0
+        and desired > 0
+        and not im.spec.suspend
+        and outcome.invalid_spec is None
+    ):
+        degraded_reason = "NoReadyReplicas"
+        degraded_message = "the model was serving and has no ready replica left"
+    serving_despite = degraded_reason is not None and pod_problem is not None and ready >= 1
 
     converged = (
         deployment is not None
@@ -91,7 +112,7 @@ def compute_status(
         phase = "Failed"
     elif im.spec.suspend:
         phase = "Suspended"
-    elif degraded_reason is not None:
+    elif degraded_reason is not None and not serving_despite:
         phase = "Degraded"
     elif ready >= 1:
         phase = "Ready"
@@ -99,8 +120,6 @@ def compute_status(
         phase = "Loading"
     else:
         phase = "Pending"
-
-    prev_conditions = _previous_conditions(previous)
 
     def cond(ctype: str, status: str, reason: str, message: str) -> Condition:
         return make_condition(prev_conditions, generation, now, ctype, status, reason, message)
@@ -141,6 +160,15 @@ def compute_status(
                 "monitoring.coreos.com/v1 ServiceMonitor is not served by this cluster",
             )
         )
+    elif outcome.monitoring_skipped_reason == "NotApplied":
+        conditions.append(
+            cond(
+                "MonitoringAvailable",
+                "False",
+                "NotApplied",
+                "the ServiceMonitor is wanted but not applied yet (a reconcile is pending)",
+            )
+        )
     elif outcome.monitoring_skipped_reason == "Disabled":
         conditions.append(
             cond(
@@ -161,6 +189,15 @@ def compute_status(
         endpoint=endpoint_url(im) if outcome.invalid_spec is None else None,
         observed_generation=generation,
         conditions=conditions,
+    )
+
+
+def _was_serving(prev: dict[str, dict[str, Any]]) -> bool:
+    """Whether the model served before: Ready was True, or it is already Degraded for losing that."""
+    ready = prev.get("Ready") or {}
+    degraded = prev.get("Degraded") or {}
+    return ready.get("status") == "True" or (
+        degraded.get("status") == "True" and degraded.get("reason") == "NoReadyReplicas"
     )
 
 

@@ -270,6 +270,12 @@ def hadolint_binary() -> str | None:
 class MockApiServer(kmock.KubernetesEmulator):
     """kmock plus the API-server behaviours Helm and the operator rely on."""
 
+    async def _serve_server_version(self, request: Any) -> Any:
+        # kmock reports 1.26; the chart needs 1.30 (kubeVersion), the oldest release we support.
+        doc = dict(await super()._serve_server_version(request))
+        doc.update({"major": "1", "minor": "30", "gitVersion": "v1.30.0"})
+        return doc
+
     async def _serve_version(self, request: Any) -> Any:
         doc = await super()._serve_version(request)
         if isinstance(doc, dict) and str(doc.get("groupVersion", "")).startswith("/"):

@@ -78,3 +78,23 @@ def test_every_value_is_documented() -> None:
     assert missing == [], f"values.yaml entries without a `# --` comment: {missing}"
     # The check itself finds an undocumented knob.
     assert not _documented(_key_tree("image:\n  # -- ok\n  tag: x\n  pullPolicy: y\n")[0])
+
+
+def test_kube_version_floor_covers_the_prestop_sleep_action() -> None:
+    from kubeinfer_operator.render import render_deployment
+    from kubeinfer_operator.spec import InferenceModel
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    floor = re.match(r"^>=\s*1\.(\d+)", chart["kubeVersion"])
+    assert floor is not None
+    im = InferenceModel.from_manifest(
+        {
+            "apiVersion": "kubeinfer.dev/v1alpha1",
+            "kind": "InferenceModel",
+            "metadata": {"name": "m"},
+            "spec": {"model": {"uri": "hf://o/m"}},
+        }
+    )
+    (c,) = render_deployment(im)["spec"]["template"]["spec"]["containers"]
+    if "sleep" in c["lifecycle"]["preStop"]:
+        assert int(floor.group(1)) >= 30, "lifecycle.preStop.sleep is GA only from Kubernetes 1.30"

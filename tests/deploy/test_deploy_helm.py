@@ -36,7 +36,7 @@ NAMESPACE = "kubeinfer-system"
 RELEASE = "ki"
 FULLNAME = "ki-kubeinfer"
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate has.
-K8S_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -45,6 +45,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
         "prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
         "grafanaDashboards": {"namespace": "monitoring", "annotations": {"grafana_folder": "kubeinfer"}},
+        "prometheusAdapter": {"rules": {"enabled": True, "namespace": "monitoring"}},
     },
     "clusterwide-ha": {
         "operator": {"replicas": 2, "peering": {"enabled": True}, "verbose": True},
@@ -238,7 +239,11 @@ def test_dashboards_arrive_as_sidecar_configmaps(installs: dict[str, HelmInstall
             assert cm["metadata"]["namespace"] == ns
             shipped.update({k: json.loads(v) for k, v in cm["data"].items()})
         assert shipped == files
-    cm = _ok(installs, "namespaced-ha").find("ConfigMap", namespace="monitoring")[0]
+    cm = next(
+        c
+        for c in _ok(installs, "namespaced-ha").find("ConfigMap", namespace="monitoring")
+        if "grafana_dashboard" in c["metadata"]["labels"]
+    )
     assert cm["metadata"]["annotations"]["grafana_folder"] == "kubeinfer"
 
 
@@ -360,6 +365,13 @@ def test_servicemonitor_targets_the_operator_service(installs: dict[str, HelmIns
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
 
 
+def test_prometheus_adapter_rules_ship_verbatim(installs: dict[str, HelmInstall]) -> None:
+    assert not [c for c in _ok(installs, "defaults").find("ConfigMap") if "adapter" in c["metadata"]["name"]]
+    cm = _ok(installs, "namespaced-ha").one("ConfigMap", f"{FULLNAME}-prometheus-adapter", "monitoring")
+    source = CHART / "adapter" / "prometheus-adapter-rules.yaml"
+    assert yaml.safe_load(cm["data"]["config.yaml"]) == yaml.safe_load(source.read_text())
+
+
 def test_notes_tell_the_user_what_to_apply_next(installs: dict[str, HelmInstall]) -> None:
     notes = _ok(installs, "defaults").release["info"]["notes"]
     assert "kind: InferenceModel" in notes and "kubectl apply -f -" in notes
@@ -368,3 +380,9 @@ def test_notes_tell_the_user_what_to_apply_next(installs: dict[str, HelmInstall]
     crd = yaml.safe_load(next((CHART / "crds").glob("*.yaml")).read_text())
     versions = [v["name"] for v in crd["spec"]["versions"] if v.get("served")]
     assert any(f"apiVersion: {crd['spec']['group']}/{v}" in notes for v in versions)
+    # The sample request asks for the name the sample model is served under (no 404 on copy-paste).
+    example = yaml.safe_load(notes.split("kubectl apply -f -\n", 1)[1].split("YAML", 1)[0])
+    from kubeinfer_operator.spec import InferenceModel
+
+    served = InferenceModel.from_manifest(example).spec.served_name
+    assert f'"model": "{served}"' in notes

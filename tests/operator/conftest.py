@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+# Read when the handlers are imported (kopf's timer interval is fixed at registration).
+os.environ.setdefault("KUBEINFER_RESYNC_SECONDS", "2")
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.setattr(handlers, "RETRY_BASE_SECONDS", 0.2)
     monkeypatch.setattr(handlers, "RETRY_MAX_SECONDS", 1.0)
     monkeypatch.setattr(handlers, "REQUEST_TIMEOUT_SECONDS", 5.0)
+    monkeypatch.setattr(handlers, "DISCOVERY_TTL_SECONDS", 1.0)
     yield make
     for cluster in started:
         cluster.stop()

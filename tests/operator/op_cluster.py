@@ -33,6 +33,7 @@ import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kopf.testing import KopfRunner
+from op_apichecks import api_errors, canonicalize_resources
 
 NAMESPACE = "default"
 
@@ -45,6 +46,7 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
     "policy/v1/poddisruptionbudgets": ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
     "autoscaling/v2/horizontalpodautoscalers": ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
     "v1/events": ResourceInfo(kind="Event", namespaced=True),
+    "v1/pods": ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -66,6 +68,8 @@ PATHS = {
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "ServiceMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/servicemonitors",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+    "Pod": "/api/v1/namespaces/{ns}/pods",
+    "Event": "/api/v1/namespaces/{ns}/events",
 }
 PLURAL_KIND = {p.rsplit("/", 1)[-1]: k for k, p in PATHS.items()}
 
@@ -152,12 +156,26 @@ class ApiServer(KubernetesEmulator):
         key = None
         if request.resource is not None and isinstance(request.data, dict):
             data: dict[str, Any] = request.data
+            whole = request.action == enums.action.CREATE or (
+                request.action == enums.action.UPDATE
+                and "apply-patch" in (request.headers.get("Content-Type") or "")
+            )
+            if whole and request.subresource is None:
+                # The refusals kmock does not make itself (names, labels, strategy): a real 422.
+                errors = api_errors({"kind": PLURAL_KIND.get(request.resource.plural or "", ""), **data})
+                if errors:
+                    raise KubernetesError(status=422, reason="Invalid", message="; ".join(errors))
+                if request.resource.plural == "deployments":
+                    canonicalize_resources(data)
             if request.action == enums.action.CREATE:
+                self._own_replicas(request, data, None)
                 self._stamp(data, request.namespace)
             elif request.action == enums.action.UPDATE and request.name is not None:
                 key = (request.resource, request.namespace, request.name)
                 async with self._lock:
                     live = self._objects[key] if key in self._objects else None  # noqa: SIM401
+                    alive = live is not None and not live.deleted
+                    self._own_replicas(request, data, live.raw if alive and live is not None else None)
                     if live is None or live.deleted:
                         if "apply-patch" in (request.headers.get("Content-Type") or ""):
                             # Server-side apply of a missing object creates it.
@@ -204,6 +222,49 @@ class ApiServer(KubernetesEmulator):
         if key is not None and deleted_uid is not None and self._objects[key].deleted:
             await self._collect_garbage(deleted_uid)
         return response
+
+    def _own_replicas(
+        self, request: rendering.Request, data: dict[str, Any], old: dict[str, Any] | None
+    ) -> None:
+        """Server-side apply's field ownership, for a Deployment's spec.replicas only (kmock merges
+        patches and tracks no owners): a manager's apply that omits a field it owned gives the field
+        up, and a field nobody owns any more is reset to its default (1). An update (merge patch,
+        /scale) takes the field over. managedFields shows the owners, as the API server does."""
+        if request.resource is None or request.resource.plural != "deployments":
+            return
+        if request.subresource == "status":
+            return
+        apply = "apply-patch" in (request.headers.get("Content-Type") or "")
+        operation = "Apply" if apply else "Update"
+        manager = str(request.params.get("fieldManager") or "unknown")
+        owners = {
+            str(e.get("manager")): str(e.get("operation"))
+            for e in ((old or {}).get("metadata") or {}).get("managedFields") or []
+            if "f:replicas" in ((e.get("fieldsV1") or {}).get("f:spec") or {})
+        }
+        spec = data.get("spec") if isinstance(data.get("spec"), dict) else None
+        live_value = ((old or {}).get("spec") or {}).get("replicas")
+        if spec is not None and "replicas" in spec:
+            if old is not None and spec["replicas"] == live_value:
+                owners[manager] = operation
+            else:
+                owners = {manager: operation}
+        elif apply and request.subresource is None:
+            owners.pop(manager, None)
+            if not owners:
+                data.setdefault("spec", {})["replicas"] = 1
+        elif old is None:
+            data.setdefault("spec", {})["replicas"] = 1
+        data.setdefault("metadata", {})["managedFields"] = [
+            {
+                "manager": m,
+                "operation": op,
+                "apiVersion": "apps/v1",
+                "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:spec": {"f:replicas": {}}},
+            }
+            for m, op in sorted(owners.items())
+        ]
 
     async def _collect_orphan(self, resource: Any, key: Any) -> None:
         """The garbage collector also removes a new dependent whose owner no longer exists (an apply
@@ -360,10 +421,23 @@ class MockCluster:
         return self.request("GET", f"{PATHS[kind].format(ns=ns)}/{name}")  # type: ignore[no-any-return]
 
     def patch(
-        self, kind: str, name: str, patch: dict[str, Any], ns: str = NAMESPACE, subresource: str = ""
+        self,
+        kind: str,
+        name: str,
+        patch: dict[str, Any],
+        ns: str = NAMESPACE,
+        subresource: str = "",
+        field_manager: str = "",
     ) -> Any:
         path = f"{PATHS[kind].format(ns=ns)}/{name}" + (f"/{subresource}" if subresource else "")
+        if field_manager:
+            path += f"?fieldManager={field_manager}"
         return self.request("PATCH", path, patch, "application/merge-patch+json")
+
+    def apply(self, kind: str, obj: dict[str, Any], manager: str, ns: str = NAMESPACE) -> Any:
+        """Server-side apply (forced) under a field manager, as `kubectl apply --server-side` does."""
+        path = f"{PATHS[kind].format(ns=ns)}/{obj['metadata']['name']}?fieldManager={manager}&force=true"
+        return self.request("PATCH", path, obj, "application/apply-patch+yaml")
 
     def delete(self, kind: str, name: str, ns: str = NAMESPACE) -> Any:
         return self.request("DELETE", f"{PATHS[kind].format(ns=ns)}/{name}")

@@ -28,7 +28,13 @@ def test_render_cli_prints_every_object_as_yaml() -> None:
         timeout=60,
     )
     docs = list(yaml.safe_load_all(out.stdout))
-    assert [d["kind"] for d in docs] == ["Service", "Deployment", "ServiceMonitor", "ScaledObject"]
+    assert [d["kind"] for d in docs] == [
+        "Service",
+        "PodDisruptionBudget",
+        "Deployment",
+        "ServiceMonitor",
+        "ScaledObject",
+    ]
     assert all(d["metadata"]["name"] == "mistral-7b" for d in docs)
     assert all("ownerReferences" not in d["metadata"] for d in docs)
 
@@ -98,6 +104,8 @@ def test_importing_the_package_registers_every_handler() -> None:
         ("autoscaling", "horizontalpodautoscalers"),
         ("monitoring.coreos.com", "servicemonitors"),
         ("keda.sh", "scaledobjects"),
+        ("", "pods"),  # status reads the kubelet's reasons
+        ("apiextensions.k8s.io", "customresourcedefinitions"),  # optional CRDs installed later
     }
     assert registry._spawning.get_all_handlers() == []  # no timers/daemons: they would need finalizers
     activities = {h.id for h in registry._activities.get_all_handlers()}

@@ -14,6 +14,7 @@ from kubeinfer_operator.spec import (
     InferenceModelStatus,
     InvalidSpecError,
 )
+from op_admission_table import ADMISSION
 from op_testlib import (
     EXAMPLES,
     K8S_VERSIONS,
@@ -191,7 +192,8 @@ def test_models_agree_with_the_crd(name: str, spec: dict[str, Any], expected: st
 def test_every_cel_rule_is_exercised_by_a_rejected_case() -> None:
     messages = {r.message for r in cel_rules(crd_schema())}
     hit: set[str] = set()
-    for _, spec, expected in CASES:
+    rows = [(spec, expected) for _, spec, expected in CASES] + [(r.spec, r.refusal) for r in ADMISSION]
+    for spec, expected in rows:
         if expected is not None:
             errors = crd_errors(inference_model(spec))
             hit |= {m for m in messages if m in errors}
@@ -203,7 +205,11 @@ def test_each_cel_rule_compiles_and_passes_on_the_defaults(rule: Any) -> None:
     # The defaulted minimal spec is valid, so every rule must evaluate to true on its node.
     from op_testlib import apply_defaults
 
-    spec = apply_defaults(crd_schema()["properties"]["spec"], {"model": HF})
+    minimal = {
+        "model": {**HF, "credentialsSecretRef": {"name": "hf"}},
+        "engine": {"apiKeySecretRef": {"name": "api"}},
+    }
+    spec = apply_defaults(crd_schema()["properties"]["spec"], minimal)
     node: Any = {"spec": spec}
     for part in rule.path.split("."):
         node = node[part]

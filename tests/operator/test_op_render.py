@@ -200,7 +200,8 @@ def test_gpu_resources_and_scheduling() -> None:
 
 def test_cpu_only_has_no_gpu_request() -> None:
     dep = render_deployment(make({"model": HF, "resources": {"gpu": {"count": 0, "product": "X"}}}))
-    assert "resources" not in container(dep)
+    # Default requests keep the pod out of BestEffort; no GPU, no limit the user did not ask for.
+    assert container(dep)["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
     assert "nodeSelector" not in dep["spec"]["template"]["spec"]
 
 
@@ -318,7 +319,7 @@ def test_pdb_only_with_more_than_one_replica() -> None:
     assert "PodDisruptionBudget" not in kinds({"model": HF})
     assert "PodDisruptionBudget" in kinds({"model": HF, "scaling": {"replicas": 2}})
     assert "PodDisruptionBudget" in kinds(HPA_SPEC)  # minReplicas 2
-    assert "PodDisruptionBudget" not in kinds(KEDA_SPEC)  # may scale to zero
+    assert "PodDisruptionBudget" in kinds(KEDA_SPEC)  # up to 4 replicas: a maxUnavailable budget
     pdb = render_pdb(make({"model": HF, "scaling": {"replicas": 3}, "disruption": {"minAvailable": "50%"}}))
     assert pdb["spec"]["minAvailable"] == "50%"
     assert pdb["spec"]["selector"]["matchLabels"] == selector_labels(make({"model": HF}))
@@ -383,7 +384,7 @@ def test_scaledobject(metric: str, series: str) -> None:
     assert isinstance(selector, promql_parser.VectorSelector)
     assert selector.name == series
     matchers = {m.name: m.value for m in selector.matchers.matchers}
-    assert matchers == {"namespace": "ml", "model_name": "chat"}
+    assert matchers == {"namespace": "ml", "service": "llm", "model_name": "chat"}
     assert float(trigger["metadata"]["threshold"]) > 0
 
 
@@ -474,3 +475,36 @@ def test_is_subset_ignores_server_defaults_but_sees_edits() -> None:
     assert not is_subset(desired, edited)
     assert is_subset({"a": 1}, {"a": "1"})
     assert not is_subset({"a": [1, 2]}, {"a": [1]})
+
+
+def test_pod_customization_reaches_the_pod() -> None:
+    from op_admission_table import ADMISSION
+
+    (row,) = [r for r in ADMISSION if r.id == "pod-all-fields"]
+    dep = render_deployment(make(row.spec))
+    tmpl = dep["spec"]["template"]
+    pod, c = tmpl["spec"], container(dep)
+    assert tmpl["metadata"]["labels"]["team"] == "search"
+    assert tmpl["metadata"]["labels"]["app.kubernetes.io/instance"] == "llm"
+    assert tmpl["metadata"]["annotations"]["prometheus.io/scrape"] == "false"
+    assert pod["serviceAccountName"] == "llm-reader" and pod["automountServiceAccountToken"] is False
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in c["env"]
+    assert c["envFrom"] == [{"configMapRef": {"name": "tuning"}}]
+    assert {"name": "extra", "configMap": {"name": "chat-templates"}} in pod["volumes"]
+    assert {"name": "extra", "mountPath": "/etc/templates", "readOnly": True} in c["volumeMounts"]
+    dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    kubernetes_validate.validate(dep, K8S_VERSIONS[-1], strict=True)
+
+
+def test_pdb_never_forbids_every_eviction() -> None:
+    kinds = lambda spec: {o["kind"]: o for o in render_all(make(spec)).objects}  # noqa: E731
+    one_to_four = {"model": HF, "scaling": {"autoscaler": "HPA", "minReplicas": 1, "maxReplicas": 4}}
+    pdb = kinds(one_to_four)["PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    two = kinds({"model": HF, "scaling": {"replicas": 2}})["PodDisruptionBudget"]
+    assert two["spec"]["minAvailable"] == 1
+    assert "PodDisruptionBudget" not in kinds({"model": HF})

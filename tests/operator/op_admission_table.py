@@ -1,0 +1,214 @@
+"""The admission table: InferenceModels whose children the API server or the kubelet would refuse or
+never make ready, each with the verdict and the message a user gets. Accepted rows must render
+children the API server accepts (names derived, defaults filled); refused rows must be refused
+with the same message by the CRD (schema + CEL) and by `render` (the pydantic models)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+HF = {"uri": "hf://org/model"}
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    spec: dict[str, Any]
+    refusal: str | None  # None: accepted
+    name: str = "m"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _s(**parts: Any) -> dict[str, Any]:
+    return {"model": HF, **parts}
+
+
+LONG_NAME = "a-very-long-inference-model-name-for-a-fine-tuned-llama-3.1-8b-instruct"  # 72 chars
+
+ADMISSION: list[Row] = [
+    # names: any name the API server accepts for the InferenceModel deploys (children derive theirs)
+    Row("name-with-dot", _s(), None, name="llama-3.1-8b"),
+    Row("name-leading-digit", _s(), None, name="7b-chat"),
+    Row("name-64-plus", _s(), None, name=LONG_NAME),
+    # rollout strategy
+    Row("surge-0-alone", _s(rollout={"maxSurge": 0}), None),
+    Row("surge-0-percent-alone", _s(rollout={"maxSurge": "0%"}), None),
+    Row(
+        "surge-and-unavailable-0",
+        _s(rollout={"maxSurge": 0, "maxUnavailable": 0}),
+        "cannot both be 0",
+    ),
+    Row("surge-negative", _s(rollout={"maxSurge": -1}), "rollout.maxSurge must be a non-negative number"),
+    Row(
+        "surge-not-percent", _s(rollout={"maxSurge": "two"}), "rollout.maxSurge must be a non-negative number"
+    ),
+    Row(
+        "unavailable-negative",
+        _s(rollout={"maxUnavailable": -1}),
+        "rollout.maxUnavailable must be a non-negative number",
+    ),
+    Row("unavailable-over-100", _s(rollout={"maxUnavailable": "150%"}), "must not exceed 100%"),
+    # image and flags
+    Row("image-ok", _s(engine={"image": "registry.local:5000/ml/server:1.2@sha256:" + "a" * 64}), None),
+    Row(
+        "image-space", _s(engine={"image": "ghcr.io/kubeinfer/server: 0.1"}), "engine.image must be an image"
+    ),
+    Row("image-upper", _s(engine={"image": "ghcr.io/KubeInfer/Server"}), "engine.image must be an image"),
+    Row(
+        "managed-flag", _s(engine={"extraArgs": ["--port=9000"]}), "must not set a flag the operator manages"
+    ),
+    Row(
+        "managed-flag-split",
+        _s(engine={"extraArgs": ["--model", "x"]}),
+        "must not set a flag the operator manages",
+    ),
+    Row("unmanaged-flag", _s(engine={"extraArgs": ["--seed=1"]}), None),
+    # resources
+    Row("cpu-half", _s(resources={"cpu": "0.5", "memory": "1.5Gi"}), None),
+    Row("cpu-negative", _s(resources={"cpu": "-1"}), "does not match"),
+    Row("cpu-negative-int", _s(resources={"cpu": -2}), "resources.cpu must not be negative"),
+    Row("memory-negative-int", _s(resources={"memory": -2}), "resources.memory must not be negative"),
+    Row("cache-negative", _s(cache={"sizeLimit": -1}), "cache.sizeLimit must not be negative"),
+    Row("gpu-product-long", _s(resources={"gpu": {"product": "N" * 64}}), "is too long"),
+    Row(
+        "gpu-product-space",
+        _s(resources={"gpu": {"product": "NVIDIA H100"}}),
+        "gpu.product must be a node label",
+    ),
+    Row("gpu-resource-bare", _s(resources={"gpu": {"resourceName": "gpu"}}), "extended resource name"),
+    Row("gpu-resource-amd", _s(resources={"gpu": {"resourceName": "amd.com/gpu"}}), None),
+    # references to other objects
+    Row("claim-upper", _s(cache={"claimName": "Models"}), "cache.claimName must be a DNS-1123 subdomain"),
+    Row(
+        "secret-name-bad",
+        {"model": {**HF, "credentialsSecretRef": {"name": "HF_Token"}}},
+        "a Secret name must be a DNS-1123 subdomain",
+    ),
+    Row(
+        "secret-key-bad",
+        {"model": {**HF, "credentialsSecretRef": {"name": "hf", "key": "a/b"}}},
+        "a Secret key may only hold",
+    ),
+    Row("secret-key-defaulted", {"model": {**HF, "credentialsSecretRef": {"name": "hf-token"}}}, None),
+    Row("api-key-defaulted", _s(engine={"apiKeySecretRef": {"name": "api"}}), None),
+    # scheduling
+    Row(
+        "node-selector-ok",
+        _s(scheduling={"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}),
+        None,
+    ),
+    Row(
+        "node-selector-bad-value",
+        _s(scheduling={"nodeSelector": {"pool": "gpu pool"}}),
+        "scheduling.nodeSelector must map label keys",
+    ),
+    Row(
+        "node-selector-bad-key",
+        _s(scheduling={"nodeSelector": {"-pool": "gpu"}}),
+        "scheduling.nodeSelector must map label keys",
+    ),
+    Row(
+        "priority-class-bad",
+        _s(scheduling={"priorityClassName": "High_Priority"}),
+        "priorityClassName must be",
+    ),
+    Row("runtime-class-bad", _s(scheduling={"runtimeClassName": "NVIDIA"}), "runtimeClassName must be"),
+    Row(
+        "sm-labels-bad",
+        _s(monitoring={"serviceMonitor": {"labels": {"release": "kube prometheus"}}}),
+        "serviceMonitor.labels must map",
+    ),
+    # autoscaling and disruption
+    Row(
+        "keda-address-bad",
+        _s(scaling={"autoscaler": "KEDA", "maxReplicas": 3, "prometheusAddress": "prometheus:9090"}),
+        "prometheusAddress must be an http",
+    ),
+    Row(
+        "pdb-forbids-all",
+        _s(scaling={"replicas": 2}, disruption={"minAvailable": 2}),
+        "must leave a pod evictable",
+    ),
+    Row(
+        "pdb-forbids-all-percent",
+        _s(scaling={"replicas": 3}, disruption={"minAvailable": "100%"}),
+        "must leave a pod evictable",
+    ),
+    Row(
+        "pdb-forbids-all-hpa",
+        _s(scaling={"autoscaler": "HPA", "minReplicas": 2, "maxReplicas": 4}, disruption={"minAvailable": 3}),
+        "must leave a pod evictable",
+    ),
+    Row("pdb-ok", _s(scaling={"replicas": 3}, disruption={"minAvailable": 2}), None),
+    Row("pdb-single-replica", _s(disruption={"minAvailable": 1}), None),
+    Row(
+        "pdb-negative", _s(disruption={"minAvailable": -1}), "disruption.minAvailable must be a non-negative"
+    ),
+    Row(
+        "pdb-over-100",
+        _s(disruption={"minAvailable": "101%"}),
+        "disruption.minAvailable must not exceed 100%",
+    ),
+    # pod customization
+    Row(
+        "pod-all-fields",
+        _s(
+            pod={
+                "labels": {"team": "search"},
+                "annotations": {"prometheus.io/scrape": "false"},
+                "serviceAccountName": "llm-reader",
+                "imagePullSecrets": [{"name": "regcred"}],
+                "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+                "envFrom": [{"configMapRef": {"name": "tuning"}}],
+                "volumes": [{"name": "extra", "configMap": {"name": "chat-templates"}}],
+                "volumeMounts": [{"name": "extra", "mountPath": "/etc/templates", "readOnly": True}],
+                "shmSize": "4Gi",
+            },
+            scheduling={
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "topology.kubernetes.io/zone",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                    }
+                ]
+            },
+        ),
+        None,
+    ),
+    Row("pod-label-bad", _s(pod={"labels": {"team": "a b"}}), "pod.labels must map"),
+    Row(
+        "pod-label-ours",
+        _s(pod={"labels": {"app.kubernetes.io/instance": "x"}}),
+        "must not set the app.kubernetes.io",
+    ),
+    Row("pod-sa-bad", _s(pod={"serviceAccountName": "My_SA"}), "pod.serviceAccountName must be"),
+    Row(
+        "pod-pull-secret-bad",
+        _s(pod={"imagePullSecrets": [{"name": "Reg_Cred"}]}),
+        "pod.imagePullSecrets entries",
+    ),
+    Row("pod-env-ours", _s(pod={"env": [{"name": "HF_TOKEN", "value": "x"}]}), "pod.env must not set"),
+    Row(
+        "pod-volume-ours",
+        _s(pod={"volumes": [{"name": "cache", "emptyDir": {}}]}),
+        "pod.volumes must not reuse",
+    ),
+    Row(
+        "pod-mount-ours",
+        _s(
+            pod={
+                "volumes": [{"name": "x", "emptyDir": {}}],
+                "volumeMounts": [{"name": "x", "mountPath": "/tmp"}],
+            }
+        ),
+        "pod.volumeMounts must not reuse",
+    ),
+    Row(
+        "pod-mount-unknown-volume",
+        _s(pod={"volumeMounts": [{"name": "nope", "mountPath": "/data"}]}),
+        "must name a volume in pod.volumes",
+    ),
+    Row("pod-shm-negative", _s(pod={"shmSize": -1}), "pod.shmSize must not be negative"),
+]
