@@ -42,6 +42,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None = min(model's max_position_embeddings, 8192)
     # Fuse q/k/v and gate/up and pre-pack CPU weights after loading (models/serving_weights.py).
     optimize_weights: bool = True
+    # A Jinja chat template file replacing the model's (--chat-template); None = the model's own, or
+    # for the embedded SmolLM2 the tool-aware server/templates/smollm2_tools.jinja.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -14,10 +14,13 @@ _PROMPT_CONTEXT = 5
 
 
 class Tokenizer:
-    def __init__(self, folder: Path | str) -> None:
+    def __init__(self, folder: Path | str, chat_template: str | None = None) -> None:
+        """chat_template: Jinja text that replaces the model's own (--chat-template)."""
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(folder))
+        if chat_template is not None:
+            self._tok.chat_template = chat_template
         self.vocab_size = len(self._tok)
         self.all_special_ids = frozenset(self._tok.all_special_ids)
 
@@ -55,15 +58,29 @@ class Tokenizer:
             out.append((int(tid), text[start:stop], int(start), int(stop)))
         return out
 
+    @property
+    def chat_template_knows_tools(self) -> bool:
+        """Whether the template renders `tools` at all (a template that ignores them would drop them)."""
+        template = self._tok.chat_template
+        return isinstance(template, str) and "tools" in template
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         text = self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.encode(str(text), add_special_tokens=False)
+
+
+def shipped_chat_template(name: str) -> str:
+    """A chat template shipped in server/templates/ (e.g. "smollm2_tools")."""
+    return (Path(__file__).parent / "templates" / f"{name}.jinja").read_text()
 
 
 @dataclass
