@@ -23,6 +23,7 @@ from server.config import (
     DTYPE_CHOICES,
     LOG_FORMATS,
     QUANTIZE_CHOICES,
+    TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -227,6 +228,31 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     )
 
     add(
+        "--chat-template",
+        "KUBEINFER_CHAT_TEMPLATE",
+        "Jinja chat template file replacing the model's (the embedded SmolLM2 uses the shipped "
+        "tool-aware server/templates/smollm2_tools.jinja)",
+    )
+    auto_tools_default = (
+        parse_bool(env["KUBEINFER_ENABLE_AUTO_TOOL_CHOICE"])
+        if env.get("KUBEINFER_ENABLE_AUTO_TOOL_CHOICE")
+        else False
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=auto_tools_default,
+        help='Allow tool_choice "auto": the model decides, --tool-call-parser reads its calls '
+        "[env: KUBEINFER_ENABLE_AUTO_TOOL_CHOICE]",
+    )
+    add(
+        "--tool-call-parser",
+        "KUBEINFER_TOOL_CALL_PARSER",
+        "How tool calls are read from the model's text with tool_choice auto (vLLM's names)",
+        choices=TOOL_CALL_PARSERS,
+    )
+
+    add(
         "--api-key",
         "API_KEY",
         "Require 'Authorization: Bearer <key>' on generation routes "
@@ -254,6 +280,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache_dir=args.cache_dir,
         served_model_name=args.served_model_name,
         max_model_len=args.max_total_tokens,
+        chat_template=args.chat_template,
     )
     cache = CacheConfig(
         block_size=args.block_size,
@@ -284,6 +311,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         drain_timeout_s=args.drain_timeout,
         log_format=args.log_format,
         max_payload_bytes=args.max_payload_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -102,6 +102,7 @@ class EngineConfig:
 
 
 LOG_FORMATS = ("json", "text")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/api/tool_parsers.py
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     log_format: str = "text"
     max_payload_bytes: int = 2_000_000
+    # tool_choice "auto" (vLLM's --enable-auto-tool-choice / --tool-call-parser)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -151,5 +155,11 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser")
         if self.max_payload_bytes < 1024:
             raise ValueError(f"max_payload_bytes must be >= 1024, got {self.max_payload_bytes}")

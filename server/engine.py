@@ -21,7 +21,7 @@ from server.core.scheduler import Scheduler, SchedulerConfig
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, Request, SamplingParams
-from server.structured import GrammarCompiler, StructuredOutputManager
+from server.structured import GrammarCompiler, StructuredOutputManager, compile_stats
 from server.tokenizer import IncrementalDetokenizer, Tokenizer, shipped_chat_template
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -191,6 +191,18 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def structured_stats(self) -> dict[str, float]:
+        """Cumulative grammar figures: mask seconds and rows (engine thread), compiles (any thread)."""
+        mask = self.runner.structured.stats if self.runner.structured is not None else None
+        return {
+            "mask_seconds": mask.seconds if mask else 0.0,
+            "mask_rows": float(mask.rows) if mask else 0.0,
+            "mask_steps": float(mask.steps) if mask else 0.0,
+            "compile_seconds": compile_stats.compile_seconds,
+            "compiled": float(compile_stats.compiled),
+            "cache_hits": float(compile_stats.cache_hits),
+        }
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -72,8 +72,9 @@ class Tokenizer:
     ) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
+        tool_list: list[Any] | None = list(tools) if tools else None
         text = self._tok.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tool_list, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.encode(str(text), add_special_tokens=False)
 

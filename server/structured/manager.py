@@ -96,7 +96,10 @@ class StructuredOutputManager:
             import xgrammar as xgr
 
             xgr.apply_token_bitmask_inplace(
-                logits, bitmask[: logits.shape[0]].to(logits.device), vocab_size=logits.shape[1], indices=masked
+                logits,
+                bitmask[: logits.shape[0]].to(logits.device),
+                vocab_size=logits.shape[1],
+                indices=masked,
             )
         self.stats.steps += 1
         self.stats.rows += len(masked)
