@@ -28,7 +28,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
             "address": {
                 "type": "object",
-                "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "properties": {
+                    "city": {"type": "string"},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
                 "required": ["city", "zip"],
             },
             "role": {"enum": ["admin", "user", "guest"]},

@@ -158,6 +158,11 @@ class _EngineCollector(Collector):
             ),
             ("kubeinfer_structured_output_mask_rows", "Logits rows masked by a grammar.", "mask_rows"),
             (
+                "kubeinfer_structured_output_mask_steps",
+                "Engine steps that applied a grammar mask.",
+                "mask_steps",
+            ),
+            (
                 "kubeinfer_structured_output_compile_seconds",
                 "Time spent compiling grammars (cache misses).",
                 "compile_seconds",

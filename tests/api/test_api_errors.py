@@ -60,7 +60,10 @@ def no_engine_traffic(live_server: LiveServer) -> Iterator[None]:
         ({"inputs": TGI_PROMPT, "parameters": {"repetition_penalty": -1}}, "repetition_penalty"),
         ({"inputs": TGI_PROMPT, "parameters": {"truncate": 0}}, "truncate"),
         ({"inputs": TGI_PROMPT, "parameters": {"grammar": {"type": "regex", "value": "a(b"}}}, "grammar"),
-        ({"inputs": TGI_PROMPT, "parameters": {"grammar": {"type": "json", "value": {"type": "foo"}}}}, "grammar"),
+        (
+            {"inputs": TGI_PROMPT, "parameters": {"grammar": {"type": "json", "value": {"type": "foo"}}}},
+            "grammar",
+        ),
         ({"inputs": ""}, "inputs"),
         ({"inputs": 5}, "inputs"),
         ({"parameters": {}}, "inputs"),

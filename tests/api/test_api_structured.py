@@ -24,7 +24,7 @@ from text_generation.types import Grammar, GrammarType
 SEEDS = range(20)
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     admin = "admin"
     user = "user"
     guest = "guest"
