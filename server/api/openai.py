@@ -85,7 +85,7 @@ def _finish_reason(reason: FinishReason | None) -> str | None:
 
 
 def _chat_finish_reason(reason: FinishReason | None, called: bool) -> str | None:
-    """ "tool_calls" when the message ends with tool calls (a call cut by max_tokens stays "length")."""
+    """The finish reason, "tool_calls" when the message ends with calls (a call cut short stays "length")."""
     if called and reason is FinishReason.STOP:
         return "tool_calls"
     return _finish_reason(reason)

@@ -60,16 +60,30 @@ class GrammarCompiler:
     """
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int], cache_size: int = 256):
-        import xgrammar as xgr
-
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
-        )
-        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self._hf_tokenizer = hf_tokenizer
+        self._eos = sorted(eos_token_ids)
+        self._xgr_compiler: Any = None  # built on first use: engines that never constrain pay nothing
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+
+    @property
+    def _xgr(self) -> Any:
+        with self._lock:
+            if self._xgr_compiler is None:
+                import xgrammar as xgr
+
+                try:
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self._hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos
+                    )
+                except Exception as e:  # a tokenizer xgrammar cannot read: no grammars, the rest serves
+                    raise GrammarError(
+                        f"structured outputs are unavailable for this tokenizer: {e}"
+                    ) from None
+                self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._xgr_compiler
 
     def compile(self, spec: GrammarSpec) -> Any:
         """Returns an xgrammar CompiledGrammar. Raises GrammarError naming what does not compile."""
@@ -98,24 +112,25 @@ class GrammarCompiler:
             "choice": "choice",
             "grammar": "grammar",
         }[spec.kind]
+        xc = self._xgr
         try:
             if spec.kind == "json":
                 schema = json.loads(spec.value)
                 if not isinstance(schema, dict | bool):
                     raise GrammarError("a JSON schema must be an object or a boolean")
-                return self._xgr.compile_json_schema(spec.value, any_whitespace=False)
+                return xc.compile_json_schema(spec.value, any_whitespace=False)
             if spec.kind == "json_object":
-                return self._xgr.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return xc.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
                 if not spec.value:
                     raise GrammarError("the regex is empty")
-                return self._xgr.compile_regex(spec.value)
+                return xc.compile_regex(spec.value)
             if spec.kind == "choice":
                 choices = json.loads(spec.value)
                 if not isinstance(choices, list):
                     raise GrammarError("choice must be a list of strings")
-                return self._xgr.compile_grammar(choice_to_ebnf(choices))
-            return self._xgr.compile_grammar(spec.value)
+                return xc.compile_grammar(choice_to_ebnf(choices))
+            return xc.compile_grammar(spec.value)
         except GrammarError as e:
             raise GrammarError(f"invalid {what}: {e}") from None
         except json.JSONDecodeError as e:
