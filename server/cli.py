@@ -23,6 +23,7 @@ from server.config import (
     DTYPE_CHOICES,
     LOG_FORMATS,
     QUANTIZE_CHOICES,
+    TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -244,6 +245,31 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     )
 
     add(
+        "--chat-template",
+        "KUBEINFER_CHAT_TEMPLATE",
+        "Jinja chat template file replacing the model's (the embedded SmolLM2 uses the shipped "
+        "tool-aware server/templates/smollm2_tools.jinja)",
+    )
+    auto_tools_default = (
+        parse_bool(env["KUBEINFER_ENABLE_AUTO_TOOL_CHOICE"])
+        if env.get("KUBEINFER_ENABLE_AUTO_TOOL_CHOICE")
+        else False
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=auto_tools_default,
+        help='Allow tool_choice "auto": the model decides, --tool-call-parser reads its calls '
+        "[env: KUBEINFER_ENABLE_AUTO_TOOL_CHOICE]",
+    )
+    add(
+        "--tool-call-parser",
+        "KUBEINFER_TOOL_CALL_PARSER",
+        "How tool calls are read from the model's text with tool_choice auto (vLLM's names)",
+        choices=TOOL_CALL_PARSERS,
+    )
+
+    add(
         "--api-key",
         "API_KEY",
         "Require 'Authorization: Bearer <key>' on generation routes "
@@ -314,6 +340,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache_dir=args.cache_dir,
         served_model_name=args.served_model_name,
         max_model_len=args.max_total_tokens,
+        chat_template=args.chat_template,
     )
     cache = CacheConfig(
         block_size=args.block_size,
@@ -349,6 +376,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -42,6 +42,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None = min(model's max_position_embeddings, 8192)
     # Fuse q/k/v and gate/up and pre-pack CPU weights after loading (models/serving_weights.py).
     optimize_weights: bool = True
+    # A Jinja chat template file replacing the model's (--chat-template); None = the model's own, or
+    # for the embedded SmolLM2 the tool-aware server/templates/smollm2_tools.jinja.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -99,6 +102,7 @@ class EngineConfig:
 
 
 LOG_FORMATS = ("json", "text")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/api/tool_parsers.py
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,9 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # tool_choice "auto" (vLLM's --enable-auto-tool-choice / --tool-call-parser)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -158,5 +165,11 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"{name} must be a tuple of non-empty strings, got {value!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser")
         if self.max_payload_bytes < 1024:
             raise ValueError(f"max_payload_bytes must be >= 1024, got {self.max_payload_bytes}")

@@ -21,11 +21,24 @@ from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
-from server.request import FinishReason, Request, SamplingParams
-from server.tokenizer import IncrementalDetokenizer, Tokenizer
+from server.request import FinishReason, GrammarSpec, Request, SamplingParams
+from server.structured import GrammarCompiler, StructuredOutputManager, compile_stats
+from server.tokenizer import IncrementalDetokenizer, Tokenizer, shipped_chat_template
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 log = logging.getLogger(__name__)
+
+
+def _chat_template(path: str | None) -> str | None:
+    """The text of a --chat-template file; None keeps the model's own (or the shipped one, see Tokenizer)."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the chat template {path}: {e}") from None
 
 
 class EngineDeadError(RuntimeError):
@@ -80,7 +93,11 @@ class LLMEngine:
         )
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype)
-        self.tokenizer = Tokenizer(self.source.folder)
+        template = _chat_template(config.model.chat_template)
+        if template is None and config.model.model is None:
+            # The embedded SmolLM2's own template knows no tools; ours renders the same without them.
+            template = shipped_chat_template("smollm2_tools")
+        self.tokenizer = Tokenizer(self.source.folder, chat_template=template)
         log.info("loaded weights from %s in %.1f s", self.source.folder, time.monotonic() - t0)
 
         block_size = config.cache.block_size
@@ -88,6 +105,12 @@ class LLMEngine:
             config.attention_backend, block_size, self.device.type, config.model.cache_dir
         )
         self.backend_name = backend_name = backend.name
+        eos = set(self.loaded.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        # Compiles structured-output grammars (the API compiles off the event loop, before admission).
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.loaded.arch.vocab_size, sorted(eos))
         num_blocks = config.cache.num_kv_blocks or max(
             1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block(self.loaded.model, block_size, dtype)
         )
@@ -98,6 +121,7 @@ class LLMEngine:
             block_size,
             dtype,
             self.device,
+            structured=StructuredOutputManager(self.grammars),
         )
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -109,10 +133,6 @@ class LLMEngine:
             ),
             self.kv,
         )
-        eos = set(self.loaded.arch.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         self._states: dict[str, _RequestState] = {}
         self.info = EngineInfo(
             model_id=self.source.model_id,
@@ -151,6 +171,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a cache hit when the API compiled it first
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
         self._states[request_id] = _RequestState(
@@ -170,6 +192,18 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def structured_stats(self) -> dict[str, float]:
+        """Cumulative grammar figures: mask seconds and rows (engine thread), compiles (any thread)."""
+        mask = self.runner.structured.stats if self.runner.structured is not None else None
+        return {
+            "mask_seconds": mask.seconds if mask else 0.0,
+            "mask_rows": float(mask.rows) if mask else 0.0,
+            "mask_steps": float(mask.steps) if mask else 0.0,
+            "compile_seconds": compile_stats.compile_seconds,
+            "compiled": float(compile_stats.compiled),
+            "cache_hits": float(compile_stats.cache_hits),
+        }
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -293,6 +327,10 @@ class LLMEngine:
         """One short request through every stage, so the first user request pays no start-up cost."""
         prompt = self.tokenizer.encode("Hello") or [0]
         self.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+        try:  # builds the grammar library's tokenizer tables (~0.3 s) before the first constrained request
+            self.grammars.compile(GrammarSpec("json_object"))
+        except ValueError as e:
+            log.warning("structured outputs unavailable: %s", e)
 
 
 _STOP = object()

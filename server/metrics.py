@@ -149,6 +149,27 @@ class _EngineCollector(Collector):
             if err.startswith("failure:"):
                 fail.add_metric([name, err.removeprefix("failure:")], float(value))
         yield fail
+        structured = m.structured_source() if m.structured_source is not None else {}
+        for metric, doc, key in (
+            (
+                "kubeinfer_structured_output_mask_seconds",
+                "Engine time spent filling and applying grammar token bitmasks (part of each step).",
+                "mask_seconds",
+            ),
+            ("kubeinfer_structured_output_mask_rows", "Logits rows masked by a grammar.", "mask_rows"),
+            (
+                "kubeinfer_structured_output_mask_steps",
+                "Engine steps that applied a grammar mask.",
+                "mask_steps",
+            ),
+            (
+                "kubeinfer_structured_output_compile_seconds",
+                "Time spent compiling grammars (cache misses).",
+                "compile_seconds",
+            ),
+            ("kubeinfer_structured_output_compile_cache_hits", "Grammar compile cache hits.", "cache_hits"),
+        ):
+            yield counter(metric, doc, float(structured.get(key, 0.0)))
 
 
 class ServerMetrics:
@@ -250,6 +271,14 @@ class ServerMetrics:
         self.tgi_input_length = Histogram(
             "tgi_request_input_length", "Prompt tokens (TGI name).", lbl, buckets=_TOKEN_BUCKETS, registry=r
         )
+        self.structured_requests = Counter(
+            "kubeinfer_structured_output_requests",
+            "Requests with a structured-output constraint, by kind (json, json_object, regex, choice, grammar).",
+            [*lbl, "kind"],
+            registry=r,
+        )
+        # Set by the server once the engine is loaded: cumulative grammar mask/compile figures.
+        self.structured_source: Callable[[], dict[str, float]] | None = None
         r.register(_EngineCollector(self))
 
     # ---- counters kept here (exposed by the collector) ----------------------------------------------
@@ -270,6 +299,9 @@ class ServerMetrics:
     def request_failed(self, err: str) -> None:
         """err: TGI's error type (validation, overloaded, generation, incomplete_generation, unavailable)."""
         self._bump(f"failure:{err}")
+
+    def structured_request(self, kind: str) -> None:
+        self.structured_requests.labels(model_name=self.model_name, kind=kind).inc()
 
     def http_request(self, route: str, status: int) -> None:
         self.http_requests.labels(model_name=self.model_name, route=route, status=str(status)).inc()

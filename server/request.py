@@ -21,6 +21,26 @@ class RequestStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint, as text the grammar library compiles (server/structured/).
+
+    kind: "json" (value = a JSON schema, as JSON text), "json_object" (any JSON object; value ""),
+    "regex" (value = the pattern), "choice" (value = a JSON list of strings), "grammar" (value = EBNF
+    in the GBNF dialect xgrammar takes).
+    """
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops. temperature == 0 means greedy."""
@@ -43,6 +63,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding: every sampled token keeps the output inside this grammar.
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,6 +97,12 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.structured is not None:
+            # Both would have to force tokens past the grammar's end, where only EOS is allowed.
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured outputs")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:

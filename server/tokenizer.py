@@ -37,10 +37,13 @@ _BYTE_LEVEL = _byte_level_decoder()
 
 
 class Tokenizer:
-    def __init__(self, folder: Path | str) -> None:
+    def __init__(self, folder: Path | str, chat_template: str | None = None) -> None:
+        """chat_template: Jinja text that replaces the model's own (--chat-template)."""
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(folder))
+        if chat_template is not None:
+            self._tok.chat_template = chat_template
         self.vocab_size = len(self._tok)
         self.all_special_ids = frozenset(self._tok.all_special_ids)
         self._added_ids = frozenset(getattr(self._tok, "added_tokens_decoder", {}) or ())
@@ -107,12 +110,19 @@ class Tokenizer:
             out.append((int(tid), text[start:stop], int(start), int(stop)))
         return out
 
+    @property
+    def chat_template_knows_tools(self) -> bool:
+        """Whether the template renders `tools` at all (a template that ignores them would drop them)."""
+        template = self._tok.chat_template
+        return isinstance(template, str) and "tools" in template
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt ids for a conversation. continue_final_message: leave the last (assistant) message
         open, without its end-of-turn tokens, so that the model continues it (vLLM's flag).
@@ -120,13 +130,20 @@ class Tokenizer:
         default: templates write their special tokens themselves)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
+        tool_list: list[Any] | None = list(tools) if tools else None
         text = self._tok.apply_chat_template(
             messages,
+            tools=tool_list,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
         return self.encode(str(text), add_special_tokens=add_special_tokens)
+
+
+def shipped_chat_template(name: str) -> str:
+    """A chat template shipped in server/templates/ (e.g. "smollm2_tools")."""
+    return (Path(__file__).parent / "templates" / f"{name}.jinja").read_text()
 
 
 @dataclass

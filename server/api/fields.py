@@ -50,6 +50,8 @@ _CHAT = "test_api_openai_chat_matches_engine"
 _TGI = "test_api_tgi_client_generate_matches_engine"
 _OAI_MAP = "test_api_conf_fields_reach_the_engine"
 _TGI_MAP = _OAI_MAP
+_STRUCT = "test_api_regex_and_choice_both_apis"
+_TOOLS = "test_api_tool_loop_required_named_and_stream"
 
 FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
     "TGIRequest": {
@@ -63,7 +65,7 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "details": _impl(_TGI),
         "do_sample": _impl("test_api_tgi_sampling_best_of"),
         "frequency_penalty": _impl(_TGI_MAP),
-        "grammar": _refused({"type": "json", "value": {}}, "structured outputs are not served yet"),
+        "grammar": _impl(_STRUCT, "json (schema) or regex, as TGI"),
         "max_new_tokens": _impl(_TGI),
         "repetition_penalty": _impl(_TGI_MAP),
         "return_full_text": _impl(_TGI),
@@ -107,6 +109,11 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "stop_token_ids": _impl(_STOP),
         "skip_special_tokens": _impl(_OAI_MAP),
         "include_stop_str_in_output": _impl(_STOP),
+        "structured_outputs": _impl(_STRUCT, "json, regex, choice, grammar, json_object (vLLM)"),
+        "guided_json": _impl(_STRUCT),
+        "guided_regex": _impl(_STRUCT),
+        "guided_choice": _impl(_STRUCT),
+        "guided_grammar": _impl(_STRUCT, "EBNF as xgrammar takes it"),
     },
     "CompletionRequest": {
         "prompt": _impl(_ENGINE),
@@ -122,6 +129,7 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "content": _impl(_CHAT),
         "name": _impl("test_api_conf_chat_echo_and_continue", "passed to the chat template, as vLLM"),
         "tool_call_id": _impl("test_api_conf_chat_echo_and_continue", "passed to the chat template, as vLLM"),
+        "tool_calls": _impl(_TOOLS, "an assistant message's calls, passed to the chat template"),
     },
     "ChatCompletionRequest": {
         "messages": _impl(_CHAT),
@@ -129,12 +137,11 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "max_completion_tokens": _impl(_OAI_MAP),
         "logprobs": _impl(_LP),
         "top_logprobs": _impl(_LP),
-        "tools": _refused(
-            [{"type": "function", "function": {"name": "f"}}], "tool calling is not served yet"
-        ),
-        "tool_choice": _refused("auto", "tool calling is not served yet"),
-        "response_format": _partial(
-            _OAI_MAP, {"type": "json_object"}, "type text accepted; json modes not yet"
+        "tools": _impl(_TOOLS),
+        "tool_choice": _impl(_TOOLS, "none, auto (with --enable-auto-tool-choice), required, named"),
+        "parallel_tool_calls": _impl(_TOOLS),
+        "response_format": _impl(
+            "test_api_openai_parse_validates_20_seeds", "text, json_object, json_schema"
         ),
         "add_generation_prompt": _impl("test_api_conf_chat_echo_and_continue"),
         "continue_final_message": _impl("test_api_conf_chat_echo_and_continue"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from server.core.outputs import Logprob, RequestOutput, TokenLogprobs
-from server.request import FinishReason, SamplingParams
+from server.request import FinishReason, GrammarSpec, SamplingParams
 
 from .errors import APIError, ErrorKind, Family, validation
 from .generation import (
@@ -34,6 +35,15 @@ from .generation import (
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from .sse import OPENAI_DONE, EventStreamResponse, openai_event
 from .state import ServerState, server_state
+from .structured import (
+    ToolPlan,
+    ToolStream,
+    compile_spec,
+    message_tool_calls,
+    plan_tools,
+    response_format_spec,
+    vllm_spec,
+)
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -75,6 +85,13 @@ def _finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else str(reason)
 
 
+def _chat_finish_reason(reason: FinishReason | None, called: bool) -> str | None:
+    """The finish reason, "tool_calls" when the message ends with calls (a call cut short stays "length")."""
+    if called and reason is FinishReason.STOP:
+        return "tool_calls"
+    return _finish_reason(reason)
+
+
 def _build_params(
     state: ServerState,
     req: SamplingFields,
@@ -83,6 +100,7 @@ def _build_params(
     logprobs: int | None,
     i: int,
     prompt_logprobs: int | None = None,
+    structured: GrammarSpec | None = None,
 ) -> SamplingParams:
     assert state.limits is not None
     if req.logit_bias:
@@ -112,6 +130,7 @@ def _build_params(
         prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        structured=structured,
     )
 
 
@@ -425,11 +444,22 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
     echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     wanted = [v for v in (echo_logprobs, req.prompt_logprobs) if v is not None]
     engine_prompt_lps = max(wanted) if wanted else None
+    found = vllm_spec(req)
+    if found is not None:
+        await compile_spec(state, *found)
+    spec = found[0] if found else None
     jobs: list[Job] = []
     for pi, ids in enumerate(id_lists):
         for i in range(req.n):
             params = _build_params(
-                state, req, len(ids), 1 if score_only else req.max_tokens, req.logprobs, i, engine_prompt_lps
+                state,
+                req,
+                len(ids),
+                1 if score_only else req.max_tokens,
+                req.logprobs,
+                i,
+                engine_prompt_lps,
+                spec,
             )
             if i == 0:
                 check_request(state, ids, params, "max_tokens")
@@ -582,7 +612,28 @@ async def completions(request: Request) -> Response:
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------------
-async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], str]:
+def _history_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls for the template: arguments as an object (templates tojson it)."""
+    out = []
+    for c in calls:
+        fn = c.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise validation("messages: a tool call needs function.name", "messages")
+        args: Any = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise validation("messages: tool call arguments must be JSON", "messages") from None
+        out.append(
+            {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
+    return out
+
+
+async def _chat_prompt(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan
+) -> tuple[list[int], str]:
     """The prompt ids, and the text chat `echo` puts in front of the reply: the last message's
     content when it is the assistant's (the reply's role), as vLLM does."""
     assert state.llm is not None
@@ -592,9 +643,20 @@ async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[
         msg: dict[str, Any] = {"role": role, "content": m.text()}
         if m.name:
             msg["name"] = m.name
-        if m.tool_call_id:
+        if m.tool_calls:
+            if role != "assistant":
+                raise validation("messages: only assistant messages carry tool_calls", "messages")
+            msg["tool_calls"] = _history_tool_calls(m.tool_calls)
+        if role == "tool":
+            if not m.tool_call_id:
+                raise validation("messages: a tool message needs tool_call_id", "messages")
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    tools = [t for t in plan.tools] if plan.active else None
+    if tools and not state.llm.tokenizer.chat_template_knows_tools:
+        raise validation(
+            "this model's chat template does not render tools; start the server with --chat-template", "tools"
+        )
     if messages[-1]["role"] == "assistant" and req.add_generation_prompt and len(messages) == 1:
         raise validation("messages must contain at least one non-assistant message", "messages")
     if req.continue_final_message:
@@ -614,6 +676,8 @@ async def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[
             messages,
             req.add_generation_prompt,
             req.continue_final_message,
+            False,
+            tools,
         )
     except Exception as e:  # jinja raises its own errors for messages a template rejects
         raise validation(f"invalid messages for this model's chat template: {e}", "messages") from None
@@ -627,12 +691,22 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     _check_prompt_logprobs(req.prompt_logprobs)
     if req.stream and req.prompt_logprobs is not None:
         raise validation("prompt_logprobs is not available when stream is true", "prompt_logprobs")
-    if req.tools:
-        raise validation("tools are not supported by this server", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise validation("tool_choice needs tools, which this server does not support", "tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise validation("only response_format type 'text' is supported", "response_format")
+    plan = plan_tools(state, req.tools, req.tool_choice, req.parallel_tool_calls)
+    specs: list[tuple[GrammarSpec, str]] = []
+    rf = response_format_spec(req.response_format)
+    if rf is not None:
+        specs.append((rf, "response_format"))
+    found = vllm_spec(req)
+    if found is not None:
+        specs.append(found)
+    tool_spec = plan.grammar()
+    if tool_spec is not None:
+        specs.append((tool_spec, "tool_choice"))
+    if len(specs) > 1:
+        raise validation(f"give one output constraint, got {', '.join(p for _, p in specs)}", specs[1][1])
+    spec = specs[0][0] if specs else None
+    if specs:
+        await compile_spec(state, *specs[0])
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise validation("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -640,10 +714,10 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             raise validation("top_logprobs must be in [0, 20]", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    ids, echo = await _chat_prompt(state, req)
+    ids, echo = await _chat_prompt(state, req, plan)
     jobs = []
     for i in range(req.n):
-        params = _build_params(state, req, len(ids), max_tokens, logprobs, i, req.prompt_logprobs)
+        params = _build_params(state, req, len(ids), max_tokens, logprobs, i, req.prompt_logprobs, spec)
         if i == 0:
             check_request(state, ids, params, "max_tokens")
         jobs.append(Job(i, 0, ids, params))
@@ -665,6 +739,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             )
 
         async def events() -> AsyncIterator[bytes]:
+            tool_streams = [ToolStream(plan) for _ in jobs]
             try:
                 for j in jobs:
                     first = {"index": j.index, "delta": {"role": "assistant", "content": ""}}
@@ -689,11 +764,13 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                         g.add(out)
                         g.raise_if_failed()
                     counter.update(tagged.index, out.num_output_tokens)
-                    if not out.text and not out.finished and logprobs is None:
+                    ts = tool_streams[tagged.index]
+                    delta = ts.feed(out.text, out.finished)
+                    if not delta and not out.finished and logprobs is None:
                         continue
                     choice: dict[str, Any] = {
                         "index": tagged.index,
-                        "delta": {"content": out.text} if out.text else {},
+                        "delta": delta,
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -701,7 +778,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                         chosen, tops = _chosen(out)
                         choice["logprobs"] = view.chat(out.new_token_ids, chosen, tops)
                     if out.finished:
-                        choice["finish_reason"] = _finish_reason(out.finish_reason)
+                        choice["finish_reason"] = _chat_finish_reason(out.finish_reason, ts.called)
                         choice["stop_reason"] = out.stop_reason
                     yield openai_event(chunk([choice]))
                 if include_usage:
@@ -724,14 +801,25 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     def build(gens: list[Generation]) -> dict[str, Any]:
         choices = []
         for job, g in zip(jobs, gens, strict=True):
+            message: dict[str, Any] = {"role": "assistant", "content": echo + g.text}
+            called = False
+            if plan.active:
+                parsed = plan.parse(g.text)
+                if parsed.calls:
+                    called = True
+                    message = {
+                        "role": "assistant",
+                        "content": parsed.content or None,
+                        "tool_calls": message_tool_calls(parsed.calls),
+                    }
             choices.append(
                 {
                     "index": job.index,
-                    "message": {"role": "assistant", "content": echo + g.text},
+                    "message": message,
                     "logprobs": view.chat(g.token_ids, g.logprobs, g.top_logprobs)
                     if logprobs is not None
                     else None,
-                    "finish_reason": _finish_reason(g.finish_reason),
+                    "finish_reason": _chat_finish_reason(g.finish_reason, called),
                     "stop_reason": g.stop_reason,
                 }
             )

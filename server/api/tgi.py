@@ -32,6 +32,7 @@ from .generation import (
 from .protocol import TGIRequest, parse
 from .sse import EventStreamResponse, tgi_event
 from .state import ServerState, server_state
+from .structured import compile_spec, tgi_grammar_spec
 
 router = APIRouter(tags=["TGI"])
 
@@ -97,8 +98,6 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
         raise validation("Input validation error: `typical_p` is not supported by this server", "typical_p")
     if p.watermark:
         raise validation("Input validation error: `watermark` is not supported by this server", "watermark")
-    if p.grammar is not None:
-        raise validation("Input validation error: `grammar` is not supported by this server", "grammar")
     if p.adapter_id:
         raise validation("Input validation error: `adapter_id` is not supported by this server", "adapter_id")
     if p.max_new_tokens is not None and p.max_new_tokens < 1:
@@ -153,6 +152,9 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
             "decoder_input_details",
         )
 
+    spec = tgi_grammar_spec(p.grammar)
+    if spec is not None:
+        await compile_spec(state, spec, "grammar")
     prompt_ids = await encode(state, req.inputs)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate :]
@@ -177,6 +179,7 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
                 logprobs=top_n,  # TGI reports every token's logprob
                 prompt_logprobs=0 if p.decoder_input_details else None,
                 include_stop_str_in_output=True,  # TGI's generated_text keeps the stop sequence
+                structured=spec,
             )
         )
     check_request(state, prompt_ids, params[0], "max_new_tokens")

@@ -10,6 +10,7 @@ from torch import Tensor
 from server.attention import AttentionBackend
 from server.core.outputs import Logprob, ModelOutput, SchedulerOutput, TokenLogprobs
 from server.models.llama import LlamaForCausalLM
+from server.structured import StructuredOutputManager
 from server.worker.input_batch import ForwardBatch, build_forward_batch
 from server.worker.sampler import Sampler, SamplingRow
 
@@ -31,6 +32,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -44,11 +46,14 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self._prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
+        self.structured = structured
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         for rid in sched.finished_request_ids + sched.preempted_request_ids:
             self._prompt_lps.pop(rid, None)
+        if self.structured is not None:
+            self.structured.drop(sched.finished_request_ids)
         out = ModelOutput()
         if sched.is_empty:
             return out
@@ -64,6 +69,17 @@ class ModelRunner:
     def _sample(self, sched: SchedulerOutput, batch: ForwardBatch, logits: Tensor, out: ModelOutput) -> None:
         by_id = {item.request.request_id: item.request for item in sched.scheduled}
         rows = [SamplingRow(by_id[rid]) for rid in batch.sampled_request_ids]
+        if self.structured is not None:
+            # Grammar-constrained rows: forbidden tokens to -inf; a row whose grammar state failed is
+            # failed alone and not sampled.
+            failed = self.structured.apply(logits, [r.request for r in rows])
+            if failed:
+                out.errors.update(failed)
+                keep = [i for i, r in enumerate(rows) if r.request.request_id not in failed]
+                rows = [rows[i] for i in keep]
+                logits = logits[keep]
+                if not rows:
+                    return
         try:
             result = self.sampler(logits, rows)
             pairs = list(zip(rows, result.token_ids, result.logprobs, strict=True))

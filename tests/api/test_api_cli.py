@@ -85,3 +85,17 @@ def test_api_server_config_validation() -> None:
     ):
         with pytest.raises(ValueError):
             ServerConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_api_cli_tool_flags() -> None:
+    c = _config(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", "/t.jinja"])
+    assert c.enable_auto_tool_choice and c.tool_call_parser == "hermes"
+    assert c.engine.model.chat_template == "/t.jinja"
+    env = {"KUBEINFER_ENABLE_AUTO_TOOL_CHOICE": "true", "KUBEINFER_TOOL_CALL_PARSER": "llama3_json"}
+    c = _config([], env)
+    assert c.enable_auto_tool_choice and c.tool_call_parser == "llama3_json"
+    assert not _config([]).enable_auto_tool_choice
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        _config(["--enable-auto-tool-choice"])
+    with pytest.raises(SystemExit):
+        _config(["--tool-call-parser", "mistral"])

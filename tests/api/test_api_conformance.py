@@ -345,8 +345,8 @@ def test_api_conf_field_audit(live_server: LiveServer) -> None:
         ),
         (
             "/v1/completions",
-            {"prompt": "hi", "max_tokens": 1, "guided_json": {"type": "object"}},
-            "guided_json",
+            {"prompt": "hi", "max_tokens": 1, "logits_processors": ["x"]},
+            "logits_processors",
         ),
         (
             "/v1/chat/completions",

@@ -59,7 +59,11 @@ def no_engine_traffic(live_server: LiveServer) -> Iterator[None]:
         ({"inputs": TGI_PROMPT, "parameters": {"stop": ["a", "b", "c", "d", "e"]}}, "stop"),
         ({"inputs": TGI_PROMPT, "parameters": {"repetition_penalty": -1}}, "repetition_penalty"),
         ({"inputs": TGI_PROMPT, "parameters": {"truncate": 0}}, "truncate"),
-        ({"inputs": TGI_PROMPT, "parameters": {"grammar": {"type": "json", "value": {}}}}, "grammar"),
+        ({"inputs": TGI_PROMPT, "parameters": {"grammar": {"type": "regex", "value": "a(b"}}}, "grammar"),
+        (
+            {"inputs": TGI_PROMPT, "parameters": {"grammar": {"type": "json", "value": {"type": "foo"}}}},
+            "grammar",
+        ),
         ({"inputs": ""}, "inputs"),
         ({"inputs": 5}, "inputs"),
         ({"parameters": {}}, "inputs"),

@@ -1,0 +1,357 @@
+"""Structured outputs and tool calling at the API: request fields -> a GrammarSpec (compiled off the
+event loop, so a bad schema is a 400/422 before admission), tool_choice planning, and the model's
+output -> OpenAI `tool_calls` (whole or streamed as `delta.tool_calls` fragments).
+
+Field names follow OpenAI (`response_format`, `tools`, `tool_choice`, `parallel_tool_calls`), vLLM
+(`structured_outputs`, `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`) and TGI
+(`parameters.grammar` = {"type": "json" | "regex", "value": ...}).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.request import GrammarSpec
+from server.structured import GrammarError
+
+from .errors import validation
+from .state import ServerState
+from .tool_parsers import TOOL_PARSERS, ParsedCall, ParsedToolOutput, ToolParser
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _json_spec(value: Any, param: str) -> GrammarSpec:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise validation(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(value, dict | bool):
+        raise validation(f"{param} must be a JSON schema object", param)
+    return GrammarSpec("json", json.dumps(value))
+
+
+def _choice_spec(value: Any, param: str) -> GrammarSpec:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise validation(f"{param} must be a non-empty list of non-empty strings", param)
+    return GrammarSpec("choice", json.dumps(value))
+
+
+def _text_spec(kind: str, value: Any, param: str) -> GrammarSpec:
+    if not isinstance(value, str) or not value:
+        raise validation(f"{param} must be a non-empty string", param)
+    return GrammarSpec(kind, value)
+
+
+def response_format_spec(fmt: dict[str, Any] | None) -> GrammarSpec | None:
+    """OpenAI's response_format: text | json_object | json_schema {name, schema, strict}."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        js = fmt.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise validation("response_format.json_schema.schema is required", "response_format")
+        return _json_spec(js["schema"], "response_format.json_schema.schema")
+    raise validation(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
+    )
+
+
+def vllm_spec(fields: Any) -> tuple[GrammarSpec, str] | None:
+    """vLLM's structured_outputs object and the older guided_* fields; at most one may be given."""
+    found: list[tuple[GrammarSpec, str]] = []
+    so = fields.structured_outputs
+    if so is not None:
+        if not isinstance(so, dict):
+            raise validation("structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS and v not in (None, False))
+        if unknown:
+            raise validation(
+                f"structured_outputs.{unknown[0]} is not supported (use one of {', '.join(_STRUCTURED_KEYS)})",
+                "structured_outputs",
+            )
+        given = [k for k in _STRUCTURED_KEYS if so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise validation(
+                f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KEYS)}", "structured_outputs"
+            )
+        k = given[0]
+        param = f"structured_outputs.{k}"
+        if k == "json":
+            found.append((_json_spec(so[k], param), param))
+        elif k == "choice":
+            found.append((_choice_spec(so[k], param), param))
+        elif k == "json_object":
+            found.append((GrammarSpec("json_object"), param))
+        else:
+            found.append((_text_spec(k, so[k], param), param))
+    if fields.guided_json is not None:
+        found.append((_json_spec(fields.guided_json, "guided_json"), "guided_json"))
+    if fields.guided_regex is not None:
+        found.append((_text_spec("regex", fields.guided_regex, "guided_regex"), "guided_regex"))
+    if fields.guided_choice is not None:
+        found.append((_choice_spec(fields.guided_choice, "guided_choice"), "guided_choice"))
+    if fields.guided_grammar is not None:
+        found.append((_text_spec("grammar", fields.guided_grammar, "guided_grammar"), "guided_grammar"))
+    if len(found) > 1:
+        raise validation(
+            f"give one structured output constraint, got {', '.join(p for _, p in found)}", found[1][1]
+        )
+    return found[0] if found else None
+
+
+def tgi_grammar_spec(grammar: Any) -> GrammarSpec | None:
+    """TGI's parameters.grammar: {"type": "json" | "json_object", "value": schema} or {"type": "regex"}."""
+    if grammar is None:
+        return None
+    if not isinstance(grammar, dict) or "type" not in grammar:
+        raise validation('Input validation error: `grammar` must be {"type": ..., "value": ...}', "grammar")
+    kind, value = grammar["type"], grammar.get("value")
+    if kind in ("json", "json_object", "json_schema"):
+        return _json_spec(value, "grammar")
+    if kind == "regex":
+        return _text_spec("regex", value, "grammar")
+    raise validation(
+        f"Input validation error: grammar type {kind!r} is not supported (json, regex)", "grammar"
+    )
+
+
+async def compile_spec(state: ServerState, spec: GrammarSpec, param: str) -> None:
+    """Compiles (or finds cached) off the event loop; a spec that does not compile is a validation error."""
+    assert state.llm is not None
+    try:
+        await asyncio.to_thread(state.llm.grammars.compile, spec)
+    except GrammarError as e:
+        raise validation(f"{param}: {e}", param) from None
+    state.metrics.structured_request(spec.kind)
+
+
+# ---- tools ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request uses its tools. mode: none | auto | required | named."""
+
+    mode: str
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool objects, validated
+    name: str | None = None  # the forced function (mode named)
+    parallel: bool = True
+    parser: ToolParser | None = None  # mode auto
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    def _params(self, name: str) -> dict[str, Any]:
+        for t in self.tools:
+            if t["function"]["name"] == name:
+                params = t["function"].get("parameters")
+                return params if isinstance(params, dict) else {"type": "object", "properties": {}}
+        raise KeyError(name)
+
+    def grammar(self) -> GrammarSpec | None:
+        """required: a JSON array of {"name", "parameters"} (one item without parallel calls), each valid
+        against its function's schema; named: the function's arguments object (vLLM's formats)."""
+        if self.mode == "named":
+            assert self.name is not None
+            return GrammarSpec("json", json.dumps(self._params(self.name)))
+        if self.mode != "required":
+            return None
+        items = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": self._params(t["function"]["name"]),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return GrammarSpec("json", json.dumps(schema))
+
+    def parse(self, text: str) -> ParsedToolOutput:
+        """The finished output -> content + calls."""
+        if self.mode == "named":
+            assert self.name is not None
+            return ParsedToolOutput("", [ParsedCall(self.name, text)])
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                calls = [
+                    ParsedCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items
+                ]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return ParsedToolOutput(text)  # cut short by max_tokens: incomplete JSON stays text
+            return ParsedToolOutput("", calls)
+        if self.mode == "auto":
+            assert self.parser is not None
+            out = self.parser.parse(text, final=True)
+            if not self.parallel and len(out.calls) > 1:
+                return ParsedToolOutput(out.content, out.calls[:1])
+            return out
+        return ParsedToolOutput(text)
+
+
+def plan_tools(
+    state: ServerState, tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None
+) -> ToolPlan:
+    cfg = state.config
+    if not tools:
+        if choice not in (None, "none"):
+            raise validation("tool_choice requires tools", "tool_choice")
+        return ToolPlan("none")
+    names: set[str] = set()
+    for i, t in enumerate(tools):
+        fn = t.get("function")
+        if t.get("type") != "function" or not isinstance(fn, dict):
+            raise validation(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise validation(f"tools[{i}].function.name is required", "tools")
+        if name in names:
+            raise validation(f"tools[{i}]: duplicate function name {name!r}", "tools")
+        names.add(name)
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise validation(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    parallel = True if parallel is None else parallel
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise validation(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in names:
+            raise validation(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+        return ToolPlan("named", tools, name=name, parallel=False)
+    if choice == "none":
+        return ToolPlan("none")
+    if choice == "required":
+        return ToolPlan("required", tools, parallel=parallel)
+    if choice == "auto":
+        if not cfg.enable_auto_tool_choice or cfg.tool_call_parser is None:
+            raise validation(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                "tool_choice",
+            )
+        return ToolPlan("auto", tools, parallel=parallel, parser=TOOL_PARSERS[cfg.tool_call_parser]())
+    raise validation(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def message_tool_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    return [
+        {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
+
+
+def _closed_items(text: str) -> list[str]:
+    """The top-level items of a JSON array that are complete so far (for streaming `required`)."""
+    items, depth, start, in_str, esc = [], 0, -1, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth == 2:
+                start = i
+        elif ch in "]}":
+            depth -= 1
+            if depth == 1 and start >= 0:
+                items.append(text[start : i + 1])
+                start = -1
+    return items
+
+
+class ToolStream:
+    """Turns streamed text into OpenAI chat deltas: `content` pieces and `tool_calls` fragments
+    (index, id and name once; arguments in one or more pieces)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.content_sent = 0
+        self.calls_sent = 0
+        self.started_named = False
+
+    @property
+    def called(self) -> bool:
+        return self.calls_sent > 0
+
+    def _call_delta(self, index: int, call: ParsedCall) -> dict[str, Any]:
+        return {
+            "index": index,
+            "id": new_call_id(),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+
+    def feed(self, delta: str, finished: bool) -> dict[str, Any]:
+        """The delta object for this piece of text ({} when nothing can be sent yet)."""
+        self.text += delta
+        plan = self.plan
+        if plan.mode == "none":
+            return {"content": delta} if delta else {}
+        if plan.mode == "named":
+            assert plan.name is not None
+            if not self.started_named:
+                self.started_named = True
+                self.calls_sent = 1
+                return {"tool_calls": [{**self._call_delta(0, ParsedCall(plan.name, delta))}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
+        if plan.mode == "required":
+            parsed: ParsedToolOutput
+            try:
+                items = [json.loads(s) for s in _closed_items(self.text)]
+                calls = [
+                    ParsedCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items
+                ]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                calls = []
+            parsed = ParsedToolOutput("", calls)
+        else:
+            assert plan.parser is not None
+            parsed = plan.parser.parse(self.text, final=finished)
+            if not plan.parallel:
+                parsed = ParsedToolOutput(parsed.content, parsed.calls[:1])
+        out: dict[str, Any] = {}
+        if len(parsed.content) > self.content_sent:
+            out["content"] = parsed.content[self.content_sent :]
+            self.content_sent = len(parsed.content)
+        new = parsed.calls[self.calls_sent :]
+        if new:
+            out["tool_calls"] = [self._call_delta(self.calls_sent + i, c) for i, c in enumerate(new)]
+            self.calls_sent += len(new)
+        return out
