@@ -21,6 +21,7 @@ from server.core.scheduler import Scheduler, SchedulerConfig
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, Request, SamplingParams
+from server.spec_decode.proposer import Speculator
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -112,6 +113,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        if self.speculator is not None:
+            log.info("speculative decoding: %s", config.speculative)
         self._states: dict[str, _RequestState] = {}
         self.info = EngineInfo(
             model_id=self.source.model_id,
@@ -175,6 +179,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         model_out = self.runner.execute(sched)
         self.scheduler.update_from_output(sched, model_out)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         outputs: list[RequestOutput] = []
         for item in sched.scheduled:
             rid = item.request.request_id
@@ -192,11 +198,20 @@ class LLMEngine:
                 continue
             text = ""
             try:
-                if new_tokens:
-                    upd = state.detok.push(new_tokens)
-                    text = upd.text
-                    if upd.stop_string is not None and not req.is_finished:
-                        self.scheduler.finish_request(rid, FinishReason.STOP, stop_reason=upd.stop_string)
+                # One token at a time: a stop string may end inside a run of accepted draft tokens.
+                for n, token in enumerate(new_tokens, 1):
+                    upd = state.detok.push([token])
+                    text += upd.text
+                    if upd.stop_string is not None:
+                        if n < len(new_tokens) or not req.is_finished:
+                            self.scheduler.discard_output_tail(req, len(new_tokens) - n)
+                            state.num_sent = len(req.output_token_ids)
+                            new_tokens = new_tokens[:n]
+                            if req.is_finished:  # EOS or length later in the run: the stop string came first
+                                req.finish_reason, req.stop_reason = FinishReason.STOP, upd.stop_string
+                            else:
+                                self.scheduler.finish_request(rid, FinishReason.STOP, stop_reason=upd.stop_string)
+                        break
                 if req.is_finished:
                     text += state.detok.flush()
             except Exception as e:  # one request's detokenization must not take the batch down
