@@ -48,6 +48,13 @@ def _generator(req: Request, device: torch.device) -> torch.Generator | None:
     return g
 
 
+def _residual(probs: Tensor, x: int) -> Tensor:  # probs: [V] -> [V], unnormalized
+    """max(p - q, 0) for a point-mass draft q on token x."""
+    residual = probs.clone()
+    residual[x] = 0.0
+    return residual
+
+
 def verify_drafts(logits: Tensor, req: Request, drafts: Sequence[int]) -> list[int]:  # logits: [k+1, V] fp32
     """Tokens to append to the request: the accepted drafts, then one token of the target's own
     (1..k+1 tokens). logits[j] is the target's output after the last known token and drafts[:j]."""
@@ -78,8 +85,7 @@ def verify_drafts(logits: Tensor, req: Request, drafts: Sequence[int]) -> list[i
         if u < probs[x]:
             out.append(x)
             continue
-        residual = probs.clone()
-        residual[x] = 0.0
+        residual = _residual(probs, x)
         # Exponential race over the unnormalized residual: argmax(r / E) samples r / sum(r).
         noise = torch.empty_like(residual).exponential_(generator=g)
         out.append(int((residual / noise).argmax()))
