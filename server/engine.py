@@ -210,7 +210,9 @@ class LLMEngine:
                             if req.is_finished:  # EOS or length later in the run: the stop string came first
                                 req.finish_reason, req.stop_reason = FinishReason.STOP, upd.stop_string
                             else:
-                                self.scheduler.finish_request(rid, FinishReason.STOP, stop_reason=upd.stop_string)
+                                self.scheduler.finish_request(
+                                    rid, FinishReason.STOP, stop_reason=upd.stop_string
+                                )
                         break
                 if req.is_finished:
                     text += state.detok.flush()

@@ -54,8 +54,7 @@ class SpeculativeConfig:
             if not self.model:
                 raise ValueError("the draft_model method needs a 'model'")
             raise ValueError(
-                "speculative decoding with a draft model is not supported yet; use "
-                '{"method": "ngram", ...}'
+                'speculative decoding with a draft model is not supported yet; use {"method": "ngram", ...}'
             )
         d = self.disable_by_batch_size
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
@@ -86,13 +85,9 @@ def parse_speculative_config(text: str | dict[str, Any]) -> SpeculativeConfig:
         method = "draft_model" if model else None
     if method is None:
         raise ValueError("--speculative-config needs a method ('ngram') or a draft 'model'")
-    lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
-    if lo is None and hi is None:
-        lo = hi = 5
-    elif lo is None:
-        lo = hi
-    elif hi is None:
-        hi = lo
+    lo_raw, hi_raw = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    lo = lo_raw if lo_raw is not None else hi_raw if hi_raw is not None else 5
+    hi = hi_raw if hi_raw is not None else lo
     return SpeculativeConfig(
         method=method,
         num_speculative_tokens=raw["num_speculative_tokens"],

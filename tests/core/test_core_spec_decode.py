@@ -20,7 +20,9 @@ from server.spec_decode.proposer import Speculator
 def test_config_reads_vllm_keys_and_defaults() -> None:
     c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert c == SpeculativeConfig("ngram", 3, prompt_lookup_min=4, prompt_lookup_max=4)
-    c = parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 2, "disable_by_batch_size": 8})
+    c = parse_speculative_config(
+        {"model": "[ngram]", "num_speculative_tokens": 2, "disable_by_batch_size": 8}
+    )
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size) == ("ngram", 5, 5, 8)
     c = parse_speculative_config(
         {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -36,9 +38,18 @@ def test_config_reads_vllm_keys_and_defaults() -> None:
         ('{"method": "medusa", "num_speculative_tokens": 3}', "method must be one of"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"num_speculative_tokens": 3}', "needs a method"),
-        ('{"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}', "unknown --speculative-config keys"),
-        ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "<="),
-        ('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}', "disable_by_batch_size"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}',
+            "unknown --speculative-config keys",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            "<=",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}',
+            "disable_by_batch_size",
+        ),
         ('{"model": "some/draft", "num_speculative_tokens": 3}', "draft model is not supported"),
         ("[1, 2]", "must be a JSON object"),
         ("{nope", "not valid JSON"),
@@ -91,7 +102,10 @@ def make_sched(blocks: int = 64, bs: int = 4, budget: int = 64, caching: bool = 
 
 def req(rid: str, n: int, max_tokens: int = 16, **kw: object) -> Request:
     return Request(
-        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw), frozenset({2})
+        rid,
+        list(range(100, 100 + n)),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
+        frozenset({2}),
     )
 
 
@@ -162,7 +176,10 @@ def test_eos_and_max_tokens_inside_an_accepted_run() -> None:
         (out := s.schedule()), ModelOutput(accepted_token_ids={"a": [5, 2, 6, 8], "b": [5, 8]})
     )
     assert out.scheduled[1].spec_token_ids == (5,)  # b has room for one draft (max_tokens 3)
-    assert {(f.request.request_id, f.reason) for f in fin} == {("a", FinishReason.STOP), ("b", FinishReason.LENGTH)}
+    assert {(f.request.request_id, f.reason) for f in fin} == {
+        ("a", FinishReason.STOP),
+        ("b", FinishReason.LENGTH),
+    }
     assert a.output_token_ids == [7, 5, 2]
     assert b.output_token_ids == [7, 5, 8]
     assert s.stats().num_generation_tokens == 6

@@ -16,7 +16,7 @@ from scipy.stats import chi2, chi2_contingency
 import server.spec_decode.rejection_sampler as rs
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
-from server.request import FinishReason, Request, SamplingParams
+from server.request import Request, SamplingParams
 from server.spec_decode.config import SpeculativeConfig
 
 TEXTS = [
