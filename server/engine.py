@@ -304,6 +304,7 @@ class AsyncEngine:
         self.last_stats: SchedulerStats = engine.stats()
         self.steps = 0
         self._counter = 0
+        self._last_spec_log = time.monotonic()
 
     @property
     def alive(self) -> bool:
@@ -392,6 +393,24 @@ class AsyncEngine:
                 if out is not None:
                     self._post(out.request_id, out)
 
+    def _log_speculation(self, every_s: float = 10.0) -> None:
+        now = time.monotonic()
+        if self.engine.speculator is None or now - self._last_spec_log < every_s:
+            return
+        self._last_spec_log = now
+        st = self.last_stats
+        if st.spec_num_drafts:
+            log.info(
+                "speculative decoding: acceptance rate %.1f%%, mean acceptance length %.2f, "
+                "%d drafts, %d draft tokens, %d accepted, per position %s",
+                100.0 * st.spec_num_accepted_tokens / st.spec_num_draft_tokens,
+                1.0 + st.spec_num_accepted_tokens / st.spec_num_drafts,
+                st.spec_num_drafts,
+                st.spec_num_draft_tokens,
+                st.spec_num_accepted_tokens,
+                list(st.spec_accepted_per_pos),
+            )
+
     def _run(self) -> None:
         try:
             while self._drain_commands():
@@ -403,6 +422,7 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self.steps += 1
                 self.last_stats = self.engine.stats()
+                self._log_speculation()
                 for out in outputs:
                     self._post(out.request_id, out)
         except BaseException as e:
