@@ -279,3 +279,31 @@ def test_engine_sampled_distribution_matches_plain_decoding(folder: Path) -> Non
     assert len(keys) >= 4
     assert chi2_contingency(table)[1] > ALPHA
     assert_no_kv_held(spec)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_parity_on_an_editing_workload(smollm2_dir: Path) -> None:
+    """The real model copying a given text: long accepted runs, output identical to plain greedy."""
+    text = (
+        "The old lighthouse stood on the northern cliff for more than a century. Every night its keeper "
+        "climbed the spiral stairs, trimmed the wick and polished the great lens until it shone."
+    )
+    plain = LLMEngine(EngineConfig(model=ModelConfig(model=str(smollm2_dir), dtype="float32")))
+    spec = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(smollm2_dir), dtype="float32"),
+            speculative=SpeculativeConfig("ngram", 5, prompt_lookup_min=1, prompt_lookup_max=3),
+        )
+    )
+    tok = plain.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}]),
+        tok.encode(
+            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+        ),
+    ]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    assert run_staggered(spec, prompts, params) == run_staggered(plain, prompts, params)
+    st = spec.stats()
+    assert st.spec_num_accepted_tokens / st.spec_num_draft_tokens > 0.25  # measured 0.38
+    assert_no_kv_held(spec)
