@@ -141,7 +141,8 @@ def main() -> None:
             for name, engine in order:
                 runs[name].append(run(engine, prompts, args.new_tokens))
         ratios = [
-            a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in zip(runs["on"], runs["off"], strict=True)
+            a["output_tokens_per_s"] / b["output_tokens_per_s"]
+            for a, b in zip(runs["on"], runs["off"], strict=True)
         ]
         med = {n: statistics.median(r["output_tokens_per_s"] for r in rs) for n, rs in runs.items()}
         last_on = runs["on"][-1]
