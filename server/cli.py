@@ -29,6 +29,7 @@ from server.config import (
     ModelConfig,
     ServerConfig,
 )
+from server.spec_decode.config import parse_speculative_config
 
 _SIZE_UNITS = {
     "": 1,
@@ -243,6 +244,12 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "torch intra-op threads on CPU (default: torch's)",
         type=_positive_int,
     )
+    add(
+        "--speculative-config",
+        "KUBEINFER_SPECULATIVE_CONFIG",
+        "Speculative decoding, as JSON with vLLM's keys, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (default: off)',
+    )
 
     add(
         "--chat-template",
@@ -356,6 +363,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         attention_backend=args.attention_backend,
         device=args.device,
         num_threads=args.num_threads,
+        speculative=parse_speculative_config(args.speculative_config) if args.speculative_config else None,
     )
     return ServerConfig(
         engine=engine,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.core.scheduler import SchedulerConfig
+from server.spec_decode.config import SpeculativeConfig
 
 QUANTIZE_CHOICES = (
     "awq",
@@ -82,6 +83,7 @@ class EngineConfig:
     device: str = "auto"  # auto = cuda if available else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     seed: int = 0  # for unseeded sampling
+    speculative: SpeculativeConfig | None = None  # --speculative-config; None = no speculative decoding
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

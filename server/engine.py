@@ -22,6 +22,7 @@ from server.core.scheduler import Scheduler, SchedulerConfig
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, GrammarSpec, Request, SamplingParams
+from server.spec_decode.proposer import Speculator
 from server.structured import GrammarCompiler, StructuredOutputManager, compile_stats
 from server.tokenizer import IncrementalDetokenizer, Tokenizer, shipped_chat_template
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -133,6 +134,9 @@ class LLMEngine:
             ),
             self.kv,
         )
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        if self.speculator is not None:
+            log.info("speculative decoding: %s", config.speculative)
         self._states: dict[str, _RequestState] = {}
         self.info = EngineInfo(
             model_id=self.source.model_id,
@@ -210,6 +214,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         model_out = self.runner.execute(sched)
         self.scheduler.update_from_output(sched, model_out)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         outputs: list[RequestOutput] = []
         for item in sched.scheduled:
             rid = item.request.request_id
@@ -232,7 +238,11 @@ class LLMEngine:
                     upd = state.detok.push(new_tokens, drop_last=self._stopped_by_token(req))
                     text, token_texts = upd.text, upd.token_texts
                     if upd.stop_string is not None and upd.stop_index is not None:
-                        self._finish_by_stop_string(req, new_tokens, upd.stop_index, upd.stop_string)
+                        keep = upd.stop_index + 1
+                        if self._finish_by_stop_string(req, new_tokens, upd.stop_index, upd.stop_string):
+                            # a stop string that ends inside a run of accepted draft tokens cuts the run
+                            new_tokens, token_texts = new_tokens[:keep], token_texts[:keep]
+                            state.num_sent = len(req.output_token_ids)
                 if req.is_finished:
                     text += state.detok.flush()
             except Exception as e:  # one request's detokenization must not take the batch down
@@ -258,9 +268,10 @@ class LLMEngine:
             return False
         return not isinstance(req.stop_reason, str)
 
-    def _finish_by_stop_string(self, req: Request, new_tokens: list[int], index: int, stop: str) -> None:
+    def _finish_by_stop_string(self, req: Request, new_tokens: list[int], index: int, stop: str) -> bool:
         """The detokenizer found `stop` in the text of new_tokens[index]: decide_finish gives the
-        verdict, which replaces a LENGTH finish the scheduler made on the same token."""
+        verdict, which replaces a LENGTH finish the scheduler made on the same token. Tokens after
+        new_tokens[index] (accepted drafts) are discarded. Returns whether the request stopped here."""
         num_out = len(req.output_token_ids) - len(new_tokens) + index + 1
         decision = decide_finish(
             req.sampling_params,
@@ -272,12 +283,17 @@ class LLMEngine:
             stop_string=stop,
         )
         if decision is None or decision.reason is not FinishReason.STOP:
-            return
+            return False
+        tail = len(new_tokens) - index - 1  # accepted draft tokens after the stop (speculative decoding)
+        if tail:
+            self.scheduler.discard_output_tail(req, tail)
         if not req.is_finished:
             self.scheduler.finish_request(req.request_id, decision.reason, stop_reason=decision.stop_reason)
-        elif req.finish_reason is FinishReason.LENGTH:
+        elif tail or req.finish_reason is FinishReason.LENGTH:
+            # EOS or the length limit later in the run, or on the same token: the stop string came first
             req.finish_reason = decision.reason
             req.stop_reason = decision.stop_reason
+        return True
 
     def _output(
         self,
@@ -359,6 +375,7 @@ class AsyncEngine:
         self.last_stats: SchedulerStats = engine.stats()
         self.steps = 0
         self._counter = 0
+        self._last_spec_log = time.monotonic()
 
     @property
     def alive(self) -> bool:
@@ -447,6 +464,24 @@ class AsyncEngine:
                 if out is not None:
                     self._post(out.request_id, out)
 
+    def _log_speculation(self, every_s: float = 10.0) -> None:
+        now = time.monotonic()
+        if self.engine.speculator is None or now - self._last_spec_log < every_s:
+            return
+        self._last_spec_log = now
+        st = self.last_stats
+        if st.spec_num_drafts:
+            log.info(
+                "speculative decoding: acceptance rate %.1f%%, mean acceptance length %.2f, "
+                "%d drafts, %d draft tokens, %d accepted, per position %s",
+                100.0 * st.spec_num_accepted_tokens / st.spec_num_draft_tokens,
+                1.0 + st.spec_num_accepted_tokens / st.spec_num_drafts,
+                st.spec_num_drafts,
+                st.spec_num_draft_tokens,
+                st.spec_num_accepted_tokens,
+                list(st.spec_accepted_per_pos),
+            )
+
     def _run(self) -> None:
         try:
             while self._drain_commands():
@@ -458,6 +493,7 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self.steps += 1
                 self.last_stats = self.engine.stats()
+                self._log_speculation()
                 for out in outputs:
                     self._post(out.request_id, out)
         except BaseException as e:

@@ -117,6 +117,21 @@ class _EngineCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             float(stats.prefix_cache_hits) if stats else 0.0,
         )
+        # Speculative decoding (vLLM's names; zero when it is off).
+        for metric, doc, attr in (
+            ("vllm:spec_decode_num_drafts", "Verified draft sequences.", "spec_num_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Proposed draft tokens.", "spec_num_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Accepted draft tokens.", "spec_num_accepted_tokens"),
+        ):
+            yield counter(metric, doc, float(getattr(stats, attr)) if stats else 0.0)
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens at each draft position.",
+            labels=["model_name", "position"],
+        )
+        for pos, value in enumerate(stats.spec_accepted_per_pos if stats else ()):
+            per_pos.add_metric([name, str(pos)], float(value))
+        yield per_pos
         yield gauge("tgi_queue_size", "Requests waiting to be scheduled (TGI name).", waiting)
         yield gauge("tgi_batch_current_size", "Requests in the running batch (TGI name).", running)
         yield gauge(

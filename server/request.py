@@ -133,6 +133,9 @@ class Request:
     error: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Draft tokens proposed for the next step (speculative decoding); never part of the sequence until
+    # the target model accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -124,6 +124,8 @@ def server_args(im: InferenceModel) -> list[str]:
         args += ["--max-concurrent-requests", str(engine.max_concurrent_requests)]
     # explicit either way: the server's own default may change between images
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
+    if engine.speculative is not None:
+        args += ["--speculative-config", engine.speculative.to_flag()]
     return args + list(engine.extra_args)
 
 

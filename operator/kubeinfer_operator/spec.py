@@ -7,6 +7,7 @@ exactly what the API server would reject.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -70,6 +71,7 @@ MANAGED_FLAGS = frozenset(
         "--max-num-seqs",
         "--max-concurrent-requests",
         "--enable-prefix-caching",
+        "--speculative-config",
         "--api-key",
         "--drain-timeout",
         "--log-format",
@@ -164,6 +166,26 @@ class ModelSource(_Model):
         return self
 
 
+class SpeculativeSpec(_Model):
+    """Rendered into the server's --speculative-config (vLLM's JSON keys)."""
+
+    method: Literal["ngram"]
+    num_speculative_tokens: int = Field(ge=1, le=32)
+    prompt_lookup_min: int | None = Field(default=None, ge=1, le=64)
+    prompt_lookup_max: int | None = Field(default=None, ge=1, le=64)
+    disable_by_batch_size: int | None = Field(default=None, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> SpeculativeSpec:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError("engine.speculative.promptLookupMin must be <= promptLookupMax")
+        return self
+
+    def to_flag(self) -> str:
+        return json.dumps(self.model_dump(exclude_none=True), sort_keys=True)
+
+
 class EngineSpec(_Model):
     image: str | None = Field(default=None, min_length=1, max_length=512)
     quantization: Quantization | None = None
@@ -172,6 +194,7 @@ class EngineSpec(_Model):
     max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
     max_concurrent_requests: int | None = Field(default=None, ge=1, le=65536)
     enable_prefix_caching: bool = True
+    speculative: SpeculativeSpec | None = None
     tensor_parallel_size: int = Field(default=1, ge=1, le=16)
     api_key_secret_ref: ApiKeySecretRef | None = None
     extra_args: list[str] = Field(default_factory=list, max_length=64)

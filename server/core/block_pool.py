@@ -79,15 +79,18 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_cnt += 1
 
-    def free(self, block_ids: Sequence[int]) -> None:
+    def free(self, block_ids: Sequence[int], reuse_first: bool = False) -> None:
         """Drop one reference on each block. Callers pass a sequence's blocks tail first, so that the
-        tail (least likely to be shared) is evicted before the prefix."""
+        tail (least likely to be shared) is evicted before the prefix. reuse_first puts blocks without
+        a hash at the front of the free list (their contents are worthless; reuse them before evicting)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"double free of block {block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                if reuse_first and block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Register a full, held block under its chained hash. A hash already cached keeps its block."""

@@ -94,6 +94,18 @@ class KVCacheManager:
                 self.pool.cache_block(held[i], hashes[i])
         return held
 
+    def free_excess(self, request: Request) -> None:
+        """Give back the blocks past the request's computed tokens: those only rejected draft tokens
+        used. They hold no cached hash (drafts are never hashed), so they go to the front of the free
+        list and a later allocation reuses them before evicting any cached prefix block."""
+        held = self.req_to_blocks.get(request.request_id)
+        if not held:
+            return
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(held) > keep:
+            self.req_to_blocks[request.request_id] = held[:keep]
+            self.pool.free(list(reversed(held[keep:])), reuse_first=True)
+
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, None)
         self._req_to_hashes.pop(request_id, None)

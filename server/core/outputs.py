@@ -17,6 +17,9 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]  # the request's whole block table after allocation
     # True when this chunk ends at the last known token, so the step yields a new token for it.
     sample: bool
+    # Draft tokens verified in this step after the last known token (speculative decoding). They are
+    # the last len(spec_token_ids) of the num_new_tokens positions.
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class ModelOutput:
     """What one forward + sampling step produced, keyed by request id."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Speculating rows: the accepted draft tokens, then the target's own next token (1..k+1 tokens).
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # each prompt token's logprob given its prefix, with SamplingParams.prompt_logprobs top alternatives
     # (None for the first token); TGI's decoder_input_details, vLLM's prompt_logprobs and echo
@@ -100,3 +105,8 @@ class SchedulerStats:
     num_prompt_tokens: int  # cumulative prompt tokens computed (cache hits excluded)
     num_generation_tokens: int  # cumulative
     num_batched_tokens: int = 0  # last step
+    # speculative decoding, cumulative (vLLM's vllm:spec_decode_* counters)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -15,6 +15,7 @@ from server.core.finish import decide_finish
 from server.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from server.core.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from server.request import FinishReason, Request, RequestStatus
+from server.spec_decode.stats import SpecDecodingStats
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._last_batched_tokens = 0
+        self.spec_stats = SpecDecodingStats()
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -94,7 +96,11 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has at least one token to compute"
-            blocks = self.kv.allocate_slots(req, num_new)
+            spec = self._drafts_to_verify(req, num_new, budget)
+            blocks = self.kv.allocate_slots(req, num_new + len(spec))
+            if blocks is None and spec:
+                spec = ()  # short of blocks: drop the drafts before preempting anybody
+                blocks = self.kv.allocate_slots(req, num_new)
             while blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -104,8 +110,8 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, num_new)
             if blocks is None:
                 break
-            scheduled.append(self._scheduled(req, num_new, blocks))
-            budget -= num_new
+            scheduled.append(self._scheduled(req, num_new, blocks, spec))
+            budget -= num_new + len(spec)
             i += 1
 
         # Admit waiting requests only when nobody was preempted: otherwise they would thrash.
@@ -133,15 +139,31 @@ class Scheduler:
         self._last_batched_tokens = num_batched
         return SchedulerOutput(scheduled, num_batched, preempted, finished)
 
-    def _scheduled(self, req: Request, num_new: int, blocks: list[int]) -> ScheduledRequest:
+    def _scheduled(
+        self, req: Request, num_new: int, blocks: list[int], spec: tuple[int, ...] = ()
+    ) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request=req,
-            num_new_tokens=num_new,
+            num_new_tokens=num_new + len(spec),
             start=start,
             block_ids=tuple(blocks),
             sample=start + num_new == req.num_tokens,
+            spec_token_ids=spec,
         )
+
+    def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """The request's proposed tokens that fit this step: only for a decode row (one known token
+        left), within the token budget, the context length and max_tokens (the last token of a request
+        never needs a draft: the target's own token covers it)."""
+        if not req.spec_token_ids or num_new != 1:
+            return ()
+        room = min(
+            budget - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+            req.sampling_params.max_tokens - len(req.output_token_ids) - 1,
+        )
+        return tuple(req.spec_token_ids[: max(room, 0)])
 
     def _admit(self, req: Request, computed: ComputedBlocks | None, now: float) -> None:
         if computed is not None:
@@ -158,6 +180,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -175,7 +198,8 @@ class Scheduler:
             prompt_part = max(0, min(item.start + item.num_new_tokens, req.num_prompt_tokens) - item.start)
             if req.num_preemptions == 0:
                 self.num_prompt_tokens += prompt_part
-            req.num_computed_tokens = item.start + item.num_new_tokens
+            num_drafts = len(item.spec_token_ids)
+            req.num_computed_tokens = item.start + item.num_new_tokens - num_drafts
             if req.request_id in output.errors:
                 req.error = output.errors[req.request_id]
                 self.finish_request(req.request_id, FinishReason.ERROR)
@@ -183,16 +207,34 @@ class Scheduler:
                 continue
             if not item.sample:
                 continue
-            token = output.sampled_token_ids[req.request_id]
-            req.output_token_ids.append(token)
-            self.num_generation_tokens += 1
+            if num_drafts:
+                tokens = output.accepted_token_ids[req.request_id]
+                self.spec_stats.observe(num_drafts, len(tokens) - 1)
+            else:
+                tokens = [output.sampled_token_ids[req.request_id]]
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = self._check_stop(req, token)
-            if reason is not None:
-                self.finish_request(req.request_id, reason)
-                finished.append(FinishedRequest(req, reason))
+            for token in tokens:  # an accepted run stops at the first token that ends the request
+                req.output_token_ids.append(token)
+                self.num_generation_tokens += 1
+                reason = self._check_stop(req, token)
+                if reason is not None:
+                    self.finish_request(req.request_id, reason)
+                    finished.append(FinishedRequest(req, reason))
+                    break
+            if num_drafts and not req.is_finished:
+                # The verified row computed the last known token and the drafts; the accepted drafts'
+                # KV is valid, the rejected drafts' slots are given back.
+                req.num_computed_tokens = item.start + len(tokens)
+                self.kv.free_excess(req)
         return finished
+
+    def discard_output_tail(self, req: Request, num_tokens: int) -> None:
+        """Forget the last num_tokens outputs of a request that a stop string ended inside an accepted
+        run of speculative tokens: they were never generated as far as the client is concerned."""
+        if num_tokens > 0:
+            del req.output_token_ids[-num_tokens:]
+            self.num_generation_tokens -= num_tokens
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         decision = decide_finish(
@@ -240,4 +282,8 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_batched_tokens=self._last_batched_tokens,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
         )

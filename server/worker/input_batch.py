@@ -19,6 +19,10 @@ class ForwardBatch:
     logits_indices: Tensor  # [num_sampled] int64, row in T of the last token of each sampling sequence
     sampled_request_ids: list[str]  # the sequences behind logits_indices, in order
     request_ids: list[str]  # every scheduled sequence, in batch order
+    # Speculating sequences (speculative decoding): each one's last known token and its k drafts all
+    # need logits. spec_logits_indices: [sum(k_i + 1)] int64, rows in T, sequence after sequence.
+    spec_logits_indices: Tensor
+    spec_request_ids: list[str]  # in the order of spec_logits_indices
 
 
 def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
@@ -31,12 +35,15 @@ def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.d
     logits_idx: list[int] = []
     sampled_ids: list[str] = []
     request_ids: list[str] = []
+    spec_idx: list[int] = []
+    spec_ids: list[str] = []
     offset = 0
     for item in sched.scheduled:
         req = item.request
         start, n = item.start, item.num_new_tokens
+        known = req.num_tokens
         for pos in range(start, start + n):
-            input_ids.append(req.token_at(pos))
+            input_ids.append(req.token_at(pos) if pos < known else item.spec_token_ids[pos - known])
             positions.append(pos)
             slots.append(item.block_ids[pos // block_size] * block_size + pos % block_size)
         query_lens.append(n)
@@ -44,7 +51,10 @@ def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.d
         tables.append(item.block_ids)
         offset += n
         request_ids.append(req.request_id)
-        if item.sample:
+        if item.spec_token_ids:
+            spec_idx.extend(range(offset - len(item.spec_token_ids) - 1, offset))
+            spec_ids.append(req.request_id)
+        elif item.sample:
             logits_idx.append(offset - 1)
             sampled_ids.append(req.request_id)
 
@@ -77,4 +87,6 @@ def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.d
         logits_indices=i64(logits_idx),
         sampled_request_ids=sampled_ids,
         request_ids=request_ids,
+        spec_logits_indices=i64(spec_idx),
+        spec_request_ids=spec_ids,
     )

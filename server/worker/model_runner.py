@@ -10,6 +10,7 @@ from torch import Tensor
 from server.attention import AttentionBackend
 from server.core.outputs import Logprob, ModelOutput, SchedulerOutput, TokenLogprobs
 from server.models.llama import LlamaForCausalLM
+from server.spec_decode.rejection_sampler import verify_drafts
 from server.structured import StructuredOutputManager
 from server.worker.input_batch import ForwardBatch, build_forward_batch
 from server.worker.sampler import Sampler, SamplingRow
@@ -60,11 +61,33 @@ class ModelRunner:
         batch = build_forward_batch(sched, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.backend)
         self._prompt_logprobs(sched, hidden, out)
-        if not batch.sampled_request_ids:
+        if not batch.sampled_request_ids and not batch.spec_request_ids:
             return out
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-        self._sample(sched, batch, logits, out)
+        indices = batch.logits_indices
+        if batch.spec_request_ids:
+            indices = torch.cat([indices, batch.spec_logits_indices])
+        logits = self.model.compute_logits(hidden.index_select(0, indices))
+        num_plain = len(batch.sampled_request_ids)
+        if num_plain:
+            self._sample(sched, batch, logits[:num_plain], out)
+        if batch.spec_request_ids:
+            self._verify(sched, logits[num_plain:], out)
         return out
+
+    def _verify(self, sched: SchedulerOutput, logits: Tensor, out: ModelOutput) -> None:
+        """Speculating rows, in batch order; logits: [sum(k_i + 1), V], each row's k_i + 1 together."""
+        offset = 0
+        for item in sched.scheduled:
+            if not item.spec_token_ids:
+                continue
+            req, k = item.request, len(item.spec_token_ids)
+            rows = logits[offset : offset + k + 1]
+            offset += k + 1
+            try:
+                out.accepted_token_ids[req.request_id] = verify_drafts(rows, req, item.spec_token_ids)
+            except Exception as e:
+                log.exception("verification failed for request %s", req.request_id)
+                out.errors[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
 
     def _sample(self, sched: SchedulerOutput, batch: ForwardBatch, logits: Tensor, out: ModelOutput) -> None:
         by_id = {item.request.request_id: item.request for item in sched.scheduled}

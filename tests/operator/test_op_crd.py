@@ -155,6 +155,39 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ),
     ("kv-target-ok", {"model": HF, "scaling": {"metric": "KVCacheUsage", "target": 0.75}}, None),
     (
+        "speculative-ok",
+        {
+            "model": HF,
+            "engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMax": 4}},
+        },
+        None,
+    ),
+    (
+        "speculative-lookup",
+        {
+            "model": HF,
+            "engine": {
+                "speculative": {
+                    "method": "ngram",
+                    "numSpeculativeTokens": 3,
+                    "promptLookupMin": 4,
+                    "promptLookupMax": 2,
+                }
+            },
+        },
+        "promptLookupMin must be <= promptLookupMax",
+    ),
+    (
+        "speculative-method",
+        {"model": HF, "engine": {"speculative": {"method": "eagle", "numSpeculativeTokens": 3}}},
+        "is not one of",
+    ),
+    (
+        "speculative-k",
+        {"model": HF, "engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 0}}},
+        "minimum",
+    ),
+    (
         "keda-zero-ok",
         {
             "model": HF,

@@ -1,0 +1,38 @@
+"""engine.speculative in the InferenceModel renders into the server's --speculative-config, which the
+server's own parser accepts as the same settings."""
+
+from __future__ import annotations
+
+import json
+
+from kubeinfer_operator.render import render_deployment
+from kubeinfer_operator.spec import InferenceModel
+from op_testlib import inference_model
+
+from server.cli import build_parser, config_from_args
+from server.spec_decode.config import SpeculativeConfig
+
+
+def args_of(spec: dict) -> list[str]:
+    doc = inference_model(spec, name="llm", namespace="ml")
+    doc["metadata"]["uid"] = "6f1c8c0e-8a57-4a4c-9d6e-2f7f2b1f0a11"
+    dep = render_deployment(InferenceModel.from_manifest(doc))
+    return list(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_speculative_renders_into_the_flag_the_server_reads() -> None:
+    spec = {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 3, "disableByBatchSize": 8}
+    args = args_of({"model": {"uri": "hf://org/model"}, "engine": {"speculative": spec}})
+    value = args[args.index("--speculative-config") + 1]
+    assert json.loads(value) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 8,
+    }
+    server = config_from_args(build_parser({}).parse_args(["--speculative-config", value]))
+    assert server.engine.speculative == SpeculativeConfig("ngram", 4, 3, 3, disable_by_batch_size=8)
+
+
+def test_no_speculative_no_flag() -> None:
+    assert "--speculative-config" not in args_of({"model": {"uri": "hf://org/model"}})
