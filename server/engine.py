@@ -18,6 +18,8 @@ from server.config import EngineConfig
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
+from server.distributed.driver import TensorParallelDriver
+from server.distributed.sharding import shard_model, validate_tensor_parallel
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, Request, SamplingParams
@@ -77,6 +79,12 @@ class LLMEngine:
         self.loaded: LoadedModel = load_model(
             self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize
         )
+        tp = config.parallel.tensor_parallel_size
+        self.tp: TensorParallelDriver | None = None
+        if tp > 1:  # rank 0 of N: start ranks 1..N-1, keep this rank's shard (server/distributed/)
+            validate_tensor_parallel(self.loaded.arch, tp)
+            self.tp = TensorParallelDriver(config, self.device)
+            shard_model(self.loaded.model, 0, tp)
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype)
         self.tokenizer = Tokenizer(self.source.folder)
@@ -98,6 +106,8 @@ class LLMEngine:
             dtype,
             self.device,
         )
+        if self.tp is not None:
+            self.tp.wait_ready(num_blocks)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -173,6 +183,8 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.tp is not None:
+            self.tp.broadcast(sched)
         model_out = self.runner.execute(sched)
         self.scheduler.update_from_output(sched, model_out)
         outputs: list[RequestOutput] = []
@@ -254,6 +266,11 @@ class LLMEngine:
                 if out.request_id in result:
                     result[out.request_id].extend(out.new_token_ids)
         return [result[rid] for rid in ids]
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (a no-op otherwise)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def warmup(self) -> None:
         """One short request through every stage, so the first user request pays no start-up cost."""

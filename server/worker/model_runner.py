@@ -23,6 +23,9 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 
 
 class ModelRunner:
+    # False on tensor-parallel ranks >= 1: they run the forward pass and its collectives, rank 0 samples.
+    is_driver = True
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -58,6 +61,8 @@ class ModelRunner:
         if not batch.sampled_request_ids:
             return out
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        if not self.is_driver:
+            return out
         self._sample(sched, batch, logits, out)
         return out
 
