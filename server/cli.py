@@ -26,6 +26,7 @@ from server.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     ServerConfig,
 )
 
@@ -225,6 +226,20 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "torch intra-op threads on CPU (default: torch's)",
         type=_positive_int,
     )
+    add(
+        "--tensor-parallel-size",
+        "TENSOR_PARALLEL_SIZE",
+        "shard the model over N processes, one per device (torch.distributed: NCCL on GPUs, gloo on CPU)",
+        type=_positive_int,
+        default=1,
+    )
+    add(
+        "--distributed-timeout",
+        "KUBEINFER_DISTRIBUTED_TIMEOUT",
+        "seconds a tensor-parallel collective may wait before the engine gives up (/health 503)",
+        type=float,
+        default=300.0,
+    )
 
     add(
         "--api-key",
@@ -281,6 +296,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         attention_backend=args.attention_backend,
         device=args.device,
         num_threads=args.num_threads,
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, distributed_timeout_s=args.distributed_timeout
+        ),
     )
     return ServerConfig(
         engine=engine,
