@@ -48,6 +48,7 @@ MANAGED_FLAGS = frozenset(
         "--max-num-seqs",
         "--max-concurrent-requests",
         "--enable-prefix-caching",
+        "--tensor-parallel-size",
         "--api-key",
         "--drain-timeout",
         "--log-format",
@@ -317,8 +318,4 @@ def semantic_errors(spec: InferenceModelSpec) -> list[str]:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_FLAGS:
             errors.append(f"engine.extraArgs sets {flag}, which the operator manages from the spec")
-    if spec.engine.tensor_parallel_size > 1:
-        errors.append(
-            "engine.tensorParallelSize > 1 is not supported by the server image (one device per replica)"
-        )
     return errors
