@@ -38,6 +38,10 @@ class TensorParallelDriver:
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         n = config.parallel.tensor_parallel_size
+        if device.type == "cuda" and torch.cuda.device_count() < n:
+            raise TensorParallelError(
+                f"tensor_parallel_size {n} needs {n} GPUs (one per rank); {torch.cuda.device_count()} visible"
+            )
         self.world_size = n
         init_method = f"tcp://127.0.0.1:{free_local_port()}"
         backend = backend_for(device)

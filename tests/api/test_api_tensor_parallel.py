@@ -29,7 +29,9 @@ def test_api_cli_tensor_parallel_flags() -> None:
     parser = build_parser({"TENSOR_PARALLEL_SIZE": "4", "KUBEINFER_DISTRIBUTED_TIMEOUT": "12.5"})
     par = config_from_args(parser.parse_args([])).engine.parallel
     assert (par.tensor_parallel_size, par.distributed_timeout_s) == (4, 12.5)
-    par = config_from_args(build_parser({}).parse_args(["--tensor-parallel-size", "2"])).engine.parallel
+    par = config_from_args(
+        build_parser({}).parse_args(["--tensor-parallel-size", "2", "--device", "cpu"])
+    ).engine.parallel
     assert (par.tensor_parallel_size, par.distributed_timeout_s) == (2, 300.0)
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["--tensor-parallel-size", "0"])

@@ -29,13 +29,14 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
-def make_engine(folder: Path, tp: int, cache: CacheConfig, **kw: object) -> LLMEngine:
+def make_engine(folder: Path, tp: int, cache: CacheConfig, timeout_s: float = 60, **kw: object) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(folder), dtype="float32"),
             cache=cache,
+            device="cpu",  # gloo; a GPU machine with fewer than N devices would be refused
             num_threads=1,  # N ranks share this machine's cores
-            parallel=ParallelConfig(tensor_parallel_size=tp, distributed_timeout_s=60),
+            parallel=ParallelConfig(tensor_parallel_size=tp, distributed_timeout_s=timeout_s),
             **kw,  # type: ignore[arg-type]
         )
     )
@@ -151,4 +152,23 @@ def test_killed_worker_makes_the_step_raise(tiny_model_factory) -> None:  # type
                 engine.step()
         assert time.monotonic() - t0 < 60
     finally:
+        engine.close()
+
+
+def test_hung_worker_times_out(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    engine = make_engine(folder, 2, CacheConfig(block_size=8, num_kv_blocks=32), timeout_s=5)
+    pid = engine.tp.procs[0].pid  # type: ignore[union-attr]
+    assert pid is not None
+    try:
+        engine.add_request("a", engine.tokenizer.encode("Hello there"), SamplingParams(max_tokens=50))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)  # alive but never answers
+        t0 = time.monotonic()
+        with pytest.raises((TensorParallelError, RuntimeError)):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - t0 < 30  # the 5 s collective timeout, not a stall
+    finally:
+        os.kill(pid, signal.SIGKILL)
         engine.close()
