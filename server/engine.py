@@ -19,7 +19,6 @@ from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.distributed.driver import TensorParallelDriver
-from server.distributed.sharding import shard_model, validate_tensor_parallel
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, Request, SamplingParams
@@ -82,9 +81,7 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         self.tp: TensorParallelDriver | None = None
         if tp > 1:  # rank 0 of N: start ranks 1..N-1, keep this rank's shard (server/distributed/)
-            validate_tensor_parallel(self.loaded.arch, tp)
-            self.tp = TensorParallelDriver(config, self.device)
-            shard_model(self.loaded.model, 0, tp)
+            self.tp = TensorParallelDriver(config, self.device, self.loaded.model)
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype)
         self.tokenizer = Tokenizer(self.source.folder)

@@ -24,7 +24,9 @@ from server.distributed.parallel_state import (
     free_local_port,
     init_parallel_state,
 )
+from server.distributed.sharding import check_shardable, shard_model
 from server.distributed.worker import READY, StopWorkers, worker_main
+from server.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,12 @@ class TensorParallelError(RuntimeError):
 class TensorParallelDriver:
     """Owns the worker processes and rank 0's membership in the process group."""
 
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, model: LlamaForCausalLM) -> None:
+        """Checks the model splits over N ranks, starts ranks 1..N-1, joins the group as rank 0 and
+        replaces `model`'s weights by rank 0's shard. Raises TensorParallelConfigError (nothing started)
+        or TensorParallelError."""
         n = config.parallel.tensor_parallel_size
+        check_shardable(model, n)
         if device.type == "cuda" and torch.cuda.device_count() < n:
             raise TensorParallelError(
                 f"tensor_parallel_size {n} needs {n} GPUs (one per rank); {torch.cuda.device_count()} visible"
@@ -56,8 +62,11 @@ class TensorParallelDriver:
         self._closed = False
         try:
             init_parallel_state(ParallelState(0, n, init_method, backend, timeout))
+            shard_model(model, 0, n)
         except BaseException:
+            self._closed = True
             self._kill()
+            destroy_parallel_state()
             raise
         log.info("tensor parallelism: %d ranks over %s (%s)", n, backend, init_method)
 

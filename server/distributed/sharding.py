@@ -161,6 +161,18 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
 
+def check_shardable(model: LlamaForCausalLM, world_size: int) -> None:
+    """Raises TensorParallelConfigError before any process starts if `shard_model` would refuse."""
+    validate_tensor_parallel(model.config, world_size)
+    for n, layer in enumerate(model.decoder_layers()):
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            _plain_linear(getattr(attn, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            _plain_linear(getattr(mlp, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
+    _plain_linear(model.lm_head, "lm_head")
+
+
 def shard_model(model: LlamaForCausalLM, rank: int, world_size: int) -> ShardSpec:
     """Replaces the model's projections, embedding and LM head by this rank's shards, in place.
 

@@ -172,3 +172,15 @@ def test_hung_worker_times_out(tiny_model_factory) -> None:  # type: ignore[no-u
     finally:
         os.kill(pid, signal.SIGKILL)
         engine.close()
+
+
+def test_quantized_model_is_refused_before_workers_start(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    config = EngineConfig(
+        model=ModelConfig(model=str(folder), dtype="float32", quantize="int8"),
+        cache=CacheConfig(block_size=8, num_kv_blocks=16),
+        device="cpu",
+        parallel=ParallelConfig(tensor_parallel_size=2),
+    )
+    with pytest.raises(TensorParallelConfigError, match="dense weights only"):
+        LLMEngine(config)
