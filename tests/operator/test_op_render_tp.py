@@ -12,7 +12,9 @@ def _deployment_container(spec: dict) -> tuple[InferenceModel, dict]:
     doc = inference_model(spec, name="big", namespace="ml")
     doc["metadata"]["uid"] = "00000000-0000-0000-0000-000000000001"
     im = InferenceModel.from_manifest(doc)
-    (c,) = render_deployment(im)["spec"]["template"]["spec"]["containers"]
+    pod = render_deployment(im)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    c["_pod_volumes"] = pod["volumes"]
     return im, c
 
 
@@ -28,6 +30,11 @@ def test_multi_gpu_renders_tensor_parallel_size() -> None:
     args = c["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == "4"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    # the ranks' shared-memory transport (gloo/NCCL) needs a real /dev/shm, not the runtime's 64Mi
+    shm = {v["name"]: v for v in c["_pod_volumes"]}["dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
 
 
 def test_single_device_renders_no_tensor_parallel_flag() -> None:
