@@ -264,10 +264,10 @@ class LLMEngine:
                     result[out.request_id].extend(out.new_token_ids)
         return [result[rid] for rid in ids]
 
-    def close(self) -> None:
-        """Stops the tensor-parallel workers, if any (a no-op otherwise)."""
+    def close(self, graceful: bool = True) -> None:
+        """Stops the tensor-parallel workers, if any (a no-op otherwise); graceful only between steps."""
         if self.tp is not None:
-            self.tp.close()
+            self.tp.close(graceful)
 
     def warmup(self) -> None:
         """One short request through every stage, so the first user request pays no start-up cost."""
@@ -321,6 +321,9 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        # between steps only when the loop ended cleanly; a dead or stuck loop may be inside a collective
+        clean = self.error is None and (self._thread is None or not self._thread.is_alive())
+        await asyncio.to_thread(self.engine.close, clean)
 
     # ---- called from the event loop ------------------------------------------------------------
     async def generate(

@@ -97,13 +97,14 @@ class TensorParallelDriver:
         except Exception as e:
             raise TensorParallelError(f"step broadcast failed: {type(e).__name__}: {e}") from e
 
-    def close(self) -> None:
-        """Stops the workers (politely when they are all alive) and leaves the process group."""
+    def close(self, graceful: bool = True) -> None:
+        """Stops the workers and leaves the process group. `graceful`: ask them to stop (only valid
+        between steps, when every rank waits on the next broadcast); otherwise they are killed."""
         if self._closed:
             return
         self._closed = True
         try:
-            if all(p.is_alive() for p in self.procs):
+            if graceful and all(p.is_alive() for p in self.procs):
                 dist.broadcast_object_list([StopWorkers()], src=0)
                 for p in self.procs:
                     p.join(timeout=10)

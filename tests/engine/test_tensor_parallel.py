@@ -54,6 +54,8 @@ def run_both(folder: Path, tp: int, cache: CacheConfig, **kw: object) -> tuple[l
         assert again == got
     finally:
         engine.close()
+    assert engine.tp is not None
+    assert [p.exitcode for p in engine.tp.procs] == [0] * (tp - 1)  # stopped by the stop message
     return got, ref, engine
 
 
