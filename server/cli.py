@@ -27,6 +27,7 @@ from server.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     ServerConfig,
 )
 from server.spec_decode.config import parse_speculative_config
@@ -275,6 +276,20 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "How tool calls are read from the model's text with tool_choice auto (vLLM's names)",
         choices=TOOL_CALL_PARSERS,
     )
+    add(
+        "--tensor-parallel-size",
+        "TENSOR_PARALLEL_SIZE",
+        "shard the model over N processes, one per device (torch.distributed: NCCL on GPUs, gloo on CPU)",
+        type=_positive_int,
+        default=1,
+    )
+    add(
+        "--distributed-timeout",
+        "KUBEINFER_DISTRIBUTED_TIMEOUT",
+        "seconds a tensor-parallel collective may wait before the engine gives up (/health 503)",
+        type=float,
+        default=300.0,
+    )
 
     add(
         "--api-key",
@@ -364,6 +379,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         num_threads=args.num_threads,
         speculative=parse_speculative_config(args.speculative_config) if args.speculative_config else None,
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, distributed_timeout_s=args.distributed_timeout
+        ),
     )
     return ServerConfig(
         engine=engine,

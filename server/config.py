@@ -73,6 +73,22 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (server/distributed/): N processes, one per device, rank 0 in the server."""
+
+    tensor_parallel_size: int = 1
+    # A collective (step broadcast, all-reduce) that waits longer than this raises: a hung rank ends the
+    # engine loop (/health 503, exit) instead of stalling it. Also bounds worker start-up.
+    distributed_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -84,6 +100,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     seed: int = 0  # for unseeded sampling
     speculative: SpeculativeConfig | None = None  # --speculative-config; None = no speculative decoding
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

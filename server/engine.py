@@ -19,6 +19,7 @@ from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
+from server.distributed.driver import TensorParallelDriver
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, GrammarSpec, Request, SamplingParams
@@ -92,6 +93,10 @@ class LLMEngine:
         self.loaded: LoadedModel = load_model(
             self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize
         )
+        tp = config.parallel.tensor_parallel_size
+        self.tp: TensorParallelDriver | None = None
+        if tp > 1:  # rank 0 of N: start ranks 1..N-1, keep this rank's shard (server/distributed/)
+            self.tp = TensorParallelDriver(config, self.device, self.loaded.model)
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype)
         template = _chat_template(config.model.chat_template)
@@ -124,6 +129,8 @@ class LLMEngine:
             self.device,
             structured=StructuredOutputManager(self.grammars),
         )
+        if self.tp is not None:
+            self.tp.wait_ready(num_blocks)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -212,6 +219,8 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.tp is not None:
+            self.tp.broadcast(sched)
         model_out = self.runner.execute(sched)
         self.scheduler.update_from_output(sched, model_out)
         if self.speculator is not None:
@@ -339,6 +348,11 @@ class LLMEngine:
                     result[out.request_id].extend(out.new_token_ids)
         return [result[rid] for rid in ids]
 
+    def close(self, graceful: bool = True) -> None:
+        """Stops the tensor-parallel workers, if any (a no-op otherwise); graceful only between steps."""
+        if self.tp is not None:
+            self.tp.close(graceful)
+
     def warmup(self) -> None:
         """One short request through every stage, so the first user request pays no start-up cost."""
         prompt = self.tokenizer.encode("Hello") or [0]
@@ -396,6 +410,9 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        # between steps only when the loop ended cleanly; a dead or stuck loop may be inside a collective
+        clean = self.error is None and (self._thread is None or not self._thread.is_alive())
+        await asyncio.to_thread(self.engine.close, clean)
 
     # ---- called from the event loop ------------------------------------------------------------
     async def generate(

@@ -122,6 +122,8 @@ def server_args(im: InferenceModel) -> list[str]:
         args += ["--max-num-seqs", str(engine.max_num_seqs)]
     if engine.max_concurrent_requests is not None:
         args += ["--max-concurrent-requests", str(engine.max_concurrent_requests)]
+    if engine.tensor_parallel_size > 1:  # one rank per GPU of the pod (spec: == resources.gpu.count)
+        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     # explicit either way: the server's own default may change between images
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
     if engine.speculative is not None:

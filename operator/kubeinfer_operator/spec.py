@@ -72,6 +72,7 @@ MANAGED_FLAGS = frozenset(
         "--max-concurrent-requests",
         "--enable-prefix-caching",
         "--speculative-config",
+        "--tensor-parallel-size",
         "--api-key",
         "--drain-timeout",
         "--log-format",
@@ -590,8 +591,4 @@ class InferenceModel:
 def semantic_errors(spec: InferenceModelSpec) -> list[str]:
     """Problems the schema cannot express; each makes the spec undeployable."""
     errors: list[str] = []
-    if spec.engine.tensor_parallel_size > 1:
-        errors.append(
-            "engine.tensorParallelSize > 1 is not supported by the server image (one device per replica)"
-        )
     return errors

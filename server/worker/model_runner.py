@@ -25,6 +25,9 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 
 
 class ModelRunner:
+    # False on tensor-parallel ranks >= 1: they run the forward pass and its collectives, rank 0 samples.
+    is_driver = True
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -67,6 +70,8 @@ class ModelRunner:
         if batch.spec_request_ids:
             indices = torch.cat([indices, batch.spec_logits_indices])
         logits = self.model.compute_logits(hidden.index_select(0, indices))
+        if not self.is_driver:  # tensor-parallel ranks >= 1 take part in the collectives only
+            return out
         num_plain = len(batch.sampled_request_ids)
         if num_plain:
             self._sample(sched, batch, logits[:num_plain], out)

@@ -1,0 +1,188 @@
+"""Tensor parallelism on gloo (CPU): TP=N greedy output equals TP=1 token for token, a dead worker ends
+the engine loop, shapes that cannot split are refused at startup."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from engine_driver import run_staggered
+
+from server.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from server.distributed.driver import TensorParallelError
+from server.distributed.sharding import TensorParallelConfigError, shard_spec
+from server.engine import LLMEngine
+from server.models.arch import ArchConfig
+from server.request import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):",
+    "List three colours:",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+def make_engine(folder: Path, tp: int, cache: CacheConfig, timeout_s: float = 60, **kw: object) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32"),
+            cache=cache,
+            device="cpu",  # gloo; a GPU machine with fewer than N devices would be refused
+            num_threads=1,  # N ranks share this machine's cores
+            parallel=ParallelConfig(tensor_parallel_size=tp, distributed_timeout_s=timeout_s),
+            **kw,  # type: ignore[arg-type]
+        )
+    )
+
+
+def run_both(folder: Path, tp: int, cache: CacheConfig, **kw: object) -> tuple[list, list, LLMEngine]:
+    ref_engine = make_engine(folder, 1, cache, **kw)
+    prompts = [ref_engine.tokenizer.encode(p) for p in PROMPTS]
+    ref = run_staggered(ref_engine, prompts, GREEDY)
+    engine = make_engine(folder, tp, cache, **kw)
+    try:
+        got = run_staggered(engine, prompts, GREEDY)
+        # the same prompts again: the second pass reads its prefixes from the (sharded) prefix cache
+        again = run_staggered(engine, prompts, GREEDY)
+        assert again == got
+    finally:
+        engine.close()
+    assert engine.tp is not None
+    assert [p.exitcode for p in engine.tp.procs] == [0] * (tp - 1)  # stopped by the stop message
+    return got, ref, engine
+
+
+def test_tp2_llama_parity_with_chunked_prefill_and_preemption(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    # 12 blocks of 4 tokens cannot hold 5 sequences of ~22 tokens; an 8-token budget chunks every prompt.
+    cache = CacheConfig(block_size=4, num_kv_blocks=12, enable_prefix_caching=True)
+    got, ref, engine = run_both(folder, 2, cache, max_num_batched_tokens=8)
+    assert got == ref
+    assert all(len(t) == GREEDY.max_tokens for t in got)
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert engine.runner.kv_caches[0][0].shape[2] == 1  # 2 KV heads over 2 ranks: one each
+
+
+@pytest.mark.slow  # three processes on this machine's cores
+def test_tp3_qwen2_parity_prefix_caching(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("qwen2", tie=True, hidden=96, heads=6, kv_heads=3)
+    cache = CacheConfig(block_size=8, num_kv_blocks=64, enable_prefix_caching=True)
+    got, ref, engine = run_both(folder, 3, cache)
+    assert got == ref
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_tp2_replicates_kv_heads_parity(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("qwen2", tie=False, heads=4, kv_heads=1)
+    cache = CacheConfig(block_size=8, num_kv_blocks=64)
+    got, ref, engine = run_both(folder, 2, cache)
+    assert got == ref
+    assert engine.runner.kv_caches[0][0].shape[2] == 1  # the one KV head, replicated on both ranks
+
+
+def _arch(heads: int, kv: int, inter: int) -> ArchConfig:
+    return ArchConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=100,
+        hidden_size=heads * 8,
+        intermediate_size=inter,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "inter", "n", "message"),
+    [
+        (6, 3, 96, 4, "attention heads (6)"),
+        (6, 3, 96, 2, "KV heads (3)"),
+        (4, 2, 90, 4, "intermediate size (90)"),
+    ],
+)
+def test_shapes_that_do_not_split_are_refused(heads: int, kv: int, inter: int, n: int, message: str) -> None:
+    with pytest.raises(TensorParallelConfigError, match=re.escape(message)):
+        shard_spec(_arch(heads, kv, inter), 0, n)
+
+
+def test_shard_spec_replicates_and_splits() -> None:
+    specs = [shard_spec(_arch(8, 2, 64), r, 4) for r in range(4)]
+    assert [s.kv_heads for s in specs] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # query heads 0-3 read KV 0
+    assert [s.heads for s in specs] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [s.vocab for s in specs] == [(0, 25), (25, 50), (50, 75), (75, 100)]
+    odd = [shard_spec(_arch(6, 3, 96), r, 3).vocab for r in range(3)]
+    assert odd == [(0, 34), (34, 68), (68, 100)] and shard_spec(_arch(6, 3, 96), 0, 3).vocab_shard == 34
+
+
+def test_engine_refuses_tp_that_does_not_divide(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    with pytest.raises(TensorParallelConfigError, match="attention heads"):
+        make_engine(folder, 3, CacheConfig(block_size=8, num_kv_blocks=16))
+
+
+def test_killed_worker_makes_the_step_raise(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    engine = make_engine(folder, 2, CacheConfig(block_size=8, num_kv_blocks=32))
+    try:
+        prompt = engine.tokenizer.encode("Hello there")
+        engine.add_request("a", prompt, SamplingParams(max_tokens=50, temperature=0.0))
+        engine.step()
+        pid = engine.tp.procs[0].pid  # type: ignore[union-attr]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises((TensorParallelError, RuntimeError)):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - t0 < 60
+    finally:
+        engine.close()
+
+
+def test_hung_worker_times_out(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    engine = make_engine(folder, 2, CacheConfig(block_size=8, num_kv_blocks=32), timeout_s=5)
+    pid = engine.tp.procs[0].pid  # type: ignore[union-attr]
+    assert pid is not None
+    try:
+        engine.add_request("a", engine.tokenizer.encode("Hello there"), SamplingParams(max_tokens=50))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)  # alive but never answers
+        t0 = time.monotonic()
+        with pytest.raises((TensorParallelError, RuntimeError)):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - t0 < 30  # the 5 s collective timeout, not a stall
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        engine.close()
+
+
+def test_quantized_model_is_refused_before_workers_start(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    config = EngineConfig(
+        model=ModelConfig(model=str(folder), dtype="float32", quantize="int8"),
+        cache=CacheConfig(block_size=8, num_kv_blocks=16),
+        device="cpu",
+        parallel=ParallelConfig(tensor_parallel_size=2),
+    )
+    with pytest.raises(TensorParallelConfigError, match="dense weights only"):
+        LLMEngine(config)
