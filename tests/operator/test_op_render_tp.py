@@ -33,7 +33,7 @@ def test_multi_gpu_renders_tensor_parallel_size() -> None:
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "4"
     # the ranks' shared-memory transport (gloo/NCCL) needs a real /dev/shm, not the runtime's 64Mi
     shm = {v["name"]: v for v in c["_pod_volumes"]}["dshm"]
-    assert shm["emptyDir"] == {"medium": "Memory"}
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}  # spec.pod.shmSize's default
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
 
 
