@@ -18,7 +18,14 @@ from server.config import EngineConfig
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
-from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
+from server.models.loader import (
+    LoadedModel,
+    ModelSource,
+    load_gguf_model,
+    load_model,
+    resolve_dtype,
+    resolve_model,
+)
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, Request, SamplingParams
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -68,15 +75,28 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         t0 = time.monotonic()
-        self.source: ModelSource = resolve_model(config.model.model, config.model.cache_dir)
-        dtype = resolve_dtype(config.model.dtype, self.device)
+        # A GGUF model is served as it is (quantized) on CPU unless a --dtype or --quantize asks otherwise.
+        serve_gguf = (
+            self.device.type == "cpu" and config.model.dtype == "auto" and config.model.quantize is None
+        )
+        self.source: ModelSource = resolve_model(
+            config.model.model, config.model.cache_dir, keep_gguf=serve_gguf
+        )
+        dtype = (
+            torch.float32 if self.source.gguf is not None else resolve_dtype(config.model.dtype, self.device)
+        )
         from server.models.loader import read_hf_config
 
         max_pos = int(read_hf_config(self.source.folder).get("max_position_embeddings", 2048))
         self.max_model_len = config.model.max_model_len or min(max_pos, 8192)
-        self.loaded: LoadedModel = load_model(
-            self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize
-        )
+        if self.source.gguf is not None:
+            self.loaded: LoadedModel = load_gguf_model(
+                self.source.gguf, self.source.folder, self.device, self.max_model_len, config.model.cache_dir
+            )
+        else:
+            self.loaded = load_model(
+                self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize
+            )
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype)
         self.tokenizer = Tokenizer(self.source.folder)

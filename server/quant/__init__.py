@@ -161,19 +161,21 @@ def _persistent_tensors(module: nn.Module) -> Iterator[Tensor]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes held by the model's weights (each storage counted once; caches such as RoPE tables excluded)."""
-    # Modules inside a QuantLinear (bitsandbytes' own Linear) are counted by its weight_nbytes().
+    # Modules inside a BnbLinear (bitsandbytes' own Linear) are counted by its weight_nbytes().
     inside: set[int] = set()
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, BnbLinear):
             inside.update(id(sub) for sub in module.modules() if sub is not module)
     seen: set[int] = set()
     total = 0
     for module in model.modules():
         if id(module) in inside:
             continue
-        if isinstance(module, QuantLinear):
+        if isinstance(module, BnbLinear):
             total += module.weight_nbytes()
             continue
+        # Other quantized modules count their buffers here, by storage: a tied quantized embedding and
+        # LM head share theirs.
         for t in _persistent_tensors(module):
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:
