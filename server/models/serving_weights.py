@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from server.models.llama import LlamaForCausalLM
 from server.quant.block_linear import BlockQuantLinear
+from server.quant.gguf_checkpoint import release_free_heap
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ def prepare_for_serving(
                 if type(child) is nn.Linear and child.weight.dtype == torch.float32:
                     setattr(parent, name, PackedLinear(child))
                     packed += 1
+    if device.type == "cpu":
+        release_free_heap()  # the unfused weights, freed above
     report = ServingWeightsReport(fused_projections=fused, packed_linears=packed)
     log.info("serving weights: %d fused projections, %d pre-packed linears", fused, packed)
     return report

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,7 +159,9 @@ def from_gguf_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> Bloc
     if k % BLOCK:
         raise ValueError(f"GGUF rows must hold whole {BLOCK}-blocks, K={k}")
     size = GGUF_BLOCK_BYTES[fmt]
-    data = torch.as_tensor(np.ascontiguousarray(raw)).view(torch.uint8)
+    with warnings.catch_warnings():  # a read-only memory map: nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.as_tensor(np.ascontiguousarray(raw)).view(torch.uint8)  # shares raw: copied below
     nb = k // BLOCK
     if data.numel() != n * nb * size:
         raise ValueError(f"{fmt} [{n}, {k}] needs {n * nb * size} bytes, got {data.numel()}")

@@ -10,6 +10,7 @@ are dequantized to fp32 by gguf-py and served as float, with a log line saying s
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 from dataclasses import dataclass, field
@@ -97,7 +98,8 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
         shape = [int(s) for s in reversed(t.shape.tolist())]  # ggml ne order -> [N, K]
         value: Tensor | BlockQuantWeight
         if kind in _KEPT and len(shape) == 2:
-            value = from_gguf_blocks(np.array(t.data), _KEPT[kind], shape[0], shape[1])
+            # t.data is a view of the file's memory map: only the repacked copies stay resident.
+            value = from_gguf_blocks(t.data, _KEPT[kind], shape[0], shape[1])
         elif kind in _FLOAT:
             value = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
         else:
@@ -114,5 +116,14 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
                 value.select_rows(perm) if isinstance(value, BlockQuantWeight) else value[perm].contiguous()
             )
         ckpt.tensors[name] = value
-    del reader  # unmaps the file: only our copies stay resident
+    del reader  # unmaps the file
+    release_free_heap()
     return ckpt
+
+
+def release_free_heap() -> None:
+    """Hands the heap that loading freed back to the OS (glibc keeps it otherwise: ~90 MiB of RSS here)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
