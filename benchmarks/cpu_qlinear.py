@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.quant import cpu_qlinear as cq  # noqa: E402
-from server.quant.block_linear import BlockQuantLinear  # noqa: E402
+from server.quant import cpu_qlinear as cq
+from server.quant.block_linear import BlockQuantLinear
 
 
 def cpu_model() -> dict[str, str]:
@@ -122,7 +122,13 @@ def main() -> None:
         dense = cq.dequantize_reference(w)
         for m in (1, 4, 16):
             x = torch.randn(m, k)
-            t = timed({"kernel": lambda: kernel.linear(x, w), "fp32": lambda: F.linear(x, dense)}, reps)
+            t = timed(
+                {
+                    "kernel": lambda x=x, w=w: kernel.linear(x, w),
+                    "fp32": lambda x=x, dense=dense: F.linear(x, dense),
+                },
+                reps,
+            )
             ms, cpu_ms = t["kernel"]
             results.append(
                 {
@@ -138,7 +144,7 @@ def main() -> None:
                     "speedup_vs_fp32": round(t["fp32"][0] / ms, 2),
                 }
             )
-        del dense
+        del dense, w
     cross = out["crossover"]
     assert isinstance(cross, list)
     w = make("q4_1", 3072, 576)  # SmolLM2's fused gate/up projection
@@ -146,7 +152,10 @@ def main() -> None:
     for m in (16, 32, 48, 64, 128, 256):
         x = torch.randn(m, 576)
         t = timed(
-            {"tiled": lambda: kernel.linear(x, w), "dequant_gemm": lambda: lin._dequant_gemm(x, w, kernel)},
+            {
+                "tiled": lambda x=x: kernel.linear(x, w),
+                "dequant_gemm": lambda x=x: lin._dequant_gemm(x, w, kernel),
+            },
             reps,
         )
         cross.append(

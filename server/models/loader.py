@@ -371,7 +371,7 @@ def load_gguf_model(
         and "lm_head.weight" not in ckpt.tensors
         and isinstance(emb, BlockQuantEmbedding)
     ):
-        model.lm_head = BlockQuantLinear(emb.weight_q, None, cache_dir)  # tied: the same tensors
+        model.lm_head = BlockQuantLinear(emb.weight_q, None, cache_dir)  # type: ignore[assignment]  # tied: shared tensors
         quantized["lm_head"] = emb.weight_q.fmt
     state = {k: v.float() for k, v in ckpt.tensors.items() if isinstance(v, torch.Tensor)}
     expected = {k for k in model.state_dict() if k.rpartition(".")[0] not in quantized}

@@ -38,21 +38,13 @@ def _register(module: nn.Module, w: BlockQuantWeight) -> None:
     module.register_buffer("mins", w.mins)
 
 
-def _weight(module: nn.Module, meta: BlockQuantWeight) -> BlockQuantWeight:
+def _weight(module: BlockQuantLinear | BlockQuantEmbedding, meta: BlockQuantWeight) -> BlockQuantWeight:
     # The buffers may have been replaced (module.to, load_state_dict): rebuild from what is registered.
     q, scales, mins = module.q, module.scales, module.mins
     if q is meta.q and scales is meta.scales and mins is meta.mins:
         return meta
     return BlockQuantWeight(
-        q,
-        scales,
-        mins,
-        meta.fmt,
-        meta.bits,
-        meta.group_size,
-        meta.zero_point,
-        meta.in_features,
-        meta.out_features,
+        q, scales, mins, meta.fmt, meta.bits, meta.group_size, meta.zero_point, meta.in_features, meta.out_features
     )
 
 

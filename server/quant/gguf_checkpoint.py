@@ -10,6 +10,7 @@ are dequantized to fp32 by gguf-py and served as float, with a log line saying s
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import re
@@ -123,7 +124,5 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
 
 def release_free_heap() -> None:
     """Hands the heap that loading freed back to the OS (glibc keeps it otherwise: ~90 MiB of RSS here)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
