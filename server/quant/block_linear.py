@@ -44,7 +44,15 @@ def _weight(module: BlockQuantLinear | BlockQuantEmbedding, meta: BlockQuantWeig
     if q is meta.q and scales is meta.scales and mins is meta.mins:
         return meta
     return BlockQuantWeight(
-        q, scales, mins, meta.fmt, meta.bits, meta.group_size, meta.zero_point, meta.in_features, meta.out_features
+        q,
+        scales,
+        mins,
+        meta.fmt,
+        meta.bits,
+        meta.group_size,
+        meta.zero_point,
+        meta.in_features,
+        meta.out_features,
     )
 
 
