@@ -83,7 +83,7 @@ def quantized_checkpoint(smollm2_dir: Path) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="session")
 def heldout_ids(smollm2_dir: Path) -> torch.Tensor:  # [EVAL_TOKENS] int64
-    from server.quant.evaluation import HELDOUT_TEXT
+    from server.quantize.evaluation import HELDOUT_TEXT
     from server.tokenizer import Tokenizer
 
     ids = Tokenizer(smollm2_dir).encode(HELDOUT_TEXT, add_special_tokens=False)
