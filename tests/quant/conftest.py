@@ -39,7 +39,6 @@ def _code_key(name: str, smollm2_dir: Path) -> str:
     files = [
         *sorted((root / "server" / "quantize").glob("*.py")),
         root / "server" / "quant" / "formats.py",
-        root / "server" / "quant" / "evaluation.py",
         root / "server" / "models" / "llama.py",
         root / "server" / "models" / "loader.py",
     ]
