@@ -85,7 +85,7 @@ def make(fmt: str, n: int, k: int) -> cq.BlockQuantWeight:
         s = w.abs().amax(1) / 127
         return cq.from_int8(torch.round(w / s[:, None]).to(torch.int8), s)
     if fmt == "int4":
-        g = 128
+        g = 64  # K = 576 = 9 x 64
         return cq.from_int4(
             torch.randint(0, 16, (k, n)), torch.randint(0, 16, (k // g, n)), torch.rand(k // g, n).half(), g
         )

@@ -204,6 +204,8 @@ def from_int4(intweight: Tensor, zeros: Tensor, scales: Tensor, group_size: int)
     """Group-wise int4 in the x @ W layout of formats.Int4Weights (intweight [K, N] in 0..15, zeros and
     scales [K / G, N], trivial g_idx) -> w[n, k] = scale * q + (-scale * zero)."""
     k, n = intweight.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
     s = scales.float().t().contiguous()  # [N, K/G]
     mins = (-(zeros.float().t()) * s).contiguous()
     return BlockQuantWeight(pack_nibbles(intweight.t()), s, mins, "int4", 4, group_size, 0, k, n)
