@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from server.quant.config import QuantConfig, resolve_quant_config
+from server.quant.config import BLOCK_FORMATS, QuantConfig, resolve_quant_config
 from server.quant.formats import awq_decode, gptq_decode, pick_group_size, quantize_rtn
 from server.quant.layers import (
     AwqCheckpointLinear,
@@ -132,6 +132,15 @@ def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Mod
         return Int4Linear(quantize_rtn(weight, pick_group_size(module.in_features, qcfg.group_size)), bias)
     if qcfg.method == "fp8":
         return Fp8Linear.quantize(weight, bias)
+    if qcfg.method in BLOCK_FORMATS:
+        if module.in_features % 32:
+            raise ValueError(
+                f"--quantize {qcfg.method} needs in_features divisible by 32, got {module.in_features}"
+            )
+        from server.quant.block_linear import BlockQuantLinear
+        from server.quant.cpu_qlinear import quantize_block
+
+        return BlockQuantLinear(quantize_block(weight, qcfg.method), bias)
     if qcfg.method.startswith("bitsandbytes"):
         # bitsandbytes computes in the model dtype (on this CPU fp32 prefill is ~4x faster than bf16).
         return BnbLinear(weight, bias, qcfg.bnb_quant_type, dtype)

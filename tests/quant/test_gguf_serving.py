@@ -139,3 +139,46 @@ def test_resident_memory_of_the_embedded_model(tmp_path: Path) -> None:
     r = json.loads(done.stdout.strip().splitlines()[-1])
     added = r["after"] - r["before"]
     assert added <= 1.5 * r["gguf"] + kv_budget, r
+
+
+@pytest.mark.parametrize("method", ["q8_0", "q4_1"])
+def test_quantize_flag_chooses_block_formats_for_a_float_checkpoint(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    method: str,
+    tmp_path: Path,
+) -> None:
+    """--quantize q8_0/q4_0/q4_1 on a float checkpoint: projections quantized like ggml's reference
+    quantizer; greedy output equals transformers running the same dequantized projections."""
+    from transformers import AutoModelForCausalLM
+
+    from server.quant.cpu_qlinear import quantize_block
+
+    folder = tiny_model_factory("llama", tie=True)
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32", quantize=method, cache_dir=tmp_path)
+        )
+    )
+    assert engine.info.quantization == method
+    assert isinstance(engine.loaded.model.model.layers[0].mlp.down_proj, BlockQuantLinear)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.endswith(("_proj",)) and isinstance(module, torch.nn.Linear):
+                module.weight.copy_(dequantize_reference(quantize_block(module.weight, method)))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    ours = run_staggered(
+        engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    )
+    ref = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                min_new_tokens=NEW_TOKENS,
+                eos_token_id=None,
+            )
+            ref.append(ids[0, len(p) :].tolist())
+    assert ours == ref
