@@ -28,7 +28,7 @@ from server.quant.cpu_qlinear import (
 )
 from server.quant.layers import QuantLinear
 
-GEMM_MIN_ROWS = 48  # from here on, dequantize + fp32 GEMM beats the tiled kernel (benchmarks/cpu_qlinear.py)
+GEMM_MIN_ROWS = 512  # below this the tiled kernel beat dequantize + GEMM at every M measured (16-256, benchmarks/cpu_qlinear.py)
 SLICE_BYTES = 4 << 20  # fp32 scratch per dequantized slice: stays in L2/L3 between dequantize and GEMM
 
 
