@@ -28,8 +28,8 @@ from server.quant.cpu_qlinear import (
 )
 from server.quant.layers import QuantLinear
 
-GEMM_MIN_ROWS = 512  # below this the tiled kernel beat dequantize + GEMM at every M measured (16-256, benchmarks/cpu_qlinear.py)
-SLICE_BYTES = 4 << 20  # fp32 scratch per dequantized slice: stays in L2/L3 between dequantize and GEMM
+GEMM_MIN_ROWS = 512  # the crossover measured on SmolLM2 shapes (tied at 512 rows; benchmarks/cpu_qlinear.py)
+SLICE_BYTES = 32 << 20  # fp32 scratch per dequantized slice: a whole projection is one slice, one GEMM
 
 
 def _register(module: nn.Module, w: BlockQuantWeight) -> None:
