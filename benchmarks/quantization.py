@@ -4,7 +4,7 @@
     python benchmarks/quantization.py --methods none int4 awq --decode-tokens 16
 
 AWQ and GPTQ checkpoints are written once by our quantizer into --work-dir and reused. Perplexity is
-over the held-out text of server.quant.evaluation (scored in fp32, as the tests do); decode speed is a
+over the held-out text of server.quantize.evaluation (scored in fp32, as the tests do); decode speed is a
 batch-1 greedy generation through LLMEngine in the serving dtype ("auto"), counted from the first
 token to the last. The reference ("none") is the embedded model, itself dequantized Q4_1.
 """
@@ -29,7 +29,7 @@ from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.loader import load_model, resolve_model
 from server.quant import quantized_layer_bytes
-from server.quant.evaluation import HELDOUT_TEXT, score_sequence, top1_agreement
+from server.quantize.evaluation import HELDOUT_TEXT, score_sequence, top1_agreement
 from server.request import SamplingParams
 from server.tokenizer import Tokenizer
 

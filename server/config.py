@@ -18,6 +18,9 @@ QUANTIZE_CHOICES = (
     "fp8",
     "int8",
     "int4",
+    "q8_0",  # GGUF's block formats, on CPU (server/quant/block_linear.py)
+    "q4_0",
+    "q4_1",
 )
 
 

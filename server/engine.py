@@ -20,7 +20,14 @@ from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.distributed.driver import TensorParallelDriver
-from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
+from server.models.loader import (
+    LoadedModel,
+    ModelSource,
+    load_gguf_model,
+    load_model,
+    resolve_dtype,
+    resolve_model,
+)
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, GrammarSpec, Request, SamplingParams
 from server.spec_decode.proposer import Speculator
@@ -84,15 +91,32 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         t0 = time.monotonic()
-        self.source: ModelSource = resolve_model(config.model.model, config.model.cache_dir)
-        dtype = resolve_dtype(config.model.dtype, self.device)
+        # A GGUF model is served as it is (quantized) on CPU unless a --dtype or --quantize asks otherwise,
+        # or tensor parallelism, which shards dense layers only.
+        serve_gguf = (
+            self.device.type == "cpu"
+            and config.model.dtype == "auto"
+            and config.model.quantize is None
+            and config.parallel.tensor_parallel_size == 1
+        )
+        self.source: ModelSource = resolve_model(
+            config.model.model, config.model.cache_dir, keep_gguf=serve_gguf
+        )
+        dtype = (
+            torch.float32 if self.source.gguf is not None else resolve_dtype(config.model.dtype, self.device)
+        )
         from server.models.loader import read_hf_config
 
         max_pos = int(read_hf_config(self.source.folder).get("max_position_embeddings", 2048))
         self.max_model_len = config.model.max_model_len or min(max_pos, 8192)
-        self.loaded: LoadedModel = load_model(
-            self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize
-        )
+        if self.source.gguf is not None:
+            self.loaded: LoadedModel = load_gguf_model(
+                self.source.gguf, self.source.folder, self.device, self.max_model_len, config.model.cache_dir
+            )
+        else:
+            self.loaded = load_model(
+                self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize
+            )
         tp = config.parallel.tensor_parallel_size
         self.tp: TensorParallelDriver | None = None
         if tp > 1:  # rank 0 of N: start ranks 1..N-1, keep this rank's shard (server/distributed/)

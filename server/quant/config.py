@@ -16,7 +16,12 @@ ON_THE_FLY = {
     "bitsandbytes": "bitsandbytes",  # TGI: LLM.int8()
     "bitsandbytes-nf4": "bitsandbytes-nf4",
     "bitsandbytes-fp4": "bitsandbytes-fp4",
+    # GGUF's block formats (round to nearest, as ggml's reference quantizers), served by our CPU kernel
+    "q8_0": "q8_0",
+    "q4_0": "q4_0",
+    "q4_1": "q4_1",
 }
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
 PREQUANTIZED = ("awq", "gptq", "fp8")
 SUPPORTED_DEVICES = ("cpu", "cuda")
 DEFAULT_INT4_GROUP_SIZE = 128
@@ -24,7 +29,7 @@ DEFAULT_INT4_GROUP_SIZE = 128
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # awq, gptq, fp8, int8, int4, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4
+    method: str  # awq, gptq, fp8, int8, int4, bitsandbytes*, q8_0, q4_0, q4_1
     is_prequantized: bool
     bits: int = 4
     group_size: int = DEFAULT_INT4_GROUP_SIZE  # awq/gptq: from the checkpoint (-1 there = whole column)
@@ -125,6 +130,8 @@ def check_device(method: str, device: torch.device) -> None:
             f"quantization {method!r} needs the bitsandbytes package, which is not installed "
             f"on this {device.type} host (pip install bitsandbytes)"
         )
+    if method in BLOCK_FORMATS and device.type != "cpu":
+        raise ValueError(f"quantization {method!r} runs on CPU only (the block-quantized CPU kernel)")
     if method == "fp8" and not hasattr(torch, "float8_e4m3fn"):
         raise ValueError(
             f"quantization 'fp8' cannot run on device {device.type!r}: this torch has no float8_e4m3fn"

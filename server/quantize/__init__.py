@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 
 from server.models.loader import load_model, read_hf_config, resolve_model
 from server.quant import iter_projections
-from server.quant.evaluation import SequenceRunner
 from server.quant.formats import Int4Weights, awq_encode, gptq_encode
 from server.quantize.algorithms import AwqOptions, GptqOptions, awq_layer, gptq_layer, linear, rtn_layer
 from server.quantize.calibration import CALIBRATION_TEXT
+from server.quantize.evaluation import SequenceRunner
 from server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

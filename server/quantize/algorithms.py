@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from server.models.llama import DecoderLayer
-from server.quant.evaluation import SequenceRunner
 from server.quant.formats import MAXQ, Int4Weights, group_params, quantize_rtn, trivial_g_idx
+from server.quantize.evaluation import SequenceRunner
 
 
 def linear(layer: nn.Module, name: str) -> nn.Linear:

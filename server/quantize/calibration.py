@@ -1,5 +1,5 @@
 """The built-in calibration text (original prose, a mix of registers). The held-out evaluation text in
-server/quant/evaluation.py shares no sentence with it."""
+server/quantize/evaluation.py shares no sentence with it."""
 
 CALIBRATION_TEXT = """\
 The old lighthouse stood at the end of a narrow spit of rock, and for most of the year nobody went there \

@@ -8,7 +8,7 @@ from torch import nn
 
 from server.models.loader import load_model
 from server.models.serving_weights import PackedLinear, cpu_packing_supported, prepare_for_serving
-from server.quant.evaluation import SequenceRunner
+from server.quantize.evaluation import SequenceRunner
 
 CPU = torch.device("cpu")
 

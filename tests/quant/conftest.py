@@ -39,7 +39,6 @@ def _code_key(name: str, smollm2_dir: Path) -> str:
     files = [
         *sorted((root / "server" / "quantize").glob("*.py")),
         root / "server" / "quant" / "formats.py",
-        root / "server" / "quant" / "evaluation.py",
         root / "server" / "models" / "llama.py",
         root / "server" / "models" / "loader.py",
     ]
@@ -83,7 +82,7 @@ def quantized_checkpoint(smollm2_dir: Path) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="session")
 def heldout_ids(smollm2_dir: Path) -> torch.Tensor:  # [EVAL_TOKENS] int64
-    from server.quant.evaluation import HELDOUT_TEXT
+    from server.quantize.evaluation import HELDOUT_TEXT
     from server.tokenizer import Tokenizer
 
     ids = Tokenizer(smollm2_dir).encode(HELDOUT_TEXT, add_special_tokens=False)

@@ -1,4 +1,4 @@
-"""Accuracy of every method on the embedded SmolLM2 over a fixed held-out text (server.quant.evaluation):
+"""Accuracy of every method on the embedded SmolLM2 over a fixed held-out text (server.quantize.evaluation):
 perplexity against the unquantized model and teacher-forced greedy top-1 agreement over 256 positions.
 
 The bounds are what we measured (see docs/quantization.md) plus a margin; the reference is the model as
@@ -17,7 +17,7 @@ import torch
 
 from server.models.loader import load_model
 from server.quant import QuantConfig, finalize, quantized_layer_bytes
-from server.quant.evaluation import SequenceScores, score_sequence, top1_agreement
+from server.quantize.evaluation import SequenceScores, score_sequence, top1_agreement
 
 # method -> (max perplexity ratio to unquantized, min top-1 agreement, max bytes ratio to fp16).
 # Measured on this text (ratio, agreement): int8 0.995, 0.945; fp8 1.034, 0.922; bitsandbytes (LLM.int8)

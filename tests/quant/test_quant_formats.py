@@ -254,7 +254,7 @@ def test_quant_checkpoint_decodes_to_what_the_layers_compute(
 def test_quant_awq_checkpoint_preserves_the_function(tiny_quantized: dict[str, Path]) -> None:
     """AWQ moves scales from the norms into the projections: the whole model must still compute about
     the same logits as its source (unlike a wrong-order unpacking, which scrambles columns)."""
-    from server.quant.evaluation import score_sequence
+    from server.quantize.evaluation import score_sequence
 
     ids = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(6))
     base = score_sequence(_load(tiny_quantized["src"]).model, ids)
@@ -324,7 +324,7 @@ def test_quant_zero_biases_of_bias_free_layers_are_accepted(
     from safetensors.torch import save_file
 
     from server.models.loader import ModelLoadError
-    from server.quant.evaluation import score_sequence
+    from server.quantize.evaluation import score_sequence
 
     src = tiny_quantized["gptq"]
     folder = tmp_path / "with-zero-bias"

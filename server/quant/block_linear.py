@@ -1,0 +1,171 @@
+"""Drop-in modules over a BlockQuantWeight (GGUF Q4_0/Q4_1/Q8_0, int8, int4) for CPU serving.
+
+`BlockQuantLinear` replaces an nn.Linear (forward(x: [..., in_features]) -> [..., out_features]), and
+`BlockQuantEmbedding` an nn.Embedding whose rows are quantized: a lookup dequantizes only the rows it
+needs. A tied embedding and LM head share one BlockQuantWeight (one copy in memory).
+
+Paths (the compiled kernel, server/quant/csrc/qlinear.cpp):
+- M rows of x below GEMM_MIN_ROWS: the kernel's GEMV (M = 1) or tiled path, reading W once;
+- prefill-sized M: W dequantized in slices of rows into a scratch buffer, each multiplied by torch's
+  fp32 GEMM (oneDNN), which beats the tiled kernel once there are enough rows to amortize the
+  dequantization (measured by benchmarks/cpu_qlinear.py);
+- no compiler: the plain-torch reference (dequantize, then matmul), slower but the same function.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from server.quant.cpu_qlinear import (
+    BlockQuantWeight,
+    QLinearKernel,
+    dequantize_reference,
+    try_load_qlinear_kernel,
+)
+from server.quant.layers import QuantLinear
+
+GEMM_MIN_ROWS = 512  # the crossover measured on SmolLM2 shapes (tied at 512 rows; benchmarks/cpu_qlinear.py)
+SLICE_BYTES = 32 << 20  # fp32 scratch per dequantized slice: a whole projection is one slice, one GEMM
+
+
+def _register(module: nn.Module, w: BlockQuantWeight) -> None:
+    module.register_buffer("q", w.q)
+    module.register_buffer("scales", w.scales)
+    module.register_buffer("mins", w.mins)
+
+
+def _weight(module: BlockQuantLinear | BlockQuantEmbedding, meta: BlockQuantWeight) -> BlockQuantWeight:
+    # The buffers may have been replaced (module.to, load_state_dict): rebuild from what is registered.
+    q, scales, mins = module.q, module.scales, module.mins
+    if q is meta.q and scales is meta.scales and mins is meta.mins:
+        return meta
+    return BlockQuantWeight(
+        q,
+        scales,
+        mins,
+        meta.fmt,
+        meta.bits,
+        meta.group_size,
+        meta.zero_point,
+        meta.in_features,
+        meta.out_features,
+    )
+
+
+class BlockQuantLinear(QuantLinear):
+    """y = x @ W^T + bias with W block-quantized; fp32 activations and accumulation."""
+
+    q: Tensor
+    scales: Tensor
+    mins: Tensor | None
+    bias: Tensor | None
+
+    def __init__(
+        self,
+        w: BlockQuantWeight,
+        bias: Tensor | None = None,  # [N]
+        cache_dir: Path | None = None,
+        kernel: QLinearKernel | None = None,  # an already loaded kernel (else loaded from cache_dir)
+    ) -> None:
+        super().__init__(w.in_features, w.out_features)
+        self.method = w.fmt
+        self._w = w
+        _register(self, w)
+        if bias is not None and tuple(bias.shape) != (w.out_features,):
+            raise ValueError(f"bias must be [{w.out_features}], got {tuple(bias.shape)}")
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.kernel: QLinearKernel | None = kernel or try_load_qlinear_kernel(cache_dir)
+
+    @staticmethod
+    def fuse(parts: list[BlockQuantLinear]) -> BlockQuantLinear | None:
+        """One module computing the parts' outputs side by side (fused q/k/v, gate/up), or None if they
+        differ in format or K, or only some have a bias."""
+        first = parts[0]._w
+        if any(
+            (p._w.fmt, p._w.in_features, p._w.group_size) != (first.fmt, first.in_features, first.group_size)
+            for p in parts
+        ):
+            return None
+        biases = [p.bias for p in parts]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            return None
+        bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+        w = BlockQuantWeight.concat_rows([p.weight_q for p in parts])
+        return BlockQuantLinear(w, bias, kernel=parts[0].kernel)
+
+    @property
+    def weight_q(self) -> BlockQuantWeight:
+        return _weight(self, self._w)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [..., K] -> [..., N] in x's dtype
+        lead, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, self.in_features).float()  # [M, K]
+        w = self.weight_q
+        if self.kernel is None:
+            y = F.linear(x2, dequantize_reference(w), self.bias)
+        elif x2.shape[0] >= GEMM_MIN_ROWS:
+            y = self._dequant_gemm(x2, w, self.kernel)
+        else:
+            y = self.kernel.linear(x2, w, self.bias)
+        return y.reshape(*lead, self.out_features).to(dtype)
+
+    def _dequant_gemm(self, x: Tensor, w: BlockQuantWeight, kernel: QLinearKernel) -> Tensor:
+        # x: [M, K] -> [M, N]
+        m, k, n = x.shape[0], self.in_features, self.out_features
+        x = x.contiguous()
+        out = torch.empty(m, n)
+        rows = max(16, SLICE_BYTES // (4 * k))
+        scratch = torch.empty(min(rows, n), k)
+        for n0 in range(0, n, rows):
+            r = min(rows, n - n0)
+            tile = kernel.dequantize_rows(w, start=n0, count=r, out=scratch[:r])
+            if r == n:
+                torch.mm(x, tile.t(), out=out)
+            else:
+                out[:, n0 : n0 + r] = x @ tile.t()
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def weight_nbytes(self) -> int:
+        return self.weight_q.nbytes() + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self._w.group_size}"
+
+
+class BlockQuantEmbedding(nn.Module):
+    """nn.Embedding over a block-quantized [num_embeddings, embedding_dim] table: ids [T] -> [T, dim] fp32."""
+
+    q: Tensor
+    scales: Tensor
+    mins: Tensor | None
+
+    def __init__(self, w: BlockQuantWeight, cache_dir: Path | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = w.out_features, w.in_features
+        self._w = w
+        _register(self, w)
+        self.kernel: QLinearKernel | None = try_load_qlinear_kernel(cache_dir)
+
+    @property
+    def weight_q(self) -> BlockQuantWeight:
+        return _weight(self, self._w)
+
+    def forward(self, ids: Tensor) -> Tensor:  # ids: [...] int -> [..., dim] fp32
+        flat = ids.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        w = self.weight_q
+        if self.kernel is None:
+            rows = dequantize_reference(w, flat)
+        else:
+            rows = self.kernel.dequantize_rows(w, flat)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self._w.fmt}"

@@ -1,0 +1,423 @@
+"""Block-quantized weights and the compiled CPU kernel that multiplies by them (csrc/qlinear.cpp).
+
+One layout, `BlockQuantWeight`, holds every weight-only format the CPU kernel runs, each row n of W[N, K]
+(out_features x in_features, nn.Linear's orientation) being quantized values plus a scale (and maybe a
+min) per group of `group_size` consecutive k:
+
+    w[n, k] = scale[n, g] * (q[n, k] - zero_point) + min[n, g]        g = k // group_size
+
+    format  bits  group  zero_point  min    scale  source
+    q8_0    8     32     0           -      fp16   GGUF (ggml) block_q8_0
+    q4_0    4     32     8           -      fp16   GGUF block_q4_0
+    q4_1    4     32     0           yes    fp16   GGUF block_q4_1
+    int8    8     K      0           -      fp32   our per-output-channel int8 (Int8Linear.quantize)
+    int4    4     G      0           yes    fp32   int4 group-wise with zero points (AWQ, GPTQ, RTN)
+
+4-bit values are packed as GGUF packs them: per 32-block of k, byte j holds k = j (low nibble) and
+k = j + 16 (high nibble). The block formats are ggml's (ggml/src/ggml-common.h, gguf-py's quants.py).
+
+`load_qlinear_kernel()` builds the kernel once (server/native.py); `QLinearKernel.linear` and
+`.dequantize_rows` are its checked launchers; `dequantize_reference` and `linear_reference` are the
+plain-torch references the tests hold the kernel to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from server.config import default_cache_dir
+from server.native import KernelBuildError, NativeSource, load_library
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
+ABI_VERSION = 1
+# No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
+# where a rounding would differ, no flush-to-zero).
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
+NATIVE = NativeSource("qlinear", SOURCE, COMPILE_FLAGS)
+BLOCK = 32  # values per GGUF block
+
+# GGUF block layouts: bytes per 32-block, and whether a min follows the scale.
+GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class BlockQuantWeight:
+    """A [N, K] weight kept quantized (layout in the module docstring)."""
+
+    q: Tensor  # bits 8: [N, K] int8; bits 4: [N, K / 2] uint8
+    scales: Tensor  # [N, groups] fp16 (GGUF formats) or fp32
+    mins: Tensor | None  # [N, groups], scales' dtype, or None
+    fmt: str
+    bits: int
+    group_size: int
+    zero_point: int
+    in_features: int  # K
+    out_features: int  # N
+
+    def __post_init__(self) -> None:
+        n, k, g = self.out_features, self.in_features, self.group_size
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown block format {self.fmt!r}; expected one of {FORMATS}")
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        groups = -(-k // g)
+        if self.bits == 4 and (k % BLOCK or g % BLOCK):
+            raise ValueError(f"4-bit weights need K ({k}) and group_size ({g}) to be multiples of {BLOCK}")
+        if self.bits == 8 and groups > 1 and g % BLOCK:
+            raise ValueError(f"8-bit weights with several groups need group_size ({g}) a multiple of {BLOCK}")
+        row_bytes = k if self.bits == 8 else k // 2
+        q_dtype = torch.int8 if self.bits == 8 else torch.uint8
+        if tuple(self.q.shape) != (n, row_bytes) or self.q.dtype != q_dtype:
+            raise ValueError(
+                f"q must be [{n}, {row_bytes}] {q_dtype}, got {tuple(self.q.shape)} {self.q.dtype}"
+            )
+        for name, t in (("scales", self.scales), ("mins", self.mins)):
+            if t is None:
+                continue
+            if tuple(t.shape) != (n, groups) or t.dtype not in (torch.float16, torch.float32):
+                raise ValueError(
+                    f"{name} must be [{n}, {groups}] fp16 or fp32, got {tuple(t.shape)} {t.dtype}"
+                )
+        if self.mins is not None and self.mins.dtype != self.scales.dtype:
+            raise ValueError("mins and scales must share a dtype")
+        for name, t in (("q", self.q), ("scales", self.scales), ("mins", self.mins)):
+            if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous CPU tensor")
+
+    @property
+    def groups(self) -> int:
+        return -(-self.in_features // self.group_size)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.q, self.scales, self.mins) if t is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def select_rows(self, index: Tensor) -> BlockQuantWeight:
+        """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice)."""
+        return BlockQuantWeight(
+            self.q.index_select(0, index).contiguous(),
+            self.scales.index_select(0, index).contiguous(),
+            None if self.mins is None else self.mins.index_select(0, index).contiguous(),
+            self.fmt,
+            self.bits,
+            self.group_size,
+            self.zero_point,
+            self.in_features,
+            int(index.numel()),
+        )
+
+    @staticmethod
+    def concat_rows(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
+        """The rows of several weights of one format and K, stacked (fused q/k/v, gate/up)."""
+        first = parts[0]
+        for p in parts:
+            if (p.fmt, p.in_features, p.group_size, p.scales.dtype) != (
+                first.fmt,
+                first.in_features,
+                first.group_size,
+                first.scales.dtype,
+            ):
+                raise ValueError("only weights of one format, K, group size and scale dtype concatenate")
+        mins = None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+        return BlockQuantWeight(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            mins,
+            first.fmt,
+            first.bits,
+            first.group_size,
+            first.zero_point,
+            first.in_features,
+            sum(p.out_features for p in parts),
+        )
+
+
+# ------------------------------------------------------------------ constructors
+
+
+def from_gguf_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
+    """GGUF tensor data ([N, K / 32 * block_bytes] uint8, rows of ggml blocks) -> a BlockQuantWeight.
+
+    block_q4_0 = {fp16 d; uint8 qs[16]}, block_q4_1 = {fp16 d; fp16 m; uint8 qs[16]},
+    block_q8_0 = {fp16 d; int8 qs[32]} (ggml-common.h)."""
+    if fmt not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"{fmt!r} is not a GGUF block format the kernel runs ({sorted(GGUF_BLOCK_BYTES)})")
+    if k % BLOCK:
+        raise ValueError(f"GGUF rows must hold whole {BLOCK}-blocks, K={k}")
+    size = GGUF_BLOCK_BYTES[fmt]
+    with warnings.catch_warnings():  # a read-only memory map: nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.as_tensor(np.ascontiguousarray(raw)).view(torch.uint8)  # shares raw: copied below
+    nb = k // BLOCK
+    if data.numel() != n * nb * size:
+        raise ValueError(f"{fmt} [{n}, {k}] needs {n * nb * size} bytes, got {data.numel()}")
+    blocks = data.reshape(n, nb, size)
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).reshape(n, nb)
+    if fmt == "q8_0":
+        q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, k)
+        return BlockQuantWeight(q, d.contiguous(), None, fmt, 8, BLOCK, 0, k, n)
+    if fmt == "q4_0":
+        q = blocks[:, :, 2:].reshape(n, k // 2).contiguous()
+        return BlockQuantWeight(q, d.contiguous(), None, fmt, 4, BLOCK, 8, k, n)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(n, nb)
+    q = blocks[:, :, 4:].reshape(n, k // 2).contiguous()
+    return BlockQuantWeight(q, d.contiguous(), m.contiguous(), fmt, 4, BLOCK, 0, k, n)
+
+
+def pack_nibbles(values: Tensor) -> Tensor:
+    """[N, K] ints in 0..15 -> [N, K / 2] uint8, GGUF's order: per 32-block, byte j = k_j | k_(j+16) << 4."""
+    n, k = values.shape
+    v = values.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_nibbles(q: Tensor) -> Tensor:
+    """Inverse of pack_nibbles: [N, K / 2] uint8 -> [N, K] int32."""
+    n, half = q.shape
+    b = q.reshape(n, half * 2 // BLOCK, BLOCK // 2).to(torch.int32)
+    return torch.stack([b & 0x0F, b >> 4], dim=2).reshape(n, half * 2)
+
+
+def from_int8(qweight: Tensor, scale: Tensor) -> BlockQuantWeight:
+    """Per-output-channel int8 (qweight [N, K] int8, scale [N] float): w = q * scale[n]."""
+    n, k = qweight.shape
+    return BlockQuantWeight(
+        qweight.contiguous(), scale.float().reshape(n, 1).contiguous(), None, "int8", 8, k, 0, k, n
+    )
+
+
+def from_int4(intweight: Tensor, zeros: Tensor, scales: Tensor, group_size: int) -> BlockQuantWeight:
+    """Group-wise int4 in the x @ W layout of formats.Int4Weights (intweight [K, N] in 0..15, zeros and
+    scales [K / G, N], trivial g_idx) -> w[n, k] = scale * q + (-scale * zero)."""
+    k, n = intweight.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+    s = scales.float().t().contiguous()  # [N, K/G]
+    mins = (-(zeros.float().t()) * s).contiguous()
+    return BlockQuantWeight(pack_nibbles(intweight.t()), s, mins, "int4", 4, group_size, 0, k, n)
+
+
+def quantize_block(weight: Tensor, fmt: str) -> BlockQuantWeight:
+    """Round-to-nearest quantization of a float [N, K] weight into a GGUF block format, as ggml's
+    reference quantizers (quantize_row_q*_ref) do: q8_0 d = amax/127; q4_0 d = max/-8 (signed max);
+    q4_1 d = (max - min)/15, m = min."""
+    if fmt not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"no block quantizer for {fmt!r}")
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK}")
+    b = w.reshape(n, k // BLOCK, BLOCK)
+    if fmt == "q8_0":
+        d = b.abs().amax(-1) / 127.0
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(b * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+        return BlockQuantWeight(q, d.half().contiguous(), None, fmt, 8, BLOCK, 0, k, n)
+    if fmt == "q4_0":
+        idx = b.abs().argmax(-1, keepdim=True)
+        signed_max = b.gather(-1, idx).squeeze(-1)
+        d = signed_max / -8.0
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.clamp(torch.floor(b * inv[..., None] + 8.5), 0, 15).reshape(n, k)
+        return BlockQuantWeight(pack_nibbles(q), d.half().contiguous(), None, fmt, 4, BLOCK, 8, k, n)
+    lo, hi = b.amin(-1), b.amax(-1)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp(torch.floor((b - lo[..., None]) * inv[..., None] + 0.5), 0, 15).reshape(n, k)
+    return BlockQuantWeight(
+        pack_nibbles(q), d.half().contiguous(), lo.half().contiguous(), fmt, 4, BLOCK, 0, k, n
+    )
+
+
+# ------------------------------------------------------------------ torch references
+
+
+def _values(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:  # [R, K] int32
+    q = w.q if rows is None else w.q.index_select(0, rows)
+    return q.to(torch.int32) if w.bits == 8 else unpack_nibbles(q)
+
+
+def dequantize_reference(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:
+    """W (or its rows `rows`, [R] int64) as fp32: [R, K]."""
+    q = _values(w, rows)
+    scales = w.scales if rows is None else w.scales.index_select(0, rows)
+    g = torch.arange(w.in_features) // w.group_size
+    out = (q - w.zero_point).float() * scales.float()[:, g]
+    if w.mins is not None:
+        mins = w.mins if rows is None else w.mins.index_select(0, rows)
+        out = out + mins.float()[:, g]
+    return out
+
+
+def linear_reference(x: Tensor, w: BlockQuantWeight, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] fp32 -> [M, N] fp32 through the dequantized weight."""
+    y = x.float() @ dequantize_reference(w).t()
+    return y if bias is None else y + bias.float()
+
+
+# ------------------------------------------------------------------ the kernel
+
+
+class _KiQWeight(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("group_size", ctypes.c_int64),
+        ("groups", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("zero_point", ctypes.c_int32),
+        ("scale_is_f16", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+def _descriptor(w: BlockQuantWeight) -> _KiQWeight:
+    return _KiQWeight(
+        w.q.data_ptr(),
+        w.scales.data_ptr(),
+        None if w.mins is None else w.mins.data_ptr(),
+        w.out_features,
+        w.in_features,
+        w.group_size,
+        w.groups,
+        w.q.shape[1],
+        w.bits,
+        w.zero_point,
+        int(w.scales.dtype == torch.float16),
+        0,
+    )
+
+
+@dataclass(frozen=True)
+class QLinearKernel:
+    """The loaded library. Its launchers check shapes, dtypes and strides: a wrong pointer would crash."""
+
+    lib: ctypes.CDLL
+    path: Path
+    isa: str  # "avx2" or "portable": the code path this build runs
+
+    def linear(
+        self,
+        x: Tensor,  # [M, K] fp32, rows may be strided (unit stride within a row)
+        w: BlockQuantWeight,
+        bias: Tensor | None = None,  # [N] fp32
+        out: Tensor | None = None,  # [M, N] fp32, unit stride within a row
+    ) -> Tensor:  # [M, N] fp32
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
+        if x.dim() != 2 or x.shape[1] != w.in_features or (x.shape[0] > 1 and x.stride(1) != 1):
+            raise ValueError(f"x must be [M, {w.in_features}] with unit stride along K, got {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m, n = x.shape[0], w.out_features
+        if bias is not None and (
+            bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()
+        ):
+            raise ValueError(f"bias must be a contiguous [{n}] fp32 tensor")
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be [{m}, {n}] fp32 with unit stride along N")
+        if m == 0 or n == 0:
+            return out
+        desc = _descriptor(w)
+        rc = self.lib.kubeinfer_qlinear(
+            ctypes.byref(desc),
+            x.data_ptr(),
+            m,
+            x.stride(0),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"qlinear kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
+        return out
+
+    def dequantize_rows(
+        self,
+        w: BlockQuantWeight,
+        rows: Tensor | None = None,  # [R] int64 row ids, or None for the range [start, start + count)
+        start: int = 0,
+        count: int | None = None,
+        out: Tensor | None = None,  # [R, K] fp32, unit stride along K
+    ) -> Tensor:  # [R, K] fp32
+        if rows is not None:
+            if rows.dtype != torch.int64 or rows.dim() != 1:
+                raise TypeError("rows must be a 1-D int64 tensor")
+            rows = rows.contiguous()
+            r = rows.numel()
+            if r and (int(rows.min()) < 0 or int(rows.max()) >= w.out_features):
+                raise IndexError(f"row index out of range [0, {w.out_features})")
+        else:
+            r = w.out_features - start if count is None else count
+            if start < 0 or r < 0 or start + r > w.out_features:
+                raise IndexError(f"rows [{start}, {start + r}) out of range [0, {w.out_features})")
+        k = w.in_features
+        if out is None:
+            out = torch.empty(r, k, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (r, k) or (k > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be [{r}, {k}] fp32 with unit stride along K")
+        if r == 0:
+            return out
+        desc = _descriptor(w)
+        rc = self.lib.kubeinfer_qdequant(
+            ctypes.byref(desc),
+            None if rows is None else rows.data_ptr(),
+            start,
+            r,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"qdequant kernel returned {rc} for {w.fmt} [{w.out_features}, {k}]")
+        return out
+
+
+@functools.cache
+def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
+    """Builds (or finds under `cache_dir`/kernels) and loads the kernel; raises KernelBuildError if it cannot."""
+    lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
+    if lib.kubeinfer_qlinear_abi() != ABI_VERSION:
+        raise KernelBuildError(f"{path} reports ABI {lib.kubeinfer_qlinear_abi()}, expected {ABI_VERSION}")
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    lib.kubeinfer_qlinear.restype = i32
+    lib.kubeinfer_qlinear.argtypes = [ctypes.POINTER(_KiQWeight), ptr, i64, i64, ptr, ptr, i64, i32]
+    lib.kubeinfer_qdequant.restype = i32
+    lib.kubeinfer_qdequant.argtypes = [ctypes.POINTER(_KiQWeight), ptr, i64, i64, ptr, i64, i32]
+    lib.kubeinfer_qlinear_isa.restype = ctypes.c_char_p
+    return QLinearKernel(lib, path, lib.kubeinfer_qlinear_isa().decode())
+
+
+def try_load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel | None:
+    """The kernel, or None (logged once) when it cannot be built: the torch reference path then serves."""
+    try:
+        return load_qlinear_kernel(cache_dir)
+    except (KernelBuildError, OSError) as e:
+        _warn_once(str(e))
+        return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("quantized CPU kernel unavailable, using the slower torch path: %s", reason)

@@ -1,0 +1,438 @@
+// Weight-only quantized linear layers for CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 activations,
+// fp32 accumulation, W kept quantized in memory.
+//
+// Built at run time by server/quant/cpu_qlinear.py (through server/native.py) and called via ctypes: a
+// plain C ABI, no torch headers. One weight layout serves every format (GGUF Q4_0 / Q4_1 / Q8_0, int8
+// per output channel, int4 group-wise), each row n of W being:
+//   q       row_bytes bytes. bits 8: int8 values, one per k. bits 4: blocks of 32 k, 16 bytes each,
+//           byte j holding k = 32b + j (low nibble) and k = 32b + j + 16 (high nibble): GGUF's order.
+//   scales  [groups] fp16 or fp32     w[n, k] = scale[n, g] * (q[n, k] - zero_point) (+ min[n, g])
+//   mins    [groups] or none          with g = k / group_size
+// Groups are whole 32-blocks (4-bit, and 8-bit with several groups); an 8-bit single group (per-channel
+// int8) may have any K, its last K % 32 values handled one by one.
+//
+// Two paths, both parallel over output columns (OpenMP, torch's libgomp):
+//   gemv  (M == 1, decode): four rows of W at a time, each 32-block decoded in registers and multiplied
+//         into the one x row; scales applied once per group; Q4_1's min through sum(x) of the group.
+//   tiled (M > 1): four rows of W decoded once into a thread-local fp32 tile, then every x row against
+//         it, so W still streams from memory once. (Prefill-sized M goes to dequantize + torch GEMM,
+//         chosen in Python.)
+// The AVX2 code path is compiled where the build machine has AVX2 (-march=native); elsewhere (including
+// AVX-512 machines) a portable path that the compiler vectorizes for the machine's own vector width.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KI_AVX2 1
+#else
+#define KI_AVX2 0
+#endif
+
+extern "C" {
+struct KiQWeight {
+  const uint8_t* q;       // [n, row_bytes]
+  const void* scales;     // [n, groups] fp16 (scale_is_f16) or fp32
+  const void* mins;       // [n, groups] like scales, or null
+  int64_t n, k, group_size, groups, row_bytes;
+  int32_t bits, zero_point, scale_is_f16, reserved;
+};
+}
+
+namespace {
+
+constexpr int NR = 4;  // rows of W per task
+
+inline float half_to_float(uint16_t h) {
+#if KI_AVX2
+  return _cvtsh_ss(h);
+#else
+  // IEEE binary16 -> binary32, subnormals included.
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400u) == 0);
+      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+template <bool F16>
+inline float load_scale(const void* p, int64_t i) {
+  if constexpr (F16) {
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return static_cast<const float*>(p)[i];
+  }
+}
+
+// The integer of W[n, k] (before zero_point), for the scalar paths.
+template <int BITS>
+inline int q_at(const uint8_t* row, int64_t k) {
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(row[k]);
+  } else {
+    const uint8_t byte = row[(k / 32) * 16 + (k % 16)];
+    return (k % 32) < 16 ? (byte & 0x0f) : (byte >> 4);
+  }
+}
+
+template <int BITS>
+inline const uint8_t* block_ptr(const uint8_t* row, int64_t b) {
+  return row + b * (BITS == 8 ? 32 : 16);
+}
+
+#if KI_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 weights of one block -> 4 x 8 floats holding q - zero_point.
+template <int BITS>
+inline void decode_block(const uint8_t* p, __m256 zp, __m256 out[4]) {
+  if constexpr (BITS == 8) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  } else {
+    // 8 bytes widened to 8 x 32-bit lanes hold 16 nibbles: the low ones are k = j, the high ones k = j + 16.
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    out[0] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), zp);
+    out[1] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, mask)), zp);
+    out[2] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), zp);
+    out[3] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), zp);
+  }
+}
+
+// The raw integers of one block (no zero point): 4 x 8 floats.
+template <int BITS>
+inline void decode_raw(const uint8_t* p, __m256 out[4]) {
+  if constexpr (BITS == 8) {
+    decode_block<8>(p, _mm256_setzero_ps(), out);
+  } else {
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+    out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+    out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+}
+
+// [sum(v0), sum(v1), ..., sum(v7)]
+inline __m256 hsum8(const __m256 v[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// GGUF's 32-value groups with fp16 scales: eight blocks at a time, their dot products reduced into one
+// vector and scaled by eight scales loaded together (a broadcast per block would cost more than the dot).
+// The zero point and min go through the blocks' sums of x: sum((q - zp) d x) + m sum(x)
+//   = d sum(q x) + (m - zp d) sum(x).
+template <int BITS>
+void gemv_row_g32(const KiQWeight& w, const float* x, const float* xsum, int64_t n, float* y) {
+  const int64_t nb = w.k / 32;
+  const uint8_t* row = w.q + n * w.row_bytes;
+  const uint16_t* sc = static_cast<const uint16_t*>(w.scales) + n * w.groups;
+  const uint16_t* mn = w.mins ? static_cast<const uint16_t*>(w.mins) + n * w.groups : nullptr;
+  const bool offset = mn || w.zero_point;
+  const __m256 zpv = _mm256_set1_ps(static_cast<float>(w.zero_point));
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256 p[8];
+    for (int i = 0; i < 8; ++i) {
+      __m256 v[4];
+      decode_raw<BITS>(block_ptr<BITS>(row, b + i), v);
+      const float* xb = x + (b + i) * 32;
+      __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+      s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), s);
+      s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), s);
+      p[i] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), s);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b)));
+    acc = _mm256_fmadd_ps(d, hsum8(p), acc);
+    if (offset) {
+      __m256 off = _mm256_mul_ps(zpv, d);
+      if (mn) off = _mm256_sub_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b))), off);
+      else off = _mm256_sub_ps(_mm256_setzero_ps(), off);
+      acc = _mm256_fmadd_ps(off, _mm256_loadu_ps(xsum + b), acc);
+    }
+  }
+  float tail = 0.0f;
+  for (; b < nb; ++b) {
+    __m256 v[4];
+    decode_raw<BITS>(block_ptr<BITS>(row, b), v);
+    const float* xb = x + b * 32;
+    __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+    s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), s);
+    s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), s);
+    s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), s);
+    const float d = half_to_float(sc[b]);
+    tail += d * hsum(s);
+    if (offset) tail += ((mn ? half_to_float(mn[b]) : 0.0f) - static_cast<float>(w.zero_point) * d) * xsum[b];
+  }
+  *y = hsum(acc) + tail;
+}
+#endif
+
+// Rows [n0, n0 + R) of W dequantized into tile[r * ldt + k], k < K.
+template <int BITS, bool F16>
+void dequant_rows(const KiQWeight& w, const int64_t* rows, int64_t n0, int R, float* tile, int64_t ldt) {
+  const int64_t K = w.k, G = w.group_size;
+  const float zpf = static_cast<float>(w.zero_point);
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = rows ? rows[n0 + r] : n0 + r;
+    const uint8_t* row = w.q + n * w.row_bytes;
+    float* out = tile + r * ldt;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float d = load_scale<F16>(w.scales, n * w.groups + g);
+      const float m = w.mins ? load_scale<F16>(w.mins, n * w.groups + g) : 0.0f;
+      const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
+      int64_t k = k0;
+#if KI_AVX2
+      const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m), zp = _mm256_set1_ps(zpf);
+      for (; k + 32 <= k1; k += 32) {
+        __m256 v[4];
+        decode_block<BITS>(block_ptr<BITS>(row, k / 32), zp, v);
+        for (int i = 0; i < 4; ++i) {
+          // d * q is exact in fp32 (11-bit fp16 mantissa times an 8-bit integer): adding m rounds once,
+          // the same value as the reference dequantization.
+          _mm256_storeu_ps(out + k + 8 * i, _mm256_add_ps(_mm256_mul_ps(dv, v[i]), mv));
+        }
+      }
+#endif
+      for (; k < k1; ++k) out[k] = d * (static_cast<float>(q_at<BITS>(row, k)) - zpf) + m;
+    }
+  }
+}
+
+// One x row against rows [n0, n0 + R) of W: y[r] = sum_k W[n0 + r, k] * x[k].
+template <int BITS, bool F16, int R>
+void gemv_rows(const KiQWeight& w, const float* x, int64_t n0, float* y) {
+  const int64_t K = w.k, G = w.group_size;
+  const float zpf = static_cast<float>(w.zero_point);
+  const uint8_t* row[R];
+  for (int r = 0; r < R; ++r) row[r] = w.q + (n0 + r) * w.row_bytes;
+  float tail[R] = {};
+#if KI_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256 zp = _mm256_set1_ps(zpf);
+#endif
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
+    int64_t k = k0;
+#if KI_AVX2
+    __m256 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
+    __m256 xsum = _mm256_setzero_ps();
+    for (; k + 32 <= k1; k += 32) {
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+      if (w.mins) xsum = _mm256_add_ps(xsum, _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
+      for (int r = 0; r < R; ++r) {
+        __m256 v[4];
+        decode_block<BITS>(block_ptr<BITS>(row[r], k / 32), zp, v);
+        __m256 p = _mm256_mul_ps(v[0], x0);
+        p = _mm256_fmadd_ps(v[1], x1, p);
+        p = _mm256_fmadd_ps(v[2], x2, p);
+        p = _mm256_fmadd_ps(v[3], x3, p);
+        part[r] = _mm256_add_ps(part[r], p);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(load_scale<F16>(w.scales, n * w.groups + g)), part[r], acc[r]);
+      if (w.mins) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(load_scale<F16>(w.mins, n * w.groups + g)), xsum, acc[r]);
+    }
+#endif
+    if (k < k1) {  // the rest of the group, one value at a time (the whole group without AVX2)
+      float xs = 0.0f;
+      for (int64_t j = k; j < k1; ++j) xs += x[j];
+      for (int r = 0; r < R; ++r) {
+        const int64_t n = n0 + r;
+        float s = 0.0f;
+        for (int64_t j = k; j < k1; ++j) s += (static_cast<float>(q_at<BITS>(row[r], j)) - zpf) * x[j];
+        tail[r] += load_scale<F16>(w.scales, n * w.groups + g) * s;
+        if (w.mins) tail[r] += load_scale<F16>(w.mins, n * w.groups + g) * xs;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+#if KI_AVX2
+    y[r] = hsum(acc[r]) + tail[r];
+#else
+    y[r] = tail[r];
+#endif
+  }
+}
+
+// Every x row against a dequantized tile of R rows of W.
+template <int R>
+void tile_dot(const float* tile, int64_t K, const float* x, int64_t m, int64_t x_stride, float* y,
+              int64_t y_stride, const float* bias, int64_t n0) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr = x + i * x_stride;
+    float out[R];
+    int64_t k = 0;
+#if KI_AVX2
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(xr + k);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(tile + r * K + k), xv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+#else
+    for (int r = 0; r < R; ++r) out[r] = 0.0f;
+#endif
+    for (; k < K; ++k)
+      for (int r = 0; r < R; ++r) out[r] += tile[r * K + k] * xr[k];
+    float* yr = y + i * y_stride + n0;
+    for (int r = 0; r < R; ++r) yr[r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+  }
+}
+
+template <int BITS, bool F16>
+void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
+             int64_t y_stride, int nthreads) {
+  const int64_t N = w.n, K = w.k;
+  const int64_t full = N / NR, tasks = full + (N % NR);
+  if (m == 1 && F16 && w.group_size == 32 && KI_AVX2) {
+#if KI_AVX2
+    std::vector<float> xsum(static_cast<size_t>(K / 32));
+    for (int64_t b = 0; b < K / 32; ++b) {
+      float s = 0.0f;
+      for (int j = 0; j < 32; ++j) s += x[b * 32 + j];
+      xsum[b] = s;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; ++n) {
+      gemv_row_g32<BITS>(w, x, xsum.data(), n, y + n);
+      if (bias) y[n] += bias[n];
+    }
+#endif
+    return;
+  }
+  if (m == 1) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tasks; ++t) {
+      float out[NR];
+      int64_t n0;
+      int R;
+      if (t < full) {
+        n0 = t * NR;
+        R = NR;
+        gemv_rows<BITS, F16, NR>(w, x, n0, out);
+      } else {
+        n0 = full * NR + (t - full);
+        R = 1;
+        gemv_rows<BITS, F16, 1>(w, x, n0, out);
+      }
+      for (int r = 0; r < R; ++r) y[n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+    }
+    return;
+  }
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> tile(static_cast<size_t>(NR * K));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (t < full) {
+        dequant_rows<BITS, F16>(w, nullptr, t * NR, NR, tile.data(), K);
+        tile_dot<NR>(tile.data(), K, x, m, x_stride, y, y_stride, bias, t * NR);
+      } else {
+        const int64_t n0 = full * NR + (t - full);
+        dequant_rows<BITS, F16>(w, nullptr, n0, 1, tile.data(), K);
+        tile_dot<1>(tile.data(), K, x, m, x_stride, y, y_stride, bias, n0);
+      }
+    }
+  }
+}
+
+template <int BITS, bool F16>
+void dequant(const KiQWeight& w, const int64_t* rows, int64_t row0, int64_t nrows, float* out,
+             int64_t out_stride, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nrows * w.k >= (1 << 16))
+  for (int64_t i = 0; i < nrows; ++i) {
+    if (rows) {
+      dequant_rows<BITS, F16>(w, rows, i, 1, out + i * out_stride, out_stride);
+    } else {
+      dequant_rows<BITS, F16>(w, nullptr, row0 + i, 1, out + i * out_stride, out_stride);
+    }
+  }
+}
+
+bool valid(const KiQWeight* w) {
+  if (!w || !w->q || !w->scales || w->n < 0 || w->k < 1 || w->group_size < 1 || w->groups < 1) return false;
+  if (w->bits != 4 && w->bits != 8) return false;
+  if ((w->groups - 1) * w->group_size >= w->k || w->groups * w->group_size < w->k) return false;
+  if (w->bits == 4 && (w->k % 32 || w->group_size % 32 || w->row_bytes != w->k / 2)) return false;
+  if (w->bits == 8 && (w->row_bytes != w->k || (w->groups > 1 && w->group_size % 32))) return false;
+  return true;
+}
+
+template <typename F>
+int dispatch(const KiQWeight* w, F&& f) {
+  if (!valid(w)) return 1;
+  if (w->bits == 4) {
+    w->scale_is_f16 ? f.template operator()<4, true>() : f.template operator()<4, false>();
+  } else {
+    w->scale_is_f16 ? f.template operator()<8, true>() : f.template operator()<8, false>();
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t kubeinfer_qlinear_abi() { return 1; }
+
+const char* kubeinfer_qlinear_isa() { return KI_AVX2 ? "avx2" : "portable"; }
+
+// y[i * y_stride + n] = sum_k x[i * x_stride + k] * W[n, k] (+ bias[n]) for i < m, n < w->n.
+int32_t kubeinfer_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
+                          float* y, int64_t y_stride, int32_t nthreads) {
+  return dispatch(w, [&]<int BITS, bool F16>() {
+    qlinear<BITS, F16>(*w, x, m, x_stride, bias, y, y_stride, std::max(nthreads, 1));
+  });
+}
+
+// out[i * out_stride + k] = W[rows ? rows[i] : row0 + i, k] for i < nrows, k < w->k.
+int32_t kubeinfer_qdequant(const KiQWeight* w, const int64_t* rows, int64_t row0, int64_t nrows, float* out,
+                           int64_t out_stride, int32_t nthreads) {
+  return dispatch(w, [&]<int BITS, bool F16>() {
+    dequant<BITS, F16>(*w, rows, row0, nrows, out, out_stride, std::max(nthreads, 1));
+  });
+}
+}

@@ -1,0 +1,128 @@
+"""A GGUF file's tensors under Hugging Face names, quantized ones kept quantized (BlockQuantWeight).
+
+The GGUF layout is llama.cpp's (gguf-py's GGUFReader reads it): tensor names such as blk.3.attn_q.weight,
+shapes in ggml order (ne0 = in_features first), and for the "llama" architecture q/k projection rows
+permuted by convert_hf_to_gguf.py for ggml's rotary layout. The permutation is undone here on whole rows,
+so quantized rows move without being touched (exactly what transformers' GGUF loader does on the
+dequantized matrix). Q4_0, Q4_1 and Q8_0 tensors stay quantized; other quantized types (k-quants, IQ*)
+are dequantized to fp32 by gguf-py and served as float, with a log line saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from server.quant.cpu_qlinear import BlockQuantWeight, from_gguf_blocks
+
+log = logging.getLogger(__name__)
+
+_KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+_FLOAT = ("F32", "F16", "BF16")
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors we do not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def rotary_unpermute(n_rows: int, n_head: int) -> Tensor:  # [n_rows] int64
+    """Row order that undoes convert_hf_to_gguf.py's q/k permutation: new[i] = old[perm[i]]."""
+    dim = n_rows // n_head // 2
+    return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
+
+
+@dataclass
+class GgufCheckpoint:
+    architecture: str  # general.architecture, e.g. "llama"
+    tensors: dict[str, Tensor | BlockQuantWeight] = field(default_factory=dict)  # HF name -> tensor
+    formats: dict[str, int] = field(default_factory=dict)  # GGUF type name -> tensor count
+
+    def quantized_bytes(self) -> int:
+        return sum(t.nbytes() for t in self.tensors.values() if isinstance(t, BlockQuantWeight))
+
+
+def _field_int(reader: object, key: str) -> int | None:
+    f = reader.fields.get(key)  # type: ignore[attr-defined]
+    if f is None:
+        return None
+    return int(f.parts[f.data[0]][0])
+
+
+def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
+    """Every tensor of `path` under its Hugging Face name (raises ValueError for tensor types it cannot read)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "llama"
+    n_head = _field_int(reader, f"{arch}.attention.head_count")
+    n_kv = _field_int(reader, f"{arch}.attention.head_count_kv") or n_head
+    ckpt = GgufCheckpoint(arch)
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        kind = t.tensor_type.name
+        ckpt.formats[kind] = ckpt.formats.get(kind, 0) + 1
+        shape = [int(s) for s in reversed(t.shape.tolist())]  # ggml ne order -> [N, K]
+        value: Tensor | BlockQuantWeight
+        if kind in _KEPT and len(shape) == 2:
+            # t.data is a view of the file's memory map: only the repacked copies stay resident.
+            value = from_gguf_blocks(t.data, _KEPT[kind], shape[0], shape[1])
+        elif kind in _FLOAT:
+            value = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
+        else:
+            try:
+                value = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(shape)
+            except NotImplementedError as e:
+                raise ValueError(f"{path.name}: tensor {t.name} has type {kind}, which cannot be read") from e
+            log.info("%s: %s (%s) is served dequantized to fp32", path.name, t.name, kind)
+        if arch == "llama" and n_head and (".q_proj." in name or ".k_proj." in name):
+            heads = n_head if ".q_proj." in name else n_kv
+            assert heads is not None
+            perm = rotary_unpermute(shape[0], heads)
+            value = (
+                value.select_rows(perm) if isinstance(value, BlockQuantWeight) else value[perm].contiguous()
+            )
+        ckpt.tensors[name] = value
+    del reader  # unmaps the file
+    release_free_heap()
+    return ckpt
+
+
+def release_free_heap() -> None:
+    """Hands the heap that loading freed back to the OS (glibc keeps it otherwise: ~90 MiB of RSS here)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

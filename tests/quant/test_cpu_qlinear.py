@@ -1,0 +1,178 @@
+"""The block-quantized CPU kernel (server/quant/csrc/qlinear.cpp) against its plain-torch references, and
+the block formats against gguf-py's own quantizers and dequantizers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from server.quant import cpu_qlinear as cq
+from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantEmbedding, BlockQuantLinear
+from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel
+
+
+@pytest.fixture(scope="module")
+def kernel() -> QLinearKernel:
+    return cq.load_qlinear_kernel()
+
+
+def make_weight(fmt: str, n: int, k: int, seed: int = 0, group: int = 32) -> BlockQuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.1
+    if fmt in cq.GGUF_BLOCK_BYTES:
+        return cq.quantize_block(w, fmt)
+    if fmt == "int8":
+        s = (w.abs().amax(1) / 127).clamp(min=1e-8)
+        return cq.from_int8(torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8), s)
+    q = torch.randint(0, 16, (k, n), generator=g)
+    z = torch.randint(0, 16, (k // group, n), generator=g)
+    s = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).half()
+    return cq.from_int4(q, z, s, group)
+
+
+# (N, K): ragged N (not a multiple of the kernel's 4-row tiles), K with 8-block chunks plus leftover
+# blocks (576 = 2 x 8 x 32 + 2 x 32), a K under one chunk, and SmolLM2's MLP shapes.
+SHAPES = [(37, 64), (8, 320), (13, 576), (5, 1536), (192, 576)]
+FORMATS = ["q4_0", "q4_1", "q8_0", "int8", "int4"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+def test_linear_matches_the_torch_reference(kernel: QLinearKernel, fmt: str, n: int, k: int, m: int) -> None:
+    w = make_weight(fmt, n, k, seed=n * k + m)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    y = kernel.linear(x, w, bias)
+    ref = cq.linear_reference(x.double(), w, bias).float()  # fp64 sums: the kernel's error alone
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * (k**0.5))
+
+
+@pytest.mark.parametrize("k", [33, 100, 7])
+@pytest.mark.parametrize("m", [1, 3])
+def test_int8_per_channel_takes_any_k(kernel: QLinearKernel, k: int, m: int) -> None:
+    """Per-channel int8 has one group of K values: an odd K ends in values handled one by one."""
+    w = make_weight("int8", 11, k, seed=k)
+    x = torch.randn(m, k)
+    torch.testing.assert_close(kernel.linear(x, w), cq.linear_reference(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernel.dequantize_rows(w), cq.dequantize_reference(w))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 5])
+def test_int4_group_sizes(kernel: QLinearKernel, group: int, m: int) -> None:
+    w = make_weight("int4", 21, 256, group=group)
+    x = torch.randn(m, 256)
+    torch.testing.assert_close(kernel.linear(x, w), cq.linear_reference(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantized_rows_equal_the_reference_bit_for_bit(kernel: QLinearKernel, fmt: str) -> None:
+    w = make_weight(fmt, 50, 576)
+    assert torch.equal(kernel.dequantize_rows(w), cq.dequantize_reference(w))
+    rows = torch.tensor([49, 0, 7, 7, 3])
+    assert torch.equal(kernel.dequantize_rows(w, rows), cq.dequantize_reference(w, rows))
+    assert torch.equal(kernel.dequantize_rows(w, start=10, count=4), cq.dequantize_reference(w)[10:14])
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_formats_are_ggufs(fmt: str) -> None:
+    """Our quantizer writes the bytes gguf-py's does, and our dequantization equals gguf-py's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    w = (torch.randn(24, 256) * 0.1).numpy()
+    qtype = GGMLQuantizationType[fmt]
+    raw = quantize(w, qtype)  # [24, 8 * block_bytes] uint8
+    theirs = cq.from_gguf_blocks(raw, fmt.lower(), 24, 256)
+    ours = cq.quantize_block(torch.from_numpy(w), fmt.lower())
+    for a, b in zip(theirs.tensors(), ours.tensors(), strict=True):
+        assert torch.equal(a, b)
+    expected = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+    assert torch.equal(cq.dequantize_reference(theirs), expected)
+
+
+def test_select_and_concat_rows_keep_values() -> None:
+    w = make_weight("q4_1", 12, 64)
+    perm = torch.randperm(12)
+    assert torch.equal(cq.dequantize_reference(w.select_rows(perm)), cq.dequantize_reference(w)[perm])
+    both = BlockQuantWeight.concat_rows([w, w.select_rows(perm)])
+    assert torch.equal(
+        cq.dequantize_reference(both),
+        torch.cat([cq.dequantize_reference(w), cq.dequantize_reference(w)[perm]]),
+    )
+    with pytest.raises(ValueError, match="one format"):
+        BlockQuantWeight.concat_rows([w, make_weight("q8_0", 4, 64)])
+
+
+def test_launchers_refuse_bad_arguments(kernel: QLinearKernel) -> None:
+    w = make_weight("q4_0", 8, 64)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        kernel.linear(torch.randn(2, 32), w)
+    with pytest.raises(TypeError, match="fp32"):
+        kernel.linear(torch.randn(2, 64, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="bias"):
+        kernel.linear(torch.randn(2, 64), w, torch.randn(7))
+    with pytest.raises(ValueError, match="out must be"):
+        kernel.linear(torch.randn(2, 64), w, out=torch.empty(2, 9))
+    with pytest.raises(IndexError, match="row index out of range"):
+        kernel.dequantize_rows(w, torch.tensor([8]))
+    with pytest.raises(IndexError, match="out of range"):
+        kernel.dequantize_rows(w, start=6, count=3)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        BlockQuantWeight(w.q, w.scales, None, "q4_0", 4, 32, 8, 48, 8)
+    with pytest.raises(ValueError, match="q must be"):
+        BlockQuantWeight(w.q[:, :16].contiguous(), w.scales, None, "q4_0", 4, 32, 8, 64, 8)
+
+
+def test_strided_rows_of_x(kernel: QLinearKernel) -> None:
+    """x may be a view with a row stride (a slice of a wider activation)."""
+    w = make_weight("q8_0", 9, 64)
+    wide = torch.randn(3, 100)
+    x = wide[:, 10:74]
+    torch.testing.assert_close(
+        kernel.linear(x, w), cq.linear_reference(x.contiguous(), w), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int4"])
+@pytest.mark.parametrize("m", [1, 4, GEMM_MIN_ROWS + 3])
+def test_block_quant_linear_module(fmt: str, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drop-in module over each path (GEMV, tiled, dequantize + GEMM in slices) and the torch fallback."""
+    import server.quant.block_linear as bl
+
+    monkeypatch.setattr(bl, "SLICE_BYTES", 64 * 4 * 16)  # several slices even for this small weight
+    w = make_weight(fmt, 70, 256)
+    bias = torch.randn(70)
+    lin = BlockQuantLinear(w, bias)
+    assert (lin.in_features, lin.out_features) == (256, 70)
+    x = torch.randn(2, m, 256)  # leading dims kept, like nn.Linear
+    ref = cq.linear_reference(x.reshape(-1, 256), w, bias).reshape(2, m, 70)
+    torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4)
+    lin.kernel = None
+    torch.testing.assert_close(lin(x), ref, rtol=1e-4, atol=1e-4)
+    assert lin.weight_nbytes() == w.nbytes() + 70 * 4
+
+
+def test_fused_module_computes_the_parts_side_by_side() -> None:
+    a, b = (
+        BlockQuantLinear(make_weight("q4_1", 12, 64, seed=1)),
+        BlockQuantLinear(make_weight("q4_1", 4, 64, seed=2)),
+    )
+    fused = BlockQuantLinear.fuse([a, b])
+    assert fused is not None
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fused(x), torch.cat([a(x), b(x)], dim=1), rtol=1e-5, atol=1e-5)
+    assert BlockQuantLinear.fuse([a, BlockQuantLinear(make_weight("q8_0", 4, 64))]) is None
+
+
+def test_block_quant_embedding_dequantizes_only_the_rows_it_looks_up() -> None:
+    w = make_weight("q8_0", 100, 64)
+    emb = BlockQuantEmbedding(w)
+    ids = torch.tensor([[3, 99], [0, 3]])
+    out = emb(ids)
+    assert out.shape == (2, 2, 64)
+    assert torch.equal(out.reshape(4, 64), cq.dequantize_reference(w)[ids.reshape(-1)])
+    with pytest.raises(IndexError, match="token id out of range"):
+        emb(torch.tensor([100]))
