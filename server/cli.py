@@ -25,6 +25,7 @@ from server.config import (
     QUANTIZE_CHOICES,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     ServerConfig,
 )
@@ -211,6 +212,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         help="Reuse KV blocks of shared prompt prefixes [env: ENABLE_PREFIX_CACHING]",
     )
     add(
+        "--kv-events-config",
+        "KUBEINFER_KV_EVENTS_CONFIG",
+        'vLLM\'s KV-cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\' '
+        "(for vllm-router --policy kv_aware; off by default)",
+        type=_kv_events_config,
+    )
+    add(
         "--attention-backend",
         "KUBEINFER_ATTENTION_BACKEND",
         "Attention implementation (auto: triton on CUDA; on CPU, cpu = torch plus a compiled decode kernel "
@@ -246,6 +255,13 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model = ModelConfig(
         model=args.model,
@@ -269,6 +285,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         attention_backend=args.attention_backend,
         device=args.device,
         num_threads=args.num_threads,
+        kv_events=args.kv_events_config or KVEventsConfig(),
     )
     return ServerConfig(
         engine=engine,

@@ -18,6 +18,7 @@ from server.config import EngineConfig
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
+from server.kv_events import KVEventPublisher, make_publisher
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, Request, SamplingParams
@@ -98,7 +99,14 @@ class LLMEngine:
             dtype,
             self.device,
         )
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        # KV-cache events: the block pool records them, step() hands them to the publisher's queue.
+        self.kv_events: KVEventPublisher | None = make_publisher(config.kv_events)
+        self.kv = KVCacheManager(
+            num_blocks,
+            block_size,
+            config.cache.enable_prefix_caching,
+            record_events=self.kv_events is not None,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -170,11 +178,30 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block (vLLM's reset_prefix_cache). False, changing nothing,
+        while any request holds blocks."""
+        ok = self.kv.pool.reset_prefix_cache()
+        self._publish_kv_events()
+        return ok
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            events = self.kv.pool.take_events()
+            if events:
+                self.kv_events.publish(events)
+
+    def close(self) -> None:
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
+
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         model_out = self.runner.execute(sched)
         self.scheduler.update_from_output(sched, model_out)
+        self._publish_kv_events()
         outputs: list[RequestOutput] = []
         for item in sched.scheduled:
             rid = item.request.request_id
@@ -264,6 +291,11 @@ class LLMEngine:
 _STOP = object()
 
 
+def _resolve(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 @dataclass(frozen=True)
 class _AddCommand:
     request_id: str
@@ -307,6 +339,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self.engine.close()
 
     # ---- called from the event loop ------------------------------------------------------------
     async def generate(
@@ -346,6 +379,16 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Runs LLMEngine.reset_prefix_cache on the engine thread, between steps."""
+        if not self.alive:
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        assert self._loop is not None
+        done: asyncio.Future[bool] = self._loop.create_future()
+        self._commands.put(("reset_prefix_cache", done))
+        self._wake.set()
+        return await done
+
     # ---- the engine thread ------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -374,6 +417,10 @@ class AsyncEngine:
                 out = self.engine.abort_request(str(payload))
                 if out is not None:
                     self._post(out.request_id, out)
+            elif kind == "reset_prefix_cache":
+                assert isinstance(payload, asyncio.Future) and self._loop is not None
+                ok = self.engine.reset_prefix_cache()
+                self._loop.call_soon_threadsafe(_resolve, payload, ok)
 
     def _run(self) -> None:
         try:

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
-from . import openai, tgi
+from . import openai, router_worker, tgi
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
 from .openapi_doc import install_openapi
@@ -134,6 +134,7 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
 
     app.include_router(tgi.router)
     app.include_router(openai.router)
+    app.include_router(router_worker.router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -30,6 +30,7 @@ from .generation import (
     until_disconnect,
 )
 from .protocol import TGIRequest, TGITokenizeRequest, parse
+from .router_worker import vllm_tokenize
 from .sse import EventStreamResponse, tgi_event
 from .state import ServerState, server_state
 
@@ -451,13 +452,15 @@ async def info(request: Request) -> Response:
     )
 
 
-@router.post("/tokenize", summary="Tokenize a prompt (TGI)")
+@router.post("/tokenize", summary="Tokenize a prompt (TGI's {inputs} or vLLM's {prompt} / {messages})")
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
     try:
         if state.llm is None:
             raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
         body = await read_json(request, state.config.max_payload_bytes)
+        if isinstance(body, dict) and "inputs" not in body and ("prompt" in body or "messages" in body):
+            return await vllm_tokenize(state, body)  # vLLM's form, which vllm-router sends
         req: TGITokenizeRequest = parse(TGITokenizeRequest, body)
         offsets = await asyncio.to_thread(state.llm.tokenizer.offsets, req.inputs)
     except APIError as e:
