@@ -3,8 +3,8 @@
 Wire format (vLLM's `vllm/distributed/kv_events.py`, read by `vllm-router --policy kv_aware`):
 - Each published message is three ZMQ frames: topic (utf-8, may be empty), sequence number (8-byte
   big-endian, 0, 1, 2, ... per publisher) and a msgpack payload.
-- The payload is a `KVEventBatch` msgspec Struct encoded array-like: `[ts, events]` (`ts` a float,
-  seconds since the epoch; `data_parallel_rank` is left out at its default). Each event is a msgspec
+- The payload is a `KVEventBatch` msgspec Struct encoded array-like: `[ts, events, data_parallel_rank]`
+  (`ts` a float, seconds since the epoch; the rank 0, as vLLM's publisher fills it in). Each event is a msgspec
   tagged Struct, a map whose "type" key holds its class name:
   `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
   "medium", "lora_name"}`, `{"type": "BlockRemoved", "block_hashes", "medium"}`,
@@ -156,11 +156,20 @@ class KVEventPublisher:
         """Queues one batch; never blocks. A full queue drops the batch (counted in num_dropped)."""
         if not events or not self._running:
             return
-        batch = KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events])
+        batch = KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events], data_parallel_rank=0)
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
             self.num_dropped += len(events)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Waits until every queued batch has been sent; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and self._running:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Sends what is queued (up to timeout_s), then closes the sockets."""
@@ -192,6 +201,7 @@ class KVEventPublisher:
                 seq += 1
                 self.num_published += 1
                 self.num_events_published += len(batch.events)
+                self._queue.task_done()
         except Exception:
             log.exception("kv-events publisher thread failed; events are no longer published")
             self._running = False
