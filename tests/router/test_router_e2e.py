@@ -215,7 +215,7 @@ def test_draining_replica_finishes_its_own_and_gets_no_new(
     assert all(c.choices[0].finish_reason == "length" for c in new)
     for t in threads:
         t.join(120)
-    assert all(isinstance(r, int) and r >= 300 for r in results), results
+    assert all(isinstance(r, int) and r >= 150 for r in results), results
     assert victim.server.proc.wait(90) == 0  # drained, then exited cleanly
     assert _ok_lines(victim) - ok_before == in_flight
 
