@@ -21,6 +21,8 @@ KIND = "InferenceModel"
 PLURAL = "inferencemodels"
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/kubeinfer/server:0.1.0"
+# Dockerfile.router: vLLM's router (PyPI vllm-router, pinned there) on a non-root base.
+DEFAULT_ROUTER_IMAGE = "ghcr.io/kubeinfer/router:0.1.17"
 OPERATOR_IMAGE = "ghcr.io/kubeinfer/operator:0.1.0"
 
 Quantization = Literal[
@@ -185,6 +187,24 @@ class DisruptionSpec(_Model):
     min_available: int | str = 1
 
 
+RoutingPolicy = Literal["cache_aware", "kv_aware", "round_robin", "power_of_two", "consistent_hash"]
+
+
+class RouterResourcesSpec(_Model):
+    cpu: int | str = "1"
+    memory: int | str = "512Mi"
+
+
+class RoutingSpec(_Model):
+    """vLLM's router (vllm-router) in front of the replicas: routes by cache, discovers pods by label."""
+
+    enabled: bool = False
+    policy: RoutingPolicy = "cache_aware"
+    replicas: int = Field(default=2, ge=1, le=100)
+    image: str | None = Field(default=None, min_length=1, max_length=512)
+    resources: RouterResourcesSpec = Field(default_factory=RouterResourcesSpec)
+
+
 class InferenceModelSpec(_Model):
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -196,6 +216,7 @@ class InferenceModelSpec(_Model):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     disruption: DisruptionSpec = Field(default_factory=DisruptionSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     suspend: bool = False
 
     @model_validator(mode="after")

@@ -154,6 +154,9 @@ def test_cache_aware_and_kv_aware_double_round_robin_hits(
         hits[policy] = total_hits(replicas) - before
         router.stop()
     print("prefix-cache hit tokens by policy:", hits)
+    for r in replicas:
+        m = scrape(r.url)
+        assert m["kubeinfer_kv_events_published_total"] > 0 and m["kubeinfer_kv_events_dropped_total"] == 0
     assert hits["round_robin"] > 0
     assert hits["cache_aware"] >= 2 * hits["round_robin"], hits
     assert hits["kv_aware"] >= 2 * hits["round_robin"], hits
