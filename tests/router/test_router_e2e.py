@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -94,6 +95,15 @@ def test_worker_routes_the_router_calls(
     assert usage is not None and tok["count"] == usage.prompt_tokens == len(tok["tokens"])
 
 
+def dashboard_router_series() -> set[str]:
+    text = (
+        Path(__file__).resolve().parents[2] / "charts/kubeinfer/dashboards/kubeinfer-models.json"
+    ).read_text()
+    names = set(re.findall(r"vllm_router_[a-z_]+", text))
+    assert len(names) >= 4
+    return names
+
+
 # ---- routing by cache ---------------------------------------------------------------------------------
 def conversation_system(i: int) -> str:
     # ~200 tokens, different from the first word on, so conversations share no prefix blocks.
@@ -152,8 +162,13 @@ def test_cache_aware_and_kv_aware_double_round_robin_hits(
         before = total_hits(replicas)
         run_workload(router.url)
         hits[policy] = total_hits(replicas) - before
+        if policy == "cache_aware":
+            exported = set(scrape(router.metrics_url))
         router.stop()
     print("prefix-cache hit tokens by policy:", hits)
+    # The Grafana dashboard's router series exist in the real router's /metrics (retries: see below).
+    missing = dashboard_router_series() - exported - {"vllm_router_retries_total"}
+    assert not missing, missing
     for r in replicas:
         m = scrape(r.url)
         assert m["kubeinfer_kv_events_published_total"] > 0 and m["kubeinfer_kv_events_dropped_total"] == 0
@@ -261,3 +276,5 @@ def test_killed_replica_costs_no_later_request(
     assert len(before) > 0 and len(after) >= 4
     errors = [e for _, e in after if e is not None]
     assert errors == [], errors
+    # The router retried the requests that hit the dead replica (the dashboard's retry panel).
+    assert scrape(router.metrics_url).get("vllm_router_retries_total", 0) > 0
