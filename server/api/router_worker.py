@@ -8,6 +8,8 @@ OpenAI routes and the health check. Found by running vllm-router 0.1.17 against 
                          reads the KV block size
 - GET  /health_generate  a one-token generation through the engine (SGLang's deep health check)
 - POST /flush_cache      the router's cache flush (SGLang's name); POST /reset_prefix_cache is vLLM's
+- GET  /kv_event_sources where the KV-cache events are published, which vllm-router --policy
+                         kv_aware reads for workers given without static KV sources (e.g. discovered)
 - POST /tokenize         vLLM's form ({"prompt"} or {"messages"} -> {"count", "tokens", ...}), which
                          the router asks for to route by tokens; TGI's form ({"inputs"}) stays in tgi.py
 
@@ -108,6 +110,48 @@ async def get_server_info(request: Request) -> Response:
             "kv_events_published_total": pub.num_events_published if pub else 0,
             "kv_events_dropped_total": pub.num_dropped if pub else 0,
             "status": state.phase.value,
+        }
+    )
+
+
+def _routable(endpoint: str, host: str | None) -> str:
+    """A bound wildcard address (tcp://0.0.0.0:5557, tcp://[::]:5557) with the host the caller reached
+    us by, which a router can connect to (vllm-router refuses wildcard hosts)."""
+    if host is None:
+        return endpoint
+    for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:", "tcp://*:"):
+        if endpoint.startswith(wildcard):
+            host = f"[{host}]" if ":" in host else host
+            return f"tcp://{host}:{endpoint.removeprefix(wildcard)}"
+    return endpoint
+
+
+@router.get("/kv_event_sources", summary="Where this server publishes KV-cache events, for KV-aware routers")
+async def kv_event_sources(request: Request) -> Response:
+    """A map from data-parallel rank ("0" here) to that rank's publisher: the endpoints (a wildcard
+    bind address given the host the caller reached us by) and vLLM's kv-events settings; {} when
+    events are off. This is the form vllm-router 0.1.17 parses (found by running it: a bare list or a
+    {"sources": ...} envelope fail its decoding); it then subscribes to workers it discovered itself."""
+    state = server_state(request)
+    pub = state.llm.kv_events if state.llm is not None else None
+    if pub is None:
+        return JSONResponse({})
+    host = request.url.hostname
+    replay = pub.replay_address
+    cfg = pub.config
+    return JSONResponse(
+        {
+            "0": {
+                "endpoint": _routable(pub.endpoint, host),
+                "replay_endpoint": None if replay is None else _routable(replay, host),
+                "topic": cfg.topic,
+                "hwm": cfg.hwm,
+                "buffer_steps": cfg.buffer_steps,
+                "publisher": cfg.publisher,
+                "encoding": "msgpack",
+                "schema_version": 1,
+                "enable_kv_cache_events": cfg.enable_kv_cache_events,
+            }
         }
     )
 

@@ -116,11 +116,8 @@ def start_router(replicas: list[Replica], policy: str, log_path: Path, *extra: s
         "info",
         *extra,
     ]
-    if policy == "kv_aware":
-        for r in replicas:
-            cmd += ["--kv-event-source", f"{r.url}={r.kv_endpoint}"]
-            cmd += ["--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
-        cmd += ["--kv-event-block-size", "16", "--kv-event-model", SERVED]
+    # kv_aware without static sources: the router asks each worker's /kv_event_sources where to
+    # subscribe, as it does for pods it discovers on Kubernetes (the benchmark uses static sources).
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     router = Router(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prom}", proc, log_path)

@@ -82,6 +82,10 @@ def test_worker_routes_the_router_calls(
     info = httpx.get(f"{router.url}/get_model_info", timeout=10).json()
     assert info["served_model_name"] == SERVED and info["is_generation"] is True
     assert httpx.get(f"{router.url}/get_server_info", timeout=10).json()["block_size"] == 16
+    # Where KV-aware routers subscribe: a routable host (the one the caller used), not the wildcard bind.
+    src = httpx.get(f"{replicas[0].url}/kv_event_sources", timeout=10).json()["0"]
+    assert src["endpoint"] == replicas[0].kv_endpoint and src["endpoint"].startswith("tcp://127.0.0.1:")
+    assert src["replay_endpoint"] == replicas[0].kv_replay and src["publisher"] == "zmq"
     flushed = httpx.post(f"{router.url}/flush_cache", timeout=10)
     assert flushed.status_code == 200, flushed.text
     workers = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]

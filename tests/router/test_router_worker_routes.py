@@ -117,5 +117,6 @@ def test_server_info_reports_block_size_and_no_events(srv: InProcServer) -> None
     info = httpx.get(f"{srv.url}/get_server_info", headers=AUTH, timeout=10).json()
     assert info["block_size"] == 16 and info["served_model_name"] == SERVED_NAME
     assert info["kv_events_config"]["enable_kv_cache_events"] is False
+    assert httpx.get(f"{srv.url}/kv_event_sources", headers=AUTH, timeout=10).json() == {}
     model = httpx.get(f"{srv.url}/get_model_info", headers=AUTH, timeout=10).json()
     assert model["is_generation"] is True
