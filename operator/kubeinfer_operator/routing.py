@@ -5,7 +5,8 @@ scoped, hence a Role to get/list/watch pods and nothing else), checks each on `/
 loading or draining, so such a replica gets no traffic), retries a failed request on another replica,
 and exposes Prometheus metrics on its own port. Clients call the `<name>-router` Service; the
 per-replica Service `<name>` stays for direct access. With `policy: kv_aware` the servers also publish
-vLLM's KV-cache events (ZMQ, ports below), for the router's KV index.
+vLLM's KV-cache events (ZMQ, ports below); the router learns each discovered pod's event endpoints
+from the pod's GET /kv_event_sources and subscribes to them for its KV index.
 """
 
 from __future__ import annotations
