@@ -26,6 +26,7 @@ from server.config import (
     TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     ServerConfig,
@@ -231,6 +232,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         help="Reuse KV blocks of shared prompt prefixes [env: ENABLE_PREFIX_CACHING]",
     )
     add(
+        "--kv-events-config",
+        "KUBEINFER_KV_EVENTS_CONFIG",
+        'vLLM\'s KV-cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\' '
+        "(for vllm-router --policy kv_aware; off by default)",
+        type=_kv_events_config,
+    )
+    add(
         "--attention-backend",
         "KUBEINFER_ATTENTION_BACKEND",
         "Attention implementation (auto: triton on CUDA; on CPU, cpu = torch plus a compiled decode kernel "
@@ -354,6 +363,13 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model = ModelConfig(
         model=args.model,
@@ -382,6 +398,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size, distributed_timeout_s=args.distributed_timeout
         ),
+        kv_events=args.kv_events_config or KVEventsConfig(),
     )
     return ServerConfig(
         engine=engine,

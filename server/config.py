@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from server.core.scheduler import SchedulerConfig
@@ -92,6 +93,61 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` (a JSON object with these keys; unknown keys are refused).
+
+    publisher: "null" (events off) or "zmq". endpoint: the PUB socket (`tcp://*:5557` binds; a
+    concrete host connects). replay_endpoint: the ROUTER socket for late subscribers, or None.
+    buffer_steps: batches kept for replay. hwm: the PUB socket's high-water mark (messages).
+    max_queue_size: batches waiting for the sender thread before new ones are dropped."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in ("null", "zmq"):
+            raise ValueError(f"kv-events publisher must be 'null' or 'zmq', got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv-events {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(
+                    f"kv-events {name} must be a tcp://, ipc:// or inproc:// address, got {value!r}"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parses vLLM's JSON form, e.g. '{"enable_kv_cache_events": true, "publisher": "zmq"}'.
+        Raises ValueError on bad JSON, unknown keys or bad values."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown key(s) {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"--kv-events-config: {e}") from e
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -104,6 +160,7 @@ class EngineConfig:
     seed: int = 0  # for unseeded sampling
     speculative: SpeculativeConfig | None = None  # --speculative-config; None = no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # server/kv_events.py
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

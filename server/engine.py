@@ -20,6 +20,7 @@ from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.distributed.driver import TensorParallelDriver
+from server.kv_events import KVEventPublisher, make_publisher
 from server.models.loader import (
     LoadedModel,
     ModelSource,
@@ -155,7 +156,14 @@ class LLMEngine:
         )
         if self.tp is not None:
             self.tp.wait_ready(num_blocks)
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        # KV-cache events: the block pool records them, step() hands them to the publisher's queue.
+        self.kv_events: KVEventPublisher | None = make_publisher(config.kv_events)
+        self.kv = KVCacheManager(
+            num_blocks,
+            block_size,
+            config.cache.enable_prefix_caching,
+            record_events=self.kv_events is not None,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -240,6 +248,19 @@ class LLMEngine:
             "cache_hits": float(compile_stats.cache_hits),
         }
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block (vLLM's reset_prefix_cache). False, changing nothing,
+        while any request holds blocks."""
+        ok = self.kv.pool.reset_prefix_cache()
+        self._publish_kv_events()
+        return ok
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            events = self.kv.pool.take_events()
+            if events:
+                self.kv_events.publish(events)
+
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -247,6 +268,7 @@ class LLMEngine:
             self.tp.broadcast(sched)
         model_out = self.runner.execute(sched)
         self.scheduler.update_from_output(sched, model_out)
+        self._publish_kv_events()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         outputs: list[RequestOutput] = []
@@ -373,7 +395,12 @@ class LLMEngine:
         return [result[rid] for rid in ids]
 
     def close(self, graceful: bool = True) -> None:
-        """Stops the tensor-parallel workers, if any (a no-op otherwise); graceful only between steps."""
+        """Flushes and closes the KV-event publisher and stops the tensor-parallel workers, if any;
+        graceful only between steps."""
+        if self.kv_events is not None:
+            if graceful:
+                self._publish_kv_events()
+            self.kv_events.close()
         if self.tp is not None:
             self.tp.close(graceful)
 
@@ -388,6 +415,11 @@ class LLMEngine:
 
 
 _STOP = object()
+
+
+def _resolve(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 @dataclass(frozen=True)
@@ -476,6 +508,16 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Runs LLMEngine.reset_prefix_cache on the engine thread, between steps."""
+        if not self.alive:
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        assert self._loop is not None
+        done: asyncio.Future[bool] = self._loop.create_future()
+        self._commands.put(("reset_prefix_cache", done))
+        self._wake.set()
+        return await done
+
     # ---- the engine thread ------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -504,6 +546,10 @@ class AsyncEngine:
                 out = self.engine.abort_request(str(payload))
                 if out is not None:
                     self._post(out.request_id, out)
+            elif kind == "reset_prefix_cache":
+                assert isinstance(payload, asyncio.Future) and self._loop is not None
+                ok = self.engine.reset_prefix_cache()
+                self._loop.call_soon_threadsafe(_resolve, payload, ok)
 
     def _log_speculation(self, every_s: float = 10.0) -> None:
         now = time.monotonic()

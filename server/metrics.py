@@ -132,6 +132,18 @@ class _EngineCollector(Collector):
         for pos, value in enumerate(stats.spec_accepted_per_pos if stats else ()):
             per_pos.add_metric([name, str(pos)], float(value))
         yield per_pos
+        kv_events = m.kv_events_source()
+        if kv_events is not None:
+            yield counter(
+                "kubeinfer_kv_events_published",
+                "KV-cache event batches published over ZMQ (--kv-events-config).",
+                float(kv_events[0]),
+            )
+            yield counter(
+                "kubeinfer_kv_events_dropped",
+                "KV-cache events dropped because the publisher's queue was full.",
+                float(kv_events[1]),
+            )
         yield gauge("tgi_queue_size", "Requests waiting to be scheduled (TGI name).", waiting)
         yield gauge("tgi_batch_current_size", "Requests in the running batch (TGI name).", running)
         yield gauge(
@@ -199,6 +211,8 @@ class ServerMetrics:
         self.stats_source = stats_source
         self.in_flight_source = in_flight_source
         self.ready_source = ready_source
+        # (batches published, events dropped) by the KV-event publisher; None while it is off.
+        self.kv_events_source: Callable[[], tuple[int, int] | None] = lambda: None
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}

@@ -33,6 +33,10 @@ KINDS: dict[str, KindInfo] = {
     "HorizontalPodAutoscaler": KindInfo("autoscaling/v2", "horizontalpodautoscalers"),
     "ServiceMonitor": KindInfo("monitoring.coreos.com/v1", "servicemonitors"),
     "ScaledObject": KindInfo("keda.sh/v1alpha1", "scaledobjects"),
+    # spec.routing: the router's identity and its pod-listing permission (routing.py)
+    "ServiceAccount": KindInfo("v1", "serviceaccounts"),
+    "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
 }

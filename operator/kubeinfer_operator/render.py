@@ -128,7 +128,9 @@ def server_args(im: InferenceModel) -> list[str]:
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
     if engine.speculative is not None:
         args += ["--speculative-config", engine.speculative.to_flag()]
-    return args + list(engine.extra_args)
+    from .routing import server_routing_args  # routing.py builds on this module
+
+    return args + server_routing_args(im) + list(engine.extra_args)
 
 
 def _env(im: InferenceModel) -> list[dict[str, Any]]:
@@ -249,6 +251,8 @@ def desired_replicas(im: InferenceModel) -> int:
 
 
 def render_deployment(im: InferenceModel) -> Manifest:
+    from .routing import server_routing_ports
+
     spec = im.spec
     volumes, mounts = _volumes(im)
     container: dict[str, Any] = {
@@ -257,7 +261,10 @@ def render_deployment(im: InferenceModel) -> Manifest:
         "imagePullPolicy": "IfNotPresent",
         "args": server_args(im),
         "env": _env(im),
-        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"},
+            *server_routing_ports(im),
+        ],
         "startupProbe": {
             "httpGet": {"path": "/ready", "port": "http"},
             "periodSeconds": STARTUP_PROBE_PERIOD_SECONDS,
@@ -526,8 +533,15 @@ OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "
 
 def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPlan:
     caps = caps or Capabilities()
+    from .routing import render_router
+
+    # The router's objects come first: callers index the plan by kind, and the model's own objects
+    # (later, same kinds) must win there.
+    router = render_router(
+        im, service_monitor=caps.service_monitor and im.spec.monitoring.service_monitor.enabled
+    )
     # Order matters for a partial failure: the Service and PDB exist before pods can serve or be evicted.
-    objects = [render_service(im)]
+    objects = [*router, render_service(im)]
     if wants_pdb(im):
         objects.append(render_pdb(im))
     objects.append(render_deployment(im))
@@ -542,7 +556,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
         objects.append(render_hpa(im))
     elif im.spec.autoscaled and im.spec.scaling.autoscaler == "KEDA":
         objects.append(render_scaledobject(im))
-    present = {obj["kind"] for obj in objects}
+    present = {obj["kind"] for obj in objects if obj["metadata"]["name"] == im.name}
     absent = [kind for kind in OPTIONAL_KINDS if kind not in present]
     return RenderPlan(objects=objects, absent_kinds=absent, monitoring_skipped_reason=skipped)
 

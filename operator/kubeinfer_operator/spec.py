@@ -30,6 +30,8 @@ KIND = "InferenceModel"
 PLURAL = "inferencemodels"
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/kubeinfer/server:0.1.0"
+# Dockerfile.router: vLLM's router (PyPI vllm-router, pinned there) on a non-root base.
+DEFAULT_ROUTER_IMAGE = "ghcr.io/kubeinfer/router:0.1.17"
 OPERATOR_IMAGE = "ghcr.io/kubeinfer/operator:0.1.0"
 
 Quantization = Literal[
@@ -73,6 +75,7 @@ MANAGED_FLAGS = frozenset(
         "--enable-prefix-caching",
         "--speculative-config",
         "--tensor-parallel-size",
+        "--kv-events-config",
         "--api-key",
         "--drain-timeout",
         "--log-format",
@@ -445,6 +448,24 @@ class DisruptionSpec(_Model):
         return self
 
 
+RoutingPolicy = Literal["cache_aware", "kv_aware", "round_robin", "power_of_two", "consistent_hash"]
+
+
+class RouterResourcesSpec(_Model):
+    cpu: int | str = "1"
+    memory: int | str = "512Mi"
+
+
+class RoutingSpec(_Model):
+    """vLLM's router (vllm-router) in front of the replicas: routes by cache, discovers pods by label."""
+
+    enabled: bool = False
+    policy: RoutingPolicy = "cache_aware"
+    replicas: int = Field(default=2, ge=1, le=100)
+    image: str | None = Field(default=None, min_length=1, max_length=512)
+    resources: RouterResourcesSpec = Field(default_factory=RouterResourcesSpec)
+
+
 class InferenceModelSpec(_Model):
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -457,6 +478,7 @@ class InferenceModelSpec(_Model):
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     disruption: DisruptionSpec = Field(default_factory=DisruptionSpec)
     pod: PodSpec = Field(default_factory=PodSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     suspend: bool = False
 
     @model_validator(mode="after")

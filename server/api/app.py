@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
-from . import openai, tgi, ui, utility
+from . import openai, router_worker, tgi, ui, utility
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
 from .openapi_doc import install_openapi
@@ -156,6 +156,8 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
         else:
             return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
         return err.response(family_of_path(path), headers=dict(exc.headers) if exc.headers else None)
+
+    app.include_router(router_worker.router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -143,6 +143,9 @@ class ServerState:
         self.model_name = llm.info.served_model_name
         self.metrics.model_name = self.model_name
         self.metrics.structured_source = llm.structured_stats
+        pub = llm.kv_events
+        if pub is not None:
+            self.metrics.kv_events_source = lambda: (pub.num_published, pub.num_dropped)
         # A request longer than the whole KV cache could never be scheduled: cap the API's limit there,
         # so that defaults (max_new_tokens absent) stay servable.
         kv_tokens = llm.info.num_kv_blocks * llm.info.block_size

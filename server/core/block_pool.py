@@ -5,6 +5,10 @@ Contract:
 - A free block may still carry a hash: its contents are valid and a later request may revive it
   (`touch`). `allocate` takes free blocks least-recently-freed first and drops their hash, which is
   how cached blocks are evicted (LRU).
+- With `record_events`, every change to the set of cached hashes is appended to `events` (a block
+  cached, cached blocks evicted, all cleared), in order; the engine drains them after each step
+  (`take_events`) and hands them to the KV-event publisher (server/kv_events.py). The pool itself
+  only keeps a list: no I/O, no threads.
 """
 
 from __future__ import annotations
@@ -25,6 +29,34 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
 
 
 @dataclass
+class BlockStoredEvent:
+    """Blocks newly registered in the prefix cache: a run of consecutive full blocks of one sequence.
+
+    block_hashes[i] chains on block_hashes[i - 1] (and block_hashes[0] on parent_block_hash, None for
+    a sequence's first block); token_ids holds len(block_hashes) * block_size token ids, in order."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass
+class BlockRemovedEvent:
+    """Cached blocks evicted (their hash no longer resolves to a block)."""
+
+    block_hashes: list[BlockHash]
+
+
+@dataclass
+class AllBlocksClearedEvent:
+    """Every cached hash was forgotten (prefix-cache reset)."""
+
+
+KVCacheEvent = BlockStoredEvent | BlockRemovedEvent | AllBlocksClearedEvent
+
+
+@dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
@@ -32,7 +64,7 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -41,6 +73,13 @@ class BlockPool:
         # Insertion order is eviction order: the first entry is evicted first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self.record_events = record_events
+        self.events: list[KVCacheEvent] = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (empty unless record_events)."""
+        out, self.events = self.events, []
+        return out
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,6 +97,7 @@ class BlockPool:
         if n > len(self._free):
             return None
         out: list[int] = []
+        evicted: list[BlockHash] = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
@@ -66,9 +106,12 @@ class BlockPool:
                 # Evicting: the cached contents are about to be overwritten.
                 if self._cached.get(block.block_hash) == block_id:
                     del self._cached[block.block_hash]
+                    evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block_id)
+        if evicted and self.record_events:
+            self.events.append(BlockRemovedEvent(evicted))
         return out
 
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -92,18 +135,41 @@ class BlockPool:
                 if reuse_first and block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
-        """Register a full, held block under its chained hash. A hash already cached keeps its block."""
+    def cache_block(
+        self,
+        block_id: int,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None = None,
+        token_ids: Sequence[int] = (),
+    ) -> bool:
+        """Register a full, held block under its chained hash; True if it was newly registered. A hash
+        already cached keeps its block. parent_hash and token_ids (the block's tokens) only feed the
+        BlockStored event; a block that chains on the previous event's last hash extends that event."""
         if not self.enable_caching:
-            return
+            return False
         block = self.blocks[block_id]
         assert block.ref_cnt > 0
         if block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
+        if self.record_events:
+            last = self.events[-1] if self.events else None
+            if (
+                isinstance(last, BlockStoredEvent)
+                and parent_hash is not None
+                and last.block_hashes[-1] == parent_hash
+                and last.block_size == len(token_ids)
+            ):
+                last.block_hashes.append(block_hash)
+                last.token_ids.extend(token_ids)
+            else:
+                self.events.append(
+                    BlockStoredEvent([block_hash], parent_hash, list(token_ids), len(token_ids))
+                )
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only safe when no block is held."""
@@ -112,4 +178,6 @@ class BlockPool:
         self._cached.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.record_events:
+            self.events.append(AllBlocksClearedEvent())
         return True

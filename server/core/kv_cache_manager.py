@@ -21,12 +21,18 @@ class ComputedBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, record_events=record_events)
         self.req_to_blocks: dict[str, list[int]] = {}
         self._req_to_hashes: dict[str, list[BlockHash]] = {}
 
@@ -90,8 +96,13 @@ class KVCacheManager:
             known = min(num_computed + num_new_tokens, request.num_tokens)
             num_full = known // self.block_size
             hashes = self._block_hashes(request, num_full)
+            bs = self.block_size
             for i in range(num_full):
-                self.pool.cache_block(held[i], hashes[i])
+                tokens: list[int] = []
+                if self.pool.record_events and self.pool.blocks[held[i]].block_hash is None:
+                    # Only a block about to be registered needs its tokens (for the BlockStored event).
+                    tokens = [request.token_at(j) for j in range(i * bs, (i + 1) * bs)]
+                self.pool.cache_block(held[i], hashes[i], hashes[i - 1] if i else None, tokens)
         return held
 
     def free_excess(self, request: Request) -> None:

@@ -59,6 +59,18 @@ SERVER_HISTOGRAMS = (
     "vllm:request_queue_time_seconds",
 )
 
+# vLLM's router (spec.routing, the chart's gateway): the series the dashboard reads, checked against the
+# real router's /metrics in tests/router/test_router_e2e.py.
+ROUTER_SERIES = frozenset(
+    {
+        "vllm_router_requests_total",
+        "vllm_router_processed_requests_total",
+        "vllm_router_prefix_routing_decisions_total",
+        "vllm_router_worker_health",
+        "vllm_router_retries_total",
+    }
+)
+
 # Series that are not ours but that the dashboards and alerts read on purpose: kube-state-metrics'
 # Deployment replicas (a server cannot know how many of its replicas are ready) and its Deployment
 # labels (to keep only the Deployments the kubeinfer operator manages).

@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 from deploy_helpers import REPO, hadolint_binary
 
-DOCKERFILES = {"server": REPO / "Dockerfile.server", "operator": REPO / "Dockerfile.operator"}
+DOCKERFILES = {
+    "server": REPO / "Dockerfile.server",
+    "operator": REPO / "Dockerfile.operator",
+    "router": REPO / "Dockerfile.router",
+}
 
 
 @dataclass
@@ -251,3 +255,20 @@ def test_server_image_matches_what_the_operator_deploys() -> None:
     assert f"ghcr.io/kubeinfer/operator:{version}" == spec.OPERATOR_IMAGE
     operator_user = next(a for i, a in final_stage(DOCKERFILES["operator"]).instructions if i == "USER")
     assert int(operator_user.split(":")[0]) == render.RUN_AS_USER
+
+
+def test_router_image_pins_the_tested_vllm_router() -> None:
+    """The image installs the vllm-router version the tests run (pyproject's dev pin), and its tag is
+    the one the operator deploys."""
+    from kubeinfer_operator.spec import DEFAULT_ROUTER_IMAGE
+
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    pin = next(r for r in dev if r.startswith("vllm-router=="))
+    _, stages = parse_dockerfile(DOCKERFILES["router"])
+    runs = " ".join(a for s in stages for i, a in s.instructions if i == "RUN")
+    assert f"pip install {pin}" in runs
+    assert DEFAULT_ROUTER_IMAGE.endswith(":" + pin.split("==")[1])
+    stage = final_stage(DOCKERFILES["router"])
+    by = dict(stage.instructions)
+    assert json.loads(by["ENTRYPOINT"]) == ["vllm-router"]
+    assert by["USER"].split(":")[0] != "0"

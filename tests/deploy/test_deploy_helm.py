@@ -52,6 +52,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "prometheusRule": {"enabled": True},
     },
     "replicas-without-peering": {"operator": {"replicas": 2}},
+    "gateway": {"gateway": {"enabled": True, "serviceMonitor": True}},
 }
 
 
@@ -88,7 +89,7 @@ def test_helm_lint_fails_a_broken_chart(tmp_path: Path) -> None:
     assert failed, answer
 
 
-@pytest.mark.parametrize("scenario", ["defaults", "namespaced-ha", "clusterwide-ha"])
+@pytest.mark.parametrize("scenario", ["defaults", "namespaced-ha", "clusterwide-ha", "gateway"])
 def test_install_creates_only_valid_objects(installs: dict[str, HelmInstall], scenario: str) -> None:
     inst = _ok(installs, scenario)
     assert inst.release["info"]["status"] == "deployed"
@@ -386,3 +387,40 @@ def test_notes_tell_the_user_what_to_apply_next(installs: dict[str, HelmInstall]
 
     served = InferenceModel.from_manifest(example).spec.served_name
     assert f'"model": "{served}"' in notes
+
+
+def test_gateway_routes_every_model_in_the_namespace(installs: dict[str, HelmInstall]) -> None:
+    """vllm-router in multi-model mode, discovering the release namespace's model servers (the label
+    the operator puts on every server pod) with health checks on /ready, RBAC that only reads pods, and
+    a pod that meets Pod Security "restricted"."""
+    from kubeinfer_operator.render import selector_labels
+    from kubeinfer_operator.spec import DEFAULT_ROUTER_IMAGE, InferenceModel
+
+    assert not any(o["metadata"]["name"].endswith("-gateway") for o in _ok(installs, "defaults").objects)
+    inst = _ok(installs, "gateway")
+    name = f"{FULLNAME}-gateway"
+    dep = inst.one("Deployment", name)
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == DEFAULT_ROUTER_IMAGE
+    args = c["args"]
+    assert "--enable-igw" in args and "--service-discovery" in args
+    assert f"--service-discovery-namespace={NAMESPACE}" in args and "--health-check-endpoint=/ready" in args
+    im = InferenceModel.from_manifest(
+        {
+            "apiVersion": "kubeinfer.dev/v1alpha1",
+            "kind": "InferenceModel",
+            "metadata": {"name": "any", "namespace": NAMESPACE},
+            "spec": {"model": {"uri": "hf://org/model"}},
+        }
+    )
+    server_name = selector_labels(im)["app.kubernetes.io/name"]
+    assert args[args.index("--selector") + 1] == f"app.kubernetes.io/name={server_name}"
+    role = inst.one("Role", name)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert inst.one("RoleBinding", name)["subjects"][0]["name"] == name
+    assert {p["port"] for p in inst.one("Service", name)["spec"]["ports"]} == {8000, 29000}
+    assert inst.one("PodDisruptionBudget", name)["spec"]["maxUnavailable"] == 1
+    assert inst.one("ServiceMonitor", name)["spec"]["endpoints"][0]["port"] == "metrics"
+    pod = {**dep["spec"]["template"]["spec"], "metadata": dep["spec"]["template"].get("metadata") or {}}
+    for rule, check in RULES.items():
+        assert check(pod) == [], rule

@@ -12,6 +12,7 @@ from deploy_helpers import (
     CHART,
     CHART_DASHBOARDS,
     KSM_ALLOWED,
+    ROUTER_SERIES,
     RULES_FILE,
     TOP_DASHBOARDS,
     dashboard_queries,
@@ -62,7 +63,7 @@ def _grafana_expr(expr: str) -> str:
 
 
 def test_every_dashboard_query_parses_and_reads_only_our_metrics() -> None:
-    allowed = documented_series_names() | KSM_ALLOWED
+    allowed = documented_series_names() | KSM_ALLOWED | ROUTER_SERIES
     queries = dashboard_queries()
     assert len(queries) >= 20
     for q in queries:
@@ -113,6 +114,10 @@ def test_dashboards_cover_every_signal_the_issue_asks_for() -> None:
         for quantile in ("0.5", "0.99"):
             assert any(e.startswith(f"histogram_quantile({quantile},") for e in exprs), (hist, quantile)
     assert "kube_deployment_status_replicas_ready" in by_metric
+    # The router: request rate, per-replica load, cache-hit routing, replica health.
+    assert set(by_metric) >= ROUTER_SERIES, sorted(ROUTER_SERIES - set(by_metric))
+    assert any("rate(vllm_router_requests_total" in e for e in by_metric["vllm_router_requests_total"])
+    assert any('outcome="prefix_hit"' in e for e in by_metric["vllm_router_prefix_routing_decisions_total"])
     assert any('status=~"5.."' in e for e in by_metric["kubeinfer_http_requests_total"])
 
 

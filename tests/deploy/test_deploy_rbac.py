@@ -244,6 +244,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                 spec: dict[str, Any] = {
                     "model": {"uri": "hf://org/tiny"},
                     "scaling": scaling,
+                    "routing": {"enabled": True},  # the router's ServiceAccount, Role and RoleBinding
                 }
                 api.http("POST", plural, model("m", spec))
                 wait_for(
@@ -353,5 +354,7 @@ def test_every_request_of_the_operator_is_allowed(
 def test_every_granted_permission_is_used(
     operator_permissions: set[Perm], clusterrole: dict[str, Any]
 ) -> None:
-    unused = granted(clusterrole) - operator_permissions
+    # RBAC lets the operator grant the router's Role (list/watch pods) only if it holds it itself.
+    held_to_grant = {("", "pods", verb) for verb in ("get", "list", "watch")}
+    unused = granted(clusterrole) - operator_permissions - held_to_grant
     assert not unused, f"granted but never used: {sorted(unused)}"
