@@ -18,9 +18,11 @@ from server.config import EngineConfig
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
+from server.lora.manager import LoRAManager
+from server.lora.registry import LoRARegistry
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
-from server.request import FinishReason, Request, SamplingParams
+from server.request import FinishReason, LoRARequest, Request, SamplingParams
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -80,6 +82,22 @@ class LLMEngine:
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype)
         self.tokenizer = Tokenizer(self.source.folder)
+        # LoRA: adapters by name (and their weights, LRU) + the model's projections wrapped with slots.
+        self.lora: LoRARegistry | None = None
+        lora_manager: LoRAManager | None = None
+        if config.lora.enable_lora:
+            self.lora = LoRARegistry(config.lora, self.loaded.arch, dtype, config.model.cache_dir)
+            for module in config.lora.lora_modules:
+                self.lora.add(module.name, module.path)
+            lora_manager = LoRAManager(self.loaded.model, self.lora, self.device, dtype)
+            log.info(
+                "LoRA enabled: %d adapters, max_loras=%d, max_lora_rank=%d, %.1f MiB per resident adapter",
+                len(config.lora.lora_modules),
+                config.lora.max_loras,
+                config.lora.max_lora_rank,
+                lora_manager.slot_bytes() / 2**20,
+            )
+        self.lora_manager = lora_manager
         log.info("loaded weights from %s in %.1f s", self.source.folder, time.monotonic() - t0)
 
         block_size = config.cache.block_size
@@ -97,6 +115,7 @@ class LLMEngine:
             block_size,
             dtype,
             self.device,
+            lora=lora_manager,
         )
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -105,6 +124,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
             ),
             self.kv,
         )
@@ -131,8 +151,12 @@ class LLMEngine:
         )
 
     # ---- requests -----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+    ) -> None:
         """Raises ValueError if the request can never be served. Reads only immutable config."""
+        if lora is not None and self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this server (--enable-lora)")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt must contain at least one token")
@@ -148,9 +172,15 @@ class LLMEngine:
                 f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size} tokens)"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        self.validate(prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
+    ) -> Request:
+        self.validate(prompt_token_ids, params, lora)
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, lora=lora)
         self.scheduler.add_request(req)
         self._states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
@@ -241,13 +271,17 @@ class LLMEngine:
         )
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[list[int]]:
         """Offline helper: run prompts to completion, return each one's output token ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        llist = loras if loras is not None else [None] * len(prompts)
         ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        for rid, p, sp in zip(ids, prompts, plist, strict=True):
-            self.add_request(rid, p, sp)
+        for rid, p, sp, lora in zip(ids, prompts, plist, llist, strict=True):
+            self.add_request(rid, p, sp, lora)
         result: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_unfinished():
             for out in self.step():
@@ -269,6 +303,7 @@ class _AddCommand:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None = None
 
 
 class AsyncEngine:
@@ -310,7 +345,11 @@ class AsyncEngine:
 
     # ---- called from the event loop ------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; the last has finished=True. Leaving the iteration early
         (client disconnect, cancellation) aborts the request."""
@@ -321,10 +360,10 @@ class AsyncEngine:
             request_id = f"req-{self._counter}-{time.monotonic_ns()}"
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params, lora)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", _AddCommand(request_id, prompt_token_ids, params)))
+        self._commands.put(("add", _AddCommand(request_id, prompt_token_ids, params, lora)))
         self._wake.set()
         finished = False
         try:
@@ -367,7 +406,9 @@ class AsyncEngine:
             if kind == "add":
                 assert isinstance(payload, _AddCommand)
                 try:
-                    self.engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params)
+                    self.engine.add_request(
+                        payload.request_id, payload.prompt_token_ids, payload.params, payload.lora
+                    )
                 except ValueError as e:
                     self._post(payload.request_id, e)
             elif kind == "abort":

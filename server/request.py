@@ -78,6 +78,21 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter a request runs under. lora_int_id is unique per load, so reloading a name with new
+    weights never shares prefix-cache blocks or weight slots with the old ones."""
+
+    name: str
+    lora_int_id: int  # >= 1
+    path: str
+
+    @property
+    def cache_key(self) -> bytes:
+        """Seeds the prefix-cache hash chain: blocks computed under different adapters never match."""
+        return f"lora:{self.lora_int_id}:{self.name}".encode()
+
+
 @dataclass
 class Request:
     """A request as the engine tracks it. Block ids live in the KV cache manager, not here."""
@@ -98,6 +113,7 @@ class Request:
     error: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    lora: LoRARequest | None = None  # None = the base model
 
     @property
     def num_prompt_tokens(self) -> int:

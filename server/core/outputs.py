@@ -96,3 +96,5 @@ class SchedulerStats:
     num_prompt_tokens: int  # cumulative prompt tokens computed (cache hits excluded)
     num_generation_tokens: int  # cumulative
     num_batched_tokens: int = 0  # last step
+    running_lora_adapters: tuple[str, ...] = ()  # adapter names of running requests
+    waiting_lora_adapters: tuple[str, ...] = ()  # adapter names of waiting requests

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from server.attention.metadata import AttentionMetadata
 from server.core.outputs import SchedulerOutput
+from server.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,13 @@ class ForwardBatch:
     logits_indices: Tensor  # [num_sampled] int64, row in T of the last token of each sampling sequence
     sampled_request_ids: list[str]  # the sequences behind logits_indices, in order
     request_ids: list[str]  # every scheduled sequence, in batch order
+    # per scheduled sequence (batch order): its adapter (None = base model); the LoRA manager turns these
+    # and attn.query_lens_cpu into the per-token slot index
+    lora_requests: tuple[LoRARequest | None, ...] = ()
+
+    @property
+    def has_lora(self) -> bool:
+        return any(lora is not None for lora in self.lora_requests)
 
 
 def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
@@ -77,4 +85,5 @@ def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.d
         logits_indices=i64(logits_idx),
         sampled_request_ids=sampled_ids,
         request_ids=request_ids,
+        lora_requests=tuple(item.request.lora for item in sched.scheduled),
     )
