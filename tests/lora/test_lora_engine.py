@@ -128,7 +128,7 @@ def test_prefix_cache_isolated_per_adapter(tiny_setup) -> None:  # type: ignore[
 def test_prefix_cache_hits_only_same_adapter(tiny_setup) -> None:  # type: ignore[no-untyped-def]
     _, _, engine, prompts, _ = tiny_setup
     params = SamplingParams(max_tokens=2, temperature=0.0)
-    prompt = prompts[1] + prompts[3]  # a prompt no earlier test used
+    prompt = list(reversed(prompts[1] + prompts[3]))  # a prompt no earlier test used
     hits = engine.stats().prefix_cache_hits
     engine.generate([prompt], params, [_lora(engine, "mlp-r16")])
     assert engine.stats().prefix_cache_hits == hits  # first time: nothing cached
