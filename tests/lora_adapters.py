@@ -22,7 +22,9 @@ def make_adapter(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, lora_dropout=0.0)
+    cfg = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, lora_dropout=0.0
+    )
     peft_model = get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -116,7 +116,10 @@ class Scheduler:
         running_loras = {r.lora.lora_int_id for r in self.running if r.lora is not None}
         w = 0
         while (
-            w < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs
+            w < len(self.waiting)
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[w]
             if (

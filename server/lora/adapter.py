@@ -14,7 +14,6 @@ layers. DoRA, LoRA biases, `modules_to_save`, embeddings or lm_head deltas are r
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -80,7 +79,16 @@ class LoRAAdapter:
         return tuple(sorted({m for _, m in self.weights}))
 
 
-def _read_config(folder: Path) -> object:
+@dataclass(frozen=True)
+class _Scaling:
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+
+def _read_config(folder: Path) -> _Scaling:
     from peft import LoraConfig, PeftConfig
 
     try:
@@ -100,7 +108,13 @@ def _read_config(folder: Path) -> object:
             raise LoRAAdapterError(f"adapter {folder}: {what} are not supported")
     if getattr(cfg, "bias", "none") != "none":
         raise LoRAAdapterError(f"adapter {folder}: bias={cfg.bias!r} is not supported (only 'none')")
-    return cfg
+    return _Scaling(
+        r=int(cfg.r),
+        lora_alpha=float(cfg.lora_alpha),
+        use_rslora=bool(cfg.use_rslora),
+        rank_pattern=dict(cfg.rank_pattern or {}),
+        alpha_pattern=dict(cfg.alpha_pattern or {}),
+    )
 
 
 def resolve_adapter_path(path: str, cache_dir: Path | None = None) -> Path:
@@ -152,10 +166,9 @@ def load_adapter(
     try:
         tensors = load_file(str(weights_file))
     except Exception as e:
-        raise LoRAAdapterError(f"adapter {folder}: cannot read {ADAPTER_WEIGHTS}: {type(e).__name__}: {e}") from e
-    raw = json.loads((folder / ADAPTER_CONFIG).read_text())
-    rank_pattern: dict[str, int] = raw.get("rank_pattern") or {}
-    alpha_pattern: dict[str, float] = raw.get("alpha_pattern") or {}
+        raise LoRAAdapterError(
+            f"adapter {folder}: cannot read {ADAPTER_WEIGHTS}: {type(e).__name__}: {e}"
+        ) from e
     shapes = module_shapes(arch)
     pairs: dict[tuple[int, str], dict[str, Tensor]] = {}
     for key, t in tensors.items():
@@ -191,20 +204,21 @@ def load_adapter(
                 f"LoRA rank {r} is greater than max_lora_rank {max_rank} (adapter {name!r})"
             )
         full_name = f"model.layers.{layer}.{'self_attn' if module in ATTN_MODULES else 'mlp'}.{module}"
-        cfg_r = rank_pattern.get(get_pattern_key(list(rank_pattern), full_name), cfg.r) if rank_pattern else cfg.r  # type: ignore[attr-defined]
-        alpha = (
-            alpha_pattern.get(get_pattern_key(list(alpha_pattern), full_name), cfg.lora_alpha)  # type: ignore[attr-defined]
-            if alpha_pattern
-            else cfg.lora_alpha  # type: ignore[attr-defined]
-        )
-        if int(cfg_r) != r:
+        cfg_r, alpha = cfg.r, cfg.lora_alpha
+        if cfg.rank_pattern:  # per-module overrides, matched as peft matches them
+            cfg_r = int(cfg.rank_pattern.get(get_pattern_key(list(cfg.rank_pattern), full_name), cfg_r))
+        if cfg.alpha_pattern:
+            alpha = float(cfg.alpha_pattern.get(get_pattern_key(list(cfg.alpha_pattern), full_name), alpha))
+        if cfg_r != r:
             raise LoRAAdapterError(
                 f"adapter {folder}: layer {layer} {module} has rank {r} but its config says r={cfg_r}"
             )
-        scaling = alpha / math.sqrt(r) if cfg.use_rslora else alpha / r  # type: ignore[attr-defined]
+        scaling = alpha / math.sqrt(r) if cfg.use_rslora else alpha / r
         b_scaled = b.to(torch.float32) * scaling
         if not (torch.isfinite(a).all() and torch.isfinite(b_scaled).all()):
             raise LoRAAdapterError(f"adapter {folder}: layer {layer} {module} has non-finite weights")
-        out[(layer, module)] = LoRAModuleWeights(a=a.to(dtype).contiguous(), b=b_scaled.to(dtype).contiguous())
+        out[(layer, module)] = LoRAModuleWeights(
+            a=a.to(dtype).contiguous(), b=b_scaled.to(dtype).contiguous()
+        )
         max_seen = max(max_seen, r)
     return LoRAAdapter(name=name, path=folder, rank=max_seen, weights=out)

@@ -57,8 +57,14 @@ class LoRARegistry:
             req = LoRARequest(name=name, lora_int_id=next(self._ids), path=str(folder))
             self._by_name[name] = req
             self._cache(req.lora_int_id, adapter)
-        log.info("loaded LoRA adapter %s (rank %d, %d modules, %.1f MiB) from %s", name, adapter.rank,
-                 len(adapter.weights), adapter.nbytes / 2**20, folder)
+        log.info(
+            "loaded LoRA adapter %s (rank %d, %d modules, %.1f MiB) from %s",
+            name,
+            adapter.rank,
+            len(adapter.weights),
+            adapter.nbytes / 2**20,
+            folder,
+        )
         return req
 
     def remove(self, name: str) -> LoRARequest:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_driver import run_staggered
 from lora_adapters import make_adapter, peft_greedy
 
 from server.config import CacheConfig, EngineConfig, LoRAConfig, LoRAModule, ModelConfig
@@ -138,3 +137,24 @@ def test_prefix_cache_hits_only_same_adapter(tiny_setup) -> None:  # type: ignor
     assert engine.stats().prefix_cache_hits == hits  # base model: no reuse
     engine.generate([prompt], params, [_lora(engine, "mlp-r16")])
     assert engine.stats().prefix_cache_hits > hits  # same adapter again: its own blocks
+
+
+@pytest.mark.slow
+def test_smollm2_mixed_adapters_parity(smollm2_dir: Path, tmp_path: Path) -> None:
+    """The embedded model (fused q/k/v and gate/up, pre-packed weights) with two adapters and base rows."""
+    a = make_adapter(smollm2_dir, tmp_path / "a", 8, ALL, seed=11, std=0.03)
+    b = make_adapter(
+        smollm2_dir, tmp_path / "b", 16, ("q_proj", "k_proj", "up_proj"), seed=12, std=0.03, rslora=True
+    )
+    engine = lora_engine(smollm2_dir, {"a": a, "b": b}, max_loras=2, cache=CacheConfig())
+    assert engine.loaded.model.model.layers[0].self_attn.qkv_proj is not None  # fused projections kept
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+    ref = {"a": peft_greedy(smollm2_dir, a, prompts, NEW), "b": peft_greedy(smollm2_dir, b, prompts, NEW)}
+    ref["base"] = peft_greedy(smollm2_dir, None, prompts, NEW)
+    assert ref["a"] != ref["base"] and ref["b"] != ref["base"]
+    names = ["a", "b", "base", "a", "b", "base", "b", "a"]
+    loras = [_lora(engine, n) for n in names]
+    got = engine.generate(
+        [prompts[i % 4] for i in range(len(names))], SamplingParams(max_tokens=NEW, temperature=0.0), loras
+    )
+    assert got == [ref[n][i % 4] for i, n in enumerate(names)]
