@@ -88,7 +88,7 @@ class LLMEngine:
         if config.lora.enable_lora:
             self.lora = LoRARegistry(config.lora, self.loaded.arch, dtype, config.model.cache_dir)
             for module in config.lora.lora_modules:
-                self.lora.add(module.name, module.path)
+                self.lora.add(module.name, module.path, module.base_model_name)
             lora_manager = LoRAManager(self.loaded.model, self.lora, self.device, dtype)
             log.info(
                 "LoRA enabled: %d adapters, max_loras=%d, max_lora_rank=%d, %.1f MiB per resident adapter",

@@ -9,6 +9,7 @@ layer when a request finishes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -117,6 +118,23 @@ class _EngineCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             float(stats.prefix_cache_hits) if stats else 0.0,
         )
+        if m.max_lora is not None:
+            # vLLM's shape: the adapters as comma-joined label values, the value the sample time (the
+            # Gateway API inference extension reads it for LoRA-affine routing)
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running and waiting LoRA adapters.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            info.add_metric(
+                [
+                    str(m.max_lora),
+                    ",".join(stats.waiting_lora_adapters) if stats else "",
+                    ",".join(stats.running_lora_adapters) if stats else "",
+                ],
+                time.time(),
+            )
+            yield info
         yield gauge("tgi_queue_size", "Requests waiting to be scheduled (TGI name).", waiting)
         yield gauge("tgi_batch_current_size", "Requests in the running batch (TGI name).", running)
         yield gauge(
@@ -163,6 +181,7 @@ class ServerMetrics:
         self.stats_source = stats_source
         self.in_flight_source = in_flight_source
         self.ready_source = ready_source
+        self.max_lora: int | None = None  # --max-loras once an engine with LoRA is attached
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
@@ -250,6 +269,12 @@ class ServerMetrics:
         self.tgi_input_length = Histogram(
             "tgi_request_input_length", "Prompt tokens (TGI name).", lbl, buckets=_TOKEN_BUCKETS, registry=r
         )
+        self.lora_requests = Counter(
+            "kubeinfer_lora_requests",
+            "Generation requests per LoRA adapter.",
+            [*lbl, "lora_name"],
+            registry=r,
+        )
         r.register(_EngineCollector(self))
 
     # ---- counters kept here (exposed by the collector) ----------------------------------------------
@@ -270,6 +295,9 @@ class ServerMetrics:
     def request_failed(self, err: str) -> None:
         """err: TGI's error type (validation, overloaded, generation, incomplete_generation, unavailable)."""
         self._bump(f"failure:{err}")
+
+    def lora_request(self, lora_name: str) -> None:
+        self.lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
 
     def http_request(self, route: str, status: int) -> None:
         self.http_requests.labels(model_name=self.model_name, route=route, status=str(status)).inc()

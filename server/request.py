@@ -86,6 +86,7 @@ class LoRARequest:
     name: str
     lora_int_id: int  # >= 1
     path: str
+    base_model_name: str | None = None  # --lora-modules' JSON form; /v1/models' `parent`
 
     @property
     def cache_key(self) -> bytes:

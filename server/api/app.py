@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
+from . import lora as lora_routes
 from . import openai, tgi
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
@@ -134,6 +135,8 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
 
     app.include_router(tgi.router)
     app.include_router(openai.router)
+    if state.config.engine.lora.allow_runtime_updating:
+        app.include_router(lora_routes.router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -142,6 +142,8 @@ class ServerState:
         self.engine = engine
         self.model_name = llm.info.served_model_name
         self.metrics.model_name = self.model_name
+        if llm.lora is not None:
+            self.metrics.max_lora = llm.config.lora.max_loras
         # A request longer than the whole KV cache could never be scheduled: cap the API's limit there,
         # so that defaults (max_new_tokens absent) stay servable.
         kv_tokens = llm.info.num_kv_blocks * llm.info.block_size

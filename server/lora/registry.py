@@ -42,7 +42,7 @@ class LoRARegistry:
         self._weights: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._ids = itertools.count(1)
 
-    def add(self, name: str, path: str) -> LoRARequest:
+    def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         """Read, check and register an adapter. Raises LoRAConflictError or LoRAAdapterError."""
         if not name:
             raise LoRAAdapterError("lora_name must be non-empty")
@@ -54,7 +54,9 @@ class LoRARegistry:
         with self._lock:
             if name in self._by_name:
                 raise LoRAConflictError(f"The lora adapter '{name}' has already been loaded.")
-            req = LoRARequest(name=name, lora_int_id=next(self._ids), path=str(folder))
+            req = LoRARequest(
+                name=name, lora_int_id=next(self._ids), path=str(folder), base_model_name=base_model_name
+            )
             self._by_name[name] = req
             self._cache(req.lora_int_id, adapter)
         log.info(
