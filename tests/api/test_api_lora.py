@@ -93,12 +93,12 @@ def _client(s: LoRAServer) -> openai.OpenAI:
 
 
 def test_models_list_adapters_with_parent(lora_server: LoRAServer) -> None:
-    data = {m.id: m for m in _client(lora_server).models.list().data}
+    data = {m.id: m.to_dict() for m in _client(lora_server).models.list().data}
     assert set(data) == {BASE, "sql", "chat"}
-    assert getattr(data["sql"], "parent") == BASE
-    assert getattr(data["chat"], "parent") == "tiny-parent"  # the JSON form's base_model_name
-    assert getattr(data[BASE], "parent") is None
-    assert getattr(data["sql"], "root") == str(lora_server.adapters["sql"])
+    assert data["sql"]["parent"] == BASE
+    assert data["chat"]["parent"] == "tiny-parent"  # the JSON form's base_model_name
+    assert data[BASE]["parent"] is None
+    assert data["sql"]["root"] == str(lora_server.adapters["sql"])
 
 
 def test_openai_client_picks_adapter_by_model(lora_server: LoRAServer) -> None:
