@@ -117,6 +117,11 @@ def server_args(im: InferenceModel) -> list[str]:
         args += ["--max-concurrent-requests", str(engine.max_concurrent_requests)]
     # explicit either way: the server's own default may change between images
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
+    if spec.adapters:
+        # hub adapters are fetched by the server into the same cache volume as the model
+        modules = [f"{a.name}={model_location(a.uri).server_model}" for a in spec.adapters]
+        args += ["--enable-lora", "--max-loras", str(min(len(spec.adapters), 4)), "--lora-modules", *modules]
+        args += ["--max-cpu-loras", str(len(spec.adapters))]
     return args + list(engine.extra_args)
 
 

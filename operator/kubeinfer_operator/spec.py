@@ -52,6 +52,8 @@ MANAGED_FLAGS = frozenset(
         "--drain-timeout",
         "--log-format",
         "--cache-dir",
+        "--enable-lora",
+        "--lora-modules",
     }
 )
 
@@ -81,6 +83,29 @@ class ModelSource(_Model):
             raise ValueError("model.uri pvc:// must look like pvc://claim/path/in/claim")
         if self.revision is not None and not self.uri.startswith("hf://"):
             raise ValueError("model.revision is only meaningful for hf:// models")
+        return self
+
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter (PEFT folder) served on top of the model under `name` (the `model` clients send)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    uri: str = Field(min_length=2, max_length=512)
+    credentials_secret_ref: SecretKeyRef | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> AdapterSpec:
+        if not ADAPTER_NAME.match(self.name):
+            raise ValueError("adapters[].name must be letters, digits, '.', '_' or '-'")
+        if not (self.uri.startswith(("hf://", "pvc://", "/"))):
+            raise ValueError("adapters[].uri must start with hf://, pvc:// or / (a path inside the image)")
+        if self.uri.startswith("hf://") and not HF_URI.match(self.uri):
+            raise ValueError("adapters[].uri hf:// must look like hf://org/name")
+        if self.uri.startswith("pvc://") and not PVC_URI.match(self.uri):
+            raise ValueError("adapters[].uri pvc:// must look like pvc://claim/path/in/claim")
         return self
 
 
@@ -187,6 +212,7 @@ class DisruptionSpec(_Model):
 
 class InferenceModelSpec(_Model):
     model: ModelSource
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     cache: CacheSpec = Field(default_factory=CacheSpec)
@@ -317,6 +343,24 @@ def semantic_errors(spec: InferenceModelSpec) -> list[str]:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_FLAGS:
             errors.append(f"engine.extraArgs sets {flag}, which the operator manages from the spec")
+    names = [a.name for a in spec.adapters]
+    if len(set(names)) != len(names):
+        errors.append("adapters[].name must be unique")
+    if spec.served_name in names:
+        errors.append(f"adapter name {spec.served_name!r} is the model's served name")
+    model_claim = model_location(spec.model.uri).claim_name
+    for a in spec.adapters:
+        claim = model_location(a.uri).claim_name
+        if claim is not None and claim != model_claim:
+            errors.append(f"adapter {a.name}: pvc:// adapters must live on the model's claim ({model_claim})")
+        # the pod has one hub token (HF_TOKEN): an adapter may only use the model's
+        if (
+            a.credentials_secret_ref is not None
+            and a.credentials_secret_ref != spec.model.credentials_secret_ref
+        ):
+            errors.append(
+                f"adapter {a.name}: credentialsSecretRef must be the model's (one hub token per pod)"
+            )
     if spec.engine.tensor_parallel_size > 1:
         errors.append(
             "engine.tensorParallelSize > 1 is not supported by the server image (one device per replica)"

@@ -15,6 +15,7 @@ layers. DoRA, LoRA biases, `modules_to_save`, embeddings or lm_head deltas are r
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,7 @@ def resolve_adapter_path(path: str, cache_dir: Path | None = None) -> Path:
                     path,
                     cache_dir=str((cache_dir or default_cache_dir()) / "hub"),
                     allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS],
+                    token=os.environ.get("HF_TOKEN") or None,
                 )
             )
         except Exception as e:
