@@ -158,3 +158,38 @@ def test_lora_request_refused_when_disabled(base: Path) -> None:
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2), LoRARequest("x", 1, "/x"))
     with pytest.raises(ValueError, match="need --enable-lora"):
         LoRAConfig(lora_modules=(), allow_runtime_updating=True)
+
+
+def test_adapter_broken_after_eviction_fails_only_its_requests(
+    base: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """An adapter evicted from memory whose file was corrupted since: its requests end with an error,
+    the others are served, no block leaks."""
+    import shutil
+
+    copy = tmp_path / "fragile"
+    shutil.copytree(adapters["ok"], copy)
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(base), dtype="float32"),
+            cache=CacheConfig(block_size=4, num_kv_blocks=64),
+            lora=LoRAConfig(enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=1),
+        )
+    )
+    assert engine.lora is not None
+    fragile = engine.lora.add("fragile", str(copy))
+    ok2 = engine.lora.add("ok2", str(adapters["ok2"]))  # evicts fragile's weights (max_cpu_loras=1)
+    (copy / "adapter_model.safetensors").write_bytes(b"broken")
+    prompt = engine.tokenizer.encode("Once upon a time")
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    engine.add_request("bad", prompt, params, fragile)
+    engine.add_request("good", prompt, params, ok2)
+    engine.add_request("base", prompt, params, None)
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert outs["bad"][-1].finish_reason == "error" and "could not be loaded" in (outs["bad"][-1].error or "")
+    assert sum(len(o.new_token_ids) for o in outs["good"]) == 4
+    assert sum(len(o.new_token_ids) for o in outs["base"]) == 4
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
