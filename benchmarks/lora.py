@@ -55,6 +55,41 @@ def run_closed_loop(engine, prompts, loras, users: int, new_tokens: int) -> dict
     }
 
 
+def decode_step_medians(base, with_lora, prompts, mixed, args) -> dict:  # type: ignore[no-untyped-def]
+    """Median wall time of a decode step with --users running sequences, base vs 4 adapters, alternated."""
+    import statistics
+
+    from server.request import SamplingParams
+
+    params = SamplingParams(max_tokens=args.decode_steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(args.users):
+        base.add_request(f"d{i}", prompts[i], params, None)
+        with_lora.add_request(f"d{i}", prompts[i], params, mixed[i])
+    while base.stats().num_running < args.users or base.scheduler.waiting:
+        base.step()
+    while with_lora.stats().num_running < args.users or with_lora.scheduler.waiting:
+        with_lora.step()
+    base.step(), with_lora.step()  # first pure decode steps
+    times: dict[str, list[float]] = {"base": [], "lora-4": []}
+    for _ in range(args.decode_steps):
+        for name, eng in (("base", base), ("lora-4", with_lora)):
+            t0 = time.perf_counter()
+            eng.step()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": with_lora.info.dtype,
+        "running_sequences": args.users,
+        "distinct_adapters": len({m.name for m in mixed[: args.users] if m is not None}),
+        "rank": args.rank,
+        "median_decode_step_ms": {k: round(v, 2) for k, v in med.items()},
+        "throughput_ratio_lora4_vs_base": round(med["base"] / med["lora-4"], 3),
+        "resident_slot_bytes_per_adapter": with_lora.lora_manager.slot_bytes(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -66,6 +101,13 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=0,
+        help="instead of closed loops: time N decode steps of --users sequences, alternating base and "
+        "lora-4 step by step, and report medians (robust on a shared machine)",
+    )
     args = ap.parse_args()
 
     from lora_adapters import make_adapter
@@ -111,6 +153,9 @@ def main() -> None:
     names = [with_lora.lora.get(n) for n in paths]
     mixed = [names[i % len(names)] for i in range(args.requests)]
     none = [None] * args.requests
+    if args.decode_steps:
+        print(json.dumps(decode_step_medians(base, with_lora, prompts, mixed, args), indent=1))
+        return
     results: dict[str, list[float]] = {"base": [], "lora-base": [], "lora-4": []}
     for _ in range(args.rounds):
         results["base"].append(
