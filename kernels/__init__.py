@@ -1,4 +1,4 @@
-"""Triton kernels for the GPU path: paged attention, KV-cache store, weight-only quantized GEMMs.
+"""Triton kernels for the GPU path: paged attention, KV-cache store, weight-only quantized GEMMs, LoRA shrink/expand.
 
 Plain-torch twins and the AWQ/GPTQ/fp8 packing helpers live in `kernels.reference`.
 
@@ -22,10 +22,13 @@ from kernels.attention_prefill import paged_prefill_attention
 from kernels.gemm_fp8 import fp8_gemm
 from kernels.gemm_int4 import int4_gemm
 from kernels.kv_store import store_kv_cache
+from kernels.lora import lora_expand, lora_shrink
 
 __all__ = [
     "fp8_gemm",
     "int4_gemm",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention_decode",
     "paged_prefill_attention",
     "store_kv_cache",

@@ -290,3 +290,37 @@ def fp8_gemm_ref(
 ) -> Tensor:  # [M, N] in x.dtype
     w = weight.float() * scale.float()[:, None]
     return (x.float() @ w.t()).to(x.dtype)
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def lora_shrink_ref(
+    x: Tensor,  # [T, in]
+    lora_a: Tensor,  # [L * n * R, in]
+    token_slots: Tensor,  # [T] int64, -1 = no adapter
+    n: int,
+    max_rank: int,
+) -> Tensor:  # [T, n * R] fp32
+    nr = n * max_rank
+    h = torch.zeros(x.shape[0], nr, dtype=torch.float32, device=x.device)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            h[t] = lora_a[slot * nr : (slot + 1) * nr].float() @ x[t].float()
+    return h
+
+
+def lora_expand_ref(
+    h: Tensor,  # [T, n * R] fp32
+    lora_b: Tensor,  # [L * n * R, out]
+    token_slots: Tensor,  # [T] int64, -1 = no adapter
+    y: Tensor,  # [T, out]
+    n: int,
+    max_rank: int,
+) -> Tensor:  # a new [T, out] tensor in y's dtype
+    nr = n * max_rank
+    out = y.clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            out[t] = (y[t].float() + h[t] @ lora_b[slot * nr : (slot + 1) * nr].float()).to(y.dtype)
+    return out

@@ -27,6 +27,8 @@ from server.config import (
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
+    LoRAConfig,
+    LoRAModule,
     ModelConfig,
     ParallelConfig,
     ServerConfig,
@@ -93,6 +95,25 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """`name=path` or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    text = text.strip()
+    try:
+        if text.startswith("{"):
+            obj = json.loads(text)
+            if not isinstance(obj, dict) or set(obj) - {"name", "path", "base_model_name"}:
+                raise ValueError("expected keys name, path and optionally base_model_name")
+            return LoRAModule(
+                str(obj.get("name") or ""), str(obj.get("path") or ""), obj.get("base_model_name")
+            )
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError("expected name=path or a JSON object")
+        return LoRAModule(name.strip(), path.strip())
+    except (ValueError, json.JSONDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"bad --lora-modules entry {text!r}: {e}") from None
 
 
 def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
@@ -300,6 +321,45 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         default=300.0,
     )
 
+    g = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora_default = parse_bool(env["ENABLE_LORA"]) if env.get("ENABLE_LORA") else False
+    g.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=lora_default,
+        help="Serve LoRA adapters on top of the base model [env: ENABLE_LORA]",
+    )
+    lora_env = env.get("LORA_MODULES", "")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[parse_lora_module(m) for m in lora_env.split()] if lora_env else [],
+        help='Adapters to load at start: name=path, or JSON {"name", "path", "base_model_name"}; '
+        "a path is a PEFT folder or a hub repo id [env: LORA_MODULES, space-separated]",
+    )
+    add("--max-loras", "MAX_LORAS", "Most distinct adapters in one batch", type=_positive_int, default=1)
+    add("--max-lora-rank", "MAX_LORA_RANK", "Largest adapter rank accepted", type=_positive_int, default=16)
+    add(
+        "--max-cpu-loras",
+        "MAX_CPU_LORAS",
+        "Adapters kept loaded in memory, LRU beyond (default: --max-loras)",
+        type=_positive_int,
+    )
+    runtime_default = (
+        parse_bool(env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"])
+        if env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        else False
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action=argparse.BooleanOptionalAction,
+        default=runtime_default,
+        help="Mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "[env: VLLM_ALLOW_RUNTIME_LORA_UPDATING]",
+    )
+    del g
+
     add(
         "--api-key",
         "API_KEY",
@@ -399,6 +459,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             tensor_parallel_size=args.tensor_parallel_size, distributed_timeout_s=args.distributed_timeout
         ),
         kv_events=args.kv_events_config or KVEventsConfig(),
+        lora=LoRAConfig(
+            enable_lora=args.enable_lora,
+            lora_modules=tuple(args.lora_modules),
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
+            allow_runtime_updating=args.allow_runtime_lora_updating,
+        ),
     )
     return ServerConfig(
         engine=engine,

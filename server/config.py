@@ -148,6 +148,49 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAModule:
+    """One --lora-modules entry: `name=path`, or vLLM's JSON form {"name", "path", "base_model_name"}."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.path:
+            raise ValueError("a LoRA module needs a non-empty name and path")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA flags. max_loras: distinct adapters in one batch (each a weight slot); max_cpu_loras:
+    adapters kept loaded in memory (LRU beyond that, read again from disk when used)."""
+
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None = max_loras
+    allow_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if (self.lora_modules or self.allow_runtime_updating) and not self.enable_lora:
+            raise ValueError("LoRA modules and run-time LoRA updates need --enable-lora")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate LoRA module names in {names}")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -161,6 +204,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # --speculative-config; None = no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # server/kv_events.py
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -171,6 +215,9 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
+            # the worker ranks shard plain projections; LoRA-wrapped ones are not sharded yet
+            raise ValueError("--enable-lora does not work with --tensor-parallel-size > 1 yet")
         # Validates the token budget and sequence limits early, with the same messages.
         SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -21,6 +21,8 @@ from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.distributed.driver import TensorParallelDriver
 from server.kv_events import KVEventPublisher, make_publisher
+from server.lora.manager import LoRAManager
+from server.lora.registry import LoRARegistry
 from server.models.loader import (
     LoadedModel,
     ModelSource,
@@ -30,7 +32,7 @@ from server.models.loader import (
     resolve_model,
 )
 from server.models.serving_weights import prepare_for_serving
-from server.request import FinishReason, GrammarSpec, Request, SamplingParams
+from server.request import FinishReason, GrammarSpec, LoRARequest, Request, SamplingParams
 from server.spec_decode.proposer import Speculator
 from server.structured import GrammarCompiler, StructuredOutputManager, compile_stats
 from server.tokenizer import IncrementalDetokenizer, Tokenizer, shipped_chat_template
@@ -129,6 +131,22 @@ class LLMEngine:
             # The embedded SmolLM2's own template knows no tools; ours renders the same without them.
             template = shipped_chat_template("smollm2_tools")
         self.tokenizer = Tokenizer(self.source.folder, chat_template=template)
+        # LoRA: adapters by name (and their weights, LRU) + the model's projections wrapped with slots.
+        self.lora: LoRARegistry | None = None
+        lora_manager: LoRAManager | None = None
+        if config.lora.enable_lora:
+            self.lora = LoRARegistry(config.lora, self.loaded.arch, dtype, config.model.cache_dir)
+            for module in config.lora.lora_modules:
+                self.lora.add(module.name, module.path, module.base_model_name)
+            lora_manager = LoRAManager(self.loaded.model, self.lora, self.device, dtype)
+            log.info(
+                "LoRA enabled: %d adapters, max_loras=%d, max_lora_rank=%d, %.1f MiB per resident adapter",
+                len(config.lora.lora_modules),
+                config.lora.max_loras,
+                config.lora.max_lora_rank,
+                lora_manager.slot_bytes() / 2**20,
+            )
+        self.lora_manager = lora_manager
         log.info("loaded weights from %s in %.1f s", self.source.folder, time.monotonic() - t0)
 
         block_size = config.cache.block_size
@@ -153,6 +171,7 @@ class LLMEngine:
             dtype,
             self.device,
             structured=StructuredOutputManager(self.grammars),
+            lora=lora_manager,
         )
         if self.tp is not None:
             self.tp.wait_ready(num_blocks)
@@ -170,6 +189,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
             ),
             self.kv,
         )
@@ -195,8 +215,12 @@ class LLMEngine:
         )
 
     # ---- requests -----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+    ) -> None:
         """Raises ValueError if the request can never be served. Reads only immutable config."""
+        if lora is not None and self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this server (--enable-lora)")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt must contain at least one token")
@@ -212,11 +236,17 @@ class LLMEngine:
                 f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size} tokens)"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        self.validate(prompt_token_ids, params)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
+    ) -> Request:
+        self.validate(prompt_token_ids, params, lora)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # a cache hit when the API compiled it first
-        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, lora=lora)
         self.scheduler.add_request(req)
         self._states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
@@ -380,13 +410,17 @@ class LLMEngine:
         )
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[list[int]]:
         """Offline helper: run prompts to completion, return each one's output token ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        llist = loras if loras is not None else [None] * len(prompts)
         ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        for rid, p, sp in zip(ids, prompts, plist, strict=True):
-            self.add_request(rid, p, sp)
+        for rid, p, sp, lora in zip(ids, prompts, plist, llist, strict=True):
+            self.add_request(rid, p, sp, lora)
         result: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_unfinished():
             for out in self.step():
@@ -427,6 +461,7 @@ class _AddCommand:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None = None
 
 
 class AsyncEngine:
@@ -472,7 +507,11 @@ class AsyncEngine:
 
     # ---- called from the event loop ------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; the last has finished=True. Leaving the iteration early
         (client disconnect, cancellation) aborts the request."""
@@ -483,10 +522,10 @@ class AsyncEngine:
             request_id = f"req-{self._counter}-{time.monotonic_ns()}"
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params, lora)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", _AddCommand(request_id, prompt_token_ids, params)))
+        self._commands.put(("add", _AddCommand(request_id, prompt_token_ids, params, lora)))
         self._wake.set()
         finished = False
         try:
@@ -539,7 +578,9 @@ class AsyncEngine:
             if kind == "add":
                 assert isinstance(payload, _AddCommand)
                 try:
-                    self.engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params)
+                    self.engine.add_request(
+                        payload.request_id, payload.prompt_token_ids, payload.params, payload.lora
+                    )
                 except ValueError as e:
                     self._post(payload.request_id, e)
             elif kind == "abort":

@@ -9,6 +9,7 @@ layer when a request finishes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -144,6 +145,23 @@ class _EngineCollector(Collector):
                 "KV-cache events dropped because the publisher's queue was full.",
                 float(kv_events[1]),
             )
+        if m.max_lora is not None:
+            # vLLM's shape: the adapters as comma-joined label values, the value the sample time (the
+            # Gateway API inference extension reads it for LoRA-affine routing)
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running and waiting LoRA adapters.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            info.add_metric(
+                [
+                    str(m.max_lora),
+                    ",".join(stats.waiting_lora_adapters) if stats else "",
+                    ",".join(stats.running_lora_adapters) if stats else "",
+                ],
+                time.time(),
+            )
+            yield info
         yield gauge("tgi_queue_size", "Requests waiting to be scheduled (TGI name).", waiting)
         yield gauge("tgi_batch_current_size", "Requests in the running batch (TGI name).", running)
         yield gauge(
@@ -213,6 +231,7 @@ class ServerMetrics:
         self.ready_source = ready_source
         # (batches published, events dropped) by the KV-event publisher; None while it is off.
         self.kv_events_source: Callable[[], tuple[int, int] | None] = lambda: None
+        self.max_lora: int | None = None  # --max-loras once an engine with LoRA is attached
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
@@ -308,6 +327,12 @@ class ServerMetrics:
         )
         # Set by the server once the engine is loaded: cumulative grammar mask/compile figures.
         self.structured_source: Callable[[], dict[str, float]] | None = None
+        self.lora_requests = Counter(
+            "kubeinfer_lora_requests",
+            "Generation requests per LoRA adapter.",
+            [*lbl, "lora_name"],
+            registry=r,
+        )
         r.register(_EngineCollector(self))
 
     # ---- counters kept here (exposed by the collector) ----------------------------------------------
@@ -331,6 +356,9 @@ class ServerMetrics:
 
     def structured_request(self, kind: str) -> None:
         self.structured_requests.labels(model_name=self.model_name, kind=kind).inc()
+
+    def lora_request(self, lora_name: str) -> None:
+        self.lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
 
     def http_request(self, route: str, status: int) -> None:
         self.http_requests.labels(model_name=self.model_name, route=route, status=str(status)).inc()

@@ -113,6 +113,22 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter a request runs under. lora_int_id is unique per load, so reloading a name with new
+    weights never shares prefix-cache blocks or weight slots with the old ones."""
+
+    name: str
+    lora_int_id: int  # >= 1
+    path: str
+    base_model_name: str | None = None  # --lora-modules' JSON form; /v1/models' `parent`
+
+    @property
+    def cache_key(self) -> bytes:
+        """Seeds the prefix-cache hash chain: blocks computed under different adapters never match."""
+        return f"lora:{self.lora_int_id}:{self.name}".encode()
+
+
 @dataclass
 class Request:
     """A request as the engine tracks it. Block ids live in the KV cache manager, not here."""
@@ -136,6 +152,7 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding); never part of the sequence until
     # the target model accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
+    lora: LoRARequest | None = None  # None = the base model
 
     @property
     def num_prompt_tokens(self) -> int:

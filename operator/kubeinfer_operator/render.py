@@ -128,6 +128,11 @@ def server_args(im: InferenceModel) -> list[str]:
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
     if engine.speculative is not None:
         args += ["--speculative-config", engine.speculative.to_flag()]
+    if spec.adapters:
+        # hub adapters are fetched by the server into the same cache volume as the model
+        modules = [f"{a.name}={model_location(a.uri).server_model}" for a in spec.adapters]
+        args += ["--enable-lora", "--max-loras", str(min(len(spec.adapters), 4)), "--lora-modules", *modules]
+        args += ["--max-cpu-loras", str(len(spec.adapters))]
     from .routing import server_routing_args  # routing.py builds on this module
 
     return args + server_routing_args(im) + list(engine.extra_args)

@@ -76,6 +76,10 @@ MANAGED_FLAGS = frozenset(
         "--speculative-config",
         "--tensor-parallel-size",
         "--kv-events-config",
+        "--enable-lora",
+        "--lora-modules",
+        "--max-loras",
+        "--max-cpu-loras",
         "--api-key",
         "--drain-timeout",
         "--log-format",
@@ -188,6 +192,29 @@ class SpeculativeSpec(_Model):
 
     def to_flag(self) -> str:
         return json.dumps(self.model_dump(exclude_none=True), sort_keys=True)
+
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter (PEFT folder) served on top of the model under `name` (the `model` clients send)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    uri: str = Field(min_length=2, max_length=512)
+    credentials_secret_ref: SecretKeyRef | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> AdapterSpec:
+        if not ADAPTER_NAME.match(self.name):
+            raise ValueError("adapters[].name must be letters, digits, '.', '_' or '-'")
+        if not (self.uri.startswith(("hf://", "pvc://", "/"))):
+            raise ValueError("adapters[].uri must start with hf://, pvc:// or / (a path inside the image)")
+        if self.uri.startswith("hf://") and not HF_URI.match(self.uri):
+            raise ValueError("adapters[].uri hf:// must look like hf://org/name")
+        if self.uri.startswith("pvc://") and not PVC_URI.match(self.uri):
+            raise ValueError("adapters[].uri pvc:// must look like pvc://claim/path/in/claim")
+        return self
 
 
 class EngineSpec(_Model):
@@ -468,6 +495,7 @@ class RoutingSpec(_Model):
 
 class InferenceModelSpec(_Model):
     model: ModelSource
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     cache: CacheSpec = Field(default_factory=CacheSpec)
@@ -613,4 +641,22 @@ class InferenceModel:
 def semantic_errors(spec: InferenceModelSpec) -> list[str]:
     """Problems the schema cannot express; each makes the spec undeployable."""
     errors: list[str] = []
+    names = [a.name for a in spec.adapters]
+    if len(set(names)) != len(names):
+        errors.append("adapters[].name must be unique")
+    if spec.served_name in names:
+        errors.append(f"adapter name {spec.served_name!r} is the model's served name")
+    model_claim = model_location(spec.model.uri).claim_name
+    for a in spec.adapters:
+        claim = model_location(a.uri).claim_name
+        if claim is not None and claim != model_claim:
+            errors.append(f"adapter {a.name}: pvc:// adapters must live on the model's claim ({model_claim})")
+        # the pod has one hub token (HF_TOKEN): an adapter may only use the model's
+        if (
+            a.credentials_secret_ref is not None
+            and a.credentials_secret_ref != spec.model.credentials_secret_ref
+        ):
+            errors.append(
+                f"adapter {a.name}: credentialsSecretRef must be the model's (one hub token per pod)"
+            )
     return errors

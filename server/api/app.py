@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
+from . import lora as lora_routes
 from . import openai, router_worker, tgi, ui, utility
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
@@ -158,6 +159,8 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
         return err.response(family_of_path(path), headers=dict(exc.headers) if exc.headers else None)
 
     app.include_router(router_worker.router)
+    if state.config.engine.lora.allow_runtime_updating:
+        app.include_router(lora_routes.router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -78,7 +78,9 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "truncate": _impl("test_api_conf_tokenize_routes", "keeps the last `truncate` prompt tokens"),
         "typical_p": _partial(_TGI_MAP, 0.5, "1.0 (off) accepted; typical sampling is not implemented"),
         "watermark": _refused(True, "watermarking is not implemented"),
-        "adapter_id": _refused("my-lora", "adapters are not served yet"),
+        "adapter_id": _impl(
+            "test_tgi_adapter_id", "a LoRA adapter loaded with --lora-modules or at run time"
+        ),
     },
     "TGITokenizeRequest": {
         "inputs": _impl("test_api_conf_tokenize_routes"),

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from server.core.outputs import Logprob, RequestOutput, TokenLogprobs
 from server.engine import EngineDeadError
 from server.metrics import FinishedRequestTimes
-from server.request import FinishReason, SamplingParams
+from server.request import FinishReason, LoRARequest, SamplingParams
 
 from .errors import APIError, ErrorKind, validation
 from .state import ServerState
@@ -65,6 +65,18 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool = True)
     if len(text) > _TOKENIZE_IN_THREAD_CHARS:
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
     return tok.encode(text, add_special_tokens)
+
+
+def resolve_adapter(state: ServerState, name: str | None) -> LoRARequest | None:
+    """The LoRA adapter loaded under `name`, or None when `name` is the base model (or not given).
+    Raises a 404 APIError for any other name."""
+    assert state.llm is not None
+    if name is None or name in (state.llm.info.served_model_name, state.llm.info.model_id):
+        return None
+    lora = state.llm.lora.get(name) if state.llm.lora is not None else None
+    if lora is None:
+        raise APIError(ErrorKind.NOT_FOUND, f"The model `{name}` does not exist.", "model")
+    return lora
 
 
 def check_request(
@@ -167,7 +179,7 @@ def token_texts(out: RequestOutput) -> list[str]:
 
 
 async def stream_engine(
-    state: ServerState, prompt_ids: list[int], params: SamplingParams
+    state: ServerState, prompt_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
 ) -> AsyncIterator[RequestOutput]:
     """The engine's stream for one request, recording its metrics when it ends (however it ends).
     Closing this generator early aborts the engine request."""
@@ -182,7 +194,9 @@ async def stream_engine(
     first_scheduled: float | None = None
     first_token: float | None = None
     try:
-        async for out in engine.generate(prompt_ids, params):
+        if lora is not None:
+            state.metrics.lora_request(lora.name)
+        async for out in engine.generate(prompt_ids, params, lora=lora):
             now = time.monotonic()
             if out.metrics is not None:
                 arrival = out.metrics.arrival_time
@@ -216,9 +230,11 @@ async def stream_engine(
         )
 
 
-async def collect(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> Generation:
+async def collect(
+    state: ServerState, prompt_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+) -> Generation:
     gen = Generation(prompt_ids=list(prompt_ids))
-    async for out in stream_engine(state, prompt_ids, params):
+    async for out in stream_engine(state, prompt_ids, params, lora):
         gen.add(out)
     return gen
 

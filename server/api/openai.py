@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from server.core.outputs import Logprob, RequestOutput, TokenLogprobs
-from server.request import FinishReason, GrammarSpec, SamplingParams
+from server.request import FinishReason, GrammarSpec, LoRARequest, SamplingParams
 
 from .errors import APIError, ErrorKind, Family, validation
 from .generation import (
@@ -28,6 +28,7 @@ from .generation import (
     make_params,
     merge_streams,
     read_json,
+    resolve_adapter,
     safe_logprob,
     stream_engine,
     until_disconnect,
@@ -58,6 +59,7 @@ class Job:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None = None  # the adapter named by `model`, None = the base model
 
 
 def _stream_chunk(
@@ -70,11 +72,9 @@ def _stream_chunk(
     return c
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    assert state.llm is not None
-    names = {state.llm.info.served_model_name, state.llm.info.model_id}
-    if model is not None and model not in names:
-        raise APIError(ErrorKind.NOT_FOUND, f"The model `{model}` does not exist.", "model")
+def _check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The base model's names select the base model, a loaded adapter's name that adapter; else 404."""
+    return resolve_adapter(state, model)
 
 
 def _finish_reason(reason: FinishReason | None) -> str | None:
@@ -330,7 +330,7 @@ def _chosen(out: RequestOutput) -> tuple[list[Logprob | None], list[list[Logprob
 
 # ---- shared plumbing -----------------------------------------------------------------------------
 async def _run_all(state: ServerState, jobs: list[Job]) -> list[Generation]:
-    gens = await asyncio.gather(*(collect(state, j.prompt_ids, j.params) for j in jobs))
+    gens = await asyncio.gather(*(collect(state, j.prompt_ids, j.params, j.lora) for j in jobs))
     for g in gens:
         g.raise_if_failed()
     return list(gens)
@@ -340,7 +340,7 @@ def _stream_factories(
     state: ServerState, jobs: list[Job]
 ) -> list[Callable[[], AsyncIterator[RequestOutput]]]:
     def factory(job: Job) -> Callable[[], AsyncIterator[RequestOutput]]:
-        return lambda: stream_engine(state, job.prompt_ids, job.params)
+        return lambda: stream_engine(state, job.prompt_ids, job.params, job.lora)
 
     return [factory(j) for j in jobs]
 
@@ -411,7 +411,7 @@ def _completion_logprobs(
 
 async def _prepare_completion(state: ServerState, body: Any) -> EventStreamResponse | Deferred:
     req: CompletionRequest = parse(CompletionRequest, body)
-    _check_model(state, req.model)
+    lora = _check_model(state, req.model)
     _check_common(req)
     _check_prompt_logprobs(req.prompt_logprobs)
     if req.suffix:
@@ -463,7 +463,7 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
             )
             if i == 0:
                 check_request(state, ids, params, "max_tokens")
-            jobs.append(Job(pi * req.n + i, pi, ids, params))
+            jobs.append(Job(pi * req.n + i, pi, ids, params, lora))
     assert state.llm is not None
     plan = CompletionPlan(
         echo_texts=[
@@ -477,7 +477,7 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
     )
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    model = state.llm.info.served_model_name
+    model = lora.name if lora is not None else state.llm.info.served_model_name
     view = _Logprobs(state)
 
     if req.stream:
@@ -686,7 +686,7 @@ async def _chat_prompt(
 
 async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | Deferred:
     req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
-    _check_model(state, req.model)
+    lora = _check_model(state, req.model)
     _check_common(req)
     _check_prompt_logprobs(req.prompt_logprobs)
     if req.stream and req.prompt_logprobs is not None:
@@ -720,11 +720,11 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
         params = _build_params(state, req, len(ids), max_tokens, logprobs, i, req.prompt_logprobs, spec)
         if i == 0:
             check_request(state, ids, params, "max_tokens")
-        jobs.append(Job(i, 0, ids, params))
+        jobs.append(Job(i, 0, ids, params, lora))
     assert state.llm is not None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    model = state.llm.info.served_model_name
+    model = lora.name if lora is not None else state.llm.info.served_model_name
     view = _Logprobs(state)
 
     if req.stream:
@@ -850,18 +850,18 @@ async def models(request: Request) -> Response:
     if state.llm is None or state.limits is None:
         return APIError(ErrorKind.UNAVAILABLE, "the model is still loading").response(Family.OPENAI)
     info = state.llm.info
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.served_model_name,
-                    "object": "model",
-                    "created": int(state.started_at),
-                    "owned_by": "kubeinfer",
-                    "root": info.model_id,
-                    "max_model_len": state.limits.max_total_tokens,
-                }
-            ],
-        }
-    )
+    base = {
+        "id": info.served_model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "kubeinfer",
+        "root": info.model_id,
+        "parent": None,
+        "max_model_len": state.limits.max_total_tokens,
+    }
+    # LoRA adapters as vLLM lists them: root = the adapter's folder, parent = the base model
+    adapters = [
+        {**base, "id": a.name, "root": a.path, "parent": a.base_model_name or info.served_model_name}
+        for a in (state.llm.lora.names() if state.llm.lora is not None else [])
+    ]
+    return JSONResponse({"object": "list", "data": [base, *adapters]})

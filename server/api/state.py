@@ -146,6 +146,8 @@ class ServerState:
         pub = llm.kv_events
         if pub is not None:
             self.metrics.kv_events_source = lambda: (pub.num_published, pub.num_dropped)
+        if llm.lora is not None:
+            self.metrics.max_lora = llm.config.lora.max_loras
         # A request longer than the whole KV cache could never be scheduled: cap the API's limit there,
         # so that defaults (max_new_tokens absent) stay servable.
         kv_tokens = llm.info.num_kv_blocks * llm.info.block_size

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from server.core.outputs import Logprob
-from server.request import FinishReason, SamplingParams
+from server.request import FinishReason, LoRARequest, SamplingParams
 
 from .errors import APIError, Family, validation
 from .generation import (
@@ -61,6 +61,7 @@ class TGIPlan:
     return_full_text: bool
     received_at: float
     validated_at: float
+    lora: LoRARequest | None = None  # parameters.adapter_id; None = the base model
 
 
 def _finish_reason(gen: Generation) -> str:
@@ -69,6 +70,21 @@ def _finish_reason(gen: Generation) -> str:
     if isinstance(gen.stop_reason, str):
         return "stop_sequence"
     return "eos_token"
+
+
+def _adapter(state: ServerState, adapter_id: str | None) -> LoRARequest | None:
+    """TGI's `adapter_id`: a loaded LoRA adapter's name (the base model's id, or none, = the base model)."""
+    assert state.llm is not None
+    if not adapter_id or adapter_id in (state.llm.info.served_model_name, state.llm.info.model_id):
+        return None
+    if state.llm.lora is None:
+        raise validation(
+            "Input validation error: `adapter_id` needs a server started with --enable-lora", "adapter_id"
+        )
+    lora = state.llm.lora.get(adapter_id)
+    if lora is None:
+        raise validation(f"Input validation error: adapter `{adapter_id}` is not loaded", "adapter_id")
+    return lora
 
 
 async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: float) -> TGIPlan:
@@ -98,8 +114,7 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
         raise validation("Input validation error: `typical_p` is not supported by this server", "typical_p")
     if p.watermark:
         raise validation("Input validation error: `watermark` is not supported by this server", "watermark")
-    if p.adapter_id:
-        raise validation("Input validation error: `adapter_id` is not supported by this server", "adapter_id")
+    lora = _adapter(state, p.adapter_id)
     if p.max_new_tokens is not None and p.max_new_tokens < 1:
         raise validation(
             "Input validation error: `max_new_tokens` must be strictly positive", "max_new_tokens"
@@ -194,6 +209,7 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
         return_full_text=bool(p.return_full_text),
         received_at=received_at,
         validated_at=time.monotonic(),
+        lora=lora,
     )
 
 
@@ -258,7 +274,7 @@ def _full_text(plan: TGIPlan, text: str) -> str:
 
 
 async def _run(state: ServerState, plan: TGIPlan) -> list[Generation]:
-    gens = await asyncio.gather(*(collect(state, plan.prompt_ids, sp) for sp in plan.params))
+    gens = await asyncio.gather(*(collect(state, plan.prompt_ids, sp, plan.lora) for sp in plan.params))
     for g in gens:
         g.raise_if_failed()
     return list(gens)
@@ -311,7 +327,7 @@ async def _events(state: ServerState, plan: TGIPlan) -> AsyncIterator[bytes]:
     index = 0
     last_token: dict[str, Any] | None = None
     try:
-        async for out in stream_engine(state, plan.prompt_ids, plan.params[0]):
+        async for out in stream_engine(state, plan.prompt_ids, plan.params[0], plan.lora):
             texts = gen.add(out)
             failed = out.finished and out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
             n = len(out.new_token_ids)

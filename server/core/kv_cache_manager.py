@@ -49,7 +49,9 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             tokens = [request.token_at(j) for j in range(i * bs, (i + 1) * bs)]
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens))
+            # The chain starts from the adapter's identity, so each adapter (and the base) has its own cache.
+            root = request.lora.cache_key if request.lora is not None else None
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else root, tokens))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:

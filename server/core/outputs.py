@@ -110,3 +110,5 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    running_lora_adapters: tuple[str, ...] = ()  # adapter names of running requests
+    waiting_lora_adapters: tuple[str, ...] = ()  # adapter names of waiting requests

@@ -24,8 +24,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    max_loras: int = 0  # distinct LoRA adapters among running requests; 0 = LoRA disabled
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -115,8 +118,24 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests only when nobody was preempted: otherwise they would thrash.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        # A request whose adapter would exceed max_loras distinct adapters in the batch waits (skipped,
+        # keeping its place) while the requests behind it may still be admitted.
+        running_loras = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        w = 0
+        while (
+            w < len(self.waiting)
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[w]
+            if (
+                req.lora is not None
+                and req.lora.lora_int_id not in running_loras
+                and len(running_loras) >= self.config.max_loras
+            ):
+                w += 1
+                continue
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             use_cache = req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
             computed = self.kv.get_computed_blocks(req) if use_cache else None
@@ -128,7 +147,9 @@ class Scheduler:
             blocks = self.kv.allocate_slots(req, num_new, computed)
             if blocks is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
+            if req.lora is not None:
+                running_loras.add(req.lora.lora_int_id)
             self._admit(req, computed, now)
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new, blocks))
@@ -286,4 +307,6 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+            running_lora_adapters=tuple(sorted({r.lora.name for r in self.running if r.lora is not None})),
+            waiting_lora_adapters=tuple(sorted({r.lora.name for r in self.waiting if r.lora is not None})),
         )

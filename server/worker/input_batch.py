@@ -9,6 +9,7 @@ from torch import Tensor
 
 from server.attention.metadata import AttentionMetadata
 from server.core.outputs import SchedulerOutput
+from server.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,13 @@ class ForwardBatch:
     # need logits. spec_logits_indices: [sum(k_i + 1)] int64, rows in T, sequence after sequence.
     spec_logits_indices: Tensor
     spec_request_ids: list[str]  # in the order of spec_logits_indices
+    # per scheduled sequence (batch order): its adapter (None = base model); the LoRA manager turns these
+    # and attn.query_lens_cpu into the per-token slot index
+    lora_requests: tuple[LoRARequest | None, ...] = ()
+
+    @property
+    def has_lora(self) -> bool:
+        return any(lora is not None for lora in self.lora_requests)
 
 
 def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
@@ -89,4 +97,5 @@ def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.d
         request_ids=request_ids,
         spec_logits_indices=i64(spec_idx),
         spec_request_ids=spec_ids,
+        lora_requests=tuple(item.request.lora for item in sched.scheduled),
     )

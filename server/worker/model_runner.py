@@ -9,6 +9,7 @@ from torch import Tensor
 
 from server.attention import AttentionBackend
 from server.core.outputs import Logprob, ModelOutput, SchedulerOutput, TokenLogprobs
+from server.lora.manager import LoRAManager
 from server.models.llama import LlamaForCausalLM
 from server.spec_decode.rejection_sampler import verify_drafts
 from server.structured import StructuredOutputManager
@@ -37,8 +38,10 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         structured: StructuredOutputManager | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # wraps the model's projections; None = LoRA disabled
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -62,6 +65,9 @@ class ModelRunner:
         if sched.is_empty:
             return out
         batch = build_forward_batch(sched, self.block_size, self.device)
+        if self.lora is not None:
+            rows = zip(batch.request_ids, batch.lora_requests, batch.attn.query_lens_cpu, strict=True)
+            out.errors.update(self.lora.prepare(list(rows)).errors)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, self.backend)
         self._prompt_logprobs(sched, hidden, out)
         if not batch.sampled_request_ids and not batch.spec_request_ids:

@@ -51,7 +51,7 @@ def test_crd_names_and_subresources() -> None:
         "labelSelectorPath": ".status.selector",
     }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Ready", "Replicas", "Model", "Quantization", "Endpoint", "Age"]
+    assert columns == ["Phase", "Ready", "Replicas", "Model", "Quantization", "Adapters", "Endpoint", "Age"]
 
 
 def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
@@ -154,6 +154,18 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         "KVCacheUsage target is a fraction",
     ),
     ("kv-target-ok", {"model": HF, "scaling": {"metric": "KVCacheUsage", "target": 0.75}}, None),
+    ("adapters-ok", {"model": HF, "adapters": [{"name": "sql", "uri": "hf://org/sql-lora"}]}, None),
+    (
+        "adapter-scheme",
+        {"model": HF, "adapters": [{"name": "a", "uri": "s3://b/a"}]},
+        "adapters[].uri must start",
+    ),
+    ("adapter-hf", {"model": HF, "adapters": [{"name": "a", "uri": "hf://a"}]}, "adapters[].uri hf:// must"),
+    (
+        "adapter-pvc",
+        {"model": HF, "adapters": [{"name": "a", "uri": "pvc://B_/a"}]},
+        "adapters[].uri pvc:// must",
+    ),
     (
         "speculative-ok",
         {
@@ -245,6 +257,9 @@ def test_each_cel_rule_compiles_and_passes_on_the_defaults(rule: Any) -> None:
     spec = apply_defaults(crd_schema()["properties"]["spec"], minimal)
     node: Any = {"spec": spec}
     for part in rule.path.split("."):
+        if part.endswith("[]"):  # list items have no defaults: a valid sample item (adapters)
+            node = {"name": "a", "uri": "hf://org/a"}
+            continue
         node = node[part]
     assert evaluate_cel(rule.rule, node) is True
 
@@ -268,6 +283,9 @@ def _schema_fields(node: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, sub in (node.get("properties") or {}).items():
         nested = "properties" in sub and not sub.get("x-kubernetes-preserve-unknown-fields")
+        if sub.get("type") == "array" and "properties" in (sub.get("items") or {}):
+            out[key] = _schema_fields(sub["items"])  # a list of objects: compare the item's fields
+            continue
         out[key] = _schema_fields(sub) if nested else None
     return out
 

@@ -508,3 +508,53 @@ def test_pdb_never_forbids_every_eviction() -> None:
     two = kinds({"model": HF, "scaling": {"replicas": 2}})["PodDisruptionBudget"]
     assert two["spec"]["minAvailable"] == 1
     assert "PodDisruptionBudget" not in kinds({"model": HF})
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+
+def test_adapters_render_into_lora_flags() -> None:
+    im = make(
+        {
+            "model": {"uri": "pvc://models/base"},
+            "adapters": [
+                {"name": "sql", "uri": "hf://org/sql-lora"},
+                {"name": "chat", "uri": "pvc://models/adapters/chat"},
+                {"name": "baked", "uri": "/adapters/baked"},
+            ],
+        }
+    )
+    args = container(render_deployment(im))["args"]
+    assert "--enable-lora" in args
+    i = args.index("--lora-modules")
+    assert args[i + 1 : i + 4] == [
+        "sql=org/sql-lora",
+        "chat=/models/models/adapters/chat",
+        "baked=/adapters/baked",
+    ]
+    assert flag(args, "--max-loras") == "3" and flag(args, "--max-cpu-loras") == "3"
+    assert "--enable-lora" not in container(render_deployment(make({"model": HF})))["args"]
+    # the server parses what the operator renders
+    from server.cli import build_parser, config_from_args
+
+    lora = config_from_args(build_parser({}).parse_args(args)).engine.lora
+    assert [m.name for m in lora.lora_modules] == ["sql", "chat", "baked"] and lora.max_loras == 3
+
+
+@pytest.mark.parametrize(
+    ("adapters", "message"),
+    [
+        ([{"name": "a", "uri": "/x"}, {"name": "a", "uri": "/y"}], "must be unique"),
+        ([{"name": "base", "uri": "/x"}], "is the model's served name"),
+        ([{"name": "a", "uri": "pvc://other/x"}], "must live on the model's claim"),
+        (
+            [{"name": "a", "uri": "/x", "credentialsSecretRef": {"name": "s", "key": "k"}}],
+            "must be the model's",
+        ),
+    ],
+)
+def test_adapter_semantic_errors(adapters: list[dict[str, Any]], message: str) -> None:
+    from kubeinfer_operator.spec import semantic_errors
+
+    im = make({"model": {"uri": "hf://org/model", "servedName": "base"}, "adapters": adapters})
+    assert any(message in e for e in semantic_errors(im.spec)), semantic_errors(im.spec)
