@@ -51,6 +51,7 @@ _TGI = "test_api_tgi_client_generate_matches_engine"
 _OAI_MAP = "test_api_conf_fields_reach_the_engine"
 _TGI_MAP = _OAI_MAP
 _STRUCT = "test_api_regex_and_choice_both_apis"
+_ROUTER = "test_api_conf_router_added_fields_at_defaults"
 _TOOLS = "test_api_tool_loop_required_named_and_stream"
 
 FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
@@ -116,6 +117,8 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "guided_regex": _impl(_STRUCT),
         "guided_choice": _impl(_STRUCT),
         "guided_grammar": _impl(_STRUCT, "EBNF as xgrammar takes it"),
+        "no_stop_trim": _partial(_ROUTER, True, "false (vllm-router's default) accepted; stops are trimmed"),
+        "return_hidden_states": _partial(_ROUTER, True, "false (vllm-router's default) accepted"),
     },
     "CompletionRequest": {
         "prompt": _impl(_ENGINE),
@@ -149,6 +152,15 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "continue_final_message": _impl("test_api_conf_chat_echo_and_continue"),
         "echo": _impl("test_api_conf_chat_echo_and_continue"),
         "prompt_logprobs": _impl(_SCORE),
+        "separate_reasoning": _partial(
+            _ROUTER, False, "true (vllm-router's default) accepted; no reasoning parser"
+        ),
+        "stream_reasoning": _partial(
+            _ROUTER, False, "true (vllm-router's default) accepted; no reasoning parser"
+        ),
+        "include_reasoning": _partial(
+            _ROUTER, False, "true (vllm-router's default) accepted; no reasoning parser"
+        ),
     },
     "TokenizeCompletionRequest": {
         "model": _impl("test_api_conf_tokenize_routes"),

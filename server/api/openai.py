@@ -139,6 +139,12 @@ def _check_common(req: SamplingFields) -> None:
         raise validation(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.seed is not None and not (0 <= req.seed < 2**63 - MAX_N):
         raise validation("seed must be in [0, 2**63)", "seed")
+    if req.no_stop_trim:
+        raise validation(
+            "no_stop_trim is not supported (include_stop_str_in_output keeps stops)", "no_stop_trim"
+        )
+    if req.return_hidden_states:
+        raise validation("return_hidden_states is not supported", "return_hidden_states")
     if req.stream_options is not None and not req.stream:
         raise validation("stream_options is only allowed when stream is true", "stream_options")
     so = req.stream_options
@@ -688,6 +694,9 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
     lora = _check_model(state, req.model)
     _check_common(req)
+    for name in ("separate_reasoning", "stream_reasoning", "include_reasoning"):
+        if not getattr(req, name):
+            raise validation(f"{name}: false is not supported (this server has no reasoning parser)", name)
     _check_prompt_logprobs(req.prompt_logprobs)
     if req.stream and req.prompt_logprobs is not None:
         raise validation("prompt_logprobs is not available when stream is true", "prompt_logprobs")

@@ -155,6 +155,10 @@ class SamplingFields(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vllm-router forwards every request as SGLang's request types, which add these at their defaults;
+    # the defaults are what this server does, another value is refused (openai._check_common).
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -197,6 +201,10 @@ class ChatMessage(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # added by vllm-router at these defaults; this server has no reasoning parser, so only they are served
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import SERVED_NAME, TGI_PROMPT, LiveServer, free_port
+from conftest import CHAT_MESSAGES, SERVED_NAME, TGI_PROMPT, LiveServer, free_port
 from pydantic import BaseModel
 
 from server.core.finish import FinishDecision, decide_finish
@@ -797,6 +797,27 @@ def test_api_conf_lm_eval_local_completions(
 
 
 # ---- 7. vLLM's utility routes --------------------------------------------------------------------
+def test_api_conf_router_added_fields_at_defaults(live_server: LiveServer) -> None:
+    """vllm-router forwards requests with SGLang's extra fields at their defaults (seen by running it
+    against an echo server): those are served, exactly as without them; another value is refused."""
+    url = live_server.url
+    chat = {"model": SERVED_NAME, "messages": CHAT_MESSAGES, "max_tokens": 4, "temperature": 0}
+    cmpl = {"model": SERVED_NAME, "prompt": TGI_PROMPT, "max_tokens": 4, "temperature": 0}
+    common = {"no_stop_trim": False, "return_hidden_states": False}
+    reasoning = {"separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
+    for path, body, extra in (
+        ("/v1/chat/completions", chat, {**common, **reasoning}),
+        ("/v1/completions", cmpl, common),
+    ):
+        plain = httpx.post(f"{url}{path}", json=body, timeout=60)
+        routed = httpx.post(f"{url}{path}", json={**body, **extra}, timeout=60)
+        assert plain.status_code == routed.status_code == 200, routed.text
+        assert plain.json()["choices"] == routed.json()["choices"]
+        for name, value in extra.items():
+            r = httpx.post(f"{url}{path}", json={**body, name: not value}, timeout=60)
+            assert r.status_code == 400 and name in r.text, r.text
+
+
 def test_api_conf_tokenize_routes(live_server: LiveServer) -> None:
     url = live_server.url
     tok = live_server.llm.tokenizer
