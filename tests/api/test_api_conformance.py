@@ -379,9 +379,9 @@ def captured_params(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) ->
     seen: list[SamplingParams] = []
     original = live_server.llm.add_request
 
-    def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+    def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *rest: Any) -> Any:
         seen.append(params)
-        return original(request_id, prompt_token_ids, params)
+        return original(request_id, prompt_token_ids, params, *rest)
 
     monkeypatch.setattr(live_server.llm, "add_request", add_request)
     return seen
