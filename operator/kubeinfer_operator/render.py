@@ -334,7 +334,7 @@ def render_deployment(im: InferenceModel) -> Manifest:
     if spec.pod.service_account_name is not None:
         pod_spec["serviceAccountName"] = spec.pod.service_account_name
     if spec.pod.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [dict(r) for r in spec.pod.image_pull_secrets]
+        pod_spec["imagePullSecrets"] = [{"name": r.name} for r in spec.pod.image_pull_secrets]
     if spec.pod.env_from:
         container["envFrom"] = [dict(e) for e in spec.pod.env_from]
 

@@ -132,6 +132,18 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
 
+class PullSecretRef(_Model):
+    """A pod.imagePullSecrets entry (core/v1 LocalObjectReference)."""
+
+    name: str = Field(min_length=1, max_length=253)
+
+    @model_validator(mode="after")
+    def _check_name(self) -> PullSecretRef:
+        if not is_dns1123_subdomain(self.name):
+            raise ValueError("pod.imagePullSecrets entries are {name: <Secret name>}")
+        return self
+
+
 class _SecretRef(_Model):
     name: str = Field(min_length=1, max_length=253)
     key: str = Field(min_length=1, max_length=253)
@@ -411,7 +423,7 @@ class PodSpec(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
     service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
-    image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)
+    image_pull_secrets: list[PullSecretRef] = Field(default_factory=list)
     env: list[dict[str, Any]] = Field(default_factory=list)
     env_from: list[dict[str, Any]] = Field(default_factory=list)
     volumes: list[dict[str, Any]] = Field(default_factory=list)
@@ -429,9 +441,6 @@ class PodSpec(_Model):
             raise ValueError(
                 "pod.serviceAccountName must be a DNS-1123 subdomain (lower case, digits, '-', '.')"
             )
-        for ref in self.image_pull_secrets:
-            if set(ref) != {"name"} or not is_dns1123_subdomain(ref["name"]):
-                raise ValueError("pod.imagePullSecrets entries are {name: <Secret name>}")
         if any(e.get("name") in MANAGED_ENV for e in self.env):
             raise ValueError(
                 "pod.env must not set a variable the operator sets (HF_TOKEN, API_KEY, HF_HOME, ...)"

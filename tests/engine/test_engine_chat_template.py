@@ -48,7 +48,7 @@ def test_shipped_template_renders_tools_calls_and_results(smollm2_dir: Path) -> 
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
         {"role": "tool", "tool_call_id": "c2", "content": "13:00"},
     ]
-    text = tok.decode(tok.apply_chat_template(messages, True, TOOLS), skip_special_tokens=False)
+    text = tok.decode(tok.apply_chat_template(messages, True, tools=TOOLS), skip_special_tokens=False)
     assert '<tools>\n{"type": "function", "function": {"name": "get_time"' in text
     assert (
         '<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call><|im_end|>'

@@ -283,7 +283,12 @@ def _schema_fields(node: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, sub in (node.get("properties") or {}).items():
         nested = "properties" in sub and not sub.get("x-kubernetes-preserve-unknown-fields")
-        if sub.get("type") == "array" and "properties" in (sub.get("items") or {}):
+        items = sub.get("items") or {}
+        if (
+            sub.get("type") == "array"
+            and "properties" in items
+            and not items.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out[key] = _schema_fields(sub["items"])  # a list of objects: compare the item's fields
             continue
         out[key] = _schema_fields(sub) if nested else None
