@@ -192,9 +192,9 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             live = kube.apply(obj)
             if obj["kind"] == "Deployment":
                 deployment = live
-        for kind in plan.absent_kinds:
-            if kube.delete(kind, namespace, im.child_name, owner_uid=im.uid):
-                logger.info(f"deleted {kind} {namespace}/{im.child_name}: no longer wanted by the spec")
+        for ref in plan.absent:
+            if kube.delete(ref.kind, namespace, ref.name, owner_uid=im.uid):
+                logger.info(f"deleted {ref.kind} {namespace}/{ref.name}: no longer wanted by the spec")
     except ApiError as exc:
         outcome = ReconcileOutcome(apply_error=str(exc), monitoring_skipped_reason=monitoring_skipped)
         live_deployment = _safe_get(kube, "Deployment", namespace, im.child_name)
@@ -301,10 +301,16 @@ def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
         return False
     plan = render_all(im, _capabilities(kube))
     for obj in plan.objects:
-        live = kube.get(obj["kind"], im.namespace, im.child_name)
+        live = kube.get(obj["kind"], im.namespace, obj["metadata"]["name"])
         if live is None or not is_subset(obj, live):
             return True
-    return any(kube.get(kind, im.namespace, im.child_name) is not None for kind in plan.absent_kinds)
+    return any(_owned_by(kube.get(ref.kind, im.namespace, ref.name), im) for ref in plan.absent)
+
+
+def _owned_by(live: dict[str, Any] | None, im: InferenceModel) -> bool:
+    """Whether a live child is this model's (only those are ever deleted, so only they are drift)."""
+    refs = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+    return any(ref.get("uid") == im.uid for ref in refs)
 
 
 def _plain(body: Any) -> dict[str, Any]:
@@ -364,12 +370,17 @@ def _on_child_event_locked(
     if semantic_errors(im.spec):
         return
 
-    wanted = {obj["kind"]: obj for obj in render_all(im, _capabilities(kube)).objects}
-    desired = wanted.get(kind)
+    name = str(meta.get("name"))
+    objects = render_all(im, _capabilities(kube)).objects
+    wanted = {obj["kind"]: obj for obj in objects}  # the model's own win (they come last)
+    # Judged by kind and name: the router's children share kinds with the model's.
+    desired = next((o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name), None)
     # Events can arrive late; judge the child as it is now.
-    current = kube.get(kind, namespace, str(meta.get("name")))
+    current = kube.get(kind, namespace, name)
     if current is not None and (current.get("metadata") or {}).get("uid") != meta.get("uid"):
         return  # replaced meanwhile; its own events cover it
+    if current is None and desired is None:
+        return  # an unwanted child is gone (e.g. the router after routing was turned off)
     if current is None or desired is None or not is_subset(desired, current):
         logger.info(f"{kind} {namespace}/{meta.get('name')} drifted ({event_type or 'listed'}): reconciling")
         try:
@@ -378,7 +389,7 @@ def _on_child_event_locked(
             logger.warning(f"drift repair of {namespace}/{owner} postponed: {exc}")
         return
 
-    if kind == "Deployment":
+    if kind == "Deployment" and name == im.child_name:  # not the router's
         refresh_status(im, owner_body, current, wanted, kube, logger)
 
 

@@ -525,11 +525,20 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class ChildRef:
+    """One child by kind and name (in the model's namespace)."""
+
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
 class RenderPlan:
-    """Every child the operator wants, plus the optional kinds it wants absent."""
+    """Every child the operator wants, plus the optional children it wants absent."""
 
     objects: list[Manifest]
-    absent_kinds: list[str]  # kinds whose child (same name) must not exist
+    # Optional children the spec does not want: deleted if they exist and this model owns them.
+    absent: list[ChildRef]
     monitoring_skipped_reason: str | None  # why no ServiceMonitor is rendered, if none is
 
 
@@ -538,7 +547,7 @@ OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "
 
 def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPlan:
     caps = caps or Capabilities()
-    from .routing import render_router
+    from .routing import ROUTER_KINDS, render_router, router_name
 
     # The router's objects come first: callers index the plan by kind, and the model's own objects
     # (later, same kinds) must win there.
@@ -561,9 +570,13 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
         objects.append(render_hpa(im))
     elif im.spec.autoscaled and im.spec.scaling.autoscaler == "KEDA":
         objects.append(render_scaledobject(im))
-    present = {obj["kind"] for obj in objects if obj["metadata"]["name"] == im.name}
-    absent = [kind for kind in OPTIONAL_KINDS if kind not in present]
-    return RenderPlan(objects=objects, absent_kinds=absent, monitoring_skipped_reason=skipped)
+    # Every optional child that may exist, the router's in reverse apply order (pods go before the
+    # Service and RBAC they use); whichever is not rendered now must not exist.
+    optional = [ChildRef(kind, im.child_name) for kind in OPTIONAL_KINDS]
+    optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
+    present = {ChildRef(obj["kind"], obj["metadata"]["name"]) for obj in objects}
+    absent = [ref for ref in optional if ref not in present]
+    return RenderPlan(objects=objects, absent=absent, monitoring_skipped_reason=skipped)
 
 
 # Keys whose values are quantities: the API server rewrites them canonically ("0.5" -> "500m").

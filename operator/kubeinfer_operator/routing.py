@@ -29,6 +29,16 @@ ROUTER_METRICS_PORT = 29000
 KV_EVENTS_PORT = 5557
 KV_REPLAY_PORT = 5558
 ROUTER_RETRIES = 3
+# Every kind render_router may produce, in apply order (all named router_name).
+ROUTER_KINDS = (
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "Service",
+    "PodDisruptionBudget",
+    "Deployment",
+    "ServiceMonitor",
+)
 
 
 def router_name(im: InferenceModel) -> str:

@@ -1,6 +1,6 @@
 """Least privilege, measured: the real operator (`kopf run -m kubeinfer_operator`) runs against kmock
-through a full InferenceModel life (create, autoscaler switch, monitoring off, drift, a bad spec,
-delete); every API request it makes is turned into an RBAC (group, resource, verb) and compared with
+through a full InferenceModel life (create with routing, autoscaler switch, monitoring and routing
+off, drift, a bad spec, delete); every API request it makes is turned into an RBAC (group, resource, verb) and compared with
 the ClusterRole the chart renders. Every request must be allowed, and every granted permission must
 have been used. The operator runs with the chart's own `kopf run` arguments, and its liveness
 endpoint must answer on the path the chart's probe uses.
@@ -227,7 +227,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                         for r in api.requests()
                         if r.method == "DELETE"
                         and r.resource is not None
-                        and r.name == "m"
+                        and r.name in ("m", "m-router")
                         and r.headers.get("User-Agent", "").startswith("OpenAPI-Generator")
                     }
 
@@ -273,11 +273,13 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                     "KEDA switch",
                     lambda: "scaledobjects" in children() and "horizontalpodautoscalers" not in children(),
                 )
-                # One fixed replica, no monitoring: ScaledObject, PDB and ServiceMonitor go away.
+                # One fixed replica, no monitoring, routing off: ScaledObject, PDB and ServiceMonitor go
+                # away, and so do the router's objects (its ServiceAccount, Role and RoleBinding too).
                 spec2 = {
                     "model": spec["model"],
                     "scaling": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4, "autoscaler": "None"},
                     "monitoring": {"serviceMonitor": {"enabled": False}},
+                    "routing": {"enabled": False},
                 }
                 api.http(
                     "PATCH",
@@ -286,6 +288,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                     "application/merge-patch+json",
                 )
                 optional = {"servicemonitors", "scaledobjects", "poddisruptionbudgets"}
+                optional |= {"serviceaccounts", "roles", "rolebindings", "deployments", "services"}
                 wait_for(
                     "optional children deleted by the operator", lambda: optional <= deleted_by_operator()
                 )

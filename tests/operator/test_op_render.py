@@ -13,6 +13,7 @@ from kubeinfer_operator.render import (
     CACHE_DIR,
     SERVER_PORT,
     Capabilities,
+    ChildRef,
     endpoint_url,
     is_subset,
     prometheus_query,
@@ -309,7 +310,7 @@ def test_servicemonitor_depends_on_the_crd_and_the_switch() -> None:
     assert render_all(im, Capabilities(service_monitor=True)).monitoring_skipped_reason is None
     plan = render_all(im, Capabilities(service_monitor=False))
     assert plan.monitoring_skipped_reason == "CRDNotInstalled"
-    assert "ServiceMonitor" in plan.absent_kinds
+    assert ChildRef("ServiceMonitor", im.child_name) in plan.absent
     off = render_all(make({"model": HF, "monitoring": {"serviceMonitor": {"enabled": False}}}))
     assert off.monitoring_skipped_reason == "Disabled"
 

@@ -10,10 +10,18 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-from kubeinfer_operator.render import SERVER_PORT, Capabilities, labels, render_all, render_deployment
+from kubeinfer_operator.render import (
+    SERVER_PORT,
+    Capabilities,
+    ChildRef,
+    labels,
+    render_all,
+    render_deployment,
+)
 from kubeinfer_operator.routing import (
     KV_EVENTS_PORT,
     KV_REPLAY_PORT,
+    ROUTER_KINDS,
     ROUTER_METRICS_PORT,
     ROUTER_PORT,
     render_router,
@@ -114,6 +122,25 @@ def test_one_router_replica_has_no_pdb_and_monitoring_follows_the_switch() -> No
     assert "PodDisruptionBudget" not in kinds and "ServiceMonitor" not in kinds
     plan = render_all(im, Capabilities(service_monitor=True))
     assert not any(o["kind"] == "ServiceMonitor" for o in plan.objects)
+
+
+def test_plan_wants_every_router_object_absent_that_it_does_not_render() -> None:
+    def router_absent(im: InferenceModel) -> set[str]:
+        return {ref.kind for ref in render_all(im).absent if ref.name == "llm-router"}
+
+    assert router_absent(make(None)) == set(ROUTER_KINDS)
+    assert router_absent(make({"enabled": False})) == set(ROUTER_KINDS)
+    assert router_absent(make({"enabled": True, "replicas": 2})) == set()
+    assert router_absent(make({"enabled": True, "replicas": 1})) == {"PodDisruptionBudget"}
+    off = make({"enabled": False})
+    # Deleted workload first, RBAC last (the reverse of apply order); the model's own children keep
+    # their names.
+    router_refs = [ref for ref in render_all(off).absent if ref.name == "llm-router"]
+    assert [r.kind for r in router_refs] == list(reversed(ROUTER_KINDS))
+    assert ChildRef("PodDisruptionBudget", "llm") in render_all(off).absent
+    plan = render_all(make({"enabled": True, "replicas": 2}))
+    assert not {ChildRef(o["kind"], o["metadata"]["name"]) for o in plan.objects} & set(plan.absent)
+    assert {o["kind"] for o in render_router(make({"enabled": True, "replicas": 2}))} == set(ROUTER_KINDS)
 
 
 def test_kv_aware_turns_on_the_servers_kv_events() -> None:

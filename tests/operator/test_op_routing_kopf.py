@@ -51,3 +51,45 @@ def test_routing_applies_the_router_and_keeps_status_on_the_model(
         what="Ready status",
     )
     assert status["readyReplicas"] == 1
+
+
+def test_routing_off_deletes_only_the_router_objects_it_owns(cluster: MockCluster, operator: Any) -> None:
+    spec: dict[str, Any] = {
+        "model": {"uri": "hf://org/model"},
+        "routing": {"enabled": True, "policy": "kv_aware", "replicas": 2},
+    }
+    im = cluster.create("InferenceModel", inference_model(spec, name=NAME))
+    for kind in KINDS:
+        wait_for(functools.partial(cluster.get, kind, ROUTER), what=f"router {kind}")
+    own = {kind: cluster.get(kind, NAME) for kind in ("Deployment", "Service", "ServiceMonitor")}
+    assert all(obj is not None and owned_by(obj, im) for obj in own.values())
+
+    cluster.patch("InferenceModel", NAME, {"spec": {"routing": {"enabled": False}}})
+    wait_for(lambda: all(cluster.get(kind, ROUTER) is None for kind in KINDS), what="router objects deleted")
+    # The model's own children stay (same objects, not recreated); its servers stop publishing KV events.
+    model = wait_for(
+        lambda: (
+            (d := cluster.get("Deployment", NAME))
+            and "--kv-events-config" not in d["spec"]["template"]["spec"]["containers"][0]["args"]
+            and d
+        ),
+        what="model Deployment without KV events",
+    )
+    for kind, before in own.items():
+        live = model if kind == "Deployment" else cluster.get(kind, NAME)
+        assert live is not None and owned_by(live, im), kind
+        assert live["metadata"]["uid"] == before["metadata"]["uid"], kind  # type: ignore[index]
+
+    # Someone else's object under the router's name is never deleted, whatever the model's spec says.
+    foreign = cluster.create("ServiceAccount", {"metadata": {"name": ROUTER}})
+    patched = cluster.patch("InferenceModel", NAME, {"spec": {"routing": {"replicas": 1}}})
+    generation = patched["metadata"]["generation"]
+    wait_for(
+        lambda: (
+            ((cluster.get("InferenceModel", NAME) or {}).get("status") or {}).get("observedGeneration")
+            == generation
+        ),
+        what="a reconcile after the foreign ServiceAccount appeared",
+    )
+    live_sa = cluster.get("ServiceAccount", ROUTER)
+    assert live_sa is not None and live_sa["metadata"]["uid"] == foreign["metadata"]["uid"]
