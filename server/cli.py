@@ -138,6 +138,18 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
                 parser.error(f"environment variable {env_name}={value!r}: choose from {kw['choices']}")
         parser.add_argument(flag, type=type, default=value, help=f"{help} [env: {env_name}]", **kw)
 
+    def add_bool(flag: str, env_name: str, help: str, default: bool, target: Any = parser) -> None:
+        """--flag / --no-flag, its default read from env_name when set (true/false, 1/0, yes/no)."""
+        value = default
+        if env.get(env_name):
+            try:
+                value = parse_bool(env[env_name])
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"environment variable {env_name}: {e}")
+        target.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=value, help=f"{help} [env: {env_name}]"
+        )
+
     g = parser.add_argument_group("model")
     add(
         "--model",
@@ -245,12 +257,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         type=parse_size,
         default=512 * 2**20,
     )
-    prefix_default = parse_bool(env["ENABLE_PREFIX_CACHING"]) if env.get("ENABLE_PREFIX_CACHING") else True
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=prefix_default,
-        help="Reuse KV blocks of shared prompt prefixes [env: ENABLE_PREFIX_CACHING]",
+    add_bool(
+        "--enable-prefix-caching", "ENABLE_PREFIX_CACHING", "Reuse KV blocks of shared prompt prefixes", True
     )
     add(
         "--kv-events-config",
@@ -288,17 +296,11 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "Jinja chat template file replacing the model's (the embedded SmolLM2 uses the shipped "
         "tool-aware server/templates/smollm2_tools.jinja)",
     )
-    auto_tools_default = (
-        parse_bool(env["KUBEINFER_ENABLE_AUTO_TOOL_CHOICE"])
-        if env.get("KUBEINFER_ENABLE_AUTO_TOOL_CHOICE")
-        else False
-    )
-    parser.add_argument(
+    add_bool(
         "--enable-auto-tool-choice",
-        action=argparse.BooleanOptionalAction,
-        default=auto_tools_default,
-        help='Allow tool_choice "auto": the model decides, --tool-call-parser reads its calls '
-        "[env: KUBEINFER_ENABLE_AUTO_TOOL_CHOICE]",
+        "KUBEINFER_ENABLE_AUTO_TOOL_CHOICE",
+        'Allow tool_choice "auto": the model decides, --tool-call-parser reads its calls',
+        False,
     )
     add(
         "--tool-call-parser",
@@ -322,13 +324,7 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     )
 
     g = parser.add_argument_group("LoRA adapters (vLLM's flags)")
-    lora_default = parse_bool(env["ENABLE_LORA"]) if env.get("ENABLE_LORA") else False
-    g.add_argument(
-        "--enable-lora",
-        action=argparse.BooleanOptionalAction,
-        default=lora_default,
-        help="Serve LoRA adapters on top of the base model [env: ENABLE_LORA]",
-    )
+    add_bool("--enable-lora", "ENABLE_LORA", "Serve LoRA adapters on top of the base model", False, g)
     lora_env = env.get("LORA_MODULES", "")
     g.add_argument(
         "--lora-modules",
@@ -346,17 +342,12 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "Adapters kept loaded in memory, LRU beyond (default: --max-loras)",
         type=_positive_int,
     )
-    runtime_default = (
-        parse_bool(env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"])
-        if env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
-        else False
-    )
-    g.add_argument(
+    add_bool(
         "--allow-runtime-lora-updating",
-        action=argparse.BooleanOptionalAction,
-        default=runtime_default,
-        help="Mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
-        "[env: VLLM_ALLOW_RUNTIME_LORA_UPDATING]",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        "Mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+        False,
+        g,
     )
     del g
 
@@ -373,17 +364,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         type=float,
         default=30.0,
     )
-    ui_default = True
-    if env.get("KUBEINFER_UI"):
-        try:
-            ui_default = parse_bool(env["KUBEINFER_UI"])
-        except argparse.ArgumentTypeError as e:
-            parser.error(f"environment variable KUBEINFER_UI: {e}")
-    parser.add_argument(
-        "--ui",
-        action=argparse.BooleanOptionalAction,
-        default=ui_default,
-        help="Serve the chat playground at GET / (browsers); --no-ui turns it off [env: KUBEINFER_UI]",
+    add_bool(
+        "--ui", "KUBEINFER_UI", "Serve the chat playground at GET / (browsers); --no-ui turns it off", True
     )
     add(
         "--allowed-origins",
@@ -406,15 +388,11 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         type=parse_str_list,
         default=("*",),
     )
-    credentials_default = (
-        parse_bool(env["KUBEINFER_ALLOW_CREDENTIALS"]) if env.get("KUBEINFER_ALLOW_CREDENTIALS") else False
-    )
-    parser.add_argument(
+    add_bool(
         "--allow-credentials",
-        action=argparse.BooleanOptionalAction,
-        default=credentials_default,
-        help="CORS: allow credentials (cookies, Authorization) in cross-origin requests "
-        "[env: KUBEINFER_ALLOW_CREDENTIALS]",
+        "KUBEINFER_ALLOW_CREDENTIALS",
+        "CORS: allow credentials (cookies, Authorization) in cross-origin requests",
+        False,
     )
     add("--log-format", "LOG_FORMAT", "Log line format", default="text", choices=LOG_FORMATS)
     add(
