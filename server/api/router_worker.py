@@ -1,6 +1,6 @@
 """What vLLM's router (`vllm-router`, and SGLang's router it grew from) calls on a worker, besides the
 OpenAI routes and the health check. Found by running vllm-router 0.1.17 against this server
-(tests/router/test_router_compat.py records the calls):
+(tests/router/test_router_worker_routes.py and test_router_e2e.py exercise them):
 
 - GET  /get_load         per-worker load for the router's /get_loads: {"load": requests in the engine}
 - GET  /get_model_info   proxied from the router's /get_model_info (SGLang's fields)
@@ -11,7 +11,7 @@ OpenAI routes and the health check. Found by running vllm-router 0.1.17 against 
 - GET  /kv_event_sources where the KV-cache events are published, which vllm-router --policy
                          kv_aware reads for workers given without static KV sources (e.g. discovered)
 - POST /tokenize         vLLM's form ({"prompt"} or {"messages"} -> {"count", "tokens", ...}), which
-                         the router asks for to route by tokens; TGI's form ({"inputs"}) stays in tgi.py
+                         the router asks for to route by tokens: served by utility.py with TGI's form
 
 Health: the router checks `--health-check-endpoint`; point it at /ready (the operator does), which
 is 503 while loading or draining, so such a replica gets no new requests.
