@@ -318,9 +318,37 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--distributed-timeout",
         "KUBEINFER_DISTRIBUTED_TIMEOUT",
-        "seconds a tensor-parallel collective may wait before the engine gives up (/health 503)",
+        "seconds a tensor-parallel collective may wait before the engine gives up (/health 503, exit 1)",
         type=float,
         default=300.0,
+    )
+    # Multi-node tensor parallelism (vLLM's flag names; the defaults come from the variables a
+    # LeaderWorkerSet injects into every pod, so the operator renders none of them).
+    add(
+        "--nnodes",
+        "LWS_GROUP_SIZE",
+        "nodes (pods) the tensor-parallel group spans",
+        type=_positive_int,
+        default=1,
+    )
+    add(
+        "--node-rank",
+        "LWS_WORKER_INDEX",
+        "this node's index in the group: 0 serves the API, others run the worker loop only",
+        type=int,
+        default=0,
+    )
+    add(
+        "--master-addr",
+        "LWS_LEADER_ADDRESS",
+        "address of node 0, where the tensor-parallel rendezvous store listens",
+        default="127.0.0.1",
+    )
+    add(
+        "--master-port",
+        "MASTER_PORT",
+        "port of the rendezvous store on node 0 (default: 29500 across nodes, any free port on one)",
+        type=int,
     )
 
     g = parser.add_argument_group("LoRA adapters (vLLM's flags)")
@@ -434,7 +462,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         num_threads=args.num_threads,
         speculative=parse_speculative_config(args.speculative_config) if args.speculative_config else None,
         parallel=ParallelConfig(
-            tensor_parallel_size=args.tensor_parallel_size, distributed_timeout_s=args.distributed_timeout
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_timeout_s=args.distributed_timeout,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
         ),
         kv_events=args.kv_events_config or KVEventsConfig(),
         lora=LoRAConfig(
@@ -508,6 +541,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     setup_logging(config.log_format, args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not config.engine.parallel.is_leader:  # a worker pod of a multi-node group: no API
+        from server.distributed.node import run_worker_node
+
+        return run_worker_node(config.engine, config.host, config.port)
     from server.api.server import serve
 
     return serve(config)

@@ -78,18 +78,55 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism (server/distributed/): N processes, one per device, rank 0 in the server."""
+    """Tensor parallelism (server/distributed/): N processes, one per device, rank 0 in the server.
 
-    tensor_parallel_size: int = 1
+    Multi-node (a LeaderWorkerSet group of `nnodes` pods, docs/design.md): every pod runs N / nnodes
+    ranks; pod `node_rank` 0 is the leader (HTTP API, rank 0), the others run the worker loop only.
+    """
+
+    tensor_parallel_size: int = 1  # N: ranks in the whole group (all nodes)
     # A collective (step broadcast, all-reduce) that waits longer than this raises: a hung rank ends the
-    # engine loop (/health 503, exit) instead of stalling it. Also bounds worker start-up.
+    # engine loop (/health 503, exit) instead of stalling it. Start-up waits max(this, 600 s).
     distributed_timeout_s: float = 300.0
+    nnodes: int = 1  # LWS_GROUP_SIZE
+    node_rank: int = 0  # LWS_WORKER_INDEX
+    master_addr: str = "127.0.0.1"  # LWS_LEADER_ADDRESS: rank 0's rendezvous store
+    master_port: int | None = None  # None: a free port on one node, 29500 across nodes
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes (LWS_GROUP_SIZE) must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank (LWS_WORKER_INDEX) must be in [0, {self.nnodes}), got {self.node_rank}"
+            )
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of the number of "
+                f"nodes ({self.nnodes}): every node runs the same number of ranks"
+            )
+        if self.master_port is not None and not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def is_leader(self) -> bool:
+        """This process serves HTTP and holds rank 0."""
+        return self.node_rank == 0
+
+    @property
+    def rendezvous_port(self) -> int:
+        """The port rank 0's store listens on: 0 (any free one) on a single node unless set."""
+        if self.master_port is not None:
+            return self.master_port
+        return 29500 if self.nnodes > 1 else 0
 
 
 @dataclass(frozen=True)

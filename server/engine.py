@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -438,6 +438,11 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.close(graceful)
 
+    def check_health(self) -> None:
+        """Called by the idle loop between steps: raises if a tensor-parallel rank died or hung."""
+        if self.tp is not None:
+            self.tp.heartbeat()
+
     def warmup(self) -> None:
         """One short request through every stage, so the first user request pays no start-up cost."""
         prompt = self.tokenizer.encode("Hello") or [0]
@@ -477,6 +482,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self.error: BaseException | None = None
+        # Called on the engine thread once, when the loop dies (the server exits: see api/server.py).
+        self.on_dead: Callable[[BaseException], None] | None = None
         self.last_stats: SchedulerStats = engine.stats()
         self.steps = 0
         self._counter = 0
@@ -615,6 +622,7 @@ class AsyncEngine:
             while self._drain_commands():
                 if not self.engine.has_unfinished():
                     self.last_stats = self.engine.stats()
+                    self.engine.check_health()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
@@ -631,6 +639,8 @@ class AsyncEngine:
             if self._loop is not None and not self._loop.is_closed():
                 for rid in list(self._streams):
                     self._post(rid, dead)
+            if self.on_dead is not None and not self._stopping:
+                self.on_dead(e)
 
 
 @dataclass

@@ -1,5 +1,8 @@
 """Runs the app under uvicorn: the port opens at once while the model loads on a thread, and SIGTERM
-drains (readiness off, new requests 503, admitted requests finish within --drain-timeout, exit 0)."""
+drains (readiness off, new requests 503, admitted requests finish within --drain-timeout, exit 0).
+A model that fails to load, or an engine loop that dies later (e.g. a tensor-parallel rank died or
+hung), ends the process with exit code 1 at once: uvicorn stops listening, in-flight responses carry
+their error (at most `timeout_graceful_shutdown`), and the pod restarts (vLLM does the same)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
         self.exit_code = 0
         state.on_load_failed = self._load_failed
+        state.on_engine_dead = self._engine_dead
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -35,6 +39,11 @@ class DrainingServer(uvicorn.Server):
 
     def _load_failed(self, e: BaseException) -> None:
         log.error("exiting: the model could not be loaded: %s", e)
+        self.exit_code = 1
+        self.should_exit = True
+
+    def _engine_dead(self, e: BaseException) -> None:
+        log.error("exiting: the engine loop died: %s: %s", type(e).__name__, e)
         self.exit_code = 1
         self.should_exit = True
 

@@ -77,6 +77,8 @@ class ServerState:
         self.model_name = expected_model_name(config)
         self._engine_factory = engine_factory or (lambda: LLMEngine(config.engine))
         self.on_load_failed: Callable[[BaseException], None] | None = None
+        # Called on the event loop when the engine loop dies after loading (the server then exits 1).
+        self.on_engine_dead: Callable[[BaseException], None] | None = None
         self.metrics = ServerMetrics(
             self.model_name,
             self._stats,
@@ -131,12 +133,22 @@ class ServerState:
         if self.on_load_failed is not None:
             self.on_load_failed(e)
 
+    def _engine_died(self, e: BaseException) -> None:
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(e)
+
     async def _attach(self, llm: LLMEngine) -> None:
         self.attach(llm)
 
     def attach(self, llm: LLMEngine) -> None:
         """Must run on the event loop (AsyncEngine.start binds to it)."""
         engine = AsyncEngine(llm)
+        loop = asyncio.get_running_loop()
+
+        def on_dead(e: BaseException) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(self._engine_died, e)
+
+        engine.on_dead = on_dead
         engine.start()
         self.llm = llm
         self.engine = engine

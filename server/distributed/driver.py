@@ -1,88 +1,112 @@
-"""Rank 0's side: start the worker processes, check they built their shards, broadcast every step.
+"""Rank 0's side: start this node's worker processes, check every rank built its shard, broadcast
+every step.
 
-Workers are started with torch.multiprocessing's spawn context (a fresh interpreter each, as CUDA
-requires). A dead worker is noticed before the next broadcast (its exit code is in the error); a hung
-one makes the next collective time out after `distributed_timeout_s`. Either way `broadcast` raises,
-which ends the engine loop (EngineDeadError: /health 503, the server exits).
+Local workers are started with torch.multiprocessing's spawn context (a fresh interpreter each, as
+CUDA requires); in multi-node mode the other nodes' ranks join by the leader's address. A dead local
+worker is noticed before the next broadcast (its exit code is in the error) and while idle; a dead
+remote rank closes its sockets, so the next collective fails; a hung one makes the next collective time
+out after `distributed_timeout_s` (while idle, the heartbeat is that collective). Either way the
+engine loop ends (EngineDeadError: /health 503, the server exits 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing.process
+import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from server.config import EngineConfig
 from server.core.outputs import SchedulerOutput
 from server.distributed.parallel_state import (
+    STARTUP_TIMEOUT_FLOOR_S,
     ParallelState,
+    TensorParallelError,
     backend_for,
+    create_store,
     destroy_parallel_state,
-    free_local_port,
+    exchange_status,
     init_parallel_state,
 )
 from server.distributed.sharding import check_shardable, shard_model
-from server.distributed.worker import READY, StopWorkers, worker_main
+from server.distributed.worker import READY, Heartbeat, StopWorkers, spawn_local_workers
 from server.models.llama import LlamaForCausalLM
+
+__all__ = ["TensorParallelDriver", "TensorParallelError"]
 
 log = logging.getLogger(__name__)
 
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank failed to start, died, or stopped answering."""
+HEARTBEAT_S = 5.0  # while idle, one collective this often: a rank that hung between steps is noticed
 
 
 class TensorParallelDriver:
-    """Owns the worker processes and rank 0's membership in the process group."""
+    """Owns this node's worker processes and rank 0's membership in the process group."""
 
     def __init__(self, config: EngineConfig, device: torch.device, model: LlamaForCausalLM) -> None:
-        """Checks the model splits over N ranks, starts ranks 1..N-1, joins the group as rank 0 and
-        replaces `model`'s weights by rank 0's shard. Raises TensorParallelConfigError (nothing started)
-        or TensorParallelError."""
-        n = config.parallel.tensor_parallel_size
+        """Checks the model splits over N ranks, starts this node's ranks 1..N/nnodes-1, joins the
+        group as rank 0 (waiting for the other nodes' ranks in multi-node mode) and replaces `model`'s
+        weights by rank 0's shard. Raises TensorParallelConfigError (nothing started) or
+        TensorParallelError."""
+        par = config.parallel
+        n = par.tensor_parallel_size
         check_shardable(model, n)
-        if device.type == "cuda" and torch.cuda.device_count() < n:
+        if device.type == "cuda" and torch.cuda.device_count() < par.ranks_per_node:
             raise TensorParallelError(
-                f"tensor_parallel_size {n} needs {n} GPUs (one per rank); {torch.cuda.device_count()} visible"
+                f"tensor_parallel_size {n} over {par.nnodes} node(s) needs {par.ranks_per_node} GPUs per "
+                f"node (one per rank); {torch.cuda.device_count()} visible"
             )
         self.world_size = n
-        init_method = f"tcp://127.0.0.1:{free_local_port()}"
-        backend = backend_for(device)
-        timeout = config.parallel.distributed_timeout_s
-        ctx = mp.get_context("spawn")
-        self.procs: list[multiprocessing.process.BaseProcess] = []
-        for rank in range(1, n):
-            state = ParallelState(rank, n, init_method, backend, timeout)
-            p = ctx.Process(target=worker_main, args=(state, config), name=f"tp-worker-{rank}", daemon=True)
-            p.start()
-            self.procs.append(p)
+        self.device = device
+        addr = par.master_addr if par.nnodes > 1 else "127.0.0.1"
+        self.state = ParallelState(
+            rank=0,
+            world_size=n,
+            local_rank=0,
+            master_addr=addr,
+            master_port=par.rendezvous_port,
+            backend=backend_for(device),
+            timeout_s=par.distributed_timeout_s,
+            startup_timeout_s=max(par.distributed_timeout_s, STARTUP_TIMEOUT_FLOOR_S),
+        )
+        store = create_store(self.state)  # binds now: a free port is known before the workers start
+        self.state = dataclasses.replace(self.state, master_port=store.port)
+        self.procs: list[multiprocessing.process.BaseProcess] = spawn_local_workers(self.state, config)
         self._closed = False
+        self._last_collective = time.monotonic()
         try:
-            init_parallel_state(ParallelState(0, n, init_method, backend, timeout))
+            init_parallel_state(self.state, store, poll=self.check_workers)
             shard_model(model, 0, n)
         except BaseException:
             self._closed = True
             self._kill()
             destroy_parallel_state()
             raise
-        log.info("tensor parallelism: %d ranks over %s (%s)", n, backend, init_method)
+        log.info(
+            "tensor parallelism: %d ranks on %d node(s) over %s (rendezvous %s:%d)",
+            n,
+            par.nnodes,
+            self.state.backend,
+            addr,
+            store.port,
+        )
 
     def wait_ready(self, num_blocks: int) -> None:
-        """Call once rank 0 has its shard: every rank reports whether it built its own."""
-        statuses: list[object] = [None] * self.world_size
+        """Call once rank 0 has its shard: every rank reports whether it built its own (start-up
+        timeout; a local worker that exits meanwhile fails it at once)."""
         try:
-            dist.all_gather_object(statuses, (READY, num_blocks))
-        except Exception as e:
-            self.close()
+            statuses = exchange_status(self.state, (READY, num_blocks), poll=self.check_workers)
+        except TensorParallelError as e:
+            self.close(graceful=False)
             raise TensorParallelError(f"tensor-parallel workers did not start: {e}") from e
         errors = [s for s in statuses if not isinstance(s, tuple)]
         mismatched = [s for s in statuses if isinstance(s, tuple) and s != (READY, num_blocks)]
         if errors or mismatched:
-            self.close()
+            self.close(graceful=False)
             raise TensorParallelError(f"tensor-parallel startup failed: {errors or mismatched}")
+        self._last_collective = time.monotonic()
 
     def check_workers(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
@@ -96,6 +120,21 @@ class TensorParallelDriver:
             dist.broadcast_object_list([sched], src=0)
         except Exception as e:
             raise TensorParallelError(f"step broadcast failed: {type(e).__name__}: {e}") from e
+        self._last_collective = time.monotonic()
+
+    def heartbeat(self) -> None:
+        """Called by the idle engine loop: checks the local workers at once and, every HEARTBEAT_S,
+        runs one all-reduce with every rank (a hung or vanished remote rank makes it raise within
+        `distributed_timeout_s`). Raises TensorParallelError."""
+        self.check_workers()
+        if time.monotonic() - self._last_collective < HEARTBEAT_S:
+            return
+        try:
+            dist.broadcast_object_list([Heartbeat()], src=0)
+            dist.all_reduce(torch.zeros(1, device=self.device))
+        except Exception as e:
+            raise TensorParallelError(f"heartbeat failed: {type(e).__name__}: {e}") from e
+        self._last_collective = time.monotonic()
 
     def close(self, graceful: bool = True) -> None:
         """Stops the workers and leaves the process group. `graceful`: ask them to stop (only valid

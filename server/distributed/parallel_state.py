@@ -1,52 +1,124 @@
-"""The process group: one per process, gloo on CPU and NCCL on CUDA, with the configured timeout."""
+"""The process group: one per process, gloo on CPU and NCCL on CUDA, with the configured timeout.
+
+Rendezvous goes through a TCPStore on rank 0 (`master_addr:master_port`; port 0 binds a free one on a
+single node). Start-up (joining, then every rank reporting whether it built its shard) waits on the
+store up to `startup_timeout_s`, so slow starts (a late pod, a big checkpoint) are not cut short by
+the collective timeout `timeout_s`, which bounds every step's collectives.
+"""
 
 from __future__ import annotations
 
-import socket
+import pickle
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+STARTUP_TIMEOUT_FLOOR_S = 600.0  # start-up may take this long even with a short collective timeout
+
+_store: dist.Store | None = None
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed to start, died, or stopped answering."""
+
 
 @dataclass(frozen=True)
 class ParallelState:
-    rank: int
+    """What one process needs to join the group."""
+
+    rank: int  # global rank in [0, world_size)
     world_size: int
-    init_method: str  # tcp://host:port of rank 0's store
+    local_rank: int  # index among this node's ranks: the CUDA device index
+    master_addr: str  # host of rank 0's TCPStore
+    master_port: int  # its port (0 on rank 0: bind a free one)
     backend: str  # "gloo" | "nccl"
-    timeout_s: float
-
-
-def free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    timeout_s: float  # every collective after start-up
+    startup_timeout_s: float  # joining and the ready handshake
 
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_device(device_setting: str, rank: int) -> torch.device:
-    """The device of `rank`: cuda:<rank> on GPUs (one device per rank), else the CPU."""
+def rank_device(device_setting: str, local_rank: int) -> torch.device:
+    """The device of a rank: cuda:<local rank> on GPUs (one device per rank), else the CPU."""
     if device_setting == "cpu" or (device_setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    return torch.device("cuda", rank)
+    return torch.device("cuda", local_rank)
 
 
-def init_parallel_state(state: ParallelState) -> None:
-    """Joins the default process group; blocks until all `world_size` ranks have joined (or times out)."""
+def create_store(state: ParallelState) -> dist.TCPStore:
+    """Rank 0: the server store (listens on every interface; read `.port` when master_port is 0).
+    Others: a client that retries connecting until `startup_timeout_s`."""
+    return dist.TCPStore(
+        state.master_addr,
+        state.master_port,
+        world_size=state.world_size,
+        is_master=state.rank == 0,
+        timeout=timedelta(seconds=state.startup_timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _wait_all(
+    store: dist.Store, state: ParallelState, prefix: str, poll: Callable[[], None] | None = None
+) -> list[str]:
+    """Waits until every rank has set `prefix/<rank>` (up to startup_timeout_s, calling `poll` about
+    once a second; it may raise). Returns the keys in rank order. Raises TensorParallelError."""
+    keys = [f"{prefix}/{r}" for r in range(state.world_size)]
+    deadline = time.monotonic() + state.startup_timeout_s
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=1))
+            return keys
+        except RuntimeError:  # DistStoreError: not every rank is there yet
+            if poll is not None:
+                poll()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel start-up: not every rank of {state.world_size} arrived within "
+                    f"{state.startup_timeout_s:.0f} s ({prefix})"
+                ) from None
+
+
+def init_parallel_state(
+    state: ParallelState, store: dist.TCPStore | None = None, poll: Callable[[], None] | None = None
+) -> None:
+    """Joins the default process group once all `world_size` ranks are at the store (start-up timeout;
+    the backend's own rendezvous would use the collective timeout)."""
+    global _store
+    _store = store if store is not None else create_store(state)
+    _store.set(f"kubeinfer/joined/{state.rank}", "1")
+    _wait_all(_store, state, "kubeinfer/joined", poll)
     dist.init_process_group(
         backend=state.backend,
-        init_method=state.init_method,
+        store=_store,
         rank=state.rank,
         world_size=state.world_size,
         timeout=timedelta(seconds=state.timeout_s),
     )
 
 
+def exchange_status(
+    state: ParallelState, status: object, poll: Callable[[], None] | None = None
+) -> list[object]:
+    """Publishes this rank's start-up status (picklable) and returns every rank's, in rank order.
+
+    Waits up to `startup_timeout_s`, calling `poll` about once a second (it may raise, e.g. when a
+    local worker process died). Raises TensorParallelError on timeout.
+    """
+    assert _store is not None, "init_parallel_state first"
+    _store.set(f"kubeinfer/status/{state.rank}", pickle.dumps(status))  # type: ignore[arg-type]
+    keys = _wait_all(_store, state, "kubeinfer/status", poll)
+    return [pickle.loads(_store.get(k)) for k in keys]
+
+
 def destroy_parallel_state() -> None:
+    global _store
     if dist.is_initialized():
         dist.destroy_process_group()
+    _store = None

@@ -1,4 +1,4 @@
-"""Ranks 1..N-1: build the same model shard as rank 0, then run every broadcast step's forward pass.
+"""Ranks 1..N-1: build this rank's model shard, then run every broadcast step's forward pass.
 
 A worker never samples: its `ModelRunner` has `is_driver = False`, so it takes part in every collective
 of a step (embedding and row-parallel all-reduces, logits all-gather) and returns. The loop ends on the
@@ -7,18 +7,24 @@ stop message, or with an exception when rank 0 goes away or a collective times o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing.process
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from server.attention import make_attention_backend
 from server.config import EngineConfig
 from server.core.outputs import SchedulerOutput
 from server.distributed.parallel_state import (
     ParallelState,
+    TensorParallelError,
     destroy_parallel_state,
+    exchange_status,
     init_parallel_state,
     rank_device,
 )
@@ -37,10 +43,32 @@ class StopWorkers:
     """Broadcast by rank 0 on shutdown in place of a SchedulerOutput."""
 
 
-def build_shard_runner(config: EngineConfig, rank: int, world_size: int) -> tuple[ModelRunner, int]:
+@dataclass(frozen=True)
+class Heartbeat:
+    """Broadcast by rank 0 while idle in place of a SchedulerOutput; followed by one all-reduce."""
+
+
+def spawn_local_workers(
+    first: ParallelState, config: EngineConfig
+) -> list[multiprocessing.process.BaseProcess]:
+    """Starts this node's other ranks (first.rank + 1 .. + ranks_per_node - 1) as spawned processes
+    (a fresh interpreter each, as CUDA requires); `first` is the rank of the calling process."""
+    ctx = mp.get_context("spawn")
+    procs: list[multiprocessing.process.BaseProcess] = []
+    for local in range(1, config.parallel.ranks_per_node):
+        state = dataclasses.replace(first, rank=first.rank + local, local_rank=first.local_rank + local)
+        p = ctx.Process(
+            target=spawned_worker_main, args=(state, config), name=f"tp-worker-{state.rank}", daemon=True
+        )
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def build_shard_runner(config: EngineConfig, state: ParallelState) -> tuple[ModelRunner, int]:
     """Loads the model, keeps this rank's shard and builds its runner with the same number of KV blocks
     rank 0 computes (the same formula over the same per-rank shape). Returns (runner, num_blocks)."""
-    device = rank_device(config.device, rank)
+    device = rank_device(config.device, state.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     source = resolve_model(config.model.model, config.model.cache_dir)
@@ -48,7 +76,7 @@ def build_shard_runner(config: EngineConfig, rank: int, world_size: int) -> tupl
     max_pos = int(read_hf_config(source.folder).get("max_position_embeddings", 2048))
     max_model_len = config.model.max_model_len or min(max_pos, 8192)
     loaded = load_model(source.folder, dtype, device, max_model_len, config.model.quantize)
-    shard_model(loaded.model, rank, world_size)
+    shard_model(loaded.model, state.rank, state.world_size)
     if config.model.optimize_weights:
         prepare_for_serving(loaded.model, device, dtype)
     block_size = config.cache.block_size
@@ -63,9 +91,11 @@ def build_shard_runner(config: EngineConfig, rank: int, world_size: int) -> tupl
     return runner, num_blocks
 
 
-def worker_main(state: ParallelState, config: EngineConfig) -> None:
-    """Entry point of a spawned worker process (rank >= 1)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{state.rank} %(levelname)s %(message)s")
+def worker_main(
+    state: ParallelState, config: EngineConfig, on_ready: Callable[[], None] | None = None
+) -> None:
+    """A rank >= 1: join, build the shard, report, then run every broadcast step until rank 0 says stop
+    (returns) or goes away (raises). `on_ready` is called once every rank has reported success."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
@@ -73,22 +103,32 @@ def worker_main(state: ParallelState, config: EngineConfig) -> None:
     try:
         runner: ModelRunner | None = None
         try:
-            runner, num_blocks = build_shard_runner(config, state.rank, state.world_size)
+            runner, num_blocks = build_shard_runner(config, state)
             status: object = (READY, num_blocks)
         except Exception as e:
             log.exception("rank %d could not build its shard", state.rank)
             status = f"rank {state.rank}: {type(e).__name__}: {e}"
-        statuses: list[object] = [None] * state.world_size
-        dist.all_gather_object(statuses, status)
+        statuses = exchange_status(state, status)
         if runner is None or any(not isinstance(s, tuple) for s in statuses):
-            raise SystemExit(1)
+            raise TensorParallelError(f"start-up failed: {statuses}")
+        if on_ready is not None:
+            on_ready()
         while True:
             box: list[object] = [None]
             dist.broadcast_object_list(box, src=0)
             msg = box[0]
             if isinstance(msg, StopWorkers):
                 return
+            if isinstance(msg, Heartbeat):
+                dist.all_reduce(torch.zeros(1, device=runner.device))
+                continue
             assert isinstance(msg, SchedulerOutput)
             runner.execute(msg)
     finally:
         destroy_parallel_state()
+
+
+def spawned_worker_main(state: ParallelState, config: EngineConfig) -> None:
+    """Entry point of a spawned process: logging, then worker_main."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{state.rank} %(levelname)s %(message)s")
+    worker_main(state, config)

@@ -1,5 +1,6 @@
 """`python -m server --tensor-parallel-size 2` as a subprocess on a tiny model: the HTTP API serves the same
-greedy text as the single-process engine, and killing a worker process takes /health to 503."""
+greedy text as the single-process engine, and killing a worker process (busy or idle) ends the server
+process with exit code 1 within the timeout (/health 503 or refused on the way, never a stall)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -53,68 +56,135 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def tp_server(
-    tiny_model_factory, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, subprocess.Popen, Path]]:  # type: ignore[no-untyped-def]
-    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+@dataclass
+class ServerProc:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+def start_server(folder: Path, log_path: Path, *args: str, env: dict[str, str] | None = None) -> ServerProc:
+    """`python -m server` on `folder` as a subprocess (float32, 64 KV blocks, one thread per rank)."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("tp") / "server.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env.pop("API_KEY", None)
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    full_env.pop("API_KEY", None)
+    full_env.update(env or {})
     cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--model", str(folder)]
-    cmd += [
-        "--dtype",
-        "float32",
-        "--num-kv-blocks",
-        "64",
-        "--num-threads",
-        "1",
-        "--tensor-parallel-size",
-        "2",
-    ]
-    cmd += ["--distributed-timeout", "30"]
+    cmd += ["--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1", *args]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, timeout_s=180)
-        yield url, proc, folder
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    return ServerProc(f"http://127.0.0.1:{port}", proc, log_path)
 
 
-@pytest.mark.slow
-def test_api_tp2_serves_tp1_output_then_dies_with_a_worker(tp_server) -> None:  # type: ignore[no-untyped-def]
-    url, proc, folder = tp_server
+def stop(server: ServerProc) -> None:
+    if server.proc.poll() is None:
+        server.proc.kill()
+        server.proc.wait(10)
+
+
+def wait_exit(server: ServerProc, timeout_s: float) -> set[object]:
+    """Polls /health until the process exits (AssertionError after timeout_s); returns what it saw."""
+    seen: set[object] = set()
+    deadline = time.monotonic() + timeout_s
+    while server.proc.poll() is None:
+        assert time.monotonic() < deadline, f"server still running after a rank died; /health: {seen}"
+        try:
+            seen.add(httpx.get(f"{server.url}/health", timeout=2).status_code)
+        except httpx.TransportError:
+            seen.add("refused")
+        time.sleep(0.05)
+    return seen
+
+
+def reference(folder: Path) -> list[list[int]]:
+    """TP=1 greedy token ids of PROMPTS, offline."""
     ref_engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(folder), dtype="float32"), cache=CacheConfig(num_kv_blocks=64)
         )
     )
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    return [ref_engine.generate([ref_engine.tokenizer.encode(p)], greedy)[0] for p in PROMPTS]
+
+
+def served(url: str) -> list[list[int]]:
+    out = []
     for prompt in PROMPTS:
-        ids = ref_engine.tokenizer.encode(prompt)
-        want = ref_engine.generate([ids], greedy)[0]
         r = httpx.post(
             f"{url}/generate",
             json={"inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW, "details": True}},
             timeout=60,
         )
         assert r.status_code == 200, r.text
-        assert [t["id"] for t in r.json()["details"]["tokens"]] == want
+        out.append([t["id"] for t in r.json()["details"]["tokens"]])
+    return out
 
+
+@pytest.fixture(scope="module")
+def tp_server(
+    tiny_model_factory, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProc, Path]]:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    log_path = tmp_path_factory.mktemp("tp") / "server.log"
+    server = start_server(folder, log_path, "--tensor-parallel-size", "2", "--distributed-timeout", "30")
+    try:
+        wait_ready(server.url, timeout_s=180)
+        yield server, folder
+    finally:
+        stop(server)
+
+
+@pytest.mark.slow
+def test_api_tp2_serves_tp1_output_then_dies_with_a_worker(tp_server) -> None:  # type: ignore[no-untyped-def]
+    server, folder = tp_server
+    url, proc = server.url, server.proc
+    assert served(url) == reference(folder)
+
+    # a long request in flight when rank 1 is SIGKILLed: its response ends in an error, and the server
+    # process exits 1 (engine death ends the process; api/server.py)
     workers = _children(proc.pid)
     assert len(workers) == 1  # rank 1; rank 0 is the server process itself
+    box: dict[str, object] = {}
+
+    def long_request() -> None:
+        try:
+            r = httpx.post(
+                f"{url}/generate",
+                json={"inputs": "Hello", "parameters": {"max_new_tokens": 400, "details": True}},
+                timeout=60,
+            )
+            box["status"] = r.status_code
+        except httpx.TransportError as e:
+            box["status"] = type(e).__name__
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.5)
     os.kill(workers[0], signal.SIGKILL)
-    r = httpx.post(
-        f"{url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4}}, timeout=60
+    seen = wait_exit(server, 30)  # the step's collective fails at once (the peer's socket closes)
+    assert proc.returncode == 1 and seen & {503, "refused"}, seen  # 200 until the next step notices
+    t.join(30)
+    assert box["status"] != 200, box  # never a silent success
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=2)
+    assert "exiting: the engine loop died" in server.log_path.read_text()
+
+
+@pytest.mark.slow
+def test_api_tp2_idle_server_exits_when_a_worker_dies(tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """No request in flight: the idle loop's check notices the dead rank (no waiting for traffic)."""
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    server = start_server(
+        folder, tmp_path / "server.log", "--tensor-parallel-size", "2", "--distributed-timeout", "30"
     )
-    assert r.status_code >= 500
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{url}/health", timeout=5).status_code != 503:
-        assert time.monotonic() < deadline, "/health still 200 after a worker died"
-        time.sleep(0.2)
+    try:
+        wait_ready(server.url, timeout_s=180)
+        workers = _children(server.proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        wait_exit(server, 30)
+        assert server.proc.returncode == 1
+        assert "exiting: the engine loop died" in server.log_path.read_text()
+    finally:
+        stop(server)

@@ -186,3 +186,23 @@ def test_quantized_model_is_refused_before_workers_start(tiny_model_factory) -> 
     )
     with pytest.raises(TensorParallelConfigError, match="dense weights only"):
         LLMEngine(config)
+
+
+def test_idle_heartbeat_notices_a_hung_worker(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    """No traffic: the idle loop's heartbeat (an all-reduce every HEARTBEAT_S) raises within the timeout."""
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    engine = make_engine(folder, 2, CacheConfig(block_size=8, num_kv_blocks=32), timeout_s=3)
+    pid = engine.tp.procs[0].pid  # type: ignore[union-attr]
+    assert pid is not None
+    try:
+        engine.check_health()  # healthy: nothing raised
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="heartbeat failed"):
+            while time.monotonic() - t0 < 60:
+                engine.check_health()
+                time.sleep(0.5)
+        assert time.monotonic() - t0 < 30  # HEARTBEAT_S + the 3 s timeout, not a stall
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        engine.close(graceful=False)
