@@ -71,18 +71,16 @@ def _wait_all(
     once a second; it may raise). Returns the keys in rank order. Raises TensorParallelError."""
     keys = [f"{prefix}/{r}" for r in range(state.world_size)]
     deadline = time.monotonic() + state.startup_timeout_s
-    while True:
-        try:
-            store.wait(keys, timedelta(seconds=1))
-            return keys
-        except RuntimeError:  # DistStoreError: not every rank is there yet
-            if poll is not None:
-                poll()
-            if time.monotonic() > deadline:
-                raise TensorParallelError(
-                    f"tensor-parallel start-up: not every rank of {state.world_size} arrived within "
-                    f"{state.startup_timeout_s:.0f} s ({prefix})"
-                ) from None
+    while not store.check(keys):  # polled: a blocking wait that times out logs a warning each time
+        if poll is not None:
+            poll()
+        if time.monotonic() > deadline:
+            raise TensorParallelError(
+                f"tensor-parallel start-up: not every rank of {state.world_size} arrived within "
+                f"{state.startup_timeout_s:.0f} s ({prefix})"
+            )
+        time.sleep(0.2)
+    return keys
 
 
 def init_parallel_state(

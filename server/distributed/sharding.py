@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from torch import Tensor, nn
 
 from server.models.arch import ArchConfig
 from server.models.llama import LlamaForCausalLM
+from server.models.loader import TensorSlicer, read_hf_config
+from server.quant.layers import Int8Linear
 
 
 class TensorParallelConfigError(ValueError):
@@ -82,39 +85,68 @@ def shard_spec(cfg: ArchConfig, rank: int, world_size: int) -> ShardSpec:
     )
 
 
-def _plain_linear(m: nn.Module, what: str) -> nn.Linear:
-    if type(m) is not nn.Linear:
+def _shardable(m: nn.Module, what: str) -> nn.Linear | Int8Linear:
+    if type(m) is not nn.Linear and not isinstance(m, Int8Linear):
         raise TensorParallelConfigError(
-            f"tensor parallelism shards dense weights only for now; {what} is {type(m).__name__}"
+            f"tensor parallelism shards dense and int8 (per-channel) weights only for now; {what} is "
+            f"{type(m).__name__}"
         )
     return m
 
 
-def _rows(m: nn.Module, start: int, end: int, what: str) -> nn.Linear:
-    """Column-parallel: keep output features [start, end)."""
-    lin = _plain_linear(m, what)
-    w = lin.weight.detach()  # [out, in]
-    out = nn.Linear(w.shape[1], end - start, bias=lin.bias is not None, device=w.device, dtype=w.dtype)
-    out.weight.data = w[start:end].clone()
-    if lin.bias is not None:
-        out.bias.data = lin.bias.detach()[start:end].clone()  # type: ignore[union-attr]
+def _cut(t: Tensor, dim: int, start: int, end: int, full: int, what: str) -> Tensor:
+    """`t` narrowed to [start, end) along `dim`: `t` is the whole tensor (size `full` there) or already
+    that slice (per-rank loading read only it)."""
+    size = t.shape[dim]
+    if size == end - start:
+        return t.contiguous()
+    if size != full:
+        raise TensorParallelConfigError(
+            f"{what}: size {size} along dim {dim} is neither {full} nor {end - start}"
+        )
+    return t.narrow(dim, start, end - start).contiguous()
+
+
+def _int8_scale(m: Int8Linear) -> Tensor:  # [N] fp32 (a bf16 scale converts back exactly)
+    scale = m.scale_f32 if m.scale is None else m.scale.float()
+    assert scale is not None
+    return scale
+
+
+def _column_parallel(m: nn.Module, start: int, end: int, full: int, what: str) -> nn.Module:
+    """Keep output features [start, end): rows of the weight, their int8 scales, their bias."""
+    lin = _shardable(m, what)
+    bias = None if lin.bias is None else _cut(lin.bias.detach(), 0, start, end, full, what)
+    if isinstance(lin, Int8Linear):
+        qweight = _cut(lin.qweight, 0, start, end, full, what)
+        return Int8Linear(qweight, _cut(_int8_scale(lin), 0, start, end, full, what), bias)
+    w = _cut(lin.weight.detach(), 0, start, end, full, what)  # [out / N, in]
+    out = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(bias, requires_grad=False)
     return out.requires_grad_(False)
 
 
 class RowParallelLinear(nn.Module):
-    """Keeps input features [start, end) of a Linear; the partial products are summed by one all-reduce.
-    The bias is added once (on rank 0, before the sum)."""
+    """Keeps input features [start, end) of a Linear (int8: those columns of the weight with every
+    output channel's full scale, so each partial product is exact); the partial products are summed by
+    one all-reduce. The bias is added once (on rank 0, before the sum)."""
 
-    def __init__(self, m: nn.Module, start: int, end: int, rank: int, what: str) -> None:
+    def __init__(self, m: nn.Module, start: int, end: int, full: int, rank: int, what: str) -> None:
         super().__init__()
-        lin = _plain_linear(m, what)
-        w = lin.weight.detach()  # [out, in]
-        keep_bias = lin.bias is not None and rank == 0
-        self.linear = nn.Linear(end - start, w.shape[0], bias=keep_bias, device=w.device, dtype=w.dtype)
-        self.linear.weight.data = w[:, start:end].clone()
-        if keep_bias:
-            self.linear.bias.data = lin.bias.detach().clone()  # type: ignore[union-attr]
-        self.linear.requires_grad_(False)
+        lin = _shardable(m, what)
+        bias = lin.bias.detach().clone() if lin.bias is not None and rank == 0 else None
+        self.linear: nn.Module
+        if isinstance(lin, Int8Linear):
+            self.linear = Int8Linear(_cut(lin.qweight, 1, start, end, full, what), _int8_scale(lin), bias)
+        else:
+            w = _cut(lin.weight.detach(), 1, start, end, full, what)  # [out, in / N]
+            linear = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+            linear.weight = nn.Parameter(w, requires_grad=False)
+            if bias is not None:
+                linear.bias = nn.Parameter(bias, requires_grad=False)
+            self.linear = linear.requires_grad_(False)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, in / N] -> [T, out], summed over ranks
         y = self.linear(x)
@@ -126,10 +158,12 @@ class VocabParallelEmbedding(nn.Module):
     """Rank r keeps embedding rows [start, end); ids outside contribute zeros, one all-reduce sums them
     (exact: one rank holds each id)."""
 
-    def __init__(self, weight: Tensor, start: int, end: int) -> None:  # weight: [vocab, hidden]
+    def __init__(self, weight: Tensor, start: int, end: int, vocab_size: int) -> None:
+        # weight: [vocab, hidden] or already rows [start, end)
         super().__init__()
         self.start, self.end = start, end
-        self.weight = nn.Parameter(weight.detach()[start:end].clone(), requires_grad=False)
+        w = _cut(weight.detach(), 0, start, end, vocab_size, "embed_tokens")
+        self.weight = nn.Parameter(w, requires_grad=False)
 
     def forward(self, ids: Tensor) -> Tensor:  # ids: [T] int64 -> [T, hidden]
         inside = (ids >= self.start) & (ids < self.end)  # [T] bool
@@ -143,13 +177,13 @@ class VocabParallelLMHead(nn.Module):
     """Rank r computes the logits of vocabulary rows [start, end); an all-gather gives every rank the
     full [N, vocab] logits (rank 0 samples from them)."""
 
-    def __init__(self, weight: Tensor, spec: ShardSpec, vocab_size: int) -> None:  # weight: [vocab, hidden]
+    def __init__(self, weight: Tensor, spec: ShardSpec, vocab_size: int) -> None:
+        # weight: [vocab, hidden] or already rows spec.vocab
         super().__init__()
         start, end = spec.vocab
-        w = weight.detach()
-        self.linear = nn.Linear(w.shape[1], end - start, bias=False, device=w.device, dtype=w.dtype)
-        self.linear.weight.data = w[start:end].clone()
-        self.linear.requires_grad_(False)
+        w = _cut(weight.detach(), 0, start, end, vocab_size, "lm_head")
+        self.linear = nn.Linear(w.shape[1], end - start, bias=False, device="meta")
+        self.linear.weight = nn.Parameter(w, requires_grad=False)
         self.shard, self.vocab_size, self.world_size = spec.vocab_shard, vocab_size, spec.world_size
 
     def forward(self, h: Tensor) -> Tensor:  # h: [N, hidden] -> [N, vocab]
@@ -161,46 +195,117 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
 
+# Checkpoint tensor names (Hugging Face Llama/Qwen2) -> which ShardSpec range, along which dim.
+_COLUMN = {
+    "q_proj": "heads",
+    "k_proj": "kv_heads",
+    "v_proj": "kv_heads",
+    "gate_proj": "inter",
+    "up_proj": "inter",
+}
+_ROW = {"o_proj": "heads", "down_proj": "inter"}
+
+
+def checkpoint_slicer(cfg: ArchConfig, spec: ShardSpec, quantize_on_load: bool) -> TensorSlicer:
+    """What rank `spec.rank` reads of each checkpoint tensor (per-rank loading, `load_model(slicer=)`):
+    column-parallel weights and biases their output rows, row-parallel weights their input columns,
+    the embedding and the LM head their vocabulary rows; norms and row-parallel biases whole.
+    `quantize_on_load` (--quantize int8): row-parallel weights are read whole, because an output
+    channel's int8 scale spans the whole row; `shard_model` cuts them after quantization."""
+    d = cfg.head_dim
+    ranges = {
+        "heads": (spec.heads[0] * d, spec.heads[1] * d),
+        "kv_heads": (spec.kv_heads[0] * d, spec.kv_heads[1] * d),
+        "inter": spec.intermediate,
+    }
+
+    def slicer(name: str) -> tuple[int, int, int] | None:
+        parts = name.split(".")
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (0, *spec.vocab)
+        if len(parts) < 2 or parts[-1] not in ("weight", "bias"):
+            return None
+        proj = parts[-2]
+        if proj in _COLUMN:
+            return (0, *ranges[_COLUMN[proj]])
+        if proj in _ROW and parts[-1] == "weight" and not quantize_on_load:
+            return (1, *ranges[_ROW[proj]])
+        return None
+
+    return slicer
+
+
+def rank_loading_slicer(folder: Path, quantize: str | None, rank: int, world_size: int) -> TensorSlicer:
+    """The slicer rank `rank` loads the checkpoint in `folder` with (see `checkpoint_slicer`). Raises
+    TensorParallelConfigError, before anything is read or started, for shapes that do not split and for
+    quantization other than on-the-fly int8 (pre-quantized checkpoints, --quantize int4/fp8/GGUF
+    blocks/bitsandbytes keep their own packed layouts, not sharded yet)."""
+    hf_cfg = read_hf_config(folder)
+    packed = hf_cfg.get("quantization_config")
+    if packed:
+        method = packed.get("quant_method", "?") if isinstance(packed, dict) else "?"
+        raise TensorParallelConfigError(
+            f"tensor parallelism cannot shard a pre-quantized checkpoint ({method}) yet: use a dense "
+            "checkpoint, optionally with --quantize int8"
+        )
+    if quantize not in (None, "int8"):
+        raise TensorParallelConfigError(
+            f"tensor parallelism shards dense and int8 (per-channel) weights only for now; "
+            f"--quantize {quantize} is not supported with --tensor-parallel-size > 1"
+        )
+    cfg = ArchConfig.from_hf(hf_cfg)
+    return checkpoint_slicer(cfg, shard_spec(cfg, rank, world_size), quantize_on_load=quantize is not None)
+
+
 def check_shardable(model: LlamaForCausalLM, world_size: int) -> None:
     """Raises TensorParallelConfigError before any process starts if `shard_model` would refuse."""
     validate_tensor_parallel(model.config, world_size)
     for n, layer in enumerate(model.decoder_layers()):
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            _plain_linear(getattr(attn, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
+            _shardable(getattr(attn, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
         for name in ("gate_proj", "up_proj", "down_proj"):
-            _plain_linear(getattr(mlp, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
-    _plain_linear(model.lm_head, "lm_head")
+            _shardable(getattr(mlp, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
+    if type(model.lm_head) is not nn.Linear or type(model.model.embed_tokens) is not nn.Embedding:
+        raise TensorParallelConfigError(
+            "tensor parallelism shards a dense embedding and LM head only; got "
+            f"{type(model.model.embed_tokens).__name__} / {type(model.lm_head).__name__}"
+        )
 
 
 def shard_model(model: LlamaForCausalLM, rank: int, world_size: int) -> ShardSpec:
     """Replaces the model's projections, embedding and LM head by this rank's shards, in place.
 
     Call after loading and before `prepare_for_serving` (which then fuses and packs the local Linears).
+    Each weight may be whole (it is cut here) or already this rank's slice (`checkpoint_slicer`).
     `model.config` becomes the per-rank shape (local heads, KV heads, intermediate size), so the KV cache
     built from it holds [num_blocks, block_size, local KV heads, head_dim] per layer. Needs the default
-    process group. Raises TensorParallelConfigError for shapes that do not split or quantized layers.
+    process group. Raises TensorParallelConfigError for shapes that do not split or quantized layers
+    other than int8 (Int8Linear: rows with their scales, or columns with every row's full scale).
     """
     cfg = model.config
     spec = shard_spec(cfg, rank, world_size)
+    check_shardable(model, world_size)
     d = cfg.head_dim
     (h0, h1), (k0, k1), (i0, i1) = spec.heads, spec.kv_heads, spec.intermediate
+    hq, hkv, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
     for n, layer in enumerate(model.decoder_layers()):
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is not None or mlp.gate_up_proj is not None:
             raise TensorParallelConfigError("shard the model before prepare_for_serving fuses its weights")
-        attn.q_proj = _rows(attn.q_proj, h0 * d, h1 * d, f"layer {n} q_proj")
-        attn.k_proj = _rows(attn.k_proj, k0 * d, k1 * d, f"layer {n} k_proj")
-        attn.v_proj = _rows(attn.v_proj, k0 * d, k1 * d, f"layer {n} v_proj")
-        attn.o_proj = RowParallelLinear(attn.o_proj, h0 * d, h1 * d, rank, f"layer {n} o_proj")  # type: ignore[assignment]
+        where = f"layer {n}"
+        attn.q_proj = _column_parallel(attn.q_proj, h0 * d, h1 * d, hq, f"{where} q_proj")  # type: ignore[assignment]
+        attn.k_proj = _column_parallel(attn.k_proj, k0 * d, k1 * d, hkv, f"{where} k_proj")  # type: ignore[assignment]
+        attn.v_proj = _column_parallel(attn.v_proj, k0 * d, k1 * d, hkv, f"{where} v_proj")  # type: ignore[assignment]
+        attn.o_proj = RowParallelLinear(attn.o_proj, h0 * d, h1 * d, hq, rank, f"{where} o_proj")  # type: ignore[assignment]
         attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
-        mlp.gate_proj = _rows(mlp.gate_proj, i0, i1, f"layer {n} gate_proj")
-        mlp.up_proj = _rows(mlp.up_proj, i0, i1, f"layer {n} up_proj")
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, i0, i1, rank, f"layer {n} down_proj")  # type: ignore[assignment]
+        mlp.gate_proj = _column_parallel(mlp.gate_proj, i0, i1, inter, f"{where} gate_proj")  # type: ignore[assignment]
+        mlp.up_proj = _column_parallel(mlp.up_proj, i0, i1, inter, f"{where} up_proj")  # type: ignore[assignment]
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, i0, i1, inter, rank, f"{where} down_proj")  # type: ignore[assignment]
     embed = model.model.embed_tokens
-    head = _plain_linear(model.lm_head, "lm_head")
+    head = model.lm_head
     model.lm_head = VocabParallelLMHead(head.weight, spec, cfg.vocab_size)  # type: ignore[assignment]
-    model.model.embed_tokens = VocabParallelEmbedding(embed.weight, *spec.vocab)  # type: ignore[assignment]
+    model.model.embed_tokens = VocabParallelEmbedding(embed.weight, *spec.vocab, cfg.vocab_size)  # type: ignore[assignment]
     model.config = dataclasses.replace(
         cfg, num_heads=h1 - h0, num_kv_heads=k1 - k0, intermediate_size=i1 - i0
     )

@@ -20,12 +20,14 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from server.config import default_cache_dir
@@ -237,14 +239,44 @@ def cpu_has_native_bf16() -> bool:
     return any(bool(getattr(cpu, c)()) for c in checks if hasattr(cpu, c))
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+# A checkpoint tensor's name -> (dim, start, end) to read only that slice, or None for all of it.
+TensorSlicer = Callable[[str], tuple[int, int, int] | None]
+
+
+def load_state_dict(folder: Path, slicer: TensorSlicer | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors; with `slicer`, only the slice it names of each
+    (safetensors' `get_slice`: the rest of the tensor is never read; tensor parallelism's per-rank
+    loading)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors in {folder}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                cut = slicer(key) if slicer is not None else None
+                if cut is None:
+                    state[key] = st.get_tensor(key)
+                    continue
+                dim, start, end = cut
+                index = (slice(None),) * dim + (slice(start, end),)
+                state[key] = st.get_slice(key)[index]
     return state
+
+
+def _resize_meta_params(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Replaces the meta parameters whose checkpoint tensor was read as a slice by meta tensors of the
+    slice's shape, so `load_state_dict(assign=True)` takes them (the shapes of a rank's shard)."""
+    params = dict(model.named_parameters())
+    for key, tensor in state.items():
+        p = params.get(key)
+        if p is None or p.shape == tensor.shape:
+            continue
+        module_name, _, attr = key.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(torch.empty(tensor.shape, device="meta"), requires_grad=False))
+        if isinstance(module, nn.Linear) and attr == "weight":
+            module.out_features, module.in_features = tensor.shape
 
 
 @dataclass
@@ -272,7 +304,10 @@ def load_model(
     device: torch.device,
     max_positions: int,
     quantize: str | None = None,
+    slicer: TensorSlicer | None = None,
 ) -> LoadedModel:
+    """Loads a Hugging Face folder into our model. `slicer` (tensor parallelism): read only a slice of
+    some tensors; the model then holds those slices (server/distributed/sharding.py finishes it)."""
     hf_cfg = read_hf_config(folder)
     try:
         arch = ArchConfig.from_hf(hf_cfg)
@@ -285,7 +320,7 @@ def load_model(
         model = LlamaForCausalLM(arch, max_positions=1)
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
-    state = load_state_dict(folder)
+    state = load_state_dict(folder, slicer)
     if arch.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model.state_dict().keys())
@@ -299,6 +334,8 @@ def load_model(
     if unexpected:
         raise ModelLoadError(f"checkpoint in {folder} has unexpected tensors, e.g. {unexpected[:3]}")
     state = {k: v for k, v in state.items() if k in expected}
+    if slicer is not None:
+        _resize_meta_params(model, state)
     for k, v in state.items():
         if v.is_floating_point() and not quant.keeps_dtype(k, qcfg):
             state[k] = v.to(dtype)

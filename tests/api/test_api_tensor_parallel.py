@@ -4,6 +4,7 @@ process with exit code 1 within the timeout (/health 503 or refused on the way, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -136,11 +137,70 @@ def tp_server(
 
 
 @pytest.mark.slow
-def test_api_tp2_serves_tp1_output_then_dies_with_a_worker(tp_server) -> None:  # type: ignore[no-untyped-def]
+def test_api_tp2_serves_tp1_output(tp_server) -> None:  # type: ignore[no-untyped-def]
     server, folder = tp_server
-    url, proc = server.url, server.proc
-    assert served(url) == reference(folder)
+    assert served(server.url) == reference(folder)
 
+
+def lws_env(index: int, master_port: int) -> dict[str, str]:
+    """What a LeaderWorkerSet injects into the pods of a group of 2 (the leader's DNS name here 127.0.0.1)."""
+    return {
+        "LWS_LEADER_ADDRESS": "127.0.0.1",
+        "LWS_GROUP_SIZE": "2",
+        "LWS_WORKER_INDEX": str(index),
+        "MASTER_PORT": str(master_port),
+    }
+
+
+@contextlib.contextmanager
+def lws_group(folder: Path, tmp: Path) -> Iterator[tuple[ServerProc, ServerProc]]:
+    """Two `python -m server` processes as the two pods of a LeaderWorkerSet group: same command line."""
+    args = ("--tensor-parallel-size", "2", "--distributed-timeout", "30")
+    master_port = free_port()
+    leader = start_server(folder, tmp / "leader.log", *args, env=lws_env(0, master_port))
+    worker = start_server(folder, tmp / "worker.log", *args, env=lws_env(1, master_port))
+    try:
+        yield leader, worker
+    finally:
+        stop(leader)
+        stop(worker)
+
+
+@pytest.mark.slow
+def test_api_multinode_lws_serves_single_process_tp2_output(tp_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Multi-node mode as two local processes with the LWS variables: the leader serves what one
+    process with TP=2 serves (and TP=1); the worker answers /health only; a dead worker pod ends the leader."""
+    single, folder = tp_server
+    want = served(single.url)
+    assert want == reference(folder)
+    with lws_group(folder, tmp_path) as (leader, worker):
+        wait_ready(leader.url, timeout_s=180)
+        assert served(leader.url) == want
+        assert httpx.get(f"{worker.url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{worker.url}/ready", timeout=5).status_code == 404  # no API on a worker pod
+        assert _children(leader.proc.pid) == []  # one rank per pod: rank 1 is the worker pod
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        seen = wait_exit(leader, 60)  # idle: the heartbeat's collective fails (peer gone)
+        assert leader.proc.returncode == 1, seen
+        assert "exiting: the engine loop died" in leader.log_path.read_text()
+
+
+@pytest.mark.slow
+def test_api_multinode_worker_exits_when_the_leader_dies(tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    with lws_group(folder, tmp_path) as (leader, worker):
+        wait_ready(leader.url, timeout_s=180)
+        assert httpx.get(f"{worker.url}/health", timeout=5).status_code == 200
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        wait_exit(worker, 60)
+        assert worker.proc.returncode == 1
+        assert "exiting: tensor-parallel group failed" in worker.log_path.read_text()
+
+
+@pytest.mark.slow
+def test_api_tp2_dies_with_a_busy_worker(tp_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = tp_server
+    url, proc = server.url, server.proc
     # a long request in flight when rank 1 is SIGKILLed: its response ends in an error, and the server
     # process exits 1 (engine death ends the process; api/server.py)
     workers = _children(proc.pid)

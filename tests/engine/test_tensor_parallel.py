@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from engine_driver import run_staggered
 
 from server.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
@@ -17,6 +18,7 @@ from server.distributed.driver import TensorParallelError
 from server.distributed.sharding import TensorParallelConfigError, shard_spec
 from server.engine import LLMEngine
 from server.models.arch import ArchConfig
+from server.quant.layers import Int8Linear
 from server.request import SamplingParams
 
 PROMPTS = [
@@ -29,10 +31,17 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
-def make_engine(folder: Path, tp: int, cache: CacheConfig, timeout_s: float = 60, **kw: object) -> LLMEngine:
+def make_engine(
+    folder: Path,
+    tp: int,
+    cache: CacheConfig,
+    timeout_s: float = 60,
+    quantize: str | None = None,
+    **kw: object,
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=str(folder), dtype="float32"),
+            model=ModelConfig(model=str(folder), dtype="float32", quantize=quantize),
             cache=cache,
             device="cpu",  # gloo; a GPU machine with fewer than N devices would be refused
             num_threads=1,  # N ranks share this machine's cores
@@ -43,6 +52,7 @@ def make_engine(folder: Path, tp: int, cache: CacheConfig, timeout_s: float = 60
 
 
 def run_both(folder: Path, tp: int, cache: CacheConfig, **kw: object) -> tuple[list, list, LLMEngine]:
+    """TP=1 and TP=tp greedy outputs of PROMPTS (`kw`: make_engine's, e.g. quantize)."""
     ref_engine = make_engine(folder, 1, cache, **kw)
     prompts = [ref_engine.tokenizer.encode(p) for p in PROMPTS]
     ref = run_staggered(ref_engine, prompts, GREEDY)
@@ -176,16 +186,83 @@ def test_hung_worker_times_out(tiny_model_factory) -> None:  # type: ignore[no-u
         engine.close()
 
 
-def test_quantized_model_is_refused_before_workers_start(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_other_quantization_is_refused_before_loading(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
     folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
     config = EngineConfig(
-        model=ModelConfig(model=str(folder), dtype="float32", quantize="int8"),
+        model=ModelConfig(model=str(folder), dtype="float32", quantize="int4"),
         cache=CacheConfig(block_size=8, num_kv_blocks=16),
         device="cpu",
         parallel=ParallelConfig(tensor_parallel_size=2),
     )
-    with pytest.raises(TensorParallelConfigError, match="dense weights only"):
+    with pytest.raises(TensorParallelConfigError, match=r"dense and int8 .* --quantize int4"):
         LLMEngine(config)
+
+
+def test_tp2_int8_parity_shards_along_the_packed_layout(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    """--quantize int8 (per-output-channel scales): column-parallel shards keep their rows' int8 values
+    and scales, row-parallel shards their columns with every row's full scale; TP=2 equals TP=1 int8."""
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    cache = CacheConfig(block_size=8, num_kv_blocks=64, enable_prefix_caching=True)
+    got, ref, engine = run_both(folder, 2, cache, quantize="int8")
+    assert got == ref
+    assert engine.loaded.quantization == "int8"
+    attn = engine.loaded.model.decoder_layers()[0].self_attn
+    assert isinstance(attn.o_proj.linear, Int8Linear)  # type: ignore[union-attr]
+    assert attn.o_proj.linear.qweight.shape[1] == attn.o_proj.linear.in_features  # type: ignore[union-attr]
+
+
+def _checkpoint_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize(("quantize", "bound"), [(None, 0.55), ("int8", 0.8)])
+def test_rank_reads_only_its_slices(
+    tiny_model_factory, monkeypatch, quantize: str | None, bound: float
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 of 2 materializes only its slices of the checkpoint (safetensors get_slice): about half
+    of it dense; with on-the-fly int8 the row-parallel weights are read whole (their scales span the row)."""
+    from server.models import loader
+
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    read: list[int] = []
+    real = loader.load_state_dict
+
+    def counting(folder: Path, slicer=None):  # type: ignore[no-untyped-def]
+        state = real(folder, slicer)
+        read.append(sum(t.numel() * t.element_size() for t in state.values()))
+        return state
+
+    monkeypatch.setattr(loader, "load_state_dict", counting)
+    engine = make_engine(folder, 2, CacheConfig(block_size=8, num_kv_blocks=16), quantize=quantize)
+    engine.close()
+    total = _checkpoint_bytes(folder)
+    assert len(read) == 1 and 0.45 * total < read[0] < bound * total, (read, total)
+
+
+def test_checkpoint_slicer_cuts_each_tensor_like_shard_model(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file
+
+    from server.distributed.sharding import rank_loading_slicer
+    from server.models.loader import load_state_dict
+
+    folder = tiny_model_factory("qwen2", tie=False, heads=4, kv_heads=2)
+    full: dict = {}
+    for f in folder.glob("*.safetensors"):
+        full.update(load_file(str(f)))
+    for rank in range(2):
+        part = load_state_dict(folder, rank_loading_slicer(folder, None, rank, 2))
+        assert part.keys() == full.keys()
+        q = "model.layers.0.self_attn.q_proj"
+        d = full[f"{q}.weight"].shape[0] // 2
+        assert torch.equal(part[f"{q}.weight"], full[f"{q}.weight"][rank * d : (rank + 1) * d])
+        assert torch.equal(
+            part[f"{q}.bias"], full[f"{q}.bias"][rank * d : (rank + 1) * d]
+        )  # Qwen2's qkv bias
+        down = "model.layers.0.mlp.down_proj.weight"
+        i = full[down].shape[1] // 2
+        assert torch.equal(part[down], full[down][:, rank * i : (rank + 1) * i])
+        norm = "model.layers.0.input_layernorm.weight"
+        assert torch.equal(part[norm], full[norm])
 
 
 def test_idle_heartbeat_notices_a_hung_worker(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
