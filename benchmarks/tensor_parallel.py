@@ -153,6 +153,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 49152, (args.num_requests, args.prompt_len), generator=g).tolist()
     timer = CollectiveTimer()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(Path(tmp), args.hidden, args.layers, args.heads, args.kv_heads)
         rounds = []
@@ -167,6 +168,8 @@ def main() -> None:
                 "cpu": cpu_model(),
                 "note": "collective time on rank 0 includes waiting for the slower rank",
                 "cores_visible": os.cpu_count(),
+                # the machine is shared with other engineers' processes: see the load average
+                "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
                 "model": {
                     "hidden": args.hidden,
                     "layers": args.layers,

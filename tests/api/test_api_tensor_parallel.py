@@ -39,6 +39,29 @@ def test_api_cli_tensor_parallel_flags() -> None:
     assert (par.tensor_parallel_size, par.distributed_timeout_s) == (2, 300.0)
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["--tensor-parallel-size", "0"])
+    # multi-node: the variables a LeaderWorkerSet injects (docs/design.md's contract)
+    lws = {
+        "LWS_GROUP_SIZE": "2",
+        "LWS_WORKER_INDEX": "1",
+        "LWS_LEADER_ADDRESS": "grp-0.grp.ns",
+        "MASTER_PORT": "29600",
+    }
+    par = config_from_args(build_parser(lws).parse_args(["--tensor-parallel-size", "4"])).engine.parallel
+    assert (par.nnodes, par.node_rank, par.master_addr, par.rendezvous_port) == (2, 1, "grp-0.grp.ns", 29600)
+    assert (par.ranks_per_node, par.is_leader) == (2, False)
+    par = config_from_args(
+        build_parser({"LWS_GROUP_SIZE": "2"}).parse_args(["--tensor-parallel-size", "2"])
+    ).engine.parallel
+    assert (par.is_leader, par.rendezvous_port) == (True, 29500)
+    assert (
+        config_from_args(build_parser({}).parse_args([])).engine.parallel.rendezvous_port == 0
+    )  # any free port
+    with pytest.raises(ValueError, match="multiple of the number of nodes"):
+        config_from_args(build_parser(lws).parse_args(["--tensor-parallel-size", "3"]))
+    with pytest.raises(ValueError, match="LWS_WORKER_INDEX"):
+        config_from_args(
+            build_parser(dict(lws, LWS_WORKER_INDEX="2")).parse_args(["--tensor-parallel-size", "2"])
+        )
 
 
 def _children(pid: int) -> list[int]:
