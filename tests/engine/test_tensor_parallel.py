@@ -215,7 +215,9 @@ def _checkpoint_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize(("quantize", "bound"), [(None, 0.55), ("int8", 0.8)])
+@pytest.mark.parametrize(
+    ("quantize", "bound"), [(None, 0.55), pytest.param("int8", 0.8, marks=pytest.mark.slow)]
+)
 def test_rank_reads_only_its_slices(
     tiny_model_factory, monkeypatch, quantize: str | None, bound: float
 ) -> None:  # type: ignore[no-untyped-def]
@@ -265,6 +267,7 @@ def test_checkpoint_slicer_cuts_each_tensor_like_shard_model(tiny_model_factory)
         assert torch.equal(part[norm], full[norm])
 
 
+@pytest.mark.slow  # waits out a heartbeat period and the collective timeout
 def test_idle_heartbeat_notices_a_hung_worker(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
     """No traffic: the idle loop's heartbeat (an all-reduce every HEARTBEAT_S) raises within the timeout."""
     folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
