@@ -271,3 +271,18 @@ def test_api_tp2_idle_server_exits_when_a_worker_dies(tiny_model_factory, tmp_pa
         assert "exiting: the engine loop died" in server.log_path.read_text()
     finally:
         stop(server)
+
+
+@pytest.mark.slow
+def test_api_multinode_sigterm_on_the_leader_stops_the_group_cleanly(
+    tiny_model_factory, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A rolling update drains the leader (SIGTERM): it stops the worker pods' ranks, both exit 0."""
+    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+    with lws_group(folder, tmp_path) as (leader, worker):
+        wait_ready(leader.url, timeout_s=180)
+        assert served(leader.url)[0] == reference(folder)[0]
+        leader.proc.send_signal(signal.SIGTERM)
+        assert leader.proc.wait(60) == 0
+        assert worker.proc.wait(60) == 0
+        assert "the leader stopped the group" in worker.log_path.read_text()
