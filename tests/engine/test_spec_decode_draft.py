@@ -268,7 +268,7 @@ def test_sampled_pairs_follow_the_target_and_a_biased_rule_is_caught(  # type: i
     if rule == "biased":
         monkeypatch.setattr(rs, "_residual", lambda probs, x: probs.clone())
     engine = make_engine(folder, drafts[which], 1, max_num_seqs=128)
-    prompt = engine.tokenizer.encode("a b a b c")
+    prompt = engine.tokenizer.encode("hello")  # the small draft's argmax is often in the top 4 here
     exact = exact_pairs(folder, prompt)
     params = [SamplingParams(**{**DIST.__dict__, "seed": s}) for s in range(N_DIST)]
     outs = engine.generate([prompt] * N_DIST, params)
