@@ -71,7 +71,9 @@ def drafts(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return {"small": variant(folder, tmp_path_factory.mktemp("draft-small"), truncate), "self": folder}
 
 
-def make_engine(folder: Path, draft: Path | None = None, k: int = 3, blocks: int = 256, **kw: object) -> LLMEngine:
+def make_engine(
+    folder: Path, draft: Path | None = None, k: int = 3, blocks: int = 256, **kw: object
+) -> LLMEngine:
     spec = None
     if draft is not None:
         spec = SpeculativeConfig(
@@ -201,10 +203,20 @@ def test_short_draft_cache_drafts_less_and_leaks_nothing(folder: Path, drafts, b
     _, prompts, ref = base
     engine = make_engine(folder, drafts["self"], 3)
     # 10 draft blocks (40 tokens) for 6 sequences of up to ~60 tokens: some requests get no drafts
-    proposer(engine).pool = BlockPool(10, enable_caching=False)
+    pool = proposer(engine).pool = BlockPool(10, enable_caching=False)
+    refused = 0
+    allocate = pool.allocate
+
+    def counting(n: int) -> list[int] | None:
+        nonlocal refused
+        got = allocate(n)
+        refused += got is None
+        return got
+
+    pool.allocate = counting  # type: ignore[method-assign]
     assert run_staggered(engine, prompts, GREEDY) == ref
     st = engine.stats()
-    assert 0 < st.spec_num_drafts and st.spec_num_accepted_tokens > 0
+    assert refused > 0 and st.spec_num_drafts > 0 and st.spec_num_accepted_tokens > 0
     assert_no_kv_held(engine)
 
 
@@ -316,7 +328,9 @@ def test_bad_draft_configs_are_refused(raw: str, message: str) -> None:
 
 
 def test_draft_model_config_and_refusals(folder: Path) -> None:
-    c = parse_speculative_config({"model": str(folder), "num_speculative_tokens": 4, "disable_by_batch_size": 8})
+    c = parse_speculative_config(
+        {"model": str(folder), "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    )
     assert c == SpeculativeConfig("draft_model", 4, model=str(folder), disable_by_batch_size=8)
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         EngineConfig(speculative=c, parallel=ParallelConfig(tensor_parallel_size=2))
