@@ -1,9 +1,16 @@
-"""Speculative decoding (n-gram prompt lookup) on vs off, in the same process, interleaved: output
-tokens/s of the engine on workloads where the output repeats its input (edit a given text, continue a
-repetitive code file), for one user and for 16 at once. Prints JSON with the acceptance rate and the
-tokens emitted per verification row.
+"""Speculative decoding on vs off, in the same process, interleaved: output tokens/s of the engine on
+workloads where the output repeats its input (edit a given text, continue a repetitive code file), for
+one user and for 16 at once. Prints JSON with the acceptance rate and the tokens emitted per
+verification row.
 
     python benchmarks/spec_decode.py [--k 3 --new-tokens 128 --reps 3 --users 1,16]
+    python benchmarks/spec_decode.py --method draft_model --draft-layers 4   # draft: the target's first 4 layers
+    python benchmarks/spec_decode.py --method draft_model --draft PATH       # any same-vocabulary draft
+
+The embedded SmolLM2-135M has no smaller sibling with its vocabulary, so --draft-layers builds one: a
+copy of the target truncated to its first N layers (same embeddings, final norm and head; no training,
+so its proposals are weaker than a real distilled draft's). --draft-layers 0 uses the target itself as
+its own draft (acceptance ~1 for greedy: an upper bound on acceptance, not a speed-up on CPU).
 """
 
 from __future__ import annotations
@@ -64,6 +71,25 @@ def prompts_for(tok, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
     return out
 
 
+def truncated_copy(folder: str, layers: int, out: str) -> str:
+    """The HF checkpoint in `folder` with only its first `layers` decoder layers (0 = all), into out."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if layers:
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+    model.save_pretrained(out)
+    for f in Path(folder).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, Path(out) / f.name)
+    return out
+
+
 def run(engine, prompts: list[list[int]], new_tokens: int) -> dict:  # type: ignore[no-untyped-def]
     from server.request import SamplingParams
 
@@ -98,6 +124,11 @@ def run(engine, prompts: list[list[int]], new_tokens: int) -> dict:  # type: ign
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    p.add_argument("--draft", default=None, help="draft model folder (draft_model; default: --draft-layers)")
+    p.add_argument(
+        "--draft-layers", type=int, default=4, help="draft = the target's first N layers (0: the target)"
+    )
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--lookup-max", type=int, default=3)
     p.add_argument("--lookup-min", type=int, default=1)
@@ -124,15 +155,36 @@ def main() -> None:
         e.warmup()
         return e
 
-    spec = SpeculativeConfig(
-        "ngram",
-        args.k,
-        prompt_lookup_min=args.lookup_min,
-        prompt_lookup_max=args.lookup_max,
-        disable_by_batch_size=args.disable_by_batch_size,
-    )
+    if args.method == "ngram":
+        spec = SpeculativeConfig(
+            "ngram",
+            args.k,
+            prompt_lookup_min=args.lookup_min,
+            prompt_lookup_max=args.lookup_max,
+            disable_by_batch_size=args.disable_by_batch_size,
+        )
+    else:
+        import tempfile
+
+        from server.models.loader import resolve_model
+
+        draft = args.draft or truncated_copy(
+            str(resolve_model(args.model).folder), args.draft_layers, tempfile.mkdtemp(prefix="draft-")
+        )
+        spec = SpeculativeConfig(
+            "draft_model", args.k, model=draft, disable_by_batch_size=args.disable_by_batch_size
+        )
     off, on = make(None), make(spec)
-    result: dict = {"config": vars(args), "workloads": {}}
+    import platform
+
+    load = os.getloadavg()
+    result: dict = {
+        "config": vars(args),
+        "cpu": platform.processor() or platform.machine(),
+        "load_average_at_start": [round(x, 1) for x in load],
+        "note": "machine shared with other engineers' processes: compare the interleaved ratios only",
+        "workloads": {},
+    }
     for users in (int(u) for u in args.users.split(",")):
         prompts = prompts_for(off.tokenizer, users)
         runs: dict[str, list[dict]] = {"off": [], "on": []}
@@ -153,10 +205,13 @@ def main() -> None:
             "speedups": [round(r, 3) for r in ratios],
             "steps_off": runs["off"][-1]["steps"],
             "steps_on": last_on["steps"],
+            "tokens_per_step_off": round(runs["off"][-1]["output_tokens"] / runs["off"][-1]["steps"], 2),
+            "tokens_per_step_on": round(last_on["output_tokens"] / last_on["steps"], 2),
             "acceptance_rate": round(last_on["acceptance_rate"] or 0.0, 3),
             "tokens_per_verified_row": round(last_on["tokens_per_verified_row"] or 0.0, 2),
             "output_tokens": last_on["output_tokens"],
         }
+    result["load_average_at_end"] = [round(x, 1) for x in os.getloadavg()]
     print(json.dumps(result, indent=2))
 
 

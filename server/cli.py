@@ -287,7 +287,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "--speculative-config",
         "KUBEINFER_SPECULATIVE_CONFIG",
         "Speculative decoding, as JSON with vLLM's keys, e.g. "
-        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (default: off)',
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or, with a draft model '
+        'of the same tokenizer, \'{"model": "PATH_OR_HUB_ID", "num_speculative_tokens": 3}\' (default: off)',
     )
 
     add(

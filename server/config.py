@@ -255,6 +255,10 @@ class EngineConfig:
         if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
             # the worker ranks shard plain projections; LoRA-wrapped ones are not sharded yet
             raise ValueError("--enable-lora does not work with --tensor-parallel-size > 1 yet")
+        spec = self.speculative
+        if spec is not None and spec.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
+            # the draft would run on rank 0 alone; not tested yet
+            raise ValueError("a speculative draft model does not work with --tensor-parallel-size > 1 yet")
         # Validates the token budget and sequence limits early, with the same messages.
         SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -34,6 +34,7 @@ from server.models.loader import (
 )
 from server.models.serving_weights import prepare_for_serving
 from server.request import FinishReason, GrammarSpec, LoRARequest, Request, SamplingParams
+from server.spec_decode.draft_model import load_draft_proposer
 from server.spec_decode.proposer import Speculator
 from server.structured import GrammarCompiler, StructuredOutputManager, compile_stats
 from server.tokenizer import IncrementalDetokenizer, Tokenizer, shipped_chat_template
@@ -197,7 +198,24 @@ class LLMEngine:
             ),
             self.kv,
         )
-        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            proposer = None
+            if config.speculative.method == "draft_model":  # the draft's own model and paged KV cache
+                proposer = load_draft_proposer(
+                    config.speculative,
+                    self.loaded,
+                    self.tokenizer,
+                    backend,
+                    num_blocks=num_blocks,
+                    block_size=block_size,
+                    max_model_len=self.max_model_len,
+                    device=self.device,
+                    cache_dir=config.model.cache_dir,
+                    keep_gguf=self.source.gguf is not None,
+                    optimize_weights=config.model.optimize_weights,
+                )
+            self.speculator = Speculator(config.speculative, proposer)
         if self.speculator is not None:
             log.info("speculative decoding: %s", config.speculative)
         self._states: dict[str, _RequestState] = {}
@@ -259,6 +277,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        if self.speculator is not None:
+            self.speculator.drop(request_id)
         state = self._states.pop(request_id, None)
         if req is None or state is None:
             return None
@@ -303,8 +323,6 @@ class LLMEngine:
         model_out = self.runner.execute(sched)
         self.scheduler.update_from_output(sched, model_out)
         self._publish_kv_events()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
         outputs: list[RequestOutput] = []
         for item in sched.scheduled:
             rid = item.request.request_id
@@ -345,6 +363,8 @@ class LLMEngine:
             outputs.append(out)
             if req.is_finished:
                 del self._states[rid]
+        if self.speculator is not None:  # after stop strings have ended their requests
+            self.speculator.propose(self.scheduler.running)
         return outputs
 
     @staticmethod

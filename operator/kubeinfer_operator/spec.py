@@ -187,10 +187,12 @@ class ModelSource(_Model):
 
 
 class SpeculativeSpec(_Model):
-    """Rendered into the server's --speculative-config (vLLM's JSON keys)."""
+    """Rendered into the server's --speculative-config (vLLM's JSON keys). `model` (draft_model only):
+    the draft's URI in model.uri's forms; it must use the model's tokenizer (checked by the server)."""
 
-    method: Literal["ngram"]
+    method: Literal["ngram", "draft_model"]
     num_speculative_tokens: int = Field(ge=1, le=32)
+    model: str | None = Field(default=None, min_length=2, max_length=512)
     prompt_lookup_min: int | None = Field(default=None, ge=1, le=64)
     prompt_lookup_max: int | None = Field(default=None, ge=1, le=64)
     disable_by_batch_size: int | None = Field(default=None, ge=1, le=4096)
@@ -200,10 +202,29 @@ class SpeculativeSpec(_Model):
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError("engine.speculative.promptLookupMin must be <= promptLookupMax")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "engine.speculative.model is required by method draft_model and refused by ngram"
+            )
+        if self.method == "draft_model" and (lo is not None or hi is not None):
+            raise ValueError("engine.speculative.promptLookupMin/Max belong to the ngram method")
+        if self.model is not None:
+            if not self.model.startswith(("hf://", "pvc://", "/")):
+                raise ValueError(
+                    "engine.speculative.model must start with hf://, pvc:// or / (a path inside the image)"
+                )
+            if self.model.startswith("hf://") and not HF_URI.match(self.model):
+                raise ValueError("engine.speculative.model hf:// must look like hf://org/name")
+            if self.model.startswith("pvc://") and not PVC_URI.match(self.model):
+                raise ValueError("engine.speculative.model pvc:// must look like pvc://claim/path/in/claim")
         return self
 
     def to_flag(self) -> str:
-        return json.dumps(self.model_dump(exclude_none=True), sort_keys=True)
+        """The JSON the server reads; the draft's URI becomes the path or hub id the server loads."""
+        raw = self.model_dump(exclude_none=True)
+        if self.model is not None:
+            raw["model"] = model_location(self.model).server_model
+        return json.dumps(raw, sort_keys=True)
 
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -656,6 +677,12 @@ def semantic_errors(spec: InferenceModelSpec) -> list[str]:
     if spec.served_name in names:
         errors.append(f"adapter name {spec.served_name!r} is the model's served name")
     model_claim = model_location(spec.model.uri).claim_name
+    draft = spec.engine.speculative.model if spec.engine.speculative is not None else None
+    draft_claim = model_location(draft).claim_name if draft is not None else None
+    if draft_claim is not None and draft_claim != model_claim:
+        errors.append(
+            f"engine.speculative.model: a pvc:// draft must live on the model's claim ({model_claim})"
+        )
     for a in spec.adapters:
         claim = model_location(a.uri).claim_name
         if claim is not None and claim != model_claim:

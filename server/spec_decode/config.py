@@ -1,10 +1,10 @@
 """`--speculative-config`: vLLM's JSON keys, parsed into a frozen, validated dataclass. No torch.
 
-Keys (vLLM's `SpeculativeConfig`): `method` ("ngram"; "draft_model" is recognised and refused until
-it is implemented), `num_speculative_tokens` (k, the tokens proposed per step), `prompt_lookup_min` and
+Keys (vLLM's `SpeculativeConfig`): `method` ("ngram" or "draft_model"; a `model` without a method
+means "draft_model"), `num_speculative_tokens` (k, the tokens proposed per step), `prompt_lookup_min` and
 `prompt_lookup_max` (n-gram sizes tried, longest first; if only one is given the other takes its value,
-if neither both are 5, as in vLLM), `model` (a draft model; `"[ngram]"` is vLLM's older spelling of the
-n-gram method) and `disable_by_batch_size` (no speculation in steps with more running requests).
+if neither both are 5, as in vLLM), `model` (the draft model: a Hugging Face folder, a .gguf file or a hub id, with the
+target's tokenizer, checked at load; `"[ngram]"` is vLLM's older spelling of the n-gram method) and `disable_by_batch_size` (no speculation in steps with more running requests).
 """
 
 from __future__ import annotations
@@ -50,12 +50,8 @@ class SpeculativeConfig:
                 raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
             if self.model is not None:
                 raise ValueError("the ngram method takes no draft model")
-        if self.method == "draft_model":
-            if not self.model:
-                raise ValueError("the draft_model method needs a 'model'")
-            raise ValueError(
-                'speculative decoding with a draft model is not supported yet; use {"method": "ngram", ...}'
-            )
+        if self.method == "draft_model" and (not self.model or not isinstance(self.model, str)):
+            raise ValueError("the draft_model method needs a 'model' (a path or hub id of the draft)")
         d = self.disable_by_batch_size
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"disable_by_batch_size must be an integer >= 1, got {d!r}")
@@ -86,6 +82,8 @@ def parse_speculative_config(text: str | dict[str, Any]) -> SpeculativeConfig:
     if method is None:
         raise ValueError("--speculative-config needs a method ('ngram') or a draft 'model'")
     lo_raw, hi_raw = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    if method == "draft_model" and (lo_raw is not None or hi_raw is not None):
+        raise ValueError("prompt_lookup_min/prompt_lookup_max belong to the ngram method, not a draft model")
     lo = lo_raw if lo_raw is not None else hi_raw if hi_raw is not None else 5
     hi = hi_raw if hi_raw is not None else lo
     return SpeculativeConfig(

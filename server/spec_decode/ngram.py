@@ -7,7 +7,9 @@ proposal. Text that quotes or edits its prompt (summaries, code edits, extractio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from server.request import Request
 
 
 def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -36,5 +38,14 @@ class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
-    def propose(self, token_ids: Sequence[int], max_k: int) -> list[int]:
-        return propose_ngram(token_ids, min(self.k, max_k), self.min_n, self.max_n)
+    def propose(self, requests: Sequence[Request], max_ks: Sequence[int]) -> list[list[int]]:
+        return [
+            propose_ngram(req.all_token_ids, min(self.k, max_k), self.min_n, self.max_n)
+            for req, max_k in zip(requests, max_ks, strict=True)
+        ]
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Stateless: nothing to forget."""
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Stateless: nothing to forget."""

@@ -1,12 +1,33 @@
-"""Which running requests speculate in the next step, and their draft tokens. No torch."""
+"""Which running requests speculate in the next step, and their draft tokens. No torch.
+
+The `Speculator` decides who speculates and how many tokens it may propose; a `Proposer` (n-gram
+lookup here, the draft model in `draft_model.py`) makes the tokens. Proposers that keep per-request
+state (the draft model's KV cache) are told which requests are still running (`retain`) and which were
+aborted between steps (`drop`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from server.request import Request
 from server.spec_decode.config import SpeculativeConfig
 from server.spec_decode.ngram import NgramProposer
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request], max_ks: Sequence[int]) -> list[list[int]]:
+        """Up to max_ks[i] draft tokens for requests[i], each request in decode."""
+        ...
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Forget (free) the state of every request not in request_ids."""
+        ...
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget (free) the state of these requests."""
+        ...
 
 
 def can_speculate(req: Request) -> bool:
@@ -19,17 +40,24 @@ def can_speculate(req: Request) -> bool:
 
 class Speculator:
     """Sets `spec_token_ids` on running requests after each step; the scheduler verifies them in the
-    next one."""
+    next one. `proposer` defaults to n-gram lookup (the draft model is built by the engine)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        if proposer is None:
+            if config.method != "ngram":
+                raise ValueError(f"the {config.method} method needs its proposer")
+            proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        self.proposer: Proposer = proposer
 
     def propose(self, running: Sequence[Request]) -> None:
+        self.proposer.retain({r.request_id for r in running})
         limit = self.config.disable_by_batch_size
         enabled = limit is None or len(running) <= limit
+        chosen: list[Request] = []
+        rooms: list[int] = []
         for req in running:
             req.spec_token_ids = []
             # Only a request in decode (its KV covers all but the last known token) can verify drafts.
@@ -37,4 +65,12 @@ class Speculator:
                 continue
             room = req.sampling_params.max_tokens - len(req.output_token_ids) - 1
             if room > 0:
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids, room)
+                chosen.append(req)
+                rooms.append(room)
+        if chosen:
+            for req, drafts in zip(chosen, self.proposer.propose(chosen, rooms), strict=True):
+                req.spec_token_ids = drafts
+
+    def drop(self, request_id: str) -> None:
+        """A request aborted between steps: its proposer state (draft KV blocks) is freed now."""
+        self.proposer.drop([request_id])

@@ -91,3 +91,12 @@ def test_cli_flag() -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens must be"):
         config_from_args(build_parser(env).parse_args([]))
     assert config_from_args(build_parser({}).parse_args([])).engine.speculative is None
+    draft = '{"model": "/models/draft", "num_speculative_tokens": 2}'
+    args = build_parser({}).parse_args(["--speculative-config", draft])
+    assert config_from_args(args).engine.speculative == SpeculativeConfig(
+        "draft_model", 2, model="/models/draft"
+    )
+    with pytest.raises(ValueError, match="draft model does not work with --tensor-parallel-size"):
+        config_from_args(
+            build_parser({}).parse_args(["--speculative-config", draft, "--tensor-parallel-size", "2"])
+        )

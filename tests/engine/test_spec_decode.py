@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from engine_driver import run_staggered
-from scipy.stats import chi2, chi2_contingency
+from spec_checks import (
+    assert_no_kv_held,
+    chi_square_p,
+    collect,
+    distribution_prompt,
+    joint_counts,
+    two_sample_p,
+)
 
 import server.spec_decode.rejection_sampler as rs
 from server.config import CacheConfig, EngineConfig, ModelConfig
@@ -54,12 +61,6 @@ def base(folder: Path) -> tuple[LLMEngine, list[list[int]], list[list[int]]]:
     engine = make_engine(folder)
     prompts = [engine.tokenizer.encode(t) for t in TEXTS]
     return engine, prompts, run_staggered(engine, prompts, GREEDY)
-
-
-def assert_no_kv_held(engine: LLMEngine) -> None:
-    assert not engine.has_unfinished()
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
-    assert not engine.kv.req_to_blocks
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -134,21 +135,6 @@ def test_stop_strings_and_stop_tokens_inside_accepted_runs(folder: Path, base) -
     assert_no_kv_held(engine)
 
 
-def collect(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple:
-    engine.add_request("x", prompt, params)
-    tokens: list[int] = []
-    text = ""
-    last = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            tokens += o.new_token_ids
-            text += o.text
-            last = o
-    assert last is not None and last.finished
-    assert last.num_output_tokens == len(tokens)
-    return tokens, text, last.finish_reason, last.stop_reason
-
-
 def test_abort_mid_speculation_leaks_no_blocks(folder: Path, base) -> None:  # type: ignore[no-untyped-def]
     _, prompts, _ = base
     engine = make_engine(folder, 5)
@@ -184,23 +170,6 @@ def test_seeded_sampling_is_reproducible_with_speculation(folder: Path, base) ->
 
 
 # ---- distribution ------------------------------------------------------------------------------
-
-
-def chi_square_p(counts: Counter[int], probs: torch.Tensor) -> float:  # probs: [V]
-    """Goodness of fit of observed token counts to probs; categories expecting < 5 are pooled."""
-    n = sum(counts.values())
-    expected = (probs * n).tolist()
-    big = [t for t, e in enumerate(expected) if e >= 5]
-    obs = [counts.get(t, 0) for t in big]
-    exp = [expected[t] for t in big]
-    rest_obs, rest_exp = n - sum(obs), n - sum(exp)
-    if rest_exp >= 5:
-        obs.append(rest_obs)
-        exp.append(rest_exp)
-    elif rest_obs > 0:
-        return 0.0  # tokens the target gives (almost) no mass to
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
-    return float(chi2.sf(stat, len(obs) - 1))
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [V] -> [V]
@@ -255,29 +224,29 @@ def test_chi_square_catches_a_biased_acceptance_rule(fixed_logits: torch.Tensor,
     assert chi_square_p(biased, p0) < ALPHA
 
 
+@pytest.fixture(scope="module")
+def plain_distribution(folder: Path) -> tuple[list[int], Counter[tuple[int, ...]]]:
+    """The prompt and the plain engine's joint distribution of its first sampled tokens."""
+    plain = make_engine(folder, max_num_seqs=128)
+    prompt = distribution_prompt(plain)
+    return prompt, joint_counts(plain, prompt, N_DIST)
+
+
+N_DIST = 1200  # seeds per engine in the engine-level distribution tests
+
+
 @pytest.mark.slow
 def test_engine_sampled_distribution_matches_plain_decoding(folder: Path) -> None:
-    """Joint distribution of the first three sampled tokens over many seeds, speculation on vs off,
-    on the tiny model (penalties and min-p on): a two-sample chi-square test."""
+    """Joint distribution of the first four sampled tokens over many seeds, speculation on vs off,
+    on the tiny model (penalties and min-p on): a two-sample chi-square test. (The engine-level test
+    that a biased acceptance rule fails is in test_spec_decode_draft.py.)"""
     plain, spec = make_engine(folder, max_num_seqs=128), make_engine(folder, 3, max_num_seqs=128)
-    # The model's own greedy continuation in the prompt gives the n-gram lookup something to find.
-    seed_text = plain.tokenizer.encode("a b a b")
-    prompt = seed_text + plain.generate([seed_text], SamplingParams(max_tokens=8, temperature=0.0))[0]
-    base = dict(max_tokens=4, temperature=0.7, top_k=4, min_p=0.05, repetition_penalty=1.1, ignore_eos=True)
+    prompt = distribution_prompt(plain)
     n = 1200
-    plist = [SamplingParams(**base, seed=s) for s in range(n)]  # type: ignore[arg-type]
-    a = Counter(map(tuple, plain.generate([prompt] * n, plist)))
-    b = Counter(map(tuple, spec.generate([prompt] * n, plist)))
+    a, b = joint_counts(plain, prompt, n), joint_counts(spec, prompt, n)
     st = spec.stats()
     assert st.spec_num_drafts > n // 2 and 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
-    keys = [k for k in a.keys() | b.keys() if a[k] + b[k] >= 10]
-    table = [[a[k] for k in keys], [b[k] for k in keys]]
-    rest = [n - sum(table[0]), n - sum(table[1])]
-    if sum(rest) >= 10:
-        table[0].append(rest[0])
-        table[1].append(rest[1])
-    assert len(keys) >= 4
-    assert chi2_contingency(table)[1] > ALPHA
+    assert two_sample_p(a, b) > ALPHA
     assert_no_kv_held(spec)
 
 

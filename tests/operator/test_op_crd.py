@@ -195,6 +195,76 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         "is not one of",
     ),
     (
+        "speculative-draft-ok",
+        {
+            "model": HF,
+            "engine": {
+                "speculative": {"method": "draft_model", "model": "hf://org/draft", "numSpeculativeTokens": 4}
+            },
+        },
+        None,
+    ),
+    (
+        "speculative-draft-no-model",
+        {"model": HF, "engine": {"speculative": {"method": "draft_model", "numSpeculativeTokens": 4}}},
+        "model is required by method draft_model",
+    ),
+    (
+        "speculative-ngram-with-model",
+        {
+            "model": HF,
+            "engine": {
+                "speculative": {"method": "ngram", "model": "hf://org/draft", "numSpeculativeTokens": 4}
+            },
+        },
+        "model is required by method draft_model",
+    ),
+    (
+        "speculative-draft-lookup",
+        {
+            "model": HF,
+            "engine": {
+                "speculative": {
+                    "method": "draft_model",
+                    "model": "hf://org/draft",
+                    "numSpeculativeTokens": 4,
+                    "promptLookupMax": 3,
+                }
+            },
+        },
+        "promptLookupMin/Max belong to the ngram method",
+    ),
+    (
+        "speculative-draft-scheme",
+        {
+            "model": HF,
+            "engine": {
+                "speculative": {"method": "draft_model", "model": "s3://b/d", "numSpeculativeTokens": 4}
+            },
+        },
+        "engine.speculative.model must start with",
+    ),
+    (
+        "speculative-draft-hf",
+        {
+            "model": HF,
+            "engine": {
+                "speculative": {"method": "draft_model", "model": "hf://draft", "numSpeculativeTokens": 4}
+            },
+        },
+        "engine.speculative.model hf:// must",
+    ),
+    (
+        "speculative-draft-pvc",
+        {
+            "model": HF,
+            "engine": {
+                "speculative": {"method": "draft_model", "model": "pvc://B_/d", "numSpeculativeTokens": 4}
+            },
+        },
+        "engine.speculative.model pvc:// must",
+    ),
+    (
         "speculative-k",
         {"model": HF, "engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 0}}},
         "minimum",
