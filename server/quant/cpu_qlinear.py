@@ -46,6 +46,7 @@ ABI_VERSION = 1
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
 NATIVE = NativeSource("qlinear", SOURCE, COMPILE_FLAGS)
 BLOCK = 32  # values per GGUF block
+GEMV_MAX_ROWS = 3  # qlinear.cpp's default gemv_max_rows (benchmarks/cpu_qlinear.py `small_m`)
 
 # GGUF block layouts: bytes per 32-block, and whether a min follows the scale.
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
@@ -353,6 +354,11 @@ class QLinearKernel:
             raise RuntimeError(f"qlinear kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
         return out
 
+    def set_gemv_max_rows(self, rows: int) -> None:
+        """M up to `rows` takes the GEMV path, larger M the batched one (a benchmark's knob; default
+        GEMV_MAX_ROWS). Process-wide: never call it while another thread runs the kernel."""
+        self.lib.kubeinfer_qlinear_set_gemv_max_rows(max(1, int(rows)))
+
     def dequantize_rows(
         self,
         w: BlockQuantWeight,
@@ -406,6 +412,8 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     lib.kubeinfer_qdequant.restype = i32
     lib.kubeinfer_qdequant.argtypes = [ctypes.POINTER(_KiQWeight), ptr, i64, i64, ptr, i64, i32]
     lib.kubeinfer_qlinear_isa.restype = ctypes.c_char_p
+    lib.kubeinfer_qlinear_set_gemv_max_rows.restype = None
+    lib.kubeinfer_qlinear_set_gemv_max_rows.argtypes = [i64]
     return QLinearKernel(lib, path, lib.kubeinfer_qlinear_isa().decode())
 
 

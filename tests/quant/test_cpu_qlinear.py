@@ -39,7 +39,9 @@ FORMATS = ["q4_0", "q4_1", "q8_0", "int8", "int4"]
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 7, 16])
+# M: the GEMV path (1..GEMV_MAX_ROWS), 8-row tiles only (7), a 16-row block (16), blocks plus a ragged
+# rest (23), and, with K = 1536, several chunks of packed x (the chunk is 32 rows there).
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 23, 70])
 def test_linear_matches_the_torch_reference(kernel: QLinearKernel, fmt: str, n: int, k: int, m: int) -> None:
     w = make_weight(fmt, n, k, seed=n * k + m)
     x = torch.randn(m, k)
@@ -50,7 +52,7 @@ def test_linear_matches_the_torch_reference(kernel: QLinearKernel, fmt: str, n: 
 
 
 @pytest.mark.parametrize("k", [33, 100, 7])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 5, 19])
 def test_int8_per_channel_takes_any_k(kernel: QLinearKernel, k: int, m: int) -> None:
     """Per-channel int8 has one group of K values: an odd K ends in values handled one by one."""
     w = make_weight("int8", 11, k, seed=k)
@@ -60,11 +62,26 @@ def test_int8_per_channel_takes_any_k(kernel: QLinearKernel, k: int, m: int) -> 
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 17])
 def test_int4_group_sizes(kernel: QLinearKernel, group: int, m: int) -> None:
     w = make_weight("int4", 21, 256, group=group)
     x = torch.randn(m, 256)
     torch.testing.assert_close(kernel.linear(x, w), cq.linear_reference(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [2, 3, 4, 6, 9])
+def test_gemv_and_batched_paths_agree(kernel: QLinearKernel, fmt: str, m: int) -> None:
+    """Every small M through both paths (the GEMV one re-reading W per row, the dequantized-panel GEMM)."""
+    w = make_weight(fmt, 29, 320, seed=m)
+    x = torch.randn(m, 320)
+    ref = cq.linear_reference(x.double(), w).float()
+    try:
+        for rows in (m, m - 1):  # m rows through the GEMV path, then through the batched one
+            kernel.set_gemv_max_rows(rows)
+            torch.testing.assert_close(kernel.linear(x, w), ref, rtol=1e-4, atol=1e-4 * 320**0.5)
+    finally:
+        kernel.set_gemv_max_rows(cq.GEMV_MAX_ROWS)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -126,14 +143,16 @@ def test_launchers_refuse_bad_arguments(kernel: QLinearKernel) -> None:
         BlockQuantWeight(w.q[:, :16].contiguous(), w.scales, None, "q4_0", 4, 32, 8, 64, 8)
 
 
-def test_strided_rows_of_x(kernel: QLinearKernel) -> None:
-    """x may be a view with a row stride (a slice of a wider activation)."""
+@pytest.mark.parametrize("m", [3, 20])
+def test_strided_rows_of_x_and_out(kernel: QLinearKernel, m: int) -> None:
+    """x and out may be views with a row stride (slices of wider activations)."""
     w = make_weight("q8_0", 9, 64)
-    wide = torch.randn(3, 100)
-    x = wide[:, 10:74]
-    torch.testing.assert_close(
-        kernel.linear(x, w), cq.linear_reference(x.contiguous(), w), rtol=1e-5, atol=1e-5
-    )
+    x = torch.randn(m, 100)[:, 10:74]
+    wide_out = torch.full((m, 15), 7.0)
+    kernel.linear(x, w, out=wide_out[:, 3:12])
+    ref = cq.linear_reference(x.contiguous(), w)
+    torch.testing.assert_close(wide_out[:, 3:12], ref, rtol=1e-5, atol=1e-5)
+    assert bool((wide_out[:, :3] == 7).all() and (wide_out[:, 12:] == 7).all())
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int4"])

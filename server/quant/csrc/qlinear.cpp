@@ -24,6 +24,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KI_AVX2 1
@@ -296,85 +298,218 @@ void gemv_rows(const KiQWeight& w, const float* x, int64_t n0, float* y) {
   }
 }
 
-// Every x row against a dequantized tile of R rows of W.
-template <int R>
-void tile_dot(const float* tile, int64_t K, const float* x, int64_t m, int64_t x_stride, float* y,
-              int64_t y_stride, const float* bias, int64_t n0) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xr = x + i * x_stride;
-    float out[R];
-    int64_t k = 0;
+// ---------------------------------------------------------------- batched path (M > 1)
+// Register-blocked GEMM on a dequantized panel, the BLIS way with the operands' roles swapped so that no
+// weight is ever transposed: y^T[n, m] = sum_k W[n, k] x^T[k, m].
+//   - x is packed once per call, transposed, in blocks of MB = 8 * MV rows: xt[k * MB + i] = x[m0 + i, k]
+//     (zero-padded past M), so one k gives MV vectors along m;
+//   - PR rows of W are dequantized once into a thread-local panel wt[PR][K] (L1/L2-sized) and reused
+//     against every block of x: each weight is decoded once per M chunk, not once per row of x;
+//   - the micro-kernel keeps PR x MV accumulators in registers (12 of AVX2's 16), broadcasting one
+//     weight per row and FMA-ing it into MV vectors of x: MV loads + PR broadcasts per PR * MV FMAs.
+// Tiles: 6 x 16 (MV = 2) for blocks of 16 rows of x, 12 x 8 (MV = 1) for the last 8 or fewer, so a ragged
+// or small M wastes at most 7 padded rows. x is processed in chunks of rows whose packed copy is
+// PACKED_X_BYTES (L2-resident), W's panels dequantized again per chunk.
+template <int MV>
+constexpr int panel_rows() {
+  return MV == 2 ? 6 : 12;
+}
+
+// c[r * MB + i] = sum_k wt[r * K + k] * xt[k * MB + i], r < PR, i < MB = 8 * MV.
+template <int MV>
+void micro_kernel(const float* wt, int64_t K, const float* xt, float* c) {
+  [[maybe_unused]] constexpr int PR = panel_rows<MV>(), MB = 8 * MV;
 #if KI_AVX2
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) {
-      const __m256 xv = _mm256_loadu_ps(xr + k);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(tile + r * K + k), xv, acc[r]);
+  // Named accumulators, not an array: GCC keeps an array of __m256 in memory, storing it every iteration.
+  if constexpr (MV == 2) {
+    const float *w0 = wt, *w1 = wt + K, *w2 = wt + 2 * K, *w3 = wt + 3 * K, *w4 = wt + 4 * K, *w5 = wt + 5 * K;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(xt + k * 16), b1 = _mm256_loadu_ps(xt + k * 16 + 8);
+      __m256 a = _mm256_broadcast_ss(w0 + k);
+      c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
+      a = _mm256_broadcast_ss(w1 + k);
+      c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
+      a = _mm256_broadcast_ss(w2 + k);
+      c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
+      a = _mm256_broadcast_ss(w3 + k);
+      c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
+      a = _mm256_broadcast_ss(w4 + k);
+      c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
+      a = _mm256_broadcast_ss(w5 + k);
+      c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+    const __m256 out[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    for (int i = 0; i < 12; ++i) _mm256_storeu_ps(c + 8 * i, out[i]);
+  } else {
+    const float* w0 = wt;
+    const int64_t K2 = 2 * K, K3 = 3 * K;
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+    __m256 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b = _mm256_loadu_ps(xt + k * 8);
+      const float* p = w0 + k;
+      c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p), b, c0);
+      c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), b, c1);
+      c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K2), b, c2);
+      p += K3;
+      c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p), b, c3);
+      c4 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), b, c4);
+      c5 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K2), b, c5);
+      p += K3;
+      c6 = _mm256_fmadd_ps(_mm256_broadcast_ss(p), b, c6);
+      c7 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), b, c7);
+      c8 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K2), b, c8);
+      p += K3;
+      c9 = _mm256_fmadd_ps(_mm256_broadcast_ss(p), b, c9);
+      c10 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), b, c10);
+      c11 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K2), b, c11);
+    }
+    const __m256 out[12] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    for (int i = 0; i < 12; ++i) _mm256_storeu_ps(c + 8 * i, out[i]);
+  }
 #else
-    for (int r = 0; r < R; ++r) out[r] = 0.0f;
+  for (int r = 0; r < PR; ++r) {
+    float acc[MB] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = wt[r * K + k];
+      for (int i = 0; i < MB; ++i) acc[i] += a * xt[k * MB + i];
+    }
+    for (int i = 0; i < MB; ++i) c[r * MB + i] = acc[i];
+  }
 #endif
-    for (; k < K; ++k)
-      for (int r = 0; r < R; ++r) out[r] += tile[r * K + k] * xr[k];
-    float* yr = y + i * y_stride + n0;
-    for (int r = 0; r < R; ++r) yr[r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+}
+
+// x rows [m0, m0 + mb), mb <= MB, transposed into xt[k * MB + i], zero past mb.
+template <int MB>
+void pack_x(const float* x, int64_t x_stride, int64_t m0, int64_t mb, int64_t K, float* xt) {
+  for (int64_t k0 = 0; k0 < K; k0 += 64) {  // 64 k at a time: the MB source rows' lines stay in L1
+    const int64_t k1 = std::min(K, k0 + 64);
+    for (int64_t i = 0; i < MB; ++i) {
+      if (i < mb) {
+        const float* xr = x + (m0 + i) * x_stride;
+        for (int64_t k = k0; k < k1; ++k) xt[k * MB + i] = xr[k];
+      } else {
+        for (int64_t k = k0; k < k1; ++k) xt[k * MB + i] = 0.0f;
+      }
+    }
   }
 }
+
+// One panel of W (rows [n0, n0 + rows), dequantized in wt) against x rows [m0, m0 + mb) (packed in xt).
+template <int MV>
+void panel_block(const float* wt, int64_t K, const float* xt, int64_t m0, int64_t mb, int64_t n0, int rows,
+                 const float* bias, float* y, int64_t y_stride) {
+  constexpr int PR = panel_rows<MV>(), MB = 8 * MV;
+  alignas(32) float c[PR * MB];
+  micro_kernel<MV>(wt, K, xt, c);
+  for (int64_t i = 0; i < mb; ++i) {
+    float* yr = y + (m0 + i) * y_stride + n0;
+    for (int r = 0; r < rows; ++r) yr[r] = c[r * MB + i] + (bias ? bias[n0 + r] : 0.0f);
+  }
+}
+
+// x rows [m0, m0 + m) (packed in xt, blocks of 8 * MV) against every row of W; W's panels are split among
+// the threads of the enclosing parallel region. wt: this thread's [12, K] scratch.
+template <int BITS, bool F16, int MV>
+void batched_rows(const KiQWeight& w, const float* xt, int64_t m0, int64_t m, const float* bias, float* y,
+                  int64_t y_stride, float* wt) {
+  constexpr int PR = panel_rows<MV>(), MB = 8 * MV;
+  const int64_t N = w.n, K = w.k, panels = (N + PR - 1) / PR, blocks = (m + MB - 1) / MB;
+#pragma omp for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * PR;
+    const int rows = static_cast<int>(std::min<int64_t>(PR, N - n0));
+    dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt, K);
+    if (rows < PR) std::memset(wt + rows * K, 0, sizeof(float) * (PR - rows) * K);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t mb = std::min<int64_t>(MB, m - b * MB);
+      panel_block<MV>(wt, K, xt + b * MB * K, m0 + b * MB, mb, n0, rows, bias, y, y_stride);
+    }
+  }
+}
+
+constexpr int64_t PACKED_X_BYTES = 256 << 10;  // one chunk of packed x, L2-resident next to W's panel
+
+// One x row against rows [n0, n1) of W: y[n] = sum_k W[n, k] x[k] (+ bias[n]). xsum: the row's 32-block
+// sums (the GGUF path), or null.
+template <int BITS, bool F16>
+void gemv_span(const KiQWeight& w, const float* x, const float* xsum, int64_t n0, int64_t n1, const float* bias,
+               float* y) {
+#if KI_AVX2
+  if (xsum) {
+    for (int64_t n = n0; n < n1; ++n) {
+      gemv_row_g32<BITS>(w, x, xsum, n, y + n);
+      if (bias) y[n] += bias[n];
+    }
+    return;
+  }
+#endif
+  int64_t n = n0;
+  float out[NR];
+  for (; n + NR <= n1; n += NR) {
+    gemv_rows<BITS, F16, NR>(w, x, n, out);
+    for (int r = 0; r < NR; ++r) y[n + r] = out[r] + (bias ? bias[n + r] : 0.0f);
+  }
+  for (; n < n1; ++n) {
+    gemv_rows<BITS, F16, 1>(w, x, n, out);
+    y[n] = out[0] + (bias ? bias[n] : 0.0f);
+  }
+}
+
+// Rows of x up to this many take the GEMV path (W re-read from L1/L2 per row, decoded in registers);
+// from here on the dequantized-panel GEMM (measured by benchmarks/cpu_qlinear.py, `small_m`).
+// A tuning knob (kubeinfer_qlinear_set_gemv_max_rows) only so that the benchmark can measure both paths.
+int64_t gemv_max_rows = 3;
+constexpr int64_t GEMV_CHUNK = 32;  // rows of W per task when several x rows share them: ~9-18 KiB, in L1
 
 template <int BITS, bool F16>
 void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
              int64_t y_stride, int nthreads) {
   const int64_t N = w.n, K = w.k;
-  const int64_t full = N / NR, tasks = full + (N % NR);
-  if (m == 1 && F16 && w.group_size == 32 && KI_AVX2) {
-#if KI_AVX2
-    std::vector<float> xsum(static_cast<size_t>(K / 32));
-    for (int64_t b = 0; b < K / 32; ++b) {
+  if (m <= gemv_max_rows) {
+    const bool g32 = KI_AVX2 && F16 && w.group_size == 32;
+    std::vector<float> xsum(g32 ? static_cast<size_t>(m * (K / 32)) : 0);
+    for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+      const float* xb = x + (i / (K / 32)) * x_stride + (i % (K / 32)) * 32;
       float s = 0.0f;
-      for (int j = 0; j < 32; ++j) s += x[b * 32 + j];
-      xsum[b] = s;
+      for (int j = 0; j < 32; ++j) s += xb[j];
+      xsum[i] = s;
     }
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n = 0; n < N; ++n) {
-      gemv_row_g32<BITS>(w, x, xsum.data(), n, y + n);
-      if (bias) y[n] += bias[n];
-    }
-#endif
-    return;
-  }
-  if (m == 1) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t t = 0; t < tasks; ++t) {
-      float out[NR];
-      int64_t n0;
-      int R;
-      if (t < full) {
-        n0 = t * NR;
-        R = NR;
-        gemv_rows<BITS, F16, NR>(w, x, n0, out);
-      } else {
-        n0 = full * NR + (t - full);
-        R = 1;
-        gemv_rows<BITS, F16, 1>(w, x, n0, out);
+    auto xs = [&](int64_t i) { return g32 ? xsum.data() + i * (K / 32) : nullptr; };
+    if (m == 1) {  // one contiguous span of W per thread, each weight read once
+#pragma omp parallel num_threads(nthreads)
+      {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t n0 = N * t / T / NR * NR, n1 = t + 1 == T ? N : N * (t + 1) / T / NR * NR;
+        gemv_span<BITS, F16>(w, x, xs(0), n0, n1, bias, y);
       }
-      for (int r = 0; r < R; ++r) y[n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+      return;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t c = 0; c < (N + GEMV_CHUNK - 1) / GEMV_CHUNK; ++c) {
+      const int64_t n0 = c * GEMV_CHUNK, n1 = std::min(N, n0 + GEMV_CHUNK);
+      for (int64_t i = 0; i < m; ++i) gemv_span<BITS, F16>(w, x + i * x_stride, xs(i), n0, n1, bias, y + i * y_stride);
     }
     return;
   }
+  // M > 1: chunks of mc rows of x (a multiple of 16): its full 16-row blocks, then 8-row tiles for the rest.
+  const int64_t mc = std::max<int64_t>(16, PACKED_X_BYTES / (4 * K) / 16 * 16);
+  std::vector<float> xt(static_cast<size_t>(std::min<int64_t>(mc, (m + 15) / 16 * 16) * K));
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> tile(static_cast<size_t>(NR * K));
+    std::vector<float> wt(static_cast<size_t>(12 * K));
+    for (int64_t c0 = 0; c0 < m; c0 += mc) {
+      const int64_t cm = std::min(mc, m - c0), full = cm / 16 * 16, rest = cm - full;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      if (t < full) {
-        dequant_rows<BITS, F16>(w, nullptr, t * NR, NR, tile.data(), K);
-        tile_dot<NR>(tile.data(), K, x, m, x_stride, y, y_stride, bias, t * NR);
-      } else {
-        const int64_t n0 = full * NR + (t - full);
-        dequant_rows<BITS, F16>(w, nullptr, n0, 1, tile.data(), K);
-        tile_dot<1>(tile.data(), K, x, m, x_stride, y, y_stride, bias, n0);
-      }
+      for (int64_t b = 0; b < full / 16; ++b) pack_x<16>(x, x_stride, c0 + 16 * b, 16, K, xt.data() + 16 * b * K);
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < (rest + 7) / 8; ++b)
+        pack_x<8>(x, x_stride, c0 + full + 8 * b, std::min<int64_t>(8, rest - 8 * b), K,
+                  xt.data() + (full + 8 * b) * K);
+      if (full) batched_rows<BITS, F16, 2>(w, xt.data(), c0, full, bias, y, y_stride, wt.data());
+      if (rest) batched_rows<BITS, F16, 1>(w, xt.data() + full * K, c0 + full, rest, bias, y, y_stride, wt.data());
     }
   }
 }
@@ -417,6 +552,9 @@ int dispatch(const KiQWeight* w, F&& f) {
 extern "C" {
 
 int32_t kubeinfer_qlinear_abi() { return 1; }
+
+// Sets the largest M served by the GEMV path (benchmarks only: not thread-safe against running kernels).
+void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows) { gemv_max_rows = std::max<int64_t>(rows, 1); }
 
 const char* kubeinfer_qlinear_isa() { return KI_AVX2 ? "avx2" : "portable"; }
 
