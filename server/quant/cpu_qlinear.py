@@ -46,7 +46,7 @@ ABI_VERSION = 1
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
 NATIVE = NativeSource("qlinear", SOURCE, COMPILE_FLAGS)
 BLOCK = 32  # values per GGUF block
-GEMV_MAX_ROWS = 3  # qlinear.cpp's default gemv_max_rows (benchmarks/cpu_qlinear.py `small_m`)
+GEMV_MAX_ROWS = 4  # qlinear.cpp's default gemv_max_rows (benchmarks/cpu_qlinear.py `small_m`)
 
 # GGUF block layouts: bytes per 32-block, and whether a min follows the scale.
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}

@@ -410,27 +410,8 @@ void panel_block(const float* wt, int64_t K, const float* xt, int64_t m0, int64_
   }
 }
 
-// x rows [m0, m0 + m) (packed in xt, blocks of 8 * MV) against every row of W; W's panels are split among
-// the threads of the enclosing parallel region. wt: this thread's [12, K] scratch.
-template <int BITS, bool F16, int MV>
-void batched_rows(const KiQWeight& w, const float* xt, int64_t m0, int64_t m, const float* bias, float* y,
-                  int64_t y_stride, float* wt) {
-  constexpr int PR = panel_rows<MV>(), MB = 8 * MV;
-  const int64_t N = w.n, K = w.k, panels = (N + PR - 1) / PR, blocks = (m + MB - 1) / MB;
-#pragma omp for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t n0 = p * PR;
-    const int rows = static_cast<int>(std::min<int64_t>(PR, N - n0));
-    dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt, K);
-    if (rows < PR) std::memset(wt + rows * K, 0, sizeof(float) * (PR - rows) * K);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t mb = std::min<int64_t>(MB, m - b * MB);
-      panel_block<MV>(wt, K, xt + b * MB * K, m0 + b * MB, mb, n0, rows, bias, y, y_stride);
-    }
-  }
-}
-
-constexpr int64_t PACKED_X_BYTES = 256 << 10;  // one chunk of packed x, L2-resident next to W's panel
+constexpr int64_t PACKED_X_BYTES = 512 << 10;  // x rows per chunk: their packed copy stays in L2 (1 MiB here)
+constexpr int PANEL = 12;  // rows of W dequantized at a time: two 6 x 16 tiles or one 12 x 8 tile
 
 // One x row against rows [n0, n1) of W: y[n] = sum_k W[n, k] x[k] (+ bias[n]). xsum: the row's 32-block
 // sums (the GGUF path), or null.
@@ -461,7 +442,7 @@ void gemv_span(const KiQWeight& w, const float* x, const float* xsum, int64_t n0
 // Rows of x up to this many take the GEMV path (W re-read from L1/L2 per row, decoded in registers);
 // from here on the dequantized-panel GEMM (measured by benchmarks/cpu_qlinear.py, `small_m`).
 // A tuning knob (kubeinfer_qlinear_set_gemv_max_rows) only so that the benchmark can measure both paths.
-int64_t gemv_max_rows = 3;
+int64_t gemv_max_rows = 4;
 constexpr int64_t GEMV_CHUNK = 32;  // rows of W per task when several x rows share them: ~9-18 KiB, in L1
 
 template <int BITS, bool F16>
@@ -494,22 +475,48 @@ void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
     }
     return;
   }
-  // M > 1: chunks of mc rows of x (a multiple of 16): its full 16-row blocks, then 8-row tiles for the rest.
-  const int64_t mc = std::max<int64_t>(16, PACKED_X_BYTES / (4 * K) / 16 * 16);
-  std::vector<float> xt(static_cast<size_t>(std::min<int64_t>(mc, (m + 15) / 16 * 16) * K));
+  // M > 1: x packed whole (its 16-row blocks, then 8-row blocks for the rest), then one pass over W's
+  // 12-row panels per chunk of x rows. A single parallel region with one barrier (after packing): on a
+  // shared, oversubscribed machine every barrier can cost a scheduler time slice.
+  const int64_t full = m / 16 * 16, rest = m - full, nb16 = full / 16, nb8 = (rest + 7) / 8;
+  const int64_t per_chunk = std::max<int64_t>(1, PACKED_X_BYTES / (64 * K));  // 16-row blocks per chunk
+  const int64_t chunks = std::max<int64_t>(1, (nb16 + per_chunk - 1) / per_chunk);
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  std::vector<float> xt(static_cast<size_t>((full + 8 * nb8) * K));
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> wt(static_cast<size_t>(12 * K));
-    for (int64_t c0 = 0; c0 < m; c0 += mc) {
-      const int64_t cm = std::min(mc, m - c0), full = cm / 16 * 16, rest = cm - full;
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < full / 16; ++b) pack_x<16>(x, x_stride, c0 + 16 * b, 16, K, xt.data() + 16 * b * K);
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < (rest + 7) / 8; ++b)
-        pack_x<8>(x, x_stride, c0 + full + 8 * b, std::min<int64_t>(8, rest - 8 * b), K,
-                  xt.data() + (full + 8 * b) * K);
-      if (full) batched_rows<BITS, F16, 2>(w, xt.data(), c0, full, bias, y, y_stride, wt.data());
-      if (rest) batched_rows<BITS, F16, 1>(w, xt.data() + full * K, c0 + full, rest, bias, y, y_stride, wt.data());
+    for (int64_t b = 0; b < nb16 + nb8; ++b) {
+      if (b < nb16) {
+        pack_x<16>(x, x_stride, 16 * b, 16, K, xt.data() + 16 * b * K);
+      } else {
+        const int64_t i0 = full + 8 * (b - nb16);
+        pack_x<8>(x, x_stride, i0, std::min<int64_t>(8, m - i0), K, xt.data() + i0 * K);
+      }
+    }
+    std::vector<float> wt(static_cast<size_t>(PANEL * K));
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b0 = c * per_chunk, b1 = std::min(nb16, b0 + per_chunk);
+      // Static schedule: a thread keeps the same panels in every chunk, so no barrier between chunks.
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = p * PANEL;
+        const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
+        dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt.data(), K);
+        if (rows < PANEL) std::memset(wt.data() + rows * K, 0, sizeof(float) * (PANEL - rows) * K);
+        for (int64_t b = b0; b < b1; ++b) {
+          for (int r0 = 0; r0 < rows; r0 += 6) {
+            panel_block<2>(wt.data() + r0 * K, K, xt.data() + 16 * b * K, 16 * b, 16, n0 + r0,
+                           std::min(6, rows - r0), bias, y, y_stride);
+          }
+        }
+        if (c + 1 == chunks) {
+          for (int64_t i0 = full; i0 < m; i0 += 8) {
+            panel_block<1>(wt.data(), K, xt.data() + i0 * K, i0, std::min<int64_t>(8, m - i0), n0, rows, bias, y,
+                           y_stride);
+          }
+        }
+      }
     }
   }
 }
