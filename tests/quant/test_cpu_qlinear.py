@@ -11,6 +11,10 @@ from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantEmbedding, BlockQuantLinear
 from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel
 
+from gguf_models import quantize_q4_k, quantize_q6_k
+
+K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k}
+
 
 @pytest.fixture(scope="module")
 def kernel() -> QLinearKernel:
@@ -20,6 +24,10 @@ def kernel() -> QLinearKernel:
 def make_weight(fmt: str, n: int, k: int, seed: int = 0, group: int = 32) -> BlockQuantWeight:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.1
+    if fmt in K_QUANTIZERS:  # K rounded up to whole 256-value super-blocks
+        kk = -(-k // cq.QK_K) * cq.QK_K
+        w = torch.randn(n, kk, generator=g) * 0.1
+        return cq.from_gguf_k_blocks(K_QUANTIZERS[fmt](w.numpy()), fmt, n, kk)
     if fmt in cq.GGUF_BLOCK_BYTES:
         return cq.quantize_block(w, fmt)
     if fmt == "int8":
@@ -34,7 +42,7 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, group: int = 32) -> Blo
 # (N, K): ragged N (not a multiple of the kernel's 4-row tiles), K with 8-block chunks plus leftover
 # blocks (576 = 2 x 8 x 32 + 2 x 32), a K under one chunk, and SmolLM2's MLP shapes.
 SHAPES = [(37, 64), (8, 320), (13, 576), (5, 1536), (192, 576)]
-FORMATS = ["q4_0", "q4_1", "q8_0", "int8", "int4"]
+FORMATS = ["q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -44,6 +52,7 @@ FORMATS = ["q4_0", "q4_1", "q8_0", "int8", "int4"]
 @pytest.mark.parametrize("m", [1, 2, 7, 16, 23, 70])
 def test_linear_matches_the_torch_reference(kernel: QLinearKernel, fmt: str, n: int, k: int, m: int) -> None:
     w = make_weight(fmt, n, k, seed=n * k + m)
+    k = w.in_features  # k-quants: whole super-blocks
     x = torch.randn(m, k)
     bias = torch.randn(n)
     y = kernel.linear(x, w, bias)
@@ -74,7 +83,7 @@ def test_int4_group_sizes(kernel: QLinearKernel, group: int, m: int) -> None:
 def test_gemv_and_batched_paths_agree(kernel: QLinearKernel, fmt: str, m: int) -> None:
     """Every small M through both paths (the GEMV one re-reading W per row, the dequantized-panel GEMM)."""
     w = make_weight(fmt, 29, 320, seed=m)
-    x = torch.randn(m, 320)
+    x = torch.randn(m, w.in_features)
     ref = cq.linear_reference(x.double(), w).float()
     try:
         for rows in (m, m - 1):  # m rows through the GEMV path, then through the batched one
@@ -108,6 +117,37 @@ def test_block_formats_are_ggufs(fmt: str) -> None:
         assert torch.equal(a, b)
     expected = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
     assert torch.equal(cq.dequantize_reference(theirs), expected)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("source", ["quantized", "random_bytes"])
+def test_k_quants_equal_ggufs_dequantization(kernel: QLinearKernel, fmt: str, source: str) -> None:
+    """Q4_K / Q6_K repacked at load dequantize to gguf-py's values bit for bit, from our quantizer's
+    bytes and from arbitrary bytes (every scale, min and 6-bit value pattern; finite fp16 super-scales)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 10, 512
+    if source == "quantized":
+        raw = K_QUANTIZERS[fmt.lower()]((torch.randn(n, k) * 0.1).numpy())
+    else:
+        size = cq.GGUF_SUPER_BLOCK_BYTES[fmt.lower()]
+        raw = np.random.default_rng(0).integers(0, 256, (n * k // 256, size), dtype=np.uint8)
+        offsets = (0, 2) if fmt == "Q4_K" else (size - 2,)  # d (and dmin): finite fp16
+        for o in offsets:
+            d = np.random.default_rng(o).uniform(-1e-3, 1e-3, len(raw)).astype(np.float16)
+            raw[:, o : o + 2] = d[:, None].view(np.uint8)
+        raw = raw.reshape(n, -1)
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32))
+    w = cq.from_gguf_k_blocks(raw, fmt.lower(), n, k)
+    assert w.nbytes() == n * k * (6 if fmt == "Q4_K" else 10) // 8  # bits per weight after repacking
+    assert torch.equal(cq.dequantize_reference(w), expected)
+    assert torch.equal(kernel.dequantize_rows(w), expected)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    ref = (x.double() @ expected.double().t()).float()
+    torch.testing.assert_close(kernel.linear(x, w), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+    with pytest.raises(ValueError, match="super-blocks"):
+        cq.from_gguf_k_blocks(raw, fmt.lower(), n, 320)
 
 
 def test_select_and_concat_rows_keep_values() -> None:

@@ -8,8 +8,9 @@
 //           byte j holding k = 32b + j (low nibble) and k = 32b + j + 16 (high nibble): GGUF's order.
 //   scales  [groups] fp16 or fp32     w[n, k] = scale[n, g] * (q[n, k] - zero_point) (+ min[n, g])
 //   mins    [groups] or none          with g = k / group_size
-// Groups are whole 32-blocks (4-bit, and 8-bit with several groups); an 8-bit single group (per-channel
-// int8) may have any K, its last K % 32 values handled one by one.
+// Groups are whole 32-blocks (4-bit) or 16-value runs (8-bit with several groups: Q6_K's 16-value
+// sub-blocks); an 8-bit single group (per-channel int8) may have any K, its last K % 32 values handled
+// one by one.
 //
 // Two paths, both parallel over output columns (OpenMP, torch's libgomp):
 //   gemv  (M == 1, decode): four rows of W at a time, each 32-block decoded in registers and multiplied
@@ -231,6 +232,15 @@ void dequant_rows(const KiQWeight& w, const int64_t* rows, int64_t n0, int R, fl
           _mm256_storeu_ps(out + k + 8 * i, _mm256_add_ps(_mm256_mul_ps(dv, v[i]), mv));
         }
       }
+      if constexpr (BITS == 8) {  // 16-value groups (Q6_K)
+        for (; k + 16 <= k1; k += 16) {
+          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+          const __m256 v0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), zp);
+          const __m256 v1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), zp);
+          _mm256_storeu_ps(out + k, _mm256_add_ps(_mm256_mul_ps(dv, v0), mv));
+          _mm256_storeu_ps(out + k + 8, _mm256_add_ps(_mm256_mul_ps(dv, v1), mv));
+        }
+      }
 #endif
       for (; k < k1; ++k) out[k] = d * (static_cast<float>(q_at<BITS>(row, k)) - zpf) + m;
     }
@@ -269,6 +279,18 @@ void gemv_rows(const KiQWeight& w, const float* x, int64_t n0, float* y) {
         p = _mm256_fmadd_ps(v[2], x2, p);
         p = _mm256_fmadd_ps(v[3], x3, p);
         part[r] = _mm256_add_ps(part[r], p);
+      }
+    }
+    if constexpr (BITS == 8) {  // 16-value groups (Q6_K)
+      for (; k + 16 <= k1; k += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        if (w.mins) xsum = _mm256_add_ps(xsum, _mm256_add_ps(x0, x1));
+        for (int r = 0; r < R; ++r) {
+          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + k));
+          const __m256 v0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), zp);
+          const __m256 v1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), zp);
+          part[r] = _mm256_fmadd_ps(v1, x1, _mm256_fmadd_ps(v0, x0, part[r]));
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -539,7 +561,7 @@ bool valid(const KiQWeight* w) {
   if (w->bits != 4 && w->bits != 8) return false;
   if ((w->groups - 1) * w->group_size >= w->k || w->groups * w->group_size < w->k) return false;
   if (w->bits == 4 && (w->k % 32 || w->group_size % 32 || w->row_bytes != w->k / 2)) return false;
-  if (w->bits == 8 && (w->row_bytes != w->k || (w->groups > 1 && w->group_size % 32))) return false;
+  if (w->bits == 8 && (w->row_bytes != w->k || (w->groups > 1 && w->group_size % 16))) return false;
   return true;
 }
 
