@@ -369,7 +369,7 @@ class QLinearKernel:
 
     lib: ctypes.CDLL
     path: Path
-    isa: str  # "avx2" or "portable": the code path this build runs
+    isa: str  # "avx512" (chosen at run time), "avx2" or "portable": the code path this build runs here
 
     def linear(
         self,
@@ -468,6 +468,7 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     lib.kubeinfer_qdequant.restype = i32
     lib.kubeinfer_qdequant.argtypes = [ctypes.POINTER(_KiQWeight), ptr, i64, i64, ptr, i64, i32]
     lib.kubeinfer_qlinear_isa.restype = ctypes.c_char_p
+    lib.kubeinfer_qlinear_has_avx512_path.restype = i32
     lib.kubeinfer_qlinear_set_gemv_max_rows.restype = None
     lib.kubeinfer_qlinear_set_gemv_max_rows.argtypes = [i64]
     return QLinearKernel(lib, path, lib.kubeinfer_qlinear_isa().decode())

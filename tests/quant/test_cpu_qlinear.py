@@ -150,6 +150,19 @@ def test_k_quants_equal_ggufs_dequantization(kernel: QLinearKernel, fmt: str, so
         cq.from_gguf_k_blocks(raw, fmt.lower(), n, 320)
 
 
+def test_isa_is_chosen_from_the_cpu_at_run_time(kernel: QLinearKernel) -> None:
+    """The AVX-512 micro-kernel is compiled into every x86-64 build but selected only where the CPU has
+    avx512f (never on an AVX2-only machine, where it cannot run)."""
+    import platform
+    from pathlib import Path
+
+    if platform.machine() != "x86_64" or kernel.isa == "portable":
+        pytest.skip("x86-64 AVX2 builds only")
+    assert kernel.lib.kubeinfer_qlinear_has_avx512_path() == 1
+    flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    assert kernel.isa == ("avx512" if "avx512f" in flags else "avx2")
+
+
 def test_select_and_concat_rows_keep_values() -> None:
     w = make_weight("q4_1", 12, 64)
     perm = torch.randperm(12)

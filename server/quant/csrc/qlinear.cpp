@@ -18,8 +18,9 @@
 //   tiled (M > 1): four rows of W decoded once into a thread-local fp32 tile, then every x row against
 //         it, so W still streams from memory once. (Prefill-sized M goes to dequantize + torch GEMM,
 //         chosen in Python.)
-// The AVX2 code path is compiled where the build machine has AVX2 (-march=native); elsewhere (including
-// AVX-512 machines) a portable path that the compiler vectorizes for the machine's own vector width.
+// The AVX2 code path is compiled where the build machine has AVX2 (-march=native), elsewhere a portable
+// path that the compiler vectorizes for the machine's own vector width. On x86-64 the batched path's
+// micro-kernel also has an AVX-512 variant, compiled always and chosen at run time (see below).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -403,6 +404,36 @@ void micro_kernel(const float* wt, int64_t K, const float* xt, float* c) {
 #endif
 }
 
+// AVX-512: one 12 x 16 tile (a 16-row block of x against the whole 12-row panel, 12 zmm accumulators)
+// instead of two 6 x 16 AVX2 tiles. Compiled on every x86-64 build through a target attribute and chosen
+// at run time (avx512_enabled) only on a CPU that reports avx512f; the AVX2 path runs everywhere else.
+// UNTESTED: the machine this was written on is AVX2-only, so this code is compiled there, never run.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && KI_AVX2
+#define KI_AVX512_PATH 1
+__attribute__((target("avx512f"))) void micro_kernel_12x16_avx512(const float* wt, int64_t K, const float* xt,
+                                                                  float* c) {
+  __m512 acc[12];
+  // Fully unrolled over the 12 rows: GCC keeps them in zmm registers (32 of them), unlike the AVX2 case.
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 b = _mm512_loadu_ps(xt + k * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(wt[r * K + k]), b, acc[r]);
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) _mm512_storeu_ps(c + r * 16, acc[r]);
+}
+
+bool avx512_enabled() {
+  static const bool on = __builtin_cpu_supports("avx512f");
+  return on;
+}
+#else
+#define KI_AVX512_PATH 0
+inline bool avx512_enabled() { return false; }
+#endif
+
 // x rows [m0, m0 + mb), mb <= MB, transposed into xt[k * MB + i], zero past mb.
 template <int MB>
 void pack_x(const float* x, int64_t x_stride, int64_t m0, int64_t mb, int64_t K, float* xt) {
@@ -504,6 +535,7 @@ void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
   const int64_t per_chunk = std::max<int64_t>(1, PACKED_X_BYTES / (64 * K));  // 16-row blocks per chunk
   const int64_t chunks = std::max<int64_t>(1, (nb16 + per_chunk - 1) / per_chunk);
   const int64_t panels = (N + PANEL - 1) / PANEL;
+  [[maybe_unused]] const bool avx512 = avx512_enabled();
   std::vector<float> xt(static_cast<size_t>((full + 8 * nb8) * K));
 #pragma omp parallel num_threads(nthreads)
   {
@@ -527,6 +559,17 @@ void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
         dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt.data(), K);
         if (rows < PANEL) std::memset(wt.data() + rows * K, 0, sizeof(float) * (PANEL - rows) * K);
         for (int64_t b = b0; b < b1; ++b) {
+#if KI_AVX512_PATH
+          if (avx512) {
+            alignas(64) float c16[PANEL * 16];
+            micro_kernel_12x16_avx512(wt.data(), K, xt.data() + 16 * b * K, c16);
+            for (int64_t i = 0; i < 16; ++i) {
+              float* yr = y + (16 * b + i) * y_stride + n0;
+              for (int r = 0; r < rows; ++r) yr[r] = c16[r * 16 + i] + (bias ? bias[n0 + r] : 0.0f);
+            }
+            continue;
+          }
+#endif
           for (int r0 = 0; r0 < rows; r0 += 6) {
             panel_block<2>(wt.data() + r0 * K, K, xt.data() + 16 * b * K, 16 * b, 16, n0 + r0,
                            std::min(6, rows - r0), bias, y, y_stride);
@@ -585,7 +628,11 @@ int32_t kubeinfer_qlinear_abi() { return 1; }
 // Sets the largest M served by the GEMV path (benchmarks only: not thread-safe against running kernels).
 void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows) { gemv_max_rows = std::max<int64_t>(rows, 1); }
 
-const char* kubeinfer_qlinear_isa() { return KI_AVX2 ? "avx2" : "portable"; }
+// The code path the batched kernel runs on this CPU: "avx512" (chosen at run time), "avx2" or "portable".
+const char* kubeinfer_qlinear_isa() { return avx512_enabled() ? "avx512" : KI_AVX2 ? "avx2" : "portable"; }
+
+// 1 when the AVX-512 code path is compiled into this build (whether or not this CPU can run it).
+int32_t kubeinfer_qlinear_has_avx512_path() { return KI_AVX512_PATH; }
 
 // y[i * y_stride + n] = sum_k x[i * x_stride + k] * W[n, k] (+ bias[n]) for i < m, n < w->n.
 int32_t kubeinfer_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
