@@ -163,8 +163,8 @@ def kernel_rows(
                 x = torch.randn(m, k)
                 t = timed(
                     {
-                        "kernel": lambda x=x: kernel.linear(x, cyc.next_q()),
-                        "fp32": lambda x=x: F.linear(x, cyc.next_dense()),
+                        "kernel": lambda x=x, cyc=cyc: kernel.linear(x, cyc.next_q()),
+                        "fp32": lambda x=x, cyc=cyc: F.linear(x, cyc.next_dense()),
                     },
                     reps,
                 )
@@ -197,11 +197,11 @@ def small_m_rows(kernel: cq.QLinearKernel, cold: int, reps: int) -> list[dict[st
         for m in range(2, 9):
             x = torch.randn(m, 576)
 
-            def gemv(x: torch.Tensor = x, m: int = m) -> None:
+            def gemv(x: torch.Tensor = x, m: int = m, cyc: Cycle = cyc) -> None:
                 kernel.set_gemv_max_rows(m)
                 kernel.linear(x, cyc.next_q())
 
-            def panel(x: torch.Tensor = x, m: int = m) -> None:
+            def panel(x: torch.Tensor = x, m: int = m, cyc: Cycle = cyc) -> None:
                 kernel.set_gemv_max_rows(m - 1)
                 kernel.linear(x, cyc.next_q())
 
@@ -229,8 +229,8 @@ def crossover_rows(kernel: cq.QLinearKernel, ms: list[int], reps: int) -> list[d
             x = torch.randn(m, k)
             t = timed(
                 {
-                    "kernel": lambda x=x: kernel.linear(x, w),
-                    "dequant_gemm": lambda x=x: lin._dequant_gemm(x, w, kernel),
+                    "kernel": lambda x=x, w=w: kernel.linear(x, w),
+                    "dequant_gemm": lambda x=x, w=w, lin=lin: lin._dequant_gemm(x, w, kernel),
                 },
                 reps,
             )
@@ -285,7 +285,9 @@ def main() -> None:
     if "small_m" in sections:
         out["small_m"] = small_m_rows(kernel, cold, reps)
     if "crossover" in sections:
-        out["crossover"] = crossover_rows(kernel, [16, 64] if args.smoke else [64, 256, 512, 1024, 2048], reps)
+        out["crossover"] = crossover_rows(
+            kernel, [16, 64] if args.smoke else [64, 256, 512, 1024, 2048], reps
+        )
     if args.rss:
         out["rss"] = rss_of_embedded_model()
     out["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)  # type: ignore[index]

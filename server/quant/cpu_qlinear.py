@@ -206,7 +206,9 @@ def from_gguf_k_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> Bl
     from gguf.quants import Q4_K
 
     if fmt not in GGUF_SUPER_BLOCK_BYTES:
-        raise ValueError(f"{fmt!r} is not a k-quant format the kernel runs ({sorted(GGUF_SUPER_BLOCK_BYTES)})")
+        raise ValueError(
+            f"{fmt!r} is not a k-quant format the kernel runs ({sorted(GGUF_SUPER_BLOCK_BYTES)})"
+        )
     if k % QK_K:
         raise ValueError(f"GGUF k-quant rows must hold whole {QK_K}-value super-blocks, K={k}")
     size, nb = GGUF_SUPER_BLOCK_BYTES[fmt], n * (k // QK_K)
@@ -218,7 +220,10 @@ def from_gguf_k_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> Bl
         d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [nb, 1]
         dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
         sc_np, m_np = Q4_K.get_scale_min(blocks[:, 4:16].numpy())
-        sc, m = torch.from_numpy(sc_np.astype(np.float32)), torch.from_numpy(m_np.astype(np.float32))  # [nb, 8]
+        sc, m = (
+            torch.from_numpy(sc_np.astype(np.float32)),
+            torch.from_numpy(m_np.astype(np.float32)),
+        )  # [nb, 8]
         qs = blocks[:, 16:].reshape(nb, 4, 1, 32)
         values = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, k)  # [N, K] in 0..15, k order
         scales = (d * sc).reshape(n, k // BLOCK).contiguous()

@@ -82,7 +82,11 @@ def write_tiny_gguf(hf_folder: Path, out: Path, fmt: str, embedding_fmt: str | N
             writer.add_tensor(gname, np.ascontiguousarray(w, dtype=np.float32))
             continue
         qtype = gguf.GGMLQuantizationType[kind]
-        raw = K_QUANTIZERS[kind](w) if kind in K_QUANTIZERS else gguf.quants.quantize(np.ascontiguousarray(w), qtype)
+        raw = (
+            K_QUANTIZERS[kind](w)
+            if kind in K_QUANTIZERS
+            else gguf.quants.quantize(np.ascontiguousarray(w), qtype)
+        )
         writer.add_tensor(gname, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -117,7 +121,9 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
         ],
         axis=1,
     )
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], 1)
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], 1
+    )
     return np.ascontiguousarray(blocks.reshape(n, k // 256 * 144))
 
 

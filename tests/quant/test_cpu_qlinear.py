@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_models import quantize_q4_k, quantize_q6_k
 
 from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantEmbedding, BlockQuantLinear
 from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel
-
-from gguf_models import quantize_q4_k, quantize_q6_k
 
 K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k}
 
@@ -159,7 +158,9 @@ def test_isa_is_chosen_from_the_cpu_at_run_time(kernel: QLinearKernel) -> None:
     if platform.machine() != "x86_64" or kernel.isa == "portable":
         pytest.skip("x86-64 AVX2 builds only")
     assert kernel.lib.kubeinfer_qlinear_has_avx512_path() == 1
-    flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    flags = next(
+        ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+    ).split()
     assert kernel.isa == ("avx512" if "avx512f" in flags else "avx2")
 
 
