@@ -2,8 +2,8 @@
 // fp32 accumulation, W kept quantized in memory.
 //
 // Built at run time by server/quant/cpu_qlinear.py (through server/native.py) and called via ctypes: a
-// plain C ABI, no torch headers. One weight layout serves every format (GGUF Q4_0 / Q4_1 / Q8_0, int8
-// per output channel, int4 group-wise), each row n of W being:
+// plain C ABI, no torch headers. One weight layout serves every format (GGUF Q4_0 / Q4_1 / Q8_0, Q4_K and
+// Q6_K repacked at load, int8 per output channel, int4 group-wise), each row n of W being:
 //   q       row_bytes bytes. bits 8: int8 values, one per k. bits 4: blocks of 32 k, 16 bytes each,
 //           byte j holding k = 32b + j (low nibble) and k = 32b + j + 16 (high nibble): GGUF's order.
 //   scales  [groups] fp16 or fp32     w[n, k] = scale[n, g] * (q[n, k] - zero_point) (+ min[n, g])
@@ -13,11 +13,13 @@
 // one by one.
 //
 // Two paths, both parallel over output columns (OpenMP, torch's libgomp):
-//   gemv  (M == 1, decode): four rows of W at a time, each 32-block decoded in registers and multiplied
-//         into the one x row; scales applied once per group; Q4_1's min through sum(x) of the group.
-//   tiled (M > 1): four rows of W decoded once into a thread-local fp32 tile, then every x row against
-//         it, so W still streams from memory once. (Prefill-sized M goes to dequantize + torch GEMM,
-//         chosen in Python.)
+//   gemv    (M <= gemv_max_rows = 4, decode): four rows of W at a time, each 32-block decoded in registers
+//           and multiplied into the x row; scales applied once per group; Q4_1's min through sum(x) of
+//           the group. With several x rows, W is walked in 32-row chunks that stay in L1 across the rows.
+//   batched (larger M): x packed transposed once, 12-row panels of W dequantized once per chunk of x
+//           rows into an L1/L2 scratch, then register-blocked micro-kernels (BLIS-style, below), so W
+//           still streams from memory once and the FMAs run at the core's peak. (Prefill-sized M goes to
+//           dequantize + torch GEMM, chosen in Python.) Crossovers: benchmarks/cpu_qlinear.py.
 // The AVX2 code path is compiled where the build machine has AVX2 (-march=native), elsewhere a portable
 // path that the compiler vectorizes for the machine's own vector width. On x86-64 the batched path's
 // micro-kernel also has an AVX-512 variant, compiled always and chosen at run time (see below).
