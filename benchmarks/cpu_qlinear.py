@@ -1,25 +1,31 @@
 """The block-quantized CPU kernels (server/quant/csrc/qlinear.cpp) against this machine's limits. Prints JSON.
 
-    python benchmarks/cpu_qlinear.py               # full sizes (~1-2 min on 2 cores)
+    python benchmarks/cpu_qlinear.py               # SmolLM2 shapes, M in {1, 4, 16, 64, 256} (~3-5 min)
     python benchmarks/cpu_qlinear.py --smoke       # small sizes: checks the script, timings mean little
     python benchmarks/cpu_qlinear.py --rss         # also: RSS added by loading the embedded model
 
 Figures:
-- `machine`: CPU model and flags, threads, the measured memory read bandwidth (GB/s: torch sum over a
-  buffer far larger than the last-level cache) and fp32 GEMM GFLOP/s (torch.mm, 1024^3): the limits.
-- `kernels`: per format and M, the kernel's time, the GB/s of quantized weight it streams, its GFLOP/s,
-  the fraction of the measured bandwidth, and the fp32 torch F.linear on the same (dequantized) weight,
-  measured interleaved with it (the machine may be shared: the ratio is what to read). The weight is
-  larger than the LLC so every call streams it from memory, as a decode step does.
-- `crossover`: tiled kernel vs dequantize + fp32 GEMM at prefill-sized M (block_linear.GEMM_MIN_ROWS).
-Times are the median of interleaved repetitions, wall clock; `cpu_ms` is process CPU time per call
-divided by the thread count (what the kernel costs when it is not waiting for a shared core).
+- `machine`: CPU model and SIMD flags, threads, load average, the measured memory read bandwidth (GB/s:
+  torch sum over a buffer far larger than the last-level cache) and fp32 GEMM GFLOP/s (torch.mm,
+  1024^3, oneDNN/MKL): the two limits every kernel is held to.
+- `kernels`: per format, SmolLM2-135M shape (576x576 attention, 576x1536 gate/up, 1536x576 down,
+  49152x576 the tied LM head; N x K) and M rows of x: our kernel and torch's fp32 F.linear on the same
+  (dequantized) weight, interleaved. Both cycle through enough copies of the weight to exceed twice the
+  last-level cache, so every call streams its weight from memory, as a decode step does. Per kernel:
+  GB/s of weight streamed, GFLOP/s, fraction of the measured bandwidth and of the measured GEMM peak;
+  `speedup_vs_fp32` is the median of the per-repetition ratios (robust on a shared machine).
+- `small_m`: M = 2..8 through the GEMV path (W re-read from cache per row) and through the
+  dequantized-panel GEMM: where qlinear.cpp's `gemv_max_rows` comes from.
+- `crossover`: our batched kernel vs dequantize + torch's fp32 GEMM at prefill-sized M: where
+  block_linear.GEMM_MIN_ROWS comes from.
+Times are medians of interleaved repetitions, wall clock.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -51,32 +57,41 @@ def cpu_model() -> dict[str, str]:
     return info
 
 
-def timed(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, tuple[float, float]]:
-    """Interleaved repetitions: name -> (median wall ms, median CPU ms per thread)."""
+def timed(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Interleaved repetitions: name -> wall ms of each repetition."""
     walls: dict[str, list[float]] = {k: [] for k in fns}
-    cpus: dict[str, list[float]] = {k: [] for k in fns}
     for f in fns.values():
         f()
-    threads = torch.get_num_threads()
     for _ in range(reps):
         for name, f in fns.items():
-            c0, t0 = time.process_time(), time.perf_counter()
+            t0 = time.perf_counter()
             f()
             walls[name].append((time.perf_counter() - t0) * 1e3)
-            cpus[name].append((time.process_time() - c0) * 1e3 / threads)
-    return {k: (statistics.median(walls[k]), statistics.median(cpus[k])) for k in fns}
+    return walls
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def memory_bandwidth(nbytes: int, reps: int) -> float:
     buf = torch.ones(nbytes // 4)
-    ((ms, _),) = timed({"sum": lambda: buf.sum()}, reps).values()
+    ms = statistics.median(timed({"sum": lambda: buf.sum()}, reps)["sum"])
     return nbytes / ms / 1e6
 
 
 def gemm_gflops(n: int, reps: int) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
-    ((ms, _),) = timed({"mm": lambda: a @ b}, reps).values()
+    ms = statistics.median(timed({"mm": lambda: a @ b}, reps)["mm"])
     return 2 * n**3 / ms / 1e6
+
+
+def llc_bytes() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text.rstrip("K")) << 10 if text.endswith("K") else int(text.rstrip("M")) << 20
+    except (OSError, ValueError):
+        return 32 << 20
 
 
 def make(fmt: str, n: int, k: int) -> cq.BlockQuantWeight:
@@ -85,11 +100,151 @@ def make(fmt: str, n: int, k: int) -> cq.BlockQuantWeight:
         s = w.abs().amax(1) / 127
         return cq.from_int8(torch.round(w / s[:, None]).to(torch.int8), s)
     if fmt == "int4":
-        g = 64  # K = 576 = 9 x 64
+        g = 64  # 576 and 1536 are multiples of 64
         return cq.from_int4(
             torch.randint(0, 16, (k, n)), torch.randint(0, 16, (k // g, n)), torch.rand(k // g, n).half(), g
         )
     return cq.quantize_block(w, fmt)
+
+
+class Cycle:
+    """Copies of a weight (quantized and fp32) cycled call after call, enough to stream from memory."""
+
+    def __init__(self, w: cq.BlockQuantWeight, cold_bytes: int, max_copies: int = 400) -> None:
+        dense = cq.dequantize_reference(w)
+        nq = min(max_copies, max(1, -(-cold_bytes // w.nbytes())))
+        nd = min(max_copies, max(1, -(-cold_bytes // (dense.numel() * 4))))
+        self.q = [w] + [
+            cq.BlockQuantWeight(
+                w.q.clone(),
+                w.scales.clone(),
+                None if w.mins is None else w.mins.clone(),
+                w.fmt,
+                w.bits,
+                w.group_size,
+                w.zero_point,
+                w.in_features,
+                w.out_features,
+            )
+            for _ in range(nq - 1)
+        ]
+        self.dense = [dense] + [dense.clone() for _ in range(nd - 1)]
+        self.iq = self.id = 0
+
+    def next_q(self) -> cq.BlockQuantWeight:
+        self.iq = (self.iq + 1) % len(self.q)
+        return self.q[self.iq]
+
+    def next_dense(self) -> torch.Tensor:
+        self.id = (self.id + 1) % len(self.dense)
+        return self.dense[self.id]
+
+
+SHAPES = {"attn_576x576": (576, 576), "gate_up_1536x576": (1536, 576), "down_576x1536": (576, 1536)}
+LM_HEAD = {"lm_head_49152x576": (49152, 576)}
+
+
+def kernel_rows(
+    kernel: cq.QLinearKernel,
+    fmts: list[str],
+    shapes: dict[str, tuple[int, int]],
+    ms: list[int],
+    cold: int,
+    reps: int,
+    bw: float,
+    peak: float,
+) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for fmt in fmts:
+        for shape_name, (n, k) in shapes.items():
+            cyc = Cycle(make(fmt, n, k), cold)
+            qbytes, dbytes = cyc.q[0].nbytes(), n * k * 4
+            for m in ms:
+                x = torch.randn(m, k)
+                t = timed(
+                    {
+                        "kernel": lambda x=x, cyc=cyc: kernel.linear(x, cyc.next_q()),
+                        "fp32": lambda x=x, cyc=cyc: F.linear(x, cyc.next_dense()),
+                    },
+                    reps,
+                )
+                ms_k, ms_d = statistics.median(t["kernel"]), statistics.median(t["fp32"])
+                flop = 2 * m * n * k
+                rows.append(
+                    {
+                        "format": fmt,
+                        "shape": shape_name,
+                        "M": m,
+                        "ms": round(ms_k, 3),
+                        "GBps": round(qbytes / ms_k / 1e6, 2),
+                        "of_mem_bw": round(qbytes / ms_k / 1e6 / bw, 2),
+                        "GFLOPs": round(flop / ms_k / 1e6, 1),
+                        "of_peak": round(flop / ms_k / 1e6 / peak, 2),
+                        "fp32_ms": round(ms_d, 3),
+                        "fp32_GBps": round(dbytes / ms_d / 1e6, 2),
+                        "fp32_GFLOPs": round(flop / ms_d / 1e6, 1),
+                        "speedup_vs_fp32": round(median_ratio(t["fp32"], t["kernel"]), 2),
+                    }
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def small_m_rows(kernel: cq.QLinearKernel, cold: int, reps: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for fmt in ("q4_1", "q8_0"):
+        cyc = Cycle(make(fmt, 1536, 576), cold)
+        for m in range(2, 9):
+            x = torch.randn(m, 576)
+
+            def gemv(x: torch.Tensor = x, m: int = m, cyc: Cycle = cyc) -> None:
+                kernel.set_gemv_max_rows(m)
+                kernel.linear(x, cyc.next_q())
+
+            def panel(x: torch.Tensor = x, m: int = m, cyc: Cycle = cyc) -> None:
+                kernel.set_gemv_max_rows(m - 1)
+                kernel.linear(x, cyc.next_q())
+
+            t = timed({"gemv": gemv, "panel": panel}, reps)
+            rows.append(
+                {
+                    "format": fmt,
+                    "M": m,
+                    "gemv_ms": round(statistics.median(t["gemv"]), 3),
+                    "panel_ms": round(statistics.median(t["panel"]), 3),
+                    "panel_over_gemv": round(median_ratio(t["gemv"], t["panel"]), 2),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    kernel.set_gemv_max_rows(cq.GEMV_MAX_ROWS)
+    return rows
+
+
+def crossover_rows(kernel: cq.QLinearKernel, ms: list[int], reps: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for shape_name, (n, k) in {**SHAPES, "gate_up_fused_3072x576": (3072, 576)}.items():
+        w = make("q4_1", n, k)
+        lin = BlockQuantLinear(w, kernel=kernel)
+        for m in ms:
+            x = torch.randn(m, k)
+            t = timed(
+                {
+                    "kernel": lambda x=x, w=w: kernel.linear(x, w),
+                    "dequant_gemm": lambda x=x, w=w, lin=lin: lin._dequant_gemm(x, w, kernel),
+                },
+                reps,
+            )
+            rows.append(
+                {
+                    "shape": shape_name,
+                    "M": m,
+                    "kernel_ms": round(statistics.median(t["kernel"]), 3),
+                    "dequant_gemm_ms": round(statistics.median(t["dequant_gemm"]), 3),
+                    "kernel_speedup": round(median_ratio(t["dequant_gemm"], t["kernel"]), 2),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
 
 
 def main() -> None:
@@ -97,72 +252,45 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rss", action="store_true")
     ap.add_argument("--reps", type=int, default=0)
+    ap.add_argument("--formats", default="q4_0,q4_1,q8_0,int8,int4")
+    ap.add_argument("--only", default="kernels,small_m,crossover", help="sections to run")
+    ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
     args = ap.parse_args()
-    reps = args.reps or (3 if args.smoke else 15)
+    reps = args.reps or (3 if args.smoke else 9)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kernel = cq.load_qlinear_kernel()
-    n, k = (4096, 576) if args.smoke else (131072, 576)  # Q4_1: 47 MB, fp32: 302 MB, LLC: 32 MB here
-    bw = memory_bandwidth((64 if args.smoke else 1024) << 20, reps)
+    bw = memory_bandwidth((64 if args.smoke else 512) << 20, reps)
     peak = gemm_gflops(256 if args.smoke else 1024, reps)
+    cold = (4 << 20) if args.smoke else 2 * llc_bytes()
     out: dict[str, object] = {
         "machine": {
             **cpu_model(),
             "threads": torch.get_num_threads(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
             "kernel_isa": kernel.isa,
             "mem_read_GBps": round(bw, 2),
             "fp32_gemm_GFLOPs": round(peak, 1),
+            "llc_MiB": llc_bytes() >> 20,
         },
-        "shape": {"N": n, "K": k},
-        "kernels": [],
-        "crossover": [],
     }
-    results = out["kernels"]
-    assert isinstance(results, list)
-    for fmt in ("q4_0", "q4_1", "q8_0", "int8", "int4"):
-        w = make(fmt, n, k)
-        dense = cq.dequantize_reference(w)
-        for m in (1, 4, 16):
-            x = torch.randn(m, k)
-            t = timed(
-                {
-                    "kernel": lambda x=x, w=w: kernel.linear(x, w),
-                    "fp32": lambda x=x, dense=dense: F.linear(x, dense),
-                },
-                reps,
-            )
-            ms, cpu_ms = t["kernel"]
-            results.append(
-                {
-                    "format": fmt,
-                    "M": m,
-                    "ms": round(ms, 3),
-                    "cpu_ms": round(cpu_ms, 3),
-                    "weight_MB": round(w.nbytes() / 1e6, 1),
-                    "GBps": round(w.nbytes() / ms / 1e6, 2),
-                    "of_mem_bw": round(w.nbytes() / ms / 1e6 / bw, 2),
-                    "GFLOPs": round(2 * m * n * k / ms / 1e6, 1),
-                    "fp32_ms": round(t["fp32"][0], 3),
-                    "speedup_vs_fp32": round(t["fp32"][0] / ms, 2),
-                }
-            )
-        del dense, w
-    cross = out["crossover"]
-    assert isinstance(cross, list)
-    w = make("q4_1", 3072, 576)  # SmolLM2's fused gate/up projection
-    lin = BlockQuantLinear(w, kernel=kernel)
-    for m in (16, 64, 256, 512, 1024):
-        x = torch.randn(m, 576)
-        t = timed(
-            {
-                "tiled": lambda x=x: kernel.linear(x, w),
-                "dequant_gemm": lambda x=x: lin._dequant_gemm(x, w, kernel),
-            },
-            reps,
-        )
-        cross.append(
-            {"M": m, "tiled_ms": round(t["tiled"][0], 3), "dequant_gemm_ms": round(t["dequant_gemm"][0], 3)}
+    sections = set(args.only.split(","))
+    fmts = args.formats.split(",")
+    ms = [1, 4, 16] if args.smoke else [1, 4, 16, 64, 256]
+    shapes = {"small_64x576": (64, 576)} if args.smoke else SHAPES
+    if "kernels" in sections:
+        out["kernels"] = kernel_rows(kernel, fmts, shapes, ms, cold, reps, bw, peak)
+        if not args.smoke:
+            out["kernels_lm_head"] = kernel_rows(kernel, fmts, LM_HEAD, [1, 4, 16], cold, reps, bw, peak)
+    if "small_m" in sections:
+        out["small_m"] = small_m_rows(kernel, cold, reps)
+    if "crossover" in sections:
+        out["crossover"] = crossover_rows(
+            kernel, [16, 64] if args.smoke else [64, 256, 512, 1024, 2048], reps
         )
     if args.rss:
         out["rss"] = rss_of_embedded_model()
+    out["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)  # type: ignore[index]
     print(json.dumps(out, indent=1))
 
 

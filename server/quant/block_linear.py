@@ -5,10 +5,11 @@
 needs. A tied embedding and LM head share one BlockQuantWeight (one copy in memory).
 
 Paths (the compiled kernel, server/quant/csrc/qlinear.cpp):
-- M rows of x below GEMM_MIN_ROWS: the kernel's GEMV (M = 1) or tiled path, reading W once;
+- M rows of x below GEMM_MIN_ROWS: the kernel: GEMV for M <= 4 (cpu_qlinear.GEMV_MAX_ROWS), above that
+  its register-blocked GEMM on 12-row panels of W dequantized once per call (per chunk of x rows);
 - prefill-sized M: W dequantized in slices of rows into a scratch buffer, each multiplied by torch's
-  fp32 GEMM (oneDNN), which beats the tiled kernel once there are enough rows to amortize the
-  dequantization (measured by benchmarks/cpu_qlinear.py);
+  fp32 GEMM (MKL/oneDNN). From M = 256 up the two measured within noise of each other on this shared
+  machine (benchmarks/cpu_qlinear.py `crossover`); 512 keeps the large prefill chunks on the library GEMM;
 - no compiler: the plain-torch reference (dequantize, then matmul), slower but the same function.
 """
 
@@ -28,7 +29,7 @@ from server.quant.cpu_qlinear import (
 )
 from server.quant.layers import QuantLinear
 
-GEMM_MIN_ROWS = 512  # the crossover measured on SmolLM2 shapes (tied at 512 rows; benchmarks/cpu_qlinear.py)
+GEMM_MIN_ROWS = 512  # see the module docstring (benchmarks/cpu_qlinear.py `crossover`)
 SLICE_BYTES = 32 << 20  # fp32 scratch per dequantized slice: a whole projection is one slice, one GEMM
 
 

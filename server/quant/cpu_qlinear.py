@@ -12,6 +12,15 @@ min) per group of `group_size` consecutive k:
     q4_1    4     32     0           yes    fp16   GGUF block_q4_1
     int8    8     K      0           -      fp32   our per-output-channel int8 (Int8Linear.quantize)
     int4    4     G      0           yes    fp32   int4 group-wise with zero points (AWQ, GPTQ, RTN)
+    q4_k    4     32     0           yes    fp32   GGUF block_q4_K, repacked at load (below)
+    q6_k    8     16     0           -      fp32   GGUF block_q6_K, repacked at load (below)
+
+The k-quants' 256-value super-blocks hold 6-bit (Q4_K) or 8-bit (Q6_K) sub-block scales under one fp16
+super-scale: w = d * sc_j * q - dmin * m_j (Q4_K, 32-value sub-blocks), w = d * sc_j * (q - 32) (Q6_K,
+16-value sub-blocks). The loader folds them into one fp32 scale (and min) per sub-block: d * sc_j is an
+11-bit by 6- or 8-bit product, exact in fp32, so the values are gguf-py's dequantization bit for bit.
+The kernels then run them like any other group-wise layout; the price is memory: 6.0 bits per weight
+for Q4_K (4.5 in the file) and 10.0 for Q6_K (6.56), still 5.3x and 3.2x under fp32.
 
 4-bit values are packed as GGUF packs them: per 32-block of k, byte j holds k = j (low nibble) and
 k = j + 16 (high nibble). The block formats are ggml's (ggml/src/ggml-common.h, gguf-py's quants.py).
@@ -46,10 +55,13 @@ ABI_VERSION = 1
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
 NATIVE = NativeSource("qlinear", SOURCE, COMPILE_FLAGS)
 BLOCK = 32  # values per GGUF block
+GEMV_MAX_ROWS = 4  # qlinear.cpp's default gemv_max_rows (benchmarks/cpu_qlinear.py `small_m`)
 
 # GGUF block layouts: bytes per 32-block, and whether a min follows the scale.
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
-FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4")
+QK_K = 256  # values per k-quant super-block
+GGUF_SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # block_q4_K, block_q6_K (ggml-common.h)
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k")
 
 
 @dataclass(frozen=True)
@@ -75,8 +87,8 @@ class BlockQuantWeight:
         groups = -(-k // g)
         if self.bits == 4 and (k % BLOCK or g % BLOCK):
             raise ValueError(f"4-bit weights need K ({k}) and group_size ({g}) to be multiples of {BLOCK}")
-        if self.bits == 8 and groups > 1 and g % BLOCK:
-            raise ValueError(f"8-bit weights with several groups need group_size ({g}) a multiple of {BLOCK}")
+        if self.bits == 8 and groups > 1 and g % 16:
+            raise ValueError(f"8-bit weights with several groups need group_size ({g}) a multiple of 16")
         row_bytes = k if self.bits == 8 else k // 2
         q_dtype = torch.int8 if self.bits == 8 else torch.uint8
         if tuple(self.q.shape) != (n, row_bytes) or self.q.dtype != q_dtype:
@@ -176,6 +188,56 @@ def from_gguf_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> Bloc
     m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(n, nb)
     q = blocks[:, :, 4:].reshape(n, k // 2).contiguous()
     return BlockQuantWeight(q, d.contiguous(), m.contiguous(), fmt, 4, BLOCK, 0, k, n)
+
+
+def _as_bytes(raw: np.ndarray | Tensor) -> Tensor:  # any GGUF tensor data -> flat uint8
+    with warnings.catch_warnings():  # a read-only memory map: nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.as_tensor(np.ascontiguousarray(raw)).view(torch.uint8).reshape(-1)
+
+
+def from_gguf_k_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
+    """GGUF k-quant data ([N, K / 256 * block_bytes] uint8) -> a BlockQuantWeight, repacked (module doc).
+
+    block_q4_K = {fp16 d; fp16 dmin; uint8 scales[12]; uint8 qs[128]}: eight 6-bit scales and mins packed
+    in `scales` (gguf-py's Q4_K.get_scale_min), each 64-value run of qs holding values j (low nibbles)
+    and 32 + j (high nibbles). block_q6_K = {uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d}: each
+    6-bit q is 4 bits of ql and 2 of qh, stored minus 32 (ggml-common.h; gguf-py's quants.py)."""
+    from gguf.quants import Q4_K
+
+    if fmt not in GGUF_SUPER_BLOCK_BYTES:
+        raise ValueError(
+            f"{fmt!r} is not a k-quant format the kernel runs ({sorted(GGUF_SUPER_BLOCK_BYTES)})"
+        )
+    if k % QK_K:
+        raise ValueError(f"GGUF k-quant rows must hold whole {QK_K}-value super-blocks, K={k}")
+    size, nb = GGUF_SUPER_BLOCK_BYTES[fmt], n * (k // QK_K)
+    data = _as_bytes(raw)
+    if data.numel() != nb * size:
+        raise ValueError(f"{fmt} [{n}, {k}] needs {nb * size} bytes, got {data.numel()}")
+    blocks = data.reshape(nb, size)
+    if fmt == "q4_k":
+        d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [nb, 1]
+        dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+        sc_np, m_np = Q4_K.get_scale_min(blocks[:, 4:16].numpy())
+        sc, m = (
+            torch.from_numpy(sc_np.astype(np.float32)),
+            torch.from_numpy(m_np.astype(np.float32)),
+        )  # [nb, 8]
+        qs = blocks[:, 16:].reshape(nb, 4, 1, 32)
+        values = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, k)  # [N, K] in 0..15, k order
+        scales = (d * sc).reshape(n, k // BLOCK).contiguous()
+        mins = (-(dmin * m)).reshape(n, k // BLOCK).contiguous()
+        return BlockQuantWeight(pack_nibbles(values), scales, mins, fmt, 4, BLOCK, 0, k, n)
+    ql = blocks[:, :128].reshape(nb, 2, 1, 64)
+    qh = blocks[:, 128:192].reshape(nb, 2, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(nb, 2, 4, 32)  # [nb, half, quarter, 32]
+    high = torch.cat([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2)  # [nb, half, quarter, 32]
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, k)
+    sub = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [nb, 16]
+    d = blocks[:, 208:210].contiguous().view(torch.float16).float()  # [nb, 1]
+    scales = (d * sub).reshape(n, k // 16).contiguous()
+    return BlockQuantWeight(q, scales, None, fmt, 8, 16, 0, k, n)
 
 
 def pack_nibbles(values: Tensor) -> Tensor:
@@ -312,7 +374,7 @@ class QLinearKernel:
 
     lib: ctypes.CDLL
     path: Path
-    isa: str  # "avx2" or "portable": the code path this build runs
+    isa: str  # "avx512" (chosen at run time), "avx2" or "portable": the code path this build runs here
 
     def linear(
         self,
@@ -352,6 +414,11 @@ class QLinearKernel:
         if rc != 0:
             raise RuntimeError(f"qlinear kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
         return out
+
+    def set_gemv_max_rows(self, rows: int) -> None:
+        """M up to `rows` takes the GEMV path, larger M the batched one (a benchmark's knob; default
+        GEMV_MAX_ROWS). Process-wide: never call it while another thread runs the kernel."""
+        self.lib.kubeinfer_qlinear_set_gemv_max_rows(max(1, int(rows)))
 
     def dequantize_rows(
         self,
@@ -406,6 +473,9 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     lib.kubeinfer_qdequant.restype = i32
     lib.kubeinfer_qdequant.argtypes = [ctypes.POINTER(_KiQWeight), ptr, i64, i64, ptr, i64, i32]
     lib.kubeinfer_qlinear_isa.restype = ctypes.c_char_p
+    lib.kubeinfer_qlinear_has_avx512_path.restype = i32
+    lib.kubeinfer_qlinear_set_gemv_max_rows.restype = None
+    lib.kubeinfer_qlinear_set_gemv_max_rows.argtypes = [i64]
     return QLinearKernel(lib, path, lib.kubeinfer_qlinear_isa().decode())
 
 

@@ -4,8 +4,9 @@ The GGUF layout is llama.cpp's (gguf-py's GGUFReader reads it): tensor names suc
 shapes in ggml order (ne0 = in_features first), and for the "llama" architecture q/k projection rows
 permuted by convert_hf_to_gguf.py for ggml's rotary layout. The permutation is undone here on whole rows,
 so quantized rows move without being touched (exactly what transformers' GGUF loader does on the
-dequantized matrix). Q4_0, Q4_1 and Q8_0 tensors stay quantized; other quantized types (k-quants, IQ*)
-are dequantized to fp32 by gguf-py and served as float, with a log line saying so.
+dequantized matrix). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (the k-quants repacked into
+per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks); other quantized types (Q2_K, Q3_K,
+Q5_K, IQ*) are dequantized to fp32 by gguf-py and served as float, with a log line saying so.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from server.quant.cpu_qlinear import BlockQuantWeight, from_gguf_blocks
+from server.quant.cpu_qlinear import BlockQuantWeight, from_gguf_blocks, from_gguf_k_blocks
 
 log = logging.getLogger(__name__)
 
 _KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+_KEPT_K = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 _FLOAT = ("F32", "F16", "BF16")
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -101,6 +103,8 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
         if kind in _KEPT and len(shape) == 2:
             # t.data is a view of the file's memory map: only the repacked copies stay resident.
             value = from_gguf_blocks(t.data, _KEPT[kind], shape[0], shape[1])
+        elif kind in _KEPT_K and len(shape) == 2:
+            value = from_gguf_k_blocks(t.data, _KEPT_K[kind], shape[0], shape[1])
         elif kind in _FLOAT:
             value = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
         else:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_models import quantize_q4_k, quantize_q6_k
 
 from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantEmbedding, BlockQuantLinear
 from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel
+
+K_QUANTIZERS = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k}
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +23,10 @@ def kernel() -> QLinearKernel:
 def make_weight(fmt: str, n: int, k: int, seed: int = 0, group: int = 32) -> BlockQuantWeight:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.1
+    if fmt in K_QUANTIZERS:  # K rounded up to whole 256-value super-blocks
+        kk = -(-k // cq.QK_K) * cq.QK_K
+        w = torch.randn(n, kk, generator=g) * 0.1
+        return cq.from_gguf_k_blocks(K_QUANTIZERS[fmt](w.numpy()), fmt, n, kk)
     if fmt in cq.GGUF_BLOCK_BYTES:
         return cq.quantize_block(w, fmt)
     if fmt == "int8":
@@ -34,14 +41,17 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, group: int = 32) -> Blo
 # (N, K): ragged N (not a multiple of the kernel's 4-row tiles), K with 8-block chunks plus leftover
 # blocks (576 = 2 x 8 x 32 + 2 x 32), a K under one chunk, and SmolLM2's MLP shapes.
 SHAPES = [(37, 64), (8, 320), (13, 576), (5, 1536), (192, 576)]
-FORMATS = ["q4_0", "q4_1", "q8_0", "int8", "int4"]
+FORMATS = ["q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 7, 16])
+# M: the GEMV path (1..GEMV_MAX_ROWS), 8-row tiles only (7), a 16-row block (16), blocks plus a ragged
+# rest (23), and, with K = 1536, several chunks of packed x (the chunk is 32 rows there).
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 23, 70])
 def test_linear_matches_the_torch_reference(kernel: QLinearKernel, fmt: str, n: int, k: int, m: int) -> None:
     w = make_weight(fmt, n, k, seed=n * k + m)
+    k = w.in_features  # k-quants: whole super-blocks
     x = torch.randn(m, k)
     bias = torch.randn(n)
     y = kernel.linear(x, w, bias)
@@ -50,7 +60,7 @@ def test_linear_matches_the_torch_reference(kernel: QLinearKernel, fmt: str, n: 
 
 
 @pytest.mark.parametrize("k", [33, 100, 7])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 5, 19])
 def test_int8_per_channel_takes_any_k(kernel: QLinearKernel, k: int, m: int) -> None:
     """Per-channel int8 has one group of K values: an odd K ends in values handled one by one."""
     w = make_weight("int8", 11, k, seed=k)
@@ -60,11 +70,26 @@ def test_int8_per_channel_takes_any_k(kernel: QLinearKernel, k: int, m: int) -> 
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 17])
 def test_int4_group_sizes(kernel: QLinearKernel, group: int, m: int) -> None:
     w = make_weight("int4", 21, 256, group=group)
     x = torch.randn(m, 256)
     torch.testing.assert_close(kernel.linear(x, w), cq.linear_reference(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [2, 3, 4, 6, 9])
+def test_gemv_and_batched_paths_agree(kernel: QLinearKernel, fmt: str, m: int) -> None:
+    """Every small M through both paths (the GEMV one re-reading W per row, the dequantized-panel GEMM)."""
+    w = make_weight(fmt, 29, 320, seed=m)
+    x = torch.randn(m, w.in_features)
+    ref = cq.linear_reference(x.double(), w).float()
+    try:
+        for rows in (m, m - 1):  # m rows through the GEMV path, then through the batched one
+            kernel.set_gemv_max_rows(rows)
+            torch.testing.assert_close(kernel.linear(x, w), ref, rtol=1e-4, atol=1e-4 * 320**0.5)
+    finally:
+        kernel.set_gemv_max_rows(cq.GEMV_MAX_ROWS)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -91,6 +116,52 @@ def test_block_formats_are_ggufs(fmt: str) -> None:
         assert torch.equal(a, b)
     expected = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
     assert torch.equal(cq.dequantize_reference(theirs), expected)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("source", ["quantized", "random_bytes"])
+def test_k_quants_equal_ggufs_dequantization(kernel: QLinearKernel, fmt: str, source: str) -> None:
+    """Q4_K / Q6_K repacked at load dequantize to gguf-py's values bit for bit, from our quantizer's
+    bytes and from arbitrary bytes (every scale, min and 6-bit value pattern; finite fp16 super-scales)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 10, 512
+    if source == "quantized":
+        raw = K_QUANTIZERS[fmt.lower()]((torch.randn(n, k) * 0.1).numpy())
+    else:
+        size = cq.GGUF_SUPER_BLOCK_BYTES[fmt.lower()]
+        raw = np.random.default_rng(0).integers(0, 256, (n * k // 256, size), dtype=np.uint8)
+        offsets = (0, 2) if fmt == "Q4_K" else (size - 2,)  # d (and dmin): finite fp16
+        for o in offsets:
+            d = np.random.default_rng(o).uniform(-1e-3, 1e-3, len(raw)).astype(np.float16)
+            raw[:, o : o + 2] = d[:, None].view(np.uint8)
+        raw = raw.reshape(n, -1)
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32))
+    w = cq.from_gguf_k_blocks(raw, fmt.lower(), n, k)
+    assert w.nbytes() == n * k * (6 if fmt == "Q4_K" else 10) // 8  # bits per weight after repacking
+    assert torch.equal(cq.dequantize_reference(w), expected)
+    assert torch.equal(kernel.dequantize_rows(w), expected)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    ref = (x.double() @ expected.double().t()).float()
+    torch.testing.assert_close(kernel.linear(x, w), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+    with pytest.raises(ValueError, match="super-blocks"):
+        cq.from_gguf_k_blocks(raw, fmt.lower(), n, 320)
+
+
+def test_isa_is_chosen_from_the_cpu_at_run_time(kernel: QLinearKernel) -> None:
+    """The AVX-512 micro-kernel is compiled into every x86-64 build but selected only where the CPU has
+    avx512f (never on an AVX2-only machine, where it cannot run)."""
+    import platform
+    from pathlib import Path
+
+    if platform.machine() != "x86_64" or kernel.isa == "portable":
+        pytest.skip("x86-64 AVX2 builds only")
+    assert kernel.lib.kubeinfer_qlinear_has_avx512_path() == 1
+    flags = next(
+        ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+    ).split()
+    assert kernel.isa == ("avx512" if "avx512f" in flags else "avx2")
 
 
 def test_select_and_concat_rows_keep_values() -> None:
@@ -126,14 +197,16 @@ def test_launchers_refuse_bad_arguments(kernel: QLinearKernel) -> None:
         BlockQuantWeight(w.q[:, :16].contiguous(), w.scales, None, "q4_0", 4, 32, 8, 64, 8)
 
 
-def test_strided_rows_of_x(kernel: QLinearKernel) -> None:
-    """x may be a view with a row stride (a slice of a wider activation)."""
+@pytest.mark.parametrize("m", [3, 20])
+def test_strided_rows_of_x_and_out(kernel: QLinearKernel, m: int) -> None:
+    """x and out may be views with a row stride (slices of wider activations)."""
     w = make_weight("q8_0", 9, 64)
-    wide = torch.randn(3, 100)
-    x = wide[:, 10:74]
-    torch.testing.assert_close(
-        kernel.linear(x, w), cq.linear_reference(x.contiguous(), w), rtol=1e-5, atol=1e-5
-    )
+    x = torch.randn(m, 100)[:, 10:74]
+    wide_out = torch.full((m, 15), 7.0)
+    kernel.linear(x, w, out=wide_out[:, 3:12])
+    ref = cq.linear_reference(x.contiguous(), w)
+    torch.testing.assert_close(wide_out[:, 3:12], ref, rtol=1e-5, atol=1e-5)
+    assert bool((wide_out[:, :3] == 7).all() and (wide_out[:, 12:] == 7).all())
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int4"])

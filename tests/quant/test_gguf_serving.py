@@ -66,6 +66,37 @@ def test_greedy_parity_on_tiny_gguf_models(tiny_gguf: dict[str, Path], fmt: str,
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
+def test_k_quant_gguf_kept_quantized_with_greedy_parity(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    """A llama.cpp Q4_K_M-style file (projections Q4_K, token embedding and tied LM head Q6_K; hidden 256:
+    k-quants need whole 256-value super-blocks): every tensor equals transformers' reading of the file,
+    both formats are served quantized, and greedy decoding matches transformers token for token."""
+    from transformers import AutoModelForCausalLM
+
+    hf_folder = tiny_model_factory("llama", tie=True, hidden=256)
+    path = write_tiny_gguf(hf_folder, tmp_path / "tiny-k.gguf", "Q4_K", embedding_fmt="Q6_K")
+    ours = read_gguf_checkpoint(path)
+    assert ours.formats == {"Q4_K": 14, "Q6_K": 1, "F32": 5}
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ref_state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    for name, value in ours.tensors.items():
+        assert isinstance(value, BlockQuantWeight) or value.dim() == 1, name
+        dense = dequantize_reference(value) if isinstance(value, BlockQuantWeight) else value
+        assert torch.equal(dense, ref_state[name]), name
+    del ref
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=tmp_path)))
+    assert engine.info.quantization == "gguf-q4_k+q6_k"
+    model = engine.loaded.model
+    assert isinstance(model.lm_head, BlockQuantLinear) and model.lm_head.method == "q6_k"
+    assert isinstance(model.model.layers[0].mlp.down_proj, BlockQuantLinear)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]  # two prompts: a 49k x 256 vocabulary is slow
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert run_staggered(engine, prompts, params) == hf_reference_greedy(path, prompts, NEW_TOKENS)
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
 def test_an_explicit_dtype_dequantizes_as_before(tiny_gguf: dict[str, Path], tmp_path: Path) -> None:
     engine = LLMEngine(
         EngineConfig(model=ModelConfig(model=str(tiny_gguf["Q8_0"]), dtype="float32", cache_dir=tmp_path))

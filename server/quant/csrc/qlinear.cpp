@@ -2,27 +2,33 @@
 // fp32 accumulation, W kept quantized in memory.
 //
 // Built at run time by server/quant/cpu_qlinear.py (through server/native.py) and called via ctypes: a
-// plain C ABI, no torch headers. One weight layout serves every format (GGUF Q4_0 / Q4_1 / Q8_0, int8
-// per output channel, int4 group-wise), each row n of W being:
+// plain C ABI, no torch headers. One weight layout serves every format (GGUF Q4_0 / Q4_1 / Q8_0, Q4_K and
+// Q6_K repacked at load, int8 per output channel, int4 group-wise), each row n of W being:
 //   q       row_bytes bytes. bits 8: int8 values, one per k. bits 4: blocks of 32 k, 16 bytes each,
 //           byte j holding k = 32b + j (low nibble) and k = 32b + j + 16 (high nibble): GGUF's order.
 //   scales  [groups] fp16 or fp32     w[n, k] = scale[n, g] * (q[n, k] - zero_point) (+ min[n, g])
 //   mins    [groups] or none          with g = k / group_size
-// Groups are whole 32-blocks (4-bit, and 8-bit with several groups); an 8-bit single group (per-channel
-// int8) may have any K, its last K % 32 values handled one by one.
+// Groups are whole 32-blocks (4-bit) or 16-value runs (8-bit with several groups: Q6_K's 16-value
+// sub-blocks); an 8-bit single group (per-channel int8) may have any K, its last K % 32 values handled
+// one by one.
 //
 // Two paths, both parallel over output columns (OpenMP, torch's libgomp):
-//   gemv  (M == 1, decode): four rows of W at a time, each 32-block decoded in registers and multiplied
-//         into the one x row; scales applied once per group; Q4_1's min through sum(x) of the group.
-//   tiled (M > 1): four rows of W decoded once into a thread-local fp32 tile, then every x row against
-//         it, so W still streams from memory once. (Prefill-sized M goes to dequantize + torch GEMM,
-//         chosen in Python.)
-// The AVX2 code path is compiled where the build machine has AVX2 (-march=native); elsewhere (including
-// AVX-512 machines) a portable path that the compiler vectorizes for the machine's own vector width.
+//   gemv    (M <= gemv_max_rows = 4, decode): four rows of W at a time, each 32-block decoded in registers
+//           and multiplied into the x row; scales applied once per group; Q4_1's min through sum(x) of
+//           the group. With several x rows, W is walked in 32-row chunks that stay in L1 across the rows.
+//   batched (larger M): x packed transposed once, 12-row panels of W dequantized once per chunk of x
+//           rows into an L1/L2 scratch, then register-blocked micro-kernels (BLIS-style, below), so W
+//           still streams from memory once and the FMAs run at the core's peak. (Prefill-sized M goes to
+//           dequantize + torch GEMM, chosen in Python.) Crossovers: benchmarks/cpu_qlinear.py.
+// The AVX2 code path is compiled where the build machine has AVX2 (-march=native), elsewhere a portable
+// path that the compiler vectorizes for the machine's own vector width. On x86-64 the batched path's
+// micro-kernel also has an AVX-512 variant, compiled always and chosen at run time (see below).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include <omp.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -229,6 +235,15 @@ void dequant_rows(const KiQWeight& w, const int64_t* rows, int64_t n0, int R, fl
           _mm256_storeu_ps(out + k + 8 * i, _mm256_add_ps(_mm256_mul_ps(dv, v[i]), mv));
         }
       }
+      if constexpr (BITS == 8) {  // 16-value groups (Q6_K)
+        for (; k + 16 <= k1; k += 16) {
+          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+          const __m256 v0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), zp);
+          const __m256 v1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), zp);
+          _mm256_storeu_ps(out + k, _mm256_add_ps(_mm256_mul_ps(dv, v0), mv));
+          _mm256_storeu_ps(out + k + 8, _mm256_add_ps(_mm256_mul_ps(dv, v1), mv));
+        }
+      }
 #endif
       for (; k < k1; ++k) out[k] = d * (static_cast<float>(q_at<BITS>(row, k)) - zpf) + m;
     }
@@ -269,6 +284,18 @@ void gemv_rows(const KiQWeight& w, const float* x, int64_t n0, float* y) {
         part[r] = _mm256_add_ps(part[r], p);
       }
     }
+    if constexpr (BITS == 8) {  // 16-value groups (Q6_K)
+      for (; k + 16 <= k1; k += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        if (w.mins) xsum = _mm256_add_ps(xsum, _mm256_add_ps(x0, x1));
+        for (int r = 0; r < R; ++r) {
+          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + k));
+          const __m256 v0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), zp);
+          const __m256 v1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), zp);
+          part[r] = _mm256_fmadd_ps(v1, x1, _mm256_fmadd_ps(v0, x0, part[r]));
+        }
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(load_scale<F16>(w.scales, n * w.groups + g)), part[r], acc[r]);
@@ -296,84 +323,266 @@ void gemv_rows(const KiQWeight& w, const float* x, int64_t n0, float* y) {
   }
 }
 
-// Every x row against a dequantized tile of R rows of W.
-template <int R>
-void tile_dot(const float* tile, int64_t K, const float* x, int64_t m, int64_t x_stride, float* y,
-              int64_t y_stride, const float* bias, int64_t n0) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xr = x + i * x_stride;
-    float out[R];
-    int64_t k = 0;
+// ---------------------------------------------------------------- batched path (M > 1)
+// Register-blocked GEMM on a dequantized panel, the BLIS way with the operands' roles swapped so that no
+// weight is ever transposed: y^T[n, m] = sum_k W[n, k] x^T[k, m].
+//   - x is packed once per call, transposed, in blocks of MB = 8 * MV rows: xt[k * MB + i] = x[m0 + i, k]
+//     (zero-padded past M), so one k gives MV vectors along m;
+//   - PR rows of W are dequantized once into a thread-local panel wt[PR][K] (L1/L2-sized) and reused
+//     against every block of x: each weight is decoded once per M chunk, not once per row of x;
+//   - the micro-kernel keeps PR x MV accumulators in registers (12 of AVX2's 16), broadcasting one
+//     weight per row and FMA-ing it into MV vectors of x: MV loads + PR broadcasts per PR * MV FMAs.
+// Tiles: 6 x 16 (MV = 2) for blocks of 16 rows of x, 12 x 8 (MV = 1) for the last 8 or fewer, so a ragged
+// or small M wastes at most 7 padded rows. x is processed in chunks of rows whose packed copy is
+// PACKED_X_BYTES (L2-resident), W's panels dequantized again per chunk.
+template <int MV>
+constexpr int panel_rows() {
+  return MV == 2 ? 6 : 12;
+}
+
+// c[r * MB + i] = sum_k wt[r * K + k] * xt[k * MB + i], r < PR, i < MB = 8 * MV.
+template <int MV>
+void micro_kernel(const float* wt, int64_t K, const float* xt, float* c) {
+  [[maybe_unused]] constexpr int PR = panel_rows<MV>(), MB = 8 * MV;
 #if KI_AVX2
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) {
-      const __m256 xv = _mm256_loadu_ps(xr + k);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(tile + r * K + k), xv, acc[r]);
+  // Named accumulators, not an array: GCC keeps an array of __m256 in memory, storing it every iteration.
+  if constexpr (MV == 2) {
+    const float *w0 = wt, *w1 = wt + K, *w2 = wt + 2 * K, *w3 = wt + 3 * K, *w4 = wt + 4 * K, *w5 = wt + 5 * K;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(xt + k * 16), b1 = _mm256_loadu_ps(xt + k * 16 + 8);
+      __m256 a = _mm256_broadcast_ss(w0 + k);
+      c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
+      a = _mm256_broadcast_ss(w1 + k);
+      c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
+      a = _mm256_broadcast_ss(w2 + k);
+      c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
+      a = _mm256_broadcast_ss(w3 + k);
+      c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
+      a = _mm256_broadcast_ss(w4 + k);
+      c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
+      a = _mm256_broadcast_ss(w5 + k);
+      c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+    const __m256 out[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    for (int i = 0; i < 12; ++i) _mm256_storeu_ps(c + 8 * i, out[i]);
+  } else {
+    const float* w0 = wt;
+    const int64_t K2 = 2 * K, K3 = 3 * K;
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+    __m256 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b = _mm256_loadu_ps(xt + k * 8);
+      const float* p = w0 + k;
+      c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p), b, c0);
+      c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), b, c1);
+      c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K2), b, c2);
+      p += K3;
+      c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p), b, c3);
+      c4 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), b, c4);
+      c5 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K2), b, c5);
+      p += K3;
+      c6 = _mm256_fmadd_ps(_mm256_broadcast_ss(p), b, c6);
+      c7 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), b, c7);
+      c8 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K2), b, c8);
+      p += K3;
+      c9 = _mm256_fmadd_ps(_mm256_broadcast_ss(p), b, c9);
+      c10 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K), b, c10);
+      c11 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + K2), b, c11);
+    }
+    const __m256 out[12] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    for (int i = 0; i < 12; ++i) _mm256_storeu_ps(c + 8 * i, out[i]);
+  }
 #else
-    for (int r = 0; r < R; ++r) out[r] = 0.0f;
+  for (int r = 0; r < PR; ++r) {
+    float acc[MB] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = wt[r * K + k];
+      for (int i = 0; i < MB; ++i) acc[i] += a * xt[k * MB + i];
+    }
+    for (int i = 0; i < MB; ++i) c[r * MB + i] = acc[i];
+  }
 #endif
-    for (; k < K; ++k)
-      for (int r = 0; r < R; ++r) out[r] += tile[r * K + k] * xr[k];
-    float* yr = y + i * y_stride + n0;
-    for (int r = 0; r < R; ++r) yr[r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+}
+
+// AVX-512: one 12 x 16 tile (a 16-row block of x against the whole 12-row panel, 12 zmm accumulators)
+// instead of two 6 x 16 AVX2 tiles. Compiled on every x86-64 build through a target attribute and chosen
+// at run time (avx512_enabled) only on a CPU that reports avx512f; the AVX2 path runs everywhere else.
+// UNTESTED: the machine this was written on is AVX2-only, so this code is compiled there, never run.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && KI_AVX2
+#define KI_AVX512_PATH 1
+__attribute__((target("avx512f"))) void micro_kernel_12x16_avx512(const float* wt, int64_t K, const float* xt,
+                                                                  float* c) {
+  __m512 acc[12];
+  // Fully unrolled over the 12 rows: GCC keeps them in zmm registers (32 of them), unlike the AVX2 case.
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 b = _mm512_loadu_ps(xt + k * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(wt[r * K + k]), b, acc[r]);
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) _mm512_storeu_ps(c + r * 16, acc[r]);
+}
+
+bool avx512_enabled() {
+  static const bool on = __builtin_cpu_supports("avx512f");
+  return on;
+}
+#else
+#define KI_AVX512_PATH 0
+inline bool avx512_enabled() { return false; }
+#endif
+
+// x rows [m0, m0 + mb), mb <= MB, transposed into xt[k * MB + i], zero past mb.
+template <int MB>
+void pack_x(const float* x, int64_t x_stride, int64_t m0, int64_t mb, int64_t K, float* xt) {
+  for (int64_t k0 = 0; k0 < K; k0 += 64) {  // 64 k at a time: the MB source rows' lines stay in L1
+    const int64_t k1 = std::min(K, k0 + 64);
+    for (int64_t i = 0; i < MB; ++i) {
+      if (i < mb) {
+        const float* xr = x + (m0 + i) * x_stride;
+        for (int64_t k = k0; k < k1; ++k) xt[k * MB + i] = xr[k];
+      } else {
+        for (int64_t k = k0; k < k1; ++k) xt[k * MB + i] = 0.0f;
+      }
+    }
   }
 }
+
+// One panel of W (rows [n0, n0 + rows), dequantized in wt) against x rows [m0, m0 + mb) (packed in xt).
+template <int MV>
+void panel_block(const float* wt, int64_t K, const float* xt, int64_t m0, int64_t mb, int64_t n0, int rows,
+                 const float* bias, float* y, int64_t y_stride) {
+  constexpr int PR = panel_rows<MV>(), MB = 8 * MV;
+  alignas(32) float c[PR * MB];
+  micro_kernel<MV>(wt, K, xt, c);
+  for (int64_t i = 0; i < mb; ++i) {
+    float* yr = y + (m0 + i) * y_stride + n0;
+    for (int r = 0; r < rows; ++r) yr[r] = c[r * MB + i] + (bias ? bias[n0 + r] : 0.0f);
+  }
+}
+
+constexpr int64_t PACKED_X_BYTES = 512 << 10;  // x rows per chunk: their packed copy stays in L2 (1 MiB here)
+constexpr int PANEL = 12;  // rows of W dequantized at a time: two 6 x 16 tiles or one 12 x 8 tile
+
+// One x row against rows [n0, n1) of W: y[n] = sum_k W[n, k] x[k] (+ bias[n]). xsum: the row's 32-block
+// sums (the GGUF path), or null.
+template <int BITS, bool F16>
+void gemv_span(const KiQWeight& w, const float* x, const float* xsum, int64_t n0, int64_t n1, const float* bias,
+               float* y) {
+#if KI_AVX2
+  if (xsum) {
+    for (int64_t n = n0; n < n1; ++n) {
+      gemv_row_g32<BITS>(w, x, xsum, n, y + n);
+      if (bias) y[n] += bias[n];
+    }
+    return;
+  }
+#endif
+  int64_t n = n0;
+  float out[NR];
+  for (; n + NR <= n1; n += NR) {
+    gemv_rows<BITS, F16, NR>(w, x, n, out);
+    for (int r = 0; r < NR; ++r) y[n + r] = out[r] + (bias ? bias[n + r] : 0.0f);
+  }
+  for (; n < n1; ++n) {
+    gemv_rows<BITS, F16, 1>(w, x, n, out);
+    y[n] = out[0] + (bias ? bias[n] : 0.0f);
+  }
+}
+
+// Rows of x up to this many take the GEMV path (W re-read from L1/L2 per row, decoded in registers);
+// from here on the dequantized-panel GEMM (measured by benchmarks/cpu_qlinear.py, `small_m`).
+// A tuning knob (kubeinfer_qlinear_set_gemv_max_rows) only so that the benchmark can measure both paths.
+int64_t gemv_max_rows = 4;
+constexpr int64_t GEMV_CHUNK = 32;  // rows of W per task when several x rows share them: ~9-18 KiB, in L1
 
 template <int BITS, bool F16>
 void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
              int64_t y_stride, int nthreads) {
   const int64_t N = w.n, K = w.k;
-  const int64_t full = N / NR, tasks = full + (N % NR);
-  if (m == 1 && F16 && w.group_size == 32 && KI_AVX2) {
-#if KI_AVX2
-    std::vector<float> xsum(static_cast<size_t>(K / 32));
-    for (int64_t b = 0; b < K / 32; ++b) {
+  if (m <= gemv_max_rows) {
+    const bool g32 = KI_AVX2 && F16 && w.group_size == 32;
+    std::vector<float> xsum(g32 ? static_cast<size_t>(m * (K / 32)) : 0);
+    for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+      const float* xb = x + (i / (K / 32)) * x_stride + (i % (K / 32)) * 32;
       float s = 0.0f;
-      for (int j = 0; j < 32; ++j) s += x[b * 32 + j];
-      xsum[b] = s;
+      for (int j = 0; j < 32; ++j) s += xb[j];
+      xsum[i] = s;
     }
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n = 0; n < N; ++n) {
-      gemv_row_g32<BITS>(w, x, xsum.data(), n, y + n);
-      if (bias) y[n] += bias[n];
-    }
-#endif
-    return;
-  }
-  if (m == 1) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t t = 0; t < tasks; ++t) {
-      float out[NR];
-      int64_t n0;
-      int R;
-      if (t < full) {
-        n0 = t * NR;
-        R = NR;
-        gemv_rows<BITS, F16, NR>(w, x, n0, out);
-      } else {
-        n0 = full * NR + (t - full);
-        R = 1;
-        gemv_rows<BITS, F16, 1>(w, x, n0, out);
+    auto xs = [&](int64_t i) { return g32 ? xsum.data() + i * (K / 32) : nullptr; };
+    if (m == 1) {  // one contiguous span of W per thread, each weight read once
+#pragma omp parallel num_threads(nthreads)
+      {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t n0 = N * t / T / NR * NR, n1 = t + 1 == T ? N : N * (t + 1) / T / NR * NR;
+        gemv_span<BITS, F16>(w, x, xs(0), n0, n1, bias, y);
       }
-      for (int r = 0; r < R; ++r) y[n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+      return;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t c = 0; c < (N + GEMV_CHUNK - 1) / GEMV_CHUNK; ++c) {
+      const int64_t n0 = c * GEMV_CHUNK, n1 = std::min(N, n0 + GEMV_CHUNK);
+      for (int64_t i = 0; i < m; ++i) gemv_span<BITS, F16>(w, x + i * x_stride, xs(i), n0, n1, bias, y + i * y_stride);
     }
     return;
   }
+  // M > 1: x packed whole (its 16-row blocks, then 8-row blocks for the rest), then one pass over W's
+  // 12-row panels per chunk of x rows. A single parallel region with one barrier (after packing): on a
+  // shared, oversubscribed machine every barrier can cost a scheduler time slice.
+  const int64_t full = m / 16 * 16, rest = m - full, nb16 = full / 16, nb8 = (rest + 7) / 8;
+  const int64_t per_chunk = std::max<int64_t>(1, PACKED_X_BYTES / (64 * K));  // 16-row blocks per chunk
+  const int64_t chunks = std::max<int64_t>(1, (nb16 + per_chunk - 1) / per_chunk);
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  [[maybe_unused]] const bool avx512 = avx512_enabled();
+  std::vector<float> xt(static_cast<size_t>((full + 8 * nb8) * K));
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> tile(static_cast<size_t>(NR * K));
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      if (t < full) {
-        dequant_rows<BITS, F16>(w, nullptr, t * NR, NR, tile.data(), K);
-        tile_dot<NR>(tile.data(), K, x, m, x_stride, y, y_stride, bias, t * NR);
+    for (int64_t b = 0; b < nb16 + nb8; ++b) {
+      if (b < nb16) {
+        pack_x<16>(x, x_stride, 16 * b, 16, K, xt.data() + 16 * b * K);
       } else {
-        const int64_t n0 = full * NR + (t - full);
-        dequant_rows<BITS, F16>(w, nullptr, n0, 1, tile.data(), K);
-        tile_dot<1>(tile.data(), K, x, m, x_stride, y, y_stride, bias, n0);
+        const int64_t i0 = full + 8 * (b - nb16);
+        pack_x<8>(x, x_stride, i0, std::min<int64_t>(8, m - i0), K, xt.data() + i0 * K);
+      }
+    }
+    std::vector<float> wt(static_cast<size_t>(PANEL * K));
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b0 = c * per_chunk, b1 = std::min(nb16, b0 + per_chunk);
+      // Static schedule: a thread keeps the same panels in every chunk, so no barrier between chunks.
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = p * PANEL;
+        const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
+        dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt.data(), K);
+        if (rows < PANEL) std::memset(wt.data() + rows * K, 0, sizeof(float) * (PANEL - rows) * K);
+        for (int64_t b = b0; b < b1; ++b) {
+#if KI_AVX512_PATH
+          if (avx512) {
+            alignas(64) float c16[PANEL * 16];
+            micro_kernel_12x16_avx512(wt.data(), K, xt.data() + 16 * b * K, c16);
+            for (int64_t i = 0; i < 16; ++i) {
+              float* yr = y + (16 * b + i) * y_stride + n0;
+              for (int r = 0; r < rows; ++r) yr[r] = c16[r * 16 + i] + (bias ? bias[n0 + r] : 0.0f);
+            }
+            continue;
+          }
+#endif
+          for (int r0 = 0; r0 < rows; r0 += 6) {
+            panel_block<2>(wt.data() + r0 * K, K, xt.data() + 16 * b * K, 16 * b, 16, n0 + r0,
+                           std::min(6, rows - r0), bias, y, y_stride);
+          }
+        }
+        if (c + 1 == chunks) {
+          for (int64_t i0 = full; i0 < m; i0 += 8) {
+            panel_block<1>(wt.data(), K, xt.data() + i0 * K, i0, std::min<int64_t>(8, m - i0), n0, rows, bias, y,
+                           y_stride);
+          }
+        }
       }
     }
   }
@@ -397,7 +606,7 @@ bool valid(const KiQWeight* w) {
   if (w->bits != 4 && w->bits != 8) return false;
   if ((w->groups - 1) * w->group_size >= w->k || w->groups * w->group_size < w->k) return false;
   if (w->bits == 4 && (w->k % 32 || w->group_size % 32 || w->row_bytes != w->k / 2)) return false;
-  if (w->bits == 8 && (w->row_bytes != w->k || (w->groups > 1 && w->group_size % 32))) return false;
+  if (w->bits == 8 && (w->row_bytes != w->k || (w->groups > 1 && w->group_size % 16))) return false;
   return true;
 }
 
@@ -418,7 +627,14 @@ extern "C" {
 
 int32_t kubeinfer_qlinear_abi() { return 1; }
 
-const char* kubeinfer_qlinear_isa() { return KI_AVX2 ? "avx2" : "portable"; }
+// Sets the largest M served by the GEMV path (benchmarks only: not thread-safe against running kernels).
+void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows) { gemv_max_rows = std::max<int64_t>(rows, 1); }
+
+// The code path the batched kernel runs on this CPU: "avx512" (chosen at run time), "avx2" or "portable".
+const char* kubeinfer_qlinear_isa() { return avx512_enabled() ? "avx512" : KI_AVX2 ? "avx2" : "portable"; }
+
+// 1 when the AVX-512 code path is compiled into this build (whether or not this CPU can run it).
+int32_t kubeinfer_qlinear_has_avx512_path() { return KI_AVX512_PATH; }
 
 // y[i * y_stride + n] = sum_k x[i * x_stride + k] * W[n, k] (+ bias[n]) for i < m, n < w->n.
 int32_t kubeinfer_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
