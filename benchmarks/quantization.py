@@ -2,6 +2,12 @@
 
     python benchmarks/quantization.py                        # all methods on the embedded SmolLM2
     python benchmarks/quantization.py --methods none int4 awq --decode-tokens 16
+    python benchmarks/quantization.py --compare-cpu-paths --methods int8 int4 awq gptq --rounds 3
+
+--compare-cpu-paths loads each method twice, with the previous CPU layers (torch's bf16 int4/int8
+kernels) and with the weights repacked for our weight-only kernel (server/quant/cpu_repack.py), and
+alternates 1-user greedy decodes between the two engines (rounds x each), so both see the same machine
+load; it reports the median tokens/s of each, their ratio and the weight bytes each holds.
 
 AWQ and GPTQ checkpoints are written once by our quantizer into --work-dir and reused. Perplexity is
 over the held-out text of server.quantize.evaluation (scored in fp32, as the tests do); decode speed is a
@@ -13,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -84,9 +93,82 @@ def _decode_speed(llm: LLMEngine, prompt: list[int], tokens: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+def _engine(folder: Path, flag: str | None, threads: int) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), quantize=flag, dtype="float32"),
+            cache=CacheConfig(num_kv_blocks=64),
+            max_num_seqs=1,
+            device="cpu",
+            num_threads=threads,
+        )
+    )
+
+
+def _compare_cpu_paths(args: argparse.Namespace) -> dict[str, Any]:
+    from server.quant.cpu_repack import cpu_kernel_enabled, previous_cpu_path
+
+    if not cpu_kernel_enabled():
+        raise SystemExit("the CPU weight-only kernel cannot be built here: nothing to compare")
+    base_folder = resolve_model(None).folder
+    results = []
+    for method in args.methods:
+        if method not in ("int8", "int4", "awq", "gptq"):
+            raise SystemExit(f"--compare-cpu-paths covers int8, int4, awq and gptq, not {method}")
+        folder = (
+            _checkpoint(method, args.work_dir, args.calib_tokens) if method in PREQUANTIZED else base_folder
+        )
+        flag = None if method in PREQUANTIZED else method
+        with previous_cpu_path():
+            old = _engine(folder, flag, args.threads)
+        new = _engine(folder, flag, args.threads)
+        prompt = new.tokenizer.encode("The history of the printing press")
+        speeds: dict[str, list[float]] = {"previous": [], "kernel": []}
+        for _ in range(args.rounds):
+            speeds["previous"].append(_decode_speed(old, prompt, args.decode_tokens))
+            speeds["kernel"].append(_decode_speed(new, prompt, args.decode_tokens))
+        prev, kern = statistics.median(speeds["previous"]), statistics.median(speeds["kernel"])
+        row = {
+            "method": method,
+            "previous_tokens_per_s": round(prev, 2),
+            "kernel_tokens_per_s": round(kern, 2),
+            "speedup": round(kern / prev, 3),
+            "previous_runs": [round(v, 2) for v in speeds["previous"]],
+            "kernel_runs": [round(v, 2) for v in speeds["kernel"]],
+            "previous_weight_bytes": old.info.weight_bytes,
+            "kernel_weight_bytes": new.info.weight_bytes,
+            "previous_projection_layer": type(old.loaded.model.model.layers[0].mlp.down_proj).__name__,
+            "kernel_projection_layer": type(new.loaded.model.model.layers[0].mlp.down_proj).__name__,
+        }
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        results.append(row)
+        del old, new
+    return {
+        "model": "SmolLM2-135M-Instruct (embedded), fp32 activations, 1 user greedy decode",
+        "decode_tokens": args.decode_tokens,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "cpu": _cpu_model(),
+        "load_average_at_start": os.getloadavg(),
+        "note": "previous and kernel runs alternate on one process: compare the ratio, not absolutes",
+        "results": results,
+    }
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    ap.add_argument(
+        "--compare-cpu-paths", action="store_true", help="previous vs kernel CPU path, interleaved"
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--compare-cpu-paths: decodes per path")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/kubeinfer-quant-bench"))
     ap.add_argument("--calib-tokens", type=int, default=128, help="as the tests (see docs/quantization.md)")
     ap.add_argument("--eval-tokens", type=int, default=257)
@@ -94,6 +176,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.compare_cpu_paths:
+        print(json.dumps(_compare_cpu_paths(args), indent=2))
+        return 0
 
     base_folder = resolve_model(None).folder
     ids = Tokenizer(base_folder).encode(HELDOUT_TEXT, add_special_tokens=False)[: args.eval_tokens]
