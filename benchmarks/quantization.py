@@ -53,6 +53,7 @@ ALL_METHODS = (
     "bitsandbytes-nf4",
     "bitsandbytes-fp4",
 )
+DOWN = "model.layers.0.mlp.down_proj"
 PREQUANTIZED = {
     "awq": {"method": "awq", "awq_grid": 10},
     "gptq": {"method": "gptq", "sym": False, "act_order": True, "damp_percent": 0.1},
@@ -137,8 +138,8 @@ def _compare_cpu_paths(args: argparse.Namespace) -> dict[str, Any]:
             "kernel_runs": [round(v, 2) for v in speeds["kernel"]],
             "previous_weight_bytes": old.info.weight_bytes,
             "kernel_weight_bytes": new.info.weight_bytes,
-            "previous_projection_layer": type(old.loaded.model.model.layers[0].mlp.down_proj).__name__,
-            "kernel_projection_layer": type(new.loaded.model.model.layers[0].mlp.down_proj).__name__,
+            "previous_projection_layer": type(old.loaded.model.get_submodule(DOWN)).__name__,
+            "kernel_projection_layer": type(new.loaded.model.get_submodule(DOWN)).__name__,
         }
         print(json.dumps(row), file=sys.stderr, flush=True)
         results.append(row)
@@ -152,7 +153,50 @@ def _compare_cpu_paths(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_at_start": os.getloadavg(),
         "note": "previous and kernel runs alternate on one process: compare the ratio, not absolutes",
         "results": results,
+        "layers": _layer_times(max(5, args.rounds)),
     }
+
+
+def _layer_times(rounds: int, calls: int = 50) -> list[dict[str, Any]]:
+    """One projection at 1 row (decode), previous layer vs kernel layer, alternating: median wall and
+    thread-CPU microseconds per call (CPU time leaves out the time this thread waited for a core)."""
+    from server.quant.cpu_repack import int4_linear, int8_linear, quantize_int8
+    from server.quant.formats import quantize_rtn
+    from server.quant.layers import Int4Linear, Int8Linear
+
+    rows = []
+    for n, k in ((1536, 576), (576, 1536)):  # SmolLM2's gate/up and down projections
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
+        pairs: dict[str, tuple[Any, Any]] = {
+            "int8": (Int8Linear.quantize(w, None), int8_linear(*quantize_int8(w), None)),
+            "int4-g64": (Int4Linear(quantize_rtn(w, 64), None), int4_linear(quantize_rtn(w, 64), None)),
+        }
+        x = torch.randn(1, k)
+        for name, (old, new) in pairs.items():
+            wall: dict[str, list[float]] = {"previous": [], "kernel": []}
+            cpu: dict[str, list[float]] = {"previous": [], "kernel": []}
+            for _ in range(rounds):
+                for key, layer in (("previous", old), ("kernel", new)):
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    for _ in range(calls):
+                        layer(x)
+                    wall[key].append((time.perf_counter() - t0) / calls * 1e6)
+                    cpu[key].append((time.thread_time() - c0) / calls * 1e6)
+            med = {
+                f"{m}_{key}_us": round(statistics.median(d[key]), 1)
+                for m, d in (("wall", wall), ("cpu", cpu))
+                for key in d
+            }
+            rows.append(
+                {
+                    "layer": f"{name} [{n}, {k}] x 1 row",
+                    **med,
+                    "cpu_speedup": round(med["cpu_previous_us"] / med["cpu_kernel_us"], 3),
+                    "wall_speedup": round(med["wall_previous_us"] / med["wall_kernel_us"], 3),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
 
 
 def _cpu_model() -> str:
