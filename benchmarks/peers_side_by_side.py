@@ -258,6 +258,11 @@ def missing(name: str, peers_dir: Path, start_script: Path) -> str | None:
         return f"{LABELS[name]} is not installed ({need} missing): run ../shared/peers/setup.sh {name}"
     if not (peers_dir / "model").is_dir() or (name == "vllm" and not (peers_dir / "hf").is_dir()):
         return f"the peers' model files are not under {peers_dir}: run ../shared/peers/setup.sh model"
+    if name == "vllm":  # the venv exists while setup.sh is still installing into it
+        try:
+            subprocess.run([str(need), "-c", "import vllm"], capture_output=True, timeout=300, check=True)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            return f"vLLM does not import from {need} (still being installed?): see ../shared/peers/setup.sh"
     return None
 
 
