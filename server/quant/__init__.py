@@ -9,6 +9,7 @@ in the model dtype, as TGI and vLLM do.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from server.quant import cpu_repack
 from server.quant.config import BLOCK_FORMATS, QuantConfig, resolve_quant_config
-from server.quant.formats import awq_decode, gptq_decode, pick_group_size, quantize_rtn
+from server.quant.formats import Int4Weights, awq_decode, gptq_decode, pick_group_size, quantize_rtn
 from server.quant.layers import (
     AwqCheckpointLinear,
     BnbLinear,
@@ -39,6 +41,8 @@ __all__ = [
     "resolve_quant_config",
     "weight_bytes",
 ]
+
+log = logging.getLogger(__name__)
 
 PROJECTION_RE = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$")
 
@@ -104,16 +108,26 @@ def _bias(module: nn.Module, dtype: torch.dtype) -> Tensor | None:
     return None if bias is None else bias.detach().to(dtype)
 
 
-def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Module | None:
+def _int4(w: Int4Weights, bias: Tensor | None, name: str) -> QuantLinear:
+    """On CPU the weight-only kernel's int4 layout when it holds `w` (cpu_repack.py), else Int4Linear."""
+    if w.intweight.device.type == "cpu" and cpu_repack.cpu_kernel_enabled():
+        problem = cpu_repack.int4_layout_problem(w)
+        if problem is None:
+            return cpu_repack.int4_linear(w, bias)
+        log.info("%s keeps torch's int4 path: %s", name, problem)
+    return Int4Linear(w, bias)
+
+
+def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, name: str) -> nn.Module | None:
     bias = _bias(module, dtype)
     if isinstance(module, AwqCheckpointLinear):
         w = awq_decode(module.qweight, module.qzeros, module.scales, module.group_size)
-        return Int4Linear(w, bias)
+        return _int4(w, bias, name)
     if isinstance(module, GptqCheckpointLinear):
         w = gptq_decode(
             module.qweight, module.qzeros, module.scales, module.g_idx, module.group_size, qcfg.zero_offset
         )
-        return Int4Linear(w, bias)
+        return _int4(w, bias, name)
     if isinstance(module, Fp8CheckpointLinear):
         scale = module.weight_scale.float().reshape(-1)
         if scale.numel() == 1:
@@ -127,9 +141,11 @@ def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Mod
         return None
     weight = module.weight.detach()  # [N, K]
     if qcfg.method == "int8":
+        if weight.device.type == "cpu" and cpu_repack.cpu_kernel_enabled():
+            return cpu_repack.int8_linear(*cpu_repack.quantize_int8(weight), bias)
         return Int8Linear.quantize(weight, bias)
     if qcfg.method == "int4":
-        return Int4Linear(quantize_rtn(weight, pick_group_size(module.in_features, qcfg.group_size)), bias)
+        return _int4(quantize_rtn(weight, pick_group_size(module.in_features, qcfg.group_size)), bias, name)
     if qcfg.method == "fp8":
         return Fp8Linear.quantize(weight, bias)
     if qcfg.method in BLOCK_FORMATS:
@@ -154,7 +170,7 @@ def finalize(model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> None:
             if isinstance(p.module, nn.Linear):
                 p.module.to(dtype)
             continue
-        new = _convert(p.module, qcfg, dtype)
+        new = _convert(p.module, qcfg, dtype, p.name)
         if new is not None:
             setattr(p.parent, p.attr, new)
     leftovers = [p.name for p in iter_projections(model) if not isinstance(p.module, QuantLinear | nn.Linear)]
