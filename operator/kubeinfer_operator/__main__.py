@@ -174,21 +174,25 @@ def _run(
     kopf.configure(
         verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_json else kopf.LogFormat.FULL
     )
-    stop = stop_flag if stop_flag is not None else threading.Event()
+    # kopf waits for a threading.Event in an executor thread, which must end: pass only the caller's
+    # (who sets it); kopf handles SIGTERM/SIGINT itself.
     run_kwargs: dict[str, Any] = {
         "clusterwide": args.all_namespaces,
         "namespaces": args.namespace or (),
         "liveness_endpoint": args.liveness or None,
-        "stop_flag": stop,
+        "stop_flag": stop_flag,
     }
     if config is None:
         kopf.run(peering_name=args.peering, standalone=args.standalone or None, **run_kwargs)
         return 0
 
     # Leader election has its own client: renewals never queue behind slow reconcile calls.
-    store = KubeClient.from_environment(request_timeout=max(1.0, config.renew_deadline / 2))
+    store = KubeClient.from_environment(
+        request_timeout=max(1.0, config.renew_deadline / 2), retries=False
+    )
     elector = LeaderElector(store, config)
     try:
+        stop = stop_flag if stop_flag is not None else threading.Event()
         with _standby_liveness(args.liveness or None), _stop_on_signals(stop):
             if not elector.acquire(stop):
                 return 0

@@ -83,13 +83,19 @@ class KubeClient:
         self.discovery_ttl = discovery_ttl
 
     @classmethod
-    def from_environment(cls, request_timeout: float = 30.0, discovery_ttl: float = 60.0) -> KubeClient:
-        """In-cluster service account if present, else KUBECONFIG (the same order kopf logs in with)."""
+    def from_environment(
+        cls, request_timeout: float = 30.0, discovery_ttl: float = 60.0, retries: bool | None = None
+    ) -> KubeClient:
+        """In-cluster service account if present, else KUBECONFIG (the same order kopf logs in with).
+        retries=False: no transparent urllib3 retries (leader election: a retried PUT whose first try
+        went through would come back 409, and each attempt must fit the renew deadline)."""
         cfg = kclient.Configuration()
         try:
             kconfig.load_incluster_config(client_configuration=cfg)
         except ConfigException:
             kconfig.load_kube_config(client_configuration=cfg)
+        if retries is not None:
+            cfg.retries = retries
         return cls(kclient.ApiClient(cfg), request_timeout=request_timeout, discovery_ttl=discovery_ttl)
 
     def close(self) -> None:
