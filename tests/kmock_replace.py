@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp.web
 from kmock import KubernetesEmulator, KubernetesError

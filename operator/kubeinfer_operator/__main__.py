@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from .defaults import ClusterDefaults
 from .leader import LeaderElectionConfig, LeaderElector, parse_duration
 from .render import Capabilities, render_all
 from .spec import InferenceModel, InvalidSpecError, semantic_errors
@@ -41,10 +42,12 @@ def _render(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         with open(args.file, encoding="utf-8") as fh:
             text = fh.read()
     manifests = [doc for doc in yaml.safe_load_all(text) if doc]
-    caps = Capabilities(service_monitor=not args.no_service_monitor, keda=True)
     try:
+        # The operator's installation defaults (default images, pull secrets) apply here too.
+        defaults = ClusterDefaults.from_environment(os.environ)
+        caps = Capabilities(service_monitor=not args.no_service_monitor, keda=True, defaults=defaults)
         objects = render_documents(manifests, caps)
-    except InvalidSpecError as exc:
+    except (InvalidSpecError, ValueError) as exc:
         print(f"error: {exc}", file=stderr)
         return 1
     yaml.safe_dump_all(objects, stdout, sort_keys=False)
@@ -98,7 +101,7 @@ def leader_election_config(args: argparse.Namespace) -> LeaderElectionConfig:
 class _Healthz(http.server.BaseHTTPRequestHandler):
     path_ok = "/healthz"
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         ok = urllib.parse.urlsplit(self.path).path == self.path_ok
         body = b"{}" if ok else b"not found"
         self.send_response(200 if ok else 404)
@@ -107,7 +110,7 @@ class _Healthz(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
@@ -187,9 +190,7 @@ def _run(
         return 0
 
     # Leader election has its own client: renewals never queue behind slow reconcile calls.
-    store = KubeClient.from_environment(
-        request_timeout=max(1.0, config.renew_deadline / 2), retries=False
-    )
+    store = KubeClient.from_environment(request_timeout=max(1.0, config.renew_deadline / 2), retries=False)
     elector = LeaderElector(store, config)
     try:
         stop = stop_flag if stop_flag is not None else threading.Event()
@@ -212,7 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubeinfer-operator")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    render = sub.add_parser("render", help="print every object the operator would apply, as YAML")
+    render = sub.add_parser(
+        "render",
+        help="print every object the operator would apply, as YAML",
+        description="Print every object the operator would apply, as YAML. The operator's "
+        "KUBEINFER_DEFAULT_SERVER_IMAGE, KUBEINFER_DEFAULT_ROUTER_IMAGE and "
+        "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS apply as they do in the operator.",
+    )
     render.add_argument("-f", "--file", required=True, help="InferenceModel YAML ('-' for stdin)")
     render.add_argument(
         "--no-service-monitor",

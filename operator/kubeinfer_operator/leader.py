@@ -219,7 +219,10 @@ class LeaderElector:
         """Block until we lead (True) or `stop` is set (False), trying every retry period (jittered,
         so that candidates started together do not retry in lockstep)."""
         log.info(
-            "waiting to lead: lease %s/%s as %s", self.config.namespace, self.config.lease_name, self.config.identity
+            "waiting to lead: lease %s/%s as %s",
+            self.config.namespace,
+            self.config.lease_name,
+            self.config.identity,
         )
         while not stop.is_set():
             if self.try_acquire_or_renew():

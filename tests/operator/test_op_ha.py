@@ -103,7 +103,11 @@ class Operator:
         out = []
         for index, r in enumerate(list(cluster.server)):
             method = str(getattr(r.method, "value", r.method)).upper()
-            if index >= since and method in WRITES and r.headers.get("Authorization") == f"Bearer {self.token}":
+            if (
+                index >= since
+                and method in WRITES
+                and r.headers.get("Authorization") == f"Bearer {self.token}"
+            ):
                 out.append(Write(index, method, r.resource.plural if r.resource else "", r.name))
         return out
 
@@ -170,9 +174,7 @@ def assert_children_exact(cluster: MockCluster) -> None:
             assert owners and all(uid in models for uid in owners), f"orphaned {kind} {child['metadata']}"
     for uid, body in models.items():
         im = InferenceModel.from_manifest(body)
-        wanted = sorted(
-            (o["kind"], o["metadata"]["name"]) for o in render_all(im, Capabilities()).objects
-        )
+        wanted = sorted((o["kind"], o["metadata"]["name"]) for o in render_all(im, Capabilities()).objects)
         have = sorted(
             (kind, c["metadata"]["name"])
             for kind in CHILD_KINDS
@@ -200,16 +202,16 @@ def model(name: str, scaling: dict[str, Any] | None = None) -> dict[str, Any]:
     return inference_model(spec, name=name)
 
 
-def test_only_the_leader_reconciles_and_the_next_one_takes_over(
-    cluster: MockCluster, operators: Any
-) -> None:
+def test_only_the_leader_reconciles_and_the_next_one_takes_over(cluster: MockCluster, operators: Any) -> None:
     a = operators("a")
     wait_for(lambda: holder(cluster) == "a", timeout=60, what="a leads")
     b = operators("b")
     wait_for(b.healthy, timeout=60, what="b's liveness endpoint while it waits")
     cluster.create("InferenceModel", model("m1", {"replicas": 2, "maxReplicas": 2}))
     cluster.create("InferenceModel", model("m2", {"autoscaler": "HPA", "minReplicas": 1, "maxReplicas": 3}))
-    wait_for(lambda: children_ready(cluster, "m1") and children_ready(cluster, "m2"), timeout=60, what="children")
+    wait_for(
+        lambda: children_ready(cluster, "m1") and children_ready(cluster, "m2"), timeout=60, what="children"
+    )
     assert holder(cluster) == "a" and transitions(cluster) == 0
     assert a.child_writes(cluster), "the leader applied the children"
     assert b.writes(cluster) == [], "the standby wrote nothing, not even the Lease"
@@ -225,8 +227,12 @@ def test_only_the_leader_reconciles_and_the_next_one_takes_over(
     cluster.patch("InferenceModel", "m1", {"spec": {"engine": {"maxModelLen": 4096}}})
     cluster.create("InferenceModel", model("m3"))
     wait_for(
-        lambda: "--max-total-tokens"
-        in (stored(cluster, "Deployment", "m1") or {})["spec"]["template"]["spec"]["containers"][0]["args"],
+        lambda: (
+            "--max-total-tokens"
+            in (stored(cluster, "Deployment", "m1") or {})["spec"]["template"]["spec"]["containers"][0][
+                "args"
+            ]
+        ),
         timeout=60,
         what="m1 rolled out by b",
     )

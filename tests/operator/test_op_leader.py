@@ -178,7 +178,9 @@ class RacingStore:
         return self.kube.replace_lease(namespace, name, body)
 
 
-def test_two_candidates_taking_an_expired_lease_never_both_win(cluster: MockCluster, kube: KubeClient) -> None:
+def test_two_candidates_taking_an_expired_lease_never_both_win(
+    cluster: MockCluster, kube: KubeClient
+) -> None:
     clock = FakeClock()
     old = LeaderElector(kube, config("old"), clock=clock)
     assert old.try_acquire_or_renew()
