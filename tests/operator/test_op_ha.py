@@ -223,6 +223,7 @@ def test_only_the_leader_reconciles_and_the_next_one_takes_over(cluster: MockClu
     wait_for(lambda: holder(cluster) == "b", timeout=10, what="b leads after a's release")
     assert time.monotonic() - stopped <= MAX_RETRY_WAIT + 1.5
     assert transitions(cluster) == 1
+    wait_for(b.healthy, timeout=30, what="kopf's liveness endpoint in b, on the standby's port")
     # b reconciles: a spec change rolls out, a new model gets its children, nothing is duplicated.
     cluster.patch("InferenceModel", "m1", {"spec": {"engine": {"maxModelLen": 4096}}})
     cluster.create("InferenceModel", model("m3"))
