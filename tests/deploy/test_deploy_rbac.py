@@ -182,7 +182,7 @@ def model(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
     from kubeinfer_operator.__main__ import _run, build_parser
 
-    # The chart's own `kopf run` arguments; only the liveness address moves to a free local port.
+    # The chart's own `kubeinfer-operator run` arguments; only the liveness address moves to a free port.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         liveness_port = sock.getsockname()[1]
@@ -349,7 +349,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
 
 @pytest.fixture(scope="module")
 def chart(tmp_path_factory: pytest.TempPathFactory) -> HelmInstall:
-    # Rendered and installed by Helm itself with the default values: cluster-wide, peering off.
+    # Rendered and installed by Helm itself with the default values: cluster-wide, leader election on.
     inst = asyncio.run(helm_install({}, tmp_path_factory.mktemp("helm-rbac"), "kubeinfer-system", "ki"))
     assert inst.ok, inst.error
     return inst

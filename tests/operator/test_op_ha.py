@@ -122,7 +122,8 @@ class Operator:
             self.log.flush()
         return self.log_path.read_text()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 45) -> int:
+        # 45 s: a loaded machine; the chart's pods get Kubernetes' default 30 s grace period.
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
@@ -221,7 +222,7 @@ def test_only_the_leader_reconciles_and_the_next_one_takes_over(cluster: MockClu
     assert a.stop(signal.SIGTERM) == 0, a.output()[-3000:]
     stopped = time.monotonic()
     wait_for(lambda: holder(cluster) == "b", timeout=10, what="b leads after a's release")
-    assert time.monotonic() - stopped <= MAX_RETRY_WAIT + 1.5
+    assert time.monotonic() - stopped <= MAX_RETRY_WAIT + 3  # slack: a loaded machine
     assert transitions(cluster) == 1
     wait_for(b.healthy, timeout=30, what="kopf's liveness endpoint in b, on the standby's port")
     # b reconciles: a spec change rolls out, a new model gets its children, nothing is duplicated.
@@ -253,16 +254,18 @@ def test_only_the_leader_reconciles_and_the_next_one_takes_over(cluster: MockClu
     last_renew = (stored(cluster, "Lease", LEASE) or {})["spec"]["renewTime"]
     wait_for(
         lambda: (stored(cluster, "Lease", LEASE) or {})["spec"]["renewTime"] != last_renew,
-        timeout=5,
+        timeout=20,
         what="b renewing",
     )
+    renewed = time.monotonic()  # b's last renewal happened at or (if b renewed again) after this
     assert b.stop(signal.SIGKILL) == -signal.SIGKILL
     killed = time.monotonic()
-    wait_for(lambda: holder(cluster) == "c", timeout=LEASE_DURATION + 10, what="c leads after b died")
-    took = time.monotonic() - killed
-    # Not before the Lease expired (b renewed at most a retry period before it died), and within the
-    # lease time plus one jittered retry.
-    assert LEASE_DURATION - RETRY_PERIOD - 0.3 <= took <= LEASE_DURATION + MAX_RETRY_WAIT + 1.5, took
+    wait_for(lambda: holder(cluster) == "c", timeout=LEASE_DURATION + 15, what="c leads after b died")
+    taken = time.monotonic()
+    # Not before the Lease expired on c's clock (a lease duration after b's last renewal), and within
+    # the lease duration plus one jittered retry after the kill (plus slack for a loaded machine).
+    assert taken - renewed >= LEASE_DURATION - 0.5, taken - renewed
+    assert taken - killed <= LEASE_DURATION + MAX_RETRY_WAIT + 3, taken - killed
     assert transitions(cluster) == 2
     c_acquired = c.lease_writes(cluster)[0]
     assert c.writes(cluster)[0].plural == "leases"
@@ -299,7 +302,7 @@ def test_a_leader_that_cannot_renew_exits_and_the_standby_takes_over(
     )
     cut = time.monotonic()
     assert a.proc.wait(RENEW_DEADLINE + 10) == 1, a.output()[-3000:]
-    assert time.monotonic() - cut <= RENEW_DEADLINE + RETRY_PERIOD + 1.5
+    assert time.monotonic() - cut <= RENEW_DEADLINE + RETRY_PERIOD + 3  # slack: a loaded machine
     assert "leader election lost" in a.output()
     wait_for(lambda: holder(cluster) == "b", timeout=LEASE_DURATION + 10, what="b leads")
     assert transitions(cluster) == 1
