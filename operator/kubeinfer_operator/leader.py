@@ -231,13 +231,15 @@ class LeaderElector:
         return False
 
     def renew_until_lost(self) -> bool:
-        """Renew every retry period until stopped (returns False) or until no renewal succeeded for
-        renew_deadline (returns True: leadership lost)."""
+        """Renew every retry period until stopped (returns False), or until no renewal succeeded for
+        renew_deadline or another candidate is seen holding the Lease (returns True: leadership lost)."""
         cfg = self.config
         last_renewed = self._clock()
         while not self._stop.wait(cfg.retry_period):
             if self.try_acquire_or_renew():
                 last_renewed = self._clock()
+            elif self.observed_holder not in (None, cfg.identity):
+                return True  # another candidate holds the Lease: we are not leading, whatever the deadline
             elif self._clock() - last_renewed >= cfg.renew_deadline:
                 self._leading = False
                 return True

@@ -251,3 +251,20 @@ def test_leadership_is_lost_when_renewals_fail_for_the_renew_deadline(
     threading.Timer(5, stop.set).start()
     assert b.acquire(stop)
     assert lease(cluster)["spec"]["holderIdentity"] == "b"
+
+
+def test_a_leader_that_sees_another_holder_stops_at_once(cluster: MockCluster, kube: KubeClient) -> None:
+    timing = {"lease_duration": 15.0, "renew_deadline": 10.0, "retry_period": 0.2}
+    a = LeaderElector(kube, config("a", **timing))
+    assert a.acquire(threading.Event())
+    lost = threading.Event()
+    a.start_renewing(lost.set)
+    # Someone (an admin, a candidate with a skewed view) writes another holder into the Lease.
+    current = lease(cluster)
+    cluster.replace("Lease", {**current, "spec": {**current["spec"], "holderIdentity": "intruder"}})
+    started = time.monotonic()
+    assert lost.wait(5), "leadership not given up"
+    assert time.monotonic() - started < 2, "not after the renew deadline: at the next attempt"
+    assert not a.is_leader
+    a.stop()
+    assert lease(cluster)["spec"]["holderIdentity"] == "intruder", "never released what is not ours"
