@@ -10,6 +10,7 @@ import time
 import urllib.error
 from typing import Any
 
+import kubernetes_validate
 import pytest
 from kubeinfer_operator.k8s import KubeClient
 from kubeinfer_operator.leader import (
@@ -19,6 +20,7 @@ from kubeinfer_operator.leader import (
     parse_duration,
 )
 from op_cluster import Fault, MockCluster, wait_for
+from op_testlib import K8S_VERSIONS
 
 LEASE = "kubeinfer-operator"
 
@@ -38,6 +40,9 @@ def config(identity: str, **timing: float) -> LeaderElectionConfig:
 def lease(cluster: MockCluster) -> dict[str, Any]:
     out = cluster.get("Lease", LEASE)
     assert out is not None
+    # Every Lease the elector writes is one the API server's schema accepts.
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(out, version, strict=True)
     return out
 
 
