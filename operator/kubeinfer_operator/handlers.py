@@ -12,6 +12,7 @@ from typing import Any
 
 import kopf
 
+from .defaults import ClusterDefaults
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
 from .render import FIELD_MANAGER, MODEL_ANNOTATION, Capabilities, is_subset, render_all, selector_labels
@@ -30,6 +31,9 @@ RESYNC_SECONDS = float(os.environ.get("KUBEINFER_RESYNC_SECONDS", "60"))
 # after the operator started is picked up by the next resync after this.
 DISCOVERY_TTL_SECONDS = float(os.environ.get("KUBEINFER_DISCOVERY_TTL_SECONDS", "60"))
 ANNOTATION_PREFIX = GROUP
+# The installation's default images and pull secrets for the pods the operator creates (the chart's
+# global.imageRegistry, server.image, router.image, global.imagePullSecrets).
+DEFAULTS = ClusterDefaults.from_environment(os.environ)
 
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
@@ -147,6 +151,7 @@ def _capabilities(kube: KubeClient) -> Capabilities:
     return Capabilities(
         service_monitor=kube.serves(KINDS["ServiceMonitor"].api_version, KINDS["ServiceMonitor"].plural),
         keda=kube.serves(KINDS["ScaledObject"].api_version, KINDS["ScaledObject"].plural),
+        defaults=DEFAULTS,
     )
 
 

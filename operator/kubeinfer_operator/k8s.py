@@ -16,6 +16,7 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.config.config_exception import ConfigException
 
+from .leader import LeaseConflictError
 from .render import FIELD_MANAGER
 from .spec import API_VERSION, PLURAL
 
@@ -39,6 +40,8 @@ KINDS: dict[str, KindInfo] = {
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
+    # leader election between operator replicas (leader.py)
+    "Lease": KindInfo("coordination.k8s.io/v1", "leases"),
 }
 
 
@@ -80,13 +83,19 @@ class KubeClient:
         self.discovery_ttl = discovery_ttl
 
     @classmethod
-    def from_environment(cls, request_timeout: float = 30.0, discovery_ttl: float = 60.0) -> KubeClient:
-        """In-cluster service account if present, else KUBECONFIG (the same order kopf logs in with)."""
+    def from_environment(
+        cls, request_timeout: float = 30.0, discovery_ttl: float = 60.0, retries: bool | None = None
+    ) -> KubeClient:
+        """In-cluster service account if present, else KUBECONFIG (the same order kopf logs in with).
+        retries=False: no transparent urllib3 retries (leader election: a retried PUT whose first try
+        went through would come back 409, and each attempt must fit the renew deadline)."""
         cfg = kclient.Configuration()
         try:
             kconfig.load_incluster_config(client_configuration=cfg)
         except ConfigException:
             kconfig.load_kube_config(client_configuration=cfg)
+        if retries is not None:
+            cfg.retries = retries
         return cls(kclient.ApiClient(cfg), request_timeout=request_timeout, discovery_ttl=discovery_ttl)
 
     def close(self) -> None:
@@ -204,6 +213,31 @@ class KubeClient:
             body={"status": status},
             content_type="application/merge-patch+json",
         )
+
+    # --- leader election (leader.LeaseStore): plain create and replace, so that the API server's
+    # resourceVersion check turns a race between two candidates into a 409 for one of them.
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.get("Lease", namespace, name)
+
+    def create_lease(self, namespace: str, lease: dict[str, Any]) -> dict[str, Any]:
+        return self._lease_write("POST", object_path("coordination.k8s.io/v1", "leases", namespace), lease)
+
+    def replace_lease(self, namespace: str, name: str, lease: dict[str, Any]) -> dict[str, Any]:
+        path = object_path("coordination.k8s.io/v1", "leases", namespace, name)
+        return self._lease_write("PUT", path, lease)
+
+    def _lease_write(self, method: str, path: str, lease: dict[str, Any]) -> dict[str, Any]:
+        meta = lease["metadata"]
+        action = f"{'creating' if method == 'POST' else 'updating'} Lease {meta['namespace']}/{meta['name']}"
+        try:
+            out = self._request(method, path, action=action, body=lease, content_type="application/json")
+        except ApiError as exc:
+            if exc.status == 409:
+                raise LeaseConflictError(str(exc)) from exc
+            raise
+        assert out is not None
+        return out
 
     def forget_discovery(self) -> None:
         """Drop cached discovery answers (a CRD was added or removed)."""

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from .defaults import ClusterDefaults
 from .quantity import same_quantity
 from .spec import (
     API_VERSION,
-    DEFAULT_SERVER_IMAGE,
     KIND,
     MODEL_MOUNT_ROOT,
     InferenceModel,
@@ -255,14 +255,15 @@ def desired_replicas(im: InferenceModel) -> int:
     return 0 if im.spec.suspend else im.spec.scaling.replicas
 
 
-def render_deployment(im: InferenceModel) -> Manifest:
+def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:
     from .routing import server_routing_ports
 
+    defaults = defaults or ClusterDefaults()
     spec = im.spec
     volumes, mounts = _volumes(im)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": spec.engine.image or DEFAULT_SERVER_IMAGE,
+        "image": spec.engine.image or defaults.server_image,
         "imagePullPolicy": "IfNotPresent",
         "args": server_args(im),
         "env": _env(im),
@@ -333,8 +334,9 @@ def render_deployment(im: InferenceModel) -> Manifest:
         pod_spec["topologySpreadConstraints"] = [dict(c) for c in spec.scheduling.topology_spread_constraints]
     if spec.pod.service_account_name is not None:
         pod_spec["serviceAccountName"] = spec.pod.service_account_name
-    if spec.pod.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": r.name} for r in spec.pod.image_pull_secrets]
+    pull_secrets = defaults.pull_secrets([r.name for r in spec.pod.image_pull_secrets])
+    if pull_secrets:
+        pod_spec["imagePullSecrets"] = pull_secrets
     if spec.pod.env_from:
         container["envFrom"] = [dict(e) for e in spec.pod.env_from]
 
@@ -518,10 +520,11 @@ def wants_pdb(im: InferenceModel) -> bool:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """Optional APIs found on the cluster."""
+    """Optional APIs found on the cluster, and the installation's defaults for the pods."""
 
     service_monitor: bool = True
     keda: bool = True
+    defaults: ClusterDefaults = field(default_factory=ClusterDefaults)
 
 
 @dataclass(frozen=True)
@@ -552,13 +555,15 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
     # The router's objects come first: callers index the plan by kind, and the model's own objects
     # (later, same kinds) must win there.
     router = render_router(
-        im, service_monitor=caps.service_monitor and im.spec.monitoring.service_monitor.enabled
+        im,
+        service_monitor=caps.service_monitor and im.spec.monitoring.service_monitor.enabled,
+        defaults=caps.defaults,
     )
     # Order matters for a partial failure: the Service and PDB exist before pods can serve or be evicted.
     objects = [*router, render_service(im)]
     if wants_pdb(im):
         objects.append(render_pdb(im))
-    objects.append(render_deployment(im))
+    objects.append(render_deployment(im, caps.defaults))
     skipped: str | None = None
     if not im.spec.monitoring.service_monitor.enabled:
         skipped = "Disabled"

@@ -59,6 +59,8 @@ class Resyncer:
             if self._stop.is_set():
                 return
             for namespace, name in self.known():
+                if self._stop.is_set():
+                    return  # shutting down: a pass over many models must not delay the exit
                 try:
                     self._resync_one(namespace, name)
                 except Exception:  # one model's failure must not end the resync of the others

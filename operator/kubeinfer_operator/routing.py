@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .defaults import ClusterDefaults
 from .render import (
     SERVER_PORT,
     Manifest,
@@ -22,7 +23,7 @@ from .render import (
     restricted_container_security_context,
     selector_labels,
 )
-from .spec import DEFAULT_ROUTER_IMAGE, InferenceModel
+from .spec import InferenceModel
 
 ROUTER_PORT = 8000
 ROUTER_METRICS_PORT = 29000
@@ -155,12 +156,13 @@ def render_router_rolebinding(im: InferenceModel) -> Manifest:
     }
 
 
-def render_router_deployment(im: InferenceModel) -> Manifest:
+def render_router_deployment(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:
+    defaults = defaults or ClusterDefaults()
     routing = im.spec.routing
     res = {"cpu": str(routing.resources.cpu), "memory": str(routing.resources.memory)}
     container: dict[str, Any] = {
         "name": "router",
-        "image": routing.image or DEFAULT_ROUTER_IMAGE,
+        "image": routing.image or defaults.router_image,
         "args": router_args(im),
         "ports": [
             {"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
@@ -179,7 +181,7 @@ def render_router_deployment(im: InferenceModel) -> Manifest:
         "resources": {"requests": dict(res), "limits": dict(res)},
         "securityContext": restricted_container_security_context(),
     }
-    return {
+    out: Manifest = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _router_metadata(im),
@@ -206,6 +208,10 @@ def render_router_deployment(im: InferenceModel) -> Manifest:
             },
         },
     }
+    pull_secrets = defaults.pull_secrets([])
+    if pull_secrets:
+        out["spec"]["template"]["spec"]["imagePullSecrets"] = pull_secrets
+    return out
 
 
 def render_router_service(im: InferenceModel) -> Manifest:
@@ -246,7 +252,9 @@ def render_router_servicemonitor(im: InferenceModel) -> Manifest:
     }
 
 
-def render_router(im: InferenceModel, service_monitor: bool = True) -> list[Manifest]:
+def render_router(
+    im: InferenceModel, service_monitor: bool = True, defaults: ClusterDefaults | None = None
+) -> list[Manifest]:
     """Every router object, in apply order (RBAC before the pods that need it); [] when routing is off.
     service_monitor: whether the ServiceMonitor CRD is installed and monitoring is enabled."""
     if not wants_router(im):
@@ -259,7 +267,7 @@ def render_router(im: InferenceModel, service_monitor: bool = True) -> list[Mani
     ]
     if im.spec.routing.replicas > 1:
         objects.append(render_router_pdb(im))
-    objects.append(render_router_deployment(im))
+    objects.append(render_router_deployment(im, defaults))
     if service_monitor:
         objects.append(render_router_servicemonitor(im))
     return objects

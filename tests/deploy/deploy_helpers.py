@@ -24,6 +24,7 @@ import promql_parser
 import yaml
 from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to spot no-op patches
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
+from kmock_replace import is_replace, serve_replace
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kubeinfer"
@@ -295,6 +296,10 @@ class MockApiServer(kmock.KubernetesEmulator):
         return doc
 
     async def _handle(self, request: Any) -> Any:
+        # PUT (the operator's Lease updates): a replace with the API server's resourceVersion check.
+        if is_replace(request):
+            self._replaces = getattr(self, "_replaces", 0) + 1
+            return await serve_replace(self, request, lambda: f"put-{self._replaces}")
         # Server-side apply creates a missing object (the API server then also checks `create`).
         if (
             request.action == kmock_enums.action.UPDATE

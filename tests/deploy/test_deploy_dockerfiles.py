@@ -161,14 +161,21 @@ def test_server_torch_wheel_matches_the_cuda_base() -> None:
     assert 'pip install ".[gpu,quant]"' in text
 
 
-def test_operator_image_entrypoint_is_kopf_run() -> None:
+def test_operator_image_entrypoint_is_the_operators_run() -> None:
     stage = final_stage(DOCKERFILES["operator"])
     by = {instr: args for instr, args in stage.instructions}
-    assert json.loads(by["ENTRYPOINT"]) == ["kopf"]
+    # The console script of pyproject.toml's [project.scripts] (kopf's run plus leader election).
+    assert json.loads(by["ENTRYPOINT"]) == ["kubeinfer-operator"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["kubeinfer-operator"] == "kubeinfer_operator.__main__:main"
     cmd = json.loads(by["CMD"])
-    assert cmd[0] == "run" and "--module=kubeinfer_operator" in cmd
+    assert cmd[0] == "run" and "--standalone" in cmd
     liveness = next(a for a in cmd if a.startswith("--liveness="))
     assert liveness.endswith(f":{by['EXPOSE']}/healthz")
+    from kubeinfer_operator.__main__ import build_parser
+
+    args = build_parser().parse_args(cmd)  # the default command parses
+    assert args.command == "run" and args.all_namespaces and not args.leader_elect
 
 
 def test_operator_image_installs_the_pinned_operator_extra_without_torch() -> None:

@@ -38,21 +38,49 @@ FULLNAME = "ki-kubeinfer"
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate has.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 
+REGISTRY = "registry.example.com:5000/mirror"
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced-ha": {
-        "operator": {"watchNamespaces": ["team-a", "team-b"], "replicas": 2, "peering": {"enabled": True}},
+        "operator": {"watchNamespaces": ["team-a", "team-b"], "replicas": 2},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
         "prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
         "grafanaDashboards": {"namespace": "monitoring", "annotations": {"grafana_folder": "kubeinfer"}},
         "prometheusAdapter": {"rules": {"enabled": True, "namespace": "monitoring"}},
     },
     "clusterwide-ha": {
-        "operator": {"replicas": 2, "peering": {"enabled": True}, "verbose": True},
+        "operator": {
+            "replicas": 3,
+            "verbose": True,
+            "leaderElection": {"leaseDuration": "30s", "renewDeadline": "20s", "leaseName": "ki-lock"},
+        },
         "prometheusRule": {"enabled": True},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}
+                    ]
+                }
+            }
+        },
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+            }
+        ],
     },
-    "replicas-without-peering": {"operator": {"replicas": 2}},
+    "single": {"operator": {"replicas": 1, "leaderElection": {"enabled": False}}},
+    "replicas-without-leader-election": {"operator": {"replicas": 2, "leaderElection": {"enabled": False}}},
+    "old-peering-values": {"operator": {"peering": {"enabled": True}}},
     "gateway": {"gateway": {"enabled": True, "serviceMonitor": True}},
+    "registry": {
+        "global": {"imageRegistry": REGISTRY, "imagePullSecrets": [{"name": "mirror-pull"}]},
+        "imagePullSecrets": [{"name": "operator-pull"}, {"name": "mirror-pull"}],
+        "gateway": {"enabled": True},
+    },
 }
 
 
@@ -89,7 +117,9 @@ def test_helm_lint_fails_a_broken_chart(tmp_path: Path) -> None:
     assert failed, answer
 
 
-@pytest.mark.parametrize("scenario", ["defaults", "namespaced-ha", "clusterwide-ha", "gateway"])
+@pytest.mark.parametrize(
+    "scenario", ["defaults", "namespaced-ha", "clusterwide-ha", "single", "gateway", "registry"]
+)
 def test_install_creates_only_valid_objects(installs: dict[str, HelmInstall], scenario: str) -> None:
     inst = _ok(installs, scenario)
     assert inst.release["info"]["status"] == "deployed"
@@ -135,31 +165,90 @@ def test_operator_pod_meets_pod_security_restricted(installs: dict[str, HelmInst
     assert pod_sc.get("runAsGroup") != 0
 
 
-def test_operator_container_runs_kopf_with_liveness_and_resources(installs: dict[str, HelmInstall]) -> None:
+def _container(inst: HelmInstall) -> dict[str, Any]:
+    spec = inst.one("Deployment", FULLNAME, NAMESPACE)["spec"]["template"]["spec"]
+    container: dict[str, Any] = spec["containers"][0]
+    return container
+
+
+def test_operator_container_runs_the_operator_with_liveness_and_resources(
+    installs: dict[str, HelmInstall],
+) -> None:
+    from kubeinfer_operator.__main__ import build_parser, leader_election_config
+
     inst = _ok(installs, "defaults")
     dep = inst.one("Deployment", FULLNAME, NAMESPACE)
-    container = dep["spec"]["template"]["spec"]["containers"][0]
+    container = _container(inst)
     assert container["image"] == "ghcr.io/kubeinfer/operator:0.1.0"
+    assert container["command"] == ["kubeinfer-operator"]
     args = container["args"]
-    assert args[0] == "run" and "--module=kubeinfer_operator" in args
-    assert "--all-namespaces" in args and "--standalone" in args
+    assert args[0] == "run" and "--all-namespaces" in args and "--standalone" not in args
     liveness = next(a for a in args if a.startswith("--liveness="))
     port = next(p for p in container["ports"] if p["name"] == container["livenessProbe"]["httpGet"]["port"])
     assert liveness == f"--liveness=http://0.0.0.0:{port['containerPort']}/healthz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["resources"]["limits"]["memory"] and container["resources"]["requests"]["cpu"]
-    # kopf without peering must never run twice, not even during a rollout.
-    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    # Two replicas, one reconciling: leader election with controller-runtime's timing, on a Lease in
+    # the release namespace; the operator's own parser accepts the chart's arguments.
+    assert dep["spec"]["replicas"] == 2
+    parsed = build_parser().parse_args(args)
+    assert parsed.leader_elect
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    config = leader_election_config(parsed)
+    assert (config.lease_duration, config.renew_deadline, config.retry_period) == (15.0, 10.0, 2.0)
+    assert (config.namespace, config.lease_name) == (NAMESPACE, FULLNAME)
+    # A new pod waits for the Lease, so a rolling update never has two reconcilers.
+    assert dep["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
     assert inst.one("ServiceAccount", sa, NAMESPACE)
 
 
+def test_replicas_spread_over_nodes_with_a_budget_that_never_blocks_a_drain(
+    installs: dict[str, HelmInstall],
+) -> None:
+    inst = _ok(installs, "defaults")
+    pod = inst.one("Deployment", FULLNAME, NAMESPACE)["spec"]["template"]
+    (term,) = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert (
+        term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    )
+    pdb = inst.one("PodDisruptionBudget", FULLNAME, NAMESPACE)
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    # The user's own affinity wins; spread constraints get the chart's selector.
+    custom = _ok(installs, "clusterwide-ha").one("Deployment", FULLNAME, NAMESPACE)["spec"]
+    assert custom["replicas"] == 3
+    assert list(custom["template"]["spec"]["affinity"]) == ["nodeAffinity"]
+    (spread,) = custom["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+    assert spread["labelSelector"]["matchLabels"] == pdb["spec"]["selector"]["matchLabels"]
+    args = _container(_ok(installs, "clusterwide-ha"))["args"]
+    assert "--leader-elect-lease-duration=30s" in args and "--leader-elect-resource-name=ki-lock" in args
+
+
+def test_one_replica_without_leader_election_runs_standalone(installs: dict[str, HelmInstall]) -> None:
+    inst = _ok(installs, "single")
+    dep = inst.one("Deployment", FULLNAME, NAMESPACE)
+    args = _container(inst)["args"]
+    assert "--standalone" in args and not any(a.startswith("--leader-elect") for a in args)
+    # Without leader election two instances must never overlap, not even during a rollout.
+    assert dep["spec"]["strategy"]["type"] == "Recreate" and dep["spec"]["replicas"] == 1
+    assert inst.find("PodDisruptionBudget") == []
+    assert "affinity" not in dep["spec"]["template"]["spec"]
+    assert not [r for r in inst.find("Role") if r["metadata"]["name"].endswith("-leader-election")]
+
+
 def test_namespaced_mode_watches_only_listed_namespaces(installs: dict[str, HelmInstall]) -> None:
     inst = _ok(installs, "namespaced-ha")
-    args = inst.one("Deployment", FULLNAME, NAMESPACE)["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = _container(inst)["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
     assert "--all-namespaces" not in args and "--standalone" not in args
-    assert "--peering=kubeinfer" in args
+    assert "--leader-elect" in args and f"--leader-elect-resource-namespace={NAMESPACE}" in args
 
 
 def _rules(role: dict[str, Any]) -> set[tuple[str, str, str]]:
@@ -172,13 +261,41 @@ def _rules(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     }
 
 
+LEASE_RULES = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "resourceNames": [FULLNAME],
+        "verbs": ["get", "update"],
+    },
+]
+
+
+def test_rbac_leader_election_is_one_lease_in_the_release_namespace(installs: dict[str, HelmInstall]) -> None:
+    for scenario in ("defaults", "namespaced-ha"):
+        inst = _ok(installs, scenario)
+        role = inst.one("Role", f"{FULLNAME}-leader-election", NAMESPACE)
+        assert role["rules"] == LEASE_RULES
+        binding = inst.one("RoleBinding", f"{FULLNAME}-leader-election", NAMESPACE)
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
+        # Nowhere else: no Lease rule in a ClusterRole or in a watched namespace's Role.
+        others = [r for r in inst.find("ClusterRole") + inst.find("Role") if r is not role]
+        assert not any(g == "coordination.k8s.io" for r in others for g, _, _ in _rules(r))
+    named = _ok(installs, "clusterwide-ha").one("Role", f"{FULLNAME}-leader-election", NAMESPACE)
+    assert named["rules"][1]["resourceNames"] == ["ki-lock"]
+
+
 def test_rbac_clusterwide_binds_one_clusterrole(installs: dict[str, HelmInstall]) -> None:
     inst = _ok(installs, "defaults")
-    assert inst.find("Role") == [] and inst.find("RoleBinding") == []
+    # The only Role is leader election's (checked above).
+    assert [r["metadata"]["name"] for r in inst.find("Role")] == [f"{FULLNAME}-leader-election"]
+    assert [r["metadata"]["name"] for r in inst.find("RoleBinding")] == [f"{FULLNAME}-leader-election"]
     rules = _rules(inst.one("ClusterRole", FULLNAME))
     assert ("kubeinfer.dev", "inferencemodels", "watch") in rules
     assert ("apps", "deployments", "patch") in rules
-    assert not any(g == "kopf.dev" for g, _, _ in rules), "peering is off"
+    assert not any(g == "kopf.dev" for g, _, _ in rules), "no kopf peering"
     assert not any(v in {"*", "escalate", "bind", "impersonate"} for _, _, v in rules)
     assert not any("*" in (g, r) for g, r, _ in rules)
     assert not any(r == "secrets" for _, r, _ in rules), "the operator only names Secrets in pod specs"
@@ -200,7 +317,6 @@ def test_rbac_namespaced_keeps_only_discovery_cluster_wide(installs: dict[str, H
     for ns in ("team-a", "team-b"):
         role = _rules(inst.one("Role", FULLNAME, ns))
         assert ("kubeinfer.dev", "inferencemodels/status", "patch") in role
-        assert ("kopf.dev", "kopfpeerings", "patch") in role
         binding = inst.one("RoleBinding", FULLNAME, ns)
         assert binding["roleRef"] == {
             "apiGroup": "rbac.authorization.k8s.io",
@@ -208,21 +324,80 @@ def test_rbac_namespaced_keeps_only_discovery_cluster_wide(installs: dict[str, H
             "name": FULLNAME,
         }
         assert binding["subjects"][0]["namespace"] == NAMESPACE
-    # The same namespaced rules as the cluster-wide ClusterRole, less the peering kind swap.
+    # The same namespaced rules as the cluster-wide ClusterRole.
     clusterwide = _rules(_ok(installs, "clusterwide-ha").one("ClusterRole", FULLNAME))
-    assert ("kopf.dev", "clusterkopfpeerings", "patch") in clusterwide
     team_a = _rules(inst.one("Role", FULLNAME, "team-a"))
-    swap = {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
-    cswap = {("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")}
     namespaces = {("", "namespaces", "list"), ("", "namespaces", "watch")}
-    assert (team_a - swap) | (cluster - namespaces) == clusterwide - cswap
+    assert team_a | (cluster - namespaces) == clusterwide
 
 
-def test_replicas_without_peering_are_refused(installs: dict[str, HelmInstall]) -> None:
-    inst = installs["replicas-without-peering"]
+def test_replicas_without_leader_election_are_refused(installs: dict[str, HelmInstall]) -> None:
+    inst = installs["replicas-without-leader-election"]
     assert not inst.ok
-    assert "peering.enabled" in inst.error
+    assert "leaderElection.enabled" in inst.error
     assert inst.find("Deployment") == []
+    old = installs["old-peering-values"]
+    assert not old.ok and "replaced by operator.leaderElection" in old.error
+
+
+def test_global_registry_reaches_every_image_and_the_models_deployment(
+    installs: dict[str, HelmInstall],
+) -> None:
+    """global.imageRegistry and global.imagePullSecrets: the operator's image and pod, the gateway, and
+    through the operator's environment the pods it renders for an InferenceModel without an image."""
+    from kubeinfer_operator.defaults import ClusterDefaults
+    from kubeinfer_operator.render import Capabilities, render_all
+    from kubeinfer_operator.spec import InferenceModel
+
+    inst = _ok(installs, "registry")
+    container = _container(inst)
+    assert container["image"] == f"{REGISTRY}/kubeinfer/operator:0.1.0"
+    pod = inst.one("Deployment", FULLNAME, NAMESPACE)["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "mirror-pull"}, {"name": "operator-pull"}]
+    gateway = inst.one("Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]
+    assert gateway["containers"][0]["image"] == f"{REGISTRY}/kubeinfer/router:0.1.17"
+    assert gateway["imagePullSecrets"] == [{"name": "mirror-pull"}]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env["KUBEINFER_DEFAULT_SERVER_IMAGE"] == f"{REGISTRY}/kubeinfer/server:0.1.0"
+    assert env["KUBEINFER_DEFAULT_ROUTER_IMAGE"] == f"{REGISTRY}/kubeinfer/router:0.1.17"
+    assert env["KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"] == "mirror-pull"
+
+    # What the operator renders with that environment (handlers read it the same way).
+    defaults = ClusterDefaults.from_environment(env)
+    doc: dict[str, Any] = {
+        "apiVersion": "kubeinfer.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": "m", "namespace": "team-a", "uid": "u"},
+        "spec": {
+            "model": {"uri": "hf://org/model"},
+            "routing": {"enabled": True},
+            "pod": {"imagePullSecrets": [{"name": "own"}]},
+        },
+    }
+
+    def deployments(d: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        objects = render_all(InferenceModel.from_manifest(d), Capabilities(defaults=defaults)).objects
+        return {
+            o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects if o["kind"] == "Deployment"
+        }
+
+    deps = deployments(doc)
+    server, router = deps["m"], deps["m-router"]
+    assert server["containers"][0]["image"] == f"{REGISTRY}/kubeinfer/server:0.1.0"
+    assert server["imagePullSecrets"] == [{"name": "own"}, {"name": "mirror-pull"}]
+    assert router["containers"][0]["image"] == f"{REGISTRY}/kubeinfer/router:0.1.17"
+    assert router["imagePullSecrets"] == [{"name": "mirror-pull"}]
+    full = render_all(InferenceModel.from_manifest(doc), Capabilities(defaults=defaults)).objects
+    for obj in full:
+        if obj["kind"] == "Deployment":
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(obj, version, strict=True)
+    # A model's own image still wins.
+    doc["spec"]["engine"] = {"image": "example.org/own/server:1"}
+    assert deployments(doc)["m"]["containers"][0]["image"] == "example.org/own/server:1"
+    # Without a registry the chart's defaults are the operator's built-in ones.
+    plain = {e["name"]: e["value"] for e in _container(_ok(installs, "defaults"))["env"] if "value" in e}
+    assert ClusterDefaults.from_environment(plain) == ClusterDefaults()
 
 
 def test_dashboards_arrive_as_sidecar_configmaps(installs: dict[str, HelmInstall]) -> None:

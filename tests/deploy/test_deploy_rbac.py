@@ -1,9 +1,9 @@
-"""Least privilege, measured: the real operator (`kopf run -m kubeinfer_operator`) runs against kmock
-through a full InferenceModel life (create with routing, autoscaler switch, monitoring and routing
-off, drift, a bad spec, delete); every API request it makes is turned into an RBAC (group, resource, verb) and compared with
-the ClusterRole the chart renders. Every request must be allowed, and every granted permission must
-have been used. The operator runs with the chart's own `kopf run` arguments, and its liveness
-endpoint must answer on the path the chart's probe uses.
+"""Least privilege, measured: the real operator (`kubeinfer-operator run`, the chart's command, with
+the chart's arguments: leader election on) runs against kmock through a full InferenceModel life
+(create with routing, autoscaler switch, monitoring and routing off, drift, a bad spec, delete); every
+API request it makes is turned into an RBAC (group, resource, verb) and compared with the ClusterRole
+and the leader election Role the chart renders. Every request must be allowed, and every granted
+permission must have been used. Its liveness endpoint must answer on the path the chart's probe uses.
 """
 
 from __future__ import annotations
@@ -180,9 +180,9 @@ def model(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
-    from kopf.testing import KopfRunner
+    from kubeinfer_operator.__main__ import _run, build_parser
 
-    # The chart's own `kopf run` arguments; only the liveness address moves to a free local port.
+    # The chart's own `kubeinfer-operator run` arguments; only the liveness address moves to a free port.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         liveness_port = sock.getsockname()[1]
@@ -216,7 +216,19 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
         saved_default = kube_config.KUBE_CONFIG_DEFAULT_LOCATION
         kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(kubeconfig)
         try:
-            with KopfRunner(args, timeout=120) as runner:
+            stop = threading.Event()
+            lost = threading.Event()
+            outcome: list[Any] = []
+
+            def target() -> None:
+                try:
+                    outcome.append(_run(build_parser().parse_args(args), stop_flag=stop, on_lost=lost.set))
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            operator = threading.Thread(target=target, name="operator", daemon=True)
+            operator.start()
+            try:
                 plural = "/apis/kubeinfer.dev/v1alpha1/namespaces/models/inferencemodels"
                 liveness = next(a for a in args if a.startswith("--liveness=")).removeprefix("--liveness=")
                 wait_for("kopf's liveness endpoint", lambda: _http_ok(liveness))
@@ -311,7 +323,15 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                 api.http("DELETE", f"{plural}/m")
                 api.http("DELETE", f"{plural}/bad")
                 time.sleep(1.0)
-            assert runner.exception is None, runner.output[-3000:]
+            finally:
+                stop.set()
+                operator.join(timeout=120)
+            assert not operator.is_alive(), "the operator did not stop"
+            assert outcome == [0], outcome
+            assert not lost.is_set(), "leadership lost during the run"
+            # It led, and released the Lease once stopped.
+            lease = api.objects()[("leases", "kubeinfer-system", "ki-kubeinfer")]
+            assert lease["spec"].get("holderIdentity") in (None, "")
         finally:
             kube_config.KUBE_CONFIG_DEFAULT_LOCATION = saved_default
             for k, v in saved.items():
@@ -329,7 +349,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
 
 @pytest.fixture(scope="module")
 def chart(tmp_path_factory: pytest.TempPathFactory) -> HelmInstall:
-    # Rendered and installed by Helm itself with the default values: cluster-wide, peering off.
+    # Rendered and installed by Helm itself with the default values: cluster-wide, leader election on.
     inst = asyncio.run(helm_install({}, tmp_path_factory.mktemp("helm-rbac"), "kubeinfer-system", "ki"))
     assert inst.ok, inst.error
     return inst
@@ -341,23 +361,31 @@ def clusterrole(chart: HelmInstall) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def lease_role(chart: HelmInstall) -> dict[str, Any]:
+    return chart.one("Role", "ki-kubeinfer-leader-election", "kubeinfer-system")
+
+
+@pytest.fixture(scope="module")
 def operator_permissions(chart: HelmInstall, tmp_path_factory: pytest.TempPathFactory) -> set[Perm]:
     container = chart.one("Deployment", "ki-kubeinfer")["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"][0] == "run"  # the image's entrypoint is `kopf`
+    assert container["command"] == ["kubeinfer-operator"] and container["args"][0] == "run"
+    assert "--leader-elect" in container["args"]
     return run_operator_life(tmp_path_factory.mktemp("rbac"), container["args"])
 
 
 def test_every_request_of_the_operator_is_allowed(
-    operator_permissions: set[Perm], clusterrole: dict[str, Any]
+    operator_permissions: set[Perm], clusterrole: dict[str, Any], lease_role: dict[str, Any]
 ) -> None:
-    missing = operator_permissions - granted(clusterrole)
-    assert not missing, f"the chart's ClusterRole lacks {sorted(missing)}"
+    missing = operator_permissions - granted(clusterrole) - granted(lease_role)
+    assert not missing, f"the chart's ClusterRole and leader election Role lack {sorted(missing)}"
 
 
 def test_every_granted_permission_is_used(
-    operator_permissions: set[Perm], clusterrole: dict[str, Any]
+    operator_permissions: set[Perm], clusterrole: dict[str, Any], lease_role: dict[str, Any]
 ) -> None:
     # RBAC lets the operator grant the router's Role (list/watch pods) only if it holds it itself.
     held_to_grant = {("", "pods", verb) for verb in ("get", "list", "watch")}
     unused = granted(clusterrole) - operator_permissions - held_to_grant
     assert not unused, f"granted but never used: {sorted(unused)}"
+    assert granted(lease_role) == {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
+    assert granted(lease_role) <= operator_permissions, "get, create and update of the Lease all happen"

@@ -32,6 +32,7 @@ import kmock
 import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
+from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources
 
@@ -47,6 +48,8 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
     "autoscaling/v2/horizontalpodautoscalers": ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
     "v1/events": ResourceInfo(kind="Event", namespaced=True),
     "v1/pods": ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
+    # leader election between operator replicas (kubeinfer_operator/leader.py)
+    "coordination.k8s.io/v1/leases": ResourceInfo(kind="Lease", namespaced=True),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -70,6 +73,7 @@ PATHS = {
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
     "Pod": "/api/v1/namespaces/{ns}/pods",
     "Event": "/api/v1/namespaces/{ns}/events",
+    "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
     # spec.routing's router identity and permission
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
@@ -154,6 +158,8 @@ class ApiServer(KubernetesEmulator):
             raise KubernetesError(
                 status=fault.status, reason="InjectedFault", message=f"injected {fault.status}"
             )
+        if is_replace(request):
+            return await serve_replace(self, request, lambda: str(next(self._rv)))
 
         deleted_uid: str | None = None
         created: dict[str, Any] | None = None
@@ -445,6 +451,10 @@ class MockCluster:
 
     def delete(self, kind: str, name: str, ns: str = NAMESPACE) -> Any:
         return self.request("DELETE", f"{PATHS[kind].format(ns=ns)}/{name}")
+
+    def replace(self, kind: str, obj: dict[str, Any], ns: str = NAMESPACE) -> Any:
+        """PUT: replace the whole object (409 if its metadata.resourceVersion is not the stored one)."""
+        return self.request("PUT", f"{PATHS[kind].format(ns=ns)}/{obj['metadata']['name']}", obj)
 
     def live(self, kind: str) -> list[dict[str, Any]]:
         """Every existing object of a kind, straight from the emulator's store."""

@@ -1,0 +1,314 @@
+"""High availability: several operator processes (`python -m kubeinfer_operator run --leader-elect`,
+the chart's command) against one kmock API. Only the Lease holder reconciles; when it stops (cleanly,
+killed, or cut off from the API) another takes over within the lease time, and every model ends with
+exactly its children: none duplicated, none orphaned.
+
+Each process gets its own bearer token, so every request the API server saw is attributed to the
+process that made it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubeinfer_operator.render import Capabilities, render_all
+from kubeinfer_operator.spec import InferenceModel
+from op_cluster import Fault, MockCluster, wait_for
+from op_testlib import REPO, inference_model
+
+pytestmark = pytest.mark.slow
+
+LEASE = "kubeinfer-operator"
+# Shorter than controller-runtime's 15/10/2 s, long enough for a machine shared by many processes.
+LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD = 6.0, 4.0, 1.0
+# A candidate retries every RETRY_PERIOD * (1 + rand * 1.2); plus the time a process takes to notice.
+MAX_RETRY_WAIT = RETRY_PERIOD * 2.2
+CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor")
+WRITES = {"POST", "PUT", "PATCH", "DELETE"}
+
+
+@dataclass(frozen=True)
+class Write:
+    index: int  # position in the API server's request log
+    method: str
+    plural: str
+    name: str | None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Operator:
+    """One operator process, identified by its token and its Lease identity."""
+
+    def __init__(self, cluster: MockCluster, tmp: Path, identity: str) -> None:
+        self.identity = identity
+        self.token = f"token-{identity}"
+        self.port = _free_port()
+        kubeconfig = cluster.write_kubeconfig(tmp / f"kubeconfig-{identity}")
+        kubeconfig.write_text(kubeconfig.read_text().replace("test-token", self.token))
+        self.log_path = tmp / f"operator-{identity}.log"
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "PYTHONPATH": f"{REPO}:{REPO / 'operator'}",
+            "POD_NAMESPACE": "default",
+            # Watch streams end (and the models are re-listed and re-checked) this often.
+            "KUBEINFER_RESYNC_SECONDS": "20",
+            "KUBEINFER_RETRY_BASE_SECONDS": "0.2",
+            "KUBEINFER_RETRY_MAX_SECONDS": "1",
+            "KUBEINFER_DISCOVERY_TTL_SECONDS": "1",
+            "KUBEINFER_REQUEST_TIMEOUT_SECONDS": "5",
+        }
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        args = [
+            sys.executable,
+            "-m",
+            "kubeinfer_operator",
+            "run",
+            "--all-namespaces",
+            f"--liveness=http://127.0.0.1:{self.port}/healthz",
+            "--leader-elect",
+            f"--leader-elect-identity={identity}",
+            f"--leader-elect-lease-duration={LEASE_DURATION}s",
+            f"--leader-elect-renew-deadline={RENEW_DEADLINE}s",
+            f"--leader-elect-retry-period={RETRY_PERIOD * 1000:.0f}ms",
+            "--verbose",
+        ]
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def writes(self, cluster: MockCluster, since: int = 0) -> list[Write]:
+        """Every write this process made, from request number `since` on, in the API server's order."""
+        out = []
+        for index, r in enumerate(list(cluster.server)):
+            method = str(getattr(r.method, "value", r.method)).upper()
+            if (
+                index >= since
+                and method in WRITES
+                and r.headers.get("Authorization") == f"Bearer {self.token}"
+            ):
+                out.append(Write(index, method, r.resource.plural if r.resource else "", r.name))
+        return out
+
+    def lease_writes(self, cluster: MockCluster) -> list[int]:
+        return [w.index for w in self.writes(cluster) if w.plural == "leases"]
+
+    def child_writes(self, cluster: MockCluster, since: int = 0) -> list[int]:
+        return [w.index for w in self.writes(cluster, since) if w.plural not in ("leases", "events")]
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 45) -> int:
+        # 45 s: a loaded machine; the chart's pods get Kubernetes' default 30 s grace period.
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.identity} did not stop:\n{self.output()[-4000:]}") from None
+        finally:
+            self.log.close()
+
+
+@pytest.fixture
+def operators(cluster: MockCluster, tmp_path: Path) -> Iterator[Any]:
+    started: list[Operator] = []
+
+    def start(identity: str) -> Operator:
+        op = Operator(cluster, tmp_path, identity)
+        started.append(op)
+        return op
+
+    yield start
+    for op in started:
+        if op.proc.poll() is None:
+            op.proc.kill()
+            op.proc.wait(10)
+
+
+def stored(cluster: MockCluster, kind: str, name: str) -> dict[str, Any] | None:
+    """An object straight from the emulator's store (the tests poll; HTTP polling would load the API
+    the operators use)."""
+    return next((o for o in cluster.live(kind) if o["metadata"]["name"] == name), None)
+
+
+def holder(cluster: MockCluster) -> str | None:
+    lease = stored(cluster, "Lease", LEASE) or {}
+    return (lease.get("spec") or {}).get("holderIdentity") or None
+
+
+def transitions(cluster: MockCluster) -> int:
+    return int(((stored(cluster, "Lease", LEASE) or {}).get("spec") or {}).get("leaseTransitions") or 0)
+
+
+def assert_children_exact(cluster: MockCluster) -> None:
+    """Every live model has exactly the children render_all wants (one of each), and no child is
+    orphaned (its owner must be a live model)."""
+    models = {m["metadata"]["uid"]: m for m in cluster.live("InferenceModel")}
+    for kind in CHILD_KINDS:
+        for child in cluster.live(kind):
+            owners = [r["uid"] for r in child["metadata"].get("ownerReferences") or []]
+            assert owners and all(uid in models for uid in owners), f"orphaned {kind} {child['metadata']}"
+    for uid, body in models.items():
+        im = InferenceModel.from_manifest(body)
+        wanted = sorted((o["kind"], o["metadata"]["name"]) for o in render_all(im, Capabilities()).objects)
+        have = sorted(
+            (kind, c["metadata"]["name"])
+            for kind in CHILD_KINDS
+            for c in cluster.live(kind)
+            if any(r["uid"] == uid for r in c["metadata"].get("ownerReferences") or [])
+        )
+        assert have == wanted, f"{im.name}: {have} != {wanted}"
+
+
+def children_ready(cluster: MockCluster, name: str) -> bool:
+    body = stored(cluster, "InferenceModel", name)
+    if body is None:
+        return False
+    im = InferenceModel.from_manifest(body)
+    return all(
+        stored(cluster, o["kind"], o["metadata"]["name"]) is not None
+        for o in render_all(im, Capabilities()).objects
+    )
+
+
+def model(name: str, scaling: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": {"uri": "hf://org/model"}}
+    if scaling:
+        spec["scaling"] = scaling
+    return inference_model(spec, name=name)
+
+
+def test_only_the_leader_reconciles_and_the_next_one_takes_over(cluster: MockCluster, operators: Any) -> None:
+    a = operators("a")
+    wait_for(lambda: holder(cluster) == "a", timeout=60, what="a leads")
+    b = operators("b")
+    wait_for(b.healthy, timeout=60, what="b's liveness endpoint while it waits")
+    cluster.create("InferenceModel", model("m1", {"replicas": 2, "maxReplicas": 2}))
+    cluster.create("InferenceModel", model("m2", {"autoscaler": "HPA", "minReplicas": 1, "maxReplicas": 3}))
+    wait_for(
+        lambda: children_ready(cluster, "m1") and children_ready(cluster, "m2"), timeout=60, what="children"
+    )
+    assert holder(cluster) == "a" and transitions(cluster) == 0
+    assert a.child_writes(cluster), "the leader applied the children"
+    assert b.writes(cluster) == [], "the standby wrote nothing, not even the Lease"
+    assert "waiting to lead" in b.output() and "leading as" not in b.output()
+
+    # A clean stop (a rolling update): a releases the Lease after kopf stopped; b leads at once.
+    assert a.stop(signal.SIGTERM) == 0, a.output()[-3000:]
+    stopped = time.monotonic()
+    wait_for(lambda: holder(cluster) == "b", timeout=10, what="b leads after a's release")
+    assert time.monotonic() - stopped <= MAX_RETRY_WAIT + 3  # slack: a loaded machine
+    assert transitions(cluster) == 1
+    wait_for(b.healthy, timeout=30, what="kopf's liveness endpoint in b, on the standby's port")
+    # b reconciles: a spec change rolls out, a new model gets its children, nothing is duplicated.
+    cluster.patch("InferenceModel", "m1", {"spec": {"engine": {"maxModelLen": 4096}}})
+    cluster.create("InferenceModel", model("m3"))
+    wait_for(
+        lambda: (
+            "--max-total-tokens"
+            in (stored(cluster, "Deployment", "m1") or {})["spec"]["template"]["spec"]["containers"][0][
+                "args"
+            ]
+        ),
+        timeout=60,
+        what="m1 rolled out by b",
+    )
+    wait_for(lambda: children_ready(cluster, "m3"), timeout=60, what="m3's children by b")
+    # Never two writers: a wrote its last child before it released the Lease (its last Lease write),
+    # b its first after it acquired the Lease (its first write of any kind).
+    released = a.lease_writes(cluster)[-1]
+    acquired = b.lease_writes(cluster)[0]
+    assert max(a.child_writes(cluster)) < released < acquired < min(b.child_writes(cluster))
+    assert b.writes(cluster)[0].plural == "leases"
+    assert_children_exact(cluster)
+
+    # A crash: c waits; b is killed without releasing; c leads once the Lease expires on its clock.
+    c = operators("c")
+    wait_for(c.healthy, timeout=60, what="c's liveness endpoint while it waits")
+    wait_for(lambda: "waiting to lead" in c.output(), timeout=10, what="c waiting")
+    last_renew = (stored(cluster, "Lease", LEASE) or {})["spec"]["renewTime"]
+    wait_for(
+        lambda: (stored(cluster, "Lease", LEASE) or {})["spec"]["renewTime"] != last_renew,
+        timeout=20,
+        what="b renewing",
+    )
+    renewed = time.monotonic()  # b's last renewal happened at or (if b renewed again) after this
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    killed = time.monotonic()
+    wait_for(lambda: holder(cluster) == "c", timeout=LEASE_DURATION + 15, what="c leads after b died")
+    taken = time.monotonic()
+    # Not before the Lease expired on c's clock (a lease duration after b's last renewal), and within
+    # the lease duration plus one jittered retry after the kill (plus slack for a loaded machine).
+    assert taken - renewed >= LEASE_DURATION - 0.5, taken - renewed
+    assert taken - killed <= LEASE_DURATION + MAX_RETRY_WAIT + 3, taken - killed
+    assert transitions(cluster) == 2
+    c_acquired = c.lease_writes(cluster)[0]
+    assert c.writes(cluster)[0].plural == "leases"
+    assert max(w.index for w in b.writes(cluster)) < c_acquired
+    cluster.delete("InferenceModel", "m2")
+    cluster.patch("InferenceModel", "m3", {"spec": {"scaling": {"replicas": 2, "maxReplicas": 2}}})
+    wait_for(lambda: stored(cluster, "PodDisruptionBudget", "m3"), timeout=60, what="m3's PDB by c")
+    wait_for(lambda: stored(cluster, "Deployment", "m2") is None, timeout=10, what="m2 collected")
+    assert min(c.child_writes(cluster)) > c_acquired
+    assert_children_exact(cluster)
+    assert sorted(m["metadata"]["name"] for m in cluster.live("InferenceModel")) == ["m1", "m3"]
+    assert len(cluster.live("Deployment")) == 2 and len(cluster.live("Service")) == 2
+    assert c.stop(signal.SIGTERM) == 0, c.output()[-3000:]
+
+
+def test_a_leader_that_cannot_renew_exits_and_the_standby_takes_over(
+    cluster: MockCluster, operators: Any
+) -> None:
+    a = operators("a")
+    wait_for(lambda: holder(cluster) == "a", timeout=60, what="a leads")
+    b = operators("b")
+    wait_for(b.healthy, timeout=60, what="b waiting")
+    cluster.create("InferenceModel", model("m1"))
+    wait_for(lambda: children_ready(cluster, "m1"), timeout=60, what="children")
+    # The API server refuses a's Lease updates from now on (a partition between a and the API).
+    cluster.server.faults.append(
+        Fault(
+            503,
+            count=10_000,
+            method="PUT",
+            plural="leases",
+            predicate=lambda r: r.headers.get("Authorization") == f"Bearer {a.token}",
+        )
+    )
+    cut = time.monotonic()
+    assert a.proc.wait(RENEW_DEADLINE + 10) == 1, a.output()[-3000:]
+    assert time.monotonic() - cut <= RENEW_DEADLINE + RETRY_PERIOD + 3  # slack: a loaded machine
+    assert "leader election lost" in a.output()
+    wait_for(lambda: holder(cluster) == "b", timeout=LEASE_DURATION + 10, what="b leads")
+    assert transitions(cluster) == 1
+    cluster.create("InferenceModel", model("m2"))
+    wait_for(lambda: children_ready(cluster, "m2"), timeout=60, what="m2's children by b")
+    acquired = b.lease_writes(cluster)[0]
+    assert max(a.child_writes(cluster)) < acquired < min(b.child_writes(cluster))
+    assert_children_exact(cluster)
+    assert b.stop(signal.SIGTERM) == 0, b.output()[-3000:]
