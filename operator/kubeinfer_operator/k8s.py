@@ -37,6 +37,9 @@ KINDS: dict[str, KindInfo] = {
     "ServiceAccount": KindInfo("v1", "serviceaccounts"),
     "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
+    # cache.mode Shared: the model's cache claim and its loader Job (cache.py)
+    "PersistentVolumeClaim": KindInfo("v1", "persistentvolumeclaims"),
+    "Job": KindInfo("batch/v1", "jobs"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
 }
