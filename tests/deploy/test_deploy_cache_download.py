@@ -77,7 +77,12 @@ class FakeHub:
                     repo, rev = "/".join(parts[2:i]), "/".join(parts[i + 1 :])
                     found = hub.repos.get(repo, {}).get(rev)
                     if found is None:
-                        self._send(404, b'{"error": "Revision Not Found"}', {"X-Error-Code": "RevisionNotFound"}, head)
+                        self._send(
+                            404,
+                            b'{"error": "Revision Not Found"}',
+                            {"X-Error-Code": "RevisionNotFound"},
+                            head,
+                        )
                         return
                     sha, files = found
                     body = json.dumps(
@@ -95,7 +100,11 @@ class FakeHub:
                     sha, files = found
                     data = files[name]
                     etag = hashlib.sha256(data).hexdigest()
-                    headers = {"X-Repo-Commit": sha, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
+                    headers = {
+                        "X-Repo-Commit": sha,
+                        "ETag": f'"{etag}"',
+                        "Content-Type": "application/octet-stream",
+                    }
                     self._send(200, data, headers, head)
                     return
                 self._send(404, b"", {}, head)
@@ -192,10 +201,13 @@ def test_loader_downloads_a_pinned_revision_the_server_then_loads_offline(
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert not torch.equal(
-        got["model.embed_tokens.weight"], load_file(str(v1 / "model.safetensors"))["model.embed_tokens.weight"]
+        got["model.embed_tokens.weight"],
+        load_file(str(v1 / "model.safetensors"))["model.embed_tokens.weight"],
     )  # not main's weights
     lora = resolve_adapter_path(str(mounted / "adapters" / "org--tiny-lora"))
-    assert (lora / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+    assert (lora / "adapter_model.safetensors").read_bytes() == (
+        adapter / "adapter_model.safetensors"
+    ).read_bytes()
 
 
 def test_loader_reports_an_unknown_revision_and_exits_nonzero(
@@ -206,7 +218,16 @@ def test_loader_reports_an_unknown_revision_and_exits_nonzero(
     cache = tmp_path / "cache"
     done = _download(
         endpoint,
-        ["--model", "org/tiny", "--revision", "nope", "--cache-dir", str(cache), "--output", str(cache / "m")],
+        [
+            "--model",
+            "org/tiny",
+            "--revision",
+            "nope",
+            "--cache-dir",
+            str(cache),
+            "--output",
+            str(cache / "m"),
+        ],
     )
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]  # the Job's termination message (FallbackToLogsOnError)

@@ -33,7 +33,7 @@ import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kopf.testing import KopfRunner
-from op_apichecks import api_errors, canonicalize_resources
+from op_apichecks import api_errors, canonicalize_resources, update_errors
 
 NAMESPACE = "default"
 
@@ -47,6 +47,11 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
     "autoscaling/v2/horizontalpodautoscalers": ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
     "v1/events": ResourceInfo(kind="Event", namespaced=True),
     "v1/pods": ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
+    # cache.mode Shared: the cache claim and its loader Job
+    "v1/persistentvolumeclaims": ResourceInfo(
+        kind="PersistentVolumeClaim", namespaced=True, subresources={"status"}
+    ),
+    "batch/v1/jobs": ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -69,6 +74,8 @@ PATHS = {
     "ServiceMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/servicemonitors",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
     "Pod": "/api/v1/namespaces/{ns}/pods",
+    "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
+    "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
     "Event": "/api/v1/namespaces/{ns}/events",
     # spec.routing's router identity and permission
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
@@ -190,6 +197,14 @@ class ApiServer(KubernetesEmulator):
                             created = raw
                     else:
                         old = live.raw
+                        if request.subresource is None and isinstance(data.get("spec"), dict):
+                            # Immutable fields (a Job's template, a claim's spec): the real 422.
+                            merged = kmock._internal.dicts.patch_dict(old.get("spec") or {}, data["spec"])
+                            refused = update_errors(old.get("kind", ""), old, dict(merged))
+                            if refused:
+                                raise KubernetesError(
+                                    status=422, reason="Invalid", message="; ".join(refused)
+                                )
                         # resourceVersion stays as created: kopf guards finalizer removal with a JSON
                         # patch `test` on it, and kmock's watch cannot replay versions anyway.
                         if request.subresource is None and "spec" in data:
