@@ -109,10 +109,10 @@ class FakeHub:
                     return
                 self._send(404, b"", {}, head)
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 self._route(head=False)
 
-            def do_HEAD(self) -> None:  # noqa: N802
+            def do_HEAD(self) -> None:
                 self._route(head=True)
 
         return Handler
@@ -155,9 +155,9 @@ def test_loader_downloads_a_pinned_revision_the_server_then_loads_offline(
     hub: tuple[FakeHub, str], tiny_model_factory: Any, tmp_path: Path
 ) -> None:
     import torch
+    from lora_adapters import make_adapter
     from safetensors.torch import load_file
 
-    from lora_adapters import make_adapter
     from server.lora.adapter import resolve_adapter_path
     from server.models.loader import load_state_dict, resolve_model
 

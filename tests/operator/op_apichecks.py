@@ -182,9 +182,8 @@ def update_errors(kind: str, old: dict[str, Any], new_spec: dict[str, Any]) -> l
     (the patch already merged): a Job's pod template is immutable, and a claim's spec is immutable
     after creation except a larger storage request (k8s.io/kubernetes/pkg/apis/batch|core/validation)."""
     old_spec = old.get("spec") or {}
-    if kind == "Job":
-        if new_spec.get("template") != old_spec.get("template"):
-            return ["spec.template: Invalid value: field is immutable"]
+    if kind == "Job" and new_spec.get("template") != old_spec.get("template"):
+        return ["spec.template: Invalid value: field is immutable"]
     if kind == "PersistentVolumeClaim":
 
         def without_storage(spec: dict[str, Any]) -> dict[str, Any]:
