@@ -114,7 +114,7 @@ def _write_status(
         logger.warning(f"status not written: {exc}")
         return
     if uid is not None:
-        _post_transition(namespace, name, uid, old, new, logger)
+        _post_transition(kube, namespace, name, uid, old, new, logger)
 
 
 def _transition_key(status: dict[str, Any] | None) -> tuple[str, str]:
@@ -130,7 +130,7 @@ def _cache_key(status: dict[str, Any] | None) -> tuple[str, str]:
 
 
 def _post_event(
-    namespace: str, name: str, uid: str, type_: str, reason: str, message: str, logger: Any
+    kube: KubeClient, namespace: str, name: str, uid: str, type_: str, reason: str, message: str, logger: Any
 ) -> None:
     ref = kopf.Body(
         {
@@ -141,16 +141,32 @@ def _post_event(
     )
     try:
         kopf.event(ref, type=type_, reason=reason, message=message)
-    except LookupError:  # outside a running operator (unit tests calling reconcile directly)
-        logger.debug("no event posted: no operator context")
+        return
+    except LookupError:
+        pass
+    # Outside kopf's per-object handlers (the resync thread, tests calling reconcile directly) kopf
+    # has no event queue, so the Event is posted directly: a transition the resync noticed first
+    # must be announced too.
+    involved = {"apiVersion": API_VERSION, "kind": KIND, "name": name, "namespace": namespace, "uid": uid}
+    try:
+        kube.create_event(involved, type_, reason, message, component=FIELD_MANAGER)
+    except ApiError as exc:
+        logger.warning(f"event {reason} not posted: {exc}")
 
 
 def _post_transition(
-    namespace: str, name: str, uid: str, old: dict[str, Any] | None, new: dict[str, Any], logger: Any
+    kube: KubeClient,
+    namespace: str,
+    name: str,
+    uid: str,
+    old: dict[str, Any] | None,
+    new: dict[str, Any],
+    logger: Any,
 ) -> None:
     if _cache_key(old) != _cache_key(new) and new.get("cache"):
         cache = new["cache"]
         _post_event(
+            kube,
             namespace,
             name,
             uid,
@@ -167,6 +183,7 @@ def _post_transition(
     warning = degraded.get("status") == "True"
     source = degraded if warning else ready
     _post_event(
+        kube,
         namespace,
         name,
         uid,

@@ -42,6 +42,7 @@ KINDS: dict[str, KindInfo] = {
     "Job": KindInfo("batch/v1", "jobs"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
+    "Event": KindInfo("v1", "events"),
 }
 
 
@@ -206,6 +207,34 @@ class KubeClient:
             action=f"writing status of InferenceModel {namespace}/{name}",
             body={"status": status},
             content_type="application/merge-patch+json",
+        )
+
+    def create_event(
+        self, involved: dict[str, Any], type_: str, reason: str, message: str, component: str
+    ) -> None:
+        """Post a core/v1 Event about `involved` ({apiVersion, kind, name, namespace, uid}); for
+        threads outside kopf's handlers, where kopf.event() has no queue to post to."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        namespace = involved["namespace"]
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
+            "involvedObject": involved,
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": component},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self._request(
+            "POST",
+            object_path("v1", "events", namespace),
+            action=f"posting an Event on {involved['kind']} {namespace}/{involved['name']}",
+            body=body,
+            content_type="application/json",
         )
 
     def forget_discovery(self) -> None:
