@@ -251,8 +251,11 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             if kube.delete(ref.kind, namespace, ref.name, owner_uid=im.uid):
                 logger.info(f"deleted {ref.kind} {namespace}/{ref.name}: no longer wanted by the spec")
     except ApiError as exc:
+        # A failure before the cache was judged (applying the claim) keeps its last known phase.
         outcome = ReconcileOutcome(
-            apply_error=str(exc), monitoring_skipped_reason=monitoring_skipped, cache=cache
+            apply_error=str(exc),
+            monitoring_skipped_reason=monitoring_skipped,
+            cache=cache if cache is not None else _previous_cache(im, previous),
         )
         live_deployment = _safe_get(kube, "Deployment", namespace, im.child_name)
         status = compute_status(im, live_deployment, outcome, previous, _now(), _pods(kube, im))
