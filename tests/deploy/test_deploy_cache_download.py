@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two subprocesses that import torch, and tiny models built with transformers
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "hf_cache_loader_test"
 
@@ -152,7 +154,7 @@ def _download(endpoint: str, args: list[str]) -> subprocess.CompletedProcess[str
 
 
 def test_loader_downloads_a_pinned_revision_the_server_then_loads_offline(
-    hub: tuple[FakeHub, str], tiny_model_factory: Any, tmp_path: Path
+    hub: tuple[FakeHub, str], tiny_model_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
     from lora_adapters import make_adapter
@@ -192,7 +194,7 @@ def test_loader_downloads_a_pinned_revision_the_server_then_loads_offline(
     mounted = tmp_path / "mounted"
     (cache).rename(mounted)
     served = mounted / "models" / "org--tiny@v2"
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     source = resolve_model(str(served), cache_dir=tmp_path / "scratch")
     assert source.origin == "hf-folder"
     got = load_state_dict(source.folder)
