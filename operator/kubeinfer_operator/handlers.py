@@ -12,10 +12,19 @@ from typing import Any
 
 import kopf
 
+from . import cache as model_cache
 from .defaults import ClusterDefaults
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
-from .render import FIELD_MANAGER, MODEL_ANNOTATION, Capabilities, is_subset, render_all, selector_labels
+from .render import (
+    CACHE_KINDS,
+    FIELD_MANAGER,
+    MODEL_ANNOTATION,
+    Capabilities,
+    is_subset,
+    render_all,
+    selector_labels,
+)
 from .resync import Resyncer
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceModel, InvalidSpecError, semantic_errors
 from .status import ReconcileOutcome, compute_status, failed_status, same_status
@@ -109,7 +118,7 @@ def _write_status(
         logger.warning(f"status not written: {exc}")
         return
     if uid is not None:
-        _post_transition(namespace, name, uid, old, new, logger)
+        _post_transition(kube, namespace, name, uid, old, new, logger)
 
 
 def _transition_key(status: dict[str, Any] | None) -> tuple[str, str]:
@@ -119,16 +128,14 @@ def _transition_key(status: dict[str, Any] | None) -> tuple[str, str]:
     return str((status or {}).get("phase") or ""), reason
 
 
-def _post_transition(
-    namespace: str, name: str, uid: str, old: dict[str, Any] | None, new: dict[str, Any], logger: Any
+def _cache_key(status: dict[str, Any] | None) -> tuple[str, str]:
+    cache = (status or {}).get("cache") or {}
+    return str(cache.get("phase") or ""), str(cache.get("reason") or "")
+
+
+def _post_event(
+    kube: KubeClient, namespace: str, name: str, uid: str, type_: str, reason: str, message: str, logger: Any
 ) -> None:
-    if _transition_key(old) == _transition_key(new):
-        return
-    conds = {c.get("type"): c for c in new.get("conditions") or []}
-    degraded = conds.get("Degraded") or {}
-    ready = conds.get("Ready") or {}
-    warning = degraded.get("status") == "True"
-    source = degraded if warning else ready
     ref = kopf.Body(
         {
             "apiVersion": API_VERSION,
@@ -137,14 +144,58 @@ def _post_transition(
         }
     )
     try:
-        kopf.event(
-            ref,
-            type="Warning" if warning else "Normal",
-            reason=str(source.get("reason") or new.get("phase") or "StatusChanged"),
-            message=f"{new.get('phase')}: {source.get('message') or ''}".rstrip(": "),
+        kopf.event(ref, type=type_, reason=reason, message=message)
+        return
+    except LookupError:
+        pass
+    # Outside kopf's per-object handlers (the resync thread, tests calling reconcile directly) kopf
+    # has no event queue, so the Event is posted directly: a transition the resync noticed first
+    # must be announced too.
+    involved = {"apiVersion": API_VERSION, "kind": KIND, "name": name, "namespace": namespace, "uid": uid}
+    try:
+        kube.create_event(involved, type_, reason, message, component=FIELD_MANAGER)
+    except ApiError as exc:
+        logger.warning(f"event {reason} not posted: {exc}")
+
+
+def _post_transition(
+    kube: KubeClient,
+    namespace: str,
+    name: str,
+    uid: str,
+    old: dict[str, Any] | None,
+    new: dict[str, Any],
+    logger: Any,
+) -> None:
+    if _cache_key(old) != _cache_key(new) and new.get("cache"):
+        cache = new["cache"]
+        _post_event(
+            kube,
+            namespace,
+            name,
+            uid,
+            "Warning" if cache.get("phase") == "Failed" else "Normal",
+            str(cache.get("reason") or "Cache" + str(cache.get("phase"))),
+            f"cache {cache.get('phase')}: {cache.get('message') or ''}".rstrip(": "),
+            logger,
         )
-    except LookupError:  # outside a running operator (unit tests calling reconcile directly)
-        logger.debug("no event posted: no operator context")
+    if _transition_key(old) == _transition_key(new):
+        return
+    conds = {c.get("type"): c for c in new.get("conditions") or []}
+    degraded = conds.get("Degraded") or {}
+    ready = conds.get("Ready") or {}
+    warning = degraded.get("status") == "True"
+    source = degraded if warning else ready
+    _post_event(
+        kube,
+        namespace,
+        name,
+        uid,
+        "Warning" if warning else "Normal",
+        str(source.get("reason") or new.get("phase") or "StatusChanged"),
+        f"{new.get('phase')}: {source.get('message') or ''}".rstrip(": "),
+        logger,
+    )
 
 
 def _capabilities(kube: KubeClient) -> Capabilities:
@@ -182,9 +233,13 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         raise kopf.PermanentError(f"invalid spec: {message}")
 
     monitoring_skipped: str | None = None
+    cache: model_cache.CacheState | None = None
     try:
         caps = _capabilities(kube)
-        plan = render_all(im, caps)
+        cache = sync_cache(
+            im, kube, logger, was_shared=bool((previous or {}).get("cache")), defaults=caps.defaults
+        )
+        plan = render_all(im, caps, cache_ready=cache is None or cache.ready)
         monitoring_skipped = plan.monitoring_skipped_reason
         if im.spec.autoscaled and im.spec.scaling.autoscaler == "KEDA" and not caps.keda:
             raise ApiError(
@@ -192,6 +247,8 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             )
         deployment: dict[str, Any] | None = None
         for obj in plan.objects:
+            if obj["kind"] in CACHE_KINDS:
+                continue  # applied by sync_cache
             if obj["kind"] == "Deployment" and im.spec.autoscaled:
                 hand_over_replicas(im, obj, kube, logger)
             live = kube.apply(obj)
@@ -201,7 +258,12 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             if kube.delete(ref.kind, namespace, ref.name, owner_uid=im.uid):
                 logger.info(f"deleted {ref.kind} {namespace}/{ref.name}: no longer wanted by the spec")
     except ApiError as exc:
-        outcome = ReconcileOutcome(apply_error=str(exc), monitoring_skipped_reason=monitoring_skipped)
+        # A failure before the cache was judged (applying the claim) keeps its last known phase.
+        outcome = ReconcileOutcome(
+            apply_error=str(exc),
+            monitoring_skipped_reason=monitoring_skipped,
+            cache=cache if cache is not None else _previous_cache(im, previous),
+        )
         live_deployment = _safe_get(kube, "Deployment", namespace, im.child_name)
         status = compute_status(im, live_deployment, outcome, previous, _now(), _pods(kube, im))
         _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=im.uid)
@@ -209,9 +271,57 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             raise kopf.TemporaryError(str(exc), delay=backoff_delay(retry)) from exc
         raise kopf.PermanentError(str(exc)) from exc
 
-    outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped)
+    if deployment is None and cache is not None and not cache.ready:
+        deployment = _safe_get(kube, "Deployment", namespace, im.child_name)  # an older one may serve
+    outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped, cache=cache)
     status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
     _write_status(kube, namespace, name, status.to_dict(), previous, logger, retry=retry, uid=im.uid)
+
+
+def sync_cache(
+    im: InferenceModel,
+    kube: KubeClient,
+    logger: Any,
+    was_shared: bool = True,
+    defaults: ClusterDefaults | None = None,
+) -> model_cache.CacheState | None:
+    """cache.mode Shared: apply the claim (or read the adopted one), create the loader Job for the
+    current model, revision and adapters if it does not exist (a Job is never edited: its template is
+    immutable), delete this model's loader Jobs of earlier loads, and judge the cache's phase.
+    None when the model has no shared cache (its old loader Jobs are deleted then)."""
+    current = model_cache.job_name(im) if im.spec.cache.shared else None
+    jobs = []
+    if im.spec.cache.shared or was_shared:
+        jobs = kube.list("Job", im.namespace, model_cache.loader_selector(im))
+    for old in jobs:
+        if not _labelled(old, model_cache.loader_selector(im)):
+            continue
+        jname = (old.get("metadata") or {}).get("name")
+        if jname != current and kube.delete("Job", im.namespace, str(jname), owner_uid=im.uid):
+            logger.info(f"deleted loader Job {im.namespace}/{jname}: the model's load changed")
+    if not im.spec.cache.shared:
+        return None
+    if model_cache.adopts_claim(im):
+        claim = kube.get("PersistentVolumeClaim", im.namespace, model_cache.claim_name(im))
+    else:
+        claim = kube.apply(model_cache.render_claim(im))
+    state = model_cache.judge(im, claim, None)
+    if state.phase != "Pending" or state.reason != "LoaderPending":
+        return state  # no claim, or one that cannot serve: no loader
+    job = kube.get("Job", im.namespace, model_cache.job_name(im))
+    if job is None:
+        logger.info(f"creating loader Job {im.namespace}/{model_cache.job_name(im)} for {im.spec.model.uri}")
+        job = kube.apply(model_cache.render_job(im, defaults))
+    pods: list[dict[str, Any]] = []
+    if model_cache.judge(im, claim, job).phase != "Ready":
+        selector = f"{model_cache.JOB_NAME_LABEL}={model_cache.job_name(im)}"
+        pods = [
+            p
+            for p in kube.list("Pod", im.namespace, selector)
+            if ((p.get("metadata") or {}).get("labels") or {}).get(model_cache.JOB_NAME_LABEL)
+            == model_cache.job_name(im)
+        ]
+    return model_cache.judge(im, claim, job, pods)
 
 
 def hand_over_replicas(im: InferenceModel, obj: dict[str, Any], kube: KubeClient, logger: Any) -> None:
@@ -240,6 +350,12 @@ def _pods(kube: KubeClient, im: InferenceModel) -> list[dict[str, Any]] | None:
         for p in pods
         if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in wanted.items())
     ]
+
+
+def _labelled(obj: dict[str, Any], selector: str) -> bool:
+    """Whether obj carries every k=v label of selector (a lister need not filter)."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, _, v in (part.partition("=") for part in selector.split(",")))
 
 
 def _safe_get(kube: KubeClient, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -304,10 +420,19 @@ def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
         return False
     if semantic_errors(im.spec):
         return False
-    plan = render_all(im, _capabilities(kube))
+    cache_ready = True
+    if im.spec.cache.shared:
+        # A cache that is not filled yet is re-judged on every resync (an adopted claim created
+        # later, a Job finished while a watch was down).
+        cache_ready = (((body.get("status") or {}).get("cache") or {}).get("phase")) == "Ready"
+        if not cache_ready:
+            return True
+    plan = render_all(im, _capabilities(kube), cache_ready=cache_ready)
     for obj in plan.objects:
         live = kube.get(obj["kind"], im.namespace, obj["metadata"]["name"])
-        if live is None or not is_subset(obj, live):
+        if live is None:
+            return True
+        if obj["kind"] != "Job" and not is_subset(obj, live):  # a Job is never edited
             return True
     return any(_owned_by(kube.get(ref.kind, im.namespace, ref.name), im) for ref in plan.absent)
 
@@ -376,7 +501,15 @@ def _on_child_event_locked(
         return
 
     name = str(meta.get("name"))
-    objects = render_all(im, _capabilities(kube)).objects
+    if kind == "Job":
+        # A loader Job started, finished or failed: the cache's phase, and maybe the Deployment, follow.
+        logger.info(f"loader Job {namespace}/{name} changed ({event_type or 'listed'}): reconciling")
+        try:
+            reconcile(owner_body, kube, logger)
+        except (kopf.TemporaryError, kopf.PermanentError) as exc:
+            logger.warning(f"reconcile after loader Job {namespace}/{name} postponed: {exc}")
+        return
+    objects = render_all(im, _capabilities(kube), cache_ready=_cache_ready(owner_body, im)).objects
     wanted = {obj["kind"]: obj for obj in objects}  # the model's own win (they come last)
     # Judged by kind and name: the router's children share kinds with the model's.
     desired = next((o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name), None)
@@ -396,6 +529,30 @@ def _on_child_event_locked(
 
     if kind == "Deployment" and name == im.child_name:  # not the router's
         refresh_status(im, owner_body, current, wanted, kube, logger)
+
+
+def _cache_ready(owner_body: dict[str, Any], im: InferenceModel) -> bool:
+    if not im.spec.cache.shared:
+        return True
+    return (((owner_body.get("status") or {}).get("cache") or {}).get("phase")) == "Ready"
+
+
+def _previous_cache(im: InferenceModel, previous: dict[str, Any] | None) -> model_cache.CacheState | None:
+    """The cache's phase as the last reconcile judged it (Job events reconcile, so it is current)."""
+    if not im.spec.cache.shared:
+        return None
+    old = (previous or {}).get("cache") or {}
+    if not old.get("phase"):
+        return model_cache.CacheState(
+            "Pending", model_cache.claim_name(im), None, "LoaderPending", "the cache is not judged yet"
+        )
+    return model_cache.CacheState(
+        str(old["phase"]),
+        str(old.get("claimName") or model_cache.claim_name(im)),
+        old.get("jobName"),
+        str(old.get("reason") or ""),
+        str(old.get("message") or ""),
+    )
 
 
 def refresh_status(
@@ -426,7 +583,9 @@ def refresh_status(
         skipped = "CRDNotInstalled"
     elif kube.get("ServiceMonitor", im.namespace, im.child_name) is None:
         skipped = "NotApplied"  # report only what exists; the resync applies it
-    outcome = ReconcileOutcome(apply_error=apply_error, monitoring_skipped_reason=skipped)
+    outcome = ReconcileOutcome(
+        apply_error=apply_error, monitoring_skipped_reason=skipped, cache=_previous_cache(im, previous)
+    )
     status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
     _write_status(kube, im.namespace, im.name, status.to_dict(), previous, logger, uid=im.uid)
 
@@ -450,7 +609,8 @@ def on_pod_event(pod: dict[str, Any], kube: KubeClient, logger: Any) -> None:
             return
         if ((meta.get("labels") or {}).get("app.kubernetes.io/instance")) != im.child_name:
             return  # a pod of another model that copied the annotation
-        wanted = {obj["kind"]: obj for obj in render_all(im, _capabilities(kube)).objects}
+        plan = render_all(im, _capabilities(kube), cache_ready=_cache_ready(owner_body, im))
+        wanted = {obj["kind"]: obj for obj in plan.objects}
         deployment = kube.get("Deployment", namespace, im.child_name)
         refresh_status(im, owner_body, deployment, wanted, kube, logger)
 
@@ -514,5 +674,6 @@ for _kind in (
     "HorizontalPodAutoscaler",
     "ServiceMonitor",
     "ScaledObject",
+    "Job",
 ):
     _register_child_watch(_kind)

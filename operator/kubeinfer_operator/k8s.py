@@ -38,10 +38,14 @@ KINDS: dict[str, KindInfo] = {
     "ServiceAccount": KindInfo("v1", "serviceaccounts"),
     "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
+    # cache.mode Shared: the model's cache claim and its loader Job (cache.py)
+    "PersistentVolumeClaim": KindInfo("v1", "persistentvolumeclaims"),
+    "Job": KindInfo("batch/v1", "jobs"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
     # leader election between operator replicas (leader.py)
     "Lease": KindInfo("coordination.k8s.io/v1", "leases"),
+    "Event": KindInfo("v1", "events"),
 }
 
 
@@ -238,6 +242,33 @@ class KubeClient:
             raise
         assert out is not None
         return out
+    def create_event(
+        self, involved: dict[str, Any], type_: str, reason: str, message: str, component: str
+    ) -> None:
+        """Post a core/v1 Event about `involved` ({apiVersion, kind, name, namespace, uid}); for
+        threads outside kopf's handlers, where kopf.event() has no queue to post to."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        namespace = involved["namespace"]
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
+            "involvedObject": involved,
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": component},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self._request(
+            "POST",
+            object_path("v1", "events", namespace),
+            action=f"posting an Event on {involved['kind']} {namespace}/{involved['name']}",
+            body=body,
+            content_type="application/json",
+        )
 
     def forget_discovery(self) -> None:
         """Drop cached discovery answers (a CRD was added or removed)."""

@@ -94,11 +94,14 @@ def endpoint_url(im: InferenceModel) -> str:
 
 
 def server_args(im: InferenceModel) -> list[str]:
+    from .cache import adapter_path, model_path  # cache.py builds on this module
+
     spec = im.spec
     engine = spec.engine
+    shared = spec.cache.shared
     args = [
         "--model",
-        model_location(spec.model.uri).server_model,
+        model_path(im) if shared else model_location(spec.model.uri).server_model,
         "--host",
         "0.0.0.0",
         "--port",
@@ -130,7 +133,11 @@ def server_args(im: InferenceModel) -> list[str]:
         args += ["--speculative-config", engine.speculative.to_flag()]
     if spec.adapters:
         # hub adapters are fetched by the server into the same cache volume as the model
-        modules = [f"{a.name}={model_location(a.uri).server_model}" for a in spec.adapters]
+        # (with a shared cache, hub adapters are read from the folders the loader Job filled)
+        modules = [
+            f"{a.name}={(adapter_path(a.uri) if shared else None) or model_location(a.uri).server_model}"
+            for a in spec.adapters
+        ]
         args += ["--enable-lora", "--max-loras", str(min(len(spec.adapters), 4)), "--lora-modules", *modules]
         args += ["--max-cpu-loras", str(len(spec.adapters))]
     from .routing import server_routing_args  # routing.py builds on this module
@@ -148,10 +155,13 @@ def _env(im: InferenceModel) -> list[dict[str, Any]]:
         {"name": "HOME", "value": TMP_DIR},
         {"name": "TMPDIR", "value": TMP_DIR},
     ]
-    if spec.model.revision is not None:
+    if spec.cache.shared:
+        # The loader Job fetched everything: replicas get no hub token and must never reach the hub.
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    elif spec.model.revision is not None:
         env.append({"name": "MODEL_REVISION", "value": spec.model.revision})
     creds = spec.model.credentials_secret_ref
-    if creds is not None:
+    if creds is not None and not spec.cache.shared:
         env.append(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": creds.name, "key": creds.key}}}
         )
@@ -215,7 +225,7 @@ def restricted_container_security_context() -> dict[str, Any]:
 def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     spec = im.spec
     cache_volume: dict[str, Any] = {"name": "cache"}
-    if spec.cache.claim_name is not None:
+    if spec.cache.claim_name is not None and not spec.cache.shared:
         cache_volume["persistentVolumeClaim"] = {"claimName": spec.cache.claim_name}
     else:
         empty: dict[str, Any] = {}
@@ -234,6 +244,13 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         {"name": "cache", "mountPath": CACHE_DIR},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
+    if spec.cache.shared:
+        from .cache import server_volumes
+
+        # The per-pod `cache` emptyDir stays for what each server writes (built kernels).
+        shared_volume, shared_mount = server_volumes(im)
+        volumes.append(shared_volume)
+        mounts.append(shared_mount)
     location = model_location(spec.model.uri)
     if location.claim_name is not None:
         volumes.append(
@@ -548,8 +565,18 @@ class RenderPlan:
 OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget")
 
 
-def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPlan:
+# Children of the shared cache (cache.py): applied before the rest, and the Job only when missing.
+CACHE_KINDS = ("PersistentVolumeClaim", "Job")
+# Children that only exist once a shared cache is filled.
+WAIT_FOR_CACHE_KINDS = ("Deployment", "HorizontalPodAutoscaler", "ScaledObject")
+
+
+def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready: bool = True) -> RenderPlan:
+    """Every child. With cache.mode Shared the claim (unless adopted) and the loader Job come first;
+    `cache_ready` False (the Job has not succeeded) leaves out the Deployment and its autoscaler, so
+    no replica starts before the cache is filled (a Deployment that exists is left as it is)."""
     caps = caps or Capabilities()
+    from .cache import adopts_claim, render_claim, render_job
     from .routing import ROUTER_KINDS, render_router, router_name
 
     # The router's objects come first: callers index the plan by kind, and the model's own objects
@@ -561,6 +588,11 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
     )
     # Order matters for a partial failure: the Service and PDB exist before pods can serve or be evicted.
     objects = [*router, render_service(im)]
+    if im.spec.cache.shared:
+        cache_objects = [render_job(im, caps.defaults)]
+        if not adopts_claim(im):
+            cache_objects.insert(0, render_claim(im))
+        objects = cache_objects + objects
     if wants_pdb(im):
         objects.append(render_pdb(im))
     objects.append(render_deployment(im, caps.defaults))
@@ -579,8 +611,19 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
     # Service and RBAC they use); whichever is not rendered now must not exist.
     optional = [ChildRef(kind, im.child_name) for kind in OPTIONAL_KINDS]
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
+    if not cache_ready:
+        objects = [
+            o
+            for o in objects
+            if not (o["kind"] in WAIT_FOR_CACHE_KINDS and o["metadata"]["name"] == im.child_name)
+        ]
     present = {ChildRef(obj["kind"], obj["metadata"]["name"]) for obj in objects}
-    absent = [ref for ref in optional if ref not in present]
+    # While the cache fills, the autoscaler of a Deployment that serves an older revision stays.
+    absent = [
+        ref
+        for ref in optional
+        if ref not in present and (cache_ready or ref.kind not in WAIT_FOR_CACHE_KINDS)
+    ]
     return RenderPlan(objects=objects, absent=absent, monitoring_skipped_reason=skipped)
 
 

@@ -307,16 +307,68 @@ class ResourcesSpec(_Model):
         return self
 
 
+CacheMode = Literal["PerPod", "Shared"]
+AccessMode = Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"]
+# A quantity that is zero ("0", "0Gi", "0.0"): a claim of size zero is refused by the API server.
+ZERO_QUANTITY = re.compile(r"^[+]?(0+([.]0*)?|[.]0+)([KMGTPE]i|[numkMGTPE])?$")
+
+
 class CacheSpec(_Model):
+    """Where weights are cached. PerPod (default): each replica downloads into its own emptyDir (or
+    into `claimName`, mounted read-write by every replica). Shared (KubeAI's and NIM's cache): one
+    claim per model (created from size/storageClassName/accessModes, or `claimName` adopted), filled
+    once by a loader Job, mounted read-only by the replicas, which load from it offline."""
+
+    mode: CacheMode = "PerPod"
     claim_name: str | None = Field(default=None, min_length=1, max_length=253)
     size_limit: int | str | None = None
+    size: int | str | None = None
+    storage_class_name: str | None = Field(default=None, min_length=1, max_length=253)
+    access_modes: list[AccessMode] | None = Field(default=None, min_length=1, max_length=3)
+    backoff_limit: int = Field(default=4, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check_cache(self) -> CacheSpec:
         if self.claim_name is not None and not is_dns1123_subdomain(self.claim_name):
             raise ValueError("cache.claimName must be a DNS-1123 subdomain (lower case, digits, '-', '.')")
         _check_quantity(self.size_limit, "cache.sizeLimit")
+        if self.size is not None:
+            _check_quantity(self.size, "cache.size")
+            if ZERO_QUANTITY.match(str(self.size)):
+                raise ValueError("cache.size must be above zero")
+        if self.storage_class_name is not None and not is_dns1123_subdomain(self.storage_class_name):
+            raise ValueError(
+                "cache.storageClassName must be a DNS-1123 subdomain (lower case, digits, '-', '.')"
+            )
+        if self.access_modes is not None and len(set(self.access_modes)) != len(self.access_modes):
+            raise ValueError("cache.accessModes must not repeat a mode")
+        creates = (
+            self.size is not None or self.storage_class_name is not None or self.access_modes is not None
+        )
+        if self.mode != "Shared" and creates:
+            raise ValueError(
+                "cache.size, cache.storageClassName and cache.accessModes describe the claim of cache.mode Shared"
+            )
+        if self.mode == "Shared" and self.claim_name is not None and creates:
+            raise ValueError(
+                "cache.size, cache.storageClassName and cache.accessModes describe a claim the operator "
+                "creates: leave them unset when adopting cache.claimName"
+            )
+        if self.mode == "Shared" and self.claim_name is None and self.size is None:
+            raise ValueError(
+                "cache.mode Shared needs cache.size (a claim the operator creates) or cache.claimName "
+                "(an existing claim to adopt)"
+            )
         return self
+
+    @property
+    def shared(self) -> bool:
+        return self.mode == "Shared"
+
+    @property
+    def single_pod_claim(self) -> bool:
+        """The claim the operator creates cannot be mounted by pods on several nodes at once."""
+        return self.access_modes is not None and "ReadWriteMany" not in self.access_modes
 
 
 class ScalingSpec(_Model):
@@ -426,9 +478,10 @@ MANAGED_ENV = (
     "MODEL_REVISION",
     "HF_TOKEN",
     "API_KEY",
+    "HF_HUB_OFFLINE",
 )
-MANAGED_VOLUMES = ("tmp", "cache", "dshm", "model")
-MANAGED_MOUNT_PATHS = ("/tmp", "/var/cache/kubeinfer", "/dev/shm", "/models")
+MANAGED_VOLUMES = ("tmp", "cache", "dshm", "model", "model-cache")
+MANAGED_MOUNT_PATHS = ("/tmp", "/var/cache/kubeinfer", "/dev/shm", "/models", "/var/cache/kubeinfer-shared")
 MANAGED_LABELS = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -468,11 +521,12 @@ class PodSpec(_Model):
             )
         if any(v.get("name") in MANAGED_VOLUMES for v in self.volumes):
             raise ValueError(
-                "pod.volumes must not reuse the operator's volume names (tmp, cache, dshm, model)"
+                "pod.volumes must not reuse the operator's volume names (tmp, cache, dshm, model, model-cache)"
             )
         if any(m.get("mountPath") in MANAGED_MOUNT_PATHS for m in self.volume_mounts):
             raise ValueError(
-                "pod.volumeMounts must not reuse the operator's mount paths (/tmp, /var/cache/kubeinfer, /dev/shm, /models)"
+                "pod.volumeMounts must not reuse the operator's mount paths "
+                "(/tmp, /var/cache/kubeinfer, /dev/shm, /models, /var/cache/kubeinfer-shared)"
             )
         names = {v.get("name") for v in self.volumes}
         if any(m.get("name") not in names for m in self.volume_mounts):
@@ -559,6 +613,32 @@ class InferenceModelSpec(_Model):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_cache_fits(self) -> InferenceModelSpec:
+        if not self.cache.shared:
+            return self
+        if not self.model.uri.startswith("hf://"):
+            raise ValueError(
+                "cache.mode Shared downloads hf:// models: a pvc:// or image path needs no cache"
+            )
+        if self.cache.single_pod_claim and self.max_pods > 1:
+            raise ValueError(
+                "cache.accessModes without ReadWriteMany serve one pod, and more can run (replicas or "
+                "maxReplicas above 1, or a rollout's maxSurge): use ReadWriteMany, or one replica with "
+                "rollout.maxSurge 0"
+            )
+        return self
+
+    @property
+    def max_pods(self) -> int:
+        """The most server pods that can run at once, ignoring suspend (it may be lifted): the count
+        (maxReplicas when autoscaled), plus at least one more during a rollout unless maxSurge is 0."""
+        scaling = self.scaling
+        ceiling = scaling.replicas if scaling.autoscaler == "None" else (scaling.max_replicas or 2)
+        if ceiling == 0:
+            return 0
+        return ceiling + (0 if is_zero(self.rollout.max_surge) else 1)
+
     @property
     def autoscaled(self) -> bool:
         return self.scaling.autoscaler != "None" and not self.suspend
@@ -571,7 +651,7 @@ class InferenceModelSpec(_Model):
 
 
 class Condition(_Model):
-    type: Literal["Ready", "Progressing", "Degraded", "MonitoringAvailable"]
+    type: Literal["Ready", "Progressing", "Degraded", "MonitoringAvailable", "CacheReady"]
     status: Literal["True", "False", "Unknown"]
     reason: str
     message: str = ""
@@ -580,6 +660,17 @@ class Condition(_Model):
 
 
 Phase = Literal["Pending", "Loading", "Ready", "Degraded", "Suspended", "Failed"]
+CachePhase = Literal["Pending", "Loading", "Ready", "Failed"]
+
+
+class CacheStatus(_Model):
+    """The shared model cache (cache.mode Shared): its claim, the loader Job and how far it got."""
+
+    phase: CachePhase
+    claim_name: str
+    job_name: str | None = None
+    reason: str = ""
+    message: str = ""
 
 
 class InferenceModelStatus(_Model):
@@ -591,6 +682,7 @@ class InferenceModelStatus(_Model):
     endpoint: str | None = None
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
+    cache: CacheStatus | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .cache import CacheState
 from .pods import diagnose
 from .render import desired_replicas, endpoint_url, selector_string
-from .spec import Condition, InferenceModel, InferenceModelStatus, Phase
+from .spec import CacheStatus, Condition, InferenceModel, InferenceModelStatus, Phase
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class ReconcileOutcome:
     invalid_spec: str | None = None  # permanent: the spec cannot be deployed
     apply_error: str | None = None  # temporary: an API call failed, a retry is scheduled
     monitoring_skipped_reason: str | None = None  # "CRDNotInstalled" | "Disabled" | "NotApplied" | None
+    cache: CacheState | None = None  # cache.mode Shared: the cache's phase as last judged
 
 
 def _deployment_condition(deployment: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
@@ -85,6 +87,10 @@ def compute_status(
     pod_problem = diagnose(pods or []) if not im.spec.suspend else None
     if degraded_reason is None and pod_problem is not None:
         degraded_reason, degraded_message = pod_problem.reason, pod_problem.message
+    cache = outcome.cache
+    cache_failed = cache is not None and cache.phase == "Failed"
+    if degraded_reason is None and cache is not None and cache_failed:
+        degraded_reason, degraded_message = cache.reason, cache.message
     prev_conditions = _previous_conditions(previous)
     was_serving = _was_serving(prev_conditions)
     if (
@@ -97,7 +103,9 @@ def compute_status(
     ):
         degraded_reason = "NoReadyReplicas"
         degraded_message = "the model was serving and has no ready replica left"
-    serving_despite = degraded_reason is not None and pod_problem is not None and ready >= 1
+    # Replicas of an earlier load keep serving while a new revision's loader fails.
+    serving_despite = degraded_reason is not None and (pod_problem is not None or cache_failed) and ready >= 1
+    waiting_for_cache = cache is not None and not cache.ready and deployment is None
 
     converged = (
         deployment is not None
@@ -133,12 +141,15 @@ def compute_status(
             "Suspended": "Suspended",
             "Degraded": degraded_reason or "Degraded",
             "Loading": "ModelLoading",
-            "Pending": "NoReplicas",
+            "Pending": "CacheLoading" if waiting_for_cache else "NoReplicas",
         }[phase]
         conditions.append(cond("Ready", "False", reason, f"{ready}/{desired} replicas ready"))
 
     if outcome.invalid_spec is not None:
         conditions.append(cond("Progressing", "False", "InvalidSpec", "nothing is applied"))
+    elif waiting_for_cache and not cache_failed:
+        assert cache is not None
+        conditions.append(cond("Progressing", "True", "CacheLoading", cache.message))
     elif converged:
         conditions.append(cond("Progressing", "False", "RolloutComplete", f"{updated} replicas up to date"))
     else:
@@ -180,6 +191,20 @@ def compute_status(
     else:
         conditions.append(cond("MonitoringAvailable", "True", "ServiceMonitorApplied", ""))
 
+    cache_status = None
+    if cache is not None:
+        if cache.ready:
+            conditions.append(cond("CacheReady", "True", cache.reason or "Loaded", cache.message))
+        else:
+            conditions.append(cond("CacheReady", "False", cache.reason or cache.phase, cache.message))
+        cache_status = CacheStatus(
+            phase=cache.phase,  # type: ignore[arg-type]  # judged by cache.judge, one of CachePhase
+            claim_name=cache.claim_name,
+            job_name=cache.job_name,
+            reason=cache.reason,
+            message=cache.message,
+        )
+
     return InferenceModelStatus(
         phase=phase,
         replicas=replicas,
@@ -189,6 +214,7 @@ def compute_status(
         endpoint=endpoint_url(im) if outcome.invalid_spec is None else None,
         observed_generation=generation,
         conditions=conditions,
+        cache=cache_status,
     )
 
 

@@ -100,12 +100,13 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
 
 
-def download_from_hub(repo_id: str, cache_dir: Path) -> Path:
-    """Fetch a hub model into the cache (pods: the operator's cache volume). MODEL_REVISION pins a
-    revision; HF_TOKEN authenticates; HF_HUB_OFFLINE=1 makes this use the cache only."""
+def download_from_hub(repo_id: str, cache_dir: Path, revision: str | None = None) -> Path:
+    """Fetch a hub model into the cache (pods: the operator's cache volume). `revision` (else
+    MODEL_REVISION) pins a revision; HF_TOKEN authenticates; HF_HUB_OFFLINE=1 makes this use the
+    cache only. Also the loader Job's download (server/download.py)."""
     from huggingface_hub import snapshot_download
 
-    revision = os.environ.get("MODEL_REVISION") or None
+    revision = revision or os.environ.get("MODEL_REVISION") or None
     log.info("fetching %s%s from the hub into %s", repo_id, f"@{revision}" if revision else "", cache_dir)
     try:
         folder = snapshot_download(

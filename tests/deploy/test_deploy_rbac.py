@@ -307,6 +307,47 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                 # Drift: a deleted Service comes back.
                 api.http("DELETE", f"/api/v1/namespaces/{NS}/services/m")
                 wait_for("Service restored", lambda: "services" in children())
+                # A shared model cache: the claim and the loader Job first, the Deployment once the
+                # Job has succeeded (the test plays the Job controller); a new revision replaces the
+                # Job; an adopted claim is read.
+                cached = {
+                    "model": {"uri": "hf://org/tiny", "revision": "v1"},
+                    "cache": {"mode": "Shared", "size": "1Gi"},
+                }
+                api.http("POST", plural, model("c", cached))
+                jobs_path = f"/apis/batch/v1/namespaces/{NS}/jobs"
+
+                def loader_jobs() -> list[str]:
+                    return [name for plural_, ns, name in api.objects() if plural_ == "jobs" and ns == NS]
+
+                wait_for("the loader Job", lambda: len(loader_jobs()) == 1)
+                (first_job,) = loader_jobs()
+                done = {"status": {"conditions": [{"type": "Complete", "status": "True"}], "succeeded": 1}}
+                api.http("PATCH", f"{jobs_path}/{first_job}/status", done, "application/merge-patch+json")
+                wait_for("the cached model's Deployment", lambda: ("deployments", NS, "c") in api.objects())
+                cached["model"]["revision"] = "v2"
+                api.http(
+                    "PATCH",
+                    f"{plural}/c",
+                    {"spec": cached, "metadata": {"generation": 2}},
+                    "application/merge-patch+json",
+                )
+                wait_for("the next loader Job", lambda: loader_jobs() and first_job not in loader_jobs())
+                adopted = {
+                    "model": {"uri": "hf://org/tiny"},
+                    "cache": {"mode": "Shared", "claimName": "team"},
+                }
+                api.http("POST", plural, model("d", adopted))
+                wait_for(
+                    "the adopted claim looked up",
+                    lambda: any(
+                        r.method == "GET"
+                        and r.resource is not None
+                        and r.resource.plural == "persistentvolumeclaims"
+                        and r.name == "team"
+                        for r in api.requests()
+                    ),
+                )
                 # An undeployable spec: Degraded status, a warning event.
                 api.http(
                     "POST",
@@ -322,6 +363,8 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                 )
                 api.http("DELETE", f"{plural}/m")
                 api.http("DELETE", f"{plural}/bad")
+                api.http("DELETE", f"{plural}/c")
+                api.http("DELETE", f"{plural}/d")
                 time.sleep(1.0)
             finally:
                 stop.set()

@@ -49,6 +49,79 @@ ADMISSION: list[Row] = [
         "rollout.maxUnavailable must be a non-negative number",
     ),
     Row("unavailable-over-100", _s(rollout={"maxUnavailable": "150%"}), "must not exceed 100%"),
+    # cache.mode Shared (issue 21 item 6): a claim per model filled by a loader Job
+    Row(
+        "cache-shared-created", _s(cache={"mode": "Shared", "size": "20Gi", "storageClassName": "nfs"}), None
+    ),
+    Row("cache-shared-adopted", _s(cache={"mode": "Shared", "claimName": "models-rwx"}), None),
+    Row(
+        "cache-shared-rwx-autoscaled",
+        _s(
+            cache={"mode": "Shared", "size": "20Gi", "accessModes": ["ReadWriteMany"]},
+            scaling={"autoscaler": "HPA", "minReplicas": 1, "maxReplicas": 8},
+        ),
+        None,
+    ),
+    Row(
+        "cache-shared-rwo-one-pod",
+        _s(
+            cache={"mode": "Shared", "size": "20Gi", "accessModes": ["ReadWriteOnce"]},
+            rollout={"maxSurge": 0},
+        ),
+        None,
+    ),
+    Row(
+        "cache-shared-rwo-two-replicas",
+        _s(
+            cache={"mode": "Shared", "size": "20Gi", "accessModes": ["ReadWriteOnce"]},
+            scaling={"replicas": 2},
+            rollout={"maxSurge": 0},
+        ),
+        "cache.accessModes without ReadWriteMany serve one pod",
+    ),
+    Row(
+        "cache-shared-rwo-surge",  # one replica, but a rollout runs a second pod beside it
+        _s(cache={"mode": "Shared", "size": "20Gi", "accessModes": ["ReadWriteOnce"]}),
+        "cache.accessModes without ReadWriteMany serve one pod",
+    ),
+    Row(
+        "cache-shared-rwop-autoscaled",
+        _s(
+            cache={"mode": "Shared", "size": "20Gi", "accessModes": ["ReadWriteOncePod"]},
+            scaling={"autoscaler": "HPA", "minReplicas": 1, "maxReplicas": 2},
+            rollout={"maxSurge": 0},
+        ),
+        "cache.accessModes without ReadWriteMany serve one pod",
+    ),
+    Row("cache-shared-no-size", _s(cache={"mode": "Shared"}), "cache.mode Shared needs cache.size"),
+    Row(
+        "cache-shared-zero-size", _s(cache={"mode": "Shared", "size": "0Gi"}), "cache.size must be above zero"
+    ),
+    Row(
+        "cache-shared-adopt-with-size",
+        _s(cache={"mode": "Shared", "claimName": "x", "size": "1Gi"}),
+        "leave them unset when adopting cache.claimName",
+    ),
+    Row(
+        "cache-perpod-with-size",
+        _s(cache={"size": "1Gi"}),
+        "describe the claim of cache.mode Shared",
+    ),
+    Row(
+        "cache-shared-bad-class",
+        _s(cache={"mode": "Shared", "size": "1Gi", "storageClassName": "Fast_SSD"}),
+        "cache.storageClassName must be a DNS-1123 subdomain",
+    ),
+    Row(
+        "cache-shared-pvc-model",
+        {"model": {"uri": "pvc://weights/llama"}, "cache": {"mode": "Shared", "size": "1Gi"}},
+        "cache.mode Shared downloads hf:// models",
+    ),
+    Row(
+        "cache-shared-bad-mode",
+        _s(cache={"mode": "Shared", "size": "1Gi", "accessModes": ["ReadOnlyMany"]}),
+        "is not one of",
+    ),
     # image and flags
     Row("image-ok", _s(engine={"image": "registry.local:5000/ml/server:1.2@sha256:" + "a" * 64}), None),
     Row(

@@ -140,12 +140,68 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
         for field in ("minAvailable", "maxUnavailable"):
             if field in spec:
                 errors += _int_or_percent(spec[field], f"spec.{field}")[0]
+    if kind == "Job":
+        if len(str(meta.get("name") or "")) > 63:
+            errors.append("metadata.name: Invalid value: must be no more than 63 characters (a label value)")
+        pod = (spec.get("template") or {}).get("spec") or {}
+        if pod.get("restartPolicy") not in ("Never", "OnFailure"):
+            errors.append(
+                f"spec.template.spec.restartPolicy: Unsupported value: {pod.get('restartPolicy')!r}: "
+                'supported values: "OnFailure", "Never"'
+            )
+        if int(spec.get("backoffLimit", 6)) < 0:
+            errors.append("spec.backoffLimit: Invalid value: must be greater than or equal to 0")
+        errors += _pod_errors(pod, "spec.template.spec")
+    if kind == "PersistentVolumeClaim":
+        if not spec.get("accessModes"):
+            errors.append("spec.accessModes: Required value: at least 1 access mode is required")
+        storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage")
+        if storage is None:
+            errors.append("spec.resources[storage]: Required value")
+        elif not _QUANTITY.match(str(storage)) or _quantity_value(storage) <= 0:
+            errors.append(f"spec.resources[storage]: Invalid value: {storage!r}: must be greater than zero")
     if kind == "HorizontalPodAutoscaler":
         if int(spec.get("minReplicas", 1)) < 1:
             errors.append("spec.minReplicas: Invalid value: must be greater than or equal to 1")
         if int(spec.get("maxReplicas", 1)) < int(spec.get("minReplicas", 1)):
             errors.append("spec.maxReplicas: Invalid value: must be greater than or equal to `minReplicas`")
     return errors
+
+
+def _quantity_value(value: Any) -> float:
+    m = re.match(r"^[+]?([0-9.]+)([KMGTPE]i|[numkMGTPE])?$", str(value))
+    if m is None:
+        return float("nan")
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+    units |= {"n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+    return float(m.group(1)) * units.get(m.group(2) or "", 1)
+
+
+def update_errors(kind: str, old: dict[str, Any], new_spec: dict[str, Any]) -> list[str]:
+    """What the API server refuses in an update of a live object whose spec would become `new_spec`
+    (the patch already merged): a Job's pod template is immutable, and a claim's spec is immutable
+    after creation except a larger storage request (k8s.io/kubernetes/pkg/apis/batch|core/validation)."""
+    old_spec = old.get("spec") or {}
+    if kind == "Job" and new_spec.get("template") != old_spec.get("template"):
+        return ["spec.template: Invalid value: field is immutable"]
+    if kind == "PersistentVolumeClaim":
+
+        def without_storage(spec: dict[str, Any]) -> dict[str, Any]:
+            out = {k: v for k, v in spec.items() if k != "resources"}
+            requests = dict((spec.get("resources") or {}).get("requests") or {})
+            requests.pop("storage", None)
+            return {**out, "requests": requests}
+
+        if without_storage(new_spec) != without_storage(old_spec):
+            return [
+                "spec: Forbidden: spec is immutable after creation except resources.requests and "
+                "volumeAttributesClassName for bound claims"
+            ]
+        before = ((old_spec.get("resources") or {}).get("requests") or {}).get("storage")
+        after = ((new_spec.get("resources") or {}).get("requests") or {}).get("storage")
+        if before is not None and after is not None and _quantity_value(after) < _quantity_value(before):
+            return ["spec.resources.requests.storage: Forbidden: field can not be less than previous value"]
+    return []
 
 
 _BINARY = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]

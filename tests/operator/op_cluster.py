@@ -34,7 +34,7 @@ from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
-from op_apichecks import api_errors, canonicalize_resources
+from op_apichecks import api_errors, canonicalize_resources, update_errors
 
 NAMESPACE = "default"
 
@@ -50,6 +50,11 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
     "v1/pods": ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
     # leader election between operator replicas (kubeinfer_operator/leader.py)
     "coordination.k8s.io/v1/leases": ResourceInfo(kind="Lease", namespaced=True),
+    # cache.mode Shared: the cache claim and its loader Job
+    "v1/persistentvolumeclaims": ResourceInfo(
+        kind="PersistentVolumeClaim", namespaced=True, subresources={"status"}
+    ),
+    "batch/v1/jobs": ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -72,6 +77,8 @@ PATHS = {
     "ServiceMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/servicemonitors",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
     "Pod": "/api/v1/namespaces/{ns}/pods",
+    "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
+    "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
     "Event": "/api/v1/namespaces/{ns}/events",
     "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
     # spec.routing's router identity and permission
@@ -196,6 +203,14 @@ class ApiServer(KubernetesEmulator):
                             created = raw
                     else:
                         old = live.raw
+                        if request.subresource is None and isinstance(data.get("spec"), dict):
+                            # Immutable fields (a Job's template, a claim's spec): the real 422.
+                            merged = kmock._internal.dicts.patch_dict(old.get("spec") or {}, data["spec"])
+                            refused = update_errors(old.get("kind", ""), old, dict(merged))
+                            if refused:
+                                raise KubernetesError(
+                                    status=422, reason="Invalid", message="; ".join(refused)
+                                )
                         # resourceVersion stays as created: kopf guards finalizer removal with a JSON
                         # patch `test` on it, and kmock's watch cannot replay versions anyway.
                         if request.subresource is None and "spec" in data:

@@ -428,6 +428,8 @@ CRD_KIND_SCHEMAS = {
 def test_every_kind_is_covered() -> None:
     kinds = {p.values[0]["kind"] for p in ALL_OBJECTS}  # type: ignore[index]
     assert kinds == {
+        "PersistentVolumeClaim",  # examples/shared-cache.yaml: the cache claim and its loader Job
+        "Job",
         "Deployment",
         "Service",
         "ServiceMonitor",

@@ -1,0 +1,340 @@
+"""The shared model cache (spec.cache.mode Shared), like KubeAI's and NIM's: one PersistentVolumeClaim
+per model (created, or adopted through cache.claimName), filled once by a loader Job that runs the
+server image's own download code (`python -m server.download`), then mounted read-only by every
+replica, which loads the model from it offline.
+
+Pure functions: the claim and Job renderers, the paths the loader writes and the server reads, and
+the cache's phase judged from the live claim, Job and loader pods (handlers.py does the I/O).
+
+The loader makes `<cache>/models/<org>--<name>@<revision>` a relative symlink to the hub snapshot it
+downloaded (`<cache>/hub/models--org--name/snapshots/<commit>`), so a replica is given a plain local
+folder as --model and never consults the hub; adapters likewise under `<cache>/adapters/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .defaults import ClusterDefaults
+from .names import MAX_LABEL_LENGTH
+from .pods import diagnose
+from .render import (
+    CACHE_DIR,
+    TMP_DIR,
+    Manifest,
+    _metadata,
+    restricted_container_security_context,
+    selector_labels,
+)
+from .spec import InferenceModel
+
+# Where the replicas mount the shared claim (read-only); the loader mounts it at CACHE_DIR.
+SHARED_CACHE_DIR = "/var/cache/kubeinfer-shared"
+SHARED_VOLUME = "model-cache"
+LOADER_COMPONENT = "cache-loader"
+DEFAULT_ACCESS_MODES = ("ReadWriteMany",)
+# The Job controller labels its pods with the Job's name (batch.kubernetes.io/job-name since 1.27).
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# Requests only: a download is network-bound, but a pod without requests is BestEffort.
+LOADER_REQUESTS = {"cpu": "250m", "memory": "512Mi"}
+
+
+def claim_name(im: InferenceModel) -> str:
+    """The cache claim: the adopted one, else `<child>-cache` (a DNS-1123 subdomain)."""
+    return im.spec.cache.claim_name or f"{im.child_name}-cache"
+
+
+def adopts_claim(im: InferenceModel) -> bool:
+    return im.spec.cache.claim_name is not None
+
+
+def _hf_repo(uri: str) -> str | None:
+    return uri.removeprefix("hf://") if uri.startswith("hf://") else None
+
+
+def model_key(im: InferenceModel) -> str:
+    """The model's folder under <cache>/models: repo and revision, so a new revision never overwrites
+    the folder replicas of the old one are reading."""
+    repo = _hf_repo(im.spec.model.uri)
+    assert repo is not None  # admission: Shared mode needs an hf:// model
+    return f"{repo.replace('/', '--')}@{im.spec.model.revision or 'default'}"
+
+
+def model_path(im: InferenceModel, root: str = SHARED_CACHE_DIR) -> str:
+    return f"{root}/models/{model_key(im)}"
+
+
+def adapter_path(uri: str, root: str = SHARED_CACHE_DIR) -> str | None:
+    """An hf:// adapter's folder in the cache (None for pvc:// and image paths: nothing to fetch)."""
+    repo = _hf_repo(uri)
+    return None if repo is None else f"{root}/adapters/{repo.replace('/', '--')}"
+
+
+def load_digest(im: InferenceModel) -> str:
+    """What the loader fetches (model, revision, hub adapters): a new digest means a new Job (a Job's
+    pod template is immutable, so a changed load is a new Job, never an edit of the old one)."""
+    wanted = {
+        "model": im.spec.model.uri,
+        "revision": im.spec.model.revision,
+        "adapters": sorted(a.uri for a in im.spec.adapters if a.uri.startswith("hf://")),
+    }
+    return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def job_name(im: InferenceModel) -> str:
+    """`<child>-load-<digest>`, at most 63 characters (the Job controller puts it in a label)."""
+    suffix = f"-load-{load_digest(im)}"
+    return im.child_name[: MAX_LABEL_LENGTH - len(suffix)].rstrip("-") + suffix
+
+
+def loader_labels(im: InferenceModel) -> dict[str, str]:
+    return {"app.kubernetes.io/component": LOADER_COMPONENT}
+
+
+def loader_selector(im: InferenceModel) -> str:
+    """Selects this model's loader Jobs (the Job template's labels differ from the server pods')."""
+    wanted = {**selector_labels(im), **loader_labels(im)}
+    wanted["app.kubernetes.io/name"] = "kubeinfer-cache-loader"
+    return ",".join(f"{k}={v}" for k, v in wanted.items())
+
+
+def _loader_metadata(im: InferenceModel, name: str) -> dict[str, Any]:
+    meta = _metadata(im)
+    meta["name"] = name
+    meta["labels"] = {
+        **meta["labels"],
+        "app.kubernetes.io/name": "kubeinfer-cache-loader",
+        **loader_labels(im),
+    }
+    return meta
+
+
+def render_claim(im: InferenceModel) -> Manifest:
+    """The claim the operator creates (never rendered for an adopted claim)."""
+    cache = im.spec.cache
+    assert cache.size is not None  # admission: Shared without claimName needs a size
+    spec: dict[str, Any] = {
+        "accessModes": list(cache.access_modes or DEFAULT_ACCESS_MODES),
+        "resources": {"requests": {"storage": str(cache.size)}},
+        "volumeMode": "Filesystem",
+    }
+    if cache.storage_class_name is not None:
+        spec["storageClassName"] = cache.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _loader_metadata(im, claim_name(im)),
+        "spec": spec,
+    }
+
+
+def loader_args(im: InferenceModel) -> list[str]:
+    """`python -m server.download` arguments: fetch into the cache, link at the paths replicas read."""
+    repo = _hf_repo(im.spec.model.uri)
+    assert repo is not None
+    args = ["--model", repo, "--cache-dir", CACHE_DIR, "--output", model_path(im, CACHE_DIR)]
+    if im.spec.model.revision is not None:
+        args += ["--revision", im.spec.model.revision]
+    for a in im.spec.adapters:
+        path = adapter_path(a.uri, CACHE_DIR)
+        repo_a = _hf_repo(a.uri)
+        if path is not None and repo_a is not None:
+            args += ["--adapter", f"{repo_a}={path}"]
+    return args
+
+
+def render_job(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:
+    """The loader Job: the server image's download entry point with the model's hub token, retried
+    `cache.backoffLimit` times; its log (and, on failure, its termination message) shows progress.
+    Image and pull secrets default to the installation's (`defaults`), as the model's pods do."""
+    spec = im.spec
+    defaults = defaults or ClusterDefaults()
+    env: list[dict[str, Any]] = [
+        {"name": "KUBEINFER_CACHE_DIR", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "HOME", "value": TMP_DIR},
+        {"name": "TMPDIR", "value": TMP_DIR},
+        # Progress lines as they happen, not when a buffer fills.
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    creds = spec.model.credentials_secret_ref
+    if creds is not None:
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": creds.name, "key": creds.key}}}
+        )
+    container: dict[str, Any] = {
+        "name": "loader",
+        "image": spec.engine.image or defaults.server_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python", "-m", "server.download"],
+        "args": loader_args(im),
+        "env": env,
+        "resources": {"requests": dict(LOADER_REQUESTS)},
+        "securityContext": restricted_container_security_context(),
+        # The log's tail becomes the termination message, which status.cache.message then quotes.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": TMP_DIR},
+            {"name": SHARED_VOLUME, "mountPath": CACHE_DIR},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # each failed attempt is a new pod, counted against backoffLimit
+        "containers": [container],
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": claim_name(im)}},
+        ],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "fsGroup": 65532,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    if spec.scheduling.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.scheduling.node_selector)
+    if spec.scheduling.tolerations:
+        pod_spec["tolerations"] = list(spec.scheduling.tolerations)
+    if spec.pod.service_account_name is not None:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    pull_secrets = defaults.pull_secrets([r.name for r in spec.pod.image_pull_secrets])
+    if pull_secrets:
+        pod_spec["imagePullSecrets"] = pull_secrets
+    meta = _loader_metadata(im, job_name(im))
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": spec.cache.backoff_limit,
+            # No ttlSecondsAfterFinished: the finished Job is the record that the cache is filled.
+            "template": {"metadata": {"labels": dict(meta["labels"])}, "spec": pod_spec},
+        },
+    }
+
+
+def server_volumes(im: InferenceModel) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The replicas' read-only volume and mount of the shared claim."""
+    return (
+        {
+            "name": SHARED_VOLUME,
+            "persistentVolumeClaim": {"claimName": claim_name(im), "readOnly": True},
+        },
+        {"name": SHARED_VOLUME, "mountPath": SHARED_CACHE_DIR, "readOnly": True},
+    )
+
+
+# ---------------------------------------------------------------- the cache's phase
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """The cache as observed; `ready` lets the Deployment be created (or updated)."""
+
+    phase: str  # Pending | Loading | Ready | Failed
+    claim_name: str
+    job_name: str | None
+    reason: str
+    message: str
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "Ready"
+
+
+def _condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == ctype and cond.get("status") == "True":
+            return dict(cond)
+    return None
+
+
+def claim_access_modes(claim: dict[str, Any]) -> list[str]:
+    """The modes a bound claim actually has (status), else those it asks for (spec)."""
+    return list(
+        (claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get("accessModes") or []
+    )
+
+
+def claim_conflict(im: InferenceModel, claim: dict[str, Any]) -> str | None:
+    """Why an adopted claim cannot serve this model (None if it can)."""
+    modes = claim_access_modes(claim)
+    name = claim_name(im)
+    if not any(m in ("ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod") for m in modes):
+        return f"claim {name} has access modes {modes}: the loader Job cannot write to it"
+    if "ReadWriteMany" not in modes and im.spec.max_pods > 1:
+        return (
+            f"claim {name} has access modes {modes}, which serve one pod, but up to {im.spec.max_pods} "
+            "can run at once (replicas or maxReplicas, plus a rollout's maxSurge): replicas on other "
+            "nodes would hang on Multi-Attach. Use a ReadWriteMany claim, or one replica with rollout.maxSurge 0"
+        )
+    return None
+
+
+def _last_words(pods: list[dict[str, Any]]) -> str:
+    """The newest failed loader pod's termination message (its log tail: FallbackToLogsOnError)."""
+    best: tuple[str, str] | None = None
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            if term and term.get("exitCode", 0) != 0:
+                stamp = str(term.get("finishedAt") or "")
+                text = str(
+                    term.get("message")
+                    or f"exit code {term.get('exitCode')} ({term.get('reason') or 'Error'})"
+                )
+                if best is None or stamp >= best[0]:
+                    best = (stamp, text)
+    if best is None:
+        return ""
+    text = " ".join(best[1].split())
+    return text if len(text) <= 512 else "..." + text[-509:]
+
+
+def judge(
+    im: InferenceModel,
+    claim: dict[str, Any] | None,
+    job: dict[str, Any] | None,
+    pods: list[dict[str, Any]] | None = None,
+) -> CacheState:
+    """The cache's phase from the live claim (None: missing), the current loader Job (None: not created
+    yet) and that Job's pods: Failed with the Job's reason and the last pod's words, Loading with a
+    pod problem (an unbound claim, a missing Secret) if there is one."""
+    name = claim_name(im)
+    jname = job_name(im)
+    if claim is None:
+        if adopts_claim(im):
+            return CacheState("Pending", name, None, "ClaimNotFound", f"claim {name} does not exist")
+        return CacheState("Pending", name, None, "ClaimPending", f"claim {name} is being created")
+    if adopts_claim(im):
+        conflict = claim_conflict(im, claim)
+        if conflict is not None:
+            return CacheState("Failed", name, None, "AccessModeConflict", conflict)
+    if job is None:
+        return CacheState("Pending", name, jname, "LoaderPending", f"loader Job {jname} is being created")
+    if _condition(job, "Complete") is not None:
+        return CacheState("Ready", name, jname, "Loaded", f"loader Job {jname} filled claim {name}")
+    failed = _condition(job, "Failed")
+    if failed is not None:
+        reason = str(failed.get("reason") or "JobFailed")
+        detail = str(failed.get("message") or "the loader Job failed")
+        words = _last_words(pods or [])
+        message = f"loader Job {jname}: {detail}" + (f"; last attempt: {words}" if words else "")
+        return CacheState("Failed", name, jname, reason, message)
+    problem = diagnose(pods or [])
+    status = job.get("status") or {}
+    attempts = int(status.get("failed") or 0)
+    message = f"loader Job {jname} is downloading {im.spec.model.uri}"
+    if attempts:
+        message += f" (attempt {attempts + 1} of {im.spec.cache.backoff_limit + 1})"
+    if problem is not None:
+        return CacheState("Loading", name, jname, problem.reason, f"{message}; {problem.message}")
+    return CacheState("Loading", name, jname, "Loading", message)

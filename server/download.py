@@ -1,0 +1,126 @@
+"""`python -m server.download`: fetch a hub model (and LoRA adapters) into a cache folder ahead of
+serving, with the server's own download code (`server.models.loader.download_from_hub`,
+`server.lora.adapter.resolve_adapter_path`). The operator's cache loader Job runs it (cache.mode
+Shared); the replicas then get `--output` as a plain local --model folder and load it offline.
+
+    python -m server.download --model org/name [--revision REV] --cache-dir DIR --output DIR/models/x
+        [--adapter org/lora=DIR/adapters/y ...]
+
+Each `--output` becomes a relative symlink to the downloaded hub snapshot (so it stays valid wherever
+the cache is mounted), replaced atomically. HF_TOKEN authenticates. Progress goes to stdout, one line
+per step; exit code 0 when every folder is in place and loadable, 1 with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from server.config import default_cache_dir
+from server.lora.adapter import ADAPTER_CONFIG, LoRAAdapterError, resolve_adapter_path
+from server.models.loader import ModelLoadError, download_from_hub, resolve_model
+
+log = logging.getLogger("server.download")
+
+
+def _size(folder: Path) -> tuple[int, int]:
+    """(files, bytes) of a snapshot folder, following the hub cache's symlinks into blobs/."""
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def link(target: Path, output: Path) -> None:
+    """Make `output` a relative symlink to `target`, atomically (readers see the old or the new one)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    relative = os.path.relpath(target.resolve(), output.parent.resolve())
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(relative, target_is_directory=True)
+    os.replace(tmp, output)
+
+
+def fetch_model(repo: str, revision: str | None, cache_dir: Path, output: Path | None) -> Path:
+    started = time.monotonic()
+    log.info("model %s%s: downloading into %s", repo, f"@{revision}" if revision else "", cache_dir)
+    folder = download_from_hub(repo, cache_dir, revision=revision)
+    files, size = _size(folder)
+    log.info(
+        "model %s: %d files, %.1f MiB in %.1f s (%s)",
+        repo,
+        files,
+        size / 2**20,
+        time.monotonic() - started,
+        folder,
+    )
+    if output is None:
+        return folder
+    link(folder, output)
+    # What the server will do with it: a local Hugging Face folder (config.json + *.safetensors).
+    resolve_model(str(output), cache_dir=cache_dir)
+    log.info("model %s: ready at %s", repo, output)
+    return output
+
+
+def fetch_adapter(repo: str, cache_dir: Path, output: Path) -> Path:
+    started = time.monotonic()
+    log.info("adapter %s: downloading into %s", repo, cache_dir)
+    folder = resolve_adapter_path(repo, cache_dir)
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise LoRAAdapterError(f"adapter {repo}: no {ADAPTER_CONFIG} in {folder}")
+    link(folder, output)
+    files, size = _size(folder)
+    log.info(
+        "adapter %s: %d files, %.1f MiB in %.1f s, ready at %s",
+        repo,
+        files,
+        size / 2**20,
+        time.monotonic() - started,
+        output,
+    )
+    return output
+
+
+def _adapter(value: str) -> tuple[str, Path]:
+    repo, sep, out = value.partition("=")
+    if not sep or not repo or not out:
+        raise argparse.ArgumentTypeError(f"--adapter {value!r}: expected org/name=/path/to/folder")
+    return repo, Path(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server.download", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="hub repo id org/name")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (default: MODEL_REVISION or main)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: KUBEINFER_CACHE_DIR)")
+    p.add_argument("--output", type=Path, default=None, help="symlink to create to the model's folder")
+    p.add_argument(
+        "--adapter", type=_adapter, action="append", default=[], help="org/name=/output/folder (repeatable)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(message)s", force=True)
+    cache_dir: Path = args.cache_dir or default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fetch_model(args.model, args.revision, cache_dir, args.output)
+        for repo, out in args.adapter:
+            fetch_adapter(repo, cache_dir, out)
+    except (ModelLoadError, LoRAAdapterError, OSError) as exc:
+        # The last line is what the Job's termination message (FallbackToLogsOnError) shows.
+        one_line = " ".join(str(exc).split())
+        print(f"download failed: {one_line}", file=sys.stderr, flush=True)
+        return 1
+    log.info("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
