@@ -12,6 +12,8 @@ from typing import Any
 
 import kopf
 
+from . import adapter_sync
+from .adapters import desired_adapters, runtime_updates
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
 from .render import FIELD_MANAGER, MODEL_ANNOTATION, Capabilities, is_subset, render_all, selector_labels
@@ -95,6 +97,7 @@ def _write_status(
     is retried through kopf, so a finished reconcile never leaves a stale status behind; otherwise
     (the write only accompanies an error that is retried anyway) the failure is logged. A change of
     phase or of the Degraded reason is also posted as a Kubernetes Event on the InferenceModel."""
+    new = carry_adapters(new, old)
     if same_status(old, new):
         return
     try:
@@ -205,8 +208,10 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         raise kopf.PermanentError(str(exc)) from exc
 
     outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped)
-    status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
-    _write_status(kube, namespace, name, status.to_dict(), previous, logger, retry=retry, uid=im.uid)
+    pods = _pods(kube, im)
+    status = compute_status(im, deployment, outcome, previous, _now(), pods)
+    new = {**status.to_dict(), **adapters_status(im, pods, logger)}
+    _write_status(kube, namespace, name, new, previous, logger, retry=retry, uid=im.uid)
 
 
 def hand_over_replicas(im: InferenceModel, obj: dict[str, Any], kube: KubeClient, logger: Any) -> None:
@@ -235,6 +240,34 @@ def _pods(kube: KubeClient, im: InferenceModel) -> list[dict[str, Any]] | None:
         for p in pods
         if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in wanted.items())
     ]
+
+
+def adapters_status(im: InferenceModel, pods: list[dict[str, Any]] | None, logger: Any) -> dict[str, Any]:
+    """status.adapters/adapterCount: synced through the running pods' run-time routes and read back
+    from their /v1/models (adapter_sync.py); {} (keep the previous value) when the pods are unknown."""
+    if not im.spec.adapters:
+        return {"adapters": [], "adapterCount": 0}
+    if not runtime_updates(im):
+        # behind an API key the operator cannot ask the pods: the list their template was started with
+        names = sorted(desired_adapters(im))
+        return {"adapters": names, "adapterCount": len(names)}
+    if pods is None:
+        return {}
+    result = adapter_sync.sync_pods(im, pods)
+    for pod in result.pods:
+        if pod.loaded or pod.unloaded:
+            logger.info(f"pod {pod.pod}: adapters loaded {list(pod.loaded)}, unloaded {list(pod.unloaded)}")
+    for error in result.errors:
+        logger.warning(f"adapters of {im.namespace}/{im.name}: {error}")
+    served = result.served
+    return {"adapters": served, "adapterCount": len(served)}
+
+
+def carry_adapters(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+    """A status write that did not look at the pods keeps the adapters last seen."""
+    if "adapters" in new or not old or "adapters" not in old:
+        return new
+    return {**new, "adapters": old["adapters"], "adapterCount": old.get("adapterCount", len(old["adapters"]))}
 
 
 def _safe_get(kube: KubeClient, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -422,8 +455,11 @@ def refresh_status(
     elif kube.get("ServiceMonitor", im.namespace, im.child_name) is None:
         skipped = "NotApplied"  # report only what exists; the resync applies it
     outcome = ReconcileOutcome(apply_error=apply_error, monitoring_skipped_reason=skipped)
-    status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
-    _write_status(kube, im.namespace, im.name, status.to_dict(), previous, logger, uid=im.uid)
+    pods = _pods(kube, im)
+    status = compute_status(im, deployment, outcome, previous, _now(), pods)
+    # a pod that became ready or was unreachable last time gets its adapters here
+    new = {**status.to_dict(), **adapters_status(im, pods, logger)}
+    _write_status(kube, im.namespace, im.name, new, previous, logger, uid=im.uid)
 
 
 def on_pod_event(pod: dict[str, Any], kube: KubeClient, logger: Any) -> None:

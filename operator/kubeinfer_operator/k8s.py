@@ -39,6 +39,8 @@ KINDS: dict[str, KindInfo] = {
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
+    # spec.adapters: the adapter list the server reads at start (adapters.py)
+    "ConfigMap": KindInfo("v1", "configmaps"),
 }
 
 
