@@ -23,6 +23,7 @@ from .spec import InferenceModel
 
 RUNTIME_FLAG = "--allow-runtime-lora-updating"
 TIMEOUT_SECONDS = 10.0
+POD_PORT = SERVER_PORT  # the server's port on each pod IP (tests point it at a local stand-in)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def sync_pods(
     want = desired_adapters(im)
     for pod in syncable_pods(pods):
         name = str((pod.get("metadata") or {}).get("name") or "?")
-        url = f"http://{pod['status']['podIP']}:{SERVER_PORT}"
+        url = f"http://{pod['status']['podIP']}:{POD_PORT}"
         before = _served(http, url)
         if isinstance(before, HTTPReply):
             result.errors.append(f"pod {name}: GET /v1/models: {_describe(before)}")

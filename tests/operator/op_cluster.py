@@ -47,6 +47,7 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
     "autoscaling/v2/horizontalpodautoscalers": ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
     "v1/events": ResourceInfo(kind="Event", namespaced=True),
     "v1/pods": ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
+    "v1/configmaps": ResourceInfo(kind="ConfigMap", namespaced=True),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -69,6 +70,7 @@ PATHS = {
     "ServiceMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/servicemonitors",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
     "Pod": "/api/v1/namespaces/{ns}/pods",
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
     "Event": "/api/v1/namespaces/{ns}/events",
     # spec.routing's router identity and permission
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
