@@ -241,7 +241,10 @@ class LoRALinear(nn.Module):
             out = p.work("d", (t_lora, self.out_features), x)
         for seg in p.segments:
             a = self.lora_a[seg.slot * n * big_r : (seg.slot + 1) * n * big_r]  # [n*R, in]
-            h = torch.mm(xs[seg.start : seg.end], a.t())  # [t_seg, n*R]
+            rows = seg.end - seg.start
+            h = torch.mm(
+                xs[seg.start : seg.end], a.t(), out=p.work("h", (rows, n * big_r), x)
+            )  # [t_seg, n*R]
             for i, (c0, c1) in enumerate(self.cols):
                 b = self.lora_b[i][seg.slot * big_r : (seg.slot + 1) * big_r]  # [R, out_i]
                 dst = out[seg.start : seg.end, c0:c1]
