@@ -8,6 +8,9 @@ previous one ends):
   lora-4       the same engine, requests spread round-robin over 4 adapters (mixed batches)
 
     python benchmarks/lora.py [--users 16 --requests 64 --prompt-len 128 --new-tokens 64 --rounds 2]
+    python benchmarks/lora.py --decode-steps 12 [--threads 1]   decode steps alternated base / lora-4 /
+        lora-4 forced dense / forced grouped (robust on a shared machine; --threads 1 more so)
+    python benchmarks/lora.py --micro 100 --threads 1   one layer's delta only, dense vs grouped, by token count
 """
 
 from __future__ import annotations
