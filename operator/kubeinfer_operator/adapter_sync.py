@@ -23,6 +23,9 @@ from .spec import InferenceModel
 
 RUNTIME_FLAG = "--allow-runtime-lora-updating"
 TIMEOUT_SECONDS = 10.0
+# a load reads the adapter (and may fetch it from the hub) before answering; a timeout is no failure:
+# the pod finishes the load and the next status refresh reads it back
+LOAD_TIMEOUT_SECONDS = 60.0
 POD_PORT = SERVER_PORT  # the server's port on each pod IP (tests point it at a local stand-in)
 
 
@@ -171,7 +174,7 @@ def sync_pods(
             if n in before and n not in unloaded:
                 continue
             reply = http.post(
-                f"{url}/v1/load_lora_adapter", {"lora_name": n, "lora_path": path}, TIMEOUT_SECONDS
+                f"{url}/v1/load_lora_adapter", {"lora_name": n, "lora_path": path}, LOAD_TIMEOUT_SECONDS
             )
             if reply.status == 200:
                 loaded.append(n)
