@@ -8,6 +8,9 @@ previous one ends):
   lora-4       the same engine, requests spread round-robin over 4 adapters (mixed batches)
 
     python benchmarks/lora.py [--users 16 --requests 64 --prompt-len 128 --new-tokens 64 --rounds 2]
+    python benchmarks/lora.py --decode-steps 12 [--threads 1]   decode steps alternated base / lora-4 /
+        lora-4 forced dense / forced grouped (robust on a shared machine; --threads 1 more so)
+    python benchmarks/lora.py --micro 100 --threads 1   one layer's delta only, dense vs grouped, by token count
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def decode_step_medians(base, with_lora, prompts, mixed, args) -> dict:  # type:
 
     from server.request import SamplingParams
 
-    params = SamplingParams(max_tokens=args.decode_steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3 * args.decode_steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(args.users):
         base.add_request(f"d{i}", prompts[i], params, None)
         with_lora.add_request(f"d{i}", prompts[i], params, mixed[i])
@@ -70,12 +73,19 @@ def decode_step_medians(base, with_lora, prompts, mixed, args) -> dict:  # type:
     while with_lora.stats().num_running < args.users or with_lora.scheduler.waiting:
         with_lora.step()
     base.step(), with_lora.step()  # first pure decode steps
-    times: dict[str, list[float]] = {"base": [], "lora-4": []}
+    state = with_lora.lora_manager.state
+    default_dense = state.dense_max_tokens_per_slot
+    # lora-4 = the default plan; the two forced modes show what the dense/grouped choice is worth
+    modes = (("base", base, default_dense), ("lora-4", with_lora, default_dense))
+    modes += (("lora-4-dense", with_lora, 1 << 30), ("lora-4-grouped", with_lora, 0))
+    times: dict[str, list[float]] = {name: [] for name, _, _ in modes}
     for _ in range(args.decode_steps):
-        for name, eng in (("base", base), ("lora-4", with_lora)):
+        for name, eng, dense_max in modes:
+            state.dense_max_tokens_per_slot = dense_max
             t0 = time.perf_counter()
             eng.step()
             times[name].append(time.perf_counter() - t0)
+    state.dense_max_tokens_per_slot = default_dense
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     return {
         "cpu": platform.processor() or platform.machine(),
@@ -86,7 +96,72 @@ def decode_step_medians(base, with_lora, prompts, mixed, args) -> dict:  # type:
         "rank": args.rank,
         "median_decode_step_ms": {k: round(v, 2) for k, v in med.items()},
         "throughput_ratio_lora4_vs_base": round(med["base"] / med["lora-4"], 3),
+        "throughput_ratio_dense_vs_base": round(med["base"] / med["lora-4-dense"], 3),
+        "throughput_ratio_grouped_vs_base": round(med["base"] / med["lora-4-grouped"], 3),
         "resident_slot_bytes_per_adapter": with_lora.lora_manager.slot_bytes(),
+    }
+
+
+def micro(args) -> dict:  # type: ignore[no-untyped-def]
+    """Delta cost of one decoder layer's wrapped projections (SmolLM2-135M shapes, base excluded), dense
+    vs grouped-by-slot, per token count; the two modes alternate call by call. Process CPU time, so run
+    it with --threads 1 (robust to a shared machine: time spent descheduled is not counted)."""
+    import statistics
+
+    from server.lora.layers import LoRALinear, LoRAStepPlan, LoRAStepState
+
+    class Zero(torch.nn.Module):  # a base projection that costs nothing: only the delta is timed
+        def __init__(self, i: int, o: int) -> None:
+            super().__init__()
+            self.in_features, self.out_features = i, o
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros(x.shape[0], self.out_features)
+
+    h, inter, kv, big_r, loras = 576, 1536, 192, args.rank, args.adapters
+    dev, dt = torch.device("cpu"), torch.float32
+    st = LoRAStepState(max_rank=big_r)
+    projs = [
+        (
+            LoRALinear(
+                Zero(h, h + 2 * kv), [("q_proj", h), ("k_proj", kv), ("v_proj", kv)], st, loras, dev, dt
+            ),
+            h,
+        ),
+        (LoRALinear(Zero(h, h), [("o_proj", h)], st, loras, dev, dt), h),
+        (LoRALinear(Zero(h, 2 * inter), [("gate_proj", inter), ("up_proj", inter)], st, loras, dev, dt), h),
+        (LoRALinear(Zero(inter, h), [("down_proj", h)], st, loras, dev, dt), inter),
+    ]
+    for p, _ in projs:
+        for s in range(loras):
+            p.set_slot(
+                s,
+                [
+                    (torch.randn(big_r, p.in_features) * 0.02, torch.randn(o, big_r) * 0.02)
+                    for _, o in p.sub_modules
+                ],
+            )
+    out: dict[str, dict[str, float]] = {}
+    for tokens in (args.users, 4 * args.users, 256, 1024):
+        slots = [i % loras for i in range(tokens)]  # round-robin: the worst case for grouping
+        xs = {i: torch.randn(tokens, i) for i in (h, inter)}
+        times: dict[str, list[float]] = {"dense": [], "segments": []}
+        for _ in range(args.micro):
+            for mode, dmax in (("dense", 1 << 30), ("segments", 0)):
+                t0 = time.process_time()
+                st.plan = LoRAStepPlan.build(slots, big_r, dev, dt, dense_max_tokens_per_slot=dmax)
+                st.plan._work = st._work
+                with torch.inference_mode():
+                    for p, i in projs:
+                        p(xs[i])
+                times[mode].append(time.process_time() - t0)
+        out[str(tokens)] = {k: round(statistics.median(v) * 1e6, 1) for k, v in times.items()}
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "adapters": loras,
+        "rank": big_r,
+        "us_per_layer_by_tokens": out,
     }
 
 
@@ -108,7 +183,14 @@ def main() -> None:
         help="instead of closed loops: time N decode steps of --users sequences, alternating base and "
         "lora-4 step by step, and report medians (robust on a shared machine)",
     )
+    ap.add_argument("--micro", type=int, default=0, help="only time one layer's deltas, N calls per mode")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: the runtime's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.micro:
+        print(json.dumps(micro(args), indent=1))
+        return
 
     from lora_adapters import make_adapter
 

@@ -12,7 +12,9 @@ from typing import Any
 
 import kopf
 
+from . import adapter_sync
 from . import cache as model_cache
+from .adapters import desired_adapters, runtime_updates
 from .defaults import ClusterDefaults
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
@@ -108,6 +110,7 @@ def _write_status(
     is retried through kopf, so a finished reconcile never leaves a stale status behind; otherwise
     (the write only accompanies an error that is retried anyway) the failure is logged. A change of
     phase or of the Degraded reason is also posted as a Kubernetes Event on the InferenceModel."""
+    new = carry_adapters(new, old)
     if same_status(old, new):
         return
     try:
@@ -274,8 +277,10 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     if deployment is None and cache is not None and not cache.ready:
         deployment = _safe_get(kube, "Deployment", namespace, im.child_name)  # an older one may serve
     outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped, cache=cache)
-    status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
-    _write_status(kube, namespace, name, status.to_dict(), previous, logger, retry=retry, uid=im.uid)
+    pods = _pods(kube, im)
+    status = compute_status(im, deployment, outcome, previous, _now(), pods)
+    new = {**status.to_dict(), **adapters_status(im, pods, logger)}
+    _write_status(kube, namespace, name, new, previous, logger, retry=retry, uid=im.uid)
 
 
 def sync_cache(
@@ -356,6 +361,34 @@ def _labelled(obj: dict[str, Any], selector: str) -> bool:
     """Whether obj carries every k=v label of selector (a lister need not filter)."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
     return all(labels.get(k) == v for k, _, v in (part.partition("=") for part in selector.split(",")))
+
+
+def adapters_status(im: InferenceModel, pods: list[dict[str, Any]] | None, logger: Any) -> dict[str, Any]:
+    """status.adapters/adapterCount: synced through the running pods' run-time routes and read back
+    from their /v1/models (adapter_sync.py); {} (keep the previous value) when the pods are unknown."""
+    if not im.spec.adapters:
+        return {"adapters": [], "adapterCount": 0}
+    if not runtime_updates(im):
+        # behind an API key the operator cannot ask the pods: the list their template was started with
+        names = sorted(desired_adapters(im))
+        return {"adapters": names, "adapterCount": len(names)}
+    if pods is None:
+        return {}
+    result = adapter_sync.sync_pods(im, pods)
+    for pod in result.pods:
+        if pod.loaded or pod.unloaded:
+            logger.info(f"pod {pod.pod}: adapters loaded {list(pod.loaded)}, unloaded {list(pod.unloaded)}")
+    for error in result.errors:
+        logger.warning(f"adapters of {im.namespace}/{im.name}: {error}")
+    served = result.served
+    return {"adapters": served, "adapterCount": len(served)}
+
+
+def carry_adapters(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+    """A status write that did not look at the pods keeps the adapters last seen."""
+    if "adapters" in new or not old or "adapters" not in old:
+        return new
+    return {**new, "adapters": old["adapters"], "adapterCount": old.get("adapterCount", len(old["adapters"]))}
 
 
 def _safe_get(kube: KubeClient, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -586,8 +619,11 @@ def refresh_status(
     outcome = ReconcileOutcome(
         apply_error=apply_error, monitoring_skipped_reason=skipped, cache=_previous_cache(im, previous)
     )
-    status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
-    _write_status(kube, im.namespace, im.name, status.to_dict(), previous, logger, uid=im.uid)
+    pods = _pods(kube, im)
+    status = compute_status(im, deployment, outcome, previous, _now(), pods)
+    # a pod that became ready or was unreachable last time gets its adapters here
+    new = {**status.to_dict(), **adapters_status(im, pods, logger)}
+    _write_status(kube, im.namespace, im.name, new, previous, logger, uid=im.uid)
 
 
 def on_pod_event(pod: dict[str, Any], kube: KubeClient, logger: Any) -> None:

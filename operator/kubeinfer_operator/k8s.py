@@ -46,6 +46,8 @@ KINDS: dict[str, KindInfo] = {
     # leader election between operator replicas (leader.py)
     "Lease": KindInfo("coordination.k8s.io/v1", "leases"),
     "Event": KindInfo("v1", "events"),
+    # spec.adapters: the adapter list the server reads at start (adapters.py)
+    "ConfigMap": KindInfo("v1", "configmaps"),
 }
 
 
@@ -242,6 +244,7 @@ class KubeClient:
             raise
         assert out is not None
         return out
+
     def create_event(
         self, involved: dict[str, Any], type_: str, reason: str, message: str, component: str
     ) -> None:

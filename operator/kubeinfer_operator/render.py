@@ -6,6 +6,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .adapters import (
+    configmap_name,
+    lora_env,
+    lora_pod_annotations,
+    lora_server_args,
+    render_adapters_configmap,
+)
 from .defaults import ClusterDefaults
 from .quantity import same_quantity
 from .spec import (
@@ -94,7 +101,7 @@ def endpoint_url(im: InferenceModel) -> str:
 
 
 def server_args(im: InferenceModel) -> list[str]:
-    from .cache import adapter_path, model_path  # cache.py builds on this module
+    from .cache import model_path  # cache.py builds on this module
 
     spec = im.spec
     engine = spec.engine
@@ -131,15 +138,8 @@ def server_args(im: InferenceModel) -> list[str]:
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
     if engine.speculative is not None:
         args += ["--speculative-config", engine.speculative.to_flag()]
-    if spec.adapters:
-        # hub adapters are fetched by the server into the same cache volume as the model
-        # (with a shared cache, hub adapters are read from the folders the loader Job filled)
-        modules = [
-            f"{a.name}={(adapter_path(a.uri) if shared else None) or model_location(a.uri).server_model}"
-            for a in spec.adapters
-        ]
-        args += ["--enable-lora", "--max-loras", str(min(len(spec.adapters), 4)), "--lora-modules", *modules]
-        args += ["--max-cpu-loras", str(len(spec.adapters))]
+    # LoRA flags without the adapter list, which comes from a ConfigMap (adapters.py says why)
+    args += lora_server_args(im)
     from .routing import server_routing_args  # routing.py builds on this module
 
     return args + server_routing_args(im) + list(engine.extra_args)
@@ -170,7 +170,7 @@ def _env(im: InferenceModel) -> list[dict[str, Any]]:
         env.append(
             {"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": api_key.name, "key": api_key.key}}}
         )
-    return env + [dict(e) for e in spec.pod.env]
+    return env + lora_env(im) + [dict(e) for e in spec.pod.env]
 
 
 # Requests when the spec sets none, so that a pod is never BestEffort (first to be evicted, no
@@ -372,7 +372,11 @@ def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = Non
         "template": {
             "metadata": {
                 "labels": {**spec.pod.labels, **labels(im)},
-                "annotations": {**spec.pod.annotations, MODEL_ANNOTATION: im.name},
+                "annotations": {
+                    **spec.pod.annotations,
+                    **lora_pod_annotations(im),
+                    MODEL_ANNOTATION: im.name,
+                },
             },
             "spec": pod_spec,
         },
@@ -595,6 +599,8 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         objects = cache_objects + objects
     if wants_pdb(im):
         objects.append(render_pdb(im))
+    if im.spec.adapters:  # before the Deployment: its pods read their adapter list from it
+        objects.append(render_adapters_configmap(im, _metadata(im)))
     objects.append(render_deployment(im, caps.defaults))
     skipped: str | None = None
     if not im.spec.monitoring.service_monitor.enabled:
@@ -610,6 +616,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     # Every optional child that may exist, the router's in reverse apply order (pods go before the
     # Service and RBAC they use); whichever is not rendered now must not exist.
     optional = [ChildRef(kind, im.child_name) for kind in OPTIONAL_KINDS]
+    optional.append(ChildRef("ConfigMap", configmap_name(im)))
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
     if not cache_ready:
         objects = [

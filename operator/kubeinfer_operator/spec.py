@@ -80,6 +80,7 @@ MANAGED_FLAGS = frozenset(
         "--lora-modules",
         "--max-loras",
         "--max-cpu-loras",
+        "--allow-runtime-lora-updating",
         "--api-key",
         "--drain-timeout",
         "--log-format",
@@ -681,6 +682,10 @@ class InferenceModelStatus(_Model):
     selector: str | None = None
     endpoint: str | None = None
     observed_generation: int | None = None
+    # LoRA adapters served (adapter_sync.py reads them from the pods), and their count for the printer
+    # column; None = not reported by this write (the previous value stays).
+    adapters: list[str] | None = None
+    adapter_count: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
     cache: CacheStatus | None = None
 

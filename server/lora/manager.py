@@ -2,7 +2,8 @@
 
 Called by the model runner once per step (`prepare`), with each scheduled request's adapter and token
 count: it puts every adapter of the step in a slot (least recently used slots are reused) and sets the
-per-token slot index that the wrapped projections read. The scheduler guarantees at most `max_loras`
+per-token slot index and the step's plan (dense or grouped by slot, see layers.py) that the wrapped
+projections read. The scheduler guarantees at most `max_loras`
 distinct adapters per step.
 """
 
@@ -75,6 +76,7 @@ class LoRAManager:
         self.state = LoRAStepState(max_rank=registry.config.max_lora_rank)
         self.state.use_kernels = device.type == "cuda"
         self.device = device
+        self.dtype = dtype
         self.modules = wrap_model(model, self.state, self.max_loras, device, dtype)
         # slot -> lora_int_id, in least-recently-used order (first = next to reuse)
         self._slots: OrderedDict[int, int] = OrderedDict()
@@ -86,7 +88,7 @@ class LoRAManager:
 
     def slot_bytes(self) -> int:
         """Memory of one slot over all wrapped projections (what one resident adapter costs)."""
-        return sum((m.lora_a.nbytes + m.lora_b.nbytes) // self.max_loras for _, m in self.modules)
+        return sum(m.slot_nbytes for _, m in self.modules)
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer, mod in self.modules:
@@ -117,7 +119,7 @@ class LoRAManager:
         errors: dict[str, str] = {}
         needed = {lora.lora_int_id for _, lora, _ in rows if lora is not None}
         if not needed:
-            self.state.set(None, 0)
+            self.state.set(None, self.dtype, self.device)
             return LoRAStepResult(errors)
         slot_of: dict[int, int] = {}
         token_slots: list[int] = []
@@ -135,6 +137,5 @@ class LoRAManager:
                     errors[rid] = f"LoRA adapter {lora.name!r} could not be loaded"
                     slot = -1
             token_slots.extend([slot] * n)
-        num_slots = max(token_slots) + 1
-        self.state.set(torch.tensor(token_slots, dtype=torch.int64, device=self.device), num_slots)
+        self.state.set(token_slots, self.dtype, self.device)
         return LoRAStepResult(errors)

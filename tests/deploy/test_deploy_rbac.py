@@ -239,7 +239,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                         for r in api.requests()
                         if r.method == "DELETE"
                         and r.resource is not None
-                        and r.name in ("m", "m-router")
+                        and r.name in ("m", "m-router", "m-adapters")
                         and r.headers.get("User-Agent", "").startswith("OpenAPI-Generator")
                     }
 
@@ -257,6 +257,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                     "model": {"uri": "hf://org/tiny"},
                     "scaling": scaling,
                     "routing": {"enabled": True},  # the router's ServiceAccount, Role and RoleBinding
+                    "adapters": [{"name": "sql", "uri": "hf://org/sql-lora"}],  # the adapters' ConfigMap
                 }
                 api.http("POST", plural, model("m", spec))
                 wait_for(
@@ -285,13 +286,15 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                     "KEDA switch",
                     lambda: "scaledobjects" in children() and "horizontalpodautoscalers" not in children(),
                 )
-                # One fixed replica, no monitoring, routing off: ScaledObject, PDB and ServiceMonitor go
-                # away, and so do the router's objects (its ServiceAccount, Role and RoleBinding too).
+                # One fixed replica, no monitoring, routing off, no adapters: ScaledObject, PDB and
+                # ServiceMonitor go away, and so do the router's objects (its ServiceAccount, Role and
+                # RoleBinding too) and the adapters' ConfigMap.
                 spec2 = {
                     "model": spec["model"],
                     "scaling": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4, "autoscaler": "None"},
                     "monitoring": {"serviceMonitor": {"enabled": False}},
                     "routing": {"enabled": False},
+                    "adapters": [],  # a merge patch: the list must be emptied explicitly
                 }
                 api.http(
                     "PATCH",
@@ -300,10 +303,20 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                     "application/merge-patch+json",
                 )
                 optional = {"servicemonitors", "scaledobjects", "poddisruptionbudgets"}
-                optional |= {"serviceaccounts", "roles", "rolebindings", "deployments", "services"}
-                wait_for(
-                    "optional children deleted by the operator", lambda: optional <= deleted_by_operator()
-                )
+                optional |= {
+                    "serviceaccounts",
+                    "roles",
+                    "rolebindings",
+                    "deployments",
+                    "services",
+                    "configmaps",
+                }
+                try:
+                    wait_for(
+                        "optional children deleted by the operator", lambda: optional <= deleted_by_operator()
+                    )
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}: never deleted {optional - deleted_by_operator()}") from None
                 # Drift: a deleted Service comes back.
                 api.http("DELETE", f"/api/v1/namespaces/{NS}/services/m")
                 wait_for("Service restored", lambda: "services" in children())

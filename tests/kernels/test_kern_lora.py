@@ -40,8 +40,9 @@ def test_shrink_expand_match_reference(
     assert torch.equal(y[1], y_before[1]) and torch.equal(y[5], y_before[5])  # base rows untouched
 
 
-def test_kernels_match_the_cpu_masked_path(device: torch.device) -> None:
-    """The CUDA path (kernels) and the CPU path (dense shrink, slot mask, dense expand) of LoRALinear agree."""
+def test_kernels_match_the_cpu_paths(device: torch.device) -> None:
+    """The CUDA path (kernels) and both CPU paths of LoRALinear (dense with a slot mask, grouped by
+    slot) agree."""
     from server.lora.layers import LoRALinear, LoRAStepState
 
     torch.manual_seed(1)
@@ -53,13 +54,16 @@ def test_kernels_match_the_cpu_masked_path(device: torch.device) -> None:
         subs[1] = None  # type: ignore[call-overload]  # k_proj without a delta
         lin.set_slot(slot, subs)
     x = torch.randn(5, 32, device=device)
-    state.set(torch.tensor([1, -1, 0, 0, 1], device=device), 2)
-    masked = lin(x)
-    state.use_kernels = True
-    state.set(torch.tensor([1, -1, 0, 0, 1], device=device), 2)
-    kernel = lin(x)
-    torch.testing.assert_close(kernel, masked, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(masked[1], base(x[1]))
+    slots = [1, -1, 0, 0, 1]
+    outs = []
+    for use_kernels, dense_max in ((False, 1 << 30), (False, 0), (True, 0)):
+        state.use_kernels, state.dense_max_tokens_per_slot = use_kernels, dense_max
+        state.set(slots, torch.float32, device)
+        assert state.plan is not None and state.plan.dense == (dense_max > 0)
+        outs.append(lin(x))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[2], outs[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[0][1], base(x)[1])
 
 
 def test_lora_launchers_reject_bad_arguments(device: torch.device) -> None:

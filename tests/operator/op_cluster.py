@@ -55,6 +55,7 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
         kind="PersistentVolumeClaim", namespaced=True, subresources={"status"}
     ),
     "batch/v1/jobs": ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
+    "v1/configmaps": ResourceInfo(kind="ConfigMap", namespaced=True),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -79,6 +80,7 @@ PATHS = {
     "Pod": "/api/v1/namespaces/{ns}/pods",
     "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
     "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
     "Event": "/api/v1/namespaces/{ns}/events",
     "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
     # spec.routing's router identity and permission

@@ -52,6 +52,8 @@ def test_crd_names_and_subresources() -> None:
     }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns == ["Phase", "Ready", "Replicas", "Model", "Quantization", "Adapters", "Endpoint", "Age"]
+    adapters = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Adapters")
+    assert adapters["jsonPath"] == ".status.adapterCount" and adapters["type"] == "integer"
 
 
 def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:

@@ -409,6 +409,10 @@ SPECS: dict[str, dict[str, Any]] = {
     "hpa": HPA_SPEC,
     "keda": KEDA_SPEC,
     "suspended": {**HPA_SPEC, "suspend": True},
+    "adapters": {
+        "model": HF,
+        "adapters": [{"name": "sql", "uri": "hf://org/sql-lora"}, {"name": "b", "uri": "/a/b"}],
+    },
 }
 ALL_OBJECTS = [
     pytest.param(obj, id=f"{name}-{obj['kind']}")
@@ -436,6 +440,7 @@ def test_every_kind_is_covered() -> None:
         "HorizontalPodAutoscaler",
         "ScaledObject",
         "PodDisruptionBudget",
+        "ConfigMap",
     }
 
 
@@ -516,32 +521,66 @@ def test_pdb_never_forbids_every_eviction() -> None:
 # ---------------------------------------------------------------- LoRA adapters
 
 
-def test_adapters_render_into_lora_flags() -> None:
-    im = make(
-        {
-            "model": {"uri": "pvc://models/base"},
-            "adapters": [
-                {"name": "sql", "uri": "hf://org/sql-lora"},
-                {"name": "chat", "uri": "pvc://models/adapters/chat"},
-                {"name": "baked", "uri": "/adapters/baked"},
-            ],
-        }
-    )
-    args = container(render_deployment(im))["args"]
-    assert "--enable-lora" in args
-    i = args.index("--lora-modules")
-    assert args[i + 1 : i + 4] == [
-        "sql=org/sql-lora",
-        "chat=/models/models/adapters/chat",
-        "baked=/adapters/baked",
-    ]
-    assert flag(args, "--max-loras") == "3" and flag(args, "--max-cpu-loras") == "3"
-    assert "--enable-lora" not in container(render_deployment(make({"model": HF})))["args"]
-    # the server parses what the operator renders
+ADAPTERS_SPEC: dict[str, Any] = {
+    "model": {"uri": "pvc://models/base"},
+    "adapters": [
+        {"name": "sql", "uri": "hf://org/sql-lora"},
+        {"name": "chat", "uri": "pvc://models/adapters/chat"},
+        {"name": "baked", "uri": "/adapters/baked"},
+    ],
+}
+
+
+def test_adapters_render_into_lora_flags_and_a_configmap() -> None:
+    plan = render_all(make(ADAPTERS_SPEC))
+    objs = {o["kind"]: o for o in plan.objects}
+    cm = objs["ConfigMap"]
+    assert cm["metadata"]["name"] == "llm-adapters" and cm["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert cm["data"] == {
+        "LORA_MODULES": "sql=org/sql-lora chat=/models/models/adapters/chat baked=/adapters/baked"
+    }
+    kinds = [o["kind"] for o in plan.objects]
+    assert kinds.index("ConfigMap") < kinds.index("Deployment")  # pods start with their list in place
+    c = container(objs["Deployment"])
+    args = c["args"]
+    assert "--lora-modules" not in args  # the list stays out of the pod template
+    assert "--enable-lora" in args and "--allow-runtime-lora-updating" in args
+    assert flag(args, "--max-loras") == "4" and flag(args, "--max-cpu-loras") == "16"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["LORA_MODULES"]["valueFrom"] == {
+        "configMapKeyRef": {"name": "llm-adapters", "key": "LORA_MODULES"}
+    }
+    # the server parses what the operator renders, the env var resolved as the kubelet resolves it
     from server.cli import build_parser, config_from_args
 
-    lora = config_from_args(build_parser({}).parse_args(args)).engine.lora
-    assert [m.name for m in lora.lora_modules] == ["sql", "chat", "baked"] and lora.max_loras == 3
+    lora = config_from_args(build_parser(dict(cm["data"])).parse_args(args)).engine.lora
+    assert [m.name for m in lora.lora_modules] == ["sql", "chat", "baked"]
+    assert lora.max_loras == 4 and lora.allow_runtime_updating
+    # without adapters: no LoRA flags, no env, the ConfigMap wanted absent
+    plain = render_all(make({"model": HF}))
+    assert "--enable-lora" not in container(render_deployment(make({"model": HF})))["args"]
+    assert ChildRef("ConfigMap", "llm-adapters") in plain.absent
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(cm, version, strict=True)
+
+
+def test_adapter_list_changes_leave_the_pod_template_alone() -> None:
+    """Adding or removing one adapter among others changes the ConfigMap only (no rolling update); the
+    first adapter, the last one, and a model behind an API key change the template."""
+    template = lambda spec: render_deployment(make(spec))["spec"]["template"]  # noqa: E731
+    cm = lambda spec: render_all(make(spec)).objects  # noqa: E731
+    two = {**ADAPTERS_SPEC, "adapters": ADAPTERS_SPEC["adapters"][:2]}
+    assert template(two) == template(ADAPTERS_SPEC)
+    assert [o for o in cm(two) if o["kind"] == "ConfigMap"] != [
+        o for o in cm(ADAPTERS_SPEC) if o["kind"] == "ConfigMap"
+    ]
+    base = {"model": ADAPTERS_SPEC["model"]}
+    assert template(base) != template({**base, "adapters": ADAPTERS_SPEC["adapters"][:1]})
+    keyed = {**ADAPTERS_SPEC, "engine": {"apiKeySecretRef": {"name": "a", "key": "b"}}}
+    keyed_two = {**two, "engine": keyed["engine"]}
+    assert "--allow-runtime-lora-updating" not in container(render_deployment(make(keyed)))["args"]
+    assert template(keyed) != template(keyed_two)  # the list's hash is in the pod annotations
+    assert "kubeinfer.dev/adapters-hash" in template(keyed)["metadata"]["annotations"]
 
 
 @pytest.mark.parametrize(
