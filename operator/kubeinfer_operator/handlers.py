@@ -14,6 +14,16 @@ import kopf
 
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
+from .lws import (
+    CRD_MISSING_MESSAGE,
+    CRD_MISSING_REASON,
+    LWS_CRD_NAME,
+    LWS_KIND,
+    as_workload,
+    multi_node,
+    workload_kind,
+    workload_name,
+)
 from .render import FIELD_MANAGER, MODEL_ANNOTATION, Capabilities, is_subset, render_all, selector_labels
 from .resync import Resyncer
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceModel, InvalidSpecError, semantic_errors
@@ -147,7 +157,25 @@ def _capabilities(kube: KubeClient) -> Capabilities:
     return Capabilities(
         service_monitor=kube.serves(KINDS["ServiceMonitor"].api_version, KINDS["ServiceMonitor"].plural),
         keda=kube.serves(KINDS["ScaledObject"].api_version, KINDS["ScaledObject"].plural),
+        leader_worker_set=kube.serves(KINDS[LWS_KIND].api_version, KINDS[LWS_KIND].plural),
     )
+
+
+def lws_missing(im: InferenceModel, caps: Capabilities) -> bool:
+    """A multi-node spec on a cluster without the LeaderWorkerSet API: nothing can be applied."""
+    return multi_node(im) and not caps.leader_worker_set
+
+
+def _live_workload(kube: KubeClient, im: InferenceModel) -> dict[str, Any] | None:
+    """The model's live Deployment or LeaderWorkerSet, shaped for compute_status (None if unreadable).
+    Without the LeaderWorkerSet API nothing multi-node exists: what still runs (a Deployment) is shown."""
+    kind, name = workload_kind(im), workload_name(im)
+    try:
+        if kind == LWS_KIND and not _capabilities(kube).leader_worker_set:
+            kind, name = "Deployment", im.child_name
+        return as_workload(kind, kube.get(kind, im.namespace, name))
+    except ApiError:
+        return None
 
 
 def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 0) -> None:
@@ -171,7 +199,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     problems = semantic_errors(im.spec)
     if problems:
         message = "; ".join(problems)
-        existing = _safe_get(kube, "Deployment", namespace, im.child_name)
+        existing = _live_workload(kube, im)
         status = compute_status(im, existing, ReconcileOutcome(invalid_spec=message), previous, _now())
         _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=im.uid)
         raise kopf.PermanentError(f"invalid spec: {message}")
@@ -179,6 +207,13 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     monitoring_skipped: str | None = None
     try:
         caps = _capabilities(kube)
+        if lws_missing(im, caps):
+            # Nothing applied or deleted: a running single-node Deployment keeps serving the old spec.
+            # The CRD watch (crd_event_handler) or the next resync reconciles once the API is served.
+            logger.warning(f"{namespace}/{name}: {CRD_MISSING_MESSAGE}")
+            wanted = {obj["kind"]: obj for obj in render_all(im, caps).objects}
+            refresh_status(im, body, _live_workload(kube, im), wanted, kube, logger, caps)
+            return
         plan = render_all(im, caps)
         monitoring_skipped = plan.monitoring_skipped_reason
         if im.spec.autoscaled and im.spec.scaling.autoscaler == "KEDA" and not caps.keda:
@@ -190,14 +225,14 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             if obj["kind"] == "Deployment" and im.spec.autoscaled:
                 hand_over_replicas(im, obj, kube, logger)
             live = kube.apply(obj)
-            if obj["kind"] == "Deployment":
-                deployment = live
+            if (obj["kind"], obj["metadata"]["name"]) == (workload_kind(im), workload_name(im)):
+                deployment = as_workload(obj["kind"], live)
         for ref in plan.absent:
             if kube.delete(ref.kind, namespace, ref.name, owner_uid=im.uid):
                 logger.info(f"deleted {ref.kind} {namespace}/{ref.name}: no longer wanted by the spec")
     except ApiError as exc:
         outcome = ReconcileOutcome(apply_error=str(exc), monitoring_skipped_reason=monitoring_skipped)
-        live_deployment = _safe_get(kube, "Deployment", namespace, im.child_name)
+        live_deployment = _live_workload(kube, im)
         status = compute_status(im, live_deployment, outcome, previous, _now(), _pods(kube, im))
         _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=im.uid)
         if exc.transient:
@@ -299,7 +334,10 @@ def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
         return False
     if semantic_errors(im.spec):
         return False
-    plan = render_all(im, _capabilities(kube))
+    caps = _capabilities(kube)
+    if lws_missing(im, caps):
+        return False  # nothing can be applied; the CRD watch and the resync notice the API appearing
+    plan = render_all(im, caps)
     for obj in plan.objects:
         live = kube.get(obj["kind"], im.namespace, obj["metadata"]["name"])
         if live is None or not is_subset(obj, live):
@@ -389,8 +427,8 @@ def _on_child_event_locked(
             logger.warning(f"drift repair of {namespace}/{owner} postponed: {exc}")
         return
 
-    if kind == "Deployment" and name == im.child_name:  # not the router's
-        refresh_status(im, owner_body, current, wanted, kube, logger)
+    if (kind, name) == (workload_kind(im), workload_name(im)):  # not the router's
+        refresh_status(im, owner_body, as_workload(kind, current), wanted, kube, logger)
 
 
 def refresh_status(
@@ -400,8 +438,9 @@ def refresh_status(
     wanted: dict[str, dict[str, Any]],
     kube: KubeClient,
     logger: Any,
+    caps: Capabilities | None = None,
 ) -> None:
-    """Recompute and write status from the live Deployment and pods, without applying anything."""
+    """Recompute and write status from the live workload and pods, without applying anything."""
     previous = owner_body.get("status")
     prev_degraded = next(
         (c for c in (previous or {}).get("conditions") or [] if c.get("type") == "Degraded"), None
@@ -421,7 +460,13 @@ def refresh_status(
         skipped = "CRDNotInstalled"
     elif kube.get("ServiceMonitor", im.namespace, im.child_name) is None:
         skipped = "NotApplied"  # report only what exists; the resync applies it
-    outcome = ReconcileOutcome(apply_error=apply_error, monitoring_skipped_reason=skipped)
+    blocked = lws_missing(im, caps or _capabilities(kube))
+    outcome = ReconcileOutcome(
+        apply_error=apply_error,
+        monitoring_skipped_reason=skipped,
+        blocked_reason=CRD_MISSING_REASON if blocked else None,
+        blocked_message=CRD_MISSING_MESSAGE if blocked else "",
+    )
     status = compute_status(im, deployment, outcome, previous, _now(), _pods(kube, im))
     _write_status(kube, im.namespace, im.name, status.to_dict(), previous, logger, uid=im.uid)
 
@@ -446,8 +491,7 @@ def on_pod_event(pod: dict[str, Any], kube: KubeClient, logger: Any) -> None:
         if ((meta.get("labels") or {}).get("app.kubernetes.io/instance")) != im.child_name:
             return  # a pod of another model that copied the annotation
         wanted = {obj["kind"]: obj for obj in render_all(im, _capabilities(kube)).objects}
-        deployment = kube.get("Deployment", namespace, im.child_name)
-        refresh_status(im, owner_body, deployment, wanted, kube, logger)
+        refresh_status(im, owner_body, _live_workload(kube, im), wanted, kube, logger)
 
 
 @kopf.on.event("", "v1", "pods", labels=MANAGED, id="pods")
@@ -476,12 +520,12 @@ def resync_model(kube: KubeClient, namespace: str, name: str, logger: Any) -> No
 
 
 # Optional kinds the operator renders once their CRD exists.
-OPTIONAL_CRDS = frozenset({"servicemonitors.monitoring.coreos.com", "scaledobjects.keda.sh"})
+OPTIONAL_CRDS = frozenset({"servicemonitors.monitoring.coreos.com", "scaledobjects.keda.sh", LWS_CRD_NAME})
 
 
 @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", id="optional-crds")
 def crd_event_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    """The Prometheus Operator or KEDA installed (or removed) after the models: resync them now."""
+    """The Prometheus Operator, KEDA or LWS installed (or removed) after the models: resync them now."""
     if (body.get("metadata") or {}).get("name") not in OPTIONAL_CRDS:
         return
     memo.kube.forget_discovery()
@@ -509,5 +553,6 @@ for _kind in (
     "HorizontalPodAutoscaler",
     "ServiceMonitor",
     "ScaledObject",
+    LWS_KIND,
 ):
     _register_child_watch(_kind)

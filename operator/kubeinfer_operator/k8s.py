@@ -37,6 +37,8 @@ KINDS: dict[str, KindInfo] = {
     "ServiceAccount": KindInfo("v1", "serviceaccounts"),
     "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
+    # spec.parallelism.nodes > 1 (lws.py); optional, like the two CRD kinds above
+    "LeaderWorkerSet": KindInfo("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
 }

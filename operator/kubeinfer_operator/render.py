@@ -62,6 +62,13 @@ def labels(im: InferenceModel) -> dict[str, str]:
     }
 
 
+def serving_selector_labels(im: InferenceModel) -> dict[str, str]:
+    """The pods that serve the API: all of the model's, or only the group leaders of a multi-node model."""
+    from .lws import leader_selector_labels  # lws.py builds on this module
+
+    return {**selector_labels(im), **leader_selector_labels(im)}
+
+
 def selector_string(im: InferenceModel) -> str:
     return ",".join(f"{k}={v}" for k, v in selector_labels(im).items())
 
@@ -375,7 +382,7 @@ def render_service(im: InferenceModel) -> Manifest:
         "metadata": _metadata(im),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(im),
+            "selector": serving_selector_labels(im),
             "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -493,7 +500,9 @@ def render_pdb(im: InferenceModel) -> Manifest:
     that floor); otherwise (an autoscaler that may go down to one or zero) maxUnavailable 1, which
     never forbids every eviction however many replicas exist."""
     budget: dict[str, Any]
-    if im.spec.scaling.floor > 1:
+    # A multi-node replica is a group of pods that goes down as a unit (lws.py): one pod unavailable
+    # at a time keeps at most one group down, which any admitted minAvailable allows.
+    if im.spec.scaling.floor > 1 and im.spec.parallelism.nodes == 1:
         budget = {"minAvailable": im.spec.disruption.min_available}
     else:
         budget = {"maxUnavailable": 1}
@@ -522,6 +531,7 @@ class Capabilities:
 
     service_monitor: bool = True
     keda: bool = True
+    leader_worker_set: bool = True
 
 
 @dataclass(frozen=True)
@@ -547,6 +557,7 @@ OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "
 
 def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPlan:
     caps = caps or Capabilities()
+    from .lws import LWS_KIND, lws_name, multi_node, render_leaderworkerset
     from .routing import ROUTER_KINDS, render_router, router_name
 
     # The router's objects come first: callers index the plan by kind, and the model's own objects
@@ -558,7 +569,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
     objects = [*router, render_service(im)]
     if wants_pdb(im):
         objects.append(render_pdb(im))
-    objects.append(render_deployment(im))
+    objects.append(render_leaderworkerset(im) if multi_node(im) else render_deployment(im))
     skipped: str | None = None
     if not im.spec.monitoring.service_monitor.enabled:
         skipped = "Disabled"
@@ -573,6 +584,11 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None) -> RenderPl
     # Every optional child that may exist, the router's in reverse apply order (pods go before the
     # Service and RBAC they use); whichever is not rendered now must not exist.
     optional = [ChildRef(kind, im.child_name) for kind in OPTIONAL_KINDS]
+    # The workload kind the spec does not use (a switch between one node and several); no
+    # LeaderWorkerSet can exist where the cluster does not serve the kind.
+    optional.append(ChildRef("Deployment", im.child_name))
+    if caps.leader_worker_set:
+        optional.append(ChildRef(LWS_KIND, lws_name(im)))
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
     present = {ChildRef(obj["kind"], obj["metadata"]["name"]) for obj in objects}
     absent = [ref for ref in optional if ref not in present]

@@ -238,7 +238,7 @@ class EngineSpec(_Model):
     max_concurrent_requests: int | None = Field(default=None, ge=1, le=65536)
     enable_prefix_caching: bool = True
     speculative: SpeculativeSpec | None = None
-    tensor_parallel_size: int = Field(default=1, ge=1, le=16)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=512)
     api_key_secret_ref: ApiKeySecretRef | None = None
     extra_args: list[str] = Field(default_factory=list, max_length=64)
 
@@ -502,6 +502,13 @@ class RoutingSpec(_Model):
     resources: RouterResourcesSpec = Field(default_factory=RouterResourcesSpec)
 
 
+class ParallelismSpec(_Model):
+    """How one replica spans nodes: `nodes` pods (a LeaderWorkerSet group when > 1), each with
+    resources.gpu.count GPUs; engine.tensorParallelSize counts the ranks of all of them."""
+
+    nodes: int = Field(default=1, ge=1, le=32)
+
+
 class InferenceModelSpec(_Model):
     model: ModelSource
     adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
@@ -516,14 +523,27 @@ class InferenceModelSpec(_Model):
     disruption: DisruptionSpec = Field(default_factory=DisruptionSpec)
     pod: PodSpec = Field(default_factory=PodSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     suspend: bool = False
 
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> InferenceModelSpec:
         gpus = self.resources.gpu.count
-        expected = gpus if gpus > 0 else 1
-        if self.engine.tensor_parallel_size != expected:
-            raise ValueError("engine.tensorParallelSize must equal resources.gpu.count (1 without GPUs)")
+        nodes = self.parallelism.nodes
+        if nodes > 1 and gpus < 1:
+            raise ValueError(
+                "parallelism.nodes > 1 needs resources.gpu.count >= 1 (one tensor-parallel rank per GPU)"
+            )
+        if nodes > 1 and self.scaling.autoscaler != "None":
+            raise ValueError(
+                "parallelism.nodes > 1 takes a fixed scaling.replicas (autoscaler None): "
+                "autoscaling multi-node groups is not supported yet"
+            )
+        if self.engine.tensor_parallel_size != (gpus if gpus > 0 else 1) * nodes:
+            raise ValueError(
+                "engine.tensorParallelSize must equal resources.gpu.count x parallelism.nodes "
+                "(1 without GPUs)"
+            )
         return self
 
     @model_validator(mode="after")

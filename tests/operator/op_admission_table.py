@@ -211,4 +211,37 @@ ADMISSION: list[Row] = [
         "must name a volume in pod.volumes",
     ),
     Row("pod-shm-negative", _s(pod={"shmSize": -1}), "pod.shmSize must not be negative"),
+    # multi-GPU and multi-node (tensor parallelism over all ranks of a replica)
+    Row("tp-4-gpus", _s(engine={"tensorParallelSize": 4}, resources={"gpu": {"count": 4}}), None),
+    Row(
+        "nodes-2-ok",
+        _s(
+            engine={"tensorParallelSize": 8},
+            resources={"gpu": {"count": 4}},
+            parallelism={"nodes": 2},
+            scaling={"replicas": 2},
+        ),
+        None,
+        name=LONG_NAME,
+    ),
+    Row(
+        "nodes-tp-per-pod",
+        _s(engine={"tensorParallelSize": 4}, resources={"gpu": {"count": 4}}, parallelism={"nodes": 2}),
+        "engine.tensorParallelSize must equal resources.gpu.count x parallelism.nodes",
+    ),
+    Row(
+        "nodes-cpu",
+        _s(engine={"tensorParallelSize": 2}, resources={"gpu": {"count": 0}}, parallelism={"nodes": 2}),
+        "parallelism.nodes > 1 needs resources.gpu.count >= 1",
+    ),
+    Row(
+        "nodes-autoscaled",
+        _s(
+            engine={"tensorParallelSize": 2},
+            resources={"gpu": {"count": 1}},
+            parallelism={"nodes": 2},
+            scaling={"autoscaler": "HPA", "minReplicas": 1, "maxReplicas": 3},
+        ),
+        "autoscaling multi-node groups is not supported yet",
+    ),
 ]

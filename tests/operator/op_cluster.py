@@ -58,6 +58,12 @@ MONITORING = {
     "monitoring.coreos.com/v1/servicemonitors": ResourceInfo(kind="ServiceMonitor", namespaced=True)
 }
 KEDA = {"keda.sh/v1alpha1/scaledobjects": ResourceInfo(kind="ScaledObject", namespaced=True)}
+# The LWS controller's CRD (spec.parallelism.nodes > 1); scale as its CRD declares it.
+LWS = {
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": ResourceInfo(
+        kind="LeaderWorkerSet", namespaced=True, subresources={"status", "scale"}
+    )
+}
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 PATHS = {
@@ -68,6 +74,7 @@ PATHS = {
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "ServiceMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/servicemonitors",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+    "LeaderWorkerSet": "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets",
     "Pod": "/api/v1/namespaces/{ns}/pods",
     "Event": "/api/v1/namespaces/{ns}/events",
     # spec.routing's router identity and permission
@@ -207,7 +214,7 @@ class ApiServer(KubernetesEmulator):
                             and "status" in data
                         ):
                             old_kind = old.get("kind", "")
-                            if old_kind in ("InferenceModel", "Deployment"):
+                            if old_kind in ("InferenceModel", "Deployment", "LeaderWorkerSet"):
                                 data.pop("status")
                 if created is not None:
                     await self._collect_orphan(request.resource, key)

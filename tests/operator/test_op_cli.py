@@ -104,6 +104,7 @@ def test_importing_the_package_registers_every_handler() -> None:
         ("autoscaling", "horizontalpodautoscalers"),
         ("monitoring.coreos.com", "servicemonitors"),
         ("keda.sh", "scaledobjects"),
+        ("leaderworkerset.x-k8s.io", "leaderworkersets"),  # spec.parallelism.nodes > 1
         ("", "pods"),  # status reads the kubelet's reasons
         ("apiextensions.k8s.io", "customresourcedefinitions"),  # optional CRDs installed later
     }
