@@ -143,7 +143,9 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
             errors.append("spec.replicas: Invalid value: replicas must be equal or greater than 0")
         lwt = spec.get("leaderWorkerTemplate") or {}
         if int(lwt.get("size", 1)) < 1:
-            errors.append("spec.leaderWorkerTemplate.size: Invalid value: size must be equal or greater than 1")
+            errors.append(
+                "spec.leaderWorkerTemplate.size: Invalid value: size must be equal or greater than 1"
+            )
         rolling = (spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
         where = "spec.rolloutStrategy.rollingUpdateConfiguration"
         surge_err, surge_zero = _int_or_percent(rolling.get("maxSurge", 0), f"{where}.maxSurge")
