@@ -4,10 +4,8 @@ Pod schema, and what changes around it (Service and router pick leaders, PDB, ab
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import jsonschema
 import kubernetes_validate
 import pytest
 from kubeinfer_operator.lws import (
@@ -32,7 +30,7 @@ from kubeinfer_operator.spec import InferenceModel
 from kubeinfer_operator.status import ReconcileOutcome, compute_status
 from op_admission_table import LONG_NAME
 from op_apichecks import api_errors
-from op_testlib import K8S_VERSIONS, inference_model, load_json_schema, to_jsonschema
+from op_testlib import K8S_VERSIONS, inference_model, lws_errors
 
 UID = "00000000-0000-0000-0000-000000000001"
 MULTI: dict[str, Any] = {
@@ -49,16 +47,6 @@ def make(spec: dict[str, Any], name: str = "big") -> InferenceModel:
     doc = inference_model(spec, name=name, namespace="ml")
     doc["metadata"]["uid"] = UID
     return InferenceModel.from_manifest(doc)
-
-
-@functools.cache
-def lws_validator() -> jsonschema.Draft202012Validator:
-    vendored = load_json_schema("leaderworkerset.x-k8s.io_v1.json")
-    return jsonschema.Draft202012Validator(to_jsonschema(vendored["openAPIV3Schema"]))
-
-
-def lws_errors(obj: dict[str, Any]) -> list[str]:
-    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in lws_validator().iter_errors(obj)]
 
 
 def _server(template: dict[str, Any]) -> dict[str, Any]:
