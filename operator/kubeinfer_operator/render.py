@@ -219,6 +219,16 @@ def restricted_container_security_context() -> dict[str, Any]:
     }
 
 
+def shm_size_limit(im: InferenceModel) -> str:
+    """`/dev/shm`'s size: spec.pod.shmSize, else 1Gi, or 2Gi per GPU for a multi-GPU pod (NCCL stages
+    intra-node traffic there when GPUs lack a peer-to-peer path, and fails with "No space left on
+    device" when it is short). The limit only caps: a tmpfs is charged for the pages it holds."""
+    if im.spec.pod.shm_size is not None:
+        return str(im.spec.pod.shm_size)
+    gpus = im.spec.resources.gpu.count
+    return f"{2 * gpus}Gi" if gpus > 1 else "1Gi"
+
+
 def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     spec = im.spec
     cache_volume: dict[str, Any] = {"name": "cache"}
@@ -234,7 +244,7 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         cache_volume,
         # PyTorch shares tensors between threads/processes through /dev/shm; the runtime default is 64Mi.
         # Sized: a memory-backed emptyDir counts against the memory limit and is unbounded otherwise.
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.pod.shm_size)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size_limit(im)}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": TMP_DIR},

@@ -428,7 +428,8 @@ class PodSpec(_Model):
     env_from: list[dict[str, Any]] = Field(default_factory=list)
     volumes: list[dict[str, Any]] = Field(default_factory=list)
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
-    shm_size: int | str = "1Gi"
+    # None: sized by the GPU count (render.shm_size_limit)
+    shm_size: int | str | None = None
 
     @model_validator(mode="after")
     def _check_pod(self) -> PodSpec:
