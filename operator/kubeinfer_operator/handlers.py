@@ -222,10 +222,11 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             )
         deployment: dict[str, Any] | None = None
         for obj in plan.objects:
-            if obj["kind"] == "Deployment" and im.spec.autoscaled:
+            is_workload = (obj["kind"], obj["metadata"]["name"]) == (workload_kind(im), workload_name(im))
+            if is_workload and im.spec.autoscaled:
                 hand_over_replicas(im, obj, kube, logger)
             live = kube.apply(obj)
-            if (obj["kind"], obj["metadata"]["name"]) == (workload_kind(im), workload_name(im)):
+            if is_workload:
                 deployment = as_workload(obj["kind"], live)
         for ref in plan.absent:
             if kube.delete(ref.kind, namespace, ref.name, owner_uid=im.uid):
@@ -247,13 +248,15 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
 def hand_over_replicas(im: InferenceModel, obj: dict[str, Any], kube: KubeClient, logger: Any) -> None:
     """Before an apply without spec.replicas: make sure some manager other than ours holds the count
     (see handover.py), so the apply cannot reset it to 1."""
-    live = kube.get("Deployment", im.namespace, im.child_name)
+    live = kube.get(obj["kind"], im.namespace, obj["metadata"]["name"])
     if live is None:
         # First apply: create at the autoscaler's floor, then hand that count over below.
         live = kube.apply({**obj, "spec": {**obj["spec"], "replicas": handover_count(im, None)}})
     if owns_replicas(live):
         count = handover_count(im, live)
-        logger.info(f"handing spec.replicas={count} of Deployment {im.child_name} over to the autoscaler")
+        logger.info(
+            f"handing spec.replicas={count} of {obj['kind']} {obj['metadata']['name']} to the autoscaler"
+        )
         kube.apply(render_handover(im, count), field_manager=HANDOVER_MANAGER)
 
 

@@ -112,31 +112,28 @@ def render_leaderworkerset(im: InferenceModel) -> Manifest:
     container["ports"].append({"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"})
     worker = _worker_template(deployment["spec"]["template"], spec.probes.startup_timeout_seconds)
     metadata = {**deployment["metadata"], "name": lws_name(im)}
-    return {
-        "apiVersion": LWS_API_VERSION,
-        "kind": LWS_KIND,
-        "metadata": metadata,
-        "spec": {
-            "replicas": desired_replicas(im),
-            # LeaderReady would deadlock: the leader is ready only once its workers have joined.
-            "startupPolicy": "LeaderCreated",
-            "rolloutStrategy": {
-                "type": "RollingUpdate",
-                # In groups, as the Deployment's are in pods.
-                "rollingUpdateConfiguration": {
-                    "maxSurge": spec.rollout.max_surge,
-                    "maxUnavailable": spec.rollout.effective_max_unavailable,
-                },
-            },
-            "leaderWorkerTemplate": {
-                "size": spec.parallelism.nodes,
-                # One lost rank breaks the group's collectives: restart the group as a unit.
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": leader,
-                "workerTemplate": worker,
+    lws_spec: dict[str, Any] = {
+        # LeaderReady would deadlock: the leader is ready only once its workers have joined.
+        "startupPolicy": "LeaderCreated",
+        "rolloutStrategy": {
+            "type": "RollingUpdate",
+            # In groups, as the Deployment's are in pods.
+            "rollingUpdateConfiguration": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.effective_max_unavailable,
             },
         },
+        "leaderWorkerTemplate": {
+            "size": spec.parallelism.nodes,
+            # One lost rank breaks the group's collectives: restart the group as a unit.
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": leader,
+            "workerTemplate": worker,
+        },
     }
+    if not spec.autoscaled:  # else the autoscaler owns the group count (handover.py), as with a Deployment
+        lws_spec = {"replicas": desired_replicas(im), **lws_spec}
+    return {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "metadata": metadata, "spec": lws_spec}
 
 
 def workload_view(lws: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -159,6 +156,17 @@ def workload_view(lws: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def workload_name(im: InferenceModel) -> str:
     return lws_name(im) if multi_node(im) else im.child_name
+
+
+def workload_api_version(im: InferenceModel) -> str:
+    return LWS_API_VERSION if multi_node(im) else "apps/v1"
+
+
+def scale_target_ref(im: InferenceModel) -> dict[str, str]:
+    """What an HPA or ScaledObject scales: the Deployment, or the LeaderWorkerSet through its scale
+    subresource (whose selector, status.hpaPodSelector, picks the leaders: one metric source per group,
+    the pods that serve the API and its metrics)."""
+    return {"apiVersion": workload_api_version(im), "kind": workload_kind(im), "name": workload_name(im)}
 
 
 def as_workload(kind: str, live: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -418,6 +418,12 @@ def _quantity(value: float) -> str:
     return f"{round(value * 1000)}m"
 
 
+def _scale_target_ref(im: InferenceModel) -> dict[str, str]:
+    from .lws import scale_target_ref
+
+    return scale_target_ref(im)
+
+
 def render_hpa(im: InferenceModel) -> Manifest:
     scaling = im.spec.scaling
     assert scaling.max_replicas is not None  # guaranteed by the spec validator for autoscaled models
@@ -426,7 +432,7 @@ def render_hpa(im: InferenceModel) -> Manifest:
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(im),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.child_name},
+            "scaleTargetRef": _scale_target_ref(im),
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": [
@@ -479,7 +485,7 @@ def render_scaledobject(im: InferenceModel) -> Manifest:
         "kind": "ScaledObject",
         "metadata": _metadata(im),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.child_name},
+            "scaleTargetRef": _scale_target_ref(im),
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
             "cooldownPeriod": scaling.scale_down_delay_seconds,

@@ -535,11 +535,6 @@ class InferenceModelSpec(_Model):
             raise ValueError(
                 "parallelism.nodes > 1 needs resources.gpu.count >= 1 (one tensor-parallel rank per GPU)"
             )
-        if nodes > 1 and self.scaling.autoscaler != "None":
-            raise ValueError(
-                "parallelism.nodes > 1 takes a fixed scaling.replicas (autoscaler None): "
-                "autoscaling multi-node groups is not supported yet"
-            )
         if self.engine.tensor_parallel_size != (gpus if gpus > 0 else 1) * nodes:
             raise ValueError(
                 "engine.tensorParallelSize must equal resources.gpu.count x parallelism.nodes "

@@ -235,13 +235,29 @@ ADMISSION: list[Row] = [
         "parallelism.nodes > 1 needs resources.gpu.count >= 1",
     ),
     Row(
-        "nodes-autoscaled",
+        "nodes-hpa",
         _s(
             engine={"tensorParallelSize": 2},
             resources={"gpu": {"count": 1}},
             parallelism={"nodes": 2},
             scaling={"autoscaler": "HPA", "minReplicas": 1, "maxReplicas": 3},
         ),
-        "autoscaling multi-node groups is not supported yet",
+        None,  # the HPA scales LWS groups through the LWS scale subresource
+    ),
+    Row(
+        "nodes-keda-to-zero",
+        _s(
+            engine={"tensorParallelSize": 4},
+            resources={"gpu": {"count": 2}},
+            parallelism={"nodes": 2},
+            scaling={
+                "autoscaler": "KEDA",
+                "minReplicas": 0,
+                "replicas": 0,
+                "maxReplicas": 2,
+                "prometheusAddress": "http://prometheus:9090",
+            },
+        ),
+        None,
     ),
 ]

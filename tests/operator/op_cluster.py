@@ -241,7 +241,7 @@ class ApiServer(KubernetesEmulator):
         patches and tracks no owners): a manager's apply that omits a field it owned gives the field
         up, and a field nobody owns any more is reset to its default (1). An update (merge patch,
         /scale) takes the field over. managedFields shows the owners, as the API server does."""
-        if request.resource is None or request.resource.plural != "deployments":
+        if request.resource is None or request.resource.plural not in ("deployments", "leaderworkersets"):
             return
         if request.subresource == "status":
             return
@@ -270,7 +270,7 @@ class ApiServer(KubernetesEmulator):
             {
                 "manager": m,
                 "operation": op,
-                "apiVersion": "apps/v1",
+                "apiVersion": str(data.get("apiVersion") or (old or {}).get("apiVersion") or "apps/v1"),
                 "fieldsType": "FieldsV1",
                 "fieldsV1": {"f:spec": {"f:replicas": {}}},
             }

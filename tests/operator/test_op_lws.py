@@ -115,6 +115,29 @@ def test_the_router_discovers_only_leaders() -> None:
     assert "app.kubernetes.io/instance=big" in selector
 
 
+@pytest.mark.parametrize("autoscaler", ["HPA", "KEDA"])
+def test_autoscalers_scale_the_leaderworkerset(autoscaler: str) -> None:
+    scaling = {
+        "autoscaler": autoscaler,
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "prometheusAddress": "http://p:9090",
+    }
+    im = make({**MULTI, "scaling": scaling})
+    plan = render_all(im, Capabilities())
+    kind = {"HPA": "HorizontalPodAutoscaler", "KEDA": "ScaledObject"}[autoscaler]
+    scaler = next(o for o in plan.objects if o["kind"] == kind)
+    # Through the LWS scale subresource, whose selector (status.hpaPodSelector) picks the leaders.
+    assert scaler["spec"]["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": "big-lws",
+    }
+    lws = next(o for o in plan.objects if o["kind"] == "LeaderWorkerSet")
+    assert "replicas" not in lws["spec"]  # the autoscaler owns the group count
+    assert lws_errors(lws) == []
+
+
 def test_pdb_keeps_at_most_one_group_down() -> None:
     # minAvailable counts pods; a group of 2 pods would make "minAvailable: 2" allow a whole group and
     # a pod of another down at once. One pod at a time takes one group down, never two.

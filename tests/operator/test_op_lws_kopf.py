@@ -133,3 +133,53 @@ def test_missing_lws_api_is_reported_and_reconciled_when_installed(cluster_facto
             timeout=30,
             what="Degraded cleared",
         )
+
+
+def test_an_hpa_takes_the_group_count_over_without_dropping_groups(cluster_factory: Any) -> None:
+    from kubeinfer_operator.handover import HANDOVER_MANAGER, owns_replicas
+
+    cluster = cluster_factory()
+    cluster.add_resources(LWS)
+
+    def groups() -> int | None:
+        lws = cluster.get("LeaderWorkerSet", LWS_NAME)
+        return None if lws is None else lws["spec"].get("replicas")
+
+    with run_operator():
+        cluster.create("InferenceModel", inference_model({**SPEC, "scaling": {"replicas": 3}}, name=NAME))
+        wait_for(lambda: groups() == 3, what="3 groups")
+        hpa = {"scaling": {"autoscaler": "HPA", "minReplicas": 2, "maxReplicas": 6}}
+        cluster.patch("InferenceModel", NAME, {"spec": hpa})
+        target = wait_for(
+            lambda: (
+                (cluster.get("HorizontalPodAutoscaler", NAME) or {}).get("spec", {}).get("scaleTargetRef")
+            ),
+            what="HPA",
+        )
+        assert target == {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "name": LWS_NAME,
+        }
+        # The switch kept the 3 running groups (kmock resets a count its only manager stops applying).
+        counts = [v["spec"].get("replicas") for v in cluster.history("LeaderWorkerSet", LWS_NAME)]
+        assert min(c for c in counts[counts.index(3) :] if c is not None) == 3, counts
+        lws = cluster.get("LeaderWorkerSet", LWS_NAME)
+        assert lws is not None and HANDOVER_MANAGER in str(lws) and not owns_replicas(lws)
+        # The HPA scales through the LWS scale subresource; a later spec edit does not fight it.
+        cluster.patch(
+            "LeaderWorkerSet",
+            LWS_NAME,
+            {"spec": {"replicas": 5}},
+            subresource="scale",
+            field_manager="horizontal-pod-autoscaler",
+        )
+        wait_for(lambda: groups() == 5, what="the HPA's count")
+        cluster.patch("InferenceModel", NAME, {"spec": {"scaling": {"maxReplicas": 8}}})
+        wait_for(
+            lambda: (
+                (cluster.get("HorizontalPodAutoscaler", NAME) or {}).get("spec", {}).get("maxReplicas") == 8
+            ),
+            what="HPA edit",
+        )
+        assert groups() == 5
