@@ -84,6 +84,11 @@ MANAGED_FLAGS = frozenset(
         "--drain-timeout",
         "--log-format",
         "--cache-dir",
+        # multi-node mode: the server reads them from the LeaderWorkerSet's environment (lws.py)
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
     }
 )
 
@@ -405,6 +410,11 @@ MANAGED_ENV = (
     "MODEL_REVISION",
     "HF_TOKEN",
     "API_KEY",
+    # injected by the LeaderWorkerSet controller (or the server's default rendezvous port): lws.py
+    "LWS_LEADER_ADDRESS",
+    "LWS_GROUP_SIZE",
+    "LWS_WORKER_INDEX",
+    "MASTER_PORT",
 )
 MANAGED_VOLUMES = ("tmp", "cache", "dshm", "model")
 MANAGED_MOUNT_PATHS = ("/tmp", "/var/cache/kubeinfer", "/dev/shm", "/models")

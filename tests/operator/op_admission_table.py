@@ -63,6 +63,11 @@ ADMISSION: list[Row] = [
         _s(engine={"extraArgs": ["--model", "x"]}),
         "must not set a flag the operator manages",
     ),
+    Row(
+        "managed-flag-lws",
+        _s(engine={"extraArgs": ["--nnodes=2"]}),
+        "must not set a flag the operator manages",
+    ),
     Row("unmanaged-flag", _s(engine={"extraArgs": ["--seed=1"]}), None),
     # resources
     Row("cpu-half", _s(resources={"cpu": "0.5", "memory": "1.5Gi"}), None),
@@ -190,6 +195,11 @@ ADMISSION: list[Row] = [
         "pod.imagePullSecrets entries",
     ),
     Row("pod-env-ours", _s(pod={"env": [{"name": "HF_TOKEN", "value": "x"}]}), "pod.env must not set"),
+    Row(
+        "pod-env-lws",
+        _s(pod={"env": [{"name": "LWS_WORKER_INDEX", "value": "0"}]}),
+        "pod.env must not set",
+    ),
     Row(
         "pod-volume-ours",
         _s(pod={"volumes": [{"name": "cache", "emptyDir": {}}]}),
