@@ -173,9 +173,9 @@ def _live_workload(kube: KubeClient, im: InferenceModel) -> dict[str, Any] | Non
     try:
         if kind == LWS_KIND and not _capabilities(kube).leader_worker_set:
             kind, name = "Deployment", im.child_name
-        return as_workload(kind, kube.get(kind, im.namespace, name))
     except ApiError:
         return None
+    return as_workload(kind, _safe_get(kube, kind, im.namespace, name))
 
 
 def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 0) -> None:
