@@ -18,6 +18,16 @@ from .adapters import desired_adapters, runtime_updates
 from .defaults import ClusterDefaults
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
+from .lws import (
+    CRD_MISSING_MESSAGE,
+    CRD_MISSING_REASON,
+    LWS_CRD_NAME,
+    LWS_KIND,
+    as_workload,
+    multi_node,
+    workload_kind,
+    workload_name,
+)
 from .render import (
     CACHE_KINDS,
     FIELD_MANAGER,
@@ -206,7 +216,25 @@ def _capabilities(kube: KubeClient) -> Capabilities:
         service_monitor=kube.serves(KINDS["ServiceMonitor"].api_version, KINDS["ServiceMonitor"].plural),
         keda=kube.serves(KINDS["ScaledObject"].api_version, KINDS["ScaledObject"].plural),
         defaults=DEFAULTS,
+        leader_worker_set=kube.serves(KINDS[LWS_KIND].api_version, KINDS[LWS_KIND].plural),
     )
+
+
+def lws_missing(im: InferenceModel, caps: Capabilities) -> bool:
+    """A multi-node spec on a cluster without the LeaderWorkerSet API: nothing can be applied."""
+    return multi_node(im) and not caps.leader_worker_set
+
+
+def _live_workload(kube: KubeClient, im: InferenceModel) -> dict[str, Any] | None:
+    """The model's live Deployment or LeaderWorkerSet, shaped for compute_status (None if unreadable).
+    Without the LeaderWorkerSet API nothing multi-node exists: what still runs (a Deployment) is shown."""
+    kind, name = workload_kind(im), workload_name(im)
+    try:
+        if kind == LWS_KIND and not _capabilities(kube).leader_worker_set:
+            kind, name = "Deployment", im.child_name
+    except ApiError:
+        return None
+    return as_workload(kind, _safe_get(kube, kind, im.namespace, name))
 
 
 def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 0) -> None:
@@ -230,7 +258,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     problems = semantic_errors(im.spec)
     if problems:
         message = "; ".join(problems)
-        existing = _safe_get(kube, "Deployment", namespace, im.child_name)
+        existing = _live_workload(kube, im)
         status = compute_status(im, existing, ReconcileOutcome(invalid_spec=message), previous, _now())
         _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=im.uid)
         raise kopf.PermanentError(f"invalid spec: {message}")
@@ -239,6 +267,13 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     cache: model_cache.CacheState | None = None
     try:
         caps = _capabilities(kube)
+        if lws_missing(im, caps):
+            # Nothing applied or deleted: a running single-node Deployment keeps serving the old spec.
+            # The CRD watch (crd_event_handler) or the next resync reconciles once the API is served.
+            logger.warning(f"{namespace}/{name}: {CRD_MISSING_MESSAGE}")
+            wanted = {obj["kind"]: obj for obj in render_all(im, caps).objects}
+            refresh_status(im, body, _live_workload(kube, im), wanted, kube, logger, caps)
+            return
         cache = sync_cache(
             im, kube, logger, was_shared=bool((previous or {}).get("cache")), defaults=caps.defaults
         )
@@ -252,11 +287,12 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         for obj in plan.objects:
             if obj["kind"] in CACHE_KINDS:
                 continue  # applied by sync_cache
-            if obj["kind"] == "Deployment" and im.spec.autoscaled:
+            is_workload = (obj["kind"], obj["metadata"]["name"]) == (workload_kind(im), workload_name(im))
+            if is_workload and im.spec.autoscaled:
                 hand_over_replicas(im, obj, kube, logger)
             live = kube.apply(obj)
-            if obj["kind"] == "Deployment":
-                deployment = live
+            if is_workload:
+                deployment = as_workload(obj["kind"], live)
         for ref in plan.absent:
             if kube.delete(ref.kind, namespace, ref.name, owner_uid=im.uid):
                 logger.info(f"deleted {ref.kind} {namespace}/{ref.name}: no longer wanted by the spec")
@@ -267,7 +303,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             monitoring_skipped_reason=monitoring_skipped,
             cache=cache if cache is not None else _previous_cache(im, previous),
         )
-        live_deployment = _safe_get(kube, "Deployment", namespace, im.child_name)
+        live_deployment = _live_workload(kube, im)
         status = compute_status(im, live_deployment, outcome, previous, _now(), _pods(kube, im))
         _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=im.uid)
         if exc.transient:
@@ -275,7 +311,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         raise kopf.PermanentError(str(exc)) from exc
 
     if deployment is None and cache is not None and not cache.ready:
-        deployment = _safe_get(kube, "Deployment", namespace, im.child_name)  # an older one may serve
+        deployment = _live_workload(kube, im)  # an older one may serve
     outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped, cache=cache)
     pods = _pods(kube, im)
     status = compute_status(im, deployment, outcome, previous, _now(), pods)
@@ -332,13 +368,15 @@ def sync_cache(
 def hand_over_replicas(im: InferenceModel, obj: dict[str, Any], kube: KubeClient, logger: Any) -> None:
     """Before an apply without spec.replicas: make sure some manager other than ours holds the count
     (see handover.py), so the apply cannot reset it to 1."""
-    live = kube.get("Deployment", im.namespace, im.child_name)
+    live = kube.get(obj["kind"], im.namespace, obj["metadata"]["name"])
     if live is None:
         # First apply: create at the autoscaler's floor, then hand that count over below.
         live = kube.apply({**obj, "spec": {**obj["spec"], "replicas": handover_count(im, None)}})
     if owns_replicas(live):
         count = handover_count(im, live)
-        logger.info(f"handing spec.replicas={count} of Deployment {im.child_name} over to the autoscaler")
+        logger.info(
+            f"handing spec.replicas={count} of {obj['kind']} {obj['metadata']['name']} to the autoscaler"
+        )
         kube.apply(render_handover(im, count), field_manager=HANDOVER_MANAGER)
 
 
@@ -453,6 +491,9 @@ def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
         return False
     if semantic_errors(im.spec):
         return False
+    caps = _capabilities(kube)
+    if lws_missing(im, caps):
+        return False  # nothing can be applied; the CRD watch and the resync notice the API appearing
     cache_ready = True
     if im.spec.cache.shared:
         # A cache that is not filled yet is re-judged on every resync (an adopted claim created
@@ -460,7 +501,7 @@ def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
         cache_ready = (((body.get("status") or {}).get("cache") or {}).get("phase")) == "Ready"
         if not cache_ready:
             return True
-    plan = render_all(im, _capabilities(kube), cache_ready=cache_ready)
+    plan = render_all(im, caps, cache_ready=cache_ready)
     for obj in plan.objects:
         live = kube.get(obj["kind"], im.namespace, obj["metadata"]["name"])
         if live is None:
@@ -560,8 +601,8 @@ def _on_child_event_locked(
             logger.warning(f"drift repair of {namespace}/{owner} postponed: {exc}")
         return
 
-    if kind == "Deployment" and name == im.child_name:  # not the router's
-        refresh_status(im, owner_body, current, wanted, kube, logger)
+    if (kind, name) == (workload_kind(im), workload_name(im)):  # not the router's
+        refresh_status(im, owner_body, as_workload(kind, current), wanted, kube, logger)
 
 
 def _cache_ready(owner_body: dict[str, Any], im: InferenceModel) -> bool:
@@ -595,8 +636,9 @@ def refresh_status(
     wanted: dict[str, dict[str, Any]],
     kube: KubeClient,
     logger: Any,
+    caps: Capabilities | None = None,
 ) -> None:
-    """Recompute and write status from the live Deployment and pods, without applying anything."""
+    """Recompute and write status from the live workload and pods, without applying anything."""
     previous = owner_body.get("status")
     prev_degraded = next(
         (c for c in (previous or {}).get("conditions") or [] if c.get("type") == "Degraded"), None
@@ -616,8 +658,13 @@ def refresh_status(
         skipped = "CRDNotInstalled"
     elif kube.get("ServiceMonitor", im.namespace, im.child_name) is None:
         skipped = "NotApplied"  # report only what exists; the resync applies it
+    blocked = lws_missing(im, caps or _capabilities(kube))
     outcome = ReconcileOutcome(
-        apply_error=apply_error, monitoring_skipped_reason=skipped, cache=_previous_cache(im, previous)
+        apply_error=apply_error,
+        monitoring_skipped_reason=skipped,
+        cache=_previous_cache(im, previous),
+        blocked_reason=CRD_MISSING_REASON if blocked else None,
+        blocked_message=CRD_MISSING_MESSAGE if blocked else "",
     )
     pods = _pods(kube, im)
     status = compute_status(im, deployment, outcome, previous, _now(), pods)
@@ -647,8 +694,7 @@ def on_pod_event(pod: dict[str, Any], kube: KubeClient, logger: Any) -> None:
             return  # a pod of another model that copied the annotation
         plan = render_all(im, _capabilities(kube), cache_ready=_cache_ready(owner_body, im))
         wanted = {obj["kind"]: obj for obj in plan.objects}
-        deployment = kube.get("Deployment", namespace, im.child_name)
-        refresh_status(im, owner_body, deployment, wanted, kube, logger)
+        refresh_status(im, owner_body, _live_workload(kube, im), wanted, kube, logger)
 
 
 @kopf.on.event("", "v1", "pods", labels=MANAGED, id="pods")
@@ -677,12 +723,12 @@ def resync_model(kube: KubeClient, namespace: str, name: str, logger: Any) -> No
 
 
 # Optional kinds the operator renders once their CRD exists.
-OPTIONAL_CRDS = frozenset({"servicemonitors.monitoring.coreos.com", "scaledobjects.keda.sh"})
+OPTIONAL_CRDS = frozenset({"servicemonitors.monitoring.coreos.com", "scaledobjects.keda.sh", LWS_CRD_NAME})
 
 
 @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", id="optional-crds")
 def crd_event_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    """The Prometheus Operator or KEDA installed (or removed) after the models: resync them now."""
+    """The Prometheus Operator, KEDA or LWS installed (or removed) after the models: resync them now."""
     if (body.get("metadata") or {}).get("name") not in OPTIONAL_CRDS:
         return
     memo.kube.forget_discovery()
@@ -711,5 +757,6 @@ for _kind in (
     "ServiceMonitor",
     "ScaledObject",
     "Job",
+    LWS_KIND,
 ):
     _register_child_watch(_kind)

@@ -1,4 +1,5 @@
-"""Handing a Deployment's spec.replicas between the operator and an autoscaler without dropping
+"""Handing a workload's spec.replicas (a Deployment's, or a multi-node model's LeaderWorkerSet's)
+between the operator and an autoscaler without dropping
 capacity, the way server-side apply documents it ("Transferring ownership",
 https://kubernetes.io/docs/reference/using-api/server-side-apply/#transferring-ownership).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .lws import workload_api_version, workload_kind, workload_name
 from .render import FIELD_MANAGER
 from .spec import InferenceModel
 
@@ -48,10 +50,11 @@ def handover_count(im: InferenceModel, deployment: dict[str, Any] | None) -> int
 
 
 def render_handover(im: InferenceModel, count: int) -> dict[str, Any]:
-    """The handover manager's apply: the Deployment's identity and spec.replicas, nothing else."""
+    """The handover manager's apply: the workload's identity and spec.replicas, nothing else (the
+    Deployment, or the LeaderWorkerSet of a multi-node model, whose spec.replicas counts groups)."""
     return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": im.child_name, "namespace": im.namespace},
+        "apiVersion": workload_api_version(im),
+        "kind": workload_kind(im),
+        "metadata": {"name": workload_name(im), "namespace": im.namespace},
         "spec": {"replicas": count},
     }

@@ -41,6 +41,8 @@ KINDS: dict[str, KindInfo] = {
     # cache.mode Shared: the model's cache claim and its loader Job (cache.py)
     "PersistentVolumeClaim": KindInfo("v1", "persistentvolumeclaims"),
     "Job": KindInfo("batch/v1", "jobs"),
+    # spec.parallelism.nodes > 1 (lws.py); optional, like the two CRD kinds above
+    "LeaderWorkerSet": KindInfo("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
     # leader election between operator replicas (leader.py)

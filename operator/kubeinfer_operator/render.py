@@ -69,6 +69,13 @@ def labels(im: InferenceModel) -> dict[str, str]:
     }
 
 
+def serving_selector_labels(im: InferenceModel) -> dict[str, str]:
+    """The pods that serve the API: all of the model's, or only the group leaders of a multi-node model."""
+    from .lws import leader_selector_labels  # lws.py builds on this module
+
+    return {**selector_labels(im), **leader_selector_labels(im)}
+
+
 def selector_string(im: InferenceModel) -> str:
     return ",".join(f"{k}={v}" for k, v in selector_labels(im).items())
 
@@ -222,6 +229,16 @@ def restricted_container_security_context() -> dict[str, Any]:
     }
 
 
+def shm_size_limit(im: InferenceModel) -> str:
+    """`/dev/shm`'s size: spec.pod.shmSize, else 1Gi, or 2Gi per GPU for a multi-GPU pod (NCCL stages
+    intra-node traffic there when GPUs lack a peer-to-peer path, and fails with "No space left on
+    device" when it is short). The limit only caps: a tmpfs is charged for the pages it holds."""
+    if im.spec.pod.shm_size is not None:
+        return str(im.spec.pod.shm_size)
+    gpus = im.spec.resources.gpu.count
+    return f"{2 * gpus}Gi" if gpus > 1 else "1Gi"
+
+
 def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     spec = im.spec
     cache_volume: dict[str, Any] = {"name": "cache"}
@@ -237,7 +254,7 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         cache_volume,
         # PyTorch shares tensors between threads/processes through /dev/shm; the runtime default is 64Mi.
         # Sized: a memory-backed emptyDir counts against the memory limit and is unbounded otherwise.
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.pod.shm_size)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size_limit(im)}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": TMP_DIR},
@@ -398,7 +415,7 @@ def render_service(im: InferenceModel) -> Manifest:
         "metadata": _metadata(im),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(im),
+            "selector": serving_selector_labels(im),
             "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -424,6 +441,12 @@ def _quantity(value: float) -> str:
     return f"{round(value * 1000)}m"
 
 
+def _scale_target_ref(im: InferenceModel) -> dict[str, str]:
+    from .lws import scale_target_ref
+
+    return scale_target_ref(im)
+
+
 def render_hpa(im: InferenceModel) -> Manifest:
     scaling = im.spec.scaling
     assert scaling.max_replicas is not None  # guaranteed by the spec validator for autoscaled models
@@ -432,7 +455,7 @@ def render_hpa(im: InferenceModel) -> Manifest:
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(im),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.child_name},
+            "scaleTargetRef": _scale_target_ref(im),
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": [
@@ -485,7 +508,7 @@ def render_scaledobject(im: InferenceModel) -> Manifest:
         "kind": "ScaledObject",
         "metadata": _metadata(im),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": im.child_name},
+            "scaleTargetRef": _scale_target_ref(im),
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
             "cooldownPeriod": scaling.scale_down_delay_seconds,
@@ -516,7 +539,9 @@ def render_pdb(im: InferenceModel) -> Manifest:
     that floor); otherwise (an autoscaler that may go down to one or zero) maxUnavailable 1, which
     never forbids every eviction however many replicas exist."""
     budget: dict[str, Any]
-    if im.spec.scaling.floor > 1:
+    # A multi-node replica is a group of pods that goes down as a unit (lws.py): one pod unavailable
+    # at a time keeps at most one group down, which any admitted minAvailable allows.
+    if im.spec.scaling.floor > 1 and im.spec.parallelism.nodes == 1:
         budget = {"minAvailable": im.spec.disruption.min_available}
     else:
         budget = {"maxUnavailable": 1}
@@ -546,6 +571,7 @@ class Capabilities:
     service_monitor: bool = True
     keda: bool = True
     defaults: ClusterDefaults = field(default_factory=ClusterDefaults)
+    leader_worker_set: bool = True
 
 
 @dataclass(frozen=True)
@@ -572,7 +598,7 @@ OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "
 # Children of the shared cache (cache.py): applied before the rest, and the Job only when missing.
 CACHE_KINDS = ("PersistentVolumeClaim", "Job")
 # Children that only exist once a shared cache is filled.
-WAIT_FOR_CACHE_KINDS = ("Deployment", "HorizontalPodAutoscaler", "ScaledObject")
+WAIT_FOR_CACHE_KINDS = ("Deployment", "LeaderWorkerSet", "HorizontalPodAutoscaler", "ScaledObject")
 
 
 def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready: bool = True) -> RenderPlan:
@@ -581,6 +607,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     no replica starts before the cache is filled (a Deployment that exists is left as it is)."""
     caps = caps or Capabilities()
     from .cache import adopts_claim, render_claim, render_job
+    from .lws import LWS_KIND, lws_name, multi_node, render_leaderworkerset
     from .routing import ROUTER_KINDS, render_router, router_name
 
     # The router's objects come first: callers index the plan by kind, and the model's own objects
@@ -601,7 +628,9 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         objects.append(render_pdb(im))
     if im.spec.adapters:  # before the Deployment: its pods read their adapter list from it
         objects.append(render_adapters_configmap(im, _metadata(im)))
-    objects.append(render_deployment(im, caps.defaults))
+    objects.append(
+        render_leaderworkerset(im, caps.defaults) if multi_node(im) else render_deployment(im, caps.defaults)
+    )
     skipped: str | None = None
     if not im.spec.monitoring.service_monitor.enabled:
         skipped = "Disabled"
@@ -617,12 +646,19 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     # Service and RBAC they use); whichever is not rendered now must not exist.
     optional = [ChildRef(kind, im.child_name) for kind in OPTIONAL_KINDS]
     optional.append(ChildRef("ConfigMap", configmap_name(im)))
+    # The workload kind the spec does not use (a switch between one node and several); no
+    # LeaderWorkerSet can exist where the cluster does not serve the kind.
+    optional.append(ChildRef("Deployment", im.child_name))
+    if caps.leader_worker_set:
+        optional.append(ChildRef(LWS_KIND, lws_name(im)))
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
     if not cache_ready:
         objects = [
             o
             for o in objects
-            if not (o["kind"] in WAIT_FOR_CACHE_KINDS and o["metadata"]["name"] == im.child_name)
+            if not (
+                o["kind"] in WAIT_FOR_CACHE_KINDS and o["metadata"]["name"] in (im.child_name, lws_name(im))
+            )
         ]
     present = {ChildRef(obj["kind"], obj["metadata"]["name"]) for obj in objects}
     # While the cache fills, the autoscaler of a Deployment that serves an older revision stays.

@@ -21,7 +21,7 @@ from .render import (
     labels,
     owner_reference,
     restricted_container_security_context,
-    selector_labels,
+    serving_selector_labels,
 )
 from .spec import InferenceModel
 
@@ -101,7 +101,7 @@ def server_routing_ports(im: InferenceModel) -> list[dict[str, Any]]:
 
 def router_args(im: InferenceModel) -> list[str]:
     routing = im.spec.routing
-    selector = [f"{k}={v}" for k, v in selector_labels(im).items()]
+    selector = [f"{k}={v}" for k, v in serving_selector_labels(im).items()]
     return [
         "--host",
         "0.0.0.0",

@@ -85,6 +85,11 @@ MANAGED_FLAGS = frozenset(
         "--drain-timeout",
         "--log-format",
         "--cache-dir",
+        # multi-node mode: the server reads them from the LeaderWorkerSet's environment (lws.py)
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
     }
 )
 
@@ -260,7 +265,7 @@ class EngineSpec(_Model):
     max_concurrent_requests: int | None = Field(default=None, ge=1, le=65536)
     enable_prefix_caching: bool = True
     speculative: SpeculativeSpec | None = None
-    tensor_parallel_size: int = Field(default=1, ge=1, le=16)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=512)
     api_key_secret_ref: ApiKeySecretRef | None = None
     extra_args: list[str] = Field(default_factory=list, max_length=64)
 
@@ -480,6 +485,11 @@ MANAGED_ENV = (
     "HF_TOKEN",
     "API_KEY",
     "HF_HUB_OFFLINE",
+    # injected by the LeaderWorkerSet controller (or the server's default rendezvous port): lws.py
+    "LWS_LEADER_ADDRESS",
+    "LWS_GROUP_SIZE",
+    "LWS_WORKER_INDEX",
+    "MASTER_PORT",
 )
 MANAGED_VOLUMES = ("tmp", "cache", "dshm", "model", "model-cache")
 MANAGED_MOUNT_PATHS = ("/tmp", "/var/cache/kubeinfer", "/dev/shm", "/models", "/var/cache/kubeinfer-shared")
@@ -503,7 +513,8 @@ class PodSpec(_Model):
     env_from: list[dict[str, Any]] = Field(default_factory=list)
     volumes: list[dict[str, Any]] = Field(default_factory=list)
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
-    shm_size: int | str = "1Gi"
+    # None: sized by the GPU count (render.shm_size_limit)
+    shm_size: int | str | None = None
 
     @model_validator(mode="after")
     def _check_pod(self) -> PodSpec:
@@ -578,6 +589,13 @@ class RoutingSpec(_Model):
     resources: RouterResourcesSpec = Field(default_factory=RouterResourcesSpec)
 
 
+class ParallelismSpec(_Model):
+    """How one replica spans nodes: `nodes` pods (a LeaderWorkerSet group when > 1), each with
+    resources.gpu.count GPUs; engine.tensorParallelSize counts the ranks of all of them."""
+
+    nodes: int = Field(default=1, ge=1, le=32)
+
+
 class InferenceModelSpec(_Model):
     model: ModelSource
     adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
@@ -592,14 +610,22 @@ class InferenceModelSpec(_Model):
     disruption: DisruptionSpec = Field(default_factory=DisruptionSpec)
     pod: PodSpec = Field(default_factory=PodSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     suspend: bool = False
 
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> InferenceModelSpec:
         gpus = self.resources.gpu.count
-        expected = gpus if gpus > 0 else 1
-        if self.engine.tensor_parallel_size != expected:
-            raise ValueError("engine.tensorParallelSize must equal resources.gpu.count (1 without GPUs)")
+        nodes = self.parallelism.nodes
+        if nodes > 1 and gpus < 1:
+            raise ValueError(
+                "parallelism.nodes > 1 needs resources.gpu.count >= 1 (one tensor-parallel rank per GPU)"
+            )
+        if self.engine.tensor_parallel_size != (gpus if gpus > 0 else 1) * nodes:
+            raise ValueError(
+                "engine.tensorParallelSize must equal resources.gpu.count x parallelism.nodes "
+                "(1 without GPUs)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -20,6 +20,9 @@ class ReconcileOutcome:
     apply_error: str | None = None  # temporary: an API call failed, a retry is scheduled
     monitoring_skipped_reason: str | None = None  # "CRDNotInstalled" | "Disabled" | "NotApplied" | None
     cache: CacheState | None = None  # cache.mode Shared: the cache's phase as last judged
+    # A precondition outside the spec is missing (e.g. an API the spec needs): nothing was applied.
+    blocked_reason: str | None = None
+    blocked_message: str = ""
 
 
 def _deployment_condition(deployment: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
@@ -73,6 +76,8 @@ def compute_status(
     degraded_message = ""
     if outcome.invalid_spec is not None:
         degraded_reason, degraded_message = "InvalidSpec", outcome.invalid_spec
+    elif outcome.blocked_reason is not None:
+        degraded_reason, degraded_message = outcome.blocked_reason, outcome.blocked_message
     elif outcome.apply_error is not None:
         degraded_reason, degraded_message = "ApplyFailed", outcome.apply_error
     elif stuck:

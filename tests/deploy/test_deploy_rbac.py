@@ -1,6 +1,7 @@
 """Least privilege, measured: the real operator (`kubeinfer-operator run`, the chart's command, with
 the chart's arguments: leader election on) runs against kmock through a full InferenceModel life
-(create with routing, autoscaler switch, monitoring and routing off, drift, a bad spec, delete); every
+(create with routing, autoscaler switch, monitoring and routing off, drift, two nodes per replica and
+back, a bad spec, delete); every
 API request it makes is turned into an RBAC (group, resource, verb) and compared with the ClusterRole
 and the leader election Role the chart renders. Every request must be allowed, and every granted
 permission must have been used. Its liveness endpoint must answer on the path the chart's probe uses.
@@ -57,6 +58,7 @@ class ThreadedApi:
             "kubeinfer.dev/v1alpha1/inferencemodels": ("InferenceModel", {"status", "scale"}),
             "monitoring.coreos.com/v1/servicemonitors": ("ServiceMonitor", set()),
             "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", set()),
+            "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", {"status", "scale"}),
         }
         for key, (kind, subresources) in extra.items():
             api.resources[key] = kmock.ResourceInfo(
@@ -239,7 +241,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                         for r in api.requests()
                         if r.method == "DELETE"
                         and r.resource is not None
-                        and r.name in ("m", "m-router", "m-adapters")
+                        and r.name in ("m", "m-router", "m-adapters", "m-lws")
                         and r.headers.get("User-Agent", "").startswith("OpenAPI-Generator")
                     }
 
@@ -320,6 +322,34 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                 # Drift: a deleted Service comes back.
                 api.http("DELETE", f"/api/v1/namespaces/{NS}/services/m")
                 wait_for("Service restored", lambda: "services" in children())
+                # Two nodes per replica: a LeaderWorkerSet replaces the Deployment; back to one node
+                # deletes it again.
+                multi = {
+                    **spec2,
+                    "engine": {"tensorParallelSize": 2},
+                    "resources": {"gpu": {"count": 1}},
+                    "parallelism": {"nodes": 2},
+                }
+                api.http(
+                    "PATCH",
+                    f"{plural}/m",
+                    {"spec": multi, "metadata": {"generation": 4}},
+                    "application/merge-patch+json",
+                )
+                wait_for(
+                    "LeaderWorkerSet",
+                    lambda: any(p == "leaderworkersets" and n == "m-lws" for p, _, n in api.objects()),
+                )
+                api.http(
+                    "PATCH",
+                    f"{plural}/m",
+                    {
+                        "spec": {"parallelism": {"nodes": 1}, "engine": {"tensorParallelSize": 1}},
+                        "metadata": {"generation": 5},
+                    },
+                    "application/merge-patch+json",
+                )
+                wait_for("LeaderWorkerSet deleted", lambda: "leaderworkersets" in deleted_by_operator())
                 # A shared model cache: the claim and the loader Job first, the Deployment once the
                 # Job has succeeded (the test plays the Job controller); a new revision replaces the
                 # Job; an adopted claim is read.

@@ -136,6 +136,11 @@ ADMISSION: list[Row] = [
         _s(engine={"extraArgs": ["--model", "x"]}),
         "must not set a flag the operator manages",
     ),
+    Row(
+        "managed-flag-lws",
+        _s(engine={"extraArgs": ["--nnodes=2"]}),
+        "must not set a flag the operator manages",
+    ),
     Row("unmanaged-flag", _s(engine={"extraArgs": ["--seed=1"]}), None),
     # resources
     Row("cpu-half", _s(resources={"cpu": "0.5", "memory": "1.5Gi"}), None),
@@ -264,6 +269,11 @@ ADMISSION: list[Row] = [
     ),
     Row("pod-env-ours", _s(pod={"env": [{"name": "HF_TOKEN", "value": "x"}]}), "pod.env must not set"),
     Row(
+        "pod-env-lws",
+        _s(pod={"env": [{"name": "LWS_WORKER_INDEX", "value": "0"}]}),
+        "pod.env must not set",
+    ),
+    Row(
         "pod-volume-ours",
         _s(pod={"volumes": [{"name": "cache", "emptyDir": {}}]}),
         "pod.volumes must not reuse",
@@ -284,4 +294,53 @@ ADMISSION: list[Row] = [
         "must name a volume in pod.volumes",
     ),
     Row("pod-shm-negative", _s(pod={"shmSize": -1}), "pod.shmSize must not be negative"),
+    # multi-GPU and multi-node (tensor parallelism over all ranks of a replica)
+    Row("tp-4-gpus", _s(engine={"tensorParallelSize": 4}, resources={"gpu": {"count": 4}}), None),
+    Row(
+        "nodes-2-ok",
+        _s(
+            engine={"tensorParallelSize": 8},
+            resources={"gpu": {"count": 4}},
+            parallelism={"nodes": 2},
+            scaling={"replicas": 2},
+        ),
+        None,
+        name=LONG_NAME,
+    ),
+    Row(
+        "nodes-tp-per-pod",
+        _s(engine={"tensorParallelSize": 4}, resources={"gpu": {"count": 4}}, parallelism={"nodes": 2}),
+        "engine.tensorParallelSize must equal resources.gpu.count x parallelism.nodes",
+    ),
+    Row(
+        "nodes-cpu",
+        _s(engine={"tensorParallelSize": 2}, resources={"gpu": {"count": 0}}, parallelism={"nodes": 2}),
+        "parallelism.nodes > 1 needs resources.gpu.count >= 1",
+    ),
+    Row(
+        "nodes-hpa",
+        _s(
+            engine={"tensorParallelSize": 2},
+            resources={"gpu": {"count": 1}},
+            parallelism={"nodes": 2},
+            scaling={"autoscaler": "HPA", "minReplicas": 1, "maxReplicas": 3},
+        ),
+        None,  # the HPA scales LWS groups through the LWS scale subresource
+    ),
+    Row(
+        "nodes-keda-to-zero",
+        _s(
+            engine={"tensorParallelSize": 4},
+            resources={"gpu": {"count": 2}},
+            parallelism={"nodes": 2},
+            scaling={
+                "autoscaler": "KEDA",
+                "minReplicas": 0,
+                "replicas": 0,
+                "maxReplicas": 2,
+                "prometheusAddress": "http://prometheus:9090",
+            },
+        ),
+        None,
+    ),
 ]

@@ -17,8 +17,9 @@ _NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _PERCENT = re.compile(r"^[0-9]+%$")
 _QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
 
-# Kinds whose name the API server checks as a DNS-1035 label (everything else: DNS-1123 subdomain).
-_DNS1035_KINDS = {"Service"}
+# Kinds whose name the API server checks as a DNS-1035 label (everything else: DNS-1123 subdomain);
+# the LWS webhook checks a LeaderWorkerSet's name so (it names a headless Service after it).
+_DNS1035_KINDS = {"Service", "LeaderWorkerSet"}
 
 
 def _subdomain(value: str) -> bool:
@@ -136,6 +137,29 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
                 "spec.strategy.rollingUpdate.maxUnavailable: Invalid value: 0: may not be 0 when `maxSurge` is 0"
             )
         errors += _pod_errors(template.get("spec") or {}, "spec.template.spec")
+    if kind == "LeaderWorkerSet":
+        # kubernetes-sigs/lws pkg/webhooks/leaderworkerset_webhook.go (v0.9.0), generalValidate
+        if int(spec.get("replicas", 1)) < 0:
+            errors.append("spec.replicas: Invalid value: replicas must be equal or greater than 0")
+        lwt = spec.get("leaderWorkerTemplate") or {}
+        if int(lwt.get("size", 1)) < 1:
+            errors.append(
+                "spec.leaderWorkerTemplate.size: Invalid value: size must be equal or greater than 1"
+            )
+        rolling = (spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
+        where = "spec.rolloutStrategy.rollingUpdateConfiguration"
+        surge_err, surge_zero = _int_or_percent(rolling.get("maxSurge", 0), f"{where}.maxSurge")
+        unav_err, unav_zero = _int_or_percent(rolling.get("maxUnavailable", 1), f"{where}.maxUnavailable")
+        errors += surge_err + unav_err
+        if surge_zero and unav_zero and int(spec.get("replicas", 1)) != 0:
+            errors.append(f"{where}.maxUnavailable: Invalid value: 0: must not be 0 when `maxSurge` is 0")
+        for role in ("leaderTemplate", "workerTemplate"):
+            template = lwt.get(role) or {}
+            errors += _label_errors(
+                (template.get("metadata") or {}).get("labels"),
+                f"spec.leaderWorkerTemplate.{role}.metadata.labels",
+            )
+            errors += _pod_errors(template.get("spec") or {}, f"spec.leaderWorkerTemplate.{role}.spec")
     if kind == "PodDisruptionBudget":
         for field in ("minAvailable", "maxUnavailable"):
             if field in spec:

@@ -67,6 +67,12 @@ MONITORING = {
     "monitoring.coreos.com/v1/servicemonitors": ResourceInfo(kind="ServiceMonitor", namespaced=True)
 }
 KEDA = {"keda.sh/v1alpha1/scaledobjects": ResourceInfo(kind="ScaledObject", namespaced=True)}
+# The LWS controller's CRD (spec.parallelism.nodes > 1); scale as its CRD declares it.
+LWS = {
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": ResourceInfo(
+        kind="LeaderWorkerSet", namespaced=True, subresources={"status", "scale"}
+    )
+}
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 PATHS = {
@@ -77,6 +83,7 @@ PATHS = {
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers",
     "ServiceMonitor": "/apis/monitoring.coreos.com/v1/namespaces/{ns}/servicemonitors",
     "ScaledObject": "/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects",
+    "LeaderWorkerSet": "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets",
     "Pod": "/api/v1/namespaces/{ns}/pods",
     "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
     "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
@@ -230,7 +237,7 @@ class ApiServer(KubernetesEmulator):
                             and "status" in data
                         ):
                             old_kind = old.get("kind", "")
-                            if old_kind in ("InferenceModel", "Deployment"):
+                            if old_kind in ("InferenceModel", "Deployment", "LeaderWorkerSet"):
                                 data.pop("status")
                 if created is not None:
                     await self._collect_orphan(request.resource, key)
@@ -257,7 +264,7 @@ class ApiServer(KubernetesEmulator):
         patches and tracks no owners): a manager's apply that omits a field it owned gives the field
         up, and a field nobody owns any more is reset to its default (1). An update (merge patch,
         /scale) takes the field over. managedFields shows the owners, as the API server does."""
-        if request.resource is None or request.resource.plural != "deployments":
+        if request.resource is None or request.resource.plural not in ("deployments", "leaderworkersets"):
             return
         if request.subresource == "status":
             return
@@ -286,7 +293,7 @@ class ApiServer(KubernetesEmulator):
             {
                 "manager": m,
                 "operation": op,
-                "apiVersion": "apps/v1",
+                "apiVersion": str(data.get("apiVersion") or (old or {}).get("apiVersion") or "apps/v1"),
                 "fieldsType": "FieldsV1",
                 "fieldsV1": {"f:spec": {"f:replicas": {}}},
             }

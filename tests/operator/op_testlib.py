@@ -55,6 +55,17 @@ def load_json_schema(name: str) -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def _lws_validator() -> jsonschema.Draft202012Validator:
+    vendored = load_json_schema("leaderworkerset.x-k8s.io_v1.json")
+    return jsonschema.Draft202012Validator(to_jsonschema(vendored["openAPIV3Schema"]))
+
+
+def lws_errors(obj: dict[str, Any]) -> list[str]:
+    """What the LWS CRD's schema (vendored from kubernetes-sigs/lws, strict) refuses in a LeaderWorkerSet."""
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in _lws_validator().iter_errors(obj)]
+
+
 def to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
     """Translate a structural OpenAPI v3 schema into JSON Schema with the API server's strictness:
     unknown fields are errors (kubectl's default strict field validation), except where

@@ -54,7 +54,7 @@ def test_accepted_specs_render_children_the_api_server_accepts(row: Row) -> None
     doc["metadata"]["uid"] = "0c7d5e4a-1111-4222-8333-944445555666"
     for obj in render_documents([doc], Capabilities()):
         assert api_errors(obj) == [], obj["kind"]
-        if obj["kind"] not in ("ServiceMonitor", "ScaledObject"):
+        if obj["kind"] not in ("ServiceMonitor", "ScaledObject", "LeaderWorkerSet"):
             kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
 
 

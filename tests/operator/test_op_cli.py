@@ -43,7 +43,9 @@ def test_render_cli_prints_every_object_as_yaml() -> None:
 def test_render_every_example(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["render", "-f", str(path)]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert {"Deployment", "Service"} <= {d["kind"] for d in docs}
+    kinds = {d["kind"] for d in docs}
+    # exactly one workload: a Deployment, or a LeaderWorkerSet for parallelism.nodes > 1
+    assert "Service" in kinds and len(kinds & {"Deployment", "LeaderWorkerSet"}) == 1
 
 
 def test_render_without_prometheus_operator(capsys: pytest.CaptureFixture[str]) -> None:
@@ -105,6 +107,7 @@ def test_importing_the_package_registers_every_handler() -> None:
         ("monitoring.coreos.com", "servicemonitors"),
         ("keda.sh", "scaledobjects"),
         ("batch", "jobs"),  # the shared cache's loader Jobs
+        ("leaderworkerset.x-k8s.io", "leaderworkersets"),  # spec.parallelism.nodes > 1
         ("", "pods"),  # status reads the kubelet's reasons
         ("apiextensions.k8s.io", "customresourcedefinitions"),  # optional CRDs installed later
     }

@@ -115,6 +115,8 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
         {"model": HF, "engine": {"tensorParallelSize": 2}, "resources": {"gpu": {"count": 0}}},
         "tensorParallelSize",
     ),
+    ("nodes-zero", {"model": HF, "parallelism": {"nodes": 0}}, "minimum"),
+    ("nodes-over-max", {"model": HF, "parallelism": {"nodes": 33}}, "maximum"),
     (
         "min-over-max",
         {"model": HF, "scaling": {"minReplicas": 4, "maxReplicas": 2, "replicas": 2}},

@@ -33,10 +33,27 @@ def test_multi_gpu_renders_tensor_parallel_size() -> None:
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "4"
     # the ranks' shared-memory transport (gloo/NCCL) needs a real /dev/shm, not the runtime's 64Mi
     shm = {v["name"]: v for v in c["_pod_volumes"]}["dshm"]
-    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}  # spec.pod.shmSize's default
+    # unset spec.pod.shmSize: 2Gi per GPU (NCCL's intra-node staging), 1Gi for one GPU
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
 
 
 def test_single_device_renders_no_tensor_parallel_flag() -> None:
     _, c = _deployment_container({"model": {"uri": "hf://org/model"}, "resources": {"gpu": {"count": 1}}})
     assert "--tensor-parallel-size" not in c["args"]
+
+
+def test_shm_size_follows_the_gpu_count_unless_set() -> None:
+    def shm(spec: dict) -> str:
+        _, c = _deployment_container({"model": {"uri": "hf://org/model"}, **spec})
+        return str({v["name"]: v for v in c["_pod_volumes"]}["dshm"]["emptyDir"]["sizeLimit"])
+
+    assert shm({"resources": {"gpu": {"count": 0}}}) == "1Gi"
+    assert shm({}) == "1Gi"  # one GPU
+    assert shm({"engine": {"tensorParallelSize": 2}, "resources": {"gpu": {"count": 2}}}) == "4Gi"
+    explicit = {
+        "engine": {"tensorParallelSize": 8},
+        "resources": {"gpu": {"count": 8}},
+        "pod": {"shmSize": "3Gi"},
+    }
+    assert shm(explicit) == "3Gi"
