@@ -14,6 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from kubeinfer_operator import cache as model_cache
+from kubeinfer_operator.adapters import lora_modules_value
 from kubeinfer_operator.render import render_all
 from kubeinfer_operator.spec import InferenceModel
 from op_apichecks import api_errors
@@ -93,8 +94,9 @@ def test_render_claim_job_and_read_only_deployment() -> None:
     assert mount == {"name": "model-cache", "mountPath": "/var/cache/kubeinfer-shared", "readOnly": True}
     sargs = server["args"]
     assert sargs[sargs.index("--model") + 1] == "/var/cache/kubeinfer-shared/models/org--model@v1"
-    modules = sargs[sargs.index("--lora-modules") + 1]
-    assert modules == "sql=/var/cache/kubeinfer-shared/adapters/org--sql-lora"
+    # the adapter list reaches the server through the adapters ConfigMap (adapters.py), read-only paths
+    assert "--lora-modules" not in sargs
+    assert lora_modules_value(im) == "sql=/var/cache/kubeinfer-shared/adapters/org--sql-lora"
     env = {e["name"]: e for e in server["env"]}
     assert env["HF_HUB_OFFLINE"]["value"] == "1"
     assert "HF_TOKEN" not in env and "MODEL_REVISION" not in env  # replicas never reach the hub
