@@ -13,13 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
+from engine_driver import TOKENIZER_FILES
 
 
 @pytest.fixture(scope="session")

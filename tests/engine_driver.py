@@ -5,6 +5,14 @@ from __future__ import annotations
 from server.engine import LLMEngine
 from server.request import SamplingParams
 
+# The files that make a model folder's tokenizer (copied next to tiny random models' weights).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     """Request i arrives before step i, so prefills and decodes share steps; returns each one's tokens."""

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOKENIZER_FILES
-from engine_driver import run_staggered
+from engine_driver import TOKENIZER_FILES, run_staggered
 from spec_checks import assert_no_kv_held, chi_square_p, collect
 
 import server.spec_decode.rejection_sampler as rs
