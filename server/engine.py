@@ -20,7 +20,7 @@ from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.distributed.driver import TensorParallelDriver
-from server.distributed.sharding import rank_loading_slicer
+from server.distributed.sharding import rank_loading, rank_loading_slicer
 from server.kv_events import KVEventPublisher, make_publisher
 from server.lora.manager import LoRAManager
 from server.lora.registry import LoRARegistry
@@ -122,9 +122,10 @@ class LLMEngine:
             tp = config.parallel.tensor_parallel_size
             # TP: rank 0 reads only its slices of the checkpoint (server/distributed/sharding.py)
             slicer = rank_loading_slicer(self.source.folder, config.model.quantize, 0, tp) if tp > 1 else None
-            self.loaded = load_model(
-                self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize, slicer
-            )
+            with rank_loading(tp):
+                self.loaded = load_model(
+                    self.source.folder, dtype, self.device, self.max_model_len, config.model.quantize, slicer
+                )
         tp = config.parallel.tensor_parallel_size
         self.tp: TensorParallelDriver | None = None
         if tp > 1:  # rank 0 of N: start ranks 1..N-1, keep this rank's shard (server/distributed/)

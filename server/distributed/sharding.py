@@ -10,6 +10,7 @@ KV heads and block tables stay global.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from server.models.arch import ArchConfig
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import TensorSlicer, read_hf_config
+from server.quant import cpu_repack
 from server.quant.layers import Int8Linear
 
 
@@ -83,6 +85,13 @@ def shard_spec(cfg: ArchConfig, rank: int, world_size: int) -> ShardSpec:
         vocab=(min(r * vs, cfg.vocab_size), min((r + 1) * vs, cfg.vocab_size)),
         vocab_shard=vs,
     )
+
+
+def rank_loading(world_size: int) -> contextlib.AbstractContextManager[None]:
+    """The context a rank loads its model in: under tensor parallelism (world_size > 1), int8 loads as
+    `Int8Linear` (the layout `shard_model` cuts along rows/columns with their scales), not as the CPU
+    weight-only kernel's repacked `BlockQuantLinear` (cpu_repack.py), which is not sharded yet."""
+    return cpu_repack.previous_cpu_path() if world_size > 1 else contextlib.nullcontext()
 
 
 def _shardable(m: nn.Module, what: str) -> nn.Linear | Int8Linear:

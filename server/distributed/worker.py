@@ -28,7 +28,7 @@ from server.distributed.parallel_state import (
     init_parallel_state,
     rank_device,
 )
-from server.distributed.sharding import rank_loading_slicer, shard_model
+from server.distributed.sharding import rank_loading, rank_loading_slicer, shard_model
 from server.models.loader import load_model, read_hf_config, resolve_dtype, resolve_model
 from server.models.serving_weights import prepare_for_serving
 from server.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -76,7 +76,8 @@ def build_shard_runner(config: EngineConfig, state: ParallelState) -> tuple[Mode
     max_pos = int(read_hf_config(source.folder).get("max_position_embeddings", 2048))
     max_model_len = config.model.max_model_len or min(max_pos, 8192)
     slicer = rank_loading_slicer(source.folder, config.model.quantize, state.rank, state.world_size)
-    loaded = load_model(source.folder, dtype, device, max_model_len, config.model.quantize, slicer)
+    with rank_loading(state.world_size):
+        loaded = load_model(source.folder, dtype, device, max_model_len, config.model.quantize, slicer)
     shard_model(loaded.model, state.rank, state.world_size)
     if config.model.optimize_weights:
         prepare_for_serving(loaded.model, device, dtype)

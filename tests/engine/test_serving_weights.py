@@ -8,6 +8,8 @@ from torch import nn
 
 from server.models.loader import load_model
 from server.models.serving_weights import PackedLinear, cpu_packing_supported, prepare_for_serving
+from server.quant import cpu_repack
+from server.quant.block_linear import BlockQuantLinear
 from server.quantize.evaluation import SequenceRunner
 
 CPU = torch.device("cpu")
@@ -53,8 +55,14 @@ def test_quantized_projections_keep_their_names(tiny_model_factory) -> None:  # 
     ref = load_model(folder, torch.float32, CPU, 64, "int8").model
     model = load_model(folder, torch.float32, CPU, 64, "int8").model
     report = prepare_for_serving(model, CPU, torch.float32)
-    assert report.fused_projections == 0
     layer = model.decoder_layers()[0]
-    assert type(layer.self_attn.q_proj) is not nn.Linear and layer.self_attn.qkv_proj is None
+    if cpu_repack.cpu_kernel_enabled():
+        # int8 on CPU is the weight-only kernel's BlockQuantLinear (cpu_repack.py): q/k/v and gate/up of
+        # one format fuse like dense ones
+        assert report.fused_projections == 2 * len(model.decoder_layers())
+        assert isinstance(layer.self_attn.qkv_proj, BlockQuantLinear)
+    else:
+        assert report.fused_projections == 0
+        assert type(layer.self_attn.q_proj) is not nn.Linear and layer.self_attn.qkv_proj is None
     ids = torch.randint(3, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(model, ids), _logits(ref, ids), rtol=1e-4, atol=1e-4)

@@ -52,8 +52,13 @@ def make_engine(
 
 
 def run_both(folder: Path, tp: int, cache: CacheConfig, **kw: object) -> tuple[list, list, LLMEngine]:
-    """TP=1 and TP=tp greedy outputs of PROMPTS (`kw`: make_engine's, e.g. quantize)."""
-    ref_engine = make_engine(folder, 1, cache, **kw)
+    """TP=1 and TP=tp greedy outputs of PROMPTS (`kw`: make_engine's, e.g. quantize). The TP=1 reference
+    loads in the layout a TP rank loads (`rank_loading`: int8 as Int8Linear, not the CPU kernel's
+    repacked layout, whose fp32 activations round differently from Int8Linear's bf16 ones)."""
+    from server.distributed.sharding import rank_loading
+
+    with rank_loading(tp):
+        ref_engine = make_engine(folder, 1, cache, **kw)
     prompts = [ref_engine.tokenizer.encode(p) for p in PROMPTS]
     ref = run_staggered(ref_engine, prompts, GREEDY)
     engine = make_engine(folder, tp, cache, **kw)
