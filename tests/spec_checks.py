@@ -4,12 +4,29 @@ one request's tokens/text/finish collected, and the engine-level two-sample chi-
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import torch
 from scipy.stats import chi2, chi2_contingency
 
+from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.request import SamplingParams
+from server.spec_decode.config import SpeculativeConfig
+
+
+def spec_engine(folder: Path, spec: SpeculativeConfig | None, blocks: int = 256, **kw: object) -> LLMEngine:
+    """An fp32 engine over `folder` with speculation `spec` (None: plain decoding), 4-token blocks and
+    prefix caching (`caching=False` turns it off); other `kw` go to EngineConfig."""
+    caching = bool(kw.pop("caching", True))
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32"),
+            cache=CacheConfig(block_size=4, num_kv_blocks=blocks, enable_prefix_caching=caching),
+            speculative=spec,
+            **kw,  # type: ignore[arg-type]
+        )
+    )
 
 
 def assert_no_kv_held(engine: LLMEngine) -> None:

@@ -17,11 +17,12 @@ from spec_checks import (
     collect,
     distribution_prompt,
     joint_counts,
+    spec_engine,
     two_sample_p,
 )
 
 import server.spec_decode.rejection_sampler as rs
-from server.config import CacheConfig, EngineConfig, ModelConfig
+from server.config import EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.request import Request, SamplingParams
 from server.spec_decode.config import SpeculativeConfig
@@ -40,15 +41,7 @@ ALPHA = 0.001  # significance level of the distribution tests
 
 def make_engine(folder: Path, k: int | None = None, blocks: int = 256, **kw: object) -> LLMEngine:
     spec = SpeculativeConfig("ngram", k, prompt_lookup_min=1, prompt_lookup_max=3) if k else None
-    caching = bool(kw.pop("caching", True))
-    return LLMEngine(
-        EngineConfig(
-            model=ModelConfig(model=str(folder), dtype="float32"),
-            cache=CacheConfig(block_size=4, num_kv_blocks=blocks, enable_prefix_caching=caching),
-            speculative=spec,
-            **kw,  # type: ignore[arg-type]
-        )
-    )
+    return spec_engine(folder, spec, blocks, **kw)
 
 
 @pytest.fixture(scope="module")

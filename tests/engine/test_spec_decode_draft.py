@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from engine_driver import TOKENIZER_FILES, run_staggered
-from spec_checks import assert_no_kv_held, chi_square_p, collect
+from spec_checks import assert_no_kv_held, chi_square_p, collect, spec_engine
 
 import server.spec_decode.rejection_sampler as rs
-from server.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from server.config import EngineConfig, ParallelConfig
 from server.core.block_pool import BlockPool
 from server.engine import LLMEngine
 from server.models.loader import ModelLoadError
@@ -78,15 +78,7 @@ def make_engine(
         spec = SpeculativeConfig(
             "draft_model", k, model=str(draft), disable_by_batch_size=kw.pop("disable_by_batch_size", None)
         )  # type: ignore[arg-type]
-    caching = bool(kw.pop("caching", True))
-    return LLMEngine(
-        EngineConfig(
-            model=ModelConfig(model=str(folder), dtype="float32"),
-            cache=CacheConfig(block_size=4, num_kv_blocks=blocks, enable_prefix_caching=caching),
-            speculative=spec,
-            **kw,  # type: ignore[arg-type]
-        )
-    )
+    return spec_engine(folder, spec, blocks, **kw)
 
 
 @pytest.fixture(scope="module")
