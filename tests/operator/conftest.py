@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import os
 
-# Read when the handlers are imported (kopf's timer interval is fixed at registration).
+# For operator subprocesses started by these tests; the in-process operator gets the fixture's patch.
 os.environ.setdefault("KUBEINFER_RESYNC_SECONDS", "2")
-# A CRD installed mid-test is seen by the next resync even when its watch event is not delivered (in a
-# full-suite CI run the watch path alone did not apply the child within the wait: cause not found yet).
-os.environ.setdefault("KUBEINFER_DISCOVERY_TTL_SECONDS", "2")
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +40,10 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.setattr(handlers, "RETRY_MAX_SECONDS", 1.0)
     monkeypatch.setattr(handlers, "REQUEST_TIMEOUT_SECONDS", 5.0)
     monkeypatch.setattr(handlers, "DISCOVERY_TTL_SECONDS", 1.0)
+    # handlers reads KUBEINFER_RESYNC_SECONDS when first imported, and the package's __init__ imports it
+    # (for `kopf run -m kubeinfer_operator`): in a full run tests/deploy imports kubeinfer_operator.render
+    # before this conftest, fixing 60 s, and a child of a CRD installed mid-test came after the waits.
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 2.0)
     yield make
     for cluster in started:
         cluster.stop()
