@@ -131,7 +131,7 @@ class LLMEngine:
         if tp > 1:  # rank 0 of N: start ranks 1..N-1, keep this rank's shard (server/distributed/)
             self.tp = TensorParallelDriver(config, self.device, self.loaded.model)
         if config.model.optimize_weights:
-            prepare_for_serving(self.loaded.model, self.device, dtype)
+            prepare_for_serving(self.loaded.model, self.device, dtype, config.model.cache_dir)
         template = _chat_template(config.model.chat_template)
         if template is None and config.model.model is None:
             # The embedded SmolLM2's own template knows no tools; ours renders the same without them.

@@ -80,7 +80,7 @@ def build_shard_runner(config: EngineConfig, state: ParallelState) -> tuple[Mode
         loaded = load_model(source.folder, dtype, device, max_model_len, config.model.quantize, slicer)
     shard_model(loaded.model, state.rank, state.world_size)
     if config.model.optimize_weights:
-        prepare_for_serving(loaded.model, device, dtype)
+        prepare_for_serving(loaded.model, device, dtype, config.model.cache_dir)
     block_size = config.cache.block_size
     backend = make_attention_backend(
         config.attention_backend, block_size, device.type, config.model.cache_dir

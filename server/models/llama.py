@@ -14,6 +14,8 @@ from torch import Tensor, nn
 
 from server.attention import AttentionBackend, AttentionMetadata
 from server.models.arch import ArchConfig
+from server.models.cpu_fused import FusedOps
+from server.models.decode_graph import DecodeGraph
 
 
 class RMSNorm(nn.Module):
@@ -112,6 +114,35 @@ class Attention(nn.Module):
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
+    def forward_fused(
+        self,
+        x: Tensor,  # [T, hidden] fp32 on CPU
+        cos: Tensor,  # [T, head_dim]
+        sin: Tensor,  # [T, head_dim]
+        k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        ops: FusedOps,
+    ) -> Tensor:  # [T, hidden]
+        """forward() with the rotary applied in place by one compiled call (the projections' outputs
+        are fresh tensors, never weights)."""
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+            ops.rotary(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        else:
+            q = self.q_proj(x).view(t, hq, d)
+            k = self.k_proj(x).view(t, hkv, d)
+            v = self.v_proj(x).view(t, hkv, d)
+            ops.rotary(q, cos, sin)
+            ops.rotary(k, cos, sin)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig, device: torch.device | str | None) -> None:
@@ -130,6 +161,11 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         # in place: one fewer [T, intermediate] temporary, ~30% faster at prefill sizes (measured here)
         return self.down_proj(F.silu(gate).mul_(up))
+
+    def forward_fused(self, x: Tensor, ops: FusedOps) -> Tensor:  # x: [T, hidden] fp32 on CPU
+        if self.gate_up_proj is None:
+            return self.forward(x)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -156,6 +192,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         self.rotary = RotaryEmbedding(cfg, max_positions)
+        # Set by serving_weights.prepare_for_serving on CPU: fp32 steps then run the fused ops.
+        self.fused_ops: FusedOps | None = None
+        # Pure-decode steps through one compiled call when the model allows (decode_graph.py): recorded
+        # at the first such step, for the id of the KV cache list it ran with (None: not possible).
+        self.use_decode_graph = True
+        self._decode_graph: tuple[int, DecodeGraph | None] | None = None
 
     def decoder_layers(self) -> list[DecoderLayer]:
         layers = list(self.model.layers)
@@ -175,11 +217,41 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> Tensor:  # [T, hidden]
         h = self.model.embed_tokens(input_ids)
+        if self.fused_ops is not None and h.dtype == torch.float32 and h.device.type == "cpu":
+            return self._forward_fused(h, positions, kv_caches, meta, backend, self.fused_ops)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.decoder_layers(), kv_caches, strict=True):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, k_cache, v_cache, meta, backend)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
+
+    def _forward_fused(
+        self,
+        h: Tensor,  # [T, hidden] fp32, the embeddings
+        positions: Tensor,  # [T] int64
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        ops: FusedOps,
+    ) -> Tensor:  # [T, hidden]
+        # forward() with each residual add folded into the next RMSNorm (one call for add + norm), the
+        # rotary in place and silu * up in one call: ~10 calls per layer instead of ~35 torch ops.
+        h = h.contiguous() if h._base is None else h.clone()  # the residual stream, updated in place
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [T, head_dim] each
+        if self.use_decode_graph and meta.max_query_len == 1 and meta.num_seqs == h.shape[0]:
+            if self._decode_graph is None or self._decode_graph[0] != id(kv_caches):
+                self._decode_graph = (id(kv_caches), DecodeGraph.build(self, kv_caches, backend, ops))
+            graph = self._decode_graph[1]
+            if graph is not None:
+                return graph.run(h, cos, sin, meta)
+        delta: Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.decoder_layers(), kv_caches, strict=True):
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            x = ops.add_rms_norm(h, delta, norm1.weight, norm1.eps)
+            a = layer.self_attn.forward_fused(x, cos, sin, k_cache, v_cache, meta, backend, ops)
+            x = ops.add_rms_norm(h, a, norm2.weight, norm2.eps)
+            delta = layer.mlp.forward_fused(x, ops)
+        return ops.add_rms_norm(h, delta, self.model.norm.weight, self.model.norm.eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # hidden: [N, hidden] -> [N, vocab] fp32
         return self.lm_head(hidden).float()

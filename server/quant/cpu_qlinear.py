@@ -334,7 +334,7 @@ def linear_reference(x: Tensor, w: BlockQuantWeight, bias: Tensor | None = None)
 # ------------------------------------------------------------------ the kernel
 
 
-class _KiQWeight(ctypes.Structure):
+class KiQWeight(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
@@ -351,8 +351,9 @@ class _KiQWeight(ctypes.Structure):
     ]
 
 
-def _descriptor(w: BlockQuantWeight) -> _KiQWeight:
-    return _KiQWeight(
+def weight_descriptor(w: BlockQuantWeight) -> KiQWeight:
+    """The kernel's view of `w` (struct KiQWeight in csrc/qlinear.cpp); it holds raw pointers into w's tensors."""
+    return KiQWeight(
         w.q.data_ptr(),
         w.scales.data_ptr(),
         None if w.mins is None else w.mins.data_ptr(),
@@ -400,7 +401,7 @@ class QLinearKernel:
             raise ValueError(f"out must be [{m}, {n}] fp32 with unit stride along N")
         if m == 0 or n == 0:
             return out
-        desc = _descriptor(w)
+        desc = weight_descriptor(w)
         rc = self.lib.kubeinfer_qlinear(
             ctypes.byref(desc),
             x.data_ptr(),
@@ -446,7 +447,7 @@ class QLinearKernel:
             raise ValueError(f"out must be [{r}, {k}] fp32 with unit stride along K")
         if r == 0:
             return out
-        desc = _descriptor(w)
+        desc = weight_descriptor(w)
         rc = self.lib.kubeinfer_qdequant(
             ctypes.byref(desc),
             None if rows is None else rows.data_ptr(),
@@ -469,9 +470,9 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
         raise KernelBuildError(f"{path} reports ABI {lib.kubeinfer_qlinear_abi()}, expected {ABI_VERSION}")
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.kubeinfer_qlinear.restype = i32
-    lib.kubeinfer_qlinear.argtypes = [ctypes.POINTER(_KiQWeight), ptr, i64, i64, ptr, ptr, i64, i32]
+    lib.kubeinfer_qlinear.argtypes = [ctypes.POINTER(KiQWeight), ptr, i64, i64, ptr, ptr, i64, i32]
     lib.kubeinfer_qdequant.restype = i32
-    lib.kubeinfer_qdequant.argtypes = [ctypes.POINTER(_KiQWeight), ptr, i64, i64, ptr, i64, i32]
+    lib.kubeinfer_qdequant.argtypes = [ctypes.POINTER(KiQWeight), ptr, i64, i64, ptr, i64, i32]
     lib.kubeinfer_qlinear_isa.restype = ctypes.c_char_p
     lib.kubeinfer_qlinear_has_avx512_path.restype = i32
     lib.kubeinfer_qlinear_set_gemv_max_rows.restype = None

@@ -221,7 +221,7 @@ def load_draft_proposer(
         draft = load_model(source.folder, target.dtype, device, max_model_len)
     check_same_vocabulary(draft, source.folder, target, tokenizer)
     if optimize_weights:
-        prepare_for_serving(draft.model, device, draft.dtype)
+        prepare_for_serving(draft.model, device, draft.dtype, cache_dir)
     log.info(
         "speculative draft model %s: %s, %.1f M parameters, %d layers",
         source.model_id,

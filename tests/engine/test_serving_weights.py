@@ -41,6 +41,10 @@ def test_fused_and_packed_model_matches_the_loaded_one(tiny_model_factory, arch:
     want, got = _logits(ref, ids), _logits(opt, ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # The compiled fused layer ops (server/models/cpu_fused.py) ran above; the torch ops give the same.
+    assert opt.fused_ops is not None and ref.fused_ops is None
+    opt.fused_ops = None
+    torch.testing.assert_close(_logits(opt, ids), got, rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_weights_are_fused_but_not_packed(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]

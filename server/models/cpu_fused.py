@@ -1,0 +1,187 @@
+"""The compiled fused elementwise ops of a decoder layer (csrc/cpu_fused.cpp), fp32 on CPU, via ctypes.
+
+A one-token decode step of a small model spends more time dispatching torch ops than computing them: one
+RMSNorm is ~8 ops (~50 us) over 576 values, and a layer runs ~30 such ops around its 4 matmuls. These
+launchers replace the chains with one call each; `torch_*` are the plain-torch references they are tested
+against (and what the model runs when the library cannot be built or the tensors are not fp32 on CPU).
+Built once per source, flags and CPU like the other kernels (server/native.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from server.config import default_cache_dir
+from server.native import KernelBuildError, NativeSource, load_library
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
+ABI_VERSION = 2
+# -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
+# server/attention/cpu_kernel.py for why not at link time).
+NATIVE = NativeSource(
+    "cpu_fused", SOURCE, ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+)
+
+
+def torch_add_rms_norm(
+    x: Tensor,  # [T, H] fp32, updated in place to x + delta when delta is given
+    delta: Tensor | None,  # [T, H] fp32
+    weight: Tensor,  # [H] fp32
+    eps: float,
+) -> Tensor:  # [T, H] fp32
+    if delta is not None:
+        x.add_(delta)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def torch_rotary(
+    x: Tensor,  # [T, heads, D] fp32, rotated in place
+    cos: Tensor,  # [T, D] fp32
+    sin: Tensor,  # [T, D] fp32, first half negated (RotaryEmbedding's tables)
+) -> None:
+    x.copy_(torch.addcmul(x * cos[:, None], x.roll(x.shape[-1] // 2, dims=-1), sin[:, None]))
+
+
+def torch_silu_mul(gate_up: Tensor) -> Tensor:  # gate_up: [T, 2I] fp32 -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _check_rows(name: str, t: Tensor, cols: int) -> None:
+    # A wrong pointer or stride would read stray memory: metadata checks only, cheap enough per layer.
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise TypeError(f"{name}: must be a CPU fp32 tensor, got {t.dtype} on {t.device}")
+    if t.dim() != 2 or t.shape[1] != cols or (cols > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name}: must be [T, {cols}] with unit stride along a row, got {tuple(t.shape)}")
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The loaded library; every launcher checks dtypes, shapes and strides before passing pointers."""
+
+    lib: ctypes.CDLL
+    path: Path
+
+    def add_rms_norm(
+        self,
+        x: Tensor,  # [T, H] fp32, unit stride along H; becomes x + delta (the residual stream)
+        delta: Tensor | None,  # [T, H] fp32, unit stride along H
+        weight: Tensor,  # [H] fp32 contiguous
+        eps: float,
+        out: Tensor | None = None,  # [T, H] fp32
+    ) -> Tensor:  # [T, H] fp32: weight * x / sqrt(mean(x^2) + eps), after the add
+        t, h = x.shape[0], x.shape[-1]
+        _check_rows("x", x, h)
+        if delta is not None:
+            _check_rows("delta", delta, h)
+            if delta.shape[0] != t:
+                raise ValueError(f"delta: {delta.shape[0]} rows, x has {t}")
+        if weight.dtype != torch.float32 or tuple(weight.shape) != (h,) or not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous [{h}] fp32 tensor")
+        if out is None:
+            out = torch.empty(t, h)
+        else:
+            _check_rows("out", out, h)
+        rc = self.lib.kubeinfer_add_rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
+            weight.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            t,
+            h,
+            float(eps),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"add_rms_norm kernel returned {rc}")
+        return out
+
+    def rotary(
+        self,
+        x: Tensor,  # [T, heads, D] fp32, rotated in place; heads dense within a row (row stride free)
+        cos: Tensor,  # [T, D] fp32 contiguous
+        sin: Tensor,  # [T, D] fp32 contiguous, first half negated
+    ) -> None:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
+            raise TypeError(f"x must be a [T, heads, D] CPU fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+        t, heads, d = x.shape
+        if d % 2 or x.stride(2) != 1 or (heads > 1 and x.stride(1) != d):
+            raise ValueError(f"x: each row's heads must be dense with an even D, got strides {x.stride()}")
+        for name, table in (("cos", cos), ("sin", sin)):
+            if table.dtype != torch.float32 or tuple(table.shape) != (t, d) or not table.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous [{t}, {d}] fp32 tensor")
+        rc = self.lib.kubeinfer_rotary(
+            x.data_ptr(), x.stride(0), t, heads, d, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"rotary kernel returned {rc}")
+
+    def silu_mul(
+        self,
+        gate_up: Tensor,  # [T, 2I] fp32, gate then up, unit stride along a row
+        out: Tensor | None = None,  # [T, I] fp32
+    ) -> Tensor:  # [T, I] fp32
+        t, two_i = gate_up.shape[0], gate_up.shape[-1]
+        if two_i % 2:
+            raise ValueError(f"gate_up: last dim {two_i} is not even")
+        _check_rows("gate_up", gate_up, two_i)
+        inter = two_i // 2
+        if out is None:
+            out = torch.empty(t, inter)
+        else:
+            _check_rows("out", out, inter)
+        rc = self.lib.kubeinfer_silu_mul(
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            t,
+            inter,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"silu_mul kernel returned {rc}")
+        return out
+
+
+@functools.cache
+def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
+    """Builds (or finds under `cache_dir`/kernels) and loads the library; raises KernelBuildError."""
+    lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
+    if lib.kubeinfer_fused_abi() != ABI_VERSION:
+        raise KernelBuildError(f"{path} reports ABI {lib.kubeinfer_fused_abi()}, expected {ABI_VERSION}")
+    i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.kubeinfer_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
+    lib.kubeinfer_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.kubeinfer_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+    lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
+    for fn in (
+        lib.kubeinfer_add_rms_norm,
+        lib.kubeinfer_rotary,
+        lib.kubeinfer_silu_mul,
+        lib.kubeinfer_decode_forward,
+    ):
+        fn.restype = i32
+    return FusedOps(lib, path)
+
+
+def try_load_fused_ops(cache_dir: Path | None = None) -> FusedOps | None:
+    """The library, or None (logged once, with why) where it cannot be built: the torch ops serve."""
+    try:
+        return load_fused_ops(cache_dir)
+    except (KernelBuildError, OSError) as e:
+        log.warning("fused CPU ops unavailable, the decoder layers run plain torch ops: %s", e)
+        return None

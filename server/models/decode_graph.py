@@ -1,0 +1,271 @@
+"""A whole decode step's decoder layers in one compiled call (CPU, fp32, block-quantized projections).
+
+On this machine a one-token step of the embedded SmolLM2 spends ~8 ms in its 121 weight kernels and ~9 ms
+in Python around them: module calls, argument checks and ctypes marshalling, ~300 us per layer. Like a
+CUDA graph, `DecodeGraph` records once what never changes (every layer's weight descriptors, norms, KV
+cache pointers and the kernels' entry points) and replays the layer loop in C++
+(`kubeinfer_decode_forward`, server/models/csrc/cpu_fused.cpp) calling the same kernels in the same
+order on the same buffers as `LlamaForCausalLM._forward_fused`: the hidden states are bit-identical.
+
+It serves steps whose every row is a one-token decode (no prefill chunk, no speculative verification)
+of a model whose q/k/v, o, gate/up and down are plain `BlockQuantLinear` with the compiled kernel (a
+GGUF or a `--quantize`d checkpoint on CPU, not LoRA-wrapped or tensor-parallel) under the compiled
+decode attention; `build` returns None for anything else and the Python path serves it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from server.attention import AttentionBackend, AttentionMetadata
+from server.attention.cpu_kernel import check_decode_indices
+from server.attention.torch_backend import TorchAttentionBackend
+from server.models.cpu_fused import FusedOps
+from server.quant.block_linear import BlockQuantLinear
+from server.quant.cpu_qlinear import KiQWeight, weight_descriptor
+
+if TYPE_CHECKING:  # llama.py imports this module
+    from server.models.llama import LlamaForCausalLM
+
+_ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _ptr),
+        ("qkv_bias", _ptr),
+        ("o", _ptr),
+        ("o_bias", _ptr),
+        ("gate_up", _ptr),
+        ("gate_up_bias", _ptr),
+        ("down", _ptr),
+        ("down_bias", _ptr),
+        ("norm1", _ptr),
+        ("norm2", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("eps1", _f32),
+        ("eps2", _f32),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("layers", _ptr),
+        ("num_layers", _i64),
+        ("final_norm", _ptr),
+        ("final_eps", _f32),
+        ("scale", _f32),
+        ("hidden", _i64),
+        ("inter", _i64),
+        ("hq", _i64),
+        ("hkv", _i64),
+        ("d", _i64),
+        ("block_size", _i64),
+        ("qlinear", _ptr),
+        ("paged_decode", _ptr),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("h", _ptr),
+        ("out", _ptr),
+        ("t", _i64),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("slots", _ptr),
+        ("block_tables", _ptr),
+        ("bt_stride", _i64),
+        ("context_lens", _ptr),
+        ("seqs", _ptr),
+        ("x", _ptr),
+        ("qkv", _ptr),
+        ("attn", _ptr),
+        ("gate_up", _ptr),
+        ("act", _ptr),
+        ("delta", _ptr),
+        ("threads", _i32),
+    ]
+
+
+def _bias(m: BlockQuantLinear) -> int | None:
+    return None if m.bias is None else m.bias.data_ptr()
+
+
+def _fn_address(fn: Any) -> int:  # a ctypes function of a loaded library -> its entry point
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    assert address is not None
+    return int(address)
+
+
+@dataclass
+class DecodeGraph:
+    """The recorded layer loop; `run` replays it for one pure-decode step."""
+
+    ops: FusedOps
+    model_struct: _Model
+    kv_caches: list[tuple[Tensor, Tensor]]  # the list it was recorded with (a runner keeps one for life)
+    num_cache_slots: int  # num_blocks * block_size
+    dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
+    # Kept alive: the C side holds raw pointers into these.
+    _keep: tuple[object, ...]
+
+    @staticmethod
+    def build(
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[Tensor, Tensor]],  # per layer: 2 x [num_blocks, block_size, Hkv, D] fp32
+        backend: AttentionBackend,
+        ops: FusedOps,
+    ) -> DecodeGraph | None:
+        """The graph for this model, caches and backend, or None where the Python path must serve."""
+        if not isinstance(backend, TorchAttentionBackend) or backend.decode_kernel is None:
+            return None
+        layers = model.decoder_layers()
+        if not layers or len(layers) != len(kv_caches):
+            return None
+        projections: list[list[BlockQuantLinear]] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mods = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            # exact type: a LoRA- or tensor-parallel-wrapped projection computes more than the kernel
+            if not all(type(m) is BlockQuantLinear and m.kernel is not None for m in mods):
+                return None
+            projections.append([m for m in mods if isinstance(m, BlockQuantLinear)])
+        kernel = projections[0][0].kernel
+        if kernel is None or any(m.kernel is not kernel for mods in projections for m in mods):
+            return None
+        norms = [layer.input_layernorm.weight for layer in layers] + [
+            layer.post_attention_layernorm.weight for layer in layers
+        ]
+        norms.append(model.model.norm.weight)
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            return None
+        k0 = kv_caches[0][0]
+        shape = k0.shape
+        if any(
+            c.dtype != torch.float32 or c.shape != shape or not c.is_contiguous()
+            for kv in kv_caches
+            for c in kv
+        ):
+            return None
+        attn0, cfg = layers[0].self_attn, model.config
+        hq, hkv, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        descriptors: list[KiQWeight] = []
+        structs = (_Layer * len(layers))()
+        for i, (layer, (kc, vc), linears) in enumerate(zip(layers, kv_caches, projections, strict=True)):
+            qkv, o, gate_up, down = linears
+            want = ((qkv, hidden, (hq + 2 * hkv) * d), (o, hq * d, hidden), (gate_up, hidden, 2 * inter))
+            if any((m.in_features, m.out_features) != (k, n) for m, k, n in want) or (
+                down.in_features,
+                down.out_features,
+            ) != (inter, hidden):
+                return None
+            descs = [weight_descriptor(m.weight_q) for m in linears]
+            descriptors.extend(descs)
+            structs[i] = _Layer(
+                ctypes.addressof(descs[0]),
+                _bias(qkv),
+                ctypes.addressof(descs[1]),
+                _bias(o),
+                ctypes.addressof(descs[2]),
+                _bias(gate_up),
+                ctypes.addressof(descs[3]),
+                _bias(down),
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                kc.data_ptr(),
+                vc.data_ptr(),
+                layer.input_layernorm.eps,
+                layer.post_attention_layernorm.eps,
+            )
+        final = model.model.norm
+        model_struct = _Model(
+            ctypes.addressof(structs),
+            len(layers),
+            final.weight.data_ptr(),
+            final.eps,
+            attn0.scale,
+            hidden,
+            inter,
+            hq,
+            hkv,
+            d,
+            shape[1],
+            _fn_address(kernel.lib.kubeinfer_qlinear),
+            _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode),
+        )
+        return DecodeGraph(
+            ops=ops,
+            model_struct=model_struct,
+            kv_caches=kv_caches,
+            num_cache_slots=shape[0] * shape[1],
+            dims=(hidden, inter, hq, hkv, d),
+            _keep=(descriptors, structs, norms, projections, kv_caches),
+        )
+
+    def run(
+        self,
+        h: Tensor,  # [T, hidden] fp32 contiguous, the embeddings; becomes the residual stream
+        cos: Tensor,  # [T, D] fp32 contiguous
+        sin: Tensor,  # [T, D] fp32 contiguous
+        meta: AttentionMetadata,  # T sequences of one new token each
+    ) -> Tensor:  # [T, hidden] fp32: the final norm's output
+        hidden, inter, hq, hkv, d = self.dims
+        t = h.shape[0]
+        if meta.num_seqs != t or meta.max_query_len != 1:
+            raise ValueError("the decode graph runs pure-decode steps only (one new token per sequence)")
+        if h.dtype != torch.float32 or tuple(h.shape) != (t, hidden) or not h.is_contiguous():
+            raise ValueError(f"h must be a contiguous [T, {hidden}] fp32 tensor")
+        for name, table in (("cos", cos), ("sin", sin)):
+            if table.dtype != torch.float32 or tuple(table.shape) != (t, d) or not table.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous [{t}, {d}] fp32 tensor")
+        slots, tables, ctx = meta.slot_mapping, meta.block_tables, meta.context_lens
+        if slots.dtype != torch.int64 or tuple(slots.shape) != (t,) or not slots.is_contiguous():
+            raise ValueError("slot_mapping must be a contiguous [T] int64 tensor")
+        if tables.dtype != torch.int32 or tables.dim() != 2 or not tables.is_contiguous():
+            raise ValueError("block_tables must be a contiguous [T, max_blocks] int32 tensor")
+        if ctx.dtype != torch.int32 or not ctx.is_contiguous():
+            raise ValueError("context_lens must be a contiguous int32 tensor")
+        if t and (int(slots.min()) < 0 or int(slots.max()) >= self.num_cache_slots):
+            raise ValueError("slot_mapping: slot out of range of the cache")
+        seqs = torch.arange(t, dtype=torch.int64)
+        shape = (self.num_cache_slots // self.model_struct.block_size, self.model_struct.block_size, hkv, d)
+        check_decode_indices(t, torch.Size(shape), tables, ctx, seqs, seqs)
+        out = torch.empty(t, hidden)
+        scratch = torch.empty(t, 2 * hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter)
+        # x, qkv, attn, gate_up, act, delta: consecutive [T, width] fp32 blocks of one allocation
+        base, step_ptrs, position = scratch.data_ptr(), [], 0
+        for width in (hidden, (hq + 2 * hkv) * d, hq * d, 2 * inter, inter, hidden):
+            step_ptrs.append(base + 4 * position * t)
+            position += width
+        x, qkv, attn, gate_up, act, delta = step_ptrs
+        step = _Step(
+            h.data_ptr(),
+            out.data_ptr(),
+            t,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            ctx.data_ptr(),
+            seqs.data_ptr(),
+            x,
+            qkv,
+            attn,
+            gate_up,
+            act,
+            delta,
+            torch.get_num_threads(),
+        )
+        rc = self.ops.lib.kubeinfer_decode_forward(ctypes.byref(self.model_struct), ctypes.byref(step))
+        if rc != 0:
+            raise RuntimeError(f"decode graph returned {rc} (the hundreds say which op of a layer failed)")
+        return out

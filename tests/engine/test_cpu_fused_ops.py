@@ -1,0 +1,129 @@
+"""The compiled fused layer ops (server/models/cpu_fused.py): each against its plain-torch reference and
+the model's own torch path, their argument checks, and the model running them once prepared for serving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.models.cpu_fused import (
+    FusedOps,
+    load_fused_ops,
+    torch_add_rms_norm,
+    torch_rotary,
+    torch_silu_mul,
+)
+from server.models.llama import RMSNorm, apply_rotary
+
+# fp32 ops over a few hundred values: only summation order and exp's last bits differ.
+TOL = {"atol": 2e-5, "rtol": 2e-5}
+
+
+@pytest.fixture(scope="module")
+def ops() -> FusedOps:
+    return load_fused_ops()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 130])  # decode, a few rows, prefill-sized (the threaded path)
+@pytest.mark.parametrize("dim", [8, 576, 1001])  # 1001: not a multiple of any vector width
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_reference_and_the_models_norm(
+    ops: FusedOps, rows: int, dim: int, with_delta: bool
+) -> None:
+    g = torch.Generator().manual_seed(rows * dim)
+    x = torch.randn(rows, dim, generator=g) * 3
+    delta = torch.randn(rows, dim, generator=g) if with_delta else None
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data = torch.randn(dim, generator=g)
+    x_ref = x.clone()
+    want = torch_add_rms_norm(x_ref, delta, norm.weight.detach(), 1e-5)
+    got = ops.add_rms_norm(x, delta, norm.weight.detach(), 1e-5)
+    torch.testing.assert_close(x, x_ref, atol=0, rtol=0)  # the residual add is one fp32 add per value
+    torch.testing.assert_close(got, want, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(got, norm(x_ref), **TOL)
+
+
+def test_add_rms_norm_strided_rows_and_out(ops: FusedOps) -> None:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 64, generator=g)
+    x = base[:, :32]  # row stride 64
+    delta = torch.randn(4, 96, generator=g)[:, 10:42]
+    w = torch.randn(32, generator=g)
+    out = torch.full((4, 48), float("nan"))[:, :32]
+    x_ref = x.clone()
+    want = torch_add_rms_norm(x_ref, delta, w, 1e-6)
+    ops.add_rms_norm(x, delta, w, 1e-6, out=out)
+    torch.testing.assert_close(out, want, **TOL)
+    torch.testing.assert_close(base[:, :32], x_ref, atol=0, rtol=0)
+    assert not base[:, 32:].isnan().any()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 200])
+@pytest.mark.parametrize("heads,d", [(1, 2), (12, 64), (5, 128)])
+def test_rotary_matches_reference_and_apply_rotary(ops: FusedOps, rows: int, heads: int, d: int) -> None:
+    g = torch.Generator().manual_seed(rows + heads * d)
+    x = torch.randn(rows, heads, d, generator=g)
+    angles = torch.randn(rows, d // 2, generator=g) * 10
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    want = apply_rotary(x, cos[:, None], sin[:, None])
+    ref = x.clone()
+    torch_rotary(ref, cos, sin)
+    torch.testing.assert_close(ref, want, atol=0, rtol=0)
+    ops.rotary(x, cos, sin)
+    torch.testing.assert_close(x, want, **TOL)
+
+
+def test_rotary_on_a_view_into_qkv_leaves_v_alone(ops: FusedOps) -> None:
+    g = torch.Generator().manual_seed(1)
+    t, hq, hkv, d = 3, 4, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    before = qkv.clone()
+    angles = torch.randn(t, d // 2, generator=g)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    ops.rotary(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+    want = apply_rotary(before[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos[:, None], sin[:, None])
+    torch.testing.assert_close(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), want, **TOL)
+    torch.testing.assert_close(qkv[:, (hq + hkv) * d :], before[:, (hq + hkv) * d :], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 100])
+@pytest.mark.parametrize("inter", [1, 37, 1536])
+def test_silu_mul_matches_reference(ops: FusedOps, rows: int, inter: int) -> None:
+    g = torch.Generator().manual_seed(rows * inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+    gate_up[0, 0] = -100.0  # exp overflows in the denominator: silu -> -0, not NaN
+    gate_up[-1, min(1, inter - 1)] = 100.0
+    want = torch_silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, -1)
+    torch.testing.assert_close(want, F.silu(gate).mul_(up), atol=0, rtol=0)
+    got = ops.silu_mul(gate_up)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_launchers_refuse_what_would_read_stray_memory(ops: FusedOps) -> None:
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(TypeError, match="fp32"):
+        ops.add_rms_norm(x.double(), None, w, 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        ops.add_rms_norm(x, None, torch.randn(7), 1e-5)
+    with pytest.raises(ValueError, match="delta"):
+        ops.add_rms_norm(x, torch.randn(3, 8), w, 1e-5)
+    with pytest.raises(ValueError, match="unit stride"):
+        ops.add_rms_norm(torch.randn(8, 2).t(), None, w, 1e-5)
+    with pytest.raises(ValueError, match="out"):
+        ops.add_rms_norm(x, None, w, 1e-5, out=torch.empty(2, 9))
+    with pytest.raises(ValueError, match="even"):
+        ops.rotary(torch.randn(1, 2, 3), torch.randn(1, 3), torch.randn(1, 3))
+    with pytest.raises(ValueError, match="dense"):
+        ops.rotary(torch.randn(1, 4, 8).transpose(1, 2), torch.randn(1, 4), torch.randn(1, 4))
+    with pytest.raises(ValueError, match="cos"):
+        ops.rotary(torch.randn(2, 1, 4), torch.randn(1, 4), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="not even"):
+        ops.silu_mul(torch.randn(2, 5))
+    with pytest.raises(TypeError, match="fp32"):
+        ops.silu_mul(torch.randn(2, 4, dtype=torch.bfloat16))

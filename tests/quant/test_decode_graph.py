@@ -1,0 +1,110 @@
+"""The decode graph (server/models/decode_graph.py): a pure-decode step's layers in one compiled call give
+bit-identical results to the Python-driven fused path, it records only for what it can run, and it
+refuses a step it cannot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_models import write_tiny_gguf
+
+from server.attention.metadata import AttentionMetadata
+from server.config import EngineConfig, LoRAConfig, ModelConfig
+from server.engine import LLMEngine
+from server.models.decode_graph import DecodeGraph
+from server.request import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:"]
+
+
+@pytest.fixture(scope="module")
+def tiny_q41(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    hf = tiny_model_factory("llama", tie=True)
+    return write_tiny_gguf(hf, tmp_path_factory.mktemp("gguf") / "tiny-Q4_1.gguf", "Q4_1")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:  # kernels built once for the module
+    return tmp_path_factory.mktemp("cache")
+
+
+def _generate(engine: LLMEngine, graph: bool) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy with logprobs, requests joining one step apart (so prefill and decode steps both occur)."""
+    engine.loaded.model.use_decode_graph = graph
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            lps[out.request_id] += [t.logprob for lp in out.new_logprobs for t in (lp.chosen, *lp.top)]
+    return list(tokens.values()), list(lps.values())
+
+
+def test_graph_is_bit_identical_to_the_python_path(tiny_q41: Path, cache: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+    model = engine.loaded.model
+    want_tokens, want_lps = _generate(engine, graph=False)
+    assert model._decode_graph is None
+    got_tokens, got_lps = _generate(engine, graph=True)
+    assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
+    assert got_tokens == want_tokens
+    assert got_lps == want_lps  # exact: the same kernels in the same order on the same buffers
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_graph_records_only_what_it_can_run(tiny_q41: Path, tiny_model_factory, cache: Path) -> None:  # type: ignore[no-untyped-def]
+    # Dense fp32 projections (oneDNN-packed) are not the block kernel's: the Python path serves.
+    dense = LLMEngine(
+        EngineConfig(model=ModelConfig(model=str(tiny_model_factory("llama")), cache_dir=cache))
+    )
+    _generate(dense, graph=True)
+    assert dense.loaded.model._decode_graph is not None and dense.loaded.model._decode_graph[1] is None
+    # LoRA wraps the projections: they compute more than the kernel does.
+    lora = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(tiny_q41), cache_dir=cache), lora=LoRAConfig(enable_lora=True)
+        )
+    )
+    _generate(lora, graph=True)
+    assert lora.loaded.model._decode_graph is not None and lora.loaded.model._decode_graph[1] is None
+
+
+def test_graph_refuses_steps_it_cannot_run(tiny_q41: Path, cache: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+    _generate(engine, graph=True)
+    entry = engine.loaded.model._decode_graph
+    assert entry is not None and entry[1] is not None
+    graph = entry[1]
+    hidden, d = graph.dims[0], graph.dims[4]
+    h, cos, sin = torch.randn(2, hidden), torch.randn(2, d), torch.randn(2, d)
+
+    def meta(slots: list[int], ctx: list[int], query_lens: tuple[int, ...] = (1, 1)) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.zeros(2, 2, dtype=torch.int32),
+            context_lens=torch.tensor(ctx, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+            max_query_len=max(query_lens),
+            max_context_len=max(ctx),
+            query_lens_cpu=query_lens,
+            context_lens_cpu=tuple(ctx),
+        )
+
+    with pytest.raises(ValueError, match="pure-decode"):
+        graph.run(h, cos, sin, meta([0, 1], [1, 1], (1, 2)))
+    with pytest.raises(ValueError, match="slot out of range"):
+        graph.run(h, cos, sin, meta([0, graph.num_cache_slots], [1, 1]))
+    with pytest.raises(ValueError, match="context_lens"):
+        graph.run(h, cos, sin, meta([0, 1], [1, 10**6]))
+    with pytest.raises(ValueError, match="cos"):
+        graph.run(h, cos[:1], sin, meta([0, 1], [1, 1]))
+    with pytest.raises(ValueError, match="h must be"):
+        graph.run(h.double(), cos, sin, meta([0, 1], [1, 1]))
