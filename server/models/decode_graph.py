@@ -27,7 +27,7 @@ from server.attention.cpu_kernel import check_decode_indices
 from server.attention.torch_backend import TorchAttentionBackend
 from server.models.cpu_fused import FusedOps
 from server.quant.block_linear import BlockQuantLinear
-from server.quant.cpu_qlinear import KiQWeight, weight_descriptor
+from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, weight_descriptor
 
 if TYPE_CHECKING:  # llama.py imports this module
     from server.models.llama import LlamaForCausalLM
@@ -110,7 +110,7 @@ class DecodeGraph:
 
     ops: FusedOps
     model_struct: _Model
-    kv_caches: list[tuple[Tensor, Tensor]]  # the list it was recorded with (a runner keeps one for life)
+    cache_ptrs: tuple[int, ...]  # the KV cache tensors' addresses it was recorded with
     num_cache_slots: int  # num_blocks * block_size
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
     # Kept alive: the C side holds raw pointers into these.
@@ -158,6 +158,7 @@ class DecodeGraph:
         hq, hkv, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         descriptors: list[KiQWeight] = []
+        kept_weights: list[BlockQuantWeight] = []
         structs = (_Layer * len(layers))()
         for i, (layer, (kc, vc), linears) in enumerate(zip(layers, kv_caches, projections, strict=True)):
             qkv, o, gate_up, down = linears
@@ -167,7 +168,9 @@ class DecodeGraph:
                 down.out_features,
             ) != (inter, hidden):
                 return None
-            descs = [weight_descriptor(m.weight_q) for m in linears]
+            weights = [m.weight_q for m in linears]
+            kept_weights.extend(weights)  # the descriptors point into their tensors
+            descs = [weight_descriptor(w) for w in weights]
             descriptors.extend(descs)
             structs[i] = _Layer(
                 ctypes.addressof(descs[0]),
@@ -204,10 +207,10 @@ class DecodeGraph:
         return DecodeGraph(
             ops=ops,
             model_struct=model_struct,
-            kv_caches=kv_caches,
+            cache_ptrs=cache_pointers(kv_caches),
             num_cache_slots=shape[0] * shape[1],
             dims=(hidden, inter, hq, hkv, d),
-            _keep=(descriptors, structs, norms, projections, kv_caches),
+            _keep=(descriptors, kept_weights, structs, norms, projections, kv_caches),
         )
 
     def run(
@@ -269,3 +272,8 @@ class DecodeGraph:
         if rc != 0:
             raise RuntimeError(f"decode graph returned {rc} (the hundreds say which op of a layer failed)")
         return out
+
+
+def cache_pointers(kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[int, ...]:
+    """What a recorded graph must still find: a cache reallocated means a new recording."""
+    return tuple(c.data_ptr() for kv in kv_caches for c in kv)

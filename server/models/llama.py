@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from server.attention import AttentionBackend, AttentionMetadata
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
-from server.models.decode_graph import DecodeGraph
+from server.models.decode_graph import DecodeGraph, cache_pointers
 
 
 class RMSNorm(nn.Module):
@@ -195,9 +195,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by serving_weights.prepare_for_serving on CPU: fp32 steps then run the fused ops.
         self.fused_ops: FusedOps | None = None
         # Pure-decode steps through one compiled call when the model allows (decode_graph.py): recorded
-        # at the first such step, for the id of the KV cache list it ran with (None: not possible).
+        # at the first such step, for the KV cache tensors it ran with (None: not possible).
         self.use_decode_graph = True
-        self._decode_graph: tuple[int, DecodeGraph | None] | None = None
+        self._decode_graph: tuple[tuple[int, ...], DecodeGraph | None] | None = None
 
     def decoder_layers(self) -> list[DecoderLayer]:
         layers = list(self.model.layers)
@@ -239,8 +239,9 @@ class LlamaForCausalLM(nn.Module):
         h = h.contiguous() if h._base is None else h.clone()  # the residual stream, updated in place
         cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [T, head_dim] each
         if self.use_decode_graph and meta.max_query_len == 1 and meta.num_seqs == h.shape[0]:
-            if self._decode_graph is None or self._decode_graph[0] != id(kv_caches):
-                self._decode_graph = (id(kv_caches), DecodeGraph.build(self, kv_caches, backend, ops))
+            key = cache_pointers(kv_caches)
+            if self._decode_graph is None or self._decode_graph[0] != key:
+                self._decode_graph = (key, DecodeGraph.build(self, kv_caches, backend, ops))
             graph = self._decode_graph[1]
             if graph is not None:
                 return graph.run(h, cos, sin, meta)
