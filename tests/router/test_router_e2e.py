@@ -115,6 +115,9 @@ def conversation_system(i: int) -> str:
     return f"Conversation {i}. You are assistant number {i}. Rules: " + " ".join(words)
 
 
+CONVERSATIONS = 48  # for the hit-ratio test: see its assertions for why this many
+
+
 def run_workload(url: str, conversations: int = 16, turns: int = 2, max_tokens: int = 6) -> list[float]:
     """Each user runs its turns in order (the reply is appended to the history); users run together.
     Returns the time to first token of every request, in seconds."""
@@ -156,7 +159,7 @@ def flush_all(replicas: list[Replica]) -> None:
         assert httpx.post(f"{r.url}/flush_cache", timeout=30).status_code == 200
 
 
-def test_cache_aware_and_kv_aware_double_round_robin_hits(
+def test_cache_aware_and_kv_aware_beat_round_robin_hits(
     replicas: list[Replica], router_factory: Callable[..., Router]
 ) -> None:
     hits: dict[str, float] = {}
@@ -164,7 +167,7 @@ def test_cache_aware_and_kv_aware_double_round_robin_hits(
         flush_all(replicas)
         router = router_factory(replicas, policy)
         before = total_hits(replicas)
-        run_workload(router.url)
+        run_workload(router.url, conversations=CONVERSATIONS)
         hits[policy] = total_hits(replicas) - before
         if policy == "cache_aware":
             exported = set(scrape(router.metrics_url))
@@ -177,11 +180,14 @@ def test_cache_aware_and_kv_aware_double_round_robin_hits(
         m = scrape(r.url)
         assert m["kubeinfer_kv_events_published_total"] > 0 and m["kubeinfer_kv_events_dropped_total"] == 0
     # Round-robin sends a conversation's second turn to the replica holding its first about one time in
-    # three (expected ratio 3); each later turn narrows that gap (three turns: ~1.8x if placement were random), so two
-    # turns over 16 conversations keep the 2x check from failing by chance (the benchmark runs more).
+    # three: its hits are ~Binomial(CONVERSATIONS, 1/3) conversations' worth (mean 16, sd 3.3 of 48), while
+    # cache-aware hits all 48 and kv-aware ~85% (an event can reach the router after the next turn).
+    # 1.5x fails by chance only if round-robin hits >= 27 of 48 (z = 3.5, p ~ 2e-4); a router that places
+    # turns no better than round-robin fails it. (16 conversations and 2x failed by chance in CI: 7 of 16
+    # round-robin second turns landed home.)
     assert hits["cache_aware"] > 0 and hits["kv_aware"] > 0
-    assert hits["cache_aware"] >= 2 * hits["round_robin"], hits
-    assert hits["kv_aware"] >= 2 * hits["round_robin"], hits
+    assert hits["cache_aware"] >= 1.5 * hits["round_robin"], hits
+    assert hits["kv_aware"] >= 1.5 * hits["round_robin"], hits
 
 
 # ---- faults (these break replicas: keep them last) -------------------------------------------------
