@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ from server.attention import AttentionBackend, AttentionMetadata
 from server.attention.cpu_kernel import check_decode_indices
 from server.attention.torch_backend import TorchAttentionBackend
 from server.models.cpu_fused import FusedOps
-from server.quant.block_linear import BlockQuantLinear
+from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, weight_descriptor
 
 if TYPE_CHECKING:  # llama.py imports this module
@@ -107,6 +107,10 @@ def _fn_address(fn: Any) -> int:  # a ctypes function of a loaded library -> its
 @dataclass
 class DecodeGraph:
     """The recorded layer loop; `run` replays it for one pure-decode step."""
+
+    # BlockQuantLinear sends M >= GEMM_MIN_ROWS to dequantize + torch GEMM, the graph always to the kernel:
+    # above this the two paths would sum in different orders, so the Python path serves such steps.
+    MAX_ROWS: ClassVar[int] = GEMM_MIN_ROWS - 1
 
     ops: FusedOps
     model_struct: _Model

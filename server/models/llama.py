@@ -238,7 +238,11 @@ class LlamaForCausalLM(nn.Module):
         # rotary in place and silu * up in one call: ~10 calls per layer instead of ~35 torch ops.
         h = h.contiguous() if h._base is None else h.clone()  # the residual stream, updated in place
         cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [T, head_dim] each
-        if self.use_decode_graph and meta.max_query_len == 1 and meta.num_seqs == h.shape[0]:
+        if (
+            self.use_decode_graph
+            and meta.max_query_len == 1
+            and meta.num_seqs == h.shape[0] <= DecodeGraph.MAX_ROWS
+        ):
             key = cache_pointers(kv_caches)
             if self._decode_graph is None or self._decode_graph[0] != key:
                 self._decode_graph = (key, DecodeGraph.build(self, kv_caches, backend, ops))

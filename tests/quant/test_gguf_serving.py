@@ -26,6 +26,12 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # One cache folder for the module's engines: each C++ kernel is compiled once, not once per test.
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
 def tiny_gguf(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     hf = tiny_model_factory("llama", tie=True)
     out = tmp_path_factory.mktemp("gguf")
@@ -49,9 +55,9 @@ def test_tensors_equal_transformers_reading_of_the_file(tiny_gguf: dict[str, Pat
 
 
 @pytest.mark.parametrize("fmt", GGUF_FORMATS)
-def test_greedy_parity_on_tiny_gguf_models(tiny_gguf: dict[str, Path], fmt: str, tmp_path: Path) -> None:
+def test_greedy_parity_on_tiny_gguf_models(tiny_gguf: dict[str, Path], fmt: str, cache: Path) -> None:
     path = tiny_gguf[fmt]
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=tmp_path)))
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=cache)))
     model = engine.loaded.model
     assert engine.info.quantization == f"gguf-{fmt.lower()}"
     assert isinstance(model.model.embed_tokens, BlockQuantEmbedding)
@@ -69,6 +75,7 @@ def test_greedy_parity_on_tiny_gguf_models(tiny_gguf: dict[str, Path], fmt: str,
 def test_k_quant_gguf_kept_quantized_with_greedy_parity(
     tiny_model_factory,  # type: ignore[no-untyped-def]
     tmp_path: Path,
+    cache: Path,
 ) -> None:
     """A llama.cpp Q4_K_M-style file (projections Q4_K, token embedding and tied LM head Q6_K; hidden 256:
     k-quants need whole 256-value super-blocks): every tensor equals transformers' reading of the file,
@@ -86,7 +93,7 @@ def test_k_quant_gguf_kept_quantized_with_greedy_parity(
         dense = dequantize_reference(value) if isinstance(value, BlockQuantWeight) else value
         assert torch.equal(dense, ref_state[name]), name
     del ref
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=tmp_path)))
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=cache)))
     assert engine.info.quantization == "gguf-q4_k+q6_k"
     model = engine.loaded.model
     assert isinstance(model.lm_head, BlockQuantLinear) and model.lm_head.method == "q6_k"
@@ -97,9 +104,9 @@ def test_k_quant_gguf_kept_quantized_with_greedy_parity(
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
-def test_an_explicit_dtype_dequantizes_as_before(tiny_gguf: dict[str, Path], tmp_path: Path) -> None:
+def test_an_explicit_dtype_dequantizes_as_before(tiny_gguf: dict[str, Path], cache: Path) -> None:
     engine = LLMEngine(
-        EngineConfig(model=ModelConfig(model=str(tiny_gguf["Q8_0"]), dtype="float32", cache_dir=tmp_path))
+        EngineConfig(model=ModelConfig(model=str(tiny_gguf["Q8_0"]), dtype="float32", cache_dir=cache))
     )
     assert engine.info.quantization is None
     assert isinstance(engine.loaded.model.model.embed_tokens, torch.nn.Embedding)
@@ -176,7 +183,7 @@ def test_resident_memory_of_the_embedded_model(tmp_path: Path) -> None:
 def test_quantize_flag_chooses_block_formats_for_a_float_checkpoint(
     tiny_model_factory,  # type: ignore[no-untyped-def]
     method: str,
-    tmp_path: Path,
+    cache: Path,
 ) -> None:
     """--quantize q8_0/q4_0/q4_1 on a float checkpoint: projections quantized like ggml's reference
     quantizer; greedy output equals transformers running the same dequantized projections."""
@@ -186,9 +193,7 @@ def test_quantize_flag_chooses_block_formats_for_a_float_checkpoint(
 
     folder = tiny_model_factory("llama", tie=True)
     engine = LLMEngine(
-        EngineConfig(
-            model=ModelConfig(model=str(folder), dtype="float32", quantize=method, cache_dir=tmp_path)
-        )
+        EngineConfig(model=ModelConfig(model=str(folder), dtype="float32", quantize=method, cache_dir=cache))
     )
     assert engine.info.quantization == method
     assert isinstance(engine.loaded.model.model.layers[0].mlp.down_proj, BlockQuantLinear)
