@@ -35,6 +35,9 @@ class NativeSource:
     source: Path
     compile_flags: tuple[str, ...]
     link_flags: tuple[str, ...] = ("-shared", "-fopenmp")
+    # What `kubeinfer_<name>_abi()` must return: a library built from another version of the source
+    # (same cache key only if the source matched, but a stale file can be copied in) is refused.
+    abi_version: int | None = None
 
 
 def compiler() -> str:
@@ -87,9 +90,15 @@ def build(src: NativeSource, cxx: str, target: Path) -> None:
 
 
 def load_library(src: NativeSource, cache_dir: Path) -> tuple[ctypes.CDLL, Path]:
-    """Builds (unless cached) and loads `src`; raises KernelBuildError saying why it cannot."""
+    """Builds (unless cached) and loads `src`; raises KernelBuildError saying why it cannot (including
+    an ABI version other than `src.abi_version`)."""
     path = library_path(src, cache_dir)
     if not path.is_file():
         log.info("building the %s kernel into %s", src.name, path)
         build(src, compiler(), path)
-    return ctypes.CDLL(str(path)), path
+    lib = ctypes.CDLL(str(path))
+    if src.abi_version is not None:
+        abi = getattr(lib, f"kubeinfer_{src.name}_abi")()
+        if abi != src.abi_version:
+            raise KernelBuildError(f"{path} reports ABI {abi}, expected {src.abi_version}")
+    return lib, path

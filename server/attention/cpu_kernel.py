@@ -33,7 +33,7 @@ MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-NATIVE = NativeSource("paged_decode", SOURCE, COMPILE_FLAGS, LINK_FLAGS)
+NATIVE = NativeSource("paged_decode", SOURCE, COMPILE_FLAGS, LINK_FLAGS, abi_version=ABI_VERSION)
 
 __all__ = ["DecodeKernel", "KernelBuildError", "load_decode_kernel"]
 
@@ -190,10 +190,6 @@ def load_decode_kernel(cache_dir: Path | None = None) -> DecodeKernel:
     """Builds (or finds under `cache_dir`/kernels, default `default_cache_dir()`) and loads the kernel;
     raises KernelBuildError saying why not."""
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
-    if lib.kubeinfer_paged_decode_abi() != ABI_VERSION:
-        raise KernelBuildError(
-            f"{path} reports ABI {lib.kubeinfer_paged_decode_abi()}, expected {ABI_VERSION}"
-        )
     fn = lib.kubeinfer_paged_decode
     fn.restype = ctypes.c_int32
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p

@@ -29,7 +29,10 @@ ABI_VERSION = 2
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time).
 NATIVE = NativeSource(
-    "cpu_fused", SOURCE, ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+    "cpu_fused",
+    SOURCE,
+    ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"),
+    abi_version=ABI_VERSION,
 )
 
 
@@ -65,6 +68,15 @@ def _check_rows(name: str, t: Tensor, cols: int) -> None:
         raise ValueError(f"{name}: must be [T, {cols}] with unit stride along a row, got {tuple(t.shape)}")
 
 
+def _output(out: Tensor | None, rows: int, cols: int) -> Tensor:  # [rows, cols] fp32, checked if given
+    if out is None:
+        return torch.empty(rows, cols)
+    _check_rows("out", out, cols)
+    if out.shape[0] != rows:  # the kernel writes `rows` rows: fewer would be written past the end
+        raise ValueError(f"out: {out.shape[0]} rows, the input has {rows}")
+    return out
+
+
 @dataclass(frozen=True)
 class FusedOps:
     """The loaded library; every launcher checks dtypes, shapes and strides before passing pointers."""
@@ -88,10 +100,7 @@ class FusedOps:
                 raise ValueError(f"delta: {delta.shape[0]} rows, x has {t}")
         if weight.dtype != torch.float32 or tuple(weight.shape) != (h,) or not weight.is_contiguous():
             raise ValueError(f"weight must be a contiguous [{h}] fp32 tensor")
-        if out is None:
-            out = torch.empty(t, h)
-        else:
-            _check_rows("out", out, h)
+        out = _output(out, t, h)
         rc = self.lib.kubeinfer_add_rms_norm(
             x.data_ptr(),
             x.stride(0),
@@ -139,10 +148,7 @@ class FusedOps:
             raise ValueError(f"gate_up: last dim {two_i} is not even")
         _check_rows("gate_up", gate_up, two_i)
         inter = two_i // 2
-        if out is None:
-            out = torch.empty(t, inter)
-        else:
-            _check_rows("out", out, inter)
+        out = _output(out, t, inter)
         rc = self.lib.kubeinfer_silu_mul(
             gate_up.data_ptr(),
             gate_up.stride(0),
@@ -161,8 +167,6 @@ class FusedOps:
 def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     """Builds (or finds under `cache_dir`/kernels) and loads the library; raises KernelBuildError."""
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
-    if lib.kubeinfer_fused_abi() != ABI_VERSION:
-        raise KernelBuildError(f"{path} reports ABI {lib.kubeinfer_fused_abi()}, expected {ABI_VERSION}")
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.kubeinfer_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     lib.kubeinfer_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]

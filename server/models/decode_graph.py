@@ -114,8 +114,7 @@ class DecodeGraph:
 
     ops: FusedOps
     model_struct: _Model
-    cache_ptrs: tuple[int, ...]  # the KV cache tensors' addresses it was recorded with
-    num_cache_slots: int  # num_blocks * block_size
+    cache_shape: torch.Size  # [num_blocks, block_size, Hkv, D] of every layer's K and V cache
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
     # Kept alive: the C side holds raw pointers into these.
     _keep: tuple[object, ...]
@@ -211,11 +210,14 @@ class DecodeGraph:
         return DecodeGraph(
             ops=ops,
             model_struct=model_struct,
-            cache_ptrs=cache_pointers(kv_caches),
-            num_cache_slots=shape[0] * shape[1],
+            cache_shape=shape,
             dims=(hidden, inter, hq, hkv, d),
             _keep=(descriptors, kept_weights, structs, norms, projections, kv_caches),
         )
+
+    @property
+    def num_cache_slots(self) -> int:  # num_blocks * block_size
+        return self.cache_shape[0] * self.cache_shape[1]
 
     def run(
         self,
@@ -243,8 +245,7 @@ class DecodeGraph:
         if t and (int(slots.min()) < 0 or int(slots.max()) >= self.num_cache_slots):
             raise ValueError("slot_mapping: slot out of range of the cache")
         seqs = torch.arange(t, dtype=torch.int64)
-        shape = (self.num_cache_slots // self.model_struct.block_size, self.model_struct.block_size, hkv, d)
-        check_decode_indices(t, torch.Size(shape), tables, ctx, seqs, seqs)
+        check_decode_indices(t, self.cache_shape, tables, ctx, seqs, seqs)
         out = torch.empty(t, hidden)
         scratch = torch.empty(t, 2 * hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter)
         # x, qkv, attn, gate_up, act, delta: consecutive [T, width] fp32 blocks of one allocation

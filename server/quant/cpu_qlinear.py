@@ -53,7 +53,7 @@ ABI_VERSION = 1
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
-NATIVE = NativeSource("qlinear", SOURCE, COMPILE_FLAGS)
+NATIVE = NativeSource("qlinear", SOURCE, COMPILE_FLAGS, abi_version=ABI_VERSION)
 BLOCK = 32  # values per GGUF block
 GEMV_MAX_ROWS = 4  # qlinear.cpp's default gemv_max_rows (benchmarks/cpu_qlinear.py `small_m`)
 
@@ -466,8 +466,6 @@ class QLinearKernel:
 def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     """Builds (or finds under `cache_dir`/kernels) and loads the kernel; raises KernelBuildError if it cannot."""
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
-    if lib.kubeinfer_qlinear_abi() != ABI_VERSION:
-        raise KernelBuildError(f"{path} reports ABI {lib.kubeinfer_qlinear_abi()}, expected {ABI_VERSION}")
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.kubeinfer_qlinear.restype = i32
     lib.kubeinfer_qlinear.argtypes = [ctypes.POINTER(KiQWeight), ptr, i64, i64, ptr, ptr, i64, i32]

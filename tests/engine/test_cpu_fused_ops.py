@@ -117,6 +117,10 @@ def test_launchers_refuse_what_would_read_stray_memory(ops: FusedOps) -> None:
         ops.add_rms_norm(torch.randn(8, 2).t(), None, w, 1e-5)
     with pytest.raises(ValueError, match="out"):
         ops.add_rms_norm(x, None, w, 1e-5, out=torch.empty(2, 9))
+    with pytest.raises(ValueError, match="out: 1 rows"):
+        ops.add_rms_norm(x, None, w, 1e-5, out=torch.empty(1, 8))
+    with pytest.raises(ValueError, match="out: 1 rows"):
+        ops.silu_mul(torch.randn(2, 8), out=torch.empty(1, 4))
     with pytest.raises(ValueError, match="even"):
         ops.rotary(torch.randn(1, 2, 3), torch.randn(1, 3), torch.randn(1, 3))
     with pytest.raises(ValueError, match="dense"):

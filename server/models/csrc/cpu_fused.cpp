@@ -27,7 +27,7 @@ constexpr int64_t kParallelMin = 1 << 16;  // elements below which one thread do
 
 extern "C" {
 
-int32_t kubeinfer_fused_abi() { return 2; }
+int32_t kubeinfer_cpu_fused_abi() { return 2; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
