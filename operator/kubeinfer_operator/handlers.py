@@ -33,6 +33,7 @@ from .render import (
     FIELD_MANAGER,
     MODEL_ANNOTATION,
     Capabilities,
+    autoscaling_skipped,
     is_subset,
     render_all,
     selector_labels,
@@ -215,9 +216,19 @@ def _capabilities(kube: KubeClient) -> Capabilities:
     return Capabilities(
         service_monitor=kube.serves(KINDS["ServiceMonitor"].api_version, KINDS["ServiceMonitor"].plural),
         keda=kube.serves(KINDS["ScaledObject"].api_version, KINDS["ScaledObject"].plural),
+        hpa=kube.serves(
+            KINDS["HorizontalPodAutoscaler"].api_version, KINDS["HorizontalPodAutoscaler"].plural
+        ),
         defaults=DEFAULTS,
         leader_worker_set=kube.serves(KINDS[LWS_KIND].api_version, KINDS[LWS_KIND].plural),
     )
+
+
+def left_alone(kube: KubeClient, body: dict[str, Any] | None) -> bool:
+    """A model being deleted, or in a namespace being deleted: garbage collection and the namespace
+    controller remove its children, so nothing is applied and no status or Event is written."""
+    meta = (body or {}).get("metadata") or {}
+    return bool(meta.get("deletionTimestamp")) or kube.namespace_terminating(str(meta.get("namespace")))
 
 
 def lws_missing(im: InferenceModel, caps: Capabilities) -> bool:
@@ -245,8 +256,8 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
     """
     meta = body.get("metadata") or {}
     namespace, name = meta["namespace"], meta["name"]
-    if meta.get("deletionTimestamp"):
-        return  # being deleted: garbage collection removes the children, nothing to apply
+    if left_alone(kube, body):
+        return
     previous = body.get("status")
     try:
         im = InferenceModel.from_manifest(body)
@@ -279,16 +290,12 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         )
         plan = render_all(im, caps, cache_ready=cache is None or cache.ready)
         monitoring_skipped = plan.monitoring_skipped_reason
-        if im.spec.autoscaled and im.spec.scaling.autoscaler == "KEDA" and not caps.keda:
-            raise ApiError(
-                404, "CRDNotInstalled", "keda.sh/v1alpha1 ScaledObject is not served", "autoscaling"
-            )
         deployment: dict[str, Any] | None = None
         for obj in plan.objects:
             if obj["kind"] in CACHE_KINDS:
                 continue  # applied by sync_cache
             is_workload = (obj["kind"], obj["metadata"]["name"]) == (workload_kind(im), workload_name(im))
-            if is_workload and im.spec.autoscaled:
+            if is_workload and im.spec.autoscaled and plan.autoscaling_skipped_reason is None:
                 hand_over_replicas(im, obj, kube, logger)
             live = kube.apply(obj)
             if is_workload:
@@ -297,11 +304,15 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             if kube.delete(ref.kind, namespace, ref.name, owner_uid=im.uid):
                 logger.info(f"deleted {ref.kind} {namespace}/{ref.name}: no longer wanted by the spec")
     except ApiError as exc:
+        if exc.namespace_terminating:
+            logger.info(f"{namespace}/{name}: the namespace is being terminated; nothing more is applied")
+            return
         # A failure before the cache was judged (applying the claim) keeps its last known phase.
         outcome = ReconcileOutcome(
             apply_error=str(exc),
             monitoring_skipped_reason=monitoring_skipped,
             cache=cache if cache is not None else _previous_cache(im, previous),
+            autoscaling_skipped_reason=autoscaling_skipped(im, caps),
         )
         live_deployment = _live_workload(kube, im)
         status = compute_status(im, live_deployment, outcome, previous, _now(), _pods(kube, im))
@@ -312,7 +323,11 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
 
     if deployment is None and cache is not None and not cache.ready:
         deployment = _live_workload(kube, im)  # an older one may serve
-    outcome = ReconcileOutcome(monitoring_skipped_reason=monitoring_skipped, cache=cache)
+    outcome = ReconcileOutcome(
+        monitoring_skipped_reason=monitoring_skipped,
+        cache=cache,
+        autoscaling_skipped_reason=plan.autoscaling_skipped_reason,
+    )
     pods = _pods(kube, im)
     status = compute_status(im, deployment, outcome, previous, _now(), pods)
     new = {**status.to_dict(), **adapters_status(im, pods, logger)}
@@ -482,8 +497,7 @@ def resync_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logge
 
 def children_drifted(body: dict[str, Any], kube: KubeClient) -> bool:
     """True if a wanted child is missing or differs, or an unwanted one still exists."""
-    meta = body.get("metadata") or {}
-    if meta.get("deletionTimestamp"):
+    if left_alone(kube, body):
         return False
     try:
         im = InferenceModel.from_manifest(body)
@@ -562,7 +576,7 @@ def _on_child_event_locked(
 ) -> None:
     meta = child.get("metadata") or {}
     owner_body = kube.get("InferenceModel", namespace, owner)
-    if owner_body is None or (owner_body.get("metadata") or {}).get("deletionTimestamp"):
+    if owner_body is None or left_alone(kube, owner_body):
         return  # the owner is gone: garbage collection removes the children
     owner_uid = (owner_body.get("metadata") or {}).get("uid")
     if not any(ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or []):
@@ -658,13 +672,15 @@ def refresh_status(
         skipped = "CRDNotInstalled"
     elif kube.get("ServiceMonitor", im.namespace, im.child_name) is None:
         skipped = "NotApplied"  # report only what exists; the resync applies it
-    blocked = lws_missing(im, caps or _capabilities(kube))
+    caps = caps or _capabilities(kube)
+    blocked = lws_missing(im, caps)
     outcome = ReconcileOutcome(
         apply_error=apply_error,
         monitoring_skipped_reason=skipped,
         cache=_previous_cache(im, previous),
         blocked_reason=CRD_MISSING_REASON if blocked else None,
         blocked_message=CRD_MISSING_MESSAGE if blocked else "",
+        autoscaling_skipped_reason=autoscaling_skipped(im, caps),
     )
     pods = _pods(kube, im)
     status = compute_status(im, deployment, outcome, previous, _now(), pods)
@@ -682,7 +698,7 @@ def on_pod_event(pod: dict[str, Any], kube: KubeClient, logger: Any) -> None:
         return
     with model_lock(namespace, owner):
         owner_body = kube.get("InferenceModel", namespace, owner)
-        if owner_body is None or (owner_body.get("metadata") or {}).get("deletionTimestamp"):
+        if owner_body is None or left_alone(kube, owner_body):
             return
         try:
             im = InferenceModel.from_manifest(owner_body)

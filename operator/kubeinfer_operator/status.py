@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cache import CacheState
+from .common import desired_replicas, endpoint_url, selector_string
 from .pods import diagnose
-from .render import desired_replicas, endpoint_url, selector_string
 from .spec import CacheStatus, Condition, InferenceModel, InferenceModelStatus, Phase
 
 
@@ -23,6 +23,8 @@ class ReconcileOutcome:
     # A precondition outside the spec is missing (e.g. an API the spec needs): nothing was applied.
     blocked_reason: str | None = None
     blocked_message: str = ""
+    # "CRDNotInstalled": the spec's autoscaler API is not served; the workload runs at its floor.
+    autoscaling_skipped_reason: str | None = None
 
 
 def _deployment_condition(deployment: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
@@ -196,6 +198,9 @@ def compute_status(
     else:
         conditions.append(cond("MonitoringAvailable", "True", "ServiceMonitorApplied", ""))
 
+    if im.spec.autoscaled and outcome.invalid_spec is None:
+        conditions.append(_autoscaling_condition(im, outcome, cond))
+
     cache_status = None
     if cache is not None:
         if cache.ready:
@@ -221,6 +226,24 @@ def compute_status(
         conditions=conditions,
         cache=cache_status,
     )
+
+
+def _autoscaling_condition(im: InferenceModel, outcome: ReconcileOutcome, cond: Any) -> Condition:
+    kind = "ScaledObject" if im.spec.scaling.autoscaler == "KEDA" else "HorizontalPodAutoscaler"
+    if outcome.autoscaling_skipped_reason == "CRDNotInstalled":
+        api = (
+            "keda.sh/v1alpha1 ScaledObject"
+            if kind == "ScaledObject"
+            else "autoscaling/v2 HorizontalPodAutoscaler"
+        )
+        return cond(
+            "AutoscalingAvailable",
+            "False",
+            "CRDNotInstalled",
+            f"{api} is not served by this cluster: the model runs at its floor of "
+            f"{max(im.spec.scaling.min_replicas, 1)} replica(s) until it is",
+        )
+    return cond("AutoscalingAvailable", "True", f"{kind}Applied", "")
 
 
 def _was_serving(prev: dict[str, dict[str, Any]]) -> bool:
