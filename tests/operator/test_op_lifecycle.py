@@ -42,6 +42,10 @@ def _serving_model(cluster: MockCluster) -> None:
         wait_for(functools.partial(cluster.get, kind, NAME), what=kind)
     _ready(cluster)
     wait_for(lambda: _status(cluster).get("phase") == "Ready", what="phase Ready")
+    # kopf posts Events asynchronously (and retries them): the one announcing Ready is out first.
+    wait_for(
+        lambda: any(e.get("reason") == "ReplicasReady" for e in cluster.live("Event")), what="Ready Event"
+    )
 
 
 def _status(cluster: MockCluster) -> dict[str, Any]:
