@@ -1,7 +1,7 @@
 """One reconcile of one InferenceModel, in the order controller-runtime's Reconcilers read:
 
 1. observe: the model as it is now, which optional APIs the cluster serves, the shared cache's claim,
-   loader Jobs and pods (a spec reconcile), and the children the trigger asks about (`observe`); once
+   loader Jobs and pods, and the children the trigger asks about (`observe`); once
    it is known that something will be written, its Namespace (one being deleted is left alone: no
    apply, no status, no Event) and what the status reports, the live workload and pods
    (`observe_status_inputs`). These reads are API calls, not an informer's cache, so each is made only
@@ -81,7 +81,7 @@ class Observed:
     caps: Capabilities
     workload: dict[str, Any] | None  # the live Deployment/LeaderWorkerSet, shaped for status
     pods: list[dict[str, Any]] | None  # None: not listed, or not listable
-    cache: CacheObservation | None  # read for a SPEC reconcile of a shared-cache model
+    cache: CacheObservation | None  # a model with (or, until cleaned up, once with) a shared cache
     children: Mapping[ChildRef, dict[str, Any] | None] = field(default_factory=dict)
 
     @property
@@ -225,7 +225,8 @@ class Reconciler:
         problems = semantic_errors(im.spec)
         if problems:
             return Observed(body, im, "; ".join(problems), caps, None, None, None)
-        cache = self._cache(im, body) if trigger is Trigger.SPEC else None
+        # Any trigger may apply, and the plan depends on the cache being filled: always judged afresh.
+        cache = self._cache(im, body)
         refs: list[ChildRef] = []
         if trigger is Trigger.RESYNC:
             plan = render_all(im, caps, cache_ready=_previous_cache_ready(body, im))
@@ -425,7 +426,7 @@ def _previous_cache_ready(body: dict[str, Any], im: InferenceModel) -> bool:
 
 
 def cache_ready(observed: Observed) -> bool:
-    """A shared cache is filled: judged from the claim and Job just read (SPEC), else as last judged."""
+    """A shared cache is filled: judged from the claim, Job and loader pods just read."""
     im = observed.im
     assert im is not None
     if not im.spec.cache.shared:
