@@ -57,7 +57,7 @@ def test_the_operator_modules_form_no_import_cycle() -> None:
             if dep not in graph:
                 continue
             if state.get(dep) == 1:
-                cycle = stack[stack.index(dep) :] + [dep]
+                cycle = [*stack[stack.index(dep) :], dep]
                 raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
             if dep not in state:
                 visit(dep)
