@@ -200,7 +200,10 @@ class ApiServer(KubernetesEmulator):
                     canonicalize_resources(data)
             if request.action == enums.action.CREATE:
                 refuse_create(
-                    self.namespace_store, request.resource, request.namespace, (data.get("metadata") or {}).get("name")
+                    self.namespace_store,
+                    request.resource,
+                    request.namespace,
+                    (data.get("metadata") or {}).get("name"),
                 )
                 self._own_replicas(request, data, None)
                 self._stamp(data, request.namespace)
@@ -213,7 +216,9 @@ class ApiServer(KubernetesEmulator):
                     if live is None or live.deleted:
                         if "apply-patch" in (request.headers.get("Content-Type") or ""):
                             # Server-side apply of a missing object creates it.
-                            refuse_create(self.namespace_store, request.resource, request.namespace, request.name)
+                            refuse_create(
+                                self.namespace_store, request.resource, request.namespace, request.name
+                            )
                             self._stamp(data, request.namespace)
                             self._objects[key] = data
                             raw = self._objects[key].raw
