@@ -89,12 +89,15 @@ function pathOf(conv) {
   return path;
 }
 
-// the newest continuation below `node`, so that switching versions shows a whole conversation
+// The last message below `node` along its most recently extended branch, so that switching back to
+// a version shows the conversation that went on from it.
 function deepest(conv, node) {
+  const order = new Map(conv.messages.map((m, i) => [m.id, i]));
+  const latest = (id) => Math.max(order.get(id), ...childrenOf(conv, id).map((c) => latest(c.id)));
   for (;;) {
     const kids = childrenOf(conv, node.id);
     if (!kids.length) return node;
-    node = kids[kids.length - 1];
+    node = kids.reduce((a, b) => (latest(b.id) > latest(a.id) ? b : a));
   }
 }
 
