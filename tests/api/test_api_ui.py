@@ -1146,3 +1146,49 @@ def test_ui_json_schema_sends_its_shown_example(
     assert "the schema box is empty" in (page.text_content(".msg.error") or "")
     page.click("#schema-example")
     assert json.loads(page.input_value("#json-schema")) == example
+
+
+COPY_BTN = '<button class="copy copy-code" type="button" aria-label="Copy{} code" data-copy="{}"></button>'
+LINK = '<a href="{}" target="_blank" rel="noopener noreferrer nofollow">{}</a>'
+MARKDOWN_CASES = [
+    (
+        "Steps:\n\n1. **Install** it:\n   ```bash\n   pip install x\n   ```\n2. Run it.\n\n* one `a`\n* two",
+        "<p>Steps:</p><ol><li><strong>Install</strong> it:"
+        '<div class="codeblock" data-lang="bash">' + COPY_BTN.format(" bash", "pip install x") + '<pre class="code">'
+        '<code data-lang="bash">pip install x</code></pre></div></li><li>Run it.</li></ol>'
+        '<ul><li>one <code class="inline">a</code></li><li>two</li></ul>',
+    ),
+    ("- a\n\n- b", "<ul><li><p>a</p></li><li><p>b</p></li></ul>"),
+    ("3. three\n4. four\n\n1) x", '<ol start="3"><li>three</li><li>four</li></ol><ol><li>x</li></ol>'),
+    ("Line one\nline two\n\n---\n\n> quote\n> more", "<p>Line one<br>line two</p><hr><blockquote><p>quote<br>more</p></blockquote>"),
+    ("#hashtag, ### Title ###", "<p>#hashtag, ### Title ###</p>"),
+    ("### Title ###\n###### six", "<h3>Title</h3><h6>six</h6>"),
+    (
+        "| a | b | c |\n|:--|--:|:-:|\n| 1 | 2 | 3 |",
+        '<div class="table-wrap"><table><thead><tr><th class="align-left">a</th><th class="align-right">b</th>'
+        '<th class="align-center">c</th></tr></thead><tbody><tr><td class="align-left">1</td>'
+        '<td class="align-right">2</td><td class="align-center">3</td></tr></tbody></table></div>',
+    ),
+    (
+        "Visit https://example.com/a_b. Or <https://x.org>.",
+        "<p>Visit " + LINK.format("https://example.com/a_b", "https://example.com/a_b")
+        + ". Or " + LINK.format("https://x.org/", "https://x.org") + ".</p>",
+    ),
+    ("~~~\ncode ~~~ inside\n~~~", '<div class="codeblock">' + COPY_BTN.format("", "code ~~~ inside")
+     + '<pre class="code"><code>code ~~~ inside</code></pre></div>'),
+    ("Use ``a`b`` and \\*not em\\*, 2 * 3, snake_case_x", '<p>Use <code class="inline">a`b</code> and *not em*, 2 * 3, snake_case_x</p>'),
+    ("**unclosed bold and `code", "<p>**unclosed bold and `code</p>"),
+    # a fence still open while streaming is code up to the end of the text so far
+    ("Here:\n```py\nx = 1", '<p>Here:</p><div class="codeblock" data-lang="py">' + COPY_BTN.format(" py", "x = 1")
+     + '<pre class="code"><code data-lang="py">x = 1</code></pre></div>'),
+]  # fmt: skip
+
+
+def test_ui_markdown_structure(loading_server: AppServer, open_page: Callable[..., Tab]) -> None:
+    tab = open_page()
+    mock_models(tab.page)
+    page = goto(tab, loading_server.url)
+    page.wait_for_function("() => typeof Markdown !== 'undefined'")
+    render = "(t) => { const d = document.createElement('div'); Markdown.render(d, t); return d.innerHTML; }"
+    for text, html in MARKDOWN_CASES:
+        assert page.evaluate(render, text) == html, text

@@ -341,8 +341,9 @@ const Markdown = (() => {
             else break;
             i++;
           }
-          if (i < lines.length - 1 && !lines[i].trim() && listMarker(lines[i + 1] || "")) {
-            loose = true;
+          const following = lines[i] === undefined || lines[i].trim() ? null : listMarker(lines[i + 1] || "");
+          if (following && following.ordered === marker.ordered && following.kind === marker.kind) {
+            loose = true; // items apart by blank lines: paragraphs, from this item on
             i++;
           }
           const li = el("li");
