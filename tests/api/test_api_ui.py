@@ -1192,3 +1192,18 @@ def test_ui_markdown_structure(loading_server: AppServer, open_page: Callable[..
     render = "(t) => { const d = document.createElement('div'); Markdown.render(d, t); return d.innerHTML; }"
     for text, html in MARKDOWN_CASES:
         assert page.evaluate(render, text) == html, text
+    # hostile nesting stays within bounds (no stack overflow, no runaway DOM): deeper levels are text
+    depth = (
+        "(t) => { const d = document.createElement('div'); Markdown.render(d, t);"
+        " const n = (s) => d.querySelectorAll(s).length;"
+        " return [n('blockquote'), n('ul'), n('em'), n('th'), d.textContent.length]; }"
+    )
+    assert page.evaluate(depth, ">" * 20_000 + " x") == [16, 0, 0, 0, 20_002 - 16]
+    assert page.evaluate(depth, "- " * 20_000 + "x")[:2] == [0, 16]
+    assert page.evaluate(depth, "|a" * 100 + "\n" + "|-" * 100)[3] == 0  # too wide for a table
+    # 20,000 open brackets: one pass matches them; the last one is a link, the rest text
+    assert page.evaluate(depth, "[" * 20_000 + "x](https://e.org)")[4] == 20_000
+    assert (
+        page.evaluate(render, "[" * 3 + "x](https://e.org)")
+        == "<p>[[" + LINK.format("https://e.org/", "x") + "</p>"
+    )

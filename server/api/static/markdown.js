@@ -10,6 +10,11 @@
 const Markdown = (() => {
   const SAFE_SCHEMES = new Set(["http:", "https:", "mailto:"]);
   const PUNCT = /[!-/:-@[-`{-~]/;
+  // Bounds that keep a hostile reply (thousands of nested quotes, brackets or stars) from costing more
+  // than linear-ish time or the call stack: deeper nesting stays text, longer link parts are not links.
+  const MAX_NEST = 16;
+  const MAX_LINK_PART = 2048;
+  const MAX_COLUMNS = 64;
 
   function el(tag, className, text) {
     const node = document.createElement(tag);
@@ -47,11 +52,17 @@ const Markdown = (() => {
 
   // The index of the closing delimiter `delim` for an opener ending at `from`, or -1 (CommonMark's
   // flanking rules, simplified: no whitespace inside the delimiters, `_` never inside a word).
-  function findCloser(text, from, delim) {
+  // `misses` remembers where a search found nothing: a later opener finds nothing either, which keeps
+  // a run of unclosed delimiters linear.
+  function findCloser(text, from, delim, misses) {
+    if (misses.has(delim) && from >= misses.get(delim)) return -1;
     let j = from;
     for (;;) {
       j = text.indexOf(delim, j);
-      if (j < 0) return -1;
+      if (j < 0) {
+        misses.set(delim, from);
+        return -1;
+      }
       const before = text[j - 1];
       const after = text[j + delim.length];
       const single = delim.length === 1;
@@ -61,41 +72,40 @@ const Markdown = (() => {
     }
   }
 
-  function closingBracket(text, open) {
-    let depth = 0;
-    for (let i = open; i < text.length; i++) {
+  // For each opening bracket in `text`, the index of its matching closing one (-1 when none), in one
+  // pass with a stack (backslash-escaped brackets do not count).
+  function matching(text, open, close) {
+    const match = new Int32Array(text.length).fill(-1);
+    const stack = [];
+    for (let i = 0; i < text.length; i++) {
       const c = text[i];
       if (c === "\\") i++;
-      else if (c === "[") depth++;
-      else if (c === "]" && --depth === 0) return i;
+      else if (c === open) stack.push(i);
+      else if (c === close && stack.length) match[stack.pop()] = i;
     }
-    return -1;
+    return match;
   }
 
-  // `(url "title")` after a link's text: [url, end index] or null
-  function linkTarget(text, open) {
+  // `(url "title")` at `open`, on one line and not too long: [url, end index] or null
+  function linkTarget(text, open, parens) {
     if (text[open] !== "(") return null;
-    let depth = 0;
-    for (let i = open; i < text.length; i++) {
-      const c = text[i];
-      if (c === "\\") i++;
-      else if (c === "(") depth++;
-      else if (c === ")" && --depth === 0) {
-        let dest = text.slice(open + 1, i).trim();
-        const titled = dest.match(/^(\S+)\s+("[^"]*"|'[^']*')$/);
-        if (titled) dest = titled[1];
-        if (dest.startsWith("<") && dest.endsWith(">")) dest = dest.slice(1, -1);
-        return [dest, i + 1];
-      } else if (c === "\n") return null;
-    }
-    return null;
+    const end = parens[open];
+    if (end < 0 || end - open > MAX_LINK_PART || text.slice(open, end).includes("\n")) return null;
+    let dest = text.slice(open + 1, end).trim();
+    const titled = dest.match(/^(\S+)\s+("[^"]*"|'[^']*')$/);
+    if (titled) dest = titled[1];
+    if (dest.startsWith("<") && dest.endsWith(">")) dest = dest.slice(1, -1);
+    return [dest, end + 1];
   }
 
   const BARE_URL = /^(https?:\/\/[^\s<>"]+[^\s<>".,;:!?)\]'*_~])/;
   const AUTOLINK = /^<([a-zA-Z][a-zA-Z0-9+.-]{1,31}:[^\s<>]*)>/;
 
-  function inline(text, allowLinks = true) {
+  function inline(text, allowLinks = true, depth = 0) {
     const out = [];
+    const misses = new Map();
+    let brackets = null; // computed on the first "[" (most text has none)
+    let parens = null;
     let buf = "";
     const flush = () => {
       if (buf) out.push(document.createTextNode(buf));
@@ -124,12 +134,13 @@ const Markdown = (() => {
       }
       if (c === "`") {
         const run = rest.match(/^`+/)[0];
-        const close = text.indexOf(run, i + run.length);
-        let k = close;
+        const missed = misses.has(run) && i >= misses.get(run);
+        let k = missed ? -1 : text.indexOf(run, i + run.length);
         // a longer run of backticks does not close a shorter one
         while (k >= 0 && (text[k + run.length] === "`" || text[k - 1] === "`")) {
           k = text.indexOf(run, k + 1);
         }
+        if (k < 0) misses.set(run, i);
         if (k >= 0) {
           let code = text.slice(i + run.length, k).replace(/\n/g, " ");
           if (code.length > 2 && code.startsWith(" ") && code.endsWith(" ") && code.trim()) code = code.slice(1, -1);
@@ -146,13 +157,13 @@ const Markdown = (() => {
         const double = text[i + 1] === c;
         const delim = double ? c + c : c;
         const okOpen = !isSpace(text[i + delim.length]) && !(c === "_" && isWord(text[i - 1]));
-        if ((c !== "~" || double) && okOpen) {
-          const j = findCloser(text, i + delim.length, delim);
+        if ((c !== "~" || double) && okOpen && depth < MAX_NEST) {
+          const j = findCloser(text, i + delim.length, delim, misses);
           if (j > i + delim.length) {
             flush();
             const tag = c === "~" ? "del" : double ? "strong" : "em";
             const node = el(tag);
-            node.append(...inline(text.slice(i + delim.length, j), allowLinks));
+            node.append(...inline(text.slice(i + delim.length, j), allowLinks, depth + 1));
             out.push(node);
             i = j + delim.length;
             continue;
@@ -164,15 +175,19 @@ const Markdown = (() => {
       }
       if (allowLinks && (c === "[" || (c === "!" && text[i + 1] === "["))) {
         const open = c === "!" ? i + 1 : i;
-        const close = closingBracket(text, open);
-        const target = close > 0 ? linkTarget(text, close + 1) : null;
+        if (brackets === null) {
+          brackets = matching(text, "[", "]");
+          parens = matching(text, "(", ")");
+        }
+        const close = brackets[open];
+        const target = close > 0 && close - open <= MAX_LINK_PART ? linkTarget(text, close + 1, parens) : null;
         if (target) {
           const [dest, end] = target;
           const label = text.slice(open + 1, close);
           const href = safeHref(dest);
           flush();
           // an image is shown as a link to it, never loaded; an unsafe target leaves the text only
-          const children = c === "!" ? [document.createTextNode(label || dest)] : inline(label, false);
+          const children = c === "!" ? [document.createTextNode(label || dest)] : inline(label, false, depth + 1);
           out.push(href ? link(href, children) : el("span", "unsafe-link", text.slice(i, end)));
           i = end;
           continue;
@@ -209,7 +224,7 @@ const Markdown = (() => {
 
   // ---- blocks --------------------------------------------------------------------------------------
   const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
-  const HEADING = /^ {0,3}(#{1,6})(?:\s+(.*?))?(?:\s+#+)?\s*$/;
+  const HEADING = /^ {0,3}(#{1,6})(?:[ \t]+|$)/;
   const HR = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
   const QUOTE = /^ {0,3}> ?(.*)$/;
   const BULLET = /^( {0,3})([-*+])(\s+)(.*)$/;
@@ -267,7 +282,12 @@ const Markdown = (() => {
     return wrap;
   }
 
-  function blocks(lines) {
+  function blocks(lines, depth = 0) {
+    if (depth >= MAX_NEST) {
+      const p = el("p");
+      p.append(...inline(lines.join("\n"), true, depth));
+      return [p];
+    }
     const out = [];
     let i = 0;
     while (i < lines.length) {
@@ -291,7 +311,13 @@ const Markdown = (() => {
       m = line.match(HEADING);
       if (m) {
         const h = el(`h${m[1].length}`);
-        h.append(...inline(m[2] || ""));
+        // an optional closing run of #s, after a space, is not part of the heading
+        let title = line.slice(m[0].length).trimEnd();
+        let k = title.length;
+        while (k > 0 && title[k - 1] === "#") k--;
+        const bare = title.slice(0, k);
+        if (bare !== title && (bare === "" || /[ \t]$/.test(bare))) title = bare.trimEnd();
+        h.append(...inline(title));
         out.push(h);
         i++;
         continue;
@@ -309,7 +335,7 @@ const Markdown = (() => {
           i++;
         }
         const quote = el("blockquote");
-        quote.append(...blocks(inner));
+        quote.append(...blocks(inner, depth + 1));
         out.push(quote);
         continue;
       }
@@ -347,7 +373,7 @@ const Markdown = (() => {
             i++;
           }
           const li = el("li");
-          const parts = blocks(body);
+          const parts = blocks(body, depth + 1);
           // a tight list's single paragraph is the item's text itself
           if (parts.length && parts[0].tagName === "P" && !loose) {
             li.append(...parts[0].childNodes);
@@ -358,8 +384,10 @@ const Markdown = (() => {
         out.push(list);
         continue;
       }
-      if (line.includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1]) && lines[i + 1].includes("-")) {
-        const head = splitRow(line);
+      const head = line.includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1]) && lines[i + 1].includes("-")
+        ? splitRow(line)
+        : null;
+      if (head && head.length <= MAX_COLUMNS) {
         const aligns = splitRow(lines[i + 1]).map((s) =>
           s.startsWith(":") && s.endsWith(":") ? "center" : s.endsWith(":") ? "right" : s.startsWith(":") ? "left" : ""
         );
