@@ -974,6 +974,9 @@ def test_ui_edit_and_regenerate_any_message_keep_versions(
     # edit the first message: a new version of it, answered; the old one and its turns are kept
     page.locator(".msg.user .edit-msg").first.click()
     page.fill(".edit-text", "Q1 edited")
+    assert page.locator(".msg.user").first.locator(".tools").is_hidden()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "editing.png"))
     page.press(".edit-text", "Enter")
     wait_idle(page)
     assert path_text(page) == ["Q1 edited", "reply 4"] and history(3) == ["Q1 edited"]
