@@ -325,7 +325,6 @@ function messageTools(msg) {
   }
   const who = msg.role === "user" ? "message" : "reply";
   const copy = button("copy copy-msg", "Copy", `Copy this ${who}`);
-  copy.dataset.copy = msg.content;
   const edit = button("edit-msg", "Edit", `Edit this ${who}`);
   edit.disabled = busy;
   edit.addEventListener("click", () => startEdit(msg));
@@ -402,7 +401,10 @@ async function copyText(text) {
 }
 
 async function onCopy(btn) {
-  const ok = await copyText(btn.dataset.copy || "");
+  // a message's text is read at the click (a reply may have grown since its button was made)
+  const article = btn.classList.contains("copy-msg") ? btn.closest("article") : null;
+  const msg = article ? byId(current, article.dataset.id) : null;
+  const ok = await copyText(msg ? msg.content : btn.dataset.copy || "");
   btn.dataset.state = ok ? "copied" : "failed";
   if (btn.classList.contains("copy-msg")) btn.textContent = ok ? "Copied" : "Copy failed";
   setTimeout(() => {
