@@ -6,7 +6,7 @@
 // fenced code blocks (``` and ~~~, open fences while streaming), block quotes, nested lists, GFM tables,
 // links and autolinks, thematic breaks, hard line breaks (a single newline is a break, as in chat UIs).
 // Why not a vendored library: the well-kept ones (marked, markdown-it) produce an HTML string, which
-// would have to go through a sanitizer and innerHTML, the one sink this page never uses; building
+// would have to be sanitized and then parsed as HTML, which this page never does; building
 // nodes keeps that rule simple to hold and to test.
 "use strict";
 
