@@ -116,6 +116,10 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
         version=tgi.VERSION,
         description="LLM inference server speaking the TGI and OpenAI wire formats.",
         lifespan=lifespan,
+        # No Swagger UI or ReDoc: both load unpinned scripts from a CDN into a page on the playground's
+        # origin. The API is described by /openapi.json (install_openapi below).
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.server = state
 
