@@ -378,6 +378,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         False,
         g,
     )
+    add(
+        "--lora-allowed-paths",
+        "LORA_ALLOWED_PATHS",
+        "Folders POST /v1/load_lora_adapter may read local adapters from, symlinks resolved "
+        "(JSON list or comma-separated; default: the --lora-modules paths and --cache-dir)",
+        type=parse_str_list,
+        default=(),
+    )
     del g
 
     add(
@@ -390,6 +398,13 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "--drain-timeout",
         "KUBEINFER_DRAIN_TIMEOUT",
         "On SIGTERM, seconds to let admitted requests finish",
+        type=float,
+        default=30.0,
+    )
+    add(
+        "--timeout-request-head",
+        "KUBEINFER_TIMEOUT_REQUEST_HEAD",
+        "Seconds a connection may take to send its request line and headers (then 408 and closed)",
         type=float,
         default=30.0,
     )
@@ -478,6 +493,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
             allow_runtime_updating=args.allow_runtime_lora_updating,
+            allowed_paths=tuple(args.lora_allowed_paths),
         ),
     )
     return ServerConfig(
@@ -492,6 +508,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_top_n_tokens=args.max_top_n_tokens,
         api_key=args.api_key or None,
         drain_timeout_s=args.drain_timeout,
+        timeout_request_head_s=args.timeout_request_head,
         log_format=args.log_format,
         max_payload_bytes=args.max_payload_bytes,
         ui=args.ui,

@@ -13,10 +13,13 @@ import socket
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from server.config import ServerConfig
 
 from .app import create_app
+from .limits import with_head_timeout
 from .state import ServerState
 
 log = logging.getLogger(__name__)
@@ -76,9 +79,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(config: ServerConfig) -> int:
-    state = ServerState(config)
-    app = create_app(state)
+def uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:
+    """uvicorn's settings for our app, with the request-head timeout on its HTTP protocol class."""
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -91,7 +93,15 @@ def serve(config: ServerConfig) -> int:
         # sent just as the server closed the connection failed with a reset (seen in the soak test).
         timeout_keep_alive=75,
         lifespan="on",
+        # httptools when installed, else h11 (uvicorn's "auto"), with our request-head timeout
+        http=with_head_timeout(AutoHTTPProtocol, config.timeout_request_head_s),
     )
+    return uv_config
+
+
+def serve(config: ServerConfig) -> int:
+    state = ServerState(config)
+    uv_config = uvicorn_config(create_app(state), config)
     server = DrainingServer(uv_config, state)
     log.info(
         "listening on http://%s:%d (model loading in the background; /ready turns 200 when done)",
