@@ -298,6 +298,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "tool-aware server/templates/smollm2_tools.jinja)",
     )
     add_bool(
+        "--allow-special-tokens-in-content",
+        "KUBEINFER_ALLOW_SPECIAL_TOKENS_IN_CONTENT",
+        "Parse special-token strings typed inside chat messages (e.g. <|im_start|>) as control tokens; "
+        "by default they are text, so a user cannot forge turns (raw completion prompts and TGI "
+        "inputs are always parsed)",
+        False,
+    )
+    add_bool(
         "--enable-auto-tool-choice",
         "KUBEINFER_ENABLE_AUTO_TOOL_CHOICE",
         'Allow tool_choice "auto": the model decides, --tool-call-parser reads its calls',
@@ -461,6 +469,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         max_model_len=args.max_total_tokens,
         chat_template=args.chat_template,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
     )
     cache = CacheConfig(
         block_size=args.block_size,

@@ -50,6 +50,9 @@ class ModelConfig:
     # A Jinja chat template file replacing the model's (--chat-template); None = the model's own, or
     # for the embedded SmolLM2 the tool-aware server/templates/smollm2_tools.jinja.
     chat_template: str | None = None
+    # Parse special-token strings inside chat messages as control tokens (--allow-special-tokens-in-
+    # content); by default message content is tokenized as text (server/chat_tokens.py).
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

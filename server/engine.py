@@ -136,7 +136,11 @@ class LLMEngine:
         if template is None and config.model.model is None:
             # The embedded SmolLM2's own template knows no tools; ours renders the same without them.
             template = shipped_chat_template("smollm2_tools")
-        self.tokenizer = Tokenizer(self.source.folder, chat_template=template)
+        self.tokenizer = Tokenizer(
+            self.source.folder,
+            chat_template=template,
+            special_tokens_in_content=config.model.allow_special_tokens_in_content,
+        )
         # LoRA: adapters by name (and their weights, LRU) + the model's projections wrapped with slots.
         self.lora: LoRARegistry | None = None
         lora_manager: LoRAManager | None = None
