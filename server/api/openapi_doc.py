@@ -222,12 +222,14 @@ def _lora_routes() -> dict[str, dict[str, Any]]:
     """vLLM's run-time LoRA routes (mounted with --allow-runtime-lora-updating): plain-text success."""
     name = {"type": "string", "maxLength": 256}
     text = {"text/plain": {"schema": {"type": "string"}}}
-    errors = {
-        "400": {"description": "Missing or malformed field, or an adapter that cannot be served"},
-        "404": {"description": "No adapter under the allowed paths / no adapter by that name"},
-        "503": {"description": "The model is still loading"},
-    }
-    errors = {k: {**v, "content": _json(_OPENAI_ERROR)} for k, v in errors.items()}
+    errors = _errors(
+        {
+            400: "Missing or malformed field, or an adapter that cannot be served",
+            404: "No adapter under the allowed paths / no adapter by that name",
+            503: "The model is still loading",
+        },
+        _OPENAI_ERROR,
+    )
 
     def body(required: list[str], props: dict[str, Any]) -> dict[str, Any]:
         return {
