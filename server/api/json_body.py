@@ -9,9 +9,10 @@ Python's `json.loads` turns three kinds of input into exceptions that are not `J
   logs) fails with `UnicodeEncodeError`. RFC 8259 section 8.2 leaves such strings' meaning undefined and
   I-JSON (RFC 7493 section 2.1) forbids them, so they are refused.
 
-`parse_json_body` bounds nesting depth (`MAX_DEPTH`, checked on the raw bytes before the parser
-recurses) and integer literal length (`MAX_INT_DIGITS`), and refuses lone surrogates in keys and
-values; each is a `validation` APIError (TGI 422 / OpenAI 400, by route family).
+`parse_json_body` bounds nesting depth (`MAX_DEPTH`: the C parser's RecursionError beyond ~1000
+levels, an iterative walk of the parsed value below) and integer literal length (`MAX_INT_DIGITS`), and
+refuses lone surrogates in keys and values; each is a `validation` APIError (TGI 422 / OpenAI 400, by
+route family).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ MAX_DEPTH = 128
 # has no such limit (a long mantissa rounds, a large exponent gives inf, refused by the fields).
 MAX_INT_DIGITS = 100
 
-_BRACKETS = re.compile(rb'[\[\]{}"\\]')
+_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # raw UTF-8 cannot hold a surrogate, an escape can
 
 
 class _NumberTooLong(ValueError):
@@ -43,42 +45,23 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
-def _nesting_depth(raw: bytes, limit: int) -> int:
-    """The deepest bracket nesting of a JSON text outside strings, counted up to `limit` + 1 (a scan of
-    the bracket, quote and backslash bytes only: no recursion, linear in their number)."""
-    depth = deepest = 0
-    in_string = False
-    escaped_at = -2
-    for m in _BRACKETS.finditer(raw):
-        c, pos = m.group(), m.start()
-        if in_string:
-            if c == b"\\":
-                if escaped_at != pos - 1:
-                    escaped_at = pos
-                else:
-                    escaped_at = -2  # "\\\\": the second backslash is itself escaped
-            elif c == b'"' and escaped_at != pos - 1:
-                in_string = False
-            continue
-        if c == b'"':
-            in_string = True
-        elif c in (b"[", b"{"):
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limit:
-                    return deepest
-        elif c in (b"]", b"}"):
-            depth -= 1
-    return deepest
-
-
-def _check_strings(value: Any) -> None:
-    """Raises a validation error for a string (key or value) holding a lone surrogate; iterative."""
-    stack = [value]
+def _check_tree(value: Any, max_depth: int, strings: bool) -> None:
+    """Raises a validation error for nesting deeper than `max_depth` or, with `strings`, a string (key
+    or value) holding a lone surrogate. Iterative: no recursion on hostile input."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
-        item = stack.pop()
-        if isinstance(item, str):
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            depth += 1
+            if depth > max_depth:
+                raise validation(f"malformed JSON body: nested deeper than {max_depth} levels")
+            if isinstance(item, dict):
+                if strings:
+                    stack.extend((k, depth) for k in item)
+                stack.extend((v, depth) for v in item.values())
+            else:
+                stack.extend((v, depth) for v in item)
+        elif strings and isinstance(item, str):
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
@@ -86,25 +69,26 @@ def _check_strings(value: Any) -> None:
                     "malformed JSON body: a string holds a lone UTF-16 surrogate escape (e.g. \\ud800) "
                     "that is not valid Unicode"
                 ) from None
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
 
 
 def parse_json_body(raw: bytes) -> Any:
     """The JSON value of a request body. Raises a validation APIError for malformed JSON, nesting
     deeper than MAX_DEPTH, an integer literal longer than MAX_INT_DIGITS digits, or a lone surrogate."""
-    if _nesting_depth(raw, MAX_DEPTH) > MAX_DEPTH:
-        raise validation(f"malformed JSON body: nested deeper than {MAX_DEPTH} levels")
+    # The hook costs a Python call per integer: only when a long digit run (maybe inside a string) is there.
+    long_digits = _LONG_DIGITS.search(raw) is not None
     try:
-        value = json.loads(raw, parse_int=_parse_int)
+        value = json.loads(raw, parse_int=_parse_int) if long_digits else json.loads(raw)
     except _NumberTooLong:
         raise validation(f"malformed JSON body: an integer longer than {MAX_INT_DIGITS} digits") from None
+    except RecursionError:  # the C parser's own guard, at ~1000 levels
+        raise validation(f"malformed JSON body: nested deeper than {MAX_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise validation(f"malformed JSON body: {e}") from None
-    except (RecursionError, ValueError) as e:  # defence in depth: never a 500 for a body
+    except ValueError as e:  # defence in depth: never a 500 for a body
         raise validation(f"malformed JSON body: {type(e).__name__}") from None
-    _check_strings(value)
+    # The walk costs a Python step per node: only when the raw text could need it.
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_DEPTH
+    strings = _SURROGATE_ESCAPE.search(raw) is not None
+    if deep or strings:
+        _check_tree(value, MAX_DEPTH, strings)
     return value
