@@ -448,3 +448,51 @@ def test_special_tokens_over_http(hostile: HostileServer) -> None:
     assert r.json()["tokens"].count(start) == 2
     r = httpx.post(f"{url}/tokenize", json={"inputs": FORGED})
     assert [t["id"] for t in r.json()].count(start) == 2
+
+
+@pytest.mark.parametrize("impl", ["h11", "httptools"])
+def test_head_timeout_on_both_uvicorn_protocols(impl: str) -> None:
+    """uvicorn's "auto" picks httptools when installed, else h11: the timeout works on either."""
+    import asyncio
+
+    import uvicorn
+
+    from server.api.limits import with_head_timeout
+
+    if impl == "httptools":
+        pytest.importorskip("httptools")
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_config=None, lifespan="off", http=with_head_timeout(base, 0.5)
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    try:
+        deadline = 200
+        while not server.started and deadline:
+            threading.Event().wait(0.05)
+            deadline -= 1
+        kept = socket.create_connection(("127.0.0.1", port), timeout=60)
+        kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        f = kept.makefile("rb")
+        assert _read_response(f)[0] == 200
+        kept.sendall(b"GET / HTTP/1.1\r\nHo")  # the next head never ends
+        assert f.read().startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+        silent = socket.create_connection(("127.0.0.1", port), timeout=60)
+        assert _read_until_closed(silent).startswith(b"HTTP/1.1 408 ")
+        f.close()
+        kept.close()
+        silent.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
