@@ -49,7 +49,7 @@ async def _confined_folder(state: ServerState, name: str, path: str) -> Path:
     try:
         check_input(name, path)
     except AdapterInputError as e:
-        raise validation(str(e), "lora_path") from None
+        raise validation(str(e), e.field) from None
     cache_dir = state.llm.lora.cache_dir or default_cache_dir()
     roots = allowed_roots(state.config.engine.lora, cache_dir)
     try:

@@ -40,7 +40,12 @@ class AdapterPathRefused(ValueError):
 
 
 class AdapterInputError(ValueError):
-    """A name or path that is malformed whatever the filesystem holds (too long, NUL, control chars)."""
+    """A name or path that is malformed whatever the filesystem holds (too long, NUL, control chars);
+    `field` is the request field at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def allowed_roots(config: LoRAConfig, cache_dir: Path) -> tuple[Path, ...]:
@@ -61,12 +66,12 @@ def is_hub_id(path: str) -> bool:
 def check_input(name: str, path: str) -> None:
     """Raises AdapterInputError for a name or path no filesystem lookup should see."""
     if len(name) > MAX_NAME_CHARS:
-        raise AdapterInputError(f"'lora_name' is longer than {MAX_NAME_CHARS} characters")
+        raise AdapterInputError("lora_name", f"'lora_name' is longer than {MAX_NAME_CHARS} characters")
     if len(path) > MAX_PATH_CHARS:
-        raise AdapterInputError(f"'lora_path' is longer than {MAX_PATH_CHARS} characters")
+        raise AdapterInputError("lora_path", f"'lora_path' is longer than {MAX_PATH_CHARS} characters")
     for field, value in (("lora_name", name), ("lora_path", path)):
         if any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise AdapterInputError(f"'{field}' holds a control character")
+            raise AdapterInputError(field, f"'{field}' holds a control character")
 
 
 def _within(path: str, roots: tuple[str, ...]) -> bool:

@@ -171,14 +171,15 @@ def test_lora_paths_confined_and_refusals_alike(hostile: HostileServer) -> None:
     # bounded lengths and control characters: 400 on the same kept-alive connection, never a 500
     conn = KeepAlive(hostile.port)
     try:
-        for body in (
-            {"lora_name": "y", "lora_path": "/" + "a" * 5000},
-            {"lora_name": "y" * 5000, "lora_path": str(allowed / "good")},
-            {"lora_name": "y", "lora_path": str(allowed / "good") + "\x00"},
+        for body, field in (
+            ({"lora_name": "y", "lora_path": "/" + "a" * 5000}, "lora_path"),
+            ({"lora_name": "y" * 5000, "lora_path": str(allowed / "good")}, "lora_name"),
+            ({"lora_name": "y", "lora_path": str(allowed / "good") + "\x00"}, "lora_path"),
+            ({"lora_name": "y\n", "lora_path": str(allowed / "good")}, "lora_name"),
         ):
             status, _, raw = conn.post("/v1/load_lora_adapter", json.dumps(body).encode())
             assert status == 400, raw[:300]
-            assert json.loads(raw)["error"]["param"] == "lora_path"
+            assert json.loads(raw)["error"]["param"] == field
         status, _, raw = conn.post("/v1/load_lora_adapter", json.dumps({"lora_name": "z"}).encode())
         assert status == 400
     finally:
