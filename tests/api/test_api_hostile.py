@@ -1,11 +1,13 @@
-"""Hostile clients over real HTTP on a real port (issue 25, items 6-8), against a tiny random Qwen2
+"""Hostile clients over real HTTP on a real port (issue 25, items 6-9), against a tiny random Qwen2
 served with the production uvicorn settings (`server.api.server.uvicorn_config`):
 - run-time LoRA paths are confined to --lora-allowed-paths and every refusal reads the same;
 - bodies that broke the JSON parser (deep nesting, a lone surrogate, a 10,000-digit integer) get a
   4xx in the route family's shape and the keep-alive connection keeps serving;
 - a schemathesis run over every documented request body never gets a 5xx;
 - 429 and 503 carry Retry-After; connections that never finish a request head are answered 408 and
-  closed (the test waits for the closure; it measures no time).
+  closed (the test waits for the closure; it measures no time);
+- special-token strings typed into chat messages are text (transformers' split_special_tokens), the
+  template's own stay control tokens; raw prompts keep theirs.
 """
 
 from __future__ import annotations
