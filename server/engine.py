@@ -583,6 +583,15 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self) -> int:
+        """Aborts every request in flight (the drain deadline); each stream ends with FinishReason.ABORT.
+        Returns how many there were."""
+        ids = list(self._streams)
+        for request_id in ids:
+            self._commands.put(("abort", request_id))
+        self._wake.set()
+        return len(ids)
+
     async def reset_prefix_cache(self) -> bool:
         """Runs LLMEngine.reset_prefix_cache on the engine thread, between steps."""
         if not self.alive:

@@ -183,6 +183,8 @@ async def stream_engine(
     engine = state.engine
     if engine is None:
         raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
+    if state.cut_reason is not None:
+        raise APIError(ErrorKind.UNAVAILABLE, state.cut_reason)
     arrival = time.monotonic()
     last_token_at: float | None = None
     gaps: list[float] = []
@@ -206,6 +208,8 @@ async def stream_engine(
             num_out = out.num_output_tokens
             if out.finished:
                 final = out
+                if out.finish_reason is FinishReason.ABORT and state.cut_reason is not None:
+                    raise APIError(ErrorKind.UNAVAILABLE, state.cut_reason)
             yield out
     except ValueError as e:
         raise validation(f"Input validation error: {e}") from None
