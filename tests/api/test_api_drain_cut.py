@@ -124,7 +124,7 @@ def test_drain_deadline_cuts_in_shape_and_exit_code(
     log_text = (tmp_path / "server.log").read_text(errors="replace")
 
     oai = results["oai-stream"]
-    assert oai[-1] == "data: [DONE]", oai[-3:]
+    assert oai[-1] == "data: [DONE]", (oai[-3:], log_text[-3000:])
     err = json.loads(oai[-2].removeprefix("data: "))["error"]
     assert (
         err["code"] == 503 and err["type"] == "ServiceUnavailableError" and "shutting down" in err["message"]
