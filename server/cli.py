@@ -298,6 +298,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "tool-aware server/templates/smollm2_tools.jinja)",
     )
     add_bool(
+        "--allow-special-tokens-in-content",
+        "KUBEINFER_ALLOW_SPECIAL_TOKENS_IN_CONTENT",
+        "Parse special-token strings typed inside chat messages (e.g. <|im_start|>) as control tokens; "
+        "by default they are text, so a user cannot forge turns (raw completion prompts and TGI "
+        "inputs are always parsed)",
+        False,
+    )
+    add_bool(
         "--enable-auto-tool-choice",
         "KUBEINFER_ENABLE_AUTO_TOOL_CHOICE",
         'Allow tool_choice "auto": the model decides, --tool-call-parser reads its calls',
@@ -378,6 +386,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         False,
         g,
     )
+    add(
+        "--lora-allowed-paths",
+        "LORA_ALLOWED_PATHS",
+        "Folders POST /v1/load_lora_adapter may read local adapters from, symlinks resolved "
+        "(JSON list or comma-separated; default: the --lora-modules paths and --cache-dir)",
+        type=parse_str_list,
+        default=(),
+    )
     del g
 
     add(
@@ -390,6 +406,13 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "--drain-timeout",
         "KUBEINFER_DRAIN_TIMEOUT",
         "On SIGTERM, seconds to let admitted requests finish",
+        type=float,
+        default=30.0,
+    )
+    add(
+        "--timeout-request-head",
+        "KUBEINFER_TIMEOUT_REQUEST_HEAD",
+        "Seconds a connection may take to send its request line and headers (then 408 and closed)",
         type=float,
         default=30.0,
     )
@@ -446,6 +469,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         max_model_len=args.max_total_tokens,
         chat_template=args.chat_template,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
     )
     cache = CacheConfig(
         block_size=args.block_size,
@@ -478,6 +502,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
             allow_runtime_updating=args.allow_runtime_lora_updating,
+            allowed_paths=tuple(args.lora_allowed_paths),
         ),
     )
     return ServerConfig(
@@ -492,6 +517,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_top_n_tokens=args.max_top_n_tokens,
         api_key=args.api_key or None,
         drain_timeout_s=args.drain_timeout,
+        timeout_request_head_s=args.timeout_request_head,
         log_format=args.log_format,
         max_payload_bytes=args.max_payload_bytes,
         ui=args.ui,

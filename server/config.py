@@ -50,6 +50,9 @@ class ModelConfig:
     # A Jinja chat template file replacing the model's (--chat-template); None = the model's own, or
     # for the embedded SmolLM2 the tool-aware server/templates/smollm2_tools.jinja.
     chat_template: str | None = None
+    # Parse special-token strings inside chat messages as control tokens (--allow-special-tokens-in-
+    # content); by default message content is tokenized as text (server/chat_tokens.py).
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -208,6 +211,9 @@ class LoRAConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None = max_loras
     allow_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # Folders the run-time route may load local adapters from (server/lora/paths.py); () = the
+    # --lora-modules paths and the cache dir
+    allowed_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -288,6 +294,8 @@ class ServerConfig:
     max_client_batch_size: int = 4
     api_key: str | None = None
     drain_timeout_s: float = 30.0
+    # Seconds a connection may take to send a request head (server/api/limits.py)
+    timeout_request_head_s: float = 30.0
     log_format: str = "text"
     max_payload_bytes: int = 2_000_000
     ui: bool = True  # the chat playground at GET / (--no-ui turns it off)
@@ -326,6 +334,8 @@ class ServerConfig:
             raise ValueError("api_key must be non-empty when set")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.timeout_request_head_s > 0:
+            raise ValueError(f"timeout_request_head_s must be > 0, got {self.timeout_request_head_s}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):

@@ -65,12 +65,14 @@ class APIMiddleware:
             return
         path: str = scope["path"]
         status = 500
+        started = False
         t0 = time.monotonic()
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
                 status = message["status"]
+                started = True
             await send(message)
 
         try:
@@ -92,7 +94,17 @@ class APIMiddleware:
                 headers = {"WWW-Authenticate": "Bearer"} if error.kind is ErrorKind.UNAUTHORIZED else None
                 await error.response(family_of_path(path), headers=headers)(scope, receive, send_wrapper)
             else:
-                await self.app(scope, receive, send_wrapper)
+                try:
+                    await self.app(scope, receive, send_wrapper)
+                except Exception as e:
+                    # Answered here instead of by Starlette's ServerErrorMiddleware, which re-raises
+                    # after its 500, so that uvicorn closes the connection: a client's next request on
+                    # the same keep-alive connection would be reset.
+                    if started:
+                        raise
+                    log.exception("unhandled error on %s", path)
+                    err = APIError(ErrorKind.INCOMPLETE, f"internal error: {type(e).__name__}")
+                    await err.response(family_of_path(path))(scope, receive, send_wrapper)
         finally:
             route_obj = scope.get("route")
             route = getattr(route_obj, "path", None) or "other"

@@ -55,6 +55,11 @@ _OPENAI_TYPE = {
     ErrorKind.TOO_LARGE: "BadRequestError",
 }
 
+# Seconds a client should wait before retrying (RFC 9110 section 10.2.3), sent with 429 and 503: a slot
+# frees within a few tokens' time; loading and draining take longer (and a drained pod's clients
+# should go to another replica, which a load balancer does on the 503 itself).
+RETRY_AFTER_S = {ErrorKind.OVERLOADED: 1, ErrorKind.UNAVAILABLE: 5}
+
 
 @dataclass
 class APIError(Exception):
@@ -81,8 +86,14 @@ class APIError(Exception):
             }
         }
 
+    def headers(self) -> dict[str, str]:
+        retry = RETRY_AFTER_S.get(self.kind)
+        return {"Retry-After": str(retry)} if retry is not None else {}
+
     def response(self, family: Family, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(family), status_code=self.status(family), headers=headers)
+        return JSONResponse(
+            self.body(family), status_code=self.status(family), headers={**self.headers(), **(headers or {})}
+        )
 
 
 def validation(message: str, param: str | None = None) -> APIError:
