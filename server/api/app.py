@@ -26,9 +26,7 @@ from .state import Phase, ServerState
 log = logging.getLogger("server.api.access")
 
 # Probes, scrapes and /info stay reachable without the API key (kubelet and Prometheus carry none).
-OPEN_PATHS = frozenset(
-    {"/health", "/ready", "/metrics", "/info", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
-)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/info", "/version", "/openapi.json"})
 _QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
