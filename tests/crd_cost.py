@@ -182,7 +182,9 @@ class _Coster:
                 if op.data == "addition_add" and (lhs.decl is None or lhs.decl.kind != "int"):
                     # string or list concatenation: 0.1 per byte of the result (strings), 1 (lists)
                     size = None if lhs.size is None or rhs.size is None else lhs.size + rhs.size
-                    return _Est(_add(lhs.cost, rhs.cost, _factor(_size(_Est(0, size)), _STRING_FACTOR), 1), size)
+                    return _Est(
+                        _add(lhs.cost, rhs.cost, _factor(_size(_Est(0, size)), _STRING_FACTOR), 1), size
+                    )
                 return _Est(_add(lhs.cost, rhs.cost, 1), 1)
             return self.cost(kids[-1])
         if rule == "unary":

@@ -29,7 +29,9 @@ def query_error(params: Mapping[str, str]) -> KubernetesError | None:
             continue
         if not _INT64.match(value):
             return KubernetesError(
-                status=400, reason="BadRequest", message=f'strconv.ParseInt: parsing "{value}": invalid syntax'
+                status=400,
+                reason="BadRequest",
+                message=f'strconv.ParseInt: parsing "{value}": invalid syntax',
             )
         if not -(2**63) <= int(value) < 2**63:
             return KubernetesError(

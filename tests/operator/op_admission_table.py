@@ -343,4 +343,49 @@ ADMISSION: list[Row] = [
         ),
         None,
     ),
+    # bounds (issue 29 F2): every string, list and map a user sets is bounded, so the API server's
+    # CEL cost estimate of each rule stays within its budget
+    Row("labels-at-64", _s(pod={"labels": {f"l{i}": "v" for i in range(64)}}), None),
+    Row("labels-over-64", _s(pod={"labels": {f"l{i}": "v" for i in range(65)}}), "has too many properties"),
+    Row(
+        "node-selector-over-64",
+        _s(scheduling={"nodeSelector": {f"l{i}": "v" for i in range(65)}}),
+        "has too many properties",
+    ),
+    Row(
+        "service-monitor-labels-value-64",
+        _s(monitoring={"serviceMonitor": {"labels": {"release": "x" * 64}}}),
+        "is too long",
+    ),
+    Row(
+        "annotations-over-64",
+        _s(pod={"annotations": {f"a{i}": "v" for i in range(65)}}),
+        "has too many properties",
+    ),
+    Row("surge-too-long", _s(rollout={"maxSurge": "1" * 64 + "%"}), "is too long"),
+    Row("cpu-too-long", _s(resources={"cpu": "1" * 65}), "is too long"),
+    Row(
+        "pull-secrets-over-16",
+        _s(pod={"imagePullSecrets": [{"name": f"s{i}"} for i in range(17)]}),
+        "is too long",
+    ),
+    Row(
+        "env-over-128", _s(pod={"env": [{"name": f"V{i}", "value": "x"} for i in range(129)]}), "is too long"
+    ),
+    Row("env-name-too-long", _s(pod={"env": [{"name": "V" * 257, "value": "x"}]}), "is too long"),
+    Row(
+        "volumes-over-64",
+        _s(pod={"volumes": [{"name": f"v{i}", "emptyDir": {}} for i in range(65)]}),
+        "is too long",
+    ),
+    Row(
+        "mount-path-too-long",
+        _s(
+            pod={
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/" + "d" * 1024}],
+            }
+        ),
+        "is too long",
+    ),
 ]
