@@ -1,5 +1,6 @@
 """Helpers for the operator tests: the CRD's schema as the API server applies it (structural schema ->
-JSON Schema, defaulting, CEL rules through cel-python), plus paths and small loaders."""
+JSON Schema, defaulting, CEL rules as the API server evaluates them: tests/crd_cel.py), plus paths and
+small loaders."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import celpy
+import crd_cel
 import jsonschema
 import yaml
 
@@ -140,19 +141,13 @@ def cel_rules(schema: dict[str, Any], path: str = "") -> list[CelRule]:
     return rules
 
 
-_CEL_ENV = celpy.Environment()
-_CEL_PROGRAMS: dict[str, Any] = {}
-
-
 def evaluate_cel(rule: str, value: Any) -> bool:
-    program = _CEL_PROGRAMS.get(rule)
-    if program is None:
-        program = _CEL_ENV.program(_CEL_ENV.compile(rule))
-        _CEL_PROGRAMS[rule] = program
-    result = program.evaluate({"self": celpy.json_to_cel(value)})
-    if isinstance(result, celpy.CELEvalError):
-        raise result
-    return bool(result)
+    """The rule on the value, as the API server evaluates it (tests/crd_cel.py: cel-expr-python);
+    an evaluation error (e.g. a missing field read without has()) raises."""
+    result = crd_cel.evaluate(rule, value)
+    if isinstance(result, str):
+        raise ValueError(f"{result} evaluating rule: {rule}")
+    return result
 
 
 def _cel_failures(schema: dict[str, Any], value: Any) -> list[str]:
