@@ -339,6 +339,7 @@ class RuleCost:
     message: str
     cost: int
     cardinality: int
+    field_path: str = ""  # the API server's spelling: properties[spec].x-kubernetes-validations[0].rule
 
     @property
     def total(self) -> int:
@@ -347,24 +348,44 @@ class RuleCost:
 
 def rule_costs(schema: dict[str, Any]) -> list[RuleCost]:
     """Every rule of the schema (an openAPIV3Schema) with its estimate, in schema order."""
-    return list(_walk(schema, "", 1))
+    return list(_walk(schema, "", "", 1))
 
 
-def _walk(node: dict[str, Any], path: str, cardinality: int) -> Iterator[RuleCost]:
-    for r in node.get("x-kubernetes-validations") or []:
-        yield RuleCost(path, r["rule"], r.get("message", r["rule"]), rule_cost(r["rule"], node), cardinality)
+def _walk(node: dict[str, Any], path: str, fpath: str, cardinality: int) -> Iterator[RuleCost]:
+    for i, r in enumerate(node.get("x-kubernetes-validations") or []):
+        where = (
+            f"{fpath}.x-kubernetes-validations[{i}].rule" if fpath else f"x-kubernetes-validations[{i}].rule"
+        )
+        cost = rule_cost(r["rule"], node)
+        yield RuleCost(path, r["rule"], r.get("message", r["rule"]), cost, cardinality, where)
     for key, sub in (node.get("properties") or {}).items():
-        yield from _walk(sub, f"{path}.{key}" if path else key, cardinality)
+        sub_f = f"{fpath}.properties[{key}]" if fpath else f"properties[{key}]"
+        yield from _walk(sub, f"{path}.{key}" if path else key, sub_f, cardinality)
     items = node.get("items")
     if isinstance(items, dict):
         count = node.get("maxItems")
         n = int(count) if count is not None else MAX_REQUEST_SIZE // (decl(items).min_size + 1)
-        yield from _walk(items, f"{path}[]", _mul(cardinality, n))
+        yield from _walk(items, f"{path}[]", f"{fpath}.items", _mul(cardinality, n))
     extra = node.get("additionalProperties")
     if isinstance(extra, dict):
         count = node.get("maxProperties")
         n = int(count) if count is not None else MAX_REQUEST_SIZE // (decl(extra).min_size + 1)
-        yield from _walk(extra, f"{path}{{}}", _mul(cardinality, n))
+        yield from _walk(extra, f"{path}{{}}", f"{fpath}.additionalProperties", _mul(cardinality, n))
+
+
+def budget_message(what: str, cost: int, limit: int) -> str:
+    """getCostErrorMessage's wording (apiextensions validation.go)."""
+    factor = cost / limit
+    if factor > 100:
+        text = "more than 100x"
+    elif factor < 1.5:
+        text = f"{factor:f}x"
+    else:
+        text = f"{factor:.1f}x"
+    return (
+        f"{what} exceeds budget by factor of {text} (try simplifying the rule, or adding maxItems, "
+        "maxProperties, and maxLength where arrays, maps, and strings are declared)"
+    )
 
 
 def total_cost(schema: dict[str, Any]) -> int:

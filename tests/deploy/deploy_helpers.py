@@ -24,6 +24,7 @@ import promql_parser
 import yaml
 from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to spot no-op patches
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
+from kmock_crd import crd_refusal
 from kmock_params import query_error
 from kmock_replace import is_replace, serve_replace
 
@@ -298,6 +299,14 @@ class MockApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: Any) -> Any:
         refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
+        writes_crd = (
+            request.resource is not None
+            and request.subresource is None
+            and request.resource.plural == "customresourcedefinitions"
+            and request.action in (kmock_enums.action.CREATE, kmock_enums.action.UPDATE)
+        )
+        if refused is None and writes_crd:
+            refused = crd_refusal(request.data)  # defaults against rules, rule costs: the real 422
         if refused is not None:
             raise refused
         # PUT (the operator's Lease updates): a replace with the API server's resourceVersion check.

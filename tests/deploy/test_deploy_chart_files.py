@@ -98,3 +98,36 @@ def test_kube_version_floor_covers_the_prestop_sleep_action() -> None:
     (c,) = render_deployment(im)["spec"]["template"]["spec"]["containers"]
     if "sleep" in c["lifecycle"]["preStop"]:
         assert int(floor.group(1)) >= 30, "lifecycle.preStop.sleep is GA only from Kubernetes 1.30"
+
+
+def test_the_mock_api_server_admits_the_chart_crds() -> None:
+    from kmock_crd import crd_refusal
+
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        assert crd_refusal(yaml.safe_load(path.read_text())) is None, path.name
+
+
+def test_the_mock_api_server_refuses_a_crd_the_api_server_refuses() -> None:
+    # The two kinds a real API server (v1.36.2) refused in our CRD (issue 29 F1, F2), in its words.
+    from kmock_crd import crd_refusal
+
+    crd = yaml.safe_load((REPO / "crds" / "kubeinfer.dev_inferencemodels.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    spec["scaling"]["default"] = {}
+    del spec["pod"]["properties"]["labels"]["maxProperties"]
+    del spec["pod"]["properties"]["labels"]["additionalProperties"]["maxLength"]
+    refusal = crd_refusal(crd)
+    assert refusal is not None and refusal.status == 422 and refusal.reason == "Invalid"
+    message = str(refusal.message)
+    assert message.startswith(
+        'CustomResourceDefinition.apiextensions.k8s.io "inferencemodels.kubeinfer.dev" is invalid: ['
+    )
+    assert (
+        'spec.versions[0].schema.openAPIV3Schema.properties[spec].properties[scaling].default: Invalid value: "object": '
+        "no such key: autoscaler evaluating rule: without an autoscaler, scaling.replicas must lie within "
+        "[minReplicas, maxReplicas]"
+    ) in message
+    assert (
+        "spec.versions[0].schema.openAPIV3Schema.properties[spec].properties[pod].x-kubernetes-validations[0].rule: "
+        "Forbidden: estimated rule cost exceeds budget by factor of more than 100x"
+    ) in message
