@@ -20,12 +20,21 @@ from kmock import KubernetesError
 def crd_errors(crd: dict[str, Any]) -> list[str]:
     """The API server's field errors for the CRD's CEL defaults and rule costs."""
     errors: list[str] = []
-    for i, version in enumerate((crd.get("spec") or {}).get("versions") or []):
-        schema = ((version or {}).get("schema") or {}).get("openAPIV3Schema")
+    versions = (crd.get("spec") or {}).get("versions") or []
+    schemas = [((v or {}).get("schema") or {}).get("openAPIV3Schema") for v in versions]
+    for i, schema in enumerate(schemas):
         if not isinstance(schema, dict):
             continue
-        prefix = f"spec.versions[{i}].schema.openAPIV3Schema"
-        errors += crd_cel.default_errors(schema, prefix)
+        # The API server validates its internal version, where a schema that every version shares
+        # lives in spec.validation (seen on v1.36.2 with our one-version CRD).
+        shared = all(s == schemas[0] for s in schemas)
+        if shared and i > 0:
+            break
+        prefix = "spec.validation.openAPIV3Schema" if shared else f"spec.versions[{i}].schema.openAPIV3Schema"
+        defaults = crd_cel.default_errors(schema, prefix)
+        if defaults:  # v1.36.2 reported only these while any default failed (costs came after)
+            errors += defaults
+            continue
         costs = crd_cost.rule_costs(schema)
         for rule in costs:
             if rule.total > crd_cost.STATIC_ESTIMATED_COST_LIMIT:
@@ -35,6 +44,11 @@ def crd_errors(crd: dict[str, Any]) -> list[str]:
                 errors.append(f"{prefix}.{rule.field_path}: Forbidden: {message}")
         total = min(crd_cost.UNKNOWN, sum(r.total for r in costs))
         if total > crd_cost.STATIC_ESTIMATED_CRD_COST_LIMIT:
+            for rule in sorted(costs, key=lambda r: -r.total)[:4]:  # the API server's MostExpensive
+                errors.append(
+                    f"{prefix}.{rule.field_path}: Forbidden: contributed to estimated rule cost total "
+                    "exceeding cost limit for entire OpenAPIv3 schema"
+                )
             what = "x-kubernetes-validations estimated rule cost total for entire OpenAPIv3 schema"
             message = crd_cost.budget_message(what, total, crd_cost.STATIC_ESTIMATED_CRD_COST_LIMIT)
             errors.append(f"{prefix}: Forbidden: {message}")
