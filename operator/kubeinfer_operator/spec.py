@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from .names import (
@@ -531,8 +531,9 @@ class PodSpec(_Model):
             ("pod.volumeMounts", self.volume_mounts, "name", 63),
             ("pod.volumeMounts", self.volume_mounts, "mountPath", 1024),
         ):
-            if any(len(str(item.get(key, ""))) > limit for item in items):
-                raise ValueError(f"{field}[].{key} is too long: at most {limit} characters")
+            for i, item in enumerate(items):
+                if len(str(item.get(key, ""))) > limit:
+                    raise ValueError(f"spec.{field}[{i}].{key}: Too long: may not be more than {limit} bytes")
         _check_labels(self.labels, "pod.labels")
         if any(k in MANAGED_LABELS for k in self.labels):
             raise ValueError(
@@ -795,7 +796,9 @@ class InferenceModel:
             raise InvalidSpecError("metadata.name is required")
         try:
             spec = InferenceModelSpec.model_validate(manifest.get("spec") or {})
-        except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        except ValidationError as exc:
+            raise InvalidSpecError("\n".join([*bound_errors(exc), str(exc)])) from exc
+        except ValueError as exc:
             raise InvalidSpecError(str(exc)) from exc
         return cls(
             name=name,
@@ -804,6 +807,25 @@ class InferenceModel:
             uid=meta.get("uid"),
             generation=meta.get("generation"),
         )
+
+
+def bound_errors(exc: ValidationError) -> list[str]:
+    """The CRD's maxItems/maxProperties/maxLength refusals in the API server's words (seen on v1.36.2:
+    `spec.pod.labels: Too many: 65: must have at most 64 items`, `spec.rollout.maxSurge: Too long: may not
+    be more than 64 bytes`), so that `render` says what `kubectl apply` would."""
+    out = []
+    for err in exc.errors():
+        # loc: field aliases and list indexes, plus pydantic's union-member tags ("constrained-str")
+        parts = [
+            p for p in err["loc"] if isinstance(p, int) or ("-" not in p and "[" not in p and p != "int")
+        ]
+        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+        limit = (err.get("ctx") or {}).get("max_length")
+        if err["type"] == "too_long":
+            out.append(f"{path}: Too many: {len(err['input'])}: must have at most {limit} items")
+        elif err["type"] == "string_too_long":
+            out.append(f"{path}: Too long: may not be more than {limit} bytes")
+    return out
 
 
 def semantic_errors(spec: InferenceModelSpec) -> list[str]:

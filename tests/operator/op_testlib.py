@@ -166,11 +166,22 @@ def _cel_failures(schema: dict[str, Any], value: Any) -> list[str]:
     return failures
 
 
+def _schema_error(e: jsonschema.ValidationError) -> str:
+    path = ".".join(map(str, e.absolute_path))
+    # The size bounds in the API server's words (seen on v1.36.2), the rest in jsonschema's.
+    api_path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".")
+    if e.validator in ("maxItems", "maxProperties"):
+        return f"{api_path}: Too many: {len(e.instance)}: must have at most {e.validator_value} items"
+    if e.validator == "maxLength":
+        return f"{api_path}: Too long: may not be more than {e.validator_value} bytes"
+    return f"{path}: {e.message}"
+
+
 def crd_errors(obj: dict[str, Any]) -> list[str]:
     """Everything the API server would reject the object for: schema, then (after defaulting) CEL."""
     schema = _crd_schema_cached()
     validator = _crd_validator()
-    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+    errors = [_schema_error(e) for e in validator.iter_errors(obj)]
     if errors:
         return errors
     return _cel_failures(schema, apply_defaults(schema, obj))

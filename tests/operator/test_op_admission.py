@@ -40,8 +40,7 @@ def test_render_gives_the_same_verdict(row: Row) -> None:
         return
     with pytest.raises(InvalidSpecError) as info:
         render_documents([_doc(row)], Capabilities())
-    schema_words = ("does not match", "too long", "is not one of", "too many properties")
-    if any(schema in row.refusal for schema in schema_words):
+    if any(schema in row.refusal for schema in ("does not match", "too long", "is not one of")):
         return  # a schema pattern / length / enum: pydantic words it differently, the verdict is what counts
     assert row.refusal in str(info.value)
 
