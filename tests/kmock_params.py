@@ -40,3 +40,57 @@ def query_error(params: Mapping[str, str]) -> KubernetesError | None:
                 message=f'strconv.ParseInt: parsing "{value}": value out of range',
             )
     return None
+
+
+# Built-in API groups: their objects decode into Go structs, where no field is a float (API conventions)
+# and an integer field refuses a JSON number with a fraction or a decimal point. Seen on v1.36.2 for a
+# JSON create (a server-side apply of `replicas: 2.0` was accepted, so apply patches are left alone):
+# `Lease in version "v1" cannot be handled as a Lease: json: cannot unmarshal number 15.0 into Go struct
+# field LeaseSpec.spec.leaseDurationSeconds of type int32`.
+BUILTIN_GROUPS = frozenset(
+    {
+        "",
+        "apps",
+        "batch",
+        "policy",
+        "autoscaling",
+        "coordination.k8s.io",
+        "networking.k8s.io",
+        "rbac.authorization.k8s.io",
+    }
+)
+
+
+def _first_float(value: object, path: str) -> tuple[str, float] | None:
+    if isinstance(value, float):
+        return path, value
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            found = _first_float(sub, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    if isinstance(value, list):
+        for sub in value:
+            found = _first_float(sub, path)
+            if found:
+                return found
+    return None
+
+
+def body_error(method: str, content_type: str, group: str | None, body: object) -> KubernetesError | None:
+    """The API server's 400 for a JSON create/replace of a built-in object carrying a float, else None."""
+    if method not in ("POST", "PUT") or "json" not in content_type or (group or "") not in BUILTIN_GROUPS:
+        return None
+    found = _first_float(body, "")
+    if found is None or not isinstance(body, dict):
+        return None
+    path, value = found
+    kind, version = body.get("kind", "object"), str(body.get("apiVersion", "")).rpartition("/")[2]
+    return KubernetesError(
+        status=400,
+        reason="BadRequest",
+        message=(
+            f'{kind} in version "{version}" cannot be handled as a {kind}: json: cannot unmarshal number '
+            f"{value!r} into Go struct field {path} of type int32"
+        ),
+    )

@@ -25,7 +25,7 @@ import yaml
 from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to spot no-op patches
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
 from kmock_crd import crd_refusal
-from kmock_params import query_error
+from kmock_params import body_error, query_error
 from kmock_replace import is_replace, serve_replace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -299,6 +299,10 @@ class MockApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: Any) -> Any:
         refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
+        if refused is None and request.resource is not None:
+            method = str(getattr(request.method, "value", request.method)).upper()
+            content_type = request.headers.get("Content-Type") or ""
+            refused = body_error(method, content_type, request.resource.group, request.data)
         writes_crd = (
             request.resource is not None
             and request.subresource is None
