@@ -77,7 +77,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     # Ending every watch stream periodically makes kopf re-list, which drives resync_handler.
     if settings.watching.server_timeout is None:
-        settings.watching.server_timeout = RESYNC_SECONDS
+        # kopf sends it as ?timeoutSeconds=, which the API server parses as an integer (60.0 is a 400).
+        settings.watching.server_timeout = max(1, round(RESYNC_SECONDS))
     if settings.watching.client_timeout is None:
         settings.watching.client_timeout = RESYNC_SECONDS + 60
     memo.kube = KubeClient.from_environment(

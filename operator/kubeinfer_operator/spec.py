@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from .names import (
@@ -33,6 +33,11 @@ DEFAULT_SERVER_IMAGE = "ghcr.io/kubeinfer/server:0.1.0"
 # Dockerfile.router: vLLM's router (PyPI vllm-router, pinned there) on a non-root base.
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kubeinfer/router:0.1.17"
 OPERATOR_IMAGE = "ghcr.io/kubeinfer/operator:0.1.0"
+
+# The CRD bounds every string, list and map a user sets (the API server's CEL cost estimate sizes each
+# rule by them, issue 29); these are the same bounds.
+IntOrString = Annotated[int, Strict()] | Annotated[str, Field(max_length=64)]
+LabelMap = Annotated[dict[str, Annotated[str, Field(max_length=63)]], Field(max_length=64)]
 
 Quantization = Literal[
     "awq", "gptq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8", "int8", "int4"
@@ -303,8 +308,8 @@ class GPUSpec(_Model):
 
 class ResourcesSpec(_Model):
     gpu: GPUSpec = Field(default_factory=GPUSpec)
-    cpu: int | str | None = None
-    memory: int | str | None = None
+    cpu: IntOrString | None = None
+    memory: IntOrString | None = None
 
     @model_validator(mode="after")
     def _check_quantities(self) -> ResourcesSpec:
@@ -327,8 +332,8 @@ class CacheSpec(_Model):
 
     mode: CacheMode = "PerPod"
     claim_name: str | None = Field(default=None, min_length=1, max_length=253)
-    size_limit: int | str | None = None
-    size: int | str | None = None
+    size_limit: IntOrString | None = None
+    size: IntOrString | None = None
     storage_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     access_modes: list[AccessMode] | None = Field(default=None, min_length=1, max_length=3)
     backoff_limit: int = Field(default=4, ge=0, le=20)
@@ -424,9 +429,9 @@ class ScalingSpec(_Model):
 
 
 class RolloutSpec(_Model):
-    max_surge: int | str = 1
+    max_surge: IntOrString = 1
     # None: 0 (never below the wanted count) unless maxSurge is 0, then 1 (the API server refuses both 0).
-    max_unavailable: int | str | None = None
+    max_unavailable: IntOrString | None = None
     drain_timeout_seconds: int = Field(default=30, ge=1, le=3600)
 
     @model_validator(mode="after")
@@ -452,9 +457,9 @@ class ProbesSpec(_Model):
 
 
 class SchedulingSpec(_Model):
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    node_selector: LabelMap = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list, max_length=16)
     affinity: dict[str, Any] | None = None
     priority_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     runtime_class_name: str | None = Field(default=None, min_length=1, max_length=253)
@@ -505,19 +510,30 @@ MANAGED_LABELS = (
 class PodSpec(_Model):
     """What users set on the server pods beyond the engine (core/v1 objects passed through)."""
 
-    labels: dict[str, str] = Field(default_factory=dict)
-    annotations: dict[str, str] = Field(default_factory=dict)
+    labels: LabelMap = Field(default_factory=dict)
+    annotations: Annotated[dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=64)] = Field(
+        default_factory=dict
+    )
     service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
-    image_pull_secrets: list[PullSecretRef] = Field(default_factory=list)
-    env: list[dict[str, Any]] = Field(default_factory=list)
-    env_from: list[dict[str, Any]] = Field(default_factory=list)
-    volumes: list[dict[str, Any]] = Field(default_factory=list)
-    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
+    image_pull_secrets: list[PullSecretRef] = Field(default_factory=list, max_length=16)
+    env: list[dict[str, Any]] = Field(default_factory=list, max_length=128)
+    env_from: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    volumes: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     # None: sized by the GPU count (render.shm_size_limit)
-    shm_size: int | str | None = None
+    shm_size: IntOrString | None = None
 
     @model_validator(mode="after")
     def _check_pod(self) -> PodSpec:
+        for field, items, key, limit in (
+            ("pod.env", self.env, "name", 256),
+            ("pod.volumes", self.volumes, "name", 63),
+            ("pod.volumeMounts", self.volume_mounts, "name", 63),
+            ("pod.volumeMounts", self.volume_mounts, "mountPath", 1024),
+        ):
+            for i, item in enumerate(items):
+                if len(str(item.get(key, ""))) > limit:
+                    raise ValueError(f"spec.{field}[{i}].{key}: Too long: may not be more than {limit} bytes")
         _check_labels(self.labels, "pod.labels")
         if any(k in MANAGED_LABELS for k in self.labels):
             raise ValueError(
@@ -549,8 +565,8 @@ class PodSpec(_Model):
 
 class ServiceMonitorSpec(_Model):
     enabled: bool = True
-    interval: str = Field(default="30s", pattern=DURATION.pattern)
-    labels: dict[str, str] = Field(default_factory=dict)
+    interval: str = Field(default="30s", max_length=32, pattern=DURATION.pattern)
+    labels: LabelMap = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_sm_labels(self) -> ServiceMonitorSpec:
@@ -563,7 +579,7 @@ class MonitoringSpec(_Model):
 
 
 class DisruptionSpec(_Model):
-    min_available: int | str = 1
+    min_available: IntOrString = 1
 
     @model_validator(mode="after")
     def _check_disruption(self) -> DisruptionSpec:
@@ -575,8 +591,8 @@ RoutingPolicy = Literal["cache_aware", "kv_aware", "round_robin", "power_of_two"
 
 
 class RouterResourcesSpec(_Model):
-    cpu: int | str = "1"
-    memory: int | str = "512Mi"
+    cpu: IntOrString = "1"
+    memory: IntOrString = "512Mi"
 
 
 class RoutingSpec(_Model):
@@ -780,7 +796,9 @@ class InferenceModel:
             raise InvalidSpecError("metadata.name is required")
         try:
             spec = InferenceModelSpec.model_validate(manifest.get("spec") or {})
-        except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        except ValidationError as exc:
+            raise InvalidSpecError("\n".join([*bound_errors(exc), str(exc)])) from exc
+        except ValueError as exc:
             raise InvalidSpecError(str(exc)) from exc
         return cls(
             name=name,
@@ -789,6 +807,25 @@ class InferenceModel:
             uid=meta.get("uid"),
             generation=meta.get("generation"),
         )
+
+
+def bound_errors(exc: ValidationError) -> list[str]:
+    """The CRD's maxItems/maxProperties/maxLength refusals in the API server's words (seen on v1.36.2:
+    `spec.pod.labels: Too many: 65: must have at most 64 items`, `spec.rollout.maxSurge: Too long: may not
+    be more than 64 bytes`), so that `render` says what `kubectl apply` would."""
+    out = []
+    for err in exc.errors():
+        # loc: field aliases and list indexes, plus pydantic's union-member tags ("constrained-str")
+        parts = [
+            p for p in err["loc"] if isinstance(p, int) or ("-" not in p and "[" not in p and p != "int")
+        ]
+        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+        limit = (err.get("ctx") or {}).get("max_length")
+        if err["type"] == "too_long":
+            out.append(f"{path}: Too many: {len(err['input'])}: must have at most {limit} items")
+        elif err["type"] == "string_too_long":
+            out.append(f"{path}: Too long: may not be more than {limit} bytes")
+    return out
 
 
 def semantic_errors(spec: InferenceModelSpec) -> list[str]:

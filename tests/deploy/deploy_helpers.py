@@ -24,6 +24,8 @@ import promql_parser
 import yaml
 from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to spot no-op patches
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
+from kmock_crd import crd_refusal
+from kmock_params import body_error, query_error
 from kmock_replace import is_replace, serve_replace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -296,6 +298,21 @@ class MockApiServer(kmock.KubernetesEmulator):
         return doc
 
     async def _handle(self, request: Any) -> Any:
+        refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
+        if refused is None and request.resource is not None:
+            method = str(getattr(request.method, "value", request.method)).upper()
+            content_type = request.headers.get("Content-Type") or ""
+            refused = body_error(method, content_type, request.resource.group, request.data)
+        writes_crd = (
+            request.resource is not None
+            and request.subresource is None
+            and request.resource.plural == "customresourcedefinitions"
+            and request.action in (kmock_enums.action.CREATE, kmock_enums.action.UPDATE)
+        )
+        if refused is None and writes_crd:
+            refused = crd_refusal(request.data)  # defaults against rules, rule costs: the real 422
+        if refused is not None:
+            raise refused
         # PUT (the operator's Lease updates): a replace with the API server's resourceVersion check.
         if is_replace(request):
             self._replaces = getattr(self, "_replaces", 0) + 1

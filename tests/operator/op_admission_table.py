@@ -148,7 +148,11 @@ ADMISSION: list[Row] = [
     Row("cpu-negative-int", _s(resources={"cpu": -2}), "resources.cpu must not be negative"),
     Row("memory-negative-int", _s(resources={"memory": -2}), "resources.memory must not be negative"),
     Row("cache-negative", _s(cache={"sizeLimit": -1}), "cache.sizeLimit must not be negative"),
-    Row("gpu-product-long", _s(resources={"gpu": {"product": "N" * 64}}), "is too long"),
+    Row(
+        "gpu-product-long",
+        _s(resources={"gpu": {"product": "N" * 64}}),
+        "spec.resources.gpu.product: Too long: may not be more than 63 bytes",
+    ),
     Row(
         "gpu-product-space",
         _s(resources={"gpu": {"product": "NVIDIA H100"}}),
@@ -342,5 +346,68 @@ ADMISSION: list[Row] = [
             },
         ),
         None,
+    ),
+    # bounds (issue 29 F2): every string, list and map a user sets is bounded, so the API server's
+    # CEL cost estimate of each rule stays within its budget
+    Row("labels-at-64", _s(pod={"labels": {f"l{i}": "v" for i in range(64)}}), None),
+    Row(
+        "labels-over-64",
+        _s(pod={"labels": {f"l{i}": "v" for i in range(65)}}),
+        "spec.pod.labels: Too many: 65: must have at most 64 items",
+    ),
+    Row(
+        "node-selector-over-64",
+        _s(scheduling={"nodeSelector": {f"l{i}": "v" for i in range(65)}}),
+        "spec.scheduling.nodeSelector: Too many: 65: must have at most 64 items",
+    ),
+    Row(
+        "service-monitor-labels-value-64",
+        _s(monitoring={"serviceMonitor": {"labels": {"release": "x" * 64}}}),
+        "Too long: may not be more than 63 bytes",
+    ),
+    Row(
+        "annotations-over-64",
+        _s(pod={"annotations": {f"a{i}": "v" for i in range(65)}}),
+        "spec.pod.annotations: Too many: 65: must have at most 64 items",
+    ),
+    Row(
+        "surge-too-long",
+        _s(rollout={"maxSurge": "1" * 64 + "%"}),
+        "spec.rollout.maxSurge: Too long: may not be more than 64 bytes",
+    ),
+    Row(
+        "cpu-too-long",
+        _s(resources={"cpu": "1" * 65}),
+        "spec.resources.cpu: Too long: may not be more than 64 bytes",
+    ),
+    Row(
+        "pull-secrets-over-16",
+        _s(pod={"imagePullSecrets": [{"name": f"s{i}"} for i in range(17)]}),
+        "spec.pod.imagePullSecrets: Too many: 17: must have at most 16 items",
+    ),
+    Row(
+        "env-over-128",
+        _s(pod={"env": [{"name": f"V{i}", "value": "x"} for i in range(129)]}),
+        "spec.pod.env: Too many: 129: must have at most 128 items",
+    ),
+    Row(
+        "env-name-too-long",
+        _s(pod={"env": [{"name": "V" * 257, "value": "x"}]}),
+        "spec.pod.env[0].name: Too long: may not be more than 256 bytes",
+    ),
+    Row(
+        "volumes-over-64",
+        _s(pod={"volumes": [{"name": f"v{i}", "emptyDir": {}} for i in range(65)]}),
+        "spec.pod.volumes: Too many: 65: must have at most 64 items",
+    ),
+    Row(
+        "mount-path-too-long",
+        _s(
+            pod={
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/" + "d" * 1024}],
+            }
+        ),
+        "spec.pod.volumeMounts[0].mountPath: Too long: may not be more than 1024 bytes",
     ),
 ]

@@ -32,6 +32,7 @@ import kmock
 import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
+from kmock_params import body_error, query_error
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
@@ -169,6 +170,13 @@ class ApiServer(KubernetesEmulator):
         meta["resourceVersion"] = str(next(self._rv))
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
+        if refused is None and request.resource is not None:
+            method = str(getattr(request.method, "value", request.method)).upper()
+            content_type = request.headers.get("Content-Type") or ""
+            refused = body_error(method, content_type, request.resource.group, request.data)
+        if refused is not None:
+            raise refused
         fault = self._match_fault(request)
         if fault is not None:
             raise KubernetesError(
@@ -349,7 +357,7 @@ class ApiServer(KubernetesEmulator):
                 break
         stream: Any = super()._serve_watch(request)
         # Like the API server, end the stream after ?timeoutSeconds= (kmock itself ignores it).
-        limit = float(request.params.get("timeoutSeconds") or 0) or None
+        limit = int(request.params.get("timeoutSeconds") or 0) or None
         if drop is not None:
             limit = drop.after if limit is None else min(limit, drop.after)
         if limit is None:
