@@ -8,7 +8,7 @@ InferenceModel. An InferenceModel's own image and pull secrets still come first.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .names import is_dns1123_subdomain
 from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF
@@ -16,6 +16,8 @@ from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF
 SERVER_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_IMAGE"
 ROUTER_IMAGE_ENV = "KUBEINFER_DEFAULT_ROUTER_IMAGE"
 PULL_SECRETS_ENV = "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"  # Secret names, comma-separated
+# the installation's key that each model's admin API key is derived from (credentials.py)
+MANAGEMENT_KEY_ENV = "KUBEINFER_MANAGEMENT_KEY"
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class ClusterDefaults:
     server_image: str = DEFAULT_SERVER_IMAGE
     router_image: str = DEFAULT_ROUTER_IMAGE
     image_pull_secrets: tuple[str, ...] = ()
+    management_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for env, image in ((SERVER_IMAGE_ENV, self.server_image), (ROUTER_IMAGE_ENV, self.router_image)):
@@ -45,6 +48,7 @@ class ClusterDefaults:
             server_image=env.get(SERVER_IMAGE_ENV) or DEFAULT_SERVER_IMAGE,
             router_image=env.get(ROUTER_IMAGE_ENV) or DEFAULT_ROUTER_IMAGE,
             image_pull_secrets=secrets,
+            management_key=env.get(MANAGEMENT_KEY_ENV) or None,
         )
 
     def pull_secrets(self, own: list[str]) -> list[dict[str, str]]:

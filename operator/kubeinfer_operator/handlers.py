@@ -12,7 +12,7 @@ from typing import Any
 
 import kopf
 
-from . import adapter_sync
+from . import adapter_sync, credentials
 from . import cache as model_cache
 from .adapters import desired_adapters, runtime_updates
 from .defaults import ClusterDefaults
@@ -29,6 +29,7 @@ from .lws import (
     workload_name,
 )
 from .render import (
+    child_metadata,
     CACHE_KINDS,
     FIELD_MANAGER,
     MODEL_ANNOTATION,
@@ -284,6 +285,8 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
                 404, "CRDNotInstalled", "keda.sh/v1alpha1 ScaledObject is not served", "autoscaling"
             )
         deployment: dict[str, Any] | None = None
+        # the pods' admin key first: a pod whose Secret is missing cannot start
+        credentials.ensure_admin_secret(kube, im, child_metadata(im), caps.defaults)
         for obj in plan.objects:
             if obj["kind"] in CACHE_KINDS:
                 continue  # applied by sync_cache
@@ -412,7 +415,7 @@ def adapters_status(im: InferenceModel, pods: list[dict[str, Any]] | None, logge
         return {"adapters": names, "adapterCount": len(names)}
     if pods is None:
         return {}
-    result = adapter_sync.sync_pods(im, pods)
+    result = adapter_sync.sync_pods(im, pods, token=credentials.admin_token(im, DEFAULTS))
     for pod in result.pods:
         if pod.loaded or pod.unloaded:
             logger.info(f"pod {pod.pod}: adapters loaded {list(pod.loaded)}, unloaded {list(pod.unloaded)}")
