@@ -29,11 +29,11 @@ from .lws import (
     workload_name,
 )
 from .render import (
-    child_metadata,
     CACHE_KINDS,
     FIELD_MANAGER,
     MODEL_ANNOTATION,
     Capabilities,
+    child_metadata,
     is_subset,
     render_all,
     selector_labels,

@@ -15,9 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
-from . import admin
+from . import admin, openai, router_worker, tgi, ui, utility
 from . import lora as lora_routes
-from . import openai, router_worker, tgi, ui, utility
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
 from .openapi_doc import install_openapi

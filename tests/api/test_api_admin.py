@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from conftest import free_port
 
 MANAGEMENT = [
