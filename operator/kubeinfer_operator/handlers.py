@@ -15,6 +15,7 @@ import kopf
 from . import adapter_sync, credentials
 from . import cache as model_cache
 from .adapters import desired_adapters, runtime_updates
+from .admission import AdmissionPolicy
 from .defaults import ClusterDefaults
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
@@ -28,6 +29,7 @@ from .lws import (
     workload_kind,
     workload_name,
 )
+from .policy import model_policy_errors
 from .render import (
     CACHE_KINDS,
     FIELD_MANAGER,
@@ -56,6 +58,8 @@ ANNOTATION_PREFIX = GROUP
 # The installation's default images and pull secrets for the pods the operator creates (the chart's
 # global.imageRegistry, server.image, router.image, global.imagePullSecrets).
 DEFAULTS = ClusterDefaults.from_environment(os.environ)
+# what the cluster administrator allows models beyond the defaults (chart values admission.*)
+POLICY = AdmissionPolicy.from_environment(os.environ)
 
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
@@ -256,7 +260,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=meta.get("uid"))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
 
-    problems = semantic_errors(im.spec)
+    problems = semantic_errors(im.spec) + model_policy_errors(im, POLICY, DEFAULTS)
     if problems:
         message = "; ".join(problems)
         existing = _live_workload(kube, im)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from . import admission
 from .names import (
     DNS1123_SUBDOMAIN,
     child_name,
@@ -280,6 +281,9 @@ class EngineSpec(_Model):
                 "engine.extraArgs must not set a flag the operator manages from the spec "
                 "(--model, --port, --served-model-name, --quantize, --dtype, ...)"
             )
+        problems = admission.extra_args_errors(self.extra_args)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
@@ -543,6 +547,9 @@ class PodSpec(_Model):
         names = {v.get("name") for v in self.volumes}
         if any(m.get("name") not in names for m in self.volume_mounts):
             raise ValueError("every pod.volumeMounts entry must name a volume in pod.volumes")
+        problems = admission.pod_errors(self.env, self.env_from, self.volumes, self.annotations)
+        if problems:
+            raise ValueError("; ".join(problems))
         _check_quantity(self.shm_size, "pod.shmSize")
         return self
 

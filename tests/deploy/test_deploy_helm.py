@@ -298,7 +298,8 @@ def test_rbac_clusterwide_binds_one_clusterrole(installs: dict[str, HelmInstall]
     assert not any(g == "kopf.dev" for g, _, _ in rules), "no kopf peering"
     assert not any(v in {"*", "escalate", "bind", "impersonate"} for _, _, v in rules)
     assert not any("*" in (g, r) for g, r, _ in rules)
-    assert not any(r == "secrets" for _, r, _ in rules), "the operator only names Secrets in pod specs"
+    # Secrets: created (each model's admin API key), never read, listed, changed or deleted
+    assert {v for _, r, v in rules if r == "secrets"} == {"create"}, "the operator reads no Secret"
     binding = inst.one("ClusterRoleBinding", FULLNAME)
     assert binding["roleRef"]["name"] == FULLNAME
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
