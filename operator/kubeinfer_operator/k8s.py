@@ -52,6 +52,8 @@ KINDS: dict[str, KindInfo] = {
     "ConfigMap": KindInfo("v1", "configmaps"),
     # the per-model admin API key (credentials.py): created, never read
     "Secret": KindInfo("v1", "secrets"),
+    # spec.network: the pods' and the router's NetworkPolicies (netpol.py)
+    "NetworkPolicy": KindInfo("networking.k8s.io/v1", "networkpolicies"),
 }
 
 

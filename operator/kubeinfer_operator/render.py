@@ -626,6 +626,11 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     )
     # Order matters for a partial failure: the Service and PDB exist before pods can serve or be evicted.
     objects = [*router, render_service(im)]
+    # NetworkPolicies before any pod they fence (netpol.py)
+    from .netpol import network_policies
+
+    policies, unwanted_policies = network_policies(im, caps.defaults)
+    objects = policies + objects
     if im.spec.cache.shared:
         cache_objects = [render_job(im, caps.defaults)]
         if not adopts_claim(im):
@@ -659,6 +664,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     if caps.leader_worker_set:
         optional.append(ChildRef(LWS_KIND, lws_name(im)))
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
+    optional += unwanted_policies
     if not cache_ready:
         objects = [
             o

@@ -404,6 +404,14 @@ ADMISSION: list[Row] = [
         _s(pod={"annotations": {"container.apparmor.security.beta.kubernetes.io/server": "runtime/default"}}),
         None,
     ),
+    # spec.network (issue 25 item 2)
+    Row("network-peer-empty", _s(network={"allowedClients": [{}]}), "network.allowedClients entries need"),
+    Row(
+        "network-peer-namespace",
+        _s(network={"allowedClients": [{"namespaceSelector": {"matchLabels": {"team": "search"}}}]}),
+        None,
+    ),
+    Row("network-opt-out", _s(network={"networkPolicy": False}), None),
     Row("trust-remote-code", _s(engine={"extraArgs": ["--trust-remote-code"]}), TRUST_REMOTE_CODE),
     Row("trust-remote-code-eq", _s(engine={"extraArgs": ["--trust-remote-code=true"]}), TRUST_REMOTE_CODE),
 ]

@@ -442,6 +442,7 @@ def test_every_kind_is_covered() -> None:
         "PodDisruptionBudget",
         "ConfigMap",
         "LeaderWorkerSet",  # examples/multi-node.yaml
+        "NetworkPolicy",  # every model, and its router (netpol.py)
     }
 
 
