@@ -201,7 +201,7 @@ def pod_secret_names(
     volumes: Iterable[Mapping[str, Any]],
 ) -> list[str]:
     """Secrets that spec.pod's env, envFrom and volumes reference, in order, each once."""
-    names: list[str] = []
+    names: list[Any] = []
     for e in env:
         ref = ((e.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
         names.append(ref)
