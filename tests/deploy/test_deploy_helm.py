@@ -398,7 +398,9 @@ def test_global_registry_reaches_every_image_and_the_models_deployment(
     assert deployments(doc)["m"]["containers"][0]["image"] == "example.org/own/server:1"
     # Without a registry the chart's defaults are the operator's built-in ones.
     plain = {e["name"]: e["value"] for e in _container(_ok(installs, "defaults"))["env"] if "value" in e}
-    assert ClusterDefaults.from_environment(plain) == ClusterDefaults()
+    chart_defaults, builtin = ClusterDefaults.from_environment(plain), ClusterDefaults()
+    for attr in ("server_image", "router_image", "image_pull_secrets"):
+        assert getattr(chart_defaults, attr) == getattr(builtin, attr), attr
 
 
 def test_dashboards_arrive_as_sidecar_configmaps(installs: dict[str, HelmInstall]) -> None:
