@@ -354,3 +354,21 @@ def test_adapter_changes_reach_running_pods_without_a_rollout(
         what="Deployment without LoRA",
     )
     wait_for(lambda: status().get("adapterCount") == 0, what="adapterCount 0")
+
+
+def test_rendered_documents_carry_the_admin_secret_the_pods_read() -> None:
+    """`kubeinfer-operator render` output is complete: the Secret the pods' admin key comes from."""
+    from kubeinfer_operator.__main__ import render_documents
+    from kubeinfer_operator.render import Capabilities
+
+    doc = inference_model({"model": HF, "adapters": adapters("a")}, name=NAME)
+    doc["metadata"]["uid"] = "0c7d5e4a-1111-4222-8333-944445555666"
+    objects = render_documents([doc], Capabilities())
+    (secret,) = [o for o in objects if o["kind"] == "Secret"]
+    (dep,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == NAME]
+    (env,) = [e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == ADMIN_ENV]
+    assert env["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    assert secret["immutable"] is True and secret["metadata"]["ownerReferences"][0]["name"] == NAME
+    # a model without adapters gets no key: its management routes stay closed (403)
+    plain = render_documents([inference_model({"model": HF}, name=NAME)], Capabilities())
+    assert not [o for o in plain if o["kind"] == "Secret"]
