@@ -123,3 +123,14 @@ def test_api_admin_key_flag_and_env() -> None:
     args = build_parser({}).parse_args(["--admin-api-key", "zq-secret-zq"])
     cfg = config_from_args(args)
     assert cfg.admin_api_key == "zq-secret-zq" and "zq-secret-zq" not in repr(cfg)
+
+
+def test_api_operator_client_gets_through_with_the_models_admin_key(admin_server: str) -> None:
+    """The operator's own HTTP client (adapter_sync.UrllibPodHTTP) against the real server."""
+    from kubeinfer_operator.adapter_sync import UrllibPodHTTP
+
+    body = {"lora_name": "sql", "lora_path": "/tmp"}
+    refused = UrllibPodHTTP().post(f"{admin_server}/v1/load_lora_adapter", body, 10)
+    assert refused.status == 401
+    reached = UrllibPodHTTP(ADMIN).post(f"{admin_server}/v1/load_lora_adapter", body, 10)
+    assert reached.status == 503 and "loading" in str(reached.body)  # the route itself answered
