@@ -403,6 +403,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "(/health, /ready, /metrics, /info stay open)",
     )
     add(
+        "--admin-api-key",
+        "KUBEINFER_ADMIN_API_KEY",
+        "Management credential: the state-changing routes (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter, /flush_cache, /reset_prefix_cache) require 'Authorization: Bearer <key>' "
+        "with it (it also opens every other route). Without it they take --api-key; with neither they "
+        "answer 403 unless --host is a loopback address (local development)",
+    )
+    add(
         "--drain-timeout",
         "KUBEINFER_DRAIN_TIMEOUT",
         "On SIGTERM, seconds to let admitted requests finish",
@@ -516,6 +524,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_stop_sequences=args.max_stop_sequences,
         max_top_n_tokens=args.max_top_n_tokens,
         api_key=args.api_key or None,
+        admin_api_key=args.admin_api_key or None,
         drain_timeout_s=args.drain_timeout,
         timeout_request_head_s=args.timeout_request_head,
         log_format=args.log_format,

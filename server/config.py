@@ -293,6 +293,8 @@ class ServerConfig:
     max_top_n_tokens: int = 5
     max_client_batch_size: int = 4
     api_key: str | None = None
+    # the management credential (server/api/admin.py): state-changing routes need it when set
+    admin_api_key: str | None = field(default=None, repr=False)
     drain_timeout_s: float = 30.0
     # Seconds a connection may take to send a request head (server/api/limits.py)
     timeout_request_head_s: float = 30.0
@@ -332,6 +334,8 @@ class ServerConfig:
             raise ValueError(f"max_top_n_tokens must be in [0, 20], got {self.max_top_n_tokens}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when set")
+        if self.admin_api_key is not None and not self.admin_api_key:
+            raise ValueError("admin_api_key must be non-empty when set")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not self.timeout_request_head_s > 0:

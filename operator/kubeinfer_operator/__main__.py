@@ -18,9 +18,10 @@ from typing import Any, TextIO
 
 import yaml
 
+from . import credentials
 from .defaults import ClusterDefaults
 from .leader import LeaderElectionConfig, LeaderElector, parse_duration
-from .render import Capabilities, render_all
+from .render import Capabilities, child_metadata, render_all
 from .spec import InferenceModel, InvalidSpecError, semantic_errors
 
 
@@ -31,6 +32,8 @@ def render_documents(manifests: list[dict[str, Any]], caps: Capabilities) -> lis
         problems = semantic_errors(im.spec)
         if problems:
             raise InvalidSpecError(f"{im.namespace}/{im.name}: " + "; ".join(problems))
+        if credentials.wants_admin_key(im):  # the Secret its pods read their admin key from
+            out.append(credentials.render_admin_secret(im, child_metadata(im), caps.defaults))
         out.extend(render_all(im, caps).objects)
     return out
 

@@ -8,7 +8,7 @@ InferenceModel. An InferenceModel's own image and pull secrets still come first.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .names import is_dns1123_subdomain
 from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF
@@ -16,6 +16,23 @@ from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF
 SERVER_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_IMAGE"
 ROUTER_IMAGE_ENV = "KUBEINFER_DEFAULT_ROUTER_IMAGE"
 PULL_SECRETS_ENV = "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"  # Secret names, comma-separated
+# the installation's key that each model's admin API key is derived from (credentials.py)
+MANAGEMENT_KEY_ENV = "KUBEINFER_MANAGEMENT_KEY"
+# Who the model pods' NetworkPolicies let in besides their clients (netpol.py): the operator (its
+# namespace, the chart's POD_NAMESPACE, and its pods' labels) and Prometheus (namespace, pod labels).
+OPERATOR_NAMESPACE_ENV = "POD_NAMESPACE"
+OPERATOR_POD_LABELS_ENV = "KUBEINFER_OPERATOR_POD_LABELS"  # k=v,k=v
+MONITORING_NAMESPACE_ENV = "KUBEINFER_MONITORING_NAMESPACE"
+PROMETHEUS_POD_LABELS_ENV = "KUBEINFER_PROMETHEUS_POD_LABELS"  # k=v,k=v; empty: any pod there
+DEFAULT_OPERATOR_POD_LABELS = (("app.kubernetes.io/name", "kubeinfer"),)
+DEFAULT_PROMETHEUS_POD_LABELS = (("app.kubernetes.io/name", "prometheus"),)
+
+
+def _labels(value: str | None, default: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return default
+    pairs = [p.strip().partition("=") for p in value.split(",") if p.strip()]
+    return tuple((k.strip(), v.strip()) for k, _, v in pairs)
 
 
 @dataclass(frozen=True)
@@ -26,6 +43,11 @@ class ClusterDefaults:
     server_image: str = DEFAULT_SERVER_IMAGE
     router_image: str = DEFAULT_ROUTER_IMAGE
     image_pull_secrets: tuple[str, ...] = ()
+    management_key: str | None = field(default=None, repr=False)
+    operator_namespace: str | None = None  # None: operator pods in any namespace (no chart)
+    operator_pod_labels: tuple[tuple[str, str], ...] = DEFAULT_OPERATOR_POD_LABELS
+    monitoring_namespace: str = "monitoring"
+    prometheus_pod_labels: tuple[tuple[str, str], ...] = DEFAULT_PROMETHEUS_POD_LABELS
 
     def __post_init__(self) -> None:
         for env, image in ((SERVER_IMAGE_ENV, self.server_image), (ROUTER_IMAGE_ENV, self.router_image)):
@@ -45,6 +67,11 @@ class ClusterDefaults:
             server_image=env.get(SERVER_IMAGE_ENV) or DEFAULT_SERVER_IMAGE,
             router_image=env.get(ROUTER_IMAGE_ENV) or DEFAULT_ROUTER_IMAGE,
             image_pull_secrets=secrets,
+            management_key=env.get(MANAGEMENT_KEY_ENV) or None,
+            operator_namespace=env.get(OPERATOR_NAMESPACE_ENV) or None,
+            operator_pod_labels=_labels(env.get(OPERATOR_POD_LABELS_ENV), DEFAULT_OPERATOR_POD_LABELS),
+            monitoring_namespace=env.get(MONITORING_NAMESPACE_ENV) or "monitoring",
+            prometheus_pod_labels=_labels(env.get(PROMETHEUS_POD_LABELS_ENV), DEFAULT_PROMETHEUS_POD_LABELS),
         )
 
     def pull_secrets(self, own: list[str]) -> list[dict[str, str]]:

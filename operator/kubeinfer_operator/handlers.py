@@ -12,9 +12,10 @@ from typing import Any
 
 import kopf
 
-from . import adapter_sync
+from . import adapter_sync, credentials
 from . import cache as model_cache
 from .adapters import desired_adapters, runtime_updates
+from .admission import AdmissionPolicy
 from .defaults import ClusterDefaults
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
@@ -28,11 +29,13 @@ from .lws import (
     workload_kind,
     workload_name,
 )
+from .policy import model_policy_errors
 from .render import (
     CACHE_KINDS,
     FIELD_MANAGER,
     MODEL_ANNOTATION,
     Capabilities,
+    child_metadata,
     is_subset,
     render_all,
     selector_labels,
@@ -55,6 +58,8 @@ ANNOTATION_PREFIX = GROUP
 # The installation's default images and pull secrets for the pods the operator creates (the chart's
 # global.imageRegistry, server.image, router.image, global.imagePullSecrets).
 DEFAULTS = ClusterDefaults.from_environment(os.environ)
+# what the cluster administrator allows models beyond the defaults (chart values admission.*)
+POLICY = AdmissionPolicy.from_environment(os.environ)
 
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
@@ -256,7 +261,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
         _write_status(kube, namespace, name, status.to_dict(), previous, logger, uid=meta.get("uid"))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
 
-    problems = semantic_errors(im.spec)
+    problems = semantic_errors(im.spec) + model_policy_errors(im, POLICY, DEFAULTS)
     if problems:
         message = "; ".join(problems)
         existing = _live_workload(kube, im)
@@ -285,6 +290,8 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
                 404, "CRDNotInstalled", "keda.sh/v1alpha1 ScaledObject is not served", "autoscaling"
             )
         deployment: dict[str, Any] | None = None
+        # the pods' admin key first: a pod whose Secret is missing cannot start
+        credentials.ensure_admin_secret(kube, im, child_metadata(im), caps.defaults)
         for obj in plan.objects:
             if obj["kind"] in CACHE_KINDS:
                 continue  # applied by sync_cache
@@ -413,7 +420,7 @@ def adapters_status(im: InferenceModel, pods: list[dict[str, Any]] | None, logge
         return {"adapters": names, "adapterCount": len(names)}
     if pods is None:
         return {}
-    result = adapter_sync.sync_pods(im, pods)
+    result = adapter_sync.sync_pods(im, pods, token=credentials.admin_token(im, DEFAULTS))
     for pod in result.pods:
         if pod.loaded or pod.unloaded:
             logger.info(f"pod {pod.pod}: adapters loaded {list(pod.loaded)}, unloaded {list(pod.unloaded)}")

@@ -13,6 +13,7 @@ from .adapters import (
     lora_server_args,
     render_adapters_configmap,
 )
+from .credentials import admin_env
 from .defaults import ClusterDefaults
 from .quantity import same_quantity
 from .spec import (
@@ -101,6 +102,11 @@ def _metadata(im: InferenceModel, extra_labels: dict[str, str] | None = None) ->
     if im.uid is not None:
         meta["ownerReferences"] = [owner_reference(im)]
     return meta
+
+
+def child_metadata(im: InferenceModel) -> dict[str, Any]:
+    """The name, namespace, labels and ownerReference every child of the model carries."""
+    return _metadata(im)
 
 
 def endpoint_url(im: InferenceModel) -> str:
@@ -300,7 +306,8 @@ def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = Non
         "image": spec.engine.image or defaults.server_image,
         "imagePullPolicy": "IfNotPresent",
         "args": server_args(im),
-        "env": _env(im),
+        # the admin key last: an env entry of the same name earlier in the list cannot replace it
+        "env": _env(im) + admin_env(im, defaults),
         "ports": [
             {"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"},
             *server_routing_ports(im),
@@ -619,6 +626,11 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     )
     # Order matters for a partial failure: the Service and PDB exist before pods can serve or be evicted.
     objects = [*router, render_service(im)]
+    # NetworkPolicies before any pod they fence (netpol.py)
+    from .netpol import network_policies
+
+    policies, unwanted_policies = network_policies(im, caps.defaults)
+    objects = policies + objects
     if im.spec.cache.shared:
         cache_objects = [render_job(im, caps.defaults)]
         if not adopts_claim(im):
@@ -652,6 +664,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     if caps.leader_worker_set:
         optional.append(ChildRef(LWS_KIND, lws_name(im)))
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
+    optional += unwanted_policies
     if not cache_ready:
         objects = [
             o

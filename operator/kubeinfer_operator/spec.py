@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from . import admission
 from .names import (
     DNS1123_SUBDOMAIN,
     child_name,
@@ -285,6 +286,9 @@ class EngineSpec(_Model):
                 "engine.extraArgs must not set a flag the operator manages from the spec "
                 "(--model, --port, --served-model-name, --quantize, --dtype, ...)"
             )
+        problems = admission.extra_args_errors(self.extra_args)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
@@ -559,6 +563,9 @@ class PodSpec(_Model):
         names = {v.get("name") for v in self.volumes}
         if any(m.get("name") not in names for m in self.volume_mounts):
             raise ValueError("every pod.volumeMounts entry must name a volume in pod.volumes")
+        problems = admission.pod_errors(self.env, self.env_from, self.volumes, self.annotations)
+        if problems:
+            raise ValueError("; ".join(problems))
         _check_quantity(self.shm_size, "pod.shmSize")
         return self
 
@@ -612,6 +619,77 @@ class ParallelismSpec(_Model):
     nodes: int = Field(default=1, ge=1, le=32)
 
 
+class LabelSelectorRequirement(_Model):
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _check_values(self) -> LabelSelectorRequirement:
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError(
+                "a matchExpressions entry: In and NotIn need values, Exists and DoesNotExist none"
+            )
+        return self
+
+
+class LabelSelector(_Model):
+    """metav1.LabelSelector, bounded like the CRD's schema."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict, max_length=16)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=8)
+
+    @model_validator(mode="after")
+    def _check_selector(self) -> LabelSelector:
+        _check_labels(self.match_labels, "a matchLabels selector")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.match_labels:
+            out["matchLabels"] = dict(self.match_labels)
+        if self.match_expressions:
+            out["matchExpressions"] = [
+                e.model_dump(by_alias=True, exclude_defaults=True) for e in self.match_expressions
+            ]
+        return out
+
+
+NETWORK_PEER_MESSAGE = "network.allowedClients entries need a namespaceSelector, a podSelector or both"
+
+
+class NetworkPeer(_Model):
+    """A NetworkPolicy peer: pods matching podSelector in namespaces matching namespaceSelector (one
+    alone: that selector in the model's namespace, or all pods of the matching namespaces)."""
+
+    namespace_selector: LabelSelector | None = None
+    pod_selector: LabelSelector | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.namespace_selector is not None:
+            out["namespaceSelector"] = self.namespace_selector.to_dict()
+        if self.pod_selector is not None:
+            out["podSelector"] = self.pod_selector.to_dict()
+        return out
+
+
+class NetworkSpec(_Model):
+    """Who may reach the pods (netpol.py renders the NetworkPolicies)."""
+
+    # False: no NetworkPolicy for this model (the namespace's own policies apply)
+    network_policy: bool = True
+    # peers allowed on the serving ports; empty: the model's namespace. The model's router, the
+    # operator and Prometheus are always allowed.
+    allowed_clients: list[NetworkPeer] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _check_network(self) -> NetworkSpec:
+        if any(p.namespace_selector is None and p.pod_selector is None for p in self.allowed_clients):
+            raise ValueError(NETWORK_PEER_MESSAGE)
+        return self
+
+
 class InferenceModelSpec(_Model):
     model: ModelSource
     adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
@@ -627,6 +705,7 @@ class InferenceModelSpec(_Model):
     pod: PodSpec = Field(default_factory=PodSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
     suspend: bool = False
 
     @model_validator(mode="after")

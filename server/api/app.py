@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,8 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
+from . import admin, openai, router_worker, tgi, ui, utility
 from . import lora as lora_routes
-from . import openai, router_worker, tgi, ui, utility
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
 from .openapi_doc import install_openapi
@@ -37,19 +36,16 @@ class APIMiddleware:
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self.state = state
-        key = state.config.api_key
-        self._key = key.encode() if key else None
-        self._ui = state.config.ui
+        cfg = state.config
+        self._key = cfg.api_key.encode() if cfg.api_key else None
+        self._ui = cfg.ui
+        self._management = admin.ManagementGuard(cfg.api_key, cfg.admin_api_key, cfg.host)
 
     def _authorized(self, scope: Scope) -> bool:
         if self._key is None:
             return True
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
-                    return True
-        return False
+        token = admin.bearer_token(scope)
+        return admin.matches(token, self._key) or self._management.is_admin(token)
 
     def _content_length(self, scope: Scope) -> int | None:
         for name, value in scope.get("headers", []):
@@ -76,12 +72,14 @@ class APIMiddleware:
         try:
             error: APIError | None = None
             page = self._ui and ui.is_page_request(scope.get("method", ""), path)
-            if path not in OPEN_PATHS and not page and not self._authorized(scope):
+            if path in admin.MANAGEMENT_PATHS:
+                error = self._management.refusal(scope)
+            elif path not in OPEN_PATHS and not page and not self._authorized(scope):
                 error = APIError(
                     ErrorKind.UNAUTHORIZED,
                     "Unauthorized: a valid API key is required (Authorization: Bearer)",
                 )
-            else:
+            if error is None:
                 length = self._content_length(scope)
                 if length is not None and length > self.state.config.max_payload_bytes:
                     error = APIError(

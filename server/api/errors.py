@@ -21,6 +21,7 @@ class ErrorKind(enum.StrEnum):
     INCOMPLETE = "incomplete_generation"  # the stream ended early: 500
     UNAVAILABLE = "unavailable"  # loading or draining: 503
     UNAUTHORIZED = "unauthorized"  # 401
+    FORBIDDEN = "forbidden"  # 403: a route this server's configuration keeps closed
     NOT_FOUND = "not_found"  # unknown model or route: 404
     METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
     TOO_LARGE = "payload_too_large"  # 413
@@ -38,6 +39,7 @@ _TGI_STATUS = {
     ErrorKind.INCOMPLETE: 500,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.UNAUTHORIZED: 401,
+    ErrorKind.FORBIDDEN: 403,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.METHOD_NOT_ALLOWED: 405,
     ErrorKind.TOO_LARGE: 413,
@@ -50,6 +52,7 @@ _OPENAI_TYPE = {
     ErrorKind.INCOMPLETE: "InternalServerError",
     ErrorKind.UNAVAILABLE: "ServiceUnavailableError",
     ErrorKind.UNAUTHORIZED: "AuthenticationError",
+    ErrorKind.FORBIDDEN: "PermissionDeniedError",
     ErrorKind.NOT_FOUND: "NotFoundError",
     ErrorKind.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
     ErrorKind.TOO_LARGE: "BadRequestError",

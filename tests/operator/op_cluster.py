@@ -57,6 +57,9 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
     ),
     "batch/v1/jobs": ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
     "v1/configmaps": ResourceInfo(kind="ConfigMap", namespaced=True),
+    # the per-model admin API key (kubeinfer_operator/credentials.py)
+    "v1/secrets": ResourceInfo(kind="Secret", namespaced=True),
+    "networking.k8s.io/v1/networkpolicies": ResourceInfo(kind="NetworkPolicy", namespaced=True),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -89,6 +92,8 @@ PATHS = {
     "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
     "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
+    "Secret": "/api/v1/namespaces/{ns}/secrets",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     "Event": "/api/v1/namespaces/{ns}/events",
     "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
     # spec.routing's router identity and permission

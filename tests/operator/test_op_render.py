@@ -442,6 +442,7 @@ def test_every_kind_is_covered() -> None:
         "PodDisruptionBudget",
         "ConfigMap",
         "LeaderWorkerSet",  # examples/multi-node.yaml
+        "NetworkPolicy",  # every model, and its router (netpol.py)
     }
 
 
@@ -502,7 +503,7 @@ def test_pod_customization_reaches_the_pod() -> None:
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
     assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in c["env"]
-    assert c["envFrom"] == [{"configMapRef": {"name": "tuning"}}]
+    assert c["envFrom"] == [{"configMapRef": {"name": "tuning"}, "prefix": "TUNING_"}]
     assert {"name": "extra", "configMap": {"name": "chat-templates"}} in pod["volumes"]
     assert {"name": "extra", "mountPath": "/etc/templates", "readOnly": True} in c["volumeMounts"]
     dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")

@@ -119,3 +119,8 @@ container runtime's rule); Docker Hub references have none and just get the pref
 {{- define "kubeinfer.clusterWide" -}}
 {{- if not .Values.operator.watchNamespaces }}true{{- end }}
 {{- end }}
+
+{{/* The Secret holding the management key (operator.managementKey). */}}
+{{- define "kubeinfer.managementSecretName" -}}
+{{- .Values.operator.managementKey.existingSecret | default (printf "%s-management" (include "kubeinfer.fullname" .)) -}}
+{{- end }}
