@@ -211,7 +211,8 @@ def plan_tools(
 ) -> ToolPlan:
     cfg = state.config
     if not tools:
-        if choice not in (None, "none"):
+        # vLLM and OpenAI refuse any tool_choice without tools, "none" included.
+        if choice is not None:
             raise validation("tool_choice requires tools", "tool_choice")
         return ToolPlan("none")
     names: set[str] = set()
