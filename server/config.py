@@ -34,6 +34,8 @@ def default_cache_dir() -> Path:
 
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# vLLM's --logprobs-mode: what sampled-token logprobs report (server/worker/sampler.py)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
@@ -50,8 +52,13 @@ class ModelConfig:
     # A Jinja chat template file replacing the model's (--chat-template); None = the model's own, or
     # for the embedded SmolLM2 the tool-aware server/templates/smollm2_tools.jinja.
     chat_template: str | None = None
+    # What sampled-token logprobs report (vLLM's --logprobs-mode): raw_* = the model's own distribution,
+    # processed_* = after penalties, the grammar's mask, temperature and top-k/top-p/min-p.
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:

@@ -39,6 +39,7 @@ class ModelRunner:
         device: torch.device,
         structured: StructuredOutputManager | None = None,
         lora: LoRAManager | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
         self.lora = lora  # wraps the model's projections; None = LoRA disabled
@@ -51,7 +52,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self._prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
         self.structured = structured
 
@@ -103,7 +104,12 @@ class ModelRunner:
     def _sample(self, sched: SchedulerOutput, batch: ForwardBatch, logits: Tensor, out: ModelOutput) -> None:
         by_id = {item.request.request_id: item.request for item in sched.scheduled}
         rows = [SamplingRow(by_id[rid]) for rid in batch.sampled_request_ids]
+        model_logits: Tensor | None = None
         if self.structured is not None:
+            if self.sampler.logprobs_mode.startswith("raw_") and any(
+                r.params.logprobs is not None and r.params.structured is not None for r in rows
+            ):
+                model_logits = logits.clone()  # raw logprobs are the model's own, before the mask
             # Grammar-constrained rows: forbidden tokens to -inf; a row whose grammar state failed is
             # failed alone and not sampled.
             failed = self.structured.apply(logits, [r.request for r in rows])
@@ -112,10 +118,12 @@ class ModelRunner:
                 keep = [i for i, r in enumerate(rows) if r.request.request_id not in failed]
                 rows = [rows[i] for i in keep]
                 logits = logits[keep]
+                if model_logits is not None:
+                    model_logits = model_logits[keep]
                 if not rows:
                     return
         try:
-            result = self.sampler(logits, rows)
+            result = self.sampler(logits, rows, model_logits)
             pairs = list(zip(rows, result.token_ids, result.logprobs, strict=True))
         except Exception:
             # Isolate the failing request(s): the rest of the batch samples as usual.
@@ -123,7 +131,8 @@ class ModelRunner:
             pairs = []
             for i, row in enumerate(rows):
                 try:
-                    r = self.sampler(logits[i : i + 1], [row])
+                    own = None if model_logits is None else model_logits[i : i + 1]
+                    r = self.sampler(logits[i : i + 1], [row], own)
                     pairs.append((row, r.token_ids[0], r.logprobs[0]))
                 except Exception as e:
                     out.errors[row.request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
