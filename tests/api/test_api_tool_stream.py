@@ -113,7 +113,6 @@ def test_api_tool_calls_same_streamed_and_unary_at_every_cut(
     else:
         raise AssertionError("no seed gave parallel calls")
     body["seed"] = seed
-    print(f"{mode}: seed {seed}, {n} tokens, calls {full_calls}")
     cuts = sorted({n // 4, n // 2, (3 * n) // 4, n - 1, n} - {0})
     seen_cut_call = False
     for cut in cuts:
