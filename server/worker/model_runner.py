@@ -14,7 +14,7 @@ from server.models.llama import LlamaForCausalLM
 from server.spec_decode.rejection_sampler import verify_drafts
 from server.structured import StructuredOutputManager
 from server.worker.input_batch import ForwardBatch, build_forward_batch
-from server.worker.sampler import Sampler, SamplingRow
+from server.worker.sampler import Sampler, SamplerOutput, SamplingRow
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
+        self.logprobs_mode = logprobs_mode
         self.sampler = Sampler(logprobs_mode)
         self._prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
         self.structured = structured
@@ -106,7 +107,7 @@ class ModelRunner:
         rows = [SamplingRow(by_id[rid]) for rid in batch.sampled_request_ids]
         model_logits: Tensor | None = None
         if self.structured is not None:
-            if self.sampler.logprobs_mode.startswith("raw_") and any(
+            if self.logprobs_mode.startswith("raw_") and any(
                 r.params.logprobs is not None and r.params.structured is not None for r in rows
             ):
                 model_logits = logits.clone()  # raw logprobs are the model's own, before the mask
@@ -123,7 +124,7 @@ class ModelRunner:
                 if not rows:
                     return
         try:
-            result = self.sampler(logits, rows, model_logits)
+            result = self._call_sampler(logits, rows, model_logits)
             pairs = list(zip(rows, result.token_ids, result.logprobs, strict=True))
         except Exception:
             # Isolate the failing request(s): the rest of the batch samples as usual.
@@ -132,7 +133,7 @@ class ModelRunner:
             for i, row in enumerate(rows):
                 try:
                     own = None if model_logits is None else model_logits[i : i + 1]
-                    r = self.sampler(logits[i : i + 1], [row], own)
+                    r = self._call_sampler(logits[i : i + 1], [row], own)
                     pairs.append((row, r.token_ids[0], r.logprobs[0]))
                 except Exception as e:
                     out.errors[row.request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
@@ -141,6 +142,14 @@ class ModelRunner:
             out.sampled_token_ids[rid] = token
             if lp is not None:
                 out.logprobs[rid] = lp
+
+    def _call_sampler(
+        self, logits: Tensor, rows: list[SamplingRow], model_logits: Tensor | None
+    ) -> SamplerOutput:
+        # The model's own logits go along only when a mask changed them (raw logprobs under a grammar).
+        if model_logits is None:
+            return self.sampler(logits, rows)
+        return self.sampler(logits, rows, model_logits)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: Tensor, out: ModelOutput) -> None:
         offset = 0
