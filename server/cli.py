@@ -22,6 +22,7 @@ from server.config import (
     ATTENTION_BACKENDS,
     DTYPE_CHOICES,
     LOG_FORMATS,
+    LOGPROBS_MODES,
     QUANTIZE_CHOICES,
     TOOL_CALL_PARSERS,
     CacheConfig,
@@ -297,6 +298,15 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "Jinja chat template file replacing the model's (the embedded SmolLM2 uses the shipped "
         "tool-aware server/templates/smollm2_tools.jinja)",
     )
+    add(
+        "--logprobs-mode",
+        "KUBEINFER_LOGPROBS_MODE",
+        "What returned logprobs report, as vLLM: raw_logprobs (the model's own distribution, before "
+        "penalties, a grammar's mask, temperature and top-k/top-p), raw_logits, processed_logprobs or "
+        "processed_logits (after all of them; tokens they exclude are left out of top lists)",
+        default="raw_logprobs",
+        choices=LOGPROBS_MODES,
+    )
     add_bool(
         "--allow-special-tokens-in-content",
         "KUBEINFER_ALLOW_SPECIAL_TOKENS_IN_CONTENT",
@@ -478,6 +488,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_total_tokens,
         chat_template=args.chat_template,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        logprobs_mode=args.logprobs_mode,
     )
     cache = CacheConfig(
         block_size=args.block_size,

@@ -34,6 +34,8 @@ def default_cache_dir() -> Path:
 
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# vLLM's --logprobs-mode: what sampled-token logprobs report (server/worker/sampler.py)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
@@ -53,8 +55,13 @@ class ModelConfig:
     # Parse special-token strings inside chat messages as control tokens (--allow-special-tokens-in-
     # content); by default message content is tokenized as text (server/chat_tokens.py).
     allow_special_tokens_in_content: bool = False
+    # What sampled-token logprobs report (vLLM's --logprobs-mode): raw_* = the model's own distribution,
+    # processed_* = after penalties, the grammar's mask, temperature and top-k/top-p/min-p.
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:

@@ -182,6 +182,7 @@ class LLMEngine:
             self.device,
             structured=StructuredOutputManager(self.grammars),
             lora=lora_manager,
+            logprobs_mode=config.model.logprobs_mode,
         )
         if self.tp is not None:
             self.tp.wait_ready(num_blocks)
