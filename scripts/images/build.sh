@@ -24,6 +24,7 @@ CPU_BUILD_ARGS=(
   --build-arg TORCH_CUDA=cpu
   --build-arg EXTRAS=
   --build-arg RUNTIME_PACKAGES=libgomp1
+  --build-arg PRUNE_PACKAGES=triton
 )
 mkdir -p "$CACHE"
 

@@ -116,6 +116,14 @@ def test_cpu_server_image_serves_concurrent_generate_as_the_operator_runs_it(
     assert len(set(texts)) == 1, texts
     assert server.running(), server.log()[-4000:]
 
+    # Structured output on CPU (xgrammar), in the image built without triton (PRUNE_PACKAGES).
+    constrained = {
+        "inputs": "Is water wet?",
+        "parameters": {"max_new_tokens": 8, "grammar": {"type": "regex", "value": "(yes|no)"}},
+    }
+    [result] = post_in(server, f"http://127.0.0.1:{port}/generate", constrained, 1)
+    assert result["status"] == 200 and result["body"]["generated_text"] in ("yes", "no"), result
+
     # Run-time dispatch: the kernels prebuilt for this CPU's x86-64 level were loaded (the image has no
     # compiler), and nothing was compiled into the cache.
     log = server.log()
