@@ -170,12 +170,13 @@ def run_container(
     if uid is None:  # the image's USER, numeric as our Dockerfiles set it
         uid_s, _, gid_s = (config.get("User") or "0").partition(":")
         uid, gid = int(uid_s), int(gid_s or uid_s)
-    command = container.get("command") or config.get("Entrypoint") or []
-    args = (
-        container.get("args")
-        if "args" in container
-        else (config.get("Cmd") or [] if "command" not in container else [])
-    )
+    command: list[str]
+    args: list[str]
+    if "command" in container:  # the image's CMD is dropped too
+        command, args = list(container["command"]), list(container.get("args", []))
+    else:
+        command = list(config.get("Entrypoint") or [])
+        args = list(container["args"] if "args" in container else config.get("Cmd") or [])
     argv = [*command, *args]
     env = dict(e.split("=", 1) for e in config.get("Env") or [])
     for item in container.get("env", []):
