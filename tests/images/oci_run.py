@@ -249,7 +249,28 @@ def run_container(
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    return Container(name, proc, name, log_path, scratch)
+    run = Container(name, proc, name, log_path, scratch)
+    _wait_for_netns(run, network)
+    return run
+
+
+def _wait_for_netns(run: Container, network: str) -> None:
+    """Until the process is in its network namespace: a client started earlier would join the host's."""
+    host = os.readlink("/proc/self/ns/net")
+    want = None if network in ("new", "host") else os.readlink(network)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            now = os.readlink(run.netns)
+        except OSError:
+            now = None
+        if now is not None and (now == want if want else (now == host) == (network == "host")):
+            return
+        if run.proc.poll() is not None:
+            raise RuntimeError(f"container exited at start: {run.log()[-2000:]}")
+        time.sleep(0.05)
+    run.stop()
+    raise RuntimeError("the container's process did not enter its network namespace")
 
 
 def in_netns(container: Container, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:

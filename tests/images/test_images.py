@@ -37,7 +37,8 @@ from kubeinfer_operator.spec import (
 
 from server import native
 
-pytestmark = [pytest.mark.images, pytest.mark.slow]
+# Each test copies its image into a working container first (vfs: a full copy, minutes under load).
+pytestmark = [pytest.mark.images, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_EXAMPLE = REPO / "examples" / "cpu-smollm2.yaml"
@@ -89,7 +90,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[oci_run.Contain
     )
     try:
         port = container["ports"][0]["containerPort"]
-        wait_in(run, f"http://127.0.0.1:{port}{container['readinessProbe']['httpGet']['path']}", 600)
+        wait_in(run, f"http://127.0.0.1:{port}{container['readinessProbe']['httpGet']['path']}", 420)
         yield run
     finally:
         run.stop()
