@@ -140,16 +140,10 @@ def test_router_image_routes_a_request_to_the_server(server: oci_run.Container, 
     server_port = server_container["ports"][0]["containerPort"]
     # The operator's router flags, with the pod-discovery ones replaced by the one server's address:
     # there is no Kubernetes API to discover pods from here.
-    args = router_args(cpu_model())
-    for flag in (
-        "--service-discovery",
-        "--selector",
-        "--service-discovery-port",
-        "--service-discovery-namespace",
-    ):
-        if flag in args:
-            i = args.index(flag)
-            del args[i : i + 1 if flag == "--service-discovery" else i + 2]
+    args = without_flags(
+        router_args(cpu_model()),
+        {"--service-discovery", "--selector", "--service-discovery-port", "--service-discovery-namespace"},
+    )
     args += ["--worker-urls", f"http://127.0.0.1:{server_port}"]
     router_port = int(args[args.index("--port") + 1])
     container = {
@@ -173,6 +167,18 @@ def test_router_image_routes_a_request_to_the_server(server: oci_run.Container, 
         assert result["body"]["choices"][0]["text"], result
     finally:
         run.stop()
+
+
+def without_flags(args: list[str], flags: set[str]) -> list[str]:
+    """`args` less each flag in `flags` and the values that follow it (up to the next --flag)."""
+    out: list[str] = []
+    skipping = False
+    for arg in args:
+        if arg.startswith("--"):
+            skipping = arg in flags
+        if not skipping:
+            out.append(arg)
+    return out
 
 
 def free_port() -> int:
