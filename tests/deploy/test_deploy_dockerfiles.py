@@ -327,3 +327,15 @@ def test_server_image_prebuilds_the_kernels_and_carries_the_embedded_model() -> 
     assert "uri: /opt/kubeinfer/models/smollm2-135m-instruct.gguf" in example
     assert "/opt/kubeinfer/models/smollm2-135m-instruct.gguf" in build
     assert spec.DEFAULT_SERVER_CPU_IMAGE == spec.DEFAULT_SERVER_IMAGE + "-cpu"
+
+
+def test_every_kernel_source_is_package_data() -> None:
+    """A non-editable install (the images') has each C++ kernel's source, or the prebuild step and the
+    run-time build fail: pyproject's package-data lists every csrc/ folder a kernel is built from."""
+    from server.prebuild_kernels import SOURCES
+
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for src in SOURCES:
+        rel = src.source.relative_to(REPO)
+        package = ".".join(rel.parts[:-2])
+        assert f"csrc/*{src.source.suffix}" in package_data.get(package, []), (src.name, package)
