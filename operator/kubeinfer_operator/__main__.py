@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         "render",
         help="print every object the operator would apply, as YAML",
         description="Print every object the operator would apply, as YAML. The operator's "
-        "KUBEINFER_DEFAULT_SERVER_IMAGE, KUBEINFER_DEFAULT_ROUTER_IMAGE and "
+        "KUBEINFER_DEFAULT_SERVER_IMAGE, KUBEINFER_DEFAULT_SERVER_CPU_IMAGE, KUBEINFER_DEFAULT_ROUTER_IMAGE and "
         "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS apply as they do in the operator.",
     )
     render.add_argument("-f", "--file", required=True, help="InferenceModel YAML ('-' for stdin)")

@@ -1,6 +1,6 @@
 """Installation-wide defaults of the pods the operator creates, read from the operator's environment.
 
-The chart sets them from `global.imageRegistry`, `server.image`, `router.image` and
+The chart sets them from `global.imageRegistry`, `server.image`, `server.cpuImage`, `router.image` and
 `global.imagePullSecrets`, so a cluster behind a registry mirror needs no `spec.engine.image` on each
 InferenceModel. An InferenceModel's own image and pull secrets still come first.
 """
@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .names import is_dns1123_subdomain
-from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF
+from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_CPU_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF
 
 SERVER_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_IMAGE"
+SERVER_CPU_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_CPU_IMAGE"
 ROUTER_IMAGE_ENV = "KUBEINFER_DEFAULT_ROUTER_IMAGE"
 PULL_SECRETS_ENV = "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"  # Secret names, comma-separated
 # the installation's key that each model's admin API key is derived from (credentials.py)
@@ -41,6 +42,7 @@ class ClusterDefaults:
     DNS-1123 subdomain (the pods would never start, so the operator refuses to start instead)."""
 
     server_image: str = DEFAULT_SERVER_IMAGE
+    server_cpu_image: str = DEFAULT_SERVER_CPU_IMAGE
     router_image: str = DEFAULT_ROUTER_IMAGE
     image_pull_secrets: tuple[str, ...] = ()
     management_key: str | None = field(default=None, repr=False)
@@ -50,7 +52,11 @@ class ClusterDefaults:
     prometheus_pod_labels: tuple[tuple[str, str], ...] = DEFAULT_PROMETHEUS_POD_LABELS
 
     def __post_init__(self) -> None:
-        for env, image in ((SERVER_IMAGE_ENV, self.server_image), (ROUTER_IMAGE_ENV, self.router_image)):
+        for env, image in (
+            (SERVER_IMAGE_ENV, self.server_image),
+            (SERVER_CPU_IMAGE_ENV, self.server_cpu_image),
+            (ROUTER_IMAGE_ENV, self.router_image),
+        ):
             if not IMAGE_REF.match(image):
                 raise ValueError(f"{env}={image!r} is not an image reference like registry/repo:tag")
         for name in self.image_pull_secrets:
@@ -65,6 +71,7 @@ class ClusterDefaults:
         )
         return cls(
             server_image=env.get(SERVER_IMAGE_ENV) or DEFAULT_SERVER_IMAGE,
+            server_cpu_image=env.get(SERVER_CPU_IMAGE_ENV) or DEFAULT_SERVER_CPU_IMAGE,
             router_image=env.get(ROUTER_IMAGE_ENV) or DEFAULT_ROUTER_IMAGE,
             image_pull_secrets=secrets,
             management_key=env.get(MANAGEMENT_KEY_ENV) or None,
@@ -73,6 +80,11 @@ class ClusterDefaults:
             monitoring_namespace=env.get(MONITORING_NAMESPACE_ENV) or "monitoring",
             prometheus_pod_labels=_labels(env.get(PROMETHEUS_POD_LABELS_ENV), DEFAULT_PROMETHEUS_POD_LABELS),
         )
+
+    def server_image_for(self, gpus: int) -> str:
+        """The default server image of a pod with `gpus` GPUs: the CUDA build, or the CPU build for 0
+        (torch without CUDA, the C++ kernels prebuilt per x86-64 level, the embedded model inside)."""
+        return self.server_image if gpus > 0 else self.server_cpu_image
 
     def pull_secrets(self, own: list[str]) -> list[dict[str, str]]:
         """A pod's imagePullSecrets: its own names first, then the defaults, each name once."""

@@ -303,7 +303,7 @@ def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = Non
     volumes, mounts = _volumes(im)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": spec.engine.image or defaults.server_image,
+        "image": spec.engine.image or defaults.server_image_for(spec.resources.gpu.count),
         "imagePullPolicy": "IfNotPresent",
         "args": server_args(im),
         # the admin key last: an env entry of the same name earlier in the list cannot replace it

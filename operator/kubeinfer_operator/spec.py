@@ -31,6 +31,8 @@ KIND = "InferenceModel"
 PLURAL = "inferencemodels"
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/kubeinfer/server:0.1.0"
+# The CPU build of Dockerfile.server (scripts/images/build.sh): for models with resources.gpu.count 0.
+DEFAULT_SERVER_CPU_IMAGE = "ghcr.io/kubeinfer/server:0.1.0-cpu"
 # Dockerfile.router: vLLM's router (PyPI vllm-router, pinned there) on a non-root base.
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kubeinfer/router:0.1.17"
 OPERATOR_IMAGE = "ghcr.io/kubeinfer/operator:0.1.0"

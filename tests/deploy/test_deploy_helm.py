@@ -360,6 +360,7 @@ def test_global_registry_reaches_every_image_and_the_models_deployment(
     assert gateway["imagePullSecrets"] == [{"name": "mirror-pull"}]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert env["KUBEINFER_DEFAULT_SERVER_IMAGE"] == f"{REGISTRY}/kubeinfer/server:0.1.0"
+    assert env["KUBEINFER_DEFAULT_SERVER_CPU_IMAGE"] == f"{REGISTRY}/kubeinfer/server:0.1.0-cpu"
     assert env["KUBEINFER_DEFAULT_ROUTER_IMAGE"] == f"{REGISTRY}/kubeinfer/router:0.1.17"
     assert env["KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"] == "mirror-pull"
 
