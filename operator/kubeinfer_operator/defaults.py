@@ -11,10 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .names import is_dns1123_subdomain
-from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF
+from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF, OPERATOR_IMAGE
 
 SERVER_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_IMAGE"
 ROUTER_IMAGE_ENV = "KUBEINFER_DEFAULT_ROUTER_IMAGE"
+ACTIVATOR_IMAGE_ENV = "KUBEINFER_DEFAULT_ACTIVATOR_IMAGE"  # the operator's own image (scale to zero)
 PULL_SECRETS_ENV = "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"  # Secret names, comma-separated
 
 
@@ -26,9 +27,14 @@ class ClusterDefaults:
     server_image: str = DEFAULT_SERVER_IMAGE
     router_image: str = DEFAULT_ROUTER_IMAGE
     image_pull_secrets: tuple[str, ...] = ()
+    activator_image: str = OPERATOR_IMAGE
 
     def __post_init__(self) -> None:
-        for env, image in ((SERVER_IMAGE_ENV, self.server_image), (ROUTER_IMAGE_ENV, self.router_image)):
+        for env, image in (
+            (SERVER_IMAGE_ENV, self.server_image),
+            (ROUTER_IMAGE_ENV, self.router_image),
+            (ACTIVATOR_IMAGE_ENV, self.activator_image),
+        ):
             if not IMAGE_REF.match(image):
                 raise ValueError(f"{env}={image!r} is not an image reference like registry/repo:tag")
         for name in self.image_pull_secrets:
@@ -45,6 +51,7 @@ class ClusterDefaults:
             server_image=env.get(SERVER_IMAGE_ENV) or DEFAULT_SERVER_IMAGE,
             router_image=env.get(ROUTER_IMAGE_ENV) or DEFAULT_ROUTER_IMAGE,
             image_pull_secrets=secrets,
+            activator_image=env.get(ACTIVATOR_IMAGE_ENV) or OPERATOR_IMAGE,
         )
 
     def pull_secrets(self, own: list[str]) -> list[dict[str, str]]:

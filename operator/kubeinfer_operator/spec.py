@@ -685,6 +685,12 @@ class InferenceModelSpec(_Model):
         return scaling.autoscaler == "None" and scaling.replicas >= 1
 
     @property
+    def replicas_delegated(self) -> bool:
+        """The workload's spec.replicas is written by an autoscaler or by the activator (built-in
+        scale to zero), through its scale subresource; the operator's apply leaves it out."""
+        return self.autoscaled or self.scale_to_zero
+
+    @property
     def served_name(self) -> str:
         if self.model.served_name:
             return self.model.served_name

@@ -32,7 +32,10 @@ def deployment(name: str = "m", replicas: int = 0) -> dict[str, Any]:
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "server", "image": "x"}]}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "server", "image": "x"}]},
+            },
         },
     }
 
@@ -58,9 +61,7 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    server = site._server
-    assert server is not None
-    return runner, server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, int(runner.addresses[0][1])
 
 
 class StandIn:
@@ -153,7 +154,9 @@ class Kubelet:
                 # Pods are serving before the API server reports them ready (the endpoint follows).
                 self.standin.ready_replicas = target
                 if target != ready:
-                    self.cluster.patch("Deployment", self.name, {"status": {"readyReplicas": target}}, subresource="status")
+                    self.cluster.patch(
+                        "Deployment", self.name, {"status": {"readyReplicas": target}}, subresource="status"
+                    )
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -189,7 +192,11 @@ def setup(cluster_factory: Callable[..., MockCluster]) -> Iterator[Setup]:
     stops: list[Callable[[], None]] = []
 
     def make(
-        per_replica: int = 4, max_held: int = 100, max_wait: float = 60.0, delay: float = 0.5, replicas: int = 0
+        per_replica: int = 4,
+        max_held: int = 100,
+        max_wait: float = 60.0,
+        delay: float = 0.5,
+        replicas: int = 0,
     ) -> tuple[MockCluster, StandIn, Kubelet, Running]:
         cluster = cluster_factory(monitoring=False, keda=False)
         cluster.create("Deployment", deployment(replicas=replicas))
@@ -222,13 +229,17 @@ def _replicas(cluster: MockCluster) -> int:
     return int(dep["spec"].get("replicas") or 0) if dep else -1
 
 
-def test_a_request_at_zero_wakes_the_model_is_answered_and_the_idle_model_goes_back_to_zero(setup: Setup) -> None:
-    cluster, standin, kubelet, act = setup(delay=0.5)
+def test_a_request_at_zero_wakes_the_model_is_answered_and_the_idle_model_goes_back_to_zero(
+    setup: Setup,
+) -> None:
+    cluster, _standin, kubelet, act = setup(delay=0.5)
     pool = ThreadPoolExecutor(4)
     client = openai.OpenAI(base_url=act.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     def stream() -> str:
-        return "".join(c.choices[0].text for c in client.completions.create(model="m", prompt="b", stream=True))
+        return "".join(
+            c.choices[0].text for c in client.completions.create(model="m", prompt="b", stream=True)
+        )
 
     plain: Future[Any] = pool.submit(client.completions.create, model="m", prompt="a")
     streamed = pool.submit(stream)
@@ -248,8 +259,10 @@ def test_a_request_at_zero_wakes_the_model_is_answered_and_the_idle_model_goes_b
     pool.shutdown()
 
 
-def test_a_burst_at_zero_is_bounded_and_reaches_the_first_replica_only_as_fast_as_it_admits(setup: Setup) -> None:
-    cluster, standin, kubelet, act = setup(per_replica=2, max_held=5)
+def test_a_burst_at_zero_is_bounded_and_reaches_the_first_replica_only_as_fast_as_it_admits(
+    setup: Setup,
+) -> None:
+    _cluster, standin, kubelet, act = setup(per_replica=2, max_held=5)
     standin.hold = True
     pool = ThreadPoolExecutor(8)
     http = httpx.Client(timeout=60)
@@ -267,10 +280,15 @@ def test_a_burst_at_zero_is_bounded_and_reaches_the_first_replica_only_as_fast_a
     assert act.metric("kubeinfer_activator_refused_requests_total", 'reason="held_limit"') == 3
     kubelet.loaded.set()
     # One replica ready: two in flight on it (its limit), three still held in the activator.
-    wait_for(lambda: standin.in_flight == 2 and act.metric("kubeinfer_activator_held_requests") == 3, what="2 sent, 3 held")
+    wait_for(
+        lambda: standin.in_flight == 2 and act.metric("kubeinfer_activator_held_requests") == 3,
+        what="2 sent, 3 held",
+    )
     standin.hold = False
     standin.release()
-    assert sorted(f.result(timeout=30).json()["choices"][0]["text"] for f in held) == [f"echo:{i}" for i in range(5)]
+    assert sorted(f.result(timeout=30).json()["choices"][0]["text"] for f in held) == [
+        f"echo:{i}" for i in range(5)
+    ]
     assert standin.max_in_flight == 2 and standin.refused == 0 and standin.served == 5
     pool.shutdown()
     http.close()
@@ -287,7 +305,9 @@ def test_never_scaled_down_while_a_request_is_in_flight_or_a_replica_is_still_lo
     kubelet.loaded.set()
     standin.hold = True
     pool = ThreadPoolExecutor(1)
-    long = pool.submit(httpx.post, act.url + "/v1/completions", json={"model": "m", "prompt": "y"}, timeout=30)
+    long = pool.submit(
+        httpx.post, act.url + "/v1/completions", json={"model": "m", "prompt": "y"}, timeout=30
+    )
     wait_for(lambda: standin.in_flight == 1, what="one request in flight")
     time.sleep(1.0)  # past the delay with the request in flight
     assert _replicas(cluster) == 1
@@ -298,10 +318,12 @@ def test_never_scaled_down_while_a_request_is_in_flight_or_a_replica_is_still_lo
 
 
 def test_requests_held_when_the_model_is_deleted_get_503(setup: Setup) -> None:
-    cluster, standin, kubelet, act = setup()
+    cluster, standin, _kubelet, act = setup()
     pool = ThreadPoolExecutor(3)
     futures = [
-        pool.submit(httpx.post, act.url + "/v1/completions", json={"model": "m", "prompt": str(i)}, timeout=30)
+        pool.submit(
+            httpx.post, act.url + "/v1/completions", json={"model": "m", "prompt": str(i)}, timeout=30
+        )
         for i in range(3)
     ]
     wait_for(lambda: act.metric("kubeinfer_activator_held_requests") == 3, what="three held")

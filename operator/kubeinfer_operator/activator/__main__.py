@@ -17,7 +17,9 @@ from .scaler import Scaler
 
 def build(args: argparse.Namespace, client: KubeClient) -> Activator:
     metrics = ActivatorMetrics(args.name)
-    gate = Gate(GateConfig(max_held=args.max_held_requests, max_wait_seconds=args.max_wait_seconds), args.name)
+    gate = Gate(
+        GateConfig(max_held=args.max_held_requests, max_wait_seconds=args.max_wait_seconds), args.name
+    )
     controller = Controller(
         ControllerConfig(
             per_replica=args.max_concurrent_requests,

@@ -12,6 +12,7 @@ Every `poll_seconds` (and at once when a request is held) it reads the workload:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -42,7 +43,9 @@ class ControllerConfig:
 
 
 class Controller:
-    def __init__(self, config: ControllerConfig, gate: Gate, scaler: Scaler, metrics: ActivatorMetrics) -> None:
+    def __init__(
+        self, config: ControllerConfig, gate: Gate, scaler: Scaler, metrics: ActivatorMetrics
+    ) -> None:
         self.config = config
         self.gate = gate
         self.scaler = scaler
@@ -56,10 +59,8 @@ class Controller:
                 await self.step()
             except ApiError as exc:
                 log.warning("activator: %s", exc)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.gate.wake_needed.wait(), self.config.poll_seconds)
-            except TimeoutError:
-                pass
             self.gate.wake_needed.clear()
 
     async def step(self) -> None:

@@ -44,12 +44,20 @@ class ProxyConfig:
 
 def error_body(message: str, status: int) -> bytes:
     return json.dumps(
-        {"object": "error", "message": message, "type": "ServiceUnavailableError", "param": None, "code": status}
+        {
+            "object": "error",
+            "message": message,
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": status,
+        }
     ).encode()
 
 
 class Activator:
-    def __init__(self, config: ProxyConfig, gate: Gate, controller: Controller, metrics: ActivatorMetrics) -> None:
+    def __init__(
+        self, config: ProxyConfig, gate: Gate, controller: Controller, metrics: ActivatorMetrics
+    ) -> None:
         self.config = config
         self.gate = gate
         self.controller = controller

@@ -35,7 +35,9 @@ class Scaler:
             return None
         spec = obj.get("spec") or {}
         status = obj.get("status") or {}
-        return WorkloadState(desired=int(spec.get("replicas") or 0), ready=int(status.get("readyReplicas") or 0))
+        return WorkloadState(
+            desired=int(spec.get("replicas") or 0), ready=int(status.get("readyReplicas") or 0)
+        )
 
     def scale(self, replicas: int) -> bool:
         """False when the workload is gone."""
