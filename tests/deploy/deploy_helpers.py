@@ -72,6 +72,7 @@ ROUTER_SERIES = frozenset(
     }
 )
 
+
 def activator_series_names() -> frozenset[str]:
     """Series the scale-to-zero activator exports, read from its own exposition (every family
     touched once so that labelled children and histogram buckets appear)."""
@@ -84,7 +85,9 @@ def activator_series_names() -> frozenset[str]:
     metrics.scaled("up")
     text = metrics.exposition().decode()
     return frozenset(
-        line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")
+        line.split("{", 1)[0].split(" ", 1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
     )
 
 

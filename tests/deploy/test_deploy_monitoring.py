@@ -117,7 +117,9 @@ def test_dashboards_cover_every_signal_the_issue_asks_for() -> None:
     assert "kube_deployment_status_replicas_ready" in by_metric
     # Scale to zero: held requests and wake latency (issue 27).
     assert "kubeinfer_activator_held_requests" in by_metric
-    assert any("histogram_quantile" in e for e in by_metric.get("kubeinfer_activator_wake_seconds_bucket", []))
+    assert any(
+        "histogram_quantile" in e for e in by_metric.get("kubeinfer_activator_wake_seconds_bucket", [])
+    )
     # The router: request rate, per-replica load, cache-hit routing, replica health.
     assert set(by_metric) >= ROUTER_SERIES, sorted(ROUTER_SERIES - set(by_metric))
     assert any("rate(vllm_router_requests_total" in e for e in by_metric["vllm_router_requests_total"])

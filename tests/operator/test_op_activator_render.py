@@ -15,8 +15,8 @@ from kubeinfer_operator.status import ReconcileOutcome, compute_status
 from op_testlib import crd_errors, inference_model
 
 HF = {"uri": "hf://org/model"}
-BUILTIN = {"model": HF, "scaling": {"minReplicas": 0, "replicas": 2, "scaleDownDelaySeconds": 120}}
-KEDA = {
+BUILTIN: dict[str, Any] = {"model": HF, "scaling": {"minReplicas": 0, "replicas": 2, "scaleDownDelaySeconds": 120}}
+KEDA: dict[str, Any] = {
     "model": HF,
     "scaling": {
         "autoscaler": "KEDA",

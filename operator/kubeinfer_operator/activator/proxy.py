@@ -33,6 +33,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 METRICS_PATH = "/activator/metrics"
+WHOLE_BODY_LIMIT = 8 * 1024 * 1024  # sized answers up to this are read whole, larger ones streamed
 HEALTH_PATH = "/activator/healthz"
 
 
@@ -127,6 +128,17 @@ class Activator:
                 content_type="application/json",
             )
         async with upstream:
+            length = upstream.content_length
+            if length is not None and length <= WHOLE_BODY_LIMIT:
+                # A sized body (a non-streaming answer) goes out in one write: header and body in
+                # separate small writes cost a delayed-ACK round on the client's side.
+                whole = web.Response(
+                    status=upstream.status, reason=upstream.reason, body=await upstream.read()
+                )
+                for key, value in upstream.headers.items():
+                    if key.lower() not in HOP_BY_HOP:
+                        whole.headers.add(key, value)
+                return whole
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():
                 if key.lower() not in HOP_BY_HOP:
