@@ -149,14 +149,19 @@ class Kubelet:
                 desired = int(dep["spec"].get("replicas") or 0)
                 if not self.desired_seen or self.desired_seen[-1] != desired:
                     self.desired_seen.append(desired)
-                ready = int((dep.get("status") or {}).get("readyReplicas") or 0)
+                status = dep.get("status") or {}
+                ready = int(status.get("readyReplicas") or 0)
                 target = desired if (desired < ready or self.loaded.is_set()) else ready
                 # Pods are serving before the API server reports them ready (the endpoint follows).
                 self.standin.ready_replicas = target
-                if target != ready:
-                    self.cluster.patch(
-                        "Deployment", self.name, {"status": {"readyReplicas": target}}, subresource="status"
-                    )
+                want = {
+                    "observedGeneration": dep["metadata"].get("generation", 1),
+                    "replicas": desired,
+                    "updatedReplicas": desired,
+                    "readyReplicas": target,
+                }
+                if any(status.get(k, 0) != v for k, v in want.items()):
+                    self.cluster.patch("Deployment", self.name, {"status": want}, subresource="status")
             time.sleep(0.05)
 
     def stop(self) -> None:
