@@ -57,7 +57,7 @@ class LoopThread:
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True)  # as the activator's __main__ runs it
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -340,3 +340,14 @@ def test_requests_held_when_the_model_is_deleted_get_503(setup: Setup) -> None:
     assert act.metric("kubeinfer_activator_held_requests") == 0
     assert standin.served == 0
     pool.shutdown()
+
+
+def test_a_client_that_hangs_up_while_held_gives_up_its_place(setup: Setup) -> None:
+    _cluster, standin, kubelet, act = setup(max_held=1)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(act.url + "/v1/completions", json={"model": "m", "prompt": "gone"}, timeout=0.5)
+    wait_for(lambda: act.metric("kubeinfer_activator_held_requests") == 0, what="the place freed")
+    kubelet.loaded.set()
+    r = httpx.post(act.url + "/v1/completions", json={"model": "m", "prompt": "next"}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "echo:next"
+    assert standin.served == 1  # the one that left was never sent on

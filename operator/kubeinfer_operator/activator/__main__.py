@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     activator = build(args, KubeClient.from_environment(request_timeout=10.0))
-    web.run_app(activator.app(), host="0.0.0.0", port=args.port, access_log=None)
+    # handler_cancellation: a client that hangs up while held gives up its place (and its slot).
+    web.run_app(activator.app(), host="0.0.0.0", port=args.port, access_log=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":
