@@ -351,3 +351,37 @@ def test_a_client_that_hangs_up_while_held_gives_up_its_place(setup: Setup) -> N
     r = httpx.post(act.url + "/v1/completions", json={"model": "m", "prompt": "next"}, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "echo:next"
     assert standin.served == 1  # the one that left was never sent on
+
+
+def test_multi_node_models_are_woken_through_the_leaderworkerset_scale_subresource(
+    cluster_factory: Callable[..., MockCluster],
+) -> None:
+    from kubeinfer_operator.activator.scaler import Scaler, WorkloadState
+    from kubeinfer_operator.lws import render_leaderworkerset
+    from kubeinfer_operator.spec import InferenceModel
+    from op_cluster import LWS
+    from op_testlib import inference_model
+
+    cluster = cluster_factory(monitoring=False, keda=False)
+    cluster.add_resources(LWS)
+    spec = {
+        "model": {"uri": "hf://org/model"},
+        "scaling": {"minReplicas": 0, "replicas": 1},
+        "parallelism": {"nodes": 2},
+        "engine": {"tensorParallelSize": 2},
+    }
+    im = InferenceModel.from_manifest(inference_model(spec, name="big"))
+    lws = render_leaderworkerset(im)
+    assert "replicas" not in lws["spec"]
+    cluster.create("LeaderWorkerSet", {**lws, "spec": {**lws["spec"], "replicas": 0}})
+    name = lws["metadata"]["name"]
+    scaler = Scaler(KubeClient.from_environment(request_timeout=5.0), "LeaderWorkerSet", NS, name)
+    assert scaler.read() == WorkloadState(desired=0, ready=0)
+    assert scaler.scale(1)
+    cluster.patch("LeaderWorkerSet", name, {"status": {"readyReplicas": 1}}, subresource="status")
+    assert scaler.read() == WorkloadState(desired=1, ready=1)
+    assert (
+        cluster.get("LeaderWorkerSet", name)["spec"]["leaderWorkerTemplate"]["size"] == 2
+    )  # groups, not pods
+    cluster.delete("LeaderWorkerSet", name)
+    assert scaler.read() is None and scaler.scale(1) is False
