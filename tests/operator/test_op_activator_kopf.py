@@ -58,7 +58,9 @@ def test_scale_to_zero_cycle_with_the_operator(cluster: MockCluster, operator: A
         wait_for(lambda: replicas(cluster) == 1, what="woken to scaling.replicas")
         wait_for(lambda: phase(cluster) == "Waking", what="Waking")
         # Several operator resyncs (2 s) while waking: the count stays the activator's.
-        wait_for(lambda: act.metric("kubeinfer_activator_held_requests", f'model_name="{NAME}"') == 1, what="held")
+        wait_for(
+            lambda: act.metric("kubeinfer_activator_held_requests", f'model_name="{NAME}"') == 1, what="held"
+        )
         assert replicas(cluster) == 1 and phase(cluster) == "Waking"
         kubelet.loaded.set()
         r = answer.result(timeout=60)

@@ -15,7 +15,10 @@ from kubeinfer_operator.status import ReconcileOutcome, compute_status
 from op_testlib import crd_errors, inference_model
 
 HF = {"uri": "hf://org/model"}
-BUILTIN: dict[str, Any] = {"model": HF, "scaling": {"minReplicas": 0, "replicas": 2, "scaleDownDelaySeconds": 120}}
+BUILTIN: dict[str, Any] = {
+    "model": HF,
+    "scaling": {"minReplicas": 0, "replicas": 2, "scaleDownDelaySeconds": 120},
+}
 KEDA: dict[str, Any] = {
     "model": HF,
     "scaling": {
