@@ -9,7 +9,7 @@ from typing import Any
 from .cache import CacheState
 from .pods import diagnose
 from .render import desired_replicas, endpoint_url, selector_string
-from .render_activator import zero_phase
+from .render_activator import activator_url, zero_phase
 from .spec import CacheStatus, Condition, InferenceModel, InferenceModelStatus, Phase
 
 
@@ -221,7 +221,10 @@ def compute_status(
         ready_replicas=ready,
         updated_replicas=updated,
         selector=selector_string(im),
-        endpoint=endpoint_url(im) if outcome.invalid_spec is None else None,
+        # A scale-to-zero model is called through its activator (the model's Service has no pod at 0).
+        endpoint=(activator_url(im) if im.spec.scale_to_zero else endpoint_url(im))
+        if outcome.invalid_spec is None
+        else None,
         observed_generation=generation,
         conditions=conditions,
         cache=cache_status,

@@ -155,6 +155,7 @@ def test_status_tells_scaled_to_zero_then_waking_then_ready() -> None:
     }
     at_zero = compute_status(im, _workload(0, 0, 0), ReconcileOutcome(), ready, "t1")
     assert at_zero.phase == "ScaledToZero"
+    assert at_zero.endpoint == "http://llm-activator.ml.svc:8000"  # where clients call it
     # Woken after serving before: Waking, not Degraded/NoReadyReplicas.
     waking = compute_status(im, _workload(2, 2, 0), ReconcileOutcome(), ready, "t2")
     assert waking.phase == "Waking"
