@@ -385,3 +385,21 @@ def test_multi_node_models_are_woken_through_the_leaderworkerset_scale_subresour
     )  # groups, not pods
     cluster.delete("LeaderWorkerSet", name)
     assert scaler.read() is None and scaler.scale(1) is False
+
+
+def test_requests_held_when_the_activator_stops_get_503(setup: Setup) -> None:
+    _cluster, standin, _kubelet, act = setup()
+    pool = ThreadPoolExecutor(2)
+    futures = [
+        pool.submit(
+            httpx.post, act.url + "/v1/completions", json={"model": "m", "prompt": str(i)}, timeout=30
+        )
+        for i in range(2)
+    ]
+    wait_for(lambda: act.metric("kubeinfer_activator_held_requests") == 2, what="two held")
+    act.lt.run(act.runner.shutdown())  # what SIGTERM starts (the pod deleted with its model)
+    for f in futures:
+        r = f.result(timeout=30)
+        assert r.status_code == 503 and "shutting down" in r.json()["message"]
+    assert standin.served == 0
+    pool.shutdown()

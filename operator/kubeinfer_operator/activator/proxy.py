@@ -72,6 +72,7 @@ class Activator:
         app.router.add_get(HEALTH_PATH, self._health)
         app.router.add_route("*", "/{tail:.*}", self._forward)
         app.on_startup.append(self._start)
+        app.on_shutdown.append(self._shutdown)
         app.on_cleanup.append(self._stop)
         return app
 
@@ -80,6 +81,10 @@ class Activator:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
         self._loop_task = asyncio.create_task(self.controller.run())
+
+    async def _shutdown(self, _app: web.Application) -> None:
+        # SIGTERM (the model deleted, a rollout): held requests get their 503 before connections close.
+        self.gate.close(f"the activator of model {self.gate.model} is shutting down")
 
     async def _stop(self, _app: web.Application) -> None:
         if self._loop_task is not None:
