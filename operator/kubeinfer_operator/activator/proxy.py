@@ -7,6 +7,7 @@ through the gate, streaming the response as it comes (SSE included). `/activator
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 
@@ -89,6 +90,8 @@ class Activator:
     async def _stop(self, _app: web.Application) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
         if self._session is not None:
             await self._session.close()
 
