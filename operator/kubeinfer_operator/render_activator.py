@@ -110,9 +110,16 @@ def activator_args(im: InferenceModel) -> list[str]:
         str(wake_replicas(im)),
         "--scale-down-delay-seconds",
         str(scaling.scale_down_delay_seconds),
-        # KEDA scales to zero itself (cooldownPeriod), kept awake by the activator's pending metric.
-        "--idle-scale-down" if scaling.autoscaler == "None" else "--no-idle-scale-down",
+        # Under KEDA, KEDA wakes (activation trigger on the activator's pending metric) and scales to
+        # zero (cooldownPeriod) itself: a wake-up written here could be undone by KEDA before
+        # Prometheus has scraped the held requests.
+        *(["--wake", "--idle-scale-down"] if builtin_path(im) else ["--no-wake", "--no-idle-scale-down"]),
     ]
+
+
+def builtin_path(im: InferenceModel) -> bool:
+    """Scale to zero without an autoscaler: the activator writes both the wake-up and the scale-down."""
+    return im.spec.scaling.autoscaler == "None"
 
 
 def render_activator_role(im: InferenceModel) -> Manifest:
@@ -121,19 +128,23 @@ def render_activator_role(im: InferenceModel) -> Manifest:
     else:
         group, plural = "apps", "deployments"
     name = [workload_name(im)]
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _meta(im),
-        "rules": [
-            {"apiGroups": [group], "resources": [plural], "resourceNames": name, "verbs": ["get"]},
+    rules: list[dict[str, Any]] = [
+        {"apiGroups": [group], "resources": [plural], "resourceNames": name, "verbs": ["get"]}
+    ]
+    if builtin_path(im):  # under KEDA it only reads
+        rules.append(
             {
                 "apiGroups": [group],
                 "resources": [f"{plural}/scale"],
                 "resourceNames": name,
                 "verbs": ["get", "patch"],
-            },
-        ],
+            }
+        )
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(im),
+        "rules": rules,
     }
 
 

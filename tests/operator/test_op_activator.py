@@ -202,6 +202,7 @@ def setup(cluster_factory: Callable[..., MockCluster]) -> Iterator[Setup]:
         max_wait: float = 60.0,
         delay: float = 0.5,
         replicas: int = 0,
+        extra: tuple[str, ...] = (),
     ) -> tuple[MockCluster, StandIn, Kubelet, Running]:
         cluster = cluster_factory(monitoring=False, keda=False)
         cluster.create("Deployment", deployment(replicas=replicas))
@@ -219,6 +220,7 @@ def setup(cluster_factory: Callable[..., MockCluster]) -> Iterator[Setup]:
                 f"--max-concurrent-requests={per_replica}",
                 f"--scale-down-delay-seconds={delay}",
                 "--poll-seconds=0.1",
+                *extra,
             ]
         )
         stops.append(running.stop)
@@ -402,4 +404,23 @@ def test_requests_held_when_the_activator_stops_get_503(setup: Setup) -> None:
         r = f.result(timeout=30)
         assert r.status_code == 503 and "shutting down" in r.json()["message"]
     assert standin.served == 0
+    pool.shutdown()
+
+
+def test_under_keda_the_activator_holds_and_signals_but_keda_wakes_and_scales_down(setup: Setup) -> None:
+    cluster, _standin, kubelet, act = setup(delay=0.2, extra=("--no-wake", "--no-idle-scale-down"))
+    pool = ThreadPoolExecutor(1)
+    answer = pool.submit(
+        httpx.post, act.url + "/v1/completions", json={"model": "m", "prompt": "k"}, timeout=30
+    )
+    wait_for(lambda: act.metric("kubeinfer_activator_pending") == 1, what="the activation metric up")
+    time.sleep(0.5)  # several control-loop steps with a request held
+    assert _replicas(cluster) == 0  # KEDA's to write, not the activator's
+    # KEDA saw kubeinfer_activator_pending > 0 (activationThreshold 0) and scales 0 -> 1.
+    cluster.patch("Deployment", "m", {"spec": {"replicas": 1}}, subresource="scale")
+    kubelet.loaded.set()
+    assert answer.result(timeout=30).json()["choices"][0]["text"] == "echo:k"
+    time.sleep(0.5)  # past the delay, idle: KEDA's cooldown decides, not the activator
+    assert _replicas(cluster) == 1 and kubelet.desired_seen == [0, 1]
+    assert act.metric("kubeinfer_activator_pending") == 0
     pool.shutdown()

@@ -56,7 +56,12 @@ def test_builtin_scale_to_zero_renders_the_activator_and_leaves_the_replica_coun
     assert (args.namespace, args.name, args.kind) == ("ml", "llm", "Deployment")
     assert args.upstream == "http://llm.ml.svc:8080"
     assert (args.max_held_requests, args.max_wait_seconds) == (100, 1800)  # probes.startupTimeoutSeconds
-    assert (args.wake_replicas, args.scale_down_delay_seconds, args.idle_scale_down) == (2, 120, True)
+    assert (args.wake, args.wake_replicas, args.scale_down_delay_seconds, args.idle_scale_down) == (
+        True,
+        2,
+        120,
+        True,
+    )
     assert args.max_concurrent_requests == 128  # the server's default --max-concurrent-requests
     role = objs[("Role", "llm-activator")]
     assert role["rules"] == [
@@ -100,7 +105,9 @@ def test_multi_node_models_scale_their_leaderworkerset() -> None:
 def test_keda_wakes_on_the_activators_metric_and_scales_down_itself() -> None:
     objs = by_kind_name(KEDA)
     args = activator_argv(objs)
-    assert (args.idle_scale_down, args.wake_replicas) == (False, 1)
+    assert (args.idle_scale_down, args.wake, args.wake_replicas) == (False, False, 1)
+    # It only reads the workload: KEDA owns the count, from zero too.
+    assert [r["resources"] for r in objs[("Role", "llm-activator")]["rules"]] == [["deployments"]]
     so = objs[("ScaledObject", "llm")]
     assert so["spec"]["minReplicaCount"] == 0
     trigger = so["spec"]["triggers"][-1]

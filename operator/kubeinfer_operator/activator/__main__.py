@@ -27,6 +27,7 @@ def build(args: argparse.Namespace, client: KubeClient) -> Activator:
             scale_down_delay=args.scale_down_delay_seconds,
             idle_scale_down=args.idle_scale_down,
             poll_seconds=args.poll_seconds,
+            wake=args.wake,
         ),
         gate,
         Scaler(client, args.kind, args.namespace, args.name),
@@ -52,6 +53,12 @@ def parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="scale to zero when idle (off under KEDA, which does it itself)",
+    )
+    p.add_argument(
+        "--wake",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scale the model up when requests are held (off under KEDA, whose activation trigger does it)",
     )
     p.add_argument("--poll-seconds", type=float, default=1.0)
     return p

@@ -2,7 +2,8 @@
 
 Every `poll_seconds` (and at once when a request is held) it reads the workload:
 - gone: every held and new request gets 503 (the model was deleted);
-- held requests and spec.replicas 0: scale to `wake_replicas` (the model's wake count);
+- held requests and spec.replicas 0: scale to `wake_replicas` (the model's wake count), unless KEDA
+  does the waking (`wake` False: KEDA reads the held requests through kubeinfer_activator_pending);
 - capacity = ready replicas x `per_replica` (each replica's --max-concurrent-requests);
 - with `idle_scale_down` (the built-in path; KEDA scales down itself): scale to zero after
   `scale_down_delay` seconds with nothing held or in flight, and only when every desired replica is
@@ -34,6 +35,11 @@ class ControllerConfig:
     scale_down_delay: float
     idle_scale_down: bool
     poll_seconds: float = 1.0
+    # Whether the activator writes the wake-up itself (the built-in path). Under KEDA it does not:
+    # KEDA scales to zero whenever its triggers were inactive for cooldownPeriod, so a wake-up written
+    # before Prometheus has scraped the held requests could be undone at once; KEDA's activation
+    # trigger on kubeinfer_activator_pending wakes the model instead.
+    wake: bool = True
 
     def __post_init__(self) -> None:
         if self.per_replica < 1 or self.wake_replicas < 1:
@@ -81,7 +87,7 @@ class Controller:
             self.wake_started = None
         # Replicas being removed may still count as ready for a moment: never send to more than desired.
         gate.set_capacity(min(state.ready, state.desired) * self.config.per_replica)
-        if gate.held > 0 and state.desired == 0:
+        if gate.held > 0 and state.desired == 0 and self.config.wake:
             if await asyncio.to_thread(self.scaler.scale, self.config.wake_replicas):
                 self.metrics.scaled("up")
                 self.wake_started = now
