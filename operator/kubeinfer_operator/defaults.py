@@ -11,11 +11,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .names import is_dns1123_subdomain
-from .spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_CPU_IMAGE, DEFAULT_SERVER_IMAGE, IMAGE_REF
+from .spec import (
+    DEFAULT_ROUTER_IMAGE,
+    DEFAULT_SERVER_CPU_IMAGE,
+    DEFAULT_SERVER_IMAGE,
+    IMAGE_REF,
+    OPERATOR_IMAGE,
+)
 
 SERVER_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_IMAGE"
 SERVER_CPU_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_CPU_IMAGE"
 ROUTER_IMAGE_ENV = "KUBEINFER_DEFAULT_ROUTER_IMAGE"
+ACTIVATOR_IMAGE_ENV = "KUBEINFER_DEFAULT_ACTIVATOR_IMAGE"  # the operator's own image (scale to zero)
 PULL_SECRETS_ENV = "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"  # Secret names, comma-separated
 # the installation's key that each model's admin API key is derived from (credentials.py)
 MANAGEMENT_KEY_ENV = "KUBEINFER_MANAGEMENT_KEY"
@@ -50,12 +57,14 @@ class ClusterDefaults:
     operator_pod_labels: tuple[tuple[str, str], ...] = DEFAULT_OPERATOR_POD_LABELS
     monitoring_namespace: str = "monitoring"
     prometheus_pod_labels: tuple[tuple[str, str], ...] = DEFAULT_PROMETHEUS_POD_LABELS
+    activator_image: str = OPERATOR_IMAGE
 
     def __post_init__(self) -> None:
         for env, image in (
             (SERVER_IMAGE_ENV, self.server_image),
             (SERVER_CPU_IMAGE_ENV, self.server_cpu_image),
             (ROUTER_IMAGE_ENV, self.router_image),
+            (ACTIVATOR_IMAGE_ENV, self.activator_image),
         ):
             if not IMAGE_REF.match(image):
                 raise ValueError(f"{env}={image!r} is not an image reference like registry/repo:tag")
@@ -79,6 +88,7 @@ class ClusterDefaults:
             operator_pod_labels=_labels(env.get(OPERATOR_POD_LABELS_ENV), DEFAULT_OPERATOR_POD_LABELS),
             monitoring_namespace=env.get(MONITORING_NAMESPACE_ENV) or "monitoring",
             prometheus_pod_labels=_labels(env.get(PROMETHEUS_POD_LABELS_ENV), DEFAULT_PROMETHEUS_POD_LABELS),
+            activator_image=env.get(ACTIVATOR_IMAGE_ENV) or OPERATOR_IMAGE,
         )
 
     def server_image_for(self, gpus: int) -> str:

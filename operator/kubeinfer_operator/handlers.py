@@ -296,7 +296,7 @@ def reconcile(body: dict[str, Any], kube: KubeClient, logger: Any, retry: int = 
             if obj["kind"] in CACHE_KINDS:
                 continue  # applied by sync_cache
             is_workload = (obj["kind"], obj["metadata"]["name"]) == (workload_kind(im), workload_name(im))
-            if is_workload and im.spec.autoscaled:
+            if is_workload and im.spec.replicas_delegated:
                 hand_over_replicas(im, obj, kube, logger)
             live = kube.apply(obj)
             if is_workload:

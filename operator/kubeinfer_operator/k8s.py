@@ -197,6 +197,18 @@ class KubeClient:
             action=f"reading {kind} {namespace}/{name}",
         )
 
+    def set_scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+        """Merge-patch the scale subresource (autoscaling/v1 Scale) of a Deployment or LeaderWorkerSet;
+        None when the object is gone. The activator's only write (RBAC: `<plural>/scale` patch)."""
+        info = KINDS[kind]
+        return self._request(
+            "PATCH",
+            object_path(info.api_version, info.plural, namespace, name) + "/scale",
+            action=f"scaling {kind} {namespace}/{name} to {replicas}",
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
+
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """Objects of `kind` in `namespace` matching a label selector (`k=v,k2=v2`)."""
         info = KINDS[kind]

@@ -9,6 +9,9 @@ and nothing else. Ingress only: the pods' own egress (hub downloads, DNS) stays 
   of the same model, so the ranks of all its groups may connect).
 - `<name>-router` (with routing): the router's port from the clients, its metrics port from
   Prometheus.
+- `<name>-activator` (scale to zero, `scaling.minReplicas: 0`): its port (requests and /activator/metrics)
+  from the clients and Prometheus; the activator in turn reaches the router's port (with routing) or
+  the model's API port (without), so each of those admits it.
 
 The kubelet's probes need no rule (NetworkPolicy never blocks a node's traffic to its pods).
 spec.network.networkPolicy false renders none (and deletes the ones it rendered before).
@@ -21,6 +24,13 @@ from typing import Any
 from .defaults import ClusterDefaults
 from .lws import multi_node
 from .render import SERVER_PORT, ChildRef, Manifest, child_metadata, selector_labels
+from .render_activator import (
+    ACTIVATOR_PORT,
+    _meta,
+    activator_name,
+    activator_selector_labels,
+    wants_activator,
+)
 from .routing import (
     KV_EVENTS_PORT,
     KV_REPLAY_PORT,
@@ -65,10 +75,16 @@ def router_peer(im: InferenceModel) -> Peer:
     return {"podSelector": {"matchLabels": router_selector_labels(im)}}
 
 
+def activator_peer(im: InferenceModel) -> Peer:
+    return {"podSelector": {"matchLabels": activator_selector_labels(im)}}
+
+
 def render_model_policy(im: InferenceModel, defaults: ClusterDefaults) -> Manifest:
     api_from = [*client_peers(im), operator_peer(defaults), prometheus_peer(defaults)]
     if wants_router(im):
         api_from.append(router_peer(im))
+    elif wants_activator(im):
+        api_from.append(activator_peer(im))
     ingress: list[dict[str, Any]] = [{"from": api_from, "ports": _tcp(SERVER_PORT)}]
     if wants_router(im):
         ingress.append({"from": [router_peer(im)], "ports": _tcp(KV_EVENTS_PORT, KV_REPLAY_PORT)})
@@ -96,8 +112,26 @@ def render_router_policy(im: InferenceModel, defaults: ClusterDefaults) -> Manif
             "podSelector": {"matchLabels": router_selector_labels(im)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": client_peers(im), "ports": _tcp(ROUTER_PORT)},
+                {
+                    "from": [*client_peers(im), *([activator_peer(im)] if wants_activator(im) else [])],
+                    "ports": _tcp(ROUTER_PORT),
+                },
                 {"from": [prometheus_peer(defaults)], "ports": _tcp(ROUTER_METRICS_PORT)},
+            ],
+        },
+    }
+
+
+def render_activator_policy(im: InferenceModel, defaults: ClusterDefaults) -> Manifest:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": KIND,
+        "metadata": _meta(im),
+        "spec": {
+            "podSelector": {"matchLabels": activator_selector_labels(im)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [*client_peers(im), prometheus_peer(defaults)], "ports": _tcp(ACTIVATOR_PORT)},
             ],
         },
     }
@@ -108,11 +142,13 @@ def network_policies(
 ) -> tuple[list[Manifest], list[ChildRef]]:
     """The NetworkPolicies the spec wants, and the ones that may exist but must not."""
     defaults = defaults or ClusterDefaults()
-    possible = [ChildRef(KIND, im.child_name), ChildRef(KIND, router_name(im))]
+    possible = [ChildRef(KIND, n) for n in (im.child_name, router_name(im), activator_name(im))]
     if not im.spec.network.network_policy:
         return [], possible
     objects = [render_model_policy(im, defaults)]
     if wants_router(im):
         objects.append(render_router_policy(im, defaults))
+    if wants_activator(im):
+        objects.append(render_activator_policy(im, defaults))
     present = {ChildRef(KIND, o["metadata"]["name"]) for o in objects}
     return objects, [r for r in possible if r not in present]

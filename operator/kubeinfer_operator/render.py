@@ -405,7 +405,7 @@ def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = Non
             "spec": pod_spec,
         },
     }
-    if not spec.autoscaled:
+    if not spec.replicas_delegated:
         deployment_spec["replicas"] = desired_replicas(im)
     return {
         "apiVersion": "apps/v1",
@@ -535,10 +535,17 @@ def render_scaledobject(im: InferenceModel) -> Manifest:
                         "query": prometheus_query(im),
                         "threshold": str(scaling.effective_target),
                     },
-                }
+                },
+                *_activation_triggers(im),
             ],
         },
     }
+
+
+def _activation_triggers(im: InferenceModel) -> list[dict[str, Any]]:
+    from .render_activator import activation_trigger, wants_activator
+
+    return [activation_trigger(im)] if wants_activator(im) else []
 
 
 def render_pdb(im: InferenceModel) -> Manifest:
@@ -615,6 +622,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     caps = caps or Capabilities()
     from .cache import adopts_claim, render_claim, render_job
     from .lws import LWS_KIND, lws_name, multi_node, render_leaderworkerset
+    from .render_activator import ACTIVATOR_KINDS, activator_name, render_activator
     from .routing import ROUTER_KINDS, render_router, router_name
 
     # The router's objects come first: callers index the plan by kind, and the model's own objects
@@ -625,7 +633,12 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         defaults=caps.defaults,
     )
     # Order matters for a partial failure: the Service and PDB exist before pods can serve or be evicted.
-    objects = [*router, render_service(im)]
+    activator = render_activator(
+        im,
+        service_monitor=caps.service_monitor and im.spec.monitoring.service_monitor.enabled,
+        defaults=caps.defaults,
+    )
+    objects = [*activator, *router, render_service(im)]
     # NetworkPolicies before any pod they fence (netpol.py)
     from .netpol import network_policies
 
@@ -665,6 +678,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         optional.append(ChildRef(LWS_KIND, lws_name(im)))
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
     optional += unwanted_policies
+    optional += [ChildRef(kind, activator_name(im)) for kind in reversed(ACTIVATOR_KINDS)]
     if not cache_ready:
         objects = [
             o

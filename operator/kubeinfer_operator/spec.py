@@ -397,6 +397,9 @@ class ScalingSpec(_Model):
     autoscaler: Autoscaler = "None"
     scale_down_delay_seconds: int = Field(default=300, ge=0, le=3600)
     prometheus_address: str | None = Field(default=None, min_length=1, max_length=512)
+    # Scale to zero (minReplicas 0): the activator's bounds on requests held while the model wakes.
+    max_held_requests: int = Field(default=100, ge=1, le=10000)
+    max_wait_seconds: int | None = Field(default=None, ge=1, le=86400)
 
     @model_validator(mode="after")
     def _check_rules(self) -> ScalingSpec:
@@ -768,6 +771,23 @@ class InferenceModelSpec(_Model):
         return self.scaling.autoscaler != "None" and not self.suspend
 
     @property
+    def scale_to_zero(self) -> bool:
+        """minReplicas 0 with KEDA, or without an autoscaler and a wake count (replicas) of at least
+        one: the activator holds requests at zero replicas and wakes the model (activator.py)."""
+        scaling = self.scaling
+        if self.suspend or scaling.min_replicas != 0:
+            return False
+        if scaling.autoscaler == "KEDA":
+            return True
+        return scaling.autoscaler == "None" and scaling.replicas >= 1
+
+    @property
+    def replicas_delegated(self) -> bool:
+        """The workload's spec.replicas is written by an autoscaler or by the activator (built-in
+        scale to zero), through its scale subresource; the operator's apply leaves it out."""
+        return self.autoscaled or self.scale_to_zero
+
+    @property
     def served_name(self) -> str:
         if self.model.served_name:
             return self.model.served_name
@@ -783,7 +803,7 @@ class Condition(_Model):
     last_transition_time: str
 
 
-Phase = Literal["Pending", "Loading", "Ready", "Degraded", "Suspended", "Failed"]
+Phase = Literal["Pending", "Loading", "Ready", "Degraded", "Suspended", "Failed", "ScaledToZero", "Waking"]
 CachePhase = Literal["Pending", "Loading", "Ready", "Failed"]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from .cache import CacheState
 from .pods import diagnose
 from .render import desired_replicas, endpoint_url, selector_string
+from .render_activator import activator_url, zero_phase
 from .spec import CacheStatus, Condition, InferenceModel, InferenceModelStatus, Phase
 
 
@@ -44,8 +45,8 @@ def _counts(deployment: dict[str, Any] | None) -> tuple[int, int, int]:
 
 
 def _desired(im: InferenceModel, deployment: dict[str, Any] | None) -> int:
-    if im.spec.autoscaled and deployment is not None:
-        # The autoscaler owns the count; the Deployment's spec holds its latest decision.
+    if im.spec.replicas_delegated and deployment is not None:
+        # The autoscaler (or the activator) owns the count; the Deployment's spec holds its latest decision.
         return int((deployment.get("spec") or {}).get("replicas") or 0)
     return desired_replicas(im)
 
@@ -105,6 +106,7 @@ def compute_status(
         and desired > 0
         and not im.spec.suspend
         and outcome.invalid_spec is None
+        and not im.spec.scale_to_zero  # woken from zero: Waking (below), not a lost replica
     ):
         degraded_reason = "NoReadyReplicas"
         degraded_message = "the model was serving and has no ready replica left"
@@ -133,6 +135,7 @@ def compute_status(
         phase = "Loading"
     else:
         phase = "Pending"
+    phase = zero_phase(im, phase, desired, replicas, ready)
 
     def cond(ctype: str, status: str, reason: str, message: str) -> Condition:
         return make_condition(prev_conditions, generation, now, ctype, status, reason, message)
@@ -147,6 +150,8 @@ def compute_status(
             "Degraded": degraded_reason or "Degraded",
             "Loading": "ModelLoading",
             "Pending": "CacheLoading" if waiting_for_cache else "NoReplicas",
+            "ScaledToZero": "ScaledToZero",
+            "Waking": "Waking",
         }[phase]
         conditions.append(cond("Ready", "False", reason, f"{ready}/{desired} replicas ready"))
 
@@ -216,7 +221,10 @@ def compute_status(
         ready_replicas=ready,
         updated_replicas=updated,
         selector=selector_string(im),
-        endpoint=endpoint_url(im) if outcome.invalid_spec is None else None,
+        # A scale-to-zero model is called through its activator (the model's Service has no pod at 0).
+        endpoint=(activator_url(im) if im.spec.scale_to_zero else endpoint_url(im))
+        if outcome.invalid_spec is None
+        else None,
         observed_generation=generation,
         conditions=conditions,
         cache=cache_status,

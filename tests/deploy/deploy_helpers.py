@@ -74,6 +74,25 @@ ROUTER_SERIES = frozenset(
     }
 )
 
+
+def activator_series_names() -> frozenset[str]:
+    """Series the scale-to-zero activator exports, read from its own exposition (every family
+    touched once so that labelled children and histogram buckets appear)."""
+    from kubeinfer_operator.activator.metrics import ActivatorMetrics
+
+    metrics = ActivatorMetrics("m")
+    metrics.set_state(1, 1, True, 1)
+    metrics.observe_wake(1.0)
+    metrics.refused("held_limit")
+    metrics.scaled("up")
+    text = metrics.exposition().decode()
+    return frozenset(
+        line.split("{", 1)[0].split(" ", 1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    )
+
+
 # Series that are not ours but that the dashboards and alerts read on purpose: kube-state-metrics'
 # Deployment replicas (a server cannot know how many of its replicas are ready) and its Deployment
 # labels (to keep only the Deployments the kubeinfer operator manages).

@@ -58,7 +58,8 @@ def plan(**spec: Any) -> tuple[list[dict[str, Any]], dict[str, Pod]]:
     pods: dict[str, Pod] = {}
     for o in objects:
         if o["kind"] == "Deployment":
-            name = "router" if o["metadata"]["name"].endswith("-router") else "model"
+            name = o["metadata"]["name"].rsplit("-", 1)[-1]
+            name = name if name in ("router", "activator") else "model"
             pods[name] = Pod(NS, dict(o["spec"]["template"]["metadata"]["labels"]))
         elif o["kind"] == "LeaderWorkerSet":
             tmpl = o["spec"]["leaderWorkerTemplate"]
@@ -118,6 +119,31 @@ def test_allowed_clients_replace_the_namespace() -> None:
     assert not admits(policies, CLIENT, pods["model"], API)  # the namespace is no longer the default
     assert admits(policies, pods["router"], pods["model"], API)  # the router, operator stay
     assert admits(policies, OPERATOR, pods["model"], API)
+
+
+@pytest.mark.parametrize("routing", [False, True])
+def test_the_activator_reaches_its_upstream_and_clients_reach_the_activator(routing: bool) -> None:
+    # scale to zero: clients call the activator, which sends on to the router (routing) or the model
+    peers = [{"podSelector": {"matchLabels": {"app": "chat-frontend"}}}]
+    policies, pods = plan(
+        scaling={"minReplicas": 0, "replicas": 1},
+        network={"allowedClients": peers},
+        routing={"enabled": routing},
+    )
+    activator, model = pods["activator"], pods["model"]
+    assert admits(policies, CLIENT, activator, ROUTER_API)  # the activator's port is 8000 too
+    assert admits(policies, PROMETHEUS, activator, ROUTER_API)
+    assert not admits(policies, STRANGER, activator, ROUTER_API)
+    assert not admits(policies, CLIENT, activator, API)
+    if routing:
+        assert admits(policies, activator, pods["router"], ROUTER_API)
+        assert not admits(policies, activator, model, API)  # it goes through the router
+    else:
+        assert admits(policies, activator, model, API)
+    # without scale to zero no activator is admitted anywhere
+    policies, pods = plan(network={"allowedClients": peers}, routing={"enabled": routing})
+    assert "activator" not in pods
+    assert not admits(policies, activator, pods["model"], API)
 
 
 def test_ranks_reach_each_other_and_nobody_else_does() -> None:
