@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup serve test test-fast lint bench clean
+.PHONY: setup serve test test-fast lint bench clean images image-test
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh scripts/setup-helm.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
@@ -31,6 +31,16 @@ lint: setup
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
+
+# Every image from its Dockerfile (buildah, else docker): the CPU server image, the operator, the router.
+# IMAGES=operator builds one; KUBEINFER_STANDIN_BASES=1 makes local stand-in bases where no registry
+# can be reached (CI). See README "Images".
+images:
+	bash scripts/images/build.sh $(IMAGES)
+
+# Runs the built images as the operator's pods run them (tests/images, marker `images`).
+image-test: setup
+	$(PY) -m pytest -q -m images tests/images $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -22,6 +22,7 @@ from server.config import (
     ATTENTION_BACKENDS,
     DTYPE_CHOICES,
     LOG_FORMATS,
+    LOGPROBS_MODES,
     QUANTIZE_CHOICES,
     TOOL_CALL_PARSERS,
     CacheConfig,
@@ -297,6 +298,23 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "Jinja chat template file replacing the model's (the embedded SmolLM2 uses the shipped "
         "tool-aware server/templates/smollm2_tools.jinja)",
     )
+    add(
+        "--logprobs-mode",
+        "KUBEINFER_LOGPROBS_MODE",
+        "What returned logprobs report, as vLLM: raw_logprobs (the model's own distribution, before "
+        "penalties, a grammar's mask, temperature and top-k/top-p), raw_logits, processed_logprobs or "
+        "processed_logits (after all of them; tokens they exclude are left out of top lists)",
+        default="raw_logprobs",
+        choices=LOGPROBS_MODES,
+    )
+    add_bool(
+        "--allow-special-tokens-in-content",
+        "KUBEINFER_ALLOW_SPECIAL_TOKENS_IN_CONTENT",
+        "Parse special-token strings typed inside chat messages (e.g. <|im_start|>) as control tokens; "
+        "by default they are text, so a user cannot forge turns (raw completion prompts and TGI "
+        "inputs are always parsed)",
+        False,
+    )
     add_bool(
         "--enable-auto-tool-choice",
         "KUBEINFER_ENABLE_AUTO_TOOL_CHOICE",
@@ -378,6 +396,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         False,
         g,
     )
+    add(
+        "--lora-allowed-paths",
+        "LORA_ALLOWED_PATHS",
+        "Folders POST /v1/load_lora_adapter may read local adapters from, symlinks resolved "
+        "(JSON list or comma-separated; default: the --lora-modules paths and --cache-dir)",
+        type=parse_str_list,
+        default=(),
+    )
     del g
 
     add(
@@ -387,9 +413,24 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "(/health, /ready, /metrics, /info stay open)",
     )
     add(
+        "--admin-api-key",
+        "KUBEINFER_ADMIN_API_KEY",
+        "Management credential: the state-changing routes (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter, /flush_cache, /reset_prefix_cache) require 'Authorization: Bearer <key>' "
+        "with it (it also opens every other route). Without it they take --api-key; with neither they "
+        "answer 403 unless --host is a loopback address (local development)",
+    )
+    add(
         "--drain-timeout",
         "KUBEINFER_DRAIN_TIMEOUT",
         "On SIGTERM, seconds to let admitted requests finish",
+        type=float,
+        default=30.0,
+    )
+    add(
+        "--timeout-request-head",
+        "KUBEINFER_TIMEOUT_REQUEST_HEAD",
+        "Seconds a connection may take to send its request line and headers (then 408 and closed)",
         type=float,
         default=30.0,
     )
@@ -446,6 +487,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         max_model_len=args.max_total_tokens,
         chat_template=args.chat_template,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        logprobs_mode=args.logprobs_mode,
     )
     cache = CacheConfig(
         block_size=args.block_size,
@@ -478,6 +521,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
             allow_runtime_updating=args.allow_runtime_lora_updating,
+            allowed_paths=tuple(args.lora_allowed_paths),
         ),
     )
     return ServerConfig(
@@ -491,7 +535,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_stop_sequences=args.max_stop_sequences,
         max_top_n_tokens=args.max_top_n_tokens,
         api_key=args.api_key or None,
+        admin_api_key=args.admin_api_key or None,
         drain_timeout_s=args.drain_timeout,
+        timeout_request_head_s=args.timeout_request_head,
         log_format=args.log_format,
         max_payload_bytes=args.max_payload_bytes,
         ui=args.ui,

@@ -34,6 +34,8 @@ def default_cache_dir() -> Path:
 
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# vLLM's --logprobs-mode: what sampled-token logprobs report (server/worker/sampler.py)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
@@ -50,8 +52,16 @@ class ModelConfig:
     # A Jinja chat template file replacing the model's (--chat-template); None = the model's own, or
     # for the embedded SmolLM2 the tool-aware server/templates/smollm2_tools.jinja.
     chat_template: str | None = None
+    # Parse special-token strings inside chat messages as control tokens (--allow-special-tokens-in-
+    # content); by default message content is tokenized as text (server/chat_tokens.py).
+    allow_special_tokens_in_content: bool = False
+    # What sampled-token logprobs report (vLLM's --logprobs-mode): raw_* = the model's own distribution,
+    # processed_* = after penalties, the grammar's mask, temperature and top-k/top-p/min-p.
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
@@ -208,6 +218,9 @@ class LoRAConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None = max_loras
     allow_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # Folders the run-time route may load local adapters from (server/lora/paths.py); () = the
+    # --lora-modules paths and the cache dir
+    allowed_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -287,7 +300,11 @@ class ServerConfig:
     max_top_n_tokens: int = 5
     max_client_batch_size: int = 4
     api_key: str | None = None
+    # the management credential (server/api/admin.py): state-changing routes need it when set
+    admin_api_key: str | None = field(default=None, repr=False)
     drain_timeout_s: float = 30.0
+    # Seconds a connection may take to send a request head (server/api/limits.py)
+    timeout_request_head_s: float = 30.0
     log_format: str = "text"
     max_payload_bytes: int = 2_000_000
     ui: bool = True  # the chat playground at GET / (--no-ui turns it off)
@@ -324,8 +341,12 @@ class ServerConfig:
             raise ValueError(f"max_top_n_tokens must be in [0, 20], got {self.max_top_n_tokens}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when set")
+        if self.admin_api_key is not None and not self.admin_api_key:
+            raise ValueError("admin_api_key must be non-empty when set")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.timeout_request_head_s > 0:
+            raise ValueError(f"timeout_request_head_s must be > 0, got {self.timeout_request_head_s}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):

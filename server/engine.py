@@ -136,7 +136,11 @@ class LLMEngine:
         if template is None and config.model.model is None:
             # The embedded SmolLM2's own template knows no tools; ours renders the same without them.
             template = shipped_chat_template("smollm2_tools")
-        self.tokenizer = Tokenizer(self.source.folder, chat_template=template)
+        self.tokenizer = Tokenizer(
+            self.source.folder,
+            chat_template=template,
+            special_tokens_in_content=config.model.allow_special_tokens_in_content,
+        )
         # LoRA: adapters by name (and their weights, LRU) + the model's projections wrapped with slots.
         self.lora: LoRARegistry | None = None
         lora_manager: LoRAManager | None = None
@@ -178,6 +182,7 @@ class LLMEngine:
             self.device,
             structured=StructuredOutputManager(self.grammars),
             lora=lora_manager,
+            logprobs_mode=config.model.logprobs_mode,
         )
         if self.tp is not None:
             self.tp.wait_ready(num_blocks)
@@ -578,6 +583,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
+
+    def abort_all(self) -> int:
+        """Aborts every request in flight (the drain deadline); each stream ends with FinishReason.ABORT.
+        Returns how many there were."""
+        ids = list(self._streams)
+        for request_id in ids:
+            self._commands.put(("abort", request_id))
+        self._wake.set()
+        return len(ids)
 
     async def reset_prefix_cache(self) -> bool:
         """Runs LLMEngine.reset_prefix_cache on the engine thread, between steps."""

@@ -5,6 +5,14 @@ for this CPU (-march=native, so the AVX2 or AVX-512 code paths are chosen when t
 machine that runs it), linked into a shared library under `<cache>/kernels/`, and called via ctypes.
 The cache key holds the source, the flags and the CPU's feature flags: a library built once (say, into
 a cache volume) loads on a machine with the same CPU features and no compiler at all.
+
+Images have no compiler and a read-only root filesystem, and must serve on any x86-64 node. So an image
+builds each kernel ahead of time once per x86-64 micro-architecture level (`prebuild`, the levels of
+`VARIANTS`: -march=x86-64-v4 for AVX-512, v3 for AVX2+FMA, v2, and the x86-64 baseline) into the folder
+$KUBEINFER_PREBUILT_KERNELS names, and `load_library` dispatches at run time: it loads the highest level
+whose CPU features /proc/cpuinfo lists. Only when none is there (another source, flags or CPU family) does
+it compile for this CPU into the cache as above. The levels are the psABI's (x86-64 psABI 1.0, section
+3.1.1, "Micro-architecture levels"), which gcc >= 11 and clang >= 12 accept as -march values.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+PREBUILT_ENV = "KUBEINFER_PREBUILT_KERNELS"
+
 
 class KernelBuildError(RuntimeError):
     pass
@@ -38,6 +48,26 @@ class NativeSource:
     # What `kubeinfer_<name>_abi()` must return: a library built from another version of the source
     # (same cache key only if the source matched, but a stale file can be copied in) is refused.
     abi_version: int | None = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One ahead-of-time build: its -march value and the /proc/cpuinfo flags a CPU needs to run it."""
+
+    march: str
+    cpu_flags: frozenset[str]
+
+
+_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2"})
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Best first: load_library takes the first one the CPU can run.
+VARIANTS = (
+    Variant("x86-64-v4", _V4),
+    Variant("x86-64-v3", _V3),
+    Variant("x86-64-v2", _V2),
+    Variant("x86-64", frozenset()),
+)
 
 
 def compiler() -> str:
@@ -61,6 +91,52 @@ def cpu_identity() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(cpu_identity().partition(":")[2].split())
+
+
+def variant_flags(src: NativeSource, variant: Variant) -> tuple[str, ...]:
+    """`src`'s compile flags with -march=native replaced by the variant's level (and -mtune=generic)."""
+    flags = tuple(f"-march={variant.march}" if f == "-march=native" else f for f in src.compile_flags)
+    return (*flags, "-mtune=generic")
+
+
+def prebuilt_path(src: NativeSource, variant: Variant, folder: Path) -> Path:
+    """Keyed by source and flags, like library_path, but not by the CPU: the variant names the CPUs."""
+    key = hashlib.sha256()
+    for part in (src.source.read_bytes(), repr(variant_flags(src, variant) + src.link_flags).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return folder / variant.march / f"{src.name}-{key.hexdigest()[:20]}.so"
+
+
+def prebuild(sources: tuple[NativeSource, ...], folder: Path) -> list[Path]:
+    """Builds every source for every x86-64 level into `folder` (an image's build step); returns the
+    libraries. Raises KernelBuildError on a non-x86-64 machine or when a build fails."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise KernelBuildError(f"prebuilt kernels are built for x86-64 levels, not {platform.machine()}")
+    cxx = compiler()
+    built = []
+    for src in sources:
+        for variant in VARIANTS:
+            target = prebuilt_path(src, variant, folder)
+            build(
+                NativeSource(src.name, src.source, variant_flags(src, variant), src.link_flags), cxx, target
+            )
+            built.append(target)
+    return built
+
+
+def find_prebuilt(src: NativeSource, folder: Path, flags: frozenset[str]) -> Path | None:
+    """The library of the best level a CPU with `flags` runs, or None."""
+    for variant in VARIANTS:
+        if variant.cpu_flags <= flags:
+            path = prebuilt_path(src, variant, folder)
+            if path.is_file():
+                return path
+    return None
 
 
 def library_path(src: NativeSource, cache_dir: Path) -> Path:
@@ -90,10 +166,15 @@ def build(src: NativeSource, cxx: str, target: Path) -> None:
 
 
 def load_library(src: NativeSource, cache_dir: Path) -> tuple[ctypes.CDLL, Path]:
-    """Builds (unless cached) and loads `src`; raises KernelBuildError saying why it cannot (including
-    an ABI version other than `src.abi_version`)."""
-    path = library_path(src, cache_dir)
-    if not path.is_file():
+    """Loads `src` prebuilt for this CPU's x86-64 level from $KUBEINFER_PREBUILT_KERNELS, else builds it
+    for this CPU (unless cached) under `cache_dir`; raises KernelBuildError saying why it cannot
+    (including an ABI version other than `src.abi_version`)."""
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    found = find_prebuilt(src, Path(prebuilt), cpu_flags()) if prebuilt else None
+    path = found or library_path(src, cache_dir)
+    if found is not None:
+        log.info("loading the prebuilt %s kernel %s", src.name, found)
+    elif not path.is_file():
         log.info("building the %s kernel into %s", src.name, path)
         build(src, compiler(), path)
     lib = ctypes.CDLL(str(path))

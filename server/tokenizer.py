@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from server.chat_tokens import ContentTextEncoder
 from server.core.finish import stops_count
 from server.request import SamplingParams
 
@@ -37,13 +38,20 @@ _BYTE_LEVEL = _byte_level_decoder()
 
 
 class Tokenizer:
-    def __init__(self, folder: Path | str, chat_template: str | None = None) -> None:
-        """chat_template: Jinja text that replaces the model's own (--chat-template)."""
+    def __init__(
+        self, folder: Path | str, chat_template: str | None = None, special_tokens_in_content: bool = False
+    ) -> None:
+        """chat_template: Jinja text that replaces the model's own (--chat-template).
+        special_tokens_in_content: parse special-token strings inside chat messages as control tokens
+        (--allow-special-tokens-in-content); by default they are text (server/chat_tokens.py)."""
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(folder))
         if chat_template is not None:
             self._tok.chat_template = chat_template
+        self._content_text: ContentTextEncoder | None = None
+        if not special_tokens_in_content and getattr(self._tok, "backend_tokenizer", None) is not None:
+            self._content_text = ContentTextEncoder(self._tok)
         self.vocab_size = len(self._tok)
         self.all_special_ids = frozenset(self._tok.all_special_ids)
         self._added_ids = frozenset(getattr(self._tok, "added_tokens_decoder", {}) or ())
@@ -127,18 +135,28 @@ class Tokenizer:
         """Prompt ids for a conversation. continue_final_message: leave the last (assistant) message
         open, without its end-of-turn tokens, so that the model continues it (vLLM's flag).
         add_special_tokens: also add the tokenizer's own BOS/EOS around the templated text (off by
-        default: templates write their special tokens themselves)."""
+        default: templates write their special tokens themselves).
+        Special-token strings inside the messages and tools are encoded as text unless the tokenizer
+        was built with special_tokens_in_content (server/chat_tokens.py)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         tool_list: list[Any] | None = list(tools) if tools else None
-        text = self._tok.apply_chat_template(
-            messages,
-            tools=tool_list,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
-        return self.encode(str(text), add_special_tokens=add_special_tokens)
+
+        def render(msgs: list[Any], tool_defs: list[Any] | None) -> str:
+            return str(
+                self._tok.apply_chat_template(
+                    msgs,
+                    tools=tool_defs,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
+            )
+
+        content = self._content_text
+        if content is not None and content.holds_special(messages, tool_list):
+            return content.encode(messages, tool_list, render, add_special_tokens)
+        return self.encode(render(messages, tool_list), add_special_tokens=add_special_tokens)
 
 
 def shipped_chat_template(name: str) -> str:

@@ -18,9 +18,10 @@ from typing import Any, TextIO
 
 import yaml
 
+from . import credentials
 from .defaults import ClusterDefaults
 from .leader import LeaderElectionConfig, LeaderElector, parse_duration
-from .render import Capabilities, render_all
+from .render import Capabilities, child_metadata, render_all
 from .spec import InferenceModel, InvalidSpecError, semantic_errors
 
 
@@ -31,6 +32,8 @@ def render_documents(manifests: list[dict[str, Any]], caps: Capabilities) -> lis
         problems = semantic_errors(im.spec)
         if problems:
             raise InvalidSpecError(f"{im.namespace}/{im.name}: " + "; ".join(problems))
+        if credentials.wants_admin_key(im):  # the Secret its pods read their admin key from
+            out.append(credentials.render_admin_secret(im, child_metadata(im), caps.defaults))
         out.extend(render_all(im, caps).objects)
     return out
 
@@ -217,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         "render",
         help="print every object the operator would apply, as YAML",
         description="Print every object the operator would apply, as YAML. The operator's "
-        "KUBEINFER_DEFAULT_SERVER_IMAGE, KUBEINFER_DEFAULT_ROUTER_IMAGE and "
+        "KUBEINFER_DEFAULT_SERVER_IMAGE, KUBEINFER_DEFAULT_SERVER_CPU_IMAGE, KUBEINFER_DEFAULT_ROUTER_IMAGE and "
         "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS apply as they do in the operator.",
     )
     render.add_argument("-f", "--file", required=True, help="InferenceModel YAML ('-' for stdin)")

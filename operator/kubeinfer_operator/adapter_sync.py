@@ -27,6 +27,10 @@ TIMEOUT_SECONDS = 10.0
 # the pod finishes the load and the next status refresh reads it back
 LOAD_TIMEOUT_SECONDS = 60.0
 POD_PORT = SERVER_PORT  # the server's port on each pod IP (tests point it at a local stand-in)
+# /v1/models of a pod with many adapters fits; a pod cannot make the operator read more
+MAX_REPLY_BYTES = 1 << 20
+# what of a pod's answer reaches an error line (a log line, then an Event on the InferenceModel)
+MAX_EXCERPT_CHARS = 120
 
 
 @dataclass(frozen=True)
@@ -41,15 +45,31 @@ class PodHTTP(Protocol):
     def post(self, url: str, body: dict[str, Any], timeout: float) -> HTTPReply: ...
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, never followed: a pod (anyone who can run one at that IP) must not
+    send the operator to another address, such as a cloud metadata service."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 class UrllibPodHTTP:
-    """The default client (the standard library: the operator image needs nothing more)."""
+    """The default client (the standard library: the operator image needs nothing more). Sends the
+    model's admin API key (credentials.py) when given; follows no redirect and reads at most
+    MAX_REPLY_BYTES of an answer."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._opener = urllib.request.build_opener(_NoRedirect())
 
     def _send(self, req: urllib.request.Request, timeout: float) -> HTTPReply:
+        for name, value in self._headers.items():
+            req.add_header(name, value)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, raw = resp.status, resp.read()
+            with self._opener.open(req, timeout=timeout) as resp:
+                status, raw = resp.status, resp.read(MAX_REPLY_BYTES)
         except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
+            status, raw = e.code, e.read(MAX_REPLY_BYTES)
         except (OSError, ValueError) as e:
             return HTTPReply(0, str(e))
         text = raw.decode("utf-8", "replace")
@@ -137,23 +157,38 @@ def _served(http: PodHTTP, base_url: str) -> dict[str, str] | HTTPReply:
     }
 
 
+def excerpt(value: Any, limit: int = MAX_EXCERPT_CHARS) -> str:
+    """At most `limit` printable ASCII characters of `value` (others become '?', runs of whitespace
+    one space), with "..." when cut: what a pod answers may be anything."""
+    text = " ".join(str(value).split())
+    text = "".join(c if " " <= c <= "~" else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _describe(reply: HTTPReply) -> str:
+    if 300 <= reply.status < 400:
+        # the body and Location are the redirecting party's words: none of them is repeated
+        return f"HTTP {reply.status}: a redirect, refused (the operator follows none)"
     body = reply.body
     if isinstance(body, dict):
         err = body.get("error")
         body = err.get("message") if isinstance(err, dict) else err or body.get("message") or body
-    text = " ".join(str(body).split())[:300]
+    text = excerpt(body)
     return f"HTTP {reply.status}: {text}" if reply.status else f"no answer: {text}"
 
 
 def sync_pods(
-    im: InferenceModel, pods: list[dict[str, Any]], http: PodHTTP | None = None
+    im: InferenceModel,
+    pods: list[dict[str, Any]],
+    http: PodHTTP | None = None,
+    token: str | None = None,
 ) -> AdapterSyncResult:
-    """Load what each syncable pod lacks, unload what the spec no longer has (or has under another uri)."""
+    """Load what each syncable pod lacks, unload what the spec no longer has (or has under another uri).
+    `token`: the model's admin API key, sent by the default client."""
     result = AdapterSyncResult()
     if not runtime_updates(im):
         return result
-    http = http or UrllibPodHTTP()
+    http = http or UrllibPodHTTP(token)
     want = desired_adapters(im)
     for pod in syncable_pods(pods):
         name = str((pod.get("metadata") or {}).get("name") or "?")
@@ -179,7 +214,9 @@ def sync_pods(
             if reply.status == 200:
                 loaded.append(n)
             else:
-                result.errors.append(f"pod {name}: loading adapter {n} from {path}: {_describe(reply)}")
+                result.errors.append(
+                    f"pod {name}: loading adapter {n} from {excerpt(path)}: {_describe(reply)}"
+                )
         after = _served(http, url) if (loaded or unloaded) else before
         if isinstance(after, HTTPReply):
             result.errors.append(f"pod {name}: GET /v1/models: {_describe(after)}")

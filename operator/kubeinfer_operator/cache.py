@@ -167,7 +167,7 @@ def render_job(im: InferenceModel, defaults: ClusterDefaults | None = None) -> M
         )
     container: dict[str, Any] = {
         "name": "loader",
-        "image": spec.engine.image or defaults.server_image,
+        "image": spec.engine.image or defaults.server_image_for(spec.resources.gpu.count),
         "imagePullPolicy": "IfNotPresent",
         "command": ["python", "-m", "server.download"],
         "args": loader_args(im),

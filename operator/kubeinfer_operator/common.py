@@ -1,11 +1,13 @@
 """What every renderer of a model's children shares: names of the server container and its paths,
-the labels and owner reference every child carries, the restricted security context. Pure; it imports
+the labels and owner reference every child carries, a child's (kind, name), the restricted security
+context, PromQL string literals. Pure; it imports
 nothing from the other renderers (render.py, deployment.py, cache.py, lws.py, routing.py, adapters.py
 all build on it), so they form no import cycle."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .spec import API_VERSION, KIND, InferenceModel
@@ -24,6 +26,14 @@ STARTUP_PROBE_PERIOD_SECONDS = 10
 # On the pod template: the InferenceModel's own name (which need not be a valid label value), so a pod
 # event leads back to its model.
 MODEL_ANNOTATION = "kubeinfer.dev/inference-model"
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    """One child by kind and name (in the model's namespace)."""
+
+    kind: str
+    name: str
 
 
 def selector_labels(im: InferenceModel) -> dict[str, str]:
@@ -69,6 +79,11 @@ def child_metadata(im: InferenceModel, extra_labels: dict[str, str] | None = Non
 
 def endpoint_url(im: InferenceModel) -> str:
     return f"http://{im.child_name}.{im.namespace}.svc:{SERVER_PORT}"
+
+
+def promql_string(value: str) -> str:
+    """A PromQL double-quoted string literal (Go escaping), so a served name with quotes stays data."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def startup_failure_threshold(startup_timeout_seconds: int) -> int:

@@ -24,6 +24,7 @@ from .common import (
     selector_labels,
     startup_failure_threshold,
 )
+from .credentials import admin_env
 from .defaults import ClusterDefaults
 from .routing import server_routing_args, server_routing_ports
 from .spec import MODEL_MOUNT_ROOT, InferenceModel, model_location
@@ -195,10 +196,11 @@ def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = Non
     volumes, mounts = _volumes(im)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": spec.engine.image or defaults.server_image,
+        "image": spec.engine.image or defaults.server_image_for(spec.resources.gpu.count),
         "imagePullPolicy": "IfNotPresent",
         "args": server_args(im),
-        "env": _env(im),
+        # the admin key last: an env entry of the same name earlier in the list cannot replace it
+        "env": _env(im) + admin_env(im, defaults),
         "ports": [
             {"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"},
             *server_routing_ports(im),
@@ -296,7 +298,7 @@ def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = Non
             "spec": pod_spec,
         },
     }
-    if not spec.autoscaled:
+    if not spec.replicas_delegated:
         deployment_spec["replicas"] = desired_replicas(im)
     return {
         "apiVersion": "apps/v1",

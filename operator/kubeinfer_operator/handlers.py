@@ -12,6 +12,7 @@ from typing import Any
 
 import kopf
 
+from .admission import AdmissionPolicy
 from .common import FIELD_MANAGER
 from .defaults import ClusterDefaults
 from .k8s import KINDS, ApiError, KubeClient
@@ -42,6 +43,8 @@ ANNOTATION_PREFIX = GROUP
 # The installation's default images and pull secrets for the pods the operator creates (the chart's
 # global.imageRegistry, server.image, router.image, global.imagePullSecrets).
 DEFAULTS = ClusterDefaults.from_environment(os.environ)
+# what the cluster administrator allows models beyond the defaults (chart values admission.*)
+POLICY = AdmissionPolicy.from_environment(os.environ)
 
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
@@ -73,7 +76,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     def post_event(namespace: str, name: str, uid: str, type_: str, reason: str, message: str) -> None:
         _post_event(kube, namespace, name, uid, type_, reason, message, events_logger)
 
-    memo.reconciler = Reconciler(kube, DEFAULTS, post_event)
+    memo.reconciler = Reconciler(kube, DEFAULTS, post_event, policy=lambda: POLICY)
     resync_logger = logging.getLogger("kubeinfer_operator.resync")
     reconciler = memo.reconciler
     memo.resyncer = Resyncer(

@@ -52,6 +52,10 @@ KINDS: dict[str, KindInfo] = {
     "Event": KindInfo("v1", "events"),
     # spec.adapters: the adapter list the server reads at start (adapters.py)
     "ConfigMap": KindInfo("v1", "configmaps"),
+    # the per-model admin API key (credentials.py): created, never read
+    "Secret": KindInfo("v1", "secrets"),
+    # spec.network: the pods' and the router's NetworkPolicies (netpol.py)
+    "NetworkPolicy": KindInfo("networking.k8s.io/v1", "networkpolicies"),
 }
 
 
@@ -173,6 +177,26 @@ class KubeClient:
         assert out is not None
         return out
 
+    def create(self, obj: dict[str, Any]) -> bool:
+        """Create an object (POST); False when one of that name exists already (409 AlreadyExists).
+        For kinds the operator may create but not read or patch (Secrets)."""
+        info = KINDS[obj["kind"]]
+        meta = obj["metadata"]
+        try:
+            self._request(
+                "POST",
+                object_path(info.api_version, info.plural, meta["namespace"]),
+                action=f"creating {obj['kind']} {meta['namespace']}/{meta['name']}",
+                body=obj,
+                content_type="application/json",
+                query=[("fieldManager", FIELD_MANAGER)],
+            )
+        except ApiError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         info = KINDS[kind]
         return self._request(
@@ -194,6 +218,18 @@ class KubeClient:
             return False
         return bool((ns.get("metadata") or {}).get("deletionTimestamp")) or (
             (ns.get("status") or {}).get("phase") == "Terminating"
+        )
+
+    def set_scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+        """Merge-patch the scale subresource (autoscaling/v1 Scale) of a Deployment or LeaderWorkerSet;
+        None when the object is gone. The activator's only write (RBAC: `<plural>/scale` patch)."""
+        info = KINDS[kind]
+        return self._request(
+            "PATCH",
+            object_path(info.api_version, info.plural, namespace, name) + "/scale",
+            action=f"scaling {kind} {namespace}/{name} to {replicas}",
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
         )
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:

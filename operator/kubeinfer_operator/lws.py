@@ -111,7 +111,8 @@ def render_leaderworkerset(im: InferenceModel, defaults: ClusterDefaults | None 
             "workerTemplate": worker,
         },
     }
-    if not spec.autoscaled:  # else the autoscaler owns the group count (handover.py), as with a Deployment
+    # Else the autoscaler (or the activator) owns the group count (handover.py), as with a Deployment.
+    if not spec.replicas_delegated:
         lws_spec = {"replicas": desired_replicas(im), **lws_spec}
     return {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "metadata": metadata, "spec": lws_spec}
 

@@ -29,14 +29,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import adapter_sync
+from . import adapter_sync, credentials
 from . import cache as model_cache
 from .adapters import desired_adapters, runtime_updates
-from .common import MODEL_ANNOTATION, selector_labels
+from .admission import AdmissionPolicy
+from .common import MODEL_ANNOTATION, child_metadata, selector_labels
 from .defaults import ClusterDefaults
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
 from .lws import CRD_MISSING_MESSAGE, CRD_MISSING_REASON, as_workload
+from .policy import model_policy_errors
 from .render import CACHE_KINDS, Capabilities, ChildRef, RenderPlan, is_subset, render_all
 from .spec import GROUP, InferenceModel, InvalidSpecError, semantic_errors
 from .status import ReconcileOutcome, compute_status, failed_status, same_status
@@ -105,6 +107,8 @@ class Applied:
 
 # (namespace, name, uid, type, reason, message): post a Kubernetes Event on the InferenceModel.
 PostEvent = Callable[[str, str, str, str, str, str], None]
+# The administrator's admission policy (admission.py), read at each reconcile: handlers.POLICY.
+PolicySource = Callable[[], AdmissionPolicy]
 
 _LOCKS: dict[tuple[str, str], threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
@@ -123,10 +127,17 @@ def now() -> str:
 
 
 class Reconciler:
-    def __init__(self, kube: KubeClient, defaults: ClusterDefaults, post_event: PostEvent) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        defaults: ClusterDefaults,
+        post_event: PostEvent,
+        policy: PolicySource = AdmissionPolicy,
+    ) -> None:
         self.kube = kube
         self.defaults = defaults
         self.post_event = post_event
+        self.policy = policy
 
     # --- entry points (under model_lock)
 
@@ -222,7 +233,8 @@ class Reconciler:
             im = InferenceModel.from_manifest(body)
         except InvalidSpecError as exc:
             return Observed(body, None, str(exc), caps, None, None, None)
-        problems = semantic_errors(im.spec)
+        # an admin policy violation is reported like an invalid spec (Degraded/InvalidSpec, nothing applied)
+        problems = semantic_errors(im.spec) + model_policy_errors(im, self.policy(), self.defaults)
         if problems:
             return Observed(body, im, "; ".join(problems), caps, None, None, None)
         # Any trigger may apply, and the plan depends on the cache being filled: always judged afresh.
@@ -308,11 +320,13 @@ class Reconciler:
         assert im is not None
         if observed.cache is not None:
             applied.cache = self._apply_cache(im, observed.cache, logger)
+        # the pods' admin key first: a pod whose Secret is missing cannot start
+        credentials.ensure_admin_secret(self.kube, im, child_metadata(im), self.defaults)
         for obj in plan.objects:
             if obj["kind"] in CACHE_KINDS:
                 continue  # applied above
             is_workload = (obj["kind"], obj["metadata"]["name"]) == (workload_kind(im), workload_name(im))
-            if is_workload and im.spec.autoscaled and plan.autoscaling_skipped_reason is None:
+            if is_workload and im.spec.replicas_delegated and plan.autoscaling_skipped_reason is None:
                 self._hand_over_replicas(im, obj, logger)
             live = self.kube.apply(obj)
             if is_workload:
@@ -371,7 +385,7 @@ class Reconciler:
             return {"adapters": names, "adapterCount": len(names)}
         if pods is None:
             return {}
-        result = adapter_sync.sync_pods(im, pods)
+        result = adapter_sync.sync_pods(im, pods, token=credentials.admin_token(im, self.defaults))
         for pod in result.pods:
             if pod.loaded or pod.unloaded:
                 logger.info(

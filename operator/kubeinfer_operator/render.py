@@ -16,8 +16,9 @@ from .common import MODEL_ANNOTATION as MODEL_ANNOTATION
 from .common import RUN_AS_USER as RUN_AS_USER
 from .common import SERVER_PORT as SERVER_PORT
 from .common import TMP_DIR as TMP_DIR
+from .common import ChildRef as ChildRef
 from .common import Manifest as Manifest
-from .common import child_metadata, selector_labels
+from .common import child_metadata, promql_string, selector_labels
 from .common import desired_replicas as desired_replicas
 from .common import endpoint_url as endpoint_url
 from .common import labels as labels
@@ -27,7 +28,15 @@ from .defaults import ClusterDefaults
 from .deployment import render_deployment
 from .deployment import termination_grace_seconds as termination_grace_seconds
 from .lws import render_leaderworkerset
+from .netpol import network_policies
 from .quantity import same_quantity
+from .render_activator import (
+    ACTIVATOR_KINDS,
+    activation_trigger,
+    activator_name,
+    render_activator,
+    wants_activator,
+)
 from .routing import ROUTER_KINDS, render_router, router_name
 from .spec import InferenceModel
 from .workload import LWS_KIND, lws_name, multi_node, scale_target_ref, serving_selector_labels
@@ -107,11 +116,6 @@ def render_hpa(im: InferenceModel) -> Manifest:
     }
 
 
-def _promql_string(value: str) -> str:
-    """A PromQL double-quoted string literal (Go escaping), so a served name with quotes stays data."""
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
 def prometheus_query(im: InferenceModel) -> str:
     """Sum over the model's own pods; KEDA divides by the replica count for an AverageValue trigger.
 
@@ -122,9 +126,9 @@ def prometheus_query(im: InferenceModel) -> str:
     metric = METRIC_NAMES[im.spec.scaling.metric]
     matchers = ",".join(
         [
-            f"namespace={_promql_string(im.namespace)}",
-            f"service={_promql_string(im.child_name)}",
-            f"model_name={_promql_string(im.spec.served_name)}",
+            f"namespace={promql_string(im.namespace)}",
+            f"service={promql_string(im.child_name)}",
+            f"model_name={promql_string(im.spec.served_name)}",
         ]
     )
     return f"sum({metric}{{{matchers}}})"
@@ -158,10 +162,15 @@ def render_scaledobject(im: InferenceModel) -> Manifest:
                         "query": prometheus_query(im),
                         "threshold": str(scaling.effective_target),
                     },
-                }
+                },
+                *_activation_triggers(im),
             ],
         },
     }
+
+
+def _activation_triggers(im: InferenceModel) -> list[dict[str, Any]]:
+    return [activation_trigger(im)] if wants_activator(im) else []
 
 
 def render_pdb(im: InferenceModel) -> Manifest:
@@ -203,14 +212,6 @@ class Capabilities:
     defaults: ClusterDefaults = field(default_factory=ClusterDefaults)
     leader_worker_set: bool = True
     hpa: bool = True  # autoscaling/v2 HorizontalPodAutoscaler
-
-
-@dataclass(frozen=True)
-class ChildRef:
-    """One child by kind and name (in the model's namespace)."""
-
-    kind: str
-    name: str
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,15 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         defaults=caps.defaults,
     )
     # Order matters for a partial failure: the Service and PDB exist before pods can serve or be evicted.
-    objects = [*router, render_service(im)]
+    activator = render_activator(
+        im,
+        service_monitor=caps.service_monitor and im.spec.monitoring.service_monitor.enabled,
+        defaults=caps.defaults,
+    )
+    objects = [*activator, *router, render_service(im)]
+    # NetworkPolicies before any pod they fence (netpol.py)
+    policies, unwanted_policies = network_policies(im, caps.defaults)
+    objects = policies + objects
     if im.spec.cache.shared:
         cache_objects = [render_job(im, caps.defaults)]
         if not adopts_claim(im):
@@ -302,6 +311,8 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     if caps.leader_worker_set:
         optional.append(ChildRef(LWS_KIND, lws_name(im)))
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
+    optional += unwanted_policies
+    optional += [ChildRef(kind, activator_name(im)) for kind in reversed(ACTIVATOR_KINDS)]
     if not cache_ready:
         objects = [
             o

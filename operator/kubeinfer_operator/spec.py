@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from . import admission
 from .names import (
     DNS1123_SUBDOMAIN,
     child_name,
@@ -30,9 +31,16 @@ KIND = "InferenceModel"
 PLURAL = "inferencemodels"
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/kubeinfer/server:0.1.0"
+# The CPU build of Dockerfile.server (scripts/images/build.sh): for models with resources.gpu.count 0.
+DEFAULT_SERVER_CPU_IMAGE = "ghcr.io/kubeinfer/server:0.1.0-cpu"
 # Dockerfile.router: vLLM's router (PyPI vllm-router, pinned there) on a non-root base.
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kubeinfer/router:0.1.17"
 OPERATOR_IMAGE = "ghcr.io/kubeinfer/operator:0.1.0"
+
+# The CRD bounds every string, list and map a user sets (the API server's CEL cost estimate sizes each
+# rule by them, issue 29); these are the same bounds.
+IntOrString = Annotated[int, Strict()] | Annotated[str, Field(max_length=64)]
+LabelMap = Annotated[dict[str, Annotated[str, Field(max_length=63)]], Field(max_length=64)]
 
 Quantization = Literal[
     "awq", "gptq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8", "int8", "int4"
@@ -280,6 +288,9 @@ class EngineSpec(_Model):
                 "engine.extraArgs must not set a flag the operator manages from the spec "
                 "(--model, --port, --served-model-name, --quantize, --dtype, ...)"
             )
+        problems = admission.extra_args_errors(self.extra_args)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
@@ -303,8 +314,8 @@ class GPUSpec(_Model):
 
 class ResourcesSpec(_Model):
     gpu: GPUSpec = Field(default_factory=GPUSpec)
-    cpu: int | str | None = None
-    memory: int | str | None = None
+    cpu: IntOrString | None = None
+    memory: IntOrString | None = None
 
     @model_validator(mode="after")
     def _check_quantities(self) -> ResourcesSpec:
@@ -327,8 +338,8 @@ class CacheSpec(_Model):
 
     mode: CacheMode = "PerPod"
     claim_name: str | None = Field(default=None, min_length=1, max_length=253)
-    size_limit: int | str | None = None
-    size: int | str | None = None
+    size_limit: IntOrString | None = None
+    size: IntOrString | None = None
     storage_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     access_modes: list[AccessMode] | None = Field(default=None, min_length=1, max_length=3)
     backoff_limit: int = Field(default=4, ge=0, le=20)
@@ -386,6 +397,9 @@ class ScalingSpec(_Model):
     autoscaler: Autoscaler = "None"
     scale_down_delay_seconds: int = Field(default=300, ge=0, le=3600)
     prometheus_address: str | None = Field(default=None, min_length=1, max_length=512)
+    # Scale to zero (minReplicas 0): the activator's bounds on requests held while the model wakes.
+    max_held_requests: int = Field(default=100, ge=1, le=10000)
+    max_wait_seconds: int | None = Field(default=None, ge=1, le=86400)
 
     @model_validator(mode="after")
     def _check_rules(self) -> ScalingSpec:
@@ -424,9 +438,9 @@ class ScalingSpec(_Model):
 
 
 class RolloutSpec(_Model):
-    max_surge: int | str = 1
+    max_surge: IntOrString = 1
     # None: 0 (never below the wanted count) unless maxSurge is 0, then 1 (the API server refuses both 0).
-    max_unavailable: int | str | None = None
+    max_unavailable: IntOrString | None = None
     drain_timeout_seconds: int = Field(default=30, ge=1, le=3600)
 
     @model_validator(mode="after")
@@ -452,9 +466,9 @@ class ProbesSpec(_Model):
 
 
 class SchedulingSpec(_Model):
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    node_selector: LabelMap = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list, max_length=16)
     affinity: dict[str, Any] | None = None
     priority_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     runtime_class_name: str | None = Field(default=None, min_length=1, max_length=253)
@@ -505,19 +519,30 @@ MANAGED_LABELS = (
 class PodSpec(_Model):
     """What users set on the server pods beyond the engine (core/v1 objects passed through)."""
 
-    labels: dict[str, str] = Field(default_factory=dict)
-    annotations: dict[str, str] = Field(default_factory=dict)
+    labels: LabelMap = Field(default_factory=dict)
+    annotations: Annotated[dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=64)] = Field(
+        default_factory=dict
+    )
     service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
-    image_pull_secrets: list[PullSecretRef] = Field(default_factory=list)
-    env: list[dict[str, Any]] = Field(default_factory=list)
-    env_from: list[dict[str, Any]] = Field(default_factory=list)
-    volumes: list[dict[str, Any]] = Field(default_factory=list)
-    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
+    image_pull_secrets: list[PullSecretRef] = Field(default_factory=list, max_length=16)
+    env: list[dict[str, Any]] = Field(default_factory=list, max_length=128)
+    env_from: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    volumes: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     # None: sized by the GPU count (render.shm_size_limit)
-    shm_size: int | str | None = None
+    shm_size: IntOrString | None = None
 
     @model_validator(mode="after")
     def _check_pod(self) -> PodSpec:
+        for field, items, key, limit in (
+            ("pod.env", self.env, "name", 256),
+            ("pod.volumes", self.volumes, "name", 63),
+            ("pod.volumeMounts", self.volume_mounts, "name", 63),
+            ("pod.volumeMounts", self.volume_mounts, "mountPath", 1024),
+        ):
+            for i, item in enumerate(items):
+                if len(str(item.get(key, ""))) > limit:
+                    raise ValueError(f"spec.{field}[{i}].{key}: Too long: may not be more than {limit} bytes")
         _check_labels(self.labels, "pod.labels")
         if any(k in MANAGED_LABELS for k in self.labels):
             raise ValueError(
@@ -543,14 +568,17 @@ class PodSpec(_Model):
         names = {v.get("name") for v in self.volumes}
         if any(m.get("name") not in names for m in self.volume_mounts):
             raise ValueError("every pod.volumeMounts entry must name a volume in pod.volumes")
+        problems = admission.pod_errors(self.env, self.env_from, self.volumes, self.annotations)
+        if problems:
+            raise ValueError("; ".join(problems))
         _check_quantity(self.shm_size, "pod.shmSize")
         return self
 
 
 class ServiceMonitorSpec(_Model):
     enabled: bool = True
-    interval: str = Field(default="30s", pattern=DURATION.pattern)
-    labels: dict[str, str] = Field(default_factory=dict)
+    interval: str = Field(default="30s", max_length=32, pattern=DURATION.pattern)
+    labels: LabelMap = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_sm_labels(self) -> ServiceMonitorSpec:
@@ -563,7 +591,7 @@ class MonitoringSpec(_Model):
 
 
 class DisruptionSpec(_Model):
-    min_available: int | str = 1
+    min_available: IntOrString = 1
 
     @model_validator(mode="after")
     def _check_disruption(self) -> DisruptionSpec:
@@ -575,8 +603,8 @@ RoutingPolicy = Literal["cache_aware", "kv_aware", "round_robin", "power_of_two"
 
 
 class RouterResourcesSpec(_Model):
-    cpu: int | str = "1"
-    memory: int | str = "512Mi"
+    cpu: IntOrString = "1"
+    memory: IntOrString = "512Mi"
 
 
 class RoutingSpec(_Model):
@@ -596,6 +624,77 @@ class ParallelismSpec(_Model):
     nodes: int = Field(default=1, ge=1, le=32)
 
 
+class LabelSelectorRequirement(_Model):
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _check_values(self) -> LabelSelectorRequirement:
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError(
+                "a matchExpressions entry: In and NotIn need values, Exists and DoesNotExist none"
+            )
+        return self
+
+
+class LabelSelector(_Model):
+    """metav1.LabelSelector, bounded like the CRD's schema."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict, max_length=16)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=8)
+
+    @model_validator(mode="after")
+    def _check_selector(self) -> LabelSelector:
+        _check_labels(self.match_labels, "a matchLabels selector")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.match_labels:
+            out["matchLabels"] = dict(self.match_labels)
+        if self.match_expressions:
+            out["matchExpressions"] = [
+                e.model_dump(by_alias=True, exclude_defaults=True) for e in self.match_expressions
+            ]
+        return out
+
+
+NETWORK_PEER_MESSAGE = "network.allowedClients entries need a namespaceSelector, a podSelector or both"
+
+
+class NetworkPeer(_Model):
+    """A NetworkPolicy peer: pods matching podSelector in namespaces matching namespaceSelector (one
+    alone: that selector in the model's namespace, or all pods of the matching namespaces)."""
+
+    namespace_selector: LabelSelector | None = None
+    pod_selector: LabelSelector | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.namespace_selector is not None:
+            out["namespaceSelector"] = self.namespace_selector.to_dict()
+        if self.pod_selector is not None:
+            out["podSelector"] = self.pod_selector.to_dict()
+        return out
+
+
+class NetworkSpec(_Model):
+    """Who may reach the pods (netpol.py renders the NetworkPolicies)."""
+
+    # False: no NetworkPolicy for this model (the namespace's own policies apply)
+    network_policy: bool = True
+    # peers allowed on the serving ports; empty: the model's namespace. The model's router, the
+    # operator and Prometheus are always allowed.
+    allowed_clients: list[NetworkPeer] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _check_network(self) -> NetworkSpec:
+        if any(p.namespace_selector is None and p.pod_selector is None for p in self.allowed_clients):
+            raise ValueError(NETWORK_PEER_MESSAGE)
+        return self
+
+
 class InferenceModelSpec(_Model):
     model: ModelSource
     adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
@@ -611,6 +710,7 @@ class InferenceModelSpec(_Model):
     pod: PodSpec = Field(default_factory=PodSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
     suspend: bool = False
 
     @model_validator(mode="after")
@@ -671,6 +771,23 @@ class InferenceModelSpec(_Model):
         return self.scaling.autoscaler != "None" and not self.suspend
 
     @property
+    def scale_to_zero(self) -> bool:
+        """minReplicas 0 with KEDA, or without an autoscaler and a wake count (replicas) of at least
+        one: the activator holds requests at zero replicas and wakes the model (activator.py)."""
+        scaling = self.scaling
+        if self.suspend or scaling.min_replicas != 0:
+            return False
+        if scaling.autoscaler == "KEDA":
+            return True
+        return scaling.autoscaler == "None" and scaling.replicas >= 1
+
+    @property
+    def replicas_delegated(self) -> bool:
+        """The workload's spec.replicas is written by an autoscaler or by the activator (built-in
+        scale to zero), through its scale subresource; the operator's apply leaves it out."""
+        return self.autoscaled or self.scale_to_zero
+
+    @property
     def served_name(self) -> str:
         if self.model.served_name:
             return self.model.served_name
@@ -688,7 +805,7 @@ class Condition(_Model):
     last_transition_time: str
 
 
-Phase = Literal["Pending", "Loading", "Ready", "Degraded", "Suspended", "Failed"]
+Phase = Literal["Pending", "Loading", "Ready", "Degraded", "Suspended", "Failed", "ScaledToZero", "Waking"]
 CachePhase = Literal["Pending", "Loading", "Ready", "Failed"]
 
 
@@ -782,7 +899,9 @@ class InferenceModel:
             raise InvalidSpecError("metadata.name is required")
         try:
             spec = InferenceModelSpec.model_validate(manifest.get("spec") or {})
-        except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        except ValidationError as exc:
+            raise InvalidSpecError("\n".join([*bound_errors(exc), str(exc)])) from exc
+        except ValueError as exc:
             raise InvalidSpecError(str(exc)) from exc
         return cls(
             name=name,
@@ -791,6 +910,25 @@ class InferenceModel:
             uid=meta.get("uid"),
             generation=meta.get("generation"),
         )
+
+
+def bound_errors(exc: ValidationError) -> list[str]:
+    """The CRD's maxItems/maxProperties/maxLength refusals in the API server's words (seen on v1.36.2:
+    `spec.pod.labels: Too many: 65: must have at most 64 items`, `spec.rollout.maxSurge: Too long: may not
+    be more than 64 bytes`), so that `render` says what `kubectl apply` would."""
+    out = []
+    for err in exc.errors():
+        # loc: field aliases and list indexes, plus pydantic's union-member tags ("constrained-str")
+        parts = [
+            p for p in err["loc"] if isinstance(p, int) or ("-" not in p and "[" not in p and p != "int")
+        ]
+        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+        limit = (err.get("ctx") or {}).get("max_length")
+        if err["type"] == "too_long":
+            out.append(f"{path}: Too many: {len(err['input'])}: must have at most {limit} items")
+        elif err["type"] == "string_too_long":
+            out.append(f"{path}: Too long: may not be more than {limit} bytes")
+    return out
 
 
 def semantic_errors(spec: InferenceModelSpec) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 from .cache import CacheState
 from .common import desired_replicas, endpoint_url, selector_string
 from .pods import diagnose
+from .render_activator import activator_url, zero_phase
 from .spec import CacheStatus, Condition, InferenceModel, InferenceModelStatus, Phase
 
 
@@ -47,8 +48,8 @@ def _counts(deployment: dict[str, Any] | None) -> tuple[int, int, int]:
 
 
 def _desired(im: InferenceModel, deployment: dict[str, Any] | None) -> int:
-    if im.spec.autoscaled and deployment is not None:
-        # The autoscaler owns the count; the Deployment's spec holds its latest decision.
+    if im.spec.replicas_delegated and deployment is not None:
+        # The autoscaler (or the activator) owns the count; the Deployment's spec holds its latest decision.
         return int((deployment.get("spec") or {}).get("replicas") or 0)
     return desired_replicas(im)
 
@@ -125,7 +126,13 @@ def degradation(
         found = (pod_problem.reason, pod_problem.message)
     elif cache is not None and cache_failed:
         found = (cache.reason, cache.message)
-    elif _was_serving(prev_conditions) and counts.ready == 0 and counts.desired > 0 and not im.spec.suspend:
+    elif (
+        _was_serving(prev_conditions)
+        and counts.ready == 0
+        and counts.desired > 0
+        and not im.spec.suspend
+        and not im.spec.scale_to_zero  # woken from zero: Waking (phase_of), not a lost replica
+    ):
         found = ("NoReadyReplicas", "the model was serving and has no ready replica left")
     if found is None:
         return Degradation(None)
@@ -144,10 +151,13 @@ def phase_of(
     if degraded.reason is not None and not degraded.serving_despite:
         return "Degraded"
     if counts.ready >= 1:
-        return "Ready"
-    if counts.replicas >= 1:
-        return "Loading"
-    return "Pending"
+        phase: Phase = "Ready"
+    elif counts.replicas >= 1:
+        phase = "Loading"
+    else:
+        phase = "Pending"
+    # a scale-to-zero model at or waking from zero replicas: ScaledToZero / Waking (render_activator.py)
+    return zero_phase(im, phase, counts.desired, counts.replicas, counts.ready)
 
 
 # A condition from (type, status, reason, message), keeping the previous transition time.
@@ -166,6 +176,8 @@ def ready_condition(
         "Degraded": degraded.reason or "Degraded",
         "Loading": "ModelLoading",
         "Pending": "CacheLoading" if waiting_for_cache else "NoReplicas",
+        "ScaledToZero": "ScaledToZero",
+        "Waking": "Waking",
     }[phase]
     return cond("Ready", "False", reason, summary)
 
@@ -290,7 +302,10 @@ def compute_status(
         ready_replicas=counts.ready,
         updated_replicas=counts.updated,
         selector=selector_string(im),
-        endpoint=endpoint_url(im) if outcome.invalid_spec is None else None,
+        # A scale-to-zero model is called through its activator (the model's Service has no pod at 0).
+        endpoint=(activator_url(im) if im.spec.scale_to_zero else endpoint_url(im))
+        if outcome.invalid_spec is None
+        else None,
         observed_generation=im.generation,
         conditions=conditions,
         cache=cache_status,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,8 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
+from . import admin, openai, router_worker, tgi, ui, utility
 from . import lora as lora_routes
-from . import openai, router_worker, tgi, ui, utility
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
 from .openapi_doc import install_openapi
@@ -26,9 +25,7 @@ from .state import Phase, ServerState
 log = logging.getLogger("server.api.access")
 
 # Probes, scrapes and /info stay reachable without the API key (kubelet and Prometheus carry none).
-OPEN_PATHS = frozenset(
-    {"/health", "/ready", "/metrics", "/info", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
-)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/info", "/version", "/openapi.json"})
 _QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
@@ -39,19 +36,16 @@ class APIMiddleware:
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self.state = state
-        key = state.config.api_key
-        self._key = key.encode() if key else None
-        self._ui = state.config.ui
+        cfg = state.config
+        self._key = cfg.api_key.encode() if cfg.api_key else None
+        self._ui = cfg.ui
+        self._management = admin.ManagementGuard(cfg.api_key, cfg.admin_api_key, cfg.host)
 
     def _authorized(self, scope: Scope) -> bool:
         if self._key is None:
             return True
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
-                    return True
-        return False
+        token = admin.bearer_token(scope)
+        return admin.matches(token, self._key) or self._management.is_admin(token)
 
     def _content_length(self, scope: Scope) -> int | None:
         for name, value in scope.get("headers", []):
@@ -65,23 +59,27 @@ class APIMiddleware:
             return
         path: str = scope["path"]
         status = 500
+        started = False
         t0 = time.monotonic()
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
                 status = message["status"]
+                started = True
             await send(message)
 
         try:
             error: APIError | None = None
             page = self._ui and ui.is_page_request(scope.get("method", ""), path)
-            if path not in OPEN_PATHS and not page and not self._authorized(scope):
+            if path in admin.MANAGEMENT_PATHS:
+                error = self._management.refusal(scope)
+            elif path not in OPEN_PATHS and not page and not self._authorized(scope):
                 error = APIError(
                     ErrorKind.UNAUTHORIZED,
                     "Unauthorized: a valid API key is required (Authorization: Bearer)",
                 )
-            else:
+            if error is None:
                 length = self._content_length(scope)
                 if length is not None and length > self.state.config.max_payload_bytes:
                     error = APIError(
@@ -92,7 +90,17 @@ class APIMiddleware:
                 headers = {"WWW-Authenticate": "Bearer"} if error.kind is ErrorKind.UNAUTHORIZED else None
                 await error.response(family_of_path(path), headers=headers)(scope, receive, send_wrapper)
             else:
-                await self.app(scope, receive, send_wrapper)
+                try:
+                    await self.app(scope, receive, send_wrapper)
+                except Exception as e:
+                    # Answered here instead of by Starlette's ServerErrorMiddleware, which re-raises
+                    # after its 500, so that uvicorn closes the connection: a client's next request on
+                    # the same keep-alive connection would be reset.
+                    if started:
+                        raise
+                    log.exception("unhandled error on %s", path)
+                    err = APIError(ErrorKind.INCOMPLETE, f"internal error: {type(e).__name__}")
+                    await err.response(family_of_path(path))(scope, receive, send_wrapper)
         finally:
             route_obj = scope.get("route")
             route = getattr(route_obj, "path", None) or "other"
@@ -116,6 +124,10 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
         version=tgi.VERSION,
         description="LLM inference server speaking the TGI and OpenAI wire formats.",
         lifespan=lifespan,
+        # No Swagger UI or ReDoc: both load unpinned scripts from a CDN into a page on the playground's
+        # origin. The API is described by /openapi.json (install_openapi below).
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.server = state
 

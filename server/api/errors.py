@@ -21,6 +21,7 @@ class ErrorKind(enum.StrEnum):
     INCOMPLETE = "incomplete_generation"  # the stream ended early: 500
     UNAVAILABLE = "unavailable"  # loading or draining: 503
     UNAUTHORIZED = "unauthorized"  # 401
+    FORBIDDEN = "forbidden"  # 403: a route this server's configuration keeps closed
     NOT_FOUND = "not_found"  # unknown model or route: 404
     METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
     TOO_LARGE = "payload_too_large"  # 413
@@ -38,6 +39,7 @@ _TGI_STATUS = {
     ErrorKind.INCOMPLETE: 500,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.UNAUTHORIZED: 401,
+    ErrorKind.FORBIDDEN: 403,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.METHOD_NOT_ALLOWED: 405,
     ErrorKind.TOO_LARGE: 413,
@@ -50,10 +52,16 @@ _OPENAI_TYPE = {
     ErrorKind.INCOMPLETE: "InternalServerError",
     ErrorKind.UNAVAILABLE: "ServiceUnavailableError",
     ErrorKind.UNAUTHORIZED: "AuthenticationError",
+    ErrorKind.FORBIDDEN: "PermissionDeniedError",
     ErrorKind.NOT_FOUND: "NotFoundError",
     ErrorKind.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
     ErrorKind.TOO_LARGE: "BadRequestError",
 }
+
+# Seconds a client should wait before retrying (RFC 9110 section 10.2.3), sent with 429 and 503: a slot
+# frees within a few tokens' time; loading and draining take longer (and a drained pod's clients
+# should go to another replica, which a load balancer does on the 503 itself).
+RETRY_AFTER_S = {ErrorKind.OVERLOADED: 1, ErrorKind.UNAVAILABLE: 5}
 
 
 @dataclass
@@ -81,8 +89,14 @@ class APIError(Exception):
             }
         }
 
+    def headers(self) -> dict[str, str]:
+        retry = RETRY_AFTER_S.get(self.kind)
+        return {"Retry-After": str(retry)} if retry is not None else {}
+
     def response(self, family: Family, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(family), status_code=self.status(family), headers=headers)
+        return JSONResponse(
+            self.body(family), status_code=self.status(family), headers={**self.headers(), **(headers or {})}
+        )
 
 
 def validation(message: str, param: str | None = None) -> APIError:

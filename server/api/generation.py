@@ -4,7 +4,6 @@ disconnect watching for non-streaming responses, and merging several engine stre
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +19,7 @@ from server.metrics import FinishedRequestTimes
 from server.request import FinishReason, LoRARequest, SamplingParams
 
 from .errors import APIError, ErrorKind, validation
+from .json_body import parse_json_body
 from .state import ServerState
 
 T = TypeVar("T")
@@ -53,10 +53,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     except ClientDisconnect:
         # Gone halfway through its body (e.g. a client timeout on a busy server): cancelled, not a 500.
         raise ClientGone() from None
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise validation(f"malformed JSON body: {e}") from None
+    return parse_json_body(b"".join(chunks))
 
 
 async def encode(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -186,6 +183,8 @@ async def stream_engine(
     engine = state.engine
     if engine is None:
         raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
+    if state.cut_reason is not None:
+        raise APIError(ErrorKind.UNAVAILABLE, state.cut_reason)
     arrival = time.monotonic()
     last_token_at: float | None = None
     gaps: list[float] = []
@@ -209,6 +208,8 @@ async def stream_engine(
             num_out = out.num_output_tokens
             if out.finished:
                 final = out
+                if out.finish_reason is FinishReason.ABORT and state.cut_reason is not None:
+                    raise APIError(ErrorKind.UNAVAILABLE, state.cut_reason)
             yield out
     except ValueError as e:
         raise validation(f"Input validation error: {e}") from None

@@ -812,15 +812,12 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
         for job, g in zip(jobs, gens, strict=True):
             message: dict[str, Any] = {"role": "assistant", "content": echo + g.text}
             called = False
-            if plan.active:
+            if plan.active:  # the same parse as the stream's (ToolStream): the same calls and content
                 parsed = plan.parse(g.text)
+                message = {"role": "assistant", "content": (echo + parsed.content) or None}
                 if parsed.calls:
                     called = True
-                    message = {
-                        "role": "assistant",
-                        "content": parsed.content or None,
-                        "tool_calls": message_tool_calls(parsed.calls),
-                    }
+                    message["tool_calls"] = message_tool_calls(parsed.calls)
             choices.append(
                 {
                     "index": job.index,

@@ -218,6 +218,40 @@ def _generation_routes(components: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _lora_routes() -> dict[str, dict[str, Any]]:
+    """vLLM's run-time LoRA routes (mounted with --allow-runtime-lora-updating): plain-text success."""
+    name = {"type": "string", "maxLength": 256}
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    errors = _errors(
+        {
+            400: "Missing or malformed field, or an adapter that cannot be served",
+            404: "No adapter under the allowed paths / no adapter by that name",
+            503: "The model is still loading",
+        },
+        _OPENAI_ERROR,
+    )
+
+    def body(required: list[str], props: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "required": True,
+            "content": _json({"type": "object", "required": required, "properties": props}),
+        }
+
+    return {
+        "/v1/load_lora_adapter": {
+            "requestBody": body(
+                ["lora_name", "lora_path"],
+                {"lora_name": name, "lora_path": {"type": "string", "maxLength": 1024}},
+            ),
+            "responses": {"200": {"description": "Loaded", "content": text}, **errors},
+        },
+        "/v1/unload_lora_adapter": {
+            "requestBody": body(["lora_name"], {"lora_name": name}),
+            "responses": {"200": {"description": "Unloaded", "content": text}, **errors},
+        },
+    }
+
+
 def _other_routes(metrics_content_type: str) -> dict[str, dict[str, Any]]:
     return {
         "/health": {"responses": {"503": {"description": "The engine loop died", "content": _json(_STATUS)}}},
@@ -257,7 +291,7 @@ def install_openapi(app: FastAPI, metrics_content_type: str, open_paths: frozens
         components = schema.setdefault("components", {})
         schemas = components.setdefault("schemas", {})
         components.setdefault("securitySchemes", {})["bearerAuth"] = {"type": "http", "scheme": "bearer"}
-        extra = {**_generation_routes(schemas), **_other_routes(metrics_content_type)}
+        extra = {**_generation_routes(schemas), **_lora_routes(), **_other_routes(metrics_content_type)}
         for path, item in schema.get("paths", {}).items():
             for method, op in item.items():
                 add = extra.get(path, {})

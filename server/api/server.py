@@ -1,5 +1,7 @@
 """Runs the app under uvicorn: the port opens at once while the model loads on a thread, and SIGTERM
 drains (readiness off, new requests 503, admitted requests finish within --drain-timeout, exit 0).
+Requests still running at the deadline are cut in their API's shape - a 503 naming the shutdown, or a
+stream's final error event (OpenAI's then `data: [DONE]`) - and the process exits 3.
 A model that fails to load, or an engine loop that dies later (e.g. a tensor-parallel rank died or
 hung), ends the process with exit code 1 at once: uvicorn stops listening, in-flight responses carry
 their error (at most `timeout_graceful_shutdown`), and the pod restarts (vLLM does the same)."""
@@ -13,13 +15,22 @@ import socket
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from server.config import ServerConfig
 
 from .app import create_app
+from .limits import with_head_timeout
 from .state import ServerState
 
 log = logging.getLogger(__name__)
+
+# Exit code when the drain deadline cut requests that were still running (0: every request finished;
+# 1: the model failed to load or the engine loop died).
+EXIT_REQUESTS_CUT = 3
+# How long cut requests get to write their 503 body or final error event before the port closes.
+CUT_GRACE_S = 5.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -68,17 +79,26 @@ class DrainingServer(uvicorn.Server):
         if ok:
             log.info("drained; shutting down")
         else:
-            log.warning(
-                "drain timeout (%.0f s) with %d request(s) still running; aborting them",
-                timeout,
-                self.state.in_flight,
+            n = self.state.cut_in_flight(
+                f"the server is shutting down: the request was still running at the drain deadline "
+                f"(--drain-timeout {timeout:g} s) and was cut"
             )
+            log.warning(
+                "drain timeout (%g s) with %d request(s) still running; cutting them (503 / a final "
+                "error event each); exit code %d",
+                timeout,
+                n,
+                EXIT_REQUESTS_CUT,
+            )
+            if self.exit_code == 0:
+                self.exit_code = EXIT_REQUESTS_CUT
+            # the cut requests write their 503 or final event; uvicorn then closes their connections
+            await self.state.wait_drained(CUT_GRACE_S)
         self.should_exit = True
 
 
-def serve(config: ServerConfig) -> int:
-    state = ServerState(config)
-    app = create_app(state)
+def uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:
+    """uvicorn's settings for our app, with the request-head timeout on its HTTP protocol class."""
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -91,7 +111,15 @@ def serve(config: ServerConfig) -> int:
         # sent just as the server closed the connection failed with a reset (seen in the soak test).
         timeout_keep_alive=75,
         lifespan="on",
+        # httptools when installed, else h11 (uvicorn's "auto"), with our request-head timeout
+        http=with_head_timeout(AutoHTTPProtocol, config.timeout_request_head_s),
     )
+    return uv_config
+
+
+def serve(config: ServerConfig) -> int:
+    state = ServerState(config)
+    uv_config = uvicorn_config(create_app(state), config)
     server = DrainingServer(uv_config, state)
     log.info(
         "listening on http://%s:%d (model loading in the background; /ready turns 200 when done)",

@@ -73,6 +73,8 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.limits: Limits | None = None
         self.in_flight = 0
+        # Set at the drain deadline: why requests still running are being cut (their 503 / error event)
+        self.cut_reason: str | None = None
         self.started_at = time.time()
         self.model_name = expected_model_name(config)
         self._engine_factory = engine_factory or (lambda: LLMEngine(config.engine))
@@ -223,6 +225,15 @@ class ServerState:
         if self.phase in (Phase.READY, Phase.LOADING):
             log.info("draining: %d request(s) in flight; new requests get 503", self.in_flight)
             self.phase = Phase.DRAINING
+
+    def cut_in_flight(self, reason: str) -> int:
+        """At the drain deadline: every engine request still running (and any that would start now)
+        ends as an UNAVAILABLE APIError with `reason` (generation.stream_engine). Returns how many
+        admitted requests there were."""
+        self.cut_reason = reason
+        if self.engine is not None:
+            self.engine.abort_all()
+        return self.in_flight
 
     async def wait_drained(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

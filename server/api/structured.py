@@ -20,7 +20,7 @@ from server.structured import GrammarError
 
 from .errors import validation
 from .state import ServerState
-from .tool_parsers import TOOL_PARSERS, ParsedCall, ParsedToolOutput, ToolParser
+from .tool_parsers import TOOL_PARSERS, ParsedCall, ParsedToolOutput, ToolParser, partial_call
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -183,23 +183,30 @@ class ToolPlan:
             schema["maxItems"] = 1
         return GrammarSpec("json", json.dumps(schema))
 
-    def parse(self, text: str) -> ParsedToolOutput:
-        """The finished output -> content + calls."""
+    def parse(self, text: str, final: bool = True) -> ParsedToolOutput:
+        """The output so far -> content + calls: with final=False (streaming) only what can no longer
+        change, so the stream's deltas add up to the final parse. An unfinished last call follows the
+        rule in tool_parsers' docstring (kept once named, with the argument text so far)."""
         if self.mode == "named":
             assert self.name is not None
             return ParsedToolOutput("", [ParsedCall(self.name, text)])
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-                calls = [
-                    ParsedCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items
-                ]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                return ParsedToolOutput(text)  # cut short by max_tokens: incomplete JSON stays text
+            scan = _scan_array(text)
+            calls = []
+            for item in scan.closed:
+                try:
+                    it = json.loads(item)
+                    calls.append(ParsedCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False)))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # the grammar makes every closed item a call; never seen
+            if final and scan.open_item is not None:
+                cut = partial_call(scan.open_item, ("parameters",))
+                if cut is not None:
+                    calls.append(cut)
             return ParsedToolOutput("", calls)
         if self.mode == "auto":
             assert self.parser is not None
-            out = self.parser.parse(text, final=True)
+            out = self.parser.parse(text, final=final)
             if not self.parallel and len(out.calls) > 1:
                 return ParsedToolOutput(out.content, out.calls[:1])
             return out
@@ -211,7 +218,8 @@ def plan_tools(
 ) -> ToolPlan:
     cfg = state.config
     if not tools:
-        if choice not in (None, "none"):
+        # vLLM and OpenAI refuse any tool_choice without tools, "none" included.
+        if choice is not None:
             raise validation("tool_choice requires tools", "tool_choice")
         return ToolPlan("none")
     names: set[str] = set()
@@ -269,9 +277,17 @@ def message_tool_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     ]
 
 
-def _closed_items(text: str) -> list[str]:
-    """The top-level items of a JSON array that are complete so far (for streaming `required`)."""
-    items, depth, start, in_str, esc = [], 0, -1, False, False
+@dataclass(frozen=True)
+class _ArrayScan:
+    """A JSON array's text so far: its complete top-level items, and the text of an unfinished one."""
+
+    closed: list[str]
+    open_item: str | None
+
+
+def _scan_array(text: str) -> _ArrayScan:
+    items: list[str] = []
+    depth, start, in_str, esc = 0, -1, False, False
     for i, ch in enumerate(text):
         if in_str:
             if esc:
@@ -292,7 +308,7 @@ def _closed_items(text: str) -> list[str]:
             if depth == 1 and start >= 0:
                 items.append(text[start : i + 1])
                 start = -1
-    return items
+    return _ArrayScan(items, text[start:] if start >= 0 else None)
 
 
 class ToolStream:
@@ -331,21 +347,7 @@ class ToolStream:
                 self.calls_sent = 1
                 return {"tool_calls": [{**self._call_delta(0, ParsedCall(plan.name, delta))}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
-        if plan.mode == "required":
-            parsed: ParsedToolOutput
-            try:
-                items = [json.loads(s) for s in _closed_items(self.text)]
-                calls = [
-                    ParsedCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items
-                ]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                calls = []
-            parsed = ParsedToolOutput("", calls)
-        else:
-            assert plan.parser is not None
-            parsed = plan.parser.parse(self.text, final=finished)
-            if not plan.parallel:
-                parsed = ParsedToolOutput(parsed.content, parsed.calls[:1])
+        parsed = plan.parse(self.text, final=finished)  # the same parse as the unary reply's
         out: dict[str, Any] = {}
         if len(parsed.content) > self.content_sent:
             out["content"] = parsed.content[self.content_sent :]

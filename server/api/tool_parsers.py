@@ -7,7 +7,14 @@ llama3_json (Llama 3.1/3.2 JSON tool calling): the whole output is `{"name": ...
 optionally after `<|python_tag|>`, several separated by `;`.
 
 A parser reads the whole text (`final=True`) or a prefix of it while streaming (`final=False`): then it
-returns only what can no longer change (content that cannot turn into a call, calls already closed).
+returns only what can no longer change (content that cannot turn into a call, calls already closed), so
+a stream's deltas add up to the final parse: the same calls, streamed or not (tests/api/test_api_tool_stream.py).
+
+One rule for a call the output leaves unfinished (cut by max_tokens, or the model stopped inside it),
+whatever the mode and the finish reason: once its name is complete it is a call whose `arguments` are
+the argument text generated so far (possibly not valid JSON; finish_reason says "length"), as OpenAI
+returns a call cut by max_tokens and as vLLM returns a named call; cut before its name ends, it is
+dropped. A closed call that is malformed is dropped; an output with no call at all is plain content.
 """
 
 from __future__ import annotations
@@ -51,6 +58,24 @@ def _call_from(obj: Any, args_keys: tuple[str, ...]) -> ParsedCall | None:
     return ParsedCall(obj["name"], "{}")
 
 
+_PARTIAL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(?:,\s*"(\w+)"\s*:\s*(.*))?', re.DOTALL)
+
+
+def partial_call(text: str, args_keys: tuple[str, ...]) -> ParsedCall | None:
+    """An unfinished call object `{"name": "f", "<args key>": {...` -> ParsedCall(f, the argument text
+    so far, right-stripped; "" before any); None when its name is not complete yet or it is not a call."""
+    m = _PARTIAL.match(text)
+    if m is None:
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return None
+    if not name or (m.group(2) is not None and m.group(2) not in args_keys):
+        return None
+    return ParsedCall(name, (m.group(3) or "").rstrip())
+
+
 def _held_prefix(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker (text to hold back)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -68,26 +93,35 @@ class HermesToolParser:
         if start == -1:
             if final:
                 return ParsedToolOutput(text)
-            return ParsedToolOutput(text[: len(text) - _held_prefix(text, self.START)])
+            # Trailing whitespace is held back too: before a call it is stripped from the content.
+            return ParsedToolOutput(text[: len(text) - _held_prefix(text, self.START)].rstrip())
         content = text[:start]
         bodies = [m.group(1) for m in self._CALL.finditer(text, start)]
+        unclosed = None
         if final:
             tail = text[text.rfind(self.END) + len(self.END) :] if bodies else text[start:]
             open_at = tail.find(self.START)
-            if open_at != -1:  # a last call the model left unclosed (stopped by EOS)
-                bodies.append(tail[open_at + len(self.START) :])
+            if open_at != -1:  # a last call left unclosed (stopped by EOS or cut by max_tokens)
+                unclosed = tail[open_at + len(self.START) :]
+        keys = ("arguments", "parameters")
         calls = []
         for body in bodies:
             try:
-                call = _call_from(json.loads(body.strip()), ("arguments", "parameters"))
+                call = _call_from(json.loads(body.strip()), keys)
             except json.JSONDecodeError:
                 call = None
-            if call is None:
-                if final:  # malformed: the output is plain text, as vLLM's parser returns it
-                    return ParsedToolOutput(text)
-                continue
-            calls.append(call)
-        return ParsedToolOutput(content.rstrip() if calls else content, calls)
+            if call is not None:  # a malformed closed call is dropped (streamed or not)
+                calls.append(call)
+        if unclosed is not None:
+            try:
+                call = _call_from(json.loads(unclosed.strip()), keys)
+            except json.JSONDecodeError:
+                call = partial_call(unclosed, keys)
+            if call is not None:
+                calls.append(call)
+        if final and not calls:  # no call at all: the output is plain text, as vLLM's parser returns it
+            return ParsedToolOutput(text)
+        return ParsedToolOutput(content.rstrip(), calls)
 
 
 class Llama3JsonToolParser:
@@ -109,7 +143,11 @@ class Llama3JsonToolParser:
             try:
                 obj, end = decoder.raw_decode(body, pos)
             except json.JSONDecodeError:
-                return ParsedToolOutput(text)
+                cut = partial_call(body[pos:], ("parameters", "arguments"))
+                if cut is None:
+                    return ParsedToolOutput(text)
+                calls.append(cut)
+                break
             call = _call_from(obj, ("parameters", "arguments"))
             if call is None:
                 return ParsedToolOutput(text)

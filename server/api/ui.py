@@ -2,7 +2,8 @@
 
 The page talks to this server's own `/v1/models` and `/v1/chat/completions` and fetches nothing from
 anywhere else; a strict Content-Security-Policy (scripts, styles and connections from this origin only,
-no inline code) keeps model output that reached the DOM as text from ever running. `POST /` stays TGI's
+no inline code) keeps model output from ever running, as a second line behind the page building replies
+as DOM nodes (markdown.js) and never parsing them as HTML. `POST /` stays TGI's
 generate route; a `GET /` that does not accept HTML gets 406 with a pointer to both. `--no-ui` leaves
 these routes out.
 """
@@ -21,6 +22,7 @@ UI_PREFIX = "/ui/"
 _FILES = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
+    "markdown.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
     "favicon.svg": "image/svg+xml",
 }

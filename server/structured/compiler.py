@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.request import GrammarSpec
+from server.structured.schema_check import SchemaNotEnforceable, check_schema
 
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: "; the rest is the useful part.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -118,6 +119,10 @@ class GrammarCompiler:
                 schema = json.loads(spec.value)
                 if not isinstance(schema, dict | bool):
                     raise GrammarError("a JSON schema must be an object or a boolean")
+                try:
+                    check_schema(schema)
+                except SchemaNotEnforceable as e:  # refused by name rather than silently not enforced
+                    raise GrammarError(str(e)) from None
                 return xc.compile_json_schema(spec.value, any_whitespace=False)
             if spec.kind == "json_object":
                 return xc.compile_json_schema('{"type": "object"}', any_whitespace=False)

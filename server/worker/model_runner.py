@@ -14,7 +14,7 @@ from server.models.llama import LlamaForCausalLM
 from server.spec_decode.rejection_sampler import verify_drafts
 from server.structured import StructuredOutputManager
 from server.worker.input_batch import ForwardBatch, build_forward_batch
-from server.worker.sampler import Sampler, SamplingRow
+from server.worker.sampler import Sampler, SamplerOutput, SamplingRow
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class ModelRunner:
         device: torch.device,
         structured: StructuredOutputManager | None = None,
         lora: LoRAManager | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
         self.lora = lora  # wraps the model's projections; None = LoRA disabled
@@ -51,7 +52,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        self.sampler = Sampler()
+        self.logprobs_mode = logprobs_mode
+        self.sampler = Sampler(logprobs_mode)
         self._prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
         self.structured = structured
 
@@ -103,7 +105,12 @@ class ModelRunner:
     def _sample(self, sched: SchedulerOutput, batch: ForwardBatch, logits: Tensor, out: ModelOutput) -> None:
         by_id = {item.request.request_id: item.request for item in sched.scheduled}
         rows = [SamplingRow(by_id[rid]) for rid in batch.sampled_request_ids]
+        model_logits: Tensor | None = None
         if self.structured is not None:
+            if self.logprobs_mode.startswith("raw_") and any(
+                r.params.logprobs is not None and r.params.structured is not None for r in rows
+            ):
+                model_logits = logits.clone()  # raw logprobs are the model's own, before the mask
             # Grammar-constrained rows: forbidden tokens to -inf; a row whose grammar state failed is
             # failed alone and not sampled.
             failed = self.structured.apply(logits, [r.request for r in rows])
@@ -112,10 +119,12 @@ class ModelRunner:
                 keep = [i for i, r in enumerate(rows) if r.request.request_id not in failed]
                 rows = [rows[i] for i in keep]
                 logits = logits[keep]
+                if model_logits is not None:
+                    model_logits = model_logits[keep]
                 if not rows:
                     return
         try:
-            result = self.sampler(logits, rows)
+            result = self._call_sampler(logits, rows, model_logits)
             pairs = list(zip(rows, result.token_ids, result.logprobs, strict=True))
         except Exception:
             # Isolate the failing request(s): the rest of the batch samples as usual.
@@ -123,7 +132,8 @@ class ModelRunner:
             pairs = []
             for i, row in enumerate(rows):
                 try:
-                    r = self.sampler(logits[i : i + 1], [row])
+                    own = None if model_logits is None else model_logits[i : i + 1]
+                    r = self._call_sampler(logits[i : i + 1], [row], own)
                     pairs.append((row, r.token_ids[0], r.logprobs[0]))
                 except Exception as e:
                     out.errors[row.request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
@@ -132,6 +142,14 @@ class ModelRunner:
             out.sampled_token_ids[rid] = token
             if lp is not None:
                 out.logprobs[rid] = lp
+
+    def _call_sampler(
+        self, logits: Tensor, rows: list[SamplingRow], model_logits: Tensor | None
+    ) -> SamplerOutput:
+        # The model's own logits go along only when a mask changed them (raw logprobs under a grammar).
+        if model_logits is None:
+            return self.sampler(logits, rows)
+        return self.sampler(logits, rows, model_logits)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: Tensor, out: ModelOutput) -> None:
         offset = 0

@@ -78,12 +78,20 @@ def _noise(row: SamplingRow, vocab: int, device: torch.device) -> Tensor:  # [V]
     return torch.empty(vocab, device=device).exponential_(generator=g)
 
 
-def sample_row(logits: Tensor, row: SamplingRow) -> int:  # logits: [V] fp32, penalties applied
+def processed_row(logits: Tensor, row: SamplingRow) -> Tensor:  # logits: [V] fp32, penalties applied
+    """The logits a row samples from: greedy rows as given, others / temperature, then filtered."""
     p = row.params
-    if p.greedy:
-        return int(logits.argmax())
-    filtered = _filter(logits / p.temperature, p)
-    probs = filtered.softmax(-1)
+    return logits if p.greedy else _filter(logits / p.temperature, p)
+
+
+def sample_row(logits: Tensor, row: SamplingRow) -> int:  # logits: [V] fp32, penalties applied
+    return _draw(processed_row(logits, row), row)
+
+
+def _draw(processed: Tensor, row: SamplingRow) -> int:  # processed: [V] fp32, from processed_row
+    if row.params.greedy:
+        return int(processed.argmax())
+    probs = processed.softmax(-1)
     # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a sample from p.
     return int((probs / _noise(row, probs.shape[0], probs.device)).argmax())
 
@@ -97,27 +105,58 @@ def _ban_eos_early(logits: Tensor, rows: list[SamplingRow]) -> None:
                 logits[i, banned] = float("-inf")
 
 
-def compute_logprobs(raw_logprobs: Tensor, token: int, n: int) -> TokenLogprobs:  # raw_logprobs: [V]
+def compute_logprobs(values: Tensor, token: int, n: int) -> TokenLogprobs:  # values: [V] fp32
+    """The chosen token's value and the top n (value, token) pairs of one row. Tokens at -inf (a
+    processed mode's masked or filtered tokens) are not alternatives: top lists leave them out, so
+    they may hold fewer than n entries; no fill value is ever reported for them."""
     top: list[Logprob] = []
     if n > 0:
-        vals, ids = torch.topk(raw_logprobs, n)
-        top = [Logprob(int(t), float(v)) for t, v in zip(ids.tolist(), vals.tolist(), strict=True)]
-    return TokenLogprobs(Logprob(token, float(raw_logprobs[token])), top)
+        vals, ids = torch.topk(values, min(n, values.shape[0]))
+        top = [
+            Logprob(int(t), float(v))
+            for t, v in zip(ids.tolist(), vals.tolist(), strict=True)
+            if v != float("-inf")
+        ]
+    return TokenLogprobs(Logprob(token, float(values[token])), top)
 
 
 class Sampler:
-    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:  # logits: [S, V] fp32
-        """Samples every row. Raises on failure; the caller retries row by row to isolate the culprit."""
+    """Samples rows and reports logprobs as vLLM's --logprobs-mode says (config.LOGPROBS_MODES):
+    raw_logprobs (default) = log_softmax of the model's own logits, before penalties, a grammar's
+    mask, temperature and filtering; raw_logits = those logits; processed_logprobs / processed_logits
+    = the distribution actually sampled from (after all of them; greedy rows skip temperature and
+    filtering, as they sample with neither)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(
+        self, logits: Tensor, rows: list[SamplingRow], model_logits: Tensor | None = None
+    ) -> SamplerOutput:
+        """logits: [S, V] fp32 as masked by a grammar (if any); model_logits: [S, V] the model's logits
+        before the mask (None = logits are the model's own). Raises on failure; the caller retries row
+        by row to isolate the culprit."""
         want_logprobs = any(r.params.logprobs is not None for r in rows)
-        raw = logits.log_softmax(-1) if want_logprobs else None
+        mode = self.logprobs_mode
+        report: Tensor | None = None
+        if want_logprobs and mode.startswith("raw_"):
+            own = logits if model_logits is None else model_logits
+            report = own.log_softmax(-1) if mode == "raw_logprobs" else own.clone()
         logits = apply_penalties(logits.clone(), rows)
         _ban_eos_early(logits, rows)
-        if all(r.params.greedy for r in rows):
+        processed = want_logprobs and mode.startswith("processed_")
+        if all(r.params.greedy for r in rows) and not processed:
             tokens = logits.argmax(-1).tolist()
         else:
-            tokens = [sample_row(logits[i], row) for i, row in enumerate(rows)]
+            procs = [processed_row(logits[i], row) for i, row in enumerate(rows)]
+            tokens = [_draw(pr, row) for pr, row in zip(procs, rows, strict=True)]
+            if processed:
+                stacked = torch.stack(procs)
+                report = stacked.log_softmax(-1) if mode == "processed_logprobs" else stacked
         lps: list[TokenLogprobs | None] = []
         for i, row in enumerate(rows):
             n = row.params.logprobs
-            lps.append(compute_logprobs(raw[i], tokens[i], n) if raw is not None and n is not None else None)
+            lps.append(
+                compute_logprobs(report[i], tokens[i], n) if report is not None and n is not None else None
+            )
         return SamplerOutput(tokens, lps)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from server.cli import build_parser, config_from_args, parse_size
-from server.config import ServerConfig
+from server.config import ModelConfig, ServerConfig
 
 
 def _config(argv: list[str], env: dict[str, str] | None = None) -> ServerConfig:
@@ -99,3 +99,14 @@ def test_api_cli_tool_flags() -> None:
         _config(["--enable-auto-tool-choice"])
     with pytest.raises(SystemExit):
         _config(["--tool-call-parser", "mistral"])
+
+
+def test_api_cli_logprobs_mode() -> None:
+    assert _config([]).engine.model.logprobs_mode == "raw_logprobs"
+    assert _config(["--logprobs-mode", "processed_logits"]).engine.model.logprobs_mode == "processed_logits"
+    env = {"KUBEINFER_LOGPROBS_MODE": "raw_logits"}
+    assert _config([], env).engine.model.logprobs_mode == "raw_logits"
+    with pytest.raises(SystemExit):
+        _config(["--logprobs-mode", "masked"])
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        ModelConfig(logprobs_mode="masked")

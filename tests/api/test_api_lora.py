@@ -65,6 +65,7 @@ def lora_server(tiny_model_factory, tmp_path_factory) -> Iterator[LoRAServer]:  
             max_lora_rank=16,
             max_cpu_loras=3,
             allow_runtime_updating=True,
+            allowed_paths=(str(root),),  # the run-time route loads `late` etc. from here
         ),
     )
     llm = LLMEngine(engine_cfg)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from server.api.structured import ToolPlan, ToolStream, _closed_items
-from server.api.tool_parsers import HermesToolParser, Llama3JsonToolParser, ParsedCall
+from server.api.structured import ToolPlan, ToolStream, _scan_array
+from server.api.tool_parsers import HermesToolParser, Llama3JsonToolParser, ParsedCall, ParsedToolOutput
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -50,8 +50,9 @@ def test_hermes_plain_text_unclosed_and_malformed() -> None:
 
 def test_hermes_partial_holds_back_marker() -> None:
     p = HermesToolParser()
-    assert p.parse("Sure <tool_", final=False).content == "Sure "
-    assert p.parse('Sure <tool_call>{"name": "get_', final=False).content == "Sure "
+    # Trailing whitespace is held back too: a call after it strips it from the content.
+    assert p.parse("Sure <tool_", final=False).content == "Sure"
+    assert p.parse('Sure <tool_call>{"name": "get_', final=False).content == "Sure"
     assert p.parse('Sure <tool_call>{"name": "get_', final=False).calls == []
     half = HERMES_TWO[: HERMES_TWO.index("</tool_call>") + len("</tool_call>") + 5]
     assert [c.name for c in p.parse(half, final=False).calls] == ["get_weather"]
@@ -66,7 +67,9 @@ def test_llama3_json() -> None:
     assert [c.name for c in p.parse(two, final=True).calls] == ["get_weather", "get_time"]
     assert p.parse("It is sunny.", final=True).calls == []
     bad = '{"name": "get_weather", "parameters": {"city": '
-    assert p.parse(bad, final=True).calls == [] and p.parse(bad, final=True).content == bad
+    # Cut inside the arguments: a call with the argument text so far (the unfinished-call rule).
+    assert p.parse(bad, final=True) == ParsedToolOutput("", [ParsedCall("get_weather", '{"city":')])
+    assert p.parse('{"name": "get_wea', final=True).content == '{"name": "get_wea'  # no name: text
     assert p.parse('{"name": "get_weather"', final=False).content == ""  # held while it may be a call
 
 
@@ -106,7 +109,7 @@ def test_stream_auto_hermes_matches_whole_parse(size: int) -> None:
 
 def test_stream_required_and_named() -> None:
     text = '[{"name": "get_weather", "parameters": {"city": "a]b{"}}, {"name": "get_time", "parameters": {}}]'
-    assert len(_closed_items(text)) == 2
+    assert len(_scan_array(text).closed) == 2 and _scan_array(text).open_item is None
     plan = ToolPlan("required", TOOLS)
     stream = ToolStream(plan)
     pieces = _pieces(text, 4)
@@ -132,3 +135,52 @@ def test_required_grammar_schema_shape() -> None:
         ["get_weather"],
         ["get_time"],
     ]
+
+
+REQUIRED_TWO = (
+    '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+    '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}]'
+)
+LLAMA3_TWO = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+HERMES_BAD_THEN_GOOD = (
+    'On it.\n<tool_call>{"name": "get_time", "arguments": {"tz": }}</tool_call>\n'
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+)
+MODES = {
+    "required": (ToolPlan("required", TOOLS), REQUIRED_TWO),
+    "named": (ToolPlan("named", TOOLS, name="get_time", parallel=False), '{"tz": "Europe/Paris"}'),
+    "auto-hermes": (ToolPlan("auto", TOOLS, parser=HermesToolParser()), HERMES_TWO),
+    "auto-hermes-malformed": (ToolPlan("auto", TOOLS, parser=HermesToolParser()), HERMES_BAD_THEN_GOOD),
+    "auto-hermes-one": (ToolPlan("auto", TOOLS, parser=HermesToolParser(), parallel=False), HERMES_TWO),
+    "auto-llama3": (ToolPlan("auto", TOOLS, parser=Llama3JsonToolParser()), LLAMA3_TWO),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_stream_equals_unary_at_every_cut(mode: str) -> None:
+    """Every prefix of the output is a possible max_tokens cut: streamed in pieces of 1 and 5
+    characters, the deltas rebuild exactly the unary reply's content and calls (names and argument
+    text), whether the last call is complete, unfinished or not begun."""
+    plan, text = MODES[mode]
+    for cut in range(len(text) + 1):
+        out = text[:cut]
+        whole = plan.parse(out)
+        for size in (1, 5):
+            stream = ToolStream(plan)
+            pieces = _pieces(out, size) or [""]
+            content, calls = _reassemble([stream.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)])
+            assert content == whole.content, (cut, size)
+            assert [(c["name"], c["arguments"]) for c in calls] == [
+                (c.name, c.arguments) for c in whole.calls
+            ], (
+                cut,
+                size,
+            )
+    # The unfinished-call rule, spot-checked: cut inside the second call's arguments, it is a call with
+    # the argument text so far; cut inside its name, it is dropped.
+    if mode == "required":
+        cut_args = REQUIRED_TWO[: REQUIRED_TWO.index('"Europe')]
+        assert plan.parse(cut_args).calls[1] == ParsedCall("get_time", '{"tz":')
+        assert len(plan.parse(REQUIRED_TWO[: REQUIRED_TWO.index("get_time") + 3]).calls) == 1
+    if mode == "auto-hermes-malformed":  # a malformed call is dropped, the good one stays, streamed or not
+        assert [c.name for c in plan.parse(text).calls] == ["get_weather"]

@@ -115,10 +115,23 @@ def wait_idle(page: Any, timeout_ms: float = 120_000) -> None:
     )
 
 
-def stored_messages(page: Any) -> list[dict[str, Any]]:
+def stored_conversation(page: Any) -> dict[str, Any]:
     convs = page.evaluate("JSON.parse(localStorage.getItem('kubeinfer.conversations'))")
     current = page.evaluate("JSON.parse(localStorage.getItem('kubeinfer.current'))")
-    return next(c for c in convs if c["id"] == current)["messages"]
+    conv: dict[str, Any] = next(c for c in convs if c["id"] == current)
+    return conv
+
+
+def stored_messages(page: Any) -> list[dict[str, Any]]:
+    """The stored messages on the path shown, first to last (the conversation is a tree of versions)."""
+    conv = stored_conversation(page)
+    by_id = {m["id"]: m for m in conv["messages"]}
+    path: list[dict[str, Any]] = []
+    node = by_id.get(conv["leaf"]) if conv["leaf"] is not None else None
+    while node is not None:
+        path.insert(0, node)
+        node = by_id.get(node["parent"]) if node["parent"] is not None else None
+    return path
 
 
 def fill_knobs(page: Any, **knobs: str) -> None:
@@ -242,6 +255,12 @@ def test_ui_routes_csp_and_tgi_root(live_server: LiveServer) -> None:
     js = httpx.get(f"{url}/ui/app.js")
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
     assert "innerHTML" not in js.text.replace("never innerHTML", "")
+    md = httpx.get(f"{url}/ui/markdown.js")
+    assert md.status_code == 200 and md.headers["content-security-policy"] == csp
+    assert '<script src="/ui/markdown.js"' in r.text
+    for source in (js.text, md.text):  # no HTML parsing of anything: text nodes and createElement only
+        for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser", "eval("):
+            assert sink not in source.replace("never innerHTML", ""), sink
     assert httpx.get(f"{url}/ui/style.css").headers["content-security-policy"] == csp
     assert httpx.get(f"{url}/ui/..%2fapp.py").status_code == 404
     assert httpx.get(f"{url}/ui/nope.js").status_code == 404
@@ -376,13 +395,17 @@ def test_ui_regenerate_and_edit_last_on_real_model(
     wait_idle(page)
     msgs = stored_messages(page)
     assert [m["role"] for m in msgs] == ["user", "assistant"] and msgs[1]["content"] == first  # greedy
+    assert page.text_content(".msg.assistant .version-count") == "2/2"  # the first reply is kept
+    # "Edit last" opens the last message for editing in place; sending it answers the new version
     page.click("#edit-last")
-    assert page.input_value("#prompt") == "Say hello." and stored_messages(page) == []
-    page.fill("#prompt", QUESTION)
-    page.click("#send")
+    assert page.input_value(".msg.user .edit-text") == "Say hello."
+    assert page.evaluate("document.activeElement.className") == "edit-text"
+    page.fill(".msg.user .edit-text", QUESTION)
+    page.click(".msg.user .edit-save")
     wait_idle(page)
     msgs = stored_messages(page)
     assert [m["content"] for m in msgs if m["role"] == "user"] == [QUESTION]
+    assert page.text_content(".msg.user .version-count") == "2/2"
     assert page.evaluate("document.activeElement.id") in ("prompt", "send")
 
 
@@ -412,7 +435,7 @@ def test_ui_api_key_asked_wrong_refused_right_works(
     page.press("#auth-key", "Enter")
     wait_models(page)
     assert page.is_hidden("#auth") and page.input_value("#model") == "tiny"
-    assert page.evaluate("JSON.parse(localStorage.getItem('kubeinfer.apiKey'))") == KEY
+    assert_key_not_stored(page, KEY)
     fill_knobs(page, max_tokens="5", temperature="0")
     send(page, "hi")
     wait_idle(page)
@@ -460,8 +483,10 @@ def test_ui_shows_server_errors_as_sent(
     slot = keyed_server.state.admit()
     try:
         tab = open_page()
-        tab.page.add_init_script(f"localStorage.setItem('kubeinfer.apiKey', {json.dumps(json.dumps(KEY))})")
         page = goto(tab, keyed_server.url)
+        page.wait_for_selector("#auth:not([hidden])")
+        page.fill("#auth-key", KEY)
+        page.press("#auth-key", "Enter")
         wait_models(page)
         send(page, "hi")
         wait_idle(page)
@@ -597,10 +622,10 @@ def test_ui_request_body_carries_every_knob(live_server: LiveServer, open_page: 
     wait_idle(page)
     assert len(bodies) == 2
     assert "the JSON schema does not parse" in (page.text_content(".msg.error") or "")
-    # the settings survive a reload (the key too, in this browser's storage only)
+    # the settings survive a reload; the key does not (it is kept in the tab's memory only)
     page.reload()
     wait_models(page)
-    assert page.input_value("#api-key") == "k1" and page.is_checked("#json-mode")
+    assert page.input_value("#api-key") == "" and page.is_checked("#json-mode")
 
 
 # ---- keyboard, phone width, themes, screenshots ----------------------------------------------------------
@@ -711,7 +736,8 @@ def test_ui_keyboard_only(live_server: LiveServer, open_page: Callable[..., Tab]
     for control in (
         "new-chat", "model", "messages", "prompt", "send", "regenerate", "edit-last",
         "system", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop-strings",
-        "json-mode", "json-schema", "api-key", "conv-open",
+        "json-mode", "json-schema", "schema-example", "api-key", "conv-open", "export-chat", "import-file",
+        "edit-msg", "regen-msg",
     ):  # fmt: skip
         assert control in reached, (control, reached)
     assert not unringed, unringed
@@ -720,3 +746,467 @@ def test_ui_keyboard_only(live_server: LiveServer, open_page: Callable[..., Tab]
     page.keyboard.press("Enter")
     wait_idle(page)
     assert [m["role"] for m in stored_messages(page)] == ["user", "assistant"]
+
+
+# ---- the API docs and the key: nothing on this origin runs third-party script or finds the key --------
+def test_api_docs_load_no_third_party_script(loading_server: AppServer) -> None:
+    url = loading_server.url
+    # FastAPI's Swagger UI and ReDoc pages load unpinned scripts from a CDN: not served
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        r = httpx.get(f"{url}{path}", headers={"Accept": "text/html"})
+        assert r.status_code == 404, (path, r.status_code)
+        assert "cdn" not in r.text.lower() and "<script" not in r.text.lower()
+    # the API stays described, as JSON
+    r = httpx.get(f"{url}/openapi.json")
+    assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
+    # and no page this server serves names a script from elsewhere
+    page = httpx.get(f"{url}/", headers={"Accept": "text/html"}).text
+    assert re.findall(r"<script[^>]*>", page) == [
+        '<script src="/ui/markdown.js" defer>',
+        '<script src="/ui/app.js" defer>',
+    ]
+
+
+STORAGE_DUMP = """() => {
+  const all = (s) => Object.keys(s).map((k) => k + "=" + s.getItem(k)).join("\\n");
+  return [all(localStorage), all(sessionStorage), document.cookie].join("\\n");
+}"""
+
+
+def assert_key_not_stored(page: Any, key: str) -> None:
+    """No storage of this origin (local, session, cookies) holds the key, and nor does the page's HTML."""
+    assert key not in page.evaluate(STORAGE_DUMP)
+    databases = page.evaluate("indexedDB.databases().then((d) => d.map((x) => x.name))")
+    assert databases == []
+
+
+def test_ui_api_key_kept_from_other_pages_of_the_origin(
+    keyed_server: AppServer, open_page: Callable[..., Tab]
+) -> None:
+    url = keyed_server.url
+    tab = open_page()
+    # a key that an earlier version left in local storage is removed on load, not used
+    tab.page.add_init_script(
+        "if (!sessionStorage.getItem('seeded')) { sessionStorage.setItem('seeded', '1');"
+        f" localStorage.setItem('kubeinfer.apiKey', {json.dumps(json.dumps(KEY))}); }}"
+    )
+    page = goto(tab, url)
+    page.wait_for_selector("#auth:not([hidden])")
+    assert page.evaluate("localStorage.getItem('kubeinfer.apiKey')") is None
+    page.fill("#auth-key", KEY)
+    page.press("#auth-key", "Enter")
+    wait_models(page)
+    assert page.input_value("#api-key") == KEY
+    assert_key_not_stored(page, KEY)
+    # another page of the same origin, in this browser (a new tab) and in this tab (navigated to)
+    other = tab.page.context.new_page()
+    other.goto(f"{url}/openapi.json")
+    assert KEY not in other.evaluate(STORAGE_DUMP)
+    other.close()
+    page.goto(f"{url}/openapi.json")
+    assert KEY not in page.evaluate(STORAGE_DUMP)
+    # back on the playground the key is asked for again
+    page.goto(f"{url}/")
+    page.wait_for_selector("#auth:not([hidden])")
+    assert page.input_value("#api-key") == "" and page.locator("#model option").count() == 0
+    assert "memory only" in (page.text_content("#auth") or "")
+
+
+# ---- Markdown, copy, versions, export/import, the schema's example (replies mocked in the browser) -----
+def mock_models(page: Any) -> None:
+    page.route(
+        "**/v1/models",
+        lambda route: route.fulfill(status=200, json={"object": "list", "data": [{"id": "mock"}]}),
+    )
+
+
+def mock_replies(page: Any, replies: list[str], piece: int = 0) -> list[dict[str, Any]]:
+    """Answers the n-th chat request with replies[n] (streamed in `piece`-character chunks when set)
+    and returns the request bodies as they arrive."""
+    bodies: list[dict[str, Any]] = []
+
+    def handle(route: Any) -> None:
+        bodies.append(json.loads(route.request.post_data))
+        text = replies[len(bodies) - 1]
+        pieces = [text[i : i + piece] for i in range(0, len(text), piece)] if piece else [text]
+        chunks = [delta(p) for p in pieces] + [usage_chunk(7, len(pieces))]
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=sse_body(*chunks))
+
+    page.route("**/v1/chat/completions", handle)
+    return bodies
+
+
+def mock_tab(open_page: Callable[..., Tab], url: str, replies: list[str], **kw: Any) -> tuple[Any, list[Any]]:
+    tab = open_page(**kw)
+    mock_models(tab.page)
+    bodies = mock_replies(tab.page, replies)
+    page = goto(tab, url)
+    wait_models(page)
+    return page, bodies
+
+
+HOSTILE_MD = (
+    "# Heading *one*\n\n"
+    '**bold <i>x</i>** _em_ ~~gone~~ `<img src=a onerror="window.__pwned = 1">` snake_case_name\n\n'
+    '- [safe](https://example.com/a?b=1 "title")\n'
+    "- [mail](mailto:someone@example.com)\n"
+    "- [js](javascript:window.__pwned=2)\n"
+    "- [mixed case](JaVaScRiPt:window.__pwned=3)\n"
+    "- [tab](java\tscript:window.__pwned=4)\n"
+    "- [data](data:text/html,<script>window.__pwned=5</script>)\n"
+    "- <javascript:window.__pwned=6>\n"
+    "- ![pixel](https://tracker.example/p.png)\n"
+    "- [vb](vbscript:msgbox(1))\n"
+    "  1. nested *item*\n\n"
+    '<img src=x onerror="window.__pwned = 7"><script>window.__pwned = 8</script>\n\n'
+    "> quoted <b>text</b>\n\n"
+    "```html\n"
+    '<img src=y onerror="window.__pwned = 9"><a href="javascript:x">a</a>\n'
+    "```\n\n"
+    "| h1 | h2 |\n|---|:-:|\n| <b>c</b> | [t](javascript:window.__pwned=10) |\n"
+)
+
+
+def test_ui_markdown_rendered_safely(loading_server: AppServer, open_page: Callable[..., Tab]) -> None:
+    tab = open_page()
+    page = tab.page
+    mock_models(page)
+    mock_replies(page, [HOSTILE_MD], piece=5)  # split inside the tags and links, as tokens are
+    goto(tab, loading_server.url)
+    wait_models(page)
+    send(page, "show me markdown")
+    wait_idle(page)
+    body = page.locator(".msg.assistant .body")
+    assert body.locator("h1").text_content() == "Heading one" and body.locator("h1 em").count() == 1
+    assert body.locator("strong").text_content() == "bold <i>x</i>"
+    assert body.locator("em").nth(1).text_content() == "em" and body.locator("del").text_content() == "gone"
+    assert body.locator("code.inline").text_content() == '<img src=a onerror="window.__pwned = 1">'
+    assert "snake_case_name" in (body.text_content() or "")  # no emphasis inside words
+    # links: http(s) and mailto only, opened apart from this page; the others stay as visible text
+    links = body.locator("a")
+    hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
+    assert hrefs == [
+        "https://example.com/a?b=1",
+        "mailto:someone@example.com",
+        "https://tracker.example/p.png",
+    ]
+    for i in range(links.count()):
+        assert links.nth(i).get_attribute("target") == "_blank"
+        assert "noopener" in (links.nth(i).get_attribute("rel") or "")
+    text = body.text_content() or ""
+    for raw in (
+        "[js](javascript:window.__pwned=2)",
+        "<javascript:window.__pwned=6>",
+        "[vb](vbscript:msgbox(1))",
+    ):
+        assert raw in text, raw
+    assert (
+        body.locator("ul > li").count() == 9 and body.locator("ul > li ol > li em").text_content() == "item"
+    )
+    # raw HTML is text, in paragraphs, quotes, tables and code blocks alike
+    assert '<img src=x onerror="window.__pwned = 7"><script>window.__pwned = 8</script>' in text
+    assert body.locator("blockquote").text_content() == "quoted <b>text</b>"
+    assert body.locator("pre.code code").text_content() == (
+        '<img src=y onerror="window.__pwned = 9"><a href="javascript:x">a</a>'
+    )
+    assert body.locator("pre.code code").get_attribute("data-lang") == "html"
+    assert body.locator("th").all_text_contents() == ["h1", "h2"]
+    assert body.locator("td").all_text_contents() == ["<b>c</b>", "[t](javascript:window.__pwned=10)"]
+    assert page.locator("#messages").locator("script, img, b, i, iframe, object, embed, svg").count() == 0
+    for selector in (".unsafe-link", "td >> nth=1"):  # clicking what looks like a link runs nothing
+        body.locator(selector).first.click()
+    assert page.evaluate("window.__pwned") is None
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "markdown-reply.png"), full_page=True)
+
+
+def test_ui_copy_buttons(loading_server: AppServer, open_page: Callable[..., Tab]) -> None:
+    reply = "Run this:\n\n```bash\necho 'hi <b>'\n```\n\nThen **relax**."
+    page, _ = mock_tab(
+        open_page, loading_server.url, [reply], permissions=["clipboard-read", "clipboard-write"]
+    )
+    send(page, "how?")
+    wait_idle(page)
+    page.click(".msg.assistant .copy-msg")
+    page.wait_for_function(
+        "() => document.querySelector('.msg.assistant .copy-msg').textContent === 'Copied'"
+    )
+    assert page.evaluate("navigator.clipboard.readText()") == reply  # the reply as the model wrote it
+    page.click(".msg.assistant .copy-code")
+    assert page.get_attribute(".msg.assistant .copy-code", "aria-label") == "Copy bash code"
+    page.wait_for_function("() => document.querySelector('.copy-code').dataset.state === 'copied'")
+    assert page.evaluate("navigator.clipboard.readText()") == "echo 'hi <b>'"
+    page.click(".msg.user .copy-msg")
+    page.wait_for_function("() => document.querySelector('.msg.user .copy-msg').textContent === 'Copied'")
+    assert page.evaluate("navigator.clipboard.readText()") == "how?"
+    # the buttons' labels are not part of the reply's text
+    assert "Copy" not in (page.text_content(".msg.assistant .body") or "")
+
+
+def path_text(page: Any) -> list[str]:
+    return [m["content"] for m in stored_messages(page)]
+
+
+def test_ui_edit_and_regenerate_any_message_keep_versions(
+    loading_server: AppServer, open_page: Callable[..., Tab]
+) -> None:
+    replies = [f"reply {n}" for n in range(1, 9)]
+    page, bodies = mock_tab(open_page, loading_server.url, replies)
+
+    def history(n: int) -> list[str]:
+        return [m["content"] for m in bodies[n]["messages"]]
+
+    send(page, "Q1")
+    wait_idle(page)
+    # regenerate the reply: a second version, asked without the first one in the history
+    page.click(".msg.assistant .regen-msg")
+    wait_idle(page)
+    assert path_text(page) == ["Q1", "reply 2"] and history(1) == ["Q1"]
+    assert page.text_content(".msg.assistant .version-count") == "2/2"
+    assert page.is_disabled(".msg.assistant .version-next")
+    page.click(".msg.assistant .version-prev")
+    assert path_text(page) == ["Q1", "reply 1"] and page.text_content(".msg.assistant .body") == "reply 1"
+    assert page.text_content(".msg.assistant .version-count") == "1/2"
+    # the conversation goes on from the version on screen
+    send(page, "Q2")
+    wait_idle(page)
+    assert history(2) == ["Q1", "reply 1", "Q2"]
+    # edit the first message: a new version of it, answered; the old one and its turns are kept
+    page.locator(".msg.user .edit-msg").first.click()
+    page.fill(".edit-text", "Q1 edited")
+    assert page.locator(".msg.user").first.locator(".tools").is_hidden()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "editing.png"))
+    page.press(".edit-text", "Enter")
+    wait_idle(page)
+    assert path_text(page) == ["Q1 edited", "reply 4"] and history(3) == ["Q1 edited"]
+    assert page.text_content(".msg.user .version-count") == "2/2"
+    page.click(".msg.user .version-prev")  # back to the branch that went on
+    assert path_text(page) == ["Q1", "reply 1", "Q2", "reply 3"]
+    # edit a reply: a new version of it, no request, and the next turn's history carries it
+    page.locator(".msg.assistant .edit-msg").last.click()
+    page.fill(".edit-text", "reply 3, *corrected*")
+    page.click(".edit-save")
+    assert len(bodies) == 4
+    assert path_text(page) == ["Q1", "reply 1", "Q2", "reply 3, *corrected*"]
+    assert page.locator(".msg.assistant").last.locator("em").text_content() == "corrected"
+    assert page.locator(".msg.assistant .version-count").last.text_content() == "2/2"
+    send(page, "Q3")
+    wait_idle(page)
+    assert history(4) == ["Q1", "reply 1", "Q2", "reply 3, *corrected*", "Q3"]
+    # Escape cancels an edit without a change
+    page.locator(".msg.user .edit-msg").last.click()
+    page.press(".edit-text", "Escape")
+    assert page.locator(".edit-text").count() == 0 and len(bodies) == 5
+    # regenerate a reply in the middle: the turns after it stay with the version they followed
+    page.locator(".msg.assistant .regen-msg").first.click()
+    wait_idle(page)
+    assert path_text(page) == ["Q1", "reply 6"] and history(5) == ["Q1"]
+    assert page.text_content(".msg.assistant .version-count") == "3/3"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "versions.png"))
+    page.click(".msg.assistant .version-prev")
+    page.click(".msg.assistant .version-prev")
+    assert path_text(page) == ["Q1", "reply 1", "Q2", "reply 3, *corrected*", "Q3", "reply 5"]
+    # the top "Regenerate" makes a new version of the last reply; versions survive a reload
+    page.click("#regenerate")
+    wait_idle(page)
+    assert path_text(page)[-1] == "reply 7" and history(6)[-1] == "Q3"
+    page.reload()
+    wait_models(page)
+    assert page.locator(".msg .body").all_text_contents() == [
+        "Q1", "reply 1", "Q2", "reply 3, corrected", "Q3", "reply 7",
+    ]  # fmt: skip
+    assert page.locator(".msg.assistant .version-count").last.text_content() == "2/2"
+    page.screenshot(path=str(ARTIFACTS / "versions-reloaded.png"))
+
+
+def _upload(page: Any, name: str, content: str | bytes) -> str:
+    data = content.encode() if isinstance(content, str) else content
+    before = page.text_content("#import-status")
+    page.set_input_files(
+        "#import-input", files=[{"name": name, "mimeType": "application/json", "buffer": data}]
+    )
+    page.wait_for_function(
+        "(before) => document.getElementById('import-status').textContent !== before", arg=before
+    )
+    status: str = page.text_content("#import-status") or ""
+    page.evaluate("document.getElementById('import-status').textContent = ''")
+    return status
+
+
+def test_ui_export_and_import_conversations(
+    loading_server: AppServer, open_page: Callable[..., Tab], tmp_path: Path
+) -> None:
+    page, _ = mock_tab(open_page, loading_server.url, ["reply 1", "reply 2", "reply 3"])
+    send(page, "Q1")
+    wait_idle(page)
+    page.click(".msg.assistant .regen-msg")
+    wait_idle(page)
+    conv = stored_conversation(page)
+    with page.expect_download() as info:
+        page.click("#export-chat")
+    download = info.value
+    assert download.suggested_filename == "kubeinfer-q1.json"
+    exported = json.loads(Path(download.path()).read_text())
+    assert exported["format"] == "kubeinfer.conversations" and exported["version"] == 1
+    assert exported["conversations"] == [
+        {"title": "Q1", "updated": conv["updated"], "messages": conv["messages"], "leaf": conv["leaf"]}
+    ]
+    # imported back: a second conversation with the same versions, shown at once
+    good = json.dumps(exported)
+    assert _upload(page, "chat.json", good) == "Imported 1 conversation from chat.json."
+    assert page.locator("#conversation-list li").count() == 2
+    assert path_text(page) == ["Q1", "reply 2"]
+    assert page.text_content(".msg.assistant .version-count") == "2/2"
+    imported = stored_conversation(page)
+    assert imported["id"] != conv["id"] and imported["messages"] == conv["messages"]
+    # refused, saying why, with nothing imported
+    msg = conv["messages"]
+
+    def variant(**changes: Any) -> str:
+        c = {"title": "x", "messages": msg, "leaf": conv["leaf"], **changes}
+        return json.dumps({"format": "kubeinfer.conversations", "version": 1, "conversations": [c]})
+
+    bad = {
+        "not JSON": "{nope",
+        'has no "format"': json.dumps({"conversations": []}),
+        "version 2 is not one this page reads": json.dumps({**exported, "version": 2}),
+        '"conversations" must be a non-empty list': json.dumps({**exported, "conversations": []}),
+        "messages[1].parent must be null or the id of an earlier message": variant(
+            messages=[msg[0], {**msg[1], "parent": "nowhere"}]
+        ),
+        "messages[1].id": variant(messages=[msg[0], {**msg[1], "id": msg[0]["id"]}]),
+        'role must be "user" or "assistant", got "system"': variant(messages=[{**msg[0], "role": "system"}]),
+        "messages[0].content must be a string": variant(messages=[{**msg[0], "content": ["<b>"]}]),
+        "messages[0].html is not a field this page knows": variant(messages=[{**msg[0], "html": "<b>"}]),
+        "leaf must be the id of one of its messages": variant(leaf="m-missing"),
+        "has replies": variant(
+            messages=[
+                {
+                    "id": "a",
+                    "parent": None,
+                    "role": "assistant",
+                    "content": "",
+                    "error": {"status": 500, "text": "x"},
+                },
+                {"id": "b", "parent": "a", "role": "user", "content": "y"},
+            ],
+            leaf="b",
+        ),
+        "stats.ttft_ms must be a number": variant(messages=[{**msg[0], "stats": {"ttft_ms": "fast"}}]),
+        "title must be a string": variant(title=None),
+    }
+    for reason, content in bad.items():
+        status = _upload(page, "bad.json", content)
+        assert status.startswith("Import refused:") and reason in status, (reason, status)
+        assert page.locator("#conversation-list li").count() == 2
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    # hostile text in an imported file is text, like any model reply
+    hostile = variant(
+        title='<img src=x onerror="window.__pwned = 1">',
+        messages=[
+            {"id": "u", "parent": None, "role": "assistant", "content": "[x](javascript:window.__pwned=2)"}
+        ],
+        leaf="u",
+    )
+    assert _upload(page, "hostile.json", hostile).startswith("Imported 1 conversation")
+    assert page.locator("#conversation-list li").count() == 3
+    assert page.locator("#messages a, #messages img, #chats img").count() == 0
+    assert '<img src=x onerror="window.__pwned = 1">' in (page.text_content("#conversation-list") or "")
+    assert page.evaluate("window.__pwned") is None
+    page.screenshot(path=str(ARTIFACTS / "import.png"))
+    # "Export all" writes every conversation, which the page reads back as they were
+    with page.expect_download() as info:
+        page.click("#export-all")
+    everything = json.loads(Path(info.value.path()).read_text())
+    assert [c["title"] for c in everything["conversations"]] == [
+        '<img src=x onerror="window.__pwned = 1">', "Q1", "Q1",
+    ]  # fmt: skip
+    assert _upload(page, "all.json", json.dumps(everything)) == "Imported 3 conversations from all.json."
+    assert page.locator("#conversation-list li").count() == 6
+
+
+def test_ui_json_schema_sends_its_shown_example(
+    loading_server: AppServer, open_page: Callable[..., Tab]
+) -> None:
+    page, bodies = mock_tab(open_page, loading_server.url, ['{"answer": "Paris"}'])
+    shown = page.input_value("#json-schema")
+    example = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    assert json.loads(shown) == example  # the box starts with the example, not a placeholder
+    page.check("#json-mode")
+    send(page, QUESTION)
+    wait_idle(page)
+    assert bodies[0]["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "playground", "schema": example, "strict": True},
+    }
+    # an emptied box is refused in the page, saying so and how to get the example back
+    page.fill("#json-schema", "")
+    send(page, "again")
+    wait_idle(page)
+    assert len(bodies) == 1
+    assert "the schema box is empty" in (page.text_content(".msg.error") or "")
+    page.click("#schema-example")
+    assert json.loads(page.input_value("#json-schema")) == example
+
+
+COPY_BTN = '<button class="copy copy-code" type="button" aria-label="Copy{} code" data-copy="{}"></button>'
+LINK = '<a href="{}" target="_blank" rel="noopener noreferrer nofollow">{}</a>'
+MARKDOWN_CASES = [
+    (
+        "Steps:\n\n1. **Install** it:\n   ```bash\n   pip install x\n   ```\n2. Run it.\n\n* one `a`\n* two",
+        "<p>Steps:</p><ol><li><strong>Install</strong> it:"
+        '<div class="codeblock" data-lang="bash">' + COPY_BTN.format(" bash", "pip install x") + '<pre class="code">'
+        '<code data-lang="bash">pip install x</code></pre></div></li><li>Run it.</li></ol>'
+        '<ul><li>one <code class="inline">a</code></li><li>two</li></ul>',
+    ),
+    ("- a\n\n- b", "<ul><li><p>a</p></li><li><p>b</p></li></ul>"),
+    ("3. three\n4. four\n\n1) x", '<ol start="3"><li>three</li><li>four</li></ol><ol><li>x</li></ol>'),
+    ("Line one\nline two\n\n---\n\n> quote\n> more", "<p>Line one<br>line two</p><hr><blockquote><p>quote<br>more</p></blockquote>"),
+    ("#hashtag, ### Title ###", "<p>#hashtag, ### Title ###</p>"),
+    ("### Title ###\n###### six", "<h3>Title</h3><h6>six</h6>"),
+    (
+        "| a | b | c |\n|:--|--:|:-:|\n| 1 | 2 | 3 |",
+        '<div class="table-wrap"><table><thead><tr><th class="align-left">a</th><th class="align-right">b</th>'
+        '<th class="align-center">c</th></tr></thead><tbody><tr><td class="align-left">1</td>'
+        '<td class="align-right">2</td><td class="align-center">3</td></tr></tbody></table></div>',
+    ),
+    (
+        "Visit https://example.com/a_b. Or <https://x.org>.",
+        "<p>Visit " + LINK.format("https://example.com/a_b", "https://example.com/a_b")
+        + ". Or " + LINK.format("https://x.org/", "https://x.org") + ".</p>",
+    ),
+    ("~~~\ncode ~~~ inside\n~~~", '<div class="codeblock">' + COPY_BTN.format("", "code ~~~ inside")
+     + '<pre class="code"><code>code ~~~ inside</code></pre></div>'),
+    ("Use ``a`b`` and \\*not em\\*, 2 * 3, snake_case_x", '<p>Use <code class="inline">a`b</code> and *not em*, 2 * 3, snake_case_x</p>'),
+    ("**unclosed bold and `code", "<p>**unclosed bold and `code</p>"),
+    # a fence still open while streaming is code up to the end of the text so far
+    ("Here:\n```py\nx = 1", '<p>Here:</p><div class="codeblock" data-lang="py">' + COPY_BTN.format(" py", "x = 1")
+     + '<pre class="code"><code data-lang="py">x = 1</code></pre></div>'),
+]  # fmt: skip
+
+
+def test_ui_markdown_structure(loading_server: AppServer, open_page: Callable[..., Tab]) -> None:
+    tab = open_page()
+    mock_models(tab.page)
+    page = goto(tab, loading_server.url)
+    page.wait_for_function("() => typeof Markdown !== 'undefined'")
+    render = "(t) => { const d = document.createElement('div'); Markdown.render(d, t); return d.innerHTML; }"
+    for text, html in MARKDOWN_CASES:
+        assert page.evaluate(render, text) == html, text
+    # hostile nesting stays within bounds (no stack overflow, no runaway DOM): deeper levels are text
+    depth = (
+        "(t) => { const d = document.createElement('div'); Markdown.render(d, t);"
+        " const n = (s) => d.querySelectorAll(s).length;"
+        " return [n('blockquote'), n('ul'), n('em'), n('th'), d.textContent.length]; }"
+    )
+    assert page.evaluate(depth, ">" * 20_000 + " x") == [16, 0, 0, 0, 20_002 - 16]
+    assert page.evaluate(depth, "- " * 20_000 + "x")[:2] == [0, 16]
+    assert page.evaluate(depth, "|a" * 100 + "\n" + "|-" * 100)[3] == 0  # too wide for a table
+    # 20,000 open brackets: one pass matches them; the last one is a link, the rest text
+    assert page.evaluate(depth, "[" * 20_000 + "x](https://e.org)")[4] == 20_000
+    assert (
+        page.evaluate(render, "[" * 3 + "x](https://e.org)")
+        == "<p>[[" + LINK.format("https://e.org/", "x") + "</p>"
+    )

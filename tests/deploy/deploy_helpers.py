@@ -24,6 +24,8 @@ import promql_parser
 import yaml
 from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to spot no-op patches
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
+from kmock_crd import crd_refusal
+from kmock_params import body_error, query_error
 from kmock_replace import is_replace, serve_replace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +73,25 @@ ROUTER_SERIES = frozenset(
         "vllm_router_retries_total",
     }
 )
+
+
+def activator_series_names() -> frozenset[str]:
+    """Series the scale-to-zero activator exports, read from its own exposition (every family
+    touched once so that labelled children and histogram buckets appear)."""
+    from kubeinfer_operator.activator.metrics import ActivatorMetrics
+
+    metrics = ActivatorMetrics("m")
+    metrics.set_state(1, 1, True, 1)
+    metrics.observe_wake(1.0)
+    metrics.refused("held_limit")
+    metrics.scaled("up")
+    text = metrics.exposition().decode()
+    return frozenset(
+        line.split("{", 1)[0].split(" ", 1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    )
+
 
 # Series that are not ours but that the dashboards and alerts read on purpose: kube-state-metrics'
 # Deployment replicas (a server cannot know how many of its replicas are ready) and its Deployment
@@ -296,6 +317,21 @@ class MockApiServer(kmock.KubernetesEmulator):
         return doc
 
     async def _handle(self, request: Any) -> Any:
+        refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
+        if refused is None and request.resource is not None:
+            method = str(getattr(request.method, "value", request.method)).upper()
+            content_type = request.headers.get("Content-Type") or ""
+            refused = body_error(method, content_type, request.resource.group, request.data)
+        writes_crd = (
+            request.resource is not None
+            and request.subresource is None
+            and request.resource.plural == "customresourcedefinitions"
+            and request.action in (kmock_enums.action.CREATE, kmock_enums.action.UPDATE)
+        )
+        if refused is None and writes_crd:
+            refused = crd_refusal(request.data)  # defaults against rules, rule costs: the real 422
+        if refused is not None:
+            raise refused
         # PUT (the operator's Lease updates): a replace with the API server's resourceVersion check.
         if is_replace(request):
             self._replaces = getattr(self, "_replaces", 0) + 1

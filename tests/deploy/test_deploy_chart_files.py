@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import tomllib
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 from deploy_helpers import CHART, REPO
@@ -98,3 +99,56 @@ def test_kube_version_floor_covers_the_prestop_sleep_action() -> None:
     (c,) = render_deployment(im)["spec"]["template"]["spec"]["containers"]
     if "sleep" in c["lifecycle"]["preStop"]:
         assert int(floor.group(1)) >= 30, "lifecycle.preStop.sleep is GA only from Kubernetes 1.30"
+
+
+def test_the_mock_api_server_admits_the_chart_crds() -> None:
+    from kmock_crd import crd_refusal
+
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        assert crd_refusal(yaml.safe_load(path.read_text())) is None, path.name
+
+
+def _refusal_message(edit: Any) -> str:
+    from kmock_crd import crd_refusal
+
+    crd = yaml.safe_load((REPO / "crds" / "kubeinfer.dev_inferencemodels.yaml").read_text())
+    edit(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"])
+    refusal = crd_refusal(crd)
+    assert refusal is not None and refusal.status == 422 and refusal.reason == "Invalid"
+    message = str(refusal.message)
+    name = "inferencemodels.kubeinfer.dev"
+    assert message.startswith(f'CustomResourceDefinition.apiextensions.k8s.io "{name}" is invalid: [')
+    return message
+
+
+def test_the_mock_api_server_refuses_a_default_that_fails_its_rules() -> None:
+    # A real API server (v1.36.2) refused our CRD so (issue 29 F1), in these words.
+    def edit(spec: dict[str, Any]) -> None:
+        spec["scaling"]["default"] = {}
+
+    assert _refusal_message(edit).endswith(
+        '[spec.validation.openAPIV3Schema.properties[spec].properties[scaling].default: Invalid value: "object": '
+        "no such key: autoscaler evaluating rule: without an autoscaler, scaling.replicas must lie within "
+        "[minReplicas, maxReplicas], "
+        'spec.validation.openAPIV3Schema.properties[spec].properties[scaling].default: Invalid value: "object": '
+        "no such key: autoscaler evaluating rule: an autoscaler needs scaling.maxReplicas, "
+        'spec.validation.openAPIV3Schema.properties[spec].properties[scaling].default: Invalid value: "object": '
+        "no such key: autoscaler evaluating rule: scaling.autoscaler KEDA needs scaling.prometheusAddress, "
+        'spec.validation.openAPIV3Schema.properties[spec].properties[scaling].default: Invalid value: "object": '
+        "no such key: autoscaler evaluating rule: an HPA cannot scale to zero (minReplicas >= 1); use KEDA for "
+        "scale-to-zero]"
+    )
+
+
+def test_the_mock_api_server_refuses_a_rule_over_its_cost_budget() -> None:
+    # ... and so, once the defaults held (issue 29 F2).
+    def edit(spec: dict[str, Any]) -> None:
+        labels = spec["pod"]["properties"]["labels"]
+        del labels["maxProperties"], labels["additionalProperties"]["maxLength"]
+
+    message = _refusal_message(edit)
+    assert (
+        "spec.validation.openAPIV3Schema.properties[spec].properties[pod].x-kubernetes-validations[0].rule: "
+        "Forbidden: estimated rule cost exceeds budget by factor of more than 100x (try simplifying the rule, "
+        "or adding maxItems, maxProperties, and maxLength where arrays, maps, and strings are declared)"
+    ) in message

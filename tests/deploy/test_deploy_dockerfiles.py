@@ -46,6 +46,9 @@ def parse_dockerfile(path: Path) -> tuple[dict[str, str], list[Stage]]:
         instr = instr.upper()
         args = args.strip()
         if instr == "FROM":
+            # A base named by a global ARG (Dockerfile.server's BASE_IMAGE) is its default, as docker
+            # resolves it when no --build-arg overrides it.
+            args = re.sub(r"\$\{(\w+)\}", lambda m: global_args.get(m[1], m[0]), args)
             parts = args.split()
             name = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else None
             stages.append(Stage(parts[0], name))
@@ -158,7 +161,8 @@ def test_server_torch_wheel_matches_the_cuda_base() -> None:
     assert '"torch==${TORCH_VERSION}+${TORCH_CUDA}"' in text
     assert "https://download.pytorch.org/whl/${TORCH_CUDA}" in text
     # The GPU kernels (triton) and the load-time quantizers the CRD offers (bitsandbytes) are in.
-    assert 'pip install ".[gpu,quant]"' in text
+    assert global_args["EXTRAS"] == "gpu,quant"
+    assert 'pip install ".${EXTRAS:+[${EXTRAS}]}"' in text
 
 
 def test_operator_image_entrypoint_is_the_operators_run() -> None:
@@ -279,3 +283,59 @@ def test_router_image_pins_the_tested_vllm_router() -> None:
     by = dict(stage.instructions)
     assert json.loads(by["ENTRYPOINT"]) == ["vllm-router"]
     assert by["USER"].split(":")[0] != "0"
+
+
+def cpu_build_args() -> dict[str, str]:
+    """The --build-arg values of the CPU server image, from scripts/images/build.sh (what `make images`
+    passes; Dockerfile.server's header shows the same for docker)."""
+    script = (REPO / "scripts" / "images" / "build.sh").read_text()
+    block = script[script.index("CPU_BUILD_ARGS=(") : script.index(")", script.index("CPU_BUILD_ARGS=("))]
+    return dict(a.split("=", 1) for a in re.findall(r"--build-arg (\S+)", block))
+
+
+def test_cpu_server_build_overrides_only_declared_args_and_pins_its_base() -> None:
+    global_args, _ = parse_dockerfile(DOCKERFILES["server"])
+    args = cpu_build_args()
+    assert set(args) <= set(global_args), set(args) - set(global_args)
+    # A Debian point release (bookworm: Python 3.11, the interpreter the torch 2.13.0+cpu wheel is for).
+    assert re.fullmatch(r"debian:12\.\d+-slim", args["BASE_IMAGE"]), args["BASE_IMAGE"]
+    assert args["PYTHON"] == "python3.11" and args["TORCH_CUDA"] == "cpu"
+    # No CUDA-only extras (triton), and no compiler at run time: the kernels are prebuilt.
+    assert args["EXTRAS"] == "" and "g++" not in args["RUNTIME_PACKAGES"]
+    header = DOCKERFILES["server"].read_text().split("\nARG ", 1)[0]
+    for key, value in args.items():
+        assert f"--build-arg {key}={value}" in header.replace("\\\n#    ", ""), key
+
+
+def test_server_image_prebuilds_the_kernels_and_carries_the_embedded_model() -> None:
+    from kubeinfer_operator import spec
+
+    _, stages = parse_dockerfile(DOCKERFILES["server"])
+    build = " ".join(a for i, a in stages[0].instructions if i == "RUN")
+    assert "python -m server.prebuild_kernels /opt/kubeinfer/kernels" in build
+    assert "${EMBEDDED_MODEL}" in build
+    global_args, _ = parse_dockerfile(DOCKERFILES["server"])
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert global_args["EMBEDDED_MODEL"] in setup  # the same pin the tests use
+    final = stages[-1]
+    copies = [a for i, a in final.instructions if i == "COPY"]
+    assert "--from=build /opt/kubeinfer /opt/kubeinfer" in copies
+    envs = " ".join(a for i, a in final.instructions if i == "ENV")
+    assert "KUBEINFER_PREBUILT_KERNELS=/opt/kubeinfer/kernels" in envs
+    # The CPU example serves the embedded model from the path the image links it to.
+    example = (REPO / "examples" / "cpu-smollm2.yaml").read_text()
+    assert "uri: /opt/kubeinfer/models/smollm2-135m-instruct.gguf" in example
+    assert "/opt/kubeinfer/models/smollm2-135m-instruct.gguf" in build
+    assert spec.DEFAULT_SERVER_CPU_IMAGE == spec.DEFAULT_SERVER_IMAGE + "-cpu"
+
+
+def test_every_kernel_source_is_package_data() -> None:
+    """A non-editable install (the images') has each C++ kernel's source, or the prebuild step and the
+    run-time build fail: pyproject's package-data lists every csrc/ folder a kernel is built from."""
+    from server.prebuild_kernels import SOURCES
+
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for src in SOURCES:
+        rel = src.source.relative_to(REPO)
+        package = ".".join(rel.parts[:-2])
+        assert f"csrc/*{src.source.suffix}" in package_data.get(package, []), (src.name, package)

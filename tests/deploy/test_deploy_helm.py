@@ -298,7 +298,8 @@ def test_rbac_clusterwide_binds_one_clusterrole(installs: dict[str, HelmInstall]
     assert not any(g == "kopf.dev" for g, _, _ in rules), "no kopf peering"
     assert not any(v in {"*", "escalate", "bind", "impersonate"} for _, _, v in rules)
     assert not any("*" in (g, r) for g, r, _ in rules)
-    assert not any(r == "secrets" for _, r, _ in rules), "the operator only names Secrets in pod specs"
+    # Secrets: created (each model's admin API key), never read, listed, changed or deleted
+    assert {v for _, r, v in rules if r == "secrets"} == {"create"}, "the operator reads no Secret"
     binding = inst.one("ClusterRoleBinding", FULLNAME)
     assert binding["roleRef"]["name"] == FULLNAME
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
@@ -361,6 +362,7 @@ def test_global_registry_reaches_every_image_and_the_models_deployment(
     assert gateway["imagePullSecrets"] == [{"name": "mirror-pull"}]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert env["KUBEINFER_DEFAULT_SERVER_IMAGE"] == f"{REGISTRY}/kubeinfer/server:0.1.0"
+    assert env["KUBEINFER_DEFAULT_SERVER_CPU_IMAGE"] == f"{REGISTRY}/kubeinfer/server:0.1.0-cpu"
     assert env["KUBEINFER_DEFAULT_ROUTER_IMAGE"] == f"{REGISTRY}/kubeinfer/router:0.1.17"
     assert env["KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"] == "mirror-pull"
 
@@ -399,7 +401,9 @@ def test_global_registry_reaches_every_image_and_the_models_deployment(
     assert deployments(doc)["m"]["containers"][0]["image"] == "example.org/own/server:1"
     # Without a registry the chart's defaults are the operator's built-in ones.
     plain = {e["name"]: e["value"] for e in _container(_ok(installs, "defaults"))["env"] if "value" in e}
-    assert ClusterDefaults.from_environment(plain) == ClusterDefaults()
+    chart_defaults, builtin = ClusterDefaults.from_environment(plain), ClusterDefaults()
+    for attr in ("server_image", "router_image", "image_pull_secrets"):
+        assert getattr(chart_defaults, attr) == getattr(builtin, attr), attr
 
 
 def test_dashboards_arrive_as_sidecar_configmaps(installs: dict[str, HelmInstall]) -> None:
@@ -601,3 +605,53 @@ def test_gateway_routes_every_model_in_the_namespace(installs: dict[str, HelmIns
     pod = {**dep["spec"]["template"]["spec"], "metadata": dep["spec"]["template"].get("metadata") or {}}
     for rule, check in RULES.items():
         assert check(pod) == [], rule
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "namespaced-ha"])
+def test_operator_network_policy_admits_what_the_operator_needs(
+    installs: dict[str, HelmInstall], scenario: str
+) -> None:
+    """The chart's NetworkPolicy evaluated against the operator pod's labels (tests/netpol_eval.py)."""
+    from netpol_eval import Pod as NetPod
+    from netpol_eval import admits
+
+    inst = _ok(installs, scenario)
+    policies = inst.find("NetworkPolicy")
+    assert [p["metadata"]["name"] for p in policies] == [FULLNAME]
+    template = inst.one("Deployment", FULLNAME, NAMESPACE)["spec"]["template"]
+    operator = NetPod(NAMESPACE, dict(template["metadata"]["labels"]))
+    stranger = NetPod("team-a", {"app": "x"})
+    model = NetPod(
+        "team-a", {"app.kubernetes.io/name": "kubeinfer-server", "app.kubernetes.io/instance": "m"}
+    )
+    router = NetPod(
+        "team-a", {"app.kubernetes.io/name": "kubeinfer-router", "app.kubernetes.io/instance": "m"}
+    )
+    api_server = NetPod("default", {"component": "apiserver"})  # ports are what the egress rule checks
+    prometheus = NetPod("monitoring", {"app.kubernetes.io/name": "prometheus"})
+    # in: the health port; the metrics port only from Prometheus (when the chart serves one)
+    assert admits(policies, stranger, operator, 8080)
+    assert not admits(policies, stranger, operator, 5000)
+    if scenario == "namespaced-ha":
+        assert admits(policies, prometheus, operator, 9090)
+        assert not admits(policies, stranger, operator, 9090)
+    # out: the model pods' API, the API server's ports and DNS; nothing else
+    assert admits(policies, operator, model, 8080)
+    assert not admits(policies, operator, model, 5557) and not admits(policies, operator, router, 8000)
+    for port in (443, 6443):
+        assert admits(policies, operator, api_server, port)
+    assert admits(policies, operator, api_server, 53, "UDP")
+    assert not admits(policies, operator, stranger, 80)
+    env = {e["name"]: e.get("value") for e in _container(inst)["env"]}
+    # the labels the models' policies admit the operator by: exactly its pods' selector labels
+    pairs = dict(p.split("=", 1) for p in env["KUBEINFER_OPERATOR_POD_LABELS"].split(","))
+    selector = inst.one("Deployment", FULLNAME, NAMESPACE)["spec"]["selector"]["matchLabels"]
+    assert pairs == selector
+    assert env["KUBEINFER_MONITORING_NAMESPACE"] == "monitoring"
+    assert env["KUBEINFER_PROMETHEUS_POD_LABELS"] == "app.kubernetes.io/name=prometheus"
+
+
+def test_network_policy_can_be_turned_off(tmp_path: Path) -> None:
+    inst = asyncio.run(helm_install({"networkPolicy": {"enabled": False}}, tmp_path, NAMESPACE, RELEASE))
+    assert inst.ok, inst.error
+    assert inst.find("NetworkPolicy") == []

@@ -15,6 +15,7 @@ from deploy_helpers import (
     ROUTER_SERIES,
     RULES_FILE,
     TOP_DASHBOARDS,
+    activator_series_names,
     dashboard_queries,
     documented_series_names,
     load_alert_rules,
@@ -63,7 +64,7 @@ def _grafana_expr(expr: str) -> str:
 
 
 def test_every_dashboard_query_parses_and_reads_only_our_metrics() -> None:
-    allowed = documented_series_names() | KSM_ALLOWED | ROUTER_SERIES
+    allowed = documented_series_names() | KSM_ALLOWED | ROUTER_SERIES | activator_series_names()
     queries = dashboard_queries()
     assert len(queries) >= 20
     for q in queries:
@@ -114,6 +115,11 @@ def test_dashboards_cover_every_signal_the_issue_asks_for() -> None:
         for quantile in ("0.5", "0.99"):
             assert any(e.startswith(f"histogram_quantile({quantile},") for e in exprs), (hist, quantile)
     assert "kube_deployment_status_replicas_ready" in by_metric
+    # Scale to zero: held requests and wake latency (issue 27).
+    assert "kubeinfer_activator_held_requests" in by_metric
+    assert any(
+        "histogram_quantile" in e for e in by_metric.get("kubeinfer_activator_wake_seconds_bucket", [])
+    )
     # The router: request rate, per-replica load, cache-hit routing, replica health.
     assert set(by_metric) >= ROUTER_SERIES, sorted(ROUTER_SERIES - set(by_metric))
     assert any("rate(vllm_router_requests_total" in e for e in by_metric["vllm_router_requests_total"])

@@ -135,10 +135,10 @@ def test_invalid_requests_raise(engine: LLMEngine) -> None:
 def test_sampling_failure_is_isolated(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     real = engine.runner.sampler.__class__.__call__
 
-    def faulty(self, logits: torch.Tensor, rows):  # type: ignore[no-untyped-def]
+    def faulty(self, logits: torch.Tensor, rows, *args):  # type: ignore[no-untyped-def]
         if any(r.params.seed == 666 for r in rows):
             raise RuntimeError("injected")
-        return real(self, logits, rows)
+        return real(self, logits, rows, *args)
 
     monkeypatch.setattr(engine.runner.sampler.__class__, "__call__", faulty)
     p = engine.tokenizer.encode("isolate me")
@@ -208,3 +208,42 @@ def test_async_engine_streams_and_aborts(engine: LLMEngine) -> None:
         await aengine.shutdown()
 
     asyncio.run(main())
+
+
+def _masked_row(mode: str, params: SamplingParams, allowed: list[int]):  # type: ignore[no-untyped-def]
+    """Samples one row of random logits whose only allowed tokens are `allowed` (as a grammar's mask
+    leaves them: -inf elsewhere) with a Sampler in `mode`; returns (output, model logits, masked)."""
+    from server.request import Request
+    from server.worker.sampler import Sampler, SamplingRow
+
+    torch.manual_seed(0)
+    vocab = 64
+    model_logits = torch.randn(1, vocab) * 3
+    masked = torch.full_like(model_logits, float("-inf"))
+    masked[0, allowed] = model_logits[0, allowed]
+    row = SamplingRow(Request("r", [1, 2, 3], params))
+    return Sampler(mode)(masked, [row], model_logits), model_logits, masked
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_mode_under_a_mask(mode: str, greedy: bool) -> None:
+    allowed = [5, 9, 40]
+    params = SamplingParams(max_tokens=1, temperature=0.0 if greedy else 0.7, top_k=0, logprobs=8, seed=3)
+    out, model_logits, masked = _masked_row(mode, params, allowed)
+    (token,), (lp,) = out.token_ids, out.logprobs
+    assert token in allowed and lp is not None and lp.chosen.token_id == token
+    if mode.startswith("raw_"):  # the model's own distribution: the mask changes nothing reported
+        values = model_logits[0].log_softmax(-1) if mode == "raw_logprobs" else model_logits[0]
+        expect = torch.topk(values, 8)
+        assert [t.token_id for t in lp.top] == expect.indices.tolist()
+        assert [t.logprob for t in lp.top] == pytest.approx(expect.values.tolist(), abs=1e-5)
+    else:  # the distribution sampled from: only allowed tokens, never a fill value
+        scaled = masked[0] if greedy else masked[0] / 0.7
+        values = scaled.log_softmax(-1) if mode == "processed_logprobs" else scaled
+        assert sorted(t.token_id for t in lp.top) == sorted(allowed)
+        for t in lp.top:
+            assert t.logprob == pytest.approx(float(values[t.token_id]), abs=1e-5)
+        if mode == "processed_logprobs":
+            assert sum(math.exp(t.logprob) for t in lp.top) == pytest.approx(1.0, abs=1e-5)
+    assert math.isfinite(lp.chosen.logprob) and all(math.isfinite(t.logprob) for t in lp.top)

@@ -24,6 +24,11 @@ def _s(**parts: Any) -> dict[str, Any]:
     return {"model": HF, **parts}
 
 
+PSS_VOLUMES = "volume types of the restricted Pod Security Standard"
+LOADER_ENV = "pod.env must not set a variable that changes what the loader or interpreter runs"
+ENV_FROM = "pod.envFrom entries need a prefix that no refused variable name starts with"
+TRUST_REMOTE_CODE = "engine.extraArgs must not contain --trust-remote-code"
+
 LONG_NAME = "a-very-long-inference-model-name-for-a-fine-tuned-llama-3.1-8b-instruct"  # 72 chars
 
 ADMISSION: list[Row] = [
@@ -148,7 +153,11 @@ ADMISSION: list[Row] = [
     Row("cpu-negative-int", _s(resources={"cpu": -2}), "resources.cpu must not be negative"),
     Row("memory-negative-int", _s(resources={"memory": -2}), "resources.memory must not be negative"),
     Row("cache-negative", _s(cache={"sizeLimit": -1}), "cache.sizeLimit must not be negative"),
-    Row("gpu-product-long", _s(resources={"gpu": {"product": "N" * 64}}), "is too long"),
+    Row(
+        "gpu-product-long",
+        _s(resources={"gpu": {"product": "N" * 64}}),
+        "spec.resources.gpu.product: Too long: may not be more than 63 bytes",
+    ),
     Row(
         "gpu-product-space",
         _s(resources={"gpu": {"product": "NVIDIA H100"}}),
@@ -238,7 +247,7 @@ ADMISSION: list[Row] = [
                 "serviceAccountName": "llm-reader",
                 "imagePullSecrets": [{"name": "regcred"}],
                 "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
-                "envFrom": [{"configMapRef": {"name": "tuning"}}],
+                "envFrom": [{"configMapRef": {"name": "tuning"}, "prefix": "TUNING_"}],
                 "volumes": [{"name": "extra", "configMap": {"name": "chat-templates"}}],
                 "volumeMounts": [{"name": "extra", "mountPath": "/etc/templates", "readOnly": True}],
                 "shmSize": "4Gi",
@@ -343,4 +352,133 @@ ADMISSION: list[Row] = [
         ),
         None,
     ),
+    # bounds (issue 29 F2): every string, list and map a user sets is bounded, so the API server's
+    # CEL cost estimate of each rule stays within its budget
+    Row("labels-at-64", _s(pod={"labels": {f"l{i}": "v" for i in range(64)}}), None),
+    Row(
+        "labels-over-64",
+        _s(pod={"labels": {f"l{i}": "v" for i in range(65)}}),
+        "spec.pod.labels: Too many: 65: must have at most 64 items",
+    ),
+    Row(
+        "node-selector-over-64",
+        _s(scheduling={"nodeSelector": {f"l{i}": "v" for i in range(65)}}),
+        "spec.scheduling.nodeSelector: Too many: 65: must have at most 64 items",
+    ),
+    Row(
+        "service-monitor-labels-value-64",
+        _s(monitoring={"serviceMonitor": {"labels": {"release": "x" * 64}}}),
+        "Too long: may not be more than 63 bytes",
+    ),
+    Row(
+        "annotations-over-64",
+        _s(pod={"annotations": {f"a{i}": "v" for i in range(65)}}),
+        "spec.pod.annotations: Too many: 65: must have at most 64 items",
+    ),
+    Row(
+        "surge-too-long",
+        _s(rollout={"maxSurge": "1" * 64 + "%"}),
+        "spec.rollout.maxSurge: Too long: may not be more than 64 bytes",
+    ),
+    Row(
+        "cpu-too-long",
+        _s(resources={"cpu": "1" * 65}),
+        "spec.resources.cpu: Too long: may not be more than 64 bytes",
+    ),
+    Row(
+        "pull-secrets-over-16",
+        _s(pod={"imagePullSecrets": [{"name": f"s{i}"} for i in range(17)]}),
+        "spec.pod.imagePullSecrets: Too many: 17: must have at most 16 items",
+    ),
+    Row(
+        "env-over-128",
+        _s(pod={"env": [{"name": f"V{i}", "value": "x"} for i in range(129)]}),
+        "spec.pod.env: Too many: 129: must have at most 128 items",
+    ),
+    Row(
+        "env-name-too-long",
+        _s(pod={"env": [{"name": "V" * 257, "value": "x"}]}),
+        "spec.pod.env[0].name: Too long: may not be more than 256 bytes",
+    ),
+    Row(
+        "volumes-over-64",
+        _s(pod={"volumes": [{"name": f"v{i}", "emptyDir": {}} for i in range(65)]}),
+        "spec.pod.volumes: Too many: 65: must have at most 64 items",
+    ),
+    Row(
+        "mount-path-too-long",
+        _s(
+            pod={
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/" + "d" * 1024}],
+            }
+        ),
+        "spec.pod.volumeMounts[0].mountPath: Too long: may not be more than 1024 bytes",
+    ),
+    # issue 25 item 3: a model author gets no more than the restricted Pod Security Standard, no
+    # variable that changes what the loader or interpreter runs, no flag the server refuses
+    Row("pod-volume-hostpath", _s(pod={"volumes": [{"name": "h", "hostPath": {"path": "/"}}]}), PSS_VOLUMES),
+    Row(
+        "pod-volume-nfs",
+        _s(pod={"volumes": [{"name": "n", "nfs": {"server": "x", "path": "/"}}]}),
+        PSS_VOLUMES,
+    ),
+    Row("pod-volume-image", _s(pod={"volumes": [{"name": "i", "image": {"reference": "x"}}]}), PSS_VOLUMES),
+    Row(
+        "pod-volume-restricted-types",
+        _s(
+            pod={
+                "volumes": [
+                    {"name": "a", "emptyDir": {}},
+                    {"name": "b", "persistentVolumeClaim": {"claimName": "c"}},
+                    {"name": "c", "projected": {"sources": [{"configMap": {"name": "x"}}]}},
+                ]
+            }
+        ),
+        None,
+    ),
+    *[
+        Row(f"pod-env-{name.lower()}", _s(pod={"env": [{"name": name, "value": "/tmp/x"}]}), LOADER_ENV)
+        for name in ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")
+    ],
+    Row(
+        "pod-env-admin-key", _s(pod={"env": [{"name": "KUBEINFER_ADMIN_API_KEY", "value": "x"}]}), LOADER_ENV
+    ),
+    Row("pod-env-unbuffered", _s(pod={"env": [{"name": "PYTHONUNBUFFERED", "value": "1"}]}), None),
+    Row("pod-envfrom-no-prefix", _s(pod={"envFrom": [{"configMapRef": {"name": "c"}}]}), ENV_FROM),
+    Row(
+        "pod-envfrom-ld-prefix",
+        _s(pod={"envFrom": [{"configMapRef": {"name": "c"}, "prefix": "LD_"}]}),
+        ENV_FROM,
+    ),
+    Row(
+        "pod-envfrom-p-prefix",
+        _s(pod={"envFrom": [{"configMapRef": {"name": "c"}, "prefix": "PY"}]}),
+        ENV_FROM,
+    ),
+    Row(
+        "pod-envfrom-app-prefix",
+        _s(pod={"envFrom": [{"configMapRef": {"name": "c"}, "prefix": "APP_"}]}),
+        None,
+    ),
+    Row(
+        "pod-apparmor-unconfined",
+        _s(pod={"annotations": {"container.apparmor.security.beta.kubernetes.io/server": "unconfined"}}),
+        "AppArmor profiles to runtime/default or localhost",
+    ),
+    Row(
+        "pod-apparmor-runtime-default",
+        _s(pod={"annotations": {"container.apparmor.security.beta.kubernetes.io/server": "runtime/default"}}),
+        None,
+    ),
+    # spec.network (issue 25 item 2)
+    Row("network-peer-empty", _s(network={"allowedClients": [{}]}), "network.allowedClients entries need"),
+    Row(
+        "network-peer-namespace",
+        _s(network={"allowedClients": [{"namespaceSelector": {"matchLabels": {"team": "search"}}}]}),
+        None,
+    ),
+    Row("network-opt-out", _s(network={"networkPolicy": False}), None),
+    Row("trust-remote-code", _s(engine={"extraArgs": ["--trust-remote-code"]}), TRUST_REMOTE_CODE),
+    Row("trust-remote-code-eq", _s(engine={"extraArgs": ["--trust-remote-code=true"]}), TRUST_REMOTE_CODE),
 ]

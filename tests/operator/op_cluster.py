@@ -33,6 +33,7 @@ import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
+from kmock_params import body_error, query_error
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
@@ -57,6 +58,9 @@ BASE_RESOURCES: dict[str, ResourceInfo] = {
     ),
     "batch/v1/jobs": ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
     "v1/configmaps": ResourceInfo(kind="ConfigMap", namespaced=True),
+    # the per-model admin API key (kubeinfer_operator/credentials.py)
+    "v1/secrets": ResourceInfo(kind="Secret", namespaced=True),
+    "networking.k8s.io/v1/networkpolicies": ResourceInfo(kind="NetworkPolicy", namespaced=True),
     # kopf waits for these two in discovery before it starts; scanning them is disabled in the tests
     # (kmock cannot route the cluster-wide /api/v1/namespaces list).
     "v1/namespaces": ResourceInfo(kind="Namespace", namespaced=False),
@@ -89,6 +93,8 @@ PATHS = {
     "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
     "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
+    "Secret": "/api/v1/namespaces/{ns}/secrets",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     "Event": "/api/v1/namespaces/{ns}/events",
     "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
     # spec.routing's router identity and permission
@@ -171,6 +177,13 @@ class ApiServer(KubernetesEmulator):
         meta["resourceVersion"] = str(next(self._rv))
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
+        if refused is None and request.resource is not None:
+            method = str(getattr(request.method, "value", request.method)).upper()
+            content_type = request.headers.get("Content-Type") or ""
+            refused = body_error(method, content_type, request.resource.group, request.data)
+        if refused is not None:
+            raise refused
         fault = self._match_fault(request)
         if fault is not None:
             raise KubernetesError(
@@ -363,7 +376,7 @@ class ApiServer(KubernetesEmulator):
                 break
         stream: Any = super()._serve_watch(request)
         # Like the API server, end the stream after ?timeoutSeconds= (kmock itself ignores it).
-        limit = float(request.params.get("timeoutSeconds") or 0) or None
+        limit = int(request.params.get("timeoutSeconds") or 0) or None
         if drop is not None:
             limit = drop.after if limit is None else min(limit, drop.after)
         if limit is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import kopf
 import pytest
 import yaml
+from kmock_params import query_error
 from kubeinfer_operator.__main__ import build_parser, main
 from op_cluster import MockCluster, wait_for
 from op_testlib import EXAMPLES, REPO, inference_model
@@ -29,6 +30,7 @@ def test_render_cli_prints_every_object_as_yaml() -> None:
     )
     docs = list(yaml.safe_load_all(out.stdout))
     assert [d["kind"] for d in docs] == [
+        "NetworkPolicy",  # first: the pods start fenced (netpol.py)
         "Service",
         "PodDisruptionBudget",
         "Deployment",
@@ -145,6 +147,13 @@ def test_kopf_run_module_operates_a_cluster(cluster: MockCluster) -> None:
         wait_for(
             lambda: (cluster.get("InferenceModel", "cli") or {}).get("status"), timeout=30, what="status"
         )
+        # Every watch typed as the API server parses it (issue 29 F3: kopf's timeoutSeconds=60.0 got a
+        # 400 from a real API server, every watcher failed and the operator exited).
+        watches = wait_for(
+            lambda: [r for r in list(cluster.server) if r.params.get("watch") == "true"], what="a watch"
+        )
+        assert [query_error(r.params) for r in watches] == [None] * len(watches)
+        assert proc.poll() is None, "the operator exited"
     finally:
         proc.terminate()
         output, _ = proc.communicate(timeout=30)

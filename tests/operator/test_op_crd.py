@@ -1,5 +1,5 @@
 """The CRD: valid for the API server, structural and documented, the examples pass its schema, invalid
-specs fail it (every CEL rule exercised through cel-python), and the pydantic models agree with it."""
+specs fail it (every CEL rule exercised as the API server evaluates it, tests/crd_cel.py), and the pydantic models agree with it."""
 
 from __future__ import annotations
 

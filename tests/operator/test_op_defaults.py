@@ -135,3 +135,24 @@ def test_leader_election_needs_a_namespace_outside_a_cluster(
     assert "--leader-elect-resource-namespace" in capsys.readouterr().err
     assert main(["run", "-A", "--leader-elect", "--peering=x"]) == 2
     assert "either --leader-elect or --peering" in capsys.readouterr().err
+
+
+def test_a_model_without_gpus_gets_the_cpu_server_image() -> None:
+    """resources.gpu.count 0 runs the CPU build of Dockerfile.server (KUBEINFER_DEFAULT_SERVER_CPU_IMAGE,
+    chart value server.cpuImage); a GPU model keeps the CUDA image; the model's own image wins."""
+    cpu_mirror = "mirror.local:5000/kubeinfer/server:0.1.0-cpu"
+    defaults = ClusterDefaults.from_environment({**MIRROR, "KUBEINFER_DEFAULT_SERVER_CPU_IMAGE": cpu_mirror})
+    cpu = {"model": {"uri": "hf://org/model"}, "resources": {"gpu": {"count": 0}}}
+    assert pod_specs(inference_model(cpu), defaults)["m"]["containers"][0]["image"] == cpu_mirror
+    assert pod_specs(inference_model(cpu), ClusterDefaults())["m"]["containers"][0]["image"] == (
+        DEFAULT_SERVER_IMAGE + "-cpu"
+    )
+    gpu = {"model": {"uri": "hf://org/model"}}
+    assert (
+        pod_specs(inference_model(gpu), defaults)["m"]["containers"][0]["image"]
+        == (MIRROR["KUBEINFER_DEFAULT_SERVER_IMAGE"])
+    )
+    own = {**cpu, "engine": {"image": "example.com/own:1"}}
+    assert pod_specs(inference_model(own), defaults)["m"]["containers"][0]["image"] == "example.com/own:1"
+    with pytest.raises(ValueError, match="KUBEINFER_DEFAULT_SERVER_CPU_IMAGE"):
+        ClusterDefaults.from_environment({"KUBEINFER_DEFAULT_SERVER_CPU_IMAGE": "Bad Image"})

@@ -33,7 +33,14 @@ LEASE = "kubeinfer-operator"
 LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD = 6.0, 4.0, 1.0
 # A candidate retries every RETRY_PERIOD * (1 + rand * 1.2); plus the time a process takes to notice.
 MAX_RETRY_WAIT = RETRY_PERIOD * 2.2
-CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor")
+CHILD_KINDS = (
+    "Deployment",
+    "Service",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "ServiceMonitor",
+    "NetworkPolicy",
+)
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 
 

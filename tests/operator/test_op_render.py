@@ -375,7 +375,9 @@ def test_scaledobject(metric: str, series: str) -> None:
     spec = so["spec"]
     assert spec["scaleTargetRef"]["name"] == "llm"
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 4)
-    (trigger,) = spec["triggers"]
+    # minReplicas 0: the activator's trigger wakes the model from zero (test_op_activator.py).
+    trigger, activation = spec["triggers"]
+    assert activation["name"] == "activator" and activation["metadata"]["activationThreshold"] == "0"
     assert trigger["type"] == "prometheus"
     assert trigger["metadata"]["serverAddress"] == "http://prom:9090"
     assert all(isinstance(v, str) for v in trigger["metadata"].values())
@@ -408,6 +410,7 @@ SPECS: dict[str, dict[str, Any]] = {
     },
     "hpa": HPA_SPEC,
     "keda": KEDA_SPEC,
+    "zero": {"model": HF, "scaling": {"minReplicas": 0, "replicas": 2}},
     "suspended": {**HPA_SPEC, "suspend": True},
     "adapters": {
         "model": HF,
@@ -442,6 +445,10 @@ def test_every_kind_is_covered() -> None:
         "PodDisruptionBudget",
         "ConfigMap",
         "LeaderWorkerSet",  # examples/multi-node.yaml
+        "NetworkPolicy",  # every model, and its router (netpol.py)
+        "ServiceAccount",  # the activator's (keda, zero: minReplicas 0)
+        "Role",
+        "RoleBinding",
     }
 
 
@@ -502,7 +509,7 @@ def test_pod_customization_reaches_the_pod() -> None:
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
     assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in c["env"]
-    assert c["envFrom"] == [{"configMapRef": {"name": "tuning"}}]
+    assert c["envFrom"] == [{"configMapRef": {"name": "tuning"}, "prefix": "TUNING_"}]
     assert {"name": "extra", "configMap": {"name": "chat-templates"}} in pod["volumes"]
     assert {"name": "extra", "mountPath": "/etc/templates", "readOnly": True} in c["volumeMounts"]
     dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")

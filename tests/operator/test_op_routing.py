@@ -128,14 +128,17 @@ def test_plan_wants_every_router_object_absent_that_it_does_not_render() -> None
     def router_absent(im: InferenceModel) -> set[str]:
         return {ref.kind for ref in render_all(im).absent if ref.name == "llm-router"}
 
-    assert router_absent(make(None)) == set(ROUTER_KINDS)
-    assert router_absent(make({"enabled": False})) == set(ROUTER_KINDS)
+    # the router's NetworkPolicy (netpol.py) goes with it
+    assert router_absent(make(None)) == {*ROUTER_KINDS, "NetworkPolicy"}
+    assert router_absent(make({"enabled": False})) == {*ROUTER_KINDS, "NetworkPolicy"}
     assert router_absent(make({"enabled": True, "replicas": 2})) == set()
     assert router_absent(make({"enabled": True, "replicas": 1})) == {"PodDisruptionBudget"}
     off = make({"enabled": False})
     # Deleted workload first, RBAC last (the reverse of apply order); the model's own children keep
     # their names.
-    router_refs = [ref for ref in render_all(off).absent if ref.name == "llm-router"]
+    router_refs = [
+        ref for ref in render_all(off).absent if ref.name == "llm-router" and ref.kind != "NetworkPolicy"
+    ]
     assert [r.kind for r in router_refs] == list(reversed(ROUTER_KINDS))
     assert ChildRef("PodDisruptionBudget", "llm") in render_all(off).absent
     plan = render_all(make({"enabled": True, "replicas": 2}))

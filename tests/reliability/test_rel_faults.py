@@ -65,11 +65,11 @@ def sampling_fault(monkeypatch: pytest.MonkeyPatch, fault_ids: list[int]) -> Ite
     real_call = Sampler.__call__
     hits: list[int] = []
 
-    def call(self: Any, logits: Any, rows: list[Any]) -> Any:
+    def call(self: Any, logits: Any, rows: list[Any], *args: Any) -> Any:
         if any(_contains(r.request.prompt_token_ids, fault_ids) for r in rows):
             hits.append(len(rows))
             raise RuntimeError("injected sampling fault")
-        return real_call(self, logits, rows)
+        return real_call(self, logits, rows, *args)
 
     monkeypatch.setattr(Sampler, "__call__", call)
     yield hits

@@ -79,6 +79,13 @@ container runtime's rule); Docker Hub references have none and just get the pref
 {{- include "kubeinfer.withRegistry" (list $ref (include "kubeinfer.globalRegistry" .)) }}
 {{- end }}
 
+{{/* Default image of the model servers without GPUs (resources.gpu.count 0): the CPU build of
+Dockerfile.server (KUBEINFER_DEFAULT_SERVER_CPU_IMAGE). */}}
+{{- define "kubeinfer.serverCpuImage" -}}
+{{- $ref := printf "%s:%s" .Values.server.cpuImage.repository (default (printf "%s-cpu" .Chart.AppVersion) .Values.server.cpuImage.tag) }}
+{{- include "kubeinfer.withRegistry" (list $ref (include "kubeinfer.globalRegistry" .)) }}
+{{- end }}
+
 {{/* Default image of the per-model routers (KUBEINFER_DEFAULT_ROUTER_IMAGE). */}}
 {{- define "kubeinfer.routerImage" -}}
 {{- $ref := printf "%s:%s" .Values.router.image.repository .Values.router.image.tag }}
@@ -118,4 +125,9 @@ container runtime's rule); Docker Hub references have none and just get the pref
 {{/* True (non-empty) when the operator watches every namespace. */}}
 {{- define "kubeinfer.clusterWide" -}}
 {{- if not .Values.operator.watchNamespaces }}true{{- end }}
+{{- end }}
+
+{{/* The Secret holding the management key (operator.managementKey). */}}
+{{- define "kubeinfer.managementSecretName" -}}
+{{- .Values.operator.managementKey.existingSecret | default (printf "%s-management" (include "kubeinfer.fullname" .)) -}}
 {{- end }}

@@ -1,17 +1,28 @@
 // kubeinfer playground: a chat over this server's /v1/chat/completions (stream: true).
 // No dependencies and no build step. Model text only ever reaches the page through textContent and
-// createElement (never innerHTML), and the CSP allows scripts from this server only.
+// createElement (never innerHTML; replies go through markdown.js, which does the same), and the CSP
+// allows scripts from this server only.
+// The API key lives in this tab's memory only (the password field): no browser storage that another
+// page of this origin could read holds it.
 "use strict";
 
 const STORE = {
   conversations: "kubeinfer.conversations",
   current: "kubeinfer.current",
   settings: "kubeinfer.settings",
-  apiKey: "kubeinfer.apiKey",
+  legacyApiKey: "kubeinfer.apiKey", // where versions before 0.x kept the key in plain text: removed on load
 };
+const EXPORT_FORMAT = "kubeinfer.conversations";
+const EXPORT_VERSION = 1;
+const IMPORT_MAX_BYTES = 20 * 1024 * 1024;
 const KNOBS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"];
 const INTEGER_KNOBS = new Set(["top_k", "max_tokens", "seed"]);
 const TEXT_SETTINGS = ["system", "stop-strings", "json-schema"];
+const EXAMPLE_SCHEMA = JSON.stringify(
+  { type: "object", properties: { answer: { type: "string" } }, required: ["answer"] },
+  null,
+  2
+);
 
 const $ = (id) => document.getElementById(id);
 
@@ -20,6 +31,13 @@ function el(tag, className, text) {
   if (className) node.className = className;
   if (text !== undefined) node.textContent = text;
   return node;
+}
+
+function button(className, text, label) {
+  const b = el("button", className, text);
+  b.type = "button";
+  if (label) b.setAttribute("aria-label", label);
+  return b;
 }
 
 function load(key, fallback) {
@@ -39,14 +57,61 @@ function save(key, value) {
   }
 }
 
-// ---- conversations (local storage) -------------------------------------------------------------
-let conversations = load(STORE.conversations, []);
+const newId = (prefix) => `${prefix}${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`;
+
+// ---- conversations: a tree of messages, shown along one path ------------------------------------
+// conversation: {id, title, updated, messages: [{id, parent, role, content, stats?, error?}], leaf}
+// Every message names its parent (null for the first turn); editing or regenerating a message adds a
+// sibling, so that the earlier versions stay and the user can switch between them (as llama.cpp's web
+// UI does). `leaf` is the last message of the path on screen. Siblings keep their creation order.
+// An error row (`error` set) is always a leaf and is dropped before the next turn.
+let conversations = [];
 let current = null;
 
 function newConversation() {
-  const conv = { id: `c${Date.now().toString(36)}${Math.random().toString(36).slice(2, 6)}`, title: "New chat", messages: [], updated: Date.now() };
+  const conv = { id: newId("c"), title: "New chat", messages: [], leaf: null, updated: Date.now() };
   conversations.unshift(conv);
   return conv;
+}
+
+function byId(conv, id) {
+  return conv.messages.find((m) => m.id === id) || null;
+}
+
+function childrenOf(conv, id) {
+  return conv.messages.filter((m) => m.parent === id);
+}
+
+// the messages on screen, first to last
+function pathOf(conv) {
+  const path = [];
+  for (let m = byId(conv, conv.leaf); m; m = byId(conv, m.parent)) path.unshift(m);
+  return path;
+}
+
+// The last message below `node` along its most recently extended branch, so that switching back to
+// a version shows the conversation that went on from it.
+function deepest(conv, node) {
+  const order = new Map(conv.messages.map((m, i) => [m.id, i]));
+  const latest = (id) => Math.max(order.get(id), ...childrenOf(conv, id).map((c) => latest(c.id)));
+  for (;;) {
+    const kids = childrenOf(conv, node.id);
+    if (!kids.length) return node;
+    node = kids.reduce((a, b) => (latest(b.id) > latest(a.id) ? b : a));
+  }
+}
+
+function addMessage(conv, parent, fields) {
+  const msg = { id: newId("m"), parent, ...fields };
+  conv.messages.push(msg);
+  conv.leaf = msg.id;
+  return msg;
+}
+
+function dropErrors(conv) {
+  const leaf = byId(conv, conv.leaf);
+  if (leaf && leaf.error) conv.leaf = leaf.parent;
+  conv.messages = conv.messages.filter((m) => !m.error);
 }
 
 function persist() {
@@ -70,13 +135,10 @@ function renderConversationList() {
   list.replaceChildren();
   for (const conv of conversations) {
     const item = el("li", conv === current ? "current" : "");
-    const open = el("button", "conv-open", conv.title || "New chat");
-    open.type = "button";
+    const open = button("conv-open", conv.title || "New chat");
     if (conv === current) open.setAttribute("aria-current", "true");
     open.addEventListener("click", () => selectConversation(conv));
-    const del = el("button", "conv-delete", "Delete");
-    del.type = "button";
-    del.setAttribute("aria-label", `Delete conversation: ${conv.title || "New chat"}`);
+    const del = button("conv-delete", "Delete", `Delete conversation: ${conv.title || "New chat"}`);
     del.addEventListener("click", () => {
       if (busy && conv === current) return;
       conversations = conversations.filter((c) => c !== conv);
@@ -89,56 +151,147 @@ function renderConversationList() {
   }
 }
 
-// ---- rendering: code fences become <pre><code>, `inline` becomes <code>, the rest stays text ------
-function renderInline(parent, text) {
-  const parts = text.split(/(`[^`\n]+`)/);
-  for (const part of parts) {
-    if (part.length > 2 && part.startsWith("`") && part.endsWith("`")) {
-      parent.append(el("code", "inline", part.slice(1, -1)));
-    } else if (part) {
-      parent.append(document.createTextNode(part));
+// ---- export and import (JSON files) ------------------------------------------------------------
+class ImportError extends Error {}
+
+const STAT_NUMBERS = ["prompt_tokens", "completion_tokens", "ttft_ms", "tokens_per_s"];
+
+function cleanStats(stats, where) {
+  if (stats === undefined) return undefined;
+  if (!stats || typeof stats !== "object" || Array.isArray(stats)) throw new ImportError(`${where} must be an object`);
+  const out = {};
+  for (const [k, v] of Object.entries(stats)) {
+    if (STAT_NUMBERS.includes(k)) {
+      if (typeof v !== "number" || !Number.isFinite(v) || v < 0) throw new ImportError(`${where}.${k} must be a number >= 0`);
+      out[k] = v;
+    } else if (k === "finish_reason") {
+      if (typeof v !== "string") throw new ImportError(`${where}.finish_reason must be a string`);
+      out[k] = v;
+    } else if (k === "stopped") {
+      if (typeof v !== "boolean") throw new ImportError(`${where}.stopped must be true or false`);
+      out[k] = v;
+    } else {
+      throw new ImportError(`${where}.${k} is not a field this page knows`);
     }
   }
+  return out;
 }
 
-function renderContent(container, text) {
-  container.replaceChildren();
-  // A fence still open while streaming renders as code up to the end of the text so far.
-  const fence = /```([^\n`]*)\n?([\s\S]*?)(```|$)/g;
-  let last = 0;
-  let match;
-  const addText = (segment) => {
-    // the line breaks around a fence belong to the fence, not to the paragraphs beside it
-    const trimmed = segment.replace(/^\n+|\n+$/g, "");
-    if (!trimmed) return;
-    const p = el("div", "text");
-    renderInline(p, trimmed);
-    container.append(p);
+// A conversation checked field by field and rebuilt from the fields it may carry (nothing else is
+// kept). Conversations of earlier versions (a plain list of messages without ids) become one path.
+function cleanConversation(raw, where, keepId = false) {
+  if (!raw || typeof raw !== "object" || Array.isArray(raw)) throw new ImportError(`${where} must be an object`);
+  if (typeof raw.title !== "string") throw new ImportError(`${where}.title must be a string`);
+  if (!Array.isArray(raw.messages)) throw new ImportError(`${where}.messages must be a list`);
+  const linear = raw.messages.every((m) => m && typeof m === "object" && m.id === undefined && m.parent === undefined);
+  const id = keepId && typeof raw.id === "string" && raw.id ? raw.id : newId("c");
+  const conv = { id, title: raw.title.slice(0, 200), updated: Date.now(), messages: [], leaf: null };
+  if (typeof raw.updated === "number" && Number.isFinite(raw.updated)) conv.updated = raw.updated;
+  const seen = new Set();
+  const parents = new Set();
+  raw.messages.forEach((m, i) => {
+    const at = `${where}.messages[${i}]`;
+    if (!m || typeof m !== "object" || Array.isArray(m)) throw new ImportError(`${at} must be an object`);
+    const id = linear ? `m${i}` : m.id;
+    const parent = linear ? (i ? `m${i - 1}` : null) : m.parent;
+    if (typeof id !== "string" || !id || id.length > 100) throw new ImportError(`${at}.id must be a non-empty string`);
+    if (seen.has(id)) throw new ImportError(`${at}.id "${id}" is used twice`);
+    if (parent !== null && !seen.has(parent)) {
+      throw new ImportError(`${at}.parent must be null or the id of an earlier message, got ${JSON.stringify(parent)}`);
+    }
+    if (m.role !== "user" && m.role !== "assistant") {
+      throw new ImportError(`${at}.role must be "user" or "assistant", got ${JSON.stringify(m.role)}`);
+    }
+    if (typeof m.content !== "string") throw new ImportError(`${at}.content must be a string`);
+    for (const k of Object.keys(m)) {
+      if (!["id", "parent", "role", "content", "stats", "error"].includes(k)) {
+        throw new ImportError(`${at}.${k} is not a field this page knows`);
+      }
+    }
+    const msg = { id, parent, role: m.role, content: m.content };
+    const stats = cleanStats(m.stats, `${at}.stats`);
+    if (stats) msg.stats = stats;
+    if (m.error !== undefined) {
+      const e = m.error;
+      if (!e || typeof e !== "object" || !Number.isInteger(e.status) || typeof e.text !== "string" || m.role !== "assistant") {
+        throw new ImportError(`${at}.error must be {"status": integer, "text": string} on an assistant message`);
+      }
+      msg.error = { status: e.status, text: e.text };
+    }
+    seen.add(id);
+    if (parent !== null) parents.add(parent);
+    conv.messages.push(msg);
+  });
+  for (const m of conv.messages) {
+    if (m.error && parents.has(m.id)) throw new ImportError(`${where}: the error row "${m.id}" has replies`);
+  }
+  const leaf = linear ? (conv.messages.length ? conv.messages[conv.messages.length - 1].id : null) : raw.leaf;
+  if (conv.messages.length === 0 ? leaf !== null && leaf !== undefined : !seen.has(leaf)) {
+    throw new ImportError(`${where}.leaf must be the id of one of its messages (null when it has none)`);
+  }
+  conv.leaf = conv.messages.length ? leaf : null;
+  return conv;
+}
+
+function parseExport(text) {
+  let data;
+  try {
+    data = JSON.parse(text);
+  } catch (e) {
+    throw new ImportError(`not JSON: ${e.message}`);
+  }
+  if (!data || typeof data !== "object" || data.format !== EXPORT_FORMAT) {
+    throw new ImportError(`not a conversations file of this page (it has no "format": "${EXPORT_FORMAT}")`);
+  }
+  if (data.version !== EXPORT_VERSION) {
+    throw new ImportError(`version ${JSON.stringify(data.version)} is not one this page reads (${EXPORT_VERSION})`);
+  }
+  if (!Array.isArray(data.conversations) || data.conversations.length === 0) {
+    throw new ImportError('"conversations" must be a non-empty list');
+  }
+  return data.conversations.map((c, i) => cleanConversation(c, `conversations[${i}]`));
+}
+
+function exportConversations(convs, filename) {
+  const data = {
+    format: EXPORT_FORMAT,
+    version: EXPORT_VERSION,
+    conversations: convs.map(({ title, updated, messages, leaf }) => ({ title, updated, messages, leaf })),
   };
-  if (!text.includes("```")) {
-    const p = el("div", "text");
-    renderInline(p, text);
-    container.append(p);
-    return;
-  }
-  while ((match = fence.exec(text)) !== null) {
-    if (match.index > last) addText(text.slice(last, match.index));
-    const pre = el("pre", "code");
-    const code = el("code", "", match[3] ? match[2].replace(/\n$/, "") : match[2]);
-    const lang = match[1].trim();
-    if (lang) {
-      code.dataset.lang = lang;
-      pre.append(el("span", "lang", lang));
-    }
-    pre.append(code);
-    container.append(pre);
-    last = fence.lastIndex;
-    if (match[0].length === 0) fence.lastIndex++; // an empty match at the end: stop looping
-    if (last >= text.length) break;
-  }
-  if (last < text.length) addText(text.slice(last));
+  const url = URL.createObjectURL(new Blob([JSON.stringify(data, null, 2)], { type: "application/json" }));
+  const a = el("a");
+  a.href = url;
+  a.download = filename;
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10_000);
 }
 
+function slug(text) {
+  return (text || "chat").toLowerCase().replace(/[^a-z0-9]+/g, "-").replace(/^-|-$/g, "").slice(0, 40) || "chat";
+}
+
+async function importFile(file) {
+  const status = $("import-status");
+  status.classList.remove("error-line");
+  try {
+    if (file.size > IMPORT_MAX_BYTES) throw new ImportError(`the file is larger than ${IMPORT_MAX_BYTES / 1024 / 1024} MiB`);
+    const imported = parseExport(await file.text());
+    conversations.unshift(...imported);
+    current = imported[0];
+    persist();
+    renderMessages();
+    const n = imported.length;
+    status.textContent = `Imported ${n} conversation${n === 1 ? "" : "s"} from ${file.name}.`;
+  } catch (e) {
+    if (!(e instanceof ImportError)) throw e;
+    status.classList.add("error-line");
+    status.textContent = `Import refused: ${e.message}. Nothing was imported.`;
+  }
+}
+
+// ---- rendering --------------------------------------------------------------------------------
 function formatStats(stats) {
   if (!stats) return "";
   const parts = [];
@@ -151,9 +304,44 @@ function formatStats(stats) {
   return parts.join(" · ");
 }
 
+function renderContent(container, text) {
+  Markdown.render(container, text);
+}
+
+function messageTools(msg) {
+  const tools = el("div", "tools");
+  const sibs = childrenOf(current, msg.parent).filter((m) => !m.error);
+  const at = sibs.indexOf(msg);
+  if (sibs.length > 1 && at >= 0) {
+    const nav = el("span", "versions");
+    const prev = button("version-prev", "‹", "Previous version");
+    const next = button("version-next", "›", "Next version");
+    prev.disabled = busy || at === 0;
+    next.disabled = busy || at === sibs.length - 1;
+    prev.addEventListener("click", () => showVersion(sibs[at - 1]));
+    next.addEventListener("click", () => showVersion(sibs[at + 1]));
+    nav.append(prev, el("span", "version-count", `${at + 1}/${sibs.length}`), next);
+    tools.append(nav);
+  }
+  const who = msg.role === "user" ? "message" : "reply";
+  const copy = button("copy copy-msg", "Copy", `Copy this ${who}`);
+  const edit = button("edit-msg", "Edit", `Edit this ${who}`);
+  edit.disabled = busy;
+  edit.addEventListener("click", () => startEdit(msg));
+  tools.append(copy, edit);
+  if (msg.role === "assistant") {
+    const regen = button("regen-msg", "Regenerate", "Regenerate this reply");
+    regen.disabled = busy;
+    regen.addEventListener("click", () => regenerateReply(msg));
+    tools.append(regen);
+  }
+  return tools;
+}
+
 function messageNode(msg) {
   const kind = msg.error ? "error" : msg.role;
   const node = el("article", `msg ${kind}`);
+  node.dataset.id = msg.id;
   const label = { user: "You", assistant: "Model", error: msg.error && msg.error.status ? "Server error" : "Error" }[kind] || kind;
   node.append(el("header", "role", label));
   const body = el("div", "body");
@@ -161,6 +349,7 @@ function messageNode(msg) {
     body.append(el("div", "status", msg.error.status ? `HTTP ${msg.error.status}` : "Request failed"));
     body.append(el("pre", "error-text", msg.error.text));
   } else if (msg.role === "assistant") {
+    body.classList.add("markdown");
     renderContent(body, msg.content);
   } else {
     body.append(el("div", "text", msg.content));
@@ -169,28 +358,136 @@ function messageNode(msg) {
   const stats = el("footer", "stats", formatStats(msg.stats));
   if (!msg.stats) stats.hidden = true;
   node.append(stats);
+  if (!msg.error) node.append(messageTools(msg));
   return node;
 }
 
 function renderMessages() {
   const box = $("messages");
   box.replaceChildren();
-  if (current.messages.length === 0) {
+  const path = pathOf(current);
+  if (path.length === 0) {
     box.append(el("p", "empty muted", "Ask the model something. Settings hold the system prompt and the sampling knobs."));
   }
-  for (const msg of current.messages) box.append(messageNode(msg));
+  for (const msg of path) box.append(messageNode(msg));
   box.scrollTop = box.scrollHeight;
   updateButtons();
 }
 
+// ---- copy -------------------------------------------------------------------------------------
+async function copyText(text) {
+  // the Clipboard API exists in secure contexts only (https, localhost); elsewhere, a selection
+  if (navigator.clipboard && window.isSecureContext) {
+    try {
+      await navigator.clipboard.writeText(text);
+      return true;
+    } catch {
+      // denied: fall through to the selection
+    }
+  }
+  const area = el("textarea", "offscreen");
+  area.value = text;
+  area.setAttribute("readonly", "");
+  document.body.append(area);
+  area.select();
+  let ok = false;
+  try {
+    ok = document.execCommand("copy");
+  } catch {
+    ok = false;
+  }
+  area.remove();
+  return ok;
+}
+
+async function onCopy(btn) {
+  // a message's text is read at the click (a reply may have grown since its button was made)
+  const article = btn.classList.contains("copy-msg") ? btn.closest("article") : null;
+  const msg = article ? byId(current, article.dataset.id) : null;
+  const ok = await copyText(msg ? msg.content : btn.dataset.copy || "");
+  btn.dataset.state = ok ? "copied" : "failed";
+  if (btn.classList.contains("copy-msg")) btn.textContent = ok ? "Copied" : "Copy failed";
+  setTimeout(() => {
+    delete btn.dataset.state;
+    if (btn.classList.contains("copy-msg")) btn.textContent = "Copy";
+  }, 1500);
+}
+
+// ---- editing any message, in place ----------------------------------------------------------------
+function startEdit(msg) {
+  if (busy) return;
+  const node = $("messages").querySelector(`article[data-id="${CSS.escape(msg.id)}"]`);
+  if (!node) return;
+  const form = el("form", "edit-form");
+  const area = el("textarea", "edit-text");
+  area.value = msg.content;
+  area.rows = Math.min(12, Math.max(3, msg.content.split("\n").length + 1));
+  area.setAttribute("aria-label", msg.role === "user" ? "Edit the message" : "Edit the reply");
+  const ok = el("button", "edit-save", msg.role === "user" ? "Send" : "Save");
+  ok.type = "submit";
+  const cancel = button("edit-cancel", "Cancel");
+  const row = el("div", "row edit-actions");
+  row.append(ok, cancel);
+  form.append(area, row);
+  const body = node.querySelector(".body");
+  body.replaceWith(form);
+  for (const hide of node.querySelectorAll(".tools, .stats")) hide.hidden = true;
+  const submit = () => finishEdit(msg, area.value);
+  form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    submit();
+  });
+  area.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      submit();
+    } else if (e.key === "Escape") {
+      e.preventDefault();
+      e.stopPropagation();
+      renderMessages();
+    }
+  });
+  cancel.addEventListener("click", () => renderMessages());
+  area.focus();
+  area.setSelectionRange(area.value.length, area.value.length);
+}
+
+// An edit adds the new text as a sibling version: a user message is then answered, an edited reply
+// becomes what the model said in the history of the following turns.
+function finishEdit(msg, text) {
+  if (busy) return;
+  if (msg.role === "user" && !text.trim()) return;
+  dropErrors(current);
+  addMessage(current, msg.parent, { role: msg.role, content: text });
+  persist();
+  if (msg.role === "user") return complete();
+  renderMessages();
+}
+
+function showVersion(msg) {
+  if (busy) return;
+  dropErrors(current);
+  current.leaf = deepest(current, msg).id;
+  persist();
+  renderMessages();
+}
+
+function regenerateReply(msg) {
+  if (busy) return;
+  dropErrors(current);
+  current.leaf = msg.parent;
+  persist();
+  return complete();
+}
+
 // ---- settings -----------------------------------------------------------------------------------
+// The key is in the password field and nowhere else: a reload forgets it (the page asks again).
 function apiKey() {
   return $("api-key").value.trim();
 }
 
 function setApiKey(key) {
   $("api-key").value = key;
-  save(STORE.apiKey, key);
 }
 
 function saveSettings() {
@@ -202,10 +499,15 @@ function saveSettings() {
 }
 
 function restoreSettings() {
+  try {
+    localStorage.removeItem(STORE.legacyApiKey);
+  } catch {
+    // storage disabled: nothing was kept there either
+  }
   const s = load(STORE.settings, {});
   for (const id of [...KNOBS, ...TEXT_SETTINGS]) if (typeof s[id] === "string") $(id).value = s[id];
+  if (typeof s["json-schema"] !== "string") $("json-schema").value = EXAMPLE_SCHEMA;
   $("json-mode").checked = Boolean(s.jsonMode);
-  $("api-key").value = load(STORE.apiKey, "");
   return s;
 }
 
@@ -228,9 +530,13 @@ function buildBody(messages) {
   const stops = $("stop-strings").value.split("\n").filter((s) => s !== "");
   if (stops.length) body.stop = stops;
   if ($("json-mode").checked) {
+    const text = $("json-schema").value;
+    if (!text.trim()) {
+      throw new InputError('"JSON schema" is on but the schema box is empty: write a schema there or press "Use example"');
+    }
     let schema;
     try {
-      schema = JSON.parse($("json-schema").value);
+      schema = JSON.parse(text);
     } catch (e) {
       throw new InputError(`the JSON schema does not parse: ${e.message}`);
     }
@@ -314,11 +620,12 @@ let busy = false;
 let controller = null;
 
 function updateButtons() {
-  const msgs = current ? current.messages : [];
+  const hasTurn = current ? pathOf(current).some((m) => m.role === "user") : false;
   $("send").disabled = busy;
   $("stop").disabled = !busy;
-  $("regenerate").disabled = busy || !msgs.some((m) => m.role === "user");
-  $("edit-last").disabled = busy || !msgs.some((m) => m.role === "user");
+  $("regenerate").disabled = busy || !hasTurn;
+  $("edit-last").disabled = busy || !hasTurn;
+  for (const id of ["export-chat", "export-all", "import-file"]) $(id).disabled = busy;
   $("chat").setAttribute("aria-busy", busy ? "true" : "false");
 }
 
@@ -345,8 +652,11 @@ async function* sseEvents(body) {
   }
 }
 
+// Answers the path on screen: the reply becomes a new child of its last message (a new version when
+// that message already had one).
 async function complete() {
-  const history = current.messages.filter((m) => !m.error).map((m) => ({ role: m.role, content: m.content }));
+  const conv = current;
+  const history = pathOf(conv).filter((m) => !m.error).map((m) => ({ role: m.role, content: m.content }));
   const system = $("system").value.trim();
   const messages = system ? [{ role: "system", content: system }, ...history] : history;
   let body;
@@ -354,19 +664,38 @@ async function complete() {
     body = buildBody(messages);
   } catch (e) {
     if (!(e instanceof InputError)) throw e;
-    current.messages.push({ role: "assistant", content: "", error: { status: 0, text: e.message } });
+    addMessage(conv, conv.leaf, { role: "assistant", content: "", error: { status: 0, text: e.message } });
     persist();
     renderMessages();
     return;
   }
   busy = true;
   controller = new AbortController();
-  const reply = { role: "assistant", content: "" };
-  current.messages.push(reply);
+  const reply = addMessage(conv, conv.leaf, { role: "assistant", content: "" });
   renderMessages();
   const node = $("messages").lastElementChild;
   node.classList.add("streaming");
   const bodyNode = node.querySelector(".body");
+  // Each delta re-renders the whole reply (Markdown can change meaning further up); to keep long
+  // replies cheap, renders come at most one per frame and after a pause 4x as long as the last render
+  // took (a 12k-character reply takes ~20 ms). The final text is rendered in full when the stream ends.
+  let renderDue = false;
+  let nextRenderAt = 0;
+  const paint = () => {
+    renderDue = false;
+    if (!node.isConnected) return;
+    const r0 = performance.now();
+    renderContent(bodyNode, reply.content);
+    const r1 = performance.now();
+    nextRenderAt = r1 + 4 * (r1 - r0);
+    const box = $("messages");
+    box.scrollTop = box.scrollHeight;
+  };
+  const schedulePaint = () => {
+    if (renderDue) return;
+    renderDue = true;
+    setTimeout(() => requestAnimationFrame(paint), Math.max(0, nextRenderAt - performance.now()));
+  };
   const t0 = performance.now();
   let tFirst;
   let usage;
@@ -402,9 +731,7 @@ async function complete() {
         if (delta) {
           if (tFirst === undefined) tFirst = performance.now();
           reply.content += delta;
-          renderContent(bodyNode, reply.content);
-          const box = $("messages");
-          box.scrollTop = box.scrollHeight;
+          schedulePaint();
         }
         if (choice.finish_reason) finish = choice.finish_reason;
       }
@@ -431,8 +758,9 @@ async function complete() {
     }
     if (reply.error && reply.content) {
       // keep what streamed before the failure as its own reply, then the error
-      current.messages.push({ role: "assistant", content: "", error: reply.error });
+      const error = reply.error;
       delete reply.error;
+      addMessage(conv, reply.id, { role: "assistant", content: "", error });
     }
     busy = false;
     controller = null;
@@ -448,8 +776,8 @@ function send(text) {
   if (busy) return;
   if (!text.trim()) return;
   // a failed reply is dropped before a new turn: the model never sees error rows
-  current.messages = current.messages.filter((m) => !m.error);
-  current.messages.push({ role: "user", content: text });
+  dropErrors(current);
+  addMessage(current, current.leaf, { role: "user", content: text });
   if (current.title === "New chat") current.title = text.slice(0, 48);
   $("prompt").value = "";
   persist();
@@ -460,34 +788,21 @@ function stop() {
   if (controller) controller.abort();
 }
 
-function dropAfterLastUser() {
-  const msgs = current.messages;
-  let i = msgs.length - 1;
-  while (i >= 0 && msgs[i].role !== "user") i--;
-  return i;
-}
-
+// the last reply on screen gets a new version; a turn left without one (an error) gets its first
 function regenerate() {
   if (busy) return;
-  const i = dropAfterLastUser();
-  if (i < 0) return;
-  current.messages = current.messages.slice(0, i + 1);
+  dropErrors(current);
+  const path = pathOf(current);
+  const last = path[path.length - 1];
+  if (!last) return;
+  if (last.role === "assistant") return regenerateReply(last);
   persist();
   return complete();
 }
 
 function editLast() {
-  if (busy) return;
-  const i = dropAfterLastUser();
-  if (i < 0) return;
-  const text = current.messages[i].content;
-  current.messages = current.messages.slice(0, i);
-  persist();
-  renderMessages();
-  const prompt = $("prompt");
-  prompt.value = text;
-  prompt.focus();
-  prompt.setSelectionRange(text.length, text.length);
+  const users = pathOf(current).filter((m) => m.role === "user");
+  if (users.length) startEdit(users[users.length - 1]);
 }
 
 // ---- wiring -------------------------------------------------------------------------------------
@@ -501,7 +816,24 @@ function togglePanel(button, panel) {
   }
 }
 
+// Stored conversations pass the import's checks too (and those of earlier versions become trees);
+// one that does not is left out rather than breaking the page.
+function loadConversations() {
+  const stored = load(STORE.conversations, []);
+  const out = [];
+  for (const [i, raw] of (Array.isArray(stored) ? stored : []).entries()) {
+    try {
+      out.push(cleanConversation(raw, `stored[${i}]`, true));
+    } catch (e) {
+      if (!(e instanceof ImportError)) throw e;
+      console.warn(`a stored conversation was left out: ${e.message}`);
+    }
+  }
+  return out;
+}
+
 function init() {
+  conversations = loadConversations();
   const settings = restoreSettings();
   const savedCurrent = load(STORE.current, null);
   current = conversations.find((c) => c.id === savedCurrent) || conversations[0] || newConversation();
@@ -551,6 +883,28 @@ function init() {
     e.preventDefault();
     setApiKey($("auth-key").value.trim());
     loadModels(settings.model);
+  });
+  $("schema-example").addEventListener("click", () => {
+    $("json-schema").value = EXAMPLE_SCHEMA;
+    saveSettings();
+  });
+  // copy buttons on replies and code blocks carry their text in data-copy
+  $("messages").addEventListener("click", (e) => {
+    const btn = e.target.closest("button.copy");
+    if (btn) onCopy(btn);
+  });
+  $("export-chat").addEventListener("click", () => {
+    if (current.messages.length) exportConversations([current], `kubeinfer-${slug(current.title)}.json`);
+  });
+  $("export-all").addEventListener("click", () => {
+    const kept = conversations.filter((c) => c.messages.length);
+    if (kept.length) exportConversations(kept, "kubeinfer-conversations.json");
+  });
+  $("import-file").addEventListener("click", () => $("import-input").click());
+  $("import-input").addEventListener("change", async (e) => {
+    const file = e.target.files && e.target.files[0];
+    e.target.value = "";
+    if (file && !busy) await importFile(file);
   });
   $("toggle-chats").addEventListener("click", (e) => togglePanel(e.currentTarget, "chats"));
   $("toggle-settings").addEventListener("click", (e) => togglePanel(e.currentTarget, "settings"));

@@ -1,0 +1,117 @@
+"""The cluster administrator's admission policy (chart values admission.* -> the operator's
+environment -> checked at reconcile time): other images, ServiceAccounts and Secret references are
+refused unless allowed, with a condition that names the chart value. The unconditional refusals
+(restricted Pod Security Standard, loader variables, refused flags) are rows of op_admission_table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubeinfer_operator import handlers
+from kubeinfer_operator.admission import AdmissionPolicy, pod_secret_names
+from kubeinfer_operator.defaults import ClusterDefaults
+from kubeinfer_operator.policy import model_policy_errors
+from kubeinfer_operator.render import render_deployment
+from kubeinfer_operator.spec import InferenceModel
+from op_admission_table import ADMISSION
+from op_cluster import MockCluster, condition, wait_for
+from op_testlib import inference_model
+from pod_security import RULES
+
+HF = {"uri": "hf://org/model"}
+DEFAULTS = ClusterDefaults()
+SECRET_ENV = {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "db-pass", "key": "k"}}}
+SECRET_VOLUME = {"name": "s", "secret": {"secretName": "tls"}}
+PROJECTED = {"name": "p", "projected": {"sources": [{"secret": {"name": "cloud-creds"}}]}}
+SECRET_ENV_FROM = {"secretRef": {"name": "all-keys"}, "prefix": "APP_"}
+
+
+def errors(spec: dict[str, Any], policy: AdmissionPolicy | None = None) -> list[str]:
+    im = InferenceModel.from_manifest(inference_model({"model": HF, **spec}))
+    return model_policy_errors(im, policy or AdmissionPolicy(), DEFAULTS)
+
+
+def test_default_policy_allows_the_installations_images_only() -> None:
+    assert errors({}) == []
+    assert errors({"engine": {"image": DEFAULTS.server_image}}) == []
+    (e,) = errors({"engine": {"image": "attacker.example/miner:1"}})
+    assert "'attacker.example/miner:1' is not allowed" in e and "admission.allowedImages" in e
+    routed = {"routing": {"enabled": True, "image": "attacker.example/router:1"}}
+    assert "admission.allowedImages" in errors(routed)[0]
+    allow = AdmissionPolicy(allowed_images=("registry.example.com/llm/",))
+    assert errors({"engine": {"image": "registry.example.com/llm/server:2"}}, allow) == []
+    assert errors({"engine": {"image": "registry.example.com/other:2"}}, allow) != []
+
+
+def test_service_accounts_need_the_administrators_consent() -> None:
+    (e,) = errors({"pod": {"serviceAccountName": "cluster-admin-sa"}})
+    assert "'cluster-admin-sa' is not allowed" in e and "admission.allowedServiceAccounts" in e
+    assert (
+        errors(
+            {"pod": {"serviceAccountName": "reader"}}, AdmissionPolicy(allowed_service_accounts=("reader",))
+        )
+        == []
+    )
+    assert (
+        errors({"pod": {"serviceAccountName": "x"}}, AdmissionPolicy(allowed_service_accounts=("*",))) == []
+    )
+
+
+def test_secret_references_in_the_pod_need_the_administrators_consent() -> None:
+    pod = {"env": [SECRET_ENV], "envFrom": [SECRET_ENV_FROM], "volumes": [SECRET_VOLUME, PROJECTED]}
+    (e,) = errors({"pod": pod})
+    assert "db-pass, all-keys, tls, cloud-creds" in e and "admission.allowedSecrets" in e
+    partly = AdmissionPolicy(allowed_secrets=("db-pass", "tls"))
+    assert "all-keys, cloud-creds" in errors({"pod": pod}, partly)[0]
+    assert errors({"pod": pod}, AdmissionPolicy(allowed_secrets=("*",))) == []
+    # the spec's own Secrets are designated, not pod-level references
+    own = {
+        "model": {**HF, "credentialsSecretRef": {"name": "hf", "key": "token"}},
+        "engine": {"apiKeySecretRef": {"name": "api", "key": "k"}},
+        "pod": {"imagePullSecrets": [{"name": "regcred"}]},
+    }
+    im = InferenceModel.from_manifest(inference_model(own))
+    assert model_policy_errors(im, AdmissionPolicy(), DEFAULTS) == []
+    assert pod_secret_names([], [], []) == []
+
+
+def test_policy_from_the_operators_environment() -> None:
+    policy = AdmissionPolicy.from_environment(
+        {
+            "KUBEINFER_ALLOWED_IMAGES": "a.example/, b.example/x",
+            "KUBEINFER_ALLOWED_SERVICE_ACCOUNTS": "reader",
+            "KUBEINFER_ALLOWED_SECRETS": "*",
+        }
+    )
+    assert policy == AdmissionPolicy(("a.example/", "b.example/x"), ("reader",), ("*",))
+    assert AdmissionPolicy.from_environment({}) == AdmissionPolicy()
+
+
+ACCEPTED = [r for r in ADMISSION if r.refusal is None]
+
+
+@pytest.mark.parametrize("row", ACCEPTED, ids=[r.id for r in ACCEPTED])
+def test_every_admitted_spec_renders_a_restricted_pod(row: Any) -> None:
+    """Whatever admission lets through renders a pod inside the restricted standard."""
+    dep = render_deployment(InferenceModel.from_manifest(inference_model(row.spec, name=row.name)))
+    pod = {**dep["spec"]["template"]["spec"], "metadata": dep["spec"]["template"]["metadata"]}
+    for rule, check in RULES.items():
+        assert check(pod) == [], rule
+
+
+def test_a_refused_model_gets_a_condition_and_no_pods(
+    cluster: MockCluster, operator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(handlers, "POLICY", AdmissionPolicy())
+    spec = {"model": HF, "pod": {"serviceAccountName": "cluster-admin-sa"}}
+    cluster.create("InferenceModel", inference_model(spec, name="llm"))
+    degraded = wait_for(lambda: condition(cluster.get("InferenceModel", "llm"), "Degraded"), what="Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert "admission.allowedServiceAccounts" in degraded["message"]
+    assert cluster.get("Deployment", "llm") is None
+    # the administrator allows it: the model deploys
+    monkeypatch.setattr(handlers, "POLICY", AdmissionPolicy(allowed_service_accounts=("cluster-admin-sa",)))
+    cluster.patch("InferenceModel", "llm", {"spec": {"pod": {"labels": {"retry": "1"}}}})
+    dep = wait_for(lambda: cluster.get("Deployment", "llm"), what="Deployment once allowed")
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "cluster-admin-sa"

@@ -1,0 +1,87 @@
+"""Kernels prebuilt per x86-64 level (as the CPU server image has them) and chosen at run time by the CPU's
+flags (server/native.py): an AVX2-only CPU gets the x86-64-v3 build, an AVX-512 one the v4 build, and each
+level this CPU can run computes what the torch reference does."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from server import native
+from server.prebuild_kernels import main as prebuild_main
+from server.quant import cpu_qlinear as cq
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 levels only")
+
+AVX2_ONLY = native.VARIANTS[1].cpu_flags | {"sse", "sse2", "fpu"}  # e.g. a Haswell..Alder Lake CPU
+AVX512 = native.VARIANTS[0].cpu_flags | {"avx512_bf16", "avx512_vnni", "amx_tile"}
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("prebuilt")
+    assert prebuild_main([str(folder)]) == 0  # what Dockerfile.server runs
+    return folder
+
+
+def level_of(path: Path) -> str:
+    return path.parent.name
+
+
+@pytest.mark.parametrize(
+    ("flags", "level"),
+    [
+        (AVX512, "x86-64-v4"),
+        (AVX2_ONLY, "x86-64-v3"),
+        (native.VARIANTS[2].cpu_flags, "x86-64-v2"),
+        (frozenset(), "x86-64"),
+    ],
+)
+def test_the_best_level_the_cpu_runs_is_chosen(prebuilt: Path, flags: frozenset[str], level: str) -> None:
+    found = native.find_prebuilt(cq.NATIVE, prebuilt, flags)
+    assert found is not None and level_of(found) == level
+
+
+def test_a_missing_level_falls_back_to_the_next_lower_one(prebuilt: Path, tmp_path: Path) -> None:
+    v4 = native.prebuilt_path(cq.NATIVE, native.VARIANTS[0], prebuilt)
+    partial = tmp_path / "partial"
+    (partial / "x86-64-v3").mkdir(parents=True)
+    v3 = native.prebuilt_path(cq.NATIVE, native.VARIANTS[1], prebuilt)
+    (partial / "x86-64-v3" / v3.name).write_bytes(v3.read_bytes())
+    assert v4.is_file()
+    found = native.find_prebuilt(cq.NATIVE, partial, AVX512)
+    assert found is not None and level_of(found) == "x86-64-v3"
+    # A library of another source or other flags has another name: never loaded by mistake.
+    other = native.NativeSource("qlinear", cq.NATIVE.source, ("-O0", "-march=native"))
+    assert native.find_prebuilt(other, prebuilt, AVX512) is None
+
+
+@pytest.mark.parametrize("variant", native.VARIANTS, ids=lambda v: v.march)
+def test_each_level_this_cpu_runs_loads_without_a_compiler_and_matches_the_reference(
+    prebuilt: Path, variant: native.Variant, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not variant.cpu_flags <= native.cpu_flags():
+        pytest.skip(f"this CPU cannot run {variant.march} code")
+    monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
+    monkeypatch.setattr(native, "cpu_flags", lambda: variant.cpu_flags)  # a CPU of exactly this level
+    monkeypatch.setenv("CXX", "no-such-compiler")  # the image has none: a build attempt would raise
+    kernel = cq.load_qlinear_kernel(tmp_path / "cache")
+    assert level_of(kernel.path) == variant.march
+    assert not (tmp_path / "cache" / "kernels").exists()
+    assert kernel.isa in ({"avx2", "avx512"} if "avx2" in variant.cpu_flags else {"portable"})
+    g = torch.Generator().manual_seed(0)
+    for fmt in ("q4_0", "q8_0"):
+        w = cq.quantize_block(torch.randn(37, 576, generator=g) * 0.1, fmt)
+        for m in (1, 7):
+            x = torch.randn(m, 576, generator=g)
+            ref = cq.linear_reference(x.double(), w).float()
+            torch.testing.assert_close(kernel.linear(x, w), ref, rtol=1e-4, atol=1e-4 * 576**0.5)
+
+
+def test_prebuild_command_builds_every_kernel_for_every_level(prebuilt: Path) -> None:
+    built = sorted((p.parent.name, p.name.split("-")[0]) for p in prebuilt.rglob("*.so"))
+    kernels = ("cpu_fused", "paged_decode", "qlinear")
+    assert built == sorted((v.march, k) for v in native.VARIANTS for k in kernels)
