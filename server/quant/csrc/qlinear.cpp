@@ -409,7 +409,7 @@ void micro_kernel(const float* wt, int64_t K, const float* xt, float* c) {
 // AVX-512: one 12 x 16 tile (a 16-row block of x against the whole 12-row panel, 12 zmm accumulators)
 // instead of two 6 x 16 AVX2 tiles. Compiled on every x86-64 build through a target attribute and chosen
 // at run time (avx512_enabled) only on a CPU that reports avx512f; the AVX2 path runs everywhere else.
-// UNTESTED: the machine this was written on is AVX2-only, so this code is compiled there, never run.
+// Run by the tests on an AVX-512 machine (AMD EPYC family 25, 2026-12-01); KUBEINFER_CPU_DISABLE=avx512 forces the AVX2 path.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && KI_AVX2
 #define KI_AVX512_PATH 1
 __attribute__((target("avx512f"))) void micro_kernel_12x16_avx512(const float* wt, int64_t K, const float* xt,
