@@ -98,6 +98,13 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def parse_lora_module(text: str) -> LoRAModule:
     """`name=path` or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`."""
     text = text.strip()
@@ -229,6 +236,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "Token budget of one engine step",
         type=_positive_int,
         default=2048,
+    )
+    add(
+        "--long-prefill-token-threshold",
+        "KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD",
+        "While sequences are decoding, most prompt tokens in one engine step (bounds inter-token "
+        "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens)",
+        type=_non_negative_int,
+        default=256,
     )
     add(
         "--max-num-seqs",
@@ -500,6 +515,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=model,
         cache=cache,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,
         device=args.device,

@@ -247,6 +247,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # While decodes run, a step's prompt tokens are capped here (0 = no cap): bounds inter-token
+    # latency when prompts arrive (server/core/scheduler.py).
+    long_prefill_token_threshold: int = 256
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -278,6 +281,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max(self.max_num_batched_tokens, 2) if not self.enable_chunked_prefill else 2048,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
 
 
