@@ -23,6 +23,7 @@ from server.config import (
     DTYPE_CHOICES,
     LOG_FORMATS,
     QUANTIZE_CHOICES,
+    TASK_CHOICES,
     TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
@@ -179,6 +180,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "KUBEINFER_CACHE_DIR",
         "Folder for converted weights and built CPU kernels (default ~/.cache/kubeinfer)",
         type=Path,
+    )
+    add(
+        "--task",
+        "KUBEINFER_TASK",
+        "What the model serves: generate, embed (/v1/embeddings, /embed) or score (/score, /rerank, "
+        "/classify); auto reads config.json's architectures",
+        default="auto",
+        choices=TASK_CHOICES,
     )
     del g
 
@@ -446,6 +455,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         max_model_len=args.max_total_tokens,
         chat_template=args.chat_template,
+        task=args.task,
     )
     cache = CacheConfig(
         block_size=args.block_size,

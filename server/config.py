@@ -34,6 +34,8 @@ def default_cache_dir() -> Path:
 
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# --task: what the model serves (vLLM's former --task names; server/pooling/ serves embed and score)
+TASK_CHOICES = ("auto", "generate", "embed", "score")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
@@ -50,8 +52,12 @@ class ModelConfig:
     # A Jinja chat template file replacing the model's (--chat-template); None = the model's own, or
     # for the embedded SmolLM2 the tool-aware server/templates/smollm2_tools.jinja.
     chat_template: str | None = None
+    # auto = from config.json's architectures (BERT encoders embed, sequence classifiers score)
+    task: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.task not in TASK_CHOICES:
+            raise ValueError(f"task must be one of {TASK_CHOICES}, got {self.task!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
