@@ -28,6 +28,8 @@ class PoolingTask(enum.StrEnum):
 
 _ENCODER_ARCHS = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
 _CLASSIFIER_ARCHS = {"BertForSequenceClassification"}
+# our generative architectures (server/models/arch.py) served as last-token embedders (pooling/decoder.py)
+_DECODER_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
 
 def detect_task(folder: Path) -> PoolingTask | None:
@@ -38,6 +40,8 @@ def detect_task(folder: Path) -> PoolingTask | None:
         return PoolingTask.SCORE
     if archs & _ENCODER_ARCHS or (not archs and cfg.get("model_type") == "bert"):
         return PoolingTask.EMBED
+    if archs & _DECODER_ARCHS and (folder / "modules.json").is_file():
+        return PoolingTask.EMBED  # a sentence-transformers folder around a decoder (gte-Qwen2 style)
     return None
 
 
@@ -73,6 +77,9 @@ def load_pooling_model(
 ) -> PoolingModel:
     """Raises ValueError when the folder is not a supported pooling model for `task`."""
     cfg = json.loads((folder / "config.json").read_text())
+    archs = set(cfg.get("architectures") or [])
+    if task in (None, PoolingTask.EMBED) and archs & _DECODER_ARCHS:
+        return _load_decoder(folder, cfg, dtype)
     found = detect_task(folder)
     if found is None:
         raise ValueError(
@@ -126,3 +133,34 @@ def resolve_task(model: str | None, task: str) -> str:
         return "generate"
     found = detect_task(folder)
     return found.value if found is not None else "generate"
+
+
+def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
+    """A Llama/Mistral/Qwen2 checkpoint as an embedder: last-token pooling and L2 normalization unless
+    the folder's modules.json says otherwise (vLLM's default for decoder embedders too)."""
+    from server.models.loader import load_model
+
+    from .decoder import DecoderEncoder
+
+    max_pos = int(cfg.get("max_position_embeddings") or 8192)
+    pooling = PoolingConfig.from_folder(folder, PoolingMode.LAST, cfg)
+    if not (folder / "modules.json").is_file():
+        pooling = PoolingConfig(
+            mode=PoolingMode.LAST, normalize=True, matryoshka_dimensions=pooling.matryoshka_dimensions
+        )
+    max_len = min(pooling.max_seq_length or max_pos, max_pos)
+    loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len)
+    module = DecoderEncoder(loaded.model).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return PoolingModel(
+        task=PoolingTask.EMBED,
+        module=module,
+        tokenizer=tok,
+        pooling=pooling,
+        max_model_len=max_len,
+        hidden_size=int(cfg["hidden_size"]),
+        num_labels=1,
+        id2label={},
+        dtype=dtype,
+        num_parameters=loaded.num_parameters,
+    )

