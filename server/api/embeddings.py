@@ -31,6 +31,14 @@ from .state import ServerState, server_state
 router = APIRouter()
 guard_router = APIRouter()
 
+# Inputs (texts, pairs, documents) per request: OpenAI's embeddings limit; bounds one request's memory.
+MAX_INPUTS = 2048
+
+
+def _check_count(n: int, name: str) -> None:
+    if n > MAX_INPUTS:
+        raise validation(f"Input validation error: at most {MAX_INPUTS} inputs per request, got {n}", name)
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -244,6 +252,7 @@ async def embeddings(request: Request) -> Response:
         raise validation("input cannot be empty", "input")
     if all(isinstance(x, int) for x in raw):
         raw = [raw]  # one list of token ids
+    _check_count(len(raw), "input")
 
     def tokenize() -> list[PoolingInput]:
         out = []
@@ -281,6 +290,7 @@ async def tei_embed(request: Request) -> Response:
     texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
     if not texts:
         raise validation("Input validation error: `inputs` cannot be empty", "inputs")
+    _check_count(len(texts), "inputs")
     limit = _limit(state, None)
     left = req.truncation_direction.lower() == "left"
     items = await asyncio.to_thread(
@@ -314,6 +324,7 @@ async def score(request: Request) -> Response:
         a = a * len(b)
     if len(a) != len(b):
         raise validation("text_1 must have one item or as many as text_2", "text_1")
+    _check_count(len(b), "text_2")
     logits, items = await _score_pairs(
         state,
         list(zip(a, b, strict=True)),
@@ -352,6 +363,7 @@ async def rerank(request: Request) -> Response:
     _check_name(state, req.model)
     if not req.documents:
         raise validation("documents cannot be empty", "documents")
+    _check_count(len(req.documents), "documents")
     if req.top_n is not None and req.top_n < 1:
         raise validation("top_n must be >= 1", "top_n")
     logits, items = await _score_pairs(
@@ -382,6 +394,7 @@ async def _tei_rerank(state: ServerState, req: TEIRerankRequest) -> Response:
     state.admit("score").release()
     if not req.texts:
         raise validation("Input validation error: `texts` cannot be empty", "texts")
+    _check_count(len(req.texts), "texts")
     if req.truncation_direction.lower() == "left":
         raise validation(
             "Input validation error: truncation_direction Left is not supported for pairs",
@@ -412,6 +425,7 @@ async def classify(request: Request) -> Response:
     texts = [req.input] if isinstance(req.input, str) else req.input
     if not texts:
         raise validation("input cannot be empty", "input")
+    _check_count(len(texts), "input")
     limit = _limit(state, req.truncate_prompt_tokens)
     items = await asyncio.to_thread(
         lambda: [_encode_text(m, t, limit, req.truncate_prompt_tokens is not None, False) for t in texts]
@@ -442,6 +456,7 @@ async def predict(request: Request) -> Response:
     texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
     if not texts:
         raise validation("Input validation error: `inputs` cannot be empty", "inputs")
+    _check_count(len(texts), "inputs")
     left = req.truncation_direction.lower() == "left"
     limit = _limit(state, None)
     items = await asyncio.to_thread(

@@ -119,6 +119,10 @@ def test_embeddings_base64_and_truncation(embed_server: tuple[str, Any], st_refe
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 256
     # sentence-transformers truncates to max_seq_length on the right: the same vector
     _assert_close([r.json()["data"][0]["embedding"]], st_reference.encode([long]))
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": ["x"] * 2049}, timeout=60)
+    assert r.status_code == 400 and "at most 2048 inputs" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": [[1, 2], [30522]]}, timeout=60)
+    assert r.status_code == 400 and "token ids must be in [0, 30522)" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/embeddings", json={"input": "x", "bogus": 1}, timeout=60)
     assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
 
