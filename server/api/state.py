@@ -147,9 +147,13 @@ class ServerState:
         mc = self.config.engine.model
         if not mc.model or not Path(mc.model).expanduser().is_dir():
             raise ValueError(f"--task {self.task} needs a local model folder (got {mc.model!r})")
-        model = load_pooling_model(Path(mc.model).expanduser(), PoolingTask(self.task))
         ec = self.config.engine
-        engine = PoolingEngine(model, ec.max_num_seqs, max(ec.max_num_batched_tokens, model.max_model_len))
+        if ec.device not in ("auto", "cpu"):
+            raise ValueError(f"--task {self.task} runs on the CPU only (got --device {ec.device})")
+        model = load_pooling_model(Path(mc.model).expanduser(), PoolingTask(self.task))
+        engine = PoolingEngine(
+            model, ec.max_num_seqs, max(ec.max_num_batched_tokens, model.max_model_len), ec.num_threads
+        )
         engine.warmup()
         loop.call_soon_threadsafe(self.attach_pooling, engine)
 

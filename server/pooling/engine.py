@@ -52,8 +52,14 @@ class PoolingStats:
 
 class PoolingEngine:
     def __init__(
-        self, model: PoolingModel, max_num_seqs: int = 64, max_num_batched_tokens: int = 16384
+        self,
+        model: PoolingModel,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 16384,
+        num_threads: int | None = None,  # torch intra-op threads (--num-threads); None = torch's default
     ) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, model.max_model_len)
