@@ -150,3 +150,30 @@ def test_decoder_last_token_matches_sentence_transformers(tiny_model_factory: An
     )
     cos = F.cosine_similarity(ours, ref.float())
     assert cos.min().item() >= 0.9999, cos
+
+
+@pytest.mark.asyncio
+async def test_engine_survives_a_failed_forward(minilm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that raises fails that step's requests only; the loop keeps serving."""
+    m = load_pooling_model(minilm_dir)
+    engine = PoolingEngine(m, max_num_seqs=8)
+    engine.start()
+    real = m.forward
+    calls = {"n": 0}
+
+    def flaky(*args: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real(*args)
+
+    monkeypatch.setattr(m, "forward", flaky)
+    try:
+        item = PoolingInput(m.tokenizer("hello")["input_ids"])
+        with pytest.raises(RuntimeError, match="boom"):
+            await engine.encode([item])
+        assert engine.alive
+        (vec,) = await engine.encode([item])
+        assert vec.shape == (384,)
+    finally:
+        await engine.shutdown()
