@@ -24,6 +24,7 @@ from server.config import (
     LOG_FORMATS,
     LOGPROBS_MODES,
     QUANTIZE_CHOICES,
+    TASK_CHOICES,
     TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
@@ -187,6 +188,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "KUBEINFER_CACHE_DIR",
         "Folder for converted weights and built CPU kernels (default ~/.cache/kubeinfer)",
         type=Path,
+    )
+    add(
+        "--task",
+        "KUBEINFER_TASK",
+        "What the model serves: generate, embed (/v1/embeddings, /embed) or score (/score, /rerank, "
+        "/classify); auto reads config.json's architectures",
+        default="auto",
+        choices=TASK_CHOICES,
     )
     del g
 
@@ -504,6 +513,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         chat_template=args.chat_template,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         logprobs_mode=args.logprobs_mode,
+        task=args.task,
     )
     cache = CacheConfig(
         block_size=args.block_size,
