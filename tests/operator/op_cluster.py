@@ -141,6 +141,8 @@ def _now() -> str:
 class ApiServer(KubernetesEmulator):
     faults: list[Fault] = attrs.field(factory=list)
     watch_drops: list[WatchDrop] = attrs.field(factory=list)
+    # Answer every watch with this error, as a real API server answers a watch it cannot parse (issue 29 F3).
+    refused_watch: KubernetesError | None = None
     _rv: Any = attrs.field(factory=lambda: itertools.count(1000))
 
     def _match_fault(self, request: rendering.Request) -> Fault | None:
@@ -180,6 +182,8 @@ class ApiServer(KubernetesEmulator):
             method = str(getattr(request.method, "value", request.method)).upper()
             content_type = request.headers.get("Content-Type") or ""
             refused = body_error(method, content_type, request.resource.group, request.data)
+        if refused is None and request.action == enums.action.WATCH:
+            refused = self.refused_watch
         if refused is not None:
             raise refused
         fault = self._match_fault(request)
