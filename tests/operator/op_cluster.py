@@ -32,7 +32,7 @@ import kmock
 import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
-from kmock_params import body_error, query_error
+from kmock_params import body_error, options_error, query_error
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
@@ -182,6 +182,16 @@ class ApiServer(KubernetesEmulator):
             method = str(getattr(request.method, "value", request.method)).upper()
             content_type = request.headers.get("Content-Type") or ""
             refused = body_error(method, content_type, request.resource.group, request.data)
+            if refused is None:
+                collection = request.resource.plural is not None and request.name is None
+                refused = options_error(
+                    method,
+                    request.params,
+                    content_type,
+                    request.resource.group,
+                    request.data,
+                    collection=collection,
+                )
         if refused is None and request.action == enums.action.WATCH:
             refused = self.refused_watch
         if refused is not None:
