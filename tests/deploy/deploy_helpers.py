@@ -7,6 +7,7 @@ puts this directory on sys.path).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -304,11 +305,20 @@ def hadolint_binary() -> str | None:
 class MockApiServer(kmock.KubernetesEmulator):
     """kmock plus the API-server behaviours Helm and the operator rely on."""
 
+    _list_rv = itertools.count(1)  # shared by every instance: any increasing integer will do
+
     async def _serve_server_version(self, request: Any) -> Any:
         # kmock reports 1.26; the chart needs 1.30 (kubeVersion), the oldest release we support.
         doc = dict(await super()._serve_server_version(request))
         doc.update({"major": "1", "minor": "30", "gitVersion": "v1.30.0"})
         return doc
+
+    async def _serve_list(self, request: Any) -> Any:
+        # kmock lists with resourceVersion "...", which kopf echoes in its watch; the API server lists
+        # with an integer one and refuses anything else in a watch (kmock_params.options_error).
+        payload = await super()._serve_list(request)
+        payload["metadata"]["resourceVersion"] = str(next(self._list_rv))
+        return payload
 
     async def _serve_version(self, request: Any) -> Any:
         doc = await super()._serve_version(request)

@@ -176,6 +176,13 @@ class ApiServer(KubernetesEmulator):
         meta["generation"] = 1
         meta["resourceVersion"] = str(next(self._rv))
 
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        # kmock lists with resourceVersion "...", which kopf echoes in its watch; the API server lists
+        # with an integer one and refuses anything else in a watch (kmock_params.options_error).
+        payload = await super()._serve_list(request)
+        payload["metadata"]["resourceVersion"] = str(next(self._rv))
+        return payload
+
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
         if refused is None and request.resource is not None:
