@@ -179,7 +179,7 @@ class ApiServer(KubernetesEmulator):
     async def _serve_list(self, request: rendering.Request) -> Any:
         # kmock lists with resourceVersion "...", which kopf echoes in its watch; the API server lists
         # with an integer one and refuses anything else in a watch (kmock_params.options_error).
-        payload = await super()._serve_list(request)
+        payload: Any = await super()._serve_list(request)
         payload["metadata"]["resourceVersion"] = str(next(self._rv))
         return payload
 

@@ -106,7 +106,7 @@ def test_patch_and_write_options_as_the_api_server_checks_them() -> None:
         )
         is None
     )
-    delete_body = {"kind": "DeleteOptions", "propagationPolicy": "Background"}
+    delete_body: dict[str, str] = {"kind": "DeleteOptions", "propagationPolicy": "Background"}
     assert options_error("DELETE", {}, "", "apps", delete_body, collection=False) is None
     delete_body["propagationPolicy"] = "background"
     assert options_error("DELETE", {}, "", "apps", delete_body, collection=False) is not None
