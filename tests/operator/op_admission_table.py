@@ -125,7 +125,8 @@ ADMISSION: list[Row] = [
     Row(
         "cache-shared-bad-mode",
         _s(cache={"mode": "Shared", "size": "1Gi", "accessModes": ["ReadOnlyMany"]}),
-        "is not one of",
+        'spec.cache.accessModes[0]: Unsupported value: "ReadOnlyMany": supported values: "ReadWriteMany", '
+        '"ReadWriteOnce", "ReadWriteOncePod"',
     ),
     # image and flags
     Row("image-ok", _s(engine={"image": "registry.local:5000/ml/server:1.2@sha256:" + "a" * 64}), None),
@@ -149,7 +150,7 @@ ADMISSION: list[Row] = [
     Row("unmanaged-flag", _s(engine={"extraArgs": ["--seed=1"]}), None),
     # resources
     Row("cpu-half", _s(resources={"cpu": "0.5", "memory": "1.5Gi"}), None),
-    Row("cpu-negative", _s(resources={"cpu": "-1"}), "does not match"),
+    Row("cpu-negative", _s(resources={"cpu": "-1"}), "spec.resources.cpu in body should match '^(\\+)?"),
     Row("cpu-negative-int", _s(resources={"cpu": -2}), "resources.cpu must not be negative"),
     Row("memory-negative-int", _s(resources={"memory": -2}), "resources.memory must not be negative"),
     Row("cache-negative", _s(cache={"sizeLimit": -1}), "cache.sizeLimit must not be negative"),
