@@ -24,6 +24,8 @@ from typing import Any
 import kmock
 import pytest
 from deploy_helpers import HelmInstall, MockApiServer, helm_install, helm_python, helm_skip_reason
+from kubeinfer_operator.render_activator import render_activator_role
+from kubeinfer_operator.spec import InferenceModel
 from kubernetes.config import kube_config
 
 pytestmark = [
@@ -469,8 +471,17 @@ def test_every_request_of_the_operator_is_allowed(
 def test_every_granted_permission_is_used(
     operator_permissions: set[Perm], clusterrole: dict[str, Any], lease_role: dict[str, Any]
 ) -> None:
-    # RBAC lets the operator grant the router's Role (list/watch pods) only if it holds it itself.
+    # RBAC lets the operator grant the router's Role (list/watch pods) and a scale-to-zero activator's
+    # (its workload's scale subresource) only if it holds them itself.
     held_to_grant = {("", "pods", verb) for verb in ("get", "list", "watch")}
+    for spec in ({}, {"parallelism": {"nodes": 2}, "engine": {"tensorParallelSize": 2}}):
+        doc = {
+            "apiVersion": "kubeinfer.dev/v1alpha1",
+            "kind": "InferenceModel",
+            "metadata": {"name": "m", "namespace": "ns"},
+            "spec": {"model": {"uri": "hf://o/m"}, "scaling": {"minReplicas": 0, "replicas": 1}, **spec},
+        }
+        held_to_grant |= granted(render_activator_role(InferenceModel.from_manifest(doc)))
     unused = granted(clusterrole) - operator_permissions - held_to_grant
     assert not unused, f"granted but never used: {sorted(unused)}"
     assert granted(lease_role) == {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
