@@ -24,6 +24,7 @@ from server.config import (
     LOG_FORMATS,
     LOGPROBS_MODES,
     QUANTIZE_CHOICES,
+    TASK_CHOICES,
     TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
@@ -95,6 +96,13 @@ def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
@@ -181,6 +189,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "Folder for converted weights and built CPU kernels (default ~/.cache/kubeinfer)",
         type=Path,
     )
+    add(
+        "--task",
+        "KUBEINFER_TASK",
+        "What the model serves: generate, embed (/v1/embeddings, /embed) or score (/score, /rerank, "
+        "/classify); auto reads config.json's architectures",
+        default="auto",
+        choices=TASK_CHOICES,
+    )
     del g
 
     add("--host", "KUBEINFER_HOST", "Address to bind", default="0.0.0.0")
@@ -229,6 +245,14 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "Token budget of one engine step",
         type=_positive_int,
         default=2048,
+    )
+    add(
+        "--long-prefill-token-threshold",
+        "KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD",
+        "While sequences are decoding, most prompt tokens in one engine step (bounds inter-token "
+        "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens)",
+        type=_non_negative_int,
+        default=256,
     )
     add(
         "--max-num-seqs",
@@ -489,6 +513,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         chat_template=args.chat_template,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         logprobs_mode=args.logprobs_mode,
+        task=args.task,
     )
     cache = CacheConfig(
         block_size=args.block_size,
@@ -500,6 +525,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=model,
         cache=cache,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,
         device=args.device,

@@ -36,6 +36,8 @@ def default_cache_dir() -> Path:
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # vLLM's --logprobs-mode: what sampled-token logprobs report (server/worker/sampler.py)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# --task: what the model serves (vLLM's former --task names; server/pooling/ serves embed and score)
+TASK_CHOICES = ("auto", "generate", "embed", "score")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
@@ -58,10 +60,14 @@ class ModelConfig:
     # What sampled-token logprobs report (vLLM's --logprobs-mode): raw_* = the model's own distribution,
     # processed_* = after penalties, the grammar's mask, temperature and top-k/top-p/min-p.
     logprobs_mode: str = "raw_logprobs"
+    # auto = from config.json's architectures (BERT encoders embed, sequence classifiers score)
+    task: str = "auto"
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.task not in TASK_CHOICES:
+            raise ValueError(f"task must be one of {TASK_CHOICES}, got {self.task!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
@@ -247,6 +253,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # While decodes run, a step's prompt tokens are capped here (0 = no cap): bounds inter-token
+    # latency when prompts arrive (server/core/scheduler.py).
+    long_prefill_token_threshold: int = 256
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -278,6 +287,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max(self.max_num_batched_tokens, 2) if not self.enable_chunked_prefill else 2048,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
 
 

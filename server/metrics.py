@@ -194,6 +194,30 @@ class _EngineCollector(Collector):
             if err.startswith("failure:"):
                 fail.add_metric([name, err.removeprefix("failure:")], float(value))
         yield fail
+        task = GaugeMetricFamily(
+            "kubeinfer_model_task_info",
+            "The task the model serves (--task), as a label.",
+            labels=["model_name", "task"],
+        )
+        task.add_metric([name, m.task], 1.0)
+        yield task
+        if m.pooling_source is not None:
+            pooling = m.pooling_source()
+            for metric, doc, key in (
+                ("kubeinfer_pooling_sequences", "Sequences pooled (embedded or scored).", "num_sequences"),
+                (
+                    "kubeinfer_pooling_prompt_tokens",
+                    "Tokens run through the pooling model.",
+                    "num_prompt_tokens",
+                ),
+                ("kubeinfer_pooling_steps", "Batched forward passes of the pooling engine.", "num_steps"),
+            ):
+                yield counter(metric, doc, float(pooling.get(key, 0)))
+            yield gauge(
+                "kubeinfer_pooling_sequences_waiting",
+                "Sequences waiting for the pooling engine's next step.",
+                float(pooling.get("num_waiting", 0)),
+            )
         structured = m.structured_source() if m.structured_source is not None else {}
         for metric, doc, key in (
             (
@@ -232,6 +256,9 @@ class ServerMetrics:
         # (batches published, events dropped) by the KV-event publisher; None while it is off.
         self.kv_events_source: Callable[[], tuple[int, int] | None] = lambda: None
         self.max_lora: int | None = None  # --max-loras once an engine with LoRA is attached
+        self.task = "generate"  # --task resolved (generate, embed, score)
+        # server/pooling's counters (PoolingStats as a dict) once a pooling model is attached
+        self.pooling_source: Callable[[], dict[str, float]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}

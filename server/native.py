@@ -13,11 +13,20 @@ $KUBEINFER_PREBUILT_KERNELS names, and `load_library` dispatches at run time: it
 whose CPU features /proc/cpuinfo lists. Only when none is there (another source, flags or CPU family) does
 it compile for this CPU into the cache as above. The levels are the psABI's (x86-64 psABI 1.0, section
 3.1.1, "Micro-architecture levels"), which gcc >= 11 and clang >= 12 accept as -march values.
+The CPU probe (below) is prebuilt once for any x86-64 CPU (`ANY`), and the level is chosen from the
+cpuinfo flags less the features the OS has not enabled (`runnable_cpu_flags`).
+
+"-march=native" reads CPUID, which may list what the OS never enabled (AVX-512 state off in XCR0, AMX
+without the Linux tile permission: SIGILL at the first such instruction). So it is expanded with -mno-*
+flags for every feature `usable_cpu_features()` reports unusable (server/cpu_features.py), read by a
+tiny probe (server/csrc/cpu_probe.cpp, built without -march flags), and those features are in the key.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -27,6 +36,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from server.cpu_features import CpuFeatures, CpuRegisters, apply_disable, decode, march_flags
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,9 @@ class NativeSource:
     # What `kubeinfer_<name>_abi()` must return: a library built from another version of the source
     # (same cache key only if the source matched, but a stale file can be copied in) is refused.
     abi_version: int | None = None
+    # False for code that must run on any CPU of the architecture (the CPU probe itself): neither the
+    # CPU's features nor -march expansion enter its build.
+    cpu_specific: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,8 @@ class Variant:
 _V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2"})
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Code that runs on any x86-64 CPU (NativeSource.cpu_specific False: the CPU probe) is prebuilt once.
+ANY = Variant("any", frozenset())
 # Best first: load_library takes the first one the CPU can run.
 VARIANTS = (
     Variant("x86-64-v4", _V4),
@@ -120,7 +136,7 @@ def prebuild(sources: tuple[NativeSource, ...], folder: Path) -> list[Path]:
     cxx = compiler()
     built = []
     for src in sources:
-        for variant in VARIANTS:
+        for variant in VARIANTS if src.cpu_specific else (ANY,):
             target = prebuilt_path(src, variant, folder)
             build(
                 NativeSource(src.name, src.source, variant_flags(src, variant), src.link_flags), cxx, target
@@ -131,7 +147,7 @@ def prebuild(sources: tuple[NativeSource, ...], folder: Path) -> list[Path]:
 
 def find_prebuilt(src: NativeSource, folder: Path, flags: frozenset[str]) -> Path | None:
     """The library of the best level a CPU with `flags` runs, or None."""
-    for variant in VARIANTS:
+    for variant in VARIANTS if src.cpu_specific else (ANY,):
         if variant.cpu_flags <= flags:
             path = prebuilt_path(src, variant, folder)
             if path.is_file():
@@ -139,24 +155,98 @@ def find_prebuilt(src: NativeSource, folder: Path, flags: frozenset[str]) -> Pat
     return None
 
 
+PROBE = NativeSource(
+    "cpu_probe",
+    Path(__file__).with_name("csrc") / "cpu_probe.cpp",
+    ("-O2", "-fPIC", "-std=c++17"),
+    ("-shared",),
+    abi_version=1,
+    cpu_specific=False,
+)
+
+
+@functools.cache
+def probe_registers(cache_dir: Path | None = None) -> CpuRegisters:
+    """CPUID, XCR0 and the AMX permission as the probe reads them (built once under `cache_dir`, default
+    the kubeinfer cache folder); all zero off x86-64. Raises KernelBuildError when it cannot be built."""
+    from server.config import default_cache_dir
+
+    lib, _ = load_library(PROBE, cache_dir or default_cache_dir())
+    words = (ctypes.c_uint32 * 9)()
+    lib.kubeinfer_cpu_probe.restype = ctypes.c_int32
+    lib.kubeinfer_cpu_probe.argtypes = [ctypes.c_void_p]
+    lib.kubeinfer_cpu_probe(ctypes.addressof(words))
+    w = list(words)
+    return CpuRegisters(
+        leaf1_ecx=w[0],
+        leaf1_edx=w[1],
+        leaf7_ebx=w[2],
+        leaf7_ecx=w[3],
+        leaf7_edx=w[4],
+        leaf7_1_eax=w[5],
+        xcr0=w[6] | (w[7] << 32),
+        amx_permission=ctypes.c_int32(w[8]).value,
+    )
+
+
+def usable_cpu_features(cache_dir: Path | None = None) -> CpuFeatures:
+    """The features this process may use: CPUID gated by XCR0 and the AMX permission, minus
+    KUBEINFER_CPU_DISABLE (read on every call, so tests can change it). Raises KernelBuildError when
+    the probe cannot be built (no compiler: then no kernel can be built either) and ValueError for an
+    unknown name in KUBEINFER_CPU_DISABLE."""
+    return apply_disable(decode(probe_registers(cache_dir)))
+
+
+def is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def runnable_cpu_flags(cache_dir: Path) -> frozenset[str]:
+    """/proc/cpuinfo's flags less the features the OS has not enabled or KUBEINFER_CPU_DISABLE turns
+    off (the probe's `usable_cpu_features`): what picks a prebuilt level. The feature names are
+    cpuinfo's; "avx" goes with the AVX state (no usable avx2, fma or f16c)."""
+    usable = usable_cpu_features(cache_dir)
+    unusable = {f.name for f in dataclasses.fields(usable) if not getattr(usable, f.name)}
+    if not (usable.avx2 or usable.fma or usable.f16c):
+        unusable.add("avx")
+    return cpu_flags() - unusable
+
+
+def effective_compile_flags(src: NativeSource, cache_dir: Path) -> tuple[str, ...]:
+    """`src.compile_flags` with "-march=native" expanded to exclude the unusable features."""
+    if not src.cpu_specific or "-march=native" not in src.compile_flags:
+        return src.compile_flags
+    march = march_flags(usable_cpu_features(cache_dir), x86=is_x86_64())
+    out: list[str] = []
+    for flag in src.compile_flags:
+        out.extend(march if flag == "-march=native" else (flag,))
+    return tuple(out)
+
+
 def library_path(src: NativeSource, cache_dir: Path) -> Path:
     key = hashlib.sha256()
-    for part in (
-        src.source.read_bytes(),
-        repr(src.compile_flags + src.link_flags).encode(),
-        cpu_identity().encode(),
-    ):
+    parts = [src.source.read_bytes(), repr(effective_compile_flags(src, cache_dir) + src.link_flags).encode()]
+    if src.cpu_specific:
+        parts += [cpu_identity().encode(), usable_cpu_features(cache_dir).key().encode()]
+    for part in parts:
         key.update(part)
         key.update(b"\0")
     return cache_dir / "kernels" / f"{src.name}-{key.hexdigest()[:20]}.so"
 
 
-def build(src: NativeSource, cxx: str, target: Path) -> None:
+def build(src: NativeSource, cxx: str, target: Path, compile_flags: tuple[str, ...] | None = None) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         obj, lib = Path(tmp) / f"{src.name}.o", Path(tmp) / target.name
         for cmd in (
-            [cxx, *src.compile_flags, "-c", str(src.source), "-o", str(obj)],
+            [
+                cxx,
+                *(src.compile_flags if compile_flags is None else compile_flags),
+                "-c",
+                str(src.source),
+                "-o",
+                str(obj),
+            ],
             [cxx, *src.link_flags, str(obj), "-o", str(lib)],
         ):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -170,13 +260,16 @@ def load_library(src: NativeSource, cache_dir: Path) -> tuple[ctypes.CDLL, Path]
     for this CPU (unless cached) under `cache_dir`; raises KernelBuildError saying why it cannot
     (including an ABI version other than `src.abi_version`)."""
     prebuilt = os.environ.get(PREBUILT_ENV)
-    found = find_prebuilt(src, Path(prebuilt), cpu_flags()) if prebuilt else None
+    found = None
+    if prebuilt:
+        flags = runnable_cpu_flags(cache_dir) if src.cpu_specific else frozenset()
+        found = find_prebuilt(src, Path(prebuilt), flags)
     path = found or library_path(src, cache_dir)
     if found is not None:
         log.info("loading the prebuilt %s kernel %s", src.name, found)
     elif not path.is_file():
         log.info("building the %s kernel into %s", src.name, path)
-        build(src, compiler(), path)
+        build(src, compiler(), path, effective_compile_flags(src, cache_dir))
     lib = ctypes.CDLL(str(path))
     if src.abi_version is not None:
         abi = getattr(lib, f"kubeinfer_{src.name}_abi")()

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from server.attention.cpu_kernel import NATIVE as PAGED_DECODE
 from server.models.cpu_fused import NATIVE as CPU_FUSED
-from server.native import KernelBuildError, prebuild
+from server.native import PROBE, KernelBuildError, prebuild
 from server.quant.cpu_qlinear import NATIVE as QLINEAR
 
-SOURCES = (PAGED_DECODE, CPU_FUSED, QLINEAR)
+# the CPU probe first: choosing a level at run time needs it (built once, for any x86-64 CPU)
+SOURCES = (PROBE, PAGED_DECODE, CPU_FUSED, QLINEAR)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,10 +147,68 @@ def pod_errors(
     return errors
 
 
+# The flags of server/cli.py's parser that the operator does not manage (spec.MANAGED_FLAGS), --help
+# left out (it prints and exits, so the pod crash-loops). argparse refuses any other `--` argument
+# (an unknown flag, a vLLM-only flag, an abbreviation such as --mod for --model) and the server does
+# not start; tests/operator/test_op_server_flags.py keeps this list equal to the parser's.
+SERVER_FLAGS: tuple[str, ...] = (
+    "--allow-credentials",
+    "--allow-special-tokens-in-content",
+    "--allowed-headers",
+    "--allowed-methods",
+    "--allowed-origins",
+    "--attention-backend",
+    "--block-size",
+    "--chat-template",
+    "--device",
+    "--distributed-timeout",
+    "--enable-auto-tool-choice",
+    "--kv-cache-memory",
+    "--log-level",
+    "--logprobs-mode",
+    "--long-prefill-token-threshold",
+    "--lora-allowed-paths",
+    "--max-best-of",
+    "--max-input-tokens",
+    "--max-lora-rank",
+    "--max-num-batched-tokens",
+    "--max-payload-bytes",
+    "--max-stop-sequences",
+    "--max-top-n-tokens",
+    "--no-allow-credentials",
+    "--no-allow-special-tokens-in-content",
+    "--no-enable-auto-tool-choice",
+    "--no-ui",
+    "--num-kv-blocks",
+    "--num-threads",
+    "--timeout-request-head",
+    "--tool-call-parser",
+    "--ui",
+)
+UNKNOWN_FLAG_MESSAGE = (
+    "engine.extraArgs may contain only flags of the server that the operator does not manage "
+    "(see docs/operator.md); the server refuses any other and does not start"
+)
+
+
+def unknown_flags(extra_args: Iterable[str]) -> list[str]:
+    """The extraArgs entries that are flags (start with `--`) the server does not accept: only an
+    entry starting with `--` is a flag; others are values (`["--block-size", "32"]`)."""
+    return [a for a in extra_args if a.startswith("--") and a.split("=", 1)[0] not in SERVER_FLAGS]
+
+
 def extra_args_errors(extra_args: Iterable[str]) -> list[str]:
-    if any(a.split("=", 1)[0] in REFUSED_FLAGS for a in extra_args):
-        return [REFUSED_FLAGS_MESSAGE]
-    return []
+    """The refusals of spec.engine.extraArgs beyond the managed flags (the CRD's CEL rules say the
+    same; the unknown-flag message names the flags here, the CEL one cannot)."""
+    args = list(extra_args)
+    errors: list[str] = []
+    if any(a.split("=", 1)[0] in REFUSED_FLAGS for a in args):
+        errors.append(REFUSED_FLAGS_MESSAGE)
+    # names only (a value may be long or secret), each at most 64 characters
+    unknown = dict.fromkeys(a.split("=", 1)[0][:64] for a in unknown_flags(args))
+    if unknown:
+        errors.append(f"{UNKNOWN_FLAG_MESSAGE}: {', '.join(unknown)}")
+    return errors
 
 
 # ---------------------------------------------------------------- the cluster administrator's policy

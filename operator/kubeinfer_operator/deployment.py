@@ -59,6 +59,8 @@ def server_args(im: InferenceModel) -> list[str]:
     ]
     if engine.quantization is not None:
         args += ["--quantize", engine.quantization]
+    if engine.task != "auto":  # unset stays unrendered: existing pod templates do not change
+        args += ["--task", engine.task]
     if engine.max_model_len is not None:
         args += ["--max-total-tokens", str(engine.max_model_len)]
     if engine.max_num_seqs is not None:

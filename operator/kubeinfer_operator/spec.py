@@ -77,19 +77,25 @@ MANAGED_FLAGS = frozenset(
         "--served-model-name",
         "--quantize",
         "--dtype",
+        "--task",
         "--max-total-tokens",
         "--max-num-seqs",
         "--max-concurrent-requests",
         "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
         "--speculative-config",
         "--tensor-parallel-size",
         "--kv-events-config",
         "--enable-lora",
+        "--no-enable-lora",
         "--lora-modules",
         "--max-loras",
         "--max-cpu-loras",
         "--allow-runtime-lora-updating",
+        "--no-allow-runtime-lora-updating",
         "--api-key",
+        # credentials.py: the operator's management credential, from its Secret through the environment
+        "--admin-api-key",
         "--drain-timeout",
         "--log-format",
         "--cache-dir",
@@ -268,6 +274,8 @@ class EngineSpec(_Model):
     image: str | None = Field(default=None, min_length=1, max_length=512)
     quantization: Quantization | None = None
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # --task: auto = from the model's config.json (BERT encoders embed, sequence classifiers score)
+    task: Literal["auto", "generate", "embed", "score"] = "auto"
     max_model_len: int | None = Field(default=None, ge=16, le=1_048_576)
     max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
     max_concurrent_requests: int | None = Field(default=None, ge=1, le=65536)

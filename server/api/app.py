@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
-from . import admin, openai, router_worker, tgi, ui, utility
+from . import admin, embeddings, openai, router_worker, tgi, ui, utility
 from . import lora as lora_routes
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
@@ -152,6 +152,9 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    if state.task != "generate":  # a pooling model: generation routes 400, its own /v1/models and /info
+        app.include_router(embeddings.guard_router)
+    app.include_router(embeddings.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)
     if state.config.ui:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import threading
@@ -17,6 +18,8 @@ from server.config import ServerConfig
 from server.core.outputs import SchedulerStats
 from server.engine import AsyncEngine, LLMEngine
 from server.metrics import ServerMetrics
+from server.pooling.engine import PoolingEngine
+from server.pooling.model import PoolingTask, load_pooling_model, resolve_task
 
 from .errors import APIError, ErrorKind
 
@@ -77,6 +80,10 @@ class ServerState:
         self.cut_reason: str | None = None
         self.started_at = time.time()
         self.model_name = expected_model_name(config)
+        mc = config.engine.model
+        # generate | embed | score; a pooling task is served by `pooling` instead of `engine`
+        self.task = resolve_task(mc.model, mc.task)
+        self.pooling: PoolingEngine | None = None
         self._engine_factory = engine_factory or (lambda: LLMEngine(config.engine))
         self.on_load_failed: Callable[[BaseException], None] | None = None
         # Called on the event loop when the engine loop dies after loading (the server then exits 1).
@@ -87,6 +94,7 @@ class ServerState:
             lambda: self.in_flight,
             lambda: self.phase is Phase.READY and self.alive,
         )
+        self.metrics.task = self.task
 
     def _stats(self) -> SchedulerStats | None:
         return self.engine.last_stats if self.engine is not None else None
@@ -97,10 +105,14 @@ class ServerState:
         """Liveness: the process can still serve (loading counts), i.e. neither loading nor the loop failed."""
         if self.phase is Phase.FAILED:
             return False
+        if self.pooling is not None:
+            return self.pooling.alive
         return self.engine is None or self.engine.alive
 
     @property
     def ready(self) -> bool:
+        if self.pooling is not None:
+            return self.phase is Phase.READY and self.pooling.alive
         return self.phase is Phase.READY and self.engine is not None and self.engine.alive
 
     def start_loading(self) -> None:
@@ -118,6 +130,9 @@ class ServerState:
                 mc.quantize or "none",
             )
             t0 = time.monotonic()
+            if self.task != "generate":
+                self._load_pooling(loop)
+                return
             llm = self._engine_factory()
             log.info("model loaded in %.1f s; warming up", time.monotonic() - t0)
             t1 = time.monotonic()
@@ -128,6 +143,41 @@ class ServerState:
             loop.call_soon_threadsafe(self._fail, e)
             return
         asyncio.run_coroutine_threadsafe(self._attach(llm), loop)
+
+    def _load_pooling(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loader thread: the pooling model and its engine (server/pooling/); errors go to _load."""
+        mc = self.config.engine.model
+        if not mc.model or not Path(mc.model).expanduser().is_dir():
+            raise ValueError(f"--task {self.task} needs a local model folder (got {mc.model!r})")
+        ec = self.config.engine
+        if ec.device not in ("auto", "cpu"):
+            raise ValueError(f"--task {self.task} runs on the CPU only (got --device {ec.device})")
+        model = load_pooling_model(Path(mc.model).expanduser(), PoolingTask(self.task))
+        engine = PoolingEngine(
+            model, ec.max_num_seqs, max(ec.max_num_batched_tokens, model.max_model_len), ec.num_threads
+        )
+        engine.warmup()
+        loop.call_soon_threadsafe(self.attach_pooling, engine)
+
+    def attach_pooling(self, engine: PoolingEngine) -> None:
+        engine.start()
+        self.pooling = engine
+        self.metrics.pooling_source = lambda: dataclasses.asdict(engine.stats)
+        max_total = min(
+            self.config.max_total_tokens or engine.model.max_model_len, engine.model.max_model_len
+        )
+        self.limits = Limits(max_input_tokens=max_total, max_total_tokens=max_total)
+        if self.phase is Phase.LOADING:
+            self.phase = Phase.READY
+        log.info(
+            "ready: model=%s task=%s parameters=%.1fM max_input_tokens=%d url=http://%s:%d",
+            self.model_name,
+            self.task,
+            engine.model.num_parameters / 1e6,
+            max_total,
+            self.config.host,
+            self.config.port,
+        )
 
     def _fail(self, e: BaseException) -> None:
         self.load_error = e
@@ -204,13 +254,20 @@ class ServerState:
         )
 
     # ---- admission and drain --------------------------------------------------------------------
-    def admit(self) -> Slot:
-        """Admits a generation request or raises at once (no waiting queue in front of the engine)."""
+    def admit(self, task: str = "generate") -> Slot:
+        """Admits a request for `task` (generate, embed, score) or raises at once (no waiting queue in
+        front of the engine); a request for another task than the model's is a 400."""
+        if task != self.task:
+            raise APIError(
+                ErrorKind.VALIDATION,
+                f"the served model {self.model_name} serves task {self.task!r}, not {task!r} "
+                "(the server's --task)",
+            )
         if self.phase is Phase.LOADING:
             raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading; retry when /ready returns 200")
         if self.phase is Phase.DRAINING:
             raise APIError(ErrorKind.UNAVAILABLE, "the server is shutting down")
-        if self.phase is Phase.FAILED or self.engine is None or not self.engine.alive:
+        if self.phase is Phase.FAILED or not self.alive or (self.engine is None and self.pooling is None):
             raise APIError(ErrorKind.INCOMPLETE, "the engine is not running")
         if self.in_flight >= self.config.max_concurrent_requests:
             raise APIError(
@@ -242,6 +299,8 @@ class ServerState:
         return self.in_flight == 0
 
     async def shutdown(self) -> None:
+        if self.pooling is not None:
+            await self.pooling.shutdown()
         if self.engine is not None:
             await self.engine.shutdown()
 

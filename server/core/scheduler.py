@@ -3,6 +3,13 @@
 Plain Python. Each `schedule()` returns a SchedulerOutput; the engine runs it and hands the sampled
 tokens back through `update_from_output()`. Long prompts are split into chunks (chunked prefill);
 when blocks run out the most recently admitted running request is preempted and later recomputed.
+
+While any running request is decoding, a step's prefill tokens (all prompt chunks together) are capped
+at `long_prefill_token_threshold`: a step's time grows with its tokens, so one 2048-token chunk beside
+32 decodes would hold every stream's next token for the whole chunk (ITL spikes). With no decode
+running the whole budget goes to prompts (time to first token of a burst is unchanged). vLLM's
+`long_prefill_token_threshold` caps each request's chunk; ours caps the step's prefill share, which
+also bounds many short prompts arriving together.
 """
 
 from __future__ import annotations
@@ -25,8 +32,14 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     max_loras: int = 0  # distinct LoRA adapters among running requests; 0 = LoRA disabled
+    # While decodes run, at most this many prompt tokens per step (0 = no cap beyond the budget).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+            )
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_num_batched_tokens < 1:
@@ -93,12 +106,22 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         now = time.monotonic()
+        threshold = self.config.long_prefill_token_threshold
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        # Prompt tokens this step may still take (the cap applies only beside running decodes).
+        # (Without chunked prefill a prompt runs whole or not at all: a cap would starve long ones.)
+        capped = threshold and decoding and self.config.enable_chunked_prefill
+        prefill_left = threshold if capped else budget
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert num_new > 0, "a running request always has at least one token to compute"
+            remaining = req.num_tokens - req.num_computed_tokens
+            assert remaining > 0, "a running request always has at least one token to compute"
+            if remaining > 1 and prefill_left <= 0:
+                i += 1  # a prompt chunk beyond this step's prefill share: next step
+                continue
+            num_new = min(remaining, budget, prefill_left) if remaining > 1 else 1
             spec = self._drafts_to_verify(req, num_new, budget)
             blocks = self.kv.allocate_slots(req, num_new + len(spec))
             if blocks is None and spec:
@@ -115,6 +138,8 @@ class Scheduler:
                 break
             scheduled.append(self._scheduled(req, num_new, blocks, spec))
             budget -= num_new + len(spec)
+            if remaining > 1:
+                prefill_left -= num_new
             i += 1
 
         # Admit waiting requests only when nobody was preempted: otherwise they would thrash.
@@ -125,6 +150,7 @@ class Scheduler:
         while (
             w < len(self.waiting)
             and budget > 0
+            and prefill_left > 0
             and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
@@ -141,9 +167,9 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(req) if use_cache else None
             num_cached = computed.num_tokens if computed else 0
             num_new = req.num_tokens - req.num_computed_tokens - num_cached
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            if num_new > min(budget, prefill_left) and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget, prefill_left)
             blocks = self.kv.allocate_slots(req, num_new, computed)
             if blocks is None:
                 break
@@ -154,6 +180,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new, blocks))
             budget -= num_new
+            prefill_left -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget

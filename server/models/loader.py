@@ -32,8 +32,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from server.config import default_cache_dir
+from server.cpu_features import CpuFeatures, apply_disable
 from server.models.arch import ArchConfig, UnsupportedModelError
 from server.models.llama import LlamaForCausalLM
+from server.native import KernelBuildError, usable_cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -296,10 +298,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def cpu_has_native_bf16() -> bool:
     """bf16 pays off on CPUs with AVX512-BF16 or AMX (1.2-1.7x over fp32); on AVX2-only CPUs torch
-    emulates it and a bf16 matmul is ~5x slower than fp32 (measured on our CI's AMD EPYC)."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, c)()) for c in checks if hasattr(cpu, c))
+    emulates it and a bf16 matmul is ~5x slower than fp32 (measured on our CI's AMD EPYC).
+
+    Reads what the OS lets this process use (server/native.usable_cpu_features: CPUID gated by XCR0
+    and the AMX permission, minus KUBEINFER_CPU_DISABLE). Only where the probe cannot be built (no
+    compiler) does it fall back to torch's own check, still under KUBEINFER_CPU_DISABLE."""
+    try:
+        features = usable_cpu_features()
+    except (KernelBuildError, OSError) as e:
+        log.info("CPU feature probe unavailable (%s); asking torch", e)
+        cpu = getattr(torch, "cpu", None)
+        torch_says = CpuFeatures(
+            avx512f=True,
+            avx512_bf16=bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()),
+            amx_tile=True,
+            amx_bf16=bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()),
+        )
+        features = apply_disable(torch_says)
+    return features.avx512_bf16 or features.amx_bf16
 
 
 # A checkpoint tensor's name -> (dim, start, end) to read only that slice, or None for all of it.

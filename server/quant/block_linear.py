@@ -8,7 +8,9 @@ Paths (the compiled kernel, server/quant/csrc/qlinear.cpp):
 - M rows of x below GEMM_MIN_ROWS: the kernel: GEMV for M <= 4 (cpu_qlinear.GEMV_MAX_ROWS), above that
   its register-blocked GEMM on 12-row panels of W dequantized once per call (per chunk of x rows);
 - prefill-sized M: W dequantized in slices of rows into a scratch buffer, each multiplied by torch's
-  fp32 GEMM (MKL/oneDNN). From M = 256 up the two measured within noise of each other on this shared
+  fp32 GEMM (MKL/oneDNN). `_dequant_gemm(compute=torch.bfloat16)` runs it in bf16 (x and the slice
+  rounded to bf16, the bf16 result widened to fp32); not chosen by serving yet (benchmarks/cpu_ceilings.py
+  measures it against fp32; engine-level parity in bf16 is not checked yet). From M = 256 up the two measured within noise of each other on this shared
   machine (benchmarks/cpu_qlinear.py `crossover`); 512 keeps the large prefill chunks on the library GEMM;
 - no compiler: the plain-torch reference (dequantize, then matmul), slower but the same function.
 """
@@ -114,17 +116,24 @@ class BlockQuantLinear(QuantLinear):
             y = self.kernel.linear(x2, w, self.bias)
         return y.reshape(*lead, self.out_features).to(dtype)
 
-    def _dequant_gemm(self, x: Tensor, w: BlockQuantWeight, kernel: QLinearKernel) -> Tensor:
-        # x: [M, K] -> [M, N]
+    def _dequant_gemm(
+        self, x: Tensor, w: BlockQuantWeight, kernel: QLinearKernel, compute: torch.dtype = torch.float32
+    ) -> Tensor:
+        # x: [M, K] fp32 -> [M, N] fp32. compute=bfloat16: x and each dequantized slice rounded to bf16,
+        # multiplied by torch's bf16 GEMM (bf16 result, widened to fp32): AVX512-BF16/AMX do 3x the
+        # fp32 FLOP/s (docs/benchmarks.md).
         m, k, n = x.shape[0], self.in_features, self.out_features
         x = x.contiguous()
+        xc = x if compute == torch.float32 else x.to(compute)
         out = torch.empty(m, n)
         rows = max(16, SLICE_BYTES // (4 * k))
         scratch = torch.empty(min(rows, n), k)
         for n0 in range(0, n, rows):
             r = min(rows, n - n0)
             tile = kernel.dequantize_rows(w, start=n0, count=r, out=scratch[:r])
-            if r == n:
+            if compute != torch.float32:
+                out[:, n0 : n0 + r] = xc @ tile.to(compute).t()
+            elif r == n:
                 torch.mm(x, tile.t(), out=out)
             else:
                 out[:, n0 : n0 + r] = x @ tile.t()

@@ -44,12 +44,12 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
-from server.native import KernelBuildError, NativeSource, load_library
+from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
@@ -375,7 +375,7 @@ class QLinearKernel:
 
     lib: ctypes.CDLL
     path: Path
-    isa: str  # "avx512" (chosen at run time), "avx2" or "portable": the code path this build runs here
+    isa: str  # "avx512" (usable_cpu_features().avx512f), "avx2" or "portable": the path this build runs here
 
     def linear(
         self,
@@ -475,6 +475,11 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     lib.kubeinfer_qlinear_has_avx512_path.restype = i32
     lib.kubeinfer_qlinear_set_gemv_max_rows.restype = None
     lib.kubeinfer_qlinear_set_gemv_max_rows.argtypes = [i64]
+    lib.kubeinfer_qlinear_set_avx512.restype = None
+    lib.kubeinfer_qlinear_set_avx512.argtypes = [i32]
+    # AVX-512 only where the OS enabled its state and KUBEINFER_CPU_DISABLE leaves it on (never cpuinfo
+    # or CPUID alone); the AVX2 path otherwise.
+    lib.kubeinfer_qlinear_set_avx512(int(usable_cpu_features(cache_dir).avx512f))
     return QLinearKernel(lib, path, lib.kubeinfer_qlinear_isa().decode())
 
 

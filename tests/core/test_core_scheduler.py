@@ -140,3 +140,55 @@ def test_config_validation() -> None:
         SchedulerConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="chunked"):
         SchedulerConfig(max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=False)
+
+
+def _rows(out: SchedulerOutput) -> dict[str, int]:
+    return {i.request.request_id: i.num_new_tokens for i in out.scheduled}
+
+
+def test_decodes_run_every_step_while_a_long_prompt_arrives() -> None:
+    """Issue 31: a step's prefill share is bounded while streams decode, so each decode's next token
+    waits for at most `long_prefill_token_threshold` prompt tokens, not the whole budget."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, long_prefill_token_threshold=8
+    )
+    s = Scheduler(cfg, KVCacheManager(128, 4, False))
+    for n in range(3):
+        s.add_request(req(f"d{n}", 5, max_tokens=50))
+    first = run_step(s)  # nobody decodes yet: the prompts take the whole budget
+    assert _rows(first) == {"d0": 5, "d1": 5, "d2": 5}
+    s.add_request(req("long", 100, max_tokens=2))
+    s.add_request(req("short", 6, max_tokens=2))
+    prompt_done = 0
+    for _ in range(20):
+        out = run_step(s)
+        rows = _rows(out)
+        assert all(rows.get(f"d{n}") == 1 for n in range(3)), rows  # every stream, every step
+        prefill = sum(v for k, v in rows.items() if not k.startswith("d"))
+        assert prefill <= 8, rows
+        prompt_done += prefill
+    # The prompts still make progress at the capped rate (all 8 prompt tokens used each step).
+    assert prompt_done == 20 * 8 or "long" not in s.requests
+
+
+def test_prefill_cap_off_or_idle_uses_the_whole_budget() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
+    s = Scheduler(cfg, KVCacheManager(128, 4, False))
+    s.add_request(req("d", 5, max_tokens=50))
+    run_step(s)
+    s.add_request(req("long", 100))
+    assert _rows(run_step(s)) == {"d": 1, "long": 63}  # 0 = no cap (the old behaviour)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    # Without chunked prefill there is no cap (a prompt runs whole or never).
+    whole = SchedulerConfig(
+        max_num_batched_tokens=256,
+        max_model_len=256,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=8,
+    )
+    s = Scheduler(whole, KVCacheManager(128, 4, False))
+    s.add_request(req("d", 5, max_tokens=50))
+    run_step(s)
+    s.add_request(req("long", 100))
+    assert _rows(run_step(s)) == {"d": 1, "long": 100}

@@ -7,6 +7,7 @@ puts this directory on sys.path).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import yaml
 from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to spot no-op patches
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
 from kmock_crd import crd_refusal
-from kmock_params import body_error, query_error
+from kmock_params import body_error, options_error, query_error
 from kmock_replace import is_replace, serve_replace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -304,11 +305,20 @@ def hadolint_binary() -> str | None:
 class MockApiServer(kmock.KubernetesEmulator):
     """kmock plus the API-server behaviours Helm and the operator rely on."""
 
+    _list_rv = itertools.count(1)  # shared by every instance: any increasing integer will do
+
     async def _serve_server_version(self, request: Any) -> Any:
         # kmock reports 1.26; the chart needs 1.30 (kubeVersion), the oldest release we support.
         doc = dict(await super()._serve_server_version(request))
         doc.update({"major": "1", "minor": "30", "gitVersion": "v1.30.0"})
         return doc
+
+    async def _serve_list(self, request: Any) -> Any:
+        # kmock lists with resourceVersion "...", which kopf echoes in its watch; the API server lists
+        # with an integer one and refuses anything else in a watch (kmock_params.options_error).
+        payload = await super()._serve_list(request)
+        payload["metadata"]["resourceVersion"] = str(next(self._list_rv))
+        return payload
 
     async def _serve_version(self, request: Any) -> Any:
         doc = await super()._serve_version(request)
@@ -322,6 +332,16 @@ class MockApiServer(kmock.KubernetesEmulator):
             method = str(getattr(request.method, "value", request.method)).upper()
             content_type = request.headers.get("Content-Type") or ""
             refused = body_error(method, content_type, request.resource.group, request.data)
+            if refused is None:
+                collection = request.resource.plural is not None and request.name is None
+                refused = options_error(
+                    method,
+                    request.params,
+                    content_type,
+                    request.resource.group,
+                    request.data,
+                    collection=collection,
+                )
         writes_crd = (
             request.resource is not None
             and request.subresource is None

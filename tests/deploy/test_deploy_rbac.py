@@ -25,7 +25,7 @@ from typing import Any
 import kmock
 import pytest
 from deploy_helpers import HelmInstall, MockApiServer, helm_install, helm_python, helm_skip_reason
-from kubeinfer_operator.render import render_all
+from kubeinfer_operator.render_activator import render_activator_role
 from kubeinfer_operator.spec import InferenceModel
 from kubernetes.config import kube_config
 
@@ -474,36 +474,20 @@ def test_every_request_of_the_operator_is_allowed(
     assert not missing, f"the chart's ClusterRole and leader election Role lack {sorted(missing)}"
 
 
-def granted_by_the_operator() -> set[Perm]:
-    """What the Roles the operator renders grant: the router's (pods), and the activator's of a model
-    that scales to zero without an autoscaler (its workload's scale subresource, one node or several)."""
-    scale_to_zero = {"minReplicas": 0, "replicas": 1}
-    specs: list[dict[str, Any]] = [
-        {"model": {"uri": "hf://org/tiny"}, "scaling": {"replicas": 2}, "routing": {"enabled": True}},
-        {"model": {"uri": "hf://org/tiny"}, "scaling": scale_to_zero},
-        {
-            "model": {"uri": "hf://org/tiny"},
-            "scaling": scale_to_zero,
-            "parallelism": {"nodes": 2},
-            "engine": {"tensorParallelSize": 2},
-            "resources": {"gpu": {"count": 1}},
-        },
-    ]
-    out: set[Perm] = set()
-    for spec in specs:
-        objects = render_all(InferenceModel.from_manifest(model("g", spec))).objects
-        for role in (o for o in objects if o["kind"] == "Role"):
-            out |= granted(role)
-    return out
-
-
 def test_every_granted_permission_is_used(
     operator_permissions: set[Perm], clusterrole: dict[str, Any], lease_role: dict[str, Any]
 ) -> None:
-    # RBAC lets the operator grant a Role (the router's, an activator's) only what it holds itself.
-    held_to_grant = granted_by_the_operator()
-    assert {("", "pods", "list"), ("apps", "deployments/scale", "patch")} <= held_to_grant
-    assert ("leaderworkerset.x-k8s.io", "leaderworkersets/scale", "patch") in held_to_grant
+    # RBAC lets the operator grant the router's Role (list/watch pods) and a scale-to-zero activator's
+    # (its workload's scale subresource) only if it holds them itself.
+    held_to_grant = {("", "pods", verb) for verb in ("get", "list", "watch")}
+    for spec in ({}, {"parallelism": {"nodes": 2}, "engine": {"tensorParallelSize": 2}}):
+        doc = {
+            "apiVersion": "kubeinfer.dev/v1alpha1",
+            "kind": "InferenceModel",
+            "metadata": {"name": "m", "namespace": "ns"},
+            "spec": {"model": {"uri": "hf://o/m"}, "scaling": {"minReplicas": 0, "replicas": 1}, **spec},
+        }
+        held_to_grant |= granted(render_activator_role(InferenceModel.from_manifest(doc)))
     unused = granted(clusterrole) - operator_permissions - held_to_grant
     assert not unused, f"granted but never used: {sorted(unused)}"
     assert granted(lease_role) == {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}

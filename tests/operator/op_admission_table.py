@@ -28,6 +28,7 @@ PSS_VOLUMES = "volume types of the restricted Pod Security Standard"
 LOADER_ENV = "pod.env must not set a variable that changes what the loader or interpreter runs"
 ENV_FROM = "pod.envFrom entries need a prefix that no refused variable name starts with"
 TRUST_REMOTE_CODE = "engine.extraArgs must not contain --trust-remote-code"
+UNKNOWN_FLAG = "engine.extraArgs may contain only flags of the server that the operator does not manage"
 
 LONG_NAME = "a-very-long-inference-model-name-for-a-fine-tuned-llama-3.1-8b-instruct"  # 72 chars
 
@@ -125,7 +126,8 @@ ADMISSION: list[Row] = [
     Row(
         "cache-shared-bad-mode",
         _s(cache={"mode": "Shared", "size": "1Gi", "accessModes": ["ReadOnlyMany"]}),
-        "is not one of",
+        'spec.cache.accessModes[0]: Unsupported value: "ReadOnlyMany": supported values: "ReadWriteMany", '
+        '"ReadWriteOnce", "ReadWriteOncePod"',
     ),
     # image and flags
     Row("image-ok", _s(engine={"image": "registry.local:5000/ml/server:1.2@sha256:" + "a" * 64}), None),
@@ -146,10 +148,26 @@ ADMISSION: list[Row] = [
         _s(engine={"extraArgs": ["--nnodes=2"]}),
         "must not set a flag the operator manages",
     ),
-    Row("unmanaged-flag", _s(engine={"extraArgs": ["--seed=1"]}), None),
+    # issue 25 item 3: a flag the server's parser refuses (vLLM-only, a typo, an abbreviation) is
+    # refused at admission instead of crash-looping the pod; values are separate arguments
+    Row("unknown-flag", _s(engine={"extraArgs": ["--seed=1"]}), UNKNOWN_FLAG),
+    Row("unknown-flag-split", _s(engine={"extraArgs": ["--gpu-memory-utilization", "0.9"]}), UNKNOWN_FLAG),
+    Row("flag-abbreviation", _s(engine={"extraArgs": ["--mod=x"]}), UNKNOWN_FLAG),
+    Row("server-flag", _s(engine={"extraArgs": ["--max-num-batched-tokens=4096"]}), None),
+    Row("server-flag-value", _s(engine={"extraArgs": ["--block-size", "32", "--no-ui"]}), None),
+    Row(
+        "managed-flag-negated",
+        _s(engine={"extraArgs": ["--no-enable-prefix-caching"]}),
+        "must not set a flag the operator manages",
+    ),
+    Row(
+        "managed-admin-key",
+        _s(engine={"extraArgs": ["--admin-api-key=k"]}),
+        "must not set a flag the operator manages",
+    ),
     # resources
     Row("cpu-half", _s(resources={"cpu": "0.5", "memory": "1.5Gi"}), None),
-    Row("cpu-negative", _s(resources={"cpu": "-1"}), "does not match"),
+    Row("cpu-negative", _s(resources={"cpu": "-1"}), "spec.resources.cpu in body should match '^(\\+)?"),
     Row("cpu-negative-int", _s(resources={"cpu": -2}), "resources.cpu must not be negative"),
     Row("memory-negative-int", _s(resources={"memory": -2}), "resources.memory must not be negative"),
     Row("cache-negative", _s(cache={"sizeLimit": -1}), "cache.sizeLimit must not be negative"),

@@ -33,7 +33,7 @@ import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
-from kmock_params import body_error, query_error
+from kmock_params import body_error, options_error, query_error
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
@@ -142,6 +142,8 @@ def _now() -> str:
 class ApiServer(KubernetesEmulator):
     faults: list[Fault] = attrs.field(factory=list)
     watch_drops: list[WatchDrop] = attrs.field(factory=list)
+    # Answer every watch with this error, as a real API server answers a watch it cannot parse (issue 29 F3).
+    refused_watch: KubernetesError | None = None
     _rv: Any = attrs.field(factory=lambda: itertools.count(1000))
     namespace_store: Namespaces = attrs.field(factory=Namespaces)
 
@@ -176,12 +178,31 @@ class ApiServer(KubernetesEmulator):
         meta["generation"] = 1
         meta["resourceVersion"] = str(next(self._rv))
 
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        # kmock lists with resourceVersion "...", which kopf echoes in its watch; the API server lists
+        # with an integer one and refuses anything else in a watch (kmock_params.options_error).
+        payload: Any = await super()._serve_list(request)
+        payload["metadata"]["resourceVersion"] = str(next(self._rv))
+        return payload
+
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
         if refused is None and request.resource is not None:
             method = str(getattr(request.method, "value", request.method)).upper()
             content_type = request.headers.get("Content-Type") or ""
             refused = body_error(method, content_type, request.resource.group, request.data)
+            if refused is None:
+                collection = request.resource.plural is not None and request.name is None
+                refused = options_error(
+                    method,
+                    request.params,
+                    content_type,
+                    request.resource.group,
+                    request.data,
+                    collection=collection,
+                )
+        if refused is None and request.action == enums.action.WATCH:
+            refused = self.refused_watch
         if refused is not None:
             raise refused
         fault = self._match_fault(request)

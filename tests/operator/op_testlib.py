@@ -166,10 +166,21 @@ def _cel_failures(schema: dict[str, Any], value: Any) -> list[str]:
     return failures
 
 
+def _go_quote(value: Any) -> str:
+    """A value as Go's %q / %v print it in the API server's field errors (strings JSON-quoted)."""
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
 def _schema_error(e: jsonschema.ValidationError) -> str:
     path = ".".join(map(str, e.absolute_path))
-    # The size bounds in the API server's words (seen on v1.36.2), the rest in jsonschema's.
+    # The size bounds, enums and patterns in the API server's words (seen on v1.36.2), the rest in
+    # jsonschema's.
     api_path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".")
+    if e.validator == "enum":
+        supported = ", ".join(_go_quote(v) for v in e.validator_value)
+        return f"{api_path}: Unsupported value: {_go_quote(e.instance)}: supported values: {supported}"
+    if e.validator == "pattern":
+        return f"{api_path} in body should match '{e.validator_value}'"
     if e.validator in ("maxItems", "maxProperties"):
         return f"{api_path}: Too many: {len(e.instance)}: must have at most {e.validator_value} items"
     if e.validator == "maxLength":

@@ -97,7 +97,11 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("image-path", {"model": {"uri": "/opt/models/tiny"}}, None),
     ("cpu-only", {"model": HF, "resources": {"gpu": {"count": 0}}}, None),
     ("unknown-field", {"model": HF, "replicas": 2}, "Additional properties"),
-    ("bad-enum", {"model": HF, "engine": {"quantization": "q4_k_m"}}, "is not one of"),
+    (
+        "bad-enum",
+        {"model": HF, "engine": {"quantization": "q4_k_m"}},
+        'spec.engine.quantization: Unsupported value: "q4_k_m": supported values: "awq", "gptq", ',
+    ),
     ("negative-replicas", {"model": HF, "scaling": {"replicas": -1}}, "minimum"),
     ("zero-target", {"model": HF, "scaling": {"target": 0}}, "less than or equal to the minimum"),
     ("no-uri", {"model": {}}, "'uri' is a required property"),
@@ -196,7 +200,7 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     (
         "speculative-method",
         {"model": HF, "engine": {"speculative": {"method": "eagle", "numSpeculativeTokens": 3}}},
-        "is not one of",
+        'spec.engine.speculative.method: Unsupported value: "eagle": supported values: "ngram", "draft_model"',
     ),
     (
         "speculative-draft-ok",

@@ -86,6 +86,7 @@ def test_deployment_args_follow_the_spec() -> None:
             "engine": {
                 "quantization": "awq",
                 "dtype": "float16",
+                "task": "embed",
                 "maxModelLen": 4096,
                 "maxNumSeqs": 32,
                 "maxConcurrentRequests": 100,
@@ -101,6 +102,7 @@ def test_deployment_args_follow_the_spec() -> None:
     assert flag(args, "--served-model-name") == "chat"
     assert flag(args, "--quantize") == "awq"
     assert flag(args, "--dtype") == "float16"
+    assert flag(args, "--task") == "embed"
     assert flag(args, "--max-total-tokens") == "4096"
     assert flag(args, "--max-num-seqs") == "32"
     assert flag(args, "--max-concurrent-requests") == "100"
@@ -115,6 +117,7 @@ def test_deployment_leaves_optional_flags_out() -> None:
     args = container(render_deployment(make({"model": HF, "engine": {"enablePrefixCaching": False}})))["args"]
     for name in (
         "--quantize",
+        "--task",  # auto: the server reads the model's config.json
         "--max-total-tokens",
         "--max-num-seqs",
         "--max-concurrent-requests",

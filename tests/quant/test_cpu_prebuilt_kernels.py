@@ -84,4 +84,19 @@ def test_each_level_this_cpu_runs_loads_without_a_compiler_and_matches_the_refer
 def test_prebuild_command_builds_every_kernel_for_every_level(prebuilt: Path) -> None:
     built = sorted((p.parent.name, p.name.split("-")[0]) for p in prebuilt.rglob("*.so"))
     kernels = ("cpu_fused", "paged_decode", "qlinear")
-    assert built == sorted((v.march, k) for v in native.VARIANTS for k in kernels)
+    # and the CPU probe once, for any x86-64 CPU: it picks the level
+    expected = [(v.march, k) for v in native.VARIANTS for k in kernels] + [(native.ANY.march, "cpu_probe")]
+    assert built == sorted(expected)
+
+
+def test_a_level_the_os_has_not_enabled_is_not_chosen(
+    prebuilt: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # cpuinfo lists AVX-512 (as a VM that does not enable its state would), the probe says unusable
+    monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
+    monkeypatch.setattr(native, "cpu_flags", lambda: AVX512)
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512")
+    monkeypatch.setenv("CXX", "no-such-compiler")  # the probe comes prebuilt too
+    assert "avx512f" not in native.runnable_cpu_flags(tmp_path / "cache")
+    _, path = native.load_library(cq.NATIVE, tmp_path / "cache")
+    assert level_of(path) == "x86-64-v3"

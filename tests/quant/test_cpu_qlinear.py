@@ -228,6 +228,27 @@ def test_block_quant_linear_module(fmt: str, m: int, monkeypatch: pytest.MonkeyP
     assert lin.weight_nbytes() == w.nbytes() + 70 * 4
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k"])
+def test_bf16_dequant_gemm_within_bf16_rounding(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 prefill GEMM against the fp64 reference: x and W each rounded to bf16 (relative error
+    <= 2^-9), the result rounded once more (2^-9 of |y|); independent errors over K grow like sqrt(K)."""
+    import server.quant.block_linear as bl
+
+    monkeypatch.setattr(bl, "SLICE_BYTES", 64 * 4 * 16)  # several slices
+    w = make_weight(fmt, 70, 512)
+    k = w.in_features
+    lin = BlockQuantLinear(w, torch.randn(70))
+    assert lin.kernel is not None and lin.bias is not None
+    x = torch.randn(GEMM_MIN_ROWS + 3, k)
+    ref = cq.linear_reference(x.double(), w, lin.bias.double()).float()
+    y = lin._dequant_gemm(x, w, lin.kernel, torch.bfloat16)
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = (y - ref).abs().max().item()
+    scale = (x.abs().mean() * cq.dequantize_reference(w).abs().mean()).item()
+    assert err <= 4 * 2**-8 * scale * k**0.5 + 2**-8 * ref.abs().max().item(), err
+    assert not torch.equal(y, lin._dequant_gemm(x, w, lin.kernel))  # it did compute in bf16
+
+
 def test_fused_module_computes_the_parts_side_by_side() -> None:
     a, b = (
         BlockQuantLinear(make_weight("q4_1", 12, 64, seed=1)),

@@ -63,7 +63,9 @@ def test_graph_is_bit_identical_to_the_python_path(tiny_q41: Path, cache: Path) 
 def test_graph_records_only_what_it_can_run(tiny_q41: Path, tiny_model_factory, cache: Path) -> None:  # type: ignore[no-untyped-def]
     # Dense fp32 projections (oneDNN-packed) are not the block kernel's: the Python path serves.
     dense = LLMEngine(
-        EngineConfig(model=ModelConfig(model=str(tiny_model_factory("llama")), cache_dir=cache))
+        EngineConfig(
+            model=ModelConfig(model=str(tiny_model_factory("llama")), dtype="float32", cache_dir=cache)
+        )
     )
     _generate(dense, graph=True)
     assert dense.loaded.model._decode_graph is not None and dense.loaded.model._decode_graph[1] is None

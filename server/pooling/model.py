@@ -1,0 +1,166 @@
+"""Loads a pooling model from a Hugging Face / sentence-transformers folder.
+
+`task` embed: BertModel (architectures BertModel / BertForMaskedLM / no head) + the folder's pooling;
+`task` score: BertForSequenceClassification (a cross-encoder). Weights come from model.safetensors
+(with or without the `bert.` prefix); `embeddings.position_ids` buffers are skipped.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from .bert import BertConfig, BertForSequenceClassification, BertModel
+from .pooler import PoolingConfig, PoolingMode
+
+
+class PoolingTask(enum.StrEnum):
+    EMBED = "embed"
+    SCORE = "score"  # cross-encoder: one score per (query, document) pair; /classify too
+
+
+_ENCODER_ARCHS = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
+_CLASSIFIER_ARCHS = {"BertForSequenceClassification"}
+# our generative architectures (server/models/arch.py) served as last-token embedders (pooling/decoder.py)
+_DECODER_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+def detect_task(folder: Path) -> PoolingTask | None:
+    """The pooling task a folder's config.json implies, or None for a generative model."""
+    cfg = json.loads((folder / "config.json").read_text())
+    archs = set(cfg.get("architectures") or [])
+    if archs & _CLASSIFIER_ARCHS:
+        return PoolingTask.SCORE
+    if archs & _ENCODER_ARCHS or (not archs and cfg.get("model_type") == "bert"):
+        return PoolingTask.EMBED
+    if archs & _DECODER_ARCHS and (folder / "modules.json").is_file():
+        return PoolingTask.EMBED  # a sentence-transformers folder around a decoder (gte-Qwen2 style)
+    return None
+
+
+@dataclass
+class PoolingModel:
+    """A loaded pooling model. `forward(ids, types, mask)` gives `[batch, dim]` pooled float32 vectors
+    (embed, before normalization) or `[batch, num_labels]` float32 logits (score)."""
+
+    task: PoolingTask
+    module: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    pooling: PoolingConfig
+    max_model_len: int
+    hidden_size: int
+    num_labels: int
+    id2label: dict[int, str]
+    dtype: torch.dtype
+    num_parameters: int
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        if self.task is PoolingTask.SCORE:
+            return self.module(input_ids, token_type_ids, mask).float()
+        from .pooler import pool
+
+        return pool(self.module(input_ids, token_type_ids, mask), mask, self.pooling.mode)
+
+
+def load_pooling_model(
+    folder: Path, task: PoolingTask | None = None, dtype: torch.dtype = torch.float32
+) -> PoolingModel:
+    """Raises ValueError when the folder is not a supported pooling model for `task`."""
+    cfg = json.loads((folder / "config.json").read_text())
+    archs = set(cfg.get("architectures") or [])
+    if task in (None, PoolingTask.EMBED) and archs & _DECODER_ARCHS:
+        return _load_decoder(folder, cfg, dtype)
+    found = detect_task(folder)
+    if found is None:
+        raise ValueError(
+            f"{folder}: architectures {cfg.get('architectures')} are not a supported pooling model"
+        )
+    task = task or found
+    if cfg.get("model_type", "bert") != "bert":
+        raise ValueError(f"model_type {cfg.get('model_type')!r} is not supported by the BERT encoder")
+    if task is PoolingTask.SCORE and found is not PoolingTask.SCORE:
+        raise ValueError("task score needs a sequence-classification checkpoint (a cross-encoder)")
+    bc = BertConfig.from_dict(cfg)
+    module: nn.Module
+    module = BertForSequenceClassification(bc) if task is PoolingTask.SCORE else BertModel(bc)
+    state = load_file(str(folder / "model.safetensors"))
+    state = {k: v for k, v in state.items() if not k.endswith("position_ids")}
+    if task is PoolingTask.EMBED:
+        state = {k.removeprefix("bert."): v for k, v in state.items()}
+        state = {k: v for k, v in state.items() if k.startswith(("embeddings.", "encoder."))}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    module = module.to(dtype).eval()
+    pooling = PoolingConfig.from_folder(folder, PoolingMode.CLS, cfg)
+    max_len = min(pooling.max_seq_length or bc.max_position_embeddings, bc.max_position_embeddings)
+    labels = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+    return PoolingModel(
+        task=task,
+        module=module,
+        tokenizer=AutoTokenizer.from_pretrained(str(folder)),
+        pooling=pooling,
+        max_model_len=max_len,
+        hidden_size=bc.hidden_size,
+        num_labels=bc.num_labels,
+        id2label=labels or {i: f"LABEL_{i}" for i in range(bc.num_labels)},
+        dtype=dtype,
+        num_parameters=sum(p.numel() for p in module.parameters()),
+    )
+
+
+def resolve_task(model: str | None, task: str) -> str:
+    """`--task` resolved before loading: `generate`, `embed` or `score`. auto: a local folder whose
+    config.json names a BERT encoder embeds, a BERT sequence classifier scores, anything else generates."""
+    if task != "auto":
+        return task
+    if not model:
+        return "generate"
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        return "generate"
+    found = detect_task(folder)
+    return found.value if found is not None else "generate"
+
+
+def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
+    """A Llama/Mistral/Qwen2 checkpoint as an embedder: last-token pooling and L2 normalization unless
+    the folder's modules.json says otherwise (vLLM's default for decoder embedders too)."""
+    from server.models.loader import load_model
+
+    from .decoder import DecoderEncoder
+
+    max_pos = int(cfg.get("max_position_embeddings") or 8192)
+    pooling = PoolingConfig.from_folder(folder, PoolingMode.LAST, cfg)
+    if not (folder / "modules.json").is_file():
+        pooling = PoolingConfig(
+            mode=PoolingMode.LAST, normalize=True, matryoshka_dimensions=pooling.matryoshka_dimensions
+        )
+    max_len = min(pooling.max_seq_length or max_pos, max_pos)
+    loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len)
+    module = DecoderEncoder(loaded.model).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return PoolingModel(
+        task=PoolingTask.EMBED,
+        module=module,
+        tokenizer=tok,
+        pooling=pooling,
+        max_model_len=max_len,
+        hidden_size=int(cfg["hidden_size"]),
+        num_labels=1,
+        id2label={},
+        dtype=dtype,
+        num_parameters=loaded.num_parameters,
+    )
