@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .adapters import desired_adapters, runtime_updates
-from .render import CONTAINER_NAME, SERVER_PORT
+from .common import CONTAINER_NAME, SERVER_PORT
 from .spec import InferenceModel
 
 RUNTIME_FLAG = "--allow-runtime-lora-updating"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from .cache import adapter_path
 from .spec import InferenceModel, model_location
 
 LORA_MODULES_KEY = "LORA_MODULES"
@@ -38,8 +39,6 @@ def configmap_name(im: InferenceModel) -> str:
 def desired_adapters(im: InferenceModel) -> dict[str, str]:
     """name -> the path the server loads (a hub id, fetched into the cache volume, or a folder; with a
     shared cache, a hub adapter's folder the loader Job filled)."""
-    from .cache import adapter_path  # cache.py builds on render.py, which builds on this module
-
     shared = im.spec.cache.shared
     return {
         a.name: (adapter_path(a.uri) if shared else None) or model_location(a.uri).server_model

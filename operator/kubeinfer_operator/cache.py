@@ -18,17 +18,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .defaults import ClusterDefaults
-from .names import MAX_LABEL_LENGTH
-from .pods import diagnose
-from .render import (
+from .common import (
     CACHE_DIR,
     TMP_DIR,
     Manifest,
-    _metadata,
+    child_metadata,
     restricted_container_security_context,
     selector_labels,
 )
+from .defaults import ClusterDefaults
+from .names import MAX_LABEL_LENGTH
+from .pods import diagnose
 from .spec import InferenceModel
 
 # Where the replicas mount the shared claim (read-only); the loader mounts it at CACHE_DIR.
@@ -101,8 +101,8 @@ def loader_selector(im: InferenceModel) -> str:
     return ",".join(f"{k}={v}" for k, v in wanted.items())
 
 
-def _loader_metadata(im: InferenceModel, name: str) -> dict[str, Any]:
-    meta = _metadata(im)
+def _loaderchild_metadata(im: InferenceModel, name: str) -> dict[str, Any]:
+    meta = child_metadata(im)
     meta["name"] = name
     meta["labels"] = {
         **meta["labels"],
@@ -126,7 +126,7 @@ def render_claim(im: InferenceModel) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _loader_metadata(im, claim_name(im)),
+        "metadata": _loaderchild_metadata(im, claim_name(im)),
         "spec": spec,
     }
 
@@ -208,7 +208,7 @@ def render_job(im: InferenceModel, defaults: ClusterDefaults | None = None) -> M
     pull_secrets = defaults.pull_secrets([r.name for r in spec.pod.image_pull_secrets])
     if pull_secrets:
         pod_spec["imagePullSecrets"] = pull_secrets
-    meta = _loader_metadata(im, job_name(im))
+    meta = _loaderchild_metadata(im, job_name(im))
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .lws import workload_api_version, workload_kind, workload_name
-from .render import FIELD_MANAGER
+from .common import FIELD_MANAGER
 from .spec import InferenceModel
+from .workload import workload_api_version, workload_kind, workload_name
 
 HANDOVER_MANAGER = "kubeinfer-operator-handover"
 

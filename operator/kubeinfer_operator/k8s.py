@@ -16,8 +16,8 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.config.config_exception import ConfigException
 
+from .common import FIELD_MANAGER
 from .leader import LeaseConflictError
-from .render import FIELD_MANAGER
 from .spec import API_VERSION, PLURAL
 
 
@@ -45,6 +45,8 @@ KINDS: dict[str, KindInfo] = {
     "LeaderWorkerSet": KindInfo("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
+    # read to leave a terminating namespace alone (reconciler.py)
+    "Namespace": KindInfo("v1", "namespaces"),
     # leader election between operator replicas (leader.py)
     "Lease": KindInfo("coordination.k8s.io/v1", "leases"),
     "Event": KindInfo("v1", "events"),
@@ -72,6 +74,12 @@ class ApiError(Exception):
         """Worth retrying: conflicts, throttling, server errors, timeouts, missing namespaces/CRDs
         (which appear later) and RBAC (which an admin may fix). Validation errors (400/422) are not."""
         return self.status not in (400, 422)
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """The API server's NamespaceLifecycle admission refused a create: the namespace is being
+        deleted (403 "... unable to create new content in namespace x because it is being terminated")."""
+        return self.status == 403 and "because it is being terminated" in self.message
 
 
 def object_path(api_version: str, plural: str, namespace: str | None, name: str | None = None) -> str:
@@ -195,6 +203,21 @@ class KubeClient:
             "GET",
             object_path(info.api_version, info.plural, namespace, name),
             action=f"reading {kind} {namespace}/{name}",
+        )
+
+    def namespace_terminating(self, namespace: str) -> bool:
+        """Whether the Namespace is being deleted (deletionTimestamp set, phase Terminating). False when
+        it cannot be read: a reconcile then finds out from the API server's 403 on its first create."""
+        try:
+            ns = self._request(
+                "GET", object_path("v1", "namespaces", None, namespace), f"reading Namespace {namespace}"
+            )
+        except ApiError:
+            return False
+        if ns is None:
+            return False
+        return bool((ns.get("metadata") or {}).get("deletionTimestamp")) or (
+            (ns.get("status") or {}).get("phase") == "Terminating"
         )
 
     def set_scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:

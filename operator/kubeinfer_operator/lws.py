@@ -23,29 +23,35 @@ Pure functions; handlers.reconcile applies the result.
 from __future__ import annotations
 
 import copy
-import hashlib
 from typing import Any
 
-from .defaults import ClusterDefaults
-from .render import (
+from .common import (
     CONTAINER_NAME,
     STARTUP_PROBE_PERIOD_SECONDS,
     Manifest,
     desired_replicas,
-    render_deployment,
     startup_failure_threshold,
 )
+from .defaults import ClusterDefaults
+from .deployment import render_deployment
 from .spec import InferenceModel
+from .workload import LWS_API_VERSION as LWS_API_VERSION
+from .workload import LWS_CRD_NAME as LWS_CRD_NAME
+from .workload import LWS_KIND as LWS_KIND
+from .workload import LWS_PLURAL as LWS_PLURAL
+from .workload import WORKER_INDEX_LABEL as WORKER_INDEX_LABEL
+from .workload import leader_selector_labels as leader_selector_labels
+from .workload import lws_name as lws_name
+from .workload import multi_node as multi_node
+from .workload import scale_target_ref as scale_target_ref
+from .workload import workload_api_version as workload_api_version
+from .workload import workload_kind as workload_kind
+from .workload import workload_name as workload_name
 
-LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
-LWS_KIND = "LeaderWorkerSet"
-LWS_PLURAL = "leaderworkersets"
-LWS_CRD_NAME = f"{LWS_PLURAL}.leaderworkerset.x-k8s.io"
-# Set by the LWS controller on every pod of a group; 0 is the leader.
-WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 # torch's TCPStore on the leader (the server's MASTER_PORT default); gloo/NCCL then open further
 # pod-to-pod connections on ephemeral ports.
 DIST_PORT = 29500
+
 # The Degraded reason while the cluster does not serve the LeaderWorkerSet API.
 CRD_MISSING_REASON = "LeaderWorkerSetCRDMissing"
 CRD_MISSING_MESSAGE = (
@@ -53,33 +59,6 @@ CRD_MISSING_MESSAGE = (
     "does not serve: install the LWS controller (https://github.com/kubernetes-sigs/lws); nothing was "
     "changed, and the model is reconciled once the CRD appears"
 )
-# StatefulSet names above 52 characters break their pods' controller-revision-hash label; the
-# worker StatefulSets are named `<lws>-<group index>`.
-_MAX_BASE = 36
-_HASH = 8
-
-
-def multi_node(im: InferenceModel) -> bool:
-    return im.spec.parallelism.nodes > 1
-
-
-def workload_kind(im: InferenceModel) -> str:
-    """The kind that runs the model's server pods."""
-    return LWS_KIND if multi_node(im) else "Deployment"
-
-
-def lws_name(im: InferenceModel) -> str:
-    """`<child name>-lws`, the child name shortened with a hash of it when too long (a DNS-1035 label)."""
-    base = im.child_name
-    if len(base) > _MAX_BASE:
-        digest = hashlib.sha256(base.encode()).hexdigest()[:_HASH]
-        base = f"{base[: _MAX_BASE - _HASH - 1].rstrip('-')}-{digest}"
-    return f"{base}-lws"
-
-
-def leader_selector_labels(im: InferenceModel) -> dict[str, str]:
-    """Extra labels that pick the pods serving the API: the leaders of a multi-node model (none else)."""
-    return {WORKER_INDEX_LABEL: "0"} if multi_node(im) else {}
 
 
 def _worker_template(template: dict[str, Any], startup_timeout_seconds: int) -> dict[str, Any]:
@@ -154,21 +133,6 @@ def workload_view(lws: dict[str, Any] | None) -> dict[str, Any] | None:
             if key in status
         },
     }
-
-
-def workload_name(im: InferenceModel) -> str:
-    return lws_name(im) if multi_node(im) else im.child_name
-
-
-def workload_api_version(im: InferenceModel) -> str:
-    return LWS_API_VERSION if multi_node(im) else "apps/v1"
-
-
-def scale_target_ref(im: InferenceModel) -> dict[str, str]:
-    """What an HPA or ScaledObject scales: the Deployment, or the LeaderWorkerSet through its scale
-    subresource (whose selector, status.hpaPodSelector, picks the leaders: one metric source per group,
-    the pods that serve the API and its metrics)."""
-    return {"apiVersion": workload_api_version(im), "kind": workload_kind(im), "name": workload_name(im)}
 
 
 def as_workload(kind: str, live: dict[str, Any] | None) -> dict[str, Any] | None:

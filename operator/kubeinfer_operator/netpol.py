@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .common import SERVER_PORT, ChildRef, Manifest, child_metadata, selector_labels
 from .defaults import ClusterDefaults
-from .lws import multi_node
-from .render import SERVER_PORT, ChildRef, Manifest, child_metadata, selector_labels
 from .render_activator import (
     ACTIVATOR_PORT,
     _meta,
@@ -42,6 +41,7 @@ from .routing import (
     wants_router,
 )
 from .spec import InferenceModel
+from .workload import multi_node
 
 KIND = "NetworkPolicy"
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace

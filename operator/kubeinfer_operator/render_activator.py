@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .defaults import ClusterDefaults
-from .lws import multi_node, workload_kind, workload_name
-from .render import (
+from .common import (
     SERVER_PORT,
     Manifest,
-    _promql_string,
     labels,
     owner_reference,
+    promql_string,
     restricted_container_security_context,
 )
+from .defaults import ClusterDefaults
 from .routing import ROUTER_PORT, router_name, wants_router
 from .spec import InferenceModel, Phase
+from .workload import multi_node, workload_kind, workload_name
 
 ACTIVATOR_PORT = 8000
 # What the server admits by default (server/cli.py --max-concurrent-requests).
@@ -249,9 +249,9 @@ def activation_trigger(im: InferenceModel) -> dict[str, Any]:
     assert im.spec.scaling.prometheus_address is not None
     matchers = ",".join(
         [
-            f"namespace={_promql_string(im.namespace)}",
-            f"service={_promql_string(activator_name(im))}",
-            f"model_name={_promql_string(workload_name(im))}",
+            f"namespace={promql_string(im.namespace)}",
+            f"service={promql_string(activator_name(im))}",
+            f"model_name={promql_string(workload_name(im))}",
         ]
     )
     return {

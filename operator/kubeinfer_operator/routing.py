@@ -14,16 +14,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .defaults import ClusterDefaults
-from .render import (
+from .common import (
     SERVER_PORT,
     Manifest,
     labels,
     owner_reference,
     restricted_container_security_context,
-    serving_selector_labels,
 )
+from .defaults import ClusterDefaults
 from .spec import InferenceModel
+from .workload import serving_selector_labels
 
 ROUTER_PORT = 8000
 ROUTER_METRICS_PORT = 29000

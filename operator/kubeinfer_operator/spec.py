@@ -803,7 +803,9 @@ class InferenceModelSpec(_Model):
 
 
 class Condition(_Model):
-    type: Literal["Ready", "Progressing", "Degraded", "MonitoringAvailable", "CacheReady"]
+    type: Literal[
+        "Ready", "Progressing", "Degraded", "MonitoringAvailable", "AutoscalingAvailable", "CacheReady"
+    ]
     status: Literal["True", "False", "Unknown"]
     reason: str
     message: str = ""

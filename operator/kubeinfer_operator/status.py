@@ -3,12 +3,13 @@ outcome of the last reconcile. Pure functions: the caller passes the current tim
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .cache import CacheState
+from .common import desired_replicas, endpoint_url, selector_string
 from .pods import diagnose
-from .render import desired_replicas, endpoint_url, selector_string
 from .render_activator import activator_url, zero_phase
 from .spec import CacheStatus, Condition, InferenceModel, InferenceModelStatus, Phase
 
@@ -24,6 +25,8 @@ class ReconcileOutcome:
     # A precondition outside the spec is missing (e.g. an API the spec needs): nothing was applied.
     blocked_reason: str | None = None
     blocked_message: str = ""
+    # "CRDNotInstalled": the spec's autoscaler API is not served; the workload runs at its floor.
+    autoscaling_skipped_reason: str | None = None
 
 
 def _deployment_condition(deployment: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
@@ -51,6 +54,216 @@ def _desired(im: InferenceModel, deployment: dict[str, Any] | None) -> int:
     return desired_replicas(im)
 
 
+@dataclass(frozen=True)
+class WorkloadCounts:
+    """What the live workload (Deployment, or LeaderWorkerSet as lws.workload_view shapes it) reports."""
+
+    replicas: int
+    ready: int
+    updated: int
+    desired: int  # what the spec (or, autoscaled, the autoscaler's last decision) asks for
+    generation_seen: bool  # the controller has observed the workload's latest spec
+    stuck: dict[str, Any] | None  # Progressing=False (ProgressDeadlineExceeded)
+    replica_failure: dict[str, Any] | None  # ReplicaFailure=True (quota, admission)
+
+
+def workload_counts(im: InferenceModel, deployment: dict[str, Any] | None) -> WorkloadCounts:
+    replicas, ready, updated = _counts(deployment)
+    seen = deployment is not None and (deployment.get("status") or {}).get("observedGeneration", 0) >= (
+        deployment.get("metadata") or {}
+    ).get("generation", 0)
+    progressing = _deployment_condition(deployment, "Progressing")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    return WorkloadCounts(
+        replicas=replicas,
+        ready=ready,
+        updated=updated,
+        desired=_desired(im, deployment),
+        generation_seen=seen,
+        stuck=progressing if progressing is not None and progressing.get("status") == "False" else None,
+        replica_failure=failure if failure is not None and failure.get("status") == "True" else None,
+    )
+
+
+@dataclass(frozen=True)
+class Degradation:
+    """Why the model is Degraded (reason None: it is not), and whether replicas still serve despite it."""
+
+    reason: str | None
+    message: str = ""
+    serving_despite: bool = False
+
+
+def degradation(
+    im: InferenceModel,
+    counts: WorkloadCounts,
+    outcome: ReconcileOutcome,
+    pods: list[dict[str, Any]] | None,
+    prev_conditions: dict[str, dict[str, Any]],
+) -> Degradation:
+    """The first of: an invalid spec, a missing precondition, a failed apply, a stuck rollout, a
+    replica failure, a pod-level reason (the kubelet's, the scheduler's), a failed cache, and having
+    lost every ready replica after serving."""
+    # Pod-level reasons: serving replicas may remain (a bad rollout, one crashing replica).
+    pod_problem = diagnose(pods or []) if not im.spec.suspend else None
+    cache = outcome.cache
+    cache_failed = cache is not None and cache.phase == "Failed"
+    found: tuple[str, str] | None = None
+    if outcome.invalid_spec is not None:
+        found = ("InvalidSpec", outcome.invalid_spec)
+    elif outcome.blocked_reason is not None:
+        found = (outcome.blocked_reason, outcome.blocked_message)
+    elif outcome.apply_error is not None:
+        found = ("ApplyFailed", outcome.apply_error)
+    elif counts.stuck is not None:
+        found = (
+            str(counts.stuck.get("reason") or "ProgressDeadlineExceeded"),
+            str(counts.stuck.get("message") or ""),
+        )
+    elif counts.replica_failure is not None:
+        found = ("ReplicaFailure", str(counts.replica_failure.get("message") or ""))
+    elif pod_problem is not None:
+        found = (pod_problem.reason, pod_problem.message)
+    elif cache is not None and cache_failed:
+        found = (cache.reason, cache.message)
+    elif (
+        _was_serving(prev_conditions)
+        and counts.ready == 0
+        and counts.desired > 0
+        and not im.spec.suspend
+        and not im.spec.scale_to_zero  # woken from zero: Waking (phase_of), not a lost replica
+    ):
+        found = ("NoReadyReplicas", "the model was serving and has no ready replica left")
+    if found is None:
+        return Degradation(None)
+    # Replicas of an earlier load keep serving while a new revision's loader fails.
+    despite = (pod_problem is not None or cache_failed) and counts.ready >= 1
+    return Degradation(found[0], found[1], despite)
+
+
+def phase_of(
+    im: InferenceModel, counts: WorkloadCounts, outcome: ReconcileOutcome, degraded: Degradation
+) -> Phase:
+    if outcome.invalid_spec is not None:
+        return "Failed"
+    if im.spec.suspend:
+        return "Suspended"
+    if degraded.reason is not None and not degraded.serving_despite:
+        return "Degraded"
+    if counts.ready >= 1:
+        phase: Phase = "Ready"
+    elif counts.replicas >= 1:
+        phase = "Loading"
+    else:
+        phase = "Pending"
+    # a scale-to-zero model at or waking from zero replicas: ScaledToZero / Waking (render_activator.py)
+    return zero_phase(im, phase, counts.desired, counts.replicas, counts.ready)
+
+
+# A condition from (type, status, reason, message), keeping the previous transition time.
+MakeCondition = Callable[[str, str, str, str], Condition]
+
+
+def ready_condition(
+    phase: Phase, counts: WorkloadCounts, degraded: Degradation, waiting_for_cache: bool, cond: MakeCondition
+) -> Condition:
+    summary = f"{counts.ready}/{counts.desired} replicas ready"
+    if phase == "Ready":
+        return cond("Ready", "True", "ReplicasReady", summary)
+    reason = {
+        "Failed": "InvalidSpec",
+        "Suspended": "Suspended",
+        "Degraded": degraded.reason or "Degraded",
+        "Loading": "ModelLoading",
+        "Pending": "CacheLoading" if waiting_for_cache else "NoReplicas",
+        "ScaledToZero": "ScaledToZero",
+        "Waking": "Waking",
+    }[phase]
+    return cond("Ready", "False", reason, summary)
+
+
+def progressing_condition(
+    counts: WorkloadCounts,
+    outcome: ReconcileOutcome,
+    deployment: dict[str, Any] | None,
+    waiting_for_cache: bool,
+    cond: MakeCondition,
+) -> Condition:
+    cache = outcome.cache
+    converged = (
+        deployment is not None
+        and counts.generation_seen
+        and counts.updated >= counts.desired
+        and counts.ready >= counts.desired
+        and counts.replicas == counts.desired
+    )
+    if outcome.invalid_spec is not None:
+        return cond("Progressing", "False", "InvalidSpec", "nothing is applied")
+    if waiting_for_cache and cache is not None and cache.phase != "Failed":
+        return cond("Progressing", "True", "CacheLoading", cache.message)
+    if converged:
+        return cond("Progressing", "False", "RolloutComplete", f"{counts.updated} replicas up to date")
+    return cond(
+        "Progressing",
+        "True",
+        "RollingOut",
+        f"{counts.updated}/{counts.desired} replicas updated, {counts.ready} ready",
+    )
+
+
+def degraded_condition(degraded: Degradation, cond: MakeCondition) -> Condition:
+    if degraded.reason is not None:
+        return cond("Degraded", "True", degraded.reason, degraded.message)
+    return cond("Degraded", "False", "AsExpected", "")
+
+
+_MONITORING_SKIPPED = {
+    "CRDNotInstalled": "monitoring.coreos.com/v1 ServiceMonitor is not served by this cluster",
+    "NotApplied": "the ServiceMonitor is wanted but not applied yet (a reconcile is pending)",
+    "Disabled": "spec.monitoring.serviceMonitor.enabled is false",
+}
+
+
+def monitoring_condition(outcome: ReconcileOutcome, cond: MakeCondition) -> Condition:
+    reason = outcome.monitoring_skipped_reason
+    if reason is not None and reason in _MONITORING_SKIPPED:
+        return cond("MonitoringAvailable", "False", reason, _MONITORING_SKIPPED[reason])
+    if outcome.invalid_spec is not None:
+        return cond("MonitoringAvailable", "Unknown", "InvalidSpec", "")
+    return cond("MonitoringAvailable", "True", "ServiceMonitorApplied", "")
+
+
+def autoscaling_condition(im: InferenceModel, outcome: ReconcileOutcome, cond: MakeCondition) -> Condition:
+    """For an autoscaled spec: whether its autoscaler's API is served (else the floor runs)."""
+    keda = im.spec.scaling.autoscaler == "KEDA"
+    kind = "ScaledObject" if keda else "HorizontalPodAutoscaler"
+    if outcome.autoscaling_skipped_reason == "CRDNotInstalled":
+        api = "keda.sh/v1alpha1 ScaledObject" if keda else "autoscaling/v2 HorizontalPodAutoscaler"
+        return cond(
+            "AutoscalingAvailable",
+            "False",
+            "CRDNotInstalled",
+            f"{api} is not served by this cluster: the model runs at its floor of "
+            f"{max(im.spec.scaling.min_replicas, 1)} replica(s) until it is",
+        )
+    return cond("AutoscalingAvailable", "True", f"{kind}Applied", "")
+
+
+def cache_condition(cache: CacheState, cond: MakeCondition) -> tuple[Condition, CacheStatus]:
+    if cache.ready:
+        condition = cond("CacheReady", "True", cache.reason or "Loaded", cache.message)
+    else:
+        condition = cond("CacheReady", "False", cache.reason or cache.phase, cache.message)
+    status = CacheStatus(
+        phase=cache.phase,  # type: ignore[arg-type]  # judged by cache.judge, one of CachePhase
+        claim_name=cache.claim_name,
+        job_name=cache.job_name,
+        reason=cache.reason,
+        message=cache.message,
+    )
+    return condition, status
+
+
 def compute_status(
     im: InferenceModel,
     deployment: dict[str, Any] | None,
@@ -61,171 +274,39 @@ def compute_status(
 ) -> InferenceModelStatus:
     """Phase and conditions. `pods` (the model's pods, when listed) supply the kubelet's and the
     scheduler's reasons; a model that was ready and has no ready replica left is Degraded."""
-    replicas, ready, updated = _counts(deployment)
-    desired = _desired(im, deployment)
-    generation = im.generation
-    dep_generation_seen = deployment is not None and (deployment.get("status") or {}).get(
-        "observedGeneration", 0
-    ) >= (deployment.get("metadata") or {}).get("generation", 0)
-
-    progressing_cond = _deployment_condition(deployment, "Progressing")
-    failure_cond = _deployment_condition(deployment, "ReplicaFailure")
-    stuck = progressing_cond is not None and progressing_cond.get("status") == "False"
-    replica_failure = failure_cond is not None and failure_cond.get("status") == "True"
-
-    degraded_reason: str | None = None
-    degraded_message = ""
-    if outcome.invalid_spec is not None:
-        degraded_reason, degraded_message = "InvalidSpec", outcome.invalid_spec
-    elif outcome.blocked_reason is not None:
-        degraded_reason, degraded_message = outcome.blocked_reason, outcome.blocked_message
-    elif outcome.apply_error is not None:
-        degraded_reason, degraded_message = "ApplyFailed", outcome.apply_error
-    elif stuck:
-        assert progressing_cond is not None
-        degraded_reason = str(progressing_cond.get("reason") or "ProgressDeadlineExceeded")
-        degraded_message = str(progressing_cond.get("message") or "")
-    elif replica_failure:
-        assert failure_cond is not None
-        degraded_reason = "ReplicaFailure"
-        degraded_message = str(failure_cond.get("message") or "")
-    # Pod-level reasons: serving replicas may remain (a bad rollout, one crashing replica).
-    pod_problem = diagnose(pods or []) if not im.spec.suspend else None
-    if degraded_reason is None and pod_problem is not None:
-        degraded_reason, degraded_message = pod_problem.reason, pod_problem.message
-    cache = outcome.cache
-    cache_failed = cache is not None and cache.phase == "Failed"
-    if degraded_reason is None and cache is not None and cache_failed:
-        degraded_reason, degraded_message = cache.reason, cache.message
     prev_conditions = _previous_conditions(previous)
-    was_serving = _was_serving(prev_conditions)
-    if (
-        degraded_reason is None
-        and was_serving
-        and ready == 0
-        and desired > 0
-        and not im.spec.suspend
-        and outcome.invalid_spec is None
-        and not im.spec.scale_to_zero  # woken from zero: Waking (below), not a lost replica
-    ):
-        degraded_reason = "NoReadyReplicas"
-        degraded_message = "the model was serving and has no ready replica left"
-    # Replicas of an earlier load keep serving while a new revision's loader fails.
-    serving_despite = degraded_reason is not None and (pod_problem is not None or cache_failed) and ready >= 1
+    counts = workload_counts(im, deployment)
+    degraded = degradation(im, counts, outcome, pods, prev_conditions)
+    phase = phase_of(im, counts, outcome, degraded)
+    cache = outcome.cache
     waiting_for_cache = cache is not None and not cache.ready and deployment is None
 
-    converged = (
-        deployment is not None
-        and dep_generation_seen
-        and updated >= desired
-        and ready >= desired
-        and replicas == desired
-    )
-
-    phase: Phase
-    if outcome.invalid_spec is not None:
-        phase = "Failed"
-    elif im.spec.suspend:
-        phase = "Suspended"
-    elif degraded_reason is not None and not serving_despite:
-        phase = "Degraded"
-    elif ready >= 1:
-        phase = "Ready"
-    elif replicas >= 1:
-        phase = "Loading"
-    else:
-        phase = "Pending"
-    phase = zero_phase(im, phase, desired, replicas, ready)
-
     def cond(ctype: str, status: str, reason: str, message: str) -> Condition:
-        return make_condition(prev_conditions, generation, now, ctype, status, reason, message)
+        return make_condition(prev_conditions, im.generation, now, ctype, status, reason, message)
 
-    conditions: list[Condition] = []
-    if phase == "Ready":
-        conditions.append(cond("Ready", "True", "ReplicasReady", f"{ready}/{desired} replicas ready"))
-    else:
-        reason = {
-            "Failed": "InvalidSpec",
-            "Suspended": "Suspended",
-            "Degraded": degraded_reason or "Degraded",
-            "Loading": "ModelLoading",
-            "Pending": "CacheLoading" if waiting_for_cache else "NoReplicas",
-            "ScaledToZero": "ScaledToZero",
-            "Waking": "Waking",
-        }[phase]
-        conditions.append(cond("Ready", "False", reason, f"{ready}/{desired} replicas ready"))
-
-    if outcome.invalid_spec is not None:
-        conditions.append(cond("Progressing", "False", "InvalidSpec", "nothing is applied"))
-    elif waiting_for_cache and not cache_failed:
-        assert cache is not None
-        conditions.append(cond("Progressing", "True", "CacheLoading", cache.message))
-    elif converged:
-        conditions.append(cond("Progressing", "False", "RolloutComplete", f"{updated} replicas up to date"))
-    else:
-        conditions.append(
-            cond("Progressing", "True", "RollingOut", f"{updated}/{desired} replicas updated, {ready} ready")
-        )
-
-    if degraded_reason is not None:
-        conditions.append(cond("Degraded", "True", degraded_reason, degraded_message))
-    else:
-        conditions.append(cond("Degraded", "False", "AsExpected", ""))
-
-    if outcome.monitoring_skipped_reason == "CRDNotInstalled":
-        conditions.append(
-            cond(
-                "MonitoringAvailable",
-                "False",
-                "CRDNotInstalled",
-                "monitoring.coreos.com/v1 ServiceMonitor is not served by this cluster",
-            )
-        )
-    elif outcome.monitoring_skipped_reason == "NotApplied":
-        conditions.append(
-            cond(
-                "MonitoringAvailable",
-                "False",
-                "NotApplied",
-                "the ServiceMonitor is wanted but not applied yet (a reconcile is pending)",
-            )
-        )
-    elif outcome.monitoring_skipped_reason == "Disabled":
-        conditions.append(
-            cond(
-                "MonitoringAvailable", "False", "Disabled", "spec.monitoring.serviceMonitor.enabled is false"
-            )
-        )
-    elif outcome.invalid_spec is not None:
-        conditions.append(cond("MonitoringAvailable", "Unknown", "InvalidSpec", ""))
-    else:
-        conditions.append(cond("MonitoringAvailable", "True", "ServiceMonitorApplied", ""))
-
+    conditions = [
+        ready_condition(phase, counts, degraded, waiting_for_cache, cond),
+        progressing_condition(counts, outcome, deployment, waiting_for_cache, cond),
+        degraded_condition(degraded, cond),
+        monitoring_condition(outcome, cond),
+    ]
+    if im.spec.autoscaled and outcome.invalid_spec is None:
+        conditions.append(autoscaling_condition(im, outcome, cond))
     cache_status = None
     if cache is not None:
-        if cache.ready:
-            conditions.append(cond("CacheReady", "True", cache.reason or "Loaded", cache.message))
-        else:
-            conditions.append(cond("CacheReady", "False", cache.reason or cache.phase, cache.message))
-        cache_status = CacheStatus(
-            phase=cache.phase,  # type: ignore[arg-type]  # judged by cache.judge, one of CachePhase
-            claim_name=cache.claim_name,
-            job_name=cache.job_name,
-            reason=cache.reason,
-            message=cache.message,
-        )
-
+        cache_cond, cache_status = cache_condition(cache, cond)
+        conditions.append(cache_cond)
     return InferenceModelStatus(
         phase=phase,
-        replicas=replicas,
-        ready_replicas=ready,
-        updated_replicas=updated,
+        replicas=counts.replicas,
+        ready_replicas=counts.ready,
+        updated_replicas=counts.updated,
         selector=selector_string(im),
         # A scale-to-zero model is called through its activator (the model's Service has no pod at 0).
         endpoint=(activator_url(im) if im.spec.scale_to_zero else endpoint_url(im))
         if outcome.invalid_spec is None
         else None,
-        observed_generation=generation,
+        observed_generation=im.generation,
         conditions=conditions,
         cache=cache_status,
     )

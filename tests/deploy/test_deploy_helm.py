@@ -308,10 +308,12 @@ def test_rbac_clusterwide_binds_one_clusterrole(installs: dict[str, HelmInstall]
 def test_rbac_namespaced_keeps_only_discovery_cluster_wide(installs: dict[str, HelmInstall]) -> None:
     inst = _ok(installs, "namespaced-ha")
     cluster = _rules(inst.one("ClusterRole", FULLNAME))
-    # Cluster-scoped reads only: kopf's CRD and namespace scanning.
+    # Cluster-scoped reads only: kopf's CRD and namespace scanning, and the reconcile's read of a
+    # model's Namespace (one being deleted is left alone).
     assert cluster == {
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+        ("", "namespaces", "get"),
         ("", "namespaces", "list"),
         ("", "namespaces", "watch"),
     }

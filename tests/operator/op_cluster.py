@@ -32,6 +32,7 @@ import kmock
 import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
+from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
 from kmock_params import body_error, options_error, query_error
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
@@ -144,6 +145,7 @@ class ApiServer(KubernetesEmulator):
     # Answer every watch with this error, as a real API server answers a watch it cannot parse (issue 29 F3).
     refused_watch: KubernetesError | None = None
     _rv: Any = attrs.field(factory=lambda: itertools.count(1000))
+    namespace_store: Namespaces = attrs.field(factory=Namespaces)
 
     def _match_fault(self, request: rendering.Request) -> Fault | None:
         if request.resource is None:
@@ -210,6 +212,9 @@ class ApiServer(KubernetesEmulator):
             )
         if is_replace(request):
             return await serve_replace(self, request, lambda: str(next(self._rv)))
+        namespace = serve_namespace(self.namespace_store, request)
+        if namespace is not None:
+            return namespace
 
         deleted_uid: str | None = None
         created: dict[str, Any] | None = None
@@ -228,6 +233,12 @@ class ApiServer(KubernetesEmulator):
                 if request.resource.plural == "deployments":
                     canonicalize_resources(data)
             if request.action == enums.action.CREATE:
+                refuse_create(
+                    self.namespace_store,
+                    request.resource,
+                    request.namespace,
+                    (data.get("metadata") or {}).get("name"),
+                )
                 self._own_replicas(request, data, None)
                 self._stamp(data, request.namespace)
             elif request.action == enums.action.UPDATE and request.name is not None:
@@ -239,6 +250,9 @@ class ApiServer(KubernetesEmulator):
                     if live is None or live.deleted:
                         if "apply-patch" in (request.headers.get("Content-Type") or ""):
                             # Server-side apply of a missing object creates it.
+                            refuse_create(
+                                self.namespace_store, request.resource, request.namespace, request.name
+                            )
                             self._stamp(data, request.namespace)
                             self._objects[key] = data
                             raw = self._objects[key].raw

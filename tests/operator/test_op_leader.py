@@ -258,15 +258,41 @@ def test_leadership_is_lost_when_renewals_fail_for_the_renew_deadline(
     assert lease(cluster)["spec"]["holderIdentity"] == "b"
 
 
+class GatedStore:
+    """The elector's Lease calls, each made under `gate`: whoever holds it (the test) reads and writes
+    the Lease with no renewal landing in between."""
+
+    def __init__(self, kube: KubeClient) -> None:
+        self.kube = kube
+        self.gate = threading.Lock()
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        with self.gate:
+            return self.kube.get_lease(namespace, name)
+
+    def create_lease(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self.gate:
+            return self.kube.create_lease(namespace, body)
+
+    def replace_lease(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self.gate:
+            return self.kube.replace_lease(namespace, name, body)
+
+
 def test_a_leader_that_sees_another_holder_stops_at_once(cluster: MockCluster, kube: KubeClient) -> None:
     timing = {"lease_duration": 15.0, "renew_deadline": 10.0, "retry_period": 0.2}
-    a = LeaderElector(kube, config("a", **timing))
+    store = GatedStore(kube)
+    a = LeaderElector(store, config("a", **timing))  # type: ignore[arg-type]
     assert a.acquire(threading.Event())
     lost = threading.Event()
     a.start_renewing(lost.set)
-    # Someone (an admin, a candidate with a skewed view) writes another holder into the Lease.
-    current = lease(cluster)
-    cluster.replace("Lease", {**current, "spec": {**current["spec"], "holderIdentity": "intruder"}})
+    # Someone (an admin, a candidate with a skewed view) writes another holder into the Lease. Under the
+    # gate: a renewal between this read and this write would make the write a 409 (stale
+    # resourceVersion). A renewal that read the Lease before it gets the 409 instead, and the next one
+    # sees the intruder.
+    with store.gate:
+        current = lease(cluster)
+        cluster.replace("Lease", {**current, "spec": {**current["spec"], "holderIdentity": "intruder"}})
     started = time.monotonic()
     assert lost.wait(5), "leadership not given up"
     assert time.monotonic() - started < 2, "not after the renew deadline: at the next attempt"

@@ -1,0 +1,107 @@
+"""What every renderer of a model's children shares: names of the server container and its paths,
+the labels and owner reference every child carries, a child's (kind, name), the restricted security
+context, PromQL string literals. Pure; it imports
+nothing from the other renderers (render.py, deployment.py, cache.py, lws.py, routing.py, adapters.py
+all build on it), so they form no import cycle."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .spec import API_VERSION, KIND, InferenceModel
+
+Manifest = dict[str, Any]
+
+FIELD_MANAGER = "kubeinfer-operator"
+CONTAINER_NAME = "server"
+SERVER_PORT = 8080
+CACHE_DIR = "/var/cache/kubeinfer"
+TMP_DIR = "/tmp"
+# The server process runs as this uid/gid; fsGroup makes mounted volumes writable for it.
+RUN_AS_USER = 65532
+STARTUP_PROBE_PERIOD_SECONDS = 10
+
+# On the pod template: the InferenceModel's own name (which need not be a valid label value), so a pod
+# event leads back to its model.
+MODEL_ANNOTATION = "kubeinfer.dev/inference-model"
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    """One child by kind and name (in the model's namespace)."""
+
+    kind: str
+    name: str
+
+
+def selector_labels(im: InferenceModel) -> dict[str, str]:
+    # The derived child name: the InferenceModel's name may be 253 characters long, a label value 63.
+    return {"app.kubernetes.io/name": "kubeinfer-server", "app.kubernetes.io/instance": im.child_name}
+
+
+def labels(im: InferenceModel) -> dict[str, str]:
+    return {
+        **selector_labels(im),
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/part-of": "kubeinfer",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+    }
+
+
+def selector_string(im: InferenceModel) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(im).items())
+
+
+def owner_reference(im: InferenceModel) -> dict[str, Any]:
+    assert im.uid is not None
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": im.name,
+        "uid": im.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def child_metadata(im: InferenceModel, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": im.child_name,
+        "namespace": im.namespace,
+        "labels": {**(extra_labels or {}), **labels(im)},
+    }
+    if im.uid is not None:
+        meta["ownerReferences"] = [owner_reference(im)]
+    return meta
+
+
+def endpoint_url(im: InferenceModel) -> str:
+    return f"http://{im.child_name}.{im.namespace}.svc:{SERVER_PORT}"
+
+
+def promql_string(value: str) -> str:
+    """A PromQL double-quoted string literal (Go escaping), so a served name with quotes stays data."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def startup_failure_threshold(startup_timeout_seconds: int) -> int:
+    return max(1, math.ceil(startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS))
+
+
+def restricted_container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def desired_replicas(im: InferenceModel) -> int:
+    """Replicas the operator sets on the Deployment (meaningless while an autoscaler owns the count)."""
+    return 0 if im.spec.suspend else im.spec.scaling.replicas
