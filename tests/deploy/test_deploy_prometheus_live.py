@@ -33,6 +33,7 @@ from deploy_helpers import (
     REPO,
     ROUTER_SERIES,
     RULES_FILE,
+    activator_series_names,
     dashboard_queries,
     load_alert_rules,
     metric_names,
@@ -264,11 +265,14 @@ def _all_have_data(stack: Stack, exprs: dict[str, str], timeout: float) -> dict[
 
 def test_every_dashboard_query_returns_data(stack: Stack) -> None:
     # The router's panels read the router's series (no router in this stack): checked against the real
-    # router's /metrics in tests/router/test_router_e2e.py.
+    # router's /metrics in tests/router/test_router_e2e.py. Likewise the scale-to-zero panels read the
+    # activator's series (no activator here): its held/wake/refused series are read from a live
+    # activator's /activator/metrics through whole wake cycles in tests/operator/test_op_activator.py.
+    elsewhere = ROUTER_SERIES | activator_series_names()
     exprs = {
         f"{q.panel}/{q.ref}": substitute_grafana_vars(q.expr)
         for q in dashboard_queries()
-        if not metric_names(substitute_grafana_vars(q.expr)) & ROUTER_SERIES
+        if not metric_names(substitute_grafana_vars(q.expr)) & elsewhere
     }
     results = _all_have_data(stack, exprs, timeout=45)
     # The per-model series carry the labels the dashboard variables select on.
@@ -330,9 +334,11 @@ def test_dashboards_and_alerts_use_only_metrics_the_server_exports(stack: Stack)
         used |= metric_names(substitute_grafana_vars(selector))
     for rule in load_alert_rules():
         used |= metric_names(rule.expr)
-    unknown = used - exported - KSM_ALLOWED - ROUTER_SERIES
+    activator = activator_series_names()
+    unknown = used - exported - KSM_ALLOWED - ROUTER_SERIES - activator
     assert not unknown, f"not in the live /metrics: {sorted(unknown)}"
     # The allow-list stays honest: KSM names only, none the server could export instead.
     assert all(name.startswith("kube_") for name in KSM_ALLOWED)
     assert not (KSM_ALLOWED & exported)
     assert all(name.startswith("vllm_router_") for name in ROUTER_SERIES) and not (ROUTER_SERIES & exported)
+    assert all(name.startswith("kubeinfer_activator_") for name in activator) and not (activator & exported)
