@@ -25,7 +25,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 import oci_run
-from kubeinfer_operator import render
+from kubeinfer_operator import common, render
 from kubeinfer_operator.defaults import ClusterDefaults
 from kubeinfer_operator.routing import router_args
 from kubeinfer_operator.spec import (
@@ -149,7 +149,7 @@ def test_router_image_routes_a_request_to_the_server(server: oci_run.Container, 
     container = {
         "name": "router",
         "args": args,
-        "securityContext": render.restricted_container_security_context(),
+        "securityContext": common.restricted_container_security_context(),
     }
     run = oci_run.run_container(
         DEFAULT_ROUTER_IMAGE,
@@ -210,7 +210,7 @@ def test_operator_image_reconciles_a_model_against_the_test_api_server(tmp_path:
             "name": "operator",
             "args": args,
             "env": [{"name": "KUBECONFIG", "value": "/kube/config"}],
-            "securityContext": render.restricted_container_security_context(),
+            "securityContext": common.restricted_container_security_context(),
         }
         mounts = [
             oci_run.Mount("/tmp", "emptyDir"),
