@@ -4,6 +4,8 @@ argument checks, and how it is built, cached and replaced by plain torch when it
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -340,10 +342,18 @@ def test_backend_names() -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
 def test_kernel_shares_torchs_openmp_runtime(kernel: DecodeKernel) -> None:
-    """Two OpenMP runtimes in one process would mean two thread pools fighting over the cores."""
-    runtimes = {
-        line.split()[-1]
-        for line in Path("/proc/self/maps").read_text().splitlines()
-        if "libgomp" in line or "libiomp" in line or "libomp" in line
-    }
+    """Two OpenMP runtimes in one process would mean two thread pools fighting over the cores. Checked in
+    a fresh interpreter holding torch and the kernel only, as the server does: the test process itself
+    may hold another package's runtime (scikit-learn's, imported by sentence-transformers' tests)."""
+    code = (
+        "import ctypes, pathlib, sys, torch\n"
+        "ctypes.CDLL(sys.argv[1])\n"
+        "maps = pathlib.Path('/proc/self/maps').read_text().splitlines()\n"
+        "print('\\n'.join(sorted({l.split()[-1] for l in maps if any(k in l for k in ('libgomp', 'libiomp', 'libomp'))})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(kernel.path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    runtimes = set(out.stdout.split())
     assert len(runtimes) == 1, runtimes
