@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from kmock import KubernetesError
 
@@ -214,3 +215,24 @@ def options_error(
             options, "propagationPolicy", f'Unsupported value: "{policy}": supported values: {supported}'
         )
     return None
+
+
+def request_error(request: Any) -> KubernetesError | None:
+    """What the API server refuses in a kmock request before serving it: its query parameters, then (for
+    a resource) the body and the options; the one check both kmock subclasses run."""
+    refused = query_error(request.params)
+    if refused is None and request.resource is not None:
+        method = str(getattr(request.method, "value", request.method)).upper()
+        content_type = request.headers.get("Content-Type") or ""
+        refused = body_error(method, content_type, request.resource.group, request.data)
+        if refused is None:
+            collection = request.resource.plural is not None and request.name is None
+            refused = options_error(
+                method,
+                request.params,
+                content_type,
+                request.resource.group,
+                request.data,
+                collection=collection,
+            )
+    return refused

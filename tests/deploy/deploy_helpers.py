@@ -26,7 +26,7 @@ import yaml
 from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to spot no-op patches
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
 from kmock_crd import crd_refusal
-from kmock_params import body_error, options_error, query_error
+from kmock_params import request_error
 from kmock_replace import is_replace, serve_replace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -327,21 +327,7 @@ class MockApiServer(kmock.KubernetesEmulator):
         return doc
 
     async def _handle(self, request: Any) -> Any:
-        refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
-        if refused is None and request.resource is not None:
-            method = str(getattr(request.method, "value", request.method)).upper()
-            content_type = request.headers.get("Content-Type") or ""
-            refused = body_error(method, content_type, request.resource.group, request.data)
-            if refused is None:
-                collection = request.resource.plural is not None and request.name is None
-                refused = options_error(
-                    method,
-                    request.params,
-                    content_type,
-                    request.resource.group,
-                    request.data,
-                    collection=collection,
-                )
+        refused = request_error(request)  # e.g. timeoutSeconds=60.0: the API server's 400
         writes_crd = (
             request.resource is not None
             and request.subresource is None

@@ -33,7 +33,7 @@ import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
-from kmock_params import body_error, options_error, query_error
+from kmock_params import request_error
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
@@ -186,21 +186,7 @@ class ApiServer(KubernetesEmulator):
         return payload
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        refused = query_error(request.params)  # e.g. timeoutSeconds=60.0: the API server's 400
-        if refused is None and request.resource is not None:
-            method = str(getattr(request.method, "value", request.method)).upper()
-            content_type = request.headers.get("Content-Type") or ""
-            refused = body_error(method, content_type, request.resource.group, request.data)
-            if refused is None:
-                collection = request.resource.plural is not None and request.name is None
-                refused = options_error(
-                    method,
-                    request.params,
-                    content_type,
-                    request.resource.group,
-                    request.data,
-                    collection=collection,
-                )
+        refused = request_error(request)  # e.g. timeoutSeconds=60.0: the API server's 400
         if refused is None and request.action == enums.action.WATCH:
             refused = self.refused_watch
         if refused is not None:
