@@ -34,10 +34,12 @@ def build_tiny_model(
     hidden: int = 64,
     heads: int = 4,
     kv_heads: int = 2,
+    head_dim: int | None = None,
 ) -> Path:
-    """A random-weight Llama or Qwen2 checkpoint with SmolLM2's tokenizer (so text round-trips)."""
+    """A random-weight Llama, Qwen2 or Qwen3 checkpoint with SmolLM2's tokenizer (so text round-trips).
+    Qwen3: head_dim (default 32, so q is wider than hidden) and random q_norm / k_norm weights."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=49152,
@@ -52,7 +54,12 @@ def build_tiny_model(
         eos_token_id=2,
         rms_norm_eps=1e-5,
     )
-    cfg = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
+    if arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=head_dim or 32)
+    elif head_dim is not None:
+        raise ValueError("head_dim is a Qwen3 option here")
+    else:
+        cfg = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -62,6 +69,9 @@ def build_tiny_model(
                 p.normal_(0.0, 0.08)
             elif "bias" in str(p):
                 p.normal_(0.0, 0.05)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would hide a missing weight
+                p.normal_(1.0, 0.3)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     for name in TOKENIZER_FILES:

@@ -10,6 +10,23 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    "Qwen3ForCausalLM": False,
+}
+# architectures whose attention RMS-normalizes each q and k head (q_norm, k_norm over head_dim) before RoPE
+QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}
+# base models without an LM head (a sentence-transformers folder around a decoder saves these): served as
+# embedders only (server/pooling/model.py), never for generation
+BASE_MODEL_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -35,6 +52,8 @@ class ArchConfig:
     o_bias: bool
     mlp_bias: bool
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    # Qwen3: per-head RMSNorm of q and k (weights [head_dim], eps rms_norm_eps) between projection and RoPE
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -52,20 +71,29 @@ class ArchConfig:
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * h
+        layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * layer + h
 
     @property
     def model_type(self) -> str:
-        return {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(self.architecture, "llama")
+        return {v: k for k, v in _MODEL_TYPES.items()}.get(self.architecture, "llama")
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
+    def from_hf(cls, cfg: dict[str, Any], base_model_ok: bool = False) -> ArchConfig:
+        """`base_model_ok`: a headless base model (Qwen3Model, ...) reads as its causal-LM architecture
+        (the pooling loader's case); otherwise it is refused: it has no LM head to generate with."""
         archs = cfg.get("architectures") or []
         if not archs:
-            mt = cfg.get("model_type")
-            archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"]}.get(mt or "", [])
+            archs = [a for a in [_MODEL_TYPES.get(cfg.get("model_type") or "")] if a]
+        base = next((a for a in archs if a in BASE_MODEL_ARCHITECTURES), None)
+        if base is not None and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            if not base_model_ok:
+                raise UnsupportedModelError(
+                    f"{base} is a base model without an LM head: it cannot generate; serve it as an "
+                    "embedding model (--task embed)"
+                )
+            archs = [BASE_MODEL_ARCHITECTURES[base]]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
@@ -111,4 +139,5 @@ class ArchConfig:
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
         )

@@ -25,7 +25,7 @@ from server.native import KernelBuildError, NativeSource, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
-ABI_VERSION = 2
+ABI_VERSION = 3
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time).
 NATIVE = NativeSource(
@@ -53,6 +53,14 @@ def torch_rotary(
     sin: Tensor,  # [T, D] fp32, first half negated (RotaryEmbedding's tables)
 ) -> None:
     x.copy_(torch.addcmul(x * cos[:, None], x.roll(x.shape[-1] // 2, dims=-1), sin[:, None]))
+
+
+def torch_head_rms_norm(
+    x: Tensor,  # [T, heads, D] fp32, normalized in place
+    weight: Tensor,  # [D] fp32
+    eps: float,
+) -> None:
+    x.copy_(weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
 
 
 def torch_silu_mul(gate_up: Tensor) -> Tensor:  # gate_up: [T, 2I] fp32 -> [T, I]
@@ -138,6 +146,26 @@ class FusedOps:
         if rc != 0:
             raise RuntimeError(f"rotary kernel returned {rc}")
 
+    def head_rms_norm(
+        self,
+        x: Tensor,  # [T, heads, D] fp32, normalized in place; heads dense within a row (row stride free)
+        weight: Tensor,  # [D] fp32 contiguous, shared by all heads
+        eps: float,
+    ) -> None:
+        """Each head: weight * x / sqrt(mean(x^2) + eps) over D (Qwen3's q_norm / k_norm)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
+            raise TypeError(f"x must be a [T, heads, D] CPU fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+        t, heads, d = x.shape
+        if x.stride(2) != 1 or (heads > 1 and x.stride(1) != d):
+            raise ValueError(f"x: each row's heads must be dense, got strides {x.stride()}")
+        if weight.dtype != torch.float32 or tuple(weight.shape) != (d,) or not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous [{d}] fp32 tensor")
+        rc = self.lib.kubeinfer_head_rms_norm(
+            x.data_ptr(), x.stride(0), t, heads, d, weight.data_ptr(), float(eps), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"head_rms_norm kernel returned {rc}")
+
     def silu_mul(
         self,
         gate_up: Tensor,  # [T, 2I] fp32, gate then up, unit stride along a row
@@ -171,11 +199,13 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib.kubeinfer_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     lib.kubeinfer_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]
     lib.kubeinfer_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+    lib.kubeinfer_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
     for fn in (
         lib.kubeinfer_add_rms_norm,
         lib.kubeinfer_rotary,
         lib.kubeinfer_silu_mul,
+        lib.kubeinfer_head_rms_norm,
         lib.kubeinfer_decode_forward,
     ):
         fn.restype = i32

@@ -6,6 +6,7 @@ CUDA graph, `DecodeGraph` records once what never changes (every layer's weight 
 cache pointers and the kernels' entry points) and replays the layer loop in C++
 (`kubeinfer_decode_forward`, server/models/csrc/cpu_fused.cpp) calling the same kernels in the same
 order on the same buffers as `LlamaForCausalLM._forward_fused`: the hidden states are bit-identical.
+Qwen3's q/k norms run in it too (`kubeinfer_head_rms_norm`, as in the Python fused path).
 
 It serves steps whose every row is a one-token decode (no prefill chunk, no speculative verification)
 of a model whose q/k/v, o, gate/up and down are plain `BlockQuantLinear` with the compiled kernel (a
@@ -30,7 +31,7 @@ from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, weight_descriptor
 
 if TYPE_CHECKING:  # llama.py imports this module
-    from server.models.llama import LlamaForCausalLM
+    from server.models.llama import LlamaForCausalLM, RMSNorm
 
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -51,6 +52,9 @@ class _Layer(ctypes.Structure):
         ("v_cache", _ptr),
         ("eps1", _f32),
         ("eps2", _f32),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("qk_eps", _f32),
     ]
 
 
@@ -96,6 +100,13 @@ class _Step(ctypes.Structure):
 
 def _bias(m: BlockQuantLinear) -> int | None:
     return None if m.bias is None else m.bias.data_ptr()
+
+
+def _qk_norm_fields(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> tuple[int | None, int | None, float]:
+    if q_norm is None or k_norm is None:
+        return None, None, 0.0
+    assert q_norm.eps == k_norm.eps  # both built from rms_norm_eps (llama.py's Attention)
+    return q_norm.weight.data_ptr(), k_norm.weight.data_ptr(), q_norm.eps
 
 
 def _fn_address(fn: Any) -> int:  # a ctypes function of a loaded library -> its entry point
@@ -147,6 +158,13 @@ class DecodeGraph:
             layer.post_attention_layernorm.weight for layer in layers
         ]
         norms.append(model.model.norm.weight)
+        qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
+        norms.extend(n.weight for pair in qk_norms for n in pair if n is not None)
+        if any(
+            (q is None) != (k is None) or (q is not None and q.weight.shape != (model.config.head_dim,))
+            for q, k in qk_norms
+        ):
+            return None
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return None
         k0 = kv_caches[0][0]
@@ -190,6 +208,7 @@ class DecodeGraph:
                 vc.data_ptr(),
                 layer.input_layernorm.eps,
                 layer.post_attention_layernorm.eps,
+                *_qk_norm_fields(layer.self_attn.q_norm, layer.self_attn.k_norm),
             )
         final = model.model.norm
         model_struct = _Model(

@@ -1,4 +1,4 @@
-"""Our Llama-family model (Llama, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+"""Our Llama-family model (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 Module names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...), so weights
 load by name and a quantized Linear can replace any projection without touching this file.
@@ -87,6 +87,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias, device=device)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias, device=device)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias, device=device)
+        # Qwen3: each q and k head RMS-normalized over head_dim (one [head_dim] weight for all heads), before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device) if cfg.qk_norm else None
         # Set by serving_weights.prepare_for_serving: q/k/v in one matmul, replacing the three above.
         self.qkv_proj: nn.Module | None = None
         self.scale = self.head_dim**-0.5
@@ -106,15 +109,39 @@ class Attention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
-            qk = _rotate(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin, ops)
+            qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+            if self.q_norm is not None and self.k_norm is not None:
+                qk = self.qk_normed(qk, ops)
+            qk = _rotate(qk, cos, sin, ops)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         else:
-            q = _rotate(self.q_proj(x).view(t, hq, d), cos, sin, ops)
-            k = _rotate(self.k_proj(x).view(t, hkv, d), cos, sin, ops)
+            q, k = self.q_proj(x).view(t, hq, d), self.k_proj(x).view(t, hkv, d)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = _head_norm(q, self.q_norm, ops), _head_norm(k, self.k_norm, ops)
+            q, k = _rotate(q, cos, sin, ops), _rotate(k, cos, sin, ops)
             v = self.v_proj(x).view(t, hkv, d)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def qk_normed(self, qk: Tensor, ops: FusedOps | None) -> Tensor:
+        """qk: [T, Hq + Hkv, D], q heads then k heads (a view into the fused projection's output) ->
+        q_norm / k_norm applied per head: in place with `ops`, else a new [T, Hq + Hkv, D] tensor."""
+        assert self.q_norm is not None and self.k_norm is not None
+        hq = self.num_heads
+        if ops is not None:
+            _head_norm(qk[:, :hq], self.q_norm, ops)
+            _head_norm(qk[:, hq:], self.k_norm, ops)
+            return qk
+        return torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+
+
+def _head_norm(x: Tensor, norm: RMSNorm, ops: FusedOps | None) -> Tensor:  # x: [T, H, D]
+    if ops is None:
+        return norm(x)  # over the last dim, D
+    # In place, like the rotary: x is a projection's fresh output.
+    ops.head_rms_norm(x, norm.weight, norm.eps)
+    return x
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, ops: FusedOps | None) -> Tensor:  # x: [T, H, D]

@@ -103,15 +103,21 @@ def test_smollm2_prefix_caching_same_output_less_compute(smollm2_dir: Path) -> N
 # "torch" is the fallback when no compiler is found.
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_tiny_qwen2_parity(tiny_model_factory, tie: bool, backend: str) -> None:  # type: ignore[no-untyped-def]
-    folder = tiny_model_factory("qwen2", tie=tie, heads=4, kv_heads=2)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_tiny_qwen_parity(tiny_model_factory, arch: str, tie: bool, backend: str) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory(arch, tie=tie, heads=4, kv_heads=2)
     import json
 
     cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen2ForCausalLM"]
+    assert cfg["architectures"] == [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
     engine = make_engine(folder, cache=CacheConfig(block_size=8, num_kv_blocks=64), attention_backend=backend)
     assert engine.backend_name == backend
-    assert engine.loaded.arch.qkv_bias and engine.loaded.arch.num_heads != engine.loaded.arch.num_kv_heads
+    a = engine.loaded.arch
+    assert a.num_heads != a.num_kv_heads
+    # Qwen2: q/k/v bias; Qwen3: no bias, per-head q/k RMSNorm, head_dim 32 (q is 128 wide, hidden 64)
+    assert (a.qkv_bias, a.qk_norm) == ((True, False) if arch == "qwen2" else (False, True))
+    if arch == "qwen3":
+        assert a.num_heads * a.head_dim != a.hidden_size
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     ref = hf_greedy(folder, prompts, 16)
     assert run_staggered(engine, prompts, SamplingParams(max_tokens=16, temperature=0.0)) == ref

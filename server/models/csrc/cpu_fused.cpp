@@ -7,10 +7,12 @@
 //   rotary         q/k heads rotated in place: x * cos + rotate_half(x) * sin, "sin" with its first half
 //                  negated (server/models/llama.py's RotaryEmbedding tables)              [T, heads, D]
 //   silu_mul       out = silu(gate) * up, gate and up the two halves of one row          [T, 2I] -> [T, I]
+//   head_rms_norm  each head normalized in place: x = weight * x * rsqrt(mean(x^2) + eps), one [D]
+//                  weight for all heads (Qwen3's q_norm / k_norm, before the rotary)     [T, heads, D]
 // Rows are independent; OpenMP over rows only when there is enough work to pay for waking the threads.
 //
 // kubeinfer_decode_forward runs a whole decode step's decoder layers in one call (the "decode graph",
-// server/models/decode_graph.py): per layer add_rms_norm, the qkv projection, rotary, the K/V store, paged
+// server/models/decode_graph.py): per layer add_rms_norm, the qkv projection, (Qwen3: q/k head_rms_norm,) rotary, the K/V store, paged
 // decode attention, o, add_rms_norm, gate_up, silu_mul, down, each the very function the torch-driven path
 // calls (the projections and the attention through function pointers into their own libraries), in the
 // same order on the same buffers: the result is bit-identical, minus ~300 us of Python per layer.
@@ -27,7 +29,7 @@ constexpr int64_t kParallelMin = 1 << 16;  // elements below which one thread do
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 2; }
+int32_t kubeinfer_cpu_fused_abi() { return 3; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -97,6 +99,25 @@ int32_t kubeinfer_silu_mul(const float* gate_up, int64_t in_stride, float* out, 
   return 0;
 }
 
+// x: [rows, heads, d], head h of row r at x + r * row_stride + h * d, normalized in place; weight: [d].
+int32_t kubeinfer_head_rms_norm(float* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t d,
+                                const float* weight, float eps, int32_t threads) {
+  if (rows < 0 || heads <= 0 || d <= 0) return 1;
+#pragma omp parallel for num_threads(threads) if (rows * heads * d >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * row_stride + h * d;
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < d; ++i) ss += v[i] * v[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) v[i] = weight[i] * (v[i] * inv);
+    }
+  }
+  return 0;
+}
+
 // ---- the decode graph --------------------------------------------------------------------------------
 
 // server/quant/csrc/qlinear.cpp's kubeinfer_qlinear and server/attention/csrc/paged_decode.cpp's
@@ -125,6 +146,9 @@ struct KiDecodeLayer {
   float* k_cache;      // [num_blocks, block_size, Hkv, D] fp32
   float* v_cache;
   float eps1, eps2;
+  const float* q_norm;  // Qwen3: self_attn.q_norm.weight [D], k_norm.weight [D]; null for other models
+  const float* k_norm;
+  float qk_eps;
 };
 
 struct KiDecodeModel {
@@ -169,6 +193,11 @@ int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) 
     if ((rc = kubeinfer_add_rms_norm(s->h, H, l ? s->delta : nullptr, H, L.norm1, s->x, H, t, H, L.eps1, nt)))
       return 100 + rc;
     if ((rc = m->qlinear(L.qkv, s->x, t, H, L.qkv_bias, s->qkv, q_width, nt))) return 200 + rc;
+    if (L.q_norm) {
+      if ((rc = kubeinfer_head_rms_norm(s->qkv, q_width, t, m->hq, D, L.q_norm, L.qk_eps, nt))) return 1000 + rc;
+      if ((rc = kubeinfer_head_rms_norm(s->qkv + o_width, q_width, t, m->hkv, D, L.k_norm, L.qk_eps, nt)))
+        return 1100 + rc;
+    }
     if ((rc = kubeinfer_rotary(s->qkv, q_width, t, m->hq + m->hkv, D, s->cos, s->sin, nt))) return 300 + rc;
     for (int64_t r = 0; r < t; ++r) {
       const float* k = s->qkv + r * q_width + o_width;
