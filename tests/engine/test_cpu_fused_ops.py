@@ -11,6 +11,7 @@ from server.models.cpu_fused import (
     FusedOps,
     load_fused_ops,
     torch_add_rms_norm,
+    torch_head_rms_norm,
     torch_rotary,
     torch_silu_mul,
 )
@@ -88,6 +89,45 @@ def test_rotary_on_a_view_into_qkv_leaves_v_alone(ops: FusedOps) -> None:
     want = apply_rotary(before[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos[:, None], sin[:, None])
     torch.testing.assert_close(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), want, **TOL)
     torch.testing.assert_close(qkv[:, (hq + hkv) * d :], before[:, (hq + hkv) * d :], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 300])  # 300: the threaded path
+@pytest.mark.parametrize("heads,d", [(1, 8), (16, 128), (3, 37)])
+def test_head_rms_norm_matches_reference_and_the_models_norm(
+    ops: FusedOps, rows: int, heads: int, d: int
+) -> None:
+    g = torch.Generator().manual_seed(rows * heads + d)
+    x = torch.randn(rows, heads, d, generator=g) * 3
+    norm = RMSNorm(d, 1e-6)
+    norm.weight.data = torch.randn(d, generator=g)
+    with torch.no_grad():
+        want = norm(x)  # per head, over D (Qwen3's q_norm / k_norm)
+    ref = x.clone()
+    torch_head_rms_norm(ref, norm.weight.detach(), 1e-6)
+    torch.testing.assert_close(ref, want, **TOL)
+    ops.head_rms_norm(x, norm.weight.detach(), 1e-6)
+    torch.testing.assert_close(x, want, **TOL)
+
+
+def test_head_rms_norm_on_a_view_into_qkv_touches_its_heads_only(ops: FusedOps) -> None:
+    g = torch.Generator().manual_seed(2)
+    t, hq, hkv, d = 3, 4, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    before = qkv.clone()
+    w = torch.randn(d, generator=g)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)  # row stride (hq + 2 hkv) d
+    ops.head_rms_norm(k, w, 1e-6)
+    want = before[:, hq * d : (hq + hkv) * d].view(t, hkv, d).clone()
+    torch_head_rms_norm(want, w, 1e-6)
+    torch.testing.assert_close(k, want, **TOL)
+    untouched = torch.cat((qkv[:, : hq * d], qkv[:, (hq + hkv) * d :]), dim=1)
+    torch.testing.assert_close(untouched, torch.cat((before[:, : hq * d], before[:, (hq + hkv) * d :]), 1))
+    with pytest.raises(ValueError, match="dense"):
+        ops.head_rms_norm(torch.randn(1, 4, 8).transpose(1, 2), torch.randn(4), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        ops.head_rms_norm(torch.randn(1, 2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(TypeError, match="fp32"):
+        ops.head_rms_norm(torch.randn(1, 2, 8).double(), torch.randn(8), 1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 100])

@@ -93,7 +93,9 @@ def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         loader.resolve_dtype("int3", torch.device("cpu"))
 
 
-@pytest.mark.parametrize(("arch", "tie"), [("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize(
+    ("arch", "tie"), [("llama", True), ("qwen2", False), ("qwen3", True), ("qwen3", False)]
+)
 def test_logical_parameter_count_matches_the_dense_model(tiny_model_factory, arch: str, tie: bool) -> None:  # type: ignore[no-untyped-def]
     loaded = load_model(tiny_model_factory(arch, tie=tie), torch.float32, torch.device("cpu"), 64)
     assert loaded.num_parameters == sum(p.numel() for p in loaded.model.parameters())

@@ -124,8 +124,9 @@ def test_tiny_qwen_parity(tiny_model_factory, arch: str, tie: bool, backend: str
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_tiny_llama_preemption_parity(tiny_model_factory, backend: str) -> None:  # type: ignore[no-untyped-def]
-    folder = tiny_model_factory("llama", tie=False)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_preemption_parity(tiny_model_factory, arch: str, backend: str) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory(arch, tie=False)
     engine = make_engine(
         folder,
         cache=CacheConfig(block_size=4, num_kv_blocks=20),
@@ -138,3 +139,20 @@ def test_tiny_llama_preemption_parity(tiny_model_factory, backend: str) -> None:
     assert run_staggered(engine, prompts, params) == ref
     assert engine.stats().num_preemptions > 0
     assert engine.stats().num_free_blocks == 20
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_prefix_caching_parity(tiny_model_factory, arch: str) -> None:  # type: ignore[no-untyped-def]
+    """Prompts sharing a block-aligned prefix, one after the other: the later ones reuse the first one's
+    cached K/V (for Qwen3: keys stored after k_norm and RoPE) and still equal transformers' tokens."""
+    folder = tiny_model_factory(arch, tie=True)
+    engine = make_engine(
+        folder, cache=CacheConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=True)
+    )
+    system = "You are a helpful assistant. Answer briefly and precisely, in one sentence. Question: "
+    prompts = [engine.tokenizer.encode(system + q) for q in ("Why is the sky blue?", "What is rain?", "Hi")]
+    ref = hf_greedy(folder, prompts, 10)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    assert [engine.generate([p], params)[0] for p in prompts] == ref
+    stats = engine.stats()
+    assert stats.prefix_cache_hits >= 2 * 16 and stats.num_free_blocks == stats.num_total_blocks

@@ -19,7 +19,9 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untype
     return SequenceRunner(model, ids.numel()).logits(ids)  # [T, vocab]
 
 
-@pytest.mark.parametrize(("arch", "tie"), [("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize(
+    ("arch", "tie"), [("llama", True), ("qwen2", False), ("qwen3", True), ("qwen3", False)]
+)
 def test_fused_and_packed_model_matches_the_loaded_one(tiny_model_factory, arch: str, tie: bool) -> None:  # type: ignore[no-untyped-def]
     folder = tiny_model_factory(arch, tie=tie)
     ref = load_model(folder, torch.float32, CPU, 64).model

@@ -110,3 +110,21 @@ def test_graph_refuses_steps_it_cannot_run(tiny_q41: Path, cache: Path) -> None:
         graph.run(h, cos[:1], sin, meta([0, 1], [1, 1]))
     with pytest.raises(ValueError, match="h must be"):
         graph.run(h.double(), cos, sin, meta([0, 1], [1, 1]))
+
+
+def test_graph_runs_qwen3_qk_norm_bit_identical(tiny_model_factory, cache: Path) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3 (q_norm/k_norm per head, head_dim 32 with hidden 64) quantized to q8_0 blocks: the graph is
+    recorded (it runs the q/k norms itself) and gives what the Python fused path gives."""
+    folder = tiny_model_factory("qwen3", tie=False)
+    engine = LLMEngine(
+        EngineConfig(model=ModelConfig(model=str(folder), dtype="float32", quantize="q8_0", cache_dir=cache))
+    )
+    model = engine.loaded.model
+    assert model.config.qk_norm and model.fused_ops is not None
+    want_tokens, want_lps = _generate(engine, graph=False)
+    model._decode_graph = None
+    got_tokens, got_lps = _generate(engine, graph=True)
+    assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
+    assert got_tokens == want_tokens
+    assert got_lps == want_lps
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
