@@ -384,12 +384,16 @@ def load_model(
     max_positions: int,
     quantize: str | None = None,
     slicer: TensorSlicer | None = None,
+    embedding_only: bool = False,
 ) -> LoadedModel:
     """Loads a Hugging Face folder into our model. `slicer` (tensor parallelism): read only a slice of
-    some tensors; the model then holds those slices (server/distributed/sharding.py finishes it)."""
+    some tensors; the model then holds those slices (server/distributed/sharding.py finishes it).
+    `embedding_only` (the pooling loader): the LM head is neither needed nor read, and a base model's
+    checkpoint (Qwen3Model and the like, as sentence-transformers saves it: `layers.0...`, no `model.`
+    prefix, no lm_head) loads too."""
     hf_cfg = read_hf_config(folder)
     try:
-        arch = ArchConfig.from_hf(hf_cfg)
+        arch = ArchConfig.from_hf(hf_cfg, base_model_ok=embedding_only)
     except KeyError as e:
         raise UnsupportedModelError(f"{folder}/config.json lacks the field {e}") from e
     from server import quant
@@ -400,10 +404,12 @@ def load_model(
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
     state = load_state_dict(folder, slicer)
-    if arch.tie_word_embeddings:
+    if embedding_only:
+        state = {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in state.items()}
+    if arch.tie_word_embeddings or embedding_only:
         state.pop("lm_head.weight", None)
     expected = set(model.state_dict().keys())
-    if arch.tie_word_embeddings:
+    if arch.tie_word_embeddings or embedding_only:
         expected.discard("lm_head.weight")
     missing = sorted(expected - set(state))
     if missing:
@@ -420,6 +426,9 @@ def load_model(
             state[k] = v.to(dtype)
     model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()
+    if embedding_only and not arch.tie_word_embeddings:
+        # never computed by an embedder: shares the embedding's tensor so nothing stays on the meta device
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = type(model.rotary)(arch, max_positions)
     model.to(device)
     if qcfg is not None:

@@ -1,9 +1,11 @@
 """Decoder models as embedders (last-token pooling, as gte-Qwen2 and Qwen3-Embedding do): our
-Llama/Qwen2 model (server/models/llama.py) run as one dense causal pass over a padded batch, with no
+Llama/Qwen2/Qwen3 model (server/models/llama.py) run as one dense causal pass over a padded batch, with no
 paged KV cache (nothing is kept after the forward). Same weights, same modules as generation.
 
 `forward(input_ids, token_type_ids, attention_mask)`: int64 `[batch, seq]` right-padded ->
 `[batch, seq, hidden]` final-norm hidden states in the weights' dtype; token_type_ids are ignored.
+Padding may be on either side (Qwen3-Embedding's tokenizer pads on the left): each row's positions
+count its own tokens only, and a padded query attends to itself, so no row of the softmax is empty.
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ class DecoderEncoder(nn.Module):
         m = self.model
         b, s = input_ids.shape
         h = m.model.embed_tokens(input_ids)  # [B, S, hidden]
-        positions = torch.arange(s, device=input_ids.device)
-        cos, sin = m.rotary.cos_sin(positions, h.dtype)  # [S, 1, D]
-        # causal, and no query attends to a padded key: [B, 1, S, S] boolean (True = attend)
+        real = attention_mask.bool()
+        positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, S]: left padding shifts nothing
+        cos, sin = m.rotary.cos_sin(positions.reshape(-1), h.dtype)  # [B * S, 1, D]
+        cos, sin = cos.view(b, s, 1, -1), sin.view(b, s, 1, -1)
+        # causal, and no query attends to a padded key: [B, 1, S, S] boolean (True = attend); a padded
+        # query keeps its diagonal (an all-masked row would be NaN and reach real rows through V)
+        eye = torch.eye(s, dtype=torch.bool, device=h.device)[None, None]
         allowed = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()[None, None]
-        allowed = allowed & attention_mask.bool()[:, None, None, :]
+        allowed = (allowed & real[:, None, None, :]) | eye
         for layer in m.decoder_layers():
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -38,8 +44,11 @@ class DecoderEncoder(nn.Module):
                 q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             else:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            q = apply_rotary(q.view(b, s, hq, d), cos, sin).transpose(1, 2)
-            k = apply_rotary(k.view(b, s, hkv, d), cos, sin).transpose(1, 2)
+            q, k = q.reshape(b, s, hq, d), k.reshape(b, s, hkv, d)
+            if attn.q_norm is not None and attn.k_norm is not None:  # Qwen3: per head, before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = apply_rotary(q, cos, sin).transpose(1, 2)
+            k = apply_rotary(k, cos, sin).transpose(1, 2)
             v = v.view(b, s, hkv, d).transpose(1, 2)
             if hkv != hq:
                 k = k.repeat_interleave(hq // hkv, dim=1)

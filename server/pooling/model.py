@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from server.models.arch import BASE_MODEL_ARCHITECTURES
+
 from .bert import BertConfig, BertForSequenceClassification, BertModel
 from .pooler import PoolingConfig, PoolingMode
 
@@ -29,7 +31,9 @@ class PoolingTask(enum.StrEnum):
 _ENCODER_ARCHS = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
 _CLASSIFIER_ARCHS = {"BertForSequenceClassification"}
 # our generative architectures (server/models/arch.py) served as last-token embedders (pooling/decoder.py)
-_DECODER_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+_DECODER_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+# their headless base models (sentence-transformers saves these): they cannot generate, so they embed
+_BASE_DECODER_ARCHS = set(BASE_MODEL_ARCHITECTURES)
 
 
 def detect_task(folder: Path) -> PoolingTask | None:
@@ -42,6 +46,8 @@ def detect_task(folder: Path) -> PoolingTask | None:
         return PoolingTask.EMBED
     if archs & _DECODER_ARCHS and (folder / "modules.json").is_file():
         return PoolingTask.EMBED  # a sentence-transformers folder around a decoder (gte-Qwen2 style)
+    if archs & _BASE_DECODER_ARCHS and not archs & _DECODER_ARCHS:
+        return PoolingTask.EMBED  # Qwen3Model and the like: no LM head, nothing to generate with
     return None
 
 
@@ -78,7 +84,7 @@ def load_pooling_model(
     """Raises ValueError when the folder is not a supported pooling model for `task`."""
     cfg = json.loads((folder / "config.json").read_text())
     archs = set(cfg.get("architectures") or [])
-    if task in (None, PoolingTask.EMBED) and archs & _DECODER_ARCHS:
+    if task in (None, PoolingTask.EMBED) and archs & (_DECODER_ARCHS | _BASE_DECODER_ARCHS):
         return _load_decoder(folder, cfg, dtype)
     found = detect_task(folder)
     if found is None:
@@ -136,7 +142,7 @@ def resolve_task(model: str | None, task: str) -> str:
 
 
 def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
-    """A Llama/Mistral/Qwen2 checkpoint as an embedder: last-token pooling and L2 normalization unless
+    """A Llama/Mistral/Qwen2/Qwen3 checkpoint (or its headless base model) as an embedder: last-token pooling and L2 normalization unless
     the folder's modules.json says otherwise (vLLM's default for decoder embedders too)."""
     from server.models.loader import load_model
 
@@ -149,7 +155,7 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
             mode=PoolingMode.LAST, normalize=True, matryoshka_dimensions=pooling.matryoshka_dimensions
         )
     max_len = min(pooling.max_seq_length or max_pos, max_pos)
-    loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len)
+    loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len, embedding_only=True)
     module = DecoderEncoder(loaded.model).eval()
     tok = AutoTokenizer.from_pretrained(str(folder))
     return PoolingModel(

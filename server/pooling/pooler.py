@@ -62,6 +62,12 @@ class PoolingConfig:
                     sb = folder / m.get("path", "") / "sentence_bert_config.json"
                     if sb.is_file():
                         max_len = json.loads(sb.read_text()).get("max_seq_length")
+                    tc = folder / m.get("path", "") / "tokenizer_config.json"
+                    if max_len is None and tc.is_file():
+                        # sentence-transformers >= 6 saves the limit as the tokenizer's model_max_length
+                        # (and falls back to it on load); tokenizers without a limit say ~1e30
+                        limit = json.loads(tc.read_text()).get("model_max_length")
+                        max_len = int(limit) if isinstance(limit, int | float) and limit < 1 << 31 else None
                 elif kind == "Pooling":
                     mode = _pooling_mode(json.loads((folder / m["path"] / "config.json").read_text()))
                 elif kind == "Normalize":

@@ -177,3 +177,69 @@ async def test_engine_survives_a_failed_forward(minilm_dir: Path, monkeypatch: p
         assert vec.shape == (384,)
     finally:
         await engine.shutdown()
+
+
+QWEN3_QUERY_PROMPT = (
+    "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_embed_dir(tiny_model_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3-Embedding-style sentence-transformers folder, as sentence-transformers saves it: the
+    headless Qwen3Model (config architectures ["Qwen3Model"], weights without the `model.` prefix, no
+    lm_head), 1_Pooling lasttoken, 2_Normalize, and instruction prompts."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer, models
+
+    # Without SmolLM2's chat template: given one, sentence-transformers 6 wraps each plain string in it
+    # (its "message" modality), where Qwen3-Embedding and our server embed the text itself.
+    causal = tmp_path_factory.mktemp("qwen3-causal")
+    shutil.copytree(tiny_model_factory("qwen3", tie=True), causal, dirs_exist_ok=True)
+    (causal / "chat_template.jinja").unlink(missing_ok=True)
+    transformer = models.Transformer(str(causal), max_seq_length=96)
+    assert not getattr(transformer.tokenizer, "chat_template", None)
+    pooling = models.Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
+    st = SentenceTransformer(
+        modules=[transformer, pooling, models.Normalize()],
+        prompts={"query": QWEN3_QUERY_PROMPT, "document": ""},
+        device="cpu",
+    )
+    folder = tmp_path_factory.mktemp("qwen3-embed")
+    st.save(str(folder))
+    return folder
+
+
+def test_qwen3_embedding_matches_sentence_transformers(qwen3_embed_dir: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+    from sentence_transformers import SentenceTransformer
+
+    cfg = json.loads((qwen3_embed_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3Model"]
+    with safe_open(str(qwen3_embed_dir / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "layers.0.self_attn.q_norm.weight" in keys and not any(k.startswith("lm_head") for k in keys)
+    assert resolve_task(str(qwen3_embed_dir), "auto") == "embed"
+    m = load_pooling_model(qwen3_embed_dir)
+    assert (m.pooling.mode, m.pooling.normalize, m.max_model_len) == (PoolingMode.LAST, True, 96)
+    ref = SentenceTransformer(str(qwen3_embed_dir), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    # Left padding (sentence-transformers pads causal models on the left) and the right padding the
+    # pooling engine uses: both equal the reference.
+    for side in ("left", "right"):
+        m.tokenizer.padding_side = side
+        enc = m.tokenizer(TEXTS, padding=True, return_tensors="pt")
+        assert bool((enc["attention_mask"] == 0).any())
+        out = m.forward(enc["input_ids"], torch.zeros_like(enc["input_ids"]), enc["attention_mask"])
+        cos = F.cosine_similarity(finish_embedding(out, True, None), ref.float())
+        assert cos.min().item() >= 0.9999, (side, cos)
+
+
+def test_base_model_is_refused_for_generation(qwen3_embed_dir: Path) -> None:
+    from server.models.arch import UnsupportedModelError
+    from server.models.loader import load_model
+
+    with pytest.raises(UnsupportedModelError, match="base model without an LM head"):
+        load_model(qwen3_embed_dir, torch.float32, torch.device("cpu"), 64)
