@@ -93,3 +93,15 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Pa
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_embed_dir(
+    tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A tiny Qwen3-Embedding-style sentence-transformers folder (embedding_models.py)."""
+    from embedding_models import build_qwen3_embedding
+
+    return build_qwen3_embedding(
+        tiny_model_factory("qwen3", tie=True), tmp_path_factory.mktemp("qwen3-embed")
+    )

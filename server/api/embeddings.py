@@ -61,6 +61,7 @@ class TEIEmbedRequest(_Body):
     truncate: bool | None = None
     truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
     dimensions: int | None = None
+    prompt_name: str | None = None  # a key of the model's sentence-transformers `prompts`
 
 
 class ScoreRequest(_Body):
@@ -162,6 +163,18 @@ def _encode_text(m: PoolingModel, text: str, limit: int, truncate: bool, left: b
     return PoolingInput(list(ids))
 
 
+def _prompt(m: PoolingModel, name: str | None) -> str:
+    """The instruction prompt prepended to each text: `name`'s, else the model's default (usually none)."""
+    try:
+        return m.pooling.prompt(name)
+    except KeyError:
+        known = ", ".join(name for name, _ in m.pooling.prompts) or "none"
+        raise validation(
+            f"Input validation error: prompt_name {name!r} is not one of the model's prompts ({known})",
+            "prompt_name",
+        ) from None
+
+
 def _encode_pair(m: PoolingModel, a: str, b: str, limit: int, truncate: bool) -> PoolingInput:
     tok = m.tokenizer
     enc = tok(a, b, add_special_tokens=True)
@@ -254,13 +267,15 @@ async def embeddings(request: Request) -> Response:
         raw = [raw]  # one list of token ids
     _check_count(len(raw), "input")
 
+    prompt = _prompt(m, None)  # the model's default prompt, as sentence-transformers' encode applies it
+
     def tokenize() -> list[PoolingInput]:
         out = []
         for x in raw:
             if isinstance(x, str):
                 if not x:
                     raise validation("input strings cannot be empty", "input")
-                out.append(_encode_text(m, x, limit, truncate, left=False))
+                out.append(_encode_text(m, prompt + x, limit, truncate, left=False))
             else:
                 out.append(_check_ids(m, list(x), limit, truncate))
         return out
@@ -293,8 +308,9 @@ async def tei_embed(request: Request) -> Response:
     _check_count(len(texts), "inputs")
     limit = _limit(state, None)
     left = req.truncation_direction.lower() == "left"
+    prompt = _prompt(m, req.prompt_name)
     items = await asyncio.to_thread(
-        lambda: [_encode_text(m, t, limit, bool(req.truncate), left) for t in texts]
+        lambda: [_encode_text(m, prompt + t, limit, bool(req.truncate), left) for t in texts]
     )
     vectors = await _run(state, "embed", items)
     return JSONResponse([finish_embedding(v, req.normalize, dims).tolist() for v in vectors])

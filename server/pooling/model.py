@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass
@@ -151,9 +152,7 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
     max_pos = int(cfg.get("max_position_embeddings") or 8192)
     pooling = PoolingConfig.from_folder(folder, PoolingMode.LAST, cfg)
     if not (folder / "modules.json").is_file():
-        pooling = PoolingConfig(
-            mode=PoolingMode.LAST, normalize=True, matryoshka_dimensions=pooling.matryoshka_dimensions
-        )
+        pooling = dataclasses.replace(pooling, mode=PoolingMode.LAST, normalize=True)
     max_len = min(pooling.max_seq_length or max_pos, max_pos)
     loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len, embedding_only=True)
     module = DecoderEncoder(loaded.model).eval()

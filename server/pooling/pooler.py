@@ -48,6 +48,16 @@ class PoolingConfig:
     max_seq_length: int | None = None
     matryoshka_dimensions: tuple[int, ...] | None = ()
     include_prompt: bool = True
+    # config_sentence_transformers.json: instruction prompts by name (prepended to a text before
+    # tokenizing, as sentence-transformers' encode(prompt_name=...) does) and the one used when a request
+    # names none (null: no prompt)
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
+
+    def prompt(self, name: str | None) -> str:
+        """The text of prompt `name` (None: the default prompt, else ""); KeyError for an unknown name."""
+        name = name if name is not None else self.default_prompt_name
+        return "" if name is None else dict(self.prompts)[name]
 
     @classmethod
     def from_folder(cls, folder: Path, default_mode: PoolingMode, hf_config: dict) -> PoolingConfig:
@@ -79,7 +89,30 @@ class PoolingConfig:
             dims = tuple(int(d) for d in hf_config["matryoshka_dimensions"])
         elif hf_config.get("is_matryoshka"):
             dims = None
-        return cls(mode=mode, normalize=normalize, max_seq_length=max_len, matryoshka_dimensions=dims)
+        prompts, default_prompt = _prompts(folder / "config_sentence_transformers.json")
+        return cls(
+            mode=mode,
+            normalize=normalize,
+            max_seq_length=max_len,
+            matryoshka_dimensions=dims,
+            prompts=prompts,
+            default_prompt_name=default_prompt,
+        )
+
+
+def _prompts(path: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """`prompts` and `default_prompt_name` of config_sentence_transformers.json (sentence-transformers
+    >= 2.4); a default naming no prompt is refused, as sentence-transformers refuses it."""
+    if not path.is_file():
+        return (), None
+    cfg = json.loads(path.read_text())
+    raw = cfg.get("prompts") or {}
+    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+        raise ValueError(f"{path}: `prompts` must map names to strings")
+    default = cfg.get("default_prompt_name")
+    if default is not None and default not in raw:
+        raise ValueError(f"{path}: default_prompt_name {default!r} is not one of the prompts {sorted(raw)}")
+    return tuple(sorted(raw.items())), default
 
 
 def _pooling_mode(cfg: dict) -> PoolingMode:

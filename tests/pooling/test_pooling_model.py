@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from embedding_models import QWEN3_QUERY_PROMPT
 
 from server.pooling.engine import PoolingEngine, PoolingInput
 from server.pooling.model import PoolingTask, load_pooling_model, resolve_task
@@ -179,38 +180,6 @@ async def test_engine_survives_a_failed_forward(minilm_dir: Path, monkeypatch: p
         await engine.shutdown()
 
 
-QWEN3_QUERY_PROMPT = (
-    "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
-)
-
-
-@pytest.fixture(scope="module")
-def qwen3_embed_dir(tiny_model_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Qwen3-Embedding-style sentence-transformers folder, as sentence-transformers saves it: the
-    headless Qwen3Model (config architectures ["Qwen3Model"], weights without the `model.` prefix, no
-    lm_head), 1_Pooling lasttoken, 2_Normalize, and instruction prompts."""
-    import shutil
-
-    from sentence_transformers import SentenceTransformer, models
-
-    # Without SmolLM2's chat template: given one, sentence-transformers 6 wraps each plain string in it
-    # (its "message" modality), where Qwen3-Embedding and our server embed the text itself.
-    causal = tmp_path_factory.mktemp("qwen3-causal")
-    shutil.copytree(tiny_model_factory("qwen3", tie=True), causal, dirs_exist_ok=True)
-    (causal / "chat_template.jinja").unlink(missing_ok=True)
-    transformer = models.Transformer(str(causal), max_seq_length=96)
-    assert not getattr(transformer.tokenizer, "chat_template", None)
-    pooling = models.Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
-    st = SentenceTransformer(
-        modules=[transformer, pooling, models.Normalize()],
-        prompts={"query": QWEN3_QUERY_PROMPT, "document": ""},
-        device="cpu",
-    )
-    folder = tmp_path_factory.mktemp("qwen3-embed")
-    st.save(str(folder))
-    return folder
-
-
 def test_qwen3_embedding_matches_sentence_transformers(qwen3_embed_dir: Path) -> None:
     import json
 
@@ -225,6 +194,7 @@ def test_qwen3_embedding_matches_sentence_transformers(qwen3_embed_dir: Path) ->
     assert resolve_task(str(qwen3_embed_dir), "auto") == "embed"
     m = load_pooling_model(qwen3_embed_dir)
     assert (m.pooling.mode, m.pooling.normalize, m.max_model_len) == (PoolingMode.LAST, True, 96)
+    assert (m.pooling.prompt("query"), m.pooling.prompt(None)) == (QWEN3_QUERY_PROMPT, "")
     ref = SentenceTransformer(str(qwen3_embed_dir), device="cpu").encode(TEXTS, convert_to_tensor=True)
     # Left padding (sentence-transformers pads causal models on the left) and the right padding the
     # pooling engine uses: both equal the reference.
@@ -243,3 +213,19 @@ def test_base_model_is_refused_for_generation(qwen3_embed_dir: Path) -> None:
 
     with pytest.raises(UnsupportedModelError, match="base model without an LM head"):
         load_model(qwen3_embed_dir, torch.float32, torch.device("cpu"), 64)
+
+
+def test_sentence_transformers_prompts(tmp_path: Path) -> None:
+    import json
+
+    from server.pooling.pooler import PoolingConfig
+
+    cfg_file = tmp_path / "config_sentence_transformers.json"
+    cfg_file.write_text(json.dumps({"prompts": {"query": "q: ", "doc": ""}, "default_prompt_name": "doc"}))
+    cfg = PoolingConfig.from_folder(tmp_path, PoolingMode.CLS, {})
+    assert (cfg.prompt("query"), cfg.prompt(None), cfg.default_prompt_name) == ("q: ", "", "doc")
+    with pytest.raises(KeyError):
+        cfg.prompt("passage")
+    cfg_file.write_text(json.dumps({"prompts": {"query": "q: "}, "default_prompt_name": "doc"}))
+    with pytest.raises(ValueError, match="default_prompt_name 'doc'"):
+        PoolingConfig.from_folder(tmp_path, PoolingMode.CLS, {})
