@@ -195,6 +195,34 @@ def test_generative_model_refuses_pooling_routes(live_server: Any) -> None:
 
 # ---- cross-encoder -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
+def qwen3_server(qwen3_embed_dir: Path) -> Iterator[tuple[str, Any]]:
+    yield from _serve(qwen3_embed_dir, "qwen3-embed")
+
+
+def test_qwen3_embedding_server_with_instruction_prompts(
+    qwen3_server: tuple[str, Any], qwen3_embed_dir: Path
+) -> None:
+    """A Qwen3-Embedding-style folder (task auto: embed) served: the openai client's embeddings and TEI's
+    /embed with `prompt_name` equal sentence-transformers' encode, with and without the prompt."""
+    import openai
+    from sentence_transformers import SentenceTransformer
+
+    url, _ = qwen3_server
+    st = SentenceTransformer(str(qwen3_embed_dir), device="cpu")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    resp = client.embeddings.create(model="qwen3-embed", input=TEXTS)
+    _assert_close([d.embedding for d in resp.data], st.encode(TEXTS))
+    r = httpx.post(f"{url}/embed", json={"inputs": TEXTS, "prompt_name": "query"}, timeout=60)
+    assert r.status_code == 200, r.text
+    queries = st.encode(TEXTS, prompt_name="query")
+    _assert_close(r.json(), queries)
+    assert F.cosine_similarity(torch.tensor(r.json()), torch.as_tensor(st.encode(TEXTS))).max() < 0.999
+    r = httpx.post(f"{url}/embed", json={"inputs": TEXTS[0], "prompt_name": "passage"}, timeout=60)
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert "document, query" in r.json()["error"]
+
+
+@pytest.fixture(scope="module")
 def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> Path:
     """A tiny randomly initialised BertForSequenceClassification with MiniLM's tokenizer."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
