@@ -74,8 +74,9 @@ def run_both(folder: Path, tp: int, cache: CacheConfig, **kw: object) -> tuple[l
     return got, ref, engine
 
 
-def test_tp2_llama_parity_with_chunked_prefill_and_preemption(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
-    folder = tiny_model_factory("llama", tie=False, heads=4, kv_heads=2)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norm weights replicated on both ranks
+def test_tp2_parity_with_chunked_prefill_and_preemption(tiny_model_factory, arch: str) -> None:  # type: ignore[no-untyped-def]
+    folder = tiny_model_factory(arch, tie=False, heads=4, kv_heads=2)
     # 12 blocks of 4 tokens cannot hold 5 sequences of ~22 tokens; an 8-token budget chunks every prompt.
     cache = CacheConfig(block_size=4, num_kv_blocks=12, enable_prefix_caching=True)
     got, ref, engine = run_both(folder, 2, cache, max_num_batched_tokens=8)
