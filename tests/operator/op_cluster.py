@@ -600,5 +600,5 @@ def operator_settings() -> kopf.OperatorSettings:
 @contextmanager
 def run_operator() -> Iterator[KopfRunner]:
     args = ["run", "--standalone", "-n", "default", "-m", "kubeinfer_operator", "--verbose"]
-    with KopfRunner(args, settings=operator_settings(), timeout=30) as runner:
+    with KopfRunner(args, settings=operator_settings(), timeout=120) as runner:  # stop: a loaded machine
         yield runner

@@ -129,13 +129,13 @@ def test_keda_without_its_crd_serves_at_the_floor_and_takes_keda_up_later(cluste
         assert degraded.get("status") == "False", degraded
 
         cluster.add_resources(KEDA)  # KEDA is installed afterwards
-        wait_for(functools.partial(cluster.get, "ScaledObject", NAME), timeout=30, what="ScaledObject")
+        wait_for(functools.partial(cluster.get, "ScaledObject", NAME), timeout=90, what="ScaledObject")
         wait_for(
             lambda: (
                 (condition(cluster.get("InferenceModel", NAME), "AutoscalingAvailable") or {}).get("status")
                 == "True"
             ),
-            timeout=30,
+            timeout=90,
             what="AutoscalingAvailable=True",
         )
         # The count was handed to the autoscaler without dropping the serving replica.
