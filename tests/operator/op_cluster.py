@@ -435,7 +435,7 @@ class MockCluster:
 
         self._thread = threading.Thread(target=run, name="kmock", daemon=True)
         self._thread.start()
-        if not ready.wait(10):
+        if not ready.wait(60):  # generous: a loaded machine starts the thread's event loop late
             raise RuntimeError("kmock did not start")
         return self
 
