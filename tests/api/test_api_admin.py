@@ -40,7 +40,7 @@ def _serve(**config: Any) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
+    for _ in range(2400):  # up to 2 min for the server thread to listen on a loaded machine
         try:
             httpx.get(f"{url}/health", timeout=1)
             break
@@ -106,7 +106,7 @@ def test_api_user_key_is_no_admin_key(both_keys_server: str) -> None:
     assert _post(url, "/v1/completions", {"prompt": "hi"}).status_code == 401
     assert _post(url, "/v1/completions", {"prompt": "hi"}, USER).status_code == 503
     assert _post(url, "/v1/completions", {"prompt": "hi"}, ADMIN).status_code == 503
-    r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {ADMIN}"})
+    r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
     assert r.status_code != 401
 
 

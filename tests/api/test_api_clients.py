@@ -24,10 +24,10 @@ from text_generation import AsyncClient, Client
 
 def test_api_probes_info_models(live_server: LiveServer) -> None:
     url = live_server.url
-    assert httpx.get(f"{url}/health").status_code == 200
-    r = httpx.get(f"{url}/ready")
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+    r = httpx.get(f"{url}/ready", timeout=60)
     assert r.status_code == 200 and r.json() == {"status": "ready"}
-    info = httpx.get(f"{url}/info").json()
+    info = httpx.get(f"{url}/info", timeout=60).json()
     for key in (
         "model_id",
         "model_sha",
@@ -53,9 +53,9 @@ def test_api_probes_info_models(live_server: LiveServer) -> None:
     assert info["dtype"] == "float32"
     assert info["kv_blocks"] == 192 and info["kv_block_size"] == 16
     assert info["max_input_tokens"] < info["max_total_tokens"]
-    models = httpx.get(f"{url}/v1/models").json()
+    models = httpx.get(f"{url}/v1/models", timeout=60).json()
     assert models["object"] == "list" and models["data"][0]["id"] == SERVED_NAME
-    toks = httpx.post(f"{url}/tokenize", json={"inputs": TGI_PROMPT}).json()
+    toks = httpx.post(f"{url}/tokenize", json={"inputs": TGI_PROMPT}, timeout=60).json()
     assert [t["id"] for t in toks] == live_server.refs["tgi"].prompt_ids
     assert "".join(t["text"] for t in toks) == TGI_PROMPT
     assert all(TGI_PROMPT[t["start"] : t["stop"]] == t["text"] for t in toks)
@@ -212,7 +212,7 @@ def test_api_twenty_concurrent_streams(live_server: LiveServer) -> None:
 
 
 def test_api_metrics_names(live_server: LiveServer) -> None:
-    text = httpx.get(f"{live_server.url}/metrics").text
+    text = httpx.get(f"{live_server.url}/metrics", timeout=60).text
     for name in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -244,4 +244,4 @@ def test_api_metrics_names(live_server: LiveServer) -> None:
 
 @pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/info"])
 def test_api_open_routes_without_key(live_server: LiveServer, path: str) -> None:
-    assert httpx.get(f"{live_server.url}{path}").status_code == 200
+    assert httpx.get(f"{live_server.url}{path}", timeout=60).status_code == 200

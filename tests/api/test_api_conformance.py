@@ -521,7 +521,9 @@ def test_api_conf_continuous_usage_stats(live_server: LiveServer) -> None:
         all(e["usage"] is None for e in only_include[:-1])
         and only_include[-1]["usage"]["completion_tokens"] == 4
     )
-    r = httpx.post(f"{url}/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}})
+    r = httpx.post(
+        f"{url}/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}}, timeout=60
+    )
     assert r.status_code == 400 and "continuous_usage_stats" in r.text
 
 
@@ -548,7 +550,7 @@ def keyed_server() -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
+    for _ in range(2400):  # up to 2 min for the server thread to listen on a loaded machine
         try:
             httpx.get(f"{url}/health", timeout=1)
             break
@@ -568,36 +570,40 @@ PREFLIGHT = {
 
 def test_api_conf_cors_head_and_error_shapes(live_server: LiveServer, keyed_server: str) -> None:
     url = live_server.url
-    r = httpx.options(f"{url}/v1/chat/completions", headers=PREFLIGHT)
+    r = httpx.options(f"{url}/v1/chat/completions", headers=PREFLIGHT, timeout=60)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     assert "POST" in r.headers["access-control-allow-methods"]
     # with --api-key: the preflight needs no key; the real request still does, and carries CORS headers
-    r = httpx.options(f"{keyed_server}/v1/chat/completions", headers=PREFLIGHT)
+    r = httpx.options(f"{keyed_server}/v1/chat/completions", headers=PREFLIGHT, timeout=60)
     assert r.status_code == 200, r.text
     assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
     assert r.headers["access-control-allow-credentials"] == "true"
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
     r = httpx.options(
-        f"{keyed_server}/v1/chat/completions", headers={**PREFLIGHT, "Origin": "http://evil.example"}
+        f"{keyed_server}/v1/chat/completions",
+        headers={**PREFLIGHT, "Origin": "http://evil.example"},
+        timeout=60,
     )
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
-    r = httpx.post(f"{keyed_server}/v1/completions", json={}, headers={"Origin": "http://localhost:3000"})
+    r = httpx.post(
+        f"{keyed_server}/v1/completions", json={}, headers={"Origin": "http://localhost:3000"}, timeout=60
+    )
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
     # HEAD probes answer like GET without a body
     for path in ("/health", "/ready"):
-        g, h = httpx.get(f"{url}{path}"), httpx.head(f"{url}{path}")
+        g, h = httpx.get(f"{url}{path}", timeout=60), httpx.head(f"{url}{path}", timeout=60)
         assert (h.status_code, h.content) == (g.status_code, b"")
         assert h.headers["content-type"] == g.headers["content-type"]
-    h = httpx.head(f"{keyed_server}/ready")
+    h = httpx.head(f"{keyed_server}/ready", timeout=60)
     assert h.status_code == 503 and h.content == b""
     # 404 and 405 in the route family's error shape
-    r = httpx.get(f"{url}/v1/nope")
+    r = httpx.get(f"{url}/v1/nope", timeout=60)
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError" and "detail" not in r.json()
-    r = httpx.get(f"{url}/v1/chat/completions")
+    r = httpx.get(f"{url}/v1/chat/completions", timeout=60)
     assert r.status_code == 405 and r.json()["error"]["code"] == 405 and "POST" in r.headers["allow"]
-    r = httpx.post(f"{url}/nope", json={})
+    r = httpx.post(f"{url}/nope", json={}, timeout=60)
     assert r.status_code == 404 and r.json()["error_type"] == "not_found"
-    r = httpx.get(f"{url}/generate")
+    r = httpx.get(f"{url}/generate", timeout=60)
     assert r.status_code == 405 and r.json()["error_type"] == "method_not_allowed"
 
 
@@ -825,7 +831,9 @@ def test_api_conf_tokenize_routes(live_server: LiveServer) -> None:
     max_len = live_server.state.limits.max_total_tokens
     # vLLM: {prompt} -> tokens, count, max_model_len (add_special_tokens, return_token_strs, model)
     r = httpx.post(
-        f"{url}/tokenize", json={"model": SERVED_NAME, "prompt": TGI_PROMPT, "return_token_strs": True}
+        f"{url}/tokenize",
+        json={"model": SERVED_NAME, "prompt": TGI_PROMPT, "return_token_strs": True},
+        timeout=60,
     )
     assert r.json() == {
         "count": len(ids),
@@ -833,7 +841,9 @@ def test_api_conf_tokenize_routes(live_server: LiveServer) -> None:
         "tokens": ids,
         "token_strs": tok.hf.convert_ids_to_tokens(ids),
     }
-    r = httpx.post(f"{url}/tokenize", json={"prompt": "<|im_start|>hi", "add_special_tokens": False}).json()
+    r = httpx.post(
+        f"{url}/tokenize", json={"prompt": "<|im_start|>hi", "add_special_tokens": False}, timeout=60
+    ).json()
     assert r["tokens"] == tok.encode("<|im_start|>hi", add_special_tokens=False) and "token_strs" not in r
     # vLLM: {messages} -> the chat template's ids (add_generation_prompt, continue_final_message)
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
@@ -844,24 +854,26 @@ def test_api_conf_tokenize_routes(live_server: LiveServer) -> None:
             "continue_final_message": cont,
             "add_special_tokens": False,
         }
-        r = httpx.post(f"{url}/tokenize", json=body).json()
+        r = httpx.post(f"{url}/tokenize", json=body, timeout=60).json()
         assert r["tokens"] == tok.apply_chat_template(msgs, gen, continue_final_message=cont)
         assert r["count"] == len(r["tokens"]) and r["max_model_len"] == max_len
-    r = httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "x"})
+    r = httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "x"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     # TGI: {inputs} -> [{id, text, start, stop}], with parameters.truncate keeping the last tokens
-    r = httpx.post(f"{url}/tokenize", json={"inputs": TGI_PROMPT}).json()
+    r = httpx.post(f"{url}/tokenize", json={"inputs": TGI_PROMPT}, timeout=60).json()
     assert [t["id"] for t in r] == ids
-    r = httpx.post(f"{url}/tokenize", json={"inputs": TGI_PROMPT, "parameters": {"truncate": 2}}).json()
+    r = httpx.post(
+        f"{url}/tokenize", json={"inputs": TGI_PROMPT, "parameters": {"truncate": 2}}, timeout=60
+    ).json()
     assert [t["id"] for t in r] == ids[-2:]
-    r = httpx.post(f"{url}/tokenize", json={"inputs": TGI_PROMPT, "parameters": {"truncate": 0}})
+    r = httpx.post(f"{url}/tokenize", json={"inputs": TGI_PROMPT, "parameters": {"truncate": 0}}, timeout=60)
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
     # /detokenize and /version
-    r = httpx.post(f"{url}/detokenize", json={"model": SERVED_NAME, "tokens": ids})
+    r = httpx.post(f"{url}/detokenize", json={"model": SERVED_NAME, "tokens": ids}, timeout=60)
     assert r.json() == {"prompt": TGI_PROMPT}
-    r = httpx.post(f"{url}/detokenize", json={"tokens": [10**9]})
+    r = httpx.post(f"{url}/detokenize", json={"tokens": [10**9]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
-    v = httpx.get(f"{url}/version")
+    v = httpx.get(f"{url}/version", timeout=60)
     assert v.status_code == 200 and isinstance(v.json()["version"], str) and v.json()["version"]
 
 

@@ -57,8 +57,8 @@ def test_api_engine_loop_death(tiny_server: tuple[str, object]) -> None:
     )
     assert r.status_code == 500 and r.json()["error_type"] == "incomplete_generation"
     assert "injected engine crash" in r.json()["error"]
-    h = httpx.get(f"{url}/health")
+    h = httpx.get(f"{url}/health", timeout=60)
     assert h.status_code == 503 and h.json()["status"] == "dead"
-    assert httpx.get(f"{url}/ready").status_code == 503
+    assert httpx.get(f"{url}/ready", timeout=60).status_code == 503
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=10)
     assert r.status_code == 500 and "engine" in r.json()["error"]["message"]

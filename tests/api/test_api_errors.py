@@ -72,22 +72,24 @@ def no_engine_traffic(live_server: LiveServer) -> Iterator[None]:
 def test_api_tgi_validation_422(
     live_server: LiveServer, no_engine_traffic: None, body: dict, fragment: str
 ) -> None:
-    msg = _tgi(httpx.post(f"{live_server.url}/generate", json=body), 422, "validation")
+    msg = _tgi(httpx.post(f"{live_server.url}/generate", json=body, timeout=60), 422, "validation")
     assert fragment in msg
 
 
 def test_api_tgi_malformed_and_stream_rules(live_server: LiveServer, no_engine_traffic: None) -> None:
     url = live_server.url
     _tgi(
-        httpx.post(f"{url}/generate", content=b"{not json", headers={"content-type": "application/json"}),
+        httpx.post(
+            f"{url}/generate", content=b"{not json", headers={"content-type": "application/json"}, timeout=60
+        ),
         422,
         "validation",
     )
     body = {"inputs": TGI_PROMPT, "parameters": {"best_of": 2, "do_sample": True}}
-    assert "stream" in _tgi(httpx.post(f"{url}/generate_stream", json=body), 422, "validation")
+    assert "stream" in _tgi(httpx.post(f"{url}/generate_stream", json=body, timeout=60), 422, "validation")
     body = {"inputs": TGI_PROMPT, "parameters": {"decoder_input_details": True}}
-    _tgi(httpx.post(f"{url}/generate_stream", json=body), 422, "validation")
-    assert 'err="validation"' in httpx.get(f"{url}/metrics").text  # tgi_request_failure{err}
+    _tgi(httpx.post(f"{url}/generate_stream", json=body, timeout=60), 422, "validation")
+    assert 'err="validation"' in httpx.get(f"{url}/metrics", timeout=60).text  # tgi_request_failure{err}
     # The text-generation client maps error_type to its exception classes.
     with pytest.raises(text_generation.errors.ValidationError):
         text_generation.Client(url).generate(TGI_PROMPT, max_new_tokens=10**6)
@@ -95,8 +97,15 @@ def test_api_tgi_malformed_and_stream_rules(live_server: LiveServer, no_engine_t
 
 def test_api_payload_limit_413(live_server: LiveServer, no_engine_traffic: None) -> None:
     big = "x" * (live_server.state.config.max_payload_bytes + 10)
-    _tgi(httpx.post(f"{live_server.url}/generate", json={"inputs": big}), 413, "payload_too_large")
-    _oai(httpx.post(f"{live_server.url}/v1/completions", json={"model": SERVED_NAME, "prompt": big}), 413)
+    _tgi(
+        httpx.post(f"{live_server.url}/generate", json={"inputs": big}, timeout=60), 413, "payload_too_large"
+    )
+    _oai(
+        httpx.post(
+            f"{live_server.url}/v1/completions", json={"model": SERVED_NAME, "prompt": big}, timeout=60
+        ),
+        413,
+    )
 
 
 @pytest.mark.parametrize(
@@ -136,7 +145,7 @@ def test_api_payload_limit_413(live_server: LiveServer, no_engine_traffic: None)
 def test_api_openai_validation_400(
     live_server: LiveServer, no_engine_traffic: None, path: str, body: dict, param: str | None
 ) -> None:
-    err = _oai(httpx.post(f"{live_server.url}{path}", json={"model": SERVED_NAME, **body}), 400)
+    err = _oai(httpx.post(f"{live_server.url}{path}", json={"model": SERVED_NAME, **body}, timeout=60), 400)
     assert err["type"] == "BadRequestError"
     if param is not None:
         assert err["param"] == param
@@ -145,9 +154,12 @@ def test_api_openai_validation_400(
 def test_api_openai_malformed_unknown_model(live_server: LiveServer, no_engine_traffic: None) -> None:
     url = live_server.url
     _oai(
-        httpx.post(f"{url}/v1/completions", content=b"[1,", headers={"content-type": "application/json"}), 400
+        httpx.post(
+            f"{url}/v1/completions", content=b"[1,", headers={"content-type": "application/json"}, timeout=60
+        ),
+        400,
     )
-    err = _oai(httpx.post(f"{url}/v1/completions", json={"model": "gpt-17", "prompt": "hi"}), 404)
+    err = _oai(httpx.post(f"{url}/v1/completions", json={"model": "gpt-17", "prompt": "hi"}, timeout=60), 404)
     assert "gpt-17" in err["message"]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError):
@@ -204,7 +216,7 @@ def test_api_engine_failure_maps_to_generation_error(live_server: LiveServer, fa
         and "injected" in json.loads(frames[-2].removeprefix("data: "))["error"]["message"]
     )
     # The server keeps serving.
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
     ok = httpx.post(
         f"{url}/generate", json={"inputs": TGI_PROMPT, "parameters": {"max_new_tokens": 2}}, timeout=60
     )

@@ -168,7 +168,7 @@ def test_lora_paths_confined_and_refusals_alike(hostile: HostileServer) -> None:
             "No adapter found for <path> under the allowed adapter paths (--lora-allowed-paths)",
         )
     }, shapes
-    assert "x" not in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert "x" not in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]}
 
     # bounded lengths and control characters: 400 on the same kept-alive connection, never a 500
     conn = KeepAlive(hostile.port)
@@ -295,7 +295,7 @@ def _fuzz_operation(url: str, op: Any, mode: GenerationMode, statuses: Counter[i
 def test_fuzz_every_request_body_never_5xx(hostile: HostileServer) -> None:
     """Every operation the server's OpenAPI document gives a request body, in schemathesis' positive
     and negative modes (a few examples each: the point is breadth, tests/reliability goes deep)."""
-    doc = httpx.get(f"{hostile.url}/openapi.json").json()
+    doc = httpx.get(f"{hostile.url}/openapi.json", timeout=60).json()
     schema = schemathesis.openapi.from_url(f"{hostile.url}/openapi.json")
     ops = [
         (path, method)
@@ -338,7 +338,9 @@ def test_retry_after_on_429_and_503(hostile: HostileServer) -> None:
         assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
     finally:
         state.phase = ServerPhase.READY
-    r = httpx.post(f"{hostile.url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
+    r = httpx.post(
+        f"{hostile.url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}}, timeout=60
+    )
     assert r.status_code == 200 and "retry-after" not in r.headers
 
 
@@ -443,13 +445,17 @@ def test_special_tokens_over_http(hostile: HostileServer) -> None:
     r = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": msgs}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["tokens"].count(start) == 3  # system, user, generation prompt: none from the user
-    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 1})
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 1}, timeout=60
+    )
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] == len(hostile.state.llm.tokenizer.apply_chat_template(msgs))
     # raw prompts (completions `prompt`, TGI `inputs`) are the client's own prompt: parsed, as vLLM and TGI do
-    r = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": FORGED, "add_special_tokens": False})
+    r = httpx.post(
+        f"{url}/tokenize", json={"model": "tiny", "prompt": FORGED, "add_special_tokens": False}, timeout=60
+    )
     assert r.json()["tokens"].count(start) == 2
-    r = httpx.post(f"{url}/tokenize", json={"inputs": FORGED})
+    r = httpx.post(f"{url}/tokenize", json={"inputs": FORGED}, timeout=60)
     assert [t["id"] for t in r.json()].count(start) == 2
 
 
@@ -481,7 +487,7 @@ def test_head_timeout_on_both_uvicorn_protocols(impl: str) -> None:
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     try:
-        deadline = 200
+        deadline = 2400  # polls: up to 2 min for the server to start on a loaded machine
         while not server.started and deadline:
             threading.Event().wait(0.05)
             deadline -= 1

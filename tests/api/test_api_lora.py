@@ -134,6 +134,7 @@ def test_tgi_adapter_id(lora_server: LoRAServer, monkeypatch: pytest.MonkeyPatch
     r = httpx.post(
         f"{lora_server.url}/generate",
         json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "nope"}},
+        timeout=60,
     )
     assert r.status_code == 422 and "adapter `nope` is not loaded" in r.json()["error"]
 
@@ -213,7 +214,7 @@ def test_runtime_load_unload_routes(lora_server: LoRAServer) -> None:
 
 def test_lora_metrics(lora_server: LoRAServer) -> None:
     _client(lora_server).completions.create(model="chat", prompt=PROMPT, max_tokens=2)
-    text = httpx.get(f"{lora_server.url}/metrics").text
+    text = httpx.get(f"{lora_server.url}/metrics", timeout=60).text
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0]
     assert 'running_lora_adapters=""' in info[0] and 'waiting_lora_adapters=""' in info[0]  # idle now

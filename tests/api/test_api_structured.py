@@ -408,6 +408,7 @@ def test_api_structured_bad_input_400(
         httpx.post(
             f"{live_server.url}/v1/chat/completions",
             json={"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], **body},
+            timeout=60,
         )
     )
     assert err["type"] == "BadRequestError" and fragment in err["message"]

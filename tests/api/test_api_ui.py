@@ -78,6 +78,9 @@ def open_page(browser: Any) -> Iterator[Callable[..., Tab]]:
 
     def make(viewport: dict[str, int] = DESKTOP, color_scheme: str = "light", **kw: Any) -> Tab:
         ctx = browser.new_context(viewport=viewport, color_scheme=color_scheme, **kw)
+        # Playwright's 30 s default for navigations and waits: Chromium next to server processes on a
+        # loaded CI machine can take longer; a passing wait returns as soon as its condition holds.
+        ctx.set_default_timeout(120_000)
         contexts.append(ctx)
         page = ctx.new_page()
         tab = Tab(page, [], [])
@@ -201,7 +204,7 @@ def serve_app(config_kw: dict[str, Any], engine_factory: Any = None, load: bool 
 
 
 def wait_for_http(url: str) -> None:
-    for _ in range(200):
+    for _ in range(2400):  # up to 2 min for the server thread to listen on a loaded machine
         try:
             httpx.get(f"{url}/health", timeout=1)
             return
@@ -240,7 +243,7 @@ def keyed_server(tiny_model_factory: Callable[..., Path]) -> Iterator[AppServer]
 # ---- the routes -----------------------------------------------------------------------------------
 def test_ui_routes_csp_and_tgi_root(live_server: LiveServer) -> None:
     url = live_server.url
-    r = httpx.get(f"{url}/", headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
+    r = httpx.get(f"{url}/", headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     csp = r.headers["content-security-policy"]
     for directive in (
@@ -252,26 +255,26 @@ def test_ui_routes_csp_and_tgi_root(live_server: LiveServer) -> None:
         assert directive in csp
     assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
     assert '<script src="/ui/app.js"' in r.text and "http" not in re.sub(r'name="viewport"[^>]*', "", r.text)
-    js = httpx.get(f"{url}/ui/app.js")
+    js = httpx.get(f"{url}/ui/app.js", timeout=60)
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
     assert "innerHTML" not in js.text.replace("never innerHTML", "")
-    md = httpx.get(f"{url}/ui/markdown.js")
+    md = httpx.get(f"{url}/ui/markdown.js", timeout=60)
     assert md.status_code == 200 and md.headers["content-security-policy"] == csp
     assert '<script src="/ui/markdown.js"' in r.text
     for source in (js.text, md.text):  # no HTML parsing of anything: text nodes and createElement only
         for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser", "eval("):
             assert sink not in source.replace("never innerHTML", ""), sink
-    assert httpx.get(f"{url}/ui/style.css").headers["content-security-policy"] == csp
-    assert httpx.get(f"{url}/ui/..%2fapp.py").status_code == 404
-    assert httpx.get(f"{url}/ui/nope.js").status_code == 404
+    assert httpx.get(f"{url}/ui/style.css", timeout=60).headers["content-security-policy"] == csp
+    assert httpx.get(f"{url}/ui/..%2fapp.py", timeout=60).status_code == 404
+    assert httpx.get(f"{url}/ui/nope.js", timeout=60).status_code == 404
     # not a browser: 406 pointing at the page and at the generate routes
-    r = httpx.get(f"{url}/", headers={"Accept": "application/json"})
+    r = httpx.get(f"{url}/", headers={"Accept": "application/json"}, timeout=60)
     assert r.status_code == 406 and "POST /" in r.json()["error"]
     # POST / is still TGI's compat route
-    r = httpx.post(f"{url}/", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    r = httpx.post(f"{url}/", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}, timeout=60)
     assert r.status_code == 200 and isinstance(r.json(), list) and "generated_text" in r.json()[0]
     # the page is not part of the API's OpenAPI document
-    paths = httpx.get(f"{url}/openapi.json").json()["paths"]
+    paths = httpx.get(f"{url}/openapi.json", timeout=60).json()["paths"]
     assert "/ui/{name}" not in paths and "get" not in paths["/"]
 
 
@@ -284,8 +287,8 @@ def test_ui_no_ui_flag_and_env() -> None:
     assert config_from_args(build_parser({"KUBEINFER_UI": "0"}).parse_args(["--ui"])).ui is True
     srv = serve_app({"ui": False}, load=False)
     try:
-        assert httpx.get(f"{srv.url}/", headers={"Accept": "text/html"}).status_code == 405
-        assert httpx.get(f"{srv.url}/ui/app.js").status_code == 404
+        assert httpx.get(f"{srv.url}/", headers={"Accept": "text/html"}, timeout=60).status_code == 405
+        assert httpx.get(f"{srv.url}/ui/app.js", timeout=60).status_code == 404
     finally:
         srv.stop()
 
@@ -341,7 +344,7 @@ def test_ui_streams_greedy_text_equal_to_openai_client(
 
 def test_ui_stop_aborts_and_frees_kv(live_server: LiveServer, open_page: Callable[..., Tab]) -> None:
     def aborts() -> float:
-        text = httpx.get(f"{live_server.url}/metrics").text
+        text = httpx.get(f"{live_server.url}/metrics", timeout=60).text
         m = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', text, re.M)
         return float(m.group(1)) if m else 0.0
 
@@ -372,7 +375,7 @@ def test_ui_stop_aborts_and_frees_kv(live_server: LiveServer, open_page: Callabl
         assert msgs[1]["stats"]["stopped"] is True and msgs[1]["stats"]["ttft_ms"] > 0 and msgs[1]["content"]
         assert "finish_reason" not in msgs[1]["stats"]  # no usage chunk: the stream was cut
         # the server saw the disconnect, aborted the request and freed its blocks
-        for _ in range(100):
+        for _ in range(600):  # up to 1 min: the abort lands when the loaded server next runs
             if aborts() == before + 1 and live_server.metric("vllm:num_requests_running") == 0:
                 break
             threading.Event().wait(0.1)
@@ -414,12 +417,14 @@ def test_ui_api_key_asked_wrong_refused_right_works(
     keyed_server: AppServer, open_page: Callable[..., Tab]
 ) -> None:
     url = keyed_server.url
-    assert httpx.get(f"{url}/", headers={"Accept": "text/html"}).status_code == 200  # the page is open
-    assert httpx.get(f"{url}/v1/models").status_code == 401  # the API is not
+    assert (
+        httpx.get(f"{url}/", headers={"Accept": "text/html"}, timeout=60).status_code == 200
+    )  # the page is open
+    assert httpx.get(f"{url}/v1/models", timeout=60).status_code == 401  # the API is not
     tab = open_page()
     page = goto(tab, url)
     page.wait_for_selector("#auth:not([hidden])")
-    server_msg = httpx.get(f"{url}/v1/models").json()["error"]["message"]
+    server_msg = httpx.get(f"{url}/v1/models", timeout=60).json()["error"]["message"]
     assert server_msg in (page.text_content("#auth-detail") or "")
     assert page.evaluate("document.activeElement.id") == "auth-key"  # asked for, with the focus there
     page.keyboard.type("wrong-key")
@@ -457,7 +462,7 @@ def test_ui_shows_server_errors_as_sent(
 ) -> None:
     # 400: the server's own message for a too-long max_tokens
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}
-    r = httpx.post(f"{live_server.url}/v1/chat/completions", json=body)
+    r = httpx.post(f"{live_server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400
     page = goto(open_page(), live_server.url)
     wait_models(page)
@@ -468,13 +473,15 @@ def test_ui_shows_server_errors_as_sent(
     assert page.text_content(".msg.error .error-text") == r.json()["error"]["message"]
     # 503 while loading: in the model picker and on sending
     page = goto(open_page(), loading_server.url)
-    loading_msg = httpx.get(f"{loading_server.url}/v1/models").json()["error"]["message"]
+    loading_msg = httpx.get(f"{loading_server.url}/v1/models", timeout=60).json()["error"]["message"]
     page.wait_for_function("() => document.getElementById('model-status').textContent.startsWith('HTTP 503')")
     assert loading_msg in (page.text_content("#model-status") or "")
     send(page, "hi")
     wait_idle(page)
     sent = httpx.post(
-        f"{loading_server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+        f"{loading_server.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        timeout=60,
     )
     assert sent.status_code == 503
     assert page.text_content(".msg.error .status") == "HTTP 503"
@@ -753,14 +760,14 @@ def test_api_docs_load_no_third_party_script(loading_server: AppServer) -> None:
     url = loading_server.url
     # FastAPI's Swagger UI and ReDoc pages load unpinned scripts from a CDN: not served
     for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
-        r = httpx.get(f"{url}{path}", headers={"Accept": "text/html"})
+        r = httpx.get(f"{url}{path}", headers={"Accept": "text/html"}, timeout=60)
         assert r.status_code == 404, (path, r.status_code)
         assert "cdn" not in r.text.lower() and "<script" not in r.text.lower()
     # the API stays described, as JSON
-    r = httpx.get(f"{url}/openapi.json")
+    r = httpx.get(f"{url}/openapi.json", timeout=60)
     assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
     # and no page this server serves names a script from elsewhere
-    page = httpx.get(f"{url}/", headers={"Accept": "text/html"}).text
+    page = httpx.get(f"{url}/", headers={"Accept": "text/html"}, timeout=60).text
     assert re.findall(r"<script[^>]*>", page) == [
         '<script src="/ui/markdown.js" defer>',
         '<script src="/ui/app.js" defer>',

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,8 @@ class Stack:
     prometheus_url: str
     server_log: Path
     prometheus_log: Path
+    load_start: float = 0.0  # epoch seconds, around the load the fixture sends
+    load_end: float = 0.0
 
 
 class _KsmHandler(BaseHTTPRequestHandler):
@@ -186,12 +188,12 @@ def stack(
             lambda: (
                 server.poll() is None and httpx.get(f"{stack.server_url}/ready", timeout=2).status_code == 200
             ),
-            timeout=120,
+            timeout=300,
         )
         wait_until(
             "Prometheus to start",
             lambda: httpx.get(f"{stack.prometheus_url}/-/ready", timeout=2).status_code == 200,
-            timeout=60,
+            timeout=120,
         )
         # A scrape before the load: the counters' pre-load values are in the TSDB, so a rate over a window
         # that holds them and any later scrape measures the load (a load over before the first scrape left
@@ -199,10 +201,11 @@ def stack(
         wait_until(
             "Prometheus to scrape the server before the load",
             lambda: bool(_query(stack, f'vllm:generation_tokens_total{{job="{DEPLOYMENT}"}}')),
-            timeout=60,
+            timeout=120,
         )
+        load_start = time.time()
         _load(stack.server_url)
-        yield stack
+        yield replace(stack, load_start=load_start, load_end=time.time())
     except AssertionError:
         tail = (
             server_log.read_text(errors="replace")[-3000:]
@@ -254,6 +257,28 @@ def _query(stack: Stack, expr: str, at: float | None = None) -> list[dict[str, A
     return result
 
 
+def _first_scrape_after(stack: Stack, metric: str, after: float, timeout: float) -> float:
+    """The timestamp (epoch s) of the first sample of `metric` Prometheus scraped after `after`."""
+    found: list[float] = []
+
+    def check() -> bool:
+        for series in _query(stack, f"{metric}[10m]"):
+            found.extend(float(ts) for ts, _ in series["values"] if float(ts) > after)
+        return bool(found)
+
+    wait_until(f"a scrape of {metric} after the load", check, timeout=timeout)
+    return min(found)
+
+
+def _query_range(stack: Stack, expr: str, start: float, end: float) -> list[float]:
+    """Every value of `expr` evaluated at 1 s steps over [start, end], as a dashboard graph draws it."""
+    params = {"query": expr, "start": start, "end": end, "step": 1}
+    r = httpx.get(f"{stack.prometheus_url}/api/v1/query_range", params=params, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
+    return [float(v) for series in body["data"]["result"] for _, v in series["values"]]
+
+
 def _all_have_data(stack: Stack, exprs: dict[str, str], timeout: float) -> dict[str, list[dict[str, Any]]]:
     """Polls until every expression returns series (scrapes are 1 s apart; rate() needs two)."""
     results: dict[str, list[dict[str, Any]]] = {}
@@ -283,18 +308,21 @@ def test_every_dashboard_query_returns_data(stack: Stack) -> None:
         for q in dashboard_queries()
         if not metric_names(substitute_grafana_vars(q.expr)) & elsewhere
     }
-    results = _all_have_data(stack, exprs, timeout=45)
+    results = _all_have_data(stack, exprs, timeout=120)
     # The per-model series carry the labels the dashboard variables select on.
     ttft = results["Time to first token/B"]
     assert {(s["metric"]["namespace"], s["metric"]["model_name"]) for s in ttft} == {(NAMESPACE, MODEL)}
-    # The tokens/s panel reports real throughput of the load, not just a zero series: its 1m window holds
-    # the pre-load scrape (the fixture waits for one), so it turns positive once a scrape sees the load's
-    # tokens; a counter the load does not move stays at 0 and fails here.
-    wait_until(
-        "the tokens/s panel to show the load",
-        lambda: float(_query(stack, exprs["Tokens / s/B"])[0]["value"][1]) > 0,
-        timeout=30,
+    # The tokens/s panel reports real throughput of the load, not just a zero series: its graph over the
+    # load, up to the first scrape after it, has a positive point. A 1m rate read at "now" was flaky on a
+    # loaded machine both ways: 0 while no scrape had yet seen the load, and 0 again once the test got
+    # here more than a minute after it. Over this range the first scrape after the load and an earlier
+    # one (the fixture waits for a pre-load scrape) are within one rate window; a counter the load does
+    # not move stays at 0 and fails here.
+    seen = _first_scrape_after(
+        stack, f'vllm:generation_tokens_total{{job="{DEPLOYMENT}"}}', stack.load_end, timeout=120
     )
+    graph = _query_range(stack, exprs["Tokens / s/B"], stack.load_start - 1, seen + 1)
+    assert graph and max(graph) > 0, graph
     ready = float(results["Replicas ready/A"][0]["value"][1])
     assert ready == 1.0
 
@@ -313,7 +341,7 @@ def test_dashboard_variables_list_the_namespace_and_model(stack: Stack) -> None:
 def test_every_alert_is_loaded_and_its_quantity_has_data(stack: Stack) -> None:
     rules = load_alert_rules()
     exprs = {r.name: strip_threshold(r.expr) for r in rules}
-    _all_have_data(stack, exprs, timeout=45)
+    _all_have_data(stack, exprs, timeout=120)
     for rule in rules:
         _query(stack, rule.expr)  # the full alert expression evaluates (empty while not firing)
 
@@ -323,7 +351,7 @@ def test_every_alert_is_loaded_and_its_quantity_has_data(stack: Stack) -> None:
         assert set(loaded) == {r.name for r in rules}
         return all(r["health"] == "ok" and not r.get("lastError") for r in loaded.values())
 
-    wait_until("every alert rule evaluated healthy", evaluated, timeout=20)
+    wait_until("every alert rule evaluated healthy", evaluated, timeout=120)
 
 
 def test_promtool_checks_the_rules_prometheus_loaded() -> None:

@@ -114,7 +114,9 @@ class ThreadedApi:
         return out
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 90.0) -> None:
+    # Generous: a passing wait returns when its condition holds; the operator reconciles in another
+    # thread, which a loaded CI machine can hold back for more than 30 s.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():

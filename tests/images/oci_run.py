@@ -258,7 +258,7 @@ def _wait_for_netns(run: Container, network: str) -> None:
     """Until the process is in its network namespace: a client started earlier would join the host's."""
     host = os.readlink("/proc/self/ns/net")
     want = None if network in ("new", "host") else os.readlink(network)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # generous: the runtime can be slow to start on a loaded machine
     while time.monotonic() < deadline:
         try:
             now = os.readlink(run.netns)

@@ -435,7 +435,7 @@ class MockCluster:
 
         self._thread = threading.Thread(target=run, name="kmock", daemon=True)
         self._thread.start()
-        if not ready.wait(10):
+        if not ready.wait(60):  # generous: a loaded machine starts the thread's event loop late
             raise RuntimeError("kmock did not start")
         return self
 
@@ -540,7 +540,10 @@ class MockCluster:
         )
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+def wait_for(predicate: Callable[[], Any], timeout: float = 90.0, what: str = "condition") -> Any:
+    """Polls `predicate` until it returns a truthy value (returned) or `timeout` seconds pass
+    (AssertionError). The default is generous: a passing wait returns as soon as the condition holds, and a
+    kopf operator reconciling in another thread on a loaded CI machine took longer than 15 s."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -553,6 +556,23 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "c
                 return last
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def wait_quiet(cluster: MockCluster, quiet: float = 3.0, timeout: float = 90.0) -> None:
+    """Waits until the API server has seen no write (POST, PUT, PATCH, DELETE) for `quiet` seconds in a
+    row: the reconciles under way have finished (a fixed short sleep let a reconcile that a loaded
+    machine ran late write after the test's snapshot). AssertionError after `timeout` seconds."""
+
+    def writes() -> int:
+        return sum(1 for r in list(cluster.server) if _method(r) in ("POST", "PUT", "PATCH", "DELETE"))
+
+    deadline = time.monotonic() + timeout
+    count, since = writes(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, f"the operator kept writing for {timeout} s"
+        time.sleep(0.1)
+        if (now := writes()) != count:
+            count, since = now, time.monotonic()
 
 
 def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
@@ -580,5 +600,5 @@ def operator_settings() -> kopf.OperatorSettings:
 @contextmanager
 def run_operator() -> Iterator[KopfRunner]:
     args = ["run", "--standalone", "-n", "default", "-m", "kubeinfer_operator", "--verbose"]
-    with KopfRunner(args, settings=operator_settings(), timeout=30) as runner:
+    with KopfRunner(args, settings=operator_settings(), timeout=120) as runner:  # stop: a loaded machine
         yield runner

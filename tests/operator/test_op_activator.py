@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -177,7 +178,7 @@ class Running:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def metric(self, name: str, labels: str = 'model_name="m"') -> float:
-        text = httpx.get(self.url + "/activator/metrics").text
+        text = httpx.get(self.url + "/activator/metrics", timeout=30).text
         total = 0.0
         for line in text.splitlines():
             if line.startswith(name + "{") and labels in line:
@@ -346,8 +347,16 @@ def test_requests_held_when_the_model_is_deleted_get_503(setup: Setup) -> None:
 
 def test_a_client_that_hangs_up_while_held_gives_up_its_place(setup: Setup) -> None:
     _cluster, standin, kubelet, act = setup(max_held=1)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(act.url + "/v1/completions", json={"model": "m", "prompt": "gone"}, timeout=0.5)
+    # The client hangs up once its request is held (a 0.5 s client timeout could fire before the
+    # activator held it on a loaded machine: then there was no place to give up).
+    body = json.dumps({"model": "m", "prompt": "gone"}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", act.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        wait_for(lambda: act.metric("kubeinfer_activator_held_requests") == 1, what="the request held")
     wait_for(lambda: act.metric("kubeinfer_activator_held_requests") == 0, what="the place freed")
     kubelet.loaded.set()
     r = httpx.post(act.url + "/v1/completions", json={"model": "m", "prompt": "next"}, timeout=30)

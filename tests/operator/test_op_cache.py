@@ -210,7 +210,7 @@ def _status(cluster: MockCluster, name: str = "llm") -> dict[str, Any]:
 def _cache_phase(cluster: MockCluster, phase: str, name: str = "llm") -> Any:
     return wait_for(
         lambda: (_status(cluster, name).get("cache") or {}).get("phase") == phase and _status(cluster, name),
-        timeout=30,
+        timeout=90,
         what=f"status.cache.phase {phase}",
     )
 
@@ -243,7 +243,7 @@ def test_deployment_waits_for_the_loader_then_mounts_the_cache_read_only(
     assert st["phase"] == "Pending"
 
     _finish(cluster, job_name, "Complete")
-    dep = wait_for(lambda: cluster.get("Deployment", "llm"), timeout=30, what="the Deployment")
+    dep = wait_for(lambda: cluster.get("Deployment", "llm"), timeout=90, what="the Deployment")
     pod = dep["spec"]["template"]["spec"]
     assert {
         "name": "model-cache",
@@ -262,7 +262,7 @@ def test_deployment_waits_for_the_loader_then_mounts_the_cache_read_only(
     st2 = _cache_phase(cluster, "Loading")
     new_job = st2["cache"]["jobName"]
     assert new_job != job_name
-    wait_for(lambda: cluster.get("Job", job_name) is None, timeout=30, what="the old Job deleted")
+    wait_for(lambda: cluster.get("Job", job_name) is None, timeout=90, what="the old Job deleted")
     args = cluster.get("Deployment", "llm")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
     assert "/var/cache/kubeinfer-shared/models/org--model@v1" in args
     _finish(cluster, new_job, "Complete")
@@ -271,7 +271,7 @@ def test_deployment_waits_for_the_loader_then_mounts_the_cache_read_only(
             "/var/cache/kubeinfer-shared/models/org--model@v2"
             in cluster.get("Deployment", "llm")["spec"]["template"]["spec"]["containers"][0]["args"]
         ),  # type: ignore[index]
-        timeout=30,
+        timeout=90,
         what="the Deployment on v2",
     )
     degraded = condition(cluster.get("InferenceModel", "llm"), "Degraded") or {}

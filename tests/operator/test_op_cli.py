@@ -145,7 +145,7 @@ def test_kopf_run_module_operates_a_cluster(cluster: MockCluster) -> None:
         cluster.create("InferenceModel", inference_model({"model": {"uri": "hf://o/m"}}, name="cli"))
         wait_for(lambda: cluster.get("Deployment", "cli"), timeout=60, what="Deployment from the kopf CLI")
         wait_for(
-            lambda: (cluster.get("InferenceModel", "cli") or {}).get("status"), timeout=30, what="status"
+            lambda: (cluster.get("InferenceModel", "cli") or {}).get("status"), timeout=90, what="status"
         )
         # Every watch typed as the API server parses it (issue 29 F3: kopf's timeoutSeconds=60.0 got a
         # 400 from a real API server, every watcher failed and the operator exited).
@@ -156,5 +156,5 @@ def test_kopf_run_module_operates_a_cluster(cluster: MockCluster) -> None:
         assert proc.poll() is None, "the operator exited"
     finally:
         proc.terminate()
-        output, _ = proc.communicate(timeout=30)
+        output, _ = proc.communicate(timeout=90)
     assert "Activity 'configure' succeeded" in output

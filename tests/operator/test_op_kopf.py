@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from op_cluster import MockCluster, condition, run_operator, wait_for
+from op_cluster import MockCluster, condition, run_operator, wait_for, wait_quiet
 from op_testlib import inference_model
 
 NAME = "llm"
@@ -208,10 +208,9 @@ def test_delete_leaves_children_to_garbage_collection(cluster: MockCluster, oper
     wait_for(lambda: cluster.get("InferenceModel", NAME) is None, what="model gone")
     for kind in ("Deployment", "Service", "ServiceMonitor", "PodDisruptionBudget"):
         wait_for(functools.partial(gone, cluster, kind), what=f"{kind} collected")
-    # And the operator does not resurrect them from child events.
-    import time
-
-    time.sleep(0.5)
+    # And the operator does not resurrect them from child events: checked once its reconciles are over
+    # (a fixed 0.5 s could end before a loaded machine ran them).
+    wait_quiet(cluster)
     assert cluster.live("Deployment") == [] and cluster.live("Service") == []
 
 

@@ -8,7 +8,7 @@ import functools
 import time
 from typing import Any
 
-from op_cluster import KEDA, MockCluster, condition, run_operator, wait_for
+from op_cluster import KEDA, MockCluster, condition, run_operator, wait_for, wait_quiet
 from op_testlib import inference_model
 
 NAME = "llm"
@@ -83,7 +83,7 @@ def _status_writes(cluster: MockCluster) -> int:
 def test_terminating_namespace_is_left_alone(cluster: MockCluster, operator: Any) -> None:
     _serving_model(cluster)
     _terminate_namespace(cluster)
-    time.sleep(0.5)  # a reconcile already under way finishes
+    wait_quiet(cluster)  # a reconcile already under way finishes
     applies = cluster.count_requests("PATCH", "deployments") + cluster.count_requests("PATCH", "services")
     events, writes = cluster.count_requests("POST", "events"), _status_writes(cluster)
     _namespace_controller_deletes_children(cluster)
@@ -100,7 +100,7 @@ def test_refusal_of_a_terminating_namespace_stops_the_reconcile_quietly(
     # The operator cannot read the Namespace (RBAC): it learns from the API server's 403 on a create.
     cluster.server.namespace_store.readable = False
     _terminate_namespace(cluster)
-    time.sleep(0.5)
+    wait_quiet(cluster)
     events, writes = cluster.count_requests("POST", "events"), _status_writes(cluster)
     _namespace_controller_deletes_children(cluster)
     _assert_left_alone(cluster, events, writes)
@@ -129,13 +129,13 @@ def test_keda_without_its_crd_serves_at_the_floor_and_takes_keda_up_later(cluste
         assert degraded.get("status") == "False", degraded
 
         cluster.add_resources(KEDA)  # KEDA is installed afterwards
-        wait_for(functools.partial(cluster.get, "ScaledObject", NAME), timeout=30, what="ScaledObject")
+        wait_for(functools.partial(cluster.get, "ScaledObject", NAME), timeout=90, what="ScaledObject")
         wait_for(
             lambda: (
                 (condition(cluster.get("InferenceModel", NAME), "AutoscalingAvailable") or {}).get("status")
                 == "True"
             ),
-            timeout=30,
+            timeout=90,
             what="AutoscalingAvailable=True",
         )
         # The count was handed to the autoscaler without dropping the serving replica.

@@ -225,12 +225,12 @@ def test_service_monitor_appears_when_its_crd_is_installed_later(cluster_factory
             what="CRDNotInstalled",
         )
         cluster.add_resources(MONITORING)  # the Prometheus Operator is installed afterwards
-        wait_for(lambda: cluster.get("ServiceMonitor", "llm"), timeout=30, what="ServiceMonitor applied")
+        wait_for(lambda: cluster.get("ServiceMonitor", "llm"), timeout=90, what="ServiceMonitor applied")
         wait_for(
             lambda: (
                 (condition(cluster.get("InferenceModel", "llm"), "MonitoringAvailable") or {}).get("status")
                 == "True"
             ),
-            timeout=30,
+            timeout=90,
             what="MonitoringAvailable=True",
         )

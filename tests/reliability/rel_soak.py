@@ -518,8 +518,9 @@ class Soak:
             output_samples=samples,
         )
 
-    async def _settle(self, client: httpx.AsyncClient, timeout_s: float = 20.0) -> dict[str, float]:
-        """Metrics once nothing runs any more (aborts land within one engine step; allow for slow CPUs)."""
+    async def _settle(self, client: httpx.AsyncClient, timeout_s: float = 120.0) -> dict[str, float]:
+        """Metrics once nothing runs any more (aborts land within one engine step; up to 2 min for a loaded
+        machine, where 20 s could return them still running; returns as soon as all are idle)."""
         deadline = time.monotonic() + timeout_s
         while True:
             text = (await client.get("/metrics")).text

@@ -211,5 +211,5 @@ def serve_in_process(llm: Any, api_key: str | None = API_KEY, **server_kw: Any) 
     thread = threading.Thread(target=server.run, name=f"rel-server-{port}", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, timeout_s=120)
+    wait_ready(url, timeout_s=300)  # generous: the server thread can start late on a loaded machine
     return InProcServer(url=url, state=state, llm=llm, uvicorn_server=server, thread=thread)

@@ -156,7 +156,7 @@ def _assert_failed_right(faulty: dict[str, tuple[int, Any]], reason: str) -> Non
 
 
 def _assert_server_healthy(srv: InProcServer) -> None:
-    assert httpx.get(f"{srv.url}/health").status_code == 200
+    assert httpx.get(f"{srv.url}/health", timeout=60).status_code == 200
     r = httpx.post(
         f"{srv.url}/generate",
         json={"inputs": "still alive?", "parameters": {"max_new_tokens": 3, "details": True}},
@@ -201,7 +201,7 @@ def test_rel_fault_dead_engine_loop_turns_health_503(rel_model: Path) -> None:
     llm = LLMEngine(engine_config(rel_model, num_kv_blocks=16))
     srv = serve_in_process(llm, api_key=None)
     try:
-        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert httpx.get(f"{srv.url}/health", timeout=60).status_code == 200
         real_step = llm.step
         calls = []
 
@@ -217,12 +217,12 @@ def test_rel_fault_dead_engine_loop_turns_health_503(rel_model: Path) -> None:
         )
         assert r.status_code == 500 and r.json()["error_type"] == "incomplete_generation", r.text
         assert "engine loop died" in r.json()["error"]
-        health = httpx.get(f"{srv.url}/health")
+        health = httpx.get(f"{srv.url}/health", timeout=60)
         assert health.status_code == 503 and health.json()["status"] == "dead", health.text
         assert "injected engine loop crash" in health.json()["error"]
-        assert httpx.get(f"{srv.url}/ready").status_code == 503
+        assert httpx.get(f"{srv.url}/ready", timeout=60).status_code == 503
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=30)
         assert r.status_code >= 500 and r.json()["error"]["code"] == r.status_code, r.text
-        assert httpx.get(f"{srv.url}/metrics").status_code == 200  # still observable
+        assert httpx.get(f"{srv.url}/metrics", timeout=60).status_code == 200  # still observable
     finally:
         srv.stop()

@@ -50,7 +50,7 @@ def openapi_doc(rel_server: InProcServer) -> Any:
 
 def test_rel_fuzz_openapi_documents_bodies_and_errors(rel_server: InProcServer) -> None:
     """Without request bodies in the document, a fuzzer would only ever send empty bodies."""
-    doc = httpx.get(f"{rel_server.url}/openapi.json").json()
+    doc = httpx.get(f"{rel_server.url}/openapi.json", timeout=60).json()
     for path in GENERATION_ROUTES:
         op = doc["paths"][path]["post"]
         assert "requestBody" in op, path

@@ -215,7 +215,7 @@ def test_rel_limits_disconnect_while_sending_body_is_not_a_server_error(
             )
             s.sendall(head.encode() + b'{"inputs": "half a bo')
             time.sleep(0.3)  # the server is now waiting for the rest of the body
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 120  # the loaded server sees the hang-ups when it next runs
     while sum(counts().values()) - sum(before.values()) < len(paths):
         assert time.monotonic() < deadline, "the server never finished the abandoned requests"
         time.sleep(0.1)

@@ -112,6 +112,10 @@ def start_router(replicas: list[Replica], policy: str, log_path: Path, *extra: s
         "1",
         "--health-failure-threshold",
         "1",
+        # A killed or draining replica fails its check at once (refused, 503); the 5 s default timeout
+        # also dropped a live replica whose /ready answered late on a loaded machine.
+        "--health-check-timeout-secs",
+        "30",
         "--log-level",
         "info",
         *extra,
@@ -121,7 +125,7 @@ def start_router(replicas: list[Replica], policy: str, log_path: Path, *extra: s
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     router = Router(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prom}", proc, log_path)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm-router exited: {log_path.read_text(errors='replace')[-2000:]}")
