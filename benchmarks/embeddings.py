@@ -220,6 +220,7 @@ def main() -> None:
             r["ours_clients_64"] = asyncio.run(many_clients(url, items, 64, per_client))
             r["st_batch_64"] = st_batch_64(st, items)
             runs.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)  # a round at a time: a slow machine
     finally:
         proc.terminate()
         proc.wait(30)
