@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -33,7 +34,14 @@ from server.models.loader import (
     resolve_model,
 )
 from server.models.serving_weights import prepare_for_serving
-from server.request import FinishReason, GrammarSpec, LoRARequest, Request, SamplingParams
+from server.request import (
+    FinishReason,
+    GrammarSpec,
+    LoRARequest,
+    PoolingParams,
+    Request,
+    SamplingParams,
+)
 from server.spec_decode.draft_model import load_draft_proposer
 from server.spec_decode.proposer import Speculator
 from server.structured import GrammarCompiler, StructuredOutputManager, compile_stats
@@ -271,7 +279,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> Request:
+        if pooling is not None:
+            raise ValueError(
+                "this engine serves a generative model; pooling requests need --task embed/score"
+            )
         self.validate(prompt_token_ids, params, lora)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # a cache hit when the API compiled it first
@@ -498,13 +511,52 @@ class _AddCommand:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora: LoRARequest | None = None
+    pooling: PoolingParams | None = None
 
 
-class AsyncEngine:
-    """Runs LLMEngine.step() on a dedicated thread. Commands (add, abort) cross into that thread through
+class EngineCore(Protocol):
+    """What AsyncEngine drives on its thread: LLMEngine, or server/pooling's PoolingEngineCore (the same
+    scheduler, a pooling model's forward instead of the model runner)."""
+
+    @property
+    def speculator(self) -> Speculator | None: ...
+
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+    ) -> None: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
+    ) -> Request: ...
+
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> SchedulerStats: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def check_health(self) -> None: ...
+
+    def close(self, graceful: bool = True) -> None: ...
+
+
+E = TypeVar("E", bound=EngineCore)
+
+
+class AsyncEngine(Generic[E]):
+    """Runs the engine's step() on a dedicated thread. Commands (add, abort) cross into that thread through
     a queue and take effect before the next step; outputs cross back with call_soon_threadsafe."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: E) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -550,6 +602,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; the last has finished=True. Leaving the iteration early
         (client disconnect, cancellation) aborts the request."""
@@ -563,7 +616,7 @@ class AsyncEngine:
         self.engine.validate(prompt_token_ids, params, lora)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", _AddCommand(request_id, prompt_token_ids, params, lora)))
+        self._commands.put(("add", _AddCommand(request_id, prompt_token_ids, params, lora, pooling)))
         self._wake.set()
         finished = False
         try:
@@ -626,7 +679,11 @@ class AsyncEngine:
                 assert isinstance(payload, _AddCommand)
                 try:
                     self.engine.add_request(
-                        payload.request_id, payload.prompt_token_ids, payload.params, payload.lora
+                        payload.request_id,
+                        payload.prompt_token_ids,
+                        payload.params,
+                        payload.lora,
+                        payload.pooling,
                     )
                 except ValueError as e:
                     self._post(payload.request_id, e)

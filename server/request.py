@@ -129,6 +129,15 @@ class LoRARequest:
         return f"lora:{self.lora_int_id}:{self.name}".encode()
 
 
+@dataclass(frozen=True)
+class PoolingParams:
+    """Marks a pooling request (embed, score): one forward over the whole prompt, no token sampled, and
+    nothing kept after it (no KV blocks). `token_type_ids`: BERT segment ids of a (query, document) pair,
+    one per prompt token; None = all 0."""
+
+    token_type_ids: tuple[int, ...] | None = None
+
+
 @dataclass
 class Request:
     """A request as the engine tracks it. Block ids live in the KV cache manager, not here."""
@@ -153,6 +162,7 @@ class Request:
     # the target model accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
     lora: LoRARequest | None = None  # None = the base model
+    pooling: PoolingParams | None = None  # set: a pooling request (server/pooling/), never sampled
 
     @property
     def num_prompt_tokens(self) -> int:

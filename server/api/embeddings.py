@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from server.pooling.engine import PoolingInput
+from server.pooling.engine import PoolingAbortedError, PoolingInput
 from server.pooling.model import PoolingModel
 from server.pooling.pooler import finish_embedding
 
@@ -209,6 +209,12 @@ async def _run(state: ServerState, task: str, items: list[PoolingInput]) -> list
     try:
         assert state.pooling is not None
         return await state.pooling.encode(items)
+    except PoolingAbortedError as e:
+        if state.cut_reason is not None:  # the drain deadline, as for generation
+            raise APIError(ErrorKind.UNAVAILABLE, state.cut_reason) from e
+        raise APIError(ErrorKind.UNAVAILABLE, "the request was aborted") from e
+    except ValueError as e:
+        raise validation(str(e), "input") from e
     except RuntimeError as e:
         raise APIError(ErrorKind.GENERATION, f"the pooling engine failed: {e}") from e
     finally:

@@ -97,6 +97,8 @@ class ServerState:
         self.metrics.task = self.task
 
     def _stats(self) -> SchedulerStats | None:
+        if self.pooling is not None:  # the same scheduler's stats (server/pooling/engine.py)
+            return self.pooling.engine.last_stats
         return self.engine.last_stats if self.engine is not None else None
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -160,6 +162,13 @@ class ServerState:
         loop.call_soon_threadsafe(self.attach_pooling, engine)
 
     def attach_pooling(self, engine: PoolingEngine) -> None:
+        """Must run on the event loop (AsyncEngine.start binds to it)."""
+        loop = asyncio.get_running_loop()
+
+        def on_dead(e: BaseException) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(self._engine_died, e)
+
+        engine.engine.on_dead = on_dead
         engine.start()
         self.pooling = engine
         self.metrics.pooling_source = lambda: dataclasses.asdict(engine.stats)
@@ -290,6 +299,8 @@ class ServerState:
         self.cut_reason = reason
         if self.engine is not None:
             self.engine.abort_all()
+        if self.pooling is not None:
+            self.pooling.abort_all()
         return self.in_flight
 
     async def wait_drained(self, timeout_s: float) -> bool:

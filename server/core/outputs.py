@@ -90,6 +90,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # A pooling request's result (server/pooling/): a float32 tensor, `[dim]` or `[num_labels]`; typed
+    # loosely because this module stays free of torch.
+    pooled: object | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ at `long_prefill_token_threshold`: a step's time grows with its tokens, so one 2
 running the whole budget goes to prompts (time to first token of a burst is unchanged). vLLM's
 `long_prefill_token_threshold` caps each request's chunk; ours caps the step's prefill share, which
 also bounds many short prompts arriving together.
+
+Pooling requests (`Request.pooling`: embed, score) share the queue, the token budget and max_num_seqs
+with generation: each is a prompt scheduled whole in one step (never chunked: its forward keeps no KV to
+continue from), holds no KV blocks, and finishes in `update_from_output` right after its forward.
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
+        if request.pooling is not None:
+            self._check_pooling(request)
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+            return
         limit = request.num_prompt_tokens + request.sampling_params.max_tokens
         if request.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(
@@ -96,6 +105,19 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _check_pooling(self, request: Request) -> None:
+        n = request.num_prompt_tokens
+        if n > self.config.max_model_len:
+            raise ValueError(f"input has {n} tokens; the model takes at most {self.config.max_model_len}")
+        if n > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"input has {n} tokens; a pooling input runs whole in one step of at most "
+                f"{self.config.max_num_batched_tokens} tokens (--max-num-batched-tokens)"
+            )
+        types = request.pooling.token_type_ids if request.pooling is not None else None
+        if types is not None and len(types) != n:
+            raise ValueError(f"token_type_ids has {len(types)} entries for {n} tokens")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -112,10 +134,12 @@ class Scheduler:
         # (Without chunked prefill a prompt runs whole or not at all: a cap would starve long ones.)
         capped = threshold and decoding and self.config.enable_chunked_prefill
         prefill_left = threshold if capped else budget
+        prefill_cap = prefill_left
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            assert req.pooling is None, "a pooling request finishes in the step that schedules it"
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining > 0, "a running request always has at least one token to compute"
             if remaining > 1 and prefill_left <= 0:
@@ -161,6 +185,19 @@ class Scheduler:
                 and len(running_loras) >= self.config.max_loras
             ):
                 w += 1
+                continue
+            if req.pooling is not None:
+                # Whole or not at all, in arrival order; beyond the prefill cap only as the step's first
+                # prompt, so a pooling input longer than the cap still runs beside decodes.
+                n = req.num_prompt_tokens
+                if n > budget or (n > prefill_left and prefill_left < prefill_cap):
+                    break
+                del self.waiting[w]
+                self._admit(req, None, now)
+                self.running.append(req)
+                scheduled.append(self._scheduled(req, n, []))
+                budget -= n
+                prefill_left -= n
                 continue
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             use_cache = req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
@@ -252,6 +289,10 @@ class Scheduler:
                 req.error = output.errors[req.request_id]
                 self.finish_request(req.request_id, FinishReason.ERROR)
                 finished.append(FinishedRequest(req, FinishReason.ERROR))
+                continue
+            if req.pooling is not None:  # its forward was all of it: nothing is sampled or kept
+                self.finish_request(req.request_id, FinishReason.STOP)
+                finished.append(FinishedRequest(req, FinishReason.STOP))
                 continue
             if not item.sample:
                 continue

@@ -1,26 +1,40 @@
-"""The pooling engine: continuous batching of pooling requests on a thread of its own.
+"""The pooling engine: pooling requests through the same scheduler and step loop as generation.
 
-Requests (token ids, optional token type ids) wait in a queue; each step takes as many as fit in
-`max_num_seqs` rows and `max_num_batched_tokens` padded tokens (always at least one), runs one padded
-forward pass and hands each row's result back on the event loop. Nothing is kept after the forward
-(an encoder or a one-shot decoder pass has no KV cache to keep). Requests that arrive while a step runs
-join the next one. A failed forward fails only that step's requests; the loop goes on.
+`PoolingEngineCore` is what `server.engine.AsyncEngine` drives for an embed or score model: requests
+(token ids, optional token type ids) are `Request`s with `PoolingParams`, admitted by
+`server.core.scheduler.Scheduler` within `--max-num-seqs` and `--max-num-batched-tokens` (each one
+whole, holding no KV blocks); a step runs the scheduled rows as one forward of the pooling model and
+each request finishes with its row (nothing is kept after the forward: an encoder or a one-shot decoder
+pass has no KV cache to keep). Requests that arrive while a step runs join the next one. A failed
+forward fails only that step's requests (`ModelOutput.errors`); the loop goes on. Abort, drain and the
+`vllm:num_requests_*` gauges are AsyncEngine's and the scheduler's, as for generation.
+
+`PoolingEngine` is the API's handle: `encode(items)` awaits each item's row.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from server.core.kv_cache_manager import KVCacheManager
+from server.core.outputs import ModelOutput, RequestMetrics, RequestOutput, SchedulerStats
+from server.core.scheduler import Scheduler, SchedulerConfig
+from server.engine import AsyncEngine
+from server.request import FinishReason, LoRARequest, PoolingParams, Request, SamplingParams
+from server.spec_decode.proposer import Speculator
 
 from .model import PoolingModel
 
 log = logging.getLogger(__name__)
+
+# A pooling request samples nothing; the scheduler's Request still carries sampling parameters.
+_NO_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @dataclass
@@ -29,14 +43,6 @@ class PoolingInput:
 
     input_ids: list[int]
     token_type_ids: list[int] | None = None
-
-
-@dataclass
-class _Pending:
-    item: PoolingInput
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[torch.Tensor]
-    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -50,7 +56,141 @@ class PoolingStats:
     num_waiting: int = 0
 
 
+class PoolingAbortedError(RuntimeError):
+    """The request was aborted (drain deadline, shutdown) before its forward ran."""
+
+
+class PoolingEngineCore:
+    """The engine step for a pooling model (AsyncEngine's `EngineCore`): the scheduler's admission and
+    budget, the pooling model's forward in place of the model runner."""
+
+    speculator: Speculator | None = None
+
+    def __init__(self, model: PoolingModel, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.model = model
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max(model.max_model_len, 2),
+            ),
+            # Pooling requests hold no blocks; the manager only answers the scheduler's bookkeeping.
+            KVCacheManager(1, 16, enable_prefix_caching=False),
+        )
+        self.pool_stats = PoolingStats()
+        # Called on the engine thread after each schedule(), with the step's stats (its rows running).
+        self.on_scheduled: Callable[[SchedulerStats], None] | None = None
+        pad = model.tokenizer.pad_token_id
+        self._pad_id = int(pad) if pad is not None else 0
+
+    # ---- EngineCore ---------------------------------------------------------------------------
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+    ) -> None:
+        """Raises ValueError for an input the scheduler would refuse (read-only, any thread)."""
+        if lora is not None:
+            raise ValueError("LoRA adapters are not supported for pooling models")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the input must contain at least one token")
+        cfg = self.scheduler.config
+        if n > min(cfg.max_model_len, cfg.max_num_batched_tokens):
+            raise ValueError(
+                f"input has {n} tokens; at most {min(cfg.max_model_len, cfg.max_num_batched_tokens)}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
+    ) -> Request:
+        if pooling is None:
+            raise ValueError("this engine serves a pooling model; generation requests need --task generate")
+        self.validate(prompt_token_ids, params, lora)
+        req = Request(request_id, list(prompt_token_ids), params, pooling=pooling)
+        self.scheduler.add_request(req)
+        self.pool_stats.num_waiting = len(self.scheduler.waiting)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        self.pool_stats.num_waiting = len(self.scheduler.waiting)
+        return _output(req, None) if req is not None else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.pool_stats.num_waiting = len(self.scheduler.waiting)
+        if self.on_scheduled is not None:
+            self.on_scheduled(self.scheduler.stats())
+        reqs = [item.request for item in sched.scheduled]
+        out = ModelOutput()
+        rows: torch.Tensor | None = None
+        if reqs:
+            try:
+                rows = self.run_batch(reqs)
+            except Exception as e:  # a bad batch fails its own requests only
+                log.exception("pooling forward failed for %d sequence(s)", len(reqs))
+                out.errors = {r.request_id: f"{type(e).__name__}: {e}" for r in reqs}
+            else:
+                self.pool_stats.num_steps += 1
+                self.pool_stats.last_batch_size = len(reqs)
+                self.pool_stats.num_sequences += len(reqs)
+                self.pool_stats.num_prompt_tokens += sum(r.num_prompt_tokens for r in reqs)
+        finished = self.scheduler.update_from_output(sched, out)
+        return [
+            _output(f.request, rows[reqs.index(f.request)].clone() if rows is not None else None)
+            for f in finished
+        ]
+
+    def reset_prefix_cache(self) -> bool:
+        return True  # pooling keeps no prefix cache
+
+    def check_health(self) -> None:
+        pass
+
+    def close(self, graceful: bool = True) -> None:
+        pass
+
+    # ---- the forward --------------------------------------------------------------------------
+    def run_batch(self, reqs: Sequence[Request]) -> torch.Tensor:
+        """One padded forward over the requests' prompts: float32 `[len(reqs), dim | num_labels]`."""
+        longest = max(r.num_prompt_tokens for r in reqs)
+        pad = self._pad_id
+        ids = torch.tensor([r.prompt_token_ids + [pad] * (longest - r.num_prompt_tokens) for r in reqs])
+        mask = torch.tensor([[1] * r.num_prompt_tokens + [0] * (longest - r.num_prompt_tokens) for r in reqs])
+        types = torch.zeros_like(ids)
+        for row, r in enumerate(reqs):
+            if r.pooling is not None and r.pooling.token_type_ids is not None:
+                types[row, : r.num_prompt_tokens] = torch.tensor(r.pooling.token_type_ids)
+        return self.model.forward(ids, types, mask)
+
+
+def _output(req: Request, pooled: torch.Tensor | None) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=[],
+        text="",
+        finished=True,
+        finish_reason=req.finish_reason,
+        num_prompt_tokens=req.num_prompt_tokens,
+        error=req.error,
+        metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, None, time.monotonic()),
+        pooled=pooled,
+    )
+
+
 class PoolingEngine:
+    """The API's handle on a pooling model: an AsyncEngine over a `PoolingEngineCore`."""
+
     def __init__(
         self,
         model: PoolingModel,
@@ -62,109 +202,65 @@ class PoolingEngine:
             torch.set_num_threads(num_threads)
         self.model = model
         self.max_num_seqs = max_num_seqs
+        # a longest input must fit a step whole
         self.max_num_batched_tokens = max(max_num_batched_tokens, model.max_model_len)
-        self.stats = PoolingStats()
-        self.error: BaseException | None = None
-        self._queue: collections.deque[_Pending] = collections.deque()
-        self._cond = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="pooling-engine", daemon=True)
-        pad = model.tokenizer.pad_token_id
-        self._pad_id = int(pad) if pad is not None else 0
+        self.core = PoolingEngineCore(model, max_num_seqs, self.max_num_batched_tokens)
+        self.engine: AsyncEngine[PoolingEngineCore] = AsyncEngine(self.core)
+        engine = self.engine
+
+        def publish(stats: SchedulerStats) -> None:  # the gauges show the step's rows while it runs
+            engine.last_stats = stats
+
+        self.core.on_scheduled = publish
+        self._counter = 0
+
+    @property
+    def stats(self) -> PoolingStats:
+        return self.core.pool_stats
 
     def start(self) -> None:
-        self._thread.start()
+        """Starts the step loop; call on the event loop that will await `encode`."""
+        self.engine.start()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self.engine.alive
 
     def warmup(self) -> None:
-        self._run([PoolingInput([self._pad_id] * 2)])
+        self.core.run_batch([Request("warmup", [self.core._pad_id] * 2, _NO_SAMPLING)])
 
     async def encode(self, items: list[PoolingInput]) -> list[torch.Tensor]:
-        """Each item's result, float32 `[dim]` (pooled, not normalized) or `[num_labels]` logits."""
-        loop = asyncio.get_running_loop()
-        pending = [_Pending(it, loop, loop.create_future()) for it in items]
-        with self._cond:
-            if self._stop or not self.alive:
-                raise RuntimeError("the pooling engine is not running")
-            self._queue.extend(pending)
-            self.stats.num_waiting = len(self._queue)
-            self._cond.notify()
+        """Each item's result, float32 `[dim]` (pooled, not normalized) or `[num_labels]` logits.
+        Raises RuntimeError (EngineDeadError, PoolingAbortedError, a failed forward) or ValueError (an
+        input the scheduler refuses). Cancelling the caller aborts the items not finished yet."""
+        tasks = [asyncio.ensure_future(self._one(it)) for it in items]
         try:
-            return list(await asyncio.gather(*(p.future for p in pending)))
-        except asyncio.CancelledError:
-            with self._cond:  # a client gone: its rows that have not run yet leave the queue
-                for p in pending:
-                    if p in self._queue:
-                        self._queue.remove(p)
-            raise
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # one failed or the caller left: the rest leave the engine (abort)
+                t.cancel()
 
-    def _take(self) -> list[_Pending]:
-        batch: list[_Pending] = []
-        longest = 0
-        while self._queue and len(batch) < self.max_num_seqs:
-            n = len(self._queue[0].item.input_ids)
-            if batch and max(longest, n) * (len(batch) + 1) > self.max_num_batched_tokens:
-                break
-            longest = max(longest, n)
-            batch.append(self._queue.popleft())
-        self.stats.num_waiting = len(self._queue)
-        return batch
-
-    def _run(self, items: list[PoolingInput]) -> torch.Tensor:
-        longest = max(len(it.input_ids) for it in items)
-        ids = torch.full((len(items), longest), self._pad_id, dtype=torch.long)
-        types = torch.zeros((len(items), longest), dtype=torch.long)
-        mask = torch.zeros((len(items), longest), dtype=torch.long)
-        for row, it in enumerate(items):
-            n = len(it.input_ids)
-            ids[row, :n] = torch.tensor(it.input_ids)
-            if it.token_type_ids is not None:
-                types[row, :n] = torch.tensor(it.token_type_ids)
-            mask[row, :n] = 1
-        return self.model.forward(ids, types, mask)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
-                if self._stop:
-                    break
-                batch = self._take()
-            try:
-                out = self._run([p.item for p in batch])
-            except Exception as e:  # a bad batch fails its own requests only
-                log.exception("pooling forward failed for %d sequence(s)", len(batch))
-                for p in batch:
-                    p.loop.call_soon_threadsafe(_set_exception, p.future, e)
+    async def _one(self, item: PoolingInput) -> torch.Tensor:
+        self._counter += 1
+        rid = f"pool-{self._counter}-{time.monotonic_ns()}"
+        types = tuple(item.token_type_ids) if item.token_type_ids is not None else None
+        async for out in self.engine.generate(
+            item.input_ids, _NO_SAMPLING, rid, pooling=PoolingParams(types)
+        ):
+            if not out.finished:
                 continue
-            self.stats.num_steps += 1
-            self.stats.last_batch_size = len(batch)
-            self.stats.num_sequences += len(batch)
-            self.stats.num_prompt_tokens += sum(len(p.item.input_ids) for p in batch)
-            for row, p in enumerate(batch):
-                p.loop.call_soon_threadsafe(_set_result, p.future, out[row].clone())
-        with self._cond:
-            for p in self._queue:
-                p.loop.call_soon_threadsafe(_set_exception, p.future, RuntimeError("shutting down"))
-            self._queue.clear()
+            if out.error is not None:
+                raise RuntimeError(out.error)
+            if out.finish_reason is FinishReason.ABORT or out.pooled is None:
+                raise PoolingAbortedError("the request was aborted")
+            assert isinstance(out.pooled, torch.Tensor)
+            return out.pooled
+        raise PoolingAbortedError("the request ended without a result")
+
+    def abort_all(self) -> int:
+        """Aborts every request in flight (the drain deadline): each `encode` raises PoolingAbortedError."""
+        return self.engine.abort_all()
 
     async def shutdown(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join, 5.0)
-
-
-def _set_result(f: asyncio.Future[torch.Tensor], value: torch.Tensor) -> None:
-    if not f.done():
-        f.set_result(value)
-
-
-def _set_exception(f: asyncio.Future[torch.Tensor], e: BaseException) -> None:
-    if not f.done():
-        f.set_exception(e)
+        self.abort_all()  # queued before the stop command: every open encode ends
+        await self.engine.shutdown()

@@ -186,6 +186,55 @@ def test_task_guard_and_info(embed_server: tuple[str, Any]) -> None:
     assert "kubeinfer_pooling_sequences_total" in metrics
 
 
+def test_scheduler_gauges_and_drain_cut(
+    embed_server: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pooling requests are the shared scheduler's: /metrics' vllm:num_requests_running shows the rows
+    of the step in progress; the drain deadline's cut ends a queued one with a 503 naming the shutdown
+    (the one whose forward was running when the cut came finishes: aborts act between steps)."""
+    from conftest import scrape_metric
+
+    url, state = embed_server
+    model = state.pooling.model
+    real = model.forward
+    entered, release = threading.Event(), threading.Event()
+
+    def held(*args: Any) -> torch.Tensor:
+        entered.set()
+        assert release.wait(60), "never released"
+        return real(*args)
+
+    monkeypatch.setattr(model, "forward", held)
+    results: dict[int, httpx.Response] = {}
+
+    def post(i: int) -> None:
+        results[i] = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[i]}, timeout=60)
+
+    clients = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+    try:
+        clients[0].start()
+        assert entered.wait(60)
+        assert scrape_metric(url, "vllm:num_requests_running") == 1.0
+        clients[1].start()
+        while state.pooling.engine.num_in_flight < 2:  # both in the engine (the first in its forward)
+            time.sleep(0.01)
+        assert state.cut_in_flight("the server is shutting down: drain deadline") == 2
+        release.set()
+        for c in clients:
+            c.join(60)
+        assert (results[0].status_code, results[1].status_code) == (200, 503)
+        assert len(results[0].json()["data"][0]["embedding"]) == 384
+        assert "drain deadline" in results[1].json()["error"]["message"]
+    finally:
+        release.set()
+        state.cut_reason = None
+    monkeypatch.setattr(model, "forward", real)
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": "still serving"}, timeout=60)
+    assert r.status_code == 200
+    assert scrape_metric(url, "vllm:num_requests_running") == 0.0
+    assert scrape_metric(url, "vllm:num_requests_waiting") == 0.0
+
+
 def test_generative_model_refuses_pooling_routes(live_server: Any) -> None:
     r = httpx.post(f"{live_server.url}/v1/embeddings", json={"input": "hi"}, timeout=10)
     assert r.status_code == 400 and "serves task 'generate'" in r.json()["error"]["message"]
