@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from server.native import usable_cpu_features
 from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import BlockQuantLinear
 
@@ -220,29 +221,39 @@ def small_m_rows(kernel: cq.QLinearKernel, cold: int, reps: int) -> list[dict[st
     return rows
 
 
-def crossover_rows(kernel: cq.QLinearKernel, ms: list[int], reps: int) -> list[dict[str, object]]:
+def crossover_rows(
+    kernel: cq.QLinearKernel, ms: list[int], reps: int, fmt: str = "q4_1"
+) -> list[dict[str, object]]:
+    """Per M: the kernel's fp32 GEMM against dequantize + torch GEMM in fp32 and in bf16 (block_linear's
+    GEMM_MIN_ROWS and BF16_GEMM_MIN_ROWS are read off these rows; bf16 only where the CPU has it)."""
+    bf16 = usable_cpu_features().avx512_bf16 or usable_cpu_features().amx_bf16
     rows: list[dict[str, object]] = []
     for shape_name, (n, k) in {**SHAPES, "gate_up_fused_3072x576": (3072, 576)}.items():
-        w = make("q4_1", n, k)
+        w = make(fmt, n, k)
         lin = BlockQuantLinear(w, kernel=kernel)
         for m in ms:
             x = torch.randn(m, k)
-            t = timed(
-                {
-                    "kernel": lambda x=x, w=w: kernel.linear(x, w),
-                    "dequant_gemm": lambda x=x, w=w, lin=lin: lin._dequant_gemm(x, w, kernel),
-                },
-                reps,
-            )
-            rows.append(
-                {
-                    "shape": shape_name,
-                    "M": m,
-                    "kernel_ms": round(statistics.median(t["kernel"]), 3),
-                    "dequant_gemm_ms": round(statistics.median(t["dequant_gemm"]), 3),
-                    "kernel_speedup": round(median_ratio(t["dequant_gemm"], t["kernel"]), 2),
-                }
-            )
+            fns: dict[str, Callable[[], object]] = {
+                "kernel": lambda x=x, w=w: kernel.linear(x, w),
+                "dequant_gemm": lambda x=x, w=w, lin=lin: lin._dequant_gemm(x, w, kernel),
+            }
+            if bf16:
+                fns["dequant_gemm_bf16"] = lambda x=x, w=w, lin=lin: lin._dequant_gemm(
+                    x, w, kernel, torch.bfloat16
+                )
+            t = timed(fns, reps)
+            row: dict[str, object] = {
+                "shape": shape_name,
+                "format": fmt,
+                "M": m,
+                "kernel_ms": round(statistics.median(t["kernel"]), 3),
+                "dequant_gemm_ms": round(statistics.median(t["dequant_gemm"]), 3),
+                "kernel_speedup": round(median_ratio(t["dequant_gemm"], t["kernel"]), 2),
+            }
+            if bf16:
+                row["dequant_gemm_bf16_ms"] = round(statistics.median(t["dequant_gemm_bf16"]), 3)
+                row["bf16_over_kernel"] = round(median_ratio(t["kernel"], t["dequant_gemm_bf16"]), 2)
+            rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -255,6 +266,8 @@ def main() -> None:
     ap.add_argument("--formats", default="q4_0,q4_1,q8_0,int8,int4")
     ap.add_argument("--only", default="kernels,small_m,crossover", help="sections to run")
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
+    ap.add_argument("--crossover-rows", default="", help="comma-separated M for `crossover`")
+    ap.add_argument("--crossover-format", default="q4_1")
     args = ap.parse_args()
     reps = args.reps or (3 if args.smoke else 9)
     if args.threads:
@@ -285,9 +298,10 @@ def main() -> None:
     if "small_m" in sections:
         out["small_m"] = small_m_rows(kernel, cold, reps)
     if "crossover" in sections:
-        out["crossover"] = crossover_rows(
-            kernel, [16, 64] if args.smoke else [64, 256, 512, 1024, 2048], reps
-        )
+        cross_ms = [16, 64] if args.smoke else [64, 256, 512, 1024, 2048]
+        if args.crossover_rows:
+            cross_ms = [int(m) for m in args.crossover_rows.split(",")]
+        out["crossover"] = crossover_rows(kernel, cross_ms, reps, args.crossover_format)
     if args.rss:
         out["rss"] = rss_of_embedded_model()
     out["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)  # type: ignore[index]

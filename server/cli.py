@@ -173,7 +173,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--dtype",
         "DTYPE",
-        "Weight and activation dtype (auto: bf16 on GPUs and on CPUs with native bf16, else fp32)",
+        "Weight and activation dtype (auto: bf16 on GPUs and on CPUs with native bf16, else fp32; a GGUF "
+        "served quantized on CPU keeps fp32 activations and runs its large GEMMs in bf16 there)",
         default="auto",
         choices=DTYPE_CHOICES,
     )

@@ -34,6 +34,8 @@ from server.models.loader import (
     resolve_model,
 )
 from server.models.serving_weights import prepare_for_serving
+from server.quant.block_linear import BF16_GEMM_MIN_ROWS
+from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype
 from server.request import (
     FinishReason,
     GrammarSpec,
@@ -91,6 +93,7 @@ class EngineInfo:
     max_num_batched_tokens: int
     attention_backend: str
     device: str
+    gemm_dtype: str = "float32"  # block-quantized projections' large GEMMs (server/quant/gemm_dtype.py)
 
 
 class LLMEngine:
@@ -140,6 +143,17 @@ class LLMEngine:
             self.tp = TensorParallelDriver(config, self.device, self.loaded.model)
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype, config.model.cache_dir)
+        # Block-quantized projections' large GEMMs in bf16 where --dtype resolves to it (auto: CPUs with
+        # native bf16); activations stay fp32 around them (server/quant/gemm_dtype.py). Not under tensor
+        # parallelism: the other ranks load their own shards and would sum partials of another precision.
+        self.gemm_dtype = torch.float32
+        if self.device.type == "cpu" and tp == 1:
+            compute = (
+                resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
+            )
+            self.gemm_dtype = cpu_gemm_dtype(compute)
+            if apply_gemm_dtype(self.loaded.model, self.gemm_dtype) and self.gemm_dtype == torch.bfloat16:
+                log.info("block-quantized GEMMs of %d+ rows in bfloat16", BF16_GEMM_MIN_ROWS)
         template = _chat_template(config.model.chat_template)
         if template is None and config.model.model is None:
             # The embedded SmolLM2's own template knows no tools; ours renders the same without them.
@@ -230,6 +244,8 @@ class LLMEngine:
                     keep_gguf=self.source.gguf is not None,
                     optimize_weights=config.model.optimize_weights,
                 )
+            if proposer is not None:
+                apply_gemm_dtype(proposer.model, self.gemm_dtype)
             self.speculator = Speculator(config.speculative, proposer)
         if self.speculator is not None:
             log.info("speculative decoding: %s", config.speculative)
@@ -249,6 +265,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             attention_backend=backend_name,
             device=str(self.device),
+            gemm_dtype=str(self.gemm_dtype).removeprefix("torch."),
         )
 
     # ---- requests -----------------------------------------------------------------------------

@@ -1,5 +1,9 @@
 """A whole decode step's decoder layers in one compiled call (CPU, fp32, block-quantized projections).
 
+Under bf16 GEMMs (server/quant/gemm_dtype.py) it still serves decode batches below BF16_GEMM_MIN_ROWS
+on the fp32 kernel (`DecodeGraph.max_rows`; why in the comment on MAX_ROWS); larger ones go through
+the Python path, whose projections then run their bf16 GEMMs.
+
 On this machine a one-token step of the embedded SmolLM2 spends ~8 ms in its 121 weight kernels and ~9 ms
 in Python around them: module calls, argument checks and ctypes marshalling, ~300 us per layer. Like a
 CUDA graph, `DecodeGraph` records once what never changes (every layer's weight descriptors, norms, KV
@@ -121,12 +125,17 @@ class DecodeGraph:
 
     # BlockQuantLinear sends M >= GEMM_MIN_ROWS to dequantize + torch GEMM, the graph always to the kernel:
     # above this the two paths would sum in different orders, so the Python path serves such steps.
+    # With bf16 GEMMs (gemm_dtype.py) the bound is lower, BF16_GEMM_MIN_ROWS - 1 (`max_rows`): larger
+    # pure-decode batches go through the Python path and its bf16 GEMMs. Below it the graph keeps the
+    # fp32 kernel on purpose: a decode batch of up to a few hundred rows is bound by the weight's bytes,
+    # and the kernel beat bf16 dequantize + GEMM there (benchmarks/cpu_qlinear.py `crossover`).
     MAX_ROWS: ClassVar[int] = GEMM_MIN_ROWS - 1
 
     ops: FusedOps
     model_struct: _Model
     cache_shape: torch.Size  # [num_blocks, block_size, Hkv, D] of every layer's K and V cache
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
+    projections: list[list[BlockQuantLinear]]  # per layer: qkv, o, gate_up, down
     # Kept alive: the C side holds raw pointers into these.
     _keep: tuple[object, ...]
 
@@ -231,8 +240,15 @@ class DecodeGraph:
             model_struct=model_struct,
             cache_shape=shape,
             dims=(hidden, inter, hq, hkv, d),
+            projections=projections,
             _keep=(descriptors, kept_weights, structs, norms, projections, kv_caches),
         )
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows this graph serves: below every projection's `gemm_min_rows` (read now, so a
+        gemm_dtype set after recording is honoured)."""
+        return min(m.gemm_min_rows for mods in self.projections for m in mods) - 1
 
     @property
     def num_cache_slots(self) -> int:  # num_blocks * block_size

@@ -253,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
             if self._decode_graph is None or self._decode_graph[0] != key:
                 self._decode_graph = (key, DecodeGraph.build(self, kv_caches, backend, ops))
             graph = self._decode_graph[1]
-            if graph is not None:
+            if graph is not None and h.shape[0] <= graph.max_rows:
                 return graph.run(h, cos, sin, meta)
         delta: Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.decoder_layers(), kv_caches, strict=True):

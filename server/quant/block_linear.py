@@ -8,10 +8,14 @@ Paths (the compiled kernel, server/quant/csrc/qlinear.cpp):
 - M rows of x below GEMM_MIN_ROWS: the kernel: GEMV for M <= 4 (cpu_qlinear.GEMV_MAX_ROWS), above that
   its register-blocked GEMM on 12-row panels of W dequantized once per call (per chunk of x rows);
 - prefill-sized M: W dequantized in slices of rows into a scratch buffer, each multiplied by torch's
-  fp32 GEMM (MKL/oneDNN). `_dequant_gemm(compute=torch.bfloat16)` runs it in bf16 (x and the slice
-  rounded to bf16, the bf16 result widened to fp32); not chosen by serving yet (benchmarks/cpu_ceilings.py
-  measures it against fp32; engine-level parity in bf16 is not checked yet). From M = 256 up the two measured within noise of each other on this shared
+  fp32 GEMM (MKL/oneDNN). From M = 256 up the two measured within noise of each other on this shared
   machine (benchmarks/cpu_qlinear.py `crossover`); 512 keeps the large prefill chunks on the library GEMM;
+- `gemm_dtype = torch.bfloat16` (set by the engine where the CPU has AVX512-BF16 or AMX-BF16,
+  server/quant/gemm_dtype.py): from M = BF16_GEMM_MIN_ROWS up the same dequantize + GEMM in bf16 (x and
+  each slice rounded to bf16, bf16 products accumulated in fp32 by oneDNN, the bf16 result widened to
+  fp32). Only the GEMM's inputs and output are bf16: the module still takes and returns fp32, so the
+  residual stream, norms, rotary, softmax and attention stay fp32 around it. Below that M the fp32
+  kernel serves as before: there the weight's bytes, not FLOPs, bound the time;
 - no compiler: the plain-torch reference (dequantize, then matmul), slower but the same function.
 """
 
@@ -32,6 +36,8 @@ from server.quant.cpu_qlinear import (
 from server.quant.layers import QuantLinear
 
 GEMM_MIN_ROWS = 512  # see the module docstring (benchmarks/cpu_qlinear.py `crossover`)
+# bf16 GEMM's crossover against the fp32 kernel (benchmarks/cpu_qlinear.py `crossover`, docs/benchmarks.md)
+BF16_GEMM_MIN_ROWS = 256
 SLICE_BYTES = 32 << 20  # fp32 scratch per dequantized slice: a whole projection is one slice, one GEMM
 
 
@@ -60,7 +66,8 @@ def _weight(module: BlockQuantLinear | BlockQuantEmbedding, meta: BlockQuantWeig
 
 
 class BlockQuantLinear(QuantLinear):
-    """y = x @ W^T + bias with W block-quantized; fp32 activations and accumulation."""
+    """y = x @ W^T + bias with W block-quantized; fp32 activations and accumulation (GEMMs of
+    M >= BF16_GEMM_MIN_ROWS rows in bf16 when `gemm_dtype` is torch.bfloat16)."""
 
     q: Tensor
     scales: Tensor
@@ -82,14 +89,22 @@ class BlockQuantLinear(QuantLinear):
             raise ValueError(f"bias must be [{w.out_features}], got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.kernel: QLinearKernel | None = kernel or try_load_qlinear_kernel(cache_dir)
+        # torch.float32 or torch.bfloat16: the dtype of the dequantize + GEMM path (module docstring)
+        self.gemm_dtype: torch.dtype = torch.float32
+
+    @property
+    def gemm_min_rows(self) -> int:
+        """The fewest rows of x that leave the compiled kernel for dequantize + torch GEMM."""
+        return BF16_GEMM_MIN_ROWS if self.gemm_dtype == torch.bfloat16 else GEMM_MIN_ROWS
 
     @staticmethod
     def fuse(parts: list[BlockQuantLinear]) -> BlockQuantLinear | None:
         """One module computing the parts' outputs side by side (fused q/k/v, gate/up), or None if they
-        differ in format or K, or only some have a bias."""
+        differ in format, K or gemm_dtype, or only some have a bias."""
         first = parts[0]._w
         if any(
             (p._w.fmt, p._w.in_features, p._w.group_size) != (first.fmt, first.in_features, first.group_size)
+            or p.gemm_dtype != parts[0].gemm_dtype
             for p in parts
         ):
             return None
@@ -98,7 +113,9 @@ class BlockQuantLinear(QuantLinear):
             return None
         bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
         w = BlockQuantWeight.concat_rows([p.weight_q for p in parts])
-        return BlockQuantLinear(w, bias, kernel=parts[0].kernel)
+        fused = BlockQuantLinear(w, bias, kernel=parts[0].kernel)
+        fused.gemm_dtype = parts[0].gemm_dtype
+        return fused
 
     @property
     def weight_q(self) -> BlockQuantWeight:
@@ -110,8 +127,8 @@ class BlockQuantLinear(QuantLinear):
         w = self.weight_q
         if self.kernel is None:
             y = F.linear(x2, dequantize_reference(w), self.bias)
-        elif x2.shape[0] >= GEMM_MIN_ROWS:
-            y = self._dequant_gemm(x2, w, self.kernel)
+        elif x2.shape[0] >= self.gemm_min_rows:
+            y = self._dequant_gemm(x2, w, self.kernel, self.gemm_dtype)
         else:
             y = self.kernel.linear(x2, w, self.bias)
         return y.reshape(*lead, self.out_features).to(dtype)

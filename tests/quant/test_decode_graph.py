@@ -14,6 +14,8 @@ from server.attention.metadata import AttentionMetadata
 from server.config import EngineConfig, LoRAConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.decode_graph import DecodeGraph
+from server.quant.block_linear import BF16_GEMM_MIN_ROWS, BlockQuantLinear
+from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:"]
@@ -128,3 +130,43 @@ def test_graph_runs_qwen3_qk_norm_bit_identical(tiny_model_factory, cache: Path)
     assert got_tokens == want_tokens
     assert got_lps == want_lps
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_bf16_decode_batches_from_the_crossover_leave_the_graph(
+    tiny_q41: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 GEMMs the graph serves decode batches below BF16_GEMM_MIN_ROWS on the fp32 kernel; a
+    batch of BF16_GEMM_MIN_ROWS sequences goes through the Python path and its bf16 GEMMs."""
+    engine = LLMEngine(
+        EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache), max_num_seqs=BF16_GEMM_MIN_ROWS)
+    )
+    apply_gemm_dtype(engine.loaded.model, torch.bfloat16)
+    graph_rows: list[int] = []
+    gemm_rows: list[tuple[int, torch.dtype]] = []
+    run, gemm = DecodeGraph.run, BlockQuantLinear._dequant_gemm
+
+    def spy_run(self, h, cos, sin, meta):  # type: ignore[no-untyped-def]
+        graph_rows.append(h.shape[0])
+        return run(self, h, cos, sin, meta)
+
+    def spy_gemm(self, x, w, kernel, compute=torch.float32):  # type: ignore[no-untyped-def]
+        gemm_rows.append((x.shape[0], compute))
+        return gemm(self, x, w, kernel, compute)
+
+    monkeypatch.setattr(DecodeGraph, "run", spy_run)
+    monkeypatch.setattr(BlockQuantLinear, "_dequant_gemm", spy_gemm)
+    prompt = engine.tokenizer.encode("one two")
+    engine.generate([prompt] * 8, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert graph_rows and max(graph_rows) == 8 and not gemm_rows  # small batches: the graph, fp32 kernel
+    graph = engine.loaded.model._decode_graph[1]  # type: ignore[index]
+    assert graph is not None and graph.max_rows == BF16_GEMM_MIN_ROWS - 1
+    graph_rows.clear()
+    many = [prompt] * BF16_GEMM_MIN_ROWS
+    outs = engine.generate(many, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(set(map(tuple, outs))) == 1  # the same prompt: the same tokens at every batch size
+    assert all(r < BF16_GEMM_MIN_ROWS for r in graph_rows)
+    # the full decode batches ran the projections' bf16 GEMMs (q/k/v, o, gate/up, down per layer)
+    decode = [c for r, c in gemm_rows if r == BF16_GEMM_MIN_ROWS]
+    assert len(decode) >= 4 * 2 and set(decode) == {torch.bfloat16}
+    apply_gemm_dtype(engine.loaded.model, torch.float32)
+    assert graph.max_rows == DecodeGraph.MAX_ROWS

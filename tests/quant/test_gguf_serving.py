@@ -17,6 +17,7 @@ from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
 from server.quant.cpu_qlinear import BlockQuantWeight, dequantize_reference
+from server.quant.gemm_dtype import apply_gemm_dtype
 from server.quant.gguf_checkpoint import read_gguf_checkpoint
 from server.request import SamplingParams
 
@@ -59,6 +60,7 @@ def test_greedy_parity_on_tiny_gguf_models(tiny_gguf: dict[str, Path], fmt: str,
     path = tiny_gguf[fmt]
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=cache)))
     model = engine.loaded.model
+    apply_gemm_dtype(model, torch.float32)  # against transformers fp32: fp32 GEMMs on bf16 CPUs too
     assert engine.info.quantization == f"gguf-{fmt.lower()}"
     assert isinstance(model.model.embed_tokens, BlockQuantEmbedding)
     assert isinstance(model.lm_head, BlockQuantLinear)  # tied: the embedding's tensors
@@ -94,6 +96,7 @@ def test_k_quant_gguf_kept_quantized_with_greedy_parity(
         assert torch.equal(dense, ref_state[name]), name
     del ref
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=cache)))
+    apply_gemm_dtype(engine.loaded.model, torch.float32)  # against transformers fp32
     assert engine.info.quantization == "gguf-q4_k+q6_k"
     model = engine.loaded.model
     assert isinstance(model.lm_head, BlockQuantLinear) and model.lm_head.method == "q6_k"

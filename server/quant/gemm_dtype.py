@@ -1,0 +1,47 @@
+"""The dtype of a block-quantized model's large CPU GEMMs (prefill, large batches), from `--dtype`.
+
+vLLM's `--dtype` semantics, applied to the weights we keep quantized (a GGUF file served as it is, a
+`--quantize`d or pre-quantized checkpoint repacked into BlockQuantLinear): `auto` picks bf16 where the
+CPU computes it natively (AVX512-BF16 or AMX-BF16 usable, server/models/loader.cpu_has_native_bf16:
+what the OS enables, minus KUBEINFER_CPU_DISABLE), fp32 elsewhere; `bfloat16` asks for bf16, `float32`
+(and `float16`, which the CPU kernels do not run) for fp32.
+
+What runs in bf16 is only the dequantize + GEMM path of BlockQuantLinear from BF16_GEMM_MIN_ROWS rows
+up (server/quant/block_linear.py): x and the dequantized weight are rounded to bf16, oneDNN accumulates
+in fp32, and the product is rounded to bf16 and widened back. Everything else stays fp32: the residual
+stream (a sum of 60 layer outputs, where bf16's 8-bit mantissa would lose the small updates), RMSNorm
+(a mean of squares), rotary, softmax and attention (their inputs come from the fp32 KV cache, and the
+attention kernel is memory-bound at our context lengths: bf16 would buy nothing there), the LM head's
+logits (sampling and logprobs read them) and single-row or small-batch decode, whose GEMV is bound by
+the weight's bytes, not by FLOPs (the fp32 kernel reads the same quantized bytes either way).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from server.quant.block_linear import BlockQuantLinear
+
+log = logging.getLogger(__name__)
+
+
+def cpu_gemm_dtype(compute: torch.dtype) -> torch.dtype:
+    """The GEMM dtype for a model whose `--dtype` resolved to `compute` (loader.resolve_dtype, which
+    already maps `auto` to bf16 only on CPUs with native bf16): bf16 for bf16, fp32 for the rest."""
+    return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
+
+
+def apply_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
+    """Sets every BlockQuantLinear's `gemm_dtype` to `dtype` (fp32 or bf16); returns how many.
+    Raises ValueError for any other dtype."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"block-quantized GEMMs run in float32 or bfloat16, not {dtype}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, BlockQuantLinear):
+            module.gemm_dtype = dtype
+            count += 1
+    return count
