@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_qlinear import Cycle, cpu_model, llc_bytes, make, median_ratio  # noqa: E402
+from cpu_qlinear import Cycle, cpu_model, llc_bytes, make, median_ratio
 
-from server.quant import cpu_qgemv_q8 as q8  # noqa: E402
-from server.quant import cpu_qlinear as cq  # noqa: E402
+from server.quant import cpu_qgemv_q8 as q8
+from server.quant import cpu_qlinear as cq
 
 SHAPES = {
     "qkv_960x576": (960, 576),
@@ -49,7 +49,9 @@ SHAPES = {
 }
 
 
-def timed_cpu(fns: dict[str, Callable[[], object]], reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def timed_cpu(
+    fns: dict[str, Callable[[], object]], reps: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Interleaved repetitions: (name -> wall ms, name -> process CPU ms) of each. On a machine shared by
     many, CPU time is the steadier figure of the work done (wall time also counts the time slices other
     processes took); with one thread it is the kernel's own time."""
@@ -78,7 +80,11 @@ def gemv_rows(fmts: list[str], shapes: dict[str, tuple[int, int]], ms: list[int]
             cyc.dense = cyc.dense[:1]  # only the quantized copies are used
             for m in ms:
                 x = torch.randn(m, k)
-                fns = {"fp32": lambda x=x, cyc=cyc: kernel.linear(x, cyc.next_q())}
+
+                def fp32(x: torch.Tensor = x, cyc: Cycle = cyc) -> None:
+                    kernel.linear(x, cyc.next_q())
+
+                fns: dict[str, Callable[[], object]] = {"fp32": fp32}
                 for p in paths:
 
                     def run(x: torch.Tensor = x, cyc: Cycle = cyc, p: str = p) -> None:
@@ -141,7 +147,7 @@ def steps(users_list: list[int], prompt_len: int, n_steps: int) -> list[dict[str
         for i in range(users):
             engine.abort_request(f"u{users}-{i}")
         engine.step()
-        row = {
+        row: dict[str, object] = {
             "users": users,
             "graph_recorded": all(entry is not None and entry[1] is not None for entry in graphs.values()),  # type: ignore[index]
             "fp32_step_ms_p50": round(statistics.median(times[False]), 3),

@@ -96,7 +96,7 @@ def linear_reference(x: Tensor, w: BlockQuantWeight, bias: Tensor | None = None)
 
 def activation_error_bound(x: Tensor, w: BlockQuantWeight) -> Tensor:
     """[M, N] fp32: max |W @ x^ - W @ x| from rounding x to Q8: sum_b (d_b / 2) sum_{k in b} |W[n, k]|."""
-    m, k = x.shape
+    k = x.shape[1]
     _, d = quantize_activations_reference(x)  # [M, nb]
     wabs = dequantize_reference(w).abs().reshape(w.out_features, k // BLOCK, BLOCK).sum(-1)  # [N, nb]
     return (d.double() / 2) @ wabs.double().t()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_cpu_qlinear import make_weight  # noqa: E402
+from test_cpu_qlinear import make_weight
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def kernel() -> QLinearKernel:
 
 
 @pytest.fixture(scope="module")
-def fast(kernel: QLinearKernel) -> q8.Q8GemvKernel:
+def fast(kernel: QLinearKernel) -> Iterator[q8.Q8GemvKernel]:
     k = q8.load_q8_gemv_kernel(kernel)
     yield k
     k.set_path(q8.path_for(native.usable_cpu_features()))
@@ -104,8 +105,12 @@ def test_the_paths_agree_with_each_other(fast: q8.Q8GemvKernel) -> None:
         torch.testing.assert_close(outs[p], outs[paths[0]], rtol=1e-5, atol=1e-5)
 
 
-def test_path_follows_the_usable_features(monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, tmp_path: Path) -> None:
-    full = CpuFeatures(avx2=True, fma=True, f16c=True, avx512f=True, avx512bw=True, avx512vl=True, avx512_vnni=True)
+def test_path_follows_the_usable_features(
+    monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, tmp_path: Path
+) -> None:
+    full = CpuFeatures(
+        avx2=True, fma=True, f16c=True, avx512f=True, avx512bw=True, avx512vl=True, avx512_vnni=True
+    )
     assert q8.path_for(full) == "vnni"
     assert q8.path_for(CpuFeatures(avx2=True, fma=True, f16c=True)) == "avx2"
     assert q8.path_for(CpuFeatures(avx2=True, fma=True, f16c=True, avx512f=True, avx512_vnni=True)) == "avx2"
@@ -127,7 +132,7 @@ def test_path_follows_the_usable_features(monkeypatch: pytest.MonkeyPatch, kerne
 
 def test_launcher_refuses_what_the_kernel_does_not_take(fast: q8.Q8GemvKernel) -> None:
     w = make_weight("q4_1", 8, 64)
-    with pytest.raises(ValueError, match="1..4 rows"):
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
         fast.linear(torch.randn(5, 64), w)
     with pytest.raises(ValueError, match="32-value groups"):
         fast.linear(torch.randn(1, 64), make_weight("int8", 8, 64))  # one group of K
@@ -158,7 +163,9 @@ def test_the_entry_point_matches_the_python_choice(
     assert bool(fast.lib.kubeinfer_qgemv_q8_supports(ctypes.byref(desc), m)) == fast.supports(w, m)
     assert fast.supports(w, m) == (fmt == "q4_1" and m <= 4)
     y = torch.empty(m, 20)
-    rc = fast.lib.kubeinfer_qgemv_q8(ctypes.byref(desc), x.data_ptr(), m, x.stride(0), None, y.data_ptr(), 20, 2)
+    rc = fast.lib.kubeinfer_qgemv_q8(
+        ctypes.byref(desc), x.data_ptr(), m, x.stride(0), None, y.data_ptr(), 20, 2
+    )
     assert rc == 0
     want = fast.linear(x, w) if fast.supports(w, m) else kernel.linear(x, w)
     assert torch.equal(y, want)
@@ -219,7 +226,9 @@ def test_embedded_model_int8_greedy_stays_within_the_bound_of_fp32() -> None:
             while engine.has_unfinished():
                 for out in engine.step():
                     tokens += out.new_token_ids
-                    lps += [(lp.chosen.logprob, lp.top[0].logprob - lp.top[-1].logprob) for lp in out.new_logprobs]
+                    lps += [
+                        (lp.chosen.logprob, lp.top[0].logprob - lp.top[-1].logprob) for lp in out.new_logprobs
+                    ]
         return tokens, lps
 
     identical = 0
