@@ -195,6 +195,34 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast
         q8.int8_gemv_enabled()
 
 
+def test_decode_graph_stays_bit_identical_with_int8(tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The graph records kubeinfer_qgemv_q8 and the Python path calls small_m_linear: the same kernels,
+    the same results, bit for bit (a tiny Q4_1 model, rows joining a step apart: M = 1..3)."""
+    from gguf_models import write_tiny_gguf
+    from test_decode_graph import _generate
+
+    from server.config import EngineConfig, ModelConfig
+    from server.engine import LLMEngine
+    from server.models.decode_graph import DecodeGraph
+
+    gguf = write_tiny_gguf(tiny_model_factory("llama", tie=True), tmp_path / "tiny-Q4_1.gguf", "Q4_1")
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(gguf), cache_dir=tmp_path / "cache")))
+    with q8.int8_gemv(True):
+        want = _generate(engine, graph=False)
+        got = _generate(engine, graph=True)
+        entry = engine.loaded.model._decode_graph
+        assert entry is not None and isinstance(entry[1], DecodeGraph)
+        assert (
+            entry[1].model_struct.qlinear
+            == q8.try_load_q8_gemv_kernel(cq.load_qlinear_kernel()).entry_address
+        )  # type: ignore[union-attr]
+    assert got == want
+    with q8.int8_gemv(False):
+        engine.loaded.model._decode_graph = None
+        fp32 = _generate(engine, graph=True)
+    assert fp32[1] != want[1]  # the logprobs: the switch changed the arithmetic
+
+
 # The bound on greedy decoding (one user, so every decode step is the M = 1 GEMV; the parity prompts):
 # the int8 path's tokens equal the fp32 path's up to the first step where the fp32 path's two most
 # likely tokens are within GAP_NATS of each other, and on the common prefix the chosen token's logprob
