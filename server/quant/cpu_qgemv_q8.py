@@ -11,7 +11,7 @@ The result is W @ x^ with x^ = d * q the activation as quantized (`quantize_acti
 up to fp32 rounding: against fp32 activations it differs by at most sum_b (d_b / 2) sum_{k in b} |w_k|
 per output (`activation_error_bound`: each value moves by at most half a step of its block).
 
-Serving: `KUBEINFER_INT8_GEMV` (`1` on, `0` off; default on, docs/benchmarks.md "int8 activations")
+Serving: `KUBEINFER_INT8_GEMV` (`1` on, `0` off; default off, docs/benchmarks.md "int8 activations")
 routes the decode GEMV of BlockQuantLinear and of the decode graph here (`small_m_linear`,
 `decode_qlinear_address`); what this kernel does not take (other group sizes, M > 4) still goes to
 qlinear.cpp, the library's fallback.
@@ -54,7 +54,9 @@ NATIVE = NativeSource(
 MAX_ROWS = 4  # qgemv_q8.cpp's MAX_ROWS: larger M goes to the fallback
 PATHS = ("scalar", "avx2", "vnni")  # kubeinfer_qgemv_q8_set_path's 0, 1, 2
 ENABLE_ENV = "KUBEINFER_INT8_GEMV"
-DEFAULT_ENABLED = True
+# Off: faster per GEMV call and per decode step at 4 users and with one thread, but not (yet) in served
+# one-user tok/s with two threads on this loaded machine (docs/benchmarks.md "int8 activations").
+DEFAULT_ENABLED = False
 
 
 def path_for(features: CpuFeatures) -> str:
