@@ -32,6 +32,7 @@ from server.attention.cpu_kernel import check_decode_indices
 from server.attention.torch_backend import TorchAttentionBackend
 from server.models.cpu_fused import FusedOps
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
+from server.quant.cpu_qgemv_q8 import decode_qlinear_address
 from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, weight_descriptor
 
 if TYPE_CHECKING:  # llama.py imports this module
@@ -232,7 +233,7 @@ class DecodeGraph:
             hkv,
             d,
             shape[1],
-            _fn_address(kernel.lib.kubeinfer_qlinear),
+            decode_qlinear_address(kernel),  # int8-activation GEMV or qlinear (cpu_qgemv_q8.py)
             _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode),
         )
         return DecodeGraph(

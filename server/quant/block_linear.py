@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from server.quant.cpu_qgemv_q8 import small_m_linear
 from server.quant.cpu_qlinear import (
     BlockQuantWeight,
     QLinearKernel,
@@ -129,8 +130,8 @@ class BlockQuantLinear(QuantLinear):
             y = F.linear(x2, dequantize_reference(w), self.bias)
         elif x2.shape[0] >= self.gemm_min_rows:
             y = self._dequant_gemm(x2, w, self.kernel, self.gemm_dtype)
-        else:
-            y = self.kernel.linear(x2, w, self.bias)
+        else:  # decode-sized M: int8 activations where that switch is on (cpu_qgemv_q8.py)
+            y = small_m_linear(self.kernel, x2, w, self.bias)
         return y.reshape(*lead, self.out_features).to(dtype)
 
     def _dequant_gemm(

@@ -1,0 +1,271 @@
+"""Decode GEMV with int8 activations (csrc/qgemv_q8.cpp): llama.cpp's Q8 x Q4/Q8 dot products on our layout.
+
+For M <= 4 rows of x (decode) and weights in 32-value groups (GGUF Q4_0 / Q4_1 / Q8_0, Q4_K repacked,
+int4 with group 32: `BlockQuantWeight`, server/quant/cpu_qlinear.py), each row of x is quantized per
+32-block to int8 with an fp32 scale (ggml's quantize_row_q8_1: d = max|x_b| / 127, q = round(x / d),
+half to even, plus the block's d * sum(q) for the min and zero-point terms), and every block's dot
+product runs on integers: AVX512-VNNI `vpdpbusd`, else AVX2 `vpmaddubsw`/`vpmaddwd`, else scalar C++,
+chosen at run time from `usable_cpu_features()` (what the OS enabled, less KUBEINFER_CPU_DISABLE).
+
+The result is W @ x^ with x^ = d * q the activation as quantized (`quantize_activations_reference`),
+up to fp32 rounding: against fp32 activations it differs by at most sum_b (d_b / 2) sum_{k in b} |w_k|
+per output (`activation_error_bound`: each value moves by at most half a step of its block).
+
+Serving: `KUBEINFER_INT8_GEMV` (`1` on, `0` off; default off, docs/benchmarks.md "int8 activations")
+routes the decode GEMV of BlockQuantLinear and of the decode graph here (`small_m_linear`,
+`decode_qlinear_address`); what this kernel does not take (other group sizes, M > 4) still goes to
+qlinear.cpp, the library's fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from server.config import default_cache_dir
+from server.cpu_features import CpuFeatures
+from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
+from server.quant.cpu_qlinear import (
+    BLOCK,
+    BlockQuantWeight,
+    KiQWeight,
+    QLinearKernel,
+    dequantize_reference,
+    weight_descriptor,
+)
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "qgemv_q8.cpp"
+ABI_VERSION = 1
+# No -ffast-math: the quantized activations must equal the torch reference's bit for bit.
+NATIVE = NativeSource(
+    "qgemv_q8", SOURCE, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20"), abi_version=ABI_VERSION
+)
+MAX_ROWS = 4  # qgemv_q8.cpp's MAX_ROWS: larger M goes to the fallback
+PATHS = ("scalar", "avx2", "vnni")  # kubeinfer_qgemv_q8_set_path's 0, 1, 2
+ENABLE_ENV = "KUBEINFER_INT8_GEMV"
+# Off: faster per GEMV call and per decode step at 4 users and with one thread, but not (yet) in served
+# one-user tok/s with two threads on this loaded machine (docs/benchmarks.md "int8 activations").
+DEFAULT_ENABLED = False
+
+
+def path_for(features: CpuFeatures) -> str:
+    """The code path `features` allow: vnni needs AVX512-VNNI with AVX512VL/BW, avx2 needs AVX2+FMA+F16C."""
+    if features.avx512_vnni and features.avx512vl and features.avx512bw:
+        return "vnni"
+    if features.avx2 and features.fma and features.f16c:
+        return "avx2"
+    return "scalar"
+
+
+# ------------------------------------------------------------------ torch references
+
+
+def quantize_activations_reference(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] fp32 (K % 32 == 0) -> (q [M, K] int8, d [M, K / 32] fp32): ggml's Q8 blocks, computed in
+    the kernel's fp32 order (d = amax / 127, q = round_half_even(x * (1 / d)), q = 0 where d = 0)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).to(torch.int8).reshape(m, k)
+    return q, d
+
+
+def dequantize_activations_reference(x: Tensor) -> Tensor:
+    """x [M, K] fp32 -> x^ [M, K] fp32 = d * q, the activation the kernel multiplies by."""
+    q, d = quantize_activations_reference(x)
+    m, k = x.shape
+    return (q.float().reshape(m, k // BLOCK, BLOCK) * d[..., None]).reshape(m, k)
+
+
+def linear_reference(x: Tensor, w: BlockQuantWeight, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] fp32 -> [M, N] fp32: W @ x^ in float64, rounded once (what the kernel computes up to fp32
+    rounding)."""
+    y = dequantize_activations_reference(x).double() @ dequantize_reference(w).double().t()
+    return (y if bias is None else y + bias.double()).float()
+
+
+def activation_error_bound(x: Tensor, w: BlockQuantWeight) -> Tensor:
+    """[M, N] fp32: max |W @ x^ - W @ x| from rounding x to Q8: sum_b (d_b / 2) sum_{k in b} |W[n, k]|."""
+    k = x.shape[1]
+    _, d = quantize_activations_reference(x)  # [M, nb]
+    wabs = dequantize_reference(w).abs().reshape(w.out_features, k // BLOCK, BLOCK).sum(-1)  # [N, nb]
+    return (d.double() / 2) @ wabs.double().t()
+
+
+# ------------------------------------------------------------------ the kernel
+
+
+@dataclass(frozen=True)
+class Q8GemvKernel:
+    """The loaded library and the path it runs; `linear` is the checked launcher."""
+
+    lib: ctypes.CDLL
+    path: Path
+    isa: str  # one of PATHS: the code path running here
+    fallback: QLinearKernel  # serves what this kernel does not take; kept alive for the pointer
+
+    def supports(self, w: BlockQuantWeight, m: int) -> bool:
+        """Whether `w` with `m` rows of x takes the int8 path (32-value groups, 1 <= m <= MAX_ROWS): the
+        C side's kubeinfer_qgemv_q8_supports, in Python (no ctypes call per projection)."""
+        k = w.in_features
+        return 1 <= m <= MAX_ROWS and k % BLOCK == 0 and w.group_size == BLOCK and w.groups == k // BLOCK
+
+    def linear(
+        self,
+        x: Tensor,  # [M, K] fp32, M <= MAX_ROWS, unit stride along K
+        w: BlockQuantWeight,  # group_size 32
+        bias: Tensor | None = None,  # [N] fp32 contiguous
+        out: Tensor | None = None,  # [M, N] fp32, unit stride along N
+    ) -> Tensor:  # [M, N] fp32: W @ x^ (+ bias)
+        """Raises TypeError/ValueError for a tensor the kernel cannot take (never the fallback here)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
+        if x.dim() != 2 or x.shape[1] != w.in_features or (x.shape[0] > 1 and x.stride(1) != 1):
+            raise ValueError(f"x must be [M, {w.in_features}] with unit stride along K, got {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m, n = x.shape[0], w.out_features
+        if not self.supports(w, m):
+            raise ValueError(
+                f"int8 GEMV takes 1..{MAX_ROWS} rows and 32-value groups; got M={m}, {w.fmt} "
+                f"group_size {w.group_size}"
+            )
+        if bias is not None and (
+            bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()
+        ):
+            raise ValueError(f"bias must be a contiguous [{n}] fp32 tensor")
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be [{m}, {n}] fp32 with unit stride along N")
+        if n == 0:
+            return out
+        desc = weight_descriptor(w)
+        rc = self.lib.kubeinfer_qgemv_q8(
+            ctypes.byref(desc),
+            x.data_ptr(),
+            m,
+            x.stride(0),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"qgemv_q8 kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
+        return out
+
+    def set_path(self, name: str) -> str:
+        """Runs path `name` (lowered to what the CPU reports); returns the path now in use. Process-wide:
+        for tests and benchmarks, never while another thread runs the kernel."""
+        got = int(self.lib.kubeinfer_qgemv_q8_set_path(PATHS.index(name)))
+        return PATHS[got]
+
+    @property
+    def entry_address(self) -> int:
+        """kubeinfer_qgemv_q8, qlinear's signature: what the decode graph calls for every projection."""
+        address = ctypes.cast(self.lib.kubeinfer_qgemv_q8, ctypes.c_void_p).value
+        assert address is not None
+        return int(address)
+
+
+@functools.cache
+def load_q8_gemv_kernel(fallback: QLinearKernel, cache_dir: Path | None = None) -> Q8GemvKernel:
+    """Builds (or finds) and loads the kernel, its path set from the usable CPU features and its fallback
+    to `fallback`'s kubeinfer_qlinear; raises KernelBuildError if it cannot be built."""
+    lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    lib.kubeinfer_qgemv_q8.restype = i32
+    lib.kubeinfer_qgemv_q8.argtypes = [ctypes.POINTER(KiQWeight), ptr, i64, i64, ptr, ptr, i64, i32]
+    lib.kubeinfer_qgemv_q8_supports.restype = i32
+    lib.kubeinfer_qgemv_q8_supports.argtypes = [ctypes.POINTER(KiQWeight), i64]
+    lib.kubeinfer_qgemv_q8_set_path.restype = i32
+    lib.kubeinfer_qgemv_q8_set_path.argtypes = [i32]
+    lib.kubeinfer_qgemv_q8_set_fallback.restype = None
+    lib.kubeinfer_qgemv_q8_set_fallback.argtypes = [ptr]
+    lib.kubeinfer_qgemv_q8_set_fallback(ctypes.cast(fallback.lib.kubeinfer_qlinear, ctypes.c_void_p).value)
+    wanted = path_for(usable_cpu_features(cache_dir))
+    isa = PATHS[int(lib.kubeinfer_qgemv_q8_set_path(PATHS.index(wanted)))]
+    return Q8GemvKernel(lib, path, isa, fallback)
+
+
+def try_load_q8_gemv_kernel(fallback: QLinearKernel, cache_dir: Path | None = None) -> Q8GemvKernel | None:
+    """The kernel, or None (logged once) when it cannot be built: qlinear's fp32 GEMV then serves."""
+    try:
+        return load_q8_gemv_kernel(fallback, cache_dir)
+    except (KernelBuildError, OSError) as e:
+        _warn_once(str(e))
+        return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("int8-activation GEMV unavailable, decode runs the fp32-activation kernel: %s", reason)
+
+
+# ------------------------------------------------------------------ the switch and the hooks
+
+_override: bool | None = None
+
+
+def int8_gemv_enabled() -> bool:
+    """KUBEINFER_INT8_GEMV (`1`/`0`, default DEFAULT_ENABLED), unless `int8_gemv(...)` overrides it.
+    Raises ValueError for another value."""
+    if _override is not None:
+        return _override
+    raw = os.environ.get(ENABLE_ENV, "").strip()
+    if raw == "":
+        return DEFAULT_ENABLED
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ENABLE_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+@contextlib.contextmanager
+def int8_gemv(enabled: bool) -> Iterator[None]:
+    """Within this block the decode GEMV runs with int8 activations (True) or fp32 ones (False), whatever
+    the environment says: for benchmarks and tests comparing both in one process. A decode graph
+    records the kernel when it is built: rebuild it (a new model) after switching."""
+    global _override
+    saved, _override = _override, enabled
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+def active_kernel(kernel: QLinearKernel) -> Q8GemvKernel | None:
+    """The int8 kernel when the switch is on and it can be built, else None."""
+    return try_load_q8_gemv_kernel(kernel) if int8_gemv_enabled() else None
+
+
+def small_m_linear(kernel: QLinearKernel, x: Tensor, w: BlockQuantWeight, bias: Tensor | None) -> Tensor:
+    """BlockQuantLinear's kernel call for M < GEMM_MIN_ROWS: the int8 GEMV where the switch is on and it
+    takes (w, M), else qlinear's; the same choice as the decode graph's entry point makes in C++."""
+    q8 = active_kernel(kernel)
+    if q8 is not None and q8.supports(w, x.shape[0]):
+        return q8.linear(x, w, bias)
+    return kernel.linear(x, w, bias)
+
+
+def decode_qlinear_address(kernel: QLinearKernel) -> int:
+    """The projection entry point the decode graph records: kubeinfer_qgemv_q8 (which hands what it does
+    not take to `kernel`) when the switch is on, else `kernel`'s kubeinfer_qlinear."""
+    q8 = active_kernel(kernel)
+    if q8 is not None:
+        return q8.entry_address
+    address = ctypes.cast(kernel.lib.kubeinfer_qlinear, ctypes.c_void_p).value
+    assert address is not None
+    return int(address)

@@ -1,0 +1,392 @@
+// Few-row GEMV with int8 activations: y[M, N] = Q8(x)[M, K] @ W[N, K]^T (+ bias), M <= 4 (decode).
+//
+// llama.cpp's approach for its CPU GEMV (ggml-cpu's quantize_row_q8_0/q8_1 and ggml_vec_dot_q4_1_q8_1):
+// each row of x is quantized per 32-block to int8 with one fp32 scale, d = max|x_b| / 127,
+// q = round-to-nearest-even(x / d) (as x * (1 / d), fp32), and every block's dot product with the
+// weight runs on integers, then is scaled once. Weights stay in our block layout (server/quant/
+// cpu_qlinear.py, csrc/qlinear.cpp): 32-value groups, 4-bit nibbles in GGUF's order (byte j holds k = j
+// low, k = j + 16 high) or int8 values, fp16 or fp32 scales, a zero point (Q4_0: 8) and optional mins
+// (Q4_1, Q4_K repacked). Per block b of a row:
+//   sum_k w_k x^_k = d_w (d_x dot(q_w, q_x)) + (min - zp d_w) (d_x sum(q_x))
+// where x^ = d_x q_x is the activation as quantized: the result is exactly W @ x^ up to fp32
+// rounding (cpu_qgemv_q8.linear_reference is the torch form of it).
+//
+// Three code paths, chosen at run time (kubeinfer_qgemv_q8_set_path, from server/cpu_features.py's
+// usable features, never CPUID alone), each compiled into every x86-64 build with GCC's target pragma:
+//   vnni    AVX512-VNNI `vpdpbusd` on 256-bit vectors (needs AVX512VL): u8 x s8 -> s32 in one op.
+//           (On AMD Zen 4 a 512-bit op is two 256-bit halves: 256-bit vectors lose nothing there.)
+//   avx2    `vpmaddubsw` + `vpmaddwd` (u8 x s8 pairs to s16, then s16 pairs to s32): no saturation,
+//           |q_w| <= 15 or 128 times |q_x| <= 127, two products per s16.
+//   scalar  plain C++, any CPU.
+// The 8-bit weights (s8) go through the unsigned operand as |w| with x's sign flipped where w < 0.
+// Anything else (other group sizes, M > 4) goes to the fallback set by Python: qlinear.cpp's
+// kubeinfer_qlinear, so that the decode graph can call this entry point for every projection.
+#ifndef KI_Q8_BODY
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define KI_Q8_X86 1
+#else
+#define KI_Q8_X86 0
+#endif
+
+extern "C" {
+struct KiQWeight {  // csrc/qlinear.cpp's descriptor, field for field
+  const uint8_t* q;
+  const void* scales;
+  const void* mins;
+  int64_t n, k, group_size, groups, row_bytes;
+  int32_t bits, zero_point, scale_is_f16, reserved;
+};
+typedef int32_t (*KiQLinearFn)(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride,
+                               const float* bias, float* y, int64_t y_stride, int32_t nthreads);
+}
+
+namespace {
+
+constexpr int64_t MAX_ROWS = 4;
+constexpr int PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2;
+
+// One x row, quantized: q [K] int8, d [K / 32] block scales, s [K / 32] = d * sum(q) of each block.
+struct QRow {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+
+float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, subnormals included
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400u) == 0);
+      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <bool F16>
+inline float scale_at(const void* p, int64_t i) {
+  if constexpr (F16) {
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return static_cast<const float*>(p)[i];
+  }
+}
+
+// Block b of x (32 floats) -> q, and returns d. The same arithmetic as every SIMD path and the torch
+// reference: d = amax / 127, inv = 1 / d (0 for an all-zero block), q = nearbyint(x * inv).
+float quantize_block_scalar(const float* x, int8_t* q) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+  return d;
+}
+
+template <int BITS>
+inline int w_at(const uint8_t* row, int64_t k) {  // W's integer at k (before the zero point)
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(row[k]);
+  } else {
+    const uint8_t byte = row[(k / 32) * 16 + (k % 16)];
+    return (k % 32) < 16 ? (byte & 0x0f) : (byte >> 4);
+  }
+}
+
+namespace scalar_path {
+// Not auto-vectorized: GCC 12 at -O3 with AVX512-VNNI turns this signed x signed byte dot product into
+// vpdpbusd, which reads the first operand as unsigned (wrong for Q8_0's negative weights; seen here).
+template <int BITS, bool F16>
+__attribute__((optimize("no-tree-vectorize"))) float row_dot(const KiQWeight& w, int64_t n, const QRow& x) {
+  const uint8_t* row = w.q + n * w.row_bytes;
+  const float zp = static_cast<float>(w.zero_point);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < w.k / 32; ++b) {
+    int32_t dot = 0;
+    for (int64_t j = 0; j < 32; ++j) dot += w_at<BITS>(row, b * 32 + j) * x.q[b * 32 + j];
+    const float dw = scale_at<F16>(w.scales, n * w.groups + b);
+    const float mn = w.mins ? scale_at<F16>(w.mins, n * w.groups + b) : 0.0f;
+    acc += dw * (x.d[b] * static_cast<float>(dot)) + (mn - zp * dw) * x.s[b];
+  }
+  return acc;
+}
+float quantize_block(const float* x, int8_t* q) { return quantize_block_scalar(x, q); }
+}  // namespace scalar_path
+
+}  // namespace
+
+// The SIMD paths: this file's body below, compiled twice under different target options.
+#if KI_Q8_X86
+#define KI_Q8_BODY 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define KI_Q8_VNNI 0
+namespace {
+namespace avx2_path {
+#include __FILE__
+}
+}  // namespace
+#undef KI_Q8_VNNI
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define KI_Q8_VNNI 1
+namespace {
+namespace vnni_path {
+#include __FILE__
+}
+}  // namespace
+#undef KI_Q8_VNNI
+#pragma GCC pop_options
+#undef KI_Q8_BODY
+#endif
+
+namespace {
+
+int path_in_use = PATH_SCALAR;
+KiQLinearFn fallback = nullptr;
+
+int best_compiled_path() {
+#if KI_Q8_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw")) {
+    return PATH_VNNI;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
+#endif
+  return PATH_SCALAR;
+}
+
+bool supported(const KiQWeight* w, int64_t m) {
+  if (!w || !w->q || !w->scales || w->n < 0 || m < 1 || m > MAX_ROWS) return false;
+  if (w->k < 32 || w->k % 32 || w->group_size != 32 || w->groups != w->k / 32) return false;
+  if (w->bits == 4) return w->row_bytes == w->k / 2;
+  if (w->bits == 8) return w->row_bytes == w->k;
+  return false;
+}
+
+template <int BITS, bool F16, typename Dot>
+void run_span(const KiQWeight& w, const QRow* xs, int64_t m, int64_t n0, int64_t n1, const float* bias, float* y,
+              int64_t y_stride, Dot dot) {
+  for (int64_t n = n0; n < n1; ++n) {  // a row of W (<= 768 bytes at K = 1536) stays in L1 across x rows
+    const float b = bias ? bias[n] : 0.0f;
+    for (int64_t i = 0; i < m; ++i) y[i * y_stride + n] = dot(w, n, xs[i]) + b;
+  }
+}
+
+template <int BITS, bool F16>
+void q8_gemv(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
+             int64_t y_stride, int nthreads) {
+  const int64_t K = w.k, nb = K / 32, N = w.n;
+  std::vector<int8_t> q(static_cast<size_t>(m * K));
+  std::vector<float> ds(static_cast<size_t>(2 * m * nb));
+  QRow rows[MAX_ROWS];
+  const int path = path_in_use;
+  for (int64_t i = 0; i < m; ++i) {  // K <= a few thousand values: not worth a parallel region
+    int8_t* qi = q.data() + i * K;
+    float *d = ds.data() + 2 * i * nb, *s = d + nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + i * x_stride + b * 32;
+      int8_t* qb = qi + b * 32;
+#if KI_Q8_X86
+      d[b] = path == PATH_VNNI   ? vnni_path::quantize_block(xb, qb)
+             : path == PATH_AVX2 ? avx2_path::quantize_block(xb, qb)
+                                 : scalar_path::quantize_block(xb, qb);
+#else
+      d[b] = scalar_path::quantize_block(xb, qb);
+#endif
+      int32_t sum = 0;
+      for (int j = 0; j < 32; ++j) sum += qb[j];
+      s[b] = d[b] * static_cast<float>(sum);
+    }
+    rows[i] = QRow{qi, d, s};
+  }
+  auto run = [&](auto dot) {
+    if (m == 1) {  // one contiguous span of W per thread, each weight read once
+#pragma omp parallel num_threads(nthreads)
+      {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        run_span<BITS, F16>(w, rows, m, N * t / T, N * (t + 1) / T, bias, y, y_stride, dot);
+      }
+    } else {
+      constexpr int64_t CHUNK = 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+      for (int64_t c = 0; c < (N + CHUNK - 1) / CHUNK; ++c) {
+        run_span<BITS, F16>(w, rows, m, c * CHUNK, std::min(N, (c + 1) * CHUNK), bias, y, y_stride, dot);
+      }
+    }
+  };
+#if KI_Q8_X86
+  if (path == PATH_VNNI) return run(vnni_path::row_dot<BITS, F16>);
+  if (path == PATH_AVX2) return run(avx2_path::row_dot<BITS, F16>);
+#endif
+  run(scalar_path::row_dot<BITS, F16>);
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t kubeinfer_qgemv_q8_abi() { return 1; }
+
+// The path to run: 2 vnni, 1 avx2, 0 scalar; lowered to what this CPU reports (libgcc's CPUID check, a
+// second guard behind Python's OS-enabled features). Returns the path now in use. Set at load, not
+// thread-safe against running kernels.
+int32_t kubeinfer_qgemv_q8_set_path(int32_t path) {
+  path_in_use = std::clamp(path, PATH_SCALAR, best_compiled_path());
+  return path_in_use;
+}
+
+// What serves the calls this kernel does not take (qlinear.cpp's kubeinfer_qlinear); null: they fail.
+void kubeinfer_qgemv_q8_set_fallback(KiQLinearFn fn) { fallback = fn; }
+
+// 1 when `w` with `m` rows of x takes the int8 path (else the fallback serves the call).
+int32_t kubeinfer_qgemv_q8_supports(const KiQWeight* w, int64_t m) { return supported(w, m) ? 1 : 0; }
+
+// y[i * y_stride + n] = sum_k Q8(x)[i, k] W[n, k] (+ bias[n]) for i < m, n < w->n: qlinear's signature.
+// Returns 0, or 3 for a call it does not take without a fallback, or the fallback's code.
+int32_t kubeinfer_qgemv_q8(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
+                           float* y, int64_t y_stride, int32_t nthreads) {
+  if (!supported(w, m)) return fallback ? fallback(w, x, m, x_stride, bias, y, y_stride, nthreads) : 3;
+  const int nt = std::max(nthreads, 1);
+  if (w->bits == 4) {
+    w->scale_is_f16 ? q8_gemv<4, true>(*w, x, m, x_stride, bias, y, y_stride, nt)
+                    : q8_gemv<4, false>(*w, x, m, x_stride, bias, y, y_stride, nt);
+  } else {
+    w->scale_is_f16 ? q8_gemv<8, true>(*w, x, m, x_stride, bias, y, y_stride, nt)
+                    : q8_gemv<8, false>(*w, x, m, x_stride, bias, y, y_stride, nt);
+  }
+  return 0;
+}
+}
+
+#else  // KI_Q8_BODY: one SIMD path (namespace and target options set by the includer)
+
+// Block b of x -> q (int8) and its scale d: the scalar arithmetic, eight lanes at a time.
+inline float quantize_block(const float* x, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float d = _mm_cvtss_f32(h) / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+  const __m256 iv = _mm256_set1_ps(inv);
+  __m256i r[4];  // cvtps rounds to nearest even (the default MXCSR mode), as nearbyint does
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));
+  // packs work within 128-bit lanes: [0..3 8..11 4..7 12..15] per pair, fixed by the permute.
+  const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  const __m256i fixed = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), fixed);
+  return d;
+}
+
+// dot(q_w, q_x) of one 32-block in 8 s32 lanes.
+template <int BITS>
+inline __m256i block_dot(const uint8_t* wp, const int8_t* xp) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+  __m256i u, s;
+  if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
+    u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0f));
+    s = xv;
+  } else {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    u = _mm256_abs_epi8(wv);
+    s = _mm256_sign_epi8(xv, wv);
+  }
+#if KI_Q8_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// [sum(v0), ..., sum(v7)] of eight s32 vectors.
+inline __m256i hsum8(const __m256i v[8]) {
+  const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+template <bool F16>
+inline __m256 load8(const void* p, int64_t i) {
+  if constexpr (F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  }
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One row n of W against one quantized x row: eight blocks at a time, their integer dots reduced into one
+// vector and scaled by eight loaded scales (a broadcast per block would cost as much as the dot).
+template <int BITS, bool F16>
+float row_dot(const KiQWeight& w, int64_t n, const QRow& x) {
+  constexpr int64_t BB = BITS == 4 ? 16 : 32;  // bytes of W per block
+  const int64_t nb = w.k / 32, base = n * w.groups;
+  const uint8_t* row = w.q + n * w.row_bytes;
+  const bool offset = w.mins || w.zero_point;
+  const __m256 zp = _mm256_set1_ps(static_cast<float>(w.zero_point));
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i p[8];
+    for (int i = 0; i < 8; ++i) p[i] = block_dot<BITS>(row + (b + i) * BB, x.q + (b + i) * 32);
+    const __m256 dot = _mm256_cvtepi32_ps(hsum8(p));
+    const __m256 dw = load8<F16>(w.scales, base + b);
+    acc = _mm256_fmadd_ps(dw, _mm256_mul_ps(_mm256_loadu_ps(x.d + b), dot), acc);
+    if (offset) {
+      __m256 off = _mm256_mul_ps(zp, dw);
+      off = w.mins ? _mm256_sub_ps(load8<F16>(w.mins, base + b), off) : _mm256_sub_ps(_mm256_setzero_ps(), off);
+      acc = _mm256_fmadd_ps(off, _mm256_loadu_ps(x.s + b), acc);
+    }
+  }
+  float tail = 0.0f;
+  for (; b < nb; ++b) {
+    const __m256i p = block_dot<BITS>(row + b * BB, x.q + b * 32);
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    const float dw = scale_at<F16>(w.scales, base + b);
+    const float mn = w.mins ? scale_at<F16>(w.mins, base + b) : 0.0f;
+    tail += dw * (x.d[b] * static_cast<float>(_mm_cvtsi128_si32(s)));
+    if (offset) tail += (mn - static_cast<float>(w.zero_point) * dw) * x.s[b];
+  }
+  return hsum_ps(acc) + tail;
+}
+
+#endif  // KI_Q8_BODY

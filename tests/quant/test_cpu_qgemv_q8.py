@@ -1,0 +1,272 @@
+"""The int8-activation decode GEMV (server/quant/csrc/qgemv_q8.cpp) against its torch references, on every
+code path this CPU runs, its dispatch by the usable CPU features, its fallback to qlinear, the serving
+switch, and greedy decoding of the embedded model against the fp32-activation path.
+
+Tolerances:
+- against `linear_reference` (W @ x^ in float64, x^ the activation as Q8 rounds it, bit for bit the
+  kernel's own rounding): fp32 accumulation only, |err| <= 1e-5 * (|W| @ |x^|) + 1e-6. The kernel sums
+  exact int32 block dots scaled in fp32 over K / 32 <= 48 blocks here: the relative error of such a sum
+  is under (K / 32 + 4) * 2^-24 ~ 3e-6;
+- against fp32 activations (qlinear's `linear_reference`): each x_k moves by at most half its block's
+  step d_b / 2, so |err| <= sum_b (d_b / 2) sum_{k in b} |W[n, k]| (`activation_error_bound`), plus the
+  fp32 slack above.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from server import native
+from server.cpu_features import CpuFeatures
+from server.quant import cpu_qgemv_q8 as q8
+from server.quant import cpu_qlinear as cq
+from server.quant.block_linear import BlockQuantLinear
+from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_cpu_qlinear import make_weight
+
+
+@pytest.fixture(scope="module")
+def kernel() -> QLinearKernel:
+    return cq.load_qlinear_kernel()
+
+
+@pytest.fixture(scope="module")
+def fast(kernel: QLinearKernel) -> Iterator[q8.Q8GemvKernel]:
+    k = q8.load_q8_gemv_kernel(kernel)
+    yield k
+    k.set_path(q8.path_for(native.usable_cpu_features()))
+
+
+def _available(fast: q8.Q8GemvKernel) -> list[str]:
+    best = q8.PATHS.index(q8.path_for(native.usable_cpu_features()))
+    return [p for p in q8.PATHS if q8.PATHS.index(p) <= best]
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None) -> None:
+    ref = q8.linear_reference(x, w, bias)
+    xh = q8.dequantize_activations_reference(x).double()
+    scale = xh.abs() @ cq.dequantize_reference(w).double().abs().t()
+    assert ((y.double() - ref.double()).abs() <= 1e-5 * scale + 1e-6).all()
+    fp32 = cq.linear_reference(x.double(), w, bias).double()
+    bound = q8.activation_error_bound(x, w)
+    assert ((y.double() - fp32).abs() <= bound + 1e-5 * scale + 1e-6).all()
+
+
+# K: under one 8-block chunk (96), 2 chunks plus 2 leftover blocks (576), SmolLM2's down (1536).
+@pytest.mark.parametrize("path", q8.PATHS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "int4"])
+@pytest.mark.parametrize("n,k", [(37, 96), (13, 576), (9, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_int8_gemv_matches_the_references(
+    fast: q8.Q8GemvKernel, path: str, fmt: str, n: int, k: int, m: int
+) -> None:
+    if path not in _available(fast):
+        pytest.skip(f"this CPU (or KUBEINFER_CPU_DISABLE) does not allow the {path} path")
+    assert fast.set_path(path) == path
+    w = make_weight(fmt, n, k, seed=n + k + m)  # q4_k: fp32 scales and mins; int4: group 32, fp32
+    x = torch.randn(m, w.in_features) * torch.linspace(0.1, 4.0, w.in_features)  # unequal block scales
+    bias = torch.randn(n) if m % 2 else None
+    _check(fast.linear(x, w, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("path", q8.PATHS)
+def test_q8_0_weights_of_minus_128_and_zero_blocks(fast: q8.Q8GemvKernel, path: str) -> None:
+    """A GGUF file may hold -128 (ggml's quantizer never writes it): |w| = 128 must still multiply right;
+    an all-zero block of x has d = 0 and contributes nothing."""
+    if path not in _available(fast):
+        pytest.skip(f"this CPU does not allow the {path} path")
+    fast.set_path(path)
+    w = make_weight("q8_0", 11, 288, seed=3)
+    q = w.q.clone()
+    q[:, ::3] = -128
+    w = BlockQuantWeight(q, w.scales, None, "q8_0", 8, 32, 0, 288, 11)
+    x = torch.randn(3, 288) * 3
+    x[1, 64:96] = 0.0
+    _check(fast.linear(x, w), x, w, None)
+
+
+def test_the_paths_agree_with_each_other(fast: q8.Q8GemvKernel) -> None:
+    paths = _available(fast)
+    w = make_weight("q4_1", 64, 1536, seed=7)
+    x = torch.randn(1, 1536)
+    outs = {}
+    for p in paths:
+        fast.set_path(p)
+        outs[p] = fast.linear(x, w)
+    for p in paths[1:]:
+        torch.testing.assert_close(outs[p], outs[paths[0]], rtol=1e-5, atol=1e-5)
+
+
+def test_path_follows_the_usable_features(
+    monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, tmp_path: Path
+) -> None:
+    full = CpuFeatures(
+        avx2=True, fma=True, f16c=True, avx512f=True, avx512bw=True, avx512vl=True, avx512_vnni=True
+    )
+    assert q8.path_for(full) == "vnni"
+    assert q8.path_for(CpuFeatures(avx2=True, fma=True, f16c=True)) == "avx2"
+    assert q8.path_for(CpuFeatures(avx2=True, fma=True, f16c=True, avx512f=True, avx512_vnni=True)) == "avx2"
+    assert q8.path_for(CpuFeatures()) == "scalar"
+    here = native.usable_cpu_features()
+    if not here.avx512_vnni:
+        pytest.skip("this CPU has no usable AVX512-VNNI to turn off")
+    # KUBEINFER_CPU_DISABLE=avx512_vnni: a fresh load (its own cache) runs the AVX2 path, and still right.
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512_vnni")
+    assert q8.path_for(native.usable_cpu_features()) == "avx2"
+    off = q8.load_q8_gemv_kernel(kernel, tmp_path)
+    assert off.isa == "avx2"
+    w = make_weight("q4_1", 24, 576, seed=1)
+    x = torch.randn(1, 576)
+    _check(off.linear(x, w), x, w, None)
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx2")
+    assert q8.path_for(native.usable_cpu_features()) == "scalar"
+
+
+def test_launcher_refuses_what_the_kernel_does_not_take(fast: q8.Q8GemvKernel) -> None:
+    w = make_weight("q4_1", 8, 64)
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
+        fast.linear(torch.randn(5, 64), w)
+    with pytest.raises(ValueError, match="32-value groups"):
+        fast.linear(torch.randn(1, 64), make_weight("int8", 8, 64))  # one group of K
+    with pytest.raises(ValueError, match="32-value groups"):
+        fast.linear(torch.randn(1, 256), make_weight("q6_k", 8, 256))  # 16-value groups
+    with pytest.raises(TypeError):
+        fast.linear(torch.randn(1, 64).double(), w)
+    with pytest.raises(ValueError, match="x must be"):
+        fast.linear(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match="bias"):
+        fast.linear(torch.randn(1, 64), w, torch.randn(7))
+    with pytest.raises(ValueError, match="out must be"):
+        fast.linear(torch.randn(1, 64), w, out=torch.empty(1, 9))
+
+
+@pytest.mark.parametrize(
+    "fmt,m",
+    [("q4_1", 1), ("q4_1", 3), ("q4_1", 5), ("q6_k", 1), ("int8", 2), ("int4", 1)],
+)
+def test_the_entry_point_matches_the_python_choice(
+    kernel: QLinearKernel, fast: q8.Q8GemvKernel, fmt: str, m: int
+) -> None:
+    """kubeinfer_qgemv_q8 (what the decode graph calls) takes what `supports` says and hands the rest
+    to qlinear: bit for bit what small_m_linear (BlockQuantLinear's call) returns."""
+    w = make_weight(fmt, 20, 256, seed=m, group=64)  # int4 with group 64: not ours
+    x = torch.randn(m, w.in_features)
+    desc = cq.weight_descriptor(w)
+    assert bool(fast.lib.kubeinfer_qgemv_q8_supports(ctypes.byref(desc), m)) == fast.supports(w, m)
+    assert fast.supports(w, m) == (fmt == "q4_1" and m <= 4)
+    y = torch.empty(m, 20)
+    rc = fast.lib.kubeinfer_qgemv_q8(
+        ctypes.byref(desc), x.data_ptr(), m, x.stride(0), None, y.data_ptr(), 20, 2
+    )
+    assert rc == 0
+    want = fast.linear(x, w) if fast.supports(w, m) else kernel.linear(x, w)
+    assert torch.equal(y, want)
+    with q8.int8_gemv(True):
+        assert torch.equal(q8.small_m_linear(kernel, x, w, None), want)
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast: q8.Q8GemvKernel) -> None:
+    monkeypatch.setenv(q8.ENABLE_ENV, "0")
+    assert not q8.int8_gemv_enabled()
+    w = make_weight("q4_1", 16, 576, seed=5)
+    lin = BlockQuantLinear(w, kernel=kernel)
+    x = torch.randn(1, 576)
+    assert torch.equal(lin(x), kernel.linear(x, w))
+    fp32_address = ctypes.cast(kernel.lib.kubeinfer_qlinear, ctypes.c_void_p).value
+    assert q8.decode_qlinear_address(kernel) == fp32_address
+    monkeypatch.setenv(q8.ENABLE_ENV, "1")
+    assert q8.int8_gemv_enabled()
+    assert torch.equal(lin(x), fast.linear(x, w))
+    assert q8.decode_qlinear_address(kernel) == fast.entry_address
+    with q8.int8_gemv(False):
+        assert torch.equal(lin(x), kernel.linear(x, w))
+    monkeypatch.delenv(q8.ENABLE_ENV)
+    assert q8.int8_gemv_enabled() == q8.DEFAULT_ENABLED
+    monkeypatch.setenv(q8.ENABLE_ENV, "yes")
+    with pytest.raises(ValueError, match=q8.ENABLE_ENV):
+        q8.int8_gemv_enabled()
+
+
+def test_decode_graph_stays_bit_identical_with_int8(tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The graph records kubeinfer_qgemv_q8 and the Python path calls small_m_linear: the same kernels,
+    the same results, bit for bit (a tiny Q4_1 model, rows joining a step apart: M = 1..3)."""
+    from gguf_models import write_tiny_gguf
+    from test_decode_graph import _generate
+
+    from server.config import EngineConfig, ModelConfig
+    from server.engine import LLMEngine
+    from server.models.decode_graph import DecodeGraph
+
+    gguf = write_tiny_gguf(tiny_model_factory("llama", tie=True), tmp_path / "tiny-Q4_1.gguf", "Q4_1")
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(gguf), cache_dir=tmp_path / "cache")))
+    with q8.int8_gemv(True):
+        want = _generate(engine, graph=False)
+        got = _generate(engine, graph=True)
+        entry = engine.loaded.model._decode_graph
+        assert entry is not None and isinstance(entry[1], DecodeGraph)
+        fast = q8.try_load_q8_gemv_kernel(cq.load_qlinear_kernel())
+        assert fast is not None and entry[1].model_struct.qlinear == fast.entry_address
+    assert got == want
+    with q8.int8_gemv(False):
+        engine.loaded.model._decode_graph = None
+        fp32 = _generate(engine, graph=True)
+    assert fp32[1] != want[1]  # the logprobs: the switch changed the arithmetic
+
+
+# The bound on greedy decoding (one user, so every decode step is the M = 1 GEMV; the parity prompts):
+# the int8 path's tokens equal the fp32 path's up to the first step where the fp32 path's two most
+# likely tokens are within GAP_NATS of each other, and on the common prefix the chosen token's logprob
+# moves by at most LOGPROB_NATS. Measured here (16 prompts x 24 tokens, 2026-12-01): at most 0.17 nats
+# of logprob movement; every divergence came at a top-2 gap of 0.017-0.165 nats. So a flip needs a
+# gap under ~2 x 0.17: GAP_NATS and LOGPROB_NATS leave margin above what was seen, not a derived bound.
+GAP_NATS = 0.5
+LOGPROB_NATS = 0.25
+
+
+@pytest.mark.slow
+def test_embedded_model_int8_greedy_stays_within_the_bound_of_fp32() -> None:
+    from server.config import CacheConfig, EngineConfig, ModelConfig
+    from server.engine import LLMEngine
+    from server.request import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from test_engine_parity import NEW_TOKENS, PROMPTS
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=CacheConfig()))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def generate(prompt: list[int], int8: bool) -> tuple[list[int], list[tuple[float, float]]]:
+        with q8.int8_gemv(int8):
+            engine.loaded.model._decode_graph = None  # records the entry point of the switch's state
+            engine.add_request("r", prompt, params)
+            tokens, lps = [], []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens += out.new_token_ids
+                    lps += [
+                        (lp.chosen.logprob, lp.top[0].logprob - lp.top[-1].logprob) for lp in out.new_logprobs
+                    ]
+        return tokens, lps
+
+    identical = 0
+    for text in PROMPTS:
+        prompt = engine.tokenizer.encode(text)
+        want, want_lps = generate(prompt, int8=False)
+        got, got_lps = generate(prompt, int8=True)
+        near_tie = next((i for i, (_, gap) in enumerate(want_lps) if gap < GAP_NATS), len(want))
+        first = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), len(want))
+        assert first >= near_tie, (text, first, near_tie)
+        for (a, _), (b, _) in zip(want_lps[:first], got_lps[:first], strict=True):
+            assert abs(a - b) <= LOGPROB_NATS, (text, a, b)
+        identical += first == len(want)
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    print(f"{identical} of {len(PROMPTS)} prompts identical for {NEW_TOKENS} tokens")
