@@ -11,8 +11,9 @@ and 32 users whose prompts share a 512-token prefix (512 shared tokens, then 128
 requests each). Servers:
 
 - `ours`: `python -m server` with its defaults, i.e. the embedded SmolLM2 GGUF served quantized;
-  `--ours-variant LABEL[@REPO]=ARGS` adds `ours-LABEL`: the same with ARGS appended, run from another
-  checkout REPO (its `.venv/bin/python` when it has one) if given;
+  `--ours-variant LABEL[@REPO]=ARGS` adds `ours-LABEL`: the same with ARGS appended (leading `NAME=VALUE`
+  words of ARGS set environment variables, as in a shell), run from another checkout REPO (its
+  `.venv/bin/python` when it has one) if given;
 - `llama`: llama.cpp's llama-server on the same GGUF (../shared/peers/start.sh llama);
 - `vllm` / `vllm-bf16`: vLLM's CPU build on the GGUF's float32 dequantization, in float32 / bfloat16
   (bf16 is in the default set only where the CPU's AVX512-BF16 or AMX-BF16 is usable: elsewhere vLLM
@@ -313,12 +314,13 @@ def _free_port() -> int:
 
 @dataclass(frozen=True)
 class Spec:
-    """A server to run: `kind` is `ours` or a peer of start.sh; `repo` and `args` only for ours."""
+    """A server to run: `kind` is `ours` or a peer of start.sh; `repo`, `args` and `env` only for ours."""
 
     name: str
     kind: str
     repo: Path = REPO
     args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def parse_variant(text: str) -> Spec:
@@ -330,7 +332,12 @@ def parse_variant(text: str) -> Spec:
     root = Path(repo).resolve() if repo else REPO
     if not (root / "server" / "__main__.py").is_file():
         raise ValueError(f"--ours-variant {text!r}: {root} holds no server/ package")
-    return Spec(f"ours-{label}", "ours", root, tuple(shlex.split(args)))
+    words = shlex.split(args)
+    env = []
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, _, value = words.pop(0).partition("=")
+        env.append((name, value))
+    return Spec(f"ours-{label}", "ours", root, tuple(words), tuple(env))
 
 
 def missing(spec: Spec, peers_dir: Path, start_script: Path) -> str | None:
@@ -371,7 +378,7 @@ def start(spec: Spec, peers_dir: Path, start_script: Path, threads: int | None) 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     if spec.kind == "ours":
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **dict(spec.env))
         env["PYTHONPATH"] = os.pathsep.join([str(spec.repo), env.get("PYTHONPATH", "")])
         log = Path(tempfile.mkstemp(prefix=f"peers-{spec.name}-", suffix=".log")[1])
         venv_py = spec.repo / ".venv" / "bin" / "python"
@@ -383,7 +390,8 @@ def start(spec: Spec, peers_dir: Path, start_script: Path, threads: int | None) 
         cmd += list(spec.args)
         with open(log, "wb") as f:
             proc = subprocess.Popen(cmd, cwd=spec.repo, env=env, stdout=f, stderr=subprocess.STDOUT)
-        return Running(spec, url, proc.pid, log, shlex.join(cmd), proc)
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env)
+        return Running(spec, url, proc.pid, log, (shown + " " if shown else "") + shlex.join(cmd), proc)
     env = dict(os.environ, PEERS_DIR=str(peers_dir))
     cmd = ["bash", str(start_script), spec.kind, str(port)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
