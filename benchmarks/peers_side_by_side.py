@@ -650,6 +650,15 @@ def targets(rat: dict[str, Any], ours: list[str], loads: list[Load], bf16_cpu: b
 # ------------------------------------------------------------------ main
 
 
+def conclude(report: dict[str, Any], loads: list[Load], bf16_cpu: bool) -> None:
+    """Adds the medians, the ratios and the targets of the runs so far to `report`."""
+    ran = list(dict.fromkeys(r["server"] for r in report["runs"]))
+    ours = [s for s in ran if s == "ours" or s.startswith("ours-")]
+    report["summary"] = summarize(report["runs"])
+    report["ratios"] = ratios(report["runs"], ours, ran)
+    report["targets"] = targets(report["ratios"], ours, loads, bf16_cpu)
+
+
 def _write(report: dict[str, Any], out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -800,6 +809,7 @@ def main() -> int:
         report["runs"].append(row)
         report["servers"].setdefault(srv.spec.name, {})["rss_bytes_after_runs"] = rss_bytes(srv.pid)
         print(json.dumps(row), file=sys.stderr, flush=True)
+        conclude(report, loads, bf16_cpu)  # a run stopped early still leaves its figures compared
         _write(report, args.out)
 
     try:
@@ -819,11 +829,7 @@ def main() -> int:
     finally:
         for srv in list(running.values()):
             stop(srv)
-    ran = list(dict.fromkeys(r["server"] for r in report["runs"]))
-    ours = [s for s in ran if s == "ours" or s.startswith("ours-")]
-    report["summary"] = summarize(report["runs"])
-    report["ratios"] = ratios(report["runs"], ours, ran)
-    report["targets"] = targets(report["ratios"], ours, loads, bf16_cpu)
+    conclude(report, loads, bf16_cpu)
     report["machine"]["uptime_at_end"] = _uptime()
     _write(report, args.out)
     print(json.dumps(report, indent=2))
