@@ -26,7 +26,8 @@ no server answers from a cache the previous round filled. `--one-at-a-time` star
 its own runs (less memory, no interleaving). Per run: output tokens/s (completion tokens / wall time),
 TTFT and inter-token latency (between streamed content chunks) p50/p99, the lengths the server
 reported, the load average before and after, and the CPU seconds the server and the idle others used
-(an idle server that spins would show there). Then medians over rounds, our ratios against each peer
+(an idle server that spins would show there), and the output tokens per CPU second of the server's
+processes (on a loaded machine the least disturbed figure of work done). Then medians over rounds, our ratios against each peer
 (per round, and their median), and the issue's targets. A peer not installed under $PEERS_DIR (default
 ~/.cache/kubeinfer-peers) is skipped with the reason; a server that fails or dies is reported and the
 run goes on without it. llama-server closes kept-alive connections after a few requests: a request
@@ -572,11 +573,16 @@ def _metric(run: dict[str, Any], metric: str) -> float | None:
         "ttft_p50_s": (run.get("ttft_s") or {}).get("p50"),
         "itl_p50_s": (run.get("itl_s") or {}).get("p50"),
         "itl_p99_s": (run.get("itl_s") or {}).get("p99"),
+        "output_tokens_per_cpu_s": (
+            run["output_tokens"] / run["server_cpu_s"] if run.get("server_cpu_s") else None
+        ),
     }[metric]
     return float(v) if v is not None else None
 
 
-METRICS = ("output_tokens_per_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s")
+# output tokens per CPU second of the server's processes: what a loaded machine disturbs least (a server
+# waiting for a core uses none), though a spinning thread counts as work.
+METRICS = ("output_tokens_per_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s", "output_tokens_per_cpu_s")
 
 
 def _median(values: list[float | None]) -> float | None:
