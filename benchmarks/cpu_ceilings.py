@@ -1,10 +1,13 @@
-"""This CPU's physical ceilings as torch reaches them: GEMM GFLOP/s per dtype (fp32, bf16) and, for
+"""This CPU's physical ceilings as torch reaches them: GEMM GFLOP/s per dtype (fp32, bf16; int8 through
+`torch._int_mm`, GOP/s, int32 accumulation), on SmolLM2's MLP shape and on a square `--square` GEMM (the
+peak, away from small-shape overheads), and, for
 our quantized prefill path (server/quant/block_linear.py `_dequant_gemm`), the same projection in fp32
 and bf16 compute; plus memory bandwidth (GB/s, a large copy: read + write). Each case is timed
 interleaved with the others (`--rounds` passes over all of them, the best pass kept), so a shared
 machine's noise falls on all alike. Prints JSON; also the usable CPU features (server/cpu_features.py).
 
-    python benchmarks/cpu_ceilings.py [--rows 128 512 2048 --k 576 --n 1536 --rounds 5 --threads 2]
+    python benchmarks/cpu_ceilings.py [--rows 128 512 2048 --k 576 --n 1536 --square 2048 --rounds 5
+        --threads 2]
 """
 
 from __future__ import annotations
@@ -29,11 +32,16 @@ def _best(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _int8(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", type=int, default=[128, 512, 2048])
     ap.add_argument("--k", type=int, default=576, help="SmolLM2-135M's hidden size")
     ap.add_argument("--n", type=int, default=1536, help="SmolLM2-135M's MLP size")
+    ap.add_argument("--square", type=int, default=2048, help="M = K = N of the peak GEMM; 0: none")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -49,6 +57,8 @@ def main() -> None:
         flop = 2.0 * m * n * k
         cases[f"gemm_fp32_m{m}"] = (lambda x=x32: x @ w32.t(), flop)
         cases[f"gemm_bf16_m{m}"] = (lambda x=x16, w=w16: x @ w.t(), flop)
+        x8, w8 = _int8(m, k, g), _int8(k, n, g)
+        cases[f"gemm_int8_m{m}"] = (lambda x=x8, w=w8: torch._int_mm(x, w), flop)
         if m >= 512:  # the dequantize + GEMM path serves these rows
             kernel = layer.kernel
             assert kernel is not None
@@ -58,6 +68,14 @@ def main() -> None:
                     lambda x=x32, dt=dt, kn=kernel: layer._dequant_gemm(x, layer.weight_q, kn, dt),
                     flop,
                 )
+    if args.square:
+        s = args.square
+        a32, b32 = torch.randn(s, s, generator=g), torch.randn(s, s, generator=g)
+        a16, b16, a8, b8 = a32.bfloat16(), b32.bfloat16(), _int8(s, s, g), _int8(s, s, g)
+        flop = 2.0 * s**3
+        cases[f"square_fp32_{s}"] = (lambda: a32 @ b32, flop)
+        cases[f"square_bf16_{s}"] = (lambda: a16 @ b16, flop)
+        cases[f"square_int8_{s}"] = (lambda: torch._int_mm(a8, b8), flop)
     big = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MiB: well past the caches
     dst = torch.empty_like(big)
     cases["copy_64MiB"] = (lambda: dst.copy_(big), 0.0)
