@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import scrape_metric
 
 
 def free_port() -> int:
@@ -192,8 +193,6 @@ def test_scheduler_gauges_and_drain_cut(
     """Pooling requests are the shared scheduler's: /metrics' vllm:num_requests_running shows the rows
     of the step in progress; the drain deadline's cut ends a queued one with a 503 naming the shutdown
     (the one whose forward was running when the cut came finishes: aborts act between steps)."""
-    from conftest import scrape_metric
-
     url, state = embed_server
     model = state.pooling.model
     real = model.forward

@@ -255,7 +255,10 @@ def test_a_request_at_zero_wakes_the_model_is_answered_and_the_idle_model_goes_b
     wait_for(lambda: _replicas(cluster) == 1, what="the wake-up scale to 1")
     wait_for(lambda: act.metric("kubeinfer_activator_held_requests") == 2, what="two held requests")
     assert not plain.done() and not streamed.done()
-    assert act.metric("kubeinfer_activator_pending") == 3  # two held + waking (KEDA's activation metric)
+    # Two held + waking (KEDA's activation metric). Waking is published from the control loop's next read
+    # of the Deployment after its own scale write (the step that scaled still holds the read from before),
+    # so it is awaited; the kubelet stand-in keeps the replica unready until `loaded`, so it stays 3.
+    wait_for(lambda: act.metric("kubeinfer_activator_pending") == 3, what="two held + waking pending")
     kubelet.loaded.set()
     assert plain.result(timeout=30).choices[0].text == "echo:a"
     assert streamed.result(timeout=30) == "echob"
