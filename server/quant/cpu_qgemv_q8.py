@@ -39,8 +39,9 @@ from server.quant.cpu_qlinear import (
     BlockQuantWeight,
     KiQWeight,
     QLinearKernel,
+    call_linear,
+    check_linear_args,
     dequantize_reference,
-    weight_descriptor,
 )
 
 log = logging.getLogger(__name__)
@@ -130,42 +131,14 @@ class Q8GemvKernel:
         out: Tensor | None = None,  # [M, N] fp32, unit stride along N
     ) -> Tensor:  # [M, N] fp32: W @ x^ (+ bias)
         """Raises TypeError/ValueError for a tensor the kernel cannot take (never the fallback here)."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
-        if x.dim() != 2 or x.shape[1] != w.in_features or (x.shape[0] > 1 and x.stride(1) != 1):
-            raise ValueError(f"x must be [M, {w.in_features}] with unit stride along K, got {tuple(x.shape)}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        m, n = x.shape[0], w.out_features
+        x, out = check_linear_args(x, w, bias, out)
+        m = x.shape[0]
         if not self.supports(w, m):
             raise ValueError(
                 f"int8 GEMV takes 1..{MAX_ROWS} rows and 32-value groups; got M={m}, {w.fmt} "
                 f"group_size {w.group_size}"
             )
-        if bias is not None and (
-            bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()
-        ):
-            raise ValueError(f"bias must be a contiguous [{n}] fp32 tensor")
-        if out is None:
-            out = torch.empty(m, n, dtype=torch.float32)
-        elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1):
-            raise ValueError(f"out must be [{m}, {n}] fp32 with unit stride along N")
-        if n == 0:
-            return out
-        desc = weight_descriptor(w)
-        rc = self.lib.kubeinfer_qgemv_q8(
-            ctypes.byref(desc),
-            x.data_ptr(),
-            m,
-            x.stride(0),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            out.stride(0),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"qgemv_q8 kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
-        return out
+        return call_linear(self.lib.kubeinfer_qgemv_q8, "qgemv_q8", x, w, bias, out)
 
     def set_path(self, name: str) -> str:
         """Runs path `name` (lowered to what the CPU reports); returns the path now in use. Process-wide:

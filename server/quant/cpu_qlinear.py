@@ -38,6 +38,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -384,37 +385,8 @@ class QLinearKernel:
         bias: Tensor | None = None,  # [N] fp32
         out: Tensor | None = None,  # [M, N] fp32, unit stride within a row
     ) -> Tensor:  # [M, N] fp32
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
-        if x.dim() != 2 or x.shape[1] != w.in_features or (x.shape[0] > 1 and x.stride(1) != 1):
-            raise ValueError(f"x must be [M, {w.in_features}] with unit stride along K, got {tuple(x.shape)}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        m, n = x.shape[0], w.out_features
-        if bias is not None and (
-            bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()
-        ):
-            raise ValueError(f"bias must be a contiguous [{n}] fp32 tensor")
-        if out is None:
-            out = torch.empty(m, n, dtype=torch.float32)
-        elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1):
-            raise ValueError(f"out must be [{m}, {n}] fp32 with unit stride along N")
-        if m == 0 or n == 0:
-            return out
-        desc = weight_descriptor(w)
-        rc = self.lib.kubeinfer_qlinear(
-            ctypes.byref(desc),
-            x.data_ptr(),
-            m,
-            x.stride(0),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            out.stride(0),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"qlinear kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
-        return out
+        x, out = check_linear_args(x, w, bias, out)
+        return call_linear(self.lib.kubeinfer_qlinear, "qlinear", x, w, bias, out)
 
     def set_gemv_max_rows(self, rows: int) -> None:
         """M up to `rows` takes the GEMV path, larger M the batched one (a benchmark's knob; default
@@ -495,3 +467,57 @@ def try_load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel | No
 @functools.cache
 def _warn_once(reason: str) -> None:
     log.warning("quantized CPU kernel unavailable, using the slower torch path: %s", reason)
+
+
+def check_linear_args(
+    x: Tensor,  # [M, K] fp32, rows may be strided (unit stride within a row)
+    w: BlockQuantWeight,
+    bias: Tensor | None,  # [N] fp32 contiguous
+    out: Tensor | None,  # [M, N] fp32, unit stride within a row
+) -> tuple[Tensor, Tensor]:  # (x with unit stride along K, out allocated where None)
+    """The argument checks every block-quantized linear launcher makes (qlinear's, the int8 GEMV's);
+    raises TypeError for a non-CPU or non-fp32 x, ValueError for a shape or stride the kernels cannot take."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
+    if x.dim() != 2 or x.shape[1] != w.in_features or (x.shape[0] > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be [M, {w.in_features}] with unit stride along K, got {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], w.out_features
+    if bias is not None and (
+        bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()
+    ):
+        raise ValueError(f"bias must be a contiguous [{n}] fp32 tensor")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [{m}, {n}] fp32 with unit stride along N")
+    return x, out
+
+
+def call_linear(
+    fn: Any,  # a C entry point with kubeinfer_qlinear's signature
+    name: str,  # for the error message
+    x: Tensor,  # [M, K] fp32, checked by check_linear_args
+    w: BlockQuantWeight,
+    bias: Tensor | None,  # [N] fp32
+    out: Tensor,  # [M, N] fp32
+) -> Tensor:  # out
+    """Runs `fn` on checked arguments; raises RuntimeError on a non-zero return code."""
+    m, n = out.shape
+    if m == 0 or n == 0:
+        return out
+    desc = weight_descriptor(w)
+    rc = fn(
+        ctypes.byref(desc),
+        x.data_ptr(),
+        m,
+        x.stride(0),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"{name} kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
+    return out

@@ -6,7 +6,6 @@ tiny random cross-encoder built here."""
 from __future__ import annotations
 
 import base64
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,26 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import scrape_metric
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
-
+from conftest import free_port, scrape_metric, wait_ready
 
 TEXTS = ["Hello world", "Kubernetes runs containers in pods.", "The cat sat on the mat."]
 
