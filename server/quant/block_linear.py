@@ -131,7 +131,7 @@ class BlockQuantLinear(QuantLinear):
         elif x2.shape[0] >= self.gemm_min_rows:
             y = self._dequant_gemm(x2, w, self.kernel, self.gemm_dtype)
         else:  # decode-sized M: int8 activations where that switch is on (cpu_qgemv_q8.py)
-            y = small_m_linear(self.kernel, x2, w, self.bias)
+            y = small_m_linear(self.kernel, x2, w, self.bias, self.gemm_dtype)
         return y.reshape(*lead, self.out_features).to(dtype)
 
     def _dequant_gemm(

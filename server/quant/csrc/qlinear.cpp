@@ -43,8 +43,14 @@ struct KiQWeight {
   const void* scales;     // [n, groups] fp16 (scale_is_f16) or fp32
   const void* mins;       // [n, groups] like scales, or null
   int64_t n, k, group_size, groups, row_bytes;
-  int32_t bits, zero_point, scale_is_f16, reserved;
+  int32_t bits, zero_point, scale_is_f16;
+  int32_t compute;  // KI_COMPUTE_FP32, or KI_COMPUTE_BF16: the batched path may run in bf16 (below)
 };
+}
+
+enum : int32_t { KI_COMPUTE_FP32 = 0, KI_COMPUTE_BF16 = 1 };
+
+extern "C" {
 }
 
 namespace {
@@ -504,6 +510,126 @@ void gemv_span(const KiQWeight& w, const float* x, const float* xsum, int64_t n0
 int64_t gemv_max_rows = 4;
 constexpr int64_t GEMV_CHUNK = 32;  // rows of W per task when several x rows share them: ~9-18 KiB, in L1
 
+// ---------------------------------------------------------------- batched path in bf16 (AVX512-BF16)
+// For a weight whose descriptor asks for bf16 compute (`compute` = KI_COMPUTE_BF16: the layer's
+// gemm_dtype is bf16, server/quant/gemm_dtype.py) on a CPU where avx512_bf16 is usable: the same panels
+// and chunks as the fp32 batched path, but both operands rounded to bf16 (round to nearest even, as
+// torch's .bfloat16(); the instruction treats fp32 denormals as zero) and multiplied by vdpbf16ps, two
+// bf16 products per fp32 lane, accumulated in fp32: 32 multiply-adds per instruction against the fp32
+// FMA's 16. The output stays fp32 (y = round_bf16(x) @ round_bf16(W)^T + bias up to fp32 summation).
+//   - x rows packed per 16-row block as k-pairs: xb[p * 16 + i] = (x[i, 2p], x[i, 2p + 1]) as two bf16
+//     in one 32-bit word (zero past M and past an odd K), so one k-pair of the block is one zmm;
+//   - W's 12-row panel dequantized to fp32 as before, then rounded to bf16 rows whose consecutive k-pairs
+//     are 32-bit words, so each row's pair is one 32-bit broadcast;
+//   - micro-kernel 12 x 16: 12 zmm accumulators, one load of x and 12 broadcasts per k-pair.
+// Compiled on every x86-64 build through a target attribute like the AVX-512 path; chosen at run time
+// only where bf16_enabled() (Python's usable_cpu_features: avx512_bf16 and avx512bw, not turned off by
+// KUBEINFER_CPU_DISABLE).
+#if KI_AVX512_PATH
+#define KI_BF16_PATH 1
+#define KI_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// src[0, K) -> dst[0, 2 * ceil(K / 2)) bf16 bits, the pad of an odd K zero.
+KI_BF16_TARGET void to_bf16_row(const float* src, int64_t K, uint16_t* dst) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+    _mm512_storeu_si512(dst + k, (__m512i)v);
+  }
+  if (k < K) {
+    const int64_t r = K - k, padded = (r + 1) & ~int64_t{1};
+    const __mmask16 lo = r >= 16 ? 0xffff : static_cast<__mmask16>((1u << r) - 1);
+    const __mmask16 hi = r > 16 ? static_cast<__mmask16>((1u << (r - 16)) - 1) : 0;
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + k + 16), _mm512_maskz_loadu_ps(lo, src + k));
+    _mm512_mask_storeu_epi16(dst + k, static_cast<__mmask32>((uint64_t{1} << padded) - 1), (__m512i)v);
+  }
+}
+
+// c[r * 16 + i] = sum_p bf16 dot(wb[r * KP + p], xb[p * 16 + i]), r < 12, i < 16, fp32 sums.
+KI_BF16_TARGET void micro_kernel_12x16_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb, float* c) {
+  __m512 acc[12];
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m512bh b = (__m512bh)_mm512_loadu_si512(xb + p * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; ++r) {
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(wb[r * KP + p])), b);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) _mm512_storeu_ps(c + r * 16, acc[r]);
+}
+
+// Set from Python (usable_cpu_features) before the first call, like avx512_allowed.
+bool bf16_allowed = false;
+bool bf16_enabled() {
+  static const bool on = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return on && bf16_allowed;
+}
+
+// x rows [m0, m0 + mb), mb <= 16, packed as k-pairs into xb[p * 16 + i] (zero past mb); pairs: scratch of
+// KP words (to_bf16_row writes them through intrinsics, which may alias).
+void pack_x_bf16(const float* x, int64_t x_stride, int64_t m0, int64_t mb, int64_t K, int64_t KP, uint32_t* pairs,
+                 uint32_t* xb) {
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i < mb) {
+      to_bf16_row(x + (m0 + i) * x_stride, K, reinterpret_cast<uint16_t*>(pairs));
+      for (int64_t p = 0; p < KP; ++p) xb[p * 16 + i] = pairs[p];
+    } else {
+      for (int64_t p = 0; p < KP; ++p) xb[p * 16 + i] = 0;
+    }
+  }
+}
+
+template <int BITS, bool F16>
+void batched_bf16(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
+                  int64_t y_stride, int nthreads) {
+  const int64_t N = w.n, K = w.k, KP = (K + 1) / 2;
+  const int64_t nb = (m + 15) / 16;  // 16-row blocks, the last zero-padded
+  const int64_t per_chunk = std::max<int64_t>(1, PACKED_X_BYTES / (64 * KP));  // blocks whose bf16 copy fits
+  const int64_t chunks = (nb + per_chunk - 1) / per_chunk;
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  std::vector<uint32_t> xb(static_cast<size_t>(nb * 16 * KP));
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<uint32_t> pairs(static_cast<size_t>(KP));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; ++b) {
+      pack_x_bf16(x, x_stride, 16 * b, std::min<int64_t>(16, m - 16 * b), K, KP, pairs.data(), xb.data() + b * 16 * KP);
+    }
+    std::vector<float> wt(static_cast<size_t>(PANEL * K));
+    std::vector<uint32_t> wb(static_cast<size_t>(PANEL * KP), 0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b0 = c * per_chunk, b1 = std::min(nb, b0 + per_chunk);
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = p * PANEL;
+        const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
+        dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt.data(), K);
+        for (int r = 0; r < rows; ++r) to_bf16_row(wt.data() + r * K, K, reinterpret_cast<uint16_t*>(wb.data() + r * KP));
+        if (rows < PANEL) std::memset(wb.data() + rows * KP, 0, sizeof(uint32_t) * (PANEL - rows) * KP);
+        for (int64_t b = b0; b < b1; ++b) {
+          alignas(64) float c16[PANEL * 16];
+          micro_kernel_12x16_bf16(wb.data(), KP, xb.data() + b * 16 * KP, c16);
+          const int64_t mb = std::min<int64_t>(16, m - 16 * b);
+          for (int64_t i = 0; i < mb; ++i) {
+            float* yr = y + (16 * b + i) * y_stride + n0;
+            for (int r = 0; r < rows; ++r) yr[r] = c16[r * 16 + i] + (bias ? bias[n0 + r] : 0.0f);
+          }
+        }
+      }
+    }
+  }
+}
+#else
+#define KI_BF16_PATH 0
+bool bf16_allowed = false;
+inline bool bf16_enabled() { return false; }
+template <int BITS, bool F16>
+void batched_bf16(const KiQWeight&, const float*, int64_t, int64_t, const float*, float*, int64_t, int) {}
+#endif
+
 template <int BITS, bool F16>
 void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
              int64_t y_stride, int nthreads) {
@@ -532,6 +658,10 @@ void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
       const int64_t n0 = c * GEMV_CHUNK, n1 = std::min(N, n0 + GEMV_CHUNK);
       for (int64_t i = 0; i < m; ++i) gemv_span<BITS, F16>(w, x + i * x_stride, xs(i), n0, n1, bias, y + i * y_stride);
     }
+    return;
+  }
+  if (w.compute == KI_COMPUTE_BF16 && bf16_enabled()) {
+    batched_bf16<BITS, F16>(w, x, m, x_stride, bias, y, y_stride, nthreads);
     return;
   }
   // M > 1: x packed whole (its 16-row blocks, then 8-row blocks for the rest), then one pass over W's
@@ -608,6 +738,7 @@ void dequant(const KiQWeight& w, const int64_t* rows, int64_t row0, int64_t nrow
 bool valid(const KiQWeight* w) {
   if (!w || !w->q || !w->scales || w->n < 0 || w->k < 1 || w->group_size < 1 || w->groups < 1) return false;
   if (w->bits != 4 && w->bits != 8) return false;
+  if (w->compute != KI_COMPUTE_FP32 && w->compute != KI_COMPUTE_BF16) return false;
   if ((w->groups - 1) * w->group_size >= w->k || w->groups * w->group_size < w->k) return false;
   if (w->bits == 4 && (w->k % 32 || w->group_size % 32 || w->row_bytes != w->k / 2)) return false;
   if (w->bits == 8 && (w->row_bytes != w->k || (w->groups > 1 && w->group_size % 16))) return false;
@@ -629,11 +760,19 @@ int dispatch(const KiQWeight* w, F&& f) {
 
 extern "C" {
 
-int32_t kubeinfer_qlinear_abi() { return 2; }
+int32_t kubeinfer_qlinear_abi() { return 3; }
 
 // Whether the AVX-512 path may run (the usable-feature probe's answer; off until called). Not
 // thread-safe against running kernels: set once at load.
 void kubeinfer_qlinear_set_avx512(int32_t allowed) { avx512_allowed = allowed != 0; }
+
+// Whether the bf16 batched path may run for descriptors that ask for it (the usable-feature probe's
+// avx512_bf16; off until called). Not thread-safe against running kernels: set once at load.
+void kubeinfer_qlinear_set_bf16(int32_t allowed) { bf16_allowed = allowed != 0; }
+
+// 1 when the bf16 batched path is compiled into this build; kubeinfer_qlinear_bf16_enabled: and runs here.
+int32_t kubeinfer_qlinear_has_bf16_path() { return KI_BF16_PATH; }
+int32_t kubeinfer_qlinear_bf16_enabled() { return bf16_enabled() ? 1 : 0; }
 
 // Sets the largest M served by the GEMV path (benchmarks only: not thread-safe against running kernels).
 void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows) { gemv_max_rows = std::max<int64_t>(rows, 1); }
