@@ -561,61 +561,105 @@ KI_BF16_TARGET void micro_kernel_12x16_bf16(const uint32_t* wb, int64_t KP, cons
   for (int r = 0; r < 12; ++r) _mm512_storeu_ps(c + r * 16, acc[r]);
 }
 
+// The same on 8 rows of x (ymm, AVX512VL): decode batches of 5..8 rows and the rest past the 16-row
+// blocks, at half the work of a zero-padded 16-row block.
+KI_BF16_TARGET void micro_kernel_12x8_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb, float* c) {
+  __m256 acc[12];
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m256bh b = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + p * 8));
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; ++r) {
+      acc[r] = _mm256_dpbf16_ps(acc[r], (__m256bh)_mm256_set1_epi32(static_cast<int>(wb[r * KP + p])), b);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) _mm256_storeu_ps(c + r * 8, acc[r]);
+}
+
 // Set from Python (usable_cpu_features) before the first call, like avx512_allowed.
 bool bf16_allowed = false;
 bool bf16_enabled() {
-  static const bool on = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  static const bool on = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl");
   return on && bf16_allowed;
 }
 
-// x rows [m0, m0 + mb), mb <= 16, packed as k-pairs into xb[p * 16 + i] (zero past mb); pairs: scratch of
+// x rows [m0, m0 + mb), mb <= MB, packed as k-pairs into xb[p * MB + i] (zero past mb); pairs: scratch of
 // KP words (to_bf16_row writes them through intrinsics, which may alias).
+template <int MB>
 void pack_x_bf16(const float* x, int64_t x_stride, int64_t m0, int64_t mb, int64_t K, int64_t KP, uint32_t* pairs,
                  uint32_t* xb) {
-  for (int64_t i = 0; i < 16; ++i) {
+  for (int64_t i = 0; i < MB; ++i) {
     if (i < mb) {
       to_bf16_row(x + (m0 + i) * x_stride, K, reinterpret_cast<uint16_t*>(pairs));
-      for (int64_t p = 0; p < KP; ++p) xb[p * 16 + i] = pairs[p];
+      for (int64_t p = 0; p < KP; ++p) xb[p * MB + i] = pairs[p];
     } else {
-      for (int64_t p = 0; p < KP; ++p) xb[p * 16 + i] = 0;
+      for (int64_t p = 0; p < KP; ++p) xb[p * MB + i] = 0;
     }
   }
 }
 
+// One dequantized bf16 panel (wb) against the packed x rows [m0, m0 + mb) of one block (xb, MB rows).
+template <int MB>
+void panel_block_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb, int64_t m0, int64_t mb, int64_t n0,
+                      int rows, const float* bias, float* y, int64_t y_stride) {
+  alignas(64) float c[PANEL * MB];
+  if constexpr (MB == 16) {
+    micro_kernel_12x16_bf16(wb, KP, xb, c);
+  } else {
+    micro_kernel_12x8_bf16(wb, KP, xb, c);
+  }
+  for (int64_t i = 0; i < mb; ++i) {
+    float* yr = y + (m0 + i) * y_stride + n0;
+    for (int r = 0; r < rows; ++r) yr[r] = c[r * MB + i] + (bias ? bias[n0 + r] : 0.0f);
+  }
+}
+
+// The fp32 batched path's structure (qlinear below): x packed whole (16-row blocks, then 8-row blocks for
+// the rest), one pass over W's panels per chunk of 16-row blocks, the 8-row blocks in the last chunk.
 template <int BITS, bool F16>
 void batched_bf16(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
                   int64_t y_stride, int nthreads) {
   const int64_t N = w.n, K = w.k, KP = (K + 1) / 2;
-  const int64_t nb = (m + 15) / 16;  // 16-row blocks, the last zero-padded
-  const int64_t per_chunk = std::max<int64_t>(1, PACKED_X_BYTES / (64 * KP));  // blocks whose bf16 copy fits
-  const int64_t chunks = (nb + per_chunk - 1) / per_chunk;
+  const int64_t full = m / 16 * 16, nb16 = full / 16, nb8 = (m - full + 7) / 8;
+  const int64_t per_chunk = std::max<int64_t>(1, PACKED_X_BYTES / (64 * KP));  // 16-row blocks per chunk
+  const int64_t chunks = std::max<int64_t>(1, (nb16 + per_chunk - 1) / per_chunk);
   const int64_t panels = (N + PANEL - 1) / PANEL;
-  std::vector<uint32_t> xb(static_cast<size_t>(nb * 16 * KP));
+  std::vector<uint32_t> xb(static_cast<size_t>((full + 8 * nb8) * KP));
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<uint32_t> pairs(static_cast<size_t>(KP));
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; ++b) {
-      pack_x_bf16(x, x_stride, 16 * b, std::min<int64_t>(16, m - 16 * b), K, KP, pairs.data(), xb.data() + b * 16 * KP);
+    for (int64_t b = 0; b < nb16 + nb8; ++b) {
+      if (b < nb16) {
+        pack_x_bf16<16>(x, x_stride, 16 * b, 16, K, KP, pairs.data(), xb.data() + 16 * b * KP);
+      } else {
+        const int64_t i0 = full + 8 * (b - nb16);
+        pack_x_bf16<8>(x, x_stride, i0, std::min<int64_t>(8, m - i0), K, KP, pairs.data(), xb.data() + i0 * KP);
+      }
     }
     std::vector<float> wt(static_cast<size_t>(PANEL * K));
     std::vector<uint32_t> wb(static_cast<size_t>(PANEL * KP), 0);
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t b0 = c * per_chunk, b1 = std::min(nb, b0 + per_chunk);
+      const int64_t b0 = c * per_chunk, b1 = std::min(nb16, b0 + per_chunk);
 #pragma omp for schedule(static) nowait
       for (int64_t p = 0; p < panels; ++p) {
         const int64_t n0 = p * PANEL;
         const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
         dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt.data(), K);
-        for (int r = 0; r < rows; ++r) to_bf16_row(wt.data() + r * K, K, reinterpret_cast<uint16_t*>(wb.data() + r * KP));
+        for (int r = 0; r < rows; ++r) {
+          to_bf16_row(wt.data() + r * K, K, reinterpret_cast<uint16_t*>(wb.data() + r * KP));
+        }
         if (rows < PANEL) std::memset(wb.data() + rows * KP, 0, sizeof(uint32_t) * (PANEL - rows) * KP);
         for (int64_t b = b0; b < b1; ++b) {
-          alignas(64) float c16[PANEL * 16];
-          micro_kernel_12x16_bf16(wb.data(), KP, xb.data() + b * 16 * KP, c16);
-          const int64_t mb = std::min<int64_t>(16, m - 16 * b);
-          for (int64_t i = 0; i < mb; ++i) {
-            float* yr = y + (16 * b + i) * y_stride + n0;
-            for (int r = 0; r < rows; ++r) yr[r] = c16[r * 16 + i] + (bias ? bias[n0 + r] : 0.0f);
+          panel_block_bf16<16>(wb.data(), KP, xb.data() + 16 * b * KP, 16 * b, 16, n0, rows, bias, y, y_stride);
+        }
+        if (c + 1 == chunks) {
+          for (int64_t i0 = full; i0 < m; i0 += 8) {
+            panel_block_bf16<8>(wb.data(), KP, xb.data() + i0 * KP, i0, std::min<int64_t>(8, m - i0), n0, rows,
+                                bias, y, y_stride);
           }
         }
       }
