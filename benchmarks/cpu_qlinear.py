@@ -18,6 +18,10 @@ Figures:
   dequantized-panel GEMM: where qlinear.cpp's `gemv_max_rows` comes from.
 - `crossover`: our batched kernel vs dequantize + torch's fp32 GEMM at prefill-sized M: where
   block_linear.GEMM_MIN_ROWS comes from.
+- `bf16`: the kernel's batched path in fp32 against its bf16 path (compute=bfloat16, AVX512-BF16 only) on
+  the embedded SmolLM2's fused projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down
+  576x1536) at decode batch sizes M in {8, 16, 32, 64, 128}, weights cycled cold, interleaved; per row
+  both times, the bf16 path's GFLOP/s and `bf16_speedup` (median of per-repetition ratios).
 Times are medians of interleaved repetitions, wall clock.
 """
 
@@ -258,13 +262,59 @@ def crossover_rows(
     return rows
 
 
+BF16_SHAPES = {
+    "qkv_960x576": (960, 576),
+    "o_576x576": (576, 576),
+    "gate_up_3072x576": (3072, 576),
+    "down_576x1536": (576, 1536),
+}
+
+
+def bf16_rows(
+    kernel: cq.QLinearKernel, fmts: list[str], ms: list[int], cold: int, reps: int
+) -> list[dict[str, object]]:
+    """The batched kernel in fp32 against its bf16 path, per format, shape and M (see the docstring)."""
+    if not kernel.bf16:
+        return [{"skipped": "no usable AVX512-BF16 here (or KUBEINFER_CPU_DISABLE turned it off)"}]
+    rows: list[dict[str, object]] = []
+    for fmt in fmts:
+        for shape_name, (n, k) in BF16_SHAPES.items():
+            cyc = Cycle(make(fmt, n, k), cold)
+            for m in ms:
+                x = torch.randn(m, k)
+                t = timed(
+                    {
+                        "fp32": lambda x=x, cyc=cyc: kernel.linear(x, cyc.next_q()),
+                        "bf16": lambda x=x, cyc=cyc: kernel.linear(x, cyc.next_q(), compute=torch.bfloat16),
+                    },
+                    reps,
+                )
+                ms32, ms16 = statistics.median(t["fp32"]), statistics.median(t["bf16"])
+                flop = 2 * m * n * k
+                rows.append(
+                    {
+                        "format": fmt,
+                        "shape": shape_name,
+                        "M": m,
+                        "fp32_ms": round(ms32, 3),
+                        "bf16_ms": round(ms16, 3),
+                        "fp32_GFLOPs": round(flop / ms32 / 1e6, 1),
+                        "bf16_GFLOPs": round(flop / ms16 / 1e6, 1),
+                        "bf16_speedup": round(median_ratio(t["fp32"], t["bf16"]), 2),
+                    }
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rss", action="store_true")
     ap.add_argument("--reps", type=int, default=0)
     ap.add_argument("--formats", default="q4_0,q4_1,q8_0,int8,int4")
-    ap.add_argument("--only", default="kernels,small_m,crossover", help="sections to run")
+    ap.add_argument("--only", default="kernels,small_m,crossover,bf16", help="sections to run")
+    ap.add_argument("--bf16-formats", default="q4_1,q8_0", help="formats of the `bf16` section")
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
     ap.add_argument("--crossover-rows", default="", help="comma-separated M for `crossover`")
     ap.add_argument("--crossover-format", default="q4_1")
@@ -282,6 +332,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "kernel_isa": kernel.isa,
+            "kernel_bf16": kernel.bf16,
             "mem_read_GBps": round(bw, 2),
             "fp32_gemm_GFLOPs": round(peak, 1),
             "llc_MiB": llc_bytes() >> 20,
@@ -302,6 +353,9 @@ def main() -> None:
         if args.crossover_rows:
             cross_ms = [int(m) for m in args.crossover_rows.split(",")]
         out["crossover"] = crossover_rows(kernel, cross_ms, reps, args.crossover_format)
+    if "bf16" in sections:
+        bf16_ms = [8, 16] if args.smoke else [8, 16, 32, 64, 128]
+        out["bf16"] = bf16_rows(kernel, args.bf16_formats.split(","), bf16_ms, cold, reps)
     if args.rss:
         out["rss"] = rss_of_embedded_model()
     out["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)  # type: ignore[index]

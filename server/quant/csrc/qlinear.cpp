@@ -545,6 +545,36 @@ KI_BF16_TARGET void to_bf16_row(const float* src, int64_t K, uint16_t* dst) {
   }
 }
 
+// Row n of W dequantized straight to bf16 (dst[0, K)), for weights whose groups are whole 32-blocks
+// (K and group_size multiples of 32: every 4-bit format, Q8_0, per-channel int8 with K % 32 == 0): the
+// values of dequant_rows (d * (q - zero_point) + m, the same two roundings), rounded like to_bf16_row,
+// without the fp32 row in between.
+template <int BITS, bool F16>
+KI_BF16_TARGET void dequant_row_bf16_g32(const KiQWeight& w, int64_t n, uint16_t* dst) {
+  const uint8_t* row = w.q + n * w.row_bytes;
+  const int64_t blocks_per_group = w.group_size / 32;
+  const __m512 zp = _mm512_set1_ps(static_cast<float>(w.zero_point));
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m512 d = _mm512_set1_ps(load_scale<F16>(w.scales, n * w.groups + g));
+    const __m512 m = _mm512_set1_ps(w.mins ? load_scale<F16>(w.mins, n * w.groups + g) : 0.0f);
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m512 lo, hi;  // k = 32b + [0, 16) and 32b + [16, 32)
+      if constexpr (BITS == 8) {
+        const __m128i* p = reinterpret_cast<const __m128i*>(row + 32 * b);
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+      } else {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
+        lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f)));
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+      }
+      lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_sub_ps(lo, zp)), m);
+      hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_sub_ps(hi, zp)), m);
+      _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
 // c[r * 16 + i] = sum_p bf16 dot(wb[r * KP + p], xb[p * 16 + i]), r < 12, i < 16, fp32 sums.
 KI_BF16_TARGET void micro_kernel_12x16_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb, float* c) {
   __m512 acc[12];
@@ -627,6 +657,7 @@ void batched_bf16(const KiQWeight& w, const float* x, int64_t m, int64_t x_strid
   const int64_t per_chunk = std::max<int64_t>(1, PACKED_X_BYTES / (64 * KP));  // 16-row blocks per chunk
   const int64_t chunks = std::max<int64_t>(1, (nb16 + per_chunk - 1) / per_chunk);
   const int64_t panels = (N + PANEL - 1) / PANEL;
+  const bool g32 = K % 32 == 0 && w.group_size % 32 == 0;  // dequant_row_bf16_g32 takes it
   std::vector<uint32_t> xb(static_cast<size_t>((full + 8 * nb8) * KP));
 #pragma omp parallel num_threads(nthreads)
   {
@@ -640,7 +671,7 @@ void batched_bf16(const KiQWeight& w, const float* x, int64_t m, int64_t x_strid
         pack_x_bf16<8>(x, x_stride, i0, std::min<int64_t>(8, m - i0), K, KP, pairs.data(), xb.data() + i0 * KP);
       }
     }
-    std::vector<float> wt(static_cast<size_t>(PANEL * K));
+    std::vector<float> wt(g32 ? 0 : static_cast<size_t>(PANEL * K));
     std::vector<uint32_t> wb(static_cast<size_t>(PANEL * KP), 0);
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t b0 = c * per_chunk, b1 = std::min(nb16, b0 + per_chunk);
@@ -648,9 +679,15 @@ void batched_bf16(const KiQWeight& w, const float* x, int64_t m, int64_t x_strid
       for (int64_t p = 0; p < panels; ++p) {
         const int64_t n0 = p * PANEL;
         const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
-        dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt.data(), K);
-        for (int r = 0; r < rows; ++r) {
-          to_bf16_row(wt.data() + r * K, K, reinterpret_cast<uint16_t*>(wb.data() + r * KP));
+        if (g32) {
+          for (int r = 0; r < rows; ++r) {
+            dequant_row_bf16_g32<BITS, F16>(w, n0 + r, reinterpret_cast<uint16_t*>(wb.data() + r * KP));
+          }
+        } else {
+          dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt.data(), K);
+          for (int r = 0; r < rows; ++r) {
+            to_bf16_row(wt.data() + r * K, K, reinterpret_cast<uint16_t*>(wb.data() + r * KP));
+          }
         }
         if (rows < PANEL) std::memset(wb.data() + rows * KP, 0, sizeof(uint32_t) * (PANEL - rows) * KP);
         for (int64_t b = b0; b < b1; ++b) {
