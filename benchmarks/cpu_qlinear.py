@@ -15,7 +15,8 @@ Figures:
   GB/s of weight streamed, GFLOP/s, fraction of the measured bandwidth and of the measured GEMM peak;
   `speedup_vs_fp32` is the median of the per-repetition ratios (robust on a shared machine).
 - `small_m`: M = 2..8 through the GEMV path (W re-read from cache per row) and through the
-  dequantized-panel GEMM: where qlinear.cpp's `gemv_max_rows` comes from.
+  dequantized-panel GEMM (and its bf16 variant where the CPU has AVX512-BF16): where qlinear.cpp's
+  `gemv_max_rows` comes from.
 - `crossover`: our batched kernel vs dequantize + torch's fp32 GEMM at prefill-sized M: where
   block_linear.GEMM_MIN_ROWS comes from.
 - `bf16`: the kernel's batched path in fp32 against its bf16 path (compute=bfloat16, AVX512-BF16 only) on
@@ -210,16 +211,25 @@ def small_m_rows(kernel: cq.QLinearKernel, cold: int, reps: int) -> list[dict[st
                 kernel.set_gemv_max_rows(m - 1)
                 kernel.linear(x, cyc.next_q())
 
-            t = timed({"gemv": gemv, "panel": panel}, reps)
-            rows.append(
-                {
-                    "format": fmt,
-                    "M": m,
-                    "gemv_ms": round(statistics.median(t["gemv"]), 3),
-                    "panel_ms": round(statistics.median(t["panel"]), 3),
-                    "panel_over_gemv": round(median_ratio(t["gemv"], t["panel"]), 2),
-                }
-            )
+            def panel_bf16(x: torch.Tensor = x, m: int = m, cyc: Cycle = cyc) -> None:
+                kernel.set_gemv_max_rows(m - 1, m - 1)
+                kernel.linear(x, cyc.next_q(), compute=torch.bfloat16)
+
+            fns: dict[str, Callable[[], object]] = {"gemv": gemv, "panel": panel}
+            if kernel.bf16:
+                fns["panel_bf16"] = panel_bf16
+            t = timed(fns, reps)
+            row: dict[str, object] = {
+                "format": fmt,
+                "M": m,
+                "gemv_ms": round(statistics.median(t["gemv"]), 3),
+                "panel_ms": round(statistics.median(t["panel"]), 3),
+                "panel_over_gemv": round(median_ratio(t["gemv"], t["panel"]), 2),
+            }
+            if kernel.bf16:  # the bf16 panel path against the (fp32) GEMV: gemv_max_rows under bf16
+                row["panel_bf16_ms"] = round(statistics.median(t["panel_bf16"]), 3)
+                row["panel_bf16_over_gemv"] = round(median_ratio(t["gemv"], t["panel_bf16"]), 2)
+            rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     kernel.set_gemv_max_rows(cq.GEMV_MAX_ROWS)
     return rows

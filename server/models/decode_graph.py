@@ -2,8 +2,8 @@
 
 Under bf16 GEMMs (server/quant/gemm_dtype.py) it serves decode batches below BF16_GEMM_MIN_ROWS
 (`DecodeGraph.max_rows`) with each weight descriptor's `compute` flag set from its projection's
-gemm_dtype, so that the kernel runs batches of 5..255 rows on its bf16 batched path (AVX512-BF16; the
-GEMV of 1..4 rows stays fp32), exactly as BlockQuantLinear does from Python; larger batches go through
+gemm_dtype, so that the kernel runs batches of 4..255 rows on its bf16 batched path (AVX512-BF16; the
+GEMV of 1..3 rows stays fp32), exactly as BlockQuantLinear does from Python; larger batches go through
 the Python path, whose projections then run their bf16 dequantize + GEMM.
 
 On this machine a one-token step of the embedded SmolLM2 spends ~8 ms in its 121 weight kernels and ~9 ms
@@ -130,7 +130,7 @@ class DecodeGraph:
     # above this the two paths would sum in different orders, so the Python path serves such steps.
     # With bf16 GEMMs (gemm_dtype.py) the bound is lower, BF16_GEMM_MIN_ROWS - 1 (`max_rows`): larger
     # pure-decode batches go through the Python path and its bf16 GEMMs. Below it the graph calls the
-    # kernel with each projection's compute flag: bf16 batches of 5..255 rows run the kernel's bf16
+    # kernel with each projection's compute flag: bf16 batches of 4..255 rows run the kernel's bf16
     # path, the same call BlockQuantLinear makes (benchmarks/cpu_qlinear.py `bf16`).
     MAX_ROWS: ClassVar[int] = GEMM_MIN_ROWS - 1
 

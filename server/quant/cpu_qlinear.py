@@ -57,6 +57,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
 NATIVE = NativeSource("qlinear", SOURCE, COMPILE_FLAGS, abi_version=ABI_VERSION)
 BLOCK = 32  # values per GGUF block
 GEMV_MAX_ROWS = 4  # qlinear.cpp's default gemv_max_rows (benchmarks/cpu_qlinear.py `small_m`)
+BF16_GEMV_MAX_ROWS = 3  # its bf16_gemv_max_rows: under bf16 compute the batched path starts at M = 4
 
 # GGUF block layouts: bytes per 32-block, and whether a min follows the scale.
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
@@ -366,7 +367,7 @@ def compute_flag(compute: torch.dtype) -> int:
 
 def weight_descriptor(w: BlockQuantWeight, compute: torch.dtype = torch.float32) -> KiQWeight:
     """The kernel's view of `w` (struct KiQWeight in csrc/qlinear.cpp); it holds raw pointers into w's tensors.
-    `compute` bf16 lets the batched path (M > GEMV_MAX_ROWS) run in bf16 where the CPU has AVX512-BF16."""
+    `compute` bf16 lets the batched path (M > BF16_GEMV_MAX_ROWS) run in bf16 where the CPU has AVX512-BF16."""
     return KiQWeight(
         w.q.data_ptr(),
         w.scales.data_ptr(),
@@ -398,18 +399,20 @@ class QLinearKernel:
         w: BlockQuantWeight,
         bias: Tensor | None = None,  # [N] fp32
         out: Tensor | None = None,  # [M, N] fp32, unit stride within a row
-        compute: torch.dtype = torch.float32,  # bf16: M > GEMV_MAX_ROWS in bf16 where `self.bf16`
+        compute: torch.dtype = torch.float32,  # bf16: M > BF16_GEMV_MAX_ROWS in bf16 where `self.bf16`
     ) -> Tensor:  # [M, N] fp32
-        """With compute=torch.bfloat16 and `self.bf16`, M > GEMV_MAX_ROWS rows compute
+        """With compute=torch.bfloat16 and `self.bf16`, M > BF16_GEMV_MAX_ROWS rows compute
         round_bf16(x) @ round_bf16(W)^T in fp32 sums (csrc/qlinear.cpp, "batched path in bf16"); else
-        fp32, bit for bit the compute=float32 result."""
+        fp32, bit for bit the compute=float32 result. TypeError/ValueError for arguments the kernel
+        cannot take (check_linear_args), RuntimeError if it fails."""
         x, out = check_linear_args(x, w, bias, out)
         return call_linear(self.lib.kubeinfer_qlinear, "qlinear", x, w, bias, out, compute)
 
-    def set_gemv_max_rows(self, rows: int) -> None:
+    def set_gemv_max_rows(self, rows: int, bf16_rows: int = BF16_GEMV_MAX_ROWS) -> None:
         """M up to `rows` takes the GEMV path, larger M the batched one (a benchmark's knob; default
-        GEMV_MAX_ROWS). Process-wide: never call it while another thread runs the kernel."""
-        self.lib.kubeinfer_qlinear_set_gemv_max_rows(max(1, int(rows)))
+        GEMV_MAX_ROWS; `bf16_rows` the same under bf16 compute). Process-wide: never call it while another
+        thread runs the kernel."""
+        self.lib.kubeinfer_qlinear_set_gemv_max_rows(max(1, int(rows)), max(1, int(bf16_rows)))
 
     def dequantize_rows(
         self,
@@ -464,7 +467,7 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     lib.kubeinfer_qlinear_isa.restype = ctypes.c_char_p
     lib.kubeinfer_qlinear_has_avx512_path.restype = i32
     lib.kubeinfer_qlinear_set_gemv_max_rows.restype = None
-    lib.kubeinfer_qlinear_set_gemv_max_rows.argtypes = [i64]
+    lib.kubeinfer_qlinear_set_gemv_max_rows.argtypes = [i64, i64]
     lib.kubeinfer_qlinear_set_avx512.restype = None
     lib.kubeinfer_qlinear_set_avx512.argtypes = [i32]
     lib.kubeinfer_qlinear_set_bf16.restype = None

@@ -1,13 +1,13 @@
 """The kernel's bf16 batched path (server/quant/csrc/qlinear.cpp, "batched path in bf16"): decode batches
-of 5..255 rows of a layer whose gemm_dtype is bf16, on a CPU with usable AVX512-BF16.
+of 4..255 rows of a layer whose gemm_dtype is bf16, on a CPU with usable AVX512-BF16.
 
 What each test compares, and how close:
-- every format, M in {5, 8, 15, 16, 17, 31, 64, 255}, ragged N, with a bias: the kernel against x and the
+- every format, M in {4, 5, 8, 15, 16, 17, 31, 64, 255}, ragged N, with a bias: the kernel against x and the
   dequantized W rounded to bf16 (torch's round to nearest even) and multiplied in fp64: within fp32
   summation's bound, K * 2^-24 * sum_k |x_k w_k| (+ the bias's rounding), far tighter than bf16's own
   rounding, so an fp32 result (or a wrong rounding) fails it;
 - odd K (per-channel int8): the pad of the last k-pair contributes nothing;
-- the GEMV (M <= 4), and every M with the path forced off (KUBEINFER_CPU_DISABLE=avx512_bf16), give
+- the GEMV (M <= 3 under bf16), and every M with the path forced off (KUBEINFER_CPU_DISABLE=avx512_bf16), give
   the fp32 kernel's result bit for bit; a descriptor with an unknown compute value is refused.
 """
 
@@ -52,7 +52,7 @@ def bf16_reference(x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | No
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(37, 64), (13, 576)])
-@pytest.mark.parametrize("m", [5, 8, 15, 16, 17, 31, 64, 255])
+@pytest.mark.parametrize("m", [4, 5, 8, 15, 16, 17, 31, 64, 255])
 def test_bf16_batched_path_is_the_bf16_product_in_fp32_sums(
     bf16_kernel: QLinearKernel, fmt: str, n: int, k: int, m: int
 ) -> None:
@@ -90,9 +90,9 @@ def test_bf16_strided_x_and_out(bf16_kernel: QLinearKernel) -> None:
 
 
 def test_gemv_rows_stay_fp32_bit_for_bit(kernel: QLinearKernel) -> None:
-    """M <= GEMV_MAX_ROWS is bound by the weight's bytes: compute=bf16 changes nothing there."""
+    """M <= BF16_GEMV_MAX_ROWS is bound by the weight's bytes: compute=bf16 changes nothing there."""
     w = make_weight("q4_1", 40, 576, seed=1)
-    for m in range(1, cq.GEMV_MAX_ROWS + 1):
+    for m in range(1, cq.BF16_GEMV_MAX_ROWS + 1):
         x = torch.randn(m, 576)
         assert torch.equal(kernel.linear(x, w, compute=torch.bfloat16), kernel.linear(x, w))
 

@@ -19,7 +19,7 @@ from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:"]
-# Eight sequences: decode batches of 5..8 rows, the kernel's batched path (bf16 under bf16 GEMMs).
+# Eight sequences: decode batches of 4..8 rows, the kernel's batched path (bf16 under bf16 GEMMs).
 MANY = [*PROMPTS, "Once upon a time", "import numpy as np", "Dear Sir or Madam,", "1, 2, 3,", "Q: why?"]
 
 
@@ -67,7 +67,7 @@ def test_graph_is_bit_identical_to_the_python_path(tiny_q41: Path, cache: Path) 
 
 
 def test_graph_is_bit_identical_under_bf16_gemms(tiny_q41: Path, cache: Path) -> None:
-    """bf16 GEMMs (the kernel's bf16 batched path for 5..8-row decode batches where the CPU has
+    """bf16 GEMMs (the kernel's bf16 batched path for 4..8-row decode batches where the CPU has
     AVX512-BF16): the graph gives what the Python path gives, bit for bit; switched back to fp32 after
     recording, it follows (its descriptors' compute flags are synced every step)."""
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))

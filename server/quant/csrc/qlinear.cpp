@@ -508,6 +508,9 @@ void gemv_span(const KiQWeight& w, const float* x, const float* xsum, int64_t n0
 // from here on the dequantized-panel GEMM (measured by benchmarks/cpu_qlinear.py, `small_m`).
 // A tuning knob (kubeinfer_qlinear_set_gemv_max_rows) only so that the benchmark can measure both paths.
 int64_t gemv_max_rows = 4;
+// Under bf16 compute the batched path is cheaper, so it takes over from M = 4 (`small_m`'s panel_bf16 rows:
+// 1.2x the fp32 GEMV at M = 4, even at M = 3, AMD EPYC family 25, 2026-12-01).
+int64_t bf16_gemv_max_rows = 3;
 constexpr int64_t GEMV_CHUNK = 32;  // rows of W per task when several x rows share them: ~9-18 KiB, in L1
 
 // ---------------------------------------------------------------- batched path in bf16 (AVX512-BF16)
@@ -591,7 +594,7 @@ KI_BF16_TARGET void micro_kernel_12x16_bf16(const uint32_t* wb, int64_t KP, cons
   for (int r = 0; r < 12; ++r) _mm512_storeu_ps(c + r * 16, acc[r]);
 }
 
-// The same on 8 rows of x (ymm, AVX512VL): decode batches of 5..8 rows and the rest past the 16-row
+// The same on 8 rows of x (ymm, AVX512VL): decode batches of 4..8 rows and the rest past the 16-row
 // blocks, at half the work of a zero-padded 16-row block.
 KI_BF16_TARGET void micro_kernel_12x8_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb, float* c) {
   __m256 acc[12];
@@ -715,7 +718,8 @@ template <int BITS, bool F16>
 void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
              int64_t y_stride, int nthreads) {
   const int64_t N = w.n, K = w.k;
-  if (m <= gemv_max_rows) {
+  const bool bf16 = w.compute == KI_COMPUTE_BF16 && bf16_enabled();
+  if (m <= (bf16 ? bf16_gemv_max_rows : gemv_max_rows)) {
     const bool g32 = KI_AVX2 && F16 && w.group_size == 32;
     std::vector<float> xsum(g32 ? static_cast<size_t>(m * (K / 32)) : 0);
     for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
@@ -741,7 +745,7 @@ void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
     }
     return;
   }
-  if (w.compute == KI_COMPUTE_BF16 && bf16_enabled()) {
+  if (bf16) {
     batched_bf16<BITS, F16>(w, x, m, x_stride, bias, y, y_stride, nthreads);
     return;
   }
@@ -855,8 +859,12 @@ void kubeinfer_qlinear_set_bf16(int32_t allowed) { bf16_allowed = allowed != 0; 
 int32_t kubeinfer_qlinear_has_bf16_path() { return KI_BF16_PATH; }
 int32_t kubeinfer_qlinear_bf16_enabled() { return bf16_enabled() ? 1 : 0; }
 
-// Sets the largest M served by the GEMV path (benchmarks only: not thread-safe against running kernels).
-void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows) { gemv_max_rows = std::max<int64_t>(rows, 1); }
+// Sets the largest M served by the GEMV path, for fp32 and for bf16 compute (benchmarks only: not
+// thread-safe against running kernels).
+void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows, int64_t bf16_rows) {
+  gemv_max_rows = std::max<int64_t>(rows, 1);
+  bf16_gemv_max_rows = std::max<int64_t>(bf16_rows, 1);
+}
 
 // The code path the batched kernel runs on this CPU: "avx512" (chosen at run time), "avx2" or "portable".
 const char* kubeinfer_qlinear_isa() { return avx512_enabled() ? "avx512" : KI_AVX2 ? "avx2" : "portable"; }
