@@ -45,9 +45,7 @@ def measure(
     engine: LLMEngine, users: int, prompt_len: int, steps: int, gemm_dtypes: list[str] | None = None
 ) -> dict[str, object]:
     model = engine.loaded.model
-    default_dtype = next(
-        (m.gemm_dtype for m in model.modules() if hasattr(m, "gemm_dtype")), torch.float32
-    )
+    default_dtype = next((m.gemm_dtype for m in model.modules() if hasattr(m, "gemm_dtype")), torch.float32)
     ops = model.fused_ops
     if ops is None:
         raise SystemExit("the fused CPU ops are unavailable here (no compiler?): nothing to compare")

@@ -391,7 +391,7 @@ class QLinearKernel:
     lib: ctypes.CDLL
     path: Path
     isa: str  # "avx512" (usable_cpu_features().avx512f), "avx2" or "portable": the path this build runs here
-    bf16: bool = False  # the bf16 batched path runs here (usable avx512_bf16): `compute=torch.bfloat16` takes it
+    bf16: bool = False  # the bf16 batched path runs here (usable avx512_bf16): compute=bf16 takes it
 
     def linear(
         self,

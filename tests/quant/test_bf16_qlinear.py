@@ -37,7 +37,9 @@ def bf16_kernel(kernel: QLinearKernel) -> QLinearKernel:
     return kernel
 
 
-def bf16_reference(x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def bf16_reference(
+    x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(round_bf16(x) @ round_bf16(W)^T + bias in fp64, the fp32-summation error bound) [M, N] each."""
     xb = x.bfloat16().double()
     wb = cq.dequantize_reference(w).bfloat16().double()
