@@ -18,7 +18,8 @@ Figures:
   dequantized-panel GEMM (and its bf16 variant where the CPU has AVX512-BF16): where qlinear.cpp's
   `gemv_max_rows` comes from.
 - `crossover`: our batched kernel vs dequantize + torch's fp32 GEMM at prefill-sized M: where
-  block_linear.GEMM_MIN_ROWS comes from.
+  block_linear.GEMM_MIN_ROWS comes from (and, where the CPU has AVX512-BF16, the kernel's bf16 path vs
+  bf16 dequantize + GEMM: BF16_GEMM_MIN_ROWS).
 - `bf16`: the kernel's batched path in fp32 against its bf16 path (compute=bfloat16, AVX512-BF16 only) on
   the embedded SmolLM2's fused projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down
   576x1536) at decode batch sizes M in {8, 16, 32, 64, 128}, weights cycled cold, interleaved; per row
@@ -255,6 +256,8 @@ def crossover_rows(
                 fns["dequant_gemm_bf16"] = lambda x=x, w=w, lin=lin: lin._dequant_gemm(
                     x, w, kernel, torch.bfloat16
                 )
+            if kernel.bf16:
+                fns["kernel_bf16"] = lambda x=x, w=w: kernel.linear(x, w, compute=torch.bfloat16)
             t = timed(fns, reps)
             row: dict[str, object] = {
                 "shape": shape_name,
@@ -267,6 +270,11 @@ def crossover_rows(
             if bf16:
                 row["dequant_gemm_bf16_ms"] = round(statistics.median(t["dequant_gemm_bf16"]), 3)
                 row["bf16_over_kernel"] = round(median_ratio(t["kernel"], t["dequant_gemm_bf16"]), 2)
+            if kernel.bf16:  # the kernel's own bf16 path against bf16 dequantize + GEMM: BF16_GEMM_MIN_ROWS
+                row["kernel_bf16_ms"] = round(statistics.median(t["kernel_bf16"]), 3)
+                row["kernel_bf16_over_dequant_gemm_bf16"] = round(
+                    median_ratio(t["dequant_gemm_bf16"], t["kernel_bf16"]), 2
+                )
             rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
