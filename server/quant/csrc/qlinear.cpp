@@ -557,6 +557,7 @@ KI_BF16_TARGET void dequant_row_bf16_g32(const KiQWeight& w, int64_t n, uint16_t
   const uint8_t* row = w.q + n * w.row_bytes;
   const int64_t blocks_per_group = w.group_size / 32;
   const __m512 zp = _mm512_set1_ps(static_cast<float>(w.zero_point));
+  const bool zp_on = w.zero_point != 0;
   for (int64_t g = 0; g < w.groups; ++g) {
     const __m512 d = _mm512_set1_ps(load_scale<F16>(w.scales, n * w.groups + g));
     const __m512 m = _mm512_set1_ps(w.mins ? load_scale<F16>(w.mins, n * w.groups + g) : 0.0f);
@@ -571,8 +572,11 @@ KI_BF16_TARGET void dequant_row_bf16_g32(const KiQWeight& w, int64_t n, uint16_t
         lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f)));
         hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
       }
-      lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_sub_ps(lo, zp)), m);
-      hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_sub_ps(hi, zp)), m);
+      // The zero point and the min only where the format has them (predictable branches): subtracting
+      // 0 or adding 0 changes no value but the sign of a zero, which no sum sees.
+      if (zp_on) lo = _mm512_sub_ps(lo, zp), hi = _mm512_sub_ps(hi, zp);
+      lo = _mm512_mul_ps(d, lo), hi = _mm512_mul_ps(d, hi);
+      if (w.mins) lo = _mm512_add_ps(lo, m), hi = _mm512_add_ps(hi, m);
       _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
