@@ -13,9 +13,10 @@ bf16 batched path (csrc/qlinear.cpp: bf16 operands, fp32 sums and output; the de
 AVX512-BF16 is usable. Everything else stays fp32: the residual
 stream (a sum of 60 layer outputs, where bf16's 8-bit mantissa would lose the small updates), RMSNorm
 (a mean of squares), rotary, softmax and attention (their inputs come from the fp32 KV cache, and the
-attention kernel is memory-bound at our context lengths: bf16 would buy nothing there), the LM head's
-logits (sampling and logprobs read them) and decode of 1..3 rows, whose GEMV is bound by the weight's
-bytes, not by FLOPs (the fp32 kernel reads the same quantized bytes either way).
+attention kernel is memory-bound at our context lengths: bf16 would buy nothing there), and decode of
+1..3 rows, whose GEMV is bound by the weight's bytes, not by FLOPs (the fp32 kernel reads the same
+quantized bytes either way). A GGUF's tied LM head is a BlockQuantLinear and follows gemm_dtype like the
+projections (bf16 operands from 4 rows); its logits, the output, stay fp32.
 """
 
 from __future__ import annotations
