@@ -71,6 +71,18 @@ def test_bf16_batched_path_is_the_bf16_product_in_fp32_sums(
     assert bool((err32 > bound).any())
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [100, 255])
+def test_bf16_several_chunks_of_packed_x(bf16_kernel: QLinearKernel, fmt: str, m: int) -> None:
+    """K = 4096: four 16-row blocks per chunk of packed x, so pairs of blocks, single blocks and 8-row
+    blocks all occur across chunks."""
+    w = make_weight(fmt, 13, 4096, seed=m)
+    x = torch.randn(m, 4096)
+    y = bf16_kernel.linear(x, w, compute=torch.bfloat16)
+    ref, bound = bf16_reference(x, w, None)
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("k", [7, 33, 100])
 @pytest.mark.parametrize("m", [5, 19])
 def test_bf16_odd_k_pads_the_last_pair(bf16_kernel: QLinearKernel, k: int, m: int) -> None:
