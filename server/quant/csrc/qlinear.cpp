@@ -22,7 +22,9 @@
 //           dequantize + torch GEMM, chosen in Python.) Crossovers: benchmarks/cpu_qlinear.py.
 // The AVX2 code path is compiled where the build machine has AVX2 (-march=native), elsewhere a portable
 // path that the compiler vectorizes for the machine's own vector width. On x86-64 the batched path's
-// micro-kernel also has an AVX-512 variant, compiled always and chosen at run time (see below).
+// micro-kernel also has an AVX-512 variant, compiled always and chosen at run time (see below), and the
+// batched path a bf16 variant (AVX512-BF16, "batched path in bf16" below) for weights whose descriptor
+// asks for bf16 compute: x and W rounded to bf16, fp32 sums and output.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
