@@ -15,9 +15,15 @@ Figures:
   GB/s of weight streamed, GFLOP/s, fraction of the measured bandwidth and of the measured GEMM peak;
   `speedup_vs_fp32` is the median of the per-repetition ratios (robust on a shared machine).
 - `small_m`: M = 2..8 through the GEMV path (W re-read from cache per row) and through the
-  dequantized-panel GEMM: where qlinear.cpp's `gemv_max_rows` comes from.
+  dequantized-panel GEMM (and its bf16 variant where the CPU has AVX512-BF16): where qlinear.cpp's
+  `gemv_max_rows` comes from.
 - `crossover`: our batched kernel vs dequantize + torch's fp32 GEMM at prefill-sized M: where
-  block_linear.GEMM_MIN_ROWS comes from.
+  block_linear.GEMM_MIN_ROWS comes from (and, where the CPU has AVX512-BF16, the kernel's bf16 path vs
+  bf16 dequantize + GEMM: BF16_GEMM_MIN_ROWS).
+- `bf16`: the kernel's batched path in fp32 against its bf16 path (compute=bfloat16, AVX512-BF16 only) on
+  the embedded SmolLM2's fused projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down
+  576x1536) at decode batch sizes M in {8, 16, 32, 64, 128}, weights cycled cold, interleaved; per row
+  both times, the bf16 path's GFLOP/s and `bf16_speedup` (median of per-repetition ratios).
 Times are medians of interleaved repetitions, wall clock.
 """
 
@@ -206,16 +212,25 @@ def small_m_rows(kernel: cq.QLinearKernel, cold: int, reps: int) -> list[dict[st
                 kernel.set_gemv_max_rows(m - 1)
                 kernel.linear(x, cyc.next_q())
 
-            t = timed({"gemv": gemv, "panel": panel}, reps)
-            rows.append(
-                {
-                    "format": fmt,
-                    "M": m,
-                    "gemv_ms": round(statistics.median(t["gemv"]), 3),
-                    "panel_ms": round(statistics.median(t["panel"]), 3),
-                    "panel_over_gemv": round(median_ratio(t["gemv"], t["panel"]), 2),
-                }
-            )
+            def panel_bf16(x: torch.Tensor = x, m: int = m, cyc: Cycle = cyc) -> None:
+                kernel.set_gemv_max_rows(m - 1, m - 1)
+                kernel.linear(x, cyc.next_q(), compute=torch.bfloat16)
+
+            fns: dict[str, Callable[[], object]] = {"gemv": gemv, "panel": panel}
+            if kernel.bf16:
+                fns["panel_bf16"] = panel_bf16
+            t = timed(fns, reps)
+            row: dict[str, object] = {
+                "format": fmt,
+                "M": m,
+                "gemv_ms": round(statistics.median(t["gemv"]), 3),
+                "panel_ms": round(statistics.median(t["panel"]), 3),
+                "panel_over_gemv": round(median_ratio(t["gemv"], t["panel"]), 2),
+            }
+            if kernel.bf16:  # the bf16 panel path against the (fp32) GEMV: gemv_max_rows under bf16
+                row["panel_bf16_ms"] = round(statistics.median(t["panel_bf16"]), 3)
+                row["panel_bf16_over_gemv"] = round(median_ratio(t["gemv"], t["panel_bf16"]), 2)
+            rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     kernel.set_gemv_max_rows(cq.GEMV_MAX_ROWS)
     return rows
@@ -241,6 +256,8 @@ def crossover_rows(
                 fns["dequant_gemm_bf16"] = lambda x=x, w=w, lin=lin: lin._dequant_gemm(
                     x, w, kernel, torch.bfloat16
                 )
+            if kernel.bf16:
+                fns["kernel_bf16"] = lambda x=x, w=w: kernel.linear(x, w, compute=torch.bfloat16)
             t = timed(fns, reps)
             row: dict[str, object] = {
                 "shape": shape_name,
@@ -253,8 +270,58 @@ def crossover_rows(
             if bf16:
                 row["dequant_gemm_bf16_ms"] = round(statistics.median(t["dequant_gemm_bf16"]), 3)
                 row["bf16_over_kernel"] = round(median_ratio(t["kernel"], t["dequant_gemm_bf16"]), 2)
+            if kernel.bf16:  # the kernel's own bf16 path against bf16 dequantize + GEMM: BF16_GEMM_MIN_ROWS
+                row["kernel_bf16_ms"] = round(statistics.median(t["kernel_bf16"]), 3)
+                row["kernel_bf16_over_dequant_gemm_bf16"] = round(
+                    median_ratio(t["dequant_gemm_bf16"], t["kernel_bf16"]), 2
+                )
             rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+BF16_SHAPES = {
+    "qkv_960x576": (960, 576),
+    "o_576x576": (576, 576),
+    "gate_up_3072x576": (3072, 576),
+    "down_576x1536": (576, 1536),
+}
+
+
+def bf16_rows(
+    kernel: cq.QLinearKernel, fmts: list[str], ms: list[int], cold: int, reps: int
+) -> list[dict[str, object]]:
+    """The batched kernel in fp32 against its bf16 path, per format, shape and M (see the docstring)."""
+    if not kernel.bf16:
+        return [{"skipped": "no usable AVX512-BF16 here (or KUBEINFER_CPU_DISABLE turned it off)"}]
+    rows: list[dict[str, object]] = []
+    for fmt in fmts:
+        for shape_name, (n, k) in BF16_SHAPES.items():
+            cyc = Cycle(make(fmt, n, k), cold)
+            for m in ms:
+                x = torch.randn(m, k)
+                t = timed(
+                    {
+                        "fp32": lambda x=x, cyc=cyc: kernel.linear(x, cyc.next_q()),
+                        "bf16": lambda x=x, cyc=cyc: kernel.linear(x, cyc.next_q(), compute=torch.bfloat16),
+                    },
+                    reps,
+                )
+                ms32, ms16 = statistics.median(t["fp32"]), statistics.median(t["bf16"])
+                flop = 2 * m * n * k
+                rows.append(
+                    {
+                        "format": fmt,
+                        "shape": shape_name,
+                        "M": m,
+                        "fp32_ms": round(ms32, 3),
+                        "bf16_ms": round(ms16, 3),
+                        "fp32_GFLOPs": round(flop / ms32 / 1e6, 1),
+                        "bf16_GFLOPs": round(flop / ms16 / 1e6, 1),
+                        "bf16_speedup": round(median_ratio(t["fp32"], t["bf16"]), 2),
+                    }
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -264,7 +331,8 @@ def main() -> None:
     ap.add_argument("--rss", action="store_true")
     ap.add_argument("--reps", type=int, default=0)
     ap.add_argument("--formats", default="q4_0,q4_1,q8_0,int8,int4")
-    ap.add_argument("--only", default="kernels,small_m,crossover", help="sections to run")
+    ap.add_argument("--only", default="kernels,small_m,crossover,bf16", help="sections to run")
+    ap.add_argument("--bf16-formats", default="q4_1,q8_0", help="formats of the `bf16` section")
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
     ap.add_argument("--crossover-rows", default="", help="comma-separated M for `crossover`")
     ap.add_argument("--crossover-format", default="q4_1")
@@ -282,6 +350,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "kernel_isa": kernel.isa,
+            "kernel_bf16": kernel.bf16,
             "mem_read_GBps": round(bw, 2),
             "fp32_gemm_GFLOPs": round(peak, 1),
             "llc_MiB": llc_bytes() >> 20,
@@ -302,6 +371,9 @@ def main() -> None:
         if args.crossover_rows:
             cross_ms = [int(m) for m in args.crossover_rows.split(",")]
         out["crossover"] = crossover_rows(kernel, cross_ms, reps, args.crossover_format)
+    if "bf16" in sections:
+        bf16_ms = [8, 16] if args.smoke else [8, 16, 32, 64, 128]
+        out["bf16"] = bf16_rows(kernel, args.bf16_formats.split(","), bf16_ms, cold, reps)
     if args.rss:
         out["rss"] = rss_of_embedded_model()
     out["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)  # type: ignore[index]

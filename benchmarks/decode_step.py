@@ -1,6 +1,7 @@
 """Decode step time of the embedded GGUF model by how the layer loop runs; prints JSON.
 
     python benchmarks/decode_step.py [--users 1 16 --prompt-len 128 --steps 40]
+    python benchmarks/decode_step.py --gemm-dtypes float32 bfloat16 --users 16 32   # graph, fp32 vs bf16
 
 Three ways through the same engine, same weights, same batch, taking single steps in rotation so that
 the machine's load hits all three alike:
@@ -8,6 +9,9 @@ the machine's load hits all three alike:
 - `fused`: the Python-driven loop over the compiled fused ops (server/models/cpu_fused.py);
 - `torch`: the Python loop over plain torch ops between the projection kernels.
 Per mode: decode step ms p50 and min, and the speedups of graph and fused over torch (p50 ratio).
+With `--gemm-dtypes`, the modes are the decode graph under each projection gemm_dtype instead
+(server/quant/gemm_dtype.py: bf16 runs the kernel's bf16 batched path), rotated the same way, and the
+speedup is over the first dtype.
 The engine is driven directly (no HTTP); benchmarks/peers_side_by_side.py measures the served whole.
 """
 
@@ -31,13 +35,17 @@ from peers_side_by_side import cpu_info
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
+from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
 MODES = ("graph", "fused", "torch")
 
 
-def measure(engine: LLMEngine, users: int, prompt_len: int, steps: int) -> dict[str, object]:
+def measure(
+    engine: LLMEngine, users: int, prompt_len: int, steps: int, gemm_dtypes: list[str] | None = None
+) -> dict[str, object]:
     model = engine.loaded.model
+    default_dtype = next((m.gemm_dtype for m in model.modules() if hasattr(m, "gemm_dtype")), torch.float32)
     ops = model.fused_ops
     if ops is None:
         raise SystemExit("the fused CPU ops are unavailable here (no compiler?): nothing to compare")
@@ -49,23 +57,31 @@ def measure(engine: LLMEngine, users: int, prompt_len: int, steps: int) -> dict[
         )
     while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
         engine.step()  # every prompt prefilled: from here on each step is a pure decode step
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    modes = tuple(f"graph_{d}" for d in gemm_dtypes) if gemm_dtypes else MODES
+    times: dict[str, list[float]] = {m: [] for m in modes}
     for i in range(steps):
-        for mode in MODES[i % 3 :] + MODES[: i % 3]:
-            model.fused_ops = None if mode == "torch" else ops
-            model.use_decode_graph = mode == "graph"
+        j = i % len(modes)
+        for mode in modes[j:] + modes[:j]:
+            if gemm_dtypes:
+                apply_gemm_dtype(model, getattr(torch, mode.removeprefix("graph_")))
+            else:
+                model.fused_ops = None if mode == "torch" else ops
+                model.use_decode_graph = mode == "graph"
             t0 = time.perf_counter()
             engine.step()
             times[mode].append(time.perf_counter() - t0)
     model.fused_ops, model.use_decode_graph = ops, True
+    apply_gemm_dtype(model, default_dtype)
     for i in range(users):
         engine.abort_request(f"u{users}-{i}")
     p50 = {m: statistics.median(v) * 1e3 for m, v in times.items()}
+    base = modes[0] if gemm_dtypes else "torch"
     return {
         "users": users,
         "step_ms_p50": {m: round(v, 3) for m, v in p50.items()},
         "step_ms_min": {m: round(min(v) * 1e3, 3) for m, v in times.items()},
-        "speedup_vs_torch_p50": {m: round(p50["torch"] / p50[m], 3) for m in ("graph", "fused")},
+        f"speedup_vs_{base}_p50": {m: round(p50[base] / p50[m], 3) for m in modes if m != base},
+        "output_tok_per_s_p50": {m: round(users * 1e3 / v, 1) for m, v in p50.items()},
     }
 
 
@@ -74,6 +90,9 @@ def main() -> None:
     ap.add_argument("--users", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40, help="steps per mode")
+    ap.add_argument(
+        "--gemm-dtypes", nargs="+", choices=["float32", "bfloat16"], help="compare the graph under these"
+    )
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=CacheConfig()))
     result = {
@@ -81,7 +100,8 @@ def main() -> None:
         "cpu": cpu_info(),
         "threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()),
-        "runs": [measure(engine, u, args.prompt_len, args.steps) for u in args.users],
+        "runs": [measure(engine, u, args.prompt_len, args.steps, args.gemm_dtypes) for u in args.users],
+        "load_average_at_end": list(os.getloadavg()),
     }
     print(json.dumps(result, indent=2))
 

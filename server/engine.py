@@ -35,6 +35,7 @@ from server.models.loader import (
 )
 from server.models.serving_weights import prepare_for_serving
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS
+from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype
 from server.request import (
     FinishReason,
@@ -153,7 +154,12 @@ class LLMEngine:
             )
             self.gemm_dtype = cpu_gemm_dtype(compute)
             if apply_gemm_dtype(self.loaded.model, self.gemm_dtype) and self.gemm_dtype == torch.bfloat16:
-                log.info("block-quantized GEMMs of %d+ rows in bfloat16", BF16_GEMM_MIN_ROWS)
+                log.info(
+                    "block-quantized GEMMs of %d+ rows in bfloat16 (the kernel's AVX512-BF16 path where usable; "
+                    "dequantize + GEMM from %d rows)",
+                    BF16_GEMV_MAX_ROWS + 1,
+                    BF16_GEMM_MIN_ROWS,
+                )
         template = _chat_template(config.model.chat_template)
         if template is None and config.model.model is None:
             # The embedded SmolLM2's own template knows no tools; ours renders the same without them.

@@ -1,8 +1,10 @@
 """A whole decode step's decoder layers in one compiled call (CPU, fp32, block-quantized projections).
 
-Under bf16 GEMMs (server/quant/gemm_dtype.py) it still serves decode batches below BF16_GEMM_MIN_ROWS
-on the fp32 kernel (`DecodeGraph.max_rows`; why in the comment on MAX_ROWS); larger ones go through
-the Python path, whose projections then run their bf16 GEMMs.
+Under bf16 GEMMs (server/quant/gemm_dtype.py) it serves decode batches below BF16_GEMM_MIN_ROWS
+(`DecodeGraph.max_rows`) with each weight descriptor's `compute` flag set from its projection's
+gemm_dtype, so that the kernel runs batches of 4..255 rows on its bf16 batched path (AVX512-BF16; the
+GEMV of 1..3 rows stays fp32), exactly as BlockQuantLinear does from Python; larger batches go through
+the Python path, whose projections then run their bf16 dequantize + GEMM.
 
 On this machine a one-token step of the embedded SmolLM2 spends ~8 ms in its 121 weight kernels and ~9 ms
 in Python around them: module calls, argument checks and ctypes marshalling, ~300 us per layer. Like a
@@ -33,7 +35,7 @@ from server.attention.torch_backend import TorchAttentionBackend
 from server.models.cpu_fused import FusedOps
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import decode_qlinear_address
-from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, weight_descriptor
+from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, compute_flag, weight_descriptor
 
 if TYPE_CHECKING:  # llama.py imports this module
     from server.models.llama import LlamaForCausalLM, RMSNorm
@@ -127,9 +129,9 @@ class DecodeGraph:
     # BlockQuantLinear sends M >= GEMM_MIN_ROWS to dequantize + torch GEMM, the graph always to the kernel:
     # above this the two paths would sum in different orders, so the Python path serves such steps.
     # With bf16 GEMMs (gemm_dtype.py) the bound is lower, BF16_GEMM_MIN_ROWS - 1 (`max_rows`): larger
-    # pure-decode batches go through the Python path and its bf16 GEMMs. Below it the graph keeps the
-    # fp32 kernel on purpose: a decode batch of up to a few hundred rows is bound by the weight's bytes,
-    # and the kernel beat bf16 dequantize + GEMM there (benchmarks/cpu_qlinear.py `crossover`).
+    # pure-decode batches go through the Python path and its bf16 GEMMs. Below it the graph calls the
+    # kernel with each projection's compute flag: bf16 batches of 4..255 rows run the kernel's bf16
+    # path, the same call BlockQuantLinear makes (benchmarks/cpu_qlinear.py `bf16`).
     MAX_ROWS: ClassVar[int] = GEMM_MIN_ROWS - 1
 
     ops: FusedOps
@@ -137,6 +139,7 @@ class DecodeGraph:
     cache_shape: torch.Size  # [num_blocks, block_size, Hkv, D] of every layer's K and V cache
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
     projections: list[list[BlockQuantLinear]]  # per layer: qkv, o, gate_up, down
+    descriptors: list[KiQWeight]  # the projections' descriptors, in the same order (flattened)
     # Kept alive: the C side holds raw pointers into these.
     _keep: tuple[object, ...]
 
@@ -201,7 +204,7 @@ class DecodeGraph:
                 return None
             weights = [m.weight_q for m in linears]
             kept_weights.extend(weights)  # the descriptors point into their tensors
-            descs = [weight_descriptor(w) for w in weights]
+            descs = [weight_descriptor(w, m.gemm_dtype) for w, m in zip(weights, linears, strict=True)]
             descriptors.extend(descs)
             structs[i] = _Layer(
                 ctypes.addressof(descs[0]),
@@ -242,6 +245,7 @@ class DecodeGraph:
             cache_shape=shape,
             dims=(hidden, inter, hq, hkv, d),
             projections=projections,
+            descriptors=descriptors,
             _keep=(descriptors, kept_weights, structs, norms, projections, kv_caches),
         )
 
@@ -250,6 +254,15 @@ class DecodeGraph:
         """The most rows this graph serves: below every projection's `gemm_min_rows` (read now, so a
         gemm_dtype set after recording is honoured)."""
         return min(m.gemm_min_rows for mods in self.projections for m in mods) - 1
+
+    def sync_compute(self) -> None:
+        """Sets each descriptor's compute flag from its projection's gemm_dtype now (apply_gemm_dtype
+        may run after recording); a few attribute reads per projection, run before every step."""
+        modules = (m for mods in self.projections for m in mods)
+        for desc, m in zip(self.descriptors, modules, strict=True):
+            flag = compute_flag(m.gemm_dtype)
+            if desc.compute != flag:
+                desc.compute = flag
 
     @property
     def num_cache_slots(self) -> int:  # num_blocks * block_size
@@ -281,6 +294,7 @@ class DecodeGraph:
         if t and (int(slots.min()) < 0 or int(slots.max()) >= self.num_cache_slots):
             raise ValueError("slot_mapping: slot out of range of the cache")
         seqs = torch.arange(t, dtype=torch.int64)
+        self.sync_compute()
         check_decode_indices(t, self.cache_shape, tables, ctx, seqs, seqs)
         out = torch.empty(t, hidden)
         scratch = torch.empty(t, 2 * hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter)

@@ -14,8 +14,9 @@ Paths (the compiled kernel, server/quant/csrc/qlinear.cpp):
   server/quant/gemm_dtype.py): from M = BF16_GEMM_MIN_ROWS up the same dequantize + GEMM in bf16 (x and
   each slice rounded to bf16, bf16 products accumulated in fp32 by oneDNN, the bf16 result widened to
   fp32). Only the GEMM's inputs and output are bf16: the module still takes and returns fp32, so the
-  residual stream, norms, rotary, softmax and attention stay fp32 around it. Below that M the fp32
-  kernel serves as before: there the weight's bytes, not FLOPs, bound the time;
+  residual stream, norms, rotary, softmax and attention stay fp32 around it. Below that M the kernel
+  serves, told the layer's dtype (small_m_linear's `compute`): from 4 rows its bf16 batched path where
+  AVX512-BF16 is usable (bf16 operands, fp32 sums and output), the fp32 GEMV below;
 - no compiler: the plain-torch reference (dequantize, then matmul), slower but the same function.
 """
 
@@ -67,8 +68,8 @@ def _weight(module: BlockQuantLinear | BlockQuantEmbedding, meta: BlockQuantWeig
 
 
 class BlockQuantLinear(QuantLinear):
-    """y = x @ W^T + bias with W block-quantized; fp32 activations and accumulation (GEMMs of
-    M >= BF16_GEMM_MIN_ROWS rows in bf16 when `gemm_dtype` is torch.bfloat16)."""
+    """y = x @ W^T + bias with W block-quantized; fp32 activations and accumulation (with `gemm_dtype`
+    torch.bfloat16, GEMMs of 4 rows and more take bf16 operands: module docstring)."""
 
     q: Tensor
     scales: Tensor
@@ -131,7 +132,7 @@ class BlockQuantLinear(QuantLinear):
         elif x2.shape[0] >= self.gemm_min_rows:
             y = self._dequant_gemm(x2, w, self.kernel, self.gemm_dtype)
         else:  # decode-sized M: int8 activations where that switch is on (cpu_qgemv_q8.py)
-            y = small_m_linear(self.kernel, x2, w, self.bias)
+            y = small_m_linear(self.kernel, x2, w, self.bias, self.gemm_dtype)
         return y.reshape(*lead, self.out_features).to(dtype)
 
     def _dequant_gemm(

@@ -224,13 +224,19 @@ def active_kernel(kernel: QLinearKernel) -> Q8GemvKernel | None:
     return try_load_q8_gemv_kernel(kernel) if int8_gemv_enabled() else None
 
 
-def small_m_linear(kernel: QLinearKernel, x: Tensor, w: BlockQuantWeight, bias: Tensor | None) -> Tensor:
-    """BlockQuantLinear's kernel call for M < GEMM_MIN_ROWS: the int8 GEMV where the switch is on and it
-    takes (w, M), else qlinear's; the same choice as the decode graph's entry point makes in C++."""
+def small_m_linear(
+    kernel: QLinearKernel,
+    x: Tensor,
+    w: BlockQuantWeight,
+    bias: Tensor | None,
+    compute: torch.dtype = torch.float32,  # the layer's gemm_dtype: bf16 lets qlinear's batched path run in bf16
+) -> Tensor:
+    """BlockQuantLinear's kernel call for M < its gemm_min_rows: the int8 GEMV where the switch is on and
+    it takes (w, M), else qlinear's; the same choice as the decode graph's entry point makes in C++."""
     q8 = active_kernel(kernel)
     if q8 is not None and q8.supports(w, x.shape[0]):
         return q8.linear(x, w, bias)
-    return kernel.linear(x, w, bias)
+    return kernel.linear(x, w, bias, compute=compute)
 
 
 def decode_qlinear_address(kernel: QLinearKernel) -> int:

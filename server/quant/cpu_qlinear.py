@@ -50,13 +50,14 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
-ABI_VERSION = 2
+ABI_VERSION = 3  # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
 NATIVE = NativeSource("qlinear", SOURCE, COMPILE_FLAGS, abi_version=ABI_VERSION)
 BLOCK = 32  # values per GGUF block
 GEMV_MAX_ROWS = 4  # qlinear.cpp's default gemv_max_rows (benchmarks/cpu_qlinear.py `small_m`)
+BF16_GEMV_MAX_ROWS = 3  # its bf16_gemv_max_rows: under bf16 compute the batched path starts at M = 4
 
 # GGUF block layouts: bytes per 32-block, and whether a min follows the scale.
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
@@ -348,12 +349,25 @@ class KiQWeight(ctypes.Structure):
         ("bits", ctypes.c_int32),
         ("zero_point", ctypes.c_int32),
         ("scale_is_f16", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("compute", ctypes.c_int32),  # COMPUTE_FP32 or COMPUTE_BF16
     ]
 
 
-def weight_descriptor(w: BlockQuantWeight) -> KiQWeight:
-    """The kernel's view of `w` (struct KiQWeight in csrc/qlinear.cpp); it holds raw pointers into w's tensors."""
+COMPUTE_FP32, COMPUTE_BF16 = 0, 1  # KiQWeight.compute (csrc/qlinear.cpp's KI_COMPUTE_*)
+
+
+def compute_flag(compute: torch.dtype) -> int:
+    """KiQWeight.compute for a layer whose gemm_dtype is `compute` (fp32 or bf16; ValueError otherwise)."""
+    if compute == torch.bfloat16:
+        return COMPUTE_BF16
+    if compute == torch.float32:
+        return COMPUTE_FP32
+    raise ValueError(f"block-quantized kernels compute in float32 or bfloat16, not {compute}")
+
+
+def weight_descriptor(w: BlockQuantWeight, compute: torch.dtype = torch.float32) -> KiQWeight:
+    """The kernel's view of `w` (struct KiQWeight in csrc/qlinear.cpp); it holds raw pointers into w's tensors.
+    `compute` bf16 lets the batched path (M > BF16_GEMV_MAX_ROWS) run in bf16 where the CPU has AVX512-BF16."""
     return KiQWeight(
         w.q.data_ptr(),
         w.scales.data_ptr(),
@@ -366,7 +380,7 @@ def weight_descriptor(w: BlockQuantWeight) -> KiQWeight:
         w.bits,
         w.zero_point,
         int(w.scales.dtype == torch.float16),
-        0,
+        compute_flag(compute),
     )
 
 
@@ -377,6 +391,7 @@ class QLinearKernel:
     lib: ctypes.CDLL
     path: Path
     isa: str  # "avx512" (usable_cpu_features().avx512f), "avx2" or "portable": the path this build runs here
+    bf16: bool = False  # the bf16 batched path runs here (usable avx512_bf16): compute=bf16 takes it
 
     def linear(
         self,
@@ -384,14 +399,20 @@ class QLinearKernel:
         w: BlockQuantWeight,
         bias: Tensor | None = None,  # [N] fp32
         out: Tensor | None = None,  # [M, N] fp32, unit stride within a row
+        compute: torch.dtype = torch.float32,  # bf16: M > BF16_GEMV_MAX_ROWS in bf16 where `self.bf16`
     ) -> Tensor:  # [M, N] fp32
+        """With compute=torch.bfloat16 and `self.bf16`, M > BF16_GEMV_MAX_ROWS rows compute
+        round_bf16(x) @ round_bf16(W)^T in fp32 sums (csrc/qlinear.cpp, "batched path in bf16"); else
+        fp32, bit for bit the compute=float32 result. TypeError/ValueError for arguments the kernel
+        cannot take (check_linear_args), RuntimeError if it fails."""
         x, out = check_linear_args(x, w, bias, out)
-        return call_linear(self.lib.kubeinfer_qlinear, "qlinear", x, w, bias, out)
+        return call_linear(self.lib.kubeinfer_qlinear, "qlinear", x, w, bias, out, compute)
 
-    def set_gemv_max_rows(self, rows: int) -> None:
+    def set_gemv_max_rows(self, rows: int, bf16_rows: int = BF16_GEMV_MAX_ROWS) -> None:
         """M up to `rows` takes the GEMV path, larger M the batched one (a benchmark's knob; default
-        GEMV_MAX_ROWS). Process-wide: never call it while another thread runs the kernel."""
-        self.lib.kubeinfer_qlinear_set_gemv_max_rows(max(1, int(rows)))
+        GEMV_MAX_ROWS; `bf16_rows` the same under bf16 compute). Process-wide: never call it while another
+        thread runs the kernel."""
+        self.lib.kubeinfer_qlinear_set_gemv_max_rows(max(1, int(rows)), max(1, int(bf16_rows)))
 
     def dequantize_rows(
         self,
@@ -446,13 +467,21 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     lib.kubeinfer_qlinear_isa.restype = ctypes.c_char_p
     lib.kubeinfer_qlinear_has_avx512_path.restype = i32
     lib.kubeinfer_qlinear_set_gemv_max_rows.restype = None
-    lib.kubeinfer_qlinear_set_gemv_max_rows.argtypes = [i64]
+    lib.kubeinfer_qlinear_set_gemv_max_rows.argtypes = [i64, i64]
     lib.kubeinfer_qlinear_set_avx512.restype = None
     lib.kubeinfer_qlinear_set_avx512.argtypes = [i32]
-    # AVX-512 only where the OS enabled its state and KUBEINFER_CPU_DISABLE leaves it on (never cpuinfo
-    # or CPUID alone); the AVX2 path otherwise.
-    lib.kubeinfer_qlinear_set_avx512(int(usable_cpu_features(cache_dir).avx512f))
-    return QLinearKernel(lib, path, lib.kubeinfer_qlinear_isa().decode())
+    lib.kubeinfer_qlinear_set_bf16.restype = None
+    lib.kubeinfer_qlinear_set_bf16.argtypes = [i32]
+    lib.kubeinfer_qlinear_has_bf16_path.restype = i32
+    lib.kubeinfer_qlinear_bf16_enabled.restype = i32
+    # AVX-512 (and its bf16 path) only where the OS enabled its state and KUBEINFER_CPU_DISABLE leaves it
+    # on (never cpuinfo or CPUID alone); the AVX2 fp32 path otherwise.
+    features = usable_cpu_features(cache_dir)
+    lib.kubeinfer_qlinear_set_avx512(int(features.avx512f))
+    lib.kubeinfer_qlinear_set_bf16(int(features.avx512_bf16 and features.avx512bw))
+    return QLinearKernel(
+        lib, path, lib.kubeinfer_qlinear_isa().decode(), bool(lib.kubeinfer_qlinear_bf16_enabled())
+    )
 
 
 def try_load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel | None:
@@ -502,12 +531,13 @@ def call_linear(
     w: BlockQuantWeight,
     bias: Tensor | None,  # [N] fp32
     out: Tensor,  # [M, N] fp32
+    compute: torch.dtype = torch.float32,  # KiQWeight.compute (weight_descriptor)
 ) -> Tensor:  # out
     """Runs `fn` on checked arguments; raises RuntimeError on a non-zero return code."""
     m, n = out.shape
     if m == 0 or n == 0:
         return out
-    desc = weight_descriptor(w)
+    desc = weight_descriptor(w, compute)
     rc = fn(
         ctypes.byref(desc),
         x.data_ptr(),

@@ -6,14 +6,17 @@ CPU computes it natively (AVX512-BF16 or AMX-BF16 usable, server/models/loader.c
 what the OS enables, minus KUBEINFER_CPU_DISABLE), fp32 elsewhere; `bfloat16` asks for bf16, `float32`
 (and `float16`, which the CPU kernels do not run) for fp32.
 
-What runs in bf16 is only the dequantize + GEMM path of BlockQuantLinear from BF16_GEMM_MIN_ROWS rows
-up (server/quant/block_linear.py): x and the dequantized weight are rounded to bf16, oneDNN accumulates
-in fp32, and the product is rounded to bf16 and widened back. Everything else stays fp32: the residual
+What runs in bf16 is BlockQuantLinear's GEMMs (server/quant/block_linear.py): from BF16_GEMM_MIN_ROWS
+rows up its dequantize + GEMM path (x and the dequantized weight rounded to bf16, oneDNN accumulates in
+fp32, the product rounded to bf16 and widened back), and from 4 rows up to that the compiled kernel's
+bf16 batched path (csrc/qlinear.cpp: bf16 operands, fp32 sums and output; the decode graph too), where
+AVX512-BF16 is usable. Everything else stays fp32: the residual
 stream (a sum of 60 layer outputs, where bf16's 8-bit mantissa would lose the small updates), RMSNorm
 (a mean of squares), rotary, softmax and attention (their inputs come from the fp32 KV cache, and the
-attention kernel is memory-bound at our context lengths: bf16 would buy nothing there), the LM head's
-logits (sampling and logprobs read them) and single-row or small-batch decode, whose GEMV is bound by
-the weight's bytes, not by FLOPs (the fp32 kernel reads the same quantized bytes either way).
+attention kernel is memory-bound at our context lengths: bf16 would buy nothing there), and decode of
+1..3 rows, whose GEMV is bound by the weight's bytes, not by FLOPs (the fp32 kernel reads the same
+quantized bytes either way). A GGUF's tied LM head is a BlockQuantLinear and follows gemm_dtype like the
+projections (bf16 operands from 4 rows); its logits, the output, stay fp32.
 """
 
 from __future__ import annotations

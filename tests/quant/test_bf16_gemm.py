@@ -9,8 +9,9 @@ What each test compares, and how close (docs/design.md "bf16 GEMMs" repeats this
   bf16 path against transformers fp32 (the GGUF dequantized): mean error no larger than transformers'
   own bf16's, largest within 0.5 nats and 1.5x transformers bf16's largest; against transformers bf16
   within 0.5 nats (measured: 0.022 mean, 0.19 max against fp32; 0.27 max against bf16);
-- engine, embedded SmolLM2: greedy tokens with bf16 against fp32 GEMMs over 8 prompts of ~300 tokens
-  (prefill through the bf16 GEMM), 24 new tokens each: at least 6 of 8 identical to the end.
+- engine, embedded SmolLM2: greedy tokens with bf16 against fp32 GEMMs over 16 prompts of ~300 tokens
+  (prefill through the bf16 GEMM, then 16-row decode batches through the kernel's bf16 batched path
+  where the CPU has AVX512-BF16), 24 new tokens each: at least 12 of 16 identical to the end.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def test_bf16_gemm_is_torch_bf16_gemm_over_the_dequantized_weight(fmt: str) -> N
     exact = x.double() @ dense.double().t() + bias.double()
     bound = 2.0**-7 * (x.abs().double() @ dense.abs().double().t() + exact.abs())
     assert bool(((y.double() - exact).abs() <= bound).all())
-    # One row fewer stays on the fp32 kernel, bit for bit.
+    # One row fewer stays on the kernel, bit for bit, on its bf16 batched path where the CPU has it.
     xs = x[: BF16_GEMM_MIN_ROWS - 1]
-    assert torch.equal(layer(xs), layer.kernel.linear(xs, w, bias))
+    assert torch.equal(layer(xs), layer.kernel.linear(xs, w, bias, compute=torch.bfloat16))
+    assert torch.equal(layer(xs[:3]), layer.kernel.linear(xs[:3], w, bias))  # the GEMV: fp32
 
 
 def _embedded(**kw: object) -> LLMEngine:
@@ -167,14 +169,26 @@ def test_prompt_logprobs_against_transformers_fp32_and_bf16(embedded: LLMEngine,
 
 
 @needs_bf16
-def test_greedy_tokens_agree_with_fp32_gemms(embedded: LLMEngine) -> None:
-    prompts = _long_prompts(embedded, 8)
+def test_greedy_tokens_agree_with_fp32_gemms(embedded: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.models.decode_graph import DecodeGraph
+
+    prompts = _long_prompts(embedded, 16)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     apply_gemm_dtype(embedded.loaded.model, torch.float32)
     try:
         fp32 = embedded.generate(prompts, params)
     finally:
         apply_gemm_dtype(embedded.loaded.model, torch.bfloat16)
+    rows: list[int] = []
+    run = DecodeGraph.run
+
+    def spy(self, h, cos, sin, meta):  # type: ignore[no-untyped-def]
+        rows.append(h.shape[0])
+        return run(self, h, cos, sin, meta)
+
+    monkeypatch.setattr(DecodeGraph, "run", spy)
     bf16 = embedded.generate(prompts, params)
+    assert rows.count(16) >= 20  # the decode steps ran 16-row batches (bf16 kernel path)
     identical = sum(a == b for a, b in zip(fp32, bf16, strict=True))
-    assert identical >= 6, (identical, fp32, bf16)
+    # measured here (AMD EPYC, AVX512-BF16, 2026-12-01): 16 of 16 identical, the bound keeps the 6-of-8 ratio
+    assert identical >= 12, (identical, fp32, bf16)

@@ -19,6 +19,8 @@ from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:"]
+# Eight sequences: decode batches of 4..8 rows, the kernel's batched path (bf16 under bf16 GEMMs).
+MANY = [*PROMPTS, "Once upon a time", "import numpy as np", "Dear Sir or Madam,", "1, 2, 3,", "Q: why?"]
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +34,13 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:  # kernels built on
     return tmp_path_factory.mktemp("cache")
 
 
-def _generate(engine: LLMEngine, graph: bool) -> tuple[list[list[int]], list[list[float]]]:
+def _generate(
+    engine: LLMEngine, graph: bool, texts: list[str] = PROMPTS
+) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy with logprobs, requests joining one step apart (so prefill and decode steps both occur)."""
     engine.loaded.model.use_decode_graph = graph
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    prompts = [engine.tokenizer.encode(p) for p in texts]
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     lps: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
     pending = list(enumerate(prompts))
@@ -59,6 +63,27 @@ def test_graph_is_bit_identical_to_the_python_path(tiny_q41: Path, cache: Path) 
     assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
     assert got_tokens == want_tokens
     assert got_lps == want_lps  # exact: the same kernels in the same order on the same buffers
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_graph_is_bit_identical_under_bf16_gemms(tiny_q41: Path, cache: Path) -> None:
+    """bf16 GEMMs (the kernel's bf16 batched path for 4..8-row decode batches where the CPU has
+    AVX512-BF16): the graph gives what the Python path gives, bit for bit; switched back to fp32 after
+    recording, it follows (its descriptors' compute flags are synced every step)."""
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+    model = engine.loaded.model
+    apply_gemm_dtype(model, torch.bfloat16)
+    want_tokens, want_lps = _generate(engine, graph=False, texts=MANY)
+    got_tokens, got_lps = _generate(engine, graph=True, texts=MANY)
+    assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
+    assert got_tokens == want_tokens
+    assert got_lps == want_lps
+    apply_gemm_dtype(model, torch.float32)
+    fp32_tokens, fp32_lps = _generate(engine, graph=False, texts=MANY)
+    assert _generate(engine, graph=True, texts=MANY) == (fp32_tokens, fp32_lps)
+    kernel = model.decoder_layers()[0].self_attn.qkv_proj.kernel
+    if kernel is not None and kernel.bf16:
+        assert fp32_lps != want_lps  # the bf16 path really ran
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
@@ -135,8 +160,9 @@ def test_graph_runs_qwen3_qk_norm_bit_identical(tiny_model_factory, cache: Path)
 def test_bf16_decode_batches_from_the_crossover_leave_the_graph(
     tiny_q41: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under bf16 GEMMs the graph serves decode batches below BF16_GEMM_MIN_ROWS on the fp32 kernel; a
-    batch of BF16_GEMM_MIN_ROWS sequences goes through the Python path and its bf16 GEMMs."""
+    """Under bf16 GEMMs the graph serves decode batches below BF16_GEMM_MIN_ROWS on the kernel (its bf16
+    batched path from 5 rows); a batch of BF16_GEMM_MIN_ROWS sequences goes through the Python path and
+    its bf16 dequantize + GEMM."""
     engine = LLMEngine(
         EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache), max_num_seqs=BF16_GEMM_MIN_ROWS)
     )
@@ -157,7 +183,7 @@ def test_bf16_decode_batches_from_the_crossover_leave_the_graph(
     monkeypatch.setattr(BlockQuantLinear, "_dequant_gemm", spy_gemm)
     prompt = engine.tokenizer.encode("one two")
     engine.generate([prompt] * 8, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    assert graph_rows and max(graph_rows) == 8 and not gemm_rows  # small batches: the graph, fp32 kernel
+    assert graph_rows and max(graph_rows) == 8 and not gemm_rows  # small batches: the graph, the kernel
     graph = engine.loaded.model._decode_graph[1]  # type: ignore[index]
     assert graph is not None and graph.max_rows == BF16_GEMM_MIN_ROWS - 1
     graph_rows.clear()

@@ -43,7 +43,7 @@ struct KiQWeight {  // csrc/qlinear.cpp's descriptor, field for field
   const void* scales;
   const void* mins;
   int64_t n, k, group_size, groups, row_bytes;
-  int32_t bits, zero_point, scale_is_f16, reserved;
+  int32_t bits, zero_point, scale_is_f16, compute;  // compute: read by the fallback only
 };
 typedef int32_t (*KiQLinearFn)(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride,
                                const float* bias, float* y, int64_t y_stride, int32_t nthreads);

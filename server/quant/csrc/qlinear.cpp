@@ -22,7 +22,9 @@
 //           dequantize + torch GEMM, chosen in Python.) Crossovers: benchmarks/cpu_qlinear.py.
 // The AVX2 code path is compiled where the build machine has AVX2 (-march=native), elsewhere a portable
 // path that the compiler vectorizes for the machine's own vector width. On x86-64 the batched path's
-// micro-kernel also has an AVX-512 variant, compiled always and chosen at run time (see below).
+// micro-kernel also has an AVX-512 variant, compiled always and chosen at run time (see below), and the
+// batched path a bf16 variant (AVX512-BF16, "batched path in bf16" below) for weights whose descriptor
+// asks for bf16 compute: x and W rounded to bf16, fp32 sums and output.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -43,8 +45,14 @@ struct KiQWeight {
   const void* scales;     // [n, groups] fp16 (scale_is_f16) or fp32
   const void* mins;       // [n, groups] like scales, or null
   int64_t n, k, group_size, groups, row_bytes;
-  int32_t bits, zero_point, scale_is_f16, reserved;
+  int32_t bits, zero_point, scale_is_f16;
+  int32_t compute;  // KI_COMPUTE_FP32, or KI_COMPUTE_BF16: the batched path may run in bf16 (below)
 };
+}
+
+enum : int32_t { KI_COMPUTE_FP32 = 0, KI_COMPUTE_BF16 = 1 };
+
+extern "C" {
 }
 
 namespace {
@@ -502,13 +510,251 @@ void gemv_span(const KiQWeight& w, const float* x, const float* xsum, int64_t n0
 // from here on the dequantized-panel GEMM (measured by benchmarks/cpu_qlinear.py, `small_m`).
 // A tuning knob (kubeinfer_qlinear_set_gemv_max_rows) only so that the benchmark can measure both paths.
 int64_t gemv_max_rows = 4;
+// Under bf16 compute the batched path is cheaper, so it takes over from M = 4 (`small_m`'s panel_bf16 rows:
+// 1.2x the fp32 GEMV at M = 4, even at M = 3, AMD EPYC family 25, 2026-12-01).
+int64_t bf16_gemv_max_rows = 3;
 constexpr int64_t GEMV_CHUNK = 32;  // rows of W per task when several x rows share them: ~9-18 KiB, in L1
+
+// ---------------------------------------------------------------- batched path in bf16 (AVX512-BF16)
+// For a weight whose descriptor asks for bf16 compute (`compute` = KI_COMPUTE_BF16: the layer's
+// gemm_dtype is bf16, server/quant/gemm_dtype.py) on a CPU where avx512_bf16 is usable: the same panels
+// and chunks as the fp32 batched path, but both operands rounded to bf16 (round to nearest even, as
+// torch's .bfloat16(); the instruction treats fp32 denormals as zero) and multiplied by vdpbf16ps, two
+// bf16 products per fp32 lane, accumulated in fp32: 32 multiply-adds per instruction against the fp32
+// FMA's 16. The output stays fp32 (y = round_bf16(x) @ round_bf16(W)^T + bias up to fp32 summation).
+//   - x rows packed per 16-row block as k-pairs: xb[p * 16 + i] = (x[i, 2p], x[i, 2p + 1]) as two bf16
+//     in one 32-bit word (zero past M and past an odd K), so one k-pair of the block is one zmm;
+//   - W's 12-row panel dequantized to fp32 as before, then rounded to bf16 rows whose consecutive k-pairs
+//     are 32-bit words, so each row's pair is one 32-bit broadcast;
+//   - micro-kernels 12 x 32 (two 16-row blocks, 24 zmm accumulators: each broadcast feeds two
+//     instructions), 12 x 16 (12 zmm accumulators, one load of x and 12 broadcasts per k-pair) and
+//     12 x 8 (ymm) for the rows past the 16-row blocks; all sum each output in the same order.
+// Compiled on every x86-64 build through a target attribute like the AVX-512 path; chosen at run time
+// only where bf16_enabled() (Python's usable_cpu_features: avx512_bf16 and avx512bw, not turned off by
+// KUBEINFER_CPU_DISABLE).
+#if KI_AVX512_PATH
+#define KI_BF16_PATH 1
+#define KI_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// src[0, K) -> dst[0, 2 * ceil(K / 2)) bf16 bits, the pad of an odd K zero.
+KI_BF16_TARGET void to_bf16_row(const float* src, int64_t K, uint16_t* dst) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+    _mm512_storeu_si512(dst + k, (__m512i)v);
+  }
+  if (k < K) {
+    const int64_t r = K - k, padded = (r + 1) & ~int64_t{1};
+    const __mmask16 lo = r >= 16 ? 0xffff : static_cast<__mmask16>((1u << r) - 1);
+    const __mmask16 hi = r > 16 ? static_cast<__mmask16>((1u << (r - 16)) - 1) : 0;
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + k + 16), _mm512_maskz_loadu_ps(lo, src + k));
+    _mm512_mask_storeu_epi16(dst + k, static_cast<__mmask32>((uint64_t{1} << padded) - 1), (__m512i)v);
+  }
+}
+
+// Row n of W dequantized straight to bf16 (dst[0, K)), for weights whose groups are whole 32-blocks
+// (K and group_size multiples of 32: every 4-bit format, Q8_0, per-channel int8 with K % 32 == 0): the
+// values of dequant_rows (d * (q - zero_point) + m, the same two roundings), rounded like to_bf16_row,
+// without the fp32 row in between.
+template <int BITS, bool F16>
+KI_BF16_TARGET void dequant_row_bf16_g32(const KiQWeight& w, int64_t n, uint16_t* dst) {
+  const uint8_t* row = w.q + n * w.row_bytes;
+  const int64_t blocks_per_group = w.group_size / 32;
+  const __m512 zp = _mm512_set1_ps(static_cast<float>(w.zero_point));
+  const bool zp_on = w.zero_point != 0;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m512 d = _mm512_set1_ps(load_scale<F16>(w.scales, n * w.groups + g));
+    const __m512 m = _mm512_set1_ps(w.mins ? load_scale<F16>(w.mins, n * w.groups + g) : 0.0f);
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m512 lo, hi;  // k = 32b + [0, 16) and 32b + [16, 32)
+      if constexpr (BITS == 8) {
+        const __m128i* p = reinterpret_cast<const __m128i*>(row + 32 * b);
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+      } else {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
+        lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f)));
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+      }
+      // The zero point and the min only where the format has them (predictable branches): subtracting
+      // 0 or adding 0 changes no value but the sign of a zero, which no sum sees.
+      if (zp_on) lo = _mm512_sub_ps(lo, zp), hi = _mm512_sub_ps(hi, zp);
+      lo = _mm512_mul_ps(d, lo), hi = _mm512_mul_ps(d, hi);
+      if (w.mins) lo = _mm512_add_ps(lo, m), hi = _mm512_add_ps(hi, m);
+      _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// c[r * 16 + i] = sum_p bf16 dot(wb[r * KP + p], xb[p * 16 + i]), r < 12, i < 16, fp32 sums.
+KI_BF16_TARGET void micro_kernel_12x16_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb, float* c) {
+  __m512 acc[12];
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m512bh b = (__m512bh)_mm512_loadu_si512(xb + p * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; ++r) {
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(wb[r * KP + p])), b);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) _mm512_storeu_ps(c + r * 16, acc[r]);
+}
+
+// Two 16-row blocks at once (xb0, xb1 = xb0 + 16 KP): 24 accumulators, each broadcast of W feeding two
+// vdpbf16ps; c[r * 32 + i], i < 16 from xb0, i >= 16 from xb1.
+KI_BF16_TARGET void micro_kernel_12x32_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb0, float* c) {
+  const uint32_t* xb1 = xb0 + 16 * KP;
+  __m512 acc0[12], acc1[12];
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) acc0[r] = _mm512_setzero_ps(), acc1[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(xb0 + p * 16);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(xb1 + p * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(wb[r * KP + p]));
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) _mm512_storeu_ps(c + r * 32, acc0[r]), _mm512_storeu_ps(c + r * 32 + 16, acc1[r]);
+}
+
+// The same on 8 rows of x (ymm, AVX512VL): decode batches of 4..8 rows and the rest past the 16-row
+// blocks, at half the work of a zero-padded 16-row block.
+KI_BF16_TARGET void micro_kernel_12x8_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb, float* c) {
+  __m256 acc[12];
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m256bh b = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + p * 8));
+#pragma GCC unroll 12
+    for (int r = 0; r < 12; ++r) {
+      acc[r] = _mm256_dpbf16_ps(acc[r], (__m256bh)_mm256_set1_epi32(static_cast<int>(wb[r * KP + p])), b);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) _mm256_storeu_ps(c + r * 8, acc[r]);
+}
+
+// Set from Python (usable_cpu_features) before the first call, like avx512_allowed.
+bool bf16_allowed = false;
+bool bf16_enabled() {
+  static const bool on = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl");
+  return on && bf16_allowed;
+}
+
+// x rows [m0, m0 + mb), mb <= MB, packed as k-pairs into xb[p * MB + i] (zero past mb); pairs: scratch of
+// KP words (to_bf16_row writes them through intrinsics, which may alias).
+template <int MB>
+void pack_x_bf16(const float* x, int64_t x_stride, int64_t m0, int64_t mb, int64_t K, int64_t KP, uint32_t* pairs,
+                 uint32_t* xb) {
+  for (int64_t i = 0; i < MB; ++i) {
+    if (i < mb) {
+      to_bf16_row(x + (m0 + i) * x_stride, K, reinterpret_cast<uint16_t*>(pairs));
+      for (int64_t p = 0; p < KP; ++p) xb[p * MB + i] = pairs[p];
+    } else {
+      for (int64_t p = 0; p < KP; ++p) xb[p * MB + i] = 0;
+    }
+  }
+}
+
+// One dequantized bf16 panel (wb) against the packed x rows [m0, m0 + mb) of one block (xb, MB rows).
+template <int MB>
+void panel_block_bf16(const uint32_t* wb, int64_t KP, const uint32_t* xb, int64_t m0, int64_t mb, int64_t n0,
+                      int rows, const float* bias, float* y, int64_t y_stride) {
+  alignas(64) float c[PANEL * MB];
+  if constexpr (MB == 32) {
+    micro_kernel_12x32_bf16(wb, KP, xb, c);
+  } else if constexpr (MB == 16) {
+    micro_kernel_12x16_bf16(wb, KP, xb, c);
+  } else {
+    micro_kernel_12x8_bf16(wb, KP, xb, c);
+  }
+  for (int64_t i = 0; i < mb; ++i) {
+    float* yr = y + (m0 + i) * y_stride + n0;
+    for (int r = 0; r < rows; ++r) yr[r] = c[r * MB + i] + (bias ? bias[n0 + r] : 0.0f);
+  }
+}
+
+// The fp32 batched path's structure (qlinear below): x packed whole (16-row blocks, then 8-row blocks for
+// the rest), one pass over W's panels per chunk of 16-row blocks, the 8-row blocks in the last chunk.
+template <int BITS, bool F16>
+void batched_bf16(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
+                  int64_t y_stride, int nthreads) {
+  const int64_t N = w.n, K = w.k, KP = (K + 1) / 2;
+  const int64_t full = m / 16 * 16, nb16 = full / 16, nb8 = (m - full + 7) / 8;
+  const int64_t per_chunk = std::max<int64_t>(1, PACKED_X_BYTES / (64 * KP));  // 16-row blocks per chunk
+  const int64_t chunks = std::max<int64_t>(1, (nb16 + per_chunk - 1) / per_chunk);
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  const bool g32 = K % 32 == 0 && w.group_size % 32 == 0;  // dequant_row_bf16_g32 takes it
+  std::vector<uint32_t> xb(static_cast<size_t>((full + 8 * nb8) * KP));
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<uint32_t> pairs(static_cast<size_t>(KP));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb16 + nb8; ++b) {
+      if (b < nb16) {
+        pack_x_bf16<16>(x, x_stride, 16 * b, 16, K, KP, pairs.data(), xb.data() + 16 * b * KP);
+      } else {
+        const int64_t i0 = full + 8 * (b - nb16);
+        pack_x_bf16<8>(x, x_stride, i0, std::min<int64_t>(8, m - i0), K, KP, pairs.data(), xb.data() + i0 * KP);
+      }
+    }
+    std::vector<float> wt(g32 ? 0 : static_cast<size_t>(PANEL * K));
+    std::vector<uint32_t> wb(static_cast<size_t>(PANEL * KP), 0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b0 = c * per_chunk, b1 = std::min(nb16, b0 + per_chunk);
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = p * PANEL;
+        const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
+        if (g32) {
+          for (int r = 0; r < rows; ++r) {
+            dequant_row_bf16_g32<BITS, F16>(w, n0 + r, reinterpret_cast<uint16_t*>(wb.data() + r * KP));
+          }
+        } else {
+          dequant_rows<BITS, F16>(w, nullptr, n0, rows, wt.data(), K);
+          for (int r = 0; r < rows; ++r) {
+            to_bf16_row(wt.data() + r * K, K, reinterpret_cast<uint16_t*>(wb.data() + r * KP));
+          }
+        }
+        if (rows < PANEL) std::memset(wb.data() + rows * KP, 0, sizeof(uint32_t) * (PANEL - rows) * KP);
+        int64_t b = b0;
+        for (; b + 1 < b1; b += 2) {  // pairs of 16-row blocks: 1.1-1.2x the single-block kernel at M >= 32
+          panel_block_bf16<32>(wb.data(), KP, xb.data() + 16 * b * KP, 16 * b, 32, n0, rows, bias, y, y_stride);
+        }
+        for (; b < b1; ++b) {
+          panel_block_bf16<16>(wb.data(), KP, xb.data() + 16 * b * KP, 16 * b, 16, n0, rows, bias, y, y_stride);
+        }
+        if (c + 1 == chunks) {
+          for (int64_t i0 = full; i0 < m; i0 += 8) {
+            panel_block_bf16<8>(wb.data(), KP, xb.data() + i0 * KP, i0, std::min<int64_t>(8, m - i0), n0, rows,
+                                bias, y, y_stride);
+          }
+        }
+      }
+    }
+  }
+}
+#else
+#define KI_BF16_PATH 0
+bool bf16_allowed = false;
+inline bool bf16_enabled() { return false; }
+template <int BITS, bool F16>
+void batched_bf16(const KiQWeight&, const float*, int64_t, int64_t, const float*, float*, int64_t, int) {}
+#endif
 
 template <int BITS, bool F16>
 void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
              int64_t y_stride, int nthreads) {
   const int64_t N = w.n, K = w.k;
-  if (m <= gemv_max_rows) {
+  const bool bf16 = w.compute == KI_COMPUTE_BF16 && bf16_enabled();
+  if (m <= (bf16 ? bf16_gemv_max_rows : gemv_max_rows)) {
     const bool g32 = KI_AVX2 && F16 && w.group_size == 32;
     std::vector<float> xsum(g32 ? static_cast<size_t>(m * (K / 32)) : 0);
     for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
@@ -532,6 +778,10 @@ void qlinear(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
       const int64_t n0 = c * GEMV_CHUNK, n1 = std::min(N, n0 + GEMV_CHUNK);
       for (int64_t i = 0; i < m; ++i) gemv_span<BITS, F16>(w, x + i * x_stride, xs(i), n0, n1, bias, y + i * y_stride);
     }
+    return;
+  }
+  if (bf16) {
+    batched_bf16<BITS, F16>(w, x, m, x_stride, bias, y, y_stride, nthreads);
     return;
   }
   // M > 1: x packed whole (its 16-row blocks, then 8-row blocks for the rest), then one pass over W's
@@ -608,6 +858,7 @@ void dequant(const KiQWeight& w, const int64_t* rows, int64_t row0, int64_t nrow
 bool valid(const KiQWeight* w) {
   if (!w || !w->q || !w->scales || w->n < 0 || w->k < 1 || w->group_size < 1 || w->groups < 1) return false;
   if (w->bits != 4 && w->bits != 8) return false;
+  if (w->compute != KI_COMPUTE_FP32 && w->compute != KI_COMPUTE_BF16) return false;
   if ((w->groups - 1) * w->group_size >= w->k || w->groups * w->group_size < w->k) return false;
   if (w->bits == 4 && (w->k % 32 || w->group_size % 32 || w->row_bytes != w->k / 2)) return false;
   if (w->bits == 8 && (w->row_bytes != w->k || (w->groups > 1 && w->group_size % 16))) return false;
@@ -629,14 +880,26 @@ int dispatch(const KiQWeight* w, F&& f) {
 
 extern "C" {
 
-int32_t kubeinfer_qlinear_abi() { return 2; }
+int32_t kubeinfer_qlinear_abi() { return 3; }
 
 // Whether the AVX-512 path may run (the usable-feature probe's answer; off until called). Not
 // thread-safe against running kernels: set once at load.
 void kubeinfer_qlinear_set_avx512(int32_t allowed) { avx512_allowed = allowed != 0; }
 
-// Sets the largest M served by the GEMV path (benchmarks only: not thread-safe against running kernels).
-void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows) { gemv_max_rows = std::max<int64_t>(rows, 1); }
+// Whether the bf16 batched path may run for descriptors that ask for it (the usable-feature probe's
+// avx512_bf16; off until called). Not thread-safe against running kernels: set once at load.
+void kubeinfer_qlinear_set_bf16(int32_t allowed) { bf16_allowed = allowed != 0; }
+
+// 1 when the bf16 batched path is compiled into this build; kubeinfer_qlinear_bf16_enabled: and runs here.
+int32_t kubeinfer_qlinear_has_bf16_path() { return KI_BF16_PATH; }
+int32_t kubeinfer_qlinear_bf16_enabled() { return bf16_enabled() ? 1 : 0; }
+
+// Sets the largest M served by the GEMV path, for fp32 and for bf16 compute (benchmarks only: not
+// thread-safe against running kernels).
+void kubeinfer_qlinear_set_gemv_max_rows(int64_t rows, int64_t bf16_rows) {
+  gemv_max_rows = std::max<int64_t>(rows, 1);
+  bf16_gemv_max_rows = std::max<int64_t>(bf16_rows, 1);
+}
 
 // The code path the batched kernel runs on this CPU: "avx512" (chosen at run time), "avx2" or "portable".
 const char* kubeinfer_qlinear_isa() { return avx512_enabled() ? "avx512" : KI_AVX2 ? "avx2" : "portable"; }
