@@ -2,7 +2,8 @@
 
 `task` embed: BertModel (architectures BertModel / BertForMaskedLM / no head) + the folder's pooling;
 `task` score: BertForSequenceClassification (a cross-encoder). Weights come from model.safetensors
-(with or without the `bert.` prefix); `embeddings.position_ids` buffers are skipped.
+(with or without the `bert.` prefix); `embeddings.position_ids` buffers are skipped. In fp32 on the
+CPU the encoder's layers are replaced by their fused, pre-packed form (bert_cpu.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from server.models.arch import BASE_MODEL_ARCHITECTURES
 
 from .bert import BertConfig, BertForSequenceClassification, BertModel
+from .bert_cpu import cpu_layers_supported, use_cpu_layers
 from .pooler import PoolingConfig, PoolingMode
 
 
@@ -111,6 +113,11 @@ def load_pooling_model(
             f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     module = module.to(dtype).eval()
+    num_parameters = sum(p.numel() for p in module.parameters())  # before packing hides them
+    encoder = module.bert if isinstance(module, BertForSequenceClassification) else module
+    assert isinstance(encoder, BertModel)
+    if cpu_layers_supported(encoder, dtype):  # fused, pre-packed fp32 layers (bert_cpu.py)
+        use_cpu_layers(encoder)
     pooling = PoolingConfig.from_folder(folder, PoolingMode.CLS, cfg)
     max_len = min(pooling.max_seq_length or bc.max_position_embeddings, bc.max_position_embeddings)
     labels = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
@@ -124,7 +131,7 @@ def load_pooling_model(
         num_labels=bc.num_labels,
         id2label=labels or {i: f"LABEL_{i}" for i in range(bc.num_labels)},
         dtype=dtype,
-        num_parameters=sum(p.numel() for p in module.parameters()),
+        num_parameters=num_parameters,
     )
 
 
