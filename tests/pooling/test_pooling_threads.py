@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.pooling.engine import PoolingEngineCore, _NO_SAMPLING
+from server.pooling.engine import _NO_SAMPLING, PoolingEngineCore
 from server.pooling.model import load_pooling_model
 from server.pooling.threads import StepThreads
 from server.request import PoolingParams, Request
