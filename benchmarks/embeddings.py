@@ -280,6 +280,9 @@ def main() -> None:
     ap.add_argument("--one-client-requests", type=int, default=None, help="default 100 (smoke: 10)")
     ap.add_argument("--requests-per-client", type=int, default=None, help="64 clients; default 8 (smoke: 1)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even where it is installed")
+    ap.add_argument(
+        "--dtype", default="auto", help="our server's --dtype (auto = fp32 for pooling; bfloat16: bf16 GEMMs)"
+    )
     ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for vLLM to start")
     args = ap.parse_args()
     from server.cpu_env import configure_cpu_runtime
@@ -312,6 +315,8 @@ def main() -> None:
             "--num-threads",
             str(args.threads),
             "--no-ui",
+            "--dtype",
+            args.dtype,
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -373,6 +378,7 @@ def main() -> None:
                 "machine": {
                     "cpu": platform.processor() or platform.machine(),
                     "threads": args.threads,
+                    "our_dtype": args.dtype,
                     "loadavg_at_start": load_start,
                     "loadavg": os.getloadavg(),
                     "cpus": os.cpu_count(),
