@@ -9,7 +9,9 @@ and `attention_mask` int64 `[batch, seq]`; outputs are `[batch, seq, hidden]` in
 Padding is removed inside the encoder: every per-token op (projections, feed-forward, LayerNorm, most
 of the FLOPs) runs on the packed `[tokens, hidden]` real tokens only, and only attention's score and
 value products see the padded `[batch, heads, seq, seq]` shape (the unpadding of TEI / FlashAttention's
-varlen BERT). A batch of texts of 8-40 words padded to its longest is ~40% padding.
+varlen BERT). A batch of texts of 8-40 words padded to its longest is ~40% padding. A batch with no
+padding (one text, or texts of one length) gets no attention mask: SDPA's unmasked path. In fp32 on
+the CPU the loader swaps the layers for their fused, pre-packed form (bert_cpu.py).
 """
 
 from __future__ import annotations
