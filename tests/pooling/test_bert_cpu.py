@@ -14,7 +14,6 @@ from server.pooling.bert import BertConfig, BertForSequenceClassification, BertM
 from server.pooling.bert_cpu import CpuBertLayer, use_cpu_layers
 from server.pooling.model import load_pooling_model, pooling_dtypes
 
-
 # test_pooling_model.py's texts: short, long, one letter, punctuation, non-ASCII
 TEXTS = [
     "Hello world",
