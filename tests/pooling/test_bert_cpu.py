@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,3 +120,17 @@ def test_bf16_gemms_keep_sentence_transformers_cosine() -> None:
     assert ours.dtype == torch.float32
     cos = torch.nn.functional.cosine_similarity(ours, ref.float())
     assert cos.min().item() >= 0.9999, cos
+
+
+def test_bf16_flag_loads_a_decoder_embedder_in_bf16(tiny_model_factory: Any) -> None:
+    """Our decoder code has no split GEMM dtype: --dtype bfloat16 loads a decoder embedder's weights in
+    bf16; its vectors stay float32 and close to the fp32 model's."""
+    folder = Path(tiny_model_factory("qwen2"))
+    fp32 = load_pooling_model(folder, **pooling_dtypes("auto"))
+    bf16 = load_pooling_model(folder, **pooling_dtypes("bfloat16"))
+    assert (fp32.dtype, bf16.dtype) == (torch.float32, torch.bfloat16)
+    enc = fp32.tokenizer(TEXTS, padding=True, return_tensors="pt")
+    args = (enc["input_ids"], torch.zeros_like(enc["input_ids"]), enc["attention_mask"])
+    a, b = fp32.forward(*args), bf16.forward(*args)
+    assert b.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(a, b).min().item() >= 0.99
