@@ -218,6 +218,11 @@ class _EngineCollector(Collector):
                 "Sequences waiting for the pooling engine's next step.",
                 float(pooling.get("num_waiting", 0)),
             )
+            yield gauge(
+                "kubeinfer_pooling_step_threads",
+                "Intra-op threads the pooling engine's last step ran with (measured choice, at most --num-threads).",
+                float(pooling.get("last_step_threads", 0)),
+            )
         structured = m.structured_source() if m.structured_source is not None else {}
         for metric, doc, key in (
             (

@@ -19,7 +19,7 @@ from server.core.outputs import SchedulerStats
 from server.engine import AsyncEngine, LLMEngine
 from server.metrics import ServerMetrics
 from server.pooling.engine import PoolingEngine
-from server.pooling.model import PoolingTask, load_pooling_model, resolve_task
+from server.pooling.model import PoolingTask, load_pooling_model, pooling_dtypes, resolve_task
 
 from .errors import APIError, ErrorKind
 
@@ -154,7 +154,9 @@ class ServerState:
         ec = self.config.engine
         if ec.device not in ("auto", "cpu"):
             raise ValueError(f"--task {self.task} runs on the CPU only (got --device {ec.device})")
-        model = load_pooling_model(Path(mc.model).expanduser(), PoolingTask(self.task))
+        model = load_pooling_model(
+            Path(mc.model).expanduser(), PoolingTask(self.task), **pooling_dtypes(mc.dtype)
+        )
         engine = PoolingEngine(
             model, ec.max_num_seqs, max(ec.max_num_batched_tokens, model.max_model_len), ec.num_threads
         )

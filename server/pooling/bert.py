@@ -9,7 +9,9 @@ and `attention_mask` int64 `[batch, seq]`; outputs are `[batch, seq, hidden]` in
 Padding is removed inside the encoder: every per-token op (projections, feed-forward, LayerNorm, most
 of the FLOPs) runs on the packed `[tokens, hidden]` real tokens only, and only attention's score and
 value products see the padded `[batch, heads, seq, seq]` shape (the unpadding of TEI / FlashAttention's
-varlen BERT). A batch of texts of 8-40 words padded to its longest is ~40% padding.
+varlen BERT). A batch of texts of 8-40 words padded to its longest is ~40% padding. A batch with no
+padding (one text, or texts of one length) gets no attention mask: SDPA's unmasked path. In fp32 on
+the CPU the loader swaps the layers for their fused, pre-packed form (bert_cpu.py).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(c.hidden_size, c.hidden_size)
         self.value = nn.Linear(c.hidden_size, c.hidden_size)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, packing: _Packing | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, packing: _Packing | None) -> torch.Tensor:
         """x: `[batch, seq, hidden]`, or `[tokens, hidden]` packed when `packing` is given."""
         q, k, v = self.query(x), self.key(x), self.value(x)
         if packing is not None:
@@ -144,7 +146,7 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(c)
         self.output = BertSelfOutput(c)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, packing: _Packing | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, packing: _Packing | None) -> torch.Tensor:
         return self.output(self.self(x, bias, packing), x)
 
 
@@ -175,7 +177,7 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(c)
         self.output = BertOutput(c)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, packing: _Packing | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, packing: _Packing | None) -> torch.Tensor:
         a = self.attention(x, bias, packing)
         return self.output(self.intermediate(a), a)
 
@@ -185,7 +187,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(c) for _ in range(c.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, packing: _Packing | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, packing: _Packing | None = None
+    ) -> torch.Tensor:
         for layer in self.layer:
             x = layer(x, bias, packing)
         return x
@@ -216,11 +220,11 @@ class BertModel(nn.Module):
         self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         x = self.embeddings(input_ids, token_type_ids)
+        flat = attention_mask.reshape(-1)
+        if bool(flat.all()):  # nothing to remove or mask: SDPA's unmasked path
+            return self.encoder(x, None)
         # Additive key mask [batch, 1, 1, seq]: padded keys get the dtype's lowest value.
         bias = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
-        flat = attention_mask.reshape(-1)
-        if bool(flat.all()):  # nothing to remove
-            return self.encoder(x, bias)
         packing = _Packing(flat.nonzero().squeeze(1), x.shape[0], x.shape[1])
         return packing.unpack(self.encoder(packing.pack(x), bias, packing))
 

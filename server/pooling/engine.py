@@ -30,6 +30,7 @@ from server.request import FinishReason, LoRARequest, PoolingParams, Request, Sa
 from server.spec_decode.proposer import Speculator
 
 from .model import PoolingModel
+from .threads import StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,14 @@ class PoolingInput:
 
 @dataclass
 class PoolingStats:
-    """Counters for metrics: finished sequences, prompt tokens, steps, the last step's batch size."""
+    """Counters for metrics: finished sequences, prompt tokens, steps, the last step's batch size and
+    intra-op thread count (threads.py)."""
 
     num_sequences: int = 0
     num_prompt_tokens: int = 0
     num_steps: int = 0
     last_batch_size: int = 0
+    last_step_threads: int = 0
     num_waiting: int = 0
 
 
@@ -66,8 +69,16 @@ class PoolingEngineCore:
 
     speculator: Speculator | None = None
 
-    def __init__(self, model: PoolingModel, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        model: PoolingModel,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_threads: int | None = None,
+    ) -> None:
         self.model = model
+        # Each step's intra-op thread count, measured per step size (threads.py); None: torch's count.
+        self.threads = StepThreads(max_threads or torch.get_num_threads())
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -135,16 +146,22 @@ class PoolingEngineCore:
         out = ModelOutput()
         rows: torch.Tensor | None = None
         if reqs:
+            num_tokens = sum(r.num_prompt_tokens for r in reqs)
+            threads = self.threads.choose(num_tokens)
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
             try:
                 rows = self.run_batch(reqs)
             except Exception as e:  # a bad batch fails its own requests only
                 log.exception("pooling forward failed for %d sequence(s)", len(reqs))
                 out.errors = {r.request_id: f"{type(e).__name__}: {e}" for r in reqs}
             else:
+                self.threads.record(num_tokens, threads, time.perf_counter() - t0)
                 self.pool_stats.num_steps += 1
                 self.pool_stats.last_batch_size = len(reqs)
+                self.pool_stats.last_step_threads = threads
                 self.pool_stats.num_sequences += len(reqs)
-                self.pool_stats.num_prompt_tokens += sum(r.num_prompt_tokens for r in reqs)
+                self.pool_stats.num_prompt_tokens += num_tokens
         finished = self.scheduler.update_from_output(sched, out)
         return [
             _output(f.request, rows[reqs.index(f.request)].clone() if rows is not None else None)
@@ -204,7 +221,7 @@ class PoolingEngine:
         self.max_num_seqs = max_num_seqs
         # a longest input must fit a step whole
         self.max_num_batched_tokens = max(max_num_batched_tokens, model.max_model_len)
-        self.core = PoolingEngineCore(model, max_num_seqs, self.max_num_batched_tokens)
+        self.core = PoolingEngineCore(model, max_num_seqs, self.max_num_batched_tokens, num_threads)
         self.engine: AsyncEngine[PoolingEngineCore] = AsyncEngine(self.core)
         engine = self.engine
 

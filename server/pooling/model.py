@@ -2,7 +2,8 @@
 
 `task` embed: BertModel (architectures BertModel / BertForMaskedLM / no head) + the folder's pooling;
 `task` score: BertForSequenceClassification (a cross-encoder). Weights come from model.safetensors
-(with or without the `bert.` prefix); `embeddings.position_ids` buffers are skipped.
+(with or without the `bert.` prefix); `embeddings.position_ids` buffers are skipped. In fp32 on the
+CPU the encoder's layers are replaced by their fused, pre-packed form (bert_cpu.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from server.models.arch import BASE_MODEL_ARCHITECTURES
 
 from .bert import BertConfig, BertForSequenceClassification, BertModel
+from .bert_cpu import cpu_layers_supported, use_cpu_layers
 from .pooler import PoolingConfig, PoolingMode
 
 
@@ -80,13 +82,18 @@ class PoolingModel:
 
 
 def load_pooling_model(
-    folder: Path, task: PoolingTask | None = None, dtype: torch.dtype = torch.float32
+    folder: Path,
+    task: PoolingTask | None = None,
+    dtype: torch.dtype = torch.float32,
+    gemm_dtype: torch.dtype = torch.float32,
 ) -> PoolingModel:
-    """Raises ValueError when the folder is not a supported pooling model for `task`."""
+    """Raises ValueError when the folder is not a supported pooling model for `task`, or for a
+    bfloat16 `gemm_dtype` (fp32 BERT weights, bf16 GEMMs: bert_cpu.py) where that path cannot run."""
     cfg = json.loads((folder / "config.json").read_text())
     archs = set(cfg.get("architectures") or [])
     if task in (None, PoolingTask.EMBED) and archs & (_DECODER_ARCHS | _BASE_DECODER_ARCHS):
-        return _load_decoder(folder, cfg, dtype)
+        # our decoder code has no split GEMM dtype: bf16 GEMMs mean bf16 weights there
+        return _load_decoder(folder, cfg, torch.bfloat16 if gemm_dtype == torch.bfloat16 else dtype)
     found = detect_task(folder)
     if found is None:
         raise ValueError(
@@ -111,6 +118,13 @@ def load_pooling_model(
             f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     module = module.to(dtype).eval()
+    num_parameters = sum(p.numel() for p in module.parameters())  # before packing hides them
+    encoder = module.bert if isinstance(module, BertForSequenceClassification) else module
+    assert isinstance(encoder, BertModel)
+    if cpu_layers_supported(encoder, dtype):  # fused, pre-packed fp32 layers (bert_cpu.py)
+        use_cpu_layers(encoder, gemm_dtype)
+    elif gemm_dtype != torch.float32:
+        raise ValueError("bfloat16 GEMMs need float32 weights on a CPU with oneDNN")
     pooling = PoolingConfig.from_folder(folder, PoolingMode.CLS, cfg)
     max_len = min(pooling.max_seq_length or bc.max_position_embeddings, bc.max_position_embeddings)
     labels = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
@@ -124,8 +138,21 @@ def load_pooling_model(
         num_labels=bc.num_labels,
         id2label=labels or {i: f"LABEL_{i}" for i in range(bc.num_labels)},
         dtype=dtype,
-        num_parameters=sum(p.numel() for p in module.parameters()),
+        num_parameters=num_parameters,
     )
+
+
+def pooling_dtypes(name: str) -> dict[str, torch.dtype]:
+    """`--dtype` for a pooling model, as `load_pooling_model`'s keyword arguments. auto and float32:
+    fp32 (auto does not follow generation's bf16-where-native rule: embeddings are held to
+    sentence-transformers' fp32 output); bfloat16: fp32 weights and activations with bf16 GEMMs for a
+    BERT encoder (bert_cpu.py), bf16 weights for a decoder embedder. Raises ValueError for float16,
+    which the CPU path does not run."""
+    if name in ("auto", "float32"):
+        return {"dtype": torch.float32, "gemm_dtype": torch.float32}
+    if name == "bfloat16":
+        return {"dtype": torch.float32, "gemm_dtype": torch.bfloat16}
+    raise ValueError(f"--dtype {name} is not supported for pooling models (auto, float32 or bfloat16)")
 
 
 def resolve_task(model: str | None, task: str) -> str:

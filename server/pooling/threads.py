@@ -1,0 +1,97 @@
+"""How many intra-op threads each pooling step runs with: the count that has been fastest for steps of
+that size, measured on this machine while serving.
+
+Why: an encoder step is ~100 small ops, each an OpenMP parallel region ending in a barrier. When the
+process gets its cores to itself, `--num-threads` threads are the fastest; when other processes share
+the cores (a node's neighbours, the HTTP clients of a benchmark, the server's own event loop), every
+barrier waits for whichever thread the kernel has descheduled and a step runs several times slower
+than on one thread. Measured on a 2-core AMD EPYC at load average 5 (all-MiniLM-L6-v2, fp32): one
+42-token text 92 ms on 2 threads, 20 ms on 1; 64 texts (2140 tokens) 1287 ms on 2, 734 ms on 1. Which
+regime holds changes with the load, so it is measured, not configured.
+
+Rule: steps are bucketed by their token count (powers of two); per bucket and thread count an
+exponential moving average of wall seconds per token is kept. A step runs with the count of the lowest
+average; a count never tried in its bucket is tried first; every `explore_every`-th step of a bucket
+tries the next other count in turn, so a change of load is noticed. Candidates: 1, the powers of two
+below `max_threads`, and `max_threads`.
+
+Plain Python, no torch: the engine sets the count (`torch.set_num_threads`) and reports the time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _candidates(max_threads: int) -> tuple[int, ...]:
+    counts = {max_threads}
+    k = 1
+    while k < max_threads:
+        counts.add(k)
+        k *= 2
+    return tuple(sorted(counts))
+
+
+@dataclass
+class _Bucket:
+    cost: dict[int, float] = field(default_factory=dict)  # threads -> EWMA seconds per token
+    steps: int = 0
+    explored: int = 0  # how many exploration steps this bucket has taken (rotates the candidates)
+
+
+class StepThreads:
+    """Chooses each step's thread count from measured step times (see the module docstring).
+
+    `choose(num_tokens)` -> threads for a step of that many (padded) tokens; `record(num_tokens,
+    threads, seconds)` after the step. Raises ValueError for `max_threads` < 1, `explore_every` < 2 or
+    `smoothing` outside (0, 1]."""
+
+    def __init__(self, max_threads: int, explore_every: int = 16, smoothing: float = 0.3) -> None:
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.max_threads = max_threads
+        self.candidates = _candidates(max_threads)
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self._buckets: dict[int, _Bucket] = {}
+        self.last_threads = max_threads
+
+    @staticmethod
+    def bucket_of(num_tokens: int) -> int:
+        return max(1, num_tokens).bit_length()
+
+    def best(self, num_tokens: int) -> int | None:
+        """The count with the lowest measured cost for steps of this size; None before any record."""
+        b = self._buckets.get(self.bucket_of(num_tokens))
+        if b is None or not b.cost:
+            return None
+        return min(b.cost, key=lambda t: (b.cost[t], -t))
+
+    def choose(self, num_tokens: int) -> int:
+        if len(self.candidates) == 1:
+            return self.candidates[0]
+        b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
+        b.steps += 1
+        untried = [t for t in reversed(self.candidates) if t not in b.cost]
+        if untried:  # the largest first: the right count on an idle machine
+            threads = untried[0]
+        else:
+            threads = min(b.cost, key=lambda t: (b.cost[t], -t))
+            if b.steps % self.explore_every == 0:
+                others = [t for t in self.candidates if t != threads]
+                threads = others[b.explored % len(others)]
+                b.explored += 1
+        self.last_threads = threads
+        return threads
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        if threads not in self.candidates or seconds < 0:
+            return  # a count set outside the policy (warm-up) says nothing about the candidates
+        b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
+        per_token = seconds / max(1, num_tokens)
+        old = b.cost.get(threads)
+        b.cost[threads] = per_token if old is None else old + self.smoothing * (per_token - old)

