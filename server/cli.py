@@ -25,6 +25,7 @@ from server.config import (
     LOGPROBS_MODES,
     QUANTIZE_CHOICES,
     TASK_CHOICES,
+    THREAD_POLICIES,
     TOOL_CALL_PARSERS,
     CacheConfig,
     EngineConfig,
@@ -310,6 +311,15 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         type=_positive_int,
     )
     add(
+        "--thread-policy",
+        "KUBEINFER_THREAD_POLICY",
+        "adaptive: each CPU step runs with the thread count (1 up to --num-threads) measured fastest for steps "
+        "of its size, so cores shared with other processes do not stall every OpenMP barrier; fixed: always "
+        "--num-threads (results then never depend on the load)",
+        choices=THREAD_POLICIES,
+        default="adaptive",
+    )
+    add(
         "--speculative-config",
         "KUBEINFER_SPECULATIVE_CONFIG",
         "Speculative decoding, as JSON with vLLM's keys, e.g. "
@@ -531,6 +541,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         attention_backend=args.attention_backend,
         device=args.device,
         num_threads=args.num_threads,
+        thread_policy=args.thread_policy,
         speculative=parse_speculative_config(args.speculative_config) if args.speculative_config else None,
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

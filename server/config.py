@@ -39,6 +39,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 # --task: what the model serves (vLLM's former --task names; server/pooling/ serves embed and score)
 TASK_CHOICES = ("auto", "generate", "embed", "score")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+THREAD_POLICIES = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    # adaptive: each CPU step runs with the thread count (1 .. num_threads) measured fastest for steps of
+    # its size (server/core/step_threads.py); fixed: always num_threads
+    thread_policy: str = "adaptive"
     seed: int = 0  # for unseeded sampling
     speculative: SpeculativeConfig | None = None  # --speculative-config; None = no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -274,6 +278,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.thread_policy not in THREAD_POLICIES:
+            raise ValueError(f"thread_policy must be one of {THREAD_POLICIES}, got {self.thread_policy!r}")
         if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
             # the worker ranks shard plain projections; LoRA-wrapped ones are not sharded yet
             raise ValueError("--enable-lora does not work with --tensor-parallel-size > 1 yet")

@@ -20,6 +20,7 @@ from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
+from server.core.step_threads import StepThreads
 from server.distributed.driver import TensorParallelDriver
 from server.distributed.sharding import rank_loading, rank_loading_slicer
 from server.kv_events import KVEventPublisher, make_publisher
@@ -142,6 +143,18 @@ class LLMEngine:
         self.tp: TensorParallelDriver | None = None
         if tp > 1:  # rank 0 of N: start ranks 1..N-1, keep this rank's shard (server/distributed/)
             self.tp = TensorParallelDriver(config, self.device, self.loaded.model)
+        # Each CPU step's intra-op thread count, measured per step size (server/core/step_threads.py):
+        # on cores shared with other processes (or our own event loop) fewer threads can be several
+        # times faster. Not under tensor parallelism, whose ranks keep their own counts.
+        self.step_threads: StepThreads | None = None
+        self.last_step_threads = torch.get_num_threads()
+        if self.device.type == "cpu" and self.tp is None:
+            self.step_threads = StepThreads(
+                torch.get_num_threads(),
+                explore_every=16,
+                max_explore_every=256,
+                adaptive=config.thread_policy == "adaptive",
+            )
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype, config.model.cache_dir)
         # Block-quantized projections' large GEMMs in bf16 where --dtype resolves to it (auto: CPUs with
@@ -363,7 +376,15 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if self.tp is not None:
             self.tp.broadcast(sched)
-        model_out = self.runner.execute(sched)
+        if self.step_threads is not None and not sched.is_empty:
+            threads = self.step_threads.choose(sched.num_batched_tokens)
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            model_out = self.runner.execute(sched)
+            self.step_threads.record(sched.num_batched_tokens, threads, time.perf_counter() - t0)
+            self.last_step_threads = threads
+        else:
+            model_out = self.runner.execute(sched)
         self.scheduler.update_from_output(sched, model_out)
         self._publish_kv_events()
         outputs: list[RequestOutput] = []

@@ -158,7 +158,11 @@ class ServerState:
             Path(mc.model).expanduser(), PoolingTask(self.task), **pooling_dtypes(mc.dtype)
         )
         engine = PoolingEngine(
-            model, ec.max_num_seqs, max(ec.max_num_batched_tokens, model.max_model_len), ec.num_threads
+            model,
+            ec.max_num_seqs,
+            max(ec.max_num_batched_tokens, model.max_model_len),
+            ec.num_threads,
+            adaptive_threads=ec.thread_policy == "adaptive",
         )
         engine.warmup()
         loop.call_soon_threadsafe(self.attach_pooling, engine)

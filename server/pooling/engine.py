@@ -25,12 +25,12 @@ import torch
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import ModelOutput, RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
+from server.core.step_threads import StepThreads
 from server.engine import AsyncEngine
 from server.request import FinishReason, LoRARequest, PoolingParams, Request, SamplingParams
 from server.spec_decode.proposer import Speculator
 
 from .model import PoolingModel
-from .threads import StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class PoolingInput:
 @dataclass
 class PoolingStats:
     """Counters for metrics: finished sequences, prompt tokens, steps, the last step's batch size and
-    intra-op thread count (threads.py)."""
+    intra-op thread count (server/core/step_threads.py)."""
 
     num_sequences: int = 0
     num_prompt_tokens: int = 0
@@ -75,10 +75,11 @@ class PoolingEngineCore:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_threads: int | None = None,
+        adaptive_threads: bool = True,
     ) -> None:
         self.model = model
-        # Each step's intra-op thread count, measured per step size (threads.py); None: torch's count.
-        self.threads = StepThreads(max_threads or torch.get_num_threads())
+        # Each step's intra-op thread count, measured per step size (core/step_threads.py); None: torch's.
+        self.threads = StepThreads(max_threads or torch.get_num_threads(), adaptive=adaptive_threads)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -214,6 +215,7 @@ class PoolingEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 16384,
         num_threads: int | None = None,  # torch intra-op threads (--num-threads); None = torch's default
+        adaptive_threads: bool = True,  # --thread-policy adaptive (core/step_threads.py) or fixed
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -221,7 +223,9 @@ class PoolingEngine:
         self.max_num_seqs = max_num_seqs
         # a longest input must fit a step whole
         self.max_num_batched_tokens = max(max_num_batched_tokens, model.max_model_len)
-        self.core = PoolingEngineCore(model, max_num_seqs, self.max_num_batched_tokens, num_threads)
+        self.core = PoolingEngineCore(
+            model, max_num_seqs, self.max_num_batched_tokens, num_threads, adaptive_threads=adaptive_threads
+        )
         self.engine: AsyncEngine[PoolingEngineCore] = AsyncEngine(self.core)
         engine = self.engine
 

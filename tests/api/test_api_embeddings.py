@@ -165,7 +165,7 @@ def test_task_guard_and_info(embed_server: tuple[str, Any]) -> None:
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'kubeinfer_model_task_info{model_name="minilm",task="embed"} 1.0' in metrics
     assert "kubeinfer_pooling_sequences_total" in metrics
-    # the thread count of the last step (server/pooling/threads.py): 1 or --num-threads, never 0 once served
+    # the thread count of the last step (server/core/step_threads.py): 1 or --num-threads, never 0 once served
     httpx.post(f"{url}/v1/embeddings", json={"input": "hi"}, timeout=60).raise_for_status()
     assert scrape_metric(url, "kubeinfer_pooling_step_threads") >= 1.0
 

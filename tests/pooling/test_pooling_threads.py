@@ -1,4 +1,4 @@
-"""Each pooling step's thread count follows the measured step times (server/pooling/threads.py): the
+"""Each pooling step's thread count follows the measured step times (server/core/step_threads.py): the
 policy with step times given by the test, and the engine applying its choice to torch on the engine
 thread."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from server.core.step_threads import StepThreads
 from server.pooling.engine import _NO_SAMPLING, PoolingEngineCore
 from server.pooling.model import load_pooling_model
-from server.pooling.threads import StepThreads
 from server.request import PoolingParams, Request
 
 

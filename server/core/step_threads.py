@@ -1,19 +1,29 @@
-"""How many intra-op threads each pooling step runs with: the count that has been fastest for steps of
-that size, measured on this machine while serving.
+"""How many intra-op threads each engine step runs with (generation and pooling alike): the count that has
+been fastest for steps of that size, measured on this machine while serving.
 
-Why: an encoder step is ~100 small ops, each an OpenMP parallel region ending in a barrier. When the
+Why: an encoder step is ~100 small ops and a decode step of the embedded SmolLM2 ~300, each an OpenMP
+parallel region ending in a barrier. When the
 process gets its cores to itself, `--num-threads` threads are the fastest; when other processes share
 the cores (a node's neighbours, the HTTP clients of a benchmark, the server's own event loop), every
 barrier waits for whichever thread the kernel has descheduled and a step runs several times slower
 than on one thread. Measured on a 2-core AMD EPYC at load average 5 (all-MiniLM-L6-v2, fp32): one
-42-token text 92 ms on 2 threads, 20 ms on 1; 64 texts (2140 tokens) 1287 ms on 2, 734 ms on 1. Which
+42-token text 92 ms on 2 threads, 20 ms on 1; 64 texts (2140 tokens) 1287 ms on 2, 734 ms on 1. The
+16-row decode step of the embedded SmolLM2 at load average 3-5: 316 ms wall (227 ms CPU) on 2 threads,
+98 ms on 1. Which
 regime holds changes with the load, so it is measured, not configured.
 
 Rule: steps are bucketed by their token count (powers of two); per bucket and thread count an
 exponential moving average of wall seconds per token is kept. A step runs with the count of the lowest
 average; a count never tried in its bucket is tried first; every `explore_every`-th step of a bucket
-tries the next other count in turn, so a change of load is noticed. Candidates: 1, the powers of two
-below `max_threads`, and `max_threads`.
+tries the next other count in turn, so a change of load is noticed; with `max_explore_every` above
+`explore_every`, each exploration that leaves the best count unchanged doubles that bucket's interval
+up to the maximum and one that changes it resets the interval (generation: 16 to 256 steps, so that a
+slow probe of the wrong count lands in fewer than 1% of a stream's inter-token gaps). Candidates: 1, the powers of two
+below `max_threads`, and `max_threads`; only `max_threads` under `--thread-policy fixed`.
+
+A step's result may depend on its thread count (the attention kernel splits long contexts by it, oneDNN
+picks its blocking by it): outputs are the same up to float rounding, so a near-tie of greedy decoding
+can go either way under load. `--thread-policy fixed` keeps the count, and the result, fixed.
 
 Plain Python, no torch: the engine sets the count (`torch.set_num_threads`) and reports the time.
 """
@@ -37,6 +47,9 @@ class _Bucket:
     cost: dict[int, float] = field(default_factory=dict)  # threads -> EWMA seconds per token
     steps: int = 0
     explored: int = 0  # how many exploration steps this bucket has taken (rotates the candidates)
+    interval: int = 0  # steps between explorations (0: not set yet)
+    next_explore: int = 0  # the step number of the next exploration
+    probe: tuple[int, int] | None = None  # (best before, count tried) of the exploration in flight
 
 
 class StepThreads:
@@ -44,18 +57,28 @@ class StepThreads:
 
     `choose(num_tokens)` -> threads for a step of that many (padded) tokens; `record(num_tokens,
     threads, seconds)` after the step. Raises ValueError for `max_threads` < 1, `explore_every` < 2 or
-    `smoothing` outside (0, 1]."""
+    `smoothing` outside (0, 1]. `adaptive=False`: always `max_threads`."""
 
-    def __init__(self, max_threads: int, explore_every: int = 16, smoothing: float = 0.3) -> None:
+    def __init__(
+        self,
+        max_threads: int,
+        explore_every: int = 16,
+        smoothing: float = 0.3,
+        adaptive: bool = True,
+        max_explore_every: int | None = None,
+    ) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         if explore_every < 2:
             raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+        if max_explore_every is not None and max_explore_every < explore_every:
+            raise ValueError(f"max_explore_every must be >= explore_every, got {max_explore_every}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.max_threads = max_threads
-        self.candidates = _candidates(max_threads)
+        self.candidates = _candidates(max_threads) if adaptive else (max_threads,)
         self.explore_every = explore_every
+        self.max_explore_every = max_explore_every or explore_every
         self.smoothing = smoothing
         self._buckets: dict[int, _Bucket] = {}
         self.last_threads = max_threads
@@ -76,15 +99,19 @@ class StepThreads:
             return self.candidates[0]
         b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
         b.steps += 1
+        if not b.interval:
+            b.interval = b.next_explore = self.explore_every
         untried = [t for t in reversed(self.candidates) if t not in b.cost]
         if untried:  # the largest first: the right count on an idle machine
             threads = untried[0]
         else:
             threads = min(b.cost, key=lambda t: (b.cost[t], -t))
-            if b.steps % self.explore_every == 0:
+            if b.steps >= b.next_explore:
                 others = [t for t in self.candidates if t != threads]
-                threads = others[b.explored % len(others)]
+                best, threads = threads, others[b.explored % len(others)]
                 b.explored += 1
+                b.probe = (best, threads)
+                b.next_explore = b.steps + b.interval
         self.last_threads = threads
         return threads
 
@@ -95,3 +122,12 @@ class StepThreads:
         per_token = seconds / max(1, num_tokens)
         old = b.cost.get(threads)
         b.cost[threads] = per_token if old is None else old + self.smoothing * (per_token - old)
+        if b.probe is not None and b.probe[1] == threads:
+            best_before = b.probe[0]
+            b.probe = None
+            best = min(b.cost, key=lambda t: (b.cost[t], -t))
+            # the probe confirmed the best count: probe less often; it found a better one: probe soon
+            b.interval = (
+                min(2 * b.interval, self.max_explore_every) if best == best_before else self.explore_every
+            )
+            b.next_explore = b.steps + b.interval

@@ -1,0 +1,116 @@
+"""Generation steps on CPU run with the thread count measured fastest for their size
+(server/core/step_threads.py, `--thread-policy`), and the outputs do not depend on it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.config import CacheConfig, EngineConfig, ModelConfig
+from server.engine import LLMEngine
+from server.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(folder: Path, policy: str) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32"),
+            cache=CacheConfig(num_kv_blocks=64),
+            num_threads=2,
+            thread_policy=policy,
+        )
+    )
+
+
+def run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict[str, list[int]], list[int]]:
+    """Greedy outputs per request, and the thread count the model ran each step with."""
+    seen: list[int] = []
+    real = engine.runner.execute
+
+    def spy(sched):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return real(sched)
+
+    engine.runner.execute = spy  # type: ignore[method-assign]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    engine.runner.execute = real  # type: ignore[method-assign]
+    return out, seen
+
+
+@pytest.fixture()
+def restore_threads():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("restore_threads")
+def test_adaptive_steps_follow_the_measured_costs(tiny_model_factory: Callable[..., Path]) -> None:
+    engine = make_engine(tiny_model_factory("llama"), "adaptive")
+    assert engine.step_threads is not None and engine.step_threads.candidates == (1, 2)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    # Two threads measured far slower for decode-sized steps (a loaded machine): decode steps run on one.
+    for tokens in (1, 2, 3):
+        engine.step_threads.record(tokens, 2, 1.0)
+        engine.step_threads.record(tokens, 1, 0.001)
+    out, seen = run(engine, prompts)
+    assert all(len(v) == 6 for v in out.values())
+    # the prefill step (8 tokens) is a bucket of its own, untried: the largest count first
+    assert seen[0] == 2
+    assert seen[1:] == [1] * (len(seen) - 1)
+    assert engine.last_step_threads == 1
+    # and the other way round: one thread measured slower, decode steps run on two
+    for tokens in (1, 2, 3):
+        engine.step_threads.record(tokens, 1, 5.0)
+    out2, seen2 = run(engine, [[5, 6, 7, 8], [9, 10, 11, 12]])
+    assert seen2[1:] == [2] * (len(seen2) - 1)
+    assert out2 == out  # same tokens whichever count ran
+
+
+@pytest.mark.usefixtures("restore_threads")
+def test_fixed_policy_keeps_num_threads(tiny_model_factory: Callable[..., Path]) -> None:
+    engine = make_engine(tiny_model_factory("llama"), "fixed")
+    assert engine.step_threads is not None and engine.step_threads.candidates == (2,)
+    for tokens in (1, 2, 3):
+        engine.step_threads.record(tokens, 1, 0.0)  # not a candidate: ignored
+    _, seen = run(engine, [[5, 6, 7, 8], [9, 10, 11, 12]])
+    assert seen == [2] * len(seen)
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="thread_policy"):
+        EngineConfig(thread_policy="spin")
+
+
+def test_probes_back_off_while_they_confirm_the_best_and_reset_when_it_changes() -> None:
+    from server.core.step_threads import StepThreads
+
+    policy = StepThreads(2, explore_every=4, max_explore_every=32)
+    cost = {1: 0.5e-3, 2: 2e-3}  # a loaded machine: one thread is faster, probes of two confirm it
+    probes = []
+    for step in range(1, 200):
+        t = policy.choose(16)
+        policy.record(16, t, cost[t] * 16)
+        if t == 2 and step > 1:
+            probes.append(step)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [8, 16, 32, 32]  # doubling from 4 up to the maximum
+    # the neighbours leave: two threads become faster; the next probe finds it and probing speeds up
+    cost = {1: 2e-3, 2: 0.5e-3}
+    chosen = []
+    for _ in range(64):
+        t = policy.choose(16)
+        policy.record(16, t, cost[t] * 16)
+        chosen.append(t)
+    assert policy.best(16) == 2
+    assert chosen[-16:].count(2) >= 14
