@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def test_probes_back_off_while_they_confirm_the_best_and_reset_when_it_changes()
         policy.record(16, t, cost[t] * 16)
         if t == 2 and step > 1:
             probes.append(step)
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert gaps[:4] == [8, 16, 32, 32]  # doubling from 4 up to the maximum
     # the neighbours leave: two threads become faster; the next probe finds it and probing speeds up
     cost = {1: 2e-3, 2: 0.5e-3}
