@@ -181,6 +181,7 @@ SERVER_FLAGS: tuple[str, ...] = (
     "--no-ui",
     "--num-kv-blocks",
     "--num-threads",
+    "--thread-policy",
     "--timeout-request-head",
     "--tool-call-parser",
     "--ui",
