@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from server.cpu_env import DEFAULTS, configure_cpu_runtime
+from server.cpu_env import DEFAULTS, cgroup_cpu_limit, configure_cpu_runtime, container_thread_count
 
 KEYS = ("OMP_WAIT_POLICY", *DEFAULTS)
 
@@ -42,3 +43,65 @@ def test_importing_any_server_module_applies_it_before_torch_loads() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [DEFAULTS["GOMP_SPINCOUNT"], DEFAULTS["LRU_CACHE_CAPACITY"]]
+
+
+def _cgroup(tmp_path: Path, lines: str, files: dict[str, str]) -> tuple[Path, Path]:
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text(lines)
+    return root, proc
+
+
+@pytest.mark.parametrize(
+    ("lines", "files", "limit"),
+    [
+        # cgroup v2, a pod's own group seen at the root of the container's mount
+        ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),
+        ("0::/\n", {"cpu.max": "150000 100000\n"}, 1.5),
+        ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+        # cgroup v2 with the group's path visible (a host process in a slice)
+        (
+            "0::/kubepods/pod1/c1\n",
+            {"kubepods/pod1/c1/cpu.max": "400000 100000\n", "cpu.max": "max 100000\n"},
+            4.0,
+        ),
+        # cgroup v1, joined cpu,cpuacct controller
+        (
+            "3:cpu,cpuacct:/\n0::/\n",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+            3.0,
+        ),
+        ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ("", {}, None),  # nothing readable: no limit assumed
+    ],
+)
+def test_cgroup_cpu_limit(tmp_path: Path, lines: str, files: dict[str, str], limit: float | None) -> None:
+    root, proc = _cgroup(tmp_path, lines, files)
+    assert cgroup_cpu_limit(root, proc) == limit
+
+
+def test_thread_count_follows_a_binding_quota() -> None:
+    assert container_thread_count(2.0, 64) == 2
+    assert container_thread_count(1.5, 64) == 1  # rounded down: 2 threads would be throttled every period
+    assert container_thread_count(0.25, 64) == 1
+    assert container_thread_count(4.0, 2) is None  # the quota does not bind: torch's default stands
+    assert container_thread_count(None, 64) is None
+
+
+def test_a_cpu_quota_sets_omp_num_threads_unless_the_user_did(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    import server.cpu_env as cpu_env
+
+    clean_env.setenv("OMP_NUM_THREADS", "0")  # recorded, so teardown restores the real value (or its absence)
+    clean_env.delenv("OMP_NUM_THREADS")
+    clean_env.setattr(cpu_env, "cgroup_cpu_limit", lambda: 1.0)
+    clean_env.setattr(cpu_env, "_available_cpus", lambda: 8)
+    configure_cpu_runtime()
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    clean_env.setenv("OMP_NUM_THREADS", "3")
+    configure_cpu_runtime()
+    assert os.environ["OMP_NUM_THREADS"] == "3"
