@@ -92,6 +92,45 @@ class DecodeKernel:
             raise RuntimeError(f"paged decode kernel returned {rc}")
 
 
+    def store_kv(
+        self,
+        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16, contiguous
+        v_cache: Tensor,  # like k_cache
+        slots: Tensor,  # [T] int64, each in [0, num_blocks * block_size)
+        k: Tensor,  # [T, Hkv, D] fp32, each row's heads contiguous
+        v: Tensor,  # [T, Hkv, D] fp32, strided like k
+    ) -> None:
+        """`kubeinfer_kv_store`, the decode graph's K/V write: rounds to the cache dtype to nearest even
+        (as `.to()`). Raises ValueError/TypeError for arguments it cannot take."""
+        t, hkv, d = k.shape
+        width = hkv * d
+        if k_cache.dtype not in CACHE_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"caches: dtypes {k_cache.dtype}, {v_cache.dtype}; expected one cache dtype")
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or slots.dtype != torch.int64:
+            raise TypeError("k and v must be fp32, slots int64")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("caches and slots must be contiguous")
+        if v.shape != k.shape or v.stride() != k.stride() or k.stride()[1:] != (d, 1):
+            raise ValueError("k and v must be [T, Hkv, D] with the same strides and contiguous rows")
+        if k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape or slots.shape != (t,):
+            raise ValueError("shapes disagree")
+        if t and (int(slots.min()) < 0 or int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]):
+            raise ValueError("slots: out of range of the cache")
+        rc = self.lib.kubeinfer_kv_store(
+            CACHE_DTYPE_CODES[k_cache.dtype],
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            t,
+            width,
+        )
+        if rc != 0:
+            raise RuntimeError(f"kv store returned {rc}")
+
+
 def supports_dtype(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
     """Whether the kernel runs q/out of `dtype` over a cache of `cache_dtype` (None: `dtype`)."""
     return dtype in _DTYPE_CODES and (cache_dtype or dtype) in CACHE_DTYPE_CODES
@@ -197,6 +236,11 @@ def load_decode_kernel(cache_dir: Path | None = None) -> DecodeKernel:
     """Builds (or finds under `cache_dir`/kernels, default `default_cache_dir()`) and loads the kernel;
     raises KernelBuildError saying why not."""
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
+    return bind_decode_kernel(lib, path)
+
+
+def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
+    """Declares the entry points' C signatures on a loaded library (any build of SOURCE)."""
     fn = lib.kubeinfer_paged_decode
     fn.restype = ctypes.c_int32
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
