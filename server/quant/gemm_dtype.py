@@ -10,8 +10,9 @@ What runs in bf16 is only the dequantize + GEMM path of BlockQuantLinear from BF
 up (server/quant/block_linear.py): x and the dequantized weight are rounded to bf16, oneDNN accumulates
 in fp32, and the product is rounded to bf16 and widened back. Everything else stays fp32: the residual
 stream (a sum of 60 layer outputs, where bf16's 8-bit mantissa would lose the small updates), RMSNorm
-(a mean of squares), rotary, softmax and attention (their inputs come from the fp32 KV cache, and the
-attention kernel is memory-bound at our context lengths: bf16 would buy nothing there), the LM head's
+(a mean of squares), rotary, softmax and attention (computed in fp32; the KV cache itself is bf16 under
+`auto` on such CPUs, server/attention/kv_cache_dtype.py, since the decode kernel is bound by its bytes
+at 16+ users), the LM head's
 logits (sampling and logprobs read them) and single-row or small-batch decode, whose GEMV is bound by
 the weight's bytes, not by FLOPs (the fp32 kernel reads the same quantized bytes either way).
 """
