@@ -91,7 +91,6 @@ class DecodeKernel:
         if rc != 0:
             raise RuntimeError(f"paged decode kernel returned {rc}")
 
-
     def store_kv(
         self,
         k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16, contiguous
