@@ -8,7 +8,8 @@ whole batch, then attends, so a sequence may read blocks another sequence writes
 The cache may be narrower than q (--kv-cache-dtype, kv_cache_dtype.py): K/V are rounded to it when
 stored (torch's `.to()`, round to nearest even) and widened to q's dtype when read, so attention over
 cached tokens computes in q's dtype (fp32 for a quantized GGUF). A prompt chunk with no cached prefix
-attends over its own unrounded K/V, as vLLM's prefill does.
+attends over its own K/V rounded the same way, so a prefix-cache hit, a chunked prefill and a whole one
+see the same values.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ class TorchAttentionBackend:
             qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
             if s.blocks is None:
                 ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
+                if k_cache.dtype != q.dtype:  # what a later chunk or a prefix hit reads from the cache
+                    ks, vs = ks.to(k_cache.dtype).to(q.dtype), vs.to(v_cache.dtype).to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 ks = k_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)[None]
