@@ -37,33 +37,51 @@ DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZE = 16
 
 
+def max_new_tokens(users: int, context: int, steps: int, num_threads: int) -> int:
+    # decode rows also run during the other prompts' chunked prefill (up to 2048 tokens a step): every
+    # request must outlive the prefill and all measured steps
+    return users * context // 2048 + users + num_threads * steps + 8
+
+
 def measure_engines(
-    engines: dict[str, LLMEngine], users: int, context: int, steps: int, tag: str
-) -> dict[str, object]:
+    engines: dict[str, LLMEngine], users: int, context: int, steps: int, threads: list[int]
+) -> list[dict[str, object]]:
+    """Prefills once per engine, then per thread count takes `steps` decode steps per engine in rotation."""
     g = torch.Generator().manual_seed(users)
     prompts = [torch.randint(100, 49000, (context,), generator=g).tolist() for _ in range(users)]
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=max_new_tokens(users, context, steps, len(threads)), temperature=0.0, ignore_eos=True
+    )
+    tag = f"u{users}c{context}"
     for engine in engines.values():
         for i, p in enumerate(prompts):
             engine.add_request(f"{tag}-{i}", p, params)
         while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
             engine.step()  # every prompt prefilled: from here on each step is a pure decode step
-    times: dict[str, list[float]] = {d: [] for d in engines}
+    results = []
     names = list(engines)
-    for i in range(steps):
-        for name in names[i % 3 :] + names[: i % 3]:
-            t0 = time.perf_counter()
-            engines[name].step()
-            times[name].append(time.perf_counter() - t0)
+    for num_threads in threads:
+        torch.set_num_threads(num_threads)
+        times: dict[str, list[float]] = {d: [] for d in engines}
+        for i in range(steps):
+            for name in names[i % 3 :] + names[: i % 3]:
+                assert len(engines[name].scheduler.running) == users
+                t0 = time.perf_counter()
+                engines[name].step()
+                times[name].append(time.perf_counter() - t0)
+        p50 = {d: statistics.median(v) * 1e3 for d, v in times.items()}
+        results.append(
+            {
+                "threads": num_threads,
+                "step_ms_p50": {d: round(v, 2) for d, v in p50.items()},
+                "step_ms_min": {d: round(min(v) * 1e3, 2) for d, v in times.items()},
+                "speedup_vs_fp32_p50": {d: round(p50["float32"] / p50[d], 3) for d in engines},
+            }
+        )
     for engine in engines.values():
         for i in range(users):
             engine.abort_request(f"{tag}-{i}")
-    p50 = {d: statistics.median(v) * 1e3 for d, v in times.items()}
-    return {
-        "step_ms_p50": {d: round(v, 2) for d, v in p50.items()},
-        "step_ms_min": {d: round(min(v) * 1e3, 2) for d, v in times.items()},
-        "speedup_vs_fp32_p50": {d: round(p50["float32"] / p50[d], 3) for d in engines},
-    }
+    return results
 
 
 def measure_kernel(users: int, context: int, reps: int) -> dict[str, object]:
@@ -105,7 +123,9 @@ def main() -> None:
     ap.add_argument("--kernel-reps", type=int, default=60)
     args = ap.parse_args()
     loads = [tuple(int(x) for x in s.split(":")) for s in args.loads]
-    need = max(u * (-(-(c + args.steps + 8) // BLOCK_SIZE)) for u, c in loads)
+    need = max(
+        u * (-(-(c + max_new_tokens(u, c, args.steps, len(args.threads))) // BLOCK_SIZE)) for u, c in loads
+    )
     engines = {
         d: LLMEngine(
             EngineConfig(
@@ -116,19 +136,23 @@ def main() -> None:
         )
         for d in DTYPES
     }
+    load_at_start = list(os.getloadavg())
     runs = []
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        for users, context in loads:
-            run = {"threads": threads, "users": users, "context_tokens": context}
-            run["kernel"] = measure_kernel(users, context, args.kernel_reps)
-            run["engine"] = measure_engines(engines, users, context, args.steps, f"t{threads}u{users}")
-            runs.append(run)
+    for users, context in loads:
+        kernel = {}
+        for num_threads in args.threads:
+            torch.set_num_threads(num_threads)
+            kernel[num_threads] = measure_kernel(users, context, args.kernel_reps)
+        for engine_run in measure_engines(engines, users, context, args.steps, args.threads):
+            num_threads = engine_run.pop("threads")
+            run = {"threads": num_threads, "users": users, "context_tokens": context}
+            runs.append({**run, "kernel": kernel[num_threads], "engine": engine_run})
+        print(json.dumps(runs[-len(args.threads) :]), file=sys.stderr, flush=True)  # progress
     result = {
         "benchmark": "decode step of the embedded GGUF by KV cache dtype, engines stepped in rotation",
         "cpu": cpu_info(),
         "gemm_dtype": engines["float32"].info.gemm_dtype,
-        "load_average_at_start": list(os.getloadavg()),
+        "load_average_at_start": load_at_start,
         "runs": runs,
         "load_average_at_end": list(os.getloadavg()),
     }
