@@ -65,7 +65,8 @@ def measure_engines(
         times: dict[str, list[float]] = {d: [] for d in engines}
         for i in range(steps):
             for name in names[i % 3 :] + names[: i % 3]:
-                assert len(engines[name].scheduler.running) == users
+                running = len(engines[name].scheduler.running)
+                assert running == users, (name, running, users, len(engines[name].scheduler.waiting))
                 t0 = time.perf_counter()
                 engines[name].step()
                 times[name].append(time.perf_counter() - t0)
@@ -130,7 +131,7 @@ def main() -> None:
         d: LLMEngine(
             EngineConfig(
                 model=ModelConfig(),
-                cache=CacheConfig(cache_dtype=d, num_kv_blocks=need + 16),
+                cache=CacheConfig(cache_dtype=d, num_kv_blocks=need * 5 // 4 + 64),
                 max_num_seqs=64,
             )
         )
