@@ -38,9 +38,10 @@ BLOCK_SIZE = 16
 
 
 def max_new_tokens(users: int, context: int, steps: int, num_threads: int) -> int:
-    # decode rows also run during the other prompts' chunked prefill (up to 2048 tokens a step): every
-    # request must outlive the prefill and all measured steps
-    return users * context // 2048 + users + num_threads * steps + 8
+    # Decode rows also run while the other prompts prefill, and the scheduler bounds a step's prefill
+    # share while decodes run (issue 31 item 3), so the prefill takes many steps: every request must
+    # outlive it and all measured steps.
+    return max(context // 2, 64) + users * context // 256 + num_threads * steps
 
 
 def measure_engines(
