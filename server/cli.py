@@ -21,6 +21,8 @@ from typing import Any
 from server.config import (
     ATTENTION_BACKENDS,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    KV_CACHE_FP8_NAMES,
     LOG_FORMATS,
     LOGPROBS_MODES,
     QUANTIZE_CHOICES,
@@ -284,6 +286,16 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         type=parse_size,
         default=512 * 2**20,
     )
+    add(
+        "--kv-cache-dtype",
+        "KUBEINFER_KV_CACHE_DTYPE",
+        "KV cache element type (vLLM's flag). auto: bfloat16 where --dtype resolves to bf16 compute (CPUs "
+        "with native bf16, as for the GEMMs), else the model's dtype; float16 is llama.cpp's default; "
+        "float32 is extra to vLLM's list; vLLM's fp8 types are refused. Attention computes in fp32 "
+        "over a bf16/fp16 cache, which holds twice the tokens of an fp32 one in the same memory",
+        type=_kv_cache_dtype,
+        default="auto",
+    )
     add_bool(
         "--enable-prefix-caching", "ENABLE_PREFIX_CACHING", "Reuse KV blocks of shared prompt prefixes", True
     )
@@ -513,6 +525,18 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _kv_cache_dtype(text: str) -> str:
+    if text in KV_CACHE_FP8_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"fp8 KV caches ({text}) are not supported; choose from {', '.join(KV_CACHE_DTYPE_CHOICES)}"
+        )
+    if text not in KV_CACHE_DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r}; choose from {', '.join(KV_CACHE_DTYPE_CHOICES)}"
+        )
+    return text
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model = ModelConfig(
         model=args.model,
@@ -531,6 +555,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,
+        cache_dtype=args.kv_cache_dtype,
     )
     engine = EngineConfig(
         model=model,

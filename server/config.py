@@ -34,6 +34,10 @@ def default_cache_dir() -> Path:
 
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# vLLM's --kv-cache-dtype: auto, bfloat16 and float16 are vLLM's; float32 is ours (vLLM's CPU build keeps
+# no fp32 cache). vLLM's fp8 formats are refused (server/attention/kv_cache_dtype.py).
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_FP8_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 # vLLM's --logprobs-mode: what sampled-token logprobs report (server/worker/sampler.py)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # --task: what the model serves (vLLM's former --task names; server/pooling/ serves embed and score)
@@ -83,8 +87,19 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # None = from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 512 * 2**20
     enable_prefix_caching: bool = True
+    # --kv-cache-dtype; auto = bf16 where --dtype resolves to bf16 compute, else the model's dtype
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype in KV_CACHE_FP8_NAMES:
+            raise ValueError(
+                f"--kv-cache-dtype {self.cache_dtype}: fp8 KV caches are not supported; "
+                f"choose from {KV_CACHE_DTYPE_CHOICES}"
+            )
+        if self.cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -15,6 +15,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from server.attention import make_attention_backend
+from server.attention.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
 from server.config import EngineConfig
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
@@ -96,6 +97,7 @@ class EngineInfo:
     attention_backend: str
     device: str
     gemm_dtype: str = "float32"  # block-quantized projections' large GEMMs (server/quant/gemm_dtype.py)
+    kv_cache_dtype: str = "float32"  # the KV cache's element type (server/attention/kv_cache_dtype.py)
 
 
 class LLMEngine:
@@ -201,6 +203,10 @@ class LLMEngine:
         log.info("loaded weights from %s in %.1f s", self.source.folder, time.monotonic() - t0)
 
         block_size = config.cache.block_size
+        compute = resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.cache.cache_dtype, dtype, compute, self.device.type
+        )
         backend = make_attention_backend(
             config.attention_backend, block_size, self.device.type, config.model.cache_dir
         )
@@ -212,14 +218,17 @@ class LLMEngine:
         # Compiles structured-output grammars (the API compiles off the event loop, before admission).
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.loaded.arch.vocab_size, sorted(eos))
         num_blocks = config.cache.num_kv_blocks or max(
-            1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block(self.loaded.model, block_size, dtype)
+            1,
+            config.cache.kv_cache_memory_bytes
+            // kv_bytes_per_block(self.loaded.model, block_size, self.kv_cache_dtype),
         )
+        log.info("KV cache: %d blocks of %s", num_blocks, dtype_name(self.kv_cache_dtype))
         self.runner = ModelRunner(
             self.loaded.model,
             backend,
             num_blocks,
             block_size,
-            dtype,
+            self.kv_cache_dtype,
             self.device,
             structured=StructuredOutputManager(self.grammars),
             lora=lora_manager,
@@ -262,6 +271,7 @@ class LLMEngine:
                     cache_dir=config.model.cache_dir,
                     keep_gguf=self.source.gguf is not None,
                     optimize_weights=config.model.optimize_weights,
+                    kv_cache_dtype=self.kv_cache_dtype,
                 )
             if proposer is not None:
                 apply_gemm_dtype(proposer.model, self.gemm_dtype)
@@ -285,6 +295,7 @@ class LLMEngine:
             attention_backend=backend_name,
             device=str(self.device),
             gemm_dtype=str(self.gemm_dtype).removeprefix("torch."),
+            kv_cache_dtype=dtype_name(self.kv_cache_dtype),
         )
 
     # ---- requests -----------------------------------------------------------------------------

@@ -246,7 +246,7 @@ class ServerState:
         info = llm.info
         log.info(
             "ready: model=%s architecture=%s dtype=%s quantization=%s parameters=%.1fM weights=%.1fMiB "
-            "kv_blocks=%d "
+            "kv_blocks=%d of %s "
             "(block_size=%d, %d tokens) max_concurrent_sequences=%d max_concurrent_requests=%d "
             "max_input_tokens=%d max_total_tokens=%d attention=%s device=%s url=http://%s:%d",
             info.served_model_name,
@@ -256,6 +256,7 @@ class ServerState:
             info.num_parameters / 1e6,
             info.weight_bytes / 2**20,
             info.num_kv_blocks,
+            info.kv_cache_dtype,
             info.block_size,
             info.num_kv_blocks * info.block_size,
             info.max_num_seqs,

@@ -462,6 +462,7 @@ async def info(request: Request) -> Response:
             "weight_bytes": i.weight_bytes,
             "kv_block_size": i.block_size,
             "kv_blocks": i.num_kv_blocks,
+            "kv_cache_dtype": i.kv_cache_dtype,
             "max_num_seqs": i.max_num_seqs,
             "max_num_batched_tokens": i.max_num_batched_tokens,
             "attention_backend": i.attention_backend,

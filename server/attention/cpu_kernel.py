@@ -25,14 +25,15 @@ from server.native import KernelBuildError, NativeSource, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
 # flush-to-zero for the whole process when the library loads.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp")
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # q and out
+CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # k/v caches, any q dtype
 NATIVE = NativeSource("paged_decode", SOURCE, COMPILE_FLAGS, LINK_FLAGS, abi_version=ABI_VERSION)
 
 __all__ = ["DecodeKernel", "KernelBuildError", "load_decode_kernel"]
@@ -47,10 +48,10 @@ class DecodeKernel:
 
     def __call__(
         self,
-        out: Tensor,  # [T, Hq, D], rows[i] written for each decode sequence i
-        q: Tensor,  # [T, Hq, D]
-        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
-        v_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+        out: Tensor,  # [T, Hq, D] fp32 or bf16 like q, rows[i] written for each decode sequence i
+        q: Tensor,  # [T, Hq, D] fp32 or bf16
+        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16 (widened to fp32 rows)
+        v_cache: Tensor,  # [num_blocks, block_size, Hkv, D] like k_cache
         block_tables: Tensor,  # [num_seqs, max_blocks] int32
         context_lens: Tensor,  # [num_seqs] int32
         seqs: Tensor,  # [Sd] int64, the sequence (row of block_tables) of each decode query
@@ -67,6 +68,7 @@ class DecodeKernel:
         _, block_size, hkv, _ = k_cache.shape
         rc = self.lib.kubeinfer_paged_decode(
             _DTYPE_CODES[q.dtype],
+            CACHE_DTYPE_CODES[k_cache.dtype],
             out.data_ptr(),
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -89,9 +91,48 @@ class DecodeKernel:
         if rc != 0:
             raise RuntimeError(f"paged decode kernel returned {rc}")
 
+    def store_kv(
+        self,
+        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16, contiguous
+        v_cache: Tensor,  # like k_cache
+        slots: Tensor,  # [T] int64, each in [0, num_blocks * block_size)
+        k: Tensor,  # [T, Hkv, D] fp32, each row's heads contiguous
+        v: Tensor,  # [T, Hkv, D] fp32, strided like k
+    ) -> None:
+        """`kubeinfer_kv_store`, the decode graph's K/V write: rounds to the cache dtype to nearest even
+        (as `.to()`). Raises ValueError/TypeError for arguments it cannot take."""
+        t, hkv, d = k.shape
+        width = hkv * d
+        if k_cache.dtype not in CACHE_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"caches: dtypes {k_cache.dtype}, {v_cache.dtype}; expected one cache dtype")
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or slots.dtype != torch.int64:
+            raise TypeError("k and v must be fp32, slots int64")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("caches and slots must be contiguous")
+        if v.shape != k.shape or v.stride() != k.stride() or k.stride()[1:] != (d, 1):
+            raise ValueError("k and v must be [T, Hkv, D] with the same strides and contiguous rows")
+        if k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape or slots.shape != (t,):
+            raise ValueError("shapes disagree")
+        if t and (int(slots.min()) < 0 or int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]):
+            raise ValueError("slots: out of range of the cache")
+        rc = self.lib.kubeinfer_kv_store(
+            CACHE_DTYPE_CODES[k_cache.dtype],
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            t,
+            width,
+        )
+        if rc != 0:
+            raise RuntimeError(f"kv store returned {rc}")
 
-def supports_dtype(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPE_CODES
+
+def supports_dtype(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel runs q/out of `dtype` over a cache of `cache_dtype` (None: `dtype`)."""
+    return dtype in _DTYPE_CODES and (cache_dtype or dtype) in CACHE_DTYPE_CODES
 
 
 def check_decode_args(
@@ -129,9 +170,13 @@ def check_decode_args(
             raise ValueError(f"{name}: must be contiguous, got strides {t.stride()} for {tuple(t.shape)}")
     if q.dtype not in _DTYPE_CODES:
         raise TypeError(f"q: dtype {q.dtype} not supported (float32 or bfloat16)")
-    for name in ("out", "k_cache", "v_cache"):
-        if tensors[name].dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {tensors[name].dtype}, expected {q.dtype} like q")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out: dtype {out.dtype}, expected {q.dtype} like q")
+    if k_cache.dtype not in CACHE_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(
+            f"k_cache, v_cache: dtypes {k_cache.dtype}, {v_cache.dtype}; expected one of float32, bfloat16, "
+            "float16 for both"
+        )
     for name, dtype in (
         ("block_tables", torch.int32),
         ("context_lens", torch.int32),
@@ -190,8 +235,16 @@ def load_decode_kernel(cache_dir: Path | None = None) -> DecodeKernel:
     """Builds (or finds under `cache_dir`/kernels, default `default_cache_dir()`) and loads the kernel;
     raises KernelBuildError saying why not."""
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
+    return bind_decode_kernel(lib, path)
+
+
+def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
+    """Declares the entry points' C signatures on a loaded library (any build of SOURCE)."""
     fn = lib.kubeinfer_paged_decode
     fn.restype = ctypes.c_int32
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32]
+    fn.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32]
+    store = lib.kubeinfer_kv_store
+    store.restype = ctypes.c_int32
+    store.argtypes = [i32] + [ptr] * 5 + [i64] * 3
     return DecodeKernel(lib, path)

@@ -4,6 +4,12 @@ KV cache layout, per layer: k_cache, v_cache each [num_blocks, block_size, num_k
 slot s = block_id * block_size + offset. A backend first stores this step's K/V at their slots for the
 whole batch, then attends, so a sequence may read blocks another sequence writes in the same step
 (prefix-cache sharing).
+
+The cache may be narrower than q (--kv-cache-dtype, kv_cache_dtype.py): K/V are rounded to it when
+stored (torch's `.to()`, round to nearest even) and widened to q's dtype when read, so attention over
+cached tokens computes in q's dtype (fp32 for a quantized GGUF). A prompt chunk with no cached prefix
+attends over its own K/V rounded the same way, so a prefix-cache hit, a chunked prefill and a whole one
+see the same values.
 """
 
 from __future__ import annotations
@@ -131,7 +137,7 @@ class TorchAttentionBackend:
         scale: float,
     ) -> Tensor:  # [T, num_heads, head_dim]
         if meta is not self._meta:
-            self._plan = self._make_plan(meta, self._use_kernel(q.dtype), k_cache.shape)
+            self._plan = self._make_plan(meta, self._use_kernel(q.dtype, k_cache.dtype), k_cache.shape)
             self._meta = meta
         plan = self._plan
         assert plan is not None
@@ -139,8 +145,8 @@ class TorchAttentionBackend:
         sd_shape = (-1, num_kv_heads, head_dim)
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
 
@@ -168,6 +174,7 @@ class TorchAttentionBackend:
             vd = v_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
             # kd, vd: [Sd, Hkv, L, D]
             if q.dtype == torch.float32:
+                kd, vd = kd.float(), vd.float()  # a no-op for an fp32 cache
                 # The G query heads sharing a KV head become G query rows of one attention: each KV
                 # block is read once per KV head instead of once per query head.
                 qg = qd.view(sd, num_kv_heads, -1, head_dim)  # [Sd, Hkv, G, D]
@@ -183,14 +190,17 @@ class TorchAttentionBackend:
             qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
             if s.blocks is None:
                 ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
+                if k_cache.dtype != q.dtype:  # what a later chunk or a prefix hit reads from the cache
+                    ks, vs = ks.to(k_cache.dtype).to(q.dtype), vs.to(v_cache.dtype).to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 ks = k_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)[None]
                 vs = v_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)[None]
-                # ks, vs: [1, Hkv, ctx, D]
+                # ks, vs: [1, Hkv, ctx, D], widened to q's dtype (a no-op when the cache has it)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
             out[rows] = o[0].transpose(0, 1)
         return out
 
-    def _use_kernel(self, dtype: torch.dtype) -> bool:
-        return self.decode_kernel is not None and supports_dtype(dtype)
+    def _use_kernel(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        return self.decode_kernel is not None and supports_dtype(dtype, cache_dtype)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from server.attention import make_attention_backend
+from server.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from server.config import EngineConfig
 from server.core.outputs import SchedulerOutput
 from server.distributed.parallel_state import (
@@ -85,10 +86,12 @@ def build_shard_runner(config: EngineConfig, state: ParallelState) -> tuple[Mode
     backend = make_attention_backend(
         config.attention_backend, block_size, device.type, config.model.cache_dir
     )
+    # the same cache dtype as rank 0's (engine.py): tensor parallelism loads dense weights (no GGUF)
+    kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, dtype, dtype, device.type)
     num_blocks = config.cache.num_kv_blocks or max(
-        1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block(loaded.model, block_size, dtype)
+        1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block(loaded.model, block_size, kv_dtype)
     )
-    runner = ModelRunner(loaded.model, backend, num_blocks, block_size, dtype, device)
+    runner = ModelRunner(loaded.model, backend, num_blocks, block_size, kv_dtype, device)
     runner.is_driver = False
     return runner, num_blocks
 

@@ -25,7 +25,7 @@ from server.native import KernelBuildError, NativeSource, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
-ABI_VERSION = 3
+ABI_VERSION = 4
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time).
 NATIVE = NativeSource(

@@ -1,5 +1,8 @@
 """A whole decode step's decoder layers in one compiled call (CPU, fp32, block-quantized projections).
 
+The KV cache may be fp32, bf16 or fp16 (--kv-cache-dtype): the graph records its dtype and writes K/V
+through the attention library's `kubeinfer_kv_store`, which rounds as the Python path's `.to()` does.
+
 Under bf16 GEMMs (server/quant/gemm_dtype.py) it serves decode batches below BF16_GEMM_MIN_ROWS
 (`DecodeGraph.max_rows`) with each weight descriptor's `compute` flag set from its projection's
 gemm_dtype, so that the kernel runs batches of 4..255 rows on its bf16 batched path (AVX512-BF16; the
@@ -30,7 +33,7 @@ import torch
 from torch import Tensor
 
 from server.attention import AttentionBackend, AttentionMetadata
-from server.attention.cpu_kernel import check_decode_indices
+from server.attention.cpu_kernel import CACHE_DTYPE_CODES, check_decode_indices
 from server.attention.torch_backend import TorchAttentionBackend
 from server.models.cpu_fused import FusedOps
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
@@ -80,6 +83,8 @@ class _Model(ctypes.Structure):
         ("block_size", _i64),
         ("qlinear", _ptr),
         ("paged_decode", _ptr),
+        ("kv_store", _ptr),
+        ("cache_dtype", _i32),
     ]
 
 
@@ -146,7 +151,8 @@ class DecodeGraph:
     @staticmethod
     def build(
         model: LlamaForCausalLM,
-        kv_caches: list[tuple[Tensor, Tensor]],  # per layer: 2 x [num_blocks, block_size, Hkv, D] fp32
+        # per layer: 2 x [num_blocks, block_size, Hkv, D], fp32, bf16 or fp16 (--kv-cache-dtype)
+        kv_caches: list[tuple[Tensor, Tensor]],
         backend: AttentionBackend,
         ops: FusedOps,
     ) -> DecodeGraph | None:
@@ -182,10 +188,10 @@ class DecodeGraph:
             return None
         k0 = kv_caches[0][0]
         shape = k0.shape
+        if k0.dtype not in CACHE_DTYPE_CODES:
+            return None
         if any(
-            c.dtype != torch.float32 or c.shape != shape or not c.is_contiguous()
-            for kv in kv_caches
-            for c in kv
+            c.dtype != k0.dtype or c.shape != shape or not c.is_contiguous() for kv in kv_caches for c in kv
         ):
             return None
         attn0, cfg = layers[0].self_attn, model.config
@@ -238,6 +244,8 @@ class DecodeGraph:
             shape[1],
             decode_qlinear_address(kernel),  # int8-activation GEMV or qlinear (cpu_qgemv_q8.py)
             _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode),
+            _fn_address(backend.decode_kernel.lib.kubeinfer_kv_store),
+            CACHE_DTYPE_CODES[k0.dtype],
         )
         return DecodeGraph(
             ops=ops,

@@ -12,11 +12,11 @@ fp32, the product rounded to bf16 and widened back), and from 4 rows up to that 
 bf16 batched path (csrc/qlinear.cpp: bf16 operands, fp32 sums and output; the decode graph too), where
 AVX512-BF16 is usable. Everything else stays fp32: the residual
 stream (a sum of 60 layer outputs, where bf16's 8-bit mantissa would lose the small updates), RMSNorm
-(a mean of squares), rotary, softmax and attention (their inputs come from the fp32 KV cache, and the
-attention kernel is memory-bound at our context lengths: bf16 would buy nothing there), and decode of
-1..3 rows, whose GEMV is bound by the weight's bytes, not by FLOPs (the fp32 kernel reads the same
-quantized bytes either way). A GGUF's tied LM head is a BlockQuantLinear and follows gemm_dtype like the
-projections (bf16 operands from 4 rows); its logits, the output, stay fp32.
+(a mean of squares), rotary, softmax and attention (computed in fp32; the KV cache itself is bf16 under
+`auto` on such CPUs, server/attention/kv_cache_dtype.py, since the decode kernel is bound by its bytes
+at 16+ users), and decode of 1..3 rows, whose GEMV is bound by the weight's bytes, not by FLOPs (the
+fp32 kernel reads the same quantized bytes either way). A GGUF's tied LM head is a BlockQuantLinear and
+follows gemm_dtype like the projections (bf16 operands from 4 rows); its logits, the output, stay fp32.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class DraftModelProposer:
         backend: AttentionBackend,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,  # the target's --kv-cache-dtype: the draft's cache follows it
         device: torch.device,
         k: int,
         max_model_len: int,
@@ -98,7 +98,10 @@ class DraftModelProposer:
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: list[tuple[Tensor, Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+                torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+            )
             for _ in range(cfg.num_layers)
         ]
         self._states: dict[str, _DraftState] = {}
@@ -209,10 +212,12 @@ def load_draft_proposer(
     cache_dir: Path | None = None,
     keep_gguf: bool = False,
     optimize_weights: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> DraftModelProposer:
     """Loads `config.model` with the target's loader and dtype (a GGUF draft stays quantized when the
     target is served from GGUF: `keep_gguf`; fused/pre-packed like the target with `optimize_weights`)
-    and checks its vocabulary. Raises ModelLoadError."""
+    and checks its vocabulary. Its KV cache has `kv_cache_dtype` (None: the target's dtype). Raises
+    ModelLoadError."""
     assert config.model is not None
     source = resolve_model(config.model, cache_dir, keep_gguf=keep_gguf)
     if source.gguf is not None:
@@ -234,7 +239,7 @@ def load_draft_proposer(
         backend,
         num_blocks,
         block_size,
-        target.dtype,
+        kv_cache_dtype or target.dtype,
         device,
         config.num_speculative_tokens,
         max_model_len,

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block's K and V over all layers, for a cache of `dtype` (--kv-cache-dtype): a bf16
+    or fp16 cache fits twice the blocks of an fp32 one in the same --kv-cache-memory."""
     cfg = model.config
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
@@ -35,7 +37,7 @@ class ModelRunner:
         backend: AttentionBackend,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,  # the caches' element type (kv_cache_dtype.py), not the model's
         device: torch.device,
         structured: StructuredOutputManager | None = None,
         lora: LoRAManager | None = None,
@@ -49,7 +51,10 @@ class ModelRunner:
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: list[tuple[Tensor, Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+                torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+            )
             for _ in range(cfg.num_layers)
         ]
         self.logprobs_mode = logprobs_mode

@@ -204,7 +204,7 @@ def _valid_args() -> dict[str, torch.Tensor]:
     ("change", "error", "match"),
     [
         ({"q": lambda a: a["q"].half(), "out": lambda a: a["out"].half()}, TypeError, "float32 or bfloat16"),
-        ({"k_cache": lambda a: a["k_cache"].bfloat16()}, TypeError, "expected torch.float32 like q"),
+        ({"k_cache": lambda a: a["k_cache"].bfloat16()}, TypeError, "k_cache, v_cache: dtypes"),
         ({"block_tables": lambda a: a["block_tables"].long()}, TypeError, "block_tables"),
         ({"k_cache": lambda a: a["k_cache"].transpose(0, 1)}, ValueError, "k_cache: must be contiguous"),
         ({"out": lambda a: a["out"][:1]}, ValueError, "q and out"),

@@ -11,7 +11,7 @@ import torch
 from gguf_models import write_tiny_gguf
 
 from server.attention.metadata import AttentionMetadata
-from server.config import EngineConfig, LoRAConfig, ModelConfig
+from server.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.decode_graph import DecodeGraph
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS, BlockQuantLinear
@@ -54,8 +54,17 @@ def _generate(
     return list(tokens.values()), list(lps.values())
 
 
-def test_graph_is_bit_identical_to_the_python_path(tiny_q41: Path, cache: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
+def test_graph_is_bit_identical_to_the_python_path(tiny_q41: Path, cache: Path, kv_dtype: str) -> None:
+    """Per --kv-cache-dtype: the graph's K/V write (kubeinfer_kv_store) rounds as the Python path's
+    `.to()` does, and both read the cache with the same kernel."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(tiny_q41), cache_dir=cache), cache=CacheConfig(cache_dtype=kv_dtype)
+        )
+    )
+    assert engine.runner.kv_caches[0][0].dtype == getattr(torch, kv_dtype)
+    assert engine.info.kv_cache_dtype == kv_dtype
     model = engine.loaded.model
     want_tokens, want_lps = _generate(engine, graph=False)
     assert model._decode_graph is None

@@ -25,6 +25,8 @@ GGUF_FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at"]
 NEW_TOKENS = 16
 
+FP32_KV = CacheConfig(cache_dtype="float32")  # the parity tests compare against transformers fp32
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -58,9 +60,10 @@ def test_tensors_equal_transformers_reading_of_the_file(tiny_gguf: dict[str, Pat
 @pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_greedy_parity_on_tiny_gguf_models(tiny_gguf: dict[str, Path], fmt: str, cache: Path) -> None:
     path = tiny_gguf[fmt]
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=cache)))
+    # against transformers fp32: an fp32 KV cache and fp32 GEMMs on bf16 CPUs too
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=cache), cache=FP32_KV))
     model = engine.loaded.model
-    apply_gemm_dtype(model, torch.float32)  # against transformers fp32: fp32 GEMMs on bf16 CPUs too
+    apply_gemm_dtype(model, torch.float32)
     assert engine.info.quantization == f"gguf-{fmt.lower()}"
     assert isinstance(model.model.embed_tokens, BlockQuantEmbedding)
     assert isinstance(model.lm_head, BlockQuantLinear)  # tied: the embedding's tensors
@@ -95,7 +98,7 @@ def test_k_quant_gguf_kept_quantized_with_greedy_parity(
         dense = dequantize_reference(value) if isinstance(value, BlockQuantWeight) else value
         assert torch.equal(dense, ref_state[name]), name
     del ref
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=cache)))
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(path), cache_dir=cache), cache=FP32_KV))
     apply_gemm_dtype(engine.loaded.model, torch.float32)  # against transformers fp32
     assert engine.info.quantization == "gguf-q4_k+q6_k"
     model = engine.loaded.model
@@ -129,7 +132,9 @@ def test_embedded_model_served_quantized_keeps_greedy_parity(smollm2_dir: Path) 
     spec.loader.exec_module(parity)
     N, PARITY_PROMPTS, hf_greedy = parity.NEW_TOKENS, parity.PROMPTS, parity.hf_greedy
 
-    engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=CacheConfig()))
+    # exact against transformers fp32: an fp32 KV cache (auto is bf16 on CPUs with native bf16;
+    # tests/engine/test_kv_cache_dtype_parity.py bounds that one)
+    engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=FP32_KV))
     assert engine.info.quantization == "gguf-q4_1+q8_0"
     assert engine.info.weight_bytes < 100 * 2**20  # 92 MiB: the file's tensors, not 513 MiB of fp32
     prompts = [engine.tokenizer.encode(p) for p in PARITY_PROMPTS]

@@ -3,23 +3,31 @@
 // Built at run time by server/attention/cpu_kernel.py and called through ctypes, so it has a plain C ABI
 // and includes no torch headers. Layouts:
 //   q, out        [T, Hq, D]            rows[i] is the row of decode sequence i; rows may be strided
-//                                       (q is often a view into the fused qkv projection)
-//   k/v cache     [num_blocks, block_size, Hkv, D]      contiguous
+//                                       (q is often a view into the fused qkv projection); fp32 or bf16
+//   k/v cache     [num_blocks, block_size, Hkv, D]      contiguous; fp32, bf16 or fp16 (any q dtype)
 //   block_tables  [num_seqs, bt_stride] int32, seqs[i] is the row of decode sequence i
 //   context_lens  [num_seqs] int32
 // One task per part of a sequence's context (the whole context unless there are too few sequences to
 // keep the threads busy): its blocks stream from memory once, each K/V row serving the G = Hq / Hkv
 // query heads that share it. A second pass merges each sequence's parts (log-sum-exp rescaling).
+// A bf16/fp16 cache row is widened to fp32 once (bf16: a 16-bit shift; fp16: F16C's vcvtph2ps, a
+// portable bit conversion without it) and serves all G heads; scores, softmax and sums are fp32.
 // OpenMP comes from the libgomp torch has already loaded (same soname), so it shares torch's threads.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 using bf16 = uint16_t;
+struct fp16 {  // IEEE binary16 bits, a distinct type from bf16 for the templates
+  uint16_t bits;
+};
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) {
@@ -29,7 +37,71 @@ inline float to_float(bf16 x) {
   return f;
 }
 
+inline float to_float(fp16 x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.bits);
+#else
+  // binary16 -> binary32, exact (subnormals normalized, inf/NaN kept)
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  uint32_t exp = (x.bits >> 10) & 0x1fu, man = x.bits & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (!man) {
+    bits = sign;
+  } else {
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while (!(man & 0x400u));
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
 inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, fp16* dst) {
+#if defined(__F16C__)
+  dst->bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+  // binary32 -> binary16, round to nearest even (as torch's conversion and F16C): handles overflow to
+  // inf, subnormal results and NaN.
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) {
+    dst->bits = sign | 0x7e00u;
+    return;
+  }
+  if (abs >= 0x477ff000u) {  // rounds to >= 65520: inf
+    dst->bits = sign | 0x7c00u;
+    return;
+  }
+  if (abs < 0x38800000u) {  // below 2^-14: a subnormal (or zero) half
+    if (abs < 0x33000000u) {  // below half the smallest subnormal (2^-25): zero
+      dst->bits = sign;
+      return;
+    }
+    const uint32_t e = abs >> 23, man = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // man >> (shift) is the subnormal's 10-bit mantissa
+    uint32_t h = man >> shift;
+    const uint32_t rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1u))) ++h;
+    dst->bits = sign | static_cast<uint16_t>(h);
+    return;
+  }
+  uint32_t h = ((abs >> 13) - (112u << 10));
+  const uint32_t rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
+  dst->bits = sign | static_cast<uint16_t>(h);
+#endif
+}
 inline void from_float(float x, bf16* dst) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
@@ -40,6 +112,72 @@ inline void from_float(float x, bf16* dst) {
   bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even, as torch does
   *dst = static_cast<bf16>(bits >> 16);
 }
+
+// dst[0..n) = src widened to fp32: vectorized where the build has the instructions, else scalar.
+inline void widen_row(const float* src, float* dst, int n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen_row(const bf16* src, float* dst, int n) {
+  int j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
+    _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#elif defined(__AVX2__)
+  for (; j + 8 <= n; j += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
+    _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = to_float(src[j]);
+}
+inline void widen_row(const fp16* src, float* dst, int n) {
+  int j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))));
+#elif defined(__F16C__)
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+#endif
+  for (; j < n; ++j) dst[j] = to_float(src[j]);
+}
+
+#if defined(__AVX512F__)
+// The 16 horizontal sums of v[0..15], lane i = sum of v[i]'s lanes: a transpose-and-add tree of 15 adds
+// and 30 shuffles, where 16 separate reductions cost ~8 dependent ops each.
+inline __m512 reduce16(const __m512* v) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane L: the lane-L partial sums of v[4i..4i+3]
+    s[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The scores of m <= 16 consecutive tokens for one KV head's G query heads: kb holds the 16 widened K
+// rows (those past m zero), 16 dot products accumulate side by side and reduce16 sums them together.
+// D is a multiple of 16.
+inline void scores16(const float* kb, int m, int D, int G, const float* qh0, float* out, int64_t out_stride) {
+  const __mmask16 keep = static_cast<__mmask16>(m == 16 ? 0xffffu : (1u << m) - 1u);
+  for (int g = 0; g < G; ++g) {
+    const float* qh = qh0 + g * D;
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
+    for (int j = 0; j < D; j += 16) {
+      const __m512 qv = _mm512_loadu_ps(qh + j);
+#pragma GCC unroll 16
+      for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + u * D + j), acc[u]);
+    }
+    _mm512_mask_storeu_ps(out + g * out_stride, keep, reduce16(acc));
+  }
+}
+#endif
 
 struct Args {
   void* out;
@@ -80,7 +218,7 @@ inline void for_each_row(const Args& a, const Part& part, const int32_t* table, 
 
 // Attends one part for every query head; leaves in m/l/acc (each [Hq] or [Hq, D]) the part's score max,
 // its sum of exp(score - max) and the matching unnormalized sum of V rows.
-template <typename T>
+template <typename T, typename C>
 void attend_part(const Args& a, const Part& part, std::vector<float>& scores, std::vector<float>& qf,
                  float* m_out, float* l_out, float* acc) {
   const int HQ = a.hq, G = HQ / a.hkv, D = a.d;
@@ -88,20 +226,49 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
   const int n_tok = part.t_end - part.t_begin;
   const int32_t* table = a.block_tables + seq * a.bt_stride;
   const T* q = static_cast<const T*>(a.q) + row * a.q_row_stride;
-  const T* kc = static_cast<const T*>(a.k_cache);
-  const T* vc = static_cast<const T*>(a.v_cache);
+  const C* kc = static_cast<const C*>(a.k_cache);
+  const C* vc = static_cast<const C*>(a.v_cache);
+  float row_f[512];  // one K or V row widened to fp32 (head_dim <= 512, checked by the launcher)
   // scores[hq][t - t_begin]: every query head's score of every position in the part
   scores.resize(static_cast<size_t>(HQ) * n_tok);
   qf.resize(static_cast<size_t>(HQ) * D);
   for (int j = 0; j < HQ * D; ++j) qf[j] = to_float(q[j]) * a.scale;
   std::fill(acc, acc + static_cast<size_t>(HQ) * D, 0.0f);
 
-  for_each_row(a, part, table, kc, [&](int t, int h, const T* kr) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    // Tokens 16 at a time (scores16): one reduction tree per 16 scores instead of one horizontal sum
+    // per (token, query head). The 16 tokens' rows are widened in memory order (the cache streams as
+    // before) into kb [Hkv][16][D].
+    thread_local std::vector<float> kb;
+    const int HKV = a.hkv, BS = a.block_size;
+    kb.assign(static_cast<size_t>(HKV) * 16 * D, 0.0f);
+    const int64_t block_elems = static_cast<int64_t>(BS) * HKV * D;
+    for (int t = part.t_begin; t < part.t_end;) {
+      const int off = t % BS, n = std::min(BS - off, part.t_end - t);
+      const C* block = kc + table[t / BS] * block_elems;
+      for (int u0 = 0; u0 < n; u0 += 16) {
+        const int m = std::min(16, n - u0);
+        const C* rows = block + static_cast<int64_t>(off + u0) * HKV * D;
+        for (int u = 0; u < m; ++u)
+          for (int h = 0; h < HKV; ++h) widen_row(rows + (u * HKV + h) * D, kb.data() + (h * 16 + u) * D, D);
+        if (m < 16)  // rows past m: zero, so their (masked-off) sums stay finite
+          for (int h = 0; h < HKV; ++h) std::fill(kb.data() + (h * 16 + m) * D, kb.data() + (h * 16 + 16) * D, 0.0f);
+        for (int h = 0; h < HKV; ++h)
+          scores16(kb.data() + h * 16 * D, m, D, G, qf.data() + h * G * D,
+                   scores.data() + static_cast<size_t>(h * G) * n_tok + (t - part.t_begin) + u0, n_tok);
+      }
+      t += n;
+    }
+  } else
+#endif
+  for_each_row(a, part, table, kc, [&](int t, int h, const C* kr) {
+    widen_row(kr, row_f, D);
     for (int g = 0; g < G; ++g) {
       const float* qh = qf.data() + (h * G + g) * D;
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-      for (int j = 0; j < D; ++j) s += qh[j] * to_float(kr[j]);
+      for (int j = 0; j < D; ++j) s += qh[j] * row_f[j];
       scores[static_cast<size_t>(h * G + g) * n_tok + t] = s;
     }
   });
@@ -120,12 +287,13 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
     l_out[hh] = sum;
   }
 
-  for_each_row(a, part, table, vc, [&](int t, int h, const T* vr) {
+  for_each_row(a, part, table, vc, [&](int t, int h, const C* vr) {
+    widen_row(vr, row_f, D);
     for (int g = 0; g < G; ++g) {
       const float p = scores[static_cast<size_t>(h * G + g) * n_tok + t];
       float* ah = acc + (h * G + g) * D;
 #pragma omp simd
-      for (int j = 0; j < D; ++j) ah[j] += p * to_float(vr[j]);
+      for (int j = 0; j < D; ++j) ah[j] += p * row_f[j];
     }
   });
 }
@@ -152,7 +320,7 @@ std::vector<Part> make_parts(const Args& a, int num_threads) {
   return parts;
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const Args& a, int num_threads) {
   const int HQ = a.hq, D = a.d;
   const std::vector<Part> parts = make_parts(a, num_threads);
@@ -166,7 +334,7 @@ void run(const Args& a, int num_threads) {
     std::vector<float> scores, qf;  // per thread, reused across its parts
 #pragma omp for schedule(dynamic, 1)
     for (int64_t p = 0; p < num_parts; ++p)
-      attend_part<T>(a, parts[p], scores, qf, &m[p * HQ], &l[p * HQ], &acc[p * HQ * D]);
+      attend_part<T, C>(a, parts[p], scores, qf, &m[p * HQ], &l[p * HQ], &acc[p * HQ * D]);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < a.num_decode; ++i) {
       T* o = static_cast<T*>(a.out) + a.rows[i] * a.out_row_stride;
@@ -195,12 +363,13 @@ void run(const Args& a, int num_threads) {
 
 extern "C" {
 
-// Bumped whenever the signature below changes; the loader refuses a library reporting another value.
-int32_t kubeinfer_paged_decode_abi() { return 1; }
+// Bumped whenever a signature below changes; the loader refuses a library reporting another value.
+int32_t kubeinfer_paged_decode_abi() { return 2; }
 
-// dtype: 0 = float32, 1 = bfloat16 (for q, caches and out alike). Returns 0, or -1 for an unknown dtype.
-int32_t kubeinfer_paged_decode(int32_t dtype, void* out, const void* q, const void* k_cache,
-                               const void* v_cache, const int32_t* block_tables,
+// dtype (q and out): 0 = float32, 1 = bfloat16; cache_dtype (k/v caches): 0 = float32, 1 = bfloat16,
+// 2 = float16. Returns 0, or -1 for an unknown dtype.
+int32_t kubeinfer_paged_decode(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
+                               const void* k_cache, const void* v_cache, const int32_t* block_tables,
                                const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
                                int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
                                int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
@@ -208,12 +377,49 @@ int32_t kubeinfer_paged_decode(int32_t dtype, void* out, const void* q, const vo
   const Args a{out,  q,          k_cache,      v_cache,        block_tables, context_lens,
                seqs, rows,       num_decode,   q_row_stride,   out_row_stride, bt_stride,
                hq,   hkv,        d,            block_size,     scale};
-  if (dtype == 0) {
-    run<float>(a, num_threads);
-  } else if (dtype == 1) {
-    run<bf16>(a, num_threads);
+  if (dtype == 0 && cache_dtype == 0) {
+    run<float, float>(a, num_threads);
+  } else if (dtype == 0 && cache_dtype == 1) {
+    run<float, bf16>(a, num_threads);
+  } else if (dtype == 0 && cache_dtype == 2) {
+    run<float, fp16>(a, num_threads);
+  } else if (dtype == 1 && cache_dtype == 0) {
+    run<bf16, float>(a, num_threads);
+  } else if (dtype == 1 && cache_dtype == 1) {
+    run<bf16, bf16>(a, num_threads);
+  } else if (dtype == 1 && cache_dtype == 2) {
+    run<bf16, fp16>(a, num_threads);
   } else {
     return -1;
+  }
+  return 0;
+}
+
+// The decode graph's K/V write (server/models/csrc/cpu_fused.cpp): for each row r < t, the fp32 rows
+// k + r * src_stride and v + r * src_stride (width elements each) go to slot slots[r] of the caches,
+// rounded to cache_dtype (codes as above) to nearest even, as torch's .to() and the Python path's
+// index_copy_ do. Returns 0, or -1 for an unknown dtype.
+int32_t kubeinfer_kv_store(int32_t cache_dtype, void* k_cache, void* v_cache, const int64_t* slots,
+                           const float* k, const float* v, int64_t src_stride, int64_t t, int64_t width) {
+  if (cache_dtype < 0 || cache_dtype > 2) return -1;
+  for (int64_t r = 0; r < t; ++r) {
+    const float* kr = k + r * src_stride;
+    const float* vr = v + r * src_stride;
+    const int64_t base = slots[r] * width;
+    if (cache_dtype == 0) {
+      std::memcpy(static_cast<float*>(k_cache) + base, kr, width * sizeof(float));
+      std::memcpy(static_cast<float*>(v_cache) + base, vr, width * sizeof(float));
+    } else if (cache_dtype == 1) {
+      bf16* kd = static_cast<bf16*>(k_cache) + base;
+      bf16* vd = static_cast<bf16*>(v_cache) + base;
+      for (int64_t j = 0; j < width; ++j) from_float(kr[j], kd + j);
+      for (int64_t j = 0; j < width; ++j) from_float(vr[j], vd + j);
+    } else {
+      fp16* kd = static_cast<fp16*>(k_cache) + base;
+      fp16* vd = static_cast<fp16*>(v_cache) + base;
+      for (int64_t j = 0; j < width; ++j) from_float(kr[j], kd + j);
+      for (int64_t j = 0; j < width; ++j) from_float(vr[j], vd + j);
+    }
   }
   return 0;
 }

@@ -29,7 +29,7 @@ constexpr int64_t kParallelMin = 1 << 16;  // elements below which one thread do
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 3; }
+int32_t kubeinfer_cpu_fused_abi() { return 4; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -124,12 +124,14 @@ int32_t kubeinfer_head_rms_norm(float* x, int64_t row_stride, int64_t rows, int6
 // kubeinfer_paged_decode (the weight descriptor stays opaque here).
 typedef int32_t (*KiQLinearFn)(const void* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
                                float* y, int64_t y_stride, int32_t nthreads);
-typedef int32_t (*KiPagedDecodeFn)(int32_t dtype, void* out, const void* q, const void* k_cache,
+typedef int32_t (*KiPagedDecodeFn)(int32_t dtype, int32_t cache_dtype, void* out, const void* q, const void* k_cache,
                                    const void* v_cache, const int32_t* block_tables,
                                    const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
                                    int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
                                    int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
                                    float scale, int32_t num_threads);
+typedef int32_t (*KiKvStoreFn)(int32_t cache_dtype, void* k_cache, void* v_cache, const int64_t* slots,
+                               const float* k, const float* v, int64_t src_stride, int64_t t, int64_t width);
 
 // What stays fixed while the model serves: weights (qlinear descriptors, biases may be null), norms, caches.
 struct KiDecodeLayer {
@@ -143,8 +145,8 @@ struct KiDecodeLayer {
   const float* down_bias;
   const float* norm1;  // input_layernorm.weight [H]
   const float* norm2;  // post_attention_layernorm.weight [H]
-  float* k_cache;      // [num_blocks, block_size, Hkv, D] fp32
-  float* v_cache;
+  void* k_cache;       // [num_blocks, block_size, Hkv, D] of the model's cache_dtype
+  void* v_cache;
   float eps1, eps2;
   const float* q_norm;  // Qwen3: self_attn.q_norm.weight [D], k_norm.weight [D]; null for other models
   const float* k_norm;
@@ -159,6 +161,8 @@ struct KiDecodeModel {
   int64_t hidden, inter, hq, hkv, d, block_size;
   KiQLinearFn qlinear;
   KiPagedDecodeFn paged_decode;
+  KiKvStoreFn kv_store;    // paged_decode.cpp's K/V write, rounding to the cache's dtype
+  int32_t cache_dtype;     // 0 = float32, 1 = bfloat16, 2 = float16 (paged_decode.cpp's codes)
 };
 
 // One step of T decode rows (row i is sequence i), its indices already bounds-checked by the caller.
@@ -199,12 +203,10 @@ int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) 
         return 1100 + rc;
     }
     if ((rc = kubeinfer_rotary(s->qkv, q_width, t, m->hq + m->hkv, D, s->cos, s->sin, nt))) return 300 + rc;
-    for (int64_t r = 0; r < t; ++r) {
-      const float* k = s->qkv + r * q_width + o_width;
-      std::memcpy(L.k_cache + s->slots[r] * kv_width, k, kv_width * sizeof(float));
-      std::memcpy(L.v_cache + s->slots[r] * kv_width, k + kv_width, kv_width * sizeof(float));
-    }
-    if ((rc = m->paged_decode(0, s->attn, s->qkv, L.k_cache, L.v_cache, s->block_tables, s->context_lens,
+    if ((rc = m->kv_store(m->cache_dtype, L.k_cache, L.v_cache, s->slots, s->qkv + o_width,
+                          s->qkv + o_width + kv_width, q_width, t, kv_width)))
+      return 1200 + rc;
+    if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, s->block_tables, s->context_lens,
                               s->seqs, s->seqs, t, q_width, o_width, s->bt_stride, m->hq, m->hkv, D,
                               m->block_size, m->scale, nt)))
       return 400 + rc;

@@ -1,0 +1,225 @@
+"""--kv-cache-dtype: the decode kernel over bf16/fp16 caches (every x86-64 build level), the K/V write's
+rounding, the torch backend's reads of a narrower cache, how `auto` resolves and what is refused."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from paged_batch import ATTN_TOL, make_attention_metadata, make_paged_batch
+
+from kernels.reference import paged_attention_decode_ref, paged_attention_ref
+from server.attention.cpu_kernel import NATIVE, DecodeKernel, bind_decode_kernel, load_decode_kernel
+from server.attention.kv_cache_dtype import resolve_kv_cache_dtype
+from server.attention.torch_backend import TorchAttentionBackend
+from server.cli import build_parser, config_from_args
+from server.config import CacheConfig
+from server.native import VARIANTS, build, compiler, cpu_flags, variant_flags
+
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CACHE_IDS = ["fp32", "bf16", "fp16"]
+# fp32 q/out over a rounded cache against the fp32 reference over the same rounded values: the only
+# differences are the order of fp32 sums, as for an fp32 cache.
+FP32_TOL = ATTN_TOL[torch.float32]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DecodeKernel]:
+    """The kernel built at every x86-64 level this CPU runs (the images prebuild each): AVX-512, AVX2 +
+    F16C, and the portable conversions of v2 and the baseline."""
+    folder = tmp_path_factory.mktemp("levels")
+    flags = cpu_flags()
+    kernels = {}
+    for variant in VARIANTS:
+        if not variant.cpu_flags <= flags:
+            continue
+        path = folder / f"{variant.march}.so"
+        build(NATIVE, compiler(), path, variant_flags(NATIVE, variant))
+        kernels[variant.march] = bind_decode_kernel(ctypes.CDLL(str(path)), path)
+    assert "x86-64" in kernels
+    return kernels
+
+
+def _levels() -> list[str]:
+    return [v.march for v in VARIANTS]
+
+
+@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
+@pytest.mark.parametrize(("gqa", "block_size"), [(1, 16), (3, 16), (4, 8)])
+def test_kernel_over_a_narrow_cache_matches_the_reference(
+    builds: dict[str, DecodeKernel], level: str, cache_dtype: torch.dtype, gqa: int, block_size: int
+) -> None:
+    if level not in builds:
+        pytest.skip(f"this CPU cannot run {level}")
+    kernel = builds[level]
+    # one token, one and two blocks, ragged multi-block, and long ones cut into parts
+    ctx = [1, block_size, 2 * block_size, 3 * block_size + 5, 300, 1500]
+    batch = make_paged_batch(
+        [1] * len(ctx),
+        ctx,
+        num_heads=3 * gqa,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=block_size,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        q_scale=3.0,
+    )
+    kc, vc = batch.k_cache.to(cache_dtype), batch.v_cache.to(cache_dtype)
+    out = torch.full_like(batch.q, float("nan"))
+    seqs = rows = torch.arange(len(ctx))
+    kernel(out, batch.q, kc, vc, batch.block_tables, batch.context_lens, seqs, rows, 0.125)
+    ref = paged_attention_decode_ref(
+        batch.q, kc.float(), vc.float(), batch.block_tables, batch.context_lens, 0.125
+    )
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=FP32_TOL[0], rtol=FP32_TOL[1])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_bf16_queries_over_another_cache_dtype(cache_dtype: torch.dtype) -> None:
+    """A bf16 model with --kv-cache-dtype float32/float16: q and out stay bf16, the sums fp32."""
+    batch = make_paged_batch(
+        [1] * 3, [5, 40, 333], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    q = batch.q.bfloat16()
+    kc, vc = batch.k_cache.to(cache_dtype), batch.v_cache.to(cache_dtype)
+    out = torch.empty_like(q)
+    seqs = torch.arange(3)
+    load_decode_kernel()(out, q, kc, vc, batch.block_tables, batch.context_lens, seqs, seqs, 0.125)
+    ref = paged_attention_decode_ref(
+        q.float(), kc.float(), vc.float(), batch.block_tables, batch.context_lens, 0.125
+    )
+    atol, rtol = ATTN_TOL[torch.bfloat16]
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+
+
+def _awkward_values(n: int) -> torch.Tensor:
+    """Random values plus what rounding gets wrong: ties at both dtypes' last bit, fp16 overflow and
+    subnormals, bf16 carries into the exponent, signed zeros and infinities."""
+    special = [0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6e-5, 6.1e-5, 1e-7, 3e-8, 2.98e-8]
+    special += [float("inf"), float("-inf"), 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8, 1.0 + 3 * 2**-8]
+    special += [float.fromhex("0x1.fffffep+0"), 2**-24, 1.5 * 2**-24, 2**-25, 2**-14 - 2**-25]
+    base = torch.cat([torch.tensor(special), -torch.tensor(special)])
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32).view(torch.float32)
+    bits = bits[torch.isfinite(bits)]
+    return torch.cat([base, torch.randn(n) * 100, bits])
+
+
+@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
+def test_kv_store_rounds_like_torch(
+    builds: dict[str, DecodeKernel], level: str, cache_dtype: torch.dtype
+) -> None:
+    """The decode graph's write (kubeinfer_kv_store) gives the bits torch's `.to()` gives: the Python
+    path writes with it, and the graph must stay bit-identical to that path."""
+    if level not in builds:
+        pytest.skip(f"this CPU cannot run {level}")
+    values = _awkward_values(4096)
+    hkv, d = 2, 64
+    t = values.numel() // (hkv * d)
+    k = values[: t * hkv * d].view(t, hkv, d)
+    v = k.flip(0)
+    # k and v as views into one fused [T, 2 * Hkv * D] row, as in the graph's qkv buffer
+    fused = torch.cat([k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    kf, vf = fused[:, : hkv * d].view(t, hkv, d), fused[:, hkv * d :].view(t, hkv, d)
+    block_size = 8
+    num_blocks = -(-t // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size)[:t]
+    kc = torch.zeros(num_blocks, block_size, hkv, d, dtype=cache_dtype)
+    vc = torch.zeros_like(kc)
+    builds[level].store_kv(kc, vc, slots, kf, vf)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.view(-1, hkv, d)[slots] = k.to(cache_dtype)
+    want_v.view(-1, hkv, d)[slots] = v.to(cache_dtype)
+    int_type = torch.int32 if cache_dtype == torch.float32 else torch.int16
+    assert torch.equal(kc.view(int_type), want_k.view(int_type))
+    assert torch.equal(vc.view(int_type), want_v.view(int_type))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu", "torch"])
+def test_backend_rounds_on_write_and_attends_in_fp32(cache_dtype: torch.dtype, use_kernel: bool) -> None:
+    """fp32 q/k/v over a narrow cache, decode rows between prompt chunks with cached prefixes: the cache
+    holds k.to(cache_dtype), the output is fp32 and matches the fp32 reference over the rounded cache,
+    for the chunk without a cached prefix too (it attends over its K/V rounded alike)."""
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    query_lens, prefix_lens = [1, 12, 20, 1, 3], [30, 0, 9, 64, 16]
+    meta = make_attention_metadata(query_lens, prefix_lens, block_size, torch.device("cpu"))
+    n = sum(query_lens)
+    shape = (int(meta.block_tables.max()) + 2, block_size, hkv, d)
+    kc, vc = torch.randn(shape).to(cache_dtype), torch.randn(shape).to(cache_dtype)
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    backend = TorchAttentionBackend(block_size, load_decode_kernel() if use_kernel else None)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    assert out.dtype == torch.float32
+    assert torch.equal(kc.view(-1, hkv, d)[meta.slot_mapping], k.to(cache_dtype))
+    assert torch.equal(vc.view(-1, hkv, d)[meta.slot_mapping], v.to(cache_dtype))
+    ref = paged_attention_ref(
+        q, kc.float(), vc.float(), meta.block_tables, meta.context_lens, meta.query_start_loc, 0.125
+    )
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_follows_the_compute_dtype() -> None:
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    # a GGUF served quantized: fp32 activations, --dtype auto resolving to bf16 on this CPU or not
+    assert resolve_kv_cache_dtype("auto", f32, bf16, "cpu") == bf16
+    assert resolve_kv_cache_dtype("auto", f32, f32, "cpu") == f32
+    assert resolve_kv_cache_dtype("auto", bf16, bf16, "cpu") == bf16
+    assert resolve_kv_cache_dtype("auto", f16, f16, "cuda") == f16
+    assert resolve_kv_cache_dtype("float16", f32, bf16, "cpu") == f16
+    assert resolve_kv_cache_dtype("float32", bf16, bf16, "cpu") == f32
+    assert resolve_kv_cache_dtype("bfloat16", bf16, bf16, "cuda") == bf16
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32: the CUDA"):
+        resolve_kv_cache_dtype("float32", bf16, bf16, "cuda")
+
+
+def test_cache_config_refuses_fp8_and_unknown_names() -> None:
+    assert CacheConfig(cache_dtype="float16").cache_dtype == "float16"
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3: fp8 KV caches are not supported"):
+        CacheConfig(cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
+        CacheConfig(cache_dtype="int8")
+
+
+def test_cli_flag_and_env_var() -> None:
+    assert config_from_args(build_parser({}).parse_args([])).engine.cache.cache_dtype == "auto"
+    args = build_parser({"KUBEINFER_KV_CACHE_DTYPE": "float16"}).parse_args([])
+    assert config_from_args(args).engine.cache.cache_dtype == "float16"
+    args = build_parser({}).parse_args(["--kv-cache-dtype", "bfloat16"])
+    assert config_from_args(args).engine.cache.cache_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--kv-cache-dtype", "fp8"], {}, "argument --kv-cache-dtype: fp8 KV caches (fp8) are not supported"),
+        (["--kv-cache-dtype", "half"], {}, "argument --kv-cache-dtype: invalid choice 'half'"),
+        ([], {"KUBEINFER_KV_CACHE_DTYPE": "fp8_e5m2"}, "KUBEINFER_KV_CACHE_DTYPE='fp8_e5m2': fp8 KV caches"),
+    ],
+    ids=["fp8-flag", "unknown-flag", "fp8-env"],
+)
+def test_refused_values_are_startup_errors(argv: list[str], env: dict[str, str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "server", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_base_env(), **env},
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("KUBEINFER_")}
