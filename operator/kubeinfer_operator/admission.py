@@ -163,6 +163,7 @@ SERVER_FLAGS: tuple[str, ...] = (
     "--device",
     "--distributed-timeout",
     "--enable-auto-tool-choice",
+    "--kv-cache-dtype",
     "--kv-cache-memory",
     "--log-level",
     "--logprobs-mode",
