@@ -15,7 +15,10 @@ regime holds changes with the load, so it is measured, not configured.
 Rule: steps are bucketed by their token count (powers of two); per bucket and thread count an
 exponential moving average of wall seconds per token is kept. A step runs with the count of the lowest
 average; a count never tried in its bucket is tried first; every `explore_every`-th step of a bucket
-tries the next other count in turn, so a change of load is noticed; with `max_explore_every` above
+tries the next other count in turn for two steps, so a change of load is noticed. The first step run
+on a count other than the previous step's is never recorded: waking sleeping workers and refilling
+caches would make every probe of a count look slower than it is (seen: an idle machine kept probing two
+threads from one and settling on one, at 0.75-0.87x of fixed two threads at one user); with `max_explore_every` above
 `explore_every`, each exploration that leaves the best count unchanged doubles that bucket's interval
 up to the maximum and one that changes it resets the interval (generation: 16 to 256 steps, so that a
 slow probe of the wrong count lands in fewer than 1% of a stream's inter-token gaps). Candidates: 1, the powers of two
@@ -50,6 +53,7 @@ class _Bucket:
     interval: int = 0  # steps between explorations (0: not set yet)
     next_explore: int = 0  # the step number of the next exploration
     probe: tuple[int, int] | None = None  # (best before, count tried) of the exploration in flight
+    probe_left: int = 0  # steps of the probe still to run
 
 
 class StepThreads:
@@ -82,6 +86,7 @@ class StepThreads:
         self.smoothing = smoothing
         self._buckets: dict[int, _Bucket] = {}
         self.last_threads = max_threads
+        self._switched = False  # the step being run changed the count: its time is not a fair sample
 
     @staticmethod
     def bucket_of(num_tokens: int) -> int:
@@ -104,14 +109,20 @@ class StepThreads:
         untried = [t for t in reversed(self.candidates) if t not in b.cost]
         if untried:  # the largest first: the right count on an idle machine
             threads = untried[0]
+        elif b.probe is not None and b.probe_left > 0:
+            threads = b.probe[1]
+            b.probe_left -= 1
         else:
             threads = min(b.cost, key=lambda t: (b.cost[t], -t))
             if b.steps >= b.next_explore:
                 others = [t for t in self.candidates if t != threads]
                 best, threads = threads, others[b.explored % len(others)]
                 b.explored += 1
-                b.probe = (best, threads)
+                # two steps: the first after a change of count pays for it (workers waking, caches)
+                # and is not recorded, the second is the sample
+                b.probe, b.probe_left = (best, threads), 1
                 b.next_explore = b.steps + b.interval
+        self._switched = threads != self.last_threads
         self.last_threads = threads
         return threads
 
@@ -119,10 +130,12 @@ class StepThreads:
         if threads not in self.candidates or seconds < 0:
             return  # a count set outside the policy (warm-up) says nothing about the candidates
         b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
+        if self._switched and len(self.candidates) > 1:
+            return  # the first step on a new count: its time includes the switch, not a fair sample
         per_token = seconds / max(1, num_tokens)
         old = b.cost.get(threads)
         b.cost[threads] = per_token if old is None else old + self.smoothing * (per_token - old)
-        if b.probe is not None and b.probe[1] == threads:
+        if b.probe is not None and b.probe[1] == threads and b.probe_left == 0:
             best_before = b.probe[0]
             b.probe = None
             best = min(b.cost, key=lambda t: (b.cost[t], -t))

@@ -98,14 +98,15 @@ def test_probes_back_off_while_they_confirm_the_best_and_reset_when_it_changes()
 
     policy = StepThreads(2, explore_every=4, max_explore_every=32)
     cost = {1: 0.5e-3, 2: 2e-3}  # a loaded machine: one thread is faster, probes of two confirm it
-    probes = []
+    probes, last = [], 2
     for step in range(1, 200):
         t = policy.choose(16)
         policy.record(16, t, cost[t] * 16)
-        if t == 2 and step > 1:
-            probes.append(step)
+        if t == 2 and last == 1:
+            probes.append(step)  # a probe starts: two steps on two threads, the second the sample
+        last = t
     gaps = [b - a for a, b in itertools.pairwise(probes)]
-    assert gaps[:4] == [8, 16, 32, 32]  # doubling from 4 up to the maximum
+    assert gaps[:4] == [9, 17, 33, 33]  # the interval doubles from 4 up to 32 (+1: the probe's 2nd step)
     # the neighbours leave: two threads become faster; the next probe finds it and probing speeds up
     cost = {1: 2e-3, 2: 0.5e-3}
     chosen = []
@@ -115,3 +116,26 @@ def test_probes_back_off_while_they_confirm_the_best_and_reset_when_it_changes()
         chosen.append(t)
     assert policy.best(16) == 2
     assert chosen[-16:].count(2) >= 14
+
+
+def test_the_first_step_after_a_switch_is_not_a_sample() -> None:
+    """A probe of another count pays for waking its workers on its first step: that step must not make
+    the count look slower than it is (an idle machine otherwise settled on one thread)."""
+    from server.core.step_threads import StepThreads
+
+    policy = StepThreads(2, explore_every=4, max_explore_every=32)
+    chosen: list[int] = []
+
+    def run(cost: dict[int, float], steps: int) -> None:
+        for _ in range(steps):
+            t = policy.choose(16)
+            switched = bool(chosen) and chosen[-1] != t
+            # a switch costs 4x the step: were it recorded, two threads would always look slower
+            policy.record(16, t, cost[t] * 16 * (4 if switched else 1))
+            chosen.append(t)
+
+    run({1: 1e-3, 2: 4e-3}, 30)  # a loaded machine: one thread is faster
+    assert policy.best(16) == 1
+    run({1: 2e-3, 2: 1e-3}, 200)  # the neighbours left: two threads are faster once running
+    assert policy.best(16) == 2
+    assert chosen[-40:].count(2) >= 36
