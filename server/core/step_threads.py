@@ -13,7 +13,9 @@ than on one thread. Measured on a 2-core AMD EPYC at load average 5 (all-MiniLM-
 regime holds changes with the load, so it is measured, not configured.
 
 Rule: steps are bucketed by their token count (powers of two); per bucket and thread count an
-exponential moving average of wall seconds per token is kept. A step runs with the count of the lowest
+the median of the last `window` (5) samples of wall seconds per token is kept (a median, not a mean:
+a step that lost its core to our event loop or a neighbour is an outlier, and a few of them must not
+hand the place to the slower count). A step runs with the count of the lowest
 average; a count never tried in its bucket is tried first; every `explore_every`-th step of a bucket
 tries the next other count in turn for two steps, so a change of load is noticed. The first step run
 on a count other than the previous step's is never recorded: waking sleeping workers and refilling
@@ -21,7 +23,9 @@ caches would make every probe of a count look slower than it is (seen: an idle m
 threads from one and settling on one, at 0.75-0.87x of fixed two threads at one user); with `max_explore_every` above
 `explore_every`, each exploration that leaves the best count unchanged doubles that bucket's interval
 up to the maximum and one that changes it resets the interval (generation: 16 to 256 steps, so that a
-slow probe of the wrong count lands in fewer than 1% of a stream's inter-token gaps). Candidates: 1, the powers of two
+slow probe of the wrong count lands in fewer than 1% of a stream's inter-token gaps); a best count that
+loses its place through its own samples (a few slow steps) resets the interval, so a passing disturbance
+cannot keep the slower count for hundreds of steps. Candidates: 1, the powers of two
 below `max_threads`, and `max_threads`; only `max_threads` under `--thread-policy fixed`.
 
 A step's result may depend on its thread count (the attention kernel splits long contexts by it, oneDNN
@@ -33,6 +37,8 @@ Plain Python, no torch: the engine sets the count (`torch.set_num_threads`) and 
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -47,7 +53,8 @@ def _candidates(max_threads: int) -> tuple[int, ...]:
 
 @dataclass
 class _Bucket:
-    cost: dict[int, float] = field(default_factory=dict)  # threads -> EWMA seconds per token
+    cost: dict[int, float] = field(default_factory=dict)  # threads -> median seconds per token
+    samples: dict[int, deque[float]] = field(default_factory=dict)  # threads -> the last window samples
     steps: int = 0
     explored: int = 0  # how many exploration steps this bucket has taken (rotates the candidates)
     interval: int = 0  # steps between explorations (0: not set yet)
@@ -61,13 +68,13 @@ class StepThreads:
 
     `choose(num_tokens)` -> threads for a step of that many (padded) tokens; `record(num_tokens,
     threads, seconds)` after the step. Raises ValueError for `max_threads` < 1, `explore_every` < 2 or
-    `smoothing` outside (0, 1]. `adaptive=False`: always `max_threads`."""
+    `window` < 1. `adaptive=False`: always `max_threads`."""
 
     def __init__(
         self,
         max_threads: int,
         explore_every: int = 16,
-        smoothing: float = 0.3,
+        window: int = 5,
         adaptive: bool = True,
         max_explore_every: int | None = None,
     ) -> None:
@@ -77,13 +84,13 @@ class StepThreads:
             raise ValueError(f"explore_every must be >= 2, got {explore_every}")
         if max_explore_every is not None and max_explore_every < explore_every:
             raise ValueError(f"max_explore_every must be >= explore_every, got {max_explore_every}")
-        if not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.max_threads = max_threads
         self.candidates = _candidates(max_threads) if adaptive else (max_threads,)
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every or explore_every
-        self.smoothing = smoothing
+        self.window = window
         self._buckets: dict[int, _Bucket] = {}
         self.last_threads = max_threads
         self._switched = False  # the step being run changed the count: its time is not a fair sample
@@ -133,8 +140,15 @@ class StepThreads:
         if self._switched and len(self.candidates) > 1:
             return  # the first step on a new count: its time includes the switch, not a fair sample
         per_token = seconds / max(1, num_tokens)
-        old = b.cost.get(threads)
-        b.cost[threads] = per_token if old is None else old + self.smoothing * (per_token - old)
+        leader = min(b.cost, key=lambda t: (b.cost[t], -t)) if b.cost else None
+        samples = b.samples.setdefault(threads, deque(maxlen=self.window))
+        samples.append(per_token)
+        b.cost[threads] = statistics.median(samples)
+        if threads == leader and min(b.cost, key=lambda t: (b.cost[t], -t)) != leader and b.probe is None:
+            # the best count changed by its own samples (a few slow steps while our event loop or a
+            # neighbour took its core): probe the others again soon, not after a backed-off interval
+            b.interval = self.explore_every
+            b.next_explore = b.steps + b.interval
         if b.probe is not None and b.probe[1] == threads and b.probe_left == 0:
             best_before = b.probe[0]
             b.probe = None

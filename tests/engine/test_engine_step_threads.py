@@ -62,8 +62,9 @@ def test_adaptive_steps_follow_the_measured_costs(tiny_model_factory: Callable[.
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
     # Two threads measured far slower for decode-sized steps (a loaded machine): decode steps run on one.
     for tokens in (1, 2, 3):
-        engine.step_threads.record(tokens, 2, 1.0)
-        engine.step_threads.record(tokens, 1, 0.001)
+        for _ in range(5):  # a full window of samples each (the cost is their median)
+            engine.step_threads.record(tokens, 2, 1.0)
+            engine.step_threads.record(tokens, 1, 0.001)
     out, seen = run(engine, prompts)
     assert all(len(v) == 6 for v in out.values())
     # the prefill step (8 tokens) is a bucket of its own, untried: the largest count first
@@ -72,7 +73,8 @@ def test_adaptive_steps_follow_the_measured_costs(tiny_model_factory: Callable[.
     assert engine.last_step_threads == 1
     # and the other way round: one thread measured slower, decode steps run on two
     for tokens in (1, 2, 3):
-        engine.step_threads.record(tokens, 1, 5.0)
+        for _ in range(5):
+            engine.step_threads.record(tokens, 1, 5.0)
     out2, seen2 = run(engine, [[5, 6, 7, 8], [9, 10, 11, 12]])
     assert seen2[1:] == [2] * (len(seen2) - 1)
     assert out2 == out  # same tokens whichever count ran
