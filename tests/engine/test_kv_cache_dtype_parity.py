@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
@@ -54,26 +55,6 @@ def _prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
     return out
 
 
-def _prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:  # [len - 1] float64
-    engine.add_request("plp", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
-    found = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.prompt_logprobs is not None:
-                found = o.prompt_logprobs
-    assert found is not None and found[0] is None
-    return torch.tensor([lp.chosen.logprob for lp in found[1:] if lp is not None], dtype=torch.float64)
-
-
-def _hf_prompt_logprobs(folder: Path, prompt: list[int], dtype: torch.dtype) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt])).logits[0, :-1].double()
-    return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-
-
 @pytest.fixture(scope="module")
 def fp32_kv() -> LLMEngine:
     return _engine("float32")
@@ -87,9 +68,9 @@ def test_narrow_kv_cache_against_transformers_and_fp32_cache(
     # twice the blocks of the fp32 cache in the same --kv-cache-memory
     assert engine.info.num_kv_blocks == 2 * fp32_kv.info.num_kv_blocks
     prompt = _prompts(engine, 1, 300)[0]
-    ours = _prompt_logprobs(engine, prompt)
-    hf32 = _hf_prompt_logprobs(smollm2_dir, prompt, torch.float32)
-    hf16 = _hf_prompt_logprobs(smollm2_dir, prompt, torch.bfloat16)
+    ours = engine_prompt_logprobs(engine, prompt)
+    hf32 = hf_prompt_logprobs(smollm2_dir, prompt, torch.float32)
+    hf16 = hf_prompt_logprobs(smollm2_dir, prompt, torch.bfloat16)
     ours_err, hf16_err = (ours - hf32).abs(), (hf16 - hf32).abs()
     assert ours_err.mean() <= hf16_err.mean(), (ours_err.mean(), hf16_err.mean())
     assert ours_err.max() <= 0.25, ours_err.max()

@@ -132,9 +132,11 @@ def test_embedded_model_served_quantized_keeps_greedy_parity(smollm2_dir: Path) 
     spec.loader.exec_module(parity)
     N, PARITY_PROMPTS, hf_greedy = parity.NEW_TOKENS, parity.PROMPTS, parity.hf_greedy
 
-    # exact against transformers fp32: an fp32 KV cache (auto is bf16 on CPUs with native bf16;
-    # tests/engine/test_kv_cache_dtype_parity.py bounds that one)
+    # exact against transformers fp32: an fp32 KV cache and fp32 GEMMs (auto is bf16 for both on CPUs with
+    # native bf16, from 4 rows for the GEMMs: tests/engine/test_kv_cache_dtype_parity.py and
+    # tests/quant/test_bf16_gemm.py bound those against this same reference)
     engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=FP32_KV))
+    apply_gemm_dtype(engine.loaded.model, torch.float32)
     assert engine.info.quantization == "gguf-q4_1+q8_0"
     assert engine.info.weight_bytes < 100 * 2**20  # 92 MiB: the file's tensors, not 513 MiB of fp32
     prompts = [engine.tokenizer.encode(p) for p in PARITY_PROMPTS]

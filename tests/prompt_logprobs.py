@@ -1,0 +1,33 @@
+"""Prompt logprobs of the chosen tokens, ours and transformers', for the reduced-precision parity tests
+(tests/quant/test_bf16_gemm.py, tests/engine/test_kv_cache_dtype_parity.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from server.engine import LLMEngine
+from server.request import SamplingParams
+
+
+def engine_prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:  # [len - 1] float64
+    engine.add_request("plp", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    found = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.prompt_logprobs is not None:
+                found = o.prompt_logprobs
+    assert found is not None and found[0] is None
+    return torch.tensor([lp.chosen.logprob for lp in found[1:] if lp is not None], dtype=torch.float64)
+
+
+def hf_prompt_logprobs(
+    folder: Path, prompt: list[int], dtype: torch.dtype
+) -> torch.Tensor:  # [len - 1] float64
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, :-1].double()
+    return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
