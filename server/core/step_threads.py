@@ -12,11 +12,10 @@ than on one thread. Measured on a 2-core AMD EPYC at load average 5 (all-MiniLM-
 98 ms on 1. Which
 regime holds changes with the load, so it is measured, not configured.
 
-Rule: steps are bucketed by their token count (powers of two); per bucket and thread count an
-the median of the last `window` (5) samples of wall seconds per token is kept (a median, not a mean:
-a step that lost its core to our event loop or a neighbour is an outlier, and a few of them must not
-hand the place to the slower count). A step runs with the count of the lowest
-average; a count never tried in its bucket is tried first; every `explore_every`-th step of a bucket
+Rule: steps are bucketed by their token count (powers of two); per bucket and thread count the median
+of the last `window` (5) samples of wall seconds per token is kept (a median, not a mean: a step that
+lost its core to our event loop or a neighbour is an outlier, and a few of them must not hand the place
+to the slower count). A step runs with the count of the lowest median; a count never tried in its bucket is tried first; every `explore_every`-th step of a bucket
 tries the next other count in turn for two steps, so a change of load is noticed. The first step run
 on a count other than the previous step's is never recorded: waking sleeping workers and refilling
 caches would make every probe of a count look slower than it is (seen: an idle machine kept probing two
@@ -63,6 +62,11 @@ class _Bucket:
     probe_left: int = 0  # steps of the probe still to run
 
 
+def _leader(b: _Bucket) -> int:
+    """The bucket's count of the lowest cost (the larger count on a tie); the bucket has a cost."""
+    return min(b.cost, key=lambda t: (b.cost[t], -t))
+
+
 class StepThreads:
     """Chooses each step's thread count from measured step times (see the module docstring).
 
@@ -104,7 +108,7 @@ class StepThreads:
         b = self._buckets.get(self.bucket_of(num_tokens))
         if b is None or not b.cost:
             return None
-        return min(b.cost, key=lambda t: (b.cost[t], -t))
+        return _leader(b)
 
     def choose(self, num_tokens: int) -> int:
         if len(self.candidates) == 1:
@@ -120,7 +124,7 @@ class StepThreads:
             threads = b.probe[1]
             b.probe_left -= 1
         else:
-            threads = min(b.cost, key=lambda t: (b.cost[t], -t))
+            threads = _leader(b)
             if b.steps >= b.next_explore:
                 others = [t for t in self.candidates if t != threads]
                 best, threads = threads, others[b.explored % len(others)]
@@ -136,15 +140,15 @@ class StepThreads:
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         if threads not in self.candidates or seconds < 0:
             return  # a count set outside the policy (warm-up) says nothing about the candidates
-        b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
-        if self._switched and len(self.candidates) > 1:
+        if self._switched:
             return  # the first step on a new count: its time includes the switch, not a fair sample
+        b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
         per_token = seconds / max(1, num_tokens)
-        leader = min(b.cost, key=lambda t: (b.cost[t], -t)) if b.cost else None
+        leader = _leader(b) if b.cost else None
         samples = b.samples.setdefault(threads, deque(maxlen=self.window))
         samples.append(per_token)
         b.cost[threads] = statistics.median(samples)
-        if threads == leader and min(b.cost, key=lambda t: (b.cost[t], -t)) != leader and b.probe is None:
+        if threads == leader and _leader(b) != leader and b.probe is None:
             # the best count changed by its own samples (a few slow steps while our event loop or a
             # neighbour took its core): probe the others again soon, not after a backed-off interval
             b.interval = self.explore_every
@@ -152,7 +156,7 @@ class StepThreads:
         if b.probe is not None and b.probe[1] == threads and b.probe_left == 0:
             best_before = b.probe[0]
             b.probe = None
-            best = min(b.cost, key=lambda t: (b.cost[t], -t))
+            best = _leader(b)
             # the probe confirmed the best count: probe less often; it found a better one: probe soon
             b.interval = (
                 min(2 * b.interval, self.max_explore_every) if best == best_before else self.explore_every
