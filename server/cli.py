@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -100,6 +101,13 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -253,8 +261,9 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--long-prefill-token-threshold",
         "KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD",
-        "While sequences are decoding, most prompt tokens in one engine step (bounds inter-token "
-        "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens)",
+        "While sequences are decoding, most tokens of one prompt in one engine step (vLLM's flag: a long "
+        "prompt is prefilled a slice per step beside running streams; 0 = no cap beyond "
+        "--max-num-batched-tokens)",
         type=_non_negative_int,
         default=256,
     )
@@ -330,6 +339,15 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "--num-threads (results then never depend on the load)",
         choices=THREAD_POLICIES,
         default="adaptive",
+    )
+    add(
+        "--batch-wait-ms",
+        "KUBEINFER_BATCH_WAIT_MS",
+        "When the engine is idle, the first step waits until no request arrived for this long (at most 8 "
+        "times it in all), so requests arriving together start together instead of later ones being "
+        "prefilled beside the first one's decoding (0 = step at once)",
+        type=_non_negative_float,
+        default=5.0,
     )
     add(
         "--speculative-config",
@@ -567,6 +585,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         num_threads=args.num_threads,
         thread_policy=args.thread_policy,
+        batch_wait_ms=args.batch_wait_ms,
         speculative=parse_speculative_config(args.speculative_config) if args.speculative_config else None,
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

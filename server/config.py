@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -269,8 +270,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
-    # While decodes run, a step's prompt tokens are capped here (0 = no cap): bounds inter-token
-    # latency when prompts arrive (server/core/scheduler.py).
+    # While decodes run, each prompt's chunk in a step is capped here (vLLM's meaning; 0 = no cap): a
+    # long prompt cannot stall the running streams for a whole budget (server/core/scheduler.py).
     long_prefill_token_threshold: int = 256
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu
@@ -278,6 +279,8 @@ class EngineConfig:
     # adaptive: each CPU step runs with the thread count (1 .. num_threads) measured fastest for steps of
     # its size (server/core/step_threads.py); fixed: always num_threads
     thread_policy: str = "adaptive"
+    # An idle engine's first step waits until arrivals pause this long (AsyncEngine._gather_burst).
+    batch_wait_ms: float = 5.0
     seed: int = 0  # for unseeded sampling
     speculative: SpeculativeConfig | None = None  # --speculative-config; None = no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -293,6 +296,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not (math.isfinite(self.batch_wait_ms) and self.batch_wait_ms >= 0):
+            raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.thread_policy not in THREAD_POLICIES:
             raise ValueError(f"thread_policy must be one of {THREAD_POLICIES}, got {self.thread_policy!r}")
         if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:

@@ -607,12 +607,20 @@ class EngineCore(Protocol):
 E = TypeVar("E", bound=EngineCore)
 
 
+_BURST_SPAN = 8  # the longest wait for a burst, in units of AsyncEngine.batch_wait_s
+
+
 class AsyncEngine(Generic[E]):
     """Runs the engine's step() on a dedicated thread. Commands (add, abort) cross into that thread through
     a queue and take effect before the next step; outputs cross back with call_soon_threadsafe."""
 
-    def __init__(self, engine: E) -> None:
+    def __init__(self, engine: E, batch_wait_s: float = 0.0) -> None:
+        if batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.engine = engine
+        # Idle -> busy: the first step waits until arrivals pause this long (at most _BURST_SPAN times it
+        # in all), so a burst of requests starts in one step (see _gather_burst).
+        self.batch_wait_s = batch_wait_s
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -769,15 +777,41 @@ class AsyncEngine(Generic[E]):
                 list(st.spec_accepted_per_pos),
             )
 
+    def _gather_burst(self) -> bool:
+        """After an idle spell, waits for the rest of a burst of requests before the first step: until no
+        command came for `batch_wait_s` (at most _BURST_SPAN times that in all). Returns False on "stop".
+
+        Why: clients that arrive together (a load balancer's retry, a batch job, closed-loop users whose
+        previous requests finished in the same step) reach the engine a few ms apart. Stepping on the
+        first alone starts it decoding, and every later one is then prefilled beside it: each such step
+        stalls the running streams, and the batch stays staggered for the rest of its life."""
+        deadline = time.monotonic() + _BURST_SPAN * self.batch_wait_s
+        while True:
+            self._wake.clear()
+            if self._commands.empty():
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._wake.wait(min(self.batch_wait_s, left)):
+                    return True
+            if not self._drain_commands():
+                return False
+
     def _run(self) -> None:
         try:
+            idle = True
             while self._drain_commands():
                 if not self.engine.has_unfinished():
+                    idle = True
                     self.last_stats = self.engine.stats()
                     self.engine.check_health()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                if idle and self.batch_wait_s > 0:
+                    idle = False
+                    if not self._gather_burst():
+                        break
+                    continue  # the burst's aborts may have emptied the engine again
+                idle = False
                 outputs = self.engine.step()
                 self.steps += 1
                 self.last_stats = self.engine.stats()

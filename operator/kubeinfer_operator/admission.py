@@ -158,6 +158,7 @@ SERVER_FLAGS: tuple[str, ...] = (
     "--allowed-methods",
     "--allowed-origins",
     "--attention-backend",
+    "--batch-wait-ms",
     "--block-size",
     "--chat-template",
     "--device",

@@ -209,7 +209,7 @@ class ServerState:
 
     def attach(self, llm: LLMEngine) -> None:
         """Must run on the event loop (AsyncEngine.start binds to it)."""
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine(llm, batch_wait_s=llm.config.batch_wait_ms / 1000)
         loop = asyncio.get_running_loop()
 
         def on_dead(e: BaseException) -> None:  # on the engine thread

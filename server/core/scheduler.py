@@ -4,12 +4,15 @@ Plain Python. Each `schedule()` returns a SchedulerOutput; the engine runs it an
 tokens back through `update_from_output()`. Long prompts are split into chunks (chunked prefill);
 when blocks run out the most recently admitted running request is preempted and later recomputed.
 
-While any running request is decoding, a step's prefill tokens (all prompt chunks together) are capped
-at `long_prefill_token_threshold`: a step's time grows with its tokens, so one 2048-token chunk beside
-32 decodes would hold every stream's next token for the whole chunk (ITL spikes). With no decode
-running the whole budget goes to prompts (time to first token of a burst is unchanged). vLLM's
-`long_prefill_token_threshold` caps each request's chunk; ours caps the step's prefill share, which
-also bounds many short prompts arriving together.
+While any running request is decoding, each prompt's chunk in a step is capped at
+`long_prefill_token_threshold` (vLLM's meaning): a long prompt arriving beside running streams is
+prefilled a slice per step, so it cannot hold every stream's next token for a whole 2048-token chunk.
+Short prompts are not held back: several arriving together are prefilled in one step (within the
+budget), because each step that carries prompt tokens delays every running stream once. Spreading a
+burst over many small steps (the step's total capped, as this scheduler did before) multiplied those
+delayed tokens: at 16 users, 8 prompts of 128 tokens beside 8 streams took 4 steps and 32 delayed
+tokens instead of 1 step and 8, raising ITL p99 and TTFT and costing throughput (docs/benchmarks.md).
+With no decode running the whole budget goes to prompts.
 
 Pooling requests (`Request.pooling`: embed, score) share the queue, the token budget and max_num_seqs
 with generation: each is a prompt scheduled whole in one step (never chunked: its forward keeps no KV to
@@ -130,11 +133,11 @@ class Scheduler:
         now = time.monotonic()
         threshold = self.config.long_prefill_token_threshold
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        # Prompt tokens this step may still take (the cap applies only beside running decodes).
-        # (Without chunked prefill a prompt runs whole or not at all: a cap would starve long ones.)
+        # The most prompt tokens one request may take this step (the cap applies only beside running
+        # decodes; without chunked prefill a prompt runs whole or not at all: a cap would starve it).
         capped = threshold and decoding and self.config.enable_chunked_prefill
-        prefill_left = threshold if capped else budget
-        prefill_cap = prefill_left
+        chunk_cap = threshold if capped else budget
+        prompts = 0  # prompts (chunks) scheduled this step
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -142,10 +145,7 @@ class Scheduler:
             assert req.pooling is None, "a pooling request finishes in the step that schedules it"
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining > 0, "a running request always has at least one token to compute"
-            if remaining > 1 and prefill_left <= 0:
-                i += 1  # a prompt chunk beyond this step's prefill share: next step
-                continue
-            num_new = min(remaining, budget, prefill_left) if remaining > 1 else 1
+            num_new = min(remaining, budget, chunk_cap) if remaining > 1 else 1
             spec = self._drafts_to_verify(req, num_new, budget)
             blocks = self.kv.allocate_slots(req, num_new + len(spec))
             if blocks is None and spec:
@@ -162,8 +162,7 @@ class Scheduler:
                 break
             scheduled.append(self._scheduled(req, num_new, blocks, spec))
             budget -= num_new + len(spec)
-            if remaining > 1:
-                prefill_left -= num_new
+            prompts += remaining > 1
             i += 1
 
         # Admit waiting requests only when nobody was preempted: otherwise they would thrash.
@@ -174,7 +173,6 @@ class Scheduler:
         while (
             w < len(self.waiting)
             and budget > 0
-            and prefill_left > 0
             and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
@@ -187,26 +185,26 @@ class Scheduler:
                 w += 1
                 continue
             if req.pooling is not None:
-                # Whole or not at all, in arrival order; beyond the prefill cap only as the step's first
+                # Whole or not at all, in arrival order; beyond the chunk cap only as the step's first
                 # prompt, so a pooling input longer than the cap still runs beside decodes.
                 n = req.num_prompt_tokens
-                if n > budget or (n > prefill_left and prefill_left < prefill_cap):
+                if n > budget or (n > chunk_cap and prompts):
                     break
                 del self.waiting[w]
                 self._admit(req, None, now)
                 self.running.append(req)
                 scheduled.append(self._scheduled(req, n, []))
                 budget -= n
-                prefill_left -= n
+                prompts += 1
                 continue
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             use_cache = req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
             computed = self.kv.get_computed_blocks(req) if use_cache else None
             num_cached = computed.num_tokens if computed else 0
             num_new = req.num_tokens - req.num_computed_tokens - num_cached
-            if num_new > min(budget, prefill_left) and not self.config.enable_chunked_prefill:
+            if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget, prefill_left)
+            num_new = min(num_new, budget, chunk_cap)
             blocks = self.kv.allocate_slots(req, num_new, computed)
             if blocks is None:
                 break
@@ -217,7 +215,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new, blocks))
             budget -= num_new
-            prefill_left -= num_new
+            prompts += 1
 
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget

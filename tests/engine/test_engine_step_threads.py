@@ -67,9 +67,9 @@ def test_adaptive_steps_follow_the_measured_costs(tiny_model_factory: Callable[.
             engine.step_threads.record(tokens, 1, 0.001)
     out, seen = run(engine, prompts)
     assert all(len(v) == 6 for v in out.values())
-    # the prefill step (8 tokens) is a bucket of its own, untried: the largest count first
-    assert seen[0] == 2
-    assert seen[1:] == [1] * (len(seen) - 1)
+    # the prefill step (8 tokens) is a bucket of its own, untried: it starts on the count that leads for
+    # the nearest measured size (one thread), not on an untried count
+    assert seen == [1] * len(seen)
     assert engine.last_step_threads == 1
     # and the other way round: one thread measured slower, decode steps run on two
     for tokens in (1, 2, 3):

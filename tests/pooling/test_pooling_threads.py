@@ -55,10 +55,29 @@ def test_a_change_of_load_is_followed() -> None:
 def test_step_sizes_are_measured_apart() -> None:
     policy = StepThreads(2)
     _run(policy, 40, {1: 0.5e-3, 2: 2e-3}, 8)
-    _run(policy, 2000, {1: 2e-3, 2: 1e-3}, 8)
+    _run(policy, 2000, {1: 2e-3, 2: 1e-3}, 40)  # long enough for the new size's own probes
     assert policy.best(40) == 1
     assert policy.best(2000) == 2
     assert policy.best(300) is None
+
+
+def test_a_new_step_size_starts_on_the_nearest_measured_best() -> None:
+    """A step size never seen starts on the count that leads for the nearest size measured with every
+    count, and tries the others only at its regular probe (not on its first steps, where a slow count
+    would cost a whole long step)."""
+    policy = StepThreads(2, explore_every=8)
+    _run(policy, 16, {1: 0.5e-3, 2: 2e-3}, 8)  # decode-sized steps: one thread is faster here
+    _run(policy, 64, {1: 3e-3, 2: 1e-3}, 20)  # a middle size: starts on one, its probe finds two faster
+    chosen = _run(policy, 2048, {1: 2e-3, 2: 1e-3}, 7)
+    assert chosen == [2] * 7  # nearest fully measured size: 64 tokens, where two threads lead
+    chosen = _run(policy, 8, {1: 0.5e-3, 2: 2e-3}, 7)
+    assert chosen == [1] * 7  # nearest: 16 tokens
+    # the untried count is probed at the bucket's first exploration and wins if it is faster
+    chosen = _run(policy, 8, {1: 5e-3, 2: 0.5e-3}, 12)
+    assert 2 in chosen and policy.best(8) == 2
+    # with nothing measured anywhere, untried counts go first, the largest first
+    fresh = StepThreads(2)
+    assert _run(fresh, 100, {1: 1e-3, 2: 2e-3}, 3) == [2, 1, 1]
 
 
 def test_one_thread_means_no_choice() -> None:
@@ -89,14 +108,17 @@ def test_engine_step_runs_with_the_chosen_count() -> None:
 
     core.run_batch = spy  # type: ignore[method-assign]
     try:
-        for i in range(3):
+        best_before: list[int | None] = []
+        for i in range(4):
             ids = m.tokenizer("a short text to embed")["input_ids"]
+            best_before.append(core.threads.best(len(ids)))
             core.add_request(f"r{i}", ids, _NO_SAMPLING, pooling=PoolingParams(None))
             (out,) = core.step()
             assert out.pooled is not None and out.pooled.shape == (384,)
-        # untried counts first (2, then 1), then the one the policy measured as faster
-        assert seen[:2] == [2, 1]
-        assert seen[2] == core.threads.best(len(ids))
+        # untried counts first (2, then 1 twice: the first step after a switch is not a sample), then
+        # the one the policy measured as faster
+        assert seen[:3] == [2, 1, 1]
+        assert seen[3] == best_before[3]
         assert core.pool_stats.last_step_threads == seen[-1]
     finally:
         torch.set_num_threads(before)
