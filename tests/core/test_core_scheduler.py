@@ -211,3 +211,65 @@ def test_prefill_cap_off_or_idle_uses_the_whole_budget() -> None:
     run_step(s)
     s.add_request(req("long", 100))
     assert _rows(run_step(s)) == {"d": 1, "long": 100}
+
+
+def _distinct(rid: str, n: int, seed: int, max_tokens: int = 4) -> Request:
+    return Request(
+        rid,
+        [1000 + 97 * seed + i for i in range(n)],
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        eos_token_ids=frozenset({2}),
+    )
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_burst_too_big_for_one_step_starts_decoding_together(caching: bool) -> None:
+    """Prompts arriving together while nothing decodes, too many tokens for one step: each keeps its last
+    token for the step that completes the burst, so all sample their first token in that one step
+    (none decodes beside the rest of the burst's prefill, which would delay each of its tokens)."""
+    s = make_sched(blocks=256, budget=64, seqs=16, caching=caching)
+    for n in range(6):
+        s.add_request(_distinct(f"p{n}", 30, n))  # 180 prompt tokens: three steps of 64
+    first_sample: dict[str, int] = {}
+    for step in range(8):
+        out = run_step(s)
+        for i in out.scheduled:
+            if i.sample:
+                first_sample.setdefault(i.request.request_id, step)
+    assert len(first_sample) == 6 and len(set(first_sample.values())) == 1, first_sample
+    assert first_sample["p0"] == 2  # no step more than the budget needs
+
+
+def test_a_shared_prefix_counts_once_towards_the_burst() -> None:
+    """The burst's size counts a block that several prompts share once (the first computes it, the others
+    hit it in the same step), so a shared-prefix burst that fits one step is not held back."""
+    s = make_sched(blocks=256, bs=4, budget=64, seqs=16, caching=True)
+    prefix = list(range(500, 540))  # 40 shared tokens (10 blocks)
+    for n in range(4):
+        s.add_request(
+            Request(
+                f"s{n}", [*prefix, 900 + n, 901 + n], SamplingParams(max_tokens=2), eos_token_ids=frozenset()
+            )
+        )
+    assert s.kv.pending_prompt_tokens(list(s.waiting)) == 42 + 3 * 2
+    out = run_step(s)
+    assert all(i.sample for i in out.scheduled) and len(out.scheduled) == 4
+
+
+def test_holding_last_tokens_never_stalls_the_engine() -> None:
+    """Should the hold leave nothing to run (here forced on with only last tokens left), the step runs
+    without it."""
+    s = make_sched(budget=64)
+    for n in range(2):
+        s.add_request(_distinct(f"h{n}", 5, n))
+    s._burst_hold = lambda budget: True  # type: ignore[method-assign]
+    first = run_step(s)
+    assert {i.request.request_id: (i.num_new_tokens, i.sample) for i in first.scheduled} == {
+        "h0": (4, False),
+        "h1": (4, False),
+    }
+    second = run_step(s)
+    assert {i.request.request_id: (i.num_new_tokens, i.sample) for i in second.scheduled} == {
+        "h0": (1, True),
+        "h1": (1, True),
+    }
