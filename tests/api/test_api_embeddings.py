@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from conftest import free_port, scrape_metric, wait_ready
 
+from server.models.loader import cpu_has_native_bf16
+
 TEXTS = ["Hello world", "Kubernetes runs containers in pods.", "The cat sat on the mat."]
 
 
@@ -162,6 +164,8 @@ def test_task_guard_and_info(embed_server: tuple[str, Any]) -> None:
     assert models["data"][0]["id"] == "minilm" and models["data"][0]["task"] == "embed"
     info = httpx.get(f"{url}/info", timeout=10).json()
     assert info["task"] == "embed" and info["model_type"] == {"embedding": {"pooling": "mean"}}
+    # --dtype auto: bf16 GEMMs where the CPU computes bf16 natively (server/pooling/model.py)
+    assert info["model_dtype"] == ("bfloat16" if cpu_has_native_bf16() else "float32")
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'kubeinfer_model_task_info{model_name="minilm",task="embed"} 1.0' in metrics
     assert "kubeinfer_pooling_sequences_total" in metrics
@@ -340,3 +344,5 @@ def test_predict_and_classify(score_server: tuple[str, Any], cross_encoder_dir: 
     )
     r = httpx.post(f"{url}/v1/embeddings", json={"input": "hi"}, timeout=10)
     assert r.status_code == 400 and "serves task 'score'" in r.json()["error"]["message"]
+    # a cross-encoder keeps fp32 GEMMs under --dtype auto (pooling/model.py's auto_gemm_dtype)
+    assert httpx.get(f"{url}/info", timeout=10).json()["model_dtype"] == "float32"
