@@ -10,8 +10,9 @@ oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, as `models/s
 does for decoders), so no matmul re-lays its weight out per call. Attention gets no mask when the batch
 has no padding (one text, or texts of one length), which lets SDPA take its unmasked path.
 
-`--dtype bfloat16` (never the default: `auto` keeps fp32 for pooling models) packs the weights in bf16
-and rounds each GEMM's input to bf16 (AVX512-BF16: 1.3x-2x the fp32 GEMM rate measured here), with
+`--dtype bfloat16` (and `auto` for an embedder on a CPU with native bf16, model.auto_gemm_dtype) packs
+the weights in bf16 and rounds each GEMM's input to bf16 (AVX512-BF16: 1.3x-2x the fp32 GEMM rate
+measured here), with
 everything else in fp32 as `quant/gemm_dtype.py` does for decoders; all-MiniLM-L6-v2 keeps cosine >=
 0.99997 against sentence-transformers' fp32 on the test texts.
 
