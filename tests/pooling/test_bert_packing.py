@@ -86,7 +86,8 @@ def test_no_attention_over_padding(minilm_dir: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     enc = m.tokenizer(TEXTS, padding=True, return_tensors="pt")
     m.forward(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"])
-    layers = len(m.module.encoder.layer)  # type: ignore[union-attr]
+    assert isinstance(m.module, BertModel)
+    layers = len(m.module.encoder.layer)
     assert calls and not any(masked for _, masked in calls)
     scores = sum(shape[0] * shape[2] ** 2 for shape, _ in calls)
     assert scores == layers * sum(n**2 for n in enc["attention_mask"].sum(1).tolist())
