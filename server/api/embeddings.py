@@ -548,7 +548,8 @@ async def pooling_info(request: Request) -> Response:
         {
             "model_id": state.model_name,
             "model_sha": None,
-            "model_dtype": str(m.dtype).removeprefix("torch."),
+            # the dtype the projections multiply in (bf16 GEMMs over fp32 weights report bfloat16)
+            "model_dtype": str(m.gemm_dtype).removeprefix("torch."),
             "model_type": kind,
             "model_pipeline_tag": tag,
             "task": state.task,

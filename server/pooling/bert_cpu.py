@@ -10,8 +10,9 @@ oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, as `models/s
 does for decoders), so no matmul re-lays its weight out per call. Attention gets no mask when the batch
 has no padding (one text, or texts of one length), which lets SDPA take its unmasked path.
 
-`--dtype bfloat16` (never the default: `auto` keeps fp32 for pooling models) packs the weights in bf16
-and rounds each GEMM's input to bf16 (AVX512-BF16: 1.3x-2x the fp32 GEMM rate measured here), with
+`--dtype bfloat16` (and `auto` for an embedder on a CPU with native bf16, model.auto_gemm_dtype) packs
+the weights in bf16 and rounds each GEMM's input to bf16 (AVX512-BF16: 1.3x-2x the fp32 GEMM rate
+measured here), with
 everything else in fp32 as `quant/gemm_dtype.py` does for decoders; all-MiniLM-L6-v2 keeps cosine >=
 0.99997 against sentence-transformers' fp32 on the test texts.
 
@@ -51,8 +52,8 @@ def _pack(weight: Tensor) -> Tensor:
 
 
 class CpuBertLayer(nn.Module):
-    """One `BertLayer`'s weights, fused and pre-packed: `forward(x, bias, packing)` as BertLayer's
-    (x `[tokens, hidden]` packed or `[batch, seq, hidden]`; bias None or `[batch, 1, 1, seq]`)."""
+    """One `BertLayer`'s weights, fused and pre-packed: `forward(x, packing)` as BertLayer's
+    (x `[tokens, hidden]` packed, or `[batch, seq, hidden]` without padding when `packing` is None)."""
 
     def __init__(self, layer: BertLayer, c: BertConfig, gemm_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -76,47 +77,43 @@ class CpuBertLayer(nn.Module):
         self.ffn2_b = layer.output.dense.bias.detach().to(g)
         self.ln2 = layer.output.LayerNorm
 
-    def forward(self, x: Tensor, bias: Tensor | None, packing: _Packing | None) -> Tensor:
+    def forward(self, x: Tensor, packing: _Packing | None) -> Tensor:
         if self.gemm_dtype == torch.bfloat16:
-            return self._forward_bf16(x, bias, packing)
+            return self._forward_bf16(x, packing)
         shape = x.shape
         flat = x.reshape(-1, self.hidden)  # [T, H]; packed inputs already are
         # explicit overloads: resolving the packet would try `other` as the default overload's scalars
         linear, linear_add = _LINEAR.default, _LINEAR.binary
         qkv = linear(flat, self.qkv_w, self.qkv_b, "none", [], "")  # [T, 3H]
-        a = self._attention(qkv, shape, x.dim(), bias, packing)
+        a = self._attention(qkv, shape, x.dim(), packing)
         h = self.ln1(linear_add(a, flat, self.o_w, self.o_b, "add"))
         f = linear(h, self.ffn1_w, self.ffn1_b, self.act, [], self.act_algorithm)
         out = self.ln2(linear_add(f, h, self.ffn2_w, self.ffn2_b, "add"))
         return out.view(shape)
 
-    def _forward_bf16(self, x: Tensor, bias: Tensor | None, packing: _Packing | None) -> Tensor:
+    def _forward_bf16(self, x: Tensor, packing: _Packing | None) -> Tensor:
         """GEMM inputs rounded to bf16, oneDNN accumulating in fp32; the residual stream, LayerNorm and
         attention stay fp32 (the feed-forward's activation stays bf16: it only feeds the next GEMM)."""
         shape = x.shape
         flat = x.reshape(-1, self.hidden)
         linear, bf16 = _LINEAR.default, torch.bfloat16
         qkv = linear(flat.to(bf16), self.qkv_w, self.qkv_b, "none", [], "").float()
-        a = self._attention(qkv, shape, x.dim(), bias, packing)
+        a = self._attention(qkv, shape, x.dim(), packing)
         h = self.ln1(linear(a.to(bf16), self.o_w, self.o_b, "none", [], "").float() + flat)
         f = linear(h.to(bf16), self.ffn1_w, self.ffn1_b, self.act, [], self.act_algorithm)
         out = self.ln2(linear(f, self.ffn2_w, self.ffn2_b, "none", [], "").float() + h)
         return out.view(shape)
 
-    def _attention(
-        self, qkv: Tensor, shape: torch.Size, dims: int, bias: Tensor | None, packing: _Packing | None
-    ) -> Tensor:
-        """qkv `[T, 3H]` fp32 -> attention output `[T, H]` (packed rows when `packing` is given)."""
+    def _attention(self, qkv: Tensor, shape: torch.Size, dims: int, packing: _Packing | None) -> Tensor:
+        """qkv `[T, 3H]` fp32 -> attention output `[T, H]` (packed rows, attention within each row, when
+        `packing` is given: bert._Packing.attend)."""
         if packing is not None:
-            qkv = packing.unpack(qkv)  # [b, s, 3H], zeros at padding
-            b, s = packing.batch, packing.seq
-        else:
-            b, s = (shape[0], shape[1]) if dims == 3 else (1, shape[0])
+            return packing.attend(qkv, self.num_heads)
+        b, s = (shape[0], shape[1]) if dims == 3 else (1, shape[0])
         hd = self.hidden // self.num_heads
         q, k, v = qkv.view(b, s, 3, self.num_heads, hd).permute(2, 0, 3, 1, 4).unbind(0)  # [b, nh, s, hd]
-        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        a = a.transpose(1, 2).reshape(b * s, self.hidden)
-        return a.index_select(0, packing.indices) if packing is not None else a
+        a = nn.functional.scaled_dot_product_attention(q, k, v)
+        return a.transpose(1, 2).reshape(b * s, self.hidden)
 
 
 def use_cpu_layers(model: BertModel, gemm_dtype: torch.dtype = torch.float32) -> int:

@@ -3,7 +3,8 @@
 `task` embed: BertModel (architectures BertModel / BertForMaskedLM / no head) + the folder's pooling;
 `task` score: BertForSequenceClassification (a cross-encoder). Weights come from model.safetensors
 (with or without the `bert.` prefix); `embeddings.position_ids` buffers are skipped. In fp32 on the
-CPU the encoder's layers are replaced by their fused, pre-packed form (bert_cpu.py).
+CPU the encoder's layers are replaced by their fused, pre-packed form (bert_cpu.py), their GEMMs in
+fp32 or bf16 (`--dtype`, `pooling_dtypes`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file
@@ -69,6 +71,9 @@ class PoolingModel:
     id2label: dict[int, str]
     dtype: torch.dtype
     num_parameters: int
+    # the dtype the encoder's projections multiply in: bf16 for a BERT encoder's bf16 GEMMs over fp32
+    # weights (bert_cpu.py) and for a decoder loaded in bf16; what /info's model_dtype reports
+    gemm_dtype: torch.dtype = torch.float32
 
     @torch.inference_mode()
     def forward(
@@ -85,14 +90,17 @@ def load_pooling_model(
     folder: Path,
     task: PoolingTask | None = None,
     dtype: torch.dtype = torch.float32,
-    gemm_dtype: torch.dtype = torch.float32,
+    gemm_dtype: torch.dtype | Literal["auto"] = torch.float32,
 ) -> PoolingModel:
-    """Raises ValueError when the folder is not a supported pooling model for `task`, or for a
-    bfloat16 `gemm_dtype` (fp32 BERT weights, bf16 GEMMs: bert_cpu.py) where that path cannot run."""
+    """`gemm_dtype` "auto" (`--dtype auto`): bf16 GEMMs for a BERT embedder where the CPU computes bf16
+    natively (loader.cpu_has_native_bf16), fp32 for cross-encoders, decoder embedders and elsewhere
+    (`auto_gemm_dtype`). Raises ValueError when the folder is not a supported pooling model for
+    `task`, or for a bfloat16 `gemm_dtype` (fp32 BERT weights, bf16 GEMMs: bert_cpu.py) where that
+    path cannot run."""
     cfg = json.loads((folder / "config.json").read_text())
     archs = set(cfg.get("architectures") or [])
     if task in (None, PoolingTask.EMBED) and archs & (_DECODER_ARCHS | _BASE_DECODER_ARCHS):
-        # our decoder code has no split GEMM dtype: bf16 GEMMs mean bf16 weights there
+        # our decoder code has no split GEMM dtype: bf16 GEMMs mean bf16 weights there (never auto's)
         return _load_decoder(folder, cfg, torch.bfloat16 if gemm_dtype == torch.bfloat16 else dtype)
     found = detect_task(folder)
     if found is None:
@@ -121,10 +129,15 @@ def load_pooling_model(
     num_parameters = sum(p.numel() for p in module.parameters())  # before packing hides them
     encoder = module.bert if isinstance(module, BertForSequenceClassification) else module
     assert isinstance(encoder, BertModel)
+    if gemm_dtype == "auto":  # bf16 GEMMs only where the fused layers run them
+        native = cpu_layers_supported(encoder, dtype)
+        gemm_dtype = auto_gemm_dtype(task, dtype) if native else torch.float32
     if cpu_layers_supported(encoder, dtype):  # fused, pre-packed fp32 layers (bert_cpu.py)
         use_cpu_layers(encoder, gemm_dtype)
     elif gemm_dtype != torch.float32:
         raise ValueError("bfloat16 GEMMs need float32 weights on a CPU with oneDNN")
+    else:
+        gemm_dtype = dtype  # the plain layers multiply in their weights' dtype
     pooling = PoolingConfig.from_folder(folder, PoolingMode.CLS, cfg)
     max_len = min(pooling.max_seq_length or bc.max_position_embeddings, bc.max_position_embeddings)
     labels = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
@@ -139,16 +152,34 @@ def load_pooling_model(
         id2label=labels or {i: f"LABEL_{i}" for i in range(bc.num_labels)},
         dtype=dtype,
         num_parameters=num_parameters,
+        gemm_dtype=gemm_dtype,
     )
 
 
-def pooling_dtypes(name: str) -> dict[str, torch.dtype]:
-    """`--dtype` for a pooling model, as `load_pooling_model`'s keyword arguments. auto and float32:
-    fp32 (auto does not follow generation's bf16-where-native rule: embeddings are held to
-    sentence-transformers' fp32 output); bfloat16: fp32 weights and activations with bf16 GEMMs for a
-    BERT encoder (bert_cpu.py), bf16 weights for a decoder embedder. Raises ValueError for float16,
-    which the CPU path does not run."""
-    if name in ("auto", "float32"):
+def auto_gemm_dtype(task: PoolingTask, dtype: torch.dtype) -> torch.dtype:
+    """`--dtype auto`'s GEMM dtype for a BERT model with `dtype` weights: bf16 for an embedder on a CPU
+    with native bf16 (AVX512-BF16 or AMX-BF16, what the OS enables minus KUBEINFER_CPU_DISABLE: the
+    rule generation's `--dtype auto` follows, loader.resolve_dtype), fp32 otherwise. all-MiniLM-L6-v2's
+    vectors keep cosine >= 0.99997 against sentence-transformers' fp32 that way (tests/pooling/
+    test_bert_cpu.py). A cross-encoder stays fp32: its scores are used as values (thresholds, sigmoid
+    probabilities), and bf16 GEMMs moved the tests' random cross-encoder's logits by up to 0.09 (of
+    1.2-3.1), where fp32 matches a sentence-transformers CrossEncoder to 1e-5."""
+    from server.models.loader import cpu_has_native_bf16
+
+    if task is PoolingTask.EMBED and dtype == torch.float32 and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def pooling_dtypes(name: str) -> dict[str, Any]:
+    """`--dtype` for a pooling model, as `load_pooling_model`'s keyword arguments. float32: fp32
+    everywhere; bfloat16: fp32 weights and activations with bf16 GEMMs for a BERT encoder
+    (bert_cpu.py), bf16 weights for a decoder embedder; auto: bf16 GEMMs for a BERT embedder on a
+    CPU with native bf16, fp32 for the rest (`auto_gemm_dtype`). Raises ValueError for float16, which
+    the CPU path does not run."""
+    if name == "auto":
+        return {"dtype": torch.float32, "gemm_dtype": "auto"}
+    if name == "float32":
         return {"dtype": torch.float32, "gemm_dtype": torch.float32}
     if name == "bfloat16":
         return {"dtype": torch.float32, "gemm_dtype": torch.bfloat16}
@@ -195,4 +226,5 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
         id2label={},
         dtype=dtype,
         num_parameters=loaded.num_parameters,
+        gemm_dtype=dtype,
     )

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from conftest import free_port, scrape_metric, wait_ready
 
+from server.models.loader import cpu_has_native_bf16
+
 TEXTS = ["Hello world", "Kubernetes runs containers in pods.", "The cat sat on the mat."]
 
 
@@ -162,6 +164,8 @@ def test_task_guard_and_info(embed_server: tuple[str, Any]) -> None:
     assert models["data"][0]["id"] == "minilm" and models["data"][0]["task"] == "embed"
     info = httpx.get(f"{url}/info", timeout=10).json()
     assert info["task"] == "embed" and info["model_type"] == {"embedding": {"pooling": "mean"}}
+    # --dtype auto: bf16 GEMMs where the CPU computes bf16 natively (server/pooling/model.py)
+    assert info["model_dtype"] == ("bfloat16" if cpu_has_native_bf16() else "float32")
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'kubeinfer_model_task_info{model_name="minilm",task="embed"} 1.0' in metrics
     assert "kubeinfer_pooling_sequences_total" in metrics
@@ -340,3 +344,54 @@ def test_predict_and_classify(score_server: tuple[str, Any], cross_encoder_dir: 
     )
     r = httpx.post(f"{url}/v1/embeddings", json={"input": "hi"}, timeout=10)
     assert r.status_code == 400 and "serves task 'score'" in r.json()["error"]["message"]
+    # a cross-encoder keeps fp32 GEMMs under --dtype auto (pooling/model.py's auto_gemm_dtype)
+    assert httpx.get(f"{url}/info", timeout=10).json()["model_dtype"] == "float32"
+
+
+def _light_http() -> Any:
+    """benchmarks/light_http.py, loaded by path (the benchmarks folder is not a package, and putting it
+    on sys.path would shadow the `kernels` package with benchmarks/kernels.py)."""
+    import importlib.util
+    import sys
+
+    name = "kubeinfer_benchmarks_light_http"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "light_http.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_light_client_speaks_http_to_the_server(embed_server: tuple[str, Any]) -> None:
+    """The embeddings benchmark's load generator: keep-alive requests, error statuses passed through,
+    a chunked body read as such."""
+    import asyncio
+    import json
+    from urllib.parse import urlsplit
+
+    lh = _light_http()
+    url, _ = embed_server
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+
+    async def run() -> None:
+        conn = lh.Connection(host, port)
+        ok = lh.build_request(host, port, "/v1/embeddings", {"input": "Hello world"})
+        first = await conn.post(ok)
+        writer = conn._writer
+        second = await conn.post(ok)
+        assert conn._writer is writer  # the same kept-alive connection
+        assert first.status == second.status == 200
+        assert len(json.loads(second.body)["data"][0]["embedding"]) == 384
+        bad = await conn.post(lh.build_request(host, port, "/v1/embeddings", {"input": ""}))
+        assert bad.status == 400 and "error" in json.loads(bad.body)
+        await conn.close()
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"4\r\nWiki\r\n5;ext=1\r\npedia\r\n0\r\nX-Trailer: 1\r\n\r\n")
+        reader.feed_eof()
+        assert await lh._read_chunked(reader) == b"Wikipedia"
+
+    asyncio.run(run())

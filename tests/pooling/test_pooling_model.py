@@ -34,7 +34,9 @@ def minilm_dir() -> Path:
 def test_minilm_matches_sentence_transformers(minilm_dir: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
-    m = load_pooling_model(minilm_dir)
+    # fp32 parity (`--dtype float32`); auto's bf16 GEMMs: test_bert_cpu.py
+    m = load_pooling_model(minilm_dir, dtype=torch.float32, gemm_dtype=torch.float32)
+    assert m.gemm_dtype == torch.float32
     assert m.task is PoolingTask.EMBED and m.pooling.mode is PoolingMode.MEAN and m.pooling.normalize
     assert m.max_model_len == 256  # sentence_bert_config.json, not the 512 positions
     ref = SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS, convert_to_tensor=True)
