@@ -170,8 +170,9 @@ class TorchAttentionBackend:
         sd_shape = (-1, num_kv_heads, head_dim)
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_stored, v_stored = k.to(k_cache.dtype), v.to(v_cache.dtype)  # [T, Hkv, D], k and v when same dtype
+        flat_k.index_copy_(0, meta.slot_mapping, k_stored)
+        flat_v.index_copy_(0, meta.slot_mapping, v_stored)
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
 
@@ -213,15 +214,16 @@ class TorchAttentionBackend:
             b, n = len(grp.starts), grp.query_len
             if grp.rows is None:
                 rows: slice | Tensor = slice(grp.starts[0], grp.starts[0] + b * n)
-                qs, ks, vs = q[rows], k[rows], v[rows]
+                qs, ks, vs = q[rows], k_stored[rows], v_stored[rows]
             else:
                 rows = grp.rows
-                qs, ks, vs = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
+                qs = q.index_select(0, rows)
+                ks, vs = k_stored.index_select(0, rows), v_stored.index_select(0, rows)
             # 4-D [B, H, n, D] operands: with 3-D ones CPU SDPA takes its math path, ~2x slower here.
             qs = qs.view(b, n, -1, head_dim).transpose(1, 2)  # [B, Hq, n, D]
             if grp.blocks is None:
-                if k_cache.dtype != q.dtype:  # what a later chunk or a prefix hit reads from the cache
-                    ks, vs = ks.to(k_cache.dtype).to(q.dtype), vs.to(v_cache.dtype).to(q.dtype)
+                # what a later chunk or a prefix hit reads from the cache, widened (a no-op when q's dtype)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
                 ks, vs = (
                     ks.view(b, n, *sd_shape[1:]).transpose(1, 2),
                     vs.view(b, n, *sd_shape[1:]).transpose(1, 2),
@@ -238,6 +240,10 @@ class TorchAttentionBackend:
                     qs, ks, vs, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
                 )
             o = o.transpose(1, 2).reshape(b * n, *q.shape[1:])  # [B * n, Hq, D]
+            if d is None and grp.rows is None and b * n == q.shape[0]:
+                # the whole batch is this one group, in order: SDPA's output (its [B, n, Hq, D] memory
+                # viewed as rows) is the answer, without a copy into `out`
+                return o
             if grp.rows is None:
                 out[rows] = o
             else:

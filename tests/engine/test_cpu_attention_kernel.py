@@ -145,8 +145,10 @@ def test_kernel_writes_only_its_rows_and_reads_strided_queries(kernel: DecodeKer
         # chunks of one shape share an SDPA call: three without a prefix (not back to back in T), two
         # over the same cached length, one of their length over another
         ([1, 8, 8, 1, 8, 5, 5, 5], [20, 0, 0, 33, 0, 16, 16, 40]),
+        ([7, 7, 7], [0, 0, 0]),  # the whole batch one group: SDPA's output is returned as is
+        ([6, 6], [10, 10]),
     ],
-    ids=["decode", "mixed", "grouped"],
+    ids=["decode", "mixed", "grouped", "one-group", "one-group-prefix"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_backend_matches_torch_backend_and_reference(
