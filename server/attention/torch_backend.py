@@ -239,10 +239,11 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
                 )
+            # SDPA's output is [B, Hq, n, D] in memory: the reshape to rows copies once
             o = o.transpose(1, 2).reshape(b * n, *q.shape[1:])  # [B * n, Hq, D]
             if d is None and grp.rows is None and b * n == q.shape[0]:
-                # the whole batch is this one group, in order: SDPA's output (its [B, n, Hq, D] memory
-                # viewed as rows) is the answer, without a copy into `out`
+                # the whole batch is this one group, in order: those rows are the answer, without a
+                # second copy into `out`
                 return o
             if grp.rows is None:
                 out[rows] = o
