@@ -41,18 +41,52 @@ class _DecodePlan:
 
 
 @dataclass
-class _PrefillSeq:
-    start: int  # first row in T
-    query_len: int
-    context_len: int
-    blocks: Tensor | None  # [nb] int64, blocks holding the context; None when there is no cached prefix
-    mask: Tensor | None  # [query_len, context_len] bool, None when plain causal works
+class _PrefillGroup:
+    """Prompt chunks of one shape (query length, context length, cached prefix or not): one SDPA call
+    [B, H, n, D] for all of them, ~1.3x (no prefix) to 3-5x (a cached prefix, masked) faster on CPU than
+    B calls of [1, H, n, D] (measured here, 2 threads)."""
+
+    starts: list[int]  # first row in T of each chunk
+    query_len: int  # n
+    context_len: int  # cached prefix + n
+    rows: Tensor | None  # [B * n] int64 rows in T, None when the chunks lie back to back from starts[0]
+    blocks: Tensor | None  # [B * nb] int64, blocks holding each context; None when there is no cached prefix
+    mask: Tensor | None  # [n, context_len] in q's dtype, 0 or -inf (lower-right causal); None: plain causal
 
 
 @dataclass
 class _Plan:
     decode: _DecodePlan | None
-    prefill: list[_PrefillSeq]
+    prefill: list[_PrefillGroup]
+
+
+def _prefill_groups(
+    meta: AttentionMetadata, qsl: list[int], block_size: int, dtype: torch.dtype
+) -> list[_PrefillGroup]:
+    device = meta.block_tables.device
+    shapes: dict[tuple[int, int], list[int]] = {}  # (n, context_len) -> sequences, in batch order
+    for i, n in enumerate(meta.query_lens_cpu):
+        if n > 1:
+            shapes.setdefault((n, meta.context_lens_cpu[i]), []).append(i)
+    groups: list[_PrefillGroup] = []
+    for (n, ctx_len), seqs in shapes.items():
+        starts = [qsl[i] for i in seqs]
+        rows: Tensor | None = None
+        if starts != list(range(starts[0], starts[0] + n * len(starts), n)):
+            rows = torch.cat([torch.arange(s, s + n, device=device) for s in starts])
+        blocks: Tensor | None = None
+        mask: Tensor | None = None
+        if ctx_len > n:  # a cached prefix: the chunk reads it from the cache
+            nb = -(-ctx_len // block_size)
+            idx = torch.tensor(seqs, dtype=torch.int64, device=device)
+            blocks = meta.block_tables.index_select(0, idx)[:, :nb].to(torch.int64).reshape(-1)
+            pos = torch.arange(ctx_len, device=device)
+            q_pos = torch.arange(ctx_len - n, ctx_len, device=device)
+            # An additive mask: CPU SDPA with a bool one is slower here (it converts it each call).
+            mask = torch.zeros(n, ctx_len, dtype=dtype, device=device)
+            mask.masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
+        groups.append(_PrefillGroup(starts, n, ctx_len, rows, blocks, mask))
+    return groups
 
 
 def _decode_attention_upcast(
@@ -75,7 +109,7 @@ def _decode_attention_upcast(
 class TorchAttentionBackend:
     """Attention for CPU. Single-token (decode) sequences: the compiled kernel when one is given (it
     reads the paged cache in place), else a gather of their blocks and one batched SDPA. Longer chunks:
-    one SDPA each. The plan (slots, masks) is built once per step and reused by every layer."""
+    one SDPA per group of chunks of the same shape (_PrefillGroup). The plan (slots, masks) is built once per step and reused by every layer."""
 
     def __init__(self, block_size: int, decode_kernel: DecodeKernel | None = None) -> None:
         self.block_size = block_size
@@ -84,7 +118,9 @@ class TorchAttentionBackend:
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
 
-    def _make_plan(self, meta: AttentionMetadata, use_kernel: bool, cache_shape: torch.Size) -> _Plan:
+    def _make_plan(
+        self, meta: AttentionMetadata, use_kernel: bool, cache_shape: torch.Size, dtype: torch.dtype
+    ) -> _Plan:
         bs = self.block_size
         device = meta.block_tables.device
         qsl = [0]
@@ -110,20 +146,7 @@ class TorchAttentionBackend:
                     mask=(pos[None, :] < ctx[:, None])[:, None, None, :],
                 )
             decode = _DecodePlan(seqs=idx, rows=rows, gather=gather)
-        prefill: list[_PrefillSeq] = []
-        for i, n in enumerate(meta.query_lens_cpu):
-            if n == 1:
-                continue
-            ctx_len = meta.context_lens_cpu[i]
-            prefix = ctx_len - n
-            blocks_i: Tensor | None = None
-            mask_i: Tensor | None = None
-            if prefix > 0:
-                pos = torch.arange(ctx_len, device=device)
-                blocks_i = meta.block_tables[i, : -(-ctx_len // bs)].to(torch.int64)
-                q_pos = torch.arange(prefix, ctx_len, device=device)
-                mask_i = pos[None, :] <= q_pos[:, None]
-            prefill.append(_PrefillSeq(qsl[i], n, ctx_len, blocks_i, mask_i))
+        prefill = _prefill_groups(meta, qsl, bs, dtype)
         return _Plan(decode, prefill)
 
     def forward(
@@ -137,7 +160,9 @@ class TorchAttentionBackend:
         scale: float,
     ) -> Tensor:  # [T, num_heads, head_dim]
         if meta is not self._meta:
-            self._plan = self._make_plan(meta, self._use_kernel(q.dtype, k_cache.dtype), k_cache.shape)
+            self._plan = self._make_plan(
+                meta, self._use_kernel(q.dtype, k_cache.dtype), k_cache.shape, q.dtype
+            )
             self._meta = meta
         plan = self._plan
         assert plan is not None
@@ -145,8 +170,9 @@ class TorchAttentionBackend:
         sd_shape = (-1, num_kv_heads, head_dim)
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_stored, v_stored = k.to(k_cache.dtype), v.to(v_cache.dtype)  # [T, Hkv, D], k and v when same dtype
+        flat_k.index_copy_(0, meta.slot_mapping, k_stored)
+        flat_v.index_copy_(0, meta.slot_mapping, v_stored)
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
 
@@ -184,22 +210,45 @@ class TorchAttentionBackend:
                 od = _decode_attention_upcast(qd, kd, vd, g.mask, scale).to(q.dtype)
             out.index_copy_(0, d.rows, od)
 
-        for s in plan.prefill:
-            rows = slice(s.start, s.start + s.query_len)
-            # 4-D [1, H, n, D] operands: with 3-D ones CPU SDPA takes its math path, ~2x slower here.
-            qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
-            if s.blocks is None:
-                ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
-                if k_cache.dtype != q.dtype:  # what a later chunk or a prefix hit reads from the cache
-                    ks, vs = ks.to(k_cache.dtype).to(q.dtype), vs.to(v_cache.dtype).to(q.dtype)
+        for grp in plan.prefill:
+            b, n = len(grp.starts), grp.query_len
+            if grp.rows is None:
+                rows: slice | Tensor = slice(grp.starts[0], grp.starts[0] + b * n)
+                qs, ks, vs = q[rows], k_stored[rows], v_stored[rows]
+            else:
+                rows = grp.rows
+                qs = q.index_select(0, rows)
+                ks, vs = k_stored.index_select(0, rows), v_stored.index_select(0, rows)
+            # 4-D [B, H, n, D] operands: with 3-D ones CPU SDPA takes its math path, ~2x slower here.
+            qs = qs.view(b, n, -1, head_dim).transpose(1, 2)  # [B, Hq, n, D]
+            if grp.blocks is None:
+                # what a later chunk or a prefix hit reads from the cache, widened (a no-op when q's dtype)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+                ks, vs = (
+                    ks.view(b, n, *sd_shape[1:]).transpose(1, 2),
+                    vs.view(b, n, *sd_shape[1:]).transpose(1, 2),
+                )
+                # ks, vs: [B, Hkv, n, D]
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                ks = k_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)[None]
-                vs = v_cache.index_select(0, s.blocks).view(sd_shape)[: s.context_len].transpose(0, 1)[None]
-                # ks, vs: [1, Hkv, ctx, D], widened to q's dtype (a no-op when the cache has it)
-                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
-            out[rows] = o[0].transpose(0, 1)
+                length = grp.blocks.shape[0] // b * self.block_size
+                ks = k_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]
+                vs = v_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]
+                # ks, vs: [B, Hkv, ctx, D], widened to q's dtype (a no-op when the cache has it)
+                ks, vs = ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
+                )
+            # SDPA's output is [B, Hq, n, D] in memory: the reshape to rows copies once
+            o = o.transpose(1, 2).reshape(b * n, *q.shape[1:])  # [B * n, Hq, D]
+            if d is None and grp.rows is None and b * n == q.shape[0]:
+                # the whole batch is this one group, in order: those rows are the answer, without a
+                # second copy into `out`
+                return o
+            if grp.rows is None:
+                out[rows] = o
+            else:
+                out.index_copy_(0, grp.rows, o)
         return out
 
     def _use_kernel(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:

@@ -1,4 +1,5 @@
-"""The compiled fused elementwise ops of a decoder layer (csrc/cpu_fused.cpp), fp32 on CPU, via ctypes.
+"""The compiled fused elementwise ops of a decoder layer (csrc/cpu_fused.cpp), fp32 on CPU (silu_mul
+also bf16), via ctypes.
 
 A one-token decode step of a small model spends more time dispatching torch ops than computing them: one
 RMSNorm is ~8 ops (~50 us) over 576 values, and a layer runs ~30 such ops around its 4 matmuls. These
@@ -25,7 +26,7 @@ from server.native import KernelBuildError, NativeSource, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
-ABI_VERSION = 4
+ABI_VERSION = 5
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time).
 NATIVE = NativeSource(
@@ -63,23 +64,26 @@ def torch_head_rms_norm(
     x.copy_(weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
 
 
-def torch_silu_mul(gate_up: Tensor) -> Tensor:  # gate_up: [T, 2I] fp32 -> [T, I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def torch_silu_mul(gate_up: Tensor) -> Tensor:  # gate_up: [T, 2I] fp32 or bf16 -> [T, I] same dtype
+    gate, up = gate_up.float().chunk(2, dim=-1)  # bf16: computed in fp32, rounded once (as the kernel)
+    return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-def _check_rows(name: str, t: Tensor, cols: int) -> None:
+def _check_rows(name: str, t: Tensor, cols: int, dtype: torch.dtype = torch.float32) -> None:
     # A wrong pointer or stride would read stray memory: metadata checks only, cheap enough per layer.
-    if t.dtype != torch.float32 or t.device.type != "cpu":
-        raise TypeError(f"{name}: must be a CPU fp32 tensor, got {t.dtype} on {t.device}")
+    if t.dtype != dtype or t.device.type != "cpu":
+        want = "fp32" if dtype == torch.float32 else "bf16"
+        raise TypeError(f"{name}: must be a CPU {want} tensor, got {t.dtype} on {t.device}")
     if t.dim() != 2 or t.shape[1] != cols or (cols > 1 and t.stride(1) != 1):
         raise ValueError(f"{name}: must be [T, {cols}] with unit stride along a row, got {tuple(t.shape)}")
 
 
-def _output(out: Tensor | None, rows: int, cols: int) -> Tensor:  # [rows, cols] fp32, checked if given
+def _output(
+    out: Tensor | None, rows: int, cols: int, dtype: torch.dtype = torch.float32
+) -> Tensor:  # [rows, cols] in dtype, checked if given
     if out is None:
-        return torch.empty(rows, cols)
-    _check_rows("out", out, cols)
+        return torch.empty(rows, cols, dtype=dtype)
+    _check_rows("out", out, cols, dtype)
     if out.shape[0] != rows:  # the kernel writes `rows` rows: fewer would be written past the end
         raise ValueError(f"out: {out.shape[0]} rows, the input has {rows}")
     return out
@@ -168,16 +172,24 @@ class FusedOps:
 
     def silu_mul(
         self,
-        gate_up: Tensor,  # [T, 2I] fp32, gate then up, unit stride along a row
-        out: Tensor | None = None,  # [T, I] fp32
-    ) -> Tensor:  # [T, I] fp32
+        gate_up: Tensor,  # [T, 2I] fp32 or bf16, gate then up, unit stride along a row
+        out: Tensor | None = None,  # [T, I] in gate_up's dtype
+    ) -> Tensor:  # [T, I] in gate_up's dtype
+        """silu(gate) * up. bf16 in, bf16 out: each value widened, the fp32 kernel's arithmetic, rounded to
+        nearest even; bit-identical to `silu_mul(gate_up.float()).bfloat16()` (tests/engine/test_cpu_fused_ops.py)."""
         t, two_i = gate_up.shape[0], gate_up.shape[-1]
         if two_i % 2:
             raise ValueError(f"gate_up: last dim {two_i} is not even")
-        _check_rows("gate_up", gate_up, two_i)
         inter = two_i // 2
-        out = _output(out, t, inter)
-        rc = self.lib.kubeinfer_silu_mul(
+        if gate_up.dtype == torch.bfloat16:
+            _check_rows("gate_up", gate_up, two_i, torch.bfloat16)
+            out = _output(out, t, inter, torch.bfloat16)
+            fn = self.lib.kubeinfer_silu_mul_bf16
+        else:
+            _check_rows("gate_up", gate_up, two_i)
+            out = _output(out, t, inter)
+            fn = self.lib.kubeinfer_silu_mul
+        rc = fn(
             gate_up.data_ptr(),
             gate_up.stride(0),
             out.data_ptr(),
@@ -199,12 +211,14 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib.kubeinfer_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     lib.kubeinfer_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]
     lib.kubeinfer_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+    lib.kubeinfer_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.kubeinfer_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
     for fn in (
         lib.kubeinfer_add_rms_norm,
         lib.kubeinfer_rotary,
         lib.kubeinfer_silu_mul,
+        lib.kubeinfer_silu_mul_bf16,
         lib.kubeinfer_head_rms_norm,
         lib.kubeinfer_decode_forward,
     ):

@@ -16,6 +16,7 @@ from server.attention import AttentionBackend, AttentionMetadata
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
 from server.models.decode_graph import DecodeGraph, cache_pointers
+from server.quant.block_linear import BlockQuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -152,6 +153,15 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, ops: FusedOps | None) -> Tensor
     return x
 
 
+def _bf16_chain(gate_up: nn.Module, down: nn.Module, rows: int) -> bool:
+    return (
+        isinstance(gate_up, BlockQuantLinear)
+        and isinstance(down, BlockQuantLinear)
+        and gate_up.bf16_gemm(rows)
+        and down.bf16_gemm(rows)
+    )
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig, device: torch.device | str | None) -> None:
         super().__init__()
@@ -164,6 +174,11 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, ops: FusedOps | None = None) -> Tensor:  # x: [T, hidden]
         if self.gate_up_proj is not None:
+            if ops is not None and _bf16_chain(self.gate_up_proj, self.down_proj, x.shape[0]):
+                # Both GEMMs in bf16: gate_up's bf16 result goes into silu_mul as is and its bf16 output
+                # into down, bit-identical to widening both and rounding again (cpu_fused.silu_mul).
+                act = ops.silu_mul(self.gate_up_proj(x, out_dtype=torch.bfloat16))  # [T, intermediate] bf16
+                return self.down_proj(act, out_dtype=x.dtype)
             gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
             if ops is not None:  # fp32 CPU: silu * up in one compiled call
                 return self.down_proj(ops.silu_mul(gate_up))

@@ -123,10 +123,29 @@ class BlockQuantLinear(QuantLinear):
     def weight_q(self) -> BlockQuantWeight:
         return _weight(self, self._w)
 
-    def forward(self, x: Tensor) -> Tensor:  # x: [..., K] -> [..., N] in x's dtype
-        lead, dtype = x.shape[:-1], x.dtype
-        x2 = x.reshape(-1, self.in_features).float()  # [M, K]
+    def bf16_gemm(self, rows: int) -> bool:
+        """Whether `rows` rows of x go through the bf16 library GEMM with nothing added after it (no
+        bias): its result is then bf16 itself, and forward(x, out_dtype=torch.bfloat16) returns it unwidened,
+        as a bf16 x goes in without a round trip through fp32. The MLP chains gate_up -> silu_mul -> down
+        in bf16 where this holds (server/models/llama.py)."""
+        return (
+            self.kernel is not None
+            and self.gemm_dtype == torch.bfloat16
+            and self.bias is None
+            and rows >= self.gemm_min_rows
+        )
+
+    def forward(
+        self, x: Tensor, out_dtype: torch.dtype | None = None
+    ) -> Tensor:  # x: [..., K] -> [..., N] in out_dtype (default x's dtype)
+        lead, dtype = x.shape[:-1], x.dtype if out_dtype is None else out_dtype
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
         w = self.weight_q
+        if self.kernel is not None and self.bf16_gemm(x2.shape[0]):
+            # bf16 x is the GEMM's operand as is; a bf16 result comes back without widening
+            y = self._dequant_gemm(x2, w, self.kernel, torch.bfloat16, out_dtype=dtype)
+            return y.reshape(*lead, self.out_features)
+        x2 = x2.float()
         if self.kernel is None:
             y = F.linear(x2, dequantize_reference(w), self.bias)
         elif x2.shape[0] >= self.gemm_min_rows:
@@ -136,21 +155,30 @@ class BlockQuantLinear(QuantLinear):
         return y.reshape(*lead, self.out_features).to(dtype)
 
     def _dequant_gemm(
-        self, x: Tensor, w: BlockQuantWeight, kernel: QLinearKernel, compute: torch.dtype = torch.float32
+        self,
+        x: Tensor,
+        w: BlockQuantWeight,
+        kernel: QLinearKernel,
+        compute: torch.dtype = torch.float32,
+        out_dtype: torch.dtype = torch.float32,
     ) -> Tensor:
-        # x: [M, K] fp32 -> [M, N] fp32. compute=bfloat16: x and each dequantized slice rounded to bf16,
-        # multiplied by torch's bf16 GEMM (bf16 result, widened to fp32): AVX512-BF16/AMX do 3x the
-        # fp32 FLOP/s (docs/benchmarks.md).
+        # x: [M, K] fp32 (or bf16 with compute=bf16) -> [M, N] out_dtype. compute=bfloat16: x and each
+        # dequantized slice rounded to bf16, multiplied by torch's bf16 GEMM (bf16 result, widened to fp32
+        # unless out_dtype is bf16): AVX512-BF16/AMX do 3x the fp32 FLOP/s (docs/benchmarks.md).
         m, k, n = x.shape[0], self.in_features, self.out_features
         x = x.contiguous()
-        xc = x if compute == torch.float32 else x.to(compute)
-        out = torch.empty(m, n)
+        xc = x if compute == x.dtype else x.to(compute)
+        if out_dtype != torch.float32:
+            assert compute == out_dtype and self.bias is None, "a low-precision output is the GEMM's own"
+        out = torch.empty(m, n, dtype=out_dtype)
         rows = max(16, SLICE_BYTES // (4 * k))
         scratch = torch.empty(min(rows, n), k)
         for n0 in range(0, n, rows):
             r = min(rows, n - n0)
             tile = kernel.dequantize_rows(w, start=n0, count=r, out=scratch[:r])
-            if compute != torch.float32:
+            if compute != torch.float32 and out_dtype == compute and r == n:
+                torch.mm(xc, tile.to(compute).t(), out=out)
+            elif compute != torch.float32:
                 out[:, n0 : n0 + r] = xc @ tile.to(compute).t()
             elif r == n:
                 torch.mm(x, tile.t(), out=out)

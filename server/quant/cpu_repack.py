@@ -69,8 +69,8 @@ class ActOrderBlockQuantLinear(BlockQuantLinear):
         self.register_buffer("perm", perm.contiguous())
         self.method = "int4-act-order"
 
-    def forward(self, x: Tensor) -> Tensor:  # x: [..., K] -> [..., N] in x's dtype
-        return super().forward(x.index_select(-1, self.perm))
+    def forward(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:  # [..., K] -> [..., N]
+        return super().forward(x.index_select(-1, self.perm), out_dtype)
 
     def weight_nbytes(self) -> int:
         return super().weight_nbytes() + self.perm.numel() * self.perm.element_size()

@@ -142,8 +142,13 @@ def test_kernel_writes_only_its_rows_and_reads_strided_queries(kernel: DecodeKer
     [
         ([1, 1, 1, 1], [0, 16, 40, 200]),
         ([1, 12, 20, 1, 3], [30, 0, 9, 64, 16]),  # decode rows between prefill chunks and a prefix hit
+        # chunks of one shape share an SDPA call: three without a prefix (not back to back in T), two
+        # over the same cached length, one of their length over another
+        ([1, 8, 8, 1, 8, 5, 5, 5], [20, 0, 0, 33, 0, 16, 16, 40]),
+        ([7, 7, 7], [0, 0, 0]),  # the whole batch one group: SDPA's output is returned as is
+        ([6, 6], [10, 10]),
     ],
-    ids=["decode", "mixed"],
+    ids=["decode", "mixed", "grouped", "one-group", "one-group-prefix"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_backend_matches_torch_backend_and_reference(
@@ -174,6 +179,32 @@ def test_cpu_backend_matches_torch_backend_and_reference(
     atol, rtol = ATTN_TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
     torch.testing.assert_close(out.float(), out_torch.float(), atol=atol, rtol=rtol)
+
+
+def test_prefill_chunks_of_one_shape_share_an_sdpa_call(
+    kernel: DecodeKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One [B, H, n, D] call per shape (n, context length) instead of one per chunk: B times fewer calls
+    # into CPU SDPA, each with enough work to use its threads (docs/benchmarks.md, "CPU: the prefill step").
+    import server.attention.torch_backend as tb
+
+    calls: list[tuple[int, ...]] = []
+    sdpa = tb.F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(tuple(q.shape))
+        return sdpa(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tb.F, "scaled_dot_product_attention", spy)
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    query_lens, prefix_lens = [1, 8, 8, 1, 8, 5, 5, 5], [20, 0, 0, 33, 0, 16, 16, 40]
+    meta = make_attention_metadata(query_lens, prefix_lens, block_size, torch.device("cpu"))
+    n = sum(query_lens)
+    shape = (int(meta.block_tables.max()) + 2, block_size, hkv, d)
+    kc, vc = torch.randn(shape), torch.randn(shape)
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    TorchAttentionBackend(block_size, kernel).forward(q, k, v, kc, vc, meta, 0.125)
+    assert sorted(calls) == [(1, hq, 5, d), (2, hq, 5, d), (3, hq, 8, d)]
 
 
 def _valid_args() -> dict[str, torch.Tensor]:

@@ -145,6 +145,29 @@ def test_silu_mul_matches_reference(ops: FusedOps, rows: int, inter: int) -> Non
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 100])
+@pytest.mark.parametrize("inter", [1, 37, 1536, 2500])  # 2500: more than one of the kernel's chunks
+def test_silu_mul_bf16_is_the_fp32_kernel_rounded(ops: FusedOps, rows: int, inter: int) -> None:
+    # The bf16 GEMM's result goes straight into silu_mul (server/models/llama.py's MLP): bit-identical to
+    # widening it, the fp32 kernel, and rounding for the down projection, as before.
+    g = torch.Generator().manual_seed(rows * inter + 1)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).bfloat16()
+    gate_up[0, 0] = -100.0
+    gate_up[-1, min(1, inter - 1)] = 100.0
+    gate_up[-1, -1] = float("nan")
+    want = ops.silu_mul(gate_up.float()).bfloat16()
+    got = ops.silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16
+    assert got[-1, -1].isnan()  # a NaN stays a NaN (its payload is -ffast-math's business)
+    got[-1, -1] = want[-1, -1] = 0
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    torch.testing.assert_close(got[:, :-1], torch_silu_mul(gate_up)[:, :-1], atol=1e-30, rtol=1.6e-2)
+    out = torch.empty(rows, inter + 3, dtype=torch.bfloat16)[:, :inter]  # a strided out
+    ops.silu_mul(gate_up, out=out)
+    out[-1, -1] = 0
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
 def test_launchers_refuse_what_would_read_stray_memory(ops: FusedOps) -> None:
     x, w = torch.randn(2, 8), torch.randn(8)
     with pytest.raises(TypeError, match="fp32"):
@@ -170,4 +193,8 @@ def test_launchers_refuse_what_would_read_stray_memory(ops: FusedOps) -> None:
     with pytest.raises(ValueError, match="not even"):
         ops.silu_mul(torch.randn(2, 5))
     with pytest.raises(TypeError, match="fp32"):
-        ops.silu_mul(torch.randn(2, 4, dtype=torch.bfloat16))
+        ops.silu_mul(torch.randn(2, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match="bf16"):  # bf16 in, bf16 out
+        ops.silu_mul(torch.randn(2, 8, dtype=torch.bfloat16), out=torch.empty(2, 4))
+    with pytest.raises(ValueError, match="unit stride"):
+        ops.silu_mul(torch.randn(8, 2, dtype=torch.bfloat16).t())

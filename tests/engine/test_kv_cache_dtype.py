@@ -145,12 +145,18 @@ def test_kv_store_rounds_like_torch(
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu", "torch"])
-def test_backend_rounds_on_write_and_attends_in_fp32(cache_dtype: torch.dtype, use_kernel: bool) -> None:
+@pytest.mark.parametrize(
+    ("query_lens", "prefix_lens"),
+    [([1, 12, 20, 1, 3], [30, 0, 9, 64, 16]), ([1, 8, 8, 1, 8, 5, 5], [20, 0, 0, 33, 0, 16, 16])],
+    ids=["mixed", "grouped"],  # grouped: chunks of one shape attend in one SDPA call
+)
+def test_backend_rounds_on_write_and_attends_in_fp32(
+    cache_dtype: torch.dtype, use_kernel: bool, query_lens: list[int], prefix_lens: list[int]
+) -> None:
     """fp32 q/k/v over a narrow cache, decode rows between prompt chunks with cached prefixes: the cache
     holds k.to(cache_dtype), the output is fp32 and matches the fp32 reference over the rounded cache,
     for the chunk without a cached prefix too (it attends over its K/V rounded alike)."""
     block_size, hq, hkv, d = 16, 9, 3, 64
-    query_lens, prefix_lens = [1, 12, 20, 1, 3], [30, 0, 9, 64, 16]
     meta = make_attention_metadata(query_lens, prefix_lens, block_size, torch.device("cpu"))
     n = sum(query_lens)
     shape = (int(meta.block_tables.max()) + 2, block_size, hkv, d)

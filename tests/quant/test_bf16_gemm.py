@@ -55,9 +55,9 @@ def _gemm_calls(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
     calls: list[torch.dtype] = []
     original = BlockQuantLinear._dequant_gemm
 
-    def spy(self, x, w, kernel, compute=torch.float32):  # type: ignore[no-untyped-def]
+    def spy(self, x, w, kernel, compute=torch.float32, out_dtype=torch.float32):  # type: ignore[no-untyped-def]
         calls.append(compute)
-        return original(self, x, w, kernel, compute)
+        return original(self, x, w, kernel, compute, out_dtype)
 
     monkeypatch.setattr(BlockQuantLinear, "_dequant_gemm", spy)
     return calls
@@ -88,6 +88,36 @@ def test_bf16_gemm_is_torch_bf16_gemm_over_the_dequantized_weight(fmt: str) -> N
     xs = x[: BF16_GEMM_MIN_ROWS - 1]
     assert torch.equal(layer(xs), layer.kernel.linear(xs, w, bias, compute=torch.bfloat16))
     assert torch.equal(layer(xs[:3]), layer.kernel.linear(xs[:3], w, bias))  # the GEMV: fp32
+
+
+@needs_bf16
+def test_mlp_chains_gate_up_silu_mul_down_in_bf16_bit_for_bit() -> None:
+    # Prefill-sized M with both GEMMs in bf16: gate_up's bf16 result feeds silu_mul unwidened and its bf16
+    # output feeds down (server/models/llama.py's MLP), the same bits as widening each and rounding again.
+    from server.models.arch import ArchConfig
+    from server.models.cpu_fused import load_fused_ops
+    from server.models.llama import MLP
+
+    g = torch.Generator().manual_seed(1)
+    h, inter = 64, 96
+    cfg = ArchConfig("LlamaForCausalLM", 32, h, inter, 1, 1, 1, h, 1e-5, 1e4, 64, False, False, False, False)
+    mlp = MLP(cfg, "cpu")
+    w_gu = quantize_block(torch.randn(2 * inter, h, generator=g) * 0.1, "q8_0")
+    w_down = quantize_block(torch.randn(h, inter, generator=g) * 0.1, "q8_0")
+    mlp.gate_up_proj, mlp.down_proj = BlockQuantLinear(w_gu), BlockQuantLinear(w_down)
+    for m in (mlp.gate_up_proj, mlp.down_proj):
+        m.gemm_dtype = torch.bfloat16
+    ops = load_fused_ops()
+    seen: list[torch.dtype] = []
+    mlp.gate_up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    x = torch.randn(BF16_GEMM_MIN_ROWS, h, generator=g)
+    y = mlp(x, ops)
+    assert seen == [torch.bfloat16] and y.dtype == torch.float32
+    assert torch.equal(y, mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x).float())))
+    # Fewer rows (the kernel's fp32 output) keep the fp32 chain.
+    seen.clear()
+    mlp(x[: BF16_GEMM_MIN_ROWS - 1], ops)
+    assert seen == [torch.float32]
 
 
 def _embedded(**kw: object) -> LLMEngine:

@@ -184,9 +184,9 @@ def test_bf16_decode_batches_from_the_crossover_leave_the_graph(
         graph_rows.append(h.shape[0])
         return run(self, h, cos, sin, meta)
 
-    def spy_gemm(self, x, w, kernel, compute=torch.float32):  # type: ignore[no-untyped-def]
+    def spy_gemm(self, x, w, kernel, compute=torch.float32, out_dtype=torch.float32):  # type: ignore[no-untyped-def]
         gemm_rows.append((x.shape[0], compute))
-        return gemm(self, x, w, kernel, compute)
+        return gemm(self, x, w, kernel, compute, out_dtype)
 
     monkeypatch.setattr(DecodeGraph, "run", spy_run)
     monkeypatch.setattr(BlockQuantLinear, "_dequant_gemm", spy_gemm)

@@ -7,6 +7,9 @@
 //   rotary         q/k heads rotated in place: x * cos + rotate_half(x) * sin, "sin" with its first half
 //                  negated (server/models/llama.py's RotaryEmbedding tables)              [T, heads, D]
 //   silu_mul       out = silu(gate) * up, gate and up the two halves of one row          [T, 2I] -> [T, I]
+//   silu_mul_bf16  the same over bf16 rows (the bf16 GEMM's own result) to bf16: each row widened to fp32,
+//                  silu_mul's very loop, rounded to nearest even: bit-identical to widen -> silu_mul ->
+//                  round, without the two fp32 [T, 2I] / [T, I] tensors in memory
 //   head_rms_norm  each head normalized in place: x = weight * x * rsqrt(mean(x^2) + eps), one [D]
 //                  weight for all heads (Qwen3's q_norm / k_norm, before the rotary)     [T, heads, D]
 // Rows are independent; OpenMP over rows only when there is enough work to pay for waking the threads.
@@ -29,7 +32,7 @@ constexpr int64_t kParallelMin = 1 << 16;  // elements below which one thread do
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 4; }
+int32_t kubeinfer_cpu_fused_abi() { return 5; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -82,6 +85,41 @@ int32_t kubeinfer_rotary(float* x, int64_t row_stride, int64_t rows, int64_t hea
   return 0;
 }
 
+}  // extern "C"
+
+namespace {
+
+// One row of silu_mul, the loop both entry points run (noinline: one codegen, so the bf16 variant's fp32
+// values are the fp32 kernel's bit for bit).
+// -ffast-math assumes no infinities: exp's argument is clamped below its overflow (e^88 < FLT_MAX), where
+// g / (1 + e^-g) is already -0 to fp32 precision.
+__attribute__((noinline)) void silu_mul_row(const float* g, const float* u, float* o, int64_t inter) {
+#pragma omp simd
+  for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(std::min(-g[i], 88.0f))) * u[i];
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet: what torch's fp32 -> bf16 conversion does.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+constexpr int64_t kBf16Chunk = 1024;  // values widened per pass: three fp32 chunks stay in L1
+
+}  // namespace
+
+extern "C" {
+
 // gate_up: [rows, 2 * inter] (gate then up) with row stride; out: [rows, inter] with row stride.
 int32_t kubeinfer_silu_mul(const float* gate_up, int64_t in_stride, float* out, int64_t out_stride,
                            int64_t rows, int64_t inter, int32_t threads) {
@@ -89,12 +127,32 @@ int32_t kubeinfer_silu_mul(const float* gate_up, int64_t in_stride, float* out, 
 #pragma omp parallel for num_threads(threads) if (rows * inter >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * in_stride;
-    const float* u = g + inter;
-    float* o = out + r * out_stride;
-    // -ffast-math assumes no infinities: exp's argument is clamped below its overflow (e^88 < FLT_MAX),
-    // where g / (1 + e^-g) is already -0 to fp32 precision.
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(std::min(-g[i], 88.0f))) * u[i];
+    silu_mul_row(g, g + inter, out + r * out_stride, inter);
+  }
+  return 0;
+}
+
+// silu_mul over bf16 (raw uint16 bits): gate_up [rows, 2 * inter], out [rows, inter], row strides in
+// elements. Works in chunks of kBf16Chunk values; each chunk runs silu_mul_row from the same offset
+// within the row as the fp32 kernel's vector lanes would (chunks are a multiple of the vector width).
+int32_t kubeinfer_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint16_t* out, int64_t out_stride,
+                                int64_t rows, int64_t inter, int32_t threads) {
+  if (rows < 0 || inter <= 0) return 1;
+#pragma omp parallel for num_threads(threads) if (rows * inter >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    alignas(64) float g[kBf16Chunk], u[kBf16Chunk], o[kBf16Chunk];
+    const uint16_t* gr = gate_up + r * in_stride;
+    const uint16_t* ur = gr + inter;
+    uint16_t* orow = out + r * out_stride;
+    for (int64_t c = 0; c < inter; c += kBf16Chunk) {
+      const int64_t n = std::min(kBf16Chunk, inter - c);
+      for (int64_t i = 0; i < n; ++i) {
+        g[i] = bf16_to_float(gr[c + i]);
+        u[i] = bf16_to_float(ur[c + i]);
+      }
+      silu_mul_row(g, u, o, n);
+      for (int64_t i = 0; i < n; ++i) orow[c + i] = float_to_bf16(o[i]);
+    }
   }
   return 0;
 }
