@@ -4,19 +4,16 @@ Plain Python. Each `schedule()` returns a SchedulerOutput; the engine runs it an
 tokens back through `update_from_output()`. Long prompts are split into chunks (chunked prefill);
 when blocks run out the most recently admitted running request is preempted and later recomputed.
 
-While any running request is decoding, each prompt's chunk in a step is capped at
-`long_prefill_token_threshold` (vLLM's meaning): a long prompt arriving beside running streams is
-prefilled a slice per step, so it cannot hold every stream's next token for a whole 2048-token chunk.
-Short prompts are not held back: several arriving together are prefilled in one step (within the
-budget), because each step that carries prompt tokens delays every running stream once. Spreading a
-burst over many small steps (the step's total capped, as this scheduler did before) multiplied those
-delayed tokens: at 16 users, 8 prompts of 128 tokens beside 8 streams took 4 steps and 32 delayed
-tokens instead of 1 step and 8, raising ITL p99 and TTFT and costing throughput (docs/benchmarks.md).
-With no decode running the whole budget goes to prompts; and when such a burst needs more than one step
-(but at most 4), each prompt keeps its last token for the step that completes the burst, so all of them
-sample first in that step and decode together, instead of the first ones decoding beside the rest of the
-burst's prefill (a delayed token per stream per step; at 32 users with a shared prefix, 2% of all
-inter-token gaps). A step that would then hold everything back runs without the hold.
+While any running request is decoding, `long_prefill_token_threshold` bounds what prompts take from a
+step, in one of two ways. When everything waiting to be prefilled fits in this step (beside the
+decodes), the prompts run together and only each prompt's chunk is capped (vLLM's meaning): a long
+prompt is prefilled a slice per step, but a handful of short ones arriving together cost the running
+streams one delayed token, not one per slice (at 16 users, 8 prompts of 128 tokens beside 8 streams:
+1 step and 8 delayed tokens instead of 4 steps and 32). When it does not fit, the step's prompt tokens
+together are capped: a burst that needs several steps anyway is spread thin, so each running stream's
+delayed tokens wait for a threshold's worth of prompt, not for a whole 2048-token step (at 32 users
+with a shared prefix, ITL p99 0.63-0.69 s against 1.0-2.1 s with the chunk cap alone; docs/benchmarks.md).
+With no decode running the whole budget goes to prompts.
 
 Pooling requests (`Request.pooling`: embed, score) share the queue, the token budget and max_num_seqs
 with generation: each is a prompt scheduled whole in one step (never chunked: its forward keeps no KV to
@@ -34,8 +31,6 @@ from server.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from server.core.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from server.request import FinishReason, Request, RequestStatus
 from server.spec_decode.stats import SpecDecodingStats
-
-_LOCKSTEP_STEPS = 4  # a burst held to start decoding together spans at most this many steps' budgets
 
 
 @dataclass(frozen=True)
@@ -88,7 +83,6 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._last_batched_tokens = 0
-        self._held = False  # the last _schedule held prompts' last tokens back (a burst in flight)
         self.spec_stats = SpecDecodingStats()
 
     # ---- intake -------------------------------------------------------------------------------
@@ -134,50 +128,21 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = self._schedule(allow_hold=True)
-        if not out.scheduled and self._held:
-            # Holding back last tokens must never stall the engine (a waiting request that cannot be
-            # admitted, blocks or adapters short): a step with nothing in it runs without the hold.
-            again = self._schedule(allow_hold=False)
-            again.preempted_request_ids[:0] = out.preempted_request_ids
-            again.finished_request_ids[:0] = out.finished_request_ids
-            return again
-        return out
-
-    def _burst_hold(self, budget: int) -> bool:
-        """Whether this step's prompts keep their last tokens (see _schedule): nothing decodes, and the
-        prompts that can run now need more than this step's budget but at most _LOCKSTEP_STEPS budgets,
-        with their last tokens fitting in one step and blocks for all of them free."""
-        if not self.config.enable_chunked_prefill:
-            return False
-        slots = self.config.max_num_seqs - len(self.running)
-        work = self.running + [r for r in self.waiting if r.pooling is None][: max(0, slots)]
-        if not 1 < len(work) <= budget // 2:
-            return False
-        pending = self.kv.pending_prompt_tokens(work)
-        if not budget < pending <= _LOCKSTEP_STEPS * budget:
-            return False
-        return self.kv.pool.num_free_blocks >= -(-pending // self.kv.block_size) + len(work)
-
-    def _schedule(self, allow_hold: bool) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         now = time.monotonic()
         threshold = self.config.long_prefill_token_threshold
-        chunked = self.config.enable_chunked_prefill
-        decoding = any(r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        decoders = sum(
+            1 for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1
+        )
         # The most prompt tokens one request may take this step (the cap applies only beside running
         # decodes; without chunked prefill a prompt runs whole or not at all: a cap would starve it).
-        capped = threshold and decoding and chunked
+        capped = bool(threshold and decoders and self.config.enable_chunked_prefill)
         chunk_cap = threshold if capped else budget
+        # ... and all prompts together, when what waits for prefill does not fit in this step anyway
+        prefill_left = threshold if capped and self._pending_prefill() > budget - decoders else budget
         prompts = 0  # prompts (chunks) scheduled this step
-        # A burst that no stream is decoding beside, too big for this step but not for a few: each of its
-        # prompts keeps its last token for the step that completes the burst, so they all sample first
-        # in that step and then decode together. Letting the first ones finish early would start them
-        # decoding, and every later step of the burst would delay each of them (ITL p99), for the
-        # rest of their lives if their successors arrive staggered as well.
-        hold = self._held = allow_hold and not decoding and self._burst_hold(budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -185,12 +150,10 @@ class Scheduler:
             assert req.pooling is None, "a pooling request finishes in the step that schedules it"
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining > 0, "a running request always has at least one token to compute"
-            num_new = min(remaining, budget, chunk_cap) if remaining > 1 else 1
-            if hold and not req.output_token_ids:
-                num_new = min(num_new, remaining - 1)
-                if num_new == 0:
-                    i += 1  # its last token waits for the step that completes the burst
-                    continue
+            if remaining > 1 and prefill_left <= 0:
+                i += 1  # a prompt chunk beyond this step's prefill share: next step
+                continue
+            num_new = min(remaining, budget, chunk_cap, prefill_left) if remaining > 1 else 1
             spec = self._drafts_to_verify(req, num_new, budget)
             blocks = self.kv.allocate_slots(req, num_new + len(spec))
             if blocks is None and spec:
@@ -207,7 +170,9 @@ class Scheduler:
                 break
             scheduled.append(self._scheduled(req, num_new, blocks, spec))
             budget -= num_new + len(spec)
-            prompts += remaining > 1
+            if remaining > 1:
+                prompts += 1
+                prefill_left -= num_new
             i += 1
 
         # Admit waiting requests only when nobody was preempted: otherwise they would thrash.
@@ -218,6 +183,7 @@ class Scheduler:
         while (
             w < len(self.waiting)
             and budget > 0
+            and prefill_left > 0
             and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
@@ -233,13 +199,14 @@ class Scheduler:
                 # Whole or not at all, in arrival order; beyond the chunk cap only as the step's first
                 # prompt, so a pooling input longer than the cap still runs beside decodes.
                 n = req.num_prompt_tokens
-                if n > budget or (n > chunk_cap and prompts):
+                if n > budget or (n > min(chunk_cap, prefill_left) and prompts):
                     break
                 del self.waiting[w]
                 self._admit(req, None, now)
                 self.running.append(req)
                 scheduled.append(self._scheduled(req, n, []))
                 budget -= n
+                prefill_left -= n
                 prompts += 1
                 continue
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
@@ -249,11 +216,7 @@ class Scheduler:
             num_new = req.num_tokens - req.num_computed_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget, chunk_cap)
-            if hold and not req.output_token_ids:
-                num_new = min(num_new, req.num_tokens - req.num_computed_tokens - num_cached - 1)
-                if num_new == 0:
-                    break
+            num_new = min(num_new, budget, chunk_cap, prefill_left)
             blocks = self.kv.allocate_slots(req, num_new, computed)
             if blocks is None:
                 break
@@ -264,12 +227,21 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new, blocks))
             budget -= num_new
+            prefill_left -= num_new
             prompts += 1
 
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
         self._last_batched_tokens = num_batched
         return SchedulerOutput(scheduled, num_batched, preempted, finished)
+
+    def _pending_prefill(self) -> int:
+        """Prompt tokens that could be prefilled now: running prompts' rest and the waiting generation
+        requests that fit in the free sequence slots, a block shared among them or cached counted once."""
+        slots = max(0, self.config.max_num_seqs - len(self.running))
+        work = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        work += [r for r in self.waiting if r.pooling is None][:slots]
+        return self.kv.pending_prompt_tokens(work)
 
     def _scheduled(
         self, req: Request, num_new: int, blocks: list[int], spec: tuple[int, ...] = ()
