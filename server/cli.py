@@ -261,9 +261,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--long-prefill-token-threshold",
         "KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD",
-        "While sequences are decoding, most tokens of one prompt in one engine step (vLLM's flag: a long "
-        "prompt is prefilled a slice per step beside running streams), and of all prompts together when "
-        "what waits for prefill does not fit in the step anyway (0 = no cap beyond --max-num-batched-tokens)",
+        "While sequences are decoding, most prompt tokens in one engine step (bounds inter-token "
+        "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens)",
         type=_non_negative_int,
         default=256,
     )

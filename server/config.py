@@ -270,8 +270,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
-    # While decodes run, each prompt's chunk in a step is capped here (vLLM's meaning), and all prompts'
-    # together when the waiting prefill does not fit in the step (0 = no cap; server/core/scheduler.py).
+    # While decodes run, a step's prompt tokens are capped here (0 = no cap): bounds inter-token
+    # latency when prompts arrive (server/core/scheduler.py).
     long_prefill_token_threshold: int = 256
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu

@@ -69,29 +69,6 @@ class KVCacheManager:
             found.append(block_id)
         return ComputedBlocks(found, len(found) * self.block_size)
 
-    def pending_prompt_tokens(self, requests: list[Request]) -> int:
-        """Tokens the requests still have to compute before each can sample, counting a full block that
-        is cached, or that several of them share, once (a block computed in a step is a cache hit for
-        the later requests of the same step). Without prefix caching: the plain sum."""
-        bs = self.block_size
-        total = 0
-        seen: set[BlockHash] = set()
-        for request in requests:
-            left = request.num_tokens - request.num_computed_tokens
-            if not self.enable_prefix_caching or left <= 1:
-                total += left
-                continue
-            first = request.num_computed_tokens // bs
-            hashes = self._block_hashes(request, (request.num_tokens - 1) // bs)
-            shared = 0
-            for h in hashes[first:]:
-                if h not in seen and self.pool.get_cached_block(h) is None:
-                    seen.add(h)
-                    continue
-                shared += 1
-            total += left - shared * bs
-        return total
-
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> list[int] | None:

@@ -4,16 +4,12 @@ Plain Python. Each `schedule()` returns a SchedulerOutput; the engine runs it an
 tokens back through `update_from_output()`. Long prompts are split into chunks (chunked prefill);
 when blocks run out the most recently admitted running request is preempted and later recomputed.
 
-While any running request is decoding, `long_prefill_token_threshold` bounds what prompts take from a
-step, in one of two ways. When everything waiting to be prefilled fits in this step (beside the
-decodes), the prompts run together and only each prompt's chunk is capped (vLLM's meaning): a long
-prompt is prefilled a slice per step, but a handful of short ones arriving together cost the running
-streams one delayed token, not one per slice (at 16 users, 8 prompts of 128 tokens beside 8 streams:
-1 step and 8 delayed tokens instead of 4 steps and 32). When it does not fit, the step's prompt tokens
-together are capped: a burst that needs several steps anyway is spread thin, so each running stream's
-delayed tokens wait for a threshold's worth of prompt, not for a whole 2048-token step (at 32 users
-with a shared prefix, ITL p99 0.63-0.69 s against 1.0-2.1 s with the chunk cap alone; docs/benchmarks.md).
-With no decode running the whole budget goes to prompts.
+While any running request is decoding, a step's prefill tokens (all prompt chunks together) are capped
+at `long_prefill_token_threshold`: a step's time grows with its tokens, so one 2048-token chunk beside
+32 decodes would hold every stream's next token for the whole chunk (ITL spikes). With no decode
+running the whole budget goes to prompts (time to first token of a burst is unchanged). vLLM's
+`long_prefill_token_threshold` caps each request's chunk; ours caps the step's prefill share, which
+also bounds many short prompts arriving together.
 
 Pooling requests (`Request.pooling`: embed, score) share the queue, the token budget and max_num_seqs
 with generation: each is a prompt scheduled whole in one step (never chunked: its forward keeps no KV to
@@ -133,16 +129,12 @@ class Scheduler:
         preempted: list[str] = []
         now = time.monotonic()
         threshold = self.config.long_prefill_token_threshold
-        decoders = sum(
-            1 for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1
-        )
-        # The most prompt tokens one request may take this step (the cap applies only beside running
-        # decodes; without chunked prefill a prompt runs whole or not at all: a cap would starve it).
-        capped = bool(threshold and decoders and self.config.enable_chunked_prefill)
-        chunk_cap = threshold if capped else budget
-        # ... and all prompts together, when what waits for prefill does not fit in this step anyway
-        prefill_left = threshold if capped and self._pending_prefill() > budget - decoders else budget
-        prompts = 0  # prompts (chunks) scheduled this step
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        # Prompt tokens this step may still take (the cap applies only beside running decodes).
+        # (Without chunked prefill a prompt runs whole or not at all: a cap would starve long ones.)
+        capped = threshold and decoding and self.config.enable_chunked_prefill
+        prefill_left = threshold if capped else budget
+        prefill_cap = prefill_left
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -153,7 +145,7 @@ class Scheduler:
             if remaining > 1 and prefill_left <= 0:
                 i += 1  # a prompt chunk beyond this step's prefill share: next step
                 continue
-            num_new = min(remaining, budget, chunk_cap, prefill_left) if remaining > 1 else 1
+            num_new = min(remaining, budget, prefill_left) if remaining > 1 else 1
             spec = self._drafts_to_verify(req, num_new, budget)
             blocks = self.kv.allocate_slots(req, num_new + len(spec))
             if blocks is None and spec:
@@ -171,7 +163,6 @@ class Scheduler:
             scheduled.append(self._scheduled(req, num_new, blocks, spec))
             budget -= num_new + len(spec)
             if remaining > 1:
-                prompts += 1
                 prefill_left -= num_new
             i += 1
 
@@ -196,10 +187,10 @@ class Scheduler:
                 w += 1
                 continue
             if req.pooling is not None:
-                # Whole or not at all, in arrival order; beyond the chunk cap only as the step's first
+                # Whole or not at all, in arrival order; beyond the prefill cap only as the step's first
                 # prompt, so a pooling input longer than the cap still runs beside decodes.
                 n = req.num_prompt_tokens
-                if n > budget or (n > min(chunk_cap, prefill_left) and prompts):
+                if n > budget or (n > prefill_left and prefill_left < prefill_cap):
                     break
                 del self.waiting[w]
                 self._admit(req, None, now)
@@ -207,16 +198,15 @@ class Scheduler:
                 scheduled.append(self._scheduled(req, n, []))
                 budget -= n
                 prefill_left -= n
-                prompts += 1
                 continue
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             use_cache = req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
             computed = self.kv.get_computed_blocks(req) if use_cache else None
             num_cached = computed.num_tokens if computed else 0
             num_new = req.num_tokens - req.num_computed_tokens - num_cached
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            if num_new > min(budget, prefill_left) and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget, chunk_cap, prefill_left)
+            num_new = min(num_new, budget, prefill_left)
             blocks = self.kv.allocate_slots(req, num_new, computed)
             if blocks is None:
                 break
@@ -228,20 +218,11 @@ class Scheduler:
             scheduled.append(self._scheduled(req, num_new, blocks))
             budget -= num_new
             prefill_left -= num_new
-            prompts += 1
 
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
         self._last_batched_tokens = num_batched
         return SchedulerOutput(scheduled, num_batched, preempted, finished)
-
-    def _pending_prefill(self) -> int:
-        """Prompt tokens that could be prefilled now: running prompts' rest and the waiting generation
-        requests that fit in the free sequence slots, a block shared among them or cached counted once."""
-        slots = max(0, self.config.max_num_seqs - len(self.running))
-        work = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        work += [r for r in self.waiting if r.pooling is None][:slots]
-        return self.kv.pending_prompt_tokens(work)
 
     def _scheduled(
         self, req: Request, num_new: int, blocks: list[int], spec: tuple[int, ...] = ()
