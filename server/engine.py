@@ -806,12 +806,12 @@ class AsyncEngine(Generic[E]):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                if idle and self.batch_wait_s > 0:
+                if idle:
                     idle = False
-                    if not self._gather_burst():
-                        break
-                    continue  # the burst's aborts may have emptied the engine again
-                idle = False
+                    if self.batch_wait_s > 0:
+                        if not self._gather_burst():
+                            break
+                        continue  # the burst's aborts may have emptied the engine again
                 outputs = self.engine.step()
                 self.steps += 1
                 self.last_stats = self.engine.stats()

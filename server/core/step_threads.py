@@ -124,12 +124,13 @@ class StepThreads:
     def choose(self, num_tokens: int) -> int:
         if len(self.candidates) == 1:
             return self.candidates[0]
-        b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
+        key = self.bucket_of(num_tokens)
+        b = self._buckets.setdefault(key, _Bucket())
         b.steps += 1
         if not b.interval:
             b.interval = b.next_explore = self.explore_every
         untried = [t for t in reversed(self.candidates) if t not in b.cost]
-        hint = self._hint(self.bucket_of(num_tokens)) if untried and not b.cost else None
+        hint = self._hint(key) if untried and not b.cost else None
         if hint is not None:
             # A new step size starts on the count that leads for the nearest size measured with every
             # count; the others wait for this bucket's regular probes. Trying each count first costs

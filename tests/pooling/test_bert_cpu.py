@@ -38,7 +38,8 @@ def _batch(lengths: list[int], vocab: int, seed: int = 0) -> tuple[torch.Tensor,
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu"])
-@pytest.mark.parametrize("lengths", [[7], [5, 5, 5], [3, 11, 1, 8]])
+# the last: runs of several equal-length rows beside single rows (bert.py attends per run of one length)
+@pytest.mark.parametrize("lengths", [[7], [5, 5, 5], [3, 11, 1, 8], [5, 9, 5, 2, 9, 9, 1]])
 def test_cpu_layers_equal_the_plain_layers(act: str, lengths: list[int]) -> None:
     torch.manual_seed(0)
     c = BertConfig(

@@ -4,7 +4,6 @@ each text's own unpadded forward (fp32: within 1e-6)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from server.pooling.bert import BertConfig, BertModel, _Packing, _Run
-from server.pooling.bert_cpu import use_cpu_layers
 from server.pooling.model import load_pooling_model
 
 # lengths in tokens (special tokens included) differ, and some repeat: runs of one and of several rows
@@ -91,28 +89,3 @@ def test_no_attention_over_padding(minilm_dir: Path, monkeypatch: pytest.MonkeyP
     assert calls and not any(masked for _, masked in calls)
     scores = sum(shape[0] * shape[2] ** 2 for shape, _ in calls)
     assert scores == layers * sum(n**2 for n in enc["attention_mask"].sum(1).tolist())
-
-
-def test_cpu_layers_equal_plain_layers_on_ties() -> None:
-    """Runs of several equal-length rows next to single rows, fused against plain layers."""
-    torch.manual_seed(3)
-    c = BertConfig(
-        vocab_size=50,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=16,
-    )
-    plain = BertModel(c).eval()
-    fused = copy.deepcopy(plain)
-    use_cpu_layers(fused)
-    lengths = [5, 9, 5, 2, 9, 9, 1]
-    mask = (torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]).long()
-    ids = torch.randint(1, c.vocab_size, mask.shape) * mask
-    types = torch.zeros_like(ids)
-    with torch.inference_mode():
-        want, got = plain(ids, types, mask), fused(ids, types, mask)
-    real = mask.bool()
-    assert torch.allclose(got[real], want[real], atol=1e-5, rtol=1e-5)
-    assert not got[~real].any()
