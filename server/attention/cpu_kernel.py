@@ -20,12 +20,12 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
-from server.native import KernelBuildError, NativeSource, load_library
+from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 2
+ABI_VERSION = 3  # 3: kubeinfer_paged_decode_set_bf16 / _bf16_enabled (the bf16 K pass)
 MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
@@ -45,6 +45,9 @@ class DecodeKernel:
 
     lib: ctypes.CDLL
     path: Path
+    # The K pass over a bf16 cache takes vdpbf16ps (usable AVX512-BF16 in an AVX-512 build): q split into
+    # three bf16 parts that hold it exactly, so only the order of the fp32 sums differs (csrc, scores16_bf16x3).
+    bf16: bool = False
 
     def __call__(
         self,
@@ -247,4 +250,10 @@ def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
     store = lib.kubeinfer_kv_store
     store.restype = ctypes.c_int32
     store.argtypes = [i32] + [ptr] * 5 + [i64] * 3
-    return DecodeKernel(lib, path)
+    lib.kubeinfer_paged_decode_set_bf16.restype = None
+    lib.kubeinfer_paged_decode_set_bf16.argtypes = [i32]
+    lib.kubeinfer_paged_decode_bf16_enabled.restype = i32
+    # Only where the OS enabled the state and KUBEINFER_CPU_DISABLE leaves it on (never cpuinfo alone).
+    features = usable_cpu_features()
+    lib.kubeinfer_paged_decode_set_bf16(int(features.avx512_bf16 and features.avx512bw))
+    return DecodeKernel(lib, path, bool(lib.kubeinfer_paged_decode_bf16_enabled()))

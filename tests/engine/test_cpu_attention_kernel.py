@@ -35,7 +35,7 @@ def _identity(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("gqa", [1, 3, 4])
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8, 9])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_kernel_matches_reference(

@@ -17,8 +17,16 @@ from server.attention.cpu_kernel import NATIVE, DecodeKernel, bind_decode_kernel
 from server.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from server.attention.torch_backend import TorchAttentionBackend
 from server.cli import build_parser, config_from_args
-from server.config import CacheConfig
-from server.native import VARIANTS, build, compiler, cpu_flags, variant_flags
+from server.config import CacheConfig, default_cache_dir
+from server.native import (
+    VARIANTS,
+    build,
+    compiler,
+    cpu_flags,
+    effective_compile_flags,
+    usable_cpu_features,
+    variant_flags,
+)
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CACHE_IDS = ["fp32", "bf16", "fp16"]
@@ -41,11 +49,24 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DecodeKernel]:
         build(NATIVE, compiler(), path, variant_flags(NATIVE, variant))
         kernels[variant.march] = bind_decode_kernel(ctypes.CDLL(str(path)), path)
     assert "x86-64" in kernels
+    # The build `load_decode_kernel` makes here (-march=native less what the OS does not enable), and the
+    # same build with its bf16 K pass turned off (what KUBEINFER_CPU_DISABLE=avx512_bf16 or a CPU without
+    # AVX512-BF16 runs). Every AVX-512 build carries that pass (a target attribute), the images' v4 level too.
+    native = effective_compile_flags(NATIVE, default_cache_dir())
+    for name in ("native", "native-bf16-off"):
+        path = folder / f"{name}.so"
+        build(NATIVE, compiler(), path, native)
+        kernels[name] = bind_decode_kernel(ctypes.CDLL(str(path)), path)
+    kernels["native-bf16-off"].lib.kubeinfer_paged_decode_set_bf16(0)
+    assert not kernels["native-bf16-off"].lib.kubeinfer_paged_decode_bf16_enabled()
+    usable = usable_cpu_features()
+    if usable.avx512_bf16 and usable.avx512bw:
+        assert kernels["native"].bf16 and kernels.get("x86-64-v4", kernels["native"]).bf16
     return kernels
 
 
 def _levels() -> list[str]:
-    return [v.march for v in VARIANTS]
+    return [v.march for v in VARIANTS] + ["native", "native-bf16-off"]
 
 
 @pytest.mark.parametrize("level", _levels())
