@@ -25,7 +25,7 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 3  # 3: kubeinfer_paged_decode_set_bf16 / _bf16_enabled (the bf16 K pass)
+ABI_VERSION = 4  # 3: kubeinfer_paged_decode_set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill
 MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
@@ -36,7 +36,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # q and out
 CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # k/v caches, any q dtype
 NATIVE = NativeSource("paged_decode", SOURCE, COMPILE_FLAGS, LINK_FLAGS, abi_version=ABI_VERSION)
 
-__all__ = ["DecodeKernel", "KernelBuildError", "load_decode_kernel"]
+__all__ = ["DecodeKernel", "KernelBuildError", "PrefillChunks", "load_decode_kernel"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,58 @@ class DecodeKernel:
         if rc != 0:
             raise RuntimeError(f"paged decode kernel returned {rc}")
 
+    def prefill(
+        self,
+        out: Tensor,  # [T, Hq, D] fp32, the rows of every chunk written
+        q: Tensor,  # [T, Hq, D] fp32, each row's heads contiguous (rows may be strided)
+        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] bf16, already holding the chunks' own K/V
+        v_cache: Tensor,  # like k_cache
+        block_tables: Tensor,  # [num_seqs, max_blocks] int32
+        chunks: PrefillChunks,
+        scale: float,
+        indices_checked: bool = False,
+    ) -> bool:
+        """Causal attention of prompt chunks over their whole context in the paged cache, in bf16 products
+        with fp32 sums (csrc/paged_decode.cpp, `kubeinfer_paged_prefill`: flash-attention's online softmax,
+        q * scale and the probabilities rounded to bf16). Returns False, writing nothing, where this kernel
+        has no such path (no usable AVX512-BF16, head_dim not 64 or 128): the caller attends itself.
+        `indices_checked=True` skips `check_prefill_chunks` for a caller that ran it once per step."""
+        if not self.prefill_supported(q.dtype, k_cache.dtype, q.shape[2]):
+            return False
+        check_prefill_args(out, q, k_cache, v_cache, block_tables)
+        if not indices_checked:
+            check_prefill_chunks(q.shape[0], k_cache.shape, block_tables, chunks)
+        _, hq, d = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        rc = self.lib.kubeinfer_paged_prefill(
+            out.data_ptr(),
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            chunks.seqs.data_ptr(),
+            chunks.q_starts.data_ptr(),
+            chunks.q_lens.data_ptr(),
+            chunks.ctx_lens.data_ptr(),
+            chunks.seqs.shape[0],
+            q.stride(0),
+            out.stride(0),
+            block_tables.shape[1],
+            hq,
+            hkv,
+            d,
+            block_size,
+            float(scale),
+            torch.get_num_threads(),
+        )
+        return rc == 0
+
+    def prefill_supported(self, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether `prefill` runs for fp32/bf16 q over this cache dtype and head_dim here."""
+        return (
+            self.bf16 and dtype == torch.float32 and cache_dtype == torch.bfloat16 and head_dim in (64, 128)
+        )
+
     def store_kv(
         self,
         k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16, contiguous
@@ -136,6 +188,90 @@ class DecodeKernel:
 def supports_dtype(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
     """Whether the kernel runs q/out of `dtype` over a cache of `cache_dtype` (None: `dtype`)."""
     return dtype in _DTYPE_CODES and (cache_dtype or dtype) in CACHE_DTYPE_CODES
+
+
+@dataclass(frozen=True)
+class PrefillChunks:
+    """The prompt chunks of one step for `DecodeKernel.prefill`: chunk c is q's rows [q_starts[c],
+    q_starts[c] + q_lens[c]), the last q_lens[c] positions of a context of ctx_lens[c] tokens held by
+    block_tables row seqs[c]."""
+
+    seqs: Tensor  # [C] int64
+    q_starts: Tensor  # [C] int64
+    q_lens: Tensor  # [C] int32
+    ctx_lens: Tensor  # [C] int32
+
+
+def check_prefill_args(
+    out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor
+) -> None:
+    """Devices, dtypes, strides and shapes for `DecodeKernel.prefill` (metadata only): ValueError/TypeError."""
+    for name, t in (
+        ("out", out),
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+    ):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: the CPU kernel needs CPU tensors, got {t.device}")
+    if q.dtype != torch.float32 or out.dtype != torch.float32:
+        raise TypeError(f"q and out must be float32, got {q.dtype} and {out.dtype}")
+    if k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
+        raise TypeError(f"k_cache and v_cache must be bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or not block_tables.is_contiguous():
+        raise TypeError("block_tables must be a contiguous [num_seqs, max_blocks] int32 tensor")
+    if q.dim() != 3 or out.shape != q.shape:
+        raise ValueError(f"q and out must both be [T, Hq, D], got {tuple(q.shape)} and {tuple(out.shape)}")
+    for name, t in (("q", q), ("out", out)):  # each row's heads contiguous; rows may be strided
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) < t.shape[1] * t.shape[2]:
+            raise ValueError(f"{name}: each row's heads must be contiguous, got strides {t.stride()}")
+    if (
+        k_cache.dim() != 4
+        or v_cache.shape != k_cache.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        raise ValueError("k_cache and v_cache must be one contiguous [num_blocks, block_size, Hkv, D] shape")
+    hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    if k_cache.shape[3] != d or hq % hkv:
+        raise ValueError(
+            f"head shapes disagree: q has {hq} heads of {d}, the cache {hkv} of {k_cache.shape[3]}"
+        )
+
+
+def check_prefill_chunks(
+    num_rows: int,
+    cache_shape: torch.Size,  # [num_blocks, block_size, Hkv, D]
+    block_tables: Tensor,  # [num_seqs, max_blocks] int32
+    chunks: PrefillChunks,
+) -> None:
+    """Bounds of every index the prefill kernel follows (a bad one would read or write outside a tensor):
+    ValueError/TypeError."""
+    for name, t, dtype in (
+        ("seqs", chunks.seqs, torch.int64),
+        ("q_starts", chunks.q_starts, torch.int64),
+        ("q_lens", chunks.q_lens, torch.int32),
+        ("ctx_lens", chunks.ctx_lens, torch.int32),
+    ):
+        if t.dtype != dtype or t.dim() != 1 or t.shape != chunks.seqs.shape or not t.is_contiguous():
+            raise TypeError(f"chunks.{name}: expected a contiguous [C] {dtype} tensor")
+    if chunks.seqs.numel() == 0:
+        return
+    num_blocks, block_size = cache_shape[0], cache_shape[1]
+    n, ctx = chunks.q_lens.long(), chunks.ctx_lens.long()
+    if int(n.min()) < 1 or bool((ctx < n).any()) or int(ctx.max()) > block_tables.shape[1] * block_size:
+        raise ValueError("chunks: each needs 1 <= q_len <= ctx_len <= max_blocks * block_size")
+    if int(chunks.q_starts.min()) < 0 or int((chunks.q_starts + n).max()) > num_rows:
+        raise ValueError("chunks: query rows out of range of q")
+    seqs = chunks.seqs
+    if int(seqs.min()) < 0 or int(seqs.max()) >= block_tables.shape[0]:
+        raise ValueError("chunks.seqs: out of range of block_tables")
+    used = block_tables.index_select(0, seqs)[:, : -(-int(ctx.max()) // block_size)]
+    nb = (ctx + block_size - 1) // block_size  # [C] blocks each context reads
+    cols = torch.arange(used.shape[1])
+    ids = used[cols[None, :] < nb[:, None]]
+    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+        raise ValueError("block_tables: block id out of range of the cache")
 
 
 def check_decode_args(
@@ -250,6 +386,9 @@ def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
     store = lib.kubeinfer_kv_store
     store.restype = ctypes.c_int32
     store.argtypes = [i32] + [ptr] * 5 + [i64] * 3
+    pf = lib.kubeinfer_paged_prefill
+    pf.restype = i32
+    pf.argtypes = [ptr] * 9 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32]
     lib.kubeinfer_paged_decode_set_bf16.restype = None
     lib.kubeinfer_paged_decode_set_bf16.argtypes = [i32]
     lib.kubeinfer_paged_decode_bf16_enabled.restype = i32

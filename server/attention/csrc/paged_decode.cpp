@@ -558,12 +558,214 @@ void run(const Args& a, int num_threads) {
   }
 }
 
+#if defined(__AVX512F__)
+// ---- prompt chunks over the paged cache (prefill attention), bf16 compute -------------------------
+// One chunk: n query rows at positions [ctx - n, ctx) of one sequence, attending causally over its
+// whole context [0, ctx), which the caller has already stored in the cache (its own K/V included).
+// Flash-attention's online softmax (Dao et al. 2022, "FlashAttention", algorithm 1) over key blocks of
+// 16 tokens, in bf16 products with fp32 sums (vdpbf16ps): q * scale and the probabilities P are rounded
+// to bf16, K and V are the bf16 cache as stored; row maxima, exp, the running sums and the output are
+// fp32. One task per (chunk, KV head): its context's K and V blocks are packed once into the layouts
+// vdpbf16ps takes (K: [D/2 words][16 tokens]; V: [8 token pairs][D]) and serve every query row of the
+// G query heads sharing that KV head, RG rows at a time with their D-wide sums in registers.
+
+struct PrefillArgs {
+  float* out;
+  const float* q;
+  const bf16* k_cache;
+  const bf16* v_cache;
+  const int32_t* block_tables;
+  const int64_t* seqs;       // [C] row of block_tables
+  const int64_t* q_starts;   // [C] first row of the chunk in q/out
+  const int32_t* q_lens;     // [C] n
+  const int32_t* ctx_lens;   // [C] ctx (cached prefix + n)
+  int64_t num_chunks, q_row_stride, out_row_stride, bt_stride;
+  int32_t hq, hkv, d, block_size;
+  float scale;
+};
+
+// exp(x) for x <= 0 (and -inf -> 0): 2^(x log2 e) as 2^n * p(r), p a degree-6 polynomial on
+// r in [-0.5, 0.5] (relative error ~2e-7, below bf16's rounding of P).
+KI_BF16_TARGET inline __m512 exp512(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f * 0.69314718f)), _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(t, n);  // 2^r, r in [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3398874e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512 y = _mm512_scalef_ps(p, n);
+  // x = -inf (a masked score) or far below: exactly 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), y);
+}
+
+// Packs tokens [16 b, 16 b + 16) of one KV head: kp[p * 16 + t] = K word p of token t (bf16 pair
+// (k[2p], k[2p + 1])), vp[u * D + j] = (v[2u][j], v[2u + 1][j]) as one word; tokens past ctx are zero.
+KI_BF16_TARGET void pack_block(const PrefillArgs& a, const int32_t* table, int h, int b, int ctx, uint32_t* kp,
+                               uint32_t* vp) {
+  const int D = a.d, W = D / 2, BS = a.block_size, HKV = a.hkv;
+  const int64_t block_elems = static_cast<int64_t>(BS) * HKV * D;
+  alignas(64) static const bf16 zero_row[512] = {};
+  const bf16* krow[16];
+  const bf16* vrow[16];
+  for (int t = 0; t < 16; ++t) {
+    const int pos = 16 * b + t;
+    if (pos < ctx) {
+      const int64_t off = table[pos / BS] * block_elems + (static_cast<int64_t>(pos % BS) * HKV + h) * D;
+      krow[t] = a.k_cache + off;
+      vrow[t] = a.v_cache + off;
+    } else {
+      krow[t] = vrow[t] = zero_row;
+    }
+  }
+  for (int t = 0; t < 16; ++t) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(krow[t]);
+    for (int p = 0; p < W; ++p) kp[p * 16 + t] = w[p];
+  }
+  // interleave rows 2u and 2u + 1 element by element: word j = (v[2u][j], v[2u + 1][j])
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
+                                          22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  for (int u = 0; u < 8; ++u) {
+    for (int j = 0; j < D; j += 32) {
+      const __m512i x = _mm512_loadu_si512(vrow[2 * u] + j);
+      const __m512i y = _mm512_loadu_si512(vrow[2 * u + 1] + j);
+      _mm512_storeu_si512(vp + u * D + j, _mm512_permutex2var_epi16(x, lo_idx, y));
+      _mm512_storeu_si512(vp + u * D + j + 16, _mm512_permutex2var_epi16(x, hi_idx, y));
+    }
+  }
+}
+
+// RG query rows (DZ = D / 16 zmm of sums each) against the packed blocks [0, nblocks): rows r0 .. r0 + RG
+// of the task's row order (query i = r / G, head g = r % G), qw their bf16 words [rows][D/2], pos0 the
+// position of query 0. Writes out rows normalized.
+template <int DZ, int RG>
+KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const uint32_t* kp, const uint32_t* vp,
+                                int r0, int nrows, int G, int pos0, int64_t q_start, int h, float* out) {
+  constexpr int D = DZ * 16, W = D / 2;
+  __m512 acc[RG][DZ];
+  __m512 lv[RG];  // per row: the running sum of exp(score - max), 16 lanes summed at the end
+  float m[RG];
+  int last[RG];  // each row's last visible key
+  for (int r = 0; r < RG; ++r) {
+    for (int z = 0; z < DZ; ++z) acc[r][z] = _mm512_setzero_ps();
+    m[r] = -INFINITY;
+    lv[r] = _mm512_setzero_ps();
+    last[r] = pos0 + (r < nrows ? (r0 + r) / G : (r0 + nrows - 1) / G);
+  }
+  int maxlast = last[0];
+  for (int r = 1; r < RG; ++r) maxlast = std::max(maxlast, last[r]);
+  const int nblocks = maxlast / 16 + 1;
+  alignas(64) uint32_t pw[RG][8];
+  for (int b = 0; b < nblocks; ++b) {
+    const uint32_t* kb = kp + static_cast<int64_t>(b) * W * 16;
+    // two sums per row (even and odd words), so 2 * RG independent vdpbf16ps chains hide its latency
+    __m512 s[RG], s1[RG];
+    for (int r = 0; r < RG; ++r) s[r] = s1[r] = _mm512_setzero_ps();
+    for (int p = 0; p < W; p += 2) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * 16);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + p * 16 + 16);
+#pragma GCC unroll 4
+      for (int r = 0; r < RG; ++r) {
+        const uint32_t* qr = qw + (r0 + r) * W + p;
+        s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[0])), k0);
+        s1[r] = _mm512_dpbf16_ps(s1[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[1])), k1);
+      }
+    }
+    for (int r = 0; r < RG; ++r) {
+      s[r] = _mm512_add_ps(s[r], s1[r]);
+      const int visible = last[r] - 16 * b + 1;  // keys of this block the row sees
+      if (visible < 16) {
+        const __mmask16 keep = visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1u);
+        s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[r]);
+      }
+      const float bm = _mm512_reduce_max_ps(s[r]);
+      if (bm > m[r]) {  // a new running max: rescale what was summed under the old one (0 on the first block)
+        const float corr = std::exp(m[r] - bm);
+        const __m512 c = _mm512_set1_ps(corr);
+        lv[r] = _mm512_mul_ps(lv[r], c);
+        for (int z = 0; z < DZ; ++z) acc[r][z] = _mm512_mul_ps(acc[r][z], c);
+        m[r] = bm;
+      }
+      const __m512 pr = exp512(_mm512_sub_ps(s[r], _mm512_set1_ps(m[r])));
+      lv[r] = _mm512_add_ps(lv[r], pr);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[r]), (__m256i)_mm512_cvtneps_pbh(pr));
+    }
+    const uint32_t* vb = vp + static_cast<int64_t>(b) * 8 * D;
+    for (int u = 0; u < 8; ++u) {
+      __m512bh v[DZ];
+      for (int z = 0; z < DZ; ++z) v[z] = (__m512bh)_mm512_loadu_si512(vb + u * D + 16 * z);
+#pragma GCC unroll 4
+      for (int r = 0; r < RG; ++r) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r][u]));
+        for (int z = 0; z < DZ; ++z) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], pp, v[z]);
+      }
+    }
+  }
+  for (int r = 0; r < nrows; ++r) {
+    const int row = r0 + r, i = row / G, g = row % G;
+    float* o = out + (q_start + i) * a.out_row_stride + static_cast<int64_t>(h * G + g) * D;
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lv[r]));
+    for (int z = 0; z < DZ; ++z) _mm512_storeu_ps(o + 16 * z, _mm512_mul_ps(acc[r][z], inv));
+  }
+}
+
+template <int DZ>
+KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, std::vector<uint32_t>& kp,
+                                 std::vector<uint32_t>& vp, std::vector<uint32_t>& qw) {
+  constexpr int D = DZ * 16, W = D / 2, RG = 16 / DZ;
+  const int G = a.hq / a.hkv, n = a.q_lens[c], ctx = a.ctx_lens[c], pos0 = ctx - n;
+  const int32_t* table = a.block_tables + a.seqs[c] * a.bt_stride;
+  const int nb = (ctx + 15) / 16;
+  kp.resize(static_cast<size_t>(nb) * W * 16);
+  vp.resize(static_cast<size_t>(nb) * 8 * D);
+  for (int b = 0; b < nb; ++b) pack_block(a, table, h, b, ctx, kp.data() + b * W * 16, vp.data() + b * 8 * D);
+  // the chunk's query rows of this KV head's G heads, scaled and rounded to bf16: row i * G + g
+  const int rows = n * G;
+  qw.resize(static_cast<size_t>(rows + RG) * W);
+  const __m512 sc = _mm512_set1_ps(a.scale);
+  for (int i = 0; i < n; ++i)
+    for (int g = 0; g < G; ++g) {
+      const float* src = a.q + (a.q_starts[c] + i) * a.q_row_stride + static_cast<int64_t>(h * G + g) * D;
+      uint32_t* dst = qw.data() + static_cast<size_t>(i * G + g) * W;
+      for (int j = 0; j < D; j += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + j + 16), sc),
+                                               _mm512_mul_ps(_mm512_loadu_ps(src + j), sc));
+        _mm512_storeu_si512(dst + j / 2, (__m512i)v);
+      }
+    }
+  std::fill(qw.begin() + static_cast<size_t>(rows) * W, qw.end(), 0u);  // rows past the last: unused sums
+  for (int r0 = 0; r0 < rows; r0 += RG)
+    attend_rows<DZ, RG>(a, qw.data(), kp.data(), vp.data(), r0, std::min(RG, rows - r0), G, pos0, a.q_starts[c], h,
+                        a.out);
+}
+
+KI_BF16_TARGET void run_prefill(const PrefillArgs& a, int num_threads) {
+  const int64_t tasks = a.num_chunks * a.hkv;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<uint32_t> kp, vp, qw;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (a.d == 64)
+        prefill_task<4>(a, t / a.hkv, static_cast<int>(t % a.hkv), kp, vp, qw);
+      else
+        prefill_task<8>(a, t / a.hkv, static_cast<int>(t % a.hkv), kp, vp, qw);
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
 
 // Bumped whenever a signature below changes; the loader refuses a library reporting another value.
-int32_t kubeinfer_paged_decode_abi() { return 3; }
+int32_t kubeinfer_paged_decode_abi() { return 4; }
 
 // Whether the bf16 K pass may run (set from Python's usable_cpu_features before the first call), and
 // whether it does: this CPU has AVX512-BF16, this build has AVX-512, and it is allowed.
@@ -574,6 +776,29 @@ void kubeinfer_paged_decode_set_bf16(int32_t allowed) {
   (void)allowed;
 #endif
 }
+// Prompt chunks over a bf16 cache in bf16 compute (see PrefillArgs): q and out fp32 [T, Hq, D] (rows
+// strided), head_dim 64 or 128. Returns 0; -1 where this build or CPU has no such path (bf16 not enabled,
+// or another head_dim): the caller uses its own.
+int32_t kubeinfer_paged_prefill(float* out, const float* q, const void* k_cache, const void* v_cache,
+                                const int32_t* block_tables, const int64_t* seqs, const int64_t* q_starts,
+                                const int32_t* q_lens, const int32_t* ctx_lens, int64_t num_chunks,
+                                int64_t q_row_stride, int64_t out_row_stride, int64_t bt_stride, int32_t hq,
+                                int32_t hkv, int32_t d, int32_t block_size, float scale, int32_t num_threads) {
+#if defined(__AVX512F__)
+  if (!bf16_enabled() || (d != 64 && d != 128)) return -1;
+  const PrefillArgs a{out,      q,      static_cast<const bf16*>(k_cache), static_cast<const bf16*>(v_cache),
+                      block_tables, seqs, q_starts, q_lens, ctx_lens, num_chunks, q_row_stride, out_row_stride,
+                      bt_stride, hq, hkv, d, block_size, scale};
+  run_prefill(a, num_threads);
+  return 0;
+#else
+  (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seqs, (void)q_starts, (void)q_lens;
+  (void)ctx_lens, (void)num_chunks, (void)q_row_stride, (void)out_row_stride, (void)bt_stride, (void)hq, (void)hkv;
+  (void)d, (void)block_size, (void)scale, (void)num_threads;
+  return -1;
+#endif
+}
+
 int32_t kubeinfer_paged_decode_bf16_enabled() {
 #if defined(__AVX512F__)
   return bf16_enabled() ? 1 : 0;

@@ -1,0 +1,187 @@
+"""The compiled CPU prefill attention (`DecodeKernel.prefill`, csrc/paged_decode.cpp's
+`kubeinfer_paged_prefill`): prompt chunks over a bf16 paged cache in bf16 products with fp32 sums, against
+the fp32 reference over the same cache; its argument checks; and the CPU backend routing every prompt chunk
+through it where it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import ATTN_TOL, make_attention_metadata, make_paged_batch
+
+from kernels.reference import paged_attention_ref
+from server.attention.cpu_kernel import DecodeKernel, PrefillChunks, load_decode_kernel
+from server.attention.torch_backend import TorchAttentionBackend
+
+
+@pytest.fixture(scope="module")
+def kernel() -> DecodeKernel:
+    k = load_decode_kernel()
+    if not k.bf16:
+        pytest.skip("no usable AVX512-BF16 here: the prefill kernel does not run (the backend uses SDPA)")
+    return k
+
+
+def _chunks(query_lens: list[int], ctx_lens: list[int]) -> PrefillChunks:
+    starts = [0]
+    for n in query_lens[:-1]:
+        starts.append(starts[-1] + n)
+    return PrefillChunks(
+        seqs=torch.arange(len(query_lens), dtype=torch.int64),
+        q_starts=torch.tensor(starts, dtype=torch.int64),
+        q_lens=torch.tensor(query_lens, dtype=torch.int32),
+        ctx_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+    )
+
+
+# (query lengths, context lengths): chunks with and without a cached prefix, lengths around the kernel's
+# 16-token key blocks and its row groups, a one-token chunk, and a long one over a long prefix.
+CASES = {
+    "mixed": ([5, 128, 1, 37, 16], [5, 640, 300, 40, 33]),
+    "whole-prompts": ([17, 15, 64], [17, 15, 64]),
+    "long": ([300], [1500]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("gqa", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_prefill_matches_the_fp32_reference(
+    kernel: DecodeKernel, case: str, gqa: int, head_dim: int, block_size: int
+) -> None:
+    query_lens, ctx_lens = CASES[case]
+    batch = make_paged_batch(
+        query_lens,
+        ctx_lens,
+        num_heads=2 * gqa,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        q_scale=3.0,
+    )
+    kc, vc = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+    out = torch.full_like(batch.q, float("nan"))
+    scale = head_dim**-0.5
+    assert kernel.prefill(out, batch.q, kc, vc, batch.block_tables, _chunks(query_lens, ctx_lens), scale)
+    ref = paged_attention_ref(
+        batch.q, kc.float(), vc.float(), batch.block_tables, batch.context_lens, batch.query_start_loc, scale
+    )
+    atol, rtol = ATTN_TOL[torch.bfloat16]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    # bf16 rounding of q and P, not a structural error: the typical error is far below the bound
+    assert (out - ref).abs().mean() < 2e-3
+
+
+def test_prefill_writes_only_chunk_rows_and_reads_strided_queries(kernel: DecodeKernel) -> None:
+    """q a view into a fused qkv projection, chunks in another order than their table rows, and rows of
+    the batch that are no chunk's (decode rows): those stay untouched."""
+    hq, hkv, d, bs = 6, 2, 64, 16
+    batch = make_paged_batch(
+        [20, 9], [52, 9], num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    kc, vc = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+    t = 33
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    assert not q.is_contiguous()
+    chunks = PrefillChunks(
+        seqs=torch.tensor([1, 0], dtype=torch.int64),
+        q_starts=torch.tensor([2, 12], dtype=torch.int64),
+        q_lens=torch.tensor([9, 20], dtype=torch.int32),
+        ctx_lens=torch.tensor([9, 52], dtype=torch.int32),
+    )
+    out = torch.full((t, hq, d), float("nan"))
+    assert kernel.prefill(out, q, kc, vc, batch.block_tables, chunks, 0.125)
+    for seq, start, n, ctx in ((1, 2, 9, 9), (0, 12, 20, 52)):
+        ref = paged_attention_ref(
+            q[start : start + n].contiguous(),
+            kc.float(),
+            vc.float(),
+            batch.block_tables[seq : seq + 1],
+            torch.tensor([ctx], dtype=torch.int32),
+            torch.tensor([0, n], dtype=torch.int32),
+            0.125,
+        )
+        torch.testing.assert_close(out[start : start + n], ref, atol=2.5e-2, rtol=2e-2)
+    untouched = [r for r in range(t) if not (2 <= r < 11 or 12 <= r < 32)]
+    assert out[untouched].isnan().all()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("q_lens", [0], "q_len"),
+        ("ctx_lens", [3], "q_len <= ctx_len"),
+        ("ctx_lens", [400], "max_blocks"),
+        ("q_starts", [30], "query rows"),
+        ("seqs", [5], "seqs"),
+    ],
+)
+def test_prefill_rejects_bad_chunks(kernel: DecodeKernel, field: str, value: list[int], match: str) -> None:
+    """A wrong index would read or write outside a tensor and crash the server: each raises instead."""
+    batch = make_paged_batch(
+        [8], [40], num_heads=3, num_kv_heads=1, head_dim=64, block_size=16,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    kc, vc = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+    good = {"seqs": [0], "q_starts": [0], "q_lens": [8], "ctx_lens": [40]}
+    good[field] = value
+    chunks = PrefillChunks(
+        seqs=torch.tensor(good["seqs"], dtype=torch.int64),
+        q_starts=torch.tensor(good["q_starts"], dtype=torch.int64),
+        q_lens=torch.tensor(good["q_lens"], dtype=torch.int32),
+        ctx_lens=torch.tensor(good["ctx_lens"], dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match=match):
+        kernel.prefill(torch.empty_like(batch.q), batch.q, kc, vc, batch.block_tables, chunks, 0.125)
+
+
+def test_prefill_declines_what_it_does_not_serve(kernel: DecodeKernel) -> None:
+    """fp32 caches, bf16 queries and other head sizes: False and nothing written (the caller attends)."""
+    batch = make_paged_batch(
+        [4], [4], num_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    out = torch.full_like(batch.q, float("nan"))
+    chunks = _chunks([4], [4])
+    assert not kernel.prefill(out, batch.q, batch.k_cache, batch.v_cache, batch.block_tables, chunks, 0.125)
+    assert not kernel.prefill_supported(torch.bfloat16, torch.bfloat16, 64)
+    assert not kernel.prefill_supported(torch.float32, torch.bfloat16, 96)
+    assert out.isnan().all()
+
+
+def test_backend_sends_every_prompt_chunk_through_the_kernel(kernel: DecodeKernel) -> None:
+    """Decode rows between chunks with and without a cached prefix: the chunks' rows equal the kernel's
+    own output for them (so a prefix-cache hit and a whole prefill compute alike), the decode rows the
+    decode kernel's fp32 result."""
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    query_lens, prefix_lens = [1, 12, 20, 1, 3], [30, 0, 9, 64, 16]
+    meta = make_attention_metadata(query_lens, prefix_lens, block_size, torch.device("cpu"))
+    n = sum(query_lens)
+    shape = (int(meta.block_tables.max()) + 2, block_size, hkv, d)
+    kc, vc = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    backend = TorchAttentionBackend(block_size, kernel)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.125)
+
+    starts = meta.query_start_loc.tolist()
+    idx = [i for i, m in enumerate(query_lens) if m > 1]
+    chunks = PrefillChunks(
+        seqs=torch.tensor(idx, dtype=torch.int64),
+        q_starts=torch.tensor([starts[i] for i in idx], dtype=torch.int64),
+        q_lens=torch.tensor([query_lens[i] for i in idx], dtype=torch.int32),
+        ctx_lens=torch.tensor([query_lens[i] + prefix_lens[i] for i in idx], dtype=torch.int32),
+    )
+    direct = torch.full_like(q, float("nan"))
+    assert kernel.prefill(direct, q, kc, vc, meta.block_tables, chunks, 0.125)
+    rows = [r for i in idx for r in range(starts[i], starts[i] + query_lens[i])]
+    assert torch.equal(out[rows], direct[rows])
+    ref = paged_attention_ref(
+        q, kc.float(), vc.float(), meta.block_tables, meta.context_lens, meta.query_start_loc, 0.125
+    )
+    decode = [starts[i] for i, m in enumerate(query_lens) if m == 1]
+    torch.testing.assert_close(out[decode], ref[decode], atol=1e-4, rtol=1e-4)
