@@ -264,7 +264,7 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "While sequences are decoding, most prompt tokens in one engine step (bounds inter-token "
         "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens)",
         type=_non_negative_int,
-        default=256,
+        default=128,
     )
     add(
         "--max-num-seqs",

@@ -271,8 +271,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     # While decodes run, a step's prompt tokens are capped here (0 = no cap): bounds inter-token
-    # latency when prompts arrive (server/core/scheduler.py).
-    long_prefill_token_threshold: int = 256
+    # latency when prompts arrive (server/core/scheduler.py). 128: measured best of 64-256 at 16 and 32
+    # users on CPU (docs/benchmarks.md, "CPU: prefill attention in bf16 and the prefill cap").
+    long_prefill_token_threshold: int = 128
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
