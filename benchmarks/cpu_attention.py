@@ -1,0 +1,179 @@
+"""The CPU attention kernels (server/attention/csrc/paged_decode.cpp) against what they replace; prints JSON.
+
+    python benchmarks/cpu_attention.py [--threads 2 --reps 8]
+
+- `decode`: 32 decode sequences x 30 layers (SmolLM2's 9 query / 3 KV heads of 64) over a bf16 cache, with
+  the kernel's bf16 K pass on and off (`kubeinfer_paged_decode_set_bf16`, the switch
+  KUBEINFER_CPU_DISABLE=avx512_bf16 turns off), for short private contexts, long private ones (both bound
+  by memory bandwidth) and long ones over a shared 512-token prefix (held in cache: bound by the kernel's
+  arithmetic);
+- `prefill`: prompt chunks over the paged bf16 cache, one layer: the kernel's bf16 prefill attention
+  (`DecodeKernel.prefill`) against torch's SDPA over the same K/V in fp32 (what the backend runs without
+  it: one call per group of same-shape chunks, an additive causal mask over a cached prefix).
+Times are the median and minimum of `--reps` calls, the calls of both sides alternating so that the load
+of this shared machine hits both alike. Only where the CPU has usable AVX512-BF16 (else it says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+import server  # noqa: F401,E402  (CPU runtime settings before torch loads)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from paged_batch import make_paged_batch  # noqa: E402
+
+from server.attention.cpu_kernel import DecodeKernel, PrefillChunks, load_decode_kernel  # noqa: E402
+from server.native import usable_cpu_features  # noqa: E402
+
+HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
+
+
+def alternate(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps + 1):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1000)
+    return {name: ts[1:] for name, ts in times.items()}  # the first call of each warms up
+
+
+def summary(ts: list[float]) -> dict[str, float]:
+    return {"median_ms": round(statistics.median(ts), 3), "min_ms": round(min(ts), 3)}
+
+
+def decode_rows(kernel: DecodeKernel, reps: int) -> list[dict[str, object]]:
+    seqs = 32
+    rows: list[dict[str, object]] = []
+    q = torch.randn(seqs, HQ, D)
+    idx = torch.arange(seqs)
+    for ctx, shared in ((128, 0), (640, 0), (640, 512)):
+        nb, sh = -(-ctx // BS), shared // BS
+        total = sh + seqs * (nb - sh)
+        caches = [
+            (torch.randn(total, BS, HKV, D).bfloat16(), torch.randn(total, BS, HKV, D).bfloat16())
+            for _ in range(LAYERS)
+        ]
+        tables = torch.zeros(seqs, nb, dtype=torch.int32)
+        for i in range(seqs):
+            tables[i, :sh] = torch.arange(sh)
+            tables[i, sh:] = sh + i * (nb - sh) + torch.arange(nb - sh)
+        lens = torch.full((seqs,), ctx, dtype=torch.int32)
+        out = {"bf16": torch.empty_like(q), "widened": torch.empty_like(q)}
+
+        def step(mode: str) -> None:
+            kernel.lib.kubeinfer_paged_decode_set_bf16(int(mode == "bf16"))
+            for kc, vc in caches:
+                kernel(out[mode], q, kc, vc, tables, lens, idx, idx, 0.125, indices_checked=True)
+
+        t = alternate({"bf16": lambda: step("bf16"), "widened": lambda: step("widened")}, reps)
+        kernel.lib.kubeinfer_paged_decode_set_bf16(1)
+        rows.append(
+            {
+                "sequences": seqs,
+                "context": ctx,
+                "shared_prefix": shared,
+                "layers": LAYERS,
+                "bf16_k_pass": summary(t["bf16"]),
+                "widened_k_pass": summary(t["widened"]),
+                "speedup_median": round(statistics.median(t["widened"]) / statistics.median(t["bf16"]), 2),
+                "max_abs_difference": float((out["bf16"] - out["widened"]).abs().max()),
+            }
+        )
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def prefill_rows(kernel: DecodeKernel, reps: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for chunks, n, ctx in ((2, 128, 640), (16, 128, 128), (16, 128, 640), (1, 2048, 2048)):
+        batch = make_paged_batch(
+            [n] * chunks,
+            [ctx] * chunks,
+            num_heads=HQ,
+            num_kv_heads=HKV,
+            head_dim=D,
+            block_size=BS,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        kc, vc = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+        spec = PrefillChunks(
+            seqs=torch.arange(chunks),
+            q_starts=torch.arange(chunks) * n,
+            q_lens=torch.full((chunks,), n, dtype=torch.int32),
+            ctx_lens=torch.full((chunks,), ctx, dtype=torch.int32),
+        )
+        out = torch.empty_like(batch.q)
+        qs = batch.q.view(chunks, n, HQ, D).transpose(1, 2)  # [B, Hq, n, D]
+        ks = torch.randn(chunks, HKV, ctx, D).bfloat16().float()  # [B, Hkv, ctx, D], as the backend widens
+        vs = torch.randn(chunks, HKV, ctx, D).bfloat16().float()
+        pos, q_pos = torch.arange(ctx), torch.arange(ctx - n, ctx)
+        mask = torch.zeros(n, ctx).masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
+
+        def sdpa() -> object:
+            if ctx > n:
+                return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True)
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.125, enable_gqa=True)
+
+        t = alternate(
+            {
+                "kernel": lambda: kernel.prefill(
+                    out, batch.q, kc, vc, batch.block_tables, spec, 0.125, indices_checked=True
+                ),
+                "sdpa": sdpa,
+            },
+            reps,
+        )
+        flop = chunks * HQ * n * ctx * D * 4 * (0.5 if ctx == n else 1.0)
+        rows.append(
+            {
+                "chunks": chunks,
+                "query_len": n,
+                "context": ctx,
+                "kernel_bf16": summary(t["kernel"]),
+                "sdpa_fp32": summary(t["sdpa"]),
+                "kernel_GFLOPs": round(flop / statistics.median(t["kernel"]) / 1e6, 1),
+                "sdpa_GFLOPs": round(flop / statistics.median(t["sdpa"]) / 1e6, 1),
+                "speedup_median": round(statistics.median(t["sdpa"]) / statistics.median(t["kernel"]), 2),
+            }
+        )
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    kernel = load_decode_kernel()
+    result: dict[str, object] = {
+        "benchmark": "CPU attention kernels: decode bf16 K pass on/off, prefill kernel vs SDPA",
+        "threads": args.threads,
+        "usable_features": [f for f, on in vars(usable_cpu_features()).items() if on],
+        "load_average_at_start": os.getloadavg(),
+    }
+    if not kernel.bf16:
+        result["skipped"] = "no usable AVX512-BF16 here (or KUBEINFER_CPU_DISABLE turned it off)"
+    else:
+        result["decode"] = decode_rows(kernel, args.reps)
+        result["prefill"] = prefill_rows(kernel, args.reps)
+    result["load_average_at_end"] = os.getloadavg()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
