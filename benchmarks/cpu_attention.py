@@ -27,13 +27,15 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-import server  # noqa: F401,E402  (CPU runtime settings before torch loads)
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from paged_batch import make_paged_batch  # noqa: E402
+import server  # noqa: F401  (CPU runtime settings before torch loads)
 
-from server.attention.cpu_kernel import DecodeKernel, PrefillChunks, load_decode_kernel  # noqa: E402
-from server.native import usable_cpu_features  # noqa: E402
+# isort: split
+import torch
+import torch.nn.functional as F
+from paged_batch import make_paged_batch
+
+from server.attention.cpu_kernel import DecodeKernel, PrefillChunks, load_decode_kernel
+from server.native import usable_cpu_features
 
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
 
@@ -52,102 +54,101 @@ def summary(ts: list[float]) -> dict[str, float]:
     return {"median_ms": round(statistics.median(ts), 3), "min_ms": round(min(ts), 3)}
 
 
-def decode_rows(kernel: DecodeKernel, reps: int) -> list[dict[str, object]]:
+def decode_case(kernel: DecodeKernel, reps: int, ctx: int, shared: int) -> dict[str, object]:
     seqs = 32
-    rows: list[dict[str, object]] = []
     q = torch.randn(seqs, HQ, D)
     idx = torch.arange(seqs)
+    nb, sh = -(-ctx // BS), shared // BS
+    total = sh + seqs * (nb - sh)
+    caches = [
+        (torch.randn(total, BS, HKV, D).bfloat16(), torch.randn(total, BS, HKV, D).bfloat16())
+        for _ in range(LAYERS)
+    ]
+    tables = torch.zeros(seqs, nb, dtype=torch.int32)
+    for i in range(seqs):
+        tables[i, :sh] = torch.arange(sh)
+        tables[i, sh:] = sh + i * (nb - sh) + torch.arange(nb - sh)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    out = {"bf16": torch.empty_like(q), "widened": torch.empty_like(q)}
+
+    def step(mode: str) -> None:
+        kernel.lib.kubeinfer_paged_decode_set_bf16(int(mode == "bf16"))
+        for kc, vc in caches:
+            kernel(out[mode], q, kc, vc, tables, lens, idx, idx, 0.125, indices_checked=True)
+
+    t = alternate({"bf16": lambda: step("bf16"), "widened": lambda: step("widened")}, reps)
+    kernel.lib.kubeinfer_paged_decode_set_bf16(1)
+    return {
+        "sequences": seqs,
+        "context": ctx,
+        "shared_prefix": shared,
+        "layers": LAYERS,
+        "bf16_k_pass": summary(t["bf16"]),
+        "widened_k_pass": summary(t["widened"]),
+        "speedup_median": round(statistics.median(t["widened"]) / statistics.median(t["bf16"]), 2),
+        "max_abs_difference": float((out["bf16"] - out["widened"]).abs().max()),
+    }
+
+
+def decode_rows(kernel: DecodeKernel, reps: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
     for ctx, shared in ((128, 0), (640, 0), (640, 512)):
-        nb, sh = -(-ctx // BS), shared // BS
-        total = sh + seqs * (nb - sh)
-        caches = [
-            (torch.randn(total, BS, HKV, D).bfloat16(), torch.randn(total, BS, HKV, D).bfloat16())
-            for _ in range(LAYERS)
-        ]
-        tables = torch.zeros(seqs, nb, dtype=torch.int32)
-        for i in range(seqs):
-            tables[i, :sh] = torch.arange(sh)
-            tables[i, sh:] = sh + i * (nb - sh) + torch.arange(nb - sh)
-        lens = torch.full((seqs,), ctx, dtype=torch.int32)
-        out = {"bf16": torch.empty_like(q), "widened": torch.empty_like(q)}
-
-        def step(mode: str) -> None:
-            kernel.lib.kubeinfer_paged_decode_set_bf16(int(mode == "bf16"))
-            for kc, vc in caches:
-                kernel(out[mode], q, kc, vc, tables, lens, idx, idx, 0.125, indices_checked=True)
-
-        t = alternate({"bf16": lambda: step("bf16"), "widened": lambda: step("widened")}, reps)
-        kernel.lib.kubeinfer_paged_decode_set_bf16(1)
-        rows.append(
-            {
-                "sequences": seqs,
-                "context": ctx,
-                "shared_prefix": shared,
-                "layers": LAYERS,
-                "bf16_k_pass": summary(t["bf16"]),
-                "widened_k_pass": summary(t["widened"]),
-                "speedup_median": round(statistics.median(t["widened"]) / statistics.median(t["bf16"]), 2),
-                "max_abs_difference": float((out["bf16"] - out["widened"]).abs().max()),
-            }
-        )
+        rows.append(decode_case(kernel, reps, ctx, shared))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def prefill_case(kernel: DecodeKernel, reps: int, chunks: int, n: int, ctx: int) -> dict[str, object]:
+    batch = make_paged_batch(
+        [n] * chunks,
+        [ctx] * chunks,
+        num_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        block_size=BS,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    kc, vc = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+    spec = PrefillChunks(
+        seqs=torch.arange(chunks),
+        q_starts=torch.arange(chunks) * n,
+        q_lens=torch.full((chunks,), n, dtype=torch.int32),
+        ctx_lens=torch.full((chunks,), ctx, dtype=torch.int32),
+    )
+    out = torch.empty_like(batch.q)
+    qs = batch.q.view(chunks, n, HQ, D).transpose(1, 2)  # [B, Hq, n, D]
+    ks = torch.randn(chunks, HKV, ctx, D).bfloat16().float()  # [B, Hkv, ctx, D], as the backend widens
+    vs = torch.randn(chunks, HKV, ctx, D).bfloat16().float()
+    pos, q_pos = torch.arange(ctx), torch.arange(ctx - n, ctx)
+    mask = torch.zeros(n, ctx).masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
+
+    def sdpa() -> object:
+        if ctx > n:
+            return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True)
+        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.125, enable_gqa=True)
+
+    def fused() -> object:
+        return kernel.prefill(out, batch.q, kc, vc, batch.block_tables, spec, 0.125, indices_checked=True)
+
+    t = alternate({"kernel": fused, "sdpa": sdpa}, reps)
+    flop = chunks * HQ * n * ctx * D * 4 * (0.5 if ctx == n else 1.0)
+    return {
+        "chunks": chunks,
+        "query_len": n,
+        "context": ctx,
+        "kernel_bf16": summary(t["kernel"]),
+        "sdpa_fp32": summary(t["sdpa"]),
+        "kernel_GFLOPs": round(flop / statistics.median(t["kernel"]) / 1e6, 1),
+        "sdpa_GFLOPs": round(flop / statistics.median(t["sdpa"]) / 1e6, 1),
+        "speedup_median": round(statistics.median(t["sdpa"]) / statistics.median(t["kernel"]), 2),
+    }
 
 
 def prefill_rows(kernel: DecodeKernel, reps: int) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for chunks, n, ctx in ((2, 128, 640), (16, 128, 128), (16, 128, 640), (1, 2048, 2048)):
-        batch = make_paged_batch(
-            [n] * chunks,
-            [ctx] * chunks,
-            num_heads=HQ,
-            num_kv_heads=HKV,
-            head_dim=D,
-            block_size=BS,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-        )
-        kc, vc = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
-        spec = PrefillChunks(
-            seqs=torch.arange(chunks),
-            q_starts=torch.arange(chunks) * n,
-            q_lens=torch.full((chunks,), n, dtype=torch.int32),
-            ctx_lens=torch.full((chunks,), ctx, dtype=torch.int32),
-        )
-        out = torch.empty_like(batch.q)
-        qs = batch.q.view(chunks, n, HQ, D).transpose(1, 2)  # [B, Hq, n, D]
-        ks = torch.randn(chunks, HKV, ctx, D).bfloat16().float()  # [B, Hkv, ctx, D], as the backend widens
-        vs = torch.randn(chunks, HKV, ctx, D).bfloat16().float()
-        pos, q_pos = torch.arange(ctx), torch.arange(ctx - n, ctx)
-        mask = torch.zeros(n, ctx).masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
-
-        def sdpa() -> object:
-            if ctx > n:
-                return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True)
-            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.125, enable_gqa=True)
-
-        t = alternate(
-            {
-                "kernel": lambda: kernel.prefill(
-                    out, batch.q, kc, vc, batch.block_tables, spec, 0.125, indices_checked=True
-                ),
-                "sdpa": sdpa,
-            },
-            reps,
-        )
-        flop = chunks * HQ * n * ctx * D * 4 * (0.5 if ctx == n else 1.0)
-        rows.append(
-            {
-                "chunks": chunks,
-                "query_len": n,
-                "context": ctx,
-                "kernel_bf16": summary(t["kernel"]),
-                "sdpa_fp32": summary(t["sdpa"]),
-                "kernel_GFLOPs": round(flop / statistics.median(t["kernel"]) / 1e6, 1),
-                "sdpa_GFLOPs": round(flop / statistics.median(t["sdpa"]) / 1e6, 1),
-                "speedup_median": round(statistics.median(t["sdpa"]) / statistics.median(t["kernel"]), 2),
-            }
-        )
+        rows.append(prefill_case(kernel, reps, chunks, n, ctx))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
