@@ -14,8 +14,9 @@
 // portable bit conversion without it) and serves all G heads; scores, softmax and sums are fp32.
 // AVX-512 builds: a part's V rows accumulate into registers (v_head_regs) and, over a bf16 cache where
 // AVX512-BF16 is usable, its K rows feed vdpbf16ps as stored, q split into three bf16 parts that hold it
-// exactly (scores16_bf16x3): the same values as widening up to the order of fp32 sums, ~40% less time
-// where the context is in cache (a shared prefix) and unchanged where memory bandwidth bounds it.
+// exactly (scores16_bf16x3): the same values as widening up to the order of fp32 sums. Together ~40% less
+// time where the context is in cache (a shared prefix; most of it the register sums, the bf16 K pass 7-15%),
+// unchanged where memory bandwidth bounds it (benchmarks/cpu_attention.py).
 // OpenMP comes from the libgomp torch has already loaded (same soname), so it shares torch's threads.
 #include <algorithm>
 #include <cmath>
@@ -584,7 +585,13 @@ struct PrefillArgs {
   float scale;
 };
 
-// exp(x) for x <= 0 (and -inf -> 0): 2^(x log2 e) as 2^n * p(r), p a degree-6 polynomial on
+// Finite stand-ins for -inf (the build's -ffast-math lets the compiler assume no infinities): a masked
+// score, and the running max before the first block (key 0 is visible to every row, so the first block
+// always has a real score above both).
+constexpr float kMasked = 1e30f;
+constexpr float kHuge = 3e38f;
+
+// exp(x) for x <= 0 (x <= -87 -> exactly 0): 2^(x log2 e) as 2^n * p(r), p a degree-6 polynomial on
 // r in [-0.5, 0.5] (relative error ~2e-7, below bf16's rounding of P).
 KI_BF16_TARGET inline __m512 exp512(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f * 0.69314718f)), _mm512_set1_ps(1.44269504f));
@@ -598,7 +605,7 @@ KI_BF16_TARGET inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   const __m512 y = _mm512_scalef_ps(p, n);
-  // x = -inf (a masked score) or far below: exactly 0
+  // a masked score or far below: exactly 0
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), y);
 }
 
@@ -653,7 +660,7 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
   int last[RG];  // each row's last visible key
   for (int r = 0; r < RG; ++r) {
     for (int z = 0; z < DZ; ++z) acc[r][z] = _mm512_setzero_ps();
-    m[r] = -INFINITY;
+    m[r] = -kHuge;  // below any score: the first block sets it (corr = exp(-huge) = 0)
     lv[r] = _mm512_setzero_ps();
     last[r] = pos0 + (r < nrows ? (r0 + r) / G : (r0 + nrows - 1) / G);
   }
@@ -681,10 +688,10 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
       const int visible = last[r] - 16 * b + 1;  // keys of this block the row sees
       if (visible < 16) {
         const __mmask16 keep = visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1u);
-        s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[r]);
+        s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-kMasked), keep, s[r]);
       }
       const float bm = _mm512_reduce_max_ps(s[r]);
-      if (bm > m[r]) {  // a new running max: rescale what was summed under the old one (0 on the first block)
+      if (bm > m[r]) {  // a new running max: rescale what was summed under the old one (x 0 on the first block)
         const float corr = std::exp(m[r] - bm);
         const __m512 c = _mm512_set1_ps(corr);
         lv[r] = _mm512_mul_ps(lv[r], c);
