@@ -721,24 +721,24 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
   }
 }
 
-template <int DZ>
-KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, std::vector<uint32_t>& kp,
+// Queries [i0, i1) of chunk c for KV head h: packs the keys they see ([0, ctx - n + i1)) and attends.
+KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, int i0, int i1, std::vector<uint32_t>& kp,
                                  std::vector<uint32_t>& vp, std::vector<uint32_t>& qw) {
-  constexpr int D = DZ * 16, W = D / 2, RG = 16 / DZ;
-  const int G = a.hq / a.hkv, n = a.q_lens[c], ctx = a.ctx_lens[c], pos0 = ctx - n;
+  const int D = a.d, W = D / 2, RG = D == 64 ? 4 : 2;
+  const int G = a.hq / a.hkv, n = a.q_lens[c], pos0 = a.ctx_lens[c] - n, seen = pos0 + i1;
   const int32_t* table = a.block_tables + a.seqs[c] * a.bt_stride;
-  const int nb = (ctx + 15) / 16;
+  const int nb = (seen + 15) / 16;
   kp.resize(static_cast<size_t>(nb) * W * 16);
   vp.resize(static_cast<size_t>(nb) * 8 * D);
-  for (int b = 0; b < nb; ++b) pack_block(a, table, h, b, ctx, kp.data() + b * W * 16, vp.data() + b * 8 * D);
-  // the chunk's query rows of this KV head's G heads, scaled and rounded to bf16: row i * G + g
-  const int rows = n * G;
+  for (int b = 0; b < nb; ++b) pack_block(a, table, h, b, seen, kp.data() + b * W * 16, vp.data() + b * 8 * D);
+  // the tile's query rows of this KV head's G heads, scaled and rounded to bf16: row (i - i0) * G + g
+  const int rows = (i1 - i0) * G;
   qw.resize(static_cast<size_t>(rows + RG) * W);
   const __m512 sc = _mm512_set1_ps(a.scale);
-  for (int i = 0; i < n; ++i)
+  for (int i = i0; i < i1; ++i)
     for (int g = 0; g < G; ++g) {
       const float* src = a.q + (a.q_starts[c] + i) * a.q_row_stride + static_cast<int64_t>(h * G + g) * D;
-      uint32_t* dst = qw.data() + static_cast<size_t>(i * G + g) * W;
+      uint32_t* dst = qw.data() + static_cast<size_t>((i - i0) * G + g) * W;
       for (int j = 0; j < D; j += 32) {
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + j + 16), sc),
                                                _mm512_mul_ps(_mm512_loadu_ps(src + j), sc));
@@ -746,23 +746,42 @@ KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, std::ve
       }
     }
   std::fill(qw.begin() + static_cast<size_t>(rows) * W, qw.end(), 0u);  // rows past the last: unused sums
-  for (int r0 = 0; r0 < rows; r0 += RG)
-    attend_rows<DZ, RG>(a, qw.data(), kp.data(), vp.data(), r0, std::min(RG, rows - r0), G, pos0, a.q_starts[c], h,
-                        a.out);
+  for (int r0 = 0; r0 < rows; r0 += RG) {
+    if (D == 64)
+      attend_rows<4, 4>(a, qw.data(), kp.data(), vp.data(), r0, std::min(RG, rows - r0), G, pos0 + i0,
+                        a.q_starts[c] + i0, h, a.out);
+    else
+      attend_rows<8, 2>(a, qw.data(), kp.data(), vp.data(), r0, std::min(RG, rows - r0), G, pos0 + i0,
+                        a.q_starts[c] + i0, h, a.out);
+  }
 }
 
+struct PrefillTask {
+  int64_t chunk;
+  int h, i0, i1;
+};
+
 KI_BF16_TARGET void run_prefill(const PrefillArgs& a, int num_threads) {
-  const int64_t tasks = a.num_chunks * a.hkv;
+  // One task per (chunk, KV head); with fewer than 4 per thread (one long prompt: Hkv tasks), each chunk's
+  // queries are cut into tiles (at least 64) so the threads stay busy; each tile packs only the keys it sees.
+  const int64_t base = a.num_chunks * a.hkv, want = 4 * static_cast<int64_t>(std::max(num_threads, 1));
+  const int64_t splits = base >= want ? 1 : (want + base - 1) / base;
+  std::vector<PrefillTask> tasks;
+  for (int64_t c = 0; c < a.num_chunks; ++c) {
+    const int n = a.q_lens[c];
+    const int tile = static_cast<int>(std::max<int64_t>(64, (n + splits - 1) / splits));
+    for (int h = 0; h < a.hkv; ++h)
+      for (int i0 = 0; i0 < n; i0 += tile) tasks.push_back({c, h, i0, std::min(n, i0 + tile)});
+  }
+  // the longest (latest, seeing the most keys) first, so no thread is left with a long one at the end
+  std::stable_sort(tasks.begin(), tasks.end(), [](const PrefillTask& x, const PrefillTask& y) { return x.i1 > y.i1; });
+  const int64_t count = static_cast<int64_t>(tasks.size());
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<uint32_t> kp, vp, qw;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
-      if (a.d == 64)
-        prefill_task<4>(a, t / a.hkv, static_cast<int>(t % a.hkv), kp, vp, qw);
-      else
-        prefill_task<8>(a, t / a.hkv, static_cast<int>(t % a.hkv), kp, vp, qw);
-    }
+    for (int64_t t = 0; t < count; ++t)
+      prefill_task(a, tasks[t].chunk, tasks[t].h, tasks[t].i0, tasks[t].i1, kp, vp, qw);
   }
 }
 #endif
