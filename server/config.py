@@ -272,7 +272,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # While decodes run, a step's prompt tokens are capped here (0 = no cap): bounds inter-token
     # latency when prompts arrive (server/core/scheduler.py). 128: measured best of 64-256 at 16 and 32
-    # users on CPU (docs/benchmarks.md, "CPU: prefill attention in bf16 and the prefill cap").
+    # users on CPU (docs/benchmarks.md, "CPU: attention kernels in bf16 and the prefill cap at 128").
     long_prefill_token_threshold: int = 128
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu

@@ -112,7 +112,9 @@ class DecodeKernel:
         `indices_checked=True` skips `check_prefill_chunks` for a caller that ran it once per step."""
         if not self.prefill_supported(q.dtype, k_cache.dtype, q.shape[2]):
             return False
-        check_prefill_args(out, q, k_cache, v_cache, block_tables)
+        _check_operands(out, q, k_cache, v_cache, block_tables)
+        if block_tables.dim() != 2:
+            raise ValueError("block_tables must be [num_seqs, max_blocks]")
         if not indices_checked:
             check_prefill_chunks(q.shape[0], k_cache.shape, block_tables, chunks)
         _, hq, d = q.shape
@@ -202,43 +204,6 @@ class PrefillChunks:
     ctx_lens: Tensor  # [C] int32
 
 
-def check_prefill_args(
-    out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor
-) -> None:
-    """Devices, dtypes, strides and shapes for `DecodeKernel.prefill` (metadata only): ValueError/TypeError."""
-    for name, t in (
-        ("out", out),
-        ("q", q),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_tables", block_tables),
-    ):
-        if t.device.type != "cpu":
-            raise ValueError(f"{name}: the CPU kernel needs CPU tensors, got {t.device}")
-    if q.dtype != torch.float32 or out.dtype != torch.float32:
-        raise TypeError(f"q and out must be float32, got {q.dtype} and {out.dtype}")
-    if k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
-        raise TypeError(f"k_cache and v_cache must be bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or not block_tables.is_contiguous():
-        raise TypeError("block_tables must be a contiguous [num_seqs, max_blocks] int32 tensor")
-    if q.dim() != 3 or out.shape != q.shape:
-        raise ValueError(f"q and out must both be [T, Hq, D], got {tuple(q.shape)} and {tuple(out.shape)}")
-    for name, t in (("q", q), ("out", out)):  # each row's heads contiguous; rows may be strided
-        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) < t.shape[1] * t.shape[2]:
-            raise ValueError(f"{name}: each row's heads must be contiguous, got strides {t.stride()}")
-    if (
-        k_cache.dim() != 4
-        or v_cache.shape != k_cache.shape
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-    ):
-        raise ValueError("k_cache and v_cache must be one contiguous [num_blocks, block_size, Hkv, D] shape")
-    hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
-    if k_cache.shape[3] != d or hq % hkv:
-        raise ValueError(
-            f"head shapes disagree: q has {hq} heads of {d}, the cache {hkv} of {k_cache.shape[3]}"
-        )
-
-
 def check_prefill_chunks(
     num_rows: int,
     cache_shape: torch.Size,  # [num_blocks, block_size, Hkv, D]
@@ -274,26 +239,18 @@ def check_prefill_chunks(
         raise ValueError("block_tables: block id out of range of the cache")
 
 
-def check_decode_args(
-    out: Tensor,
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    seqs: Tensor,
-    rows: Tensor,
+def _check_operands(
+    out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, **indices: Tensor
 ) -> None:
-    """Devices, dtypes, contiguity and shapes: metadata only, cheap enough for every layer."""
+    """What both kernels take alike: devices, contiguity, q/out and cache dtypes and shapes (metadata only).
+    `indices` (name -> tensor) are checked for device and contiguity too."""
     tensors = {
         "out": out,
         "q": q,
         "k_cache": k_cache,
         "v_cache": v_cache,
         "block_tables": block_tables,
-        "context_lens": context_lens,
-        "seqs": seqs,
-        "rows": rows,
+        **indices,
     }
     for name, t in tensors.items():
         if t.device.type != "cpu":
@@ -316,14 +273,8 @@ def check_decode_args(
             f"k_cache, v_cache: dtypes {k_cache.dtype}, {v_cache.dtype}; expected one of float32, bfloat16, "
             "float16 for both"
         )
-    for name, dtype in (
-        ("block_tables", torch.int32),
-        ("context_lens", torch.int32),
-        ("seqs", torch.int64),
-        ("rows", torch.int64),
-    ):
-        if tensors[name].dtype != dtype:
-            raise TypeError(f"{name}: dtype {tensors[name].dtype}, expected {dtype}")
+    if block_tables.dtype != torch.int32:
+        raise TypeError(f"block_tables: dtype {block_tables.dtype}, expected {torch.int32}")
     if q.dim() != 3 or out.shape != q.shape:
         raise ValueError(f"q and out must both be [T, Hq, D], got {tuple(q.shape)} and {tuple(out.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -339,6 +290,27 @@ def check_decode_args(
         raise ValueError(
             f"head shapes disagree: q has {hq} heads of {d}, the cache {hkv} of {k_cache.shape[3]}"
         )
+
+
+def check_decode_args(
+    out: Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    seqs: Tensor,
+    rows: Tensor,
+) -> None:
+    """Devices, dtypes, contiguity and shapes: metadata only, cheap enough for every layer."""
+    _check_operands(out, q, k_cache, v_cache, block_tables, context_lens=context_lens, seqs=seqs, rows=rows)
+    for name, t, dtype in (
+        ("context_lens", context_lens, torch.int32),
+        ("seqs", seqs, torch.int64),
+        ("rows", rows, torch.int64),
+    ):
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: dtype {t.dtype}, expected {dtype}")
     if block_tables.dim() != 2 or context_lens.shape != (block_tables.shape[0],):
         raise ValueError("block_tables must be [num_seqs, max_blocks] and context_lens [num_seqs]")
     if seqs.dim() != 1 or rows.shape != seqs.shape:

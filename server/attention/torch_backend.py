@@ -13,7 +13,7 @@ see the same values.
 
 Exception: with the compiled kernel over a bf16 cache where AVX512-BF16 is usable (fp32 q, head_dim 64 or
 128), every prompt chunk goes through its prefill attention instead (`DecodeKernel.prefill`): bf16
-products of q * scale, K, P and V with fp32 maxima, sums and output, flash-attention style, 1.9-2.3x the
+products of q * scale, K, P and V with fp32 maxima, sums and output, flash-attention style, 2.0-2.3x the
 SDPA path here (benchmarks/cpu_attention.py). All chunks take it, so those three still compute alike.
 """
 
