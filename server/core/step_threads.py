@@ -18,11 +18,19 @@ lost its core to our event loop or a neighbour is an outlier, and a few of them 
 to the slower count). A step runs with the count of the lowest median. A bucket never seen starts on the best
 count of the nearest bucket that has measured every count (its other counts wait for its regular probes:
 trying one thread first on a 2048-token prefill cost every waiting request a second); while no bucket has,
-a count never tried in its bucket is tried first, the largest first. Every `explore_every`-th step of a bucket
-tries the next other count in turn for two steps, so a change of load is noticed. The first step run
+a count never tried in its bucket is tried first, the largest first (not where the bucket's steps take
+`long_step_s`, 0.1 s, or more on their best count: there the others wait for the regular probes). Every
+`explore_every`-th step of a bucket tries the next other count in turn for two steps, so a change of load
+is noticed. The first step run
 on a count other than the previous step's is never recorded: waking sleeping workers and refilling
 caches would make every probe of a count look slower than it is (seen: an idle machine kept probing two
-threads from one and settling on one, at 0.75-0.87x of fixed two threads at one user); with `max_explore_every` above
+threads from one and settling on one, at 0.75-0.87x of fixed two threads at one user), unless it took
+`long_step_s` or more: a switch's cost (microseconds to a few ms) is nothing beside it, and a long step
+size that always follows steps of another size (a 16-user wave's one prefill between 63 decode steps)
+would otherwise never be sampled on its untried count and try it again at every wave (seen: each
+wave's 2048-token prefill on one thread, 3.0 s against 1.7-1.9 s). A long step's time is also its
+count's whole sample window (it spans many preemptions already), and a probe's long first step ends
+the probe. With `max_explore_every` above
 `explore_every`, each exploration that leaves the best count unchanged doubles that bucket's interval
 up to the maximum and one that changes it resets the interval (generation: 16 to 256 steps, so that a
 slow probe of the wrong count lands in fewer than 1% of a stream's inter-token gaps); a best count that
@@ -85,6 +93,7 @@ class StepThreads:
         window: int = 5,
         adaptive: bool = True,
         max_explore_every: int | None = None,
+        long_step_s: float = 0.1,
     ) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
@@ -94,11 +103,14 @@ class StepThreads:
             raise ValueError(f"max_explore_every must be >= explore_every, got {max_explore_every}")
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        if long_step_s <= 0:
+            raise ValueError(f"long_step_s must be > 0, got {long_step_s}")
         self.max_threads = max_threads
         self.candidates = _candidates(max_threads) if adaptive else (max_threads,)
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every or explore_every
         self.window = window
+        self.long_step_s = long_step_s
         self._buckets: dict[int, _Bucket] = {}
         self.last_threads = max_threads
         self._switched = False  # the step being run changed the count: its time is not a fair sample
@@ -138,8 +150,8 @@ class StepThreads:
             # waiting request's first token by a second (TTFT p50 2.5 s against 0.7 s with two).
             b.hinted = True
             threads = hint
-        elif untried and not b.hinted:  # the largest first: the right count on an idle machine
-            threads = untried[0]
+        elif untried and not b.hinted and not self._long(b, num_tokens):
+            threads = untried[0]  # the largest first: the right count on an idle machine
         elif b.probe is not None and b.probe_left > 0:
             threads = b.probe[1]
             b.probe_left -= 1
@@ -157,15 +169,23 @@ class StepThreads:
         self.last_threads = threads
         return threads
 
+    def _long(self, b: _Bucket, num_tokens: int) -> bool:
+        """Whether steps of this bucket take `long_step_s` or more on their best count so far."""
+        return bool(b.cost) and min(b.cost.values()) * max(1, num_tokens) >= self.long_step_s
+
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         if threads not in self.candidates or seconds < 0:
             return  # a count set outside the policy (warm-up) says nothing about the candidates
-        if self._switched:
+        if self._switched and seconds < self.long_step_s:
             return  # the first step on a new count: its time includes the switch, not a fair sample
         b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
+        if self._switched and b.probe is not None and b.probe[1] == threads:
+            b.probe_left = 0  # a long step is a fair sample by itself: the probe needs no second step
         per_token = seconds / max(1, num_tokens)
         leader = _leader(b) if b.cost else None
         samples = b.samples.setdefault(threads, deque(maxlen=self.window))
+        if seconds >= self.long_step_s:
+            samples.clear()  # a long step is its own median: its time already spans many preemptions
         samples.append(per_token)
         b.cost[threads] = statistics.median(samples)
         if threads == leader and _leader(b) != leader and b.probe is None:

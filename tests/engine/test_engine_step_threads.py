@@ -141,3 +141,40 @@ def test_the_first_step_after_a_switch_is_not_a_sample() -> None:
     run({1: 2e-3, 2: 1e-3}, 200)  # the neighbours left: two threads are faster once running
     assert policy.best(16) == 2
     assert chosen[-40:].count(2) >= 36
+
+
+def _waves(policy, prefill: dict[int, float], decode: dict[int, float], waves: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """`waves` x (one 2048-token prefill step, then 63 16-row decode steps), seconds per token given per
+    thread count; a switch of count adds 2 ms to its step (waking workers). Returns the prefills' counts."""
+    counts, last = [], None
+    for _ in range(waves):
+        for tokens, cost in [(2048, prefill)] + [(16, decode)] * 63:
+            t = policy.choose(tokens)
+            policy.record(tokens, t, cost[t] * tokens + (2e-3 if last not in (None, t) else 0.0))
+            last = t
+            if tokens == 2048:
+                counts.append(t)
+    return counts
+
+
+def test_a_long_step_size_between_others_is_not_run_on_the_slow_count_every_time() -> None:
+    """A 16-user wave: one 2048-token prefill step (1.8 s on two threads, 3 s on one) between runs of
+    decode steps. The prefill step nearly always follows a step on another count; were a switched long
+    step never a sample, its untried count would be tried again at every wave (seen: each wave's
+    prefill on one thread, its TTFT +1.2 s). A switch's cost is nothing beside a long step."""
+    from server.core.step_threads import StepThreads
+
+    policy = StepThreads(2, explore_every=16, max_explore_every=256)
+    idle = {1: 1.5e-3, 2: 0.9e-3}
+    counts = _waves(policy, idle, {1: 2e-3, 2: 1e-3}, 40)
+    assert policy.best(2048) == 2
+    assert counts.count(1) <= 2, counts  # the regular probes only, one step each
+    # decode steps become faster on one thread (a busy neighbour): the prefill's own measurements decide
+    counts = _waves(policy, idle, {1: 1e-3, 2: 2e-3}, 20)
+    assert policy.best(16) == 1 and policy.best(2048) == 2
+    assert counts.count(1) <= 2, counts
+    # and a loaded machine where the prefill too is faster on one thread is found by the regular probes
+    # (by then one every 64 prefills: a long step's one sample is its bucket's cost for that count)
+    counts = _waves(policy, {1: 0.9e-3, 2: 1.5e-3}, {1: 1e-3, 2: 2e-3}, 100)
+    assert policy.best(2048) == 1
+    assert counts[-20:].count(1) >= 19, counts

@@ -75,9 +75,13 @@ def test_a_new_step_size_starts_on_the_nearest_measured_best() -> None:
     # the untried count is probed at the bucket's first exploration and wins if it is faster
     chosen = _run(policy, 8, {1: 5e-3, 2: 0.5e-3}, 12)
     assert 2 in chosen and policy.best(8) == 2
-    # with nothing measured anywhere, untried counts go first, the largest first
+    # with nothing measured anywhere, untried counts go first, the largest first (steps of 10-20 ms)
     fresh = StepThreads(2)
-    assert _run(fresh, 100, {1: 1e-3, 2: 2e-3}, 3) == [2, 1, 1]
+    assert _run(fresh, 100, {1: 1e-4, 2: 2e-4}, 3) == [2, 1, 1]
+    # but where a step takes long_step_s (0.1 s) or more, the other count waits for the regular probe:
+    # one thread on a 2048-token prefill would hold every waiting request's first token by a second
+    fresh = StepThreads(2, explore_every=8)
+    assert _run(fresh, 100, {1: 1e-3, 2: 2e-3}, 10) == [2] * 7 + [1, 1, 1]  # probed at step 8, faster: kept
 
 
 def test_one_thread_means_no_choice() -> None:
@@ -86,7 +90,13 @@ def test_one_thread_means_no_choice() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_threads": 0}, {"max_threads": 2, "explore_every": 1}, {"max_threads": 2, "window": 0}]
+    "kwargs",
+    [
+        {"max_threads": 0},
+        {"max_threads": 2, "explore_every": 1},
+        {"max_threads": 2, "window": 0},
+        {"max_threads": 2, "long_step_s": 0.0},
+    ],
 )
 def test_bad_settings_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
