@@ -134,8 +134,12 @@ def test_freed_large_tensors_stay_mapped_for_the_next_step() -> None:
     glibc's own threshold adapts): with the heap setting, after the first few steps no page is mapped
     afresh (seen: 10-13 thousand faults per step without it, 0 with it); a user's own setting wins."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    ours = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True)
+    ours = subprocess.run(
+        [sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True
+    )
     assert int(ours.stdout.split()[-1]) < 1000, ours.stdout
     env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # the user's choice: mmap from 1 MiB
-    theirs = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True)
+    theirs = subprocess.run(
+        [sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True
+    )
     assert int(theirs.stdout.split()[-1]) >= 3 * 10_000, theirs.stdout
