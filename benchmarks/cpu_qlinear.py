@@ -325,13 +325,72 @@ def bf16_rows(
     return rows
 
 
+class _LayerCycle:
+    """Calls copies of a layer in turn (weights from memory), with the batched int8 path on or off."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        self.layers, self.i = layers, 0
+
+    def __call__(self, x: torch.Tensor, int8: bool) -> object:
+        from server.quant import cpu_qgemv_q8 as q8
+
+        self.i += 1
+        with q8.int8_gemm(int8):
+            return self.layers[self.i % len(self.layers)](x)
+
+
+def int8_rows(kernel: cq.QLinearKernel, ms: list[int], cold: int, reps: int) -> list[dict[str, object]]:
+    """A bf16 layer's Q4_1 projections as the server runs them (BlockQuantLinear, gemm_dtype bf16) with the
+    batched int8 path (cpu_qgemv_q8.py) on and off, per shape and M, the weights streamed from memory
+    (`cold`): off is the kernel's bf16 batched path below BF16_GEMM_MIN_ROWS and dequantize + oneDNN's
+    bf16 GEMM from there."""
+    from server.quant import cpu_qgemv_q8 as q8
+    from server.quant.block_linear import BlockQuantLinear
+
+    q8k = q8.try_load_q8_gemv_kernel(kernel)
+    if q8k is None or q8k.isa != "vnni" or not kernel.bf16:
+        return [{"skipped": "the batched int8 path needs AVX512-VNNI and bf16 GEMMs (AVX512-BF16) here"}]
+    rows: list[dict[str, object]] = []
+    for shape_name, (n, k) in BF16_SHAPES.items():
+        layers: list[torch.nn.Module] = []
+        for w in Cycle(make("q4_1", n, k), cold).q:
+            layer = BlockQuantLinear(w, kernel=kernel)
+            layer.gemm_dtype = torch.bfloat16
+            layers.append(layer)
+        cycle = _LayerCycle(layers)
+        for m in ms:
+            x = torch.randn(m, k)
+            t = timed(
+                {
+                    "bf16": lambda x=x, cycle=cycle: cycle(x, int8=False),
+                    "int8": lambda x=x, cycle=cycle: cycle(x, int8=True),
+                },
+                reps,
+            )
+            m16, m8 = statistics.median(t["bf16"]), statistics.median(t["int8"])
+            flop = 2 * m * n * k
+            rows.append(
+                {
+                    "shape": shape_name,
+                    "M": m,
+                    "bf16_ms": round(m16, 3),
+                    "int8_ms": round(m8, 3),
+                    "bf16_GFLOPs": round(flop / m16 / 1e6, 1),
+                    "int8_GOPs": round(flop / m8 / 1e6, 1),
+                    "int8_speedup": round(median_ratio(t["bf16"], t["int8"]), 2),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rss", action="store_true")
     ap.add_argument("--reps", type=int, default=0)
     ap.add_argument("--formats", default="q4_0,q4_1,q8_0,int8,int4")
-    ap.add_argument("--only", default="kernels,small_m,crossover,bf16", help="sections to run")
+    ap.add_argument("--only", default="kernels,small_m,crossover,bf16,int8", help="sections to run")
     ap.add_argument("--bf16-formats", default="q4_1,q8_0", help="formats of the `bf16` section")
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
     ap.add_argument("--crossover-rows", default="", help="comma-separated M for `crossover`")
@@ -374,6 +433,9 @@ def main() -> None:
     if "bf16" in sections:
         bf16_ms = [8, 16] if args.smoke else [8, 16, 32, 64, 128]
         out["bf16"] = bf16_rows(kernel, args.bf16_formats.split(","), bf16_ms, cold, reps)
+    if "int8" in sections:
+        int8_ms = [8, 16] if args.smoke else [8, 16, 32, 64, 128, 256, 512, 2048]
+        out["int8"] = int8_rows(kernel, int8_ms, cold, reps)
     if args.rss:
         out["rss"] = rss_of_embedded_model()
     out["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)  # type: ignore[index]

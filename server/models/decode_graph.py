@@ -7,7 +7,10 @@ Under bf16 GEMMs (server/quant/gemm_dtype.py) it serves decode batches below BF1
 (`DecodeGraph.max_rows`) with each weight descriptor's `compute` flag set from its projection's
 gemm_dtype, so that the kernel runs batches of 4..255 rows on its bf16 batched path (AVX512-BF16; the
 GEMV of 1..3 rows stays fp32), exactly as BlockQuantLinear does from Python; larger batches go through
-the Python path, whose projections then run their bf16 dequantize + GEMM.
+the Python path, whose projections then run their bf16 dequantize + GEMM. The projections' entry point
+is the int8-activation library's where either of its switches is on (cpu_qgemv_q8.decode_qlinear_address):
+with KUBEINFER_INT8_GEMM (default on) on an AVX512-VNNI CPU, batches of 5+ rows of 4-bit weights run its
+batched int8 path, the rest goes on to qlinear as above.
 
 On this machine a one-token step of the embedded SmolLM2 spends ~8 ms in its 121 weight kernels and ~9 ms
 in Python around them: module calls, argument checks and ctypes marshalling, ~300 us per layer. Like a

@@ -17,6 +17,10 @@ Paths (the compiled kernel, server/quant/csrc/qlinear.cpp):
   residual stream, norms, rotary, softmax and attention stay fp32 around it. Below that M the kernel
   serves, told the layer's dtype (small_m_linear's `compute`): from 4 rows its bf16 batched path where
   AVX512-BF16 is usable (bf16 operands, fp32 sums and output), the fp32 GEMV below;
+- int8 activations (server/quant/cpu_qgemv_q8.py, `int8_kernel`): with gemm_dtype bf16 on an AVX512-VNNI
+  CPU, every batch of 5 rows or more of 4-bit weights in 32-blocks (prefill included) takes the batched
+  int8 path ahead of the two bf16 paths above (KUBEINFER_INT8_GEMM, on by default); 1..4 rows the int8
+  GEMV where KUBEINFER_INT8_GEMV is on;
 - no compiler: the plain-torch reference (dequantize, then matmul), slower but the same function.
 """
 
@@ -28,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from server.quant.cpu_qgemv_q8 import small_m_linear
+from server.quant.cpu_qgemv_q8 import MAX_ROWS as Q8_MAX_ROWS
+from server.quant.cpu_qgemv_q8 import Q8GemvKernel, active_kernel, small_m_linear
 from server.quant.cpu_qlinear import (
     BlockQuantWeight,
     QLinearKernel,
@@ -123,6 +128,15 @@ class BlockQuantLinear(QuantLinear):
     def weight_q(self) -> BlockQuantWeight:
         return _weight(self, self._w)
 
+    def int8_kernel(self, rows: int) -> Q8GemvKernel | None:
+        """The int8-activation kernel where it takes `rows` rows of x for this layer: its batched path
+        (more than 4 rows, 4-bit weights in 32-blocks, AVX512-VNNI, gemm_dtype bf16, KUBEINFER_INT8_GEMM
+        on), or its GEMV (1-4 rows, KUBEINFER_INT8_GEMV on); else None."""
+        if self.kernel is None or (rows > Q8_MAX_ROWS and self.gemm_dtype != torch.bfloat16):
+            return None
+        q8 = active_kernel(self.kernel)
+        return q8 if q8 is not None and q8.supports(self.weight_q, rows, self.gemm_dtype) else None
+
     def bf16_gemm(self, rows: int) -> bool:
         """Whether `rows` rows of x go through the bf16 library GEMM with nothing added after it (no
         bias): its result is then bf16 itself, and forward(x, out_dtype=torch.bfloat16) returns it unwidened,
@@ -133,6 +147,7 @@ class BlockQuantLinear(QuantLinear):
             and self.gemm_dtype == torch.bfloat16
             and self.bias is None
             and rows >= self.gemm_min_rows
+            and self.int8_kernel(rows) is None
         )
 
     def forward(
@@ -146,8 +161,11 @@ class BlockQuantLinear(QuantLinear):
             y = self._dequant_gemm(x2, w, self.kernel, torch.bfloat16, out_dtype=dtype)
             return y.reshape(*lead, self.out_features)
         x2 = x2.float()
+        q8 = self.int8_kernel(x2.shape[0]) if self.kernel is not None else None
         if self.kernel is None:
             y = F.linear(x2, dequantize_reference(w), self.bias)
+        elif q8 is not None:  # int8 activations (cpu_qgemv_q8.py): batches on VNNI, the GEMV where on
+            y = q8.linear(x2, w, self.bias, compute=self.gemm_dtype)
         elif x2.shape[0] >= self.gemm_min_rows:
             y = self._dequant_gemm(x2, w, self.kernel, self.gemm_dtype)
         else:  # decode-sized M: int8 activations where that switch is on (cpu_qgemv_q8.py)

@@ -1,4 +1,4 @@
-"""Decode GEMV with int8 activations (csrc/qgemv_q8.cpp): llama.cpp's Q8 x Q4/Q8 dot products on our layout.
+"""Linear layers with int8 activations (csrc/qgemv_q8.cpp): llama.cpp's Q8 x Q4/Q8 dot products on our layout.
 
 For M <= 4 rows of x (decode) and weights in 32-value groups (GGUF Q4_0 / Q4_1 / Q8_0, Q4_K repacked,
 int4 with group 32: `BlockQuantWeight`, server/quant/cpu_qlinear.py), each row of x is quantized per
@@ -11,10 +11,18 @@ The result is W @ x^ with x^ = d * q the activation as quantized (`quantize_acti
 up to fp32 rounding: against fp32 activations it differs by at most sum_b (d_b / 2) sum_{k in b} |w_k|
 per output (`activation_error_bound`: each value moves by at most half a step of its block).
 
+Batched path: for M > MAX_ROWS rows (decode batches, prefill chunks) of 4-bit weights in 32-blocks, on
+AVX512-VNNI only, for layers whose GEMMs run in reduced precision (gemm_dtype bf16: `--dtype auto` on a CPU
+with native bf16, server/quant/gemm_dtype.py): x quantized the same way, W's nibbles and scales packed per
+16-column group per call, `vpdpbusd` on 512-bit vectors. 1.3-1.9x the bf16 batched kernel and 1.3-1.45x
+oneDNN's bf16 GEMM on a 2-core Zen 4 (docs/benchmarks.md "int8 activations for batches"); its error
+against fp32 activations is the same bound as the GEMV's (~5e-3 relative on Gaussian x against bf16's
+~2.4e-3).
+
 Serving: `KUBEINFER_INT8_GEMV` (`1` on, `0` off; default off, docs/benchmarks.md "int8 activations")
-routes the decode GEMV of BlockQuantLinear and of the decode graph here (`small_m_linear`,
-`decode_qlinear_address`); what this kernel does not take (other group sizes, M > 4) still goes to
-qlinear.cpp, the library's fallback.
+routes the decode GEMV of BlockQuantLinear and of the decode graph here, `KUBEINFER_INT8_GEMM` (default
+on) the batches (`small_m_linear`, `BlockQuantLinear.int8_kernel`, `decode_qlinear_address`); what this
+kernel does not take still goes to qlinear.cpp, the library's fallback (`Q8GemvKernel.supports` says which).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import functools
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,12 +50,13 @@ from server.quant.cpu_qlinear import (
     call_linear,
     check_linear_args,
     dequantize_reference,
+    try_load_qlinear_kernel,
 )
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv_q8.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit.
 NATIVE = NativeSource(
     "qgemv_q8", SOURCE, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20"), abi_version=ABI_VERSION
@@ -55,6 +64,10 @@ NATIVE = NativeSource(
 MAX_ROWS = 4  # qgemv_q8.cpp's MAX_ROWS: larger M goes to the fallback
 PATHS = ("scalar", "avx2", "vnni")  # kubeinfer_qgemv_q8_set_path's 0, 1, 2
 ENABLE_ENV = "KUBEINFER_INT8_GEMV"
+GEMM_ENABLE_ENV = "KUBEINFER_INT8_GEMM"
+# On: the batched int8 path (M > MAX_ROWS, AVX512-VNNI, 4-bit weights of layers computing in reduced
+# precision) is 1.3-1.9x qlinear's bf16 batched path and oneDNN's bf16 GEMM here (docs/benchmarks.md).
+GEMM_DEFAULT_ENABLED = True
 # Off: faster per GEMV call and per decode step at 4 users and with one thread, but not (yet) in served
 # one-user tok/s with two threads on this loaded machine (docs/benchmarks.md "int8 activations").
 DEFAULT_ENABLED = False
@@ -116,29 +129,46 @@ class Q8GemvKernel:
     path: Path
     isa: str  # one of PATHS: the code path running here
     fallback: QLinearKernel  # serves what this kernel does not take; kept alive for the pointer
+    # [gemv, gemm]: which calls it takes (set_modes; the C side's copy is what runs)
+    modes: list[bool] = field(default_factory=lambda: [True, False])
 
-    def supports(self, w: BlockQuantWeight, m: int) -> bool:
-        """Whether `w` with `m` rows of x takes the int8 path (32-value groups, 1 <= m <= MAX_ROWS): the
+    def set_modes(self, gemv: bool, gemm: bool) -> None:
+        """Takes the GEMV (M <= MAX_ROWS) and/or the batched int8 path (M > MAX_ROWS: vnni, 4-bit W,
+        compute bf16); everything else goes to the fallback. Process-wide: never while the kernel runs."""
+        # Always through to C: another instance over the same library may have set other modes.
+        self.lib.kubeinfer_qgemv_q8_set_modes(int(gemv), int(gemm))
+        self.modes[:] = [gemv, gemm]
+
+    def supports(self, w: BlockQuantWeight, m: int, compute: torch.dtype = torch.float32) -> bool:
+        """Whether `w` with `m` rows of x takes an int8 path (32-value groups; the GEMV for 1 <= m <=
+        MAX_ROWS, the batched path for larger m with 4-bit W on the vnni path where `compute` is bf16): the
         C side's kubeinfer_qgemv_q8_supports, in Python (no ctypes call per projection)."""
         k = w.in_features
-        return 1 <= m <= MAX_ROWS and k % BLOCK == 0 and w.group_size == BLOCK and w.groups == k // BLOCK
+        if k % BLOCK or w.group_size != BLOCK or w.groups != k // BLOCK:
+            return False
+        if m > MAX_ROWS:
+            return self.modes[1] and self.isa == "vnni" and w.bits == 4 and compute == torch.bfloat16
+        return self.modes[0] and m >= 1
 
     def linear(
         self,
-        x: Tensor,  # [M, K] fp32, M <= MAX_ROWS, unit stride along K
+        x: Tensor,  # [M, K] fp32, unit stride along K
         w: BlockQuantWeight,  # group_size 32
         bias: Tensor | None = None,  # [N] fp32 contiguous
         out: Tensor | None = None,  # [M, N] fp32, unit stride along N
+        compute: torch.dtype = torch.float32,  # the layer's gemm_dtype: bf16 admits the batched path
     ) -> Tensor:  # [M, N] fp32: W @ x^ (+ bias)
-        """Raises TypeError/ValueError for a tensor the kernel cannot take (never the fallback here)."""
+        """Raises TypeError/ValueError for a tensor or a call the kernel cannot take (never the fallback
+        here: `supports` says which)."""
         x, out = check_linear_args(x, w, bias, out)
         m = x.shape[0]
-        if not self.supports(w, m):
+        if not self.supports(w, m, compute):
             raise ValueError(
-                f"int8 GEMV takes 1..{MAX_ROWS} rows and 32-value groups; got M={m}, {w.fmt} "
-                f"group_size {w.group_size}"
+                f"int8 activations take 32-value groups, 1..{MAX_ROWS} rows (GEMV, when on) or more rows of "
+                f"4-bit weights in reduced precision on AVX512-VNNI (batched, when on); got M={m}, {w.fmt} "
+                f"group_size {w.group_size}, compute {compute}, path {self.isa}, modes {self.modes}"
             )
-        return call_linear(self.lib.kubeinfer_qgemv_q8, "qgemv_q8", x, w, bias, out)
+        return call_linear(self.lib.kubeinfer_qgemv_q8, "qgemv_q8", x, w, bias, out, compute)
 
     def set_path(self, name: str) -> str:
         """Runs path `name` (lowered to what the CPU reports); returns the path now in use. Process-wide:
@@ -166,6 +196,8 @@ def load_q8_gemv_kernel(fallback: QLinearKernel, cache_dir: Path | None = None) 
     lib.kubeinfer_qgemv_q8_supports.argtypes = [ctypes.POINTER(KiQWeight), i64]
     lib.kubeinfer_qgemv_q8_set_path.restype = i32
     lib.kubeinfer_qgemv_q8_set_path.argtypes = [i32]
+    lib.kubeinfer_qgemv_q8_set_modes.restype = None
+    lib.kubeinfer_qgemv_q8_set_modes.argtypes = [i32, i32]
     lib.kubeinfer_qgemv_q8_set_fallback.restype = None
     lib.kubeinfer_qgemv_q8_set_fallback.argtypes = [ptr]
     lib.kubeinfer_qgemv_q8_set_fallback(ctypes.cast(fallback.lib.kubeinfer_qlinear, ctypes.c_void_p).value)
@@ -219,9 +251,54 @@ def int8_gemv(enabled: bool) -> Iterator[None]:
         _override = saved
 
 
+_gemm_override: bool | None = None
+
+
+def int8_gemm_enabled() -> bool:
+    """KUBEINFER_INT8_GEMM (`1`/`0`, default GEMM_DEFAULT_ENABLED), unless `int8_gemm(...)` overrides it.
+    Raises ValueError for another value."""
+    if _gemm_override is not None:
+        return _gemm_override
+    raw = os.environ.get(GEMM_ENABLE_ENV, "").strip()
+    if raw == "":
+        return GEMM_DEFAULT_ENABLED
+    if raw not in ("0", "1"):
+        raise ValueError(f"{GEMM_ENABLE_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+@contextlib.contextmanager
+def int8_gemm(enabled: bool) -> Iterator[None]:
+    """Within this block batches of more than MAX_ROWS rows take the batched int8 path where it applies
+    (True) or not (False), whatever the environment says; a decode graph built before keeps its choice."""
+    global _gemm_override
+    saved, _gemm_override = _gemm_override, enabled
+    try:
+        yield
+    finally:
+        _gemm_override = saved
+
+
 def active_kernel(kernel: QLinearKernel) -> Q8GemvKernel | None:
-    """The int8 kernel when the switch is on and it can be built, else None."""
-    return try_load_q8_gemv_kernel(kernel) if int8_gemv_enabled() else None
+    """The int8 kernel, its modes set from the two switches, when either is on and it can be built;
+    else None."""
+    gemv, gemm = int8_gemv_enabled(), int8_gemm_enabled()
+    if not (gemv or gemm):
+        return None
+    q8 = try_load_q8_gemv_kernel(kernel)
+    if q8 is not None:
+        q8.set_modes(gemv, gemm)
+    return q8
+
+
+def int8_batches_available(cache_dir: Path | None = None) -> bool:
+    """Whether bf16 layers' batches of 4-bit weights take the batched int8 path here (the switch on, the
+    kernels built, AVX512-VNNI usable): for the start-up log."""
+    if not int8_gemm_enabled():
+        return False
+    kernel = try_load_qlinear_kernel(cache_dir)
+    q8 = None if kernel is None else active_kernel(kernel)
+    return q8 is not None and q8.isa == "vnni"
 
 
 def small_m_linear(
@@ -234,8 +311,8 @@ def small_m_linear(
     """BlockQuantLinear's kernel call for M < its gemm_min_rows: the int8 GEMV where the switch is on and
     it takes (w, M), else qlinear's; the same choice as the decode graph's entry point makes in C++."""
     q8 = active_kernel(kernel)
-    if q8 is not None and q8.supports(w, x.shape[0]):
-        return q8.linear(x, w, bias)
+    if q8 is not None and q8.supports(w, x.shape[0], compute):
+        return q8.linear(x, w, bias, compute=compute)
     return kernel.linear(x, w, bias, compute=compute)
 
 

@@ -6,7 +6,10 @@ CPU computes it natively (AVX512-BF16 or AMX-BF16 usable, server/models/loader.c
 what the OS enables, minus KUBEINFER_CPU_DISABLE), fp32 elsewhere; `bfloat16` asks for bf16, `float32`
 (and `float16`, which the CPU kernels do not run) for fp32.
 
-What runs in bf16 is BlockQuantLinear's GEMMs (server/quant/block_linear.py): from BF16_GEMM_MIN_ROWS
+Where the CPU also has AVX512-VNNI, a bf16 layer's batches of 5+ rows of 4-bit weights take int8
+activations instead (server/quant/cpu_qgemv_q8.py, KUBEINFER_INT8_GEMM): faster still, and of the same
+order of error as bf16 operands. Otherwise,
+what runs in bf16 is BlockQuantLinear's GEMMs (server/quant/block_linear.py): from BF16_GEMM_MIN_ROWS
 rows up its dequantize + GEMM path (x and the dequantized weight rounded to bf16, oneDNN accumulates in
 fp32, the product rounded to bf16 and widened back), and from 4 rows up to that the compiled kernel's
 bf16 batched path (csrc/qlinear.cpp: bf16 operands, fp32 sums and output; the decode graph too), where

@@ -1,4 +1,8 @@
-// Few-row GEMV with int8 activations: y[M, N] = Q8(x)[M, K] @ W[N, K]^T (+ bias), M <= 4 (decode).
+// Linear layers with int8 activations: y[M, N] = Q8(x)[M, K] @ W[N, K]^T (+ bias). Two kinds of call:
+// - the GEMV, M <= 4 (one-user decode; KUBEINFER_INT8_GEMV, off by default), on three code paths below;
+// - the batched path, M > 4 (decode batches and prefill chunks; KUBEINFER_INT8_GEMM, on by default), for
+//   4-bit weights in 32-blocks of layers whose descriptor asks for reduced precision (compute = bf16:
+//   `--dtype auto` on a CPU with native bf16), on AVX512-VNNI only: "batched" in the body below.
 //
 // llama.cpp's approach for its CPU GEMV (ggml-cpu's quantize_row_q8_0/q8_1 and ggml_vec_dot_q4_1_q8_1):
 // each row of x is quantized per 32-block to int8 with one fp32 scale, d = max|x_b| / 127,
@@ -19,13 +23,24 @@
 //           |q_w| <= 15 or 128 times |q_x| <= 127, two products per s16.
 //   scalar  plain C++, any CPU.
 // The 8-bit weights (s8) go through the unsigned operand as |w| with x's sign flipped where w < 0.
-// Anything else (other group sizes, M > 4) goes to the fallback set by Python: qlinear.cpp's
-// kubeinfer_qlinear, so that the decode graph can call this entry point for every projection.
+// Anything else (other group sizes, batches it does not take, a kind of call switched off) goes to the
+// fallback set by Python: qlinear.cpp's kubeinfer_qlinear, so that the decode graph can call this entry
+// point for every projection.
+//
+// Batched path (AVX512-VNNI, 512-bit): per 16-column group of W, its 4-bit values are transposed into
+// vectors of 16 columns x 4 consecutive k (u8), its scales and offsets into [block][16] fp32; x rows,
+// quantized like the GEMV's, are interleaved 8 rows at a time; the micro-kernel runs 8 vpdpbusd per block
+// (64 products each, int32 lanes = columns) per row and scales each block's sums in fp32, the GEMV's
+// formula. llama.cpp repacks its weights at load for the same instruction; here the packing is per call
+// (one 16-column group at a time, amortized over the rows), so the GGUF layout is the only copy. Measured
+// on a 2-core AMD EPYC (Zen 4, AVX-512): 1.3-1.9x qlinear's bf16 batched path at M = 8..255 with the
+// weights in cache, 1.3-1.45x oneDNN's bf16 GEMM at M = 256..2048 (docs/benchmarks.md).
 #ifndef KI_Q8_BODY
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -179,8 +194,20 @@ int best_compiled_path() {
   return PATH_SCALAR;
 }
 
+// Which calls this library takes (kubeinfer_qgemv_q8_set_modes): the GEMV (M <= MAX_ROWS), and the batched
+// int8 path (M > MAX_ROWS, vnni only, 4-bit W, layers whose compute is bf16).
+bool gemv_on = true, gemm_on = false;
+constexpr int32_t COMPUTE_BF16 = 1;  // qlinear.cpp's KI_COMPUTE_BF16: the layer allows reduced precision
+
+bool gemm_supported(const KiQWeight* w, int64_t m) {
+  if (!gemm_on || path_in_use != PATH_VNNI || !w || !w->q || !w->scales || w->n < 0) return false;
+  if (m <= MAX_ROWS || w->compute != COMPUTE_BF16 || w->bits != 4) return false;
+  return w->k >= 32 && w->k % 32 == 0 && w->group_size == 32 && w->groups == w->k / 32 && w->row_bytes == w->k / 2;
+}
+
 bool supported(const KiQWeight* w, int64_t m) {
-  if (!w || !w->q || !w->scales || w->n < 0 || m < 1 || m > MAX_ROWS) return false;
+  if (gemm_supported(w, m)) return true;
+  if (!gemv_on || !w || !w->q || !w->scales || w->n < 0 || m < 1 || m > MAX_ROWS) return false;
   if (w->k < 32 || w->k % 32 || w->group_size != 32 || w->groups != w->k / 32) return false;
   if (w->bits == 4) return w->row_bytes == w->k / 2;
   if (w->bits == 8) return w->row_bytes == w->k;
@@ -249,7 +276,15 @@ void q8_gemv(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
 
 extern "C" {
 
-int32_t kubeinfer_qgemv_q8_abi() { return 1; }
+int32_t kubeinfer_qgemv_q8_abi() { return 2; }
+
+// Which calls this library takes: gemv (M <= 4) and gemm (the batched int8 path, 4 < M <= 255: vnni, 4-bit
+// W, descriptors asking for bf16 compute); the rest goes to the fallback. Set at load and by tests, not
+// thread-safe against running kernels.
+void kubeinfer_qgemv_q8_set_modes(int32_t gemv, int32_t gemm) {
+  gemv_on = gemv != 0;
+  gemm_on = gemm != 0;
+}
 
 // The path to run: 2 vnni, 1 avx2, 0 scalar; lowered to what this CPU reports (libgcc's CPUID check, a
 // second guard behind Python's OS-enabled features). Returns the path now in use. Set at load, not
@@ -271,6 +306,13 @@ int32_t kubeinfer_qgemv_q8(const KiQWeight* w, const float* x, int64_t m, int64_
                            float* y, int64_t y_stride, int32_t nthreads) {
   if (!supported(w, m)) return fallback ? fallback(w, x, m, x_stride, bias, y, y_stride, nthreads) : 3;
   const int nt = std::max(nthreads, 1);
+#if KI_Q8_X86
+  if (m > MAX_ROWS) {  // supported(): the batched path
+    w->scale_is_f16 ? vnni_path::gemm_q8<true>(*w, x, m, x_stride, bias, y, y_stride, nt)
+                    : vnni_path::gemm_q8<false>(*w, x, m, x_stride, bias, y, y_stride, nt);
+    return 0;
+  }
+#endif
   if (w->bits == 4) {
     w->scale_is_f16 ? q8_gemv<4, true>(*w, x, m, x_stride, bias, y, y_stride, nt)
                     : q8_gemv<4, false>(*w, x, m, x_stride, bias, y, y_stride, nt);
@@ -388,5 +430,203 @@ float row_dot(const KiQWeight& w, int64_t n, const QRow& x) {
   }
   return hsum_ps(acc) + tail;
 }
+
+#if KI_Q8_VNNI
+// ---------------------------------------------------------------- batched: 4-bit W, 16 columns at a time
+// For M > MAX_ROWS rows of x (a decode batch) and 4-bit weights in 32-blocks. Per 16-column group of W:
+//   pack: each block's 16 nibble bytes per column, as four dwords D[c][j] (bytes 4j..4j+3: k = 4j..4j+3 in
+//     the low nibbles, k = 16 + 4j.. in the high ones), transposed so that one vector holds dword j of all
+//     16 columns (wq[(b * 8 + q) * 16 + c], q < 4 low nibbles of D[c][q], q >= 4 high nibbles of D[c][q-4]:
+//     four u8 weights k = 4q.. of column c), and the group's scales d and offsets (min - zp d) per block
+//     gathered as [nb][16] floats;
+//   micro-kernel: up to 8 rows of x at once; per block 8 vpdpbusd (u8 W x s8 x, 64 products each) into
+//     s32 lanes = columns, then y += d_w d_x dot + off_w s_x in fp32 (the GEMV's block formula).
+// Bit-for-bit it is not the GEMV (other fp32 summation order); both are W @ x^ up to fp32 rounding.
+constexpr int GROUP = 16;
+
+// Rows c < cols of a [*, stride_bytes] array, 16 bytes each from `base + c * stride_bytes` (zero for c >=
+// cols) -> d[j] holding dword j of all 16 rows (d[j] lane i = dword j of row i). Z_r takes rows r, 4 + r,
+// 8 + r, 12 + r in its four 128-bit lanes; a 4x4 dword transpose inside each lane then leaves row 4L + r at
+// dword r of lane L, i.e. the rows in order.
+inline void transpose16x4(const uint8_t* base, int64_t stride_bytes, int cols, __m512i d[4]) {
+  __m512i z[4];
+  for (int r = 0; r < 4; ++r) {
+    z[r] = _mm512_setzero_si512();
+    for (int L = 0; L < 4; ++L) {
+      const int c = 4 * L + r;
+      if (c < cols) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + c * stride_bytes));
+        z[r] = _mm512_inserti32x4(z[r], v, L);
+      }
+    }
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  d[0] = _mm512_unpacklo_epi64(t0, t2);
+  d[1] = _mm512_unpackhi_epi64(t0, t2);
+  d[2] = _mm512_unpacklo_epi64(t1, t3);
+  d[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// The [n, groups] scales (or mins) of columns [n0, n0 + cols) -> out[b * 16 + c] fp32, b < nb.
+template <bool F16>
+inline void gather_scales(const void* p, int64_t groups, int64_t n0, int cols, int64_t nb, float* out) {
+  constexpr int ES = F16 ? 2 : 4, PER = 16 / ES;  // bytes per scale, blocks per 16-byte row piece
+  const auto* base = static_cast<const uint8_t*>(p) + n0 * groups * ES;
+  int64_t b0 = 0;
+  for (; b0 + PER <= nb; b0 += PER) {
+    __m512i d[4];
+    transpose16x4(base + b0 * ES, groups * ES, cols, d);
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (F16) {  // dword j = blocks b0 + 2j (low half) and b0 + 2j + 1 (high half)
+        _mm512_storeu_ps(out + (b0 + 2 * j) * GROUP, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d[j])));
+        _mm512_storeu_ps(out + (b0 + 2 * j + 1) * GROUP,
+                         _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(d[j], 16))));
+      } else {
+        _mm512_storeu_ps(out + (b0 + j) * GROUP, _mm512_castsi512_ps(d[j]));
+      }
+    }
+  }
+  for (; b0 < nb; ++b0) {
+    for (int c = 0; c < GROUP; ++c) {
+      float v = 0.0f;
+      if (c < cols) {
+        const int64_t i = (n0 + c) * groups + b0;
+        v = F16 ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+      }
+      out[b0 * GROUP + c] = v;
+    }
+  }
+}
+
+// Column group [n0, n0 + cols) of W, cols <= 16 (missing columns zero) -> wq [nb * 8 * 16] u8x4 (vector
+// (b, q) holds k = 32 b + 4q.. of every column), dw and off [nb * 16] fp32 (d and min - zp d).
+template <bool F16>
+inline void pack_group(const KiQWeight& w, int64_t n0, int cols, uint32_t* wq, float* dw, float* off) {
+  const int64_t nb = w.k / 32;
+  const __m512i lo = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i d[4];  // dword j of a block's 16 bytes: k = 4j.. in the low nibbles, k = 16 + 4j.. in the high
+    transpose16x4(w.q + n0 * w.row_bytes + b * 16, w.row_bytes, cols, d);
+    uint32_t* dst = wq + b * 8 * GROUP;
+    for (int j = 0; j < 4; ++j) {
+      _mm512_storeu_si512(dst + j * GROUP, _mm512_and_si512(d[j], lo));
+      _mm512_storeu_si512(dst + (j + 4) * GROUP, _mm512_and_si512(_mm512_srli_epi16(d[j], 4), lo));
+    }
+  }
+  gather_scales<F16>(w.scales, w.groups, n0, cols, nb, dw);
+  const __m512 zp = _mm512_set1_ps(static_cast<float>(w.zero_point));
+  if (w.mins) gather_scales<F16>(w.mins, w.groups, n0, cols, nb, off);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 mv = w.mins ? _mm512_loadu_ps(off + b * GROUP) : _mm512_setzero_ps();
+    _mm512_storeu_ps(off + b * GROUP, _mm512_fnmadd_ps(zp, _mm512_loadu_ps(dw + b * GROUP), mv));
+  }
+}
+
+// acc[r] (16 columns) += rows r0 + r of the row block, r < R; xp: the block's quantized x interleaved,
+// xp[(b * 8 + q) * R + r] = the four int8 values k = 32 b + 4q.. of row r0 + r; xd, xs: [nb * R].
+template <int R>
+inline void micro_q8(const uint32_t* wq, const float* dw, const float* off, int64_t nb, const int32_t* xp,
+                     const float* xd, const float* xs, __m512 acc[]) {
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i ai[R];
+    for (int r = 0; r < R; ++r) ai[r] = _mm512_setzero_si512();
+    const uint32_t* wb = wq + b * 8 * GROUP;
+    const int32_t* xb = xp + b * 8 * R;
+    for (int q = 0; q < 8; ++q) {
+      const __m512i wv = _mm512_loadu_si512(wb + q * GROUP);
+      for (int r = 0; r < R; ++r) ai[r] = _mm512_dpbusd_epi32(ai[r], wv, _mm512_set1_epi32(xb[q * R + r]));
+    }
+    const __m512 dwb = _mm512_loadu_ps(dw + b * GROUP), offb = _mm512_loadu_ps(off + b * GROUP);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r]), _mm512_mul_ps(dwb, _mm512_set1_ps(xd[b * R + r])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offb, _mm512_set1_ps(xs[b * R + r]), acc[r]);
+    }
+  }
+}
+
+template <int R>
+inline void rows_q8(const uint32_t* wq, const float* dw, const float* off, int64_t nb, const int32_t* xp,
+                    const float* xd, const float* xs, int64_t r0, int64_t n0, int cols, const float* bias, float* y,
+                    int64_t y_stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  micro_q8<R>(wq, dw, off, nb, xp, xd, xs, acc);
+  const __mmask16 colmask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(colmask, bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * y_stride + n0, colmask, _mm512_add_ps(acc[r], bv));
+}
+
+constexpr int RB = 8;             // rows of x per micro-kernel call
+constexpr int64_t ROW_CHUNK = 256;  // rows per pass over W: their interleaved x stays in L2 (K <= ~4096)
+
+// Rows [r0, r0 + R) of x, R <= RB, quantized per 32-block (quantize_block) into the micro-kernel's layout:
+// xp[(b * 8 + q) * R + r] = the four int8 values k = 32 b + 4q.. of row r0 + r; xd[b * R + r] = its scale d,
+// xs[b * R + r] = d * sum(q) of the block.
+inline void quantize_rows(const float* x, int64_t x_stride, int64_t r0, int64_t R, int64_t K, int32_t* xp, float* xd,
+                          float* xs) {
+  const int64_t nb = K / 32;
+  alignas(32) int8_t q[32];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = quantize_block(x + (r0 + r) * x_stride + b * 32, q);
+      int32_t sum = 0;
+      for (int j = 0; j < 32; ++j) sum += q[j];
+      for (int qd = 0; qd < 8; ++qd) std::memcpy(xp + (b * 8 + qd) * R + r, q + 4 * qd, 4);
+      xd[b * R + r] = d;
+      xs[b * R + r] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// y[M, N] = Q8(x) @ W^T (+ bias) for 4-bit W in 32-blocks (x [M, K] fp32, rows x_stride apart).
+template <bool F16>
+void gemm_q8(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
+             int64_t y_stride, int nthreads) {
+  const int64_t K = w.k, nb = K / 32, N = w.n, groups = (N + GROUP - 1) / GROUP;
+  const int64_t blocks = (m + RB - 1) / RB;  // row blocks; the last may be shorter (its own R)
+  std::vector<int32_t> xp(static_cast<size_t>(blocks * nb * 8 * RB));
+  std::vector<float> xd(static_cast<size_t>(blocks * nb * RB)), xs(static_cast<size_t>(blocks * nb * RB));
+#pragma omp parallel num_threads(nthreads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t rb = 0; rb < blocks; ++rb) {
+      quantize_rows(x, x_stride, rb * RB, std::min<int64_t>(RB, m - rb * RB), K, xp.data() + rb * nb * 8 * RB,
+                    xd.data() + rb * nb * RB, xs.data() + rb * nb * RB);
+    }  // implicit barrier: every row quantized before any group starts
+    std::vector<uint32_t> wq(static_cast<size_t>(nb * 8 * GROUP));
+    std::vector<float> dw(static_cast<size_t>(nb * GROUP)), off(static_cast<size_t>(nb * GROUP));
+    const int64_t chunk_blocks = ROW_CHUNK / RB;
+    for (int64_t c0 = 0; c0 < blocks; c0 += chunk_blocks) {
+      const int64_t c1 = std::min(blocks, c0 + chunk_blocks);
+#pragma omp for schedule(static) nowait
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t n0 = g * GROUP;
+        const int cols = static_cast<int>(std::min<int64_t>(GROUP, N - n0));
+        pack_group<F16>(w, n0, cols, wq.data(), dw.data(), off.data());
+        for (int64_t rb = c0; rb < c1; ++rb) {
+          const int64_t r0 = rb * RB;
+          const int32_t* p = xp.data() + rb * nb * 8 * RB;
+          const float *d = xd.data() + rb * nb * RB, *sx = xs.data() + rb * nb * RB;
+          auto call = [&](auto r) {
+            rows_q8<decltype(r)::value>(wq.data(), dw.data(), off.data(), nb, p, d, sx, r0, n0, cols, bias, y,
+                                        y_stride);
+          };
+          switch (std::min<int64_t>(RB, m - r0)) {
+            case 8: call(std::integral_constant<int, 8>{}); break;
+            case 7: call(std::integral_constant<int, 7>{}); break;
+            case 6: call(std::integral_constant<int, 6>{}); break;
+            case 5: call(std::integral_constant<int, 5>{}); break;
+            case 4: call(std::integral_constant<int, 4>{}); break;
+            case 3: call(std::integral_constant<int, 3>{}); break;
+            case 2: call(std::integral_constant<int, 2>{}); break;
+            default: call(std::integral_constant<int, 1>{}); break;
+          }
+        }
+      }
+    }
+  }
+}
+#endif  // KI_Q8_VNNI
 
 #endif  // KI_Q8_BODY
