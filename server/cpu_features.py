@@ -76,9 +76,11 @@ _GROUPS = {
     "vnni": ("avx512_vnni", "avx_vnni"),
     "bf16": ("avx512_bf16", "amx_bf16"),
 }
+# AMX counts as building on AVX-512: every AMX kernel (oneDNN's, ours) does its loads, conversions and
+# epilogues in AVX-512, and no CPU has one without the other.
 _DEPENDENTS = {
     "avx2": ("avx512f", "avx_vnni"),
-    "avx512f": ("avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
+    "avx512f": ("avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile"),
     "amx_tile": ("amx_bf16", "amx_int8"),
 }
 

@@ -18,9 +18,11 @@ Paths (the compiled kernel, server/quant/csrc/qlinear.cpp):
   serves, told the layer's dtype (small_m_linear's `compute`): from 4 rows its bf16 batched path where
   AVX512-BF16 is usable (bf16 operands, fp32 sums and output), the fp32 GEMV below;
 - int8 activations (server/quant/cpu_qgemv_q8.py, `int8_kernel`): with gemm_dtype bf16 on an AVX512-VNNI
-  CPU, every batch of 5 rows or more of 4-bit weights in 32-blocks (prefill included) takes the batched
-  int8 path ahead of the two bf16 paths above (KUBEINFER_INT8_GEMM, on by default); 1..4 rows the int8
-  GEMV where KUBEINFER_INT8_GEMV is on;
+  CPU, every batch of 5 rows or more of 4- or 8-bit weights in 32-blocks (prefill included; the Q8_0 LM
+  head too) takes the batched int8 path ahead of the two bf16 paths above (KUBEINFER_INT8_GEMM, on by
+  default), except where AMX-BF16 is usable: there batches of BF16_GEMM_MIN_ROWS rows and more go to the
+  dequantize + bf16 GEMM (oneDNN on AMX tiles, faster from ~256 rows: cpu_qgemv_q8.AMX_GEMM_MAX_ROWS);
+  1..4 rows the int8 GEMV where KUBEINFER_INT8_GEMV is on;
 - no compiler: the plain-torch reference (dequantize, then matmul), slower but the same function.
 """
 
@@ -130,8 +132,9 @@ class BlockQuantLinear(QuantLinear):
 
     def int8_kernel(self, rows: int) -> Q8GemvKernel | None:
         """The int8-activation kernel where it takes `rows` rows of x for this layer: its batched path
-        (more than 4 rows, 4-bit weights in 32-blocks, AVX512-VNNI, gemm_dtype bf16, KUBEINFER_INT8_GEMM
-        on), or its GEMV (1-4 rows, KUBEINFER_INT8_GEMV on); else None."""
+        (more than 4 rows, at most AMX_GEMM_MAX_ROWS where AMX-BF16 is usable, 4/8-bit weights in
+        32-blocks, AVX512-VNNI, gemm_dtype bf16, KUBEINFER_INT8_GEMM on), or its GEMV (1-4 rows,
+        KUBEINFER_INT8_GEMV on); else None."""
         if self.kernel is None or (rows > Q8_MAX_ROWS and self.gemm_dtype != torch.bfloat16):
             return None
         q8 = active_kernel(self.kernel)

@@ -11,7 +11,8 @@ The result is W @ x^ with x^ = d * q the activation as quantized (`quantize_acti
 up to fp32 rounding: against fp32 activations it differs by at most sum_b (d_b / 2) sum_{k in b} |w_k|
 per output (`activation_error_bound`: each value moves by at most half a step of its block).
 
-Batched path: for M > MAX_ROWS rows (decode batches, prefill chunks) of 4-bit weights in 32-blocks, on
+Batched path: for M > MAX_ROWS rows (decode batches, prefill chunks) of 4- or 8-bit weights in 32-blocks
+(Q4_0/Q4_1/Q4_K/int4 g32, Q8_0: the tied LM head of GGUF models), on
 AVX512-VNNI only, for layers whose GEMMs run in reduced precision (gemm_dtype bf16: `--dtype auto` on a CPU
 with native bf16, server/quant/gemm_dtype.py): x quantized the same way, W's nibbles and scales packed per
 16-column group per call, `vpdpbusd` on 512-bit vectors. 1.3-1.9x the bf16 batched kernel and 1.3-1.45x
@@ -19,7 +20,8 @@ oneDNN's bf16 GEMM on a 2-core Zen 4 (docs/benchmarks.md "int8 activations for b
 against fp32 activations is the same bound as the GEMV's (~5e-3 relative on Gaussian x against bf16's
 ~2.4e-3).
 
-Serving: `KUBEINFER_INT8_GEMV` (`1` on, `0` off; default off, docs/benchmarks.md "int8 activations")
+Serving: `KUBEINFER_INT8_GEMV` (`1` on for every layer, `0` off; unset: on for layers computing in bf16
+where AMX-INT8 is usable, off elsewhere: `default_gemv_enabled`, docs/benchmarks.md "int8 activations", "AMX")
 routes the decode GEMV of BlockQuantLinear and of the decode graph here, `KUBEINFER_INT8_GEMM` (default
 on) the batches (`small_m_linear`, `BlockQuantLinear.int8_kernel`, `decode_qlinear_address`); what this
 kernel does not take still goes to qlinear.cpp, the library's fallback (`Q8GemvKernel.supports` says which).
@@ -56,7 +58,7 @@ from server.quant.cpu_qlinear import (
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv_q8.cpp"
-ABI_VERSION = 2  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes
+ABI_VERSION = 3  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes; 3: 8-bit W batched
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit.
 NATIVE = NativeSource(
     "qgemv_q8", SOURCE, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20"), abi_version=ABI_VERSION
@@ -65,12 +67,24 @@ MAX_ROWS = 4  # qgemv_q8.cpp's MAX_ROWS: larger M goes to the fallback
 PATHS = ("scalar", "avx2", "vnni")  # kubeinfer_qgemv_q8_set_path's 0, 1, 2
 ENABLE_ENV = "KUBEINFER_INT8_GEMV"
 GEMM_ENABLE_ENV = "KUBEINFER_INT8_GEMM"
-# On: the batched int8 path (M > MAX_ROWS, AVX512-VNNI, 4-bit weights of layers computing in reduced
+# On: the batched int8 path (M > MAX_ROWS, AVX512-VNNI, 4/8-bit weights of layers computing in reduced
 # precision) is 1.3-1.9x qlinear's bf16 batched path and oneDNN's bf16 GEMM here (docs/benchmarks.md).
 GEMM_DEFAULT_ENABLED = True
-# Off: faster per GEMV call and per decode step at 4 users and with one thread, but not (yet) in served
-# one-user tok/s with two threads on this loaded machine (docs/benchmarks.md "int8 activations").
-DEFAULT_ENABLED = False
+# With AMX-BF16 usable, oneDNN's bf16 GEMM (dequantize + AMX tiles) overtakes the batched int8 path from
+# ~256 rows (0.94-1.04x at 256, 0.5-0.8x at 512-2048; 1.1-2.4x the other way at 32-192 rows: 2-core Xeon
+# with AMX, docs/benchmarks.md "AMX"): there the batched path takes up to this many rows and larger
+# batches go to BlockQuantLinear's bf16 GEMM (its BF16_GEMM_MIN_ROWS is 256).
+AMX_GEMM_MAX_ROWS = 255
+
+
+# KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of layers computing in bf16 where AMX-INT8 is
+# usable (Intel Xeon 4th gen and later, whose cores run 512-bit VNNI at full width): served one-user decode
+# 1.8x the fp32-activation GEMV there (docs/benchmarks.md "AMX"). Elsewhere off: on a 2-core Zen 4 it was
+# faster per call and per decode step at 4 users, not in served one-user tok/s ("int8 activations").
+def default_gemv_enabled() -> bool:
+    """Whether the GEMV is on when KUBEINFER_INT8_GEMV is unset: AMX-INT8 usable here
+    (`usable_cpu_features`: what the OS enables, minus KUBEINFER_CPU_DISABLE)."""
+    return usable_cpu_features().amx_int8
 
 
 def path_for(features: CpuFeatures) -> str:
@@ -80,6 +94,12 @@ def path_for(features: CpuFeatures) -> str:
     if features.avx2 and features.fma and features.f16c:
         return "avx2"
     return "scalar"
+
+
+def gemm_max_rows_for(features: CpuFeatures) -> int | None:
+    """The batched path's largest M: AMX_GEMM_MAX_ROWS where AMX-BF16 is usable (oneDNN's bf16 GEMM is
+    faster from there), else no limit."""
+    return AMX_GEMM_MAX_ROWS if features.amx_bf16 else None
 
 
 # ------------------------------------------------------------------ torch references
@@ -129,26 +149,36 @@ class Q8GemvKernel:
     path: Path
     isa: str  # one of PATHS: the code path running here
     fallback: QLinearKernel  # serves what this kernel does not take; kept alive for the pointer
-    # [gemv, gemm]: which calls it takes (set_modes; the C side's copy is what runs)
-    modes: list[bool] = field(default_factory=lambda: [True, False])
+    # [gemv, gemm, gemv_fp32]: which calls it takes (set_modes; the C side's copy is what runs)
+    modes: list[bool] = field(default_factory=lambda: [True, False, True])
+    # the batched path's largest M from Python (AMX_GEMM_MAX_ROWS where AMX-BF16 is usable); the C entry
+    # point has no such limit: the decode graph's batches (max_num_seqs, default 64) stay below it
+    gemm_max_rows: int | None = None
 
-    def set_modes(self, gemv: bool, gemm: bool) -> None:
-        """Takes the GEMV (M <= MAX_ROWS) and/or the batched int8 path (M > MAX_ROWS: vnni, 4-bit W,
-        compute bf16); everything else goes to the fallback. Process-wide: never while the kernel runs."""
+    def set_modes(self, gemv: bool, gemm: bool, gemv_fp32: bool = True) -> None:
+        """Takes the GEMV (M <= MAX_ROWS; layers computing in fp32 too where `gemv_fp32`, else bf16 ones
+        only) and/or the batched int8 path (M > MAX_ROWS: vnni, 4/8-bit W, compute bf16); everything else
+        goes to the fallback. Process-wide: never while the kernel runs."""
         # Always through to C: another instance over the same library may have set other modes.
-        self.lib.kubeinfer_qgemv_q8_set_modes(int(gemv), int(gemm))
-        self.modes[:] = [gemv, gemm]
+        self.lib.kubeinfer_qgemv_q8_set_modes(int(gemv), int(gemm), int(gemv_fp32))
+        self.modes[:] = [gemv, gemm, gemv_fp32]
 
     def supports(self, w: BlockQuantWeight, m: int, compute: torch.dtype = torch.float32) -> bool:
         """Whether `w` with `m` rows of x takes an int8 path (32-value groups; the GEMV for 1 <= m <=
-        MAX_ROWS, the batched path for larger m with 4-bit W on the vnni path where `compute` is bf16): the
+        MAX_ROWS, the batched path for larger m with 4/8-bit W on the vnni path where `compute` is bf16): the
         C side's kubeinfer_qgemv_q8_supports, in Python (no ctypes call per projection)."""
         k = w.in_features
         if k % BLOCK or w.group_size != BLOCK or w.groups != k // BLOCK:
             return False
         if m > MAX_ROWS:
-            return self.modes[1] and self.isa == "vnni" and w.bits == 4 and compute == torch.bfloat16
-        return self.modes[0] and m >= 1
+            return (
+                self.modes[1]
+                and self.isa == "vnni"
+                and w.bits in (4, 8)
+                and compute == torch.bfloat16
+                and (self.gemm_max_rows is None or m <= self.gemm_max_rows)
+            )
+        return self.modes[0] and m >= 1 and (self.modes[2] or compute == torch.bfloat16)
 
     def linear(
         self,
@@ -165,8 +195,9 @@ class Q8GemvKernel:
         if not self.supports(w, m, compute):
             raise ValueError(
                 f"int8 activations take 32-value groups, 1..{MAX_ROWS} rows (GEMV, when on) or more rows of "
-                f"4-bit weights in reduced precision on AVX512-VNNI (batched, when on); got M={m}, {w.fmt} "
-                f"group_size {w.group_size}, compute {compute}, path {self.isa}, modes {self.modes}"
+                f"4/8-bit weights in reduced precision on AVX512-VNNI (batched, when on, up to "
+                f"{self.gemm_max_rows or 'any number of'} rows); got M={m}, {w.fmt} group_size {w.group_size}, "
+                f"compute {compute}, path {self.isa}, modes {self.modes}"
             )
         return call_linear(self.lib.kubeinfer_qgemv_q8, "qgemv_q8", x, w, bias, out, compute)
 
@@ -197,13 +228,13 @@ def load_q8_gemv_kernel(fallback: QLinearKernel, cache_dir: Path | None = None) 
     lib.kubeinfer_qgemv_q8_set_path.restype = i32
     lib.kubeinfer_qgemv_q8_set_path.argtypes = [i32]
     lib.kubeinfer_qgemv_q8_set_modes.restype = None
-    lib.kubeinfer_qgemv_q8_set_modes.argtypes = [i32, i32]
+    lib.kubeinfer_qgemv_q8_set_modes.argtypes = [i32, i32, i32]
     lib.kubeinfer_qgemv_q8_set_fallback.restype = None
     lib.kubeinfer_qgemv_q8_set_fallback.argtypes = [ptr]
     lib.kubeinfer_qgemv_q8_set_fallback(ctypes.cast(fallback.lib.kubeinfer_qlinear, ctypes.c_void_p).value)
-    wanted = path_for(usable_cpu_features(cache_dir))
-    isa = PATHS[int(lib.kubeinfer_qgemv_q8_set_path(PATHS.index(wanted)))]
-    return Q8GemvKernel(lib, path, isa, fallback)
+    features = usable_cpu_features(cache_dir)
+    isa = PATHS[int(lib.kubeinfer_qgemv_q8_set_path(PATHS.index(path_for(features))))]
+    return Q8GemvKernel(lib, path, isa, fallback, gemm_max_rows=gemm_max_rows_for(features))
 
 
 def try_load_q8_gemv_kernel(fallback: QLinearKernel, cache_dir: Path | None = None) -> Q8GemvKernel | None:
@@ -225,17 +256,24 @@ def _warn_once(reason: str) -> None:
 _override: bool | None = None
 
 
-def int8_gemv_enabled() -> bool:
-    """KUBEINFER_INT8_GEMV (`1`/`0`, default DEFAULT_ENABLED), unless `int8_gemv(...)` overrides it.
-    Raises ValueError for another value."""
+def _gemv_explicit() -> bool | None:
+    """`int8_gemv(...)`'s override, else KUBEINFER_INT8_GEMV (`1`/`0`), else None (unset). Raises
+    ValueError for another value."""
     if _override is not None:
         return _override
     raw = os.environ.get(ENABLE_ENV, "").strip()
     if raw == "":
-        return DEFAULT_ENABLED
+        return None
     if raw not in ("0", "1"):
         raise ValueError(f"{ENABLE_ENV} must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def int8_gemv_enabled() -> bool:
+    """KUBEINFER_INT8_GEMV (`1`/`0`; unset: `default_gemv_enabled()`, for bf16 layers only), unless
+    `int8_gemv(...)` overrides it. Raises ValueError for another value."""
+    explicit = _gemv_explicit()
+    return default_gemv_enabled() if explicit is None else explicit
 
 
 @contextlib.contextmanager
@@ -286,13 +324,13 @@ def active_kernel(kernel: QLinearKernel) -> Q8GemvKernel | None:
     if not (gemv or gemm):
         return None
     q8 = try_load_q8_gemv_kernel(kernel)
-    if q8 is not None:
-        q8.set_modes(gemv, gemm)
+    if q8 is not None:  # the GEMV by default (switch unset) only for layers computing in bf16
+        q8.set_modes(gemv, gemm, gemv_fp32=_gemv_explicit() is not None)
     return q8
 
 
 def int8_batches_available(cache_dir: Path | None = None) -> bool:
-    """Whether bf16 layers' batches of 4-bit weights take the batched int8 path here (the switch on, the
+    """Whether bf16 layers' batches of 4/8-bit weights take the batched int8 path here (the switch on, the
     kernels built, AVX512-VNNI usable): for the start-up log."""
     if not int8_gemm_enabled():
         return False

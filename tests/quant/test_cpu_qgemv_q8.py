@@ -15,6 +15,7 @@ Tolerances:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,12 +41,13 @@ def kernel() -> QLinearKernel:
 
 @pytest.fixture()
 def fast(kernel: QLinearKernel) -> Iterator[q8.Q8GemvKernel]:
-    """The kernel taking both kinds of call (the GEMV and the batched path); restored after each test."""
+    """The kernel taking both kinds of call (the GEMV and the batched path, any M even where AMX hands
+    large batches to oneDNN); restored after each test."""
     k = q8.load_q8_gemv_kernel(kernel)
     k.set_modes(gemv=True, gemm=True)
-    yield k
+    yield dataclasses.replace(k, gemm_max_rows=None)
     k.set_path(q8.path_for(native.usable_cpu_features()))
-    k.set_modes(q8.DEFAULT_ENABLED, q8.GEMM_DEFAULT_ENABLED)  # the switches' defaults again
+    k.set_modes(q8.default_gemv_enabled(), q8.GEMM_DEFAULT_ENABLED, gemv_fp32=False)  # the defaults again
 
 
 def _available(fast: q8.Q8GemvKernel) -> list[str]:
@@ -94,6 +96,10 @@ def test_q8_0_weights_of_minus_128_and_zero_blocks(fast: q8.Q8GemvKernel, path: 
     x = torch.randn(3, 288) * 3
     x[1, 64:96] = 0.0
     _check(fast.linear(x, w), x, w, None)
+    if path == "vnni":  # the batched path: -128 + 128 = 0 as its u8 operand, the zero point 128 undoes it
+        xb = torch.randn(9, 288) * 3
+        xb[4, 32:64] = 0.0
+        _check(fast.linear(xb, w, compute=torch.bfloat16), xb, w, None)
 
 
 def test_the_paths_agree_with_each_other(fast: q8.Q8GemvKernel) -> None:
@@ -193,10 +199,41 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast
     with q8.int8_gemv(False):
         assert torch.equal(lin(x), kernel.linear(x, w))
     monkeypatch.delenv(q8.ENABLE_ENV)
-    assert q8.int8_gemv_enabled() == q8.DEFAULT_ENABLED
+    assert q8.int8_gemv_enabled() == q8.default_gemv_enabled() == native.usable_cpu_features().amx_int8
     monkeypatch.setenv(q8.ENABLE_ENV, "yes")
     with pytest.raises(ValueError, match=q8.ENABLE_ENV):
         q8.int8_gemv_enabled()
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_the_gemv_default_follows_amx_and_the_layer_dtype(
+    monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast: q8.Q8GemvKernel, amx: bool
+) -> None:
+    """KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of bf16 layers where AMX-INT8 is usable
+    and nothing else; fp32 layers keep fp32 activations unless the switch says 1 (the Python launchers and
+    the decode graph's C entry alike)."""
+    monkeypatch.delenv(q8.ENABLE_ENV, raising=False)
+    here = native.usable_cpu_features()
+    monkeypatch.setattr(
+        q8,
+        "usable_cpu_features",
+        lambda *_: dataclasses.replace(here, amx_tile=amx, amx_int8=amx, amx_bf16=amx),
+    )
+    assert q8.int8_gemv_enabled() is amx
+    w = make_weight("q4_1", 24, 576, seed=6)
+    x = torch.randn(1, 576)
+    for dtype in (torch.float32, torch.bfloat16):
+        lin = BlockQuantLinear(w, kernel=kernel)
+        lin.gemm_dtype = dtype
+        int8 = amx and dtype == torch.bfloat16
+        want = fast.linear(x, w, compute=dtype) if int8 else kernel.linear(x, w, compute=dtype)
+        assert torch.equal(lin(x), want)
+        q8.active_kernel(kernel)  # the modes the decode graph's entry runs with
+        desc = cq.weight_descriptor(w, dtype)
+        assert bool(fast.lib.kubeinfer_qgemv_q8_supports(ctypes.byref(desc), 1)) == int8
+    monkeypatch.setenv(q8.ENABLE_ENV, "1")  # said explicitly: fp32 layers too
+    lin = BlockQuantLinear(w, kernel=kernel)
+    assert torch.equal(lin(x), fast.linear(x, w))
 
 
 def _vnni(fast: q8.Q8GemvKernel) -> None:
@@ -207,12 +244,13 @@ def _vnni(fast: q8.Q8GemvKernel) -> None:
 # The batched path: N with a ragged 16-column group (37, 200) and whole groups (64); K of 1 block, 3 blocks
 # (the scales' 8-block transpose never runs), 18 (two 8-block pieces and 2 left) and 48; M of one short
 # row block (5), whole 8-row blocks (8, 16), blocks plus a rest (9, 23), and more than one 256-row pass (300).
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "int4"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "int4", "q8_0"])
 @pytest.mark.parametrize("n,k", [(37, 32), (64, 96), (200, 576), (16, 1536)])
 @pytest.mark.parametrize("m", [5, 8, 9, 16, 23, 300])
 def test_batched_int8_matches_the_references(fast: q8.Q8GemvKernel, fmt: str, n: int, k: int, m: int) -> None:
     _vnni(fast)
-    w = make_weight(fmt, n, k, seed=n + k + m)  # q4_0: zero point 8, no mins; q4_1/q4_k/int4: mins
+    # q4_0: zero point 8, no mins; q4_1/q4_k/int4: mins; q8_0: s8 values through the u8 operand (+128)
+    w = make_weight(fmt, n, k, seed=n + k + m)
     if fmt == "q4_k" and w.in_features != k:
         pytest.skip("q4_k needs whole 256-value super-blocks")
     assert fast.supports(w, m, torch.bfloat16) and not fast.supports(w, m, torch.float32)
@@ -237,7 +275,8 @@ def test_batched_int8_reads_strided_rows_and_writes_only_its_columns(fast: q8.Q8
     [
         ("q4_1", 16, torch.bfloat16, True),
         ("q4_1", 16, torch.float32, False),  # fp32 layers keep fp32 activations
-        ("q8_0", 16, torch.bfloat16, False),  # 8-bit weights: not this path
+        ("q8_0", 16, torch.bfloat16, True),  # 8-bit weights in 32-blocks (the LM head)
+        ("q8_0", 16, torch.float32, False),
         ("int8", 16, torch.bfloat16, False),  # one group of K
         ("q4_1", 4, torch.bfloat16, True),  # the GEMV's rows (its own mode)
     ],
@@ -278,8 +317,9 @@ def test_the_gemm_switch(monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel)
     lin.gemm_dtype = torch.bfloat16
     for m in (16, 300):
         x = torch.randn(m, 576)
-        assert lin.int8_kernel(m) is not None and not lin.bf16_gemm(m)
-        assert torch.equal(lin(x), fast.linear(x, w, compute=torch.bfloat16))
+        if m <= (fast.gemm_max_rows or m):  # AMX: 300 rows go to oneDNN (test_amx_...)
+            assert lin.int8_kernel(m) is not None and not lin.bf16_gemm(m)
+            assert torch.equal(lin(x), fast.linear(x, w, compute=torch.bfloat16))
         monkeypatch.setenv(q8.GEMM_ENABLE_ENV, "0")
         assert lin.int8_kernel(m) is None
         bf16 = lin(x)
@@ -299,6 +339,43 @@ def test_the_gemm_switch(monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel)
     monkeypatch.setenv(q8.GEMM_ENABLE_ENV, "on")
     with pytest.raises(ValueError, match=q8.GEMM_ENABLE_ENV):
         q8.int8_gemm_enabled()
+
+
+def test_amx_hands_prefill_sized_batches_to_the_bf16_gemm(
+    monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast: q8.Q8GemvKernel, tmp_path: Path
+) -> None:
+    """Where AMX-BF16 is usable, batches of AMX_GEMM_MAX_ROWS + 1 = BF16_GEMM_MIN_ROWS rows and more go
+    to dequantize + oneDNN's bf16 GEMM (faster there, docs/benchmarks.md), smaller ones stay int8; with no
+    AMX (or AMX turned off by KUBEINFER_CPU_DISABLE) the int8 path takes every batch."""
+    from server.quant import block_linear
+
+    _vnni(fast)
+    amx = CpuFeatures(
+        avx512f=True, avx512bw=True, avx512vl=True, avx512_vnni=True, amx_tile=True, amx_bf16=True
+    )
+    assert q8.gemm_max_rows_for(amx) == q8.AMX_GEMM_MAX_ROWS == block_linear.BF16_GEMM_MIN_ROWS - 1
+    assert q8.gemm_max_rows_for(dataclasses.replace(amx, amx_tile=False, amx_bf16=False)) is None
+    here = native.usable_cpu_features()
+    assert q8.load_q8_gemv_kernel(kernel).gemm_max_rows == q8.gemm_max_rows_for(here)
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "amx")
+    assert q8.load_q8_gemv_kernel(kernel, tmp_path).gemm_max_rows is None
+    monkeypatch.delenv("KUBEINFER_CPU_DISABLE")
+
+    limited = dataclasses.replace(fast, gemm_max_rows=q8.AMX_GEMM_MAX_ROWS)
+    monkeypatch.setattr(block_linear, "active_kernel", lambda _kernel: limited)
+    w = make_weight("q4_1", 64, 576, seed=3)
+    lin = BlockQuantLinear(w, kernel=kernel)
+    lin.gemm_dtype = torch.bfloat16
+    small, large = q8.AMX_GEMM_MAX_ROWS, q8.AMX_GEMM_MAX_ROWS + 1
+    assert lin.int8_kernel(small) is limited and not lin.bf16_gemm(small)
+    assert lin.int8_kernel(large) is None and lin.bf16_gemm(large)
+    x = torch.randn(large, 576)
+    assert torch.equal(lin(x[:small]), fast.linear(x[:small], w, compute=torch.bfloat16))
+    with pytest.raises(ValueError, match="up to 255 rows"):
+        limited.linear(x, w, compute=torch.bfloat16)
+    torch.testing.assert_close(
+        lin(x), x.bfloat16().float() @ cq.dequantize_reference(w).bfloat16().float().t(), rtol=2e-2, atol=2e-2
+    )
 
 
 def test_decode_graph_stays_bit_identical_with_int8(tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

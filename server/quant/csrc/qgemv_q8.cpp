@@ -1,7 +1,8 @@
 // Linear layers with int8 activations: y[M, N] = Q8(x)[M, K] @ W[N, K]^T (+ bias). Two kinds of call:
-// - the GEMV, M <= 4 (one-user decode; KUBEINFER_INT8_GEMV, off by default), on three code paths below;
+// - the GEMV, M <= 4 (one-user decode; KUBEINFER_INT8_GEMV, by default on only for bf16 layers on CPUs with
+//   AMX-INT8), on three code paths below;
 // - the batched path, M > 4 (decode batches and prefill chunks; KUBEINFER_INT8_GEMM, on by default), for
-//   4-bit weights in 32-blocks of layers whose descriptor asks for reduced precision (compute = bf16:
+//   4- or 8-bit weights in 32-blocks of layers whose descriptor asks for reduced precision (compute = bf16:
 //   `--dtype auto` on a CPU with native bf16), on AVX512-VNNI only: "batched" in the body below.
 //
 // llama.cpp's approach for its CPU GEMV (ggml-cpu's quantize_row_q8_0/q8_1 and ggml_vec_dot_q4_1_q8_1):
@@ -27,11 +28,11 @@
 // fallback set by Python: qlinear.cpp's kubeinfer_qlinear, so that the decode graph can call this entry
 // point for every projection.
 //
-// Batched path (AVX512-VNNI, 512-bit): per 16-column group of W, its 4-bit values are transposed into
-// vectors of 16 columns x 4 consecutive k (u8), its scales and offsets into [block][16] fp32; x rows,
-// quantized like the GEMV's, are interleaved 8 rows at a time; the micro-kernel runs 8 vpdpbusd per block
-// (64 products each, int32 lanes = columns) per row and scales each block's sums in fp32, the GEMV's
-// formula. llama.cpp repacks its weights at load for the same instruction; here the packing is per call
+// Batched path (AVX512-VNNI, 512-bit): per 16-column group of W, its 4-bit values (8-bit ones plus 128) are
+// transposed into vectors of 16 columns x 4 consecutive k (u8), its scales and offsets into [block][16]
+// fp32; x rows, quantized like the GEMV's, are interleaved 8 rows at a time; the micro-kernel runs 8
+// vpdpbusd per block (64 products each, int32 lanes = columns) per row and scales each block's sums in
+// fp32, the GEMV's formula. llama.cpp repacks its weights at load for the same instruction; here the packing is per call
 // (one 16-column group at a time, amortized over the rows), so the GGUF layout is the only copy. Measured
 // on a 2-core AMD EPYC (Zen 4, AVX-512): 1.3-1.9x qlinear's bf16 batched path at M = 8..255 with the
 // weights in cache, 1.3-1.45x oneDNN's bf16 GEMM at M = 256..2048 (docs/benchmarks.md).
@@ -195,19 +196,22 @@ int best_compiled_path() {
 }
 
 // Which calls this library takes (kubeinfer_qgemv_q8_set_modes): the GEMV (M <= MAX_ROWS), and the batched
-// int8 path (M > MAX_ROWS, vnni only, 4-bit W, layers whose compute is bf16).
-bool gemv_on = true, gemm_on = false;
+// int8 path (M > MAX_ROWS, vnni only, 4- or 8-bit W, layers whose compute is bf16).
+// gemv_fp32: the GEMV also takes layers computing in fp32 (KUBEINFER_INT8_GEMV=1 said so), not only bf16 ones.
+bool gemv_on = true, gemm_on = false, gemv_fp32 = true;
 constexpr int32_t COMPUTE_BF16 = 1;  // qlinear.cpp's KI_COMPUTE_BF16: the layer allows reduced precision
 
 bool gemm_supported(const KiQWeight* w, int64_t m) {
   if (!gemm_on || path_in_use != PATH_VNNI || !w || !w->q || !w->scales || w->n < 0) return false;
-  if (m <= MAX_ROWS || w->compute != COMPUTE_BF16 || w->bits != 4) return false;
-  return w->k >= 32 && w->k % 32 == 0 && w->group_size == 32 && w->groups == w->k / 32 && w->row_bytes == w->k / 2;
+  if (m <= MAX_ROWS || w->compute != COMPUTE_BF16 || (w->bits != 4 && w->bits != 8)) return false;
+  return w->k >= 32 && w->k % 32 == 0 && w->group_size == 32 && w->groups == w->k / 32 &&
+         w->row_bytes == w->k * w->bits / 8;
 }
 
 bool supported(const KiQWeight* w, int64_t m) {
   if (gemm_supported(w, m)) return true;
   if (!gemv_on || !w || !w->q || !w->scales || w->n < 0 || m < 1 || m > MAX_ROWS) return false;
+  if (!gemv_fp32 && w->compute != COMPUTE_BF16) return false;
   if (w->k < 32 || w->k % 32 || w->group_size != 32 || w->groups != w->k / 32) return false;
   if (w->bits == 4) return w->row_bytes == w->k / 2;
   if (w->bits == 8) return w->row_bytes == w->k;
@@ -276,14 +280,16 @@ void q8_gemv(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
 
 extern "C" {
 
-int32_t kubeinfer_qgemv_q8_abi() { return 2; }
+int32_t kubeinfer_qgemv_q8_abi() { return 3; }
 
-// Which calls this library takes: gemv (M <= 4) and gemm (the batched int8 path, 4 < M <= 255: vnni, 4-bit
-// W, descriptors asking for bf16 compute); the rest goes to the fallback. Set at load and by tests, not
-// thread-safe against running kernels.
-void kubeinfer_qgemv_q8_set_modes(int32_t gemv, int32_t gemm) {
+// Which calls this library takes: gemv (M <= 4; for descriptors asking for fp32 compute too only where
+// gemv_fp32_layers) and gemm (the batched int8 path, M > 4: vnni, 4- or 8-bit W in 32-blocks, descriptors
+// asking for bf16 compute); the rest goes to the fallback. Set at load and by tests, not thread-safe
+// against running kernels.
+void kubeinfer_qgemv_q8_set_modes(int32_t gemv, int32_t gemm, int32_t gemv_fp32_layers) {
   gemv_on = gemv != 0;
   gemm_on = gemm != 0;
+  gemv_fp32 = gemv_fp32_layers != 0;
 }
 
 // The path to run: 2 vnni, 1 avx2, 0 scalar; lowered to what this CPU reports (libgcc's CPUID check, a
@@ -308,8 +314,13 @@ int32_t kubeinfer_qgemv_q8(const KiQWeight* w, const float* x, int64_t m, int64_
   const int nt = std::max(nthreads, 1);
 #if KI_Q8_X86
   if (m > MAX_ROWS) {  // supported(): the batched path
-    w->scale_is_f16 ? vnni_path::gemm_q8<true>(*w, x, m, x_stride, bias, y, y_stride, nt)
-                    : vnni_path::gemm_q8<false>(*w, x, m, x_stride, bias, y, y_stride, nt);
+    if (w->bits == 4) {
+      w->scale_is_f16 ? vnni_path::gemm_q8<4, true>(*w, x, m, x_stride, bias, y, y_stride, nt)
+                      : vnni_path::gemm_q8<4, false>(*w, x, m, x_stride, bias, y, y_stride, nt);
+    } else {
+      w->scale_is_f16 ? vnni_path::gemm_q8<8, true>(*w, x, m, x_stride, bias, y, y_stride, nt)
+                      : vnni_path::gemm_q8<8, false>(*w, x, m, x_stride, bias, y, y_stride, nt);
+    }
     return 0;
   }
 #endif
@@ -432,8 +443,9 @@ float row_dot(const KiQWeight& w, int64_t n, const QRow& x) {
 }
 
 #if KI_Q8_VNNI
-// ---------------------------------------------------------------- batched: 4-bit W, 16 columns at a time
-// For M > MAX_ROWS rows of x (a decode batch) and 4-bit weights in 32-blocks. Per 16-column group of W:
+// ---------------------------------------------------------------- batched: 4/8-bit W, 16 columns at a time
+// For M > MAX_ROWS rows of x (a decode batch) and 4- or 8-bit weights in 32-blocks. Per 16-column group of W
+// (4-bit; 8-bit W: the block's 32 bytes as two 16-byte halves, each value + 128, see pack_group):
 //   pack: each block's 16 nibble bytes per column, as four dwords D[c][j] (bytes 4j..4j+3: k = 4j..4j+3 in
 //     the low nibbles, k = 16 + 4j.. in the high ones), transposed so that one vector holds dword j of all
 //     16 columns (wq[(b * 8 + q) * 16 + c], q < 4 low nibbles of D[c][q], q >= 4 high nibbles of D[c][q-4]:
@@ -500,22 +512,32 @@ inline void gather_scales(const void* p, int64_t groups, int64_t n0, int cols, i
 }
 
 // Column group [n0, n0 + cols) of W, cols <= 16 (missing columns zero) -> wq [nb * 8 * 16] u8x4 (vector
-// (b, q) holds k = 32 b + 4q.. of every column), dw and off [nb * 16] fp32 (d and min - zp d).
-template <bool F16>
+// (b, q) holds k = 32 b + 4q.. of every column), dw and off [nb * 16] fp32 (d and min - zp d). 8-bit W
+// (s8) goes in as w + 128 (u8, vpdpbusd's unsigned operand) with 128 added to its zero point: the same
+// block formula, exact in int32.
+template <int BITS, bool F16>
 inline void pack_group(const KiQWeight& w, int64_t n0, int cols, uint32_t* wq, float* dw, float* off) {
   const int64_t nb = w.k / 32;
-  const __m512i lo = _mm512_set1_epi8(0x0f);
+  const __m512i lo = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i d[4];  // dword j of a block's 16 bytes: k = 4j.. in the low nibbles, k = 16 + 4j.. in the high
-    transpose16x4(w.q + n0 * w.row_bytes + b * 16, w.row_bytes, cols, d);
     uint32_t* dst = wq + b * 8 * GROUP;
-    for (int j = 0; j < 4; ++j) {
-      _mm512_storeu_si512(dst + j * GROUP, _mm512_and_si512(d[j], lo));
-      _mm512_storeu_si512(dst + (j + 4) * GROUP, _mm512_and_si512(_mm512_srli_epi16(d[j], 4), lo));
+    if constexpr (BITS == 4) {
+      __m512i d[4];  // dword j of a block's 16 bytes: k = 4j.. in the low nibbles, k = 16 + 4j.. in the high
+      transpose16x4(w.q + n0 * w.row_bytes + b * 16, w.row_bytes, cols, d);
+      for (int j = 0; j < 4; ++j) {
+        _mm512_storeu_si512(dst + j * GROUP, _mm512_and_si512(d[j], lo));
+        _mm512_storeu_si512(dst + (j + 4) * GROUP, _mm512_and_si512(_mm512_srli_epi16(d[j], 4), lo));
+      }
+    } else {  // a block's 32 bytes: k = 0..15, then k = 16..31
+      for (int h = 0; h < 2; ++h) {
+        __m512i d[4];
+        transpose16x4(w.q + n0 * w.row_bytes + b * 32 + h * 16, w.row_bytes, cols, d);
+        for (int j = 0; j < 4; ++j) _mm512_storeu_si512(dst + (4 * h + j) * GROUP, _mm512_xor_si512(d[j], flip));
+      }
     }
   }
   gather_scales<F16>(w.scales, w.groups, n0, cols, nb, dw);
-  const __m512 zp = _mm512_set1_ps(static_cast<float>(w.zero_point));
+  const __m512 zp = _mm512_set1_ps(static_cast<float>(w.zero_point + (BITS == 8 ? 128 : 0)));
   if (w.mins) gather_scales<F16>(w.mins, w.groups, n0, cols, nb, off);
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 mv = w.mins ? _mm512_loadu_ps(off + b * GROUP) : _mm512_setzero_ps();
@@ -579,8 +601,8 @@ inline void quantize_rows(const float* x, int64_t x_stride, int64_t r0, int64_t 
   }
 }
 
-// y[M, N] = Q8(x) @ W^T (+ bias) for 4-bit W in 32-blocks (x [M, K] fp32, rows x_stride apart).
-template <bool F16>
+// y[M, N] = Q8(x) @ W^T (+ bias) for 4- or 8-bit W in 32-blocks (x [M, K] fp32, rows x_stride apart).
+template <int BITS, bool F16>
 void gemm_q8(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
              int64_t y_stride, int nthreads) {
   const int64_t K = w.k, nb = K / 32, N = w.n, groups = (N + GROUP - 1) / GROUP;
@@ -603,7 +625,7 @@ void gemm_q8(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t n0 = g * GROUP;
         const int cols = static_cast<int>(std::min<int64_t>(GROUP, N - n0));
-        pack_group<F16>(w, n0, cols, wq.data(), dw.data(), off.data());
+        pack_group<BITS, F16>(w, n0, cols, wq.data(), dw.data(), off.data());
         for (int64_t rb = c0; rb < c1; ++rb) {
           const int64_t r0 = rb * RB;
           const int32_t* p = xp.data() + rb * nb * 8 * RB;
