@@ -37,7 +37,7 @@ from server.models.loader import (
 )
 from server.models.serving_weights import prepare_for_serving
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS
-from server.quant.cpu_qgemv_q8 import GEMM_ENABLE_ENV, int8_batches_available
+from server.quant.cpu_qgemv_q8 import int8_paths_text
 from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype
 from server.request import (
@@ -170,15 +170,13 @@ class LLMEngine:
             )
             self.gemm_dtype = cpu_gemm_dtype(compute)
             if apply_gemm_dtype(self.loaded.model, self.gemm_dtype) and self.gemm_dtype == torch.bfloat16:
+                int8 = int8_paths_text(config.model.cache_dir)
                 log.info(
                     "block-quantized GEMMs of %d+ rows in bfloat16 (the kernel's AVX512-BF16 path where usable; "
                     "dequantize + GEMM from %d rows)%s",
                     BF16_GEMV_MAX_ROWS + 1,
                     BF16_GEMM_MIN_ROWS,
-                    "; batches of 5+ rows of 4-bit weights with int8 activations instead (AVX512-VNNI; "
-                    f"{GEMM_ENABLE_ENV}=0 keeps bf16)"
-                    if int8_batches_available(config.model.cache_dir)
-                    else "",
+                    f"; int8 activations instead for {int8}" if int8 else "",
                 )
         template = _chat_template(config.model.chat_template)
         if template is None and config.model.model is None:

@@ -329,14 +329,21 @@ def active_kernel(kernel: QLinearKernel) -> Q8GemvKernel | None:
     return q8
 
 
-def int8_batches_available(cache_dir: Path | None = None) -> bool:
-    """Whether bf16 layers' batches of 4/8-bit weights take the batched int8 path here (the switch on, the
-    kernels built, AVX512-VNNI usable): for the start-up log."""
-    if not int8_gemm_enabled():
-        return False
+def int8_paths_text(cache_dir: Path | None = None) -> str:
+    """What takes int8 activations here, for the start-up log ("" when nothing does): bf16 layers' batches
+    (the switch on, the kernels built, AVX512-VNNI usable; at most gemm_max_rows rows) and the decode GEMV."""
     kernel = try_load_qlinear_kernel(cache_dir)
     q8 = None if kernel is None else active_kernel(kernel)
-    return q8 is not None and q8.isa == "vnni"
+    if q8 is None:
+        return ""
+    parts = []
+    if int8_gemm_enabled() and q8.isa == "vnni":
+        rows = "5+" if q8.gemm_max_rows is None else f"5-{q8.gemm_max_rows}"
+        parts.append(f"batches of {rows} rows of 4/8-bit weights ({GEMM_ENABLE_ENV}=0 keeps bf16)")
+    if int8_gemv_enabled():
+        layers = "every layer's" if _gemv_explicit() else "bf16 layers'"
+        parts.append(f"{layers} decode rows 1-{MAX_ROWS} ({ENABLE_ENV}=0 keeps fp32)")
+    return "; ".join(parts)
 
 
 def small_m_linear(

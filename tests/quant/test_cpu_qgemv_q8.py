@@ -205,6 +205,23 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast
         q8.int8_gemv_enabled()
 
 
+def test_the_start_log_names_the_int8_paths(
+    monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast: q8.Q8GemvKernel
+) -> None:
+    monkeypatch.setenv(q8.ENABLE_ENV, "0")
+    monkeypatch.setenv(q8.GEMM_ENABLE_ENV, "0")
+    assert q8.int8_paths_text() == ""
+    monkeypatch.setenv(q8.GEMM_ENABLE_ENV, "1")
+    text = q8.int8_paths_text()
+    if fast.isa != "vnni":
+        assert text == ""
+    else:
+        limit = q8.load_q8_gemv_kernel(kernel).gemm_max_rows
+        assert text.startswith("batches of " + ("5+" if limit is None else f"5-{limit}") + " rows of 4/8-bit")
+    monkeypatch.setenv(q8.ENABLE_ENV, "1")
+    assert q8.int8_paths_text().endswith(f"every layer's decode rows 1-4 ({q8.ENABLE_ENV}=0 keeps fp32)")
+
+
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
 def test_the_gemv_default_follows_amx_and_the_layer_dtype(
     monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast: q8.Q8GemvKernel, amx: bool
