@@ -8,9 +8,11 @@ Under bf16 GEMMs (server/quant/gemm_dtype.py) it serves decode batches below BF1
 gemm_dtype, so that the kernel runs batches of 4..255 rows on its bf16 batched path (AVX512-BF16; the
 GEMV of 1..3 rows stays fp32), exactly as BlockQuantLinear does from Python; larger batches go through
 the Python path, whose projections then run their bf16 dequantize + GEMM. The projections' entry point
-is the int8-activation library's where either of its switches is on (cpu_qgemv_q8.decode_qlinear_address):
-with KUBEINFER_INT8_GEMM (default on) on an AVX512-VNNI CPU, batches of 5+ rows of 4-bit weights run its
-batched int8 path, the rest goes on to qlinear as above.
+is the int8-activation library's where either of its switches is on (cpu_qgemv_q8.decode_entry, its
+modes recorded with it and restored before each replay): with KUBEINFER_INT8_GEMM (default on) on an
+AVX512-VNNI CPU, batches of 5+ rows of 4- or 8-bit weights run its batched int8 path, and where the int8
+GEMV is on (by default: bf16 layers on CPUs with AMX-INT8) its 1..4-row GEMV; the rest goes on to qlinear
+as above.
 
 On this machine a one-token step of the embedded SmolLM2 spends ~8 ms in its 121 weight kernels and ~9 ms
 in Python around them: module calls, argument checks and ctypes marshalling, ~300 us per layer. Like a
@@ -40,7 +42,7 @@ from server.attention.cpu_kernel import CACHE_DTYPE_CODES, check_decode_indices
 from server.attention.torch_backend import TorchAttentionBackend
 from server.models.cpu_fused import FusedOps
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
-from server.quant.cpu_qgemv_q8 import decode_qlinear_address
+from server.quant.cpu_qgemv_q8 import DecodeEntry, decode_entry
 from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, compute_flag, weight_descriptor
 
 if TYPE_CHECKING:  # llama.py imports this module
@@ -148,6 +150,7 @@ class DecodeGraph:
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
     projections: list[list[BlockQuantLinear]]  # per layer: qkv, o, gate_up, down
     descriptors: list[KiQWeight]  # the projections' descriptors, in the same order (flattened)
+    entry: DecodeEntry  # the projections' entry point and the int8 modes recorded with it
     # Kept alive: the C side holds raw pointers into these.
     _keep: tuple[object, ...]
 
@@ -233,6 +236,7 @@ class DecodeGraph:
                 *_qk_norm_fields(layer.self_attn.q_norm, layer.self_attn.k_norm),
             )
         final = model.model.norm
+        entry = decode_entry(kernel)  # int8-activation entry or qlinear (cpu_qgemv_q8.py)
         model_struct = _Model(
             ctypes.addressof(structs),
             len(layers),
@@ -245,7 +249,7 @@ class DecodeGraph:
             hkv,
             d,
             shape[1],
-            decode_qlinear_address(kernel),  # int8-activation GEMV or qlinear (cpu_qgemv_q8.py)
+            entry.address,
             _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode),
             _fn_address(backend.decode_kernel.lib.kubeinfer_kv_store),
             CACHE_DTYPE_CODES[k0.dtype],
@@ -257,6 +261,7 @@ class DecodeGraph:
             dims=(hidden, inter, hq, hkv, d),
             projections=projections,
             descriptors=descriptors,
+            entry=entry,
             _keep=(descriptors, kept_weights, structs, norms, projections, kv_caches),
         )
 
@@ -306,6 +311,7 @@ class DecodeGraph:
             raise ValueError("slot_mapping: slot out of range of the cache")
         seqs = torch.arange(t, dtype=torch.int64)
         self.sync_compute()
+        self.entry.restore()
         check_decode_indices(t, self.cache_shape, tables, ctx, seqs, seqs)
         out = torch.empty(t, hidden)
         scratch = torch.empty(t, 2 * hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter)

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
-from server.cpu_features import CpuFeatures
+from server.cpu_features import DISABLE_ENV, CpuFeatures
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 from server.quant.cpu_qlinear import (
     BLOCK,
@@ -82,9 +82,20 @@ AMX_GEMM_MAX_ROWS = 255
 # 1.8x the fp32-activation GEMV there (docs/benchmarks.md "AMX"). Elsewhere off: on a 2-core Zen 4 it was
 # faster per call and per decode step at 4 users, not in served one-user tok/s ("int8 activations").
 def default_gemv_enabled() -> bool:
-    """Whether the GEMV is on when KUBEINFER_INT8_GEMV is unset: AMX-INT8 usable here
-    (`usable_cpu_features`: what the OS enables, minus KUBEINFER_CPU_DISABLE)."""
-    return usable_cpu_features().amx_int8
+    """Whether the GEMV is on when KUBEINFER_INT8_GEMV is unset: AMX-INT8 usable here and the vnni path
+    running (`usable_cpu_features`: what the OS enables, minus KUBEINFER_CPU_DISABLE); False where the
+    feature probe cannot be built. Cached per KUBEINFER_CPU_DISABLE value (it is asked per projection)."""
+    return _gemv_default_for(os.environ.get(DISABLE_ENV, ""))
+
+
+@functools.cache
+def _gemv_default_for(disabled: str) -> bool:  # `disabled`: the cache key; the env var is read inside
+    try:
+        features = usable_cpu_features()
+    except (KernelBuildError, OSError) as e:
+        log.warning("CPU feature probe unavailable, the int8 GEMV stays off by default: %s", e)
+        return False
+    return features.amx_int8 and path_for(features) == "vnni"
 
 
 def path_for(features: CpuFeatures) -> str:
@@ -152,13 +163,14 @@ class Q8GemvKernel:
     # [gemv, gemm, gemv_fp32]: which calls it takes (set_modes; the C side's copy is what runs)
     modes: list[bool] = field(default_factory=lambda: [True, False, True])
     # the batched path's largest M from Python (AMX_GEMM_MAX_ROWS where AMX-BF16 is usable); the C entry
-    # point has no such limit: the decode graph's batches (max_num_seqs, default 64) stay below it
+    # point has no such limit: the decode graph's batches stay below it (DecodeGraph.max_rows, 255 with bf16)
     gemm_max_rows: int | None = None
 
     def set_modes(self, gemv: bool, gemm: bool, gemv_fp32: bool = True) -> None:
         """Takes the GEMV (M <= MAX_ROWS; layers computing in fp32 too where `gemv_fp32`, else bf16 ones
         only) and/or the batched int8 path (M > MAX_ROWS: vnni, 4/8-bit W, compute bf16); everything else
-        goes to the fallback. Process-wide: never while the kernel runs."""
+        goes to the fallback. Process-wide: the engine's step thread calls it (through `active_kernel`)
+        between kernel calls, with the values already set unless a switch changed."""
         # Always through to C: another instance over the same library may have set other modes.
         self.lib.kubeinfer_qgemv_q8_set_modes(int(gemv), int(gemm), int(gemv_fp32))
         self.modes[:] = [gemv, gemm, gemv_fp32]
@@ -361,12 +373,35 @@ def small_m_linear(
     return kernel.linear(x, w, bias, compute=compute)
 
 
-def decode_qlinear_address(kernel: QLinearKernel) -> int:
-    """The projection entry point the decode graph records: kubeinfer_qgemv_q8 (which hands what it does
-    not take to `kernel`) when the switch is on, else `kernel`'s kubeinfer_qlinear."""
+@dataclass(frozen=True)
+class DecodeEntry:
+    """The projection entry point a decode graph records, with the int8 library's modes at that moment:
+    the graph restores them before each replay (the C side's modes are process-wide, and `int8_gemv(...)`
+    or `int8_gemm(...)` may have changed them since)."""
+
+    address: int  # kubeinfer_qgemv_q8 or qlinear's kubeinfer_qlinear
+    q8: Q8GemvKernel | None
+    modes: tuple[bool, bool, bool]  # (gemv, gemm, gemv_fp32) as recorded; unused without q8
+
+    def restore(self) -> None:
+        # Always through to C (one ctypes call per step): another instance over the same library may have
+        # set other modes without this one's Python copy knowing.
+        if self.q8 is not None:
+            self.q8.set_modes(*self.modes)
+
+
+def decode_entry(kernel: QLinearKernel) -> DecodeEntry:
+    """The entry point for the decode graph: kubeinfer_qgemv_q8 (which hands what it does not take to
+    `kernel`) when either switch is on, else `kernel`'s kubeinfer_qlinear; with the modes set now."""
     q8 = active_kernel(kernel)
     if q8 is not None:
-        return q8.entry_address
+        gemv, gemm, gemv_fp32 = q8.modes
+        return DecodeEntry(q8.entry_address, q8, (gemv, gemm, gemv_fp32))
     address = ctypes.cast(kernel.lib.kubeinfer_qlinear, ctypes.c_void_p).value
     assert address is not None
-    return int(address)
+    return DecodeEntry(int(address), None, (False, False, False))
+
+
+def decode_qlinear_address(kernel: QLinearKernel) -> int:
+    """`decode_entry(kernel).address`."""
+    return decode_entry(kernel).address

@@ -229,7 +229,8 @@ def _int8_batches(engine: LLMEngine) -> bool:
 @needs_bf16
 def test_prompt_logprobs_of_the_default_path(embedded: LLMEngine, smollm2_dir: Path) -> None:
     """`python -m server`'s defaults: on a CPU with AVX512-VNNI too the prompt runs the batched int8 path
-    (x rounded to int8 per 32-block, cpu_qgemv_q8.py), about twice bf16's error. Measured here (AMD EPYC,
+    (x rounded to int8 per 32-block, cpu_qgemv_q8.py), about twice bf16's error; where AMX-BF16 is usable a
+    prompt of 256+ tokens runs oneDNN's bf16 GEMM instead (its int8 rows are then the decode's). Measured here (AMD EPYC,
     2 prompts, 2026-12-02): ours-hf32 mean 0.045-0.047, max 0.37-0.39 nats (bf16 GEMMs: 0.022, 0.14-0.16;
     transformers bf16: 0.026-0.031, 0.18-0.22); ours-hf16 max 0.37-0.48. Bounds with margin above those."""
     if not _int8_batches(embedded):

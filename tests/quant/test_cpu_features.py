@@ -61,7 +61,15 @@ def test_avx512_listed_but_zmm_state_off_falls_back_to_avx2() -> None:
 
 
 def test_disable_groups_and_dependents() -> None:
-    assert parse_disable("avx512") >= {"avx512f", "avx512_bf16", "avx512_vnni", "avx512bw"}
+    # AMX builds on AVX-512 (every AMX kernel's loads and epilogues are AVX-512)
+    assert parse_disable("avx512") >= {
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+        "avx512bw",
+        "amx_tile",
+        "amx_bf16",
+    }
     assert parse_disable(" AMX ,") == {"amx_tile", "amx_bf16", "amx_int8"}
     assert "avx512f" in parse_disable("avx2") and "amx_tile" in parse_disable("avx2")
     f = apply_disable(decode(regs()), "avx512_bf16")

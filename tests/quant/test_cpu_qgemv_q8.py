@@ -199,7 +199,7 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast
     with q8.int8_gemv(False):
         assert torch.equal(lin(x), kernel.linear(x, w))
     monkeypatch.delenv(q8.ENABLE_ENV)
-    assert q8.int8_gemv_enabled() == q8.default_gemv_enabled() == native.usable_cpu_features().amx_int8
+    assert q8.int8_gemv_enabled() == q8.default_gemv_enabled()  # unset: the default (next test)
     monkeypatch.setenv(q8.ENABLE_ENV, "yes")
     with pytest.raises(ValueError, match=q8.ENABLE_ENV):
         q8.int8_gemv_enabled()
@@ -224,10 +224,14 @@ def test_the_start_log_names_the_int8_paths(
 
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
 def test_the_gemv_default_follows_amx_and_the_layer_dtype(
-    monkeypatch: pytest.MonkeyPatch, kernel: QLinearKernel, fast: q8.Q8GemvKernel, amx: bool
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    kernel: QLinearKernel,
+    fast: q8.Q8GemvKernel,
+    amx: bool,
 ) -> None:
     """KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of bf16 layers where AMX-INT8 is usable
-    and nothing else; fp32 layers keep fp32 activations unless the switch says 1 (the Python launchers and
+    (and the vnni path runs) and nothing else; fp32 layers keep fp32 activations unless the switch says 1 (the Python launchers and
     the decode graph's C entry alike)."""
     monkeypatch.delenv(q8.ENABLE_ENV, raising=False)
     here = native.usable_cpu_features()
@@ -236,6 +240,10 @@ def test_the_gemv_default_follows_amx_and_the_layer_dtype(
         "usable_cpu_features",
         lambda *_: dataclasses.replace(here, amx_tile=amx, amx_int8=amx, amx_bf16=amx),
     )
+    q8._gemv_default_for.cache_clear()  # cached per KUBEINFER_CPU_DISABLE value
+    request.addfinalizer(q8._gemv_default_for.cache_clear)
+    # it rests on the 512-bit VNNI path: without it here, off even with AMX
+    amx = amx and q8.path_for(here) == "vnni"
     assert q8.int8_gemv_enabled() is amx
     w = make_weight("q4_1", 24, 576, seed=6)
     x = torch.randn(1, 576)
@@ -415,10 +423,45 @@ def test_decode_graph_stays_bit_identical_with_int8(tiny_model_factory, tmp_path
         fast = q8.try_load_q8_gemv_kernel(cq.load_qlinear_kernel())
         assert fast is not None and entry[1].model_struct.qlinear == fast.entry_address
     assert got == want
+    # The graph replays with the modes it recorded, whatever the switches say now: run() restores them
+    # before its C call (the Python path's calls set theirs again after it).
+    recorded = entry[1].entry
+    assert recorded.q8 is not None and recorded.modes[0]
+    restored: list[bool] = []
+    real_restore = q8.DecodeEntry.restore
+
+    def spy(self: q8.DecodeEntry) -> None:
+        real_restore(self)
+        restored.append(self.q8 is not None and self.q8.modes[0])
+
+    with q8.int8_gemv(False), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(q8.DecodeEntry, "restore", spy)
+        _generate(engine, graph=True)
+    assert restored and all(restored)
     with q8.int8_gemv(False):
         engine.loaded.model._decode_graph = None
         fp32 = _generate(engine, graph=True)
     assert fp32[1] != want[1]  # the logprobs: the switch changed the arithmetic
+
+
+def test_the_decode_entry_restores_the_modes_it_recorded(
+    kernel: QLinearKernel, fast: q8.Q8GemvKernel
+) -> None:
+    with q8.int8_gemv(True), q8.int8_gemm(True):
+        entry = q8.decode_entry(kernel)
+    assert entry.address == fast.entry_address and entry.modes == (True, True, True)
+    w = make_weight("q4_1", 24, 576, seed=8)
+    desc = cq.weight_descriptor(w, torch.float32)
+    fast.set_modes(False, False, False)
+    assert not fast.lib.kubeinfer_qgemv_q8_supports(ctypes.byref(desc), 1)
+    entry.restore()
+    # the C side's modes are what runs (`fast` may be another Python instance over the same library)
+    assert entry.q8 is not None and entry.q8.modes == [True, True, True]
+    assert fast.lib.kubeinfer_qgemv_q8_supports(ctypes.byref(desc), 1)
+    with q8.int8_gemv(False), q8.int8_gemm(False):
+        off = q8.decode_entry(kernel)
+    assert off.q8 is None and off.address == ctypes.cast(kernel.lib.kubeinfer_qlinear, ctypes.c_void_p).value
+    off.restore()  # nothing to restore: qlinear has no modes
 
 
 # The bound on greedy decoding (one user, so every decode step is the M = 1 GEMV; the parity prompts):

@@ -284,8 +284,8 @@ int32_t kubeinfer_qgemv_q8_abi() { return 3; }
 
 // Which calls this library takes: gemv (M <= 4; for descriptors asking for fp32 compute too only where
 // gemv_fp32_layers) and gemm (the batched int8 path, M > 4: vnni, 4- or 8-bit W in 32-blocks, descriptors
-// asking for bf16 compute); the rest goes to the fallback. Set at load and by tests, not thread-safe
-// against running kernels.
+// asking for bf16 compute); the rest goes to the fallback. Set by Python before each layer's call (the
+// same values unless a switch changed), never while a kernel runs: not synchronized.
 void kubeinfer_qgemv_q8_set_modes(int32_t gemv, int32_t gemm, int32_t gemv_fp32_layers) {
   gemv_on = gemv != 0;
   gemm_on = gemm != 0;
@@ -514,7 +514,8 @@ inline void gather_scales(const void* p, int64_t groups, int64_t n0, int cols, i
 // Column group [n0, n0 + cols) of W, cols <= 16 (missing columns zero) -> wq [nb * 8 * 16] u8x4 (vector
 // (b, q) holds k = 32 b + 4q.. of every column), dw and off [nb * 16] fp32 (d and min - zp d). 8-bit W
 // (s8) goes in as w + 128 (u8, vpdpbusd's unsigned operand) with 128 added to its zero point: the same
-// block formula, exact in int32.
+// block formula (the integer dot is exact in int32; the + 128 is taken back in fp32 by the offset term,
+// an fp32 rounding far below the activations' int8 rounding).
 template <int BITS, bool F16>
 inline void pack_group(const KiQWeight& w, int64_t n0, int cols, uint32_t* wq, float* dw, float* off) {
   const int64_t nb = w.k / 32;
