@@ -280,6 +280,21 @@ def crossover_rows(
     return rows
 
 
+def _ab_fields(
+    t: dict[str, list[float]], base: str, new: str, flop: int, new_unit: str = "GFLOPs"
+) -> dict[str, float]:
+    """A row's figures for two interleaved variants (`timed`): each one's median ms and rate (`new` in
+    `new_unit`), and `new`'s speedup over `base` (median of the per-repetition ratios)."""
+    ms_base, ms_new = statistics.median(t[base]), statistics.median(t[new])
+    return {
+        f"{base}_ms": round(ms_base, 3),
+        f"{new}_ms": round(ms_new, 3),
+        f"{base}_GFLOPs": round(flop / ms_base / 1e6, 1),
+        f"{new}_{new_unit}": round(flop / ms_new / 1e6, 1),
+        f"{new}_speedup": round(median_ratio(t[base], t[new]), 2),
+    }
+
+
 BF16_SHAPES = {
     "qkv_960x576": (960, 576),
     "o_576x576": (576, 576),
@@ -307,18 +322,12 @@ def bf16_rows(
                     },
                     reps,
                 )
-                ms32, ms16 = statistics.median(t["fp32"]), statistics.median(t["bf16"])
-                flop = 2 * m * n * k
                 rows.append(
                     {
                         "format": fmt,
                         "shape": shape_name,
                         "M": m,
-                        "fp32_ms": round(ms32, 3),
-                        "bf16_ms": round(ms16, 3),
-                        "fp32_GFLOPs": round(flop / ms32 / 1e6, 1),
-                        "bf16_GFLOPs": round(flop / ms16 / 1e6, 1),
-                        "bf16_speedup": round(median_ratio(t["fp32"], t["bf16"]), 2),
+                        **_ab_fields(t, "fp32", "bf16", 2 * m * n * k),
                     }
                 )
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -367,19 +376,7 @@ def int8_rows(kernel: cq.QLinearKernel, ms: list[int], cold: int, reps: int) -> 
                 },
                 reps,
             )
-            m16, m8 = statistics.median(t["bf16"]), statistics.median(t["int8"])
-            flop = 2 * m * n * k
-            rows.append(
-                {
-                    "shape": shape_name,
-                    "M": m,
-                    "bf16_ms": round(m16, 3),
-                    "int8_ms": round(m8, 3),
-                    "bf16_GFLOPs": round(flop / m16 / 1e6, 1),
-                    "int8_GOPs": round(flop / m8 / 1e6, 1),
-                    "int8_speedup": round(median_ratio(t["bf16"], t["int8"]), 2),
-                }
-            )
+            rows.append({"shape": shape_name, "M": m, **_ab_fields(t, "bf16", "int8", 2 * m * n * k, "GOPs")})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 

@@ -268,17 +268,22 @@ def _warn_once(reason: str) -> None:
 _override: bool | None = None
 
 
-def _gemv_explicit() -> bool | None:
-    """`int8_gemv(...)`'s override, else KUBEINFER_INT8_GEMV (`1`/`0`), else None (unset). Raises
-    ValueError for another value."""
-    if _override is not None:
-        return _override
-    raw = os.environ.get(ENABLE_ENV, "").strip()
+def _switch(override: bool | None, env: str) -> bool | None:
+    """`override` (an `int8_gemv(...)`/`int8_gemm(...)` block), else the env var `env` (`1`/`0`), else None
+    (unset). Raises ValueError for another value."""
+    if override is not None:
+        return override
+    raw = os.environ.get(env, "").strip()
     if raw == "":
         return None
     if raw not in ("0", "1"):
-        raise ValueError(f"{ENABLE_ENV} must be 0 or 1, got {raw!r}")
+        raise ValueError(f"{env} must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def _gemv_explicit() -> bool | None:
+    """`int8_gemv(...)`'s override, else KUBEINFER_INT8_GEMV, else None (unset)."""
+    return _switch(_override, ENABLE_ENV)
 
 
 def int8_gemv_enabled() -> bool:
@@ -307,14 +312,8 @@ _gemm_override: bool | None = None
 def int8_gemm_enabled() -> bool:
     """KUBEINFER_INT8_GEMM (`1`/`0`, default GEMM_DEFAULT_ENABLED), unless `int8_gemm(...)` overrides it.
     Raises ValueError for another value."""
-    if _gemm_override is not None:
-        return _gemm_override
-    raw = os.environ.get(GEMM_ENABLE_ENV, "").strip()
-    if raw == "":
-        return GEMM_DEFAULT_ENABLED
-    if raw not in ("0", "1"):
-        raise ValueError(f"{GEMM_ENABLE_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    explicit = _switch(_gemm_override, GEMM_ENABLE_ENV)
+    return GEMM_DEFAULT_ENABLED if explicit is None else explicit
 
 
 @contextlib.contextmanager
@@ -332,12 +331,14 @@ def int8_gemm(enabled: bool) -> Iterator[None]:
 def active_kernel(kernel: QLinearKernel) -> Q8GemvKernel | None:
     """The int8 kernel, its modes set from the two switches, when either is on and it can be built;
     else None."""
-    gemv, gemm = int8_gemv_enabled(), int8_gemm_enabled()
+    explicit = _gemv_explicit()  # read once: this runs per projection call
+    gemv = default_gemv_enabled() if explicit is None else explicit
+    gemm = int8_gemm_enabled()
     if not (gemv or gemm):
         return None
     q8 = try_load_q8_gemv_kernel(kernel)
     if q8 is not None:  # the GEMV by default (switch unset) only for layers computing in bf16
-        q8.set_modes(gemv, gemm, gemv_fp32=_gemv_explicit() is not None)
+        q8.set_modes(gemv, gemm, gemv_fp32=explicit is not None)
     return q8
 
 
