@@ -26,7 +26,7 @@ from server.native import KernelBuildError, NativeSource, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
-ABI_VERSION = 5
+ABI_VERSION = 6  # 6: kubeinfer_add_rms_norm_mixed
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
 # AVX-512 CPUs keeps loops at 256 bits (libmvec's 8-wide expf); 512-bit loops cut a 16-user prefill step
@@ -101,33 +101,56 @@ class FusedOps:
     def add_rms_norm(
         self,
         x: Tensor,  # [T, H] fp32, unit stride along H; becomes x + delta (the residual stream)
-        delta: Tensor | None,  # [T, H] fp32, unit stride along H
+        delta: Tensor | None,  # [T, H] fp32 or bf16 (a bf16 GEMM's own result), unit stride along H
         weight: Tensor,  # [H] fp32 contiguous
         eps: float,
-        out: Tensor | None = None,  # [T, H] fp32
-    ) -> Tensor:  # [T, H] fp32: weight * x / sqrt(mean(x^2) + eps), after the add
+        out: Tensor | None = None,  # [T, H] in out_dtype
+        out_dtype: torch.dtype = torch.float32,  # or torch.bfloat16: the operand of a bf16 GEMM
+    ) -> Tensor:  # [T, H] out_dtype: weight * x / sqrt(mean(x^2) + eps), after the add
+        """A bf16 delta is widened exactly and a bf16 out rounded to nearest even: bit-identical to
+        `add_rms_norm(x, delta.float(), ...).bfloat16()` (tests/engine/test_cpu_fused_ops.py), without
+        the fp32 copies around a bf16 GEMM."""
         t, h = x.shape[0], x.shape[-1]
         _check_rows("x", x, h)
+        delta_bf16 = delta is not None and delta.dtype == torch.bfloat16
         if delta is not None:
-            _check_rows("delta", delta, h)
+            _check_rows("delta", delta, h, torch.bfloat16 if delta_bf16 else torch.float32)
             if delta.shape[0] != t:
                 raise ValueError(f"delta: {delta.shape[0]} rows, x has {t}")
         if weight.dtype != torch.float32 or tuple(weight.shape) != (h,) or not weight.is_contiguous():
             raise ValueError(f"weight must be a contiguous [{h}] fp32 tensor")
-        out = _output(out, t, h)
-        rc = self.lib.kubeinfer_add_rms_norm(
-            x.data_ptr(),
-            x.stride(0),
-            None if delta is None else delta.data_ptr(),
-            0 if delta is None else delta.stride(0),
-            weight.data_ptr(),
-            out.data_ptr(),
-            out.stride(0),
-            t,
-            h,
-            float(eps),
-            torch.get_num_threads(),
-        )
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"out_dtype must be fp32 or bf16, got {out_dtype}")
+        out = _output(out, t, h, out_dtype)
+        common = (weight.data_ptr(), out.data_ptr(), out.stride(0))
+        if delta_bf16 or out_dtype == torch.bfloat16:
+            assert delta is None or delta_bf16 or delta.dtype == torch.float32
+            rc = self.lib.kubeinfer_add_rms_norm_mixed(
+                x.data_ptr(),
+                x.stride(0),
+                None if delta is None else delta.data_ptr(),
+                0 if delta is None else delta.stride(0),
+                int(delta_bf16),
+                *common[:2],
+                out.stride(0),
+                int(out_dtype == torch.bfloat16),
+                t,
+                h,
+                float(eps),
+                torch.get_num_threads(),
+            )
+        else:
+            rc = self.lib.kubeinfer_add_rms_norm(
+                x.data_ptr(),
+                x.stride(0),
+                None if delta is None else delta.data_ptr(),
+                0 if delta is None else delta.stride(0),
+                *common,
+                t,
+                h,
+                float(eps),
+                torch.get_num_threads(),
+            )
         if rc != 0:
             raise RuntimeError(f"add_rms_norm kernel returned {rc}")
         return out
@@ -211,6 +234,7 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.kubeinfer_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
+    lib.kubeinfer_add_rms_norm_mixed.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, i32, i64, i64, f32, i32]
     lib.kubeinfer_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]
     lib.kubeinfer_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.kubeinfer_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
@@ -218,6 +242,7 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
     for fn in (
         lib.kubeinfer_add_rms_norm,
+        lib.kubeinfer_add_rms_norm_mixed,
         lib.kubeinfer_rotary,
         lib.kubeinfer_silu_mul,
         lib.kubeinfer_silu_mul_bf16,

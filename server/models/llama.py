@@ -105,11 +105,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         ops: FusedOps | None = None,  # fp32 CPU: rotate in place with one compiled call
+        qkv_dtype: torch.dtype | None = None,  # q, k, v's dtype where it is not x's (below)
+        out_dtype: torch.dtype | None = None,  # the result's, where it is not o_proj's input's (below)
     ) -> Tensor:  # [T, hidden]
-        """With `ops`, cos and sin are [T, head_dim] (LlamaForCausalLM._forward_fused)."""
+        """With `ops`, cos and sin are [T, head_dim] (LlamaForCausalLM._forward_fused), whose fp32 stream
+        may hand the fused qkv_proj a bf16 x (its bf16 GEMM's operand, qkv_dtype=float32) and take
+        o_proj's bf16 result (out_dtype=bfloat16) where those GEMMs are bf16 (_bf16_gemm)."""
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+            # [T, (Hq + 2 Hkv) * D]
+            qkv = self.qkv_proj(x) if qkv_dtype is None else self.qkv_proj(x, out_dtype=qkv_dtype)
             qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
             if self.q_norm is not None and self.k_norm is not None:
                 qk = self.qk_normed(qk, ops)
@@ -122,8 +127,8 @@ class Attention(nn.Module):
                 q, k = _head_norm(q, self.q_norm, ops), _head_norm(k, self.k_norm, ops)
             q, k = _rotate(q, cos, sin, ops), _rotate(k, cos, sin, ops)
             v = self.v_proj(x).view(t, hkv, d)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, hq * d)
+        return self.o_proj(o) if out_dtype is None else self.o_proj(o, out_dtype=out_dtype)
 
     def qk_normed(self, qk: Tensor, ops: FusedOps | None) -> Tensor:
         """qk: [T, Hq + Hkv, D], q heads then k heads (a view into the fused projection's output) ->
@@ -153,13 +158,14 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, ops: FusedOps | None) -> Tensor
     return x
 
 
-def _bf16_chain(gate_up: nn.Module, down: nn.Module, rows: int) -> bool:
-    return (
-        isinstance(gate_up, BlockQuantLinear)
-        and isinstance(down, BlockQuantLinear)
-        and gate_up.bf16_gemm(rows)
-        and down.bf16_gemm(rows)
-    )
+def _bf16_gemm(proj: nn.Module | None, rows: int) -> bool:
+    """Whether `proj` multiplies `rows` rows in the bf16 library GEMM with nothing after it
+    (BlockQuantLinear.bf16_gemm): it then takes a bf16 x and can return its bf16 result as is."""
+    return isinstance(proj, BlockQuantLinear) and proj.bf16_gemm(rows)
+
+
+def _bf16_chain(gate_up: nn.Module | None, down: nn.Module, rows: int) -> bool:
+    return _bf16_gemm(gate_up, rows) and _bf16_gemm(down, rows)
 
 
 class MLP(nn.Module):
@@ -271,12 +277,20 @@ class LlamaForCausalLM(nn.Module):
             if graph is not None and h.shape[0] <= graph.max_rows:
                 return graph.run(h, cos, sin, meta)
         delta: Tensor | None = None
+        t, bf16, fp32 = h.shape[0], torch.bfloat16, torch.float32
         for layer, (k_cache, v_cache) in zip(self.decoder_layers(), kv_caches, strict=True):
-            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-            x = ops.add_rms_norm(h, delta, norm1.weight, norm1.eps)
-            a = layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend, ops)
-            x = ops.add_rms_norm(h, a, norm2.weight, norm2.eps)
-            delta = layer.mlp(x, ops)
+            norm1, norm2, attn, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp
+            # Where a projection's GEMM is bf16 (prefill-sized batches), the norm hands it a bf16 operand
+            # and takes its bf16 result as the next delta: the values of rounding and widening around an
+            # fp32 stream, without the [T, H] fp32 <-> bf16 copies (the residual stream h stays fp32).
+            x_dtype = bf16 if _bf16_gemm(attn.qkv_proj, t) else fp32
+            x = ops.add_rms_norm(h, delta, norm1.weight, norm1.eps, out_dtype=x_dtype)
+            a_dtype = bf16 if _bf16_gemm(attn.o_proj, t) else None
+            qkv_dtype = fp32 if x_dtype == bf16 else None
+            a = attn(x, cos, sin, k_cache, v_cache, meta, backend, ops, qkv_dtype=qkv_dtype, out_dtype=a_dtype)
+            x_dtype = bf16 if _bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
+            x = ops.add_rms_norm(h, a, norm2.weight, norm2.eps, out_dtype=x_dtype)
+            delta = mlp(x, ops)  # bf16 where x is (MLP.forward's bf16 chain), else fp32
         return ops.add_rms_norm(h, delta, self.model.norm.weight, self.model.norm.eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # hidden: [N, hidden] -> [N, vocab] fp32

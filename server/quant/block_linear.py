@@ -193,10 +193,16 @@ class BlockQuantLinear(QuantLinear):
             assert compute == out_dtype and self.bias is None, "a low-precision output is the GEMM's own"
         out = torch.empty(m, n, dtype=out_dtype)
         rows = max(16, SLICE_BYTES // (4 * k))
-        scratch = torch.empty(min(rows, n), k)
+        scratch: Tensor | None = None
+        low = torch.empty(min(rows, n), k, dtype=compute) if compute == torch.bfloat16 else None
         for n0 in range(0, n, rows):
             r = min(rows, n - n0)
-            tile = kernel.dequantize_rows(w, start=n0, count=r, out=scratch[:r])
+            if low is not None and kernel.dequantize_rows_bf16(w, n0, r, low[:r]):
+                # W straight to bf16 (the same values as rounding the fp32 slice, without writing it)
+                tile = low[:r]
+            else:
+                scratch = torch.empty(min(rows, n), k) if scratch is None else scratch
+                tile = kernel.dequantize_rows(w, start=n0, count=r, out=scratch[:r])
             if compute != torch.float32 and out_dtype == compute and r == n:
                 torch.mm(xc, tile.to(compute).t(), out=out)
             elif compute != torch.float32:

@@ -50,7 +50,7 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
-ABI_VERSION = 3  # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path
+ABI_VERSION = 4  # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path; 4: kubeinfer_qdequant_bf16
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
@@ -454,6 +454,33 @@ class QLinearKernel:
             raise RuntimeError(f"qdequant kernel returned {rc} for {w.fmt} [{w.out_features}, {k}]")
         return out
 
+    def dequantize_rows_bf16(
+        self,
+        w: BlockQuantWeight,
+        start: int,
+        count: int,
+        out: Tensor,  # [count, K] bf16, unit stride along K
+    ) -> bool:
+        """Rows [start, start + count) of W dequantized straight to bf16 into `out`: the values of
+        dequantize_rows rounded to nearest even (bit-identical to `dequantize_rows(...).bfloat16()`),
+        without the fp32 copy. False (out untouched) where the kernel has no bf16 path here (`self.bf16`
+        off) or W's groups are not whole 32-blocks; IndexError/ValueError for a bad range or `out`."""
+        k = w.in_features
+        if start < 0 or count < 0 or start + count > w.out_features:
+            raise IndexError(f"rows [{start}, {start + count}) out of range [0, {w.out_features})")
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != (count, k) or (k > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be [{count}, {k}] bf16 with unit stride along K")
+        if count == 0:
+            return True
+        rc = self.lib.kubeinfer_qdequant_bf16(
+            ctypes.byref(weight_descriptor(w)), start, count, out.data_ptr(), out.stride(0), torch.get_num_threads()
+        )
+        if rc == 2:
+            return False
+        if rc != 0:
+            raise RuntimeError(f"qdequant_bf16 kernel returned {rc} for {w.fmt} [{w.out_features}, {k}]")
+        return True
+
 
 @functools.cache
 def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
@@ -464,6 +491,8 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     lib.kubeinfer_qlinear.argtypes = [ctypes.POINTER(KiQWeight), ptr, i64, i64, ptr, ptr, i64, i32]
     lib.kubeinfer_qdequant.restype = i32
     lib.kubeinfer_qdequant.argtypes = [ctypes.POINTER(KiQWeight), ptr, i64, i64, ptr, i64, i32]
+    lib.kubeinfer_qdequant_bf16.restype = i32
+    lib.kubeinfer_qdequant_bf16.argtypes = [ctypes.POINTER(KiQWeight), i64, i64, ptr, i64, i32]
     lib.kubeinfer_qlinear_isa.restype = ctypes.c_char_p
     lib.kubeinfer_qlinear_has_avx512_path.restype = i32
     lib.kubeinfer_qlinear_set_gemv_max_rows.restype = None

@@ -46,6 +46,31 @@ def test_add_rms_norm_matches_reference_and_the_models_norm(
         torch.testing.assert_close(got, norm(x_ref), **TOL)
 
 
+@pytest.mark.parametrize("rows", [1, 130])  # one thread, the threaded path
+@pytest.mark.parametrize("dim", [576, 1001])
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_mixed_dtypes_are_the_fp32_kernel_widened_and_rounded(
+    ops: FusedOps, rows: int, dim: int, delta_dtype: torch.dtype | None, out_dtype: torch.dtype
+) -> None:
+    # Around a bf16 GEMM (server/models/llama.py's _forward_fused) a bf16 delta goes in and a bf16 operand
+    # comes out: bit-identical to widening the delta, the fp32 kernel, and rounding its out.
+    g = torch.Generator().manual_seed(rows + dim)
+    x = torch.randn(rows, dim, generator=g) * 3
+    delta = None if delta_dtype is None else torch.randn(rows, dim, generator=g).to(delta_dtype)
+    w = torch.randn(dim, generator=g)
+    x_ref = x.clone()
+    want = ops.add_rms_norm(x_ref, None if delta is None else delta.float(), w, 1e-5).to(out_dtype)
+    got = ops.add_rms_norm(x, delta, w, 1e-5, out_dtype=out_dtype)
+    assert got.dtype == out_dtype
+    assert torch.equal(x, x_ref) and torch.equal(got, want)
+    out = torch.full((rows, dim + 5), float("nan"), dtype=out_dtype)[:, 2 : dim + 2]  # a strided out
+    x2 = x_ref.clone()
+    ops.add_rms_norm(x2, delta, w, 1e-5, out=out, out_dtype=out_dtype)
+    want2 = ops.add_rms_norm(x_ref, None if delta is None else delta.float(), w, 1e-5).to(out_dtype)
+    assert torch.equal(out, want2)
+
+
 def test_add_rms_norm_strided_rows_and_out(ops: FusedOps) -> None:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(4, 64, generator=g)
@@ -182,6 +207,12 @@ def test_launchers_refuse_what_would_read_stray_memory(ops: FusedOps) -> None:
         ops.add_rms_norm(x, None, w, 1e-5, out=torch.empty(2, 9))
     with pytest.raises(ValueError, match="out: 1 rows"):
         ops.add_rms_norm(x, None, w, 1e-5, out=torch.empty(1, 8))
+    with pytest.raises(TypeError, match="bf16"):  # out must be in out_dtype
+        ops.add_rms_norm(x, None, w, 1e-5, out=torch.empty(2, 8), out_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.add_rms_norm(x, None, w, 1e-5, out_dtype=torch.float16)
+    with pytest.raises(TypeError, match="fp32"):  # fp32 or bf16 deltas only
+        ops.add_rms_norm(x, torch.randn(2, 8, dtype=torch.float16), w, 1e-5)
     with pytest.raises(ValueError, match="out: 1 rows"):
         ops.silu_mul(torch.randn(2, 8), out=torch.empty(1, 4))
     with pytest.raises(ValueError, match="even"):

@@ -134,6 +134,43 @@ def test_mlp_chains_gate_up_silu_mul_down_in_bf16_bit_for_bit() -> None:
     assert seen == [torch.float32]
 
 
+@needs_bf16
+def test_the_layers_hand_bf16_operands_and_results_on_bit_for_bit(
+    embedded: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill-sized prompt: each norm hands a bf16 GEMM its bf16 operand, and o_proj's and down's bf16
+    results go into the next norm unwidened (server/models/llama.py's _forward_fused): the same prompt
+    logprobs, bit for bit, as widening every GEMM result to fp32 and rounding each operand again."""
+    from server.models import llama
+    from server.models.cpu_fused import FusedOps
+
+    prompt = _long_prompts(embedded, 1)[0]
+    seen: list[tuple[torch.dtype | None, torch.dtype]] = []
+    original = FusedOps.add_rms_norm
+
+    def spy(self, x, delta, weight, eps, out=None, out_dtype=torch.float32):  # type: ignore[no-untyped-def]
+        seen.append((None if delta is None else delta.dtype, out_dtype))
+        return original(self, x, delta, weight, eps, out, out_dtype)
+
+    monkeypatch.setattr(FusedOps, "add_rms_norm", spy)
+    assert embedded.reset_prefix_cache()  # each run a whole prefill (and no cached prompt left for the others)
+    handed = engine_prompt_logprobs(embedded, prompt)
+    layers = embedded.loaded.arch.num_layers
+    bf16 = torch.bfloat16
+    # per layer: norm1 (bf16 out, delta from the previous MLP: bf16 after the first layer), norm2 (o_proj's
+    # bf16 delta, bf16 out for gate_up); the final norm takes down's bf16 delta
+    assert seen[: 2 * layers + 1] == (
+        [(None, bf16), (bf16, bf16)] + [(bf16, bf16), (bf16, bf16)] * (layers - 1) + [(bf16, torch.float32)]
+    ), seen[:6]
+    monkeypatch.setattr(llama, "_bf16_gemm", lambda proj, rows: False)  # every hand-off in fp32
+    seen.clear()
+    assert embedded.reset_prefix_cache()
+    widened = engine_prompt_logprobs(embedded, prompt)
+    assert embedded.reset_prefix_cache()
+    assert seen[0] == (None, torch.float32) and all(d in (None, torch.float32) for d, _ in seen)
+    assert torch.equal(handed, widened)
+
+
 def _embedded(**kw: object) -> LLMEngine:
     return LLMEngine(EngineConfig(model=ModelConfig(model=None, **kw)))  # type: ignore[arg-type]
 

@@ -101,6 +101,31 @@ def test_dequantized_rows_equal_the_reference_bit_for_bit(kernel: QLinearKernel,
     assert torch.equal(kernel.dequantize_rows(w, start=10, count=4), cq.dequantize_reference(w)[10:14])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_dequantized_to_bf16_are_the_fp32_rows_rounded(kernel: QLinearKernel, fmt: str) -> None:
+    """Straight to bf16 (the bf16 prefill GEMM's operand, block_linear._dequant_gemm): the fp32 rows
+    rounded to nearest even, bit for bit; refused (False, out untouched) where this CPU has no bf16 path
+    or W's groups are not whole 32-blocks."""
+    w = make_weight(fmt, 50, 576)
+    k = w.in_features  # K-quants: 768, whole super-blocks
+    out = torch.full((50 + 3, k), 7.0, dtype=torch.bfloat16)
+    taken = kernel.dequantize_rows_bf16(w, 0, 50, out[:50])
+    whole_blocks = w.group_size % 32 == 0 and w.in_features % 32 == 0
+    assert taken == (kernel.bf16 and whole_blocks)
+    if taken:
+        assert torch.equal(out[:50], kernel.dequantize_rows(w).bfloat16())
+        part = torch.empty(4, k, dtype=torch.bfloat16)
+        assert kernel.dequantize_rows_bf16(w, 10, 4, part)
+        assert torch.equal(part, kernel.dequantize_rows(w, start=10, count=4).bfloat16())
+    else:
+        assert bool((out[:50] == 7.0).all())
+    assert bool((out[50:] == 7.0).all())
+    with pytest.raises(IndexError):
+        kernel.dequantize_rows_bf16(w, 48, 3, out[:3])
+    with pytest.raises(ValueError, match="bf16"):
+        kernel.dequantize_rows_bf16(w, 0, 2, torch.empty(2, k))
+
+
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_block_formats_are_ggufs(fmt: str) -> None:
     """Our quantizer writes the bytes gguf-py's does, and our dequantization equals gguf-py's."""
@@ -247,6 +272,9 @@ def test_bf16_dequant_gemm_within_bf16_rounding(fmt: str, monkeypatch: pytest.Mo
     scale = (x.abs().mean() * cq.dequantize_reference(w).abs().mean()).item()
     assert err <= 4 * 2**-8 * scale * k**0.5 + 2**-8 * ref.abs().max().item(), err
     assert not torch.equal(y, lin._dequant_gemm(x, w, lin.kernel))  # it did compute in bf16
+    # W dequantized straight to bf16 where the kernel can: the same values as rounding each fp32 slice
+    monkeypatch.setattr(cq.QLinearKernel, "dequantize_rows_bf16", lambda *a: False)
+    assert torch.equal(y, lin._dequant_gemm(x, w, lin.kernel, torch.bfloat16))
 
 
 def test_fused_module_computes_the_parts_side_by_side() -> None:

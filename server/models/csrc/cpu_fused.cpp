@@ -4,6 +4,7 @@
 // C ABI, no torch headers. In a decode step every op of the layer loop costs more in dispatch than in math
 // (one token: 576 values per RMSNorm), so each function here replaces a chain of torch ops with one call:
 //   add_rms_norm   x += delta (optional); out = weight * x * rsqrt(mean(x^2) + eps)   [T, H] rows
+//                  (add_rms_norm_mixed: the same with a bf16 delta and/or a bf16 out, for bf16 GEMMs)
 //   rotary         q/k heads rotated in place: x * cos + rotate_half(x) * sin, "sin" with its first half
 //                  negated (server/models/llama.py's RotaryEmbedding tables)              [T, heads, D]
 //   silu_mul       out = silu(gate) * up, gate and up the two halves of one row          [T, 2I] -> [T, I]
@@ -23,16 +24,54 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kParallelMin = 1 << 16;  // elements below which one thread does the whole op
 
+// One row of add_rms_norm, the loop both entry points run (noinline: one codegen, so the mixed-dtype
+// variant's fp32 values are the fp32 kernel's bit for bit). delta may be null.
+__attribute__((noinline)) void add_rms_norm_row(float* xr, const float* dr, const float* weight, float* orow,
+                                                int64_t dim, float eps) {
+  float ss = 0.0f;
+  if (dr) {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) {
+      const float v = xr[i] + dr[i];
+      xr[i] = v;
+      ss += v * v;
+    }
+  } else {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) orow[i] = weight[i] * (xr[i] * inv);
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet: what torch's fp32 -> bf16 conversion does.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 }  // namespace
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 5; }
+int32_t kubeinfer_cpu_fused_abi() { return 6; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -41,24 +80,8 @@ int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, i
   if (rows < 0 || dim <= 0) return 1;
 #pragma omp parallel for num_threads(threads) if (rows * dim >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
-    float* xr = x + r * x_stride;
-    float ss = 0.0f;
-    if (delta) {
-      const float* dr = delta + r * delta_stride;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = xr[i] + dr[i];
-        xr[i] = v;
-        ss += v * v;
-      }
-    } else {
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
-    }
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    float* orow = out + r * out_stride;
-#pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) orow[i] = weight[i] * (xr[i] * inv);
+    add_rms_norm_row(x + r * x_stride, delta ? delta + r * delta_stride : nullptr, weight, out + r * out_stride,
+                     dim, eps);
   }
   return 0;
 }
@@ -96,22 +119,6 @@ namespace {
 __attribute__((noinline)) void silu_mul_row(const float* g, const float* u, float* o, int64_t inter) {
 #pragma omp simd
   for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(std::min(-g[i], 88.0f))) * u[i];
-}
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Round to nearest even, NaN kept quiet: what torch's fp32 -> bf16 conversion does.
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 constexpr int64_t kBf16Chunk = 1024;  // values widened per pass: three fp32 chunks stay in L1
@@ -152,6 +159,38 @@ int32_t kubeinfer_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint
       }
       silu_mul_row(g, u, o, n);
       for (int64_t i = 0; i < n; ++i) orow[c + i] = float_to_bf16(o[i]);
+    }
+  }
+  return 0;
+}
+
+// add_rms_norm with a bf16 delta (delta_bf16 = 1: raw uint16 bits, widened exactly) and/or a bf16 out
+// (out_bf16 = 1: rounded to nearest even): bit-identical to widening delta, running the fp32 kernel and
+// rounding its out (the bf16 GEMMs' result goes in and their operand comes out without fp32 copies).
+int32_t kubeinfer_add_rms_norm_mixed(float* x, int64_t x_stride, const void* delta, int64_t delta_stride,
+                                     int32_t delta_bf16, const float* weight, void* out, int64_t out_stride,
+                                     int32_t out_bf16, int64_t rows, int64_t dim, float eps, int32_t threads) {
+  if (rows < 0 || dim <= 0) return 1;
+#pragma omp parallel num_threads(threads) if (rows * dim >= kParallelMin)
+  {
+    std::vector<float> dbuf(delta && delta_bf16 ? dim : 0), obuf(out_bf16 ? dim : 0);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* dr = nullptr;
+      if (delta && delta_bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(delta) + r * delta_stride;
+        for (int64_t i = 0; i < dim; ++i) dbuf[i] = bf16_to_float(src[i]);
+        dr = dbuf.data();
+      } else if (delta) {
+        dr = static_cast<const float*>(delta) + r * delta_stride;
+      }
+      if (out_bf16) {
+        add_rms_norm_row(x + r * x_stride, dr, weight, obuf.data(), dim, eps);
+        uint16_t* dst = static_cast<uint16_t*>(out) + r * out_stride;
+        for (int64_t i = 0; i < dim; ++i) dst[i] = float_to_bf16(obuf[i]);
+      } else {
+        add_rms_norm_row(x + r * x_stride, dr, weight, static_cast<float*>(out) + r * out_stride, dim, eps);
+      }
     }
   }
   return 0;

@@ -741,12 +741,23 @@ void batched_bf16(const KiQWeight& w, const float* x, int64_t m, int64_t x_strid
     }
   }
 }
+
+// Rows [row0, row0 + nrows) of W straight to bf16 (dequant_row_bf16_g32 per row): the bf16 library GEMM's
+// operand without an fp32 copy of W in between (half the bytes written, no separate rounding pass).
+template <int BITS, bool F16>
+KI_BF16_TARGET void dequant_bf16(const KiQWeight& w, int64_t row0, int64_t nrows, uint16_t* out,
+                                 int64_t out_stride, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nrows * w.k >= (1 << 16))
+  for (int64_t i = 0; i < nrows; ++i) dequant_row_bf16_g32<BITS, F16>(w, row0 + i, out + i * out_stride);
+}
 #else
 #define KI_BF16_PATH 0
 bool bf16_allowed = false;
 inline bool bf16_enabled() { return false; }
 template <int BITS, bool F16>
 void batched_bf16(const KiQWeight&, const float*, int64_t, int64_t, const float*, float*, int64_t, int) {}
+template <int BITS, bool F16>
+void dequant_bf16(const KiQWeight&, int64_t, int64_t, uint16_t*, int64_t, int) {}
 #endif
 
 template <int BITS, bool F16>
@@ -880,7 +891,7 @@ int dispatch(const KiQWeight* w, F&& f) {
 
 extern "C" {
 
-int32_t kubeinfer_qlinear_abi() { return 3; }
+int32_t kubeinfer_qlinear_abi() { return 4; }
 
 // Whether the AVX-512 path may run (the usable-feature probe's answer; off until called). Not
 // thread-safe against running kernels: set once at load.
@@ -912,6 +923,18 @@ int32_t kubeinfer_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t
                           float* y, int64_t y_stride, int32_t nthreads) {
   return dispatch(w, [&]<int BITS, bool F16>() {
     qlinear<BITS, F16>(*w, x, m, x_stride, bias, y, y_stride, std::max(nthreads, 1));
+  });
+}
+
+// out[i * out_stride + k] = bf16(W[row0 + i, k]) for i < nrows, k < w->k, rounded to nearest even (the
+// values of kubeinfer_qdequant, rounded as torch's .bfloat16()). 2 where this build or CPU has no bf16
+// path (bf16_enabled) or W's groups are not whole 32-blocks: the caller dequantizes to fp32 instead.
+int32_t kubeinfer_qdequant_bf16(const KiQWeight* w, int64_t row0, int64_t nrows, uint16_t* out, int64_t out_stride,
+                                int32_t nthreads) {
+  if (!valid(w)) return 1;
+  if (!bf16_enabled() || w->k % 32 || w->group_size % 32) return 2;
+  return dispatch(w, [&]<int BITS, bool F16>() {
+    dequant_bf16<BITS, F16>(*w, row0, nrows, out, out_stride, std::max(nthreads, 1));
   });
 }
 
