@@ -130,10 +130,14 @@ def prefill_case(kernel: DecodeKernel, reps: int, chunks: int, n: int, ctx: int)
 
     ks16, vs16, mask16 = ks.bfloat16(), vs.bfloat16(), mask.bfloat16()
 
-    def sdpa_bf16() -> object:  # q rounded here (it arrives fp32); oneDNN's bf16 kernels (AMX tiles where usable)
+    def sdpa_bf16() -> (
+        object
+    ):  # q rounded here (it arrives fp32); oneDNN's bf16 kernels (AMX tiles where usable)
         q16 = qs.bfloat16()
         if ctx > n:
-            return F.scaled_dot_product_attention(q16, ks16, vs16, attn_mask=mask16, scale=0.125, enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q16, ks16, vs16, attn_mask=mask16, scale=0.125, enable_gqa=True
+            )
         return F.scaled_dot_product_attention(q16, ks16, vs16, is_causal=True, scale=0.125, enable_gqa=True)
 
     def fused() -> object:

@@ -234,7 +234,21 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.kubeinfer_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
-    lib.kubeinfer_add_rms_norm_mixed.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, i32, i64, i64, f32, i32]
+    lib.kubeinfer_add_rms_norm_mixed.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        i64,
+        i32,
+        ptr,
+        ptr,
+        i64,
+        i32,
+        i64,
+        i64,
+        f32,
+        i32,
+    ]
     lib.kubeinfer_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]
     lib.kubeinfer_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.kubeinfer_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]

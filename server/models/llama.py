@@ -279,7 +279,12 @@ class LlamaForCausalLM(nn.Module):
         delta: Tensor | None = None
         t, bf16, fp32 = h.shape[0], torch.bfloat16, torch.float32
         for layer, (k_cache, v_cache) in zip(self.decoder_layers(), kv_caches, strict=True):
-            norm1, norm2, attn, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp
+            norm1, norm2, attn, mlp = (
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                layer.self_attn,
+                layer.mlp,
+            )
             # Where a projection's GEMM is bf16 (prefill-sized batches), the norm hands it a bf16 operand
             # and takes its bf16 result as the next delta: the values of rounding and widening around an
             # fp32 stream, without the [T, H] fp32 <-> bf16 copies (the residual stream h stays fp32).
@@ -287,7 +292,9 @@ class LlamaForCausalLM(nn.Module):
             x = ops.add_rms_norm(h, delta, norm1.weight, norm1.eps, out_dtype=x_dtype)
             a_dtype = bf16 if _bf16_gemm(attn.o_proj, t) else None
             qkv_dtype = fp32 if x_dtype == bf16 else None
-            a = attn(x, cos, sin, k_cache, v_cache, meta, backend, ops, qkv_dtype=qkv_dtype, out_dtype=a_dtype)
+            a = attn(
+                x, cos, sin, k_cache, v_cache, meta, backend, ops, qkv_dtype=qkv_dtype, out_dtype=a_dtype
+            )
             x_dtype = bf16 if _bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
             x = ops.add_rms_norm(h, a, norm2.weight, norm2.eps, out_dtype=x_dtype)
             delta = mlp(x, ops)  # bf16 where x is (MLP.forward's bf16 chain), else fp32

@@ -50,7 +50,9 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
-ABI_VERSION = 4  # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path; 4: kubeinfer_qdequant_bf16
+ABI_VERSION = (
+    4  # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path; 4: kubeinfer_qdequant_bf16
+)
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
@@ -473,7 +475,12 @@ class QLinearKernel:
         if count == 0:
             return True
         rc = self.lib.kubeinfer_qdequant_bf16(
-            ctypes.byref(weight_descriptor(w)), start, count, out.data_ptr(), out.stride(0), torch.get_num_threads()
+            ctypes.byref(weight_descriptor(w)),
+            start,
+            count,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
         )
         if rc == 2:
             return False

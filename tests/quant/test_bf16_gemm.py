@@ -153,7 +153,9 @@ def test_the_layers_hand_bf16_operands_and_results_on_bit_for_bit(
         return original(self, x, delta, weight, eps, out, out_dtype)
 
     monkeypatch.setattr(FusedOps, "add_rms_norm", spy)
-    assert embedded.reset_prefix_cache()  # each run a whole prefill (and no cached prompt left for the others)
+    assert (
+        embedded.reset_prefix_cache()
+    )  # each run a whole prefill (and no cached prompt left for the others)
     handed = engine_prompt_logprobs(embedded, prompt)
     layers = embedded.loaded.arch.num_layers
     bf16 = torch.bfloat16
