@@ -107,14 +107,16 @@ def test_pooling_input_beyond_the_prefill_cap_runs_as_the_steps_first_prompt() -
     """Beside decodes the step's prompt share is capped; a pooling input cannot be split, so it runs
     when it is the first prompt of a step, instead of starving behind the cap."""
     s = make_sched(budget=32, threshold=4)
-    s.add_request(gen("g", 2, max_tokens=8))
+    for n in range(3):  # more streams decode than prompts wait: the cap holds (not a burst)
+        s.add_request(gen(f"g{n}", 2, max_tokens=8))
     run_step(s)
     s.add_request(pool("p", 9))
     s.add_request(pool("q", 2))
+    decodes = [(f"g{n}", 1) for n in range(3)]
     out, done = run_step(s)
-    assert rows(out) == [("g", 1), ("p", 9)] and done == [("p", FinishReason.STOP)]
+    assert rows(out) == [*decodes, ("p", 9)] and done == [("p", FinishReason.STOP)]
     out, done = run_step(s)
-    assert rows(out) == [("g", 1), ("q", 2)]
+    assert rows(out) == [*decodes, ("q", 2)]
 
 
 def test_abort_pooling_request_waiting_or_during_its_step() -> None:

@@ -171,6 +171,28 @@ def test_decodes_run_every_step_while_a_long_prompt_arrives() -> None:
     assert prompt_done == 20 * 8 or "long" not in s.requests
 
 
+def test_a_burst_of_prompts_is_not_trickled_beside_decodes() -> None:
+    """While at least as many prompts wait as streams decode, the step takes them up to the whole budget
+    (holding each back a cap's worth per step costs them more than one long step costs the streams);
+    fewer waiting than decoding: capped as before."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64, max_num_seqs=16, max_model_len=256, long_prefill_token_threshold=8
+    )
+    s = Scheduler(cfg, KVCacheManager(256, 4, False))
+    for n in range(3):
+        s.add_request(req(f"d{n}", 5, max_tokens=50))
+    run_step(s)
+    for n in range(4):  # 4 waiting >= 3 decoding: a burst
+        s.add_request(req(f"p{n}", 12, max_tokens=50))
+    assert _rows(run_step(s)) == {"d0": 1, "d1": 1, "d2": 1, "p0": 12, "p1": 12, "p2": 12, "p3": 12}
+    s.add_request(req("late", 12, max_tokens=2))  # 1 waiting, 7 decoding: capped
+    assert _rows(run_step(s)) == {
+        **{f"d{n}": 1 for n in range(3)},
+        **{f"p{n}": 1 for n in range(4)},
+        "late": 8,
+    }
+
+
 def test_prefill_cap_off_or_idle_uses_the_whole_budget() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
     s = Scheduler(cfg, KVCacheManager(128, 4, False))
