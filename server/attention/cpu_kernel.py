@@ -48,6 +48,9 @@ class DecodeKernel:
     # The K pass over a bf16 cache takes vdpbf16ps (usable AVX512-BF16 in an AVX-512 build): q split into
     # three bf16 parts that hold it exactly, so only the order of the fp32 sums differs (csrc, scores16_bf16x3).
     bf16: bool = False
+    # Usable AMX-BF16: torch's bf16 SDPA (oneDNN's brgemm on AMX tiles) outruns `prefill` 1.6-3x there
+    # (benchmarks/cpu_attention.py, Xeon with AMX, 2026-12-02), so the backend hands it the prompt chunks.
+    amx_bf16: bool = False
 
     def __call__(
         self,
@@ -367,4 +370,4 @@ def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
     # Only where the OS enabled the state and KUBEINFER_CPU_DISABLE leaves it on (never cpuinfo alone).
     features = usable_cpu_features()
     lib.kubeinfer_paged_decode_set_bf16(int(features.avx512_bf16 and features.avx512bw))
-    return DecodeKernel(lib, path, bool(lib.kubeinfer_paged_decode_bf16_enabled()))
+    return DecodeKernel(lib, path, bool(lib.kubeinfer_paged_decode_bf16_enabled()), features.amx_bf16)

@@ -14,7 +14,11 @@ see the same values.
 Exception: with the compiled kernel over a bf16 cache where AVX512-BF16 is usable (fp32 q, head_dim 64 or
 128), every prompt chunk goes through its prefill attention instead (`DecodeKernel.prefill`): bf16
 products of q * scale, K, P and V with fp32 maxima, sums and output, flash-attention style, 2.0-2.3x the
-SDPA path here (benchmarks/cpu_attention.py). All chunks take it, so those three still compute alike.
+SDPA path on an AMD EPYC with AVX512-BF16 (benchmarks/cpu_attention.py). All chunks take it, so those
+three still compute alike. Where AMX-BF16 is usable too (`DecodeKernel.amx_bf16`), the prompt chunks go
+to the SDPA groups in bf16 instead: q rounded to bf16, K/V as the bf16 cache holds them, torch's bf16
+SDPA (oneDNN's brgemm on AMX tiles: 1.6-3x the kernel there, 2026-12-02), its bf16 output widened to fp32
+(the o projection rounds it to bf16 again at prefill sizes). Again all chunks alike.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class _Plan:
     decode: _DecodePlan | None
     prefill: list[_PrefillGroup]  # empty when `chunks` serves every prompt chunk
     chunks: PrefillChunks | None = None  # the compiled prefill kernel's chunks (DecodeKernel.prefill)
+    compute: torch.dtype | None = None  # the prefill groups' SDPA dtype where it is not q's (bf16 on AMX)
 
 
 def _prefill_groups(
@@ -167,6 +172,9 @@ class TorchAttentionBackend:
                 )
             decode = _DecodePlan(seqs=idx, rows=rows, gather=gather)
         kernel = self.decode_kernel
+        if kernel is not None and kernel.amx_bf16 and kernel.prefill_supported(dtype, cache_dtype, head_dim):
+            # Every prompt chunk through torch's bf16 SDPA over the bf16 K/V (module docstring).
+            return _Plan(decode, _prefill_groups(meta, qsl, bs, torch.bfloat16), compute=torch.bfloat16)
         if kernel is not None and kernel.prefill_supported(dtype, cache_dtype, head_dim):
             # Every prompt chunk, with a cached prefix or not, through the one kernel: a prefix-cache hit,
             # a chunked and a whole prefill compute alike.
@@ -256,6 +264,7 @@ class TorchAttentionBackend:
                 out, q, k_cache, v_cache, meta.block_tables, plan.chunks, scale, indices_checked=True
             )
             assert done, "prefill_supported said the kernel serves these chunks"
+        cd = plan.compute or q.dtype  # the SDPA's dtype: K/V as the cache holds them where it is the cache's
         for grp in plan.prefill:
             b, n = len(grp.starts), grp.query_len
             if grp.rows is None:
@@ -266,10 +275,10 @@ class TorchAttentionBackend:
                 qs = q.index_select(0, rows)
                 ks, vs = k_stored.index_select(0, rows), v_stored.index_select(0, rows)
             # 4-D [B, H, n, D] operands: with 3-D ones CPU SDPA takes its math path, ~2x slower here.
-            qs = qs.view(b, n, -1, head_dim).transpose(1, 2)  # [B, Hq, n, D]
+            qs = qs.view(b, n, -1, head_dim).transpose(1, 2).to(cd)  # [B, Hq, n, D]
             if grp.blocks is None:
-                # what a later chunk or a prefix hit reads from the cache, widened (a no-op when q's dtype)
-                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+                # what a later chunk or a prefix hit reads from the cache, widened (a no-op when cd is its dtype)
+                ks, vs = ks.to(cd), vs.to(cd)
                 ks, vs = (
                     ks.view(b, n, *sd_shape[1:]).transpose(1, 2),
                     vs.view(b, n, *sd_shape[1:]).transpose(1, 2),
@@ -281,12 +290,19 @@ class TorchAttentionBackend:
                 ks = k_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]
                 vs = v_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]
                 # ks, vs: [B, Hkv, ctx, D], widened to q's dtype (a no-op when the cache has it)
-                ks, vs = ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype)
+                ks, vs = ks.transpose(1, 2).to(cd), vs.transpose(1, 2).to(cd)
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
                 )
-            # SDPA's output is [B, Hq, n, D] in memory: the reshape to rows copies once
-            o = o.transpose(1, 2).reshape(b * n, *q.shape[1:])  # [B * n, Hq, D]
+            # SDPA's output is [B, Hq, n, D] in memory: the reshape to rows copies once (widening a bf16 one)
+            if o.dtype != q.dtype:
+                o = (
+                    torch.empty(b, n, *q.shape[1:], dtype=q.dtype)
+                    .copy_(o.transpose(1, 2))
+                    .view(b * n, *q.shape[1:])
+                )
+            else:
+                o = o.transpose(1, 2).reshape(b * n, *q.shape[1:])  # [B * n, Hq, D]
             if d is None and grp.rows is None and b * n == q.shape[0]:
                 # the whole batch is this one group, in order: those rows are the answer, without a
                 # second copy into `out`

@@ -5,6 +5,8 @@ through it where it runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from paged_batch import ATTN_TOL, make_attention_metadata, make_paged_batch
@@ -165,7 +167,8 @@ def test_backend_sends_every_prompt_chunk_through_the_kernel(kernel: DecodeKerne
     shape = (int(meta.block_tables.max()) + 2, block_size, hkv, d)
     kc, vc = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
     q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
-    backend = TorchAttentionBackend(block_size, kernel)
+    # Without AMX-BF16 (where it is usable, the chunks go to bf16 SDPA: the test below)
+    backend = TorchAttentionBackend(block_size, dataclasses.replace(kernel, amx_bf16=False))
     out = backend.forward(q, k, v, kc, vc, meta, 0.125)
 
     starts = meta.query_start_loc.tolist()
@@ -185,3 +188,67 @@ def test_backend_sends_every_prompt_chunk_through_the_kernel(kernel: DecodeKerne
     )
     decode = [starts[i] for i, m in enumerate(query_lens) if m == 1]
     torch.testing.assert_close(out[decode], ref[decode], atol=1e-4, rtol=1e-4)
+
+
+def test_with_amx_the_backend_sends_every_prompt_chunk_through_bf16_sdpa(kernel: DecodeKernel) -> None:
+    """Where AMX-BF16 is usable (forced here: torch's bf16 SDPA runs on any CPU), the prompt chunks, with and
+    without a cached prefix, take torch's bf16 SDPA over the bf16 K/V: each chunk's rows are that SDPA's
+    output widened (q rounded to bf16, the lower-right causal mask over its context), close to the fp32
+    reference within bf16's rounding; the decode rows stay the decode kernel's."""
+    import torch.nn.functional as F
+
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    query_lens, prefix_lens = [1, 12, 20, 1, 3, 12], [30, 0, 9, 64, 16, 0]
+    meta = make_attention_metadata(query_lens, prefix_lens, block_size, torch.device("cpu"))
+    n = sum(query_lens)
+    shape = (int(meta.block_tables.max()) + 2, block_size, hkv, d)
+    kc, vc = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    calls: list[torch.dtype] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(query, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(query.dtype)
+        return sdpa(query, *a, **kw)
+
+    backend = TorchAttentionBackend(block_size, dataclasses.replace(kernel, amx_bf16=True))
+    F.scaled_dot_product_attention = spy  # type: ignore[assignment]
+    try:
+        out = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    finally:
+        F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    assert calls and set(calls) == {torch.bfloat16}  # 4 chunks, 3 shapes (the two 12-token ones grouped)
+    assert len(calls) == 3
+    starts = meta.query_start_loc.tolist()
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)  # the step's K/V were stored first
+    for i, m in enumerate(query_lens):
+        if m == 1:
+            continue
+        ctx = m + prefix_lens[i]
+        slots = torch.cat(
+            [
+                meta.block_tables[i, j // block_size].long().view(1) * block_size + j % block_size
+                for j in range(ctx)
+            ]
+        )
+        ks, vs = flat_k[slots].transpose(0, 1)[None], flat_v[slots].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+        qs = q[starts[i] : starts[i] + m].bfloat16().transpose(0, 1)[None]  # [1, Hq, m, D]
+        mask = torch.zeros(m, ctx, dtype=torch.bfloat16)
+        mask.masked_fill_(torch.arange(ctx)[None, :] > torch.arange(ctx - m, ctx)[:, None], float("-inf"))
+        want = sdpa(qs, ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True)[0].transpose(0, 1).float()
+        # the same function (grouped, masked or is_causal); bf16 outputs one rounding apart at most
+        torch.testing.assert_close(out[starts[i] : starts[i] + m], want, atol=2e-2, rtol=2e-2)
+    ref = paged_attention_ref(
+        q, kc.float(), vc.float(), meta.block_tables, meta.context_lens, meta.query_start_loc, 0.125
+    )
+    rows = [r for i, m in enumerate(query_lens) if m > 1 for r in range(starts[i], starts[i] + m)]
+    # q, P and the output rounded to bf16 (2^-9 each): well inside 3e-2 for unit-variance rows
+    torch.testing.assert_close(out[rows], ref[rows], atol=3e-2, rtol=3e-2)
+    decode = [starts[i] for i, m in enumerate(query_lens) if m == 1]
+    torch.testing.assert_close(out[decode], ref[decode], atol=1e-4, rtol=1e-4)
+
+
+def test_the_loaded_kernel_reports_usable_amx() -> None:
+    from server.native import usable_cpu_features
+
+    assert load_decode_kernel().amx_bf16 == usable_cpu_features().amx_bf16
