@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from server.attention.metadata import AttentionMetadata
@@ -26,7 +27,11 @@ class AttentionBackend(Protocol):
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
-    ) -> Tensor:  # [T, num_heads, head_dim]
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype, or out_dtype where the backend honours it
+        """`out_dtype`: a dtype the caller takes as well (the o projection's bf16 operand), returned as
+        is where every row was computed in it (no widening to q's dtype and rounding again); a backend
+        may ignore it."""
         ...
 
 

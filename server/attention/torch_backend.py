@@ -201,7 +201,8 @@ class TorchAttentionBackend:
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
-    ) -> Tensor:  # [T, num_heads, head_dim]
+        out_dtype: torch.dtype | None = None,  # honoured where every row comes from the bf16 SDPA groups
+    ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype, or bf16 (above)
         if meta is not self._meta:
             self._plan = self._make_plan(
                 meta,
@@ -222,7 +223,10 @@ class TorchAttentionBackend:
         flat_k.index_copy_(0, meta.slot_mapping, k_stored)
         flat_v.index_copy_(0, meta.slot_mapping, v_stored)
         gqa = q.shape[1] != num_kv_heads
-        out = torch.empty_like(q)
+        cd = plan.compute or q.dtype  # the SDPA's dtype: K/V as the cache holds them where it is the cache's
+        # Every row from the bf16 SDPA groups and a caller that takes bf16: their output as it is
+        keep = plan.decode is None and plan.chunks is None and out_dtype == cd != q.dtype
+        out = torch.empty(q.shape, dtype=cd if keep else q.dtype)
 
         d = plan.decode
         if d is not None and d.gather is None:
@@ -264,7 +268,6 @@ class TorchAttentionBackend:
                 out, q, k_cache, v_cache, meta.block_tables, plan.chunks, scale, indices_checked=True
             )
             assert done, "prefill_supported said the kernel serves these chunks"
-        cd = plan.compute or q.dtype  # the SDPA's dtype: K/V as the cache holds them where it is the cache's
         for grp in plan.prefill:
             b, n = len(grp.starts), grp.query_len
             if grp.rows is None:
@@ -295,9 +298,9 @@ class TorchAttentionBackend:
                     qs, ks, vs, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
                 )
             # SDPA's output is [B, Hq, n, D] in memory: the reshape to rows copies once (widening a bf16 one)
-            if o.dtype != q.dtype:
+            if o.dtype != out.dtype:
                 o = (
-                    torch.empty(b, n, *q.shape[1:], dtype=q.dtype)
+                    torch.empty(b, n, *q.shape[1:], dtype=out.dtype)
                     .copy_(o.transpose(1, 2))
                     .view(b * n, *q.shape[1:])
                 )

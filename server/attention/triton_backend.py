@@ -9,6 +9,7 @@ so this backend also runs (slowly) on CPU for parity tests.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from kernels import paged_attention_decode, paged_prefill_attention, store_kv_cache
@@ -32,6 +33,7 @@ class TritonAttentionBackend:
         v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], updated in place
         meta: AttentionMetadata,
         scale: float,
+        out_dtype: torch.dtype | None = None,  # ignored: q's dtype throughout (AttentionBackend)
     ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_seqs = meta.block_tables.shape[0]

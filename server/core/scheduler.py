@@ -9,11 +9,13 @@ at `long_prefill_token_threshold`: a step's time grows with its tokens, so one 2
 32 decodes would hold every stream's next token for the whole chunk (ITL spikes). With no decode
 running the whole budget goes to prompts (time to first token of a burst is unchanged). vLLM's
 `long_prefill_token_threshold` caps each request's chunk; ours caps the step's prefill share, which
-also bounds many short prompts arriving together. Except for a burst: while at least as many prompts
-wait as streams decode, the step takes them up to the whole budget. Trickling W waiting prompts in at
-one cap per step delays each of them by the steps before its turn, more in all than one long step
-delays the D <= W running streams once (32 users over a shared prefix: the 13th..32nd prompts waited
-~20 capped steps, 3.7 s, and those steps held every stream's next token, ITL p99 0.16-0.25 s).
+also bounds many short prompts arriving together. Except for a burst: while at least as many waiting
+prompts can be admitted (free seats under max_num_seqs) as streams decode, the step admits them up to
+the whole budget (a prompt already running, e.g. the rest of a long one, keeps the cap). Trickling W
+waiting prompts in at one cap per step delays each of them by the steps before its turn, more in all
+than one long step delays the D <= W running streams once (32 users over a shared prefix: the
+13th..32nd prompts waited ~20 capped steps, 3.7 s, and those steps held every stream's next token,
+ITL p99 0.16-0.25 s).
 
 Pooling requests (`Request.pooling`: embed, score) share the queue, the token budget and max_num_seqs
 with generation: each is a prompt scheduled whole in one step (never chunked: its forward keeps no KV to
@@ -134,13 +136,15 @@ class Scheduler:
         now = time.monotonic()
         threshold = self.config.long_prefill_token_threshold
         decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        # Prompt tokens this step may still take (the cap applies only beside running decodes, and not to
-        # a burst: module docstring). (Without chunked prefill a prompt runs whole or not at all: a cap
-        # would starve long ones.)
-        burst = len(self.waiting) >= decoding
-        capped = threshold and decoding and not burst and self.config.enable_chunked_prefill
+        # Prompt tokens this step may still take (the cap applies only beside running decodes).
+        # (Without chunked prefill a prompt runs whole or not at all: a cap would starve long ones.)
+        capped = threshold and decoding and self.config.enable_chunked_prefill
         prefill_left = threshold if capped else budget
         prefill_cap = prefill_left
+        # A burst (module docstring): at least as many prompts can be admitted as streams decode. Only
+        # the admission of waiting prompts is uncapped; prompts already running keep the cap.
+        admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        burst = capped and admissible >= decoding
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -176,6 +180,8 @@ class Scheduler:
         # A request whose adapter would exceed max_loras distinct adapters in the batch waits (skipped,
         # keeping its place) while the requests behind it may still be admitted.
         running_loras = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        if burst:
+            prefill_left = prefill_cap = budget
         w = 0
         while (
             w < len(self.waiting)

@@ -127,7 +127,10 @@ class Attention(nn.Module):
                 q, k = _head_norm(q, self.q_norm, ops), _head_norm(k, self.k_norm, ops)
             q, k = _rotate(q, cos, sin, ops), _rotate(k, cos, sin, ops)
             v = self.v_proj(x).view(t, hkv, d)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, hq * d)
+        # a bf16 out_dtype: the o projection's bf16 GEMM takes a bf16 attention output as its operand
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, out_dtype=out_dtype).reshape(
+            t, hq * d
+        )
         return self.o_proj(o) if out_dtype is None else self.o_proj(o, out_dtype=out_dtype)
 
     def qk_normed(self, qk: Tensor, ops: FusedOps | None) -> Tensor:

@@ -194,7 +194,9 @@ class BlockQuantLinear(QuantLinear):
         out = torch.empty(m, n, dtype=out_dtype)
         rows = max(16, SLICE_BYTES // (4 * k))
         scratch: Tensor | None = None
-        low = torch.empty(min(rows, n), k, dtype=compute) if compute == torch.bfloat16 else None
+        # W straight to bf16 where the kernel can (whole 32-blocks, its bf16 path usable): decided here once
+        straight = compute == torch.bfloat16 and kernel.bf16 and k % 32 == 0 and w.group_size % 32 == 0
+        low = torch.empty(min(rows, n), k, dtype=compute) if straight else None
         for n0 in range(0, n, rows):
             r = min(rows, n - n0)
             if low is not None and kernel.dequantize_rows_bf16(w, n0, r, low[:r]):

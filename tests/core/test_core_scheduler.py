@@ -193,6 +193,29 @@ def test_a_burst_of_prompts_is_not_trickled_beside_decodes() -> None:
     }
 
 
+@pytest.mark.parametrize("seats", [4, 16])
+def test_a_burst_lifts_the_cap_for_admissions_only(seats: int) -> None:
+    """A prompt already running (the rest of a long one) keeps the cap in a burst, and prompts that cannot
+    be admitted (no free seat under max_num_seqs) make no burst."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64, max_num_seqs=seats, max_model_len=512, long_prefill_token_threshold=8
+    )
+    s = Scheduler(cfg, KVCacheManager(256, 4, False))
+    for n in range(3):
+        s.add_request(req(f"d{n}", 5, max_tokens=50))
+    run_step(s)
+    s.add_request(req("long", 300, max_tokens=2))
+    run_step(s)  # 1 waiting < 3 decoding: its first 8 tokens
+    for n in range(3):
+        s.add_request(req(f"p{n}", 6, max_tokens=50))
+    rows = _rows(run_step(s))
+    assert rows["long"] == 8  # running: capped either way
+    if seats == 4:  # no free seat: no burst, nobody admitted
+        assert set(rows) == {"d0", "d1", "d2", "long"}
+    else:  # 3 admissible >= 3 decoding: all three admitted whole beside the capped chunk
+        assert {k: v for k, v in rows.items() if k.startswith("p")} == {"p0": 6, "p1": 6, "p2": 6}
+
+
 def test_prefill_cap_off_or_idle_uses_the_whole_budget() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
     s = Scheduler(cfg, KVCacheManager(128, 4, False))
