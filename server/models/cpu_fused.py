@@ -122,35 +122,22 @@ class FusedOps:
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"out_dtype must be fp32 or bf16, got {out_dtype}")
         out = _output(out, t, h, out_dtype)
-        common = (weight.data_ptr(), out.data_ptr(), out.stride(0))
-        if delta_bf16 or out_dtype == torch.bfloat16:
-            assert delta is None or delta_bf16 or delta.dtype == torch.float32
-            rc = self.lib.kubeinfer_add_rms_norm_mixed(
-                x.data_ptr(),
-                x.stride(0),
-                None if delta is None else delta.data_ptr(),
-                0 if delta is None else delta.stride(0),
-                int(delta_bf16),
-                *common[:2],
-                out.stride(0),
-                int(out_dtype == torch.bfloat16),
-                t,
-                h,
-                float(eps),
-                torch.get_num_threads(),
-            )
-        else:
-            rc = self.lib.kubeinfer_add_rms_norm(
-                x.data_ptr(),
-                x.stride(0),
-                None if delta is None else delta.data_ptr(),
-                0 if delta is None else delta.stride(0),
-                *common,
-                t,
-                h,
-                float(eps),
-                torch.get_num_threads(),
-            )
+        # One entry for every dtype pair: with fp32 delta and out it runs the fp32 kernel's own row loop
+        rc = self.lib.kubeinfer_add_rms_norm_mixed(
+            x.data_ptr(),
+            x.stride(0),
+            None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
+            int(delta_bf16),
+            weight.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            int(out_dtype == torch.bfloat16),
+            t,
+            h,
+            float(eps),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise RuntimeError(f"add_rms_norm kernel returned {rc}")
         return out
@@ -233,7 +220,6 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     """Builds (or finds under `cache_dir`/kernels) and loads the library; raises KernelBuildError."""
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.kubeinfer_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     lib.kubeinfer_add_rms_norm_mixed.argtypes = [
         ptr,
         i64,
@@ -255,7 +241,6 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib.kubeinfer_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
     for fn in (
-        lib.kubeinfer_add_rms_norm,
         lib.kubeinfer_add_rms_norm_mixed,
         lib.kubeinfer_rotary,
         lib.kubeinfer_silu_mul,
