@@ -297,15 +297,12 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
                 )
-            # SDPA's output is [B, Hq, n, D] in memory: the reshape to rows copies once (widening a bf16 one)
-            if o.dtype != out.dtype:
-                o = (
-                    torch.empty(b, n, *q.shape[1:], dtype=out.dtype)
-                    .copy_(o.transpose(1, 2))
-                    .view(b * n, *q.shape[1:])
-                )
-            else:
-                o = o.transpose(1, 2).reshape(b * n, *q.shape[1:])  # [B * n, Hq, D]
+            # SDPA's output is [B, Hq, n, D] in memory: one copy into rows [B * n, Hq, D] in out's dtype
+            o = (
+                torch.empty(b, n, *q.shape[1:], dtype=out.dtype)
+                .copy_(o.transpose(1, 2))
+                .view(b * n, *q.shape[1:])
+            )
             if d is None and grp.rows is None and b * n == q.shape[0]:
                 # the whole batch is this one group, in order: those rows are the answer, without a
                 # second copy into `out`

@@ -193,17 +193,16 @@ class BlockQuantLinear(QuantLinear):
             assert compute == out_dtype and self.bias is None, "a low-precision output is the GEMM's own"
         out = torch.empty(m, n, dtype=out_dtype)
         rows = max(16, SLICE_BYTES // (4 * k))
-        scratch: Tensor | None = None
-        # W straight to bf16 where the kernel can (whole 32-blocks, its bf16 path usable): decided here once
-        straight = compute == torch.bfloat16 and kernel.bf16 and k % 32 == 0 and w.group_size % 32 == 0
-        low = torch.empty(min(rows, n), k, dtype=compute) if straight else None
+        # W straight to bf16 where the kernel can (the same values as rounding the fp32 slice, unwritten)
+        straight = compute == torch.bfloat16 and kernel.bf16_dequant_supported(w)
+        scratch = torch.empty(min(rows, n), k, dtype=compute if straight else torch.float32)
         for n0 in range(0, n, rows):
             r = min(rows, n - n0)
-            if low is not None and kernel.dequantize_rows_bf16(w, n0, r, low[:r]):
-                # W straight to bf16 (the same values as rounding the fp32 slice, without writing it)
-                tile = low[:r]
+            if straight:
+                taken = kernel.dequantize_rows_bf16(w, n0, r, scratch[:r])
+                assert taken, "bf16_dequant_supported said the kernel takes W"
+                tile = scratch[:r]
             else:
-                scratch = torch.empty(min(rows, n), k) if scratch is None else scratch
                 tile = kernel.dequantize_rows(w, start=n0, count=r, out=scratch[:r])
             if compute != torch.float32 and out_dtype == compute and r == n:
                 torch.mm(xc, tile.to(compute).t(), out=out)

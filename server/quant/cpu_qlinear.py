@@ -50,9 +50,8 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
-ABI_VERSION = (
-    4  # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path; 4: kubeinfer_qdequant_bf16
-)
+# 3: KiQWeight.compute (was reserved) asks for the bf16 batched path; 4: kubeinfer_qdequant_bf16
+ABI_VERSION = 4
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
@@ -456,6 +455,11 @@ class QLinearKernel:
             raise RuntimeError(f"qdequant kernel returned {rc} for {w.fmt} [{w.out_features}, {k}]")
         return out
 
+    def bf16_dequant_supported(self, w: BlockQuantWeight) -> bool:
+        """Whether dequantize_rows_bf16 takes W here: the bf16 path usable (`self.bf16`) and W's groups
+        whole 32-blocks (the condition kubeinfer_qdequant_bf16 checks)."""
+        return self.bf16 and w.in_features % 32 == 0 and w.group_size % 32 == 0
+
     def dequantize_rows_bf16(
         self,
         w: BlockQuantWeight,
@@ -465,8 +469,8 @@ class QLinearKernel:
     ) -> bool:
         """Rows [start, start + count) of W dequantized straight to bf16 into `out`: the values of
         dequantize_rows rounded to nearest even (bit-identical to `dequantize_rows(...).bfloat16()`),
-        without the fp32 copy. False (out untouched) where the kernel has no bf16 path here (`self.bf16`
-        off) or W's groups are not whole 32-blocks; IndexError/ValueError for a bad range or `out`."""
+        without the fp32 copy. False (out untouched) where `bf16_dequant_supported(w)` is not;
+        IndexError/ValueError for a bad range or `out`."""
         k = w.in_features
         if start < 0 or count < 0 or start + count > w.out_features:
             raise IndexError(f"rows [{start}, {start + count}) out of range [0, {w.out_features})")

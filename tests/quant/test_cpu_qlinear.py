@@ -111,7 +111,7 @@ def test_rows_dequantized_to_bf16_are_the_fp32_rows_rounded(kernel: QLinearKerne
     out = torch.full((50 + 3, k), 7.0, dtype=torch.bfloat16)
     taken = kernel.dequantize_rows_bf16(w, 0, 50, out[:50])
     whole_blocks = w.group_size % 32 == 0 and w.in_features % 32 == 0
-    assert taken == (kernel.bf16 and whole_blocks)
+    assert taken == (kernel.bf16 and whole_blocks) == kernel.bf16_dequant_supported(w)
     if taken:
         assert torch.equal(out[:50], kernel.dequantize_rows(w).bfloat16())
         part = torch.empty(4, k, dtype=torch.bfloat16)
@@ -273,7 +273,7 @@ def test_bf16_dequant_gemm_within_bf16_rounding(fmt: str, monkeypatch: pytest.Mo
     assert err <= 4 * 2**-8 * scale * k**0.5 + 2**-8 * ref.abs().max().item(), err
     assert not torch.equal(y, lin._dequant_gemm(x, w, lin.kernel))  # it did compute in bf16
     # W dequantized straight to bf16 where the kernel can: the same values as rounding each fp32 slice
-    monkeypatch.setattr(cq.QLinearKernel, "dequantize_rows_bf16", lambda *a: False)
+    monkeypatch.setattr(cq.QLinearKernel, "bf16_dequant_supported", lambda *a: False)
     assert torch.equal(y, lin._dequant_gemm(x, w, lin.kernel, torch.bfloat16))
 
 
