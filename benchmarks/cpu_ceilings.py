@@ -5,6 +5,8 @@ our quantized prefill path (server/quant/block_linear.py `_dequant_gemm`), the s
 and bf16 compute; plus memory bandwidth (GB/s, a large copy: read + write). Each case is timed
 interleaved with the others (`--rounds` passes over all of them, the best pass kept), so a shared
 machine's noise falls on all alike. Prints JSON; also the usable CPU features (server/cpu_features.py).
+bf16 cases run only where the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16): elsewhere torch
+emulates it and one round takes minutes (`--bf16` runs them anyway).
 
     python benchmarks/cpu_ceilings.py [--rows 128 512 2048 --k 576 --n 1536 --square 2048 --rounds 5
         --threads 2]
@@ -44,7 +46,10 @@ def main() -> None:
     ap.add_argument("--square", type=int, default=2048, help="M = K = N of the peak GEMM; 0: none")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="bf16 cases on a CPU without native bf16 too")
     args = ap.parse_args()
+    features = usable_cpu_features()
+    bf16 = args.bf16 or features.avx512_bf16 or features.amx_bf16
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     k, n = args.k, args.n
@@ -56,13 +61,14 @@ def main() -> None:
         x16, w16 = x32.bfloat16(), w32.bfloat16()
         flop = 2.0 * m * n * k
         cases[f"gemm_fp32_m{m}"] = (lambda x=x32: x @ w32.t(), flop)
-        cases[f"gemm_bf16_m{m}"] = (lambda x=x16, w=w16: x @ w.t(), flop)
+        if bf16:
+            cases[f"gemm_bf16_m{m}"] = (lambda x=x16, w=w16: x @ w.t(), flop)
         x8, w8 = _int8(m, k, g), _int8(k, n, g)
         cases[f"gemm_int8_m{m}"] = (lambda x=x8, w=w8: torch._int_mm(x, w), flop)
         if m >= 512:  # the dequantize + GEMM path serves these rows
             kernel = layer.kernel
             assert kernel is not None
-            for dt in (torch.float32, torch.bfloat16):
+            for dt in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):
                 name = f"q8_0_dequant_gemm_{'bf16' if dt == torch.bfloat16 else 'fp32'}_m{m}"
                 cases[name] = (
                     lambda x=x32, dt=dt, kn=kernel: layer._dequant_gemm(x, layer.weight_q, kn, dt),
@@ -74,7 +80,8 @@ def main() -> None:
         a16, b16, a8, b8 = a32.bfloat16(), b32.bfloat16(), _int8(s, s, g), _int8(s, s, g)
         flop = 2.0 * s**3
         cases[f"square_fp32_{s}"] = (lambda: a32 @ b32, flop)
-        cases[f"square_bf16_{s}"] = (lambda: a16 @ b16, flop)
+        if bf16:
+            cases[f"square_bf16_{s}"] = (lambda: a16 @ b16, flop)
         cases[f"square_int8_{s}"] = (lambda: torch._int_mm(a8, b8), flop)
     big = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MiB: well past the caches
     dst = torch.empty_like(big)
@@ -84,7 +91,7 @@ def main() -> None:
         for name, (fn, _flop) in cases.items():
             t = _best(fn, 3)
             best[name] = min(best.get(name, t), t)
-    out: dict[str, object] = {"cpu_features": usable_cpu_features().names(), "threads": args.threads}
+    out: dict[str, object] = {"cpu_features": features.names(), "threads": args.threads}
     for name, (_fn, flop) in cases.items():
         out[name] = (
             {"gb_per_s": round(2 * big.numel() / best[name] / 1e9, 2), "ms": round(best[name] * 1e3, 3)}
