@@ -15,7 +15,10 @@ the whole budget (a prompt already running, e.g. the rest of a long one, keeps t
 waiting prompts in at one cap per step delays each of them by the steps before its turn, more in all
 than one long step delays the D <= W running streams once (32 users over a shared prefix: the
 13th..32nd prompts waited ~20 capped steps, 3.7 s, and those steps held every stream's next token,
-ITL p99 0.16-0.25 s).
+ITL p99 0.16-0.25 s). The rule is applied step by step: a burst larger than one step's budget ends when
+its admitted prompts, now decoding, outnumber those still waiting, as the same argument says it should
+(keeping it going measured ITL p99 2-3x worse at 32 users on an fp32 CPU: docs/benchmarks.md, "CPU: an
+AVX2-only AMD EPYC").
 
 Pooling requests (`Request.pooling`: embed, score) share the queue, the token budget and max_num_seqs
 with generation: each is a prompt scheduled whole in one step (never chunked: its forward keeps no KV to
