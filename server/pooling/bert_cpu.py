@@ -24,6 +24,8 @@ Linear.cpp), the ops Inductor's CPU backend emits for the same fusions.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -49,6 +51,17 @@ def cpu_layers_supported(module: nn.Module, dtype: torch.dtype) -> bool:
 
 def _pack(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+@functools.cache
+def bf16_packing_supported() -> bool:
+    """Whether oneDNN packs bf16 linear weights on this CPU: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT and
+    raises RuntimeError without them (seen on an AVX2-only AMD EPYC)."""
+    try:
+        _pack(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 class CpuBertLayer(nn.Module):
@@ -119,7 +132,13 @@ class CpuBertLayer(nn.Module):
 def use_cpu_layers(model: BertModel, gemm_dtype: torch.dtype = torch.float32) -> int:
     """Replaces the encoder's layers with `CpuBertLayer`s in place, their GEMMs in `gemm_dtype`
     (float32, or bfloat16 for `--dtype bfloat16`); returns how many. The original layers' weights are
-    not kept (the packed copies replace them). Raises ValueError for another gemm_dtype."""
+    not kept (the packed copies replace them). Raises ValueError for another gemm_dtype, and for bfloat16
+    on a CPU where oneDNN cannot pack bf16 weights (`bf16_packing_supported`)."""
+    if gemm_dtype == torch.bfloat16 and not bf16_packing_supported():
+        raise ValueError(
+            "--dtype bfloat16: this CPU cannot run oneDNN's packed bf16 GEMMs (they need AVX512-BW/VL/DQ or "
+            "AVX-NE-CONVERT); use --dtype auto or float32"
+        )
     layers = model.encoder.layer
     for i, layer in enumerate(layers):
         assert isinstance(layer, BertLayer)

