@@ -10,19 +10,29 @@
 - `prefill`: prompt chunks over the paged bf16 cache, one layer: the kernel's bf16 prefill attention
   (`DecodeKernel.prefill`) against torch's SDPA over the same K/V in fp32 (what the backend runs without
   it: one call per group of same-shape chunks, an additive causal mask over a cached prefix).
+- `decode_fp32` (any CPU with AVX2 and FMA): the same 32 x 30-layer decode over an fp32 cache (the
+  default `--kv-cache-dtype auto` on a CPU without bf16) with the AVX2 (x86-64-v3) build of the kernel,
+  its 8-lane register passes, against the same build with them compiled out (-DKI_GENERIC_DECODE: the
+  generic loops an AVX2 build ran before), for short and long private contexts and long ones over a
+  shared 512-token prefix (held in cache: bound by arithmetic).
 Times are the median and minimum of `--reps` calls, the calls of both sides alternating so that the load
-of this shared machine hits both alike. Only where the CPU has usable AVX512-BF16 (else it says so).
+of this shared machine hits both alike. `decode` and `prefill` only where the CPU has usable AVX512-BF16
+(else it says so).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -34,8 +44,14 @@ import torch
 import torch.nn.functional as F
 from paged_batch import make_paged_batch
 
-from server.attention.cpu_kernel import DecodeKernel, PrefillChunks, load_decode_kernel
-from server.native import usable_cpu_features
+from server.attention.cpu_kernel import (
+    NATIVE,
+    DecodeKernel,
+    PrefillChunks,
+    bind_decode_kernel,
+    load_decode_kernel,
+)
+from server.native import VARIANTS, build, compiler, usable_cpu_features, variant_flags
 
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
 
@@ -88,6 +104,62 @@ def decode_case(kernel: DecodeKernel, reps: int, ctx: int, shared: int) -> dict[
         "speedup_median": round(statistics.median(t["widened"]) / statistics.median(t["bf16"]), 2),
         "max_abs_difference": float((out["bf16"] - out["widened"]).abs().max()),
     }
+
+
+def avx2_builds(folder: str) -> dict[str, DecodeKernel]:
+    """The kernel's x86-64-v3 (AVX2 + FMA) build with its 8-lane decode passes and without them."""
+    (variant,) = [v for v in VARIANTS if v.march == "x86-64-v3"]
+    kernels = {}
+    for name, extra in (("avx2_passes", ()), ("avx2_generic", ("-DKI_GENERIC_DECODE",))):
+        path = Path(folder) / f"paged_decode-{name}.so"
+        build(NATIVE, compiler(), path, variant_flags(NATIVE, variant) + extra)
+        kernels[name] = bind_decode_kernel(ctypes.CDLL(str(path)), path)
+    assert (kernels["avx2_passes"].isa, kernels["avx2_generic"].isa) == ("avx2", "generic")
+    return kernels
+
+
+def decode_fp32_case(kernels: dict[str, DecodeKernel], reps: int, ctx: int, shared: int) -> dict[str, object]:
+    seqs = 32
+    q = torch.randn(seqs, HQ, D)
+    idx = torch.arange(seqs)
+    nb, sh = -(-ctx // BS), shared // BS
+    total = sh + seqs * (nb - sh)
+    caches = [(torch.randn(total, BS, HKV, D), torch.randn(total, BS, HKV, D)) for _ in range(LAYERS)]
+    tables = torch.zeros(seqs, nb, dtype=torch.int32)
+    for i in range(seqs):
+        tables[i, :sh] = torch.arange(sh)
+        tables[i, sh:] = sh + i * (nb - sh) + torch.arange(nb - sh)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    out = {name: torch.empty_like(q) for name in kernels}
+
+    def step(name: str) -> None:
+        for kc, vc in caches:
+            kernels[name](out[name], q, kc, vc, tables, lens, idx, idx, 0.125, indices_checked=True)
+
+    t = alternate({name: functools.partial(step, name) for name in kernels}, reps)
+    return {
+        "sequences": seqs,
+        "context": ctx,
+        "shared_prefix": shared,
+        "layers": LAYERS,
+        "kv_MB_read": round(total * BS * HKV * D * 4 * 2 * LAYERS / 1e6),
+        "avx2_passes": summary(t["avx2_passes"]),
+        "avx2_generic": summary(t["avx2_generic"]),
+        "speedup_median": round(
+            statistics.median(t["avx2_generic"]) / statistics.median(t["avx2_passes"]), 2
+        ),
+        "max_abs_difference": float((out["avx2_passes"] - out["avx2_generic"]).abs().max()),
+    }
+
+
+def decode_fp32_rows(reps: int) -> list[dict[str, object]]:
+    with tempfile.TemporaryDirectory() as folder:
+        kernels = avx2_builds(folder)
+        rows: list[dict[str, object]] = []
+        for ctx, shared in ((128, 0), (640, 0), (640, 512)):
+            rows.append(decode_fp32_case(kernels, reps, ctx, shared))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
 
 
 def decode_rows(kernel: DecodeKernel, reps: int) -> list[dict[str, object]]:
@@ -176,13 +248,20 @@ def main() -> None:
     torch.manual_seed(0)
     kernel = load_decode_kernel()
     result: dict[str, object] = {
-        "benchmark": "CPU attention kernels: decode bf16 K pass on/off, prefill kernel vs SDPA",
+        "benchmark": "CPU attention kernels: fp32 decode passes vs generic, decode bf16 K pass on/off, prefill kernel vs SDPA",
         "threads": args.threads,
         "usable_features": [f for f, on in vars(usable_cpu_features()).items() if on],
         "load_average_at_start": os.getloadavg(),
     }
+    usable = usable_cpu_features()
+    if usable.avx2 and usable.fma:
+        result["decode_fp32"] = decode_fp32_rows(args.reps)
+    else:
+        result["decode_fp32"] = "skipped: no usable AVX2 + FMA here"
     if not kernel.bf16:
-        result["skipped"] = "no usable AVX512-BF16 here (or KUBEINFER_CPU_DISABLE turned it off)"
+        result["skipped"] = (
+            "decode, prefill: no usable AVX512-BF16 here (or KUBEINFER_CPU_DISABLE turned it off)"
+        )
     else:
         result["decode"] = decode_rows(kernel, args.reps)
         result["prefill"] = prefill_rows(kernel, args.reps)

@@ -25,7 +25,7 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 4  # 3: kubeinfer_paged_decode_set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill
+ABI_VERSION = 5  # 3: kubeinfer_paged_decode_set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa
 MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
@@ -51,6 +51,9 @@ class DecodeKernel:
     # Usable AMX-BF16: torch's bf16 SDPA (oneDNN's brgemm on AMX tiles) outruns `prefill` 1.6-3x there
     # (benchmarks/cpu_attention.py, Xeon with AMX, 2026-12-02), so the backend hands it the prompt chunks.
     amx_bf16: bool = False
+    # The decode passes the build runs (kubeinfer_paged_decode_isa): "avx512" or "avx2" (register-blocked,
+    # by the -march level it was built for) or "generic" (plain loops the compiler vectorizes as it can).
+    isa: str = "generic"
 
     def __call__(
         self,
@@ -367,7 +370,9 @@ def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
     lib.kubeinfer_paged_decode_set_bf16.restype = None
     lib.kubeinfer_paged_decode_set_bf16.argtypes = [i32]
     lib.kubeinfer_paged_decode_bf16_enabled.restype = i32
+    lib.kubeinfer_paged_decode_isa.restype = i32
+    isa = {2: "avx512", 1: "avx2"}.get(lib.kubeinfer_paged_decode_isa(), "generic")
     # Only where the OS enabled the state and KUBEINFER_CPU_DISABLE leaves it on (never cpuinfo alone).
     features = usable_cpu_features()
     lib.kubeinfer_paged_decode_set_bf16(int(features.avx512_bf16 and features.avx512bw))
-    return DecodeKernel(lib, path, bool(lib.kubeinfer_paged_decode_bf16_enabled()), features.amx_bf16)
+    return DecodeKernel(lib, path, bool(lib.kubeinfer_paged_decode_bf16_enabled()), features.amx_bf16, isa)

@@ -69,11 +69,32 @@ def _levels() -> list[str]:
     return [v.march for v in VARIANTS] + ["native", "native-bf16-off"]
 
 
+def test_each_level_runs_its_own_decode_passes(builds: dict[str, DecodeKernel]) -> None:
+    """The AVX-512 build runs the 16-lane register passes, the AVX2 (x86-64-v3) build the 8-lane ones, the
+    older levels the generic loops: each level's build is the only place its passes run, so the parametrized
+    test below covers all three wherever the CPU runs the levels."""
+    want = {"x86-64-v4": "avx512", "x86-64-v3": "avx2", "x86-64-v2": "generic", "x86-64": "generic"}
+    assert {level: builds[level].isa for level in want if level in builds} == {
+        level: isa for level, isa in want.items() if level in builds
+    }
+    usable = usable_cpu_features()
+    native = "avx512" if usable.avx512f else "avx2" if usable.avx2 and usable.fma else "generic"
+    assert builds["native"].isa == native
+
+
 @pytest.mark.parametrize("level", _levels())
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
-@pytest.mark.parametrize(("gqa", "block_size"), [(1, 16), (3, 16), (4, 8)])
+# head_dim 72: the AVX2 passes (8-lane) but not the AVX-512 ones (16-lane); gqa 9: past the register V pass
+@pytest.mark.parametrize(
+    ("gqa", "block_size", "head_dim"), [(1, 16, 64), (3, 16, 64), (4, 8, 64), (9, 16, 64), (2, 32, 72)]
+)
 def test_kernel_over_a_narrow_cache_matches_the_reference(
-    builds: dict[str, DecodeKernel], level: str, cache_dtype: torch.dtype, gqa: int, block_size: int
+    builds: dict[str, DecodeKernel],
+    level: str,
+    cache_dtype: torch.dtype,
+    gqa: int,
+    block_size: int,
+    head_dim: int,
 ) -> None:
     if level not in builds:
         pytest.skip(f"this CPU cannot run {level}")
@@ -85,7 +106,7 @@ def test_kernel_over_a_narrow_cache_matches_the_reference(
         ctx,
         num_heads=3 * gqa,
         num_kv_heads=3,
-        head_dim=64,
+        head_dim=head_dim,
         block_size=block_size,
         dtype=torch.float32,
         device=torch.device("cpu"),
