@@ -32,6 +32,23 @@
 
 namespace {
 
+// f(std::integral_constant<int, G>{}) for the G (query heads per KV head) the register passes are built
+// for, 1..8; false for any other G (the caller then runs the generic loop).
+template <typename F>
+bool with_group_size(int G, F&& f) {
+  switch (G) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: return false;
+  }
+}
+
 using bf16 = uint16_t;
 struct fp16 {  // IEEE binary16 bits, a distinct type from bf16 for the templates
   uint16_t bits;
@@ -266,17 +283,10 @@ bool v_pass_regs(const C* vc, const int32_t* table, int64_t block_elems, int BS,
   if (D % 16 != 0) return false;
   const int jb = v_block_cols(G, D);
   if (jb == 0) return false;
-  switch (G) {
-    case 1: return v_pass_regs_g<C, 1>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 2: return v_pass_regs_g<C, 2>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 3: return v_pass_regs_g<C, 3>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 4: return v_pass_regs_g<C, 4>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 5: return v_pass_regs_g<C, 5>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 6: return v_pass_regs_g<C, 6>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 7: return v_pass_regs_g<C, 7>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 8: return v_pass_regs_g<C, 8>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    default: return false;
-  }
+  return with_group_size(G, [&](auto g) {
+    return v_pass_regs_g<C, decltype(g)::value>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores,
+                                                n_tok, acc);
+  });
 }
 #endif
 
@@ -432,17 +442,10 @@ bool v_pass_regs8(const C* vc, const int32_t* table, int64_t block_elems, int BS
   if (D % 8 != 0) return false;
   const int jb = v_block_cols8(G, D);
   if (jb == 0) return false;
-  switch (G) {
-    case 1: return v_pass_regs8_g<C, 1>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 2: return v_pass_regs8_g<C, 2>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 3: return v_pass_regs8_g<C, 3>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 4: return v_pass_regs8_g<C, 4>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 5: return v_pass_regs8_g<C, 5>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 6: return v_pass_regs8_g<C, 6>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 7: return v_pass_regs8_g<C, 7>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    case 8: return v_pass_regs8_g<C, 8>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores, n_tok, acc);
-    default: return false;
-  }
+  return with_group_size(G, [&](auto g) {
+    return v_pass_regs8_g<C, decltype(g)::value>(vc, table, block_elems, BS, HKV, D, jb, t_begin, t_end, scores,
+                                                 n_tok, acc);
+  });
 }
 #endif
 
