@@ -153,6 +153,10 @@ class DecodeGraph:
     entry: DecodeEntry  # the projections' entry point and the int8 modes recorded with it
     # Kept alive: the C side holds raw pointers into these.
     _keep: tuple[object, ...]
+    # BlockQuantLinear.gemm_dtype_changes when the compute flags and `max_rows` were last read from the
+    # projections (apply_gemm_dtype may run after recording); -1: never.
+    _synced_changes: int = -1
+    _max_rows: int = 0
 
     @staticmethod
     def build(
@@ -267,18 +271,23 @@ class DecodeGraph:
 
     @property
     def max_rows(self) -> int:
-        """The most rows this graph serves: below every projection's `gemm_min_rows` (read now, so a
-        gemm_dtype set after recording is honoured)."""
-        return min(m.gemm_min_rows for mods in self.projections for m in mods) - 1
+        """The most rows this graph serves: below every projection's `gemm_min_rows` (as the
+        projections' gemm_dtype is now, so a gemm_dtype set after recording is honoured)."""
+        self.sync_compute()
+        return self._max_rows
 
     def sync_compute(self) -> None:
-        """Sets each descriptor's compute flag from its projection's gemm_dtype now (apply_gemm_dtype
-        may run after recording); a few attribute reads per projection, run before every step."""
-        modules = (m for mods in self.projections for m in mods)
+        """Sets each descriptor's compute flag from its projection's gemm_dtype, and `max_rows`, where any
+        gemm_dtype was assigned since the last sync; run before every step."""
+        if self._synced_changes == BlockQuantLinear.gemm_dtype_changes:
+            return
+        modules = [m for mods in self.projections for m in mods]
         for desc, m in zip(self.descriptors, modules, strict=True):
             flag = compute_flag(m.gemm_dtype)
             if desc.compute != flag:
                 desc.compute = flag
+        self._max_rows = min(m.gemm_min_rows for m in modules) - 1
+        self._synced_changes = BlockQuantLinear.gemm_dtype_changes
 
     @property
     def num_cache_slots(self) -> int:  # num_blocks * block_size

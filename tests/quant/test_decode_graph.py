@@ -15,6 +15,7 @@ from server.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.decode_graph import DecodeGraph
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS, BlockQuantLinear
+from server.quant.cpu_qlinear import compute_flag
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
@@ -207,3 +208,24 @@ def test_bf16_decode_batches_from_the_crossover_leave_the_graph(
     assert len(decode) >= 4 * 2 and set(decode) == {torch.bfloat16}
     apply_gemm_dtype(engine.loaded.model, torch.float32)
     assert graph.max_rows == DecodeGraph.MAX_ROWS
+
+
+def test_a_gemm_dtype_set_after_recording_reaches_the_graph(tiny_q41: Path, cache: Path) -> None:
+    """The graph reads its projections' gemm_dtype again only when one was assigned (a counter on
+    BlockQuantLinear, not 120 attribute reads a step): one projection set directly to bf16 after recording
+    lowers `max_rows` and sets that projection's compute flag; set back, both return."""
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+    prompt = engine.tokenizer.encode("one two")
+    engine.generate([prompt] * 2, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    graph = engine.loaded.model._decode_graph[1]  # type: ignore[index]
+    assert graph is not None and graph.max_rows == DecodeGraph.MAX_ROWS
+    down = graph.projections[-1][-1]
+    changes = BlockQuantLinear.gemm_dtype_changes
+    down.gemm_dtype = torch.bfloat16
+    assert BlockQuantLinear.gemm_dtype_changes == changes + 1
+    assert graph.max_rows == BF16_GEMM_MIN_ROWS - 1
+    assert graph.descriptors[-1].compute == compute_flag(torch.bfloat16) != compute_flag(torch.float32)
+    down.gemm_dtype = torch.float32
+    graph.sync_compute()
+    assert graph.max_rows == DecodeGraph.MAX_ROWS
+    assert graph.descriptors[-1].compute == compute_flag(torch.float32)
