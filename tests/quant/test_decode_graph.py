@@ -213,8 +213,10 @@ def test_bf16_decode_batches_from_the_crossover_leave_the_graph(
 def test_a_gemm_dtype_set_after_recording_reaches_the_graph(tiny_q41: Path, cache: Path) -> None:
     """The graph reads its projections' gemm_dtype again only when one was assigned (a counter on
     BlockQuantLinear, not 120 attribute reads a step): one projection set directly to bf16 after recording
-    lowers `max_rows` and sets that projection's compute flag; set back, both return."""
+    lowers `max_rows` and sets that projection's compute flag; set back, both return. fp32 GEMMs to start
+    with on every CPU (`--dtype auto` is bf16 where AVX512-BF16 is usable)."""
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+    apply_gemm_dtype(engine.loaded.model, torch.float32)
     prompt = engine.tokenizer.encode("one two")
     engine.generate([prompt] * 2, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     graph = engine.loaded.model._decode_graph[1]  # type: ignore[index]
