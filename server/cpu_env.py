@@ -97,19 +97,7 @@ def cgroup_cpu_limit(
     cgroup v2 `cpu.max` of our group (the unified hierarchy's `0::/path` line), else v1's cpu controller
     `cpu.cfs_quota_us` / `cpu.cfs_period_us`; the group's own file first, then the mount root's (a
     container usually sees only its own group at the root)."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        lines = []
-    v2_path, v1_path = "", ""
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            v2_path = parts[2]
-        elif "cpu" in parts[1].split(","):
-            v1_path = parts[2]
+    v2_path, v1_path = _cgroup_paths(proc_cgroup, "cpu")
     for base in (root / v2_path.lstrip("/"), root):
         try:
             quota, period = (base / "cpu.max").read_text().split()[:2]
@@ -131,6 +119,72 @@ def cgroup_cpu_limit(
                 continue
             return q / p if q > 0 and p > 0 else None
     return None
+
+
+def _cgroup_paths(proc_cgroup: Path, controller: str) -> tuple[str, str]:
+    """(cgroup v2 path, cgroup v1 path of `controller`) of this process, "" where absent."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    v2_path, v1_path = "", ""
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2_path = parts[2]
+        elif controller in parts[1].split(","):
+            v1_path = parts[2]
+    return v2_path, v1_path
+
+
+def cgroup_memory_headroom(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """Bytes this process's memory cgroup may still charge (limit - usage, at least 0), or None when
+    unlimited or unreadable: cgroup v2 `memory.max` - `memory.current`, else v1 `memory.limit_in_bytes` -
+    `memory.usage_in_bytes` (a limit of 2^60 or more: none); the group's own files first, then the mount
+    root's, as cgroup_cpu_limit reads them. A container's /proc/meminfo shows the node's memory, not this."""
+    v2_path, v1_path = _cgroup_paths(proc_cgroup, "memory")
+    pairs = [(base, "memory.max", "memory.current") for base in (root / v2_path.lstrip("/"), root)]
+    mem = root / "memory"
+    pairs += [
+        (base, "memory.limit_in_bytes", "memory.usage_in_bytes") for base in (mem / v1_path.lstrip("/"), mem)
+    ]
+    for base, limit_file, usage_file in pairs:
+        try:
+            raw = (base / limit_file).read_text().strip()
+        except OSError:
+            continue
+        if raw == "max":
+            return None
+        try:
+            limit, usage = int(raw), int((base / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return None if limit >= 1 << 60 else max(0, limit - usage)
+    return None
+
+
+def available_memory_bytes(
+    meminfo: Path = Path("/proc/meminfo"),
+    root: Path = Path("/sys/fs/cgroup"),
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
+) -> int | None:
+    """What this process can still allocate: the smaller of /proc/meminfo's MemAvailable and its memory
+    cgroup's headroom (cgroup_memory_headroom); None when neither can be read."""
+    avail = None
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        avail = None
+    headroom = cgroup_memory_headroom(root, proc_cgroup)
+    known = [v for v in (avail, headroom) if v is not None]
+    return min(known) if known else None
 
 
 def container_thread_count(limit: float | None, available: int) -> int | None:

@@ -39,7 +39,7 @@ from server.models.serving_weights import prepare_for_serving
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
 from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS
-from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype
+from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype, pack_int8_weights
 from server.request import (
     FinishReason,
     GrammarSpec,
@@ -170,6 +170,9 @@ class LLMEngine:
             )
             self.gemm_dtype = cpu_gemm_dtype(compute)
             if apply_gemm_dtype(self.loaded.model, self.gemm_dtype) and self.gemm_dtype == torch.bfloat16:
+                packed = pack_int8_weights(self.loaded.model)
+                if packed:
+                    log.info("int8 batches read packed weights (%.0f MiB more)", packed / 2**20)
                 int8 = int8_paths_text(config.model.cache_dir)
                 log.info(
                     "block-quantized GEMMs of %d+ rows in bfloat16 (the kernel's AVX512-BF16 path where usable; "
@@ -276,8 +279,13 @@ class LLMEngine:
                     optimize_weights=config.model.optimize_weights,
                     kv_cache_dtype=self.kv_cache_dtype,
                 )
-            if proposer is not None:
-                apply_gemm_dtype(proposer.model, self.gemm_dtype)
+            # (apply_gemm_dtype runs for any proposer: it sets the dtype; packing follows bf16 only)
+            if (
+                proposer is not None
+                and apply_gemm_dtype(proposer.model, self.gemm_dtype)
+                and self.gemm_dtype == torch.bfloat16
+            ):
+                pack_int8_weights(proposer.model)
             self.speculator = Speculator(config.speculative, proposer)
         if self.speculator is not None:
             log.info("speculative decoding: %s", config.speculative)

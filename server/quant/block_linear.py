@@ -154,6 +154,19 @@ class BlockQuantLinear(QuantLinear):
         q8 = active_kernel(self.kernel)
         return q8 if q8 is not None and q8.supports(self.weight_q, rows, self.gemm_dtype) else None
 
+    def pack_int8(self, q8: Q8GemvKernel) -> int:
+        """Gives the weight its packed copy for `q8`'s batched path (Q8GemvKernel.pack) unless it has one
+        or the path cannot take it; returns the bytes added. The copy follows the registered buffers: a
+        module whose q/scales/mins are replaced afterwards (`to`, load_state_dict(assign=True)) runs
+        unpacked again; values changed in place leave the copy stale (the server changes none after load)."""
+        w = self.weight_q
+        packed = q8.pack(w)
+        if packed is w:
+            return 0
+        self._w = packed
+        assert packed.packed is not None
+        return packed.packed.numel()
+
     def bf16_gemm(self, rows: int) -> bool:
         """Whether `rows` rows of x go through the bf16 library GEMM with nothing added after it (no
         bias): its result is then bf16 itself, and forward(x, out_dtype=torch.bfloat16) returns it unwidened,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -53,12 +54,13 @@ from server.quant.cpu_qlinear import (
     check_linear_args,
     dequantize_reference,
     try_load_qlinear_kernel,
+    weight_descriptor,
 )
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv_q8.cpp"
-ABI_VERSION = 3  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes; 3: 8-bit W batched
+ABI_VERSION = 4  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes; 3: 8-bit W batched; 4: packed W
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit.
 NATIVE = NativeSource(
     "qgemv_q8", SOURCE, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20"), abi_version=ABI_VERSION
@@ -75,6 +77,12 @@ GEMM_DEFAULT_ENABLED = True
 # with AMX, docs/benchmarks.md "AMX"): there the batched path takes up to this many rows and larger
 # batches go to BlockQuantLinear's bf16 GEMM (its BF16_GEMM_MIN_ROWS is 256).
 AMX_GEMM_MAX_ROWS = 255
+PACK_ENABLE_ENV = "KUBEINFER_INT8_PACK"
+# On by default: the batched path reads a packed copy of each weight (Q8GemvKernel.pack) made at load,
+# instead of transposing 16 strided rows per 16 columns on every call: 1.3-1.4x at decode batches of 8-16
+# rows (docs/benchmarks.md, "packed weights"). The copy costs about the quantized weights' bytes again, so
+# by default it is made only while all copies fit in PACK_MEMORY_SHARE of the memory available at load.
+PACK_MEMORY_SHARE = 0.25
 
 
 # KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of layers computing in bf16 where AMX-INT8 is
@@ -213,6 +221,29 @@ class Q8GemvKernel:
             )
         return call_linear(self.lib.kubeinfer_qgemv_q8, "qgemv_q8", x, w, bias, out, compute)
 
+    def packed_bytes(self, w: BlockQuantWeight) -> int:
+        """Bytes of `w`'s packed copy for the batched path (kubeinfer_qgemv_q8_packed_bytes), 0 when the
+        batched path cannot take `w` here (not 4/8-bit in 32-value groups, or not the vnni path)."""
+        return int(self.lib.kubeinfer_qgemv_q8_packed_bytes(ctypes.byref(weight_descriptor(w))))
+
+    def pack(self, w: BlockQuantWeight) -> BlockQuantWeight:
+        """`w` with its packed copy (`packed`, about w.nbytes() more: the same bytes of W, scales and offsets
+        in fp32) for the batched path, which then reads one contiguous stream per 16 columns instead of
+        transposing 16 rows on every call; `w` itself (already packed, or not packable here: packed_bytes 0).
+        The copy is derived from w's tensors at this call: changing them afterwards leaves it stale."""
+        size = 0 if w.packed is not None else self.packed_bytes(w)
+        if size == 0:
+            return w
+        out = torch.empty(size + 64, dtype=torch.uint8)
+        offset = (-out.data_ptr()) % 64  # 64-byte aligned: whole cache lines per block
+        out = out[offset : offset + size]
+        rc = self.lib.kubeinfer_qgemv_q8_pack(
+            ctypes.byref(weight_descriptor(w)), out.data_ptr(), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"qgemv_q8 pack returned {rc} for {w.fmt} [{w.out_features}, {w.in_features}]")
+        return dataclasses.replace(w, packed=out)
+
     def set_path(self, name: str) -> str:
         """Runs path `name` (lowered to what the CPU reports); returns the path now in use. Process-wide:
         for tests and benchmarks, never while another thread runs the kernel."""
@@ -241,6 +272,10 @@ def load_q8_gemv_kernel(fallback: QLinearKernel, cache_dir: Path | None = None) 
     lib.kubeinfer_qgemv_q8_set_path.argtypes = [i32]
     lib.kubeinfer_qgemv_q8_set_modes.restype = None
     lib.kubeinfer_qgemv_q8_set_modes.argtypes = [i32, i32, i32]
+    lib.kubeinfer_qgemv_q8_packed_bytes.restype = i64
+    lib.kubeinfer_qgemv_q8_packed_bytes.argtypes = [ctypes.POINTER(KiQWeight)]
+    lib.kubeinfer_qgemv_q8_pack.restype = i32
+    lib.kubeinfer_qgemv_q8_pack.argtypes = [ctypes.POINTER(KiQWeight), ptr, i32]
     lib.kubeinfer_qgemv_q8_set_fallback.restype = None
     lib.kubeinfer_qgemv_q8_set_fallback.argtypes = [ptr]
     lib.kubeinfer_qgemv_q8_set_fallback(ctypes.cast(fallback.lib.kubeinfer_qlinear, ctypes.c_void_p).value)
@@ -314,6 +349,12 @@ def int8_gemm_enabled() -> bool:
     Raises ValueError for another value."""
     explicit = _switch(_gemm_override, GEMM_ENABLE_ENV)
     return GEMM_DEFAULT_ENABLED if explicit is None else explicit
+
+
+def int8_pack_switch() -> bool | None:
+    """KUBEINFER_INT8_PACK: True (`1`, pack whatever the memory), False (`0`, never), None (unset: pack
+    what fits in PACK_MEMORY_SHARE of the available memory). Raises ValueError for another value."""
+    return _switch(None, PACK_ENABLE_ENV)
 
 
 @contextlib.contextmanager

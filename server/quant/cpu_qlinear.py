@@ -36,7 +36,7 @@ import ctypes
 import functools
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
 # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path; 4: kubeinfer_qdequant_bf16
-ABI_VERSION = 4
+ABI_VERSION = 5  # 5: KiQWeight.packed
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
@@ -80,6 +80,9 @@ class BlockQuantWeight:
     zero_point: int
     in_features: int  # K
     out_features: int  # N
+    # [bytes] uint8: the int8 batched path's copy of W in its own order (cpu_qgemv_q8.pack_weight), or None.
+    # Derived from q/scales/mins: not compared, and rows selected or stacked drop it.
+    packed: Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group_size
@@ -119,7 +122,9 @@ class BlockQuantWeight:
         return [t for t in (self.q, self.scales, self.mins) if t is not None]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """Bytes held: q, scales, mins and the packed copy where there is one."""
+        held = self.tensors() + ([] if self.packed is None else [self.packed])
+        return sum(t.numel() * t.element_size() for t in held)
 
     def select_rows(self, index: Tensor) -> BlockQuantWeight:
         """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice)."""
@@ -351,6 +356,7 @@ class KiQWeight(ctypes.Structure):
         ("zero_point", ctypes.c_int32),
         ("scale_is_f16", ctypes.c_int32),
         ("compute", ctypes.c_int32),  # COMPUTE_FP32 or COMPUTE_BF16
+        ("packed", ctypes.c_void_p),  # BlockQuantWeight.packed: qgemv_q8's copy for its batched path, or null
     ]
 
 
@@ -382,6 +388,7 @@ def weight_descriptor(w: BlockQuantWeight, compute: torch.dtype = torch.float32)
         w.zero_point,
         int(w.scales.dtype == torch.float16),
         compute_flag(compute),
+        None if w.packed is None else w.packed.data_ptr(),
     )
 
 

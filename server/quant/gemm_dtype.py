@@ -29,7 +29,15 @@ import logging
 import torch
 from torch import nn
 
+from server import cpu_env
 from server.quant.block_linear import BlockQuantLinear
+from server.quant.cpu_qgemv_q8 import (
+    PACK_ENABLE_ENV,
+    PACK_MEMORY_SHARE,
+    active_kernel,
+    int8_gemm_enabled,
+    int8_pack_switch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +59,34 @@ def apply_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
             module.gemm_dtype = dtype
             count += 1
     return count
+
+
+def pack_int8_weights(model: nn.Module) -> int:
+    """Gives every bf16 BlockQuantLinear the batched int8 path can take its packed copy
+    (BlockQuantLinear.pack_int8) when that path is on here; returns the bytes added (0: nothing packed).
+    KUBEINFER_INT8_PACK=0 packs nothing, =1 packs all; unset, it packs only if all copies together fit in
+    PACK_MEMORY_SHARE of the memory available (cpu_env.available_memory_bytes: MemAvailable, or the
+    memory cgroup's headroom where smaller; logged when they do not). Raises ValueError for a bad switch value."""
+    switch = int8_pack_switch()
+    if switch is False or not int8_gemm_enabled():
+        return 0
+    modules = [
+        m for m in model.modules() if isinstance(m, BlockQuantLinear) and m.gemm_dtype == torch.bfloat16
+    ]
+    kernels = [(m, active_kernel(m.kernel) if m.kernel is not None else None) for m in modules]
+    todo = [(m, q8) for m, q8 in kernels if q8 is not None and q8.isa == "vnni" and m.weight_q.packed is None]
+    need = sum(q8.packed_bytes(m.weight_q) for m, q8 in todo)
+    if need == 0:
+        return 0
+    avail = cpu_env.available_memory_bytes()
+    if switch is None and (avail is None or need > PACK_MEMORY_SHARE * avail):
+        log.info(
+            "int8 batches read the weights unpacked: packed copies would take %.0f MiB, over %.0f%% of the "
+            "%s MiB available (%s=1 packs anyway)",
+            need / 2**20,
+            100 * PACK_MEMORY_SHARE,
+            "?" if avail is None else f"{avail / 2**20:.0f}",
+            PACK_ENABLE_ENV,
+        )
+        return 0
+    return sum(m.pack_int8(q8) for m, q8 in todo)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from server import cpu_env
 from server.cpu_env import DEFAULTS, cgroup_cpu_limit, configure_cpu_runtime, container_thread_count
 
 KEYS = ("OMP_WAIT_POLICY", *DEFAULTS)
@@ -143,3 +144,48 @@ def test_freed_large_tensors_stay_mapped_for_the_next_step() -> None:
         [sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True
     )
     assert int(theirs.stdout.split()[-1]) >= 3 * 10_000, theirs.stdout
+
+
+@pytest.mark.parametrize(
+    "lines,files,headroom",
+    [
+        ("0::/\n", {"memory.max": "1073741824\n", "memory.current": "805306368\n"}, 268435456),  # v2
+        ("0::/\n", {"memory.max": "max\n", "memory.current": "5\n"}, None),
+        ("0::/\n", {"memory.max": "100\n", "memory.current": "150\n"}, 0),  # over the limit: nothing left
+        (
+            "0::/kubepods/pod1/c1\n",
+            {
+                "kubepods/pod1/c1/memory.max": "2000\n",
+                "kubepods/pod1/c1/memory.current": "500\n",
+                "memory.max": "max\n",
+            },
+            1500,
+        ),
+        (  # v1, and v1's "unlimited" (a page-rounded 2^63)
+            "4:memory:/\n",
+            {"memory/memory.limit_in_bytes": "3000\n", "memory/memory.usage_in_bytes": "1000\n"},
+            2000,
+        ),
+        (
+            "4:memory:/\n",
+            {"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "1\n"},
+            None,
+        ),
+        ("", {}, None),
+    ],
+)
+def test_cgroup_memory_headroom(
+    tmp_path: Path, lines: str, files: dict[str, str], headroom: int | None
+) -> None:
+    root, proc = _cgroup(tmp_path, lines, files)
+    assert cpu_env.cgroup_memory_headroom(root, proc) == headroom
+
+
+def test_available_memory_is_the_smaller_of_meminfo_and_the_cgroup(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    2000000 kB\n")
+    root, proc = _cgroup(tmp_path, "0::/\n", {"memory.max": "1000000\n", "memory.current": "400000\n"})
+    assert cpu_env.available_memory_bytes(meminfo, root, proc) == 600000  # a pod's limit binds
+    root, proc = _cgroup(tmp_path / "b", "0::/\n", {"memory.max": "max\n"})
+    assert cpu_env.available_memory_bytes(meminfo, root, proc) == 2000000 * 1024
+    assert cpu_env.available_memory_bytes(tmp_path / "none", root, proc) is None

@@ -569,3 +569,77 @@ def test_embedded_model_batched_int8_greedy_stays_within_the_bound_of_bf16() -> 
     print(
         f"{identical} of {len(PROMPTS)} prompts identical for {NEW_TOKENS} tokens; logprobs moved <= {moved:.3f}"
     )
+
+
+# The packed copy (Q8GemvKernel.pack): M read in place (5..64 rows), unpacked per group (65, 300: more
+# than 8 row blocks in a 256-row pass, and two passes), ragged and whole column groups, 4- and 8-bit W.
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "int4", "q8_0"])
+@pytest.mark.parametrize("n,k", [(37, 32), (200, 576), (16, 1536)])
+@pytest.mark.parametrize("m", [5, 16, 64, 65, 300])
+def test_packed_weights_give_the_same_results_bit_for_bit(
+    fast: q8.Q8GemvKernel, fmt: str, n: int, k: int, m: int
+) -> None:
+    _vnni(fast)
+    w = make_weight(fmt, n, k, seed=n + k + m)
+    if fmt == "q4_k" and w.in_features != k:
+        pytest.skip("q4_k needs whole 256-value super-blocks")
+    packed = fast.pack(w)
+    assert packed is not w and packed.packed is not None and w.packed is None
+    assert packed.packed.numel() == fast.packed_bytes(w) and packed.packed.data_ptr() % 64 == 0
+    assert packed.nbytes() == w.nbytes() + fast.packed_bytes(w)
+    assert fast.pack(packed) is packed  # packed once
+    x = torch.randn(m, w.in_features) * torch.linspace(0.1, 4.0, w.in_features)
+    bias = torch.randn(n) if m % 2 else None
+    want = fast.linear(x, w, bias, compute=torch.bfloat16)
+    _check(want, x, w, bias)
+    assert torch.equal(fast.linear(x, packed, bias, compute=torch.bfloat16), want)
+    desc = cq.weight_descriptor(packed, torch.bfloat16)  # the decode graph's call reads it too
+    assert desc.packed == packed.packed.data_ptr()
+    y = torch.empty(m, n)
+    rc = fast.lib.kubeinfer_qgemv_q8(
+        ctypes.byref(desc),
+        x.data_ptr(),
+        m,
+        x.stride(0),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        n,
+        2,
+    )
+    assert rc == 0 and torch.equal(y, want)
+
+
+def test_pack_leaves_what_the_batched_path_cannot_take(kernel: QLinearKernel, fast: q8.Q8GemvKernel) -> None:
+    """No copy for weights the batched path never reads (one group of K) or on a CPU path other than vnni;
+    a packed weight's other calls (the GEMV, qlinear's fallback) read the GGUF layout as before."""
+    _vnni(fast)
+    w = make_weight("int8", 48, 576)
+    assert fast.packed_bytes(w) == 0 and fast.pack(w) is w
+    w = make_weight("q4_1", 48, 576, seed=3)
+    packed = fast.pack(w)
+    x = torch.randn(3, 576)
+    assert torch.equal(fast.linear(x, packed), fast.linear(x, w))  # the GEMV
+    assert torch.equal(
+        kernel.linear(x, packed, compute=torch.bfloat16), kernel.linear(x, w, compute=torch.bfloat16)
+    )
+    assert fast.set_path("avx2") == "avx2"
+    assert fast.packed_bytes(w) == 0 and fast.pack(w) is w
+
+
+def test_a_module_packs_once_and_drops_the_copy_with_its_buffers(kernel: QLinearKernel) -> None:
+    """BlockQuantLinear.pack_int8: the copy goes with the registered buffers it was made from; replaced
+    buffers (load_state_dict(assign=True), as the loader does) run unpacked, never a stale copy."""
+    fast = q8.load_q8_gemv_kernel(kernel)
+    _vnni(fast)
+    w = make_weight("q4_1", 48, 576, seed=5)
+    lin = BlockQuantLinear(w, kernel=kernel)
+    lin.gemm_dtype = torch.bfloat16
+    added = lin.pack_int8(fast)
+    assert added == fast.packed_bytes(w) and lin.weight_q.packed is not None
+    assert lin.pack_int8(fast) == 0 and lin.weight_nbytes() == w.nbytes() + added
+    other = make_weight("q4_1", 48, 576, seed=6)
+    lin.load_state_dict({"q": other.q, "scales": other.scales, "mins": other.mins}, strict=False, assign=True)
+    assert lin.weight_q.packed is None
+    x = torch.randn(16, 576)
+    with q8.int8_gemm(True):
+        assert torch.equal(lin(x), fast.linear(x, other, compute=torch.bfloat16))

@@ -14,6 +14,7 @@ from server.attention.metadata import AttentionMetadata
 from server.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.decode_graph import DecodeGraph
+from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qlinear import compute_flag
 from server.quant.gemm_dtype import apply_gemm_dtype
@@ -231,3 +232,49 @@ def test_a_gemm_dtype_set_after_recording_reaches_the_graph(tiny_q41: Path, cach
     graph.sync_compute()
     assert graph.max_rows == DecodeGraph.MAX_ROWS
     assert graph.descriptors[-1].compute == compute_flag(torch.float32)
+
+
+def test_packed_weights_keep_the_graph_and_the_python_path_bit_identical(
+    tiny_q41: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine packs its bf16 projections for the batched int8 path (pack_int8_weights); decode batches
+    of 4..8 rows read the copies, in the graph (descriptors point to them) and in Python, and give what the
+    unpacked weights give, bit for bit. KUBEINFER_INT8_PACK=0 packs nothing; unset, only what fits in a
+    share of the available memory."""
+    from server import cpu_env
+    from server.quant import cpu_qgemv_q8 as q8
+    from server.quant.gemm_dtype import pack_int8_weights
+
+    fast = q8.try_load_q8_gemv_kernel(cq.load_qlinear_kernel(cache), cache)
+    if fast is None or fast.isa != "vnni":
+        pytest.skip("the batched int8 path (and its packed weights) runs on AVX512-VNNI only")
+    results = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv(q8.PACK_ENABLE_ENV, switch)
+        engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+        model = engine.loaded.model
+        apply_gemm_dtype(model, torch.bfloat16)
+        with q8.int8_gemm(True):
+            pack_int8_weights(model)  # (the engine packed already where --dtype auto is bf16)
+            linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+            assert all((m.weight_q.packed is not None) == (switch == "1") for m in linears)
+            graph = _generate(engine, graph=True, texts=MANY)
+            descriptors = engine.loaded.model._decode_graph[1].descriptors
+            assert all(bool(d.packed) == (switch == "1") for d in descriptors)
+            assert _generate(engine, graph=False, texts=MANY) == graph
+        results.append(graph)
+    assert results[0] == results[1]
+    # unset: packed only if the copies fit in PACK_MEMORY_SHARE of MemAvailable
+    monkeypatch.setenv(q8.PACK_ENABLE_ENV, "0")
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+    apply_gemm_dtype(engine.loaded.model, torch.bfloat16)
+    monkeypatch.delenv(q8.PACK_ENABLE_ENV)
+    monkeypatch.setattr(cpu_env, "available_memory_bytes", lambda: 1024)
+    with q8.int8_gemm(True):
+        assert pack_int8_weights(engine.loaded.model) == 0
+        monkeypatch.setattr(cpu_env, "available_memory_bytes", lambda: 1 << 40)
+        assert pack_int8_weights(engine.loaded.model) > 0
+        assert pack_int8_weights(engine.loaded.model) == 0  # once
+    monkeypatch.setenv(q8.PACK_ENABLE_ENV, "yes")
+    with pytest.raises(ValueError, match=q8.PACK_ENABLE_ENV):
+        pack_int8_weights(engine.loaded.model)

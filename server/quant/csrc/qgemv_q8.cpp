@@ -32,8 +32,10 @@
 // transposed into vectors of 16 columns x 4 consecutive k (u8), its scales and offsets into [block][16]
 // fp32; x rows, quantized like the GEMV's, are interleaved 8 rows at a time; the micro-kernel runs 8
 // vpdpbusd per block (64 products each, int32 lanes = columns) per row and scales each block's sums in
-// fp32, the GEMV's formula. llama.cpp repacks its weights at load for the same instruction; here the packing is per call
-// (one 16-column group at a time, amortized over the rows), so the GGUF layout is the only copy. Measured
+// fp32, the GEMV's formula. Without a packed copy the packing is per call (one 16-column group at a time,
+// amortized over the rows), so the GGUF layout is the only copy; with one (kubeinfer_qgemv_q8_pack, made
+// at load like llama.cpp's repacked weights for the same instruction: same bytes of W, one contiguous
+// stream per group) a call reads it in order, in place for up to 64 rows (decode batches). Measured
 // on a 2-core AMD EPYC (Zen 4, AVX-512): 1.3-1.9x qlinear's bf16 batched path at M = 8..255 with the
 // weights in cache, 1.3-1.45x oneDNN's bf16 GEMM at M = 256..2048 (docs/benchmarks.md).
 #ifndef KI_Q8_BODY
@@ -60,6 +62,7 @@ struct KiQWeight {  // csrc/qlinear.cpp's descriptor, field for field
   const void* mins;
   int64_t n, k, group_size, groups, row_bytes;
   int32_t bits, zero_point, scale_is_f16, compute;  // compute: read by the fallback only
+  const uint8_t* packed;  // the batched path's copy of W (kubeinfer_qgemv_q8_pack), or null: packed per call
 };
 typedef int32_t (*KiQLinearFn)(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride,
                                const float* bias, float* y, int64_t y_stride, int32_t nthreads);
@@ -280,7 +283,7 @@ void q8_gemv(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
 
 extern "C" {
 
-int32_t kubeinfer_qgemv_q8_abi() { return 3; }
+int32_t kubeinfer_qgemv_q8_abi() { return 4; }
 
 // Which calls this library takes: gemv (M <= 4; for descriptors asking for fp32 compute too only where
 // gemv_fp32_layers) and gemm (the batched int8 path, M > 4: vnni, 4- or 8-bit W in 32-blocks, descriptors
@@ -305,6 +308,38 @@ void kubeinfer_qgemv_q8_set_fallback(KiQLinearFn fn) { fallback = fn; }
 
 // 1 when `w` with `m` rows of x takes the int8 path (else the fallback serves the call).
 int32_t kubeinfer_qgemv_q8_supports(const KiQWeight* w, int64_t m) { return supported(w, m) ? 1 : 0; }
+
+// Bytes of the batched path's packed copy of `w` (kubeinfer_qgemv_q8_pack), 0 when the batched path
+// cannot take `w` (not 4- or 8-bit in 32-blocks) or this CPU runs another path.
+int64_t kubeinfer_qgemv_q8_packed_bytes(const KiQWeight* w) {
+  if (path_in_use != PATH_VNNI || !w || !w->q || !w->scales || w->n <= 0 || (w->bits != 4 && w->bits != 8)) return 0;
+  if (w->k < 32 || w->k % 32 || w->group_size != 32 || w->groups != w->k / 32 || w->row_bytes != w->k * w->bits / 8)
+    return 0;
+#if KI_Q8_X86
+  const int64_t per = w->bits == 4 ? vnni_path::PACK_BLOCK<4> : vnni_path::PACK_BLOCK<8>;
+  return (w->n + 15) / 16 * (w->k / 32) * per;
+#else
+  return 0;
+#endif
+}
+
+// Writes the packed copy of `w` (kubeinfer_qgemv_q8_packed_bytes(w) bytes, 64-byte aligned) to `out`;
+// the batched path reads it where a descriptor's `packed` points to it. Returns 0, or 3 when
+// kubeinfer_qgemv_q8_packed_bytes is 0.
+int32_t kubeinfer_qgemv_q8_pack(const KiQWeight* w, uint8_t* out, int32_t nthreads) {
+  if (kubeinfer_qgemv_q8_packed_bytes(w) == 0 || !out) return 3;
+#if KI_Q8_X86
+  const int nt = std::max(nthreads, 1);
+  if (w->bits == 4) {
+    w->scale_is_f16 ? vnni_path::pack_weight<4, true>(*w, out, nt) : vnni_path::pack_weight<4, false>(*w, out, nt);
+  } else {
+    w->scale_is_f16 ? vnni_path::pack_weight<8, true>(*w, out, nt) : vnni_path::pack_weight<8, false>(*w, out, nt);
+  }
+  return 0;
+#else
+  return 3;
+#endif
+}
 
 // y[i * y_stride + n] = sum_k Q8(x)[i, k] W[n, k] (+ bias[n]) for i < m, n < w->n: qlinear's signature.
 // Returns 0, or 3 for a call it does not take without a fallback, or the fallback's code.
@@ -546,6 +581,66 @@ inline void pack_group(const KiQWeight& w, int64_t n0, int cols, uint32_t* wq, f
   }
 }
 
+// The packed copy (kubeinfer_qgemv_q8_pack): per 16-column group, per block b, PACK_W bytes of W as
+// transpose16x4 leaves them (4-bit: the four dwords of raw nibble bytes; 8-bit: eight dword vectors, + 128)
+// then dw[16] and off[16] fp32 (pack_group's values): one contiguous stream per group, read in order,
+// instead of 16 strided rows, transposes and scale gathers on every call. Same bytes of W, scales in fp32.
+template <int BITS>
+constexpr int64_t PACK_W = BITS == 4 ? 4 * 64 : 8 * 64;
+template <int BITS>
+constexpr int64_t PACK_BLOCK = PACK_W<BITS> + 2 * GROUP * 4;
+
+template <int BITS, bool F16>
+void pack_weight(const KiQWeight& w, uint8_t* out, int nthreads) {
+  const int64_t nb = w.k / 32, groups = (w.n + GROUP - 1) / GROUP;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<uint32_t> wq(static_cast<size_t>(nb * 8 * GROUP));
+    std::vector<float> dw(static_cast<size_t>(nb * GROUP)), off(static_cast<size_t>(nb * GROUP));
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t n0 = g * GROUP;
+      const int cols = static_cast<int>(std::min<int64_t>(GROUP, w.n - n0));
+      pack_group<BITS, F16>(w, n0, cols, wq.data(), dw.data(), off.data());
+      uint8_t* dst = out + g * nb * PACK_BLOCK<BITS>;
+      for (int64_t b = 0; b < nb; ++b, dst += PACK_BLOCK<BITS>) {
+        const uint32_t* src = wq.data() + b * 8 * GROUP;
+        if constexpr (BITS == 4) {  // low nibbles (q < 4) | high nibbles (q >= 4) << 4: the raw bytes again
+          for (int j = 0; j < 4; ++j) {
+            const __m512i lo = _mm512_loadu_si512(src + j * GROUP), hi = _mm512_loadu_si512(src + (j + 4) * GROUP);
+            _mm512_storeu_si512(dst + j * 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+          }
+        } else {
+          std::memcpy(dst, src, PACK_W<BITS>);
+        }
+        std::memcpy(dst + PACK_W<BITS>, dw.data() + b * GROUP, GROUP * 4);
+        std::memcpy(dst + PACK_W<BITS> + GROUP * 4, off.data() + b * GROUP, GROUP * 4);
+      }
+    }
+  }
+}
+
+// pack_group's output for group g, read from the packed copy.
+template <int BITS>
+inline void unpack_group(const uint8_t* packed, int64_t g, int64_t nb, uint32_t* wq, float* dw, float* off) {
+  const uint8_t* src = packed + g * nb * PACK_BLOCK<BITS>;
+  const __m512i lo = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nb; ++b, src += PACK_BLOCK<BITS>) {
+    uint32_t* dst = wq + b * 8 * GROUP;
+    if constexpr (BITS == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(src + j * 64);
+        _mm512_storeu_si512(dst + j * GROUP, _mm512_and_si512(v, lo));
+        _mm512_storeu_si512(dst + (j + 4) * GROUP, _mm512_and_si512(_mm512_srli_epi16(v, 4), lo));
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(dst + j * GROUP, _mm512_loadu_si512(src + j * 64));
+    }
+    _mm512_storeu_ps(dw + b * GROUP, _mm512_loadu_ps(reinterpret_cast<const float*>(src + PACK_W<BITS>)));
+    _mm512_storeu_ps(off + b * GROUP, _mm512_loadu_ps(reinterpret_cast<const float*>(src + PACK_W<BITS> + GROUP * 4)));
+  }
+}
+
 // acc[r] (16 columns) += rows r0 + r of the row block, r < R; xp: the block's quantized x interleaved,
 // xp[(b * 8 + q) * R + r] = the four int8 values k = 32 b + 4q.. of row r0 + r; xd, xs: [nb * R].
 template <int R>
@@ -568,6 +663,47 @@ inline void micro_q8(const uint32_t* wq, const float* dw, const float* off, int6
   }
 }
 
+// micro_q8 reading W straight from the packed copy (blocks PACK_BLOCK apart, 4-bit nibbles split in
+// registers): for the few row blocks of a decode batch, where unpacking a group into wq first would cost
+// more than it saves.
+template <int BITS, int R>
+inline void micro_q8_packed(const uint8_t* src, int64_t nb, const int32_t* xp, const float* xd, const float* xs,
+                            __m512 acc[]) {
+  const __m512i lo = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nb; ++b, src += PACK_BLOCK<BITS>) {
+    __m512i ai[R];
+    for (int r = 0; r < R; ++r) ai[r] = _mm512_setzero_si512();
+    const int32_t* xb = xp + b * 8 * R;
+    for (int q = 0; q < 8; ++q) {
+      __m512i wv;
+      if constexpr (BITS == 4) {
+        const __m512i v = _mm512_loadu_si512(src + (q & 3) * 64);
+        wv = q < 4 ? _mm512_and_si512(v, lo) : _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+      } else {
+        wv = _mm512_loadu_si512(src + q * 64);
+      }
+      for (int r = 0; r < R; ++r) ai[r] = _mm512_dpbusd_epi32(ai[r], wv, _mm512_set1_epi32(xb[q * R + r]));
+    }
+    const __m512 dwb = _mm512_loadu_ps(reinterpret_cast<const float*>(src + PACK_W<BITS>));
+    const __m512 offb = _mm512_loadu_ps(reinterpret_cast<const float*>(src + PACK_W<BITS> + GROUP * 4));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r]), _mm512_mul_ps(dwb, _mm512_set1_ps(xd[b * R + r])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offb, _mm512_set1_ps(xs[b * R + r]), acc[r]);
+    }
+  }
+}
+
+template <int BITS, int R>
+inline void rows_q8_packed(const uint8_t* src, int64_t nb, const int32_t* xp, const float* xd, const float* xs,
+                           int64_t r0, int64_t n0, int cols, const float* bias, float* y, int64_t y_stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  micro_q8_packed<BITS, R>(src, nb, xp, xd, xs, acc);
+  const __mmask16 colmask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(colmask, bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * y_stride + n0, colmask, _mm512_add_ps(acc[r], bv));
+}
+
 template <int R>
 inline void rows_q8(const uint32_t* wq, const float* dw, const float* off, int64_t nb, const int32_t* xp,
                     const float* xd, const float* xs, int64_t r0, int64_t n0, int cols, const float* bias, float* y,
@@ -582,6 +718,9 @@ inline void rows_q8(const uint32_t* wq, const float* dw, const float* off, int64
 
 constexpr int RB = 8;             // rows of x per micro-kernel call
 constexpr int64_t ROW_CHUNK = 256;  // rows per pass over W: their interleaved x stays in L2 (K <= ~4096)
+// With a packed W, passes of at most this many row blocks (64 rows) read it in place (micro_q8_packed):
+// 1.2-1.8x unpacking each group into wq first at 8-64 rows, alike at 128 (Zen 4 EPYC, docs/benchmarks.md).
+constexpr int64_t DIRECT_MAX_BLOCKS = 8;
 
 // Rows [r0, r0 + R) of x, R <= RB, quantized per 32-block (quantize_block) into the micro-kernel's layout:
 // xp[(b * 8 + q) * R + r] = the four int8 values k = 32 b + 4q.. of row r0 + r; xd[b * R + r] = its scale d,
@@ -626,14 +765,25 @@ void gemm_q8(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t n0 = g * GROUP;
         const int cols = static_cast<int>(std::min<int64_t>(GROUP, N - n0));
-        pack_group<BITS, F16>(w, n0, cols, wq.data(), dw.data(), off.data());
+        const bool direct = w.packed && c1 - c0 <= DIRECT_MAX_BLOCKS;
+        if (direct) {  // nothing to prepare: rows_q8_packed reads the group's blocks as they are
+        } else if (w.packed) {
+          unpack_group<BITS>(w.packed, g, nb, wq.data(), dw.data(), off.data());
+        } else {
+          pack_group<BITS, F16>(w, n0, cols, wq.data(), dw.data(), off.data());
+        }
+        const uint8_t* src = w.packed ? w.packed + g * nb * PACK_BLOCK<BITS> : nullptr;
         for (int64_t rb = c0; rb < c1; ++rb) {
           const int64_t r0 = rb * RB;
           const int32_t* p = xp.data() + rb * nb * 8 * RB;
           const float *d = xd.data() + rb * nb * RB, *sx = xs.data() + rb * nb * RB;
           auto call = [&](auto r) {
-            rows_q8<decltype(r)::value>(wq.data(), dw.data(), off.data(), nb, p, d, sx, r0, n0, cols, bias, y,
-                                        y_stride);
+            if (direct) {
+              rows_q8_packed<BITS, decltype(r)::value>(src, nb, p, d, sx, r0, n0, cols, bias, y, y_stride);
+            } else {
+              rows_q8<decltype(r)::value>(wq.data(), dw.data(), off.data(), nb, p, d, sx, r0, n0, cols, bias, y,
+                                          y_stride);
+            }
           };
           switch (std::min<int64_t>(RB, m - r0)) {
             case 8: call(std::integral_constant<int, 8>{}); break;

@@ -47,6 +47,7 @@ struct KiQWeight {
   int64_t n, k, group_size, groups, row_bytes;
   int32_t bits, zero_point, scale_is_f16;
   int32_t compute;  // KI_COMPUTE_FP32, or KI_COMPUTE_BF16: the batched path may run in bf16 (below)
+  const uint8_t* packed;  // qgemv_q8.cpp's packed copy of W for its batched path, or null; unread here
 };
 }
 
@@ -891,7 +892,7 @@ int dispatch(const KiQWeight* w, F&& f) {
 
 extern "C" {
 
-int32_t kubeinfer_qlinear_abi() { return 4; }
+int32_t kubeinfer_qlinear_abi() { return 5; }
 
 // Whether the AVX-512 path may run (the usable-feature probe's answer; off until called). Not
 // thread-safe against running kernels: set once at load.
