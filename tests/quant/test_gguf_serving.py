@@ -166,16 +166,22 @@ with torch.device("meta"):
 Tokenizer(folder)
 before = rss()
 engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_cache_memory_bytes=int(sys.argv[1]))))
+from server.quant.block_linear import BlockQuantLinear
+packed = sum(m.weight_q.packed.numel() for m in engine.loaded.model.modules()
+             if isinstance(m, BlockQuantLinear) and m.weight_q.packed is not None)
 print(json.dumps({"before": before, "after": rss(), "gguf": engine.source.gguf.stat().st_size,
-                  "weight_bytes": engine.info.weight_bytes}))
+                  "weight_bytes": engine.info.weight_bytes, "packed": packed}))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
 def test_resident_memory_of_the_embedded_model(tmp_path: Path) -> None:
-    """Loading the embedded model adds at most 1.5x the GGUF file plus the KV cache budget to the RSS
-    (asserted loosely here; benchmarks/cpu_qlinear.py prints the figure). fp32 weights alone were 513 MiB."""
+    """Loading the embedded model adds at most 1.5x the GGUF file plus the KV cache budget to the RSS,
+    plus the int8 batches' packed weight copies where the engine made them (AVX512-VNNI with bf16 GEMMs:
+    a chosen trade, logged at start, each copy at most 1.25x its weight's bytes: the same bytes of W, scales
+    and offsets in fp32). Asserted loosely; benchmarks/cpu_qlinear.py prints the figure. fp32 weights alone
+    were 513 MiB."""
     kv_budget = 64 << 20
     done = subprocess.run(
         [sys.executable, "-c", RSS_SCRIPT, str(kv_budget)],
@@ -186,7 +192,8 @@ def test_resident_memory_of_the_embedded_model(tmp_path: Path) -> None:
     )
     r = json.loads(done.stdout.strip().splitlines()[-1])
     added = r["after"] - r["before"]
-    assert added <= 1.5 * r["gguf"] + kv_budget, r
+    assert r["packed"] <= 1.25 * r["weight_bytes"], r
+    assert added <= 1.5 * r["gguf"] + r["packed"] + kv_budget, r
 
 
 @pytest.mark.parametrize("method", ["q8_0", "q4_1"])

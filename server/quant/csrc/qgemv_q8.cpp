@@ -719,7 +719,8 @@ inline void rows_q8(const uint32_t* wq, const float* dw, const float* off, int64
 constexpr int RB = 8;             // rows of x per micro-kernel call
 constexpr int64_t ROW_CHUNK = 256;  // rows per pass over W: their interleaved x stays in L2 (K <= ~4096)
 // With a packed W, passes of at most this many row blocks (64 rows) read it in place (micro_q8_packed):
-// 1.2-1.8x unpacking each group into wq first at 8-64 rows, alike at 128 (Zen 4 EPYC, docs/benchmarks.md).
+// 1.05-1.45x faster than unpacking each group into wq first at 8-64 rows, alike at 128 (Zen 4 EPYC,
+// docs/benchmarks.md).
 constexpr int64_t DIRECT_MAX_BLOCKS = 8;
 
 // Rows [r0, r0 + R) of x, R <= RB, quantized per 32-block (quantize_block) into the micro-kernel's layout:
