@@ -21,6 +21,7 @@ from typing import Any
 
 from server.config import (
     ATTENTION_BACKENDS,
+    CPU_LONG_PREFILL_TOKEN_THRESHOLD,
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     KV_CACHE_FP8_NAMES,
@@ -262,9 +263,10 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "--long-prefill-token-threshold",
         "KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD",
         "While sequences are decoding, most prompt tokens in one engine step (bounds inter-token "
-        "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens)",
+        "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens). Default: "
+        f"{CPU_LONG_PREFILL_TOKEN_THRESHOLD} on CPU, 0 on CUDA",
         type=_non_negative_int,
-        default=128,
+        default=None,
     )
     add(
         "--max-num-seqs",

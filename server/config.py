@@ -263,6 +263,10 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+# The prefill share cap on CPU (EngineConfig.long_prefill_threshold_for).
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -271,9 +275,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     # While decodes run, a step's prompt tokens are capped here (0 = no cap): bounds inter-token
-    # latency when prompts arrive (server/core/scheduler.py). 128: measured best of 64-256 at 16 and 32
-    # users on CPU (docs/benchmarks.md, "CPU: attention kernels in bf16 and the prefill cap at 128").
-    long_prefill_token_threshold: int = 128
+    # latency when prompts arrive (server/core/scheduler.py). None = by device
+    # (`long_prefill_threshold_for`): the value measured on CPU there, vLLM's default (no cap) on CUDA.
+    long_prefill_token_threshold: int | None = None
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -314,8 +318,22 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max(self.max_num_batched_tokens, 2) if not self.enable_chunked_prefill else 2048,
             enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_token_threshold=self.long_prefill_token_threshold or 0,
         )
+
+    def long_prefill_threshold_for(self, device_type: str) -> int:
+        """The prefill share cap (prompt tokens per step while decodes run; 0 = none) on a device of
+        this type ("cpu", "cuda"): the configured value, else CPU_LONG_PREFILL_TOKEN_THRESHOLD on CPU
+        and 0 elsewhere. Why per device: on CPU a step's time grows with its tokens (a 2048-token step
+        took 1.2-1.5 s against 45-55 ms for a step of 32 decodes on a Zen 4 EPYC), and
+        128 measured best of 64-256 there (docs/benchmarks.md, "CPU: attention kernels in bf16 and the
+        prefill cap at 128"; 64 measured no better at 32 users: "CPU: the prefill share at 32 users
+        again"). On a GPU a few thousand tokens fill the device in about a decode step's time, so a
+        CPU-sized cap would only add steps to every prompt: vLLM's GPU default (no
+        long_prefill_token_threshold beyond the token budget) applies there, unmeasured by us."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" else 0
 
 
 LOG_FORMATS = ("json", "text")

@@ -256,7 +256,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                long_prefill_token_threshold=config.long_prefill_threshold_for(self.device.type),
                 max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
             ),
             self.kv,

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from server.cli import build_parser, config_from_args, parse_size
-from server.config import ModelConfig, ServerConfig
+from server.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD, EngineConfig, ModelConfig, ServerConfig
 
 
 def _config(argv: list[str], env: dict[str, str] | None = None) -> ServerConfig:
@@ -110,3 +110,25 @@ def test_api_cli_logprobs_mode() -> None:
         _config(["--logprobs-mode", "masked"])
     with pytest.raises(ValueError, match="logprobs_mode"):
         ModelConfig(logprobs_mode="masked")
+
+
+def test_api_cli_prefill_share_cap_by_device() -> None:
+    """--long-prefill-token-threshold unset: the CPU-measured cap on CPU, none on CUDA (vLLM's GPU
+    default): a 128-token share on a GPU would only split every prompt arriving beside decodes into
+    more steps. Set (flag or environment), it holds on every device, 0 included."""
+    engine = _config([]).engine
+    assert engine.long_prefill_token_threshold is None
+    assert engine.long_prefill_threshold_for("cpu") == CPU_LONG_PREFILL_TOKEN_THRESHOLD == 128
+    assert engine.long_prefill_threshold_for("cuda") == 0
+    for argv, env, want in (
+        (["--long-prefill-token-threshold", "64"], {}, 64),
+        (["--long-prefill-token-threshold", "0"], {}, 0),
+        ([], {"KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD": "256"}, 256),
+        ([], {"KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD": "0"}, 0),
+    ):
+        engine = _config(argv, env).engine
+        assert [engine.long_prefill_threshold_for(d) for d in ("cpu", "cuda")] == [want, want]
+    with pytest.raises(SystemExit):
+        _config(["--long-prefill-token-threshold", "-1"])
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
