@@ -10,10 +10,10 @@ so this backend also runs (slowly) on CPU for parity tests.
 from __future__ import annotations
 
 import torch
+from kubeinfer_kernels import paged_attention_decode, paged_prefill_attention, store_kv_cache
+from kubeinfer_kernels.attention_decode import DEFAULT_PARTITION_SIZE
 from torch import Tensor
 
-from kernels import paged_attention_decode, paged_prefill_attention, store_kv_cache
-from kernels.attention_decode import DEFAULT_PARTITION_SIZE
 from server.attention.metadata import AttentionMetadata
 
 

@@ -209,7 +209,7 @@ class LoRALinear(nn.Module):
         return self._segments(x, y, p)
 
     def _kernels(self, x: Tensor, y: Tensor, p: LoRAStepPlan) -> Tensor:
-        from kernels import lora_expand, lora_shrink
+        from kubeinfer_kernels import lora_expand, lora_shrink
 
         big_r = p.max_rank
         h = lora_shrink(x, self.lora_a, p.token_slots, self.n, big_r)  # [T, n*R] fp32

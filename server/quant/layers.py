@@ -254,7 +254,7 @@ class Int4Linear(QuantLinear):
             )
             y = y.to(x.dtype)
         elif self.backend == "triton":
-            from kernels.gemm_int4 import int4_gemm
+            from kubeinfer_kernels.gemm_int4 import int4_gemm
 
             assert self.qzeros is not None
             y = int4_gemm(x.contiguous(), self.qweight, self.qzeros, self.scales, self.group_size, self.g_idx)
@@ -358,7 +358,7 @@ class Fp8Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, K] -> [T, N]
         if self.use_triton:
-            from kernels.gemm_fp8 import fp8_gemm
+            from kubeinfer_kernels.gemm_fp8 import fp8_gemm
 
             y = fp8_gemm(x.contiguous(), self.weight, self.scale)
         else:

@@ -350,7 +350,7 @@ def test_predict_and_classify(score_server: tuple[str, Any], cross_encoder_dir: 
 
 def _light_http() -> Any:
     """benchmarks/light_http.py, loaded by path (the benchmarks folder is not a package, and putting it
-    on sys.path would shadow the `kernels` package with benchmarks/kernels.py)."""
+    on sys.path would put its modules ahead of installed packages of the same name)."""
     import importlib.util
     import sys
 

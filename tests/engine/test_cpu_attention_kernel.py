@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kubeinfer_kernels.reference import paged_attention_decode_ref, paged_attention_ref, store_kv_cache_ref
 from paged_batch import ATTN_TOL, make_attention_metadata, make_paged_batch
 
-from kernels.reference import paged_attention_decode_ref, paged_attention_ref, store_kv_cache_ref
 from server.attention import make_attention_backend
 from server.attention.cpu_kernel import DecodeKernel, KernelBuildError, load_decode_kernel
 from server.attention.torch_backend import TorchAttentionBackend

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 import torch
+from kubeinfer_kernels.reference import paged_attention_ref
 from paged_batch import ATTN_TOL, make_attention_metadata, make_paged_batch
 
-from kernels.reference import paged_attention_ref
 from server.attention.cpu_kernel import DecodeKernel, PrefillChunks, load_decode_kernel
 from server.attention.torch_backend import TorchAttentionBackend
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kubeinfer_kernels.reference import paged_attention_decode_ref, paged_attention_ref
 from paged_batch import ATTN_TOL, make_attention_metadata, make_paged_batch
 
-from kernels.reference import paged_attention_decode_ref, paged_attention_ref
 from server.attention.cpu_kernel import NATIVE, DecodeKernel, bind_decode_kernel, load_decode_kernel
 from server.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from server.attention.torch_backend import TorchAttentionBackend

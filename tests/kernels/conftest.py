@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Imported only after the environment setup above, or the kernels would be compiled for a missing GPU.
-from kernels._common import interpreting
+from kubeinfer_kernels._common import interpreting
 
 _HERE = Path(__file__).resolve().parent
 

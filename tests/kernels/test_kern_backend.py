@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kubeinfer_kernels.reference import paged_attention_ref, store_kv_cache_ref
 from paged_batch import ATTN_TOL, make_attention_metadata
 
-from kernels.reference import paged_attention_ref, store_kv_cache_ref
 from server.attention.torch_backend import TorchAttentionBackend
 from server.attention.triton_backend import TritonAttentionBackend
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kubeinfer_kernels import paged_attention_decode
+from kubeinfer_kernels.reference import paged_attention_decode_ref
 from paged_batch import ATTN_TOL, PagedBatch, make_paged_batch
-
-from kernels import paged_attention_decode
-from kernels.reference import paged_attention_decode_ref
 
 NUM_KV_HEADS = 2
 

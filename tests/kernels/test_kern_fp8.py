@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import fp8_gemm
-from kernels.reference import fp8_gemm_ref, quantize_fp8_per_channel
+from kubeinfer_kernels import fp8_gemm
+from kubeinfer_kernels.reference import fp8_gemm_ref, quantize_fp8_per_channel
 
 # Relative to the largest output: one output rounding plus, on GPUs, rounding of the weight tile.
 GEMM_TOL: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import int4_gemm
-from kernels.reference import AWQ_ORDER as AWQ
-from kernels.reference import (
+from kubeinfer_kernels import int4_gemm
+from kubeinfer_kernels.reference import AWQ_ORDER as AWQ
+from kubeinfer_kernels.reference import (
     AwqWeights,
     dequantize_awq,
     dequantize_gptq,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import lora_expand, lora_shrink
-from kernels.reference import lora_expand_ref, lora_shrink_ref
+from kubeinfer_kernels import lora_expand, lora_shrink
+from kubeinfer_kernels.reference import lora_expand_ref, lora_shrink_ref
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 

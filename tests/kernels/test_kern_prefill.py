@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kubeinfer_kernels import paged_attention_decode, paged_prefill_attention
+from kubeinfer_kernels.reference import paged_attention_ref
 from paged_batch import ATTN_TOL, PagedBatch, make_paged_batch
-
-from kernels import paged_attention_decode, paged_prefill_attention
-from kernels.reference import paged_attention_ref
 
 NUM_KV_HEADS = 2
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import store_kv_cache
-from kernels.reference import store_kv_cache_ref
+from kubeinfer_kernels import store_kv_cache
+from kubeinfer_kernels.reference import store_kv_cache_ref
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._common import (
+from kubeinfer_kernels._common import (
     LOG2E,
     check_contiguous,
     check_devices,

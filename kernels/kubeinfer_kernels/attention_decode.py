@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._common import (
+from kubeinfer_kernels._common import (
     LOG2E,
     check_devices,
     check_paged_attention_args,

@@ -2,7 +2,7 @@
 
 One weight layout: AWQ GEMM (qweight int32 [K, N/8], nibble j of a word = column [0,2,4,6,1,3,5,7][j]
 of its 8, qzeros packed the same way, scales [K/G, N]). GPTQ checkpoints are repacked into it at load
-time with `kernels.reference.gptq_to_awq` (zeros get their +1 back, qweight moves from K- to N-packing);
+time with `kubeinfer_kernels.reference.gptq_to_awq` (zeros get their +1 back, qweight moves from K- to N-packing);
 GPTQ act-order survives as `g_idx`, which makes the kernel gather each K row's group instead of
 deriving it as k // G.
 """
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._common import (
+from kubeinfer_kernels._common import (
     FLOAT_DTYPES,
     check_contiguous,
     check_devices,

@@ -1,7 +1,7 @@
 """Each Triton kernel against its plain-torch reference, on CUDA. Prints one JSON document.
 
-    python benchmarks/kernels.py            # CUDA: full sizes, triton.testing.do_bench timings
-    python benchmarks/kernels.py --smoke    # tiny sizes; without CUDA runs the interpreter (checks the
+    python benchmarks/kernel_bench.py            # CUDA: full sizes, triton.testing.do_bench timings
+    python benchmarks/kernel_bench.py --smoke    # tiny sizes; without CUDA runs the interpreter (checks the
                                             # script and the numerics, the timings mean nothing)
 
 Without CUDA and without --smoke it prints {"status": "skipped", ...} and exits 0.
@@ -29,8 +29,8 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Imported after TRITON_INTERPRET is settled: it decides how the kernels are defined.
-import kernels
-from kernels import reference as ref
+import kubeinfer_kernels
+from kubeinfer_kernels import reference as ref
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,9 @@ def bench(smoke: bool) -> list[Result]:
             _result(
                 "paged_attention_decode",
                 f"seqs={num_seqs} ctx={ctx} heads={heads}/{kv_heads} d={head_dim} {dtype}",
-                lambda args=args, ctx=ctx: kernels.paged_attention_decode(*args, max_context_len=ctx),
+                lambda args=args, ctx=ctx: kubeinfer_kernels.paged_attention_decode(
+                    *args, max_context_len=ctx
+                ),
                 lambda args=args: ref.paged_attention_decode_ref(*args),
                 cuda,
                 nbytes=kv_bytes,
@@ -140,7 +142,7 @@ def bench(smoke: bool) -> list[Result]:
         _result(
             "paged_prefill_attention",
             f"seqs={num_seqs} new={q_len} prefix={prefix} heads={heads}/{kv_heads} d={head_dim} {dtype}",
-            lambda: kernels.paged_prefill_attention(*pf_args, head_dim**-0.5, max_query_len=q_len),
+            lambda: kubeinfer_kernels.paged_prefill_attention(*pf_args, head_dim**-0.5, max_query_len=q_len),
             lambda: ref.paged_attention_ref(*pf_args, head_dim**-0.5),
             cuda,
             flops=4.0 * pairs * heads * head_dim,
@@ -157,7 +159,7 @@ def bench(smoke: bool) -> list[Result]:
     slots = torch.randperm(num_tokens, device=device) + block_size
 
     def store() -> torch.Tensor:
-        kernels.store_kv_cache(k, v, kc, vc, slots)
+        kubeinfer_kernels.store_kv_cache(k, v, kc, vc, slots)
         return kc
 
     def store_ref() -> torch.Tensor:
@@ -191,7 +193,7 @@ def bench(smoke: bool) -> list[Result]:
             _result(
                 "int4_gemm",
                 f"M={m} K={k_dim} N={n_dim} G={group} fp16 (AWQ layout)",
-                lambda x=x: kernels.int4_gemm(x, qw, qz, sc, group),
+                lambda x=x: kubeinfer_kernels.int4_gemm(x, qw, qz, sc, group),
                 lambda x=x: ref.int4_gemm_ref(x, qw, qz, sc, group),
                 cuda,
                 nbytes=int4_bytes,
@@ -204,7 +206,7 @@ def bench(smoke: bool) -> list[Result]:
             _result(
                 "fp8_gemm",
                 f"M={m} K={k_dim} N={n_dim} bf16 x e4m3 per-channel",
-                lambda xb=xb: kernels.fp8_gemm(xb, w8w, w8s),
+                lambda xb=xb: kubeinfer_kernels.fp8_gemm(xb, w8w, w8s),
                 lambda xb=xb: ref.fp8_gemm_ref(xb, w8w, w8s),
                 cuda,
                 nbytes=fp8_bytes,
@@ -220,7 +222,7 @@ def main() -> int:
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
-        print(json.dumps({"status": "skipped", "reason": "benchmarks/kernels.py needs a CUDA device"}))
+        print(json.dumps({"status": "skipped", "reason": "benchmarks/kernel_bench.py needs a CUDA device"}))
         return 0
     results = bench(args.smoke)
     doc = {

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._common import (
+from kubeinfer_kernels._common import (
     FLOAT_DTYPES,
     check_devices,
     check_dtype,

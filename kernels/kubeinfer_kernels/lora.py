@@ -17,7 +17,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._common import FLOAT_DTYPES, check_contiguous, check_devices, check_dtype, check_shape, next_pow2
+from kubeinfer_kernels._common import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_devices,
+    check_dtype,
+    check_shape,
+    next_pow2,
+)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._common import (
+from kubeinfer_kernels._common import (
     FLOAT_DTYPES,
     check_contiguous,
     check_devices,

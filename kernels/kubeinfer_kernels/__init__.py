@@ -1,6 +1,6 @@
 """Triton kernels for the GPU path: paged attention, KV-cache store, weight-only quantized GEMMs, LoRA shrink/expand.
 
-Plain-torch twins and the AWQ/GPTQ/fp8 packing helpers live in `kernels.reference`.
+Plain-torch twins and the AWQ/GPTQ/fp8 packing helpers live in `kubeinfer_kernels.reference`.
 
 Triton decides at kernel *definition* time whether to compile for a GPU or to interpret on CPU
 (TRITON_INTERPRET=1). Without CUDA there is no driver to compile for, so importing this package on
@@ -17,12 +17,12 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.attention_decode import paged_attention_decode
-from kernels.attention_prefill import paged_prefill_attention
-from kernels.gemm_fp8 import fp8_gemm
-from kernels.gemm_int4 import int4_gemm
-from kernels.kv_store import store_kv_cache
-from kernels.lora import lora_expand, lora_shrink
+from kubeinfer_kernels.attention_decode import paged_attention_decode
+from kubeinfer_kernels.attention_prefill import paged_prefill_attention
+from kubeinfer_kernels.gemm_fp8 import fp8_gemm
+from kubeinfer_kernels.gemm_int4 import int4_gemm
+from kubeinfer_kernels.kv_store import store_kv_cache
+from kubeinfer_kernels.lora import lora_expand, lora_shrink
 
 __all__ = [
     "fp8_gemm",
