@@ -69,6 +69,20 @@ def check_devices(tensors: Iterable[tuple[str, Tensor]]) -> torch.device:
     return device
 
 
+# The kernels' window argument for "no window": wider than any context they are launched for.
+NO_WINDOW = 1 << 30
+
+
+def window_arg(sliding_window: int | None) -> int:
+    """A launcher's `sliding_window` (W >= 1, or None for the whole context) as the kernels' int
+    argument; raises ValueError for anything else."""
+    if sliding_window is None:
+        return NO_WINDOW
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return min(sliding_window, NO_WINDOW)
+
+
 def next_pow2(n: int) -> int:
     return int(triton.next_power_of_2(max(int(n), 1)))
 

@@ -21,6 +21,7 @@ from kubeinfer_kernels._common import (
     dot_precision,
     next_pow2,
     upcast_loads,
+    window_arg,
 )
 
 # Large enough that one partition amortises its launch, small enough that a 4k context spans 8 programs.
@@ -39,6 +40,7 @@ def _decode_partition_kernel(
     part_max_ptr,  # [num_seqs, num_heads, max_partitions] fp32, running max in log2 units
     part_sum_ptr,  # [num_seqs, num_heads, max_partitions] fp32
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
+    window,  # sliding window W (NO_WINDOW: none): the query at position ctx - 1 sees keys ctx - W .. ctx - 1
     stride_q_s,
     stride_q_h,
     stride_c_b,
@@ -68,6 +70,8 @@ def _decode_partition_kernel(
     if start >= tl.maximum(ctx, 1):
         return
     end = tl.minimum(start + PARTITION_SIZE, ctx)
+    # A partition wholly before the window runs no iteration and leaves m = -1e30, l = 0: weight 0 when merged.
+    lo = tl.maximum(start, ctx - window)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -87,7 +91,7 @@ def _decode_partition_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(lo, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         block = tl.load(block_tables_ptr + seq64 * stride_bt_s + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
@@ -184,9 +188,13 @@ def paged_attention_decode(
     scale: float,
     max_context_len: int,
     partition_size: int = DEFAULT_PARTITION_SIZE,
+    sliding_window: int | None = None,
 ) -> Tensor:  # [num_seqs, num_heads, head_dim] in q.dtype
     """Decode attention. `max_context_len` (a host int, so no device sync) sizes the split-K grid and
-    must be >= every context length; block tables must cover each context."""
+    must be >= every context length; block tables must cover each context. `sliding_window` W: each
+    query (position context_len - 1) sees its last W keys only (transformers' sliding_window_overlay,
+    kv_idx > q_idx - W); blocks before that are not read. ValueError for W < 1."""
+    window = window_arg(sliding_window)
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -225,6 +233,7 @@ def paged_attention_decode(
         part_max_ptr=part_max,
         part_sum_ptr=part_sum,
         scale_log2=scale * LOG2E,
+        window=window,
         stride_q_s=q.stride(0),
         stride_q_h=q.stride(1),
         stride_c_b=k_cache.stride(0),

@@ -23,6 +23,7 @@ from kubeinfer_kernels._common import (
     dot_precision,
     next_pow2,
     upcast_loads,
+    window_arg,
 )
 
 
@@ -36,6 +37,7 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     out_ptr,  # [T, num_heads, head_dim]
     scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window W (NO_WINDOW: none): the query at position p sees keys p - W + 1 .. p
     stride_q_t,
     stride_q_h,
     stride_c_b,
@@ -79,12 +81,14 @@ def _prefill_kernel(
     q_pos = prefix + offs_m  # [BLOCK_M]
     # Keys past the tile's last query are invisible to all of its rows.
     kv_end = tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M)
+    # Keys before the tile's first query's window are invisible to all of its rows.
+    kv_start = tl.maximum(0, prefix + m_block * BLOCK_M - window + 1)
 
     seq64 = seq.to(tl.int64)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         block = tl.load(block_tables_ptr + seq64 * stride_bt_s + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
@@ -96,7 +100,11 @@ def _prefill_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        visible = (
+            (offs_n[None, :] <= q_pos[:, None])
+            & (offs_n[None, :] > q_pos[:, None] - window)
+            & n_mask[None, :]
+        )
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -105,7 +113,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    # Every stored row sees key 0, so l_i > 0 there; the guard only keeps masked rows NaN-free.
+    # Every stored row sees its own key, so l_i > 0 there; the guard only keeps masked rows NaN-free. A row
+    # whose first blocks are all before its window keeps m = -1e30 over them: exp2(-inf + 1e30) adds 0.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :],
@@ -123,9 +132,13 @@ def paged_prefill_attention(
     query_start_loc: Tensor,  # [num_seqs + 1] int32, offsets of each sequence's new tokens in T
     scale: float,
     max_query_len: int,
+    sliding_window: int | None = None,
 ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype; rows outside every sequence are left unwritten
     """Causal inside each chunk, full over the sequence's cached prefix. `max_query_len` (host int, no
-    sync) sizes the grid and must be >= every chunk length."""
+    sync) sizes the grid and must be >= every chunk length. `sliding_window` W: the query at position p
+    sees keys p - W + 1 .. p only (transformers' sliding_window_overlay, kv_idx > q_idx - W), in the
+    chunk and in the prefix alike. ValueError for W < 1."""
+    window = window_arg(sliding_window)
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     num_seqs = block_tables.shape[0]
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
@@ -152,6 +165,7 @@ def paged_prefill_attention(
         query_start_loc_ptr=query_start_loc,
         out_ptr=out,
         scale_log2=scale * LOG2E,
+        window=window,
         stride_q_t=q.stride(0),
         stride_q_h=q.stride(1),
         stride_c_b=k_cache.stride(0),

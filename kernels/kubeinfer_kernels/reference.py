@@ -44,8 +44,11 @@ def paged_attention_ref(
     context_lens: Tensor,  # [num_seqs] int32, KV length including the new tokens
     query_start_loc: Tensor,  # [num_seqs + 1] int32
     scale: float,
+    sliding_window: int | None = None,
 ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype
-    """Causal attention inside each sequence's new tokens, full over its earlier cached tokens; fp32 math."""
+    """Causal attention inside each sequence's new tokens, full over its earlier cached tokens; fp32 math.
+    `sliding_window` W: the query at position p sees keys p - W + 1 .. p only (transformers'
+    sliding_window_overlay: kv_idx > q_idx - W)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -64,6 +67,8 @@ def paged_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), k) * scale
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+        if sliding_window is not None:
+            visible &= torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
@@ -76,9 +81,12 @@ def paged_attention_decode_ref(
     block_tables: Tensor,  # [num_seqs, max_blocks] int32
     context_lens: Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
 ) -> Tensor:  # [num_seqs, num_heads, head_dim]
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    return paged_attention_ref(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window
+    )
 
 
 # ---------------------------------------------------------------- int4 packing

@@ -28,10 +28,14 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         out_dtype: torch.dtype | None = None,
+        sliding_window: int | None = None,
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype, or out_dtype where the backend honours it
         """`out_dtype`: a dtype the caller takes as well (the o projection's bf16 operand), returned as
         is where every row was computed in it (no widening to q's dtype and rounding again); a backend
-        may ignore it."""
+        may ignore it. `sliding_window`: this layer's window W >= 1, or None (global attention): the query
+        at position p attends to keys p - W + 1 .. p (W keys, itself included), transformers'
+        `sliding_window_overlay` (kv_idx > q_idx - W) for Mistral, Qwen2, Gemma 2/3 and gpt-oss. Every
+        backend honours it; ValueError for W < 1."""
         ...
 
 

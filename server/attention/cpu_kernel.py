@@ -25,7 +25,7 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 5  # 3: kubeinfer_paged_decode_set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa
+ABI_VERSION = 6  # 3: _set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa; 6: sliding windows
 MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
@@ -67,15 +67,18 @@ class DecodeKernel:
         rows: Tensor,  # [Sd] int64, the row of q/out of each decode query
         scale: float,
         indices_checked: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         """`indices_checked=True` skips the bounds checks of `check_decode_indices` (a few reductions),
-        for a caller that ran them once for a batch it then sends through every layer."""
+        for a caller that ran them once for a batch it then sends through every layer. `sliding_window` W:
+        each query (position context_len - 1) attends to the last W positions only (`check_window`)."""
+        window = check_window(sliding_window)
         check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, seqs, rows)
         if not indices_checked:
             check_decode_indices(q.shape[0], k_cache.shape, block_tables, context_lens, seqs, rows)
         _, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
-        rc = self.lib.kubeinfer_paged_decode(
+        rc = self.lib.kubeinfer_paged_decode_window(
             _DTYPE_CODES[q.dtype],
             CACHE_DTYPE_CODES[k_cache.dtype],
             out.data_ptr(),
@@ -95,6 +98,7 @@ class DecodeKernel:
             d,
             block_size,
             float(scale),
+            window,
             torch.get_num_threads(),
         )
         if rc != 0:
@@ -110,12 +114,15 @@ class DecodeKernel:
         chunks: PrefillChunks,
         scale: float,
         indices_checked: bool = False,
+        sliding_window: int | None = None,
     ) -> bool:
         """Causal attention of prompt chunks over their whole context in the paged cache, in bf16 products
         with fp32 sums (csrc/paged_decode.cpp, `kubeinfer_paged_prefill`: flash-attention's online softmax,
         q * scale and the probabilities rounded to bf16). Returns False, writing nothing, where this kernel
         has no such path (no usable AVX512-BF16, head_dim not 64 or 128): the caller attends itself.
-        `indices_checked=True` skips `check_prefill_chunks` for a caller that ran it once per step."""
+        `indices_checked=True` skips `check_prefill_chunks` for a caller that ran it once per step.
+        `sliding_window` W: the query at position p attends to positions p - W + 1 .. p only."""
+        window = check_window(sliding_window)
         if not self.prefill_supported(q.dtype, k_cache.dtype, q.shape[2]):
             return False
         _check_operands(out, q, k_cache, v_cache, block_tables)
@@ -144,6 +151,7 @@ class DecodeKernel:
             d,
             block_size,
             float(scale),
+            window,
             torch.get_num_threads(),
         )
         return rc == 0
@@ -191,6 +199,17 @@ class DecodeKernel:
         )
         if rc != 0:
             raise RuntimeError(f"kv store returned {rc}")
+
+
+def check_window(sliding_window: int | None) -> int:
+    """A layer's sliding window as the kernels take it: W >= 1 (the query at position p sees keys
+    p - W + 1 .. p, transformers' `sliding_window_overlay`: kv_idx > q_idx - W), or 0 for None (the whole
+    context). Raises ValueError for W < 1."""
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return sliding_window
 
 
 def supports_dtype(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
@@ -361,12 +380,15 @@ def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
     fn.restype = ctypes.c_int32
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32]
+    fw = lib.kubeinfer_paged_decode_window
+    fw.restype = ctypes.c_int32
+    fw.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, i32]
     store = lib.kubeinfer_kv_store
     store.restype = ctypes.c_int32
     store.argtypes = [i32] + [ptr] * 5 + [i64] * 3
     pf = lib.kubeinfer_paged_prefill
     pf.restype = i32
-    pf.argtypes = [ptr] * 9 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32]
+    pf.argtypes = [ptr] * 9 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, i32]
     lib.kubeinfer_paged_decode_set_bf16.restype = None
     lib.kubeinfer_paged_decode_set_bf16.argtypes = [i32]
     lib.kubeinfer_paged_decode_bf16_enabled.restype = i32

@@ -34,6 +34,7 @@ from server.attention.cpu_kernel import (
     PrefillChunks,
     check_decode_indices,
     check_prefill_chunks,
+    check_window,
     supports_dtype,
 )
 from server.attention.metadata import AttentionMetadata
@@ -66,7 +67,9 @@ class _PrefillGroup:
     context_len: int  # cached prefix + n
     rows: Tensor | None  # [B * n] int64 rows in T, None when the chunks lie back to back from starts[0]
     blocks: Tensor | None  # [B * nb] int64, blocks holding each context; None when there is no cached prefix
-    mask: Tensor | None  # [n, context_len] in q's dtype, 0 or -inf (lower-right causal); None: plain causal
+    # [n, context_len] in q's dtype, 0 or -inf (lower-right causal, less what is past a sliding window);
+    # None: plain causal
+    mask: Tensor | None
 
 
 @dataclass
@@ -78,8 +81,9 @@ class _Plan:
 
 
 def _prefill_groups(
-    meta: AttentionMetadata, qsl: list[int], block_size: int, dtype: torch.dtype
+    meta: AttentionMetadata, qsl: list[int], block_size: int, dtype: torch.dtype, window: int
 ) -> list[_PrefillGroup]:
+    """`window`: 0, or the layer's sliding window W (a query at position p sees keys p - W + 1 .. p)."""
     device = meta.block_tables.device
     shapes: dict[tuple[int, int], list[int]] = {}  # (n, context_len) -> sequences, in batch order
     for i, n in enumerate(meta.query_lens_cpu):
@@ -97,11 +101,15 @@ def _prefill_groups(
             nb = -(-ctx_len // block_size)
             idx = torch.tensor(seqs, dtype=torch.int64, device=device)
             blocks = meta.block_tables.index_select(0, idx)[:, :nb].to(torch.int64).reshape(-1)
+        if ctx_len > n or 0 < window < n:  # a cached prefix, or a window shorter than the chunk
             pos = torch.arange(ctx_len, device=device)
             q_pos = torch.arange(ctx_len - n, ctx_len, device=device)
+            hidden = pos[None, :] > q_pos[:, None]
+            if window:
+                hidden |= pos[None, :] <= q_pos[:, None] - window
             # An additive mask: CPU SDPA with a bool one is slower here (it converts it each call).
             mask = torch.zeros(n, ctx_len, dtype=dtype, device=device)
-            mask.masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
+            mask.masked_fill_(hidden, float("-inf"))
         groups.append(_PrefillGroup(starts, n, ctx_len, rows, blocks, mask))
     return groups
 
@@ -135,7 +143,7 @@ class TorchAttentionBackend:
         self.decode_kernel = decode_kernel
         self.name = "cpu" if decode_kernel is not None else "torch"
         self._meta: AttentionMetadata | None = None
-        self._plan: _Plan | None = None
+        self._plans: dict[int, _Plan] = {}  # per sliding window (0: none) for self._meta
 
     def _make_plan(
         self,
@@ -145,6 +153,7 @@ class TorchAttentionBackend:
         dtype: torch.dtype,
         cache_dtype: torch.dtype,
         head_dim: int,
+        window: int = 0,  # check_window's: 0 or the layer's sliding window
     ) -> _Plan:
         bs = self.block_size
         device = meta.block_tables.device
@@ -165,16 +174,19 @@ class TorchAttentionBackend:
                 nb = -(-max(meta.context_lens_cpu[i] for i in decode_seqs) // bs)
                 pos = torch.arange(nb * bs, device=device)  # [L]
                 tables = meta.block_tables.index_select(0, idx)[:, :nb].to(torch.int64)  # [Sd, nb]
+                visible = pos[None, :] < ctx[:, None]  # [Sd, L]
+                if window:
+                    visible &= pos[None, :] >= ctx[:, None] - window
                 gather = _DecodeGather(
-                    blocks=tables.reshape(-1),
-                    num_blocks=nb,
-                    mask=(pos[None, :] < ctx[:, None])[:, None, None, :],
+                    blocks=tables.reshape(-1), num_blocks=nb, mask=visible[:, None, None, :]
                 )
             decode = _DecodePlan(seqs=idx, rows=rows, gather=gather)
         kernel = self.decode_kernel
         if kernel is not None and kernel.amx_bf16 and kernel.prefill_supported(dtype, cache_dtype, head_dim):
             # Every prompt chunk through torch's bf16 SDPA over the bf16 K/V (module docstring).
-            return _Plan(decode, _prefill_groups(meta, qsl, bs, torch.bfloat16), compute=torch.bfloat16)
+            return _Plan(
+                decode, _prefill_groups(meta, qsl, bs, torch.bfloat16, window), compute=torch.bfloat16
+            )
         if kernel is not None and kernel.prefill_supported(dtype, cache_dtype, head_dim):
             # Every prompt chunk, with a cached prefix or not, through the one kernel: a prefix-cache hit,
             # a chunked and a whole prefill compute alike.
@@ -189,7 +201,7 @@ class TorchAttentionBackend:
             )
             check_prefill_chunks(qsl[-1], cache_shape, meta.block_tables, chunks)
             return _Plan(decode, [], chunks)
-        prefill = _prefill_groups(meta, qsl, bs, dtype)
+        prefill = _prefill_groups(meta, qsl, bs, dtype, window)
         return _Plan(decode, prefill)
 
     def forward(
@@ -202,19 +214,26 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out_dtype: torch.dtype | None = None,  # honoured where every row comes from the bf16 SDPA groups
+        sliding_window: int | None = None,
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype, or bf16 (above)
+        """`sliding_window` W (this layer's): the query at position p attends to keys p - W + 1 .. p only
+        (transformers' sliding_window_overlay for Mistral, Qwen2, Gemma 2/3); None: p's whole prefix.
+        Raises ValueError for W < 1."""
+        window = check_window(sliding_window)
         if meta is not self._meta:
-            self._plan = self._make_plan(
+            self._plans = {}
+            self._meta = meta
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = self._make_plan(
                 meta,
                 self._use_kernel(q.dtype, k_cache.dtype),
                 k_cache.shape,
                 q.dtype,
                 k_cache.dtype,
                 q.shape[2],
+                window,
             )
-            self._meta = meta
-        plan = self._plan
-        assert plan is not None
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         sd_shape = (-1, num_kv_heads, head_dim)
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
@@ -242,6 +261,7 @@ class TorchAttentionBackend:
                 d.rows,
                 scale,
                 indices_checked=True,
+                sliding_window=window or None,
             )
         elif d is not None and d.gather is not None:
             g = d.gather
@@ -265,7 +285,15 @@ class TorchAttentionBackend:
         if plan.chunks is not None:
             assert self.decode_kernel is not None
             done = self.decode_kernel.prefill(
-                out, q, k_cache, v_cache, meta.block_tables, plan.chunks, scale, indices_checked=True
+                out,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                plan.chunks,
+                scale,
+                indices_checked=True,
+                sliding_window=window or None,
             )
             assert done, "prefill_supported said the kernel serves these chunks"
         for grp in plan.prefill:
@@ -287,7 +315,9 @@ class TorchAttentionBackend:
                     vs.view(b, n, *sd_shape[1:]).transpose(1, 2),
                 )
                 # ks, vs: [B, Hkv, n, D]
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=grp.mask is None, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
+                )
             else:
                 length = grp.blocks.shape[0] // b * self.block_size
                 ks = k_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]

@@ -34,6 +34,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out_dtype: torch.dtype | None = None,  # ignored: q's dtype throughout (AttentionBackend)
+        sliding_window: int | None = None,  # this layer's window W: keys p - W + 1 .. p (AttentionBackend)
     ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_seqs = meta.block_tables.shape[0]
@@ -48,6 +49,7 @@ class TritonAttentionBackend:
                 scale,
                 max_context_len=meta.max_context_len,
                 partition_size=self.decode_partition_size,
+                sliding_window=sliding_window,
             )
         return paged_prefill_attention(
             q,
@@ -58,4 +60,5 @@ class TritonAttentionBackend:
             meta.query_start_loc,
             scale,
             max_query_len=meta.max_query_len,
+            sliding_window=sliding_window,
         )

@@ -22,6 +22,8 @@ BASE_MODEL_ARCHITECTURES = {
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
 }
+# config.json's layer_types values (transformers' ALLOWED_LAYER_TYPES subset we serve)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -56,6 +58,10 @@ class ArchConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: the window W in tokens (None: none) of the layers that layer_types marks
+    # "sliding_attention" (None: every layer, Mistral's case). See `layer_sliding_window`.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -63,6 +69,34 @@ class ArchConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, int)
+            or self.sliding_window < 1
+        ):
+            raise UnsupportedModelError(f"sliding_window must be a positive int, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise UnsupportedModelError(
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise UnsupportedModelError(f"unsupported layer_types {bad}; expected {list(LAYER_TYPES)}")
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window W of decoder layer `layer` (the attention backends' `sliding_window`: the
+        query at position p sees keys p - W + 1 .. p), or None where the layer attends globally."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def all_layers_windowed(self) -> bool:
+        """Every layer has a window (Mistral-style): blocks out of the window can be freed."""
+        return all(self.layer_sliding_window(i) is not None for i in range(self.num_layers))
 
     @property
     def num_parameters(self) -> int:
@@ -100,10 +134,7 @@ class ArchConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        if cfg.get("use_sliding_window"):
-            raise UnsupportedModelError(
-                "sliding-window attention (use_sliding_window: true) is not supported"
-            )
+        window, layer_types = _sliding_window(arch, cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -140,4 +171,23 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            sliding_window=window,
+            layer_types=layer_types,
         )
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, layer_types) as transformers reads them: Mistral windows every layer by `sliding_window`
+    (null in v0.2+ configs: none); Qwen2/Qwen3 only with `use_sliding_window`, then the layers from
+    `max_window_layers` on unless `layer_types` says which; Llama has none."""
+    raw = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (int(raw) if raw is not None else None), None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window") and raw is not None:
+        types = cfg.get("layer_types")
+        if types is None:
+            first = int(cfg.get("max_window_layers", 28))
+            n = int(cfg["num_hidden_layers"])
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        return int(raw), tuple(types)
+    return None, None

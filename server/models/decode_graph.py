@@ -172,6 +172,9 @@ class DecodeGraph:
         layers = model.decoder_layers()
         if not layers or len(layers) != len(kv_caches):
             return None
+        # The recorded graph calls the whole-context decode entry point: windowed layers take the Python path.
+        if any(layer.self_attn.sliding_window is not None for layer in layers):
+            return None
         projections: list[list[BlockQuantLinear]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -94,6 +94,8 @@ class Attention(nn.Module):
         # Set by serving_weights.prepare_for_serving: q/k/v in one matmul, replacing the three above.
         self.qkv_proj: nn.Module | None = None
         self.scale = self.head_dim**-0.5
+        # This layer's sliding window (ArchConfig.layer_sliding_window), handed to the attention backend.
+        self.sliding_window: int | None = None
 
     def forward(
         self,
@@ -128,9 +130,17 @@ class Attention(nn.Module):
             q, k = _rotate(q, cos, sin, ops), _rotate(k, cos, sin, ops)
             v = self.v_proj(x).view(t, hkv, d)
         # a bf16 out_dtype: the o projection's bf16 GEMM takes a bf16 attention output as its operand
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, out_dtype=out_dtype).reshape(
-            t, hq * d
-        )
+        o = backend.forward(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            out_dtype=out_dtype,
+            sliding_window=self.sliding_window,
+        ).reshape(t, hq * d)
         return self.o_proj(o) if out_dtype is None else self.o_proj(o, out_dtype=out_dtype)
 
     def qk_normed(self, qk: Tensor, ops: FusedOps | None) -> Tensor:
@@ -211,7 +221,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, device: torch.device | str | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
+        layers = [DecoderLayer(cfg, device) for _ in range(cfg.num_layers)]
+        for i, layer in enumerate(layers):
+            layer.self_attn.sliding_window = cfg.layer_sliding_window(i)
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
 

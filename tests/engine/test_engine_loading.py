@@ -34,8 +34,20 @@ def test_hub_id_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
 def test_unsupported_architecture() -> None:
     with pytest.raises(UnsupportedModelError, match="expected one of"):
         ArchConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ArchConfig.from_hf({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+    with pytest.raises(UnsupportedModelError, match="layer_types"):
+        ArchConfig.from_hf(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "layer_types": ["chunked_attention"],
+                "num_attention_heads": 2,
+                "hidden_size": 8,
+                "vocab_size": 16,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+            }
+        )
 
 
 def test_checkpoint_missing_tensors(tiny_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

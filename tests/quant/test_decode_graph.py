@@ -278,3 +278,22 @@ def test_packed_weights_keep_the_graph_and_the_python_path_bit_identical(
     monkeypatch.setenv(q8.PACK_ENABLE_ENV, "yes")
     with pytest.raises(ValueError, match=q8.PACK_ENABLE_ENV):
         pack_int8_weights(engine.loaded.model)
+
+
+def test_graph_refuses_windowed_layers(tiny_q41: Path, cache: Path) -> None:
+    """The recorded graph calls the whole-context decode entry point: a model with sliding-window layers
+    records none (build returns None) and its decode steps take the Python path, which honours the window
+    (a different answer from the same model without it, on prompts longer than the window)."""
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
+    model = engine.loaded.model
+    texts = [p * 3 for p in PROMPTS]  # ~15-25 tokens, past a 4-token window
+    full_tokens, _ = _generate(engine, graph=True, texts=texts)
+    assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
+    for i, layer in enumerate(model.decoder_layers()):
+        layer.self_attn.sliding_window = 4 if i % 2 == 0 else None  # interleaved
+    model._decode_graph = None
+    want_tokens, want_lps = _generate(engine, graph=False, texts=texts)
+    got_tokens, got_lps = _generate(engine, graph=True, texts=texts)
+    assert model._decode_graph is not None and model._decode_graph[1] is None
+    assert got_tokens == want_tokens and got_lps == want_lps
+    assert want_tokens != full_tokens

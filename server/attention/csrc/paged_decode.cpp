@@ -546,7 +546,12 @@ struct Args {
   int64_t q_row_stride, out_row_stride, bt_stride;
   int32_t hq, hkv, d, block_size;
   float scale;
+  int32_t window;  // sliding window W: the query at position p sees keys p - W + 1 .. p; 0 = the whole context
 };
+
+// The first position a query at position ctx - 1 sees: ctx - W under a window W (Mistral's, Gemma's:
+// transformers' sliding_window_overlay keeps kv_idx > q_idx - W), else 0.
+inline int window_start(int ctx, int window) { return window > 0 && ctx > window ? ctx - window : 0; }
 
 // One slice of one sequence's context: tokens [t_begin, t_end), whole blocks except at the end.
 struct Part {
@@ -687,8 +692,10 @@ constexpr int kMinPartTokens = 256;
 
 std::vector<Part> make_parts(const Args& a, int num_threads) {
   int64_t total_blocks = 0;
-  for (int64_t i = 0; i < a.num_decode; ++i)
-    total_blocks += (a.context_lens[a.seqs[i]] + a.block_size - 1) / a.block_size;
+  for (int64_t i = 0; i < a.num_decode; ++i) {
+    const int ctx = a.context_lens[a.seqs[i]];
+    total_blocks += (ctx - window_start(ctx, a.window) + a.block_size - 1) / a.block_size;
+  }
   const int64_t target_tasks = 4 * static_cast<int64_t>(std::max(num_threads, 1));
   const int64_t min_blocks = std::max<int64_t>(1, kMinPartTokens / a.block_size);
   const int64_t part_blocks = std::max(min_blocks, (total_blocks + target_tasks - 1) / target_tasks);
@@ -696,7 +703,8 @@ std::vector<Part> make_parts(const Args& a, int num_threads) {
   std::vector<Part> parts;
   for (int64_t i = 0; i < a.num_decode; ++i) {
     const int ctx = a.context_lens[a.seqs[i]];
-    for (int64_t t = 0; t < ctx; t += part_tokens)
+    // under a window only its last W positions: parts start there (the passes take any start in a block)
+    for (int64_t t = window_start(ctx, a.window); t < ctx; t += part_tokens)
       parts.push_back({i, static_cast<int>(t), static_cast<int>(std::min<int64_t>(ctx, t + part_tokens))});
   }
   return parts;
@@ -765,6 +773,7 @@ struct PrefillArgs {
   int64_t num_chunks, q_row_stride, out_row_stride, bt_stride;
   int32_t hq, hkv, d, block_size;
   float scale;
+  int32_t window;  // 0, or a sliding window W: the query at position p sees keys p - W + 1 .. p
 };
 
 // Finite stand-ins for -inf (the build's -ffast-math lets the compiler assume no infinities): a masked
@@ -829,29 +838,30 @@ KI_BF16_TARGET void pack_block(const PrefillArgs& a, const int32_t* table, int h
   }
 }
 
-// RG query rows (DZ = D / 16 zmm of sums each) against the packed blocks [0, nblocks): rows r0 .. r0 + RG
-// of the task's row order (query i = r / G, head g = r % G), qw their bf16 words [rows][D/2], pos0 the
-// position of query 0. Writes out rows normalized.
+// RG query rows (DZ = D / 16 zmm of sums each) against the packed blocks [b0, nblocks) (kp/vp hold them
+// from b0 on): rows r0 .. r0 + RG of the task's row order (query i = r / G, head g = r % G), qw their bf16
+// words [rows][D/2], pos0 the position of query 0. Writes out rows normalized.
 template <int DZ, int RG>
 KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const uint32_t* kp, const uint32_t* vp,
-                                int r0, int nrows, int G, int pos0, int64_t q_start, int h, float* out) {
+                                int b0, int r0, int nrows, int G, int pos0, int64_t q_start, int h, float* out) {
   constexpr int D = DZ * 16, W = D / 2;
   __m512 acc[RG][DZ];
   __m512 lv[RG];  // per row: the running sum of exp(score - max), 16 lanes summed at the end
   float m[RG];
-  int last[RG];  // each row's last visible key
+  int first[RG], last[RG];  // each row's first and last visible key
   for (int r = 0; r < RG; ++r) {
     for (int z = 0; z < DZ; ++z) acc[r][z] = _mm512_setzero_ps();
     m[r] = -kHuge;  // below any score: the first block sets it (corr = exp(-huge) = 0)
     lv[r] = _mm512_setzero_ps();
     last[r] = pos0 + (r < nrows ? (r0 + r) / G : (r0 + nrows - 1) / G);
+    first[r] = a.window > 0 ? std::max(0, last[r] - a.window + 1) : 0;
   }
-  int maxlast = last[0];
-  for (int r = 1; r < RG; ++r) maxlast = std::max(maxlast, last[r]);
+  int maxlast = last[0], minfirst = first[0];
+  for (int r = 1; r < RG; ++r) maxlast = std::max(maxlast, last[r]), minfirst = std::min(minfirst, first[r]);
   const int nblocks = maxlast / 16 + 1;
   alignas(64) uint32_t pw[RG][8];
-  for (int b = 0; b < nblocks; ++b) {
-    const uint32_t* kb = kp + static_cast<int64_t>(b) * W * 16;
+  for (int b = std::max(b0, minfirst / 16); b < nblocks; ++b) {
+    const uint32_t* kb = kp + static_cast<int64_t>(b - b0) * W * 16;
     // two sums per row (even and odd words), so 2 * RG independent vdpbf16ps chains hide its latency
     __m512 s[RG], s1[RG];
     for (int r = 0; r < RG; ++r) s[r] = s1[r] = _mm512_setzero_ps();
@@ -867,9 +877,14 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
     }
     for (int r = 0; r < RG; ++r) {
       s[r] = _mm512_add_ps(s[r], s1[r]);
-      const int visible = last[r] - 16 * b + 1;  // keys of this block the row sees
-      if (visible < 16) {
-        const __mmask16 keep = visible <= 0 ? 0 : static_cast<__mmask16>((1u << visible) - 1u);
+      // keys [lo, hi) of this block the row sees (causal: below last + 1; a window: from first on)
+      const int lo = std::max(0, first[r] - 16 * b), hi = std::min(16, last[r] - 16 * b + 1);
+      if (hi <= lo) {  // none: nothing to add (before the row's window, its running max is not set yet)
+        std::fill(pw[r], pw[r] + 8, 0u);
+        continue;
+      }
+      if (hi - lo < 16) {
+        const __mmask16 keep = static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
         s[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-kMasked), keep, s[r]);
       }
       const float bm = _mm512_reduce_max_ps(s[r]);
@@ -884,7 +899,7 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
       lv[r] = _mm512_add_ps(lv[r], pr);
       _mm256_store_si256(reinterpret_cast<__m256i*>(pw[r]), (__m256i)_mm512_cvtneps_pbh(pr));
     }
-    const uint32_t* vb = vp + static_cast<int64_t>(b) * 8 * D;
+    const uint32_t* vb = vp + static_cast<int64_t>(b - b0) * 8 * D;
     for (int u = 0; u < 8; ++u) {
       __m512bh v[DZ];
       for (int z = 0; z < DZ; ++z) v[z] = (__m512bh)_mm512_loadu_si512(vb + u * D + 16 * z);
@@ -903,16 +918,19 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
   }
 }
 
-// Queries [i0, i1) of chunk c for KV head h: packs the keys they see ([0, ctx - n + i1)) and attends.
+// Queries [i0, i1) of chunk c for KV head h: packs the keys they see ([0, ctx - n + i1), under a window
+// from the first query's window start) and attends.
 KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, int i0, int i1, std::vector<uint32_t>& kp,
                                  std::vector<uint32_t>& vp, std::vector<uint32_t>& qw) {
   const int D = a.d, W = D / 2, RG = D == 64 ? 4 : 2;
   const int G = a.hq / a.hkv, n = a.q_lens[c], pos0 = a.ctx_lens[c] - n, seen = pos0 + i1;
   const int32_t* table = a.block_tables + a.seqs[c] * a.bt_stride;
   const int nb = (seen + 15) / 16;
-  kp.resize(static_cast<size_t>(nb) * W * 16);
-  vp.resize(static_cast<size_t>(nb) * 8 * D);
-  for (int b = 0; b < nb; ++b) pack_block(a, table, h, b, seen, kp.data() + b * W * 16, vp.data() + b * 8 * D);
+  const int b0 = a.window > 0 ? std::max(0, pos0 + i0 - a.window + 1) / 16 : 0;
+  kp.resize(static_cast<size_t>(nb - b0) * W * 16);
+  vp.resize(static_cast<size_t>(nb - b0) * 8 * D);
+  for (int b = b0; b < nb; ++b)
+    pack_block(a, table, h, b, seen, kp.data() + (b - b0) * W * 16, vp.data() + (b - b0) * 8 * D);
   // the tile's query rows of this KV head's G heads, scaled and rounded to bf16: row (i - i0) * G + g
   const int rows = (i1 - i0) * G;
   qw.resize(static_cast<size_t>(rows + RG) * W);
@@ -930,10 +948,10 @@ KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, int i0,
   std::fill(qw.begin() + static_cast<size_t>(rows) * W, qw.end(), 0u);  // rows past the last: unused sums
   for (int r0 = 0; r0 < rows; r0 += RG) {
     if (D == 64)
-      attend_rows<4, 4>(a, qw.data(), kp.data(), vp.data(), r0, std::min(RG, rows - r0), G, pos0 + i0,
+      attend_rows<4, 4>(a, qw.data(), kp.data(), vp.data(), b0, r0, std::min(RG, rows - r0), G, pos0 + i0,
                         a.q_starts[c] + i0, h, a.out);
     else
-      attend_rows<8, 2>(a, qw.data(), kp.data(), vp.data(), r0, std::min(RG, rows - r0), G, pos0 + i0,
+      attend_rows<8, 2>(a, qw.data(), kp.data(), vp.data(), b0, r0, std::min(RG, rows - r0), G, pos0 + i0,
                         a.q_starts[c] + i0, h, a.out);
   }
 }
@@ -973,7 +991,7 @@ KI_BF16_TARGET void run_prefill(const PrefillArgs& a, int num_threads) {
 extern "C" {
 
 // Bumped whenever a signature below changes; the loader refuses a library reporting another value.
-int32_t kubeinfer_paged_decode_abi() { return 5; }
+int32_t kubeinfer_paged_decode_abi() { return 6; }
 
 // Whether the bf16 K pass may run (set from Python's usable_cpu_features before the first call), and
 // whether it does: this CPU has AVX512-BF16, this build has AVX-512, and it is allowed.
@@ -985,24 +1003,25 @@ void kubeinfer_paged_decode_set_bf16(int32_t allowed) {
 #endif
 }
 // Prompt chunks over a bf16 cache in bf16 compute (see PrefillArgs): q and out fp32 [T, Hq, D] (rows
-// strided), head_dim 64 or 128. Returns 0; -1 where this build or CPU has no such path (bf16 not enabled,
-// or another head_dim): the caller uses its own.
+// strided), head_dim 64 or 128; `window` 0 or a sliding window (PrefillArgs). Returns 0; -1 where this
+// build or CPU has no such path (bf16 not enabled, or another head_dim): the caller uses its own.
 int32_t kubeinfer_paged_prefill(float* out, const float* q, const void* k_cache, const void* v_cache,
                                 const int32_t* block_tables, const int64_t* seqs, const int64_t* q_starts,
                                 const int32_t* q_lens, const int32_t* ctx_lens, int64_t num_chunks,
                                 int64_t q_row_stride, int64_t out_row_stride, int64_t bt_stride, int32_t hq,
-                                int32_t hkv, int32_t d, int32_t block_size, float scale, int32_t num_threads) {
+                                int32_t hkv, int32_t d, int32_t block_size, float scale, int32_t window,
+                                int32_t num_threads) {
 #if defined(__AVX512F__)
-  if (!bf16_enabled() || (d != 64 && d != 128)) return -1;
+  if (!bf16_enabled() || (d != 64 && d != 128) || window < 0) return -1;
   const PrefillArgs a{out,      q,      static_cast<const bf16*>(k_cache), static_cast<const bf16*>(v_cache),
                       block_tables, seqs, q_starts, q_lens, ctx_lens, num_chunks, q_row_stride, out_row_stride,
-                      bt_stride, hq, hkv, d, block_size, scale};
+                      bt_stride, hq, hkv, d, block_size, scale, window};
   run_prefill(a, num_threads);
   return 0;
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seqs, (void)q_starts, (void)q_lens;
   (void)ctx_lens, (void)num_chunks, (void)q_row_stride, (void)out_row_stride, (void)bt_stride, (void)hq, (void)hkv;
-  (void)d, (void)block_size, (void)scale, (void)num_threads;
+  (void)d, (void)block_size, (void)scale, (void)window, (void)num_threads;
   return -1;
 #endif
 }
@@ -1028,15 +1047,17 @@ int32_t kubeinfer_paged_decode_bf16_enabled() {
 
 // dtype (q and out): 0 = float32, 1 = bfloat16; cache_dtype (k/v caches): 0 = float32, 1 = bfloat16,
 // 2 = float16. Returns 0, or -1 for an unknown dtype.
-int32_t kubeinfer_paged_decode(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
-                               const void* k_cache, const void* v_cache, const int32_t* block_tables,
-                               const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
-                               int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
-                               int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
-                               float scale, int32_t num_threads) {
+// `window` > 0: each decode query (position context_len - 1) sees only the last `window` positions.
+int32_t kubeinfer_paged_decode_window(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
+                                      const void* k_cache, const void* v_cache, const int32_t* block_tables,
+                                      const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
+                                      int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
+                                      int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
+                                      float scale, int32_t window, int32_t num_threads) {
+  if (window < 0) return -1;
   const Args a{out,  q,          k_cache,      v_cache,        block_tables, context_lens,
                seqs, rows,       num_decode,   q_row_stride,   out_row_stride, bt_stride,
-               hq,   hkv,        d,            block_size,     scale};
+               hq,   hkv,        d,            block_size,     scale,          window};
   if (dtype == 0 && cache_dtype == 0) {
     run<float, float>(a, num_threads);
   } else if (dtype == 0 && cache_dtype == 1) {
@@ -1053,6 +1074,19 @@ int32_t kubeinfer_paged_decode(int32_t dtype, int32_t cache_dtype, void* out, co
     return -1;
   }
   return 0;
+}
+
+// The whole context (no window): the decode graph's entry point (server/models/csrc/cpu_fused.cpp), which
+// is never recorded for windowed layers.
+int32_t kubeinfer_paged_decode(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
+                               const void* k_cache, const void* v_cache, const int32_t* block_tables,
+                               const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
+                               int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
+                               int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
+                               float scale, int32_t num_threads) {
+  return kubeinfer_paged_decode_window(dtype, cache_dtype, out, q, k_cache, v_cache, block_tables, context_lens,
+                                       seqs, rows, num_decode, q_row_stride, out_row_stride, bt_stride, hq, hkv,
+                                       d, block_size, scale, 0, num_threads);
 }
 
 // The decode graph's K/V write (server/models/csrc/cpu_fused.cpp): for each row r < t, the fp32 rows

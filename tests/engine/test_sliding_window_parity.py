@@ -1,0 +1,168 @@
+"""Sliding-window models through the paged engine against transformers (eager attention, which applies the
+window mask), with prompts several windows long: a tiny random Mistral (every layer windowed) and a Qwen2
+with `use_sliding_window` (layers from `max_window_layers` on windowed, the first global: the interleaved
+case). Greedy tokens equal, prompt logprobs within 1e-4, through chunked prefill, a prefix-cache hit past the
+window edge and preemption."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_driver import TOKENIZER_FILES, run_staggered
+from prompt_logprobs import engine_prompt_logprobs
+
+from server.config import CacheConfig, EngineConfig, ModelConfig
+from server.engine import LLMEngine
+from server.request import SamplingParams
+
+WINDOW = 16
+NEW_TOKENS = 12
+
+
+def _build(out: Path, tokenizer_from: Path, arch: str) -> Path:
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+        sliding_window=WINDOW,
+    )
+    cfg: MistralConfig | Qwen2Config
+    if arch == "mistral":
+        cfg = MistralConfig(**common)
+    else:  # layer 0 global, layers 1 and 2 windowed
+        cfg = Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # spread-out logits: greedy argmax is not decided by noise
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "bias" in str(p):
+                p.normal_(0.0, 0.05)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+def model_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> Path:
+    return _build(tmp_path_factory.mktemp(f"swa-{request.param}"), smollm2_dir, request.param)
+
+
+def _hf(folder: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    hf.generation_config.eos_token_id = None  # run every prompt the full NEW_TOKENS
+    return hf
+
+
+def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        return [
+            hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # 3 to 5 windows long, different lengths (so the window edge falls at every block offset)
+    return [torch.randint(3, 49152, (3 * WINDOW + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _engine(folder: Path, backend: str, **kw: object) -> LLMEngine:
+    cache = kw.pop("cache", CacheConfig(block_size=8, num_kv_blocks=128))
+    cfg = EngineConfig(
+        model=ModelConfig(model=str(folder), dtype="float32"),
+        cache=cache,  # type: ignore[arg-type]
+        attention_backend=backend,
+        **kw,  # type: ignore[arg-type]
+    )
+    return LLMEngine(cfg)
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def test_the_config_window_reaches_every_layer(model_dir: Path) -> None:
+    engine = _engine(model_dir, "torch")
+    windows = [layer.self_attn.sliding_window for layer in engine.loaded.model.decoder_layers()]
+    expect = (
+        [WINDOW] * 3 if engine.loaded.arch.architecture == "MistralForCausalLM" else [None, WINDOW, WINDOW]
+    )
+    assert windows == expect
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_greedy_parity_staggered_and_chunked(model_dir: Path, backend: str) -> None:
+    hf = _hf(model_dir)
+    prompts = _prompts(5, seed=1)
+    ref = _hf_greedy(hf, prompts, NEW_TOKENS)
+    # staggered arrivals: prefills beside decodes in one step
+    engine = _engine(model_dir, backend)
+    assert run_staggered(engine, prompts, GREEDY) == ref
+    # an 11-token budget: every prompt chunked, chunk boundaries at every offset against the window edge
+    engine = _engine(model_dir, backend, max_num_batched_tokens=11, long_prefill_token_threshold=11)
+    assert run_staggered(engine, prompts, GREEDY) == ref
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_parity_under_preemption(model_dir: Path) -> None:
+    hf = _hf(model_dir)
+    prompts = _prompts(4, seed=2)
+    ref = _hf_greedy(hf, prompts, NEW_TOKENS)
+    # 24 blocks of 8 tokens cannot hold 4 sequences of 60-80 tokens at once
+    engine = _engine(
+        model_dir, "cpu", cache=CacheConfig(block_size=8, num_kv_blocks=24), max_num_batched_tokens=32
+    )
+    assert run_staggered(engine, prompts, GREEDY) == ref
+    assert engine.stats().num_preemptions > 0
+    assert engine.stats().num_free_blocks == 24
+
+
+def test_prefix_cache_hit_past_the_window_edge(model_dir: Path) -> None:
+    """A shared 5-window prefix, then different tails: the later prompts reuse the first one's blocks, all
+    of the prefix past the window for their last tokens, and still equal transformers."""
+    hf = _hf(model_dir)
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 49152, (5 * WINDOW,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (3, 9, 21)]
+    ref = _hf_greedy(hf, prompts, NEW_TOKENS)
+    engine = _engine(
+        model_dir, "cpu", cache=CacheConfig(block_size=8, num_kv_blocks=128, enable_prefix_caching=True)
+    )
+    assert [engine.generate([p], GREEDY)[0] for p in prompts] == ref
+    stats = engine.stats()
+    assert stats.prefix_cache_hits >= 2 * 5 * WINDOW
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_prompt_logprobs_match(model_dir: Path) -> None:
+    hf = _hf(model_dir)
+    prompt = _prompts(1, seed=5)[0] + _prompts(1, seed=6)[0]  # 6 windows
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, :-1].double()
+    ref = logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    engine = _engine(model_dir, "cpu", max_num_batched_tokens=40, long_prefill_token_threshold=40)
+    got = engine_prompt_logprobs(engine, prompt)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
