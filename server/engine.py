@@ -249,6 +249,8 @@ class LLMEngine:
             block_size,
             config.cache.enable_prefix_caching,
             record_events=self.kv_events is not None,
+            # blocks out of the window are freed only where no layer attends globally (kv_cache_manager.py)
+            sliding_window=self.loaded.arch.sliding_window if self.loaded.arch.all_layers_windowed else None,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
