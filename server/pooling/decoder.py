@@ -6,6 +6,8 @@ paged KV cache (nothing is kept after the forward). Same weights, same modules a
 `[batch, seq, hidden]` final-norm hidden states in the weights' dtype; token_type_ids are ignored.
 Padding may be on either side (Qwen3-Embedding's tokenizer pads on the left): each row's positions
 count its own tokens only, and a padded query attends to itself, so no row of the softmax is empty.
+A layer with a sliding window W (`Attention.sliding_window`: Mistral's e5-style embedders, Qwen2 with
+use_sliding_window) lets the query at position p see positions p - W + 1 .. p only, as in generation.
 """
 
 from __future__ import annotations
@@ -35,8 +37,17 @@ class DecoderEncoder(nn.Module):
         eye = torch.eye(s, dtype=torch.bool, device=h.device)[None, None]
         allowed = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()[None, None]
         allowed = (allowed & real[:, None, None, :]) | eye
+        # [B, 1, S, S]: the key's position is within W - 1 of the query's (per row: padding counts no position)
+        distance = positions[:, None, :, None] - positions[:, None, None, :]
+        windowed: dict[int, Tensor] = {}
         for layer in m.decoder_layers():
             attn = layer.self_attn
+            mask = allowed
+            if attn.sliding_window is not None:
+                w = attn.sliding_window
+                if w not in windowed:
+                    windowed[w] = (allowed & (distance < w)) | eye
+                mask = windowed[w]
             x = layer.input_layernorm(h)
             hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
             if attn.qkv_proj is not None:
@@ -53,7 +64,7 @@ class DecoderEncoder(nn.Module):
             if hkv != hq:
                 k = k.repeat_interleave(hq // hkv, dim=1)
                 v = v.repeat_interleave(hq // hkv, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=attn.scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, hq * d))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return m.model.norm(h)
