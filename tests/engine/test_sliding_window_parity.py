@@ -145,3 +145,22 @@ def test_a_windowed_model_holds_its_window_only(model_dir: Path) -> None:
     else:
         assert most == -(-(48 + 40) // 8)
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_ngram_speculation_parity(model_dir: Path) -> None:
+    """Drafts accepted and rejected over a windowed model (rejected drafts' blocks given back with blocks
+    already out of the window in the table): transformers' tokens still."""
+    from server.spec_decode.config import SpeculativeConfig
+
+    hf = _hf(model_dir)
+    g = torch.Generator().manual_seed(12)
+    # repeated phrases: the n-gram proposer finds drafts; the random model mostly rejects them
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() * 5 for n in (9, 13)]
+    ref = _hf_greedy(hf, prompts, 24)
+    spec = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = _engine(model_dir, "cpu", cache=CacheConfig(block_size=4, num_kv_blocks=128), speculative=spec)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert run_staggered(engine, prompts, params) == ref
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
