@@ -40,6 +40,7 @@ from server.config import (
     ParallelConfig,
     ServerConfig,
 )
+from server.core.request_queue import SCHEDULING_POLICIES
 from server.spec_decode.config import parse_speculative_config
 
 _SIZE_UNITS = {
@@ -267,6 +268,15 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         f"{CPU_LONG_PREFILL_TOKEN_THRESHOLD} on CPU, 0 on CUDA",
         type=_non_negative_int,
         default=None,
+    )
+    add(
+        "--scheduling-policy",
+        "KUBEINFER_SCHEDULING_POLICY",
+        "Order of waiting requests (vLLM's): fcfs, or priority (the request's `priority` field, lower "
+        "first, FCFS within a level; a better level preempts running requests of a worse one when seats "
+        "or KV blocks run out, and a worse level waits as long as better ones keep the engine full)",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
     )
     add(
         "--max-num-seqs",
@@ -581,6 +591,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache=cache,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,
         device=args.device,

@@ -278,6 +278,9 @@ class EngineConfig:
     # latency when prompts arrive (server/core/scheduler.py). None = by device
     # (`long_prefill_threshold_for`): the value measured on CPU there, vLLM's default (no cap) on CUDA.
     long_prefill_token_threshold: int | None = None
+    # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower first;
+    # server/core/request_queue.py).
+    scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"  # auto = triton on CUDA; on CPU cpu (compiled decode kernel) or torch
     device: str = "auto"  # auto = cuda if available else cpu
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -319,6 +322,7 @@ class EngineConfig:
             max_model_len=max(self.max_num_batched_tokens, 2) if not self.enable_chunked_prefill else 2048,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold or 0,
+            scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]  # validated there
         )
 
     def long_prefill_threshold_for(self, device_type: str) -> int:

@@ -259,6 +259,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_threshold_for(self.device.type),
+                scheduling_policy=config.scheduling_policy,  # type: ignore[arg-type]  # EngineConfig validated it
                 max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
             ),
             self.kv,
@@ -340,6 +341,7 @@ class LLMEngine:
         params: SamplingParams,
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        priority: int = 0,
     ) -> Request:
         if pooling is not None:
             raise ValueError(
@@ -348,12 +350,22 @@ class LLMEngine:
         self.validate(prompt_token_ids, params, lora)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # a cache hit when the API compiled it first
-        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, lora=lora)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            eos_token_ids=self.eos_token_ids,
+            lora=lora,
+            priority=priority,
+        )
         self.scheduler.add_request(req)
         self._states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         )
         return req
+
+    def check_priority(self, priority: int) -> None:
+        self.scheduler.check_priority(priority)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(request_id, FinishReason.ABORT)
@@ -580,6 +592,7 @@ class _AddCommand:
     params: SamplingParams
     lora: LoRARequest | None = None
     pooling: PoolingParams | None = None
+    priority: int = 0
 
 
 class EngineCore(Protocol):
@@ -600,7 +613,10 @@ class EngineCore(Protocol):
         params: SamplingParams,
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        priority: int = 0,
     ) -> Request: ...
+
+    def check_priority(self, priority: int) -> None: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 
@@ -679,9 +695,11 @@ class AsyncEngine(Generic[E]):
         request_id: str | None = None,
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; the last has finished=True. Leaving the iteration early
-        (client disconnect, cancellation) aborts the request."""
+        (client disconnect, cancellation) aborts the request. `priority`: vLLM's (lower first), only
+        under --scheduling-policy priority (else a non-zero one is a ValueError)."""
         if not self.alive:
             raise EngineDeadError(f"engine loop is not running: {self.error!r}")
         if request_id is None:
@@ -690,9 +708,12 @@ class AsyncEngine(Generic[E]):
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.engine.validate(prompt_token_ids, params, lora)
+        self.engine.check_priority(priority)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", _AddCommand(request_id, prompt_token_ids, params, lora, pooling)))
+        self._commands.put(
+            ("add", _AddCommand(request_id, prompt_token_ids, params, lora, pooling, priority))
+        )
         self._wake.set()
         finished = False
         try:
@@ -760,6 +781,7 @@ class AsyncEngine(Generic[E]):
                         payload.params,
                         payload.lora,
                         payload.pooling,
+                        payload.priority,
                     )
                 except ValueError as e:
                     self._post(payload.request_id, e)

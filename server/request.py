@@ -163,6 +163,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     lora: LoRARequest | None = None  # None = the base model
     pooling: PoolingParams | None = None  # set: a pooling request (server/pooling/), never sampled
+    # --scheduling-policy priority: lower is scheduled first (vLLM's `priority`); 0 under fcfs.
+    priority: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

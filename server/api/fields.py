@@ -119,6 +119,10 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "guided_grammar": _impl(_STRUCT, "EBNF as xgrammar takes it"),
         "no_stop_trim": _partial(_ROUTER, True, "false (vllm-router's default) accepted; stops are trimmed"),
         "return_hidden_states": _partial(_ROUTER, True, "false (vllm-router's default) accepted"),
+        "priority": _impl(
+            "test_api_priority_field",
+            "lower first under --scheduling-policy priority; non-zero refused under fcfs",
+        ),
     },
     "CompletionRequest": {
         "prompt": _impl(_ENGINE),

@@ -176,7 +176,11 @@ def token_texts(out: RequestOutput) -> list[str]:
 
 
 async def stream_engine(
-    state: ServerState, prompt_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+    state: ServerState,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    lora: LoRARequest | None = None,
+    priority: int = 0,
 ) -> AsyncIterator[RequestOutput]:
     """The engine's stream for one request, recording its metrics when it ends (however it ends).
     Closing this generator early aborts the engine request."""
@@ -195,7 +199,7 @@ async def stream_engine(
     try:
         if lora is not None:
             state.metrics.lora_request(lora.name)
-        async for out in engine.generate(prompt_ids, params, lora=lora):
+        async for out in engine.generate(prompt_ids, params, lora=lora, priority=priority):
             now = time.monotonic()
             if out.metrics is not None:
                 arrival = out.metrics.arrival_time
@@ -232,10 +236,14 @@ async def stream_engine(
 
 
 async def collect(
-    state: ServerState, prompt_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+    state: ServerState,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    lora: LoRARequest | None = None,
+    priority: int = 0,
 ) -> Generation:
     gen = Generation(prompt_ids=list(prompt_ids))
-    async for out in stream_engine(state, prompt_ids, params, lora):
+    async for out in stream_engine(state, prompt_ids, params, lora, priority):
         gen.add(out)
     return gen
 

@@ -60,6 +60,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     lora: LoRARequest | None = None  # the adapter named by `model`, None = the base model
+    priority: int = 0  # vLLM's request priority (--scheduling-policy priority)
 
 
 def _stream_chunk(
@@ -336,7 +337,7 @@ def _chosen(out: RequestOutput) -> tuple[list[Logprob | None], list[list[Logprob
 
 # ---- shared plumbing -----------------------------------------------------------------------------
 async def _run_all(state: ServerState, jobs: list[Job]) -> list[Generation]:
-    gens = await asyncio.gather(*(collect(state, j.prompt_ids, j.params, j.lora) for j in jobs))
+    gens = await asyncio.gather(*(collect(state, j.prompt_ids, j.params, j.lora, j.priority) for j in jobs))
     for g in gens:
         g.raise_if_failed()
     return list(gens)
@@ -346,7 +347,7 @@ def _stream_factories(
     state: ServerState, jobs: list[Job]
 ) -> list[Callable[[], AsyncIterator[RequestOutput]]]:
     def factory(job: Job) -> Callable[[], AsyncIterator[RequestOutput]]:
-        return lambda: stream_engine(state, job.prompt_ids, job.params, job.lora)
+        return lambda: stream_engine(state, job.prompt_ids, job.params, job.lora, job.priority)
 
     return [factory(j) for j in jobs]
 
@@ -469,7 +470,7 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
             )
             if i == 0:
                 check_request(state, ids, params, "max_tokens")
-            jobs.append(Job(pi * req.n + i, pi, ids, params, lora))
+            jobs.append(Job(pi * req.n + i, pi, ids, params, lora, req.priority))
     assert state.llm is not None
     plan = CompletionPlan(
         echo_texts=[
@@ -729,7 +730,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
         params = _build_params(state, req, len(ids), max_tokens, logprobs, i, req.prompt_logprobs, spec)
         if i == 0:
             check_request(state, ids, params, "max_tokens")
-        jobs.append(Job(i, 0, ids, params, lora))
+        jobs.append(Job(i, 0, ids, params, lora, req.priority))
     assert state.llm is not None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -159,6 +159,9 @@ class SamplingFields(_Lenient):
     # the defaults are what this server does, another value is refused (openai._check_common).
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    # vLLM's request priority: lower is scheduled first under --scheduling-policy priority; a non-zero
+    # value under fcfs is refused (as vLLM does).
+    priority: int = 0
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -20,6 +20,13 @@ its admitted prompts, now decoding, outnumber those still waiting, as the same a
 (keeping it going measured ITL p99 2-3x worse at 32 users on an fp32 CPU: docs/benchmarks.md, "CPU: an
 AVX2-only AMD EPYC").
 
+Waiting order and preemption victims follow `--scheduling-policy` (server/core/request_queue.py): fcfs,
+or priority (`Request.priority`, lower first, FCFS within a level). Under priority a waiting request
+that finds no seat (max_num_seqs) or no blocks preempts running requests of a strictly worse level (worst
+first, even ones already scheduled in this step, whose tokens go back to the budget) and is admitted in
+the same step; a running request that needs blocks preempts the worst running request, never a better
+one than itself.
+
 Pooling requests (`Request.pooling`: embed, score) share the queue, the token budget and max_num_seqs
 with generation: each is a prompt scheduled whole in one step (never chunked: its forward keeps no KV to
 continue from), holds no KV blocks, and finishes in `update_from_output` right after its forward.
@@ -28,12 +35,12 @@ continue from), holds no KV blocks, and finishes in `update_from_output` right a
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from server.core.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
+from server.core.request_queue import SCHEDULING_POLICIES, RequestQueue, SchedulingPolicy
 from server.request import FinishReason, Request, RequestStatus
 from server.spec_decode.stats import SpecDecodingStats
 
@@ -47,8 +54,13 @@ class SchedulerConfig:
     max_loras: int = 0  # distinct LoRA adapters among running requests; 0 = LoRA disabled
     # While decodes run, at most this many prompt tokens per step (0 = no cap beyond the budget).
     long_prefill_token_threshold: int = 0
+    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy (request_queue.py)
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
@@ -79,7 +91,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -96,10 +108,11 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
+        self.check_priority(request.priority)
         if request.pooling is not None:
             self._check_pooling(request)
             self.requests[request.request_id] = request
-            self.waiting.append(request)
+            self.waiting.add(request)
             return
         limit = request.num_prompt_tokens + request.sampling_params.max_tokens
         if request.num_prompt_tokens >= self.config.max_model_len:
@@ -113,7 +126,15 @@ class Scheduler:
                 f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size} tokens)"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+
+    def check_priority(self, priority: int) -> None:
+        """Raises ValueError for a request priority this scheduler does not honour (vLLM refuses a
+        non-zero priority unless --scheduling-policy is priority)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs --scheduling-policy priority (this server schedules fcfs)"
+            )
 
     def _check_pooling(self, request: Request) -> None:
         n = request.num_prompt_tokens
@@ -149,6 +170,24 @@ class Scheduler:
         admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
         burst = capped and admissible >= decoding
 
+        # Tokens each request was given in this step so far (drafts included) and the prompt share of
+        # them: what goes back to the budget if a priority preemption takes it out again.
+        given: dict[str, tuple[int, int]] = {}
+
+        def take_back(victim: Request) -> bool:
+            """Preempt `victim`; returns whether it came before index i of the running list."""
+            nonlocal budget, prefill_left
+            before = self.running.index(victim) < i
+            self.running.remove(victim)
+            if victim.request_id in given:
+                tokens, prompt = given.pop(victim.request_id)
+                scheduled[:] = [s for s in scheduled if s.request is not victim]
+                budget += tokens
+                prefill_left += prompt
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            return before
+
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -165,9 +204,9 @@ class Scheduler:
                 spec = ()  # short of blocks: drop the drafts before preempting anybody
                 blocks = self.kv.allocate_slots(req, num_new)
             while blocks is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
+                victim = self.waiting.victim(self.running)  # fcfs: the last admitted; priority: the worst
+                if take_back(victim):
+                    i -= 1
                 if victim is req:
                     break
                 blocks = self.kv.allocate_slots(req, num_new)
@@ -175,25 +214,38 @@ class Scheduler:
                 break
             scheduled.append(self._scheduled(req, num_new, blocks, spec))
             budget -= num_new + len(spec)
-            if remaining > 1:
-                prefill_left -= num_new
+            prompt = num_new if remaining > 1 else 0
+            prefill_left -= prompt
+            given[req.request_id] = (num_new + len(spec), prompt)
             i += 1
+        growth_preempted = bool(preempted)
+        i = len(self.running)  # from here on every running request counts as before the index
 
-        # Admit waiting requests only when nobody was preempted: otherwise they would thrash.
+        def make_room(req: Request) -> bool:
+            """Priority policy: preempt the worst running request if its level is strictly worse than
+            req's; whether one was."""
+            if self.config.scheduling_policy != "priority" or not self.running:
+                return False
+            victim = self.waiting.victim(self.running)
+            if victim.priority <= req.priority:
+                return False
+            take_back(victim)
+            return True
+
+        # Admit waiting requests only when no running request had to be preempted to grow: otherwise they
+        # would thrash. (A priority preemption to admit a better level does not stop admissions.)
         # A request whose adapter would exceed max_loras distinct adapters in the batch waits (skipped,
         # keeping its place) while the requests behind it may still be admitted.
         running_loras = {r.lora.lora_int_id for r in self.running if r.lora is not None}
         if burst:
             prefill_left = prefill_cap = budget
         w = 0
-        while (
-            w < len(self.waiting)
-            and budget > 0
-            and prefill_left > 0
-            and not preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while w < len(self.waiting) and budget > 0 and prefill_left > 0 and not growth_preempted:
             req = self.waiting[w]
+            while len(self.running) >= self.config.max_num_seqs and make_room(req):
+                pass
+            if len(self.running) >= self.config.max_num_seqs:
+                break
             if (
                 req.lora is not None
                 and req.lora.lora_int_id not in running_loras
@@ -211,6 +263,7 @@ class Scheduler:
                 self._admit(req, None, now)
                 self.running.append(req)
                 scheduled.append(self._scheduled(req, n, []))
+                given[req.request_id] = (n, n)
                 budget -= n
                 prefill_left -= n
                 continue
@@ -223,6 +276,8 @@ class Scheduler:
                 break
             num_new = min(num_new, budget, prefill_left)
             blocks = self.kv.allocate_slots(req, num_new, computed)
+            while blocks is None and make_room(req):
+                blocks = self.kv.allocate_slots(req, num_new, computed)
             if blocks is None:
                 break
             del self.waiting[w]
@@ -231,6 +286,7 @@ class Scheduler:
             self._admit(req, computed, now)
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new, blocks))
+            given[req.request_id] = (num_new, num_new)
             budget -= num_new
             prefill_left -= num_new
 
@@ -283,7 +339,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
 
     # ---- results ------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, output: ModelOutput) -> list[FinishedRequest]:

@@ -118,14 +118,18 @@ class PoolingEngineCore:
         params: SamplingParams,
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        priority: int = 0,
     ) -> Request:
         if pooling is None:
             raise ValueError("this engine serves a pooling model; generation requests need --task generate")
         self.validate(prompt_token_ids, params, lora)
-        req = Request(request_id, list(prompt_token_ids), params, pooling=pooling)
+        req = Request(request_id, list(prompt_token_ids), params, pooling=pooling, priority=priority)
         self.scheduler.add_request(req)
         self.pool_stats.num_waiting = len(self.scheduler.waiting)
         return req
+
+    def check_priority(self, priority: int) -> None:
+        self.scheduler.check_priority(priority)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(request_id, FinishReason.ABORT)

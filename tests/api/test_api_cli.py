@@ -132,3 +132,15 @@ def test_api_cli_prefill_share_cap_by_device() -> None:
         _config(["--long-prefill-token-threshold", "-1"])
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         EngineConfig(long_prefill_token_threshold=-1)
+
+
+def test_api_cli_scheduling_policy() -> None:
+    """--scheduling-policy (vLLM's): fcfs by default, priority by flag or KUBEINFER_SCHEDULING_POLICY;
+    anything else refused by the parser and by EngineConfig."""
+    assert _config([]).engine.scheduling_policy == "fcfs"
+    assert _config(["--scheduling-policy", "priority"]).engine.scheduling_policy == "priority"
+    assert _config([], {"KUBEINFER_SCHEDULING_POLICY": "priority"}).engine.scheduling_policy == "priority"
+    with pytest.raises(SystemExit):
+        _config(["--scheduling-policy", "lifo"])
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")

@@ -1,0 +1,119 @@
+"""The request `priority` field (vLLM's) end to end: refused under fcfs unless 0, and under
+--scheduling-policy priority an interactive request overtakes a running batch request that holds the
+only seat (the batch one is preempted, recomputed, and still finishes whole)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import SERVED_NAME, LiveServer, free_port, wait_ready
+
+
+def test_api_priority_field(live_server: LiveServer) -> None:
+    """The shared live server schedules fcfs: a non-zero priority is a 400 naming the field and the
+    flag (as vLLM), 0 is everyone's default."""
+    url = live_server.url
+    for route, body in (
+        ("/v1/completions", {"model": SERVED_NAME, "prompt": "Hi", "max_tokens": 1}),
+        (
+            "/v1/chat/completions",
+            {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+        ),
+    ):
+        r = httpx.post(f"{url}{route}", json={**body, "priority": 3}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert (
+            "priority" in r.json()["error"]["message"]
+            and "--scheduling-policy" in r.json()["error"]["message"]
+        )
+        r = httpx.post(f"{url}{route}", json={**body, "priority": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def priority_server(tiny_model_factory: Callable[..., Path]) -> Iterator[str]:
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.api.state import ServerState
+    from server.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+    from server.engine import LLMEngine
+
+    engine_cfg = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_factory("llama")), dtype="float32", served_model_name="tiny"),
+        cache=CacheConfig(num_kv_blocks=64),
+        max_num_seqs=1,  # one seat: the interactive request can only run by taking it
+        num_threads=1,
+        scheduling_policy="priority",
+    )
+    llm = LLMEngine(engine_cfg)
+    port = free_port()
+    config = ServerConfig(engine=engine_cfg, host="127.0.0.1", port=port, max_concurrent_requests=8)
+    state = ServerState(config, engine_factory=lambda: llm)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_an_interactive_request_overtakes_a_batch_request(priority_server: str) -> None:
+    url = priority_server
+    batch_tokens = 400
+    seen_first = threading.Event()
+    result: dict[str, Any] = {}
+
+    def run_batch() -> None:
+        body = {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": batch_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "priority": 10,
+        }
+        chunks = 0
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    seen_first.set()
+        result["batch_done"] = time.monotonic()
+        result["batch_chunks"] = chunks
+
+    t = threading.Thread(target=run_batch)
+    t.start()
+    assert seen_first.wait(120)
+    start = time.monotonic()
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "priority": 0},
+        timeout=300,
+    )
+    interactive_done = time.monotonic()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    t.join(300)
+    # The interactive request did not wait for the batch request to finish.
+    assert interactive_done < result["batch_done"], (interactive_done - start, result)
+    # The batch request was preempted and recomputed, and still streamed every token.
+    assert result["batch_chunks"] == batch_tokens
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    preemptions = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:num_preemptions_total")
+    ]
+    assert preemptions and max(preemptions) >= 1
