@@ -117,6 +117,20 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
     errors += _label_errors(meta.get("labels"), "metadata.labels")
     spec = obj.get("spec") or {}
     errors += _label_errors((spec.get("selector") or {}).get("matchLabels"), "spec.selector.matchLabels")
+    if kind == "NetworkPolicy":
+        # Every LabelSelector of a policy (the pods it selects, its peers' pods and namespaces) is
+        # validated like metadata.labels (ValidateLabelSelector).
+        errors += _label_errors(
+            (spec.get("podSelector") or {}).get("matchLabels"), "spec.podSelector.matchLabels"
+        )
+        for direction, side in (("ingress", "from"), ("egress", "to")):
+            for rule in spec.get(direction) or []:
+                for peer in rule.get(side) or []:
+                    for selector in ("podSelector", "namespaceSelector"):
+                        errors += _label_errors(
+                            (peer.get(selector) or {}).get("matchLabels"),
+                            f"spec.{direction}.{side}.{selector}.matchLabels",
+                        )
     if kind == "Service":
         errors += _label_errors(spec.get("selector"), "spec.selector")
     if kind == "Deployment":
