@@ -25,9 +25,10 @@ from .reconciler import (
     owner_of_child,
     owner_of_pod,
 )
+from .render import OWNED_KINDS
 from .resync import Resyncer
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from .workload import LWS_CRD_NAME, LWS_KIND
+from .workload import LWS_CRD_NAME
 
 # Tunables read once at import; tests shorten them through the environment.
 RETRY_BASE_SECONDS = float(os.environ.get("KUBEINFER_RETRY_BASE_SECONDS", "5"))
@@ -235,14 +236,8 @@ def _register_child_watch(kind: str) -> None:
             run(memo.reconciler, namespace, owner, Trigger.CHILD, logger, child=child)
 
 
-for _kind in (
-    "Deployment",
-    "Service",
-    "PodDisruptionBudget",
-    "HorizontalPodAutoscaler",
-    "ServiceMonitor",
-    "ScaledObject",
-    "Job",
-    LWS_KIND,
-):
+# Every owned kind but the Secret: a watch on Secrets would need list/watch, which reads every Secret of
+# the namespace; the admin key's Secret is created once and never read back (credentials.py).
+WATCHED_CHILD_KINDS = tuple(kind for kind in OWNED_KINDS if kind != "Secret")
+for _kind in WATCHED_CHILD_KINDS:
     _register_child_watch(_kind)

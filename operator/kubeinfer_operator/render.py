@@ -226,6 +226,25 @@ class RenderPlan:
     autoscaling_skipped_reason: str | None = None
 
 
+# Every kind the operator creates and owns (an ownerReference to the model): render_all's objects and
+# the admin key's Secret (credentials.py). handlers.py watches each but the Secret.
+OWNED_KINDS = (
+    "Deployment",
+    "Service",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "ServiceMonitor",
+    "ScaledObject",
+    "Job",
+    "PersistentVolumeClaim",
+    "ConfigMap",
+    "NetworkPolicy",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "LeaderWorkerSet",
+    "Secret",
+)
 OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget")
 
 
