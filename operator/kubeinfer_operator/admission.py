@@ -100,6 +100,23 @@ APPARMOR_MESSAGE = (
     "(the restricted Pod Security Standard)"
 )
 
+# Annotations the API server refuses on the pod template, or that would weaken the pod: the legacy
+# seccomp annotations (removed in Kubernetes 1.27; the API server refuses one that disagrees with the
+# pod's seccompProfile field, RuntimeDefault here, so the Deployment is refused), AppArmor for a container
+# the pod does not have ("container not found"), and the kubelet's own `kubernetes.io/config.*` (a
+# mirror-pod marker). Keys must be qualified names, and the total size at most 256 KiB.
+LEGACY_SECCOMP_PREFIXES = (
+    "seccomp.security.alpha.kubernetes.io/",
+    "container.seccomp.security.alpha.kubernetes.io/",
+)
+KUBELET_ANNOTATION_PREFIX = "kubernetes.io/config."
+ANNOTATIONS_MESSAGE = (
+    "pod.annotations must not set the legacy seccomp annotations (the pod's seccompProfile is "
+    "RuntimeDefault), kubernetes.io/config.*, or AppArmor for a container other than the server's"
+)
+APPARMOR_SERVER_KEY = APPARMOR_PREFIX + "server"  # common.CONTAINER_NAME (a lower layer cannot import it)
+MAX_ANNOTATIONS_BYTES = 256 * 1024  # ValidateAnnotationsSize (TotalAnnotationSizeLimitB)
+
 # Server flags the server does not have (it refuses to start), with why.
 REFUSED_FLAGS: dict[str, str] = {
     "--trust-remote-code": "the server never runs model code from the hub",
@@ -146,6 +163,21 @@ def pod_errors(
         for k, v in annotations.items()
     ):
         errors.append(APPARMOR_MESSAGE)
+    errors += annotation_errors(annotations)
+    return errors
+
+
+def annotation_errors(annotations: Mapping[str, str]) -> list[str]:
+    """Pod template annotations the API server refuses, or that weaken the pod (see ANNOTATIONS_MESSAGE)."""
+    errors: list[str] = []
+    if any(
+        k.startswith((*LEGACY_SECCOMP_PREFIXES, KUBELET_ANNOTATION_PREFIX))
+        or (k.startswith(APPARMOR_PREFIX) and k != APPARMOR_SERVER_KEY)
+        for k in annotations
+    ):
+        errors.append(ANNOTATIONS_MESSAGE)
+    if sum(len(k) + len(v) for k, v in annotations.items()) > MAX_ANNOTATIONS_BYTES:
+        errors.append("pod.annotations must not exceed 256 KiB in all (keys and values)")
     return errors
 
 

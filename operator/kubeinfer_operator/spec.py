@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from . import admission
@@ -533,6 +533,18 @@ class PodSpec(_Model):
     )
     service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
     image_pull_secrets: list[PullSecretRef] = Field(default_factory=list, max_length=16)
+
+    @field_validator("annotations")
+    @classmethod
+    def _check_annotation_keys(cls, annotations: dict[str, str]) -> dict[str, str]:
+        # The API server refuses a pod template whose annotation keys are not qualified names.
+        bad = [k[:64] for k in annotations if not is_qualified_name(k)]
+        if bad:
+            raise ValueError(
+                f"pod.annotations keys must be qualified names ([prefix/]name): {', '.join(bad)}"
+            )
+        return annotations
+
     env: list[dict[str, Any]] = Field(default_factory=list, max_length=128)
     env_from: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     volumes: list[dict[str, Any]] = Field(default_factory=list, max_length=64)

@@ -108,6 +108,40 @@ def _pod_errors(pod: dict[str, Any], where: str) -> list[str]:
     return errors
 
 
+_SECCOMP_POD = "seccomp.security.alpha.kubernetes.io/pod"
+_SECCOMP_CONTAINER = "container.seccomp.security.alpha.kubernetes.io/"
+_APPARMOR_CONTAINER = "container.apparmor.security.beta.kubernetes.io/"
+_SECCOMP_FIELD = {"RuntimeDefault": "runtime/default", "Unconfined": "unconfined"}
+
+
+def _pod_annotation_errors(template: dict[str, Any], where: str) -> list[str]:
+    """pkg/apis/core/validation: AppArmor annotations must name a container of the pod; a legacy seccomp
+    annotation must agree with the seccompProfile field where both are set (validateSeccompAnnotationsAndFields)."""
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    spec = template.get("spec") or {}
+    names = {c.get("name") for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]}
+    errors = []
+    for key, value in annotations.items():
+        if key.startswith(_APPARMOR_CONTAINER) and key[len(_APPARMOR_CONTAINER) :] not in names:
+            errors.append(f"{where}.metadata.annotations[{key}]: Invalid value: container not found")
+        pod_field = ((spec.get("securityContext") or {}).get("seccompProfile") or {}).get("type")
+        if key == _SECCOMP_POD and pod_field and _SECCOMP_FIELD.get(pod_field) != value:
+            errors.append(
+                f"{where}.metadata.annotations[{key}]: Forbidden: seccomp type in annotation and field must match"
+            )
+        if key.startswith(_SECCOMP_CONTAINER):
+            container = key[len(_SECCOMP_CONTAINER) :]
+            for c in spec.get("containers") or []:
+                field = ((c.get("securityContext") or {}).get("seccompProfile") or {}).get(
+                    "type"
+                ) or pod_field
+                if c.get("name") == container and field and _SECCOMP_FIELD.get(field) != value:
+                    errors.append(
+                        f"{where}.metadata.annotations[{key}]: Forbidden: seccomp type in annotation and field must match"
+                    )
+    return errors
+
+
 def api_errors(obj: dict[str, Any]) -> list[str]:
     """What the API server would answer with 422 for this object (empty: accepted)."""
     kind = obj.get("kind", "")
@@ -151,6 +185,7 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
                 "spec.strategy.rollingUpdate.maxUnavailable: Invalid value: 0: may not be 0 when `maxSurge` is 0"
             )
         errors += _pod_errors(template.get("spec") or {}, "spec.template.spec")
+        errors += _pod_annotation_errors(template, "spec.template")
     if kind == "LeaderWorkerSet":
         # kubernetes-sigs/lws pkg/webhooks/leaderworkerset_webhook.go (v0.9.0), generalValidate
         if int(spec.get("replicas", 1)) < 0:
