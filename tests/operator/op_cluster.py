@@ -134,6 +134,16 @@ def _method(request: rendering.Request) -> str:
     return str(getattr(method, "value", method)).upper()
 
 
+def field_manager(request: rendering.Request) -> str:
+    """The field manager the API server records for a write: the fieldManager parameter, else the
+    User-Agent up to its first "/" (apiserver's handlers.fieldmanager prefixFromUserAgent)."""
+    given = request.params.get("fieldManager")
+    if given:
+        return str(given)
+    agent = str(request.headers.get("User-Agent") or "unknown")
+    return agent.split("/", 1)[0]
+
+
 def _now() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -304,7 +314,7 @@ class ApiServer(KubernetesEmulator):
             return
         apply = "apply-patch" in (request.headers.get("Content-Type") or "")
         operation = "Apply" if apply else "Update"
-        manager = str(request.params.get("fieldManager") or "unknown")
+        manager = field_manager(request)
         owners = {
             str(e.get("manager")): str(e.get("operation"))
             for e in ((old or {}).get("metadata") or {}).get("managedFields") or []

@@ -47,3 +47,31 @@ def test_deleted_network_policy_and_config_map_come_back_before_a_resync(
                 timeout=30.0,
                 what=f"{kind} recreated",
             )
+
+
+def test_every_write_and_event_is_the_operators(cluster: MockCluster, operator: Any) -> None:
+    """One name for every write (the field manager the API server records: fieldManager, else the
+    User-Agent) and every Event (reportingComponent and source). Found on kube-apiserver 1.36: status
+    under `OpenAPI-Generator`, Events from both `kopf` and `kubeinfer-operator`."""
+    from kubeinfer_operator.common import FIELD_MANAGER
+    from op_cluster import _method, field_manager
+
+    spec: dict[str, Any] = {"model": {"uri": "hf://org/model"}}
+    cluster.create("InferenceModel", inference_model(spec, name=NAME))
+    wait_for(lambda: (cluster.get("InferenceModel", NAME) or {}).get("status"), what="status")
+    events = wait_for(lambda: cluster.live("Event"), what="an Event")
+    cluster.patch("InferenceModel", NAME, {"spec": {"model": {"uri": "hf://org/other"}}})
+    wait_quiet(cluster)
+    writes = [r for r in list(cluster.server) if _method(r) in ("POST", "PUT", "PATCH")]
+    ours = [
+        r
+        for r in writes
+        if (r.headers.get("User-Agent") or "").startswith(("kopf", "OpenAPI", FIELD_MANAGER))
+    ]
+    assert ours, "no write of the operator seen"
+    assert {field_manager(r) for r in ours} == {FIELD_MANAGER}
+    events = cluster.live("Event")
+    assert events
+    for event in events:
+        assert event.get("reportingComponent") == FIELD_MANAGER, event
+        assert (event.get("source") or {}).get("component") == FIELD_MANAGER, event
