@@ -50,6 +50,9 @@ KINDS: dict[str, KindInfo] = {
     "Job": KindInfo("batch/v1", "jobs"),
     # spec.parallelism.nodes > 1 (lws.py); optional, like the two CRD kinds above
     "LeaderWorkerSet": KindInfo("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    # spec.routing.gateway (gateway.py)
+    "InferencePool": KindInfo("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": KindInfo("gateway.networking.k8s.io/v1", "httproutes"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
     # read to leave a terminating namespace alone (reconciler.py)

@@ -38,6 +38,10 @@ def is_dns1035_label(value: str) -> bool:
     return len(value) <= MAX_LABEL_LENGTH and DNS1035_RE.match(value) is not None
 
 
+def is_dns1123_label(value: str) -> bool:
+    return len(value) <= MAX_LABEL_LENGTH and DNS1123_LABEL_RE.match(value) is not None
+
+
 def is_dns1123_subdomain(value: str) -> bool:
     return len(value) <= MAX_SUBDOMAIN_LENGTH and DNS1123_SUBDOMAIN_RE.match(value) is not None
 

@@ -510,6 +510,22 @@ ADMISSION: list[Row] = [
     ),
     Row("pod-kubelet-mirror", _s(pod={"annotations": {"kubernetes.io/config.mirror": "x"}}), ANNOTATIONS),
     Row("pod-plain-annotation", _s(pod={"annotations": {"example.com/team": "search"}}), None),
+    # spec.routing.gateway (issue 48 item 1)
+    Row(
+        "gateway-on",
+        _s(routing={"gateway": {"enabled": True, "gatewayRef": {"name": "inference-gw", "namespace": "gw"}}}),
+        None,
+    ),
+    Row(
+        "gateway-bad-image",
+        _s(routing={"gateway": {"enabled": True, "endpointPicker": {"image": "UPPER case"}}}),
+        "routing.gateway.endpointPicker.image must be an image reference",
+    ),
+    Row(
+        "gateway-ref-bad-namespace",
+        _s(routing={"gateway": {"enabled": True, "gatewayRef": {"name": "gw", "namespace": "a.b"}}}),
+        "in body should match",
+    ),
     # spec.network (issue 25 item 2)
     Row("network-peer-empty", _s(network={"allowedClients": [{}]}), "network.allowedClients entries need"),
     Row(

@@ -78,6 +78,11 @@ LWS = {
         kind="LeaderWorkerSet", namespaced=True, subresources={"status", "scale"}
     )
 }
+# The Gateway API Inference Extension's and the Gateway API's CRDs (spec.routing.gateway).
+INFERENCE_EXTENSION = {
+    "inference.networking.k8s.io/v1/inferencepools": ResourceInfo(kind="InferencePool", namespaced=True),
+    "gateway.networking.k8s.io/v1/httproutes": ResourceInfo(kind="HTTPRoute", namespaced=True),
+}
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 PATHS = {
@@ -101,6 +106,9 @@ PATHS = {
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    # spec.routing.gateway
+    "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+    "HTTPRoute": "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes",
 }
 PLURAL_KIND = {p.rsplit("/", 1)[-1]: k for k, p in PATHS.items()}
 
