@@ -253,6 +253,12 @@ def _register_child_watch(kind: str) -> None:
 
 # Every owned kind but the Secret: a watch on Secrets would need list/watch, which reads every Secret of
 # the namespace; the admin key's Secret is created once and never read back (credentials.py).
-WATCHED_CHILD_KINDS = tuple(kind for kind in OWNED_KINDS if kind != "Secret")
+# The Inference Extension's kinds only where the installation renders them (chart value
+# inferenceExtension.enabled, which grants list/watch on them).
+WATCHED_CHILD_KINDS = tuple(
+    kind
+    for kind in OWNED_KINDS
+    if kind != "Secret" and (DEFAULTS.inference_extension or kind not in ("InferencePool", "HTTPRoute"))
+)
 for _kind in WATCHED_CHILD_KINDS:
     _register_child_watch(_kind)
