@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .server_args import SERVER_FLAG_TABLE, argument_errors
+
 # The restricted standard's volume types (https://kubernetes.io/docs/concepts/security/pod-security-standards/).
 RESTRICTED_VOLUME_TYPES = (
     "configMap",
@@ -98,6 +100,23 @@ APPARMOR_MESSAGE = (
     "(the restricted Pod Security Standard)"
 )
 
+# Annotations the API server refuses on the pod template, or that would weaken the pod: the legacy
+# seccomp annotations (removed in Kubernetes 1.27; the API server refuses one that disagrees with the
+# pod's seccompProfile field, RuntimeDefault here, so the Deployment is refused), AppArmor for a container
+# the pod does not have ("container not found"), and the kubelet's own `kubernetes.io/config.*` (a
+# mirror-pod marker). Keys must be qualified names, and the total size at most 256 KiB.
+LEGACY_SECCOMP_PREFIXES = (
+    "seccomp.security.alpha.kubernetes.io/",
+    "container.seccomp.security.alpha.kubernetes.io/",
+)
+KUBELET_ANNOTATION_PREFIX = "kubernetes.io/config."
+ANNOTATIONS_MESSAGE = (
+    "pod.annotations must not set the legacy seccomp annotations (the pod's seccompProfile is "
+    "RuntimeDefault), kubernetes.io/config.*, or AppArmor for a container other than the server's"
+)
+APPARMOR_SERVER_KEY = APPARMOR_PREFIX + "server"  # common.CONTAINER_NAME (a lower layer cannot import it)
+MAX_ANNOTATIONS_BYTES = 256 * 1024  # ValidateAnnotationsSize (TotalAnnotationSizeLimitB)
+
 # Server flags the server does not have (it refuses to start), with why.
 REFUSED_FLAGS: dict[str, str] = {
     "--trust-remote-code": "the server never runs model code from the hub",
@@ -144,50 +163,31 @@ def pod_errors(
         for k, v in annotations.items()
     ):
         errors.append(APPARMOR_MESSAGE)
+    errors += annotation_errors(annotations)
+    return errors
+
+
+def annotation_errors(annotations: Mapping[str, str]) -> list[str]:
+    """Pod template annotations the API server refuses, or that weaken the pod (see ANNOTATIONS_MESSAGE)."""
+    errors: list[str] = []
+    if any(
+        k.startswith((*LEGACY_SECCOMP_PREFIXES, KUBELET_ANNOTATION_PREFIX))
+        or (k.startswith(APPARMOR_PREFIX) and k != APPARMOR_SERVER_KEY)
+        for k in annotations
+    ):
+        errors.append(ANNOTATIONS_MESSAGE)
+    if sum(len(k) + len(v) for k, v in annotations.items()) > MAX_ANNOTATIONS_BYTES:
+        errors.append("pod.annotations must not exceed 256 KiB in all (keys and values)")
     return errors
 
 
 # The flags of server/cli.py's parser that the operator does not manage (spec.MANAGED_FLAGS), --help
-# left out (it prints and exits, so the pod crash-loops). argparse refuses any other `--` argument
-# (an unknown flag, a vLLM-only flag, an abbreviation such as --mod for --model) and the server does
-# not start; tests/operator/test_op_server_flags.py keeps this list equal to the parser's.
-SERVER_FLAGS: tuple[str, ...] = (
-    "--allow-credentials",
-    "--allow-special-tokens-in-content",
-    "--allowed-headers",
-    "--allowed-methods",
-    "--allowed-origins",
-    "--attention-backend",
-    "--batch-wait-ms",
-    "--block-size",
-    "--chat-template",
-    "--device",
-    "--distributed-timeout",
-    "--enable-auto-tool-choice",
-    "--kv-cache-dtype",
-    "--kv-cache-memory",
-    "--log-level",
-    "--logprobs-mode",
-    "--long-prefill-token-threshold",
-    "--lora-allowed-paths",
-    "--max-best-of",
-    "--max-input-tokens",
-    "--max-lora-rank",
-    "--max-num-batched-tokens",
-    "--max-payload-bytes",
-    "--max-stop-sequences",
-    "--max-top-n-tokens",
-    "--no-allow-credentials",
-    "--no-allow-special-tokens-in-content",
-    "--no-enable-auto-tool-choice",
-    "--no-ui",
-    "--num-kv-blocks",
-    "--num-threads",
-    "--thread-policy",
-    "--timeout-request-head",
-    "--tool-call-parser",
-    "--ui",
-)
+# left out (it prints and exits, so the pod crash-loops): server_args.SERVER_FLAG_TABLE's keys. argparse
+# refuses any other `--` argument (an unknown flag, a vLLM-only flag, an abbreviation such as --mod for
+# --model) and the server does not start; tests/operator/test_op_server_flags.py keeps this list equal
+# to the parser's, and test_op_server_args.py the table's arities, kinds and choices.
+SERVER_FLAGS: tuple[str, ...] = tuple(SERVER_FLAG_TABLE)
+EXTRA_ARGS_MESSAGE = "engine.extraArgs would stop the server at start (its argument parser refuses them)"
 UNKNOWN_FLAG_MESSAGE = (
     "engine.extraArgs may contain only flags of the server that the operator does not manage "
     "(see docs/operator.md); the server refuses any other and does not start"
@@ -211,6 +211,11 @@ def extra_args_errors(extra_args: Iterable[str]) -> list[str]:
     unknown = dict.fromkeys(a.split("=", 1)[0][:64] for a in unknown_flags(args))
     if unknown:
         errors.append(f"{UNKNOWN_FLAG_MESSAGE}: {', '.join(unknown)}")
+    # The list as a whole, as the server's parser reads it: stray arguments, short options (-h),
+    # missing values, values a switch cannot take, bad values and choices.
+    problems = argument_errors(args)
+    if problems:
+        errors.append(f"{EXTRA_ARGS_MESSAGE}: {'; '.join(problems)}")
     return errors
 
 

@@ -27,7 +27,7 @@ from .common import (
     selector_labels,
 )
 from .defaults import ClusterDefaults
-from .names import MAX_LABEL_LENGTH
+from .names import derived_name
 from .pods import diagnose
 from .spec import InferenceModel
 
@@ -86,8 +86,7 @@ def load_digest(im: InferenceModel) -> str:
 
 def job_name(im: InferenceModel) -> str:
     """`<child>-load-<digest>`, at most 63 characters (the Job controller puts it in a label)."""
-    suffix = f"-load-{load_digest(im)}"
-    return im.child_name[: MAX_LABEL_LENGTH - len(suffix)].rstrip("-") + suffix
+    return derived_name(im.child_name, f"load-{load_digest(im)}")
 
 
 def loader_labels(im: InferenceModel) -> dict[str, str]:

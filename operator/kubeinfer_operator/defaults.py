@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .names import is_dns1123_subdomain
 from .spec import (
+    DEFAULT_ENDPOINT_PICKER_IMAGE,
     DEFAULT_ROUTER_IMAGE,
     DEFAULT_SERVER_CPU_IMAGE,
     DEFAULT_SERVER_IMAGE,
@@ -22,6 +23,8 @@ from .spec import (
 SERVER_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_IMAGE"
 SERVER_CPU_IMAGE_ENV = "KUBEINFER_DEFAULT_SERVER_CPU_IMAGE"
 ROUTER_IMAGE_ENV = "KUBEINFER_DEFAULT_ROUTER_IMAGE"
+ENDPOINT_PICKER_IMAGE_ENV = "KUBEINFER_DEFAULT_ENDPOINT_PICKER_IMAGE"  # spec.routing.gateway
+INFERENCE_EXTENSION_ENV = "KUBEINFER_INFERENCE_EXTENSION"  # "true": render InferencePools (chart value)
 ACTIVATOR_IMAGE_ENV = "KUBEINFER_DEFAULT_ACTIVATOR_IMAGE"  # the operator's own image (scale to zero)
 PULL_SECRETS_ENV = "KUBEINFER_DEFAULT_IMAGE_PULL_SECRETS"  # Secret names, comma-separated
 # the installation's key that each model's admin API key is derived from (credentials.py)
@@ -58,6 +61,8 @@ class ClusterDefaults:
     monitoring_namespace: str = "monitoring"
     prometheus_pod_labels: tuple[tuple[str, str], ...] = DEFAULT_PROMETHEUS_POD_LABELS
     activator_image: str = OPERATOR_IMAGE
+    endpoint_picker_image: str = DEFAULT_ENDPOINT_PICKER_IMAGE
+    inference_extension: bool = False
 
     def __post_init__(self) -> None:
         for env, image in (
@@ -65,6 +70,7 @@ class ClusterDefaults:
             (SERVER_CPU_IMAGE_ENV, self.server_cpu_image),
             (ROUTER_IMAGE_ENV, self.router_image),
             (ACTIVATOR_IMAGE_ENV, self.activator_image),
+            (ENDPOINT_PICKER_IMAGE_ENV, self.endpoint_picker_image),
         ):
             if not IMAGE_REF.match(image):
                 raise ValueError(f"{env}={image!r} is not an image reference like registry/repo:tag")
@@ -89,6 +95,8 @@ class ClusterDefaults:
             monitoring_namespace=env.get(MONITORING_NAMESPACE_ENV) or "monitoring",
             prometheus_pod_labels=_labels(env.get(PROMETHEUS_POD_LABELS_ENV), DEFAULT_PROMETHEUS_POD_LABELS),
             activator_image=env.get(ACTIVATOR_IMAGE_ENV) or OPERATOR_IMAGE,
+            endpoint_picker_image=env.get(ENDPOINT_PICKER_IMAGE_ENV) or DEFAULT_ENDPOINT_PICKER_IMAGE,
+            inference_extension=(env.get(INFERENCE_EXTENSION_ENV) or "").strip().lower() == "true",
         )
 
     def server_image_for(self, gpus: int) -> str:

@@ -6,6 +6,7 @@ CRD appearing makes every model resync."""
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -15,7 +16,7 @@ import kopf
 from .admission import AdmissionPolicy
 from .common import FIELD_MANAGER
 from .defaults import ClusterDefaults
-from .k8s import KINDS, ApiError, KubeClient
+from .k8s import KINDS, REPORTING_INSTANCE, USER_AGENT, ApiError, KubeClient
 from .reconciler import (
     GiveUp,
     Reconciler,
@@ -25,9 +26,10 @@ from .reconciler import (
     owner_of_child,
     owner_of_pod,
 )
+from .render import OWNED_KINDS
 from .resync import Resyncer
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from .workload import LWS_CRD_NAME, LWS_KIND
+from .workload import LWS_CRD_NAME
 
 # Tunables read once at import; tests shorten them through the environment.
 RETRY_BASE_SECONDS = float(os.environ.get("KUBEINFER_RETRY_BASE_SECONDS", "5"))
@@ -61,6 +63,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.posting.level = logging.WARNING
+    # One name for every write and Event (kopf's defaults are `kopf` and `dev`).
+    settings.posting.reporting_component = FIELD_MANAGER
+    settings.posting.reporting_instance = REPORTING_INSTANCE
     # Ending every watch stream periodically makes kopf re-list, which drives resync_handler.
     if settings.watching.server_timeout is None:
         # kopf sends it as ?timeoutSeconds=, which the API server parses as an integer (60.0 is a 400).
@@ -96,10 +101,21 @@ def close(memo: kopf.Memo, **_: Any) -> None:
         kube.close()
 
 
+class _ConnectionInfo(kopf.ConnectionInfo):
+    """kopf's connection with our User-Agent: kopf's own writes (progress annotations, finalizers) then
+    show the operator's field manager, not `kopf` (the API server takes the manager from the agent)."""
+
+    def as_http_headers(self) -> dict[str, str]:
+        return {**super().as_http_headers(), "User-Agent": USER_AGENT}
+
+
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     # The same credential order as KubeClient.from_environment: service account, then KUBECONFIG.
-    return kopf.login_via_client(**kwargs)
+    info = kopf.login_via_client(**kwargs)
+    if info is None:
+        return None
+    return _ConnectionInfo(**{f.name: getattr(info, f.name) for f in dataclasses.fields(info)})
 
 
 def _post_event(
@@ -235,14 +251,14 @@ def _register_child_watch(kind: str) -> None:
             run(memo.reconciler, namespace, owner, Trigger.CHILD, logger, child=child)
 
 
-for _kind in (
-    "Deployment",
-    "Service",
-    "PodDisruptionBudget",
-    "HorizontalPodAutoscaler",
-    "ServiceMonitor",
-    "ScaledObject",
-    "Job",
-    LWS_KIND,
-):
+# Every owned kind but the Secret: a watch on Secrets would need list/watch, which reads every Secret of
+# the namespace; the admin key's Secret is created once and never read back (credentials.py).
+# The Inference Extension's kinds only where the installation renders them (chart value
+# inferenceExtension.enabled, which grants list/watch on them).
+WATCHED_CHILD_KINDS = tuple(
+    kind
+    for kind in OWNED_KINDS
+    if kind != "Secret" and (DEFAULTS.inference_extension or kind not in ("InferencePool", "HTTPRoute"))
+)
+for _kind in WATCHED_CHILD_KINDS:
     _register_child_watch(_kind)

@@ -7,6 +7,8 @@ fields that other controllers own (an autoscaler's replica count, defaults) are 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,11 @@ from kubernetes.config.config_exception import ConfigException
 from .common import FIELD_MANAGER
 from .leader import LeaseConflictError
 from .spec import API_VERSION, PLURAL
+
+# The API server takes a request's field manager from the User-Agent (up to its first "/") when the
+# request names none, and kubectl shows it; Events carry the component and the replica that posted them.
+USER_AGENT = f"{FIELD_MANAGER}/1"
+REPORTING_INSTANCE = os.environ.get("POD_NAME") or socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,9 @@ KINDS: dict[str, KindInfo] = {
     "Job": KindInfo("batch/v1", "jobs"),
     # spec.parallelism.nodes > 1 (lws.py); optional, like the two CRD kinds above
     "LeaderWorkerSet": KindInfo("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    # spec.routing.gateway (gateway.py)
+    "InferencePool": KindInfo("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": KindInfo("gateway.networking.k8s.io/v1", "httproutes"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
     # read to leave a terminating namespace alone (reconciler.py)
@@ -116,7 +126,11 @@ class KubeClient:
             kconfig.load_kube_config(client_configuration=cfg)
         if retries is not None:
             cfg.retries = retries
-        return cls(kclient.ApiClient(cfg), request_timeout=request_timeout, discovery_ttl=discovery_ttl)
+        api = kclient.ApiClient(cfg)
+        # The API server names a write's field manager after the User-Agent when the request gives none
+        # (the client's default is `OpenAPI-Generator/...`): ours, so that every write is one manager's.
+        api.user_agent = USER_AGENT
+        return cls(api, request_timeout=request_timeout, discovery_ttl=discovery_ttl)
 
     def close(self) -> None:
         self._api.close()
@@ -133,10 +147,14 @@ class KubeClient:
         headers = {"Accept": "application/json"}
         if content_type is not None:
             headers["Content-Type"] = content_type
+        query = list(query or [])
+        if method in ("POST", "PUT", "PATCH") and not any(k == "fieldManager" for k, _ in query):
+            # Every write under one field manager (status, scale, leases and Events included).
+            query.append(("fieldManager", FIELD_MANAGER))
         m, url, hdrs, payload, _ = self._api.param_serialize(
             method=method,
             resource_path=path,
-            query_params=query or [],
+            query_params=query,
             header_params=headers,
             body=body,
             auth_settings=["BearerToken"],
@@ -322,6 +340,8 @@ class KubeClient:
             "reason": reason,
             "message": message[:1024],
             "source": {"component": component},
+            "reportingComponent": component,
+            "reportingInstance": REPORTING_INSTANCE,
             "firstTimestamp": now,
             "lastTimestamp": now,
             "count": 1,

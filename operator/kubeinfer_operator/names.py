@@ -38,6 +38,10 @@ def is_dns1035_label(value: str) -> bool:
     return len(value) <= MAX_LABEL_LENGTH and DNS1035_RE.match(value) is not None
 
 
+def is_dns1123_label(value: str) -> bool:
+    return len(value) <= MAX_LABEL_LENGTH and DNS1123_LABEL_RE.match(value) is not None
+
+
 def is_dns1123_subdomain(value: str) -> bool:
     return len(value) <= MAX_SUBDOMAIN_LENGTH and DNS1123_SUBDOMAIN_RE.match(value) is not None
 
@@ -67,3 +71,22 @@ def child_name(name: str) -> str:
         base = f"m-{base}".rstrip("-")
     base = base[: MAX_LABEL_LENGTH - _HASH_LENGTH - 1].rstrip("-")
     return f"{base}-{digest}"
+
+
+def derived_name(base: str, suffix: str, max_length: int = MAX_LABEL_LENGTH) -> str:
+    """`<base>-<suffix>` as a DNS-1035 label of at most `max_length` characters: the one way every
+    secondary child (router, activator, loader Job, LeaderWorkerSet) is named.
+
+    `base` is a child name (`child_name`: already a DNS-1035 label); `suffix` a DNS-1123 label. When the
+    pair does not fit, `base` is cut and an 8-hex-digit hash of the whole of it is put before the suffix,
+    so two long names that share a prefix keep distinct children. Raises ValueError for a suffix that
+    leaves no room for a base."""
+    if not DNS1123_LABEL_RE.match(suffix) or len(suffix) + 2 + _HASH_LENGTH > max_length:
+        raise ValueError(f"suffix {suffix!r} cannot follow a child name within {max_length} characters")
+    name = f"{base}-{suffix}"
+    if len(name) <= max_length and is_dns1035_label(name):
+        return name
+    digest = hashlib.sha256(base.encode()).hexdigest()[:_HASH_LENGTH]
+    room = max_length - len(suffix) - _HASH_LENGTH - 2
+    head = base[:room].rstrip("-") or "m"
+    return f"{head}-{digest}-{suffix}"

@@ -9,6 +9,10 @@ and nothing else. Ingress only: the pods' own egress (hub downloads, DNS) stays 
   of the same model, so the ranks of all its groups may connect).
 - `<name>-router` (with routing): the router's port from the clients, its metrics port from
   Prometheus.
+- `<child>-epp` (spec.routing.gateway): the endpoint picker's ext-proc port from the Gateway's namespace
+  (gatewayRef; without one, from the clients), its metrics port from Prometheus; the model's policy
+  admits the picker (it scrapes /metrics on the API port) and the Gateway's namespace (its proxies
+  forward to the pods) on the API port.
 - `<name>-activator` (scale to zero, `scaling.minReplicas: 0`): its port (requests and /activator/metrics)
   from the clients and Prometheus; the activator in turn reaches the router's port (with routing) or
   the model's API port (without), so each of those admits it.
@@ -23,6 +27,14 @@ from typing import Any
 
 from .common import SERVER_PORT, ChildRef, Manifest, child_metadata, selector_labels
 from .defaults import ClusterDefaults
+from .gateway import (
+    EPP_GRPC_PORT,
+    EPP_METRICS_PORT,
+    epp_metadata,
+    epp_name,
+    epp_selector_labels,
+    wants_gateway,
+)
 from .render_activator import (
     ACTIVATOR_PORT,
     _meta,
@@ -79,8 +91,26 @@ def activator_peer(im: InferenceModel) -> Peer:
     return {"podSelector": {"matchLabels": activator_selector_labels(im)}}
 
 
-def render_model_policy(im: InferenceModel, defaults: ClusterDefaults) -> Manifest:
+def gateway_peers(im: InferenceModel) -> list[Peer]:
+    """The pods of the Gateway that routes to the model's pool: every pod of the gatewayRef's namespace
+    (the proxies' labels belong to the Gateway's implementation); none without a gatewayRef (the
+    clients' peers must then include the Gateway's)."""
+    ref = im.spec.routing.gateway.gateway_ref
+    if ref is None:
+        return []
+    return [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ref.namespace or im.namespace}}}]
+
+
+def epp_peer(im: InferenceModel) -> Peer:
+    return {"podSelector": {"matchLabels": epp_selector_labels(im)}}
+
+
+def render_model_policy(
+    im: InferenceModel, defaults: ClusterDefaults, gateway_served: bool = True
+) -> Manifest:
     api_from = [*client_peers(im), operator_peer(defaults), prometheus_peer(defaults)]
+    if wants_gateway(im) and gateway_served:
+        api_from += [epp_peer(im), *gateway_peers(im)]
     if wants_router(im):
         api_from.append(router_peer(im))
     elif wants_activator(im):
@@ -137,18 +167,37 @@ def render_activator_policy(im: InferenceModel, defaults: ClusterDefaults) -> Ma
     }
 
 
+def render_epp_policy(im: InferenceModel, defaults: ClusterDefaults) -> Manifest:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": KIND,
+        "metadata": epp_metadata(im),
+        "spec": {
+            "podSelector": {"matchLabels": epp_selector_labels(im)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": gateway_peers(im) or client_peers(im), "ports": _tcp(EPP_GRPC_PORT)},
+                {"from": [prometheus_peer(defaults)], "ports": _tcp(EPP_METRICS_PORT)},
+            ],
+        },
+    }
+
+
 def network_policies(
-    im: InferenceModel, defaults: ClusterDefaults | None = None
+    im: InferenceModel, defaults: ClusterDefaults | None = None, gateway_served: bool = True
 ) -> tuple[list[Manifest], list[ChildRef]]:
-    """The NetworkPolicies the spec wants, and the ones that may exist but must not."""
+    """The NetworkPolicies the spec wants, and the ones that may exist but must not. `gateway_served`:
+    whether the InferencePool kind is served (else no endpoint picker runs, and no policy admits one)."""
     defaults = defaults or ClusterDefaults()
-    possible = [ChildRef(KIND, n) for n in (im.child_name, router_name(im), activator_name(im))]
+    possible = [ChildRef(KIND, n) for n in (im.child_name, router_name(im), activator_name(im), epp_name(im))]
     if not im.spec.network.network_policy:
         return [], possible
-    objects = [render_model_policy(im, defaults)]
+    objects = [render_model_policy(im, defaults, gateway_served)]
     if wants_router(im):
         objects.append(render_router_policy(im, defaults))
     if wants_activator(im):
         objects.append(render_activator_policy(im, defaults))
+    if wants_gateway(im) and gateway_served:
+        objects.append(render_epp_policy(im, defaults))
     present = {ChildRef(KIND, o["metadata"]["name"]) for o in objects}
     return objects, [r for r in possible if r not in present]

@@ -10,11 +10,20 @@ from .spec import InferenceModel
 
 def model_policy_errors(im: InferenceModel, policy: AdmissionPolicy, defaults: ClusterDefaults) -> list[str]:
     spec = im.spec
-    images = [i for i in (spec.engine.image, spec.routing.image if spec.routing.enabled else None) if i]
+    gateway = spec.routing.gateway
+    images = [
+        i
+        for i in (
+            spec.engine.image,
+            spec.routing.image if spec.routing.enabled else None,
+            gateway.endpoint_picker.image if gateway.enabled else None,
+        )
+        if i
+    ]
     return policy_errors(
         policy,
         images=images,
-        default_images=(defaults.server_image, defaults.router_image),
+        default_images=(defaults.server_image, defaults.router_image, defaults.endpoint_picker_image),
         service_account=spec.pod.service_account_name,
         secrets=pod_secret_names(spec.pod.env, spec.pod.env_from, spec.pod.volumes),
     )

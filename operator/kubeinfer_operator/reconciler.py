@@ -225,6 +225,10 @@ class Reconciler:
             defaults=self.defaults,
             leader_worker_set=served(LWS_KIND),
             hpa=served("HorizontalPodAutoscaler"),
+            # Not even asked about unless the installation renders them (its RBAC would refuse them).
+            inference_pool=self.defaults.inference_extension and served("InferencePool"),
+            http_route=self.defaults.inference_extension and served("HTTPRoute"),
+            inference_extension=self.defaults.inference_extension,
         )
 
     def observe(self, body: dict[str, Any], trigger: Trigger, child: ChildRef | None = None) -> Observed:
@@ -524,6 +528,7 @@ def outcome_of(
             monitoring_skipped_reason=plan.monitoring_skipped_reason,
             cache=applied.cache if applied.cache is not None else previous_cache(im, observed.previous),
             autoscaling_skipped_reason=plan.autoscaling_skipped_reason,
+            gateway_skipped=plan.gateway_skipped,
         )
     blocked = observed.lws_missing
     return ReconcileOutcome(
@@ -533,6 +538,7 @@ def outcome_of(
         blocked_reason=CRD_MISSING_REASON if blocked else None,
         blocked_message=CRD_MISSING_MESSAGE if blocked else "",
         autoscaling_skipped_reason=plan.autoscaling_skipped_reason,
+        gateway_skipped=plan.gateway_skipped,
     )
 
 

@@ -27,6 +27,16 @@ from .common import startup_failure_threshold as startup_failure_threshold
 from .defaults import ClusterDefaults
 from .deployment import render_deployment
 from .deployment import termination_grace_seconds as termination_grace_seconds
+from .gateway import (
+    EPP_KINDS,
+    POOL_KIND,
+    ROUTE_KIND,
+    GatewaySkip,
+    epp_name,
+    gateway_skipped,
+    pool_name,
+    render_gateway,
+)
 from .lws import render_leaderworkerset
 from .netpol import network_policies
 from .quantity import same_quantity
@@ -212,6 +222,19 @@ class Capabilities:
     defaults: ClusterDefaults = field(default_factory=ClusterDefaults)
     leader_worker_set: bool = True
     hpa: bool = True  # autoscaling/v2 HorizontalPodAutoscaler
+    inference_pool: bool = True  # inference.networking.k8s.io/v1 InferencePool (spec.routing.gateway)
+    http_route: bool = True  # gateway.networking.k8s.io/v1 HTTPRoute
+    # The installation renders Inference Extension objects (chart inferenceExtension.enabled, which also
+    # grants the RBAC): off, the operator neither writes nor reads those kinds.
+    inference_extension: bool = True
+
+    @property
+    def gateway_kinds(self) -> tuple[bool, bool]:
+        """(InferencePool, HTTPRoute) usable: served, and the installation renders them."""
+        return (
+            self.inference_extension and self.inference_pool,
+            self.inference_extension and self.http_route,
+        )
 
 
 @dataclass(frozen=True)
@@ -224,8 +247,31 @@ class RenderPlan:
     monitoring_skipped_reason: str | None  # why no ServiceMonitor is rendered, if none is
     # "CRDNotInstalled" when the spec's autoscaler API is not served: the workload runs at its floor.
     autoscaling_skipped_reason: str | None = None
+    # Why spec.routing.gateway's objects are not all rendered, or None.
+    gateway_skipped: GatewaySkip | None = None
 
 
+# Every kind the operator creates and owns (an ownerReference to the model): render_all's objects and
+# the admin key's Secret (credentials.py). handlers.py watches each but the Secret.
+OWNED_KINDS = (
+    "Deployment",
+    "Service",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "ServiceMonitor",
+    "ScaledObject",
+    "Job",
+    "PersistentVolumeClaim",
+    "ConfigMap",
+    "NetworkPolicy",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "LeaderWorkerSet",
+    "InferencePool",
+    "HTTPRoute",
+    "Secret",
+)
 OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget")
 
 
@@ -266,9 +312,11 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         service_monitor=caps.service_monitor and im.spec.monitoring.service_monitor.enabled,
         defaults=caps.defaults,
     )
-    objects = [*activator, *router, render_service(im)]
+    pool_ok, route_ok = caps.gateway_kinds
+    gateway = render_gateway(im, pool_ok, route_ok, caps.defaults)
+    objects = [*activator, *router, *gateway, render_service(im)]
     # NetworkPolicies before any pod they fence (netpol.py)
-    policies, unwanted_policies = network_policies(im, caps.defaults)
+    policies, unwanted_policies = network_policies(im, caps.defaults, caps.gateway_kinds[0])
     objects = policies + objects
     if im.spec.cache.shared:
         cache_objects = [render_job(im, caps.defaults)]
@@ -313,6 +361,12 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     optional += [ChildRef(kind, router_name(im)) for kind in reversed(ROUTER_KINDS)]
     optional += unwanted_policies
     optional += [ChildRef(kind, activator_name(im)) for kind in reversed(ACTIVATOR_KINDS)]
+    # The gateway's objects: kinds the cluster does not serve cannot exist.
+    if route_ok:
+        optional.append(ChildRef(ROUTE_KIND, pool_name(im)))
+    if pool_ok:
+        optional.append(ChildRef(POOL_KIND, pool_name(im)))
+        optional += [ChildRef(kind, epp_name(im)) for kind in reversed(EPP_KINDS)]
     if not cache_ready:
         objects = [
             o
@@ -333,6 +387,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         absent=absent,
         monitoring_skipped_reason=skipped,
         autoscaling_skipped_reason=autoscaling_skip,
+        gateway_skipped=gateway_skipped(im, caps.inference_pool, caps.http_route, caps.inference_extension),
     )
 
 

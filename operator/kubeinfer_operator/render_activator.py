@@ -21,6 +21,7 @@ from .common import (
     restricted_container_security_context,
 )
 from .defaults import ClusterDefaults
+from .names import derived_name
 from .routing import ROUTER_PORT, router_name, wants_router
 from .spec import InferenceModel, Phase
 from .workload import multi_node, workload_kind, workload_name
@@ -33,7 +34,7 @@ ACTIVATOR_KINDS = ("ServiceAccount", "Role", "RoleBinding", "Service", "Deployme
 
 
 def activator_name(im: InferenceModel) -> str:
-    return f"{im.name}-activator"
+    return derived_name(im.child_name, "activator")
 
 
 def wants_activator(im: InferenceModel) -> bool:
@@ -41,7 +42,7 @@ def wants_activator(im: InferenceModel) -> bool:
 
 
 def activator_selector_labels(im: InferenceModel) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kubeinfer-activator", "app.kubernetes.io/instance": im.name}
+    return {"app.kubernetes.io/name": "kubeinfer-activator", "app.kubernetes.io/instance": im.child_name}
 
 
 def _meta(im: InferenceModel, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from .common import (
     restricted_container_security_context,
 )
 from .defaults import ClusterDefaults
+from .names import derived_name
 from .spec import InferenceModel
 from .workload import serving_selector_labels
 
@@ -43,11 +44,11 @@ ROUTER_KINDS = (
 
 
 def router_name(im: InferenceModel) -> str:
-    return f"{im.name}-router"
+    return derived_name(im.child_name, "router")
 
 
 def router_selector_labels(im: InferenceModel) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kubeinfer-router", "app.kubernetes.io/instance": im.name}
+    return {"app.kubernetes.io/name": "kubeinfer-router", "app.kubernetes.io/instance": im.child_name}
 
 
 def _router_metadata(im: InferenceModel, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:

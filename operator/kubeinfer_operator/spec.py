@@ -12,13 +12,14 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from . import admission
 from .names import (
     DNS1123_SUBDOMAIN,
     child_name,
+    is_dns1123_label,
     is_dns1123_subdomain,
     is_label_value,
     is_qualified_name,
@@ -35,6 +36,8 @@ DEFAULT_SERVER_IMAGE = "ghcr.io/kubeinfer/server:0.1.0"
 DEFAULT_SERVER_CPU_IMAGE = "ghcr.io/kubeinfer/server:0.1.0-cpu"
 # Dockerfile.router: vLLM's router (PyPI vllm-router, pinned there) on a non-root base.
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kubeinfer/router:0.1.17"
+# The Gateway API Inference Extension's endpoint picker (a chart value, KUBEINFER_DEFAULT_ENDPOINT_PICKER_IMAGE).
+DEFAULT_ENDPOINT_PICKER_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
 OPERATOR_IMAGE = "ghcr.io/kubeinfer/operator:0.1.0"
 
 # The CRD bounds every string, list and map a user sets (the API server's CEL cost estimate sizes each
@@ -533,6 +536,18 @@ class PodSpec(_Model):
     )
     service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
     image_pull_secrets: list[PullSecretRef] = Field(default_factory=list, max_length=16)
+
+    @field_validator("annotations")
+    @classmethod
+    def _check_annotation_keys(cls, annotations: dict[str, str]) -> dict[str, str]:
+        # The API server refuses a pod template whose annotation keys are not qualified names.
+        bad = [k[:64] for k in annotations if not is_qualified_name(k)]
+        if bad:
+            raise ValueError(
+                f"pod.annotations keys must be qualified names ([prefix/]name): {', '.join(bad)}"
+            )
+        return annotations
+
     env: list[dict[str, Any]] = Field(default_factory=list, max_length=128)
     env_from: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     volumes: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
@@ -615,14 +630,58 @@ class RouterResourcesSpec(_Model):
     memory: IntOrString = "512Mi"
 
 
+class EndpointPickerSpec(_Model):
+    """The Gateway API Inference Extension's endpoint picker (EPP) for the model's InferencePool."""
+
+    image: str | None = Field(default=None, min_length=1, max_length=512)
+    replicas: int = Field(default=1, ge=1, le=10)
+    # What the gateway does when the picker does not answer (the extension's failureMode).
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+    @model_validator(mode="after")
+    def _check_image(self) -> EndpointPickerSpec:
+        if self.image is not None and not IMAGE_REF.match(self.image):
+            raise ValueError(
+                "routing.gateway.endpointPicker.image must be an image reference like registry/repo:tag "
+                "or repo@sha256:digest"
+            )
+        return self
+
+
+class GatewayRefSpec(_Model):
+    """A Gateway (gateway.networking.k8s.io/v1) an HTTPRoute attaches the model's InferencePool to."""
+
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = Field(default=None, min_length=1, max_length=63)
+
+    @model_validator(mode="after")
+    def _check_ref(self) -> GatewayRefSpec:
+        if not is_dns1123_subdomain(self.name):
+            raise ValueError("routing.gateway.gatewayRef.name must be a DNS-1123 subdomain")
+        if self.namespace is not None and not is_dns1123_label(self.namespace):
+            raise ValueError("routing.gateway.gatewayRef.namespace must be a DNS-1123 label")
+        return self
+
+
+class GatewaySpec(_Model):
+    """Gateway API Inference Extension routing: an InferencePool selecting the model's pods, its
+    endpoint picker, and optionally an HTTPRoute from a named Gateway."""
+
+    enabled: bool = False
+    endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
+    gateway_ref: GatewayRefSpec | None = None
+
+
 class RoutingSpec(_Model):
-    """vLLM's router (vllm-router) in front of the replicas: routes by cache, discovers pods by label."""
+    """vLLM's router (vllm-router) in front of the replicas: routes by cache, discovers pods by label;
+    and/or the Gateway API Inference Extension's InferencePool (`gateway`)."""
 
     enabled: bool = False
     policy: RoutingPolicy = "cache_aware"
     replicas: int = Field(default=2, ge=1, le=100)
     image: str | None = Field(default=None, min_length=1, max_length=512)
     resources: RouterResourcesSpec = Field(default_factory=RouterResourcesSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
 
 
 class ParallelismSpec(_Model):
@@ -804,7 +863,13 @@ class InferenceModelSpec(_Model):
 
 class Condition(_Model):
     type: Literal[
-        "Ready", "Progressing", "Degraded", "MonitoringAvailable", "AutoscalingAvailable", "CacheReady"
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "MonitoringAvailable",
+        "AutoscalingAvailable",
+        "CacheReady",
+        "GatewayAvailable",
     ]
     status: Literal["True", "False", "Unknown"]
     reason: str

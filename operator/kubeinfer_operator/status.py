@@ -9,6 +9,7 @@ from typing import Any
 
 from .cache import CacheState
 from .common import desired_replicas, endpoint_url, selector_string
+from .gateway import GatewaySkip
 from .pods import diagnose
 from .render_activator import activator_url, zero_phase
 from .spec import CacheStatus, Condition, InferenceModel, InferenceModelStatus, Phase
@@ -27,6 +28,8 @@ class ReconcileOutcome:
     blocked_message: str = ""
     # "CRDNotInstalled": the spec's autoscaler API is not served; the workload runs at its floor.
     autoscaling_skipped_reason: str | None = None
+    # spec.routing.gateway: why its objects are left out, or None.
+    gateway_skipped: GatewaySkip | None = None
 
 
 def _deployment_condition(deployment: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
@@ -233,6 +236,17 @@ def monitoring_condition(outcome: ReconcileOutcome, cond: MakeCondition) -> Cond
     return cond("MonitoringAvailable", "True", "ServiceMonitorApplied", "")
 
 
+def gateway_condition(outcome: ReconcileOutcome, cond: MakeCondition) -> Condition:
+    """For spec.routing.gateway: whether the Inference Extension's pool (and route) are in place; the
+    model serves through its own Service either way."""
+    skip = outcome.gateway_skipped
+    if skip is not None:
+        return cond(
+            "GatewayAvailable", "False", skip.reason, f"{skip.message}: the model serves through its Service"
+        )
+    return cond("GatewayAvailable", "True", "InferencePoolApplied", "")
+
+
 def autoscaling_condition(im: InferenceModel, outcome: ReconcileOutcome, cond: MakeCondition) -> Condition:
     """For an autoscaled spec: whether its autoscaler's API is served (else the floor runs)."""
     keda = im.spec.scaling.autoscaler == "KEDA"
@@ -292,6 +306,8 @@ def compute_status(
     ]
     if im.spec.autoscaled and outcome.invalid_spec is None:
         conditions.append(autoscaling_condition(im, outcome, cond))
+    if im.spec.routing.gateway.enabled and outcome.invalid_spec is None:
+        conditions.append(gateway_condition(outcome, cond))
     cache_status = None
     if cache is not None:
         cache_cond, cache_status = cache_condition(cache, cond)

@@ -4,9 +4,8 @@ status and the handover of the replica count."""
 
 from __future__ import annotations
 
-import hashlib
-
 from .common import selector_labels
+from .names import derived_name
 from .spec import InferenceModel
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -17,8 +16,7 @@ LWS_CRD_NAME = f"{LWS_PLURAL}.leaderworkerset.x-k8s.io"
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 # StatefulSet names above 52 characters break their pods' controller-revision-hash label; the
 # worker StatefulSets are named `<lws>-<group index>`.
-_MAX_BASE = 36
-_HASH = 8
+_MAX_LWS_NAME = 40
 
 
 def multi_node(im: InferenceModel) -> bool:
@@ -31,12 +29,8 @@ def workload_kind(im: InferenceModel) -> str:
 
 
 def lws_name(im: InferenceModel) -> str:
-    """`<child name>-lws`, the child name shortened with a hash of it when too long (a DNS-1035 label)."""
-    base = im.child_name
-    if len(base) > _MAX_BASE:
-        digest = hashlib.sha256(base.encode()).hexdigest()[:_HASH]
-        base = f"{base[: _MAX_BASE - _HASH - 1].rstrip('-')}-{digest}"
-    return f"{base}-lws"
+    """`<child name>-lws` in at most 40 characters (names.derived_name: shortened with a hash when long)."""
+    return derived_name(im.child_name, "lws", max_length=_MAX_LWS_NAME)
 
 
 def leader_selector_labels(im: InferenceModel) -> dict[str, str]:

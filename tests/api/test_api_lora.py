@@ -220,3 +220,38 @@ def test_lora_metrics(lora_server: LoRAServer) -> None:
     assert 'running_lora_adapters=""' in info[0] and 'waiting_lora_adapters=""' in info[0]  # idle now
     assert scrape_metric(lora_server.url, "kubeinfer_lora_requests_total") >= 1
     assert 'lora_name="chat"' in text
+
+
+# The model server protocol the Gateway API Inference Extension's endpoint picker scrapes (its
+# docs/proposals/003-model-server-protocol: the vLLM column): name -> (type, labels it reads).
+EPP_SCRAPED = {
+    "vllm:num_requests_waiting": ("gauge", set()),
+    "vllm:num_requests_running": ("gauge", set()),
+    "vllm:kv_cache_usage_perc": ("gauge", set()),
+    "vllm:lora_requests_info": ("gauge", {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}),
+    "vllm:cache_config_info": ("gauge", {"block_size", "num_gpu_blocks"}),
+}
+
+
+def test_metrics_the_endpoint_picker_scrapes(lora_server: LoRAServer) -> None:
+    """spec.routing.gateway's picker chooses a pod from these: each is served with its type and labels,
+    the KV usage is a fraction, and the LoRA info's value is the time it was last updated."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{lora_server.url}/metrics", timeout=60).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, (kind, wanted_labels) in EPP_SCRAPED.items():
+        family = families.get(name)
+        assert family is not None, name
+        assert family.type == kind, (name, family.type)
+        assert family.samples, name
+        for sample in family.samples:
+            assert wanted_labels <= set(sample.labels), (name, sample.labels)
+    usage = families["vllm:kv_cache_usage_perc"].samples[0].value
+    assert 0.0 <= usage <= 1.0
+    (info,) = families["vllm:lora_requests_info"].samples
+    assert abs(info.value - time.time()) < 3600 and info.labels["max_lora"] == "2"
+    (cache,) = families["vllm:cache_config_info"].samples
+    assert int(cache.labels["block_size"]) > 0 and int(cache.labels["num_gpu_blocks"]) > 0

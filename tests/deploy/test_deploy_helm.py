@@ -76,6 +76,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "replicas-without-leader-election": {"operator": {"replicas": 2, "leaderElection": {"enabled": False}}},
     "old-peering-values": {"operator": {"peering": {"enabled": True}}},
     "gateway": {"gateway": {"enabled": True, "serviceMonitor": True}},
+    "inference-extension": {"inferenceExtension": {"enabled": True}},
     "registry": {
         "global": {"imageRegistry": REGISTRY, "imagePullSecrets": [{"name": "mirror-pull"}]},
         "imagePullSecrets": [{"name": "operator-pull"}, {"name": "mirror-pull"}],
@@ -118,7 +119,8 @@ def test_helm_lint_fails_a_broken_chart(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "scenario", ["defaults", "namespaced-ha", "clusterwide-ha", "single", "gateway", "registry"]
+    "scenario",
+    ["defaults", "namespaced-ha", "clusterwide-ha", "single", "gateway", "registry", "inference-extension"],
 )
 def test_install_creates_only_valid_objects(installs: dict[str, HelmInstall], scenario: str) -> None:
     inst = _ok(installs, scenario)
@@ -655,3 +657,41 @@ def test_network_policy_can_be_turned_off(tmp_path: Path) -> None:
     inst = asyncio.run(helm_install({"networkPolicy": {"enabled": False}}, tmp_path, NAMESPACE, RELEASE))
     assert inst.ok, inst.error
     assert inst.find("NetworkPolicy") == []
+
+
+def test_inference_extension_rbac_only_when_asked(installs: dict[str, HelmInstall]) -> None:
+    """inferenceExtension.enabled grants the operator the InferencePool and HTTPRoute rules and the
+    endpoint picker's read rules it hands on (RBAC lets it grant only what it holds); the default
+    install grants none of them."""
+    from kubeinfer_operator.gateway import EPP_RULES
+
+    def rules(name: str) -> list[dict[str, Any]]:
+        inst = _ok(installs, name)
+        return [r for o in inst.find("ClusterRole") + inst.find("Role") for r in o.get("rules") or []]
+
+    def granted(rule_set: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
+        return any(
+            group in r.get("apiGroups", [])
+            and resource in r.get("resources", [])
+            and verb in r.get("verbs", [])
+            for r in rule_set
+        )
+
+    on, off = rules("inference-extension"), rules("defaults")
+    for group, resource in (
+        ("inference.networking.k8s.io", "inferencepools"),
+        ("gateway.networking.k8s.io", "httproutes"),
+    ):
+        for verb in ("get", "list", "watch", "create", "patch", "delete"):
+            assert granted(on, group, resource, verb), (resource, verb)
+            assert not granted(off, group, resource, verb), (resource, verb)
+    for rule in EPP_RULES:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert granted(on, group, resource, verb), (group, resource, verb)
+    env = {e["name"]: e.get("value") for e in _container(_ok(installs, "inference-extension"))["env"]}
+    assert (
+        env["KUBEINFER_DEFAULT_ENDPOINT_PICKER_IMAGE"]
+        == "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
+    )

@@ -25,6 +25,7 @@ from typing import Any
 import kmock
 import pytest
 from deploy_helpers import HelmInstall, MockApiServer, helm_install, helm_python, helm_skip_reason
+from kubeinfer_operator.k8s import USER_AGENT
 from kubeinfer_operator.render_activator import render_activator_role
 from kubeinfer_operator.spec import InferenceModel
 from kubernetes.config import kube_config
@@ -252,7 +253,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
                         if r.method == "DELETE"
                         and r.resource is not None
                         and r.name in ("m", "m-router", "m-adapters", "m-lws")
-                        and r.headers.get("User-Agent", "").startswith("OpenAPI-Generator")
+                        and r.headers.get("User-Agent", "").startswith(USER_AGENT)
                     }
 
                 def children() -> set[str]:

@@ -28,6 +28,7 @@ PSS_VOLUMES = "volume types of the restricted Pod Security Standard"
 LOADER_ENV = "pod.env must not set a variable that changes what the loader or interpreter runs"
 ENV_FROM = "pod.envFrom entries need a prefix that no refused variable name starts with"
 TRUST_REMOTE_CODE = "engine.extraArgs must not contain --trust-remote-code"
+ANNOTATIONS = "pod.annotations must not set the legacy seccomp annotations"
 UNKNOWN_FLAG = "engine.extraArgs may contain only flags of the server that the operator does not manage"
 
 LONG_NAME = "a-very-long-inference-model-name-for-a-fine-tuned-llama-3.1-8b-instruct"  # 72 chars
@@ -488,6 +489,42 @@ ADMISSION: list[Row] = [
         "pod-apparmor-runtime-default",
         _s(pod={"annotations": {"container.apparmor.security.beta.kubernetes.io/server": "runtime/default"}}),
         None,
+    ),
+    # annotations the API server refuses on the pod template, or that weaken the pod (issue 48)
+    Row(
+        "pod-legacy-seccomp-unconfined",
+        _s(pod={"annotations": {"seccomp.security.alpha.kubernetes.io/pod": "unconfined"}}),
+        ANNOTATIONS,
+    ),
+    Row(
+        "pod-legacy-container-seccomp",
+        _s(pod={"annotations": {"container.seccomp.security.alpha.kubernetes.io/server": "runtime/default"}}),
+        ANNOTATIONS,
+    ),
+    Row(
+        "pod-apparmor-other-container",
+        _s(
+            pod={"annotations": {"container.apparmor.security.beta.kubernetes.io/sidecar": "runtime/default"}}
+        ),
+        ANNOTATIONS,
+    ),
+    Row("pod-kubelet-mirror", _s(pod={"annotations": {"kubernetes.io/config.mirror": "x"}}), ANNOTATIONS),
+    Row("pod-plain-annotation", _s(pod={"annotations": {"example.com/team": "search"}}), None),
+    # spec.routing.gateway (issue 48 item 1)
+    Row(
+        "gateway-on",
+        _s(routing={"gateway": {"enabled": True, "gatewayRef": {"name": "inference-gw", "namespace": "gw"}}}),
+        None,
+    ),
+    Row(
+        "gateway-bad-image",
+        _s(routing={"gateway": {"enabled": True, "endpointPicker": {"image": "UPPER case"}}}),
+        "routing.gateway.endpointPicker.image must be an image reference",
+    ),
+    Row(
+        "gateway-ref-bad-namespace",
+        _s(routing={"gateway": {"enabled": True, "gatewayRef": {"name": "gw", "namespace": "a.b"}}}),
+        "in body should match",
     ),
     # spec.network (issue 25 item 2)
     Row("network-peer-empty", _s(network={"allowedClients": [{}]}), "network.allowedClients entries need"),

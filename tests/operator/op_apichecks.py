@@ -108,6 +108,40 @@ def _pod_errors(pod: dict[str, Any], where: str) -> list[str]:
     return errors
 
 
+_SECCOMP_POD = "seccomp.security.alpha.kubernetes.io/pod"
+_SECCOMP_CONTAINER = "container.seccomp.security.alpha.kubernetes.io/"
+_APPARMOR_CONTAINER = "container.apparmor.security.beta.kubernetes.io/"
+_SECCOMP_FIELD = {"RuntimeDefault": "runtime/default", "Unconfined": "unconfined"}
+
+
+def _pod_annotation_errors(template: dict[str, Any], where: str) -> list[str]:
+    """pkg/apis/core/validation: AppArmor annotations must name a container of the pod; a legacy seccomp
+    annotation must agree with the seccompProfile field where both are set (validateSeccompAnnotationsAndFields)."""
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    spec = template.get("spec") or {}
+    names = {c.get("name") for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]}
+    errors = []
+    for key, value in annotations.items():
+        if key.startswith(_APPARMOR_CONTAINER) and key[len(_APPARMOR_CONTAINER) :] not in names:
+            errors.append(f"{where}.metadata.annotations[{key}]: Invalid value: container not found")
+        pod_field = ((spec.get("securityContext") or {}).get("seccompProfile") or {}).get("type")
+        if key == _SECCOMP_POD and pod_field and _SECCOMP_FIELD.get(pod_field) != value:
+            errors.append(
+                f"{where}.metadata.annotations[{key}]: Forbidden: seccomp type in annotation and field must match"
+            )
+        if key.startswith(_SECCOMP_CONTAINER):
+            container = key[len(_SECCOMP_CONTAINER) :]
+            for c in spec.get("containers") or []:
+                field = ((c.get("securityContext") or {}).get("seccompProfile") or {}).get(
+                    "type"
+                ) or pod_field
+                if c.get("name") == container and field and _SECCOMP_FIELD.get(field) != value:
+                    errors.append(
+                        f"{where}.metadata.annotations[{key}]: Forbidden: seccomp type in annotation and field must match"
+                    )
+    return errors
+
+
 def api_errors(obj: dict[str, Any]) -> list[str]:
     """What the API server would answer with 422 for this object (empty: accepted)."""
     kind = obj.get("kind", "")
@@ -117,6 +151,20 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
     errors += _label_errors(meta.get("labels"), "metadata.labels")
     spec = obj.get("spec") or {}
     errors += _label_errors((spec.get("selector") or {}).get("matchLabels"), "spec.selector.matchLabels")
+    if kind == "NetworkPolicy":
+        # Every LabelSelector of a policy (the pods it selects, its peers' pods and namespaces) is
+        # validated like metadata.labels (ValidateLabelSelector).
+        errors += _label_errors(
+            (spec.get("podSelector") or {}).get("matchLabels"), "spec.podSelector.matchLabels"
+        )
+        for direction, side in (("ingress", "from"), ("egress", "to")):
+            for rule in spec.get(direction) or []:
+                for peer in rule.get(side) or []:
+                    for selector in ("podSelector", "namespaceSelector"):
+                        errors += _label_errors(
+                            (peer.get(selector) or {}).get("matchLabels"),
+                            f"spec.{direction}.{side}.{selector}.matchLabels",
+                        )
     if kind == "Service":
         errors += _label_errors(spec.get("selector"), "spec.selector")
     if kind == "Deployment":
@@ -137,6 +185,7 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
                 "spec.strategy.rollingUpdate.maxUnavailable: Invalid value: 0: may not be 0 when `maxSurge` is 0"
             )
         errors += _pod_errors(template.get("spec") or {}, "spec.template.spec")
+        errors += _pod_annotation_errors(template, "spec.template")
     if kind == "LeaderWorkerSet":
         # kubernetes-sigs/lws pkg/webhooks/leaderworkerset_webhook.go (v0.9.0), generalValidate
         if int(spec.get("replicas", 1)) < 0:
@@ -189,6 +238,65 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
             errors.append("spec.minReplicas: Invalid value: must be greater than or equal to 1")
         if int(spec.get("maxReplicas", 1)) < int(spec.get("minReplicas", 1)):
             errors.append("spec.maxReplicas: Invalid value: must be greater than or equal to `minReplicas`")
+    return errors
+
+
+GATEWAY_KINDS = ("InferencePool", "HTTPRoute")
+
+
+def gateway_api_errors(obj: dict[str, Any]) -> list[str]:
+    """The schema rules of the Gateway API Inference Extension's InferencePool (inference.networking.k8s.io/v1)
+    and the Gateway API's HTTPRoute that the operator's objects touch, written from their published API
+    references (no schema is vendored): required fields, bounds, enums and the CEL rules."""
+    spec = obj.get("spec") or {}
+    errors: list[str] = []
+    if obj.get("kind") == "InferencePool":
+        if obj.get("apiVersion") != "inference.networking.k8s.io/v1":
+            errors.append(f"apiVersion: {obj.get('apiVersion')!r} is not the GA version")
+        match = (spec.get("selector") or {}).get("matchLabels")
+        if not isinstance(match, dict) or not match or len(match) > 64:
+            errors.append("spec.selector.matchLabels: Required value (1 to 64 labels)")
+        errors += _label_errors(match, "spec.selector.matchLabels")
+        ports = spec.get("targetPorts")
+        if not isinstance(ports, list) or not 1 <= len(ports) <= 8:
+            errors.append("spec.targetPorts: Required value (1 to 8 ports)")
+        else:
+            numbers = [p.get("number") for p in ports]
+            if any(not isinstance(n, int) or not 1 <= n <= 65535 for n in numbers):
+                errors.append("spec.targetPorts.number: Invalid value (1 to 65535)")
+            if len(set(numbers)) != len(numbers):
+                errors.append("spec.targetPorts: Invalid value: port number must be unique")
+        if spec.get("appProtocol", "http") not in ("http", "kubernetes.io/h2c"):
+            errors.append("spec.appProtocol: Unsupported value")
+        ref = spec.get("endpointPickerRef")
+        if not isinstance(ref, dict) or not ref.get("name"):
+            errors.append("spec.endpointPickerRef.name: Required value")
+        else:
+            if ref.get("kind", "Service") == "Service" and not (ref.get("port") or {}).get("number"):
+                errors.append(
+                    "spec.endpointPickerRef: Invalid value: port is required when kind is 'Service'"
+                )
+            if ref.get("failureMode", "FailClose") not in ("FailOpen", "FailClose"):
+                errors.append("spec.endpointPickerRef.failureMode: Unsupported value")
+            if set(ref) - {"group", "kind", "name", "port", "failureMode"}:
+                errors.append(
+                    f"spec.endpointPickerRef: unknown fields {sorted(set(ref) - {'group', 'kind', 'name', 'port', 'failureMode'})}"
+                )
+        if set(spec) - {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}:
+            errors.append("spec: unknown fields")
+    if obj.get("kind") == "HTTPRoute":
+        parents = spec.get("parentRefs") or []
+        if len(parents) > 32 or any(not p.get("name") for p in parents):
+            errors.append("spec.parentRefs: Invalid value")
+        rules = spec.get("rules") or []
+        if len(rules) > 16:
+            errors.append("spec.rules: Too many")
+        for rule in rules:
+            for backend in rule.get("backendRefs") or []:
+                if not backend.get("name") or (backend.get("kind") != "Service" and "group" not in backend):
+                    errors.append("spec.rules.backendRefs: Invalid value")
+    errors += _name_errors(str(obj.get("kind")), str((obj.get("metadata") or {}).get("name")))
+    errors += _label_errors((obj.get("metadata") or {}).get("labels"), "metadata.labels")
     return errors
 
 

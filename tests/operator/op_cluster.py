@@ -78,6 +78,11 @@ LWS = {
         kind="LeaderWorkerSet", namespaced=True, subresources={"status", "scale"}
     )
 }
+# The Gateway API Inference Extension's and the Gateway API's CRDs (spec.routing.gateway).
+INFERENCE_EXTENSION = {
+    "inference.networking.k8s.io/v1/inferencepools": ResourceInfo(kind="InferencePool", namespaced=True),
+    "gateway.networking.k8s.io/v1/httproutes": ResourceInfo(kind="HTTPRoute", namespaced=True),
+}
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 PATHS = {
@@ -101,6 +106,9 @@ PATHS = {
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
     "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    # spec.routing.gateway
+    "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+    "HTTPRoute": "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes",
 }
 PLURAL_KIND = {p.rsplit("/", 1)[-1]: k for k, p in PATHS.items()}
 
@@ -132,6 +140,16 @@ class WatchDrop:
 def _method(request: rendering.Request) -> str:
     method = request.method
     return str(getattr(method, "value", method)).upper()
+
+
+def field_manager(request: rendering.Request) -> str:
+    """The field manager the API server records for a write: the fieldManager parameter, else the
+    User-Agent up to its first "/" (apiserver's handlers.fieldmanager prefixFromUserAgent)."""
+    given = request.params.get("fieldManager")
+    if given:
+        return str(given)
+    agent = str(request.headers.get("User-Agent") or "unknown")
+    return agent.split("/", 1)[0]
 
 
 def _now() -> str:
@@ -304,7 +322,7 @@ class ApiServer(KubernetesEmulator):
             return
         apply = "apply-patch" in (request.headers.get("Content-Type") or "")
         operation = "Apply" if apply else "Update"
-        manager = str(request.params.get("fieldManager") or "unknown")
+        manager = field_manager(request)
         owners = {
             str(e.get("manager")): str(e.get("operation"))
             for e in ((old or {}).get("metadata") or {}).get("managedFields") or []

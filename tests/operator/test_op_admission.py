@@ -14,7 +14,7 @@ from kubeinfer_operator.names import child_name, is_dns1035_label
 from kubeinfer_operator.render import Capabilities
 from kubeinfer_operator.spec import InferenceModel, InvalidSpecError
 from op_admission_table import ADMISSION, LONG_NAME, Row
-from op_apichecks import api_errors
+from op_apichecks import GATEWAY_KINDS, api_errors, gateway_api_errors
 from op_testlib import K8S_VERSIONS, crd_errors, inference_model
 
 IDS = [r.id for r in ADMISSION]
@@ -54,7 +54,9 @@ def test_accepted_specs_render_children_the_api_server_accepts(row: Row) -> None
     doc["metadata"]["uid"] = "0c7d5e4a-1111-4222-8333-944445555666"
     for obj in render_documents([doc], Capabilities()):
         assert api_errors(obj) == [], obj["kind"]
-        if obj["kind"] not in ("ServiceMonitor", "ScaledObject", "LeaderWorkerSet"):
+        if obj["kind"] in GATEWAY_KINDS:
+            assert gateway_api_errors(obj) == [], obj["kind"]
+        elif obj["kind"] not in ("ServiceMonitor", "ScaledObject", "LeaderWorkerSet"):
             kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
 
 

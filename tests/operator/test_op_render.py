@@ -29,6 +29,7 @@ from kubeinfer_operator.render import (
     termination_grace_seconds,
 )
 from kubeinfer_operator.spec import DEFAULT_SERVER_IMAGE, InferenceModel
+from op_apichecks import GATEWAY_KINDS, gateway_api_errors
 from op_testlib import EXAMPLES, K8S_VERSIONS, inference_model, load_json_schema, load_yaml, lws_errors
 
 UID = "6f1c8c0e-8a57-4a4c-9d6e-2f7f2b1f0a11"
@@ -452,6 +453,8 @@ def test_every_kind_is_covered() -> None:
         "ServiceAccount",  # the activator's (keda, zero: minReplicas 0)
         "Role",
         "RoleBinding",
+        "InferencePool",  # examples/gateway.yaml (spec.routing.gateway)
+        "HTTPRoute",
     }
 
 
@@ -460,6 +463,8 @@ def test_manifest_is_valid(obj: dict[str, Any]) -> None:
     kind = obj["kind"]
     if kind == "LeaderWorkerSet":
         assert lws_errors(obj) == []  # the vendored LWS CRD schema, strict (more in test_op_lws.py)
+    elif kind in GATEWAY_KINDS:
+        assert gateway_api_errors(obj) == []  # no schema vendored: the published rules (op_apichecks)
     elif kind in CRD_KIND_SCHEMAS:
         jsonschema.Draft7Validator(load_json_schema(CRD_KIND_SCHEMAS[kind])).validate(obj)
     else:

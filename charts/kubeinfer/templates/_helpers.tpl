@@ -92,6 +92,11 @@ Dockerfile.server (KUBEINFER_DEFAULT_SERVER_CPU_IMAGE). */}}
 {{- include "kubeinfer.withRegistry" (list $ref (include "kubeinfer.globalRegistry" .)) }}
 {{- end }}
 
+{{- define "kubeinfer.endpointPickerImage" -}}
+{{- $ref := printf "%s:%s" .Values.inferenceExtension.endpointPicker.image.repository .Values.inferenceExtension.endpointPicker.image.tag }}
+{{- include "kubeinfer.withRegistry" (list $ref (include "kubeinfer.globalRegistry" .)) }}
+{{- end }}
+
 {{/* global.imagePullSecrets then imagePullSecrets, each name once. */}}
 {{- define "kubeinfer.operatorPullSecrets" -}}
 {{- $names := list }}
