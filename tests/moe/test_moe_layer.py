@@ -89,3 +89,16 @@ def test_config_and_shapes_are_checked() -> None:
         FusedMoE(bad, ours.weights)
     with pytest.raises(KeyError, match=r"experts\.0\.w1\.weight"):
         load_expert_weights({}, PREFIX, ours.cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_path_matches_the_cpu_path(kind: str) -> None:
+    ours, _ = _ours(kind)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cpu = ours(x)
+        cuda_weights = ours.weights.to("cuda")
+        gpu = FusedMoE(ours.cfg, cuda_weights, gemm_dtype=torch.float32)(x.cuda())
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=0, atol=1e-4 * cpu.abs().max().item())

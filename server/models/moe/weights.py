@@ -47,6 +47,23 @@ class ExpertWeights:
     b2: Tensor | None  # [E, H]
     shared: SharedExpertWeights | None = None
 
+    def to(self, device: torch.device | str) -> ExpertWeights:
+        """A copy with every tensor on `device`."""
+
+        def mv(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        s = self.shared
+        return ExpertWeights(
+            self.router.to(device),
+            mv(self.router_bias),
+            self.w13.to(device),
+            self.w2.to(device),
+            mv(self.b13),
+            mv(self.b2),
+            None if s is None else SharedExpertWeights(s.w13.to(device), s.w2.to(device), s.gate.to(device)),
+        )
+
     def check(self, cfg: MoEConfig) -> None:
         e, h, i, s = (
             cfg.num_experts,
