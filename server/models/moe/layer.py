@@ -45,6 +45,8 @@ class DenseExperts:
     `default_gemm_dtype`); sums come back as fp32."""
 
     def __init__(self, w: ExpertWeights, gemm_dtype: torch.dtype = torch.float32) -> None:
+        if w.w13 is None or w.w2 is None:
+            raise ValueError("dense experts need w13 and w2 (the weights were loaded without them)")
         self.gemm_dtype = gemm_dtype
         self.w13 = w.w13.to(gemm_dtype)  # [E, 2I, H]
         self.w2 = w.w2.to(gemm_dtype)  # [E, H, I]

@@ -41,8 +41,8 @@ class ExpertWeights:
 
     router: Tensor  # [E, H]
     router_bias: Tensor | None  # [E]
-    w13: Tensor  # [E, 2I, H]
-    w2: Tensor  # [E, H, I]
+    w13: Tensor | None  # [E, 2I, H]; None when the experts are held quantized (moe/quant.py, moe/mxfp4.py)
+    w2: Tensor | None  # [E, H, I]; None with w13
     b13: Tensor | None  # [E, 2I]
     b2: Tensor | None  # [E, H]
     shared: SharedExpertWeights | None = None
@@ -57,8 +57,8 @@ class ExpertWeights:
         return ExpertWeights(
             self.router.to(device),
             mv(self.router_bias),
-            self.w13.to(device),
-            self.w2.to(device),
+            mv(self.w13),
+            mv(self.w2),
             mv(self.b13),
             mv(self.b2),
             None if s is None else SharedExpertWeights(s.w13.to(device), s.w2.to(device), s.gate.to(device)),
@@ -74,8 +74,8 @@ class ExpertWeights:
         want: dict[str, tuple[Tensor | None, tuple[int, ...] | None]] = {
             "router": (self.router, (e, h)),
             "router_bias": (self.router_bias, (e,) if cfg.router_bias else None),
-            "w13": (self.w13, (e, 2 * i, h)),
-            "w2": (self.w2, (e, h, i)),
+            "w13": (self.w13, (e, 2 * i, h) if self.w13 is not None else None),
+            "w2": (self.w2, (e, h, i) if self.w13 is not None else None),
             "b13": (self.b13, (e, 2 * i) if cfg.expert_bias else None),
             "b2": (self.b2, (e, h) if cfg.expert_bias else None),
         }
@@ -111,25 +111,33 @@ def deinterleave_gate_up(t: Tensor) -> Tensor:  # [..., 2I] (gate, up, gate, up,
     return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
 
 
-def load_expert_weights(tensors: Mapping[str, Tensor], prefix: str, cfg: MoEConfig) -> ExpertWeights:
+def load_expert_weights(
+    tensors: Mapping[str, Tensor], prefix: str, cfg: MoEConfig, dense_experts: bool = True
+) -> ExpertWeights:
     """Stacks one block's experts from checkpoint tensors named `{prefix}.{name}` (layouts in the module
     docstring; prefix e.g. `model.layers.3.block_sparse_moe` for Mixtral, `model.layers.3.mlp` else).
-    Raises KeyError naming a missing tensor, ValueError on a shape mismatch."""
+    With `dense_experts` False, w13 and w2 are left None (the experts come quantized; biases, router and
+    shared expert are still read). Raises KeyError naming a missing tensor, ValueError on a shape mismatch."""
     p = f"{prefix}."
     e_range = range(cfg.num_experts)
     if cfg.model_type == "gpt_oss":
-        gate_up = _get(tensors, p + "experts.gate_up_proj")  # [E, H, 2I]
+        w13 = w2 = None
+        if dense_experts:
+            w13 = deinterleave_gate_up(_get(tensors, p + "experts.gate_up_proj")).transpose(1, 2).contiguous()
+            w2 = _get(tensors, p + "experts.down_proj").transpose(1, 2).contiguous()  # [E, I, H] -> [E, H, I]
         w = ExpertWeights(
             router=_get(tensors, p + "router.weight"),
             router_bias=_get(tensors, p + "router.bias"),
-            w13=deinterleave_gate_up(gate_up).transpose(1, 2).contiguous(),
-            w2=_get(tensors, p + "experts.down_proj").transpose(1, 2).contiguous(),  # [E, I, H] -> [E, H, I]
+            w13=w13,
+            w2=w2,
             b13=deinterleave_gate_up(_get(tensors, p + "experts.gate_up_proj_bias")).contiguous(),
             b2=_get(tensors, p + "experts.down_proj_bias"),
         )
     else:
         names = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        experts = [[_get(tensors, f"{p}experts.{e}.{n}.weight") for n in names] for e in e_range]
+        experts = [
+            [_get(tensors, f"{p}experts.{e}.{n}.weight") for n in names] for e in e_range if dense_experts
+        ]
         shared = None
         if cfg.shared_expert_intermediate_size:
             sp = p + "shared_expert."
@@ -141,8 +149,8 @@ def load_expert_weights(tensors: Mapping[str, Tensor], prefix: str, cfg: MoEConf
         w = ExpertWeights(
             router=_get(tensors, p + "gate.weight"),
             router_bias=None,
-            w13=stack_gate_up([x[0] for x in experts], [x[1] for x in experts]),
-            w2=torch.stack([x[2] for x in experts]),
+            w13=stack_gate_up([x[0] for x in experts], [x[1] for x in experts]) if dense_experts else None,
+            w2=torch.stack([x[2] for x in experts]) if dense_experts else None,
             b13=None,
             b2=None,
             shared=shared,
