@@ -46,6 +46,8 @@ def test_fused_moe_checks_its_arguments(device: torch.device) -> None:
     w2 = torch.randn(E, H, INTER, device=device)
     w = torch.rand(3, 2, device=device)
     ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    empty = torch.zeros(0, 2, dtype=torch.int32, device=device)
+    assert fused_moe(x[:0], w13, w2, w[:0], empty).shape == (0, H)
     with pytest.raises(ValueError, match="w2"):
         fused_moe(x, w13, w2[:, :, :-1], w, ids)
     with pytest.raises(TypeError, match="topk_ids"):

@@ -82,6 +82,7 @@ def test_config_and_shapes_are_checked() -> None:
     with pytest.raises(MoEConfigError, match="routing"):
         MoEConfig("mixtral", 4, 2, 8, 8, routing="sigmoid")
     ours, _ = _ours("mixtral")
+    assert ours(torch.zeros(0, H)).shape == (0, H)  # an empty step
     with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
         ours(torch.randn(3, H + 1))
     bad = MoEConfig("mixtral", E, 2, H, 16)
