@@ -3,6 +3,7 @@ the same MoE block over the dequantized weights (cpu_qlinear.dequantize_referenc
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_cpu_qlinear import make_weight
@@ -90,3 +91,44 @@ def test_round_to_nearest_quantize_and_shape_checks() -> None:
     assert experts.nbytes() < 0.3 * 4 * 3 * E * INTER * H  # q8_0: 34 bytes per 32 values, fp32: 128
     with pytest.raises(ValueError, match="do not chain"):
         BlockQuantExperts(experts.w13, experts.w13)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_gguf_stacked_experts_split_per_expert(kernel: QLinearKernel, fmt: str) -> None:
+    """llama.cpp's ffn_*_exps tensors: E consecutive [N, K] matrices; each expert dequantizes as gguf-py
+    dequantizes the whole tensor, and the block runs like its dequantized twin."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from gguf_models import quantize_q4_k
+
+    def gguf(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:  # [E, N, K] -> (bytes, gguf-py's dequant)
+        flat = w.reshape(-1, w.shape[-1]).numpy()
+        if fmt == "q8_0":
+            raw = quantize(flat, GGMLQuantizationType.Q8_0)
+            return raw, dequantize(raw, GGMLQuantizationType.Q8_0)
+        raw = quantize_q4_k(flat)
+        return raw, dequantize(raw, GGMLQuantizationType.Q4_K)
+
+    g = torch.Generator().manual_seed(11)
+    cfg = MoEConfig("mixtral", E, 2, H, INTER)
+    (gate, gate_ref), (up, up_ref), (down, down_ref) = (
+        gguf(torch.randn(E, n, k, generator=g) * 0.1) for n, k in ((INTER, H), (INTER, H), (H, INTER))
+    )
+    experts = BlockQuantExperts.from_gguf((gate, fmt), (up, fmt), (down, fmt), cfg, kernel)
+    w13_ref = torch.cat(
+        [torch.from_numpy(gate_ref).reshape(E, INTER, H), torch.from_numpy(up_ref).reshape(E, INTER, H)], 1
+    )
+    w2_ref = torch.from_numpy(down_ref).reshape(E, H, INTER)
+    for e in range(E):
+        torch.testing.assert_close(cq.dequantize_reference(experts.w13[e]), w13_ref[e], rtol=0, atol=1e-6)
+        torch.testing.assert_close(cq.dequantize_reference(experts.w2[e]), w2_ref[e], rtol=0, atol=1e-6)
+    dense = ExpertWeights(
+        torch.randn(E, H, generator=g) * 0.1, None, w13_ref.float(), w2_ref.float(), None, None
+    )
+    x = torch.randn(6, H, generator=g)
+    with torch.no_grad():
+        got = FusedMoE(cfg, dense, experts=experts)(x)
+        want = FusedMoE(cfg, dense, gemm_dtype=torch.float32)(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+    with pytest.raises(ValueError, match="bytes"):  # a row short
+        BlockQuantExperts.from_gguf((gate[:-1], fmt), (up, fmt), (down, fmt), cfg)

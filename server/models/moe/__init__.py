@@ -3,7 +3,7 @@
 from server.models.moe.config import MoEConfig, MoEConfigError
 from server.models.moe.layer import DenseExperts, ExpertGemms, FusedMoE, act_and_mul, default_gemm_dtype
 from server.models.moe.mxfp4 import Mxfp4Experts, Mxfp4Tensor, dequantize_mxfp4, load_mxfp4_experts
-from server.models.moe.quant import BlockQuantExperts
+from server.models.moe.quant import BlockQuantExperts, split_gguf_experts
 from server.models.moe.routing import ExpertGroups, Routing, group_by_expert, select_experts
 from server.models.moe.weights import ExpertWeights, SharedExpertWeights, load_expert_weights
 
@@ -27,4 +27,5 @@ __all__ = [
     "load_expert_weights",
     "load_mxfp4_experts",
     "select_experts",
+    "split_gguf_experts",
 ]

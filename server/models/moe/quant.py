@@ -6,11 +6,38 @@ the torch reference (`linear_reference`) serves.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from server.models.moe.config import MoEConfig
 from server.models.moe.weights import ExpertWeights
-from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel, linear_reference, quantize_block
+from server.quant.cpu_qlinear import (
+    GGUF_SUPER_BLOCK_BYTES,
+    BlockQuantWeight,
+    QLinearKernel,
+    from_gguf_blocks,
+    from_gguf_k_blocks,
+    linear_reference,
+    quantize_block,
+)
+
+
+def split_gguf_experts(
+    raw: np.ndarray | Tensor, fmt: str, num_experts: int, n: int, k: int
+) -> list[BlockQuantWeight]:
+    """A GGUF stacked expert tensor -> one BlockQuantWeight [N, K] per expert.
+
+    llama.cpp stores a block's experts as one tensor (`blk.L.ffn_{gate,up,down}_exps.weight`, ggml shape
+    `{K, N, E}`, i.e. E consecutive [N, K] matrices of ggml blocks), so expert e is the e-th E-th of the
+    bytes. Formats: q4_0, q4_1, q8_0, q4_k, q6_k. Raises ValueError when the bytes do not split evenly
+    or an expert's bytes do not match its format and shape."""
+    data = torch.as_tensor(np.ascontiguousarray(raw)).view(torch.uint8).reshape(-1)
+    if num_experts < 1 or data.numel() % num_experts:
+        raise ValueError(f"{data.numel()} bytes do not split into {num_experts} experts")
+    per = data.numel() // num_experts
+    conv = from_gguf_k_blocks if fmt in GGUF_SUPER_BLOCK_BYTES else from_gguf_blocks
+    return [conv(data[e * per : (e + 1) * per], fmt, n, k) for e in range(num_experts)]
 
 
 class BlockQuantExperts:
@@ -54,6 +81,25 @@ class BlockQuantExperts:
             w.b2,
             kernel,
             compute,
+        )
+
+    @staticmethod
+    def from_gguf(
+        gate: tuple[np.ndarray | Tensor, str],  # (ffn_gate_exps data, its format)
+        up: tuple[np.ndarray | Tensor, str],  # (ffn_up_exps data, its format: gate's)
+        down: tuple[np.ndarray | Tensor, str],  # (ffn_down_exps data, its format: may differ, Q4_K_M's q6_k)
+        cfg: MoEConfig,
+        kernel: QLinearKernel | None = None,
+        compute: torch.dtype = torch.float32,
+    ) -> BlockQuantExperts:
+        """From llama.cpp's stacked expert tensors (split_gguf_experts); gate and up rows concatenated per
+        expert, so they must share a format. Raises ValueError otherwise or on a size mismatch."""
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        gates = split_gguf_experts(gate[0], gate[1], e, i, h)
+        ups = split_gguf_experts(up[0], up[1], e, i, h)
+        w13 = [BlockQuantWeight.concat_rows([g, u]) for g, u in zip(gates, ups, strict=True)]
+        return BlockQuantExperts(
+            w13, split_gguf_experts(down[0], down[1], e, h, i), kernel=kernel, compute=compute
         )
 
     def nbytes(self) -> int:
