@@ -93,7 +93,9 @@ class FusedMoE(nn.Module):
         weights.check(cfg)
         self.cfg = cfg
         self.weights = weights
-        self.experts: ExpertGemms = experts or DenseExperts(weights, gemm_dtype or default_gemm_dtype())
+        self.experts: ExpertGemms = (
+            experts if experts is not None else DenseExperts(weights, gemm_dtype or default_gemm_dtype())
+        )
 
     def route(self, x: Tensor) -> Routing:  # x: [T, H]
         return select_experts(F.linear(x, self.weights.router, self.weights.router_bias), self.cfg)
