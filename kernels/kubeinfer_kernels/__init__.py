@@ -1,4 +1,5 @@
-"""Triton kernels for the GPU path: paged attention, KV-cache store, weight-only quantized GEMMs, LoRA shrink/expand.
+"""Triton kernels for the GPU path: paged attention, KV-cache store, weight-only quantized GEMMs, LoRA shrink/expand,
+the mixture-of-experts grouped GEMM.
 
 Plain-torch twins and the AWQ/GPTQ/fp8 packing helpers live in `kubeinfer_kernels.reference`.
 
@@ -19,6 +20,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 from kubeinfer_kernels.attention_decode import paged_attention_decode
 from kubeinfer_kernels.attention_prefill import paged_prefill_attention
+from kubeinfer_kernels.fused_moe import fused_moe, moe_align_block_size
 from kubeinfer_kernels.gemm_fp8 import fp8_gemm
 from kubeinfer_kernels.gemm_int4 import int4_gemm
 from kubeinfer_kernels.kv_store import store_kv_cache
@@ -26,9 +28,11 @@ from kubeinfer_kernels.lora import lora_expand, lora_shrink
 
 __all__ = [
     "fp8_gemm",
+    "fused_moe",
     "int4_gemm",
     "lora_expand",
     "lora_shrink",
+    "moe_align_block_size",
     "paged_attention_decode",
     "paged_prefill_attention",
     "store_kv_cache",

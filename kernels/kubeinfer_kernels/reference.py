@@ -332,3 +332,34 @@ def lora_expand_ref(
         if slot >= 0:
             out[t] = (y[t].float() + h[t] @ lora_b[slot * nr : (slot + 1) * nr].float()).to(y.dtype)
     return out
+
+
+def fused_moe_ref(
+    x: Tensor,  # [T, H]
+    w13: Tensor,  # [E, 2I, H] gate rows then up rows
+    w2: Tensor,  # [E, H, I]
+    topk_weights: Tensor,  # [T, top_k] fp32
+    topk_ids: Tensor,  # [T, top_k] int
+    activation: str = "silu",  # "silu" | "swigluoai" (gpt-oss's clamped SwiGLU)
+    b13: Tensor | None = None,  # [E, 2I]
+    b2: Tensor | None = None,  # [E, H]
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> Tensor:  # [T, H] fp32
+    """fused_moe's twin: every token-expert pair's weights gathered densely, fp32 throughout."""
+    ids = topk_ids.long()
+    g = torch.einsum("th,tknh->tkn", x.float(), w13.float()[ids])  # [T, top_k, 2I]
+    if b13 is not None:
+        g = g + b13.float()[ids]
+    i = g.shape[-1] // 2
+    gate, up = g[..., :i], g[..., i:]
+    if activation == "silu":
+        act = torch.nn.functional.silu(gate) * up
+    else:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        act = (up + 1) * gate * torch.sigmoid(gate * swiglu_alpha)
+    y = torch.einsum("tki,tkhi->tkh", act, w2.float()[ids])  # [T, top_k, H]
+    if b2 is not None:
+        y = y + b2.float()[ids]
+    return (y * topk_weights.float()[..., None]).sum(1)

@@ -1,0 +1,118 @@
+"""Block-quantized experts on CPU: each expert's w13 [2I, H] and w2 [H, I] kept as a BlockQuantWeight
+(GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, int8; server/quant/cpu_qlinear.py) and run through qlinear's CPU kernel
+per expert, so a step reads only its chosen experts' quantized bytes. Without the kernel (no compiler),
+the torch reference (`linear_reference`) serves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from server.models.moe.config import MoEConfig
+from server.models.moe.weights import ExpertWeights
+from server.quant.cpu_qlinear import (
+    GGUF_SUPER_BLOCK_BYTES,
+    BlockQuantWeight,
+    QLinearKernel,
+    from_gguf_blocks,
+    from_gguf_k_blocks,
+    linear_reference,
+    quantize_block,
+)
+
+
+def split_gguf_experts(
+    raw: np.ndarray | Tensor, fmt: str, num_experts: int, n: int, k: int
+) -> list[BlockQuantWeight]:
+    """A GGUF stacked expert tensor -> one BlockQuantWeight [N, K] per expert.
+
+    llama.cpp stores a block's experts as one tensor (`blk.L.ffn_{gate,up,down}_exps.weight`, ggml shape
+    `{K, N, E}`, i.e. E consecutive [N, K] matrices of ggml blocks), so expert e is the e-th E-th of the
+    bytes. Formats: q4_0, q4_1, q8_0, q4_k, q6_k. Raises ValueError when the bytes do not split evenly
+    or an expert's bytes do not match its format and shape."""
+    data = torch.as_tensor(np.ascontiguousarray(raw)).view(torch.uint8).reshape(-1)
+    if num_experts < 1 or data.numel() % num_experts:
+        raise ValueError(f"{data.numel()} bytes do not split into {num_experts} experts")
+    per = data.numel() // num_experts
+    conv = from_gguf_k_blocks if fmt in GGUF_SUPER_BLOCK_BYTES else from_gguf_blocks
+    return [conv(data[e * per : (e + 1) * per], fmt, n, k) for e in range(num_experts)]
+
+
+class BlockQuantExperts:
+    """ExpertGemms over per-expert BlockQuantWeights. Raises ValueError when the lists disagree in
+    length or the weights' shapes do not chain (w13 [2I, H] then w2 [H, I])."""
+
+    def __init__(
+        self,
+        w13: list[BlockQuantWeight],  # E x [2I, H], gate rows then up rows
+        w2: list[BlockQuantWeight],  # E x [H, I]
+        b13: Tensor | None = None,  # [E, 2I] fp32
+        b2: Tensor | None = None,  # [E, H] fp32
+        kernel: QLinearKernel | None = None,
+        compute: torch.dtype = torch.float32,  # qlinear's compute: bf16 takes its bf16 batched path
+    ) -> None:
+        if len(w13) != len(w2) or not w13:
+            raise ValueError(f"w13 and w2 need one weight per expert, got {len(w13)} and {len(w2)}")
+        for e, (a, b) in enumerate(zip(w13, w2, strict=True)):
+            if a.out_features != 2 * b.in_features or b.out_features != a.in_features:
+                raise ValueError(
+                    f"expert {e}: w13 [{a.out_features}, {a.in_features}] and w2 "
+                    f"[{b.out_features}, {b.in_features}] do not chain as [2I, H] and [H, I]"
+                )
+        self.w13, self.w2 = w13, w2
+        self.b13 = None if b13 is None else b13.float().contiguous()
+        self.b2 = None if b2 is None else b2.float().contiguous()
+        self.kernel = kernel
+        self.compute = compute
+
+    @staticmethod
+    def quantize(
+        w: ExpertWeights, fmt: str, kernel: QLinearKernel | None = None, compute: torch.dtype = torch.float32
+    ) -> BlockQuantExperts:
+        """Round-to-nearest per expert into q8_0 / q4_0 / q4_1 (cpu_qlinear.quantize_block)."""
+        if w.w13 is None or w.w2 is None:
+            raise ValueError("quantize needs the dense w13 and w2")
+        return BlockQuantExperts(
+            [quantize_block(w.w13[e], fmt) for e in range(w.w13.shape[0])],
+            [quantize_block(w.w2[e], fmt) for e in range(w.w2.shape[0])],
+            w.b13,
+            w.b2,
+            kernel,
+            compute,
+        )
+
+    @staticmethod
+    def from_gguf(
+        gate: tuple[np.ndarray | Tensor, str],  # (ffn_gate_exps data, its format)
+        up: tuple[np.ndarray | Tensor, str],  # (ffn_up_exps data, its format: gate's)
+        down: tuple[np.ndarray | Tensor, str],  # (ffn_down_exps data, its format: may differ, Q4_K_M's q6_k)
+        cfg: MoEConfig,
+        kernel: QLinearKernel | None = None,
+        compute: torch.dtype = torch.float32,
+    ) -> BlockQuantExperts:
+        """From llama.cpp's stacked expert tensors (split_gguf_experts); gate and up rows concatenated per
+        expert, so they must share a format. Raises ValueError otherwise or on a size mismatch."""
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        gates = split_gguf_experts(gate[0], gate[1], e, i, h)
+        ups = split_gguf_experts(up[0], up[1], e, i, h)
+        w13 = [BlockQuantWeight.concat_rows([g, u]) for g, u in zip(gates, ups, strict=True)]
+        return BlockQuantExperts(
+            w13, split_gguf_experts(down[0], down[1], e, h, i), kernel=kernel, compute=compute
+        )
+
+    def nbytes(self) -> int:
+        return sum(q.nbytes() for q in self.w13 + self.w2)
+
+    def _linear(self, x: Tensor, w: BlockQuantWeight, bias: Tensor | None) -> Tensor:
+        x = x.float().contiguous()
+        if self.kernel is None:
+            return linear_reference(x, w, bias)
+        return self.kernel.linear(x, w, None if bias is None else bias.contiguous(), compute=self.compute)
+
+    def gate_up(self, e: int, x: Tensor) -> Tensor:  # x: [n, H] -> [n, 2I] fp32
+        return self._linear(x, self.w13[e], None if self.b13 is None else self.b13[e])
+
+    def down(self, e: int, h: Tensor) -> Tensor:  # h: [n, I] -> [n, H] fp32
+        return self._linear(h, self.w2[e], None if self.b2 is None else self.b2[e])
