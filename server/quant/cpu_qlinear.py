@@ -97,8 +97,10 @@ class BlockQuantWeight:
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
         groups = -(-k // g)
-        if self.bits == 4 and (k % BLOCK or g % BLOCK):
-            raise ValueError(f"4-bit weights need K ({k}) and group_size ({g}) to be multiples of {BLOCK}")
+        if self.bits == 4 and (k % BLOCK or (g % BLOCK and g != 16)):
+            raise ValueError(
+                f"4-bit weights need K ({k}) and group_size ({g}) to be multiples of {BLOCK} (or group_size 16)"
+            )
         if self.bits == 8 and groups > 1 and g % 16:
             raise ValueError(f"8-bit weights with several groups need group_size ({g}) a multiple of 16")
         row_bytes = k if self.bits == 8 else k // 2

@@ -1,7 +1,7 @@
-"""GGUF's 5-bit, low-bit k-quant and IQ4 blocks repacked exactly into BlockQuantWeight's int8 layout.
+"""GGUF's 5-bit, low-bit k-quant and IQ4 blocks repacked exactly into BlockQuantWeight's layouts.
 
-The CPU kernel (csrc/qlinear.cpp) runs int8 values with one scale (and maybe one min) per 16- or 32-value
-group. Each type below is rewritten into that layout at load so that the kernel's dequantized value
+The CPU kernel (csrc/qlinear.cpp) runs int8 values or nibbles with one scale (and maybe one min) per 16-
+or 32-value group. Each type below is rewritten into one of those layouts at load so that the kernel's dequantized value
 d * q (+ m) is gguf-py's `gguf.quants.dequantize` bit for bit: the products folded into a scale (d * sc,
 an fp16 times a 4- to 6-bit integer) need at most 17 significant bits, exact in fp32, and the kernel then
 performs the reference's own multiply (and add). Block layouts: ggml/src/ggml-common.h (gguf-py's
@@ -11,12 +11,14 @@ quants.py reads them the same way).
     Q5_0       5.5          q - 16 int8, fp16 d per 32                   8.5     1.55x
     Q5_1       6.0          q int8, fp16 d and m per 32                  9.0     1.50x
     Q5_K       5.5          q int8, fp32 d*sc and -dmin*m per 32         10.0    1.82x
-    Q3_K       3.44         q in -4..3 int8, fp32 d*(sc-32) per 16       10.0    2.91x
-    Q2_K       2.63         q int8, fp32 d*sc and -dmin*m per 16         12.0    4.57x
+    Q3_K       3.44         q + 4 nibbles (zero point 4), fp32 d*(sc-32)  6.0     1.75x
+                            per 16
+    Q2_K       2.63         q nibbles, fp32 d*sc and -dmin*m per 16      8.0     3.05x
     IQ4_NL     4.5          codebook value int8, fp16 d per 32           8.5     1.89x
     IQ4_XS     4.25         codebook value int8, fp32 d*(ls-32) per 32   9.0     2.12x
 
-All are still 2.7x (Q2_K) to 3.8x (Q5_0) smaller than the fp32 copy they replace. IQ4's codebook values
+All are still 3.2x (Q5_K) to 5.3x (Q3_K) smaller than the fp32 copy they replace. Q3_K's and Q2_K's
+16-value groups are the low and the high nibbles of each 32-block (the kernel's 4-bit order). IQ4's codebook values
 are int8 already (ggml's kvalues_iq4nl), so a lookup at load turns it into Q8_0's arithmetic.
 """
 
@@ -28,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from server.quant.cpu_qlinear import BlockQuantWeight
+from server.quant.cpu_qlinear import BlockQuantWeight, pack_nibbles
 
 QK = 32  # values per block of the 32-value formats
 QK_K = 256  # values per k-quant super-block
@@ -98,7 +100,7 @@ def _q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     low = ((qs >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3).reshape(nb, 16, 16)
     high = ((hmask[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(nb, 16, 16)
     # the offset 4 applies where the high bit is clear (ggml's dequantize_row_q3_K)
-    q = (low.astype(np.int8) - ((high ^ 1) << 2).astype(np.int8)).reshape(nb, QK_K)
+    q = (low | (high << 2)).reshape(nb, QK_K)  # q + 4 in 0..7: the offset 4 applies where the bit is clear
     lo = (s[:, 0:8, None] >> np.array([0, 4], np.uint8)).transpose(0, 2, 1).reshape(nb, 16) & 15
     hi = (s[:, 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)).transpose(0, 2, 1).reshape(nb, 16) & 3
     sc = (lo | (hi << 4)).astype(np.float32) - 32.0
@@ -109,7 +111,7 @@ def _q2_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     nb = b.shape[0]
     s, qs = b[:, 0:16], b[:, 16:80].reshape(nb, 2, 1, 32)
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    q = ((qs >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3).astype(np.int8).reshape(nb, QK_K)
+    q = ((qs >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3).reshape(nb, QK_K)
     return q, d * (s & 15).astype(np.float32), -(dmin * (s >> 4).astype(np.float32))
 
 
@@ -141,11 +143,13 @@ _DECODERS: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.nda
 _GROUP = {"q5_0": 32, "q5_1": 32, "q5_k": 32, "q3_k": 16, "q2_k": 16, "iq4_nl": 32, "iq4_xs": 32}
 # fp16 d (and m) used as they are: the per-block scale is the file's own fp16
 _FP16_SCALES = ("q5_0", "q5_1", "iq4_nl")
+# 4-bit values, with their zero point (the rest are int8 values, zero point 0)
+_NIBBLES = {"q3_k": 4, "q2_k": 0}
 
 
 def from_gguf_repacked(raw: np.ndarray | torch.Tensor, gguf_type: str, n: int, k: int) -> BlockQuantWeight:
     """GGUF tensor data of `gguf_type` (a key of REPACKED; [N, K / block * bytes] uint8, rows of ggml
-    blocks) -> an 8-bit BlockQuantWeight whose dequantization equals gguf-py's bit for bit (module doc).
+    blocks) -> a BlockQuantWeight (8-bit, or 4-bit for Q3_K/Q2_K) whose dequantization equals gguf-py's bit for bit (module doc).
     ValueError for an unknown type, a K that is no whole number of blocks, or the wrong byte count."""
     if gguf_type not in REPACKED:
         raise ValueError(f"{gguf_type!r} is not repacked here ({sorted(REPACKED)})")
@@ -165,14 +169,16 @@ def from_gguf_repacked(raw: np.ndarray | torch.Tensor, gguf_type: str, n: int, k
     def per_group(t: np.ndarray) -> torch.Tensor:  # [nb, groups per block] -> [N, K / group]
         return torch.from_numpy(np.ascontiguousarray(t.astype(dtype).reshape(n, k // group)))
 
+    values = torch.from_numpy(np.ascontiguousarray(q.reshape(n, k)))
+    bits, zero_point = (4, _NIBBLES[fmt]) if fmt in _NIBBLES else (8, 0)
     return BlockQuantWeight(
-        torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))),
+        pack_nibbles(values) if bits == 4 else values,
         per_group(scales),
         None if mins is None else per_group(mins),
         fmt,
-        8,
+        bits,
         group,
-        0,
+        zero_point,
         k,
         n,
     )

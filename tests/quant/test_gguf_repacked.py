@@ -26,7 +26,7 @@ from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel
 
 TYPES = ["Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
 # Resident bits per weight of each repacked layout (gguf_repack.py's table) and the file's.
-BITS = {"Q5_0": 8.5, "Q5_1": 9.0, "Q5_K": 10.0, "Q3_K": 10.0, "Q2_K": 12.0, "IQ4_NL": 8.5, "IQ4_XS": 9.0}
+BITS = {"Q5_0": 8.5, "Q5_1": 9.0, "Q5_K": 10.0, "Q3_K": 6.0, "Q2_K": 8.0, "IQ4_NL": 8.5, "IQ4_XS": 9.0}
 FILE_BITS = {
     t: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]][1]
     * 8
@@ -38,8 +38,8 @@ MEMORY_BOUND = {
     "Q5_0": 1.55,
     "Q5_1": 1.5,
     "Q5_K": 1.82,
-    "Q3_K": 2.91,
-    "Q2_K": 4.58,
+    "Q3_K": 1.75,
+    "Q2_K": 3.05,
     "IQ4_NL": 1.89,
     "IQ4_XS": 2.12,
 }
@@ -63,7 +63,7 @@ def kernel() -> QLinearKernel:
 def test_repacked_values_are_gguf_py_dequantization_bit_for_bit(kernel: QLinearKernel, kind: str) -> None:
     n, k = 24, 512
     w, ref = _weight(kind, n, k)
-    assert w.fmt == kind.lower() and w.bits == 8
+    assert w.fmt == kind.lower() and w.bits == (4 if kind in ("Q3_K", "Q2_K") else 8)
     expected = torch.from_numpy(ref)
     assert torch.equal(cq.dequantize_reference(w), expected)
     assert torch.equal(kernel.dequantize_rows(w), expected)
