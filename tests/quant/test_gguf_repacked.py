@@ -294,10 +294,12 @@ def test_greedy_parity_through_the_engine_and_decode_graph(
 
 
 def test_types_still_dequantized_are_named_with_their_cost(
-    template: Path, tmp_path: Path, cache: Path
+    template: Path, tmp_path: Path, cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """IQ2_XXS (no kept layout) and an F16 embedding are read as fp32: the loader lists them with the
-    bytes they cost beyond the file's; the Q5_K rest stays quantized."""
+    """IQ2_XXS (no kept layout) and an F16 embedding are read as fp32: the loader logs and lists them
+    with the bytes they cost beyond the file's; the Q5_K rest stays quantized."""
+    import logging
+
     from server.models.loader import load_gguf_model
 
     kinds = {
@@ -306,7 +308,12 @@ def test_types_still_dequantized_are_named_with_their_cost(
         "model.embed_tokens.weight": "F16",
     }
     path, hf = _gguf_and_hf(template, tmp_path, kinds, tokenizer=False, embedding_fmt="F16")
-    loaded = load_gguf_model(path, hf, torch.device("cpu"), 64, cache)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_gguf_model(path, hf, torch.device("cpu"), 64, cache)
+    logged = caplog.text
+    assert "blk.0.ffn_down.weight (IQ2_XXS) is served as fp32: 786432 bytes resident, 735744 more" in logged
+    assert "token_embd.weight (F16) is served as fp32" in logged
+    assert "2 tensors served as fp32 (F16, IQ2_XXS)" in logged
     layer0: Any = loaded.model.model.layers[0]
     assert not isinstance(layer0.mlp.down_proj, BlockQuantLinear)
     assert isinstance(layer0.mlp.up_proj, BlockQuantLinear)
