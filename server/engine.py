@@ -40,6 +40,7 @@ from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
 from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype, pack_int8_weights
+from server.quant.gguf_checkpoint import DequantizedTensor
 from server.request import (
     FinishReason,
     GrammarSpec,
@@ -99,6 +100,8 @@ class EngineInfo:
     device: str
     gemm_dtype: str = "float32"  # block-quantized projections' large GEMMs (server/quant/gemm_dtype.py)
     kv_cache_dtype: str = "float32"  # the KV cache's element type (server/attention/kv_cache_dtype.py)
+    # a GGUF served as it is: the tensors held as fp32 because no kept layout takes their type (/info)
+    gguf_dequantized: tuple[DequantizedTensor, ...] | None = None
 
 
 class LLMEngine:
@@ -310,6 +313,7 @@ class LLMEngine:
             device=str(self.device),
             gemm_dtype=str(self.gemm_dtype).removeprefix("torch."),
             kv_cache_dtype=dtype_name(self.kv_cache_dtype),
+            gguf_dequantized=self.loaded.gguf_dequantized,
         )
 
     # ---- requests -----------------------------------------------------------------------------

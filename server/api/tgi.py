@@ -460,6 +460,22 @@ async def info(request: Request) -> Response:
             "quantization": i.quantization,
             "num_parameters": i.num_parameters,
             "weight_bytes": i.weight_bytes,
+            # a GGUF served as it is: the tensors held as fp32 (no kept layout for their type), each with
+            # its bytes resident and beyond the file's; null for other models
+            "gguf_dequantized": None
+            if i.gguf_dequantized is None
+            else {
+                "tensors": [
+                    {
+                        "name": d.name,
+                        "type": d.gguf_type,
+                        "resident_bytes": d.resident_bytes,
+                        "extra_bytes": d.extra_bytes,
+                    }
+                    for d in i.gguf_dequantized
+                ],
+                "extra_bytes": sum(d.extra_bytes for d in i.gguf_dequantized),
+            },
             "kv_block_size": i.block_size,
             "kv_blocks": i.num_kv_blocks,
             "kv_cache_dtype": i.kv_cache_dtype,

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -36,6 +36,9 @@ from server.cpu_features import CpuFeatures, apply_disable
 from server.models.arch import ArchConfig, UnsupportedModelError
 from server.models.llama import LlamaForCausalLM
 from server.native import KernelBuildError, usable_cpu_features
+
+if TYPE_CHECKING:
+    from server.quant.gguf_checkpoint import DequantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -366,6 +369,8 @@ class LoadedModel:
     quantization: str | None
     num_parameters: int
     weight_bytes: int
+    # a GGUF served as it is: its tensors held as fp32 (no kept layout for their type); None otherwise
+    gguf_dequantized: tuple[DequantizedTensor, ...] | None = None
 
 
 def _drop_zero_biases_of_quantized_layers(state: dict[str, torch.Tensor], expected: set[str]) -> None:
@@ -519,6 +524,14 @@ def load_gguf_model(
 
     kinds = sorted(set(quantized.values()))
     log.info("GGUF %s served quantized: %d tensors (%s)", gguf.name, len(quantized), ", ".join(kinds))
+    if ckpt.dequantized:
+        log.warning(
+            "GGUF %s: %d tensors served as fp32 (%s), %d bytes more than in the file",
+            gguf.name,
+            len(ckpt.dequantized),
+            ", ".join(sorted({d.gguf_type for d in ckpt.dequantized})),
+            sum(d.extra_bytes for d in ckpt.dequantized),
+        )
     return LoadedModel(
         model=model,
         arch=arch,
@@ -526,4 +539,5 @@ def load_gguf_model(
         quantization="gguf-" + "+".join(kinds) if kinds else None,
         num_parameters=arch.num_parameters,
         weight_bytes=quant.weight_bytes(model),
+        gguf_dequantized=tuple(ckpt.dequantized),
     )

@@ -14,6 +14,8 @@ min) per group of `group_size` consecutive k:
     int4    4     G      0           yes    fp32   int4 group-wise with zero points (AWQ, GPTQ, RTN)
     q4_k    4     32     0           yes    fp32   GGUF block_q4_K, repacked at load (below)
     q6_k    8     16     0           -      fp32   GGUF block_q6_K, repacked at load (below)
+    q5_0 q5_1 q5_k q3_k q2_k iq4_nl iq4_xs: 8-bit, groups of 32 (16: q3_k, q2_k), repacked at load
+            from GGUF's blocks (gguf_repack.py, which gives each one's scales, mins and memory)
 
 The k-quants' 256-value super-blocks hold 6-bit (Q4_K) or 8-bit (Q6_K) sub-block scales under one fp16
 super-scale: w = d * sc_j * q - dmin * m_j (Q4_K, 32-value sub-blocks), w = d * sc_j * (q - 32) (Q6_K,
@@ -65,6 +67,8 @@ GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 QK_K = 256  # values per k-quant super-block
 GGUF_SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # block_q4_K, block_q6_K (ggml-common.h)
 FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k")
+# GGUF types repacked into 8-bit groups at load (gguf_repack.py)
+REPACKED_FORMATS = ("q5_0", "q5_1", "q5_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs")
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,17 @@ class BlockQuantWeight:
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group_size
-        if self.fmt not in FORMATS:
-            raise ValueError(f"unknown block format {self.fmt!r}; expected one of {FORMATS}")
+        if self.fmt not in FORMATS + REPACKED_FORMATS:
+            raise ValueError(
+                f"unknown block format {self.fmt!r}; expected one of {FORMATS + REPACKED_FORMATS}"
+            )
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
         groups = -(-k // g)
-        if self.bits == 4 and (k % BLOCK or g % BLOCK):
-            raise ValueError(f"4-bit weights need K ({k}) and group_size ({g}) to be multiples of {BLOCK}")
+        if self.bits == 4 and (k % BLOCK or (g % BLOCK and g != 16)):
+            raise ValueError(
+                f"4-bit weights need K ({k}) and group_size ({g}) to be multiples of {BLOCK} (or group_size 16)"
+            )
         if self.bits == 8 and groups > 1 and g % 16:
             raise ValueError(f"8-bit weights with several groups need group_size ({g}) a multiple of 16")
         row_bytes = k if self.bits == 8 else k // 2

@@ -5,8 +5,10 @@ shapes in ggml order (ne0 = in_features first), and for the "llama" architecture
 permuted by convert_hf_to_gguf.py for ggml's rotary layout. The permutation is undone here on whole rows,
 so quantized rows move without being touched (exactly what transformers' GGUF loader does on the
 dequantized matrix). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (the k-quants repacked into
-per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks); other quantized types (Q2_K, Q3_K,
-Q5_K, IQ*) are dequantized to fp32 by gguf-py and served as float, with a log line saying so.
+per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks), and so do Q5_0, Q5_1, Q5_K, Q3_K,
+Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py). Any other type (IQ2_*,
+IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
+`GgufCheckpoint.dequantized` with the memory it costs beyond its bytes in the file (/info shows it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from server.quant.cpu_qlinear import BlockQuantWeight, from_gguf_blocks, from_gguf_k_blocks
+from server.quant.gguf_repack import REPACKED, from_gguf_repacked
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +67,28 @@ def rotary_unpermute(n_rows: int, n_head: int) -> Tensor:  # [n_rows] int64
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
+@dataclass(frozen=True)
+class DequantizedTensor:
+    """A GGUF tensor held as fp32 because no kept layout takes its type."""
+
+    name: str  # the GGUF tensor name, e.g. blk.0.attn_q.weight
+    gguf_type: str  # e.g. IQ2_XXS, F16
+    file_bytes: int  # its bytes in the file
+    resident_bytes: int  # the fp32 copy's bytes
+
+    @property
+    def extra_bytes(self) -> int:
+        """Memory beyond the file's bytes for this tensor (never negative)."""
+        return max(0, self.resident_bytes - self.file_bytes)
+
+
 @dataclass
 class GgufCheckpoint:
     architecture: str  # general.architecture, e.g. "llama"
     tensors: dict[str, Tensor | BlockQuantWeight] = field(default_factory=dict)  # HF name -> tensor
     formats: dict[str, int] = field(default_factory=dict)  # GGUF type name -> tensor count
+    dequantized: list[DequantizedTensor] = field(default_factory=list)  # quantized or 16-bit, now fp32
+    file_tensor_bytes: int = 0  # bytes of the tensors read (the ones we use), as stored in the file
 
     def quantized_bytes(self) -> int:
         return sum(t.nbytes() for t in self.tensors.values() if isinstance(t, BlockQuantWeight))
@@ -99,20 +119,35 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
         kind = t.tensor_type.name
         ckpt.formats[kind] = ckpt.formats.get(kind, 0) + 1
         shape = [int(s) for s in reversed(t.shape.tolist())]  # ggml ne order -> [N, K]
+        ckpt.file_tensor_bytes += int(t.n_bytes)
         value: Tensor | BlockQuantWeight
         if kind in _KEPT and len(shape) == 2:
             # t.data is a view of the file's memory map: only the repacked copies stay resident.
             value = from_gguf_blocks(t.data, _KEPT[kind], shape[0], shape[1])
         elif kind in _KEPT_K and len(shape) == 2:
             value = from_gguf_k_blocks(t.data, _KEPT_K[kind], shape[0], shape[1])
+        elif kind in REPACKED and len(shape) == 2:
+            value = from_gguf_repacked(t.data, kind, shape[0], shape[1])
         elif kind in _FLOAT:
             value = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
+            if kind != "F32":
+                ckpt.dequantized.append(DequantizedTensor(t.name, kind, int(t.n_bytes), value.nbytes))
         else:
             try:
                 value = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(shape)
             except NotImplementedError as e:
                 raise ValueError(f"{path.name}: tensor {t.name} has type {kind}, which cannot be read") from e
-            log.info("%s: %s (%s) is served dequantized to fp32", path.name, t.name, kind)
+            ckpt.dequantized.append(DequantizedTensor(t.name, kind, int(t.n_bytes), value.nbytes))
+        if ckpt.dequantized and ckpt.dequantized[-1].name == t.name:
+            d = ckpt.dequantized[-1]
+            log.warning(
+                "%s: %s (%s) is served as fp32: %d bytes resident, %d more than in the file",
+                path.name,
+                t.name,
+                kind,
+                d.resident_bytes,
+                d.extra_bytes,
+            )
         if arch == "llama" and n_head and (".q_proj." in name or ".k_proj." in name):
             heads = n_head if ".q_proj." in name else n_kv
             assert heads is not None

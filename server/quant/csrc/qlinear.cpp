@@ -8,9 +8,9 @@
 //           byte j holding k = 32b + j (low nibble) and k = 32b + j + 16 (high nibble): GGUF's order.
 //   scales  [groups] fp16 or fp32     w[n, k] = scale[n, g] * (q[n, k] - zero_point) (+ min[n, g])
 //   mins    [groups] or none          with g = k / group_size
-// Groups are whole 32-blocks (4-bit) or 16-value runs (8-bit with several groups: Q6_K's 16-value
-// sub-blocks); an 8-bit single group (per-channel int8) may have any K, its last K % 32 values handled
-// one by one.
+// Groups are whole 32-blocks or 16-value runs (Q6_K's 16-value sub-blocks at 8 bits; Q3_K's and Q2_K's
+// at 4 bits: a 32-block's low nibbles are one group, its high nibbles the next); an 8-bit single group
+// (per-channel int8) may have any K, its last K % 32 values handled one by one.
 //
 // Two paths, both parallel over output columns (OpenMP, torch's libgomp):
 //   gemv    (M <= gemv_max_rows = 4, decode): four rows of W at a time, each 32-block decoded in registers
@@ -160,6 +160,29 @@ inline void decode_raw(const uint8_t* p, __m256 out[4]) {
   }
 }
 
+// The 16 values k, k + 1, ..., k + 15 (k a multiple of 16) minus zero_point: 2 x 8 floats. At 4 bits they
+// are the low (k % 32 == 0) or high nibbles of the 16 bytes of k's 32-block.
+template <int BITS>
+inline void decode_run16(const uint8_t* row, int64_t k, __m256 zp, __m256& v0, __m256& v1) {
+  if constexpr (BITS == 8) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+    v0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), zp);
+    v1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), zp);
+  } else {
+    const uint8_t* p = row + (k / 32) * 16;
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    if (k % 32) {
+      a = _mm256_srli_epi32(a, 4), b = _mm256_srli_epi32(b, 4);
+    } else {
+      const __m256i mask = _mm256_set1_epi32(0x0f);
+      a = _mm256_and_si256(a, mask), b = _mm256_and_si256(b, mask);
+    }
+    v0 = _mm256_sub_ps(_mm256_cvtepi32_ps(a), zp);
+    v1 = _mm256_sub_ps(_mm256_cvtepi32_ps(b), zp);
+  }
+}
+
 // [sum(v0), sum(v1), ..., sum(v7)]
 inline __m256 hsum8(const __m256 v[8]) {
   const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
@@ -244,14 +267,11 @@ void dequant_rows(const KiQWeight& w, const int64_t* rows, int64_t n0, int R, fl
           _mm256_storeu_ps(out + k + 8 * i, _mm256_add_ps(_mm256_mul_ps(dv, v[i]), mv));
         }
       }
-      if constexpr (BITS == 8) {  // 16-value groups (Q6_K)
-        for (; k + 16 <= k1; k += 16) {
-          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
-          const __m256 v0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), zp);
-          const __m256 v1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), zp);
-          _mm256_storeu_ps(out + k, _mm256_add_ps(_mm256_mul_ps(dv, v0), mv));
-          _mm256_storeu_ps(out + k + 8, _mm256_add_ps(_mm256_mul_ps(dv, v1), mv));
-        }
+      for (; k + 16 <= k1; k += 16) {  // 16-value groups (Q6_K; Q3_K and Q2_K at 4 bits)
+        __m256 v0, v1;
+        decode_run16<BITS>(row, k, zp, v0, v1);
+        _mm256_storeu_ps(out + k, _mm256_add_ps(_mm256_mul_ps(dv, v0), mv));
+        _mm256_storeu_ps(out + k + 8, _mm256_add_ps(_mm256_mul_ps(dv, v1), mv));
       }
 #endif
       for (; k < k1; ++k) out[k] = d * (static_cast<float>(q_at<BITS>(row, k)) - zpf) + m;
@@ -293,16 +313,13 @@ void gemv_rows(const KiQWeight& w, const float* x, int64_t n0, float* y) {
         part[r] = _mm256_add_ps(part[r], p);
       }
     }
-    if constexpr (BITS == 8) {  // 16-value groups (Q6_K)
-      for (; k + 16 <= k1; k += 16) {
-        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        if (w.mins) xsum = _mm256_add_ps(xsum, _mm256_add_ps(x0, x1));
-        for (int r = 0; r < R; ++r) {
-          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + k));
-          const __m256 v0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), zp);
-          const __m256 v1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), zp);
-          part[r] = _mm256_fmadd_ps(v1, x1, _mm256_fmadd_ps(v0, x0, part[r]));
-        }
+    for (; k + 16 <= k1; k += 16) {  // 16-value groups (Q6_K; Q3_K and Q2_K at 4 bits)
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      if (w.mins) xsum = _mm256_add_ps(xsum, _mm256_add_ps(x0, x1));
+      for (int r = 0; r < R; ++r) {
+        __m256 v0, v1;
+        decode_run16<BITS>(row[r], k, zp, v0, v1);
+        part[r] = _mm256_fmadd_ps(v1, x1, _mm256_fmadd_ps(v0, x0, part[r]));
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -872,7 +889,10 @@ bool valid(const KiQWeight* w) {
   if (w->bits != 4 && w->bits != 8) return false;
   if (w->compute != KI_COMPUTE_FP32 && w->compute != KI_COMPUTE_BF16) return false;
   if ((w->groups - 1) * w->group_size >= w->k || w->groups * w->group_size < w->k) return false;
-  if (w->bits == 4 && (w->k % 32 || w->group_size % 32 || w->row_bytes != w->k / 2)) return false;
+  // 4-bit groups: whole 32-blocks, or the 16-value halves of every 32-block (a group never straddles a block)
+  if (w->bits == 4 && (w->k % 32 || (w->group_size % 32 && w->group_size != 16) || w->row_bytes != w->k / 2)) {
+    return false;
+  }
   if (w->bits == 8 && (w->row_bytes != w->k || (w->groups > 1 && w->group_size % 16))) return false;
   return true;
 }
