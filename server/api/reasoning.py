@@ -1,0 +1,123 @@
+"""`--reasoning-parser`: a thinking model's `<think>...</think>` text split from its answer, as vLLM's
+parsers of the same names split it.
+
+Whole outputs (`split`, vLLM's `extract_reasoning`):
+  deepseek_r1: a leading `<think>` is dropped; without `</think>` the whole output is reasoning
+      (DeepSeek-R1's template opens the thinking in the prompt); else reasoning is the text before
+      `</think>` and content the text after it (None when empty).
+  qwen3: without `</think>` the whole output is content (a model told not to think, or a non-thinking
+      template); else as deepseek_r1 (a leading `<think>` dropped: Qwen3-Thinking models open it in
+      the prompt).
+Streams (`ReasoningStream`, vLLM's streaming rule): text is reasoning from the start (deepseek_r1, or
+qwen3 when the output opens with `<think>` or the prompt ended inside an open `<think>`) until
+`</think>`, content after it; a tag split across deltas is held back until it is whole. As in vLLM,
+a qwen3 stream cut inside an opened thinking block streams reasoning where the whole-output split
+would call the text content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    reasoning: str | None
+    content: str | None
+
+
+def _held(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ReasoningParser:
+    """One parser by vLLM name; `split` for a whole output, `stream()` for deltas."""
+
+    def __init__(self, name: str) -> None:
+        if name not in ("deepseek_r1", "qwen3"):
+            raise ValueError(f"unknown reasoning parser {name!r}")
+        self.name = name
+
+    def split(self, text: str) -> ReasoningSplit:
+        if self.name == "qwen3" and END not in text:
+            return ReasoningSplit(None, text)
+        before, tag, after = text.partition(START)
+        body = after if tag else before  # text before a <think> is dropped, as vLLM drops it
+        if END not in body:
+            return ReasoningSplit(body, None)
+        reasoning, _, content = body.partition(END)
+        return ReasoningSplit(reasoning, content or None)
+
+    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream:
+        return ReasoningStream(self.name == "deepseek_r1" or prompt_opens_thinking, self.name == "qwen3")
+
+
+class ReasoningStream:
+    """Text deltas -> (reasoning delta, content delta); the pieces add up to what was fed, tags aside."""
+
+    def __init__(self, thinking: bool, wait_for_start: bool) -> None:
+        self._buf = ""
+        # None: not known yet whether the output opens a thinking block (qwen3 without a prompt hint)
+        self._thinking: bool | None = True if thinking else (None if wait_for_start else False)
+        self._started = False  # a leading <think> was consumed or ruled out
+        self.reasoning_text = ""
+        self.content_text = ""
+        self.ended = False  # </think> seen
+
+    @property
+    def in_reasoning(self) -> bool:
+        return bool(self._thinking) and not self.ended
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, str]:
+        self._buf += delta
+        reasoning, content = "", ""
+        while True:
+            if not self._started:
+                stripped = self._buf.lstrip()
+                if stripped.startswith(START):
+                    self._buf = stripped[len(START) :]
+                    self._started = True
+                    self._thinking = True
+                    continue
+                if START.startswith(stripped) and not finished:
+                    break  # may still become <think>
+                self._started = True
+                if self._thinking is None:
+                    self._thinking = False
+                continue
+            if self._thinking and not self.ended:
+                at = self._buf.find(END)
+                if at != -1:
+                    reasoning += self._buf[:at]
+                    self._buf = self._buf[at + len(END) :]
+                    self.ended = True
+                    continue
+                keep = 0 if finished else _held(self._buf, END)
+                reasoning += self._buf[: len(self._buf) - keep]
+                self._buf = self._buf[len(self._buf) - keep :]
+                break
+            content += self._buf
+            self._buf = ""
+            break
+        self.reasoning_text += reasoning
+        self.content_text += content
+        return reasoning, content
+
+
+def count_reasoning_tokens(token_texts: list[str], split: ReasoningSplit) -> int:
+    """How many output tokens the reasoning took: those up to the one completing `</think>`, or all
+    of them when the whole output is reasoning (usage's reasoning_tokens)."""
+    if split.reasoning is None:
+        return 0
+    seen = ""
+    for i, t in enumerate(token_texts):
+        seen += t
+        if END in seen:
+            return i + 1
+    return len(token_texts)
