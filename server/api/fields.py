@@ -54,6 +54,7 @@ _STRUCT = "test_api_regex_and_choice_both_apis"
 _ROUTER = "test_api_conf_router_added_fields_at_defaults"
 _TOOLS = "test_api_tool_loop_required_named_and_stream"
 _RESP = "test_api_responses_sdk_create_stream_retrieve_delete"
+_REASONING = "test_api_reasoning_chat_split_stream_and_template_kwargs"
 _RESP_TOOLS = "test_api_responses_tools_through_previous_response_id"
 
 FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
@@ -154,6 +155,10 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "continue_final_message": _impl("test_api_conf_chat_echo_and_continue"),
         "echo": _impl("test_api_conf_chat_echo_and_continue"),
         "prompt_logprobs": _impl(_SCORE),
+        "chat_template_kwargs": _impl(
+            _REASONING, "variables for the chat template, e.g. enable_thinking (vLLM)"
+        ),
+        "reasoning_effort": _impl(_REASONING, "passed to templates that read reasoning_effort; else 400"),
         "separate_reasoning": _partial(
             _ROUTER, False, "true (vllm-router's default) accepted; no reasoning parser"
         ),

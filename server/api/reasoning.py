@@ -18,6 +18,9 @@ would call the text content.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from .errors import validation
 
 START, END = "<think>", "</think>"
 
@@ -121,3 +124,66 @@ def count_reasoning_tokens(token_texts: list[str], split: ReasoningSplit) -> int
         if END in seen:
             return i + 1
     return len(token_texts)
+
+
+# ---- the routes' side -----------------------------------------------------------------------------
+# Names the template call sets itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KEYS = frozenset(
+    {"messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template"}
+)
+EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def template_kwargs(
+    tokenizer: Any, kwargs: dict[str, Any] | None, effort: str | None, effort_param: str
+) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs plus `reasoning_effort` for the template; an effort the template
+    would not read is a 400 naming `effort_param`."""
+    out = dict(kwargs or {})
+    bad = sorted(_RESERVED_TEMPLATE_KEYS & out.keys())
+    if bad:
+        raise validation(f"chat_template_kwargs may not set {bad[0]!r}", "chat_template_kwargs")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise validation(f"{effort_param} must be one of {', '.join(EFFORTS)}", effort_param)
+        if not tokenizer.chat_template_mentions("reasoning_effort"):
+            raise validation(
+                f"{effort_param}: this model's chat template takes no reasoning_effort", effort_param
+            )
+        out["reasoning_effort"] = effort
+    return out
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """How a request's output is split: the parser (None: no --reasoning-parser) and whether the
+    prompt ends inside an open thinking block (the stream starts in reasoning)."""
+
+    parser: ReasoningParser | None
+    opens_thinking: bool = False
+
+    def stream(self) -> ReasoningStream | None:
+        return self.parser.stream(self.opens_thinking) if self.parser is not None else None
+
+
+def plan_reasoning(
+    parser_name: str | None, tokenizer: Any, prompt_ids: list[int], answer_constraint: str | None
+) -> ReasoningPlan:
+    """The request's ReasoningPlan. `answer_constraint` names a field whose grammar is meant for the
+    answer (response_format, text.format, a forced tool_choice): under a reasoning parser it is
+    refused unless the prompt already closed the thinking block (e.g. enable_thinking false), since
+    the grammar would otherwise hold from the first token and forbid the thinking (a grammar that
+    starts after </think> is not implemented)."""
+    if parser_name is None:
+        return ReasoningPlan(None)
+    tail = tokenizer.decode(prompt_ids[-8:]).rstrip()
+    if answer_constraint is not None and not tail.endswith(END):
+        raise validation(
+            f"{answer_constraint} with --reasoning-parser needs the thinking closed in the prompt "
+            '(e.g. chat_template_kwargs {"enable_thinking": false}): the grammar would constrain the '
+            "thinking too, and one starting after </think> is not supported",
+            answer_constraint,
+        )
+    if tail.endswith(END):  # thinking is off for this request: the whole output is the answer
+        return ReasoningPlan(None)
+    return ReasoningPlan(ReasoningParser(parser_name), tail.endswith(START))

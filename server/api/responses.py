@@ -30,7 +30,14 @@ from .errors import APIError, ErrorKind, Family, validation
 from .generation import Generation, check_request, make_params, resolve_adapter, stream_engine
 from .openai import Deferred, EventStreamResponse, Job, _serve
 from .protocol import parse
-from .reasoning import END, START, ReasoningParser, ReasoningSplit, ReasoningStream, count_reasoning_tokens
+from .reasoning import (
+    ReasoningPlan,
+    ReasoningSplit,
+    ReasoningStream,
+    count_reasoning_tokens,
+    plan_reasoning,
+    template_kwargs,
+)
 from .response_store import owner_of
 from .responses_output import OutputBuilder
 from .responses_protocol import (
@@ -50,7 +57,6 @@ router = APIRouter(tags=["OpenAI"])
 # `include` values this server can honour; none yet (logprobs and encrypted reasoning are not kept).
 _INCLUDE: frozenset[str] = frozenset()
 _METADATA_KEYS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
-_EFFORTS = ("minimal", "low", "medium", "high")
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,7 @@ class Prepared:
     ids: list[int]  # the prompt's token ids
     params: SamplingParams
     plan: ToolPlan
-    parser: ReasoningParser | None
-    opens_thinking: bool  # the prompt ends inside an open <think>
+    reasoning: ReasoningPlan
     history: list[dict[str, Any]]  # the conversation without instructions (stored for the next turn)
     items: list[dict[str, Any]]  # this request's input items (input_items)
     owner: str
@@ -116,16 +121,7 @@ def _template_kwargs(state: ServerState, req: ResponsesRequest) -> dict[str, Any
             raise validation(f"reasoning.{key} is not supported", f"reasoning.{key}")
     if r.get("summary") is not None or r.get("generate_summary") is not None:
         raise validation("reasoning.summary is not supported (no summarizer)", "reasoning.summary")
-    effort = r.get("effort")
-    if effort is None:
-        return {}
-    if effort not in _EFFORTS:
-        raise validation(f"reasoning.effort must be one of {', '.join(_EFFORTS)}", "reasoning.effort")
-    if not state.llm.tokenizer.chat_template_mentions("reasoning_effort"):
-        raise validation(
-            "reasoning.effort: this model's chat template takes no reasoning_effort", "reasoning.effort"
-        )
-    return {"reasoning_effort": effort}
+    return template_kwargs(state.llm.tokenizer, None, r.get("effort"), "reasoning.effort")
 
 
 async def _render(
@@ -198,16 +194,9 @@ async def _prepare(state: ServerState, req: ResponsesRequest, owner: str) -> Pre
             "give one output constraint, got text.format and a forced tool_choice", "text.format"
         )
     ids = await _prompt(state, req, history, plan)
-    parser = ReasoningParser(state.config.reasoning_parser) if state.config.reasoning_parser else None
-    tail = state.llm.tokenizer.decode(ids[-8:]).rstrip() if parser is not None else ""
-    opens = tail.endswith(START)
-    if parser is not None and specs and not tail.endswith(END):
-        # The grammar would constrain the thinking too, from its first token (not yet started after </think>).
-        raise validation(
-            f"{specs[0][1]} with --reasoning-parser needs thinking off for this request "
-            "(e.g. a template whose prompt closes the thinking block); a grammar after </think> is not supported",
-            specs[0][1],
-        )
+    reasoning = plan_reasoning(
+        state.config.reasoning_parser, state.llm.tokenizer, ids, specs[0][1] if specs else None
+    )
     spec = specs[0][0] if specs else None
     if specs:
         await compile_spec(state, *specs[0])
@@ -230,8 +219,7 @@ async def _prepare(state: ServerState, req: ResponsesRequest, owner: str) -> Pre
         ids,
         params,
         plan,
-        parser,
-        opens,
+        reasoning,
         history,
         conv.items,
         owner,
@@ -307,8 +295,8 @@ def _unary(state: ServerState, p: Prepared, g: Generation) -> dict[str, Any]:
     b = OutputBuilder(p.plan)
     answer = g.text
     reasoning_tokens = 0
-    if p.parser is not None:
-        split = p.parser.split(g.text)
+    if p.reasoning.parser is not None:
+        split = p.reasoning.parser.split(g.text)
         b.add_reasoning(split.reasoning or "")
         answer = split.content or ""
         reasoning_tokens = count_reasoning_tokens(g.token_texts, split)
@@ -330,7 +318,7 @@ def _stream(state: ServerState, p: Prepared) -> EventStreamResponse:
         yield frame({"type": "response.created", "response": start})
         yield frame({"type": "response.in_progress", "response": start})
         b = OutputBuilder(p.plan)
-        rs = p.parser.stream(p.opens_thinking) if p.parser is not None else None
+        rs = p.reasoning.stream()
         g = Generation(prompt_ids=p.ids)
         try:
             async for out in stream_engine(state, p.ids, p.params, p.lora):

@@ -1,0 +1,275 @@
+"""--reasoning-parser: the split equals vLLM's on its documented cases (deepseek_r1, qwen3), streamed
+deltas add up to the whole split, and a live server over a tiny random Qwen3 with a thinking chat
+template returns thinking apart from the answer on chat completions and /v1/responses. A random
+model never closes its thinking on its own, so a vLLM regex grammar over the whole output forces a
+thinking span and its `</think>`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import free_port, wait_ready
+
+from server.api.reasoning import ReasoningParser
+
+# ---- the split, as vLLM's tests state it ---------------------------------------------------------
+R, C = "This is a reasoning section", "This is the rest"
+CASES: list[tuple[str, str, str | None, str | None]] = [
+    # parser, output, reasoning, content
+    ("deepseek_r1", f"<think>{R}</think>{C}", R, C),
+    ("deepseek_r1", f"{R}</think>{C}", R, C),  # no start tag: still split at </think>
+    ("deepseek_r1", R, R, None),  # no end tag: all reasoning
+    ("deepseek_r1", f"<think>{R}", R, None),
+    ("deepseek_r1", f"<think>{R}</think>", R, None),
+    ("deepseek_r1", f"<think>{R}\nline</think>{C}\nThat", f"{R}\nline", f"{C}\nThat"),
+    ("qwen3", f"<think>{R}</think>{C}", R, C),
+    ("qwen3", C, None, C),  # no </think>: all content
+    ("qwen3", f"<think>{R}", None, f"<think>{R}"),  # an open tag alone: content
+    ("qwen3", f"<think>{R}</think>", R, None),
+    ("qwen3", f"{R}</think>{C}", R, C),  # Qwen3-Thinking: <think> was in the prompt
+    ("qwen3", f"<think>{R}\nsection</think>{C}\nThat", f"{R}\nsection", f"{C}\nThat"),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"), CASES)
+def test_reasoning_split_matches_vllm(
+    name: str, text: str, reasoning: str | None, content: str | None
+) -> None:
+    split = ReasoningParser(name).split(text)
+    assert (split.reasoning, split.content) == (reasoning, content)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"), CASES)
+def test_reasoning_stream_adds_up(
+    name: str, text: str, reasoning: str | None, content: str | None, size: int
+) -> None:
+    opens = name == "qwen3" and not text.startswith("<think>") and "</think>" in text
+    rs = ReasoningParser(name).stream(prompt_opens_thinking=opens)
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    got_r, got_c = "", ""
+    for i, p in enumerate(pieces):
+        r, c = rs.feed(p, i == len(pieces) - 1)
+        got_r, got_c = got_r + r, got_c + c
+    if name == "qwen3" and text == f"<think>{R}":
+        # vLLM streams an opened, never closed thinking block as reasoning (its non-stream split says content)
+        assert (got_r, got_c) == (R, "")
+    else:
+        assert (got_r, got_c) == (reasoning or "", content or "")
+
+
+def test_reasoning_parser_names() -> None:
+    from server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="harmony"):
+        ServerConfig(reasoning_parser="openai_gptoss")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerConfig(reasoning_parser="nope")
+
+
+# ---- a live server over a tiny Qwen3 with a thinking template ------------------------------------
+TEMPLATE = """{%- if tools %}<|im_start|>system
+Tools: {{ tools | tojson }}<|im_end|>
+{% endif %}{%- if reasoning_effort is defined %}<|im_start|>system
+Reasoning effort: {{ reasoning_effort }}<|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' and m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content }}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+
+NAME = "tiny-thinker"
+
+
+@dataclasses.dataclass
+class Thinker:
+    url: str
+    state: Any
+
+    def parser(self, name: str) -> Any:
+        return dataclasses.replace(self.state.config, reasoning_parser=name)
+
+
+@pytest.fixture(scope="module")
+def thinker(
+    tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Thinker]:
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.api.state import ServerState
+    from server.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+    from server.engine import LLMEngine
+
+    template = tmp_path_factory.mktemp("thinker") / "thinking.jinja"
+    template.write_text(TEMPLATE)
+    engine_cfg = EngineConfig(
+        model=ModelConfig(
+            model=str(tiny_model_factory("qwen3")),
+            dtype="float32",
+            served_model_name=NAME,
+            chat_template=str(template),
+        ),
+        cache=CacheConfig(num_kv_blocks=64),
+        max_num_seqs=8,
+        num_threads=1,
+    )
+    port = free_port()
+    config = ServerConfig(engine=engine_cfg, host="127.0.0.1", port=port, reasoning_parser="deepseek_r1")
+    llm = LLMEngine(engine_cfg)
+    state = ServerState(config, engine_factory=lambda: llm)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    yield Thinker(url, state)
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+FORCED = r"[a-z]{3,8} [a-z]{3,8}</think>\n\n[A-Z][a-z]{2,8}\."
+USER = [{"role": "user", "content": "Think, then answer."}]
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _chat_stream(client: openai.OpenAI, **kw: Any) -> tuple[str, str, dict[str, Any]]:
+    reasoning, content = "", ""
+    last: dict[str, Any] = {}
+    for chunk in client.chat.completions.create(model=NAME, messages=USER, stream=True, **kw):  # type: ignore[arg-type]
+        if chunk.choices:
+            d = chunk.choices[0].delta.model_dump()
+            assert d.get("reasoning") == d.get("reasoning_content")
+            reasoning += d.get("reasoning_content") or ""
+            content += d.get("content") or ""
+            last = chunk.model_dump()
+    return reasoning, content, last
+
+
+def test_api_reasoning_chat_split_stream_and_template_kwargs(
+    thinker: Thinker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = _client(thinker.url)
+    forced = {"extra_body": {"structured_outputs": {"regex": FORCED}}, "seed": 3, "temperature": 1.0}
+    r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=80, **forced)  # type: ignore[arg-type]
+    msg = r.choices[0].message.model_dump()
+    reasoning, content = msg["reasoning_content"], msg["content"]
+    assert msg["reasoning"] == reasoning and reasoning and content
+    assert re.fullmatch(FORCED, reasoning + "</think>" + content), (reasoning, content)
+    details = r.usage.completion_tokens_details  # type: ignore[union-attr]
+    assert details is not None and 0 < (details.reasoning_tokens or 0) < r.usage.completion_tokens  # type: ignore[union-attr]
+    # Streamed with the same seed: the deltas add up to the same split.
+    assert _chat_stream(client, max_tokens=80, **forced)[:2] == (reasoning, content)
+    # Cut by max_tokens inside the thinking: all reasoning (deepseek_r1), streamed or not.
+    cut = {"extra_body": {"structured_outputs": {"regex": "[a-z]{40,60}</think>ok"}}, "seed": 1}
+    r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=4, **cut)  # type: ignore[arg-type]
+    msg = r.choices[0].message.model_dump()
+    assert r.choices[0].finish_reason == "length" and msg["content"] is None and msg["reasoning_content"]
+    assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens == 4  # type: ignore[union-attr]
+    assert _chat_stream(client, max_tokens=4, **cut)[:2] == (msg["reasoning_content"], "")
+    # qwen3's rule for the same cut: no </think>, so all content (vLLM).
+    monkeypatch.setattr(thinker.state, "config", thinker.parser("qwen3"))
+    r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=4, **cut)  # type: ignore[arg-type]
+    assert r.choices[0].message.content == msg["reasoning_content"]
+    assert r.choices[0].message.model_dump()["reasoning_content"] is None
+    monkeypatch.undo()
+    # An answer's grammar while the prompt leaves thinking open: refused, naming the field.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=NAME, messages=USER, max_tokens=8, response_format={"type": "json_object"}
+        )
+    assert e.value.body["param"] == "response_format"  # type: ignore[index]
+    # chat_template_kwargs enable_thinking false: the template closes the thinking, the grammar
+    # applies to the whole output, which is the answer.
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=USER,
+        max_tokens=60,
+        seed=0,
+        response_format={"type": "json_object"},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    msg = r.choices[0].message.model_dump()
+    assert msg["reasoning_content"] is None and msg["content"].lstrip().startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(msg["content"]), dict)
+    # reasoning_effort reaches a template that reads it; template keys of the call itself are refused.
+    plain = client.chat.completions.create(model=NAME, messages=USER, max_tokens=1)
+    high = client.chat.completions.create(model=NAME, messages=USER, max_tokens=1, reasoning_effort="high")
+    assert high.usage.prompt_tokens > plain.usage.prompt_tokens  # type: ignore[union-attr]
+    for extra, param in (
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ):
+        resp = httpx.post(
+            f"{thinker.url}/v1/chat/completions",
+            json={"model": NAME, "messages": USER, "max_tokens": 1, **extra},
+            timeout=60,
+        )
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_api_reasoning_responses_items_and_events(thinker: Thinker) -> None:
+    client = _client(thinker.url)
+    # Cut inside the thinking (a random model never writes </think>): one reasoning item, incomplete.
+    r = client.responses.create(model=NAME, input="Think.", max_output_tokens=6, temperature=0.0)
+    assert r.status == "incomplete" and [o.type for o in r.output] == ["reasoning"]
+    text = r.output[0].content[0].text  # type: ignore[union-attr,index]
+    assert text and r.output_text == ""
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 6  # type: ignore[union-attr]
+    with client.responses.stream(model=NAME, input="Think.", max_output_tokens=6, temperature=0.0) as stream:
+        events = list(stream)
+    final = events[-1].response  # type: ignore[union-attr]  # response.incomplete (the SDK waits for .completed)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text  # type: ignore[union-attr]
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert done.text == text and kinds[-1] == "response.incomplete"  # type: ignore[union-attr]
+    assert final.output[0].type == "reasoning" and final.usage.output_tokens_details.reasoning_tokens == 6  # type: ignore[union-attr]
+    # The reasoning item goes back into the next turn's template (reasoning_content).
+    follow = client.responses.create(
+        model=NAME, input="And?", previous_response_id=r.id, max_output_tokens=1, temperature=0.0
+    )
+    fresh = client.responses.create(model=NAME, input="And?", max_output_tokens=1, temperature=0.0)
+    assert follow.usage.input_tokens > fresh.usage.input_tokens + 6  # type: ignore[union-attr]
+    # reasoning.effort where the template reads it; a forced tool while thinking is open: 400.
+    low = client.responses.create(
+        model=NAME, input="Think.", max_output_tokens=1, reasoning={"effort": "low"}
+    )
+    assert low.usage.input_tokens > r.usage.input_tokens and low.reasoning.effort == "low"  # type: ignore[union-attr]
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=NAME,
+            input="x",
+            tools=[tool],
+            tool_choice={"type": "function", "name": "f"},  # type: ignore[list-item,typeddict-item]
+        )
+    assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
