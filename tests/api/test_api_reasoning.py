@@ -273,3 +273,53 @@ def test_api_reasoning_responses_items_and_events(thinker: Thinker) -> None:
             tool_choice={"type": "function", "name": "f"},  # type: ignore[list-item,typeddict-item]
         )
     assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,6}"\}\}</tool_call>'
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_api_reasoning_tool_calls_come_from_the_answer(
+    thinker: Thinker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = dataclasses.replace(thinker.state.config, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    monkeypatch.setattr(thinker.state, "config", cfg)
+    client = _client(thinker.url)
+    common: dict[str, Any] = {"tools": [WEATHER], "tool_choice": "auto", "max_tokens": 80, "seed": 2}
+    # A call after </think> is a call; the thinking stays apart.
+    after = {"structured_outputs": {"regex": f"[a-z]{{3,8}}</think>\n\n{CALL}"}}
+    r = client.chat.completions.create(model=NAME, messages=USER, extra_body=after, **common)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls and not msg.content
+    assert msg.tool_calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert msg.model_dump()["reasoning_content"]
+    reasoning, content, last = _chat_stream(client, extra_body=after, **common)
+    assert reasoning == msg.model_dump()["reasoning_content"] and content == ""
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    # A call written inside the thinking is thinking, not a call.
+    inside = {"structured_outputs": {"regex": f"{CALL}[a-z]{{3,8}}</think>\n\nDone\\."}}
+    r = client.chat.completions.create(model=NAME, messages=USER, extra_body=inside, **common)
+    msg = r.choices[0].message
+    assert not msg.tool_calls and r.choices[0].finish_reason == "stop"
+    assert "<tool_call>" in msg.model_dump()["reasoning_content"] and msg.content == "\n\nDone."
+    # /v1/responses with tools, cut inside the thinking: a reasoning item and no call parsed from it.
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}  # type: ignore[index]
+    events = []
+    with httpx.stream(
+        "POST",
+        f"{thinker.url}/v1/responses",
+        json={"model": NAME, "input": "Weather?", "tools": [tool], "max_output_tokens": 6, "stream": True},
+        timeout=120,
+    ) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert events[-1]["type"] == "response.incomplete"
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning"]
+    assert "response.reasoning_text.done" in [e["type"] for e in events]
