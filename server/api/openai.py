@@ -732,6 +732,8 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     assert state.llm is not None
     answer_grammar = next((p for _, p in specs if p in ("response_format", "tool_choice")), None)
     reasoning = plan_reasoning(state.config.reasoning_parser, state.llm.tokenizer, ids, answer_grammar)
+    if spec is not None and answer_grammar is not None:
+        spec = reasoning.answer_grammar(spec)
     jobs = []
     for i in range(req.n):
         params = _build_params(state, req, len(ids), max_tokens, logprobs, i, req.prompt_logprobs, spec)

@@ -17,8 +17,11 @@ would call the text content.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from server.request import GrammarSpec
 
 from .errors import validation
 
@@ -156,34 +159,48 @@ def template_kwargs(
 
 @dataclass(frozen=True)
 class ReasoningPlan:
-    """How a request's output is split: the parser (None: no --reasoning-parser) and whether the
-    prompt ends inside an open thinking block (the stream starts in reasoning)."""
+    """How a request's output is split: the parser (None: no --reasoning-parser, or thinking closed in
+    the prompt), whether the prompt ends inside an open thinking block (the stream starts in
+    reasoning), and the token ids after which an answer's grammar starts (empty: from the first token).
+    """
 
     parser: ReasoningParser | None
     opens_thinking: bool = False
+    grammar_start: tuple[int, ...] = ()
 
     def stream(self) -> ReasoningStream | None:
         return self.parser.stream(self.opens_thinking) if self.parser is not None else None
+
+    def answer_grammar(self, spec: GrammarSpec) -> GrammarSpec:
+        """An answer's grammar (response_format, text.format, a forced tool call), started after
+        the thinking when this request thinks."""
+        return dataclasses.replace(spec, start_after=self.grammar_start) if self.grammar_start else spec
 
 
 def plan_reasoning(
     parser_name: str | None, tokenizer: Any, prompt_ids: list[int], answer_constraint: str | None
 ) -> ReasoningPlan:
     """The request's ReasoningPlan. `answer_constraint` names a field whose grammar is meant for the
-    answer (response_format, text.format, a forced tool_choice): under a reasoning parser it is
-    refused unless the prompt already closed the thinking block (e.g. enable_thinking false), since
-    the grammar would otherwise hold from the first token and forbid the thinking (a grammar that
-    starts after </think> is not implemented)."""
+    answer (response_format, text.format, a forced tool_choice): under a reasoning parser, unless the
+    prompt already closed the thinking (e.g. enable_thinking false), the grammar starts after the
+    model's `</think>` (as vLLM's structured outputs wait for the reasoning to end), which needs
+    `</think>` to be one token (it is for Qwen3 and DeepSeek-R1); otherwise the request is refused
+    rather than the grammar forbidding the thinking. A model that never closes its thinking is never
+    constrained (its output is all reasoning)."""
     if parser_name is None:
         return ReasoningPlan(None)
     tail = tokenizer.decode(prompt_ids[-8:]).rstrip()
-    if answer_constraint is not None and not tail.endswith(END):
-        raise validation(
-            f"{answer_constraint} with --reasoning-parser needs the thinking closed in the prompt "
-            '(e.g. chat_template_kwargs {"enable_thinking": false}): the grammar would constrain the '
-            "thinking too, and one starting after </think> is not supported",
-            answer_constraint,
-        )
     if tail.endswith(END):  # thinking is off for this request: the whole output is the answer
         return ReasoningPlan(None)
-    return ReasoningPlan(ReasoningParser(parser_name), tail.endswith(START))
+    start: tuple[int, ...] = ()
+    if answer_constraint is not None:
+        marker = tokenizer.encode(END, add_special_tokens=False)
+        if len(marker) != 1:
+            raise validation(
+                f"{answer_constraint} with --reasoning-parser needs the thinking closed in the prompt "
+                '(e.g. chat_template_kwargs {"enable_thinking": false}) with this tokenizer: it writes '
+                "</think> as several tokens, so the grammar cannot wait for it",
+                answer_constraint,
+            )
+        start = (int(marker[0]),)
+    return ReasoningPlan(ReasoningParser(parser_name), tail.endswith(START), start)

@@ -197,7 +197,7 @@ async def _prepare(state: ServerState, req: ResponsesRequest, owner: str) -> Pre
     reasoning = plan_reasoning(
         state.config.reasoning_parser, state.llm.tokenizer, ids, specs[0][1] if specs else None
     )
-    spec = specs[0][0] if specs else None
+    spec = reasoning.answer_grammar(specs[0][0]) if specs else None
     if specs:
         await compile_spec(state, *specs[0])
     params = make_params(

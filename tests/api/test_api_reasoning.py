@@ -323,3 +323,40 @@ def test_api_reasoning_tool_calls_come_from_the_answer(
     assert events[-1]["type"] == "response.incomplete"
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning"]
     assert "response.reasoning_text.done" in [e["type"] for e in events]
+
+
+class _Tok:
+    """A tokenizer whose `</think>` is one token (id 7), as Qwen3's and DeepSeek-R1's are, or several."""
+
+    def __init__(self, prompt_tail: str, single: bool) -> None:
+        self.tail, self.single = prompt_tail, single
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tail
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert text == "</think>" and not add_special_tokens
+        return [7] if self.single else [3, 4, 5]
+
+
+def test_reasoning_plan_starts_answer_grammars_after_think() -> None:
+    from server.api.errors import APIError
+    from server.api.reasoning import plan_reasoning
+    from server.request import GrammarSpec
+
+    spec = GrammarSpec("json_object")
+    plan = plan_reasoning("qwen3", _Tok("<|im_start|>assistant\n<think>\n", True), [1], "response_format")
+    assert plan.opens_thinking and plan.answer_grammar(spec).start_after == (7,)
+    plan = plan_reasoning("deepseek_r1", _Tok("<|Assistant|>", True), [1], "tool_choice")
+    assert not plan.opens_thinking and plan.answer_grammar(spec).start_after == (7,)
+    # Thinking closed in the prompt: no split, the grammar holds from the first token.
+    plan = plan_reasoning("qwen3", _Tok("<think>\n\n</think>\n\n", True), [1], "response_format")
+    assert plan.parser is None and plan.answer_grammar(spec) == spec
+    # No answer grammar: nothing to start; no parser: nothing at all.
+    assert plan_reasoning("qwen3", _Tok("<think>\n", False), [1], None).grammar_start == ()
+    assert plan_reasoning(None, _Tok("<think>\n", True), [1], "response_format") == plan_reasoning(
+        None, None, [], None
+    )
+    with pytest.raises(APIError) as e:
+        plan_reasoning("qwen3", _Tok("<think>\n", False), [1], "text.format")
+    assert e.value.param == "text.format" and "several tokens" in e.value.message
