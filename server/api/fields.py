@@ -208,6 +208,9 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         ),
         "top_logprobs": _refused(5, "logprobs are not returned on /v1/responses yet"),
         "service_tier": _partial(_RESP, "flex", "auto and default accepted"),
+        "seed": _impl(_RESP, "vLLM's extra"),
+        "stop": _impl(_RESP, "vLLM's extra"),
+        "ignore_eos": _impl(_RESP, "vLLM's extra (guidellm sends it)"),
     },
     "TokenizeCompletionRequest": {
         "model": _impl("test_api_conf_tokenize_routes"),

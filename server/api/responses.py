@@ -95,6 +95,8 @@ def _check_simple_fields(state: ServerState, req: ResponsesRequest) -> bool:
         raise validation("top_logprobs is not supported", "top_logprobs")
     if req.service_tier not in (None, "auto", "default"):
         raise validation("service_tier: only auto and default are served", "service_tier")
+    if req.seed is not None and not (0 <= req.seed < 2**63):
+        raise validation("seed must be in [0, 2**63)", "seed")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise validation("max_output_tokens must be at least 1", "max_output_tokens")
     md = req.metadata or {}
@@ -206,6 +208,9 @@ async def _prepare(state: ServerState, req: ResponsesRequest, owner: str) -> Pre
         else max(1, state.limits.max_total_tokens - len(ids)),
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+        ignore_eos=req.ignore_eos,
         structured=spec,
     )
     check_request(state, ids, params, "max_output_tokens")

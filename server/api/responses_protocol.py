@@ -61,6 +61,10 @@ class ResponsesRequest(RequestModel):
     reasoning: dict[str, Any] | None = None
     top_logprobs: int | None = None
     service_tier: str | None = None
+    # vLLM's sampling extras (guidellm sends ignore_eos and stop)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
 
 
 def new_id(prefix: str) -> str:

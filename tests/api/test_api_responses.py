@@ -130,6 +130,25 @@ def test_api_responses_sdk_create_stream_retrieve_delete(live_server: LiveServer
     r2 = client.responses.create(model=SERVED_NAME, input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r2.id)
+    # vLLM's sampling extras: ignore_eos runs to max_output_tokens, stop ends the text before its
+    # stop string, seed repeats a sampled output.
+    long = client.responses.create(
+        model=SERVED_NAME, input="Hi", max_output_tokens=20, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    assert long.usage is not None and long.usage.output_tokens == 20 and long.status == "incomplete"
+    word = long.output_text.split()[1]
+    cut = client.responses.create(
+        model=SERVED_NAME, input="Hi", max_output_tokens=20, temperature=0.0, extra_body={"stop": [word]}
+    )
+    assert cut.status == "completed" and long.output_text.startswith(cut.output_text)
+    assert word not in cut.output_text
+    a, b = (
+        client.responses.create(
+            model=SERVED_NAME, input="Hi", max_output_tokens=12, temperature=1.0, extra_body={"seed": 7}
+        )
+        for _ in range(2)
+    )
+    assert a.output_text == b.output_text
     # A cancel of a response that was not in the background: 400 (only background ones can be cancelled).
     r3 = client.responses.create(model=SERVED_NAME, input="Hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError):

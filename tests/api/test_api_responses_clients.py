@@ -9,6 +9,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -93,3 +97,37 @@ def test_api_responses_pydantic_ai_and_langchain(live_server: LiveServer) -> Non
     assert msg.text == expected
     streamed = "".join(chunk.text for chunk in llm.stream(PROMPT))
     assert streamed == expected
+
+
+def test_api_responses_guidellm(live_server: LiveServer, smollm2_dir: Path, tmp_path: Path) -> None:
+    """guidellm (PyPI) benchmarks /v1/responses (request_format=/v1/responses, streamed, with vLLM's
+    ignore_eos): every request returns the number of tokens it asked for."""
+    out = tmp_path / "guidellm.json"
+    guidellm = Path(sys.executable).with_name("guidellm")
+    backend = f"kind=openai_http,target={live_server.url},model={SERVED_NAME},request_format=/v1/responses"
+    cmd = [
+        str(guidellm),
+        "run",
+        "--backend",
+        backend,
+        "--profile",
+        "kind=synchronous",
+        "--constraint",
+        "kind=max_requests,count=3",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={smollm2_dir}",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    state = bench["scheduler_state"]
+    assert (state["successful_requests"], state["errored_requests"], state["cancelled_requests"]) == (3, 0, 0)
+    records = bench["requests"]
+    assert [r["output_tokens"] for r in records["successful"]] == [8, 8, 8]
