@@ -31,6 +31,7 @@ from .generation import (
     resolve_adapter,
     safe_logprob,
     stream_engine,
+    token_texts,
     until_disconnect,
 )
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
@@ -760,6 +761,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
         async def events() -> AsyncIterator[bytes]:
             tool_streams = [ToolStream(plan) for _ in jobs]
             reasoning_streams = [reasoning.stream() for _ in jobs]
+            job_token_texts: list[list[str]] = [[] for _ in jobs]  # for usage's reasoning_tokens
             try:
                 for j in jobs:
                     first = {"index": j.index, "delta": {"role": "assistant", "content": ""}}
@@ -789,6 +791,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                     if rs is None:
                         delta = ts.feed(out.text, out.finished)
                     else:  # thinking as vLLM streams it: its own delta field, the answer in content
+                        job_token_texts[tagged.index].extend(token_texts(out))
                         thought, answer = rs.feed(out.text, out.finished)
                         delta = ts.feed(answer, out.finished)
                         if thought:
@@ -809,6 +812,15 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                         choice["stop_reason"] = out.stop_reason
                     yield openai_event(chunk([choice]))
                 if include_usage:
+                    usage = counter.usage()
+                    if state.config.reasoning_parser is not None:
+                        usage["completion_tokens_details"] = {
+                            "reasoning_tokens": sum(
+                                count_reasoning_tokens(texts, rs.split_so_far())
+                                for texts, rs in zip(job_token_texts, reasoning_streams, strict=True)
+                                if rs is not None
+                            )
+                        }
                     yield openai_event(
                         {
                             "id": rid,
@@ -816,7 +828,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                             "created": created,
                             "model": model,
                             "choices": [],
-                            "usage": counter.usage(),
+                            "usage": usage,
                         }
                     )
             except APIError as e:

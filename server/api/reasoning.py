@@ -80,6 +80,11 @@ class ReasoningStream:
     def in_reasoning(self) -> bool:
         return bool(self._thinking) and not self.ended
 
+    def split_so_far(self) -> ReasoningSplit:
+        """What was streamed, as a split (reasoning None when the output never thought)."""
+        thought = self.ended or bool(self.reasoning_text)
+        return ReasoningSplit(self.reasoning_text if thought else None, self.content_text or None)
+
     def feed(self, delta: str, finished: bool) -> tuple[str, str]:
         self._buf += delta
         reasoning, content = "", ""

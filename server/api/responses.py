@@ -32,7 +32,6 @@ from .openai import Deferred, EventStreamResponse, Job, _serve
 from .protocol import parse
 from .reasoning import (
     ReasoningPlan,
-    ReasoningSplit,
     ReasoningStream,
     count_reasoning_tokens,
     plan_reasoning,
@@ -333,9 +332,10 @@ def _stream(state: ServerState, p: Prepared) -> EventStreamResponse:
                 _feed(b, rs, out)
                 for event in b.take_events():
                     yield frame(event)
-            thought = rs is not None and (rs.ended or bool(rs.reasoning_text))
-            split = ReasoningSplit(rs.reasoning_text if thought and rs is not None else None, None)
-            body = _finish(state, p, b, g, count_reasoning_tokens(g.token_texts, split))
+            reasoning_tokens = (
+                count_reasoning_tokens(g.token_texts, rs.split_so_far()) if rs is not None else 0
+            )
+            body = _finish(state, p, b, g, reasoning_tokens)
             for event in b.take_events():
                 yield frame(event)
             kind = "response.completed" if body["status"] == "completed" else "response.incomplete"

@@ -158,14 +158,23 @@ def _client(url: str) -> openai.OpenAI:
 def _chat_stream(client: openai.OpenAI, **kw: Any) -> tuple[str, str, dict[str, Any]]:
     reasoning, content = "", ""
     last: dict[str, Any] = {}
-    for chunk in client.chat.completions.create(model=NAME, messages=USER, stream=True, **kw):  # type: ignore[arg-type]
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=NAME,
+        messages=USER,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
         if chunk.choices:
             d = chunk.choices[0].delta.model_dump()
             assert d.get("reasoning") == d.get("reasoning_content")
             reasoning += d.get("reasoning_content") or ""
             content += d.get("content") or ""
             last = chunk.model_dump()
-    return reasoning, content, last
+    return reasoning, content, {**last, "final_usage": usage}
 
 
 def test_api_reasoning_chat_split_stream_and_template_kwargs(
@@ -180,8 +189,13 @@ def test_api_reasoning_chat_split_stream_and_template_kwargs(
     assert re.fullmatch(FORCED, reasoning + "</think>" + content), (reasoning, content)
     details = r.usage.completion_tokens_details  # type: ignore[union-attr]
     assert details is not None and 0 < (details.reasoning_tokens or 0) < r.usage.completion_tokens  # type: ignore[union-attr]
-    # Streamed with the same seed: the deltas add up to the same split.
-    assert _chat_stream(client, max_tokens=80, **forced)[:2] == (reasoning, content)
+    # Streamed with the same seed: the deltas add up to the same split, and usage counts the same.
+    streamed = _chat_stream(client, max_tokens=80, **forced)
+    assert streamed[:2] == (reasoning, content)
+    assert (
+        streamed[2]["final_usage"]["completion_tokens_details"]["reasoning_tokens"]
+        == details.reasoning_tokens
+    )
     # Cut by max_tokens inside the thinking: all reasoning (deepseek_r1), streamed or not.
     cut = {"extra_body": {"structured_outputs": {"regex": "[a-z]{40,60}</think>ok"}}, "seed": 1}
     r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=4, **cut)  # type: ignore[arg-type]
