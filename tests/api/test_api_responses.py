@@ -323,3 +323,50 @@ def test_api_responses_truncation_auto(live_server: LiveServer) -> None:
     )
     assert rest.usage is not None and r.usage.input_tokens == rest.usage.input_tokens
     assert r.output_text == rest.output_text
+
+
+def test_api_responses_routes_need_the_api_key() -> None:
+    """The Responses routes follow --api-key as the other generation routes: 401 without it."""
+    import threading
+
+    import uvicorn
+    from conftest import free_port
+
+    from server.api.app import create_app
+    from server.api.state import ServerState
+    from server.config import ServerConfig
+
+    port = free_port()
+    state = ServerState(ServerConfig(host="127.0.0.1", port=port, api_key="sekret"))
+    app = create_app(state, load_on_startup=False)  # the model never loads: enough for auth
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(2400):
+            try:
+                httpx.get(f"{url}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                threading.Event().wait(0.05)
+        calls = [
+            ("POST", "/v1/responses", {"input": "hi"}),
+            ("GET", "/v1/responses/resp_x", None),
+            ("DELETE", "/v1/responses/resp_x", None),
+            ("GET", "/v1/responses/resp_x/input_items", None),
+            ("POST", "/v1/responses/resp_x/cancel", None),
+        ]
+        for method, path, body in calls:
+            r = httpx.request(method, f"{url}{path}", json=body, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", (path, r.text)
+            r = httpx.request(
+                method, f"{url}{path}", json=body, headers={"Authorization": "Bearer sekret"}, timeout=30
+            )
+            assert r.status_code == (503 if method == "POST" and path == "/v1/responses" else 404), (
+                path,
+                r.text,
+            )
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
