@@ -370,3 +370,34 @@ def test_api_responses_routes_need_the_api_key() -> None:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_api_responses_disconnect_mid_stream_frees_the_request(live_server: LiveServer) -> None:
+    """A client gone mid-stream: the engine request is aborted, its KV blocks and its admission slot
+    freed, and nothing is stored."""
+    import re
+    import threading
+
+    def aborts() -> float:
+        text = httpx.get(f"{live_server.url}/metrics", timeout=60).text
+        m = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = aborts()
+    body = {"model": SERVED_NAME, "input": "Tell a long story.", "max_output_tokens": 400, "stream": True}
+    body["extra"] = None  # an undeclared field set to null is accepted
+    rid = None
+    with httpx.stream("POST", f"{live_server.url}/v1/responses", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                rid = rid or event["response"]["id"]
+                if event["type"] == "response.output_text.delta":
+                    break  # the client goes away after the first token
+    for _ in range(600):
+        if aborts() == before + 1 and live_server.metric("vllm:num_requests_running") == 0:
+            break
+        threading.Event().wait(0.1)
+    assert aborts() == before + 1
+    assert live_server.metric("vllm:kv_cache_usage_perc") == 0 and live_server.state.in_flight == 0
+    assert httpx.get(f"{live_server.url}/v1/responses/{rid}", timeout=60).status_code == 404
