@@ -401,3 +401,33 @@ def test_api_responses_disconnect_mid_stream_frees_the_request(live_server: Live
     assert aborts() == before + 1
     assert live_server.metric("vllm:kv_cache_usage_perc") == 0 and live_server.state.in_flight == 0
     assert httpx.get(f"{live_server.url}/v1/responses/{rid}", timeout=60).status_code == 404
+
+
+def test_api_responses_engine_failure_is_failed(
+    live_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the engine fails (here: its grammar state, injected): the stream ends with
+    response.failed carrying the error, a unary call is a 500 in OpenAI's shape; blocks are freed."""
+    structured = live_server.llm.runner.structured
+
+    def fail(logits: Any, requests: list[Any]) -> dict[str, str]:
+        return {
+            r.request_id: "injected failure" for r in requests if r.sampling_params.structured is not None
+        }
+
+    monkeypatch.setattr(structured, "apply", fail)
+    body = {
+        "model": SERVED_NAME,
+        "input": "JSON",
+        "max_output_tokens": 20,
+        "text": {"format": {"type": "json_object"}},
+    }
+    events = _events(live_server.url, body)
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    last = events[-1]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert "injected failure" in last["response"]["error"]["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    r = httpx.post(f"{live_server.url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    assert live_server.metric("vllm:kv_cache_usage_perc") == 0
