@@ -61,14 +61,27 @@ def test_api_responses_openai_agents_runs_a_tool(
         model_settings=ModelSettings(tool_choice="get_weather", temperature=0.0, max_tokens=40),
         tools=[get_weather],
     )
-    result = asyncio.run(Runner.run(agent, "What's the weather in Paris?", max_turns=4))
+
+    async def both() -> tuple[Any, Any, list[str]]:
+        # one event loop for both runs: the AsyncOpenAI client's connections belong to it
+        done = await Runner.run(agent, "What's the weather in Paris?", max_turns=4)
+        run = Runner.run_streamed(agent, "What's the weather in Paris?", max_turns=4)
+        kinds = [event.type async for event in run.stream_events()]
+        return done, run, kinds
+
+    result, run, kinds = asyncio.run(both())
     assert len(calls) >= 1 and all(isinstance(c, str) for c in calls)
-    kinds = [type(item).__name__ for item in result.new_items]
-    assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"], kinds
+    kinds_items = [type(item).__name__ for item in result.new_items]
+    assert kinds_items[:2] == ["ToolCallItem", "ToolCallOutputItem"], kinds_items
     assert isinstance(result.final_output, str)
     # The tool's output reached the model: the last response's input held it.
     last = result.raw_responses[-1]
     assert last.usage.input_tokens > result.raw_responses[0].usage.input_tokens
+    # Streamed (the SDK reads our semantic events): the same run, the same final output.
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+    assert run.final_output == result.final_output and len(calls) == 2 * len(
+        [i for i in result.new_items if type(i).__name__ == "ToolCallItem"]
+    )
 
 
 def test_api_responses_pydantic_ai_and_langchain(live_server: LiveServer) -> None:
