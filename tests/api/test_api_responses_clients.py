@@ -33,6 +33,7 @@ def _chat_text(url: str, max_tokens: int) -> str:
     return r.choices[0].message.content or ""
 
 
+@pytest.mark.slow
 def test_api_responses_openai_agents_runs_a_tool(
     live_server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,6 +113,7 @@ def test_api_responses_pydantic_ai_and_langchain(live_server: LiveServer) -> Non
     assert streamed == expected
 
 
+@pytest.mark.slow
 def test_api_responses_guidellm(live_server: LiveServer, smollm2_dir: Path, tmp_path: Path) -> None:
     """guidellm (PyPI) benchmarks /v1/responses (request_format=/v1/responses, streamed, with vLLM's
     ignore_eos): every request returns the number of tokens it asked for."""
