@@ -102,11 +102,6 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         return entry
 
-    def update_body(self, response_id: str, owner: str, body: dict[str, Any]) -> None:
-        entry = self.get(response_id, owner)
-        if entry is not None:
-            self.put(response_id, owner, body, entry.history, entry.input_items)
-
     def delete(self, response_id: str, owner: str) -> bool:
         if self.get(response_id, owner) is None:
             return False
