@@ -38,6 +38,7 @@ from server.config import (
     LoRAModule,
     ModelConfig,
     ParallelConfig,
+    ResponsesStoreConfig,
     ServerConfig,
 )
 from server.core.request_queue import SCHEDULING_POLICIES
@@ -404,6 +405,40 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         choices=TOOL_CALL_PARSERS,
     )
     add(
+        "--reasoning-parser",
+        "KUBEINFER_REASONING_PARSER",
+        "Split the model's thinking from its answer (vLLM's names: deepseek_r1, qwen3): "
+        "reasoning_content on chat completions, reasoning items on /v1/responses",
+    )
+    add_bool(
+        "--enable-responses-store",
+        "KUBEINFER_ENABLE_RESPONSES_STORE",
+        "Keep /v1/responses results in memory (per API key, this replica only) for previous_response_id "
+        "and GET /v1/responses/{id}",
+        True,
+    )
+    add(
+        "--responses-store-max-entries",
+        "KUBEINFER_RESPONSES_STORE_MAX_ENTRIES",
+        "Stored responses kept at most (least recently used evicted)",
+        type=_positive_int,
+        default=1000,
+    )
+    add(
+        "--responses-store-max-bytes",
+        "KUBEINFER_RESPONSES_STORE_MAX_BYTES",
+        "Bytes of stored responses kept at most (their JSON size)",
+        type=_positive_int,
+        default=64 * 1024 * 1024,
+    )
+    add(
+        "--responses-store-ttl",
+        "KUBEINFER_RESPONSES_STORE_TTL",
+        "Seconds a stored response is kept (0 = until evicted)",
+        type=_non_negative_float,
+        default=3600.0,
+    )
+    add(
         "--tensor-parallel-size",
         "TENSOR_PARALLEL_SIZE",
         "shard the model over N processes, one per device (torch.distributed: NCCL on GPUs, gloo on CPU)",
@@ -641,6 +676,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         allow_credentials=args.allow_credentials,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser or None,
+        responses_store=ResponsesStoreConfig(
+            enabled=args.enable_responses_store,
+            max_entries=args.responses_store_max_entries,
+            max_bytes=args.responses_store_max_bytes,
+            ttl_s=args.responses_store_ttl,
+        ),
     )
 
 

@@ -342,6 +342,29 @@ class EngineConfig:
 
 LOG_FORMATS = ("json", "text")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/api/tool_parsers.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # server/api/reasoning.py (vLLM's names)
+
+
+@dataclass(frozen=True)
+class ResponsesStoreConfig:
+    """The Responses API's store of responses (server/api/response_store.py), per replica, in memory.
+
+    enabled: `store: true` keeps responses for previous_response_id / GET; off, such a request is a 400.
+    max_entries / max_bytes: bounds, least recently used evicted first; ttl_s: age limit (0 = none).
+    """
+
+    enabled: bool = True
+    max_entries: int = 1000
+    max_bytes: int = 64 * 1024 * 1024
+    ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.max_entries < 1:
+            raise ValueError(f"responses store max_entries must be >= 1, got {self.max_entries}")
+        if self.max_bytes < 1024:
+            raise ValueError(f"responses store max_bytes must be >= 1024, got {self.max_bytes}")
+        if self.ttl_s < 0:
+            raise ValueError(f"responses store ttl_s must be >= 0, got {self.ttl_s}")
 
 
 @dataclass(frozen=True)
@@ -375,6 +398,10 @@ class ServerConfig:
     # tool_choice "auto" (vLLM's --enable-auto-tool-choice / --tool-call-parser)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # the Responses API's stored responses (--enable-responses-store and its bounds)
+    responses_store: ResponsesStoreConfig = field(default_factory=ResponsesStoreConfig)
+    # thinking split from the answer (vLLM's --reasoning-parser names)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -415,6 +442,15 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            hint = (
+                " (gpt-oss's harmony format is not supported yet)"
+                if self.reasoning_parser in ("openai_gptoss", "gpt_oss", "harmony")
+                else ""
+            )
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}{hint}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser")

@@ -31,14 +31,20 @@ class GrammarSpec:
     kind: "json" (value = a JSON schema, as JSON text), "json_object" (any JSON object; value ""),
     "regex" (value = the pattern), "choice" (value = a JSON list of strings), "grammar" (value = EBNF
     in the GBNF dialect xgrammar takes).
+    start_after: token ids that must appear in the output before the grammar holds (a reasoning
+    model's `</think>`): until they do the output is free, and the grammar constrains what follows
+    their first occurrence. Empty: the grammar holds from the first output token.
     """
 
     kind: str
     value: str = ""
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.start_after):
+            raise ValueError(f"start_after must hold token ids, got {self.start_after!r}")
 
 
 @dataclass(frozen=True)

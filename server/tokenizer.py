@@ -124,6 +124,11 @@ class Tokenizer:
         template = self._tok.chat_template
         return isinstance(template, str) and "tools" in template
 
+    def chat_template_mentions(self, name: str) -> bool:
+        """Whether the chat template reads a variable of this name at all (e.g. reasoning_effort)."""
+        template = self._tok.chat_template
+        return isinstance(template, str) and name in template
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -131,8 +136,10 @@ class Tokenizer:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Prompt ids for a conversation. continue_final_message: leave the last (assistant) message
+        """Prompt ids for a conversation. template_kwargs: extra variables for the template (vLLM's
+        chat_template_kwargs, e.g. enable_thinking; reasoning_effort). continue_final_message: leave the last (assistant) message
         open, without its end-of-turn tokens, so that the model continues it (vLLM's flag).
         add_special_tokens: also add the tokenizer's own BOS/EOS around the templated text (off by
         default: templates write their special tokens themselves).
@@ -150,6 +157,7 @@ class Tokenizer:
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    **(template_kwargs or {}),
                 )
             )
 

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import METRICS_CONTENT_TYPE
 
-from . import admin, embeddings, openai, router_worker, tgi, ui, utility
+from . import admin, embeddings, openai, responses, router_worker, tgi, ui, utility
 from . import lora as lora_routes
 from .errors import APIError, ErrorKind, family_of_path
 from .generation import ClientGone
@@ -157,6 +157,7 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
     app.include_router(embeddings.router)
     app.include_router(tgi.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     if state.config.ui:
         app.include_router(ui.router)
     app.include_router(utility.router)

@@ -53,6 +53,9 @@ _TGI_MAP = _OAI_MAP
 _STRUCT = "test_api_regex_and_choice_both_apis"
 _ROUTER = "test_api_conf_router_added_fields_at_defaults"
 _TOOLS = "test_api_tool_loop_required_named_and_stream"
+_RESP = "test_api_responses_sdk_create_stream_retrieve_delete"
+_REASONING = "test_api_reasoning_chat_split_stream_and_template_kwargs"
+_RESP_TOOLS = "test_api_responses_tools_through_previous_response_id"
 
 FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
     "TGIRequest": {
@@ -156,6 +159,10 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "continue_final_message": _impl("test_api_conf_chat_echo_and_continue"),
         "echo": _impl("test_api_conf_chat_echo_and_continue"),
         "prompt_logprobs": _impl(_SCORE),
+        "chat_template_kwargs": _impl(
+            _REASONING, "variables for the chat template, e.g. enable_thinking (vLLM)"
+        ),
+        "reasoning_effort": _impl(_REASONING, "passed to templates that read reasoning_effort; else 400"),
         "separate_reasoning": _partial(
             _ROUTER, False, "true (vllm-router's default) accepted; no reasoning parser"
         ),
@@ -165,6 +172,49 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "include_reasoning": _partial(
             _ROUTER, False, "true (vllm-router's default) accepted; no reasoning parser"
         ),
+    },
+    # server/api/responses_protocol.py: OpenAI's Responses API (tests/api/test_api_responses.py)
+    "ResponsesRequest": {
+        "model": _impl(_RESP),
+        "input": _impl(
+            _RESP_TOOLS, "a string or message / function_call / function_call_output / reasoning items"
+        ),
+        "instructions": _impl(_RESP, "a system message in front; not carried to the next response"),
+        "max_output_tokens": _impl(_RESP),
+        "temperature": _impl(_RESP),
+        "top_p": _impl(_RESP),
+        "tools": _partial(
+            _RESP_TOOLS, [{"type": "web_search"}], "function tools; hosted tools refused by type"
+        ),
+        "tool_choice": _impl(
+            _RESP_TOOLS, "none, auto (with --enable-auto-tool-choice), required, a function"
+        ),
+        "parallel_tool_calls": _impl(_RESP_TOOLS),
+        "text": _partial(
+            "test_api_responses_parse_text_format",
+            {"verbosity": "low"},
+            "format: text, json_object, json_schema",
+        ),
+        "metadata": _impl(_RESP, "kept with the response and returned"),
+        "user": FieldPolicy("metadata", "OpenAI's end-user id; no effect on output"),
+        "safety_identifier": FieldPolicy("metadata", "OpenAI's end-user id; no effect on output"),
+        "prompt_cache_key": FieldPolicy("metadata", "a cache hint; the prefix cache needs none"),
+        "truncation": _impl("test_api_responses_truncation_auto", "auto drops the oldest turns to fit"),
+        "store": _impl(_RESP, "kept per API key, bounded (--enable-responses-store)"),
+        "previous_response_id": _impl(_RESP_TOOLS, "the stored conversation continues; 404 when unknown"),
+        "include": _refused(["message.output_text.logprobs"], "no include value is served yet"),
+        "stream": _impl(_RESP),
+        "background": _refused(True, "responses run while the client waits"),
+        "reasoning": _partial(
+            "test_api_responses_refusals_name_the_field",
+            {"summary": "auto"},
+            "effort where the template reads it",
+        ),
+        "top_logprobs": _refused(5, "logprobs are not returned on /v1/responses yet"),
+        "service_tier": _partial(_RESP, "flex", "auto and default accepted"),
+        "seed": _impl(_RESP, "vLLM's extra"),
+        "stop": _impl(_RESP, "vLLM's extra"),
+        "ignore_eos": _impl(_RESP, "vLLM's extra (guidellm sends it)"),
     },
     "TokenizeCompletionRequest": {
         "model": _impl("test_api_conf_tokenize_routes"),

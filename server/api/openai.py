@@ -31,9 +31,11 @@ from .generation import (
     resolve_adapter,
     safe_logprob,
     stream_engine,
+    token_texts,
     until_disconnect,
 )
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
+from .reasoning import count_reasoning_tokens, plan_reasoning, template_kwargs
 from .sse import OPENAI_DONE, EventStreamResponse, openai_event
 from .state import ServerState, server_state
 from .structured import (
@@ -677,6 +679,9 @@ async def _chat_prompt(
                 "continue_final_message needs a final assistant message", "continue_final_message"
             )
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
+    kwargs = template_kwargs(
+        state.llm.tokenizer, req.chat_template_kwargs, req.reasoning_effort, "reasoning_effort"
+    )
     try:
         ids = await asyncio.to_thread(
             state.llm.tokenizer.apply_chat_template,
@@ -685,6 +690,7 @@ async def _chat_prompt(
             req.continue_final_message,
             False,
             tools,
+            kwargs,
         )
     except Exception as e:  # jinja raises its own errors for messages a template rejects
         raise validation(f"invalid messages for this model's chat template: {e}", "messages") from None
@@ -697,7 +703,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     _check_common(req)
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning"):
         if not getattr(req, name):
-            raise validation(f"{name}: false is not supported (this server has no reasoning parser)", name)
+            raise validation(f"{name}: false is not supported (reasoning is always separated)", name)
     _check_prompt_logprobs(req.prompt_logprobs)
     if req.stream and req.prompt_logprobs is not None:
         raise validation("prompt_logprobs is not available when stream is true", "prompt_logprobs")
@@ -725,6 +731,11 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     ids, echo = await _chat_prompt(state, req, plan)
+    assert state.llm is not None
+    answer_grammar = next((p for _, p in specs if p in ("response_format", "tool_choice")), None)
+    reasoning = plan_reasoning(state.config.reasoning_parser, state.llm.tokenizer, ids, answer_grammar)
+    if spec is not None and answer_grammar is not None:
+        spec = reasoning.answer_grammar(spec)
     jobs = []
     for i in range(req.n):
         params = _build_params(state, req, len(ids), max_tokens, logprobs, i, req.prompt_logprobs, spec)
@@ -750,6 +761,8 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
 
         async def events() -> AsyncIterator[bytes]:
             tool_streams = [ToolStream(plan) for _ in jobs]
+            reasoning_streams = [reasoning.stream() for _ in jobs]
+            job_token_texts: list[list[str]] = [[] for _ in jobs]  # for usage's reasoning_tokens
             try:
                 for j in jobs:
                     first = {"index": j.index, "delta": {"role": "assistant", "content": ""}}
@@ -775,7 +788,15 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                         g.raise_if_failed()
                     counter.update(tagged.index, out.num_output_tokens)
                     ts = tool_streams[tagged.index]
-                    delta = ts.feed(out.text, out.finished)
+                    rs = reasoning_streams[tagged.index]
+                    if rs is None:
+                        delta = ts.feed(out.text, out.finished)
+                    else:  # thinking as vLLM streams it: its own delta field, the answer in content
+                        job_token_texts[tagged.index].extend(token_texts(out))
+                        thought, answer = rs.feed(out.text, out.finished)
+                        delta = ts.feed(answer, out.finished)
+                        if thought:
+                            delta = {"reasoning_content": thought, "reasoning": thought, **delta}
                     if not delta and not out.finished and logprobs is None:
                         continue
                     choice: dict[str, Any] = {
@@ -792,6 +813,15 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                         choice["stop_reason"] = out.stop_reason
                     yield openai_event(chunk([choice]))
                 if include_usage:
+                    usage = counter.usage()
+                    if state.config.reasoning_parser is not None:
+                        usage["completion_tokens_details"] = {
+                            "reasoning_tokens": sum(
+                                count_reasoning_tokens(texts, rs.split_so_far())
+                                for texts, rs in zip(job_token_texts, reasoning_streams, strict=True)
+                                if rs is not None
+                            )
+                        }
                     yield openai_event(
                         {
                             "id": rid,
@@ -799,7 +829,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                             "created": created,
                             "model": model,
                             "choices": [],
-                            "usage": counter.usage(),
+                            "usage": usage,
                         }
                     )
             except APIError as e:
@@ -810,12 +840,22 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
 
     def build(gens: list[Generation]) -> dict[str, Any]:
         choices = []
+        reasoning_tokens = 0
         for job, g in zip(jobs, gens, strict=True):
-            message: dict[str, Any] = {"role": "assistant", "content": echo + g.text}
+            answer, thought = g.text, None
+            if reasoning.parser is not None:
+                split = reasoning.parser.split(g.text)
+                answer, thought = split.content or "", split.reasoning
+                reasoning_tokens += count_reasoning_tokens(g.token_texts, split)
+            message: dict[str, Any] = {"role": "assistant", "content": (echo + answer) or None}
+            if reasoning.parser is None and not plan.active:
+                message["content"] = echo + answer  # "" stays "" without a parser, as before
+            if state.config.reasoning_parser is not None:  # vLLM's field names, the older and current one
+                message["reasoning_content"] = message["reasoning"] = thought
             called = False
             if plan.active:  # the same parse as the stream's (ToolStream): the same calls and content
-                parsed = plan.parse(g.text)
-                message = {"role": "assistant", "content": (echo + parsed.content) or None}
+                parsed = plan.parse(answer)
+                message = {**message, "content": (echo + parsed.content) or None}
                 if parsed.calls:
                     called = True
                     message["tool_calls"] = message_tool_calls(parsed.calls)
@@ -839,6 +879,8 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             "choices": choices,
             "usage": _usage(len(ids), sum(len(g.token_ids) for g in gens), cached),
         }
+        if state.config.reasoning_parser is not None:
+            body["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = view.prompt_logprobs(gens[0].prompt_logprobs, req.prompt_logprobs)
         return body

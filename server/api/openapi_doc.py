@@ -23,6 +23,7 @@ from .protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from .responses_protocol import ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 
@@ -211,6 +212,16 @@ def _generation_routes(components: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "200": {
                     "description": "A chat completion, or server-sent events when stream is true",
                     "content": {**_json(_OPENAI_COMPLETION), **_EVENT_STREAM},
+                },
+                **openai,
+            },
+        },
+        "/v1/responses": {
+            "requestBody": _body(ResponsesRequest, components),
+            "responses": {
+                "200": {
+                    "description": "A response object, or its semantic events when stream is true",
+                    "content": {**_json({"type": "object"}), **_EVENT_STREAM},
                 },
                 **openai,
             },

@@ -220,6 +220,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     prompt_logprobs: int | None = None
+    # thinking models (server/api/reasoning.py): template variables (vLLM), OpenAI's effort
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
 
 # ---- vLLM utility routes -------------------------------------------------------------------------

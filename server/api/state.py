@@ -22,6 +22,7 @@ from server.pooling.engine import PoolingEngine
 from server.pooling.model import PoolingTask, load_pooling_model, pooling_dtypes, resolve_task
 
 from .errors import APIError, ErrorKind
+from .response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class ServerState:
             lambda: self.phase is Phase.READY and self.alive,
         )
         self.metrics.task = self.task
+        # the Responses API's stored responses (server/api/responses.py)
+        self.responses_store = ResponseStore(config.responses_store)
 
     def _stats(self) -> SchedulerStats | None:
         if self.pooling is not None:  # the same scheduler's stats (server/pooling/engine.py)

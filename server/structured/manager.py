@@ -23,7 +23,19 @@ from server.structured.compiler import GrammarCompiler
 @dataclass
 class _State:
     matcher: Any  # xgrammar.GrammarMatcher
-    num_accepted: int = 0
+    num_accepted: int = 0  # output tokens the matcher accepted, counted from `start`
+    start: int | None = None  # output position where the grammar starts; None: its marker not seen yet
+    scanned: int = 0  # output positions already searched for the marker
+
+
+def _find_start(state: _State, marker: tuple[int, ...], out: list[int]) -> None:
+    """Sets state.start to the position after the first occurrence of `marker` in `out`, if any."""
+    n = len(marker)
+    for i in range(max(0, state.scanned - n + 1), len(out) - n + 1):
+        if tuple(out[i : i + n]) == marker:
+            state.start = i + n
+            return
+    state.scanned = len(out)
 
 
 @dataclass
@@ -51,20 +63,28 @@ class StructuredOutputManager:
         for rid in request_ids:
             self._states.pop(rid, None)
 
-    def _state(self, req: Request) -> _State:
+    def _state(self, req: Request) -> _State | None:
+        """The request's matcher, synced with its output; None while the grammar has not started
+        (its `start_after` marker is not in the output yet): the row is free."""
         import xgrammar as xgr
 
+        spec = req.sampling_params.structured
+        assert spec is not None
         state = self._states.get(req.request_id)
         if state is None:
-            spec = req.sampling_params.structured
-            assert spec is not None
-            state = _State(xgr.GrammarMatcher(self.compiler.compile(spec)))
+            state = _State(
+                xgr.GrammarMatcher(self.compiler.compile(spec)), start=None if spec.start_after else 0
+            )
             self._states[req.request_id] = state
         out = req.output_token_ids
-        while state.num_accepted < len(out):
-            token = out[state.num_accepted]
-            if not state.matcher.accept_token(token):
-                raise ValueError(f"token {token} at output position {state.num_accepted} breaks the grammar")
+        if state.start is None:
+            _find_start(state, spec.start_after, out)
+            if state.start is None:
+                return None
+        while state.start + state.num_accepted < len(out):
+            pos = state.start + state.num_accepted
+            if not state.matcher.accept_token(out[pos]):
+                raise ValueError(f"token {out[pos]} at output position {pos} breaks the grammar")
             state.num_accepted += 1
         if state.matcher.is_terminated():
             raise ValueError("the grammar is complete but the request continues")
@@ -87,7 +107,10 @@ class StructuredOutputManager:
         for i in rows:
             req = requests[i]
             try:
-                self._state(req).matcher.fill_next_token_bitmask(bitmask, i)
+                state = self._state(req)
+                if state is None:
+                    continue
+                state.matcher.fill_next_token_bitmask(bitmask, i)
                 masked.append(i)
             except Exception as e:  # one request's grammar must not take the batch down
                 self._states.pop(req.request_id, None)

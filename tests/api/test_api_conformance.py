@@ -270,14 +270,16 @@ def test_api_conf_tgi_token_text_with_stop(live_server: LiveServer) -> None:
 
 # ---- 4. field audit ------------------------------------------------------------------------------
 def _request_models() -> list[type[BaseModel]]:
-    from server.api import protocol
+    from server.api import protocol, responses_protocol
 
     return [
         obj
-        for obj in vars(protocol).values()
+        for module in (protocol, responses_protocol)
+        for obj in vars(module).values()
         if inspect.isclass(obj)
         and issubclass(obj, protocol.RequestModel)
         and obj is not protocol.RequestModel
+        and obj.__module__ == module.__name__
     ]
 
 
@@ -304,6 +306,8 @@ def _body_with(model: str, field: str, value: Any) -> tuple[str, dict[str, Any]]
         return "/v1/completions", {**cmpl, field: value}
     if model in ("ChatCompletionRequest", "SamplingFields"):
         return "/v1/chat/completions", {**chat, field: value}
+    if model == "ResponsesRequest":
+        return "/v1/responses", {"model": SERVED_NAME, "input": "hi", "max_output_tokens": 1, field: value}
     if model == "ChatMessage":
         return "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi", field: value}]}
     raise AssertionError(f"no request template for {model}; add one")

@@ -23,6 +23,7 @@ BASE: dict[str, dict[str, Any]] = {
         "max_tokens": 4,
     },
     "/v1/completions": {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 4},
+    "/v1/responses": {"model": SERVED_NAME, "input": "hi", "max_output_tokens": 4},
     "/generate": {"inputs": "hi", "parameters": {"max_new_tokens": 4}},
 }
 

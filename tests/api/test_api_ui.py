@@ -1217,3 +1217,46 @@ def test_ui_markdown_structure(loading_server: AppServer, open_page: Callable[..
         page.evaluate(render, "[" * 3 + "x](https://e.org)")
         == "<p>[[" + LINK.format("https://e.org/", "x") + "</p>"
     )
+
+
+def test_ui_shows_thinking_apart_collapsed(loading_server: AppServer, open_page: Callable[..., Tab]) -> None:
+    """A reasoning model's stream (reasoning_content and reasoning deltas, as vLLM and our
+    --reasoning-parser send them): the thinking goes to a collapsed <details> above the answer, as
+    text, once; the answer alone is the message's content (and what the next turn sends)."""
+    tab = open_page()
+    page = tab.page
+    mock_models(page)
+    thinking = "Let me think <b>hard</b>.\nTwo lines."
+    bodies: list[dict[str, Any]] = []
+
+    def handle(route: Any) -> None:
+        bodies.append(json.loads(route.request.post_data))
+        pieces = [thinking[i : i + 4] for i in range(0, len(thinking), 4)]
+        chunks = [
+            {
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"reasoning_content": p, "reasoning": p}}],
+            }
+            for p in pieces
+        ]
+        chunks += [delta("The answer."), usage_chunk(7, len(pieces) + 1)]
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=sse_body(*chunks))
+
+    page.route("**/v1/chat/completions", handle)
+    goto(tab, loading_server.url)
+    wait_models(page)
+    send(page, "Think first")
+    wait_idle(page)
+    box = page.locator(".msg.assistant details.thinking")
+    assert box.count() == 1 and box.get_attribute("open") is None  # collapsed
+    assert box.locator(".text").text_content() == thinking
+    assert page.locator(".msg.assistant .body").text_content() == "The answer."
+    assert page.locator("#messages b").count() == 0  # thinking is text, never markup
+    msgs = stored_messages(page)
+    assert msgs[1]["content"] == "The answer." and msgs[1]["reasoning"] == thinking
+    page.reload()  # kept with the conversation
+    page.wait_for_selector(".msg.assistant details.thinking")
+    assert page.locator(".msg.assistant details.thinking .text").text_content() == thinking
+    send(page, "And?")
+    wait_idle(page)
+    assert bodies[1]["messages"][1] == {"role": "assistant", "content": "The answer."}

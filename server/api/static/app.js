@@ -204,11 +204,17 @@ function cleanConversation(raw, where, keepId = false) {
     }
     if (typeof m.content !== "string") throw new ImportError(`${at}.content must be a string`);
     for (const k of Object.keys(m)) {
-      if (!["id", "parent", "role", "content", "stats", "error"].includes(k)) {
+      if (!["id", "parent", "role", "content", "reasoning", "stats", "error"].includes(k)) {
         throw new ImportError(`${at}.${k} is not a field this page knows`);
       }
     }
     const msg = { id, parent, role: m.role, content: m.content };
+    if (m.reasoning !== undefined) {
+      if (typeof m.reasoning !== "string" || m.role !== "assistant") {
+        throw new ImportError(`${at}.reasoning must be a string on an assistant message`);
+      }
+      msg.reasoning = m.reasoning;
+    }
     const stats = cleanStats(m.stats, `${at}.stats`);
     if (stats) msg.stats = stats;
     if (m.error !== undefined) {
@@ -338,6 +344,19 @@ function messageTools(msg) {
   return tools;
 }
 
+// A reasoning model's thinking (the server's --reasoning-parser), shown apart from the answer and
+// collapsed; as text, never markup.
+function setThinking(node, text) {
+  let box = node.querySelector("details.thinking");
+  if (!text) return;
+  if (!box) {
+    box = el("details", "thinking");
+    box.append(el("summary", "", "Thinking"), el("div", "text", ""));
+    node.querySelector(".body").before(box);
+  }
+  box.querySelector(".text").textContent = text;
+}
+
 function messageNode(msg) {
   const kind = msg.error ? "error" : msg.role;
   const node = el("article", `msg ${kind}`);
@@ -355,6 +374,7 @@ function messageNode(msg) {
     body.append(el("div", "text", msg.content));
   }
   node.append(body);
+  if (!msg.error && msg.reasoning) setThinking(node, msg.reasoning);
   const stats = el("footer", "stats", formatStats(msg.stats));
   if (!msg.stats) stats.hidden = true;
   node.append(stats);
@@ -686,6 +706,7 @@ async function complete() {
     if (!node.isConnected) return;
     const r0 = performance.now();
     renderContent(bodyNode, reply.content);
+    setThinking(node, reply.reasoning);
     const r1 = performance.now();
     nextRenderAt = r1 + 4 * (r1 - r0);
     const box = $("messages");
@@ -727,6 +748,13 @@ async function complete() {
       }
       if (chunk.usage) usage = chunk.usage;
       for (const choice of chunk.choices || []) {
+        // vLLM sends the thinking as reasoning_content and (newer) reasoning: the same text, read once
+        const thought = choice.delta && (choice.delta.reasoning_content || choice.delta.reasoning);
+        if (thought) {
+          if (tFirst === undefined) tFirst = performance.now();
+          reply.reasoning = (reply.reasoning || "") + thought;
+          schedulePaint();
+        }
         const delta = choice.delta && choice.delta.content;
         if (delta) {
           if (tFirst === undefined) tFirst = performance.now();
