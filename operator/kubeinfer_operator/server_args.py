@@ -110,7 +110,7 @@ _SWITCH = ServerFlag(None)
 
 # Every flag of server/cli.py's parser that the operator does not manage (spec.MANAGED_FLAGS), --help
 # left out (it prints and exits, so the pod crash-loops). Sorted; admission.SERVER_FLAGS and the CRD's
-# CEL list are its keys.
+# CEL list are its keys. Generated: python scripts/sync_server_flags.py (after adding a server flag).
 SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--allow-credentials": _SWITCH,
     "--allow-special-tokens-in-content": _SWITCH,
@@ -124,6 +124,7 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--device": ServerFlag("str"),
     "--distributed-timeout": ServerFlag("float"),
     "--enable-auto-tool-choice": _SWITCH,
+    "--enable-responses-store": _SWITCH,
     "--kv-cache-dtype": ServerFlag("str", ("auto", "bfloat16", "float16", "float32")),
     "--kv-cache-memory": ServerFlag("parse_size"),
     "--log-level": ServerFlag("str", ("debug", "info", "warning", "error")),
@@ -142,9 +143,15 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--no-allow-credentials": _SWITCH,
     "--no-allow-special-tokens-in-content": _SWITCH,
     "--no-enable-auto-tool-choice": _SWITCH,
+    "--no-enable-responses-store": _SWITCH,
     "--no-ui": _SWITCH,
     "--num-kv-blocks": ServerFlag("_positive_int"),
     "--num-threads": ServerFlag("_positive_int"),
+    "--reasoning-parser": ServerFlag("str"),
+    "--responses-store-max-bytes": ServerFlag("_positive_int"),
+    "--responses-store-max-entries": ServerFlag("_positive_int"),
+    "--responses-store-ttl": ServerFlag("_non_negative_float"),
+    "--scheduling-policy": ServerFlag("str", ("fcfs", "priority")),
     "--thread-policy": ServerFlag("str", ("adaptive", "fixed")),
     "--timeout-request-head": ServerFlag("float"),
     "--tool-call-parser": ServerFlag("str", ("hermes", "llama3_json")),

@@ -50,3 +50,19 @@ def test_every_listed_flag_parses_and_an_unlisted_one_does_not() -> None:
     for bad in (["--seed=1"], ["--mod=x"], ["--trust-remote-code"]):
         errors = extra_args_errors(bad)
         assert any(e.startswith(UNKNOWN_FLAG_MESSAGE) and bad[0].split("=")[0] in e for e in errors), errors
+
+
+def test_the_generated_copies_are_current() -> None:
+    """scripts/sync_server_flags.py regenerates the table and the CRD lists: run it after adding a flag."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "sync_server_flags.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

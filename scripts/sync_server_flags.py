@@ -1,0 +1,89 @@
+"""Regenerates the operator's copy of the server's flags from server/cli.py's own parser: the table in
+operator/kubeinfer_operator/server_args.py (arity, value kind, choices of every flag the operator lets
+through) and the CRD's CEL list of those flags (crds/ and the chart's copy). The operator image carries
+no server package, hence the copy; tests/operator/test_op_server_flags.py and test_op_server_args.py
+fail when it drifts.
+
+    python scripts/sync_server_flags.py           # rewrite both
+    python scripts/sync_server_flags.py --check   # exit 1 if either would change
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "operator")]
+
+TABLE_FILE = ROOT / "operator" / "kubeinfer_operator" / "server_args.py"
+CRDS = [
+    ROOT / "crds" / "kubeinfer.dev_inferencemodels.yaml",
+    ROOT / "charts" / "kubeinfer" / "crds" / "kubeinfer.dev_inferencemodels.yaml",
+]
+BEGIN = "SERVER_FLAG_TABLE: dict[str, ServerFlag] = {\n"
+END = "\n}\n"
+# Value kinds that hold their choices inside the type function (server/cli.py): the choices they take.
+CHOICE_TYPES = {"_kv_cache_dtype": "KV_CACHE_DTYPE_CHOICES"}
+
+
+def table_source() -> str:
+    from kubeinfer_operator.spec import MANAGED_FLAGS
+
+    import server.config as server_config
+    from server.cli import build_parser
+
+    lines = []
+    actions = {o: a for a in build_parser({})._actions for o in a.option_strings if o.startswith("--")}
+    for flag in sorted(set(actions) - MANAGED_FLAGS - {"--help"}):
+        action = actions[flag]
+        if action.nargs == 0:
+            lines.append(f'    "{flag}": _SWITCH,')
+            continue
+        kind = getattr(action.type, "__name__", "str") if action.type is not None else "str"
+        choices = tuple(str(c) for c in (action.choices or ()))
+        if kind in CHOICE_TYPES:
+            kind, choices = "str", tuple(getattr(server_config, CHOICE_TYPES[kind]))
+        args = f'"{kind}"' + (f", {choices!r}" if choices else "")
+        lines.append(f'    "{flag}": ServerFlag({args}),')
+    return "\n".join(lines)
+
+
+def rewrite_table(text: str, body: str) -> str:
+    start = text.index(BEGIN) + len(BEGIN)
+    end = text.index(END, start)
+    return text[:start] + body + text[end:]
+
+
+def rewrite_crd(text: str, flags: list[str]) -> str:
+    listed = ", ".join(f"'{f}'" for f in flags)
+    pattern = re.compile(r"(self\.extraArgs\.all\(a, !a\.startsWith\('--'\) \|\| \[)([^\]]*)(\])")
+    new, count = pattern.subn(lambda m: m.group(1) + listed + m.group(3), text)
+    if count != 1:
+        raise SystemExit(f"expected one extraArgs allow-list rule in the CRD, found {count}")
+    return new
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    body = table_source()
+    flags = [line.split('"')[1] for line in body.splitlines()]
+    changed = []
+    for path, new in [(TABLE_FILE, rewrite_table(TABLE_FILE.read_text(), body))] + [
+        (crd, rewrite_crd(crd.read_text(), flags)) for crd in CRDS
+    ]:
+        if path.read_text() != new:
+            changed.append(path)
+            if not args.check:
+                path.write_text(new)
+    for path in changed:
+        print(f"{'stale' if args.check else 'rewrote'}: {path.relative_to(ROOT)}")
+    return 1 if (args.check and changed) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
