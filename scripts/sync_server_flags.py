@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,9 +53,19 @@ def table_source() -> str:
 
 
 def rewrite_table(text: str, body: str) -> str:
+    """The module with the new table, formatted as `make lint` wants it (ruff format, the dev tools)."""
     start = text.index(BEGIN) + len(BEGIN)
     end = text.index(END, start)
-    return text[:start] + body + text[end:]
+    new = text[:start] + body + text[end:]
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(TABLE_FILE), "-"],
+        input=new,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    return out.stdout
 
 
 def rewrite_crd(text: str, flags: list[str]) -> str:
