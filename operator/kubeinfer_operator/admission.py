@@ -9,16 +9,19 @@ Two layers:
   (a ConfigMap's keys are unknown at admission), and no server flag the server refuses.
 - The cluster administrator's (chart values `admission.*` -> the operator's environment, checked at
   reconcile time since CEL cannot read them; a refusal is the model's InvalidSpec condition): which
-  images other than the installation's, which ServiceAccounts and which Secrets (in env, envFrom and
-  volumes) a model may use. Default: none.
+  images other than the installation's, which ServiceAccounts and which Secrets (anywhere in the
+  spec) a model may use. Default: none.
 
-The Secrets the spec designates itself (`model.credentialsSecretRef`, `engine.apiKeySecretRef`,
-`pod.imagePullSecrets`) are not pod-level references and stay allowed.
+Every Secret the spec names goes through the Secret policy, the ones it designates itself
+(`model.credentialsSecretRef`, `engine.apiKeySecretRef`, `pod.imagePullSecrets`) too: whoever may
+create an InferenceModel must not get any Secret of the namespace into pods that send it to a host
+(policy.SECRET_REF_FIELDS lists the places).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,33 +67,133 @@ VOLUME_TYPES_MESSAGE = (
     "(configMap, csi, downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, secret)"
 )
 
-# Variables that make the loader or the interpreter run other code than the image's, with the reason.
-# Every LD_* name is refused too (the dynamic loader's own namespace).
-LOADER_ENV_PREFIX = "LD_"
-LOADER_ENV: dict[str, str] = {
-    "PYTHONPATH": "puts modules first on the import path",
-    "PYTHONSTARTUP": "runs a file when the interpreter starts interactively",
-    "PYTHONHOME": "replaces the standard library",
-    "PYTHONINSPECT": "enters an interactive prompt after the script",
-    "PYTHONUSERBASE": "adds a user site-packages folder (and its .pth files) to the imports",
-    "PYTHONEXECUTABLE": "changes sys.executable (what child processes run)",
-    "PYTHONPLATLIBDIR": "changes where the standard library's extension modules come from",
-    "PYTHONBREAKPOINT": "imports and calls any callable on breakpoint()",
-    "PYTHONWARNINGS": "imports the warning category classes it names",
+# Variables refused in pod.env (and, through the envFrom prefix rule, from ConfigMaps and Secrets),
+# with why. Three kinds: what the loader or the interpreter runs (LD_PRELOAD's kind), where the
+# server connects and which certificates it trusts (a hub token sent to another host: issue 45), and
+# the server's own flags' variables (a flag set there would bypass the engine.extraArgs checks; they
+# are set through engine.extraArgs or the spec's fields).
+# Families: every name starting with one of these.
+REFUSED_ENV_PREFIXES: dict[str, str] = {
+    "LD_": "the dynamic loader's own namespace (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, ...)",
+    "PYTHON": "the interpreter's settings: import path, startup files, caches, hooks (SAFE_PYTHON_ENV aside)",
+    "HF_HUB_": "the hub client's settings (endpoint, TLS, offline mode, ...)",
+    "HUGGINGFACE_": "the hub client's older names (cache folders, endpoint)",
+    "SSL_CERT_": "which certificate authorities OpenSSL trusts",
+    "TRITON_": "Triton's compiler and kernel cache (code the server runs on GPUs)",
+    "TORCHINDUCTOR_": "torch.compile's code cache",
+}
+# PYTHON* names that change no code the interpreter loads nor where it writes any.
+SAFE_PYTHON_ENV = (
+    "PYTHONUNBUFFERED",
+    "PYTHONFAULTHANDLER",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONIOENCODING",
+    "PYTHONUTF8",
+)
+# Single names.
+REFUSED_ENV_NAMES: dict[str, str] = {
     "GCONV_PATH": "makes glibc load iconv modules from another folder",
+    "GLIBC_TUNABLES": "changes the C library's behaviour (and has had loader exploits)",
+    "LOCPATH": "makes glibc load locale data from another folder",
     "BASH_ENV": "runs a file when a shell starts",
     "ENV": "runs a file when a POSIX shell starts",
+    "HF_ENDPOINT": "the hub's address: the hub token would go to that host",
+    "REQUESTS_CA_BUNDLE": "the certificate authorities requests trusts",
+    "CURL_CA_BUNDLE": "the certificate authorities curl and requests trust",
 }
-# The operator's management credential (credentials.py): set by the operator only.
-RESERVED_ENV = ("KUBEINFER_ADMIN_API_KEY",)
+# `<scheme>_proxy` in any case (curl, requests and urllib read any case): all of them redirect.
+PROXY_SUFFIX = "_proxy"
+# The proxy variables that connections of the server use (an envFrom prefix must not start them).
+PROXY_NAMES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+# Every variable server/cli.py's parser reads (its `[env: NAME]`s);
+# tests/operator/test_op_server_flags.py keeps this list equal to the parser's (the operator's image
+# has no server package).
+SERVER_ENV: tuple[str, ...] = (
+    "API_KEY",
+    "DTYPE",
+    "ENABLE_LORA",
+    "ENABLE_PREFIX_CACHING",
+    "KUBEINFER_ADMIN_API_KEY",
+    "KUBEINFER_ALLOWED_HEADERS",
+    "KUBEINFER_ALLOWED_METHODS",
+    "KUBEINFER_ALLOWED_ORIGINS",
+    "KUBEINFER_ALLOW_CREDENTIALS",
+    "KUBEINFER_ALLOW_SPECIAL_TOKENS_IN_CONTENT",
+    "KUBEINFER_ATTENTION_BACKEND",
+    "KUBEINFER_BATCH_WAIT_MS",
+    "KUBEINFER_BLOCK_SIZE",
+    "KUBEINFER_CACHE_DIR",
+    "KUBEINFER_CHAT_TEMPLATE",
+    "KUBEINFER_DEVICE",
+    "KUBEINFER_DISTRIBUTED_TIMEOUT",
+    "KUBEINFER_DRAIN_TIMEOUT",
+    "KUBEINFER_ENABLE_AUTO_TOOL_CHOICE",
+    "KUBEINFER_HOST",
+    "KUBEINFER_KV_CACHE_DTYPE",
+    "KUBEINFER_KV_CACHE_MEMORY",
+    "KUBEINFER_KV_EVENTS_CONFIG",
+    "KUBEINFER_LOGPROBS_MODE",
+    "KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD",
+    "KUBEINFER_MAX_NUM_BATCHED_TOKENS",
+    "KUBEINFER_MAX_NUM_SEQS",
+    "KUBEINFER_NUM_KV_BLOCKS",
+    "KUBEINFER_NUM_THREADS",
+    "KUBEINFER_SPECULATIVE_CONFIG",
+    "KUBEINFER_TASK",
+    "KUBEINFER_THREAD_POLICY",
+    "KUBEINFER_TIMEOUT_REQUEST_HEAD",
+    "KUBEINFER_TOOL_CALL_PARSER",
+    "KUBEINFER_UI",
+    "LOG_FORMAT",
+    "LOG_LEVEL",
+    "LORA_ALLOWED_PATHS",
+    "LWS_GROUP_SIZE",
+    "LWS_LEADER_ADDRESS",
+    "LWS_WORKER_INDEX",
+    "MASTER_PORT",
+    "MAX_BEST_OF",
+    "MAX_CONCURRENT_REQUESTS",
+    "MAX_CPU_LORAS",
+    "MAX_INPUT_TOKENS",
+    "MAX_LORAS",
+    "MAX_LORA_RANK",
+    "MAX_STOP_SEQUENCES",
+    "MAX_TOP_N_TOKENS",
+    "MAX_TOTAL_TOKENS",
+    "MODEL_ID",
+    "PAYLOAD_LIMIT",
+    "PORT",
+    "QUANTIZE",
+    "SERVED_MODEL_NAME",
+    "TENSOR_PARALLEL_SIZE",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+)
 LOADER_ENV_MESSAGE = (
-    "pod.env must not set a variable that changes what the loader or interpreter runs "
-    "(LD_*, PYTHONPATH, PYTHONSTARTUP, PYTHONHOME, ...) or the operator's KUBEINFER_ADMIN_API_KEY"
+    "pod.env must not set a variable that changes what the loader or interpreter runs, where the server "
+    "connects or which certificates it trusts, or a server flag's variable (LD_*, PYTHON*, HF_ENDPOINT, "
+    "HF_HUB_*, *_PROXY, SSL_CERT_*, REQUESTS_CA_BUNDLE, GLIBC_TUNABLES, KUBEINFER_ADMIN_API_KEY, ...; "
+    "server flags go in engine.extraArgs)"
 )
 ENV_FROM_MESSAGE = (
     "pod.envFrom entries need a prefix that no refused variable name starts with "
-    "(not LD_, PYTHON..., not empty): the keys of a ConfigMap or Secret are not known at admission"
+    "(not LD_, PYTHON..., HF_, HTTP..., not empty): the keys of a ConfigMap or Secret are not known at admission"
 )
+
+
+def _prefixes_of(names: Iterable[str]) -> list[str]:
+    return sorted({n[:i] for n in names for i in range(1, len(n) + 1)})
+
+
+# RE2 (the CRD's CEL `matches`) and Python's re read these the same way.
+REFUSED_ENV_FAMILY_RE = "^(" + "|".join(REFUSED_ENV_PREFIXES) + ")"
+PROXY_RE = "(?i:_proxy)$"
+# an envFrom prefix that any case of a proxy variable starts with
+PROXY_PREFIX_RE = "^(?i:" + "|".join(_prefixes_of(PROXY_NAMES)) + ")$"
+
+
+def _refused_exact() -> tuple[str, ...]:
+    return tuple(dict.fromkeys((*REFUSED_ENV_NAMES, *SERVER_ENV)))
+
 
 APPARMOR_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
 APPARMOR_MESSAGE = (
@@ -107,22 +210,23 @@ REFUSED_FLAGS_MESSAGE = (
 )
 
 
-def _refused_env_name(name: str) -> bool:
-    return name.startswith(LOADER_ENV_PREFIX) or name in LOADER_ENV or name in RESERVED_ENV
-
-
-def _refused_names() -> tuple[str, ...]:
-    return (LOADER_ENV_PREFIX, *LOADER_ENV, *RESERVED_ENV)
+def refused_env_name(name: str) -> bool:
+    """Whether pod.env may not set `name` (REFUSED_ENV_PREFIXES, REFUSED_ENV_NAMES, *_PROXY, SERVER_ENV)."""
+    if re.match(REFUSED_ENV_FAMILY_RE, name) and name not in SAFE_PYTHON_ENV:
+        return True
+    return name in _refused_exact() or re.search(PROXY_RE, name) is not None
 
 
 def env_from_prefix_ok(prefix: Any) -> bool:
-    """Whether every name `prefix + key` is allowed, whatever the key: no refused name starts with
-    the prefix, and the prefix starts with no refused prefix."""
+    """Whether every name `prefix + key` is allowed, whatever the key: the prefix starts with no
+    refused family, no refused name or family starts with the prefix, and no proxy variable (any
+    case) does. `APP_` + `HTTPS_PROXY` is `APP_HTTPS_PROXY`: a proxy for the scheme `app_https`,
+    which no connection of the server uses."""
     if not isinstance(prefix, str) or not prefix:
         return False
-    if prefix.startswith(LOADER_ENV_PREFIX):
+    if re.match(REFUSED_ENV_FAMILY_RE, prefix) or re.match(PROXY_PREFIX_RE, prefix):
         return False
-    return not any(name.startswith(prefix) for name in _refused_names())
+    return not any(n.startswith(prefix) for n in (*REFUSED_ENV_PREFIXES, *_refused_exact()))
 
 
 def pod_errors(
@@ -135,7 +239,7 @@ def pod_errors(
     errors: list[str] = []
     if any(set(v) - {"name"} - set(RESTRICTED_VOLUME_TYPES) for v in volumes):
         errors.append(VOLUME_TYPES_MESSAGE)
-    if any(_refused_env_name(str(e.get("name", ""))) for e in env):
+    if any(refused_env_name(str(e.get("name", ""))) for e in env):
         errors.append(LOADER_ENV_MESSAGE)
     if any(not env_from_prefix_ok(e.get("prefix")) for e in env_from):
         errors.append(ENV_FROM_MESSAGE)
@@ -299,8 +403,9 @@ def policy_errors(
     refused = [s for s in secrets if not policy.secret_allowed(s)]
     if refused:
         errors.append(
-            f"spec.pod references Secret(s) {', '.join(refused)} in env, envFrom or volumes, which this cluster "
-            "does not allow (use model.credentialsSecretRef / engine.apiKeySecretRef, or the administrator "
-            "allows them through the chart value admission.allowedSecrets)"
+            f"the spec references Secret(s) {', '.join(refused)}, which this cluster does not allow "
+            "(the administrator allows Secrets by name through the chart value admission.allowedSecrets; "
+            "every reference counts: credentialsSecretRef, apiKeySecretRef, imagePullSecrets, pod.env, "
+            "pod.envFrom, pod.volumes)"
         )
     return errors

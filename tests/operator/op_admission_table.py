@@ -463,6 +463,42 @@ ADMISSION: list[Row] = [
         "pod-env-admin-key", _s(pod={"env": [{"name": "KUBEINFER_ADMIN_API_KEY", "value": "x"}]}), LOADER_ENV
     ),
     Row("pod-env-unbuffered", _s(pod={"env": [{"name": "PYTHONUNBUFFERED", "value": "1"}]}), None),
+    # issue 45 item 1: variables that redirect or weaken the server's network and TLS (a hub token sent
+    # to another host), the C library's, the interpreter's and the server's own flags' variables
+    *[
+        Row(
+            f"pod-env-net-{name.lower()}",
+            _s(pod={"env": [{"name": name, "value": "https://a.example"}]}),
+            LOADER_ENV,
+        )
+        for name in (
+            "HF_ENDPOINT",
+            "HF_HUB_DISABLE_TELEMETRY",
+            "HTTPS_PROXY",
+            "Https_Proxy",
+            "all_proxy",
+            "SSL_CERT_FILE",
+            "REQUESTS_CA_BUNDLE",
+            "CURL_CA_BUNDLE",
+            "GLIBC_TUNABLES",
+            "LOCPATH",
+            "PYTHONPYCACHEPREFIX",
+            "PYTHONSAFEPATH",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+            "LORA_ALLOWED_PATHS",
+            "MODEL_ID",
+            "KUBEINFER_CHAT_TEMPLATE",
+        )
+    ],
+    Row("pod-env-plain", _s(pod={"env": [{"name": "APP_MODE", "value": "x"}]}), None),
+    *[
+        Row(
+            f"pod-envfrom-net-prefix-{prefix.lower().rstrip('_')}",
+            _s(pod={"envFrom": [{"configMapRef": {"name": "c"}, "prefix": prefix}]}),
+            ENV_FROM,
+        )
+        for prefix in ("HTTPS", "Http", "no_", "HF_", "HF_HUB_", "SSL_CERT_", "VLLM_", "LORA_", "MODEL_")
+    ],
     Row("pod-envfrom-no-prefix", _s(pod={"envFrom": [{"configMapRef": {"name": "c"}}]}), ENV_FROM),
     Row(
         "pod-envfrom-ld-prefix",

@@ -11,12 +11,12 @@ import pytest
 from kubeinfer_operator import handlers
 from kubeinfer_operator.admission import AdmissionPolicy, pod_secret_names
 from kubeinfer_operator.defaults import ClusterDefaults
-from kubeinfer_operator.policy import model_policy_errors
+from kubeinfer_operator.policy import SECRET_REF_FIELDS, model_policy_errors, model_secret_names
 from kubeinfer_operator.render import render_deployment
 from kubeinfer_operator.spec import InferenceModel
 from op_admission_table import ADMISSION
 from op_cluster import MockCluster, condition, wait_for
-from op_testlib import inference_model
+from op_testlib import crd_schema, inference_model
 from pod_security import RULES
 
 HF = {"uri": "hf://org/model"}
@@ -65,15 +65,58 @@ def test_secret_references_in_the_pod_need_the_administrators_consent() -> None:
     partly = AdmissionPolicy(allowed_secrets=("db-pass", "tls"))
     assert "all-keys, cloud-creds" in errors({"pod": pod}, partly)[0]
     assert errors({"pod": pod}, AdmissionPolicy(allowed_secrets=("*",))) == []
-    # the spec's own Secrets are designated, not pod-level references
-    own = {
-        "model": {**HF, "credentialsSecretRef": {"name": "hf", "key": "token"}},
-        "engine": {"apiKeySecretRef": {"name": "api", "key": "k"}},
-        "pod": {"imagePullSecrets": [{"name": "regcred"}]},
-    }
-    im = InferenceModel.from_manifest(inference_model(own))
-    assert model_policy_errors(im, AdmissionPolicy(), DEFAULTS) == []
     assert pod_secret_names([], [], []) == []
+
+
+# One spec per place a Secret can be named (policy.SECRET_REF_FIELDS), each naming Secret "leak".
+LEAK = {"name": "leak", "key": "password"}
+SECRET_PLACES: dict[str, dict[str, Any]] = {
+    "spec.model.credentialsSecretRef": {"model": {**HF, "credentialsSecretRef": LEAK}},
+    "spec.adapters[].credentialsSecretRef": {
+        "model": {**HF, "credentialsSecretRef": LEAK},
+        "adapters": [{"name": "a", "uri": "hf://org/lora", "credentialsSecretRef": LEAK}],
+    },
+    "spec.engine.apiKeySecretRef": {"engine": {"apiKeySecretRef": LEAK}},
+    "spec.pod.imagePullSecrets": {"pod": {"imagePullSecrets": [{"name": "leak"}]}},
+    "spec.pod.env[].valueFrom.secretKeyRef": {
+        "pod": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": LEAK}}]}
+    },
+    "spec.pod.envFrom[].secretRef": {"pod": {"envFrom": [{"secretRef": {"name": "leak"}, "prefix": "APP_"}]}},
+    "spec.pod.volumes[].secret": {"pod": {"volumes": [{"name": "s", "secret": {"secretName": "leak"}}]}},
+    "spec.pod.volumes[].projected.sources[].secret": {
+        "pod": {"volumes": [{"name": "p", "projected": {"sources": [{"secret": {"name": "leak"}}]}}]}
+    },
+}
+
+
+def _crd_secret_fields() -> set[str]:
+    """Paths of the CRD's declared fields whose name says Secret."""
+    found: set[str] = set()
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for key, sub in (node.get("properties") or {}).items():
+            if "secret" in key.lower():
+                found.add(f"{path}.{key}")
+            walk(sub, f"{path}.{key}")
+        if "items" in node:
+            walk(node["items"], f"{path}[]")
+
+    walk(crd_schema()["properties"]["spec"], "spec")
+    return found
+
+
+def test_every_secret_reference_of_the_spec_goes_through_the_secret_policy() -> None:
+    """Issue 45 item 1: `model.credentialsSecretRef: {name: prod-db}` (any Secret of the namespace) was
+    allowed, and the pods sent it as a bearer token to the hub; every place counts now, and a new CRD
+    field naming a Secret fails here until SECRET_REF_FIELDS has it."""
+    assert _crd_secret_fields() <= set(SECRET_REF_FIELDS), _crd_secret_fields() - set(SECRET_REF_FIELDS)
+    assert set(SECRET_PLACES) == set(SECRET_REF_FIELDS)
+    for place, spec in SECRET_PLACES.items():
+        im = InferenceModel.from_manifest(inference_model({"model": HF, **spec}))
+        assert model_secret_names(im) == ["leak"], place
+        (e,) = model_policy_errors(im, AdmissionPolicy(), DEFAULTS)
+        assert "Secret(s) leak" in e and "admission.allowedSecrets" in e, place
+        assert model_policy_errors(im, AdmissionPolicy(allowed_secrets=("leak",)), DEFAULTS) == [], place
 
 
 def test_policy_from_the_operators_environment() -> None:
