@@ -323,6 +323,13 @@ def extra_args_errors(extra_args: Iterable[str]) -> list[str]:
 ALLOWED_IMAGES_ENV = "KUBEINFER_ALLOWED_IMAGES"  # image prefixes, comma-separated
 ALLOWED_SERVICE_ACCOUNTS_ENV = "KUBEINFER_ALLOWED_SERVICE_ACCOUNTS"  # names, comma-separated; * = any
 ALLOWED_SECRETS_ENV = "KUBEINFER_ALLOWED_SECRETS"  # names, comma-separated; * = any
+ALLOWED_PRIORITY_CLASSES_ENV = "KUBEINFER_ALLOWED_PRIORITY_CLASSES"  # system-* names, comma-separated
+CONTROL_PLANE_ENV = "KUBEINFER_ALLOW_CONTROL_PLANE_SCHEDULING"  # true: tolerate-all, control-plane nodes
+
+# Kubernetes' own priority classes (scheduling/v1): pods in them preempt everything else.
+SYSTEM_PRIORITY_PREFIX = "system-"
+# Node labels and taint keys of control-plane nodes (kubeadm's; `master` before Kubernetes 1.24).
+CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 
 
 def _csv(value: str | None) -> tuple[str, ...]:
@@ -340,6 +347,10 @@ class AdmissionPolicy:
     allowed_images: tuple[str, ...] = ()
     allowed_service_accounts: tuple[str, ...] = ()
     allowed_secrets: tuple[str, ...] = ()
+    # system-node-critical / system-cluster-critical (names) a model may use
+    allowed_priority_classes: tuple[str, ...] = ()
+    # tolerate-all tolerations and control-plane node selectors, tolerations and affinity
+    allow_control_plane_scheduling: bool = False
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> AdmissionPolicy:
@@ -348,6 +359,8 @@ class AdmissionPolicy:
             allowed_images=_csv(env.get(ALLOWED_IMAGES_ENV)),
             allowed_service_accounts=_csv(env.get(ALLOWED_SERVICE_ACCOUNTS_ENV)),
             allowed_secrets=_csv(env.get(ALLOWED_SECRETS_ENV)),
+            allowed_priority_classes=_csv(env.get(ALLOWED_PRIORITY_CLASSES_ENV)),
+            allow_control_plane_scheduling=(env.get(CONTROL_PLANE_ENV) or "").strip().lower() == "true",
         )
 
     def image_allowed(self, image: str, defaults: Iterable[str]) -> bool:
@@ -377,6 +390,54 @@ def pod_secret_names(
         for source in (v.get("projected") or {}).get("sources") or []:
             names.append((source.get("secret") or {}).get("name"))
     return list(dict.fromkeys(str(n) for n in names if n))
+
+
+def _mentions_control_plane(value: Any) -> bool:
+    """Whether a node selector, toleration or affinity names a control-plane label or taint key."""
+    if isinstance(value, str):
+        return value in CONTROL_PLANE_KEYS
+    if isinstance(value, Mapping):
+        if value.get("key") in CONTROL_PLANE_KEYS and value.get("operator") in ("DoesNotExist", "NotIn"):
+            return False  # keeps the pods off those nodes
+        return any(_mentions_control_plane(k) or _mentions_control_plane(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_mentions_control_plane(v) for v in value)
+    return False
+
+
+def scheduling_errors(
+    policy: AdmissionPolicy,
+    *,
+    priority_class: str | None,
+    tolerations: Iterable[Mapping[str, Any]],
+    node_selector: Mapping[str, str],
+    affinity: Mapping[str, Any] | None,
+) -> list[str]:
+    """The administrator's refusals of spec.scheduling: Kubernetes' system priority classes (they
+    preempt the cluster's own components), a toleration of every taint (`operator: Exists` without a
+    key) and any use of the control-plane nodes."""
+    errors: list[str] = []
+    if (
+        priority_class is not None
+        and priority_class.startswith(SYSTEM_PRIORITY_PREFIX)
+        and priority_class not in policy.allowed_priority_classes
+    ):
+        errors.append(
+            f"scheduling.priorityClassName {priority_class!r} is not allowed in this cluster (the administrator "
+            "allows system priority classes through the chart value admission.allowedPriorityClasses)"
+        )
+    tolerations = list(tolerations)
+    tolerate_all = any(t.get("operator") == "Exists" and not t.get("key") for t in tolerations)
+    control_plane = _mentions_control_plane(
+        [dict(node_selector), dict(affinity or {}), [t.get("key") for t in tolerations]]
+    )
+    if (tolerate_all or control_plane) and not policy.allow_control_plane_scheduling:
+        errors.append(
+            "scheduling must not tolerate every taint (operator Exists without a key) nor select, tolerate or "
+            "prefer control-plane nodes (node-role.kubernetes.io/control-plane) in this cluster (the "
+            "administrator allows it through the chart value admission.allowControlPlaneScheduling)"
+        )
+    return errors
 
 
 def policy_errors(

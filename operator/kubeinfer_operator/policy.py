@@ -3,7 +3,7 @@ what it covers); checked at reconcile time, a refusal becomes the model's Invali
 
 from __future__ import annotations
 
-from .admission import AdmissionPolicy, pod_secret_names, policy_errors
+from .admission import AdmissionPolicy, pod_secret_names, policy_errors, scheduling_errors
 from .defaults import ClusterDefaults
 from .spec import InferenceModel
 
@@ -44,4 +44,10 @@ def model_policy_errors(im: InferenceModel, policy: AdmissionPolicy, defaults: C
         default_images=(defaults.server_image, defaults.router_image),
         service_account=spec.pod.service_account_name,
         secrets=model_secret_names(im),
+    ) + scheduling_errors(
+        policy,
+        priority_class=spec.scheduling.priority_class_name,
+        tolerations=spec.scheduling.tolerations,
+        node_selector=spec.scheduling.node_selector,
+        affinity=spec.scheduling.affinity,
     )

@@ -158,3 +158,51 @@ def test_a_refused_model_gets_a_condition_and_no_pods(
     cluster.patch("InferenceModel", "llm", {"spec": {"pod": {"labels": {"retry": "1"}}}})
     dep = wait_for(lambda: cluster.get("Deployment", "llm"), what="Deployment once allowed")
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "cluster-admin-sa"
+
+
+def test_scheduling_onto_the_control_plane_needs_the_administrators_consent() -> None:
+    """Issue 45 (scheduling fields): system priority classes, tolerate-all tolerations and control-plane
+    node selectors / tolerations / affinity were accepted."""
+    cp = "node-role.kubernetes.io/control-plane"
+    refused = {
+        "system-priority": {"priorityClassName": "system-node-critical"},
+        "cluster-critical": {"priorityClassName": "system-cluster-critical"},
+        "tolerate-all": {"tolerations": [{"operator": "Exists"}]},
+        "selector": {"nodeSelector": {cp: ""}},
+        "toleration": {"tolerations": [{"key": cp, "operator": "Exists", "effect": "NoSchedule"}]},
+        "affinity": {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [{"key": cp, "operator": "Exists"}]}]
+                    }
+                }
+            }
+        },
+    }
+    for case, scheduling in refused.items():
+        (e,) = errors({"scheduling": scheduling})
+        assert "admission.allow" in e, case
+    assert "admission.allowedPriorityClasses" in errors({"scheduling": refused["system-priority"]})[0]
+    allow = AdmissionPolicy(
+        allowed_priority_classes=("system-node-critical", "system-cluster-critical"),
+        allow_control_plane_scheduling=True,
+    )
+    assert all(errors({"scheduling": s}, allow) == [] for s in refused.values())
+    # what stays allowed by default: other priority classes, keyed tolerations, keeping off the control plane
+    off = {"nodeSelectorTerms": [{"matchExpressions": [{"key": cp, "operator": "DoesNotExist"}]}]}
+    ok = {
+        "priorityClassName": "high-priority",
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "nodeSelector": {"gpu": "h100"},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": off}},
+    }
+    assert errors({"scheduling": ok}) == []
+    env = {
+        "KUBEINFER_ALLOWED_PRIORITY_CLASSES": "system-node-critical",
+        "KUBEINFER_ALLOW_CONTROL_PLANE_SCHEDULING": "true",
+    }
+    policy = AdmissionPolicy.from_environment(env)
+    assert (
+        policy.allowed_priority_classes == ("system-node-critical",) and policy.allow_control_plane_scheduling
+    )
