@@ -21,6 +21,7 @@ create an InferenceModel must not get any Secret of the namespace into pods that
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -195,6 +196,26 @@ def _refused_exact() -> tuple[str, ...]:
     return tuple(dict.fromkeys((*REFUSED_ENV_NAMES, *SERVER_ENV)))
 
 
+# Where pod.volumeMounts may mount: folders of the image that hold no code (the interpreter, the
+# server, its kernels), no certificate store and no model cache (issue 45 item 2: a ConfigMap over
+# sitecustomize.py, a claim over the kernel cache). A path is taken as the kubelet resolves it:
+# normalised, so `/models/` and `/data/../usr` count as what they name; `..` is refused outright.
+ALLOWED_MOUNT_ROOTS = ("/data", "/mnt")
+MOUNT_PATH_RE = "^/(data|mnt)(/|$)"
+MOUNT_PATH_MESSAGE = (
+    "pod.volumeMounts paths must be absolute, without '..', under /data or /mnt "
+    "(other folders hold the server's code, kernels, certificates or model cache)"
+)
+
+
+def mount_path_ok(path: Any) -> bool:
+    """Whether a pod.volumeMounts mountPath lies under ALLOWED_MOUNT_ROOTS once normalised."""
+    if not isinstance(path, str) or not path.startswith("/") or ".." in path.split("/"):
+        return False
+    normal = posixpath.normpath(path)
+    return any(normal == root or normal.startswith(root + "/") for root in ALLOWED_MOUNT_ROOTS)
+
+
 APPARMOR_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
 APPARMOR_MESSAGE = (
     "pod.annotations may set AppArmor profiles to runtime/default or localhost/<profile> only "
@@ -234,9 +255,12 @@ def pod_errors(
     env_from: Iterable[Mapping[str, Any]],
     volumes: Iterable[Mapping[str, Any]],
     annotations: Mapping[str, str],
+    volume_mounts: Iterable[Mapping[str, Any]] = (),
 ) -> list[str]:
     """The unconditional refusals of spec.pod (the CRD's CEL rules say the same)."""
     errors: list[str] = []
+    if any(not mount_path_ok(m.get("mountPath")) for m in volume_mounts):
+        errors.append(MOUNT_PATH_MESSAGE)
     if any(set(v) - {"name"} - set(RESTRICTED_VOLUME_TYPES) for v in volumes):
         errors.append(VOLUME_TYPES_MESSAGE)
     if any(refused_env_name(str(e.get("name", ""))) for e in env):
@@ -324,6 +348,8 @@ ALLOWED_IMAGES_ENV = "KUBEINFER_ALLOWED_IMAGES"  # image prefixes, comma-separat
 ALLOWED_SERVICE_ACCOUNTS_ENV = "KUBEINFER_ALLOWED_SERVICE_ACCOUNTS"  # names, comma-separated; * = any
 ALLOWED_SECRETS_ENV = "KUBEINFER_ALLOWED_SECRETS"  # names, comma-separated; * = any
 ALLOWED_PRIORITY_CLASSES_ENV = "KUBEINFER_ALLOWED_PRIORITY_CLASSES"  # system-* names, comma-separated
+ALLOWED_CSI_DRIVERS_ENV = "KUBEINFER_ALLOWED_CSI_DRIVERS"  # inline csi volume drivers, comma-separated
+ALLOWED_TOKEN_AUDIENCES_ENV = "KUBEINFER_ALLOWED_TOKEN_AUDIENCES"  # projected token audiences
 CONTROL_PLANE_ENV = "KUBEINFER_ALLOW_CONTROL_PLANE_SCHEDULING"  # true: tolerate-all, control-plane nodes
 
 # Kubernetes' own priority classes (scheduling/v1): pods in them preempt everything else.
@@ -351,6 +377,10 @@ class AdmissionPolicy:
     allowed_priority_classes: tuple[str, ...] = ()
     # tolerate-all tolerations and control-plane node selectors, tolerations and affinity
     allow_control_plane_scheduling: bool = False
+    # inline `csi` volumes (e.g. secrets-store.csi.k8s.io) by driver name
+    allowed_csi_drivers: tuple[str, ...] = ()
+    # `projected` serviceAccountToken sources by audience ("" = the API server's own audience)
+    allowed_token_audiences: tuple[str, ...] = ()
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> AdmissionPolicy:
@@ -361,6 +391,8 @@ class AdmissionPolicy:
             allowed_secrets=_csv(env.get(ALLOWED_SECRETS_ENV)),
             allowed_priority_classes=_csv(env.get(ALLOWED_PRIORITY_CLASSES_ENV)),
             allow_control_plane_scheduling=(env.get(CONTROL_PLANE_ENV) or "").strip().lower() == "true",
+            allowed_csi_drivers=_csv(env.get(ALLOWED_CSI_DRIVERS_ENV)),
+            allowed_token_audiences=_csv(env.get(ALLOWED_TOKEN_AUDIENCES_ENV)),
         )
 
     def image_allowed(self, image: str, defaults: Iterable[str]) -> bool:
@@ -390,6 +422,34 @@ def pod_secret_names(
         for source in (v.get("projected") or {}).get("sources") or []:
             names.append((source.get("secret") or {}).get("name"))
     return list(dict.fromkeys(str(n) for n in names if n))
+
+
+def credential_volume_errors(policy: AdmissionPolicy, volumes: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The administrator's refusals of volumes that bring credentials past the Secret policy: inline
+    `csi` volumes (the secrets-store driver mounts a cloud secret store's entries) and `projected`
+    service-account tokens (a token of the pod's ServiceAccount for any audience, although the pod
+    sets automountServiceAccountToken: false)."""
+    errors: list[str] = []
+    for v in volumes:
+        name = str(v.get("name", ""))[:63]
+        driver = (v.get("csi") or {}).get("driver")
+        if "csi" in v and driver not in policy.allowed_csi_drivers:
+            errors.append(
+                f"pod.volumes {name!r}: the csi driver {str(driver)[:253]!r} is not allowed in this cluster "
+                "(the administrator allows inline csi volumes through the chart value admission.allowedCSIDrivers)"
+            )
+        for source in (v.get("projected") or {}).get("sources") or []:
+            token = source.get("serviceAccountToken")
+            if token is None:
+                continue
+            audience = str(token.get("audience") or "")
+            if audience not in policy.allowed_token_audiences:
+                errors.append(
+                    f"pod.volumes {name!r}: a service-account token for the audience {audience[:253]!r} is not "
+                    "allowed in this cluster (the pods get no API credentials; the administrator allows "
+                    "audiences through the chart value admission.allowedTokenAudiences)"
+                )
+    return errors
 
 
 def _mentions_control_plane(value: Any) -> bool:

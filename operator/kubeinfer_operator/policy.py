@@ -3,7 +3,13 @@ what it covers); checked at reconcile time, a refusal becomes the model's Invali
 
 from __future__ import annotations
 
-from .admission import AdmissionPolicy, pod_secret_names, policy_errors, scheduling_errors
+from .admission import (
+    AdmissionPolicy,
+    credential_volume_errors,
+    pod_secret_names,
+    policy_errors,
+    scheduling_errors,
+)
 from .defaults import ClusterDefaults
 from .spec import InferenceModel
 
@@ -38,16 +44,20 @@ def model_secret_names(im: InferenceModel) -> list[str]:
 def model_policy_errors(im: InferenceModel, policy: AdmissionPolicy, defaults: ClusterDefaults) -> list[str]:
     spec = im.spec
     images = [i for i in (spec.engine.image, spec.routing.image if spec.routing.enabled else None) if i]
-    return policy_errors(
-        policy,
-        images=images,
-        default_images=(defaults.server_image, defaults.router_image),
-        service_account=spec.pod.service_account_name,
-        secrets=model_secret_names(im),
-    ) + scheduling_errors(
-        policy,
-        priority_class=spec.scheduling.priority_class_name,
-        tolerations=spec.scheduling.tolerations,
-        node_selector=spec.scheduling.node_selector,
-        affinity=spec.scheduling.affinity,
+    return (
+        policy_errors(
+            policy,
+            images=images,
+            default_images=(defaults.server_image, defaults.router_image),
+            service_account=spec.pod.service_account_name,
+            secrets=model_secret_names(im),
+        )
+        + scheduling_errors(
+            policy,
+            priority_class=spec.scheduling.priority_class_name,
+            tolerations=spec.scheduling.tolerations,
+            node_selector=spec.scheduling.node_selector,
+            affinity=spec.scheduling.affinity,
+        )
+        + credential_volume_errors(policy, spec.pod.volumes)
     )

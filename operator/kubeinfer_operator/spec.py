@@ -576,7 +576,9 @@ class PodSpec(_Model):
         names = {v.get("name") for v in self.volumes}
         if any(m.get("name") not in names for m in self.volume_mounts):
             raise ValueError("every pod.volumeMounts entry must name a volume in pod.volumes")
-        problems = admission.pod_errors(self.env, self.env_from, self.volumes, self.annotations)
+        problems = admission.pod_errors(
+            self.env, self.env_from, self.volumes, self.annotations, self.volume_mounts
+        )
         if problems:
             raise ValueError("; ".join(problems))
         _check_quantity(self.shm_size, "pod.shmSize")

@@ -26,6 +26,7 @@ def _s(**parts: Any) -> dict[str, Any]:
 
 PSS_VOLUMES = "volume types of the restricted Pod Security Standard"
 LOADER_ENV = "pod.env must not set a variable that changes what the loader or interpreter runs"
+MOUNT_PATH = "pod.volumeMounts paths must be absolute, without '..', under /data or /mnt"
 ENV_FROM = "pod.envFrom entries need a prefix that no refused variable name starts with"
 TRUST_REMOTE_CODE = "engine.extraArgs must not contain --trust-remote-code"
 UNKNOWN_FLAG = "engine.extraArgs may contain only flags of the server that the operator does not manage"
@@ -267,7 +268,7 @@ ADMISSION: list[Row] = [
                 "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
                 "envFrom": [{"configMapRef": {"name": "tuning"}, "prefix": "TUNING_"}],
                 "volumes": [{"name": "extra", "configMap": {"name": "chat-templates"}}],
-                "volumeMounts": [{"name": "extra", "mountPath": "/etc/templates", "readOnly": True}],
+                "volumeMounts": [{"name": "extra", "mountPath": "/data/templates", "readOnly": True}],
                 "shmSize": "4Gi",
             },
             scheduling={
@@ -489,6 +490,44 @@ ADMISSION: list[Row] = [
             "MODEL_ID",
             "KUBEINFER_CHAT_TEMPLATE",
         )
+    ],
+    # issue 45 item 2: mounts over code, kernels, certificates or the model cache (a trailing slash or
+    # `..` passed the exact-string check)
+    *[
+        Row(
+            f"pod-mount-{i}",
+            _s(
+                pod={
+                    "volumes": [{"name": "x", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "x", "mountPath": p}],
+                }
+            ),
+            MOUNT_PATH,
+        )
+        for i, p in enumerate(
+            (
+                "/usr/lib/python3.11/sitecustomize.py",
+                "/var/cache/kubeinfer/kernels",
+                "/models/",
+                "/etc/ssl/certs",
+                "/data/../usr/lib",
+                "data/x",
+                "/datasets",
+            )
+        )
+    ],
+    *[
+        Row(
+            f"pod-mount-ok-{i}",
+            _s(
+                pod={
+                    "volumes": [{"name": "x", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "x", "mountPath": p}],
+                }
+            ),
+            None,
+        )
+        for i, p in enumerate(("/data", "/data/templates/", "/mnt/scratch"))
     ],
     Row("pod-env-plain", _s(pod={"env": [{"name": "APP_MODE", "value": "x"}]}), None),
     *[

@@ -206,3 +206,27 @@ def test_scheduling_onto_the_control_plane_needs_the_administrators_consent() ->
     assert (
         policy.allowed_priority_classes == ("system-node-critical",) and policy.allow_control_plane_scheduling
     )
+
+
+def test_credential_volumes_need_the_administrators_consent() -> None:
+    """Issue 45 item 3: an inline secrets-store csi volume and a projected service-account token (any
+    audience) were accepted past the Secret policy and automountServiceAccountToken: false."""
+    csi = {"name": "vault", "csi": {"driver": "secrets-store.csi.k8s.io", "volumeAttributes": {"x": "y"}}}
+    token = {"serviceAccountToken": {"audience": "vault", "expirationSeconds": 3600, "path": "t"}}
+    api_token = {"serviceAccountToken": {"path": "t"}}
+    for volume, value in (
+        (csi, "admission.allowedCSIDrivers"),
+        ({"name": "t", "projected": {"sources": [token]}}, "admission.allowedTokenAudiences"),
+        ({"name": "t", "projected": {"sources": [api_token]}}, "admission.allowedTokenAudiences"),
+    ):
+        (e,) = errors({"pod": {"volumes": [volume]}})
+        assert value in e, e
+    allow = AdmissionPolicy(
+        allowed_csi_drivers=("secrets-store.csi.k8s.io",), allowed_token_audiences=("vault",)
+    )
+    assert errors({"pod": {"volumes": [csi, {"name": "t", "projected": {"sources": [token]}}]}}, allow) == []
+    assert errors({"pod": {"volumes": [{"name": "t", "projected": {"sources": [api_token]}}]}}, allow) != []
+    policy = AdmissionPolicy.from_environment(
+        {"KUBEINFER_ALLOWED_CSI_DRIVERS": "a,b", "KUBEINFER_ALLOWED_TOKEN_AUDIENCES": "vault"}
+    )
+    assert policy.allowed_csi_drivers == ("a", "b") and policy.allowed_token_audiences == ("vault",)
