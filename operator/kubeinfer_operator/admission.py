@@ -181,15 +181,18 @@ ENV_FROM_MESSAGE = (
 )
 
 
-def _prefixes_of(names: Iterable[str]) -> list[str]:
-    return sorted({n[:i] for n in names for i in range(1, len(n) + 1)})
+def _any_prefix_of(name: str) -> str:
+    """A regex matching every non-empty prefix of `name`: `a(b(c)?)?` for "abc"."""
+    return name[0] + "".join(f"({c}" for c in name[1:]) + ")?" * (len(name) - 1)
 
 
 # RE2 (the CRD's CEL `matches`) and Python's re read these the same way.
 REFUSED_ENV_FAMILY_RE = "^(" + "|".join(REFUSED_ENV_PREFIXES) + ")"
 PROXY_RE = "(?i:_proxy)$"
 # an envFrom prefix that any case of a proxy variable starts with
-PROXY_PREFIX_RE = "^(?i:" + "|".join(_prefixes_of(PROXY_NAMES)) + ")$"
+PROXY_PREFIX_RE = "^(?i:" + "|".join(_any_prefix_of(n) for n in PROXY_NAMES) + ")$"
+# The CRD's bound of an envFrom prefix (its CEL rule's cost grows with it); spec.py says the same.
+ENV_FROM_PREFIX_MAX = 64
 
 
 def _refused_exact() -> tuple[str, ...]:

@@ -547,6 +547,7 @@ class PodSpec(_Model):
             ("pod.volumes", self.volumes, "name", 63),
             ("pod.volumeMounts", self.volume_mounts, "name", 63),
             ("pod.volumeMounts", self.volume_mounts, "mountPath", 1024),
+            ("pod.envFrom", self.env_from, "prefix", admission.ENV_FROM_PREFIX_MAX),
         ):
             for i, item in enumerate(items):
                 if len(str(item.get(key, ""))) > limit:

@@ -529,6 +529,11 @@ ADMISSION: list[Row] = [
         )
         for i, p in enumerate(("/data", "/data/templates/", "/mnt/scratch"))
     ],
+    Row(
+        "pod-envfrom-prefix-too-long",
+        _s(pod={"envFrom": [{"configMapRef": {"name": "c"}, "prefix": "A" * 65}]}),
+        "spec.pod.envFrom[0].prefix: Too long: may not be more than 64 bytes",
+    ),
     Row("pod-env-plain", _s(pod={"env": [{"name": "APP_MODE", "value": "x"}]}), None),
     *[
         Row(
