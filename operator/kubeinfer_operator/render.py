@@ -18,7 +18,7 @@ from .common import SERVER_PORT as SERVER_PORT
 from .common import TMP_DIR as TMP_DIR
 from .common import ChildRef as ChildRef
 from .common import Manifest as Manifest
-from .common import child_metadata, promql_string, selector_labels
+from .common import child_metadata, promql_string, render_service_account, selector_labels
 from .common import desired_replicas as desired_replicas
 from .common import endpoint_url as endpoint_url
 from .common import labels as labels
@@ -275,6 +275,10 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         if not adopts_claim(im):
             cache_objects.insert(0, render_claim(im))
         objects = cache_objects + objects
+    # The pods' own ServiceAccount before any pod (the loader Job's too) runs as it.
+    service_account = render_service_account(im)
+    if service_account is not None:
+        objects.insert(0, service_account)
     if wants_pdb(im):
         objects.append(render_pdb(im))
     if im.spec.adapters:  # before the Deployment: its pods read their adapter list from it
@@ -303,7 +307,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         objects.append(render_scaledobject(im))
     # Every optional child that may exist, the router's in reverse apply order (pods go before the
     # Service and RBAC they use); whichever is not rendered now must not exist.
-    optional = [ChildRef(kind, im.child_name) for kind in OPTIONAL_KINDS]
+    optional = [ChildRef(kind, im.child_name) for kind in (*OPTIONAL_KINDS, "ServiceAccount")]
     optional.append(ChildRef("ConfigMap", configmap_name(im)))
     # The workload kind the spec does not use (a switch between one node and several); no
     # LeaderWorkerSet can exist where the cluster does not serve the kind.
