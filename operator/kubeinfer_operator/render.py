@@ -275,10 +275,14 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         if not adopts_claim(im):
             cache_objects.insert(0, render_claim(im))
         objects = cache_objects + objects
-    # The pods' own ServiceAccount before any pod (the loader Job's too) runs as it.
+    # The pods' own ServiceAccount after their fences and claim, before any pod (the loader Job's
+    # too) runs as it.
     service_account = render_service_account(im)
     if service_account is not None:
-        objects.insert(0, service_account)
+        first_pods = next(
+            i for i, o in enumerate(objects) if o["kind"] not in ("NetworkPolicy", "PersistentVolumeClaim")
+        )
+        objects.insert(first_pods, service_account)
     if wants_pdb(im):
         objects.append(render_pdb(im))
     if im.spec.adapters:  # before the Deployment: its pods read their adapter list from it
