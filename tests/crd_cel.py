@@ -75,6 +75,20 @@ def evaluate(rule: str, value: Any) -> bool | str:
     return f"rule returned {result.type().name()}, not bool"
 
 
+@functools.cache
+def _compiled_with(rule: str, names: tuple[str, ...]) -> Any:
+    return cel.NewEnv(variables=dict.fromkeys(names, cel.Type.DYN)).compile(rule)
+
+
+def evaluate_vars(rule: str, variables: dict[str, Any]) -> bool | str:
+    """Like `evaluate`, for an admission expression over other variables (`object`, `request`:
+    a ValidatingAdmissionPolicy's)."""
+    result = _compiled_with(rule, tuple(sorted(variables))).eval(data=variables)
+    if result.type() == cel.Type.BOOL:
+        return bool(result.value())
+    return str(result.value())
+
+
 def typed(schema: dict[str, Any], value: Any) -> Any:
     """The value as the API server hands it to CEL: numbers of a `type: number` node are doubles."""
     if schema.get("type") == "number" and isinstance(value, int) and not isinstance(value, bool):

@@ -9,16 +9,20 @@ Two layers:
   (a ConfigMap's keys are unknown at admission), and no server flag the server refuses.
 - The cluster administrator's (chart values `admission.*` -> the operator's environment, checked at
   reconcile time since CEL cannot read them; a refusal is the model's InvalidSpec condition): which
-  images other than the installation's, which ServiceAccounts and which Secrets (in env, envFrom and
-  volumes) a model may use. Default: none.
+  images other than the installation's, which ServiceAccounts and which Secrets (anywhere in the
+  spec) a model may use. Default: none.
 
-The Secrets the spec designates itself (`model.credentialsSecretRef`, `engine.apiKeySecretRef`,
-`pod.imagePullSecrets`) are not pod-level references and stay allowed.
+Every Secret the spec names goes through the Secret policy, the ones it designates itself
+(`model.credentialsSecretRef`, `engine.apiKeySecretRef`, `pod.imagePullSecrets`) too: whoever may
+create an InferenceModel must not get any Secret of the namespace into pods that send it to a host
+(policy.SECRET_REF_FIELDS lists the places).
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,33 +70,156 @@ VOLUME_TYPES_MESSAGE = (
     "(configMap, csi, downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, secret)"
 )
 
-# Variables that make the loader or the interpreter run other code than the image's, with the reason.
-# Every LD_* name is refused too (the dynamic loader's own namespace).
-LOADER_ENV_PREFIX = "LD_"
-LOADER_ENV: dict[str, str] = {
-    "PYTHONPATH": "puts modules first on the import path",
-    "PYTHONSTARTUP": "runs a file when the interpreter starts interactively",
-    "PYTHONHOME": "replaces the standard library",
-    "PYTHONINSPECT": "enters an interactive prompt after the script",
-    "PYTHONUSERBASE": "adds a user site-packages folder (and its .pth files) to the imports",
-    "PYTHONEXECUTABLE": "changes sys.executable (what child processes run)",
-    "PYTHONPLATLIBDIR": "changes where the standard library's extension modules come from",
-    "PYTHONBREAKPOINT": "imports and calls any callable on breakpoint()",
-    "PYTHONWARNINGS": "imports the warning category classes it names",
+# Variables refused in pod.env (and, through the envFrom prefix rule, from ConfigMaps and Secrets),
+# with why. Three kinds: what the loader or the interpreter runs (LD_PRELOAD's kind), where the
+# server connects and which certificates it trusts (a hub token sent to another host: issue 45), and
+# the server's own flags' variables (a flag set there would bypass the engine.extraArgs checks; they
+# are set through engine.extraArgs or the spec's fields).
+# Families: every name starting with one of these.
+REFUSED_ENV_PREFIXES: dict[str, str] = {
+    "LD_": "the dynamic loader's own namespace (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, ...)",
+    "PYTHON": "the interpreter's settings: import path, startup files, caches, hooks (SAFE_PYTHON_ENV aside)",
+    "HF_HUB_": "the hub client's settings (endpoint, TLS, offline mode, ...)",
+    "HUGGINGFACE_": "the hub client's older names (cache folders, endpoint)",
+    "SSL_CERT_": "which certificate authorities OpenSSL trusts",
+    "TRITON_": "Triton's compiler and kernel cache (code the server runs on GPUs)",
+    "TORCHINDUCTOR_": "torch.compile's code cache",
+}
+# PYTHON* names that change no code the interpreter loads nor where it writes any.
+SAFE_PYTHON_ENV = (
+    "PYTHONUNBUFFERED",
+    "PYTHONFAULTHANDLER",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONIOENCODING",
+    "PYTHONUTF8",
+)
+# Single names.
+REFUSED_ENV_NAMES: dict[str, str] = {
     "GCONV_PATH": "makes glibc load iconv modules from another folder",
+    "GLIBC_TUNABLES": "changes the C library's behaviour (and has had loader exploits)",
+    "LOCPATH": "makes glibc load locale data from another folder",
     "BASH_ENV": "runs a file when a shell starts",
     "ENV": "runs a file when a POSIX shell starts",
+    "HF_ENDPOINT": "the hub's address: the hub token would go to that host",
+    "REQUESTS_CA_BUNDLE": "the certificate authorities requests trusts",
+    "CURL_CA_BUNDLE": "the certificate authorities curl and requests trust",
 }
-# The operator's management credential (credentials.py): set by the operator only.
-RESERVED_ENV = ("KUBEINFER_ADMIN_API_KEY",)
+# `<scheme>_proxy` in any case (curl, requests and urllib read any case): all of them redirect.
+PROXY_SUFFIX = "_proxy"
+# The proxy variables that connections of the server use (an envFrom prefix must not start them).
+PROXY_NAMES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+# Every variable server/cli.py's parser reads (its `[env: NAME]`s);
+# tests/operator/test_op_server_flags.py keeps this list equal to the parser's (the operator's image
+# has no server package).
+SERVER_ENV: tuple[str, ...] = (
+    "API_KEY",
+    "DTYPE",
+    "ENABLE_LORA",
+    "ENABLE_PREFIX_CACHING",
+    "KUBEINFER_ADMIN_API_KEY",
+    "KUBEINFER_ALLOWED_HEADERS",
+    "KUBEINFER_ALLOWED_METHODS",
+    "KUBEINFER_ALLOWED_ORIGINS",
+    "KUBEINFER_ALLOW_CREDENTIALS",
+    "KUBEINFER_ALLOW_SPECIAL_TOKENS_IN_CONTENT",
+    "KUBEINFER_ATTENTION_BACKEND",
+    "KUBEINFER_BATCH_WAIT_MS",
+    "KUBEINFER_BLOCK_SIZE",
+    "KUBEINFER_CACHE_DIR",
+    "KUBEINFER_CHAT_TEMPLATE",
+    "KUBEINFER_DEVICE",
+    "KUBEINFER_DISTRIBUTED_TIMEOUT",
+    "KUBEINFER_DRAIN_TIMEOUT",
+    "KUBEINFER_ENABLE_AUTO_TOOL_CHOICE",
+    "KUBEINFER_HOST",
+    "KUBEINFER_KV_CACHE_DTYPE",
+    "KUBEINFER_KV_CACHE_MEMORY",
+    "KUBEINFER_KV_EVENTS_CONFIG",
+    "KUBEINFER_LOGPROBS_MODE",
+    "KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD",
+    "KUBEINFER_MAX_NUM_BATCHED_TOKENS",
+    "KUBEINFER_MAX_NUM_SEQS",
+    "KUBEINFER_NUM_KV_BLOCKS",
+    "KUBEINFER_NUM_THREADS",
+    "KUBEINFER_SPECULATIVE_CONFIG",
+    "KUBEINFER_TASK",
+    "KUBEINFER_THREAD_POLICY",
+    "KUBEINFER_TIMEOUT_REQUEST_HEAD",
+    "KUBEINFER_TOOL_CALL_PARSER",
+    "KUBEINFER_UI",
+    "LOG_FORMAT",
+    "LOG_LEVEL",
+    "LORA_ALLOWED_PATHS",
+    "LWS_GROUP_SIZE",
+    "LWS_LEADER_ADDRESS",
+    "LWS_WORKER_INDEX",
+    "MASTER_PORT",
+    "MAX_BEST_OF",
+    "MAX_CONCURRENT_REQUESTS",
+    "MAX_CPU_LORAS",
+    "MAX_INPUT_TOKENS",
+    "MAX_LORAS",
+    "MAX_LORA_RANK",
+    "MAX_STOP_SEQUENCES",
+    "MAX_TOP_N_TOKENS",
+    "MAX_TOTAL_TOKENS",
+    "MODEL_ID",
+    "PAYLOAD_LIMIT",
+    "PORT",
+    "QUANTIZE",
+    "SERVED_MODEL_NAME",
+    "TENSOR_PARALLEL_SIZE",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+)
 LOADER_ENV_MESSAGE = (
-    "pod.env must not set a variable that changes what the loader or interpreter runs "
-    "(LD_*, PYTHONPATH, PYTHONSTARTUP, PYTHONHOME, ...) or the operator's KUBEINFER_ADMIN_API_KEY"
+    "pod.env must not set a variable that changes what the loader or interpreter runs, where the server "
+    "connects or which certificates it trusts, or a server flag's variable (LD_*, PYTHON*, HF_ENDPOINT, "
+    "HF_HUB_*, *_PROXY, SSL_CERT_*, REQUESTS_CA_BUNDLE, GLIBC_TUNABLES, KUBEINFER_ADMIN_API_KEY, ...; "
+    "server flags go in engine.extraArgs)"
 )
 ENV_FROM_MESSAGE = (
     "pod.envFrom entries need a prefix that no refused variable name starts with "
-    "(not LD_, PYTHON..., not empty): the keys of a ConfigMap or Secret are not known at admission"
+    "(not LD_, PYTHON..., HF_, HTTP..., not empty): the keys of a ConfigMap or Secret are not known at admission"
 )
+
+
+def _any_prefix_of(name: str) -> str:
+    """A regex matching every non-empty prefix of `name`: `a(b(c)?)?` for "abc"."""
+    return name[0] + "".join(f"({c}" for c in name[1:]) + ")?" * (len(name) - 1)
+
+
+# RE2 (the CRD's CEL `matches`) and Python's re read these the same way.
+REFUSED_ENV_FAMILY_RE = "^(" + "|".join(REFUSED_ENV_PREFIXES) + ")"
+PROXY_RE = "(?i:_proxy)$"
+# an envFrom prefix that any case of a proxy variable starts with
+PROXY_PREFIX_RE = "^(?i:" + "|".join(_any_prefix_of(n) for n in PROXY_NAMES) + ")$"
+# The CRD's bound of an envFrom prefix (its CEL rule's cost grows with it); spec.py says the same.
+ENV_FROM_PREFIX_MAX = 64
+
+
+def _refused_exact() -> tuple[str, ...]:
+    return tuple(dict.fromkeys((*REFUSED_ENV_NAMES, *SERVER_ENV)))
+
+
+# Where pod.volumeMounts may mount: folders of the image that hold no code (the interpreter, the
+# server, its kernels), no certificate store and no model cache (issue 45 item 2: a ConfigMap over
+# sitecustomize.py, a claim over the kernel cache). A path is taken as the kubelet resolves it:
+# normalised, so `/models/` and `/data/../usr` count as what they name; `..` is refused outright.
+ALLOWED_MOUNT_ROOTS = ("/data", "/mnt")
+MOUNT_PATH_RE = "^/(data|mnt)(/|$)"
+MOUNT_PATH_MESSAGE = (
+    "pod.volumeMounts paths must be absolute, without '..', under /data or /mnt "
+    "(other folders hold the server's code, kernels, certificates or model cache)"
+)
+
+
+def mount_path_ok(path: Any) -> bool:
+    """Whether a pod.volumeMounts mountPath lies under ALLOWED_MOUNT_ROOTS once normalised."""
+    if not isinstance(path, str) or not path.startswith("/") or ".." in path.split("/"):
+        return False
+    normal = posixpath.normpath(path)
+    return any(normal == root or normal.startswith(root + "/") for root in ALLOWED_MOUNT_ROOTS)
+
 
 APPARMOR_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
 APPARMOR_MESSAGE = (
@@ -126,22 +253,23 @@ REFUSED_FLAGS_MESSAGE = (
 )
 
 
-def _refused_env_name(name: str) -> bool:
-    return name.startswith(LOADER_ENV_PREFIX) or name in LOADER_ENV or name in RESERVED_ENV
-
-
-def _refused_names() -> tuple[str, ...]:
-    return (LOADER_ENV_PREFIX, *LOADER_ENV, *RESERVED_ENV)
+def refused_env_name(name: str) -> bool:
+    """Whether pod.env may not set `name` (REFUSED_ENV_PREFIXES, REFUSED_ENV_NAMES, *_PROXY, SERVER_ENV)."""
+    if re.match(REFUSED_ENV_FAMILY_RE, name) and name not in SAFE_PYTHON_ENV:
+        return True
+    return name in _refused_exact() or re.search(PROXY_RE, name) is not None
 
 
 def env_from_prefix_ok(prefix: Any) -> bool:
-    """Whether every name `prefix + key` is allowed, whatever the key: no refused name starts with
-    the prefix, and the prefix starts with no refused prefix."""
+    """Whether every name `prefix + key` is allowed, whatever the key: the prefix starts with no
+    refused family, no refused name or family starts with the prefix, and no proxy variable (any
+    case) does. `APP_` + `HTTPS_PROXY` is `APP_HTTPS_PROXY`: a proxy for the scheme `app_https`,
+    which no connection of the server uses."""
     if not isinstance(prefix, str) or not prefix:
         return False
-    if prefix.startswith(LOADER_ENV_PREFIX):
+    if re.match(REFUSED_ENV_FAMILY_RE, prefix) or re.match(PROXY_PREFIX_RE, prefix):
         return False
-    return not any(name.startswith(prefix) for name in _refused_names())
+    return not any(n.startswith(prefix) for n in (*REFUSED_ENV_PREFIXES, *_refused_exact()))
 
 
 def pod_errors(
@@ -149,12 +277,15 @@ def pod_errors(
     env_from: Iterable[Mapping[str, Any]],
     volumes: Iterable[Mapping[str, Any]],
     annotations: Mapping[str, str],
+    volume_mounts: Iterable[Mapping[str, Any]] = (),
 ) -> list[str]:
     """The unconditional refusals of spec.pod (the CRD's CEL rules say the same)."""
     errors: list[str] = []
+    if any(not mount_path_ok(m.get("mountPath")) for m in volume_mounts):
+        errors.append(MOUNT_PATH_MESSAGE)
     if any(set(v) - {"name"} - set(RESTRICTED_VOLUME_TYPES) for v in volumes):
         errors.append(VOLUME_TYPES_MESSAGE)
-    if any(_refused_env_name(str(e.get("name", ""))) for e in env):
+    if any(refused_env_name(str(e.get("name", ""))) for e in env):
         errors.append(LOADER_ENV_MESSAGE)
     if any(not env_from_prefix_ok(e.get("prefix")) for e in env_from):
         errors.append(ENV_FROM_MESSAGE)
@@ -224,6 +355,15 @@ def extra_args_errors(extra_args: Iterable[str]) -> list[str]:
 ALLOWED_IMAGES_ENV = "KUBEINFER_ALLOWED_IMAGES"  # image prefixes, comma-separated
 ALLOWED_SERVICE_ACCOUNTS_ENV = "KUBEINFER_ALLOWED_SERVICE_ACCOUNTS"  # names, comma-separated; * = any
 ALLOWED_SECRETS_ENV = "KUBEINFER_ALLOWED_SECRETS"  # names, comma-separated; * = any
+ALLOWED_PRIORITY_CLASSES_ENV = "KUBEINFER_ALLOWED_PRIORITY_CLASSES"  # system-* names, comma-separated
+ALLOWED_CSI_DRIVERS_ENV = "KUBEINFER_ALLOWED_CSI_DRIVERS"  # inline csi volume drivers, comma-separated
+ALLOWED_TOKEN_AUDIENCES_ENV = "KUBEINFER_ALLOWED_TOKEN_AUDIENCES"  # projected token audiences
+CONTROL_PLANE_ENV = "KUBEINFER_ALLOW_CONTROL_PLANE_SCHEDULING"  # true: tolerate-all, control-plane nodes
+
+# Kubernetes' own priority classes (scheduling/v1): pods in them preempt everything else.
+SYSTEM_PRIORITY_PREFIX = "system-"
+# Node labels and taint keys of control-plane nodes (kubeadm's; `master` before Kubernetes 1.24).
+CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 
 
 def _csv(value: str | None) -> tuple[str, ...]:
@@ -241,6 +381,14 @@ class AdmissionPolicy:
     allowed_images: tuple[str, ...] = ()
     allowed_service_accounts: tuple[str, ...] = ()
     allowed_secrets: tuple[str, ...] = ()
+    # system-node-critical / system-cluster-critical (names) a model may use
+    allowed_priority_classes: tuple[str, ...] = ()
+    # tolerate-all tolerations and control-plane node selectors, tolerations and affinity
+    allow_control_plane_scheduling: bool = False
+    # inline `csi` volumes (e.g. secrets-store.csi.k8s.io) by driver name
+    allowed_csi_drivers: tuple[str, ...] = ()
+    # `projected` serviceAccountToken sources by audience ("" = the API server's own audience)
+    allowed_token_audiences: tuple[str, ...] = ()
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> AdmissionPolicy:
@@ -249,6 +397,10 @@ class AdmissionPolicy:
             allowed_images=_csv(env.get(ALLOWED_IMAGES_ENV)),
             allowed_service_accounts=_csv(env.get(ALLOWED_SERVICE_ACCOUNTS_ENV)),
             allowed_secrets=_csv(env.get(ALLOWED_SECRETS_ENV)),
+            allowed_priority_classes=_csv(env.get(ALLOWED_PRIORITY_CLASSES_ENV)),
+            allow_control_plane_scheduling=(env.get(CONTROL_PLANE_ENV) or "").strip().lower() == "true",
+            allowed_csi_drivers=_csv(env.get(ALLOWED_CSI_DRIVERS_ENV)),
+            allowed_token_audiences=_csv(env.get(ALLOWED_TOKEN_AUDIENCES_ENV)),
         )
 
     def image_allowed(self, image: str, defaults: Iterable[str]) -> bool:
@@ -280,6 +432,82 @@ def pod_secret_names(
     return list(dict.fromkeys(str(n) for n in names if n))
 
 
+def credential_volume_errors(policy: AdmissionPolicy, volumes: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The administrator's refusals of volumes that bring credentials past the Secret policy: inline
+    `csi` volumes (the secrets-store driver mounts a cloud secret store's entries) and `projected`
+    service-account tokens (a token of the pod's ServiceAccount for any audience, although the pod
+    sets automountServiceAccountToken: false)."""
+    errors: list[str] = []
+    for v in volumes:
+        name = str(v.get("name", ""))[:63]
+        driver = (v.get("csi") or {}).get("driver")
+        if "csi" in v and driver not in policy.allowed_csi_drivers:
+            errors.append(
+                f"pod.volumes {name!r}: the csi driver {str(driver)[:253]!r} is not allowed in this cluster "
+                "(the administrator allows inline csi volumes through the chart value admission.allowedCSIDrivers)"
+            )
+        for source in (v.get("projected") or {}).get("sources") or []:
+            token = source.get("serviceAccountToken")
+            if token is None:
+                continue
+            audience = str(token.get("audience") or "")
+            if audience not in policy.allowed_token_audiences:
+                errors.append(
+                    f"pod.volumes {name!r}: a service-account token for the audience {audience[:253]!r} is not "
+                    "allowed in this cluster (the pods get no API credentials; the administrator allows "
+                    "audiences through the chart value admission.allowedTokenAudiences)"
+                )
+    return errors
+
+
+def _mentions_control_plane(value: Any) -> bool:
+    """Whether a node selector, toleration or affinity names a control-plane label or taint key."""
+    if isinstance(value, str):
+        return value in CONTROL_PLANE_KEYS
+    if isinstance(value, Mapping):
+        if value.get("key") in CONTROL_PLANE_KEYS and value.get("operator") in ("DoesNotExist", "NotIn"):
+            return False  # keeps the pods off those nodes
+        return any(_mentions_control_plane(k) or _mentions_control_plane(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_mentions_control_plane(v) for v in value)
+    return False
+
+
+def scheduling_errors(
+    policy: AdmissionPolicy,
+    *,
+    priority_class: str | None,
+    tolerations: Iterable[Mapping[str, Any]],
+    node_selector: Mapping[str, str],
+    affinity: Mapping[str, Any] | None,
+) -> list[str]:
+    """The administrator's refusals of spec.scheduling: Kubernetes' system priority classes (they
+    preempt the cluster's own components), a toleration of every taint (`operator: Exists` without a
+    key) and any use of the control-plane nodes."""
+    errors: list[str] = []
+    if (
+        priority_class is not None
+        and priority_class.startswith(SYSTEM_PRIORITY_PREFIX)
+        and priority_class not in policy.allowed_priority_classes
+    ):
+        errors.append(
+            f"scheduling.priorityClassName {priority_class!r} is not allowed in this cluster (the administrator "
+            "allows system priority classes through the chart value admission.allowedPriorityClasses)"
+        )
+    tolerations = list(tolerations)
+    tolerate_all = any(t.get("operator") == "Exists" and not t.get("key") for t in tolerations)
+    control_plane = _mentions_control_plane(
+        [dict(node_selector), dict(affinity or {}), [t.get("key") for t in tolerations]]
+    )
+    if (tolerate_all or control_plane) and not policy.allow_control_plane_scheduling:
+        errors.append(
+            "scheduling must not tolerate every taint (operator Exists without a key) nor select, tolerate or "
+            "prefer control-plane nodes (node-role.kubernetes.io/control-plane) in this cluster (the "
+            "administrator allows it through the chart value admission.allowControlPlaneScheduling)"
+        )
+    return errors
+
+
 def policy_errors(
     policy: AdmissionPolicy,
     *,
@@ -304,8 +532,9 @@ def policy_errors(
     refused = [s for s in secrets if not policy.secret_allowed(s)]
     if refused:
         errors.append(
-            f"spec.pod references Secret(s) {', '.join(refused)} in env, envFrom or volumes, which this cluster "
-            "does not allow (use model.credentialsSecretRef / engine.apiKeySecretRef, or the administrator "
-            "allows them through the chart value admission.allowedSecrets)"
+            f"the spec references Secret(s) {', '.join(refused)}, which this cluster does not allow "
+            "(the administrator allows Secrets by name through the chart value admission.allowedSecrets; "
+            "every reference counts: credentialsSecretRef, apiKeySecretRef, imagePullSecrets, pod.env, "
+            "pod.envFrom, pod.volumes)"
         )
     return errors

@@ -25,6 +25,7 @@ from .common import (
     child_metadata,
     restricted_container_security_context,
     selector_labels,
+    service_account_name,
 )
 from .defaults import ClusterDefaults
 from .names import derived_name
@@ -202,8 +203,7 @@ def render_job(im: InferenceModel, defaults: ClusterDefaults | None = None) -> M
         pod_spec["nodeSelector"] = dict(spec.scheduling.node_selector)
     if spec.scheduling.tolerations:
         pod_spec["tolerations"] = list(spec.scheduling.tolerations)
-    if spec.pod.service_account_name is not None:
-        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    pod_spec["serviceAccountName"] = service_account_name(im)
     pull_secrets = defaults.pull_secrets([r.name for r in spec.pod.image_pull_secrets])
     if pull_secrets:
         pod_spec["imagePullSecrets"] = pull_secrets

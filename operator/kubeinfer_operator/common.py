@@ -105,3 +105,23 @@ def restricted_container_security_context() -> dict[str, Any]:
 def desired_replicas(im: InferenceModel) -> int:
     """Replicas the operator sets on the Deployment (meaningless while an autoscaler owns the count)."""
     return 0 if im.spec.suspend else im.spec.scaling.replicas
+
+
+def service_account_name(im: InferenceModel) -> str:
+    """What the model's pods (server, cache loader) run as: pod.serviceAccountName when the
+    administrator allowed one, else the model's own ServiceAccount (render_service_account), never
+    the namespace's `default`, to which others may have bound roles (issue 45 item 5)."""
+    return im.spec.pod.service_account_name or im.child_name
+
+
+def render_service_account(im: InferenceModel) -> dict[str, Any] | None:
+    """The model's own ServiceAccount, with no API token (the server never calls the API server);
+    None when pod.serviceAccountName names another."""
+    if im.spec.pod.service_account_name is not None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": child_metadata(im),
+        "automountServiceAccountToken": False,
+    }

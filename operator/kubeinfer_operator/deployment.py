@@ -22,6 +22,7 @@ from .common import (
     labels,
     restricted_container_security_context,
     selector_labels,
+    service_account_name,
     startup_failure_threshold,
 )
 from .credentials import admin_env
@@ -268,8 +269,7 @@ def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = Non
         pod_spec["runtimeClassName"] = spec.scheduling.runtime_class_name
     if spec.scheduling.topology_spread_constraints:
         pod_spec["topologySpreadConstraints"] = [dict(c) for c in spec.scheduling.topology_spread_constraints]
-    if spec.pod.service_account_name is not None:
-        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    pod_spec["serviceAccountName"] = service_account_name(im)
     pull_secrets = defaults.pull_secrets([r.name for r in spec.pod.image_pull_secrets])
     if pull_secrets:
         pod_spec["imagePullSecrets"] = pull_secrets

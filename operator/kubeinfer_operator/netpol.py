@@ -1,6 +1,7 @@
 """NetworkPolicies for a model's pods and its router (spec.network): each admits what its pods need
-and nothing else. Ingress only: the pods' own egress (hub downloads, DNS) stays as the namespace has it.
+and nothing else.
 
+Ingress:
 - `<child name>` (every pod of the model): the API port (8080) from the clients (spec.network.
   allowedClients, default the model's namespace), the model's router, the operator (adapter sync)
   and Prometheus (/metrics); with routing, the KV-event ports from the router only; with several
@@ -16,6 +17,19 @@ and nothing else. Ingress only: the pods' own egress (hub downloads, DNS) stays 
 - `<name>-activator` (scale to zero, `scaling.minReplicas: 0`): its port (requests and /activator/metrics)
   from the clients and Prometheus; the activator in turn reaches the router's port (with routing) or
   the model's API port (without), so each of those admits it.
+
+Egress (the model's pods only; issue 45 item 1: a leaked credential has less room): DNS to the
+cluster's DNS pods; TCP 443 to any address but the link-local range (cloud metadata services)
+only when the spec names a hub source (hf:// model, draft or adapter: the hub and its CDN have no
+fixed addresses, and a NetworkPolicy cannot name hosts); with several nodes, every port of the
+model's own pods. No API server: the pods mount no ServiceAccount token. A pvc:// or in-image
+model gets no internet egress. The router (pod discovery) and the activator (scale-up) need the API
+server and keep the namespace's egress.
+
+Peers outside the namespace are chosen by namespace name (`kubernetes.io/metadata.name`, which the
+API server sets) and pod labels: the operator's pods in the operator's namespace (the chart's
+POD_NAMESPACE, else the namespace of the operator's own ServiceAccount; outside a cluster: no peer),
+Prometheus in the monitoring namespace.
 
 The kubelet's probes need no rule (NetworkPolicy never blocks a node's traffic to its pods).
 spec.network.networkPolicy false renders none (and deletes the ones it rendered before).
@@ -65,9 +79,39 @@ def _tcp(*ports: int) -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": p} for p in ports]
 
 
-def _in_namespace(namespace: str | None, pod_labels: tuple[tuple[str, str], ...]) -> Peer:
-    ns_selector: dict[str, Any] = {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}} if namespace else {}
-    return {"namespaceSelector": ns_selector, "podSelector": {"matchLabels": dict(pod_labels)}}
+# The cluster DNS pods: kube-dns and CoreDNS both carry k8s-app=kube-dns in kube-system (kubeadm,
+# GKE, EKS, AKS).
+DNS_NAMESPACE = "kube-system"
+DNS_POD_LABELS = (("k8s-app", "kube-dns"),)
+DNS_PORT = 53
+HTTPS_PORT = 443
+# Cloud metadata services hand out node credentials: link-local 169.254.169.254, EC2's fd00:ec2::254.
+ANY_IPV4, ANY_IPV6 = "0.0.0.0/0", "::/0"
+METADATA_EXCEPT_V4, METADATA_EXCEPT_V6 = ("169.254.0.0/16",), ("fe80::/10", "fd00:ec2::254/128")
+# The in-cluster ServiceAccount's namespace file: where the operator runs when the chart's
+# POD_NAMESPACE is not set.
+SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def _in_namespace(namespace: str, pod_labels: tuple[tuple[str, str], ...]) -> Peer:
+    return {
+        "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}},
+        "podSelector": {"matchLabels": dict(pod_labels)},
+    }
+
+
+def operator_namespace(
+    defaults: ClusterDefaults, sa_file: str = SERVICE_ACCOUNT_NAMESPACE_FILE
+) -> str | None:
+    """The operator's namespace: the chart's POD_NAMESPACE, else its ServiceAccount's; None outside a
+    cluster (no pod peer: a label in any namespace would admit any pod that copies it)."""
+    if defaults.operator_namespace:
+        return defaults.operator_namespace
+    try:
+        with open(sa_file, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def client_peers(im: InferenceModel) -> list[Peer]:
@@ -75,8 +119,9 @@ def client_peers(im: InferenceModel) -> list[Peer]:
     return [p.to_dict() for p in im.spec.network.allowed_clients] or [{"podSelector": {}}]
 
 
-def operator_peer(defaults: ClusterDefaults) -> Peer:
-    return _in_namespace(defaults.operator_namespace, defaults.operator_pod_labels)
+def operator_peers(defaults: ClusterDefaults) -> list[Peer]:
+    namespace = operator_namespace(defaults)
+    return [_in_namespace(namespace, defaults.operator_pod_labels)] if namespace else []
 
 
 def prometheus_peer(defaults: ClusterDefaults) -> Peer:
@@ -108,7 +153,7 @@ def epp_peer(im: InferenceModel) -> Peer:
 def render_model_policy(
     im: InferenceModel, defaults: ClusterDefaults, gateway_served: bool = True
 ) -> Manifest:
-    api_from = [*client_peers(im), operator_peer(defaults), prometheus_peer(defaults)]
+    api_from = [*client_peers(im), *operator_peers(defaults), prometheus_peer(defaults)]
     if wants_gateway(im) and gateway_served:
         api_from += [epp_peer(im), *gateway_peers(im)]
     if wants_router(im):
@@ -127,10 +172,36 @@ def render_model_policy(
         "metadata": child_metadata(im),
         "spec": {
             "podSelector": {"matchLabels": selector_labels(im)},
-            "policyTypes": ["Ingress"],
+            "policyTypes": ["Ingress", "Egress"],
             "ingress": ingress,
+            "egress": model_egress(im),
         },
     }
+
+
+def hub_sources(im: InferenceModel) -> list[str]:
+    """The spec's hf:// sources (model, draft, adapters): the pods (or the cache loader) download them."""
+    spec = im.spec
+    draft = spec.engine.speculative.model if spec.engine.speculative is not None else None
+    uris = [spec.model.uri, draft, *(a.uri for a in spec.adapters)]
+    return [u for u in uris if u and u.startswith("hf://")]
+
+
+def model_egress(im: InferenceModel) -> list[dict[str, Any]]:
+    """Where the model's pods (and its cache loader, which carries the same labels) may connect."""
+    dns = _in_namespace(DNS_NAMESPACE, DNS_POD_LABELS)
+    egress: list[dict[str, Any]] = [
+        {"to": [dns], "ports": [{"protocol": p, "port": DNS_PORT} for p in ("UDP", "TCP")]}
+    ]
+    if hub_sources(im):
+        hosts = [
+            {"ipBlock": {"cidr": ANY_IPV4, "except": list(METADATA_EXCEPT_V4)}},
+            {"ipBlock": {"cidr": ANY_IPV6, "except": list(METADATA_EXCEPT_V6)}},
+        ]
+        egress.append({"to": hosts, "ports": _tcp(HTTPS_PORT)})
+    if multi_node(im):
+        egress.append({"to": [{"podSelector": {"matchLabels": selector_labels(im)}}]})
+    return egress
 
 
 def render_router_policy(im: InferenceModel, defaults: ClusterDefaults) -> Manifest:

@@ -18,7 +18,7 @@ from .common import SERVER_PORT as SERVER_PORT
 from .common import TMP_DIR as TMP_DIR
 from .common import ChildRef as ChildRef
 from .common import Manifest as Manifest
-from .common import child_metadata, promql_string, selector_labels
+from .common import child_metadata, promql_string, render_service_account, selector_labels
 from .common import desired_replicas as desired_replicas
 from .common import endpoint_url as endpoint_url
 from .common import labels as labels
@@ -323,6 +323,14 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         if not adopts_claim(im):
             cache_objects.insert(0, render_claim(im))
         objects = cache_objects + objects
+    # The pods' own ServiceAccount after their fences and claim, before any pod (the loader Job's
+    # too) runs as it.
+    service_account = render_service_account(im)
+    if service_account is not None:
+        first_pods = next(
+            i for i, o in enumerate(objects) if o["kind"] not in ("NetworkPolicy", "PersistentVolumeClaim")
+        )
+        objects.insert(first_pods, service_account)
     if wants_pdb(im):
         objects.append(render_pdb(im))
     if im.spec.adapters:  # before the Deployment: its pods read their adapter list from it
@@ -351,7 +359,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         objects.append(render_scaledobject(im))
     # Every optional child that may exist, the router's in reverse apply order (pods go before the
     # Service and RBAC they use); whichever is not rendered now must not exist.
-    optional = [ChildRef(kind, im.child_name) for kind in OPTIONAL_KINDS]
+    optional = [ChildRef(kind, im.child_name) for kind in (*OPTIONAL_KINDS, "ServiceAccount")]
     optional.append(ChildRef("ConfigMap", configmap_name(im)))
     # The workload kind the spec does not use (a switch between one node and several); no
     # LeaderWorkerSet can exist where the cluster does not serve the kind.

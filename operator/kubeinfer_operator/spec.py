@@ -562,6 +562,7 @@ class PodSpec(_Model):
             ("pod.volumes", self.volumes, "name", 63),
             ("pod.volumeMounts", self.volume_mounts, "name", 63),
             ("pod.volumeMounts", self.volume_mounts, "mountPath", 1024),
+            ("pod.envFrom", self.env_from, "prefix", admission.ENV_FROM_PREFIX_MAX),
         ):
             for i, item in enumerate(items):
                 if len(str(item.get(key, ""))) > limit:
@@ -591,7 +592,9 @@ class PodSpec(_Model):
         names = {v.get("name") for v in self.volumes}
         if any(m.get("name") not in names for m in self.volume_mounts):
             raise ValueError("every pod.volumeMounts entry must name a volume in pod.volumes")
-        problems = admission.pod_errors(self.env, self.env_from, self.volumes, self.annotations)
+        problems = admission.pod_errors(
+            self.env, self.env_from, self.volumes, self.annotations, self.volume_mounts
+        )
         if problems:
             raise ValueError("; ".join(problems))
         _check_quantity(self.shm_size, "pod.shmSize")

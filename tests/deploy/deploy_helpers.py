@@ -404,9 +404,25 @@ current-context: kmock
 """
 
 
+def add_admission_policy_kinds(api: Any) -> None:
+    """ValidatingAdmissionPolicy and its binding (Kubernetes >= 1.30; the chart's secret-policy.yaml),
+    which kmock's bundled discovery lacks."""
+    for plural, kind in (
+        ("validatingadmissionpolicies", "ValidatingAdmissionPolicy"),
+        ("validatingadmissionpolicybindings", "ValidatingAdmissionPolicyBinding"),
+    ):
+        api.resources[f"admissionregistration.k8s.io/v1/{plural}"] = kmock.ResourceInfo(
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=False,
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        )
+
+
 async def helm_install(values: dict[str, Any], tmp: Path, namespace: str, release: str) -> HelmInstall:
     async with MockApiServer() as api, kmock.Server(api) as server:
         api.resources.load_bundled()  # the built-in kinds of a real cluster's discovery
+        add_admission_policy_kinds(api)
         for plural, kind in (("servicemonitors", "ServiceMonitor"), ("prometheusrules", "PrometheusRule")):
             api.resources[f"monitoring.coreos.com/v1/{plural}"] = kmock.ResourceInfo(
                 kind=kind,

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import crd_cel
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -695,3 +696,41 @@ def test_inference_extension_rbac_only_when_asked(installs: dict[str, HelmInstal
         env["KUBEINFER_DEFAULT_ENDPOINT_PICKER_IMAGE"]
         == "registry.k8s.io/gateway-api-inference-extension/epp:v1.0.1"
     )
+    assert env["KUBEINFER_INFERENCE_EXTENSION"] == "true"
+    off = {e["name"]: e.get("value") for e in _container(_ok(installs, "defaults"))["env"]}
+    assert off["KUBEINFER_INFERENCE_EXTENSION"] == "false"
+
+
+def test_the_operator_cannot_mint_service_account_tokens(installs: dict[str, HelmInstall]) -> None:
+    """Issue 45 item 5: `secrets: create` let the operator create a kubernetes.io/service-account-token
+    Secret for any ServiceAccount of a watched namespace; the chart's ValidatingAdmissionPolicy refuses
+    every Secret of the operator's ServiceAccount that is not a plain Opaque one (its CEL evaluated
+    here as the API server would on the admission request)."""
+    inst = _ok(installs, "defaults")
+    (policy,) = inst.find("ValidatingAdmissionPolicy")
+    (binding,) = inst.find("ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"][0]["resources"] == ["secrets"]
+    operator_user = f"system:serviceaccount:{NAMESPACE}:{FULLNAME}"
+    (match,) = spec["matchConditions"]
+    for user, applies in ((operator_user, True), ("system:serviceaccount:models:default", False)):
+        assert (
+            crd_cel.evaluate_vars(match["expression"], {"request": {"userInfo": {"username": user}}})
+            is applies
+        )
+
+    def allowed(secret: dict[str, Any]) -> bool:
+        return all(
+            crd_cel.evaluate_vars(v["expression"], {"object": secret}) is True for v in spec["validations"]
+        )
+
+    token = {
+        "metadata": {"name": "t", "annotations": {"kubernetes.io/service-account.name": "admin"}},
+        "type": "kubernetes.io/service-account-token",
+    }
+    assert not allowed(token)
+    assert not allowed({**token, "type": "Opaque"})
+    assert not allowed({"metadata": {"name": "t"}, "type": "kubernetes.io/dockerconfigjson"})
+    assert allowed({"metadata": {"name": "m-admin-0123456789"}, "type": "Opaque"})

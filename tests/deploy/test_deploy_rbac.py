@@ -24,7 +24,14 @@ from typing import Any
 
 import kmock
 import pytest
-from deploy_helpers import HelmInstall, MockApiServer, helm_install, helm_python, helm_skip_reason
+from deploy_helpers import (
+    HelmInstall,
+    MockApiServer,
+    add_admission_policy_kinds,
+    helm_install,
+    helm_python,
+    helm_skip_reason,
+)
 from kubeinfer_operator.k8s import USER_AGENT
 from kubeinfer_operator.render_activator import render_activator_role
 from kubeinfer_operator.spec import InferenceModel
@@ -64,6 +71,7 @@ class ThreadedApi:
             "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", set()),
             "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", {"status", "scale"}),
         }
+        add_admission_policy_kinds(api)
         for key, (kind, subresources) in extra.items():
             api.resources[key] = kmock.ResourceInfo(
                 kind=kind,

@@ -6,6 +6,11 @@ import os
 
 # For operator subprocesses started by these tests; the in-process operator gets the fixture's patch.
 os.environ.setdefault("KUBEINFER_RESYNC_SECONDS", "2")
+# Every Secret reference needs the administrator's consent (issue 45 item 1): the Secrets these tests'
+# models name, allowed as an administrator would (handlers.POLICY reads it at import).
+os.environ.setdefault(
+    "KUBEINFER_ALLOWED_SECRETS", "hf,hf-token,hub,s,a,api,k,keys,regcred,own,mirror-pull,operator-pull"
+)
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any

@@ -26,6 +26,7 @@ def _s(**parts: Any) -> dict[str, Any]:
 
 PSS_VOLUMES = "volume types of the restricted Pod Security Standard"
 LOADER_ENV = "pod.env must not set a variable that changes what the loader or interpreter runs"
+MOUNT_PATH = "pod.volumeMounts paths must be absolute, without '..', under /data or /mnt"
 ENV_FROM = "pod.envFrom entries need a prefix that no refused variable name starts with"
 TRUST_REMOTE_CODE = "engine.extraArgs must not contain --trust-remote-code"
 ANNOTATIONS = "pod.annotations must not set the legacy seccomp annotations"
@@ -268,7 +269,7 @@ ADMISSION: list[Row] = [
                 "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
                 "envFrom": [{"configMapRef": {"name": "tuning"}, "prefix": "TUNING_"}],
                 "volumes": [{"name": "extra", "configMap": {"name": "chat-templates"}}],
-                "volumeMounts": [{"name": "extra", "mountPath": "/etc/templates", "readOnly": True}],
+                "volumeMounts": [{"name": "extra", "mountPath": "/data/templates", "readOnly": True}],
                 "shmSize": "4Gi",
             },
             scheduling={
@@ -464,6 +465,85 @@ ADMISSION: list[Row] = [
         "pod-env-admin-key", _s(pod={"env": [{"name": "KUBEINFER_ADMIN_API_KEY", "value": "x"}]}), LOADER_ENV
     ),
     Row("pod-env-unbuffered", _s(pod={"env": [{"name": "PYTHONUNBUFFERED", "value": "1"}]}), None),
+    # issue 45 item 1: variables that redirect or weaken the server's network and TLS (a hub token sent
+    # to another host), the C library's, the interpreter's and the server's own flags' variables
+    *[
+        Row(
+            f"pod-env-net-{name.lower()}",
+            _s(pod={"env": [{"name": name, "value": "https://a.example"}]}),
+            LOADER_ENV,
+        )
+        for name in (
+            "HF_ENDPOINT",
+            "HF_HUB_DISABLE_TELEMETRY",
+            "HTTPS_PROXY",
+            "Https_Proxy",
+            "all_proxy",
+            "SSL_CERT_FILE",
+            "REQUESTS_CA_BUNDLE",
+            "CURL_CA_BUNDLE",
+            "GLIBC_TUNABLES",
+            "LOCPATH",
+            "PYTHONPYCACHEPREFIX",
+            "PYTHONSAFEPATH",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+            "LORA_ALLOWED_PATHS",
+            "MODEL_ID",
+            "KUBEINFER_CHAT_TEMPLATE",
+        )
+    ],
+    # issue 45 item 2: mounts over code, kernels, certificates or the model cache (a trailing slash or
+    # `..` passed the exact-string check)
+    *[
+        Row(
+            f"pod-mount-{i}",
+            _s(
+                pod={
+                    "volumes": [{"name": "x", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "x", "mountPath": p}],
+                }
+            ),
+            MOUNT_PATH,
+        )
+        for i, p in enumerate(
+            (
+                "/usr/lib/python3.11/sitecustomize.py",
+                "/var/cache/kubeinfer/kernels",
+                "/models/",
+                "/etc/ssl/certs",
+                "/data/../usr/lib",
+                "data/x",
+                "/datasets",
+            )
+        )
+    ],
+    *[
+        Row(
+            f"pod-mount-ok-{i}",
+            _s(
+                pod={
+                    "volumes": [{"name": "x", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "x", "mountPath": p}],
+                }
+            ),
+            None,
+        )
+        for i, p in enumerate(("/data", "/data/templates/", "/mnt/scratch"))
+    ],
+    Row(
+        "pod-envfrom-prefix-too-long",
+        _s(pod={"envFrom": [{"configMapRef": {"name": "c"}, "prefix": "A" * 65}]}),
+        "spec.pod.envFrom[0].prefix: Too long: may not be more than 64 bytes",
+    ),
+    Row("pod-env-plain", _s(pod={"env": [{"name": "APP_MODE", "value": "x"}]}), None),
+    *[
+        Row(
+            f"pod-envfrom-net-prefix-{prefix.lower().rstrip('_')}",
+            _s(pod={"envFrom": [{"configMapRef": {"name": "c"}, "prefix": prefix}]}),
+            ENV_FROM,
+        )
+        for prefix in ("HTTPS", "Http", "no_", "HF_", "HF_HUB_", "SSL_CERT_", "VLLM_", "LORA_", "MODEL_")
+    ],
     Row("pod-envfrom-no-prefix", _s(pod={"envFrom": [{"configMapRef": {"name": "c"}}]}), ENV_FROM),
     Row(
         "pod-envfrom-ld-prefix",

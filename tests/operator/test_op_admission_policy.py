@@ -11,12 +11,12 @@ import pytest
 from kubeinfer_operator import handlers
 from kubeinfer_operator.admission import AdmissionPolicy, pod_secret_names
 from kubeinfer_operator.defaults import ClusterDefaults
-from kubeinfer_operator.policy import model_policy_errors
+from kubeinfer_operator.policy import SECRET_REF_FIELDS, model_policy_errors, model_secret_names
 from kubeinfer_operator.render import render_deployment
 from kubeinfer_operator.spec import InferenceModel
 from op_admission_table import ADMISSION
 from op_cluster import MockCluster, condition, wait_for
-from op_testlib import inference_model
+from op_testlib import crd_schema, inference_model
 from pod_security import RULES
 
 HF = {"uri": "hf://org/model"}
@@ -65,15 +65,58 @@ def test_secret_references_in_the_pod_need_the_administrators_consent() -> None:
     partly = AdmissionPolicy(allowed_secrets=("db-pass", "tls"))
     assert "all-keys, cloud-creds" in errors({"pod": pod}, partly)[0]
     assert errors({"pod": pod}, AdmissionPolicy(allowed_secrets=("*",))) == []
-    # the spec's own Secrets are designated, not pod-level references
-    own = {
-        "model": {**HF, "credentialsSecretRef": {"name": "hf", "key": "token"}},
-        "engine": {"apiKeySecretRef": {"name": "api", "key": "k"}},
-        "pod": {"imagePullSecrets": [{"name": "regcred"}]},
-    }
-    im = InferenceModel.from_manifest(inference_model(own))
-    assert model_policy_errors(im, AdmissionPolicy(), DEFAULTS) == []
     assert pod_secret_names([], [], []) == []
+
+
+# One spec per place a Secret can be named (policy.SECRET_REF_FIELDS), each naming Secret "leak".
+LEAK = {"name": "leak", "key": "password"}
+SECRET_PLACES: dict[str, dict[str, Any]] = {
+    "spec.model.credentialsSecretRef": {"model": {**HF, "credentialsSecretRef": LEAK}},
+    "spec.adapters[].credentialsSecretRef": {
+        "model": {**HF, "credentialsSecretRef": LEAK},
+        "adapters": [{"name": "a", "uri": "hf://org/lora", "credentialsSecretRef": LEAK}],
+    },
+    "spec.engine.apiKeySecretRef": {"engine": {"apiKeySecretRef": LEAK}},
+    "spec.pod.imagePullSecrets": {"pod": {"imagePullSecrets": [{"name": "leak"}]}},
+    "spec.pod.env[].valueFrom.secretKeyRef": {
+        "pod": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": LEAK}}]}
+    },
+    "spec.pod.envFrom[].secretRef": {"pod": {"envFrom": [{"secretRef": {"name": "leak"}, "prefix": "APP_"}]}},
+    "spec.pod.volumes[].secret": {"pod": {"volumes": [{"name": "s", "secret": {"secretName": "leak"}}]}},
+    "spec.pod.volumes[].projected.sources[].secret": {
+        "pod": {"volumes": [{"name": "p", "projected": {"sources": [{"secret": {"name": "leak"}}]}}]}
+    },
+}
+
+
+def _crd_secret_fields() -> set[str]:
+    """Paths of the CRD's declared fields whose name says Secret."""
+    found: set[str] = set()
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for key, sub in (node.get("properties") or {}).items():
+            if "secret" in key.lower():
+                found.add(f"{path}.{key}")
+            walk(sub, f"{path}.{key}")
+        if "items" in node:
+            walk(node["items"], f"{path}[]")
+
+    walk(crd_schema()["properties"]["spec"], "spec")
+    return found
+
+
+def test_every_secret_reference_of_the_spec_goes_through_the_secret_policy() -> None:
+    """Issue 45 item 1: `model.credentialsSecretRef: {name: prod-db}` (any Secret of the namespace) was
+    allowed, and the pods sent it as a bearer token to the hub; every place counts now, and a new CRD
+    field naming a Secret fails here until SECRET_REF_FIELDS has it."""
+    assert _crd_secret_fields() <= set(SECRET_REF_FIELDS), _crd_secret_fields() - set(SECRET_REF_FIELDS)
+    assert set(SECRET_PLACES) == set(SECRET_REF_FIELDS)
+    for place, spec in SECRET_PLACES.items():
+        im = InferenceModel.from_manifest(inference_model({"model": HF, **spec}))
+        assert model_secret_names(im) == ["leak"], place
+        (e,) = model_policy_errors(im, AdmissionPolicy(), DEFAULTS)
+        assert "Secret(s) leak" in e and "admission.allowedSecrets" in e, place
+        assert model_policy_errors(im, AdmissionPolicy(allowed_secrets=("leak",)), DEFAULTS) == [], place
 
 
 def test_policy_from_the_operators_environment() -> None:
@@ -115,3 +158,75 @@ def test_a_refused_model_gets_a_condition_and_no_pods(
     cluster.patch("InferenceModel", "llm", {"spec": {"pod": {"labels": {"retry": "1"}}}})
     dep = wait_for(lambda: cluster.get("Deployment", "llm"), what="Deployment once allowed")
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "cluster-admin-sa"
+
+
+def test_scheduling_onto_the_control_plane_needs_the_administrators_consent() -> None:
+    """Issue 45 (scheduling fields): system priority classes, tolerate-all tolerations and control-plane
+    node selectors / tolerations / affinity were accepted."""
+    cp = "node-role.kubernetes.io/control-plane"
+    refused = {
+        "system-priority": {"priorityClassName": "system-node-critical"},
+        "cluster-critical": {"priorityClassName": "system-cluster-critical"},
+        "tolerate-all": {"tolerations": [{"operator": "Exists"}]},
+        "selector": {"nodeSelector": {cp: ""}},
+        "toleration": {"tolerations": [{"key": cp, "operator": "Exists", "effect": "NoSchedule"}]},
+        "affinity": {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [{"key": cp, "operator": "Exists"}]}]
+                    }
+                }
+            }
+        },
+    }
+    for case, scheduling in refused.items():
+        (e,) = errors({"scheduling": scheduling})
+        assert "admission.allow" in e, case
+    assert "admission.allowedPriorityClasses" in errors({"scheduling": refused["system-priority"]})[0]
+    allow = AdmissionPolicy(
+        allowed_priority_classes=("system-node-critical", "system-cluster-critical"),
+        allow_control_plane_scheduling=True,
+    )
+    assert all(errors({"scheduling": s}, allow) == [] for s in refused.values())
+    # what stays allowed by default: other priority classes, keyed tolerations, keeping off the control plane
+    off = {"nodeSelectorTerms": [{"matchExpressions": [{"key": cp, "operator": "DoesNotExist"}]}]}
+    ok = {
+        "priorityClassName": "high-priority",
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "nodeSelector": {"gpu": "h100"},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": off}},
+    }
+    assert errors({"scheduling": ok}) == []
+    env = {
+        "KUBEINFER_ALLOWED_PRIORITY_CLASSES": "system-node-critical",
+        "KUBEINFER_ALLOW_CONTROL_PLANE_SCHEDULING": "true",
+    }
+    policy = AdmissionPolicy.from_environment(env)
+    assert (
+        policy.allowed_priority_classes == ("system-node-critical",) and policy.allow_control_plane_scheduling
+    )
+
+
+def test_credential_volumes_need_the_administrators_consent() -> None:
+    """Issue 45 item 3: an inline secrets-store csi volume and a projected service-account token (any
+    audience) were accepted past the Secret policy and automountServiceAccountToken: false."""
+    csi = {"name": "vault", "csi": {"driver": "secrets-store.csi.k8s.io", "volumeAttributes": {"x": "y"}}}
+    token = {"serviceAccountToken": {"audience": "vault", "expirationSeconds": 3600, "path": "t"}}
+    api_token = {"serviceAccountToken": {"path": "t"}}
+    for volume, value in (
+        (csi, "admission.allowedCSIDrivers"),
+        ({"name": "t", "projected": {"sources": [token]}}, "admission.allowedTokenAudiences"),
+        ({"name": "t", "projected": {"sources": [api_token]}}, "admission.allowedTokenAudiences"),
+    ):
+        (e,) = errors({"pod": {"volumes": [volume]}})
+        assert value in e, e
+    allow = AdmissionPolicy(
+        allowed_csi_drivers=("secrets-store.csi.k8s.io",), allowed_token_audiences=("vault",)
+    )
+    assert errors({"pod": {"volumes": [csi, {"name": "t", "projected": {"sources": [token]}}]}}, allow) == []
+    assert errors({"pod": {"volumes": [{"name": "t", "projected": {"sources": [api_token]}}]}}, allow) != []
+    policy = AdmissionPolicy.from_environment(
+        {"KUBEINFER_ALLOWED_CSI_DRIVERS": "a,b", "KUBEINFER_ALLOWED_TOKEN_AUDIENCES": "vault"}
+    )
+    assert policy.allowed_csi_drivers == ("a", "b") and policy.allowed_token_audiences == ("vault",)

@@ -31,6 +31,7 @@ def test_render_cli_prints_every_object_as_yaml() -> None:
     docs = list(yaml.safe_load_all(out.stdout))
     assert [d["kind"] for d in docs] == [
         "NetworkPolicy",  # first: the pods start fenced (netpol.py)
+        "ServiceAccount",  # the pods' own, before them
         "Service",
         "PodDisruptionBudget",
         "Deployment",

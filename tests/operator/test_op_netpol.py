@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 from kubeinfer_operator.defaults import ClusterDefaults
 from kubeinfer_operator.lws import WORKER_INDEX_LABEL
+from kubeinfer_operator.netpol import operator_namespace
 from kubeinfer_operator.render import Capabilities, ChildRef, render_all
 from kubeinfer_operator.spec import InferenceModel
 from netpol_eval import Pod, admits
@@ -168,15 +169,63 @@ def test_opting_out_renders_none_and_deletes_what_was_rendered() -> None:
     assert policies == [] and admits(policies, STRANGER, pods["model"], EPHEMERAL)
 
 
-def test_without_the_charts_environment_the_operator_is_matched_by_labels() -> None:
+def test_without_the_charts_environment_the_operator_is_matched_in_its_own_namespace(tmp_path: Any) -> None:
+    """Issue 45 item 4: without POD_NAMESPACE the operator peer was `app.kubernetes.io/name: kubeinfer`
+    in every namespace, a label anyone creating a pod can set."""
     doc = inference_model({"model": HF}, name="llm", namespace=NS)
     objects = render_all(InferenceModel.from_manifest(doc), Capabilities(defaults=ClusterDefaults())).objects
     (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
-    peers = policy["spec"]["ingress"][0]["from"]
-    assert {
-        "namespaceSelector": {},
-        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kubeinfer"}},
-    } in peers
+    assert not admits([policy], FAKE_OPERATOR, Pod(NS, policy["spec"]["podSelector"]["matchLabels"]), API)
+    assert all(p.get("namespaceSelector") != {} for p in policy["spec"]["ingress"][0]["from"])
+    sa_file = tmp_path / "namespace"
+    sa_file.write_text("kubeinfer-system\n")
+    assert operator_namespace(ClusterDefaults(), str(sa_file)) == "kubeinfer-system"
+    assert operator_namespace(ClusterDefaults(operator_namespace="ops"), str(sa_file)) == "ops"
+    assert operator_namespace(ClusterDefaults(), str(tmp_path / "absent")) is None
+
+
+DNS = Pod("kube-system", {"k8s-app": "kube-dns"})
+FAKE_DNS = Pod(NS, {"k8s-app": "kube-dns"})
+
+
+def _egress_to_internet(policies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    (model,) = [p for p in policies if p["metadata"]["name"] == "llm"]
+    return [r for r in model["spec"]["egress"] if any("ipBlock" in peer for peer in r.get("to") or [])]
+
+
+def test_model_pods_reach_dns_and_the_hub_only() -> None:
+    """Issue 45 item 1: the model's pods had the namespace's egress (any host, the API server, the
+    cloud metadata service), so a leaked credential could go anywhere."""
+    policies, pods = plan()
+    model = pods["model"]
+    assert admits(policies, model, DNS, 53, "UDP") and admits(policies, model, DNS, 53)
+    for dst, port in ((FAKE_DNS, 53), (CLIENT, API), (OPERATOR, 443), (STRANGER, 443), (PROMETHEUS, 9090)):
+        assert not admits(policies, model, dst, port), (dst, port)
+    (hub,) = _egress_to_internet(policies)
+    assert hub["ports"] == [{"protocol": "TCP", "port": 443}]
+    v4 = [p["ipBlock"] for p in hub["to"] if p["ipBlock"]["cidr"] == "0.0.0.0/0"]
+    assert v4 == [{"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}]
+
+
+@pytest.mark.parametrize("uri", ["pvc://models/llama", "/models/llama"])
+def test_models_without_a_hub_download_get_no_internet(uri: str) -> None:
+    doc = inference_model({"model": {"uri": uri}}, name="llm", namespace=NS)
+    objects = render_all(InferenceModel.from_manifest(doc), CAPS).objects
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    assert _egress_to_internet(policies) == []
+    # an hf:// adapter brings the hub back
+    doc = inference_model(
+        {"model": {"uri": uri}, "adapters": [{"name": "a", "uri": "hf://org/lora"}]}, name="llm", namespace=NS
+    )
+    objects = render_all(InferenceModel.from_manifest(doc), CAPS).objects
+    assert _egress_to_internet([o for o in objects if o["kind"] == "NetworkPolicy"]) != []
+
+
+def test_ranks_reach_each_other_on_egress_too() -> None:
+    policies, pods = plan(**MULTI_NODE)
+    assert admits(policies, pods["worker"], pods["model"], DIST)
+    assert admits(policies, pods["model"], pods["worker"], EPHEMERAL)
+    assert not admits(policies, pods["model"], CLIENT, EPHEMERAL)
 
 
 @pytest.mark.parametrize(

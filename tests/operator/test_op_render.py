@@ -519,7 +519,7 @@ def test_pod_customization_reaches_the_pod() -> None:
     assert {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"} in c["env"]
     assert c["envFrom"] == [{"configMapRef": {"name": "tuning"}, "prefix": "TUNING_"}]
     assert {"name": "extra", "configMap": {"name": "chat-templates"}} in pod["volumes"]
-    assert {"name": "extra", "mountPath": "/etc/templates", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "extra", "mountPath": "/data/templates", "readOnly": True} in c["volumeMounts"]
     dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
     assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"

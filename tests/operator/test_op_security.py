@@ -10,7 +10,7 @@ import copy
 from typing import Any
 
 import pytest
-from kubeinfer_operator.render import render_deployment
+from kubeinfer_operator.render import ChildRef, render_all, render_deployment
 from kubeinfer_operator.spec import InferenceModel
 from op_testlib import EXAMPLES, inference_model, load_yaml
 from pod_security import RULES, Pod
@@ -106,3 +106,28 @@ def test_read_only_root_with_writable_tmp_and_cache() -> None:
     # Everything the server or its libraries write goes to a mounted volume.
     assert env["HOME"] == "/tmp" and env["HF_HOME"].startswith("/var/cache/kubeinfer")
     assert pod["automountServiceAccountToken"] is False
+
+
+def test_model_pods_run_as_their_own_service_account() -> None:
+    """Issue 45 item 5: the pods ran as the namespace's `default` ServiceAccount, to which others may
+    bind roles; now as one the operator creates per model (no token), unless the administrator allowed
+    pod.serviceAccountName, whose pods run as that one and the model's own goes."""
+    shared = {"mode": "Shared", "size": "20Gi", "storageClassName": "nfs"}
+    doc = inference_model({"model": {"uri": "hf://org/model"}, "cache": shared}, name="llm")
+    plan = render_all(InferenceModel.from_manifest(doc))
+    (sa,) = [o for o in plan.objects if o["kind"] == "ServiceAccount"]
+    assert sa["metadata"]["name"] == "llm" and sa["automountServiceAccountToken"] is False
+    kinds = [o["kind"] for o in plan.objects]
+    pods = [o for o in plan.objects if o["kind"] in ("Deployment", "Job")]
+    assert {o["kind"] for o in pods} == {"Deployment", "Job"}
+    for o in pods:
+        assert kinds.index("ServiceAccount") < kinds.index(o["kind"])  # exists before its pods
+        assert o["spec"]["template"]["spec"]["serviceAccountName"] == "llm", o["kind"]
+    doc = inference_model(
+        {"model": {"uri": "hf://org/model"}, "pod": {"serviceAccountName": "reader"}}, name="llm"
+    )
+    plan = render_all(InferenceModel.from_manifest(doc))
+    assert not [o for o in plan.objects if o["kind"] == "ServiceAccount"]
+    assert ChildRef("ServiceAccount", "llm") in plan.absent
+    (dep,) = [o for o in plan.objects if o["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "reader"

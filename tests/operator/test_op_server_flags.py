@@ -5,9 +5,16 @@ or to MANAGED_FLAGS without the other fails here, not as a crash-looping pod."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import crd_cost
-from kubeinfer_operator.admission import SERVER_FLAGS, UNKNOWN_FLAG_MESSAGE, extra_args_errors
+from kubeinfer_operator.admission import (
+    SERVER_ENV,
+    SERVER_FLAGS,
+    UNKNOWN_FLAG_MESSAGE,
+    extra_args_errors,
+    refused_env_name,
+)
 from kubeinfer_operator.spec import MANAGED_FLAGS
 from op_testlib import crd_schema
 
@@ -66,3 +73,19 @@ def test_the_generated_copies_are_current() -> None:
         check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_refused_env_is_every_variable_the_parser_reads() -> None:
+    """Issue 45 item 1: a server flag's variable in pod.env would bypass the engine.extraArgs checks
+    (VLLM_ALLOW_RUNTIME_LORA_UPDATING, LORA_ALLOWED_PATHS); the operator's list is the parser's."""
+    parser = build_parser({})
+    read = {m for a in parser._actions for m in re.findall(r"\[env: ([A-Z0-9_]+)\]", a.help or "")}
+    assert read and set(SERVER_ENV) == read
+    assert list(SERVER_ENV) == sorted(SERVER_ENV)
+    assert all(refused_env_name(n) for n in read)
+    (rule,) = [
+        r.rule
+        for r in crd_cost.rule_costs(crd_schema())
+        if r.message.startswith("pod.env must not set a variable that changes")
+    ]
+    assert all(f"'{n}'" in rule for n in read)
