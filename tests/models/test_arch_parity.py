@@ -208,3 +208,17 @@ def test_window_shorter_than_max_model_len_is_refused(tiny: Callable[[str, bool]
     (short / "config.json").write_text(json.dumps(hf))
     with pytest.raises(UnsupportedModelError, match="sliding_window 64"):
         LLMEngine(EngineConfig(model=ModelConfig(model=str(short), dtype="float32")))
+
+
+def test_calibrated_quantization_refuses_other_layers(
+    tiny: Callable[[str, bool], Path], tmp_path: Path
+) -> None:
+    """python -m server.quantize calibrates through the Llama layer: another architecture is refused,
+    not quantized against the wrong forward pass."""
+    from server.quantize import QuantizeOptions, quantize_model
+
+    with pytest.raises(
+        ValueError, match="GraniteForCausalLM: calibrated quantization runs the Llama layer only"
+    ):
+        quantize_model(str(tiny("granite", False)), tmp_path / "out", QuantizeOptions("rtn", calib_tokens=16))
+    assert not (tmp_path / "out").exists()
