@@ -13,10 +13,11 @@ import torch
 from torch import Tensor, nn
 
 from server.attention import AttentionBackend, AttentionMetadata
+from server.models import layers as shared
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
 from server.models.decode_graph import DecodeGraph, cache_pointers
-from server.models.layers import MLP, Attention, DecoderLayer, RMSNorm, bf16_chain, bf16_gemm
+from server.models.layers import MLP, Attention, DecoderLayer, RMSNorm
 from server.models.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -141,14 +142,14 @@ class LlamaForCausalLM(nn.Module):
             # Where a projection's GEMM is bf16 (prefill-sized batches), the norm hands it a bf16 operand
             # and takes its bf16 result as the next delta: the values of rounding and widening around an
             # fp32 stream, without the [T, H] fp32 <-> bf16 copies (the residual stream h stays fp32).
-            x_dtype = bf16 if bf16_gemm(attn.qkv_proj, t) else fp32
+            x_dtype = bf16 if shared.bf16_gemm(attn.qkv_proj, t) else fp32
             x = ops.add_rms_norm(h, delta, norm1.weight, norm1.eps, out_dtype=x_dtype)
-            a_dtype = bf16 if bf16_gemm(attn.o_proj, t) else None
+            a_dtype = bf16 if shared.bf16_gemm(attn.o_proj, t) else None
             qkv_dtype = fp32 if x_dtype == bf16 else None
             a = attn(
                 x, cos, sin, k_cache, v_cache, meta, backend, ops, qkv_dtype=qkv_dtype, out_dtype=a_dtype
             )
-            x_dtype = bf16 if bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
+            x_dtype = bf16 if shared.bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
             x = ops.add_rms_norm(h, a, norm2.weight, norm2.eps, out_dtype=x_dtype)
             delta = mlp(x, ops)  # bf16 where x is (MLP.forward's bf16 chain), else fp32
         return ops.add_rms_norm(h, delta, self.model.norm.weight, self.model.norm.eps)
