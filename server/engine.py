@@ -253,7 +253,7 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             record_events=self.kv_events is not None,
             # blocks out of the window are freed only where no layer attends globally (kv_cache_manager.py)
-            sliding_window=self.loaded.arch.sliding_window if self.loaded.arch.all_layers_windowed else None,
+            sliding_window=self.loaded.arch.kv_window,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from server.models.arch import ArchConfig
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import TensorSlicer, read_hf_config
+from server.models.registry import arch_from_hf
 from server.quant import cpu_repack
 from server.quant.layers import Int8Linear
 
@@ -47,6 +48,11 @@ class ShardSpec:
 def validate_tensor_parallel(cfg: ArchConfig, world_size: int) -> None:
     """Raises TensorParallelConfigError unless heads, KV heads and intermediate size split over N ranks."""
     n = world_size
+    if n > 1 and not cfg.is_llama:
+        raise TensorParallelConfigError(
+            f"tensor parallelism shards the Llama layer only; {cfg.architecture} layers (docs/models.md) "
+            "are served on one device"
+        )
     if cfg.num_heads % n:
         raise TensorParallelConfigError(
             f"tensor_parallel_size {n} must divide the number of attention heads ({cfg.num_heads})"
@@ -262,7 +268,7 @@ def rank_loading_slicer(folder: Path, quantize: str | None, rank: int, world_siz
             f"tensor parallelism shards dense and int8 (per-channel) weights only for now; "
             f"--quantize {quantize} is not supported with --tensor-parallel-size > 1"
         )
-    cfg = ArchConfig.from_hf(hf_cfg)
+    cfg = arch_from_hf(hf_cfg)
     return checkpoint_slicer(cfg, shard_spec(cfg, rank, world_size), quantize_on_load=quantize is not None)
 
 

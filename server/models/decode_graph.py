@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -40,13 +40,12 @@ from torch import Tensor
 from server.attention import AttentionBackend, AttentionMetadata
 from server.attention.cpu_kernel import CACHE_DTYPE_CODES, check_decode_indices
 from server.attention.torch_backend import TorchAttentionBackend
+from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
+from server.models.layers import DecoderLayer, RMSNorm
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import DecodeEntry, decode_entry
 from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, compute_flag, weight_descriptor
-
-if TYPE_CHECKING:  # llama.py imports this module
-    from server.models.llama import LlamaForCausalLM, RMSNorm
 
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -160,16 +159,21 @@ class DecodeGraph:
 
     @staticmethod
     def build(
-        model: LlamaForCausalLM,
+        layers: list[DecoderLayer],
+        final_norm: RMSNorm,
+        config: ArchConfig,
         # per layer: 2 x [num_blocks, block_size, Hkv, D], fp32, bf16 or fp16 (--kv-cache-dtype)
         kv_caches: list[tuple[Tensor, Tensor]],
         backend: AttentionBackend,
         ops: FusedOps,
     ) -> DecodeGraph | None:
-        """The graph for this model, caches and backend, or None where the Python path must serve."""
+        """The graph for these layers, caches and backend, or None where the Python path must serve:
+        the layer contract it runs is the Llama layer (`LayerSpec.is_llama`) with Qwen3's per-head
+        q/k norm at most; any other spec returns None."""
         if not isinstance(backend, TorchAttentionBackend) or backend.decode_kernel is None:
             return None
-        layers = model.decoder_layers()
+        if not config.is_llama:
+            return None
         if not layers or len(layers) != len(kv_caches):
             return None
         # The recorded graph calls the whole-context decode entry point: windowed layers take the Python path.
@@ -189,11 +193,11 @@ class DecodeGraph:
         norms = [layer.input_layernorm.weight for layer in layers] + [
             layer.post_attention_layernorm.weight for layer in layers
         ]
-        norms.append(model.model.norm.weight)
+        norms.append(final_norm.weight)
         qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
         norms.extend(n.weight for pair in qk_norms for n in pair if n is not None)
         if any(
-            (q is None) != (k is None) or (q is not None and q.weight.shape != (model.config.head_dim,))
+            (q is None) != (k is None) or (q is not None and q.weight.shape != (config.head_dim,))
             for q, k in qk_norms
         ):
             return None
@@ -207,7 +211,7 @@ class DecodeGraph:
             c.dtype != k0.dtype or c.shape != shape or not c.is_contiguous() for kv in kv_caches for c in kv
         ):
             return None
-        attn0, cfg = layers[0].self_attn, model.config
+        attn0, cfg = layers[0].self_attn, config
         hq, hkv, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         descriptors: list[KiQWeight] = []
@@ -242,7 +246,7 @@ class DecodeGraph:
                 layer.post_attention_layernorm.eps,
                 *_qk_norm_fields(layer.self_attn.q_norm, layer.self_attn.k_norm),
             )
-        final = model.model.norm
+        final = final_norm
         entry = decode_entry(kernel)  # int8-activation entry or qlinear (cpu_qgemv_q8.py)
         model_struct = _Model(
             ctypes.addressof(structs),

@@ -35,6 +35,7 @@ from server.config import default_cache_dir
 from server.cpu_features import CpuFeatures, apply_disable
 from server.models.arch import ArchConfig, UnsupportedModelError
 from server.models.llama import LlamaForCausalLM
+from server.models.registry import ARCHITECTURES, arch_from_hf, check_servable
 from server.native import KernelBuildError, usable_cpu_features
 
 if TYPE_CHECKING:
@@ -398,9 +399,10 @@ def load_model(
     prefix, no lm_head) loads too."""
     hf_cfg = read_hf_config(folder)
     try:
-        arch = ArchConfig.from_hf(hf_cfg, base_model_ok=embedding_only)
+        arch = arch_from_hf(hf_cfg, base_model_ok=embedding_only)
     except KeyError as e:
         raise UnsupportedModelError(f"{folder}/config.json lacks the field {e}") from e
+    check_servable(arch, max_positions)
     from server import quant
 
     qcfg = quant.resolve_quant_config(quantize, hf_cfg.get("quantization_config"), device)
@@ -409,6 +411,11 @@ def load_model(
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
     state = load_state_dict(folder, slicer)
+    rename = ARCHITECTURES[arch.architecture].rename_weights
+    if rename is not None:
+        if slicer is not None:
+            raise ModelLoadError(f"{arch.architecture}'s fused checkpoint tensors cannot be sliced per rank")
+        state = rename(state, arch)
     if embedding_only:
         state = {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in state.items()}
     if arch.tie_word_embeddings or embedding_only:
@@ -434,7 +441,7 @@ def load_model(
     if embedding_only and not arch.tie_word_embeddings:
         # never computed by an embedder: shares the embedding's tensor so nothing stays on the meta device
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = type(model.rotary)(arch, max_positions)
+    model.build_rotary(max_positions)
     model.to(device)
     if qcfg is not None:
         quant.finalize(model, qcfg, dtype)
@@ -465,9 +472,11 @@ def load_gguf_model(
         raise ModelLoadError(f"a GGUF model is served quantized on CPU only, not on {device} (use --dtype)")
     hf_cfg = read_hf_config(folder)
     try:
-        arch = ArchConfig.from_hf(hf_cfg)
+        arch = arch_from_hf(hf_cfg)
     except KeyError as e:
         raise UnsupportedModelError(f"{folder}/config.json lacks the field {e}") from e
+    if not ARCHITECTURES[arch.architecture].gguf:
+        raise UnsupportedModelError(f"{arch.architecture} GGUF files are not mapped yet (docs/models.md)")
     ckpt = read_gguf_checkpoint(gguf)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions=1)
@@ -517,7 +526,7 @@ def load_gguf_model(
     model.load_state_dict(state, assign=True, strict=False)
     if tied:
         model.tie_weights()
-    model.rotary = type(model.rotary)(arch, max_positions)
+    model.build_rotary(max_positions)
     model.eval()
     model.requires_grad_(False)
     from server import quant

@@ -91,6 +91,12 @@ def quantize_model(model: str | None, out: Path, opts: QuantizeOptions) -> Quant
             "quantize from a full-precision checkpoint"
         )
     loaded = load_model(source.folder, torch.float32, torch.device("cpu"), opts.calib_tokens + 1)
+    if not loaded.arch.is_llama:
+        # the calibration runner (evaluation.py) runs the Llama layer; another would be calibrated wrongly
+        raise ValueError(
+            f"{loaded.arch.architecture}: calibrated quantization runs the Llama layer only "
+            "(docs/models.md); serve it with --quantize instead"
+        )
     net = loaded.model
     projections = list(iter_projections(net))
     group = opts.group_size or _auto_group_size([p.module.in_features for p in projections])  # type: ignore[misc]

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.models.arch import ArchConfig, UnsupportedModelError
+from server.models.arch import UnsupportedModelError
 from server.models.loader import ModelLoadError, convert_gguf, load_model, resolve_model
+from server.models.registry import arch_from_hf
 
 
 def test_missing_path_names_what_was_expected(tmp_path: Path) -> None:
@@ -33,9 +34,9 @@ def test_hub_id_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_unsupported_architecture() -> None:
     with pytest.raises(UnsupportedModelError, match="expected one of"):
-        ArchConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+        arch_from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with pytest.raises(UnsupportedModelError, match="layer_types"):
-        ArchConfig.from_hf(
+        arch_from_hf(
             {
                 "architectures": ["Qwen2ForCausalLM"],
                 "use_sliding_window": True,

@@ -14,8 +14,8 @@ from server.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from server.engine import LLMEngine
 from server.lora.adapter import LoRAAdapterError, load_adapter
 from server.lora.registry import LoRAConflictError, LoRANotFoundError, LoRARegistry
-from server.models.arch import ArchConfig
 from server.models.loader import read_hf_config
+from server.models.registry import arch_from_hf
 from server.request import SamplingParams
 
 
@@ -38,13 +38,13 @@ def adapters(base: Path, tiny_model_factory, tmp_path_factory) -> dict[str, Path
 
 def registry(base: Path, **kw: int) -> LoRARegistry:
     cfg = LoRAConfig(enable_lora=True, max_lora_rank=16, **kw)  # type: ignore[arg-type]
-    return LoRARegistry(cfg, ArchConfig.from_hf(read_hf_config(base)), torch.float32)
+    return LoRARegistry(cfg, arch_from_hf(read_hf_config(base)), torch.float32)
 
 
 def test_loaded_weights_fold_scaling(base: Path, adapters: dict[str, Path]) -> None:
     from safetensors.torch import load_file
 
-    arch = ArchConfig.from_hf(read_hf_config(base))
+    arch = arch_from_hf(read_hf_config(base))
     ad = load_adapter("ok", adapters["ok"], arch, 16, torch.float32)
     assert ad.rank == 4 and ad.target_modules == ("down_proj", "q_proj")
     assert set(ad.weights) == {(i, m) for i in range(arch.num_layers) for m in ("q_proj", "down_proj")}

@@ -107,7 +107,7 @@ def test_bf16_gemm_is_torch_bf16_gemm_over_the_dequantized_weight(fmt: str) -> N
 @needs_bf16
 def test_mlp_chains_gate_up_silu_mul_down_in_bf16_bit_for_bit() -> None:
     # Prefill-sized M with both GEMMs in bf16: gate_up's bf16 result feeds silu_mul unwidened and its bf16
-    # output feeds down (server/models/llama.py's MLP), the same bits as widening each and rounding again.
+    # output feeds down (server/models/layers.py's MLP), the same bits as widening each and rounding again.
     from server.models.arch import ArchConfig
     from server.models.cpu_fused import load_fused_ops
     from server.models.llama import MLP
@@ -141,7 +141,7 @@ def test_the_layers_hand_bf16_operands_and_results_on_bit_for_bit(
     """A prefill-sized prompt: each norm hands a bf16 GEMM its bf16 operand, and o_proj's and down's bf16
     results go into the next norm unwidened (server/models/llama.py's _forward_fused): the same prompt
     logprobs, bit for bit, as widening every GEMM result to fp32 and rounding each operand again."""
-    from server.models import llama
+    from server.models import layers as shared_layers
     from server.models.cpu_fused import FusedOps
 
     prompt = _long_prompts(embedded, 1)[0]
@@ -164,7 +164,7 @@ def test_the_layers_hand_bf16_operands_and_results_on_bit_for_bit(
     assert seen[: 2 * layers + 1] == (
         [(None, bf16), (bf16, bf16)] + [(bf16, bf16), (bf16, bf16)] * (layers - 1) + [(bf16, torch.float32)]
     ), seen[:6]
-    monkeypatch.setattr(llama, "_bf16_gemm", lambda proj, rows: False)  # every hand-off in fp32
+    monkeypatch.setattr(shared_layers, "bf16_gemm", lambda proj, rows: False)  # every hand-off in fp32
     seen.clear()
     assert embedded.reset_prefix_cache()
     widened = engine_prompt_logprobs(embedded, prompt)

@@ -157,12 +157,13 @@ from server.engine import LLMEngine
 from server.models.arch import ArchConfig
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import read_hf_config, resolve_model
+from server.models.registry import arch_from_hf
 from server.tokenizer import Tokenizer
 # The baseline holds the code, not the model: the modules that building a model and a tokenizer load
 # lazily (torch's meta-device registrations, transformers, tokenizers) are loaded first.
 folder = resolve_model(None, keep_gguf=True).folder
 with torch.device("meta"):
-    LlamaForCausalLM(ArchConfig.from_hf(read_hf_config(folder)), max_positions=1)
+    LlamaForCausalLM(arch_from_hf(read_hf_config(folder)), max_positions=1)
 Tokenizer(folder)
 before = rss()
 engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_cache_memory_bytes=int(sys.argv[1]))))

@@ -1,0 +1,30 @@
+"""What an architecture module (server/models/archs/) provides to the registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from server.models.arch import ArchConfig
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture. `qkv_bias`: q/k/v carry a bias without `attention_bias` (Qwen2); `qk_norm`:
+    the common parse sets per-head q/k norms (Qwen3); `gguf`: a GGUF file of it loads (llama.cpp's
+    tensor names mapped); `features`: what its layers use, for docs/models.md."""
+
+    name: str
+    model_type: str
+    configure: Callable[[dict[str, Any], ArchConfig], ArchConfig]
+    features: tuple[str, ...] = ()
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    gguf: bool = False
+    # its layers are the Llama layer (LayerSpec.is_llama): fused CPU ops, decode graph, TP, --quantize
+    llama_layer: bool = False
+    rename_weights: Callable[[dict[str, Tensor], ArchConfig], dict[str, Tensor]] | None = None
