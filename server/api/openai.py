@@ -45,6 +45,7 @@ from .structured import (
     response_format_spec,
     vllm_spec,
 )
+from .tgi import VERSION
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -62,11 +63,23 @@ class Job:
     lora: LoRARequest | None = None  # the adapter named by `model`, None = the base model
 
 
+# OpenAI's field naming the backend configuration; TGI writes "<version>-<docker label or native>", and
+# its own client (text_generation.types.ChatComplete, ChatCompletionChunk) requires the field.
+SYSTEM_FINGERPRINT = f"{VERSION}-native"
+
+
 def _stream_chunk(
     rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool
 ) -> dict[str, Any]:
     """One streamed chunk; with include_usage every chunk carries "usage": null until the last one."""
-    c: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    c: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": choices,
+    }
     if include_usage:
         c["usage"] = None
     return c
@@ -562,6 +575,7 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
                             "object": "text_completion",
                             "created": created,
                             "model": model,
+                            "system_fingerprint": SYSTEM_FINGERPRINT,
                             "choices": [],
                             "usage": counter.usage(),
                         }
@@ -607,6 +621,7 @@ def _completion_body(
         "object": "text_completion",
         "created": created,
         "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": choices,
         "usage": usage,
     }
@@ -797,6 +812,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                             "object": "chat.completion.chunk",
                             "created": created,
                             "model": model,
+                            "system_fingerprint": SYSTEM_FINGERPRINT,
                             "choices": [],
                             "usage": counter.usage(),
                         }
@@ -835,6 +851,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             "object": "chat.completion",
             "created": created,
             "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
             "usage": _usage(len(ids), sum(len(g.token_ids) for g in gens), cached),
         }
