@@ -329,7 +329,7 @@ _SCHEMA = {
 
 def _chat(url: str, response_format: Any, stream: bool = False) -> httpx.Response:
     body = {
-        "model": "tgi",
+        "model": SERVED_NAME,
         "messages": [{"role": "user", "content": "Reply."}],
         "max_tokens": 24,
         "response_format": response_format,
@@ -390,10 +390,12 @@ def test_huggingface_hub_chat_completion_json_schema(
 
     monkeypatch.setattr(huggingface_hub.constants, "is_offline_mode", lambda: False)
     client = InferenceClient(base_url=live_server.url)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "a", "schema": _SCHEMA}}
     out = client.chat_completion(
+        model=SERVED_NAME,
         messages=[{"role": "user", "content": "Reply."}],
         max_tokens=24,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": _SCHEMA}},
+        response_format=fmt,
     )
     assert json.loads(out.choices[0].message.content) == {"answer": 7}
 
