@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -25,7 +26,7 @@ from server.pooling.engine import PoolingAbortedError, PoolingInput
 from server.pooling.model import PoolingModel
 from server.pooling.pooler import finish_embedding
 
-from .errors import APIError, ErrorKind, validation
+from .errors import APIError, ErrorKind, Family, validation
 from .generation import names_base_model, read_json
 from .protocol import NullIsUnset
 from .state import ServerState, server_state
@@ -610,6 +611,19 @@ async def generation_refused(request: Request) -> Response:
     state = server_state(request)
     state.admit("generate")  # raises the 400 naming the model's task
     raise AssertionError("unreachable")
+
+
+@guard_router.get("/v1/models/{model_id:path}", include_in_schema=False)
+async def pooling_model_card(request: Request, model_id: str) -> Response:
+    listed = await pooling_models(request)
+    if listed.status_code != 200:
+        return listed
+    card = json.loads(bytes(listed.body))["data"][0]
+    if card["id"] != model_id:
+        return APIError(ErrorKind.NOT_FOUND, f"The model `{model_id}` does not exist.", "model").response(
+            Family.OPENAI
+        )
+    return JSONResponse(card)
 
 
 @guard_router.get("/v1/models", include_in_schema=False)

@@ -872,6 +872,25 @@ async def models(request: Request) -> Response:
     state = server_state(request)
     if state.llm is None or state.limits is None:
         return APIError(ErrorKind.UNAVAILABLE, "the model is still loading").response(Family.OPENAI)
+    return JSONResponse({"object": "list", "data": _model_cards(state)})
+
+
+@router.get("/v1/models/{model_id:path}", summary="One served model (OpenAI's models.retrieve)")
+async def model_card(request: Request, model_id: str) -> Response:
+    """The card `/v1/models` lists under `model_id` (ids may hold `/`: a path or an org/name)."""
+    state = server_state(request)
+    if state.llm is None or state.limits is None:
+        return APIError(ErrorKind.UNAVAILABLE, "the model is still loading").response(Family.OPENAI)
+    for card in _model_cards(state):
+        if card["id"] == model_id:
+            return JSONResponse(card)
+    return APIError(ErrorKind.NOT_FOUND, f"The model `{model_id}` does not exist.", "model").response(
+        Family.OPENAI
+    )
+
+
+def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+    assert state.llm is not None and state.limits is not None
     info = state.llm.info
     base = {
         "id": info.served_model_name,
@@ -887,4 +906,4 @@ async def models(request: Request) -> Response:
         {**base, "id": a.name, "root": a.path, "parent": a.base_model_name or info.served_model_name}
         for a in (state.llm.lora.names() if state.llm.lora is not None else [])
     ]
-    return JSONResponse({"object": "list", "data": [base, *adapters]})
+    return [base, *adapters]

@@ -410,3 +410,16 @@ def test_tei_rerank_top_n(score_url: tuple[str, Any]) -> None:
     assert r.json() == full[:2]
     r = httpx.post(f"{url}/rerank", json={**body, "top_n": 0}, timeout=60)
     assert r.status_code == 422 and "top_n" in r.json()["error"]
+
+
+# ---- item 9: GET /v1/models/{id} (the openai client's models.retrieve) -------------------------------------
+def test_models_retrieve(live_server: Any, embed_url: tuple[str, Any]) -> None:
+    import openai
+
+    for url, name in ((live_server.url, SERVED_NAME), (embed_url[0], "minilm")):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        card = client.models.retrieve(name)
+        assert card.id == name and card.object == "model"
+        assert card.model_dump() == next(m.model_dump() for m in client.models.list().data if m.id == name)
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("no-such-model")
