@@ -68,10 +68,23 @@ class TEIEmbedRequest(_Body):
 
 
 class ScoreRequest(_Body):
+    """vLLM's /score: `text_1`/`text_2`, or its newer names `queries`/`documents` (one pair of names)."""
+
     model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
     truncate_prompt_tokens: int | None = None
+
+    def sides(self) -> tuple[str | list[str], str | list[str]]:
+        old, new = (self.text_1, self.text_2), (self.queries, self.documents)
+        if any(x is not None for x in old) and any(x is not None for x in new):
+            raise validation("give text_1 and text_2, or queries and documents, not both", "queries")
+        a, b = old if any(x is not None for x in old) else new
+        if a is None or b is None:
+            raise validation("text_1 and text_2 (or queries and documents) are required", "text_1")
+        return a, b
 
 
 class RerankRequest(_Body):
@@ -389,8 +402,9 @@ async def score(request: Request) -> Response:
     req: ScoreRequest = await _body(request, ScoreRequest)
     state.admit("score").release()
     _check_name(state, req.model)
-    a = [req.text_1] if isinstance(req.text_1, str) else req.text_1
-    b = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    one, two = req.sides()
+    a = [one] if isinstance(one, str) else one
+    b = [two] if isinstance(two, str) else two
     if not a or not b:
         raise validation("text_1 and text_2 cannot be empty", "text_1")
     if len(a) == 1:

@@ -117,7 +117,7 @@ _MINIMAL: dict[str, dict[str, Any]] = {
     "DetokenizeRequest": {"tokens": [1]},
     "EmbeddingRequest": {"input": "x"},
     "TEIEmbedRequest": {"inputs": "x"},
-    "ScoreRequest": {"text_1": "a", "text_2": "b"},
+    "ScoreRequest": {"text_1": "a", "text_2": "b"},  # or queries/documents
     "RerankRequest": {"query": "q", "documents": ["d"]},
     "TEIRerankRequest": {"query": "q", "texts": ["d"]},
     "ClassifyRequest": {"input": "x"},
@@ -423,3 +423,20 @@ def test_models_retrieve(live_server: Any, embed_url: tuple[str, Any]) -> None:
         assert card.model_dump() == next(m.model_dump() for m in client.models.list().data if m.id == name)
         with pytest.raises(openai.NotFoundError):
             client.models.retrieve("no-such-model")
+
+
+# ---- item 9: vLLM's newer /score names -----------------------------------------------------------------------
+def test_score_queries_documents(score_url: tuple[str, Any]) -> None:
+    url, _ = score_url
+    docs = ["Kubernetes runs pods.", "bread"]
+    old = httpx.post(f"{url}/score", json={"text_1": "what runs containers?", "text_2": docs}, timeout=60)
+    new = httpx.post(
+        f"{url}/v1/score", json={"queries": "what runs containers?", "documents": docs}, timeout=60
+    )
+    assert old.status_code == new.status_code == 200, new.text
+    assert [d["score"] for d in new.json()["data"]] == [d["score"] for d in old.json()["data"]]
+    both = {"text_1": "q", "text_2": docs, "queries": "q", "documents": docs}
+    r = httpx.post(f"{url}/v1/score", json=both, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "queries"
+    r = httpx.post(f"{url}/v1/score", json={"queries": "q"}, timeout=60)
+    assert r.status_code == 400
