@@ -397,7 +397,7 @@ def test_huggingface_hub_chat_completion_json_schema(
         max_tokens=24,
         response_format=fmt,
     )
-    assert json.loads(out.choices[0].message.content) == {"answer": 7}
+    assert json.loads(out.choices[0].message.content or "") == {"answer": 7}
 
 
 # ---- item 8: TEI's /rerank honours top_n -------------------------------------------------------------------
