@@ -39,14 +39,20 @@ _BYTE_LEVEL = _byte_level_decoder()
 
 class Tokenizer:
     def __init__(
-        self, folder: Path | str, chat_template: str | None = None, special_tokens_in_content: bool = False
+        self,
+        folder: Path | str,
+        chat_template: str | None = None,
+        special_tokens_in_content: bool = False,
+        hf: Any = None,
     ) -> None:
         """chat_template: Jinja text that replaces the model's own (--chat-template).
         special_tokens_in_content: parse special-token strings inside chat messages as control tokens
-        (--allow-special-tokens-in-content); by default they are text (server/chat_tokens.py)."""
+        (--allow-special-tokens-in-content); by default they are text (server/chat_tokens.py).
+        hf: an already loaded transformers tokenizer to wrap (a pooling model's) instead of loading
+        `folder`'s."""
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(folder))
+        self._tok = hf if hf is not None else AutoTokenizer.from_pretrained(str(folder))
         if chat_template is not None:
             self._tok.chat_template = chat_template
         self._content_text: ContentTextEncoder | None = None

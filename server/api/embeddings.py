@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -19,13 +20,15 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, ValidationError
 
 from server.pooling.engine import PoolingAbortedError, PoolingInput
 from server.pooling.model import PoolingModel
 from server.pooling.pooler import finish_embedding
 
-from .errors import APIError, ErrorKind, validation
+from .errors import APIError, ErrorKind, Family, validation
+from .generation import names_base_model, read_json
+from .protocol import NullIsUnset
 from .state import ServerState, server_state
 
 router = APIRouter()
@@ -40,7 +43,7 @@ def _check_count(n: int, name: str) -> None:
         raise validation(f"Input validation error: at most {MAX_INPUTS} inputs per request, got {n}", name)
 
 
-class _Body(BaseModel):
+class _Body(NullIsUnset):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -65,10 +68,23 @@ class TEIEmbedRequest(_Body):
 
 
 class ScoreRequest(_Body):
+    """vLLM's /score: `text_1`/`text_2`, or its newer names `queries`/`documents` (one pair of names)."""
+
     model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
     truncate_prompt_tokens: int | None = None
+
+    def sides(self) -> tuple[str | list[str], str | list[str]]:
+        old, new = (self.text_1, self.text_2), (self.queries, self.documents)
+        if any(x is not None for x in old) and any(x is not None for x in new):
+            raise validation("give text_1 and text_2, or queries and documents, not both", "queries")
+        a, b = old if any(x is not None for x in old) else new
+        if a is None or b is None:
+            raise validation("text_1 and text_2 (or queries and documents) are required", "text_1")
+        return a, b
 
 
 class RerankRequest(_Body):
@@ -85,6 +101,7 @@ class RerankRequest(_Body):
 class TEIRerankRequest(_Body):
     query: str
     texts: list[str]
+    top_n: int | None = None  # the best `top_n` only, as vLLM's /rerank (TEI's own body has no such field)
     raw_scores: bool = False
     return_text: bool = False
     truncate: bool | None = None
@@ -98,17 +115,23 @@ class ClassifyRequest(_Body):
 
 
 class TEIPredictRequest(_Body):
-    inputs: str | list[str]
+    """TEI's `PredictInput` (router/src/http/types.rs, serde-untagged): a text, a pair `[text, text]`,
+    or a list of texts and pairs (a batch). A list of exactly two texts is ONE pair, as TEI reads it."""
+
+    inputs: str | list[str | list[str]]
     raw_scores: bool = False
     truncate: bool | None = None
     truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
 
 
+async def _read(request: Request) -> Any:
+    """The body's JSON value through the one hardened parser every route uses (json_body.py: depth,
+    long integers, lone surrogates, the payload cap): never `request.json()`, which 500s on those."""
+    return await read_json(request, server_state(request).config.max_payload_bytes)
+
+
 async def _body(request: Request, cls: type[_Body], raw: Any = None) -> Any:
-    try:
-        data = raw if raw is not None else await request.json()
-    except ValueError as e:
-        raise validation(f"the body is not valid JSON: {e}") from e
+    data = raw if raw is not None else await _read(request)
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -123,7 +146,7 @@ def _model(state: ServerState) -> PoolingModel:
 
 
 def _check_name(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
+    if not names_base_model(name, (state.model_name, state.config.engine.model.model)):
         raise APIError(ErrorKind.NOT_FOUND, f"the model `{name}` does not exist", "model")
 
 
@@ -302,9 +325,9 @@ async def embeddings(request: Request) -> Response:
 
 # ---- TEI /embed ------------------------------------------------------------------------------------
 @router.post("/embed", summary="Embeddings (TEI)")
-async def tei_embed(request: Request) -> Response:
+async def tei_embed(request: Request, raw: Any = None) -> Response:
     state = server_state(request)
-    req: TEIEmbedRequest = await _body(request, TEIEmbedRequest)
+    req: TEIEmbedRequest = await _body(request, TEIEmbedRequest, raw)
     state.admit("embed").release()
     m = _model(state)
     dims = _dimensions(m, req.dimensions)
@@ -320,6 +343,47 @@ async def tei_embed(request: Request) -> Response:
     )
     vectors = await _run(state, "embed", items)
     return JSONResponse([finish_embedding(v, req.normalize, dims).tolist() for v in vectors])
+
+
+class TEISimilarityInput(_Body):
+    source_sentence: str
+    sentences: list[str]
+
+
+class TEISimilarityParameters(_Body):
+    truncate: bool | None = None
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
+    prompt_name: str | None = None
+
+
+class TEISimilarityRequest(_Body):
+    """TEI's /similarity body (and huggingface_hub's sentence_similarity, which posts it to `/`)."""
+
+    inputs: TEISimilarityInput
+    parameters: TEISimilarityParameters = TEISimilarityParameters()
+
+
+@router.post("/similarity", summary="Cosine similarity of a sentence to others (TEI)")
+async def tei_similarity(request: Request, raw: Any = None) -> Response:
+    """`[float]`: the cosine similarity of `inputs.source_sentence`'s embedding to each of
+    `inputs.sentences`' (TEI's SimilarityResponse), in their order."""
+    state = server_state(request)
+    req: TEISimilarityRequest = await _body(request, TEISimilarityRequest, raw)
+    state.admit("embed").release()
+    m = _model(state)
+    p = req.parameters
+    texts = [req.inputs.source_sentence, *req.inputs.sentences]
+    if not req.inputs.sentences:
+        raise validation("Input validation error: `inputs.sentences` cannot be empty", "inputs.sentences")
+    _check_count(len(texts), "inputs.sentences")
+    limit = _limit(state, None)
+    left = p.truncation_direction.lower() == "left"
+    prompt = _prompt(m, p.prompt_name)
+    items = await asyncio.to_thread(
+        lambda: [_encode_text(m, prompt + t, limit, bool(p.truncate), left) for t in texts]
+    )
+    vectors = torch.stack([finish_embedding(v, True, None) for v in await _run(state, "embed", items)])
+    return JSONResponse((vectors[1:] @ vectors[0]).tolist())
 
 
 # ---- scoring: vLLM /score, /rerank; TEI /rerank ------------------------------------------------------
@@ -338,8 +402,9 @@ async def score(request: Request) -> Response:
     req: ScoreRequest = await _body(request, ScoreRequest)
     state.admit("score").release()
     _check_name(state, req.model)
-    a = [req.text_1] if isinstance(req.text_1, str) else req.text_1
-    b = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    one, two = req.sides()
+    a = [one] if isinstance(one, str) else one
+    b = [two] if isinstance(two, str) else two
     if not a or not b:
         raise validation("text_1 and text_2 cannot be empty", "text_1")
     if len(a) == 1:
@@ -373,12 +438,14 @@ async def score(request: Request) -> Response:
 @router.post("/v1/rerank", include_in_schema=False)
 @router.post("/v2/rerank", include_in_schema=False)
 async def rerank(request: Request) -> Response:
+    return await _rerank(request, tei_shape=request.url.path == "/rerank")
+
+
+async def _rerank(request: Request, tei_shape: bool, raw: Any = None) -> Response:
+    """tei_shape: a body with `texts` is TEI's (TEI's own routes); else only vLLM's shape is read."""
     state = server_state(request)
-    try:
-        raw = await request.json()
-    except ValueError as e:
-        raise validation(f"the body is not valid JSON: {e}") from e
-    if request.url.path == "/rerank" and isinstance(raw, dict) and "texts" in raw:
+    raw = raw if raw is not None else await _read(request)
+    if tei_shape and isinstance(raw, dict) and "texts" in raw:
         return await _tei_rerank(state, await _body(request, TEIRerankRequest, raw))
     req: RerankRequest = await _body(request, RerankRequest, raw)
     state.admit("score").release()
@@ -416,6 +483,8 @@ async def _tei_rerank(state: ServerState, req: TEIRerankRequest) -> Response:
     state.admit("score").release()
     if not req.texts:
         raise validation("Input validation error: `texts` cannot be empty", "texts")
+    if req.top_n is not None and req.top_n < 1:
+        raise validation("Input validation error: `top_n` must be >= 1", "top_n")
     _check_count(len(req.texts), "texts")
     if req.truncation_direction.lower() == "left":
         raise validation(
@@ -427,7 +496,7 @@ async def _tei_rerank(state: ServerState, req: TEIRerankRequest) -> Response:
     )
     scores = [s[0] for s in _scores(_model(state), logits, raw=req.raw_scores)]
     out = []
-    for i in sorted(range(len(scores)), key=lambda i: -scores[i]):
+    for i in sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or len(scores)]:
         r: dict[str, Any] = {"index": i, "score": scores[i]}
         if req.return_text:
             r["text"] = req.texts[i]
@@ -469,21 +538,54 @@ async def classify(request: Request) -> Response:
     )
 
 
+def _predict_sequences(inputs: str | list[str | list[str]]) -> tuple[list[str | tuple[str, str]], bool]:
+    """TEI's reading of `inputs`: (the sequences, whether the body was a batch)."""
+    if isinstance(inputs, str):
+        return [inputs], False
+    if len(inputs) == 2 and all(isinstance(x, str) for x in inputs):
+        return [(str(inputs[0]), str(inputs[1]))], False  # Sequence::Pair comes before a batch of two
+    out: list[str | tuple[str, str]] = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, str):
+            out.append(x)
+        elif len(x) == 2:
+            out.append((x[0], x[1]))
+        else:
+            raise validation(
+                f"Input validation error: inputs[{i}] must be a text or a pair [text, text], got {len(x)} texts",
+                "inputs",
+            )
+    return out, True
+
+
 @router.post("/predict", summary="Sequence classification (TEI)")
-async def predict(request: Request) -> Response:
+async def predict(request: Request, raw: Any = None) -> Response:
     state = server_state(request)
-    req: TEIPredictRequest = await _body(request, TEIPredictRequest)
+    req: TEIPredictRequest = await _body(request, TEIPredictRequest, raw)
     state.admit("score").release()
     m = _model(state)
-    texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-    if not texts:
+    sequences, batch = _predict_sequences(req.inputs)
+    if not sequences:
         raise validation("Input validation error: `inputs` cannot be empty", "inputs")
-    _check_count(len(texts), "inputs")
+    _check_count(len(sequences), "inputs")
     left = req.truncation_direction.lower() == "left"
+    if left and any(isinstance(x, tuple) for x in sequences):
+        raise validation(
+            "Input validation error: truncation_direction Left is not supported for pairs",
+            "truncation_direction",
+        )
     limit = _limit(state, None)
-    items = await asyncio.to_thread(
-        lambda: [_encode_text(m, t, limit, bool(req.truncate), left) for t in texts]
-    )
+    truncate = bool(req.truncate)
+
+    def tokenize() -> list[PoolingInput]:
+        return [
+            _encode_pair(m, x[0], x[1], limit, truncate)
+            if isinstance(x, tuple)
+            else _encode_text(m, x, limit, truncate, left)
+            for x in sequences
+        ]
+
+    items = await asyncio.to_thread(tokenize)
     rows = _scores(m, await _run(state, "score", items), raw=req.raw_scores)
     out = [
         sorted(
@@ -492,19 +594,50 @@ async def predict(request: Request) -> Response:
         )
         for row in rows
     ]
-    return JSONResponse(out[0] if isinstance(req.inputs, str) else out)
+    return JSONResponse(out if batch else out[0])
 
 
 # ---- mounted first when a pooling model is served ----------------------------------------------------
+@guard_router.post("/", include_in_schema=False)
+@guard_router.post("/invocations", include_in_schema=False)
+async def tei_task_route(request: Request) -> Response:
+    """TEI's `POST /` and `POST /invocations` (SageMaker's route): the served task's own route, as TEI
+    picks it from the model type (router/src/http/server.rs): an embedder's /embed, a reranker's
+    (one label) /rerank, a classifier's /predict."""
+    state = server_state(request)
+    raw = await _read(request)
+    if state.task == "embed":
+        # huggingface_hub's sentence_similarity posts TEI's /similarity body here
+        similarity = isinstance(raw, dict) and isinstance(raw.get("inputs"), dict)
+        return await (tei_similarity(request, raw) if similarity else tei_embed(request, raw))
+    if state.pooling is None:
+        state.admit("score").release()  # raises the 503 while loading, as the task routes answer
+    if _model(state).num_labels == 1:
+        return await _rerank(request, tei_shape=True, raw=raw)
+    return await predict(request, raw)
+
+
 @guard_router.post("/generate", include_in_schema=False)
 @guard_router.post("/generate_stream", include_in_schema=False)
-@guard_router.post("/", include_in_schema=False)
 @guard_router.post("/v1/completions", include_in_schema=False)
 @guard_router.post("/v1/chat/completions", include_in_schema=False)
 async def generation_refused(request: Request) -> Response:
     state = server_state(request)
     state.admit("generate")  # raises the 400 naming the model's task
     raise AssertionError("unreachable")
+
+
+@guard_router.get("/v1/models/{model_id:path}", include_in_schema=False)
+async def pooling_model_card(request: Request, model_id: str) -> Response:
+    listed = await pooling_models(request)
+    if listed.status_code != 200:
+        return listed
+    card = json.loads(bytes(listed.body))["data"][0]
+    if card["id"] != model_id:
+        return APIError(ErrorKind.NOT_FOUND, f"The model `{model_id}` does not exist.", "model").response(
+            Family.OPENAI
+        )
+    return JSONResponse(card)
 
 
 @guard_router.get("/v1/models", include_in_schema=False)

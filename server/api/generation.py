@@ -64,14 +64,29 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool = True)
     return tok.encode(text, add_special_tokens)
 
 
+# The model names TGI's clients send for "the served model" (TGI serves one model and ignores the
+# field): text_generation.Client.chat sends "tgi", TGI's docs and huggingface_hub examples "tgi" or
+# "dummy". They name the base model on every route; a served model or adapter of that name wins.
+TGI_MODEL_PLACEHOLDERS = frozenset({"tgi", "dummy"})
+
+
+def names_base_model(name: str | None, served: tuple[str | None, ...]) -> bool:
+    """Whether a request's `model` asks for the base model: unset, one of its `served` names, or one
+    of TGI's placeholders."""
+    return name is None or name in served or name in TGI_MODEL_PLACEHOLDERS
+
+
 def resolve_adapter(state: ServerState, name: str | None) -> LoRARequest | None:
-    """The LoRA adapter loaded under `name`, or None when `name` is the base model (or not given).
-    Raises a 404 APIError for any other name."""
+    """The LoRA adapter loaded under `name`, or None when `name` is the base model (or not given, or
+    one of TGI's placeholders). Raises a 404 APIError for any other name."""
     assert state.llm is not None
-    if name is None or name in (state.llm.info.served_model_name, state.llm.info.model_id):
+    served = (state.llm.info.served_model_name, state.llm.info.model_id)
+    if name is None or name in served:
         return None
     lora = state.llm.lora.get(name) if state.llm.lora is not None else None
     if lora is None:
+        if names_base_model(name, served):
+            return None
         raise APIError(ErrorKind.NOT_FOUND, f"The model `{name}` does not exist.", "model")
     return lora
 

@@ -47,6 +47,7 @@ from .structured import (
     response_format_spec,
     vllm_spec,
 )
+from .tgi import VERSION
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -65,11 +66,23 @@ class Job:
     priority: int = 0  # vLLM's request priority (--scheduling-policy priority)
 
 
+# OpenAI's field naming the backend configuration; TGI writes "<version>-<docker label or native>", and
+# its own client (text_generation.types.ChatComplete, ChatCompletionChunk) requires the field.
+SYSTEM_FINGERPRINT = f"{VERSION}-native"
+
+
 def _stream_chunk(
     rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool
 ) -> dict[str, Any]:
     """One streamed chunk; with include_usage every chunk carries "usage": null until the last one."""
-    c: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    c: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": choices,
+    }
     if include_usage:
         c["usage"] = None
     return c
@@ -565,6 +578,7 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
                             "object": "text_completion",
                             "created": created,
                             "model": model,
+                            "system_fingerprint": SYSTEM_FINGERPRINT,
                             "choices": [],
                             "usage": counter.usage(),
                         }
@@ -610,6 +624,7 @@ def _completion_body(
         "object": "text_completion",
         "created": created,
         "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": choices,
         "usage": usage,
     }
@@ -828,6 +843,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                             "object": "chat.completion.chunk",
                             "created": created,
                             "model": model,
+                            "system_fingerprint": SYSTEM_FINGERPRINT,
                             "choices": [],
                             "usage": usage,
                         }
@@ -876,6 +892,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             "object": "chat.completion",
             "created": created,
             "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
             "usage": _usage(len(ids), sum(len(g.token_ids) for g in gens), cached),
         }
@@ -898,6 +915,25 @@ async def models(request: Request) -> Response:
     state = server_state(request)
     if state.llm is None or state.limits is None:
         return APIError(ErrorKind.UNAVAILABLE, "the model is still loading").response(Family.OPENAI)
+    return JSONResponse({"object": "list", "data": _model_cards(state)})
+
+
+@router.get("/v1/models/{model_id:path}", summary="One served model (OpenAI's models.retrieve)")
+async def model_card(request: Request, model_id: str) -> Response:
+    """The card `/v1/models` lists under `model_id` (ids may hold `/`: a path or an org/name)."""
+    state = server_state(request)
+    if state.llm is None or state.limits is None:
+        return APIError(ErrorKind.UNAVAILABLE, "the model is still loading").response(Family.OPENAI)
+    for card in _model_cards(state):
+        if card["id"] == model_id:
+            return JSONResponse(card)
+    return APIError(ErrorKind.NOT_FOUND, f"The model `{model_id}` does not exist.", "model").response(
+        Family.OPENAI
+    )
+
+
+def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+    assert state.llm is not None and state.limits is not None
     info = state.llm.info
     base = {
         "id": info.served_model_name,
@@ -913,4 +949,4 @@ async def models(request: Request) -> Response:
         {**base, "id": a.name, "root": a.path, "parent": a.base_model_name or info.served_model_name}
         for a in (state.llm.lora.names() if state.llm.lora is not None else [])
     ]
-    return JSONResponse({"object": "list", "data": [base, *adapters]})
+    return [base, *adapters]

@@ -8,9 +8,12 @@ for nothing, and clients replaying earlier responses send e.g. `"tool_calls": nu
 
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import validation
 
@@ -64,7 +67,42 @@ def _none_to_list(v: Any) -> Any:
     return [] if v is None else v
 
 
-class RequestModel(BaseModel):
+def _admits_none(annotation: Any) -> bool:
+    if annotation is Any or annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_admits_none(a) for a in typing.get_args(annotation))
+    return False
+
+
+@functools.cache
+def _null_means_default(cls: type[BaseModel]) -> frozenset[str]:
+    """The optional fields of `cls` whose type has no null: there a null is the field's default."""
+    return frozenset(
+        name for name, f in cls.model_fields.items() if not f.is_required() and not _admits_none(f.annotation)
+    )
+
+
+class NullIsUnset(BaseModel):
+    """A null for an optional field reads as the field left out, as OpenAI, vLLM and TGI read it
+    (`"n": null`, `"echo": null`, `"parameters": null`; clients built from the peers' schemas send
+    them). Fields whose own type has a null keep it: there it means what the field says it means. A
+    required field's null is still refused; an undeclared field's null asks for nothing and is dropped
+    (a non-null one is refused by name: `parse`, or `extra="forbid"`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unset = _null_means_default(cls)
+            fields = cls.model_fields
+            drop = [k for k, v in data.items() if v is None and (k in unset or k not in fields)]
+            if drop:
+                return {k: v for k, v in data.items() if k not in drop}
+        return data
+
+
+class RequestModel(NullIsUnset):
     """Base of every request body: undeclared fields are kept aside so `parse` can refuse them."""
 
     model_config = ConfigDict(extra="allow")

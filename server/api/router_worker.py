@@ -175,6 +175,9 @@ async def health_generate(request: Request) -> Response:
 
 async def _reset(request: Request) -> Response:
     state = server_state(request)
+    if state.pooling is not None and state.ready:
+        # A pooling engine keeps no KV between requests: nothing to forget (a 503 here would never clear).
+        return JSONResponse({"status": "ok"})
     try:
         _loaded(state)
         assert state.engine is not None

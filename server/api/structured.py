@@ -48,22 +48,51 @@ def _text_spec(kind: str, value: Any, param: str) -> GrammarSpec:
     return GrammarSpec(kind, value)
 
 
+def _closed(obj: dict[str, Any], allowed: tuple[str, ...], param: str) -> None:
+    """Refuses, by name, a key of `obj` that the peer's schema does not have (a null asks for nothing)."""
+    unknown = sorted(k for k, v in obj.items() if k not in allowed and v is not None)
+    if unknown:
+        raise validation(
+            f"{param}.{unknown[0]} is not supported (known: {', '.join(allowed)})", f"{param}.{unknown[0]}"
+        )
+
+
 def response_format_spec(fmt: dict[str, Any] | None) -> GrammarSpec | None:
-    """OpenAI's response_format: text | json_object | json_schema {name, schema, strict}."""
+    """`response_format` on chat: OpenAI's `text` | `json_object` | `json_schema` {json_schema: {name,
+    description, schema, strict}}, and TGI's grammar shapes (its `GrammarType`, serde tag `type`,
+    content `value`): `json` / `json_object` with `value` a schema (huggingface_hub sends a
+    json_schema as `{"type": "json_object", "value": SCHEMA}`), `regex` with `value` a regex,
+    `json_schema` with `value` {name, schema}. `json_object` without `value` is any JSON object. Every
+    other key is refused by name: an ignored schema would return unconstrained output with a 200."""
     if fmt is None:
         return None
+    param = "response_format"
     kind = fmt.get("type", "text")
     if kind == "text":
+        _closed(fmt, ("type",), param)
         return None
-    if kind == "json_object":
-        return GrammarSpec("json_object")
+    if kind in ("json_object", "json"):
+        _closed(fmt, ("type", "value"), param)
+        value = fmt.get("value")
+        if value is None:
+            if kind == "json":
+                raise validation("response_format.value (a JSON schema) is required for type json", param)
+            return GrammarSpec("json_object")
+        return _json_spec(value, "response_format.value")
+    if kind == "regex":
+        _closed(fmt, ("type", "value"), param)
+        return _text_spec("regex", fmt.get("value"), "response_format.value")
     if kind == "json_schema":
-        js = fmt.get("json_schema")
-        if not isinstance(js, dict) or "schema" not in js:
-            raise validation("response_format.json_schema.schema is required", "response_format")
-        return _json_spec(js["schema"], "response_format.json_schema.schema")
+        _closed(fmt, ("type", "json_schema", "value"), param)
+        inner_param = "response_format.json_schema" if "json_schema" in fmt else "response_format.value"
+        js = fmt.get("json_schema", fmt.get("value"))
+        if not isinstance(js, dict) or js.get("schema") is None:
+            raise validation(f"{inner_param}.schema is required", param)
+        _closed(js, ("name", "description", "schema", "strict"), inner_param)
+        return _json_spec(js["schema"], f"{inner_param}.schema")
     raise validation(
-        f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema; TGI's json, regex)",
+        param,
     )
 
 

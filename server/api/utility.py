@@ -8,13 +8,16 @@ vLLM's and gets `{count, max_model_len, tokens[, token_strs]}` (OpenAI-shaped er
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from server.tokenizer import Tokenizer
+
 from .errors import APIError, ErrorKind, Family, validation
-from .generation import encode, read_json
+from .generation import names_base_model, read_json
 from .protocol import (
     DetokenizeRequest,
     TGITokenizeRequest,
@@ -28,19 +31,37 @@ from .tgi import VERSION
 router = APIRouter(tags=["Utility"])
 
 
-def _loaded(state: ServerState) -> None:
-    if state.llm is None or state.limits is None:
-        raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
+# Pooling models load a transformers tokenizer of their own; wrapped once for these routes.
+_POOLING_TOKENIZERS: weakref.WeakKeyDictionary[Any, Tokenizer] = weakref.WeakKeyDictionary()
+
+
+def _loaded(state: ServerState) -> Tokenizer:
+    """The served model's tokenizer: the generative engine's, or a pooling model's (embed and score
+    servers tokenize too, as vLLM's do). 503 only while loading: it clears once /ready is 200."""
+    if state.limits is not None and state.llm is not None:
+        return state.llm.tokenizer
+    if state.limits is not None and state.pooling is not None:
+        hf = state.pooling.model.tokenizer
+        tok = _POOLING_TOKENIZERS.get(hf)
+        if tok is None:
+            tok = _POOLING_TOKENIZERS[hf] = Tokenizer("", hf=hf)
+        return tok
+    raise APIError(ErrorKind.UNAVAILABLE, "the model is still loading")
+
+
+def _served_names(state: ServerState) -> tuple[str | None, ...]:
+    if state.llm is not None:
+        return (state.llm.info.served_model_name, state.llm.info.model_id)
+    return (state.model_name, state.config.engine.model.model)
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
-    assert state.llm is not None
-    if model is not None and model not in {state.llm.info.served_model_name, state.llm.info.model_id}:
+    if not names_base_model(model, _served_names(state)):
         raise APIError(ErrorKind.NOT_FOUND, f"The model `{model}` does not exist.", "model")
 
 
-async def _tgi_tokenize(state: ServerState, body: Any) -> Response:
-    assert state.llm is not None and state.limits is not None
+async def _tgi_tokenize(state: ServerState, tok: Tokenizer, body: Any) -> Response:
+    assert state.limits is not None
     req: TGITokenizeRequest = parse(TGITokenizeRequest, body)
     truncate = req.parameters.truncate
     if truncate is not None and not (0 < truncate <= state.limits.max_input_tokens):
@@ -49,7 +70,7 @@ async def _tgi_tokenize(state: ServerState, body: Any) -> Response:
             f"{state.limits.max_input_tokens + 1}. Given: {truncate}",
             "truncate",
         )
-    offsets = await asyncio.to_thread(state.llm.tokenizer.offsets, req.inputs)
+    offsets = await asyncio.to_thread(tok.offsets, req.inputs)
     if truncate is not None:  # TGI keeps the last `truncate` tokens, as /generate does
         offsets = offsets[-truncate:]
     return JSONResponse(
@@ -57,9 +78,8 @@ async def _tgi_tokenize(state: ServerState, body: Any) -> Response:
     )
 
 
-async def _vllm_tokenize(state: ServerState, body: Any) -> Response:
-    assert state.llm is not None and state.limits is not None
-    tok = state.llm.tokenizer
+async def _vllm_tokenize(state: ServerState, tok: Tokenizer, body: Any) -> Response:
+    assert state.limits is not None
     return_token_strs: bool
     if "messages" in body:
         req: TokenizeChatRequest = parse(TokenizeChatRequest, body)
@@ -90,7 +110,7 @@ async def _vllm_tokenize(state: ServerState, body: Any) -> Response:
         preq: TokenizeCompletionRequest = parse(TokenizeCompletionRequest, body)
         _check_model(state, preq.model)
         return_token_strs = preq.return_token_strs
-        ids = await encode(state, preq.prompt, preq.add_special_tokens)
+        ids = await asyncio.to_thread(tok.encode, preq.prompt, preq.add_special_tokens)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.limits.max_total_tokens, "tokens": ids}
     if return_token_strs:
         out["token_strs"] = tok.hf.convert_ids_to_tokens(ids)
@@ -105,10 +125,10 @@ async def tokenize(request: Request) -> Response:
         body = await read_json(request, state.config.max_payload_bytes)
         if isinstance(body, dict) and "inputs" not in body and ("prompt" in body or "messages" in body):
             family = Family.OPENAI
-        _loaded(state)
+        tok = _loaded(state)
         if family is Family.OPENAI:
-            return await _vllm_tokenize(state, body)
-        return await _tgi_tokenize(state, body)
+            return await _vllm_tokenize(state, tok, body)
+        return await _tgi_tokenize(state, tok, body)
     except APIError as e:
         return e.response(family)
 
@@ -118,14 +138,13 @@ async def detokenize(request: Request) -> Response:
     state = server_state(request)
     try:
         body = await read_json(request, state.config.max_payload_bytes)
-        _loaded(state)
-        assert state.llm is not None
+        tok = _loaded(state)
         req: DetokenizeRequest = parse(DetokenizeRequest, body)
         _check_model(state, req.model)
-        vocab = state.llm.tokenizer.vocab_size
+        vocab = tok.vocab_size
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise validation(f"token ids must be in [0, {vocab})", "tokens")
-        text = state.llm.tokenizer.decode(req.tokens)
+        text = tok.decode(req.tokens)
     except APIError as e:
         return e.response(Family.OPENAI)
     return JSONResponse({"prompt": text})
