@@ -145,6 +145,15 @@ class _EngineCollector(Collector):
                 "KV-cache events dropped because the publisher's queue was full.",
                 float(kv_events[1]),
             )
+        if m.cache_config is not None:
+            # vLLM's info gauge (value 1): the Inference Extension's endpoint picker reads block_size and
+            # num_gpu_blocks from it for its prefix-cache scorer
+            keys = sorted(m.cache_config)
+            cache_info = GaugeMetricFamily(
+                "vllm:cache_config_info", "Information of the KV cache config.", labels=keys
+            )
+            cache_info.add_metric([m.cache_config[k] for k in keys], 1.0)
+            yield cache_info
         if m.max_lora is not None:
             # vLLM's shape: the adapters as comma-joined label values, the value the sample time (the
             # Gateway API inference extension reads it for LoRA-affine routing)
@@ -261,6 +270,8 @@ class ServerMetrics:
         # (batches published, events dropped) by the KV-event publisher; None while it is off.
         self.kv_events_source: Callable[[], tuple[int, int] | None] = lambda: None
         self.max_lora: int | None = None  # --max-loras once an engine with LoRA is attached
+        # vllm:cache_config_info's labels (block_size, num_gpu_blocks, ...) once an engine is attached
+        self.cache_config: dict[str, str] | None = None
         self.task = "generate"  # --task resolved (generate, embed, score)
         # server/pooling's counters (PoolingStats as a dict) once a pooling model is attached
         self.pooling_source: Callable[[], dict[str, float]] | None = None

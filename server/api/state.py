@@ -230,6 +230,12 @@ class ServerState:
             self.metrics.kv_events_source = lambda: (pub.num_published, pub.num_dropped)
         if llm.lora is not None:
             self.metrics.max_lora = llm.config.lora.max_loras
+        self.metrics.cache_config = {
+            "block_size": str(llm.info.block_size),
+            "num_gpu_blocks": str(llm.info.num_kv_blocks),  # vLLM's name, whatever the device
+            "cache_dtype": llm.info.kv_cache_dtype,
+            "enable_prefix_caching": str(llm.config.cache.enable_prefix_caching),
+        }
         # A request longer than the whole KV cache could never be scheduled: cap the API's limit there,
         # so that defaults (max_new_tokens absent) stay servable.
         kv_tokens = llm.info.num_kv_blocks * llm.info.block_size
