@@ -17,7 +17,10 @@ setup: $(VENV)/.installed
 serve: setup
 	$(PY) -m server --host $(HOST) --port $(PORT) $(ARGS)
 
+# The Debian packages some tests need (Prometheus, Chromium, buildah), as CI has them: installed when
+# run as root with apt-get, else named with the tests that will skip (SKIP_SYSTEM_DEPS=1: not even that).
 test: setup
+	@[ -n "$(SKIP_SYSTEM_DEPS)" ] || bash scripts/install-test-deps.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
