@@ -365,8 +365,9 @@ async def _serve(
     state = server_state(request)
     slot = None
     try:
-        slot = state.admit()
+        # Admitted once the body is read: a slow body holds no slot (server/api/limits.py times it out)
         body = await read_json(request, state.config.max_payload_bytes)
+        slot = state.admit()
         prepared = await prepare(state, body)
         if isinstance(prepared, EventStreamResponse):
             prepared.on_close = slot.release  # the stream releases its slot when it ends
