@@ -545,6 +545,30 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         type=float,
         default=30.0,
     )
+    add(
+        "--timeout-request-body",
+        "KUBEINFER_TIMEOUT_REQUEST_BODY",
+        "Seconds a request may take to send its whole body after its head (then 408 and closed); "
+        "a request counts against --max-concurrent-requests only once its body is read",
+        type=float,
+        default=60.0,
+    )
+    add(
+        "--limit-concurrency",
+        "KUBEINFER_LIMIT_CONCURRENCY",
+        "Connections open at once; more are answered 503 and closed when they connect (uvicorn's "
+        "flag, refused at accept rather than after a request head)",
+        type=int,
+        default=1024,
+    )
+    add(
+        "--limit-concurrency-per-client",
+        "KUBEINFER_LIMIT_CONCURRENCY_PER_CLIENT",
+        "Connections open at once from one client address (the socket's peer; behind a proxy, the "
+        "proxy's); more are answered 503 and closed",
+        type=int,
+        default=256,
+    )
     add_bool(
         "--ui", "KUBEINFER_UI", "Serve the chat playground at GET / (browsers); --no-ui turns it off", True
     )
@@ -667,6 +691,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         admin_api_key=args.admin_api_key or None,
         drain_timeout_s=args.drain_timeout,
         timeout_request_head_s=args.timeout_request_head,
+        timeout_request_body_s=args.timeout_request_body,
+        limit_concurrency=args.limit_concurrency,
+        limit_concurrency_per_client=args.limit_concurrency_per_client,
         log_format=args.log_format,
         max_payload_bytes=args.max_payload_bytes,
         ui=args.ui,

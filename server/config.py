@@ -387,6 +387,11 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     # Seconds a connection may take to send a request head (server/api/limits.py)
     timeout_request_head_s: float = 30.0
+    # Seconds from the end of a request head to the end of its body, in total (server/api/limits.py)
+    timeout_request_body_s: float = 60.0
+    # Connections open at once, in total and per client address; more are answered 503 and closed
+    limit_concurrency: int = 1024
+    limit_concurrency_per_client: int = 256
     log_format: str = "text"
     max_payload_bytes: int = 2_000_000
     ui: bool = True  # the chat playground at GET / (--no-ui turns it off)
@@ -433,6 +438,11 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not self.timeout_request_head_s > 0:
             raise ValueError(f"timeout_request_head_s must be > 0, got {self.timeout_request_head_s}")
+        if not self.timeout_request_body_s > 0:
+            raise ValueError(f"timeout_request_body_s must be > 0, got {self.timeout_request_body_s}")
+        for name in ("limit_concurrency", "limit_concurrency_per_client"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):

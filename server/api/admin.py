@@ -11,6 +11,18 @@ Generation is guarded by the users' `--api-key` (open when none is set). The man
 
 The operator gives each InferenceModel's pods their own admin key (operator/kubeinfer_operator/
 credentials.py) and sends it from its adapter sync.
+
+Browsers reach loopback servers too: a web page can send a "simple" cross-origin POST (`Content-Type:
+text/plain`, no preflight) to http://127.0.0.1:8080, or rebind its own DNS name to 127.0.0.1 and
+call the server as same-origin. Two checks close both, keys or not:
+- `cross_site_refusal`: the management routes refuse a request whose `Sec-Fetch-Site` is
+  `cross-site` or `same-site` (Fetch Metadata, sent by every current browser) or whose `Origin` is
+  not the request's own host (`null` included): 403. Clients other than browsers send neither header.
+- `host_refusal`: a server bound to a loopback address answers only loopback Host names
+  (`localhost`, 127.0.0.0/8, `[::1]`, any port); another name (a rebound DNS name) gets 403 on
+  every route, as webpack-dev-server's and Vite's "Invalid Host header" and Jupyter's host check do.
+  A server bound beyond loopback is reached by names we cannot know (Services, ingresses): no check.
+The chat playground is same-origin and served by a loopback name locally, so it passes both.
 """
 
 from __future__ import annotations
@@ -37,6 +49,53 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _host_name(host: str) -> str:
+    """The name part of a Host header or an Origin's authority ("[::1]:8080" -> "[::1]")."""
+    if host.startswith("["):
+        return host.partition("]")[0] + "]"
+    return host.rpartition(":")[0] if ":" in host else host
+
+
+def host_refusal(scope: Scope, bound_to_loopback: bool) -> APIError | None:
+    """403 when a loopback-bound server is called by a Host name that is not loopback (DNS rebinding)."""
+    if not bound_to_loopback:
+        return None
+    host = _header(scope, b"host")
+    if host is None:
+        return None  # HTTP/1.0 without Host: not a browser, which always sends one
+    if is_loopback(_host_name(host.strip().lower())):
+        return None
+    return APIError(
+        ErrorKind.FORBIDDEN,
+        "Invalid Host header: a server listening on a loopback address answers only localhost, "
+        "127.0.0.1 or [::1] (DNS rebinding protection)",
+    )
+
+
+def cross_site_refusal(scope: Scope) -> APIError | None:
+    """403 when a browser sends a management request from another site or origin."""
+    site = _header(scope, b"sec-fetch-site")
+    if site is not None and site.strip().lower() in ("cross-site", "same-site"):
+        return APIError(ErrorKind.FORBIDDEN, "management routes refuse cross-site requests (Sec-Fetch-Site)")
+    origin = _header(scope, b"origin")
+    if origin is None:
+        return None
+    host = (_header(scope, b"host") or "").strip().lower()
+    _, sep, authority = origin.strip().lower().partition("://")
+    if not sep or authority.rstrip("/") != host:
+        return APIError(
+            ErrorKind.FORBIDDEN, "management routes refuse cross-origin requests (Origin is not this host)"
+        )
+    return None
 
 
 def bearer_token(scope: Scope) -> bytes | None:

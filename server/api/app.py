@@ -40,6 +40,7 @@ class APIMiddleware:
         self._key = cfg.api_key.encode() if cfg.api_key else None
         self._ui = cfg.ui
         self._management = admin.ManagementGuard(cfg.api_key, cfg.admin_api_key, cfg.host)
+        self._loopback = admin.is_loopback(cfg.host)
 
     def _authorized(self, scope: Scope) -> bool:
         if self._key is None:
@@ -70,10 +71,12 @@ class APIMiddleware:
             await send(message)
 
         try:
-            error: APIError | None = None
+            error = admin.host_refusal(scope, self._loopback)
             page = self._ui and ui.is_page_request(scope.get("method", ""), path)
-            if path in admin.MANAGEMENT_PATHS:
-                error = self._management.refusal(scope)
+            if error is not None:
+                pass
+            elif path in admin.MANAGEMENT_PATHS:
+                error = admin.cross_site_refusal(scope) or self._management.refusal(scope)
             elif path not in OPEN_PATHS and not page and not self._authorized(scope):
                 error = APIError(
                     ErrorKind.UNAUTHORIZED,
@@ -128,6 +131,9 @@ def create_app(state: ServerState, load_on_startup: bool = True) -> FastAPI:
         # origin. The API is described by /openapi.json (install_openapi below).
         docs_url=None,
         redoc_url=None,
+        # Starlette's trailing-slash redirect builds an absolute Location from the Host header (an
+        # open redirect for whoever sets Host): a path with an extra slash is a 404 instead.
+        redirect_slashes=False,
     )
     app.state.server = state
 

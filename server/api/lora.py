@@ -71,6 +71,9 @@ async def load_lora_adapter(request: Request) -> Response:
         name, path = _field(body, "lora_name"), _field(body, "lora_path")
         if not name or not path:
             raise validation("Both 'lora_name' and 'lora_path' must be provided.")
+        if name in (state.llm.info.served_model_name, state.model_name):
+            # requests naming the base model would be served by the adapter, or the other way round
+            raise validation(f"'lora_name' {name!r} is the base model's name", "lora_name")
         registry = state.llm.lora
         try:
             folder = await _confined_folder(state, name, path)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from server.core.outputs import Logprob, RequestOutput, TokenLogprobs
 from server.request import FinishReason, GrammarSpec, LoRARequest, SamplingParams
 
+from . import admin
 from .errors import APIError, ErrorKind, Family, validation
 from .generation import (
     MIN_LOGPROB,
@@ -381,8 +382,9 @@ async def _serve(
     state = server_state(request)
     slot = None
     try:
-        slot = state.admit()
+        # Admitted once the body is read: a slow body holds no slot (server/api/limits.py times it out)
         body = await read_json(request, state.config.max_payload_bytes)
+        slot = state.admit()
         prepared = await prepare(state, body)
         if isinstance(prepared, EventStreamResponse):
             prepared.on_close = slot.release  # the stream releases its slot when it ends
@@ -944,9 +946,21 @@ def _model_cards(state: ServerState) -> list[dict[str, Any]]:
         "parent": None,
         "max_model_len": state.limits.max_total_tokens,
     }
-    # LoRA adapters as vLLM lists them: root = the adapter's folder, parent = the base model
+    # LoRA adapters as vLLM lists them (parent = the base model). root, vLLM's server-side folder, is
+    # management data: only a caller who may load adapters sees it (the operator's adapter sync compares
+    # it with the uri it loaded); to everyone else root is the adapter's name (OpenAI shows ids only).
+    cfg = state.config
+    manager = (
+        admin.cross_site_refusal(request.scope) is None
+        and admin.ManagementGuard(cfg.api_key, cfg.admin_api_key, cfg.host).refusal(request.scope) is None
+    )
     adapters = [
-        {**base, "id": a.name, "root": a.path, "parent": a.base_model_name or info.served_model_name}
+        {
+            **base,
+            "id": a.name,
+            "root": a.path if manager else a.name,
+            "parent": a.base_model_name or info.served_model_name,
+        }
         for a in (state.llm.lora.names() if state.llm.lora is not None else [])
     ]
     return [base, *adapters]

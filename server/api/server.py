@@ -21,7 +21,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from server.config import ServerConfig
 
 from .app import create_app
-from .limits import with_head_timeout
+from .limits import ConnectionCaps, with_head_timeout
 from .state import ServerState
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:
-    """uvicorn's settings for our app, with the request-head timeout on its HTTP protocol class."""
+    """uvicorn's settings for our app, with the request timeouts and connection caps on its HTTP
+    protocol class (one `ConnectionCaps` per call: per server)."""
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -111,8 +112,14 @@ def uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:
         # sent just as the server closed the connection failed with a reset (seen in the soak test).
         timeout_keep_alive=75,
         lifespan="on",
-        # httptools when installed, else h11 (uvicorn's "auto"), with our request-head timeout
-        http=with_head_timeout(AutoHTTPProtocol, config.timeout_request_head_s),
+        # httptools when installed, else h11 (uvicorn's "auto"), with our request head and body
+        # timeouts and connection caps
+        http=with_head_timeout(
+            AutoHTTPProtocol,
+            config.timeout_request_head_s,
+            config.timeout_request_body_s,
+            ConnectionCaps(config.limit_concurrency, config.limit_concurrency_per_client),
+        ),
     )
     return uv_config
 

@@ -379,8 +379,9 @@ async def _handle(request: Request, stream: bool | None, as_list: bool) -> Respo
     state.metrics.request_received()
     slot = None
     try:
-        slot = state.admit()
+        # Admitted once the body is read: a slow body holds no slot (server/api/limits.py times it out)
         body = await read_json(request, state.config.max_payload_bytes)
+        slot = state.admit()
         req: TGIRequest = parse(TGIRequest, body)
         streaming = req.stream if stream is None else stream
         plan = await _plan(state, req, streaming, received_at)

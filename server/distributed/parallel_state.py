@@ -4,11 +4,20 @@ Rendezvous goes through a TCPStore on rank 0 (`master_addr:master_port`; port 0 
 single node). Start-up (joining, then every rank reporting whether it built its shard) waits on the
 store up to `startup_timeout_s`, so slow starts (a late pod, a big checkpoint) are not cut short by
 the collective timeout `timeout_s`, which bounds every step's collectives.
+
+Trust: TCPStore has no authentication, so nothing read from it is unpickled (statuses are JSON). The
+per-step `broadcast_object_list` of a pickled `SchedulerOutput` (driver.py -> worker.py) is unpickled
+by ranks >= 1 only, from rank 0 over the connections the group formed at rendezvous; what protects
+it is who can reach the ports: on one node the ranks are the server's own child processes, across
+nodes the operator's NetworkPolicy (operator/kubeinfer_operator/netpol.py) admits the store and the
+gloo/NCCL ports from the model's own pods only. A process that reached the store port during
+start-up could still take a rank's place (and read the schedules); that is a denial of service and
+a data leak within the model's pods, not code run on rank 0.
 """
 
 from __future__ import annotations
 
-import pickle
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,18 +110,42 @@ def init_parallel_state(
     )
 
 
-def exchange_status(
-    state: ParallelState, status: object, poll: Callable[[], None] | None = None
-) -> list[object]:
-    """Publishes this rank's start-up status (picklable) and returns every rank's, in rank order.
+Status = tuple[str, int] | str  # (READY, num_blocks), or a rank's error text
 
-    Waits up to `startup_timeout_s`, calling `poll` about once a second (it may raise, e.g. when a
-    local worker process died). Raises TensorParallelError on timeout.
+
+def exchange_status(
+    state: ParallelState, status: Status, poll: Callable[[], None] | None = None
+) -> list[Status]:
+    """Publishes this rank's start-up status and returns every rank's, in rank order.
+
+    The store takes writes from anyone who reaches its port before the group forms (no authentication
+    in TCPStore), so statuses travel as JSON, never pickle: a forged value is a start-up failure, not
+    code run on rank 0. Waits up to `startup_timeout_s`, calling `poll` about once a second (it may
+    raise, e.g. when a local worker process died). Raises TensorParallelError on timeout or on a
+    status that is not a JSON string or [string, integer] pair.
     """
     assert _store is not None, "init_parallel_state first"
-    _store.set(f"kubeinfer/status/{state.rank}", pickle.dumps(status))  # type: ignore[arg-type]
+    _store.set(f"kubeinfer/status/{state.rank}", json.dumps(status))
     keys = _wait_all(_store, state, "kubeinfer/status", poll)
-    return [pickle.loads(_store.get(k)) for k in keys]
+    return [_decode_status(rank, _store.get(k)) for rank, k in enumerate(keys)]
+
+
+def _decode_status(rank: int, raw: bytes) -> Status:
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise TensorParallelError(f"rank {rank} published a start-up status that is not JSON") from None
+    if isinstance(value, str):
+        return value
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], int)
+        and not isinstance(value[1], bool)
+    ):
+        return (value[0], value[1])
+    raise TensorParallelError(f"rank {rank} published a malformed start-up status")
 
 
 def destroy_parallel_state() -> None:

@@ -23,6 +23,7 @@ from server.config import EngineConfig
 from server.core.outputs import SchedulerOutput
 from server.distributed.parallel_state import (
     ParallelState,
+    Status,
     TensorParallelError,
     destroy_parallel_state,
     exchange_status,
@@ -109,7 +110,7 @@ def worker_main(
         runner: ModelRunner | None = None
         try:
             runner, num_blocks = build_shard_runner(config, state)
-            status: object = (READY, num_blocks)
+            status: Status = (READY, num_blocks)
         except Exception as e:
             log.exception("rank %d could not build its shard", state.rank)
             status = f"rank {state.rank}: {type(e).__name__}: {e}"

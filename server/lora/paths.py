@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -63,6 +64,12 @@ def is_hub_id(path: str) -> bool:
     return _HUB_ID.fullmatch(path) is not None and not path.startswith((".", "~")) and ".." not in path
 
 
+# Unicode categories refused in names and paths: Cc (C0/C1 controls), Cf (format: the bidirectional
+# overrides and isolates U+202A-202E and U+2066-2069 that make a name display as another - "Trojan
+# Source", CVE-2021-42574 - and zero-width characters), Zl/Zp (line/paragraph separators), Co/Cn.
+_INVISIBLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cn"})
+
+
 def check_input(name: str, path: str) -> None:
     """Raises AdapterInputError for a name or path no filesystem lookup should see."""
     if len(name) > MAX_NAME_CHARS:
@@ -70,8 +77,11 @@ def check_input(name: str, path: str) -> None:
     if len(path) > MAX_PATH_CHARS:
         raise AdapterInputError("lora_path", f"'lora_path' is longer than {MAX_PATH_CHARS} characters")
     for field, value in (("lora_name", name), ("lora_path", path)):
-        if any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise AdapterInputError(field, f"'{field}' holds a control character")
+        if any(unicodedata.category(c) in _INVISIBLE for c in value):
+            raise AdapterInputError(
+                field,
+                f"'{field}' holds a control, format (e.g. bidirectional override) or separator character",
+            )
 
 
 def _within(path: str, roots: tuple[str, ...]) -> bool:

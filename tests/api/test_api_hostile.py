@@ -120,7 +120,7 @@ class KeepAlive:
 
     def post(self, path: str, raw_body: bytes) -> tuple[int, dict[str, str], bytes]:
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(raw_body)}\r\n\r\n"
         ).encode()
         self.sock.sendall(head + raw_body)
@@ -359,13 +359,13 @@ def test_unfinished_request_heads_are_closed(hostile: HostileServer) -> None:
         for i in range(30):
             s = socket.create_connection(("127.0.0.1", port), timeout=60)
             if i % 3 == 1:
-                s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # a partial head
+                s.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # a partial head
             elif i % 3 == 2:
                 s.sendall(b"G")  # one byte
             socks.append(s)  # i % 3 == 0: nothing at all
         # a finished request, then a partial second head on the same kept-alive connection
         kept = socket.create_connection(("127.0.0.1", port), timeout=60)
-        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         f = kept.makefile("rb")
         status, _, _ = _read_response(f)
         assert status == 200
@@ -492,7 +492,7 @@ def test_head_timeout_on_both_uvicorn_protocols(impl: str) -> None:
             threading.Event().wait(0.05)
             deadline -= 1
         kept = socket.create_connection(("127.0.0.1", port), timeout=60)
-        kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        kept.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         f = kept.makefile("rb")
         assert _read_response(f)[0] == 200
         kept.sendall(b"GET / HTTP/1.1\r\nHo")  # the next head never ends

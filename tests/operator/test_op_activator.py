@@ -436,3 +436,65 @@ def test_under_keda_the_activator_holds_and_signals_but_keda_wakes_and_scales_do
     assert _replicas(cluster) == 1 and kubelet.desired_seen == [0, 1]
     assert act.metric("kubeinfer_activator_pending") == 0
     pool.shutdown()
+
+
+def _send_big_body(port: int, total: int, sized: bool) -> bytes:
+    """Sends a request with a `total`-byte body (declared, or chunked without a length) in 64 KiB
+    pieces until the activator answers or closes; returns what it answered."""
+    head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {total}\r\n\r\n" if sized else "Transfer-Encoding: chunked\r\n\r\n"
+    piece = b" " * 65536
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        sent = 0
+        sock.setblocking(False)
+        answer = b""
+        while sent < total:
+            try:
+                answer += sock.recv(65536)
+                break  # the activator answered before the whole body was sent
+            except BlockingIOError:
+                pass
+            try:
+                sock.sendall(piece if sized else b"%x\r\n%s\r\n" % (len(piece), piece))
+            except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+                time.sleep(0.01)
+                continue
+            sent += len(piece)
+        sock.setblocking(True)
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+                if b"\r\n\r\n" in answer and answer.endswith(b"}"):
+                    break
+        except (ConnectionResetError, TimeoutError):
+            pass
+    return answer
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_body_over_the_servers_limit_is_refused_at_once_and_never_held(setup: Setup, sized: bool) -> None:
+    """The activator held up to 64 MiB per request (aiohttp's client_max_size) while the model woke;
+    now a body over --max-payload-bytes (the server's, 2,000,000 by default) gets 413 before it is
+    held, and the model is not woken for it."""
+    cluster, standin, kubelet, act = setup(max_wait=3.0)
+    answer = _send_big_body(act.port, 3_000_000, sized)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+    assert b"request body is larger than 2000000 bytes" in answer
+    assert act.metric("kubeinfer_activator_held_requests") == 0
+    assert _replicas(cluster) == 0 and standin.served == 0
+    # a body within the limit is still held and forwarded once the model is up
+    kubelet.loaded.set()
+    r = httpx.post(act.url + "/v1/completions", json={"model": "m", "prompt": "small"}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "echo:small"
+
+
+def test_activator_max_payload_bytes_flag() -> None:
+    from kubeinfer_operator.activator.__main__ import parser
+    from kubeinfer_operator.activator.proxy import ProxyConfig
+
+    base = ["--namespace=n", "--name=m", "--upstream=http://x:1"]
+    assert parser().parse_args(base).max_payload_bytes == 2_000_000
+    assert parser().parse_args([*base, "--max-payload-bytes=5000"]).max_payload_bytes == 5000
+    with pytest.raises(ValueError, match="max_payload_bytes"):
+        ProxyConfig(upstream="http://x:1", max_payload_bytes=10)

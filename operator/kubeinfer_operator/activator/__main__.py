@@ -11,7 +11,7 @@ from ..k8s import KubeClient
 from .controller import Controller, ControllerConfig
 from .gate import Gate, GateConfig
 from .metrics import ActivatorMetrics
-from .proxy import Activator, ProxyConfig
+from .proxy import DEFAULT_MAX_PAYLOAD_BYTES, Activator, ProxyConfig
 from .scaler import Scaler
 
 
@@ -33,7 +33,8 @@ def build(args: argparse.Namespace, client: KubeClient) -> Activator:
         Scaler(client, args.kind, args.namespace, args.name),
         metrics,
     )
-    return Activator(ProxyConfig(upstream=args.upstream.rstrip("/")), gate, controller, metrics)
+    proxy = ProxyConfig(upstream=args.upstream.rstrip("/"), max_payload_bytes=args.max_payload_bytes)
+    return Activator(proxy, gate, controller, metrics)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-held-requests", type=int, default=100)
     p.add_argument("--max-wait-seconds", type=float, default=1800.0)
     p.add_argument("--max-concurrent-requests", type=int, default=128, help="what one replica admits")
+    p.add_argument(
+        "--max-payload-bytes",
+        type=int,
+        default=DEFAULT_MAX_PAYLOAD_BYTES,
+        help="request bodies over this get 413 at once (the model server's flag and default)",
+    )
     p.add_argument("--wake-replicas", type=int, default=1)
     p.add_argument("--scale-down-delay-seconds", type=float, default=300.0)
     p.add_argument(

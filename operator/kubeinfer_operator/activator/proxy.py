@@ -1,7 +1,9 @@
 """The activator's HTTP side (aiohttp): every path is forwarded to the model's Service (or its router)
 through the gate, streaming the response as it comes (SSE included). `/activator/metrics` and
 `/activator/healthz` are its own. A refusal is a 503 with Retry-After and vLLM's error body
-(`{"object": "error", "message", "type", "param", "code"}`, which OpenAI clients read as well).
+(`{"object": "error", "message", "type", "param", "code"}`, which OpenAI clients read as well). A
+request body over --max-payload-bytes (the server's flag and default) is refused with 413 as soon as
+its declared or received length passes the limit, so a held request buffers at most that much.
 """
 
 from __future__ import annotations
@@ -38,22 +40,36 @@ WHOLE_BODY_LIMIT = 8 * 1024 * 1024  # sized answers up to this are read whole, l
 HEALTH_PATH = "/activator/healthz"
 
 
+# The server's --max-payload-bytes default (server/config.py): a body the model would refuse is
+# refused here, before it is held in memory for as long as the model takes to wake.
+DEFAULT_MAX_PAYLOAD_BYTES = 2_000_000
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     upstream: str  # http://<service>.<namespace>:<port>, no trailing slash
     connect_timeout: float = 10.0
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # request bodies, bytes
+
+    def __post_init__(self) -> None:
+        if self.max_payload_bytes < 1024:
+            raise ValueError(f"max_payload_bytes must be >= 1024, got {self.max_payload_bytes}")
 
 
-def error_body(message: str, status: int) -> bytes:
+def error_body(message: str, status: int, error_type: str = "ServiceUnavailableError") -> bytes:
     return json.dumps(
         {
             "object": "error",
             "message": message,
-            "type": "ServiceUnavailableError",
+            "type": error_type,
             "param": None,
             "code": status,
         }
     ).encode()
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class Activator:
@@ -68,7 +84,8 @@ class Activator:
         self._loop_task: asyncio.Task[None] | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        # aiohttp's own limit is a backstop: _read_body refuses over-limit bodies as they arrive
+        app = web.Application(client_max_size=self.config.max_payload_bytes)
         app.router.add_get(METRICS_PATH, self._metrics)
         app.router.add_get(HEALTH_PATH, self._health)
         app.router.add_route("*", "/{tail:.*}", self._forward)
@@ -101,8 +118,33 @@ class Activator:
     async def _health(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole request body, read as it arrives; raises _TooLarge as soon as the declared or the
+        received length passes max_payload_bytes (a chunked body has no declared length)."""
+        limit = self.config.max_payload_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _TooLarge
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise _TooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        try:
+            body = await self._read_body(request)
+        except _TooLarge:
+            limit = self.config.max_payload_bytes
+            response = web.Response(
+                status=413,
+                body=error_body(f"request body is larger than {limit} bytes", 413, "BadRequestError"),
+                content_type="application/json",
+            )
+            response.force_close()  # the rest of the body is not read: the connection cannot be reused
+            return response
         try:
             await self.gate.admit()
         except Refused as exc:
