@@ -1,6 +1,7 @@
 """Regenerates the operator's copy of the server's flags from server/cli.py's own parser: the table in
 operator/kubeinfer_operator/server_args.py (arity, value kind, choices of every flag the operator lets
-through) and the CRD's CEL list of those flags (crds/ and the chart's copy). The operator image carries
+through) and the CRD's CEL list of those flags (crds/ and the chart's copy); and the variables the
+parser reads (admission.SERVER_ENV, refused in pod.env, and the CRD's pod.env rule). The operator image carries
 no server package, hence the copy; tests/operator/test_op_server_flags.py and test_op_server_args.py
 fail when it drifts.
 
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "operator")]
 
 TABLE_FILE = ROOT / "operator" / "kubeinfer_operator" / "server_args.py"
+ADMISSION_FILE = ROOT / "operator" / "kubeinfer_operator" / "admission.py"
+ENV_BEGIN = "SERVER_ENV: tuple[str, ...] = (\n"
 CRDS = [
     ROOT / "crds" / "kubeinfer.dev_inferencemodels.yaml",
     ROOT / "charts" / "kubeinfer" / "crds" / "kubeinfer.dev_inferencemodels.yaml",
@@ -50,6 +53,30 @@ def table_source() -> str:
         args = f'"{kind}"' + (f", {choices!r}" if choices else "")
         lines.append(f'    "{flag}": ServerFlag({args}),')
     return "\n".join(lines)
+
+
+def server_env() -> list[str]:
+    from server.cli import build_parser
+
+    parser = build_parser({})
+    return sorted({m for a in parser._actions for m in re.findall(r"\[env: ([A-Z0-9_]+)\]", a.help or "")})
+
+
+def rewrite_env(text: str, names: list[str]) -> str:
+    start = text.index(ENV_BEGIN) + len(ENV_BEGIN)
+    end = text.index("\n)\n", start)
+    return text[:start] + "\n".join(f'    "{n}",' for n in names) + text[end:]
+
+
+def rewrite_crd_env(text: str, names: list[str]) -> str:
+    from kubeinfer_operator.admission import REFUSED_ENV_NAMES
+
+    listed = ", ".join(f"'{n}'" for n in [*REFUSED_ENV_NAMES, *names])
+    pattern = re.compile(r"(self\.env\.all\(e, .*?!\(e\.name in \[)('GCONV_PATH'[^\]]*)(\]\))")
+    new, count = pattern.subn(lambda m: m.group(1) + listed + m.group(3), text)
+    if count != 1:
+        raise SystemExit(f"expected one pod.env rule in the CRD, found {count}")
+    return new
 
 
 def rewrite_table(text: str, body: str) -> str:
@@ -83,10 +110,12 @@ def main() -> int:
     args = ap.parse_args()
     body = table_source()
     flags = [line.split('"')[1] for line in body.splitlines()]
+    env = server_env()
     changed = []
-    for path, new in [(TABLE_FILE, rewrite_table(TABLE_FILE.read_text(), body))] + [
-        (crd, rewrite_crd(crd.read_text(), flags)) for crd in CRDS
-    ]:
+    for path, new in [
+        (TABLE_FILE, rewrite_table(TABLE_FILE.read_text(), body)),
+        (ADMISSION_FILE, rewrite_env(ADMISSION_FILE.read_text(), env)),
+    ] + [(crd, rewrite_crd_env(rewrite_crd(crd.read_text(), flags), env)) for crd in CRDS]:
         if path.read_text() != new:
             changed.append(path)
             if not args.check:

@@ -127,6 +127,8 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--enable-responses-store": _SWITCH,
     "--kv-cache-dtype": ServerFlag("str", ("auto", "bfloat16", "float16", "float32")),
     "--kv-cache-memory": ServerFlag("parse_size"),
+    "--limit-concurrency": ServerFlag("int"),
+    "--limit-concurrency-per-client": ServerFlag("int"),
     "--log-level": ServerFlag("str", ("debug", "info", "warning", "error")),
     "--logprobs-mode": ServerFlag(
         "str", ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -153,6 +155,7 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--responses-store-ttl": ServerFlag("_non_negative_float"),
     "--scheduling-policy": ServerFlag("str", ("fcfs", "priority")),
     "--thread-policy": ServerFlag("str", ("adaptive", "fixed")),
+    "--timeout-request-body": ServerFlag("float"),
     "--timeout-request-head": ServerFlag("float"),
     "--tool-call-parser": ServerFlag("str", ("hermes", "llama3_json")),
     "--ui": _SWITCH,
