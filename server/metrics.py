@@ -286,6 +286,12 @@ class ServerMetrics:
             [*lbl, "route", "status"],
             registry=r,
         )
+        self.reasoning_tokens = Counter(
+            "kubeinfer_reasoning_tokens",
+            "Generated tokens a --reasoning-parser split off as thinking (vllm:generation_tokens counts all).",
+            lbl,
+            registry=r,
+        )
         self.request_success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
@@ -399,6 +405,11 @@ class ServerMetrics:
 
     def structured_request(self, kind: str) -> None:
         self.structured_requests.labels(model_name=self.model_name, kind=kind).inc()
+
+    def reasoning_tokens_generated(self, n: int) -> None:
+        """Output tokens a --reasoning-parser counted as thinking (the rest of the output is the answer)."""
+        if n > 0:
+            self.reasoning_tokens.labels(model_name=self.model_name).inc(n)
 
     def lora_request(self, lora_name: str) -> None:
         self.lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()

@@ -829,16 +829,16 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                         choice["finish_reason"] = _chat_finish_reason(out.finish_reason, ts.called)
                         choice["stop_reason"] = out.stop_reason
                     yield openai_event(chunk([choice]))
+                thought_tokens = sum(
+                    count_reasoning_tokens(texts, rs.split_so_far())
+                    for texts, rs in zip(job_token_texts, reasoning_streams, strict=True)
+                    if rs is not None
+                )
+                state.metrics.reasoning_tokens_generated(thought_tokens)
                 if include_usage:
                     usage = counter.usage()
                     if state.config.reasoning_parser is not None:
-                        usage["completion_tokens_details"] = {
-                            "reasoning_tokens": sum(
-                                count_reasoning_tokens(texts, rs.split_so_far())
-                                for texts, rs in zip(job_token_texts, reasoning_streams, strict=True)
-                                if rs is not None
-                            )
-                        }
+                        usage["completion_tokens_details"] = {"reasoning_tokens": thought_tokens}
                     yield openai_event(
                         {
                             "id": rid,
@@ -898,6 +898,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             "choices": choices,
             "usage": _usage(len(ids), sum(len(g.token_ids) for g in gens), cached),
         }
+        state.metrics.reasoning_tokens_generated(reasoning_tokens)
         if state.config.reasoning_parser is not None:
             body["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         if req.prompt_logprobs is not None:
@@ -917,7 +918,7 @@ async def models(request: Request) -> Response:
     state = server_state(request)
     if state.llm is None or state.limits is None:
         return APIError(ErrorKind.UNAVAILABLE, "the model is still loading").response(Family.OPENAI)
-    return JSONResponse({"object": "list", "data": _model_cards(state)})
+    return JSONResponse({"object": "list", "data": _model_cards(state, request)})
 
 
 @router.get("/v1/models/{model_id:path}", summary="One served model (OpenAI's models.retrieve)")
@@ -926,7 +927,7 @@ async def model_card(request: Request, model_id: str) -> Response:
     state = server_state(request)
     if state.llm is None or state.limits is None:
         return APIError(ErrorKind.UNAVAILABLE, "the model is still loading").response(Family.OPENAI)
-    for card in _model_cards(state):
+    for card in _model_cards(state, request):
         if card["id"] == model_id:
             return JSONResponse(card)
     return APIError(ErrorKind.NOT_FOUND, f"The model `{model_id}` does not exist.", "model").response(
@@ -934,7 +935,7 @@ async def model_card(request: Request, model_id: str) -> Response:
     )
 
 
-def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+def _model_cards(state: ServerState, request: Request) -> list[dict[str, Any]]:
     assert state.llm is not None and state.limits is not None
     info = state.llm.info
     base = {

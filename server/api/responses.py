@@ -305,6 +305,7 @@ def _unary(state: ServerState, p: Prepared, g: Generation) -> dict[str, Any]:
         answer = split.content or ""
         reasoning_tokens = count_reasoning_tokens(g.token_texts, split)
     b.add_answer(answer, True)
+    state.metrics.reasoning_tokens_generated(reasoning_tokens)
     return _finish(state, p, b, g, reasoning_tokens)
 
 
@@ -335,6 +336,7 @@ def _stream(state: ServerState, p: Prepared) -> EventStreamResponse:
             reasoning_tokens = (
                 count_reasoning_tokens(g.token_texts, rs.split_so_far()) if rs is not None else 0
             )
+            state.metrics.reasoning_tokens_generated(reasoning_tokens)
             body = _finish(state, p, b, g, reasoning_tokens)
             for event in b.take_events():
                 yield frame(event)

@@ -151,6 +151,16 @@ FORCED = r"[a-z]{3,8} [a-z]{3,8}</think>\n\n[A-Z][a-z]{2,8}\."
 USER = [{"role": "user", "content": "Think, then answer."}]
 
 
+def _reasoning_counter(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kubeinfer_reasoning_tokens_total{")
+    ]
+    return sum(values)
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -182,6 +192,7 @@ def test_api_reasoning_chat_split_stream_and_template_kwargs(
 ) -> None:
     client = _client(thinker.url)
     forced = {"extra_body": {"structured_outputs": {"regex": FORCED}}, "seed": 3, "temperature": 1.0}
+    before = _reasoning_counter(thinker.url)
     r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=80, **forced)  # type: ignore[arg-type]
     msg = r.choices[0].message.model_dump()
     reasoning, content = msg["reasoning_content"], msg["content"]
@@ -190,6 +201,8 @@ def test_api_reasoning_chat_split_stream_and_template_kwargs(
     details = r.usage.completion_tokens_details  # type: ignore[union-attr]
     assert details is not None and 0 < (details.reasoning_tokens or 0) < r.usage.completion_tokens  # type: ignore[union-attr]
     # Streamed with the same seed: the deltas add up to the same split, and usage counts the same.
+    # The metric counts thinking apart from the answer (vllm:generation_tokens counts both).
+    assert _reasoning_counter(thinker.url) - before == details.reasoning_tokens
     streamed = _chat_stream(client, max_tokens=80, **forced)
     assert streamed[:2] == (reasoning, content)
     assert (
