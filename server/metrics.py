@@ -308,6 +308,28 @@ class ServerMetrics:
         self.itl = Histogram(
             "vllm:inter_token_latency_seconds", "Time between tokens.", lbl, buckets=_ITL_BUCKETS, registry=r
         )
+        # vLLM's older name of the same histogram, which dashboards still query
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time between tokens (vLLM's older name of vllm:inter_token_latency_seconds).",
+            lbl,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.inference_time = Histogram(
+            "vllm:request_inference_time_seconds",
+            "First scheduled to finish (prefill and decode).",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.params_n = Histogram(
+            "vllm:request_params_n",
+            "The n parameter of admitted OpenAI requests.",
+            lbl,
+            buckets=(1, 2, 5, 10, 20),
+            registry=r,
+        )
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "Request latency.", lbl, buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -411,6 +433,9 @@ class ServerMetrics:
         if n > 0:
             self.reasoning_tokens.labels(model_name=self.model_name).inc(n)
 
+    def request_params(self, n: int) -> None:
+        self.params_n.labels(model_name=self.model_name).observe(n)
+
     def lora_request(self, lora_name: str) -> None:
         self.lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
 
@@ -432,6 +457,7 @@ class ServerMetrics:
             self.tgi_queue_duration.labels(model_name=name).observe(queue)
             inference = max(0.0, t.finished_time - t.first_scheduled_time)
             self.tgi_inference_duration.labels(model_name=name).observe(inference)
+            self.inference_time.labels(model_name=name).observe(inference)
             if t.num_generation_tokens > 0:
                 self.tgi_time_per_token.labels(model_name=name).observe(inference / t.num_generation_tokens)
             if t.first_token_time is not None:
@@ -441,9 +467,10 @@ class ServerMetrics:
         if t.first_token_time is not None:
             self.ttft.labels(model_name=name).observe(max(0.0, t.first_token_time - t.arrival_time))
             self.decode_time.labels(model_name=name).observe(max(0.0, t.finished_time - t.first_token_time))
-        itl = self.itl.labels(model_name=name)
+        itl, tpot = self.itl.labels(model_name=name), self.tpot.labels(model_name=name)
         for gap in t.inter_token_latencies:
             itl.observe(max(0.0, gap))
+            tpot.observe(max(0.0, gap))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

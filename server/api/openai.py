@@ -437,6 +437,7 @@ async def _prepare_completion(state: ServerState, body: Any) -> EventStreamRespo
     req: CompletionRequest = parse(CompletionRequest, body)
     lora = _check_model(state, req.model)
     _check_common(req)
+    state.metrics.request_params(req.n)
     _check_prompt_logprobs(req.prompt_logprobs)
     if req.suffix:
         raise validation("suffix is not supported", "suffix")
@@ -718,6 +719,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
     lora = _check_model(state, req.model)
     _check_common(req)
+    state.metrics.request_params(req.n)
     for name in ("separate_reasoning", "stream_reasoning", "include_reasoning"):
         if not getattr(req, name):
             raise validation(f"{name}: false is not supported (reasoning is always separated)", name)

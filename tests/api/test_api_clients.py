@@ -228,6 +228,13 @@ def test_api_metrics_names(live_server: LiveServer) -> None:
         "vllm:inter_token_latency_seconds_bucket",
         "vllm:e2e_request_latency_seconds_bucket",
         "vllm:request_queue_time_seconds_bucket",
+        # issue 50 item 9: names dashboards query
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:request_inference_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_params_n_bucket",
+        "vllm:cache_config_info",
         "tgi_queue_size",
         "tgi_batch_current_size",
         "tgi_request_count",
