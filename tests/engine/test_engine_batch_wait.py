@@ -31,9 +31,18 @@ class _Core:
         pass
 
     def add_request(
-        self, request_id: str, prompt: list[int], params: object, lora: object, pooling: object
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: object,
+        lora: object,
+        pooling: object,
+        priority: int = 0,
     ) -> None:
         self.held.append(request_id)
+
+    def check_priority(self, priority: int) -> None:
+        pass
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return None
