@@ -113,6 +113,13 @@ def test_importing_the_package_registers_every_handler() -> None:
         ("leaderworkerset.x-k8s.io", "leaderworkersets"),  # spec.parallelism.nodes > 1
         ("", "pods"),  # status reads the kubelet's reasons
         ("apiextensions.k8s.io", "customresourcedefinitions"),  # optional CRDs installed later
+        # every other owned kind but the Secret (handlers.WATCHED_CHILD_KINDS): drift comes back at once
+        ("", "configmaps"),
+        ("", "persistentvolumeclaims"),
+        ("", "serviceaccounts"),
+        ("networking.k8s.io", "networkpolicies"),
+        ("rbac.authorization.k8s.io", "roles"),
+        ("rbac.authorization.k8s.io", "rolebindings"),
     }
     assert registry._spawning.get_all_handlers() == []  # no timers/daemons: they would need finalizers
     activities = {h.id for h in registry._activities.get_all_handlers()}

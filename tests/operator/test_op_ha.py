@@ -40,6 +40,7 @@ CHILD_KINDS = (
     "HorizontalPodAutoscaler",
     "ServiceMonitor",
     "NetworkPolicy",
+    "ServiceAccount",  # each model's own (issue 45 item 7)
 )
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 

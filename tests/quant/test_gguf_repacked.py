@@ -342,7 +342,8 @@ def test_info_names_what_is_still_dequantized(template: Path, tmp_path: Path, ca
     (iq2,) = engine.info.gguf_dequantized or ()
     assert (iq2.name, iq2.gguf_type) == ("blk.1.ffn_up.weight", "IQ2_XXS")
     state = ServerState(ServerConfig(engine=engine.config, host="127.0.0.1"), engine_factory=lambda: engine)
-    with TestClient(create_app(state)) as client:
+    # a loopback-bound server answers loopback Host names only (api/admin.py): not TestClient's "testserver"
+    with TestClient(create_app(state), base_url="http://localhost") as client:
         deadline = time.monotonic() + 120  # loads (here: warms up) on a thread
         while client.get("/ready").status_code != 200:
             assert time.monotonic() < deadline, "server not ready"
