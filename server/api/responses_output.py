@@ -41,6 +41,19 @@ class OutputBuilder:
         self._emit("response.output_item.added", output_index=self._open, item=_copy(item))
         return self._open
 
+    def _open_with_part(self, item: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+        """Opens `item` (a message or a reasoning item) with its one content part; returns the item."""
+        i = self._open_item(item)
+        item["content"].append(part)
+        self._emit(
+            "response.content_part.added",
+            item_id=item["id"],
+            output_index=i,
+            content_index=0,
+            part=_copy(part),
+        )
+        return item
+
     def _current(self, kind: str) -> dict[str, Any] | None:
         if self._open is None:
             return None
@@ -103,24 +116,15 @@ class OutputBuilder:
         self.reasoning_text += delta
         item = self._current("reasoning")
         if item is None:
-            i = self._open_item(
+            item = self._open_with_part(
                 {
                     "id": new_id("rs"),
                     "type": "reasoning",
                     "summary": [],
                     "content": [],
                     "status": "in_progress",
-                }
-            )
-            item = self.items[i]
-            part = {"type": "reasoning_text", "text": ""}
-            item["content"].append(part)
-            self._emit(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=i,
-                content_index=0,
-                part=dict(part),
+                },
+                {"type": "reasoning_text", "text": ""},
             )
         assert self._open is not None
         item["content"][0]["text"] += delta
@@ -164,24 +168,15 @@ class OutputBuilder:
     def _add_text(self, text: str) -> None:
         item = self._current("message")
         if item is None:
-            i = self._open_item(
+            item = self._open_with_part(
                 {
                     "id": new_id("msg"),
                     "type": "message",
                     "role": "assistant",
                     "status": "in_progress",
                     "content": [],
-                }
-            )
-            item = self.items[i]
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item["content"].append(part)
-            self._emit(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=i,
-                content_index=0,
-                part=_copy(part),
+                },
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
             )
         assert self._open is not None
         item["content"][0]["text"] += text
