@@ -77,6 +77,32 @@ def child_metadata(im: InferenceModel, extra_labels: dict[str, str] | None = Non
     return meta
 
 
+def api_service_account(meta: dict[str, Any]) -> Manifest:
+    """The ServiceAccount of a component that calls the API (router, activator, endpoint picker)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": meta,
+        "automountServiceAccountToken": True,
+    }
+
+
+def role(meta: dict[str, Any], rules: list[dict[str, Any]]) -> Manifest:
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules}
+
+
+def own_role_binding(meta: dict[str, Any]) -> Manifest:
+    """Binds the Role of `meta`'s name to the ServiceAccount of the same name, in its namespace."""
+    name = meta["name"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": meta,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": meta["namespace"]}],
+    }
+
+
 def endpoint_url(im: InferenceModel) -> str:
     return f"http://{im.child_name}.{im.namespace}.svc:{SERVER_PORT}"
 

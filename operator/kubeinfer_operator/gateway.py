@@ -26,9 +26,12 @@ from typing import Any
 from .common import (
     SERVER_PORT,
     Manifest,
+    api_service_account,
     labels,
+    own_role_binding,
     owner_reference,
     restricted_container_security_context,
+    role,
 )
 from .defaults import ClusterDefaults
 from .names import derived_name
@@ -105,12 +108,7 @@ def render_inference_pool(im: InferenceModel) -> Manifest:
 
 
 def render_epp_serviceaccount(im: InferenceModel) -> Manifest:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": epp_metadata(im),
-        "automountServiceAccountToken": True,  # the picker watches its pool and the pods through the API
-    }
+    return api_service_account(epp_metadata(im))  # the picker watches its pool and the pods through the API
 
 
 # What the picker reads (the extension's manifests): its pool, the pods it picks from, and the
@@ -131,23 +129,11 @@ EPP_RULES: list[dict[str, Any]] = [
 
 
 def render_epp_role(im: InferenceModel) -> Manifest:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": epp_metadata(im),
-        "rules": EPP_RULES,
-    }
+    return role(epp_metadata(im), EPP_RULES)
 
 
 def render_epp_rolebinding(im: InferenceModel) -> Manifest:
-    name = epp_name(im)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": epp_metadata(im),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": im.namespace}],
-    }
+    return own_role_binding(epp_metadata(im))
 
 
 def render_epp_service(im: InferenceModel) -> Manifest:

@@ -15,10 +15,13 @@ from typing import Any
 from .common import (
     SERVER_PORT,
     Manifest,
+    api_service_account,
     labels,
+    own_role_binding,
     owner_reference,
     promql_string,
     restricted_container_security_context,
+    role,
 )
 from .defaults import ClusterDefaults
 from .names import derived_name
@@ -141,12 +144,7 @@ def render_activator_role(im: InferenceModel) -> Manifest:
                 "verbs": ["get", "patch"],
             }
         )
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _meta(im),
-        "rules": rules,
-    }
+    return role(_meta(im), rules)
 
 
 def render_activator_deployment(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:
@@ -199,22 +197,10 @@ def render_activator(
     service_monitor: whether the ServiceMonitor CRD is installed and monitoring is enabled."""
     if not wants_activator(im):
         return []
-    name = activator_name(im)
     objects: list[Manifest] = [
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": _meta(im),
-            "automountServiceAccountToken": True,  # it reads and scales the workload through the API
-        },
+        api_service_account(_meta(im)),  # it reads and scales the workload through the API
         render_activator_role(im),
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": _meta(im),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": im.namespace}],
-        },
+        own_role_binding(_meta(im)),
         {
             "apiVersion": "v1",
             "kind": "Service",

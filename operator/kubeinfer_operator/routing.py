@@ -17,9 +17,12 @@ from typing import Any
 from .common import (
     SERVER_PORT,
     Manifest,
+    api_service_account,
     labels,
+    own_role_binding,
     owner_reference,
     restricted_container_security_context,
+    role,
 )
 from .defaults import ClusterDefaults
 from .names import derived_name
@@ -129,32 +132,17 @@ def router_args(im: InferenceModel) -> list[str]:
 
 
 def render_router_serviceaccount(im: InferenceModel) -> Manifest:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _router_metadata(im),
-        "automountServiceAccountToken": True,  # the router lists pods through the API
-    }
+    return api_service_account(_router_metadata(im))  # the router lists pods through the API
 
 
 def render_router_role(im: InferenceModel) -> Manifest:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _router_metadata(im),
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
-    }
+    return role(
+        _router_metadata(im), [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    )
 
 
 def render_router_rolebinding(im: InferenceModel) -> Manifest:
-    name = router_name(im)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": _router_metadata(im),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": im.namespace}],
-    }
+    return own_role_binding(_router_metadata(im))
 
 
 def render_router_deployment(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:
