@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from kubeinfer_operator import handlers
+from kubeinfer_operator.admission import AdmissionPolicy
 from kubernetes.config import kube_config
 from op_cluster import BASE_RESOURCES, KEDA, MONITORING, MockCluster, run_operator
 
@@ -49,6 +50,9 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     # (for `kopf run -m kubeinfer_operator`): in a full run tests/deploy imports kubeinfer_operator.render
     # before this conftest, fixing 60 s, and a child of a CRD installed mid-test came after the waits.
     monkeypatch.setattr(handlers, "RESYNC_SECONDS", 2.0)
+    # The same for the admission policy: read at that early import, it allowed no Secret at all, and
+    # every model naming one stayed refused (CI's full run; a partition starting at tests/operator passed).
+    monkeypatch.setattr(handlers, "POLICY", AdmissionPolicy.from_environment(os.environ))
     yield make
     for cluster in started:
         cluster.stop()
