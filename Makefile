@@ -19,12 +19,16 @@ serve: setup
 
 # The Debian packages some tests need (Prometheus, Chromium, buildah), as CI has them: installed when
 # run as root with apt-get, else named with the tests that will skip (SKIP_SYSTEM_DEPS=1: not even that).
+# TEST_WORKERS pytest-xdist workers (tests/conftest.py keeps each file on one worker): many tests wait on
+# servers, operators and timeouts rather than compute, so 3 workers on 2 cores finish well before 1 does.
+# TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 3
 test: setup
 	@[ -n "$(SKIP_SYSTEM_DEPS)" ] || bash scripts/install-test-deps.sh
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
