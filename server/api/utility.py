@@ -25,6 +25,7 @@ from .protocol import (
     TokenizeCompletionRequest,
     parse,
 )
+from .shapes import template_messages
 from .state import ServerState, server_state
 from .tgi import VERSION
 
@@ -90,12 +91,7 @@ async def _vllm_tokenize(state: ServerState, tok: Tokenizer, body: Any) -> Respo
                 "continue_final_message and add_generation_prompt cannot both be true",
                 "continue_final_message",
             )
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            | ({"name": m.name} if m.name else {})
-            | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})
-            for m in req.messages
-        ]
+        messages = template_messages(req.messages)
         try:
             ids = await asyncio.to_thread(
                 tok.apply_chat_template,

@@ -440,3 +440,33 @@ def test_score_queries_documents(score_url: tuple[str, Any]) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "queries"
     r = httpx.post(f"{url}/v1/score", json={"queries": "q"}, timeout=60)
     assert r.status_code == 400
+
+
+# ---- item 9: vllm:iteration_tokens_total counts each engine step's tokens ---------------------------------
+def _series(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(name)
+
+
+def test_iteration_tokens_histogram(live_server: Any) -> None:
+    """One greedy request of P uncached prompt tokens and G new tokens runs G steps (the prefill
+    samples the first token) of P + G - 1 tokens in all: the histogram's count and sum say so."""
+    url = live_server.url
+    names = (
+        "vllm:iteration_tokens_total_count",
+        "vllm:iteration_tokens_total_sum",
+        'vllm:iteration_tokens_total_bucket{le="1.0",model_name="' + SERVED_NAME + '"}',
+        "vllm:prompt_tokens_total",
+    )
+    before = [_series(url, n) for n in names]
+    r = httpx.post(
+        f"{url}/generate",
+        json={"inputs": "Iteration histogram 7f3a: count the steps.", "parameters": {"max_new_tokens": 5}},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    steps, tokens, ones, prompt = (_series(url, n) - b for n, b in zip(names, before, strict=True))
+    assert prompt > 5 and steps == 5 and ones == 4  # four one-token decode steps
+    assert tokens == prompt + 5 - 1
