@@ -88,7 +88,7 @@ class ScoreRequest(_Body):
 
 
 class RerankRequest(_Body):
-    """vLLM's /rerank (Jina/Cohere shape)."""
+    """vLLM's /rerank (Jina/Cohere shape). `top_n` 0 (vLLM's default) means every document."""
 
     model: str | None = None
     query: str
@@ -575,8 +575,8 @@ async def _rerank(request: Request, tei_shape: bool, raw: Any = None) -> Respons
     if not req.documents:
         raise validation("documents cannot be empty", "documents")
     _check_count(len(req.documents), "documents")
-    if req.top_n is not None and req.top_n < 1:
-        raise validation("top_n must be >= 1", "top_n")
+    if req.top_n is not None and req.top_n < 0:  # 0 is every document, vLLM's default
+        raise validation("top_n must be >= 0 (0: every document)", "top_n")
     logits, items = await _score_pairs(
         state,
         [(req.query, d) for d in req.documents],

@@ -413,6 +413,13 @@ def test_tei_rerank_top_n(score_url: tuple[str, Any]) -> None:
     assert r.json() == full[:2]
     r = httpx.post(f"{url}/rerank", json={**body, "top_n": 0}, timeout=60)
     assert r.status_code == 422 and "top_n" in r.json()["error"]
+    # vLLM's body: top_n 0 is vLLM's default, every document (was a 400)
+    vbody = {"query": body["query"], "documents": body["texts"]}
+    every = httpx.post(f"{url}/v1/rerank", json=vbody, timeout=60).json()["results"]
+    r = httpx.post(f"{url}/v1/rerank", json={**vbody, "top_n": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["results"] == every and len(every) == 4
+    r = httpx.post(f"{url}/v1/rerank", json={**vbody, "top_n": 1}, timeout=60)
+    assert r.json()["results"] == every[:1]
 
 
 # ---- item 9: GET /v1/models/{id} (the openai client's models.retrieve) -------------------------------------
