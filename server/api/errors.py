@@ -103,8 +103,9 @@ def validation(message: str, param: str | None = None) -> APIError:
     return APIError(ErrorKind.VALIDATION, message, param)
 
 
-# vLLM's routes outside /v1 that answer in OpenAI's error shape (vLLM's ErrorResponse)
-_OPENAI_PATHS = frozenset({"/pooling"})
+# vLLM's routes outside /v1 that answer in OpenAI's error shape (vLLM's ErrorResponse); /rerank is
+# TEI's too and keeps TEI's shape
+_OPENAI_PATHS = frozenset({"/pooling", "/score", "/classify"})
 
 
 def family_of_path(path: str) -> Family:

@@ -450,6 +450,9 @@ def test_score_queries_documents(score_url: tuple[str, Any]) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "queries"
     r = httpx.post(f"{url}/v1/score", json={"queries": "q"}, timeout=60)
     assert r.status_code == 400
+    for path, body in (("/score", {"queries": "q"}), ("/classify", {"input": []})):
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)  # vLLM's routes: vLLM's (OpenAI's) error shape
+        assert r.status_code == 400 and isinstance(r.json()["error"], dict), (path, r.text)
 
 
 # ---- item 9: vllm:iteration_tokens_total counts each engine step's tokens ---------------------------------
