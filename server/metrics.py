@@ -21,10 +21,16 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    UnknownMetricFamily,
+)
 from prometheus_client.registry import Collector
 
-from server.core.outputs import SchedulerStats
+from server.core.outputs import ITERATION_TOKEN_BUCKETS, SchedulerStats
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -68,6 +74,10 @@ class FinishedRequestTimes:
     first_token_time: float | None
     finished_time: float
     inter_token_latencies: tuple[float, ...]
+
+
+# TGI's request counters, named as TGI's exporter names them (no `_total`).
+TGI_COUNTERS = ("tgi_request_count", "tgi_request_success", "tgi_request_failure")
 
 
 class _EngineCollector(Collector):
@@ -118,6 +128,22 @@ class _EngineCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             float(stats.prefix_cache_hits) if stats else 0.0,
         )
+        buckets, steps, tokens = stats.iteration_tokens if stats else ((), 0, 0)
+        iteration = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Number of tokens per engine_step.", labels=["model_name"]
+        )
+        iteration.add_metric(
+            [name],
+            [
+                (str(float(b)), float(c))
+                for b, c in zip(
+                    ITERATION_TOKEN_BUCKETS, buckets or (0,) * len(ITERATION_TOKEN_BUCKETS), strict=True
+                )
+            ]
+            + [("+Inf", float(steps))],
+            float(tokens),
+        )
+        yield iteration
         # Speculative decoding (vLLM's names; zero when it is off).
         for metric, doc, attr in (
             ("vllm:spec_decode_num_drafts", "Verified draft sequences.", "spec_num_drafts"),
@@ -188,16 +214,17 @@ class _EngineCollector(Collector):
             "1 when the model is loaded and the server is not draining.",
             1.0 if m.ready_source() else 0.0,
         )
-        # TGI's counters carry no _total suffix; prometheus_client would add one to a counter type.
+        # TGI's counters carry no _total suffix; prometheus_client would add one to a counter type, so
+        # they are built untyped and typed in render().
         for metric, doc, key in (
-            ("tgi_request_count", "Generation requests received (TGI name).", "count"),
-            ("tgi_request_success", "Generation requests that succeeded (TGI name).", "success"),
+            (TGI_COUNTERS[0], "Generation requests received (TGI name).", "count"),
+            (TGI_COUNTERS[1], "Generation requests that succeeded (TGI name).", "success"),
         ):
             u = UnknownMetricFamily(metric, doc, labels=["model_name"])
             u.add_metric([name], float(counts.get(key, 0)))
             yield u
         fail = UnknownMetricFamily(
-            "tgi_request_failure", "Failed requests by error type (TGI name).", labels=["model_name", "err"]
+            TGI_COUNTERS[2], "Failed requests by error type (TGI name).", labels=["model_name", "err"]
         )
         for err, value in sorted(counts.items()):
             if err.startswith("failure:"):
@@ -473,4 +500,12 @@ class ServerMetrics:
             tpot.observe(max(0.0, gap))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text format (0.0.4). TGI's request counters are counters named without
+        `_total`, as TGI's exporter writes them; prometheus_client can only type them untyped (its
+        counter families add the suffix), so their TYPE lines are set here."""
+        text = generate_latest(self.registry)
+        for metric in TGI_COUNTERS:
+            text = text.replace(
+                f"# TYPE {metric} untyped\n".encode(), f"# TYPE {metric} counter\n".encode(), 1
+            )
+        return text

@@ -139,9 +139,11 @@ class LoRARequest:
 class PoolingParams:
     """Marks a pooling request (embed, score): one forward over the whole prompt, no token sampled, and
     nothing kept after it (no KV blocks). `token_type_ids`: BERT segment ids of a (query, document) pair,
-    one per prompt token; None = all 0."""
+    one per prompt token; None = all 0. `per_token`: the last hidden state of every prompt token
+    (TEI's /embed_all, vLLM's token_embed) instead of the pooled vector (embedding models only)."""
 
     token_type_ids: tuple[int, ...] | None = None
+    per_token: bool = False
 
 
 @dataclass

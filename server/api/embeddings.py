@@ -88,7 +88,7 @@ class ScoreRequest(_Body):
 
 
 class RerankRequest(_Body):
-    """vLLM's /rerank (Jina/Cohere shape)."""
+    """vLLM's /rerank (Jina/Cohere shape). `top_n` 0 (vLLM's default) means every document."""
 
     model: str | None = None
     query: str
@@ -386,6 +386,128 @@ async def tei_similarity(request: Request, raw: Any = None) -> Response:
     return JSONResponse((vectors[1:] @ vectors[0]).tolist())
 
 
+# ---- per-token embeddings: TEI /embed_all, vLLM /pooling ----------------------------------------------
+class TEIEmbedAllRequest(_Body):
+    """TEI's /embed_all body (`EmbedAllRequest`): every token's last hidden state, not pooled, not
+    normalized."""
+
+    inputs: str | list[str]
+    truncate: bool | None = None
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
+    prompt_name: str | None = None
+
+
+@router.post("/embed_all", summary="Per-token embeddings (TEI)")
+async def tei_embed_all(request: Request, raw: Any = None) -> Response:
+    """`[[[float]]]`: per input, per token (special tokens included), the model's last hidden state."""
+    state = server_state(request)
+    req: TEIEmbedAllRequest = await _body(request, TEIEmbedAllRequest, raw)
+    state.admit("embed").release()
+    m = _model(state)
+    texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+    if not texts:
+        raise validation("Input validation error: `inputs` cannot be empty", "inputs")
+    _check_count(len(texts), "inputs")
+    limit = _limit(state, None)
+    left = req.truncation_direction.lower() == "left"
+    prompt = _prompt(m, req.prompt_name)
+    items = await asyncio.to_thread(
+        lambda: [_encode_text(m, prompt + t, limit, bool(req.truncate), left) for t in texts]
+    )
+    for it in items:
+        it.per_token = True
+    return JSONResponse([v.tolist() for v in await _run(state, "embed", items)])
+
+
+class PoolingRequest(_Body):
+    """vLLM's /pooling (`PoolingCompletionRequest`). `task`: `token_embed` (vLLM's default for an
+    embedding model: every token's hidden state, L2-normalized per token unless `use_activation` is
+    false), `embed` (the pooled vector, as /v1/embeddings), or on a score server `classify`
+    (probabilities; raw logits with `use_activation: false`), which must be named there (vLLM's
+    default there is no sequence task)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    task: Literal["token_embed", "embed", "classify"] | None = None
+    encoding_format: Literal["float"] = "float"
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+
+
+@router.post("/pooling", summary="Pooling: per-token or pooled embeddings, class probabilities (vLLM)")
+async def pooling(request: Request) -> Response:
+    """vLLM's `PoolingResponse`: `data[i].data` is `[[float]]` (token_embed), `[float]` (embed,
+    classify)."""
+    state = server_state(request)
+    req: PoolingRequest = await _body(request, PoolingRequest)
+    _check_name(state, req.model)
+    if state.task not in ("embed", "score"):
+        state.admit("embed")  # the usual 400: this server serves another task
+    embedder = state.task == "embed"
+    task = req.task or ("token_embed" if embedder else None)
+    if task is None or (task == "classify") == embedder:
+        served = "token_embed, embed" if embedder else "classify"
+        raise validation(
+            f"task {req.task!r} is not served by this {state.task} model (task: {served})", "task"
+        )
+    state.admit(state.task).release()
+    m = _model(state)
+    dims = _dimensions(m, req.dimensions) if task != "classify" else None
+    if req.dimensions is not None and task == "classify":
+        raise validation("dimensions applies to embeddings only", "dimensions")
+    limit = _limit(state, req.truncate_prompt_tokens)
+    truncate = req.truncate_prompt_tokens is not None
+    raw: list[Any] = [req.input] if isinstance(req.input, str) else list(req.input)
+    if not raw:
+        raise validation("input cannot be empty", "input")
+    if all(isinstance(x, int) for x in raw):
+        raw = [raw]
+    _check_count(len(raw), "input")
+
+    def tokenize() -> list[PoolingInput]:
+        out = []
+        for x in raw:
+            if isinstance(x, str):
+                if not x:
+                    raise validation("input strings cannot be empty", "input")
+                item = _encode_text(m, x, limit, truncate, left=False)
+            else:
+                item = _check_ids(m, list(x), limit, truncate)
+            item.per_token = task == "token_embed"
+            out.append(item)
+        return out
+
+    items = await asyncio.to_thread(tokenize)
+    rows = await _run(state, state.task, items)
+    activate = req.use_activation is not False
+    values: list[Any]
+    if task == "classify":
+        values = _scores(m, rows, raw=not activate)
+    else:
+        # vLLM normalizes every token's vector (its token_embed head); a pooled one as /v1/embeddings
+        normalize = activate and (task == "token_embed" or m.pooling.normalize)
+        values = [finish_embedding(v, normalize, dims).tolist() for v in rows]
+    data = [{"index": i, "object": "pooling", "data": v} for i, v in enumerate(values)]
+    return JSONResponse(
+        {
+            "id": f"pool-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "data": data,
+            "usage": _usage(items),
+        }
+    )
+
+
+class TEIDecodeRequest(_Body):
+    """TEI's /decode body (`DecodeRequest`): one list of token ids or a batch of them."""
+
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
 # ---- scoring: vLLM /score, /rerank; TEI /rerank ------------------------------------------------------
 async def _score_pairs(
     state: ServerState, pairs: list[tuple[str, str]], limit: int, truncate: bool
@@ -453,8 +575,8 @@ async def _rerank(request: Request, tei_shape: bool, raw: Any = None) -> Respons
     if not req.documents:
         raise validation("documents cannot be empty", "documents")
     _check_count(len(req.documents), "documents")
-    if req.top_n is not None and req.top_n < 1:
-        raise validation("top_n must be >= 1", "top_n")
+    if req.top_n is not None and req.top_n < 0:  # 0 is every document, vLLM's default
+        raise validation("top_n must be >= 0 (0: every document)", "top_n")
     logits, items = await _score_pairs(
         state,
         [(req.query, d) for d in req.documents],

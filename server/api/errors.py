@@ -103,5 +103,10 @@ def validation(message: str, param: str | None = None) -> APIError:
     return APIError(ErrorKind.VALIDATION, message, param)
 
 
+# vLLM's routes outside /v1 that answer in OpenAI's error shape (vLLM's ErrorResponse); /rerank is
+# TEI's too and keeps TEI's shape
+_OPENAI_PATHS = frozenset({"/pooling", "/score", "/classify"})
+
+
 def family_of_path(path: str) -> Family:
-    return Family.OPENAI if path.startswith("/v1/") else Family.TGI
+    return Family.OPENAI if path.startswith("/v1/") or path in _OPENAI_PATHS else Family.TGI

@@ -138,7 +138,7 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
     },
     "ChatMessage": {
         "role": _impl(_CHAT),
-        "content": _impl(_CHAT),
+        "content": _impl(_CHAT, "a string or text parts; image, audio and file parts refused by type"),
         "name": _impl("test_api_conf_chat_echo_and_continue", "passed to the chat template, as vLLM"),
         "tool_call_id": _impl("test_api_conf_chat_echo_and_continue", "passed to the chat template, as vLLM"),
         "tool_calls": _impl(_TOOLS, "an assistant message's calls, passed to the chat template"),
@@ -149,7 +149,11 @@ FIELD_POLICY: dict[str, dict[str, FieldPolicy]] = {
         "max_completion_tokens": _impl(_OAI_MAP),
         "logprobs": _impl(_LP),
         "top_logprobs": _impl(_LP),
-        "tools": _impl(_TOOLS),
+        "tools": _impl(
+            _TOOLS,
+            "function tools, closed by path (shapes.py); strict is what required/named enforce, "
+            "under auto calls are parsed, not constrained (as vLLM)",
+        ),
         "tool_choice": _impl(_TOOLS, "none, auto (with --enable-auto-tool-choice), required, named"),
         "parallel_tool_calls": _impl(_TOOLS),
         "response_format": _impl(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +36,7 @@ from .generation import (
 )
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from .reasoning import count_reasoning_tokens, plan_reasoning, template_kwargs
+from .shapes import template_messages
 from .sse import OPENAI_DONE, EventStreamResponse, openai_event
 from .state import ServerState, server_state
 from .structured import (
@@ -639,46 +639,13 @@ async def completions(request: Request) -> Response:
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------------
-def _history_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """An assistant message's tool_calls for the template: arguments as an object (templates tojson it)."""
-    out = []
-    for c in calls:
-        fn = c.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise validation("messages: a tool call needs function.name", "messages")
-        args: Any = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise validation("messages: tool call arguments must be JSON", "messages") from None
-        out.append(
-            {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
-        )
-    return out
-
-
 async def _chat_prompt(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan
 ) -> tuple[list[int], str]:
     """The prompt ids, and the text chat `echo` puts in front of the reply: the last message's
     content when it is the assistant's (the reply's role), as vLLM does."""
     assert state.llm is not None
-    messages = []
-    for m in req.messages:
-        role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role, "content": m.text()}
-        if m.name:
-            msg["name"] = m.name
-        if m.tool_calls:
-            if role != "assistant":
-                raise validation("messages: only assistant messages carry tool_calls", "messages")
-            msg["tool_calls"] = _history_tool_calls(m.tool_calls)
-        if role == "tool":
-            if not m.tool_call_id:
-                raise validation("messages: a tool message needs tool_call_id", "messages")
-            msg["tool_call_id"] = m.tool_call_id
-        messages.append(msg)
+    messages = template_messages(req.messages)
     tools = [t for t in plan.tools] if plan.active else None
     if tools and not state.llm.tokenizer.chat_template_knows_tools:
         raise validation(
@@ -773,7 +740,17 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
             len(ids), len(jobs), bool(req.stream_options and req.stream_options.continuous_usage_stats)
         )
 
+        # text-generation's Client.chat (TGI 2's Messages API; it sends TGI's placeholder "tgi") validates
+        # every chunk: `role` and `tool_calls` in every delta, and no `[DONE]` line (it parses each data
+        # line as JSON). OpenAI's shape sends the role once: the openai SDK's .stream() helper
+        # concatenates string fields across deltas.
+        tgi_shape = req.model == "tgi" and lora is None
+
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            if tgi_shape:
+                choices = [
+                    {**c, "delta": {"role": "assistant", "tool_calls": None, **c["delta"]}} for c in choices
+                ]
             return counter.stamp(
                 _stream_chunk(rid, "chat.completion.chunk", created, model, choices, include_usage)
             )
@@ -854,7 +831,8 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
                     )
             except APIError as e:
                 yield _error_event(e)
-            yield OPENAI_DONE
+            if not tgi_shape:
+                yield OPENAI_DONE
 
         return EventStreamResponse(events())
 

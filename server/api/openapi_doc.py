@@ -14,6 +14,20 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from .embeddings import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+    TEIDecodeRequest,
+    TEIEmbedAllRequest,
+    TEIEmbedRequest,
+    TEIPredictRequest,
+    TEIRerankRequest,
+    TEISimilarityRequest,
+)
+from .errors import Family, family_of_path
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -263,6 +277,38 @@ def _lora_routes() -> dict[str, dict[str, Any]]:
     }
 
 
+# The pooling routes' bodies (server/api/embeddings.py), so a fuzzer sends them more than empty bodies.
+_POOLING_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
+    "/v1/embeddings": (EmbeddingRequest,),
+    "/embed": (TEIEmbedRequest,),
+    "/embed_all": (TEIEmbedAllRequest,),
+    "/similarity": (TEISimilarityRequest,),
+    "/score": (ScoreRequest,),
+    "/v1/score": (ScoreRequest,),
+    "/rerank": (TEIRerankRequest, RerankRequest),
+    "/v1/rerank": (TEIRerankRequest, RerankRequest),
+    "/v2/rerank": (TEIRerankRequest, RerankRequest),
+    "/classify": (ClassifyRequest,),
+    "/v1/classify": (ClassifyRequest,),
+    "/predict": (TEIPredictRequest,),
+    "/pooling": (PoolingRequest,),
+    "/decode": (TEIDecodeRequest,),
+}
+
+
+def _pooling_routes(components: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Bodies and error shapes of the pooling routes (TEI's family outside /v1, vLLM's /pooling and
+    /v1 routes in OpenAI's)."""
+    out = {}
+    for path, models in _POOLING_BODIES.items():
+        refs = [_body(m, components)["content"]["application/json"]["schema"] for m in models]
+        schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+        tgi = family_of_path(path) is Family.TGI
+        errors = _errors(_TGI_ERRORS, _TGI_ERROR) if tgi else _errors(_OPENAI_ERRORS, _OPENAI_ERROR)
+        out[path] = {"requestBody": {"required": True, "content": _json(schema)}, "responses": errors}
+    return out
+
+
 def _other_routes(metrics_content_type: str) -> dict[str, dict[str, Any]]:
     return {
         "/health": {"responses": {"503": {"description": "The engine loop died", "content": _json(_STATUS)}}},
@@ -302,7 +348,12 @@ def install_openapi(app: FastAPI, metrics_content_type: str, open_paths: frozens
         components = schema.setdefault("components", {})
         schemas = components.setdefault("schemas", {})
         components.setdefault("securitySchemes", {})["bearerAuth"] = {"type": "http", "scheme": "bearer"}
-        extra = {**_generation_routes(schemas), **_lora_routes(), **_other_routes(metrics_content_type)}
+        extra = {
+            **_generation_routes(schemas),
+            **_pooling_routes(schemas),
+            **_lora_routes(),
+            **_other_routes(metrics_content_type),
+        }
         for path, item in schema.get("paths", {}).items():
             for method, op in item.items():
                 add = extra.get(path, {})

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import validation
+from .shapes import chat_content_text
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
@@ -225,19 +226,9 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise validation(
-                    f"unsupported content part of type {part.get('type')!r}; only text parts", "messages"
-                )
-            parts.append(part["text"])
-        return "".join(parts)
+    def text(self, path: str = "messages") -> str:
+        """The content as text (text parts joined); any other part is refused naming `path`'s part."""
+        return chat_content_text(self.content, self.role, path)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from .errors import validation
 from .protocol import RequestModel
+from .shapes import check_strict, refuse_unknown, require_object
 
 # OpenAI's hosted tools: they run on OpenAI's side, so this server cannot offer them.
 HOSTED_TOOLS = frozenset(
@@ -79,6 +80,18 @@ class Conversation:
     items: list[dict[str, Any]] = field(default_factory=list)
 
 
+_PART_KEYS = {"text": ("type", "text"), "output_text": ("type", "text", "annotations", "logprobs")}
+# Each input item's keys: what the API defines for it (an output item replayed as input keeps its id
+# and status).
+_ITEM_KEYS = {
+    "message": ("type", "role", "content", "id", "status"),
+    "function_call": ("type", "id", "call_id", "name", "arguments", "status"),
+    "function_call_output": ("type", "id", "call_id", "output", "status"),
+    "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status"),
+}
+_FUNCTION_TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
+
+
 def _parts_text(content: Any, role: str, where: str) -> str:
     """A message's content: a string, or a list of text parts (input_text / output_text / text)."""
     if isinstance(content, str):
@@ -87,16 +100,18 @@ def _parts_text(content: Any, role: str, where: str) -> str:
         raise validation(f"{where}.content must be a string or a list of content parts", "input")
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}.content[{j}]"
+        part = require_object(part, at)
+        kind = part.get("type")
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            # a replayed output_text carries its annotations and logprobs: metadata of that output
+            refuse_unknown(part, _PART_KEYS["output_text" if kind == "output_text" else "text"], at)
             texts.append(part["text"])
         elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            refuse_unknown(part, ("type", "refusal"), at)
             texts.append(part["refusal"])
         else:
-            raise validation(
-                f"{where}.content[{j}]: content part type {kind!r} is not supported (text parts only)",
-                "input",
-            )
+            raise validation(f"{at}.type {kind!r} is not supported (text parts only)", f"{at}.type")
     return "".join(texts)
 
 
@@ -133,6 +148,8 @@ def to_conversation(value: str | list[dict[str, Any]]) -> Conversation:
     for i, item in enumerate(value):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind in _ITEM_KEYS:
+            refuse_unknown(item, _ITEM_KEYS[kind], where)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -195,11 +212,16 @@ def to_conversation(value: str | list[dict[str, Any]]) -> Conversation:
                 }
             )
         elif kind == "reasoning":
-            texts = [
-                p.get("text", "")
-                for p in (item.get("content") or [])
-                if isinstance(p, dict) and p.get("type") == "reasoning_text"
-            ]
+            texts = []
+            for j, p in enumerate(item.get("content") or []):
+                at = f"{where}.content[{j}]"
+                p = require_object(p, at)
+                if p.get("type") != "reasoning_text" or not isinstance(p.get("text"), str):
+                    raise validation(
+                        f"{at}.type: a reasoning item's content is reasoning_text parts", f"{at}.type"
+                    )
+                refuse_unknown(p, ("type", "text"), at)
+                texts.append(p["text"])
             if item.get("encrypted_content"):
                 raise validation(f"{where}.encrypted_content is not supported", "input")
             pending_reasoning = "".join(texts)
@@ -234,8 +256,11 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
                 "tools",
             )
         if kind != "function":
-            raise validation(f"tools[{i}].type {kind!r} is not supported (function)", "tools")
+            raise validation(f"tools[{i}].type {kind!r} is not supported (function)", f"tools[{i}].type")
+        refuse_unknown(t, _FUNCTION_TOOL_KEYS, f"tools[{i}]")
         fn: dict[str, Any] = {"name": t.get("name")}
+        if t.get("strict") is not None:
+            fn["strict"] = check_strict(t["strict"], f"tools[{i}].strict")
         if t.get("description") is not None:
             fn["description"] = t["description"]
         if t.get("parameters") is not None:
@@ -249,6 +274,7 @@ def chat_tool_choice(choice: Any) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
+        refuse_unknown(choice, ("type", "name"), "tool_choice")
         return {"type": "function", "function": {"name": choice.get("name")}}
     kind = choice.get("type") if isinstance(choice, dict) else None
     raise validation(
@@ -273,11 +299,14 @@ def text_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise validation("text.format must be an object", "text.format")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
+        refuse_unknown(fmt, ("type",), "text.format")
         return {"type": kind}
     if kind == "json_schema":
+        refuse_unknown(fmt, ("type", "name", "description", "schema", "strict"), "text.format")
         if not isinstance(fmt.get("schema"), dict):
             raise validation("text.format.schema is required for json_schema", "text.format")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
+        inner = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
+        return {"type": "json_schema", "json_schema": inner}
     raise validation(
         f"text.format type {kind!r} is not supported (text, json_object, json_schema)", "text.format"
     )

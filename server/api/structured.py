@@ -19,10 +19,13 @@ from server.request import GrammarSpec
 from server.structured import GrammarError
 
 from .errors import validation
+from .shapes import check_chat_tool, check_chat_tool_choice, check_grammar, refuse_unknown
 from .state import ServerState
 from .tool_parsers import TOOL_PARSERS, ParsedCall, ParsedToolOutput, ToolParser, partial_call
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's StructuredOutputsParams switches whose default (false) is what this server does.
+_OFF_BY_DEFAULT = frozenset({"disable_fallback", "disable_any_whitespace", "disable_additional_properties"})
 
 
 def _json_spec(value: Any, param: str) -> GrammarSpec:
@@ -103,11 +106,15 @@ def vllm_spec(fields: Any) -> tuple[GrammarSpec, str] | None:
     if so is not None:
         if not isinstance(so, dict):
             raise validation("structured_outputs must be an object", "structured_outputs")
-        unknown = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS and v not in (None, False))
+        unknown = sorted(
+            k
+            for k, v in so.items()
+            if k not in _STRUCTURED_KEYS and v is not None and not (k in _OFF_BY_DEFAULT and v is False)
+        )
         if unknown:
             raise validation(
                 f"structured_outputs.{unknown[0]} is not supported (use one of {', '.join(_STRUCTURED_KEYS)})",
-                "structured_outputs",
+                f"structured_outputs.{unknown[0]}",
             )
         given = [k for k in _STRUCTURED_KEYS if so.get(k) not in (None, False)]
         if len(given) != 1:
@@ -140,18 +147,25 @@ def vllm_spec(fields: Any) -> tuple[GrammarSpec, str] | None:
 
 
 def tgi_grammar_spec(grammar: Any) -> GrammarSpec | None:
-    """TGI's parameters.grammar: {"type": "json" | "json_object", "value": schema} or {"type": "regex"}."""
+    """TGI's `parameters.grammar` (its `GrammarType`: serde tag `type`, content `value`): `json` (alias
+    `json_object`) with a schema, `regex` with a regex, `json_schema` with `{name, schema}` (TGI 3).
+    Any other key is refused by name (`parameters.grammar.<key>`)."""
     if grammar is None:
         return None
-    if not isinstance(grammar, dict) or "type" not in grammar:
-        raise validation('Input validation error: `grammar` must be {"type": ..., "value": ...}', "grammar")
-    kind, value = grammar["type"], grammar.get("value")
-    if kind in ("json", "json_object", "json_schema"):
-        return _json_spec(value, "grammar")
+    param = "parameters.grammar"
+    kind, value = check_grammar(grammar, param, tgi=True)
+    if kind in ("json", "json_object"):
+        return _json_spec(value, f"{param}.value")
+    if kind == "json_schema":
+        if not isinstance(value, dict) or value.get("schema") is None:
+            raise validation(f"Input validation error: {param}.value.schema is required", f"{param}.value")
+        refuse_unknown(value, ("name", "schema"), f"{param}.value", tgi=True)
+        return _json_spec(value["schema"], f"{param}.value.schema")
     if kind == "regex":
-        return _text_spec("regex", value, "grammar")
+        return _text_spec("regex", value, f"{param}.value")
     raise validation(
-        f"Input validation error: grammar type {kind!r} is not supported (json, regex)", "grammar"
+        f"Input validation error: grammar type {kind!r} is not supported (json, json_schema, regex)",
+        f"{param}.type",
     )
 
 
@@ -253,28 +267,15 @@ def plan_tools(
         return ToolPlan("none")
     names: set[str] = set()
     for i, t in enumerate(tools):
-        fn = t.get("function")
-        if t.get("type") != "function" or not isinstance(fn, dict):
-            raise validation(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise validation(f"tools[{i}].function.name is required", "tools")
+        name = check_chat_tool(t, f"tools[{i}]")["name"]
         if name in names:
-            raise validation(f"tools[{i}]: duplicate function name {name!r}", "tools")
+            raise validation(f"tools[{i}]: duplicate function name {name!r}", f"tools[{i}].function.name")
         names.add(name)
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise validation(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
     parallel = True if parallel is None else parallel
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise validation(
-                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-                "tool_choice",
-            )
+        name = check_chat_tool_choice(choice)
         if name not in names:
             raise validation(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
         return ToolPlan("named", tools, name=name, parallel=False)

@@ -169,7 +169,7 @@ async def _plan(state: ServerState, req: TGIRequest, stream: bool, received_at: 
 
     spec = tgi_grammar_spec(p.grammar)
     if spec is not None:
-        await compile_spec(state, spec, "grammar")
+        await compile_spec(state, spec, "parameters.grammar")
     prompt_ids = await encode(state, req.inputs)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate :]

@@ -13,9 +13,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from server.tokenizer import Tokenizer
 
+from .embeddings import TEIDecodeRequest
 from .errors import APIError, ErrorKind, Family, validation
 from .generation import names_base_model, read_json
 from .protocol import (
@@ -25,6 +27,7 @@ from .protocol import (
     TokenizeCompletionRequest,
     parse,
 )
+from .shapes import template_messages
 from .state import ServerState, server_state
 from .tgi import VERSION
 
@@ -90,12 +93,7 @@ async def _vllm_tokenize(state: ServerState, tok: Tokenizer, body: Any) -> Respo
                 "continue_final_message and add_generation_prompt cannot both be true",
                 "continue_final_message",
             )
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            | ({"name": m.name} if m.name else {})
-            | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})
-            for m in req.messages
-        ]
+        messages = template_messages(req.messages)
         try:
             ids = await asyncio.to_thread(
                 tok.apply_chat_template,
@@ -148,6 +146,33 @@ async def detokenize(request: Request) -> Response:
     except APIError as e:
         return e.response(Family.OPENAI)
     return JSONResponse({"prompt": text})
+
+
+@router.post("/decode", summary="Token ids to text (TEI)")
+async def tei_decode(request: Request) -> Response:
+    """TEI's `DecodeResponse`: a list of strings, one per id list (a single list gives one)."""
+    state = server_state(request)
+    try:
+        body = await read_json(request, state.config.max_payload_bytes)
+        tok = _loaded(state)
+        try:
+            req = TEIDecodeRequest.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise validation(f"Input validation error: {loc}: {err['msg']}", loc or None) from None
+        batch: list[list[int]] = (
+            [[t for t in x] if isinstance(x, list) else [x] for x in req.ids]
+            if not all(isinstance(t, int) for t in req.ids)
+            else [[t for t in req.ids if isinstance(t, int)]]
+        )
+        vocab = tok.vocab_size
+        if not batch or any(t < 0 or t >= vocab for ids in batch for t in ids):
+            raise validation(f"Input validation error: token ids must be in [0, {vocab})", "ids")
+        texts = [tok.decode(ids, req.skip_special_tokens) for ids in batch]
+    except APIError as e:
+        return e.response(Family.TGI)
+    return JSONResponse(texts)
 
 
 @router.get("/version", summary="Server version (vLLM)")

@@ -95,6 +95,33 @@ class RequestOutput:
     pooled: object | None = None
 
 
+# vLLM's vllm:iteration_tokens_total buckets (tokens per engine step; its upper ones follow the
+# CUDA-graph capture sizes, fixed here).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class StepTokenHistogram:
+    """Tokens per engine step, cumulative: `counts[i]` steps had at most `ITERATION_TOKEN_BUCKETS[i]`
+    tokens (a Prometheus histogram's `le` buckets), `steps` and `tokens` in all. Plain Python: the
+    scheduler observes, metrics.py exports."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * len(ITERATION_TOKEN_BUCKETS))
+    steps: int = 0
+    tokens: int = 0
+
+    def observe(self, n: int) -> None:
+        self.steps += 1
+        self.tokens += n
+        for i, bound in enumerate(ITERATION_TOKEN_BUCKETS):
+            if n <= bound:
+                self.counts[i] += 1
+
+    def snapshot(self) -> tuple[tuple[int, ...], int, int]:
+        """(cumulative bucket counts, steps, tokens)."""
+        return tuple(self.counts), self.steps, self.tokens
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
@@ -115,3 +142,5 @@ class SchedulerStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
     running_lora_adapters: tuple[str, ...] = ()  # adapter names of running requests
     waiting_lora_adapters: tuple[str, ...] = ()  # adapter names of waiting requests
+    # tokens per step, cumulative: (bucket counts over ITERATION_TOKEN_BUCKETS, steps, tokens)
+    iteration_tokens: tuple[tuple[int, ...], int, int] = ((), 0, 0)

@@ -39,7 +39,13 @@ from dataclasses import dataclass
 
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import ComputedBlocks, KVCacheManager
-from server.core.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
+from server.core.outputs import (
+    ModelOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    StepTokenHistogram,
+)
 from server.core.request_queue import SCHEDULING_POLICIES, RequestQueue, SchedulingPolicy
 from server.request import FinishReason, Request, RequestStatus
 from server.spec_decode.stats import SpecDecodingStats
@@ -100,6 +106,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._last_batched_tokens = 0
+        self.iteration_tokens = StepTokenHistogram()
         self.spec_stats = SpecDecodingStats()
 
     # ---- intake -------------------------------------------------------------------------------
@@ -293,6 +300,8 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget
         self._last_batched_tokens = num_batched
+        if num_batched:
+            self.iteration_tokens.observe(num_batched)
         return SchedulerOutput(scheduled, num_batched, preempted, finished)
 
     def _scheduled(
@@ -448,4 +457,5 @@ class Scheduler:
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
             running_lora_adapters=tuple(sorted({r.lora.name for r in self.running if r.lora is not None})),
             waiting_lora_adapters=tuple(sorted({r.lora.name for r in self.waiting if r.lora is not None})),
+            iteration_tokens=self.iteration_tokens.snapshot(),
         )

@@ -44,6 +44,7 @@ class PoolingInput:
 
     input_ids: list[int]
     token_type_ids: list[int] | None = None
+    per_token: bool = False  # every token's last hidden state (`PoolingParams.per_token`)
 
 
 @dataclass
@@ -149,7 +150,7 @@ class PoolingEngineCore:
             self.on_scheduled(self.scheduler.stats())
         reqs = [item.request for item in sched.scheduled]
         out = ModelOutput()
-        rows: torch.Tensor | None = None
+        rows: list[torch.Tensor] | None = None
         if reqs:
             num_tokens = sum(r.num_prompt_tokens for r in reqs)
             threads = self.threads.choose(num_tokens)
@@ -183,8 +184,9 @@ class PoolingEngineCore:
         pass
 
     # ---- the forward --------------------------------------------------------------------------
-    def run_batch(self, reqs: Sequence[Request]) -> torch.Tensor:
-        """One padded forward over the requests' prompts: float32 `[len(reqs), dim | num_labels]`."""
+    def run_batch(self, reqs: Sequence[Request]) -> list[torch.Tensor]:
+        """One padded forward over the requests' prompts: a float32 row per request, `[dim]` or
+        `[num_labels]`, or `[num_tokens, dim]` for a `per_token` request."""
         longest = max(r.num_prompt_tokens for r in reqs)
         pad = self._pad_id
         ids = torch.tensor([r.prompt_token_ids + [pad] * (longest - r.num_prompt_tokens) for r in reqs])
@@ -193,7 +195,8 @@ class PoolingEngineCore:
         for row, r in enumerate(reqs):
             if r.pooling is not None and r.pooling.token_type_ids is not None:
                 types[row, : r.num_prompt_tokens] = torch.tensor(r.pooling.token_type_ids)
-        return self.model.forward(ids, types, mask)
+        per_token = [r.pooling is not None and r.pooling.per_token for r in reqs]
+        return self.model.forward_rows(ids, types, mask, per_token)
 
 
 def _output(req: Request, pooled: torch.Tensor | None) -> RequestOutput:
@@ -270,7 +273,7 @@ class PoolingEngine:
         rid = f"pool-{self._counter}-{time.monotonic_ns()}"
         types = tuple(item.token_type_ids) if item.token_type_ids is not None else None
         async for out in self.engine.generate(
-            item.input_ids, _NO_SAMPLING, rid, pooling=PoolingParams(types)
+            item.input_ids, _NO_SAMPLING, rid, pooling=PoolingParams(types, item.per_token)
         ):
             if not out.finished:
                 continue

@@ -85,6 +85,29 @@ class PoolingModel:
 
         return pool(self.module(input_ids, token_type_ids, mask), mask, self.pooling.mode)
 
+    @torch.inference_mode()
+    def forward_rows(
+        self,
+        input_ids: torch.Tensor,  # [batch, seq] int64, right-padded
+        token_type_ids: torch.Tensor,  # [batch, seq] int64
+        mask: torch.Tensor,  # [batch, seq] 1 for real tokens
+        per_token: list[bool],  # per row: every token's hidden state instead of the pooled vector
+    ) -> list[torch.Tensor]:
+        """One forward; each row's float32 result: `[dim]` pooled, `[num_labels]` logits, or, where
+        `per_token`, `[num_tokens, dim]` last hidden states (embedding models only: ValueError else)."""
+        if not any(per_token):
+            return list(self.forward(input_ids, token_type_ids, mask))
+        if self.task is PoolingTask.SCORE:
+            raise ValueError("per-token embeddings need an embedding model")
+        from .pooler import pool
+
+        hidden = self.module(input_ids, token_type_ids, mask)  # [batch, seq, dim]
+        pooled = pool(hidden, mask, self.pooling.mode)
+        lengths = mask.sum(dim=1).tolist()
+        return [
+            hidden[i, : int(lengths[i])].float() if flag else pooled[i] for i, flag in enumerate(per_token)
+        ]
+
 
 def load_pooling_model(
     folder: Path,

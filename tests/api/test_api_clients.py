@@ -235,6 +235,7 @@ def test_api_metrics_names(live_server: LiveServer) -> None:
         "vllm:request_decode_time_seconds_bucket",
         "vllm:request_params_n_bucket",
         "vllm:cache_config_info",
+        "vllm:iteration_tokens_total_bucket",
         "tgi_queue_size",
         "tgi_batch_current_size",
         "tgi_request_count",
@@ -242,6 +243,8 @@ def test_api_metrics_names(live_server: LiveServer) -> None:
         "kubeinfer_http_requests_total",
     ):
         assert f"\n{name}{{" in text, name
+    for name in ("tgi_request_count", "tgi_request_success", "tgi_request_failure"):  # as TGI types them
+        assert f"# TYPE {name} counter\n" in text, name
     assert f'model_name="{SERVED_NAME}"' in text
     assert (
         f'kubeinfer_http_requests_total{{model_name="{SERVED_NAME}",route="/generate",status="200"}}' in text

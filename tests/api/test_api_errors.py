@@ -128,7 +128,7 @@ def test_api_payload_limit_413(live_server: LiveServer, no_engine_traffic: None)
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages",
+            "messages[0].content[0].type",
         ),
         (
             "/v1/chat/completions",

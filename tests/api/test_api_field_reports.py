@@ -122,6 +122,9 @@ _MINIMAL: dict[str, dict[str, Any]] = {
     "TEIRerankRequest": {"query": "q", "texts": ["d"]},
     "ClassifyRequest": {"input": "x"},
     "TEIPredictRequest": {"inputs": "x"},
+    "TEIEmbedAllRequest": {"inputs": "x"},
+    "PoolingRequest": {"input": "x"},
+    "TEIDecodeRequest": {"ids": [1]},
     "TEISimilarityInput": {"source_sentence": "a", "sentences": ["b"]},
     "TEISimilarityParameters": {},
     "TEISimilarityRequest": {"inputs": {"source_sentence": "a", "sentences": ["b"]}},
@@ -410,6 +413,13 @@ def test_tei_rerank_top_n(score_url: tuple[str, Any]) -> None:
     assert r.json() == full[:2]
     r = httpx.post(f"{url}/rerank", json={**body, "top_n": 0}, timeout=60)
     assert r.status_code == 422 and "top_n" in r.json()["error"]
+    # vLLM's body: top_n 0 is vLLM's default, every document (was a 400)
+    vbody = {"query": body["query"], "documents": body["texts"]}
+    every = httpx.post(f"{url}/v1/rerank", json=vbody, timeout=60).json()["results"]
+    r = httpx.post(f"{url}/v1/rerank", json={**vbody, "top_n": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["results"] == every and len(every) == 4
+    r = httpx.post(f"{url}/v1/rerank", json={**vbody, "top_n": 1}, timeout=60)
+    assert r.json()["results"] == every[:1]
 
 
 # ---- item 9: GET /v1/models/{id} (the openai client's models.retrieve) -------------------------------------
@@ -440,3 +450,88 @@ def test_score_queries_documents(score_url: tuple[str, Any]) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "queries"
     r = httpx.post(f"{url}/v1/score", json={"queries": "q"}, timeout=60)
     assert r.status_code == 400
+    for path, body in (("/score", {"queries": "q"}), ("/classify", {"input": []})):
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)  # vLLM's routes: vLLM's (OpenAI's) error shape
+        assert r.status_code == 400 and isinstance(r.json()["error"], dict), (path, r.text)
+
+
+# ---- item 9: vllm:iteration_tokens_total counts each engine step's tokens ---------------------------------
+def _series(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(name)
+
+
+def test_iteration_tokens_histogram(live_server: Any) -> None:
+    """One greedy request of P uncached prompt tokens and G new tokens runs G steps (the prefill
+    samples the first token) of P + G - 1 tokens in all: the histogram's count and sum say so."""
+    url = live_server.url
+    names = (
+        "vllm:iteration_tokens_total_count",
+        "vllm:iteration_tokens_total_sum",
+        'vllm:iteration_tokens_total_bucket{le="1.0",model_name="' + SERVED_NAME + '"}',
+        "vllm:prompt_tokens_total",
+    )
+    before = [_series(url, n) for n in names]
+    r = httpx.post(
+        f"{url}/generate",
+        json={"inputs": "Iteration histogram 7f3a: count the steps.", "parameters": {"max_new_tokens": 5}},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    steps, tokens, ones, prompt = (_series(url, n) - b for n, b in zip(names, before, strict=True))
+    assert prompt > 5 and steps == 5 and ones == 4  # four one-token decode steps
+    assert tokens == prompt + 5 - 1
+
+
+# ---- item 9: TEI /embed_all and /decode, vLLM /pooling ------------------------------------------------------
+def test_tei_embed_all_decode_and_vllm_pooling(
+    embed_url: tuple[str, Any], score_url: tuple[str, Any]
+) -> None:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    url, state = embed_url
+    texts = ["Hello world", "Kubernetes runs containers in pods."]
+    st = SentenceTransformer(state.config.engine.model.model, device="cpu")
+    refs = st.encode(texts, output_value="token_embeddings", convert_to_numpy=False)  # every token's state
+    r = httpx.post(f"{url}/embed_all", json={"inputs": texts}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = [torch.tensor(rows) for rows in r.json()]
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:  # bf16 GEMMs under --dtype auto: cosine per token
+        assert a.shape == b.shape
+        assert float(torch.nn.functional.cosine_similarity(a, b.float(), dim=-1).min()) > 0.999
+
+    for g, ref in zip(got, refs, strict=True):
+        close(g, ref)  # not normalized: TEI's raw hidden states
+    r = httpx.post(f"{url}/pooling", json={"input": texts, "model": "minilm"}, timeout=60)  # token_embed
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["pooling"] * 2
+    for d, ref in zip(body["data"], refs, strict=True):
+        vecs = torch.tensor(d["data"])
+        close(vecs, ref)
+        assert torch.allclose(vecs.norm(dim=-1), torch.ones(len(vecs)), atol=1e-4)  # normalized per token
+    pooled = httpx.post(f"{url}/pooling", json={"input": texts, "task": "embed"}, timeout=60).json()
+    emb = httpx.post(f"{url}/v1/embeddings", json={"input": texts}, timeout=60).json()
+    assert [d["data"] for d in pooled["data"]] == [d["embedding"] for d in emb["data"]]
+    r = httpx.post(f"{url}/pooling", json={"input": texts, "task": "classify"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task"
+
+    ids = st.tokenizer(texts[1])["input_ids"]
+    r = httpx.post(f"{url}/decode", json={"ids": ids}, timeout=60)
+    assert r.status_code == 200 and r.json() == [st.tokenizer.decode(ids, skip_special_tokens=True)]
+    r = httpx.post(f"{url}/decode", json={"ids": [ids, ids[:3]], "skip_special_tokens": False}, timeout=60)
+    assert r.json() == [st.tokenizer.decode(x) for x in (ids, ids[:3])]
+    r = httpx.post(f"{url}/decode", json={"ids": [10**9]}, timeout=60)
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+
+    surl, _ = score_url
+    assert httpx.post(f"{surl}/embed_all", json={"inputs": "x"}, timeout=60).status_code == 422  # TEI's
+    r = httpx.post(f"{surl}/pooling", json={"input": ["a b", "c"]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task"  # no sequence task by default
+    r = httpx.post(f"{surl}/pooling", json={"input": ["a b", "c"], "task": "classify"}, timeout=60)
+    cls = httpx.post(f"{surl}/classify", json={"input": ["a b", "c"]}, timeout=60).json()
+    assert r.status_code == 200 and [d["data"] for d in r.json()["data"]] == [d["probs"] for d in cls["data"]]

@@ -81,6 +81,30 @@ def test_rel_fuzz_schemathesis_generation_routes(
     assert statuses and max(statuses) < 500, statuses
 
 
+# The pooling routes' bodies are in the document too (server/api/openapi_doc.py); on this generative
+# server their parsers and refusals run (a pooling request is a 400/422 naming the task).
+POOLING_ROUTES = ["/v1/embeddings", "/embed", "/embed_all", "/rerank", "/predict", "/pooling", "/decode"]
+
+
+@pytest.mark.parametrize("path", POOLING_ROUTES)
+def test_rel_fuzz_schemathesis_pooling_routes(rel_server: InProcServer, openapi_doc: Any, path: str) -> None:
+    doc = httpx.get(f"{rel_server.url}/openapi.json", timeout=60).json()
+    assert "requestBody" in doc["paths"][path]["post"], path
+    op = openapi_doc[path]["POST"]
+    statuses: list[int] = []
+
+    @settings(FUZZ_SETTINGS, max_examples=8)
+    @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    def run(case: Any) -> None:
+        response = case.call_and_validate(
+            base_url=rel_server.url, headers=rel_server.auth, checks=CHECKS, timeout=120
+        )
+        statuses.append(response.status_code)
+
+    run()
+    assert statuses and max(statuses) < 500, statuses
+
+
 @pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/info", "/v1/models"])
 def test_rel_fuzz_schemathesis_read_routes(rel_server: InProcServer, openapi_doc: Any, path: str) -> None:
     op = openapi_doc[path]["GET"]
