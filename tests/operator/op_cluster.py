@@ -466,6 +466,25 @@ class MockCluster:
             info.verbs = set(VERBS)
             self.server.resources[key] = info
 
+    def install_crds(self, resources: dict[str, ResourceInfo]) -> None:
+        """Serve the kinds, then create their CustomResourceDefinitions: the watch event a real API
+        server sends when someone installs a CRD (add_resources alone sends none)."""
+        self.add_resources(resources)
+        for key, info in resources.items():
+            group, version, plural = key.split("/")
+            crd = {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.{group}"},
+                "spec": {
+                    "group": group,
+                    "names": {"kind": info.kind, "plural": plural},
+                    "scope": "Namespaced" if info.namespaced else "Cluster",
+                    "versions": [{"name": version, "served": True, "storage": True}],
+                },
+            }
+            self.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+
     def write_kubeconfig(self, path: Path) -> Path:
         path.write_text(
             json.dumps(
@@ -600,13 +619,13 @@ def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
     return None
 
 
-def operator_settings() -> kopf.OperatorSettings:
+def operator_settings(server_timeout: int = 5) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.watching.connect_timeout = 5
     # Each watch stream ends after 5 s (the emulator honours timeoutSeconds); the re-listing that
     # follows is the operator's periodic resync.
-    settings.watching.server_timeout = 5
-    settings.watching.client_timeout = 30
+    settings.watching.server_timeout = server_timeout
+    settings.watching.client_timeout = server_timeout + 25
     settings.watching.reconnect_backoff = 0.05
     settings.queueing.exit_timeout = 1.0
     settings.queueing.idle_timeout = 1.0
@@ -616,7 +635,10 @@ def operator_settings() -> kopf.OperatorSettings:
 
 
 @contextmanager
-def run_operator() -> Iterator[KopfRunner]:
+def run_operator(server_timeout: int = 5) -> Iterator[KopfRunner]:
+    """server_timeout: how long each watch stream lasts; its re-listing resyncs every model (a test of
+    what brings a change in without the resync sets it long)."""
     args = ["run", "--standalone", "-n", "default", "-m", "kubeinfer_operator", "--verbose"]
-    with KopfRunner(args, settings=operator_settings(), timeout=120) as runner:  # stop: a loaded machine
+    settings = operator_settings(server_timeout)
+    with KopfRunner(args, settings=settings, timeout=120) as runner:  # stop: a loaded machine
         yield runner
