@@ -37,6 +37,7 @@ from kmock_params import request_error
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
+from op_gatewaychecks import GATEWAY_KINDS, gateway_invalid, gateway_undeclared
 
 NAMESPACE = "default"
 
@@ -231,9 +232,22 @@ class ApiServer(KubernetesEmulator):
             )
             if whole and request.subresource is None:
                 # The refusals kmock does not make itself (names, labels, strategy): a real 422.
-                errors = api_errors({"kind": PLURAL_KIND.get(request.resource.plural or "", ""), **data})
+                kind = PLURAL_KIND.get(request.resource.plural or "", "")
+                if kind in GATEWAY_KINDS:
+                    # Their CRDs' own rules (a pool's selector checks label values only), and ObjectMeta's.
+                    errors = api_errors({"kind": kind, "metadata": data.get("metadata")})
+                    errors += gateway_invalid({"kind": kind, **data})
+                else:
+                    errors = api_errors({"kind": kind, **data})
                 if errors:
                     raise KubernetesError(status=422, reason="Invalid", message="; ".join(errors))
+                undeclared = gateway_undeclared({"kind": kind, **data}) if kind in GATEWAY_KINDS else []
+                if undeclared and request.action == enums.action.UPDATE:
+                    # A server-side apply of a field the CRD does not declare (a create prunes it).
+                    raise KubernetesError(
+                        status=500,
+                        message=f"failed to create typed patch object: {undeclared[0]}: field not declared in schema",
+                    )
                 if request.resource.plural == "deployments":
                     canonicalize_resources(data)
             if request.action == enums.action.CREATE:
