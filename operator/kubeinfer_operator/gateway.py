@@ -44,6 +44,7 @@ POOL_PLURAL = "inferencepools"
 POOL_CRD_NAME = f"{POOL_PLURAL}.inference.networking.k8s.io"
 ROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 ROUTE_KIND = "HTTPRoute"
+ROUTE_CRD_NAME = "httproutes.gateway.networking.k8s.io"
 EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090

@@ -16,6 +16,7 @@ import kopf
 from .admission import AdmissionPolicy
 from .common import FIELD_MANAGER
 from .defaults import ClusterDefaults
+from .gateway import POOL_CRD_NAME, ROUTE_CRD_NAME
 from .k8s import KINDS, REPORTING_INSTANCE, USER_AGENT, ApiError, KubeClient
 from .reconciler import (
     GiveUp,
@@ -223,13 +224,24 @@ def pod_event_handler(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -
         run(memo.reconciler, namespace, owner, Trigger.PODS, logger, child=pod)
 
 
-# Optional kinds the operator renders once their CRD exists.
-OPTIONAL_CRDS = frozenset({"servicemonitors.monitoring.coreos.com", "scaledobjects.keda.sh", LWS_CRD_NAME})
+# Optional kinds the operator renders once their CRD exists: the Inference Extension's pool and the
+# Gateway API's route too (seen on a real API server, issue 48: without them here the pool came only
+# with the resync and an expired discovery answer, up to two minutes after its CRD).
+OPTIONAL_CRDS = frozenset(
+    {
+        "servicemonitors.monitoring.coreos.com",
+        "scaledobjects.keda.sh",
+        LWS_CRD_NAME,
+        POOL_CRD_NAME,
+        ROUTE_CRD_NAME,
+    }
+)
 
 
 @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", id="optional-crds")
 def crd_event_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    """The Prometheus Operator, KEDA or LWS installed (or removed) after the models: resync them now."""
+    """The Prometheus Operator, KEDA, LWS or the Inference Extension installed (or removed) after the
+    models: resync them now."""
     if (body.get("metadata") or {}).get("name") not in OPTIONAL_CRDS:
         return
     memo.kube.forget_discovery()

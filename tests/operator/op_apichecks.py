@@ -9,6 +9,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+# The Inference Extension's and the Gateway API's kinds have their own checker; re-exported for the tests.
+from op_gatewaychecks import GATEWAY_KINDS as GATEWAY_KINDS
+from op_gatewaychecks import gateway_api_errors as gateway_api_errors
+
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_SUB = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -238,65 +242,6 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
             errors.append("spec.minReplicas: Invalid value: must be greater than or equal to 1")
         if int(spec.get("maxReplicas", 1)) < int(spec.get("minReplicas", 1)):
             errors.append("spec.maxReplicas: Invalid value: must be greater than or equal to `minReplicas`")
-    return errors
-
-
-GATEWAY_KINDS = ("InferencePool", "HTTPRoute")
-
-
-def gateway_api_errors(obj: dict[str, Any]) -> list[str]:
-    """The schema rules of the Gateway API Inference Extension's InferencePool (inference.networking.k8s.io/v1)
-    and the Gateway API's HTTPRoute that the operator's objects touch, written from their published API
-    references (no schema is vendored): required fields, bounds, enums and the CEL rules."""
-    spec = obj.get("spec") or {}
-    errors: list[str] = []
-    if obj.get("kind") == "InferencePool":
-        if obj.get("apiVersion") != "inference.networking.k8s.io/v1":
-            errors.append(f"apiVersion: {obj.get('apiVersion')!r} is not the GA version")
-        match = (spec.get("selector") or {}).get("matchLabels")
-        if not isinstance(match, dict) or not match or len(match) > 64:
-            errors.append("spec.selector.matchLabels: Required value (1 to 64 labels)")
-        errors += _label_errors(match, "spec.selector.matchLabels")
-        ports = spec.get("targetPorts")
-        if not isinstance(ports, list) or not 1 <= len(ports) <= 8:
-            errors.append("spec.targetPorts: Required value (1 to 8 ports)")
-        else:
-            numbers = [p.get("number") for p in ports]
-            if any(not isinstance(n, int) or not 1 <= n <= 65535 for n in numbers):
-                errors.append("spec.targetPorts.number: Invalid value (1 to 65535)")
-            if len(set(numbers)) != len(numbers):
-                errors.append("spec.targetPorts: Invalid value: port number must be unique")
-        if spec.get("appProtocol", "http") not in ("http", "kubernetes.io/h2c"):
-            errors.append("spec.appProtocol: Unsupported value")
-        ref = spec.get("endpointPickerRef")
-        if not isinstance(ref, dict) or not ref.get("name"):
-            errors.append("spec.endpointPickerRef.name: Required value")
-        else:
-            if ref.get("kind", "Service") == "Service" and not (ref.get("port") or {}).get("number"):
-                errors.append(
-                    "spec.endpointPickerRef: Invalid value: port is required when kind is 'Service'"
-                )
-            if ref.get("failureMode", "FailClose") not in ("FailOpen", "FailClose"):
-                errors.append("spec.endpointPickerRef.failureMode: Unsupported value")
-            if set(ref) - {"group", "kind", "name", "port", "failureMode"}:
-                errors.append(
-                    f"spec.endpointPickerRef: unknown fields {sorted(set(ref) - {'group', 'kind', 'name', 'port', 'failureMode'})}"
-                )
-        if set(spec) - {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}:
-            errors.append("spec: unknown fields")
-    if obj.get("kind") == "HTTPRoute":
-        parents = spec.get("parentRefs") or []
-        if len(parents) > 32 or any(not p.get("name") for p in parents):
-            errors.append("spec.parentRefs: Invalid value")
-        rules = spec.get("rules") or []
-        if len(rules) > 16:
-            errors.append("spec.rules: Too many")
-        for rule in rules:
-            for backend in rule.get("backendRefs") or []:
-                if not backend.get("name") or (backend.get("kind") != "Service" and "group" not in backend):
-                    errors.append("spec.rules.backendRefs: Invalid value")
-    errors += _name_errors(str(obj.get("kind")), str((obj.get("metadata") or {}).get("name")))
-    errors += _label_errors((obj.get("metadata") or {}).get("labels"), "metadata.labels")
     return errors
 
 

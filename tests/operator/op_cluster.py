@@ -37,6 +37,7 @@ from kmock_params import request_error
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
+from op_gatewaychecks import GATEWAY_KINDS, gateway_invalid, gateway_undeclared
 
 NAMESPACE = "default"
 
@@ -231,9 +232,22 @@ class ApiServer(KubernetesEmulator):
             )
             if whole and request.subresource is None:
                 # The refusals kmock does not make itself (names, labels, strategy): a real 422.
-                errors = api_errors({"kind": PLURAL_KIND.get(request.resource.plural or "", ""), **data})
+                kind = PLURAL_KIND.get(request.resource.plural or "", "")
+                if kind in GATEWAY_KINDS:
+                    # Their CRDs' own rules (a pool's selector checks label values only), and ObjectMeta's.
+                    errors = api_errors({"kind": kind, "metadata": data.get("metadata")})
+                    errors += gateway_invalid({"kind": kind, **data})
+                else:
+                    errors = api_errors({"kind": kind, **data})
                 if errors:
                     raise KubernetesError(status=422, reason="Invalid", message="; ".join(errors))
+                undeclared = gateway_undeclared({"kind": kind, **data}) if kind in GATEWAY_KINDS else []
+                if undeclared and request.action == enums.action.UPDATE:
+                    # A server-side apply of a field the CRD does not declare (a create prunes it).
+                    raise KubernetesError(
+                        status=500,
+                        message=f"failed to create typed patch object: {undeclared[0]}: field not declared in schema",
+                    )
                 if request.resource.plural == "deployments":
                     canonicalize_resources(data)
             if request.action == enums.action.CREATE:
@@ -466,6 +480,25 @@ class MockCluster:
             info.verbs = set(VERBS)
             self.server.resources[key] = info
 
+    def install_crds(self, resources: dict[str, ResourceInfo]) -> None:
+        """Serve the kinds, then create their CustomResourceDefinitions: the watch event a real API
+        server sends when someone installs a CRD (add_resources alone sends none)."""
+        self.add_resources(resources)
+        for key, info in resources.items():
+            group, version, plural = key.split("/")
+            crd = {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.{group}"},
+                "spec": {
+                    "group": group,
+                    "names": {"kind": info.kind, "plural": plural},
+                    "scope": "Namespaced" if info.namespaced else "Cluster",
+                    "versions": [{"name": version, "served": True, "storage": True}],
+                },
+            }
+            self.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+
     def write_kubeconfig(self, path: Path) -> Path:
         path.write_text(
             json.dumps(
@@ -600,13 +633,13 @@ def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
     return None
 
 
-def operator_settings() -> kopf.OperatorSettings:
+def operator_settings(server_timeout: int = 5) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.watching.connect_timeout = 5
     # Each watch stream ends after 5 s (the emulator honours timeoutSeconds); the re-listing that
     # follows is the operator's periodic resync.
-    settings.watching.server_timeout = 5
-    settings.watching.client_timeout = 30
+    settings.watching.server_timeout = server_timeout
+    settings.watching.client_timeout = server_timeout + 25
     settings.watching.reconnect_backoff = 0.05
     settings.queueing.exit_timeout = 1.0
     settings.queueing.idle_timeout = 1.0
@@ -616,7 +649,10 @@ def operator_settings() -> kopf.OperatorSettings:
 
 
 @contextmanager
-def run_operator() -> Iterator[KopfRunner]:
+def run_operator(server_timeout: int = 5) -> Iterator[KopfRunner]:
+    """server_timeout: how long each watch stream lasts; its re-listing resyncs every model (a test of
+    what brings a change in without the resync sets it long)."""
     args = ["run", "--standalone", "-n", "default", "-m", "kubeinfer_operator", "--verbose"]
-    with KopfRunner(args, settings=operator_settings(), timeout=120) as runner:  # stop: a loaded machine
+    settings = operator_settings(server_timeout)
+    with KopfRunner(args, settings=settings, timeout=120) as runner:  # stop: a loaded machine
         yield runner

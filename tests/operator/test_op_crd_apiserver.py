@@ -87,9 +87,10 @@ def test_cost_estimator_prices_unbounded_inputs_as_the_api_server_does() -> None
     assert crd_cost.rule_cost("self.all(k, self[k].matches('^a$'))", labels) * 10000 < unbounded
 
 
-# The real estimates (celtool: apiextensions' own cost estimator, built from the Kubernetes v1.36.2
-# sources, run on this CRD; CRD total 659573): (schema path under spec, sha256(rule)[:10], MaxCost).
-# A rule whose text changed since is skipped; a new rule is covered by the budget tests above.
+# The real estimates (apiextensions' own cost estimator, built from the Kubernetes v1.36.2 sources and run
+# on this CRD in issue 48; CRD total 1,470,758 with each rule times its cardinality): (schema path under
+# spec, sha256(rule)[:10], MaxCost of one evaluation). A rule whose text changed since is skipped; a new
+# rule is covered by the budget tests above.
 API_SERVER_V1_36_2_MAX_COST = [
     ("properties[adapters].items.x-kubernetes-validations[0].rule", "e3a951d9ce", 9),
     ("properties[adapters].items.x-kubernetes-validations[1].rule", "fdfb7fd159", 3081),
@@ -106,13 +107,15 @@ API_SERVER_V1_36_2_MAX_COST = [
     ("properties[engine].properties[apiKeySecretRef].x-kubernetes-validations[0].rule", "69891f7bdc", 1736),
     ("properties[engine].properties[apiKeySecretRef].x-kubernetes-validations[1].rule", "5b4b9e8c68", 512),
     ("properties[engine].x-kubernetes-validations[0].rule", "f3a511a368", 8819),
-    ("properties[engine].x-kubernetes-validations[1].rule", "91222296ca", 17606),
+    ("properties[engine].x-kubernetes-validations[1].rule", "65481ac42b", 20806),
     ("properties[engine].x-kubernetes-validations[2].rule", "a583dd41c8", 15),
-    ("properties[engine].x-kubernetes-validations[3].rule", "c733ff190a", 10),
-    ("properties[engine].x-kubernetes-validations[4].rule", "a79b7020de", 13),
-    ("properties[engine].x-kubernetes-validations[5].rule", "4f5ff0b7c1", 17),
-    ("properties[engine].x-kubernetes-validations[6].rule", "a080c44f9c", 3088),
-    ("properties[engine].x-kubernetes-validations[7].rule", "264a3b7b7c", 2473),
+    ("properties[engine].x-kubernetes-validations[3].rule", "2b3fe22e8b", 646),
+    ("properties[engine].x-kubernetes-validations[4].rule", "b38622c3ca", 29893),
+    ("properties[engine].x-kubernetes-validations[5].rule", "c733ff190a", 10),
+    ("properties[engine].x-kubernetes-validations[6].rule", "a79b7020de", 13),
+    ("properties[engine].x-kubernetes-validations[7].rule", "4f5ff0b7c1", 17),
+    ("properties[engine].x-kubernetes-validations[8].rule", "a080c44f9c", 3088),
+    ("properties[engine].x-kubernetes-validations[9].rule", "264a3b7b7c", 2473),
     (
         "properties[model].properties[credentialsSecretRef].x-kubernetes-validations[0].rule",
         "69891f7bdc",
@@ -132,7 +135,13 @@ API_SERVER_V1_36_2_MAX_COST = [
         "9477317b1f",
         24005,
     ),
+    ("properties[network].x-kubernetes-validations[0].rule", "24014075ef", 85),
     ("properties[pod].x-kubernetes-validations[0].rule", "9477317b1f", 24005),
+    ("properties[pod].x-kubernetes-validations[10].rule", "dbde33a06b", 3013),
+    ("properties[pod].x-kubernetes-validations[11].rule", "6bbcca358c", 278405),
+    ("properties[pod].x-kubernetes-validations[12].rule", "952fe640d5", 247237),
+    ("properties[pod].x-kubernetes-validations[13].rule", "556f69c456", 1349),
+    ("properties[pod].x-kubernetes-validations[14].rule", "7712d2dbd7", 1861),
     ("properties[pod].x-kubernetes-validations[1].rule", "2e4b4ec4e8", 1286),
     ("properties[pod].x-kubernetes-validations[2].rule", "a83eac0537", 1738),
     ("properties[pod].x-kubernetes-validations[3].rule", "6e96b4ec5d", 27829),
@@ -140,7 +149,8 @@ API_SERVER_V1_36_2_MAX_COST = [
     ("properties[pod].x-kubernetes-validations[5].rule", "33f766c25c", 1350),
     ("properties[pod].x-kubernetes-validations[6].rule", "cd59121637", 1350),
     ("properties[pod].x-kubernetes-validations[7].rule", "7577fae272", 139717),
-    ("properties[pod].x-kubernetes-validations[8].rule", "d0d5380a06", 9),
+    ("properties[pod].x-kubernetes-validations[8].rule", "ca06e8c066", 236677),
+    ("properties[pod].x-kubernetes-validations[9].rule", "d0d5380a06", 9),
     ("properties[resources].properties[gpu].x-kubernetes-validations[0].rule", "42ddf4134a", 342),
     ("properties[resources].properties[gpu].x-kubernetes-validations[1].rule", "bfa530af62", 2863),
     ("properties[resources].x-kubernetes-validations[0].rule", "d2698be361", 9),
@@ -149,6 +159,11 @@ API_SERVER_V1_36_2_MAX_COST = [
     ("properties[rollout].x-kubernetes-validations[1].rule", "b3d3b18c25", 86),
     ("properties[rollout].x-kubernetes-validations[2].rule", "166e204476", 164),
     ("properties[rollout].x-kubernetes-validations[3].rule", "0eea7fc8d7", 119),
+    (
+        "properties[routing].properties[gateway].properties[endpointPicker].x-kubernetes-validations[0].rule",
+        "f3a511a368",
+        8819,
+    ),
     ("properties[scaling].x-kubernetes-validations[0].rule", "569a02aff1", 7),
     ("properties[scaling].x-kubernetes-validations[1].rule", "51332d2dd7", 15),
     ("properties[scaling].x-kubernetes-validations[2].rule", "3b80c27693", 4),
@@ -175,8 +190,9 @@ def test_cost_estimator_is_never_below_the_api_servers_estimate() -> None:
         if rule is None or hashlib.sha256(rule.rule.encode()).hexdigest()[:10] != digest:
             continue
         compared += 1
-        assert real <= rule.cost <= 2 * real + 10, (path, rule.cost, real)
-    assert compared >= 40
+        # An upper bound, and not a loose one: at most 2.07x (engine's 5th rule) on v1.36.2.
+        assert real <= rule.cost <= 2.1 * real + 10, (path, rule.cost, real)
+    assert compared >= 60
 
 
 def test_cost_estimator_prices_our_old_unbounded_fields_as_the_api_server_did() -> None:

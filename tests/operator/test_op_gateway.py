@@ -216,3 +216,32 @@ def test_without_the_crd_the_model_serves_and_the_pool_appears_with_it(
             timeout=90,
             what="GatewayAvailable=True",
         )
+
+
+def test_installing_the_extensions_crds_brings_the_pool_without_waiting_for_the_resync(
+    cluster_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on a real kube-apiserver (issue 48): the pool came only with the periodic resync after its CRD
+    was installed (the CRD watch ignored the extension's CRDs). Resync, watch re-listing and discovery
+    cache all set to 10 minutes here: only the CRD's own watch event can bring the pool in."""
+    import functools
+
+    from kubeinfer_operator import handlers
+    from kubeinfer_operator.defaults import ClusterDefaults
+    from op_cluster import INFERENCE_EXTENSION, condition, run_operator, wait_for
+
+    monkeypatch.setattr(handlers, "DEFAULTS", ClusterDefaults(inference_extension=True))
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 600.0)
+    monkeypatch.setattr(handlers, "DISCOVERY_TTL_SECONDS", 600.0)
+    cluster = cluster_factory()
+    spec = {"model": {"uri": "hf://org/model"}, "routing": {"gateway": GATEWAY}}
+    with run_operator(server_timeout=600):
+        cluster.create("InferenceModel", inference_model(spec, name="llm"))
+        cond = wait_for(
+            lambda: condition(cluster.get("InferenceModel", "llm"), "GatewayAvailable"), what="condition"
+        )
+        assert (cond["status"], cond["reason"]) == ("False", "CRDNotInstalled")
+
+        cluster.install_crds(INFERENCE_EXTENSION)
+        wait_for(functools.partial(cluster.get, "InferencePool", "llm"), timeout=30, what="InferencePool")
+        wait_for(functools.partial(cluster.get, "HTTPRoute", "llm"), timeout=30, what="HTTPRoute")
