@@ -65,6 +65,8 @@ class Attention(nn.Module):
         # Per-layer window (LayerSpec.sliding_window), handed to the attention backend.
         self.sliding_window = spec.sliding_window
         self.rope = spec.rope
+        # gpt-oss's attention sinks (LayerSpec.attn_sinks), the checkpoint's `self_attn.sinks`: [Hq]
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads, device=device)) if spec.attn_sinks else None
 
     def forward(
         self,
@@ -121,6 +123,8 @@ class Attention(nn.Module):
             self.scale,
             out_dtype=out_dtype,
             sliding_window=self.sliding_window,
+            # the backends take fp32 logits (a no-op for an fp32 model; 64 values otherwise)
+            sinks=None if self.sinks is None else self.sinks.float().contiguous(),
         ).reshape(t, hq * d)
         return self.o_proj(o) if out_dtype is None else self.o_proj(o, out_dtype=out_dtype)
 
