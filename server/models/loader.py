@@ -405,7 +405,14 @@ def load_model(
     check_servable(arch, max_positions)
     from server import quant
 
-    qcfg = quant.resolve_quant_config(quantize, hf_cfg.get("quantization_config"), device)
+    ckpt_quant = hf_cfg.get("quantization_config")
+    if (
+        arch.model_type == "gpt_oss"
+        and isinstance(ckpt_quant, dict)
+        and str(ckpt_quant.get("quant_method", "")).lower() == "mxfp4"
+    ):
+        ckpt_quant = None  # only its experts are MXFP4: archs/gpt_oss.py's rename_weights reads them
+    qcfg = quant.resolve_quant_config(quantize, ckpt_quant, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions=1)
     if qcfg is not None and qcfg.is_prequantized:
