@@ -15,6 +15,7 @@ from server.attention import AttentionBackend, AttentionMetadata
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
 from server.models.layer_spec import LayerSpec, NormKind
+from server.models.moe.block import SparseMoeBlock
 from server.models.rope import apply_rotary
 from server.models.softcap_attention import softcap_paged_attention
 from server.quant.block_linear import BlockQuantLinear
@@ -207,7 +208,13 @@ class DecoderLayer(nn.Module):
         spec = spec or cfg.layer_specs[0]
         self.spec = spec
         self.self_attn = Attention(cfg, spec, device)
-        self.mlp = MLP(cfg, device, spec)
+        # "moe" layers: the model's mixture-of-experts block (ArchConfig.moe), under the same name
+        self.mlp: MLP | SparseMoeBlock
+        if spec.mlp == "moe":
+            assert cfg.moe is not None  # ArchConfig checks it
+            self.mlp = SparseMoeBlock(cfg.moe, device)
+        else:
+            self.mlp = MLP(cfg, device, spec)
         h, eps, kind = cfg.hidden_size, cfg.rms_norm_eps, spec.norm
         # pre: input_layernorm, post_attention_layernorm (before the MLP, Llama's name);
         # post (OLMo 2): post_attention_layernorm, post_feedforward_layernorm, on the sub-block outputs;
