@@ -426,6 +426,9 @@ def load_model(
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
     state = load_state_dict(folder, slicer)
+    attach = ARCHITECTURES[arch.architecture].attach_weights
+    if attach is not None and slicer is None:
+        state = attach(model, state, arch, device)
     rename = ARCHITECTURES[arch.architecture].rename_weights
     if rename is not None:
         if slicer is not None:

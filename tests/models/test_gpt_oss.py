@@ -133,16 +133,23 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 def test_layers_alternate_windows_with_sinks_and_experts(folders: tuple[Path, Path], hf: Any) -> None:
-    engine = _engine(folders[1])
-    layers: list[Any] = list(engine.loaded.model.decoder_layers())
-    assert [layer.self_attn.sliding_window for layer in layers] == [WINDOW, None, WINDOW, None]
-    for ours, theirs in zip(layers, hf.model.layers, strict=True):
+    """The MXFP4 folder's experts stay packed (Mxfp4Experts: 4-bit bytes, no dense w13/w2) and dequantize
+    to exactly transformers' experts; the dense folder's load as dense weights equal to them too."""
+    from server.models.moe import Mxfp4Experts
+
+    packed: list[Any] = list(_engine(folders[1]).loaded.model.decoder_layers())
+    dense: list[Any] = list(_engine(folders[0]).loaded.model.decoder_layers())
+    assert [layer.self_attn.sliding_window for layer in packed] == [WINDOW, None, WINDOW, None]
+    for ours, plain, theirs in zip(packed, dense, hf.model.layers, strict=True):
         assert torch.equal(ours.self_attn.sinks, theirs.self_attn.sinks)
-        # the MXFP4 bytes became exactly transformers' dequantized experts (gate | up rows, [E, 2I, H])
-        w = ours.mlp.expert_weights()
         gu = theirs.mlp.experts.gate_up_proj  # [E, H, 2I], gate and up interleaved
-        assert torch.equal(w.w13, torch.cat([gu[..., 0::2], gu[..., 1::2]], -1).transpose(1, 2))
-        assert torch.equal(w.w2, theirs.mlp.experts.down_proj.transpose(1, 2))
+        w13 = torch.cat([gu[..., 0::2], gu[..., 1::2]], -1).transpose(1, 2)  # [E, 2I, H] gate | up
+        w2 = theirs.mlp.experts.down_proj.transpose(1, 2)  # [E, H, I]
+        experts = ours.mlp.experts
+        assert isinstance(experts, Mxfp4Experts) and ours.mlp.w13 is None and ours.mlp.w2 is None
+        for e in range(E):
+            assert torch.equal(experts.w13.expert(e), w13[e]) and torch.equal(experts.w2.expert(e), w2[e])
+        assert torch.equal(plain.mlp.w13, w13) and torch.equal(plain.mlp.w2, w2)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

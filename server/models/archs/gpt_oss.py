@@ -7,10 +7,11 @@ experts on every layer: a biased router (`mlp.router`), top `num_experts_per_tok
 `swiglu_limit` and biases (server/models/moe/config.py). Source: transformers' modeling_gpt_oss.py.
 
 Shipped checkpoints hold the experts in MXFP4 (`quantization_config.quant_method` "mxfp4";
-`mlp.experts.{gate_up_proj,down_proj}_{blocks,scales}`, server/models/moe/mxfp4.py): `rename_weights`
-dequantizes them exactly (e2m1 times a power of two is exact in bf16 and fp32) into transformers'
-dense layout, then stacks the block as every MoE architecture does. Serving them packed (reading only
-the chosen experts' 4-bit bytes) is not wired here yet: the model holds them at `--dtype`.
+`mlp.experts.{gate_up_proj,down_proj}_{blocks,scales}`, server/models/moe/mxfp4.py). On CPU they stay
+packed (`attach_weights`: each layer's block serves `Mxfp4Experts`, which dequantizes only the experts
+a step chose, so memory holds 4.25 bits per expert weight); elsewhere `rename_weights` dequantizes them
+exactly (e2m1 times a power of two is exact in bf16 and fp32) into transformers' dense layout. Either
+way the router, the expert biases and everything outside the experts load as usual.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from server.models.arch import ArchConfig
 from server.models.architecture import Architecture
 from server.models.archs.mixtral import moe_config
 from server.models.layer_spec import UnsupportedModelError
-from server.models.moe.block import stack_checkpoint_experts
-from server.models.moe.mxfp4 import dequantize_mxfp4
+from server.models.moe.block import SparseMoeBlock, block_state
+from server.models.moe.mxfp4 import dequantize_mxfp4, load_mxfp4_experts
+from server.models.moe.weights import load_expert_weights
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    import torch
+    from torch import Tensor, nn
 
 _TYPES = ("sliding_attention", "full_attention")
 
@@ -65,10 +68,53 @@ def dequantize_experts(state: dict[str, Tensor], num_layers: int) -> dict[str, T
     return out
 
 
+_PACKED = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+
+def attach_weights(
+    model: nn.Module, state: dict[str, Tensor], arch: ArchConfig, device: torch.device
+) -> dict[str, Tensor]:
+    """On CPU, each layer's MXFP4 experts go to its block as `Mxfp4Experts` (their `*_blocks` /
+    `*_scales` leave the state; the block then has no dense w13 / w2 to load)."""
+    if device.type != "cpu" or arch.moe is None:
+        return state
+    out = dict(state)
+    layers: Any = model.model.layers  # type: ignore[union-attr]
+    for n in range(arch.num_layers):
+        p = f"model.layers.{n}.mlp"
+        if f"{p}.experts.gate_up_proj_blocks" not in out:
+            continue
+        block = layers[n].mlp
+        assert isinstance(block, SparseMoeBlock)
+        block.set_experts(load_mxfp4_experts(out, p, arch.moe))
+        for name in _PACKED:
+            del out[f"{p}.experts.{name}"]
+    return out
+
+
+# what load_expert_weights reads of a gpt-oss block (replaced by the block's own names)
+_READ = (
+    "router.weight",
+    "router.bias",
+    "experts.gate_up_proj",
+    "experts.down_proj",
+    "experts.gate_up_proj_bias",
+    "experts.down_proj_bias",
+)
+
+
 def rename_weights(state: dict[str, Tensor], arch: ArchConfig) -> dict[str, Tensor]:
+    """The experts under SparseMoeBlock's names: dense (a dense checkpoint, or MXFP4 dequantized off
+    CPU), or only router and biases where `attach_weights` gave the block its packed experts."""
     assert arch.moe is not None
-    state = dequantize_experts(state, arch.num_layers)
-    return stack_checkpoint_experts(state, range(arch.num_layers), arch.moe, block="mlp")
+    out = dequantize_experts(state, arch.num_layers)
+    for n in range(arch.num_layers):
+        p = f"model.layers.{n}.mlp"
+        w = load_expert_weights(out, p, arch.moe, dense_experts=f"{p}.experts.gate_up_proj" in out)
+        for name in _READ:
+            out.pop(f"{p}.{name}", None)
+        out.update(block_state(w, p))
+    return out
 
 
 GPT_OSS = Architecture(
@@ -81,7 +127,8 @@ GPT_OSS = Architecture(
         "sliding window (alternating)",
         "YaRN RoPE",
         "mixture of experts (biased router, clamped SwiGLU)",
-        "MXFP4 experts (dequantized at load)",
+        "MXFP4 experts (packed on CPU)",
     ),
     rename_weights=rename_weights,
+    attach_weights=attach_weights,
 )
