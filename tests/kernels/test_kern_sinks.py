@@ -20,7 +20,7 @@ def _sinks(num_heads: int, device: torch.device) -> torch.Tensor:
     return s.to(device)
 
 
-@pytest.mark.parametrize("window", [None, 7, 20])
+@pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("partition_size", [512, 16], ids=["single-pass", "split-k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_sinks_match_reference(
@@ -45,7 +45,7 @@ def test_decode_sinks_match_reference(
     assert (paged_attention_decode_ref(*args).float() - ref.float()).abs().max() > 0.2
 
 
-@pytest.mark.parametrize("window", [None, 7, 70])
+@pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_prefill_sinks_match_reference(window: int | None, dtype: torch.dtype, device: torch.device) -> None:
     # a whole prompt of 3 query tiles, a chunk over a cached prefix, a 1-token chunk, a short prompt
@@ -93,12 +93,13 @@ def test_triton_backend_sinks_with_and_without_windows(device: torch.device) -> 
     """gpt-oss's layers alternate a window (with sinks) and full attention (with sinks): one step's
     metadata through both, decode and mixed batches."""
     for query_lens, prefix_lens in (([1, 1, 1], [0, 40, 70]), ([1, 30, 9, 1], [50, 0, 40, 20])):
+        # decode only (the decode kernel), then mixed (the prefill kernel)
         meta = make_attention_metadata(query_lens, prefix_lens, 16, device)
         t = sum(query_lens)
         shape = (int(meta.block_tables.max()) + 2, 16, 2, 64)
         k_cache, v_cache = torch.randn(shape, device=device), torch.randn(shape, device=device)
         backend = TritonAttentionBackend(decode_partition_size=16)
-        for window in (16, None, 5):
+        for window in (16, None):
             sinks = _sinks(8, device)
             q = torch.randn(t, 8, 64, device=device)
             k, v = torch.randn(t, 2, 64, device=device), torch.randn(t, 2, 64, device=device)

@@ -3,7 +3,8 @@ model (4 layers alternating a 16-token window and full attention, attention sink
 RoPE, 4 experts top-2 with the biased router and clamped SwiGLU) whose experts are stored in MXFP4 as
 the shipped checkpoints store them (`*_blocks`/`*_scales`, quantization_config mxfp4); transformers runs
 the same experts dequantized (its own converter), eager attention. Greedy tokens equal with prompts
-several windows long, staggered and chunked, on a prefix-cache hit; prompt logprobs within 1e-4."""
+several windows long, staggered and chunked, under preemption, on a prefix-cache hit; prompt logprobs
+within 1e-4."""
 
 from __future__ import annotations
 
@@ -152,15 +153,32 @@ def test_layers_alternate_windows_with_sinks_and_experts(folders: tuple[Path, Pa
         assert torch.equal(plain.mlp.w13, w13) and torch.equal(plain.mlp.w2, w2)
 
 
+PROMPTS = _prompts((3 * WINDOW + 5, 2 * WINDOW + 9, 5, 4 * WINDOW + 3), seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(hf: Any) -> list[list[int]]:
+    return _hf_greedy(hf, PROMPTS)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_greedy_parity_staggered_and_chunked(folders: tuple[Path, Path], hf: Any, backend: str) -> None:
-    prompts = _prompts((3 * WINDOW + 5, 2 * WINDOW + 9, 5, 4 * WINDOW + 3), seed=1)
-    ref = _hf_greedy(hf, prompts)
+def test_greedy_parity_staggered_and_chunked(
+    folders: tuple[Path, Path], reference: list[list[int]], backend: str
+) -> None:
+    prompts, ref = PROMPTS, reference
     assert run_staggered(_engine(folders[1], backend), prompts, GREEDY) == ref
     # an 11-token budget: every prompt chunked, chunk edges at every offset against the window edge
     engine = _engine(folders[1], backend, max_num_batched_tokens=11, long_prefill_token_threshold=11)
     assert run_staggered(engine, prompts, GREEDY) == ref
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_parity_under_preemption(folders: tuple[Path, Path], reference: list[list[int]]) -> None:
+    # 12 blocks of 8 hold one or two of these sequences (the full-attention layers keep every block)
+    engine = _engine(folders[1], cache=CacheConfig(block_size=8, num_kv_blocks=12), max_num_batched_tokens=32)
+    assert run_staggered(engine, PROMPTS, GREEDY) == reference
+    assert engine.stats().num_preemptions > 0
+    assert engine.stats().num_free_blocks == 12
 
 
 def test_dense_folder_and_prefix_cache_hit(folders: tuple[Path, Path], hf: Any) -> None:
