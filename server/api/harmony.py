@@ -33,6 +33,8 @@ END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
 TERMINATORS = (END, RETURN, CALL)
 MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL)
 FUNCTIONS = "functions."
+# what opens the answer's body (after `<|start|>assistant`): an answer grammar starts after it
+FINAL_OPENING = f"{CHANNEL}final{MESSAGE}"
 
 
 @dataclass(frozen=True)

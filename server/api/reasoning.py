@@ -27,7 +27,13 @@ from typing import Any
 from server.request import GrammarSpec
 
 from .errors import validation
-from .harmony import HarmonyReasoningStream, HarmonySplit, count_harmony_reasoning_tokens, split_harmony
+from .harmony import (
+    FINAL_OPENING,
+    HarmonyReasoningStream,
+    HarmonySplit,
+    count_harmony_reasoning_tokens,
+    split_harmony,
+)
 
 START, END = "<think>", "</think>"
 
@@ -215,13 +221,18 @@ def plan_reasoning(
     if parser_name is None:
         return ReasoningPlan(None)
     if parser_name == "openai_gptoss":
-        if answer_constraint is not None:
+        if answer_constraint is None:
+            return ReasoningPlan(ReasoningParser(parser_name))
+        if answer_constraint not in ("response_format", "text.format"):
+            # a forced call is a commentary message to=functions.NAME, not the final channel's text
             raise validation(
-                f"{answer_constraint} with --reasoning-parser openai_gptoss is not supported: the grammar "
-                "cannot wait for harmony's final channel yet",
+                f"{answer_constraint} with --reasoning-parser openai_gptoss is not supported: harmony "
+                "writes calls in its commentary channel; use tool_choice auto",
                 answer_constraint,
             )
-        return ReasoningPlan(ReasoningParser(parser_name))
+        # the answer's grammar holds from the final channel's body on: analysis and preambles are free
+        marker = tokenizer.encode(FINAL_OPENING, add_special_tokens=False)
+        return ReasoningPlan(ReasoningParser(parser_name), grammar_start=tuple(int(t) for t in marker))
     tail = tokenizer.decode(prompt_ids[-8:]).rstrip()
     if tail.endswith(END):  # thinking is off for this request: the whole output is the answer
         return ReasoningPlan(None)

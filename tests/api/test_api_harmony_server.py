@@ -202,3 +202,29 @@ def test_responses_reasoning_item_and_message(harmony: Harmony) -> None:
     r = client.responses.create(model=NAME, input="Weather in Paris?", max_output_tokens=100, temperature=0.0)
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == R and r.output_text == C
+
+
+def test_response_format_holds_from_the_final_channel(harmony: Harmony) -> None:
+    """The answer's grammar starts after `<|channel|>final<|message|>`: the scripted analysis (which a
+    grammar from the first token would mask, so greedy could not write it) passes, the final JSON is
+    constrained; a forced tool_choice is refused (harmony calls live in the commentary channel)."""
+    client = _client(harmony.url)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}
+    harmony.will_write(
+        f"<|channel|>analysis<|message|>{R}<|end|><|start|>assistant<|channel|>final<|message|>{ARGS}"
+    )
+    r = client.chat.completions.create(
+        model=NAME, messages=USER, max_tokens=100, temperature=0.0, response_format=fmt
+    )
+    msg = r.choices[0].message
+    assert msg.reasoning_content == R and json.loads(msg.content) == json.loads(ARGS)
+    assert r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=NAME,
+            messages=USER,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+    assert e.value.body["param"] == "tool_choice"
