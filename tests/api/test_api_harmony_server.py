@@ -227,4 +227,5 @@ def test_response_format_holds_from_the_final_channel(harmony: Harmony) -> None:
             tools=[WEATHER],
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         )
-    assert e.value.body["param"] == "tool_choice"
+    body: Any = e.value.body
+    assert body["param"] == "tool_choice"
