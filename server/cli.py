@@ -407,7 +407,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--reasoning-parser",
         "KUBEINFER_REASONING_PARSER",
-        "Split the model's thinking from its answer (vLLM's names: deepseek_r1, qwen3): "
+        "Split the model's thinking from its answer (vLLM's names: deepseek_r1, qwen3, openai_gptoss for "
+        "gpt-oss's harmony channels): "
         "reasoning_content on chat completions, reasoning items on /v1/responses",
     )
     add_bool(

@@ -341,8 +341,8 @@ class EngineConfig:
 
 
 LOG_FORMATS = ("json", "text")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/api/tool_parsers.py
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # server/api/reasoning.py (vLLM's names)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai")  # server/api/tool_parsers.py, harmony.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")  # server/api/reasoning.py (vLLM's names)
 
 
 @dataclass(frozen=True)
@@ -454,14 +454,12 @@ class ServerConfig:
                 f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
             )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            hint = (
-                " (gpt-oss's harmony format is not supported yet)"
-                if self.reasoning_parser in ("openai_gptoss", "gpt_oss", "harmony")
-                else ""
-            )
             raise ValueError(
-                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}{hint}"
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
             )
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            # the harmony tool parser reads the answer text the harmony reasoning stream writes
+            raise ValueError("tool_call_parser 'openai' (gpt-oss) requires reasoning_parser 'openai_gptoss'")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser")
         if self.max_payload_bytes < 1024:

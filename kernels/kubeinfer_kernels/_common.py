@@ -116,3 +116,18 @@ def check_paged_attention_args(
     check_contiguous("context_lens", context_lens)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+def sinks_arg(sinks: Tensor | None, q: Tensor) -> Tensor:
+    """A launcher's `sinks` (gpt-oss's attention sinks: [num_heads] fp32 on q's device, one logit per
+    query head joining each softmax's denominator) as the kernels' pointer; None -> q, a pointer the
+    kernels never read (HAS_SINKS off). Raises ValueError/TypeError naming `sinks`."""
+    if sinks is None:
+        return q
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks: expected float32, got {sinks.dtype}")
+    if sinks.shape != (q.shape[1],) or not sinks.is_contiguous():
+        raise ValueError(f"sinks: expected a contiguous [{q.shape[1]}] tensor, got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks: on {sinks.device}, q on {q.device}")
+    return sinks

@@ -20,6 +20,7 @@ from kubeinfer_kernels._common import (
     check_paged_attention_args,
     dot_precision,
     next_pow2,
+    sinks_arg,
     upcast_loads,
     window_arg,
 )
@@ -41,6 +42,7 @@ def _decode_partition_kernel(
     part_sum_ptr,  # [num_seqs, num_heads, max_partitions] fp32
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
     window,  # sliding window W (NO_WINDOW: none): the query at position ctx - 1 sees keys ctx - W .. ctx - 1
+    sinks_ptr,  # [num_heads] fp32 attention sinks, natural-log units (read only when HAS_SINKS)
     stride_q_s,
     stride_q_h,
     stride_c_b,
@@ -60,6 +62,7 @@ def _decode_partition_kernel(
     SINGLE_PARTITION: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,6 +116,13 @@ def _decode_partition_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_PARTITION:
+        if HAS_SINKS:
+            # the sink joins the denominator under max(m, sink) (exp2 units), so neither term overflows
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634
+            m_s = tl.maximum(m_i, sink)
+            corr = tl.exp2(m_i - m_s)
+            acc = acc * corr[:, None]
+            l_i = l_i * corr + tl.exp2(sink - m_s)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + seq64 * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :],
@@ -133,6 +143,7 @@ def _decode_reduce_kernel(
     part_max_ptr,  # [num_seqs, num_heads, max_partitions] fp32
     part_sum_ptr,  # [num_seqs, num_heads, max_partitions] fp32
     context_lens_ptr,  # [num_seqs] int32
+    sinks_ptr,  # [num_heads] fp32 attention sinks, natural-log units (read only when HAS_SINKS)
     stride_o_s,
     stride_o_h,
     max_partitions,
@@ -140,6 +151,7 @@ def _decode_reduce_kernel(
     PARTITION_SIZE: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -155,6 +167,9 @@ def _decode_reduce_kernel(
         m = tl.load(part_max_ptr + base + offs_p, mask=offs_p < num_parts, other=-1.0e30)
         m_run = tl.maximum(m_run, m)
     m_all = tl.max(m_run, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 units, as the partitions' maxima
+        m_all = tl.maximum(m_all, sink)
 
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     den = tl.zeros([BLOCK_P], dtype=tl.float32)
@@ -171,6 +186,8 @@ def _decode_reduce_kernel(
         )
         acc += tl.sum(w[:, None] * a, axis=0)
     total = tl.sum(den, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_all)
     total = tl.where(total > 0.0, total, 1.0)  # empty context (ctx == 0) yields zeros, not NaN
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_o_s + head * stride_o_h + offs_d,
@@ -189,13 +206,16 @@ def paged_attention_decode(
     max_context_len: int,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     sliding_window: int | None = None,
+    sinks: Tensor | None = None,  # [num_heads] fp32 on q's device
 ) -> Tensor:  # [num_seqs, num_heads, head_dim] in q.dtype
     """Decode attention. `max_context_len` (a host int, so no device sync) sizes the split-K grid and
     must be >= every context length; block tables must cover each context. `sliding_window` W: each
     query (position context_len - 1) sees its last W keys only (transformers' sliding_window_overlay,
-    kv_idx > q_idx - W); blocks before that are not read. ValueError for W < 1."""
+    kv_idx > q_idx - W); blocks before that are not read. ValueError for W < 1. `sinks`: gpt-oss's
+    attention sinks, one logit per query head joining each softmax's denominator (`sinks_arg`)."""
     window = window_arg(sliding_window)
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    sinks_t = sinks_arg(sinks, q)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if block_tables.shape[0] != num_seqs:
@@ -234,6 +254,7 @@ def paged_attention_decode(
         part_sum_ptr=part_sum,
         scale_log2=scale * LOG2E,
         window=window,
+        sinks_ptr=sinks_t,
         stride_q_s=q.stride(0),
         stride_q_h=q.stride(1),
         stride_c_b=k_cache.stride(0),
@@ -253,6 +274,7 @@ def paged_attention_decode(
         SINGLE_PARTITION=single,
         UPCAST=upcast_loads(q.dtype),
         PRECISION=dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -261,6 +283,7 @@ def paged_attention_decode(
             part_max_ptr=part_max,
             part_sum_ptr=part_sum,
             context_lens_ptr=context_lens,
+            sinks_ptr=sinks_t,
             stride_o_s=out.stride(0),
             stride_o_h=out.stride(1),
             max_partitions=max_partitions,
@@ -268,5 +291,6 @@ def paged_attention_decode(
             PARTITION_SIZE=partition_size,
             BLOCK_P=min(32, next_pow2(max_partitions)),
             BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None,
         )
     return out

@@ -22,6 +22,7 @@ from kubeinfer_kernels._common import (
     check_shape,
     dot_precision,
     next_pow2,
+    sinks_arg,
     upcast_loads,
     window_arg,
 )
@@ -38,6 +39,7 @@ def _prefill_kernel(
     out_ptr,  # [T, num_heads, head_dim]
     scale_log2,  # softmax scale * log2(e)
     window,  # sliding window W (NO_WINDOW: none): the query at position p sees keys p - W + 1 .. p
+    sinks_ptr,  # [num_heads] fp32 attention sinks, natural-log units (read only when HAS_SINKS)
     stride_q_t,
     stride_q_h,
     stride_c_b,
@@ -54,6 +56,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -115,6 +118,13 @@ def _prefill_kernel(
 
     # Every stored row sees its own key, so l_i > 0 there; the guard only keeps masked rows NaN-free. A row
     # whose first blocks are all before its window keeps m = -1e30 over them: exp2(-inf + 1e30) adds 0.
+    if HAS_SINKS:
+        # the head's sink joins every row's denominator under max(m, sink) (exp2 units): no overflow
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_s = tl.maximum(m_i, sink)
+        corr = tl.exp2(m_i - m_s)
+        acc = acc * corr[:, None]
+        l_i = l_i * corr + tl.exp2(sink - m_s)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :],
@@ -133,13 +143,16 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     sliding_window: int | None = None,
+    sinks: Tensor | None = None,  # [num_heads] fp32 on q's device
 ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype; rows outside every sequence are left unwritten
     """Causal inside each chunk, full over the sequence's cached prefix. `max_query_len` (host int, no
     sync) sizes the grid and must be >= every chunk length. `sliding_window` W: the query at position p
     sees keys p - W + 1 .. p only (transformers' sliding_window_overlay, kv_idx > q_idx - W), in the
-    chunk and in the prefix alike. ValueError for W < 1."""
+    chunk and in the prefix alike. ValueError for W < 1. `sinks`: gpt-oss's attention sinks, one logit
+    per query head joining each softmax's denominator (`sinks_arg`)."""
     window = window_arg(sliding_window)
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    sinks_t = sinks_arg(sinks, q)
     num_seqs = block_tables.shape[0]
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
     check_dtype("query_start_loc", query_start_loc, (torch.int32,))
@@ -166,6 +179,7 @@ def paged_prefill_attention(
         out_ptr=out,
         scale_log2=scale * LOG2E,
         window=window,
+        sinks_ptr=sinks_t,
         stride_q_t=q.stride(0),
         stride_q_h=q.stride(1),
         stride_c_b=k_cache.stride(0),
@@ -182,5 +196,6 @@ def paged_prefill_attention(
         BLOCK_D=max(16, next_pow2(head_dim)),
         UPCAST=upcast_loads(q.dtype),
         PRECISION=dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None,
     )
     return out

@@ -45,10 +45,13 @@ def paged_attention_ref(
     query_start_loc: Tensor,  # [num_seqs + 1] int32
     scale: float,
     sliding_window: int | None = None,
+    sinks: Tensor | None = None,  # [num_heads], any float dtype
 ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype
     """Causal attention inside each sequence's new tokens, full over its earlier cached tokens; fp32 math.
     `sliding_window` W: the query at position p sees keys p - W + 1 .. p only (transformers'
-    sliding_window_overlay: kv_idx > q_idx - W)."""
+    sliding_window_overlay: kv_idx > q_idx - W). `sinks`: gpt-oss's attention sinks, one logit per head
+    joining every softmax's denominator with no value row (transformers' `eager_attention_forward` for
+    GptOss: the sink is concatenated as a last score column, dropped after the softmax)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -70,7 +73,12 @@ def paged_attention_ref(
         if sliding_window is not None:
             visible &= torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            sink_col = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            probs = torch.cat([scores, sink_col], dim=-1).softmax(dim=-1)[..., :-1]
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
 
@@ -82,10 +90,11 @@ def paged_attention_decode_ref(
     context_lens: Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
+    sinks: Tensor | None = None,  # [num_heads]
 ) -> Tensor:  # [num_seqs, num_heads, head_dim]
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window, sinks
     )
 
 

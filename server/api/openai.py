@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -725,6 +726,8 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
     jobs = []
     for i in range(req.n):
         params = _build_params(state, req, len(ids), max_tokens, logprobs, i, req.prompt_logprobs, spec)
+        if reasoning.keep_special_tokens:  # harmony's channel markers are special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if i == 0:
             check_request(state, ids, params, "max_tokens")
         jobs.append(Job(i, 0, ids, params, lora, req.priority))

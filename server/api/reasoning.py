@@ -13,6 +13,9 @@ qwen3 when the output opens with `<think>` or the prompt ended inside an open `<
 `</think>`, content after it; a tag split across deltas is held back until it is whole. As in vLLM,
 a qwen3 stream cut inside an opened thinking block streams reasoning where the whole-output split
 would call the text content.
+openai_gptoss: gpt-oss's harmony channels (harmony.py): analysis is the reasoning, final (and
+commentary preambles) the content, messages to `functions.NAME` calls for `--tool-call-parser openai`;
+its requests keep special tokens in the output text (the channel markers are special tokens).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ from typing import Any
 from server.request import GrammarSpec
 
 from .errors import validation
+from .harmony import (
+    FINAL_OPENING,
+    HarmonyReasoningStream,
+    HarmonySplit,
+    count_harmony_reasoning_tokens,
+    split_harmony,
+)
 
 START, END = "<think>", "</think>"
 
@@ -46,11 +56,13 @@ class ReasoningParser:
     """One parser by vLLM name; `split` for a whole output, `stream()` for deltas."""
 
     def __init__(self, name: str) -> None:
-        if name not in ("deepseek_r1", "qwen3"):
+        if name not in ("deepseek_r1", "qwen3", "openai_gptoss"):
             raise ValueError(f"unknown reasoning parser {name!r}")
         self.name = name
 
-    def split(self, text: str) -> ReasoningSplit:
+    def split(self, text: str) -> ReasoningSplit | HarmonySplit:
+        if self.name == "openai_gptoss":
+            return split_harmony(text)
         if self.name == "qwen3" and END not in text:
             return ReasoningSplit(None, text)
         before, tag, after = text.partition(START)
@@ -60,7 +72,9 @@ class ReasoningParser:
         reasoning, _, content = body.partition(END)
         return ReasoningSplit(reasoning, content or None)
 
-    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream:
+    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream | HarmonyReasoningStream:
+        if self.name == "openai_gptoss":
+            return HarmonyReasoningStream()
         return ReasoningStream(self.name == "deepseek_r1" or prompt_opens_thinking, self.name == "qwen3")
 
 
@@ -121,11 +135,14 @@ class ReasoningStream:
         return reasoning, content
 
 
-def count_reasoning_tokens(token_texts: list[str], split: ReasoningSplit) -> int:
+def count_reasoning_tokens(token_texts: list[str], split: ReasoningSplit | HarmonySplit) -> int:
     """How many output tokens the reasoning took: those up to the one completing `</think>`, or all
-    of them when the whole output is reasoning (usage's reasoning_tokens)."""
+    of them when the whole output is reasoning (usage's reasoning_tokens); harmony: the tokens of its
+    analysis messages."""
     if split.reasoning is None:
         return 0
+    if isinstance(split, HarmonySplit):
+        return count_harmony_reasoning_tokens(token_texts)
     seen = ""
     for i, t in enumerate(token_texts):
         seen += t
@@ -162,6 +179,10 @@ def template_kwargs(
     return out
 
 
+# What ReasoningParser.stream returns: the <think> tag stream or harmony's (one interface).
+AnyReasoningStream = ReasoningStream | HarmonyReasoningStream
+
+
 @dataclass(frozen=True)
 class ReasoningPlan:
     """How a request's output is split: the parser (None: no --reasoning-parser, or thinking closed in
@@ -173,7 +194,12 @@ class ReasoningPlan:
     opens_thinking: bool = False
     grammar_start: tuple[int, ...] = ()
 
-    def stream(self) -> ReasoningStream | None:
+    @property
+    def keep_special_tokens(self) -> bool:
+        """Whether the request's output text must keep special tokens (harmony's channel markers)."""
+        return self.parser is not None and self.parser.name == "openai_gptoss"
+
+    def stream(self) -> AnyReasoningStream | None:
         return self.parser.stream(self.opens_thinking) if self.parser is not None else None
 
     def answer_grammar(self, spec: GrammarSpec) -> GrammarSpec:
@@ -194,6 +220,19 @@ def plan_reasoning(
     constrained (its output is all reasoning)."""
     if parser_name is None:
         return ReasoningPlan(None)
+    if parser_name == "openai_gptoss":
+        if answer_constraint is None:
+            return ReasoningPlan(ReasoningParser(parser_name))
+        if answer_constraint not in ("response_format", "text.format"):
+            # a forced call is a commentary message to=functions.NAME, not the final channel's text
+            raise validation(
+                f"{answer_constraint} with --reasoning-parser openai_gptoss is not supported: harmony "
+                "writes calls in its commentary channel; use tool_choice auto",
+                answer_constraint,
+            )
+        # the answer's grammar holds from the final channel's body on: analysis and preambles are free
+        marker = tokenizer.encode(FINAL_OPENING, add_special_tokens=False)
+        return ReasoningPlan(ReasoningParser(parser_name), grammar_start=tuple(int(t) for t in marker))
     tail = tokenizer.decode(prompt_ids[-8:]).rstrip()
     if tail.endswith(END):  # thinking is off for this request: the whole output is the answer
         return ReasoningPlan(None)

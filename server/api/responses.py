@@ -31,8 +31,8 @@ from .generation import Generation, check_request, make_params, resolve_adapter,
 from .openai import Deferred, EventStreamResponse, Job, _serve
 from .protocol import parse
 from .reasoning import (
+    AnyReasoningStream,
     ReasoningPlan,
-    ReasoningStream,
     count_reasoning_tokens,
     plan_reasoning,
     template_kwargs,
@@ -211,6 +211,7 @@ async def _prepare(state: ServerState, req: ResponsesRequest, owner: str) -> Pre
         stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         ignore_eos=req.ignore_eos,
         structured=spec,
+        skip_special_tokens=not reasoning.keep_special_tokens,
     )
     check_request(state, ids, params, "max_output_tokens")
     model = lora.name if lora is not None else state.llm.info.served_model_name
@@ -351,7 +352,7 @@ def _stream(state: ServerState, p: Prepared) -> EventStreamResponse:
     return EventStreamResponse(events())
 
 
-def _feed(b: OutputBuilder, rs: ReasoningStream | None, out: RequestOutput) -> None:
+def _feed(b: OutputBuilder, rs: AnyReasoningStream | None, out: RequestOutput) -> None:
     if rs is None:
         b.add_answer(out.text, out.finished)
         return

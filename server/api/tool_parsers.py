@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -158,7 +159,14 @@ class Llama3JsonToolParser:
         return ParsedToolOutput("", calls)
 
 
-TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser]] = {
+def _harmony_parser() -> ToolParser:
+    from .harmony import HarmonyToolParser  # harmony.py imports this module's types
+
+    return HarmonyToolParser()
+
+
+TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "openai": _harmony_parser,  # gpt-oss: calls out of harmony's commentary channel (harmony.py)
 }

@@ -29,13 +29,17 @@ class AttentionBackend(Protocol):
         scale: float,
         out_dtype: torch.dtype | None = None,
         sliding_window: int | None = None,
+        sinks: Tensor | None = None,  # [num_heads] fp32 on q's device
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype, or out_dtype where the backend honours it
         """`out_dtype`: a dtype the caller takes as well (the o projection's bf16 operand), returned as
         is where every row was computed in it (no widening to q's dtype and rounding again); a backend
         may ignore it. `sliding_window`: this layer's window W >= 1, or None (global attention): the query
         at position p attends to keys p - W + 1 .. p (W keys, itself included), transformers'
         `sliding_window_overlay` (kv_idx > q_idx - W) for Mistral, Qwen2, Gemma 2/3 and gpt-oss. Every
-        backend honours it; ValueError for W < 1."""
+        backend honours it; ValueError for W < 1. `sinks`: gpt-oss's attention sinks, one learned logit
+        per query head that joins every softmax's denominator with no value row (out = sum_j e^s_j v_j /
+        (sum_j e^s_j + e^sink), transformers' GptOss eager attention); every backend honours them, with
+        a window too; None: a plain softmax."""
         ...
 
 

@@ -25,7 +25,8 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 6  # 3: _set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa; 6: sliding windows
+ABI_VERSION = 7  # 3: _set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa; 6: sliding windows;
+# 7: attention sinks
 MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
@@ -68,12 +69,15 @@ class DecodeKernel:
         scale: float,
         indices_checked: bool = False,
         sliding_window: int | None = None,
+        sinks: Tensor | None = None,  # [Hq] fp32 contiguous: attention sinks (check_sinks)
     ) -> None:
         """`indices_checked=True` skips the bounds checks of `check_decode_indices` (a few reductions),
         for a caller that ran them once for a batch it then sends through every layer. `sliding_window` W:
-        each query (position context_len - 1) attends to the last W positions only (`check_window`)."""
+        each query (position context_len - 1) attends to the last W positions only (`check_window`).
+        `sinks`: one logit per query head added to each softmax's denominator (gpt-oss)."""
         window = check_window(sliding_window)
         check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, seqs, rows)
+        check_sinks(sinks, q.shape[1])
         if not indices_checked:
             check_decode_indices(q.shape[0], k_cache.shape, block_tables, context_lens, seqs, rows)
         _, hq, d = q.shape
@@ -99,6 +103,7 @@ class DecodeKernel:
             block_size,
             float(scale),
             window,
+            None if sinks is None else sinks.data_ptr(),
             torch.get_num_threads(),
         )
         if rc != 0:
@@ -115,17 +120,20 @@ class DecodeKernel:
         scale: float,
         indices_checked: bool = False,
         sliding_window: int | None = None,
+        sinks: Tensor | None = None,  # [Hq] fp32 contiguous: attention sinks (check_sinks)
     ) -> bool:
         """Causal attention of prompt chunks over their whole context in the paged cache, in bf16 products
         with fp32 sums (csrc/paged_decode.cpp, `kubeinfer_paged_prefill`: flash-attention's online softmax,
         q * scale and the probabilities rounded to bf16). Returns False, writing nothing, where this kernel
         has no such path (no usable AVX512-BF16, head_dim not 64 or 128): the caller attends itself.
         `indices_checked=True` skips `check_prefill_chunks` for a caller that ran it once per step.
-        `sliding_window` W: the query at position p attends to positions p - W + 1 .. p only."""
+        `sliding_window` W: the query at position p attends to positions p - W + 1 .. p only. `sinks`:
+        one logit per query head added to each softmax's denominator (gpt-oss)."""
         window = check_window(sliding_window)
         if not self.prefill_supported(q.dtype, k_cache.dtype, q.shape[2]):
             return False
         _check_operands(out, q, k_cache, v_cache, block_tables)
+        check_sinks(sinks, q.shape[1])
         if block_tables.dim() != 2:
             raise ValueError("block_tables must be [num_seqs, max_blocks]")
         if not indices_checked:
@@ -152,6 +160,7 @@ class DecodeKernel:
             block_size,
             float(scale),
             window,
+            None if sinks is None else sinks.data_ptr(),
             torch.get_num_threads(),
         )
         return rc == 0
@@ -210,6 +219,17 @@ def check_window(sliding_window: int | None) -> int:
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     return sliding_window
+
+
+def check_sinks(sinks: Tensor | None, num_heads: int) -> None:
+    """Attention sinks as the kernels read them: None, or a contiguous fp32 CPU tensor [num_heads] (one
+    logit per query head). Raises TypeError/ValueError, since the kernel reads num_heads floats."""
+    if sinks is None:
+        return
+    if sinks.dtype != torch.float32 or sinks.device.type != "cpu":
+        raise TypeError(f"sinks: expected a float32 CPU tensor, got {sinks.dtype} on {sinks.device}")
+    if sinks.shape != (num_heads,) or not sinks.is_contiguous():
+        raise ValueError(f"sinks: expected a contiguous [{num_heads}] tensor, got {tuple(sinks.shape)}")
 
 
 def supports_dtype(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
@@ -382,13 +402,13 @@ def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
     fn.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32]
     fw = lib.kubeinfer_paged_decode_window
     fw.restype = ctypes.c_int32
-    fw.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, i32]
+    fw.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, ptr, i32]
     store = lib.kubeinfer_kv_store
     store.restype = ctypes.c_int32
     store.argtypes = [i32] + [ptr] * 5 + [i64] * 3
     pf = lib.kubeinfer_paged_prefill
     pf.restype = i32
-    pf.argtypes = [ptr] * 9 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, i32]
+    pf.argtypes = [ptr] * 9 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, ptr, i32]
     lib.kubeinfer_paged_decode_set_bf16.restype = None
     lib.kubeinfer_paged_decode_set_bf16.argtypes = [i32]
     lib.kubeinfer_paged_decode_bf16_enabled.restype = i32

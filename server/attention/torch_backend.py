@@ -34,6 +34,7 @@ from server.attention.cpu_kernel import (
     PrefillChunks,
     check_decode_indices,
     check_prefill_chunks,
+    check_sinks,
     check_window,
     supports_dtype,
 )
@@ -120,15 +121,41 @@ def _decode_attention_upcast(
     v: Tensor,  # [Sd, Hkv, L, D]
     mask: Tensor,  # [Sd, 1, 1, L] bool
     scale: float,
+    sinks: Tensor | None = None,  # [Hq] fp32
 ) -> Tensor:  # [Sd, Hq, D] fp32
     # CPU SDPA is several times slower than this for one query token in bf16/fp16 (measured here), and
-    # small bf16 batched matmuls are slow too: upcast once and do the little math in fp32.
+    # small bf16 batched matmuls are slow too: upcast once and do the little math in fp32. Sinks take this
+    # path in fp32 too: SDPA has no term for them.
     sd, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.float().view(sd, hkv, hq // hkv, d)  # [Sd, Hkv, G, D]
     scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [Sd, Hkv, G, L]
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).view(sd, hq, d)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # the sink as one more score column, dropped after the softmax (it has no value row)
+        sink_col = sinks.view(1, hkv, hq // hkv, 1).expand(sd, -1, -1, 1)
+        probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v.float()).view(sd, hq, d)
+
+
+def _with_sink_key(
+    ks: Tensor,  # [B, Hkv, L, D]
+    vs: Tensor,  # [B, Hkv, L, D]
+    mask: Tensor | None,  # [n, L] additive, or None: lower-right causal (L == n)
+    sinks: Tensor,  # [Hq] fp32
+    n: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # K, V [B, Hkv, L + 1, D] and an additive mask [1, Hq, n, L + 1]
+    """Attention sinks through SDPA: one extra key and value of zeros, whose score (q . 0 = 0) the mask
+    turns into the head's sink logit, so the softmax's denominator gains exp(sink) and the output
+    nothing from its row: exactly transformers' concatenated sink column."""
+    length, hq, dtype = ks.shape[2], sinks.shape[0], ks.dtype
+    if mask is None:
+        mask = torch.full((n, length), float("-inf"), dtype=dtype).triu_(length - n + 1)
+    full = torch.cat(
+        [mask.to(dtype).expand(hq, n, length), sinks.to(dtype).view(hq, 1, 1).expand(hq, n, 1)], -1
+    )
+    return F.pad(ks, (0, 0, 0, 1)), F.pad(vs, (0, 0, 0, 1)), full[None]
 
 
 class TorchAttentionBackend:
@@ -215,11 +242,15 @@ class TorchAttentionBackend:
         scale: float,
         out_dtype: torch.dtype | None = None,  # honoured where every row comes from the bf16 SDPA groups
         sliding_window: int | None = None,
+        sinks: Tensor | None = None,  # [num_heads] fp32, contiguous
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype, or bf16 (above)
         """`sliding_window` W (this layer's): the query at position p attends to keys p - W + 1 .. p only
         (transformers' sliding_window_overlay for Mistral, Qwen2, Gemma 2/3); None: p's whole prefix.
-        Raises ValueError for W < 1."""
+        `sinks`: attention sinks (AttentionBackend): the compiled kernels take them in their merge, the
+        torch decode path as a score column, SDPA as a zero key (`_with_sink_key`).
+        Raises ValueError for W < 1, TypeError/ValueError for sinks not [num_heads] fp32."""
         window = check_window(sliding_window)
+        check_sinks(sinks, q.shape[1])
         if meta is not self._meta:
             self._plans = {}
             self._meta = meta
@@ -262,6 +293,7 @@ class TorchAttentionBackend:
                 scale,
                 indices_checked=True,
                 sliding_window=window or None,
+                sinks=sinks,
             )
         elif d is not None and d.gather is not None:
             g = d.gather
@@ -271,7 +303,7 @@ class TorchAttentionBackend:
             kd = k_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
             vd = v_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
             # kd, vd: [Sd, Hkv, L, D]
-            if q.dtype == torch.float32:
+            if q.dtype == torch.float32 and sinks is None:
                 kd, vd = kd.float(), vd.float()  # a no-op for an fp32 cache
                 # The G query heads sharing a KV head become G query rows of one attention: each KV
                 # block is read once per KV head instead of once per query head.
@@ -279,7 +311,7 @@ class TorchAttentionBackend:
                 od = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=g.mask, scale=scale)
                 od = od.reshape(sd, -1, head_dim)
             else:
-                od = _decode_attention_upcast(qd, kd, vd, g.mask, scale).to(q.dtype)
+                od = _decode_attention_upcast(qd, kd, vd, g.mask, scale, sinks).to(q.dtype)
             out.index_copy_(0, d.rows, od)
 
         if plan.chunks is not None:
@@ -294,6 +326,7 @@ class TorchAttentionBackend:
                 scale,
                 indices_checked=True,
                 sliding_window=window or None,
+                sinks=sinks,
             )
             assert done, "prefill_supported said the kernel serves these chunks"
         for grp in plan.prefill:
@@ -315,18 +348,31 @@ class TorchAttentionBackend:
                     vs.view(b, n, *sd_shape[1:]).transpose(1, 2),
                 )
                 # ks, vs: [B, Hkv, n, D]
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=grp.mask is None, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
-                )
+                if sinks is not None:
+                    ks, vs, sink_mask = _with_sink_key(ks, vs, grp.mask, sinks, n)
+                    o = F.scaled_dot_product_attention(
+                        qs, ks, vs, attn_mask=sink_mask, scale=scale, enable_gqa=gqa
+                    )
+                else:
+                    o = F.scaled_dot_product_attention(
+                        qs,
+                        ks,
+                        vs,
+                        is_causal=grp.mask is None,
+                        attn_mask=grp.mask,
+                        scale=scale,
+                        enable_gqa=gqa,
+                    )
             else:
                 length = grp.blocks.shape[0] // b * self.block_size
                 ks = k_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]
                 vs = v_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]
                 # ks, vs: [B, Hkv, ctx, D], widened to q's dtype (a no-op when the cache has it)
                 ks, vs = ks.transpose(1, 2).to(cd), vs.transpose(1, 2).to(cd)
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=grp.mask, scale=scale, enable_gqa=gqa
-                )
+                mask = grp.mask
+                if sinks is not None:
+                    ks, vs, mask = _with_sink_key(ks, vs, grp.mask, sinks, n)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
             # SDPA's output is [B, Hq, n, D] in memory: one copy into rows [B * n, Hq, D] in out's dtype
             o = (
                 torch.empty(b, n, *q.shape[1:], dtype=out.dtype)

@@ -35,6 +35,7 @@ class TritonAttentionBackend:
         scale: float,
         out_dtype: torch.dtype | None = None,  # ignored: q's dtype throughout (AttentionBackend)
         sliding_window: int | None = None,  # this layer's window W: keys p - W + 1 .. p (AttentionBackend)
+        sinks: Tensor | None = None,  # [num_heads] fp32 on q's device: attention sinks (AttentionBackend)
     ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_seqs = meta.block_tables.shape[0]
@@ -50,6 +51,7 @@ class TritonAttentionBackend:
                 max_context_len=meta.max_context_len,
                 partition_size=self.decode_partition_size,
                 sliding_window=sliding_window,
+                sinks=sinks,
             )
         return paged_prefill_attention(
             q,
@@ -61,4 +63,5 @@ class TritonAttentionBackend:
             scale,
             max_query_len=meta.max_query_len,
             sliding_window=sliding_window,
+            sinks=sinks,
         )

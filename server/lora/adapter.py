@@ -190,6 +190,11 @@ def load_adapter(
             raise LoRAAdapterError(
                 f"adapter {folder}: layer {layer} does not exist (the base model has {arch.num_layers})"
             )
+        if module in MLP_MODULES and arch.layers[layer].mlp == "moe":
+            raise LoRAAdapterError(
+                f"adapter {folder}: layer {layer}'s MLP is a mixture of experts; LoRA on its "
+                f"{module} (expert weights) is not supported, only on q/k/v/o and dense MLP layers"
+            )
         pairs.setdefault((layer, module), {})[m.group(4)] = t
     if not pairs:
         raise LoRAAdapterError(f"adapter {folder}: no LoRA weights in {ADAPTER_WEIGHTS}")

@@ -20,6 +20,7 @@ from torch import nn
 from server.lora.adapter import LoRAAdapter, LoRAAdapterError
 from server.lora.layers import LoRALinear, LoRAStepState
 from server.lora.registry import LoRARegistry
+from server.models.layers import MLP
 from server.models.llama import LlamaForCausalLM
 from server.request import LoRARequest
 
@@ -54,6 +55,8 @@ def wrap_model(
             for m in ("q_proj", "k_proj", "v_proj"):
                 wrap(attn, m, i, [(m, shapes[m][1])])
         wrap(attn, "o_proj", i, [("o_proj", shapes["o_proj"][1])])
+        if not isinstance(mlp, MLP):
+            continue  # a mixture-of-experts block: adapters for it are refused at load (lora/adapter.py)
         if mlp.gate_up_proj is not None:
             wrap(mlp, "gate_up_proj", i, [(m, shapes[m][1]) for m in ("gate_proj", "up_proj")])
         else:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.models.layer_spec import LayerSpec, NormKind, RopeSpec, UnsupportedModelError
+from server.models.moe.config import MoEConfig
 
 # config.json's layer_types values (transformers' ALLOWED_LAYER_TYPES subset we serve)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -54,6 +55,10 @@ class ArchConfig:
     final_logit_softcap: float | None = None
     final_norm: NormKind = "rms"
     model_type: str = "llama"
+    # The mixture-of-experts block of every layer whose LayerSpec.mlp is "moe" (routing, sizes, shared
+    # expert: server/models/moe/config.py); None for a dense model. Dense layers of a MoE model
+    # (Qwen2-MoE's mlp_only_layers) keep `intermediate_size`.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -62,6 +67,14 @@ class ArchConfig:
             object.__setattr__(self, "layers", (spec,) * self.num_layers)
         if len(self.layers) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.layers)} layer specs for {self.num_layers} layers")
+        if self.is_moe and self.moe is None:
+            raise UnsupportedModelError(
+                "a layer's MLP is a mixture of experts but the config has no MoE block"
+            )
+        if self.moe is not None and self.moe.hidden_size != self.hidden_size:
+            raise UnsupportedModelError(
+                f"MoE hidden size {self.moe.hidden_size} differs from hidden_size {self.hidden_size}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -74,14 +87,32 @@ class ArchConfig:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
-        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        layer = attn + mlp
+        dense_mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         norms = 0
+        layers = 0
         for spec in self.layers:
+            layers += attn + (self.moe_parameters if spec.mlp == "moe" else dense_mlp)
             norms += h * {"pre": 2, "post": 2, "sandwich": 4}[spec.norm_placement]
             norms += {"none": 0, "head": 2 * d, "full": q + kv}[spec.qk_norm]
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * layer + norms + h
+        return embeddings + layers + norms + h
+
+    @property
+    def moe_parameters(self) -> int:
+        """One MoE block's parameters: router (+ bias), every expert (+ biases), the shared expert."""
+        m = self.moe
+        if m is None:
+            return 0
+        e, h, i, s = m.num_experts, m.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size
+        router = e * h + (e if m.router_bias else 0)
+        experts = e * 3 * h * i + (e * (2 * i + h) if m.expert_bias else 0)
+        shared = 3 * h * s + h if s else 0
+        return router + experts + shared
+
+    @property
+    def is_moe(self) -> bool:
+        """Some layer's MLP is a mixture of experts."""
+        return any(spec.mlp == "moe" for spec in self.layers)
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -168,12 +199,12 @@ class ArchConfig:
 
 
 def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
-    """(window, layer_types) as transformers reads them for the Llama-layer families: Mistral windows
-    every layer by `sliding_window` (null in v0.2+ configs: none); Qwen2/Qwen3 only with
+    """(window, layer_types) as transformers reads them for the Llama-layer families: Mistral (and
+    Mixtral) windows every layer by `sliding_window` (null in v0.2+ configs: none); Qwen2/Qwen3 only with
     `use_sliding_window`, then the layers from `max_window_layers` on unless `layer_types` says which;
     Llama has none. (Gemma's modules read their own pattern: server/models/archs/gemma.py.)"""
     raw = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (int(raw) if raw is not None else None), None
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window") and raw is not None:
         n = int(cfg["num_hidden_layers"])

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    import torch
+    from torch import Tensor, nn
 
     from server.models.arch import ArchConfig
 
@@ -28,3 +29,9 @@ class Architecture:
     # its layers are the Llama layer (LayerSpec.is_llama): fused CPU ops, decode graph, TP, --quantize
     llama_layer: bool = False
     rename_weights: Callable[[dict[str, Tensor], ArchConfig], dict[str, Tensor]] | None = None
+    # Runs before rename_weights on the model built on the meta device: takes the checkpoint tensors
+    # some modules keep in their own packed form (gpt-oss's MXFP4 experts on CPU) out of the state and
+    # hands them to those modules, whose parameters they replace; returns the rest of the state.
+    attach_weights: (
+        Callable[[nn.Module, dict[str, Tensor], ArchConfig, torch.device], dict[str, Tensor]] | None
+    ) = None

@@ -20,6 +20,9 @@ NormPlacement = Literal["pre", "post", "sandwich"]
 # "head": one [head_dim] RMSNorm per q/k head (Qwen3, Gemma 3); "full": one over the whole q / k projection
 # output ([Hq * D], [Hkv * D]: OLMo 2)
 QKNorm = Literal["none", "head", "full"]
+# "dense": the gated MLP (gate/up/down); "moe": a mixture-of-experts block (server/models/moe/block.py)
+# configured by the model-level `ArchConfig.moe` (Mixtral's every layer; Qwen2/3-MoE's sparse layers)
+MlpKind = Literal["dense", "moe"]
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -58,7 +61,10 @@ class LayerSpec:
     `attn_softcap`: tanh soft-capping of attention scores (Gemma 2), None for none; `sliding_window`:
     the layer attends to at most this many previous tokens (passed to the attention call), None for
     full attention; `residual_multiplier`: each sub-block's output is scaled by it before the residual
-    add (Granite); `rope`: None for a layer without positional rotation (SmolLM3's no_rope_layers)."""
+    add (Granite); `rope`: None for a layer without positional rotation (SmolLM3's no_rope_layers);
+    `mlp`: the feed-forward kind ("moe": the block `ArchConfig.moe` describes, same for every such layer);
+    `attn_sinks`: the layer has gpt-oss's attention sinks (a learned `self_attn.sinks` logit per query
+    head, [num_heads], joining each softmax's denominator; every attention backend takes them)."""
 
     rope: RopeSpec | None
     attn_scale: float
@@ -69,19 +75,26 @@ class LayerSpec:
     attn_softcap: float | None = None
     sliding_window: int | None = None
     residual_multiplier: float = 1.0
+    mlp: MlpKind = "dense"
+    attn_sinks: bool = False
 
     def __post_init__(self) -> None:
+        if self.attn_sinks and self.attn_softcap is not None:
+            raise UnsupportedModelError("attention sinks with attn_logit_softcapping are not supported")
         if self.attn_softcap is not None and self.attn_softcap <= 0:
             raise UnsupportedModelError(f"attn_logit_softcapping must be positive, got {self.attn_softcap}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.mlp not in ("dense", "moe"):
+            raise UnsupportedModelError(f"unknown MLP kind {self.mlp!r}; expected 'dense' or 'moe'")
 
     def is_llama(self, head_dim: int) -> bool:
         """Whether this is the Llama/Qwen layer that the compiled fused ops and the decode graph run:
         pre-norm w * RMSNorm, SwiGLU, full-width RoPE, no soft-capping, no window, no multiplier,
-        per-head q/k norms at most. Other layers take the torch path."""
+        per-head q/k norms at most, a dense MLP, no attention sinks. Other layers take the torch path."""
         return (
-            self.norm == "rms"
+            self.mlp == "dense"
+            and self.norm == "rms"
             and self.activation == "silu"
             and self.norm_placement == "pre"
             and self.qk_norm in ("none", "head")
@@ -91,4 +104,5 @@ class LayerSpec:
             and self.rope is not None
             and self.rope.rotary_dim == head_dim
             and self.attn_scale == head_dim**-0.5
+            and not self.attn_sinks
         )

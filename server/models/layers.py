@@ -15,6 +15,7 @@ from server.attention import AttentionBackend, AttentionMetadata
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
 from server.models.layer_spec import LayerSpec, NormKind
+from server.models.moe.block import SparseMoeBlock
 from server.models.rope import apply_rotary
 from server.models.softcap_attention import softcap_paged_attention
 from server.quant.block_linear import BlockQuantLinear
@@ -65,6 +66,8 @@ class Attention(nn.Module):
         # Per-layer window (LayerSpec.sliding_window), handed to the attention backend.
         self.sliding_window = spec.sliding_window
         self.rope = spec.rope
+        # gpt-oss's attention sinks (LayerSpec.attn_sinks), the checkpoint's `self_attn.sinks`: [Hq]
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads, device=device)) if spec.attn_sinks else None
 
     def forward(
         self,
@@ -121,6 +124,8 @@ class Attention(nn.Module):
             self.scale,
             out_dtype=out_dtype,
             sliding_window=self.sliding_window,
+            # the backends take fp32 logits (a no-op for an fp32 model; 64 values otherwise)
+            sinks=None if self.sinks is None else self.sinks.float().contiguous(),
         ).reshape(t, hq * d)
         return self.o_proj(o) if out_dtype is None else self.o_proj(o, out_dtype=out_dtype)
 
@@ -203,7 +208,13 @@ class DecoderLayer(nn.Module):
         spec = spec or cfg.layer_specs[0]
         self.spec = spec
         self.self_attn = Attention(cfg, spec, device)
-        self.mlp = MLP(cfg, device, spec)
+        # "moe" layers: the model's mixture-of-experts block (ArchConfig.moe), under the same name
+        self.mlp: MLP | SparseMoeBlock
+        if spec.mlp == "moe":
+            assert cfg.moe is not None  # ArchConfig checks it
+            self.mlp = SparseMoeBlock(cfg.moe, device)
+        else:
+            self.mlp = MLP(cfg, device, spec)
         h, eps, kind = cfg.hidden_size, cfg.rms_norm_eps, spec.norm
         # pre: input_layernorm, post_attention_layernorm (before the MLP, Llama's name);
         # post (OLMo 2): post_attention_layernorm, post_feedforward_layernorm, on the sub-block outputs;

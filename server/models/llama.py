@@ -139,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn,
                 layer.mlp,
             )
+            assert isinstance(mlp, MLP)  # cfg.is_llama: every layer's MLP is dense
             # Where a projection's GEMM is bf16 (prefill-sized batches), the norm hands it a bf16 operand
             # and takes its bf16 result as the next delta: the values of rounding and widening around an
             # fp32 stream, without the [T, H] fp32 <-> bf16 copies (the residual stream h stays fp32).

@@ -405,12 +405,30 @@ def load_model(
     check_servable(arch, max_positions)
     from server import quant
 
-    qcfg = quant.resolve_quant_config(quantize, hf_cfg.get("quantization_config"), device)
+    ckpt_quant = hf_cfg.get("quantization_config")
+    if (
+        arch.model_type == "gpt_oss"
+        and isinstance(ckpt_quant, dict)
+        and str(ckpt_quant.get("quant_method", "")).lower() == "mxfp4"
+    ):
+        ckpt_quant = None  # only its experts are MXFP4: archs/gpt_oss.py's rename_weights reads them
+    qcfg = quant.resolve_quant_config(quantize, ckpt_quant, device)
+    if qcfg is not None and arch.is_moe:
+        raise UnsupportedModelError(
+            f"{arch.architecture}: quantization ({'--quantize ' + quantize if quantize else 'the checkpoint'}"
+            f"'s {qcfg.method}) does not reach mixture-of-experts weights yet; serve it unquantized "
+            "(--dtype) or as a GGUF file"
+        )
+    if arch.is_moe:
+        _log_moe(arch)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions=1)
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
     state = load_state_dict(folder, slicer)
+    attach = ARCHITECTURES[arch.architecture].attach_weights
+    if attach is not None and slicer is None:
+        state = attach(model, state, arch, device)
     rename = ARCHITECTURES[arch.architecture].rename_weights
     if rename is not None:
         if slicer is not None:
@@ -455,6 +473,21 @@ def load_model(
         quantization=qcfg.method if qcfg else None,
         num_parameters=num_params,
         weight_bytes=quant.weight_bytes(model),
+    )
+
+
+def _log_moe(arch: ArchConfig) -> None:
+    moe = arch.moe
+    assert moe is not None
+    n = sum(spec.mlp == "moe" for spec in arch.layers)
+    log.info(
+        "%s: %d of %d layers are mixture-of-experts (%d experts, top %d); the model runs eagerly: the decode "
+        "graph and the fused CPU layer ops serve the Llama layer only",
+        arch.architecture,
+        n,
+        arch.num_layers,
+        moe.num_experts,
+        moe.top_k,
     )
 
 

@@ -21,7 +21,7 @@ from server.models.rope import check_rope_servable
 
 
 def _collect() -> dict[str, Architecture]:
-    from server.models.archs import gemma, granite, llama, olmo2, phi3, smollm3
+    from server.models.archs import gemma, gpt_oss, granite, llama, mixtral, olmo2, phi3, qwen_moe, smollm3
 
     entries = [
         *llama.ARCHITECTURES,
@@ -30,6 +30,9 @@ def _collect() -> dict[str, Architecture]:
         smollm3.SMOLLM3,
         phi3.PHI3,
         *gemma.ARCHITECTURES,
+        mixtral.MIXTRAL,
+        *qwen_moe.ARCHITECTURES,
+        gpt_oss.GPT_OSS,
     ]
     return {e.name: e for e in entries}
 

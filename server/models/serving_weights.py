@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from server.models.cpu_fused import try_load_fused_ops
+from server.models.layers import MLP
 from server.models.llama import LlamaForCausalLM
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.gguf_checkpoint import release_free_heap
@@ -96,6 +97,8 @@ def prepare_for_serving(
             attn.qkv_proj = qkv
             del attn.q_proj, attn.k_proj, attn.v_proj
             fused += 1
+        if not isinstance(mlp, MLP):
+            continue  # a mixture-of-experts block: its experts are stacked already
         gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
         if gate_up is not None:
             mlp.gate_up_proj = gate_up

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from server.models.llama import DecoderLayer
+from server.models.llama import MLP, DecoderLayer
 from server.quant.formats import MAXQ, Int4Weights, group_params, quantize_rtn, trivial_g_idx
 from server.quantize.evaluation import SequenceRunner
 
@@ -122,6 +122,7 @@ def awq_layer(
 ) -> dict[str, Int4Weights]:
     """Scales folded into the norms / previous projections, clipping applied, then 4-bit RTN of the result."""
     attn, mlp = layer.self_attn, layer.mlp
+    assert isinstance(mlp, MLP)  # calibration runs the Llama layer only (quantize_model checks)
     captured: dict[str, Tensor] = {}
 
     def grab(name: str) -> Callable[..., None]:
@@ -298,6 +299,7 @@ def gptq_layer(
 ) -> dict[str, Int4Weights]:
     """True-sequential GPTQ: each sub-block's inputs come from the already quantized sub-blocks before it."""
     attn, mlp = layer.self_attn, layer.mlp
+    assert isinstance(mlp, MLP)  # calibration runs the Llama layer only (quantize_model checks)
     out: dict[str, Int4Weights] = {}
     captured: dict[str, Tensor] = {}
 

@@ -70,8 +70,9 @@ def test_reasoning_stream_adds_up(
 def test_reasoning_parser_names() -> None:
     from server.config import ServerConfig
 
-    with pytest.raises(ValueError, match="harmony"):
-        ServerConfig(reasoning_parser="openai_gptoss")
+    assert ServerConfig(reasoning_parser="openai_gptoss").reasoning_parser == "openai_gptoss"  # harmony
+    with pytest.raises(ValueError, match="requires reasoning_parser 'openai_gptoss'"):
+        ServerConfig(tool_call_parser="openai", reasoning_parser="qwen3")
     with pytest.raises(ValueError, match="reasoning_parser"):
         ServerConfig(reasoning_parser="nope")
 

@@ -547,6 +547,9 @@ struct Args {
   int32_t hq, hkv, d, block_size;
   float scale;
   int32_t window;  // sliding window W: the query at position p sees keys p - W + 1 .. p; 0 = the whole context
+  // [Hq] fp32 or nullptr: gpt-oss's attention sinks, one learned logit per query head that joins each
+  // softmax's denominator (no value row): out = sum_t exp(s_t) v_t / (sum_t exp(s_t) + exp(sink))
+  const float* sinks;
 };
 
 // The first position a query at position ctx - 1 sees: ctx - W under a window W (Mistral's, Gemma's:
@@ -732,7 +735,9 @@ void run(const Args& a, int num_threads) {
       for (int hh = 0; hh < HQ; ++hh) {
         float m_max = m[p0 * HQ + hh];
         for (int64_t p = p0 + 1; p < p1; ++p) m_max = std::max(m_max, m[p * HQ + hh]);
-        float denom = 0.0f;
+        // the sink is one more term of the denominator, under the same running max (no overflow)
+        if (a.sinks) m_max = std::max(m_max, a.sinks[hh]);
+        float denom = a.sinks ? std::exp(a.sinks[hh] - m_max) : 0.0f;
         float out[512];  // head_dim <= 512, checked by the launcher
         std::fill(out, out + D, 0.0f);
         for (int64_t p = p0; p < p1; ++p) {
@@ -774,6 +779,7 @@ struct PrefillArgs {
   int32_t hq, hkv, d, block_size;
   float scale;
   int32_t window;  // 0, or a sliding window W: the query at position p sees keys p - W + 1 .. p
+  const float* sinks;  // [Hq] fp32 or nullptr: attention sinks (Args::sinks)
 };
 
 // Finite stand-ins for -inf (the build's -ffast-math lets the compiler assume no infinities): a masked
@@ -913,7 +919,13 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
   for (int r = 0; r < nrows; ++r) {
     const int row = r0 + r, i = row / G, g = row % G;
     float* o = out + (q_start + i) * a.out_row_stride + static_cast<int64_t>(h * G + g) * D;
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lv[r]));
+    float l = _mm512_reduce_add_ps(lv[r]), c = 1.0f;
+    if (a.sinks) {  // the sink joins the denominator: rescale to max(m, sink) so neither exp overflows
+      const float sink = a.sinks[h * G + g], mm = std::max(m[r], sink);
+      c = std::exp(m[r] - mm);
+      l = l * c + std::exp(sink - mm);
+    }
+    const __m512 inv = _mm512_set1_ps(c / l);
     for (int z = 0; z < DZ; ++z) _mm512_storeu_ps(o + 16 * z, _mm512_mul_ps(acc[r][z], inv));
   }
 }
@@ -991,7 +1003,7 @@ KI_BF16_TARGET void run_prefill(const PrefillArgs& a, int num_threads) {
 extern "C" {
 
 // Bumped whenever a signature below changes; the loader refuses a library reporting another value.
-int32_t kubeinfer_paged_decode_abi() { return 6; }
+int32_t kubeinfer_paged_decode_abi() { return 7; }
 
 // Whether the bf16 K pass may run (set from Python's usable_cpu_features before the first call), and
 // whether it does: this CPU has AVX512-BF16, this build has AVX-512, and it is allowed.
@@ -1010,18 +1022,18 @@ int32_t kubeinfer_paged_prefill(float* out, const float* q, const void* k_cache,
                                 const int32_t* q_lens, const int32_t* ctx_lens, int64_t num_chunks,
                                 int64_t q_row_stride, int64_t out_row_stride, int64_t bt_stride, int32_t hq,
                                 int32_t hkv, int32_t d, int32_t block_size, float scale, int32_t window,
-                                int32_t num_threads) {
+                                const float* sinks, int32_t num_threads) {
 #if defined(__AVX512F__)
   if (!bf16_enabled() || (d != 64 && d != 128) || window < 0) return -1;
   const PrefillArgs a{out,      q,      static_cast<const bf16*>(k_cache), static_cast<const bf16*>(v_cache),
                       block_tables, seqs, q_starts, q_lens, ctx_lens, num_chunks, q_row_stride, out_row_stride,
-                      bt_stride, hq, hkv, d, block_size, scale, window};
+                      bt_stride, hq, hkv, d, block_size, scale, window, sinks};
   run_prefill(a, num_threads);
   return 0;
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seqs, (void)q_starts, (void)q_lens;
   (void)ctx_lens, (void)num_chunks, (void)q_row_stride, (void)out_row_stride, (void)bt_stride, (void)hq, (void)hkv;
-  (void)d, (void)block_size, (void)scale, (void)window, (void)num_threads;
+  (void)d, (void)block_size, (void)scale, (void)window, (void)sinks, (void)num_threads;
   return -1;
 #endif
 }
@@ -1048,16 +1060,17 @@ int32_t kubeinfer_paged_decode_bf16_enabled() {
 // dtype (q and out): 0 = float32, 1 = bfloat16; cache_dtype (k/v caches): 0 = float32, 1 = bfloat16,
 // 2 = float16. Returns 0, or -1 for an unknown dtype.
 // `window` > 0: each decode query (position context_len - 1) sees only the last `window` positions.
+// `sinks`: nullptr, or [hq] fp32 attention sinks (Args::sinks).
 int32_t kubeinfer_paged_decode_window(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
                                       const void* k_cache, const void* v_cache, const int32_t* block_tables,
                                       const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
                                       int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
                                       int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
-                                      float scale, int32_t window, int32_t num_threads) {
+                                      float scale, int32_t window, const float* sinks, int32_t num_threads) {
   if (window < 0) return -1;
   const Args a{out,  q,          k_cache,      v_cache,        block_tables, context_lens,
                seqs, rows,       num_decode,   q_row_stride,   out_row_stride, bt_stride,
-               hq,   hkv,        d,            block_size,     scale,          window};
+               hq,   hkv,        d,            block_size,     scale,          window, sinks};
   if (dtype == 0 && cache_dtype == 0) {
     run<float, float>(a, num_threads);
   } else if (dtype == 0 && cache_dtype == 1) {
@@ -1086,7 +1099,7 @@ int32_t kubeinfer_paged_decode(int32_t dtype, int32_t cache_dtype, void* out, co
                                float scale, int32_t num_threads) {
   return kubeinfer_paged_decode_window(dtype, cache_dtype, out, q, k_cache, v_cache, block_tables, context_lens,
                                        seqs, rows, num_decode, q_row_stride, out_row_stride, bt_stride, hq, hkv,
-                                       d, block_size, scale, 0, num_threads);
+                                       d, block_size, scale, 0, nullptr, num_threads);
 }
 
 // The decode graph's K/V write (server/models/csrc/cpu_fused.cpp): for each row r < t, the fp32 rows

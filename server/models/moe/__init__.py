@@ -1,5 +1,6 @@
 """Mixture-of-experts building blocks for architecture modules (docs/design.md, "Mixture of experts")."""
 
+from server.models.moe.block import SparseMoeBlock, block_state, stack_checkpoint_experts
 from server.models.moe.config import MoEConfig, MoEConfigError
 from server.models.moe.layer import DenseExperts, ExpertGemms, FusedMoE, act_and_mul, default_gemm_dtype
 from server.models.moe.mxfp4 import Mxfp4Experts, Mxfp4Tensor, dequantize_mxfp4, load_mxfp4_experts
@@ -20,7 +21,9 @@ __all__ = [
     "Mxfp4Tensor",
     "Routing",
     "SharedExpertWeights",
+    "SparseMoeBlock",
     "act_and_mul",
+    "block_state",
     "default_gemm_dtype",
     "dequantize_mxfp4",
     "group_by_expert",
@@ -28,4 +31,5 @@ __all__ = [
     "load_mxfp4_experts",
     "select_experts",
     "split_gguf_experts",
+    "stack_checkpoint_experts",
 ]

@@ -103,6 +103,38 @@ class MoEConfig:
             )
         raise MoEConfigError(f"model_type {kind!r} has no MoE block here; covered: {MODEL_TYPES}")
 
+    @staticmethod
+    def from_config_json(cfg: dict[str, Any]) -> MoEConfig:
+        """From a config.json dict: as `from_hf_config`, with the defaults transformers' config classes
+        fill in (hidden_act silu, norm_topk_prob false, no shared expert) and either name of the expert
+        count (`num_experts`, as Qwen's shipped configs write it, or `num_local_experts`, transformers
+        5's attribute). Raises MoEConfigError, or KeyError naming a missing field."""
+        view = dict(cfg)
+        count = view.get("num_local_experts", view.get("num_experts"))
+        if count is None:
+            raise KeyError("num_local_experts")
+        view["num_local_experts"] = view["num_experts"] = count
+        view.setdefault("hidden_act", "silu")
+        view.setdefault("norm_topk_prob", False)
+        view.setdefault("shared_expert_intermediate_size", 0)
+        return MoEConfig.from_hf_config(_Attrs(view))
+
+
+class _Attrs:
+    """A dict's keys as attributes (from_hf_config reads a transformers config's attributes); a missing
+    one is a KeyError naming the config.json field."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self._d = d
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._d[name]
+        except KeyError:
+            if name in ("swiglu_alpha",):
+                raise AttributeError(name) from None
+            raise KeyError(name) from None
+
 
 def _silu(hf: Any) -> str:
     act = getattr(hf, "hidden_act", "silu")
