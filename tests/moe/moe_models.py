@@ -43,14 +43,14 @@ def moe_config(kind: str) -> Any:
         num_experts_per_tok=2,
     )
     if kind == "mixtral":
-        return tf.MixtralConfig(**common, intermediate_size=48, num_local_experts=8)
+        return tf.MixtralConfig(**common, intermediate_size=64, num_local_experts=8)
     if kind == "qwen2_moe":
         # layer 1 dense (mlp_only_layers), a shared expert, no renormalisation (its shipped default)
         return tf.Qwen2MoeConfig(
             **common,
             intermediate_size=96,
             moe_intermediate_size=32,
-            shared_expert_intermediate_size=80,
+            shared_expert_intermediate_size=96,
             num_experts=8,
             decoder_sparse_step=1,
             mlp_only_layers=[1],
@@ -68,11 +68,15 @@ def moe_config(kind: str) -> Any:
     )
 
 
-def build(out: Path, tokenizer_from: Path, kind: str, seed: int = 0) -> Path:
+def build(out: Path, tokenizer_from: Path, kind: str, seed: int = 0, **sizes: int) -> Path:
+    """`sizes`: config attributes to override (the k-quant GGUF test's multiples of 256)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(kind), dtype=torch.float32)
+    cfg = moe_config(kind)
+    for key, value in sizes.items():
+        setattr(cfg, key, value)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         # larger-than-default weights so greedy argmax and the router are not decided by noise; norms
         # away from 1 so a missing norm weight shows
