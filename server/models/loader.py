@@ -39,7 +39,7 @@ from server.models.registry import ARCHITECTURES, arch_from_hf, check_servable
 from server.native import KernelBuildError, usable_cpu_features
 
 if TYPE_CHECKING:
-    from server.quant.gguf_checkpoint import DequantizedTensor
+    from server.quant.gguf_checkpoint import DequantizedTensor, GgufCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ def download_from_hub(repo_id: str, cache_dir: Path, revision: str | None = None
 
 
 # Bump when what convert_gguf / gguf_metadata_folder write changes (file set, config fields, fixes).
-CONVERTER_VERSION = 1
+# 2: MoE files' expert fields (server/models/moe/gguf.py)
+CONVERTER_VERSION = 2
 MANIFEST_NAME = "kubeinfer-conversion.json"
 
 
@@ -218,7 +219,18 @@ def _gguf_hf_config(config: Any, gguf: Path) -> dict[str, Any]:
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""), "LlamaForCausalLM")
     ]
     cfg["_name_or_path"] = gguf.stem
+    # transformers' reader drops the expert sizes and reads a Mixtral (`llama` + experts) as Llama
+    cfg.update(_moe_fields(gguf))
     return cfg
+
+
+def _moe_fields(gguf: Path) -> dict[str, Any]:
+    from server.models.moe.gguf import gguf_moe_fields
+
+    try:
+        return gguf_moe_fields(gguf)
+    except ValueError as e:
+        raise UnsupportedModelError(str(e)) from e
 
 
 def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
@@ -249,6 +261,12 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = _gguf_cache_folder(gguf, cache_dir)
     if _reusable(target, gguf, ("full",)):
         return target
+    if _moe_fields(gguf):
+        # transformers' GGUF reader builds these with the wrong expert sizes
+        raise ModelLoadError(
+            f"{gguf.name} is a mixture-of-experts GGUF: it is served as it is, on CPU (leave --dtype auto "
+            "and --quantize unset, tensor_parallel_size 1)"
+        )
     cache_dir.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to safetensors in %s (once; later starts reuse it)", gguf.name, target)
     t0 = time.monotonic()
@@ -491,6 +509,36 @@ def _log_moe(arch: ArchConfig) -> None:
     )
 
 
+def _gguf_moe_blocks(
+    model: LlamaForCausalLM, ckpt: GgufCheckpoint, cache_dir: Path | None, file: str
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The MoE layers' tensors into their blocks (server/models/moe/gguf.py): (the float tensors to
+    load by name, the formats of the experts kept quantized)."""
+    from server.models.moe.block import SparseMoeBlock
+    from server.models.moe.gguf import assemble_gguf_moe
+    from server.models.moe.quant import BlockQuantExperts
+    from server.quant.cpu_qlinear import try_load_qlinear_kernel
+
+    blocks = {
+        i: layer.mlp
+        for i, layer in enumerate(model.decoder_layers())
+        if isinstance(layer.mlp, SparseMoeBlock)
+    }
+    try:
+        state = assemble_gguf_moe(blocks, ckpt, try_load_qlinear_kernel(cache_dir), file)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    formats = set()
+    for block in blocks.values():
+        if isinstance(block.experts, BlockQuantExperts):
+            formats |= {w.fmt for w in block.experts.w13 + block.experts.w2}
+    if ckpt.experts:
+        raise ModelLoadError(
+            f"{file} has expert tensors for layers without experts: {sorted(ckpt.experts)[:3]}"
+        )
+    return state, formats
+
+
 def load_gguf_model(
     gguf: Path, folder: Path, device: torch.device, max_positions: int, cache_dir: Path | None = None
 ) -> LoadedModel:
@@ -537,6 +585,11 @@ def load_gguf_model(
         setattr(parent, attr, new)
         del ckpt.tensors[f"{name}.weight"]
         quantized[name] = w.fmt
+    moe_state: dict[str, torch.Tensor] = {}
+    expert_formats: set[str] = set()
+    if arch.is_moe:
+        _log_moe(arch)
+        moe_state, expert_formats = _gguf_moe_blocks(model, ckpt, cache_dir, gguf.name)
     emb = model.model.embed_tokens
     if (
         "lm_head" not in quantized
@@ -546,6 +599,7 @@ def load_gguf_model(
         model.lm_head = BlockQuantLinear(emb.weight_q, None, cache_dir)  # type: ignore[assignment]  # tied: shared tensors
         quantized["lm_head"] = emb.weight_q.fmt
     state = {k: v.float() for k, v in ckpt.tensors.items() if isinstance(v, torch.Tensor)}
+    state.update(moe_state)
     expected = {k for k in model.state_dict() if k.rpartition(".")[0] not in quantized}
     tied = arch.tie_word_embeddings and "lm_head" not in quantized
     if tied:
@@ -564,7 +618,7 @@ def load_gguf_model(
     model.requires_grad_(False)
     from server import quant
 
-    kinds = sorted(set(quantized.values()))
+    kinds = sorted(set(quantized.values()) | expert_formats)
     log.info("GGUF %s served quantized: %d tensors (%s)", gguf.name, len(quantized), ", ".join(kinds))
     if ckpt.dequantized:
         log.warning(

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import logging
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,23 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Mixture-of-experts blocks (llama.cpp's Mixtral in the `llama` architecture, qwen2moe, qwen3moe): full
+# names under the layer, assembled into server/models/moe/block.py's parameters by the loader. The
+# stacked experts (`*_exps`, ggml shape {K, N, E}) are [E, N, K]; the shared expert's gate is {H}.
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "mlp.router",
+    "ffn_gate_exps.weight": "mlp.experts.gate",
+    "ffn_up_exps.weight": "mlp.experts.up",
+    "ffn_down_exps.weight": "mlp.experts.down",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down",
+}
+_EXPERT_NAMES = ("mlp.experts.gate", "mlp.experts.up", "mlp.experts.down")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -56,7 +73,12 @@ def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None:
+        return None
+    moe = _MOE_NAMES.get(f"{m.group(2)}.{m.group(3)}")
+    if moe is not None:
+        return f"model.layers.{m.group(1)}.{moe}"
+    if m.group(2) not in _LAYER_NAMES:
         return None
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
@@ -86,12 +108,16 @@ class DequantizedTensor:
 class GgufCheckpoint:
     architecture: str  # general.architecture, e.g. "llama"
     tensors: dict[str, Tensor | BlockQuantWeight] = field(default_factory=dict)  # HF name -> tensor
+    # stacked expert tensors kept quantized: name (model.layers.N.mlp.experts.gate/up/down) -> one
+    # [N, K] weight per expert (the dense or dequantized ones are [E, N, K] tensors in `tensors`)
+    experts: dict[str, list[BlockQuantWeight]] = field(default_factory=dict)
     formats: dict[str, int] = field(default_factory=dict)  # GGUF type name -> tensor count
     dequantized: list[DequantizedTensor] = field(default_factory=list)  # quantized or 16-bit, now fp32
     file_tensor_bytes: int = 0  # bytes of the tensors read (the ones we use), as stored in the file
 
     def quantized_bytes(self) -> int:
-        return sum(t.nbytes() for t in self.tensors.values() if isinstance(t, BlockQuantWeight))
+        experts = sum(w.nbytes() for ws in self.experts.values() for w in ws)
+        return experts + sum(t.nbytes() for t in self.tensors.values() if isinstance(t, BlockQuantWeight))
 
 
 def _field_int(reader: object, key: str) -> int | None:
@@ -121,6 +147,10 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
         shape = [int(s) for s in reversed(t.shape.tolist())]  # ggml ne order -> [N, K]
         ckpt.file_tensor_bytes += int(t.n_bytes)
         value: Tensor | BlockQuantWeight
+        kept = kind in _KEPT or kind in _KEPT_K or kind in REPACKED
+        if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kept:
+            ckpt.experts[name] = _split_experts(t.data, kind, shape)
+            continue
         if kind in _KEPT and len(shape) == 2:
             # t.data is a view of the file's memory map: only the repacked copies stay resident.
             value = from_gguf_blocks(t.data, _KEPT[kind], shape[0], shape[1])
@@ -159,6 +189,24 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
     del reader  # unmaps the file
     release_free_heap()
     return ckpt
+
+
+def _split_experts(raw: np.ndarray, kind: str, shape: list[int]) -> list[BlockQuantWeight]:
+    """A stacked expert tensor [E, N, K] of a kept type -> one BlockQuantWeight [N, K] per expert: the
+    file holds the E matrices one after the other, each rows of ggml blocks."""
+    e, n, k = shape
+    with warnings.catch_warnings():  # a read-only memory map: the converters below copy what they keep
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.as_tensor(np.ascontiguousarray(raw)).view(torch.uint8).reshape(e, -1)
+    out: list[BlockQuantWeight] = []
+    for i in range(e):
+        if kind in _KEPT:
+            out.append(from_gguf_blocks(data[i], _KEPT[kind], n, k))
+        elif kind in _KEPT_K:
+            out.append(from_gguf_k_blocks(data[i], _KEPT_K[kind], n, k))
+        else:
+            out.append(from_gguf_repacked(data[i].reshape(n, -1), kind, n, k))
+    return out
 
 
 def release_free_heap() -> None:

@@ -12,95 +12,20 @@ seed that produced one would be seen, not silently skipped)."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engine_driver import TOKENIZER_FILES, run_staggered
+from engine_driver import run_staggered
+from moe_models import KINDS, LOGPROB_TOL, PROMPTS, build, hf_greedy, moe_engine
 from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
 
-from server.config import CacheConfig, EngineConfig, ModelConfig
-from server.engine import LLMEngine
 from server.models.moe.layer import FusedMoE
 from server.request import SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea, there lived",
-    "def fibonacci(n):",
-    "In 1969, the first humans landed on the Moon. The mission was called",
-]
-MAX_LEN = 256
-LOGPROB_TOL = 2e-4  # fp32 both sides; attention and expert sums in another order
-KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 TIE_GAP = 1e-5
-
-
-def _config(kind: str) -> Any:
-    import transformers as tf
-
-    common: dict[str, Any] = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_LEN,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        rms_norm_eps=1e-5,
-        num_experts_per_tok=2,
-    )
-    if kind == "mixtral":
-        return tf.MixtralConfig(**common, intermediate_size=48, num_local_experts=8)
-    if kind == "qwen2_moe":
-        # layer 1 dense (mlp_only_layers), a shared expert, no renormalisation (its shipped default)
-        return tf.Qwen2MoeConfig(
-            **common,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=80,
-            num_experts=8,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-            norm_topk_prob=False,
-        )
-    # every second layer sparse (decoder_sparse_step 2: layers 1 and 3), renormalised top-k, q/k norms
-    common["head_dim"] = 16
-    return tf.Qwen3MoeConfig(
-        **common,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_experts=8,
-        decoder_sparse_step=2,
-        norm_topk_prob=True,
-    )
-
-
-def build(out: Path, tokenizer_from: Path, kind: str, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32)
-    with torch.no_grad():
-        # larger-than-default weights so greedy argmax and the router are not decided by noise; norms
-        # away from 1 so a missing norm weight shows
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif name.endswith("norm.weight"):
-                p.normal_(1.0, 0.3)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, out / name)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -115,34 +40,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callabl
     return make
 
 
-def _engine(folder: Path, num_kv_blocks: int = 128) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=ModelConfig(model=str(folder), dtype="float32", max_model_len=MAX_LEN),
-            cache=CacheConfig(block_size=4, num_kv_blocks=num_kv_blocks, enable_prefix_caching=True),
-            max_num_batched_tokens=8,  # prompts are chunked, and chunks share steps with decodes
-        )
-    )
-
-
-def hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = hf.generate(  # type: ignore[misc]
-                torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=0, eos_token_id=2
-            )
-            outs.append(ids[0, len(p) :].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_prompt_logprobs_prefix_hit_and_preemption(tiny: Callable[[str], Path], kind: str) -> None:
     folder = tiny(kind)
-    engine = _engine(folder)
+    engine = moe_engine(folder)
     a = engine.loaded.arch
     assert a.num_heads != a.num_kv_heads and a.moe is not None and a.moe.num_experts == 8
     moe_layers = [i for i, s in enumerate(a.layers) if s.mlp == "moe"]
@@ -160,7 +61,7 @@ def test_greedy_prompt_logprobs_prefix_hit_and_preemption(tiny: Callable[[str], 
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     # a cache too small for all four: requests are preempted and recomputed, tokens unchanged
-    tight = _engine(folder, num_kv_blocks=12)
+    tight = moe_engine(folder, num_kv_blocks=12)
     assert run_staggered(tight, prompts, params) == ref
     assert tight.stats().num_preemptions > 0
     assert tight.stats().num_free_blocks == 12
@@ -208,7 +109,7 @@ def test_router_choices_equal_on_every_token(
     tiny: Callable[[str], Path], kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tiny(kind)
-    engine = _engine(folder)
+    engine = moe_engine(folder)
     prompt = engine.tokenizer.encode(PROMPTS[3])
     seen = _record_ours(monkeypatch)
     out = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0]

@@ -41,5 +41,6 @@ MIXTRAL = Architecture(
     "mixtral",
     configure,
     ("mixture of experts (top-k of E, renormalised)", "sliding window"),
+    gguf=True,
     rename_weights=rename_weights,
 )

@@ -59,6 +59,7 @@ ARCHITECTURES = [
         configure,
         ("q/k/v bias", "mixture of experts + shared expert", "dense layers (mlp_only_layers)"),
         qkv_bias=True,
+        gguf=True,
         rename_weights=rename_weights,
     ),
     Architecture(
@@ -67,6 +68,7 @@ ARCHITECTURES = [
         configure,
         ("per-head q/k norm", "mixture of experts", "dense layers (mlp_only_layers)"),
         qk_norm=True,
+        gguf=True,
         rename_weights=rename_weights,
     ),
 ]

@@ -1,0 +1,134 @@
+"""Mixture-of-experts GGUF files (llama.cpp's layouts, convert_hf_to_gguf.py): the config.json fields
+transformers' GGUF reader leaves out, and the block tensors assembled into `SparseMoeBlock`s.
+
+Layouts: Mixtral is the `llama` architecture with `llama.expert_count` / `expert_used_count`,
+`feed_forward_length` the experts' size; `qwen2moe` / `qwen3moe` carry `expert_feed_forward_length`
+(the experts' size; `feed_forward_length` is the dense MLP's), and qwen2moe
+`expert_shared_feed_forward_length`. Per MoE layer: `ffn_gate_inp` (router [E, H]),
+`ffn_{gate,up,down}_exps` (stacked [E, N, K]), and qwen2moe's `ffn_{gate,up,down}_shexp` +
+`ffn_gate_inp_shexp` ({H}). llama.cpp renormalises the top-k for qwen3moe and not for qwen2moe (its
+`norm_w` in models/qwen2moe.cpp / qwen3moe.cpp), Mixtral always; a layer without `ffn_gate_inp` keeps a
+dense MLP (Qwen's `mlp_only_layers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from server.models.moe.block import SparseMoeBlock
+from server.models.moe.quant import BlockQuantExperts
+from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel, dequantize_reference
+from server.quant.gguf_checkpoint import GgufCheckpoint
+
+log = logging.getLogger(__name__)
+
+_ROUTER = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
+_SHARED_GATE = re.compile(r"^blk\.\d+\.ffn_gate_shexp\.weight$")
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    value = f.parts[f.data[0]]
+    return bytes(value).decode() if f.types and f.types[0].name == "STRING" else value[0].item()
+
+
+def gguf_moe_fields(path: Path) -> dict[str, Any]:
+    """The config.json fields of a MoE GGUF that transformers' reader does not write (empty for a
+    dense file): the architecture (Mixtral for a `llama` file with experts), expert counts and sizes,
+    renormalisation, which layers are dense. Raises ValueError for a layout we do not map."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _field(reader, "general.architecture") or "llama"
+    experts = _field(reader, f"{arch}.expert_count")
+    if not experts:
+        return {}
+    layers = int(_field(reader, f"{arch}.block_count"))
+    sparse = {int(m.group(1)) for t in reader.tensors if (m := _ROUTER.match(t.name))}
+    dense = [i for i in range(layers) if i not in sparse]
+    used = int(_field(reader, f"{arch}.expert_used_count"))
+    if arch == "llama":
+        if dense:
+            raise ValueError(f"{path.name}: a llama (Mixtral) file with experts on only some layers")
+        return {
+            "model_type": "mixtral",
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": int(experts),
+            "num_experts_per_tok": used,
+        }
+    if arch not in ("qwen2moe", "qwen3moe"):
+        raise ValueError(
+            f"{path.name}: MoE GGUF architecture {arch!r} is not mapped (llama, qwen2moe, qwen3moe)"
+        )
+    fields: dict[str, Any] = {
+        "num_experts": int(experts),
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": arch == "qwen3moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
+    if arch == "qwen2moe":
+        shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+        if shared is None:  # older files: the shared expert's gate rows
+            t = next((t for t in reader.tensors if _SHARED_GATE.match(t.name)), None)
+            shared = int(t.shape[1]) if t is not None else 0
+        fields["shared_expert_intermediate_size"] = int(shared)
+    return fields
+
+
+def _dense(t: Tensor | BlockQuantWeight) -> Tensor:  # fp32
+    return dequantize_reference(t) if isinstance(t, BlockQuantWeight) else t.float()
+
+
+def assemble_gguf_moe(
+    blocks: dict[int, SparseMoeBlock], ckpt: GgufCheckpoint, kernel: QLinearKernel | None, file: str
+) -> dict[str, Tensor]:
+    """Moves each MoE layer's tensors out of `ckpt` into its block: experts kept quantized (a kept
+    type, gate and up alike) become the block's `BlockQuantExperts` (only the chosen experts' bytes are
+    read per step); others are dequantized into `w13`/`w2`. Router and shared expert are fp32 (small;
+    F32 in llama.cpp's files). Returns the blocks' float tensors under their parameter names, for the
+    loader's load_state_dict. Raises ValueError naming a missing tensor."""
+    state: dict[str, Tensor] = {}
+    for n, block in blocks.items():
+        pre = f"model.layers.{n}.mlp"
+
+        def take(name: str, pre: str = pre) -> Tensor | BlockQuantWeight:
+            try:
+                return ckpt.tensors.pop(f"{pre}.{name}")
+            except KeyError:
+                raise ValueError(f"{file}: {pre} lacks its MoE tensor {name}") from None
+
+        state[f"{pre}.router"] = _dense(take("router"))
+        if block.cfg.shared_expert_intermediate_size:
+            gate, up = _dense(take("shared_expert.gate")), _dense(take("shared_expert.up"))
+            state[f"{pre}.shared_w13"] = torch.cat([gate, up])
+            state[f"{pre}.shared_w2"] = _dense(take("shared_expert.down"))
+            state[f"{pre}.shared_gate"] = _dense(take("shared_expert_gate")).reshape(1, -1)
+        names = [f"{pre}.experts.{p}" for p in ("gate", "up", "down")]
+        quant = [ckpt.experts.pop(k, None) for k in names]
+        if all(q is not None for q in quant) and quant[0][0].fmt == quant[1][0].fmt:  # type: ignore[index]
+            g, u, d = quant
+            assert g is not None and u is not None and d is not None
+            w13 = [BlockQuantWeight.concat_rows([a, b]) for a, b in zip(g, u, strict=True)]
+            block.set_experts(BlockQuantExperts(w13, d, kernel=kernel))
+            continue
+        dense = []
+        for k, q in zip(names, quant, strict=True):
+            if q is not None:
+                dense.append(torch.stack([dequantize_reference(w) for w in q]))
+            else:
+                dense.append(_dense(take(k.removeprefix(pre + "."))))
+        state[f"{pre}.w13"] = torch.cat([dense[0], dense[1]], dim=1)  # [E, 2I, H]
+        state[f"{pre}.w2"] = dense[2]  # [E, H, I]
+        if any(q is not None for q in quant):
+            log.warning("%s: layer %d's experts mix quantization types: served dequantized (fp32)", file, n)
+    return state
