@@ -136,8 +136,9 @@ def download_from_hub(repo_id: str, cache_dir: Path, revision: str | None = None
 
 
 # Bump when what convert_gguf / gguf_metadata_folder write changes (file set, config fields, fixes).
-# 2: MoE files' expert fields (server/models/moe/gguf.py)
-CONVERTER_VERSION = 2
+# 2: MoE files' expert fields (server/models/moe/gguf.py); 3: our own config reader for the architectures
+# transformers' GGUF reader lacks
+CONVERTER_VERSION = 3
 MANIFEST_NAME = "kubeinfer-conversion.json"
 
 
@@ -233,6 +234,23 @@ def _moe_fields(gguf: Path) -> dict[str, Any]:
         raise UnsupportedModelError(str(e)) from e
 
 
+def _gguf_config_and_tokenizer(gguf: Path) -> tuple[dict[str, Any], Any]:
+    """config.json (ours for gguf_config.READERS' architectures, else transformers' GGUF reader) and
+    the tokenizer with its chat template (transformers' GGUF tokenizer builder: it reads only the
+    `tokenizer.*` keys, whatever the architecture)."""
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+
+    from server.models.gguf_config import READERS, gguf_architecture, hf_config_from_gguf
+
+    if gguf_architecture(gguf) in READERS:
+        cfg = hf_config_from_gguf(gguf)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        return cfg, tok
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return _gguf_hf_config(config, gguf), tok
+
+
 def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
     """config.json and the tokenizer of a GGUF file, as a (weightless) Hugging Face folder; cached."""
     full = _gguf_cache_folder(gguf, cache_dir)
@@ -242,13 +260,10 @@ def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
     if _reusable(target, gguf, ("meta",)):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoConfig, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    cfg, tok = _gguf_config_and_tokenizer(gguf)
     tmp = Path(tempfile.mkdtemp(prefix=".meta-", dir=cache_dir))
     try:
-        (tmp / "config.json").write_text(json.dumps(_gguf_hf_config(config, gguf), indent=2))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(str(tmp))
         (tmp / MANIFEST_NAME).write_text(json.dumps(_manifest(gguf, "meta"), indent=2))
         _publish(tmp, target)
@@ -270,20 +285,28 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to safetensors in %s (once; later starts reuse it)", gguf.name, target)
     t0 = time.monotonic()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from server.models.gguf_config import READERS, gguf_architecture
 
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
-    try:
+    if gguf_architecture(gguf) in READERS:
+        cfg, tok = _gguf_config_and_tokenizer(gguf)
+        state = _dequantized_state(gguf)
+        if cfg["tie_word_embeddings"]:
+            state.pop("lm_head.weight", None)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg = hf.config.to_dict()
         cfg.pop("quantization_config", None)
         cfg["architectures"] = [type(hf).__name__]
         cfg["_name_or_path"] = gguf.stem
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(str(tmp))
         (tmp / MANIFEST_NAME).write_text(json.dumps(_manifest(gguf, "full"), indent=2))
@@ -292,6 +315,18 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1f s", gguf.name, time.monotonic() - t0)
     return target
+
+
+def _dequantized_state(gguf: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the file under its HF name as fp32 (our reader: gguf_checkpoint.py)."""
+    from server.quant.cpu_qlinear import BlockQuantWeight, dequantize_reference
+    from server.quant.gguf_checkpoint import read_gguf_checkpoint
+
+    ckpt = read_gguf_checkpoint(gguf)
+    return {
+        k: (dequantize_reference(v) if isinstance(v, BlockQuantWeight) else v).float().contiguous()
+        for k, v in ckpt.tensors.items()
+    }
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
@@ -559,6 +594,9 @@ def load_gguf_model(
     if not ARCHITECTURES[arch.architecture].gguf:
         raise UnsupportedModelError(f"{arch.architecture} GGUF files are not mapped yet (docs/models.md)")
     ckpt = read_gguf_checkpoint(gguf)
+    rename = ARCHITECTURES[arch.architecture].rename_weights
+    if rename is not None:  # Phi-3's fused attn_qkv / ffn_up, split by rows (quantized rows stay so)
+        ckpt.tensors = rename(ckpt.tensors, arch)  # type: ignore[arg-type,assignment]
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions=1)
     quantized: dict[str, str] = {}

@@ -1,10 +1,11 @@
 """A GGUF file's tensors under Hugging Face names, quantized ones kept quantized (BlockQuantWeight).
 
 The GGUF layout is llama.cpp's (gguf-py's GGUFReader reads it): tensor names such as blk.3.attn_q.weight,
-shapes in ggml order (ne0 = in_features first), and for the "llama" architecture q/k projection rows
-permuted by convert_hf_to_gguf.py for ggml's rotary layout. The permutation is undone here on whole rows,
-so quantized rows move without being touched (exactly what transformers' GGUF loader does on the
-dequantized matrix). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (the k-quants repacked into
+mapped per `general.architecture` (gguf_names.py: llama, qwen2, qwen3, granite, smollm3, olmo2, phi3,
+gemma, gemma2, gemma3), shapes in ggml order (ne0 = in_features first), q/k projection rows permuted by
+convert_hf_to_gguf.py for ggml's rotary layout in the Llama-converted families, and Gemma's norm weights
+stored + 1. The permutation is undone here on whole rows, so quantized rows move without being touched
+(exactly what transformers' GGUF loader does on the dequantized matrix); the + 1 is taken back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (the k-quants repacked into
 per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks), and so do Q5_0, Q5_1, Q5_K, Q3_K,
 Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from server.quant.cpu_qlinear import BlockQuantWeight, from_gguf_blocks, from_gguf_k_blocks
+from server.quant.gguf_names import GLOBAL_NAMES, LAYOUTS, GgufLayout
 from server.quant.gguf_repack import REPACKED, from_gguf_repacked
 
 log = logging.getLogger(__name__)
@@ -33,19 +35,6 @@ log = logging.getLogger(__name__)
 _KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 _KEPT_K = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 _FLOAT = ("F32", "F16", "BF16")
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
 # Mixture-of-experts blocks (llama.cpp's Mixtral in the `llama` architecture, qwen2moe, qwen3moe): full
 # names under the layer, assembled into server/models/moe/block.py's parameters by the loader. The
 # stacked experts (`*_exps`, ggml shape {K, N, E}) are [E, N, K]; the shared expert's gate is {H}.
@@ -60,27 +49,24 @@ _MOE_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down",
 }
 _EXPERT_NAMES = ("mlp.experts.gate", "mlp.experts.up", "mlp.experts.down")
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors we do not use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_name(gguf_name: str, layout: GgufLayout = LAYOUTS["llama"]) -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight under `layout` (the file's
+    architecture: gguf_names.py); None for tensors we do not use (rope_freqs, Phi-3's rope factors:
+    the config reader's)."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
     if m is None:
         return None
     moe = _MOE_NAMES.get(f"{m.group(2)}.{m.group(3)}")
     if moe is not None:
         return f"model.layers.{m.group(1)}.{moe}"
-    if m.group(2) not in _LAYER_NAMES:
+    if m.group(2) not in layout.layer:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layout.layer[m.group(2)]}.{m.group(3)}"
 
 
 def rotary_unpermute(n_rows: int, n_head: int) -> Tensor:  # [n_rows] int64
@@ -135,11 +121,16 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
     reader = GGUFReader(str(path))
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "llama"
+    layout = LAYOUTS.get(arch)
+    if layout is None:
+        raise ValueError(
+            f"{path.name}: GGUF architecture {arch!r} is not mapped; expected one of {sorted(LAYOUTS)}"
+        )
     n_head = _field_int(reader, f"{arch}.attention.head_count")
     n_kv = _field_int(reader, f"{arch}.attention.head_count_kv") or n_head
     ckpt = GgufCheckpoint(arch)
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, layout)
         if name is None:
             continue
         kind = t.tensor_type.name
@@ -178,7 +169,9 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
                 d.resident_bytes,
                 d.extra_bytes,
             )
-        if arch == "llama" and n_head and (".q_proj." in name or ".k_proj." in name):
+        if layout.norm_shift and t.name.endswith("norm.weight") and isinstance(value, Tensor):
+            value = value - layout.norm_shift
+        if layout.permute_qk and n_head and (".q_proj." in name or ".k_proj." in name):
             heads = n_head if ".q_proj." in name else n_kv
             assert heads is not None
             perm = rotary_unpermute(shape[0], heads)

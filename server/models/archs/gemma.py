@@ -110,17 +110,19 @@ def configure_gemma3(cfg: dict[str, Any], base: ArchConfig) -> ArchConfig:
 
 _COMMON = ("(1 + w) RMSNorm", "GeGLU (tanh)", "embeddings x sqrt(hidden)")
 ARCHITECTURES = [
-    Architecture("GemmaForCausalLM", "gemma", configure_gemma, _COMMON),
+    Architecture("GemmaForCausalLM", "gemma", configure_gemma, _COMMON, gguf=True),
     Architecture(
         "Gemma2ForCausalLM",
         "gemma2",
         configure_gemma2,
         (*_COMMON, "pre/post norms", "attention + final logit soft-capping", "sliding window"),
+        gguf=True,
     ),
     Architecture(
         "Gemma3ForCausalLM",
         "gemma3_text",
         configure_gemma3,
         (*_COMMON, "pre/post norms", "per-head q/k norm", "local RoPE base", "sliding window"),
+        gguf=True,
     ),
 ]

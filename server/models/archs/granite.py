@@ -31,4 +31,5 @@ GRANITE = Architecture(
     "granite",
     configure,
     ("embedding/residual/attention/logits multipliers",),
+    gguf=True,
 )

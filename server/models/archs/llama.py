@@ -19,5 +19,7 @@ ARCHITECTURES = [
     Architecture(
         "Qwen2ForCausalLM", "qwen2", _as_is, ("q/k/v bias",), qkv_bias=True, gguf=True, llama_layer=True
     ),
-    Architecture("Qwen3ForCausalLM", "qwen3", _as_is, ("per-head q/k norm",), qk_norm=True, llama_layer=True),
+    Architecture(
+        "Qwen3ForCausalLM", "qwen3", _as_is, ("per-head q/k norm",), qk_norm=True, gguf=True, llama_layer=True
+    ),
 ]

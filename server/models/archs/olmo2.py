@@ -16,4 +16,6 @@ def configure(cfg: dict[str, Any], base: ArchConfig) -> ArchConfig:
     return replace(base, layers=(spec,) * base.num_layers)
 
 
-OLMO2 = Architecture("Olmo2ForCausalLM", "olmo2", configure, ("post-norms", "q/k norm over the projection"))
+OLMO2 = Architecture(
+    "Olmo2ForCausalLM", "olmo2", configure, ("post-norms", "q/k norm over the projection"), gguf=True
+)

@@ -24,4 +24,6 @@ def configure(cfg: dict[str, Any], base: ArchConfig) -> ArchConfig:
     return replace(base, layers=layers)
 
 
-SMOLLM3 = Architecture("SmolLM3ForCausalLM", "smollm3", configure, ("layers without RoPE (no_rope_layers)",))
+SMOLLM3 = Architecture(
+    "SmolLM3ForCausalLM", "smollm3", configure, ("layers without RoPE (no_rope_layers)",), gguf=True
+)
