@@ -65,6 +65,9 @@ LAYOUTS: dict[str, GgufLayout] = {
     "llama": GgufLayout(permute_qk=True),
     "qwen2": GgufLayout(),
     "qwen3": GgufLayout({**_LLAMA_LAYER, **_QK_NORM}),
+    # MoE blocks' tensors (ffn_*_exps, *_shexp) are gguf_checkpoint._MOE_NAMES', in every layout
+    "qwen2moe": GgufLayout(),
+    "qwen3moe": GgufLayout({**_LLAMA_LAYER, **_QK_NORM}),
     "granite": GgufLayout(permute_qk=True),
     "smollm3": GgufLayout(permute_qk=True),
     "olmo2": GgufLayout(_OLMO2),

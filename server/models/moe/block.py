@@ -120,9 +120,12 @@ def stack_checkpoint_experts(
     `load_expert_weights` reads: Mixtral's `block_sparse_moe`, Qwen's and gpt-oss's `mlp`) replaced by
     SparseMoeBlock's at `model.layers.N.mlp`. Raises KeyError naming a missing tensor, ValueError on a
     shape mismatch; tensors of the block that the layout does not read are left for the loader's
-    unexpected-tensor check."""
+    unexpected-tensor check. A layer already under SparseMoeBlock's names is left as it is (the loader
+    runs every architecture's rename on a GGUF file's tensors too, for Phi-3's fused ones)."""
     out = dict(state)
     for n in moe_layers:
+        if f"model.layers.{n}.mlp.router" in out:
+            continue  # already under SparseMoeBlock's names: a GGUF file's (quant/gguf_checkpoint.py)
         prefix = f"model.layers.{n}.{block}"
         w = load_expert_weights(out, prefix, cfg)
         for key in [k for k in out if k.startswith(prefix + ".") and _read_by_layout(k, prefix, cfg)]:
