@@ -133,3 +133,22 @@ def test_ngram_speculation_and_a_grammar_equal_transformers(qwen2_moe: Path) -> 
         )
     assert got == ids[0, len(prompt) :].tolist()
     assert spec.tokenizer.decode(got, skip_special_tokens=True) in ("north", "south", "east by west")
+
+
+def test_quantized_experts_count_in_the_weight_bytes() -> None:
+    """A MoE block's quantized experts live outside its parameters; weight_bytes (/info, the start-up
+    log) counts them."""
+    from server.models.moe.block import SparseMoeBlock
+    from server.models.moe.config import MoEConfig
+    from server.models.moe.quant import BlockQuantExperts
+    from server.quant import weight_bytes
+
+    block = SparseMoeBlock(MoEConfig("mixtral", 4, 2, 64, 32))
+    for p in block.parameters():
+        p.data.normal_(0.0, 0.1)
+    experts = BlockQuantExperts.quantize(block.expert_weights(), "q8_0")
+    block.set_experts(experts)
+    router = block.router.numel() * block.router.element_size()
+    assert weight_bytes(block) == router + experts.nbytes()
+    x = torch.randn(3, 64)
+    assert block(x).shape == (3, 64)
