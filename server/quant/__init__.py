@@ -182,6 +182,10 @@ def _persistent_tensors(module: nn.Module) -> Iterator[Tensor]:
     for name, buf in module.named_buffers(recurse=False):
         if name not in module._non_persistent_buffers_set:
             yield buf
+    # weights a module holds outside its parameters and buffers (a MoE block's quantized experts)
+    held = getattr(module, "held_weight_tensors", None)
+    if callable(held):
+        yield from held()
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -133,3 +133,40 @@ def test_ngram_speculation_and_a_grammar_equal_transformers(qwen2_moe: Path) -> 
         )
     assert got == ids[0, len(prompt) :].tolist()
     assert spec.tokenizer.decode(got, skip_special_tokens=True) in ("north", "south", "east by west")
+
+
+def test_quantized_experts_count_in_the_weight_bytes() -> None:
+    """A MoE block's quantized experts live outside its parameters; weight_bytes (/info, the start-up
+    log) counts them."""
+    from server.models.moe.block import SparseMoeBlock
+    from server.models.moe.config import MoEConfig
+    from server.models.moe.quant import BlockQuantExperts
+    from server.quant import weight_bytes
+
+    block = SparseMoeBlock(MoEConfig("mixtral", 4, 2, 64, 32))
+    for p in block.parameters():
+        p.data.normal_(0.0, 0.1)
+    experts = BlockQuantExperts.quantize(block.expert_weights(), "q8_0")
+    block.set_experts(experts)
+    router = block.router.numel() * block.router.element_size()
+    assert weight_bytes(block) == router + experts.nbytes()
+    x = torch.randn(3, 64)
+    assert block(x).shape == (3, 64)
+
+
+def test_embedding_pass_runs_the_moe_layers(qwen2_moe: Path) -> None:
+    """--task embed's dense causal pass (server/pooling/decoder.py) over [B, S, H] batches: the MoE
+    block takes any leading shape; hidden states equal transformers' last hidden state."""
+    from transformers import AutoModelForCausalLM
+
+    from server.models.loader import load_model
+    from server.pooling.decoder import DecoderEncoder
+
+    loaded = load_model(qwen2_moe, torch.float32, torch.device("cpu"), max_positions=64, embedding_only=True)
+    ids = torch.randint(3, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ours = DecoderEncoder(loaded.model)(ids, torch.zeros_like(ids), mask)
+        hf = AutoModelForCausalLM.from_pretrained(str(qwen2_moe), dtype=torch.float32)
+        ref = hf.model(ids).last_hidden_state  # type: ignore[operator]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

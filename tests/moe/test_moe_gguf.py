@@ -26,6 +26,7 @@ from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.moe.block import SparseMoeBlock
 from server.models.moe.quant import BlockQuantExperts
+from server.quant import weight_bytes
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
@@ -106,6 +107,9 @@ def test_q8_0_experts_kept_quantized(
     for block in blocks:
         assert isinstance(block.experts, BlockQuantExperts) and block.w13 is None
         assert {w.fmt for w in block.experts.w13 + block.experts.w2} == {"q8_0"}
+        # the quantized experts count in the weight bytes (/info, the start-up log)
+        params = sum(p.numel() * p.element_size() for p in block.parameters())
+        assert weight_bytes(block) >= params + block.experts.nbytes()
     _check(engine, hf, dequantized, "Q8_0")
 
 

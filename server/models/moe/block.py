@@ -63,6 +63,11 @@ class SparseMoeBlock(nn.Module):
         self.w2 = None
         self._fused = None
 
+    def held_weight_tensors(self) -> list[Tensor]:
+        """The quantized experts' tensors (not parameters), for server.quant.weight_bytes."""
+        tensors = getattr(self.experts, "tensors", None)
+        return list(tensors()) if callable(tensors) else []
+
     def expert_weights(self) -> ExpertWeights:
         def opt(name: str) -> Tensor | None:
             t = getattr(self, name)

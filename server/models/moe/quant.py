@@ -105,6 +105,10 @@ class BlockQuantExperts:
     def nbytes(self) -> int:
         return sum(q.nbytes() for q in self.w13 + self.w2)
 
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the experts hold (SparseMoeBlock.held_weight_tensors)."""
+        return [t for q in self.w13 + self.w2 for t in q.tensors()]
+
     def _linear(self, x: Tensor, w: BlockQuantWeight, bias: Tensor | None) -> Tensor:
         x = x.float().contiguous()
         if self.kernel is None:
