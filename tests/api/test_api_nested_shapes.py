@@ -269,13 +269,15 @@ def test_clients_nested_shapes_still_pass(live_server: LiveServer, monkeypatch: 
 
 
 # ---- item 2: text-generation's Client.chat(stream=True) and the openai SDK's streams --------------------------
-def test_text_generation_chat_stream_and_openai_streams(live_server: LiveServer) -> None:
+def test_text_generation_chat_stream_and_openai_streams(
+    live_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """text-generation's `ChatCompletionChunk` (TGI 2's Messages API) needs `role` and `tool_calls`
     in every delta: a request naming TGI's placeholder model ("tgi", what that client sends) gets
     TGI's delta shape; the same text as unary. The openai SDK's streams still parse and add up:
     chunk iteration with model "tgi" and the `.stream()` helper (which concatenates every string
     field of the deltas, so a role in every delta would read "assistantassistant...") with the
-    served name."""
+    served name; huggingface_hub's stream reads both shapes."""
     from text_generation import Client
 
     url = live_server.url
@@ -302,6 +304,14 @@ def test_text_generation_chat_stream_and_openai_streams(live_server: LiveServer)
         if c.choices
     )
     assert tgi_text == streamed
+    import huggingface_hub.constants
+    from huggingface_hub import InferenceClient
+
+    monkeypatch.setattr(huggingface_hub.constants, "is_offline_mode", lambda: False)
+    hf = InferenceClient(base_url=url)  # kept: the stream reads through the client's session
+    for name in ("dummy", "tgi"):  # its default name (OpenAI's chunks, [DONE]) and TGI's (TGI's chunks)
+        chunks_hf = hf.chat_completion(messages, model=name, max_tokens=8, temperature=0.0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks_hf if c.choices) == streamed, name
     with client.chat.completions.stream(
         model=SERVED_NAME,
         messages=messages,  # type: ignore[arg-type]
