@@ -9,10 +9,13 @@ kernels) and with the weights repacked for our weight-only kernel (server/quant/
 alternates 1-user greedy decodes between the two engines (rounds x each), so both see the same machine
 load; it reports the median tokens/s of each, their ratio and the weight bytes each holds.
 
-AWQ and GPTQ checkpoints are written once by our quantizer into --work-dir and reused. Perplexity is
-over the held-out text of server.quantize.evaluation (scored in fp32, as the tests do); decode speed is a
-batch-1 greedy generation through LLMEngine in the serving dtype ("auto"), counted from the first
-token to the last. The reference ("none") is the embedded model, itself dequantized Q4_1.
+AWQ and GPTQ checkpoints are written once by our quantizer into --work-dir and reused. Each method is
+scored over the held-out text of server.quantize.evaluation in every --dtypes compute dtype ("auto" is
+the server's default: bf16 on a CPU with native bf16, else fp32): perplexity, its ratio to the fp32
+unquantized model, and the mean KL divergence of the next-token distributions from that model (nats/token;
+steadier than a short text's perplexity). Decode speed is a batch-1 greedy generation through LLMEngine in
+the serving dtype ("auto"), counted from the first token to the last (--decode-tokens 0 skips it). The
+reference ("none") is the embedded model, itself dequantized Q4_1.
 """
 
 from __future__ import annotations
@@ -36,9 +39,15 @@ import torch
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
-from server.models.loader import load_model, resolve_model
+from server.models.loader import load_model, resolve_dtype, resolve_model
 from server.quant import quantized_layer_bytes
-from server.quantize.evaluation import HELDOUT_TEXT, score_sequence, top1_agreement
+from server.quantize.evaluation import (
+    HELDOUT_TEXT,
+    mean_kl,
+    score_sequence,
+    sequence_logprobs,
+    top1_agreement,
+)
 from server.request import SamplingParams
 from server.tokenizer import Tokenizer
 
@@ -61,11 +70,19 @@ PREQUANTIZED = {
 
 
 @dataclass(frozen=True)
+class Accuracy:
+    dtype: str  # the --dtype name as the server takes it
+    compute_dtype: str  # what it resolved to on this machine
+    perplexity: float
+    perplexity_ratio: float  # to the unquantized model in fp32
+    kl_to_fp32: float  # mean KL(unquantized fp32 || this), nats/token
+    top1_agreement_256: float  # teacher-forced, against the unquantized fp32 model
+
+
+@dataclass(frozen=True)
 class Row:
     method: str
-    perplexity: float
-    perplexity_ratio: float
-    top1_agreement_256: float
+    accuracy: list[Accuracy]
     weight_bytes: int  # whole model in the serving dtype, as EngineInfo reports it
     quantized_layer_bytes: int  # the projections only, in the serving dtype
     quantized_layer_ratio_vs_fp16: float
@@ -216,7 +233,10 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/kubeinfer-quant-bench"))
     ap.add_argument("--calib-tokens", type=int, default=128, help="as the tests (see docs/quantization.md)")
     ap.add_argument("--eval-tokens", type=int, default=257)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=32, help="0 = no decode speed")
+    ap.add_argument(
+        "--dtypes", nargs="+", default=["auto", "float32"], help="compute dtypes to score each method in"
+    )
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -227,18 +247,34 @@ def main() -> int:
     base_folder = resolve_model(None).folder
     ids = Tokenizer(base_folder).encode(HELDOUT_TEXT, add_special_tokens=False)[: args.eval_tokens]
     heldout = torch.tensor(ids, dtype=torch.int64)
+    cpu = torch.device("cpu")
+    ref = load_model(base_folder, torch.float32, cpu, 1024).model
+    ref_scores, ref_logprobs = score_sequence(ref, heldout), sequence_logprobs(ref, heldout)
+    del ref
     methods = list(dict.fromkeys(["none", *args.methods]))
     rows: list[Row] = []
-    base_scores = None
     for method in methods:
         folder = (
             _checkpoint(method, args.work_dir, args.calib_tokens) if method in PREQUANTIZED else base_folder
         )
         flag = None if method in ("none", *PREQUANTIZED) else method
-        loaded = load_model(folder, torch.float32, torch.device("cpu"), 1024, flag)
-        scores = score_sequence(loaded.model, heldout)
-        del loaded
-        base_scores = base_scores or scores
+        accuracy = []
+        for name in args.dtypes:
+            dtype = resolve_dtype(name, cpu)
+            loaded = load_model(folder, dtype, cpu, 1024, flag)
+            scores = score_sequence(loaded.model, heldout)
+            logprobs = sequence_logprobs(loaded.model, heldout)
+            del loaded
+            accuracy.append(
+                Accuracy(
+                    dtype=name,
+                    compute_dtype=str(dtype).removeprefix("torch."),
+                    perplexity=round(scores.perplexity, 3),
+                    perplexity_ratio=round(scores.perplexity / ref_scores.perplexity, 4),
+                    kl_to_fp32=round(mean_kl(ref_logprobs, logprobs), 5),
+                    top1_agreement_256=round(top1_agreement(ref_scores, scores, 256), 4),
+                )
+            )
         t0 = time.perf_counter()
         llm = LLMEngine(
             EngineConfig(
@@ -252,16 +288,15 @@ def main() -> int:
         load_s = time.perf_counter() - t0
         held, fp16 = quantized_layer_bytes(llm.loaded.model)  # in the serving dtype
         prompt = llm.tokenizer.encode("The history of the printing press")
+        speed = _decode_speed(llm, prompt, args.decode_tokens) if args.decode_tokens else float("nan")
         rows.append(
             Row(
                 method=method,
-                perplexity=round(scores.perplexity, 3),
-                perplexity_ratio=round(scores.perplexity / base_scores.perplexity, 4),
-                top1_agreement_256=round(top1_agreement(base_scores, scores, 256), 4),
+                accuracy=accuracy,
                 weight_bytes=llm.info.weight_bytes,
                 quantized_layer_bytes=held,
                 quantized_layer_ratio_vs_fp16=round(held / fp16, 4),
-                decode_tokens_per_s=round(_decode_speed(llm, prompt, args.decode_tokens), 2),
+                decode_tokens_per_s=round(speed, 2),
                 load_s=round(load_s, 2),
             )
         )
@@ -274,6 +309,8 @@ def main() -> int:
                 "eval_tokens": int(heldout.numel()),
                 "calib_tokens": args.calib_tokens,
                 "threads": args.threads,
+                "cpu": _cpu_model(),
+                "load_average_at_start": os.getloadavg(),
                 "results": [asdict(r) for r in rows],
             },
             indent=2,

@@ -10,8 +10,14 @@ at `long_prefill_token_threshold`: a step's time grows with its tokens, so one 2
 running the whole budget goes to prompts (time to first token of a burst is unchanged). vLLM's
 `long_prefill_token_threshold` caps each request's chunk; ours caps the step's prefill share, which
 also bounds many short prompts arriving together. Except for a burst: while at least as many waiting
-prompts can be admitted (free seats under max_num_seqs) as streams decode, the step admits them up to
-the whole budget (a prompt already running, e.g. the rest of a long one, keeps the cap). Trickling W
+prompts can be admitted (free seats under max_num_seqs) as streams decode, the step admits those that
+finish their prefill in it up to the whole budget (a prompt already running, e.g. the rest of a long
+one, keeps the cap). A waiting prompt longer than what is left of the budget gets only what is left of
+the ordinary cap after the prompts before it, and those behind it wait (first come, first served, as
+vLLM fills its budget): admitting each long prompt of a burst with the rest of the budget and then
+trickling it at the cap behind the older ones made every prompt finish late and every step beside the
+decodes a whole-budget one (issue 49: 8 users x 3,000-token prompts, TTFT p50 14.2 s against vLLM's
+7.8 s; docs/benchmarks.md, "Long prompts: a burst's long prompts get the cap, oldest first"). Trickling W
 waiting prompts in at one cap per step delays each of them by the steps before its turn, more in all
 than one long step delays the D <= W running streams once (32 users over a shared prefix: the
 13th..32nd prompts waited ~20 capped steps, 3.7 s, and those steps held every stream's next token,
@@ -244,6 +250,9 @@ class Scheduler:
         # A request whose adapter would exceed max_loras distinct adapters in the batch waits (skipped,
         # keeping its place) while the requests behind it may still be admitted.
         running_loras = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        # What is left of the ordinary cap after the prompts before: all that a burst gives a prompt that
+        # cannot finish its prefill in this step (module docstring).
+        cap_left = prefill_left
         if burst:
             prefill_left = prefill_cap = budget
         w = 0
@@ -273,6 +282,7 @@ class Scheduler:
                 given[req.request_id] = (n, n)
                 budget -= n
                 prefill_left -= n
+                cap_left -= n
                 continue
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             use_cache = req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
@@ -281,6 +291,10 @@ class Scheduler:
             num_new = req.num_tokens - req.num_computed_tokens - num_cached
             if num_new > min(budget, prefill_left) and not self.config.enable_chunked_prefill:
                 break
+            if burst and num_new > budget:
+                if cap_left <= 0:
+                    break  # FCFS: nobody behind a long prompt overtakes it
+                num_new = cap_left
             num_new = min(num_new, budget, prefill_left)
             blocks = self.kv.allocate_slots(req, num_new, computed)
             while blocks is None and make_room(req):
@@ -296,6 +310,7 @@ class Scheduler:
             given[req.request_id] = (num_new, num_new)
             budget -= num_new
             prefill_left -= num_new
+            cap_left -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
         num_batched = self.config.max_num_batched_tokens - budget

@@ -1,5 +1,5 @@
 """Running our model over one whole sequence outside the engine: calibration (server.quantize) and
-accuracy checks (perplexity, top-1 agreement) for the tests and benchmarks/quantization.py."""
+accuracy checks (perplexity, top-1 agreement, KL divergence) for the tests and benchmarks/quantization.py."""
 
 from __future__ import annotations
 
@@ -117,3 +117,16 @@ def top1_agreement(a: SequenceScores, b: SequenceScores, num_tokens: int = 256) 
     """Share of positions (teacher-forced on the same text) where both models' greedy choice is the same."""
     n = min(num_tokens, a.argmax.numel(), b.argmax.numel())
     return float((a.argmax[:n] == b.argmax[:n]).float().mean())
+
+
+def sequence_logprobs(model: LlamaForCausalLM, input_ids: Tensor) -> Tensor:  # input_ids: [T] int64
+    """Teacher-forced next-token log-probabilities [T - 1, vocab] fp32 (row t predicts token t + 1)."""
+    logits = SequenceRunner(model, int(input_ids.numel())).logits(input_ids)[:-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def mean_kl(reference: Tensor, other: Tensor) -> float:  # both: [T, vocab] fp32 log-probabilities
+    """Mean over positions of KL(reference || other) in nats/token: how far a quantized model's whole
+    next-token distribution moved, a steadier measure than a short text's perplexity (whose ratio moved
+    by +-2% between equally large random weight perturbations on the embedded model)."""
+    return float((reference.exp() * (reference - other)).sum(dim=-1).mean())

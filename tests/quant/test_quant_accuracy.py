@@ -21,14 +21,15 @@ from server.quant import QuantConfig, finalize, quantized_layer_bytes
 from server.quantize.evaluation import SequenceScores, score_sequence, top1_agreement
 
 # method -> (max perplexity ratio to unquantized, min top-1 agreement, max bytes ratio to fp16).
-# Measured on this text (ratio, agreement): int8 0.995, 0.945; fp8 1.034, 0.922; bitsandbytes (LLM.int8)
+# Measured on this text (ratio, agreement): int8 0.995, 0.945; fp8 1.019, 0.938 (1.034, 0.922 with amax
+# scales before fp8_channel_scales; tests/quant/test_quant_fp8_accuracy.py pins it); bitsandbytes (LLM.int8)
 # 1.052, 0.875; int4 (group 128, 64 where 576 forces it) 1.308, 0.645; RTN group 64 1.254, 0.688;
 # AWQ 1.138, 0.781; GPTQ (asym, act-order, damp 0.1) 1.146, 0.809; nf4 1.303, 0.707; fp4 1.451, 0.594.
 # Bytes: the CPU kernel's int4 layout holds an fp32 scale and min per (group, row), exact for fp16 scales
 # and 4-bit zeros: 0.625 bytes per weight at group 64 (0.3125 of fp16), 0.5625 at 128.
 BOUNDS: dict[str, tuple[float, float, float]] = {
     "int8": (1.02, 0.90, 0.55),
-    "fp8": (1.06, 0.88, 0.55),
+    "fp8": (1.04, 0.90, 0.55),
     "bitsandbytes": (1.08, 0.83, 0.55),
     "int4": (1.38, 0.60, 0.32),
     "rtn-g64": (1.32, 0.64, 0.32),
