@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from engine_driver import TOKENIZER_FILES
 
-
 # `make test` runs the suite on pytest-xdist workers (--dist loadgroup): a file's tests stay on one
 # worker (module-scoped servers and fixtures are built once), and tests/images runs on one worker, since
 # its image builds and containers share buildah's storage.
