@@ -241,7 +241,7 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
     return errors
 
 
-GATEWAY_KINDS = ("InferencePool", "HTTPRoute")
+GATEWAY_KINDS = ("InferencePool", "HTTPRoute", "InferenceObjective")
 
 
 def gateway_api_errors(obj: dict[str, Any]) -> list[str]:
@@ -283,6 +283,28 @@ def gateway_api_errors(obj: dict[str, Any]) -> list[str]:
                     f"spec.endpointPickerRef: unknown fields {sorted(set(ref) - {'group', 'kind', 'name', 'port', 'failureMode'})}"
                 )
         if set(spec) - {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}:
+            errors.append("spec: unknown fields")
+    if obj.get("kind") == "InferenceObjective":
+        # config/crd/bases/inference.networking.x-k8s.io_inferenceobjectives.yaml (v1.0.0): poolRef
+        # {group, kind, name} required name; priority an integer (higher first, unset means 0)
+        if obj.get("apiVersion") != "inference.networking.x-k8s.io/v1alpha2":
+            errors.append(f"apiVersion: {obj.get('apiVersion')!r} is not served")
+        ref = spec.get("poolRef")
+        if not isinstance(ref, dict) or not ref.get("name") or len(str(ref.get("name"))) > 253:
+            errors.append("spec.poolRef.name: Required value")
+        elif set(ref) - {"group", "kind", "name"}:
+            errors.append("spec.poolRef: unknown fields")
+        elif not re.match(
+            r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", ref.get("group", "")
+        ):
+            errors.append("spec.poolRef.group: Invalid value")
+        elif not re.match(r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$", ref.get("kind", "InferencePool")):
+            errors.append("spec.poolRef.kind: Invalid value")
+        if "priority" in spec and not (
+            isinstance(spec["priority"], int) and not isinstance(spec["priority"], bool)
+        ):
+            errors.append("spec.priority: Invalid value: must be an integer")
+        if set(spec) - {"poolRef", "priority"}:
             errors.append("spec: unknown fields")
     if obj.get("kind") == "HTTPRoute":
         parents = spec.get("parentRefs") or []
