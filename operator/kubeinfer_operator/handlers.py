@@ -270,7 +270,8 @@ def _register_child_watch(kind: str) -> None:
 WATCHED_CHILD_KINDS = tuple(
     kind
     for kind in OWNED_KINDS
-    if kind != "Secret" and (DEFAULTS.inference_extension or kind not in ("InferencePool", "HTTPRoute"))
+    if kind != "Secret"
+    and (DEFAULTS.inference_extension or kind not in ("InferencePool", "HTTPRoute", "InferenceObjective"))
 )
 for _kind in WATCHED_CHILD_KINDS:
     _register_child_watch(_kind)

@@ -53,6 +53,7 @@ KINDS: dict[str, KindInfo] = {
     # spec.routing.gateway (gateway.py)
     "InferencePool": KindInfo("inference.networking.k8s.io/v1", "inferencepools"),
     "HTTPRoute": KindInfo("gateway.networking.k8s.io/v1", "httproutes"),
+    "InferenceObjective": KindInfo("inference.networking.x-k8s.io/v1alpha2", "inferenceobjectives"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
     # read to leave a terminating namespace alone (reconciler.py)

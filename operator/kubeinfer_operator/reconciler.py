@@ -244,6 +244,7 @@ class Reconciler:
             # Not even asked about unless the installation renders them (its RBAC would refuse them).
             inference_pool=self.defaults.inference_extension and served("InferencePool"),
             http_route=self.defaults.inference_extension and served("HTTPRoute"),
+            inference_objective=self.defaults.inference_extension and served("InferenceObjective"),
             inference_extension=self.defaults.inference_extension,
         )
 

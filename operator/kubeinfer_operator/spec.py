@@ -705,6 +705,9 @@ class GatewaySpec(_Model):
     enabled: bool = False
     endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
     gateway_ref: GatewayRefSpec | None = None
+    # The model's request priority in the server's terms (a request's `priority`: lower first), rendered
+    # as the extension's InferenceObjective (higher first) with the sign turned: gateway.py.
+    priority: int | None = Field(default=None, ge=-1000, le=1000)
 
 
 class RoutingSpec(_Model):

@@ -638,6 +638,10 @@ ADMISSION: list[Row] = [
         _s(routing={"gateway": {"enabled": True, "gatewayRef": {"name": "gw", "namespace": "a.b"}}}),
         "in body should match",
     ),
+    Row("gateway-priority", _s(routing={"gateway": {"enabled": True, "priority": -10}}), None),
+    # the bound in the API server's words ("greater than the maximum of 1000") and pydantic's differ
+    Row("gateway-priority-too-high", _s(routing={"gateway": {"enabled": True, "priority": 1001}}), "1000"),
+    Row("gateway-priority-too-low", _s(routing={"gateway": {"enabled": True, "priority": -1001}}), "-1000"),
     # spec.network (issue 25 item 2)
     Row("network-peer-empty", _s(network={"allowedClients": [{}]}), "network.allowedClients entries need"),
     Row(
