@@ -53,6 +53,7 @@ ROUTE_KIND = "HTTPRoute"
 ROUTE_CRD_NAME = "httproutes.gateway.networking.k8s.io"
 OBJECTIVE_API_VERSION = "inference.networking.x-k8s.io/v1alpha2"
 OBJECTIVE_KIND = "InferenceObjective"
+OBJECTIVE_CRD_NAME = "inferenceobjectives.inference.networking.x-k8s.io"
 # The request header the picker selects an objective by (the extension's).
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 EPP_GRPC_PORT = 9002

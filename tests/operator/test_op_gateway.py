@@ -234,7 +234,7 @@ def test_installing_the_extensions_crds_brings_the_pool_without_waiting_for_the_
     monkeypatch.setattr(handlers, "RESYNC_SECONDS", 600.0)
     monkeypatch.setattr(handlers, "DISCOVERY_TTL_SECONDS", 600.0)
     cluster = cluster_factory()
-    spec = {"model": {"uri": "hf://org/model"}, "routing": {"gateway": GATEWAY}}
+    spec = {"model": {"uri": "hf://org/model"}, "routing": {"gateway": {**GATEWAY, "priority": -1}}}
     with run_operator(server_timeout=600):
         cluster.create("InferenceModel", inference_model(spec, name="llm"))
         cond = wait_for(
@@ -242,9 +242,16 @@ def test_installing_the_extensions_crds_brings_the_pool_without_waiting_for_the_
         )
         assert (cond["status"], cond["reason"]) == ("False", "CRDNotInstalled")
 
-        cluster.install_crds(INFERENCE_EXTENSION)
+        objectives = {k: v for k, v in INFERENCE_EXTENSION.items() if v.kind == "InferenceObjective"}
+        cluster.install_crds({k: v for k, v in INFERENCE_EXTENSION.items() if k not in objectives})
         wait_for(functools.partial(cluster.get, "InferencePool", "llm"), timeout=30, what="InferencePool")
         wait_for(functools.partial(cluster.get, "HTTPRoute", "llm"), timeout=30, what="HTTPRoute")
+        # The objective's CRD on its own, later (the extension's v1.6.0 no longer ships it).
+        cluster.install_crds(objectives)
+        objective = wait_for(
+            functools.partial(cluster.get, "InferenceObjective", "llm"), timeout=30, what="InferenceObjective"
+        )
+        assert objective["spec"]["priority"] == 1
 
 
 def test_inference_objective_carries_the_models_priority_with_the_extensions_sign() -> None:
