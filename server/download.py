@@ -5,10 +5,16 @@ Shared); the replicas then get `--output` as a plain local --model folder and lo
 
     python -m server.download --model org/name [--revision REV] --cache-dir DIR --output DIR/models/x
         [--adapter org/lora=DIR/adapters/y ...]
+    python -m server.download --model s3://bucket/prefix --cache-dir DIR --output DIR/models/x
 
-Each `--output` becomes a relative symlink to the downloaded hub snapshot (so it stays valid wherever
+An `s3://` model (server/download_s3.py: AWS_* environment, resumable and verified) is downloaded into
+`<cache>/s3/<bucket>/<prefix>`.
+
+Each `--output` becomes a relative symlink to the downloaded hub snapshot (or S3 folder) (so it stays valid wherever
 the cache is mounted), replaced atomically. HF_TOKEN authenticates. Progress goes to stdout, one line
-per step; exit code 0 when every folder is in place and loadable, 1 with the reason otherwise.
+per step; exit code 0 when every folder is in place and loadable, 1 with the reason otherwise: the
+last line `download failed: <Reason>: <message>` (Reason one CamelCase word, which the operator shows
+as the cache's condition reason).
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import time
 from pathlib import Path
 
 from server.config import default_cache_dir
-from server.lora.adapter import ADAPTER_CONFIG, LoRAAdapterError, resolve_adapter_path
-from server.models.loader import ModelLoadError, download_from_hub, resolve_model
+from server.download_s3 import S3DownloadError, download_prefix
+
+# server.models.loader and server.lora.adapter import torch (seconds): imported where used, so that
+# an S3 download, and its failure, start at once.
 
 log = logging.getLogger("server.download")
 
@@ -45,6 +53,8 @@ def link(target: Path, output: Path) -> None:
 
 
 def fetch_model(repo: str, revision: str | None, cache_dir: Path, output: Path | None) -> Path:
+    from server.models.loader import download_from_hub, resolve_model
+
     started = time.monotonic()
     log.info("model %s%s: downloading into %s", repo, f"@{revision}" if revision else "", cache_dir)
     folder = download_from_hub(repo, cache_dir, revision=revision)
@@ -66,7 +76,36 @@ def fetch_model(repo: str, revision: str | None, cache_dir: Path, output: Path |
     return output
 
 
+def fetch_s3_model(uri: str, cache_dir: Path, output: Path | None) -> Path:
+    started = time.monotonic()
+    log.info("model %s: downloading into %s", uri, cache_dir)
+    try:
+        folder, fetched = download_prefix(uri, cache_dir)
+    except ValueError as exc:  # the URI itself
+        raise S3DownloadError("InvalidURI", str(exc)) from exc
+    files, size = _size(folder)
+    log.info(
+        "model %s: %d files, %.1f MiB (%.1f MiB fetched now) in %.1f s (%s)",
+        uri,
+        files,
+        size / 2**20,
+        fetched / 2**20,
+        time.monotonic() - started,
+        folder,
+    )
+    if output is None:
+        return folder
+    link(folder, output)
+    from server.models.loader import resolve_model
+
+    resolve_model(str(output), cache_dir=cache_dir)
+    log.info("model %s: ready at %s", uri, output)
+    return output
+
+
 def fetch_adapter(repo: str, cache_dir: Path, output: Path) -> Path:
+    from server.lora.adapter import ADAPTER_CONFIG, LoRAAdapterError, resolve_adapter_path
+
     started = time.monotonic()
     log.info("adapter %s: downloading into %s", repo, cache_dir)
     folder = resolve_adapter_path(repo, cache_dir)
@@ -92,9 +131,19 @@ def _adapter(value: str) -> tuple[str, Path]:
     return repo, Path(out)
 
 
+def _expected(exc: Exception) -> bool:
+    """A failure the loader reports in one line (anything else is a bug: its traceback shows)."""
+    if isinstance(exc, (S3DownloadError, OSError)):
+        return True
+    from server.lora.adapter import LoRAAdapterError
+    from server.models.loader import ModelLoadError
+
+    return isinstance(exc, (ModelLoadError, LoRAAdapterError))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server.download", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="hub repo id org/name")
+    p.add_argument("--model", required=True, help="hub repo id org/name, or s3://bucket/prefix")
     p.add_argument("--revision", default=None, help="branch, tag or commit (default: MODEL_REVISION or main)")
     p.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: KUBEINFER_CACHE_DIR)")
     p.add_argument("--output", type=Path, default=None, help="symlink to create to the model's folder")
@@ -110,10 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir: Path = args.cache_dir or default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     try:
-        fetch_model(args.model, args.revision, cache_dir, args.output)
+        if args.model.startswith("s3://"):
+            if args.revision is not None:
+                raise S3DownloadError(
+                    "InvalidArguments", "--revision is for hub models (a prefix is one version)"
+                )
+            fetch_s3_model(args.model, cache_dir, args.output)
+        else:
+            fetch_model(args.model, args.revision, cache_dir, args.output)
         for repo, out in args.adapter:
             fetch_adapter(repo, cache_dir, out)
-    except (ModelLoadError, LoRAAdapterError, OSError) as exc:
+    except Exception as exc:
+        if not _expected(exc):
+            raise
         # The last line is what the Job's termination message (FallbackToLogsOnError) shows.
         one_line = " ".join(str(exc).split())
         print(f"download failed: {one_line}", file=sys.stderr, flush=True)

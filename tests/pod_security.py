@@ -103,6 +103,8 @@ def volume_types(pod: Pod) -> list[str]:
         "downwardAPI",
         "emptyDir",
         "ephemeral",
+        # image volumes (KEP-4639) are read-only and noexec: restricted since v1.33 (kubernetes PR #130394)
+        "image",
         "persistentVolumeClaim",
         "projected",
         "secret",

@@ -9,12 +9,19 @@ the cache's phase judged from the live claim, Job and loader pods (handlers.py d
 The loader makes `<cache>/models/<org>--<name>@<revision>` a relative symlink to the hub snapshot it
 downloaded (`<cache>/hub/models--org--name/snapshots/<commit>`), so a replica is given a plain local
 folder as --model and never consults the hub; adapters likewise under `<cache>/adapters/`.
+
+An s3:// model is always loaded this way (the spec requires cache.mode Shared): the loader downloads
+the prefix into `<cache>/s3/<bucket>/<prefix>` (server/download_s3.py, resumable, so a retried pod
+continues where the last one stopped) with the credentials of `model.credentialsSecretRef` as the AWS
+SDK's variables; the server pods never get them. The loader's failure reason (`download failed:
+<Reason>: ...`, e.g. CredentialsRejected) becomes the cache's reason.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +37,7 @@ from .common import (
 from .defaults import ClusterDefaults
 from .names import derived_name
 from .pods import diagnose
-from .spec import InferenceModel
+from .spec import S3_OPTIONAL_SECRET_KEYS, S3_SECRET_KEYS, InferenceModel
 
 # Where the replicas mount the shared claim (read-only); the loader mounts it at CACHE_DIR.
 SHARED_CACHE_DIR = "/var/cache/kubeinfer-shared"
@@ -57,10 +64,16 @@ def _hf_repo(uri: str) -> str | None:
 
 
 def model_key(im: InferenceModel) -> str:
-    """The model's folder under <cache>/models: repo and revision, so a new revision never overwrites
-    the folder replicas of the old one are reading."""
-    repo = _hf_repo(im.spec.model.uri)
-    assert repo is not None  # admission: Shared mode needs an hf:// model
+    """The model's folder under <cache>/models: repo and revision (an S3 bucket and prefix), so a new
+    revision never overwrites the folder replicas of the old one are reading."""
+    uri = im.spec.model.uri
+    if uri.startswith("s3://"):
+        # A prefix is one version (a new version: a new prefix), named readably while it fits a file name.
+        key = "s3--" + uri.removeprefix("s3://").rstrip("/").replace("/", "--")
+        digest = hashlib.sha256(uri.encode()).hexdigest()[:12]
+        return key if len(key) <= 200 else f"{key[:180]}-{digest}"
+    repo = _hf_repo(uri)
+    assert repo is not None  # admission: Shared mode needs an hf:// or s3:// model
     return f"{repo.replace('/', '--')}@{im.spec.model.revision or 'default'}"
 
 
@@ -133,7 +146,8 @@ def render_claim(im: InferenceModel) -> Manifest:
 
 def loader_args(im: InferenceModel) -> list[str]:
     """`python -m server.download` arguments: fetch into the cache, link at the paths replicas read."""
-    repo = _hf_repo(im.spec.model.uri)
+    uri = im.spec.model.uri
+    repo = uri if uri.startswith("s3://") else _hf_repo(uri)
     assert repo is not None
     args = ["--model", repo, "--cache-dir", CACHE_DIR, "--output", model_path(im, CACHE_DIR)]
     if im.spec.model.revision is not None:
@@ -161,7 +175,16 @@ def render_job(im: InferenceModel, defaults: ClusterDefaults | None = None) -> M
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
     creds = spec.model.credentials_secret_ref
-    if creds is not None:
+    if creds is not None and spec.model.uri.startswith("s3://"):
+        # The AWS SDK's variables from the Secret's keys of the same names; the endpoint and region
+        # optional (a missing required key keeps the pod in CreateContainerConfigError, which
+        # judge() reports through pods.diagnose).
+        for key in (*S3_SECRET_KEYS, *S3_OPTIONAL_SECRET_KEYS):
+            ref: dict[str, Any] = {"name": creds.name, "key": key}
+            if key in S3_OPTIONAL_SECRET_KEYS:
+                ref["optional"] = True
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    elif creds is not None:
         env.append(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": creds.name, "key": creds.key}}}
         )
@@ -278,6 +301,16 @@ def claim_conflict(im: InferenceModel, claim: dict[str, Any]) -> str | None:
     return None
 
 
+# The loader's last line (server/download.py): `download failed: <Reason>: <message>`.
+LOADER_REASON = re.compile(r"download failed: ([A-Z][A-Za-z]{2,63}): ")
+
+
+def loader_reason(words: str) -> str | None:
+    """The one-word reason the loader printed last, if it printed one."""
+    found = LOADER_REASON.findall(words)
+    return found[-1] if found else None
+
+
 def _last_words(pods: list[dict[str, Any]]) -> str:
     """The newest failed loader pod's termination message (its log tail: FallbackToLogsOnError)."""
     best: tuple[str, str] | None = None
@@ -323,9 +356,10 @@ def judge(
         return CacheState("Ready", name, jname, "Loaded", f"loader Job {jname} filled claim {name}")
     failed = _condition(job, "Failed")
     if failed is not None:
-        reason = str(failed.get("reason") or "JobFailed")
         detail = str(failed.get("message") or "the loader Job failed")
         words = _last_words(pods or [])
+        # The loader's own reason (CredentialsRejected, NoObjects, ...) says more than BackoffLimitExceeded.
+        reason = loader_reason(words) or str(failed.get("reason") or "JobFailed")
         message = f"loader Job {jname}: {detail}" + (f"; last attempt: {words}" if words else "")
         return CacheState("Failed", name, jname, reason, message)
     problem = diagnose(pods or [])

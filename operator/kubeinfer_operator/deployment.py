@@ -28,7 +28,7 @@ from .common import (
 from .credentials import admin_env
 from .defaults import ClusterDefaults
 from .routing import server_routing_args, server_routing_ports
-from .spec import MODEL_MOUNT_ROOT, InferenceModel, model_location
+from .spec import MODEL_MOUNT_ROOT, OCI_MOUNT_PATH, InferenceModel, model_location
 
 # Seconds between the pod leaving the Service endpoints and SIGTERM, so no new request is routed to a
 # draining server (kube-proxy and ingress controllers update asynchronously).
@@ -188,9 +188,38 @@ def _volumes(im: InferenceModel) -> tuple[list[dict[str, Any]], list[dict[str, A
         mounts.append(
             {"name": "model", "mountPath": f"{MODEL_MOUNT_ROOT}/{location.claim_name}", "readOnly": True}
         )
+    if location.scheme == "oci":
+        # KEP-4639 image volume: the kubelet pulls the image (with the pod's imagePullSecrets) and
+        # mounts its filesystem read-only; noexec, so nothing in it runs.
+        volumes.append({"name": "model", "image": oci_volume_source(im)})
+        mounts.append({"name": "model", "mountPath": OCI_MOUNT_PATH, "readOnly": True})
     volumes += [dict(v) for v in spec.pod.volumes]
     mounts += [dict(m) for m in spec.pod.volume_mounts]
     return volumes, mounts
+
+
+# KEP-4639 (image volumes): alpha in 1.31, beta in 1.33 behind the ImageVolume feature gate (off),
+# beta and on by default in 1.35. An older API server drops the field from the pod template (the
+# gate is off), so the pods would start without their model: nothing is applied there.
+IMAGE_VOLUME_MIN_VERSION = (1, 35)
+IMAGE_VOLUME_UNSUPPORTED_REASON = "ImageVolumeUnsupported"
+
+
+def image_volume_unsupported_message(version: tuple[int, int]) -> str:
+    want = ".".join(map(str, IMAGE_VOLUME_MIN_VERSION))
+    return (
+        f"an oci:// model is mounted as an image volume (KEP-4639), on by default from Kubernetes {want}; "
+        f"this API server is {version[0]}.{version[1]}: use hf://, s3:// or pvc://, or upgrade the cluster "
+        "(nothing was applied)"
+    )
+
+
+def oci_volume_source(im: InferenceModel) -> dict[str, str]:
+    """core/v1 ImageVolumeSource of an oci:// model: a digest is never pulled twice, a tag is checked
+    at every pod start (IfNotPresent would keep serving a node's stale copy of a moved tag)."""
+    reference = im.spec.model.uri.removeprefix("oci://")
+    policy = "IfNotPresent" if "@sha256:" in reference else "Always"
+    return {"reference": reference, "pullPolicy": policy}
 
 
 def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:

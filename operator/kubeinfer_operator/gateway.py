@@ -11,6 +11,12 @@
   vllm:lora_requests_info, vllm:cache_config_info: tests/api checks ours), so the model's NetworkPolicy
   admits it on the API port.
 - With `gatewayRef`, an `HTTPRoute` (gateway.networking.k8s.io/v1) from that Gateway to the pool.
+- With `priority`, an `InferenceObjective` (inference.networking.x-k8s.io/v1alpha2, the extension's
+  per-objective priority) named after the pool, referring to it. The two orders are opposite: the
+  server's request `priority` (vLLM's, --scheduling-policy priority) serves lower values first, the
+  objective's higher ones ("Priority 10 will always be served before 0"), so the objective gets the
+  spec's value negated: a request sent with the header `x-gateway-inference-objective: <pool>` and the
+  body `priority: <spec value>` is ordered alike by the picker's flow control and the server's queue.
 
 A cluster without the extension's CRD still gets a serving model: the pool, picker and route are left
 out and status says `GatewayAvailable=False` (reason CRDNotInstalled), as with KEDA; they appear once
@@ -45,6 +51,11 @@ POOL_CRD_NAME = f"{POOL_PLURAL}.inference.networking.k8s.io"
 ROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 ROUTE_KIND = "HTTPRoute"
 ROUTE_CRD_NAME = "httproutes.gateway.networking.k8s.io"
+OBJECTIVE_API_VERSION = "inference.networking.x-k8s.io/v1alpha2"
+OBJECTIVE_KIND = "InferenceObjective"
+OBJECTIVE_CRD_NAME = "inferenceobjectives.inference.networking.x-k8s.io"
+# The request header the picker selects an objective by (the extension's).
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
 EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
@@ -104,6 +115,23 @@ def render_inference_pool(im: InferenceModel) -> Manifest:
                 "port": {"number": EPP_GRPC_PORT},
                 "failureMode": im.spec.routing.gateway.endpoint_picker.failure_mode,
             },
+        },
+    }
+
+
+def render_inference_objective(im: InferenceModel) -> Manifest | None:
+    """The model's InferenceObjective (None without spec.routing.gateway.priority); its priority is the
+    spec's negated (the module docstring says why)."""
+    priority = im.spec.routing.gateway.priority
+    if priority is None:
+        return None
+    return {
+        "apiVersion": OBJECTIVE_API_VERSION,
+        "kind": OBJECTIVE_KIND,
+        "metadata": _meta(im, pool_name(im), "inference-objective"),
+        "spec": {
+            "poolRef": {"group": "inference.networking.k8s.io", "kind": POOL_KIND, "name": pool_name(im)},
+            "priority": -priority,
         },
     }
 
@@ -245,11 +273,15 @@ def render_http_route(im: InferenceModel) -> Manifest | None:
 
 
 def render_gateway(
-    im: InferenceModel, pool_served: bool, route_served: bool, defaults: ClusterDefaults | None = None
+    im: InferenceModel,
+    pool_served: bool,
+    route_served: bool,
+    defaults: ClusterDefaults | None = None,
+    objective_served: bool = True,
 ) -> list[Manifest]:
     """Every gateway object in apply order; [] when spec.routing.gateway is off or the InferencePool
-    kind is not served (then nothing routes to the picker, so it is left out too). The HTTPRoute needs
-    its own CRD (the Gateway API's) as well."""
+    kind is not served (then nothing routes to the picker, so it is left out too). The HTTPRoute and
+    the InferenceObjective need their own CRDs (the Gateway API's, the extension's alpha one) as well."""
     if not (wants_gateway(im) and pool_served):
         return []
     objects = [
@@ -263,6 +295,9 @@ def render_gateway(
     route = render_http_route(im)
     if route is not None and route_served:
         objects.append(route)
+    objective = render_inference_objective(im)
+    if objective is not None and objective_served:
+        objects.append(objective)
     return objects
 
 
@@ -275,7 +310,11 @@ class GatewaySkip:
 
 
 def gateway_skipped(
-    im: InferenceModel, pool_served: bool, route_served: bool, enabled: bool = True
+    im: InferenceModel,
+    pool_served: bool,
+    route_served: bool,
+    enabled: bool = True,
+    objective_served: bool = True,
 ) -> GatewaySkip | None:
     """None when every object the spec's gateway wants is rendered."""
     if not wants_gateway(im):
@@ -291,5 +330,9 @@ def gateway_skipped(
     if im.spec.routing.gateway.gateway_ref is not None and not route_served:
         return GatewaySkip(
             "CRDNotInstalled", f"{ROUTE_API_VERSION} {ROUTE_KIND} is not served by this cluster"
+        )
+    if im.spec.routing.gateway.priority is not None and not objective_served:
+        return GatewaySkip(
+            "CRDNotInstalled", f"{OBJECTIVE_API_VERSION} {OBJECTIVE_KIND} is not served by this cluster"
         )
     return None

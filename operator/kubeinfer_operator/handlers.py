@@ -16,7 +16,7 @@ import kopf
 from .admission import AdmissionPolicy
 from .common import FIELD_MANAGER
 from .defaults import ClusterDefaults
-from .gateway import POOL_CRD_NAME, ROUTE_CRD_NAME
+from .gateway import OBJECTIVE_CRD_NAME, POOL_CRD_NAME, ROUTE_CRD_NAME
 from .k8s import KINDS, REPORTING_INSTANCE, USER_AGENT, ApiError, KubeClient
 from .reconciler import (
     GiveUp,
@@ -224,9 +224,9 @@ def pod_event_handler(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -
         run(memo.reconciler, namespace, owner, Trigger.PODS, logger, child=pod)
 
 
-# Optional kinds the operator renders once their CRD exists: the Inference Extension's pool and the
-# Gateway API's route too (seen on a real API server, issue 48: without them here the pool came only
-# with the resync and an expired discovery answer, up to two minutes after its CRD).
+# Optional kinds the operator renders once their CRD exists: the Inference Extension's pool and
+# objective and the Gateway API's route too (seen on a real API server, issue 48: without them here
+# the pool came only with the resync and an expired discovery answer, up to two minutes after its CRD).
 OPTIONAL_CRDS = frozenset(
     {
         "servicemonitors.monitoring.coreos.com",
@@ -234,6 +234,7 @@ OPTIONAL_CRDS = frozenset(
         LWS_CRD_NAME,
         POOL_CRD_NAME,
         ROUTE_CRD_NAME,
+        OBJECTIVE_CRD_NAME,
     }
 )
 
@@ -270,7 +271,8 @@ def _register_child_watch(kind: str) -> None:
 WATCHED_CHILD_KINDS = tuple(
     kind
     for kind in OWNED_KINDS
-    if kind != "Secret" and (DEFAULTS.inference_extension or kind not in ("InferencePool", "HTTPRoute"))
+    if kind != "Secret"
+    and (DEFAULTS.inference_extension or kind not in ("InferencePool", "HTTPRoute", "InferenceObjective"))
 )
 for _kind in WATCHED_CHILD_KINDS:
     _register_child_watch(_kind)

@@ -53,6 +53,7 @@ KINDS: dict[str, KindInfo] = {
     # spec.routing.gateway (gateway.py)
     "InferencePool": KindInfo("inference.networking.k8s.io/v1", "inferencepools"),
     "HTTPRoute": KindInfo("gateway.networking.k8s.io/v1", "httproutes"),
+    "InferenceObjective": KindInfo("inference.networking.x-k8s.io/v1alpha2", "inferenceobjectives"),
     "InferenceModel": KindInfo(API_VERSION, PLURAL),
     "Pod": KindInfo("v1", "pods"),
     # read to leave a terminating namespace alone (reconciler.py)
@@ -102,6 +103,14 @@ def object_path(api_version: str, plural: str, namespace: str | None, name: str 
     return base
 
 
+def parse_version(info: dict[str, Any]) -> tuple[int, int] | None:
+    """(major, minor) of a /version answer; minor may carry a vendor's '+' ("31+" on EKS and GKE)."""
+    try:
+        return int(str(info["major"]).rstrip("+")), int(str(info["minor"]).rstrip("+"))
+    except (KeyError, ValueError):
+        return None
+
+
 class KubeClient:
     def __init__(
         self, api_client: kclient.ApiClient, request_timeout: float = 30.0, discovery_ttl: float = 60.0
@@ -109,6 +118,7 @@ class KubeClient:
         self._api = api_client
         self._timeout = request_timeout
         self._discovery: dict[str, tuple[float, bool]] = {}
+        self._version: tuple[float, tuple[int, int] | None] | None = None
         # An optional CRD installed later is seen within this many seconds.
         self.discovery_ttl = discovery_ttl
 
@@ -353,6 +363,18 @@ class KubeClient:
             body=body,
             content_type="application/json",
         )
+
+    def server_version(self) -> tuple[int, int] | None:
+        """The API server's (major, minor) from /version (None when it does not say), cached like
+        discovery: a control-plane upgrade is seen within discovery_ttl."""
+        cached = self._version
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < self.discovery_ttl:
+            return cached[1]
+        found = self._request("GET", "/version", action="reading the server version")
+        version = parse_version(found or {})
+        self._version = (now, version)
+        return version
 
     def forget_discovery(self) -> None:
         """Drop cached discovery answers (a CRD was added or removed)."""

@@ -21,7 +21,8 @@ Ingress:
 Egress (the model's pods only; issue 45 item 1: a leaked credential has less room): DNS to the
 cluster's DNS pods; TCP 443 to any address but the link-local range (cloud metadata services)
 only when the spec names a hub source (hf:// model, draft or adapter: the hub and its CDN have no
-fixed addresses, and a NetworkPolicy cannot name hosts); with several nodes, every port of the
+fixed addresses, and a NetworkPolicy cannot name hosts) or an s3:// model (its store, HTTPS; the
+cache loader downloads it); with several nodes, every port of the
 model's own pods. No API server: the pods mount no ServiceAccount token. A pvc:// or in-image
 model gets no internet egress. The router (pod discovery) and the activator (scale-up) need the API
 server and keep the namespace's egress.
@@ -193,7 +194,9 @@ def model_egress(im: InferenceModel) -> list[dict[str, Any]]:
     egress: list[dict[str, Any]] = [
         {"to": [dns], "ports": [{"protocol": p, "port": DNS_PORT} for p in ("UDP", "TCP")]}
     ]
-    if hub_sources(im):
+    # An s3:// model's store: HTTPS like the hub (AWS, R2, GCS's XML API, a MinIO behind TLS). A store
+    # on another port needs one more, additive NetworkPolicy from the namespace's owner.
+    if hub_sources(im) or im.spec.model.uri.startswith("s3://"):
         hosts = [
             {"ipBlock": {"cidr": ANY_IPV4, "except": list(METADATA_EXCEPT_V4)}},
             {"ipBlock": {"cidr": ANY_IPV6, "except": list(METADATA_EXCEPT_V6)}},

@@ -35,6 +35,11 @@ from .adapters import desired_adapters, runtime_updates
 from .admission import AdmissionPolicy
 from .common import MODEL_ANNOTATION, child_metadata, selector_labels
 from .defaults import ClusterDefaults
+from .deployment import (
+    IMAGE_VOLUME_MIN_VERSION,
+    IMAGE_VOLUME_UNSUPPORTED_REASON,
+    image_volume_unsupported_message,
+)
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
 from .lws import CRD_MISSING_MESSAGE, CRD_MISSING_REASON, as_workload
@@ -85,6 +90,8 @@ class Observed:
     pods: list[dict[str, Any]] | None  # None: not listed, or not listable
     cache: CacheObservation | None  # a model with (or, until cleaned up, once with) a shared cache
     children: Mapping[ChildRef, dict[str, Any] | None] = field(default_factory=dict)
+    # An oci:// model on an API server without image volumes: why (nothing is applied then).
+    image_volume_blocked: str | None = None
 
     @property
     def previous(self) -> dict[str, Any] | None:
@@ -95,6 +102,15 @@ class Observed:
     def lws_missing(self) -> bool:
         """A multi-node spec on a cluster without the LeaderWorkerSet API: nothing can be applied."""
         return self.im is not None and multi_node(self.im) and not self.caps.leader_worker_set
+
+    @property
+    def blocked(self) -> tuple[str, str] | None:
+        """(reason, message) when the cluster lacks an API the spec needs: nothing is applied."""
+        if self.lws_missing:
+            return CRD_MISSING_REASON, CRD_MISSING_MESSAGE
+        if self.image_volume_blocked is not None:
+            return IMAGE_VOLUME_UNSUPPORTED_REASON, self.image_volume_blocked
+        return None
 
 
 @dataclass
@@ -228,6 +244,7 @@ class Reconciler:
             # Not even asked about unless the installation renders them (its RBAC would refuse them).
             inference_pool=self.defaults.inference_extension and served("InferencePool"),
             http_route=self.defaults.inference_extension and served("HTTPRoute"),
+            inference_objective=self.defaults.inference_extension and served("InferenceObjective"),
             inference_extension=self.defaults.inference_extension,
         )
 
@@ -237,6 +254,7 @@ class Reconciler:
             im = InferenceModel.from_manifest(body)
         except InvalidSpecError as exc:
             return Observed(body, None, str(exc), caps, None, None, None)
+
         # an admin policy violation is reported like an invalid spec (Degraded/InvalidSpec, nothing applied)
         problems = semantic_errors(im.spec) + model_policy_errors(im, self.policy(), self.defaults)
         if problems:
@@ -250,7 +268,20 @@ class Reconciler:
         elif child is not None:
             refs = [child]
         children = {ref: self.kube.get(ref.kind, im.namespace, ref.name) for ref in refs}
-        return Observed(body, im, None, caps, None, None, cache, children)
+        return Observed(body, im, None, caps, None, None, cache, children, self._image_volume_blocked(im))
+
+    def _image_volume_blocked(self, im: InferenceModel) -> str | None:
+        """Why an oci:// model's image volume cannot work on this API server (None: it can, or the
+        version is unknown and the pods will tell)."""
+        if not im.spec.model.uri.startswith("oci://"):
+            return None
+        try:
+            version = self.kube.server_version()
+        except ApiError:
+            return None
+        if version is None or version >= IMAGE_VOLUME_MIN_VERSION:
+            return None
+        return image_volume_unsupported_message(version)
 
     def observe_status_inputs(self, observed: Observed, applying: bool) -> Observed:
         """What only the status reports (read once it is known that a status is written): the live
@@ -462,9 +493,9 @@ def desire(observed: Observed) -> RenderPlan:
 
 
 def should_apply(trigger: Trigger, observed: Observed, plan: RenderPlan, child: ChildRef | None) -> bool:
-    if observed.lws_missing:
-        # Nothing applied or deleted: a running single-node Deployment keeps serving the old spec; the
-        # CRD watch or the next resync reconciles once the API is served.
+    if observed.blocked is not None:
+        # Nothing applied or deleted: a running Deployment keeps serving the old spec; the CRD watch
+        # or the next resync reconciles once the API is served.
         return False
     if trigger is Trigger.SPEC:
         return True
@@ -530,13 +561,13 @@ def outcome_of(
             autoscaling_skipped_reason=plan.autoscaling_skipped_reason,
             gateway_skipped=plan.gateway_skipped,
         )
-    blocked = observed.lws_missing
+    blocked = observed.blocked
     return ReconcileOutcome(
         apply_error=_pending_apply_error(observed.previous),
         monitoring_skipped_reason=_monitoring_seen(im, plan, observed),
         cache=previous_cache(im, observed.previous),
-        blocked_reason=CRD_MISSING_REASON if blocked else None,
-        blocked_message=CRD_MISSING_MESSAGE if blocked else "",
+        blocked_reason=blocked[0] if blocked else None,
+        blocked_message=blocked[1] if blocked else "",
         autoscaling_skipped_reason=plan.autoscaling_skipped_reason,
         gateway_skipped=plan.gateway_skipped,
     )

@@ -29,6 +29,7 @@ from .deployment import render_deployment
 from .deployment import termination_grace_seconds as termination_grace_seconds
 from .gateway import (
     EPP_KINDS,
+    OBJECTIVE_KIND,
     POOL_KIND,
     ROUTE_KIND,
     GatewaySkip,
@@ -224,9 +225,15 @@ class Capabilities:
     hpa: bool = True  # autoscaling/v2 HorizontalPodAutoscaler
     inference_pool: bool = True  # inference.networking.k8s.io/v1 InferencePool (spec.routing.gateway)
     http_route: bool = True  # gateway.networking.k8s.io/v1 HTTPRoute
+    inference_objective: bool = True  # inference.networking.x-k8s.io/v1alpha2 (routing.gateway.priority)
     # The installation renders Inference Extension objects (chart inferenceExtension.enabled, which also
     # grants the RBAC): off, the operator neither writes nor reads those kinds.
     inference_extension: bool = True
+
+    @property
+    def objective_kind(self) -> bool:
+        """InferenceObjective usable: served, and the installation renders the extension's kinds."""
+        return self.inference_extension and self.inference_objective
 
     @property
     def gateway_kinds(self) -> tuple[bool, bool]:
@@ -270,6 +277,7 @@ OWNED_KINDS = (
     "LeaderWorkerSet",
     "InferencePool",
     "HTTPRoute",
+    "InferenceObjective",
     "Secret",
 )
 OPTIONAL_KINDS = ("ServiceMonitor", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget")
@@ -313,7 +321,7 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         defaults=caps.defaults,
     )
     pool_ok, route_ok = caps.gateway_kinds
-    gateway = render_gateway(im, pool_ok, route_ok, caps.defaults)
+    gateway = render_gateway(im, pool_ok, route_ok, caps.defaults, caps.objective_kind)
     objects = [*activator, *router, *gateway, render_service(im)]
     # NetworkPolicies before any pod they fence (netpol.py)
     policies, unwanted_policies = network_policies(im, caps.defaults, caps.gateway_kinds[0])
@@ -372,6 +380,8 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     # The gateway's objects: kinds the cluster does not serve cannot exist.
     if route_ok:
         optional.append(ChildRef(ROUTE_KIND, pool_name(im)))
+    if caps.objective_kind:
+        optional.append(ChildRef(OBJECTIVE_KIND, pool_name(im)))
     if pool_ok:
         optional.append(ChildRef(POOL_KIND, pool_name(im)))
         optional += [ChildRef(kind, epp_name(im)) for kind in reversed(EPP_KINDS)]
@@ -395,7 +405,9 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
         absent=absent,
         monitoring_skipped_reason=skipped,
         autoscaling_skipped_reason=autoscaling_skip,
-        gateway_skipped=gateway_skipped(im, caps.inference_pool, caps.http_route, caps.inference_extension),
+        gateway_skipped=gateway_skipped(
+            im, caps.inference_pool, caps.http_route, caps.inference_extension, caps.inference_objective
+        ),
     )
 
 

@@ -54,6 +54,23 @@ Autoscaler = Literal["HPA", "KEDA", "None"]
 # The patterns also appear in the CRD's CEL rules; keep them identical.
 HF_URI = re.compile(r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 PVC_URI = re.compile(r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?$")
+# server/download_s3.py's S3_URI: a bucket name, then non-empty segments none of which is only dots.
+S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^/]*[^/.][^/]*)*/?$")
+# An OCI image holding the model folder (IMAGE_REF after the scheme), mounted as an image volume.
+OCI_URI = re.compile(
+    "^oci://([a-zA-Z0-9][a-zA-Z0-9.-]*(:[0-9]+)?/)?[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*"
+    "(/[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$"
+)
+MODEL_SCHEMES = ("hf://", "pvc://", "s3://", "oci://", "/")
+URI_MESSAGE = (
+    "model.uri must start with hf://, pvc://, s3://, oci:// or / (a path inside the image); gs:// is not "
+    "supported (use GCS's S3-compatible XML API: s3:// with AWS_ENDPOINT_URL https://storage.googleapis.com "
+    "and HMAC keys)"
+)
+# The keys an s3:// model's credentialsSecretRef Secret holds (the AWS SDK's variable names, as KServe's
+# and KubeAI's); the endpoint and region are optional.
+S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+S3_OPTIONAL_SECRET_KEYS = ("AWS_ENDPOINT_URL", "AWS_REGION")
 IMAGE_PATH = re.compile(r"^/.+$")
 DURATION = re.compile(r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
 # A non-negative Kubernetes quantity (the API server refuses negative requests and limits).
@@ -198,14 +215,29 @@ class ModelSource(_Model):
 
     @model_validator(mode="after")
     def _check_uri(self) -> ModelSource:
-        if not (self.uri.startswith(("hf://", "pvc://", "/"))):
-            raise ValueError("model.uri must start with hf://, pvc:// or / (a path inside the image)")
+        if not (self.uri.startswith(MODEL_SCHEMES)):
+            raise ValueError(URI_MESSAGE)
         if self.uri.startswith("hf://") and not HF_URI.match(self.uri):
             raise ValueError("model.uri hf:// must look like hf://org/name")
         if self.uri.startswith("pvc://") and not PVC_URI.match(self.uri):
             raise ValueError("model.uri pvc:// must look like pvc://claim/path/in/claim")
+        if self.uri.startswith("s3://") and not S3_URI.match(self.uri):
+            raise ValueError(
+                "model.uri s3:// must look like s3://bucket/prefix (a bucket name: lower case, digits, '.', "
+                "'-'; no empty, '.' or '..' segments)"
+            )
+        if self.uri.startswith("oci://") and not OCI_URI.match(self.uri):
+            raise ValueError(
+                "model.uri oci:// must look like oci://registry/repo:tag or oci://registry/repo@sha256:digest"
+            )
         if self.revision is not None and not self.uri.startswith("hf://"):
             raise ValueError("model.revision is only meaningful for hf:// models")
+        creds = self.credentials_secret_ref
+        if creds is not None and self.uri.startswith("s3://") and creds.key != "HF_TOKEN":
+            raise ValueError(
+                "model.credentialsSecretRef.key is for hf:// tokens: an s3:// model reads the Secret's keys "
+                "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optional AWS_ENDPOINT_URL, AWS_REGION"
+            )
         return self
 
 
@@ -673,6 +705,9 @@ class GatewaySpec(_Model):
     enabled: bool = False
     endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
     gateway_ref: GatewayRefSpec | None = None
+    # The model's request priority in the server's terms (a request's `priority`: lower first), rendered
+    # as the extension's InferenceObjective (higher first) with the sign turned: gateway.py.
+    priority: int | None = Field(default=None, ge=-1000, le=1000)
 
 
 class RoutingSpec(_Model):
@@ -812,11 +847,16 @@ class InferenceModelSpec(_Model):
 
     @model_validator(mode="after")
     def _check_cache_fits(self) -> InferenceModelSpec:
+        if self.model.uri.startswith("s3://") and not self.cache.shared:
+            raise ValueError(
+                "an s3:// model needs cache.mode Shared: its loader Job downloads it (with the credentials, "
+                "which the server pods never get)"
+            )
         if not self.cache.shared:
             return self
-        if not self.model.uri.startswith("hf://"):
+        if not self.model.uri.startswith(("hf://", "s3://")):
             raise ValueError(
-                "cache.mode Shared downloads hf:// models: a pvc:// or image path needs no cache"
+                "cache.mode Shared downloads hf:// and s3:// models: a pvc://, oci:// or image path needs no cache"
             )
         if self.cache.single_pod_claim and self.max_pods > 1:
             raise ValueError(
@@ -918,19 +958,29 @@ class InferenceModelStatus(_Model):
 class ModelLocation:
     """Where the server finds its weights, parsed from `spec.model.uri`."""
 
-    scheme: Literal["hf", "pvc", "image"]
+    scheme: Literal["hf", "pvc", "s3", "oci", "image"]
     server_model: str  # the value of --model
     claim_name: str | None = None  # pvc:// only
     default_served_name: str = ""
 
 
 MODEL_MOUNT_ROOT = "/models"
+# Where an oci:// model's image volume is mounted (read-only) in the server container.
+OCI_MOUNT_PATH = f"{MODEL_MOUNT_ROOT}/oci"
 
 
 def model_location(uri: str) -> ModelLocation:
     if uri.startswith("hf://"):
         repo = uri.removeprefix("hf://")
         return ModelLocation(scheme="hf", server_model=repo, default_served_name=repo)
+    if uri.startswith("s3://"):
+        # The loader Job downloads it into the shared cache; deployment.py passes that folder as --model.
+        prefix = uri.removeprefix("s3://").rstrip("/")
+        return ModelLocation(scheme="s3", server_model="", default_served_name=prefix.rsplit("/", 1)[-1])
+    if uri.startswith("oci://"):
+        reference = uri.removeprefix("oci://")
+        repo = reference.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
+        return ModelLocation(scheme="oci", server_model=OCI_MOUNT_PATH, default_served_name=repo)
     if uri.startswith("pvc://"):
         claim, _, path = uri.removeprefix("pvc://").partition("/")
         mount = f"{MODEL_MOUNT_ROOT}/{claim}"
@@ -1026,8 +1076,12 @@ def semantic_errors(spec: InferenceModelSpec) -> list[str]:
         claim = model_location(a.uri).claim_name
         if claim is not None and claim != model_claim:
             errors.append(f"adapter {a.name}: pvc:// adapters must live on the model's claim ({model_claim})")
+        if a.credentials_secret_ref is not None and spec.model.uri.startswith("s3://"):
+            errors.append(
+                f"adapter {a.name}: credentialsSecretRef: an s3:// model's Secret holds S3 keys, not a hub token"
+            )
         # the pod has one hub token (HF_TOKEN): an adapter may only use the model's
-        if (
+        elif (
             a.credentials_secret_ref is not None
             and a.credentials_secret_ref != spec.model.credentials_secret_ref
         ):

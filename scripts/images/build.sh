@@ -22,7 +22,7 @@ CPU_BUILD_ARGS=(
   --build-arg BASE_IMAGE=debian:12.12-slim
   --build-arg PYTHON=python3.11
   --build-arg TORCH_CUDA=cpu
-  --build-arg EXTRAS=
+  --build-arg EXTRAS=s3
   --build-arg RUNTIME_PACKAGES=libgomp1
   --build-arg PRUNE_PACKAGES=triton
 )

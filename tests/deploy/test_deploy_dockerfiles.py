@@ -161,7 +161,8 @@ def test_server_torch_wheel_matches_the_cuda_base() -> None:
     assert '"torch==${TORCH_VERSION}+${TORCH_CUDA}"' in text
     assert "https://download.pytorch.org/whl/${TORCH_CUDA}" in text
     # The GPU kernels (triton) and the load-time quantizers the CRD offers (bitsandbytes) are in.
-    assert global_args["EXTRAS"] == "gpu,quant"
+    # boto3 (s3) for the cache loader's S3 models, which runs the server image.
+    assert global_args["EXTRAS"] == "gpu,quant,s3"
     assert 'pip install ".${EXTRAS:+[${EXTRAS}]}"' in text
 
 
@@ -301,7 +302,7 @@ def test_cpu_server_build_overrides_only_declared_args_and_pins_its_base() -> No
     assert re.fullmatch(r"debian:12\.\d+-slim", args["BASE_IMAGE"]), args["BASE_IMAGE"]
     assert args["PYTHON"] == "python3.11" and args["TORCH_CUDA"] == "cpu"
     # No CUDA-only extras (triton), and no compiler at run time: the kernels are prebuilt.
-    assert args["EXTRAS"] == "" and "g++" not in args["RUNTIME_PACKAGES"]
+    assert args["EXTRAS"] == "s3" and "g++" not in args["RUNTIME_PACKAGES"]
     header = DOCKERFILES["server"].read_text().split("\nARG ", 1)[0]
     for key, value in args.items():
         assert f"--build-arg {key}={value}" in header.replace("\\\n#    ", ""), key

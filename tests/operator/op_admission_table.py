@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HF = {"uri": "hf://org/model"}
+S3 = {"uri": "s3://models/llama/v1", "credentialsSecretRef": {"name": "s3-creds"}}
+SHARED = {"mode": "Shared", "size": "20Gi"}
+S3_URI_MESSAGE = "model.uri s3:// must look like s3://bucket/prefix"
+OCI_URI_MESSAGE = "model.uri oci:// must look like oci://registry/repo:tag"
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,35 @@ ADMISSION: list[Row] = [
     Row(
         "cache-shared-pvc-model",
         {"model": {"uri": "pvc://weights/llama"}, "cache": {"mode": "Shared", "size": "1Gi"}},
-        "cache.mode Shared downloads hf:// models",
+        "cache.mode Shared downloads hf:// and s3:// models",
+    ),
+    # issue 48: models from S3 (the shared cache's loader downloads them) and OCI images (image volumes)
+    Row("s3-model", {"model": S3, "cache": SHARED}, None),
+    Row("s3-model-root-of-bucket", {"model": {"uri": "s3://models.example"}, "cache": SHARED}, None),
+    Row("s3-needs-shared-cache", {"model": S3}, "an s3:// model needs cache.mode Shared"),
+    Row("s3-bad-bucket", {"model": {"uri": "s3://Models_1/llama"}, "cache": SHARED}, S3_URI_MESSAGE),
+    Row("s3-dotdot", {"model": {"uri": "s3://models/a/../b"}, "cache": SHARED}, S3_URI_MESSAGE),
+    Row("s3-empty-segment", {"model": {"uri": "s3://models//b"}, "cache": SHARED}, S3_URI_MESSAGE),
+    Row(
+        "s3-secret-key-set",
+        {"model": {**S3, "credentialsSecretRef": {"name": "s3-creds", "key": "password"}}, "cache": SHARED},
+        "model.credentialsSecretRef.key is for hf:// tokens",
+    ),
+    Row(
+        "s3-revision",
+        {"model": {**S3, "revision": "v2"}, "cache": SHARED},
+        "model.revision is only meaningful for hf:// models",
+    ),
+    Row("gs-refused", {"model": {"uri": "gs://bucket/llama"}}, "gs:// is not supported"),
+    Row("unknown-scheme", {"model": {"uri": "http://example.com/llama"}}, "model.uri must start with hf://"),
+    Row("oci-model", {"model": {"uri": "oci://registry.example.com/models/llama:v1"}}, None),
+    Row("oci-model-digest", {"model": {"uri": f"oci://ghcr.io/org/llama@sha256:{'a' * 64}"}}, None),
+    Row("oci-bad-reference", {"model": {"uri": "oci://registry.example.com/Models/LLAMA"}}, OCI_URI_MESSAGE),
+    Row("oci-no-reference", {"model": {"uri": "oci://"}}, OCI_URI_MESSAGE),
+    Row(
+        "oci-with-shared-cache",
+        {"model": {"uri": "oci://registry.example.com/llama:v1"}, "cache": SHARED},
+        "cache.mode Shared downloads hf:// and s3:// models",
     ),
     Row(
         "cache-shared-bad-mode",
@@ -606,6 +638,10 @@ ADMISSION: list[Row] = [
         _s(routing={"gateway": {"enabled": True, "gatewayRef": {"name": "gw", "namespace": "a.b"}}}),
         "in body should match",
     ),
+    Row("gateway-priority", _s(routing={"gateway": {"enabled": True, "priority": -10}}), None),
+    # the bound in the API server's words ("greater than the maximum of 1000") and pydantic's differ
+    Row("gateway-priority-too-high", _s(routing={"gateway": {"enabled": True, "priority": 1001}}), "1000"),
+    Row("gateway-priority-too-low", _s(routing={"gateway": {"enabled": True, "priority": -1001}}), "-1000"),
     # spec.network (issue 25 item 2)
     Row("network-peer-empty", _s(network={"allowedClients": [{}]}), "network.allowedClients entries need"),
     Row(

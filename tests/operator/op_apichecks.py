@@ -12,6 +12,7 @@ from typing import Any
 # The Inference Extension's and the Gateway API's kinds have their own checker; re-exported for the tests.
 from op_gatewaychecks import GATEWAY_KINDS as GATEWAY_KINDS
 from op_gatewaychecks import gateway_api_errors as gateway_api_errors
+from op_netpolchecks import netpol_errors
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -156,6 +157,7 @@ def api_errors(obj: dict[str, Any]) -> list[str]:
     spec = obj.get("spec") or {}
     errors += _label_errors((spec.get("selector") or {}).get("matchLabels"), "spec.selector.matchLabels")
     if kind == "NetworkPolicy":
+        errors += netpol_errors(spec)
         # Every LabelSelector of a policy (the pods it selects, its peers' pods and namespaces) is
         # validated like metadata.labels (ValidateLabelSelector).
         errors += _label_errors(

@@ -83,6 +83,9 @@ LWS = {
 INFERENCE_EXTENSION = {
     "inference.networking.k8s.io/v1/inferencepools": ResourceInfo(kind="InferencePool", namespaced=True),
     "gateway.networking.k8s.io/v1/httproutes": ResourceInfo(kind="HTTPRoute", namespaced=True),
+    "inference.networking.x-k8s.io/v1alpha2/inferenceobjectives": ResourceInfo(
+        kind="InferenceObjective", namespaced=True
+    ),
 }
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
@@ -110,6 +113,7 @@ PATHS = {
     # spec.routing.gateway
     "InferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
     "HTTPRoute": "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes",
+    "InferenceObjective": "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives",
 }
 PLURAL_KIND = {p.rsplit("/", 1)[-1]: k for k, p in PATHS.items()}
 

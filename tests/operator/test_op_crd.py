@@ -105,7 +105,11 @@ CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("negative-replicas", {"model": HF, "scaling": {"replicas": -1}}, "minimum"),
     ("zero-target", {"model": HF, "scaling": {"target": 0}}, "less than or equal to the minimum"),
     ("no-uri", {"model": {}}, "'uri' is a required property"),
-    ("scheme", {"model": {"uri": "s3://bucket/model"}}, "must start with hf://, pvc:// or /"),
+    (
+        "scheme",
+        {"model": {"uri": "http://bucket/model"}},
+        "must start with hf://, pvc://, s3://, oci:// or /",
+    ),
     ("hf-format", {"model": {"uri": "hf://just-a-name"}}, "hf:// must look like hf://org/name"),
     ("pvc-format", {"model": {"uri": "pvc://Bad_Claim/x"}}, "pvc:// must look like"),
     ("revision-pvc", {"model": {"uri": "pvc://c/x", "revision": "main"}}, "revision is only meaningful"),

@@ -234,7 +234,7 @@ def test_installing_the_extensions_crds_brings_the_pool_without_waiting_for_the_
     monkeypatch.setattr(handlers, "RESYNC_SECONDS", 600.0)
     monkeypatch.setattr(handlers, "DISCOVERY_TTL_SECONDS", 600.0)
     cluster = cluster_factory()
-    spec = {"model": {"uri": "hf://org/model"}, "routing": {"gateway": GATEWAY}}
+    spec = {"model": {"uri": "hf://org/model"}, "routing": {"gateway": {**GATEWAY, "priority": -1}}}
     with run_operator(server_timeout=600):
         cluster.create("InferenceModel", inference_model(spec, name="llm"))
         cond = wait_for(
@@ -242,6 +242,45 @@ def test_installing_the_extensions_crds_brings_the_pool_without_waiting_for_the_
         )
         assert (cond["status"], cond["reason"]) == ("False", "CRDNotInstalled")
 
-        cluster.install_crds(INFERENCE_EXTENSION)
+        objectives = {k: v for k, v in INFERENCE_EXTENSION.items() if v.kind == "InferenceObjective"}
+        cluster.install_crds({k: v for k, v in INFERENCE_EXTENSION.items() if k not in objectives})
         wait_for(functools.partial(cluster.get, "InferencePool", "llm"), timeout=30, what="InferencePool")
         wait_for(functools.partial(cluster.get, "HTTPRoute", "llm"), timeout=30, what="HTTPRoute")
+        # The objective's CRD on its own, later (the extension's v1.6.0 no longer ships it).
+        cluster.install_crds(objectives)
+        objective = wait_for(
+            functools.partial(cluster.get, "InferenceObjective", "llm"), timeout=30, what="InferenceObjective"
+        )
+        assert objective["spec"]["priority"] == 1
+
+
+def test_inference_objective_carries_the_models_priority_with_the_extensions_sign() -> None:
+    """spec.routing.gateway.priority is a request priority in the server's terms (lower first, vLLM's
+    --scheduling-policy priority); the extension's InferenceObjective serves higher values first
+    ("Priority 10 will always be served before 0"), so the objective holds the value negated."""
+    plan = render_all(make({**GATEWAY, "priority": -5}))
+    (objective,) = by_kind(plan.objects, "InferenceObjective")
+    assert gateway_api_errors(objective) == [] and api_errors(objective) == []
+    assert objective["apiVersion"] == "inference.networking.x-k8s.io/v1alpha2"
+    assert (
+        objective["metadata"]["name"] == "llm" and objective["metadata"]["ownerReferences"][0]["uid"] == UID
+    )
+    assert objective["spec"] == {
+        "poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llm"},
+        "priority": 5,
+    }
+    # Two models in one namespace: the more urgent in the server's terms is the higher objective.
+    urgent = by_kind(render_all(make({**GATEWAY, "priority": -5}, name="chat")).objects, "InferenceObjective")
+    batch = by_kind(render_all(make({**GATEWAY, "priority": 3}, name="batch")).objects, "InferenceObjective")
+    assert urgent[0]["spec"]["priority"] > batch[0]["spec"]["priority"]
+    # Without a priority, or without the objective's CRD: none, and a removed one is deleted.
+    plain = render_all(make(GATEWAY))
+    assert not by_kind(plain.objects, "InferenceObjective")
+    assert ChildRef("InferenceObjective", "llm") in plain.absent and plain.gateway_skipped is None
+    missing = render_all(make({**GATEWAY, "priority": 1}), Capabilities(inference_objective=False))
+    assert not by_kind(missing.objects, "InferenceObjective") and by_kind(missing.objects, "InferencePool")
+    assert ChildRef("InferenceObjective", "llm") not in missing.absent
+    skip = missing.gateway_skipped
+    assert skip is not None and skip.reason == "CRDNotInstalled" and "InferenceObjective" in skip.message
+    off = render_all(make({**GATEWAY, "priority": 1}), Capabilities(inference_extension=False))
+    assert not [r for r in off.absent if r.kind == "InferenceObjective"]

@@ -21,7 +21,11 @@ def test_every_owned_kind_is_watched() -> None:
     created once and never read back, see credentials.py)."""
     from kubeinfer_operator.render import OWNED_KINDS
 
-    extension = {"InferencePool", "HTTPRoute"}  # watched where the installation renders them
+    extension = {
+        "InferencePool",
+        "HTTPRoute",
+        "InferenceObjective",
+    }  # watched where the installation renders them
     want = set(OWNED_KINDS) - {"Secret"}
     if not handlers.DEFAULTS.inference_extension:
         want -= extension
