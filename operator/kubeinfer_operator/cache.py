@@ -368,6 +368,10 @@ def judge(
     message = f"loader Job {jname} is downloading {im.spec.model.uri}"
     if attempts:
         message += f" (attempt {attempts + 1} of {im.spec.cache.backoff_limit + 1})"
+        # While the Job retries, why the last attempt failed (bad credentials show before the last try).
+        words = _last_words(pods or [])
+        if words:
+            message += f"; last attempt: {words}"
     if problem is not None:
         return CacheState("Loading", name, jname, problem.reason, f"{message}; {problem.message}")
     return CacheState("Loading", name, jname, "Loading", message)

@@ -128,6 +128,13 @@ def test_the_loaders_reason_is_the_caches_reason() -> None:
     state = model_cache.judge(im, claim, *_failed_loader(words))
     assert state.phase == "Failed" and state.reason == "CredentialsRejected"
     assert "SignatureDoesNotMatch" in state.message
+    # While the Job still retries, the message already says why the last attempt failed.
+    retrying = model_cache.judge(im, claim, {"status": {"failed": 1}}, _failed_loader(words)[1])
+    assert retrying.phase == "Loading" and "attempt 2 of 5" in retrying.message
+    assert (
+        "; last attempt: " in retrying.message
+        and "CredentialsRejected: SignatureDoesNotMatch" in retrying.message
+    )
     # A loader that printed no reason (an older image, a crash): the Job's own.
     state = model_cache.judge(im, claim, *_failed_loader("Traceback ... MemoryError"))
     assert state.reason == "BackoffLimitExceeded"
