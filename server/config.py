@@ -341,7 +341,13 @@ class EngineConfig:
 
 
 LOG_FORMATS = ("json", "text")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/api/tool_parsers.py
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "granite",
+    "phi4_mini_json",
+    "pythonic",
+)  # server/api/tool_parsers.py
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # server/api/reasoning.py (vLLM's names)
 
 
