@@ -71,7 +71,7 @@ def _gguf_config(kind: str) -> Any:
     if kind == "smollm3":
         cfg.no_rope_layers = [1, 1, 1, 0]  # llama.cpp's n_no_rope_layer_step = 4
     if kind == "phi3":  # head_dim 64 now: 48 rotary channels, 24 factors
-        rope = dict(cfg.rope_parameters)
+        rope = dict(cfg.rope_parameters or {})
         rope["short_factor"] = [1.0 + 0.1 * i for i in range(24)]
         rope["long_factor"] = [2.0 + 0.5 * i for i in range(24)]
         cfg.rope_parameters = rope
@@ -148,10 +148,11 @@ def test_gguf_loads_to_the_hf_folder_s_logits(kind: str, tmp_path: Path) -> None
     assert _close([getattr(ours_arch, f) for f in same], [getattr(ref_arch, f) for f in same])
     assert _close(ours_arch.layers, ref_arch.layers), (ours_arch.layers, ref_arch.layers)
     # served quantized, each type in its own blocks; the F16 embedding held as fp32 and named
-    layer = engine.loaded.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj, BlockQuantLinear) and layer.mlp.down_proj.method == "q6_k"
-    assert {"q8_0", "q4_k", "q6_k"} <= set(engine.info.quantization.removeprefix("gguf-").split("+"))
-    assert [d.gguf_type for d in engine.loaded.gguf_dequantized] == ["F16"]
+    down = engine.loaded.model.model.layers[0].mlp.down_proj  # type: ignore[union-attr]
+    assert isinstance(down, BlockQuantLinear) and down.method == "q6_k"
+    quantization = engine.info.quantization or ""
+    assert {"q8_0", "q4_k", "q6_k"} <= set(quantization.removeprefix("gguf-").split("+"))
+    assert [d.gguf_type for d in engine.loaded.gguf_dequantized or ()] == ["F16"]
     # the tokenizer and chat template come from the file's metadata
     assert engine.tokenizer.hf.chat_template == CHAT_TEMPLATE
     chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -166,7 +167,7 @@ def test_gguf_loads_to_the_hf_folder_s_logits(kind: str, tmp_path: Path) -> None
     ref = []
     with torch.inference_mode():
         for p in prompts:
-            ids = hf_model.generate(  # type: ignore[operator]
+            ids = hf_model.generate(  # type: ignore[operator,misc]
                 torch.tensor([p]),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
