@@ -1,7 +1,9 @@
 """Engine features on the architectures beyond Llama (issue 44 item 4), per family on test_arch_parity.py's
 tiny random models: speculative decoding (n-gram, and a draft model: the target itself, so every draft
-is accepted) keeps greedy output token for token with plain decoding, and structured output (a regex) constrains the text, through each family's layers (soft-capped attention, windows, fused
-checkpoint tensors, multipliers, post-norms, NoPE layers)."""
+is accepted) keeps greedy output token for token with plain decoding, and structured output (a regex)
+constrains the text, through each family's layers (soft-capped attention, windows, fused checkpoint
+tensors, multipliers, post-norms, NoPE layers), and LoRA on attention and MLP targets equals
+peft (Phi-3's adapters target its fused qkv_proj / gate_up_proj)."""
 
 from __future__ import annotations
 
@@ -64,3 +66,39 @@ def test_speculation_keeps_greedy_output(kind: str, tie: bool, tmp_path: Path, s
     params = SamplingParams(max_tokens=24, temperature=0.0, structured=GrammarSpec("regex", pattern))
     text = base.tokenizer.decode(base.generate([prompts[0]], params)[0])
     assert re.fullmatch(pattern, text), text
+
+
+LORA_CASES = [
+    # Phi-3: peft targets its fused checkpoint modules; their lora_B rows split into q/k/v and gate/up
+    ("phi3", False, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    ("gemma2", True, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+]
+
+
+@pytest.mark.parametrize(("kind", "tie", "targets"), LORA_CASES)
+def test_lora_on_attention_and_mlp_matches_peft(
+    kind: str, tie: bool, targets: tuple[str, ...], tmp_path: Path, smollm2_dir: Path
+) -> None:
+    from lora_adapters import make_adapter, peft_greedy
+
+    from server.config import LoRAConfig, LoRAModule
+
+    folder = build(tmp_path / kind, smollm2_dir, kind, tie)
+    adapter = make_adapter(folder, tmp_path / "adapter", 8, targets, seed=1, std=0.15)
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32", max_model_len=MAX_LEN),
+            cache=CacheConfig(block_size=4, num_kv_blocks=128),
+            lora=LoRAConfig(
+                enable_lora=True, lora_modules=(LoRAModule("a", str(adapter)),), max_loras=1, max_lora_rank=8
+            ),
+        )
+    )
+    assert engine.lora is not None
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    ref = peft_greedy(folder, adapter, prompts, 12)
+    assert ref != peft_greedy(folder, None, prompts, 12)  # the adapter changes the output
+    assert engine.generate(prompts, params, [engine.lora.get("a")] * len(prompts)) == ref
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
