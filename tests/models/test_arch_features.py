@@ -25,14 +25,19 @@ TEXTS = [
     "a b c d e f a b c",
 ]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-# gemma2 (soft-capped attention, interleaved windows) and phi3 (fused tensors, partial rotary) in every
-# run; the other families under -m slow (~10 s each on a shared 2-core machine)
+# gemma2 (soft-capped attention, interleaved windows) in every run; the other families under -m slow
+# (~10 s each on a shared 2-core machine)
 KINDS = [
     ("gemma2", True),
-    ("phi3", False),
     *(
         pytest.param(k, t, marks=pytest.mark.slow)
-        for k, t in [("gemma3", True), ("granite", False), ("olmo2", False), ("smollm3", True)]
+        for k, t in [
+            ("phi3", False),
+            ("gemma3", True),
+            ("granite", False),
+            ("olmo2", False),
+            ("smollm3", True),
+        ]
     ),
 ]
 
@@ -71,7 +76,12 @@ def test_speculation_keeps_greedy_output(kind: str, tie: bool, tmp_path: Path, s
 LORA_CASES = [
     # Phi-3: peft targets its fused checkpoint modules; their lora_B rows split into q/k/v and gate/up
     ("phi3", False, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-    ("gemma2", True, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    pytest.param(
+        "gemma2",
+        True,
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
