@@ -182,3 +182,31 @@ def test_gguf_loads_to_the_hf_folder_s_logits(kind: str, tmp_path: Path) -> None
     torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.slow  # ~20 s here
+def test_an_explicit_dtype_converts_through_our_reader(tmp_path: Path) -> None:
+    """`--dtype float32` on a file transformers' GGUF reader refuses (granite): converted once to an
+    fp32 folder (our config, our dequantized reading), which loads to the reference's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf = _build(tmp_path / "hf", "granite")
+    path = write_arch_gguf(hf, tmp_path / "granite.gguf", tmp_path / "ref", FMTS)
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(path), dtype="float32", max_model_len=MAX_LEN, cache_dir=tmp_path / "c"
+            ),
+            cache=CacheConfig(block_size=4, num_kv_blocks=64),
+        )
+    )
+    assert engine.source.gguf is None and (engine.source.folder / "model.safetensors").is_file()
+    assert engine.info.quantization is None
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"), dtype=torch.float32)
+    with torch.inference_mode():
+        ids = hf_model.generate(  # type: ignore[operator,misc]
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None
+        )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params)[0] == ids[0, len(prompt) :].tolist()
