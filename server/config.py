@@ -341,7 +341,14 @@ class EngineConfig:
 
 
 LOG_FORMATS = ("json", "text")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai")  # server/api/tool_parsers.py, harmony.py
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "granite",
+    "phi4_mini_json",
+    "pythonic",
+    "openai",
+)  # server/api/tool_parsers.py, harmony.py
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")  # server/api/reasoning.py (vLLM's names)
 
 

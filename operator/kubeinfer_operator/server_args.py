@@ -157,7 +157,9 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--thread-policy": ServerFlag("str", ("adaptive", "fixed")),
     "--timeout-request-body": ServerFlag("float"),
     "--timeout-request-head": ServerFlag("float"),
-    "--tool-call-parser": ServerFlag("str", ("hermes", "llama3_json")),
+    "--tool-call-parser": ServerFlag(
+        "str", ("hermes", "llama3_json", "granite", "phi4_mini_json", "pythonic", "openai")
+    ),
     "--ui": _SWITCH,
 }
 

@@ -1,10 +1,13 @@
 """Tool-call parsers for `tool_choice: "auto"`: the model's text -> content + tool calls, as vLLM's
-`--tool-call-parser hermes` and `llama3_json` read them.
+`--tool-call-parser hermes`, `llama3_json`, `granite`, `phi4_mini_json` and `pythonic` read them.
 
 hermes (Hermes 2 Pro, Qwen2.5 and many fine-tunes): calls are `<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>`, any number of them; content is the text before the first call.
 llama3_json (Llama 3.1/3.2 JSON tool calling): the whole output is `{"name": ..., "parameters": {...}}`,
 optionally after `<|python_tag|>`, several separated by `;`.
+
+granite (Granite 3.x), phi4_mini_json (Phi-4-mini), pythonic (Gemma 3 and Llama 3.2 with pythonic
+templates): the classes below say their formats.
 
 A parser reads the whole text (`final=True`) or a prefix of it while streaming (`final=False`): then it
 returns only what can no longer change (content that cannot turn into a call, calls already closed), so
@@ -159,6 +162,116 @@ class Llama3JsonToolParser:
         return ParsedToolOutput("", calls)
 
 
+class _JsonListToolParser:
+    """An output that is one JSON array of calls after a marker (`MARKERS`, any one or none when
+    `BARE_OK`): vLLM's `granite` (Granite 3.0 `<|tool_call|>[...]`, 3.1+ `<tool_call>[...]`, each
+    `{"name", "arguments"}`) and `phi4_mini_json` (Phi-4-mini's `functools[...]`). While streaming,
+    nothing is known until it ends (as llama3_json); a last call cut off inside the array keeps the
+    module's unfinished-call rule; any other output is plain content."""
+
+    MARKERS: tuple[str, ...] = ()
+    BARE_OK = True
+    KEYS = ("arguments", "parameters")
+
+    def _body(self, text: str) -> str | None:
+        body = text.strip()
+        for marker in self.MARKERS:
+            if body.startswith(marker):
+                return body[len(marker) :].lstrip()
+        return body if self.BARE_OK else None
+
+    def _may_become_call(self, text: str) -> bool:
+        body = text.lstrip()
+        if not body:
+            return True
+        if any(m.startswith(body) or body.startswith(m) for m in self.MARKERS):
+            return True
+        return self.BARE_OK and body.startswith("[")
+
+    def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        if not final:
+            return ParsedToolOutput("" if self._may_become_call(text) else text)
+        body = self._body(text)
+        if body is None or not body.startswith("["):
+            return ParsedToolOutput(text)
+        try:
+            items = json.loads(body)
+        except json.JSONDecodeError:
+            return self._cut(text, body)
+        if not isinstance(items, list):
+            return ParsedToolOutput(text)
+        calls = [_call_from(item, self.KEYS) for item in items]
+        if not calls or any(c is None for c in calls):
+            return ParsedToolOutput(text)
+        return ParsedToolOutput("", [c for c in calls if c is not None])
+
+    def _cut(self, text: str, body: str) -> ParsedToolOutput:
+        """The array left unclosed: the complete calls, then the last one by the unfinished-call rule."""
+        decoder = json.JSONDecoder()
+        calls, pos = [], 1
+        while True:
+            while pos < len(body) and body[pos] in " \t\r\n,":
+                pos += 1
+            if pos >= len(body) or body[pos] == "]":
+                break
+            try:
+                obj, pos = decoder.raw_decode(body, pos)
+            except json.JSONDecodeError:
+                cut = partial_call(body[pos:], self.KEYS)
+                if cut is not None:
+                    calls.append(cut)
+                break
+            call = _call_from(obj, self.KEYS)
+            if call is None:
+                return ParsedToolOutput(text)
+            calls.append(call)
+        return ParsedToolOutput("", calls) if calls else ParsedToolOutput(text)
+
+
+class GraniteToolParser(_JsonListToolParser):
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+
+
+class Phi4MiniJsonToolParser(_JsonListToolParser):
+    MARKERS = ("functools",)
+    BARE_OK = False
+
+
+class PythonicToolParser:
+    """vLLM's `pythonic` (Llama 3.2/4 and Gemma 3 with a pythonic tool template): the output is one
+    Python list of calls with keyword arguments of literal values, `[get_weather(city="Paris"),
+    get_time()]`, read with `ast` (never evaluated). While streaming, nothing is known until it ends;
+    an output that does not parse as such a list (a cut-off call included: its arguments are not JSON
+    text) is plain content."""
+
+    def parse(self, text: str, final: bool) -> ParsedToolOutput:
+        import ast
+
+        body = text.strip()
+        if not final:
+            return ParsedToolOutput("" if not body or body.startswith("[") else text)
+        if not body.startswith("["):
+            return ParsedToolOutput(text)
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return ParsedToolOutput(text)
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return ParsedToolOutput(text)
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return ParsedToolOutput(text)
+            try:
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            except ValueError:
+                return ParsedToolOutput(text)
+            if len(args) != len(node.keywords):  # **kwargs
+                return ParsedToolOutput(text)
+            calls.append(ParsedCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+        return ParsedToolOutput("", calls)
+
+
 def _harmony_parser() -> ToolParser:
     from .harmony import HarmonyToolParser  # harmony.py imports this module's types
 
@@ -168,5 +281,8 @@ def _harmony_parser() -> ToolParser:
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "granite": GraniteToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
+    "pythonic": PythonicToolParser,
     "openai": _harmony_parser,  # gpt-oss: calls out of harmony's commentary channel (harmony.py)
 }

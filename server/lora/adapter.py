@@ -30,7 +30,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TARGET_MODULES = ATTN_MODULES + MLP_MODULES
+# Phi-3's checkpoint (and so peft's target names) fuses q/k/v and gate/up: such an adapter's lora_B rows
+# split exactly into the parts' (one shared lora_A), the projections our layers hold.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+TARGET_MODULES = ATTN_MODULES + MLP_MODULES + tuple(FUSED_MODULES)
 
 _KEY = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight"
@@ -53,6 +56,8 @@ def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
         "gate_proj": (h, i),
         "up_proj": (h, i),
         "down_proj": (i, h),
+        "qkv_proj": (h, q + 2 * kv),
+        "gate_up_proj": (h, 2 * i),
     }
 
 
@@ -183,7 +188,7 @@ def load_adapter(
         m = _KEY.fullmatch(key)
         if m is None or m.group(3) not in TARGET_MODULES:
             raise LoRAAdapterError(
-                f"adapter {folder}: tensor {key!r} is not a LoRA weight of a q/k/v/o/gate/up/down projection"
+                f"adapter {folder}: tensor {key!r} is not a LoRA weight of a q/k/v/o/gate/up/down (or fused qkv/gate_up) projection"
             )
         layer, module = int(m.group(1)), m.group(3)
         if layer >= arch.num_layers:
@@ -216,7 +221,8 @@ def load_adapter(
             raise LoRAAdapterError(
                 f"LoRA rank {r} is greater than max_lora_rank {max_rank} (adapter {name!r})"
             )
-        full_name = f"model.layers.{layer}.{'self_attn' if module in ATTN_MODULES else 'mlp'}.{module}"
+        attn = module in ATTN_MODULES or module == "qkv_proj"
+        full_name = f"model.layers.{layer}.{'self_attn' if attn else 'mlp'}.{module}"
         cfg_r, alpha = cfg.r, cfg.lora_alpha
         if cfg.rank_pattern:  # per-module overrides, matched as peft matches them
             cfg_r = int(cfg.rank_pattern.get(get_pattern_key(list(cfg.rank_pattern), full_name), cfg_r))
@@ -230,8 +236,15 @@ def load_adapter(
         b_scaled = b.to(torch.float32) * scaling
         if not (torch.isfinite(a).all() and torch.isfinite(b_scaled).all()):
             raise LoRAAdapterError(f"adapter {folder}: layer {layer} {module} has non-finite weights")
-        out[(layer, module)] = LoRAModuleWeights(
-            a=a.to(dtype).contiguous(), b=b_scaled.to(dtype).contiguous()
-        )
+        parts = FUSED_MODULES.get(module, (module,))
+        rows = b_scaled.split([shapes[p][1] for p in parts])
+        for part, b_part in zip(parts, rows, strict=True):
+            if (layer, part) in out or (part != module and (layer, part) in pairs):
+                raise LoRAAdapterError(
+                    f"adapter {folder}: layer {layer} {part} is given twice (fused and alone)"
+                )
+            out[(layer, part)] = LoRAModuleWeights(
+                a=a.to(dtype).contiguous(), b=b_part.to(dtype).contiguous()
+            )
         max_seen = max(max_seen, r)
     return LoRAAdapter(name=name, path=folder, rank=max_seen, weights=out)

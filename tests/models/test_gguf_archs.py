@@ -71,7 +71,7 @@ def _gguf_config(kind: str) -> Any:
     if kind == "smollm3":
         cfg.no_rope_layers = [1, 1, 1, 0]  # llama.cpp's n_no_rope_layer_step = 4
     if kind == "phi3":  # head_dim 64 now: 48 rotary channels, 24 factors
-        rope = dict(cfg.rope_parameters)
+        rope = dict(cfg.rope_parameters or {})
         rope["short_factor"] = [1.0 + 0.1 * i for i in range(24)]
         rope["long_factor"] = [2.0 + 0.5 * i for i in range(24)]
         cfg.rope_parameters = rope
@@ -148,10 +148,11 @@ def test_gguf_loads_to_the_hf_folder_s_logits(kind: str, tmp_path: Path) -> None
     assert _close([getattr(ours_arch, f) for f in same], [getattr(ref_arch, f) for f in same])
     assert _close(ours_arch.layers, ref_arch.layers), (ours_arch.layers, ref_arch.layers)
     # served quantized, each type in its own blocks; the F16 embedding held as fp32 and named
-    layer = engine.loaded.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj, BlockQuantLinear) and layer.mlp.down_proj.method == "q6_k"
-    assert {"q8_0", "q4_k", "q6_k"} <= set(engine.info.quantization.removeprefix("gguf-").split("+"))
-    assert [d.gguf_type for d in engine.loaded.gguf_dequantized] == ["F16"]
+    down = engine.loaded.model.model.layers[0].mlp.down_proj  # type: ignore[union-attr]
+    assert isinstance(down, BlockQuantLinear) and down.method == "q6_k"
+    quantization = engine.info.quantization or ""
+    assert {"q8_0", "q4_k", "q6_k"} <= set(quantization.removeprefix("gguf-").split("+"))
+    assert [d.gguf_type for d in engine.loaded.gguf_dequantized or ()] == ["F16"]
     # the tokenizer and chat template come from the file's metadata
     assert engine.tokenizer.hf.chat_template == CHAT_TEMPLATE
     chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -166,7 +167,7 @@ def test_gguf_loads_to_the_hf_folder_s_logits(kind: str, tmp_path: Path) -> None
     ref = []
     with torch.inference_mode():
         for p in prompts:
-            ids = hf_model.generate(  # type: ignore[operator]
+            ids = hf_model.generate(  # type: ignore[operator,misc]
                 torch.tensor([p]),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
@@ -181,3 +182,31 @@ def test_gguf_loads_to_the_hf_folder_s_logits(kind: str, tmp_path: Path) -> None
     torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.slow  # ~20 s here
+def test_an_explicit_dtype_converts_through_our_reader(tmp_path: Path) -> None:
+    """`--dtype float32` on a file transformers' GGUF reader refuses (granite): converted once to an
+    fp32 folder (our config, our dequantized reading), which loads to the reference's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf = _build(tmp_path / "hf", "granite")
+    path = write_arch_gguf(hf, tmp_path / "granite.gguf", tmp_path / "ref", FMTS)
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(path), dtype="float32", max_model_len=MAX_LEN, cache_dir=tmp_path / "c"
+            ),
+            cache=CacheConfig(block_size=4, num_kv_blocks=64),
+        )
+    )
+    assert engine.source.gguf is None and (engine.source.folder / "model.safetensors").is_file()
+    assert engine.info.quantization is None
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"), dtype=torch.float32)
+    with torch.inference_mode():
+        ids = hf_model.generate(  # type: ignore[operator,misc]
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None
+        )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], params)[0] == ids[0, len(prompt) :].tolist()
