@@ -503,6 +503,15 @@ class MockCluster:
             }
             self.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
 
+    def uninstall_crds(self, resources: dict[str, ResourceInfo]) -> None:
+        """Delete their CustomResourceDefinitions (the watch event) and stop serving the kinds."""
+        for key in resources:
+            group, _, plural = key.split("/")
+            self.request(
+                "DELETE", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{plural}.{group}"
+            )
+            self.server.resources.pop(key, None)
+
     def write_kubeconfig(self, path: Path) -> Path:
         path.write_text(
             json.dumps(

@@ -253,6 +253,21 @@ def test_installing_the_extensions_crds_brings_the_pool_without_waiting_for_the_
         )
         assert objective["spec"]["priority"] == 1
 
+        # Seen on the real server: with the objective's CRD removed the condition stayed True (nothing
+        # else changed, so the resync wrote neither children nor status).
+        cluster.uninstall_crds(objectives)
+        cond = wait_for(
+            lambda: (
+                c
+                if (c := condition(cluster.get("InferenceModel", "llm"), "GatewayAvailable"))
+                and c["status"] == "False"
+                else None
+            ),
+            timeout=30,
+            what="GatewayAvailable=False",
+        )
+        assert cond["reason"] == "CRDNotInstalled" and "InferenceObjective" in cond["message"]
+
 
 def test_inference_objective_carries_the_models_priority_with_the_extensions_sign() -> None:
     """spec.routing.gateway.priority is a request priority in the server's terms (lower first, vLLM's
