@@ -250,7 +250,12 @@ class ApiServer(KubernetesEmulator):
                     # A server-side apply of a field the CRD does not declare (a create prunes it).
                     raise KubernetesError(
                         status=500,
-                        message=f"failed to create typed patch object: {undeclared[0]}: field not declared in schema",
+                        message="failed to create typed patch object: "
+                        + (
+                            undeclared[0]
+                            if ": " in undeclared[0]
+                            else f"{undeclared[0]}: field not declared in schema"
+                        ),
                     )
                 if request.resource.plural == "deployments":
                     canonicalize_resources(data)
@@ -502,15 +507,6 @@ class MockCluster:
                 },
             }
             self.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-
-    def uninstall_crds(self, resources: dict[str, ResourceInfo]) -> None:
-        """Delete their CustomResourceDefinitions (the watch event) and stop serving the kinds."""
-        for key in resources:
-            group, _, plural = key.split("/")
-            self.request(
-                "DELETE", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{plural}.{group}"
-            )
-            self.server.resources.pop(key, None)
 
     def write_kubeconfig(self, path: Path) -> Path:
         path.write_text(
