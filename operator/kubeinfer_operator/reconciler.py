@@ -468,6 +468,28 @@ class Reconciler:
 # --- 2. desire, and the pure decisions around it
 
 
+def _gateway_condition_stale(body: dict[str, Any], im: InferenceModel, plan: RenderPlan) -> bool:
+    """GatewayAvailable says other than this plan: an extension CRD came or went without any child
+    changing (seen on a real API server, issue 48: the InferenceObjective's CRD deleted, the condition
+    stayed True), so the reconcile must run to rewrite status."""
+    if not im.spec.routing.gateway.enabled:
+        return False
+    previous = next(
+        (
+            c
+            for c in ((body.get("status") or {}).get("conditions") or [])
+            if c.get("type") == "GatewayAvailable"
+        ),
+        None,
+    )
+    if previous is None:
+        return False  # not reported yet: the first reconcile applies anyway
+    skip = plan.gateway_skipped
+    if skip is None:
+        return previous.get("status") == "False"
+    return previous.get("status") != "False" or not str(previous.get("message", "")).startswith(skip.message)
+
+
 def _previous_cache_ready(body: dict[str, Any], im: InferenceModel) -> bool:
     if not im.spec.cache.shared:
         return True
@@ -514,6 +536,8 @@ def drifted(plan: RenderPlan, observed: Observed) -> bool:
     im = observed.im
     assert im is not None
     if im.spec.cache.shared and not _previous_cache_ready(observed.body, im):
+        return True
+    if _gateway_condition_stale(observed.body, im, plan):
         return True
     for obj in plan.objects:
         live = observed.children.get(ChildRef(obj["kind"], obj["metadata"]["name"]))

@@ -250,7 +250,12 @@ class ApiServer(KubernetesEmulator):
                     # A server-side apply of a field the CRD does not declare (a create prunes it).
                     raise KubernetesError(
                         status=500,
-                        message=f"failed to create typed patch object: {undeclared[0]}: field not declared in schema",
+                        message="failed to create typed patch object: "
+                        + (
+                            undeclared[0]
+                            if ": " in undeclared[0]
+                            else f"{undeclared[0]}: field not declared in schema"
+                        ),
                     )
                 if request.resource.plural == "deployments":
                     canonicalize_resources(data)

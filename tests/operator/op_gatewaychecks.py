@@ -1,6 +1,7 @@
 """The refusals a real kube-apiserver makes to the Gateway API Inference Extension's InferencePool
 (inference.networking.k8s.io/v1, the extension's v1.6.0 CRD) and the Gateway API's HTTPRoute
-(gateway.networking.k8s.io/v1, its v1.6.1 standard CRD), for kmock and the render tests. Written from
+(gateway.networking.k8s.io/v1, its v1.6.1 standard CRD) and the extension's InferenceObjective
+(inference.networking.x-k8s.io/v1alpha2, its v1.5.0 CRD: v1.6.0 dropped the API), for kmock and the render tests. Written from
 the two projects' published CRDs (read, not vendored): required fields, bounds, patterns, enums, and
 the CEL rules of the fields the operator writes. Messages name the field as the API server does
 (`spec.rules[0].backendRefs[0].weight: Invalid value: ...`); tests/operator/test_op_gateway_apiserver.py
@@ -18,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-GATEWAY_KINDS = ("InferencePool", "HTTPRoute")
+GATEWAY_KINDS = ("InferencePool", "HTTPRoute", "InferenceObjective")
 
 _LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 _GROUP = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -266,6 +267,27 @@ def _route_invalid(spec: dict[str, Any]) -> list[str]:
     return e
 
 
+def _objective_invalid(spec: dict[str, Any]) -> list[str]:
+    e = _Errors()
+    ref = spec.get("poolRef")
+    if not isinstance(ref, dict):
+        return ["spec.poolRef: Required value"]
+    if "name" not in ref:
+        e.append("spec.poolRef.name: Required value")
+    else:
+        e.string("spec.poolRef.name", ref["name"], min_length=1, max_length=253)
+    if "group" in ref:
+        e.string("spec.poolRef.group", ref["group"], pattern=_GROUP, max_length=253)
+    if "kind" in ref:
+        e.string("spec.poolRef.kind", ref["kind"], pattern=_KIND, min_length=1, max_length=63)
+    priority = spec.get("priority", 0)
+    if isinstance(priority, float):
+        e.append(
+            'spec.priority: Invalid value: "number": spec.priority in body must be of type integer: "number"'
+        )
+    return e
+
+
 def _name_errors(obj: dict[str, Any]) -> list[str]:
     name = str((obj.get("metadata") or {}).get("name") or "")
     sub = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -284,6 +306,8 @@ def gateway_invalid(obj: dict[str, Any]) -> list[str]:
         errors += _pool_invalid(spec)
     elif obj.get("kind") == "HTTPRoute":
         errors += _route_invalid(spec)
+    elif obj.get("kind") == "InferenceObjective":
+        errors += _objective_invalid(spec)
     return errors
 
 
@@ -312,9 +336,17 @@ def gateway_undeclared(obj: dict[str, Any]) -> list[str]:
                 )
             for j, ref in enumerate((rule or {}).get("backendRefs") or []):
                 out += _undeclared(ref, _BACKEND_REF, f".spec.rules[{i}].backendRefs[{j}]")
+    elif obj.get("kind") == "InferenceObjective":
+        out += _undeclared(spec, {"poolRef", "priority"}, ".spec")
+        out += _undeclared(spec.get("poolRef"), {"group", "kind", "name"}, ".spec.poolRef")
+        if isinstance(spec.get("priority"), str):  # the typed conversion refuses it before validation
+            out.append(".spec.priority: expected numeric (int or float), got string")
     return out
 
 
 def gateway_api_errors(obj: dict[str, Any]) -> list[str]:
     """Everything a server-side apply of the object would be refused for (empty: accepted)."""
-    return gateway_invalid(obj) + [f"{p}: field not declared in schema" for p in gateway_undeclared(obj)]
+    undeclared = gateway_undeclared(obj)
+    return gateway_invalid(obj) + [
+        p if ": " in p else f"{p}: field not declared in schema" for p in undeclared
+    ]

@@ -284,3 +284,28 @@ def test_inference_objective_carries_the_models_priority_with_the_extensions_sig
     assert skip is not None and skip.reason == "CRDNotInstalled" and "InferenceObjective" in skip.message
     off = render_all(make({**GATEWAY, "priority": 1}), Capabilities(inference_extension=False))
     assert not [r for r in off.absent if r.kind == "InferenceObjective"]
+
+
+def test_a_resync_rewrites_a_gateway_condition_that_no_longer_holds() -> None:
+    """Seen on a real kube-apiserver (issue 48): the InferenceObjective's CRD deleted, GatewayAvailable
+    stayed True, since no child changed and a resync writes status only with an apply. The resync now
+    counts a condition that disagrees with the plan as drift."""
+    from kubeinfer_operator.reconciler import _gateway_condition_stale
+
+    im = make({**GATEWAY, "priority": -1})
+    served, unserved = render_all(im), render_all(im, Capabilities(inference_objective=False))
+
+    def body(status: str, message: str = "") -> dict[str, Any]:
+        return {
+            "status": {"conditions": [{"type": "GatewayAvailable", "status": status, "message": message}]}
+        }
+
+    skip = unserved.gateway_skipped
+    assert skip is not None
+    true, false = body("True"), body("False", f"{skip.message}: the model serves through its Service")
+    assert _gateway_condition_stale(true, im, unserved)  # the CRD went away
+    assert _gateway_condition_stale(false, im, served)  # and came back
+    assert not _gateway_condition_stale(true, im, served)
+    assert not _gateway_condition_stale(false, im, unserved)
+    assert not _gateway_condition_stale({}, im, unserved)  # never reported: the first reconcile writes it
+    assert not _gateway_condition_stale(false, make(None), render_all(make(None)))  # no gateway wanted

@@ -289,6 +289,69 @@ CASES: list[tuple[str, dict[str, Any], tuple[int, str] | None]] = [
         (500, ".spec.rules[0].backendRefs[0].foo: field not declared in schema"),
     ),
 ]
+OBJECTIVE: dict[str, Any] = {
+    "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+    "kind": "InferenceObjective",
+    "metadata": {"name": "o", "namespace": NS},
+    "spec": {"priority": 10, "poolRef": {"name": "p"}},
+}
+CASES += [
+    ("objective-ok", OBJECTIVE, None),
+    ("objective-negative-priority", _with(OBJECTIVE, _set("priority", -5)), None),
+    (
+        "objective-pool-v1",
+        _with(
+            OBJECTIVE,
+            _set("poolRef", {"name": "p", "group": "inference.networking.k8s.io", "kind": "InferencePool"}),
+        ),
+        None,
+    ),
+    (
+        "objective-no-poolref",
+        _with(OBJECTIVE, lambda s: s.pop("poolRef")),
+        (422, "spec.poolRef: Required value"),
+    ),
+    (
+        "objective-poolref-no-name",
+        _with(OBJECTIVE, _set("poolRef", {"kind": "InferencePool"})),
+        (422, "spec.poolRef.name: Required value"),
+    ),
+    (
+        "objective-poolref-bad-kind",
+        _with(OBJECTIVE, _set("poolRef", {"name": "p", "kind": "bad kind"})),
+        (422, 'spec.poolRef.kind: Invalid value: "bad kind"'),
+    ),
+    (
+        "objective-poolref-bad-group",
+        _with(OBJECTIVE, _set("poolRef", {"name": "p", "group": "Bad_Group"})),
+        (422, 'spec.poolRef.group: Invalid value: "Bad_Group"'),
+    ),
+    (
+        "objective-poolref-name-254",
+        _with(OBJECTIVE, _set("poolRef", {"name": "a" * 254})),
+        (422, "spec.poolRef.name: Too long: may not be more than 253 bytes"),
+    ),
+    (
+        "objective-priority-float",
+        _with(OBJECTIVE, _set("priority", 1.5)),
+        (422, 'spec.priority: Invalid value: "number"'),
+    ),
+    (
+        "objective-priority-string",
+        _with(OBJECTIVE, _set("priority", "high")),
+        (500, ".spec.priority: expected numeric (int or float), got string"),
+    ),
+    (
+        "objective-unknown-field",
+        _with(OBJECTIVE, _set("foo", 1)),
+        (500, ".spec.foo: field not declared in schema"),
+    ),
+    (
+        "objective-poolref-unknown-field",
+        _with(OBJECTIVE, _set("poolRef", {"name": "p", "port": 1})),
+        (500, ".spec.poolRef.port: field not declared in schema"),
+    ),
+]
 IDS = [case[0] for case in CASES]
 
 
