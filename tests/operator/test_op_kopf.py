@@ -245,7 +245,7 @@ def test_invalid_spec_is_reported_and_nothing_is_applied(cluster: MockCluster, o
 
 def test_spec_the_schema_would_reject_is_refused_too(cluster: MockCluster, operator: Any) -> None:
     # kmock does not enforce the CRD; the operator's own models still refuse the object.
-    cluster.create("InferenceModel", im_doc({"model": {"uri": "s3://bucket/model"}}))
+    cluster.create("InferenceModel", im_doc({"model": {"uri": "ftp://host/model"}}))
     degraded = wait_for(lambda: condition(cluster.get("InferenceModel", NAME), "Degraded"), what="Degraded")
-    assert degraded["reason"] == "InvalidSpec" and "hf://" in degraded["message"]
+    assert degraded["reason"] == "InvalidSpec" and "model.uri must start with hf://" in degraded["message"]
     assert cluster.get("Deployment", NAME) is None
