@@ -19,16 +19,17 @@ serve: setup
 
 # The Debian packages some tests need (Prometheus, Chromium, buildah), as CI has them: installed when
 # run as root with apt-get, else named with the tests that will skip (SKIP_SYSTEM_DEPS=1: not even that).
-# TEST_WORKERS pytest-xdist workers (tests/conftest.py keeps each file on one worker): many tests wait on
+# TEST_WORKERS pytest-xdist workers, each file's tests on one worker (--dist loadfile: module-scoped servers
+# are built once and a file's tests keep their order; tests/images is one file): many tests wait on
 # servers, operators and timeouts rather than compute, so 3 workers on 2 cores finish well before 1 does.
 # TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 3
 test: setup
 	@[ -n "$(SKIP_SYSTEM_DEPS)" ] || bash scripts/install-test-deps.sh
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

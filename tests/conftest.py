@@ -15,22 +15,6 @@ from pathlib import Path
 import pytest
 from engine_driver import TOKENIZER_FILES
 
-# `make test` runs the suite on pytest-xdist workers (--dist loadgroup): a file's tests stay on one
-# worker (module-scoped servers and fixtures are built once), and tests/images runs on one worker, since
-# its image builds and containers share buildah's storage.
-_SERIAL_DIRS = {"images"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests_dir = Path(__file__).parent
-    for item in items:
-        try:
-            rel = item.path.relative_to(tests_dir)
-        except ValueError:
-            continue
-        group = rel.parts[0] if rel.parts[0] in _SERIAL_DIRS else rel.as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
-
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
