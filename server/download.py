@@ -53,7 +53,7 @@ def link(target: Path, output: Path) -> None:
 
 
 def fetch_model(repo: str, revision: str | None, cache_dir: Path, output: Path | None) -> Path:
-    from server.models.loader import download_from_hub, resolve_model
+    from server.models.loader import download_from_hub
 
     started = time.monotonic()
     log.info("model %s%s: downloading into %s", repo, f"@{revision}" if revision else "", cache_dir)
@@ -67,13 +67,7 @@ def fetch_model(repo: str, revision: str | None, cache_dir: Path, output: Path |
         time.monotonic() - started,
         folder,
     )
-    if output is None:
-        return folder
-    link(folder, output)
-    # What the server will do with it: a local Hugging Face folder (config.json + *.safetensors).
-    resolve_model(str(output), cache_dir=cache_dir)
-    log.info("model %s: ready at %s", repo, output)
-    return output
+    return folder if output is None else _publish_model(repo, folder, output, cache_dir)
 
 
 def fetch_s3_model(uri: str, cache_dir: Path, output: Path | None) -> Path:
@@ -93,13 +87,17 @@ def fetch_s3_model(uri: str, cache_dir: Path, output: Path | None) -> Path:
         time.monotonic() - started,
         folder,
     )
-    if output is None:
-        return folder
-    link(folder, output)
+    return folder if output is None else _publish_model(uri, folder, output, cache_dir)
+
+
+def _publish_model(name: str, folder: Path, output: Path, cache_dir: Path) -> Path:
+    """`output` linked to the downloaded `folder`, then loaded as the server will load it (a local Hugging
+    Face folder: config.json + *.safetensors), so a folder it cannot serve fails the loader, not a replica."""
     from server.models.loader import resolve_model
 
+    link(folder, output)
     resolve_model(str(output), cache_dir=cache_dir)
-    log.info("model %s: ready at %s", uri, output)
+    log.info("model %s: ready at %s", name, output)
     return output
 
 
