@@ -38,7 +38,8 @@ def test_dequantize_matches_transformers_converter() -> None:
     assert torch.equal(dequantize_mxfp4(blocks, scales), ref.transpose(1, 2))
 
 
-def test_gpt_oss_block_from_mxfp4_matches_transformers() -> None:
+def _gpt_oss_block() -> tuple[Any, MoEConfig, dict[str, torch.Tensor]]:
+    """(transformers' GptOssMLP over the dequantized experts, our config, the packed checkpoint tensors)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     block, hf_cfg = hf_block("gpt_oss")
@@ -58,7 +59,15 @@ def test_gpt_oss_block_from_mxfp4_matches_transformers() -> None:
         p + "experts.down_proj_blocks": d_b,
         p + "experts.down_proj_scales": d_s,
     }
-    experts = load_mxfp4_experts(tensors, PREFIX, cfg)
+    return block, cfg, tensors
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_gpt_oss_block_from_mxfp4_matches_transformers(use_kernel: bool) -> None:
+    """Through the CPU kernel and through the reference path (each expert dequantized per call)."""
+    block, cfg, tensors = _gpt_oss_block()
+    experts = load_mxfp4_experts(tensors, PREFIX, cfg, use_kernel=use_kernel)
+    assert (experts.kernel is not None) == use_kernel
     moe = FusedMoE(cfg, load_expert_weights(tensors, PREFIX, cfg, dense_experts=False), experts=experts)
     x = torch.randn(13, H, generator=torch.Generator().manual_seed(3)) * 0.1
     with torch.no_grad():
@@ -67,3 +76,41 @@ def test_gpt_oss_block_from_mxfp4_matches_transformers() -> None:
         assert torch.equal(moe.route(x).ids, hf_routing("gpt_oss", block, x))
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5 * ref.abs().max().item())
     assert experts.w13.nbytes() * 7 < E * 2 * INTER * H * 4  # packed: ~0.53 bytes per value vs 4
+    assert experts.nbytes() == sum(t.numel() for t in experts.tensors())
+
+
+def test_a_step_reads_only_the_chosen_experts_packed_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guard: the served path multiplies from the packed bytes (no expert is ever dequantized) and hands
+    the kernel exactly the chosen experts' slices, each once per GEMM, whatever the number of tokens."""
+    from server.models.moe import Mxfp4Tensor
+    from server.quant.cpu_mxfp4 import Mxfp4Kernel
+
+    block, cfg, tensors = _gpt_oss_block()
+    experts = load_mxfp4_experts(tensors, PREFIX, cfg)
+    assert experts.kernel is not None, "the MXFP4 kernel did not build here"
+    kernel: Mxfp4Kernel = experts.kernel
+    seen: list[int] = []
+
+    class Recording:
+        def linear(self, x: torch.Tensor, blocks: torch.Tensor, *args: Any) -> torch.Tensor:
+            seen.append(blocks.data_ptr())
+            return Mxfp4Kernel.linear(kernel, x, blocks, *args)
+
+    def refuse(*_: Any) -> torch.Tensor:
+        raise AssertionError("an expert was dequantized")
+
+    monkeypatch.setattr(Mxfp4Tensor, "expert", refuse)
+    experts.kernel = Recording()  # type: ignore[assignment]
+    moe = FusedMoE(cfg, load_expert_weights(tensors, PREFIX, cfg, dense_experts=False), experts=experts)
+    for t in (1, 5):
+        x = torch.randn(t, H, generator=torch.Generator().manual_seed(t)) * 0.1
+        seen.clear()
+        with torch.no_grad():
+            got = moe(x)
+            ref = block(x[None])[0][0]
+        torch.testing.assert_close(got, ref, rtol=0, atol=2e-5 * ref.abs().max().item())
+        chosen = sorted(set(moe.route(x).ids.reshape(-1).tolist()))
+        w13, w2 = experts.w13.blocks, experts.w2.blocks
+        assert sorted(seen) == sorted(
+            [w13[e].data_ptr() for e in chosen] + [w2[e].data_ptr() for e in chosen]
+        )

@@ -8,8 +8,9 @@ experts on every layer: a biased router (`mlp.router`), top `num_experts_per_tok
 
 Shipped checkpoints hold the experts in MXFP4 (`quantization_config.quant_method` "mxfp4";
 `mlp.experts.{gate_up_proj,down_proj}_{blocks,scales}`, server/models/moe/mxfp4.py). On CPU they stay
-packed (`attach_weights`: each layer's block serves `Mxfp4Experts`, which dequantizes only the experts
-a step chose, so memory holds 4.25 bits per expert weight); elsewhere `rename_weights` dequantizes them
+packed (`attach_weights`: each layer's block serves `Mxfp4Experts`, whose chosen experts multiply
+straight from their packed bytes through the MXFP4 CPU kernel, so memory holds 4.25 bits per expert
+weight and a step reads only its chosen experts' bytes); elsewhere `rename_weights` dequantizes them
 exactly (e2m1 times a power of two is exact in bf16 and fp32) into transformers' dense layout. Either
 way the router, the expert biases and everything outside the experts load as usual.
 """

@@ -1,11 +1,11 @@
-"""MXFP4 expert weights as gpt-oss ships them, dequantized per expert on use (a torch path for now).
+"""MXFP4 expert weights as gpt-oss ships them, multiplied straight from the packed bytes on CPU.
 
 Layout (OCP Microscaling spec v1.0; transformers' integrations/mxfp4.py `convert_moe_packed_tensors`):
 `{name}_blocks [E, N, K / 32, 16]` uint8 holds 32 e2m1 values per block, two per byte, the low nibble
 first (element 2j in the low nibble of byte j); `{name}_scales [E, N, K / 32]` uint8 is each block's
 shared e8m0 exponent, biased by 127: value = e2m1 * 2 ** (scale - 127). Rows N are output features:
 `gate_up_proj` is [E, 2I, H / 32, 16] with gate and up interleaved (even rows gate), `down_proj`
-[E, H, I / 32, 16].
+[E, H, I / 32, 16]. The format's code (dequantization, the CPU kernel) is server/quant/cpu_mxfp4.py.
 """
 
 from __future__ import annotations
@@ -18,25 +18,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from server.models.moe.config import MoEConfig
+from server.quant.cpu_mxfp4 import (
+    E2M1_VALUES,
+    MXFP4_BLOCK,
+    Mxfp4Kernel,
+    dequantize_mxfp4,
+    try_load_mxfp4_kernel,
+)
 
-MXFP4_BLOCK = 32  # values per shared scale
-# e2m1: sign, 2 exponent bits (bias 1), 1 mantissa bit; codes 0-7 positive, 8-15 their negatives.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def dequantize_mxfp4(
-    blocks: Tensor, scales: Tensor
-) -> Tensor:  # [..., G, 16] u8, [..., G] u8 -> [..., G * 32] fp32
-    """Raises ValueError when the shapes or dtypes are not MXFP4's."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.shape[-1] != MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"blocks {tuple(blocks.shape)} must be scales {tuple(scales.shape)} + [16]")
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., G, 16, 2] low nibble first
-    values = lut[codes].reshape(*blocks.shape[:-1], MXFP4_BLOCK)
-    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return values.reshape(*blocks.shape[:-2], -1)
+__all__ = [
+    "E2M1_VALUES",
+    "MXFP4_BLOCK",
+    "Mxfp4Experts",
+    "Mxfp4Tensor",
+    "dequantize_mxfp4",
+    "load_mxfp4_experts",
+]
 
 
 @dataclass(frozen=True)
@@ -54,27 +51,54 @@ class Mxfp4Tensor:
 
 
 class Mxfp4Experts:
-    """ExpertGemms over MXFP4 weights: expert e's w13 / w2 are dequantized to fp32 when it has tokens,
-    so a step reads only its chosen experts' packed bytes (a torch reference; a fused kernel is to come)."""
+    """ExpertGemms over MXFP4 weights: expert e's w13 / w2 multiply straight from their packed bytes
+    through the CPU kernel (`kernel`, server/quant/cpu_mxfp4.py), so a step reads only its chosen
+    experts' 4.25 bits per weight; without the kernel (None: no compiler, or a tensor off the CPU) the
+    expert is dequantized to fp32 for the call (the reference path). Both are fp32 sums of exact
+    weights: they differ only in summation order."""
 
-    def __init__(self, w13: Mxfp4Tensor, w2: Mxfp4Tensor, b13: Tensor | None, b2: Tensor | None) -> None:
+    def __init__(
+        self,
+        w13: Mxfp4Tensor,
+        w2: Mxfp4Tensor,
+        b13: Tensor | None,
+        b2: Tensor | None,
+        kernel: Mxfp4Kernel | None = None,
+    ) -> None:
         self.w13 = w13  # [E, 2I, H] gate rows then up rows
         self.w2 = w2  # [E, H, I]
-        self.b13 = None if b13 is None else b13.float()  # [E, 2I]
-        self.b2 = None if b2 is None else b2.float()  # [E, H]
+        self.b13 = None if b13 is None else b13.float().contiguous()  # [E, 2I]
+        self.b2 = None if b2 is None else b2.float().contiguous()  # [E, H]
+        self.kernel = kernel if w13.blocks.device.type == "cpu" else None
+
+    def _linear(self, x: Tensor, w: Mxfp4Tensor, e: int, bias: Tensor | None) -> Tensor:
+        # x: [n, K] -> [n, N] fp32
+        b = None if bias is None else bias[e]
+        if self.kernel is not None:
+            return self.kernel.linear(x.float().contiguous(), w.blocks[e], w.scales[e], b)
+        y = F.linear(x.float(), w.expert(e))
+        return y if b is None else y + b
+
+    def nbytes(self) -> int:
+        return self.w13.nbytes() + self.w2.nbytes()
+
+    def tensors(self) -> list[Tensor]:
+        """Every packed tensor the experts hold (SparseMoeBlock.held_weight_tensors)."""
+        return [self.w13.blocks, self.w13.scales, self.w2.blocks, self.w2.scales]
 
     def gate_up(self, e: int, x: Tensor) -> Tensor:  # x: [n, H] fp32 -> [n, 2I] fp32
-        y = F.linear(x, self.w13.expert(e))
-        return y if self.b13 is None else y + self.b13[e]
+        return self._linear(x, self.w13, e, self.b13)
 
     def down(self, e: int, h: Tensor) -> Tensor:  # h: [n, I] fp32 -> [n, H] fp32
-        y = F.linear(h, self.w2.expert(e))
-        return y if self.b2 is None else y + self.b2[e]
+        return self._linear(h, self.w2, e, self.b2)
 
 
-def load_mxfp4_experts(tensors: Mapping[str, Tensor], prefix: str, cfg: MoEConfig) -> Mxfp4Experts:
+def load_mxfp4_experts(
+    tensors: Mapping[str, Tensor], prefix: str, cfg: MoEConfig, use_kernel: bool = True
+) -> Mxfp4Experts:
     """gpt-oss's `{prefix}.experts.{gate_up_proj,down_proj}_{blocks,scales}` and biases; the interleaved
     gate/up rows are reordered to gate | up (rows are quantized independently, so this is exact).
+    `use_kernel`: run the CPU kernel where it builds (try_load_mxfp4_kernel), else the reference path.
     Raises KeyError naming a missing tensor, ValueError on a shape mismatch."""
     p = f"{prefix}.experts."
     try:
@@ -98,4 +122,5 @@ def load_mxfp4_experts(tensors: Mapping[str, Tensor], prefix: str, cfg: MoEConfi
         Mxfp4Tensor(d_b.contiguous(), d_s.contiguous()),
         b13[:, order],
         b2,
+        try_load_mxfp4_kernel() if use_kernel else None,
     )
