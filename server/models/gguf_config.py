@@ -17,6 +17,10 @@ reads them), per `general.architecture`:
   layer windowed (llama.cpp's swa pattern 2).
 - gemma3: `attention.sliding_window`, `rope.freq_base_swa` (default 10000, as llama.cpp), the pattern
   `attention.sliding_window_pattern` (default 6: five windowed layers, then a global one).
+- gpt-oss: `expert_count`, `expert_used_count`, `expert_feed_forward_length` (the experts' size),
+  `attention.sliding_window` on even layers (llama.cpp's swa pattern 2), q/k/v/o biases, YaRN's
+  `rope.scaling.yarn_beta_fast` / `yarn_beta_slow` (default 32 / 1) without truncation and the SwiGLU
+  limit 7 as gpt-oss's config.json has them (the file has no key for either).
 - Gemma 2/3's query_pre_attn_scalar is not stored: llama.cpp scales by head_dim**-0.5, except for the
   27B shapes (46 / 62 layers), where it is (hidden / heads)**-0.5; we read it the same way.
 """
@@ -118,6 +122,29 @@ def _gemma3(cfg: dict[str, Any], get: Get, tensors: dict[str, Any]) -> None:
     cfg["final_logit_softcapping"] = get("final_logit_softcapping", None)
 
 
+# gpt-oss's clamped SwiGLU limit: llama.cpp's gpt-oss graph fixes it (no key), as every shipped config
+GPT_OSS_SWIGLU_LIMIT = 7.0
+
+
+def _gpt_oss(cfg: dict[str, Any], get: Get, tensors: dict[str, Any]) -> None:
+    n = cfg["num_hidden_layers"]
+    cfg["num_local_experts"] = int(get("expert_count", 0))
+    cfg["num_experts_per_tok"] = int(get("expert_used_count", 0))
+    cfg["intermediate_size"] = int(get("expert_feed_forward_length", cfg["intermediate_size"]))
+    cfg["attention_bias"] = True
+    cfg["swiglu_limit"] = GPT_OSS_SWIGLU_LIMIT
+    window = int(get("attention.sliding_window", 0) or 0)
+    cfg["sliding_window"] = window or None
+    # llama.cpp's swa pattern 2 for gpt-oss: even layers windowed (transformers' default layer_types)
+    kinds = ("sliding_attention", "full_attention") if window else ("full_attention", "full_attention")
+    cfg["layer_types"] = [kinds[i % 2] for i in range(n)]
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling["beta_fast"] = float(get("rope.scaling.yarn_beta_fast", 32.0))
+        scaling["beta_slow"] = float(get("rope.scaling.yarn_beta_slow", 1.0))
+        scaling["truncate"] = False  # gpt-oss's config.json (the file has no key for it)
+
+
 def _none(cfg: dict[str, Any], get: Get, tensors: dict[str, Any]) -> None:
     pass
 
@@ -132,6 +159,7 @@ READERS: dict[str, tuple[str, str, Callable[[dict[str, Any], Get, dict[str, Any]
     "gemma": ("GemmaForCausalLM", "gemma", _gemma),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", _gemma2),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", _gemma3),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss", _gpt_oss),
 }
 
 

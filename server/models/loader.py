@@ -551,7 +551,9 @@ def _gguf_moe_blocks(
     load by name, the formats of the experts kept quantized)."""
     from server.models.moe.block import SparseMoeBlock
     from server.models.moe.gguf import assemble_gguf_moe
+    from server.models.moe.mxfp4 import Mxfp4Experts
     from server.models.moe.quant import BlockQuantExperts
+    from server.quant.cpu_mxfp4 import try_load_mxfp4_kernel
     from server.quant.cpu_qlinear import try_load_qlinear_kernel
 
     blocks = {
@@ -560,17 +562,20 @@ def _gguf_moe_blocks(
         if isinstance(layer.mlp, SparseMoeBlock)
     }
     try:
-        state = assemble_gguf_moe(blocks, ckpt, try_load_qlinear_kernel(cache_dir), file)
+        mx = try_load_mxfp4_kernel(cache_dir) if ckpt.mxfp4_experts else None
+        state = assemble_gguf_moe(blocks, ckpt, try_load_qlinear_kernel(cache_dir), file, mx)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
     formats = set()
     for block in blocks.values():
         if isinstance(block.experts, BlockQuantExperts):
             formats |= {w.fmt for w in block.experts.w13 + block.experts.w2}
-    if ckpt.experts:
-        raise ModelLoadError(
-            f"{file} has expert tensors for layers without experts: {sorted(ckpt.experts)[:3]}"
-        )
+    for block in blocks.values():
+        if isinstance(block.experts, Mxfp4Experts):
+            formats.add("mxfp4")
+    if ckpt.experts or ckpt.mxfp4_experts:
+        stray = sorted(ckpt.experts) + sorted(ckpt.mxfp4_experts)
+        raise ModelLoadError(f"{file} has expert tensors for layers without experts: {stray[:3]}")
     return state, formats
 
 

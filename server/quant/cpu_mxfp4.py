@@ -63,6 +63,34 @@ def dequantize_mxfp4(
     return values.reshape(*blocks.shape[:-2], -1)
 
 
+GGUF_BLOCK_BYTES = 17  # ggml's block_mxfp4: the e8m0 byte, then 16 bytes of codes
+
+
+def from_gguf_mxfp4(
+    raw: Tensor,  # GGUF MXFP4 bytes of a [..., N, K] tensor: [..., N, K / 32 * 17] or flat, uint8
+    shape: tuple[int, ...],  # [..., N, K]
+) -> tuple[Tensor, Tensor]:  # (blocks [..., N, K / 32, 16], scales [..., N, K / 32]) uint8
+    """ggml's MXFP4 blocks (ggml-common.h block_mxfp4, gguf-py quants.py MXFP4: per 32 values the
+    e8m0 byte, then 16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31) in this
+    module's layout (transformers': element 2j in the low nibble of byte j, 2j + 1 in the high one).
+    Exact: the same codes and exponents, moved. Raises ValueError when the bytes do not fit `shape`."""
+    *lead, k = shape
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 rows of {k} values are not whole 32-value blocks")
+    data = raw.reshape(-1).view(torch.uint8)
+    groups = k // MXFP4_BLOCK
+    count = 1
+    for d in lead:
+        count *= d
+    if data.numel() != count * groups * GGUF_BLOCK_BYTES:
+        raise ValueError(f"{data.numel()} MXFP4 bytes do not hold a {list(shape)} tensor")
+    blk = data.reshape(*lead, groups, GGUF_BLOCK_BYTES)
+    qs = blk[..., 1:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [..., G, 32]: the elements in order
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), blk[..., 0].contiguous()
+
+
 def linear_reference(
     x: Tensor,  # [M, K] fp32
     blocks: Tensor,  # [N, K / 32, 16] uint8

@@ -7,7 +7,8 @@ convert_hf_to_gguf.py for ggml's rotary layout in the Llama-converted families, 
 stored + 1. The permutation is undone here on whole rows, so quantized rows move without being touched
 (exactly what transformers' GGUF loader does on the dequantized matrix); the + 1 is taken back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (the k-quants repacked into
 per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks), and so do Q5_0, Q5_1, Q5_K, Q3_K,
-Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py). Any other type (IQ2_*,
+Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py); MXFP4 expert stacks
+(gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
 `GgufCheckpoint.dequantized` with the memory it costs beyond its bytes in the file (/info shows it).
 """
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from server.quant.cpu_mxfp4 import from_gguf_mxfp4
 from server.quant.cpu_qlinear import BlockQuantWeight, from_gguf_blocks, from_gguf_k_blocks
 from server.quant.gguf_names import GLOBAL_NAMES, LAYOUTS, GgufLayout
 from server.quant.gguf_repack import REPACKED, from_gguf_repacked
@@ -47,6 +49,11 @@ _MOE_NAMES = {
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate",
     "ffn_up_shexp.weight": "mlp.shared_expert.up",
     "ffn_down_shexp.weight": "mlp.shared_expert.down",
+    # gpt-oss: the router's and the experts' biases ([E], [E, N])
+    "ffn_gate_inp.bias": "mlp.router_bias",
+    "ffn_gate_exps.bias": "mlp.experts.gate_bias",
+    "ffn_up_exps.bias": "mlp.experts.up_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_bias",
 }
 _EXPERT_NAMES = ("mlp.experts.gate", "mlp.experts.up", "mlp.experts.down")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -66,6 +73,8 @@ def hf_name(gguf_name: str, layout: GgufLayout = LAYOUTS["llama"]) -> str | None
         return f"model.layers.{m.group(1)}.{moe}"
     if m.group(2) not in layout.layer:
         return None
+    if m.group(2) in layout.parameters:
+        return f"model.layers.{m.group(1)}.{layout.layer[m.group(2)]}"
     return f"model.layers.{m.group(1)}.{layout.layer[m.group(2)]}.{m.group(3)}"
 
 
@@ -97,12 +106,16 @@ class GgufCheckpoint:
     # stacked expert tensors kept quantized: name (model.layers.N.mlp.experts.gate/up/down) -> one
     # [N, K] weight per expert (the dense or dequantized ones are [E, N, K] tensors in `tensors`)
     experts: dict[str, list[BlockQuantWeight]] = field(default_factory=dict)
+    # stacked MXFP4 expert tensors (gpt-oss): name -> (blocks [E, N, K / 32, 16], scales [E, N, K / 32])
+    # in cpu_mxfp4's layout, moved exactly from ggml's blocks
+    mxfp4_experts: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     formats: dict[str, int] = field(default_factory=dict)  # GGUF type name -> tensor count
     dequantized: list[DequantizedTensor] = field(default_factory=list)  # quantized or 16-bit, now fp32
     file_tensor_bytes: int = 0  # bytes of the tensors read (the ones we use), as stored in the file
 
     def quantized_bytes(self) -> int:
         experts = sum(w.nbytes() for ws in self.experts.values() for w in ws)
+        experts += sum(b.numel() + s.numel() for b, s in self.mxfp4_experts.values())
         return experts + sum(t.nbytes() for t in self.tensors.values() if isinstance(t, BlockQuantWeight))
 
 
@@ -141,6 +154,12 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
         kept = kind in _KEPT or kind in _KEPT_K or kind in REPACKED
         if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kept:
             ckpt.experts[name] = _split_experts(t.data, kind, shape)
+            continue
+        if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kind == "MXFP4":
+            with warnings.catch_warnings():  # a read-only memory map: from_gguf_mxfp4 copies what it keeps
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.as_tensor(np.ascontiguousarray(t.data)).view(torch.uint8)
+            ckpt.mxfp4_experts[name] = from_gguf_mxfp4(raw, (shape[0], shape[1], shape[2]))
             continue
         if kind in _KEPT and len(shape) == 2:
             # t.data is a view of the file's memory map: only the repacked copies stay resident.

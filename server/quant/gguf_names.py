@@ -12,6 +12,9 @@ added to the norm weights. Plain data; gguf_checkpoint.py applies it.
   post_attention_layernorm (the norm before the MLP) but Gemma 2/3's pre_feedforward_layernorm, and
   `post_attention_norm` is Gemma's and OLMo 2's post_attention_layernorm (after attention).
 - Phi-3 keeps its fused tensors: `attn_qkv` (q, k, v rows) and `ffn_up` (gate rows, then up rows).
+- gpt-oss (`gpt-oss`, convert_hf_to_gguf.py's GptOssModel): q/k/v/o with biases, `post_attention_norm`
+  is its post_attention_layernorm (the norm before the MoE block), `attn_sinks.weight` its
+  `self_attn.sinks` parameter (`parameters`: the HF name has no `.weight`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ _OLMO2 = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _PHI3 = {**_LLAMA_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_GPT_OSS = {
+    **{k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+}
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -54,11 +62,13 @@ GLOBAL_NAMES = {
 class GgufLayout:
     """One llama.cpp architecture's tensor layout. `layer`: GGUF block tensor stem (blk.N.<stem>) ->
     HF module under model.layers.N; `permute_qk`: q/k rows are in ggml's rotary order; `norm_shift`:
-    added to every norm weight by the converter (subtracted at load)."""
+    added to every norm weight by the converter (subtracted at load); `parameters`: stems whose HF
+    name is a bare parameter (gpt-oss's sinks: `blk.N.attn_sinks.weight` -> `self_attn.sinks`)."""
 
     layer: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_LAYER))
     permute_qk: bool = False
     norm_shift: float = 0.0
+    parameters: frozenset[str] = frozenset()
 
 
 LAYOUTS: dict[str, GgufLayout] = {
@@ -75,4 +85,5 @@ LAYOUTS: dict[str, GgufLayout] = {
     "gemma": GgufLayout(norm_shift=1.0),
     "gemma2": GgufLayout(_SANDWICH, norm_shift=1.0),
     "gemma3": GgufLayout({**_SANDWICH, **_QK_NORM}, norm_shift=1.0),
+    "gpt-oss": GgufLayout(_GPT_OSS, parameters=frozenset({"attn_sinks"})),
 }

@@ -12,7 +12,9 @@ packed (`attach_weights`: each layer's block serves `Mxfp4Experts`, whose chosen
 straight from their packed bytes through the MXFP4 CPU kernel, so memory holds 4.25 bits per expert
 weight and a step reads only its chosen experts' bytes); elsewhere `rename_weights` dequantizes them
 exactly (e2m1 times a power of two is exact in bf16 and fp32) into transformers' dense layout. Either
-way the router, the expert biases and everything outside the experts load as usual.
+way the router, the expert biases and everything outside the experts load as usual. llama.cpp's
+`gpt-oss` GGUF files load too (server/models/gguf_config.py, server/quant/gguf_names.py,
+server/models/moe/gguf.py), their MXFP4 experts kept MXFP4 on the same kernel.
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def rename_weights(state: dict[str, Tensor], arch: ArchConfig) -> dict[str, Tens
     out = dequantize_experts(state, arch.num_layers)
     for n in range(arch.num_layers):
         p = f"model.layers.{n}.mlp"
+        if f"{p}.router" in out:
+            continue  # already under SparseMoeBlock's names: a GGUF file's (server/models/moe/gguf.py)
         w = load_expert_weights(out, p, arch.moe, dense_experts=f"{p}.experts.gate_up_proj" in out)
         for name in _READ:
             out.pop(f"{p}.{name}", None)
@@ -128,8 +132,9 @@ GPT_OSS = Architecture(
         "sliding window (alternating)",
         "YaRN RoPE",
         "mixture of experts (biased router, clamped SwiGLU)",
-        "MXFP4 experts (packed on CPU)",
+        "MXFP4 experts (packed on CPU, our MXFP4 kernel; GGUF MXFP4 too)",
     ),
+    gguf=True,
     rename_weights=rename_weights,
     attach_weights=attach_weights,
 )

@@ -6,7 +6,9 @@ Layouts: Mixtral is the `llama` architecture with `llama.expert_count` / `expert
 (the experts' size; `feed_forward_length` is the dense MLP's), and qwen2moe
 `expert_shared_feed_forward_length`. Per MoE layer: `ffn_gate_inp` (router [E, H]),
 `ffn_{gate,up,down}_exps` (stacked [E, N, K]), and qwen2moe's `ffn_{gate,up,down}_shexp` +
-`ffn_gate_inp_shexp` ({H}). llama.cpp renormalises the top-k for qwen3moe and not for qwen2moe (its
+`ffn_gate_inp_shexp` ({H}); gpt-oss's router and expert biases (`ffn_gate_inp.bias`,
+`ffn_{gate,up,down}_exps.bias`) and MXFP4 experts (`gpt-oss.expert_feed_forward_length` their size).
+llama.cpp renormalises the top-k for qwen3moe and not for qwen2moe (its
 `norm_w` in models/qwen2moe.cpp / qwen3moe.cpp), Mixtral always; a layer without `ffn_gate_inp` keeps a
 dense MLP (Qwen's `mlp_only_layers`).
 """
@@ -22,7 +24,9 @@ import torch
 from torch import Tensor
 
 from server.models.moe.block import SparseMoeBlock
+from server.models.moe.mxfp4 import Mxfp4Experts, Mxfp4Tensor
 from server.models.moe.quant import BlockQuantExperts
+from server.quant.cpu_mxfp4 import Mxfp4Kernel, dequantize_mxfp4
 from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel, dequantize_reference
 from server.quant.gguf_checkpoint import GgufCheckpoint
 
@@ -64,9 +68,15 @@ def gguf_moe_fields(path: Path) -> dict[str, Any]:
             "num_local_experts": int(experts),
             "num_experts_per_tok": used,
         }
+    if arch == "gpt-oss":  # the rest of its config: server/models/gguf_config.py
+        return {
+            "num_local_experts": int(experts),
+            "num_experts_per_tok": used,
+            "intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
+        }
     if arch not in ("qwen2moe", "qwen3moe"):
         raise ValueError(
-            f"{path.name}: MoE GGUF architecture {arch!r} is not mapped (llama, qwen2moe, qwen3moe)"
+            f"{path.name}: MoE GGUF architecture {arch!r} is not mapped (llama, qwen2moe, qwen3moe, gpt-oss)"
         )
     fields: dict[str, Any] = {
         "num_experts": int(experts),
@@ -90,13 +100,18 @@ def _dense(t: Tensor | BlockQuantWeight) -> Tensor:  # fp32
 
 
 def assemble_gguf_moe(
-    blocks: dict[int, SparseMoeBlock], ckpt: GgufCheckpoint, kernel: QLinearKernel | None, file: str
+    blocks: dict[int, SparseMoeBlock],
+    ckpt: GgufCheckpoint,
+    kernel: QLinearKernel | None,
+    file: str,
+    mxfp4_kernel: Mxfp4Kernel | None = None,
 ) -> dict[str, Tensor]:
     """Moves each MoE layer's tensors out of `ckpt` into its block: experts kept quantized (a kept
-    type, gate and up alike) become the block's `BlockQuantExperts` (only the chosen experts' bytes are
-    read per step); others are dequantized into `w13`/`w2`. Router and shared expert are fp32 (small;
-    F32 in llama.cpp's files). Returns the blocks' float tensors under their parameter names, for the
-    loader's load_state_dict. Raises ValueError naming a missing tensor."""
+    type, gate and up alike) become the block's `BlockQuantExperts`, MXFP4 ones (gpt-oss) its
+    `Mxfp4Experts` over `mxfp4_kernel` (only the chosen experts' bytes are read per step); others are
+    dequantized into `w13`/`w2`. Router (and its bias), expert biases and shared expert are fp32
+    (small; F32 in llama.cpp's files). Returns the blocks' float tensors under their parameter names,
+    for the loader's load_state_dict. Raises ValueError naming a missing tensor."""
     state: dict[str, Tensor] = {}
     for n, block in blocks.items():
         pre = f"model.layers.{n}.mlp"
@@ -108,18 +123,35 @@ def assemble_gguf_moe(
                 raise ValueError(f"{file}: {pre} lacks its MoE tensor {name}") from None
 
         state[f"{pre}.router"] = _dense(take("router"))
+        if block.cfg.router_bias:
+            state[f"{pre}.router_bias"] = _dense(take("router_bias"))
+        b13 = b2 = None
+        if block.cfg.expert_bias:  # gpt-oss: [E, I] gate and up biases, [E, H] down's
+            b13 = torch.cat([_dense(take("experts.gate_bias")), _dense(take("experts.up_bias"))], dim=1)
+            b2 = _dense(take("experts.down_bias"))
+            state[f"{pre}.b13"], state[f"{pre}.b2"] = b13, b2
         if block.cfg.shared_expert_intermediate_size:
             gate, up = _dense(take("shared_expert.gate")), _dense(take("shared_expert.up"))
             state[f"{pre}.shared_w13"] = torch.cat([gate, up])
             state[f"{pre}.shared_w2"] = _dense(take("shared_expert.down"))
             state[f"{pre}.shared_gate"] = _dense(take("shared_expert_gate")).reshape(1, -1)
         names = [f"{pre}.experts.{p}" for p in ("gate", "up", "down")]
+        mx = [ckpt.mxfp4_experts.pop(k, None) for k in names]
+        if all(m is not None for m in mx):
+            mg, mu, md = mx
+            assert mg is not None and mu is not None and md is not None
+            gate_up = Mxfp4Tensor(torch.cat([mg[0], mu[0]], dim=1), torch.cat([mg[1], mu[1]], dim=1))
+            block.set_experts(Mxfp4Experts(gate_up, Mxfp4Tensor(*md), b13, b2, mxfp4_kernel))
+            continue
+        for k, m in zip(names, mx, strict=True):  # some MXFP4, some not: served dense
+            if m is not None:
+                ckpt.tensors[k] = dequantize_mxfp4(*m)
         quant = [ckpt.experts.pop(k, None) for k in names]
         if all(q is not None for q in quant) and quant[0][0].fmt == quant[1][0].fmt:  # type: ignore[index]
             g, u, d = quant
             assert g is not None and u is not None and d is not None
             w13 = [BlockQuantWeight.concat_rows([a, b]) for a, b in zip(g, u, strict=True)]
-            block.set_experts(BlockQuantExperts(w13, d, kernel=kernel))
+            block.set_experts(BlockQuantExperts(w13, d, b13, b2, kernel=kernel))
             continue
         dense = []
         for k, q in zip(names, quant, strict=True):
