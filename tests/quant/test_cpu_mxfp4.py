@@ -45,9 +45,9 @@ def _check(
 
 @pytest.mark.parametrize("path", mx.PATHS)
 @pytest.mark.parametrize("n,k", [(37, 96), (9, 2880), (4, 32)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64])
 def test_linear_matches_the_reference(kernel: mx.Mxfp4Kernel, path: str, n: int, k: int, m: int) -> None:
-    """M = 1..64 (every remainder of the 4- and 2-row tiles), N with a partial 4-row tile (37, 9), K of
+    """M = 1..64 (every remainder of the 8-, 4- and 2-row tiles), N with a partial 4-row tile (37, 9), K of
     one block up to gpt-oss-20b's 2880."""
     if path not in _available():
         pytest.skip(f"this CPU (or KUBEINFER_CPU_DISABLE) does not allow the {path} path")

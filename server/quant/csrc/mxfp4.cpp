@@ -16,7 +16,7 @@
 //
 // Three code paths, chosen at run time (kubeinfer_mxfp4_set_path, from server/cpu_features.py's usable
 // features), each compiled into every x86-64 build with GCC's target pragma:
-//   avx512  zmm: vpermps over the 16-entry table (`_mm512_permutexvar_ps`), 4 x 4 tiles.
+//   avx512  zmm: vpermps over the 16-entry table (`_mm512_permutexvar_ps`), 4 x 4 tiles (2 x 8 from M = 8).
 //   avx2    ymm: the 8 magnitudes through `vpermps` (`_mm256_permutevar8x32_ps`), the sign bit (code bit 3)
 //           xor-ed in, 2 x 2 tiles.
 //   scalar  plain C++, any CPU.
@@ -286,23 +286,39 @@ void tile(const Call& c, int64_t n, int64_t i0) {
 }
 #endif
 
-// Tiles of R rows of W over every row of x, MR at a time, then the leftover rows of x.
-template <int R>
-void row_group(const Call& c, int64_t n) {
-  int64_t i = 0;
-  for (; i + MR <= c.m; i += MR) tile<R, MR>(c, n, i);
-  switch (c.m - i) {
-    case 3: if constexpr (MR > 3) tile<R, 3>(c, n, i); break;
-    case 2: if constexpr (MR > 2) tile<R, 2>(c, n, i); break;
-    case 1: tile<R, 1>(c, n, i); break;
-    default: break;
+// The last rem (< I) rows of x from row i: one tile of exactly rem rows.
+template <int R, int I>
+void tail(const Call& c, int64_t n, int64_t i, int64_t rem) {
+  if constexpr (I > 0) {
+    if (rem == I)
+      tile<R, I>(c, n, i);
+    else
+      tail<R, I - 1>(c, n, i, rem);
   }
 }
 
-void rows(const Call& c, int64_t n0, int64_t n1) {
+// Tiles of R rows of W over every row of x, I at a time, then the leftover rows of x.
+template <int R, int I>
+void row_group(const Call& c, int64_t n) {
+  int64_t i = 0;
+  for (; i + I <= c.m; i += I) tile<R, I>(c, n, i);
+  tail<R, I - 1>(c, n, i, c.m - i);
+}
+
+template <int R, int I>
+void rows_by(const Call& c, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) row_group<NR>(c, n);
-  for (; n < n1; ++n) row_group<1>(c, n);
+  for (; n + R <= n1; n += R) row_group<R, I>(c, n);
+  for (; n < n1; ++n) row_group<1, I>(c, n);
+}
+
+void rows(const Call& c, int64_t n0, int64_t n1) {
+#if KI_MX_AVX512
+  // From 8 rows of x, 2 x 8 tiles decode each block of W once per 8 rows instead of once per 4 (the
+  // decode is most of the work per weight byte); the same 16 accumulators.
+  if (c.m >= 8) return rows_by<2, 8>(c, n0, n1);
+#endif
+  rows_by<NR, MR>(c, n0, n1);
 }
 
 #endif  // KI_MX_BODY
