@@ -130,3 +130,22 @@ def test_path_follows_the_usable_features(monkeypatch: pytest.MonkeyPatch, tmp_p
     blocks, scales = _weight(19, 160, seed=5)
     x = torch.randn(6, 160)
     _check(off.linear(x, blocks, scales), x, blocks, scales, None)
+
+
+def test_gguf_blocks_move_exactly_into_our_layout() -> None:
+    """ggml's block_mxfp4 (the e8m0 byte, then low nibbles = elements 0-15, high = 16-31), written by
+    gguf-py's quantizer, reads back to gguf-py's own dequantization bit for bit; a wrong size is refused."""
+    import gguf
+    import numpy as np
+
+    w = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(6)).numpy() * 4
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    raw = gguf.quants.quantize(w.reshape(-1, 96), mxfp4)  # [15, 3 * 17] uint8
+    ref = gguf.quants.dequantize(raw, mxfp4).reshape(3, 5, 96)
+    blocks, scales = mx.from_gguf_mxfp4(torch.from_numpy(raw), (3, 5, 96))
+    assert blocks.shape == (3, 5, 3, 16) and scales.shape == (3, 5, 3)
+    assert np.array_equal(mx.dequantize_mxfp4(blocks, scales).numpy(), ref)
+    with pytest.raises(ValueError, match="do not hold"):
+        mx.from_gguf_mxfp4(torch.from_numpy(raw), (3, 5, 64))
+    with pytest.raises(ValueError, match="32-value blocks"):
+        mx.from_gguf_mxfp4(torch.from_numpy(raw), (3, 5, 48))
