@@ -42,7 +42,7 @@ class DenseBatchAttention:
         # row is NaN in SDPA; those rows are dropped after)
         self._eye = torch.eye(s, dtype=torch.bool, device=real.device)[None, None]
         keys = real[:, None, None, :]
-        self._distance = positions[:, None, :, None] - positions[:, None, None, :]  # [B, 1, S, S] q - k
+        self._positions = positions.to(torch.int32)  # [B, S]; distances are made per window, then freed
         if not bidirectional:
             keys = keys & torch.ones(s, s, dtype=torch.bool, device=real.device).tril()[None, None]
         self._keys = keys
@@ -52,7 +52,9 @@ class DenseBatchAttention:
     def mask(self, window: int | None) -> Tensor:  # [B, 1, S, S] bool
         if window not in self._masks:
             assert window is not None  # the global mask is made in __init__
-            near = self._distance.abs() < window if self._bidirectional else self._distance < window
+            p = self._positions
+            distance = p[:, None, :, None] - p[:, None, None, :]  # [B, 1, S, S] query - key
+            near = distance.abs() < window if self._bidirectional else distance < window
             self._masks[window] = (self._keys & near) | self._eye
         return self._masks[window]
 

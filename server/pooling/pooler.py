@@ -125,6 +125,8 @@ def _prompts(path: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
 
 
 def _pooling_mode(cfg: dict) -> PoolingMode:
+    if cfg.get("include_prompt") is False:
+        raise ValueError("pooling with include_prompt=false is not supported")
     named = cfg.get("pooling_mode")  # sentence-transformers >= 6 names the mode (or a list of modes)
     if isinstance(named, list) and len(named) == 1:
         named = named[0]
@@ -135,8 +137,6 @@ def _pooling_mode(cfg: dict) -> PoolingMode:
     on = [mode for key, mode in _FLAG_KEYS.items() if cfg.get(key)]
     if len(on) != 1:
         raise ValueError(f"exactly one pooling mode is supported, the model's config turns on {on}")
-    if cfg.get("include_prompt") is False:
-        raise ValueError("pooling with include_prompt=false is not supported")
     return on[0]
 
 

@@ -131,3 +131,15 @@ def test_dense_modules_we_cannot_run_are_refused(
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(ValueError, match=error):
         load_pooling_model(folder)
+
+
+def test_include_prompt_false_is_refused_in_the_named_format(gemma_dir: Path, tmp_path: Path) -> None:
+    """sentence-transformers >= 6 writes `pooling_mode` by name; its `include_prompt: false` (pool
+    without the prompt's tokens, INSTRUCTOR-style) is refused, not ignored."""
+    folder = tmp_path / "eg"
+    shutil.copytree(gemma_dir, folder)
+    path = folder / "1_Pooling" / "config.json"
+    assert json.loads(path.read_text())["pooling_mode"] == "mean"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "include_prompt": False}))
+    with pytest.raises(ValueError, match="include_prompt"):
+        load_pooling_model(folder)
