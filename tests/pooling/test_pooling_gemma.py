@@ -143,3 +143,31 @@ def test_include_prompt_false_is_refused_in_the_named_format(gemma_dir: Path, tm
     path.write_text(json.dumps({**json.loads(path.read_text()), "include_prompt": False}))
     with pytest.raises(ValueError, match="include_prompt"):
         load_pooling_model(folder)
+
+
+def test_soft_capped_attention_is_refused_for_embeddings() -> None:
+    """Gemma 2's attention soft-cap bypasses the attention backend (softcap_attention.py): the embedding
+    encoder refuses it rather than running unmasked attention."""
+    from server.models.llama import LlamaForCausalLM
+    from server.models.registry import arch_from_hf
+    from server.pooling.decoder import DecoderEncoder
+
+    cfg = {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 50.0,
+    }
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch_from_hf(cfg), max_positions=1)
+    with pytest.raises(ValueError, match="soft-capping"):
+        DecoderEncoder(model)
