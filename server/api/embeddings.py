@@ -14,6 +14,7 @@ import base64
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -227,6 +228,72 @@ def _check_ids(m: PoolingModel, ids: list[int], limit: int, truncate: bool) -> P
     return PoolingInput(list(ids))
 
 
+PoolingText = str | list[int] | tuple[str, str]  # a text, token ids, or a (query, document) pair
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a request bounds its inputs: at most `limit` tokens (special tokens included); longer ones
+    are cut (`truncate`, on the left with `left`) or refused."""
+
+    limit: int
+    truncate: bool = False
+    left: bool = False
+
+
+def _listed(value: Any, field: str, tei: bool = False) -> list[Any]:
+    """A request's inputs as a list: a string is one input, a flat list of token ids is one input.
+    400/422 naming `field` when there are none or more than MAX_INPUTS (TEI's message prefix with `tei`)."""
+    items: list[Any] = [value] if isinstance(value, str) else list(value)
+    if items and all(isinstance(x, int) for x in items):
+        items = [items]
+    if not items:
+        raise validation(
+            f"Input validation error: `{field}` cannot be empty" if tei else f"{field} cannot be empty", field
+        )
+    _check_count(len(items), field)
+    return items
+
+
+async def _rows(
+    m: PoolingModel,
+    inputs: list[PoolingText],
+    cut: Cut,
+    prompt: str = "",
+    per_token: bool = False,
+    empty_ok: bool = True,
+) -> list[PoolingInput]:
+    """The engine's rows for a request's inputs, tokenized off the event loop: a text with `prompt`
+    (the model's instruction prompt) before it, token ids (never prefixed: they are the client's exact
+    sequence), or a pair; each within `cut`. `per_token`: every token's hidden state. 400 for an empty
+    text unless `empty_ok` (TEI's routes and /classify embed the special tokens alone)."""
+
+    def tokenize() -> list[PoolingInput]:
+        out = []
+        for x in inputs:
+            if isinstance(x, tuple):
+                item = _encode_pair(m, x[0], x[1], cut.limit, cut.truncate)
+            elif isinstance(x, str):
+                if not x and not empty_ok:
+                    raise validation("input strings cannot be empty", "input")
+                item = _encode_text(m, prompt + x, cut.limit, cut.truncate, cut.left)
+            else:
+                item = _check_ids(m, list(x), cut.limit, cut.truncate)
+            item.per_token = per_token
+            out.append(item)
+        return out
+
+    return await asyncio.to_thread(tokenize)
+
+
+def _tei_cut(state: ServerState, truncate: bool | None, direction: str) -> Cut:
+    return Cut(_limit(state, None), bool(truncate), direction.lower() == "left")
+
+
+def _vllm_cut(state: ServerState, truncate_prompt_tokens: int | None) -> Cut:
+    return Cut(_limit(state, truncate_prompt_tokens), truncate_prompt_tokens is not None)
+
+
 async def _run(state: ServerState, task: str, items: list[PoolingInput]) -> list[torch.Tensor]:
     slot = state.admit(task)
     try:
@@ -282,34 +349,23 @@ def _usage(items: list[PoolingInput]) -> dict[str, int]:
 @router.post("/v1/embeddings", summary="Embeddings (OpenAI)")
 async def embeddings(request: Request) -> Response:
     state = server_state(request)
-    req: EmbeddingRequest = await _body(request, EmbeddingRequest)
+    body = await _read(request)
+    if isinstance(body, dict) and "prompt_name" in body:
+        # neither OpenAI's nor vLLM's embeddings body has one: refused with where it is taken
+        raise validation(
+            "prompt_name is not a field of OpenAI's or vLLM's embeddings request: name the prompt on TEI's "
+            "/embed (`prompt_name`) or prepend its text to the input; this route applies the model's "
+            "default_prompt_name",
+            "prompt_name",
+        )
+    req: EmbeddingRequest = await _body(request, EmbeddingRequest, body)
     state.admit("embed").release()  # task and phase checks before tokenizing
     m = _model(state)
     _check_name(state, req.model)
     dims = _dimensions(m, req.dimensions)
-    limit = _limit(state, req.truncate_prompt_tokens)
-    truncate = req.truncate_prompt_tokens is not None
-    raw: list[Any] = [req.input] if isinstance(req.input, str) else list(req.input)
-    if not raw:
-        raise validation("input cannot be empty", "input")
-    if all(isinstance(x, int) for x in raw):
-        raw = [raw]  # one list of token ids
-    _check_count(len(raw), "input")
-
-    prompt = _prompt(m, None)  # the model's default prompt, as sentence-transformers' encode applies it
-
-    def tokenize() -> list[PoolingInput]:
-        out = []
-        for x in raw:
-            if isinstance(x, str):
-                if not x:
-                    raise validation("input strings cannot be empty", "input")
-                out.append(_encode_text(m, prompt + x, limit, truncate, left=False))
-            else:
-                out.append(_check_ids(m, list(x), limit, truncate))
-        return out
-
-    items = await asyncio.to_thread(tokenize)
+    cut = _vllm_cut(state, req.truncate_prompt_tokens)
+    # the model's default prompt, as sentence-transformers' encode applies it
+    items = await _rows(m, _listed(req.input, "input"), cut, _prompt(m, None), empty_ok=False)
     vectors = await _run(state, "embed", items)
     data = []
     for i, v in enumerate(vectors):
@@ -331,16 +387,9 @@ async def tei_embed(request: Request, raw: Any = None) -> Response:
     state.admit("embed").release()
     m = _model(state)
     dims = _dimensions(m, req.dimensions)
-    texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-    if not texts:
-        raise validation("Input validation error: `inputs` cannot be empty", "inputs")
-    _check_count(len(texts), "inputs")
-    limit = _limit(state, None)
-    left = req.truncation_direction.lower() == "left"
-    prompt = _prompt(m, req.prompt_name)
-    items = await asyncio.to_thread(
-        lambda: [_encode_text(m, prompt + t, limit, bool(req.truncate), left) for t in texts]
-    )
+    texts = _listed(req.inputs, "inputs", tei=True)
+    cut = _tei_cut(state, req.truncate, req.truncation_direction)
+    items = await _rows(m, texts, cut, _prompt(m, req.prompt_name))
     vectors = await _run(state, "embed", items)
     return JSONResponse([finish_embedding(v, req.normalize, dims).tolist() for v in vectors])
 
@@ -376,11 +425,8 @@ async def tei_similarity(request: Request, raw: Any = None) -> Response:
     if not req.inputs.sentences:
         raise validation("Input validation error: `inputs.sentences` cannot be empty", "inputs.sentences")
     _check_count(len(texts), "inputs.sentences")
-    limit = _limit(state, None)
-    left = p.truncation_direction.lower() == "left"
-    prompt = _prompt(m, p.prompt_name)
-    items = await asyncio.to_thread(
-        lambda: [_encode_text(m, prompt + t, limit, bool(p.truncate), left) for t in texts]
+    items = await _rows(
+        m, list(texts), _tei_cut(state, p.truncate, p.truncation_direction), _prompt(m, p.prompt_name)
     )
     vectors = torch.stack([finish_embedding(v, True, None) for v in await _run(state, "embed", items)])
     return JSONResponse((vectors[1:] @ vectors[0]).tolist())
@@ -404,18 +450,9 @@ async def tei_embed_all(request: Request, raw: Any = None) -> Response:
     req: TEIEmbedAllRequest = await _body(request, TEIEmbedAllRequest, raw)
     state.admit("embed").release()
     m = _model(state)
-    texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-    if not texts:
-        raise validation("Input validation error: `inputs` cannot be empty", "inputs")
-    _check_count(len(texts), "inputs")
-    limit = _limit(state, None)
-    left = req.truncation_direction.lower() == "left"
-    prompt = _prompt(m, req.prompt_name)
-    items = await asyncio.to_thread(
-        lambda: [_encode_text(m, prompt + t, limit, bool(req.truncate), left) for t in texts]
-    )
-    for it in items:
-        it.per_token = True
+    texts = _listed(req.inputs, "inputs", tei=True)
+    cut = _tei_cut(state, req.truncate, req.truncation_direction)
+    items = await _rows(m, texts, cut, _prompt(m, req.prompt_name), per_token=True)
     return JSONResponse([v.tolist() for v in await _run(state, "embed", items)])
 
 
@@ -456,29 +493,11 @@ async def pooling(request: Request) -> Response:
     dims = _dimensions(m, req.dimensions) if task != "classify" else None
     if req.dimensions is not None and task == "classify":
         raise validation("dimensions applies to embeddings only", "dimensions")
-    limit = _limit(state, req.truncate_prompt_tokens)
-    truncate = req.truncate_prompt_tokens is not None
-    raw: list[Any] = [req.input] if isinstance(req.input, str) else list(req.input)
-    if not raw:
-        raise validation("input cannot be empty", "input")
-    if all(isinstance(x, int) for x in raw):
-        raw = [raw]
-    _check_count(len(raw), "input")
-
-    def tokenize() -> list[PoolingInput]:
-        out = []
-        for x in raw:
-            if isinstance(x, str):
-                if not x:
-                    raise validation("input strings cannot be empty", "input")
-                item = _encode_text(m, x, limit, truncate, left=False)
-            else:
-                item = _check_ids(m, list(x), limit, truncate)
-            item.per_token = task == "token_embed"
-            out.append(item)
-        return out
-
-    items = await asyncio.to_thread(tokenize)
+    cut = _vllm_cut(state, req.truncate_prompt_tokens)
+    # an embedder's default prompt, as on /v1/embeddings (a score model has no prompts)
+    prompt = _prompt(m, None) if embedder else ""
+    inputs = _listed(req.input, "input")
+    items = await _rows(m, inputs, cut, prompt, per_token=task == "token_embed", empty_ok=False)
     rows = await _run(state, state.task, items)
     activate = req.use_activation is not False
     values: list[Any]
@@ -510,10 +529,9 @@ class TEIDecodeRequest(_Body):
 
 # ---- scoring: vLLM /score, /rerank; TEI /rerank ------------------------------------------------------
 async def _score_pairs(
-    state: ServerState, pairs: list[tuple[str, str]], limit: int, truncate: bool
+    state: ServerState, pairs: list[tuple[str, str]], cut: Cut
 ) -> tuple[list[torch.Tensor], list[PoolingInput]]:
-    m = _model(state)
-    items = await asyncio.to_thread(lambda: [_encode_pair(m, a, b, limit, truncate) for a, b in pairs])
+    items = await _rows(_model(state), list(pairs), cut)
     return await _run(state, "score", items), items
 
 
@@ -535,10 +553,7 @@ async def score(request: Request) -> Response:
         raise validation("text_1 must have one item or as many as text_2", "text_1")
     _check_count(len(b), "text_2")
     logits, items = await _score_pairs(
-        state,
-        list(zip(a, b, strict=True)),
-        _limit(state, req.truncate_prompt_tokens),
-        req.truncate_prompt_tokens is not None,
+        state, list(zip(a, b, strict=True)), _vllm_cut(state, req.truncate_prompt_tokens)
     )
     scores = _scores(_model(state), logits, raw=False)
     return JSONResponse(
@@ -578,10 +593,7 @@ async def _rerank(request: Request, tei_shape: bool, raw: Any = None) -> Respons
     if req.top_n is not None and req.top_n < 0:  # 0 is every document, vLLM's default
         raise validation("top_n must be >= 0 (0: every document)", "top_n")
     logits, items = await _score_pairs(
-        state,
-        [(req.query, d) for d in req.documents],
-        _limit(state, req.truncate_prompt_tokens),
-        req.truncate_prompt_tokens is not None,
+        state, [(req.query, d) for d in req.documents], _vllm_cut(state, req.truncate_prompt_tokens)
     )
     scores = [s[0] for s in _scores(_model(state), logits, raw=False)]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or len(scores)]
@@ -614,7 +626,7 @@ async def _tei_rerank(state: ServerState, req: TEIRerankRequest) -> Response:
             "truncation_direction",
         )
     logits, _ = await _score_pairs(
-        state, [(req.query, t) for t in req.texts], _limit(state, None), bool(req.truncate)
+        state, [(req.query, t) for t in req.texts], Cut(_limit(state, None), bool(req.truncate))
     )
     scores = [s[0] for s in _scores(_model(state), logits, raw=req.raw_scores)]
     out = []
@@ -635,14 +647,7 @@ async def classify(request: Request) -> Response:
     state.admit("score").release()
     _check_name(state, req.model)
     m = _model(state)
-    texts = [req.input] if isinstance(req.input, str) else req.input
-    if not texts:
-        raise validation("input cannot be empty", "input")
-    _check_count(len(texts), "input")
-    limit = _limit(state, req.truncate_prompt_tokens)
-    items = await asyncio.to_thread(
-        lambda: [_encode_text(m, t, limit, req.truncate_prompt_tokens is not None, False) for t in texts]
-    )
+    items = await _rows(m, _listed(req.input, "input"), _vllm_cut(state, req.truncate_prompt_tokens))
     probs = _scores(m, await _run(state, "score", items), raw=False)
     data = []
     for i, p in enumerate(probs):
@@ -696,18 +701,7 @@ async def predict(request: Request, raw: Any = None) -> Response:
             "Input validation error: truncation_direction Left is not supported for pairs",
             "truncation_direction",
         )
-    limit = _limit(state, None)
-    truncate = bool(req.truncate)
-
-    def tokenize() -> list[PoolingInput]:
-        return [
-            _encode_pair(m, x[0], x[1], limit, truncate)
-            if isinstance(x, tuple)
-            else _encode_text(m, x, limit, truncate, left)
-            for x in sequences
-        ]
-
-    items = await asyncio.to_thread(tokenize)
+    items = await _rows(m, list(sequences), _tei_cut(state, req.truncate, req.truncation_direction))
     rows = _scores(m, await _run(state, "score", items), raw=req.raw_scores)
     out = [
         sorted(

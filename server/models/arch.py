@@ -20,6 +20,7 @@ BASE_MODEL_ARCHITECTURES = {
     "MistralModel": "MistralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+    "Gemma3TextModel": "Gemma3ForCausalLM",  # EmbeddingGemma (bidirectional: archs/gemma.py)
 }
 
 
@@ -59,6 +60,10 @@ class ArchConfig:
     # expert: server/models/moe/config.py); None for a dense model. Dense layers of a MoE model
     # (Qwen2-MoE's mlp_only_layers) keep `intermediate_size`.
     moe: MoEConfig | None = None
+    # Non-causal attention (EmbeddingGemma's use_bidirectional_attention): every query sees every key,
+    # a windowed layer's those with |query - key| < its sliding_window. Only the pooling encoder
+    # (server/pooling/decoder.py) runs it; the loader refuses such a model for generation.
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if not self.layers:

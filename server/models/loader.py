@@ -455,6 +455,11 @@ def load_model(
         arch = arch_from_hf(hf_cfg, base_model_ok=embedding_only)
     except KeyError as e:
         raise UnsupportedModelError(f"{folder}/config.json lacks the field {e}") from e
+    if arch.bidirectional and not embedding_only:
+        raise UnsupportedModelError(
+            f"{arch.architecture} with use_bidirectional_attention attends to later tokens: it cannot "
+            "generate; serve it as an embedding model (--task embed)"
+        )
     check_servable(arch, max_positions)
     from server import quant
 

@@ -1,13 +1,15 @@
-"""Decoder models as embedders (last-token pooling, as gte-Qwen2 and Qwen3-Embedding do): our
-Llama/Qwen2/Qwen3 model (server/models/llama.py) run as one dense causal pass over a padded batch, with no
-paged KV cache (nothing is kept after the forward). Same weights, same modules as generation.
+"""Decoder models as embedders (gte-Qwen2, Qwen3-Embedding, e5-mistral, EmbeddingGemma): our model
+(server/models/llama.py, every registered architecture's layers) run over a padded batch in one pass,
+with no paged KV cache (nothing is kept after the forward). Same weights, same modules, same forward as
+generation: only the attention backend differs (`DenseBatchAttention`, masked SDPA over the batch).
 
-`forward(input_ids, token_type_ids, attention_mask)`: int64 `[batch, seq]` right-padded ->
-`[batch, seq, hidden]` final-norm hidden states in the weights' dtype; token_type_ids are ignored.
-Padding may be on either side (Qwen3-Embedding's tokenizer pads on the left): each row's positions
-count its own tokens only, and a padded query attends to itself, so no row of the softmax is empty.
-A layer with a sliding window W (`Attention.sliding_window`: Mistral's e5-style embedders, Qwen2 with
-use_sliding_window) lets the query at position p see positions p - W + 1 .. p only, as in generation.
+`forward(input_ids, token_type_ids, attention_mask)`: int64 `[batch, seq]` -> `[batch, seq, hidden]`
+final-norm hidden states in the weights' dtype (zeros at padding); token_type_ids are ignored. Padding
+may be on either side (Qwen3-Embedding's tokenizer pads on the left): the layers run on the real tokens
+only (packed), each row's positions count its own tokens. Causal models: the query at position p sees
+p - W + 1 .. p in a layer with window W (Mistral, Qwen2's use_sliding_window, Gemma 3), 0 .. p
+otherwise. A bidirectional model (`ArchConfig.bidirectional`, EmbeddingGemma) sees every key of its row,
+or in a windowed layer those with |p - key| < W, as transformers' Gemma 3 masks do.
 """
 
 from __future__ import annotations
@@ -16,55 +18,106 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from server.models.llama import LlamaForCausalLM, apply_rotary
+from server.attention import AttentionMetadata
+from server.models.llama import LlamaForCausalLM
+
+
+class DenseBatchAttention:
+    """An attention backend (server/attention/backend.py's protocol) for one padded batch: scatters the
+    packed real tokens' q/k/v into `[batch, heads, seq, head_dim]`, one masked SDPA, gathers back. The
+    caches and metadata it is handed are ignored."""
+
+    name = "dense-batch"
+
+    def __init__(
+        self,
+        real: Tensor,  # [B, S] bool, a real token
+        positions: Tensor,  # [B, S] int64, each real token's position in its row
+        bidirectional: bool,
+    ) -> None:
+        b, s = real.shape
+        self.shape = (b, s)
+        self.index = real.reshape(-1).nonzero().squeeze(1)  # [T]: the real tokens in the [B * S] grid
+        # [B, 1, S, S] True = attend: real keys only; a padded query keeps its diagonal (an all-masked
+        # row is NaN in SDPA; those rows are dropped after)
+        self._eye = torch.eye(s, dtype=torch.bool, device=real.device)[None, None]
+        keys = real[:, None, None, :]
+        self._positions = positions.to(torch.int32)  # [B, S]; distances are made per window, then freed
+        if not bidirectional:
+            keys = keys & torch.ones(s, s, dtype=torch.bool, device=real.device).tril()[None, None]
+        self._keys = keys
+        self._bidirectional = bidirectional
+        self._masks: dict[int | None, Tensor] = {None: keys | self._eye}
+
+    def mask(self, window: int | None) -> Tensor:  # [B, 1, S, S] bool
+        if window not in self._masks:
+            assert window is not None  # the global mask is made in __init__
+            p = self._positions
+            distance = p[:, None, :, None] - p[:, None, None, :]  # [B, 1, S, S] query - key
+            near = distance.abs() < window if self._bidirectional else distance < window
+            self._masks[window] = (self._keys & near) | self._eye
+        return self._masks[window]
+
+    def _grid(self, x: Tensor) -> Tensor:  # x: [T, H, D] -> [B, H, S, D], zeros at padding
+        b, s = self.shape
+        out = x.new_zeros(b * s, x.shape[1], x.shape[2])
+        out[self.index] = x
+        return out.view(b, s, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    def forward(
+        self,
+        q: Tensor,  # [T, num_heads, head_dim]
+        k: Tensor,  # [T, num_kv_heads, head_dim]
+        v: Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out_dtype: torch.dtype | None = None,
+        sliding_window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype
+        if sinks is not None:
+            raise ValueError("attention sinks are not supported by the embedding encoder")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        o = F.scaled_dot_product_attention(
+            self._grid(q),
+            self._grid(k),
+            self._grid(v),
+            attn_mask=self.mask(sliding_window),
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )  # [B, Hq, S, D]
+        return o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[self.index]
+
+
+def _no_cache_metadata(device: torch.device) -> AttentionMetadata:
+    empty = torch.zeros(0, dtype=torch.int32, device=device)
+    return AttentionMetadata(empty.long(), empty.view(0, 0), empty, empty, 0, 0, (), ())
 
 
 class DecoderEncoder(nn.Module):
     def __init__(self, model: LlamaForCausalLM) -> None:
         super().__init__()
+        if any(spec.attn_softcap is not None or spec.attn_sinks for spec in model.config.layers):
+            raise ValueError(
+                f"{model.config.architecture}: attention soft-capping and sinks are not supported for "
+                "embeddings"
+            )
         self.model = model
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, attention_mask: Tensor) -> Tensor:
         m = self.model
+        assert m.fused_ops is None, "the embedding path runs the plain layers (no prepare_for_serving)"
         b, s = input_ids.shape
-        h = m.model.embed_tokens(input_ids)  # [B, S, hidden]
-        real = attention_mask.bool()
+        real = attention_mask.bool()  # [B, S]
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, S]: left padding shifts nothing
-        cos, sin = m.rotary.cos_sin(positions.reshape(-1), h.dtype)  # [B * S, 1, D]
-        cos, sin = cos.view(b, s, 1, -1), sin.view(b, s, 1, -1)
-        # causal, and no query attends to a padded key: [B, 1, S, S] boolean (True = attend); a padded
-        # query keeps its diagonal (an all-masked row would be NaN and reach real rows through V)
-        eye = torch.eye(s, dtype=torch.bool, device=h.device)[None, None]
-        allowed = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()[None, None]
-        allowed = (allowed & real[:, None, None, :]) | eye
-        # [B, 1, S, S]: the key's position is within W - 1 of the query's (per row: padding counts no position)
-        distance = positions[:, None, :, None] - positions[:, None, None, :]
-        windowed: dict[int, Tensor] = {}
-        for layer in m.decoder_layers():
-            attn = layer.self_attn
-            mask = allowed
-            if attn.sliding_window is not None:
-                w = attn.sliding_window
-                if w not in windowed:
-                    windowed[w] = (allowed & (distance < w)) | eye
-                mask = windowed[w]
-            x = layer.input_layernorm(h)
-            hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            if attn.qkv_proj is not None:
-                qkv = attn.qkv_proj(x)
-                q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            q, k = q.reshape(b, s, hq, d), k.reshape(b, s, hkv, d)
-            if attn.q_norm is not None and attn.k_norm is not None:  # Qwen3: per head, before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = apply_rotary(q, cos, sin).transpose(1, 2)
-            k = apply_rotary(k, cos, sin).transpose(1, 2)
-            v = v.view(b, s, hkv, d).transpose(1, 2)
-            if hkv != hq:
-                k = k.repeat_interleave(hq // hkv, dim=1)
-                v = v.repeat_interleave(hq // hkv, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, hq * d))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return m.model.norm(h)
+        backend = DenseBatchAttention(real, positions, m.config.bidirectional)
+        empty = torch.zeros(0, device=input_ids.device)
+        caches = [(empty, empty)] * len(m.model.layers)
+        meta = _no_cache_metadata(input_ids.device)
+        h = m(input_ids[real], positions[real], caches, meta, backend)  # type: ignore[arg-type]  # [T, hidden]
+        out = h.new_zeros(b * s, h.shape[-1])
+        out[backend.index] = h
+        return out.view(b, s, -1)

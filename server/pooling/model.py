@@ -22,9 +22,11 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from server.models.arch import BASE_MODEL_ARCHITECTURES
+from server.models.registry import ARCHITECTURES
 
 from .bert import BertConfig, BertForSequenceClassification, BertModel
 from .bert_cpu import cpu_layers_supported, use_cpu_layers
+from .dense import DenseStack, load_dense_stack
 from .pooler import PoolingConfig, PoolingMode
 
 
@@ -36,7 +38,13 @@ class PoolingTask(enum.StrEnum):
 _ENCODER_ARCHS = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
 _CLASSIFIER_ARCHS = {"BertForSequenceClassification"}
 # our generative architectures (server/models/arch.py) served as last-token embedders (pooling/decoder.py)
-_DECODER_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+_DECODER_ARCHS = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+}
 # their headless base models (sentence-transformers saves these): they cannot generate, so they embed
 _BASE_DECODER_ARCHS = set(BASE_MODEL_ARCHITECTURES)
 
@@ -58,8 +66,9 @@ def detect_task(folder: Path) -> PoolingTask | None:
 
 @dataclass
 class PoolingModel:
-    """A loaded pooling model. `forward(ids, types, mask)` gives `[batch, dim]` pooled float32 vectors
-    (embed, before normalization) or `[batch, num_labels]` float32 logits (score)."""
+    """A loaded pooling model. `forward(ids, types, mask)` gives `[batch, hidden_size]` pooled float32
+    vectors (embed: after the Dense modules, before normalization) or `[batch, num_labels]` float32
+    logits (score). `hidden_size`: the embedding's width (the last Dense's out_features, if any)."""
 
     task: PoolingTask
     module: nn.Module
@@ -74,6 +83,8 @@ class PoolingModel:
     # the dtype the encoder's projections multiply in: bf16 for a BERT encoder's bf16 GEMMs over fp32
     # weights (bert_cpu.py) and for a decoder loaded in bf16; what /info's model_dtype reports
     gemm_dtype: torch.dtype = torch.float32
+    # sentence-transformers' Dense modules after the pooling (dense.py); hidden_size is then their output's
+    dense: DenseStack | None = None
 
     @torch.inference_mode()
     def forward(
@@ -81,9 +92,15 @@ class PoolingModel:
     ) -> torch.Tensor:
         if self.task is PoolingTask.SCORE:
             return self.module(input_ids, token_type_ids, mask).float()
+        return self._pool(self.module(input_ids, token_type_ids, mask), mask)
+
+    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """hidden `[batch, seq, dim]`, mask `[batch, seq]` -> `[batch, hidden_size]` float32: the pooling,
+        then the Dense modules if the folder has any."""
         from .pooler import pool
 
-        return pool(self.module(input_ids, token_type_ids, mask), mask, self.pooling.mode)
+        pooled = pool(hidden, mask, self.pooling.mode)
+        return pooled if self.dense is None else self.dense(pooled)
 
     @torch.inference_mode()
     def forward_rows(
@@ -99,10 +116,8 @@ class PoolingModel:
             return list(self.forward(input_ids, token_type_ids, mask))
         if self.task is PoolingTask.SCORE:
             raise ValueError("per-token embeddings need an embedding model")
-        from .pooler import pool
-
         hidden = self.module(input_ids, token_type_ids, mask)  # [batch, seq, dim]
-        pooled = pool(hidden, mask, self.pooling.mode)
+        pooled = self._pool(hidden, mask)
         lengths = mask.sum(dim=1).tolist()
         return [
             hidden[i, : int(lengths[i])].float() if flag else pooled[i] for i, flag in enumerate(per_token)
@@ -122,7 +137,12 @@ def load_pooling_model(
     path cannot run."""
     cfg = json.loads((folder / "config.json").read_text())
     archs = set(cfg.get("architectures") or [])
-    if task in (None, PoolingTask.EMBED) and archs & (_DECODER_ARCHS | _BASE_DECODER_ARCHS):
+    # auto: the embedder families above; --task embed: any registered architecture (decoder.py refuses
+    # attention soft-capping and sinks)
+    decoders = (
+        _DECODER_ARCHS | _BASE_DECODER_ARCHS | (set(ARCHITECTURES) if task is PoolingTask.EMBED else set())
+    )
+    if task in (None, PoolingTask.EMBED) and archs & decoders:
         # our decoder code has no split GEMM dtype: bf16 GEMMs mean bf16 weights there (never auto's)
         return _load_decoder(folder, cfg, torch.bfloat16 if gemm_dtype == torch.bfloat16 else dtype)
     found = detect_task(folder)
@@ -149,7 +169,7 @@ def load_pooling_model(
             f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     module = module.to(dtype).eval()
-    num_parameters = sum(p.numel() for p in module.parameters())  # before packing hides them
+    num_parameters = _parameters(module)  # before packing hides them
     encoder = module.bert if isinstance(module, BertForSequenceClassification) else module
     assert isinstance(encoder, BertModel)
     if gemm_dtype == "auto":  # bf16 GEMMs only where the fused layers run them
@@ -164,18 +184,20 @@ def load_pooling_model(
     pooling = PoolingConfig.from_folder(folder, PoolingMode.CLS, cfg)
     max_len = min(pooling.max_seq_length or bc.max_position_embeddings, bc.max_position_embeddings)
     labels = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+    dense = load_dense_stack(folder, pooling.dense, bc.hidden_size) if pooling.dense else None
     return PoolingModel(
         task=task,
         module=module,
         tokenizer=AutoTokenizer.from_pretrained(str(folder)),
         pooling=pooling,
         max_model_len=max_len,
-        hidden_size=bc.hidden_size,
+        hidden_size=dense.out_features if dense is not None else bc.hidden_size,
         num_labels=bc.num_labels,
         id2label=labels or {i: f"LABEL_{i}" for i in range(bc.num_labels)},
         dtype=dtype,
-        num_parameters=num_parameters,
+        num_parameters=num_parameters + _parameters(dense),
         gemm_dtype=gemm_dtype,
+        dense=dense,
     )
 
 
@@ -224,8 +246,10 @@ def resolve_task(model: str | None, task: str) -> str:
 
 
 def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
-    """A Llama/Mistral/Qwen2/Qwen3 checkpoint (or its headless base model) as an embedder: last-token pooling and L2 normalization unless
-    the folder's modules.json says otherwise (vLLM's default for decoder embedders too)."""
+    """A Llama/Mistral/Qwen2/Qwen3/Gemma 3 checkpoint (or its headless base model: EmbeddingGemma's
+    bidirectional Gemma3TextModel) as an embedder: last-token pooling and L2 normalization unless the
+    folder's modules.json says otherwise (vLLM's default for decoder embedders too), then its Dense
+    modules."""
     from server.models.loader import load_model
 
     from .decoder import DecoderEncoder
@@ -238,16 +262,23 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
     loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len, embedding_only=True)
     module = DecoderEncoder(loaded.model).eval()
     tok = AutoTokenizer.from_pretrained(str(folder))
+    hidden = int(cfg["hidden_size"])
+    dense = load_dense_stack(folder, pooling.dense, hidden) if pooling.dense else None
     return PoolingModel(
         task=PoolingTask.EMBED,
         module=module,
         tokenizer=tok,
         pooling=pooling,
         max_model_len=max_len,
-        hidden_size=int(cfg["hidden_size"]),
+        hidden_size=dense.out_features if dense is not None else hidden,
         num_labels=1,
         id2label={},
         dtype=dtype,
-        num_parameters=loaded.num_parameters,
+        num_parameters=loaded.num_parameters + _parameters(dense),
         gemm_dtype=dtype,
+        dense=dense,
     )
+
+
+def _parameters(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())

@@ -53,6 +53,8 @@ class PoolingConfig:
     # names none (null: no prompt)
     prompts: tuple[tuple[str, str], ...] = ()
     default_prompt_name: str | None = None
+    # the Dense modules' folders after the pooling, in order (dense.py: EmbeddingGemma's 2_Dense, 3_Dense)
+    dense: tuple[str, ...] = ()
 
     def prompt(self, name: str | None) -> str:
         """The text of prompt `name` (None: the default prompt, else ""); KeyError for an unknown name."""
@@ -62,8 +64,11 @@ class PoolingConfig:
     @classmethod
     def from_folder(cls, folder: Path, default_mode: PoolingMode, hf_config: dict) -> PoolingConfig:
         """Reads modules.json, the Pooling module's config.json and sentence_bert_config.json.
-        Raises ValueError for modules we do not implement (Dense, combined pooling modes)."""
+        Raises ValueError for modules we do not implement (combined pooling modes, a Dense before the
+        pooling or after Normalize, any other module)."""
         mode, normalize, max_len = default_mode, False, None
+        dense: list[str] = []
+        pooled = False
         modules_file = folder / "modules.json"
         if modules_file.is_file():
             for m in json.loads(modules_file.read_text()):
@@ -80,6 +85,9 @@ class PoolingConfig:
                         max_len = int(limit) if isinstance(limit, int | float) and limit < 1 << 31 else None
                 elif kind == "Pooling":
                     mode = _pooling_mode(json.loads((folder / m["path"] / "config.json").read_text()))
+                    pooled = True
+                elif kind == "Dense" and pooled and not normalize:
+                    dense.append(str(m["path"]))
                 elif kind == "Normalize":
                     normalize = True
                 else:
@@ -97,6 +105,7 @@ class PoolingConfig:
             matryoshka_dimensions=dims,
             prompts=prompts,
             default_prompt_name=default_prompt,
+            dense=tuple(dense),
         )
 
 
@@ -116,6 +125,8 @@ def _prompts(path: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
 
 
 def _pooling_mode(cfg: dict) -> PoolingMode:
+    if cfg.get("include_prompt") is False:
+        raise ValueError("pooling with include_prompt=false is not supported")
     named = cfg.get("pooling_mode")  # sentence-transformers >= 6 names the mode (or a list of modes)
     if isinstance(named, list) and len(named) == 1:
         named = named[0]
@@ -126,8 +137,6 @@ def _pooling_mode(cfg: dict) -> PoolingMode:
     on = [mode for key, mode in _FLAG_KEYS.items() if cfg.get(key)]
     if len(on) != 1:
         raise ValueError(f"exactly one pooling mode is supported, the model's config turns on {on}")
-    if cfg.get("include_prompt") is False:
-        raise ValueError("pooling with include_prompt=false is not supported")
     return on[0]
 
 

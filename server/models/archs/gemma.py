@@ -103,9 +103,15 @@ def configure_gemma3(cfg: dict[str, Any], base: ArchConfig) -> ArchConfig:
         full_rope = base.layers[0].rope
         local_rope = RopeSpec(float(cfg.get("rope_local_base_freq") or 10000.0), base.head_dim)
     spec = replace(_sandwich(cfg, base), qk_norm="head", rope=full_rope)
-    window = cfg.get("sliding_window")
-    sliding = replace(spec, rope=local_rope, sliding_window=int(window) if window else None)
-    return _finish(base, cfg, tuple(sliding if t == "sliding_attention" else spec for t in types))
+    window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
+    bidirectional = bool(cfg.get("use_bidirectional_attention"))
+    if bidirectional and window is not None:
+        # transformers' Gemma3TextConfig reads config.json's window W of a bidirectional model as
+        # |query - key| < W // 2 + 1 (and writes it back as 2 * (that - 1)): EmbeddingGemma's 512 is 257
+        window = window // 2 + 1
+    sliding = replace(spec, rope=local_rope, sliding_window=window)
+    layers = tuple(sliding if t == "sliding_attention" else spec for t in types)
+    return replace(_finish(base, cfg, layers), bidirectional=bidirectional)
 
 
 _COMMON = ("(1 + w) RMSNorm", "GeGLU (tanh)", "embeddings x sqrt(hidden)")
@@ -122,7 +128,14 @@ ARCHITECTURES = [
         "Gemma3ForCausalLM",
         "gemma3_text",
         configure_gemma3,
-        (*_COMMON, "pre/post norms", "per-head q/k norm", "local RoPE base", "sliding window"),
+        (
+            *_COMMON,
+            "pre/post norms",
+            "per-head q/k norm",
+            "local RoPE base",
+            "sliding window",
+            "bidirectional (EmbeddingGemma, embeddings only)",
+        ),
         gguf=True,
     ),
 ]
