@@ -479,12 +479,15 @@ def load_model(
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
     state = load_state_dict(folder, slicer)
+    # A MoE architecture's attach / rename touch only its MoE blocks' tensors, which a tensor-parallel
+    # rank reads whole (distributed/sharding.py checkpoint_slicer) and cuts after stacking.
+    whole_when_sliced = arch.is_moe
     attach = ARCHITECTURES[arch.architecture].attach_weights
-    if attach is not None and slicer is None:
+    if attach is not None and (slicer is None or whole_when_sliced):
         state = attach(model, state, arch, device)
     rename = ARCHITECTURES[arch.architecture].rename_weights
     if rename is not None:
-        if slicer is not None:
+        if slicer is not None and not whole_when_sliced:
             raise ModelLoadError(f"{arch.architecture}'s fused checkpoint tensors cannot be sliced per rank")
         state = rename(state, arch)
     if embedding_only:
