@@ -39,6 +39,7 @@ from server.models.registry import ARCHITECTURES, arch_from_hf, check_servable
 from server.native import KernelBuildError, usable_cpu_features
 
 if TYPE_CHECKING:
+    from server.quant.config import QuantConfig
     from server.quant.gguf_checkpoint import DequantizedTensor, GgufCheckpoint
 
 log = logging.getLogger(__name__)
@@ -459,19 +460,16 @@ def load_model(
     from server import quant
 
     ckpt_quant = hf_cfg.get("quantization_config")
-    if (
+    mxfp4_experts = (
         arch.model_type == "gpt_oss"
         and isinstance(ckpt_quant, dict)
         and str(ckpt_quant.get("quant_method", "")).lower() == "mxfp4"
-    ):
+    )
+    if mxfp4_experts:
         ckpt_quant = None  # only its experts are MXFP4: archs/gpt_oss.py's rename_weights reads them
     qcfg = quant.resolve_quant_config(quantize, ckpt_quant, device)
     if qcfg is not None and arch.is_moe:
-        raise UnsupportedModelError(
-            f"{arch.architecture}: quantization ({'--quantize ' + quantize if quantize else 'the checkpoint'}"
-            f"'s {qcfg.method}) does not reach mixture-of-experts weights yet; serve it unquantized "
-            "(--dtype) or as a GGUF file"
-        )
+        _check_moe_quantization(arch, qcfg, quantize, mxfp4_experts)
     if arch.is_moe:
         _log_moe(arch)
     with torch.device("meta"):
@@ -519,6 +517,8 @@ def load_model(
     model.to(device)
     if qcfg is not None:
         quant.finalize(model, qcfg, dtype)
+        if arch.is_moe:
+            _quantize_moe_experts(model, qcfg.method, device)
     model.eval()
     model.requires_grad_(False)
     num_params = arch.num_parameters
@@ -529,6 +529,45 @@ def load_model(
         quantization=qcfg.method if qcfg else None,
         num_parameters=num_params,
         weight_bytes=quant.weight_bytes(model),
+    )
+
+
+# --quantize methods that reach a mixture-of-experts model's experts (moe/quant.py quantize_moe_blocks)
+MOE_QUANTIZE_METHODS = ("int8",)
+
+
+def _check_moe_quantization(
+    arch: ArchConfig, qcfg: QuantConfig, quantize: str | None, mxfp4_experts: bool
+) -> None:
+    """Raises UnsupportedModelError for a quantization the MoE experts do not get: a pre-quantized
+    checkpoint (its packed experts have no reader here), a method other than MOE_QUANTIZE_METHODS, or
+    --quantize over gpt-oss's MXFP4 experts (quantized already)."""
+    what = f"--quantize {quantize}" if quantize else f"the checkpoint's {qcfg.method}"
+    if qcfg.is_prequantized or qcfg.method not in MOE_QUANTIZE_METHODS:
+        raise UnsupportedModelError(
+            f"{arch.architecture}: quantization ({what}) does not reach mixture-of-experts weights; "
+            f"mixture-of-experts models take --quantize {' / '.join(MOE_QUANTIZE_METHODS)}, or serve it "
+            "unquantized (--dtype) or as a GGUF file"
+        )
+    if mxfp4_experts:
+        raise UnsupportedModelError(
+            f"{arch.architecture}: the checkpoint's experts are MXFP4 already; {what} would quantize "
+            "them twice: serve it without --quantize"
+        )
+
+
+def _quantize_moe_experts(model: nn.Module, method: str, device: torch.device) -> None:
+    """The experts of every MoE block into `method` per expert (moe/quant.py), through qlinear's CPU
+    kernel where the dense projections use it (cpu_repack.cpu_kernel_enabled), else its torch
+    reference."""
+    from server.models.moe.quant import quantize_moe_blocks
+    from server.quant import cpu_repack
+    from server.quant.cpu_qlinear import try_load_qlinear_kernel
+
+    kernel = try_load_qlinear_kernel() if device.type == "cpu" and cpu_repack.cpu_kernel_enabled() else None
+    n = quantize_moe_blocks(model, method, kernel)
+    log.info(
+        "mixture of experts: %d blocks' experts quantized to %s (router and shared expert kept)", n, method
     )
 
 
