@@ -8,7 +8,9 @@ routes alike); the down bias is added on rank 0 only; Qwen2-MoE's shared expert 
 MXFP4 experts (gpt-oss) stay packed: w13's rows are independent (one scale per 32 values of a row), so
 any row split is exact; w2 splits along its packed input dimension, which is exact only where a rank's
 slice starts and ends on a 32-value block boundary, so (I / N) % 32 == 0 is required and anything else
-refused. Block-quantized experts (GGUF, int8 BlockQuantExperts) are not sharded here.
+refused. `--quantize int8` experts (per-output-channel int8 BlockQuantExperts) split like dense ones:
+w13's rows with their scales, w2's columns with every row's full scale, so each partial product is
+exact. Other block-quantized experts (GGUF's 32-value blocks) are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor, nn
 
 from server.distributed.parallel_state import TensorParallelConfigError
 from server.models.moe import (
+    BlockQuantExperts,
     ExpertGemms,
     ExpertWeights,
     FusedMoE,
@@ -31,6 +34,7 @@ from server.models.moe import (
     SparseMoeBlock,
 )
 from server.models.moe.mxfp4 import MXFP4_BLOCK
+from server.quant.cpu_qlinear import from_int8
 
 
 def validate_moe_split(cfg: MoEConfig, world_size: int, mxfp4: bool = False) -> None:
@@ -108,19 +112,48 @@ def shard_mxfp4_experts(experts: Mxfp4Experts, cfg: MoEConfig, rank: int, world_
     return Mxfp4Experts(w13, w2, b13, b2)
 
 
+def shard_int8_experts(
+    experts: BlockQuantExperts, cfg: MoEConfig, rank: int, world_size: int
+) -> BlockQuantExperts:
+    """Rank `rank`'s per-channel int8 experts: w13 rows [lo, hi) and [I + lo, I + hi) with their scales,
+    w2 columns [lo, hi) with each row's whole-row scale, b13 alike, b2 on rank 0 only. Raises
+    TensorParallelConfigError for other formats or sizes that do not split."""
+    formats = {w.fmt for w in experts.w13 + experts.w2}
+    if formats != {"int8"}:
+        raise TensorParallelConfigError(
+            f"tensor parallelism shards dense, int8 and MXFP4 experts only; these are {sorted(formats)}"
+        )
+    validate_moe_split(cfg, world_size)
+    inter = cfg.intermediate_size
+    part = inter // world_size
+    lo, hi = rank * part, (rank + 1) * part
+    rows = torch.cat([torch.arange(lo, hi), torch.arange(inter + lo, inter + hi)])
+    w2 = [from_int8(w.q[:, lo:hi].contiguous(), w.scales[:, 0]) for w in experts.w2]  # [H, I / N] each
+    return BlockQuantExperts(
+        [w.select_rows(rows) for w in experts.w13],  # [2I / N, H] each
+        w2,
+        None if experts.b13 is None else _rows13(experts.b13, inter, lo, hi),
+        experts.b2 if experts.b2 is None or rank == 0 else torch.zeros_like(experts.b2),
+        experts.kernel,
+        experts.compute,
+    )
+
+
 def check_block_shardable(block: nn.Module, world_size: int, what: str) -> None:
-    """Raises TensorParallelConfigError unless `block` is a SparseMoeBlock with dense or MXFP4 experts
-    whose sizes split over `world_size` ranks."""
+    """Raises TensorParallelConfigError unless `block` is a SparseMoeBlock with dense, MXFP4 or
+    per-channel int8 experts whose sizes split over `world_size` ranks."""
     if not isinstance(block, SparseMoeBlock):
         raise TensorParallelConfigError(
             f"{what}: expected a mixture-of-experts block, got {type(block).__name__}"
         )
-    if block.experts is not None and not isinstance(block.experts, Mxfp4Experts):
+    experts = block.experts
+    int8 = isinstance(experts, BlockQuantExperts) and {w.fmt for w in experts.w13 + experts.w2} == {"int8"}
+    if experts is not None and not isinstance(experts, Mxfp4Experts) and not int8:
         raise TensorParallelConfigError(
-            f"tensor parallelism shards dense and MXFP4 experts only for now; {what}'s experts are "
-            f"{type(block.experts).__name__}"
+            f"tensor parallelism shards dense, int8 and MXFP4 experts only for now; {what}'s experts are "
+            f"{type(experts).__name__}"
         )
-    validate_moe_split(block.cfg, world_size, mxfp4=block.experts is not None)
+    validate_moe_split(block.cfg, world_size, mxfp4=isinstance(experts, Mxfp4Experts))
 
 
 class TensorParallelSparseMoeBlock(SparseMoeBlock):
@@ -143,6 +176,8 @@ class TensorParallelSparseMoeBlock(SparseMoeBlock):
             out.shared_gate = nn.Parameter(w.shared.gate, requires_grad=False)
         if isinstance(block.experts, Mxfp4Experts):
             out.set_experts(shard_mxfp4_experts(block.experts, block.cfg, rank, world_size))
+        elif isinstance(block.experts, BlockQuantExperts):
+            out.set_experts(shard_int8_experts(block.experts, block.cfg, rank, world_size))
         return out
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., hidden] -> the same shape, summed over ranks

@@ -469,7 +469,7 @@ def load_model(
         ckpt_quant = None  # only its experts are MXFP4: archs/gpt_oss.py's rename_weights reads them
     qcfg = quant.resolve_quant_config(quantize, ckpt_quant, device)
     if qcfg is not None and arch.is_moe:
-        _check_moe_quantization(arch, qcfg, quantize, mxfp4_experts)
+        _check_moe_quantization(arch, qcfg, quantize, mxfp4_experts, device)
     if arch.is_moe:
         _log_moe(arch)
     with torch.device("meta"):
@@ -537,17 +537,23 @@ MOE_QUANTIZE_METHODS = ("int8",)
 
 
 def _check_moe_quantization(
-    arch: ArchConfig, qcfg: QuantConfig, quantize: str | None, mxfp4_experts: bool
+    arch: ArchConfig, qcfg: QuantConfig, quantize: str | None, mxfp4_experts: bool, device: torch.device
 ) -> None:
     """Raises UnsupportedModelError for a quantization the MoE experts do not get: a pre-quantized
     checkpoint (its packed experts have no reader here), a method other than MOE_QUANTIZE_METHODS, or
-    --quantize over gpt-oss's MXFP4 experts (quantized already)."""
+    --quantize over gpt-oss's MXFP4 experts (quantized already), or int8 experts off CPU (BlockQuantExperts
+    hold CPU tensors for qlinear's kernel)."""
     what = f"--quantize {quantize}" if quantize else f"the checkpoint's {qcfg.method}"
     if qcfg.is_prequantized or qcfg.method not in MOE_QUANTIZE_METHODS:
         raise UnsupportedModelError(
             f"{arch.architecture}: quantization ({what}) does not reach mixture-of-experts weights; "
             f"mixture-of-experts models take --quantize {' / '.join(MOE_QUANTIZE_METHODS)}, or serve it "
             "unquantized (--dtype) or as a GGUF file"
+        )
+    if device.type != "cpu":
+        raise UnsupportedModelError(
+            f"{arch.architecture}: {what} quantizes mixture-of-experts weights on CPU only; on {device.type} "
+            "serve it unquantized (--dtype)"
         )
     if mxfp4_experts:
         raise UnsupportedModelError(

@@ -21,6 +21,7 @@ from server.distributed.moe_sharding import TensorParallelSparseMoeBlock
 from server.distributed.sharding import TensorParallelConfigError, rank_loading_slicer
 from server.engine import LLMEngine
 from server.models.moe import (
+    BlockQuantExperts,
     ExpertWeights,
     MoEConfig,
     Mxfp4Experts,
@@ -150,3 +151,29 @@ def test_mxfp4_split_inside_a_block_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TensorParallelConfigError, match=r"MXFP4 .* not a multiple of 32"):
         rank_loading_slicer(folder, None, 0, 2)
     assert rank_loading_slicer(folder, None, 0, 1) is not None  # one rank: nothing to split
+
+
+def test_int8_experts_rank_shards_sum_to_the_whole_int8_block() -> None:
+    """--quantize int8 under TP: a Qwen2-MoE-shaped block (shared expert) with per-channel int8 experts,
+    cut for 2 ranks (w13 rows with their scales, w2 columns with each row's whole scale), sums to the
+    whole int8 block; GGUF-style block formats are refused."""
+    cfg = MoEConfig("qwen2_moe", 8, 2, 64, 64, renormalize=False, shared_expert_intermediate_size=96)
+    block = SparseMoeBlock(cfg, device="cpu")
+    g = torch.Generator().manual_seed(4)
+    for p in block.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    block.set_experts(BlockQuantExperts.quantize(block.expert_weights(), "int8"))
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
+    shards = [TensorParallelSparseMoeBlock.from_block(block, r, 2) for r in range(2)]
+    assert isinstance(shards[1].experts, BlockQuantExperts)
+    assert shards[1].experts.w2[0].in_features == 32 and shards[1].shared_w2 is not None
+    with torch.no_grad():
+        want = block(x)
+        got = sum(SparseMoeBlock.forward(s, x) for s in shards)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    q8 = SparseMoeBlock(cfg, device="cpu")
+    for p in q8.parameters():
+        p.data.normal_()
+    q8.set_experts(BlockQuantExperts.quantize(q8.expert_weights(), "q8_0"))
+    with pytest.raises(TensorParallelConfigError, match="dense, int8 and MXFP4 experts only"):
+        TensorParallelSparseMoeBlock.from_block(q8, 0, 2)
