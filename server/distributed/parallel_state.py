@@ -35,6 +35,10 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed to start, died, or stopped answering."""
 
 
+class TensorParallelConfigError(ValueError):
+    """The model's shape cannot be split over the requested number of ranks."""
+
+
 @dataclass(frozen=True)
 class ParallelState:
     """What one process needs to join the group."""

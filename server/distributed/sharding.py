@@ -6,6 +6,10 @@ vocab-parallel (an all-reduce after the embedding, an all-gather of the logits).
 evenly; KV heads split when N divides them and are replicated when N is a multiple of them (rank r
 keeps KV head r * Hkv // N, the one its query heads read), so each rank's KV cache holds only its own
 KV heads and block tables stay global.
+
+Mixture-of-experts layers (Mixtral, Qwen2/3-MoE, gpt-oss) split each expert's intermediate dimension
+(server/distributed/moe_sharding.py: one all-reduce per block, the router replicated); gpt-oss's
+attention sinks, one per query head, follow their heads.
 """
 
 from __future__ import annotations
@@ -20,16 +24,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from server.distributed.moe_sharding import (
+    TensorParallelSparseMoeBlock,
+    check_block_shardable,
+    validate_moe_split,
+)
+from server.distributed.parallel_state import TensorParallelConfigError
 from server.models.arch import ArchConfig
+from server.models.layer_spec import LayerSpec
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import TensorSlicer, read_hf_config
+from server.models.moe import SparseMoeBlock
 from server.models.registry import arch_from_hf
 from server.quant import cpu_repack
 from server.quant.layers import Int8Linear
 
-
-class TensorParallelConfigError(ValueError):
-    """The model's shape cannot be split over the requested number of ranks."""
+__all__ = [
+    "RowParallelLinear",
+    "ShardSpec",
+    "TensorParallelConfigError",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "check_shardable",
+    "checkpoint_slicer",
+    "rank_loading",
+    "rank_loading_slicer",
+    "shard_model",
+    "shard_spec",
+    "validate_tensor_parallel",
+]
 
 
 @dataclass(frozen=True)
@@ -45,13 +68,32 @@ class ShardSpec:
     vocab_shard: int  # ceil(vocab / world_size): every rank's padded logits width
 
 
+def _shardable_layer(spec: LayerSpec, head_dim: int) -> bool:
+    """The Llama layer up to what splits per head or per expert alike: a MoE MLP, a sliding window
+    (each rank's heads see the same window), attention sinks (one per query head, cut with them)."""
+    return dataclasses.replace(spec, mlp="dense", sliding_window=None, attn_sinks=False).is_llama(head_dim)
+
+
+def tensor_parallel_shardable(cfg: ArchConfig) -> bool:
+    """Whether `shard_model` can split this architecture: Llama/Qwen layers, dense or mixture of experts
+    (Mixtral, Qwen2/3-MoE, gpt-oss), with nothing model-level that differs from Llama's."""
+    return (
+        all(_shardable_layer(spec, cfg.head_dim) for spec in cfg.layers)
+        and cfg.embedding_multiplier == 1.0
+        and cfg.logits_divisor == 1.0
+        and cfg.final_logit_softcap is None
+        and cfg.final_norm == "rms"
+    )
+
+
 def validate_tensor_parallel(cfg: ArchConfig, world_size: int) -> None:
-    """Raises TensorParallelConfigError unless heads, KV heads and intermediate size split over N ranks."""
+    """Raises TensorParallelConfigError unless heads, KV heads and the (dense and expert) intermediate
+    sizes split over N ranks."""
     n = world_size
-    if n > 1 and not cfg.is_llama:
+    if n > 1 and not tensor_parallel_shardable(cfg):
         raise TensorParallelConfigError(
-            f"tensor parallelism shards the Llama layer only; {cfg.architecture} layers (docs/models.md) "
-            "are served on one device"
+            f"tensor parallelism shards the Llama layer only (its MLP dense or a mixture of experts); "
+            f"{cfg.architecture} layers (docs/models.md) are served on one device"
         )
     if cfg.num_heads % n:
         raise TensorParallelConfigError(
@@ -62,7 +104,9 @@ def validate_tensor_parallel(cfg: ArchConfig, world_size: int) -> None:
             f"tensor_parallel_size {n} must divide the number of KV heads ({cfg.num_kv_heads}) "
             f"or be a multiple of it (KV heads are then replicated)"
         )
-    if cfg.intermediate_size % n:
+    if cfg.moe is not None:
+        validate_moe_split(cfg.moe, n)
+    if any(spec.mlp == "dense" for spec in cfg.layers) and cfg.intermediate_size % n:
         raise TensorParallelConfigError(
             f"tensor_parallel_size {n} must divide the MLP intermediate size ({cfg.intermediate_size})"
         )
@@ -226,8 +270,16 @@ def checkpoint_slicer(cfg: ArchConfig, spec: ShardSpec, quantize_on_load: bool) 
     column-parallel weights and biases their output rows, row-parallel weights their input columns,
     the embedding and the LM head their vocabulary rows; norms and row-parallel biases whole.
     `quantize_on_load` (--quantize int8): row-parallel weights are read whole, because an output
-    channel's int8 scale spans the whole row; `shard_model` cuts them after quantization."""
+    channel's int8 scale spans the whole row; `shard_model` cuts them after quantization.
+    Mixture-of-experts layers' MLP tensors are read whole (per-expert names and gpt-oss's stacked or
+    packed ones; `shard_model` cuts them once the block has stacked them)."""
     d = cfg.head_dim
+    moe_prefixes = tuple(
+        f"model.layers.{n}.{block}."
+        for n, spec in enumerate(cfg.layers)
+        if spec.mlp == "moe"
+        for block in ("mlp", "block_sparse_moe")
+    )
     ranges = {
         "heads": (spec.heads[0] * d, spec.heads[1] * d),
         "kv_heads": (spec.kv_heads[0] * d, spec.kv_heads[1] * d),
@@ -238,7 +290,7 @@ def checkpoint_slicer(cfg: ArchConfig, spec: ShardSpec, quantize_on_load: bool) 
         parts = name.split(".")
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (0, *spec.vocab)
-        if len(parts) < 2 or parts[-1] not in ("weight", "bias"):
+        if len(parts) < 2 or parts[-1] not in ("weight", "bias") or name.startswith(moe_prefixes):
             return None
         proj = parts[-2]
         if proj in _COLUMN:
@@ -257,8 +309,10 @@ def rank_loading_slicer(folder: Path, quantize: str | None, rank: int, world_siz
     blocks/bitsandbytes keep their own packed layouts, not sharded yet)."""
     hf_cfg = read_hf_config(folder)
     packed = hf_cfg.get("quantization_config")
-    if packed:
-        method = packed.get("quant_method", "?") if isinstance(packed, dict) else "?"
+    method = packed.get("quant_method", "?") if isinstance(packed, dict) else "?"
+    # gpt-oss ships its experts in MXFP4 (the rest dense): the packed experts split per rank
+    mxfp4_experts = method == "mxfp4" and hf_cfg.get("model_type") == "gpt_oss"
+    if packed and not mxfp4_experts:
         raise TensorParallelConfigError(
             f"tensor parallelism cannot shard a pre-quantized checkpoint ({method}) yet: use a dense "
             "checkpoint, optionally with --quantize int8"
@@ -269,6 +323,8 @@ def rank_loading_slicer(folder: Path, quantize: str | None, rank: int, world_siz
             f"--quantize {quantize} is not supported with --tensor-parallel-size > 1"
         )
     cfg = arch_from_hf(hf_cfg)
+    if mxfp4_experts and cfg.moe is not None:
+        validate_moe_split(cfg.moe, world_size, mxfp4=True)
     return checkpoint_slicer(cfg, shard_spec(cfg, rank, world_size), quantize_on_load=quantize is not None)
 
 
@@ -279,6 +335,9 @@ def check_shardable(model: LlamaForCausalLM, world_size: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             _shardable(getattr(attn, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
+        if layer.spec.mlp == "moe":
+            check_block_shardable(mlp, world_size, f"layer {n} mlp")
+            continue
         for name in ("gate_proj", "up_proj", "down_proj"):
             _shardable(getattr(mlp, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
     if type(model.lm_head) is not nn.Linear or type(model.model.embed_tokens) is not nn.Embedding:
@@ -306,7 +365,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, world_size: int) -> ShardSpe
     hq, hkv, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
     for n, layer in enumerate(model.decoder_layers()):
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is not None or mlp.gate_up_proj is not None:
+        if attn.qkv_proj is not None or getattr(mlp, "gate_up_proj", None) is not None:
             raise TensorParallelConfigError("shard the model before prepare_for_serving fuses its weights")
         where = f"layer {n}"
         attn.q_proj = _column_parallel(attn.q_proj, h0 * d, h1 * d, hq, f"{where} q_proj")  # type: ignore[assignment]
@@ -314,6 +373,11 @@ def shard_model(model: LlamaForCausalLM, rank: int, world_size: int) -> ShardSpe
         attn.v_proj = _column_parallel(attn.v_proj, k0 * d, k1 * d, hkv, f"{where} v_proj")  # type: ignore[assignment]
         attn.o_proj = RowParallelLinear(attn.o_proj, h0 * d, h1 * d, hq, rank, f"{where} o_proj")  # type: ignore[assignment]
         attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
+        if attn.sinks is not None:
+            attn.sinks = nn.Parameter(_cut(attn.sinks.detach(), 0, h0, h1, cfg.num_heads, f"{where} sinks"))
+        if isinstance(mlp, SparseMoeBlock):
+            layer.mlp = TensorParallelSparseMoeBlock.from_block(mlp, rank, world_size)
+            continue
         mlp.gate_proj = _column_parallel(mlp.gate_proj, i0, i1, inter, f"{where} gate_proj")  # type: ignore[assignment]
         mlp.up_proj = _column_parallel(mlp.up_proj, i0, i1, inter, f"{where} up_proj")  # type: ignore[assignment]
         mlp.down_proj = RowParallelLinear(mlp.down_proj, i0, i1, inter, rank, f"{where} down_proj")  # type: ignore[assignment]
@@ -321,7 +385,15 @@ def shard_model(model: LlamaForCausalLM, rank: int, world_size: int) -> ShardSpe
     head = model.lm_head
     model.lm_head = VocabParallelLMHead(head.weight, spec, cfg.vocab_size)  # type: ignore[assignment]
     model.model.embed_tokens = VocabParallelEmbedding(embed.weight, *spec.vocab, cfg.vocab_size)  # type: ignore[assignment]
+    local_moe = None
+    if cfg.moe is not None:
+        inter_moe, shared = cfg.moe.intermediate_size, cfg.moe.shared_expert_intermediate_size
+        local_moe = dataclasses.replace(
+            cfg.moe,
+            intermediate_size=inter_moe // world_size,
+            shared_expert_intermediate_size=shared // world_size,
+        )
     model.config = dataclasses.replace(
-        cfg, num_heads=h1 - h0, num_kv_heads=k1 - k0, intermediate_size=i1 - i0
+        cfg, num_heads=h1 - h0, num_kv_heads=k1 - k0, intermediate_size=i1 - i0, moe=local_moe
     )
     return spec

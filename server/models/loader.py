@@ -39,6 +39,7 @@ from server.models.registry import ARCHITECTURES, arch_from_hf, check_servable
 from server.native import KernelBuildError, usable_cpu_features
 
 if TYPE_CHECKING:
+    from server.quant.config import QuantConfig
     from server.quant.gguf_checkpoint import DequantizedTensor, GgufCheckpoint
 
 log = logging.getLogger(__name__)
@@ -464,19 +465,16 @@ def load_model(
     from server import quant
 
     ckpt_quant = hf_cfg.get("quantization_config")
-    if (
+    mxfp4_experts = (
         arch.model_type == "gpt_oss"
         and isinstance(ckpt_quant, dict)
         and str(ckpt_quant.get("quant_method", "")).lower() == "mxfp4"
-    ):
+    )
+    if mxfp4_experts:
         ckpt_quant = None  # only its experts are MXFP4: archs/gpt_oss.py's rename_weights reads them
     qcfg = quant.resolve_quant_config(quantize, ckpt_quant, device)
     if qcfg is not None and arch.is_moe:
-        raise UnsupportedModelError(
-            f"{arch.architecture}: quantization ({'--quantize ' + quantize if quantize else 'the checkpoint'}"
-            f"'s {qcfg.method}) does not reach mixture-of-experts weights yet; serve it unquantized "
-            "(--dtype) or as a GGUF file"
-        )
+        _check_moe_quantization(arch, qcfg, quantize, mxfp4_experts, device)
     if arch.is_moe:
         _log_moe(arch)
     with torch.device("meta"):
@@ -484,12 +482,15 @@ def load_model(
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
     state = load_state_dict(folder, slicer)
+    # A MoE architecture's attach / rename touch only its MoE blocks' tensors, which a tensor-parallel
+    # rank reads whole (distributed/sharding.py checkpoint_slicer) and cuts after stacking.
+    whole_when_sliced = arch.is_moe
     attach = ARCHITECTURES[arch.architecture].attach_weights
-    if attach is not None and slicer is None:
+    if attach is not None and (slicer is None or whole_when_sliced):
         state = attach(model, state, arch, device)
     rename = ARCHITECTURES[arch.architecture].rename_weights
     if rename is not None:
-        if slicer is not None:
+        if slicer is not None and not whole_when_sliced:
             raise ModelLoadError(f"{arch.architecture}'s fused checkpoint tensors cannot be sliced per rank")
         state = rename(state, arch)
     if embedding_only:
@@ -521,6 +522,8 @@ def load_model(
     model.to(device)
     if qcfg is not None:
         quant.finalize(model, qcfg, dtype)
+        if arch.is_moe:
+            _quantize_moe_experts(model, qcfg.method, device)
     model.eval()
     model.requires_grad_(False)
     num_params = arch.num_parameters
@@ -531,6 +534,51 @@ def load_model(
         quantization=qcfg.method if qcfg else None,
         num_parameters=num_params,
         weight_bytes=quant.weight_bytes(model),
+    )
+
+
+# --quantize methods that reach a mixture-of-experts model's experts (moe/quant.py quantize_moe_blocks)
+MOE_QUANTIZE_METHODS = ("int8",)
+
+
+def _check_moe_quantization(
+    arch: ArchConfig, qcfg: QuantConfig, quantize: str | None, mxfp4_experts: bool, device: torch.device
+) -> None:
+    """Raises UnsupportedModelError for a quantization the MoE experts do not get: a pre-quantized
+    checkpoint (its packed experts have no reader here), a method other than MOE_QUANTIZE_METHODS, or
+    --quantize over gpt-oss's MXFP4 experts (quantized already), or int8 experts off CPU (BlockQuantExperts
+    hold CPU tensors for qlinear's kernel)."""
+    what = f"--quantize {quantize}" if quantize else f"the checkpoint's {qcfg.method}"
+    if qcfg.is_prequantized or qcfg.method not in MOE_QUANTIZE_METHODS:
+        raise UnsupportedModelError(
+            f"{arch.architecture}: quantization ({what}) does not reach mixture-of-experts weights; "
+            f"mixture-of-experts models take --quantize {' / '.join(MOE_QUANTIZE_METHODS)}, or serve it "
+            "unquantized (--dtype) or as a GGUF file"
+        )
+    if device.type != "cpu":
+        raise UnsupportedModelError(
+            f"{arch.architecture}: {what} quantizes mixture-of-experts weights on CPU only; on {device.type} "
+            "serve it unquantized (--dtype)"
+        )
+    if mxfp4_experts:
+        raise UnsupportedModelError(
+            f"{arch.architecture}: the checkpoint's experts are MXFP4 already; {what} would quantize "
+            "them twice: serve it without --quantize"
+        )
+
+
+def _quantize_moe_experts(model: nn.Module, method: str, device: torch.device) -> None:
+    """The experts of every MoE block into `method` per expert (moe/quant.py), through qlinear's CPU
+    kernel where the dense projections use it (cpu_repack.cpu_kernel_enabled), else its torch
+    reference."""
+    from server.models.moe.quant import quantize_moe_blocks
+    from server.quant import cpu_repack
+    from server.quant.cpu_qlinear import try_load_qlinear_kernel
+
+    kernel = try_load_qlinear_kernel() if device.type == "cpu" and cpu_repack.cpu_kernel_enabled() else None
+    n = quantize_moe_blocks(model, method, kernel)
+    log.info(
+        "mixture of experts: %d blocks' experts quantized to %s (router and shared expert kept)", n, method
     )
 
 

@@ -243,3 +243,24 @@ def test_router_choices_equal_on_every_token(
         top = logits.sort(dim=-1, descending=True).values
         assert not bool(((top[:, 1] - top[:, 2]).abs() < 1e-5).any())  # no near-tie on this seed
         assert torch.equal(mine.sort(dim=-1).values, ref.sort(dim=-1).values)
+
+
+@pytest.mark.slow  # one spawned rank (~20 s on a loaded machine)
+def test_tensor_parallel_2_dense_experts_sinks_and_windows(
+    folders: tuple[Path, Path], reference: list[list[int]]
+) -> None:
+    """TP=2 over gloo (server/distributed/moe_sharding.py): attention sinks cut with their heads, each
+    expert's intermediate split with the down bias on rank 0; greedy equals transformers. The MXFP4
+    folder is refused before any rank starts: intermediate 32 over 2 ranks would cut a 32-block."""
+    from server.config import ParallelConfig
+    from server.distributed.sharding import TensorParallelConfigError
+
+    parallel = ParallelConfig(tensor_parallel_size=2, distributed_timeout_s=60)
+    with pytest.raises(TensorParallelConfigError, match=r"MXFP4 .* not a multiple of 32"):
+        _engine(folders[1], device="cpu", parallel=parallel)
+    engine = _engine(folders[0], device="cpu", num_threads=1, max_num_batched_tokens=11, parallel=parallel)
+    try:
+        assert engine.loaded.model.model.layers[0].self_attn.sinks.shape == (2,)  # type: ignore[union-attr]
+        assert run_staggered(engine, PROMPTS, GREEDY) == reference
+    finally:
+        engine.close()

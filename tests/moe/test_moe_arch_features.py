@@ -73,9 +73,10 @@ def test_config_json_names_and_refusals() -> None:
         arch_from_hf(_hf_config("mixtral", hidden_act="gelu"))
 
 
-def test_quantize_is_refused(qwen2_moe: Path) -> None:
-    with pytest.raises(UnsupportedModelError, match="does not reach mixture-of-experts weights"):
-        moe_engine(qwen2_moe, quantize="int8")
+def test_quantize_other_than_int8_is_refused(qwen2_moe: Path) -> None:
+    # int8 reaches the experts (tests/moe/test_moe_quantize.py); fp8 does not yet
+    with pytest.raises(UnsupportedModelError, match=r"\(--quantize fp8\) does not reach mixture-of-experts"):
+        moe_engine(qwen2_moe, quantize="fp8")
 
 
 def test_lora_on_attention_matches_peft_and_moe_mlp_targets_are_refused(

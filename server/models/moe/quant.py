@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from server.models.moe.block import SparseMoeBlock
 from server.models.moe.config import MoEConfig
 from server.models.moe.weights import ExpertWeights
 from server.quant.cpu_qlinear import (
@@ -18,9 +19,11 @@ from server.quant.cpu_qlinear import (
     QLinearKernel,
     from_gguf_blocks,
     from_gguf_k_blocks,
+    from_int8,
     linear_reference,
     quantize_block,
 )
+from server.quant.cpu_repack import quantize_int8
 
 
 def split_gguf_experts(
@@ -71,12 +74,17 @@ class BlockQuantExperts:
     def quantize(
         w: ExpertWeights, fmt: str, kernel: QLinearKernel | None = None, compute: torch.dtype = torch.float32
     ) -> BlockQuantExperts:
-        """Round-to-nearest per expert into q8_0 / q4_0 / q4_1 (cpu_qlinear.quantize_block)."""
+        """Round-to-nearest per expert into q8_0 / q4_0 / q4_1 (cpu_qlinear.quantize_block) or `int8`
+        (per output channel, `--quantize int8`'s: cpu_repack.quantize_int8, each expert's own scales)."""
         if w.w13 is None or w.w2 is None:
             raise ValueError("quantize needs the dense w13 and w2")
+
+        def one(t: Tensor) -> BlockQuantWeight:  # t: [N, K] one expert's weight
+            return from_int8(*quantize_int8(t)) if fmt == "int8" else quantize_block(t, fmt)
+
         return BlockQuantExperts(
-            [quantize_block(w.w13[e], fmt) for e in range(w.w13.shape[0])],
-            [quantize_block(w.w2[e], fmt) for e in range(w.w2.shape[0])],
+            [one(w.w13[e]) for e in range(w.w13.shape[0])],
+            [one(w.w2[e]) for e in range(w.w2.shape[0])],
             w.b13,
             w.b2,
             kernel,
@@ -120,3 +128,16 @@ class BlockQuantExperts:
 
     def down(self, e: int, h: Tensor) -> Tensor:  # h: [n, I] -> [n, H] fp32
         return self._linear(h, self.w2[e], None if self.b2 is None else self.b2[e])
+
+
+def quantize_moe_blocks(model: nn.Module, fmt: str, kernel: QLinearKernel | None) -> int:
+    """`--quantize` for mixture-of-experts layers: every SparseMoeBlock of `model` with dense experts
+    serves them as BlockQuantExperts in `fmt` (each expert's w13 and w2 quantized on its own; biases
+    kept in fp32). The router and Qwen2-MoE's shared expert stay in the model's dtype: the router's
+    top-k is where a rounding error would change which experts run. Returns the blocks converted."""
+    n = 0
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock) and block.experts is None:
+            block.set_experts(BlockQuantExperts.quantize(block.expert_weights(), fmt, kernel))
+            n += 1
+    return n
