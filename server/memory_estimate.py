@@ -356,3 +356,36 @@ def _assemble(
         total_bytes=weights + settings.kv_cache_memory + overhead,
         minimum_bytes=weights + per_seq + overhead,
     )
+
+
+class InsufficientMemoryError(RuntimeError):
+    """The memory this process may still use is below the weights plus one full-length sequence's KV."""
+
+
+def memory_verdict(estimate: MemoryEstimate, headroom: int | None) -> tuple[str, str] | None:
+    """("error" | "warning", message) when `headroom` (bytes the memory cgroup may still charge; None:
+    unlimited) is below what serving needs: an error below the weights plus one `max_model_len`
+    sequence's KV (the server could never finish a full-length request), a warning below the weights
+    plus the whole KV allocation (--kv-cache-memory). None when it fits."""
+    if headroom is None:
+        return None
+    need_min = estimate.weight_bytes + estimate.kv_bytes_per_sequence
+    need_all = estimate.weight_bytes + estimate.kv_cache_bytes
+    gib = 2**30
+    if headroom < need_min:
+        return (
+            "error",
+            f"the container's memory limit leaves {headroom / gib:.2f} GiB, and this model needs at least "
+            f"{need_min / gib:.2f} GiB ({need_min} bytes: weights {estimate.weight_bytes} + the KV of one "
+            f"{estimate.max_model_len}-token sequence {estimate.kv_bytes_per_sequence}), "
+            f"{estimate.total_bytes / gib:.2f} GiB in all with the KV cache and the runtime; raise the memory "
+            "limit (resources.memory), or lower --max-model-len or the weights (--quantize, a smaller --dtype)",
+        )
+    if headroom < need_all:
+        return (
+            "warning",
+            f"the container's memory limit leaves {headroom / gib:.2f} GiB, below the weights "
+            f"({estimate.weight_bytes} bytes) plus the KV cache allocation ({estimate.kv_cache_bytes} bytes, "
+            f"--kv-cache-memory): {need_all / gib:.2f} GiB; lower --kv-cache-memory or raise the limit",
+        )
+    return None
