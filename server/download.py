@@ -15,6 +15,12 @@ the cache is mounted), replaced atomically. HF_TOKEN authenticates. Progress goe
 per step; exit code 0 when every folder is in place and loadable, 1 with the reason otherwise: the
 last line `download failed: <Reason>: <message>` (Reason one CamelCase word, which the operator shows
 as the cache's condition reason).
+
+With `--memory-estimate-file PATH` (the operator passes the container's termination-message path), the
+model's memory estimate for the serving flags given (`--dtype`, `--quantize`, `--max-model-len`,
+`--max-num-seqs`, `--kv-cache-dtype`, `--kv-cache-memory`, `--device`; server/memory_estimate.py) is
+written there as one line of JSON once the download succeeded; an estimate that cannot be made is logged
+and leaves the file alone (the download still succeeds).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from server.cli import parse_size
 from server.config import default_cache_dir
 from server.download_s3 import S3DownloadError, download_prefix
 
@@ -148,7 +155,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--adapter", type=_adapter, action="append", default=[], help="org/name=/output/folder (repeatable)"
     )
+    p.add_argument(
+        "--memory-estimate-file", type=Path, default=None, help="write the memory estimate (JSON) here"
+    )
+    p.add_argument("--dtype", default="auto", help="the server's --dtype, for the estimate")
+    p.add_argument("--quantize", default=None, help="the server's --quantize, for the estimate")
+    p.add_argument("--max-model-len", type=int, default=None, help="the server's --max-model-len")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the server's --max-num-seqs")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="the server's --kv-cache-memory")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the server runs: what --dtype auto resolves to (cpu: fp32, the bound; cuda: bf16)",
+    )
     return p
+
+
+def write_memory_estimate(args: argparse.Namespace, model: Path) -> None:
+    """The estimate for `model` under the flags in `args`, as JSON into --memory-estimate-file."""
+    from server.memory_estimate import (
+        DEFAULT_KV_CACHE_MEMORY,
+        EstimateError,
+        ServingSettings,
+        estimate_memory,
+    )
+
+    try:
+        settings = ServingSettings(
+            dtype=args.dtype,
+            auto_dtype="bfloat16" if args.device == "cuda" else "float32",
+            quantize=args.quantize,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_memory=args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
+        )
+        estimate = estimate_memory(model.resolve(), settings)
+    except (EstimateError, ValueError, OSError) as e:
+        log.warning("no memory estimate for %s: %s", model, e)
+        return
+    log.info(
+        "memory estimate: %d bytes (weights %d, KV cache %d, overhead %d)",
+        estimate.total_bytes,
+        estimate.weight_bytes,
+        estimate.kv_cache_bytes,
+        estimate.runtime_overhead_bytes,
+    )
+    try:
+        args.memory_estimate_file.write_text(estimate.to_json() + "\n")
+    except OSError as e:
+        log.warning("memory estimate not written to %s: %s", args.memory_estimate_file, e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         one_line = " ".join(str(exc).split())
         print(f"download failed: {one_line}", file=sys.stderr, flush=True)
         return 1
+    if args.memory_estimate_file is not None and args.output is not None:
+        write_memory_estimate(args, args.output)
     log.info("done")
     return 0
 

@@ -27,6 +27,8 @@ from server.distributed.sharding import rank_loading, rank_loading_slicer
 from server.kv_events import KVEventPublisher, make_publisher
 from server.lora.manager import LoRAManager
 from server.lora.registry import LoRARegistry
+from server.memory_estimate import MemoryEstimate
+from server.memory_report import check_memory, serving_estimate
 from server.models.loader import (
     LoadedModel,
     ModelSource,
@@ -102,6 +104,8 @@ class EngineInfo:
     kv_cache_dtype: str = "float32"  # the KV cache's element type (server/attention/kv_cache_dtype.py)
     # a GGUF served as it is: the tensors held as fp32 because no kept layout takes their type (/info)
     gguf_dequantized: tuple[DequantizedTensor, ...] | None = None
+    # where the memory goes, estimated from the files before loading (server/memory_estimate.py)
+    memory: MemoryEstimate | None = None
 
 
 class LLMEngine:
@@ -133,6 +137,15 @@ class LLMEngine:
 
         max_pos = int(read_hf_config(self.source.folder).get("max_position_embeddings", 2048))
         self.max_model_len = config.model.max_model_len or min(max_pos, 8192)
+        # Before any weight is read: a limit that cannot hold them fails here, not as an OOM kill.
+        compute_name = str(
+            resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
+        ).removeprefix("torch.")
+        self.memory = serving_estimate(
+            config, self.source.gguf or self.source.folder, compute_name, self.max_model_len
+        )
+        if self.device.type == "cpu":
+            check_memory(self.memory)
         if self.source.gguf is not None:
             self.loaded: LoadedModel = load_gguf_model(
                 self.source.gguf, self.source.folder, self.device, self.max_model_len, config.model.cache_dir
@@ -314,6 +327,7 @@ class LLMEngine:
             gemm_dtype=str(self.gemm_dtype).removeprefix("torch."),
             kv_cache_dtype=dtype_name(self.kv_cache_dtype),
             gguf_dequantized=self.loaded.gguf_dequantized,
+            memory=self.memory,
         )
 
     # ---- requests -----------------------------------------------------------------------------

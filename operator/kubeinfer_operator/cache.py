@@ -46,6 +46,8 @@ LOADER_COMPONENT = "cache-loader"
 DEFAULT_ACCESS_MODES = ("ReadWriteMany",)
 # The Job controller labels its pods with the Job's name (batch.kubernetes.io/job-name since 1.27).
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# The kubelet's default terminationMessagePath: the loader writes its memory estimate there (JSON).
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 # Requests only: a download is network-bound, but a pod without requests is BestEffort.
 LOADER_REQUESTS = {"cpu": "250m", "memory": "512Mi"}
 
@@ -87,13 +89,31 @@ def adapter_path(uri: str, root: str = SHARED_CACHE_DIR) -> str | None:
     return None if repo is None else f"{root}/adapters/{repo.replace('/', '--')}"
 
 
+def estimate_args(im: InferenceModel) -> list[str]:
+    """The serving flags the loader's memory estimate depends on (server/memory_estimate.py), as the
+    server gets them (deployment.server_args), and where the estimate goes: the container's
+    termination message, which the operator reads back from the finished pod (loader_estimate)."""
+    engine = im.spec.engine
+    args = ["--memory-estimate-file", TERMINATION_MESSAGE_PATH, "--dtype", engine.dtype]
+    args += ["--device", "cuda" if im.spec.resources.gpu.count > 0 else "cpu"]
+    if engine.quantization is not None:
+        args += ["--quantize", engine.quantization]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    return args
+
+
 def load_digest(im: InferenceModel) -> str:
-    """What the loader fetches (model, revision, hub adapters): a new digest means a new Job (a Job's
-    pod template is immutable, so a changed load is a new Job, never an edit of the old one)."""
+    """What the loader fetches (model, revision, hub adapters) and the flags its memory estimate reads:
+    a new digest means a new Job (a Job's pod template is immutable, so a changed load is a new Job,
+    never an edit of the old one; a rerun finds the files in place and only estimates again)."""
     wanted = {
         "model": im.spec.model.uri,
         "revision": im.spec.model.revision,
         "adapters": sorted(a.uri for a in im.spec.adapters if a.uri.startswith("hf://")),
+        "estimate": estimate_args(im),
     }
     return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:8]
 
@@ -157,7 +177,7 @@ def loader_args(im: InferenceModel) -> list[str]:
         repo_a = _hf_repo(a.uri)
         if path is not None and repo_a is not None:
             args += ["--adapter", f"{repo_a}={path}"]
-    return args
+    return args + estimate_args(im)
 
 
 def render_job(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:
@@ -197,7 +217,9 @@ def render_job(im: InferenceModel, defaults: ClusterDefaults | None = None) -> M
         "env": env,
         "resources": {"requests": dict(LOADER_REQUESTS)},
         "securityContext": restricted_container_security_context(),
-        # The log's tail becomes the termination message, which status.cache.message then quotes.
+        # On success the message is the memory estimate the loader wrote (loader_estimate); on failure,
+        # with nothing written, the log's tail, which status.cache.message then quotes.
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": "tmp", "mountPath": TMP_DIR},
@@ -258,14 +280,55 @@ def server_volumes(im: InferenceModel) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @dataclass(frozen=True)
+class LoaderEstimate:
+    """The loader's memory estimate for the model under its serving flags (server/memory_estimate.py's
+    MemoryEstimate, the fields the operator uses; bytes)."""
+
+    total_bytes: int  # weights + the KV cache allocation + the runtime
+    minimum_bytes: int  # weights + one max-model-len sequence's KV + the runtime
+    weight_bytes: int
+    kv_cache_bytes: int
+
+
+def loader_estimate(pods: list[dict[str, Any]]) -> LoaderEstimate | None:
+    """The estimate the newest successful loader pod left as its termination message (None: no such pod,
+    or a message that is not the estimate's JSON, e.g. a loader image from before the estimate)."""
+    best: tuple[str, str] | None = None
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            if term and term.get("exitCode") == 0 and term.get("message"):
+                stamp = str(term.get("finishedAt") or "")
+                if best is None or stamp >= best[0]:
+                    best = (stamp, str(term["message"]))
+    if best is None:
+        return None
+    try:
+        raw = json.loads(best[1])
+        values = [int(raw[k]) for k in ("total_bytes", "minimum_bytes", "weight_bytes", "kv_cache_bytes")]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if any(
+        v < 0 or isinstance(raw[k], bool)
+        for v, k in zip(
+            values, ("total_bytes", "minimum_bytes", "weight_bytes", "kv_cache_bytes"), strict=True
+        )
+    ):
+        return None
+    return LoaderEstimate(*values)
+
+
+@dataclass(frozen=True)
 class CacheState:
-    """The cache as observed; `ready` lets the Deployment be created (or updated)."""
+    """The cache as observed; `ready` lets the Deployment be created (or updated); `memory`: the loader's
+    estimate once Ready (None without one)."""
 
     phase: str  # Pending | Loading | Ready | Failed
     claim_name: str
     job_name: str | None
     reason: str
     message: str
+    memory: LoaderEstimate | None = None
 
     @property
     def ready(self) -> bool:
@@ -353,7 +416,14 @@ def judge(
     if job is None:
         return CacheState("Pending", name, jname, "LoaderPending", f"loader Job {jname} is being created")
     if _condition(job, "Complete") is not None:
-        return CacheState("Ready", name, jname, "Loaded", f"loader Job {jname} filled claim {name}")
+        return CacheState(
+            "Ready",
+            name,
+            jname,
+            "Loaded",
+            f"loader Job {jname} filled claim {name}",
+            loader_estimate(pods or []),
+        )
     failed = _condition(job, "Failed")
     if failed is not None:
         detail = str(failed.get("message") or "the loader Job failed")

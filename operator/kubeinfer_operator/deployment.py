@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .adapters import lora_env, lora_pod_annotations, lora_server_args
-from .cache import model_path, server_volumes
+from .cache import LoaderEstimate, model_path, server_volumes
 from .common import (
     CACHE_DIR,
     CONTAINER_NAME,
@@ -108,17 +108,34 @@ def _env(im: InferenceModel) -> list[dict[str, Any]]:
 
 
 # Requests when the spec sets none, so that a pod is never BestEffort (first to be evicted, no
-# scheduling guarantee): about what the server needs to load a small model on CPU.
+# scheduling guarantee): about what the server needs to load a small model on CPU. The memory default
+# gives way to the loader's estimate where there is one (memory_from_estimate).
 DEFAULT_CPU_REQUEST = "1"
 DEFAULT_MEMORY_REQUEST = "2Gi"
+MIB = 2**20
 
 
-def _resources(im: InferenceModel) -> dict[str, Any]:
+def memory_from_estimate(estimate: LoaderEstimate) -> str:
+    """The request (and limit) for an estimate: its total rounded up to whole MiB."""
+    return f"{-(-estimate.total_bytes // MIB)}Mi"
+
+
+def estimate_applies(im: InferenceModel, estimate: LoaderEstimate | None) -> bool:
+    """The estimate sets the pods' memory: the spec sets none, and the weights live in host memory (a
+    GPU pod's weights and KV cache are in device memory, which the estimate counts, so it keeps the
+    default)."""
+    return estimate is not None and im.spec.resources.memory is None and im.spec.resources.gpu.count == 0
+
+
+def _resources(im: InferenceModel, estimate: LoaderEstimate | None = None) -> dict[str, Any]:
     res = im.spec.resources
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     requests["cpu"] = str(res.cpu) if res.cpu is not None else DEFAULT_CPU_REQUEST
-    if res.memory is None:
+    if estimate is not None and estimate_applies(im, estimate):
+        # Known up front from the model's files: limit = request, as for an explicit value.
+        requests["memory"] = limits["memory"] = memory_from_estimate(estimate)
+    elif res.memory is None:
         requests["memory"] = DEFAULT_MEMORY_REQUEST  # a request only: no limit the user did not ask for
     else:
         # Memory limit equals request: an LLM server's footprint is known up front, and overcommit
@@ -222,7 +239,11 @@ def oci_volume_source(im: InferenceModel) -> dict[str, str]:
     return {"reference": reference, "pullPolicy": policy}
 
 
-def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:
+def render_deployment(
+    im: InferenceModel, defaults: ClusterDefaults | None = None, estimate: LoaderEstimate | None = None
+) -> Manifest:
+    """The model's Deployment; `estimate`: the shared-cache loader's memory estimate, which sets the
+    memory request and limit when the spec sets none (estimate_applies)."""
     defaults = defaults or ClusterDefaults()
     spec = im.spec
     volumes, mounts = _volumes(im)
@@ -260,7 +281,7 @@ def render_deployment(im: InferenceModel, defaults: ClusterDefaults | None = Non
         "securityContext": restricted_container_security_context(),
         "volumeMounts": mounts,
     }
-    resources = _resources(im)
+    resources = _resources(im, estimate)
     if resources:
         container["resources"] = resources
 

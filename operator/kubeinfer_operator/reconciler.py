@@ -337,7 +337,7 @@ class Reconciler:
         jname = model_cache.job_name(im)
         job = next((j for j in jobs if (j.get("metadata") or {}).get("name") == jname), None)
         pods: list[dict[str, Any]] = []
-        if job is not None and model_cache.judge(im, claim, job).phase != "Ready":
+        if job is not None:  # when Ready too: the finished pod's termination message is the memory estimate
             label = model_cache.JOB_NAME_LABEL
             pods = [
                 p
@@ -508,10 +508,21 @@ def cache_ready(observed: Observed) -> bool:
     return model_cache.judge(im, seen.claim, seen.job, seen.loader_pods).ready
 
 
+def memory_estimate(observed: Observed) -> model_cache.LoaderEstimate | None:
+    """The shared-cache loader's memory estimate, read from its finished pod (None: no loader, not
+    finished, or no estimate: the pods keep the default request)."""
+    im, seen = observed.im, observed.cache
+    if im is None or seen is None or not im.spec.cache.shared:
+        return None
+    return model_cache.judge(im, seen.claim, seen.job, seen.loader_pods).memory
+
+
 def desire(observed: Observed) -> RenderPlan:
     """Every child the model wants, and the optional ones it wants absent (render.render_all)."""
     assert observed.im is not None
-    return render_all(observed.im, observed.caps, cache_ready=cache_ready(observed))
+    return render_all(
+        observed.im, observed.caps, cache_ready=cache_ready(observed), estimate=memory_estimate(observed)
+    )
 
 
 def should_apply(trigger: Trigger, observed: Observed, plan: RenderPlan, child: ChildRef | None) -> bool:

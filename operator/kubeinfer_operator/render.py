@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .adapters import configmap_name, render_adapters_configmap
-from .cache import adopts_claim, render_claim, render_job
+from .cache import LoaderEstimate, adopts_claim, render_claim, render_job
 from .common import CACHE_DIR as CACHE_DIR
 from .common import CONTAINER_NAME as CONTAINER_NAME
 from .common import FIELD_MANAGER as FIELD_MANAGER
@@ -302,10 +302,16 @@ def autoscaling_floor(im: InferenceModel) -> int:
     return max(im.spec.scaling.min_replicas, 1)
 
 
-def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready: bool = True) -> RenderPlan:
+def render_all(
+    im: InferenceModel,
+    caps: Capabilities | None = None,
+    cache_ready: bool = True,
+    estimate: LoaderEstimate | None = None,
+) -> RenderPlan:
     """Every child. With cache.mode Shared the claim (unless adopted) and the loader Job come first;
     `cache_ready` False (the Job has not succeeded) leaves out the Deployment and its autoscaler, so
-    no replica starts before the cache is filled (a Deployment that exists is left as it is)."""
+    no replica starts before the cache is filled (a Deployment that exists is left as it is);
+    `estimate`: the loader's memory estimate (deployment.estimate_applies)."""
     caps = caps or Capabilities()
     # The router's objects come first: callers index the plan by kind, and the model's own objects
     # (later, same kinds) must win there.
@@ -344,7 +350,9 @@ def render_all(im: InferenceModel, caps: Capabilities | None = None, cache_ready
     if im.spec.adapters:  # before the Deployment: its pods read their adapter list from it
         objects.append(render_adapters_configmap(im, child_metadata(im)))
     workload = (
-        render_leaderworkerset(im, caps.defaults) if multi_node(im) else render_deployment(im, caps.defaults)
+        render_leaderworkerset(im, caps.defaults)
+        if multi_node(im)
+        else render_deployment(im, caps.defaults, estimate)
     )
     autoscaling_skip = autoscaling_skipped(im, caps)
     if autoscaling_skip is not None:

@@ -7,7 +7,7 @@ import importlib.metadata
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -477,6 +477,9 @@ async def info(request: Request) -> Response:
                 ],
                 "extra_bytes": sum(d.extra_bytes for d in i.gguf_dequantized),
             },
+            # where the memory goes, estimated from the model's files before loading (bytes; null when
+            # the files could not be read for it): server/memory_estimate.py's MemoryEstimate
+            "memory": None if i.memory is None else asdict(i.memory),
             "kv_block_size": i.block_size,
             "kv_blocks": i.num_kv_blocks,
             "kv_cache_dtype": i.kv_cache_dtype,
