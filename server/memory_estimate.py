@@ -58,6 +58,7 @@ GGUF_RESIDENT_BITS = {
     "Q2_K": 8.0,
     "IQ4_NL": 8.5,
     "IQ4_XS": 9.0,
+    "MXFP4": 4.25,  # gpt-oss experts stay packed (16 bytes of e2m1 + one e8m0 scale per 32)
     "F32": 32.0,
 }
 # On-the-fly --quantize methods: resident bits per weight of a quantized linear weight (values plus
