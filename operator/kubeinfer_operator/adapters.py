@@ -33,7 +33,7 @@ Manifest = dict[str, Any]
 
 
 def configmap_name(im: InferenceModel) -> str:
-    return f"{im.child_name}-adapters"
+    return f"{im.base_child_name}-adapters"
 
 
 def desired_adapters(im: InferenceModel) -> dict[str, str]:

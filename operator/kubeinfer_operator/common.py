@@ -41,13 +41,21 @@ def selector_labels(im: InferenceModel) -> dict[str, str]:
     return {"app.kubernetes.io/name": "kubeinfer-server", "app.kubernetes.io/instance": im.child_name}
 
 
+# On the canary's children and pods only (canary.py): the stable ones keep the labels they had, so
+# adding a canary rolls nothing.
+VARIANT_LABEL = "kubeinfer.dev/variant"
+
+
 def labels(im: InferenceModel) -> dict[str, str]:
-    return {
+    out = {
         **selector_labels(im),
         "app.kubernetes.io/component": "inference-server",
         "app.kubernetes.io/part-of": "kubeinfer",
         "app.kubernetes.io/managed-by": FIELD_MANAGER,
     }
+    if im.variant == "canary":
+        out[VARIANT_LABEL] = "canary"
+    return out
 
 
 def selector_string(im: InferenceModel) -> str:
@@ -137,7 +145,7 @@ def service_account_name(im: InferenceModel) -> str:
     """What the model's pods (server, cache loader) run as: pod.serviceAccountName when the
     administrator allowed one, else the model's own ServiceAccount (render_service_account), never
     the namespace's `default`, to which others may have bound roles (issue 45 item 5)."""
-    return im.spec.pod.service_account_name or im.child_name
+    return im.spec.pod.service_account_name or im.base_child_name
 
 
 def render_service_account(im: InferenceModel) -> dict[str, Any] | None:

@@ -56,7 +56,7 @@ def admin_token(im: InferenceModel, defaults: ClusterDefaults | None = None) -> 
 def admin_secret_name(im: InferenceModel, defaults: ClusterDefaults | None = None) -> str:
     """`<child name>-admin-<10 hex>` (a DNS-1123 subdomain: the child name is a 63-character label)."""
     digest = hmac.new(_key(defaults), f"name/{im.uid or ''}".encode(), hashlib.sha256).hexdigest()[:10]
-    return f"{im.child_name}-admin-{digest}"
+    return f"{im.base_child_name}-admin-{digest}"
 
 
 def render_admin_secret(

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .canary import canary_view, canary_view_name, canary_weight
 from .common import (
     SERVER_PORT,
     Manifest,
@@ -263,13 +264,25 @@ def render_http_route(im: InferenceModel) -> Manifest | None:
             "rules": [
                 {
                     "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
-                    "backendRefs": [
-                        {"group": "inference.networking.k8s.io", "kind": POOL_KIND, "name": pool_name(im)}
-                    ],
+                    "backendRefs": route_backends(im),
                 }
             ],
         },
     }
+
+
+def route_backends(im: InferenceModel) -> list[dict[str, Any]]:
+    """The HTTPRoute's backendRefs: the model's pool, and with spec.canary the canary's pool beside it,
+    weighted `100 - weight` and `weight` (the Gateway API's weights are proportions of their sum, and a
+    weight of 0 gets no request)."""
+    pool = {"group": "inference.networking.k8s.io", "kind": POOL_KIND}
+    if im.spec.canary is None:
+        return [{**pool, "name": pool_name(im)}]
+    weight = canary_weight(im)
+    return [
+        {**pool, "name": pool_name(im), "weight": 100 - weight},
+        {**pool, "name": canary_view_name(im), "weight": weight},
+    ]
 
 
 def render_gateway(
@@ -292,12 +305,19 @@ def render_gateway(
         render_epp_deployment(im, defaults),
         render_inference_pool(im),
     ]
-    route = render_http_route(im)
+    route = render_http_route(im) if im.variant == "stable" else None  # the stable's route weighs both
     if route is not None and route_served:
         objects.append(route)
     objective = render_inference_objective(im)
     if objective is not None and objective_served:
         objects.append(objective)
+    canary = canary_view(im)
+    if canary is not None:
+        # The canary's pool and picker before the route that sends it traffic.
+        at = (
+            len(objects) - (route is not None and route_served) - (objective is not None and objective_served)
+        )
+        objects[at:at] = render_gateway(canary, pool_served, route_served, defaults, objective_served)
     return objects
 
 

@@ -19,6 +19,7 @@ from .spec import InferenceModel
 # CRD field whose name says Secret is here.
 SECRET_REF_FIELDS = (
     "spec.model.credentialsSecretRef",
+    "spec.canary.model.credentialsSecretRef",
     "spec.adapters[].credentialsSecretRef",
     "spec.engine.apiKeySecretRef",
     "spec.pod.imagePullSecrets",
@@ -32,7 +33,8 @@ SECRET_REF_FIELDS = (
 def model_secret_names(im: InferenceModel) -> list[str]:
     """The Secrets of every SECRET_REF_FIELDS entry, in that order, each once."""
     spec = im.spec
-    refs = [spec.model.credentials_secret_ref, *(a.credentials_secret_ref for a in spec.adapters)]
+    canary = spec.canary.model.credentials_secret_ref if spec.canary is not None else None
+    refs = [spec.model.credentials_secret_ref, canary, *(a.credentials_secret_ref for a in spec.adapters)]
     names = [r.name for r in refs if r is not None]
     if spec.engine.api_key_secret_ref is not None:
         names.append(spec.engine.api_key_secret_ref.name)

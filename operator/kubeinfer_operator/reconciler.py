@@ -33,6 +33,7 @@ from . import adapter_sync, credentials
 from . import cache as model_cache
 from .adapters import desired_adapters, runtime_updates
 from .admission import AdmissionPolicy
+from .canary import canary_view_name
 from .common import MODEL_ANNOTATION, child_metadata, selector_labels
 from .defaults import ClusterDefaults
 from .deployment import (
@@ -92,6 +93,7 @@ class Observed:
     children: Mapping[ChildRef, dict[str, Any] | None] = field(default_factory=dict)
     # An oci:// model on an API server without image volumes: why (nothing is applied then).
     image_volume_blocked: str | None = None
+    canary_workload: dict[str, Any] | None = None  # spec.canary's live Deployment, shaped for status
 
     @property
     def previous(self) -> dict[str, Any] | None:
@@ -218,14 +220,18 @@ class Reconciler:
                     return
                 outcome = outcome_of(observed, plan, applied, error=str(exc))
                 workload = applied.workload if applied.workload is not None else observed.workload
-                status = compute_status(im, workload, outcome, observed.previous, now(), observed.pods)
+                status = compute_status(
+                    im, workload, outcome, observed.previous, now(), observed.pods, observed.canary_workload
+                )
                 self.write_status(observed, status.to_dict(), logger)
                 raise (RetryLater if exc.transient else GiveUp)(str(exc)) from exc
         outcome = outcome_of(observed, plan, applied)
         workload = (
             applied.workload if applied is not None and applied.workload is not None else observed.workload
         )
-        status = compute_status(im, workload, outcome, observed.previous, now(), observed.pods)
+        status = compute_status(
+            im, workload, outcome, observed.previous, now(), observed.pods, observed.canary_workload
+        )
         new = {**status.to_dict(), **self.adapters_status(im, observed.pods, logger)}
         self.write_status(observed, new, logger, strict=applied is not None)
 
@@ -273,7 +279,8 @@ class Reconciler:
     def _image_volume_blocked(self, im: InferenceModel) -> str | None:
         """Why an oci:// model's image volume cannot work on this API server (None: it can, or the
         version is unknown and the pods will tell)."""
-        if not im.spec.model.uri.startswith("oci://"):
+        canary = im.spec.canary
+        if not (im.spec.model.uri.startswith("oci://") or (canary and canary.model.uri.startswith("oci://"))):
             return None
         try:
             version = self.kube.server_version()
@@ -298,7 +305,20 @@ class Reconciler:
             workload=self._workload(im, observed.caps, children),
             pods=self._pods(im) if observed.invalid is None else None,
             children=children,
+            canary_workload=self._canary_workload(im, children),
         )
+
+    def _canary_workload(self, im: InferenceModel, seen: Mapping[ChildRef, Any]) -> dict[str, Any] | None:
+        """spec.canary's live Deployment (None without a canary, or unreadable)."""
+        if im.spec.canary is None:
+            return None
+        ref = ChildRef("Deployment", canary_view_name(im))
+        if ref in seen:
+            return as_workload(ref.kind, seen[ref])
+        try:
+            return as_workload(ref.kind, self.kube.get(ref.kind, im.namespace, ref.name))
+        except ApiError:
+            return None
 
     def _workload(
         self, im: InferenceModel, caps: Capabilities, seen: Mapping[ChildRef, Any]
@@ -453,8 +473,12 @@ class Reconciler:
         new = carry_adapters(new, previous)
         if same_status(previous, new):
             return
+        # A merge patch keeps every key it does not name: a block the new status no longer has
+        # (status.canary after a promotion, status.cache after cache.mode Shared is dropped) is
+        # removed with null, else it stays forever and the status is rewritten on every reconcile.
+        patch = {**{key: None for key in (previous or {}) if key not in new}, **new}
         try:
-            self.kube.patch_status(namespace, name, new)
+            self.kube.patch_status(namespace, name, patch)
         except ApiError as exc:
             if strict and exc.transient:
                 raise RetryLater(str(exc)) from exc
@@ -576,7 +600,11 @@ def _refreshes_status(trigger: Trigger, child: ChildRef | None, im: InferenceMod
         return True
     if trigger is Trigger.CHILD and child is not None and im is not None:
         # The workload, or the Deployment that still serves while the LeaderWorkerSet API is missing.
-        workloads = {(workload_kind(im), workload_name(im)), ("Deployment", im.child_name)}
+        workloads = {
+            (workload_kind(im), workload_name(im)),
+            ("Deployment", im.child_name),
+            ("Deployment", canary_view_name(im)),
+        }
         return (child.kind, child.name) in workloads
     return trigger is Trigger.SPEC  # the LeaderWorkerSet API is missing: status says so
 
@@ -722,7 +750,10 @@ def _child_current(child: dict[str, Any] | None, observed: Observed) -> bool:
 def _pod_of(pod: dict[str, Any] | None, im: InferenceModel | None) -> bool:
     """A pod of this model (not one of another model that copied the annotation)."""
     labels = ((pod or {}).get("metadata") or {}).get("labels") or {}
-    return im is not None and labels.get("app.kubernetes.io/instance") == im.child_name
+    return im is not None and labels.get("app.kubernetes.io/instance") in (
+        im.child_name,
+        canary_view_name(im),
+    )
 
 
 def _owned_by(live: dict[str, Any] | None, uid: str | None) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 from .adapters import configmap_name, render_adapters_configmap
 from .cache import LoaderEstimate, adopts_claim, render_claim, render_job
+from .canary import canary_child_refs, canary_view, canary_view_name
 from .common import CACHE_DIR as CACHE_DIR
 from .common import CONTAINER_NAME as CONTAINER_NAME
 from .common import FIELD_MANAGER as FIELD_MANAGER
@@ -39,6 +40,7 @@ from .gateway import (
     render_gateway,
 )
 from .lws import render_leaderworkerset
+from .names import derived_name
 from .netpol import network_policies
 from .quantity import same_quantity
 from .render_activator import (
@@ -349,6 +351,12 @@ def render_all(
         objects.append(render_pdb(im))
     if im.spec.adapters:  # before the Deployment: its pods read their adapter list from it
         objects.append(render_adapters_configmap(im, child_metadata(im)))
+    canary = canary_view(im)
+    if canary is not None:
+        # The canary's fence first, then its Service and pods (its pool and picker are render_gateway's).
+        canary_policies, _ = network_policies(canary, caps.defaults, caps.gateway_kinds[0])
+        objects = canary_policies + objects
+        objects += [render_service(canary), render_deployment(canary, caps.defaults)]
     workload = (
         render_leaderworkerset(im, caps.defaults)
         if multi_node(im)
@@ -393,6 +401,15 @@ def render_all(
     if pool_ok:
         optional.append(ChildRef(POOL_KIND, pool_name(im)))
         optional += [ChildRef(kind, epp_name(im)) for kind in reversed(EPP_KINDS)]
+    # The canary's (canary.py): all of them go when spec.canary does (promotion or rollback).
+    canary_name = canary_view_name(im)
+    optional += canary_child_refs(im)
+    if caps.objective_kind:
+        optional.append(ChildRef(OBJECTIVE_KIND, canary_name))
+    if pool_ok:
+        optional.append(ChildRef(POOL_KIND, canary_name))
+        optional += [ChildRef(kind, derived_name(canary_name, "epp")) for kind in reversed(EPP_KINDS)]
+        optional.append(ChildRef("NetworkPolicy", derived_name(canary_name, "epp")))
     if not cache_ready:
         objects = [
             o

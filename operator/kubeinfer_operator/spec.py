@@ -19,6 +19,7 @@ from . import admission
 from .names import (
     DNS1123_SUBDOMAIN,
     child_name,
+    derived_name,
     is_dns1123_label,
     is_dns1123_subdomain,
     is_label_value,
@@ -800,8 +801,20 @@ class NetworkSpec(_Model):
         return self
 
 
+class CanarySpec(_Model):
+    """A second version of the model served beside the stable one (canary.py renders it): `weight`
+    percent of the gateway's traffic (the HTTPRoute's weighted backendRefs, as KServe's
+    canaryTrafficPercent) goes to `replicas` pods of `model`. Promotion is an edit: move canary.model
+    into model and drop canary."""
+
+    model: ModelSource
+    weight: int = Field(ge=0, le=100)
+    replicas: int = Field(default=1, ge=0, le=100)
+
+
 class InferenceModelSpec(_Model):
     model: ModelSource
+    canary: CanarySpec | None = None
     adapters: list[AdapterSpec] = Field(default_factory=list, max_length=64)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -866,6 +879,12 @@ class InferenceModelSpec(_Model):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_canary(self) -> InferenceModelSpec:
+        for message in canary_errors(self):
+            raise ValueError(message)
+        return self
+
     @property
     def max_pods(self) -> int:
         """The most server pods that can run at once, ignoring suspend (it may be lifted): the count
@@ -904,6 +923,34 @@ class InferenceModelSpec(_Model):
         return model_location(self.model.uri).default_served_name
 
 
+def canary_errors(spec: InferenceModelSpec) -> list[str]:
+    """Why spec.canary cannot be served as written (the CRD's CEL rules say the same, in this order)."""
+    canary = spec.canary
+    if canary is None:
+        return []
+    gateway = spec.routing.gateway
+    if not (gateway.enabled and gateway.gateway_ref is not None):
+        return [
+            "canary needs routing.gateway.enabled with a gatewayRef: the weighted HTTPRoute over the two "
+            "InferencePools is what splits the traffic (a plain Service cannot weigh two Deployments)"
+        ]
+    if spec.routing.enabled:
+        return ["canary cannot be combined with routing.enabled: vllm-router has no per-worker weights"]
+    if canary.model.uri.startswith("s3://") or spec.cache.shared:
+        return [
+            "canary cannot be combined with cache.mode Shared or an s3:// canary.model (one loader per model)"
+        ]
+    if spec.parallelism.nodes > 1:
+        return ["canary cannot be combined with parallelism.nodes > 1"]
+    if spec.scaling.min_replicas == 0:
+        return ["canary cannot be combined with scaling to zero (scaling.minReplicas 0)"]
+    if canary.model.served_name is not None and canary.model.served_name != spec.model.served_name:
+        return [
+            "canary.model.servedName, if set, must equal model.servedName (clients call both versions by one name)"
+        ]
+    return []
+
+
 class Condition(_Model):
     type: Literal[
         "Ready",
@@ -913,6 +960,7 @@ class Condition(_Model):
         "AutoscalingAvailable",
         "CacheReady",
         "GatewayAvailable",
+        "CanaryReady",
     ]
     status: Literal["True", "False", "Unknown"]
     reason: str
@@ -935,6 +983,16 @@ class CacheStatus(_Model):
     message: str = ""
 
 
+class CanaryStatus(_Model):
+    """spec.canary as served: its source, its share of the gateway's traffic and its replicas."""
+
+    model: str  # canary.model.uri
+    weight: int
+    replicas: int = 0
+    ready_replicas: int = 0
+    desired_replicas: int = 0
+
+
 class InferenceModelStatus(_Model):
     phase: Phase
     replicas: int = 0
@@ -949,6 +1007,7 @@ class InferenceModelStatus(_Model):
     adapter_count: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
     cache: CacheStatus | None = None
+    canary: CanaryStatus | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -1009,10 +1068,19 @@ class InferenceModel:
     spec: InferenceModelSpec
     uid: str | None = None  # None when rendering offline: no owner references then
     generation: int | None = None
+    # "canary": canary.canary_view's rendering of spec.canary (its children are `<child>-canary`).
+    variant: Literal["stable", "canary"] = "stable"
 
     @property
     def child_name(self) -> str:
-        """Name of every child object (a DNS-1035 label derived from `name`, see names.child_name)."""
+        """Name of every child object of this variant (a DNS-1035 label derived from `name`, see
+        names.child_name; `<that>-canary` for the canary's)."""
+        base = child_name(self.name)
+        return derived_name(base, "canary") if self.variant == "canary" else base
+
+    @property
+    def base_child_name(self) -> str:
+        """The stable variant's child name: what both variants share (ServiceAccount, admin key, adapters)."""
         return child_name(self.name)
 
     @classmethod
@@ -1058,7 +1126,16 @@ def bound_errors(exc: ValidationError) -> list[str]:
 
 
 def semantic_errors(spec: InferenceModelSpec) -> list[str]:
-    """Problems the schema cannot express; each makes the spec undeployable."""
+    """Problems the schema cannot express; each makes the spec undeployable. A canary is checked as
+    the model it is (its claim against the adapters' and the draft's, its token against theirs)."""
+    if spec.canary is not None:
+        model = spec.canary.model.model_copy(update={"served_name": spec.served_name})
+        canary_spec = spec.model_copy(update={"model": model, "canary": None})
+        return _semantic_errors(spec) + [f"canary: {e}" for e in _semantic_errors(canary_spec)]
+    return _semantic_errors(spec)
+
+
+def _semantic_errors(spec: InferenceModelSpec) -> list[str]:
     errors: list[str] = []
     names = [a.name for a in spec.adapters]
     if len(set(names)) != len(names):

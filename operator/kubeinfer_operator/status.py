@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cache import CacheState
+from .canary import canary_view
 from .common import desired_replicas, endpoint_url, selector_string
 from .gateway import GatewaySkip
 from .pods import diagnose
 from .render_activator import activator_url, zero_phase
-from .spec import CacheStatus, Condition, InferenceModel, InferenceModelStatus, Phase
+from .spec import CacheStatus, CanaryStatus, Condition, InferenceModel, InferenceModelStatus, Phase
 
 
 @dataclass(frozen=True)
@@ -285,8 +286,9 @@ def compute_status(
     previous: dict[str, Any] | None,
     now: str,
     pods: list[dict[str, Any]] | None = None,
+    canary_deployment: dict[str, Any] | None = None,
 ) -> InferenceModelStatus:
-    """Phase and conditions. `pods` (the model's pods, when listed) supply the kubelet's and the
+    """Phase and conditions (`canary_deployment`: spec.canary's live Deployment, for status.canary). `pods` (the model's pods, when listed) supply the kubelet's and the
     scheduler's reasons; a model that was ready and has no ready replica left is Degraded."""
     prev_conditions = _previous_conditions(previous)
     counts = workload_counts(im, deployment)
@@ -312,6 +314,12 @@ def compute_status(
     if cache is not None:
         cache_cond, cache_status = cache_condition(cache, cond)
         conditions.append(cache_cond)
+    canary_status = None
+    if outcome.invalid_spec is None:
+        canary = canary_of(im, canary_deployment)
+        if canary is not None:
+            canary_status = canary
+            conditions.append(canary_condition(canary, outcome, cond))
     return InferenceModelStatus(
         phase=phase,
         replicas=counts.replicas,
@@ -325,7 +333,42 @@ def compute_status(
         observed_generation=im.generation,
         conditions=conditions,
         cache=cache_status,
+        canary=canary_status,
     )
+
+
+def canary_of(im: InferenceModel, deployment: dict[str, Any] | None) -> CanaryStatus | None:
+    """status.canary from the canary's Deployment (None without spec.canary)."""
+    view = canary_view(im)
+    if view is None or im.spec.canary is None:
+        return None
+    counts = workload_counts(view, deployment)
+    return CanaryStatus(
+        model=im.spec.canary.model.uri,
+        weight=im.spec.canary.weight,
+        replicas=counts.replicas,
+        ready_replicas=counts.ready,
+        desired_replicas=counts.desired,
+    )
+
+
+def canary_condition(canary: CanaryStatus, outcome: ReconcileOutcome, cond: MakeCondition) -> Condition:
+    """CanaryReady: every wanted canary replica ready (a canary of 0 replicas is paused: False), and
+    whether the gateway splits traffic to it at all."""
+    share = f"{canary.weight}% of the gateway's traffic"
+    if outcome.gateway_skipped is not None:
+        share = f"no traffic split ({outcome.gateway_skipped.reason}): clients reach the stable Service only"
+    ready = f"{canary.ready_replicas}/{canary.desired_replicas} canary replicas ready"
+    if canary.desired_replicas == 0:
+        return cond(
+            "CanaryReady",
+            "False",
+            "Paused",
+            f"no canary replica wanted (canary.replicas 0, or suspend); {share}",
+        )
+    if canary.ready_replicas >= canary.desired_replicas:
+        return cond("CanaryReady", "True", "ReplicasReady", f"{ready}; {share}")
+    return cond("CanaryReady", "False", "ReplicasNotReady", f"{ready}; {share}")
 
 
 def _was_serving(prev: dict[str, dict[str, Any]]) -> bool:

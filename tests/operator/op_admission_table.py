@@ -28,6 +28,26 @@ def _s(**parts: Any) -> dict[str, Any]:
     return {"model": HF, **parts}
 
 
+CANARY_SHARED = "canary cannot be combined with cache.mode Shared or an s3:// canary.model"
+
+
+def _canary(
+    weight: int | None,
+    model: dict[str, Any] | None = None,
+    replicas: int | None = None,
+    routing_enabled: bool = False,
+    **parts: Any,
+) -> dict[str, Any]:
+    """A model with spec.canary behind a Gateway (what a canary needs)."""
+    canary: dict[str, Any] = {"model": model or {"uri": "hf://org/model-v2"}}
+    if weight is not None:
+        canary["weight"] = weight
+    if replicas is not None:
+        canary["replicas"] = replicas
+    gateway = {"enabled": True, "gatewayRef": {"name": "inference-gw", "namespace": "gw"}}
+    return _s(canary=canary, routing={"enabled": routing_enabled, "gateway": gateway}, **parts)
+
+
 PSS_VOLUMES = "volume types of the restricted Pod Security Standard"
 LOADER_ENV = "pod.env must not set a variable that changes what the loader or interpreter runs"
 MOUNT_PATH = "pod.volumeMounts paths must be absolute, without '..', under /data or /mnt"
@@ -642,6 +662,58 @@ ADMISSION: list[Row] = [
     # the bound in the API server's words ("greater than the maximum of 1000") and pydantic's differ
     Row("gateway-priority-too-high", _s(routing={"gateway": {"enabled": True, "priority": 1001}}), "1000"),
     Row("gateway-priority-too-low", _s(routing={"gateway": {"enabled": True, "priority": -1001}}), "-1000"),
+    # spec.canary (issue 48 item 4): weighted by the gateway's HTTPRoute, so it needs a gatewayRef
+    Row("canary-weight-10", _canary(10), None),
+    Row("canary-weight-0", _canary(0), None),
+    Row("canary-weight-100", _canary(100), None),
+    Row("canary-replicas-0", _canary(5, replicas=0), None),
+    Row("canary-weight-over-100", _canary(101), "100"),
+    Row("canary-weight-negative", _canary(-1), "0"),
+    Row("canary-weight-missing", _canary(None), "weight"),
+    Row("canary-bad-uri", _canary(10, model={"uri": "ftp://models/x"}), "model.uri must start with hf://"),
+    Row("canary-bad-hf", _canary(10, model={"uri": "hf://only-org"}), "model.uri hf:// must look like"),
+    Row(
+        "canary-revision-not-hf",
+        _canary(10, model={"uri": "/models/v2", "revision": "main"}),
+        "model.revision is only meaningful for hf:// models",
+    ),
+    Row(
+        "canary-bad-secret-name",
+        _canary(10, model={**HF, "credentialsSecretRef": {"name": "A_B"}}),
+        "DNS-1123",
+    ),
+    Row("canary-pvc", _canary(10, model={"uri": "pvc://models/v2"}), None),
+    Row("canary-oci", _canary(10, model={"uri": "oci://registry.example/models/m:v2"}), None),
+    Row("canary-s3", _canary(10, model=S3), CANARY_SHARED),
+    Row("canary-shared-cache", _canary(10, cache=SHARED), CANARY_SHARED),
+    Row(
+        "canary-without-gateway",
+        {"model": HF, "canary": {"model": {"uri": "hf://org/model-v2"}, "weight": 10}},
+        "canary needs routing.gateway.enabled with a gatewayRef",
+    ),
+    Row(
+        "canary-without-gateway-ref",
+        {
+            "model": HF,
+            "canary": {"model": {"uri": "hf://org/model-v2"}, "weight": 10},
+            "routing": {"gateway": {"enabled": True}},
+        },
+        "canary needs routing.gateway.enabled with a gatewayRef",
+    ),
+    Row("canary-with-router", _canary(10, routing_enabled=True), "vllm-router has no per-worker weights"),
+    Row(
+        "canary-multi-node",
+        _canary(
+            10, parallelism={"nodes": 2}, resources={"gpu": {"count": 1}}, engine={"tensorParallelSize": 2}
+        ),
+        "canary cannot be combined with parallelism.nodes > 1",
+    ),
+    Row("canary-scale-to-zero", _canary(10, scaling={"minReplicas": 0, "replicas": 1}), "scaling to zero"),
+    Row(
+        "canary-other-served-name",
+        _canary(10, model={**HF, "servedName": "other"}),
+        "canary.model.servedName, if set, must equal model.servedName",
+    ),
     # spec.network (issue 25 item 2)
     Row("network-peer-empty", _s(network={"allowedClients": [{}]}), "network.allowedClients entries need"),
     Row(

@@ -72,6 +72,11 @@ def test_secret_references_in_the_pod_need_the_administrators_consent() -> None:
 LEAK = {"name": "leak", "key": "password"}
 SECRET_PLACES: dict[str, dict[str, Any]] = {
     "spec.model.credentialsSecretRef": {"model": {**HF, "credentialsSecretRef": LEAK}},
+    # a canary's hub token is the same kind of designated Secret (issue 48 item 4)
+    "spec.canary.model.credentialsSecretRef": {
+        "canary": {"model": {"uri": "hf://org/model-v2", "credentialsSecretRef": LEAK}, "weight": 10},
+        "routing": {"gateway": {"enabled": True, "gatewayRef": {"name": "gw"}}},
+    },
     "spec.adapters[].credentialsSecretRef": {
         "model": {**HF, "credentialsSecretRef": LEAK},
         "adapters": [{"name": "a", "uri": "hf://org/lora", "credentialsSecretRef": LEAK}],

@@ -54,6 +54,8 @@ def _objects(path_stem: str, doc: dict[str, Any], name: str, variant: dict[str, 
             continue  # HPA needs minReplicas >= 1 (admission refuses 0 there)
         if key == "routing" and (spec.get("parallelism") or {}).get("nodes", 1) > 1:
             continue
+        if "canary" in spec:  # a canary is refused with scale to zero and vllm-router (its own children vary)
+            continue
         spec[key] = {**(spec.get(key) or {}), **value}
     doc["spec"] = spec
     return render_all(InferenceModel.from_manifest(doc)).objects

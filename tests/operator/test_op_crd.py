@@ -336,6 +336,8 @@ def test_each_cel_rule_compiles_and_passes_on_the_defaults(rule: Any) -> None:
         "model": {**HF, "credentialsSecretRef": {"name": "hf"}},
         "engine": {"apiKeySecretRef": {"name": "api"}},
     }
+    if rule.path.startswith("spec.canary"):  # the canary's copies of the model's rules, on a canary
+        minimal["canary"] = {"model": minimal["model"], "weight": 10}
     spec = apply_defaults(crd_schema()["properties"]["spec"], minimal)
     node: Any = {"spec": spec}
     for part in rule.path.split("."):
