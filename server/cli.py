@@ -22,7 +22,6 @@ from typing import Any
 from server.config import (
     ATTENTION_BACKENDS,
     CPU_LONG_PREFILL_TOKEN_THRESHOLD,
-    DEFAULT_PREFILL_ITL_FACTOR,
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     KV_CACHE_FP8_NAMES,
@@ -266,22 +265,20 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "--long-prefill-token-threshold",
         "KUBEINFER_LONG_PREFILL_TOKEN_THRESHOLD",
         "While sequences are decoding, most prompt tokens in one engine step (bounds inter-token "
-        "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens). Default: on CPU "
-        f"sized from measured step costs (--prefill-itl-factor), from {CPU_LONG_PREFILL_TOKEN_THRESHOLD} on; "
-        f"{CPU_LONG_PREFILL_TOKEN_THRESHOLD} with --prefill-itl-factor 0; 0 on CUDA",
+        "latency when prompts arrive; 0 = no cap beyond --max-num-batched-tokens). Default: "
+        f"{CPU_LONG_PREFILL_TOKEN_THRESHOLD} on CPU, 0 on CUDA",
         type=_non_negative_int,
         default=None,
     )
     add(
         "--prefill-itl-factor",
         "KUBEINFER_PREFILL_ITL_FACTOR",
-        "With --long-prefill-token-threshold unset: size the prompt tokens per engine step beside "
-        "decoding sequences from measured step costs, so that such a step costs at most this many times "
-        "a decode-only step (their inter-token latency while a long prompt prefills; fewer prompt tokens "
-        "per step delay that prompt's first token). 0 = off (the fixed threshold). Default: "
-        f"{DEFAULT_PREFILL_ITL_FACTOR} on CPU, off on CUDA",
+        "Size the prompt tokens per engine step beside decoding sequences from measured step costs, "
+        "so that such a step costs at most this many times a decode-only step (their inter-token latency "
+        "while a long prompt prefills; fewer prompt tokens per step delay that prompt's first token), "
+        "instead of --long-prefill-token-threshold (not both). 0 = off (default)",
         type=float,
-        default=None,
+        default=0.0,
     )
     add(
         "--scheduling-policy",

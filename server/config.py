@@ -266,9 +266,9 @@ class LoRAConfig:
 
 # The prefill share cap on CPU (EngineConfig.long_prefill_threshold_for).
 CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
-# The measured cap (EngineConfig.prefill_cap_for): the issue 49 target, and the floor that keeps a long
-# prompt advancing where the target is out of reach (a mixed step's own overhead beyond (f - 1) quiet steps).
-DEFAULT_PREFILL_ITL_FACTOR = 2.0
+# The measured cap's floor (EngineConfig.prefill_cap_for): a long prompt still advances where the target
+# is out of reach (a mixed step's own overhead beyond (f - 1) quiet steps), at about half the prompt rate
+# of the fixed cap for the embedded model on the 2-core Zen 4 (docs/benchmarks.md).
 PREFILL_CAP_MIN_TOKENS = 16
 
 
@@ -283,10 +283,11 @@ class EngineConfig:
     # latency when prompts arrive (server/core/scheduler.py). None = by device
     # (`long_prefill_threshold_for`): the value measured on CPU there, vLLM's default (no cap) on CUDA.
     long_prefill_token_threshold: int | None = None
-    # With the threshold unset, the cap is sized from measured step costs so that a step with prompt
-    # tokens costs at most this many times a decode-only step (server/core/prefill_cap.py). None = 2.0 on
-    # CPU, off on CUDA; 0 = off (the fixed default above).
-    prefill_itl_factor: float | None = None
+    # > 1: beside decodes, a step's prompt tokens are sized from measured step costs so that the step costs
+    # at most this many times a decode-only step (server/core/prefill_cap.py), instead of the fixed
+    # threshold; 0 = off. Off by default: docs/benchmarks.md, "Long prompts: the prefill cap from
+    # measured step costs" (on the 2-core Zen 4 the 2x target is out of reach and the TTFT pays).
+    prefill_itl_factor: float = 0.0
     # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower first;
     # server/core/request_queue.py).
     scheduling_policy: str = "fcfs"
@@ -325,7 +326,7 @@ class EngineConfig:
             # the draft would run on rank 0 alone; not tested yet
             raise ValueError("a speculative draft model does not work with --tensor-parallel-size > 1 yet")
         f = self.prefill_itl_factor
-        if f is not None and not (f == 0 or (math.isfinite(f) and f > 1)):
+        if not (f == 0 or (math.isfinite(f) and f > 1)):
             raise ValueError(f"prefill_itl_factor must be 0 (off) or > 1, got {f}")
         if f and self.long_prefill_token_threshold is not None:
             raise ValueError(
@@ -356,16 +357,12 @@ class EngineConfig:
         return CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" else 0
 
     def prefill_cap_for(self, device_type: str) -> PrefillCapConfig | None:
-        """The measured prefill cap's settings on a device of this type, or None for the fixed cap of
-        `long_prefill_threshold_for`: None when the threshold is set, the factor is 0, or on CUDA unless
-        the factor is set. Starts at the fixed CPU value, never above the token budget."""
+        """The measured prefill cap's settings (`prefill_itl_factor` > 0), or None for the fixed cap of
+        `long_prefill_threshold_for`. It starts at the fixed CPU value and stays within
+        [PREFILL_CAP_MIN_TOKENS, the token budget] on every device type."""
         f = self.prefill_itl_factor
-        if self.long_prefill_token_threshold is not None or f == 0:
+        if not f:
             return None
-        if f is None:
-            if device_type != "cpu":
-                return None
-            f = DEFAULT_PREFILL_ITL_FACTOR
         budget = self.max_num_batched_tokens
         return PrefillCapConfig(
             itl_factor=f,

@@ -147,15 +147,14 @@ def test_api_cli_scheduling_policy() -> None:
 
 
 def test_api_cli_prefill_itl_factor() -> None:
-    """--prefill-itl-factor (KUBEINFER_PREFILL_ITL_FACTOR): unset, the CPU cap is sized from measured step
-    costs for 2x a decode-only step; 0 turns it off (the fixed threshold); with the threshold set too it
-    is refused (server/core/prefill_cap.py)."""
+    """--prefill-itl-factor (KUBEINFER_PREFILL_ITL_FACTOR): off by default (the fixed threshold); set, the
+    cap is sized from measured step costs for that many decode-only steps, starting at the fixed CPU
+    value; with the threshold set too it is refused (server/core/prefill_cap.py)."""
     engine = _config([]).engine
-    cpu = engine.prefill_cap_for("cpu")
-    assert engine.prefill_itl_factor is None and cpu is not None and cpu.itl_factor == 2.0
-    assert cpu.initial == CPU_LONG_PREFILL_TOKEN_THRESHOLD
-    assert _config(["--prefill-itl-factor", "3"]).engine.prefill_cap_for("cpu").itl_factor == 3.0  # type: ignore[union-attr]
-    assert _config([], {"KUBEINFER_PREFILL_ITL_FACTOR": "0"}).engine.prefill_cap_for("cpu") is None
-    assert _config(["--long-prefill-token-threshold", "64"]).engine.prefill_cap_for("cpu") is None
+    assert engine.prefill_itl_factor == 0.0 and engine.prefill_cap_for("cpu") is None
+    cap = _config(["--prefill-itl-factor", "3"]).engine.prefill_cap_for("cpu")
+    assert cap is not None and cap.itl_factor == 3.0 and cap.initial == CPU_LONG_PREFILL_TOKEN_THRESHOLD
+    env = _config([], {"KUBEINFER_PREFILL_ITL_FACTOR": "2.5"}).engine.prefill_cap_for("cpu")
+    assert env is not None and env.itl_factor == 2.5
     with pytest.raises((SystemExit, ValueError)):
         _config(["--prefill-itl-factor", "2", "--long-prefill-token-threshold", "64"])
