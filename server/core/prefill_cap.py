@@ -13,6 +13,11 @@ comes off what the chunk may cost, and a step's cost per prompt token grows with
 (attention is O(chunk x context)), which the window follows as the prefill goes on. Until both are
 measured the cap is `initial`.
 
+On only with `--prefill-itl-factor` (EngineConfig.prefill_itl_factor): on the 2-core Zen 4 a step that
+carries prompt tokens costs, before any of them, about one quiet one-stream decode step more (the decode
+graph serves pure decode steps only; the mixed step runs the layer loop from Python), so 2x is out of
+reach there and the cap sits at its floor, which halves a long prompt's prefill rate beside a stream.
+
 Why measured rather than a constant: the cost of a prompt token against a decode step differs by model,
 context length, CPU, thread count and load (the embedded 135M on a 2-core Zen 4: 0.65 ms per prompt
 token at 2k context, ~1.6 at 8k, against a 9-16 ms one-stream decode step; docs/benchmarks.md, "Long
