@@ -11,7 +11,9 @@ decode steps (their median gap is the quiet ITL) a `--long-len` prompt arrives; 
 the stream's gaps between tokens (wall: what a client sees) give ITL p50/p99 and their ratio to the quiet
 ITL, and the prompt's TTFT (wall from its arrival), the number of steps, and the process CPU ms per prompt
 token over those steps (decodes included: `time.process_time`, which a shared machine's load does not
-inflate the way it does wall time). `--floors` (measured arms only) overrides the cap's floor
+inflate the way it does wall time); the same gaps and TTFT in process CPU seconds (`*_cpu_*`: with one
+thread, what each step costs whatever the load; a loaded 2-core machine's wall gaps swing several-fold
+between arms). `--floors` (measured arms only) overrides the cap's floor
 (config.PREFILL_CAP_MIN_TOKENS) to show the TTFT trade-off. Threads fixed (`--threads`), so the step
 thread policy does not move between arms.
 """
@@ -59,18 +61,21 @@ def run_arm(engine: LLMEngine, factor: float, floor: int, args: argparse.Namespa
         prompt = torch.randint(100, 49000, (8,), generator=gen).tolist()
         engine.add_request(rid, prompt, SamplingParams(max_tokens=8000, temperature=0.0, ignore_eos=True))
     stamps: list[float] = []
+    cpu_stamps: list[float] = []  # process CPU seconds at each of the stream's tokens
 
     def step() -> set[str]:
         outs = engine.step()
-        now = time.perf_counter()
+        now, cpu_now = time.perf_counter(), time.process_time()
         got = {o.request_id for o in outs if o.new_token_ids}
         if streams[0] in got:
             stamps.append(now)
+            cpu_stamps.append(cpu_now)
         return got
 
     while len(stamps) < args.quiet + 2:
         step()
     quiet = statistics.median(b - a for a, b in itertools.pairwise(stamps[2:]))
+    quiet_cpu = statistics.median(b - a for a, b in itertools.pairwise(cpu_stamps[2:]))
     long_id = f"{tag}-long"
     prompt = torch.randint(100, 49000, (args.long_len,), generator=gen).tolist()
     engine.add_request(long_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -83,6 +88,7 @@ def run_arm(engine: LLMEngine, factor: float, floor: int, args: argparse.Namespa
             break
     ttft, cpu = time.perf_counter() - t0, time.process_time() - c0
     gaps = [b - a for a, b in itertools.pairwise(stamps[n0 - 1 :])]
+    cpu_gaps = [b - a for a, b in itertools.pairwise(cpu_stamps[n0 - 1 :])]
     for rid in streams:
         engine.abort_request(rid)
     while engine.scheduler.has_unfinished():
@@ -95,7 +101,11 @@ def run_arm(engine: LLMEngine, factor: float, floor: int, args: argparse.Namespa
         "itl_p99_ms": round(_pct(gaps, 0.99) * 1000, 2),
         "itl_p99_over_quiet": round(_pct(gaps, 0.99) / quiet, 2),
         "itl_p50_over_quiet": round(statistics.median(gaps) / quiet, 2),
+        "quiet_itl_cpu_ms": round(quiet_cpu * 1000, 2),
+        "itl_cpu_p50_over_quiet": round(statistics.median(cpu_gaps) / quiet_cpu, 2),
+        "itl_cpu_p99_over_quiet": round(_pct(cpu_gaps, 0.99) / quiet_cpu, 2),
         "ttft_s": round(ttft, 2),
+        "ttft_cpu_s": round(cpu, 2),
         "steps": steps,
         "cap_median": statistics.median(caps),
         "cap_min_max": [min(caps), max(caps)],
