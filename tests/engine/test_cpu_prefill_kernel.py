@@ -291,3 +291,49 @@ def test_the_plan_takes_bf16_sdpa_only_with_amx_over_a_bf16_cache(kernel: Decode
         plan = TorchAttentionBackend(16, backend_kernel)._make_plan(meta, True, shape, f32, cache, head_dim)
         assert plan.compute is None, (backend_kernel.amx_bf16, cache, head_dim)
         assert (plan.chunks is not None) == (kernel.bf16 and cache == bf16 and head_dim == 64)
+
+
+def test_backend_sends_bf16_query_chunks_through_the_kernel_widened(kernel: DecodeKernel) -> None:
+    """bf16 q (a bf16 model's activations) without AMX: every prompt chunk goes through the kernel on the
+    exactly widened q, its fp32 rows rounded to bf16 (before: torch's bf16 SDPA, a third of the GEMMs' rate
+    at a 1B shape's 4k prefill); close to the fp32 reference within bf16's rounding; decode rows stay the
+    decode kernel's bf16 path. With AMX the plan keeps the bf16 SDPA groups."""
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    query_lens, prefix_lens = [1, 12, 20, 1, 3], [30, 0, 9, 64, 16]
+    meta = make_attention_metadata(query_lens, prefix_lens, block_size, torch.device("cpu"))
+    n = sum(query_lens)
+    shape = (int(meta.block_tables.max()) + 2, block_size, hkv, d)
+    kc, vc = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
+    q = torch.randn(n, hq, d).bfloat16()
+    k, v = torch.randn(n, hkv, d).bfloat16(), torch.randn(n, hkv, d).bfloat16()
+    plain = dataclasses.replace(kernel, amx_bf16=False)
+    backend = TorchAttentionBackend(block_size, plain)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    assert out.dtype == torch.bfloat16
+    plan = backend._plans[0]
+    assert plan.chunks is not None and not plan.prefill and plan.chunk_rows is not None
+
+    starts = meta.query_start_loc.tolist()
+    idx = [i for i, m in enumerate(query_lens) if m > 1]
+    chunks = PrefillChunks(
+        seqs=torch.tensor(idx, dtype=torch.int64),
+        q_starts=torch.tensor([starts[i] for i in idx], dtype=torch.int64),
+        q_lens=torch.tensor([query_lens[i] for i in idx], dtype=torch.int32),
+        ctx_lens=torch.tensor([query_lens[i] + prefix_lens[i] for i in idx], dtype=torch.int32),
+    )
+    direct = torch.full((n, hq, d), float("nan"))
+    assert kernel.prefill(direct, q.float(), kc, vc, meta.block_tables, chunks, 0.125)
+    rows = [r for i in idx for r in range(starts[i], starts[i] + query_lens[i])]
+    assert plan.chunk_rows.tolist() == rows
+    assert torch.equal(out[rows], direct[rows].bfloat16())
+    ref = paged_attention_ref(
+        q.float(), kc.float(), vc.float(), meta.block_tables, meta.context_lens, meta.query_start_loc, 0.125
+    )
+    # P and the output rounded to bf16 (q is already bf16): inside 3e-2 for unit-variance rows
+    torch.testing.assert_close(out[rows].float(), ref[rows], atol=3e-2, rtol=3e-2)
+    decode = [starts[i] for i, m in enumerate(query_lens) if m == 1]
+    torch.testing.assert_close(out[decode].float(), ref[decode], atol=3e-2, rtol=3e-2)
+    amx_plan = TorchAttentionBackend(block_size, dataclasses.replace(kernel, amx_bf16=True))._make_plan(
+        meta, True, kc.shape, torch.bfloat16, torch.bfloat16, d
+    )
+    assert amx_plan.chunks is None and amx_plan.chunk_rows is None and len(amx_plan.prefill) == 3
