@@ -11,9 +11,8 @@ cached tokens computes in q's dtype (fp32 for a quantized GGUF). A prompt chunk 
 attends over its own K/V rounded the same way, so a prefix-cache hit, a chunked prefill and a whole one
 see the same values.
 
-Exception: with the compiled kernel over a bf16 cache where AVX512-BF16 is usable (fp32 q, or bf16 q
-widened exactly for it and its fp32 output rounded back, `_Plan.chunk_rows`; head_dim 64 or 128), every
-prompt chunk goes through its prefill attention instead (`DecodeKernel.prefill`): bf16
+Exception: with the compiled kernel over a bf16 cache where AVX512-BF16 is usable (fp32 q, head_dim 64 or
+128), every prompt chunk goes through its prefill attention instead (`DecodeKernel.prefill`): bf16
 products of q * scale, K, P and V with fp32 maxima, sums and output, flash-attention style, 2.0-2.3x the
 SDPA path on an AMD EPYC with AVX512-BF16 (benchmarks/cpu_attention.py). All chunks take it, so those
 three still compute alike. Where AMX-BF16 is usable too (`DecodeKernel.amx_bf16`), the prompt chunks go
@@ -79,9 +78,6 @@ class _Plan:
     decode: _DecodePlan | None
     prefill: list[_PrefillGroup]  # empty when `chunks` serves every prompt chunk
     chunks: PrefillChunks | None = None  # the compiled prefill kernel's chunks (DecodeKernel.prefill)
-    # [R] int64, the chunks' rows in T, where q is bf16: the kernel takes fp32 q/out, so those rows are
-    # widened for it (exactly) and its output rounded back into them; None for fp32 q
-    chunk_rows: Tensor | None = None
     compute: torch.dtype | None = None  # the prefill groups' SDPA dtype where it is not q's (bf16 on AMX)
 
 
@@ -218,13 +214,7 @@ class TorchAttentionBackend:
             return _Plan(
                 decode, _prefill_groups(meta, qsl, bs, torch.bfloat16, window), compute=torch.bfloat16
             )
-        # bf16 q (a bf16 model's activations) goes through the kernel too, widened: torch's bf16 SDPA
-        # without AMX ran a 1B-shaped model's 4k prefill attention at a third of its GEMMs' rate
-        # (docs/benchmarks.md, "Long prompts: where a long prefill's time goes").
-        widen = dtype == torch.bfloat16 and not (kernel is not None and kernel.amx_bf16)
-        if kernel is not None and kernel.prefill_supported(
-            torch.float32 if widen else dtype, cache_dtype, head_dim
-        ):
+        if kernel is not None and kernel.prefill_supported(dtype, cache_dtype, head_dim):
             # Every prompt chunk, with a cached prefix or not, through the one kernel: a prefix-cache hit,
             # a chunked and a whole prefill compute alike.
             seqs = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
@@ -237,10 +227,7 @@ class TorchAttentionBackend:
                 ctx_lens=torch.tensor([meta.context_lens_cpu[i] for i in seqs], dtype=torch.int32),
             )
             check_prefill_chunks(qsl[-1], cache_shape, meta.block_tables, chunks)
-            chunk_rows = None
-            if widen:
-                chunk_rows = torch.cat([torch.arange(qsl[i], qsl[i + 1], dtype=torch.int64) for i in seqs])
-            return _Plan(decode, [], chunks, chunk_rows=chunk_rows)
+            return _Plan(decode, [], chunks)
         prefill = _prefill_groups(meta, qsl, bs, dtype, window)
         return _Plan(decode, prefill)
 
@@ -329,12 +316,9 @@ class TorchAttentionBackend:
 
         if plan.chunks is not None:
             assert self.decode_kernel is not None
-            # bf16 q: the kernel's fp32 operands (plan.chunk_rows)
-            q_in = q if plan.chunk_rows is None else q.float()
-            out_k = out if plan.chunk_rows is None else torch.empty(q.shape, dtype=torch.float32)
             done = self.decode_kernel.prefill(
-                out_k,
-                q_in,
+                out,
+                q,
                 k_cache,
                 v_cache,
                 meta.block_tables,
@@ -345,8 +329,6 @@ class TorchAttentionBackend:
                 sinks=sinks,
             )
             assert done, "prefill_supported said the kernel serves these chunks"
-            if plan.chunk_rows is not None:
-                out.index_copy_(0, plan.chunk_rows, out_k.index_select(0, plan.chunk_rows).to(out.dtype))
         for grp in plan.prefill:
             b, n = len(grp.starts), grp.query_len
             if grp.rows is None:
