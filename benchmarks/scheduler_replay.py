@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import ModelOutput, SchedulerOutput
+from server.core.prefill_cap import AdaptivePrefillCap, PrefillCapConfig, step_shape
 from server.request import Request, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,7 @@ class StepModel:
     prompt_token_s: float = 0.00065
     decode_s: float = 0.001
     attention_s: float = 2e-8  # per query token x context token
+    mixed_step_s: float = 0.0  # more per step that carries prompt tokens (its layer loop runs from Python)
 
     def cost(self, out: SchedulerOutput) -> float:
         decodes = sum(1 for i in out.scheduled if i.num_new_tokens == 1 and i.sample)
@@ -48,6 +50,7 @@ class StepModel:
         attention = sum(i.num_new_tokens * (i.start + i.num_new_tokens) for i in out.scheduled)
         return (
             self.step_s
+            + (self.mixed_step_s if prompt else 0.0)
             + self.prompt_token_s * prompt
             + self.decode_s * decodes
             + self.attention_s * attention
@@ -85,14 +88,26 @@ def replay(
     arrivals: list[tuple[float, int, int]],  # (time s, prompt tokens, max new tokens)
     budget: int,
     cap: int,
+    itl_factor: float = 0.0,
 ) -> dict[str, dict[str, list[float]]]:
+    """`itl_factor` > 0: the cap sized from the model's step costs (server/core/prefill_cap.py), fed
+    every step's modelled seconds as the engine feeds it the measured ones (working tree only)."""
     cfg = mod.SchedulerConfig(
         max_num_batched_tokens=budget,
         max_num_seqs=256,
         max_model_len=32768,
         long_prefill_token_threshold=cap,
     )
-    sched = mod.Scheduler(cfg, KVCacheManager(1 << 16, 16, False))
+    adaptive = None
+    if itl_factor:
+        adaptive = AdaptivePrefillCap(
+            PrefillCapConfig(
+                itl_factor=itl_factor, initial=min(cap, budget), min_tokens=16, max_tokens=budget
+            )
+        )
+        sched = mod.Scheduler(cfg, KVCacheManager(1 << 16, 16, False), prefill_cap=adaptive)
+    else:
+        sched = mod.Scheduler(cfg, KVCacheManager(1 << 16, 16, False))
     pending = sorted((t, i, n, m) for i, (t, n, m) in enumerate(arrivals))
     now = 0.0
     start: dict[str, float] = {}
@@ -107,7 +122,10 @@ def replay(
             now = pending[0][0]
             continue
         out = sched.schedule()
-        now += model.cost(out)
+        cost = model.cost(out)
+        now += cost
+        if adaptive is not None:
+            adaptive.observe(step_shape(out), cost)
         for s in out.scheduled:
             if s.sample:
                 stamps.setdefault(s.request.request_id, []).append(now)
@@ -137,15 +155,25 @@ def main() -> None:
     ap.add_argument("--long-len", type=int, default=8192)
     ap.add_argument("--budget", type=int, default=2048, help="--max-num-batched-tokens")
     ap.add_argument("--cap", type=int, default=128, help="--long-prefill-token-threshold (CPU default)")
+    ap.add_argument(
+        "--prefill-itl-factor", type=float, default=0.0, help="the working tree's arm: the measured cap"
+    )
+    ap.add_argument("--mixed-step-s", type=float, default=0.0, help="model: more per step with prompt tokens")
     args = ap.parse_args()
-    model = StepModel()
+    model = StepModel(mixed_step_s=args.mixed_step_s)
     result: dict[str, Any] = {"step_model": asdict(model), "args": vars(args)}
     for label, ref in (("before", args.baseline), ("after", None)):
         mod = _scheduler_module(ref)
+        f = args.prefill_itl_factor if ref is None else 0.0
         burst = replay(
-            mod, model, [(0.0, args.prompt_len, args.max_new_tokens)] * args.users, args.budget, args.cap
+            mod,
+            model,
+            [(0.0, args.prompt_len, args.max_new_tokens)] * args.users,
+            args.budget,
+            args.cap,
+            f,
         )
-        stream = replay(mod, model, [(0.0, 100, 400), (1.0, args.long_len, 2)], args.budget, args.cap)
+        stream = replay(mod, model, [(0.0, 100, 400), (1.0, args.long_len, 2)], args.budget, args.cap, f)
         long_start, long_first = stream["r1"]["start"][0], stream["r1"]["tokens"][0]
         gaps = [
             b - a

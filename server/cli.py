@@ -271,6 +271,16 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         default=None,
     )
     add(
+        "--prefill-itl-factor",
+        "KUBEINFER_PREFILL_ITL_FACTOR",
+        "Size the prompt tokens per engine step beside decoding sequences from measured step costs, "
+        "so that such a step costs at most this many times a decode-only step (their inter-token latency "
+        "while a long prompt prefills; fewer prompt tokens per step delay that prompt's first token), "
+        "instead of --long-prefill-token-threshold (not both). 0 = off (default)",
+        type=float,
+        default=0.0,
+    )
+    add(
         "--scheduling-policy",
         "KUBEINFER_SCHEDULING_POLICY",
         "Order of waiting requests (vLLM's): fcfs, or priority (the request's `priority` field, lower "
@@ -651,6 +661,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache=cache,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        prefill_itl_factor=args.prefill_itl_factor,
         scheduling_policy=args.scheduling_policy,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from server.core.prefill_cap import PrefillCapConfig
 from server.core.scheduler import SchedulerConfig
 from server.spec_decode.config import SpeculativeConfig
 
@@ -265,6 +266,10 @@ class LoRAConfig:
 
 # The prefill share cap on CPU (EngineConfig.long_prefill_threshold_for).
 CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
+# The measured cap's floor (EngineConfig.prefill_cap_for): a long prompt still advances where the target
+# is out of reach (a mixed step's own overhead beyond (f - 1) quiet steps), at about half the prompt rate
+# of the fixed cap for the embedded model on the 2-core Zen 4 (docs/benchmarks.md).
+PREFILL_CAP_MIN_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -278,6 +283,11 @@ class EngineConfig:
     # latency when prompts arrive (server/core/scheduler.py). None = by device
     # (`long_prefill_threshold_for`): the value measured on CPU there, vLLM's default (no cap) on CUDA.
     long_prefill_token_threshold: int | None = None
+    # > 1: beside decodes, a step's prompt tokens are sized from measured step costs so that the step costs
+    # at most this many times a decode-only step (server/core/prefill_cap.py), instead of the fixed
+    # threshold; 0 = off. Off by default: docs/benchmarks.md, "Long prompts: the prefill cap from
+    # measured step costs" (on the 2-core Zen 4 the 2x target is out of reach and the TTFT pays).
+    prefill_itl_factor: float = 0.0
     # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower first;
     # server/core/request_queue.py).
     scheduling_policy: str = "fcfs"
@@ -315,6 +325,13 @@ class EngineConfig:
         if spec is not None and spec.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
             # the draft would run on rank 0 alone; not tested yet
             raise ValueError("a speculative draft model does not work with --tensor-parallel-size > 1 yet")
+        f = self.prefill_itl_factor
+        if not (f == 0 or (math.isfinite(f) and f > 1)):
+            raise ValueError(f"prefill_itl_factor must be 0 (off) or > 1, got {f}")
+        if f and self.long_prefill_token_threshold is not None:
+            raise ValueError(
+                "prefill_itl_factor sizes the cap that long_prefill_token_threshold fixes: set one of them"
+            )
         # Validates the token budget and sequence limits early, with the same messages.
         SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -338,6 +355,21 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
         return CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" else 0
+
+    def prefill_cap_for(self, device_type: str) -> PrefillCapConfig | None:
+        """The measured prefill cap's settings (`prefill_itl_factor` > 0), or None for the fixed cap of
+        `long_prefill_threshold_for`. It starts at the fixed CPU value and stays within
+        [PREFILL_CAP_MIN_TOKENS, the token budget] on every device type."""
+        f = self.prefill_itl_factor
+        if not f:
+            return None
+        budget = self.max_num_batched_tokens
+        return PrefillCapConfig(
+            itl_factor=f,
+            initial=min(CPU_LONG_PREFILL_TOKEN_THRESHOLD, budget),
+            min_tokens=min(PREFILL_CAP_MIN_TOKENS, budget),
+            max_tokens=budget,
+        )
 
 
 LOG_FORMATS = ("json", "text")

@@ -20,6 +20,7 @@ from server.config import EngineConfig
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
+from server.core.prefill_cap import AdaptivePrefillCap, step_shape
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.core.step_threads import StepThreads
 from server.distributed.driver import TensorParallelDriver
@@ -268,6 +269,8 @@ class LLMEngine:
             # blocks out of the window are freed only where no layer attends globally (kv_cache_manager.py)
             sliding_window=self.loaded.arch.kv_window,
         )
+        # The prefill share cap sized from this engine's measured step costs (server/core/prefill_cap.py).
+        cap = config.prefill_cap_for(self.device.type) if config.enable_chunked_prefill else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -279,6 +282,7 @@ class LLMEngine:
                 max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
             ),
             self.kv,
+            prefill_cap=AdaptivePrefillCap(cap) if cap is not None else None,
         )
         self.speculator: Speculator | None = None
         if config.speculative is not None:
@@ -430,15 +434,17 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if self.tp is not None:
             self.tp.broadcast(sched)
+        t0 = time.perf_counter()
         if self.step_threads is not None and not sched.is_empty:
             threads = self.step_threads.choose(sched.num_batched_tokens)
             torch.set_num_threads(threads)
-            t0 = time.perf_counter()
             model_out = self.runner.execute(sched)
             self.step_threads.record(sched.num_batched_tokens, threads, time.perf_counter() - t0)
             self.last_step_threads = threads
         else:
             model_out = self.runner.execute(sched)
+        if self.scheduler.prefill_cap is not None and not sched.is_empty:
+            self.scheduler.prefill_cap.observe(step_shape(sched), time.perf_counter() - t0)
         self.scheduler.update_from_output(sched, model_out)
         self._publish_kv_events()
         outputs: list[RequestOutput] = []

@@ -149,6 +149,7 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--no-ui": _SWITCH,
     "--num-kv-blocks": ServerFlag("_positive_int"),
     "--num-threads": ServerFlag("_positive_int"),
+    "--prefill-itl-factor": ServerFlag("float"),
     "--reasoning-parser": ServerFlag("str"),
     "--responses-store-max-bytes": ServerFlag("_positive_int"),
     "--responses-store-max-entries": ServerFlag("_positive_int"),

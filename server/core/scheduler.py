@@ -52,6 +52,7 @@ from server.core.outputs import (
     SchedulerStats,
     StepTokenHistogram,
 )
+from server.core.prefill_cap import AdaptivePrefillCap
 from server.core.request_queue import SCHEDULING_POLICIES, RequestQueue, SchedulingPolicy
 from server.request import FinishReason, Request, RequestStatus
 from server.spec_decode.stats import SpecDecodingStats
@@ -99,8 +100,16 @@ class FinishedRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        prefill_cap: AdaptivePrefillCap | None = None,
+    ) -> None:
+        """`prefill_cap`: the prefill share cap sized from measured step costs (core/prefill_cap.py),
+        asked once per step instead of `config.long_prefill_token_threshold`."""
         self.config = config
+        self.prefill_cap = prefill_cap
         self.kv = kv_cache
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue(config.scheduling_policy)
@@ -112,6 +121,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._last_batched_tokens = 0
+        self.last_prefill_cap = 0  # the cap the last step applied (0: none, no decodes)
         self.iteration_tokens = StepTokenHistogram()
         self.spec_stats = SpecDecodingStats()
 
@@ -171,8 +181,11 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         now = time.monotonic()
-        threshold = self.config.long_prefill_token_threshold
         decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        threshold = self.config.long_prefill_token_threshold
+        if self.prefill_cap is not None and decoding:
+            threshold = self.prefill_cap.cap(decoding)
+        self.last_prefill_cap = threshold if decoding else 0
         # Prompt tokens this step may still take (the cap applies only beside running decodes).
         # (Without chunked prefill a prompt runs whole or not at all: a cap would starve long ones.)
         capped = threshold and decoding and self.config.enable_chunked_prefill

@@ -144,3 +144,17 @@ def test_api_cli_scheduling_policy() -> None:
         _config(["--scheduling-policy", "lifo"])
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(scheduling_policy="lifo")
+
+
+def test_api_cli_prefill_itl_factor() -> None:
+    """--prefill-itl-factor (KUBEINFER_PREFILL_ITL_FACTOR): off by default (the fixed threshold); set, the
+    cap is sized from measured step costs for that many decode-only steps, starting at the fixed CPU
+    value; with the threshold set too it is refused (server/core/prefill_cap.py)."""
+    engine = _config([]).engine
+    assert engine.prefill_itl_factor == 0.0 and engine.prefill_cap_for("cpu") is None
+    cap = _config(["--prefill-itl-factor", "3"]).engine.prefill_cap_for("cpu")
+    assert cap is not None and cap.itl_factor == 3.0 and cap.initial == CPU_LONG_PREFILL_TOKEN_THRESHOLD
+    env = _config([], {"KUBEINFER_PREFILL_ITL_FACTOR": "2.5"}).engine.prefill_cap_for("cpu")
+    assert env is not None and env.itl_factor == 2.5
+    with pytest.raises((SystemExit, ValueError)):
+        _config(["--prefill-itl-factor", "2", "--long-prefill-token-threshold", "64"])

@@ -34,3 +34,38 @@ def test_engine_prefill_share_cap_on_cpu(
     engine.add_request("b", list(range(10, 210)), SamplingParams(max_tokens=1, temperature=0.0))
     engine.step()
     assert engine.scheduler._last_batched_tokens == 2 + (want or 200)
+
+
+def test_engine_sizes_the_cap_from_its_own_step_costs(tiny_model_factory: Callable[..., Path]) -> None:
+    """Issue 49: with --prefill-itl-factor the engine measures its steps (core/prefill_cap.py) and each
+    step beside decodes takes at most the cap it then computes, from the fixed value on until both costs
+    are measured; by default (factor 0) the fixed cap holds, and setting both, or a factor in (0, 1], is
+    refused."""
+    model = ModelConfig(model=str(tiny_model_factory()), dtype="float32")
+    engine = LLMEngine(
+        EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=128), device="cpu", prefill_itl_factor=2.0)
+    )
+    cap = engine.scheduler.prefill_cap
+    assert cap is not None and cap.config.itl_factor == 2.0 and cap.config.max_tokens == 2048
+    for rid in ("a", "a2"):  # two streams: one waiting prompt beside them is no burst
+        engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    engine.add_request("b", list(range(10, 510)), SamplingParams(max_tokens=1, temperature=0.0))
+    caps = []
+    while "b" in engine.scheduler.requests:
+        engine.step()
+        caps.append(engine.scheduler.last_prefill_cap)
+        assert engine.scheduler._last_batched_tokens <= 2 + caps[-1]  # the two decodes + the cap
+    assert caps[0] == CPU_LONG_PREFILL_TOKEN_THRESHOLD  # nothing measured beside decodes yet
+    assert cap.quiet_seconds(1) is not None and cap.prompt_cost() is not None
+    assert len(set(caps)) > 1  # sized from what the steps cost
+    fixed = LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=64), device="cpu"))
+    assert fixed.scheduler.prefill_cap is None
+    assert EngineConfig(prefill_itl_factor=3.0).prefill_cap_for("cuda") is not None
+    assert EngineConfig().prefill_cap_for("cpu") is None
+    with pytest.raises(ValueError, match="set one of them"):
+        EngineConfig(prefill_itl_factor=2.0, long_prefill_token_threshold=64)
+    for bad in (1.0, 0.5, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="prefill_itl_factor"):
+            EngineConfig(prefill_itl_factor=bad)
