@@ -82,6 +82,28 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def parse_objective_priorities(text: str) -> tuple[tuple[str, int], ...]:
+    """`--objective-priority`: NAME=PRIORITY pairs (a JSON list or comma-separated) -> ((name, priority),
+    ...). Raises argparse.ArgumentTypeError on a pair without `=`, an empty or repeated name, or a
+    priority that is not an integer."""
+    pairs: list[tuple[str, int]] = []
+    for item in parse_str_list(text):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"expected NAME=PRIORITY, got {item!r}")
+        try:
+            priority = int(value.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"priority of {name!r} must be an integer, got {value!r}"
+            ) from None
+        if any(name == n for n, _ in pairs):
+            raise argparse.ArgumentTypeError(f"objective {name!r} given twice")
+        pairs.append((name, priority))
+    return tuple(pairs)
+
+
 def parse_str_list(text: str) -> tuple[str, ...]:
     """A list of strings from a JSON list (vLLM's form, '["http://a", "http://b"]') or 'a,b'."""
     t = text.strip()
@@ -288,6 +310,16 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "or KV blocks run out, and a worse level waits as long as better ones keep the engine full)",
         choices=SCHEDULING_POLICIES,
         default="fcfs",
+    )
+    add(
+        "--objective-priority",
+        "KUBEINFER_OBJECTIVE_PRIORITY",
+        "Gateway API Inference Extension objectives as NAME=PRIORITY pairs (JSON list or comma-separated): "
+        "a chat or completions request whose x-gateway-inference-objective header names one, and whose "
+        "body sets no `priority`, is scheduled at that priority (lower first; needs --scheduling-policy "
+        "priority). The operator sets it from spec.routing.gateway.priority",
+        type=parse_objective_priorities,
+        default=(),
     )
     add(
         "--max-num-seqs",
@@ -708,6 +740,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         limit_concurrency_per_client=args.limit_concurrency_per_client,
         log_format=args.log_format,
         max_payload_bytes=args.max_payload_bytes,
+        objective_priorities=args.objective_priority,
         ui=args.ui,
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),

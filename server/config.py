@@ -433,6 +433,9 @@ class ServerConfig:
     limit_concurrency_per_client: int = 256
     log_format: str = "text"
     max_payload_bytes: int = 2_000_000
+    # The Gateway API Inference Extension's objectives (x-gateway-inference-objective) -> request priority,
+    # for requests whose body sets none (server/api/objectives.py)
+    objective_priorities: tuple[tuple[str, int], ...] = ()
     ui: bool = True  # the chat playground at GET / (--no-ui turns it off)
     # CORS (vLLM's flags and defaults): browsers from these origins may call the API
     allowed_origins: tuple[str, ...] = ("*",)
@@ -503,3 +506,8 @@ class ServerConfig:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser")
         if self.max_payload_bytes < 1024:
             raise ValueError(f"max_payload_bytes must be >= 1024, got {self.max_payload_bytes}")
+        if self.objective_priorities and self.engine.scheduling_policy != "priority":
+            # under fcfs a non-zero priority is refused per request: every mapped request would fail
+            raise ValueError(
+                "objective_priorities (--objective-priority) requires scheduling_policy 'priority'"
+            )

@@ -27,6 +27,7 @@ from .common import (
 )
 from .credentials import admin_env
 from .defaults import ClusterDefaults
+from .gateway import gateway_server_args
 from .routing import server_routing_args, server_routing_ports
 from .spec import MODEL_MOUNT_ROOT, OCI_MOUNT_PATH, InferenceModel, model_location
 
@@ -76,7 +77,7 @@ def server_args(im: InferenceModel) -> list[str]:
         args += ["--speculative-config", engine.speculative.to_flag()]
     # LoRA flags without the adapter list, which comes from a ConfigMap (adapters.py says why)
     args += lora_server_args(im)
-    return args + server_routing_args(im) + list(engine.extra_args)
+    return args + server_routing_args(im) + gateway_server_args(im) + list(engine.extra_args)
 
 
 def _env(im: InferenceModel) -> list[dict[str, Any]]:

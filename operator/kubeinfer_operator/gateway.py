@@ -137,6 +137,16 @@ def render_inference_objective(im: InferenceModel) -> Manifest | None:
     }
 
 
+def gateway_server_args(im: InferenceModel) -> list[str]:
+    """The server's flags from spec.routing.gateway.priority: priority scheduling, and the objective the
+    picker selects by the header mapped to the spec's priority (server/api/objectives.py), so a request
+    the gateway ordered by its objective is queued alike without a `priority` in its body."""
+    gateway = im.spec.routing.gateway
+    if not gateway.enabled or gateway.priority is None:
+        return []
+    return ["--scheduling-policy", "priority", "--objective-priority", f"{pool_name(im)}={gateway.priority}"]
+
+
 def render_epp_serviceaccount(im: InferenceModel) -> Manifest:
     return api_service_account(epp_metadata(im))  # the picker watches its pool and the pods through the API
 

@@ -107,6 +107,7 @@ MANAGED_FLAGS = frozenset(
         "--speculative-config",
         "--tensor-parallel-size",
         "--kv-events-config",
+        "--objective-priority",  # from routing.gateway.priority (gateway.py)
         "--enable-lora",
         "--no-enable-lora",
         "--lora-modules",
@@ -877,6 +878,25 @@ class InferenceModelSpec(_Model):
                 "maxReplicas above 1, or a rollout's maxSurge): use ReadWriteMany, or one replica with "
                 "rollout.maxSurge 0"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_objective_policy(self) -> InferenceModelSpec:
+        gateway = self.routing.gateway
+        if not gateway.enabled or gateway.priority is None:
+            return self
+        args = list(self.engine.extra_args)
+        for i, arg in enumerate(args):
+            flag, eq, value = arg.partition("=")
+            if flag != "--scheduling-policy":
+                continue
+            policy = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if policy != "priority":
+                # the server refuses --objective-priority under fcfs and would not start
+                raise ValueError(
+                    "engine.extraArgs must not set --scheduling-policy other than priority with "
+                    "routing.gateway.priority (the operator sets priority scheduling for it)"
+                )
         return self
 
     @model_validator(mode="after")

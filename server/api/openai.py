@@ -35,6 +35,7 @@ from .generation import (
     token_texts,
     until_disconnect,
 )
+from .objectives import apply_objective_priority
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from .reasoning import count_reasoning_tokens, plan_reasoning, template_kwargs
 from .shapes import template_messages
@@ -378,13 +379,17 @@ class Deferred:
 
 
 async def _serve(
-    request: Request, prepare: Callable[[ServerState, Any], Awaitable[EventStreamResponse | Deferred]]
+    request: Request,
+    prepare: Callable[[ServerState, Any], Awaitable[EventStreamResponse | Deferred]],
+    priority_field: bool = False,
 ) -> Response:
     state = server_state(request)
     slot = None
     try:
         # Admitted once the body is read: a slow body holds no slot (server/api/limits.py times it out)
         body = await read_json(request, state.config.max_payload_bytes)
+        if priority_field:  # the body type has vLLM's `priority` (the Responses API's has none)
+            body = apply_objective_priority(request.headers, body, state.config.objective_priorities)
         slot = state.admit()
         prepared = await prepare(state, body)
         if isinstance(prepared, EventStreamResponse):
@@ -636,7 +641,7 @@ def _completion_body(
 
 @router.post("/v1/completions", summary="Completions (OpenAI)")
 async def completions(request: Request) -> Response:
-    return await _serve(request, _prepare_completion)
+    return await _serve(request, _prepare_completion, priority_field=True)
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------------
@@ -893,7 +898,7 @@ async def _prepare_chat(state: ServerState, body: Any) -> EventStreamResponse | 
 
 @router.post("/v1/chat/completions", summary="Chat completions (OpenAI)")
 async def chat_completions(request: Request) -> Response:
-    return await _serve(request, _prepare_chat)
+    return await _serve(request, _prepare_chat, priority_field=True)
 
 
 @router.get("/v1/models", summary="Served models (OpenAI)")

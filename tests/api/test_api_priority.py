@@ -54,7 +54,14 @@ def priority_server(tiny_model_factory: Callable[..., Path]) -> Iterator[str]:
     )
     llm = LLMEngine(engine_cfg)
     port = free_port()
-    config = ServerConfig(engine=engine_cfg, host="127.0.0.1", port=port, max_concurrent_requests=8)
+    config = ServerConfig(
+        engine=engine_cfg,
+        host="127.0.0.1",
+        port=port,
+        max_concurrent_requests=8,
+        # as the operator renders --objective-priority from spec.routing.gateway.priority
+        objective_priorities=(("batch-pool", 10), ("chat-pool", 0)),
+    )
     state = ServerState(config, engine_factory=lambda: llm)
     server = uvicorn.Server(
         uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
@@ -68,8 +75,19 @@ def priority_server(tiny_model_factory: Callable[..., Path]) -> Iterator[str]:
     thread.join(timeout=30)
 
 
-def test_an_interactive_request_overtakes_a_batch_request(priority_server: str) -> None:
+@pytest.mark.parametrize(
+    "batch_priority",
+    [
+        pytest.param(({"priority": 10}, {}), id="body"),
+        # the gateway's objective header, no priority in the body: --objective-priority maps it to 10
+        pytest.param(({}, {"x-gateway-inference-objective": "batch-pool"}), id="objective-header"),
+    ],
+)
+def test_an_interactive_request_overtakes_a_batch_request(
+    priority_server: str, batch_priority: tuple[dict[str, Any], dict[str, str]]
+) -> None:
     url = priority_server
+    batch_body, batch_headers = batch_priority
     batch_tokens = 400
     seen_first = threading.Event()
     result: dict[str, Any] = {}
@@ -82,10 +100,12 @@ def test_an_interactive_request_overtakes_a_batch_request(priority_server: str) 
             "ignore_eos": True,
             "temperature": 0.0,
             "stream": True,
-            "priority": 10,
+            **batch_body,
         }
         chunks = 0
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=batch_headers, timeout=300
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -117,3 +137,34 @@ def test_an_interactive_request_overtakes_a_batch_request(priority_server: str) 
         if line.startswith("vllm:num_preemptions_total")
     ]
     assert preemptions and max(preemptions) >= 1
+
+
+def test_objective_header_maps_only_bodies_without_priority() -> None:
+    from server.api.objectives import apply_objective_priority
+
+    objectives = (("pool-a", 5), ("pool-b", -2))
+    header = {"x-gateway-inference-objective": "pool-b"}
+    assert apply_objective_priority(header, {"prompt": "x"}, objectives) == {"prompt": "x", "priority": -2}
+    # the body's own priority wins; unknown objectives, no header, no mapping and non-objects pass unchanged
+    assert apply_objective_priority(header, {"priority": 1}, objectives) == {"priority": 1}
+    assert apply_objective_priority({"x-gateway-inference-objective": "other"}, {}, objectives) == {}
+    assert apply_objective_priority({}, {}, objectives) == {}
+    assert apply_objective_priority(header, {}, ()) == {}
+    assert apply_objective_priority(header, [1], objectives) == [1]
+
+
+def test_objective_priority_flag_and_its_policy() -> None:
+    import argparse
+
+    from server.cli import parse_objective_priorities
+    from server.config import EngineConfig, ServerConfig
+
+    assert parse_objective_priorities("a=1, b=-3") == (("a", 1), ("b", -3))
+    assert parse_objective_priorities('["a=0"]') == (("a", 0),)
+    for bad in ("a", "=1", "a=x", "a=1,a=2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_objective_priorities(bad)
+    # under fcfs every mapped non-zero priority would be refused per request: refused at start instead
+    with pytest.raises(ValueError, match="scheduling_policy 'priority'"):
+        ServerConfig(objective_priorities=(("a", 1),))
+    ServerConfig(engine=EngineConfig(scheduling_policy="priority"), objective_priorities=(("a", 1),))

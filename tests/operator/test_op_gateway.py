@@ -309,3 +309,28 @@ def test_a_resync_rewrites_a_gateway_condition_that_no_longer_holds() -> None:
     assert not _gateway_condition_stale(false, im, unserved)
     assert not _gateway_condition_stale({}, im, unserved)  # never reported: the first reconcile writes it
     assert not _gateway_condition_stale(false, make(None), render_all(make(None)))  # no gateway wanted
+
+
+def test_the_server_maps_the_objective_header_to_the_models_priority() -> None:
+    """With routing.gateway.priority the server schedules by priority and maps the objective the picker
+    selects by (x-gateway-inference-objective: <pool>) to the spec's value, so a request without a body
+    priority is queued as the gateway ordered it (server/api/objectives.py); a user's fcfs is refused."""
+
+    def server_args(im: InferenceModel) -> list[str]:
+        (deployment,) = [
+            d for d in by_kind(render_all(im).objects, "Deployment") if d["metadata"]["name"] == "llm"
+        ]
+        return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    args = server_args(make({**GATEWAY, "priority": -5}))
+    at = args.index("--objective-priority")
+    assert args[at + 1] == "llm=-5"
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
+    assert "--objective-priority" not in server_args(make(GATEWAY))
+    assert "--objective-priority" not in server_args(make({"priority": 2}))  # gateway not enabled
+    for extra in (["--scheduling-policy", "fcfs"], ["--scheduling-policy=fcfs"]):
+        with pytest.raises(InvalidSpecError, match="scheduling-policy"):
+            make({**GATEWAY, "priority": 1}, engine={"extraArgs": extra})
+    assert "--objective-priority" in server_args(
+        make({**GATEWAY, "priority": 1}, engine={"extraArgs": ["--scheduling-policy", "priority"]})
+    )
