@@ -23,8 +23,8 @@ Shapes (config.json values of the public models; the checkpoints' tensor names):
 The tokenizer is the embedded SmolLM2's (49,152 tokens, declared `GPT2Tokenizer`; no download). The
 embedding and LM-head rows of the ids beyond it are zero: those ids never come in, and greedy decoding
 never picks them (their logit 0 is below the largest of 49,152 random logits), so every id that comes out
-decodes, while every matmul keeps the real shape. Gemma 3's tokenizer is padded with `<unusedN>` tokens to
-its 262,144 (`_write_tokenizer`: else llama.cpp's converter would cut the embedding). Weights ~ N(0, 0.02),
+decodes, while every matmul keeps the real shape. Gemma 3's vocabulary is padded with `<unusedN>` entries
+to its 262,144 (`_write_tokenizer`: else llama.cpp's converter would cut the embedding). Weights ~ N(0, 0.02),
 norms the identity, written shard by shard (at most 2 GB in memory).
 
 GGUF (`--gguf`, default Q4_K_M and Q8_0; `--gguf` alone: none): llama.cpp's own `convert_hf_to_gguf.py`
@@ -258,25 +258,19 @@ def _tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, norm_offset
 
 def _write_tokenizer(src: Path, folder: Path, cfg: dict[str, Any]) -> None:
     """The embedded tokenizer, declared as the GPT-2 BPE it is (`GPT2Tokenizer`, what Phi-4-mini's folder
-    says and what llama.cpp's Phi-3 converter needs to take the BPE path). For Gemma 3 the vocabulary is
-    padded with `<unusedN>` special tokens up to `vocab_size`: llama.cpp's converter cuts Gemma 3's
-    embedding to the tokenizer's size, which would shrink the tied LM head from 262,144 rows to 49,152
-    and the GGUF's decode work by a quarter. The benchmark's prompts (plain words) never hold them."""
+    says and what llama.cpp's Phi-3 converter needs to take the BPE path). For Gemma 3 the BPE vocabulary
+    is padded with `<unusedN>` entries up to `vocab_size`: llama.cpp's converter cuts Gemma 3's embedding
+    to the tokenizer's size, which would shrink the tied LM head from 262,144 rows to 49,152 and the
+    GGUF's decode work by a quarter. Plain vocabulary entries that no merge produces: never emitted by
+    encoding, and held as compactly as a real 262k vocabulary (as added tokens they cost a tokenizers
+    process ~500 MB of matching tables, which would inflate every Python server's resident memory)."""
     tok = json.loads((src / "tokenizer.json").read_text())
     if cfg["model_type"] == "gemma3_text":
-        have = len(tok["model"]["vocab"])
-        tok["added_tokens"] += [
-            {
-                "id": i,
-                "content": f"<unused{i - have}>",
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-            for i in range(have, cfg["vocab_size"])
-        ]
+        vocab = tok["model"]["vocab"]
+        have = len(vocab)
+        taken = {t["id"] for t in tok["added_tokens"]} | set(vocab.values())
+        assert len(taken) == have, "the embedded tokenizer's added tokens are inside its vocabulary"
+        vocab.update({f"<unused{i - have}>": i for i in range(have, cfg["vocab_size"])})
     (folder / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     tc = json.loads((src / "tokenizer_config.json").read_text())
     tc["tokenizer_class"] = "GPT2Tokenizer"
