@@ -5,6 +5,7 @@ item 6, 49 items 1-4); prints JSON.
     python benchmarks/real_shapes_served.py                # every model, 3 alternated rounds
     python benchmarks/real_shapes_served.py --quick --models gemma-3-1b --out build/real.json
     python benchmarks/real_shapes_served.py --check-load   # only: does each server load each model?
+    python benchmarks/real_shapes_served.py --markdown build/real.json   # docs/benchmarks.md's table
 
 Models: the random-weight folders of `benchmarks/real_shape_models.py` (Gemma-3-1B, Phi-4-mini,
 Llama-3.2-1B, the 2.1B Qwen3-MoE) and the GGUFs made from them with llama.cpp's converter and
@@ -259,6 +260,43 @@ def memory_ratios(servers: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """docs/benchmarks.md's table of a report: model x load x metric, each server's median, ours-gguf
+    against llama (same GGUF) and ours-hf against vllm-bf16 (same folder), and resident memory."""
+    head = "| model | load | metric | ours GGUF | llama.cpp | ratio | ours bf16 | vLLM bf16 | ratio |"
+    rows = [head, "|" + "---|" * 9]
+    summary, rat = report.get("summary", {}), report.get("ratios", {})
+
+    def fmt(v: float | None, unit: str = "") -> str:
+        return "" if v is None else f"{v:.3g}{unit}"
+
+    for model, servers in summary.items():
+        loads = list(dict.fromkeys(ld for per in servers.values() for ld in per))
+        for ld in loads:
+            for k, unit in (("output_tokens_per_s", ""), ("ttft_p50_s", " s"), ("itl_p99_s", " s")):
+                cells = []
+                for a, b in (("ours-gguf", "llama"), ("ours-hf", "vllm-bf16")):
+                    va = servers.get(a, {}).get(ld, {}).get(k)
+                    vb = servers.get(b, {}).get(ld, {}).get(k)
+                    r = rat.get(model, {}).get(f"{a}_vs_{b}", {}).get(ld, {}).get(k, {}).get("median")
+                    cells += [fmt(va, unit), fmt(vb, unit), "" if r is None else f"{r:.2f}x"]
+                rows.append(f"| {model} | {ld} | {k} | " + " | ".join(cells) + " |")
+        mem = report.get("servers", {}).get(model, {})
+        gib = {s: (v.get("rss_bytes_loaded") or 0) / 2**30 for s, v in mem.items()}
+        if gib:
+            r = report.get("memory_ours_gguf_vs_llama", {}).get(model, {}).get("loaded")
+            cells = [
+                fmt(gib.get("ours-gguf"), " GiB"),
+                fmt(gib.get("llama"), " GiB"),
+                "" if r is None else f"{r:.2f}x",
+                fmt(gib.get("ours-hf"), " GiB"),
+                fmt(gib.get("vllm-bf16"), " GiB"),
+                "",
+            ]
+            rows.append(f"| {model} | loaded, warm | resident memory | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(f"signal {signum}")  # so that `finally` stops the servers
 
@@ -286,7 +324,11 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds (vLLM compiles at start)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here (after every run)")
+    ap.add_argument("--markdown", type=Path, default=None, help="only print this JSON report's table")
     args = ap.parse_args()
+    if args.markdown is not None:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
     if args.quick:
         args.rounds, args.max_tokens, args.min_requests, args.requests_per_user = 1, 16, 2, 1
     phases = [p.split(",") for p in args.phases]
