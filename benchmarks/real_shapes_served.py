@@ -11,7 +11,8 @@ Models: the random-weight folders of `benchmarks/real_shape_models.py` (Gemma-3-
 Llama-3.2-1B, the 2.1B Qwen3-MoE) and the GGUFs made from them with llama.cpp's converter and
 llama-quantize. Servers, per model:
 
-- `ours-gguf`: `python -m server` on the GGUF (`--gguf-type`, default Q4_K_M), our defaults;
+- `ours-gguf`: `python -m server` on the GGUF (`--gguf-type`, default Q4_K_M), our defaults but a KV
+  cache of 8,192 tokens (llama-server's context: resident memory compares like with like);
 - `ours-hf`: the same on the bf16 folder;
 - `llama`: llama.cpp's llama-server on the same GGUF (2 threads, 16 slots sharing one 8,192-token KV
   region `-kvu`, so one slot can take the long prompt);
@@ -84,7 +85,18 @@ LABELS = {
 }
 DEFAULT_PHASES = ("ours-gguf,llama", "ours-hf,vllm-bf16")
 METRICS = ("output_tokens_per_s", "ttft_p50_s", "itl_p99_s")
-KV_GIB = 2  # every server's KV budget (vLLM's VLLM_CPU_KVCACHE_SPACE unit)
+KV_GIB = 2  # vLLM's KV budget (VLLM_CPU_KVCACHE_SPACE, whole GiB)
+CONTEXT_TOKENS = 8192  # llama-server's -c and ours' KV capacity: resident memory compares like with like
+
+
+def kv_bytes(folder: Path, tokens: int = CONTEXT_TOKENS) -> int:
+    """Bytes of a bf16 KV cache holding `tokens` tokens in every layer of the model in `folder`
+    (config.json): what ours is given with --kv-cache-memory, so that its resident memory and
+    llama-server's (an f16 cache of -c tokens, less on sliding-window layers) hold the same context."""
+    cfg = json.loads((folder / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2 * 2  # K and V, bf16
+    return per_token * tokens
 
 
 @dataclass(frozen=True)
@@ -113,7 +125,9 @@ def command(t: Target, port: int, peers_dir: Path, threads: int) -> tuple[list[s
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
         cmd = [sys.executable, "-m", "server", "--model", str(t.model_path), "--served-model-name", t.model]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-concurrent-requests", "1024"]
-        cmd += ["--log-level", "info", "--kv-cache-memory", f"{KV_GIB}GiB", "--max-total-tokens", "8192"]
+        folder = t.model_path.parent if t.model_path.suffix == ".gguf" else t.model_path
+        kv = str(kv_bytes(folder)) if (folder / "config.json").is_file() else f"{KV_GIB}GiB"
+        cmd += ["--log-level", "info", "--kv-cache-memory", kv, "--max-total-tokens", str(CONTEXT_TOKENS)]
         template = t.model_path.parent / "chat_template.jinja"
         if t.model_path.suffix == ".gguf" and template.is_file():
             # the GGUF holds the template, but our GGUF tokenizer reader (transformers') loses it for
@@ -122,7 +136,18 @@ def command(t: Target, port: int, peers_dir: Path, threads: int) -> tuple[list[s
         return cmd, env
     if t.server == "llama":
         cmd = [str(peers_dir / "llama-server"), "-m", str(t.model_path), "-a", t.model, "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "-t", str(threads), "-tb", str(threads), "-c", "8192", "-np", "16"]
+        cmd += [
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            str(CONTEXT_TOKENS),
+            "-np",
+            "16",
+        ]
         cmd += ["-cb", "-kvu", "--no-webui"]
         return cmd, env
     if t.server == "vllm-bf16":
@@ -136,7 +161,7 @@ def command(t: Target, port: int, peers_dir: Path, threads: int) -> tuple[list[s
         )
         cmd = [str(peers_dir / "venv-vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", str(t.model_path), "--served-model-name", t.model, "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "--dtype", "bfloat16", "--max-model-len", "8192"]
+        cmd += ["--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(CONTEXT_TOKENS)]
         return cmd, env
     raise ValueError(f"unknown server {t.server!r}; expected one of {SERVERS}")
 

@@ -5,6 +5,7 @@ ours-on-GGUF against llama-server, and each server gets the command that serves 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,12 +90,16 @@ def test_each_server_serves_its_file(tmp_path: Path, server: str) -> None:
     folder = tmp_path / "gemma-3-1b"
     folder.mkdir()
     (folder / "chat_template.jinja").write_text("{{ messages }}")
+    cfg = {"num_hidden_layers": 26, "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 1152}
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 4}))
     gguf = folder / "gemma-3-1b-Q4_K_M.gguf"
     path = gguf if server in ("ours-gguf", "llama") else folder
     cmd, env = s.command(s.Target(server, "gemma-3-1b", path), 8123, tmp_path / "peers", 2)
     assert str(path) in cmd and "8123" in cmd
     if server == "ours-gguf":  # our GGUF tokenizer reader drops llama.cpp's template: the folder's
         assert cmd[cmd.index("--chat-template") + 1] == str(folder / "chat_template.jinja")
+    if server.startswith("ours"):  # llama-server's 8,192 tokens of bf16 K and V in all 26 layers
+        assert int(cmd[cmd.index("--kv-cache-memory") + 1]) == 8192 * 26 * 1 * 256 * 2 * 2
     if server == "llama":  # one KV region for all slots: one slot can take the 4,096-token prompt
         assert "-kvu" in cmd and cmd[cmd.index("-c") + 1] == "8192"
     if server == "vllm-bf16":
