@@ -177,19 +177,26 @@ def launch(t: Target, peers_dir: Path, threads: int) -> Running:
     return Running(spec, f"http://127.0.0.1:{port}", proc.pid, log, shlex.join(cmd), proc)
 
 
-def wait_up(srv: Running, timeout_s: float) -> str | None:
-    """None once `srv` lists its model, else why not (and `srv` is stopped)."""
+def wait_all(servers: list[Running], timeout_s: float) -> dict[int, str]:
+    """Polls `servers` together until each lists its model (its `ready_s` the time it took); returns
+    pid -> why for those that exited or timed out (stopped)."""
+    failed: dict[int, str] = {}
+    pending = list(servers)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if poll_ready(srv):
-                return None
-        except RuntimeError as e:
-            stop(srv)
-            return str(e)[-1500:]
+    while pending and time.monotonic() < deadline:
+        for srv in list(pending):
+            try:
+                if poll_ready(srv):
+                    pending.remove(srv)
+            except RuntimeError as e:
+                pending.remove(srv)
+                failed[srv.pid] = str(e)[-1500:]
         time.sleep(1.0)
-    stop(srv)
-    return f"not ready after {timeout_s} s; log {srv.log}"
+    failed.update({srv.pid: f"not ready after {timeout_s} s; log {srv.log}" for srv in pending})
+    for srv in servers:
+        if srv.pid in failed:
+            stop(srv)
+    return failed
 
 
 def why_missing(t: Target, peers_dir: Path) -> str | None:
@@ -455,8 +462,9 @@ def main() -> int:
                 up: list[Running] = []
                 started = [(t, launch(t, args.peers_dir, args.threads)) for t in targets]  # load together
                 running += [srv for _, srv in started]
+                failed = wait_all([srv for _, srv in started], args.ready_timeout)
                 for t, srv in started:
-                    why = wait_up(srv, args.ready_timeout)
+                    why = failed.get(srv.pid)
                     if why:
                         running.remove(srv)
                         report["skipped"][f"{model}/{t.server}"] = f"failed to start: {why}"

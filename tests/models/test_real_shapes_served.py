@@ -107,3 +107,22 @@ def test_each_server_serves_its_file(tmp_path: Path, server: str) -> None:
         assert env["VLLM_CPU_KVCACHE_SPACE"] == str(s.KV_GIB)
     with pytest.raises(ValueError, match="unknown server"):
         s.command(s.Target("tgi", "m", path), 1, tmp_path, 2)
+
+
+def test_a_server_that_exits_while_loading_is_reported_not_waited_for(tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    s = _served()
+    log = tmp_path / "x.log"
+    log.write_text("boom: unsupported architecture\n")
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    spec = s._PeerSpec("ours-gguf", "ours")
+    srv = s.Running(spec, "http://127.0.0.1:9", proc.pid, log, "true", proc)
+    t0 = time.monotonic()
+    failed = s.wait_all([srv], timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    assert (
+        "exited before becoming ready" in failed[proc.pid] and "unsupported architecture" in failed[proc.pid]
+    )
