@@ -285,7 +285,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     # > 1: beside decodes, a step's prompt tokens are sized from measured step costs so that the step costs
     # at most this many times a decode-only step (server/core/prefill_cap.py), instead of the fixed
-    # threshold; 0 = off. Off by default: docs/benchmarks.md, "Long prompts: the prefill cap from
+    # threshold; 0 = off. Off by default: docs/benchmarks-log.md, "Long prompts: the prefill cap from
     # measured step costs" (on the 2-core Zen 4 the 2x target is out of reach and the TTFT pays).
     prefill_itl_factor: float = 0.0
     # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower first;
