@@ -20,7 +20,7 @@ reach there and the cap sits at its floor, which halves a long prompt's prefill 
 
 Why measured rather than a constant: the cost of a prompt token against a decode step differs by model,
 context length, CPU, thread count and load (the embedded 135M on a 2-core Zen 4: 0.65 ms per prompt
-token at 2k context, ~1.6 at 8k, against a 9-16 ms one-stream decode step; docs/benchmarks.md, "Long
+token at 2k context, ~1.6 at 8k, against a 9-16 ms one-stream decode step; docs/benchmarks-log.md, "Long
 prompts: the prefill cap from measured step costs"). The trade-off is the long prompt's TTFT: fewer
 prompt tokens per step means more steps, each also paying the decodes and the step overhead (vLLM
 bounds a request's chunk with `--long-prefill-token-threshold`, a constant).
