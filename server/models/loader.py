@@ -21,7 +21,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,8 +138,8 @@ def download_from_hub(repo_id: str, cache_dir: Path, revision: str | None = None
 
 # Bump when what convert_gguf / gguf_metadata_folder write changes (file set, config fields, fixes).
 # 2: MoE files' expert fields (server/models/moe/gguf.py); 3: our own config reader for the architectures
-# transformers' GGUF reader lacks
-CONVERTER_VERSION = 3
+# transformers' GGUF reader lacks; 4: the tokenizer read from the file alone, never from files beside it
+CONVERTER_VERSION = 4
 MANIFEST_NAME = "kubeinfer-conversion.json"
 
 
@@ -235,6 +235,17 @@ def _moe_fields(gguf: Path) -> dict[str, Any]:
         raise UnsupportedModelError(str(e)) from e
 
 
+@contextlib.contextmanager
+def _alone(gguf: Path) -> Iterator[str]:
+    """A folder holding only (a link to) the GGUF file, for transformers' `from_pretrained(folder,
+    gguf_file=...)`: it reads a `tokenizer.json` / `tokenizer_config.json` / `config.json` beside the
+    file before the file's own vocabulary, chat template and special tokens, so a GGUF saved next to its
+    source folder served that folder's tokenizer (without a chat template: every chat request failed)."""
+    with tempfile.TemporaryDirectory(prefix=".gguf-alone-") as folder:
+        (Path(folder) / gguf.name).symlink_to(gguf.resolve())
+        yield folder
+
+
 def _gguf_config_and_tokenizer(gguf: Path) -> tuple[dict[str, Any], Any]:
     """config.json (ours for gguf_config.READERS' architectures, else transformers' GGUF reader) and
     the tokenizer with its chat template (transformers' GGUF tokenizer builder: it reads only the
@@ -243,13 +254,13 @@ def _gguf_config_and_tokenizer(gguf: Path) -> tuple[dict[str, Any], Any]:
 
     from server.models.gguf_config import READERS, gguf_architecture, hf_config_from_gguf
 
-    if gguf_architecture(gguf) in READERS:
-        cfg = hf_config_from_gguf(gguf)
-        tok = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        return cfg, tok
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return _gguf_hf_config(config, gguf), tok
+    with _alone(gguf) as folder:
+        if gguf_architecture(gguf) in READERS:
+            tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=gguf.name)
+            return hf_config_from_gguf(gguf), tok
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+        return _gguf_hf_config(config, gguf), tok
 
 
 def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
@@ -296,8 +307,9 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _alone(gguf) as folder:
+            hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)

@@ -109,12 +109,25 @@ def _close(a: Any, b: Any) -> bool:
 KINDS = ["qwen3", "granite", "smollm3", "olmo2", "phi3", "gemma", "gemma2", "gemma3"]
 
 
+def _decoy_tokenizer(folder: Path) -> None:
+    """Another tokenizer (two words, no chat template) as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    decoy = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    decoy.pre_tokenizer = pre_tokenizers.Whitespace()
+    decoy.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"})
+    )
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_gguf_loads_to_the_hf_folder_s_logits(kind: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = _build(tmp_path / "hf", kind)
     path = write_arch_gguf(hf, tmp_path / f"{kind}.gguf", tmp_path / "ref", FMTS)
+    _decoy_tokenizer(tmp_path)  # beside the file, as a GGUF saved next to its source folder: never read
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(path), max_model_len=MAX_LEN),
