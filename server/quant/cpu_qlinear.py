@@ -289,6 +289,14 @@ def from_int4(intweight: Tensor, zeros: Tensor, scales: Tensor, group_size: int)
     return BlockQuantWeight(pack_nibbles(intweight.t()), s, mins, "int4", 4, group_size, 0, k, n)
 
 
+def _roundf(x: Tensor) -> Tensor:
+    """C's roundf (halves away from zero, as ggml's quantize_row_q8_0_ref rounds), exactly: not
+    torch.round, which rounds halves to even (2.5 -> 2, where ggml writes 3)."""
+    a = x.abs()
+    whole = torch.floor(a)
+    return torch.sign(x) * (whole + torch.floor(2 * (a - whole)))
+
+
 def quantize_block(weight: Tensor, fmt: str) -> BlockQuantWeight:
     """Round-to-nearest quantization of a float [N, K] weight into a GGUF block format, as ggml's
     reference quantizers (quantize_row_q*_ref) do: q8_0 d = amax/127; q4_0 d = max/-8 (signed max);
@@ -303,7 +311,7 @@ def quantize_block(weight: Tensor, fmt: str) -> BlockQuantWeight:
     if fmt == "q8_0":
         d = b.abs().amax(-1) / 127.0
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-        q = torch.round(b * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+        q = _roundf(b * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
         return BlockQuantWeight(q, d.half().contiguous(), None, fmt, 8, BLOCK, 0, k, n)
     if fmt == "q4_0":
         idx = b.abs().argmax(-1, keepdim=True)

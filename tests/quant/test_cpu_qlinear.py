@@ -127,12 +127,17 @@ def test_rows_dequantized_to_bf16_are_the_fp32_rows_rounded(kernel: QLinearKerne
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
-def test_block_formats_are_ggufs(fmt: str) -> None:
-    """Our quantizer writes the bytes gguf-py's does, and our dequantization equals gguf-py's."""
+@pytest.mark.parametrize("ties", [False, True])
+def test_block_formats_are_ggufs(fmt: str, ties: bool) -> None:
+    """Our quantizer writes the bytes gguf-py's does, and our dequantization equals gguf-py's; with
+    `ties`, rows whose scaled values fall exactly halfway (ggml rounds them away from zero)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
     w = (torch.randn(24, 256) * 0.1).numpy()
+    if ties:  # q8_0: amax 127 gives d = 1, so each x.5 is a tie; the others see x.5 steps too
+        w = (torch.randint(-254, 255, (24, 256)).float() / 2).numpy()
+        w[:, ::32] = 127.0
     qtype = GGMLQuantizationType[fmt]
     raw = quantize(w, qtype)  # [24, 8 * block_bytes] uint8
     theirs = cq.from_gguf_blocks(raw, fmt.lower(), 24, 256)
