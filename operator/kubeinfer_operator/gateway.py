@@ -6,7 +6,9 @@
 - The endpoint picker (EPP): a Deployment `<child>-epp` running the extension's picker (`--pool-name`,
   `--pool-namespace`; ext-proc gRPC on 9002, gRPC health on 9003, Prometheus metrics on 9090), its
   Service, and a ServiceAccount with a Role that reads the pool and the namespace's pods (what the
-  extension's manifests grant it). The picker scrapes each pod's /metrics for the model server protocol's
+  extension's manifests grant it, less the cluster-wide tokenreviews/subjectaccessreviews its metrics
+  authentication needs: that is off, `--metrics-endpoint-auth=false`, and the metrics port admits only
+  Prometheus). The picker scrapes each pod's /metrics for the model server protocol's
   vLLM names (vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc,
   vllm:lora_requests_info, vllm:cache_config_info: tests/api checks ours), so the model's NetworkPolicy
   admits it on the API port.
@@ -212,6 +214,10 @@ def epp_args(im: InferenceModel) -> list[str]:
         str(EPP_HEALTH_PORT),
         "--zap-encoder",
         "json",
+        # The picker's default checks a scraper's token with TokenReview/SubjectAccessReview, which needs
+        # a cluster-scoped binding per picker; its metrics port is fenced to Prometheus by the model's
+        # NetworkPolicy instead, as the model server's /metrics is (netpol.py).
+        "--metrics-endpoint-auth=false",
     ]
 
 

@@ -76,6 +76,9 @@ def test_endpoint_picker_objects() -> None:
     assert c["image"] == "registry.example.com/epp:v1" and dep["spec"]["replicas"] == 2
     assert c["args"][c["args"].index("--pool-name") + 1] == "llm"
     assert c["args"][c["args"].index("--pool-namespace") + 1] == "ml"
+    # its Role grants no tokenreviews/subjectaccessreviews, so the picker must not authenticate scrapes
+    # with them (its default): its metrics port is fenced to Prometheus instead
+    assert "--metrics-endpoint-auth=false" in c["args"]
     assert c["securityContext"]["runAsNonRoot"] and c["securityContext"]["allowPrivilegeEscalation"] is False
     (role,) = [o for o in by_kind(objects, "Role") if o["metadata"]["name"] == "llm-epp"]
     verbs = {v for r in role["rules"] for v in r["verbs"]}
