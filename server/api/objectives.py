@@ -22,14 +22,11 @@ def apply_objective_priority(
     headers: Mapping[str, str], body: Any, objectives: tuple[tuple[str, int], ...]
 ) -> Any:
     """The request body with `priority` set from the objective its header names, when the body is a JSON
-    object without `priority` and the name is one of `objectives` ((name, priority) pairs); otherwise
-    the body unchanged. Never raises: a malformed body is left for the request parser to refuse."""
-    if not objectives or not isinstance(body, dict) or "priority" in body:
+    object without `priority` (or with `priority: null`, which the request parser reads as unset) and the
+    name is one of `objectives` ((name, priority) pairs); otherwise the body unchanged. Never raises: a
+    malformed body is left for the request parser to refuse."""
+    if not objectives or not isinstance(body, dict) or body.get("priority") is not None:
         return body
-    name = headers.get(OBJECTIVE_HEADER)
-    if name is None:
-        return body
-    for known, priority in objectives:
-        if known == name.strip():
-            return {**body, "priority": priority}
-    return body
+    name = (headers.get(OBJECTIVE_HEADER) or "").strip()
+    priority = dict(objectives).get(name)
+    return body if priority is None else {**body, "priority": priority}

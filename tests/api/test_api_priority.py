@@ -145,6 +145,7 @@ def test_objective_header_maps_only_bodies_without_priority() -> None:
     objectives = (("pool-a", 5), ("pool-b", -2))
     header = {"x-gateway-inference-objective": "pool-b"}
     assert apply_objective_priority(header, {"prompt": "x"}, objectives) == {"prompt": "x", "priority": -2}
+    assert apply_objective_priority(header, {"priority": None}, objectives) == {"priority": -2}  # null: unset
     # the body's own priority wins; unknown objectives, no header, no mapping and non-objects pass unchanged
     assert apply_objective_priority(header, {"priority": 1}, objectives) == {"priority": 1}
     assert apply_objective_priority({"x-gateway-inference-objective": "other"}, {}, objectives) == {}
