@@ -12,13 +12,14 @@ from pathlib import Path
 
 from server.attention.cpu_kernel import NATIVE as PAGED_DECODE
 from server.models.cpu_fused import NATIVE as CPU_FUSED
+from server.models.moe.native import NATIVE as MOE_EXPERTS
 from server.native import PROBE, KernelBuildError, prebuild
 from server.quant.cpu_mxfp4 import NATIVE as MXFP4
 from server.quant.cpu_qgemv_q8 import NATIVE as QGEMV_Q8
 from server.quant.cpu_qlinear import NATIVE as QLINEAR
 
 # the CPU probe first: choosing a level at run time needs it (built once, for any x86-64 CPU)
-SOURCES = (PROBE, PAGED_DECODE, CPU_FUSED, QLINEAR, QGEMV_Q8, MXFP4)
+SOURCES = (PROBE, PAGED_DECODE, CPU_FUSED, QLINEAR, QGEMV_Q8, MXFP4, MOE_EXPERTS)
 
 
 def main(argv: list[str] | None = None) -> int:

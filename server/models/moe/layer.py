@@ -2,7 +2,9 @@
 
 CPU path: the T * top_k token-expert pairs are sorted by expert once (routing.group_by_expert), each
 active expert runs one gate/up GEMM and one down GEMM over all of its tokens, and one `index_add_` sums
-the weighted outputs back per token: the loops run over experts, never over tokens. The expert GEMMs
+the weighted outputs back per token: the loops run over experts, never over tokens. Quantized experts
+that offer a native call (`FusedExperts`: BlockQuantExperts, Mxfp4Experts) run that whole loop in one
+C++ call instead (server/models/moe/native.py), with no Python per expert. The expert GEMMs
 come from an `ExpertGemms` (dense here, block-quantized or MXFP4 in server/models/moe/quant.py), so at
 one token only the chosen experts' weights are read. On CUDA, dense experts go through the Triton
 grouped GEMM `kubeinfer_kernels.fused_moe`.
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from server.models.moe.config import MoEConfig
+from server.models.moe.native import FusedExpertsCall
 from server.models.moe.routing import Routing, group_by_expert, select_experts
 from server.models.moe.weights import ExpertWeights
 
@@ -38,6 +41,14 @@ class ExpertGemms(Protocol):
     def gate_up(self, e: int, x: Tensor) -> Tensor: ...  # x: [n, H] fp32 -> [n, 2I] fp32
 
     def down(self, e: int, h: Tensor) -> Tensor: ...  # h: [n, I] fp32 -> [n, H] fp32
+
+
+class FusedExperts(ExpertGemms, Protocol):
+    """ExpertGemms that can also run a whole block's routed experts in one native call."""
+
+    def fused_call(self, cfg: MoEConfig) -> FusedExpertsCall | None: ...  # None: not here, use the loop
+
+    def fused_entry(self) -> int: ...  # the projection entry point for FusedExpertsCall.run
 
 
 class DenseExperts:
@@ -104,8 +115,12 @@ class FusedMoE(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
             raise ValueError(f"x must be [T, {self.cfg.hidden_size}], got {tuple(x.shape)}")
         routing = self.route(x)
+        call = None if x.is_cuda else self.native_call()
         if x.is_cuda and isinstance(self.experts, DenseExperts):
             out = self._cuda(x, routing)
+        elif call is not None:
+            entry = self.experts.fused_entry()  # type: ignore[attr-defined]  # native_call checked it
+            out = call.run(x.float(), routing.ids, routing.weights, entry)
         else:
             out = self._grouped(x, routing)
         shared = self.weights.shared
@@ -113,6 +128,11 @@ class FusedMoE(nn.Module):
             s = F.linear(act_and_mul(F.linear(x, shared.w13), self.cfg), shared.w2)
             out = out + (torch.sigmoid(F.linear(x, shared.gate)) * s).float()
         return out.to(x.dtype)
+
+    def native_call(self) -> FusedExpertsCall | None:
+        """The experts' one-call path on CPU (FusedExperts.fused_call), or None: the per-expert loop."""
+        fused_call = getattr(self.experts, "fused_call", None)
+        return fused_call(self.cfg) if callable(fused_call) else None
 
     def _grouped(self, x: Tensor, routing: Routing) -> Tensor:  # -> [T, H] fp32
         t, k = routing.ids.shape

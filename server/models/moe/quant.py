@@ -6,13 +6,25 @@ the torch reference (`linear_reference`) serves.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from server.models.moe.block import SparseMoeBlock
 from server.models.moe.config import MoEConfig
+from server.models.moe.native import (
+    ACTIVATIONS,
+    KIND_QLINEAR,
+    FusedExpertsCall,
+    KiMoeExperts,
+    descriptor_array,
+    fused_enabled,
+    try_load_moe_experts_kernel,
+)
 from server.models.moe.weights import ExpertWeights
+from server.quant.cpu_qgemv_q8 import decode_entry, small_m_linear
 from server.quant.cpu_qlinear import (
     GGUF_SUPER_BLOCK_BYTES,
     BlockQuantWeight,
@@ -22,6 +34,7 @@ from server.quant.cpu_qlinear import (
     from_int8,
     linear_reference,
     quantize_block,
+    weight_descriptor,
 )
 from server.quant.cpu_repack import quantize_int8
 
@@ -69,6 +82,7 @@ class BlockQuantExperts:
         self.b2 = None if b2 is None else b2.float().contiguous()
         self.kernel = kernel
         self.compute = compute
+        self._call: tuple[tuple[object, ...], FusedExpertsCall] | None = None
 
     @staticmethod
     def quantize(
@@ -121,7 +135,48 @@ class BlockQuantExperts:
         x = x.float().contiguous()
         if self.kernel is None:
             return linear_reference(x, w, bias)
-        return self.kernel.linear(x, w, None if bias is None else bias.contiguous(), compute=self.compute)
+        # the same choice of kernel as the fused call's entry point (decode_entry) makes in C++
+        b = None if bias is None else bias.contiguous()
+        return small_m_linear(self.kernel, x, w, b, compute=self.compute)
+
+    def fused_call(self, cfg: MoEConfig) -> FusedExpertsCall | None:
+        """The block's experts for the native call (server/models/moe/native.py), descriptors built once
+        per compute dtype; None without qlinear's kernel or the call's library, or under
+        KUBEINFER_MOE_FUSED=0 (FusedMoE then runs one kernel call per expert from Python)."""
+        if self.kernel is None or not fused_enabled():
+            return None
+        key = (self.compute, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+        if self._call is not None and self._call[0] == key:
+            return self._call[1]
+        lib = try_load_moe_experts_kernel()
+        if lib is None:
+            return None
+        w13 = descriptor_array([weight_descriptor(w, self.compute) for w in self.w13])
+        w2 = descriptor_array([weight_descriptor(w, self.compute) for w in self.w2])
+        spec = KiMoeExperts(
+            kind=KIND_QLINEAR,
+            activation=ACTIVATIONS[cfg.activation],
+            swiglu_alpha=cfg.swiglu_alpha,
+            swiglu_limit=cfg.swiglu_limit,
+            num_experts=len(self.w13),
+            hidden=self.w13[0].in_features,
+            inter=self.w2[0].in_features,
+            w13=ctypes.addressof(w13),
+            w2=ctypes.addressof(w2),
+            desc_bytes=ctypes.sizeof(w13[0]),
+            b13=None if self.b13 is None else self.b13.data_ptr(),
+            b2=None if self.b2 is None else self.b2.data_ptr(),
+        )
+        # the descriptors point into the weights' tensors, which this object keeps alive
+        call = FusedExpertsCall(lib, spec, (w13, w2, self.b13, self.b2, self.w13, self.w2))
+        self._call = (key, call)
+        return call
+
+    def fused_entry(self) -> int:
+        """The projection entry point the fused call runs now (decode_entry: the int8 GEMV's modes set
+        from their switches, as for every other projection)."""
+        assert self.kernel is not None
+        return decode_entry(self.kernel).address
 
     def gate_up(self, e: int, x: Tensor) -> Tensor:  # x: [n, H] -> [n, 2I] fp32
         return self._linear(x, self.w13[e], None if self.b13 is None else self.b13[e])

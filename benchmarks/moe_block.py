@@ -1,0 +1,151 @@
+"""One MoE block of a real GGUF on CPU: the fused experts call (server/models/moe/native.py) against the
+per-expert loop (KUBEINFER_MOE_FUSED=0), alternated in one process, and where a one-token step goes.
+
+The blocks are the file's own (default: the 2.1B Qwen3-MoE shape of benchmarks/real_shape_models.py,
+Q4_K_M: Q4_K gate/up, Q6_K or Q4_K down, 16 experts, top-8, hidden 2048, expert intermediate 768),
+`--layers` of them served as the loader serves them (BlockQuantExperts over qlinear's kernel, router in
+fp32) and stepped in turn, each step with new tokens, so the chosen experts' bytes come from memory, not
+from a cache that holds one layer. Per case: median ms per block step for each path, the router + top-k
+alone, and at one token the chosen experts' bytes over the step's time (as repacked in memory: Q4_K at
+6.0 bits per weight, Q6_K at 10.0; and as in the file, 4.5 and 6.56) against a 64 MiB copy's bandwidth.
+The machine may be shared: compare the ratios; the load average is printed before and after.
+
+    python benchmarks/moe_block.py [--gguf FILE --layers 4 --tokens 1 16 --rounds 5 --reps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from server.models.moe import FusedMoE, MoEConfig
+from server.models.moe.native import ENABLE_ENV
+from server.models.moe.quant import BlockQuantExperts
+from server.models.moe.weights import ExpertWeights
+from server.native import usable_cpu_features
+from server.quant.cpu_qlinear import load_qlinear_kernel
+
+DEFAULT_GGUF = Path.home() / ".cache/kubeinfer/real-shapes/qwen3-moe-2b/qwen3-moe-2b-Q4_K_M.gguf"
+FILE_BITS = {"q4_k": 4.5, "q6_k": 6.5625, "q8_0": 8.5, "q4_0": 4.5}
+
+
+def _layers(path: Path, count: int) -> tuple[MoEConfig, list[FusedMoE], list[float]]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    router0 = by_name["blk.0.ffn_gate_inp.weight"]
+    gate0 = by_name["blk.0.ffn_gate_exps.weight"]
+    h, i, e = (int(v) for v in gate0.shape)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    top_k = int(reader.fields[f"{arch}.expert_used_count"].parts[-1][0])
+    assert tuple(int(v) for v in router0.shape) == (h, e)
+    cfg = MoEConfig(arch.replace("moe", "_moe"), e, top_k, h, i, renormalize=arch == "qwen3moe")
+    kernel = load_qlinear_kernel()
+    blocks, file_bytes = [], []
+    for n in range(count):
+
+        def t(name: str, n: int = n) -> tuple[object, str]:
+            x = by_name[f"blk.{n}.{name}.weight"]
+            return x.data, x.tensor_type.name.lower()
+
+        gate, up, down = t("ffn_gate_exps"), t("ffn_up_exps"), t("ffn_down_exps")
+        experts = BlockQuantExperts.from_gguf(gate, up, down, cfg, kernel)  # type: ignore[arg-type]
+        router = torch.from_numpy(by_name[f"blk.{n}.ffn_gate_inp.weight"].data.copy()).reshape(e, h)
+        w = ExpertWeights(router=router.float(), router_bias=None, w13=None, w2=None, b13=None, b2=None)
+        blocks.append(FusedMoE(cfg, w, experts=experts))
+        per_expert_weights = (2 * i * h * FILE_BITS[gate[1]] + h * i * FILE_BITS[down[1]]) / 8
+        file_bytes.append(per_expert_weights)
+    return cfg, blocks, file_bytes
+
+
+def _copy_gb_per_s(reps: int = 5) -> float:
+    big = torch.empty(64 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(big)
+    dst.copy_(big)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(big)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * big.numel() / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--rounds", type=int, default=5, help="alternations of the two paths")
+    ap.add_argument("--reps", type=int, default=8, help="block steps per path per round")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    cfg, blocks, file_bytes = _layers(args.gguf, args.layers)
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, object] = {
+        "file": args.gguf.name,
+        "shape": {"hidden": cfg.hidden_size, "inter": cfg.intermediate_size, "experts": cfg.num_experts},
+        "top_k": cfg.top_k,
+        "layers": args.layers,
+        "threads": torch.get_num_threads(),
+        "cpu_features": usable_cpu_features().names(),
+        "copy_gb_per_s": round(_copy_gb_per_s(), 2),
+    }
+    paths = {"loop": "0", "fused": "1"}
+    for t in args.tokens:
+        times: dict[str, list[float]] = {p: [] for p in (*paths, "route")}
+        chosen_bytes: list[float] = []
+        chosen_file_bytes: list[float] = []
+        step = 0
+        with torch.inference_mode():
+            for flag in paths.values():  # warm both
+                os.environ[ENABLE_ENV] = flag
+                for b in blocks:
+                    b(torch.randn(t, cfg.hidden_size, generator=g))
+            for r in range(args.rounds):
+                for name, flag in paths.items() if r % 2 == 0 else reversed(paths.items()):
+                    os.environ[ENABLE_ENV] = flag
+                    for _ in range(args.reps):
+                        n = step % len(blocks)
+                        step += 1
+                        moe = blocks[n]
+                        x = torch.randn(t, cfg.hidden_size, generator=g)
+                        t0 = time.perf_counter()
+                        moe(x)
+                        times[name].append(time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+                        ids = moe.route(x).ids
+                        times["route"].append(time.perf_counter() - t0)
+                        used = sorted(set(ids.reshape(-1).tolist()))
+                        experts = moe.experts
+                        assert isinstance(experts, BlockQuantExperts)
+                        chosen_bytes.append(
+                            sum(experts.w13[e].nbytes() + experts.w2[e].nbytes() for e in used)
+                        )
+                        chosen_file_bytes.append(len(used) * file_bytes[n])
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        case: dict[str, object] = {
+            "loop_ms": round(med["loop"], 3),
+            "fused_ms": round(med["fused"], 3),
+            "fused_speedup": round(med["loop"] / med["fused"], 2),
+            "route_ms": round(med["route"], 3),
+            "chosen_mb_in_memory": round(statistics.mean(chosen_bytes) / 1e6, 2),
+            "chosen_mb_in_file": round(statistics.mean(chosen_file_bytes) / 1e6, 2),
+        }
+        for name in paths:
+            gbs = statistics.mean(chosen_bytes) / (med[name] / 1e3) / 1e9
+            case[f"{name}_gb_per_s"] = round(gbs, 2)
+            case[f"{name}_of_copy_bandwidth"] = round(gbs / float(out["copy_gb_per_s"]), 2)  # type: ignore[arg-type]
+        out[f"tokens_{t}"] = case
+    out["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
