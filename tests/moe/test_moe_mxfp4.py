@@ -10,6 +10,7 @@ import torch
 from hf_blocks import INTER, PREFIX, E, H, hf_block, hf_routing
 
 from server.models.moe import FusedMoE, MoEConfig, dequantize_mxfp4, load_expert_weights, load_mxfp4_experts
+from server.models.moe.native import ENABLE_ENV
 
 
 def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:  # [*, N, K]
@@ -85,6 +86,7 @@ def test_a_step_reads_only_the_chosen_experts_packed_bytes(monkeypatch: pytest.M
     from server.models.moe import Mxfp4Tensor
     from server.quant.cpu_mxfp4 import Mxfp4Kernel
 
+    monkeypatch.setenv(ENABLE_ENV, "0")  # the per-expert loop (the fused call: test_moe_native.py)
     block, cfg, tensors = _gpt_oss_block()
     experts = load_mxfp4_experts(tensors, PREFIX, cfg)
     assert experts.kernel is not None, "the MXFP4 kernel did not build here"

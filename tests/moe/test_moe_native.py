@@ -9,9 +9,10 @@ import pytest
 import torch
 from hf_blocks import PREFIX, E, H, checkpoint_tensors, hf_block
 
-from server.models.moe import FusedMoE, MoEConfig, load_expert_weights
+from server.models.moe import FusedMoE, MoEConfig, Mxfp4Experts, Mxfp4Tensor, load_expert_weights
 from server.models.moe.native import ENABLE_ENV, try_load_moe_experts_kernel
 from server.models.moe.quant import BlockQuantExperts
+from server.quant.cpu_mxfp4 import try_load_mxfp4_kernel
 from server.quant.cpu_qlinear import try_load_qlinear_kernel
 
 KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
@@ -57,6 +58,35 @@ def test_fused_call_equals_the_per_expert_loop(kind: str, fmt: str, monkeypatch:
         assert scale > 0
         err = (fused - loop).abs().max()
         assert err <= RTOL * scale, f"{kind} {fmt} T={t}: max |fused - loop| {err:.3g}, scale {scale:.3g}"
+
+
+def _mxfp4(shape: tuple[int, int, int], gen: torch.Generator) -> Mxfp4Tensor:  # [E, N, K]
+    e, n, k = shape
+    blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=gen, dtype=torch.uint8)
+    return Mxfp4Tensor(blocks, torch.randint(120, 128, (e, n, k // 32), generator=gen, dtype=torch.uint8))
+
+
+@needs_kernels
+@pytest.mark.skipif(try_load_mxfp4_kernel() is None, reason="the MXFP4 kernel does not build here")
+def test_mxfp4_experts_take_the_fused_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's MXFP4 experts (biases, clamped SwiGLU) through the same loop over MXFP4's kernel."""
+    block, hf_cfg = hf_block("gpt_oss")
+    cfg = MoEConfig.from_hf_config(hf_cfg)
+    weights = load_expert_weights(checkpoint_tensors("gpt_oss", block), PREFIX, cfg)
+    gen = torch.Generator().manual_seed(4)
+    i = cfg.intermediate_size
+    experts = Mxfp4Experts(
+        _mxfp4((E, 2 * i, H), gen), _mxfp4((E, H, i), gen), weights.b13, weights.b2, try_load_mxfp4_kernel()
+    )
+    moe = FusedMoE(cfg, weights, experts=experts)
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    assert moe.native_call() is not None
+    for t in (1, 3, 37):
+        x = torch.randn(t, H, generator=gen) * 0.3
+        fused, loop = _both(moe, x, monkeypatch)
+        scale = loop.abs().max()
+        assert scale > 0
+        assert (fused - loop).abs().max() <= RTOL * scale, f"T={t}"
 
 
 @needs_kernels

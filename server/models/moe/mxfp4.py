@@ -10,6 +10,7 @@ shared e8m0 exponent, biased by 127: value = e2m1 * 2 ** (scale - 127). Rows N a
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,6 +19,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from server.models.moe.config import MoEConfig
+from server.models.moe.native import (
+    ACTIVATIONS,
+    KIND_MXFP4,
+    FusedExpertsCall,
+    KiMoeExperts,
+    fused_enabled,
+    try_load_moe_experts_kernel,
+)
 from server.quant.cpu_mxfp4 import (
     E2M1_VALUES,
     MXFP4_BLOCK,
@@ -70,6 +79,7 @@ class Mxfp4Experts:
         self.b13 = None if b13 is None else b13.float().contiguous()  # [E, 2I]
         self.b2 = None if b2 is None else b2.float().contiguous()  # [E, H]
         self.kernel = kernel if w13.blocks.device.type == "cpu" else None
+        self._call: tuple[tuple[object, ...], FusedExpertsCall] | None = None
 
     def _linear(self, x: Tensor, w: Mxfp4Tensor, e: int, bias: Tensor | None) -> Tensor:
         # x: [n, K] -> [n, N] fp32
@@ -81,6 +91,45 @@ class Mxfp4Experts:
 
     def nbytes(self) -> int:
         return self.w13.nbytes() + self.w2.nbytes()
+
+    def fused_call(self, cfg: MoEConfig) -> FusedExpertsCall | None:
+        """The block's experts for the native call (server/models/moe/native.py) over the MXFP4 kernel's
+        entry point; None without that kernel or the call's library, or under KUBEINFER_MOE_FUSED=0."""
+        if not isinstance(self.kernel, Mxfp4Kernel) or not fused_enabled():
+            return None
+        key = (cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+        if self._call is not None and self._call[0] == key:
+            return self._call[1]
+        lib = try_load_moe_experts_kernel()
+        if lib is None:
+            return None
+        parts = [self.w13.blocks, self.w13.scales, self.w2.blocks, self.w2.scales]
+        if not all(t.is_contiguous() for t in parts):
+            return None
+        entry = ctypes.cast(self.kernel.lib.kubeinfer_mxfp4_linear, ctypes.c_void_p).value
+        spec = KiMoeExperts(
+            kind=KIND_MXFP4,
+            activation=ACTIVATIONS[cfg.activation],
+            swiglu_alpha=cfg.swiglu_alpha,
+            swiglu_limit=cfg.swiglu_limit,
+            num_experts=self.w13.blocks.shape[0],
+            hidden=self.w13.blocks.shape[2] * MXFP4_BLOCK,
+            inter=self.w2.blocks.shape[2] * MXFP4_BLOCK,
+            w13=self.w13.blocks.data_ptr(),
+            w13_scales=self.w13.scales.data_ptr(),
+            w2=self.w2.blocks.data_ptr(),
+            w2_scales=self.w2.scales.data_ptr(),
+            b13=None if self.b13 is None else self.b13.data_ptr(),
+            b2=None if self.b2 is None else self.b2.data_ptr(),
+            mxfp4=entry,
+        )
+        call = FusedExpertsCall(lib, spec, (*parts, self.b13, self.b2))
+        self._call = (key, call)
+        return call
+
+    def fused_entry(self) -> int:
+        """0: the MXFP4 entry point is in the call's spec (no int8 switch applies to it)."""
+        return 0
 
     def tensors(self) -> list[Tensor]:
         """Every packed tensor the experts hold (SparseMoeBlock.held_weight_tensors)."""

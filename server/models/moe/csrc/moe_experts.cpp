@@ -6,8 +6,15 @@
 // projection (server/quant: kubeinfer_qgemv_q8, which hands what it does not take to qlinear's
 // kubeinfer_qlinear, or kubeinfer_qlinear itself; for MXFP4 experts kubeinfer_mxfp4_linear) and each
 // expert's weight descriptors, so faster kernels behind that entry point speed this loop up as they are.
-// Each GEMM runs its own OpenMP team over its output columns; at one token an expert's GEMV has 1.5k
-// (gate/up) or 2k (down) rows, enough to split over a few cores.
+//
+// Threads: one OpenMP team for the whole block, not one per GEMM (at one token a block is 2 * top_k
+// GEMVs of a few microseconds each; a fork/join apiece costs as much again, and far more on a shared,
+// oversubscribed machine, where a barrier waits for a descheduled thread). The work is split into tasks
+// of ROWS output rows of one expert's W (a descriptor over those rows: the layout is row-major, so
+// pointers move by rows), taken dynamically; each task calls the entry point with one thread (its own
+// OpenMP region, if any, then runs inline). Phases, a barrier between each: gate/up tasks, activation,
+// down tasks, then the weighted sums split by output column. The entry points must be re-entrant (they
+// are: their scratch is per call).
 //
 // Order of the sums, as FusedMoE._grouped (server/models/moe/layer.py) does them: pairs sorted by expert
 // (stable, so token order within an expert), out[t] starts at 0 and adds weight * y in ascending expert
@@ -50,46 +57,67 @@ struct KiMoeExperts {
 
 namespace {
 
+// struct KiQWeight of server/quant/csrc/qlinear.cpp (server/quant/cpu_qlinear.py's ctypes twin): only
+// the row pointers are moved here, the rest is passed on as it is.
+struct KiQWeight {
+  const uint8_t* q;
+  const void* scales;
+  const void* mins;
+  int64_t n, k, group_size, groups, row_bytes;
+  int32_t bits, zero_point, scale_is_f16, compute;
+  const uint8_t* packed;  // qgemv_q8's packed copy: its order is per 16 columns of the whole W, so a
+                          // row slice goes without it (the batched int8 path then reads W as stored)
+};
+
+constexpr int64_t ROWS = 96;  // rows per task: whole 4-row GEMV tiles, 12-row panels and 16-row groups
+
 struct Scratch {
-  std::vector<int64_t> counts, offsets, fill, pairs;
+  std::vector<int64_t> counts, offsets, fill, pairs, active;
   std::vector<float> xs, h13, act, y;
 };
 
 thread_local Scratch scratch;
 
-inline void activate(const KiMoeExperts& c, const float* h13, float* act, int64_t rows) {
+inline void activate(const KiMoeExperts& c, const float* h13, float* act) {  // one row: [2I] -> [I]
   const int64_t i = c.inter;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = h13 + r * 2 * i;
-    const float* up = gate + i;
-    float* a = act + r * i;
-    if (c.activation == 0) {
-      for (int64_t j = 0; j < i; ++j) {
-        const float g = gate[j];
-        a[j] = g / (1.0f + std::exp(-g)) * up[j];
-      }
-    } else {  // transformers GptOssExperts._apply_gate: gate clamped above only, up both ways
-      const float lim = c.swiglu_limit, alpha = c.swiglu_alpha;
-      for (int64_t j = 0; j < i; ++j) {
-        const float g = std::min(gate[j], lim);
-        const float u = std::clamp(up[j], -lim, lim);
-        a[j] = (u + 1.0f) * (g * (1.0f / (1.0f + std::exp(-(g * alpha)))));
-      }
+  const float* gate = h13;
+  const float* up = gate + i;
+  if (c.activation == 0) {
+    for (int64_t j = 0; j < i; ++j) {
+      const float g = gate[j];
+      act[j] = g / (1.0f + std::exp(-g)) * up[j];
+    }
+  } else {  // transformers GptOssExperts._apply_gate: gate clamped above only, up both ways
+    const float lim = c.swiglu_limit, alpha = c.swiglu_alpha;
+    for (int64_t j = 0; j < i; ++j) {
+      const float g = std::min(gate[j], lim);
+      const float u = std::clamp(up[j], -lim, lim);
+      act[j] = (u + 1.0f) * (g * (1.0f / (1.0f + std::exp(-(g * alpha)))));
     }
   }
 }
 
-int32_t linear(const KiMoeExperts& c, bool down, int64_t e, const float* x, int64_t m, const float* bias, float* y,
-               int32_t nthreads) {
+// y[r, :nr] (rows y_stride apart) = x[r, :] @ W_e[r0 : r0 + nr, :]^T (+ bias[r0 :]) for r < m, one thread.
+int32_t linear_rows(const KiMoeExperts& c, bool down, int64_t e, int64_t r0, int64_t nr, const float* x,
+                    int64_t x_stride, int64_t m, float* y, int64_t y_stride) {
   const int64_t n = down ? c.hidden : 2 * c.inter, k = down ? c.inter : c.hidden;
+  const float* bias = down ? (c.b2 ? c.b2 + e * n : nullptr) : (c.b13 ? c.b13 + e * n : nullptr);
+  if (bias) bias += r0;
   if (c.kind == 0) {
     const auto* base = static_cast<const uint8_t*>(down ? c.w2 : c.w13);
-    return reinterpret_cast<ki_qlinear_fn>(c.qlinear)(base + e * c.desc_bytes, x, m, k, bias, y, n, nthreads);
+    KiQWeight w = *reinterpret_cast<const KiQWeight*>(base + e * c.desc_bytes);
+    const int64_t scale_bytes = w.scale_is_f16 ? 2 : 4;
+    w.q += r0 * w.row_bytes;
+    w.scales = static_cast<const uint8_t*>(w.scales) + r0 * w.groups * scale_bytes;
+    if (w.mins) w.mins = static_cast<const uint8_t*>(w.mins) + r0 * w.groups * scale_bytes;
+    w.n = nr;
+    w.packed = nullptr;
+    return reinterpret_cast<ki_qlinear_fn>(c.qlinear)(&w, x, m, x_stride, bias, y, y_stride, 1);
   }
-  const int64_t block_bytes = n * (k / 32) * 16, scale_bytes = n * (k / 32);
-  const auto* blocks = static_cast<const uint8_t*>(down ? c.w2 : c.w13) + e * block_bytes;
-  const auto* scales = static_cast<const uint8_t*>(down ? c.w2_scales : c.w13_scales) + e * scale_bytes;
-  return reinterpret_cast<ki_mxfp4_fn>(c.mxfp4)(blocks, scales, n, k, x, m, k, bias, y, n, nthreads);
+  const int64_t nb = k / 32;
+  const auto* blocks = static_cast<const uint8_t*>(down ? c.w2 : c.w13) + (e * n + r0) * nb * 16;
+  const auto* scales = static_cast<const uint8_t*>(down ? c.w2_scales : c.w13_scales) + (e * n + r0) * nb;
+  return reinterpret_cast<ki_mxfp4_fn>(c.mxfp4)(blocks, scales, nr, k, x, m, x_stride, bias, y, y_stride, 1);
 }
 
 }  // namespace
@@ -101,14 +129,14 @@ int32_t kubeinfer_moe_experts_abi() { return 1; }
 // out[t, :] = sum_j weights[t, j] * down_e(act(gate_up_e(x[t, :]))) with e = ids[t, j], for t < tokens.
 // x [tokens, H] fp32 rows `x_stride` apart; ids [tokens, top_k] int64; weights [tokens, top_k] fp32;
 // out [tokens, H] fp32 contiguous, overwritten. Returns 0; 2 for bad arguments (null pointers, sizes,
-// an expert id outside [0, E), a kind without its entry point); otherwise the first non-zero code of a
-// GEMM (out is then unspecified).
+// an expert id outside [0, E), a kind without its entry point, a descriptor size other than KiQWeight's);
+// otherwise the first non-zero code of a GEMM (out is then unspecified).
 int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tokens, int64_t x_stride,
                               const int64_t* ids, const float* weights, int64_t top_k, float* out, int32_t nthreads) {
   if (!c || !x || !ids || !weights || !out || tokens < 0 || top_k < 1 || c->num_experts < 1 || c->hidden < 1 ||
       c->inter < 1 || x_stride < c->hidden || !c->w13 || !c->w2)
     return 2;
-  if (c->kind == 0 ? (!c->qlinear || c->desc_bytes < 1)
+  if (c->kind == 0 ? (!c->qlinear || c->desc_bytes != static_cast<int64_t>(sizeof(KiQWeight)))
                    : (c->kind != 1 || !c->mxfp4 || !c->w13_scales || !c->w2_scales || c->hidden % 32 ||
                       c->inter % 32))
     return 2;
@@ -127,36 +155,65 @@ int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tok
   s.fill = s.offsets;
   s.pairs.resize(P);
   for (int64_t p = 0; p < P; ++p) s.pairs[s.fill[ids[p]]++] = p;
-  const int64_t most = *std::max_element(s.counts.begin(), s.counts.end());
-  s.xs.resize(static_cast<size_t>(most * H));
-  s.h13.resize(static_cast<size_t>(most * 2 * I));
-  s.act.resize(static_cast<size_t>(most * I));
-  s.y.resize(static_cast<size_t>(most * H));
+  s.active.clear();
+  for (int64_t e = 0; e < E; ++e)
+    if (s.counts[e]) s.active.push_back(e);
+  // rows of the buffers follow the sorted pairs: expert e's are offsets[e] .. offsets[e] + counts[e]
+  s.xs.resize(static_cast<size_t>(P * H));
+  s.h13.resize(static_cast<size_t>(P * 2 * I));
+  s.act.resize(static_cast<size_t>(P * I));
+  s.y.resize(static_cast<size_t>(P * H));
+  const int64_t A = static_cast<int64_t>(s.active.size());
+  const int64_t gu_chunks = (2 * I + ROWS - 1) / ROWS, down_chunks = (H + ROWS - 1) / ROWS;
+  const int64_t cols = 256, col_chunks = (H + cols - 1) / cols;
+  const int64_t* pairs = s.pairs.data();
+  const int64_t* offsets = s.offsets.data();
+  const int64_t* counts = s.counts.data();
+  const int64_t* active = s.active.data();
+  float *xs = s.xs.data(), *h13 = s.h13.data(), *act = s.act.data(), *y = s.y.data();
+  int32_t failed = 0;
+  const int nt = std::max(1, static_cast<int>(std::min<int64_t>(nthreads, A * std::max(gu_chunks, down_chunks))));
 
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = s.counts[e];
-    if (n == 0) continue;
-    const int64_t* pe = s.pairs.data() + s.offsets[e];
-    const float* xe;
-    if (n == 1) {  // one token (decode at one user): its row as it is, no gather
-      xe = x + (pe[0] / top_k) * x_stride;
-    } else {
-      for (int64_t r = 0; r < n; ++r)
-        std::memcpy(s.xs.data() + r * H, x + (pe[r] / top_k) * x_stride, sizeof(float) * static_cast<size_t>(H));
-      xe = s.xs.data();
+#pragma omp parallel num_threads(nt)
+  {
+    // gather each expert's tokens (one token: its row of x is read where it is)
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < P; ++r)
+      std::memcpy(xs + r * H, x + (pairs[r] / top_k) * x_stride, sizeof(float) * static_cast<size_t>(H));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < A * gu_chunks; ++task) {
+      const int64_t e = active[task / gu_chunks], r0 = (task % gu_chunks) * ROWS;
+      const int64_t nr = std::min(ROWS, 2 * I - r0), off = offsets[e];
+      const int32_t rc = linear_rows(*c, false, e, r0, nr, xs + off * H, H, counts[e], h13 + off * 2 * I + r0, 2 * I);
+      if (rc != 0) {
+#pragma omp atomic write
+        failed = rc;
+      }
     }
-    int32_t rc = linear(*c, false, e, xe, n, c->b13 ? c->b13 + e * 2 * I : nullptr, s.h13.data(), nthreads);
-    if (rc != 0) return rc;
-    activate(*c, s.h13.data(), s.act.data(), n);
-    rc = linear(*c, true, e, s.act.data(), n, c->b2 ? c->b2 + e * H : nullptr, s.y.data(), nthreads);
-    if (rc != 0) return rc;
-    for (int64_t r = 0; r < n; ++r) {
-      const float w = weights[pe[r]];
-      const float* yr = s.y.data() + r * H;
-      float* o = out + (pe[r] / top_k) * H;
-      for (int64_t j = 0; j < H; ++j) o[j] += yr[j] * w;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < P; ++r) activate(*c, h13 + r * 2 * I, act + r * I);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < A * down_chunks; ++task) {
+      const int64_t e = active[task / down_chunks], r0 = (task % down_chunks) * ROWS;
+      const int64_t nr = std::min(ROWS, H - r0), off = offsets[e];
+      const int32_t rc = linear_rows(*c, true, e, r0, nr, act + off * I, I, counts[e], y + off * H + r0, H);
+      if (rc != 0) {
+#pragma omp atomic write
+        failed = rc;
+      }
+    }
+    // out[t] += w * y, experts in ascending order per output value, as FusedMoE._grouped's index_add_
+#pragma omp for schedule(static)
+    for (int64_t cc = 0; cc < col_chunks; ++cc) {
+      const int64_t c0 = cc * cols, c1 = std::min(H, c0 + cols);
+      for (int64_t r = 0; r < P; ++r) {
+        const float w = weights[pairs[r]];
+        const float* yr = y + r * H;
+        float* o = out + (pairs[r] / top_k) * H;
+        for (int64_t j = c0; j < c1; ++j) o[j] += yr[j] * w;
+      }
     }
   }
-  return 0;
+  return failed;
 }
 }
