@@ -5,7 +5,8 @@ The blocks are the file's own (default: the 2.1B Qwen3-MoE shape of benchmarks/r
 Q4_K_M: Q4_K gate/up, Q6_K or Q4_K down, 16 experts, top-8, hidden 2048, expert intermediate 768),
 `--layers` of them served as the loader serves them (BlockQuantExperts over qlinear's kernel, router in
 fp32) and stepped in turn, each step with new tokens, so the chosen experts' bytes come from memory, not
-from a cache that holds one layer. Per case: median ms per block step for each path, the router + top-k
+from a cache that holds one layer. Per case: median ms per block step for each path (the fused call also with the experts computing in
+bf16, as the engine sets them under `--dtype auto` on a CPU with native bf16), the router + top-k
 alone, and at one token the chosen experts' bytes over the step's time (as repacked in memory: Q4_K at
 6.0 bits per weight, Q6_K at 10.0; and as in the file, 4.5 and 6.56) against a 64 MiB copy's bandwidth.
 The machine may be shared: compare the ratios; the load average is printed before and after.
@@ -97,20 +98,25 @@ def main() -> None:
         "cpu_features": usable_cpu_features().names(),
         "copy_gb_per_s": round(_copy_gb_per_s(), 2),
     }
-    paths = {"loop": "0", "fused": "1"}
+    # (KUBEINFER_MOE_FUSED, the experts' compute dtype): bf16 lets batches of 4+ rows per expert take
+    # qlinear's bf16 path (and 4-bit 32-groups the int8 batched path), as the engine sets under --dtype auto
+    paths = {"loop": ("0", torch.float32), "fused": ("1", torch.float32), "fused_bf16": ("1", torch.bfloat16)}
     for t in args.tokens:
         times: dict[str, list[float]] = {p: [] for p in (*paths, "route")}
         chosen_bytes: list[float] = []
         chosen_file_bytes: list[float] = []
         step = 0
         with torch.inference_mode():
-            for flag in paths.values():  # warm both
+            for flag, compute in paths.values():  # warm each
                 os.environ[ENABLE_ENV] = flag
                 for b in blocks:
+                    b.experts.compute = compute  # type: ignore[attr-defined]
                     b(torch.randn(t, cfg.hidden_size, generator=g))
             for r in range(args.rounds):
-                for name, flag in paths.items() if r % 2 == 0 else reversed(paths.items()):
+                for name, (flag, compute) in paths.items() if r % 2 == 0 else reversed(paths.items()):
                     os.environ[ENABLE_ENV] = flag
+                    for b in blocks:
+                        b.experts.compute = compute  # type: ignore[attr-defined]
                     for _ in range(args.reps):
                         n = step % len(blocks)
                         step += 1
@@ -133,7 +139,9 @@ def main() -> None:
         case: dict[str, object] = {
             "loop_ms": round(med["loop"], 3),
             "fused_ms": round(med["fused"], 3),
+            "fused_bf16_ms": round(med["fused_bf16"], 3),
             "fused_speedup": round(med["loop"] / med["fused"], 2),
+            "fused_bf16_speedup": round(med["loop"] / med["fused_bf16"], 2),
             "route_ms": round(med["route"], 3),
             "chosen_mb_in_memory": round(statistics.mean(chosen_bytes) / 1e6, 2),
             "chosen_mb_in_file": round(statistics.mean(chosen_file_bytes) / 1e6, 2),

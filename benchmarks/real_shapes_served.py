@@ -13,6 +13,8 @@ llama-quantize. Servers, per model:
 
 - `ours-gguf`: `python -m server` on the GGUF (`--gguf-type`, default Q4_K_M), our defaults but a KV
   cache of 8,192 tokens (llama-server's context: resident memory compares like with like);
+- `ours-gguf-loop`: ours-gguf with `KUBEINFER_MOE_FUSED=0` (MoE experts one kernel call each from Python,
+  the path before the fused experts call): `--phases ours-gguf,ours-gguf-loop` is a before/after run;
 - `ours-hf`: the same on the bf16 folder;
 - `llama`: llama.cpp's llama-server on the same GGUF (2 threads, 16 slots sharing one 8,192-token KV
   region `-kvu`, so one slot can take the long prompt);
@@ -76,9 +78,10 @@ from peers_side_by_side import (  # noqa: E402
 from peers_side_by_side import Spec as _PeerSpec  # noqa: E402
 from real_shape_models import DEFAULT_OUT, SHAPES, gguf_path  # noqa: E402
 
-SERVERS = ("ours-gguf", "ours-hf", "llama", "vllm-bf16")
+SERVERS = ("ours-gguf", "ours-gguf-loop", "ours-hf", "llama", "vllm-bf16")
 LABELS = {
     "ours-gguf": "kubeinfer on the GGUF",
+    "ours-gguf-loop": "kubeinfer on the GGUF, MoE experts one torch call each (KUBEINFER_MOE_FUSED=0)",
     "ours-hf": "kubeinfer on the bf16 folder",
     "llama": "llama.cpp llama-server on the GGUF",
     "vllm-bf16": "vLLM (CPU build) on the folder, bfloat16",
@@ -123,6 +126,8 @@ def command(t: Target, port: int, peers_dir: Path, threads: int) -> tuple[list[s
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if t.server.startswith("ours"):
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        if t.server == "ours-gguf-loop":  # the MoE experts' former path, for before/after phases
+            env["KUBEINFER_MOE_FUSED"] = "0"
         cmd = [sys.executable, "-m", "server", "--model", str(t.model_path), "--served-model-name", t.model]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-concurrent-requests", "1024"]
         folder = t.model_path.parent if t.model_path.suffix == ".gguf" else t.model_path
@@ -426,6 +431,7 @@ def main() -> int:
             folder = args.models_dir / model
             path = {
                 "ours-gguf": gguf_path(folder, args.gguf_type),
+                "ours-gguf-loop": gguf_path(folder, args.gguf_type),
                 "llama": gguf_path(folder, args.gguf_type),
                 "ours-hf": folder,
                 "vllm-bf16": folder,

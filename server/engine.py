@@ -38,6 +38,7 @@ from server.models.loader import (
     resolve_dtype,
     resolve_model,
 )
+from server.models.moe.quant import apply_moe_gemm_dtype
 from server.models.serving_weights import prepare_for_serving
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
@@ -186,6 +187,7 @@ class LLMEngine:
                 resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
             )
             self.gemm_dtype = cpu_gemm_dtype(compute)
+            apply_moe_gemm_dtype(self.loaded.model, self.gemm_dtype)  # quantized experts' batches alike
             if apply_gemm_dtype(self.loaded.model, self.gemm_dtype) and self.gemm_dtype == torch.bfloat16:
                 packed = pack_int8_weights(self.loaded.model)
                 if packed:
