@@ -128,3 +128,16 @@ def test_fused_call_checks_its_arguments() -> None:
         call.run(x.double(), torch.zeros(2, 2, dtype=torch.int64), w, entry)
     empty = call.run(torch.empty(0, H), torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2), entry)
     assert empty.shape == (0, H)
+
+
+@needs_kernels
+@pytest.mark.slow  # ~20 s on a shared 2-core machine
+def test_a_prefill_sized_call_then_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call over the scratch the library keeps (10k tokens: its buffers are released after) and the
+    next one-token call, on fresh buffers, both equal the loop."""
+    moe = _block("qwen3_moe", "q4_0")
+    gen = torch.Generator().manual_seed(5)
+    for t in (10_000, 1):
+        x = torch.randn(t, H, generator=gen)
+        fused, loop = _both(moe, x, monkeypatch)
+        assert (fused - loop).abs().max() <= RTOL * loop.abs().max(), f"T={t}"

@@ -70,6 +70,7 @@ struct KiQWeight {
 };
 
 constexpr int64_t ROWS = 96;  // rows per task: whole 4-row GEMV tiles, 12-row panels and 16-row groups
+constexpr int64_t KEEP_FLOATS = int64_t{1} << 22;  // scratch kept between calls: up to 16 MiB
 
 struct Scratch {
   std::vector<int64_t> counts, offsets, fill, pairs, active;
@@ -214,6 +215,9 @@ int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tok
       }
     }
   }
+  // Decode-sized buffers stay for the next step; a prefill chunk's (up to ~100 MB at 2k tokens) are not
+  // held between calls: the allocation is small next to that chunk's GEMMs.
+  if (P * (2 * H + 3 * I) > KEEP_FLOATS) s = Scratch();
   return failed;
 }
 }
