@@ -9,7 +9,8 @@ Sections:
   qgemv_q8.cpp's int8 one on each code path this CPU runs (vnni, avx2), interleaved call by call, the
   weights cycled through enough copies to exceed twice the last-level cache (each call streams its
   weight from memory, as a decode step does). Median us per call and the median per-repetition ratio.
-- `step`: one engine on the embedded model, 1 and 4 users (128-token prompts), pure decode steps
+- `step`: one engine on the embedded model (or `--model` FILE, e.g. a real-shape GGUF), 1 and 4 users
+  (`--users`; 128-token prompts), pure decode steps
   alternating between the switch off and on (each state's decode graph recorded once, then swapped in):
   step ms p50 and min per state, and the median per-pair ratio.
 - `served`: two `python -m server` processes on the embedded model, KUBEINFER_INT8_GEMV=0 and =1,
@@ -110,7 +111,9 @@ def gemv_rows(fmts: list[str], shapes: dict[str, tuple[int, int]], ms: list[int]
     return rows
 
 
-def steps(users_list: list[int], prompt_len: int, n_steps: int) -> list[dict[str, object]]:
+def steps(
+    users_list: list[int], prompt_len: int, n_steps: int, model_path: str | None = None
+) -> list[dict[str, object]]:
     """Decode step time of one engine with the int8 GEMV on and off, steps alternating (the decode graph
     recorded once per state and swapped in, the LM head following the switch)."""
     import server  # noqa: F401  (CPU runtime settings before the engine loads)
@@ -118,7 +121,9 @@ def steps(users_list: list[int], prompt_len: int, n_steps: int) -> list[dict[str
     from server.engine import LLMEngine
     from server.request import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=CacheConfig()))
+    engine = LLMEngine(
+        EngineConfig(model=ModelConfig(model=model_path, max_model_len=1024), cache=CacheConfig())
+    )
     model = engine.loaded.model
     rows: list[dict[str, object]] = []
     for users in users_list:
@@ -215,6 +220,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=4, help="requests per round (one user: one at a time)")
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
+    ap.add_argument("--model", default=None, help="`step`: a .gguf or folder instead of the embedded model")
+    ap.add_argument("--users", default="1,4", help="`step`: batch sizes")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -234,7 +241,8 @@ def main() -> None:
         cold = (4 << 20) if args.smoke else 2 * llc_bytes()
         out["gemv"] = gemv_rows(args.formats.split(","), shapes, [1, 4], cold, reps)
     if "step" in sections:
-        out["step"] = steps([1, 4], 128, 6 if args.smoke else args.steps)
+        users = [int(u) for u in args.users.split(",")]
+        out["step"] = steps(users, 128, 6 if args.smoke else args.steps, args.model)
     if "served" in sections:
         out["served"] = served(
             2 if args.smoke else args.rounds,
