@@ -48,6 +48,14 @@ SHAPES = {
     "down_576x1536": (576, 1536),
     "lm_head_49152x576": (49152, 576),
 }
+# `--shapes llama-3.2-1b`: its projections (q/o, k/v, gate_up, down) and its tied 128,256-row LM head
+LLAMA_1B_SHAPES = {
+    "qo_2048x2048": (2048, 2048),
+    "kv_512x2048": (512, 2048),
+    "gate_up_16384x2048": (16384, 2048),
+    "down_2048x8192": (2048, 8192),
+    "lm_head_128256x2048": (128256, 2048),
+}
 
 
 def timed_cpu(
@@ -216,7 +224,8 @@ def main() -> None:
     ap.add_argument("--only", default="gemv,step,served", help="sections to run")
     ap.add_argument("--steps", type=int, default=60, help="decode steps per state (`step`)")
     ap.add_argument("--reps", type=int, default=0)
-    ap.add_argument("--formats", default="q4_1,q8_0,q4_0")
+    ap.add_argument("--formats", default="q4_1,q8_0,q4_0", help="also q4_k, q6_k (K in 256s)")
+    ap.add_argument("--shapes", default="smollm2", choices=["smollm2", "llama-3.2-1b"], help="`gemv` shapes")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=4, help="requests per round (one user: one at a time)")
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
@@ -238,6 +247,8 @@ def main() -> None:
     }
     if "gemv" in sections:
         shapes = {"small_64x576": (64, 576)} if args.smoke else SHAPES
+        if args.shapes == "llama-3.2-1b":
+            shapes = {"small_64x2048": (64, 2048)} if args.smoke else LLAMA_1B_SHAPES
         cold = (4 << 20) if args.smoke else 2 * llc_bytes()
         out["gemv"] = gemv_rows(args.formats.split(","), shapes, [1, 4], cold, reps)
     if "step" in sections:
