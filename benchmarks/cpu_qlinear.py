@@ -111,6 +111,11 @@ def make(fmt: str, n: int, k: int) -> cq.BlockQuantWeight:
         return cq.from_int4(
             torch.randint(0, 16, (k, n)), torch.randint(0, 16, (k // g, n)), torch.rand(k // g, n).half(), g
         )
+    if fmt in cq.GGUF_SUPER_BLOCK_BYTES:  # k-quants: ggml's reference quantizer (tests/gguf_quant.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from gguf_quant import K_QUANTIZERS
+
+        return cq.from_gguf_k_blocks(K_QUANTIZERS[fmt.upper()](w.numpy()), fmt, n, k)
     return cq.quantize_block(w, fmt)
 
 

@@ -9,7 +9,8 @@ Sections:
   qgemv_q8.cpp's int8 one on each code path this CPU runs (vnni, avx2), interleaved call by call, the
   weights cycled through enough copies to exceed twice the last-level cache (each call streams its
   weight from memory, as a decode step does). Median us per call and the median per-repetition ratio.
-- `step`: one engine on the embedded model, 1 and 4 users (128-token prompts), pure decode steps
+- `step`: one engine on the embedded model (or `--model` FILE, e.g. a real-shape GGUF), 1 and 4 users
+  (`--users`; 128-token prompts), pure decode steps
   alternating between the switch off and on (each state's decode graph recorded once, then swapped in):
   step ms p50 and min per state, and the median per-pair ratio.
 - `served`: two `python -m server` processes on the embedded model, KUBEINFER_INT8_GEMV=0 and =1,
@@ -46,6 +47,14 @@ SHAPES = {
     "gate_up_3072x576": (3072, 576),
     "down_576x1536": (576, 1536),
     "lm_head_49152x576": (49152, 576),
+}
+# `--shapes llama-3.2-1b`: its projections (q/o, k/v, gate_up, down) and its tied 128,256-row LM head
+LLAMA_1B_SHAPES = {
+    "qo_2048x2048": (2048, 2048),
+    "kv_512x2048": (512, 2048),
+    "gate_up_16384x2048": (16384, 2048),
+    "down_2048x8192": (2048, 8192),
+    "lm_head_128256x2048": (128256, 2048),
 }
 
 
@@ -110,7 +119,9 @@ def gemv_rows(fmts: list[str], shapes: dict[str, tuple[int, int]], ms: list[int]
     return rows
 
 
-def steps(users_list: list[int], prompt_len: int, n_steps: int) -> list[dict[str, object]]:
+def steps(
+    users_list: list[int], prompt_len: int, n_steps: int, model_path: str | None = None
+) -> list[dict[str, object]]:
     """Decode step time of one engine with the int8 GEMV on and off, steps alternating (the decode graph
     recorded once per state and swapped in, the LM head following the switch)."""
     import server  # noqa: F401  (CPU runtime settings before the engine loads)
@@ -118,7 +129,9 @@ def steps(users_list: list[int], prompt_len: int, n_steps: int) -> list[dict[str
     from server.engine import LLMEngine
     from server.request import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=CacheConfig()))
+    engine = LLMEngine(
+        EngineConfig(model=ModelConfig(model=model_path, max_model_len=1024), cache=CacheConfig())
+    )
     model = engine.loaded.model
     rows: list[dict[str, object]] = []
     for users in users_list:
@@ -211,10 +224,13 @@ def main() -> None:
     ap.add_argument("--only", default="gemv,step,served", help="sections to run")
     ap.add_argument("--steps", type=int, default=60, help="decode steps per state (`step`)")
     ap.add_argument("--reps", type=int, default=0)
-    ap.add_argument("--formats", default="q4_1,q8_0,q4_0")
+    ap.add_argument("--formats", default="q4_1,q8_0,q4_0", help="also q4_k, q6_k (K in 256s)")
+    ap.add_argument("--shapes", default="smollm2", choices=["smollm2", "llama-3.2-1b"], help="`gemv` shapes")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=4, help="requests per round (one user: one at a time)")
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
+    ap.add_argument("--model", default=None, help="`step`: a .gguf or folder instead of the embedded model")
+    ap.add_argument("--users", default="1,4", help="`step`: batch sizes")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -231,10 +247,13 @@ def main() -> None:
     }
     if "gemv" in sections:
         shapes = {"small_64x576": (64, 576)} if args.smoke else SHAPES
+        if args.shapes == "llama-3.2-1b":
+            shapes = {"small_64x2048": (64, 2048)} if args.smoke else LLAMA_1B_SHAPES
         cold = (4 << 20) if args.smoke else 2 * llc_bytes()
         out["gemv"] = gemv_rows(args.formats.split(","), shapes, [1, 4], cold, reps)
     if "step" in sections:
-        out["step"] = steps([1, 4], 128, 6 if args.smoke else args.steps)
+        users = [int(u) for u in args.users.split(",")]
+        out["step"] = steps(users, 128, 6 if args.smoke else args.steps, args.model)
     if "served" in sections:
         out["served"] = served(
             2 if args.smoke else args.rounds,

@@ -1,7 +1,8 @@
 """Linear layers with int8 activations (csrc/qgemv_q8.cpp): llama.cpp's Q8 x Q4/Q8 dot products on our layout.
 
 For M <= 4 rows of x (decode) and weights in 32-value groups (GGUF Q4_0 / Q4_1 / Q8_0, Q4_K repacked,
-int4 with group 32: `BlockQuantWeight`, server/quant/cpu_qlinear.py), each row of x is quantized per
+int4 with group 32: `BlockQuantWeight`, server/quant/cpu_qlinear.py) or 8-bit ones in 16-value groups
+without min (Q6_K repacked: each half of a 32-block dotted on its own, `is_g16`), each row of x is quantized per
 32-block to int8 with an fp32 scale (ggml's quantize_row_q8_1: d = max|x_b| / 127, q = round(x / d),
 half to even, plus the block's d * sum(q) for the min and zero-point terms), and every block's dot
 product runs on integers: AVX512-VNNI `vpdpbusd`, else AVX2 `vpmaddubsw`/`vpmaddwd`, else scalar C++,
@@ -21,7 +22,7 @@ against fp32 activations is the same bound as the GEMV's (~5e-3 relative on Gaus
 ~2.4e-3).
 
 Serving: `KUBEINFER_INT8_GEMV` (`1` on for every layer, `0` off; unset: on for layers computing in bf16
-where AMX-INT8 is usable, off elsewhere: `default_gemv_enabled`, docs/benchmarks.md "int8 activations", "AMX")
+where AVX512-VNNI is usable, off elsewhere: `default_gemv_enabled`, docs/benchmarks.md "int8 activations", "AMX")
 routes the decode GEMV of BlockQuantLinear and of the decode graph here, `KUBEINFER_INT8_GEMM` (default
 on) the batches (`small_m_linear`, `BlockQuantLinear.int8_kernel`, `decode_qlinear_address`); what this
 kernel does not take still goes to qlinear.cpp, the library's fallback (`Q8GemvKernel.supports` says which).
@@ -60,7 +61,8 @@ from server.quant.cpu_qlinear import (
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv_q8.cpp"
-ABI_VERSION = 4  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes; 3: 8-bit W batched; 4: packed W
+ABI_VERSION = 5  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes; 3: 8-bit W batched; 4: packed W
+# 5: the GEMV takes 8-bit W in 16-value groups (Q6_K repacked)
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit.
 NATIVE = NativeSource(
     "qgemv_q8", SOURCE, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20"), abi_version=ABI_VERSION
@@ -85,13 +87,16 @@ PACK_ENABLE_ENV = "KUBEINFER_INT8_PACK"
 PACK_MEMORY_SHARE = 0.25
 
 
-# KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of layers computing in bf16 where AMX-INT8 is
-# usable (Intel Xeon 4th gen and later, whose cores run 512-bit VNNI at full width): served one-user decode
-# 1.8x the fp32-activation GEMV there (docs/benchmarks.md "AMX"). Elsewhere off: on a 2-core Zen 4 it was
-# faster per call and per decode step at 4 users, not in served one-user tok/s ("int8 activations").
+# KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of layers computing in bf16 where the vnni path
+# runs (AVX512-VNNI: Intel Xeon with AMX, AMD Zen 4+). Served one-user decode 1.8x the fp32-activation GEMV
+# on a Xeon with AMX (docs/benchmarks.md "AMX"); on a 2-core Zen 4 the embedded 135M model did not show it
+# in served tok/s (overhead-bound), but a 1B model does: Llama-3.2-1B Q4_K_M decode steps 2.3x (the fp32
+# GEMV decodes nibbles to floats and is compute-bound at 3-11 GB/s; the int8 one streams 14-24 GB/s a core,
+# docs/benchmarks.md "one-user decode on k-quants"). Layers computing in fp32 (--dtype float32, the parity
+# tests) keep fp32 activations unless the switch says 1.
 def default_gemv_enabled() -> bool:
-    """Whether the GEMV is on when KUBEINFER_INT8_GEMV is unset: AMX-INT8 usable here and the vnni path
-    running (`usable_cpu_features`: what the OS enables, minus KUBEINFER_CPU_DISABLE); False where the
+    """Whether the GEMV is on (for bf16 layers) when KUBEINFER_INT8_GEMV is unset: the vnni path running
+    (`usable_cpu_features`: what the OS enables, minus KUBEINFER_CPU_DISABLE); False where the
     feature probe cannot be built. Cached per KUBEINFER_CPU_DISABLE value (it is asked per projection)."""
     return _gemv_default_for(os.environ.get(DISABLE_ENV, ""))
 
@@ -103,7 +108,7 @@ def _gemv_default_for(disabled: str) -> bool:  # `disabled`: the cache key; the 
     except (KernelBuildError, OSError) as e:
         log.warning("CPU feature probe unavailable, the int8 GEMV stays off by default: %s", e)
         return False
-    return features.amx_int8 and path_for(features) == "vnni"
+    return path_for(features) == "vnni"
 
 
 def path_for(features: CpuFeatures) -> str:
@@ -119,6 +124,20 @@ def gemm_max_rows_for(features: CpuFeatures) -> int | None:
     """The batched path's largest M: AMX_GEMM_MAX_ROWS where AMX-BF16 is usable (oneDNN's bf16 GEMM is
     faster from there), else no limit."""
     return AMX_GEMM_MAX_ROWS if features.amx_bf16 else None
+
+
+def is_g16(w: BlockQuantWeight) -> bool:
+    """8-bit values in 16-value groups without zero point or min (Q6_K as the loader repacks it): the
+    GEMV's other layout (qgemv_q8.cpp's is_g16), x still quantized per 32-block."""
+    k = w.in_features
+    return (
+        w.bits == 8
+        and w.group_size == 16
+        and k >= BLOCK
+        and k % BLOCK == 0
+        and w.mins is None
+        and w.zero_point == 0
+    )
 
 
 # ------------------------------------------------------------------ torch references
@@ -188,6 +207,8 @@ class Q8GemvKernel:
         MAX_ROWS, the batched path for larger m with 4/8-bit W on the vnni path where `compute` is bf16): the
         C side's kubeinfer_qgemv_q8_supports, in Python (no ctypes call per projection)."""
         k = w.in_features
+        if m <= MAX_ROWS and is_g16(w):
+            return self.modes[0] and m >= 1 and (self.modes[2] or compute == torch.bfloat16)
         if k % BLOCK or w.group_size != BLOCK or w.groups != k // BLOCK:
             return False
         if m > MAX_ROWS:

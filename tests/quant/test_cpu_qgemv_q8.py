@@ -67,7 +67,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: BlockQuantWeight, bias: torch.Te
 
 # K: under one 8-block chunk (96), 2 chunks plus 2 leftover blocks (576), SmolLM2's down (1536).
 @pytest.mark.parametrize("path", q8.PATHS)
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "int4"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "int4", "q6_k"])  # q6_k: K in 256s
 @pytest.mark.parametrize("n,k", [(37, 96), (13, 576), (9, 1536)])
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_int8_gemv_matches_the_references(
@@ -79,6 +79,28 @@ def test_int8_gemv_matches_the_references(
     w = make_weight(fmt, n, k, seed=n + k + m)  # q4_k: fp32 scales and mins; int4: group 32, fp32
     x = torch.randn(m, w.in_features) * torch.linspace(0.1, 4.0, w.in_features)  # unequal block scales
     bias = torch.randn(n) if m % 2 else None
+    _check(fast.linear(x, w, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("path", q8.PATHS)
+@pytest.mark.parametrize("k", [32, 96, 224, 288])  # blocks: one, 3 (tail only), 7 (4 + 3), 9 (8 + 1)
+@pytest.mark.parametrize("m", [1, 3])
+def test_8_bit_weights_in_16_value_groups(fast: q8.Q8GemvKernel, path: str, k: int, m: int) -> None:
+    """Q6_K's repacked layout (q - 32 as int8, an fp32 scale per 16, no min) at K that leave blocks past
+    the 4-block loop, extreme values and an unequal scale per half of every 32-block."""
+    if path not in _available(fast):
+        pytest.skip(f"this CPU (or KUBEINFER_CPU_DISABLE) does not allow the {path} path")
+    assert fast.set_path(path) == path
+    g = torch.Generator().manual_seed(k + m)
+    n = 11
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    q[0, :] = -32
+    q[1, :] = 31
+    scales = torch.rand(n, k // 16, generator=g) * torch.tensor([1e-3, 1.0]).repeat(k // 32)
+    w = BlockQuantWeight(q, scales, None, "q6_k", 8, 16, 0, k, n)
+    assert fast.supports(w, m)
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 4.0, k)
+    bias = torch.randn(n, generator=g)
     _check(fast.linear(x, w, bias), x, w, bias)
 
 
@@ -145,8 +167,8 @@ def test_launcher_refuses_what_the_kernel_does_not_take(fast: q8.Q8GemvKernel) -
         fast.linear(torch.randn(5, 64), w)  # compute fp32: not the batched path
     with pytest.raises(ValueError, match="32-value groups"):
         fast.linear(torch.randn(1, 64), make_weight("int8", 8, 64))  # one group of K
-    with pytest.raises(ValueError, match="32-value groups"):
-        fast.linear(torch.randn(1, 256), make_weight("q6_k", 8, 256))  # 16-value groups
+    with pytest.raises(ValueError, match="32-value groups"):  # 4-bit in 16-value groups (Q3_K, Q2_K)
+        fast.linear(torch.randn(1, 64), make_weight("int4", 8, 64, group=16))
     with pytest.raises(TypeError):
         fast.linear(torch.randn(1, 64).double(), w)
     with pytest.raises(ValueError, match="x must be"):
@@ -170,7 +192,7 @@ def test_the_entry_point_matches_the_python_choice(
     x = torch.randn(m, w.in_features)
     desc = cq.weight_descriptor(w)
     assert bool(fast.lib.kubeinfer_qgemv_q8_supports(ctypes.byref(desc), m)) == fast.supports(w, m)
-    assert fast.supports(w, m) == (fmt == "q4_1" and m <= 4)
+    assert fast.supports(w, m) == (fmt in ("q4_1", "q6_k") and m <= 4)
     y = torch.empty(m, 20)
     rc = fast.lib.kubeinfer_qgemv_q8(
         ctypes.byref(desc), x.data_ptr(), m, x.stride(0), None, y.data_ptr(), 20, 2
@@ -222,35 +244,37 @@ def test_the_start_log_names_the_int8_paths(
     assert q8.int8_paths_text().endswith(f"every layer's decode rows 1-4 ({q8.ENABLE_ENV}=0 keeps fp32)")
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
-def test_the_gemv_default_follows_amx_and_the_layer_dtype(
+@pytest.mark.parametrize("vnni", [False, True], ids=["no-vnni", "vnni"])
+def test_the_gemv_default_follows_vnni_and_the_layer_dtype(
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
     kernel: QLinearKernel,
     fast: q8.Q8GemvKernel,
-    amx: bool,
+    vnni: bool,
 ) -> None:
-    """KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of bf16 layers where AMX-INT8 is usable
-    (and the vnni path runs) and nothing else; fp32 layers keep fp32 activations unless the switch says 1 (the Python launchers and
-    the decode graph's C entry alike)."""
+    """KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of bf16 layers where the vnni path runs
+    (AVX512-VNNI usable, with or without AMX) and nothing else; fp32 layers keep fp32 activations unless the
+    switch says 1 (the Python launchers and the decode graph's C entry alike)."""
     monkeypatch.delenv(q8.ENABLE_ENV, raising=False)
     here = native.usable_cpu_features()
     monkeypatch.setattr(
         q8,
         "usable_cpu_features",
-        lambda *_: dataclasses.replace(here, amx_tile=amx, amx_int8=amx, amx_bf16=amx),
+        lambda *_: dataclasses.replace(
+            here, avx512_vnni=vnni, amx_tile=False, amx_int8=False, amx_bf16=False
+        ),
     )
     q8._gemv_default_for.cache_clear()  # cached per KUBEINFER_CPU_DISABLE value
     request.addfinalizer(q8._gemv_default_for.cache_clear)
-    # it rests on the 512-bit VNNI path: without it here, off even with AMX
-    amx = amx and q8.path_for(here) == "vnni"
-    assert q8.int8_gemv_enabled() is amx
+    # the 512-bit VNNI path needs AVX512VL/BW too: without them here, off even with VNNI
+    vnni = vnni and q8.path_for(dataclasses.replace(here, avx512_vnni=True)) == "vnni"
+    assert q8.int8_gemv_enabled() is vnni
     w = make_weight("q4_1", 24, 576, seed=6)
     x = torch.randn(1, 576)
     for dtype in (torch.float32, torch.bfloat16):
         lin = BlockQuantLinear(w, kernel=kernel)
         lin.gemm_dtype = dtype
-        int8 = amx and dtype == torch.bfloat16
+        int8 = vnni and dtype == torch.bfloat16
         want = fast.linear(x, w, compute=dtype) if int8 else kernel.linear(x, w, compute=dtype)
         assert torch.equal(lin(x), want)
         q8.active_kernel(kernel)  # the modes the decode graph's entry runs with

@@ -1,6 +1,7 @@
 // Linear layers with int8 activations: y[M, N] = Q8(x)[M, K] @ W[N, K]^T (+ bias). Two kinds of call:
 // - the GEMV, M <= 4 (one-user decode; KUBEINFER_INT8_GEMV, by default on only for bf16 layers on CPUs with
-//   AMX-INT8), on three code paths below;
+//   AVX512-VNNI), on three code paths below; 32-value groups, or 8-bit values in 16-value groups without
+//   min (Q6_K repacked: row_dot_g16);
 // - the batched path, M > 4 (decode batches and prefill chunks; KUBEINFER_INT8_GEMM, on by default), for
 //   4- or 8-bit weights in 32-blocks of layers whose descriptor asks for reduced precision (compute = bf16:
 //   `--dtype auto` on a CPU with native bf16), on AVX512-VNNI only: "batched" in the body below.
@@ -150,6 +151,21 @@ __attribute__((optimize("no-tree-vectorize"))) float row_dot(const KiQWeight& w,
   }
   return acc;
 }
+// 8-bit W in 16-value groups (Q6_K repacked: q - 32 in [-32, 31], one fp32 scale per 16, no min): each
+// half of x's 32-block is dotted on its own and scaled by its group's scale, then by the block's d_x.
+template <bool F16>
+__attribute__((optimize("no-tree-vectorize"))) float row_dot_g16(const KiQWeight& w, int64_t n, const QRow& x) {
+  const int8_t* row = reinterpret_cast<const int8_t*>(w.q + n * w.row_bytes);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < w.k / 32; ++b) {
+    int32_t dot[2] = {0, 0};
+    for (int64_t j = 0; j < 32; ++j) dot[j / 16] += row[b * 32 + j] * x.q[b * 32 + j];
+    const float s0 = scale_at<F16>(w.scales, n * w.groups + 2 * b);
+    const float s1 = scale_at<F16>(w.scales, n * w.groups + 2 * b + 1);
+    acc += x.d[b] * (s0 * static_cast<float>(dot[0]) + s1 * static_cast<float>(dot[1]));
+  }
+  return acc;
+}
 float quantize_block(const float* x, int8_t* q) { return quantize_block_scalar(x, q); }
 }  // namespace scalar_path
 
@@ -211,10 +227,17 @@ bool gemm_supported(const KiQWeight* w, int64_t m) {
          w->row_bytes == w->k * w->bits / 8;
 }
 
+// 8-bit values in 16-value groups with neither zero point nor min: Q6_K as the loader repacks it.
+bool is_g16(const KiQWeight* w) {
+  return w->bits == 8 && w->group_size == 16 && w->k >= 32 && w->k % 32 == 0 && w->groups == w->k / 16 &&
+         w->row_bytes == w->k && !w->mins && w->zero_point == 0;
+}
+
 bool supported(const KiQWeight* w, int64_t m) {
   if (gemm_supported(w, m)) return true;
   if (!gemv_on || !w || !w->q || !w->scales || w->n < 0 || m < 1 || m > MAX_ROWS) return false;
   if (!gemv_fp32 && w->compute != COMPUTE_BF16) return false;
+  if (is_g16(w)) return true;
   if (w->k < 32 || w->k % 32 || w->group_size != 32 || w->groups != w->k / 32) return false;
   if (w->bits == 4) return w->row_bytes == w->k / 2;
   if (w->bits == 8) return w->row_bytes == w->k;
@@ -230,6 +253,7 @@ void run_span(const KiQWeight& w, const QRow* xs, int64_t m, int64_t n0, int64_t
   }
 }
 
+// BITS 16 below: 8-bit W in 16-value groups (is_g16), row_dot_g16.
 template <int BITS, bool F16>
 void q8_gemv(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, const float* bias, float* y,
              int64_t y_stride, int nthreads) {
@@ -272,18 +296,26 @@ void q8_gemv(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
       }
     }
   };
+  if constexpr (BITS == 16) {
 #if KI_Q8_X86
-  if (path == PATH_VNNI) return run(vnni_path::row_dot<BITS, F16>);
-  if (path == PATH_AVX2) return run(avx2_path::row_dot<BITS, F16>);
+    if (path == PATH_VNNI) return run(vnni_path::row_dot_g16<F16>);
+    if (path == PATH_AVX2) return run(avx2_path::row_dot_g16<F16>);
 #endif
-  run(scalar_path::row_dot<BITS, F16>);
+    run(scalar_path::row_dot_g16<F16>);
+  } else {
+#if KI_Q8_X86
+    if (path == PATH_VNNI) return run(vnni_path::row_dot<BITS, F16>);
+    if (path == PATH_AVX2) return run(avx2_path::row_dot<BITS, F16>);
+#endif
+    run(scalar_path::row_dot<BITS, F16>);
+  }
 }
 
 }  // namespace
 
 extern "C" {
 
-int32_t kubeinfer_qgemv_q8_abi() { return 4; }
+int32_t kubeinfer_qgemv_q8_abi() { return 5; }
 
 // Which calls this library takes: gemv (M <= 4; for descriptors asking for fp32 compute too only where
 // gemv_fp32_layers) and gemm (the batched int8 path, M > 4: vnni, 4- or 8-bit W in 32-blocks, descriptors
@@ -359,7 +391,10 @@ int32_t kubeinfer_qgemv_q8(const KiQWeight* w, const float* x, int64_t m, int64_
     return 0;
   }
 #endif
-  if (w->bits == 4) {
+  if (is_g16(w)) {
+    w->scale_is_f16 ? q8_gemv<16, true>(*w, x, m, x_stride, bias, y, y_stride, nt)
+                    : q8_gemv<16, false>(*w, x, m, x_stride, bias, y, y_stride, nt);
+  } else if (w->bits == 4) {
     w->scale_is_f16 ? q8_gemv<4, true>(*w, x, m, x_stride, bias, y, y_stride, nt)
                     : q8_gemv<4, false>(*w, x, m, x_stride, bias, y, y_stride, nt);
   } else {
@@ -473,6 +508,37 @@ float row_dot(const KiQWeight& w, int64_t n, const QRow& x) {
     const float mn = w.mins ? scale_at<F16>(w.mins, base + b) : 0.0f;
     tail += dw * (x.d[b] * static_cast<float>(_mm_cvtsi128_si32(s)));
     if (offset) tail += (mn - static_cast<float>(w.zero_point) * dw) * x.s[b];
+  }
+  return hsum_ps(acc) + tail;
+}
+
+// 8-bit W in 16-value groups (is_g16): four blocks at a time. hadd twice turns the four blocks' s32 lanes
+// into [first-half sums of blocks 0..3 | second-half sums of blocks 0..3] (lanes 0-3 of a block's dot are
+// its k < 16, lanes 4-7 its k >= 16); the eight group scales, stored [b0 g0, b0 g1, b1 g0, ...], are
+// permuted into that order and x's four block scales repeated in both halves.
+template <bool F16>
+float row_dot_g16(const KiQWeight& w, int64_t n, const QRow& x) {
+  const int64_t nb = w.k / 32, base = n * w.groups;
+  const uint8_t* row = w.q + n * w.row_bytes;
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    __m256i p[4];
+    for (int i = 0; i < 4; ++i) p[i] = block_dot<8>(row + (b + i) * 32, x.q + (b + i) * 32);
+    const __m256i halves = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256 sw = _mm256_permutevar8x32_ps(load8<F16>(w.scales, base + 2 * b), order);
+    const __m256 dx = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x.d + b));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, dx), _mm256_cvtepi32_ps(halves), acc);
+  }
+  float tail = 0.0f;
+  for (; b < nb; ++b) {
+    const __m256i p = block_dot<8>(row + b * 32, x.q + b * 32);
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), p);
+    const float s0 = scale_at<F16>(w.scales, base + 2 * b), s1 = scale_at<F16>(w.scales, base + 2 * b + 1);
+    tail += x.d[b] * (s0 * static_cast<float>(lanes[0] + lanes[1] + lanes[2] + lanes[3]) +
+                      s1 * static_cast<float>(lanes[4] + lanes[5] + lanes[6] + lanes[7]));
   }
   return hsum_ps(acc) + tail;
 }
