@@ -138,8 +138,9 @@ def download_from_hub(repo_id: str, cache_dir: Path, revision: str | None = None
 
 # Bump when what convert_gguf / gguf_metadata_folder write changes (file set, config fields, fixes).
 # 2: MoE files' expert fields (server/models/moe/gguf.py); 3: our own config reader for the architectures
-# transformers' GGUF reader lacks; 4: the tokenizer read from the file alone, never from files beside it
-CONVERTER_VERSION = 4
+# transformers' GGUF reader lacks; 4: the tokenizer read from the file alone, never from files beside it;
+# 5: SentencePiece vocabularies read as llama.cpp reads them (models/gguf_tokenizer.py)
+CONVERTER_VERSION = 5
 MANIFEST_NAME = "kubeinfer-conversion.json"
 
 
@@ -250,17 +251,32 @@ def _gguf_config_and_tokenizer(gguf: Path) -> tuple[dict[str, Any], Any]:
     """config.json (ours for gguf_config.READERS' architectures, else transformers' GGUF reader) and
     the tokenizer with its chat template (transformers' GGUF tokenizer builder: it reads only the
     `tokenizer.*` keys, whatever the architecture)."""
-    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoConfig
 
     from server.models.gguf_config import READERS, gguf_architecture, hf_config_from_gguf
 
+    tok = gguf_tokenizer(gguf)
+    if gguf_architecture(gguf) in READERS:
+        return hf_config_from_gguf(gguf), tok
     with _alone(gguf) as folder:
-        if gguf_architecture(gguf) in READERS:
-            tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=gguf.name)
-            return hf_config_from_gguf(gguf), tok
         config = AutoConfig.from_pretrained(folder, gguf_file=gguf.name)
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
-        return _gguf_hf_config(config, gguf), tok
+    return _gguf_hf_config(config, gguf), tok
+
+
+def gguf_tokenizer(gguf: Path) -> Any:
+    """The file's tokenizer and chat template: transformers' GGUF tokenizer builder (its class by
+    model type for the architectures transformers reads, else the plain fast tokenizer), a
+    SentencePiece vocabulary corrected to llama.cpp's reading (`models/gguf_tokenizer.py`)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from server.models.gguf_config import READERS, gguf_architecture
+    from server.models.gguf_tokenizer import fix_sentencepiece
+
+    builder = PreTrainedTokenizerFast if gguf_architecture(gguf) in READERS else AutoTokenizer
+    with _alone(gguf) as folder:
+        tok = builder.from_pretrained(folder, gguf_file=gguf.name)
+    fix_sentencepiece(tok, gguf)
+    return tok
 
 
 def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
@@ -305,11 +321,11 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         if cfg["tie_word_embeddings"]:
             state.pop("lm_head.weight", None)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         with _alone(gguf) as folder:
             hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+        tok = gguf_tokenizer(gguf)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
