@@ -304,18 +304,19 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = _gguf_cache_folder(gguf, cache_dir)
     if _reusable(target, gguf, ("full",)):
         return target
-    if _moe_fields(gguf):
-        # transformers' GGUF reader builds these with the wrong expert sizes
+    from server.models.gguf_config import READERS, gguf_architecture
+
+    moe = bool(_moe_fields(gguf))
+    if moe and gguf_architecture(gguf) == "gpt-oss":
         raise ModelLoadError(
-            f"{gguf.name} is a mixture-of-experts GGUF: it is served as it is, on CPU (leave --dtype auto "
-            "and --quantize unset, tensor_parallel_size 1)"
+            f"{gguf.name}: gpt-oss's experts are MXFP4 already: it is served as it is, on CPU (leave "
+            "--dtype auto and --quantize unset, tensor_parallel_size 1)"
         )
     cache_dir.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to safetensors in %s (once; later starts reuse it)", gguf.name, target)
     t0 = time.monotonic()
-    from server.models.gguf_config import READERS, gguf_architecture
-
-    if gguf_architecture(gguf) in READERS:
+    # transformers' GGUF model reader builds MoE files with the wrong expert sizes: ours reads them
+    if moe or gguf_architecture(gguf) in READERS:
         cfg, tok = _gguf_config_and_tokenizer(gguf)
         state = _dequantized_state(gguf)
         if cfg["tie_word_embeddings"]:
@@ -352,10 +353,32 @@ def _dequantized_state(gguf: Path) -> dict[str, torch.Tensor]:
     from server.quant.gguf_checkpoint import read_gguf_checkpoint
 
     ckpt = read_gguf_checkpoint(gguf)
-    return {
+    for name, per_expert in ckpt.experts.items():  # stacked experts kept quantized: [E, N, K]
+        ckpt.tensors[name] = torch.stack([dequantize_reference(w) for w in per_expert])
+    state = {
         k: (dequantize_reference(v) if isinstance(v, BlockQuantWeight) else v).float().contiguous()
         for k, v in ckpt.tensors.items()
     }
+    return _moe_block_state(state)
+
+
+def _moe_block_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each MoE layer of a GGUF (gguf_checkpoint's `mlp.router`, `mlp.experts.{gate,up,down}` [E, N, K],
+    `mlp.shared_expert.*`, `mlp.shared_expert_gate` [H]) under SparseMoeBlock's parameter names (`w13`
+    [E, 2I, H], `w2` [E, H, I], `shared_w13`, `shared_w2`, `shared_gate` [1, H]): the names
+    `stack_checkpoint_experts` leaves as they are, so the converted folder loads as any HF folder."""
+    out = dict(state)
+    for router in [k for k in state if k.endswith(".mlp.router")]:
+        pre = router.removesuffix(".router")
+        gate, up, down = (out.pop(f"{pre}.experts.{p}") for p in ("gate", "up", "down"))
+        out[f"{pre}.w13"] = torch.cat([gate, up], dim=1).contiguous()
+        out[f"{pre}.w2"] = down
+        if f"{pre}.shared_expert_gate" in out:
+            sg, su, sd = (out.pop(f"{pre}.shared_expert.{p}") for p in ("gate", "up", "down"))
+            out[f"{pre}.shared_w13"] = torch.cat([sg, su]).contiguous()
+            out[f"{pre}.shared_w2"] = sd
+            out[f"{pre}.shared_gate"] = out.pop(f"{pre}.shared_expert_gate").reshape(1, -1).contiguous()
+    return out
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
