@@ -18,6 +18,25 @@ from pathlib import Path
 from typing import Any
 
 SPACE = "\u2581"  # SentencePiece's visible space
+# llama.cpp architectures whose vocabulary is another's that transformers' builder knows by name (it
+# picks Gemma's SentencePiece builder, with merges in the file's token order and spaces respelled, by
+# architecture): EmbeddingGemma's is Gemma 3's
+SAME_VOCABULARY = {"gemma-embedding": "gemma3"}
+
+
+def build_as(gguf: Path, architecture: str) -> Any:
+    """transformers' GGUF tokenizer of `gguf` built as if its architecture were `architecture`: the
+    same steps as `from_pretrained(gguf_file=...)` (the file's `tokenizer.*` keys; special tokens,
+    BOS/EOS flags and chat template as its tokenizer config)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
+
+    _, vocabulary, tokenizer_config = get_gguf_tokenizer(str(gguf))
+    backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def _metadata(gguf: Path) -> dict[str, Any]:

@@ -270,11 +270,15 @@ def gguf_tokenizer(gguf: Path) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from server.models.gguf_config import READERS, gguf_architecture
-    from server.models.gguf_tokenizer import fix_sentencepiece
+    from server.models.gguf_tokenizer import SAME_VOCABULARY, build_as, fix_sentencepiece
 
-    builder = PreTrainedTokenizerFast if gguf_architecture(gguf) in READERS else AutoTokenizer
-    with _alone(gguf) as folder:
-        tok = builder.from_pretrained(folder, gguf_file=gguf.name)
+    arch = gguf_architecture(gguf)
+    if arch in SAME_VOCABULARY:
+        tok = build_as(gguf, SAME_VOCABULARY[arch])
+    else:
+        builder = PreTrainedTokenizerFast if arch in READERS else AutoTokenizer
+        with _alone(gguf) as folder:
+            tok = builder.from_pretrained(folder, gguf_file=gguf.name)
     fix_sentencepiece(tok, gguf)
     return tok
 
