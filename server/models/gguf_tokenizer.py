@@ -44,10 +44,30 @@ def _metadata(gguf: Path) -> dict[str, Any]:
 
     reader = GGUFReader(str(gguf))
     out: dict[str, Any] = {}
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.add_space_prefix"):
-        field = reader.fields.get(key)
-        out[key] = None if field is None else field.contents()
+    keys = ["tokenizer.ggml.model", "tokenizer.ggml.add_space_prefix"]
+    if _field(reader, "tokenizer.ggml.model") == "t5":
+        keys += [
+            "tokenizer.ggml.remove_extra_whitespaces",
+            "tokenizer.ggml.precompiled_charsmap",
+            "tokenizer.ggml.scores",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.unknown_token_id",
+        ]
+    for key in keys:
+        out[key] = _field(reader, key)
     return out
+
+
+def unigram(gguf: Path) -> bool:
+    """Whether the file's vocabulary is a SentencePiece unigram model (`tokenizer.ggml.model = t5`)."""
+    from gguf import GGUFReader
+
+    return bool(_field(GGUFReader(str(gguf)), "tokenizer.ggml.model") == "t5")
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
 
 
 def fix_sentencepiece(tok: Any, gguf: Path) -> None:
@@ -57,6 +77,8 @@ def fix_sentencepiece(tok: Any, gguf: Path) -> None:
     from tokenizers import decoders, normalizers
 
     meta = _metadata(gguf)
+    if meta["tokenizer.ggml.model"] == "t5":
+        _fix_unigram(tok, meta)
     if meta["tokenizer.ggml.model"] != "llama":
         return
     prefix = meta["tokenizer.ggml.add_space_prefix"]
@@ -71,3 +93,41 @@ def fix_sentencepiece(tok: Any, gguf: Path) -> None:
     if prefix:
         steps.append(decoders.Strip(content=" ", left=1))  # the prefix's space, as SentencePiece
     backend.decoder = decoders.Sequence(steps)
+
+
+def _fix_unigram(tok: Any, meta: dict[str, Any]) -> None:
+    """A SentencePiece unigram vocabulary (`tokenizer.ggml.model = t5`: T5, XLM-R; convert_hf_to_gguf.py
+    writes every unigram model so) read as the SentencePiece model reads it (llama.cpp's UGM tokenizer
+    follows the same keys): the `precompiled_charsmap` normalization (NFKC for most), the extra
+    whitespace removed only where `remove_extra_whitespaces`, the `add_space_prefix`, and byte fallback
+    where the vocabulary has `<0xNN>` pieces (type 6). transformers' builder applies none of the
+    charsmap, always collapses whitespace, and maps unknown characters to <unk> instead of bytes."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+
+    backend = tok.backend_tokenizer
+    prefix = meta["tokenizer.ggml.add_space_prefix"]
+    prefix = True if prefix is None else bool(prefix)
+    steps: list[Any] = []
+    charsmap = meta["tokenizer.ggml.precompiled_charsmap"]
+    if charsmap:
+        steps.append(normalizers.Precompiled(bytes(charsmap)))
+    if meta["tokenizer.ggml.remove_extra_whitespaces"]:
+        steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if prefix:
+        steps.append(normalizers.Prepend(SPACE))
+    steps.append(normalizers.Replace(" ", SPACE))
+    backend.normalizer = normalizers.Sequence(steps)
+    # pieces never cross a space (SentencePiece's split_by_whitespace): split before each one
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never", split=True)
+    scores, types = meta["tokenizer.ggml.scores"], meta["tokenizer.ggml.token_type"] or []
+    size = backend.get_vocab_size(with_added_tokens=False)
+    vocab = [(backend.id_to_token(i), float(scores[i])) for i in range(size)]
+    unk = meta["tokenizer.ggml.unknown_token_id"]
+    byte_fallback = 6 in types  # BYTE
+    backend.model = models.Unigram(
+        vocab, unk_id=None if unk is None else int(unk), byte_fallback=byte_fallback
+    )
+    decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        decode.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(decode)

@@ -270,11 +270,13 @@ def gguf_tokenizer(gguf: Path) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from server.models.gguf_config import READERS, gguf_architecture
-    from server.models.gguf_tokenizer import SAME_VOCABULARY, build_as, fix_sentencepiece
+    from server.models.gguf_tokenizer import SAME_VOCABULARY, build_as, fix_sentencepiece, unigram
 
     arch = gguf_architecture(gguf)
-    if arch in SAME_VOCABULARY:
-        tok = build_as(gguf, SAME_VOCABULARY[arch])
+    if arch in SAME_VOCABULARY or unigram(gguf):
+        # a plain fast tokenizer: a model class's own (T5Tokenizer) would rebuild its pre-tokenizer when
+        # the saved folder is loaded, undoing fix_sentencepiece
+        tok = build_as(gguf, SAME_VOCABULARY.get(arch, arch))
     else:
         builder = PreTrainedTokenizerFast if arch in READERS else AutoTokenizer
         with _alone(gguf) as folder:

@@ -232,3 +232,77 @@ def test_transformers_gguf_loader_agrees_where_it_prepends(
     for text in TEXTS:
         if not text[:1].isspace() and not any(c in text for c in CONTROL + USER):
             assert theirs.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+
+
+# SentencePiece unigram models, written as convert_hf_to_gguf.py's T5Model writes them
+# (`tokenizer.ggml.model = t5`, the normalizer spec's add_dummy_prefix / remove_extra_whitespaces /
+# precompiled_charsmap): one with byte fallback and the identity rule, one as T5's (NFKC, extra
+# whitespace removed, no byte pieces: unknown characters are <unk>)
+UNIGRAM = {"bytes": ("identity", False, True), "t5": ("nmt_nfkc", True, False)}
+NFKC_TEXTS = ["ﬁne ＡＢＣ ① x²", "  two   spaces  ", "tab\tand\nnewline"]
+
+
+def _unigram_gguf(kind: str, path: Path) -> Any:
+    from sentencepiece import sentencepiece_model_pb2
+
+    rule, remove, byte_fallback = UNIGRAM[kind]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_writer=model,
+        model_type="unigram",
+        vocab_size=350 if byte_fallback else 100,
+        byte_fallback=byte_fallback,
+        character_coverage=0.9995,
+        normalization_rule_name=rule,
+        remove_extra_whitespaces=remove,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.getvalue())
+    types = [
+        2 if sp.IsUnknown(i) else 3 if sp.IsControl(i) else 5 if sp.IsUnused(i) else 6 if sp.IsByte(i) else 1
+        for i in range(sp.vocab_size())
+    ]
+    w = gguf.GGUFWriter(str(path), "t5")
+    w.add_tokenizer_model("t5")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([sp.IdToPiece(i).encode() for i in range(sp.vocab_size())])
+    w.add_token_scores([sp.GetScore(i) for i in range(sp.vocab_size())])
+    w.add_token_types(types)
+    w.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+    w.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
+    w.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
+    w.add_pad_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sp
+
+
+@pytest.mark.parametrize("kind", list(UNIGRAM))
+def test_unigram_vocabulary_equal_sentencepiece(tmp_path: Path, kind: str) -> None:
+    from server.models.loader import gguf_tokenizer
+    from server.tokenizer import Tokenizer
+
+    sp = _unigram_gguf(kind, tmp_path / f"{kind}.gguf")
+    gguf_tokenizer(tmp_path / f"{kind}.gguf").save_pretrained(str(tmp_path / "folder"))
+    tok = Tokenizer(tmp_path / "folder")  # as the server loads it: the saved folder
+    for text in [t for t in TEXTS if not any(c in t for c in CONTROL + USER)] + NFKC_TEXTS:
+        want = sp.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == want, (kind, text)
+        assert tok.encode(text) == [*want, sp.eos_id()], (kind, text)  # add_eos_token
+        if sp.unk_id() not in want:  # SentencePiece writes <unk> as " ⁇ "; ours skips it as special
+            assert tok.decode(want) == sp.decode(want), (kind, text)
+    if UNIGRAM[kind][2]:
+        assert any(sp.IsByte(i) for i in sp.encode(TEXTS[5]))
