@@ -152,14 +152,18 @@ class ServerState:
     def _load_pooling(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the loader thread: the pooling model and its engine (server/pooling/); errors go to _load."""
         mc = self.config.engine.model
-        if not mc.model or not Path(mc.model).expanduser().is_dir():
-            raise ValueError(f"--task {self.task} needs a local model folder (got {mc.model!r})")
+        folder = Path(mc.model).expanduser() if mc.model else None
+        if folder is not None and folder.suffix == ".gguf" and folder.is_file():
+            from server.config import default_cache_dir
+            from server.models.gguf_embedder import gguf_embedder_folder
+
+            folder = gguf_embedder_folder(folder, mc.cache_dir or default_cache_dir())
+        if folder is None or not folder.is_dir():
+            raise ValueError(f"--task {self.task} needs a local model folder or GGUF file (got {mc.model!r})")
         ec = self.config.engine
         if ec.device not in ("auto", "cpu"):
             raise ValueError(f"--task {self.task} runs on the CPU only (got --device {ec.device})")
-        model = load_pooling_model(
-            Path(mc.model).expanduser(), PoolingTask(self.task), **pooling_dtypes(mc.dtype)
-        )
+        model = load_pooling_model(folder, PoolingTask(self.task), **pooling_dtypes(mc.dtype))
         engine = PoolingEngine(
             model,
             ec.max_num_seqs,

@@ -17,6 +17,8 @@ reads them), per `general.architecture`:
   layer windowed (llama.cpp's swa pattern 2).
 - gemma3: `attention.sliding_window`, `rope.freq_base_swa` (default 10000, as llama.cpp), the pattern
   `attention.sliding_window_pattern` (default 6: five windowed layers, then a global one).
+- gemma-embedding (EmbeddingGemma): gemma3's keys, bidirectional attention, query_pre_attn_scalar =
+  head_dim (llama.cpp's fixed scale); its pooling and Dense tensors: models/gguf_embedder.py.
 - gpt-oss: `expert_count`, `expert_used_count`, `expert_feed_forward_length` (the experts' size),
   `attention.sliding_window` on even layers (llama.cpp's swa pattern 2), q/k/v/o biases, YaRN's
   `rope.scaling.yarn_beta_fast` / `yarn_beta_slow` (default 32 / 1) without truncation and the SwiGLU
@@ -122,6 +124,14 @@ def _gemma3(cfg: dict[str, Any], get: Get, tensors: dict[str, Any]) -> None:
     cfg["final_logit_softcapping"] = get("final_logit_softcapping", None)
 
 
+def _gemma_embedding(cfg: dict[str, Any], get: Get, tensors: dict[str, Any]) -> None:
+    _gemma3(cfg, get, tensors)
+    # llama.cpp: causal_attn false, LLAMA_SWA_TYPE_SYMMETRIC (|i - j| <= window / 2), the window as
+    # config.json has it: what transformers reads with use_bidirectional_attention
+    cfg["use_bidirectional_attention"] = True
+    cfg["query_pre_attn_scalar"] = cfg["head_dim"]  # llama.cpp's f_attention_scale, whatever the shape
+
+
 # gpt-oss's clamped SwiGLU limit: llama.cpp's gpt-oss graph fixes it (no key), as every shipped config
 GPT_OSS_SWIGLU_LIMIT = 7.0
 
@@ -160,6 +170,8 @@ READERS: dict[str, tuple[str, str, Callable[[dict[str, Any], Get, dict[str, Any]
     "gemma2": ("Gemma2ForCausalLM", "gemma2", _gemma2),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", _gemma3),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss", _gpt_oss),
+    # EmbeddingGemma: a headless bidirectional Gemma 3 (served by the pooling loader: gguf_embedder.py)
+    "gemma-embedding": ("Gemma3TextModel", "gemma3_text", _gemma_embedding),
 }
 
 

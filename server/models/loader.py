@@ -138,8 +138,9 @@ def download_from_hub(repo_id: str, cache_dir: Path, revision: str | None = None
 
 # Bump when what convert_gguf / gguf_metadata_folder write changes (file set, config fields, fixes).
 # 2: MoE files' expert fields (server/models/moe/gguf.py); 3: our own config reader for the architectures
-# transformers' GGUF reader lacks; 4: the tokenizer read from the file alone, never from files beside it
-CONVERTER_VERSION = 4
+# transformers' GGUF reader lacks; 4: the tokenizer read from the file alone, never from files beside it;
+# 5: SentencePiece vocabularies read as llama.cpp reads them (models/gguf_tokenizer.py)
+CONVERTER_VERSION = 5
 MANIFEST_NAME = "kubeinfer-conversion.json"
 
 
@@ -250,17 +251,38 @@ def _gguf_config_and_tokenizer(gguf: Path) -> tuple[dict[str, Any], Any]:
     """config.json (ours for gguf_config.READERS' architectures, else transformers' GGUF reader) and
     the tokenizer with its chat template (transformers' GGUF tokenizer builder: it reads only the
     `tokenizer.*` keys, whatever the architecture)."""
-    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoConfig
 
     from server.models.gguf_config import READERS, gguf_architecture, hf_config_from_gguf
 
+    tok = gguf_tokenizer(gguf)
+    if gguf_architecture(gguf) in READERS:
+        return hf_config_from_gguf(gguf), tok
     with _alone(gguf) as folder:
-        if gguf_architecture(gguf) in READERS:
-            tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=gguf.name)
-            return hf_config_from_gguf(gguf), tok
         config = AutoConfig.from_pretrained(folder, gguf_file=gguf.name)
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
-        return _gguf_hf_config(config, gguf), tok
+    return _gguf_hf_config(config, gguf), tok
+
+
+def gguf_tokenizer(gguf: Path) -> Any:
+    """The file's tokenizer and chat template: transformers' GGUF tokenizer builder (its class by
+    model type for the architectures transformers reads, else the plain fast tokenizer), a
+    SentencePiece vocabulary corrected to llama.cpp's reading (`models/gguf_tokenizer.py`)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from server.models.gguf_config import READERS, gguf_architecture
+    from server.models.gguf_tokenizer import SAME_VOCABULARY, build_as, fix_sentencepiece, unigram
+
+    arch = gguf_architecture(gguf)
+    if arch in SAME_VOCABULARY or unigram(gguf):
+        # a plain fast tokenizer: a model class's own (T5Tokenizer) would rebuild its pre-tokenizer when
+        # the saved folder is loaded, undoing fix_sentencepiece
+        tok = build_as(gguf, SAME_VOCABULARY.get(arch, arch))
+    else:
+        builder = PreTrainedTokenizerFast if arch in READERS else AutoTokenizer
+        with _alone(gguf) as folder:
+            tok = builder.from_pretrained(folder, gguf_file=gguf.name)
+    fix_sentencepiece(tok, gguf)
+    return tok
 
 
 def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
@@ -288,28 +310,29 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = _gguf_cache_folder(gguf, cache_dir)
     if _reusable(target, gguf, ("full",)):
         return target
-    if _moe_fields(gguf):
-        # transformers' GGUF reader builds these with the wrong expert sizes
+    from server.models.gguf_config import READERS, gguf_architecture
+
+    moe = bool(_moe_fields(gguf))
+    if moe and gguf_architecture(gguf) == "gpt-oss":
         raise ModelLoadError(
-            f"{gguf.name} is a mixture-of-experts GGUF: it is served as it is, on CPU (leave --dtype auto "
-            "and --quantize unset, tensor_parallel_size 1)"
+            f"{gguf.name}: gpt-oss's experts are MXFP4 already: it is served as it is, on CPU (leave "
+            "--dtype auto and --quantize unset, tensor_parallel_size 1)"
         )
     cache_dir.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to safetensors in %s (once; later starts reuse it)", gguf.name, target)
     t0 = time.monotonic()
-    from server.models.gguf_config import READERS, gguf_architecture
-
-    if gguf_architecture(gguf) in READERS:
+    # transformers' GGUF model reader builds MoE files with the wrong expert sizes: ours reads them
+    if moe or gguf_architecture(gguf) in READERS:
         cfg, tok = _gguf_config_and_tokenizer(gguf)
         state = _dequantized_state(gguf)
         if cfg["tie_word_embeddings"]:
             state.pop("lm_head.weight", None)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         with _alone(gguf) as folder:
             hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+        tok = gguf_tokenizer(gguf)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -336,10 +359,32 @@ def _dequantized_state(gguf: Path) -> dict[str, torch.Tensor]:
     from server.quant.gguf_checkpoint import read_gguf_checkpoint
 
     ckpt = read_gguf_checkpoint(gguf)
-    return {
+    for name, per_expert in ckpt.experts.items():  # stacked experts kept quantized: [E, N, K]
+        ckpt.tensors[name] = torch.stack([dequantize_reference(w) for w in per_expert])
+    state = {
         k: (dequantize_reference(v) if isinstance(v, BlockQuantWeight) else v).float().contiguous()
         for k, v in ckpt.tensors.items()
     }
+    return _moe_block_state(state)
+
+
+def _moe_block_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each MoE layer of a GGUF (gguf_checkpoint's `mlp.router`, `mlp.experts.{gate,up,down}` [E, N, K],
+    `mlp.shared_expert.*`, `mlp.shared_expert_gate` [H]) under SparseMoeBlock's parameter names (`w13`
+    [E, 2I, H], `w2` [E, H, I], `shared_w13`, `shared_w2`, `shared_gate` [1, H]): the names
+    `stack_checkpoint_experts` leaves as they are, so the converted folder loads as any HF folder."""
+    out = dict(state)
+    for router in [k for k in state if k.endswith(".mlp.router")]:
+        pre = router.removesuffix(".router")
+        gate, up, down = (out.pop(f"{pre}.experts.{p}") for p in ("gate", "up", "down"))
+        out[f"{pre}.w13"] = torch.cat([gate, up], dim=1).contiguous()
+        out[f"{pre}.w2"] = down
+        if f"{pre}.shared_expert_gate" in out:
+            sg, su, sd = (out.pop(f"{pre}.shared_expert.{p}") for p in ("gate", "up", "down"))
+            out[f"{pre}.shared_w13"] = torch.cat([sg, su]).contiguous()
+            out[f"{pre}.shared_w2"] = sd
+            out[f"{pre}.shared_gate"] = out.pop(f"{pre}.shared_expert_gate").reshape(1, -1).contiguous()
+    return out
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:

@@ -239,6 +239,10 @@ def resolve_task(model: str | None, task: str) -> str:
     if not model:
         return "generate"
     folder = Path(model).expanduser()
+    if folder.suffix == ".gguf":  # an EmbeddingGemma GGUF embeds (models/gguf_embedder.py)
+        from server.models.gguf_embedder import is_gguf_embedder
+
+        return "embed" if is_gguf_embedder(folder) else "generate"
     if not (folder / "config.json").is_file():
         return "generate"
     found = detect_task(folder)

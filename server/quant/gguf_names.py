@@ -85,5 +85,7 @@ LAYOUTS: dict[str, GgufLayout] = {
     "gemma": GgufLayout(norm_shift=1.0),
     "gemma2": GgufLayout(_SANDWICH, norm_shift=1.0),
     "gemma3": GgufLayout({**_SANDWICH, **_QK_NORM}, norm_shift=1.0),
+    # EmbeddingGemma: gemma3's layers; its dense_2/dense_3 projections are models/gguf_embedder.py's
+    "gemma-embedding": GgufLayout({**_SANDWICH, **_QK_NORM}, norm_shift=1.0),
     "gpt-oss": GgufLayout(_GPT_OSS, parameters=frozenset({"attn_sinks"})),
 }
