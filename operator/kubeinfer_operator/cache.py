@@ -286,8 +286,35 @@ class LoaderEstimate:
 
     total_bytes: int  # weights + the KV cache allocation + the runtime
     minimum_bytes: int  # weights + one max-model-len sequence's KV + the runtime
-    weight_bytes: int
-    kv_cache_bytes: int
+    weight_bytes: int  # resident, at the serving dtype or GGUF type
+    kv_cache_bytes: int  # the KV cache allocation (--kv-cache-memory)
+    file_weight_bytes: int = 0  # the same tensors in the files (0: a loader that did not say)
+    format: str = ""  # "safetensors" | "gguf"
+
+    @property
+    def runtime_bytes(self) -> int:
+        """The process besides weights and KV (the interpreter, torch, the tokenizer, activations)."""
+        return max(self.total_bytes - self.weight_bytes - self.kv_cache_bytes, 0)
+
+
+_ESTIMATE_KEYS = ("total_bytes", "minimum_bytes", "weight_bytes", "kv_cache_bytes")
+
+
+def parse_estimate(text: str) -> LoaderEstimate | None:
+    """The loader's JSON line (MemoryEstimate.to_json), or None when it is not one (an old loader's log
+    tail, a negative or non-integer size)."""
+    try:
+        raw = json.loads(text)
+        values = [raw[k] for k in _ESTIMATE_KEYS] + [raw.get("file_weight_bytes", 0)]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        return None
+    fmt = raw.get("source")
+    total, minimum, weights, kv, in_files = values
+    return LoaderEstimate(
+        total, minimum, weights, kv, in_files, fmt if fmt in ("safetensors", "gguf") else ""
+    )
 
 
 def loader_estimate(pods: list[dict[str, Any]]) -> LoaderEstimate | None:
@@ -301,21 +328,7 @@ def loader_estimate(pods: list[dict[str, Any]]) -> LoaderEstimate | None:
                 stamp = str(term.get("finishedAt") or "")
                 if best is None or stamp >= best[0]:
                     best = (stamp, str(term["message"]))
-    if best is None:
-        return None
-    try:
-        raw = json.loads(best[1])
-        values = [int(raw[k]) for k in ("total_bytes", "minimum_bytes", "weight_bytes", "kv_cache_bytes")]
-    except (ValueError, TypeError, KeyError):
-        return None
-    if any(
-        v < 0 or isinstance(raw[k], bool)
-        for v, k in zip(
-            values, ("total_bytes", "minimum_bytes", "weight_bytes", "kv_cache_bytes"), strict=True
-        )
-    ):
-        return None
-    return LoaderEstimate(*values)
+    return None if best is None else parse_estimate(best[1])
 
 
 @dataclass(frozen=True)

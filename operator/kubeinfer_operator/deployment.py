@@ -28,6 +28,7 @@ from .common import (
 from .credentials import admin_env
 from .defaults import ClusterDefaults
 from .gateway import gateway_server_args
+from .memory import estimate_applies, pod_memory, quantity_of
 from .routing import server_routing_args, server_routing_ports
 from .spec import MODEL_MOUNT_ROOT, OCI_MOUNT_PATH, InferenceModel, model_location
 
@@ -110,22 +111,9 @@ def _env(im: InferenceModel) -> list[dict[str, Any]]:
 
 # Requests when the spec sets none, so that a pod is never BestEffort (first to be evicted, no
 # scheduling guarantee): about what the server needs to load a small model on CPU. The memory default
-# gives way to the loader's estimate where there is one (memory_from_estimate).
+# gives way to the loader's estimate where there is one (memory.py).
 DEFAULT_CPU_REQUEST = "1"
 DEFAULT_MEMORY_REQUEST = "2Gi"
-MIB = 2**20
-
-
-def memory_from_estimate(estimate: LoaderEstimate) -> str:
-    """The request (and limit) for an estimate: its total rounded up to whole MiB."""
-    return f"{-(-estimate.total_bytes // MIB)}Mi"
-
-
-def estimate_applies(im: InferenceModel, estimate: LoaderEstimate | None) -> bool:
-    """The estimate sets the pods' memory: the spec sets none, and the weights live in host memory (a
-    GPU pod's weights and KV cache are in device memory, which the estimate counts, so it keeps the
-    default)."""
-    return estimate is not None and im.spec.resources.memory is None and im.spec.resources.gpu.count == 0
 
 
 def _resources(im: InferenceModel, estimate: LoaderEstimate | None = None) -> dict[str, Any]:
@@ -134,8 +122,9 @@ def _resources(im: InferenceModel, estimate: LoaderEstimate | None = None) -> di
     limits: dict[str, Any] = {}
     requests["cpu"] = str(res.cpu) if res.cpu is not None else DEFAULT_CPU_REQUEST
     if estimate is not None and estimate_applies(im, estimate):
-        # Known up front from the model's files: limit = request, as for an explicit value.
-        requests["memory"] = limits["memory"] = memory_from_estimate(estimate)
+        # Known up front from the model's files: limit = request, as for an explicit value. On a GPU pod
+        # the host's share (staging while loading, one runtime per rank), not the device's.
+        requests["memory"] = limits["memory"] = quantity_of(pod_memory(im, estimate).host_bytes)
     elif res.memory is None:
         requests["memory"] = DEFAULT_MEMORY_REQUEST  # a request only: no limit the user did not ask for
     else:
@@ -244,7 +233,7 @@ def render_deployment(
     im: InferenceModel, defaults: ClusterDefaults | None = None, estimate: LoaderEstimate | None = None
 ) -> Manifest:
     """The model's Deployment; `estimate`: the shared-cache loader's memory estimate, which sets the
-    memory request and limit when the spec sets none (estimate_applies)."""
+    server container's memory request and limit when the spec sets none (memory.py)."""
     defaults = defaults or ClusterDefaults()
     spec = im.spec
     volumes, mounts = _volumes(im)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .cache import LoaderEstimate
 from .common import (
     CONTAINER_NAME,
     STARTUP_PROBE_PERIOD_SECONDS,
@@ -82,11 +83,14 @@ def _worker_template(template: dict[str, Any], startup_timeout_seconds: int) -> 
     return worker
 
 
-def render_leaderworkerset(im: InferenceModel, defaults: ClusterDefaults | None = None) -> Manifest:
+def render_leaderworkerset(
+    im: InferenceModel, defaults: ClusterDefaults | None = None, estimate: LoaderEstimate | None = None
+) -> Manifest:
     """The LeaderWorkerSet of a multi-node model: the Deployment's pod template for the leader (plus the
-    rendezvous port), its worker variant for the others, `size` M, one group per replica."""
+    rendezvous port), its worker variant for the others, `size` M, one group per replica. `estimate`: the
+    loader's memory estimate, the memory of every pod of the group (each holds 1/M of the ranks)."""
     spec = im.spec
-    deployment = render_deployment(im, defaults)
+    deployment = render_deployment(im, defaults, estimate)
     leader = copy.deepcopy(deployment["spec"]["template"])
     (container,) = (c for c in leader["spec"]["containers"] if c["name"] == CONTAINER_NAME)
     container["ports"].append({"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"})

@@ -44,6 +44,8 @@ from .deployment import (
 from .handover import HANDOVER_MANAGER, handover_count, owns_replicas, render_handover
 from .k8s import KINDS, ApiError, KubeClient
 from .lws import CRD_MISSING_MESSAGE, CRD_MISSING_REASON, as_workload
+from .memory import BELOW_ESTIMATE, recorded_estimate
+from .memory import CONDITION as MEMORY_CONDITION
 from .policy import model_policy_errors
 from .render import CACHE_KINDS, Capabilities, ChildRef, RenderPlan, is_subset, render_all
 from .spec import GROUP, InferenceModel, InvalidSpecError, semantic_errors
@@ -458,7 +460,11 @@ class Reconciler:
         else:
             outcome = ReconcileOutcome(invalid_spec=message)
             status = compute_status(observed.im, observed.workload, outcome, observed.previous, now())
-        self.write_status(observed, status.to_dict(), logger)
+        new = status.to_dict()
+        kept = (observed.previous or {}).get("memoryEstimate")
+        if kept:  # a spec fixed again finds it (recorded_estimate checks it still matches)
+            new["memoryEstimate"] = kept
+        self.write_status(observed, new, logger)
         raise GiveUp(f"invalid spec: {message}")
 
     def write_status(
@@ -533,12 +539,17 @@ def cache_ready(observed: Observed) -> bool:
 
 
 def memory_estimate(observed: Observed) -> model_cache.LoaderEstimate | None:
-    """The shared-cache loader's memory estimate, read from its finished pod (None: no loader, not
-    finished, or no estimate: the pods keep the default request)."""
+    """The shared-cache loader's memory estimate for the current load: read from its finished pod, else
+    the one status.memoryEstimate kept for this load (the pod was deleted: the pods keep their memory,
+    and no rollout follows). None: no loader, not finished, no estimate, or a changed model."""
     im, seen = observed.im, observed.cache
-    if im is None or seen is None or not im.spec.cache.shared:
+    if im is None or not im.spec.cache.shared:
         return None
-    return model_cache.judge(im, seen.claim, seen.job, seen.loader_pods).memory
+    if seen is not None:
+        fresh = model_cache.judge(im, seen.claim, seen.job, seen.loader_pods).memory
+        if fresh is not None:
+            return fresh
+    return recorded_estimate(im, observed.previous)
 
 
 def desire(observed: Observed) -> RenderPlan:
@@ -623,6 +634,7 @@ def outcome_of(
             cache=applied.cache if applied.cache is not None else previous_cache(im, observed.previous),
             autoscaling_skipped_reason=plan.autoscaling_skipped_reason,
             gateway_skipped=plan.gateway_skipped,
+            memory=memory_estimate(observed),
         )
     blocked = observed.blocked
     return ReconcileOutcome(
@@ -633,6 +645,7 @@ def outcome_of(
         blocked_message=blocked[1] if blocked else "",
         autoscaling_skipped_reason=plan.autoscaling_skipped_reason,
         gateway_skipped=plan.gateway_skipped,
+        memory=memory_estimate(observed),
     )
 
 
@@ -679,8 +692,8 @@ def carry_adapters(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str,
 
 
 def transitions(old: dict[str, Any] | None, new: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(type, reason, message) of the Events a status change announces: the cache's phase, and the
-    model's phase or Degraded reason."""
+    """(type, reason, message) of the Events a status change announces: the cache's phase, an explicit
+    resources.memory below the estimate (memory.py), and the model's phase or Degraded reason."""
     events = []
     if _cache_key(old) != _cache_key(new) and new.get("cache"):
         cache = new["cache"]
@@ -691,6 +704,9 @@ def transitions(old: dict[str, Any] | None, new: dict[str, Any]) -> list[tuple[s
                 f"cache {cache.get('phase')}: {cache.get('message') or ''}".rstrip(": "),
             )
         )
+    memory = _memory_warning(new)
+    if memory is not None and memory != _memory_warning(old):
+        events.append(("Warning", BELOW_ESTIMATE, memory))
     if _transition_key(old) != _transition_key(new):
         conds = {c.get("type"): c for c in new.get("conditions") or []}
         degraded = conds.get("Degraded") or {}
@@ -704,6 +720,15 @@ def transitions(old: dict[str, Any] | None, new: dict[str, Any]) -> list[tuple[s
             )
         )
     return events
+
+
+def _memory_warning(status: dict[str, Any] | None) -> str | None:
+    """The MemorySufficient condition's message while an explicit resources.memory is below the
+    estimate (each new pair of numbers is a new Warning Event), else None."""
+    for c in (status or {}).get("conditions") or []:
+        if c.get("type") == MEMORY_CONDITION and c.get("reason") == BELOW_ESTIMATE:
+            return str(c.get("message") or "")
+    return None
 
 
 def _transition_key(status: dict[str, Any] | None) -> tuple[str, str]:

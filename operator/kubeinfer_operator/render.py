@@ -313,7 +313,8 @@ def render_all(
     """Every child. With cache.mode Shared the claim (unless adopted) and the loader Job come first;
     `cache_ready` False (the Job has not succeeded) leaves out the Deployment and its autoscaler, so
     no replica starts before the cache is filled (a Deployment that exists is left as it is);
-    `estimate`: the loader's memory estimate (deployment.estimate_applies)."""
+    `estimate`: the loader's memory estimate (memory.py: the server pods' memory when the spec sets
+    none)."""
     caps = caps or Capabilities()
     # The router's objects come first: callers index the plan by kind, and the model's own objects
     # (later, same kinds) must win there.
@@ -358,7 +359,7 @@ def render_all(
         objects = canary_policies + objects
         objects += [render_service(canary), render_deployment(canary, caps.defaults)]
     workload = (
-        render_leaderworkerset(im, caps.defaults)
+        render_leaderworkerset(im, caps.defaults, estimate)
         if multi_node(im)
         else render_deployment(im, caps.defaults, estimate)
     )

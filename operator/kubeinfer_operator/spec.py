@@ -981,6 +981,7 @@ class Condition(_Model):
         "CacheReady",
         "GatewayAvailable",
         "CanaryReady",
+        "MemorySufficient",
     ]
     status: Literal["True", "False", "Unknown"]
     reason: str
@@ -1001,6 +1002,26 @@ class CacheStatus(_Model):
     job_name: str | None = None
     reason: str = ""
     message: str = ""
+
+
+class MemoryEstimateStatus(_Model):
+    """The model's memory estimate as last read from its loader (server/memory_estimate.py, bytes), kept
+    so that a deleted loader pod does not take it away; `loader_job` names the load it belongs to (its
+    digest covers the model, revision, hub adapters and the serving flags the estimate reads), so a
+    changed model no longer matches it. `pod_bytes`: what the operator derives for each server pod's
+    memory (memory.py); `gpu_bytes`: for each GPU of a GPU pod (weights shard + KV allocation)."""
+
+    loader_job: str
+    model: str
+    revision: str | None = None
+    format: str = ""  # "safetensors" | "gguf" (the estimate's source), "" when the loader did not say
+    total_bytes: int = Field(ge=0)
+    minimum_bytes: int = Field(ge=0)
+    weight_bytes: int = Field(ge=0)
+    file_weight_bytes: int = Field(ge=0)
+    kv_cache_bytes: int = Field(ge=0)
+    pod_bytes: int = Field(ge=0)
+    gpu_bytes: int | None = Field(default=None, ge=0)
 
 
 class CanaryStatus(_Model):
@@ -1028,6 +1049,7 @@ class InferenceModelStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list)
     cache: CacheStatus | None = None
     canary: CanaryStatus | None = None
+    memory_estimate: MemoryEstimateStatus | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")

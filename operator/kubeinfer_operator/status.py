@@ -7,10 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .cache import CacheState
+from .cache import CacheState, LoaderEstimate
 from .canary import canary_view
 from .common import desired_replicas, endpoint_url, selector_string
 from .gateway import GatewaySkip
+from .memory import CONDITION as MEMORY_CONDITION
+from .memory import estimate_status, memory_verdict
 from .pods import diagnose
 from .render_activator import activator_url, zero_phase
 from .spec import CacheStatus, CanaryStatus, Condition, InferenceModel, InferenceModelStatus, Phase
@@ -31,6 +33,8 @@ class ReconcileOutcome:
     autoscaling_skipped_reason: str | None = None
     # spec.routing.gateway: why its objects are left out, or None.
     gateway_skipped: GatewaySkip | None = None
+    # The loader's memory estimate of the current load (read now, or kept in status): memory.py.
+    memory: LoaderEstimate | None = None
 
 
 def _deployment_condition(deployment: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
@@ -314,6 +318,11 @@ def compute_status(
     if cache is not None:
         cache_cond, cache_status = cache_condition(cache, cond)
         conditions.append(cache_cond)
+    memory_status = None
+    if outcome.memory is not None and outcome.invalid_spec is None:
+        memory_status = estimate_status(im, outcome.memory)
+        verdict = memory_verdict(im, outcome.memory)
+        conditions.append(cond(MEMORY_CONDITION, verdict.status, verdict.reason, verdict.message))
     canary_status = None
     if outcome.invalid_spec is None:
         canary = canary_of(im, canary_deployment)
@@ -334,6 +343,7 @@ def compute_status(
         conditions=conditions,
         cache=cache_status,
         canary=canary_status,
+        memory_estimate=memory_status,
     )
 
 
