@@ -396,7 +396,7 @@ def main() -> None:
         default="auto",
         help="our server's --dtype (auto: bf16 GEMMs where native; float32; bfloat16)",
     )
-    ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for vLLM to start")
+    ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for each server to start")
     ap.add_argument(
         "--model",
         choices=["all-minilm-l6-v2", *REAL_SHAPES],
@@ -459,7 +459,7 @@ def main() -> None:
         else start_vllm(model_dir, args.threads, None if with_st else 1024)
     )
     try:
-        why = wait_ready(url, proc, 300, "/ready")
+        why = wait_ready(url, proc, args.vllm_timeout, "/ready")  # a loaded machine: minutes
         if why is not None:
             raise SystemExit(f"our server {why}")
         if vproc is not None:
