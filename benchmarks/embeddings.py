@@ -456,7 +456,7 @@ def main() -> None:
     vproc, vurl, vlog = (
         (None, "skipped (--no-vllm)", None)
         if args.no_vllm
-        else start_vllm(model_dir, args.threads, None if with_st else 1024)
+        else start_vllm(model_dir, args.threads, 1024 if args.model == "qwen3-embedding-0.6b" else None)
     )
     try:
         why = wait_ready(url, proc, args.vllm_timeout, "/ready")  # a loaded machine: minutes
