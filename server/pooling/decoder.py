@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from server.attention import AttentionMetadata
 from server.models.llama import LlamaForCausalLM
+from server.models.serving_weights import ServingWeightsReport, cpu_packing_supported, prepare_for_serving
 
 
 class DenseBatchAttention:
@@ -109,7 +110,6 @@ class DecoderEncoder(nn.Module):
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, attention_mask: Tensor) -> Tensor:
         m = self.model
-        assert m.fused_ops is None, "the embedding path runs the plain layers (no prepare_for_serving)"
         b, s = input_ids.shape
         real = attention_mask.bool()  # [B, S]
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, S]: left padding shifts nothing
@@ -121,3 +121,17 @@ class DecoderEncoder(nn.Module):
         out = h.new_zeros(b * s, h.shape[-1])
         out[backend.index] = h
         return out.view(b, s, -1)
+
+
+def prepare_for_pooling(model: LlamaForCausalLM) -> ServingWeightsReport | None:
+    """Generation's serving preparation for an fp32 embedder on the CPU (models/serving_weights.py): q/k/v
+    and gate/up fused, every projection pre-packed for oneDNN, and for Llama-layer models the compiled
+    add+RMSNorm, rotary and silu*up ops; the same function up to fp32 summation order. 80% of a
+    Qwen3-Embedding-0.6B-shaped step was fp32 `F.linear`, which re-lays its weight out on every call.
+    The LM head is dropped first (an embedder never computes logits; packing the tied head would copy
+    the vocabulary's embedding). None (nothing done) for other dtypes and devices."""
+    p = next(model.parameters())
+    if not cpu_packing_supported(p.device, p.dtype):
+        return None
+    model.lm_head = nn.Identity()  # type: ignore[assignment]
+    return prepare_for_serving(model, p.device, p.dtype)

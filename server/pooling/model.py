@@ -256,7 +256,7 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
     modules."""
     from server.models.loader import load_model
 
-    from .decoder import DecoderEncoder
+    from .decoder import DecoderEncoder, prepare_for_pooling
 
     max_pos = int(cfg.get("max_position_embeddings") or 8192)
     pooling = PoolingConfig.from_folder(folder, PoolingMode.LAST, cfg)
@@ -264,6 +264,7 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
         pooling = dataclasses.replace(pooling, mode=PoolingMode.LAST, normalize=True)
     max_len = min(pooling.max_seq_length or max_pos, max_pos)
     loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len, embedding_only=True)
+    prepare_for_pooling(loaded.model)
     module = DecoderEncoder(loaded.model).eval()
     tok = AutoTokenizer.from_pretrained(str(folder))
     hidden = int(cfg["hidden_size"])

@@ -209,6 +209,30 @@ def test_qwen3_embedding_matches_sentence_transformers(qwen3_embed_dir: Path) ->
         assert cos.min().item() >= 0.9999, (side, cos)
 
 
+def test_fp32_decoder_embedder_runs_the_prepared_layers(
+    qwen3_embed_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fp32 decoder embedder takes generation's serving preparation (fused q/k/v and gate/up, pre-packed
+    oneDNN weights, the compiled layer ops; no LM head): the same vectors as the plain layers up to fp32
+    summation order, and padding on either side still ignored."""
+    from server.models.serving_weights import PackedLinear
+    from server.pooling import decoder
+
+    prepared = load_pooling_model(qwen3_embed_dir)
+    model = prepared.module.model
+    assert any(isinstance(x, PackedLinear) for x in model.modules())
+    assert model.model.layers[0].self_attn.qkv_proj is not None and model.fused_ops is not None
+    assert not isinstance(model.lm_head, torch.nn.Linear)
+    monkeypatch.setattr(decoder, "prepare_for_pooling", lambda m: None)
+    plain = load_pooling_model(qwen3_embed_dir)
+    assert not any(isinstance(x, PackedLinear) for x in plain.module.modules())
+    for side in ("left", "right"):
+        plain.tokenizer.padding_side = side
+        enc = plain.tokenizer(TEXTS, padding=True, return_tensors="pt")
+        args = (enc["input_ids"], torch.zeros_like(enc["input_ids"]), enc["attention_mask"])
+        torch.testing.assert_close(prepared.forward(*args), plain.forward(*args), atol=2e-5, rtol=1e-4)
+
+
 def test_base_model_is_refused_for_generation(qwen3_embed_dir: Path) -> None:
     from server.models.arch import UnsupportedModelError
     from server.models.loader import load_model
