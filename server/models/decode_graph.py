@@ -58,6 +58,10 @@ class _Layer(ctypes.Structure):  # cpu_fused.cpp's KiDecodeLayer
     _fields_ = [
         ("qkv", _ptr),
         ("qkv_bias", _ptr),
+        ("k_proj", _ptr),
+        ("k_bias", _ptr),
+        ("v_proj", _ptr),
+        ("v_bias", _ptr),
         ("o", _ptr),
         ("o_bias", _ptr),
         ("gate_up", _ptr),
@@ -189,7 +193,7 @@ class DecodeGraph:
     cache_shape: torch.Size  # [num_blocks, block_size, Hkv, D] of every layer's K and V cache
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
     rotary_dims: tuple[int, ...]  # per rotary table `run` takes: its width R
-    projections: list[list[BlockQuantLinear]]  # per layer: qkv, o, gate_up, down
+    projections: list[list[BlockQuantLinear]]  # per layer: qkv (or q, k, v), o, gate_up, down
     descriptors: list[KiQWeight]  # the projections' descriptors, in the same order (flattened)
     entry: DecodeEntry  # the projections' entry point and the int8 modes recorded with it
     # Kept alive: the C side holds raw pointers into these.
@@ -229,7 +233,10 @@ class DecodeGraph:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             assert isinstance(mlp, MLP)  # layer_refusal: a dense MLP
-            mods = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            # q, k and v apart where their formats differ (a Q4_K_M GGUF's Q6_K or Q8_0 attn_v): the graph
+            # writes them into the columns of one qkv buffer
+            qkv = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+            mods = [*qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             # exact type: a LoRA- or tensor-parallel-wrapped projection computes more than the kernel
             if not all(type(m) is BlockQuantLinear and m.kernel is not None for m in mods):
                 return None
@@ -272,8 +279,14 @@ class DecodeGraph:
         for i, (layer, (kc, vc), linears, rope) in enumerate(
             zip(layers, kv_caches, projections, rope_indices, strict=True)
         ):
-            qkv, o, gate_up, down = linears
-            want = ((qkv, hidden, (hq + 2 * hkv) * d), (o, hq * d, hidden), (gate_up, hidden, 2 * inter))
+            qkv, *kv_projs, o, gate_up, down = linears
+            split = len(kv_projs) == 2  # separate q, k, v
+            want = [
+                (qkv, hidden, (hq if split else hq + 2 * hkv) * d),
+                *((m, hidden, hkv * d) for m in kv_projs),
+                (o, hq * d, hidden),
+                (gate_up, hidden, 2 * inter),
+            ]
             if any((m.in_features, m.out_features) != (k, n) for m, k, n in want) or (
                 down.in_features,
                 down.out_features,
@@ -294,14 +307,20 @@ class DecodeGraph:
             norms = layer.norms()
             q_norm, qk_eps = _norm_field(attn.q_norm, kept_norms)
             k_norm, _ = _norm_field(attn.k_norm, kept_norms)
+            k_desc, v_desc = (descs[1], descs[2]) if split else (None, None)
+            o_desc, gate_up_desc, down_desc = descs[-3:]
             structs[i] = _Layer(
                 ctypes.addressof(descs[0]),
                 _bias(qkv),
-                ctypes.addressof(descs[1]),
+                None if k_desc is None else ctypes.addressof(k_desc),
+                _bias(kv_projs[0]) if split else None,
+                None if v_desc is None else ctypes.addressof(v_desc),
+                _bias(kv_projs[1]) if split else None,
+                ctypes.addressof(o_desc),
                 _bias(o),
-                ctypes.addressof(descs[2]),
+                ctypes.addressof(gate_up_desc),
                 _bias(gate_up),
-                ctypes.addressof(descs[3]),
+                ctypes.addressof(down_desc),
                 _bias(down),
                 *(
                     field

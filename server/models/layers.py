@@ -123,7 +123,11 @@ class Attention(nn.Module):
             else:
                 qf, kf, vf = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             if self.full_qk_norm and self.q_norm is not None and self.k_norm is not None:
-                qf, kf = self.q_norm(qf), self.k_norm(kf)
+                if ops is not None and self.qkv_proj is None:  # in place on the fresh q / k outputs
+                    _head_norm(qf.unsqueeze(1), self.q_norm, ops)
+                    _head_norm(kf.unsqueeze(1), self.k_norm, ops)
+                else:
+                    qf, kf = self.q_norm(qf), self.k_norm(kf)
             q, k, v = qf.reshape(t, hq, d), kf.reshape(t, hkv, d), vf.reshape(t, hkv, d)
             if not self.full_qk_norm and self.q_norm is not None and self.k_norm is not None:
                 q, k = _head_norm(q, self.q_norm, ops), _head_norm(k, self.k_norm, ops)

@@ -16,10 +16,11 @@ import torch
 from torch import Tensor, nn
 
 from server.attention import AttentionBackend, AttentionMetadata
+from server.models import layers as shared
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
 from server.models.decode_graph import DecodeGraph, cache_pointers
-from server.models.layers import MLP, Attention, DecoderLayer, RMSNorm, bf16_chain, bf16_gemm
+from server.models.layers import MLP, Attention, DecoderLayer, RMSNorm
 from server.models.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -55,11 +56,7 @@ def _residual(
 ) -> Tensor | None:  # [T, hidden] out_dtype: norm(h) after the add, None without a norm
     simple = pending is None or pending.simple
     delta = None if pending is None else pending.delta
-    if (
-        norm is not None
-        and simple
-        and (out_dtype == torch.bfloat16 or (delta is not None and delta.dtype != h.dtype))
-    ):
+    if norm is not None and simple:  # the Llama layer's add + norm, any dtype pair
         return ops.add_rms_norm(h, delta, norm.applied_weight(), norm.eps, out_dtype=out_dtype)
     assert out_dtype == torch.float32
     post = None if pending is None or pending.post is None else pending.post
@@ -197,10 +194,10 @@ class LlamaForCausalLM(nn.Module):
             # fp32 stream, without the [T, H] fp32 <-> bf16 copies (the residual stream h stays fp32).
             # Only around a plain add + norm (Llama's placement): a post-norm or multiplier works in fp32.
             plain = (pending is None or pending.simple) and norms.attn_in is not None
-            x_dtype = bf16 if plain and bf16_gemm(attn.qkv_proj, t) else fp32
+            x_dtype = bf16 if plain and shared.bf16_gemm(attn.qkv_proj, t) else fp32
             x = _residual(ops, h, pending, norms.attn_in, x_dtype)
             plain = norms.attn_out is None and mult == 1.0 and norms.mlp_in is not None
-            a_dtype = bf16 if plain and bf16_gemm(attn.o_proj, t) else None
+            a_dtype = bf16 if plain and shared.bf16_gemm(attn.o_proj, t) else None
             qkv_dtype = fp32 if x_dtype == bf16 else None
             cos, sin = tables[rope] if rope >= 0 else (None, None)
             a = attn(
@@ -215,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
                 qkv_dtype=qkv_dtype,
                 out_dtype=a_dtype,
             )
-            x_dtype = bf16 if plain and bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
+            x_dtype = bf16 if plain and shared.bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
             x = _residual(ops, h, _Pending(a, norms.attn_out, mult), norms.mlp_in, x_dtype)
             # bf16 where x is (MLP.forward's bf16 chain), else fp32
             pending = _Pending(mlp(h if x is None else x, ops), norms.mlp_out, mult)

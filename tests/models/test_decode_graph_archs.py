@@ -21,6 +21,7 @@ from server.engine import LLMEngine
 from server.models.decode_graph import DecodeGraph
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qlinear import dequantize_reference
+from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
 PROMPTS = [
@@ -184,3 +185,44 @@ def test_fused_path_serves_the_new_kinds(tiny: Callable[[str], Path], cache: Pat
         atol=1e-4,
         rtol=0,
     )
+
+
+def test_graph_runs_separate_q_k_v_of_a_mixed_gguf(tmp_path: Path, cache: Path) -> None:
+    """A Gemma 3 GGUF whose attn_v is Q6_K and attn_q/attn_k Q8_0 (a Q4_K_M file's mix): q, k and v stay
+    separate projections, the graph writes them into the columns of one qkv buffer and gives what the
+    Python fused path gives, bit for bit; greedy tokens equal transformers' on the file's weights."""
+    from gguf_archs import write_arch_gguf
+    from test_gguf_archs import FMTS, _build
+    from transformers import AutoModelForCausalLM
+
+    hf = _build(tmp_path / "hf", "gemma3")
+    path = write_arch_gguf(hf, tmp_path / "gemma3.gguf", tmp_path / "ref", {**FMTS, "attn_v": "Q6_K"})
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), max_model_len=MAX_LEN, cache_dir=cache),
+            cache=CacheConfig(
+                block_size=4, num_kv_blocks=128, enable_prefix_caching=False, cache_dtype="float32"
+            ),
+        )
+    )
+    apply_gemm_dtype(engine.loaded.model, torch.float32)
+    attn = engine.loaded.model.decoder_layers()[0].self_attn
+    assert (
+        attn.qkv_proj is None and isinstance(attn.v_proj, BlockQuantLinear) and attn.v_proj.method == "q6_k"
+    )
+    want = _generate(engine, graph=False)
+    got = _generate(engine, graph=True)
+    entry = engine.loaded.model._decode_graph
+    assert entry is not None and isinstance(entry[1], DecodeGraph)
+    assert len(entry[1].projections[0]) == 6  # q, k, v, o, gate_up, down
+    assert got == want
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "ref"), dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.inference_mode():
+        for text, ours in zip(PROMPTS, got[0], strict=True):
+            ids = engine.tokenizer.encode(text)
+            out = ref.generate(  # type: ignore[operator]
+                torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, min_new_tokens=len(ours)
+            )
+            assert out[0, len(ids) :].tolist() == ours, text

@@ -313,8 +313,12 @@ typedef int32_t (*KiPagedDecodeWindowFn)(int32_t dtype, int32_t cache_dtype, voi
 //   post (OLMo 2):     attn_out, mlp_out        (the sub-blocks read the residual stream itself)
 //   sandwich (Gemma):  all four
 struct KiDecodeLayer {
-  const void* qkv;
+  const void* qkv;  // the fused q/k/v projection, or q alone where k_proj is set (GGUFs mixing types)
   const float* qkv_bias;
+  const void* k_proj;  // null: qkv holds all three
+  const float* k_bias;
+  const void* v_proj;
+  const float* v_bias;
   const void* o;
   const float* o_bias;
   const void* gate_up;
@@ -396,6 +400,11 @@ int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) 
       return 100 + rc;
     const float* attn_in = L.attn_in_norm ? s->x : s->h;
     if ((rc = m->qlinear(L.qkv, attn_in, t, H, L.qkv_bias, s->qkv, q_width, nt))) return 200 + rc;
+    if (L.k_proj) {  // q went into the first Hq D columns; k and v into theirs (row stride q_width)
+      if ((rc = m->qlinear(L.k_proj, attn_in, t, H, L.k_bias, s->qkv + o_width, q_width, nt))) return 200 + rc;
+      if ((rc = m->qlinear(L.v_proj, attn_in, t, H, L.v_bias, s->qkv + o_width + kv_width, q_width, nt)))
+        return 200 + rc;
+    }
     if (L.qk_norm == 1) {
       if ((rc = kubeinfer_head_rms_norm(s->qkv, q_width, t, m->hq, D, L.q_norm, L.qk_eps, nt))) return 1000 + rc;
       if ((rc = kubeinfer_head_rms_norm(s->qkv + o_width, q_width, t, m->hkv, D, L.k_norm, L.qk_eps, nt)))
