@@ -2,6 +2,7 @@
 
     python benchmarks/decode_step.py [--users 1 16 --prompt-len 128 --steps 40]
     python benchmarks/decode_step.py --gemm-dtypes float32 bfloat16 --users 16 32   # graph, fp32 vs bf16
+    python benchmarks/decode_step.py --model ~/.cache/kubeinfer/real-shapes/gemma-3-1b/gemma-3-1b-Q4_K_M.gguf --users 1
 
 Three ways through the same engine, same weights, same batch, taking single steps in rotation so that
 the machine's load hits all three alike:
@@ -90,13 +91,20 @@ def main() -> None:
     ap.add_argument("--users", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40, help="steps per mode")
+    ap.add_argument("--model", help="a model path or GGUF file (default: the embedded model)")
+    ap.add_argument("--max-model-len", type=int, help="the engine's max_model_len (default: the model's)")
     ap.add_argument(
         "--gemm-dtypes", nargs="+", choices=["float32", "bfloat16"], help="compare the graph under these"
     )
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=ModelConfig(), cache=CacheConfig()))
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=args.model, max_model_len=args.max_model_len), cache=CacheConfig()
+        )
+    )
     result = {
-        "benchmark": "decode step of the embedded GGUF, layer loop as graph / fused / torch, steps rotated",
+        "benchmark": "decode step, layer loop as graph / fused / torch, steps rotated",
+        "model": args.model or "embedded",
         "cpu": cpu_info(),
         "threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()),

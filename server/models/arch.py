@@ -142,9 +142,16 @@ class ArchConfig:
         return max(spec.sliding_window for spec in self.layers if spec.sliding_window is not None)
 
     @property
+    def fused_cpu(self) -> bool:
+        """Every layer's MLP is dense: the compiled fp32 CPU path (and, where decode_graph.py can record
+        it, the decode graph) serves the model, whatever its layer kind. Mixture-of-experts layers run
+        their own block on the torch path."""
+        return all(spec.mlp == "dense" for spec in self.layers)
+
+    @property
     def is_llama(self) -> bool:
-        """Every layer is the Llama layer and nothing model-level differs: the fused CPU path, the
-        decode graph, tensor parallelism and the pooling decoder serve only this."""
+        """Every layer is the Llama layer and nothing model-level differs: tensor parallelism and
+        calibrated quantization serve only this (the fused CPU path and decode graph: `fused_cpu`)."""
         return (
             all(spec.is_llama(self.head_dim) for spec in self.layers)
             and self.embedding_multiplier == 1.0

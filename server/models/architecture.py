@@ -26,7 +26,7 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     gguf: bool = False
-    # its layers are the Llama layer (LayerSpec.is_llama): fused CPU ops, decode graph, TP, --quantize
+    # its layers are the Llama layer (LayerSpec.is_llama): tensor parallelism, calibrated quantization
     llama_layer: bool = False
     rename_weights: Callable[[dict[str, Tensor], ArchConfig], dict[str, Tensor]] | None = None
     # Runs before rename_weights on the model built on the meta device: takes the checkpoint tensors

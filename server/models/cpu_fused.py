@@ -1,5 +1,5 @@
-"""The compiled fused elementwise ops of a decoder layer (csrc/cpu_fused.cpp), fp32 on CPU (silu_mul
-also bf16), via ctypes.
+"""The compiled fused elementwise ops of a decoder layer (csrc/cpu_fused.cpp), fp32 on CPU (the gated
+activations also bf16), via ctypes: every layer kind of the layer contract (layer_spec.py).
 
 A one-token decode step of a small model spends more time dispatching torch ops than computing them: one
 RMSNorm is ~8 ops (~50 us) over 576 values, and a layer runs ~30 such ops around its 4 matmuls. These
@@ -26,7 +26,7 @@ from server.native import KernelBuildError, NativeSource, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
-ABI_VERSION = 6  # 6: kubeinfer_add_rms_norm_mixed
+ABI_VERSION = 7  # 6: kubeinfer_add_rms_norm_mixed; 7: residual_norm, gelu_tanh_mul, partial rotary
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
 # AVX-512 CPUs keeps loops at 256 bits (libmvec's 8-wide expf); 512-bit loops cut a 16-user prefill step
@@ -52,10 +52,26 @@ def torch_add_rms_norm(
 
 def torch_rotary(
     x: Tensor,  # [T, heads, D] fp32, rotated in place
-    cos: Tensor,  # [T, D] fp32
-    sin: Tensor,  # [T, D] fp32, first half negated (RotaryEmbedding's tables)
+    cos: Tensor,  # [T, R] fp32, R <= D: the leading R channels of each head rotate
+    sin: Tensor,  # [T, R] fp32, first half negated (RotaryEmbedding's tables)
 ) -> None:
-    x.copy_(torch.addcmul(x * cos[:, None], x.roll(x.shape[-1] // 2, dims=-1), sin[:, None]))
+    r = cos.shape[-1]
+    rot = x[..., :r]
+    rot.copy_(torch.addcmul(rot * cos[:, None], rot.roll(r // 2, dims=-1), sin[:, None]))
+
+
+def torch_residual_norm(
+    x: Tensor,  # [T, H] fp32, the residual stream, updated in place
+    delta: Tensor | None,  # [T, H] fp32, normalized in place where post is given
+    post: tuple[Tensor, float] | None,  # ([H] fp32 weight, eps) of the sub-block's post-norm
+    mult: float,
+    next_norm: tuple[Tensor, float] | None,  # ([H] fp32 weight, eps) of the next norm
+) -> Tensor | None:  # [T, H] fp32 next_norm(x), or None without a next norm
+    if delta is not None:
+        if post is not None:
+            delta.copy_(torch_add_rms_norm(delta, None, *post))
+        x.add_(delta * mult)
+    return None if next_norm is None else torch_add_rms_norm(x, None, *next_norm)
 
 
 def torch_head_rms_norm(
@@ -69,6 +85,11 @@ def torch_head_rms_norm(
 def torch_silu_mul(gate_up: Tensor) -> Tensor:  # gate_up: [T, 2I] fp32 or bf16 -> [T, I] same dtype
     gate, up = gate_up.float().chunk(2, dim=-1)  # bf16: computed in fp32, rounded once (as the kernel)
     return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def torch_gelu_tanh_mul(gate_up: Tensor) -> Tensor:  # gate_up: [T, 2I] fp32 or bf16 -> [T, I] same dtype
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
 
 
 def _check_rows(name: str, t: Tensor, cols: int, dtype: torch.dtype = torch.float32) -> None:
@@ -145,22 +166,68 @@ class FusedOps:
     def rotary(
         self,
         x: Tensor,  # [T, heads, D] fp32, rotated in place; heads dense within a row (row stride free)
-        cos: Tensor,  # [T, D] fp32 contiguous
-        sin: Tensor,  # [T, D] fp32 contiguous, first half negated
+        cos: Tensor,  # [T, R] fp32 contiguous, R <= D even: the leading R channels of each head rotate
+        sin: Tensor,  # [T, R] fp32 contiguous, first half negated
     ) -> None:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
             raise TypeError(f"x must be a [T, heads, D] CPU fp32 tensor, got {x.dtype} {tuple(x.shape)}")
         t, heads, d = x.shape
-        if d % 2 or x.stride(2) != 1 or (heads > 1 and x.stride(1) != d):
-            raise ValueError(f"x: each row's heads must be dense with an even D, got strides {x.stride()}")
+        if x.stride(2) != 1 or (heads > 1 and x.stride(1) != d):
+            raise ValueError(f"x: each row's heads must be dense, got strides {x.stride()}")
+        r = cos.shape[-1] if cos.dim() == 2 else -1
+        if r <= 0 or r % 2 or r > d:
+            raise ValueError(f"cos must be [T, R] with an even R <= {d}, got {tuple(cos.shape)}")
         for name, table in (("cos", cos), ("sin", sin)):
-            if table.dtype != torch.float32 or tuple(table.shape) != (t, d) or not table.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous [{t}, {d}] fp32 tensor")
+            if table.dtype != torch.float32 or tuple(table.shape) != (t, r) or not table.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous [{t}, {r}] fp32 tensor")
         rc = self.lib.kubeinfer_rotary(
-            x.data_ptr(), x.stride(0), t, heads, d, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
+            x.data_ptr(), x.stride(0), t, heads, d, r, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
         )
         if rc != 0:
             raise RuntimeError(f"rotary kernel returned {rc}")
+
+    def residual_norm(
+        self,
+        x: Tensor,  # [T, H] fp32, unit stride along H: the residual stream, updated in place
+        delta: Tensor | None,  # [T, H] fp32, unit stride along H; normalized in place where post is given
+        post: tuple[Tensor, float] | None,  # ([H] fp32 contiguous weight, eps): the sub-block's post-norm
+        mult: float,  # the residual multiplier (Granite), 1.0 for none
+        next_norm: tuple[Tensor, float] | None,  # ([H] fp32 contiguous weight, eps) of the next norm
+    ) -> Tensor | None:  # [T, H] fp32 next_norm(x), or None without a next norm
+        """One residual step of any norm placement (layer_spec.NormPlacement): x += mult * post(delta),
+        then the next norm. Norm weights are as applied (Gemma's 1 + w already added: RMSNorm.applied_weight).
+        With no post and mult 1 it runs add_rms_norm's own row loop: bit-identical to `add_rms_norm`."""
+        t, h = x.shape[0], x.shape[-1]
+        _check_rows("x", x, h)
+        if delta is not None:
+            _check_rows("delta", delta, h)
+            if delta.shape[0] != t:
+                raise ValueError(f"delta: {delta.shape[0]} rows, x has {t}")
+        for name, pair in (("post", post), ("next_norm", next_norm)):
+            if pair is not None:
+                w = pair[0]
+                if w.dtype != torch.float32 or tuple(w.shape) != (h,) or not w.is_contiguous():
+                    raise ValueError(f"{name} weight must be a contiguous [{h}] fp32 tensor")
+        out = None if next_norm is None else torch.empty(t, h)
+        rc = self.lib.kubeinfer_residual_norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
+            None if post is None else post[0].data_ptr(),
+            0.0 if post is None else float(post[1]),
+            float(mult),
+            None if next_norm is None else next_norm[0].data_ptr(),
+            0.0 if next_norm is None else float(next_norm[1]),
+            None if out is None else out.data_ptr(),
+            h,
+            t,
+            h,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"residual_norm kernel returned {rc}")
+        return out
 
     def head_rms_norm(
         self,
@@ -189,18 +256,31 @@ class FusedOps:
     ) -> Tensor:  # [T, I] in gate_up's dtype
         """silu(gate) * up. bf16 in, bf16 out: each value widened, the fp32 kernel's arithmetic, rounded to
         nearest even; bit-identical to `silu_mul(gate_up.float()).bfloat16()` (tests/engine/test_cpu_fused_ops.py)."""
+        return self.act_mul(gate_up, "silu", out)
+
+    def act_mul(
+        self,
+        gate_up: Tensor,  # [T, 2I] fp32 or bf16, gate then up, unit stride along a row
+        activation: str,  # layer_spec.Activation: "silu" or "gelu_tanh"
+        out: Tensor | None = None,  # [T, I] in gate_up's dtype
+    ) -> Tensor:  # [T, I] in gate_up's dtype
+        """act(gate) * up for the layer's activation (SwiGLU or GeGLU with the tanh GELU); bf16 as silu_mul.
+        Raises ValueError for another activation."""
         t, two_i = gate_up.shape[0], gate_up.shape[-1]
         if two_i % 2:
             raise ValueError(f"gate_up: last dim {two_i} is not even")
+        if activation not in _ACT_FNS:
+            raise ValueError(f"activation must be one of {sorted(_ACT_FNS)}, got {activation!r}")
         inter = two_i // 2
+        fp32_fn, bf16_fn = _ACT_FNS[activation]
         if gate_up.dtype == torch.bfloat16:
             _check_rows("gate_up", gate_up, two_i, torch.bfloat16)
             out = _output(out, t, inter, torch.bfloat16)
-            fn = self.lib.kubeinfer_silu_mul_bf16
+            fn = getattr(self.lib, bf16_fn)
         else:
             _check_rows("gate_up", gate_up, two_i)
             out = _output(out, t, inter)
-            fn = self.lib.kubeinfer_silu_mul
+            fn = getattr(self.lib, fp32_fn)
         rc = fn(
             gate_up.data_ptr(),
             gate_up.stride(0),
@@ -211,8 +291,15 @@ class FusedOps:
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise RuntimeError(f"silu_mul kernel returned {rc}")
+            raise RuntimeError(f"{activation} kernel returned {rc}")
         return out
+
+
+# layer_spec.Activation -> the library's fp32 and bf16 entry points
+_ACT_FNS = {
+    "silu": ("kubeinfer_silu_mul", "kubeinfer_silu_mul_bf16"),
+    "gelu_tanh": ("kubeinfer_gelu_tanh_mul", "kubeinfer_gelu_tanh_mul_bf16"),
+}
 
 
 @functools.cache
@@ -235,16 +322,40 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
         f32,
         i32,
     ]
-    lib.kubeinfer_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]
-    lib.kubeinfer_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
-    lib.kubeinfer_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+    lib.kubeinfer_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.kubeinfer_residual_norm.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        f32,
+        f32,
+        ptr,
+        f32,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i32,
+    ]
+    for name in (
+        "kubeinfer_silu_mul",
+        "kubeinfer_silu_mul_bf16",
+        "kubeinfer_gelu_tanh_mul",
+        "kubeinfer_gelu_tanh_mul_bf16",
+    ):
+        getattr(lib, name).argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.kubeinfer_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
     for fn in (
         lib.kubeinfer_add_rms_norm_mixed,
         lib.kubeinfer_rotary,
+        lib.kubeinfer_residual_norm,
         lib.kubeinfer_silu_mul,
         lib.kubeinfer_silu_mul_bf16,
+        lib.kubeinfer_gelu_tanh_mul,
+        lib.kubeinfer_gelu_tanh_mul_bf16,
         lib.kubeinfer_head_rms_norm,
         lib.kubeinfer_decode_forward,
     ):

@@ -31,6 +31,7 @@ decode attention; `build` returns None for anything else and the Python path ser
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,33 +43,52 @@ from server.attention.cpu_kernel import CACHE_DTYPE_CODES, check_decode_indices
 from server.attention.torch_backend import TorchAttentionBackend
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
-from server.models.layers import DecoderLayer, RMSNorm
+from server.models.layer_spec import LayerSpec
+from server.models.layers import MLP, DecoderLayer, RMSNorm
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import DecodeEntry, decode_entry
 from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, compute_flag, weight_descriptor
 
+log = logging.getLogger(__name__)
+
 _ptr, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 
-class _Layer(ctypes.Structure):
+class _Layer(ctypes.Structure):  # cpu_fused.cpp's KiDecodeLayer
     _fields_ = [
         ("qkv", _ptr),
         ("qkv_bias", _ptr),
+        ("k_proj", _ptr),
+        ("k_bias", _ptr),
+        ("v_proj", _ptr),
+        ("v_bias", _ptr),
         ("o", _ptr),
         ("o_bias", _ptr),
         ("gate_up", _ptr),
         ("gate_up_bias", _ptr),
         ("down", _ptr),
         ("down_bias", _ptr),
-        ("norm1", _ptr),
-        ("norm2", _ptr),
+        ("attn_in_norm", _ptr),
+        ("attn_out_norm", _ptr),
+        ("mlp_in_norm", _ptr),
+        ("mlp_out_norm", _ptr),
+        ("attn_in_eps", _f32),
+        ("attn_out_eps", _f32),
+        ("mlp_in_eps", _f32),
+        ("mlp_out_eps", _f32),
         ("k_cache", _ptr),
         ("v_cache", _ptr),
-        ("eps1", _f32),
-        ("eps2", _f32),
+        ("qk_norm", _i32),
         ("q_norm", _ptr),
         ("k_norm", _ptr),
         ("qk_eps", _f32),
+        ("rope", _i32),
+        ("rotary_dim", _i32),
+        ("scale", _f32),
+        ("window", _i32),
+        ("sinks", _ptr),
+        ("residual_mult", _f32),
+        ("activation", _i32),
     ]
 
 
@@ -78,7 +98,6 @@ class _Model(ctypes.Structure):
         ("num_layers", _i64),
         ("final_norm", _ptr),
         ("final_eps", _f32),
-        ("scale", _f32),
         ("hidden", _i64),
         ("inter", _i64),
         ("hq", _i64),
@@ -118,17 +137,43 @@ def _bias(m: BlockQuantLinear) -> int | None:
     return None if m.bias is None else m.bias.data_ptr()
 
 
-def _qk_norm_fields(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> tuple[int | None, int | None, float]:
-    if q_norm is None or k_norm is None:
-        return None, None, 0.0
-    assert q_norm.eps == k_norm.eps  # both built from rms_norm_eps (llama.py's Attention)
-    return q_norm.weight.data_ptr(), k_norm.weight.data_ptr(), q_norm.eps
-
-
 def _fn_address(fn: Any) -> int:  # a ctypes function of a loaded library -> its entry point
     address = ctypes.cast(fn, ctypes.c_void_p).value
     assert address is not None
     return int(address)
+
+
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+_QK_NORMS = {"none": 0, "head": 1, "full": 2}
+_refusals_logged: set[str] = set()
+
+
+def _refuse(reason: str) -> None:
+    """build returns None: the reason logged once per process (a new recording follows every cache change)."""
+    if reason not in _refusals_logged:
+        _refusals_logged.add(reason)
+        log.info("decode graph not recorded, the Python fused path serves decode steps: %s", reason)
+
+
+def layer_refusal(spec: LayerSpec) -> str | None:
+    """What of this layer kind the compiled graph cannot run yet, or None: every field of the layer
+    contract is data in the graph's layer record except a mixture-of-experts MLP (its own block, the
+    torch path) and attention soft-capping (the paged decode kernel has no soft-cap: softcap_attention.py)."""
+    if spec.mlp != "dense":
+        return f"a {spec.mlp!r} MLP runs its own block"
+    if spec.attn_softcap is not None:
+        return "attention soft-capping (attn_logit_softcapping) is not in the paged decode kernel"
+    if spec.activation not in _ACTIVATIONS:
+        return f"activation {spec.activation!r}"
+    return None
+
+
+def _norm_field(norm: RMSNorm | None, kept: list[Tensor]) -> tuple[int | None, float]:
+    if norm is None:
+        return None, 0.0
+    w = norm.applied_weight()  # Gemma's 1 + w, computed once
+    kept.append(w)
+    return w.data_ptr(), norm.eps
 
 
 @dataclass
@@ -147,7 +192,8 @@ class DecodeGraph:
     model_struct: _Model
     cache_shape: torch.Size  # [num_blocks, block_size, Hkv, D] of every layer's K and V cache
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
-    projections: list[list[BlockQuantLinear]]  # per layer: qkv, o, gate_up, down
+    rotary_dims: tuple[int, ...]  # per rotary table `run` takes: its width R
+    projections: list[list[BlockQuantLinear]]  # per layer: qkv (or q, k, v), o, gate_up, down
     descriptors: list[KiQWeight]  # the projections' descriptors, in the same order (flattened)
     entry: DecodeEntry  # the projections' entry point and the int8 modes recorded with it
     # Kept alive: the C side holds raw pointers into these.
@@ -166,23 +212,31 @@ class DecodeGraph:
         kv_caches: list[tuple[Tensor, Tensor]],
         backend: AttentionBackend,
         ops: FusedOps,
+        rope_indices: list[int] | None = None,  # per layer: its table in `run`'s tables, -1: no RoPE
     ) -> DecodeGraph | None:
-        """The graph for these layers, caches and backend, or None where the Python path must serve:
-        the layer contract it runs is the Llama layer (`LayerSpec.is_llama`) with Qwen3's per-head
-        q/k norm at most; any other spec returns None."""
+        """The graph for these layers, caches and backend, or None (the reason logged once) where the
+        Python path must serve: any layer kind of the contract (`layer_refusal` says what is not),
+        block-quantized projections with the compiled kernel, the compiled decode attention."""
         if not isinstance(backend, TorchAttentionBackend) or backend.decode_kernel is None:
-            return None
-        if not config.is_llama:
             return None
         if not layers or len(layers) != len(kv_caches):
             return None
-        # The recorded graph calls the whole-context decode entry point: windowed layers take the Python path.
-        if any(layer.self_attn.sliding_window is not None for layer in layers):
-            return None
+        rope_indices = rope_indices if rope_indices is not None else [0] * len(layers)
+        if len(rope_indices) != len(layers):
+            raise ValueError(f"rope_indices: {len(rope_indices)} entries for {len(layers)} layers")
+        for layer in layers:
+            reason = layer_refusal(layer.spec)
+            if reason is not None:
+                _refuse(f"{config.architecture}: {reason}")
+                return None
         projections: list[list[BlockQuantLinear]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            mods = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            assert isinstance(mlp, MLP)  # layer_refusal: a dense MLP
+            # q, k and v apart where their formats differ (a Q4_K_M GGUF's Q6_K or Q8_0 attn_v): the graph
+            # writes them into the columns of one qkv buffer
+            qkv = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+            mods = [*qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             # exact type: a LoRA- or tensor-parallel-wrapped projection computes more than the kernel
             if not all(type(m) is BlockQuantLinear and m.kernel is not None for m in mods):
                 return None
@@ -190,18 +244,24 @@ class DecodeGraph:
         kernel = projections[0][0].kernel
         if kernel is None or any(m.kernel is not kernel for mods in projections for m in mods):
             return None
-        norms = [layer.input_layernorm.weight for layer in layers] + [
-            layer.post_attention_layernorm.weight for layer in layers
-        ]
-        norms.append(final_norm.weight)
-        qk_norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
-        norms.extend(n.weight for pair in qk_norms for n in pair if n is not None)
-        if any(
-            (q is None) != (k is None) or (q is not None and q.weight.shape != (config.head_dim,))
-            for q, k in qk_norms
-        ):
-            return None
-        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+        attn0, cfg = layers[0].self_attn, config
+        hq, hkv, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        all_norms = [n for layer in layers for n in vars(layer.norms()).values() if n is not None]
+        all_norms.append(final_norm)
+        for layer in layers:
+            a = layer.self_attn
+            if a.q_norm is not None and a.k_norm is not None:
+                all_norms += [a.q_norm, a.k_norm]
+                want_q, want_k = (hq * d, hkv * d) if a.full_qk_norm else (d, d)
+                if a.q_norm.weight.shape != (want_q,) or a.k_norm.weight.shape != (want_k,):
+                    return None
+                assert a.q_norm.eps == a.k_norm.eps  # both built from rms_norm_eps (layers.py's Attention)
+            elif (a.q_norm is None) != (a.k_norm is None):
+                return None
+            if a.sinks is not None and (a.sinks.dtype != torch.float32 or not a.sinks.is_contiguous()):
+                return None
+        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in all_norms):
             return None
         k0 = kv_caches[0][0]
         shape = k0.shape
@@ -211,49 +271,89 @@ class DecodeGraph:
             c.dtype != k0.dtype or c.shape != shape or not c.is_contiguous() for kv in kv_caches for c in kv
         ):
             return None
-        attn0, cfg = layers[0].self_attn, config
-        hq, hkv, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
         descriptors: list[KiQWeight] = []
         kept_weights: list[BlockQuantWeight] = []
+        kept_norms: list[Tensor] = []
+        rotary_dims: dict[int, int] = {}
         structs = (_Layer * len(layers))()
-        for i, (layer, (kc, vc), linears) in enumerate(zip(layers, kv_caches, projections, strict=True)):
-            qkv, o, gate_up, down = linears
-            want = ((qkv, hidden, (hq + 2 * hkv) * d), (o, hq * d, hidden), (gate_up, hidden, 2 * inter))
+        for i, (layer, (kc, vc), linears, rope) in enumerate(
+            zip(layers, kv_caches, projections, rope_indices, strict=True)
+        ):
+            qkv, *kv_projs, o, gate_up, down = linears
+            split = len(kv_projs) == 2  # separate q, k, v
+            want = [
+                (qkv, hidden, (hq if split else hq + 2 * hkv) * d),
+                *((m, hidden, hkv * d) for m in kv_projs),
+                (o, hq * d, hidden),
+                (gate_up, hidden, 2 * inter),
+            ]
             if any((m.in_features, m.out_features) != (k, n) for m, k, n in want) or (
                 down.in_features,
                 down.out_features,
             ) != (inter, hidden):
                 return None
+            spec, attn = layer.spec, layer.self_attn
+            if (spec.rope is None) != (rope < 0):
+                raise ValueError(f"layer {i}: rope index {rope} for rope {spec.rope}")
+            if (
+                spec.rope is not None
+                and rotary_dims.setdefault(rope, spec.rope.rotary_dim) != spec.rope.rotary_dim
+            ):
+                raise ValueError(f"layer {i}: rope table {rope} has another width")
             weights = [m.weight_q for m in linears]
             kept_weights.extend(weights)  # the descriptors point into their tensors
             descs = [weight_descriptor(w, m.gemm_dtype) for w, m in zip(weights, linears, strict=True)]
             descriptors.extend(descs)
+            norms = layer.norms()
+            q_norm, qk_eps = _norm_field(attn.q_norm, kept_norms)
+            k_norm, _ = _norm_field(attn.k_norm, kept_norms)
+            k_desc, v_desc = (descs[1], descs[2]) if split else (None, None)
+            o_desc, gate_up_desc, down_desc = descs[-3:]
             structs[i] = _Layer(
                 ctypes.addressof(descs[0]),
                 _bias(qkv),
-                ctypes.addressof(descs[1]),
+                None if k_desc is None else ctypes.addressof(k_desc),
+                _bias(kv_projs[0]) if split else None,
+                None if v_desc is None else ctypes.addressof(v_desc),
+                _bias(kv_projs[1]) if split else None,
+                ctypes.addressof(o_desc),
                 _bias(o),
-                ctypes.addressof(descs[2]),
+                ctypes.addressof(gate_up_desc),
                 _bias(gate_up),
-                ctypes.addressof(descs[3]),
+                ctypes.addressof(down_desc),
                 _bias(down),
-                layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
+                *(
+                    field
+                    for pair in zip(
+                        *(
+                            _norm_field(n, kept_norms)
+                            for n in (norms.attn_in, norms.attn_out, norms.mlp_in, norms.mlp_out)
+                        ),
+                        strict=True,
+                    )
+                    for field in pair
+                ),
                 kc.data_ptr(),
                 vc.data_ptr(),
-                layer.input_layernorm.eps,
-                layer.post_attention_layernorm.eps,
-                *_qk_norm_fields(layer.self_attn.q_norm, layer.self_attn.k_norm),
+                _QK_NORMS[spec.qk_norm] if attn.q_norm is not None else 0,
+                q_norm,
+                k_norm,
+                qk_eps,
+                rope,
+                0 if spec.rope is None else spec.rope.rotary_dim,
+                attn.scale,
+                attn.sliding_window or 0,
+                None if attn.sinks is None else attn.sinks.data_ptr(),
+                spec.residual_multiplier,
+                _ACTIVATIONS[spec.activation],
             )
-        final = final_norm
+        final_w, final_eps = _norm_field(final_norm, kept_norms)
         entry = decode_entry(kernel)  # int8-activation entry or qlinear (cpu_qgemv_q8.py)
         model_struct = _Model(
             ctypes.addressof(structs),
             len(layers),
-            final.weight.data_ptr(),
-            final.eps,
-            attn0.scale,
+            final_w,
+            final_eps,
             hidden,
             inter,
             hq,
@@ -261,19 +361,23 @@ class DecodeGraph:
             d,
             shape[1],
             entry.address,
-            _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode),
+            _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode_window),
             _fn_address(backend.decode_kernel.lib.kubeinfer_kv_store),
             CACHE_DTYPE_CODES[k0.dtype],
         )
+        num_tables = max(rope_indices) + 1
+        if sorted(rotary_dims) != list(range(num_tables)):
+            raise ValueError(f"rope_indices {rope_indices} leave a table unused")
         return DecodeGraph(
             ops=ops,
             model_struct=model_struct,
             cache_shape=shape,
             dims=(hidden, inter, hq, hkv, d),
+            rotary_dims=tuple(rotary_dims[i] for i in range(num_tables)),
             projections=projections,
             descriptors=descriptors,
             entry=entry,
-            _keep=(descriptors, kept_weights, structs, norms, projections, kv_caches),
+            _keep=(descriptors, kept_weights, kept_norms, structs, projections, kv_caches, layers),
         )
 
     @property
@@ -303,8 +407,7 @@ class DecodeGraph:
     def run(
         self,
         h: Tensor,  # [T, hidden] fp32 contiguous, the embeddings; becomes the residual stream
-        cos: Tensor,  # [T, D] fp32 contiguous
-        sin: Tensor,  # [T, D] fp32 contiguous
+        tables: list[tuple[Tensor, Tensor]],  # per rotary table: cos, sin [T, R] fp32 contiguous
         meta: AttentionMetadata,  # T sequences of one new token each
     ) -> Tensor:  # [T, hidden] fp32: the final norm's output
         hidden, inter, hq, hkv, d = self.dims
@@ -313,13 +416,16 @@ class DecodeGraph:
             raise ValueError("the decode graph runs pure-decode steps only (one new token per sequence)")
         if h.dtype != torch.float32 or tuple(h.shape) != (t, hidden) or not h.is_contiguous():
             raise ValueError(f"h must be a contiguous [T, {hidden}] fp32 tensor")
-        for name, table in (("cos", cos), ("sin", sin)):
-            if table.dtype != torch.float32 or tuple(table.shape) != (t, d) or not table.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous [{t}, {d}] fp32 tensor")
-        slots, tables, ctx = meta.slot_mapping, meta.block_tables, meta.context_lens
+        if len(tables) < len(self.rotary_dims):
+            raise ValueError(f"tables: {len(tables)} rotary tables, the layers use {len(self.rotary_dims)}")
+        for r, pair in zip(self.rotary_dims, tables, strict=False):
+            for name, table in zip(("cos", "sin"), pair, strict=True):
+                if table.dtype != torch.float32 or tuple(table.shape) != (t, r) or not table.is_contiguous():
+                    raise ValueError(f"{name} must be a contiguous [{t}, {r}] fp32 tensor")
+        slots, block_tables, ctx = meta.slot_mapping, meta.block_tables, meta.context_lens
         if slots.dtype != torch.int64 or tuple(slots.shape) != (t,) or not slots.is_contiguous():
             raise ValueError("slot_mapping must be a contiguous [T] int64 tensor")
-        if tables.dtype != torch.int32 or tables.dim() != 2 or not tables.is_contiguous():
+        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or not block_tables.is_contiguous():
             raise ValueError("block_tables must be a contiguous [T, max_blocks] int32 tensor")
         if ctx.dtype != torch.int32 or not ctx.is_contiguous():
             raise ValueError("context_lens must be a contiguous int32 tensor")
@@ -328,7 +434,10 @@ class DecodeGraph:
         seqs = torch.arange(t, dtype=torch.int64)
         self.sync_compute()
         self.entry.restore()
-        check_decode_indices(t, self.cache_shape, tables, ctx, seqs, seqs)
+        check_decode_indices(t, self.cache_shape, block_tables, ctx, seqs, seqs)
+        n = len(self.rotary_dims)
+        cos_ptrs = (_ptr * max(n, 1))(*(tables[i][0].data_ptr() for i in range(n)))
+        sin_ptrs = (_ptr * max(n, 1))(*(tables[i][1].data_ptr() for i in range(n)))
         out = torch.empty(t, hidden)
         scratch = torch.empty(t, 2 * hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter)
         # x, qkv, attn, gate_up, act, delta: consecutive [T, width] fp32 blocks of one allocation
@@ -341,11 +450,11 @@ class DecodeGraph:
             h.data_ptr(),
             out.data_ptr(),
             t,
-            cos.data_ptr(),
-            sin.data_ptr(),
+            ctypes.addressof(cos_ptrs),
+            ctypes.addressof(sin_ptrs),
             slots.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
+            block_tables.data_ptr(),
+            block_tables.shape[1],
             ctx.data_ptr(),
             seqs.data_ptr(),
             x,

@@ -89,9 +89,10 @@ class LayerSpec:
             raise UnsupportedModelError(f"unknown MLP kind {self.mlp!r}; expected 'dense' or 'moe'")
 
     def is_llama(self, head_dim: int) -> bool:
-        """Whether this is the Llama/Qwen layer that the compiled fused ops and the decode graph run:
+        """Whether this is the Llama/Qwen layer that tensor parallelism and calibrated quantization run:
         pre-norm w * RMSNorm, SwiGLU, full-width RoPE, no soft-capping, no window, no multiplier,
-        per-head q/k norms at most, a dense MLP, no attention sinks. Other layers take the torch path."""
+        per-head q/k norms at most, a dense MLP, no attention sinks. (The fused CPU ops and the decode
+        graph read every field as data: ArchConfig.fused_cpu, decode_graph.layer_refusal.)"""
         return (
             self.mlp == "dense"
             and self.norm == "rms"

@@ -7,6 +7,8 @@ can replace any projection without touching this file.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -31,6 +33,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(init(dim, device=device))
         self.eps = eps
         self.kind = kind
+        # applied_weight's (1 + w), keyed by the weight's storage and version so a reload is seen
+        self._applied: tuple[tuple[int, int], Tensor] | None = None
+
+    def applied_weight(self) -> Tensor:  # [dim] fp32 contiguous: what multiplies the normalized x
+        """The weight as the fused kernels apply it: w (Llama) or 1 + w in fp32 (Gemma), computed once."""
+        w = self.weight
+        if self.kind == "rms":
+            return w
+        key = (w.data_ptr(), w._version)
+        if self._applied is None or self._applied[0] != key:
+            self._applied = (key, (1.0 + w.detach().float()).contiguous())
+        return self._applied[1]
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., dim]
         dtype = x.dtype
@@ -82,16 +96,23 @@ class Attention(nn.Module):
         qkv_dtype: torch.dtype | None = None,  # q, k, v's dtype where it is not x's (below)
         out_dtype: torch.dtype | None = None,  # the result's, where it is not o_proj's input's (below)
     ) -> Tensor:  # [T, hidden]
-        """With `ops` (Llama layers only), cos and sin are [T, head_dim] (LlamaForCausalLM._forward_fused),
-        whose fp32 stream may hand the fused qkv_proj a bf16 x (its bf16 GEMM's operand, qkv_dtype=float32)
-        and take o_proj's bf16 result (out_dtype=bfloat16) where those GEMMs are bf16 (_bf16_gemm)."""
+        """With `ops` (the fused CPU path, LlamaForCausalLM._forward_fused), cos and sin are [T, rotary_dim]
+        and q/k norms and the rotary run in place on the fused projection's output; its fp32 stream may
+        hand the fused qkv_proj a bf16 x (its bf16 GEMM's operand, qkv_dtype=float32) and take o_proj's
+        bf16 result (out_dtype=bfloat16) where those GEMMs are bf16 (_bf16_gemm)."""
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None and not self.full_qk_norm:
+        if self.qkv_proj is not None and (not self.full_qk_norm or ops is not None):
             # [T, (Hq + 2 Hkv) * D]
             qkv = self.qkv_proj(x) if qkv_dtype is None else self.qkv_proj(x, out_dtype=qkv_dtype)
             qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
             if self.q_norm is not None and self.k_norm is not None:
-                qk = self.qk_normed(qk, ops)
+                if self.full_qk_norm:
+                    assert ops is not None
+                    # OLMo 2: one norm over each whole projection, a [T, 1, width] "head" in place
+                    _head_norm(qkv[:, : hq * d].unsqueeze(1), self.q_norm, ops)
+                    _head_norm(qkv[:, hq * d : (hq + hkv) * d].unsqueeze(1), self.k_norm, ops)
+                else:
+                    qk = self.qk_normed(qk, ops)
             if cos is not None and sin is not None:
                 qk = _rotate(qk, cos, sin, ops)
             q, k = qk[:, :hq], qk[:, hq:]
@@ -102,7 +123,11 @@ class Attention(nn.Module):
             else:
                 qf, kf, vf = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             if self.full_qk_norm and self.q_norm is not None and self.k_norm is not None:
-                qf, kf = self.q_norm(qf), self.k_norm(kf)
+                if ops is not None and self.qkv_proj is None:  # in place on the fresh q / k outputs
+                    _head_norm(qf.unsqueeze(1), self.q_norm, ops)
+                    _head_norm(kf.unsqueeze(1), self.k_norm, ops)
+                else:
+                    qf, kf = self.q_norm(qf), self.k_norm(kf)
             q, k, v = qf.reshape(t, hq, d), kf.reshape(t, hkv, d), vf.reshape(t, hkv, d)
             if not self.full_qk_norm and self.q_norm is not None and self.k_norm is not None:
                 q, k = _head_norm(q, self.q_norm, ops), _head_norm(k, self.k_norm, ops)
@@ -145,7 +170,7 @@ def _head_norm(x: Tensor, norm: RMSNorm, ops: FusedOps | None) -> Tensor:  # x: 
     if ops is None:
         return norm(x)  # over the last dim, D
     # In place, like the rotary: x is a projection's fresh output.
-    ops.head_rms_norm(x, norm.weight, norm.eps)
+    ops.head_rms_norm(x, norm.applied_weight(), norm.eps)
     return x
 
 
@@ -183,14 +208,14 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, ops: FusedOps | None = None) -> Tensor:  # x: [T, hidden]
         silu = self.activation == "silu"
         if self.gate_up_proj is not None:
-            if silu and ops is not None and bf16_chain(self.gate_up_proj, self.down_proj, x.shape[0]):
-                # Both GEMMs in bf16: gate_up's bf16 result goes into silu_mul as is and its bf16 output
-                # into down, bit-identical to widening both and rounding again (cpu_fused.silu_mul).
-                act = ops.silu_mul(self.gate_up_proj(x, out_dtype=torch.bfloat16))  # [T, intermediate] bf16
-                return self.down_proj(act, out_dtype=x.dtype)
+            if ops is not None and bf16_chain(self.gate_up_proj, self.down_proj, x.shape[0]):
+                # Both GEMMs in bf16: gate_up's bf16 result goes into the activation as is and its bf16
+                # output into down, bit-identical to widening both and rounding again (cpu_fused.act_mul).
+                act = ops.act_mul(self.gate_up_proj(x, out_dtype=torch.bfloat16), self.activation)
+                return self.down_proj(act, out_dtype=x.dtype)  # act: [T, intermediate] bf16
             gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-            if silu and ops is not None:  # fp32 CPU: silu * up in one compiled call
-                return self.down_proj(ops.silu_mul(gate_up))
+            if ops is not None:  # fp32 CPU: act(gate) * up in one compiled call
+                return self.down_proj(ops.act_mul(gate_up, self.activation))
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -198,6 +223,18 @@ class MLP(nn.Module):
         if silu:
             return self.down_proj(F.silu(gate).mul_(up))
         return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+
+
+@dataclass(frozen=True)
+class LayerNorms:
+    """A layer's norms by role (None: its placement has none there), as the fused path and the decode graph
+    apply them: pre (Llama) attn_in, mlp_in; post (OLMo 2) attn_out, mlp_out, the sub-blocks reading the
+    residual stream itself; sandwich (Gemma 2/3) all four."""
+
+    attn_in: RMSNorm | None
+    attn_out: RMSNorm | None
+    mlp_in: RMSNorm | None
+    mlp_out: RMSNorm | None
 
 
 class DecoderLayer(nn.Module):
@@ -250,3 +287,16 @@ class DecoderLayer(nn.Module):
         a = attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, backend)
         h = h + self.post_attention_layernorm(a)
         return h + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h)))
+
+    def norms(self) -> LayerNorms:
+        placement = self.spec.norm_placement
+        if placement == "pre":
+            return LayerNorms(self.input_layernorm, None, self.post_attention_layernorm, None)
+        if placement == "post":
+            return LayerNorms(None, self.post_attention_layernorm, None, self.post_feedforward_layernorm)
+        return LayerNorms(
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        )

@@ -1,13 +1,16 @@
 """Our decoder-only model over the paged KV cache, for every registered architecture
 (server/models/registry.py): the shared layers (layers.py) configured by the layer contract
-(`ArchConfig.layers`). Models made only of Llama layers (`ArchConfig.is_llama`) also get the compiled
-fp32 CPU path and the decode graph.
+(`ArchConfig.layers`). Models whose layers all have a dense MLP (`ArchConfig.fused_cpu`) also get the
+compiled fp32 CPU path and the decode graph, whatever their layer kind (norms, activation, rotary, window,
+multipliers: the layer contract's fields, read as data).
 
 Module names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...), so weights
 load by name and a quantized Linear can replace any projection without touching this file.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +32,41 @@ __all__ = [
     "RotaryEmbedding",
     "apply_rotary",
 ]
+
+
+@dataclass
+class _Pending:
+    """The residual add a sub-block still owes: its output, its post-norm (None: none), the multiplier."""
+
+    delta: Tensor  # [T, hidden] fp32 or bf16 (a bf16 GEMM's own result, only where post is None)
+    post: RMSNorm | None
+    mult: float
+
+    @property
+    def simple(self) -> bool:  # x += delta: what add_rms_norm folds into the next norm, any dtype
+        return self.post is None and self.mult == 1.0
+
+
+def _residual(
+    ops: FusedOps,
+    h: Tensor,  # [T, hidden] fp32, the residual stream, updated in place
+    pending: _Pending | None,
+    norm: RMSNorm | None,  # the next norm; None: the next sub-block reads h itself (post placement)
+    out_dtype: torch.dtype,  # bf16 only with a simple pending (or none) and a next norm
+) -> Tensor | None:  # [T, hidden] out_dtype: norm(h) after the add, None without a norm
+    simple = pending is None or pending.simple
+    delta = None if pending is None else pending.delta
+    if norm is not None and simple:  # the Llama layer's add + norm, any dtype pair
+        return ops.add_rms_norm(h, delta, norm.applied_weight(), norm.eps, out_dtype=out_dtype)
+    assert out_dtype == torch.float32
+    post = None if pending is None or pending.post is None else pending.post
+    return ops.residual_norm(
+        h,
+        None if delta is None else delta.float(),  # a no-op for fp32
+        None if post is None else (post.applied_weight(), post.eps),
+        1.0 if pending is None else pending.mult,
+        None if norm is None else (norm.applied_weight(), norm.eps),
+    )
 
 
 class LlamaModel(nn.Module):
@@ -67,6 +105,10 @@ class LlamaForCausalLM(nn.Module):
         assert isinstance(r, RotaryEmbedding)
         return r
 
+    def rope_indices(self) -> list[int]:
+        """Per layer, the index of its table in `rotaries`; -1 for a layer without RoPE."""
+        return [-1 if s.rope is None else self._rope_index[s.rope] for s in self.config.layers]
+
     def decoder_layers(self) -> list[DecoderLayer]:
         layers = list(self.model.layers)
         assert all(isinstance(layer, DecoderLayer) for layer in layers)
@@ -86,16 +128,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> Tensor:  # [T, hidden]
         h = self.model.embed_tokens(input_ids)
         cfg = self.config
+        if cfg.embedding_multiplier != 1.0:
+            # Gemma rounds its sqrt(hidden) normalizer to the activation dtype first (as transformers)
+            h = h * torch.tensor(cfg.embedding_multiplier, dtype=h.dtype)
         if (
             self.fused_ops is not None
             and h.dtype == torch.float32
             and h.device.type == "cpu"
-            and cfg.is_llama
+            and cfg.fused_cpu
         ):
             return self._forward_fused(h, positions, kv_caches, meta, backend, self.fused_ops)
-        if cfg.embedding_multiplier != 1.0:
-            # Gemma rounds its sqrt(hidden) normalizer to the activation dtype first (as transformers)
-            h = h * torch.tensor(cfg.embedding_multiplier, dtype=h.dtype)
         tables = [r.cos_sin(positions, h.dtype) for r in self.rotaries if isinstance(r, RotaryEmbedding)]
         for layer, (k_cache, v_cache) in zip(self.decoder_layers(), kv_caches, strict=True):
             rope = layer.spec.rope
@@ -105,17 +147,21 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_fused(
         self,
-        h: Tensor,  # [T, hidden] fp32, the embeddings
+        h: Tensor,  # [T, hidden] fp32, the (scaled) embeddings
         positions: Tensor,  # [T] int64
         kv_caches: list[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
         backend: AttentionBackend,
         ops: FusedOps,
     ) -> Tensor:  # [T, hidden]
-        # forward() with each residual add folded into the next RMSNorm (one call for add + norm), the
-        # rotary in place and silu * up in one call: ~10 calls per layer instead of ~35 torch ops.
+        # forward() with each residual add folded into the next norm (one call for post-norm + add +
+        # norm: _residual), q/k norms and the rotary in place and act * up in one call: ~10 calls per layer
+        # instead of ~35 torch ops. Every layer kind as its LayerSpec says; decode_graph.py replays it.
         h = h.contiguous() if h._base is None else h.clone()  # the residual stream, updated in place
-        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [T, head_dim] each
+        # per rotary: cos, sin [T, rotary_dim] each
+        tables = [
+            (r.cos[positions], r.sin[positions]) for r in self.rotaries if isinstance(r, RotaryEmbedding)
+        ]
         if (
             self.use_decode_graph
             and meta.max_query_len == 1
@@ -124,36 +170,55 @@ class LlamaForCausalLM(nn.Module):
             key = cache_pointers(kv_caches)
             if self._decode_graph is None or self._decode_graph[0] != key:
                 graph_new = DecodeGraph.build(
-                    self.decoder_layers(), self.model.norm, self.config, kv_caches, backend, ops
+                    self.decoder_layers(),
+                    self.model.norm,
+                    self.config,
+                    kv_caches,
+                    backend,
+                    ops,
+                    self.rope_indices(),
                 )
                 self._decode_graph = (key, graph_new)
             graph = self._decode_graph[1]
             if graph is not None and h.shape[0] <= graph.max_rows:
-                return graph.run(h, cos, sin, meta)
-        delta: Tensor | None = None
+                return graph.run(h, tables, meta)
+        pending: _Pending | None = None
         t, bf16, fp32 = h.shape[0], torch.bfloat16, torch.float32
-        for layer, (k_cache, v_cache) in zip(self.decoder_layers(), kv_caches, strict=True):
-            norm1, norm2, attn, mlp = (
-                layer.input_layernorm,
-                layer.post_attention_layernorm,
-                layer.self_attn,
-                layer.mlp,
-            )
-            assert isinstance(mlp, MLP)  # cfg.is_llama: every layer's MLP is dense
+        for layer, (k_cache, v_cache), rope in zip(
+            self.decoder_layers(), kv_caches, self.rope_indices(), strict=True
+        ):
+            norms, attn, mlp, mult = layer.norms(), layer.self_attn, layer.mlp, layer.spec.residual_multiplier
+            assert isinstance(mlp, MLP)  # cfg.fused_cpu: every layer's MLP is dense
             # Where a projection's GEMM is bf16 (prefill-sized batches), the norm hands it a bf16 operand
             # and takes its bf16 result as the next delta: the values of rounding and widening around an
             # fp32 stream, without the [T, H] fp32 <-> bf16 copies (the residual stream h stays fp32).
-            x_dtype = bf16 if shared.bf16_gemm(attn.qkv_proj, t) else fp32
-            x = ops.add_rms_norm(h, delta, norm1.weight, norm1.eps, out_dtype=x_dtype)
-            a_dtype = bf16 if shared.bf16_gemm(attn.o_proj, t) else None
+            # Only around a plain add + norm (Llama's placement): a post-norm or multiplier works in fp32.
+            plain = (pending is None or pending.simple) and norms.attn_in is not None
+            x_dtype = bf16 if plain and shared.bf16_gemm(attn.qkv_proj, t) else fp32
+            x = _residual(ops, h, pending, norms.attn_in, x_dtype)
+            plain = norms.attn_out is None and mult == 1.0 and norms.mlp_in is not None
+            a_dtype = bf16 if plain and shared.bf16_gemm(attn.o_proj, t) else None
             qkv_dtype = fp32 if x_dtype == bf16 else None
+            cos, sin = tables[rope] if rope >= 0 else (None, None)
             a = attn(
-                x, cos, sin, k_cache, v_cache, meta, backend, ops, qkv_dtype=qkv_dtype, out_dtype=a_dtype
+                h if x is None else x,
+                cos,
+                sin,
+                k_cache,
+                v_cache,
+                meta,
+                backend,
+                ops,
+                qkv_dtype=qkv_dtype,
+                out_dtype=a_dtype,
             )
-            x_dtype = bf16 if shared.bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
-            x = ops.add_rms_norm(h, a, norm2.weight, norm2.eps, out_dtype=x_dtype)
-            delta = mlp(x, ops)  # bf16 where x is (MLP.forward's bf16 chain), else fp32
-        return ops.add_rms_norm(h, delta, self.model.norm.weight, self.model.norm.eps)
+            x_dtype = bf16 if plain and shared.bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
+            x = _residual(ops, h, _Pending(a, norms.attn_out, mult), norms.mlp_in, x_dtype)
+            # bf16 where x is (MLP.forward's bf16 chain), else fp32
+            pending = _Pending(mlp(h if x is None else x, ops), norms.mlp_out, mult)
+        out = _residual(ops, h, pending, self.model.norm, fp32)
+        assert out is not None
+        return out
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # hidden: [N, hidden] -> [N, vocab] fp32
         logits = self.lm_head(hidden).float()

@@ -11,7 +11,9 @@ from server.models.cpu_fused import (
     FusedOps,
     load_fused_ops,
     torch_add_rms_norm,
+    torch_gelu_tanh_mul,
     torch_head_rms_norm,
+    torch_residual_norm,
     torch_rotary,
     torch_silu_mul,
 )
@@ -191,6 +193,78 @@ def test_silu_mul_bf16_is_the_fp32_kernel_rounded(ops: FusedOps, rows: int, inte
     ops.silu_mul(gate_up, out=out)
     out[-1, -1] = 0
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("rows", [1, 200])
+@pytest.mark.parametrize("heads,d,r", [(6, 16, 12), (3, 128, 64), (2, 96, 2)])  # Phi-3's partial rotary
+def test_partial_rotary_matches_apply_rotary_and_leaves_the_tail(
+    ops: FusedOps, rows: int, heads: int, d: int, r: int
+) -> None:
+    g = torch.Generator().manual_seed(rows + heads * d + r)
+    x = torch.randn(rows, heads, d, generator=g)
+    angles = torch.randn(rows, r // 2, generator=g) * 10
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    want = apply_rotary(x, cos[:, None], sin[:, None])
+    ref = x.clone()
+    torch_rotary(ref, cos, sin)
+    torch.testing.assert_close(ref, want, atol=0, rtol=0)
+    tail = x[..., r:].clone()
+    ops.rotary(x, cos, sin)
+    torch.testing.assert_close(x, want, **TOL)
+    assert torch.equal(x[..., r:], tail)  # the channels past R are not touched
+
+
+@pytest.mark.parametrize("rows", [1, 130])
+@pytest.mark.parametrize("post", [False, True])  # OLMo 2 / Gemma 2-3's post-norm on the sub-block output
+@pytest.mark.parametrize("mult", [1.0, 0.22])  # Granite's residual multiplier
+@pytest.mark.parametrize("with_next", [False, True])  # no next norm: OLMo 2's sub-blocks read x itself
+def test_residual_norm_matches_reference(
+    ops: FusedOps, rows: int, post: bool, mult: float, with_next: bool
+) -> None:
+    dim = 576
+    g = torch.Generator().manual_seed(rows + int(post) + int(mult * 100) + int(with_next))
+    x = torch.randn(rows, dim, generator=g) * 3
+    delta = torch.randn(rows, dim, generator=g)
+    post_w = (torch.randn(dim, generator=g), 1e-6) if post else None
+    next_w = (torch.randn(dim, generator=g), 1e-5) if with_next else None
+    x_ref, d_ref = x.clone(), delta.clone()
+    want = torch_residual_norm(x_ref, d_ref, post_w, mult, next_w)
+    got = ops.residual_norm(x, delta, post_w, mult, next_w)
+    torch.testing.assert_close(x, x_ref, **TOL)
+    if with_next:
+        assert got is not None and want is not None
+        torch.testing.assert_close(got, want, **TOL)
+    else:
+        assert got is None
+    if not post and mult == 1.0 and with_next:
+        # the Llama layer's step: add_rms_norm's very row loop, bit for bit
+        x3 = torch.randn(rows, dim, generator=g)
+        x4 = x3.clone()
+        a = ops.residual_norm(x3, delta.clone(), None, 1.0, next_w)
+        assert next_w is not None
+        b = ops.add_rms_norm(x4, delta.clone(), next_w[0], next_w[1])
+        assert a is not None and torch.equal(a, b) and torch.equal(x3, x4)
+
+
+@pytest.mark.parametrize("rows", [1, 100])
+@pytest.mark.parametrize("inter", [1, 37, 2500])
+def test_gelu_tanh_mul_matches_reference_and_bf16_is_it_rounded(ops: FusedOps, rows: int, inter: int) -> None:
+    g = torch.Generator().manual_seed(rows * inter + 7)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+    gate_up[0, 0] = -100.0  # the exp's argument clamped: gelu -> -0, not NaN
+    gate_up[-1, min(1, inter - 1)] = 100.0
+    want = torch_gelu_tanh_mul(gate_up)
+    got = ops.act_mul(gate_up, "gelu_tanh")
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, **TOL)
+    b = gate_up.bfloat16()
+    assert torch.equal(
+        ops.act_mul(b, "gelu_tanh").view(torch.int16),
+        ops.act_mul(b.float(), "gelu_tanh").bfloat16().view(torch.int16),
+    )
+    with pytest.raises(ValueError, match="activation"):
+        ops.act_mul(gate_up, "relu")
 
 
 def test_launchers_refuse_what_would_read_stray_memory(ops: FusedOps) -> None:

@@ -246,9 +246,9 @@ def test_greedy_tokens_agree_with_fp32_gemms(embedded: LLMEngine, monkeypatch: p
     rows: list[int] = []
     run = DecodeGraph.run
 
-    def spy(self, h, cos, sin, meta):  # type: ignore[no-untyped-def]
+    def spy(self, h, tables, meta):  # type: ignore[no-untyped-def]
         rows.append(h.shape[0])
-        return run(self, h, cos, sin, meta)
+        return run(self, h, tables, meta)
 
     monkeypatch.setattr(DecodeGraph, "run", spy)
     bf16 = embedded.generate(prompts, params)

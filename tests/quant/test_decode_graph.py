@@ -139,15 +139,15 @@ def test_graph_refuses_steps_it_cannot_run(tiny_q41: Path, cache: Path) -> None:
         )
 
     with pytest.raises(ValueError, match="pure-decode"):
-        graph.run(h, cos, sin, meta([0, 1], [1, 1], (1, 2)))
+        graph.run(h, [(cos, sin)], meta([0, 1], [1, 1], (1, 2)))
     with pytest.raises(ValueError, match="slot out of range"):
-        graph.run(h, cos, sin, meta([0, graph.num_cache_slots], [1, 1]))
+        graph.run(h, [(cos, sin)], meta([0, graph.num_cache_slots], [1, 1]))
     with pytest.raises(ValueError, match="context_lens"):
-        graph.run(h, cos, sin, meta([0, 1], [1, 10**6]))
+        graph.run(h, [(cos, sin)], meta([0, 1], [1, 10**6]))
     with pytest.raises(ValueError, match="cos"):
-        graph.run(h, cos[:1], sin, meta([0, 1], [1, 1]))
+        graph.run(h, [(cos[:1], sin)], meta([0, 1], [1, 1]))
     with pytest.raises(ValueError, match="h must be"):
-        graph.run(h.double(), cos, sin, meta([0, 1], [1, 1]))
+        graph.run(h.double(), [(cos, sin)], meta([0, 1], [1, 1]))
 
 
 def test_graph_runs_qwen3_qk_norm_bit_identical(tiny_model_factory, cache: Path) -> None:  # type: ignore[no-untyped-def]
@@ -184,9 +184,9 @@ def test_bf16_decode_batches_from_the_crossover_leave_the_graph(
     gemm_rows: list[tuple[int, torch.dtype]] = []
     run, gemm = DecodeGraph.run, BlockQuantLinear._dequant_gemm
 
-    def spy_run(self, h, cos, sin, meta):  # type: ignore[no-untyped-def]
+    def spy_run(self, h, tables, meta):  # type: ignore[no-untyped-def]
         graph_rows.append(h.shape[0])
-        return run(self, h, cos, sin, meta)
+        return run(self, h, tables, meta)
 
     def spy_gemm(self, x, w, kernel, compute=torch.float32, out_dtype=torch.float32):  # type: ignore[no-untyped-def]
         gemm_rows.append((x.shape[0], compute))
@@ -280,10 +280,10 @@ def test_packed_weights_keep_the_graph_and_the_python_path_bit_identical(
         pack_int8_weights(engine.loaded.model)
 
 
-def test_graph_refuses_windowed_layers(tiny_q41: Path, cache: Path) -> None:
-    """The recorded graph calls the whole-context decode entry point: a model with sliding-window layers
-    records none (build returns None) and its decode steps take the Python path, which honours the window
-    (a different answer from the same model without it, on prompts longer than the window)."""
+def test_graph_runs_windowed_layers_bit_identical(tiny_q41: Path, cache: Path) -> None:
+    """Sliding-window layers interleaved with global ones: the graph calls the windowed decode entry point
+    with each layer's window and gives what the Python path gives, bit for bit (a different answer from
+    the same model without windows, on prompts longer than the window)."""
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_q41), cache_dir=cache)))
     model = engine.loaded.model
     texts = [p * 3 for p in PROMPTS]  # ~15-25 tokens, past a 4-token window
@@ -294,6 +294,6 @@ def test_graph_refuses_windowed_layers(tiny_q41: Path, cache: Path) -> None:
     model._decode_graph = None
     want_tokens, want_lps = _generate(engine, graph=False, texts=texts)
     got_tokens, got_lps = _generate(engine, graph=True, texts=texts)
-    assert model._decode_graph is not None and model._decode_graph[1] is None
+    assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
     assert got_tokens == want_tokens and got_lps == want_lps
     assert want_tokens != full_tokens

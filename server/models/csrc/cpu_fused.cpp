@@ -1,4 +1,4 @@
-// Fused elementwise ops of a Llama decoder layer for CPU, fp32: what torch runs as 5-10 small ops each.
+// Fused elementwise ops of a decoder layer for CPU, fp32: what torch runs as 5-10 small ops each.
 //
 // Built at run time by server/models/cpu_fused.py (through server/native.py) and called via ctypes: a plain
 // C ABI, no torch headers. In a decode step every op of the layer loop costs more in dispatch than in math
@@ -6,7 +6,12 @@
 //   add_rms_norm   x += delta (optional); out = weight * x * rsqrt(mean(x^2) + eps)   [T, H] rows
 //                  (add_rms_norm_mixed: the same with a bf16 delta and/or a bf16 out, for bf16 GEMMs)
 //   rotary         q/k heads rotated in place: x * cos + rotate_half(x) * sin, "sin" with its first half
-//                  negated (server/models/llama.py's RotaryEmbedding tables)              [T, heads, D]
+//                  negated (server/models/rope.py's RotaryEmbedding tables); only the leading R <= D
+//                  channels of each head rotate (Phi-3's partial rotary)                 [T, heads, D]
+//   residual_norm  the general residual step of every norm placement (layer_spec.py): delta normalized
+//                  in place by a post-norm (OLMo 2, Gemma 2/3) where given, x += mult * delta (Granite's
+//                  residual multiplier), out = norm(x) where a next norm is given   [T, H] rows
+//   gelu_tanh_mul  out = gelu_tanh(gate) * up (GeGLU, Gemma), fp32 and bf16 like silu_mul
 //   silu_mul       out = silu(gate) * up, gate and up the two halves of one row          [T, 2I] -> [T, I]
 //   silu_mul_bf16  the same over bf16 rows (the bf16 GEMM's own result) to bf16: each row widened to fp32,
 //                  silu_mul's very loop, rounded to nearest even: bit-identical to widen -> silu_mul ->
@@ -16,10 +21,12 @@
 // Rows are independent; OpenMP over rows only when there is enough work to pay for waking the threads.
 //
 // kubeinfer_decode_forward runs a whole decode step's decoder layers in one call (the "decode graph",
-// server/models/decode_graph.py): per layer add_rms_norm, the qkv projection, (Qwen3: q/k head_rms_norm,) rotary, the K/V store, paged
-// decode attention, o, add_rms_norm, gate_up, silu_mul, down, each the very function the torch-driven path
-// calls (the projections and the attention through function pointers into their own libraries), in the
-// same order on the same buffers: the result is bit-identical, minus ~300 us of Python per layer.
+// server/models/decode_graph.py): per layer residual_norm, the qkv projection, q/k norms (per head or over
+// the projection), rotary (per layer table, partial or none), the K/V store, paged decode attention (the
+// layer's scale, window and sinks), o, residual_norm, gate_up, silu_mul or gelu_tanh_mul, down, each the
+// very function the torch-driven fused path calls (the projections and the attention through function
+// pointers into their own libraries), in the same order on the same buffers: the result is bit-identical,
+// minus ~300 us of Python per layer. The layer kind is data in KiDecodeLayer, not a branch per family.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -71,7 +78,7 @@ inline uint16_t float_to_bf16(float f) {
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 6; }
+int32_t kubeinfer_cpu_fused_abi() { return 7; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -86,23 +93,54 @@ int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, i
   return 0;
 }
 
-// x: [rows, heads, d], head h of row r at x + r * row_stride + h * d; cos, sin: [rows, d] contiguous.
-int32_t kubeinfer_rotary(float* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t d,
-                         const float* cos, const float* sin, int32_t threads) {
-  if (rows < 0 || heads <= 0 || d <= 0 || d % 2) return 1;
-  const int64_t half = d / 2;
-#pragma omp parallel for num_threads(threads) if (rows * heads * d >= kParallelMin)
+// x: [rows, heads, d], head h of row r at x + r * row_stride + h * head_stride; the leading r_dim
+// channels of each head rotate (r_dim <= head_stride, even); cos, sin: [rows, r_dim] contiguous.
+int32_t kubeinfer_rotary(float* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_stride,
+                         int64_t r_dim, const float* cos, const float* sin, int32_t threads) {
+  if (rows < 0 || heads <= 0 || r_dim <= 0 || r_dim % 2 || r_dim > head_stride) return 1;
+  const int64_t half = r_dim / 2;
+#pragma omp parallel for num_threads(threads) if (rows * heads * r_dim >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* c = cos + r * d;
-    const float* s = sin + r * d;
+    const float* c = cos + r * r_dim;
+    const float* s = sin + r * r_dim;
     for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + r * row_stride + h * d;
+      float* v = x + r * row_stride + h * head_stride;
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float a = v[i], b = v[i + half];
         v[i] = a * c[i] + b * s[i];
         v[i + half] = b * c[i + half] + a * s[i + half];
       }
+    }
+  }
+  return 0;
+}
+
+// One residual step (see the header) over rows: x [rows, dim] the residual stream, updated in place;
+// delta [rows, dim] or null (nothing to add), normalized in place by post_w [dim] where post_w is given;
+// out [rows, dim] = next_w * norm(x) where next_w is given (else untouched). mult 1 with no post_w runs
+// add_rms_norm's own row loop, so the Llama layer's values are kubeinfer_add_rms_norm's bit for bit.
+int32_t kubeinfer_residual_norm(float* x, int64_t x_stride, float* delta, int64_t delta_stride,
+                                const float* post_w, float post_eps, float mult, const float* next_w,
+                                float next_eps, float* out, int64_t out_stride, int64_t rows, int64_t dim,
+                                int32_t threads) {
+  if (rows < 0 || dim <= 0) return 1;
+#pragma omp parallel for num_threads(threads) if (rows * dim >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * x_stride;
+    float* dr = delta ? delta + r * delta_stride : nullptr;
+    float* orow = next_w ? out + r * out_stride : nullptr;
+    if (dr && post_w) add_rms_norm_row(dr, nullptr, post_w, dr, dim, post_eps);
+    if (dr && mult != 1.0f) {
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) xr[i] += mult * dr[i];
+      dr = nullptr;
+    }
+    if (orow) {
+      add_rms_norm_row(xr, dr, next_w, orow, dim, next_eps);
+    } else if (dr) {
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) xr[i] += dr[i];
     }
   }
   return 0;
@@ -121,29 +159,38 @@ __attribute__((noinline)) void silu_mul_row(const float* g, const float* u, floa
   for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(std::min(-g[i], 88.0f))) * u[i];
 }
 
+// GELU with the tanh approximation (transformers' gelu_pytorch_tanh) times up, written through the
+// identity 0.5 (1 + tanh(y)) = 1 / (1 + e^(-2y)), y = sqrt(2/pi) (g + 0.044715 g^3): one vectorized exp
+// as in silu_mul_row (libmvec has no tanh at every glibc we build on); within ~1e-7 relative of torch's.
+__attribute__((noinline)) void gelu_tanh_mul_row(const float* g, const float* u, float* o, int64_t inter) {
+  constexpr float k2 = 2.0f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+#pragma omp simd
+  for (int64_t i = 0; i < inter; ++i) {
+    const float v = g[i];
+    const float y2 = k2 * (v + 0.044715f * v * v * v);
+    o[i] = v / (1.0f + std::exp(std::min(-y2, 88.0f))) * u[i];
+  }
+}
+
+typedef void (*ActRowFn)(const float*, const float*, float*, int64_t);
+
 constexpr int64_t kBf16Chunk = 1024;  // values widened per pass: three fp32 chunks stay in L1
 
-}  // namespace
-
-extern "C" {
-
-// gate_up: [rows, 2 * inter] (gate then up) with row stride; out: [rows, inter] with row stride.
-int32_t kubeinfer_silu_mul(const float* gate_up, int64_t in_stride, float* out, int64_t out_stride,
-                           int64_t rows, int64_t inter, int32_t threads) {
+int32_t act_mul(ActRowFn row, const float* gate_up, int64_t in_stride, float* out, int64_t out_stride,
+                int64_t rows, int64_t inter, int32_t threads) {
   if (rows < 0 || inter <= 0) return 1;
 #pragma omp parallel for num_threads(threads) if (rows * inter >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * in_stride;
-    silu_mul_row(g, g + inter, out + r * out_stride, inter);
+    row(g, g + inter, out + r * out_stride, inter);
   }
   return 0;
 }
 
-// silu_mul over bf16 (raw uint16 bits): gate_up [rows, 2 * inter], out [rows, inter], row strides in
-// elements. Works in chunks of kBf16Chunk values; each chunk runs silu_mul_row from the same offset
-// within the row as the fp32 kernel's vector lanes would (chunks are a multiple of the vector width).
-int32_t kubeinfer_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint16_t* out, int64_t out_stride,
-                                int64_t rows, int64_t inter, int32_t threads) {
+// Over bf16 (raw uint16 bits), in chunks of kBf16Chunk values; each chunk runs the row function from the
+// same offset within the row as the fp32 kernel's vector lanes would (chunks are a multiple of the width).
+int32_t act_mul_bf16(ActRowFn row, const uint16_t* gate_up, int64_t in_stride, uint16_t* out,
+                     int64_t out_stride, int64_t rows, int64_t inter, int32_t threads) {
   if (rows < 0 || inter <= 0) return 1;
 #pragma omp parallel for num_threads(threads) if (rows * inter >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
@@ -157,11 +204,38 @@ int32_t kubeinfer_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint
         g[i] = bf16_to_float(gr[c + i]);
         u[i] = bf16_to_float(ur[c + i]);
       }
-      silu_mul_row(g, u, o, n);
+      row(g, u, o, n);
       for (int64_t i = 0; i < n; ++i) orow[c + i] = float_to_bf16(o[i]);
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// gate_up: [rows, 2 * inter] (gate then up) with row stride; out: [rows, inter] with row stride.
+int32_t kubeinfer_silu_mul(const float* gate_up, int64_t in_stride, float* out, int64_t out_stride,
+                           int64_t rows, int64_t inter, int32_t threads) {
+  return act_mul(silu_mul_row, gate_up, in_stride, out, out_stride, rows, inter, threads);
+}
+
+int32_t kubeinfer_gelu_tanh_mul(const float* gate_up, int64_t in_stride, float* out, int64_t out_stride,
+                                int64_t rows, int64_t inter, int32_t threads) {
+  return act_mul(gelu_tanh_mul_row, gate_up, in_stride, out, out_stride, rows, inter, threads);
+}
+
+// silu_mul over bf16 (raw uint16 bits): gate_up [rows, 2 * inter], out [rows, inter], row strides in
+// elements: bit-identical to widen -> silu_mul -> round to nearest even.
+int32_t kubeinfer_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint16_t* out, int64_t out_stride,
+                                int64_t rows, int64_t inter, int32_t threads) {
+  return act_mul_bf16(silu_mul_row, gate_up, in_stride, out, out_stride, rows, inter, threads);
+}
+
+int32_t kubeinfer_gelu_tanh_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint16_t* out,
+                                     int64_t out_stride, int64_t rows, int64_t inter, int32_t threads) {
+  return act_mul_bf16(gelu_tanh_mul_row, gate_up, in_stride, out, out_stride, rows, inter, threads);
 }
 
 // add_rms_norm with a bf16 delta (delta_bf16 = 1: raw uint16 bits, widened exactly) and/or a bf16 out
@@ -218,46 +292,67 @@ int32_t kubeinfer_head_rms_norm(float* x, int64_t row_stride, int64_t rows, int6
 // ---- the decode graph --------------------------------------------------------------------------------
 
 // server/quant/csrc/qlinear.cpp's kubeinfer_qlinear and server/attention/csrc/paged_decode.cpp's
-// kubeinfer_paged_decode (the weight descriptor stays opaque here).
+// kubeinfer_kv_store and kubeinfer_paged_decode_window (the weight descriptor stays opaque here).
 typedef int32_t (*KiQLinearFn)(const void* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
                                float* y, int64_t y_stride, int32_t nthreads);
-typedef int32_t (*KiPagedDecodeFn)(int32_t dtype, int32_t cache_dtype, void* out, const void* q, const void* k_cache,
-                                   const void* v_cache, const int32_t* block_tables,
-                                   const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
-                                   int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
-                                   int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
-                                   float scale, int32_t num_threads);
 typedef int32_t (*KiKvStoreFn)(int32_t cache_dtype, void* k_cache, void* v_cache, const int64_t* slots,
                                const float* k, const float* v, int64_t src_stride, int64_t t, int64_t width);
 
-// What stays fixed while the model serves: weights (qlinear descriptors, biases may be null), norms, caches.
+typedef int32_t (*KiPagedDecodeWindowFn)(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
+                                         const void* k_cache, const void* v_cache, const int32_t* block_tables,
+                                         const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
+                                         int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
+                                         int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d,
+                                         int32_t block_size, float scale, int32_t window, const float* sinks,
+                                         int32_t num_threads);
+
+// One layer as the layer contract (server/models/layer_spec.py) describes it, with what stays fixed while
+// the model serves: weights (qlinear descriptors, biases may be null), norm weights as the kernels apply
+// them (Gemma's (1 + w) already added), caches. A null norm is a norm the placement does not have:
+//   pre (Llama):       attn_in, mlp_in          (attn_out, mlp_out null)
+//   post (OLMo 2):     attn_out, mlp_out        (the sub-blocks read the residual stream itself)
+//   sandwich (Gemma):  all four
 struct KiDecodeLayer {
-  const void* qkv;
+  const void* qkv;  // the fused q/k/v projection, or q alone where k_proj is set (GGUFs mixing types)
   const float* qkv_bias;
+  const void* k_proj;  // null: qkv holds all three
+  const float* k_bias;
+  const void* v_proj;
+  const float* v_bias;
   const void* o;
   const float* o_bias;
   const void* gate_up;
   const float* gate_up_bias;
   const void* down;
   const float* down_bias;
-  const float* norm1;  // input_layernorm.weight [H]
-  const float* norm2;  // post_attention_layernorm.weight [H]
-  void* k_cache;       // [num_blocks, block_size, Hkv, D] of the model's cache_dtype
+  const float* attn_in_norm;   // [H] input_layernorm
+  const float* attn_out_norm;  // [H] post_attention_layernorm (post, sandwich)
+  const float* mlp_in_norm;    // [H] post_attention_layernorm (pre) / pre_feedforward_layernorm (sandwich)
+  const float* mlp_out_norm;   // [H] post_feedforward_layernorm (post, sandwich)
+  float attn_in_eps, attn_out_eps, mlp_in_eps, mlp_out_eps;
+  void* k_cache;  // [num_blocks, block_size, Hkv, D] of the model's cache_dtype
   void* v_cache;
-  float eps1, eps2;
-  const float* q_norm;  // Qwen3: self_attn.q_norm.weight [D], k_norm.weight [D]; null for other models
+  int32_t qk_norm;       // 0 none, 1 per head ([D] weights), 2 over the projection ([Hq D], [Hkv D] weights)
+  const float* q_norm;
   const float* k_norm;
   float qk_eps;
+  int32_t rope;          // index into the step's cos/sin tables; -1: no rotary (SmolLM3's NoPE layers)
+  int32_t rotary_dim;    // leading channels of each head that rotate (<= D)
+  float scale;           // softmax scale
+  int32_t window;        // 0: full attention; W: the last W positions
+  const float* sinks;    // [Hq] fp32 or null
+  float residual_mult;   // each sub-block's output scaled before the residual add (Granite)
+  int32_t activation;    // 0 silu, 1 gelu_tanh
 };
 
 struct KiDecodeModel {
   const KiDecodeLayer* layers;
   int64_t num_layers;
   const float* final_norm;  // [H]
-  float final_eps, scale;
+  float final_eps;
   int64_t hidden, inter, hq, hkv, d, block_size;
   KiQLinearFn qlinear;
-  KiPagedDecodeFn paged_decode;
+  KiPagedDecodeWindowFn paged_decode;  // paged_decode.cpp's kubeinfer_paged_decode_window
   KiKvStoreFn kv_store;    // paged_decode.cpp's K/V write, rounding to the cache's dtype
   int32_t cache_dtype;     // 0 = float32, 1 = bfloat16, 2 = float16 (paged_decode.cpp's codes)
 };
@@ -267,8 +362,8 @@ struct KiDecodeStep {
   float* h;                     // [T, H] the embeddings in; the residual stream after the last layer out
   float* out;                   // [T, H] final_norm(h)
   int64_t t;
-  const float* cos;             // [T, D]
-  const float* sin;             // [T, D]
+  const float* const* cos;      // per rotary table: [T, rotary_dim] (the layers' `rope` index)
+  const float* const* sin;
   const int64_t* slots;         // [T] cache slot of each row's new K/V
   const int32_t* block_tables;  // [T, bt_stride]
   int64_t bt_stride;
@@ -284,37 +379,65 @@ struct KiDecodeStep {
   int32_t threads;
 };
 
+// The residual add still owed by the previous sub-block (its output in `delta`, its post-norm, its multiplier).
+struct Pending {
+  float* delta;
+  const float* post;
+  float post_eps;
+  float mult;
+};
+
 int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) {
   const int64_t t = s->t, H = m->hidden, I = m->inter, D = m->d;
   const int64_t q_width = (m->hq + 2 * m->hkv) * D, kv_width = m->hkv * D, o_width = m->hq * D;
   const int32_t nt = s->threads;
   int32_t rc;
+  Pending p{nullptr, nullptr, 0.0f, 1.0f};
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const KiDecodeLayer& L = m->layers[l];
-    if ((rc = kubeinfer_add_rms_norm(s->h, H, l ? s->delta : nullptr, H, L.norm1, s->x, H, t, H, L.eps1, nt)))
+    if ((rc = kubeinfer_residual_norm(s->h, H, p.delta, H, p.post, p.post_eps, p.mult, L.attn_in_norm,
+                                      L.attn_in_eps, s->x, H, t, H, nt)))
       return 100 + rc;
-    if ((rc = m->qlinear(L.qkv, s->x, t, H, L.qkv_bias, s->qkv, q_width, nt))) return 200 + rc;
-    if (L.q_norm) {
+    const float* attn_in = L.attn_in_norm ? s->x : s->h;
+    if ((rc = m->qlinear(L.qkv, attn_in, t, H, L.qkv_bias, s->qkv, q_width, nt))) return 200 + rc;
+    if (L.k_proj) {  // q went into the first Hq D columns; k and v into theirs (row stride q_width)
+      if ((rc = m->qlinear(L.k_proj, attn_in, t, H, L.k_bias, s->qkv + o_width, q_width, nt))) return 200 + rc;
+      if ((rc = m->qlinear(L.v_proj, attn_in, t, H, L.v_bias, s->qkv + o_width + kv_width, q_width, nt)))
+        return 200 + rc;
+    }
+    if (L.qk_norm == 1) {
       if ((rc = kubeinfer_head_rms_norm(s->qkv, q_width, t, m->hq, D, L.q_norm, L.qk_eps, nt))) return 1000 + rc;
       if ((rc = kubeinfer_head_rms_norm(s->qkv + o_width, q_width, t, m->hkv, D, L.k_norm, L.qk_eps, nt)))
         return 1100 + rc;
+    } else if (L.qk_norm == 2) {
+      if ((rc = kubeinfer_head_rms_norm(s->qkv, q_width, t, 1, o_width, L.q_norm, L.qk_eps, nt))) return 1000 + rc;
+      if ((rc = kubeinfer_head_rms_norm(s->qkv + o_width, q_width, t, 1, kv_width, L.k_norm, L.qk_eps, nt)))
+        return 1100 + rc;
     }
-    if ((rc = kubeinfer_rotary(s->qkv, q_width, t, m->hq + m->hkv, D, s->cos, s->sin, nt))) return 300 + rc;
+    if (L.rope >= 0 && (rc = kubeinfer_rotary(s->qkv, q_width, t, m->hq + m->hkv, D, L.rotary_dim,
+                                              s->cos[L.rope], s->sin[L.rope], nt)))
+      return 300 + rc;
     if ((rc = m->kv_store(m->cache_dtype, L.k_cache, L.v_cache, s->slots, s->qkv + o_width,
                           s->qkv + o_width + kv_width, q_width, t, kv_width)))
       return 1200 + rc;
-    if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, s->block_tables, s->context_lens,
-                              s->seqs, s->seqs, t, q_width, o_width, s->bt_stride, m->hq, m->hkv, D,
-                              m->block_size, m->scale, nt)))
+    if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, s->block_tables,
+                              s->context_lens, s->seqs, s->seqs, t, q_width, o_width, s->bt_stride, m->hq, m->hkv,
+                              D, m->block_size, L.scale, L.window, L.sinks, nt)))
       return 400 + rc;
     if ((rc = m->qlinear(L.o, s->attn, t, o_width, L.o_bias, s->delta, H, nt))) return 500 + rc;
-    if ((rc = kubeinfer_add_rms_norm(s->h, H, s->delta, H, L.norm2, s->x, H, t, H, L.eps2, nt))) return 600 + rc;
-    if ((rc = m->qlinear(L.gate_up, s->x, t, H, L.gate_up_bias, s->gate_up, 2 * I, nt))) return 700 + rc;
-    if ((rc = kubeinfer_silu_mul(s->gate_up, 2 * I, s->act, I, t, I, nt))) return 800 + rc;
+    if ((rc = kubeinfer_residual_norm(s->h, H, s->delta, H, L.attn_out_norm, L.attn_out_eps, L.residual_mult,
+                                      L.mlp_in_norm, L.mlp_in_eps, s->x, H, t, H, nt)))
+      return 600 + rc;
+    const float* mlp_in = L.mlp_in_norm ? s->x : s->h;
+    if ((rc = m->qlinear(L.gate_up, mlp_in, t, H, L.gate_up_bias, s->gate_up, 2 * I, nt))) return 700 + rc;
+    rc = L.activation == 1 ? kubeinfer_gelu_tanh_mul(s->gate_up, 2 * I, s->act, I, t, I, nt)
+                           : kubeinfer_silu_mul(s->gate_up, 2 * I, s->act, I, t, I, nt);
+    if (rc) return 800 + rc;
     if ((rc = m->qlinear(L.down, s->act, t, I, L.down_bias, s->delta, H, nt))) return 900 + rc;
+    p = Pending{s->delta, L.mlp_out_norm, L.mlp_out_eps, L.residual_mult};
   }
-  return kubeinfer_add_rms_norm(s->h, H, m->num_layers ? s->delta : nullptr, H, m->final_norm, s->out, H, t, H,
-                                m->final_eps, nt);
+  return kubeinfer_residual_norm(s->h, H, p.delta, H, p.post, p.post_eps, p.mult, m->final_norm, m->final_eps,
+                                 s->out, H, t, H, nt);
 }
 
 }  // extern "C"

@@ -1,0 +1,228 @@
+"""The decode graph (server/models/decode_graph.py) for every dense layer kind of the layer contract: tiny
+random Gemma 1, Gemma 3 (sliding windows shorter than the prompts, a local RoPE base), Phi-3 (partial
+rotary, LongRoPE), Granite (multipliers), OLMo 2 (post-norms, q/k norms over the projection) and SmolLM3
+(NoPE layers), quantized to q8_0 blocks with --quantize: the graph is recorded and its tokens and
+logprobs are the Python fused path's bit for bit; greedy tokens equal transformers' on the same
+(dequantized) weights. Gemma 2's soft-capped attention stays on the Python path, with the reason logged."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_arch_parity import MAX_LEN, build
+
+from server.config import CacheConfig, EngineConfig, ModelConfig
+from server.engine import LLMEngine
+from server.models.decode_graph import DecodeGraph
+from server.quant.block_linear import BlockQuantLinear
+from server.quant.cpu_qlinear import dequantize_reference
+from server.quant.gemm_dtype import apply_gemm_dtype
+from server.request import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):",
+]
+WINDOW = 6  # Gemma 3's sliding layers: shorter than every prompt
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            folder = build(tmp_path_factory.mktemp(f"graph-{kind}"), smollm2_dir, kind, tie=kind != "olmo2")
+            if kind == "gemma3":
+                cfg = json.loads((folder / "config.json").read_text())
+                cfg["sliding_window"] = WINDOW
+                (folder / "config.json").write_text(json.dumps(cfg))
+            made[kind] = folder
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:  # kernels built once for the module
+    return tmp_path_factory.mktemp("cache")
+
+
+def _engine(folder: Path, cache: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(
+                model=str(folder), dtype="float32", quantize="q8_0", max_model_len=MAX_LEN, cache_dir=cache
+            ),
+            # no prefix cache: each run computes its prompts whole, so the runs differ by the graph only
+            cache=CacheConfig(block_size=4, num_kv_blocks=128, enable_prefix_caching=False),
+        )
+    )
+
+
+def _generate(engine: LLMEngine, graph: bool) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy with logprobs, requests joining one step apart (prefill and decode steps both occur)."""
+    model = engine.loaded.model
+    model.use_decode_graph = graph
+    model._decode_graph = None
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            lps[out.request_id] += [t.logprob for lp in out.new_logprobs for t in (lp.chosen, *lp.top)]
+    return list(tokens.values()), list(lps.values())
+
+
+def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
+    """transformers' model of `folder` with every projection our engine quantized replaced by its
+    dequantized q8_0 weight (fused q/k/v and gate/up split back where the checkpoint keeps them apart)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    arch = engine.loaded.arch
+    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    state = hf.state_dict()
+    new: dict[str, torch.Tensor] = {}
+    for name, m in engine.loaded.model.named_modules():
+        if not isinstance(m, BlockQuantLinear):
+            continue
+        w = dequantize_reference(m.weight_q)  # [out, in] fp32
+        prefix, leaf = name.rsplit(".", 1)
+        if f"{name}.weight" in state:
+            new[f"{name}.weight"] = w
+        elif leaf == "qkv_proj":
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), w.split((q, kv, kv)), strict=True):
+                new[f"{prefix}.{part}.weight"] = rows
+        elif leaf == "gate_up_proj":
+            for part, rows in zip(("gate_proj", "up_proj"), w.split((inter, inter)), strict=True):
+                new[f"{prefix}.{part}.weight"] = rows
+        else:
+            raise AssertionError(f"no transformers weight for {name}")
+    assert set(new) <= set(state), sorted(set(new) - set(state))[:3]
+    hf.load_state_dict(new, strict=False)
+    return hf
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "granite", "olmo2", "smollm3", "gemma"])
+def test_graph_bit_identical_and_greedy_parity(tiny: Callable[[str], Path], cache: Path, kind: str) -> None:
+    folder = tiny(kind)
+    engine = _engine(folder, cache)
+    model = engine.loaded.model
+    assert model.fused_ops is not None
+    if kind == "gemma3":
+        assert {s.sliding_window for s in engine.loaded.arch.layers} == {WINDOW, None}
+    want_tokens, want_lps = _generate(engine, graph=False)
+    assert model._decode_graph is None
+    got_tokens, got_lps = _generate(engine, graph=True)
+    assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
+    assert got_tokens == want_tokens
+    assert got_lps == want_lps  # exact: the same kernels in the same order on the same buffers
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    hf = _hf_on_our_weights(folder, engine)
+    with torch.inference_mode():
+        for text, ours in zip(PROMPTS, got_tokens, strict=True):
+            ids = engine.tokenizer.encode(text)
+            ref = hf.generate(  # type: ignore[operator]
+                torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, min_new_tokens=len(ours)
+            )
+            assert ref[0, len(ids) :].tolist() == ours, text
+
+
+def test_soft_capped_layers_stay_on_the_python_path(
+    tiny: Callable[[str], Path], cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Gemma 2's attention soft-cap is not in the paged decode kernel: build returns None, says why once,
+    and the fused Python path serves its decode steps (the same tokens with the graph asked for)."""
+    engine = _engine(tiny("gemma2"), cache)
+    want = _generate(engine, graph=False)
+    with caplog.at_level(logging.INFO, logger="server.models.decode_graph"):
+        got = _generate(engine, graph=True)
+    entry = engine.loaded.model._decode_graph
+    assert entry is not None and entry[1] is None
+    assert got == want
+    from server.models import decode_graph
+
+    assert any("soft-capping" in r for r in decode_graph._refusals_logged)
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_fused_path_serves_the_new_kinds(tiny: Callable[[str], Path], cache: Path) -> None:
+    """fp32 dense weights (the oneDNN-packed projections, no graph): every dense layer kind now runs the
+    compiled fused ops; greedy tokens equal the torch path's (the eager module calls) and prompt
+    logprobs agree within 1e-4 (the fused norms sum in another order)."""
+    folder = tiny("gemma3")
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32", max_model_len=MAX_LEN, cache_dir=cache),
+            cache=CacheConfig(block_size=4, num_kv_blocks=128),
+        )
+    )
+    model = engine.loaded.model
+    assert model.fused_ops is not None and model.config.fused_cpu
+    fused = _generate(engine, graph=True)
+    ops, model.fused_ops = model.fused_ops, None
+    try:
+        eager = _generate(engine, graph=True)
+    finally:
+        model.fused_ops = ops
+    assert fused[0] == eager[0]
+    torch.testing.assert_close(
+        torch.tensor([x for row in fused[1] for x in row]),
+        torch.tensor([x for row in eager[1] for x in row]),
+        atol=1e-4,
+        rtol=0,
+    )
+
+
+def test_graph_runs_separate_q_k_v_of_a_mixed_gguf(tmp_path: Path, cache: Path) -> None:
+    """A Gemma 3 GGUF whose attn_v is Q6_K and attn_q/attn_k Q8_0 (a Q4_K_M file's mix): q, k and v stay
+    separate projections, the graph writes them into the columns of one qkv buffer and gives what the
+    Python fused path gives, bit for bit; greedy tokens equal transformers' on the file's weights."""
+    from gguf_archs import write_arch_gguf
+    from test_gguf_archs import FMTS, _build
+    from transformers import AutoModelForCausalLM
+
+    hf = _build(tmp_path / "hf", "gemma3")
+    path = write_arch_gguf(hf, tmp_path / "gemma3.gguf", tmp_path / "ref", {**FMTS, "attn_v": "Q6_K"})
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), max_model_len=MAX_LEN, cache_dir=cache),
+            cache=CacheConfig(
+                block_size=4, num_kv_blocks=128, enable_prefix_caching=False, cache_dtype="float32"
+            ),
+        )
+    )
+    apply_gemm_dtype(engine.loaded.model, torch.float32)
+    attn = engine.loaded.model.decoder_layers()[0].self_attn
+    assert (
+        attn.qkv_proj is None and isinstance(attn.v_proj, BlockQuantLinear) and attn.v_proj.method == "q6_k"
+    )
+    want = _generate(engine, graph=False)
+    got = _generate(engine, graph=True)
+    entry = engine.loaded.model._decode_graph
+    assert entry is not None and isinstance(entry[1], DecodeGraph)
+    assert len(entry[1].projections[0]) == 6  # q, k, v, o, gate_up, down
+    assert got == want
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "ref"), dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.inference_mode():
+        for text, ours in zip(PROMPTS, got[0], strict=True):
+            ids = engine.tokenizer.encode(text)
+            out = ref.generate(  # type: ignore[operator]
+                torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, min_new_tokens=len(ours)
+            )
+            assert out[0, len(ids) :].tolist() == ours, text
