@@ -235,8 +235,10 @@ class DecodeGraph:
             assert isinstance(mlp, MLP)  # layer_refusal: a dense MLP
             # q, k and v apart where their formats differ (a Q4_K_M GGUF's Q6_K or Q8_0 attn_v): the graph
             # writes them into the columns of one qkv buffer
-            qkv = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-            mods = [*qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            qkv_mods = (
+                [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+            )
+            mods = [*qkv_mods, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             # exact type: a LoRA- or tensor-parallel-wrapped projection computes more than the kernel
             if not all(type(m) is BlockQuantLinear and m.kernel is not None for m in mods):
                 return None
@@ -279,8 +281,9 @@ class DecodeGraph:
         for i, (layer, (kc, vc), linears, rope) in enumerate(
             zip(layers, kv_caches, projections, rope_indices, strict=True)
         ):
-            qkv, *kv_projs, o, gate_up, down = linears
-            split = len(kv_projs) == 2  # separate q, k, v
+            split = len(linears) == 6  # separate q, k, v
+            qkv, o, gate_up, down = linears[0], linears[-3], linears[-2], linears[-1]
+            kv_projs = linears[1:3] if split else []
             want = [
                 (qkv, hidden, (hq if split else hq + 2 * hkv) * d),
                 *((m, hidden, hkv * d) for m in kv_projs),
