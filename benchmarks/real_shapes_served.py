@@ -413,7 +413,7 @@ def main() -> int:
     ap.add_argument("--models-dir", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--gguf-type", default="Q4_K_M", help="the GGUF ours-gguf and llama serve (Q4_K_M, Q8_0)")
     ap.add_argument("--phases", nargs="+", default=list(DEFAULT_PHASES), help="comma-separated servers")
-    ap.add_argument("--users", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--users", nargs="*", type=int, default=[1, 16], help="none: only --loads")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--long-prompt-tokens", type=int, default=4096, help="0: no long-prompt load")
     ap.add_argument(
