@@ -33,6 +33,15 @@ and warmed (before any load: weights, KV cache and runtime) and after the runs, 
 (model and flags), the usable features and the load average before and after each run are recorded.
 `--quick`: 1 round, 2 requests at 1 user, 16 at 16 users, 16 new tokens: proves every path on a busy
 machine (figures "under load").
+
+`--loads` adds issue 49's named loads (`real_shape_loads.py`: 64 users, 128 users queued behind ours'
+`--max-num-seqs` 64 and llama-server's 16 slots, 8 users of 2,048- or 8,192-token prompts with the ITL
+of decoding streams split by other streams' prefill windows, 32 users over a 2,048-token shared prefix
+with the prefix-cache hit rate); `--users` with no value runs only those. Every server's KV cache is
+sized to the heaviest load (`context_tokens`), so resident memory compares like with like only within
+one run. After each run ours' /metrics must read no running or waiting request and no KV block held
+(`engine_after_run`), and a run lists its failed requests by error. `--ours-variant LABEL=ARGS` adds
+`ours-gguf-LABEL` / `ours-hf-LABEL` for `--phases` (e.g. `itl2=--prefill-itl-factor 2`).
 """
 
 from __future__ import annotations
