@@ -35,6 +35,15 @@ and warmed (before any load: weights, KV cache and runtime) and after the runs, 
 (model and flags), the usable features and the load average before and after each run are recorded.
 `--quick`: 1 round, 2 requests at 1 user, 16 at 16 users, 16 new tokens: proves every path on a busy
 machine (figures "under load").
+
+`--loads` adds issue 49's named loads (`real_shape_loads.py`: 64 users, 128 users queued behind ours'
+`--max-num-seqs` 64 and llama-server's 16 slots, 8 users of 2,048- or 8,192-token prompts with the ITL
+of decoding streams split by other streams' prefill windows, 32 users over a 2,048-token shared prefix
+with the prefix-cache hit rate); `--users` with no value runs only those. Every server's KV cache is
+sized to the heaviest load (`context_tokens`), so resident memory compares like with like only within
+one run. After each run ours' /metrics must read no running or waiting request and no KV block held
+(`engine_after_run`), and a run lists its failed requests by error. `--ours-variant LABEL=ARGS` adds
+`ours-gguf-LABEL` / `ours-hf-LABEL` for `--phases` (e.g. `itl2=--prefill-itl-factor 2`).
 """
 
 from __future__ import annotations
@@ -65,17 +74,25 @@ from peers_side_by_side import (  # noqa: E402
     _free_port,
     _loadavg,
     _median,
-    _metric,
     _uptime,
     cpu_info,
     poll_ready,
     rss_bytes,
-    run_load,
     stop,
     tree_cpu_s,
     usable_features,
 )
 from peers_side_by_side import Spec as _PeerSpec  # noqa: E402
+from real_shape_loads import (  # noqa: E402
+    NAMED,
+    Load,
+    engine_state,
+    named_load,
+    prefix_cache_delta,
+    read_metrics,
+    run_streams,
+    summarize_streams,
+)
 from real_shape_models import DEFAULT_OUT, SHAPES, gguf_path  # noqa: E402
 
 SERVERS = ("ours-gguf", "ours-gguf-loop", "ours-hf", "llama", "vllm-bf16")
@@ -87,9 +104,58 @@ LABELS = {
     "vllm-bf16": "vLLM (CPU build) on the folder, bfloat16",
 }
 DEFAULT_PHASES = ("ours-gguf,llama", "ours-hf,vllm-bf16")
-METRICS = ("output_tokens_per_s", "ttft_p50_s", "itl_p99_s")
+METRICS = (
+    "output_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "itl_p99_during_other_prefill_s",
+    "itl_p99_quiet_s",
+    "prefix_cache_hit_rate",
+)
 KV_GIB = 2  # vLLM's KV budget (VLLM_CPU_KVCACHE_SPACE, whole GiB)
 CONTEXT_TOKENS = 8192  # llama-server's -c and ours' KV capacity: resident memory compares like with like
+OURS_MAX_NUM_SEQS = 64  # ours' default --max-num-seqs (server/cli.py): 128_users_queued queues half
+LLAMA_SLOTS = 16  # llama-server's -np
+
+
+def metric(run: dict[str, Any], name: str) -> float | None:
+    """One figure of a run row; None for a run with failed requests (it measured something else)."""
+    if run.get("completed", 0) < run.get("requests", 1):
+        return None
+    split = run.get("itl_split_s") or {}
+    hit = (run.get("prefix_cache") or run.get("prefix_cache_from_responses") or {}).get("hit_rate")
+    v = {
+        "output_tokens_per_s": run.get("output_tokens_per_s"),
+        "ttft_p50_s": (run.get("ttft_s") or {}).get("p50"),
+        "ttft_p99_s": (run.get("ttft_s") or {}).get("p99"),
+        "itl_p50_s": (run.get("itl_s") or {}).get("p50"),
+        "itl_p99_s": (run.get("itl_s") or {}).get("p99"),
+        "itl_p99_during_other_prefill_s": (split.get("during_other_prefill") or {}).get("p99"),
+        "itl_p99_quiet_s": (split.get("quiet") or {}).get("p99"),
+        "prefix_cache_hit_rate": hit,
+    }[name]
+    return float(v) if v is not None else None
+
+
+def context_tokens(loads: list[Load], max_tokens: int) -> int:
+    """KV tokens every server is given: 8,192 (llama-server's default-sized context, so resident memory
+    compares like with like) or what the heaviest load holds at once, rounded up to 1,024. llama-server's
+    slots each hold their own copy of a shared prefix, so a shared-prefix load counts it per user."""
+    need = max(
+        (min(ld.users, ld.requests) * (ld.longest_prompt + max_tokens) for ld in loads),
+        default=0,
+    )
+    return max(CONTEXT_TOKENS, -(-need // 1024) * 1024)
+
+
+def base_server(name: str) -> str:
+    """`ours-gguf-LABEL` -> `ours-gguf` (a variant of --ours-variant); others unchanged."""
+    for base in ("ours-gguf", "ours-hf"):
+        if name.startswith(base + "-"):
+            return base
+    return name
 
 
 def kv_bytes(folder: Path, tokens: int = CONTEXT_TOKENS) -> int:
@@ -103,16 +169,6 @@ def kv_bytes(folder: Path, tokens: int = CONTEXT_TOKENS) -> int:
 
 
 @dataclass(frozen=True)
-class Load:
-    """`users` concurrent users sending `requests` prompts of `prompt_tokens` tokens (template included)."""
-
-    name: str
-    users: int
-    requests: int
-    prompt_tokens: int
-
-
-@dataclass(frozen=True)
 class Target:
     """One server on one model: `model_path` is the folder or the GGUF file it serves."""
 
@@ -121,8 +177,18 @@ class Target:
     model_path: Path
 
 
-def command(t: Target, port: int, peers_dir: Path, threads: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that start `t` on 127.0.0.1:`port`."""
+def command(
+    t: Target,
+    port: int,
+    peers_dir: Path,
+    threads: int,
+    context: int = CONTEXT_TOKENS,
+    max_len: int = CONTEXT_TOKENS,
+    variants: dict[str, list[str]] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start `t` on 127.0.0.1:`port` with a KV cache of `context`
+    tokens and requests of up to `max_len` tokens; `variants`: extra arguments of ours' variants (label ->
+    argv)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if t.server.startswith("ours"):
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -131,13 +197,16 @@ def command(t: Target, port: int, peers_dir: Path, threads: int) -> tuple[list[s
         cmd = [sys.executable, "-m", "server", "--model", str(t.model_path), "--served-model-name", t.model]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-concurrent-requests", "1024"]
         folder = t.model_path.parent if t.model_path.suffix == ".gguf" else t.model_path
-        kv = str(kv_bytes(folder)) if (folder / "config.json").is_file() else f"{KV_GIB}GiB"
-        cmd += ["--log-level", "info", "--kv-cache-memory", kv, "--max-total-tokens", str(CONTEXT_TOKENS)]
+        kv = str(kv_bytes(folder, context)) if (folder / "config.json").is_file() else f"{KV_GIB}GiB"
+        cmd += ["--log-level", "info", "--kv-cache-memory", kv, "--max-total-tokens", str(max_len)]
         template = t.model_path.parent / "chat_template.jinja"
         if t.model_path.suffix == ".gguf" and template.is_file():
             # the GGUF holds the template, but our GGUF tokenizer reader (transformers') loses it for
             # llama.cpp-converted files: the folder's same template, as a user would pass it
             cmd += ["--chat-template", str(template)]
+        base = base_server(t.server)
+        if base != t.server:
+            cmd += (variants or {})[t.server[len(base) + 1 :]]
         return cmd, env
     if t.server == "llama":
         cmd = [str(peers_dir / "llama-server"), "-m", str(t.model_path), "-a", t.model, "--host", "127.0.0.1"]
@@ -149,11 +218,11 @@ def command(t: Target, port: int, peers_dir: Path, threads: int) -> tuple[list[s
             "-tb",
             str(threads),
             "-c",
-            str(CONTEXT_TOKENS),
+            str(context),
             "-np",
-            "16",
+            str(LLAMA_SLOTS),
         ]
-        cmd += ["-cb", "-kvu", "--no-webui"]
+        cmd += ["-cb", "-kvu", "--no-webui", "--metrics"]
         return cmd, env
     if t.server == "vllm-bf16":
         env.update(
@@ -166,15 +235,15 @@ def command(t: Target, port: int, peers_dir: Path, threads: int) -> tuple[list[s
         )
         cmd = [str(peers_dir / "venv-vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", str(t.model_path), "--served-model-name", t.model, "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(CONTEXT_TOKENS)]
+        cmd += ["--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_len)]
         return cmd, env
     raise ValueError(f"unknown server {t.server!r}; expected one of {SERVERS}")
 
 
-def launch(t: Target, peers_dir: Path, threads: int) -> Running:
-    """Starts `t` in the background (its own process group, log in a temp file)."""
+def launch(t: Target, peers_dir: Path, threads: int, **kw: Any) -> Running:
+    """Starts `t` in the background (its own process group, log in a temp file); `kw` as `command`'s."""
     port = _free_port()
-    cmd, env = command(t, port, peers_dir, threads)
+    cmd, env = command(t, port, peers_dir, threads, **kw)
     log = Path(tempfile.mkstemp(prefix=f"real-{t.model}-{t.server}-", suffix=".log")[1])
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -208,7 +277,7 @@ def why_missing(t: Target, peers_dir: Path) -> str | None:
     if not t.model_path.exists():
         return f"{t.model_path} does not exist: run benchmarks/real_shape_models.py"
     need = {"llama": peers_dir / "llama-server", "vllm-bf16": peers_dir / "venv-vllm" / "bin" / "python"}
-    exe = need.get(t.server)
+    exe = need.get(base_server(t.server))
     if exe is not None and not os.access(exe, os.X_OK):
         return f"{exe} is missing: run ../shared/peers/setup.sh"
     return None
@@ -241,7 +310,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out.setdefault(r["model"], {}).setdefault(r["server"], {}).setdefault(r["load"], []).append(r)
     return {
         m: {
-            s: {ld: {k: _median([_metric(r, k) for r in rs]) for k in METRICS} for ld, rs in loads.items()}
+            s: {ld: {k: _median([metric(r, k) for r in rs]) for k in METRICS} for ld, rs in loads.items()}
             for s, loads in servers.items()
         }
         for m, servers in out.items()
@@ -265,7 +334,7 @@ def ratios(runs: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any
                     per: dict[str, Any] = {}
                     for k in METRICS:
                         if same:
-                            by = {(r["server"], r["round"]): _metric(r, k) for r in mine if r["load"] == load}
+                            by = {(r["server"], r["round"]): metric(r, k) for r in mine if r["load"] == load}
                             rounds = sorted({rd for _, rd in by})
                             vals = [
                                 round(va / vb, 3)
@@ -334,6 +403,20 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+async def settled_metrics(url: str, timeout_s: float = 15.0) -> dict[str, float] | None:
+    """/metrics once the server says no request runs or waits (streams end on the client a moment
+    before the engine frees them), or the last read after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = await read_metrics(url)
+        if values is None or time.monotonic() > deadline:
+            return values
+        state = engine_state(values)
+        if not state["num_requests_running"] and not state["num_requests_waiting"]:
+            return values
+        await asyncio.sleep(0.5)
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(f"signal {signum}")  # so that `finally` stops the servers
 
@@ -344,9 +427,24 @@ def main() -> int:
     ap.add_argument("--models-dir", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--gguf-type", default="Q4_K_M", help="the GGUF ours-gguf and llama serve (Q4_K_M, Q8_0)")
     ap.add_argument("--phases", nargs="+", default=list(DEFAULT_PHASES), help="comma-separated servers")
-    ap.add_argument("--users", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--users", nargs="*", type=int, default=[1, 16], help="none: only --loads")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--long-prompt-tokens", type=int, default=4096, help="0: no long-prompt load")
+    ap.add_argument(
+        "--loads",
+        nargs="*",
+        default=[],
+        choices=NAMED,
+        help="named loads after the --users ones (real_shape_loads.py; issue 49 item 2)",
+    )
+    ap.add_argument("--long-users", type=int, default=8, help="users of the N_users_*_prompt loads")
+    ap.add_argument(
+        "--ours-variant",
+        action="append",
+        default=[],
+        metavar="LABEL=ARGS",
+        help="adds servers ours-gguf-LABEL / ours-hf-LABEL (for --phases): ours with ARGS appended",
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests-per-user", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=4, help="at least this many at 1 user")
@@ -368,11 +466,18 @@ def main() -> int:
         return 0
     if args.quick:
         args.rounds, args.max_tokens, args.min_requests, args.requests_per_user = 1, 16, 2, 1
+    variants: dict[str, list[str]] = {}
+    for v in args.ours_variant:
+        label, sep, rest = v.partition("=")
+        if not sep or not label:
+            ap.error(f"--ours-variant wants LABEL=ARGS, got {v!r}")
+        variants[label] = shlex.split(rest)
+    known = [*SERVERS, *(f"{b}-{lb}" for b in ("ours-gguf", "ours-hf") for lb in variants)]
     phases = [p.split(",") for p in args.phases]
     for p in phases:
         for s in p:
-            if s not in SERVERS:
-                ap.error(f"--phases: unknown server {s!r}; expected {SERVERS}")
+            if s not in known:
+                ap.error(f"--phases: unknown server {s!r}; expected {known}")
     signal.signal(signal.SIGTERM, _on_sigterm)
 
     loads = [
@@ -386,9 +491,13 @@ def main() -> int:
     ]
     if args.long_prompt_tokens:
         loads.append(Load(f"1_user_{args.long_prompt_tokens}_prompt", 1, 1, args.long_prompt_tokens))
+    loads += [named_load(n, args.requests_per_user, args.long_users, args.prompt_tokens) for n in args.loads]
     if args.check_load:
         loads = [Load("check", 1, 1, 32)]
         args.rounds, args.max_tokens = 1, 8
+    context = context_tokens(loads, args.max_tokens)
+    # the chat template's tokens are in the prompt counts; a margin for a tokenizer's rounding
+    max_len = max(CONTEXT_TOKENS, max(ld.longest_prompt for ld in loads) + args.max_tokens + 64)
 
     report: dict[str, Any] = {
         "benchmark": "real-shape models, chat API, streaming, greedy, ignore_eos; two servers up at a time",
@@ -402,6 +511,11 @@ def main() -> int:
             "quick": args.quick,
             "check_load": args.check_load,
             "kv_cache_gib": KV_GIB,
+            "context_tokens": context,
+            "max_len_tokens": max_len,
+            "ours_max_num_seqs": OURS_MAX_NUM_SEQS,
+            "llama_slots": LLAMA_SLOTS,
+            "ours_variants": variants,
         },
         "machine": {
             "cpu": cpu_info(),
@@ -429,18 +543,22 @@ def main() -> int:
     try:
         for model in args.models:
             folder = args.models_dir / model
-            path = {
+            by_base = {
                 "ours-gguf": gguf_path(folder, args.gguf_type),
                 "ours-gguf-loop": gguf_path(folder, args.gguf_type),
                 "llama": gguf_path(folder, args.gguf_type),
                 "ours-hf": folder,
                 "vllm-bf16": folder,
             }
+            path = {s: by_base[base_server(s)] for s in known}
             maker = PromptMaker(folder) if folder.is_dir() else None
             prompts = (
                 {
                     (ld.name, rnd): maker.prompts(
-                        ld.requests, ld.prompt_tokens, 1000 * (rnd + 1) + ld.users + ld.prompt_tokens
+                        ld.requests,
+                        ld.prompt_tokens,
+                        1000 * (rnd + 1) + ld.users + ld.prompt_tokens,
+                        ld.prefix_tokens,
                     )
                     for ld in loads
                     for rnd in range(args.rounds)
@@ -456,7 +574,7 @@ def main() -> int:
                     why = why_missing(t, args.peers_dir)
                     if (
                         why is None
-                        and s in ("ours-hf", "vllm-bf16")
+                        and base_server(s) in ("ours-hf", "vllm-bf16")
                         and folder_gib(folder) > args.max_bf16_gib
                     ):
                         why = f"bf16 folder {folder_gib(folder):.1f} GiB > --max-bf16-gib {args.max_bf16_gib}"
@@ -466,7 +584,20 @@ def main() -> int:
                         report["skipped"][f"{model}/{s}"] = why
                         print(f"skipping {model}/{s}: {why}", file=sys.stderr, flush=True)
                 up: list[Running] = []
-                started = [(t, launch(t, args.peers_dir, args.threads)) for t in targets]  # load together
+                started = [  # loaded together
+                    (
+                        t,
+                        launch(
+                            t,
+                            args.peers_dir,
+                            args.threads,
+                            context=context,
+                            max_len=max_len,
+                            variants=variants,
+                        ),
+                    )
+                    for t in targets
+                ]
                 running += [srv for _, srv in started]
                 failed = wait_all([srv for _, srv in started], args.ready_timeout)
                 for t, srv in started:
@@ -477,10 +608,11 @@ def main() -> int:
                         print(f"{model}/{t.server} failed: {why}", file=sys.stderr, flush=True)
                         continue
                     # compile, caches, pages: one alone, then a small batch
-                    asyncio.run(run_load(srv.url, srv.model or "", warm[:1], 1, args.max_tokens))
-                    asyncio.run(run_load(srv.url, srv.model or "", warm, 4, args.max_tokens))
+                    asyncio.run(run_streams(srv.url, srv.model or "", warm[:1], 1, args.max_tokens))
+                    asyncio.run(run_streams(srv.url, srv.model or "", warm, 4, args.max_tokens))
                     report["servers"].setdefault(model, {})[t.server] = {
-                        "what": LABELS[t.server],
+                        "what": LABELS[base_server(t.server)]
+                        + (f" ({t.server})" if t.server != base_server(t.server) else ""),
                         "command": srv.command,
                         "model_path": str(t.model_path),
                         "ready_s": srv.ready_s,
@@ -495,8 +627,9 @@ def main() -> int:
                             if not _alive(srv):
                                 continue
                             cpu0, load0 = tree_cpu_s(srv.pid), _loadavg()
-                            res = asyncio.run(
-                                run_load(
+                            m0 = asyncio.run(read_metrics(srv.url))
+                            streams, wall = asyncio.run(
+                                run_streams(
                                     srv.url,
                                     srv.model or "",
                                     prompts[(ld.name, rnd)],
@@ -504,6 +637,12 @@ def main() -> int:
                                     args.max_tokens,
                                 )
                             )
+                            res = summarize_streams(streams, wall, ld.split_itl)
+                            res["users"] = ld.users
+                            m1 = asyncio.run(settled_metrics(srv.url))
+                            if m0 is not None and m1 is not None:
+                                res["prefix_cache"] = prefix_cache_delta(m0, m1)
+                                res["engine_after_run"] = engine_state(m1)
                             row = {
                                 "model": model,
                                 "server": srv.spec.name,
