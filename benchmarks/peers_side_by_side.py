@@ -177,11 +177,16 @@ class PromptMaker:
 
 @dataclass
 class Result:
+    """One request as the client saw it: perf_counter seconds. `cached_tokens` / `computed_tokens`: the
+    prompt tokens the server said it reused / computed (llama-server's `timings.cache_n` / `prompt_n`)."""
+
     start: float
     chunk_times: list[float] = field(default_factory=list)
     end: float = 0.0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    computed_tokens: int | None = None
     retries: int = 0
     error: str | None = None
 
@@ -191,7 +196,7 @@ class Result:
 _RETRYABLE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -228,6 +233,12 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
                     if usage:
                         res.prompt_tokens = usage.get("prompt_tokens")
                         res.completion_tokens = usage.get("completion_tokens")
+                    timings = chunk.get("timings")
+                    if isinstance(timings, dict) and "cache_n" in timings:
+                        res.cached_tokens, res.computed_tokens = (
+                            timings.get("cache_n"),
+                            timings.get("prompt_n"),
+                        )
             res.end = time.perf_counter()
             return res
         except _RETRYABLE as e:
@@ -266,7 +277,7 @@ async def run_load(url: str, model: str, prompts: list[str], users: int, max_tok
 
         async def user() -> None:
             while not queue.empty():
-                results.append(await _one(client, url, model, queue.get_nowait(), max_tokens))
+                results.append(await one_stream(client, url, model, queue.get_nowait(), max_tokens))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(users)))

@@ -12,21 +12,26 @@ Loads (chat API, streaming, greedy, `ignore_eos`; prompt lengths count the chat 
 | `8_users_2048_prompt`, `8_users_8192_prompt` | 8 | 8 | 2,048 / 8,192 | TTFT of long prompts; the ITL of streams decoding while another's prompt prefills against their quiet ITL |
 | `32_users_shared_prefix_2048` | 32 | 32 x per-user | 2,048 shared + 128 own | prefix caching: hit rate from /metrics (ours, vLLM) or the responses' `timings` (llama-server) |
 
-Pure functions here are unit-tested (tests/benchmarks/test_real_shape_loads.py); the client needs a
+Pure functions here are unit-tested (tests/models/test_real_shape_loads.py); the client needs a
 server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours, as when run as a script
+from peers_side_by_side import Result as Stream  # one streaming client for every benchmark
+from peers_side_by_side import one_stream
 
 
 @dataclass(frozen=True)
@@ -84,80 +89,6 @@ def named_load(name: str, per_user: int, long_users: int = 8, prompt_tokens: int
 # ------------------------------------------------------------------ client
 
 
-@dataclass
-class Stream:
-    """One request as the client saw it: perf_counter seconds. `cached_tokens` / `computed_tokens`: the
-    prompt tokens the server said it reused / computed (llama-server's `timings.cache_n` / `prompt_n`)."""
-
-    start: float
-    chunk_times: list[float] = field(default_factory=list)
-    end: float = 0.0
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    computed_tokens: int | None = None
-    retries: int = 0
-    error: str | None = None
-
-    @property
-    def first(self) -> float | None:
-        return self.chunk_times[0] if self.chunk_times else None
-
-
-# llama-server closes kept-alive connections after a few requests: retried while no byte came back
-_RETRYABLE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
-
-
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Stream:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    s = Stream(start=time.perf_counter())  # TTFT counts from the first attempt: the user waited
-    for attempt in range(4):
-        got_bytes = False
-        s.chunk_times.clear()
-        try:
-            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                if r.status_code != 200:
-                    s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                    s.end = time.perf_counter()
-                    return s
-                async for line in r.aiter_lines():
-                    got_bytes = True
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if chunk.get("error"):
-                        s.error = f"stream error: {str(chunk['error'])[:200]}"
-                    if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                        s.chunk_times.append(time.perf_counter())
-                    if chunk.get("usage"):
-                        s.completion_tokens = chunk["usage"].get("completion_tokens")
-                    timings = chunk.get("timings")
-                    if isinstance(timings, dict) and "cache_n" in timings:
-                        s.cached_tokens, s.computed_tokens = timings.get("cache_n"), timings.get("prompt_n")
-            s.end = time.perf_counter()
-            return s
-        except _RETRYABLE as e:
-            if got_bytes or attempt == 3:
-                s.error, s.end = f"{type(e).__name__}: {e}", time.perf_counter()
-                return s
-            s.retries += 1
-            await asyncio.sleep(0.05 * (attempt + 1))
-        except httpx.TimeoutException as e:
-            s.error, s.end = f"{type(e).__name__}: {e}", time.perf_counter()
-            return s
-    raise AssertionError("unreachable")
-
-
 async def run_streams(
     url: str, model: str, prompts: Sequence[str], users: int, max_tokens: int, timeout_s: float = 1800.0
 ) -> tuple[list[Stream], float]:
@@ -196,7 +127,7 @@ def itl_split(streams: Sequence[Stream]) -> dict[str, Any]:
     window: from its request's send to its first content chunk, queueing included). `during_other_prefill`:
     gaps that overlap another stream's window; `quiet`: gaps that overlap none. Seconds; `n` gaps each.
     The target of issue 49: p99 during <= 2x p99 quiet."""
-    windows = [(i, s.start, s.first) for i, s in enumerate(streams) if s.first is not None]
+    windows = [(i, s.start, s.chunk_times[0]) for i, s in enumerate(streams) if s.chunk_times]
     during: list[float] = []
     quiet: list[float] = []
     for i, s in enumerate(streams):
