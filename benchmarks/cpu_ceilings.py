@@ -26,6 +26,19 @@ from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import BlockQuantLinear
 
 
+def copy_gb_per_s(reps: int = 5) -> float:
+    """This machine's memory bandwidth, GB/s: the best of `reps` copies of 64 MiB (read + write bytes)."""
+    big = torch.empty(64 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(big)
+    dst.copy_(big)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(big)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * big.numel() / best / 1e9
+
+
 def _best(fn: Callable[[], object], reps: int) -> float:
     fn()
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from cpu_ceilings import copy_gb_per_s
 
 from server.models.moe import FusedMoE, MoEConfig
 from server.models.moe.native import ENABLE_ENV
@@ -66,18 +67,6 @@ def _layers(path: Path, count: int) -> tuple[MoEConfig, list[FusedMoE], list[flo
     return cfg, blocks, file_bytes
 
 
-def _copy_gb_per_s(reps: int = 5) -> float:
-    big = torch.empty(64 << 20, dtype=torch.uint8)
-    dst = torch.empty_like(big)
-    dst.copy_(big)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(big)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * big.numel() / best / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
@@ -96,7 +85,7 @@ def main() -> None:
         "layers": args.layers,
         "threads": torch.get_num_threads(),
         "cpu_features": usable_cpu_features().names(),
-        "copy_gb_per_s": round(_copy_gb_per_s(), 2),
+        "copy_gb_per_s": round(copy_gb_per_s(), 2),
     }
     # (KUBEINFER_MOE_FUSED, the experts' compute dtype): bf16 lets batches of 4+ rows per expert take
     # qlinear's bf16 path (and 4-bit 32-groups the int8 batched path), as the engine sets under --dtype auto

@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from cpu_ceilings import copy_gb_per_s
 
 from server.models.moe import FusedMoE, MoEConfig, Mxfp4Experts, Mxfp4Tensor
 from server.models.moe.weights import ExpertWeights
@@ -71,18 +72,6 @@ def _layer(
     )
 
 
-def _copy_gb_per_s(reps: int = 5) -> float:
-    big = torch.empty(64 << 20, dtype=torch.uint8)
-    dst = torch.empty_like(big)
-    dst.copy_(big)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(big)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * big.numel() / best / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
@@ -106,7 +95,7 @@ def main() -> None:
         "cpu_features": usable_cpu_features().names(),
         "threads": args.threads,
         "expert_bytes": per_expert,
-        "copy_gb_per_s": round(_copy_gb_per_s(), 2),
+        "copy_gb_per_s": round(copy_gb_per_s(), 2),
     }
     for t in args.tokens:
         times: dict[str, list[float]] = {name: [] for name in paths}
