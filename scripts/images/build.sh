@@ -61,12 +61,32 @@ torch_index_args() {  # a local index for the CPU torch wheel and its dependenci
   echo "-v $index:/torch-index:ro --build-arg TORCH_INDEX_URL=file:///torch-index"
 }
 
-build() {  # $1: name, then arguments for the build
-  local name=$1 start
-  shift
+image_id() {  # $1: a tag; its image's ID, or nothing
+  if [ "${BUILD[0]}" = buildah ]; then
+    buildah $STORAGE images --quiet --no-trunc "$1" 2>/dev/null | head -1 || true
+  else
+    docker image inspect --format '{{.Id}}' "$1" 2>/dev/null || true
+  fi
+}
+
+build() {  # $1: name, $2: the tag, then arguments for the build
+  local name=$1 tag=$2 start old new
+  shift 2
   start=$(date +%s)
   echo "building $name" >&2
-  "${BUILD[@]}" "${EXTRA[@]}" "$@" .
+  old=$(image_id "$tag")
+  "${BUILD[@]}" "${EXTRA[@]}" -t "$tag" "$@" .
+  # The tag moved to the new image: the old one is left nameless, and with vfs storage (a full copy of
+  # the filesystem per layer) every rebuild would keep another 2 GB on disk. A container still using it
+  # keeps it (rmi refuses).
+  new=$(image_id "$tag")
+  if [ -n "$old" ] && [ "$old" != "$new" ]; then
+    if [ "${BUILD[0]}" = buildah ]; then
+      buildah $STORAGE rmi "$old" >/dev/null 2>&1 || echo "kept the superseded image $old (in use)" >&2
+    else
+      docker rmi "$old" >/dev/null 2>&1 || echo "kept the superseded image $old (in use)" >&2
+    fi
+  fi
   echo "built $name in $(($(date +%s) - start)) s" >&2
 }
 
@@ -76,9 +96,9 @@ for target in "${targets[@]}"; do
   case $target in
     server-cpu)
       # shellcheck disable=SC2046
-      build "$target" -f Dockerfile.server -t "$SERVER_CPU_IMAGE" "${CPU_BUILD_ARGS[@]}" $(torch_index_args) ;;
-    operator) build "$target" -f Dockerfile.operator -t "$OPERATOR_IMAGE" ;;
-    router) build "$target" -f Dockerfile.router -t "$ROUTER_IMAGE" ;;
+      build "$target" "$SERVER_CPU_IMAGE" -f Dockerfile.server "${CPU_BUILD_ARGS[@]}" $(torch_index_args) ;;
+    operator) build "$target" "$OPERATOR_IMAGE" -f Dockerfile.operator ;;
+    router) build "$target" "$ROUTER_IMAGE" -f Dockerfile.router ;;
     *) echo "error: unknown image $target (server-cpu, operator, router)" >&2; exit 2 ;;
   esac
 done

@@ -203,6 +203,29 @@ def _publish(tmp: Path, target: Path) -> None:
             raise
 
 
+def _prune_superseded(target: Path, gguf: Path) -> None:
+    """Removes the other cached conversions of the same kind as `target` made from the same path (an
+    older copy of the file, or another writer's) or from a file that no longer exists: each new writer
+    version or reinstall (a new mtime) keys a new folder, and the embedded model's conversion alone is
+    0.5 GB. A process still serving an old folder keeps its open files; it reloads nothing from there."""
+    try:
+        kind = json.loads((target / MANIFEST_NAME).read_text())["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    source = str(gguf.resolve())
+    for sibling in target.parent.glob(f"{gguf.stem}-*"):
+        if sibling == target or not sibling.is_dir():
+            continue
+        try:
+            found = json.loads((sibling / MANIFEST_NAME).read_text())
+            path, sibling_kind = found["source"]["path"], found["kind"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours, or being written: left alone
+        if sibling_kind == kind and (path == source or not Path(path).exists()):
+            log.info("removing %s: superseded by %s", sibling, target.name)
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
 def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
     """The cache folder of a GGUF's conversion, keyed by the file (path, size, mtime) and the writer
     (conversion_writer): another version's conversions live in other folders; the manifest inside
@@ -303,6 +326,7 @@ def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _prune_superseded(target, gguf)
     return target
 
 
@@ -349,6 +373,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _prune_superseded(target, gguf)
     log.info("converted %s in %.1f s", gguf.name, time.monotonic() - t0)
     return target
 

@@ -109,3 +109,38 @@ def test_stale_or_unmarked_full_conversion_is_converted_again(
     # The writer is part of the folder's key too: other versions' conversions sit side by side.
     monkeypatch.setattr(loader, "conversion_writer", lambda: {**writer, "transformers": "4.57.1"})
     assert loader._gguf_cache_folder(gguf, tmp_path) != target
+
+
+@pytest.mark.slow
+def test_a_new_conversion_removes_the_ones_it_supersedes(tmp_path: Path) -> None:
+    """Each writer version or reinstall (a new mtime) keys a new cache folder: without pruning, every CI
+    run left another 0.5 GB conversion of the embedded model behind. Superseded: the same source path's
+    folders of the same kind, and those of a file that is gone; another file's folder stays."""
+    gguf = tmp_path / "model.gguf"
+    shutil.copy(loader.embedded_gguf_path(), gguf)
+    cache = tmp_path / "cache"
+    first = loader.gguf_metadata_folder(gguf, cache)
+    # An older writer's folder of the same file, under another key.
+    older = cache / f"{gguf.stem}-0000000000000000-meta"
+    shutil.copytree(first, older)
+    manifest = json.loads((older / "kubeinfer-conversion.json").read_text())
+    manifest["writer"]["transformers"] = "4.57.1"
+    (older / "kubeinfer-conversion.json").write_text(json.dumps(manifest))
+    # A conversion of a deleted file with the same stem, and one of another live file.
+    gone = cache / f"{gguf.stem}-1111111111111111-meta"
+    shutil.copytree(first, gone)
+    manifest["source"]["path"] = str(tmp_path / "deleted" / "model.gguf")
+    (gone / "kubeinfer-conversion.json").write_text(json.dumps(manifest))
+    other_file = tmp_path / "elsewhere" / "model.gguf"
+    other_file.parent.mkdir()
+    other_file.write_bytes(b"x")
+    kept = cache / f"{gguf.stem}-2222222222222222-meta"
+    shutil.copytree(first, kept)
+    manifest["source"]["path"] = str(other_file)
+    (kept / "kubeinfer-conversion.json").write_text(json.dumps(manifest))
+    # The file is replaced (a reinstall: new mtime): a new key, a new conversion.
+    gguf.touch()
+    new = loader.gguf_metadata_folder(gguf, cache)
+    assert new != first and new.is_dir()
+    assert not first.exists() and not older.exists() and not gone.exists()
+    assert kept.is_dir()

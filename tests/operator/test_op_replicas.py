@@ -137,5 +137,9 @@ def test_a_half_cpu_is_not_drift(cluster: MockCluster, operator: Any) -> None:
         if now == applies:
             break
         applies = now
-    time.sleep(6)  # several resyncs and child events
-    assert cluster.count_requests("PATCH", "deployments") == applies, "the Deployment is re-applied as drift"
+    # Drift would re-apply on every resync (each 2 s here): 5 or more applies in the next 10 s. One more
+    # is allowed: on a loaded CI machine a reconcile whose request timed out is retried once and applies
+    # again (CI saw 4 applies where 3 had settled).
+    time.sleep(10)
+    late = cluster.count_requests("PATCH", "deployments") - applies
+    assert late <= 1, f"the Deployment is re-applied as drift: {late} applies after settling"
