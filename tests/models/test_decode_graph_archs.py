@@ -171,16 +171,18 @@ def test_fused_path_serves_the_new_kinds(tiny: Callable[[str], Path], cache: Pat
     )
 
 
-def test_graph_runs_separate_q_k_v_of_a_mixed_gguf(tmp_path: Path, cache: Path) -> None:
-    """A Gemma 3 GGUF whose attn_v is Q6_K and attn_q/attn_k Q8_0 (a Q4_K_M file's mix): q, k and v stay
-    separate projections, the graph writes them into the columns of one qkv buffer and gives what the
-    Python fused path gives, bit for bit; greedy tokens equal transformers' on the file's weights."""
+@pytest.mark.parametrize("kind", ["gemma3", "granite"])
+def test_graph_runs_separate_q_k_v_of_a_mixed_gguf(tmp_path: Path, cache: Path, kind: str) -> None:
+    """A Gemma 3 or Granite (its multipliers, an untied head) GGUF whose attn_v is Q6_K and attn_q/attn_k
+    Q8_0 (a Q4_K_M file's mix): q, k and v stay separate projections, the graph writes them into the
+    columns of one qkv buffer and gives what the Python fused path gives, bit for bit; greedy tokens
+    equal transformers' on the file's weights. (Phi-3's GGUF holds one fused attn_qkv: one format.)"""
     from gguf_archs import write_arch_gguf
     from test_gguf_archs import FMTS, _build
     from transformers import AutoModelForCausalLM
 
-    hf = _build(tmp_path / "hf", "gemma3")
-    path = write_arch_gguf(hf, tmp_path / "gemma3.gguf", tmp_path / "ref", {**FMTS, "attn_v": "Q6_K"})
+    hf = _build(tmp_path / "hf", kind)
+    path = write_arch_gguf(hf, tmp_path / f"{kind}.gguf", tmp_path / "ref", {**FMTS, "attn_v": "Q6_K"})
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(path), max_model_len=MAX_LEN, cache_dir=cache),
