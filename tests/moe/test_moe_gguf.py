@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from moe_gguf import save_dequantized, write_moe_gguf
-from moe_models import PROMPTS, build, hf_greedy
-from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
+from moe_models import PROMPTS, build
+from prompt_logprobs import engine_prompt_logprobs, hf_greedy, hf_prompt_logprobs
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
