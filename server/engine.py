@@ -38,7 +38,6 @@ from server.models.loader import (
     resolve_dtype,
     resolve_model,
 )
-from server.models.moe.quant import apply_moe_gemm_dtype
 from server.models.serving_weights import prepare_for_serving
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
@@ -187,7 +186,6 @@ class LLMEngine:
                 resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
             )
             self.gemm_dtype = cpu_gemm_dtype(compute)
-            apply_moe_gemm_dtype(self.loaded.model, self.gemm_dtype)  # quantized experts' batches alike
             if apply_gemm_dtype(self.loaded.model, self.gemm_dtype) and self.gemm_dtype == torch.bfloat16:
                 packed = pack_int8_weights(self.loaded.model)
                 if packed:
@@ -304,7 +302,8 @@ class LLMEngine:
                     optimize_weights=config.model.optimize_weights,
                     kv_cache_dtype=self.kv_cache_dtype,
                 )
-            # (apply_gemm_dtype runs for any proposer: it sets the dtype; packing follows bf16 only)
+            # (apply_gemm_dtype runs for any proposer: it sets the dtype of its projections and quantized
+            # experts alike; packing follows bf16 only)
             if (
                 proposer is not None
                 and apply_gemm_dtype(proposer.model, self.gemm_dtype)

@@ -1,5 +1,6 @@
 """Prompt logprobs of the chosen tokens, ours and transformers', for the reduced-precision parity tests
-(tests/quant/test_bf16_gemm.py, tests/engine/test_kv_cache_dtype_parity.py)."""
+(tests/quant/test_bf16_gemm.py, tests/engine/test_kv_cache_dtype_parity.py), and transformers' greedy
+tokens of a tiny model folder (the architecture parity tests, tests/models and tests/moe)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,19 @@ def hf_prompt_logprobs(
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0, :-1].double()
     return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' fp32 greedy continuation of each prompt: up to `n` new tokens, stopping at token 2
+    (the tiny models' eos)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = hf.generate(  # type: ignore[misc]
+                torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=0, eos_token_id=2
+            )
+            outs.append(ids[0, len(p) :].tolist())
+    return outs

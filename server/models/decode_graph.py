@@ -20,7 +20,9 @@ CUDA graph, `DecodeGraph` records once what never changes (every layer's weight 
 cache pointers and the kernels' entry points) and replays the layer loop in C++
 (`kubeinfer_decode_forward`, server/models/csrc/cpu_fused.cpp) calling the same kernels in the same
 order on the same buffers as `LlamaForCausalLM._forward_fused`: the hidden states are bit-identical.
-Qwen3's q/k norms run in it too (`kubeinfer_head_rms_norm`, as in the Python fused path).
+Qwen3's q/k norms run in it too (`kubeinfer_head_rms_norm`, as in the Python fused path), and Gemma 2's
+soft-capped attention (`kubeinfer_softcap_paged_decode`, which the Python fused path's decode steps call
+too: softcap_attention.py); the final logit soft-cap stays in `compute_logits`, after either path.
 
 It serves steps whose every row is a one-token decode (no prefill chunk, no speculative verification)
 of a model whose q/k/v, o, gate/up and down are plain `BlockQuantLinear` with the compiled kernel (a
@@ -89,6 +91,7 @@ class _Layer(ctypes.Structure):  # cpu_fused.cpp's KiDecodeLayer
         ("sinks", _ptr),
         ("residual_mult", _f32),
         ("activation", _i32),
+        ("attn_softcap", _f32),
     ]
 
 
@@ -157,12 +160,11 @@ def _refuse(reason: str) -> None:
 
 def layer_refusal(spec: LayerSpec) -> str | None:
     """What of this layer kind the compiled graph cannot run yet, or None: every field of the layer
-    contract is data in the graph's layer record except a mixture-of-experts MLP (its own block, the
-    torch path) and attention soft-capping (the paged decode kernel has no soft-cap: softcap_attention.py)."""
+    contract is data in the graph's layer record (Gemma 2's attention soft-cap too: its layers attend
+    through cpu_fused.cpp's softcap_paged_decode, as the Python fused path does) except a
+    mixture-of-experts MLP (its own block, the torch path)."""
     if spec.mlp != "dense":
         return f"a {spec.mlp!r} MLP runs its own block"
-    if spec.attn_softcap is not None:
-        return "attention soft-capping (attn_logit_softcapping) is not in the paged decode kernel"
     if spec.activation not in _ACTIVATIONS:
         return f"activation {spec.activation!r}"
     return None
@@ -349,6 +351,7 @@ class DecodeGraph:
                 None if attn.sinks is None else attn.sinks.data_ptr(),
                 spec.residual_multiplier,
                 _ACTIVATIONS[spec.activation],
+                spec.attn_softcap or 0.0,
             )
         final_w, final_eps = _norm_field(final_norm, kept_norms)
         entry = decode_entry(kernel)  # int8-activation entry or qlinear (cpu_qgemv_q8.py)

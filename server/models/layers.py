@@ -135,7 +135,7 @@ class Attention(nn.Module):
                 q, k = _rotate(q, cos, sin, ops), _rotate(k, cos, sin, ops)
         if self.softcap is not None:
             o = softcap_paged_attention(
-                q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.sliding_window
+                q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.sliding_window, ops
             ).reshape(t, hq * d)
             return self.o_proj(o)
         # a bf16 out_dtype: the o projection's bf16 GEMM takes a bf16 attention output as its operand

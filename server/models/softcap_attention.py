@@ -4,6 +4,10 @@ The attention backends (server/attention/) take no soft-cap, so a layer whose `L
 is set writes its K/V into the paged cache and attends here, one sequence at a time: exact (fp32
 softmax over `cap * tanh(scores / cap)`, as transformers' eager Gemma 2 attention) and slow (a
 per-sequence loop). It serves any backend's cache layout `[num_blocks, block_size, Hkv, D]`.
+
+With the fused CPU ops (`ops`, fp32 on CPU) a pure-decode step attends through their compiled
+`softcap_paged_decode` instead, the very kernel the decode graph (decode_graph.py) calls for these layers,
+so that the graph and the Python fused path agree bit for bit; this function stays its reference.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 from torch import Tensor
 
 from server.attention import AttentionMetadata
+from server.models.cpu_fused import FusedOps
 
 
 def softcap_paged_attention(
@@ -24,6 +29,7 @@ def softcap_paged_attention(
     scale: float,
     softcap: float,
     sliding_window: int | None = None,
+    ops: FusedOps | None = None,  # the fused CPU ops: pure-decode fp32 steps run their compiled kernel
 ) -> Tensor:  # [T, Hq, D] in q's dtype
     """Stores k/v at `meta.slot_mapping`, then causal attention of each sequence's new queries over its
     whole context (cached prefix + this step's tokens); `sliding_window`: keys more than that many
@@ -32,6 +38,10 @@ def softcap_paged_attention(
     block_size = k_cache.shape[1]
     k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if ops is not None and meta.is_pure_decode and q.dtype == torch.float32 and q.device.type == "cpu":
+        return ops.softcap_paged_decode(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, softcap, sliding_window
+        )
     out = torch.empty_like(q)
     group = q.shape[1] // hkv
     start = 0

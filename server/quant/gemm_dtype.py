@@ -25,6 +25,7 @@ follows gemm_dtype like the projections (bf16 operands from 4 rows); its logits,
 from __future__ import annotations
 
 import logging
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -48,8 +49,21 @@ def cpu_gemm_dtype(compute: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
 
 
+@runtime_checkable
+class FollowsGemmDtype(Protocol):
+    """A module kind other than BlockQuantLinear whose quantized GEMMs follow the engine's GEMM dtype:
+    `apply_gemm_dtype` calls its `set_gemm_dtype` (a mixture-of-experts block's quantized experts,
+    server/models/moe/block.py), so that one walk serves every model, a draft model included."""
+
+    def set_gemm_dtype(self, dtype: torch.dtype) -> int:
+        """Sets `dtype` (fp32 or bf16, already checked) on its weight sets; returns how many (0: none
+        of its weights are quantized)."""
+        ...
+
+
 def apply_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
-    """Sets every BlockQuantLinear's `gemm_dtype` to `dtype` (fp32 or bf16); returns how many.
+    """Sets every BlockQuantLinear's `gemm_dtype` to `dtype` (fp32 or bf16) and hands it to every module
+    implementing `FollowsGemmDtype` (quantized experts); returns how many weight sets were set.
     Raises ValueError for any other dtype."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"block-quantized GEMMs run in float32 or bfloat16, not {dtype}")
@@ -58,6 +72,8 @@ def apply_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
         if isinstance(module, BlockQuantLinear):
             module.gemm_dtype = dtype
             count += 1
+        elif isinstance(module, FollowsGemmDtype):
+            count += module.set_gemm_dtype(dtype)
     return count
 
 

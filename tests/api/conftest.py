@@ -3,9 +3,6 @@ reference outputs are computed with LLMEngine.generate before the server takes t
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from serving import free_port, serve_in_thread
 
 SERVED_NAME = "smollm2-test"
 TGI_PROMPT = "The capital of France is"
@@ -23,12 +21,6 @@ STREAM_PROMPTS = [
     f"List {i}: apples, pears," if i % 2 else f"Numbers: {i}, {i + 1}, {i + 2}," for i in range(20)
 ]
 STREAM_MAX = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -70,21 +62,8 @@ def scrape_metric(url: str, name: str, default: float | None = None) -> float:
     return total
 
 
-def wait_ready(url: str, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
-
-
 @pytest.fixture(scope="session")
 def live_server(smollm2_dir: Path) -> Iterator[LiveServer]:
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -124,11 +103,7 @@ def live_server(smollm2_dir: Path) -> Iterator[LiveServer]:
     config = ServerConfig(engine=engine_cfg, host="127.0.0.1", port=port, max_concurrent_requests=64)
     state = ServerState(config, engine_factory=lambda: llm)
     app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, name="api-test-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(app, port, name="api-test-server")
+    url = running.url
     yield LiveServer(url=url, state=state, llm=llm, refs=refs)
-    server.should_exit = True
-    thread.join(timeout=30)
+    running.stop()

@@ -6,13 +6,12 @@ route's 503 ("still loading"); one it refuses gets 401/403 from the guard before
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port
+from serving import free_port, serve_in_thread
 
 MANAGEMENT = [
     ("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/tmp"}),
@@ -26,7 +25,6 @@ USER = "user-key-456"
 
 def _serve(**config: Any) -> Iterator[str]:
     """A server whose config says `config` (host defaults to the pods' 0.0.0.0), bound to 127.0.0.1."""
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -36,19 +34,9 @@ def _serve(**config: Any) -> Iterator[str]:
     engine = EngineConfig(lora=LoRAConfig(enable_lora=True, allow_runtime_updating=True))
     cfg = ServerConfig(**{"engine": engine, "host": "0.0.0.0", "port": port, **config})
     app = create_app(ServerState(cfg), load_on_startup=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(2400):  # up to 2 min for the server thread to listen on a loaded machine
-        try:
-            httpx.get(f"{url}/health", timeout=1)
-            break
-        except httpx.HTTPError:
-            threading.Event().wait(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    running = serve_in_thread(app, port, until="listening")
+    yield running.url
+    running.stop(timeout_s=10)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,14 @@ import inspect
 import json
 import math
 import pathlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from conftest import CHAT_MESSAGES, SERVED_NAME, TGI_PROMPT, LiveServer, free_port
+from conftest import CHAT_MESSAGES, SERVED_NAME, TGI_PROMPT, LiveServer
 from pydantic import BaseModel
+from serving import free_port, serve_in_thread
 
 from server.core.finish import FinishDecision, decide_finish
 from server.request import FinishReason, SamplingParams
@@ -535,7 +535,6 @@ def test_api_conf_continuous_usage_stats(live_server: LiveServer) -> None:
 @pytest.fixture(scope="module")
 def keyed_server() -> Iterator[str]:
     """A server with --api-key and one allowed origin; its model never loads (enough for these routes)."""
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -550,19 +549,9 @@ def keyed_server() -> Iterator[str]:
         allow_credentials=True,
     )
     app = create_app(ServerState(config), load_on_startup=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(2400):  # up to 2 min for the server thread to listen on a loaded machine
-        try:
-            httpx.get(f"{url}/health", timeout=1)
-            break
-        except httpx.HTTPError:
-            threading.Event().wait(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    running = serve_in_thread(app, port, until="listening")
+    yield running.url
+    running.stop(timeout_s=10)
 
 
 PREFLIGHT = {

@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port, scrape_metric, wait_ready
+from conftest import scrape_metric
+from serving import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 LONG = 900  # tokens: the tiny model's context is 1024

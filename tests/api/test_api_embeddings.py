@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import free_port, scrape_metric, wait_ready
+from conftest import scrape_metric
+from serving import free_port, serve_in_thread
 
 from server.models.loader import cpu_has_native_bf16
 
@@ -25,7 +26,6 @@ TEXTS = ["Hello world", "Kubernetes runs containers in pods.", "The cat sat on t
 
 
 def _serve(model_dir: Path, name: str, **server_kw: Any) -> Iterator[tuple[str, Any]]:
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -39,14 +39,10 @@ def _serve(model_dir: Path, name: str, **server_kw: Any) -> Iterator[tuple[str, 
         **server_kw,
     )
     state = ServerState(config)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, name=f"pooling-server-{name}", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(create_app(state), port, name=f"pooling-server-{name}")
+    url = running.url
     yield url, state
-    server.should_exit = True
-    thread.join(timeout=30)
+    running.stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,16 @@ in each client's format instead of hanging. Uses a tiny random-weight model: onl
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, wait_ready
+from serving import free_port, serve_in_thread
 
 
 @pytest.fixture
 def tiny_server(tiny_model_factory: Callable[..., Path]) -> Iterator[tuple[str, object]]:
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -31,14 +29,10 @@ def tiny_server(tiny_model_factory: Callable[..., Path]) -> Iterator[tuple[str, 
     state = ServerState(
         ServerConfig(engine=engine_cfg, host="127.0.0.1", port=port), engine_factory=lambda: llm
     )
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(create_app(state), port)
+    url = running.url
     yield url, llm
-    server.should_exit = True
-    thread.join(30)
+    running.stop()
 
 
 def test_api_engine_loop_death(tiny_server: tuple[str, object]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 import torch
-from conftest import free_port, wait_ready
+from serving import free_port, serve_in_thread
 
 MARKERS = {3: "<|start|>", 4: "<|end|>", 5: "<|message|>", 6: "<|channel|>", 7: "<|constrain|>"}
 MARKERS |= {8: "<|return|>", 9: "<|call|>"}
@@ -82,7 +81,6 @@ class Harmony:
 def harmony(
     tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Harmony]:
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -112,18 +110,11 @@ def harmony(
     vocab = model.config.vocab_size
     model.compute_logits = lambda hidden: script.logits(hidden, vocab)
     state = ServerState(config, engine_factory=lambda: llm)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(create_app(state), port)
     from server.tokenizer import Tokenizer
 
-    yield Harmony(url, script, Tokenizer(folder))
-    server.should_exit = True
-    thread.join(timeout=30)
+    yield Harmony(running.url, script, Tokenizer(folder))
+    running.stop()
 
 
 def _client(url: str) -> Any:  # Any: the SDK's TypedDicts would want every literal below typed

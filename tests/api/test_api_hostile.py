@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from conftest import free_port, wait_ready
 from hypothesis import HealthCheck, Phase, given, settings
 from lora_adapters import make_adapter
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
+from serving import free_port, serve_in_thread
 
 HEAD_TIMEOUT_S = 1.0  # short, so that the slowloris test ends soon; asserted by closure, not by time
 
@@ -44,7 +44,6 @@ class HostileServer:
 
 @pytest.fixture(scope="module")
 def hostile(tiny_model_factory, tmp_path_factory) -> Iterator[HostileServer]:  # type: ignore[no-untyped-def]
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.server import uvicorn_config
@@ -88,14 +87,15 @@ def hostile(tiny_model_factory, tmp_path_factory) -> Iterator[HostileServer]:  #
         timeout_request_head_s=HEAD_TIMEOUT_S,
     )
     state = ServerState(config, engine_factory=lambda: llm)
-    server = uvicorn.Server(uvicorn_config(create_app(state), config))
-    thread = threading.Thread(target=server.run, name="api-hostile-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(
+        create_app(state),
+        port,
+        make_config=lambda app: uvicorn_config(app, config),
+        name="api-hostile-server",
+    )
+    url = running.url
     yield HostileServer(url, port, state, allowed, outside)
-    server.should_exit = True
-    thread.join(timeout=30)
+    running.stop()
 
 
 # ---- raw HTTP/1.1 on one socket ---------------------------------------------------------------------

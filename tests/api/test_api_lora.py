@@ -5,7 +5,6 @@ vLLM's run-time load/unload routes with their responses and errors; vllm:lora_re
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +13,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import free_port, scrape_metric, wait_ready
+from conftest import scrape_metric
 from lora_adapters import make_adapter, peft_greedy
+from serving import free_port, serve_in_thread
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 MAX = 8
@@ -33,7 +33,6 @@ class LoRAServer:
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_factory, tmp_path_factory) -> Iterator[LoRAServer]:  # type: ignore[no-untyped-def]
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -77,16 +76,10 @@ def lora_server(tiny_model_factory, tmp_path_factory) -> Iterator[LoRAServer]:  
     port = free_port()
     config = ServerConfig(engine=engine_cfg, host="127.0.0.1", port=port, max_concurrent_requests=32)
     state = ServerState(config, engine_factory=lambda: llm)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="api-lora-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(create_app(state), port, name="api-lora-server")
+    url = running.url
     yield LoRAServer(url, llm, adapters, refs, ref_ids)
-    server.should_exit = True
-    thread.join(timeout=30)
+    running.stop()
 
 
 def _client(s: LoRAServer) -> openai.OpenAI:

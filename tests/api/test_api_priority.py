@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import SERVED_NAME, LiveServer, free_port, wait_ready
+from conftest import SERVED_NAME, LiveServer
+from serving import free_port, serve_in_thread
 
 
 def test_api_priority_field(live_server: LiveServer) -> None:
@@ -38,7 +39,6 @@ def test_api_priority_field(live_server: LiveServer) -> None:
 
 @pytest.fixture(scope="module")
 def priority_server(tiny_model_factory: Callable[..., Path]) -> Iterator[str]:
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -63,16 +63,10 @@ def priority_server(tiny_model_factory: Callable[..., Path]) -> Iterator[str]:
         objective_priorities=(("batch-pool", 10), ("chat-pool", 0)),
     )
     state = ServerState(config, engine_factory=lambda: llm)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(create_app(state), port)
+    url = running.url
     yield url
-    server.should_exit = True
-    thread.join(timeout=30)
+    running.stop()
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 import text_generation
-from conftest import free_port, scrape_metric, wait_ready
+from conftest import scrape_metric
+from serving import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "test-secret-key"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import free_port, wait_ready
+from serving import free_port, serve_in_thread
 
 from server.api.reasoning import ReasoningParser
 
@@ -112,7 +111,6 @@ class Thinker:
 def thinker(
     tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Thinker]:
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -136,16 +134,10 @@ def thinker(
     config = ServerConfig(engine=engine_cfg, host="127.0.0.1", port=port, reasoning_parser="deepseek_r1")
     llm = LLMEngine(engine_cfg)
     state = ServerState(config, engine_factory=lambda: llm)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(create_app(state), port)
+    url = running.url
     yield Thinker(url, state)
-    server.should_exit = True
-    thread.join(timeout=30)
+    running.stop()
 
 
 FORCED = r"[a-z]{3,8} [a-z]{3,8}</think>\n\n[A-Z][a-z]{2,8}\."

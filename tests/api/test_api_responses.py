@@ -328,10 +328,8 @@ def test_api_responses_truncation_auto(live_server: LiveServer) -> None:
 
 def test_api_responses_routes_need_the_api_key() -> None:
     """The Responses routes follow --api-key as the other generation routes: 401 without it."""
-    import threading
 
-    import uvicorn
-    from conftest import free_port
+    from serving import free_port, serve_in_thread
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -340,17 +338,8 @@ def test_api_responses_routes_need_the_api_key() -> None:
     port = free_port()
     state = ServerState(ServerConfig(host="127.0.0.1", port=port, api_key="sekret"))
     app = create_app(state, load_on_startup=False)  # the model never loads: enough for auth
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(2400):
-            try:
-                httpx.get(f"{url}/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                threading.Event().wait(0.05)
+    with serve_in_thread(app, port, until="listening") as running:
+        url = running.url
         calls = [
             ("POST", "/v1/responses", {"input": "hi"}),
             ("GET", "/v1/responses/resp_x", None),
@@ -368,9 +357,6 @@ def test_api_responses_routes_need_the_api_key() -> None:
                 path,
                 r.text,
             )
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_api_responses_disconnect_mid_stream_frees_the_request(live_server: LiveServer) -> None:

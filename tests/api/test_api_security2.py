@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port, wait_ready
 from lora_adapters import make_adapter
+from serving import free_port, serve_in_thread
 
 BODY_TIMEOUT_S = 4.0  # long enough to open 130 connections and serve one request on a loaded machine
 SLOW_CLIENTS = 130  # over the default --max-concurrent-requests (128)
@@ -39,7 +39,6 @@ class SecServer:
 
 @pytest.fixture(scope="module")
 def sec(tiny_model_factory, tmp_path_factory) -> Iterator[SecServer]:  # type: ignore[no-untyped-def]
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.server import uvicorn_config
@@ -73,14 +72,12 @@ def sec(tiny_model_factory, tmp_path_factory) -> Iterator[SecServer]:  # type: i
     )
     assert config.max_concurrent_requests < SLOW_CLIENTS
     state = ServerState(config, engine_factory=lambda: llm)
-    server = uvicorn.Server(uvicorn_config(create_app(state), config))
-    thread = threading.Thread(target=server.run, name="api-sec2-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(
+        create_app(state), port, make_config=lambda app: uvicorn_config(app, config), name="api-sec2-server"
+    )
+    url = running.url
     yield SecServer(url, port, state, allowed)
-    server.should_exit = True
-    thread.join(timeout=30)
+    running.stop()
 
 
 def _message(r: httpx.Response) -> str:

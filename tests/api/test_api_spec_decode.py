@@ -3,12 +3,12 @@ stop strings, streaming) equal plain decoding's, and /metrics exposes vLLM's spe
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, scrape_metric, wait_ready
+from conftest import scrape_metric
+from serving import free_port, serve_in_thread
 
 from server.cli import build_parser, config_from_args
 from server.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
@@ -29,7 +29,6 @@ def engine_config(folder: Path, spec: SpeculativeConfig | None) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_model_factory) -> Iterator[tuple[str, LLMEngine]]:  # type: ignore[no-untyped-def]
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -41,16 +40,10 @@ def spec_server(tiny_model_factory) -> Iterator[tuple[str, LLMEngine]]:  # type:
     state = ServerState(
         ServerConfig(engine=cfg, host="127.0.0.1", port=port), engine_factory=lambda: LLMEngine(cfg)
     )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="spec-test-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    running = serve_in_thread(create_app(state), port, name="spec-test-server")
+    url = running.url
     yield url, plain
-    server.should_exit = True
-    thread.join(timeout=30)
+    running.stop()
 
 
 def test_openai_completions_match_plain_decoding(spec_server: tuple[str, LLMEngine]) -> None:

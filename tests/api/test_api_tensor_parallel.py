@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, wait_ready
+from serving import free_port, wait_ready
 
 from server.cli import build_parser, config_from_args
 from server.config import CacheConfig, EngineConfig, ModelConfig

@@ -17,12 +17,13 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
-from conftest import SERVED_NAME, LiveServer, free_port, wait_ready
+from conftest import SERVED_NAME, LiveServer
+from serving import ThreadedServer, free_port, serve_in_thread
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("KUBEINFER_ARTIFACTS", REPO / "build" / "artifacts")) / "playground"
@@ -172,17 +173,14 @@ def usage_chunk(prompt: int, completion: int) -> dict[str, Any]:
 class AppServer:
     url: str
     state: Any
-    server: Any
-    thread: threading.Thread
+    running: ThreadedServer
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.running.stop()
 
 
 def serve_app(config_kw: dict[str, Any], engine_factory: Any = None, load: bool = True) -> AppServer:
     """The real app on a free port; `load=False` keeps it loading for good (no engine, 503s)."""
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -192,25 +190,9 @@ def serve_app(config_kw: dict[str, Any], engine_factory: Any = None, load: bool 
     config = ServerConfig(host="127.0.0.1", port=port, **config_kw)
     state = ServerState(config, engine_factory=engine_factory)
     app = create_app(state, load_on_startup=load)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, name=f"ui-server-{port}", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    if load:
-        wait_ready(url, timeout_s=120)
-    else:
-        wait_for_http(url)
-    return AppServer(url, state, server, thread)
-
-
-def wait_for_http(url: str) -> None:
-    for _ in range(2400):  # up to 2 min for the server thread to listen on a loaded machine
-        try:
-            httpx.get(f"{url}/health", timeout=1)
-            return
-        except httpx.HTTPError:
-            threading.Event().wait(0.05)
-    raise TimeoutError(url)
+    until: Literal["ready", "listening"] = "ready" if load else "listening"
+    running = serve_in_thread(app, port, name=f"ui-server-{port}", until=until, timeout_s=120)
+    return AppServer(running.url, state, running)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ from deploy_helpers import (
     substitute_grafana_vars,
     variable_selectors,
 )
+from serving import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -64,13 +64,6 @@ kube_deployment_spec_replicas{{namespace="{NAMESPACE}",deployment="{DEPLOYMENT}"
 # TYPE kube_deployment_labels gauge
 kube_deployment_labels{{namespace="{NAMESPACE}",deployment="{DEPLOYMENT}",label_app_kubernetes_io_managed_by="kubeinfer-operator"}} 1
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float) -> None:

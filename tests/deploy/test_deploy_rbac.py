@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -36,6 +35,7 @@ from kubeinfer_operator.k8s import USER_AGENT
 from kubeinfer_operator.render_activator import render_activator_role
 from kubeinfer_operator.spec import InferenceModel
 from kubernetes.config import kube_config
+from serving import free_port
 
 pytestmark = [
     pytest.mark.skipif(helm_python() is None, reason=helm_skip_reason()),
@@ -204,9 +204,7 @@ def run_operator_life(tmp_path: Path, chart_args: list[str]) -> set[Perm]:
     from kubeinfer_operator.__main__ import _run, build_parser
 
     # The chart's own `kubeinfer-operator run` arguments; only the liveness address moves to a free port.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        liveness_port = sock.getsockname()[1]
+    liveness_port = free_port()
     args = [
         f"--liveness=http://127.0.0.1:{liveness_port}/healthz" if a.startswith("--liveness=") else a
         for a in chart_args

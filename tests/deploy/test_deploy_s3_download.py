@@ -27,6 +27,8 @@ import pytest
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
 
+from serving import free_port, wait_ready  # noqa: E402
+
 from server.download_s3 import (  # noqa: E402
     MANIFEST,
     S3DownloadError,
@@ -329,9 +331,7 @@ def test_downloaded_folder_is_served(s3: S3, tmp_path: Path) -> None:
     # The replicas mount the claim elsewhere and never see the store's credentials.
     mounted = tmp_path / "mounted"
     (tmp_path / "claim").rename(mounted)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in _env(s3).items() if not k.startswith("AWS_")}
     env.update(HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
     cmd = [
@@ -347,15 +347,7 @@ def test_downloaded_folder_is_served(s3: S3, tmp_path: Path) -> None:
     server = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300  # importing torch takes long on a loaded machine
-        while time.monotonic() < deadline:
-            assert server.poll() is None, "the server exited"
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url, server, timeout_s=300)  # importing torch takes long on a loaded machine
         r = httpx.post(
             f"{url}/v1/completions",
             json={"model": "s3-tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0},

@@ -13,7 +13,6 @@ Each skips, saying why, where buildah (or root) is missing or the image was not 
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from kubeinfer_operator.spec import (
     OPERATOR_IMAGE,
     InferenceModel,
 )
+from serving import free_port
 
 from server import native
 
@@ -179,12 +179,6 @@ def without_flags(args: list[str], flags: set[str]) -> list[str]:
         if not skipping:
             out.append(arg)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_operator_image_reconciles_a_model_against_the_test_api_server(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from engine_driver import TOKENIZER_FILES, run_staggered
-from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
+from prompt_logprobs import engine_prompt_logprobs, hf_greedy, hf_prompt_logprobs
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
@@ -137,20 +137,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callabl
         return made[kind, tie]
 
     return make
-
-
-def hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = hf.generate(  # type: ignore[misc]
-                torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=0, eos_token_id=2
-            )
-            outs.append(ids[0, len(p) :].tolist())
-    return outs
 
 
 CASES = [

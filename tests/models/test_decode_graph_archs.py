@@ -1,14 +1,13 @@
 """The decode graph (server/models/decode_graph.py) for every dense layer kind of the layer contract: tiny
-random Gemma 1, Gemma 3 (sliding windows shorter than the prompts, a local RoPE base), Phi-3 (partial
-rotary, LongRoPE), Granite (multipliers), OLMo 2 (post-norms, q/k norms over the projection) and SmolLM3
-(NoPE layers), quantized to q8_0 blocks with --quantize: the graph is recorded and its tokens and
-logprobs are the Python fused path's bit for bit; greedy tokens equal transformers' on the same
-(dequantized) weights. Gemma 2's soft-capped attention stays on the Python path, with the reason logged."""
+random Gemma 1, Gemma 2 (attention and final logit soft-caps), Gemma 3 (sliding windows shorter than the
+prompts on both, a local RoPE base), Phi-3 (partial rotary, LongRoPE), Granite (multipliers), OLMo 2
+(post-norms, q/k norms over the projection) and SmolLM3 (NoPE layers), quantized to q8_0 blocks with
+--quantize: the graph is recorded and its tokens and logprobs are the Python fused path's bit for bit;
+greedy tokens equal transformers' on the same (dequantized) weights."""
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +28,7 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived",
     "def fibonacci(n):",
 ]
-WINDOW = 6  # Gemma 3's sliding layers: shorter than every prompt
+WINDOW = 6  # Gemma 2/3's sliding layers: shorter than every prompt
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callabl
     def make(kind: str) -> Path:
         if kind not in made:
             folder = build(tmp_path_factory.mktemp(f"graph-{kind}"), smollm2_dir, kind, tie=kind != "olmo2")
-            if kind == "gemma3":
+            if kind in ("gemma2", "gemma3"):
                 cfg = json.loads((folder / "config.json").read_text())
                 cfg["sliding_window"] = WINDOW
                 (folder / "config.json").write_text(json.dumps(cfg))
@@ -116,14 +115,17 @@ def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
     return hf
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "phi3", "granite", "olmo2", "smollm3", "gemma"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "phi3", "granite", "olmo2", "smollm3", "gemma"])
 def test_graph_bit_identical_and_greedy_parity(tiny: Callable[[str], Path], cache: Path, kind: str) -> None:
     folder = tiny(kind)
     engine = _engine(folder, cache)
     model = engine.loaded.model
     assert model.fused_ops is not None
-    if kind == "gemma3":
+    if kind in ("gemma2", "gemma3"):
         assert {s.sliding_window for s in engine.loaded.arch.layers} == {WINDOW, None}
+    if kind == "gemma2":  # both caps in play: the graph's attention and compute_logits after it
+        assert {s.attn_softcap for s in engine.loaded.arch.layers} == {2.0}
+        assert engine.loaded.arch.final_logit_softcap == 5.0
     want_tokens, want_lps = _generate(engine, graph=False)
     assert model._decode_graph is None
     got_tokens, got_lps = _generate(engine, graph=True)
@@ -139,24 +141,6 @@ def test_graph_bit_identical_and_greedy_parity(tiny: Callable[[str], Path], cach
                 torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, min_new_tokens=len(ours)
             )
             assert ref[0, len(ids) :].tolist() == ours, text
-
-
-def test_soft_capped_layers_stay_on_the_python_path(
-    tiny: Callable[[str], Path], cache: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Gemma 2's attention soft-cap is not in the paged decode kernel: build returns None, says why once,
-    and the fused Python path serves its decode steps (the same tokens with the graph asked for)."""
-    engine = _engine(tiny("gemma2"), cache)
-    want = _generate(engine, graph=False)
-    with caplog.at_level(logging.INFO, logger="server.models.decode_graph"):
-        got = _generate(engine, graph=True)
-    entry = engine.loaded.model._decode_graph
-    assert entry is not None and entry[1] is None
-    assert got == want
-    from server.models import decode_graph
-
-    assert any("soft-capping" in r for r in decode_graph._refusals_logged)
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
 def test_fused_path_serves_the_new_kinds(tiny: Callable[[str], Path], cache: Path) -> None:
@@ -187,16 +171,18 @@ def test_fused_path_serves_the_new_kinds(tiny: Callable[[str], Path], cache: Pat
     )
 
 
-def test_graph_runs_separate_q_k_v_of_a_mixed_gguf(tmp_path: Path, cache: Path) -> None:
-    """A Gemma 3 GGUF whose attn_v is Q6_K and attn_q/attn_k Q8_0 (a Q4_K_M file's mix): q, k and v stay
-    separate projections, the graph writes them into the columns of one qkv buffer and gives what the
-    Python fused path gives, bit for bit; greedy tokens equal transformers' on the file's weights."""
+@pytest.mark.parametrize("kind", ["gemma3", "granite"])
+def test_graph_runs_separate_q_k_v_of_a_mixed_gguf(tmp_path: Path, cache: Path, kind: str) -> None:
+    """A Gemma 3 or Granite (its multipliers, an untied head) GGUF whose attn_v is Q6_K and attn_q/attn_k
+    Q8_0 (a Q4_K_M file's mix): q, k and v stay separate projections, the graph writes them into the
+    columns of one qkv buffer and gives what the Python fused path gives, bit for bit; greedy tokens
+    equal transformers' on the file's weights. (Phi-3's GGUF holds one fused attn_qkv: one format.)"""
     from gguf_archs import write_arch_gguf
     from test_gguf_archs import FMTS, _build
     from transformers import AutoModelForCausalLM
 
-    hf = _build(tmp_path / "hf", "gemma3")
-    path = write_arch_gguf(hf, tmp_path / "gemma3.gguf", tmp_path / "ref", {**FMTS, "attn_v": "Q6_K"})
+    hf = _build(tmp_path / "hf", kind)
+    path = write_arch_gguf(hf, tmp_path / f"{kind}.gguf", tmp_path / "ref", {**FMTS, "attn_v": "Q6_K"})
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(path), max_model_len=MAX_LEN, cache_dir=cache),

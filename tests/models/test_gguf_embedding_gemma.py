@@ -166,21 +166,16 @@ def test_gguf_embedder_without_dense_modules_is_refused(
 def test_gguf_embedding_gemma_served_over_http(made: tuple[Path, Path, Path]) -> None:
     """`--model x.gguf`, task auto: the server embeds (the conversion of the first test reused from the
     same cache), OpenAI /v1/embeddings equal to the file's own weights' folder."""
-    import socket
-    import threading
-    import time
 
     import httpx
-    import uvicorn
+    from serving import free_port, serve_in_thread
 
     from server.api.app import create_app
     from server.api.state import ServerState
     from server.config import EngineConfig, ModelConfig, ServerConfig
 
     _, path, ref = made
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     model = ModelConfig(
         model=str(path), served_model_name="eg", dtype="float32", cache_dir=path.parent / "cache"
     )
@@ -188,23 +183,9 @@ def test_gguf_embedding_gemma_served_over_http(made: tuple[Path, Path, Path]) ->
         ServerConfig(engine=EngineConfig(model=model, num_threads=1), host="127.0.0.1", port=port)
     )
     assert state.task == "embed"
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, name="gguf-embedder", daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with serve_in_thread(create_app(state), port, name="gguf-embedder") as running:
+        url = running.url
         r = httpx.post(f"{url}/v1/embeddings", json={"model": "eg", "input": TEXTS}, timeout=120)
         assert r.status_code == 200, r.text
         got = torch.tensor([d["embedding"] for d in r.json()["data"]])
         torch.testing.assert_close(got, _embed(load_pooling_model(ref), TEXTS), atol=2e-5, rtol=0)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)

@@ -102,17 +102,3 @@ def moe_engine(folder: Path, num_kv_blocks: int = 128, quantize: str | None = No
             **kw,
         )
     )
-
-
-def hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = hf.generate(  # type: ignore[misc]
-                torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=0, eos_token_id=2
-            )
-            outs.append(ids[0, len(p) :].tolist())
-    return outs

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 from lora_adapters import make_adapter, peft_greedy
-from moe_models import PROMPTS, build, hf_greedy, moe_config, moe_engine
+from moe_models import PROMPTS, build, moe_config, moe_engine
+from prompt_logprobs import hf_greedy
 from safetensors.torch import load_file, save_file
 
 from server.config import LoRAConfig, LoRAModule

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 from engine_driver import run_staggered
-from moe_models import KINDS, LOGPROB_TOL, PROMPTS, build, hf_greedy, moe_engine
-from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
+from moe_models import KINDS, LOGPROB_TOL, PROMPTS, build, moe_engine
+from prompt_logprobs import engine_prompt_logprobs, hf_greedy, hf_prompt_logprobs
 
 from server.models.moe.layer import FusedMoE
 from server.request import SamplingParams

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 from moe_gguf import save_dequantized, write_moe_gguf
-from moe_models import PROMPTS, build, hf_greedy
-from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
+from moe_models import PROMPTS, build
+from prompt_logprobs import engine_prompt_logprobs, hf_greedy, hf_prompt_logprobs
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.moe.block import SparseMoeBlock
-from server.models.moe.quant import BlockQuantExperts, apply_moe_gemm_dtype
+from server.models.moe.quant import BlockQuantExperts
 from server.quant import weight_bytes
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
@@ -69,8 +69,8 @@ def _serve(path: Path, cache: Path) -> LLMEngine:
     for block in engine.loaded.model.modules():  # quantized experts follow the engine's GEMM dtype
         if isinstance(block, SparseMoeBlock) and isinstance(block.experts, BlockQuantExperts):
             assert block.experts.compute == engine.gemm_dtype
-    apply_gemm_dtype(engine.loaded.model, torch.float32)  # against transformers fp32 on bf16 CPUs too
-    apply_moe_gemm_dtype(engine.loaded.model, torch.float32)  # the experts' batches alike
+    # against transformers fp32 on bf16 CPUs too: the projections and the experts' batches alike
+    apply_gemm_dtype(engine.loaded.model, torch.float32)
     return engine
 
 

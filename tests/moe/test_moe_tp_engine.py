@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from engine_driver import run_staggered
-from moe_models import LOGPROB_TOL, MAX_LEN, PROMPTS, build, hf_greedy
-from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
+from moe_models import LOGPROB_TOL, MAX_LEN, PROMPTS, build
+from prompt_logprobs import engine_prompt_logprobs, hf_greedy, hf_prompt_logprobs
 
 from server.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from server.distributed.moe_sharding import TensorParallelSparseMoeBlock

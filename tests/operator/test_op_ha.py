@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from kubeinfer_operator.render import Capabilities, render_all
 from kubeinfer_operator.spec import InferenceModel
 from op_cluster import Fault, MockCluster, wait_for
 from op_testlib import REPO, inference_model
+from serving import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -53,19 +53,13 @@ class Write:
     name: str | None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Operator:
     """One operator process, identified by its token and its Lease identity."""
 
     def __init__(self, cluster: MockCluster, tmp: Path, identity: str) -> None:
         self.identity = identity
         self.token = f"token-{identity}"
-        self.port = _free_port()
+        self.port = free_port()
         kubeconfig = cluster.write_kubeconfig(tmp / f"kubeconfig-{identity}")
         kubeconfig.write_text(kubeconfig.read_text().replace("test-token", self.token))
         self.log_path = tmp / f"operator-{identity}.log"

@@ -7,14 +7,13 @@ test_quant_accuracy.py); AWQ and GPTQ run on SmolLM2 checkpoints written by our 
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from serving import free_port, serve_in_thread
 
 from server.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from server.engine import LLMEngine
@@ -22,12 +21,6 @@ from server.request import SamplingParams
 
 ON_THE_FLY = ["int8", "int4", "fp8", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"]
 PROMPT = "The capital of France is"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _engine(model: Path, quantize: str | None) -> LLMEngine:
@@ -44,7 +37,6 @@ def _engine(model: Path, quantize: str | None) -> LLMEngine:
 
 def _serve_and_check(llm: LLMEngine, quantize: str, max_new: int) -> str:
     """Greedy offline output, then the same request over HTTP; returns the HTTP text."""
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -53,26 +45,13 @@ def _serve_and_check(llm: LLMEngine, quantize: str, max_new: int) -> str:
     offline = llm.tokenizer.decode(
         llm.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_new))[0]
     )
-    port = _free_port()
+    port = free_port()
     state = ServerState(
         ServerConfig(engine=llm.config, host="127.0.0.1", port=port), engine_factory=lambda: llm
     )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name=f"quant-{quantize}", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # a server process loads slowly on a loaded machine
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server not ready"
-            time.sleep(0.1)
+    # generous: the server thread starts slowly on a loaded machine
+    with serve_in_thread(create_app(state), port, name=f"quant-{quantize}", timeout_s=300) as running:
+        url = running.url
         info = httpx.get(f"{url}/info", timeout=10).json()
         assert info["quantization"] == quantize
         assert info["weight_bytes"] == llm.info.weight_bytes > 0
@@ -85,9 +64,6 @@ def _serve_and_check(llm: LLMEngine, quantize: str, max_new: int) -> str:
         text = r.json()["generated_text"]
         assert text == offline  # greedy: the HTTP path runs the same quantized model
         return str(text)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +113,7 @@ def test_quant_python_m_server_serves_our_awq_checkpoint(
     import sys
 
     folder = quantized_checkpoint("awq")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     env.pop("API_KEY", None)

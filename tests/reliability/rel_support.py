@@ -6,28 +6,20 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from serving import ThreadedServer, free_port, serve_in_thread, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 
 API_KEY = "rel-test-key-0123456789"
 SERVED_NAME = "rel-tiny"
 MAX_INPUT, MAX_TOTAL = 48, 96
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def new_marker() -> str:
@@ -72,20 +64,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
 def subprocess_env() -> dict[str, str]:
@@ -163,16 +141,14 @@ class InProcServer:
     url: str
     state: Any  # server.api.state.ServerState
     llm: Any  # server.engine.LLMEngine
-    uvicorn_server: Any
-    thread: threading.Thread
+    running: ThreadedServer
 
     @property
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {API_KEY}"}
 
     def stop(self) -> None:
-        self.uvicorn_server.should_exit = True
-        self.thread.join(timeout=30)
+        self.running.stop()
 
 
 def engine_config(model: Path, num_kv_blocks: int = 64) -> Any:
@@ -188,7 +164,6 @@ def engine_config(model: Path, num_kv_blocks: int = 64) -> Any:
 
 def serve_in_process(llm: Any, api_key: str | None = API_KEY, **server_kw: Any) -> InProcServer:
     """Serves an already loaded LLMEngine with the real app on a free 127.0.0.1 port."""
-    import uvicorn
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -207,9 +182,6 @@ def serve_in_process(llm: Any, api_key: str | None = API_KEY, **server_kw: Any) 
     )
     state = ServerState(config, engine_factory=lambda: llm)
     app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, name=f"rel-server-{port}", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, timeout_s=300)  # generous: the server thread can start late on a loaded machine
-    return InProcServer(url=url, state=state, llm=llm, uvicorn_server=server, thread=thread)
+    # generous: the server thread can start late on a loaded machine
+    running = serve_in_thread(app, port, name=f"rel-server-{port}", timeout_s=300)
+    return InProcServer(url=running.url, state=state, llm=llm, running=running)

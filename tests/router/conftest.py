@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
-from rel_support import ServerProcess, free_port, start_server
+from rel_support import ServerProcess, start_server
+from serving import free_port
 
 SERVED = "tiny-router"
 ROUTER_BIN = Path(sys.executable).with_name("vllm-router")

@@ -18,12 +18,15 @@
 //                  round, without the two fp32 [T, 2I] / [T, I] tensors in memory
 //   head_rms_norm  each head normalized in place: x = weight * x * rsqrt(mean(x^2) + eps), one [D]
 //                  weight for all heads (Qwen3's q_norm / k_norm, before the rotary)     [T, heads, D]
+//   softcap_paged_decode  one-token paged decode attention with tanh soft-capped scores (Gemma 2's
+//                  attn_logit_softcapping): softmax(cap * tanh(q.k * scale / cap)) v over the paged cache,
+//                  an optional window; the attention library's decode kernel has no soft-cap  [T, Hq, D]
 // Rows are independent; OpenMP over rows only when there is enough work to pay for waking the threads.
 //
 // kubeinfer_decode_forward runs a whole decode step's decoder layers in one call (the "decode graph",
 // server/models/decode_graph.py): per layer residual_norm, the qkv projection, q/k norms (per head or over
 // the projection), rotary (per layer table, partial or none), the K/V store, paged decode attention (the
-// layer's scale, window and sinks), o, residual_norm, gate_up, silu_mul or gelu_tanh_mul, down, each the
+// layer's scale, window and sinks, or softcap_paged_decode where the layer soft-caps), o, residual_norm, gate_up, silu_mul or gelu_tanh_mul, down, each the
 // very function the torch-driven fused path calls (the projections and the attention through function
 // pointers into their own libraries), in the same order on the same buffers: the result is bit-identical,
 // minus ~300 us of Python per layer. The layer kind is data in KiDecodeLayer, not a branch per family.
@@ -74,11 +77,47 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// IEEE half -> float (the fp16 KV cache), subnormals and inf/NaN included.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exp = 113u;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// One cache row of d values (a key or a value of one kv head) as fp32: in place for an fp32 cache, else
+// widened into buf. cache_dtype: paged_decode.cpp's codes (0 float32, 1 bfloat16, 2 float16).
+inline const float* cache_row(int32_t cache_dtype, const void* cache, int64_t offset, int32_t d, float* buf) {
+  if (cache_dtype == 0) return static_cast<const float*>(cache) + offset;
+  const uint16_t* src = static_cast<const uint16_t*>(cache) + offset;
+  if (cache_dtype == 1) {
+    for (int32_t i = 0; i < d; ++i) buf[i] = bf16_to_float(src[i]);
+  } else {
+    for (int32_t i = 0; i < d; ++i) buf[i] = half_to_float(src[i]);
+  }
+  return buf;
+}
+
 }  // namespace
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 7; }
+int32_t kubeinfer_cpu_fused_abi() { return 8; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -289,6 +328,73 @@ int32_t kubeinfer_head_rms_norm(float* x, int64_t row_stride, int64_t rows, int6
   return 0;
 }
 
+// One-token decode attention with soft-capped scores over the paged cache, fp32 q and out, the cache in
+// cache_dtype. Decode row i is sequence seqs[i] (its block table and context length), its query and output
+// row rows[i]: q [*, Hq, D] and out [*, Hq, D] with row strides in elements, head h of a row at h * D.
+// The query sits at position context_len - 1 and sees keys max(0, context_len - window) .. context_len - 1
+// (window 0: all). Scores: cap * tanh(q.k * scale / cap), then a max-subtracted softmax in fp32 (the
+// reference: server/models/softcap_attention.py, as transformers' eager Gemma 2). Indices are the caller's
+// to check (cpu_kernel.check_decode_indices). Returns 1 for bad sizes, 2 for an unknown cache dtype.
+int32_t kubeinfer_softcap_paged_decode(int32_t cache_dtype, float* out, const float* q, const void* k_cache,
+                                       const void* v_cache, const int32_t* block_tables,
+                                       const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
+                                       int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
+                                       int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
+                                       float scale, float softcap, int32_t window, int32_t num_threads) {
+  if (num_decode < 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || block_size <= 0 || window < 0 ||
+      !(softcap > 0.0f))
+    return 1;
+  if (cache_dtype < 0 || cache_dtype > 2) return 2;
+  const int32_t group = hq / hkv;
+  const float inv_cap = 1.0f / softcap;
+#pragma omp parallel num_threads(num_threads) if (num_decode * hq > 1)
+  {
+    std::vector<float> scores, kbuf(d), vbuf(d), acc(d);
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int64_t i = 0; i < num_decode; ++i) {
+      for (int32_t h = 0; h < hq; ++h) {
+        const int64_t seq = seqs[i], row = rows[i];
+        const int64_t ctx = context_lens[seq];
+        const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+        const int32_t* table = block_tables + seq * bt_stride;
+        const float* qh = q + row * q_row_stride + static_cast<int64_t>(h) * d;
+        float* oh = out + row * out_row_stride + static_cast<int64_t>(h) * d;
+        const int64_t kvh = h / group;
+        scores.resize(static_cast<size_t>(std::max<int64_t>(ctx - start, 0)));
+        float mx = -softcap;  // the least a capped score can be (no infinities under -ffast-math)
+        for (int64_t p = start; p < ctx; ++p) {
+          const int64_t offset = ((static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * hkv +
+                                  kvh) * d;
+          const float* kr = cache_row(cache_dtype, k_cache, offset, d, kbuf.data());
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int32_t c = 0; c < d; ++c) dot += qh[c] * kr[c];
+          const float sc = softcap * std::tanh(dot * scale * inv_cap);
+          scores[p - start] = sc;
+          mx = std::max(mx, sc);
+        }
+        float sum = 0.0f;
+        for (float& sc : scores) {
+          sc = std::exp(sc - mx);
+          sum += sc;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t p = start; p < ctx; ++p) {
+          const int64_t offset = ((static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * hkv +
+                                  kvh) * d;
+          const float* vr = cache_row(cache_dtype, v_cache, offset, d, vbuf.data());
+          const float w = scores[p - start];
+#pragma omp simd
+          for (int32_t c = 0; c < d; ++c) acc[c] += w * vr[c];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int32_t c = 0; c < d; ++c) oh[c] = acc[c] * inv;
+      }
+    }
+  }
+  return 0;
+}
+
 // ---- the decode graph --------------------------------------------------------------------------------
 
 // server/quant/csrc/qlinear.cpp's kubeinfer_qlinear and server/attention/csrc/paged_decode.cpp's
@@ -343,6 +449,7 @@ struct KiDecodeLayer {
   const float* sinks;    // [Hq] fp32 or null
   float residual_mult;   // each sub-block's output scaled before the residual add (Granite)
   int32_t activation;    // 0 silu, 1 gelu_tanh
+  float attn_softcap;    // 0: none; cap > 0: scores cap * tanh(s / cap) (Gemma 2), softcap_paged_decode
 };
 
 struct KiDecodeModel {
@@ -420,10 +527,17 @@ int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) 
     if ((rc = m->kv_store(m->cache_dtype, L.k_cache, L.v_cache, s->slots, s->qkv + o_width,
                           s->qkv + o_width + kv_width, q_width, t, kv_width)))
       return 1200 + rc;
-    if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, s->block_tables,
-                              s->context_lens, s->seqs, s->seqs, t, q_width, o_width, s->bt_stride, m->hq, m->hkv,
-                              D, m->block_size, L.scale, L.window, L.sinks, nt)))
+    if (L.attn_softcap > 0.0f) {
+      if ((rc = kubeinfer_softcap_paged_decode(m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache,
+                                               s->block_tables, s->context_lens, s->seqs, s->seqs, t, q_width,
+                                               o_width, s->bt_stride, m->hq, m->hkv, D, m->block_size, L.scale,
+                                               L.attn_softcap, L.window, nt)))
+        return 1300 + rc;
+    } else if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, s->block_tables,
+                                     s->context_lens, s->seqs, s->seqs, t, q_width, o_width, s->bt_stride, m->hq,
+                                     m->hkv, D, m->block_size, L.scale, L.window, L.sinks, nt))) {
       return 400 + rc;
+    }
     if ((rc = m->qlinear(L.o, s->attn, t, o_width, L.o_bias, s->delta, H, nt))) return 500 + rc;
     if ((rc = kubeinfer_residual_norm(s->h, H, s->delta, H, L.attn_out_norm, L.attn_out_eps, L.residual_mult,
                                       L.mlp_in_norm, L.mlp_in_eps, s->x, H, t, H, nt)))

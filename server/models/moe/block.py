@@ -56,6 +56,13 @@ class SparseMoeBlock(nn.Module):
         self.experts: ExpertGemms | None = None
         self._fused: tuple[tuple[object, ...], FusedMoE] | None = None
 
+    def set_gemm_dtype(self, dtype: torch.dtype) -> int:
+        """quant/gemm_dtype.apply_gemm_dtype's hook (`FollowsGemmDtype`): quantized experts that take a
+        compute dtype follow the engine's (BlockQuantExperts); dense experts keep their parameters'
+        dtype, MXFP4 its kernel's. Returns the expert sets set (0 or 1)."""
+        set_dtype = getattr(self.experts, "set_gemm_dtype", None)
+        return 0 if set_dtype is None else int(set_dtype(dtype))
+
     def set_experts(self, experts: ExpertGemms) -> None:
         """Serve the experts through `experts` (quantized); w13 and w2 are dropped."""
         self.experts = experts

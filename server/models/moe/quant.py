@@ -84,6 +84,16 @@ class BlockQuantExperts:
         self.compute = compute
         self._call: tuple[tuple[object, ...], FusedExpertsCall] | None = None
 
+    def set_gemm_dtype(self, dtype: torch.dtype) -> int:
+        """The engine's GEMM dtype (server/quant/gemm_dtype.py, through SparseMoeBlock.set_gemm_dtype):
+        under bf16 an expert's 4+ tokens take qlinear's bf16 batched path (or the int8 batched path
+        where its switch and the weight allow), fewer stay fp32 GEMVs. Returns 1; ValueError for a
+        dtype other than fp32 or bf16."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"block-quantized experts compute in float32 or bfloat16, not {dtype}")
+        self.compute = dtype
+        return 1
+
     @staticmethod
     def quantize(
         w: ExpertWeights, fmt: str, kernel: QLinearKernel | None = None, compute: torch.dtype = torch.float32
@@ -194,20 +204,5 @@ def quantize_moe_blocks(model: nn.Module, fmt: str, kernel: QLinearKernel | None
     for block in model.modules():
         if isinstance(block, SparseMoeBlock) and block.experts is None:
             block.set_experts(BlockQuantExperts.quantize(block.expert_weights(), fmt, kernel))
-            n += 1
-    return n
-
-
-def apply_moe_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
-    """The engine's GEMM dtype (server/quant/gemm_dtype.py, fp32 or bf16) for every block-quantized
-    expert set, as `apply_gemm_dtype` does for the projections: under bf16 an expert's 4+ tokens take
-    qlinear's bf16 batched path (or the int8 batched path where its switch and the weight allow), fewer
-    stay fp32 GEMVs. Returns the blocks set; ValueError for another dtype."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"block-quantized experts compute in float32 or bfloat16, not {dtype}")
-    n = 0
-    for block in model.modules():
-        if isinstance(block, SparseMoeBlock) and isinstance(block.experts, BlockQuantExperts):
-            block.experts.compute = dtype
             n += 1
     return n
