@@ -214,7 +214,7 @@ def test_interleaved_windows_shorter_than_the_text(tiny: Callable[[str, bool], P
     ref = []
     with torch.inference_mode():
         for p in prompts:
-            ids = hf_model.generate(  # type: ignore[operator]
+            ids = hf_model.generate(  # type: ignore[operator,misc]
                 torch.tensor([p]), max_new_tokens=16, do_sample=False, min_new_tokens=0, eos_token_id=2
             )
             ref.append(ids[0, len(p) :].tolist())
