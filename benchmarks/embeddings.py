@@ -33,8 +33,8 @@ again with httpx), then
 sentence-transformers at batch 64 (512 texts), so a change in the machine's load hits both sides alike.
 `rounds` holds every round's figures and `ratio` the per-round ours / sentence-transformers ratios;
 the top-level figures are the medians over rounds. On a shared machine the load average is recorded.
-CPU time per embedding at batch 64 (our server process, all threads, from /proc; sentence-transformers'
-process time) is what a loaded machine changes least: wall-clock rates depend on the share of the cores
+CPU time per embedding at batch 64 (a server's process and its child processes, all threads, from /proc:
+vLLM's engine core is a child of its API server; sentence-transformers' process time) is what a loaded machine changes least: wall-clock rates depend on the share of the cores
 each side gets. The benchmark's own 64 HTTP clients run on the same CPU as our server (sentence-transformers has no
 client to pay for). sentence-transformers runs under our server's OpenMP settings (`server.cpu_env`:
 a short GOMP_SPINCOUNT), applied to this process before torch loads: with libgomp's default spin its
@@ -225,6 +225,34 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (/proc/*/stat's ppid field)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone while listing
+                continue
+            if ppid == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds used by `pid` and its live descendants: vLLM's engine core runs in a child process,
+    whose CPU `process_cpu_s` of its API server would miss."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += process_cpu_s(p)
+        except OSError:
+            continue
+        todo += _children(p)
+    return total
+
+
 async def many_clients(
     url: str,
     items: list[str],
@@ -248,12 +276,12 @@ async def many_clients(
     try:
         await asyncio.gather(*(run(k) for k in range(min(clients, 4))))  # warm connections and shapes
         lat.clear()
-        cpu0 = process_cpu_s(server_pid) if server_pid else 0.0
+        cpu0 = tree_cpu_s(server_pid) if server_pid else 0.0
         client0 = time.process_time()
         t0 = time.perf_counter()
         await asyncio.gather(*(run(k) for k in range(clients)))
         wall = time.perf_counter() - t0
-        cpu = process_cpu_s(server_pid) - cpu0 if server_pid else 0.0
+        cpu = tree_cpu_s(server_pid) - cpu0 if server_pid else 0.0
         client_cpu = time.process_time() - client0
     finally:
         await poster.close()
