@@ -21,7 +21,7 @@ Figures:
 - `sentence_transformers.batch_1`: `encode([text])` latency p50 (no HTTP); `batch_64`: `encode(64 texts,
   batch_size=64)` embeddings/s.
 - `vllm`: the same two HTTP loads against vLLM's CPU build serving the same folder as a pooling model
-  (`--runner pooling`, float32, its pooling config read from the folder's sentence-transformers files),
+  (`--runner pooling`, float32 or `--vllm-dtype`, its pooling config read from the folder's sentence-transformers files),
   when ../shared/peers/setup.sh vllm installed it under $PEERS_DIR (default ~/.cache/kubeinfer-peers);
   otherwise the reason it did not run. Both servers start before any load and stay up; in each round
   vLLM's loads follow ours, so the figures share the machine's noise.
@@ -33,8 +33,8 @@ again with httpx), then
 sentence-transformers at batch 64 (512 texts), so a change in the machine's load hits both sides alike.
 `rounds` holds every round's figures and `ratio` the per-round ours / sentence-transformers ratios;
 the top-level figures are the medians over rounds. On a shared machine the load average is recorded.
-CPU time per embedding at batch 64 (our server process, all threads, from /proc; sentence-transformers'
-process time) is what a loaded machine changes least: wall-clock rates depend on the share of the cores
+CPU time per embedding at batch 64 (a server's process and its child processes, all threads, from /proc:
+vLLM's engine core is a child of its API server; sentence-transformers' process time) is what a loaded machine changes least: wall-clock rates depend on the share of the cores
 each side gets. The benchmark's own 64 HTTP clients run on the same CPU as our server (sentence-transformers has no
 client to pay for). sentence-transformers runs under our server's OpenMP settings (`server.cpu_env`:
 a short GOMP_SPINCOUNT), applied to this process before torch loads: with libgomp's default spin its
@@ -225,6 +225,34 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (/proc/*/stat's ppid field)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone while listing
+                continue
+            if ppid == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds used by `pid` and its live descendants: vLLM's engine core runs in a child process,
+    whose CPU `process_cpu_s` of its API server would miss."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += process_cpu_s(p)
+        except OSError:
+            continue
+        todo += _children(p)
+    return total
+
+
 async def many_clients(
     url: str,
     items: list[str],
@@ -248,12 +276,12 @@ async def many_clients(
     try:
         await asyncio.gather(*(run(k) for k in range(min(clients, 4))))  # warm connections and shapes
         lat.clear()
-        cpu0 = process_cpu_s(server_pid) if server_pid else 0.0
+        cpu0 = tree_cpu_s(server_pid) if server_pid else 0.0
         client0 = time.process_time()
         t0 = time.perf_counter()
         await asyncio.gather(*(run(k) for k in range(clients)))
         wall = time.perf_counter() - t0
-        cpu = process_cpu_s(server_pid) - cpu0 if server_pid else 0.0
+        cpu = tree_cpu_s(server_pid) - cpu0 if server_pid else 0.0
         client_cpu = time.process_time() - client0
     finally:
         await poster.close()
@@ -322,10 +350,10 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, path: 
 
 
 def start_vllm(
-    model_dir: Path, threads: int, max_model_len: int | None = None
+    model_dir: Path, threads: int, max_model_len: int | None = None, dtype: str = "float32"
 ) -> tuple[subprocess.Popen[bytes] | None, str, Path | None]:
-    """vLLM's CPU build serving `model_dir` as a pooling model: (process, url, log), or (None, why, None)
-    when it is not installed."""
+    """vLLM's CPU build serving `model_dir` as a pooling model in `dtype` (its `--dtype`): (process, url,
+    log), or (None, why, None) when it is not installed."""
     py = PEERS_DIR / "venv-vllm" / "bin" / "python"
     if not os.access(py, os.X_OK):
         return None, f"vLLM's CPU build is not installed ({py}): run ../shared/peers/setup.sh vllm", None
@@ -342,7 +370,7 @@ def start_vllm(
     log = Path(tempfile.mkstemp(prefix="embeddings-vllm-", suffix=".log")[1])
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     cmd += ["--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--runner", "pooling", "--dtype", "float32"]
+    cmd += ["--runner", "pooling", "--dtype", dtype]
     if max_model_len is not None:  # a decoder's 32k positions would not fit its KV space
         cmd += ["--max-model-len", str(max_model_len)]
     with open(log, "wb") as f:
@@ -395,6 +423,13 @@ def main() -> None:
         "--dtype",
         default="auto",
         help="our server's --dtype (auto: bf16 GEMMs where native; float32; bfloat16)",
+    )
+    ap.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        help="vLLM's --dtype (float32: the same arithmetic as ours under auto for rerankers and decoder "
+        "embedders; bfloat16 beside our --dtype bfloat16; vLLM's own auto would take float16 for a "
+        "float32 pooling model)",
     )
     ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for each server to start")
     ap.add_argument(
@@ -456,7 +491,12 @@ def main() -> None:
     vproc, vurl, vlog = (
         (None, "skipped (--no-vllm)", None)
         if args.no_vllm
-        else start_vllm(model_dir, args.threads, 1024 if args.model == "qwen3-embedding-0.6b" else None)
+        else start_vllm(
+            model_dir,
+            args.threads,
+            1024 if args.model == "qwen3-embedding-0.6b" else None,
+            args.vllm_dtype,
+        )
     )
     try:
         why = wait_ready(url, proc, args.vllm_timeout, "/ready")  # a loaded machine: minutes
@@ -546,6 +586,7 @@ def main() -> None:
                     "cpu": platform.processor() or platform.machine(),
                     "threads": args.threads,
                     "our_dtype": args.dtype,
+                    "vllm_dtype": args.vllm_dtype,
                     "loadavg_at_start": load_start,
                     "loadavg": os.getloadavg(),
                     "cpus": os.cpu_count(),

@@ -84,7 +84,10 @@ class StepThreads:
 
     `choose(num_tokens)` -> threads for a step of that many (padded) tokens; `record(num_tokens,
     threads, seconds)` after the step. Raises ValueError for `max_threads` < 1, `explore_every` < 2 or
-    `window` < 1. `adaptive=False`: always `max_threads`."""
+    `window` < 1. `adaptive=False`: always `max_threads`. `hint_new_buckets=False`: a new step size
+    starts on the largest count (untried counts first, the largest first), never on another size's best
+    (the pooling engine's choice: its short and long steps differ in cost by ~100x, and a long BERT-large
+    step is GEMM-bound, where one thread's lead on short steps does not carry over)."""
 
     def __init__(
         self,
@@ -94,6 +97,7 @@ class StepThreads:
         adaptive: bool = True,
         max_explore_every: int | None = None,
         long_step_s: float = 0.1,
+        hint_new_buckets: bool = True,
     ) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
@@ -111,6 +115,7 @@ class StepThreads:
         self.max_explore_every = max_explore_every or explore_every
         self.window = window
         self.long_step_s = long_step_s
+        self.hint_new_buckets = hint_new_buckets
         self._buckets: dict[int, _Bucket] = {}
         self.last_threads = max_threads
         self._switched = False  # the step being run changed the count: its time is not a fair sample
@@ -142,7 +147,7 @@ class StepThreads:
         if not b.interval:
             b.interval = b.next_explore = self.explore_every
         untried = [t for t in reversed(self.candidates) if t not in b.cost]
-        hint = self._hint(key) if untried and not b.cost else None
+        hint = self._hint(key) if untried and not b.cost and self.hint_new_buckets else None
         if hint is not None:
             # A new step size starts on the count that leads for the nearest size measured with every
             # count; the others wait for this bucket's regular probes. Trying each count first costs

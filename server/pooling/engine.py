@@ -80,7 +80,12 @@ class PoolingEngineCore:
     ) -> None:
         self.model = model
         # Each step's intra-op thread count, measured per step size (core/step_threads.py); None: torch's.
-        self.threads = StepThreads(max_threads or torch.get_num_threads(), adaptive=adaptive_threads)
+        # Every step size is measured on its own (no hint from the nearest size): one thread leading for a
+        # sequential client's one-text steps put a BERT-large reranker's 64-pair steps (~9 s, GEMM-bound)
+        # on one thread, 0.55x the pairs/s of two in a benchmark run (docs/benchmarks-log.md).
+        self.threads = StepThreads(
+            max_threads or torch.get_num_threads(), adaptive=adaptive_threads, hint_new_buckets=False
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

