@@ -173,6 +173,8 @@ class ApiServer(KubernetesEmulator):
     namespace_store: Namespaces = attrs.field(factory=Namespaces)
     # Structural schemas by plural: what every write of those kinds is pruned to (kmock_pruning.py).
     schemas: dict[str, dict[str, Any]] = attrs.field(factory=lambda: {"inferencemodels": crd_schema()})
+    # (field manager, plural, subresource, path) of every field pruned so far
+    pruned: list[tuple[str, str, str, str]] = attrs.field(factory=list)
 
     def _match_fault(self, request: rendering.Request) -> Fault | None:
         if request.resource is None:
@@ -230,6 +232,9 @@ class ApiServer(KubernetesEmulator):
             # Every write, on the main resource or /status, whole or a merge patch (JSON patches, lists,
             # are kopf's finalizer tests on metadata only); an apply of an undeclared field is refused.
             undeclared = prune_resource(request.data, schema)
+            manager = field_manager(request)
+            plural, sub = request.resource.plural or "", request.subresource or ""  # type: ignore[union-attr]
+            self.pruned += [(manager, plural, sub, path) for path in undeclared]
             if undeclared and "apply-patch" in (request.headers.get("Content-Type") or ""):
                 meta = request.data.get("metadata") or {}
                 raise KubernetesError(
