@@ -340,7 +340,7 @@ class EngineSpec(_Model):
 
 
 class GPUSpec(_Model):
-    count: int = Field(default=1, ge=0, le=16)
+    count: int = Field(default=0, ge=0, le=16)
     product: str | None = Field(default=None, min_length=1, max_length=63)
     resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253)
 

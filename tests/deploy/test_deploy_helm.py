@@ -390,7 +390,10 @@ def test_global_registry_reaches_every_image_and_the_models_deployment(
 
     deps = deployments(doc)
     server, router = deps["m"], deps["m-router"]
-    assert server["containers"][0]["image"] == f"{REGISTRY}/kubeinfer/server:0.1.0"
+    # No resources.gpu: CPU (the default count 0), the CPU image; a GPU model gets the CUDA one.
+    assert server["containers"][0]["image"] == f"{REGISTRY}/kubeinfer/server:0.1.0-cpu"
+    gpu_doc = {**doc, "spec": {**doc["spec"], "resources": {"gpu": {"count": 1}}}}
+    assert deployments(gpu_doc)["m"]["containers"][0]["image"] == f"{REGISTRY}/kubeinfer/server:0.1.0"
     assert server["imagePullSecrets"] == [{"name": "own"}, {"name": "mirror-pull"}]
     assert router["containers"][0]["image"] == f"{REGISTRY}/kubeinfer/router:0.1.17"
     assert router["imagePullSecrets"] == [{"name": "mirror-pull"}]

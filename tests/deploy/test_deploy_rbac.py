@@ -489,7 +489,12 @@ def test_every_granted_permission_is_used(
     # RBAC lets the operator grant the router's Role (list/watch pods) and a scale-to-zero activator's
     # (its workload's scale subresource) only if it holds them itself.
     held_to_grant = {("", "pods", verb) for verb in ("get", "list", "watch")}
-    for spec in ({}, {"parallelism": {"nodes": 2}, "engine": {"tensorParallelSize": 2}}):
+    multi_node = {
+        "resources": {"gpu": {"count": 1}},
+        "parallelism": {"nodes": 2},
+        "engine": {"tensorParallelSize": 2},
+    }
+    for spec in ({}, multi_node):
         doc = {
             "apiVersion": "kubeinfer.dev/v1alpha1",
             "kind": "InferenceModel",

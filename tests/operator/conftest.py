@@ -56,6 +56,10 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     yield make
     for cluster in started:
         cluster.stop()
+    # A field the CRD does not declare is lost on a real cluster: the operator (kopf and its own client)
+    # must never write one; only a test's own urllib requests may, on purpose.
+    for cluster in started:
+        assert [p for p in cluster.server.pruned if p[0] != "Python-urllib"] == []
 
 
 @pytest.fixture

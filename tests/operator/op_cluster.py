@@ -34,10 +34,12 @@ from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
 from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
 from kmock_params import request_error
+from kmock_pruning import prune_resource
 from kmock_replace import is_replace, serve_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
 from op_gatewaychecks import GATEWAY_KINDS, gateway_invalid, gateway_undeclared
+from op_testlib import crd_schema
 
 NAMESPACE = "default"
 
@@ -169,6 +171,10 @@ class ApiServer(KubernetesEmulator):
     refused_watch: KubernetesError | None = None
     _rv: Any = attrs.field(factory=lambda: itertools.count(1000))
     namespace_store: Namespaces = attrs.field(factory=Namespaces)
+    # Structural schemas by plural: what every write of those kinds is pruned to (kmock_pruning.py).
+    schemas: dict[str, dict[str, Any]] = attrs.field(factory=lambda: {"inferencemodels": crd_schema()})
+    # (field manager, plural, subresource, path) of every field pruned so far
+    pruned: list[tuple[str, str, str, str]] = attrs.field(factory=list)
 
     def _match_fault(self, request: rendering.Request) -> Fault | None:
         if request.resource is None:
@@ -219,6 +225,24 @@ class ApiServer(KubernetesEmulator):
             raise KubernetesError(
                 status=fault.status, reason="InjectedFault", message=f"injected {fault.status}"
             )
+        schema = self.schemas.get(request.resource.plural or "") if request.resource is not None else None
+        # POST, PATCH and PUT (kmock gives PUT no action); not a DELETE's DeleteOptions body
+        writes = request.action in (enums.action.CREATE, enums.action.UPDATE) or is_replace(request)
+        if schema is not None and writes and isinstance(request.data, dict):
+            # Every write, on the main resource or /status, whole or a merge patch (JSON patches, lists,
+            # are kopf's finalizer tests on metadata only); an apply of an undeclared field is refused.
+            undeclared = prune_resource(request.data, schema)
+            manager = field_manager(request)
+            plural, sub = request.resource.plural or "", request.subresource or ""  # type: ignore[union-attr]
+            self.pruned += [(manager, plural, sub, path) for path in undeclared]
+            if undeclared and "apply-patch" in (request.headers.get("Content-Type") or ""):
+                meta = request.data.get("metadata") or {}
+                raise KubernetesError(
+                    status=500,
+                    message=f"failed to create typed patch object ({meta.get('namespace', '')}/{request.name}; "
+                    f"{request.data.get('apiVersion')}, Kind={request.data.get('kind')}): "
+                    f"{undeclared[0]}: field not declared in schema",
+                )
         if is_replace(request):
             return await serve_replace(self, request, lambda: str(next(self._rv)))
         namespace = serve_namespace(self.namespace_store, request)
@@ -424,7 +448,7 @@ class ApiServer(KubernetesEmulator):
                 break
         stream: Any = super()._serve_watch(request)
         # Like the API server, end the stream after ?timeoutSeconds= (kmock itself ignores it).
-        limit = int(request.params.get("timeoutSeconds") or 0) or None
+        limit: float | None = int(request.params.get("timeoutSeconds") or 0) or None
         if drop is not None:
             limit = drop.after if limit is None else min(limit, drop.after)
         if limit is None:

@@ -381,6 +381,7 @@ def test_multi_node_models_are_woken_through_the_leaderworkerset_scale_subresour
     spec = {
         "model": {"uri": "hf://org/model"},
         "scaling": {"minReplicas": 0, "replicas": 1},
+        "resources": {"gpu": {"count": 1}},
         "parallelism": {"nodes": 2},
         "engine": {"tensorParallelSize": 2},
     }

@@ -92,7 +92,14 @@ def test_bounds_and_routing_reach_the_activator() -> None:
 
 
 def test_multi_node_models_scale_their_leaderworkerset() -> None:
-    objs = by_kind_name({**BUILTIN, "parallelism": {"nodes": 2}, "engine": {"tensorParallelSize": 2}})
+    objs = by_kind_name(
+        {
+            **BUILTIN,
+            "resources": {"gpu": {"count": 1}},
+            "parallelism": {"nodes": 2},
+            "engine": {"tensorParallelSize": 2},
+        }
+    )
     lws = next(o for (k, _), o in objs.items() if k == "LeaderWorkerSet")
     assert "replicas" not in lws["spec"]
     args = activator_argv(objs)

@@ -15,7 +15,7 @@ from kubeinfer_operator.__main__ import main
 from kubeinfer_operator.defaults import ClusterDefaults
 from kubeinfer_operator.render import Capabilities, render_all
 from kubeinfer_operator.spec import DEFAULT_ROUTER_IMAGE, DEFAULT_SERVER_IMAGE, InferenceModel
-from op_testlib import REPO, inference_model
+from op_testlib import REPO, apply_defaults, crd_schema, inference_model
 
 MIRROR = {
     "KUBEINFER_DEFAULT_SERVER_IMAGE": "mirror.local:5000/kubeinfer/server:0.1.0",
@@ -60,6 +60,7 @@ def test_render_uses_the_defaults_only_where_the_model_sets_nothing() -> None:
     doc = inference_model(
         {
             "model": {"uri": "hf://org/model"},
+            "resources": {"gpu": {"count": 1}},  # the CUDA image's default (CPU: the test below)
             "routing": {"enabled": True},
             "pod": {"imagePullSecrets": [{"name": "own"}, {"name": "mirror"}]},
         }
@@ -76,7 +77,14 @@ def test_render_uses_the_defaults_only_where_the_model_sets_nothing() -> None:
     assert own["m-router"]["containers"][0]["image"] == "example.org/own/router:2"
     # Without defaults nothing changes: the built-in images, no pull secrets on the router.
     plain = pod_specs(
-        inference_model({"model": {"uri": "hf://org/model"}, "routing": {"enabled": True}}), ClusterDefaults()
+        inference_model(
+            {
+                "model": {"uri": "hf://org/model"},
+                "resources": {"gpu": {"count": 1}},
+                "routing": {"enabled": True},
+            }
+        ),
+        ClusterDefaults(),
     )
     assert (
         plain["m"]["containers"][0]["image"] == DEFAULT_SERVER_IMAGE and "imagePullSecrets" not in plain["m"]
@@ -86,7 +94,8 @@ def test_render_uses_the_defaults_only_where_the_model_sets_nothing() -> None:
 
 def test_render_command_reads_the_same_environment(tmp_path: Path) -> None:
     manifest = tmp_path / "m.yaml"
-    manifest.write_text(yaml.safe_dump(inference_model({"model": {"uri": "hf://org/model"}})))
+    gpu_model = inference_model({"model": {"uri": "hf://org/model"}, "resources": {"gpu": {"count": 1}}})
+    manifest.write_text(yaml.safe_dump(gpu_model))
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{REPO / 'operator'}", **MIRROR}
     out = subprocess.run(
         [sys.executable, "-m", "kubeinfer_operator", "render", "-f", str(manifest)],
@@ -138,8 +147,9 @@ def test_leader_election_needs_a_namespace_outside_a_cluster(
 
 
 def test_a_model_without_gpus_gets_the_cpu_server_image() -> None:
-    """resources.gpu.count 0 runs the CPU build of Dockerfile.server (KUBEINFER_DEFAULT_SERVER_CPU_IMAGE,
-    chart value server.cpuImage); a GPU model keeps the CUDA image; the model's own image wins."""
+    """resources.gpu.count 0, the default, runs the CPU build of Dockerfile.server
+    (KUBEINFER_DEFAULT_SERVER_CPU_IMAGE, chart value server.cpuImage); a GPU model keeps the CUDA image;
+    the model's own image wins."""
     cpu_mirror = "mirror.local:5000/kubeinfer/server:0.1.0-cpu"
     defaults = ClusterDefaults.from_environment({**MIRROR, "KUBEINFER_DEFAULT_SERVER_CPU_IMAGE": cpu_mirror})
     cpu = {"model": {"uri": "hf://org/model"}, "resources": {"gpu": {"count": 0}}}
@@ -147,7 +157,7 @@ def test_a_model_without_gpus_gets_the_cpu_server_image() -> None:
     assert pod_specs(inference_model(cpu), ClusterDefaults())["m"]["containers"][0]["image"] == (
         DEFAULT_SERVER_IMAGE + "-cpu"
     )
-    gpu = {"model": {"uri": "hf://org/model"}}
+    gpu = {"model": {"uri": "hf://org/model"}, "resources": {"gpu": {"count": 1}}}
     assert (
         pod_specs(inference_model(gpu), defaults)["m"]["containers"][0]["image"]
         == (MIRROR["KUBEINFER_DEFAULT_SERVER_IMAGE"])
@@ -156,3 +166,18 @@ def test_a_model_without_gpus_gets_the_cpu_server_image() -> None:
     assert pod_specs(inference_model(own), defaults)["m"]["containers"][0]["image"] == "example.com/own:1"
     with pytest.raises(ValueError, match="KUBEINFER_DEFAULT_SERVER_CPU_IMAGE"):
         ClusterDefaults.from_environment({"KUBEINFER_DEFAULT_SERVER_CPU_IMAGE": "Bad Image"})
+
+
+def test_a_model_that_names_no_gpu_runs_on_cpu() -> None:
+    """The CRD defaults resources.gpu.count to 0 (issue 44: a model meant for a CPU node got a Pending
+    pod), and the operator's own default (what `render` uses on a manifest the API server never
+    defaulted) agrees: the CPU image, no GPU request, no GPU node selector or toleration."""
+    bare = inference_model({"model": {"uri": "hf://org/model"}})
+    assert apply_defaults(crd_schema(), bare)["spec"]["resources"]["gpu"]["count"] == 0
+    for doc in (bare, apply_defaults(crd_schema(), bare)):
+        pod = pod_specs(doc, ClusterDefaults())["m"]
+        container = pod["containers"][0]
+        assert container["image"] == DEFAULT_SERVER_IMAGE + "-cpu"
+        requested = {**container["resources"].get("requests", {}), **container["resources"].get("limits", {})}
+        assert "nvidia.com/gpu" not in requested
+        assert "nvidia.com/gpu.product" not in (pod.get("nodeSelector") or {})

@@ -93,6 +93,7 @@ def test_deployment_args_follow_the_spec() -> None:
                 "maxConcurrentRequests": 100,
                 "extraArgs": ["--block-size", "32"],
             },
+            "resources": {"gpu": {"count": 1}},  # AWQ kernels are GPU kernels: the CUDA image
             "rollout": {"drainTimeoutSeconds": 90},
         }
     )
