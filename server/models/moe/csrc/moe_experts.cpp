@@ -52,6 +52,10 @@ struct KiMoeExperts {
   const float* b2;   // [E, H] or null
   void* qlinear;     // ki_qlinear_fn (kind 0)
   void* mxfp4;       // ki_mxfp4_fn (kind 1)
+  // kind 0: bytes per 16-row group of the descriptors' `packed` copies (the int8 batched path's layout,
+  // made once at load: BlockQuantExperts.pack_int8), 0 where the experts have none. The copy is one
+  // contiguous stream per 16 rows, so a task's rows r0.. (r0 a multiple of 16) start r0 / 16 groups in.
+  int64_t w13_packed_group_bytes, w2_packed_group_bytes;
 };
 }
 
@@ -65,11 +69,13 @@ struct KiQWeight {
   const void* mins;
   int64_t n, k, group_size, groups, row_bytes;
   int32_t bits, zero_point, scale_is_f16, compute;
-  const uint8_t* packed;  // qgemv_q8's packed copy: its order is per 16 columns of the whole W, so a
-                          // row slice goes without it (the batched int8 path then reads W as stored)
+  const uint8_t* packed;  // qgemv_q8's packed copy: 16-row groups, each contiguous (see linear_rows)
 };
 
+constexpr int64_t PACK_ROWS = 16;  // rows per group of qgemv_q8's packed copy
+
 constexpr int64_t ROWS = 96;  // rows per task: whole 4-row GEMV tiles, 12-row panels and 16-row groups
+static_assert(ROWS % PACK_ROWS == 0, "a task's rows must start at a packed group");
 constexpr int64_t KEEP_FLOATS = int64_t{1} << 22;  // scratch kept between calls: up to 16 MiB
 
 struct Scratch {
@@ -112,7 +118,10 @@ int32_t linear_rows(const KiMoeExperts& c, bool down, int64_t e, int64_t r0, int
     w.scales = static_cast<const uint8_t*>(w.scales) + r0 * w.groups * scale_bytes;
     if (w.mins) w.mins = static_cast<const uint8_t*>(w.mins) + r0 * w.groups * scale_bytes;
     w.n = nr;
-    w.packed = nullptr;
+    // Without the packed copy the batched int8 path transposes and repacks these rows on every call
+    // (most of a 16-user decode step's time on the 2.1B Qwen3-MoE shape); with it, it reads them in place.
+    const int64_t group_bytes = down ? c.w2_packed_group_bytes : c.w13_packed_group_bytes;
+    w.packed = w.packed && group_bytes > 0 ? w.packed + (r0 / PACK_ROWS) * group_bytes : nullptr;
     return reinterpret_cast<ki_qlinear_fn>(c.qlinear)(&w, x, m, x_stride, bias, y, y_stride, 1);
   }
   const int64_t nb = k / 32;
@@ -125,7 +134,7 @@ int32_t linear_rows(const KiMoeExperts& c, bool down, int64_t e, int64_t r0, int
 
 extern "C" {
 
-int32_t kubeinfer_moe_experts_abi() { return 1; }
+int32_t kubeinfer_moe_experts_abi() { return 2; }
 
 // out[t, :] = sum_j weights[t, j] * down_e(act(gate_up_e(x[t, :]))) with e = ids[t, j], for t < tokens.
 // x [tokens, H] fp32 rows `x_stride` apart; ids [tokens, top_k] int64; weights [tokens, top_k] fp32;
