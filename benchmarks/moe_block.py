@@ -38,9 +38,10 @@ DEFAULT_GGUF = Path.home() / ".cache/kubeinfer/real-shapes/qwen3-moe-2b/qwen3-mo
 FILE_BITS = {"q4_k": 4.5, "q6_k": 6.5625, "q8_0": 8.5, "q4_0": 4.5}
 
 
-def _packed(blocks: list[FusedMoE]) -> list[FusedMoE]:
+def _packed(blocks: list[FusedMoE], task_rows: int = 0) -> list[FusedMoE]:
     """The same layers with their experts' packed copies for the int8 batched path (BlockQuantExperts
-    .pack_int8, as the engine makes them at load under bf16); [] where that path does not run here."""
+    .pack_int8, as the engine makes them at load under bf16); [] where that path does not run here.
+    `task_rows` > 0 fixes the fused call's rows per task (0: the library's choice, task_rows_for)."""
     out = []
     for b in blocks:
         src = b.experts
@@ -50,6 +51,9 @@ def _packed(blocks: list[FusedMoE]) -> list[FusedMoE]:
             return []
         experts = BlockQuantExperts(list(src.w13), list(src.w2), src.b13, src.b2, src.kernel, torch.bfloat16)
         experts.pack_int8(q8)
+        call = experts.fused_call(b.cfg)
+        assert call is not None
+        call.spec.task_rows = task_rows
         out.append(FusedMoE(b.cfg, b.weights, experts=experts))
     return out
 
@@ -108,10 +112,15 @@ def main() -> None:
     # qlinear's bf16 path (and 4-bit 32-groups the int8 batched path), as the engine sets under --dtype auto
     paths = {"loop": ("0", torch.float32), "fused": ("1", torch.float32), "fused_bf16": ("1", torch.bfloat16)}
     # fused_bf16 with the experts' packed copies made once (the engine's default where they fit in memory)
-    packed = _packed(blocks)
+    # and with 96 rows per task whatever the tokens (the call's rows per task before task_rows_for)
+    packed, packed_96 = _packed(blocks), _packed(blocks, task_rows=96)
     if packed:
         paths["fused_bf16_packed"] = ("1", torch.bfloat16)
-    layers_of = {name: packed if name == "fused_bf16_packed" else blocks for name in paths}
+        paths["fused_bf16_packed_96"] = ("1", torch.bfloat16)
+    layers_of = {
+        name: {"fused_bf16_packed": packed, "fused_bf16_packed_96": packed_96}.get(name, blocks)
+        for name in paths
+    }
     for t in args.tokens:
         times: dict[str, list[float]] = {p: [] for p in (*paths, "route")}
         chosen_bytes: list[float] = []
@@ -140,7 +149,7 @@ def main() -> None:
                         ids = moe.route(x).ids
                         times["route"].append(time.perf_counter() - t0)
                         used = sorted(set(ids.reshape(-1).tolist()))
-                        experts = moe.experts
+                        experts = blocks[n].experts  # the weights as stored, without packed copies
                         assert isinstance(experts, BlockQuantExperts)
                         chosen_bytes.append(
                             sum(experts.w13[e].nbytes() + experts.w2[e].nbytes() for e in used)
@@ -157,6 +166,10 @@ def main() -> None:
                 {
                     "fused_bf16_packed_ms": round(med["fused_bf16_packed"], 3),
                     "packed_over_unpacked_bf16": round(med["fused_bf16"] / med["fused_bf16_packed"], 2),
+                    "fused_bf16_packed_96_ms": round(med["fused_bf16_packed_96"], 3),
+                    "task_rows_auto_over_96": round(
+                        med["fused_bf16_packed_96"] / med["fused_bf16_packed"], 2
+                    ),
                 }
                 if packed
                 else {}

@@ -17,7 +17,7 @@ from server.models.moe.weights import ExpertWeights
 from server.quant.cpu_qgemv_q8 import PACK_ENABLE_ENV, active_kernel, linear_reference
 from server.quant.cpu_qlinear import try_load_qlinear_kernel
 
-E, TOP_K, H, INTER, T = 4, 2, 128, 96, 24  # 2I = 192 and H = 128: two 96-row tasks each, one partial
+E, TOP_K, H, INTER, T = 4, 2, 288, 96, 24  # 2I = 192, H = 288: tasks of 96 or 192 rows, one partial
 # |fused - reference| <= RTOL * max|reference|: fp32 sums in the kernel against one float64 rounding; the
 # activation between the GEMMs is quantized to Q8 the same way on both sides, but an fp32 ulp in a gate/up
 # output can move a value across a Q8 rounding step (one step of d = max|x_b| / 127).
@@ -68,15 +68,20 @@ def _reference(
     return out
 
 
-def _run(experts: BlockQuantExperts, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+def _run(
+    experts: BlockQuantExperts, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, task_rows: int = 0
+) -> torch.Tensor:
     cfg = MoEConfig("qwen3_moe", E, TOP_K, H, INTER, renormalize=True)
     call = experts.fused_call(cfg)
     assert call is not None
+    call.spec.task_rows = task_rows
     return call.run(x, ids, wts, experts.fused_entry())
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
-def test_the_fused_call_reads_the_packed_copy(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("fmt", "task_rows"), [("q4_0", 0), ("q4_1", 96), ("q8_0", 192)])
+def test_the_fused_call_reads_the_packed_copy(
+    fmt: str, task_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Packed at load, the call equals the reference; then the stored weights' bytes are zeroed and it
     still does: the 5+-token GEMMs read only the packed copy (before the fix the call dropped it and
     repacked the stored bytes on every call, so this gave zeros)."""
@@ -86,19 +91,26 @@ def test_the_fused_call_reads_the_packed_copy(fmt: str, monkeypatch: pytest.Monk
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
     ids, wts = _routing()
     ref = _reference(experts, x, ids, wts)
-    unpacked = _run(experts, x, ids, wts)
+    unpacked = _run(experts, x, ids, wts, task_rows)
     added = experts.pack_int8(q8)
     assert added == _packed_numel(experts)
     assert added > 0 and experts.packed_bytes(q8) == 0
-    packed = _run(experts, x, ids, wts)
+    packed = _run(experts, x, ids, wts, task_rows)
     scale = ref.abs().max()
     for name, got in (("unpacked", unpacked), ("packed", packed)):
         err = (got - ref).abs().max()
         assert err <= RTOL * scale, f"{fmt} {name}: max |fused - reference| {err:.3g}, scale {scale:.3g}"
     for w in experts.w13 + experts.w2:
         w.q.zero_()
-    err = (_run(experts, x, ids, wts) - packed).abs().max()
+    err = (_run(experts, x, ids, wts, task_rows) - packed).abs().max()
     assert err <= 1e-6 * scale, f"{fmt}: the call read the stored weights, max diff {err:.3g}"
+
+
+def test_rows_per_task_must_be_whole_96_row_tiles() -> None:
+    experts = _experts("q8_0", seed=5)
+    ids, wts = _routing()
+    with pytest.raises(RuntimeError, match="returned 2"):
+        _run(experts, torch.randn(T, H), ids, wts, task_rows=100)
 
 
 def _packed_numel(experts: BlockQuantExperts) -> int:
