@@ -31,10 +31,31 @@ from server.models.moe.native import ENABLE_ENV
 from server.models.moe.quant import BlockQuantExperts
 from server.models.moe.weights import ExpertWeights
 from server.native import usable_cpu_features
+from server.quant.cpu_qgemv_q8 import active_kernel
 from server.quant.cpu_qlinear import load_qlinear_kernel
 
 DEFAULT_GGUF = Path.home() / ".cache/kubeinfer/real-shapes/qwen3-moe-2b/qwen3-moe-2b-Q4_K_M.gguf"
 FILE_BITS = {"q4_k": 4.5, "q6_k": 6.5625, "q8_0": 8.5, "q4_0": 4.5}
+
+
+def _packed(blocks: list[FusedMoE], task_rows: int = 0) -> list[FusedMoE]:
+    """The same layers with their experts' packed copies for the int8 batched path (BlockQuantExperts
+    .pack_int8, as the engine makes them at load under bf16); [] where that path does not run here.
+    `task_rows` > 0 fixes the fused call's rows per task (0: the library's choice, task_rows_for)."""
+    out = []
+    for b in blocks:
+        src = b.experts
+        assert isinstance(src, BlockQuantExperts) and src.kernel is not None
+        q8 = active_kernel(src.kernel)
+        if q8 is None or q8.isa != "vnni":
+            return []
+        experts = BlockQuantExperts(list(src.w13), list(src.w2), src.b13, src.b2, src.kernel, torch.bfloat16)
+        experts.pack_int8(q8)
+        call = experts.fused_call(b.cfg)
+        assert call is not None
+        call.spec.task_rows = task_rows
+        out.append(FusedMoE(b.cfg, b.weights, experts=experts))
+    return out
 
 
 def _layers(path: Path, count: int) -> tuple[MoEConfig, list[FusedMoE], list[float]]:
@@ -90,26 +111,36 @@ def main() -> None:
     # (KUBEINFER_MOE_FUSED, the experts' compute dtype): bf16 lets batches of 4+ rows per expert take
     # qlinear's bf16 path (and 4-bit 32-groups the int8 batched path), as the engine sets under --dtype auto
     paths = {"loop": ("0", torch.float32), "fused": ("1", torch.float32), "fused_bf16": ("1", torch.bfloat16)}
+    # fused_bf16 with the experts' packed copies made once (the engine's default where they fit in memory)
+    # and with 96 rows per task whatever the tokens (the call's rows per task before task_rows_for)
+    packed, packed_96 = _packed(blocks), _packed(blocks, task_rows=96)
+    if packed:
+        paths["fused_bf16_packed"] = ("1", torch.bfloat16)
+        paths["fused_bf16_packed_96"] = ("1", torch.bfloat16)
+    layers_of = {
+        name: {"fused_bf16_packed": packed, "fused_bf16_packed_96": packed_96}.get(name, blocks)
+        for name in paths
+    }
     for t in args.tokens:
         times: dict[str, list[float]] = {p: [] for p in (*paths, "route")}
         chosen_bytes: list[float] = []
         chosen_file_bytes: list[float] = []
         step = 0
         with torch.inference_mode():
-            for flag, compute in paths.values():  # warm each
+            for name, (flag, compute) in paths.items():  # warm each
                 os.environ[ENABLE_ENV] = flag
-                for b in blocks:
+                for b in layers_of[name]:
                     b.experts.compute = compute  # type: ignore[attr-defined]
                     b(torch.randn(t, cfg.hidden_size, generator=g))
             for r in range(args.rounds):
                 for name, (flag, compute) in paths.items() if r % 2 == 0 else reversed(paths.items()):
                     os.environ[ENABLE_ENV] = flag
-                    for b in blocks:
+                    for b in layers_of[name]:
                         b.experts.compute = compute  # type: ignore[attr-defined]
                     for _ in range(args.reps):
                         n = step % len(blocks)
                         step += 1
-                        moe = blocks[n]
+                        moe = layers_of[name][n]
                         x = torch.randn(t, cfg.hidden_size, generator=g)
                         t0 = time.perf_counter()
                         moe(x)
@@ -118,7 +149,7 @@ def main() -> None:
                         ids = moe.route(x).ids
                         times["route"].append(time.perf_counter() - t0)
                         used = sorted(set(ids.reshape(-1).tolist()))
-                        experts = moe.experts
+                        experts = blocks[n].experts  # the weights as stored, without packed copies
                         assert isinstance(experts, BlockQuantExperts)
                         chosen_bytes.append(
                             sum(experts.w13[e].nbytes() + experts.w2[e].nbytes() for e in used)
@@ -131,6 +162,18 @@ def main() -> None:
             "fused_bf16_ms": round(med["fused_bf16"], 3),
             "fused_speedup": round(med["loop"] / med["fused"], 2),
             "fused_bf16_speedup": round(med["loop"] / med["fused_bf16"], 2),
+            **(
+                {
+                    "fused_bf16_packed_ms": round(med["fused_bf16_packed"], 3),
+                    "packed_over_unpacked_bf16": round(med["fused_bf16"] / med["fused_bf16_packed"], 2),
+                    "fused_bf16_packed_96_ms": round(med["fused_bf16_packed_96"], 3),
+                    "task_rows_auto_over_96": round(
+                        med["fused_bf16_packed_96"] / med["fused_bf16_packed"], 2
+                    ),
+                }
+                if packed
+                else {}
+            ),
             "route_ms": round(med["route"], 3),
             "chosen_mb_in_memory": round(statistics.mean(chosen_bytes) / 1e6, 2),
             "chosen_mb_in_file": round(statistics.mean(chosen_file_bytes) / 1e6, 2),

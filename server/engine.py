@@ -38,6 +38,7 @@ from server.models.loader import (
     resolve_dtype,
     resolve_model,
 )
+from server.models.moe.quant import pack_moe_int8_weights
 from server.models.serving_weights import prepare_for_serving
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
@@ -187,7 +188,7 @@ class LLMEngine:
             )
             self.gemm_dtype = cpu_gemm_dtype(compute)
             if apply_gemm_dtype(self.loaded.model, self.gemm_dtype) and self.gemm_dtype == torch.bfloat16:
-                packed = pack_int8_weights(self.loaded.model)
+                packed = pack_int8_weights(self.loaded.model) + pack_moe_int8_weights(self.loaded.model)
                 if packed:
                     log.info("int8 batches read packed weights (%.0f MiB more)", packed / 2**20)
                 int8 = int8_paths_text(config.model.cache_dir)

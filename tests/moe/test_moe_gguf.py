@@ -27,6 +27,8 @@ from server.engine import LLMEngine
 from server.models.moe.block import SparseMoeBlock
 from server.models.moe.quant import BlockQuantExperts
 from server.quant import weight_bytes
+from server.quant.cpu_qgemv_q8 import active_kernel, int8_pack_switch
+from server.quant.cpu_qlinear import try_load_qlinear_kernel
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
@@ -131,9 +133,21 @@ def test_k_quant_experts_kept_quantized(files: Callable[..., tuple[Path, Path, P
     hf, path, dequantized = files("qwen3_moe", "Q4_K", "Q6_K", **sizes)
     engine = _serve(path, cache)
     assert engine.info.quantization == "gguf-q4_k+q6_k"
+    kernel = try_load_qlinear_kernel(cache)
+    q8 = None if kernel is None else active_kernel(kernel)
+    # bf16 GEMMs on an AVX512-VNNI CPU: the engine packed the Q4_K experts for the int8 batched path at
+    # load (pack_moe_int8_weights; Q6_K's 16-value groups are not that path's)
+    packs = (
+        engine.gemm_dtype == torch.bfloat16
+        and q8 is not None
+        and q8.isa == "vnni"
+        and int8_pack_switch() is not False
+    )
     for block in _moe_blocks(engine):
         assert isinstance(block.experts, BlockQuantExperts)
         assert {w.fmt for w in block.experts.w13} == {"q4_k"} and {w.fmt for w in block.experts.w2} == {
             "q6_k"
         }
+        assert all((w.packed is not None) == packs for w in block.experts.w13)
+        assert all(w.packed is None for w in block.experts.w2)
     _check(engine, hf, dequantized, "Q4_K")

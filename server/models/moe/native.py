@@ -28,7 +28,7 @@ from server.native import KernelBuildError, NativeSource, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "moe_experts.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: the packed copies' group strides (w13/w2_packed_group_bytes), task_rows
 # -ffp-contract=off: out += y * w rounds the product first, as the torch path's `ys *= w; index_add_`.
 NATIVE = NativeSource(
     "moe_experts",
@@ -61,6 +61,9 @@ class KiMoeExperts(ctypes.Structure):
         ("b2", ctypes.c_void_p),
         ("qlinear", ctypes.c_void_p),
         ("mxfp4", ctypes.c_void_p),
+        ("w13_packed_group_bytes", ctypes.c_int64),
+        ("w2_packed_group_bytes", ctypes.c_int64),
+        ("task_rows", ctypes.c_int64),  # rows of W per task, a multiple of 96; 0: the library's choice
     ]
 
 

@@ -7,11 +7,13 @@ the torch reference (`linear_reference`) serves.
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from server import cpu_env
 from server.models.moe.block import SparseMoeBlock
 from server.models.moe.config import MoEConfig
 from server.models.moe.native import (
@@ -24,7 +26,16 @@ from server.models.moe.native import (
     try_load_moe_experts_kernel,
 )
 from server.models.moe.weights import ExpertWeights
-from server.quant.cpu_qgemv_q8 import decode_entry, small_m_linear
+from server.quant.cpu_qgemv_q8 import (
+    PACK_ENABLE_ENV,
+    PACK_MEMORY_SHARE,
+    Q8GemvKernel,
+    active_kernel,
+    decode_entry,
+    int8_gemm_enabled,
+    int8_pack_switch,
+    small_m_linear,
+)
 from server.quant.cpu_qlinear import (
     GGUF_SUPER_BLOCK_BYTES,
     BlockQuantWeight,
@@ -37,6 +48,9 @@ from server.quant.cpu_qlinear import (
     weight_descriptor,
 )
 from server.quant.cpu_repack import quantize_int8
+
+log = logging.getLogger(__name__)
+PACK_GROUP_ROWS = 16  # rows per group of qgemv_q8's packed copy (csrc/moe_experts.cpp's PACK_ROWS)
 
 
 def split_gguf_experts(
@@ -137,6 +151,22 @@ class BlockQuantExperts:
     def nbytes(self) -> int:
         return sum(q.nbytes() for q in self.w13 + self.w2)
 
+    def packed_bytes(self, q8: Q8GemvKernel) -> int:
+        """Bytes pack_int8(q8) would add (0: already packed, or not packable on this path)."""
+        return sum(q8.packed_bytes(w) for w in self.w13 + self.w2 if w.packed is None)
+
+    def pack_int8(self, q8: Q8GemvKernel) -> int:
+        """Gives every expert weight the batched int8 path can take its packed copy (Q8GemvKernel.pack),
+        made once here instead of on every call: an expert's 5+ tokens in a step (16 users over 16 experts,
+        prefill chunks) then read it in place. The fused call slices it per 16-row group
+        (csrc/moe_experts.cpp). Returns the bytes added; the GEMV (1-4 tokens) still reads the weights as
+        stored, so both stay held."""
+        before = sum(0 if w.packed is None else w.packed.numel() for w in self.w13 + self.w2)
+        self.w13 = [q8.pack(w) for w in self.w13]
+        self.w2 = [q8.pack(w) for w in self.w2]
+        self._call = None  # its descriptors point at the unpacked weights
+        return sum(0 if w.packed is None else w.packed.numel() for w in self.w13 + self.w2) - before
+
     def tensors(self) -> list[Tensor]:
         """Every tensor the experts hold (SparseMoeBlock.held_weight_tensors)."""
         return [t for q in self.w13 + self.w2 for t in q.tensors()]
@@ -176,6 +206,8 @@ class BlockQuantExperts:
             desc_bytes=ctypes.sizeof(w13[0]),
             b13=None if self.b13 is None else self.b13.data_ptr(),
             b2=None if self.b2 is None else self.b2.data_ptr(),
+            w13_packed_group_bytes=_packed_group_bytes(self.w13),
+            w2_packed_group_bytes=_packed_group_bytes(self.w2),
         )
         # the descriptors point into the weights' tensors, which this object keeps alive
         call = FusedExpertsCall(lib, spec, (w13, w2, self.b13, self.b2, self.w13, self.w2))
@@ -193,6 +225,51 @@ class BlockQuantExperts:
 
     def down(self, e: int, h: Tensor) -> Tensor:  # h: [n, I] -> [n, H] fp32
         return self._linear(h, self.w2[e], None if self.b2 is None else self.b2[e])
+
+
+def _packed_group_bytes(ws: list[BlockQuantWeight]) -> int:
+    """The packed copies' bytes per 16-row group, one value for all of `ws`; 0 (the fused call then reads
+    the weights as stored) unless every weight has a copy and all share that stride."""
+    strides = set()
+    for w in ws:
+        groups = -(-w.out_features // PACK_GROUP_ROWS)
+        if w.packed is None or w.packed.numel() % groups:
+            return 0
+        strides.add(w.packed.numel() // groups)
+    return strides.pop() if len(strides) == 1 else 0
+
+
+def pack_moe_int8_weights(model: nn.Module) -> int:
+    """pack_int8_weights (server/quant/gemm_dtype.py) for block-quantized experts: every bf16 expert set
+    gets its packed copies (BlockQuantExperts.pack_int8) when the batched int8 path is on here, under the
+    same switch and memory rule: KUBEINFER_INT8_PACK=0 packs nothing, =1 all; unset, only if all copies
+    fit in PACK_MEMORY_SHARE of the memory available now (logged when they do not). Returns the bytes
+    added; ValueError for a bad switch value."""
+    switch = int8_pack_switch()
+    if switch is False or not int8_gemm_enabled():
+        return 0
+    todo = []
+    for block in model.modules():
+        experts = block.experts if isinstance(block, SparseMoeBlock) else None
+        if isinstance(experts, BlockQuantExperts) and experts.kernel is not None:
+            q8 = active_kernel(experts.kernel) if experts.compute == torch.bfloat16 else None
+            if q8 is not None and q8.isa == "vnni":
+                todo.append((experts, q8))
+    need = sum(experts.packed_bytes(q8) for experts, q8 in todo)
+    if need == 0:
+        return 0
+    avail = cpu_env.available_memory_bytes()
+    if switch is None and (avail is None or need > PACK_MEMORY_SHARE * avail):
+        log.info(
+            "int8 expert batches read the weights unpacked: packed copies would take %.0f MiB, over %.0f%% "
+            "of the %s MiB available (%s=1 packs anyway)",
+            need / 2**20,
+            100 * PACK_MEMORY_SHARE,
+            "?" if avail is None else f"{avail / 2**20:.0f}",
+            PACK_ENABLE_ENV,
+        )
+        return 0
+    return sum(experts.pack_int8(q8) for experts, q8 in todo)
 
 
 def quantize_moe_blocks(model: nn.Module, fmt: str, kernel: QLinearKernel | None) -> int:

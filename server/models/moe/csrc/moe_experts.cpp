@@ -10,7 +10,7 @@
 // Threads: one OpenMP team for the whole block, not one per GEMM (at one token a block is 2 * top_k
 // GEMVs of a few microseconds each; a fork/join apiece costs as much again, and far more on a shared,
 // oversubscribed machine, where a barrier waits for a descheduled thread). The work is split into tasks
-// of ROWS output rows of one expert's W (a descriptor over those rows: the layout is row-major, so
+// of task_rows (a multiple of ROWS: task_rows_for) output rows of one expert's W (a descriptor over those rows: the layout is row-major, so
 // pointers move by rows), taken dynamically; each task calls the entry point with one thread (its own
 // OpenMP region, if any, then runs inline). Phases, a barrier between each: gate/up tasks, activation,
 // down tasks, then the weighted sums split by output column. The entry points must be re-entrant (they
@@ -52,6 +52,11 @@ struct KiMoeExperts {
   const float* b2;   // [E, H] or null
   void* qlinear;     // ki_qlinear_fn (kind 0)
   void* mxfp4;       // ki_mxfp4_fn (kind 1)
+  // kind 0: bytes per 16-row group of the descriptors' `packed` copies (the int8 batched path's layout,
+  // made once at load: BlockQuantExperts.pack_int8), 0 where the experts have none. The copy is one
+  // contiguous stream per 16 rows, so a task's rows r0.. (r0 a multiple of 16) start r0 / 16 groups in.
+  int64_t w13_packed_group_bytes, w2_packed_group_bytes;
+  int64_t task_rows;  // rows of W per task, a multiple of ROWS; 0: task_rows_for (benchmarks set it for A/B)
 };
 }
 
@@ -65,12 +70,25 @@ struct KiQWeight {
   const void* mins;
   int64_t n, k, group_size, groups, row_bytes;
   int32_t bits, zero_point, scale_is_f16, compute;
-  const uint8_t* packed;  // qgemv_q8's packed copy: its order is per 16 columns of the whole W, so a
-                          // row slice goes without it (the batched int8 path then reads W as stored)
+  const uint8_t* packed;  // qgemv_q8's packed copy: 16-row groups, each contiguous (see linear_rows)
 };
 
+constexpr int64_t PACK_ROWS = 16;  // rows per group of qgemv_q8's packed copy
+
 constexpr int64_t ROWS = 96;  // rows per task: whole 4-row GEMV tiles, 12-row panels and 16-row groups
+static_assert(ROWS % PACK_ROWS == 0, "a task's rows must start at a packed group");
 constexpr int64_t KEEP_FLOATS = int64_t{1} << 22;  // scratch kept between calls: up to 16 MiB
+
+// Rows per task: ROWS times as many as keeps TASKS_PER_THREAD tasks a thread in the larger GEMM phase. Each
+// task is one call of the entry point, which quantizes its rows of x to int8 again and opens its own
+// (one-thread) OpenMP region: at one token a 96-row task of Qwen3-MoE's gate/up (2048 columns) spent about
+// a fifth of its time there, and 8 experts x 16 such tasks are far more than 2 threads need to balance.
+constexpr int64_t TASKS_PER_THREAD = 8;
+
+int64_t task_rows_for(int64_t active, int64_t rows, int64_t nthreads) {
+  const int64_t tasks = active * ((rows + ROWS - 1) / ROWS);
+  return ROWS * std::max<int64_t>(1, tasks / (TASKS_PER_THREAD * std::max<int64_t>(1, nthreads)));
+}
 
 struct Scratch {
   std::vector<int64_t> counts, offsets, fill, pairs, active;
@@ -112,7 +130,10 @@ int32_t linear_rows(const KiMoeExperts& c, bool down, int64_t e, int64_t r0, int
     w.scales = static_cast<const uint8_t*>(w.scales) + r0 * w.groups * scale_bytes;
     if (w.mins) w.mins = static_cast<const uint8_t*>(w.mins) + r0 * w.groups * scale_bytes;
     w.n = nr;
-    w.packed = nullptr;
+    // Without the packed copy the batched int8 path transposes and repacks these rows on every call
+    // (most of a 16-user decode step's time on the 2.1B Qwen3-MoE shape); with it, it reads them in place.
+    const int64_t group_bytes = down ? c.w2_packed_group_bytes : c.w13_packed_group_bytes;
+    w.packed = w.packed && group_bytes > 0 ? w.packed + (r0 / PACK_ROWS) * group_bytes : nullptr;
     return reinterpret_cast<ki_qlinear_fn>(c.qlinear)(&w, x, m, x_stride, bias, y, y_stride, 1);
   }
   const int64_t nb = k / 32;
@@ -125,7 +146,7 @@ int32_t linear_rows(const KiMoeExperts& c, bool down, int64_t e, int64_t r0, int
 
 extern "C" {
 
-int32_t kubeinfer_moe_experts_abi() { return 1; }
+int32_t kubeinfer_moe_experts_abi() { return 2; }
 
 // out[t, :] = sum_j weights[t, j] * down_e(act(gate_up_e(x[t, :]))) with e = ids[t, j], for t < tokens.
 // x [tokens, H] fp32 rows `x_stride` apart; ids [tokens, top_k] int64; weights [tokens, top_k] fp32;
@@ -165,7 +186,9 @@ int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tok
   s.act.resize(static_cast<size_t>(P * I));
   s.y.resize(static_cast<size_t>(P * H));
   const int64_t A = static_cast<int64_t>(s.active.size());
-  const int64_t gu_chunks = (2 * I + ROWS - 1) / ROWS, down_chunks = (H + ROWS - 1) / ROWS;
+  const int64_t task_rows = c->task_rows > 0 ? c->task_rows : task_rows_for(A, std::max(2 * I, H), nthreads);
+  if (task_rows % ROWS) return 2;
+  const int64_t gu_chunks = (2 * I + task_rows - 1) / task_rows, down_chunks = (H + task_rows - 1) / task_rows;
   const int64_t cols = 256, col_chunks = (H + cols - 1) / cols;
   const int64_t* pairs = s.pairs.data();
   const int64_t* offsets = s.offsets.data();
@@ -183,8 +206,8 @@ int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tok
       std::memcpy(xs + r * H, x + (pairs[r] / top_k) * x_stride, sizeof(float) * static_cast<size_t>(H));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < A * gu_chunks; ++task) {
-      const int64_t e = active[task / gu_chunks], r0 = (task % gu_chunks) * ROWS;
-      const int64_t nr = std::min(ROWS, 2 * I - r0), off = offsets[e];
+      const int64_t e = active[task / gu_chunks], r0 = (task % gu_chunks) * task_rows;
+      const int64_t nr = std::min(task_rows, 2 * I - r0), off = offsets[e];
       const int32_t rc = linear_rows(*c, false, e, r0, nr, xs + off * H, H, counts[e], h13 + off * 2 * I + r0, 2 * I);
       if (rc != 0) {
 #pragma omp atomic write
@@ -195,8 +218,8 @@ int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tok
     for (int64_t r = 0; r < P; ++r) activate(*c, h13 + r * 2 * I, act + r * I);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < A * down_chunks; ++task) {
-      const int64_t e = active[task / down_chunks], r0 = (task % down_chunks) * ROWS;
-      const int64_t nr = std::min(ROWS, H - r0), off = offsets[e];
+      const int64_t e = active[task / down_chunks], r0 = (task % down_chunks) * task_rows;
+      const int64_t nr = std::min(task_rows, H - r0), off = offsets[e];
       const int32_t rc = linear_rows(*c, true, e, r0, nr, act + off * I, I, counts[e], y + off * H + r0, H);
       if (rc != 0) {
 #pragma omp atomic write
