@@ -17,7 +17,7 @@ import torch
 from server.attention import make_attention_backend
 from server.attention.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
 from server.config import EngineConfig
-from server.core.burst_bound import BurstBound, BurstBoundConfig
+from server.core.burst_bound import BurstBound
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
@@ -274,6 +274,7 @@ class LLMEngine:
         )
         # The prefill share cap sized from this engine's measured step costs (server/core/prefill_cap.py).
         cap = config.prefill_cap_for(self.device.type) if config.enable_chunked_prefill else None
+        burst = config.burst_bound_config()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -287,7 +288,7 @@ class LLMEngine:
             self.kv,
             prefill_cap=AdaptivePrefillCap(cap) if cap is not None else None,
             # A burst step's prompt tokens bounded by its measured cost (server/core/burst_bound.py).
-            burst_bound=BurstBound(BurstBoundConfig()),
+            burst_bound=BurstBound(burst) if burst is not None else None,
         )
         self.speculator: Speculator | None = None
         if config.speculative is not None:
