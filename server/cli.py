@@ -309,7 +309,7 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "While at least as many queued prompts can be admitted as sequences decode (a burst), a step "
         "admits prompts up to this many times the measured cost of a decode-only step of those "
         "sequences (their inter-token latency; never fewer tokens than the prefill cap). 0 = off: a "
-        f"burst step may fill --max-num-batched-tokens. Default {BURST_ITL_FACTOR}",
+        f"burst step may fill --max-num-batched-tokens (default {BURST_ITL_FACTOR:g})",
         type=float,
         default=BURST_ITL_FACTOR,
     )

@@ -20,6 +20,12 @@ of a whole-budget step: on the Llama-3.2-1B shape on 2 cores a 2,048-token step 
 streams whose quiet step is a few hundred ms (ITL p99 16 s at 64 users, docs/benchmarks-log.md,
 "Real-shape loads: proving runs under load"). vLLM fills its budget (no such bound); the scheduler never
 bounds a burst below its ordinary prefill cap.
+
+Off by default (`--burst-itl-factor` 0): on the Llama-3.2-1B Q4_K_M shape on 2 cores at f = 4 (64 users x
+128-token prompts, 16 new tokens, one round under load) ITL p99 fell 15.8 -> 3.3 s but TTFT p50 rose 33 ->
+59 s and throughput fell 18.5 -> 9.8 tok/s: the bound fell to the 128-token cap, and small mixed steps
+cost more per row than the line (one a, one c for every size) says, so the 4/3 argument above does not
+hold there (docs/benchmarks-log.md, "A burst step bounded by its measured cost").
 """
 
 from __future__ import annotations
