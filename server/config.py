@@ -271,10 +271,11 @@ CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 # is out of reach (a mixed step's own overhead beyond (f - 1) quiet steps), at about half the prompt rate
 # of the fixed cap for the embedded model on the 2-core Zen 4 (docs/benchmarks.md).
 PREFILL_CAP_MIN_TOKENS = 16
-# A burst step costs at most this many quiet decode steps of its streams (server/core/burst_bound.py); off
-# (0) by default: at 4 on the Llama-3.2-1B shape on 2 cores it cut 64 users' ITL p99 4.8x but cost TTFT p50
-# 1.8x and half the throughput (docs/benchmarks-log.md, "A burst step bounded by its measured cost").
-BURST_ITL_FACTOR = 0.0
+# A burst step costs at most this many quiet decode steps of its streams (server/core/burst_bound.py). On
+# the Llama-3.2-1B shape on 2 cores, 64 users: 16 cut ITL p99 8.4 -> 2.2 s with TTFT p50 0.87x and the same
+# throughput; 4 cut it 4.8x but cost TTFT p50 1.8x and half the throughput (docs/benchmarks-log.md, "A burst
+# step bounded by its measured cost").
+BURST_ITL_FACTOR = 16.0
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,7 @@ class EngineConfig:
     # measured step costs" (on the 2-core Zen 4 the 2x target is out of reach and the TTFT pays).
     prefill_itl_factor: float = 0.0
     # > 1: a burst step (scheduler.py) costs at most this many quiet decode steps of its streams
-    # (server/core/burst_bound.py); 0 = off, the default (a burst step may take the whole token budget).
+    # (server/core/burst_bound.py); 0 = off (a burst step may take the whole token budget).
     burst_itl_factor: float = BURST_ITL_FACTOR
     # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower first;
     # server/core/request_queue.py).

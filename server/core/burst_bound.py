@@ -12,7 +12,7 @@ last `window` decode-only steps of D's power-of-two bucket where measured, else 
 never leaves a quiet step to measure: every step of it carries prompts). The bound is
 (f x d - a) / c - D prompt tokens; None until a step with prompt tokens was measured.
 
-Why f quiet steps (default 4): a burst step of f quiet steps spends at most 1/f of its time on what a
+Why f quiet steps: a burst step of f quiet steps spends at most 1/f of its time on what a
 quiet step costs anyway, so splitting a burst into such steps delivers its prompts' first tokens at no
 less than (f - 1)/f of the whole-budget burst's prefill rate (the last prompt's TTFT grows by at most
 f/(f - 1), 1.33x at 4), while a running stream waits at most f quiet steps for its next token instead
@@ -21,11 +21,13 @@ streams whose quiet step is a few hundred ms (ITL p99 16 s at 64 users, docs/ben
 "Real-shape loads: proving runs under load"). vLLM fills its budget (no such bound); the scheduler never
 bounds a burst below its ordinary prefill cap.
 
-Off by default (`--burst-itl-factor` 0): on the Llama-3.2-1B Q4_K_M shape on 2 cores at f = 4 (64 users x
+The default f is 16 (`--burst-itl-factor`, server/config.py), not 4: on the Llama-3.2-1B Q4_K_M shape on
+2 cores at f = 4 (64 users x
 128-token prompts, 16 new tokens, one round under load) ITL p99 fell 15.8 -> 3.3 s but TTFT p50 rose 33 ->
 59 s and throughput fell 18.5 -> 9.8 tok/s: the bound fell to the 128-token cap, and small mixed steps
 cost more per row than the line (one a, one c for every size) says, so the 4/3 argument above does not
-hold there (docs/benchmarks-log.md, "A burst step bounded by its measured cost").
+hold there. At f = 16 (same load, load average 2) ITL p99 8.4 -> 2.2 s, TTFT p50 17.3 -> 15.0 s, throughput
+27.5 -> 27.2 tok/s (docs/benchmarks-log.md, "A burst step bounded by its measured cost").
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from server.core.prefill_cap import StepShape
 
 @dataclass(frozen=True)
 class BurstBoundConfig:
-    itl_factor: float = 4.0  # f: a burst step may cost f quiet decode steps of as many streams
+    itl_factor: float = 16.0  # f: a burst step may cost f quiet decode steps of as many streams
     window: int = 16  # steps per fit / median
 
     def __post_init__(self) -> None:
