@@ -27,10 +27,10 @@ its admitted prompts, now decoding, outnumber those still waiting, as the same a
 AVX2-only AMD EPYC"). With `burst_bound` (server/core/burst_bound.py, `--burst-itl-factor` f, 16 by
 default) a burst step is bounded by its measured cost, not by the budget alone: it takes at most the
 prompt tokens that keep it within f quiet decode steps of its streams, and never fewer than the
-ordinary cap. A whole-budget step is
-seconds long for a 1B model on 2 cores and held every running stream's next token (issue 49: 64 users
-x 128-token prompts on the Llama-3.2-1B shape, ITL p99 16 s against llama-server's 0.26 s); split into
-such steps a burst's prompts lose at most 1/f of their prefill rate by the cost line (burst_bound.py's
+ordinary cap. A whole-budget step is seconds long for a 1B model on 2 cores and held every running
+stream's next token (issue 49: 64 users x 128-token prompts on the Llama-3.2-1B shape, ITL p99 16 s
+against llama-server's 0.26 s); split into such steps a burst's prompts lose at most 1/f of their
+prefill rate by the cost line (burst_bound.py's
 docstring), but at f = 4 on that shape the real steps lost more (TTFT p50 1.8x, throughput 0.53x while
 ITL p99 fell 16 -> 3.3 s: smaller steps cost more per row than the line says); at f = 16 ITL p99 fell
 8.4 -> 2.2 s with TTFT p50 0.87x and the same throughput, hence 16 by default.
