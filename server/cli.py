@@ -21,6 +21,7 @@ from typing import Any
 
 from server.config import (
     ATTENTION_BACKENDS,
+    BURST_ITL_FACTOR,
     CPU_LONG_PREFILL_TOKEN_THRESHOLD,
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -301,6 +302,16 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "instead of --long-prefill-token-threshold (not both). 0 = off (default)",
         type=float,
         default=0.0,
+    )
+    add(
+        "--burst-itl-factor",
+        "KUBEINFER_BURST_ITL_FACTOR",
+        "While at least as many queued prompts can be admitted as sequences decode (a burst), a step "
+        "admits prompts up to this many times the measured cost of a decode-only step of those "
+        "sequences (their inter-token latency; never fewer tokens than the prefill cap). 0 = off: a "
+        f"burst step may fill --max-num-batched-tokens (default {BURST_ITL_FACTOR:g})",
+        type=float,
+        default=BURST_ITL_FACTOR,
     )
     add(
         "--scheduling-policy",
@@ -694,6 +705,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         prefill_itl_factor=args.prefill_itl_factor,
+        burst_itl_factor=args.burst_itl_factor,
         scheduling_policy=args.scheduling_policy,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,

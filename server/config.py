@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from server.core.burst_bound import BurstBoundConfig
 from server.core.prefill_cap import PrefillCapConfig
 from server.core.scheduler import SchedulerConfig
 from server.spec_decode.config import SpeculativeConfig
@@ -270,6 +271,11 @@ CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 # is out of reach (a mixed step's own overhead beyond (f - 1) quiet steps), at about half the prompt rate
 # of the fixed cap for the embedded model on the 2-core Zen 4 (docs/benchmarks.md).
 PREFILL_CAP_MIN_TOKENS = 16
+# A burst step costs at most this many quiet decode steps of its streams (server/core/burst_bound.py). On
+# the Llama-3.2-1B shape on 2 cores, 64 users: 16 cut ITL p99 8.4 -> 2.2 s with TTFT p50 0.87x and the same
+# throughput; 4 cut it 4.8x but cost TTFT p50 1.8x and half the throughput (docs/benchmarks-log.md, "A burst
+# step bounded by its measured cost").
+BURST_ITL_FACTOR = 16.0
 
 
 @dataclass(frozen=True)
@@ -288,6 +294,9 @@ class EngineConfig:
     # threshold; 0 = off. Off by default: docs/benchmarks-log.md, "Long prompts: the prefill cap from
     # measured step costs" (on the 2-core Zen 4 the 2x target is out of reach and the TTFT pays).
     prefill_itl_factor: float = 0.0
+    # > 1: a burst step (scheduler.py) costs at most this many quiet decode steps of its streams
+    # (server/core/burst_bound.py); 0 = off (a burst step may take the whole token budget).
+    burst_itl_factor: float = BURST_ITL_FACTOR
     # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower first;
     # server/core/request_queue.py).
     scheduling_policy: str = "fcfs"
@@ -328,6 +337,9 @@ class EngineConfig:
         f = self.prefill_itl_factor
         if not (f == 0 or (math.isfinite(f) and f > 1)):
             raise ValueError(f"prefill_itl_factor must be 0 (off) or > 1, got {f}")
+        b = self.burst_itl_factor
+        if not (b == 0 or (math.isfinite(b) and b > 1)):
+            raise ValueError(f"burst_itl_factor must be 0 (off) or > 1, got {b}")
         if f and self.long_prefill_token_threshold is not None:
             raise ValueError(
                 "prefill_itl_factor sizes the cap that long_prefill_token_threshold fixes: set one of them"
@@ -355,6 +367,10 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
         return CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" else 0
+
+    def burst_bound_config(self) -> BurstBoundConfig | None:
+        """The burst step's cost bound (`burst_itl_factor` > 1), or None when off."""
+        return BurstBoundConfig(itl_factor=self.burst_itl_factor) if self.burst_itl_factor else None
 
     def prefill_cap_for(self, device_type: str) -> PrefillCapConfig | None:
         """The measured prefill cap's settings (`prefill_itl_factor` > 0), or None for the fixed cap of

@@ -17,6 +17,7 @@ import torch
 from server.attention import make_attention_backend
 from server.attention.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
 from server.config import EngineConfig
+from server.core.burst_bound import BurstBound
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
@@ -272,6 +273,7 @@ class LLMEngine:
         )
         # The prefill share cap sized from this engine's measured step costs (server/core/prefill_cap.py).
         cap = config.prefill_cap_for(self.device.type) if config.enable_chunked_prefill else None
+        burst = config.burst_bound_config()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -284,6 +286,8 @@ class LLMEngine:
             ),
             self.kv,
             prefill_cap=AdaptivePrefillCap(cap) if cap is not None else None,
+            # A burst step's prompt tokens bounded by its measured cost (server/core/burst_bound.py).
+            burst_bound=BurstBound(burst) if burst is not None else None,
         )
         self.speculator: Speculator | None = None
         if config.speculative is not None:
@@ -445,8 +449,12 @@ class LLMEngine:
             self.last_step_threads = threads
         else:
             model_out = self.runner.execute(sched)
-        if self.scheduler.prefill_cap is not None and not sched.is_empty:
-            self.scheduler.prefill_cap.observe(step_shape(sched), time.perf_counter() - t0)
+        if not sched.is_empty:
+            shape, seconds = step_shape(sched), time.perf_counter() - t0
+            if self.scheduler.prefill_cap is not None:
+                self.scheduler.prefill_cap.observe(shape, seconds)
+            if self.scheduler.burst_bound is not None:
+                self.scheduler.burst_bound.observe(shape, seconds)
         self.scheduler.update_from_output(sched, model_out)
         self._publish_kv_events()
         outputs: list[RequestOutput] = []

@@ -24,7 +24,16 @@ than one long step delays the D <= W running streams once (32 users over a share
 ITL p99 0.16-0.25 s). The rule is applied step by step: a burst larger than one step's budget ends when
 its admitted prompts, now decoding, outnumber those still waiting, as the same argument says it should
 (keeping it going measured ITL p99 2-3x worse at 32 users on an fp32 CPU: docs/benchmarks.md, "CPU: an
-AVX2-only AMD EPYC").
+AVX2-only AMD EPYC"). With `burst_bound` (server/core/burst_bound.py, `--burst-itl-factor` f, 16 by
+default) a burst step is bounded by its measured cost, not by the budget alone: it takes at most the
+prompt tokens that keep it within f quiet decode steps of its streams, and never fewer than the
+ordinary cap. A whole-budget step is seconds long for a 1B model on 2 cores and held every running
+stream's next token (issue 49: 64 users x 128-token prompts on the Llama-3.2-1B shape, ITL p99 16 s
+against llama-server's 0.26 s); split into such steps a burst's prompts lose at most 1/f of their
+prefill rate by the cost line (burst_bound.py's
+docstring), but at f = 4 on that shape the real steps lost more (TTFT p50 1.8x, throughput 0.53x while
+ITL p99 fell 16 -> 3.3 s: smaller steps cost more per row than the line says); at f = 16 ITL p99 fell
+8.4 -> 2.2 s with TTFT p50 0.87x and the same throughput, hence 16 by default.
 
 Waiting order and preemption victims follow `--scheduling-policy` (server/core/request_queue.py): fcfs,
 or priority (`Request.priority`, lower first, FCFS within a level). Under priority a waiting request
@@ -43,6 +52,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from server.core.burst_bound import BurstBound
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from server.core.outputs import (
@@ -105,11 +115,14 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         prefill_cap: AdaptivePrefillCap | None = None,
+        burst_bound: BurstBound | None = None,
     ) -> None:
         """`prefill_cap`: the prefill share cap sized from measured step costs (core/prefill_cap.py),
-        asked once per step instead of `config.long_prefill_token_threshold`."""
+        asked once per step instead of `config.long_prefill_token_threshold`. `burst_bound`: the cost
+        bound of a burst step (core/burst_bound.py); None = a burst may take the whole budget."""
         self.config = config
         self.prefill_cap = prefill_cap
+        self.burst_bound = burst_bound
         self.kv = kv_cache
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue(config.scheduling_policy)
@@ -268,6 +281,9 @@ class Scheduler:
         cap_left = prefill_left
         if burst:
             prefill_left = prefill_cap = budget
+            bound = self.burst_bound.tokens(decoding) if self.burst_bound is not None else None
+            if bound is not None:  # never below the ordinary cap (module docstring)
+                prefill_left = prefill_cap = min(budget, max(bound, cap_left))
         w = 0
         while w < len(self.waiting) and budget > 0 and prefill_left > 0 and not growth_preempted:
             req = self.waiting[w]
@@ -304,7 +320,7 @@ class Scheduler:
             num_new = req.num_tokens - req.num_computed_tokens - num_cached
             if num_new > min(budget, prefill_left) and not self.config.enable_chunked_prefill:
                 break
-            if burst and num_new > budget:
+            if burst and num_new > prefill_left:
                 if cap_left <= 0:
                     break  # FCFS: nobody behind a long prompt overtakes it
                 num_new = cap_left

@@ -158,3 +158,18 @@ def test_api_cli_prefill_itl_factor() -> None:
     assert env is not None and env.itl_factor == 2.5
     with pytest.raises((SystemExit, ValueError)):
         _config(["--prefill-itl-factor", "2", "--long-prefill-token-threshold", "64"])
+
+
+def test_api_cli_burst_itl_factor() -> None:
+    """--burst-itl-factor (KUBEINFER_BURST_ITL_FACTOR): 16 by default (server/core/burst_bound.py); 0
+    turns the bound off; 1 or less, or not finite, is refused naming the field."""
+    default = _config([]).engine.burst_bound_config()
+    assert default is not None and default.itl_factor == 16.0
+    assert _config(["--burst-itl-factor", "0"]).engine.burst_bound_config() is None
+    bound = _config(["--burst-itl-factor", "4"]).engine.burst_bound_config()
+    assert bound is not None and bound.itl_factor == 4.0
+    env = _config([], {"KUBEINFER_BURST_ITL_FACTOR": "6"}).engine.burst_bound_config()
+    assert env is not None and env.itl_factor == 6.0
+    for bad in ("1", "0.5", "nan", "inf"):
+        with pytest.raises((SystemExit, ValueError), match="burst_itl_factor"):
+            _config(["--burst-itl-factor", bad])
