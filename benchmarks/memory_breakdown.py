@@ -45,19 +45,20 @@ def breakdown(engine: LLMEngine) -> dict[str, object]:
     model = engine.loaded.model
     by_fmt: dict[str, int] = defaultdict(int)
     values_per_fmt: dict[str, int] = defaultdict(int)
-    packed = 0
+    copies: dict[int, int] = {}  # data_ptr -> bytes of each packed copy (a tied head has its own)
     seen: set[int] = set()  # data_ptr of tensors already counted (a tied head shares the embedding's)
     for m in model.modules():
         if not isinstance(m, BlockQuantLinear | BlockQuantEmbedding):
             continue
         w = m.weight_q
+        if w.packed is not None:
+            copies[w.packed.data_ptr()] = w.packed.numel()
         if w.q.data_ptr() in seen:
             continue
         seen.update(t.data_ptr() for t in w.tensors())
         by_fmt[w.fmt] += sum(t.numel() * t.element_size() for t in w.tensors())
         values_per_fmt[w.fmt] += w.out_features * w.in_features
-        if w.packed is not None:
-            packed += w.packed.numel()
+    packed = sum(copies.values())
     dense: dict[str, int] = defaultdict(int)
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() in seen or t.numel() == 0:
