@@ -12,13 +12,17 @@ the machine's load hits all three alike:
 Per mode: decode step ms p50 and min, and the speedups of graph and fused over torch (p50 ratio).
 With `--gemm-dtypes`, the modes are the decode graph under each projection gemm_dtype instead
 (server/quant/gemm_dtype.py: bf16 runs the kernel's bf16 batched path), rotated the same way, and the
-speedup is over the first dtype.
+speedup is over the first dtype. With `--int8-pack`, the modes are the decode graph reading the packed
+copies the batched int8 path gets at load (`packed`, cpu_qgemv_q8.Q8GemvKernel.pack) and the same
+weights without them (`unpacked`: that path transposes 16 rows per 16 columns on every call), rotated the
+same way, with the copies' MiB: whether the second copy of each weight pays for its memory.
 The engine is driven directly (no HTTP); benchmarks/peers_side_by_side.py measures the served whole.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,14 +40,49 @@ from peers_side_by_side import cpu_info
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
+from server.quant.block_linear import BlockQuantLinear
+from server.quant.cpu_qlinear import BlockQuantWeight
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
 MODES = ("graph", "fused", "torch")
+PACK_MODES = ("packed", "unpacked")
+
+
+def pack_variants(
+    model: torch.nn.Module,
+) -> list[tuple[BlockQuantLinear, BlockQuantWeight, BlockQuantWeight]]:
+    """(module, packed weight, the same weight without its copy) for every layer packed at load."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, BlockQuantLinear) and m.weight_q.packed is not None:
+            w = m.weight_q
+            out.append((m, w, dataclasses.replace(w, packed=None)))
+    return out
+
+
+def copies_mib(variants: list[tuple[BlockQuantLinear, BlockQuantWeight, BlockQuantWeight]]) -> float:
+    copies = {p.packed.data_ptr(): p.packed.numel() for _, p, _ in variants if p.packed is not None}
+    return round(sum(copies.values()) / 2**20, 1)
+
+
+def set_packed(
+    model: torch.nn.Module,
+    variants: list[tuple[BlockQuantLinear, BlockQuantWeight, BlockQuantWeight]],
+    packed: bool,
+) -> None:
+    for m, with_copy, without in variants:
+        m._w = with_copy if packed else without
+    model._decode_graph = None  # type: ignore[assignment]  # descriptors hold the copies: rebuilt next step
 
 
 def measure(
-    engine: LLMEngine, users: int, prompt_len: int, steps: int, gemm_dtypes: list[str] | None = None
+    engine: LLMEngine,
+    users: int,
+    prompt_len: int,
+    steps: int,
+    gemm_dtypes: list[str] | None = None,
+    int8_pack: bool = False,
 ) -> dict[str, object]:
     model = engine.loaded.model
     default_dtype = next((m.gemm_dtype for m in model.modules() if hasattr(m, "gemm_dtype")), torch.float32)
@@ -58,13 +97,21 @@ def measure(
         )
     while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
         engine.step()  # every prompt prefilled: from here on each step is a pure decode step
-    modes = tuple(f"graph_{d}" for d in gemm_dtypes) if gemm_dtypes else MODES
+    modes = tuple(f"graph_{d}" for d in gemm_dtypes) if gemm_dtypes else PACK_MODES if int8_pack else MODES
+    variants = pack_variants(model) if int8_pack else []
+    if int8_pack and not variants:
+        raise SystemExit(
+            "no weight was packed at load (KUBEINFER_INT8_PACK, vnni path, bf16): nothing to compare"
+        )
     times: dict[str, list[float]] = {m: [] for m in modes}
     for i in range(steps):
         j = i % len(modes)
         for mode in modes[j:] + modes[:j]:
             if gemm_dtypes:
                 apply_gemm_dtype(model, getattr(torch, mode.removeprefix("graph_")))
+            elif int8_pack:
+                set_packed(model, variants, mode == "packed")
+                engine.step()  # rebuilds the graph outside the timed step
             else:
                 model.fused_ops = None if mode == "torch" else ops
                 model.use_decode_graph = mode == "graph"
@@ -72,13 +119,16 @@ def measure(
             engine.step()
             times[mode].append(time.perf_counter() - t0)
     model.fused_ops, model.use_decode_graph = ops, True
+    if variants:
+        set_packed(model, variants, True)
     apply_gemm_dtype(model, default_dtype)
     for i in range(users):
         engine.abort_request(f"u{users}-{i}")
     p50 = {m: statistics.median(v) * 1e3 for m, v in times.items()}
-    base = modes[0] if gemm_dtypes else "torch"
+    base = modes[0] if gemm_dtypes or int8_pack else "torch"
     return {
         "users": users,
+        **({"packed_copies_mib": copies_mib(variants)} if variants else {}),
         "step_ms_p50": {m: round(v, 3) for m, v in p50.items()},
         "step_ms_min": {m: round(min(v) * 1e3, 3) for m, v in times.items()},
         f"speedup_vs_{base}_p50": {m: round(p50[base] / p50[m], 3) for m in modes if m != base},
@@ -96,6 +146,9 @@ def main() -> None:
     ap.add_argument(
         "--gemm-dtypes", nargs="+", choices=["float32", "bfloat16"], help="compare the graph under these"
     )
+    ap.add_argument(
+        "--int8-pack", action="store_true", help="compare the graph with and without packed copies"
+    )
     args = ap.parse_args()
     engine = LLMEngine(
         EngineConfig(
@@ -108,7 +161,10 @@ def main() -> None:
         "cpu": cpu_info(),
         "threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()),
-        "runs": [measure(engine, u, args.prompt_len, args.steps, args.gemm_dtypes) for u in args.users],
+        "runs": [
+            measure(engine, u, args.prompt_len, args.steps, args.gemm_dtypes, args.int8_pack)
+            for u in args.users
+        ],
         "load_average_at_end": list(os.getloadavg()),
     }
     print(json.dumps(result, indent=2))
