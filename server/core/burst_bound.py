@@ -36,7 +36,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from server.core.prefill_cap import StepShape
+from server.core.prefill_cap import StepShape, fit_line
 
 
 @dataclass(frozen=True)
@@ -75,14 +75,9 @@ class BurstBound:
         rows = list(self._prompt_steps)
         if not rows:
             return None
-        ns = [n for n, _ in rows]
-        if len(rows) >= 2 and max(ns) >= 1.5 * min(ns):
-            mn, mt = statistics.fmean(ns), statistics.fmean(t for _, t in rows)
-            var = sum((n - mn) ** 2 for n in ns)
-            c = sum((n - mn) * (t - mt) for n, t in rows) / var
-            a = mt - c * mn
-            if c > 0 and a >= 0:
-                return a, c
+        fitted = fit_line(rows, min_points=2)
+        if fitted is not None:
+            return fitted
         return 0.0, max(statistics.median(t / n for n, t in rows), 1e-12)
 
     def tokens(self, decodes: int) -> int | None:

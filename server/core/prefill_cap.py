@@ -75,6 +75,20 @@ def step_shape(out: SchedulerOutput) -> StepShape:
     return StepShape(decodes, prompt)
 
 
+def fit_line(points: list[tuple[int, float]], min_points: int) -> tuple[float, float] | None:
+    """Least squares over (x, y) points: (intercept, slope), or None with fewer than `min_points`, x
+    varying by less than 1.5x (a line over near-equal x says nothing of other x), a slope <= 0 or an
+    intercept < 0 (a step's cost grows with its tokens from a non-negative overhead)."""
+    xs = [x for x, _ in points]
+    if len(points) < min_points or max(xs) < 1.5 * min(xs):
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in points) / var
+    intercept = my - slope * mx
+    return (intercept, slope) if slope > 0 and intercept >= 0 else None
+
+
 def _bucket(decodes: int) -> int:
     return 1 << (decodes - 1).bit_length()  # 1, 2, 4, 8, ...
 
@@ -112,14 +126,9 @@ class AdaptivePrefillCap:
                 rows.append((p, t - d))
         if not rows:
             return None
-        ps = [p for p, _ in rows]
-        if len(rows) >= 3 and max(ps) >= 1.5 * min(ps):
-            mp, me = statistics.fmean(ps), statistics.fmean(e for _, e in rows)
-            var = sum((p - mp) ** 2 for p in ps)
-            c = sum((p - mp) * (e - me) for p, e in rows) / var
-            o = me - c * mp
-            if c > 0 and o >= 0:
-                return o, c
+        fitted = fit_line(rows, min_points=3)
+        if fitted is not None:
+            return fitted
         c = statistics.median(e / p for p, e in rows)
         return 0.0, max(c, 1e-9)
 

@@ -92,17 +92,27 @@ def pack_int8_weights(model: nn.Module) -> int:
     kernels = [(m, active_kernel(m.kernel) if m.kernel is not None else None) for m in modules]
     todo = [(m, q8) for m, q8 in kernels if q8 is not None and q8.isa == "vnni" and m.weight_q.packed is None]
     need = sum(q8.packed_bytes(m.weight_q) for m, q8 in todo)
-    if need == 0:
+    if not packed_copies_fit(need, switch, "int8 batches"):
         return 0
+    return sum(m.pack_int8(q8) for m, q8 in todo)
+
+
+def packed_copies_fit(need: int, switch: bool | None, what: str) -> bool:
+    """Whether `need` bytes of packed copies are made: some are needed, and the switch (int8_pack_switch:
+    True packs all) says so or, unset, they fit in PACK_MEMORY_SHARE of the memory available now (logged,
+    naming `what`, when they do not)."""
+    if need == 0:
+        return False
     avail = cpu_env.available_memory_bytes()
     if switch is None and (avail is None or need > PACK_MEMORY_SHARE * avail):
         log.info(
-            "int8 batches read the weights unpacked: packed copies would take %.0f MiB, over %.0f%% of the "
+            "%s read the weights unpacked: packed copies would take %.0f MiB, over %.0f%% of the "
             "%s MiB available (%s=1 packs anyway)",
+            what,
             need / 2**20,
             100 * PACK_MEMORY_SHARE,
             "?" if avail is None else f"{avail / 2**20:.0f}",
             PACK_ENABLE_ENV,
         )
-        return 0
-    return sum(m.pack_int8(q8) for m, q8 in todo)
+        return False
+    return True

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from server import cpu_env
 from server.models.moe.block import SparseMoeBlock
 from server.models.moe.config import MoEConfig
 from server.models.moe.native import (
@@ -27,8 +26,6 @@ from server.models.moe.native import (
 )
 from server.models.moe.weights import ExpertWeights
 from server.quant.cpu_qgemv_q8 import (
-    PACK_ENABLE_ENV,
-    PACK_MEMORY_SHARE,
     Q8GemvKernel,
     active_kernel,
     decode_entry,
@@ -48,6 +45,7 @@ from server.quant.cpu_qlinear import (
     weight_descriptor,
 )
 from server.quant.cpu_repack import quantize_int8
+from server.quant.gemm_dtype import packed_copies_fit
 
 log = logging.getLogger(__name__)
 PACK_GROUP_ROWS = 16  # rows per group of qgemv_q8's packed copy (csrc/moe_experts.cpp's PACK_ROWS)
@@ -256,18 +254,7 @@ def pack_moe_int8_weights(model: nn.Module) -> int:
             if q8 is not None and q8.isa == "vnni":
                 todo.append((experts, q8))
     need = sum(experts.packed_bytes(q8) for experts, q8 in todo)
-    if need == 0:
-        return 0
-    avail = cpu_env.available_memory_bytes()
-    if switch is None and (avail is None or need > PACK_MEMORY_SHARE * avail):
-        log.info(
-            "int8 expert batches read the weights unpacked: packed copies would take %.0f MiB, over %.0f%% "
-            "of the %s MiB available (%s=1 packs anyway)",
-            need / 2**20,
-            100 * PACK_MEMORY_SHARE,
-            "?" if avail is None else f"{avail / 2**20:.0f}",
-            PACK_ENABLE_ENV,
-        )
+    if not packed_copies_fit(need, switch, "int8 expert batches"):
         return 0
     return sum(experts.pack_int8(q8) for experts, q8 in todo)
 
