@@ -36,7 +36,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from server.core.prefill_cap import StepShape, fit_line
+from server.core.prefill_cap import StepShape, decode_bucket, fit_line
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,6 @@ class BurstBoundConfig:
             raise ValueError(f"itl_factor must be > 1, got {self.itl_factor}")
         if self.window < 2:
             raise ValueError(f"window must be >= 2, got {self.window}")
-
-
-def _bucket(decodes: int) -> int:
-    return 1 << (decodes - 1).bit_length()  # 1, 2, 4, 8, ...
 
 
 class BurstBound:
@@ -68,7 +64,9 @@ class BurstBound:
         if shape.prompt_tokens:
             self._prompt_steps.append((shape.decodes + shape.prompt_tokens, seconds))
         elif shape.decodes:
-            self._quiet.setdefault(_bucket(shape.decodes), deque(maxlen=self.config.window)).append(seconds)
+            self._quiet.setdefault(decode_bucket(shape.decodes), deque(maxlen=self.config.window)).append(
+                seconds
+            )
 
     def line(self) -> tuple[float, float] | None:
         """(a, c): a step carrying prompt tokens costs a + c x rows seconds; None if none measured."""
@@ -87,6 +85,6 @@ class BurstBound:
         if fit is None:
             return None
         a, c = fit
-        quiet = self._quiet.get(_bucket(max(decodes, 1)))
+        quiet = self._quiet.get(decode_bucket(max(decodes, 1)))
         d = statistics.median(quiet) if quiet else a + c * decodes
         return max(int((self.config.itl_factor * d - a) / c) - decodes, 0)

@@ -89,8 +89,9 @@ def fit_line(points: list[tuple[int, float]], min_points: int) -> tuple[float, f
     return (intercept, slope) if slope > 0 and intercept >= 0 else None
 
 
-def _bucket(decodes: int) -> int:
-    return 1 << (decodes - 1).bit_length()  # 1, 2, 4, 8, ...
+def decode_bucket(decodes: int) -> int:
+    """The power-of-two bucket (1, 2, 4, 8, ...) quiet decode steps are kept under."""
+    return 1 << (decodes - 1).bit_length()
 
 
 class AdaptivePrefillCap:
@@ -104,7 +105,7 @@ class AdaptivePrefillCap:
         if shape.decodes == 0 or not seconds > 0:
             return
         if shape.prompt_tokens == 0:
-            q = self._quiet.setdefault(_bucket(shape.decodes), deque(maxlen=self.config.window))
+            q = self._quiet.setdefault(decode_bucket(shape.decodes), deque(maxlen=self.config.window))
             q.append(seconds)
         else:
             self._mixed.append((shape.decodes, shape.prompt_tokens, seconds))
@@ -113,7 +114,7 @@ class AdaptivePrefillCap:
         """Median decode-only step seconds for this many decodes (the nearest measured bucket)."""
         if not self._quiet:
             return None
-        b = _bucket(max(decodes, 1))
+        b = decode_bucket(max(decodes, 1))
         nearest = min(self._quiet, key=lambda k: (abs(k.bit_length() - b.bit_length()), k))
         return statistics.median(self._quiet[nearest])
 
