@@ -20,6 +20,7 @@ from server.config import EngineConfig
 from server.core.burst_bound import BurstBound
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
+from server.core.kv_groups import KVGroupSpec, KVLayout, plan_kv_layout
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.prefill_cap import AdaptivePrefillCap, step_shape
 from server.core.scheduler import Scheduler, SchedulerConfig
@@ -248,6 +249,27 @@ class LLMEngine:
             // kv_bytes_per_block(self.loaded.model, block_size, self.kv_cache_dtype),
         )
         log.info("KV cache: %d blocks of %s", num_blocks, dtype_name(self.kv_cache_dtype))
+        # Windowed layers beside global ones get their own group (server/core/kv_groups.py); tensor
+        # parallel ranks allocate one group of num_blocks, so there the whole table stays.
+        arch = self.loaded.arch
+        if self.tp is None:
+            layout = plan_kv_layout(
+                [spec.sliding_window for spec in arch.layers],
+                num_blocks,
+                block_size,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+            )
+        else:
+            layout = KVLayout((KVGroupSpec(num_blocks, arch.kv_window),), (0,) * len(arch.layers))
+        if len(layout.groups) > 1:
+            log.info(
+                "KV cache groups: %d blocks for the full-attention layers, %d for the sliding-window layers "
+                "(window %s)",
+                layout.groups[0].num_blocks,
+                layout.groups[1].num_blocks,
+                layout.groups[1].sliding_window,
+            )
         self.runner = ModelRunner(
             self.loaded.model,
             backend,
@@ -258,6 +280,7 @@ class LLMEngine:
             structured=StructuredOutputManager(self.grammars),
             lora=lora_manager,
             logprobs_mode=config.model.logprobs_mode,
+            layout=layout,
         )
         if self.tp is not None:
             self.tp.wait_ready(num_blocks)
@@ -268,8 +291,7 @@ class LLMEngine:
             block_size,
             config.cache.enable_prefix_caching,
             record_events=self.kv_events is not None,
-            # blocks out of the window are freed only where no layer attends globally (kv_cache_manager.py)
-            sliding_window=self.loaded.arch.kv_window,
+            groups=layout.groups,
         )
         # The prefill share cap sized from this engine's measured step costs (server/core/prefill_cap.py).
         cap = config.prefill_cap_for(self.device.type) if config.enable_chunked_prefill else None
@@ -425,7 +447,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block (vLLM's reset_prefix_cache). False, changing nothing,
         while any request holds blocks."""
-        ok = self.kv.pool.reset_prefix_cache()
+        ok = self.kv.reset_prefix_cache()
         self._publish_kv_events()
         return ok
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -20,6 +20,13 @@ class AttentionMetadata:
     # Host copies, so the torch backend can plan without device syncs.
     query_lens_cpu: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
+    # KV layer groups 1.. (server/core/kv_groups.py): the same batch over each group's own blocks (its
+    # slot_mapping and block_tables); empty where the cache has one group.
+    kv_groups: tuple[AttentionMetadata, ...] = field(default=())
+
+    def group(self, g: int) -> AttentionMetadata:
+        """The metadata a layer of KV group g reads: this one for group 0."""
+        return self if g == 0 else self.kv_groups[g - 1]
 
     @property
     def num_seqs(self) -> int:

@@ -23,6 +23,7 @@ SDPA (oneDNN's brgemm on AMX tiles: 1.6-3x the kernel there, 2026-12-02), its bf
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,9 @@ from server.attention.cpu_kernel import (
     supports_dtype,
 )
 from server.attention.metadata import AttentionMetadata
+
+# Metadata whose plans are kept: a step's KV layer groups (two at most) and the previous step's.
+_KEPT_METAS = 4
 
 
 @dataclass
@@ -169,8 +173,9 @@ class TorchAttentionBackend:
         self.block_size = block_size
         self.decode_kernel = decode_kernel
         self.name = "cpu" if decode_kernel is not None else "torch"
-        self._meta: AttentionMetadata | None = None
-        self._plans: dict[int, _Plan] = {}  # per sliding window (0: none) for self._meta
+        # per metadata seen lately (a step has one per KV layer group, AttentionMetadata.group): the
+        # metadata itself (so its id stays unique while kept) and its plans per sliding window (0: none)
+        self._plans_by_meta: OrderedDict[int, tuple[AttentionMetadata, dict[int, _Plan]]] = OrderedDict()
 
     def _make_plan(
         self,
@@ -251,12 +256,15 @@ class TorchAttentionBackend:
         Raises ValueError for W < 1, TypeError/ValueError for sinks not [num_heads] fp32."""
         window = check_window(sliding_window)
         check_sinks(sinks, q.shape[1])
-        if meta is not self._meta:
-            self._plans = {}
-            self._meta = meta
-        plan = self._plans.get(window)
+        kept = self._plans_by_meta.get(id(meta))
+        if kept is None or kept[0] is not meta:
+            kept = self._plans_by_meta[id(meta)] = (meta, {})
+            while len(self._plans_by_meta) > _KEPT_METAS:
+                self._plans_by_meta.popitem(last=False)
+        plans = kept[1]
+        plan = plans.get(window)
         if plan is None:
-            plan = self._plans[window] = self._make_plan(
+            plan = plans[window] = self._make_plan(
                 meta,
                 self._use_kernel(q.dtype, k_cache.dtype),
                 k_cache.shape,

@@ -20,6 +20,9 @@ class ScheduledRequest:
     # Draft tokens verified in this step after the last known token (speculative decoding). They are
     # the last len(spec_token_ids) of the num_new_tokens positions.
     spec_token_ids: tuple[int, ...] = ()
+    # The tables of KV layer groups 1.. (server/core/kv_groups.py), each covering the same positions as
+    # block_ids; empty where the cache has one group.
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

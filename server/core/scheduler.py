@@ -359,6 +359,7 @@ class Scheduler:
             block_ids=tuple(blocks),
             sample=start + num_new == req.num_tokens,
             spec_token_ids=spec,
+            group_block_ids=self.kv.group_block_ids(req.request_id),
         )
 
     def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> tuple[int, ...]:

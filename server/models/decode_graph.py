@@ -92,6 +92,7 @@ class _Layer(ctypes.Structure):  # cpu_fused.cpp's KiDecodeLayer
         ("residual_mult", _f32),
         ("activation", _i32),
         ("attn_softcap", _f32),
+        ("kv_group", _i32),
     ]
 
 
@@ -133,6 +134,9 @@ class _Step(ctypes.Structure):
         ("act", _ptr),
         ("delta", _ptr),
         ("threads", _i32),
+        ("slots_g1", _ptr),
+        ("block_tables_g1", _ptr),
+        ("bt_stride_g1", _i64),
     ]
 
 
@@ -192,7 +196,9 @@ class DecodeGraph:
 
     ops: FusedOps
     model_struct: _Model
-    cache_shape: torch.Size  # [num_blocks, block_size, Hkv, D] of every layer's K and V cache
+    cache_shape: torch.Size  # [num_blocks, block_size, Hkv, D] of every layer's K and V cache (KV group 0)
+    # KV group 1's [num_blocks, block_size, Hkv, D] (windowed layers beside global ones), None: one group
+    group1_cache_shape: torch.Size | None
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
     rotary_dims: tuple[int, ...]  # per rotary table `run` takes: its width R
     projections: list[list[BlockQuantLinear]]  # per layer: qkv (or q, k, v), o, gate_up, down
@@ -271,10 +277,15 @@ class DecodeGraph:
         shape = k0.shape
         if k0.dtype not in CACHE_DTYPE_CODES:
             return None
-        if any(
-            c.dtype != k0.dtype or c.shape != shape or not c.is_contiguous() for kv in kv_caches for c in kv
-        ):
-            return None
+        # KV layer groups (server/core/kv_groups.py): each layer's caches are its group's size
+        group_shapes: dict[int, torch.Size] = {}
+        for layer, kv in zip(layers, kv_caches, strict=True):
+            g = layer.self_attn.kv_group
+            if g not in (0, 1) or group_shapes.setdefault(g, kv[0].shape) != kv[0].shape:
+                return None
+            if any(c.dtype != k0.dtype or c.shape != kv[0].shape or not c.is_contiguous() for c in kv):
+                return None
+        shape = group_shapes.get(0, shape)
         descriptors: list[KiQWeight] = []
         kept_weights: list[BlockQuantWeight] = []
         kept_norms: list[Tensor] = []
@@ -352,6 +363,7 @@ class DecodeGraph:
                 spec.residual_multiplier,
                 _ACTIVATIONS[spec.activation],
                 spec.attn_softcap or 0.0,
+                attn.kv_group,
             )
         final_w, final_eps = _norm_field(final_norm, kept_norms)
         entry = decode_entry(kernel)  # int8-activation entry or qlinear (cpu_qgemv_q8.py)
@@ -378,6 +390,7 @@ class DecodeGraph:
             ops=ops,
             model_struct=model_struct,
             cache_shape=shape,
+            group1_cache_shape=group_shapes.get(1),
             dims=(hidden, inter, hq, hkv, d),
             rotary_dims=tuple(rotary_dims[i] for i in range(num_tables)),
             projections=projections,
@@ -428,19 +441,20 @@ class DecodeGraph:
             for name, table in zip(("cos", "sin"), pair, strict=True):
                 if table.dtype != torch.float32 or tuple(table.shape) != (t, r) or not table.is_contiguous():
                     raise ValueError(f"{name} must be a contiguous [{t}, {r}] fp32 tensor")
-        slots, block_tables, ctx = meta.slot_mapping, meta.block_tables, meta.context_lens
-        if slots.dtype != torch.int64 or tuple(slots.shape) != (t,) or not slots.is_contiguous():
-            raise ValueError("slot_mapping must be a contiguous [T] int64 tensor")
-        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or not block_tables.is_contiguous():
-            raise ValueError("block_tables must be a contiguous [T, max_blocks] int32 tensor")
+        ctx = meta.context_lens
         if ctx.dtype != torch.int32 or not ctx.is_contiguous():
             raise ValueError("context_lens must be a contiguous int32 tensor")
-        if t and (int(slots.min()) < 0 or int(slots.max()) >= self.num_cache_slots):
-            raise ValueError("slot_mapping: slot out of range of the cache")
         seqs = torch.arange(t, dtype=torch.int64)
+        slots, block_tables = _checked_indices(meta, self.cache_shape, seqs)
+        # windowed layers of KV group 1 read their own slots and tables (layers.py's Attention.kv_group)
+        g1_shape = self.group1_cache_shape
+        if g1_shape is not None and not meta.kv_groups:
+            raise ValueError("the graph's layers read two KV groups, the metadata has one")
+        slots_g1, tables_g1 = (
+            (slots, block_tables) if g1_shape is None else _checked_indices(meta.group(1), g1_shape, seqs)
+        )
         self.sync_compute()
         self.entry.restore()
-        check_decode_indices(t, self.cache_shape, block_tables, ctx, seqs, seqs)
         n = len(self.rotary_dims)
         cos_ptrs = (_ptr * max(n, 1))(*(tables[i][0].data_ptr() for i in range(n)))
         sin_ptrs = (_ptr * max(n, 1))(*(tables[i][1].data_ptr() for i in range(n)))
@@ -470,11 +484,29 @@ class DecodeGraph:
             act,
             delta,
             torch.get_num_threads(),
+            slots_g1.data_ptr(),
+            tables_g1.data_ptr(),
+            tables_g1.shape[1],
         )
         rc = self.ops.lib.kubeinfer_decode_forward(ctypes.byref(self.model_struct), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"decode graph returned {rc} (the hundreds say which op of a layer failed)")
         return out
+
+
+def _checked_indices(
+    meta: AttentionMetadata, cache_shape: torch.Size, seqs: Tensor
+) -> tuple[Tensor, Tensor]:  # slot_mapping [T] int64, block_tables [T, max_blocks] int32
+    """One KV group's slots and block tables, checked against its cache's [num_blocks, block_size, ...]."""
+    slots, block_tables, t = meta.slot_mapping, meta.block_tables, seqs.shape[0]
+    if slots.dtype != torch.int64 or tuple(slots.shape) != (t,) or not slots.is_contiguous():
+        raise ValueError("slot_mapping must be a contiguous [T] int64 tensor")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or not block_tables.is_contiguous():
+        raise ValueError("block_tables must be a contiguous [T, max_blocks] int32 tensor")
+    if t and (int(slots.min()) < 0 or int(slots.max()) >= cache_shape[0] * cache_shape[1]):
+        raise ValueError("slot_mapping: slot out of range of the cache")
+    check_decode_indices(t, cache_shape, block_tables, meta.context_lens, seqs, seqs)
+    return slots, block_tables
 
 
 def cache_pointers(kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[int, ...]:

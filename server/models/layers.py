@@ -79,6 +79,9 @@ class Attention(nn.Module):
         self.softcap = spec.attn_softcap
         # Per-layer window (LayerSpec.sliding_window), handed to the attention backend.
         self.sliding_window = spec.sliding_window
+        # The KV layer group whose caches and block tables this layer reads (server/core/kv_groups.py),
+        # set by the ModelRunner that allocates the caches: windowed layers beside global ones have their own.
+        self.kv_group = 0
         self.rope = spec.rope
         # gpt-oss's attention sinks (LayerSpec.attn_sinks), the checkpoint's `self_attn.sinks`: [Hq]
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads, device=device)) if spec.attn_sinks else None
@@ -101,6 +104,7 @@ class Attention(nn.Module):
         hand the fused qkv_proj a bf16 x (its bf16 GEMM's operand, qkv_dtype=float32) and take o_proj's
         bf16 result (out_dtype=bfloat16) where those GEMMs are bf16 (_bf16_gemm)."""
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        meta = meta.group(self.kv_group)  # this layer's slots and block tables
         if self.qkv_proj is not None and (not self.full_qk_norm or ops is not None):
             # [T, (Hq + 2 Hkv) * D]
             qkv = self.qkv_proj(x) if qkv_dtype is None else self.qkv_proj(x, out_dtype=qkv_dtype)

@@ -33,13 +33,26 @@ class ForwardBatch:
         return any(lora is not None for lora in self.lora_requests)
 
 
+def _slots_and_tables(
+    sched: SchedulerOutput, group: int, block_size: int
+) -> tuple[list[int], list[list[int]]]:
+    """KV group `group`'s slot of every new token ([T]) and its block-table rows, padded with 0."""
+    slots: list[int] = []
+    tables: list[tuple[int, ...]] = []
+    for item in sched.scheduled:
+        table = item.block_ids if group == 0 else item.group_block_ids[group - 1]
+        for pos in range(item.start, item.start + item.num_new_tokens):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        tables.append(table)
+    max_blocks = max((len(t) for t in tables), default=1)
+    return slots, [list(t) + [0] * (max_blocks - len(t)) for t in tables]
+
+
 def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
-    tables: list[tuple[int, ...]] = []
     logits_idx: list[int] = []
     sampled_ids: list[str] = []
     request_ids: list[str] = []
@@ -53,10 +66,8 @@ def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.d
         for pos in range(start, start + n):
             input_ids.append(req.token_at(pos) if pos < known else item.spec_token_ids[pos - known])
             positions.append(pos)
-            slots.append(item.block_ids[pos // block_size] * block_size + pos % block_size)
         query_lens.append(n)
         context_lens.append(start + n)
-        tables.append(item.block_ids)
         offset += n
         request_ids.append(req.request_id)
         if item.spec_token_ids:
@@ -66,8 +77,7 @@ def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.d
             logits_idx.append(offset - 1)
             sampled_ids.append(req.request_id)
 
-    max_blocks = max((len(t) for t in tables), default=1)
-    table_rows = [list(t) + [0] * (max_blocks - len(t)) for t in tables]
+    num_groups = 1 + (len(sched.scheduled[0].group_block_ids) if sched.scheduled else 0)
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
@@ -78,16 +88,23 @@ def build_forward_batch(sched: SchedulerOutput, block_size: int, device: torch.d
     def i32(x: list[int] | list[list[int]]) -> Tensor:
         return torch.tensor(x, dtype=torch.int32, device=device)
 
-    attn = AttentionMetadata(
-        slot_mapping=i64(slots),
-        block_tables=i32(table_rows),
-        context_lens=i32(context_lens),
-        query_start_loc=i32(qsl),
-        max_query_len=max(query_lens, default=0),
-        max_context_len=max(context_lens, default=0),
-        query_lens_cpu=tuple(query_lens),
-        context_lens_cpu=tuple(context_lens),
-    )
+    ctx, starts = i32(context_lens), i32(qsl)
+
+    def meta(group: int, kv_groups: tuple[AttentionMetadata, ...] = ()) -> AttentionMetadata:
+        slots, table_rows = _slots_and_tables(sched, group, block_size)
+        return AttentionMetadata(
+            slot_mapping=i64(slots),
+            block_tables=i32(table_rows),
+            context_lens=ctx,
+            query_start_loc=starts,
+            max_query_len=max(query_lens, default=0),
+            max_context_len=max(context_lens, default=0),
+            query_lens_cpu=tuple(query_lens),
+            context_lens_cpu=tuple(context_lens),
+            kv_groups=kv_groups,
+        )
+
+    attn = meta(0, tuple(meta(g) for g in range(1, num_groups)))
     return ForwardBatch(
         input_ids=i64(input_ids),
         positions=i64(positions),

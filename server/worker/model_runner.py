@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from server.attention import AttentionBackend
+from server.core.kv_groups import KVLayout
 from server.core.outputs import Logprob, ModelOutput, SchedulerOutput, TokenLogprobs
 from server.lora.manager import LoRAManager
 from server.models.llama import LlamaForCausalLM
@@ -42,21 +43,32 @@ class ModelRunner:
         structured: StructuredOutputManager | None = None,
         lora: LoRAManager | None = None,
         logprobs_mode: str = "raw_logprobs",
+        layout: KVLayout | None = None,
     ) -> None:
+        """`layout`: the KV layer groups (server/core/kv_groups.py): each layer's caches get its group's
+        block count and its Attention reads its group's tables; None: one group of `num_blocks`."""
         self.model = model
         self.lora = lora  # wraps the model's projections; None = LoRA disabled
         self.backend = backend
         self.block_size = block_size
         self.device = device
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches: list[tuple[Tensor, Tensor]] = [
-            (
-                torch.zeros(shape, dtype=kv_cache_dtype, device=device),
-                torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+        if layout is not None:
+            if len(layout.layer_group) != cfg.num_layers:
+                raise ValueError(f"layout: {len(layout.layer_group)} layers, the model has {cfg.num_layers}")
+            for layer, g in zip(model.decoder_layers(), layout.layer_group, strict=True):
+                layer.self_attn.kv_group = g
+        self.layout = layout
+        self.kv_caches: list[tuple[Tensor, Tensor]] = []
+        for i in range(cfg.num_layers):
+            n = num_blocks if layout is None else layout.layer_num_blocks(i)
+            shape = (n, block_size, cfg.num_kv_heads, cfg.head_dim)
+            self.kv_caches.append(
+                (
+                    torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+                    torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+                )
             )
-            for _ in range(cfg.num_layers)
-        ]
         self.logprobs_mode = logprobs_mode
         self.sampler = Sampler(logprobs_mode)
         self._prompt_lps: dict[str, list[TokenLogprobs | None]] = {}

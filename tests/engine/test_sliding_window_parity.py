@@ -129,22 +129,78 @@ def test_prompt_logprobs_match(model_dir: Path) -> None:
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
+def _held_per_layer(engine: LLMEngine) -> list[int]:
+    """Blocks each layer's KV cache holds now: its group's pool (one pool for all before KV groups)."""
+    groups = getattr(engine.kv, "groups", None)
+    out = []
+    for layer in engine.loaded.model.decoder_layers():
+        pool = groups[layer.self_attn.kv_group].pool if groups else engine.kv.pool
+        out.append(pool.num_blocks - pool.num_free_blocks)
+    return out
+
+
 def test_a_windowed_model_holds_its_window_only(model_dir: Path) -> None:
-    """Mistral (every layer windowed): a request holds about W / block_size + 1 blocks of 8 however long it
-    grows, blocks out of the window going back to the pool; Qwen2 with a global layer keeps them all."""
-    engine = _engine(model_dir, "cpu", max_num_batched_tokens=16, long_prefill_token_threshold=16)
+    """Every windowed layer holds about W / block_size + 1 blocks of 8 however long the request grows,
+    blocks out of the window going back to the pool: Mistral's one group, and Qwen2's windowed layers in
+    their own group beside the global layer, which keeps all 11 (kv_groups.py). An abort mid-decode
+    leaves every group's pool whole."""
+    engine = _engine(
+        model_dir, "cpu", max_num_batched_tokens=16, long_prefill_token_threshold=16, max_num_seqs=2
+    )
+    windows = [layer.self_attn.sliding_window for layer in engine.loaded.model.decoder_layers()]
     prompt = _prompts(1, seed=9)[0]  # 48 tokens
     engine.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    most = 0
+    most = [0] * len(windows)
     while engine.has_unfinished():
         engine.step()
-        most = max(most, engine.stats().num_total_blocks - engine.stats().num_free_blocks)
-    if engine.loaded.arch.all_layers_windowed:
-        # the window's 16 tokens span at most 3 blocks of 8, plus the blocks of a 16-token chunk
-        assert most <= 3 + 2
-    else:
-        assert most == -(-(48 + 40) // 8)
-    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+        most = [max(m, h) for m, h in zip(most, _held_per_layer(engine), strict=True)]
+    # a window's 16 tokens span at most 3 blocks of 8, plus the blocks of a 16-token chunk; a global
+    # layer the whole 48 + 40 tokens
+    assert most == [-(-(48 + 40) // 8) if w is None else most[i] for i, w in enumerate(windows)]
+    assert all(m <= 3 + 2 for m, w in zip(most, windows, strict=True) if w is not None)
+    if None in windows:  # Qwen2: 1 global layer x 11 blocks + 2 windowed x 5 at most, not 3 x 11
+        assert sum(most) <= 11 + 2 * 5
+        # the windowed group's tensors are sized for 2 sequences' windows: the rest of the bytes went
+        # to the global layer (the same budget: 128 blocks of 3 layers)
+        sizes = [k.shape[0] for k, _ in engine.runner.kv_caches]
+        assert sizes == [128 * 3 - 2 * 10, 10, 10]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert max(_held_per_layer(engine)) > 0
+    engine.abort_request("a")
+    engine.step()
+    assert _held_per_layer(engine) == [0] * len(windows)
+
+
+def test_parity_with_a_windowed_group_of_ten_blocks(model_dir: Path) -> None:
+    """Two seats and 16-token steps: Qwen2's windowed group gets 10 blocks (kv_groups.py), reused over and
+    over by chunked prefills; then prefix hits past the window edge, served by the windowed group's last
+    window and the global layer's whole prefix. Transformers' tokens still, nothing leaked."""
+    hf = _hf(model_dir)
+    prompts = _prompts(4, seed=3)
+    g = torch.Generator().manual_seed(8)
+    shared = torch.randint(3, 49152, (5 * WINDOW,), generator=g).tolist()
+    tails = [shared + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 13)]
+    ref = _hf_greedy(hf, prompts + tails, NEW_TOKENS)
+    engine = _engine(
+        model_dir,
+        "cpu",
+        cache=CacheConfig(block_size=8, num_kv_blocks=128, enable_prefix_caching=True),
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=16,
+        max_num_seqs=2,
+    )
+    if None in windows_of(engine):
+        assert [k.shape[0] for k, _ in engine.runner.kv_caches] == [128 * 3 - 2 * 10, 10, 10]
+    assert run_staggered(engine, prompts, GREEDY) == ref[:4]
+    assert [engine.generate([p], GREEDY)[0] for p in tails] == ref[4:]
+    assert engine.stats().prefix_cache_hits >= 4 * WINDOW
+    assert _held_per_layer(engine) == [0] * len(windows_of(engine))
+
+
+def windows_of(engine: LLMEngine) -> list[int | None]:
+    return [layer.self_attn.sliding_window for layer in engine.loaded.model.decoder_layers()]
 
 
 def test_ngram_speculation_parity(model_dir: Path) -> None:

@@ -450,6 +450,7 @@ struct KiDecodeLayer {
   float residual_mult;   // each sub-block's output scaled before the residual add (Granite)
   int32_t activation;    // 0 silu, 1 gelu_tanh
   float attn_softcap;    // 0: none; cap > 0: scores cap * tanh(s / cap) (Gemma 2), softcap_paged_decode
+  int32_t kv_group;      // 0 or 1: the step's slots / block tables this layer's caches are indexed by
 };
 
 struct KiDecodeModel {
@@ -484,6 +485,10 @@ struct KiDecodeStep {
   float* act;      // [T, I]
   float* delta;    // [T, H]
   int32_t threads;
+  // KV layer group 1 (windowed layers beside global ones: server/core/kv_groups.py), its own blocks
+  const int64_t* slots_g1;         // [T]
+  const int32_t* block_tables_g1;  // [T, bt_stride_g1]
+  int64_t bt_stride_g1;
 };
 
 // The residual add still owed by the previous sub-block (its output in `delta`, its post-norm, its multiplier).
@@ -524,17 +529,21 @@ int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) 
     if (L.rope >= 0 && (rc = kubeinfer_rotary(s->qkv, q_width, t, m->hq + m->hkv, D, L.rotary_dim,
                                               s->cos[L.rope], s->sin[L.rope], nt)))
       return 300 + rc;
-    if ((rc = m->kv_store(m->cache_dtype, L.k_cache, L.v_cache, s->slots, s->qkv + o_width,
+    const bool g1 = L.kv_group == 1;
+    const int64_t* slots = g1 ? s->slots_g1 : s->slots;
+    const int32_t* tables = g1 ? s->block_tables_g1 : s->block_tables;
+    const int64_t bt_stride = g1 ? s->bt_stride_g1 : s->bt_stride;
+    if ((rc = m->kv_store(m->cache_dtype, L.k_cache, L.v_cache, slots, s->qkv + o_width,
                           s->qkv + o_width + kv_width, q_width, t, kv_width)))
       return 1200 + rc;
     if (L.attn_softcap > 0.0f) {
       if ((rc = kubeinfer_softcap_paged_decode(m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache,
-                                               s->block_tables, s->context_lens, s->seqs, s->seqs, t, q_width,
-                                               o_width, s->bt_stride, m->hq, m->hkv, D, m->block_size, L.scale,
+                                               tables, s->context_lens, s->seqs, s->seqs, t, q_width,
+                                               o_width, bt_stride, m->hq, m->hkv, D, m->block_size, L.scale,
                                                L.attn_softcap, L.window, nt)))
         return 1300 + rc;
-    } else if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, s->block_tables,
-                                     s->context_lens, s->seqs, s->seqs, t, q_width, o_width, s->bt_stride, m->hq,
+    } else if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, tables,
+                                     s->context_lens, s->seqs, s->seqs, t, q_width, o_width, bt_stride, m->hq,
                                      m->hkv, D, m->block_size, L.scale, L.window, L.sinks, nt))) {
       return 400 + rc;
     }
