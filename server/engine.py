@@ -253,12 +253,21 @@ class LLMEngine:
         # parallel ranks allocate one group of num_blocks, so there the whole table stays.
         arch = self.loaded.arch
         if self.tp is None:
+            layer_block_bytes = kv_bytes_per_block(self.loaded.model, block_size, self.kv_cache_dtype) // max(
+                1, arch.num_layers
+            )
             layout = plan_kv_layout(
                 [spec.sliding_window for spec in arch.layers],
-                num_blocks,
+                # the budget in blocks of one layer: --kv-cache-memory's bytes, or --num-kv-blocks of all
+                num_blocks * arch.num_layers
+                if config.cache.num_kv_blocks
+                else max(
+                    num_blocks * arch.num_layers, config.cache.kv_cache_memory_bytes // layer_block_bytes
+                ),
                 block_size,
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
+                self.max_model_len,
             )
         else:
             layout = KVLayout((KVGroupSpec(num_blocks, arch.kv_window),), (0,) * len(arch.layers))

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from server.core.kv_groups import cdiv, window_blocks_per_sequence
+
 # Bytes per element of the safetensors dtypes (the format's names).
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8,
@@ -78,7 +80,9 @@ class EstimateError(ValueError):
 class ServingSettings:
     """The server flags the estimate depends on (vLLM's names): `dtype` as `--dtype` (auto: the
     caller's device decides: `auto_dtype`), `quantize` (`--quantize`), `max_model_len`, `max_num_seqs`,
-    `kv_cache_dtype` (`--kv-cache-dtype`), `kv_cache_memory` (`--kv-cache-memory`, bytes)."""
+    `kv_cache_dtype` (`--kv-cache-dtype`), `kv_cache_memory` (`--kv-cache-memory`, bytes), `block_size`
+    (`--block-size`) and `max_num_batched_tokens` (a step's tokens: the prompt chunk a windowed layer
+    holds besides its window, server/core/kv_groups.py)."""
 
     dtype: str = "auto"
     auto_dtype: str = "float32"  # what auto resolves to: fp32 on CPUs without native bf16, the safe bound
@@ -87,6 +91,8 @@ class ServingSettings:
     max_num_seqs: int = 256
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    block_size: int = 16  # server/config.py CacheConfig.block_size
+    max_num_batched_tokens: int = 2048  # server/config.py EngineConfig.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         for name in ("dtype", "auto_dtype", "kv_cache_dtype"):
@@ -101,6 +107,8 @@ class ServingSettings:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.kv_cache_memory < 1:
             raise ValueError("kv_cache_memory must be positive")
+        if self.block_size < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size and max_num_batched_tokens must be >= 1")
 
     @property
     def weight_dtype(self) -> str:
@@ -118,8 +126,10 @@ class MemoryEstimate:
     `weight_bytes`: resident weights (MoE experts included: they are tensors in the files);
     `file_weight_bytes`: the same tensors' bytes in the files; `kv_bytes_per_token`: one token's K and V
     over every full-attention layer; `kv_window_bytes_per_sequence`: the windowed layers' K and V of one
-    sequence of `max_model_len` tokens (each at most its window); `kv_bytes_per_sequence`: one sequence of
-    `max_model_len` tokens; `kv_bytes_for_context`: `max_num_seqs` of them; `kv_cache_bytes`: what the
+    sequence of `max_model_len` tokens as the engine's KV groups hold it (the widest window, a block of
+    slack on each edge and one step's `max_num_batched_tokens`, in whole blocks, at most the context:
+    kv_groups.window_blocks_per_sequence); `kv_bytes_per_sequence`: one sequence of `max_model_len`
+    tokens (the full layers' in whole blocks), what kv_groups.plan_kv_layout keeps room for; `kv_bytes_for_context`: `max_num_seqs` of them; `kv_cache_bytes`: what the
     server allocates (`--kv-cache-memory`); `runtime_overhead_bytes`: the process besides these;
     `total_bytes`: weights + allocated KV + overhead; `minimum_bytes`: weights + one sequence + overhead,
     below which the server cannot serve a full-length request."""
@@ -336,8 +346,15 @@ def _assemble(
     layer_token = 2 * att.num_kv_heads * att.head_dim * DTYPE_BYTES[settings.cache_dtype]
     full_layers = sum(1 for w in att.windows if w is None)
     per_token = full_layers * layer_token
-    window_seq = sum(min(w, max_len) * layer_token for w in att.windows if w is not None)
-    per_seq = max_len * per_token + window_seq
+    bs = settings.block_size
+    windowed = [w for w in att.windows if w is not None]
+    window_tokens = (
+        window_blocks_per_sequence(max(windowed), bs, settings.max_num_batched_tokens, max_len) * bs
+        if windowed
+        else 0
+    )
+    window_seq = len(windowed) * window_tokens * layer_token
+    per_seq = cdiv(max_len, bs) * bs * per_token + window_seq
     overhead = RUNTIME_OVERHEAD_BYTES
     return MemoryEstimate(
         source=source,

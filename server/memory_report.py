@@ -38,6 +38,8 @@ def serving_estimate(
             max_num_seqs=config.max_num_seqs,
             kv_cache_dtype=cache.cache_dtype,
             kv_cache_memory=cache.kv_cache_memory_bytes,
+            block_size=cache.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         return estimate_memory(model, settings)
     except (EstimateError, ValueError, OSError) as e:

@@ -7,10 +7,11 @@ tensors per group: a model whose every layer attends globally (Llama) or whose e
 Qwen2/3 with `max_window_layers`) has two, group 0 full and group 1 windowed, so that the windowed
 layers' blocks behind the window go back to their pool while the global layers keep the whole context.
 
-The budget (the blocks one all-layers pool would have, `num_blocks`) is split by bytes: the windowed
-group gets what its running requests can hold at most (each request's window plus a block on either
-side, plus one step's tokens: `window_group_blocks`), never more than `num_blocks`, and the full group
-the rest of the bytes, so the total is the budget and anything that fit in one pool fits in the groups.
+The budget (`--kv-cache-memory` in blocks of one layer) is split by bytes (`plan_kv_layout`): the
+windowed group gets what its running requests can hold at most (each request's window plus a block on
+either side, plus one step's tokens: `window_group_blocks`) and the full group the rest; where memory is
+short of that for `max_num_seqs` full-length sequences, the two split it as their demands do, keeping
+room for one full-length sequence in each, which is what server/memory_estimate.py's minimum counts.
 """
 
 from __future__ import annotations
@@ -62,35 +63,61 @@ def window_group_blocks(window: int, block_size: int, max_num_seqs: int, max_num
     """The most blocks the windowed group's running requests hold at once: each request's window
     (W - 1 keys behind its first new token, its own block and one of slack at each edge), plus the
     blocks one step's new tokens fill (a prompt chunk's whole span is stored before it is attended)."""
-    per_request = cdiv(window - 1, block_size) + 2
-    return max_num_seqs * per_request + cdiv(max_num_batched_tokens, block_size)
+    return max_num_seqs * (cdiv(window - 1, block_size) + 2) + cdiv(max_num_batched_tokens, block_size)
+
+
+def window_blocks_per_sequence(
+    window: int, block_size: int, max_num_batched_tokens: int, max_model_len: int
+) -> int:
+    """The most blocks one sequence alone holds in the windowed group: its window and one step's chunk,
+    at most its whole context. server/memory_estimate.py counts a windowed layer's sequence by this."""
+    return min(
+        cdiv(max_model_len, block_size),
+        cdiv(window - 1, block_size) + 2 + cdiv(max_num_batched_tokens, block_size),
+    )
 
 
 def plan_kv_layout(
     layer_windows: Sequence[int | None],
-    num_blocks: int,
+    layer_blocks: int,
     block_size: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    max_model_len: int,
 ) -> KVLayout:
     """The groups for layers whose windows are `layer_windows` (None: global), given a budget of
-    `num_blocks` blocks of every layer (module docstring). Raises ValueError for no layers."""
+    `layer_blocks` blocks of one layer (--kv-cache-memory over one layer's block bytes). Two groups:
+    the windowed group gets what its `max_num_seqs` running sequences can hold (window_group_blocks)
+    where every sequence of `max_model_len` fits in the full group besides; with less memory the two
+    split it as those demands do, the windowed group keeping at least one sequence
+    (window_blocks_per_sequence) and the full group one whole sequence where the budget allows, and
+    never fewer blocks than one pool of every layer would have (so what fit in one pool still fits).
+    Raises ValueError for no layers or a budget below one block per layer."""
     if not layer_windows:
         raise ValueError("a model needs at least one layer")
+    n_layers = len(layer_windows)
+    if layer_blocks < n_layers:
+        raise ValueError(f"a KV budget of {layer_blocks} layer blocks is less than one block per layer")
     windowed = [w for w in layer_windows if w is not None]
-    n_layers, n_win = len(layer_windows), len(windowed)
-    if n_win == 0:
-        return KVLayout((KVGroupSpec(num_blocks),), (0,) * n_layers)
+    if not windowed or len(windowed) == n_layers:
+        widest = max(windowed) if windowed else None
+        return KVLayout((KVGroupSpec(layer_blocks // n_layers, widest),), (0,) * n_layers)
     widest = max(windowed)
-    if n_win == n_layers:
-        return KVLayout((KVGroupSpec(num_blocks, widest),), (0,) * n_layers)
+    n_win = len(windowed)
     n_full = n_layers - n_win
-    win_blocks = min(
-        num_blocks, window_group_blocks(widest, block_size, max_num_seqs, max_num_batched_tokens)
-    )
-    # bytes of num_blocks blocks of every layer, less the windowed group's, all to the full layers
-    full_blocks = (num_blocks * n_layers - win_blocks * n_win) // n_full
+    full_seq = cdiv(max_model_len, block_size)
+    want_win = window_group_blocks(widest, block_size, max_num_seqs, max_num_batched_tokens)
+    want_full = max_num_seqs * full_seq
+    min_win = window_blocks_per_sequence(widest, block_size, max_num_batched_tokens, max_model_len)
+    if n_win * want_win + n_full * want_full <= layer_blocks:
+        win = want_win
+    else:  # split as the demands do, one sequence each at least (the full group's first)
+        win = layer_blocks * want_win // (n_win * want_win + n_full * want_full)
+        win = max(min(win, (layer_blocks - n_full * full_seq) // n_win), min_win)
+    # never below what one pool of every layer would give the full layers (layer_blocks // n_layers)
+    win = max(1, min(win, layer_blocks // n_layers))
+    full = (layer_blocks - n_win * win) // n_full
     return KVLayout(
-        (KVGroupSpec(full_blocks), KVGroupSpec(win_blocks, widest)),
+        (KVGroupSpec(full), KVGroupSpec(win, widest)),
         tuple(0 if w is None else 1 for w in layer_windows),
     )

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from server.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
-from server.core.kv_groups import KVGroupSpec, KVLayout, plan_kv_layout, window_group_blocks
+from server.core.kv_groups import (
+    KVGroupSpec,
+    KVLayout,
+    plan_kv_layout,
+    window_blocks_per_sequence,
+    window_group_blocks,
+)
 from server.request import Request, SamplingParams
 
 BS, W = 4, 6
@@ -38,18 +44,32 @@ def _prefill(kv: KVCacheManager, req: Request, chunk: int) -> list[tuple[int, in
 
 
 def test_plan_splits_the_budget_by_bytes() -> None:
-    # one global and two windowed layers, 128 blocks of every layer: the windowed group gets what 2 seqs
-    # can hold (2 x (ceil(15 / 8) + 2) + ceil(16 / 8) = 10 blocks), the global layer the rest of the bytes
-    layout = plan_kv_layout([None, 16, 16], 128, 8, max_num_seqs=2, max_num_batched_tokens=16)
-    assert layout.groups == (KVGroupSpec(128 * 3 - 10 * 2), KVGroupSpec(10, 16))
-    assert layout.layer_group == (0, 1, 1)
+    # one global and two windowed layers, 128 blocks of every layer (384 of one layer), 2 seats, 16-token
+    # steps: the windowed group gets what 2 seqs can hold, 2 x (ceil(15 / 8) + 2) + ceil(16 / 8) = 10
+    # blocks, where 2 sequences of 128 tokens (16 blocks) fit in the global layer's rest of the bytes
     assert window_group_blocks(16, 8, 2, 16) == 10
-    # never more than the budget for the windowed group; one group where every layer is alike
-    assert plan_kv_layout([None, 16], 8, 8, 256, 2048).groups == (KVGroupSpec(8), KVGroupSpec(8, 16))
-    assert plan_kv_layout([None, None], 8, 8, 4, 16) == KVLayout((KVGroupSpec(8),), (0, 0))
-    assert plan_kv_layout([32, 16], 8, 8, 4, 16) == KVLayout((KVGroupSpec(8, 32),), (0, 0))
+    layout = plan_kv_layout(
+        [None, 16, 16], 384, 8, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128
+    )
+    assert layout.groups == (KVGroupSpec(384 - 10 * 2), KVGroupSpec(10, 16))
+    assert layout.layer_group == (0, 1, 1)
+    # 2 sequences of 8192 tokens (2 x 1024 blocks) do not fit: the windowed group keeps one sequence's
+    # window and chunk (ceil(15 / 8) + 2 + 2 = 6 blocks), the global layer takes the rest
+    assert window_blocks_per_sequence(16, 8, 16, 8192) == 6
+    layout = plan_kv_layout([None, 16, 16], 384, 8, 2, 16, 8192)
+    assert layout.groups == (KVGroupSpec(384 - 6 * 2), KVGroupSpec(6, 16))
+    # never fewer blocks for the global layer than one pool of every layer would give (128)
+    assert plan_kv_layout([None, 16, 16], 384, 8, 256, 2048, 8192).groups == (
+        KVGroupSpec(128),
+        KVGroupSpec(128, 16),
+    )
+    # one group where every layer is alike
+    assert plan_kv_layout([None, None], 16, 8, 4, 16, 64) == KVLayout((KVGroupSpec(8),), (0, 0))
+    assert plan_kv_layout([32, 16], 16, 8, 4, 16, 64) == KVLayout((KVGroupSpec(8, 32),), (0, 0))
     with pytest.raises(ValueError, match="at least one layer"):
-        plan_kv_layout([], 8, 8, 4, 16)
+        plan_kv_layout([], 8, 8, 4, 16, 64)
+    with pytest.raises(ValueError, match="one block per layer"):
+        plan_kv_layout([None, 16], 1, 8, 4, 16, 64)
     with pytest.raises(ValueError, match="sliding_window"):
         KVGroupSpec(8, 0)
 

@@ -13,6 +13,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from safetensors.numpy import save_file
 
+from server.core.kv_groups import plan_kv_layout
 from server.memory_estimate import (
     GGUF_RESIDENT_BITS,
     RUNTIME_OVERHEAD_BYTES,
@@ -78,14 +79,21 @@ def test_kv_per_token_counts_windowed_layers_at_their_window(tmp_path: Path) -> 
     folder = _write_folder(tmp_path / "m", GEMMA3)
     est = estimate_memory(
         folder,
-        ServingSettings(dtype="bfloat16", max_model_len=2048, max_num_seqs=4, kv_cache_memory=1 << 28),
+        ServingSettings(
+            dtype="bfloat16",
+            max_model_len=2048,
+            max_num_seqs=4,
+            kv_cache_memory=1 << 28,
+            max_num_batched_tokens=256,
+        ),
     )
     layer_token = 2 * 2 * 32 * 2  # K and V, 2 KV heads, head_dim 32, bf16
-    # pattern 6: layers 0-4 windowed (512 tokens), layer 5 global (2048)
+    # pattern 6: layers 0-4 windowed (512 tokens), layer 5 global (2048); a windowed layer holds its
+    # window's 32 blocks of 16, a block of slack at each edge and a 256-token chunk: 50 blocks, 800 tokens
     assert est.num_layers == 6 and est.num_windowed_layers == 5
     assert est.kv_bytes_per_token == layer_token
-    assert est.kv_window_bytes_per_sequence == 5 * 512 * layer_token
-    assert est.kv_bytes_per_sequence == 2048 * layer_token + 5 * 512 * layer_token
+    assert est.kv_window_bytes_per_sequence == 5 * 800 * layer_token
+    assert est.kv_bytes_per_sequence == 2048 * layer_token + 5 * 800 * layer_token
     assert est.kv_bytes_for_context == 4 * est.kv_bytes_per_sequence
     assert est.total_bytes == est.weight_bytes + (1 << 28) + RUNTIME_OVERHEAD_BYTES
     assert est.minimum_bytes == est.weight_bytes + est.kv_bytes_per_sequence + RUNTIME_OVERHEAD_BYTES
@@ -135,7 +143,14 @@ def test_layer_windows_match_what_the_loader_serves(kind: str, tmp_path: Path) -
     est = estimate_memory(folder, ServingSettings(dtype="float32", max_model_len=4096))
     layer_token = 2 * 2 * 32 * 4
     assert est.num_windowed_layers == sum(w is not None for w in windows)
-    assert est.kv_bytes_per_sequence == sum(min(w or 4096, 4096) for w in windows) * layer_token
+    # the widest window, a block of slack at each edge and a 2048-token chunk, in blocks of 16
+    widest = max((w for w in windows if w is not None), default=0)
+    held = min(4096, (-(-(widest - 1) // 16) + 2 + 128) * 16)
+    assert est.kv_bytes_per_sequence == sum(4096 if w is None else held for w in windows) * layer_token
+    # the engine's KV groups given exactly that budget keep room for one full-length sequence
+    layout = plan_kv_layout(windows, est.kv_bytes_per_sequence // (16 * layer_token), 16, 256, 2048, 4096)
+    for group in layout.groups:
+        assert group.num_blocks >= (256 if group.sliding_window is None else held // 16)
 
 
 GGUF_TYPES = ["Q4_K", "Q6_K", "IQ4_XS", "Q8_0", "Q5_K", "Q2_K", "IQ2_XS", "F16"]
