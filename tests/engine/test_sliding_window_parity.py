@@ -1,7 +1,7 @@
 """Sliding-window models through the paged engine against transformers (eager attention, which applies the
-window mask), with prompts several windows long: a tiny random Mistral (every layer windowed) and a Qwen2
-with `use_sliding_window` (layers from `max_window_layers` on windowed, the first global: the interleaved
-case). Greedy tokens equal, prompt logprobs within 1e-4, through chunked prefill, a prefix-cache hit past the
+window mask), with prompts several windows long: a tiny random Mistral (every layer windowed), a Qwen2
+with `use_sliding_window` (layers from `max_window_layers` on windowed, the first global) and a Gemma 3
+(two windowed layers, then a global one): the interleaved cases, in their own KV layer groups. Greedy tokens equal, prompt logprobs within 1e-4, through chunked prefill, a prefix-cache hit past the
 window edge and preemption."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from server.request import SamplingParams
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["mistral", "qwen2", "gemma3"])
 def model_dir(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
 ) -> Path:
@@ -67,10 +67,12 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 def test_the_config_window_reaches_every_layer(model_dir: Path) -> None:
     engine = _engine(model_dir, "torch")
     windows = [layer.self_attn.sliding_window for layer in engine.loaded.model.decoder_layers()]
-    expect = (
-        [WINDOW] * 3 if engine.loaded.arch.architecture == "MistralForCausalLM" else [None, WINDOW, WINDOW]
-    )
-    assert windows == expect
+    expect = {
+        "MistralForCausalLM": [WINDOW] * 3,
+        "Qwen2ForCausalLM": [None, WINDOW, WINDOW],
+        "Gemma3ForCausalLM": [WINDOW, WINDOW, None],
+    }
+    assert windows == expect[engine.loaded.arch.architecture]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -141,8 +143,8 @@ def _held_per_layer(engine: LLMEngine) -> list[int]:
 
 def test_a_windowed_model_holds_its_window_only(model_dir: Path) -> None:
     """Every windowed layer holds about W / block_size + 1 blocks of 8 however long the request grows,
-    blocks out of the window going back to the pool: Mistral's one group, and Qwen2's windowed layers in
-    their own group beside the global layer, which keeps all 11 (kv_groups.py). An abort mid-decode
+    blocks out of the window going back to the pool: Mistral's one group, and Qwen2's and Gemma 3's windowed
+    layers in their own group beside the global layer, which keeps all 11 (kv_groups.py). An abort mid-decode
     leaves every group's pool whole."""
     engine = _engine(
         model_dir, "cpu", max_num_batched_tokens=16, long_prefill_token_threshold=16, max_num_seqs=2
@@ -158,13 +160,13 @@ def test_a_windowed_model_holds_its_window_only(model_dir: Path) -> None:
     # layer the whole 48 + 40 tokens
     assert most == [-(-(48 + 40) // 8) if w is None else most[i] for i, w in enumerate(windows)]
     assert all(m <= 3 + 2 for m, w in zip(most, windows, strict=True) if w is not None)
-    if None in windows:  # Qwen2: 1 global layer x 11 blocks + 2 windowed x 5 at most, not 3 x 11
+    if None in windows:  # Qwen2, Gemma 3: 1 global layer x 11 blocks + 2 windowed x 5 at most, not 3 x 11
         assert sum(most) <= 11 + 2 * 5
         # the windowed group's tensors are sized for 2 sequences' windows and a 16-token step (2 x 4 + 2
         # blocks: kv_groups.plan_kv_layout), the rest of the bytes (128 blocks of 3 layers) went to the
         # global layer
         sizes = [k.shape[0] for k, _ in engine.runner.kv_caches]
-        assert sizes == [128 * 3 - 2 * 10, 10, 10]
+        assert sizes == [128 * 3 - 2 * 10 if w is None else 10 for w in windows]
     engine.add_request("a", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     for _ in range(6):
         engine.step()
@@ -175,7 +177,7 @@ def test_a_windowed_model_holds_its_window_only(model_dir: Path) -> None:
 
 
 def test_parity_with_a_windowed_group_of_ten_blocks(model_dir: Path) -> None:
-    """Two seats and 16-token steps: Qwen2's windowed group gets 10 blocks (kv_groups.py), reused over and
+    """Two seats and 16-token steps: Qwen2's and Gemma 3's windowed group gets 10 blocks (kv_groups.py), reused over and
     over by chunked prefills; then prefix hits past the window edge, served by the windowed group's last
     window and the global layer's whole prefix. Transformers' tokens still, nothing leaked."""
     hf = _hf(model_dir)
@@ -193,7 +195,8 @@ def test_parity_with_a_windowed_group_of_ten_blocks(model_dir: Path) -> None:
         max_num_seqs=2,
     )
     if None in windows_of(engine):
-        assert [k.shape[0] for k, _ in engine.runner.kv_caches] == [128 * 3 - 2 * 10, 10, 10]
+        sizes = [k.shape[0] for k, _ in engine.runner.kv_caches]
+        assert sizes == [128 * 3 - 2 * 10 if w is None else 10 for w in windows_of(engine)]
     assert run_staggered(engine, prompts, GREEDY) == ref[:4]
     assert [engine.generate([p], GREEDY)[0] for p in tails] == ref[4:]
     assert engine.stats().prefix_cache_hits >= 4 * WINDOW
