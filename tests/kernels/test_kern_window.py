@@ -121,12 +121,13 @@ def test_triton_backend_interleaves_windowed_and_global_layers(device: torch.dev
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3"])
 def test_engine_on_triton_matches_transformers_past_the_window(
     arch: str, tmp_path: Path, smollm2_dir: Path, device: torch.device
 ) -> None:
     """A tiny sliding-window model (window 16) through the engine on the Triton backend, chunked prefill
-    (a 12-token budget) over prompts ~3 windows long: transformers' greedy tokens (eager attention)."""
+    (a 12-token budget) over prompts ~3 windows long: transformers' greedy tokens (eager attention). Qwen2's
+    and Gemma 3's windowed layers read their own KV group of 6 blocks, too few for both seats' windows."""
     from transformers import AutoModelForCausalLM
 
     folder = build_window_model(tmp_path / arch, smollm2_dir, arch)
@@ -147,8 +148,14 @@ def test_engine_on_triton_matches_transformers_past_the_window(
             max_num_batched_tokens=12,
             long_prefill_token_threshold=12,
             attention_backend="triton",
+            max_num_seqs=2,
         )
     )
     assert engine.backend_name == "triton"
+    windows = [layer.self_attn.sliding_window for layer in engine.loaded.model.decoder_layers()]
+    if None in windows:  # server/core/kv_groups.py: the windowed layers' own blocks, one sequence's
+        # window and 12-token chunk (2 + 2 + 2 blocks: 2 sequences of 1024 tokens do not fit in 64 x 3)
+        sizes = [k.shape[0] for k, _ in engine.runner.kv_caches]
+        assert sizes == [64 * 3 - 2 * 6 if w is None else 6 for w in windows]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert run_staggered(engine, prompts, params) == ref
