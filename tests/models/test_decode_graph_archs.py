@@ -61,6 +61,8 @@ def _engine(folder: Path, cache: Path) -> LLMEngine:
             ),
             # no prefix cache: each run computes its prompts whole, so the runs differ by the graph only
             cache=CacheConfig(block_size=4, num_kv_blocks=128, enable_prefix_caching=False),
+            # 32-token steps: Gemma 2/3's windowed layers get a KV group smaller than the global layers'
+            max_num_batched_tokens=32,
         )
     )
 
@@ -123,6 +125,12 @@ def test_graph_bit_identical_and_greedy_parity(tiny: Callable[[str], Path], cach
     assert model.fused_ops is not None
     if kind in ("gemma2", "gemma3"):
         assert {s.sliding_window for s in engine.loaded.arch.layers} == {WINDOW, None}
+        # the windowed layers' caches are their own KV group's, smaller (server/core/kv_groups.py): the
+        # graph gives those layers the step's group-1 slots and tables
+        layers, caches = engine.loaded.arch.layers, engine.runner.kv_caches
+        sizes = {(s.sliding_window, k.shape[0]) for s, (k, _) in zip(layers, caches, strict=True)}
+        (windowed,), (full,) = ([n for w, n in sizes if w == want] for want in (WINDOW, None))
+        assert windowed < full
     if kind == "gemma2":  # both caps in play: the graph's attention and compute_logits after it
         assert {s.attn_softcap for s in engine.loaded.arch.layers} == {2.0}
         assert engine.loaded.arch.final_logit_softcap == 5.0
