@@ -143,10 +143,10 @@ class ArchConfig:
 
     @property
     def fused_cpu(self) -> bool:
-        """Every layer's MLP is dense: the compiled fp32 CPU path (and, where decode_graph.py can record
-        it, the decode graph) serves the model, whatever its layer kind. Mixture-of-experts layers run
-        their own block on the torch path."""
-        return all(spec.mlp == "dense" for spec in self.layers)
+        """Every layer's MLP is one the compiled fp32 CPU path can call (dense, or a mixture-of-experts
+        block between its fused norms): the fused path (and, where decode_graph.py can record it, the
+        decode graph) serves the model, whatever its layer kind."""
+        return all(spec.mlp in ("dense", "moe") for spec in self.layers)
 
     @property
     def is_llama(self) -> bool:

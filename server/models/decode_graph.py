@@ -166,7 +166,8 @@ def layer_refusal(spec: LayerSpec) -> str | None:
     """What of this layer kind the compiled graph cannot run yet, or None: every field of the layer
     contract is data in the graph's layer record (Gemma 2's attention soft-cap too: its layers attend
     through cpu_fused.cpp's softcap_paged_decode, as the Python fused path does) except a
-    mixture-of-experts MLP (its own block, the torch path)."""
+    mixture-of-experts MLP (its own block, called by the Python fused path between the compiled
+    norms: the graph has no float router GEMV, top-k or experts call yet)."""
     if spec.mlp != "dense":
         return f"a {spec.mlp!r} MLP runs its own block"
     if spec.activation not in _ACTIVATIONS:

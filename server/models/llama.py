@@ -1,8 +1,10 @@
 """Our decoder-only model over the paged KV cache, for every registered architecture
 (server/models/registry.py): the shared layers (layers.py) configured by the layer contract
-(`ArchConfig.layers`). Models whose layers all have a dense MLP (`ArchConfig.fused_cpu`) also get the
-compiled fp32 CPU path and the decode graph, whatever their layer kind (norms, activation, rotary, window,
-multipliers: the layer contract's fields, read as data).
+(`ArchConfig.layers`). On CPU in fp32 every model gets the compiled fused ops (`ArchConfig.fused_cpu`),
+whatever its layer kind (norms, activation, rotary, window, multipliers, attention sinks: the layer
+contract's fields, read as data); a mixture-of-experts layer's MLP is its own block (SparseMoeBlock, one
+native experts call) between the fused norms. Models whose layers all have a dense MLP also get the decode
+graph (decode_graph.layer_refusal says what it refuses).
 
 Module names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...), so weights
 load by name and a quantized Linear can replace any projection without touching this file.
@@ -21,6 +23,7 @@ from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
 from server.models.decode_graph import DecodeGraph, cache_pointers
 from server.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from server.models.moe.block import SparseMoeBlock
 from server.models.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -188,7 +191,6 @@ class LlamaForCausalLM(nn.Module):
             self.decoder_layers(), kv_caches, self.rope_indices(), strict=True
         ):
             norms, attn, mlp, mult = layer.norms(), layer.self_attn, layer.mlp, layer.spec.residual_multiplier
-            assert isinstance(mlp, MLP)  # cfg.fused_cpu: every layer's MLP is dense
             # Where a projection's GEMM is bf16 (prefill-sized batches), the norm hands it a bf16 operand
             # and takes its bf16 result as the next delta: the values of rounding and widening around an
             # fp32 stream, without the [T, H] fp32 <-> bf16 copies (the residual stream h stays fp32).
@@ -212,6 +214,11 @@ class LlamaForCausalLM(nn.Module):
                 qkv_dtype=qkv_dtype,
                 out_dtype=a_dtype,
             )
+            if isinstance(mlp, SparseMoeBlock):
+                # the router and the experts' native call take fp32 rows; the block returns fp32
+                x = _residual(ops, h, _Pending(a, norms.attn_out, mult), norms.mlp_in, fp32)
+                pending = _Pending(mlp(h if x is None else x), norms.mlp_out, mult)
+                continue
             x_dtype = bf16 if plain and shared.bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
             x = _residual(ops, h, _Pending(a, norms.attn_out, mult), norms.mlp_in, x_dtype)
             # bf16 where x is (MLP.forward's bf16 chain), else fp32
