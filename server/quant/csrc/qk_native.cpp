@@ -1,0 +1,344 @@
+// y[M, N] = Q8K(x)[M, K] @ W[N, K]^T over GGUF's own k-quant super-blocks (block_q4_K, block_q6_K), held
+// as the file's bytes: no repack, the resident bits per weight are the file's (4.5 and 6.5625).
+//
+// Block layouts (ggml/src/ggml-common.h; gguf-py's quants.py reads them the same way), 256 values each:
+//   block_q4_K {fp16 d; fp16 dmin; u8 scales[12]; u8 qs[128]}  w = d*sc_j*q - dmin*m_j, j = k / 32,
+//     sc_j/m_j 6-bit (ggml's get_scale_min_k4), qs[32c + l]: k = 64c + l (low nibble), 64c + 32 + l (high)
+//   block_q6_K {u8 ql[128]; u8 qh[64]; s8 scales[16]; fp16 d}  w = d*sc_j*(q - 32), j = k / 16, q 6-bit:
+//     per 128-half h, l < 32: k = 128h + l      : ql[64h + l] & 15  | (qh[32h + l] >> 0 & 3) << 4
+//                             k = 128h + 32 + l : ql[64h+32+l] & 15 | (qh[32h + l] >> 2 & 3) << 4
+//                             k = 128h + 64 + l : ql[64h + l] >> 4  | (qh[32h + l] >> 4 & 3) << 4
+//                             k = 128h + 96 + l : ql[64h+32+l] >> 4 | (qh[32h + l] >> 6 & 3) << 4
+//
+// Activations: ggml's q8_K idea. Each row of x is quantized per 256-value block to int8 with one fp32
+// scale, dx = max|x_b| / 127, q = round-half-even(x * (1 / dx)) (fp32), plus the sums of q per 16
+// values for the min (Q4_K) and offset (Q6_K) terms. Per super-block of a weight row:
+//   Q4_K: d dx sum_j sc_j dot_j(q_w, q_x)  -  dmin dx sum_j m_j sum_{k in j} q_x
+//   Q6_K: d dx sum_j sc_j (dot_j(q_w, q_x) - 32 sum_{k in j} q_x)
+// with the dot products and their scaled sums in int32 (|.| < 2^25: exact), so the result is W @ x^ for
+// x^ = dx q the activation as quantized, up to fp32 rounding (cpu_qk_native.linear_reference).
+//
+// Code paths, chosen at run time (kubeinfer_qk_set_path from Python's usable CPU features, lowered to
+// what libgcc's CPUID check reports):
+//   vnni    AVX512-VNNI `vpdpbusd` on 512-bit vectors: the weights unpacked to u8 (0..15 or 0..63) in k
+//           order, four vectors per super-block, dotted with the s8 activations; the per-lane int32 sums
+//           multiplied by their sub-block's scale (vpmulld) and summed into one vector per row of x.
+//   scalar  plain C++, any CPU.
+// Batches: each weight row's super-block is unpacked once and dotted with up to TILE_M rows of x while it
+// sits in registers; a batch of M rows reads every weight byte from memory once (from L1 again for each
+// further tile of TILE_M rows). Threads split the output columns (weight rows).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define KI_QK_X86 1
+#else
+#define KI_QK_X86 0
+#endif
+
+namespace {
+
+constexpr int QK_K = 256;
+constexpr int FMT_Q4_K = 0, FMT_Q6_K = 1;
+constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210;
+constexpr int TILE_M = 8;  // rows of x per pass over a weight row's super-block
+constexpr int PATH_SCALAR = 0, PATH_VNNI = 2;
+int path_in_use = PATH_SCALAR;
+
+inline float fp16_to_fp32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ggml's get_scale_min_k4 for all eight sub-blocks: sc[j], mn[j] in 0..63.
+inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// One row of x per 256-block: q (k order), dx, and the sums of q per 16 values.
+struct QuantizedX {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> d;       // [M, K / 256]
+  std::vector<int32_t> bsum;  // [M, K / 16]
+};
+
+void quantize_rows(const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX& out) {
+  const int64_t nb = k / QK_K;
+  out.q.resize(m * k);
+  out.d.resize(m * nb);
+  out.bsum.resize(m * (k / 16));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * ldx + b * QK_K;
+      float amax = 0.0f;
+      for (int i = 0; i < QK_K; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 1.0f / d : 0.0f;
+      int8_t* q = out.q.data() + r * k + b * QK_K;
+      for (int i = 0; i < QK_K; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * id);
+      out.d[r * nb + b] = d;
+      int32_t* s = out.bsum.data() + r * (k / 16) + b * 16;
+      for (int j = 0; j < 16; ++j) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; ++i) t += q[16 * j + i];
+        s[j] = t;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ scalar path
+
+void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, const QuantizedX& xq,
+                 int64_t m, float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K, bytes = fmt == FMT_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+  uint8_t v[QK_K];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < m; ++r) y[r * ldy + n] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (n * nb + b) * bytes;
+      if (fmt == FMT_Q4_K) {
+        const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk + 4, sc, mn);
+        const uint8_t* qs = blk + 16;
+        for (int c = 0; c < 4; ++c)
+          for (int l = 0; l < 32; ++l) {
+            v[64 * c + l] = qs[32 * c + l] & 15;
+            v[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+          }
+        for (int64_t r = 0; r < m; ++r) {
+          const int8_t* q = xq.q.data() + r * k + b * QK_K;
+          const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
+          int32_t isum = 0, msum = 0;
+          for (int j = 0; j < 8; ++j) {
+            int32_t dot = 0;
+            for (int i = 0; i < 32; ++i) dot += (int32_t)v[32 * j + i] * q[32 * j + i];
+            isum += sc[j] * dot;
+            msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+          }
+          const float dx = xq.d[r * nb + b];
+          y[r * ldy + n] += d * dx * (float)isum - dmin * dx * (float)msum;
+        }
+      } else {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t* sc = (const int8_t*)(blk + 192);
+        const float d = fp16_to_fp32(blk + 208);
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], e = qh[32 * h + l];
+            v[128 * h + l] = (a & 15) | ((e & 3) << 4);
+            v[128 * h + 32 + l] = (c & 15) | (((e >> 2) & 3) << 4);
+            v[128 * h + 64 + l] = (a >> 4) | (((e >> 4) & 3) << 4);
+            v[128 * h + 96 + l] = (c >> 4) | (((e >> 6) & 3) << 4);
+          }
+        for (int64_t r = 0; r < m; ++r) {
+          const int8_t* q = xq.q.data() + r * k + b * QK_K;
+          const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
+          int32_t isum = 0;
+          for (int j = 0; j < 16; ++j) {
+            int32_t dot = 0;
+            for (int i = 0; i < 16; ++i) dot += (int32_t)v[16 * j + i] * q[16 * j + i];
+            isum += sc[j] * (dot - 32 * bs[j]);
+          }
+          y[r * ldy + n] += d * xq.d[r * nb + b] * (float)isum;
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ vnni path
+
+#if KI_QK_X86
+#define KI_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// Weight super-block unpacked for the dot products: 4 x 64 u8 values in k order, their per-lane (4 k)
+// scales as int32, the block's fp32 factors, and the per-16 weights of x's sums (min or offset term).
+struct Unpacked {
+  __m512i v[4];
+  __m512i s[4];
+  float d, dmin;
+  int16_t off[16];  // Q4_K: m_{j/2} (per 16 values); Q6_K: sc_j
+};
+
+KI_VNNI inline void unpack_q4k(const uint8_t* blk, Unpacked& u) {
+  u.d = fp16_to_fp32(blk);
+  u.dmin = fp16_to_fp32(blk + 2);
+  alignas(16) uint8_t sc[16] = {0}, mn[8];
+  q4k_scales(blk + 4, sc, mn);
+  for (int j = 0; j < 16; ++j) u.off[j] = mn[j / 2];
+  const __m512i scv = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)sc));
+  const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  // upper 32 bytes: the high nibbles
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  const uint8_t* qs = blk + 16;
+  for (int c = 0; c < 4; ++c) {
+    // qs[32c..32c+31] twice: low nibbles are k = 64c + l, high nibbles 64c + 32 + l
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * c)));
+    u.v[c] = _mm512_and_si512(_mm512_srlv_epi64(both, shift), lo4);
+    const __m512i idx = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                         2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                         2 * c);
+    u.s[c] = _mm512_permutexvar_epi32(idx, scv);
+  }
+}
+
+KI_VNNI inline void unpack_q6k(const uint8_t* blk, Unpacked& u) {
+  const int8_t* sc = (const int8_t*)(blk + 192);
+  u.d = fp16_to_fp32(blk + 208);
+  u.dmin = 0.0f;
+  for (int j = 0; j < 16; ++j) u.off[j] = sc[j];
+  const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc));
+  const __m512i lo4 = _mm512_set1_epi8(15), lo2 = _mm512_set1_epi8(3);
+  const __m512i sh_lo = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), sh_hi = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));  // l < 32: k = l / 64 + l; else 32 + l
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
+    const __m512i hl = _mm512_and_si512(_mm512_srlv_epi64(qh, sh_lo), lo2);
+    const __m512i hh = _mm512_and_si512(_mm512_srlv_epi64(qh, sh_hi), lo2);
+    u.v[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, lo4), _mm512_slli_epi16(hl, 4));  // k 128h + 0..63
+    u.v[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4),
+                                     _mm512_slli_epi16(hh, 4));  // k 128h + 64..127
+    for (int p = 0; p < 2; ++p) {
+      const int j = 8 * h + 4 * p;  // sub-blocks j..j+3, 4 lanes each
+      const __m512i idx = _mm512_set_epi32(j + 3, j + 3, j + 3, j + 3, j + 2, j + 2, j + 2, j + 2, j + 1, j + 1,
+                                           j + 1, j + 1, j, j, j, j);
+      u.s[2 * h + p] = _mm512_permutexvar_epi32(idx, scv);
+    }
+  }
+}
+
+KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, const QuantizedX& xq,
+                       int64_t m, float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K, bytes = fmt == FMT_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+  Unpacked u;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nb * bytes;
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
+      const int mt = (int)std::min<int64_t>(TILE_M, m - r0);
+      __m512 acc[TILE_M];
+      float corr[TILE_M];
+      for (int t = 0; t < mt; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        corr[t] = 0.0f;
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * bytes;
+        if (b + 1 < nb) _mm_prefetch((const char*)(blk + bytes), _MM_HINT_T0);
+        if (fmt == FMT_Q4_K)
+          unpack_q4k(blk, u);
+        else
+          unpack_q6k(blk, u);
+        const __m256i off = _mm256_loadu_si256((const __m256i*)u.off);
+        for (int t = 0; t < mt; ++t) {
+          const int64_t r = r0 + t;
+          const int8_t* q = xq.q.data() + r * k + b * QK_K;
+          __m512i isum = _mm512_setzero_si512();
+          for (int c = 0; c < 4; ++c) {
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.v[c],
+                                                    _mm512_loadu_si512((const void*)(q + 64 * c)));
+            isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dot, u.s[c]));
+          }
+          // per-16 sums of q_x (|.| <= 2032) times m or sc (int16), pairwise summed: exact in int32
+          const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
+          const __m256i bs16 = _mm512_cvtepi32_epi16(_mm512_loadu_si512((const void*)bs));
+          const __m256i prod = _mm256_madd_epi16(bs16, off);
+          const __m128i p4 = _mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1));
+          const __m128i p2 = _mm_add_epi32(p4, _mm_shuffle_epi32(p4, 0x4e));
+          const int32_t osum = _mm_cvtsi128_si32(_mm_add_epi32(p2, _mm_shuffle_epi32(p2, 0xb1)));
+          const float dx = xq.d[r * nb + b];
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(u.d * dx), acc[t]);
+          if (fmt == FMT_Q4_K)
+            corr[t] -= u.dmin * dx * (float)osum;
+          else
+            corr[t] -= u.d * dx * (float)(32 * osum);
+        }
+      }
+      for (int t = 0; t < mt; ++t) y[(r0 + t) * ldy + n] = _mm512_reduce_add_ps(acc[t]) + corr[t];
+    }
+  }
+}
+#endif
+
+int best_compiled_path() {
+#if KI_QK_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw"))
+    return PATH_VNNI;
+#endif
+  return PATH_SCALAR;
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t kubeinfer_qk_native_abi() { return 1; }
+
+// The path to run: 2 vnni, else scalar; lowered to what this CPU reports. Returns the path now in use.
+// Set at load, not thread-safe against running kernels.
+int32_t kubeinfer_qk_set_path(int32_t path) {
+  path_in_use = path >= PATH_VNNI ? best_compiled_path() : PATH_SCALAR;
+  return path_in_use;
+}
+
+// y[m, n] (row stride ldy) = x[m, k] (row stride ldx, fp32) @ W^T, W [n, k] as `fmt` super-blocks (0 Q4_K,
+// 1 Q6_K), rows of n * k / 256 blocks. Returns 0, or 1 for bad arguments (Python checks them first).
+int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
+                            int64_t ldx, float* y, int64_t ldy, int32_t threads) {
+  if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % QK_K || (fmt != FMT_Q4_K && fmt != FMT_Q6_K)) return 1;
+  if (m == 0 || n == 0) return 0;
+  QuantizedX xq;
+  quantize_rows(x, m, ldx, k, xq);
+  const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, n / 16 > 0 ? n / 16 : 1));
+  const bool vnni = path_in_use == PATH_VNNI;
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t chunk = (n + nth - 1) / nth, n0 = std::min<int64_t>(n, t * chunk),
+                  n1 = std::min<int64_t>(n, n0 + chunk);
+#if KI_QK_X86
+    if (vnni)
+      vnni_rows(fmt, w, n0, n1, k, xq, m, y, ldy);
+    else
+#endif
+      scalar_rows(fmt, w, n0, n1, k, xq, m, y, ldy);
+    (void)vnni;
+  }
+  return 0;
+}
+
+}  // extern "C"

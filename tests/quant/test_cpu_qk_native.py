@@ -1,0 +1,118 @@
+"""The k-quant kernel over GGUF's own super-blocks (server/quant/csrc/qk_native.cpp) against gguf-py's
+dequantization, on every code path this CPU runs.
+
+Tolerances:
+- against `linear_reference` (W @ x^ in float64, W = gguf.quants.dequantize of the blocks, x^ the
+  activations as the kernel rounds them, bit for bit): fp32 accumulation only, |err| <= 2e-5 * (|W| @
+  |x^|) + 1e-5. The kernel's per-block int32 sums are exact; it sums K / 256 <= 3 blocks scaled in fp32
+  plus a 16-lane reduction (relative error under ~20 * 2^-24 ~ 1.2e-6, 2e-5 leaves room);
+- against fp32 activations: each x_k moves by at most half its 256-block's step dx_b / 2, so |err| <=
+  sum_b (dx_b / 2) sum_{k in b} |W[n, k]| (`activation_error_bound`), plus the slack above.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.quant import cpu_qk_native as qk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gguf_quant import quantize_q4_k, quantize_q6_k
+
+N, K = 37, 768  # odd N, three super-blocks per row
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> qk.KQuantBlocks:
+    """Uniformly random block bytes (every scale, min and high-bit pattern) with finite fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    size = qk.SUPER_BLOCK_BYTES[fmt]
+    b = rng.integers(0, 256, size=(n * k // qk.QK_K, size), dtype=np.uint8)
+    d = (rng.uniform(0.5, 2.0, size=(b.shape[0], 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if fmt == "q4_k":
+        b[:, 0:4] = d.reshape(-1, 4)  # d, dmin
+    else:
+        b[:, 208:210] = d.reshape(-1, 4)[:, :2]
+    return qk.from_gguf(b, fmt, n, k)
+
+
+def quantized_blocks(fmt: str, n: int, k: int, seed: int) -> qk.KQuantBlocks:
+    """A Gaussian weight round-to-nearest quantized by tests/gguf_quant.py (the values a real file holds)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    return qk.from_gguf((quantize_q4_k if fmt == "q4_k" else quantize_q6_k)(w), fmt, n, k)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> qk.QKNativeKernel:
+    return qk.load_qk_native_kernel()
+
+
+@pytest.fixture(params=["scalar", "vnni"])
+def path(request: pytest.FixtureRequest, kernel: qk.QKNativeKernel) -> Iterator[str]:
+    default = kernel.isa
+    if kernel.set_path(request.param) != request.param:
+        kernel.set_path(default)
+        pytest.skip(f"this CPU does not run the {request.param} path")
+    yield request.param
+    kernel.set_path(default)
+
+
+def fp32_slack(x: torch.Tensor, w: qk.KQuantBlocks) -> torch.Tensor:  # -> [M, N]
+    return 2e-5 * (qk.quantize_activations_reference(x).abs() @ qk.dequantize_reference(w).abs().t()) + 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 64])
+@pytest.mark.parametrize("make", [random_blocks, quantized_blocks])
+def test_matches_gguf_dequantize(kernel: qk.QKNativeKernel, path: str, fmt: str, m: int, make) -> None:
+    w = make(fmt, N, K, seed=m)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(100 + m)) * 3.0
+    x[0, :5] = 0.0  # zeros round to zero
+    if m > 1:
+        x[1, 256:512] = 0.0  # a whole zero block (dx = 0)
+    y = kernel.linear(x, w)
+    slack = fp32_slack(x, w)
+    err = (y - qk.linear_reference(x, w)).abs()
+    assert (err <= slack).all(), f"{path} {fmt} M={m}: max excess {(err - slack).max().item():.3g}"
+    fp32 = F.linear(x, qk.dequantize_reference(w))
+    assert ((y - fp32).abs() <= qk.activation_error_bound(x, w) + slack).all()
+
+
+def test_paths_agree_and_strided_io(kernel: qk.QKNativeKernel, path: str) -> None:
+    w = quantized_blocks("q6_k", 19, 512, seed=3)
+    big = torch.randn(5, 600)
+    x = big[:, 7:519]  # rows strided, unit stride along K
+    out = torch.full((5, 40), 7.0)
+    kernel.linear(x, w, out=out[:, 3:22])
+    assert torch.equal(out[:, :3], torch.full((5, 3), 7.0))  # nothing written outside the view
+    assert torch.allclose(out[:, 3:22], qk.linear_reference(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_held_bytes_are_the_files(kernel: qk.QKNativeKernel) -> None:
+    for fmt, bits in (("q4_k", 4.5), ("q6_k", 6.5625)):
+        w = random_blocks(fmt, 8, 512, seed=1)
+        assert w.bits_per_weight() == bits
+        assert w.nbytes() == 8 * 512 * bits / 8
+
+
+def test_bad_arguments(kernel: qk.QKNativeKernel) -> None:
+    w = random_blocks("q4_k", 4, 256, seed=0)
+    with pytest.raises(TypeError):
+        kernel.linear(torch.zeros(1, 256, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="must be"):
+        kernel.linear(torch.zeros(1, 512), w)
+    with pytest.raises(ValueError, match="out must be"):
+        kernel.linear(torch.zeros(2, 256), w, out=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="whole 256-value"):
+        qk.from_gguf(np.zeros(144, np.uint8), "q4_k", 1, 128)
+    with pytest.raises(ValueError, match="bytes"):
+        qk.from_gguf(np.zeros(143, np.uint8), "q4_k", 1, 256)
+    with pytest.raises(ValueError, match="unknown"):
+        qk.from_gguf(np.zeros(144, np.uint8), "q5_k", 1, 256)
+    assert kernel.linear(torch.zeros(0, 256), w).shape == (0, 4)
