@@ -21,8 +21,9 @@
 // Code paths, chosen at run time (kubeinfer_qk_set_path from Python's usable CPU features, lowered to
 // what libgcc's CPUID check reports):
 //   vnni    AVX512-VNNI `vpdpbusd` on 512-bit vectors: the weights unpacked to u8 (0..15 or 0..63) in k
-//           order, four vectors per super-block, dotted with the s8 activations; the per-lane int32 sums
-//           multiplied by their sub-block's scale (vpmulld) and summed into one vector per row of x.
+//           order, four vectors per super-block, dotted with the s8 activations; each lane's int32 sum
+//           (|.| < 2^15) times its sub-block's scale by `vpdpwssd`, the min (Q4_K) and offset (Q6_K) terms
+//           as int32 vectors too, one fp32 vector per row of x reduced once per output.
 //   scalar  plain C++, any CPU.
 // Batches: each weight row's super-block is unpacked once and dotted with up to TILE_M rows of x while it
 // sits in registers; a batch of M rows reads every weight byte from memory once (from L1 again for each
@@ -92,13 +93,16 @@ struct QuantizedX {
   std::vector<int8_t> q;      // [M, K]
   std::vector<float> d;       // [M, K / 256]
   std::vector<int32_t> bsum;  // [M, K / 16]
+  // [M, K / 256, 16]: the vnni path's per-block sums (Q4_K: 8 zeros, then the 8 per-32 sums; Q6_K: bsum)
+  std::vector<int32_t> sums;
 };
 
-void quantize_rows(const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX& out) {
+void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX& out) {
   const int64_t nb = k / QK_K;
   out.q.resize(m * k);
   out.d.resize(m * nb);
   out.bsum.resize(m * (k / 16));
+  out.sums.resize(m * (k / 16));
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * ldx + b * QK_K;
@@ -115,6 +119,8 @@ void quantize_rows(const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX
         for (int i = 0; i < 16; ++i) t += q[16 * j + i];
         s[j] = t;
       }
+      int32_t* v = out.sums.data() + r * (k / 16) + b * 16;
+      for (int j = 0; j < 16; ++j) v[j] = fmt == FMT_Q6_K ? s[j] : j < 8 ? 0 : s[2 * (j - 8)] + s[2 * (j - 8) + 1];
     }
   }
 }
@@ -185,22 +191,30 @@ void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, c
 #if KI_QK_X86
 #define KI_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// Weight super-block unpacked for the dot products: 4 x 64 u8 values in k order, their per-lane (4 k)
-// scales as int32, the block's fp32 factors, and the per-16 weights of x's sums (min or offset term).
+// Weight super-block unpacked for the dot products: 4 x 64 u8 values in k order, each 4-value lane's
+// sub-block scale as an int16 in the low half of its int32 lane (vpdpwssd's operand: dot * scale, the
+// dots fitting int16), and `scv`: Q4_K's 8 scales then its 8 mins (int32 lanes), Q6_K's 16 scales.
 struct Unpacked {
   __m512i v[4];
   __m512i s[4];
+  __m512i scv;
   float d, dmin;
-  int16_t off[16];  // Q4_K: m_{j/2} (per 16 values); Q6_K: sc_j
 };
 
 KI_VNNI inline void unpack_q4k(const uint8_t* blk, Unpacked& u) {
-  u.d = fp16_to_fp32(blk);
-  u.dmin = fp16_to_fp32(blk + 2);
-  alignas(16) uint8_t sc[16] = {0}, mn[8];
-  q4k_scales(blk + 4, sc, mn);
-  for (int j = 0; j < 16; ++j) u.off[j] = mn[j / 2];
-  const __m512i scv = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)sc));
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)blk));  // d, dmin
+  u.d = _mm_cvtss_f32(dd);
+  u.dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1));
+  // ggml's get_scale_min_k4 on whole words (as its AVX2 q4_K dot does): bytes 0-7 scales, 8-15 mins
+  uint32_t ut[4];
+  std::memcpy(ut, blk + 4, 12);
+  constexpr uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  ut[3] = ((ut[2] >> 4) & m4) | (((ut[1] >> 6) & m2) << 4);
+  const uint32_t mins03 = ut[1] & m6;
+  ut[1] = (ut[2] & m4) | (((ut[0] >> 6) & m2) << 4);
+  ut[2] = mins03;
+  ut[0] &= m6;
+  u.scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)ut));
   const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  // upper 32 bytes: the high nibbles
   const __m512i lo4 = _mm512_set1_epi8(15);
   const uint8_t* qs = blk + 16;
@@ -208,23 +222,20 @@ KI_VNNI inline void unpack_q4k(const uint8_t* blk, Unpacked& u) {
     // qs[32c..32c+31] twice: low nibbles are k = 64c + l, high nibbles 64c + 32 + l
     const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * c)));
     u.v[c] = _mm512_and_si512(_mm512_srlv_epi64(both, shift), lo4);
-    const __m512i idx = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                         2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                         2 * c);
-    u.s[c] = _mm512_permutexvar_epi32(idx, scv);
+    const int a = 2 * c, b = 2 * c + 1;
+    u.s[c] = _mm512_permutexvar_epi32(_mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a), u.scv);
   }
 }
 
 KI_VNNI inline void unpack_q6k(const uint8_t* blk, Unpacked& u) {
-  const int8_t* sc = (const int8_t*)(blk + 192);
-  u.d = fp16_to_fp32(blk + 208);
+  u.d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const uint16_t*)(blk + 208))));
   u.dmin = 0.0f;
-  for (int j = 0; j < 16; ++j) u.off[j] = sc[j];
-  const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc));
+  u.scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)));  // signed
+  const __m512i sc16 = _mm512_and_si512(u.scv, _mm512_set1_epi32(0xffff));      // int16 in the low half
   const __m512i lo4 = _mm512_set1_epi8(15), lo2 = _mm512_set1_epi8(3);
   const __m512i sh_lo = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), sh_hi = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
   for (int h = 0; h < 2; ++h) {
-    const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));  // l < 32: k = l / 64 + l; else 32 + l
+    const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));  // bytes l < 32: ql[l], else ql[32 + l]
     const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
     const __m512i hl = _mm512_and_si512(_mm512_srlv_epi64(qh, sh_lo), lo2);
     const __m512i hh = _mm512_and_si512(_mm512_srlv_epi64(qh, sh_hi), lo2);
@@ -235,7 +246,7 @@ KI_VNNI inline void unpack_q6k(const uint8_t* blk, Unpacked& u) {
       const int j = 8 * h + 4 * p;  // sub-blocks j..j+3, 4 lanes each
       const __m512i idx = _mm512_set_epi32(j + 3, j + 3, j + 3, j + 3, j + 2, j + 2, j + 2, j + 2, j + 1, j + 1,
                                            j + 1, j + 1, j, j, j, j);
-      u.s[2 * h + p] = _mm512_permutexvar_epi32(idx, scv);
+      u.s[2 * h + p] = _mm512_permutexvar_epi32(idx, sc16);
     }
   }
 }
@@ -249,19 +260,13 @@ KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_
     for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
       const int mt = (int)std::min<int64_t>(TILE_M, m - r0);
       __m512 acc[TILE_M];
-      float corr[TILE_M];
-      for (int t = 0; t < mt; ++t) {
-        acc[t] = _mm512_setzero_ps();
-        corr[t] = 0.0f;
-      }
+      for (int t = 0; t < mt; ++t) acc[t] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * bytes;
-        if (b + 1 < nb) _mm_prefetch((const char*)(blk + bytes), _MM_HINT_T0);
         if (fmt == FMT_Q4_K)
           unpack_q4k(blk, u);
         else
           unpack_q6k(blk, u);
-        const __m256i off = _mm256_loadu_si256((const __m256i*)u.off);
         for (int t = 0; t < mt; ++t) {
           const int64_t r = r0 + t;
           const int8_t* q = xq.q.data() + r * k + b * QK_K;
@@ -269,24 +274,21 @@ KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_
           for (int c = 0; c < 4; ++c) {
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.v[c],
                                                     _mm512_loadu_si512((const void*)(q + 64 * c)));
-            isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dot, u.s[c]));
+            isum = _mm512_dpwssd_epi32(isum, dot, u.s[c]);  // dot (|.| < 2^15) times its sub-block scale
           }
-          // per-16 sums of q_x (|.| <= 2032) times m or sc (int16), pairwise summed: exact in int32
-          const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
-          const __m256i bs16 = _mm512_cvtepi32_epi16(_mm512_loadu_si512((const void*)bs));
-          const __m256i prod = _mm256_madd_epi16(bs16, off);
-          const __m128i p4 = _mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1));
-          const __m128i p2 = _mm_add_epi32(p4, _mm_shuffle_epi32(p4, 0x4e));
-          const int32_t osum = _mm_cvtsi128_si32(_mm_add_epi32(p2, _mm_shuffle_epi32(p2, 0xb1)));
           const float dx = xq.d[r * nb + b];
-          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(u.d * dx), acc[t]);
-          if (fmt == FMT_Q4_K)
-            corr[t] -= u.dmin * dx * (float)osum;
-          else
-            corr[t] -= u.d * dx * (float)(32 * osum);
+          const __m512i sums = _mm512_loadu_si512((const void*)(xq.sums.data() + (r * nb + b) * 16));
+          if (fmt == FMT_Q4_K) {  // lanes 8-15: m_j times sum_{k in j} q_x (lanes 0-7 of `sums` are 0)
+            const __m512i mterm = _mm512_mullo_epi32(u.scv, sums);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(u.d * dx), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mterm), _mm512_set1_ps(u.dmin * dx), acc[t]);
+          } else {  // minus 32 sc_j sum_{k in j} q_x
+            isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_mullo_epi32(u.scv, sums), 5));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(u.d * dx), acc[t]);
+          }
         }
       }
-      for (int t = 0; t < mt; ++t) y[(r0 + t) * ldy + n] = _mm512_reduce_add_ps(acc[t]) + corr[t];
+      for (int t = 0; t < mt; ++t) y[(r0 + t) * ldy + n] = _mm512_reduce_add_ps(acc[t]);
     }
   }
 }
@@ -322,7 +324,7 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
   if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % QK_K || (fmt != FMT_Q4_K && fmt != FMT_Q6_K)) return 1;
   if (m == 0 || n == 0) return 0;
   QuantizedX xq;
-  quantize_rows(x, m, ldx, k, xq);
+  quantize_rows(fmt, x, m, ldx, k, xq);
   const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, n / 16 > 0 ? n / 16 : 1));
   const bool vnni = path_in_use == PATH_VNNI;
 #pragma omp parallel num_threads(nt)
