@@ -29,10 +29,14 @@ from server.config import default_cache_dir
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
-ABI_VERSION = 1
-# No -ffast-math: the quantized activations must equal the torch reference's bit for bit.
+ABI_VERSION = 2  # 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor
+# No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
+# the dequantized values must equal gguf-py's (each product rounded).
 NATIVE = NativeSource(
-    "qk_native", SOURCE, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20"), abi_version=ABI_VERSION
+    "qk_native",
+    SOURCE,
+    ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-ffp-contract=off"),
+    abi_version=ABI_VERSION,
 )
 QK_K = 256  # values per super-block
 SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # sizeof(block_q4_K), sizeof(block_q6_K)

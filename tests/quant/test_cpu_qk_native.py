@@ -116,3 +116,71 @@ def test_bad_arguments(kernel: qk.QKNativeKernel) -> None:
     with pytest.raises(ValueError, match="unknown"):
         qk.from_gguf(np.zeros(144, np.uint8), "q5_k", 1, 256)
     assert kernel.linear(torch.zeros(0, 256), w).shape == (0, 4)
+
+
+# ------------------------------------------------------------------ held as the resident format
+
+
+def test_gguf_q6_k_held_as_the_files_super_blocks(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Q4_K_M-style file: its Q6_K token embedding (the tied LM head) is held as the file's own bytes
+    (6.56 bits per weight, not the repack's 10), dequantizes as gguf-py does, and every path that serves
+    it (qlinear's entry, the int8 library's fallback, BlockQuantLinear at decode and prefill sizes in fp32
+    and bf16, the embedding lookup) gives W @ x within its tolerance; KUBEINFER_KQUANT_BLOCKS=0 repacks."""
+    from gguf_models import write_tiny_gguf
+
+    from server.quant import cpu_qgemv_q8 as q8
+    from server.quant import cpu_qlinear as cq
+    from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
+    from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
+
+    hf = tiny_model_factory("llama", tie=True, hidden=256)
+    path = write_tiny_gguf(hf, tmp_path / "tiny-k.gguf", "Q4_K", embedding_fmt="Q6_K", tokenizer=False)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
+    ckpt = read_gguf_checkpoint(path)
+    emb = ckpt.tensors["model.embed_tokens.weight"]
+    assert isinstance(emb, cq.BlockQuantWeight) and emb.super_blocks and emb.fmt == "q6_k"
+    n, k = emb.out_features, emb.in_features
+    assert emb.nbytes() == n * k // 256 * 210  # the file's bytes: 6.5625 bits per weight
+    proj = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(proj, cq.BlockQuantWeight) and not proj.super_blocks  # Q4_K keeps its repack
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
+    repacked = read_gguf_checkpoint(path).tensors["model.embed_tokens.weight"]
+    assert isinstance(repacked, cq.BlockQuantWeight) and not repacked.super_blocks
+    dense = cq.dequantize_reference(repacked)
+    assert torch.equal(cq.dequantize_reference(emb), dense)
+
+    kernel = cq.load_qlinear_kernel()
+    assert torch.equal(kernel.dequantize_rows(emb), dense)
+    rows = torch.tensor([7, 0, n - 1])
+    assert torch.equal(BlockQuantEmbedding(emb)(rows), dense[rows])
+    head = emb.select_rows(torch.arange(0, n, 3))  # a row subset (odd N) stays super-blocks
+    dense_head = dense[::3]
+    fast = q8.load_q8_gemv_kernel(kernel)
+    for m in (1, 3, 5, 16, 300):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        exact = x @ dense_head.t()
+        slack = 2e-5 * (x.abs() @ dense_head.abs().t()) + 1e-5
+        int8_bound = qk.activation_error_bound(x, qk.KQuantBlocks(head.q, "q6_k", k, head.out_features))
+        assert ((kernel.linear(x, head) - exact).abs() <= slack).all()  # fp32 compute: fp32 activations
+        # the decode graph's entry (the int8 library's C entry) hands it to qlinear's, then here
+        via_entry = cq.call_linear(
+            fast.lib.kubeinfer_qgemv_q8,
+            "qgemv_q8",
+            x,
+            head,
+            None,
+            torch.empty(m, head.out_features),
+            torch.bfloat16,
+        )
+        assert ((via_entry - exact).abs() <= int8_bound + slack).all()
+        for dtype in (torch.float32, torch.bfloat16):
+            lin = BlockQuantLinear(head, kernel=kernel)
+            lin.gemm_dtype = dtype
+            bound = slack if dtype == torch.float32 else int8_bound + slack
+            if m >= lin.gemm_min_rows:  # dequantize + library GEMM (bf16 operands under bf16)
+                bound = slack if dtype == torch.float32 else 1e-2 * (x.abs() @ dense_head.abs().t())
+            assert ((lin(x) - exact).abs() <= bound).all(), (m, dtype)

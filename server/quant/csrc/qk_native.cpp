@@ -294,6 +294,63 @@ KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_
 }
 #endif
 
+// One row of W in fp32, gguf-py's dequantization bit for bit: (d * sc) * q - dmin * m (Q4_K),
+// (d * sc) * (q - 32) (Q6_K), each product rounded (no FMA contraction: -ffp-contract=off).
+void dequant_row(int fmt, const uint8_t* row, int64_t nb, float* o) {
+  for (int64_t b = 0; b < nb; ++b) {
+    float* ob = o + b * QK_K;
+    if (fmt == FMT_Q4_K) {
+      const uint8_t* blk = row + b * Q4_K_BYTES;
+      const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
+      uint8_t sc[8], mn[8];
+      q4k_scales(blk + 4, sc, mn);
+      for (int c = 0; c < 4; ++c) {
+        const float d1 = d * sc[2 * c], m1 = dmin * mn[2 * c], d2 = d * sc[2 * c + 1], m2 = dmin * mn[2 * c + 1];
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t q = blk[16 + 32 * c + l];
+          const float a = d1 * (float)(q & 15), e = d2 * (float)(q >> 4);
+          ob[64 * c + l] = a - m1;
+          ob[64 * c + 32 + l] = e - m2;
+        }
+      }
+    } else {
+      const uint8_t* blk = row + b * Q6_K_BYTES;
+      const uint8_t *ql = blk, *qh = blk + 128;
+      const int8_t* sc = (const int8_t*)(blk + 192);
+      const float d = fp16_to_fp32(blk + 208);
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], e = qh[32 * h + l];
+          const int is = 8 * h + l / 16;
+          ob[128 * h + l] = (d * sc[is]) * (float)((int)((a & 15) | ((e & 3) << 4)) - 32);
+          ob[128 * h + 32 + l] = (d * sc[is + 2]) * (float)((int)((c & 15) | (((e >> 2) & 3) << 4)) - 32);
+          ob[128 * h + 64 + l] = (d * sc[is + 4]) * (float)((int)((a >> 4) | (((e >> 4) & 3) << 4)) - 32);
+          ob[128 * h + 96 + l] = (d * sc[is + 6]) * (float)((int)((c >> 4) | (((e >> 6) & 3) << 4)) - 32);
+        }
+    }
+  }
+}
+
+// fp32 activations (layers computing in fp32: the parity tests' --dtype float32): each weight row
+// dequantized once into a buffer, then dotted with every row of x in 16 fp32 lanes (summed lane-wise,
+// then across lanes: an fp32 order of its own, within fp32 rounding of the dequantized weight's product).
+void fp32_rows(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t k, const float* x,
+               int64_t m, int64_t ldx, float* y, int64_t ldy) {
+  std::vector<float> buf(k);
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row(fmt, w + n * row_bytes, k / QK_K, buf.data());
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * ldx;
+      float acc[16] = {0};
+      for (int64_t i = 0; i < k; i += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += buf[i + j] * xr[i + j];
+      float s = 0.0f;
+      for (int j = 0; j < 16; ++j) s += acc[j];
+      y[r * ldy + n] = s;
+    }
+  }
+}
+
 int best_compiled_path() {
 #if KI_QK_X86
   __builtin_cpu_init();
@@ -308,7 +365,19 @@ int best_compiled_path() {
 
 extern "C" {
 
-int32_t kubeinfer_qk_native_abi() { return 1; }
+int32_t kubeinfer_qk_native_abi() { return 2; }
+
+// csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
+// super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K); scales, mins unused.
+struct KiQWeight {
+  const uint8_t* q;
+  const void* scales;
+  const void* mins;
+  int64_t n, k, group_size, groups, row_bytes;
+  int32_t bits, zero_point, scale_is_f16;
+  int32_t compute;
+  const uint8_t* packed;
+};
 
 // The path to run: 2 vnni, else scalar; lowered to what this CPU reports. Returns the path now in use.
 // Set at load, not thread-safe against running kernels.
@@ -340,6 +409,54 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
       scalar_rows(fmt, w, n0, n1, k, xq, m, y, ldy);
     (void)vnni;
   }
+  return 0;
+}
+
+// Format code of a descriptor's super-blocks from its row bytes, or -1.
+static int32_t desc_format(const KiQWeight* w) {
+  if (!w || !w->q || w->bits != 6 || w->n < 0 || w->k <= 0 || w->k % QK_K) return -1;
+  if (w->row_bytes == w->k / QK_K * Q4_K_BYTES) return FMT_Q4_K;
+  if (w->row_bytes == w->k / QK_K * Q6_K_BYTES) return FMT_Q6_K;
+  return -1;
+}
+
+// kubeinfer_qlinear's signature over a k-quant descriptor (qlinear.cpp hands these weights here):
+// y = x @ W^T (+ bias); layers computing in bf16 (w->compute 1) take int8 activations (kubeinfer_qk_linear),
+// fp32 ones fp32 activations (fp32_rows), as the int8 GEMV's default does for the repacked formats.
+// 1 for a descriptor this file does not take.
+int32_t kubeinfer_qk_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
+                             float* y, int64_t y_stride, int32_t nthreads) {
+  const int32_t fmt = desc_format(w);
+  if (fmt < 0 || !x || !y || m < 0) return 1;
+  int32_t rc = 0;
+  if (w->compute == 0) {  // KI_COMPUTE_FP32: fp32 activations
+    const int64_t n = w->n;
+    const int nt = std::max<int32_t>(1, std::min<int64_t>(nthreads, std::max<int64_t>(1, n / 16)));
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+      const int64_t chunk = (n + nth - 1) / nth, n0 = std::min<int64_t>(n, t * chunk),
+                    n1 = std::min<int64_t>(n, n0 + chunk);
+      fp32_rows(fmt, w->q, w->row_bytes, n0, n1, w->k, x, m, x_stride, y, y_stride);
+    }
+  } else {  // bf16 layers: int8 activations (the kernel above)
+    rc = kubeinfer_qk_linear(fmt, w->q, w->n, w->k, x, m, x_stride, y, y_stride, nthreads);
+  }
+  if (rc == 0 && bias)
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t n = 0; n < w->n; ++n) y[r * y_stride + n] += bias[n];
+  return rc;
+}
+
+// out[i * out_stride + k] = W[rows ? rows[i] : row0 + i, k] in fp32 (dequant_row). 1 for a descriptor this
+// file does not take.
+int32_t kubeinfer_qk_dequant(const KiQWeight* w, const int64_t* rows, int64_t row0, int64_t nrows, float* out,
+                             int64_t out_stride, int32_t nthreads) {
+  const int32_t fmt = desc_format(w);
+  if (fmt < 0 || nrows < 0) return 1;
+#pragma omp parallel for num_threads(std::max(1, nthreads)) schedule(static) if (nrows * w->k > (1 << 16))
+  for (int64_t i = 0; i < nrows; ++i)
+    dequant_row(fmt, w->q + (rows ? rows[i] : row0 + i) * w->row_bytes, w->k / QK_K, out + i * out_stride);
   return 0;
 }
 
