@@ -14,6 +14,10 @@ min) per group of `group_size` consecutive k:
     int4    4     G      0           yes    fp32   int4 group-wise with zero points (AWQ, GPTQ, RTN)
     q4_k    4     32     0           yes    fp32   GGUF block_q4_K, repacked at load (below)
     q6_k    8     16     0           -      fp32   GGUF block_q6_K, repacked at load (below)
+    q4_k/q6_k  6 (KQUANT_BITS): GGUF's own super-blocks as the file holds them, q [N, K / 256 * 144 or
+            210] uint8, scales [N, 0]; run by csrc/qk_native.cpp through this kernel's entry points
+            (cpu_qk_native.py). The GGUF loader holds Q6_K so where that kernel runs AVX512-VNNI
+            (gguf_checkpoint.super_blocks_enabled): 6.56 bits per weight instead of 10.0
     q5_0 q5_1 q5_k q3_k q2_k iq4_nl iq4_xs: 8-bit, groups of 32 (16: q3_k, q2_k), repacked at load
             from GGUF's blocks (gguf_repack.py, which gives each one's scales, mins and memory)
 
