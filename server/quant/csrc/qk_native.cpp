@@ -189,7 +189,7 @@ void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, c
 // ------------------------------------------------------------------ vnni path
 
 #if KI_QK_X86
-#define KI_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KI_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // Weight super-block unpacked for the dot products: 4 x 64 u8 values in k order, each 4-value lane's
 // sub-block scale as an int16 in the low half of its int32 lane (vpdpwssd's operand: dot * scale, the
