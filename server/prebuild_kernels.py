@@ -16,10 +16,11 @@ from server.models.moe.native import NATIVE as MOE_EXPERTS
 from server.native import PROBE, KernelBuildError, prebuild
 from server.quant.cpu_mxfp4 import NATIVE as MXFP4
 from server.quant.cpu_qgemv_q8 import NATIVE as QGEMV_Q8
+from server.quant.cpu_qk_native import NATIVE as QK_NATIVE
 from server.quant.cpu_qlinear import NATIVE as QLINEAR
 
 # the CPU probe first: choosing a level at run time needs it (built once, for any x86-64 CPU)
-SOURCES = (PROBE, PAGED_DECODE, CPU_FUSED, QLINEAR, QGEMV_Q8, MXFP4, MOE_EXPERTS)
+SOURCES = (PROBE, PAGED_DECODE, CPU_FUSED, QLINEAR, QGEMV_Q8, MXFP4, MOE_EXPERTS, QK_NATIVE)
 
 
 def main(argv: list[str] | None = None) -> int:

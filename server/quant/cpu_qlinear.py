@@ -14,6 +14,10 @@ min) per group of `group_size` consecutive k:
     int4    4     G      0           yes    fp32   int4 group-wise with zero points (AWQ, GPTQ, RTN)
     q4_k    4     32     0           yes    fp32   GGUF block_q4_K, repacked at load (below)
     q6_k    8     16     0           -      fp32   GGUF block_q6_K, repacked at load (below)
+    q4_k/q6_k  6 (KQUANT_BITS): GGUF's own super-blocks as the file holds them, q [N, K / 256 * 144 or
+            210] uint8, scales [N, 0]; run by csrc/qk_native.cpp through this kernel's entry points
+            (cpu_qk_native.py). The GGUF loader holds Q6_K so where that kernel runs AVX512-VNNI
+            (gguf_checkpoint.super_blocks_enabled): 6.56 bits per weight instead of 10.0
     q5_0 q5_1 q5_k q3_k q2_k iq4_nl iq4_xs: 8-bit, groups of 32 (16: q3_k, q2_k), repacked at load
             from GGUF's blocks (gguf_repack.py, which gives each one's scales, mins and memory)
 
@@ -48,12 +52,13 @@ from torch import Tensor
 
 from server.config import default_cache_dir
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
+from server.quant import cpu_qk_native as qk_native
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
 # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path; 4: kubeinfer_qdequant_bf16
-ABI_VERSION = 5  # 5: KiQWeight.packed
+ABI_VERSION = 6  # 5: KiQWeight.packed; 6: bits KQUANT_BITS (k-quant super-blocks, run by csrc/qk_native.cpp)
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
@@ -67,6 +72,9 @@ GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 QK_K = 256  # values per k-quant super-block
 GGUF_SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # block_q4_K, block_q6_K (ggml-common.h)
 FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k")
+# `bits` of a weight held as GGUF's own k-quant super-blocks (Q4_K, Q6_K; cpu_qk_native.py): q is the
+# blocks, [N, K / 256 * 144 or 210] uint8, scales an empty [N, 0] fp32, no mins, group_size 256.
+KQUANT_BITS = 6
 # GGUF types repacked into 8-bit groups at load (gguf_repack.py)
 REPACKED_FORMATS = ("q5_0", "q5_1", "q5_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs")
 
@@ -94,6 +102,9 @@ class BlockQuantWeight:
             raise ValueError(
                 f"unknown block format {self.fmt!r}; expected one of {FORMATS + REPACKED_FORMATS}"
             )
+        if self.bits == KQUANT_BITS:
+            self._check_super_blocks()
+            return
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
         groups = -(-k // g)
@@ -121,6 +132,25 @@ class BlockQuantWeight:
         for name, t in (("q", self.q), ("scales", self.scales), ("mins", self.mins)):
             if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous CPU tensor")
+
+    def _check_super_blocks(self) -> None:
+        n, k = self.out_features, self.in_features
+        if self.fmt not in GGUF_SUPER_BLOCK_BYTES or k % QK_K or self.group_size != QK_K:
+            raise ValueError(f"super-blocks are q4_k/q6_k with K and group_size multiples of {QK_K}")
+        row = k // QK_K * GGUF_SUPER_BLOCK_BYTES[self.fmt]
+        if tuple(self.q.shape) != (n, row) or self.q.dtype != torch.uint8:
+            raise ValueError(
+                f"q must be [{n}, {row}] uint8 super-blocks, got {tuple(self.q.shape)} {self.q.dtype}"
+            )
+        if tuple(self.scales.shape) != (n, 0) or self.mins is not None or self.zero_point:
+            raise ValueError("super-blocks carry their own scales: scales [N, 0], no mins, zero_point 0")
+        if self.q.device.type != "cpu" or not self.q.is_contiguous():
+            raise ValueError("q must be a contiguous CPU tensor")
+
+    @property
+    def super_blocks(self) -> bool:
+        """Whether W is held as GGUF's own k-quant super-blocks (KQUANT_BITS)."""
+        return self.bits == KQUANT_BITS
 
     @property
     def groups(self) -> int:
@@ -256,6 +286,14 @@ def from_gguf_k_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> Bl
     return BlockQuantWeight(q, scales, None, fmt, 8, 16, 0, k, n)
 
 
+def from_gguf_k_super_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
+    """GGUF Q4_K / Q6_K data -> a BlockQuantWeight holding a copy of the file's super-blocks as they are
+    (KQUANT_BITS: 4.5 / 6.56 bits per weight; run by csrc/qk_native.cpp through qlinear's entry points).
+    ValueError as cpu_qk_native.from_gguf."""
+    blocks = qk_native.from_gguf(raw, fmt, n, k).blocks
+    return BlockQuantWeight(blocks, torch.empty(n, 0), None, fmt, KQUANT_BITS, QK_K, 0, k, n)
+
+
 def pack_nibbles(values: Tensor) -> Tensor:
     """[N, K] ints in 0..15 -> [N, K / 2] uint8, GGUF's order: per 32-block, byte j = k_j | k_(j+16) << 4."""
     n, k = values.shape
@@ -339,6 +377,10 @@ def _values(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:  # [R, K
 
 def dequantize_reference(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:
     """W (or its rows `rows`, [R] int64) as fp32: [R, K]."""
+    if w.super_blocks:  # gguf-py's own dequantization of the file's blocks
+        q = w.q if rows is None else w.q.index_select(0, rows)
+        kb = qk_native.KQuantBlocks(q.contiguous(), w.fmt, w.in_features, q.shape[0])
+        return qk_native.dequantize_reference(kb)
     q = _values(w, rows)
     scales = w.scales if rows is None else w.scales.index_select(0, rows)
     g = torch.arange(w.in_features) // w.group_size
@@ -481,7 +523,7 @@ class QLinearKernel:
     def bf16_dequant_supported(self, w: BlockQuantWeight) -> bool:
         """Whether dequantize_rows_bf16 takes W here: the bf16 path usable (`self.bf16`) and W's groups
         whole 32-blocks (the condition kubeinfer_qdequant_bf16 checks)."""
-        return self.bf16 and w.in_features % 32 == 0 and w.group_size % 32 == 0
+        return self.bf16 and not w.super_blocks and w.in_features % 32 == 0 and w.group_size % 32 == 0
 
     def dequantize_rows_bf16(
         self,
@@ -535,6 +577,13 @@ def load_qlinear_kernel(cache_dir: Path | None = None) -> QLinearKernel:
     lib.kubeinfer_qlinear_set_avx512.argtypes = [i32]
     lib.kubeinfer_qlinear_set_bf16.restype = None
     lib.kubeinfer_qlinear_set_bf16.argtypes = [i32]
+    lib.kubeinfer_qlinear_set_kquant.restype = None
+    lib.kubeinfer_qlinear_set_kquant.argtypes = [ptr, ptr]
+    kq = qk_native.try_load_qk_native_kernel(cache_dir)
+    if kq is not None:  # the super-block weights' kernel, called through this library's entry points
+        lib.kubeinfer_qlinear_set_kquant(
+            ctypes.cast(kq.lib.kubeinfer_qk_qlinear, ptr), ctypes.cast(kq.lib.kubeinfer_qk_dequant, ptr)
+        )
     lib.kubeinfer_qlinear_has_bf16_path.restype = i32
     lib.kubeinfer_qlinear_bf16_enabled.restype = i32
     # AVX-512 (and its bf16 path) only where the OS enabled its state and KUBEINFER_CPU_DISABLE leaves it

@@ -5,8 +5,9 @@ mapped per `general.architecture` (gguf_names.py: llama, qwen2, qwen3, granite, 
 gemma, gemma2, gemma3), shapes in ggml order (ne0 = in_features first), q/k projection rows permuted by
 convert_hf_to_gguf.py for ggml's rotary layout in the Llama-converted families, and Gemma's norm weights
 stored + 1. The permutation is undone here on whole rows, so quantized rows move without being touched
-(exactly what transformers' GGUF loader does on the dequantized matrix); the + 1 is taken back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (the k-quants repacked into
-per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks), and so do Q5_0, Q5_1, Q5_K, Q3_K,
+(exactly what transformers' GGUF loader does on the dequantized matrix); the + 1 is taken back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (Q4_K repacked into
+per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks; Q6_K as the file's own super-blocks
+where their kernel runs AVX512-VNNI, `super_blocks_enabled`, else repacked the same way), and so do Q5_0, Q5_1, Q5_K, Q3_K,
 Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py); MXFP4 expert stacks
 (gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -27,8 +29,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from server.quant import cpu_qk_native
 from server.quant.cpu_mxfp4 import from_gguf_mxfp4
-from server.quant.cpu_qlinear import BlockQuantWeight, from_gguf_blocks, from_gguf_k_blocks
+from server.quant.cpu_qlinear import (
+    BlockQuantWeight,
+    from_gguf_blocks,
+    from_gguf_k_blocks,
+    from_gguf_k_super_blocks,
+)
 from server.quant.gguf_names import GLOBAL_NAMES, LAYOUTS, GgufLayout
 from server.quant.gguf_repack import REPACKED, from_gguf_repacked
 
@@ -37,6 +45,27 @@ log = logging.getLogger(__name__)
 _KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 _KEPT_K = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 _FLOAT = ("F32", "F16", "BF16")
+# k-quant types held as the file's own super-blocks (csrc/qk_native.cpp) instead of repacked. Q6_K only:
+# its kernel beats the repack at 1 and 16 rows (1.1-1.6x / 1.35-1.45x) at 6.56 bits instead of 10; Q4_K's
+# batches run 0.5-0.7x the int8 packed copy's, so Q4_K stays repacked (docs/benchmarks-log.md "k-quants in
+# their own blocks").
+SUPER_BLOCK_TYPES = ("Q6_K",)
+SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
+
+
+def super_blocks_enabled() -> bool:
+    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks, `0` repack them; unset: where
+    the super-block kernel runs its AVX512-VNNI path (its scalar path is slower than the repacked
+    formats' AVX2 GEMV). ValueError for another value."""
+    value = os.environ.get(SUPER_BLOCKS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SUPER_BLOCKS_ENV} must be 0 or 1, got {value!r}")
+    if value:
+        return value == "1"
+    kernel = cpu_qk_native.try_load_qk_native_kernel()
+    return kernel is not None and kernel.isa == "vnni"
+
+
 # Mixture-of-experts blocks (llama.cpp's Mixtral in the `llama` architecture, qwen2moe, qwen3moe): full
 # names under the layer, assembled into server/models/moe/block.py's parameters by the loader. The
 # stacked experts (`*_exps`, ggml shape {K, N, E}) are [E, N, K]; the shared expert's gate is {H}.
@@ -142,6 +171,7 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
     n_head = _field_int(reader, f"{arch}.attention.head_count")
     n_kv = _field_int(reader, f"{arch}.attention.head_count_kv") or n_head
     ckpt = GgufCheckpoint(arch)
+    super_blocks = super_blocks_enabled()
     for t in reader.tensors:
         name = hf_name(t.name, layout)
         if name is None:
@@ -165,7 +195,12 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
             # t.data is a view of the file's memory map: only the repacked copies stay resident.
             value = from_gguf_blocks(t.data, _KEPT[kind], shape[0], shape[1])
         elif kind in _KEPT_K and len(shape) == 2:
-            value = from_gguf_k_blocks(t.data, _KEPT_K[kind], shape[0], shape[1])
+            # MoE tensors (a shared expert) stay repacked: the experts' code reads the repacked layout
+            moe = any(name.endswith(v) for v in _MOE_NAMES.values())
+            if kind in SUPER_BLOCK_TYPES and not moe and super_blocks:
+                value = from_gguf_k_super_blocks(t.data, _KEPT_K[kind], shape[0], shape[1])
+            else:
+                value = from_gguf_k_blocks(t.data, _KEPT_K[kind], shape[0], shape[1])
         elif kind in REPACKED and len(shape) == 2:
             value = from_gguf_repacked(t.data, kind, shape[0], shape[1])
         elif kind in _FLOAT:

@@ -17,6 +17,11 @@ quants.py reads them the same way).
     IQ4_NL     4.5          codebook value int8, fp16 d per 32           8.5     1.89x
     IQ4_XS     4.25         codebook value int8, fp32 d*(ls-32) per 32   9.0     2.12x
 
+    Q4_K       4.5          cpu_qlinear: q nibbles, fp32 d*sc, -dmin*m per 32   6.0     1.33x
+    Q6_K       6.56         cpu_qlinear: q int8, fp32 d*sc per 16             10.0    1.52x
+                            or the file's own super-blocks (AVX512-VNNI:     6.56    1.0x
+                            cpu_qk_native.py, gguf_checkpoint.super_blocks_enabled)
+
 All are still 3.2x (Q5_K) to 5.3x (Q3_K) smaller than the fp32 copy they replace. Q3_K's and Q2_K's
 16-value groups are the low and the high nibbles of each 32-block (the kernel's 4-bit order). IQ4's codebook values
 are int8 already (ggml's kvalues_iq4nl), so a lookup at load turns it into Q8_0's arithmetic.

@@ -897,6 +897,17 @@ bool valid(const KiQWeight* w) {
   return true;
 }
 
+// Weights held as GGUF's own k-quant super-blocks (bits KI_BITS_KQUANT: cpu_qk_native.py) run in
+// csrc/qk_native.cpp, a library of its own: Python hands its entry points here at load
+// (kubeinfer_qlinear_set_kquant), so that every caller of this entry point (the decode graph, the int8
+// library's fallback, MoE tasks) takes them as it takes any other descriptor.
+constexpr int32_t KI_BITS_KQUANT = 6;
+using KiKQuantLinearFn = int32_t (*)(const KiQWeight*, const float*, int64_t, int64_t, const float*, float*, int64_t,
+                                     int32_t);
+using KiKQuantDequantFn = int32_t (*)(const KiQWeight*, const int64_t*, int64_t, int64_t, float*, int64_t, int32_t);
+KiKQuantLinearFn kquant_linear = nullptr;
+KiKQuantDequantFn kquant_dequant = nullptr;
+
 template <typename F>
 int dispatch(const KiQWeight* w, F&& f) {
   if (!valid(w)) return 1;
@@ -912,7 +923,14 @@ int dispatch(const KiQWeight* w, F&& f) {
 
 extern "C" {
 
-int32_t kubeinfer_qlinear_abi() { return 5; }
+int32_t kubeinfer_qlinear_abi() { return 6; }
+
+// The k-quant super-block library's kubeinfer_qk_qlinear and kubeinfer_qk_dequant (see KI_BITS_KQUANT); null
+// leaves such descriptors refused (return code 3). Set once at load, not thread-safe against running kernels.
+void kubeinfer_qlinear_set_kquant(KiKQuantLinearFn linear, KiKQuantDequantFn dequant) {
+  kquant_linear = linear;
+  kquant_dequant = dequant;
+}
 
 // Whether the AVX-512 path may run (the usable-feature probe's answer; off until called). Not
 // thread-safe against running kernels: set once at load.
@@ -942,6 +960,8 @@ int32_t kubeinfer_qlinear_has_avx512_path() { return KI_AVX512_PATH; }
 // y[i * y_stride + n] = sum_k x[i * x_stride + k] * W[n, k] (+ bias[n]) for i < m, n < w->n.
 int32_t kubeinfer_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
                           float* y, int64_t y_stride, int32_t nthreads) {
+  if (w && w->bits == KI_BITS_KQUANT)
+    return kquant_linear ? kquant_linear(w, x, m, x_stride, bias, y, y_stride, nthreads) : 3;
   return dispatch(w, [&]<int BITS, bool F16>() {
     qlinear<BITS, F16>(*w, x, m, x_stride, bias, y, y_stride, std::max(nthreads, 1));
   });
@@ -952,6 +972,7 @@ int32_t kubeinfer_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t
 // path (bf16_enabled) or W's groups are not whole 32-blocks: the caller dequantizes to fp32 instead.
 int32_t kubeinfer_qdequant_bf16(const KiQWeight* w, int64_t row0, int64_t nrows, uint16_t* out, int64_t out_stride,
                                 int32_t nthreads) {
+  if (w && w->bits == KI_BITS_KQUANT) return 2;  // fp32 instead (kubeinfer_qdequant)
   if (!valid(w)) return 1;
   if (!bf16_enabled() || w->k % 32 || w->group_size % 32) return 2;
   return dispatch(w, [&]<int BITS, bool F16>() {
@@ -962,6 +983,8 @@ int32_t kubeinfer_qdequant_bf16(const KiQWeight* w, int64_t row0, int64_t nrows,
 // out[i * out_stride + k] = W[rows ? rows[i] : row0 + i, k] for i < nrows, k < w->k.
 int32_t kubeinfer_qdequant(const KiQWeight* w, const int64_t* rows, int64_t row0, int64_t nrows, float* out,
                            int64_t out_stride, int32_t nthreads) {
+  if (w && w->bits == KI_BITS_KQUANT)
+    return kquant_dequant ? kquant_dequant(w, rows, row0, nrows, out, out_stride, nthreads) : 3;
   return dispatch(w, [&]<int BITS, bool F16>() {
     dequant<BITS, F16>(*w, rows, row0, nrows, out, out_stride, std::max(nthreads, 1));
   });

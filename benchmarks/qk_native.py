@@ -1,0 +1,131 @@
+"""Q4_K / Q6_K as GGUF's own super-blocks (server/quant/cpu_qk_native.py) against the repacked layout; prints JSON.
+
+    python benchmarks/qk_native.py                 # Llama-3.2-1B's matrices, M = 1 and 16
+    python benchmarks/qk_native.py --smoke         # checks the script, timings mean little
+
+Per matrix of Llama-3.2-1B (q/o, k/v, fused gate/up, down, the tied 128,256-row LM head) and format, M
+rows of x: `repacked` is what serving runs today on the weight repacked at load (cpu_qlinear's
+from_gguf_k_blocks: 6.0 / 10.0 bits per weight), a BlockQuantLinear with gemm_dtype bf16 and its int8
+packed copy where the batched path makes one (the server's default on AVX512-VNNI), `native` is the
+super-block kernel on the file's bytes (4.5 / 6.56 bits). The two run interleaved call by call, each on
+copies of its weight cycled so that every call streams from memory (twice the last-level cache), as a
+decode step does. Median us per call, the median per-repetition ratio (repacked / native: > 1 means
+native is faster) and the bytes each holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_qlinear import cpu_model, llc_bytes, median_ratio, timed
+
+from server.quant import cpu_qgemv_q8 as q8
+from server.quant import cpu_qk_native as qk
+from server.quant import cpu_qlinear as cq
+from server.quant.block_linear import BlockQuantLinear
+
+SHAPES = {
+    "qo_2048x2048": (2048, 2048),
+    "kv_512x2048": (512, 2048),
+    "gate_up_16384x2048": (16384, 2048),
+    "down_2048x8192": (2048, 8192),
+    "lm_head_128256x2048": (128256, 2048),
+}
+
+
+def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random super-block bytes with small finite fp16 scales: the kernels' speed does not depend on values."""
+    b = rng.integers(0, 256, size=(n * k // qk.QK_K, qk.SUPER_BLOCK_BYTES[fmt]), dtype=np.uint8)
+    d = np.full((b.shape[0], 2), 1e-3, np.float16).view(np.uint8)
+    if fmt == "q4_k":
+        b[:, 0:4] = d
+    else:
+        b[:, 208:210] = d[:, :2]
+    return b
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--formats", default="q4_k,q6_k")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reps = 2 if args.smoke else args.reps
+    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    if args.smoke:
+        shapes = {"small_512x1024": (512, 1024)}
+    kernel = cq.load_qlinear_kernel()
+    fast = q8.load_q8_gemv_kernel(kernel)
+    native = qk.load_qk_native_kernel()
+    cold = 2 * llc_bytes()
+    rng = np.random.default_rng(0)
+    rows = []
+    for fmt in args.formats.split(","):
+        for name, (n, k) in shapes.items():
+            raw = random_blocks(fmt, n, k, rng)
+            nat = qk.from_gguf(raw, fmt, n, k)
+            old = BlockQuantLinear(cq.from_gguf_k_blocks(raw, fmt, n, k), kernel=kernel)
+            old.gemm_dtype = torch.bfloat16
+            packed = old.pack_int8(fast)
+            copies = max(1, min(16, -(-cold // nat.nbytes())))
+            olds = [old] + [
+                BlockQuantLinear(cq.from_gguf_k_blocks(raw, fmt, n, k), kernel=kernel)
+                for _ in range(copies - 1)
+            ]
+            for o in olds[1:]:
+                o.gemm_dtype = torch.bfloat16
+                o.pack_int8(fast)
+            nats = [nat] + [qk.KQuantBlocks(nat.blocks.clone(), fmt, k, n) for _ in range(copies - 1)]
+            for m in [int(s) for s in args.ms.split(",")]:
+                x = torch.randn(m, k)
+                it = {"o": 0, "n": 0}
+
+                def run_old(
+                    x: torch.Tensor = x, olds: list[BlockQuantLinear] = olds, it: dict[str, int] = it
+                ) -> None:
+                    it["o"] = (it["o"] + 1) % len(olds)
+                    olds[it["o"]](x)
+
+                def run_native(
+                    x: torch.Tensor = x, nats: list[qk.KQuantBlocks] = nats, it: dict[str, int] = it
+                ) -> None:
+                    it["n"] = (it["n"] + 1) % len(nats)
+                    native.linear(x, nats[it["n"]])
+
+                here = max(3, reps // 8) if n * k > 64 << 20 else reps
+                t = timed({"repacked": run_old, "native": run_native}, here)
+                row = {
+                    "format": fmt,
+                    "shape": name,
+                    "M": m,
+                    "repacked_us": round(statistics.median(t["repacked"]) * 1e3, 1),
+                    "native_us": round(statistics.median(t["native"]) * 1e3, 1),
+                    "speedup": round(median_ratio(t["repacked"], t["native"]), 2),
+                    "repacked_MiB": round(old.weight_q.nbytes() / 2**20, 1),
+                    "of_which_packed_copy_MiB": round(packed / 2**20, 1),
+                    "native_MiB": round(nat.nbytes() / 2**20, 1),
+                }
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+            del olds, nats
+    out = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "native_isa": native.isa, "rows": rows}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

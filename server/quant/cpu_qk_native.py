@@ -1,0 +1,206 @@
+"""GGUF Q4_K and Q6_K weights held as the file's own super-blocks, and the kernel that reads them (csrc/qk_native.cpp).
+
+`KQuantBlocks` keeps a [N, K] k-quant weight as GGUF stores it: rows of 256-value super-blocks
+(block_q4_K, 144 bytes = 4.5 bits/weight; block_q6_K, 210 bytes = 6.5625 bits/weight; ggml-common.h),
+instead of the repacked BlockQuantWeight (6.0 and 10.0 bits/weight, cpu_qlinear.py's table). The kernel
+quantizes each row of x per 256 values to int8 (ggml's q8_K idea: fp32 dx = max|x| / 127, round half to
+even, per-16 sums of q for the min and offset terms) and runs the dot products on integers (AVX512-VNNI
+`vpdpbusd`, else scalar C++, chosen at run time from `usable_cpu_features()`), one pass over each weight
+super-block serving up to 8 rows of x (qk_native.cpp's TILE_M).
+
+Its result is W @ x^ up to fp32 rounding, x^ = dx q the activations as quantized
+(`quantize_activations_reference`, `linear_reference`); against fp32 activations the error per output
+is at most sum_b (dx_b / 2) sum_{k in b} |w_k| (`activation_error_bound`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from server.config import default_cache_dir
+from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
+
+SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
+ABI_VERSION = 2  # 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor
+# No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
+# the dequantized values must equal gguf-py's (each product rounded).
+NATIVE = NativeSource(
+    "qk_native",
+    SOURCE,
+    ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-ffp-contract=off"),
+    abi_version=ABI_VERSION,
+)
+QK_K = 256  # values per super-block
+SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # sizeof(block_q4_K), sizeof(block_q6_K)
+FORMAT_CODES = {"q4_k": 0, "q6_k": 1}  # qk_native.cpp's FMT_*
+GGUF_TYPES = {"q4_k": "Q4_K", "q6_k": "Q6_K"}
+PATHS = {"scalar": 0, "vnni": 2}  # kubeinfer_qk_set_path's codes
+
+
+@dataclass(frozen=True)
+class KQuantBlocks:
+    """A [N, K] weight as GGUF k-quant super-blocks, row-major: row n is K / 256 blocks of `fmt`."""
+
+    blocks: Tensor  # [N, K / 256 * SUPER_BLOCK_BYTES[fmt]] uint8, contiguous, CPU
+    fmt: str  # "q4_k" or "q6_k"
+    in_features: int  # K, a multiple of 256
+    out_features: int  # N
+
+    def __post_init__(self) -> None:
+        if self.fmt not in SUPER_BLOCK_BYTES:
+            raise ValueError(
+                f"unknown k-quant format {self.fmt!r}; expected one of {sorted(SUPER_BLOCK_BYTES)}"
+            )
+        n, k = self.out_features, self.in_features
+        if k <= 0 or k % QK_K:
+            raise ValueError(f"K ({k}) must be a positive multiple of {QK_K}")
+        row = k // QK_K * SUPER_BLOCK_BYTES[self.fmt]
+        b = self.blocks
+        if tuple(b.shape) != (n, row) or b.dtype != torch.uint8:
+            raise ValueError(f"blocks must be [{n}, {row}] uint8, got {tuple(b.shape)} {b.dtype}")
+        if b.device.type != "cpu" or not b.is_contiguous():
+            raise ValueError("blocks must be a contiguous CPU tensor")
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def bits_per_weight(self) -> float:
+        return 8.0 * SUPER_BLOCK_BYTES[self.fmt] / QK_K
+
+
+def from_gguf(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> KQuantBlocks:
+    """GGUF tensor data of type Q4_K or Q6_K (`fmt` "q4_k"/"q6_k"; any shape holding n * k / 256 blocks)
+    -> KQuantBlocks holding a copy of its bytes (a memory map stays read-only and unreferenced).
+    ValueError for an unknown format, a K that is no whole number of blocks, or the wrong byte count."""
+    if fmt not in SUPER_BLOCK_BYTES:
+        raise ValueError(f"unknown k-quant format {fmt!r}; expected one of {sorted(SUPER_BLOCK_BYTES)}")
+    if k <= 0 or k % QK_K:
+        raise ValueError(f"GGUF k-quant rows must hold whole {QK_K}-value super-blocks, K={k}")
+    with warnings.catch_warnings():  # a read-only memory map: nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.as_tensor(np.ascontiguousarray(raw)).view(torch.uint8).reshape(-1)
+    row = k // QK_K * SUPER_BLOCK_BYTES[fmt]
+    if data.numel() != n * row:
+        raise ValueError(f"{fmt} [{n}, {k}] needs {n * row} bytes, got {data.numel()}")
+    return KQuantBlocks(data.reshape(n, row).clone(), fmt, k, n)
+
+
+def dequantize_reference(w: KQuantBlocks) -> Tensor:  # -> [N, K] fp32
+    """gguf-py's dequantization of the blocks (`gguf.quants.dequantize`): the values the kernel multiplies."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = getattr(GGMLQuantizationType, GGUF_TYPES[w.fmt])
+    values = dequantize(w.blocks.numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(
+        w.out_features, w.in_features
+    )
+
+
+def quantize_activations_reference(x: Tensor) -> Tensor:  # x: [M, K] fp32 -> [M, K] fp32 x^ = dx * q
+    """x as the kernel quantizes it: per 256 values dx = max|x| / 127, q = round-half-even(x * (1 / dx))."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK_K, QK_K)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(m, k)
+
+
+def linear_reference(x: Tensor, w: KQuantBlocks) -> Tensor:  # x: [M, K] fp32 -> [M, N] fp32
+    """W @ x^ in fp64, rounded to fp32: what the kernel computes, up to its fp32 summation order."""
+    return (quantize_activations_reference(x).double() @ dequantize_reference(w).double().t()).float()
+
+
+def activation_error_bound(x: Tensor, w: KQuantBlocks) -> Tensor:  # x: [M, K] -> [M, N] fp32
+    """Per output, the most the int8 activations can move W @ x: sum_b (dx_b / 2) sum_{k in b} |w_k|."""
+    m, k = x.shape
+    dx = x.float().reshape(m, k // QK_K, QK_K).abs().amax(-1) / 127.0  # [M, K / 256]
+    wabs = dequantize_reference(w).abs().reshape(w.out_features, k // QK_K, QK_K).sum(-1)  # [N, K / 256]
+    return (dx / 2) @ wabs.t()
+
+
+@dataclass(frozen=True)
+class QKNativeKernel:
+    """The loaded library; `linear` checks its arguments (a wrong pointer would crash)."""
+
+    lib: ctypes.CDLL
+    path: Path
+    isa: str  # "vnni" or "scalar": the path in use
+
+    def set_path(self, name: str) -> str:
+        """Runs `name` ("vnni", "scalar") from now on where this CPU can (tests, benchmarks); returns the
+        path in use. Process-wide: never while another thread runs the kernel."""
+        if name not in PATHS:
+            raise ValueError(f"unknown path {name!r}; expected one of {sorted(PATHS)}")
+        got = int(self.lib.kubeinfer_qk_set_path(PATHS[name]))
+        object.__setattr__(self, "isa", "vnni" if got == PATHS["vnni"] else "scalar")
+        return self.isa
+
+    def linear(
+        self,
+        x: Tensor,  # [M, K] fp32, unit stride along K
+        w: KQuantBlocks,
+        out: Tensor | None = None,  # [M, N] fp32, unit stride along N
+    ) -> Tensor:  # [M, N] fp32
+        """W @ x^ (module docstring). TypeError for a non-CPU or non-fp32 x, ValueError for a shape or
+        stride the kernel cannot take, RuntimeError if the kernel refuses its arguments."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
+        if x.dim() != 2 or x.shape[1] != w.in_features:
+            raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m, n = x.shape[0], w.out_features
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be [{m}, {n}] fp32 with unit stride along N")
+        if m == 0 or n == 0:
+            return out
+        rc = self.lib.kubeinfer_qk_linear(
+            FORMAT_CODES[w.fmt],
+            w.blocks.data_ptr(),
+            n,
+            w.in_features,
+            x.data_ptr(),
+            m,
+            x.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"qk_native kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
+        return out
+
+
+@functools.cache
+def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
+    """Builds (or finds) and loads the kernel with the best path the usable CPU features allow (AVX512-VNNI
+    with VL/BW: vnni; else scalar); raises KernelBuildError if it cannot be built."""
+    lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    lib.kubeinfer_qk_linear.restype = i32
+    lib.kubeinfer_qk_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
+    lib.kubeinfer_qk_set_path.restype = i32
+    lib.kubeinfer_qk_set_path.argtypes = [i32]
+    features = usable_cpu_features(cache_dir)
+    vnni = features.avx512_vnni and features.avx512vl and features.avx512bw
+    got = int(lib.kubeinfer_qk_set_path(PATHS["vnni" if vnni else "scalar"]))
+    return QKNativeKernel(lib, path, "vnni" if got == PATHS["vnni"] else "scalar")
+
+
+def try_load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel | None:
+    """The kernel, or None when it cannot be built (no compiler)."""
+    try:
+        return load_qk_native_kernel(cache_dir)
+    except (KernelBuildError, OSError):
+        return None

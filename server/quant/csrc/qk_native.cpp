@@ -1,0 +1,463 @@
+// y[M, N] = Q8K(x)[M, K] @ W[N, K]^T over GGUF's own k-quant super-blocks (block_q4_K, block_q6_K), held
+// as the file's bytes: no repack, the resident bits per weight are the file's (4.5 and 6.5625).
+//
+// Block layouts (ggml/src/ggml-common.h; gguf-py's quants.py reads them the same way), 256 values each:
+//   block_q4_K {fp16 d; fp16 dmin; u8 scales[12]; u8 qs[128]}  w = d*sc_j*q - dmin*m_j, j = k / 32,
+//     sc_j/m_j 6-bit (ggml's get_scale_min_k4), qs[32c + l]: k = 64c + l (low nibble), 64c + 32 + l (high)
+//   block_q6_K {u8 ql[128]; u8 qh[64]; s8 scales[16]; fp16 d}  w = d*sc_j*(q - 32), j = k / 16, q 6-bit:
+//     per 128-half h, l < 32: k = 128h + l      : ql[64h + l] & 15  | (qh[32h + l] >> 0 & 3) << 4
+//                             k = 128h + 32 + l : ql[64h+32+l] & 15 | (qh[32h + l] >> 2 & 3) << 4
+//                             k = 128h + 64 + l : ql[64h + l] >> 4  | (qh[32h + l] >> 4 & 3) << 4
+//                             k = 128h + 96 + l : ql[64h+32+l] >> 4 | (qh[32h + l] >> 6 & 3) << 4
+//
+// Activations: ggml's q8_K idea. Each row of x is quantized per 256-value block to int8 with one fp32
+// scale, dx = max|x_b| / 127, q = round-half-even(x * (1 / dx)) (fp32), plus the sums of q per 16
+// values for the min (Q4_K) and offset (Q6_K) terms. Per super-block of a weight row:
+//   Q4_K: d dx sum_j sc_j dot_j(q_w, q_x)  -  dmin dx sum_j m_j sum_{k in j} q_x
+//   Q6_K: d dx sum_j sc_j (dot_j(q_w, q_x) - 32 sum_{k in j} q_x)
+// with the dot products and their scaled sums in int32 (|.| < 2^25: exact), so the result is W @ x^ for
+// x^ = dx q the activation as quantized, up to fp32 rounding (cpu_qk_native.linear_reference).
+//
+// Code paths, chosen at run time (kubeinfer_qk_set_path from Python's usable CPU features, lowered to
+// what libgcc's CPUID check reports):
+//   vnni    AVX512-VNNI `vpdpbusd` on 512-bit vectors: the weights unpacked to u8 (0..15 or 0..63) in k
+//           order, four vectors per super-block, dotted with the s8 activations; each lane's int32 sum
+//           (|.| < 2^15) times its sub-block's scale by `vpdpwssd`, the min (Q4_K) and offset (Q6_K) terms
+//           as int32 vectors too, one fp32 vector per row of x reduced once per output.
+//   scalar  plain C++, any CPU.
+// Batches: each weight row's super-block is unpacked once and dotted with up to TILE_M rows of x while it
+// sits in registers; a batch of M rows reads every weight byte from memory once (from L1 again for each
+// further tile of TILE_M rows). Threads split the output columns (weight rows).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define KI_QK_X86 1
+#else
+#define KI_QK_X86 0
+#endif
+
+namespace {
+
+constexpr int QK_K = 256;
+constexpr int FMT_Q4_K = 0, FMT_Q6_K = 1;
+constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210;
+constexpr int TILE_M = 8;  // rows of x per pass over a weight row's super-block
+constexpr int PATH_SCALAR = 0, PATH_VNNI = 2;
+int path_in_use = PATH_SCALAR;
+
+inline float fp16_to_fp32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ggml's get_scale_min_k4 for all eight sub-blocks: sc[j], mn[j] in 0..63.
+inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// One row of x per 256-block: q (k order), dx, and the sums of q per 16 values.
+struct QuantizedX {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> d;       // [M, K / 256]
+  std::vector<int32_t> bsum;  // [M, K / 16]
+  // [M, K / 256, 16]: the vnni path's per-block sums (Q4_K: 8 zeros, then the 8 per-32 sums; Q6_K: bsum)
+  std::vector<int32_t> sums;
+};
+
+void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX& out) {
+  const int64_t nb = k / QK_K;
+  out.q.resize(m * k);
+  out.d.resize(m * nb);
+  out.bsum.resize(m * (k / 16));
+  out.sums.resize(m * (k / 16));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * ldx + b * QK_K;
+      float amax = 0.0f;
+      for (int i = 0; i < QK_K; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 1.0f / d : 0.0f;
+      int8_t* q = out.q.data() + r * k + b * QK_K;
+      for (int i = 0; i < QK_K; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * id);
+      out.d[r * nb + b] = d;
+      int32_t* s = out.bsum.data() + r * (k / 16) + b * 16;
+      for (int j = 0; j < 16; ++j) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; ++i) t += q[16 * j + i];
+        s[j] = t;
+      }
+      int32_t* v = out.sums.data() + r * (k / 16) + b * 16;
+      for (int j = 0; j < 16; ++j) v[j] = fmt == FMT_Q6_K ? s[j] : j < 8 ? 0 : s[2 * (j - 8)] + s[2 * (j - 8) + 1];
+    }
+  }
+}
+
+// ------------------------------------------------------------------ scalar path
+
+void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, const QuantizedX& xq,
+                 int64_t m, float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K, bytes = fmt == FMT_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+  uint8_t v[QK_K];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < m; ++r) y[r * ldy + n] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (n * nb + b) * bytes;
+      if (fmt == FMT_Q4_K) {
+        const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk + 4, sc, mn);
+        const uint8_t* qs = blk + 16;
+        for (int c = 0; c < 4; ++c)
+          for (int l = 0; l < 32; ++l) {
+            v[64 * c + l] = qs[32 * c + l] & 15;
+            v[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+          }
+        for (int64_t r = 0; r < m; ++r) {
+          const int8_t* q = xq.q.data() + r * k + b * QK_K;
+          const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
+          int32_t isum = 0, msum = 0;
+          for (int j = 0; j < 8; ++j) {
+            int32_t dot = 0;
+            for (int i = 0; i < 32; ++i) dot += (int32_t)v[32 * j + i] * q[32 * j + i];
+            isum += sc[j] * dot;
+            msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+          }
+          const float dx = xq.d[r * nb + b];
+          y[r * ldy + n] += d * dx * (float)isum - dmin * dx * (float)msum;
+        }
+      } else {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t* sc = (const int8_t*)(blk + 192);
+        const float d = fp16_to_fp32(blk + 208);
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], e = qh[32 * h + l];
+            v[128 * h + l] = (a & 15) | ((e & 3) << 4);
+            v[128 * h + 32 + l] = (c & 15) | (((e >> 2) & 3) << 4);
+            v[128 * h + 64 + l] = (a >> 4) | (((e >> 4) & 3) << 4);
+            v[128 * h + 96 + l] = (c >> 4) | (((e >> 6) & 3) << 4);
+          }
+        for (int64_t r = 0; r < m; ++r) {
+          const int8_t* q = xq.q.data() + r * k + b * QK_K;
+          const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
+          int32_t isum = 0;
+          for (int j = 0; j < 16; ++j) {
+            int32_t dot = 0;
+            for (int i = 0; i < 16; ++i) dot += (int32_t)v[16 * j + i] * q[16 * j + i];
+            isum += sc[j] * (dot - 32 * bs[j]);
+          }
+          y[r * ldy + n] += d * xq.d[r * nb + b] * (float)isum;
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ vnni path
+
+#if KI_QK_X86
+#define KI_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// Weight super-block unpacked for the dot products: 4 x 64 u8 values in k order, each 4-value lane's
+// sub-block scale as an int16 in the low half of its int32 lane (vpdpwssd's operand: dot * scale, the
+// dots fitting int16), and `scv`: Q4_K's 8 scales then its 8 mins (int32 lanes), Q6_K's 16 scales.
+struct Unpacked {
+  __m512i v[4];
+  __m512i s[4];
+  __m512i scv;
+  float d, dmin;
+};
+
+KI_VNNI inline void unpack_q4k(const uint8_t* blk, Unpacked& u) {
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)blk));  // d, dmin
+  u.d = _mm_cvtss_f32(dd);
+  u.dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1));
+  // ggml's get_scale_min_k4 on whole words (as its AVX2 q4_K dot does): bytes 0-7 scales, 8-15 mins
+  uint32_t ut[4];
+  std::memcpy(ut, blk + 4, 12);
+  constexpr uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  ut[3] = ((ut[2] >> 4) & m4) | (((ut[1] >> 6) & m2) << 4);
+  const uint32_t mins03 = ut[1] & m6;
+  ut[1] = (ut[2] & m4) | (((ut[0] >> 6) & m2) << 4);
+  ut[2] = mins03;
+  ut[0] &= m6;
+  u.scv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)ut));
+  const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  // upper 32 bytes: the high nibbles
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  const uint8_t* qs = blk + 16;
+  for (int c = 0; c < 4; ++c) {
+    // qs[32c..32c+31] twice: low nibbles are k = 64c + l, high nibbles 64c + 32 + l
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * c)));
+    u.v[c] = _mm512_and_si512(_mm512_srlv_epi64(both, shift), lo4);
+    const int a = 2 * c, b = 2 * c + 1;
+    u.s[c] = _mm512_permutexvar_epi32(_mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a), u.scv);
+  }
+}
+
+KI_VNNI inline void unpack_q6k(const uint8_t* blk, Unpacked& u) {
+  u.d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const uint16_t*)(blk + 208))));
+  u.dmin = 0.0f;
+  u.scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)));  // signed
+  const __m512i sc16 = _mm512_and_si512(u.scv, _mm512_set1_epi32(0xffff));      // int16 in the low half
+  const __m512i lo4 = _mm512_set1_epi8(15), lo2 = _mm512_set1_epi8(3);
+  const __m512i sh_lo = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), sh_hi = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));  // bytes l < 32: ql[l], else ql[32 + l]
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
+    const __m512i hl = _mm512_and_si512(_mm512_srlv_epi64(qh, sh_lo), lo2);
+    const __m512i hh = _mm512_and_si512(_mm512_srlv_epi64(qh, sh_hi), lo2);
+    u.v[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, lo4), _mm512_slli_epi16(hl, 4));  // k 128h + 0..63
+    u.v[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4),
+                                     _mm512_slli_epi16(hh, 4));  // k 128h + 64..127
+    for (int p = 0; p < 2; ++p) {
+      const int j = 8 * h + 4 * p;  // sub-blocks j..j+3, 4 lanes each
+      const __m512i idx = _mm512_set_epi32(j + 3, j + 3, j + 3, j + 3, j + 2, j + 2, j + 2, j + 2, j + 1, j + 1,
+                                           j + 1, j + 1, j, j, j, j);
+      u.s[2 * h + p] = _mm512_permutexvar_epi32(idx, sc16);
+    }
+  }
+}
+
+KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, const QuantizedX& xq,
+                       int64_t m, float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K, bytes = fmt == FMT_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+  Unpacked u;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nb * bytes;
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
+      const int mt = (int)std::min<int64_t>(TILE_M, m - r0);
+      __m512 acc[TILE_M];
+      for (int t = 0; t < mt; ++t) acc[t] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * bytes;
+        if (fmt == FMT_Q4_K)
+          unpack_q4k(blk, u);
+        else
+          unpack_q6k(blk, u);
+        for (int t = 0; t < mt; ++t) {
+          const int64_t r = r0 + t;
+          const int8_t* q = xq.q.data() + r * k + b * QK_K;
+          __m512i isum = _mm512_setzero_si512();
+          for (int c = 0; c < 4; ++c) {
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.v[c],
+                                                    _mm512_loadu_si512((const void*)(q + 64 * c)));
+            isum = _mm512_dpwssd_epi32(isum, dot, u.s[c]);  // dot (|.| < 2^15) times its sub-block scale
+          }
+          const float dx = xq.d[r * nb + b];
+          const __m512i sums = _mm512_loadu_si512((const void*)(xq.sums.data() + (r * nb + b) * 16));
+          if (fmt == FMT_Q4_K) {  // lanes 8-15: m_j times sum_{k in j} q_x (lanes 0-7 of `sums` are 0)
+            const __m512i mterm = _mm512_mullo_epi32(u.scv, sums);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(u.d * dx), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mterm), _mm512_set1_ps(u.dmin * dx), acc[t]);
+          } else {  // minus 32 sc_j sum_{k in j} q_x
+            isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_mullo_epi32(u.scv, sums), 5));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(u.d * dx), acc[t]);
+          }
+        }
+      }
+      for (int t = 0; t < mt; ++t) y[(r0 + t) * ldy + n] = _mm512_reduce_add_ps(acc[t]);
+    }
+  }
+}
+#endif
+
+// One row of W in fp32, gguf-py's dequantization bit for bit: (d * sc) * q - dmin * m (Q4_K),
+// (d * sc) * (q - 32) (Q6_K), each product rounded (no FMA contraction: -ffp-contract=off).
+void dequant_row(int fmt, const uint8_t* row, int64_t nb, float* o) {
+  for (int64_t b = 0; b < nb; ++b) {
+    float* ob = o + b * QK_K;
+    if (fmt == FMT_Q4_K) {
+      const uint8_t* blk = row + b * Q4_K_BYTES;
+      const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
+      uint8_t sc[8], mn[8];
+      q4k_scales(blk + 4, sc, mn);
+      for (int c = 0; c < 4; ++c) {
+        const float d1 = d * sc[2 * c], m1 = dmin * mn[2 * c], d2 = d * sc[2 * c + 1], m2 = dmin * mn[2 * c + 1];
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t q = blk[16 + 32 * c + l];
+          const float a = d1 * (float)(q & 15), e = d2 * (float)(q >> 4);
+          ob[64 * c + l] = a - m1;
+          ob[64 * c + 32 + l] = e - m2;
+        }
+      }
+    } else {
+      const uint8_t* blk = row + b * Q6_K_BYTES;
+      const uint8_t *ql = blk, *qh = blk + 128;
+      const int8_t* sc = (const int8_t*)(blk + 192);
+      const float d = fp16_to_fp32(blk + 208);
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], e = qh[32 * h + l];
+          const int is = 8 * h + l / 16;
+          ob[128 * h + l] = (d * sc[is]) * (float)((int)((a & 15) | ((e & 3) << 4)) - 32);
+          ob[128 * h + 32 + l] = (d * sc[is + 2]) * (float)((int)((c & 15) | (((e >> 2) & 3) << 4)) - 32);
+          ob[128 * h + 64 + l] = (d * sc[is + 4]) * (float)((int)((a >> 4) | (((e >> 4) & 3) << 4)) - 32);
+          ob[128 * h + 96 + l] = (d * sc[is + 6]) * (float)((int)((c >> 4) | (((e >> 6) & 3) << 4)) - 32);
+        }
+    }
+  }
+}
+
+// fp32 activations (layers computing in fp32: the parity tests' --dtype float32): each weight row
+// dequantized once into a buffer, then dotted with every row of x in 16 fp32 lanes (summed lane-wise,
+// then across lanes: an fp32 order of its own, within fp32 rounding of the dequantized weight's product).
+void fp32_rows(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t k, const float* x,
+               int64_t m, int64_t ldx, float* y, int64_t ldy) {
+  std::vector<float> buf(k);
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row(fmt, w + n * row_bytes, k / QK_K, buf.data());
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * ldx;
+      float acc[16] = {0};
+      for (int64_t i = 0; i < k; i += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += buf[i + j] * xr[i + j];
+      float s = 0.0f;
+      for (int j = 0; j < 16; ++j) s += acc[j];
+      y[r * ldy + n] = s;
+    }
+  }
+}
+
+int best_compiled_path() {
+#if KI_QK_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw"))
+    return PATH_VNNI;
+#endif
+  return PATH_SCALAR;
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t kubeinfer_qk_native_abi() { return 2; }
+
+// csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
+// super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K); scales, mins unused.
+struct KiQWeight {
+  const uint8_t* q;
+  const void* scales;
+  const void* mins;
+  int64_t n, k, group_size, groups, row_bytes;
+  int32_t bits, zero_point, scale_is_f16;
+  int32_t compute;
+  const uint8_t* packed;
+};
+
+// The path to run: 2 vnni, else scalar; lowered to what this CPU reports. Returns the path now in use.
+// Set at load, not thread-safe against running kernels.
+int32_t kubeinfer_qk_set_path(int32_t path) {
+  path_in_use = path >= PATH_VNNI ? best_compiled_path() : PATH_SCALAR;
+  return path_in_use;
+}
+
+// y[m, n] (row stride ldy) = x[m, k] (row stride ldx, fp32) @ W^T, W [n, k] as `fmt` super-blocks (0 Q4_K,
+// 1 Q6_K), rows of n * k / 256 blocks. Returns 0, or 1 for bad arguments (Python checks them first).
+int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
+                            int64_t ldx, float* y, int64_t ldy, int32_t threads) {
+  if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % QK_K || (fmt != FMT_Q4_K && fmt != FMT_Q6_K)) return 1;
+  if (m == 0 || n == 0) return 0;
+  QuantizedX xq;
+  quantize_rows(fmt, x, m, ldx, k, xq);
+  const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, n / 16 > 0 ? n / 16 : 1));
+  const bool vnni = path_in_use == PATH_VNNI;
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t chunk = (n + nth - 1) / nth, n0 = std::min<int64_t>(n, t * chunk),
+                  n1 = std::min<int64_t>(n, n0 + chunk);
+#if KI_QK_X86
+    if (vnni)
+      vnni_rows(fmt, w, n0, n1, k, xq, m, y, ldy);
+    else
+#endif
+      scalar_rows(fmt, w, n0, n1, k, xq, m, y, ldy);
+    (void)vnni;
+  }
+  return 0;
+}
+
+// Format code of a descriptor's super-blocks from its row bytes, or -1.
+static int32_t desc_format(const KiQWeight* w) {
+  if (!w || !w->q || w->bits != 6 || w->n < 0 || w->k <= 0 || w->k % QK_K) return -1;
+  if (w->row_bytes == w->k / QK_K * Q4_K_BYTES) return FMT_Q4_K;
+  if (w->row_bytes == w->k / QK_K * Q6_K_BYTES) return FMT_Q6_K;
+  return -1;
+}
+
+// kubeinfer_qlinear's signature over a k-quant descriptor (qlinear.cpp hands these weights here):
+// y = x @ W^T (+ bias); layers computing in bf16 (w->compute 1) take int8 activations (kubeinfer_qk_linear),
+// fp32 ones fp32 activations (fp32_rows), as the int8 GEMV's default does for the repacked formats.
+// 1 for a descriptor this file does not take.
+int32_t kubeinfer_qk_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
+                             float* y, int64_t y_stride, int32_t nthreads) {
+  const int32_t fmt = desc_format(w);
+  if (fmt < 0 || !x || !y || m < 0) return 1;
+  int32_t rc = 0;
+  if (w->compute == 0) {  // KI_COMPUTE_FP32: fp32 activations
+    const int64_t n = w->n;
+    const int nt = std::max<int32_t>(1, std::min<int64_t>(nthreads, std::max<int64_t>(1, n / 16)));
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+      const int64_t chunk = (n + nth - 1) / nth, n0 = std::min<int64_t>(n, t * chunk),
+                    n1 = std::min<int64_t>(n, n0 + chunk);
+      fp32_rows(fmt, w->q, w->row_bytes, n0, n1, w->k, x, m, x_stride, y, y_stride);
+    }
+  } else {  // bf16 layers: int8 activations (the kernel above)
+    rc = kubeinfer_qk_linear(fmt, w->q, w->n, w->k, x, m, x_stride, y, y_stride, nthreads);
+  }
+  if (rc == 0 && bias)
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t n = 0; n < w->n; ++n) y[r * y_stride + n] += bias[n];
+  return rc;
+}
+
+// out[i * out_stride + k] = W[rows ? rows[i] : row0 + i, k] in fp32 (dequant_row). 1 for a descriptor this
+// file does not take.
+int32_t kubeinfer_qk_dequant(const KiQWeight* w, const int64_t* rows, int64_t row0, int64_t nrows, float* out,
+                             int64_t out_stride, int32_t nthreads) {
+  const int32_t fmt = desc_format(w);
+  if (fmt < 0 || nrows < 0) return 1;
+#pragma omp parallel for num_threads(std::max(1, nthreads)) schedule(static) if (nrows * w->k > (1 << 16))
+  for (int64_t i = 0; i < nrows; ++i)
+    dequant_row(fmt, w->q + (rows ? rows[i] : row0 + i) * w->row_bytes, w->k / QK_K, out + i * out_stride);
+  return 0;
+}
+
+}  // extern "C"

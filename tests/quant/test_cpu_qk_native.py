@@ -1,0 +1,188 @@
+"""The k-quant kernel over GGUF's own super-blocks (server/quant/csrc/qk_native.cpp) against gguf-py's
+dequantization, on every code path this CPU runs.
+
+Tolerances:
+- against `linear_reference` (W @ x^ in float64, W = gguf.quants.dequantize of the blocks, x^ the
+  activations as the kernel rounds them, bit for bit): fp32 accumulation only, |err| <= 2e-5 * (|W| @
+  |x^|) + 1e-5. The kernel's per-block int32 sums are exact; it sums K / 256 <= 3 blocks scaled in fp32
+  plus a 16-lane reduction (relative error under ~20 * 2^-24 ~ 1.2e-6, 2e-5 leaves room);
+- against fp32 activations: each x_k moves by at most half its 256-block's step dx_b / 2, so |err| <=
+  sum_b (dx_b / 2) sum_{k in b} |W[n, k]| (`activation_error_bound`), plus the slack above.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.quant import cpu_qk_native as qk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gguf_quant import quantize_q4_k, quantize_q6_k
+
+N, K = 37, 768  # odd N, three super-blocks per row
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> qk.KQuantBlocks:
+    """Uniformly random block bytes (every scale, min and high-bit pattern) with finite fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    size = qk.SUPER_BLOCK_BYTES[fmt]
+    b = rng.integers(0, 256, size=(n * k // qk.QK_K, size), dtype=np.uint8)
+    d = (rng.uniform(0.5, 2.0, size=(b.shape[0], 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if fmt == "q4_k":
+        b[:, 0:4] = d.reshape(-1, 4)  # d, dmin
+    else:
+        b[:, 208:210] = d.reshape(-1, 4)[:, :2]
+    return qk.from_gguf(b, fmt, n, k)
+
+
+def quantized_blocks(fmt: str, n: int, k: int, seed: int) -> qk.KQuantBlocks:
+    """A Gaussian weight round-to-nearest quantized by tests/gguf_quant.py (the values a real file holds)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    return qk.from_gguf((quantize_q4_k if fmt == "q4_k" else quantize_q6_k)(w), fmt, n, k)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> qk.QKNativeKernel:
+    return qk.load_qk_native_kernel()
+
+
+@pytest.fixture(params=["scalar", "vnni"])
+def path(request: pytest.FixtureRequest, kernel: qk.QKNativeKernel) -> Iterator[str]:
+    default = kernel.isa
+    if kernel.set_path(request.param) != request.param:
+        kernel.set_path(default)
+        pytest.skip(f"this CPU does not run the {request.param} path")
+    yield request.param
+    kernel.set_path(default)
+
+
+def fp32_slack(x: torch.Tensor, w: qk.KQuantBlocks) -> torch.Tensor:  # -> [M, N]
+    return 2e-5 * (qk.quantize_activations_reference(x).abs() @ qk.dequantize_reference(w).abs().t()) + 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 64])
+@pytest.mark.parametrize("make", [random_blocks, quantized_blocks])
+def test_matches_gguf_dequantize(kernel: qk.QKNativeKernel, path: str, fmt: str, m: int, make) -> None:
+    w = make(fmt, N, K, seed=m)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(100 + m)) * 3.0
+    x[0, :5] = 0.0  # zeros round to zero
+    if m > 1:
+        x[1, 256:512] = 0.0  # a whole zero block (dx = 0)
+    y = kernel.linear(x, w)
+    slack = fp32_slack(x, w)
+    err = (y - qk.linear_reference(x, w)).abs()
+    assert (err <= slack).all(), f"{path} {fmt} M={m}: max excess {(err - slack).max().item():.3g}"
+    fp32 = F.linear(x, qk.dequantize_reference(w))
+    assert ((y - fp32).abs() <= qk.activation_error_bound(x, w) + slack).all()
+
+
+def test_paths_agree_and_strided_io(kernel: qk.QKNativeKernel, path: str) -> None:
+    w = quantized_blocks("q6_k", 19, 512, seed=3)
+    big = torch.randn(5, 600)
+    x = big[:, 7:519]  # rows strided, unit stride along K
+    out = torch.full((5, 40), 7.0)
+    kernel.linear(x, w, out=out[:, 3:22])
+    assert torch.equal(out[:, :3], torch.full((5, 3), 7.0))  # nothing written outside the view
+    assert torch.allclose(out[:, 3:22], qk.linear_reference(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_held_bytes_are_the_files(kernel: qk.QKNativeKernel) -> None:
+    for fmt, bits in (("q4_k", 4.5), ("q6_k", 6.5625)):
+        w = random_blocks(fmt, 8, 512, seed=1)
+        assert w.bits_per_weight() == bits
+        assert w.nbytes() == 8 * 512 * bits / 8
+
+
+def test_bad_arguments(kernel: qk.QKNativeKernel) -> None:
+    w = random_blocks("q4_k", 4, 256, seed=0)
+    with pytest.raises(TypeError):
+        kernel.linear(torch.zeros(1, 256, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="must be"):
+        kernel.linear(torch.zeros(1, 512), w)
+    with pytest.raises(ValueError, match="out must be"):
+        kernel.linear(torch.zeros(2, 256), w, out=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="whole 256-value"):
+        qk.from_gguf(np.zeros(144, np.uint8), "q4_k", 1, 128)
+    with pytest.raises(ValueError, match="bytes"):
+        qk.from_gguf(np.zeros(143, np.uint8), "q4_k", 1, 256)
+    with pytest.raises(ValueError, match="unknown"):
+        qk.from_gguf(np.zeros(144, np.uint8), "q5_k", 1, 256)
+    assert kernel.linear(torch.zeros(0, 256), w).shape == (0, 4)
+
+
+# ------------------------------------------------------------------ held as the resident format
+
+
+def test_gguf_q6_k_held_as_the_files_super_blocks(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Q4_K_M-style file: its Q6_K token embedding (the tied LM head) is held as the file's own bytes
+    (6.56 bits per weight, not the repack's 10), dequantizes as gguf-py does, and every path that serves
+    it (qlinear's entry, the int8 library's fallback, BlockQuantLinear at decode and prefill sizes in fp32
+    and bf16, the embedding lookup) gives W @ x within its tolerance; KUBEINFER_KQUANT_BLOCKS=0 repacks."""
+    from gguf_models import write_tiny_gguf
+
+    from server.quant import cpu_qgemv_q8 as q8
+    from server.quant import cpu_qlinear as cq
+    from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
+    from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
+
+    hf = tiny_model_factory("llama", tie=True, hidden=256)
+    path = write_tiny_gguf(hf, tmp_path / "tiny-k.gguf", "Q4_K", embedding_fmt="Q6_K", tokenizer=False)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
+    ckpt = read_gguf_checkpoint(path)
+    emb = ckpt.tensors["model.embed_tokens.weight"]
+    assert isinstance(emb, cq.BlockQuantWeight) and emb.super_blocks and emb.fmt == "q6_k"
+    n, k = emb.out_features, emb.in_features
+    assert emb.nbytes() == n * k // 256 * 210  # the file's bytes: 6.5625 bits per weight
+    proj = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(proj, cq.BlockQuantWeight) and not proj.super_blocks  # Q4_K keeps its repack
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
+    repacked = read_gguf_checkpoint(path).tensors["model.embed_tokens.weight"]
+    assert isinstance(repacked, cq.BlockQuantWeight) and not repacked.super_blocks
+    dense = cq.dequantize_reference(repacked)
+    assert torch.equal(cq.dequantize_reference(emb), dense)
+
+    kernel = cq.load_qlinear_kernel()
+    assert torch.equal(kernel.dequantize_rows(emb), dense)
+    rows = torch.tensor([7, 0, n - 1])
+    assert torch.equal(BlockQuantEmbedding(emb)(rows), dense[rows])
+    head = emb.select_rows(torch.arange(0, n, 3))  # a row subset (odd N) stays super-blocks
+    dense_head = dense[::3]
+    wabs = dense_head.abs().reshape(head.out_features, k // 256, 256).sum(-1)  # [N', K / 256]
+    fast = q8.load_q8_gemv_kernel(kernel)
+    for m in (1, 3, 5, 16, 300):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        exact = x @ dense_head.t()
+        slack = 2e-5 * (x.abs() @ dense_head.abs().t()) + 1e-5
+        dx = x.reshape(m, k // 256, 256).abs().amax(-1) / 127.0  # activation_error_bound, W dequantized once
+        int8_bound = (dx / 2) @ wabs.t()
+        assert ((kernel.linear(x, head) - exact).abs() <= slack).all()  # fp32 compute: fp32 activations
+        # the decode graph's entry (the int8 library's C entry) hands it to qlinear's, then here
+        via_entry = cq.call_linear(
+            fast.lib.kubeinfer_qgemv_q8,
+            "qgemv_q8",
+            x,
+            head,
+            None,
+            torch.empty(m, head.out_features),
+            torch.bfloat16,
+        )
+        assert ((via_entry - exact).abs() <= int8_bound + slack).all()
+        for dtype in (torch.float32, torch.bfloat16):
+            lin = BlockQuantLinear(head, kernel=kernel)
+            lin.gemm_dtype = dtype
+            bound = slack if dtype == torch.float32 else int8_bound + slack
+            if m >= lin.gemm_min_rows:  # dequantize + library GEMM (bf16 operands under bf16)
+                bound = slack if dtype == torch.float32 else 1e-2 * (x.abs() @ dense_head.abs().t())
+            assert ((lin(x) - exact).abs() <= bound).all(), (m, dtype)
