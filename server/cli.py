@@ -22,6 +22,7 @@ from typing import Any
 from server.config import (
     ATTENTION_BACKENDS,
     BURST_ITL_FACTOR,
+    BURST_ITL_SECONDS,
     CPU_LONG_PREFILL_TOKEN_THRESHOLD,
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -312,6 +313,15 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         f"burst step may fill --max-num-batched-tokens (default {BURST_ITL_FACTOR:g})",
         type=float,
         default=BURST_ITL_FACTOR,
+    )
+    add(
+        "--burst-itl-seconds",
+        "KUBEINFER_BURST_ITL_SECONDS",
+        "With --burst-itl-factor: a burst step also costs at most this many seconds by the measured step "
+        "costs (the running sequences' inter-token latency while a burst is admitted; never fewer tokens "
+        f"than the prefill cap). 0 = the factor alone (default {BURST_ITL_SECONDS:g})",
+        type=_non_negative_float,
+        default=BURST_ITL_SECONDS,
     )
     add(
         "--scheduling-policy",
@@ -706,6 +716,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         prefill_itl_factor=args.prefill_itl_factor,
         burst_itl_factor=args.burst_itl_factor,
+        burst_itl_seconds=args.burst_itl_seconds,
         scheduling_policy=args.scheduling_policy,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,

@@ -121,6 +121,7 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--batch-wait-ms": ServerFlag("_non_negative_float"),
     "--block-size": ServerFlag("int", ("8", "16", "32", "64", "128")),
     "--burst-itl-factor": ServerFlag("float"),
+    "--burst-itl-seconds": ServerFlag("_non_negative_float"),
     "--chat-template": ServerFlag("str"),
     "--device": ServerFlag("str"),
     "--distributed-timeout": ServerFlag("float"),

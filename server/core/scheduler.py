@@ -33,7 +33,9 @@ against llama-server's 0.26 s); split into such steps a burst's prompts lose at 
 prefill rate by the cost line (burst_bound.py's
 docstring), but at f = 4 on that shape the real steps lost more (TTFT p50 1.8x, throughput 0.53x while
 ITL p99 fell 16 -> 3.3 s: smaller steps cost more per row than the line says); at f = 16 ITL p99 fell
-8.4 -> 2.2 s with TTFT p50 0.87x and the same throughput, hence 16 by default.
+8.4 -> 2.2 s with TTFT p50 0.87x and the same throughput, hence 16 by default. f x the quiet step grows
+with the running streams (~1.8 s at 64 on that shape), so the step is also bounded in seconds
+(`--burst-itl-seconds`, 0.5 by default; burst_bound.py, "Why seconds too").
 
 Waiting order and preemption victims follow `--scheduling-policy` (server/core/request_queue.py): fcfs,
 or priority (`Request.priority`, lower first, FCFS within a level). Under priority a waiting request
