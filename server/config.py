@@ -279,6 +279,9 @@ BURST_ITL_FACTOR = 16.0
 # and at most this many seconds (server/core/burst_bound.py, "Why seconds too"): f alone let a burst step
 # beside 64 streams of the Llama-3.2-1B shape cost ~1.8 s (ITL p99 1.83 s against llama-server's 0.24 s).
 BURST_ITL_SECONDS = 0.5
+# A pooling step's token target (server/core/scheduler.py, "pooling"): measured on the
+# Qwen3-Embedding-0.6B shape on 2 cores (docs/benchmarks-log.md, "Pooling steps of a token target").
+POOLING_STEP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,9 @@ class EngineConfig:
     burst_itl_factor: float = BURST_ITL_FACTOR
     # ... and at most this many seconds (0 = the factor alone); only with burst_itl_factor on.
     burst_itl_seconds: float = BURST_ITL_SECONDS
+    # A pooling model's step takes inputs while they fit this many tokens (its first whatever its length);
+    # 0 = the whole budget (max(max_num_batched_tokens, the model's context)).
+    pooling_step_tokens: int = POOLING_STEP_TOKENS
     # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower first;
     # server/core/request_queue.py).
     scheduling_policy: str = "fcfs"
@@ -345,6 +351,8 @@ class EngineConfig:
         b = self.burst_itl_factor
         if not (b == 0 or (math.isfinite(b) and b > 1)):
             raise ValueError(f"burst_itl_factor must be 0 (off) or > 1, got {b}")
+        if self.pooling_step_tokens < 0:
+            raise ValueError(f"pooling_step_tokens must be >= 0, got {self.pooling_step_tokens}")
         bs = self.burst_itl_seconds
         if not (bs == 0 or (math.isfinite(bs) and bs > 0)):
             raise ValueError(f"burst_itl_seconds must be 0 (off) or > 0, got {bs}")

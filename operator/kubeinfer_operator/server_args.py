@@ -151,6 +151,7 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--no-ui": _SWITCH,
     "--num-kv-blocks": ServerFlag("_positive_int"),
     "--num-threads": ServerFlag("_positive_int"),
+    "--pooling-step-tokens": ServerFlag("_non_negative_int"),
     "--prefill-itl-factor": ServerFlag("float"),
     "--reasoning-parser": ServerFlag("str"),
     "--responses-store-max-bytes": ServerFlag("_positive_int"),

@@ -187,3 +187,13 @@ def test_api_cli_burst_itl_seconds() -> None:
     for bad in ("-1", "nan", "inf"):
         with pytest.raises((SystemExit, ValueError)):
             _config(["--burst-itl-seconds", bad])
+
+
+def test_api_cli_pooling_step_tokens() -> None:
+    """--pooling-step-tokens (KUBEINFER_POOLING_STEP_TOKENS): 512 by default, 0 = the whole budget,
+    negative refused."""
+    assert _config([]).engine.pooling_step_tokens == 512
+    assert _config(["--pooling-step-tokens", "0"]).engine.pooling_step_tokens == 0
+    assert _config([], {"KUBEINFER_POOLING_STEP_TOKENS": "1024"}).engine.pooling_step_tokens == 1024
+    with pytest.raises((SystemExit, ValueError)):
+        _config(["--pooling-step-tokens", "-1"])
