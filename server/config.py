@@ -280,8 +280,9 @@ BURST_ITL_FACTOR = 16.0
 # beside 64 streams of the Llama-3.2-1B shape cost ~1.8 s (ITL p99 1.83 s against llama-server's 0.24 s).
 BURST_ITL_SECONDS = 0.5
 # A pooling step's token target (server/core/scheduler.py, "pooling"): on the Qwen3-Embedding-0.6B shape
-# on 2 cores, 64 texts arriving together: p50 0.64x the one-step burst's at 0.96x its texts/s (noise);
-# 256 cost 0.84x the texts/s (docs/benchmarks-log.md, "Pooling steps of a token target").
+# on 2 cores, 64 texts arriving together: p50 0.64x the one-step burst's at 0.96x its texts/s in process,
+# served p50 0.62-0.69x at 0.82-1.00x the embeddings/s; 256 cost 0.84x the texts/s
+# (docs/benchmarks-log.md, "Pooling steps of a token target").
 POOLING_STEP_TOKENS = 512
 
 
