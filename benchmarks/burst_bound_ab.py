@@ -1,8 +1,9 @@
 """A/B of the burst step's cost bound (server/core/burst_bound.py, issue 49 items 2-3) on the embedded
 SmolLM2: 64 users each send one ~164-token chat prompt at once (distinct prompts, 32 new tokens, greedy).
-Three servers up together (`--burst-itl-factor` 4 = default, 8, 0 = off), warmed, then the load runs on
-each in the alternated order given as argv[1] (default f4,f8,off,off,f8,f4); prints one JSON line per
-run (output tok/s, TTFT and ITL percentiles). Run from the repository root:
+Three servers up together (`s05`: the defaults, `--burst-itl-factor` 16 and `--burst-itl-seconds` 0.5;
+`f16`: the factor alone, `--burst-itl-seconds 0`; `off`: `--burst-itl-factor 0`), warmed, then the load
+runs on each in the alternated order given as argv[1] (default s05,f16,off,off,f16,s05); prints one JSON
+line per run (output tok/s, TTFT and ITL percentiles). Run from the repository root:
 
     PYTHONPATH=$PWD NEW=32 python benchmarks/burst_bound_ab.py
 """
@@ -42,15 +43,15 @@ def wait(port: int) -> None:
 
 
 servers = {
-    "f4": (18461, []),
-    "f8": (18463, ["--burst-itl-factor", "8"]),
+    "s05": (18461, []),
+    "f16": (18463, ["--burst-itl-seconds", "0"]),
     "off": (18462, ["--burst-itl-factor", "0"]),
 }
 procs = {k: start(p, e) for k, (p, e) in servers.items()}
 try:
     for p, _ in servers.values():
         wait(p)
-    model = httpx.get(f"http://127.0.0.1:{servers['f4'][0]}/v1/models").json()["data"][0]["id"]
+    model = httpx.get(f"http://127.0.0.1:{servers['s05'][0]}/v1/models").json()["data"][0]["id"]
     words = [
         "alpha",
         "beta",
@@ -75,7 +76,7 @@ try:
                 f"http://127.0.0.1:{p}", model, [f"w {u} " + " ".join(words) * 6 for u in range(16)], 16, 4
             )
         )
-    order = sys.argv[1].split(",") if len(sys.argv) > 1 else ["f4", "f8", "off", "off", "f8", "f4"]
+    order = sys.argv[1].split(",") if len(sys.argv) > 1 else ["s05", "f16", "off", "off", "f16", "s05"]
     for rnd, k in enumerate(order):
         prompts = [f"{rnd} {u} " + " ".join(words[(u + i) % 16] for i in range(100)) for u in range(64)]
         streams, dur = asyncio.run(

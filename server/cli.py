@@ -22,12 +22,14 @@ from typing import Any
 from server.config import (
     ATTENTION_BACKENDS,
     BURST_ITL_FACTOR,
+    BURST_ITL_SECONDS,
     CPU_LONG_PREFILL_TOKEN_THRESHOLD,
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     KV_CACHE_FP8_NAMES,
     LOG_FORMATS,
     LOGPROBS_MODES,
+    POOLING_STEP_TOKENS,
     QUANTIZE_CHOICES,
     TASK_CHOICES,
     THREAD_POLICIES,
@@ -312,6 +314,26 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         f"burst step may fill --max-num-batched-tokens (default {BURST_ITL_FACTOR:g})",
         type=float,
         default=BURST_ITL_FACTOR,
+    )
+    add(
+        "--burst-itl-seconds",
+        "KUBEINFER_BURST_ITL_SECONDS",
+        "With --burst-itl-factor: a burst step also costs at most this many seconds by the measured step "
+        "costs (the running sequences' inter-token latency while a burst is admitted; never fewer tokens "
+        f"than the prefill cap). 0 = the factor alone (default {BURST_ITL_SECONDS:g})",
+        type=_non_negative_float,
+        default=BURST_ITL_SECONDS,
+    )
+    add(
+        "--pooling-step-tokens",
+        "KUBEINFER_POOLING_STEP_TOKENS",
+        "A pooling model's (embed, score) engine step takes waiting inputs whole, in arrival order, while "
+        "they fit this many tokens (an input longer than that runs alone): vLLM's "
+        "max_num_batched_tokens for a pooling model, where ours must stay at the model's context so a "
+        "longest input fits a step. Smaller steps answer the first of many concurrent requests sooner. "
+        f"0 = the whole budget (default {POOLING_STEP_TOKENS})",
+        type=_non_negative_int,
+        default=POOLING_STEP_TOKENS,
     )
     add(
         "--scheduling-policy",
@@ -706,6 +728,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         prefill_itl_factor=args.prefill_itl_factor,
         burst_itl_factor=args.burst_itl_factor,
+        burst_itl_seconds=args.burst_itl_seconds,
+        pooling_step_tokens=args.pooling_step_tokens,
         scheduling_policy=args.scheduling_policy,
         max_num_seqs=args.max_num_seqs,
         attention_backend=args.attention_backend,

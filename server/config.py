@@ -276,6 +276,14 @@ PREFILL_CAP_MIN_TOKENS = 16
 # throughput; 4 cut it 4.8x but cost TTFT p50 1.8x and half the throughput (docs/benchmarks-log.md, "A burst
 # step bounded by its measured cost").
 BURST_ITL_FACTOR = 16.0
+# and at most this many seconds (server/core/burst_bound.py, "Why seconds too"): f alone let a burst step
+# beside 64 streams of the Llama-3.2-1B shape cost ~1.8 s (ITL p99 1.83 s against llama-server's 0.24 s).
+BURST_ITL_SECONDS = 0.5
+# A pooling step's token target (server/core/scheduler.py, "pooling"): on the Qwen3-Embedding-0.6B shape
+# on 2 cores, 64 texts arriving together: p50 0.64x the one-step burst's at 0.96x its texts/s in process,
+# served p50 0.62-0.69x at 0.82-1.00x the embeddings/s; 256 cost 0.84x the texts/s
+# (docs/benchmarks-log.md, "Pooling steps of a token target").
+POOLING_STEP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -297,6 +305,11 @@ class EngineConfig:
     # > 1: a burst step (scheduler.py) costs at most this many quiet decode steps of its streams
     # (server/core/burst_bound.py); 0 = off (a burst step may take the whole token budget).
     burst_itl_factor: float = BURST_ITL_FACTOR
+    # ... and at most this many seconds (0 = the factor alone); only with burst_itl_factor on.
+    burst_itl_seconds: float = BURST_ITL_SECONDS
+    # A pooling model's step takes inputs while they fit this many tokens (its first whatever its length);
+    # 0 = the whole budget (max(max_num_batched_tokens, the model's context)).
+    pooling_step_tokens: int = POOLING_STEP_TOKENS
     # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower first;
     # server/core/request_queue.py).
     scheduling_policy: str = "fcfs"
@@ -340,6 +353,11 @@ class EngineConfig:
         b = self.burst_itl_factor
         if not (b == 0 or (math.isfinite(b) and b > 1)):
             raise ValueError(f"burst_itl_factor must be 0 (off) or > 1, got {b}")
+        if self.pooling_step_tokens < 0:
+            raise ValueError(f"pooling_step_tokens must be >= 0, got {self.pooling_step_tokens}")
+        bs = self.burst_itl_seconds
+        if not (bs == 0 or (math.isfinite(bs) and bs > 0)):
+            raise ValueError(f"burst_itl_seconds must be 0 (off) or > 0, got {bs}")
         if f and self.long_prefill_token_threshold is not None:
             raise ValueError(
                 "prefill_itl_factor sizes the cap that long_prefill_token_threshold fixes: set one of them"
@@ -369,8 +387,11 @@ class EngineConfig:
         return CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" else 0
 
     def burst_bound_config(self) -> BurstBoundConfig | None:
-        """The burst step's cost bound (`burst_itl_factor` > 1), or None when off."""
-        return BurstBoundConfig(itl_factor=self.burst_itl_factor) if self.burst_itl_factor else None
+        """The burst step's cost bound (`burst_itl_factor` > 1, with `burst_itl_seconds`), or None when
+        off."""
+        if not self.burst_itl_factor:
+            return None
+        return BurstBoundConfig(itl_factor=self.burst_itl_factor, itl_seconds=self.burst_itl_seconds)
 
     def prefill_cap_for(self, device_type: str) -> PrefillCapConfig | None:
         """The measured prefill cap's settings (`prefill_itl_factor` > 0), or None for the fixed cap of

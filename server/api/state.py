@@ -170,6 +170,7 @@ class ServerState:
             max(ec.max_num_batched_tokens, model.max_model_len),
             ec.num_threads,
             adaptive_threads=ec.thread_policy == "adaptive",
+            step_tokens=ec.pooling_step_tokens,
         )
         engine.warmup()
         loop.call_soon_threadsafe(self.attach_pooling, engine)

@@ -10,7 +10,8 @@ varied too little, a = 0 and c is the median seconds per row, which overstates c
 smaller steps until the next step measures more. The quiet step d of D decodes is the median of the
 last `window` decode-only steps of D's power-of-two bucket where measured, else a + c x D (a burst
 never leaves a quiet step to measure: every step of it carries prompts). The bound is
-(f x d - a) / c - D prompt tokens; None until a step with prompt tokens was measured.
+(min(f x d, s) - a) / c - D prompt tokens (s: `itl_seconds`, 0 = f alone); None until a step with
+prompt tokens was measured.
 
 Why f quiet steps: a burst step of f quiet steps spends at most 1/f of its time on what a
 quiet step costs anyway, so splitting a burst into such steps delivers its prompts' first tokens at no
@@ -28,10 +29,24 @@ The default f is 16 (`--burst-itl-factor`, server/config.py), not 4: on the Llam
 cost more per row than the line (one a, one c for every size) says, so the 4/3 argument above does not
 hold there. At f = 16 (same load, load average 2) ITL p99 8.4 -> 2.2 s, TTFT p50 17.3 -> 15.0 s, throughput
 27.5 -> 27.2 tok/s (docs/benchmarks-log.md, "A burst step bounded by its measured cost").
+
+Why seconds too (`--burst-itl-seconds` s, default 0.5): f x d grows with the streams. A burst step holds
+the next token of every one of the D running streams, and a burst over many streams lasts many steps
+(each admits what the bound allows), so at 64 users nearly every ITL sample past the median is a burst
+step: with f = 16 and a ~110 ms quiet 64-stream step on the Llama-3.2-1B Q4_K_M shape a burst step
+cost ~1.8 s, and ITL p99 was 1.83 s at 64 users and 2.03 s at 128 queued against llama-server's
+0.24-0.26 s (docs/benchmarks.md). Capping the step at s seconds bounds that wait in the unit ITL is
+read in, whatever D is; a shrinking f (f / D) would do the same less directly. The TTFT cost is
+f's argument again: a step of t seconds spends a + c x D of it on what a quiet step costs anyway, so a
+burst's prefill rate is (1 - d / t) / c prompt tokens a second, (1 - d / s) / (1 - 1 / f) of f's
+(0.83x at s = 0.5 s, d = 0.11 s); where s falls below a step with the ordinary cap the cap wins (the
+scheduler never bounds a burst below it). 0.5 s: measured
+in docs/benchmarks-log.md, "A burst step bounded in seconds".
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -42,11 +57,15 @@ from server.core.prefill_cap import StepShape, decode_bucket, fit_line
 @dataclass(frozen=True)
 class BurstBoundConfig:
     itl_factor: float = 16.0  # f: a burst step may cost f quiet decode steps of as many streams
+    # s: and at most this many seconds (module docstring, "Why seconds too"); 0 = the factor alone
+    itl_seconds: float = 0.5
     window: int = 16  # steps per fit / median
 
     def __post_init__(self) -> None:
         if not self.itl_factor > 1.0:
             raise ValueError(f"itl_factor must be > 1, got {self.itl_factor}")
+        if not (self.itl_seconds == 0 or (math.isfinite(self.itl_seconds) and self.itl_seconds > 0)):
+            raise ValueError(f"itl_seconds must be 0 (off) or > 0, got {self.itl_seconds}")
         if self.window < 2:
             raise ValueError(f"window must be >= 2, got {self.window}")
 
@@ -87,4 +106,7 @@ class BurstBound:
         a, c = fit
         quiet = self._quiet.get(decode_bucket(max(decodes, 1)))
         d = statistics.median(quiet) if quiet else a + c * decodes
-        return max(int((self.config.itl_factor * d - a) / c) - decodes, 0)
+        seconds = self.config.itl_factor * d
+        if self.config.itl_seconds:
+            seconds = min(seconds, self.config.itl_seconds)
+        return max(int((seconds - a) / c) - decodes, 0)

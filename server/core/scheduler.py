@@ -33,7 +33,9 @@ against llama-server's 0.26 s); split into such steps a burst's prompts lose at 
 prefill rate by the cost line (burst_bound.py's
 docstring), but at f = 4 on that shape the real steps lost more (TTFT p50 1.8x, throughput 0.53x while
 ITL p99 fell 16 -> 3.3 s: smaller steps cost more per row than the line says); at f = 16 ITL p99 fell
-8.4 -> 2.2 s with TTFT p50 0.87x and the same throughput, hence 16 by default.
+8.4 -> 2.2 s with TTFT p50 0.87x and the same throughput, hence 16 by default. f x the quiet step grows
+with the running streams (~1.8 s at 64 on that shape), so the step is also bounded in seconds
+(`--burst-itl-seconds`, 0.5 by default; burst_bound.py, "Why seconds too").
 
 Waiting order and preemption victims follow `--scheduling-policy` (server/core/request_queue.py): fcfs,
 or priority (`Request.priority`, lower first, FCFS within a level). Under priority a waiting request
@@ -44,7 +46,14 @@ one than itself.
 
 Pooling requests (`Request.pooling`: embed, score) share the queue, the token budget and max_num_seqs
 with generation: each is a prompt scheduled whole in one step (never chunked: its forward keeps no KV to
-continue from), holds no KV blocks, and finishes in `update_from_output` right after its forward.
+continue from), holds no KV blocks, and finishes in `update_from_output` right after its forward. With
+`pooling_step_tokens` (--pooling-step-tokens) a step takes pooling inputs only while they fit that many
+tokens (the first whatever its length): the pooling engine's budget is the model's whole context (a
+longest input must fit a step), so 64 texts arriving together ran as one step and all 64 answered at its
+end (Qwen3-Embedding-0.6B shape on 2 cores: p50 9.0 s against vLLM's 4.4 s, docs/benchmarks-log.md);
+in steps of the target the first answers come after a fraction of the work, and a step of a few hundred
+tokens is still wide enough for the GEMMs (measured: docs/benchmarks-log.md, "Pooling steps of a token
+target").
 """
 
 from __future__ import annotations
@@ -78,6 +87,9 @@ class SchedulerConfig:
     # While decodes run, at most this many prompt tokens per step (0 = no cap beyond the budget).
     long_prefill_token_threshold: int = 0
     scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy (request_queue.py)
+    # Pooling inputs per step while they fit this many tokens (a step's first runs whatever its length);
+    # 0 = the whole budget (module docstring, "pooling").
+    pooling_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -88,6 +100,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
+        if self.pooling_step_tokens < 0:
+            raise ValueError(f"pooling_step_tokens must be >= 0, got {self.pooling_step_tokens}")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_num_batched_tokens < 1:
@@ -284,6 +298,7 @@ class Scheduler:
             bound = self.burst_bound.tokens(decoding) if self.burst_bound is not None else None
             if bound is not None:  # never below the ordinary cap (module docstring)
                 prefill_left = prefill_cap = min(budget, max(bound, cap_left))
+        pooled = 0  # pooling tokens in this step
         w = 0
         while w < len(self.waiting) and budget > 0 and prefill_left > 0 and not growth_preempted:
             req = self.waiting[w]
@@ -304,6 +319,10 @@ class Scheduler:
                 n = req.num_prompt_tokens
                 if n > budget or (n > prefill_left and prefill_left < prefill_cap):
                     break
+                target = self.config.pooling_step_tokens
+                if target and pooled and pooled + n > target:
+                    break
+                pooled += n
                 del self.waiting[w]
                 self._admit(req, None, now)
                 self.running.append(req)

@@ -77,7 +77,10 @@ class PoolingEngineCore:
         max_num_batched_tokens: int,
         max_threads: int | None = None,
         adaptive_threads: bool = True,
+        step_tokens: int = 0,
     ) -> None:
+        """`step_tokens`: a step takes inputs while they fit this many tokens, its first whatever its
+        length (`--pooling-step-tokens`, core/scheduler.py); 0 = the whole `max_num_batched_tokens`."""
         self.model = model
         # Each step's intra-op thread count, measured per step size (core/step_threads.py); None: torch's.
         # Every step size is measured on its own (no hint from the nearest size): one thread leading for a
@@ -91,6 +94,7 @@ class PoolingEngineCore:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 max_model_len=max(model.max_model_len, 2),
+                pooling_step_tokens=step_tokens,
             ),
             # Pooling requests hold no blocks; the manager only answers the scheduler's bookkeeping.
             KVCacheManager(1, 16, enable_prefix_caching=False),
@@ -228,6 +232,7 @@ class PoolingEngine:
         max_num_batched_tokens: int = 16384,
         num_threads: int | None = None,  # torch intra-op threads (--num-threads); None = torch's default
         adaptive_threads: bool = True,  # --thread-policy adaptive (core/step_threads.py) or fixed
+        step_tokens: int = 0,  # --pooling-step-tokens (PoolingEngineCore); 0 = the whole budget
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -236,7 +241,12 @@ class PoolingEngine:
         # a longest input must fit a step whole
         self.max_num_batched_tokens = max(max_num_batched_tokens, model.max_model_len)
         self.core = PoolingEngineCore(
-            model, max_num_seqs, self.max_num_batched_tokens, num_threads, adaptive_threads=adaptive_threads
+            model,
+            max_num_seqs,
+            self.max_num_batched_tokens,
+            num_threads,
+            adaptive_threads=adaptive_threads,
+            step_tokens=step_tokens,
         )
         self.engine: AsyncEngine[PoolingEngineCore] = AsyncEngine(self.core)
         engine = self.engine

@@ -173,3 +173,27 @@ def test_api_cli_burst_itl_factor() -> None:
     for bad in ("1", "0.5", "nan", "inf"):
         with pytest.raises((SystemExit, ValueError), match="burst_itl_factor"):
             _config(["--burst-itl-factor", bad])
+
+
+def test_api_cli_burst_itl_seconds() -> None:
+    """--burst-itl-seconds (KUBEINFER_BURST_ITL_SECONDS): 0.5 s by default beside the factor; 0 = the
+    factor alone; negative or not finite is refused."""
+    default = _config([]).engine.burst_bound_config()
+    assert default is not None and default.itl_seconds == 0.5
+    off = _config(["--burst-itl-seconds", "0"]).engine.burst_bound_config()
+    assert off is not None and off.itl_seconds == 0.0 and off.itl_factor == 16.0
+    env = _config([], {"KUBEINFER_BURST_ITL_SECONDS": "1.5"}).engine.burst_bound_config()
+    assert env is not None and env.itl_seconds == 1.5
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises((SystemExit, ValueError)):
+            _config(["--burst-itl-seconds", bad])
+
+
+def test_api_cli_pooling_step_tokens() -> None:
+    """--pooling-step-tokens (KUBEINFER_POOLING_STEP_TOKENS): 512 by default, 0 = the whole budget,
+    negative refused."""
+    assert _config([]).engine.pooling_step_tokens == 512
+    assert _config(["--pooling-step-tokens", "0"]).engine.pooling_step_tokens == 0
+    assert _config([], {"KUBEINFER_POOLING_STEP_TOKENS": "1024"}).engine.pooling_step_tokens == 1024
+    with pytest.raises((SystemExit, ValueError)):
+        _config(["--pooling-step-tokens", "-1"])

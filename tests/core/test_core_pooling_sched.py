@@ -146,3 +146,31 @@ def test_failed_pooling_forward_ends_the_request_with_error() -> None:
         ("p", FinishReason.ERROR, "RuntimeError: boom")
     ]
     assert not s.has_unfinished()
+
+
+def test_pooling_steps_keep_to_their_token_target() -> None:
+    """64 texts arrive together (one client each, issue 49 item 5): with a pooling token target a step
+    takes texts whole, in arrival order, while they fit the target, so the first answers come after a
+    fraction of the burst's work instead of all 64 at the end of one step; an input longer than the
+    target still runs, alone, as a step's first. The budget stays the model's whole context."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=4096, pooling_step_tokens=512
+    )
+    s = Scheduler(cfg, KVCacheManager(1, 16, enable_prefix_caching=False))
+    for i in range(64):
+        s.add_request(pool(f"p{i}", 30))
+    s.add_request(pool("long", 700))
+    s.add_request(pool("after", 30))
+    steps: list[list[tuple[str, int]]] = []
+    while s.has_unfinished():
+        out, done = run_step(s)
+        assert {rid for rid, _ in done} == {rid for rid, _ in rows(out)}
+        steps.append(rows(out))
+    assert [len(r) for r in steps[:4]] == [17, 17, 17, 13]  # 510, 510, 510, 390 tokens
+    assert steps[4] == [("long", 700)] and steps[5] == [("after", 30)]
+    assert [rid for r in steps for rid, _ in r] == [*(f"p{i}" for i in range(64)), "long", "after"]
+
+
+def test_pooling_step_tokens_validated() -> None:
+    with pytest.raises(ValueError, match="pooling_step_tokens"):
+        SchedulerConfig(pooling_step_tokens=-1)
