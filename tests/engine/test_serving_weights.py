@@ -49,11 +49,26 @@ def test_fused_and_packed_model_matches_the_loaded_one(tiny_model_factory, arch:
     torch.testing.assert_close(_logits(opt, ids), got, rtol=1e-4, atol=1e-4)
 
 
-def test_bf16_weights_are_fused_but_not_packed(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
-    model = load_model(tiny_model_factory("qwen2", tie=False), torch.bfloat16, CPU, 64).model
+def test_bf16_weights_are_packed_where_the_cpu_computes_bf16(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    """A bf16 folder served on an AVX-512 CPU (`--dtype auto` picks bf16 on AVX512-BF16/AMX) gets oneDNN's
+    pre-packed weights like fp32 (F.linear re-packs a bf16 weight on every call too) and the same
+    logits, bit for bit; where oneDNN has no bf16, bf16 weights stay plain Linear modules."""
+    folder = tiny_model_factory("qwen2", tie=False)
+    ref = load_model(folder, torch.bfloat16, CPU, 64).model
+    model = load_model(folder, torch.bfloat16, CPU, 64).model
     report = prepare_for_serving(model, CPU, torch.bfloat16)
-    assert report.fused_projections > 0 and report.packed_linears == 0
-    assert not cpu_packing_supported(CPU, torch.bfloat16)
+    layers = model.decoder_layers()
+    assert report.fused_projections == 2 * len(layers)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert report.packed_linears == 0 and not cpu_packing_supported(CPU, torch.bfloat16)
+        return
+    assert cpu_packing_supported(CPU, torch.bfloat16)
+    assert report.packed_linears == 4 * len(layers) + 1
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    ids = torch.randint(3, model.config.vocab_size, (29,), generator=torch.Generator().manual_seed(2))
+    want, got = _logits(ref, ids), _logits(model, ids)
+    # oneDNN runs the same bf16 kernel either way, only without the per-call re-pack.
+    assert torch.equal(got, want)
 
 
 def test_quantized_projections_keep_their_names(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
