@@ -36,6 +36,7 @@ from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
 from kmock_params import request_error
 from kmock_pruning import prune_resource
 from kmock_replace import is_replace, serve_replace
+from kmock_subresources import drop_status_on_create, field_validation, status_patch, status_replace
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
 from op_gatewaychecks import GATEWAY_KINDS, gateway_invalid, gateway_undeclared
@@ -225,6 +226,7 @@ class ApiServer(KubernetesEmulator):
             raise KubernetesError(
                 status=fault.status, reason="InjectedFault", message=f"injected {fault.status}"
             )
+        warnings: list[str] = []
         schema = self.schemas.get(request.resource.plural or "") if request.resource is not None else None
         # POST, PATCH and PUT (kmock gives PUT no action); not a DELETE's DeleteOptions body
         writes = request.action in (enums.action.CREATE, enums.action.UPDATE) or is_replace(request)
@@ -243,6 +245,37 @@ class ApiServer(KubernetesEmulator):
                     f"{request.data.get('apiVersion')}, Kind={request.data.get('kind')}): "
                     f"{undeclared[0]}: field not declared in schema",
                 )
+            warnings = field_validation(
+                request.params.get("fieldValidation"),
+                undeclared,
+                kind=str(request.data.get("kind") or PLURAL_KIND.get(plural, "")),
+                version=str(request.data.get("apiVersion") or "").rsplit("/", 1)[-1],
+                patch=request.action == enums.action.UPDATE and not is_replace(request),
+                body=request.data,
+            )
+        response = await self._serve(request)
+        for warning in warnings:
+            response.headers.add("Warning", warning)
+        return response
+
+    async def _serve(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if (
+            request.resource is not None
+            and request.subresource == "status"
+            and isinstance(request.data, dict)
+        ):
+            # The API server writes nothing but status through /status (a changed spec is ignored).
+            # kmock's Request is frozen: its body is rewritten in place.
+            written: dict[str, Any] | None = None
+            if is_replace(request) and request.name is not None:
+                target = (request.resource, request.namespace, request.name)
+                if target in self._objects and not self._objects[target].deleted:
+                    written = status_replace(request.data, self._objects[target].raw)
+            elif request.action == enums.action.UPDATE:
+                written = status_patch(request.data)
+            if written is not None:
+                request.data.clear()
+                request.data.update(written)
         if is_replace(request):
             return await serve_replace(self, request, lambda: str(next(self._rv)))
         namespace = serve_namespace(self.namespace_store, request)
@@ -290,6 +323,7 @@ class ApiServer(KubernetesEmulator):
                     request.namespace,
                     (data.get("metadata") or {}).get("name"),
                 )
+                drop_status_on_create(PLURAL_KIND.get(request.resource.plural or "", ""), data)
                 self._own_replicas(request, data, None)
                 self._stamp(data, request.namespace)
             elif request.action == enums.action.UPDATE and request.name is not None:
@@ -304,6 +338,7 @@ class ApiServer(KubernetesEmulator):
                             refuse_create(
                                 self.namespace_store, request.resource, request.namespace, request.name
                             )
+                            drop_status_on_create(PLURAL_KIND.get(request.resource.plural or "", ""), data)
                             self._stamp(data, request.namespace)
                             self._objects[key] = data
                             raw = self._objects[key].raw
