@@ -125,6 +125,20 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
   }
 }
 
+// Q6_K's 256 six-bit values (0..63, before the -32 offset) in k order: ggml's block_q6_K keeps each
+// value's low 4 bits in `ql` (two halves of 128) and its top 2 bits in `qh`, four values per qh byte.
+inline void q6k_values(const uint8_t* blk, uint8_t* v) {
+  const uint8_t *ql = blk, *qh = blk + 128;
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], e = qh[32 * h + l];
+      v[128 * h + l] = (a & 15) | ((e & 3) << 4);
+      v[128 * h + 32 + l] = (c & 15) | (((e >> 2) & 3) << 4);
+      v[128 * h + 64 + l] = (a >> 4) | (((e >> 4) & 3) << 4);
+      v[128 * h + 96 + l] = (c >> 4) | (((e >> 6) & 3) << 4);
+    }
+}
+
 // ------------------------------------------------------------------ scalar path
 
 void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, const QuantizedX& xq,
@@ -159,17 +173,9 @@ void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, c
           y[r * ldy + n] += d * dx * (float)isum - dmin * dx * (float)msum;
         }
       } else {
-        const uint8_t *ql = blk, *qh = blk + 128;
         const int8_t* sc = (const int8_t*)(blk + 192);
         const float d = fp16_to_fp32(blk + 208);
-        for (int h = 0; h < 2; ++h)
-          for (int l = 0; l < 32; ++l) {
-            const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], e = qh[32 * h + l];
-            v[128 * h + l] = (a & 15) | ((e & 3) << 4);
-            v[128 * h + 32 + l] = (c & 15) | (((e >> 2) & 3) << 4);
-            v[128 * h + 64 + l] = (a >> 4) | (((e >> 4) & 3) << 4);
-            v[128 * h + 96 + l] = (c >> 4) | (((e >> 6) & 3) << 4);
-          }
+        q6k_values(blk, v);
         for (int64_t r = 0; r < m; ++r) {
           const int8_t* q = xq.q.data() + r * k + b * QK_K;
           const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
@@ -315,18 +321,11 @@ void dequant_row(int fmt, const uint8_t* row, int64_t nb, float* o) {
       }
     } else {
       const uint8_t* blk = row + b * Q6_K_BYTES;
-      const uint8_t *ql = blk, *qh = blk + 128;
       const int8_t* sc = (const int8_t*)(blk + 192);
       const float d = fp16_to_fp32(blk + 208);
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], e = qh[32 * h + l];
-          const int is = 8 * h + l / 16;
-          ob[128 * h + l] = (d * sc[is]) * (float)((int)((a & 15) | ((e & 3) << 4)) - 32);
-          ob[128 * h + 32 + l] = (d * sc[is + 2]) * (float)((int)((c & 15) | (((e >> 2) & 3) << 4)) - 32);
-          ob[128 * h + 64 + l] = (d * sc[is + 4]) * (float)((int)((a >> 4) | (((e >> 4) & 3) << 4)) - 32);
-          ob[128 * h + 96 + l] = (d * sc[is + 6]) * (float)((int)((c >> 4) | (((e >> 6) & 3) << 4)) - 32);
-        }
+      uint8_t v[QK_K];
+      q6k_values(blk, v);
+      for (int i = 0; i < QK_K; ++i) ob[i] = (d * sc[i / 16]) * (float)((int)v[i] - 32);
     }
   }
 }
