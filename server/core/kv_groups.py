@@ -9,9 +9,12 @@ layers' blocks behind the window go back to their pool while the global layers k
 
 The budget (`--kv-cache-memory` in blocks of one layer) is split by bytes (`plan_kv_layout`): the
 windowed group gets what its running requests can hold at most (each request's window plus a block on
-either side, plus one step's tokens: `window_group_blocks`) and the full group the rest; where memory is
-short of that for `max_num_seqs` full-length sequences, the two split it as their demands do, keeping
-room for one full-length sequence in each, which is what server/memory_estimate.py's minimum counts.
+either side, plus one step's tokens: `window_group_blocks`) or, where that is more, the share one pool
+of every layer gives (a sequence shorter than the window holds as many blocks in a windowed layer as
+in a global one, so a smaller share would preempt short sequences that one pool held); the full group
+gets the rest. Where the global layers would be short of one full-length sequence, the windowed group
+gives blocks back down to one sequence's window and chunk, which is what server/memory_estimate.py's
+minimum counts.
 """
 
 from __future__ import annotations
@@ -106,16 +109,20 @@ def plan_kv_layout(
     n_win = len(windowed)
     n_full = n_layers - n_win
     full_seq = cdiv(max_model_len, block_size)
-    want_win = window_group_blocks(widest, block_size, max_num_seqs, max_num_batched_tokens)
-    want_full = max_num_seqs * full_seq
-    min_win = window_blocks_per_sequence(widest, block_size, max_num_batched_tokens, max_model_len)
-    if n_win * want_win + n_full * want_full <= layer_blocks:
-        win = want_win
-    else:  # split as the demands do, one sequence each at least (the full group's first)
-        win = layer_blocks * want_win // (n_win * want_win + n_full * want_full)
-        win = max(min(win, (layer_blocks - n_full * full_seq) // n_win), min_win)
-    # never below what one pool of every layer would give the full layers (layer_blocks // n_layers)
-    win = max(1, min(win, layer_blocks // n_layers))
+    # A sequence shorter than the window holds as many blocks in a windowed layer as in a global one,
+    # so the windowed group never needs more than the global group's share: it gets what its running
+    # windows can use at most, else the share one pool of every layer gives (never fewer blocks than
+    # one pool had, whatever the sequences' lengths).
+    win = min(
+        window_group_blocks(widest, block_size, max_num_seqs, max_num_batched_tokens),
+        layer_blocks // n_layers,
+    )
+    if (layer_blocks - n_win * win) // n_full < full_seq:
+        # the global layers short of one full-length sequence: the windowed group gives back down to
+        # one sequence's window and chunk (what server/memory_estimate.py's minimum counts)
+        min_win = window_blocks_per_sequence(widest, block_size, max_num_batched_tokens, max_model_len)
+        win = min(win, max(min_win, (layer_blocks - n_full * full_seq) // n_win))
+    win = max(1, win)
     full = (layer_blocks - n_win * win) // n_full
     return KVLayout(
         (KVGroupSpec(full), KVGroupSpec(win, widest)),

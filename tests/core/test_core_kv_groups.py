@@ -171,3 +171,20 @@ def test_prefix_cache_reset_forgets_every_group() -> None:
     kv.free("a")
     assert kv.reset_prefix_cache()
     assert kv.get_computed_blocks(_req("b", list(range(1, 18)))).num_tokens == 0
+
+
+def test_short_sequences_never_get_fewer_windowed_blocks_than_one_pool_gave() -> None:
+    # Gemma-3-1B's layers (22 windowed of 512 tokens, 4 global) in 512 blocks of every layer, 64 seats,
+    # 8,192-token context: one pool held 512 blocks in every layer, so 16 sequences of ~200 tokens (13
+    # blocks each, as many in a windowed layer as in a global one below the window) ran without
+    # preemption. The windowed group once got 168 blocks here (the budget split as full-length demands
+    # do) and the quiet benchmark's 16 users were preempted.
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]
+    layout = plan_kv_layout(windows, 512 * 26, 16, 64, 2048, 8192)
+    full, win = layout.groups
+    assert win.num_blocks >= 512 and full.num_blocks >= 512
+    assert 16 * 13 <= win.num_blocks
+    # with room to spare the windowed group takes only what its 64 running windows can use
+    layout = plan_kv_layout(windows, 4096 * 26, 16, 64, 2048, 8192)
+    assert layout.groups[1].num_blocks == window_group_blocks(512, 16, 64, 2048)
+    assert layout.groups[0].num_blocks == (4096 * 26 - 22 * layout.groups[1].num_blocks) // 4

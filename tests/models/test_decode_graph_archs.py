@@ -61,7 +61,9 @@ def _engine(folder: Path, cache: Path) -> LLMEngine:
             ),
             # no prefix cache: each run computes its prompts whole, so the runs differ by the graph only
             cache=CacheConfig(block_size=4, num_kv_blocks=128, enable_prefix_caching=False),
-            # 32-token steps: Gemma 2/3's windowed layers get a KV group smaller than the global layers'
+            # 8 seats and 32-token steps: Gemma 2/3's windowed layers get a KV group smaller than the
+            # global layers' (8 x (2 + 2) + 8 = 40 blocks: what their running windows can use)
+            max_num_seqs=8,
             max_num_batched_tokens=32,
         )
     )
