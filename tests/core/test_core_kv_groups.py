@@ -183,7 +183,7 @@ def test_short_sequences_never_get_fewer_windowed_blocks_than_one_pool_gave() ->
     layout = plan_kv_layout(windows, 512 * 26, 16, 64, 2048, 8192)
     full, win = layout.groups
     assert win.num_blocks >= 512 and full.num_blocks >= 512
-    assert 16 * 13 <= win.num_blocks
+    assert win.num_blocks >= 16 * 13
     # with room to spare the windowed group takes only what its 64 running windows can use
     layout = plan_kv_layout(windows, 4096 * 26, 16, 64, 2048, 8192)
     assert layout.groups[1].num_blocks == window_group_blocks(512, 16, 64, 2048)
