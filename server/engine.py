@@ -243,19 +243,14 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         # Compiles structured-output grammars (the API compiles off the event loop, before admission).
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.loaded.arch.vocab_size, sorted(eos))
-        num_blocks = config.cache.num_kv_blocks or max(
-            1,
-            config.cache.kv_cache_memory_bytes
-            // kv_bytes_per_block(self.loaded.model, block_size, self.kv_cache_dtype),
-        )
+        block_bytes = kv_bytes_per_block(self.loaded.model, block_size, self.kv_cache_dtype)
+        num_blocks = config.cache.num_kv_blocks or max(1, config.cache.kv_cache_memory_bytes // block_bytes)
         log.info("KV cache: %d blocks of %s", num_blocks, dtype_name(self.kv_cache_dtype))
         # Windowed layers beside global ones get their own group (server/core/kv_groups.py); tensor
         # parallel ranks allocate one group of num_blocks, so there the whole table stays.
         arch = self.loaded.arch
         if self.tp is None:
-            layer_block_bytes = kv_bytes_per_block(self.loaded.model, block_size, self.kv_cache_dtype) // max(
-                1, arch.num_layers
-            )
+            layer_block_bytes = block_bytes // max(1, arch.num_layers)
             layout = plan_kv_layout(
                 [spec.sliding_window for spec in arch.layers],
                 # the budget in blocks of one layer: --kv-cache-memory's bytes, or --num-kv-blocks of all
