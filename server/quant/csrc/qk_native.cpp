@@ -125,6 +125,17 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
   }
 }
 
+// Q4_K's 256 four-bit values in k order: each 32 bytes of `qs` hold 64 values, the low nibbles first
+// (sub-block 2c) and the high nibbles second (sub-block 2c + 1), as ggml's block_q4_K lays them out.
+inline void q4k_values(const uint8_t* blk, uint8_t* v) {
+  const uint8_t* qs = blk + 16;
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      v[64 * c + l] = qs[32 * c + l] & 15;
+      v[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+}
+
 // Q6_K's 256 six-bit values (0..63, before the -32 offset) in k order: ggml's block_q6_K keeps each
 // value's low 4 bits in `ql` (two halves of 128) and its top 2 bits in `qh`, four values per qh byte.
 inline void q6k_values(const uint8_t* blk, uint8_t* v) {
@@ -153,12 +164,7 @@ void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, c
         const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
         uint8_t sc[8], mn[8];
         q4k_scales(blk + 4, sc, mn);
-        const uint8_t* qs = blk + 16;
-        for (int c = 0; c < 4; ++c)
-          for (int l = 0; l < 32; ++l) {
-            v[64 * c + l] = qs[32 * c + l] & 15;
-            v[64 * c + 32 + l] = qs[32 * c + l] >> 4;
-          }
+        q4k_values(blk, v);
         for (int64_t r = 0; r < m; ++r) {
           const int8_t* q = xq.q.data() + r * k + b * QK_K;
           const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
@@ -310,15 +316,9 @@ void dequant_row(int fmt, const uint8_t* row, int64_t nb, float* o) {
       const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
       uint8_t sc[8], mn[8];
       q4k_scales(blk + 4, sc, mn);
-      for (int c = 0; c < 4; ++c) {
-        const float d1 = d * sc[2 * c], m1 = dmin * mn[2 * c], d2 = d * sc[2 * c + 1], m2 = dmin * mn[2 * c + 1];
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t q = blk[16 + 32 * c + l];
-          const float a = d1 * (float)(q & 15), e = d2 * (float)(q >> 4);
-          ob[64 * c + l] = a - m1;
-          ob[64 * c + 32 + l] = e - m2;
-        }
-      }
+      uint8_t v[QK_K];
+      q4k_values(blk, v);
+      for (int i = 0; i < QK_K; ++i) ob[i] = (d * sc[i / 32]) * (float)v[i] - dmin * mn[i / 32];
     } else {
       const uint8_t* blk = row + b * Q6_K_BYTES;
       const int8_t* sc = (const int8_t*)(blk + 192);
