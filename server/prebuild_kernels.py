@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from server.attention.cpu_kernel import NATIVE as PAGED_DECODE
+from server.models.cpu_bf16_gemm import NATIVE as BF16_GEMM
 from server.models.cpu_fused import NATIVE as CPU_FUSED
 from server.models.moe.native import NATIVE as MOE_EXPERTS
 from server.native import PROBE, KernelBuildError, prebuild
@@ -20,7 +21,7 @@ from server.quant.cpu_qk_native import NATIVE as QK_NATIVE
 from server.quant.cpu_qlinear import NATIVE as QLINEAR
 
 # the CPU probe first: choosing a level at run time needs it (built once, for any x86-64 CPU)
-SOURCES = (PROBE, PAGED_DECODE, CPU_FUSED, QLINEAR, QGEMV_Q8, MXFP4, MOE_EXPERTS, QK_NATIVE)
+SOURCES = (PROBE, PAGED_DECODE, CPU_FUSED, QLINEAR, QGEMV_Q8, MXFP4, MOE_EXPERTS, QK_NATIVE, BF16_GEMM)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,9 @@ modules by their Hugging Face names load without them):
   blocked layout. On CPU, `F.linear` re-packs the weight inside every call; with the layout done at
   load time the same matmul runs 1.3-2.2x faster in fp32 (the vocabulary projection gains the most)
   and 1.03-1.36x in bf16 at 16 rows (Llama-3.2-1B shapes, Zen 4), with bit-identical outputs.
+  Where the CPU has AVX512-BF16, bf16 weights go to server/models/cpu_bf16_gemm.py's panels instead
+  (`KUBEINFER_BF16_GEMM=0`: oneDNN's): one resident copy read faster at decode-sized rows, outputs within
+  one bf16 ulp of oneDNN's (another fp32 summation order).
 - **Fused layer ops** (CPU, fp32): the model gets the compiled add+RMSNorm, rotary and silu*up calls of
   server/models/cpu_fused.py, ~10 calls per layer instead of ~35 torch ops in a decode step.
 """
@@ -19,12 +22,14 @@ modules by their Hugging Face names load without them):
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from server.models.cpu_bf16_gemm import Bf16GemmKernel, Bf16PanelLinear, try_load_fast_bf16_gemm
 from server.models.cpu_fused import try_load_fused_ops
 from server.models.layers import MLP
 from server.models.llama import LlamaForCausalLM
@@ -32,6 +37,8 @@ from server.quant.block_linear import BlockQuantLinear
 from server.quant.gguf_checkpoint import release_free_heap
 
 log = logging.getLogger(__name__)
+
+BF16_GEMM_ENV = "KUBEINFER_BF16_GEMM"
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,15 @@ def cpu_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return True
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_panel_kernel(cache_dir: Path | None = None) -> Bf16GemmKernel | None:
+    """cpu_bf16_gemm's kernel for bf16 weights where it runs AVX512-BF16 and KUBEINFER_BF16_GEMM is not
+    `0`; None: oneDNN packs them (read where used: tests flip it per case)."""
+    flag = os.environ.get(BF16_GEMM_ENV, "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{BF16_GEMM_ENV} must be 0 or 1, got {flag!r}")
+    return try_load_fast_bf16_gemm(cache_dir) if flag == "1" else None
 
 
 def _fuse(linears: list[nn.Module]) -> nn.Module | None:
@@ -115,10 +131,15 @@ def prepare_for_serving(
             fused += 1
     packed = 0
     if cpu_packing_supported(device, dtype):
+        panels = bf16_panel_kernel(cache_dir) if dtype == torch.bfloat16 else None
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and child.weight.dtype == dtype:
-                    setattr(parent, name, PackedLinear(child))
+                    setattr(
+                        parent,
+                        name,
+                        PackedLinear(child) if panels is None else Bf16PanelLinear(child, panels),
+                    )
                     packed += 1
     if device.type == "cpu" and dtype == torch.float32:
         model.fused_ops = try_load_fused_ops(cache_dir)

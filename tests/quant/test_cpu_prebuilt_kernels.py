@@ -83,7 +83,16 @@ def test_each_level_this_cpu_runs_loads_without_a_compiler_and_matches_the_refer
 
 def test_prebuild_command_builds_every_kernel_for_every_level(prebuilt: Path) -> None:
     built = sorted((p.parent.name, p.name.split("-")[0]) for p in prebuilt.rglob("*.so"))
-    kernels = ("cpu_fused", "moe_experts", "mxfp4", "paged_decode", "qgemv_q8", "qk_native", "qlinear")
+    kernels = (
+        "bf16_gemm",
+        "cpu_fused",
+        "moe_experts",
+        "mxfp4",
+        "paged_decode",
+        "qgemv_q8",
+        "qk_native",
+        "qlinear",
+    )
     # and the CPU probe once, for any x86-64 CPU: it picks the level
     expected = [(v.march, k) for v in native.VARIANTS for k in kernels] + [(native.ANY.march, "cpu_probe")]
     assert built == sorted(expected)

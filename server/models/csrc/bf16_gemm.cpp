@@ -1,0 +1,203 @@
+// y = x W^T (+ bias) for bf16 x and W at the few rows of a decode step, with AVX512-BF16 `vdpbf16ps`.
+//
+// Why not oneDNN: at 1-64 rows its packed bf16 GEMM streamed weights at ~10 GB/s on Zen 4, about half of
+// what the int8 kernels reach; decode at few rows is bound by the weight stream, so the kernel below reads
+// each weight vector once per tile of up to TILE_M rows of x and keeps the block of panels a thread owns
+// in L2 while further row tiles pass over it.
+//
+// Weight layout (kubeinfer_bf16_pack): W [N, K] -> panels of 16 output columns; panel p holds, for each
+// pair of input values (2kk, 2kk+1), the 16 columns' pairs side by side: packed[p][kk][j][t] =
+// W[16p + j][2kk + t], zero past N and K. One 512-bit load is then the operand `vdpbf16ps` wants, and one
+// broadcast 32-bit pair of x feeds 16 columns. K is padded to even (the launcher pads x likewise).
+// Accumulation is fp32 in K order (vdpbf16ps adds each pair's two products to the accumulator; it flushes
+// denormal inputs and outputs and rounds to nearest even, whatever MXCSR says: Intel SDM, VDPBF16PS).
+// Output: fp32, or bf16 rounded to nearest even (the rounding F.linear's bf16 output has).
+
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <omp.h>
+
+namespace {
+
+constexpr int PANEL = 16;      // output columns per panel: one zmm of fp32 accumulators
+constexpr int TILE_M = 8;      // rows of x per pass over a block
+constexpr int BLOCK_PANELS = 3; // panels a micro-kernel keeps in registers: 8 x 3 accumulators + 3 weights
+
+int g_path = 0;  // 1: avx512bf16, 0: scalar; the launcher picks 1 where usable_cpu_features() has AVX512-BF16
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN kept quiet
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+struct Problem {
+  const uint16_t* wp;  // packed panels
+  int64_t n, k2;       // output columns, pairs of input values (padded K / 2)
+  const uint16_t* x;   // [m, 2 k2] bf16, row stride ldx
+  int64_t m, ldx;
+  const float* bias;   // [n] fp32 or null
+  uint16_t* out_bf16;  // [m, n] row stride ldo, or null
+  float* out_f32;      // [m, n] row stride ldo, or null
+  int64_t ldo;
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline void store_tile(const Problem& pr, int64_t row, int64_t col, __m512 acc) {
+  const int64_t left = pr.n - col;
+  const __mmask16 mask = left >= PANEL ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+  if (pr.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, pr.bias + col));
+  if (pr.out_f32) {
+    _mm512_mask_storeu_ps(pr.out_f32 + row * pr.ldo + col, mask, acc);
+  } else {
+    __m256bh h = _mm512_cvtneps_pbh(acc);
+    __m256i hi;
+    std::memcpy(&hi, &h, sizeof(hi));
+    _mm256_mask_storeu_epi16(pr.out_bf16 + row * pr.ldo + col, mask, hi);
+  }
+}
+
+template <int MR, int NP>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void micro(const Problem& pr, int64_t row0, int64_t panel0) {
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t panel_elems = pr.k2 * 2 * PANEL;
+  const uint16_t* w0 = pr.wp + panel0 * panel_elems;
+  const uint16_t* xr = pr.x + row0 * pr.ldx;
+  for (int64_t kk = 0; kk < pr.k2; ++kk) {
+    __m512bh w[NP];
+    for (int j = 0; j < NP; ++j) {
+      __m512i v = _mm512_loadu_si512(w0 + j * panel_elems + kk * 2 * PANEL);
+      std::memcpy(&w[j], &v, sizeof(v));
+    }
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xr + r * pr.ldx + 2 * kk, 4);
+      __m512i b = _mm512_set1_epi32(pair);
+      __m512bh bb;
+      std::memcpy(&bb, &b, sizeof(b));
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], bb, w[j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP; ++j) store_tile(pr, row0 + r, (panel0 + j) * PANEL, acc[r][j]);
+}
+
+using Micro = void (*)(const Problem&, int64_t, int64_t);
+
+template <int NP>
+constexpr Micro pick_rows(int mr) {
+  switch (mr) {
+    case 1: return micro<1, NP>;
+    case 2: return micro<2, NP>;
+    case 3: return micro<3, NP>;
+    case 4: return micro<4, NP>;
+    case 5: return micro<5, NP>;
+    case 6: return micro<6, NP>;
+    case 7: return micro<7, NP>;
+    default: return micro<8, NP>;
+  }
+}
+
+Micro pick(int mr, int np) {
+  switch (np) {
+    case 1: return pick_rows<1>(mr);
+    case 2: return pick_rows<2>(mr);
+    default: return pick_rows<3>(mr);
+  }
+}
+
+void run_avx512(const Problem& pr, int threads) {
+  const int64_t panels = (pr.n + PANEL - 1) / PANEL;
+  const int64_t blocks = (panels + BLOCK_PANELS - 1) / BLOCK_PANELS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t p0 = b * BLOCK_PANELS;
+    const int np = static_cast<int>(panels - p0 < BLOCK_PANELS ? panels - p0 : BLOCK_PANELS);
+    for (int64_t r0 = 0; r0 < pr.m; r0 += TILE_M) {
+      const int mr = static_cast<int>(pr.m - r0 < TILE_M ? pr.m - r0 : TILE_M);
+      pick(mr, np)(pr, r0, p0);
+    }
+  }
+}
+
+void run_scalar(const Problem& pr, int threads) {
+  const int64_t panels = (pr.n + PANEL - 1) / PANEL;
+  const int64_t panel_elems = pr.k2 * 2 * PANEL;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t r = 0; r < pr.m; ++r) {
+      float acc[PANEL] = {};
+      const uint16_t* xr = pr.x + r * pr.ldx;
+      for (int64_t kk = 0; kk < pr.k2; ++kk) {
+        const float x0 = bf16_to_f32(xr[2 * kk]), x1 = bf16_to_f32(xr[2 * kk + 1]);
+        const uint16_t* w = pr.wp + p * panel_elems + kk * 2 * PANEL;
+        for (int j = 0; j < PANEL; ++j) acc[j] += x0 * bf16_to_f32(w[2 * j]) + x1 * bf16_to_f32(w[2 * j + 1]);
+      }
+      for (int j = 0; j < PANEL && p * PANEL + j < pr.n; ++j) {
+        const int64_t c = p * PANEL + j;
+        const float v = acc[j] + (pr.bias ? pr.bias[c] : 0.0f);
+        if (pr.out_f32) pr.out_f32[r * pr.ldo + c] = v;
+        else pr.out_bf16[r * pr.ldo + c] = f32_to_bf16(v);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kubeinfer_bf16_gemm_abi() { return 1; }
+
+// 1: avx512bf16, 0: scalar. Returns the path in use (1 only if this build can run it).
+int kubeinfer_bf16_set_path(int path) {
+  g_path = path == 1 ? 1 : 0;
+  return g_path;
+}
+
+// w [n, k] bf16 (row stride ldw) -> packed [ceil(n/16), ceil(k/2), 16, 2] bf16, zero-padded.
+int kubeinfer_bf16_pack(const uint16_t* w, int64_t n, int64_t k, int64_t ldw, uint16_t* packed, int threads) {
+  if (!w || !packed || n <= 0 || k <= 0 || ldw < k) return 1;
+  const int64_t panels = (n + PANEL - 1) / PANEL, k2 = (k + 1) / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    uint16_t* dst = packed + p * k2 * 2 * PANEL;
+    for (int64_t kk = 0; kk < k2; ++kk)
+      for (int j = 0; j < PANEL; ++j)
+        for (int t = 0; t < 2; ++t) {
+          const int64_t row = p * PANEL + j, col = 2 * kk + t;
+          dst[(kk * PANEL + j) * 2 + t] = (row < n && col < k) ? w[row * ldw + col] : 0;
+        }
+  }
+  return 0;
+}
+
+// out = x @ W^T (+ bias); x [m, 2 k2] bf16 (row stride ldx, values past K zero); exactly one of
+// out_bf16 / out_f32 non-null, [m, n] with row stride ldo.
+int kubeinfer_bf16_linear(const uint16_t* packed, int64_t n, int64_t k2, const uint16_t* x, int64_t m,
+                          int64_t ldx, const float* bias, uint16_t* out_bf16, float* out_f32, int64_t ldo,
+                          int threads) {
+  if (!packed || !x || n <= 0 || k2 <= 0 || m < 0 || ldx < 2 * k2 || ldo < n) return 1;
+  if ((out_bf16 == nullptr) == (out_f32 == nullptr)) return 2;
+  if (m == 0) return 0;
+  const Problem pr{packed, n, k2, x, m, ldx, bias, out_bf16, out_f32, ldo};
+  const int t = threads > 0 ? threads : 1;
+  if (g_path == 1) run_avx512(pr, t);
+  else run_scalar(pr, t);
+  return 0;
+}
+
+}  // extern "C"
