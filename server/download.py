@@ -161,7 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="the server's --dtype, for the estimate")
     p.add_argument("--quantize", default=None, help="the server's --quantize, for the estimate")
     p.add_argument("--max-model-len", type=int, default=None, help="the server's --max-model-len")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="the server's --max-num-seqs")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="the server's --max-num-seqs (default: its default)"
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help="the server's --block-size (default: its default)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="the server's --max-num-batched-tokens"
+    )
     p.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="the server's --kv-cache-memory")
     p.add_argument(
@@ -183,14 +191,20 @@ def write_memory_estimate(args: argparse.Namespace, model: Path) -> None:
     )
 
     try:
+        # a flag the caller left out takes the server's own default (ServingSettings' defaults are those)
+        given = {
+            name: getattr(args, name)
+            for name in ("max_num_seqs", "block_size", "max_num_batched_tokens")
+            if getattr(args, name) is not None
+        }
         settings = ServingSettings(
             dtype=args.dtype,
             auto_dtype="bfloat16" if args.device == "cuda" else "float32",
             quantize=args.quantize,
             max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_memory=args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
+            **given,
         )
         estimate = estimate_memory(model.resolve(), settings)
     except (EstimateError, ValueError, OSError) as e:

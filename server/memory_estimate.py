@@ -88,7 +88,7 @@ class ServingSettings:
     auto_dtype: str = "float32"  # what auto resolves to: fp32 on CPUs without native bf16, the safe bound
     quantize: str | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = 64  # server/core/scheduler.py SchedulerConfig.max_num_seqs (the server's default)
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     block_size: int = 16  # server/config.py CacheConfig.block_size

@@ -102,7 +102,24 @@ def estimate_args(im: InferenceModel) -> list[str]:
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.max_num_seqs is not None:
         args += ["--max-num-seqs", str(engine.max_num_seqs)]
-    return args
+    return args + _estimate_extra_args(engine.extra_args)
+
+
+# Flags a user sets through engine.extraArgs that change the estimate (a windowed layer holds one
+# step's chunk besides its window; sequences take whole blocks): the loader gets them as the server does.
+ESTIMATE_EXTRA_FLAGS = ("--block-size", "--max-num-batched-tokens")
+
+
+def _estimate_extra_args(extra_args: list[str]) -> list[str]:
+    """`--flag=value` or `--flag value` of ESTIMATE_EXTRA_FLAGS in `extra_args`, as `[--flag, value]` pairs."""
+    out: list[str] = []
+    for i, arg in enumerate(extra_args):
+        for flag in ESTIMATE_EXTRA_FLAGS:
+            if arg.startswith(flag + "="):
+                out += [flag, arg.split("=", 1)[1]]
+            elif arg == flag and i + 1 < len(extra_args):
+                out += [flag, extra_args[i + 1]]
+    return out
 
 
 def load_digest(im: InferenceModel) -> str:

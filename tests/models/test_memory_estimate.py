@@ -214,3 +214,51 @@ def test_unreadable_inputs_raise_estimate_errors(tmp_path: Path) -> None:
         estimate_memory(tmp_path, ServingSettings())
     with pytest.raises(ValueError, match="dtype"):
         ServingSettings(dtype="int3")
+
+
+def test_the_estimates_defaults_are_the_servers() -> None:
+    """An estimate made without the serving flags (the loader Job passes only those the spec sets)
+    describes the server started without them: the defaults are the engine's, not vLLM's GPU 256 seats."""
+    from server.config import CacheConfig, EngineConfig
+
+    settings, engine = ServingSettings(), EngineConfig()
+    assert settings.max_num_seqs == engine.max_num_seqs
+    assert settings.block_size == CacheConfig().block_size
+    assert settings.max_num_batched_tokens == engine.max_num_batched_tokens
+
+
+def test_the_loader_cli_passes_the_step_flags_to_the_estimate(tmp_path: Path) -> None:
+    """`python -m server.download --memory-estimate-file` reads --max-num-seqs and the step flags
+    (--max-num-batched-tokens: the chunk a windowed layer holds besides its window); left out, the
+    server's defaults."""
+    import argparse
+
+    from server.download import write_memory_estimate
+
+    folder = _write_folder(tmp_path / "m", GEMMA3)
+    out = tmp_path / "est.json"
+
+    def run(**flags: object) -> dict[str, int]:
+        base = {
+            "dtype": "bfloat16",
+            "device": "cpu",
+            "quantize": None,
+            "max_model_len": 4096,
+            "kv_cache_dtype": "auto",
+            "kv_cache_memory": None,
+            "memory_estimate_file": out,
+            "max_num_seqs": None,
+            "block_size": None,
+            "max_num_batched_tokens": None,
+        }
+        write_memory_estimate(argparse.Namespace(**(base | flags)), folder)
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+    default = run()
+    assert default["max_num_seqs"] == 64
+    layer_token = 2 * 2 * 32 * 2
+    # the windowed layers hold 512 + 2 x 16 + the step's chunk: 2048 by default, 256 when passed
+    assert default["kv_window_bytes_per_sequence"] == 5 * (544 + 2048) * layer_token
+    small = run(max_num_batched_tokens=256, max_num_seqs=3)
+    assert small["max_num_seqs"] == 3
+    assert small["kv_window_bytes_per_sequence"] == 5 * 800 * layer_token

@@ -89,6 +89,25 @@ def test_the_loader_job_writes_the_estimate_for_the_serving_flags() -> None:
     assert model_cache.job_name(other) != model_cache.job_name(im)
 
 
+def test_the_loader_job_gets_the_step_flags_set_through_extra_args() -> None:
+    """--block-size and --max-num-batched-tokens change the estimate (whole blocks; a windowed layer's
+    chunk): set in engine.extraArgs in either form, the loader gets them as the server does, and a
+    change makes a new Job; other extraArgs do not reach the loader."""
+    im = model(
+        cpu_spec(
+            engine={
+                "extraArgs": ["--block-size=32", "--max-num-batched-tokens", "512", "--burst-itl-seconds=1"]
+            }
+        )
+    )
+    args = model_cache.render_job(im)["spec"]["template"]["spec"]["containers"][0]["args"]
+    pairs = dict(itertools.pairwise(args))
+    assert pairs["--block-size"] == "32" and pairs["--max-num-batched-tokens"] == "512"
+    assert not any(a.startswith("--burst-itl-seconds") for a in args)
+    other = model(cpu_spec(engine={"extraArgs": ["--block-size=32", "--max-num-batched-tokens=1024"]}))
+    assert model_cache.job_name(other) != model_cache.job_name(im)
+
+
 def test_the_estimate_is_read_from_the_newest_successful_loader_pod() -> None:
     old = loader_pod("j", json.dumps({**ESTIMATE, "total_bytes": GIB}), finished="2026-12-04T09:00:00Z")
     new = loader_pod("j", json.dumps(ESTIMATE))
