@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
 # 6: kubeinfer_add_rms_norm_mixed; 7: residual_norm, gelu_tanh_mul, partial rotary; 8: softcap_paged_decode
-# and the decode graph layer record's attn_softcap
-ABI_VERSION = 8
+# and the decode graph layer record's attn_softcap; 9: the layer record's MoE MLP (KiDecodeMoe)
+ABI_VERSION = 9
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
 # AVX-512 CPUs keeps loops at 256 bits (libmvec's 8-wide expf); 512-bit loops cut a 16-user prefill step

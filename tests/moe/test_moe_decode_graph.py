@@ -1,0 +1,104 @@
+"""Mixture-of-experts layers in the decode graph (server/models/decode_graph.py, cpu_fused.cpp's
+KiDecodeMoe): tiny random Mixtral and Qwen3-MoE (dense `mlp_only_layers` beside sparse ones, q/k norms,
+`norm_topk_prob`) quantized with --quantize int8 (per output channel), so every projection and expert runs qlinear's
+kernel. Their one-token decode steps are one C++ call (router GEMV, softmax, top-k, the experts' native
+call); greedy tokens equal the Python fused path's (FusedMoE between the compiled norms) and logprobs
+agree within LOGPROB_TOL: the router's dot products sum in another order than torch's F.linear, so the
+routing weights differ by fp32 rounding (the expert choices are the same, ties broken to the lowest
+index as torch.topk does). Qwen2-MoE's shared expert is refused by name (decode_graph.layer_refusal)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from moe_models import MAX_LEN, PROMPTS, build
+
+from server.config import CacheConfig, EngineConfig, ModelConfig
+from server.engine import LLMEngine
+from server.models.decode_graph import DecodeGraph, layer_refusal
+from server.models.moe import SparseMoeBlock
+from server.request import SamplingParams
+
+LOGPROB_TOL = 1e-4  # fp32 both sides; only the router's sums (and its softmax's exp) round differently
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = build(tmp_path_factory.mktemp(f"graph-{kind}"), smollm2_dir, kind)
+        return made[kind]
+
+    return make
+
+
+def _engine(folder: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32", quantize="int8", max_model_len=MAX_LEN),
+            cache=CacheConfig(block_size=4, num_kv_blocks=128, enable_prefix_caching=False),
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+        )
+    )
+
+
+def _generate(engine: LLMEngine, graph: bool) -> tuple[list[list[int]], list[float]]:
+    """Greedy with logprobs, requests joining one step apart (one- and several-row decode steps)."""
+    model = engine.loaded.model
+    model.use_decode_graph = graph
+    model._decode_graph = None
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: list[float] = []
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            lps += [t.logprob for lp in out.new_logprobs for t in (lp.chosen, *lp.top)]
+    return list(tokens.values()), lps
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_decode_steps_run_in_the_graph(
+    tiny: Callable[[str], Path], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(tiny(kind))
+    model = engine.loaded.model
+    assert model.fused_ops is not None
+    assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.decoder_layers())
+    want_tokens, want_lps = _generate(engine, graph=False)
+    graph_steps: list[int] = []
+    run = DecodeGraph.run
+
+    def spy(self: DecodeGraph, h: torch.Tensor, *args: Any) -> torch.Tensor:
+        graph_steps.append(h.shape[0])
+        return run(self, h, *args)
+
+    monkeypatch.setattr(DecodeGraph, "run", spy)
+    got_tokens, got_lps = _generate(engine, graph=True)
+    monkeypatch.undo()
+    assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
+    assert 1 in graph_steps and max(graph_steps) > 1  # one-row and batched decode steps
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(got_lps), torch.tensor(want_lps), atol=LOGPROB_TOL, rtol=0)
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_shared_expert_refused_by_name(tiny: Callable[[str], Path]) -> None:
+    engine = _engine(tiny("qwen2_moe"))
+    arch = engine.loaded.arch
+    moe_spec = next(s for s in arch.layers if s.mlp == "moe")
+    assert layer_refusal(moe_spec, arch.moe) == "an MoE block with a shared expert"
+    _generate(engine, graph=True)
+    assert engine.loaded.model._decode_graph is not None and engine.loaded.model._decode_graph[1] is None
