@@ -187,8 +187,8 @@ def layer_refusal(spec: LayerSpec, moe: MoEConfig | None = None) -> str | None:
     contract is data in the graph's layer record (Gemma 2's attention soft-cap too: its layers attend
     through cpu_fused.cpp's softcap_paged_decode, as the Python fused path does). A mixture-of-experts
     MLP (`moe`: the model's ArchConfig.moe) runs as the record's KiDecodeMoe: an fp32 router GEMV,
-    softmax then top-k with Mixtral's / Qwen3's renormalisation (ties to the lowest index, as
-    torch.topk on CPU), and the experts' native call (moe_experts.cpp); a shared expert (Qwen2-MoE),
+    softmax then top-k with Mixtral's / Qwen3's renormalisation (exact ties to the lowest index:
+    cpu_fused.cpp's moe_route; torch.topk promises no order among equal values), and the experts' native call (moe_experts.cpp); a shared expert (Qwen2-MoE),
     a router bias or another routing or expert activation (gpt-oss) is refused: not covered by tests."""
     if spec.mlp == "moe":
         if moe is None:
@@ -227,6 +227,46 @@ def _moe_record(block: SparseMoeBlock, hidden: int, kept: list[object]) -> _Moe 
         int(cfg.renormalize),
         ctypes.addressof(call.spec),
     )
+
+
+def route(
+    ops: FusedOps,
+    router: Tensor,  # [E, H] fp32 contiguous
+    cfg: MoEConfig,  # softmax_topk routing, no router bias (layer_refusal)
+    x: Tensor,  # [T, H] fp32 contiguous
+) -> tuple[
+    Tensor, Tensor, Tensor
+]:  # probabilities [T, E] fp32, ids [T, top_k] int64, weights [T, top_k] fp32
+    """The graph's router (cpu_fused.cpp's kubeinfer_moe_route) on its own, as routing.select_experts:
+    for tests and benchmarks. Raises ValueError for shapes or dtypes it does not take."""
+    t, h = x.shape
+    if (
+        x.dtype != torch.float32
+        or router.dtype != torch.float32
+        or tuple(router.shape) != (cfg.num_experts, h)
+    ):
+        raise ValueError(f"x [T, H] and router [{cfg.num_experts}, H] must be fp32")
+    if cfg.routing != "softmax_topk" or cfg.router_bias:
+        raise ValueError(f"routing {cfg.routing!r} with router bias {cfg.router_bias}: not the graph's")
+    x, router = x.contiguous(), router.contiguous()
+    record = _Moe(router.data_ptr(), None, cfg.num_experts, cfg.top_k, 0, int(cfg.renormalize), None)
+    probs = torch.empty(t, cfg.num_experts)
+    ids = torch.empty(t, cfg.top_k, dtype=torch.int64)
+    weights = torch.empty(t, cfg.top_k)
+    rc = ops.lib.kubeinfer_moe_route(
+        ctypes.byref(record),
+        x.data_ptr(),
+        t,
+        h,
+        h,
+        probs.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"kubeinfer_moe_route returned {rc}")
+    return probs, ids, weights
 
 
 def _moe_entry(kept: list[object]) -> int | None:

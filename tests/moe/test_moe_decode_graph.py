@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from moe_models import MAX_LEN, PROMPTS, build
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
-from server.models.decode_graph import DecodeGraph, layer_refusal
-from server.models.moe import SparseMoeBlock
+from server.models.cpu_fused import try_load_fused_ops
+from server.models.decode_graph import DecodeGraph, layer_refusal, route
+from server.models.moe import MoEConfig, SparseMoeBlock, select_experts
 from server.request import SamplingParams
 
 LOGPROB_TOL = 1e-4  # fp32 both sides; only the router's sums (and its softmax's exp) round differently
@@ -102,3 +104,46 @@ def test_shared_expert_refused_by_name(tiny: Callable[[str], Path]) -> None:
     assert layer_refusal(moe_spec, arch.moe) == "an MoE block with a shared expert"
     _generate(engine, graph=True)
     assert engine.loaded.model._decode_graph is not None and engine.loaded.model._decode_graph[1] is None
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_graph_router_matches_select_experts(renormalize: bool) -> None:
+    """The graph's router (kubeinfer_moe_route) against routing.select_experts over torch's F.linear:
+    the same experts on every token, weights within fp32 rounding; exact ties (duplicated router rows)
+    go to the lowest index (cpu_fused.cpp's moe_route)."""
+    ops = try_load_fused_ops()
+    assert ops is not None
+    torch.manual_seed(0)
+    e, h, t = 16, 256, 64
+    cfg = MoEConfig(
+        "qwen3_moe", num_experts=e, top_k=4, hidden_size=h, intermediate_size=32, renormalize=renormalize
+    )
+    router = torch.randn(e, h) * 0.1
+    x = torch.randn(t, h)
+    probs, ids, weights = route(ops, router, cfg, x)
+    want = select_experts(F.linear(x, router), cfg)
+    assert torch.equal(ids, want.ids)
+    torch.testing.assert_close(weights, want.weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(probs, torch.softmax(F.linear(x, router), dim=-1), atol=1e-6, rtol=1e-5)
+    # exact ties: experts 3, 9 and 12 share a row, so do 5 and 6: their logits are equal bit for bit
+    router[9] = router[3]
+    router[12] = router[3]
+    router[5] = 0.5 * router[3]  # 5 and 6 next, tied at the top-k boundary
+    router[6] = router[5]
+    # tokens aligned with row 3 (plus noise): experts 3, 9 and 12 lead, all three chosen, in index order
+    x = torch.where(router[3] > 0, 1.0, -1.0) + 0.1 * torch.randn(t, h)
+    probs, ids, weights = route(ops, router, cfg, x)
+    assert probs[0, 3] == probs[0, 9] == probs[0, 12]
+    assert torch.equal(probs[:, 5], probs[:, 6])
+    # the lowest index first among equal values, the tie at the top-k boundary (5 and 6) included.
+    # torch.topk on CPU does not promise that order (seen here: [12, 3, 9, ...] and 6 before 5 on some
+    # rows), so on exact ties the graph's choice is this documented rule, not torch's.
+    assert ids.tolist() == [[3, 9, 12, 5]] * t
+    top = torch.topk(probs, cfg.top_k, dim=-1)
+    want_w = _renorm(top.values, cfg).sort(dim=-1).values
+    torch.testing.assert_close(weights.sort(dim=-1).values, want_w, atol=1e-7, rtol=1e-6)
+    assert torch.equal(ids[:, :3].sort(dim=-1).values, top.indices[:, :3].sort(dim=-1).values)
+
+
+def _renorm(top: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:  # [T, top_k] the chosen probabilities
+    return top / top.sum(dim=-1, keepdim=True) if cfg.renormalize else top

@@ -513,7 +513,10 @@ struct KiDecodeStep {
 };
 
 // Router logits -> each row's top_k experts and weights, as server/models/moe/routing.py's select_experts.
-// Top-k: the largest values, ties to the lowest index (torch.topk's order on CPU), in descending order.
+// Top-k: the largest values in descending order, exact ties to the lowest index. torch.topk on CPU does not
+// promise an order among equal values (tests/moe/test_moe_decode_graph.py saw it take 6 before 5 and
+// [12, 3, 9] for three equal values), so on an exact tie at the top-k boundary the two paths may choose
+// differently; random weights make such ties vanishingly rare (duplicated router rows make them).
 // The softmax is max-subtracted in fp32; exp is libm's, so weights agree with torch's to fp32 rounding.
 static void moe_route(const KiDecodeMoe& r, float* logits, int64_t t, int64_t* ids, float* weights) {
   const int64_t E = r.num_experts, K = r.top_k;
@@ -556,25 +559,36 @@ static void moe_route(const KiDecodeMoe& r, float* logits, int64_t t, int64_t* i
   }
 }
 
-// The MoE MLP of T rows: x [T, H] -> out [T, H]. The router is a plain fp32 GEMV ([E, H] is small: 128 x
-// 2048 on Qwen3-MoE-2.1B, 1 MiB), one row of E dot products per token.
-static int32_t moe_mlp(const KiDecodeModel* m, const KiDecodeStep* s, const KiDecodeMoe& r, const float* x, float* out) {
-  const int64_t t = s->t, H = m->hidden, E = r.num_experts;
-  if (!m->moe_experts || !s->router_logits || !s->expert_ids || !s->expert_weights || E < 1 || r.top_k < 1 ||
-      r.top_k > E)
-    return 1;
-#pragma omp parallel for num_threads(s->threads) if (t * E * H >= 4 * kParallelMin)
+// The router of T rows (kubeinfer_moe_route, also the tests' entry point): x [T, H] fp32 rows x_stride
+// apart; logits [T, E] (overwritten: after routing 0, the probabilities); ids [T, top_k] int64, weights
+// [T, top_k] fp32. The router is a plain fp32 GEMV ([E, H] is small: 128 x 2048 on Qwen3-MoE-2.1B, 1 MiB),
+// one dot product per (token, expert), summed in another order than torch's F.linear: logits agree to
+// fp32 rounding, not bit for bit. Returns 1 for bad sizes.
+int32_t kubeinfer_moe_route(const KiDecodeMoe* r, const float* x, int64_t t, int64_t x_stride, int64_t hidden,
+                            float* logits, int64_t* ids, float* weights, int32_t threads) {
+  const int64_t E = r->num_experts, H = hidden;
+  if (t < 0 || H < 1 || x_stride < H || E < 1 || r->top_k < 1 || r->top_k > E || !r->router) return 1;
+#pragma omp parallel for num_threads(threads) if (t * E * H >= 4 * kParallelMin)
   for (int64_t i = 0; i < t * E; ++i) {
-    const float* xr = x + (i / E) * H;
-    const float* wr = r.router + (i % E) * H;
+    const float* xr = x + (i / E) * x_stride;
+    const float* wr = r->router + (i % E) * H;
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t c = 0; c < H; ++c) dot += xr[c] * wr[c];
-    s->router_logits[i] = dot + (r.router_bias ? r.router_bias[i % E] : 0.0f);
+    logits[i] = dot + (r->router_bias ? r->router_bias[i % E] : 0.0f);
   }
-  moe_route(r, s->router_logits, t, s->expert_ids, s->expert_weights);
-  const int32_t rc =
-      m->moe_experts(r.experts, x, t, H, s->expert_ids, s->expert_weights, r.top_k, out, s->threads);
+  moe_route(*r, logits, t, ids, weights);
+  return 0;
+}
+
+// The MoE MLP of T rows: x [T, H] -> out [T, H], the router then the experts' one call.
+static int32_t moe_mlp(const KiDecodeModel* m, const KiDecodeStep* s, const KiDecodeMoe& r, const float* x,
+                       float* out) {
+  if (!m->moe_experts || !s->router_logits || !s->expert_ids || !s->expert_weights) return 1;
+  int32_t rc = kubeinfer_moe_route(&r, x, s->t, m->hidden, m->hidden, s->router_logits, s->expert_ids,
+                                   s->expert_weights, s->threads);
+  if (rc) return rc;
+  rc = m->moe_experts(r.experts, x, s->t, m->hidden, s->expert_ids, s->expert_weights, r.top_k, out, s->threads);
   return rc ? 10 + rc : 0;
 }
 
