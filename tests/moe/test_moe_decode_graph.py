@@ -3,7 +3,7 @@ KiDecodeMoe): tiny random Mixtral and Qwen3-MoE (dense `mlp_only_layers` beside 
 `norm_topk_prob`) quantized with --quantize int8 (per output channel), so every projection and expert runs qlinear's
 kernel. Their one-token decode steps are one C++ call (router GEMV, softmax, top-k, the experts' native
 call); greedy tokens equal the Python fused path's (FusedMoE between the compiled norms) and logprobs
-agree within LOGPROB_TOL: the router's dot products sum in another order than torch's F.linear, so the
+agree within LOGPROB_TOL, and equal transformers' on the same (dequantized) weights: the router's dot products sum in another order than torch's F.linear, so the
 routing weights differ by fp32 rounding (the expert choices are the same, ties broken to the lowest
 index as torch.topk does). Qwen2-MoE's shared expert is refused by name (decode_graph.layer_refusal)."""
 
@@ -22,7 +22,9 @@ from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.cpu_fused import try_load_fused_ops
 from server.models.decode_graph import DecodeGraph, layer_refusal, route
-from server.models.moe import MoEConfig, SparseMoeBlock, select_experts
+from server.models.moe import BlockQuantExperts, MoEConfig, SparseMoeBlock, select_experts
+from server.quant.block_linear import BlockQuantLinear
+from server.quant.cpu_qlinear import dequantize_reference
 from server.request import SamplingParams
 
 LOGPROB_TOL = 1e-4  # fp32 both sides; only the router's sums (and its softmax's exp) round differently
@@ -95,6 +97,51 @@ def test_moe_decode_steps_run_in_the_graph(
     assert got_tokens == want_tokens
     torch.testing.assert_close(torch.tensor(got_lps), torch.tensor(want_lps), atol=LOGPROB_TOL, rtol=0)
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    hf = _hf_on_our_weights(tiny(kind), engine)
+    with torch.inference_mode():
+        for text, ours in zip(PROMPTS, got_tokens, strict=True):
+            ids = engine.tokenizer.encode(text)
+            ref = hf.generate(  # type: ignore[operator]
+                torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, min_new_tokens=len(ours)
+            )
+            assert ref[0, len(ids) :].tolist() == ours, text
+
+
+def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
+    """transformers' model of `folder` with every weight our engine quantized (projections and experts)
+    replaced by its dequantized int8 values; the router stays the checkpoint's fp32."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    arch = engine.loaded.arch
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    state = hf.state_dict()
+    new: dict[str, torch.Tensor] = {}
+    for name, m in engine.loaded.model.named_modules():
+        prefix, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        if isinstance(m, SparseMoeBlock):
+            experts = m.experts
+            assert isinstance(experts, BlockQuantExperts)
+            new[f"{name}.experts.gate_up_proj"] = torch.stack([dequantize_reference(w) for w in experts.w13])
+            new[f"{name}.experts.down_proj"] = torch.stack([dequantize_reference(w) for w in experts.w2])
+        elif not isinstance(m, BlockQuantLinear):
+            continue
+        elif f"{name}.weight" in state:
+            new[f"{name}.weight"] = dequantize_reference(m.weight_q)
+        elif leaf == "qkv_proj":
+            w = dequantize_reference(m.weight_q)
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), w.split((q, kv, kv)), strict=True):
+                new[f"{prefix}.{part}.weight"] = rows
+        elif leaf == "gate_up_proj":
+            w = dequantize_reference(m.weight_q)
+            for part, rows in zip(("gate_proj", "up_proj"), w.chunk(2), strict=True):
+                new[f"{prefix}.{part}.weight"] = rows
+        else:
+            raise AssertionError(f"no transformers weight for {name}")
+    assert set(new) <= set(state), sorted(set(new) - set(state))[:3]
+    assert any(k.endswith("experts.gate_up_proj") for k in new)
+    hf.load_state_dict(new, strict=False)
+    return hf
 
 
 def test_shared_expert_refused_by_name(tiny: Callable[[str], Path]) -> None:
