@@ -1,11 +1,13 @@
 """Mixture-of-experts layers in the decode graph (server/models/decode_graph.py, cpu_fused.cpp's
-KiDecodeMoe): tiny random Mixtral and Qwen3-MoE (dense `mlp_only_layers` beside sparse ones, q/k norms,
-`norm_topk_prob`) quantized with --quantize int8 (per output channel), so every projection and expert runs qlinear's
-kernel. Their one-token decode steps are one C++ call (router GEMV, softmax, top-k, the experts' native
-call); greedy tokens equal the Python fused path's (FusedMoE between the compiled norms) and logprobs
-agree within LOGPROB_TOL, and equal transformers' on the same (dequantized) weights: the router's dot products sum in another order than torch's F.linear, so the
-routing weights differ by fp32 rounding (the expert choices are the same, ties broken to the lowest
-index as torch.topk does). Qwen2-MoE's shared expert is refused by name (decode_graph.layer_refusal)."""
+KiDecodeMoe): tiny random Mixtral and Qwen3-MoE (dense layers beside sparse ones, q/k norms,
+`norm_topk_prob`) quantized with --quantize int8 (per output channel), so every projection and expert
+runs qlinear's kernel. Their decode steps are one C++ call (router GEMV, softmax, top-k, the experts'
+native call). Greedy tokens equal the Python fused path's (FusedMoE between the compiled norms) and
+transformers' on the same (dequantized) weights; logprobs agree with the fused path's within
+LOGPROB_TOL, not bit for bit: the graph's router sums its dot products in another order than torch's
+F.linear, so routing weights differ by fp32 rounding (the expert choices are the same; on exact ties the
+graph takes the lowest index, a rule torch.topk does not promise). Qwen2-MoE's shared expert is refused
+by name (decode_graph.layer_refusal)."""
 
 from __future__ import annotations
 
