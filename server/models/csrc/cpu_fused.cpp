@@ -561,7 +561,7 @@ static void moe_route(const KiDecodeMoe& r, float* logits, int64_t t, int64_t* i
 
 // The router of T rows (kubeinfer_moe_route, also the tests' entry point): x [T, H] fp32 rows x_stride
 // apart; logits [T, E] (overwritten: after routing 0, the probabilities); ids [T, top_k] int64, weights
-// [T, top_k] fp32. The router is a plain fp32 GEMV ([E, H] is small: 128 x 2048 on Qwen3-MoE-2.1B, 1 MiB),
+// [T, top_k] fp32. The router is a plain fp32 GEMV ([E, H] is small: 16 x 2048 on the Qwen3-MoE-2.1B shape),
 // one dot product per (token, expert), summed in another order than torch's F.linear: logits agree to
 // fp32 rounding, not bit for bit. Returns 1 for bad sizes.
 int32_t kubeinfer_moe_route(const KiDecodeMoe* r, const float* x, int64_t t, int64_t x_stride, int64_t hidden,
