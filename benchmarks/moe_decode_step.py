@@ -5,7 +5,7 @@ process, and where the fused path's step goes (MoE blocks, the LM head + samplin
 
 The machine may be shared: compare the ratios; the load average is printed before and after.
 
-    python benchmarks/moe_decode_step.py [--gguf FILE --prompt 128 --rounds 6 --steps 8]
+    python benchmarks/moe_decode_step.py [--gguf FILE --prompt 128 --rounds 6 --steps 8 --users 1]
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--users", type=int, default=1, help="requests decoding together (one row each)")
     args = ap.parse_args()
     load0 = os.getloadavg()[0]
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=str(args.gguf), max_model_len=1024),
-            cache=CacheConfig(block_size=16, num_kv_blocks=64, enable_prefix_caching=False),
+            cache=CacheConfig(block_size=16, num_kv_blocks=64 * args.users, enable_prefix_caching=False),
         )
     )
     model = engine.loaded.model
@@ -59,10 +60,12 @@ def main() -> None:
     SparseMoeBlock.forward = timed("moe", SparseMoeBlock.forward)  # type: ignore[method-assign]
     LlamaForCausalLM.compute_logits = timed("head", LlamaForCausalLM.compute_logits)  # type: ignore[method-assign]
     steps_total = 2 + 2 * args.rounds * args.steps
-    prompt = list(range(1000, 1000 + args.prompt))
-    engine.add_request("0", prompt, SamplingParams(max_tokens=steps_total + 2 * args.rounds + 8, temperature=0.0, ignore_eos=True))
-    while not any(out.new_token_ids for out in engine.step()):
-        pass
+    params = SamplingParams(max_tokens=steps_total + 2 * args.rounds + 8, temperature=0.0, ignore_eos=True)
+    started: set[str] = set()
+    for u in range(args.users):
+        engine.add_request(str(u), list(range(1000 + u, 1000 + u + args.prompt)), params)
+    while len(started) < args.users:  # every prompt prefilled: the timed steps are pure decode
+        started |= {out.request_id for out in engine.step() if out.new_token_ids}
     per: dict[str, list[float]] = {"graph": [], "fused": []}
     parts: dict[str, list[float]] = {"moe": [], "head": []}
     tokens: dict[str, list[int]] = {"graph": [], "fused": []}
@@ -86,6 +89,7 @@ def main() -> None:
             {
                 "gguf": args.gguf.name,
                 "threads": torch.get_num_threads(),
+                "users": args.users,
                 "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
                 "graph_ms_median": round(graph_ms, 2),
                 "fused_ms_median": round(fused_ms, 2),

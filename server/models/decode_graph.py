@@ -354,6 +354,7 @@ class DecodeGraph:
             if isinstance(mlp, SparseMoeBlock):
                 record = _moe_record(mlp, config.hidden_size, kept_moe)
                 if record is None:
+                    _refuse(f"{config.architecture}: MoE experts without a native call or an fp32 router")
                     return None
                 moes.append(record)
                 mlp_mods: list[Any] = []
