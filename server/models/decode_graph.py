@@ -308,6 +308,7 @@ class DecodeGraph:
     descriptors: list[KiQWeight]  # the projections' descriptors, in the same order (flattened)
     entry: DecodeEntry  # the projections' entry point and the int8 modes recorded with it
     moes: list[_Moe | None]  # per layer: its MoE record, None for a dense MLP
+    moe_blocks: list[SparseMoeBlock | None]  # per layer: the block the record was made from
     # Kept alive: the C side holds raw pointers into these.
     _keep: tuple[object, ...]
     # BlockQuantLinear.gemm_dtype_changes when the compute flags and `max_rows` were last read from the
@@ -519,6 +520,7 @@ class DecodeGraph:
             descriptors=descriptors,
             entry=entry,
             moes=moes,
+            moe_blocks=[m if isinstance(m, SparseMoeBlock) else None for m in (lay.mlp for lay in layers)],
             _keep=(descriptors, kept_weights, kept_norms, structs, projections, kv_caches, layers, kept_moe),
         )
 
@@ -540,6 +542,16 @@ class DecodeGraph:
             if desc.compute != flag:
                 desc.compute = flag
         self._max_rows = min(m.gemm_min_rows for m in modules) - 1
+        # quantized experts rebuild their call (descriptors with the new compute flag) on a gemm_dtype change
+        for record, block in zip(self.moes, self.moe_blocks, strict=True):
+            if record is None or block is None:
+                continue
+            fused = block.fused()
+            call = fused.native_call()
+            if call is not None and record.experts != ctypes.addressof(call.spec):
+                call.spec.qlinear = fused.experts.fused_entry()  # type: ignore[attr-defined]
+                self._keep = (*self._keep, call, fused)
+                record.experts = ctypes.addressof(call.spec)
         self._synced_changes = BlockQuantLinear.gemm_dtype_changes
 
     @property

@@ -11,6 +11,7 @@ by name (decode_graph.layer_refusal)."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from server.models.decode_graph import DecodeGraph, layer_refusal, route
 from server.models.moe import BlockQuantExperts, MoEConfig, SparseMoeBlock, select_experts
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qlinear import dequantize_reference
+from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
 LOGPROB_TOL = 1e-4  # fp32 both sides; only the router's sums (and its softmax's exp) round differently
@@ -144,6 +146,29 @@ def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
     assert any(k.endswith("experts.gate_up_proj") for k in new)
     hf.load_state_dict(new, strict=False)
     return hf
+
+
+def test_graph_follows_the_experts_gemm_dtype(tiny: Callable[[str], Path]) -> None:
+    """A gemm_dtype set after recording (apply_gemm_dtype) rebuilds the experts' call with the new
+    compute flag; the graph's MoE records follow it at the next step (sync_compute), as its projections'
+    descriptors do."""
+    engine = _engine(tiny("mixtral"))
+    model = engine.loaded.model
+    _generate(engine, graph=True)
+    assert model._decode_graph is not None
+    graph = model._decode_graph[1]
+    assert isinstance(graph, DecodeGraph)
+    blocks = [layer.mlp for layer in model.decoder_layers() if isinstance(layer.mlp, SparseMoeBlock)]
+    before = [b.fused().native_call() for b in blocks]
+    try:
+        apply_gemm_dtype(model, torch.bfloat16)
+        after = [b.fused().native_call() for b in blocks]
+        assert all(a is not None and a is not b for a, b in zip(after, before, strict=True))
+        graph.sync_compute()
+        records = [r for r in graph.moes if r is not None]
+        assert [r.experts for r in records] == [ctypes.addressof(c.spec) for c in after if c is not None]
+    finally:
+        apply_gemm_dtype(model, torch.float32)
 
 
 def test_shared_expert_refused_by_name(tiny: Callable[[str], Path]) -> None:
