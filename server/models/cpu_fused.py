@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
 # 6: kubeinfer_add_rms_norm_mixed; 7: residual_norm, gelu_tanh_mul, partial rotary; 8: softcap_paged_decode
-# and the decode graph layer record's attn_softcap
-ABI_VERSION = 8
+# and the decode graph layer record's attn_softcap; 9: the layer record's MoE MLP (KiDecodeMoe),
+# kubeinfer_moe_route
+ABI_VERSION = 9
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
 # AVX-512 CPUs keeps loops at 256 bits (libmvec's 8-wide expf); 512-bit loops cut a 16-user prefill step
@@ -420,6 +421,7 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
         getattr(lib, name).argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.kubeinfer_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
+    lib.kubeinfer_moe_route.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i32]
     lib.kubeinfer_softcap_paged_decode.argtypes = [
         i32,
         *(ptr,) * 8,
@@ -440,6 +442,7 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
         lib.kubeinfer_gelu_tanh_mul_bf16,
         lib.kubeinfer_head_rms_norm,
         lib.kubeinfer_decode_forward,
+        lib.kubeinfer_moe_route,
         lib.kubeinfer_softcap_paged_decode,
     ):
         fn.restype = i32

@@ -47,6 +47,9 @@ from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
 from server.models.layer_spec import LayerSpec
 from server.models.layers import MLP, DecoderLayer, RMSNorm
+from server.models.moe.block import SparseMoeBlock
+from server.models.moe.config import MoEConfig
+from server.models.moe.native import FusedExpertsCall
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import DecodeEntry, decode_entry
 from server.quant.cpu_qlinear import BlockQuantWeight, KiQWeight, compute_flag, weight_descriptor
@@ -93,6 +96,19 @@ class _Layer(ctypes.Structure):  # cpu_fused.cpp's KiDecodeLayer
         ("activation", _i32),
         ("attn_softcap", _f32),
         ("kv_group", _i32),
+        ("moe", _ptr),
+    ]
+
+
+class _Moe(ctypes.Structure):  # cpu_fused.cpp's KiDecodeMoe
+    _fields_ = [
+        ("router", _ptr),
+        ("router_bias", _ptr),
+        ("num_experts", _i64),
+        ("top_k", _i64),
+        ("routing", _i32),
+        ("renormalize", _i32),
+        ("experts", _ptr),
     ]
 
 
@@ -112,6 +128,7 @@ class _Model(ctypes.Structure):
         ("paged_decode", _ptr),
         ("kv_store", _ptr),
         ("cache_dtype", _i32),
+        ("moe_experts", _ptr),
     ]
 
 
@@ -137,6 +154,9 @@ class _Step(ctypes.Structure):
         ("slots_g1", _ptr),
         ("block_tables_g1", _ptr),
         ("bt_stride_g1", _i64),
+        ("router_logits", _ptr),
+        ("expert_ids", _ptr),
+        ("expert_weights", _ptr),
     ]
 
 
@@ -162,17 +182,99 @@ def _refuse(reason: str) -> None:
         log.info("decode graph not recorded, the Python fused path serves decode steps: %s", reason)
 
 
-def layer_refusal(spec: LayerSpec) -> str | None:
+def layer_refusal(spec: LayerSpec, moe: MoEConfig | None = None) -> str | None:
     """What of this layer kind the compiled graph cannot run yet, or None: every field of the layer
     contract is data in the graph's layer record (Gemma 2's attention soft-cap too: its layers attend
-    through cpu_fused.cpp's softcap_paged_decode, as the Python fused path does) except a
-    mixture-of-experts MLP (its own block, called by the Python fused path between the compiled
-    norms: the graph has no float router GEMV, top-k or experts call yet)."""
-    if spec.mlp != "dense":
+    through cpu_fused.cpp's softcap_paged_decode, as the Python fused path does). A mixture-of-experts
+    MLP (`moe`: the model's ArchConfig.moe) runs as the record's KiDecodeMoe: an fp32 router GEMV,
+    softmax then top-k with Mixtral's / Qwen3's renormalisation (exact ties to the lowest index:
+    cpu_fused.cpp's moe_route; torch.topk promises no order among equal values), and the experts' native call (moe_experts.cpp); a shared expert (Qwen2-MoE),
+    a router bias or another routing or expert activation (gpt-oss) is refused: not covered by tests."""
+    if spec.mlp == "moe":
+        if moe is None:
+            return "a 'moe' MLP without the model's MoE config"
+        if moe.shared_expert_intermediate_size:
+            return "an MoE block with a shared expert"
+        if moe.router_bias or moe.routing != "softmax_topk" or moe.activation != "silu":
+            return f"MoE routing {moe.routing!r} (router bias {moe.router_bias}), experts {moe.activation!r}"
+    elif spec.mlp != "dense":
         return f"a {spec.mlp!r} MLP runs its own block"
     if spec.activation not in _ACTIVATIONS:
         return f"activation {spec.activation!r}"
     return None
+
+
+def _moe_record(block: SparseMoeBlock, hidden: int, kept: list[object]) -> _Moe | None:
+    """The block's KiDecodeMoe, or None where its experts have no native call (dense or CUDA experts,
+    KUBEINFER_MOE_FUSED=0) or its router is not an fp32 [E, hidden] tensor."""
+    fused = block.fused()
+    call = fused.native_call()
+    router, cfg = fused.weights.router, block.cfg
+    if call is None or call.spec.hidden != hidden:
+        return None
+    if router.dtype != torch.float32 or tuple(router.shape) != (cfg.num_experts, hidden):
+        return None
+    router = router.contiguous()
+    # the entry point FusedMoE.forward hands the call (the int8 GEMV where its switch is on)
+    call.spec.qlinear = fused.experts.fused_entry()  # type: ignore[attr-defined]  # native_call checked it
+    kept.extend((router, call, fused))
+    return _Moe(
+        router.data_ptr(),
+        None,
+        cfg.num_experts,
+        cfg.top_k,
+        0,
+        int(cfg.renormalize),
+        ctypes.addressof(call.spec),
+    )
+
+
+def route(
+    ops: FusedOps,
+    router: Tensor,  # [E, H] fp32 contiguous
+    cfg: MoEConfig,  # softmax_topk routing, no router bias (layer_refusal)
+    x: Tensor,  # [T, H] fp32 contiguous
+) -> tuple[
+    Tensor, Tensor, Tensor
+]:  # probabilities [T, E] fp32, ids [T, top_k] int64, weights [T, top_k] fp32
+    """The graph's router (cpu_fused.cpp's kubeinfer_moe_route) on its own, as routing.select_experts:
+    for tests and benchmarks. Raises ValueError for shapes or dtypes it does not take."""
+    t, h = x.shape
+    if (
+        x.dtype != torch.float32
+        or router.dtype != torch.float32
+        or tuple(router.shape) != (cfg.num_experts, h)
+    ):
+        raise ValueError(f"x [T, H] and router [{cfg.num_experts}, H] must be fp32")
+    if cfg.routing != "softmax_topk" or cfg.router_bias:
+        raise ValueError(f"routing {cfg.routing!r} with router bias {cfg.router_bias}: not the graph's")
+    x, router = x.contiguous(), router.contiguous()
+    record = _Moe(router.data_ptr(), None, cfg.num_experts, cfg.top_k, 0, int(cfg.renormalize), None)
+    probs = torch.empty(t, cfg.num_experts)
+    ids = torch.empty(t, cfg.top_k, dtype=torch.int64)
+    weights = torch.empty(t, cfg.top_k)
+    rc = ops.lib.kubeinfer_moe_route(
+        ctypes.byref(record),
+        x.data_ptr(),
+        t,
+        h,
+        h,
+        probs.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"kubeinfer_moe_route returned {rc}")
+    return probs, ids, weights
+
+
+def _moe_entry(kept: list[object]) -> int | None:
+    """kubeinfer_moe_experts's address (the library the blocks' calls loaded), None without MoE layers.
+    A function pointer, as for the projections and the attention: one build of each library, loaded once,
+    and cpu_fused.cpp needs no link-time dependency on moe_experts.cpp."""
+    calls = [c for c in kept if isinstance(c, FusedExpertsCall)]
+    return _fn_address(calls[0].kernel.lib.kubeinfer_moe_experts) if calls else None
 
 
 def _norm_field(norm: RMSNorm | None, kept: list[Tensor]) -> tuple[int | None, float]:
@@ -205,6 +307,8 @@ class DecodeGraph:
     projections: list[list[BlockQuantLinear]]  # per layer: qkv (or q, k, v), o, gate_up, down
     descriptors: list[KiQWeight]  # the projections' descriptors, in the same order (flattened)
     entry: DecodeEntry  # the projections' entry point and the int8 modes recorded with it
+    moes: list[_Moe | None]  # per layer: its MoE record, None for a dense MLP
+    moe_blocks: list[SparseMoeBlock | None]  # per layer: the block the record was made from
     # Kept alive: the C side holds raw pointers into these.
     _keep: tuple[object, ...]
     # BlockQuantLinear.gemm_dtype_changes when the compute flags and `max_rows` were last read from the
@@ -234,20 +338,32 @@ class DecodeGraph:
         if len(rope_indices) != len(layers):
             raise ValueError(f"rope_indices: {len(rope_indices)} entries for {len(layers)} layers")
         for layer in layers:
-            reason = layer_refusal(layer.spec)
+            reason = layer_refusal(layer.spec, config.moe)
             if reason is not None:
                 _refuse(f"{config.architecture}: {reason}")
                 return None
         projections: list[list[BlockQuantLinear]] = []
+        moes: list[_Moe | None] = []
+        kept_moe: list[object] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, MLP)  # layer_refusal: a dense MLP
             # q, k and v apart where their formats differ (a Q4_K_M GGUF's Q6_K or Q8_0 attn_v): the graph
             # writes them into the columns of one qkv buffer
             qkv_mods = (
                 [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
             )
-            mods = [*qkv_mods, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            if isinstance(mlp, SparseMoeBlock):
+                record = _moe_record(mlp, config.hidden_size, kept_moe)
+                if record is None:
+                    _refuse(f"{config.architecture}: MoE experts without a native call or an fp32 router")
+                    return None
+                moes.append(record)
+                mlp_mods: list[Any] = []
+            else:
+                assert isinstance(mlp, MLP)  # layer_refusal: a dense or an MoE MLP
+                moes.append(None)
+                mlp_mods = [mlp.gate_up_proj, mlp.down_proj]
+            mods = [*qkv_mods, attn.o_proj, *mlp_mods]
             # exact type: a LoRA- or tensor-parallel-wrapped projection computes more than the kernel
             if not all(type(m) is BlockQuantLinear and m.kernel is not None for m in mods):
                 return None
@@ -292,22 +408,21 @@ class DecodeGraph:
         kept_norms: list[Tensor] = []
         rotary_dims: dict[int, int] = {}
         structs = (_Layer * len(layers))()
-        for i, (layer, (kc, vc), linears, rope) in enumerate(
-            zip(layers, kv_caches, projections, rope_indices, strict=True)
+        for i, (layer, (kc, vc), linears, rope, moe) in enumerate(
+            zip(layers, kv_caches, projections, rope_indices, moes, strict=True)
         ):
-            split = len(linears) == 6  # separate q, k, v
-            qkv, o, gate_up, down = linears[0], linears[-3], linears[-2], linears[-1]
-            kv_projs = linears[1:3] if split else []
+            attn_linears = linears if moe is not None else linears[:-2]
+            split = len(attn_linears) == 4  # separate q, k, v
+            qkv, o = attn_linears[0], attn_linears[-1]
+            kv_projs = attn_linears[1:3] if split else []
             want = [
                 (qkv, hidden, (hq if split else hq + 2 * hkv) * d),
                 *((m, hidden, hkv * d) for m in kv_projs),
                 (o, hq * d, hidden),
-                (gate_up, hidden, 2 * inter),
             ]
-            if any((m.in_features, m.out_features) != (k, n) for m, k, n in want) or (
-                down.in_features,
-                down.out_features,
-            ) != (inter, hidden):
+            if moe is None:
+                want += [(linears[-2], hidden, 2 * inter), (linears[-1], inter, hidden)]
+            if any((m.in_features, m.out_features) != (k, n) for m, k, n in want):
                 return None
             spec, attn = layer.spec, layer.self_attn
             if (spec.rope is None) != (rope < 0):
@@ -325,7 +440,12 @@ class DecodeGraph:
             q_norm, qk_eps = _norm_field(attn.q_norm, kept_norms)
             k_norm, _ = _norm_field(attn.k_norm, kept_norms)
             k_desc, v_desc = (descs[1], descs[2]) if split else (None, None)
-            o_desc, gate_up_desc, down_desc = descs[-3:]
+            o_desc = descs[len(attn_linears) - 1]
+            # an MoE layer's gate_up / down fields are never read (its `moe` record serves the MLP)
+            gate_up_desc, down_desc = (o_desc, o_desc) if moe is not None else (descs[-2], descs[-1])
+            gate_up_bias, down_bias = (
+                (None, None) if moe is not None else (_bias(linears[-2]), _bias(linears[-1]))
+            )
             structs[i] = _Layer(
                 ctypes.addressof(descs[0]),
                 _bias(qkv),
@@ -336,9 +456,9 @@ class DecodeGraph:
                 ctypes.addressof(o_desc),
                 _bias(o),
                 ctypes.addressof(gate_up_desc),
-                _bias(gate_up),
+                gate_up_bias,
                 ctypes.addressof(down_desc),
-                _bias(down),
+                down_bias,
                 *(
                     field
                     for pair in zip(
@@ -365,6 +485,7 @@ class DecodeGraph:
                 _ACTIVATIONS[spec.activation],
                 spec.attn_softcap or 0.0,
                 attn.kv_group,
+                None if moe is None else ctypes.addressof(moe),
             )
         final_w, final_eps = _norm_field(final_norm, kept_norms)
         entry = decode_entry(kernel)  # int8-activation entry or qlinear (cpu_qgemv_q8.py)
@@ -383,6 +504,7 @@ class DecodeGraph:
             _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode_window),
             _fn_address(backend.decode_kernel.lib.kubeinfer_kv_store),
             CACHE_DTYPE_CODES[k0.dtype],
+            _moe_entry(kept_moe),
         )
         num_tables = max(rope_indices) + 1
         if sorted(rotary_dims) != list(range(num_tables)):
@@ -397,7 +519,9 @@ class DecodeGraph:
             projections=projections,
             descriptors=descriptors,
             entry=entry,
-            _keep=(descriptors, kept_weights, kept_norms, structs, projections, kv_caches, layers),
+            moes=moes,
+            moe_blocks=[m if isinstance(m, SparseMoeBlock) else None for m in (lay.mlp for lay in layers)],
+            _keep=(descriptors, kept_weights, kept_norms, structs, projections, kv_caches, layers, kept_moe),
         )
 
     @property
@@ -418,6 +542,16 @@ class DecodeGraph:
             if desc.compute != flag:
                 desc.compute = flag
         self._max_rows = min(m.gemm_min_rows for m in modules) - 1
+        # quantized experts rebuild their call (descriptors with the new compute flag) on a gemm_dtype change
+        for record, block in zip(self.moes, self.moe_blocks, strict=True):
+            if record is None or block is None:
+                continue
+            fused = block.fused()
+            call = fused.native_call()
+            if call is not None and record.experts != ctypes.addressof(call.spec):
+                call.spec.qlinear = fused.experts.fused_entry()  # type: ignore[attr-defined]
+                self._keep = (*self._keep, call, fused)
+                record.experts = ctypes.addressof(call.spec)
         self._synced_changes = BlockQuantLinear.gemm_dtype_changes
 
     @property
@@ -460,6 +594,10 @@ class DecodeGraph:
         cos_ptrs = (_ptr * max(n, 1))(*(tables[i][0].data_ptr() for i in range(n)))
         sin_ptrs = (_ptr * max(n, 1))(*(tables[i][1].data_ptr() for i in range(n)))
         out = torch.empty(t, hidden)
+        moe = next((r for r in self.moes if r is not None), None)
+        e, k = (moe.num_experts, moe.top_k) if moe is not None else (0, 0)
+        routing_scratch = torch.empty(t, e + k)  # router logits [T, E], expert weights [T, top_k]
+        expert_ids = torch.empty(t, k, dtype=torch.int64)
         scratch = torch.empty(t, 2 * hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter)
         # x, qkv, attn, gate_up, act, delta: consecutive [T, width] fp32 blocks of one allocation
         base, step_ptrs, position = scratch.data_ptr(), [], 0
@@ -488,6 +626,9 @@ class DecodeGraph:
             slots_g1.data_ptr(),
             tables_g1.data_ptr(),
             tables_g1.shape[1],
+            routing_scratch.data_ptr() if moe is not None else None,
+            expert_ids.data_ptr() if moe is not None else None,
+            routing_scratch.data_ptr() + 4 * t * e if moe is not None else None,
         )
         rc = self.ops.lib.kubeinfer_decode_forward(ctypes.byref(self.model_struct), ctypes.byref(step))
         if rc != 0:

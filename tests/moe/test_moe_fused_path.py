@@ -3,7 +3,8 @@ Mixtral, Qwen2-MoE (its shared expert) and Qwen3-MoE (q/k norms, `norm_topk_prob
 `mlp_only_layers`) run their attention and norms through the fused ops and each MoE layer's block between
 them. Greedy tokens equal the torch path's (the eager module calls) and transformers', prompt logprobs
 agree with the torch path's within 1e-4 (the fused norms sum in another order) and no KV block leaks.
-The decode graph refuses these models (no MoE MLP in its layer record yet): their one-row steps run here."""
+These fp32 (unquantized) models have no block-quantized projections, so the decode graph does not record
+them (tests/moe/test_moe_decode_graph.py runs quantized MoE models through it): their one-row steps run here."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_moe_model_runs_the_fused_path(
     fused_lps = engine_prompt_logprobs(engine, prompts[1])
     assert calls, "the fused path never ran"
     assert 1 in calls  # one-row decode steps too
-    # the decode graph refuses a MoE MLP (decode_graph.layer_refusal): those steps ran _forward_fused
+    # fp32 projections: no decode graph is recorded, those steps ran _forward_fused
     assert model._decode_graph is not None and model._decode_graph[1] is None
     ops, model.fused_ops = model.fused_ops, None
     try:

@@ -117,7 +117,7 @@ inline const float* cache_row(int32_t cache_dtype, const void* cache, int64_t of
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 8; }
+int32_t kubeinfer_cpu_fused_abi() { return 9; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -412,6 +412,11 @@ typedef int32_t (*KiPagedDecodeWindowFn)(int32_t dtype, int32_t cache_dtype, voi
                                          int32_t block_size, float scale, int32_t window, const float* sinks,
                                          int32_t num_threads);
 
+// server/models/moe/csrc/moe_experts.cpp's kubeinfer_moe_experts (`spec` a KiMoeExperts*).
+typedef int32_t (*KiMoeExpertsFn)(const void* spec, const float* x, int64_t tokens, int64_t x_stride,
+                                  const int64_t* ids, const float* weights, int64_t top_k, float* out,
+                                  int32_t nthreads);
+
 // One layer as the layer contract (server/models/layer_spec.py) describes it, with what stays fixed while
 // the model serves: weights (qlinear descriptors, biases may be null), norm weights as the kernels apply
 // them (Gemma's (1 + w) already added), caches. A null norm is a norm the placement does not have:
@@ -451,6 +456,17 @@ struct KiDecodeLayer {
   int32_t activation;    // 0 silu, 1 gelu_tanh
   float attn_softcap;    // 0: none; cap > 0: scores cap * tanh(s / cap) (Gemma 2), softcap_paged_decode
   int32_t kv_group;      // 0 or 1: the step's slots / block tables this layer's caches are indexed by
+  const struct KiDecodeMoe* moe;  // null: the dense gate_up / act / down MLP; else this MoE block
+};
+
+// A mixture-of-experts MLP (server/models/moe): the router, top-k and the experts' one native call.
+struct KiDecodeMoe {
+  const float* router;       // [E, H] fp32
+  const float* router_bias;  // [E] or null
+  int64_t num_experts, top_k;
+  int32_t routing;      // 0: softmax over E, then top-k (Mixtral, Qwen); 1: top-k of the logits, then softmax
+  int32_t renormalize;  // routing 0: the chosen weights divided by their sum (Mixtral; Qwen3's norm_topk_prob)
+  const void* experts;  // moe_experts.cpp's KiMoeExperts (its entry point set by the caller)
 };
 
 struct KiDecodeModel {
@@ -463,6 +479,7 @@ struct KiDecodeModel {
   KiPagedDecodeWindowFn paged_decode;  // paged_decode.cpp's kubeinfer_paged_decode_window
   KiKvStoreFn kv_store;    // paged_decode.cpp's K/V write, rounding to the cache's dtype
   int32_t cache_dtype;     // 0 = float32, 1 = bfloat16, 2 = float16 (paged_decode.cpp's codes)
+  KiMoeExpertsFn moe_experts;  // moe_experts.cpp's kubeinfer_moe_experts; null when no layer is MoE
 };
 
 // One step of T decode rows (row i is sequence i), its indices already bounds-checked by the caller.
@@ -489,7 +506,91 @@ struct KiDecodeStep {
   const int64_t* slots_g1;         // [T]
   const int32_t* block_tables_g1;  // [T, bt_stride_g1]
   int64_t bt_stride_g1;
+  // MoE layers' scratch (null when no layer is MoE)
+  float* router_logits;  // [T, E]
+  int64_t* expert_ids;   // [T, top_k]
+  float* expert_weights; // [T, top_k]
 };
+
+// Router logits -> each row's top_k experts and weights, as server/models/moe/routing.py's select_experts.
+// Top-k: the largest values in descending order, exact ties to the lowest index. torch.topk on CPU does not
+// promise an order among equal values (tests/moe/test_moe_decode_graph.py saw it take 6 before 5 and
+// [12, 3, 9] for three equal values), so on an exact tie at the top-k boundary the two paths may choose
+// differently; random weights make such ties vanishingly rare (duplicated router rows make them).
+// The softmax is max-subtracted in fp32; exp is libm's, so weights agree with torch's to fp32 rounding.
+static void moe_route(const KiDecodeMoe& r, float* logits, int64_t t, int64_t* ids, float* weights) {
+  const int64_t E = r.num_experts, K = r.top_k;
+  for (int64_t row = 0; row < t; ++row) {
+    float* lg = logits + row * E;
+    int64_t* id = ids + row * K;
+    float* w = weights + row * K;
+    if (r.routing == 0) {  // probabilities over all experts first
+      float mx = lg[0];
+      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, lg[e]);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) {
+        lg[e] = std::exp(lg[e] - mx);
+        sum += lg[e];
+      }
+      for (int64_t e = 0; e < E; ++e) lg[e] /= sum;
+    }
+    for (int64_t k = 0; k < K; ++k) {  // selection: strict > keeps the lowest index among equal values
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int64_t j = 0; j < k; ++j) taken = taken || id[j] == e;
+        if (!taken && (best < 0 || lg[e] > lg[best])) best = e;
+      }
+      id[k] = best;
+      w[k] = lg[best];
+    }
+    if (r.routing == 1) {  // softmax over the chosen logits (descending: w[0] is their max)
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        w[k] = std::exp(w[k] - w[0]);
+        sum += w[k];
+      }
+      for (int64_t k = 0; k < K; ++k) w[k] /= sum;
+    } else if (r.renormalize) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += w[k];
+      for (int64_t k = 0; k < K; ++k) w[k] /= sum;
+    }
+  }
+}
+
+// The router of T rows (kubeinfer_moe_route, also the tests' entry point): x [T, H] fp32 rows x_stride
+// apart; logits [T, E] (overwritten: after routing 0, the probabilities); ids [T, top_k] int64, weights
+// [T, top_k] fp32. The router is a plain fp32 GEMV ([E, H] is small: 16 x 2048 on the Qwen3-MoE-2.1B shape),
+// one dot product per (token, expert), summed in another order than torch's F.linear: logits agree to
+// fp32 rounding, not bit for bit. Returns 1 for bad sizes.
+int32_t kubeinfer_moe_route(const KiDecodeMoe* r, const float* x, int64_t t, int64_t x_stride, int64_t hidden,
+                            float* logits, int64_t* ids, float* weights, int32_t threads) {
+  const int64_t E = r->num_experts, H = hidden;
+  if (t < 0 || H < 1 || x_stride < H || E < 1 || r->top_k < 1 || r->top_k > E || !r->router) return 1;
+#pragma omp parallel for num_threads(threads) if (t * E * H >= 4 * kParallelMin)
+  for (int64_t i = 0; i < t * E; ++i) {
+    const float* xr = x + (i / E) * x_stride;
+    const float* wr = r->router + (i % E) * H;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t c = 0; c < H; ++c) dot += xr[c] * wr[c];
+    logits[i] = dot + (r->router_bias ? r->router_bias[i % E] : 0.0f);
+  }
+  moe_route(*r, logits, t, ids, weights);
+  return 0;
+}
+
+// The MoE MLP of T rows: x [T, H] -> out [T, H], the router then the experts' one call.
+static int32_t moe_mlp(const KiDecodeModel* m, const KiDecodeStep* s, const KiDecodeMoe& r, const float* x,
+                       float* out) {
+  if (!m->moe_experts || !s->router_logits || !s->expert_ids || !s->expert_weights) return 1;
+  int32_t rc = kubeinfer_moe_route(&r, x, s->t, m->hidden, m->hidden, s->router_logits, s->expert_ids,
+                                   s->expert_weights, s->threads);
+  if (rc) return rc;
+  rc = m->moe_experts(r.experts, x, s->t, m->hidden, s->expert_ids, s->expert_weights, r.top_k, out, s->threads);
+  return rc ? 10 + rc : 0;
+}
 
 // The residual add still owed by the previous sub-block (its output in `delta`, its post-norm, its multiplier).
 struct Pending {
@@ -552,6 +653,11 @@ int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) 
                                       L.mlp_in_norm, L.mlp_in_eps, s->x, H, t, H, nt)))
       return 600 + rc;
     const float* mlp_in = L.mlp_in_norm ? s->x : s->h;
+    if (L.moe) {
+      if ((rc = moe_mlp(m, s, *L.moe, mlp_in, s->delta))) return 1400 + rc;
+      p = Pending{s->delta, L.mlp_out_norm, L.mlp_out_eps, L.residual_mult};
+      continue;
+    }
     if ((rc = m->qlinear(L.gate_up, mlp_in, t, H, L.gate_up_bias, s->gate_up, 2 * I, nt))) return 700 + rc;
     rc = L.activation == 1 ? kubeinfer_gelu_tanh_mul(s->gate_up, 2 * I, s->act, I, t, I, nt)
                            : kubeinfer_silu_mul(s->gate_up, 2 * I, s->act, I, t, I, nt);

@@ -1,8 +1,10 @@
 """Router logits -> top-k experts and their weights; token-expert pairs grouped by expert.
 
-Ties: `torch.topk` picks among equal values by index order on CPU; our logits are the same F.linear of
-the same tensors as transformers' routers, so the choices are the same bit for bit, ties included. On
-CUDA, topk's tie order is unspecified (random weights make exact ties vanishingly rare).
+Ties: our logits are the same F.linear of the same tensors as transformers' routers and both call
+`torch.topk`, so the choices are the same bit for bit, ties included. torch.topk promises no order among
+equal values (on CPU tests/moe/test_moe_decode_graph.py saw [12, 3, 9] for three equal ones); the decode
+graph's own top-k (cpu_fused.cpp's moe_route) takes exact ties lowest index first; random weights make
+exact ties vanishingly rare.
 """
 
 from __future__ import annotations

@@ -1,0 +1,223 @@
+"""Mixture-of-experts layers in the decode graph (server/models/decode_graph.py, cpu_fused.cpp's
+KiDecodeMoe): tiny random Mixtral and Qwen3-MoE (dense layers beside sparse ones, q/k norms,
+`norm_topk_prob`) quantized with --quantize int8 (per output channel), so every projection and expert
+runs qlinear's kernel. Their decode steps are one C++ call (router GEMV, softmax, top-k, the experts'
+native call). Greedy tokens equal the Python fused path's (FusedMoE between the compiled norms) and
+transformers' on the same (dequantized) weights; logprobs agree with the fused path's within
+LOGPROB_TOL, not bit for bit: the graph's router sums its dot products in another order than torch's
+F.linear, so routing weights differ by fp32 rounding (the expert choices are the same; on exact ties the
+graph takes the lowest index, a rule torch.topk does not promise). Qwen2-MoE's shared expert is refused
+by name (decode_graph.layer_refusal)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moe_models import MAX_LEN, PROMPTS, build
+
+from server.config import CacheConfig, EngineConfig, ModelConfig
+from server.engine import LLMEngine
+from server.models.cpu_fused import try_load_fused_ops
+from server.models.decode_graph import DecodeGraph, layer_refusal, route
+from server.models.moe import BlockQuantExperts, MoEConfig, SparseMoeBlock, select_experts
+from server.quant.block_linear import BlockQuantLinear
+from server.quant.cpu_qlinear import dequantize_reference
+from server.quant.gemm_dtype import apply_gemm_dtype
+from server.request import SamplingParams
+
+LOGPROB_TOL = 1e-4  # fp32 both sides; only the router's sums (and its softmax's exp) round differently
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = build(tmp_path_factory.mktemp(f"graph-{kind}"), smollm2_dir, kind)
+        return made[kind]
+
+    return make
+
+
+def _engine(folder: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), dtype="float32", quantize="int8", max_model_len=MAX_LEN),
+            cache=CacheConfig(block_size=4, num_kv_blocks=128, enable_prefix_caching=False),
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+        )
+    )
+
+
+def _generate(engine: LLMEngine, graph: bool) -> tuple[list[list[int]], list[float]]:
+    """Greedy with logprobs, requests joining one step apart (one- and several-row decode steps)."""
+    model = engine.loaded.model
+    model.use_decode_graph = graph
+    model._decode_graph = None
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: list[float] = []
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            lps += [t.logprob for lp in out.new_logprobs for t in (lp.chosen, *lp.top)]
+    return list(tokens.values()), lps
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_decode_steps_run_in_the_graph(
+    tiny: Callable[[str], Path], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(tiny(kind))
+    model = engine.loaded.model
+    assert model.fused_ops is not None
+    assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.decoder_layers())
+    want_tokens, want_lps = _generate(engine, graph=False)
+    graph_steps: list[int] = []
+    run = DecodeGraph.run
+
+    def spy(self: DecodeGraph, h: torch.Tensor, *args: Any) -> torch.Tensor:
+        graph_steps.append(h.shape[0])
+        return run(self, h, *args)
+
+    monkeypatch.setattr(DecodeGraph, "run", spy)
+    got_tokens, got_lps = _generate(engine, graph=True)
+    monkeypatch.undo()
+    assert model._decode_graph is not None and isinstance(model._decode_graph[1], DecodeGraph)
+    assert 1 in graph_steps and max(graph_steps) > 1  # one-row and batched decode steps
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(got_lps), torch.tensor(want_lps), atol=LOGPROB_TOL, rtol=0)
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    hf = _hf_on_our_weights(tiny(kind), engine)
+    with torch.inference_mode():
+        for text, ours in zip(PROMPTS, got_tokens, strict=True):
+            ids = engine.tokenizer.encode(text)
+            ref = hf.generate(  # type: ignore[operator]
+                torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, min_new_tokens=len(ours)
+            )
+            assert ref[0, len(ids) :].tolist() == ours, text
+
+
+def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
+    """transformers' model of `folder` with every weight our engine quantized (projections and experts)
+    replaced by its dequantized int8 values; the router stays the checkpoint's fp32."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    arch = engine.loaded.arch
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    state = hf.state_dict()
+    new: dict[str, torch.Tensor] = {}
+    for name, m in engine.loaded.model.named_modules():
+        prefix, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        if isinstance(m, SparseMoeBlock):
+            experts = m.experts
+            assert isinstance(experts, BlockQuantExperts)
+            new[f"{name}.experts.gate_up_proj"] = torch.stack([dequantize_reference(w) for w in experts.w13])
+            new[f"{name}.experts.down_proj"] = torch.stack([dequantize_reference(w) for w in experts.w2])
+        elif not isinstance(m, BlockQuantLinear):
+            continue
+        elif f"{name}.weight" in state:
+            new[f"{name}.weight"] = dequantize_reference(m.weight_q)
+        elif leaf == "qkv_proj":
+            w = dequantize_reference(m.weight_q)
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), w.split((q, kv, kv)), strict=True):
+                new[f"{prefix}.{part}.weight"] = rows
+        elif leaf == "gate_up_proj":
+            w = dequantize_reference(m.weight_q)
+            for part, rows in zip(("gate_proj", "up_proj"), w.chunk(2), strict=True):
+                new[f"{prefix}.{part}.weight"] = rows
+        else:
+            raise AssertionError(f"no transformers weight for {name}")
+    assert set(new) <= set(state), sorted(set(new) - set(state))[:3]
+    assert any(k.endswith("experts.gate_up_proj") for k in new)
+    hf.load_state_dict(new, strict=False)
+    return hf
+
+
+def test_graph_follows_the_experts_gemm_dtype(tiny: Callable[[str], Path]) -> None:
+    """A gemm_dtype set after recording (apply_gemm_dtype) rebuilds the experts' call with the new
+    compute flag; the graph's MoE records follow it at the next step (sync_compute), as its projections'
+    descriptors do."""
+    engine = _engine(tiny("mixtral"))
+    model = engine.loaded.model
+    _generate(engine, graph=True)
+    assert model._decode_graph is not None
+    graph = model._decode_graph[1]
+    assert isinstance(graph, DecodeGraph)
+    blocks = [layer.mlp for layer in model.decoder_layers() if isinstance(layer.mlp, SparseMoeBlock)]
+    before = [b.fused().native_call() for b in blocks]
+    try:
+        apply_gemm_dtype(model, torch.bfloat16)
+        after = [b.fused().native_call() for b in blocks]
+        assert all(a is not None and a is not b for a, b in zip(after, before, strict=True))
+        graph.sync_compute()
+        records = [r for r in graph.moes if r is not None]
+        assert [r.experts for r in records] == [ctypes.addressof(c.spec) for c in after if c is not None]
+    finally:
+        apply_gemm_dtype(model, torch.float32)
+
+
+def test_shared_expert_refused_by_name(tiny: Callable[[str], Path]) -> None:
+    engine = _engine(tiny("qwen2_moe"))
+    arch = engine.loaded.arch
+    moe_spec = next(s for s in arch.layers if s.mlp == "moe")
+    assert layer_refusal(moe_spec, arch.moe) == "an MoE block with a shared expert"
+    _generate(engine, graph=True)
+    assert engine.loaded.model._decode_graph is not None and engine.loaded.model._decode_graph[1] is None
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_graph_router_matches_select_experts(renormalize: bool) -> None:
+    """The graph's router (kubeinfer_moe_route) against routing.select_experts over torch's F.linear:
+    the same experts on every token, weights within fp32 rounding; exact ties (duplicated router rows)
+    go to the lowest index (cpu_fused.cpp's moe_route)."""
+    ops = try_load_fused_ops()
+    assert ops is not None
+    torch.manual_seed(0)
+    e, h, t = 16, 256, 64
+    cfg = MoEConfig(
+        "qwen3_moe", num_experts=e, top_k=4, hidden_size=h, intermediate_size=32, renormalize=renormalize
+    )
+    router = torch.randn(e, h) * 0.1
+    x = torch.randn(t, h)
+    probs, ids, weights = route(ops, router, cfg, x)
+    want = select_experts(F.linear(x, router), cfg)
+    assert torch.equal(ids, want.ids)
+    torch.testing.assert_close(weights, want.weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(probs, torch.softmax(F.linear(x, router), dim=-1), atol=1e-6, rtol=1e-5)
+    # exact ties: experts 3, 9 and 12 share a row, so do 5 and 6: their logits are equal bit for bit
+    router[9] = router[3]
+    router[12] = router[3]
+    router[5] = 0.5 * router[3]  # 5 and 6 next, tied at the top-k boundary
+    router[6] = router[5]
+    # tokens aligned with row 3 (plus noise): experts 3, 9 and 12 lead, all three chosen, in index order
+    x = torch.where(router[3] > 0, 1.0, -1.0) + 0.1 * torch.randn(t, h)
+    probs, ids, weights = route(ops, router, cfg, x)
+    assert probs[0, 3] == probs[0, 9] == probs[0, 12]
+    assert torch.equal(probs[:, 5], probs[:, 6])
+    # the lowest index first among equal values, the tie at the top-k boundary (5 and 6) included.
+    # torch.topk on CPU does not promise that order (seen here: [12, 3, 9, ...] and 6 before 5 on some
+    # rows), so on exact ties the graph's choice is this documented rule, not torch's.
+    assert ids.tolist() == [[3, 9, 12, 5]] * t
+    top = torch.topk(probs, cfg.top_k, dim=-1)
+    want_w = _renorm(top.values, cfg).sort(dim=-1).values
+    torch.testing.assert_close(weights.sort(dim=-1).values, want_w, atol=1e-7, rtol=1e-6)
+    assert torch.equal(ids[:, :3].sort(dim=-1).values, top.indices[:, :3].sort(dim=-1).values)
+
+
+def _renorm(top: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:  # [T, top_k] the chosen probabilities
+    return top / top.sum(dim=-1, keepdim=True) if cfg.renormalize else top
