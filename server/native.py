@@ -197,6 +197,18 @@ def usable_cpu_features(cache_dir: Path | None = None) -> CpuFeatures:
     return apply_disable(decode(probe_registers(cache_dir)))
 
 
+def env_switch(name: str) -> bool | None:
+    """A kernel path's on/off environment switch: `1` True, `0` False, unset or empty None (the caller's
+    default), surrounding whitespace ignored. Read where used (tests flip switches per case). Raises
+    ValueError for another value."""
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return None
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def is_x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 

@@ -22,7 +22,6 @@ modules by their Hugging Face names load without them):
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from server.models.cpu_bf16_gemm import Bf16GemmKernel, Bf16PanelLinear, try_loa
 from server.models.cpu_fused import try_load_fused_ops
 from server.models.layers import MLP
 from server.models.llama import LlamaForCausalLM
+from server.native import env_switch
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.gguf_checkpoint import release_free_heap
 
@@ -83,10 +83,7 @@ def cpu_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def bf16_panel_kernel(cache_dir: Path | None = None) -> Bf16GemmKernel | None:
     """cpu_bf16_gemm's kernel for bf16 weights where it runs AVX512-BF16 and KUBEINFER_BF16_GEMM is not
     `0`; None: oneDNN packs them (read where used: tests flip it per case)."""
-    flag = os.environ.get(BF16_GEMM_ENV, "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{BF16_GEMM_ENV} must be 0 or 1, got {flag!r}")
-    return try_load_fast_bf16_gemm(cache_dir) if flag == "1" else None
+    return None if env_switch(BF16_GEMM_ENV) is False else try_load_fast_bf16_gemm(cache_dir)
 
 
 def _fuse(linears: list[nn.Module]) -> nn.Module | None:

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from server.config import default_cache_dir
 from server.cpu_features import DISABLE_ENV, CpuFeatures
-from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
+from server.native import KernelBuildError, NativeSource, env_switch, load_library, usable_cpu_features
 from server.quant.cpu_qlinear import (
     BLOCK,
     BlockQuantWeight,
@@ -327,14 +327,7 @@ _override: bool | None = None
 def _switch(override: bool | None, env: str) -> bool | None:
     """`override` (an `int8_gemv(...)`/`int8_gemm(...)` block), else the env var `env` (`1`/`0`), else None
     (unset). Raises ValueError for another value."""
-    if override is not None:
-        return override
-    raw = os.environ.get(env, "").strip()
-    if raw == "":
-        return None
-    if raw not in ("0", "1"):
-        raise ValueError(f"{env} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return override if override is not None else env_switch(env)
 
 
 def _gemv_explicit() -> bool | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from server.native import env_switch
 from server.quant import cpu_qk_native
 from server.quant.cpu_mxfp4 import from_gguf_mxfp4
 from server.quant.cpu_qlinear import (
@@ -57,11 +57,9 @@ def super_blocks_enabled() -> bool:
     """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks, `0` repack them; unset: where
     the super-block kernel runs its AVX512-VNNI path (its scalar path is slower than the repacked
     formats' AVX2 GEMV). ValueError for another value."""
-    value = os.environ.get(SUPER_BLOCKS_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{SUPER_BLOCKS_ENV} must be 0 or 1, got {value!r}")
-    if value:
-        return value == "1"
+    explicit = env_switch(SUPER_BLOCKS_ENV)
+    if explicit is not None:
+        return explicit
     kernel = cpu_qk_native.try_load_qk_native_kernel()
     return kernel is not None and kernel.isa == "vnni"
 

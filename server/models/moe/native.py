@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
-from server.native import KernelBuildError, NativeSource, load_library
+from server.native import KernelBuildError, NativeSource, env_switch, load_library
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +69,7 @@ class KiMoeExperts(ctypes.Structure):
 def fused_enabled() -> bool:
     """KUBEINFER_MOE_FUSED: `1` (default) runs the fused call where the experts allow it, `0` the torch
     loop. Raises ValueError for another value. Read per call (tests and benchmarks switch it)."""
-    raw = os.environ.get(ENABLE_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{ENABLE_ENV} must be 0 or 1, got {raw!r}")
-    return raw != "0"
+    return env_switch(ENABLE_ENV) is not False
 
 
 @dataclass(frozen=True)
