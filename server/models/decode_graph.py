@@ -49,6 +49,7 @@ from server.models.layer_spec import LayerSpec
 from server.models.layers import MLP, DecoderLayer, RMSNorm
 from server.models.moe.block import SparseMoeBlock
 from server.models.moe.config import MoEConfig
+from server.models.moe.layer import FusedMoE
 from server.models.moe.native import FusedExpertsCall
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import DecodeEntry, decode_entry
@@ -204,29 +205,36 @@ def layer_refusal(spec: LayerSpec, moe: MoEConfig | None = None) -> str | None:
     return None
 
 
+def _moe_struct(router: Tensor, cfg: MoEConfig, experts: int | None) -> _Moe:
+    """A KiDecodeMoe for softmax-then-top-k routing without a router bias (what layer_refusal admits):
+    `router` [E, H] fp32 contiguous, kept alive by the caller; `experts` a KiMoeExperts address or None."""
+    return _Moe(router.data_ptr(), None, cfg.num_experts, cfg.top_k, 0, int(cfg.renormalize), experts)
+
+
+def _experts_call(block: SparseMoeBlock) -> tuple[FusedExpertsCall, FusedMoE] | None:
+    """The block's native experts call with the entry point FusedMoE.forward hands it (the int8 GEMV where
+    its switch is on), and the fused block it came from (kept alive with it); None without one."""
+    fused = block.fused()
+    call = fused.native_call()
+    if call is None:
+        return None
+    call.spec.qlinear = fused.experts.fused_entry()  # type: ignore[attr-defined]  # native_call checked it
+    return call, fused
+
+
 def _moe_record(block: SparseMoeBlock, hidden: int, kept: list[object]) -> _Moe | None:
     """The block's KiDecodeMoe, or None where its experts have no native call (dense or CUDA experts,
     KUBEINFER_MOE_FUSED=0) or its router is not an fp32 [E, hidden] tensor."""
-    fused = block.fused()
-    call = fused.native_call()
-    router, cfg = fused.weights.router, block.cfg
-    if call is None or call.spec.hidden != hidden:
+    bound = _experts_call(block)
+    if bound is None or bound[0].spec.hidden != hidden:
         return None
+    call, fused = bound
+    router, cfg = fused.weights.router, block.cfg
     if router.dtype != torch.float32 or tuple(router.shape) != (cfg.num_experts, hidden):
         return None
     router = router.contiguous()
-    # the entry point FusedMoE.forward hands the call (the int8 GEMV where its switch is on)
-    call.spec.qlinear = fused.experts.fused_entry()  # type: ignore[attr-defined]  # native_call checked it
     kept.extend((router, call, fused))
-    return _Moe(
-        router.data_ptr(),
-        None,
-        cfg.num_experts,
-        cfg.top_k,
-        0,
-        int(cfg.renormalize),
-        ctypes.addressof(call.spec),
-    )
+    return _moe_struct(router, cfg, ctypes.addressof(call.spec))
 
 
 def route(
@@ -249,7 +257,7 @@ def route(
     if cfg.routing != "softmax_topk" or cfg.router_bias:
         raise ValueError(f"routing {cfg.routing!r} with router bias {cfg.router_bias}: not the graph's")
     x, router = x.contiguous(), router.contiguous()
-    record = _Moe(router.data_ptr(), None, cfg.num_experts, cfg.top_k, 0, int(cfg.renormalize), None)
+    record = _moe_struct(router, cfg, None)
     probs = torch.empty(t, cfg.num_experts)
     ids = torch.empty(t, cfg.top_k, dtype=torch.int64)
     weights = torch.empty(t, cfg.top_k)
@@ -546,12 +554,10 @@ class DecodeGraph:
         for record, block in zip(self.moes, self.moe_blocks, strict=True):
             if record is None or block is None:
                 continue
-            fused = block.fused()
-            call = fused.native_call()
-            if call is not None and record.experts != ctypes.addressof(call.spec):
-                call.spec.qlinear = fused.experts.fused_entry()  # type: ignore[attr-defined]
-                self._keep = (*self._keep, call, fused)
-                record.experts = ctypes.addressof(call.spec)
+            bound = _experts_call(block)
+            if bound is not None and record.experts != ctypes.addressof(bound[0].spec):
+                self._keep = (*self._keep, *bound)
+                record.experts = ctypes.addressof(bound[0].spec)
         self._synced_changes = BlockQuantLinear.gemm_dtype_changes
 
     @property
