@@ -91,9 +91,11 @@ def main() -> None:
                 o.gemm_dtype = torch.bfloat16
                 o.pack_int8(fast)
             nats = [nat] + [qk.KQuantBlocks(nat.blocks.clone(), fmt, k, n) for _ in range(copies - 1)]
+            # Q4_K's 16-row tiles (q4_k_x16): what the loader holds on AVX512-VNNI
+            x16s = [native.interleave(b) for b in nats] if fmt == "q4_k" and n % qk.X16_ROWS == 0 else []
             for m in [int(s) for s in args.ms.split(",")]:
                 x = torch.randn(m, k)
-                it = {"o": 0, "n": 0}
+                it = {"o": 0, "n": 0, "x": 0}
 
                 def run_old(
                     x: torch.Tensor = x, olds: list[BlockQuantLinear] = olds, it: dict[str, int] = it
@@ -107,8 +109,15 @@ def main() -> None:
                     it["n"] = (it["n"] + 1) % len(nats)
                     native.linear(x, nats[it["n"]])
 
+                def run_x16(
+                    x: torch.Tensor = x, x16s: list[qk.KQuantBlocks] = x16s, it: dict[str, int] = it
+                ) -> None:
+                    it["x"] = (it["x"] + 1) % len(x16s)
+                    native.linear(x, x16s[it["x"]])
+
                 here = max(3, reps // 8) if n * k > 64 << 20 else reps
-                t = timed({"repacked": run_old, "native": run_native}, here)
+                runs = {"repacked": run_old, "native": run_native} | ({"x16": run_x16} if x16s else {})
+                t = timed(runs, here)
                 row = {
                     "format": fmt,
                     "shape": name,
@@ -120,9 +129,13 @@ def main() -> None:
                     "of_which_packed_copy_MiB": round(packed / 2**20, 1),
                     "native_MiB": round(nat.nbytes() / 2**20, 1),
                 }
+                if x16s:
+                    row["x16_us"] = round(statistics.median(t["x16"]) * 1e3, 1)
+                    row["speedup_x16"] = round(median_ratio(t["repacked"], t["x16"]), 2)
+                    row["x16_MiB"] = round(x16s[0].nbytes() / 2**20, 1)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-            del olds, nats
+            del olds, nats, x16s
     out = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "native_isa": native.isa, "rows": rows}
     print(json.dumps(out, indent=1))
 

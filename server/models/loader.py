@@ -689,7 +689,7 @@ def _gguf_moe_blocks(
     from server.models.moe.mxfp4 import Mxfp4Experts
     from server.models.moe.quant import BlockQuantExperts
     from server.quant.cpu_mxfp4 import try_load_mxfp4_kernel
-    from server.quant.cpu_qlinear import try_load_qlinear_kernel
+    from server.quant.cpu_qlinear import file_format, try_load_qlinear_kernel
 
     blocks = {
         i: layer.mlp
@@ -704,7 +704,7 @@ def _gguf_moe_blocks(
     formats = set()
     for block in blocks.values():
         if isinstance(block.experts, BlockQuantExperts):
-            formats |= {w.fmt for w in block.experts.w13 + block.experts.w2}
+            formats |= {file_format(w.fmt) for w in block.experts.w13 + block.experts.w2}
     for block in blocks.values():
         if isinstance(block.experts, Mxfp4Experts):
             formats.add("mxfp4")
@@ -721,7 +721,7 @@ def load_gguf_model(
     quantized (BlockQuantLinear / BlockQuantEmbedding, fp32 activations); float tensors load as fp32.
     `folder` holds its config.json (gguf_metadata_folder); `cache_dir` is where the kernel is built."""
     from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
-    from server.quant.cpu_qlinear import BlockQuantWeight
+    from server.quant.cpu_qlinear import BlockQuantWeight, file_format
     from server.quant.gguf_checkpoint import read_gguf_checkpoint
 
     if device.type != "cpu":
@@ -762,7 +762,7 @@ def load_gguf_model(
             continue
         setattr(parent, attr, new)
         del ckpt.tensors[f"{name}.weight"]
-        quantized[name] = w.fmt
+        quantized[name] = file_format(w.fmt)
     moe_state: dict[str, torch.Tensor] = {}
     expert_formats: set[str] = set()
     if arch.is_moe:
@@ -775,7 +775,7 @@ def load_gguf_model(
         and isinstance(emb, BlockQuantEmbedding)
     ):
         model.lm_head = BlockQuantLinear(emb.weight_q, None, cache_dir)  # type: ignore[assignment]  # tied: shared tensors
-        quantized["lm_head"] = emb.weight_q.fmt
+        quantized["lm_head"] = file_format(emb.weight_q.fmt)
     state = {k: v.float() for k, v in ckpt.tensors.items() if isinstance(v, torch.Tensor)}
     state.update(moe_state)
     expected = {k for k in model.state_dict() if k.rpartition(".")[0] not in quantized}

@@ -2,7 +2,10 @@
 
 `KQuantBlocks` keeps a [N, K] k-quant weight as GGUF stores it: rows of 256-value super-blocks
 (block_q4_K, 144 bytes = 4.5 bits/weight; block_q6_K, 210 bytes = 6.5625 bits/weight; ggml-common.h),
-instead of the repacked BlockQuantWeight (6.0 and 10.0 bits/weight, cpu_qlinear.py's table). The kernel
+instead of the repacked BlockQuantWeight (6.0 and 10.0 bits/weight, cpu_qlinear.py's table). Q4_K can
+also be held as `q4_k_x16` (4.625 bits/weight): the same values re-laid at load in tiles of 16 weight rows
+(`interleave`; layout in qk_native.cpp's header), so that each AVX512-VNNI dot product serves 16 output
+rows: the layout batches of rows need (0.5-0.7x of the int8 packed copy's speed in the row-major blocks). The kernel
 quantizes each row of x per 256 values to int8 (ggml's q8_K idea: fp32 dx = max|x| / 127, round half to
 even, per-16 sums of q for the min and offset terms) and runs the dot products on integers (AVX512-VNNI
 `vpdpbusd`, else scalar C++, chosen at run time from `usable_cpu_features()`), one pass over each weight
@@ -29,7 +32,8 @@ from server.config import default_cache_dir
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
-ABI_VERSION = 2  # 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor
+# 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles
+ABI_VERSION = 3
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
 # the dequantized values must equal gguf-py's (each product rounded).
 NATIVE = NativeSource(
@@ -39,8 +43,11 @@ NATIVE = NativeSource(
     abi_version=ABI_VERSION,
 )
 QK_K = 256  # values per super-block
-SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # sizeof(block_q4_K), sizeof(block_q6_K)
-FORMAT_CODES = {"q4_k": 0, "q6_k": 1}  # qk_native.cpp's FMT_*
+# bytes per row per 256 values: sizeof(block_q4_K), sizeof(block_q6_K), and a 16-row x16 tile's 2368 / 16
+SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q4_k_x16": 148}
+FORMAT_CODES = {"q4_k": 0, "q6_k": 1, "q4_k_x16": 2}  # qk_native.cpp's FMT_*
+X16_ROWS = 16  # weight rows per q4_k_x16 tile
+X16_TILE_BYTES = 2368
 GGUF_TYPES = {"q4_k": "Q4_K", "q6_k": "Q6_K"}
 PATHS = {"scalar": 0, "vnni": 2}  # kubeinfer_qk_set_path's codes
 
@@ -62,6 +69,8 @@ class KQuantBlocks:
         n, k = self.out_features, self.in_features
         if k <= 0 or k % QK_K:
             raise ValueError(f"K ({k}) must be a positive multiple of {QK_K}")
+        if self.fmt == "q4_k_x16" and n % X16_ROWS:
+            raise ValueError(f"q4_k_x16 holds whole tiles of {X16_ROWS} rows, N={n}")
         row = k // QK_K * SUPER_BLOCK_BYTES[self.fmt]
         b = self.blocks
         if tuple(b.shape) != (n, row) or b.dtype != torch.uint8:
@@ -80,7 +89,7 @@ def from_gguf(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> KQuantBlock
     """GGUF tensor data of type Q4_K or Q6_K (`fmt` "q4_k"/"q6_k"; any shape holding n * k / 256 blocks)
     -> KQuantBlocks holding a copy of its bytes (a memory map stays read-only and unreferenced).
     ValueError for an unknown format, a K that is no whole number of blocks, or the wrong byte count."""
-    if fmt not in SUPER_BLOCK_BYTES:
+    if fmt not in GGUF_TYPES:
         raise ValueError(f"unknown k-quant format {fmt!r}; expected one of {sorted(SUPER_BLOCK_BYTES)}")
     if k <= 0 or k % QK_K:
         raise ValueError(f"GGUF k-quant rows must hold whole {QK_K}-value super-blocks, K={k}")
@@ -93,8 +102,62 @@ def from_gguf(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> KQuantBlock
     return KQuantBlocks(data.reshape(n, row).clone(), fmt, k, n)
 
 
+def _x16_fields(blocks: Tensor, n: int, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A q4_k_x16 tensor's fields in row order: d, dmin [N, nb] fp32, sc, mn [N, nb, 8] int64 and the
+    values [N, nb, 256] int64 in k order."""
+    nb = k // QK_K
+    t = blocks.reshape(n // X16_ROWS, nb, X16_TILE_BYTES)  # [T, nb, 2368]
+    d = t[:, :, 0:32].contiguous().view(torch.float16).float()  # [T, nb, 16]
+    dmin = t[:, :, 32:64].contiguous().view(torch.float16).float()
+    sc = t[:, :, 64:192].reshape(-1, nb, 8, 16).long()  # [T, nb, j, r]
+    mn = t[:, :, 192:320].reshape(-1, nb, 4, 16, 2).long().permute(0, 1, 2, 4, 3).reshape(-1, nb, 8, 16)
+    qs = t[:, :, 320:].reshape(-1, nb, 8, 4, 16, 4).long()  # [T, nb, j, g, r, i]
+    v = torch.stack([qs & 15, qs >> 4], dim=3)  # [T, nb, j, half, g, r, i]: k = 32j + 16 half + 4g + i
+    v = v.permute(0, 5, 1, 2, 3, 4, 6).reshape(n, nb, QK_K)  # [N, nb, 256]
+
+    def rows(a: Tensor) -> Tensor:  # [T, nb, ..., 16] -> [N, nb, ...]
+        return a.movedim(-1, 1).reshape(n, nb, *a.shape[2:-1])
+
+    return rows(d), rows(dmin), rows(sc), rows(mn), v
+
+
+def interleave_reference(w: KQuantBlocks) -> KQuantBlocks:
+    """Q4_K rows -> q4_k_x16 tiles in torch (qk_native.cpp's header gives the layout): what
+    QKNativeKernel.interleave writes, byte for byte. ValueError unless w is q4_k with N a multiple of 16."""
+    n, k = w.out_features, w.in_features
+    if w.fmt != "q4_k" or n % X16_ROWS:
+        raise ValueError(f"interleaving takes q4_k with N a multiple of {X16_ROWS}, got {w.fmt} N={n}")
+    from gguf.quants import Q4_K
+
+    nb, tiles = k // QK_K, n // X16_ROWS
+    blocks = w.blocks.reshape(tiles, X16_ROWS, nb, 144).transpose(1, 2)  # [T, nb, r, 144]
+    sc_np, m_np = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12).numpy())
+    sc = torch.from_numpy(sc_np.astype(np.uint8)).reshape(tiles, nb, X16_ROWS, 8)
+    mn = torch.from_numpy(m_np.astype(np.uint8)).reshape(tiles, nb, X16_ROWS, 8)
+    qs = blocks[..., 16:].reshape(tiles, nb, X16_ROWS, 4, 32)
+    v = torch.stack([qs & 15, qs >> 4], dim=4).reshape(tiles, nb, X16_ROWS, 8, 2, 4, 4)  # [.., j, half, g, i]
+    packed = v[..., 0, :, :] | (v[..., 1, :, :] << 4)  # [T, nb, r, j, g, i]
+    out = torch.cat(
+        [
+            blocks[..., 0:2].reshape(tiles, nb, 32),
+            blocks[..., 2:4].reshape(tiles, nb, 32),
+            sc.transpose(2, 3).reshape(tiles, nb, 128),  # [j, r]
+            mn.reshape(tiles, nb, X16_ROWS, 4, 2).permute(0, 1, 3, 2, 4).reshape(tiles, nb, 128),  # [p, r, 2]
+            packed.permute(0, 1, 3, 4, 2, 5).reshape(tiles, nb, 2048),  # [j, g, r, i]
+        ],
+        dim=2,
+    )
+    return KQuantBlocks(out.reshape(n, nb * SUPER_BLOCK_BYTES["q4_k_x16"]).contiguous(), "q4_k_x16", k, n)
+
+
 def dequantize_reference(w: KQuantBlocks) -> Tensor:  # -> [N, K] fp32
-    """gguf-py's dequantization of the blocks (`gguf.quants.dequantize`): the values the kernel multiplies."""
+    """gguf-py's dequantization of the blocks (`gguf.quants.dequantize`): the values the kernel multiplies.
+    q4_k_x16 tiles: gguf-py's formula, (d * sc) * q - dmin * m in fp32, over the tiles' fields."""
+    if w.fmt == "q4_k_x16":
+        d, dmin, sc, mn, v = _x16_fields(w.blocks, w.out_features, w.in_features)
+        j = torch.arange(QK_K) // 32
+        dense = (d[..., None] * sc[..., j].float()) * v.float() - dmin[..., None] * mn[..., j].float()
+        return dense.reshape(w.out_features, w.in_features)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -181,6 +244,20 @@ class QKNativeKernel:
             raise RuntimeError(f"qk_native kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
         return out
 
+    def interleave(self, w: KQuantBlocks) -> KQuantBlocks:
+        """Q4_K rows -> q4_k_x16 tiles (interleave_reference's bytes). ValueError unless w is q4_k with N a
+        multiple of 16."""
+        n, k = w.out_features, w.in_features
+        if w.fmt != "q4_k" or n % X16_ROWS:
+            raise ValueError(f"interleaving takes q4_k with N a multiple of {X16_ROWS}, got {w.fmt} N={n}")
+        out = torch.empty(n, k // QK_K * SUPER_BLOCK_BYTES["q4_k_x16"], dtype=torch.uint8)
+        rc = self.lib.kubeinfer_qk_interleave_q4k(
+            w.blocks.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"qk_native interleave returned {rc} for [{n}, {k}]")
+        return KQuantBlocks(out, "q4_k_x16", k, n)
+
 
 @functools.cache
 def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
@@ -192,6 +269,8 @@ def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
     lib.kubeinfer_qk_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
     lib.kubeinfer_qk_set_path.restype = i32
     lib.kubeinfer_qk_set_path.argtypes = [i32]
+    lib.kubeinfer_qk_interleave_q4k.restype = i32
+    lib.kubeinfer_qk_interleave_q4k.argtypes = [ptr, i64, i64, ptr, i32]
     features = usable_cpu_features(cache_dir)
     vnni = features.avx512_vnni and features.avx512vl and features.avx512bw
     got = int(lib.kubeinfer_qk_set_path(PATHS["vnni" if vnni else "scalar"]))

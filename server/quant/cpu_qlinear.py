@@ -18,6 +18,9 @@ min) per group of `group_size` consecutive k:
             210] uint8, scales [N, 0]; run by csrc/qk_native.cpp through this kernel's entry points
             (cpu_qk_native.py). The GGUF loader holds Q6_K so where that kernel runs AVX512-VNNI
             (gguf_checkpoint.super_blocks_enabled): 6.56 bits per weight instead of 10.0
+    q4_k_x16   6 (KQUANT_BITS): Q4_K's super-blocks re-laid in tiles of 16 rows (`interleave_q4k`; q [N,
+            K / 256 * 148], N a multiple of 16): how the loader holds Q4_K where that kernel runs
+            AVX512-VNNI, 4.625 bits per weight, one copy for one row of x and for batches
     q5_0 q5_1 q5_k q3_k q2_k iq4_nl iq4_xs: 8-bit, groups of 32 (16: q3_k, q2_k), repacked at load
             from GGUF's blocks (gguf_repack.py, which gives each one's scales, mins and memory)
 
@@ -71,10 +74,22 @@ BF16_GEMV_MAX_ROWS = 3  # its bf16_gemv_max_rows: under bf16 compute the batched
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 QK_K = 256  # values per k-quant super-block
 GGUF_SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # block_q4_K, block_q6_K (ggml-common.h)
-FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k")
+# bytes per row per 256 values of each format held as super-blocks (KQUANT_BITS): the files' two, and
+# Q4_K's 16-row tiles (cpu_qk_native.py: 2368 bytes per 16 rows)
+SUPER_BLOCK_ROW_BYTES = {**GGUF_SUPER_BLOCK_BYTES, "q4_k_x16": 148}
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k", "q4_k_x16")
 # `bits` of a weight held as GGUF's own k-quant super-blocks (Q4_K, Q6_K; cpu_qk_native.py): q is the
 # blocks, [N, K / 256 * 144 or 210] uint8, scales an empty [N, 0] fp32, no mins, group_size 256.
 KQUANT_BITS = 6
+# layouts of our own -> the format whose values they hold (what /info and the load log name)
+_LAYOUT_OF = {"q4_k_x16": "q4_k"}
+
+
+def file_format(fmt: str) -> str:
+    """The quantization format a held layout `fmt` stores (q4_k_x16 -> q4_k; others are their own)."""
+    return _LAYOUT_OF.get(fmt, fmt)
+
+
 # GGUF types repacked into 8-bit groups at load (gguf_repack.py)
 REPACKED_FORMATS = ("q5_0", "q5_1", "q5_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs")
 
@@ -135,9 +150,11 @@ class BlockQuantWeight:
 
     def _check_super_blocks(self) -> None:
         n, k = self.out_features, self.in_features
-        if self.fmt not in GGUF_SUPER_BLOCK_BYTES or k % QK_K or self.group_size != QK_K:
-            raise ValueError(f"super-blocks are q4_k/q6_k with K and group_size multiples of {QK_K}")
-        row = k // QK_K * GGUF_SUPER_BLOCK_BYTES[self.fmt]
+        if self.fmt not in SUPER_BLOCK_ROW_BYTES or k % QK_K or self.group_size != QK_K:
+            raise ValueError(f"super-blocks are q4_k/q6_k/q4_k_x16 with K and group_size multiples of {QK_K}")
+        if self.fmt == "q4_k_x16" and n % qk_native.X16_ROWS:
+            raise ValueError(f"q4_k_x16 holds whole tiles of {qk_native.X16_ROWS} rows, N={n}")
+        row = k // QK_K * SUPER_BLOCK_ROW_BYTES[self.fmt]
         if tuple(self.q.shape) != (n, row) or self.q.dtype != torch.uint8:
             raise ValueError(
                 f"q must be [{n}, {row}] uint8 super-blocks, got {tuple(self.q.shape)} {self.q.dtype}"
@@ -165,7 +182,11 @@ class BlockQuantWeight:
         return sum(t.numel() * t.element_size() for t in held)
 
     def select_rows(self, index: Tensor) -> BlockQuantWeight:
-        """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice)."""
+        """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice). A q4_k_x16 weight
+        gives q4_k_x16 again where N' is a multiple of 16, else the rows as Q4_K's own blocks."""
+        if self.fmt == "q4_k_x16":
+            rows = deinterleave_q4k(self).select_rows(index)
+            return interleave_q4k(rows) if rows.out_features % qk_native.X16_ROWS == 0 else rows
         return BlockQuantWeight(
             self.q.index_select(0, index).contiguous(),
             self.scales.index_select(0, index).contiguous(),
@@ -286,6 +307,57 @@ def from_gguf_k_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> Bl
     return BlockQuantWeight(q, scales, None, fmt, 8, 16, 0, k, n)
 
 
+def interleave_q4k(w: BlockQuantWeight) -> BlockQuantWeight:
+    """Q4_K super-blocks (fmt q4_k, KQUANT_BITS) -> the same values as q4_k_x16 tiles (cpu_qk_native.py),
+    through the compiled re-lay where it builds, else its torch reference. ValueError unless w is q4_k
+    super-blocks with N a multiple of 16."""
+    if not (w.super_blocks and w.fmt == "q4_k"):
+        raise ValueError(f"interleaving takes q4_k super-blocks, got {w.fmt} ({w.bits} bits)")
+    kb = qk_native.KQuantBlocks(w.q, "q4_k", w.in_features, w.out_features)
+    kernel = qk_native.try_load_qk_native_kernel()
+    tiles = kernel.interleave(kb) if kernel is not None else qk_native.interleave_reference(kb)
+    return BlockQuantWeight(
+        tiles.blocks,
+        torch.empty(w.out_features, 0),
+        None,
+        "q4_k_x16",
+        KQUANT_BITS,
+        QK_K,
+        0,
+        w.in_features,
+        w.out_features,
+    )
+
+
+def deinterleave_q4k(w: BlockQuantWeight) -> BlockQuantWeight:
+    """q4_k_x16 tiles -> the rows as GGUF's block_q4_K again (interleave_q4k's inverse; torch, load time)."""
+    if w.fmt != "q4_k_x16":
+        raise ValueError(f"de-interleaving takes q4_k_x16, got {w.fmt}")
+    n, k = w.out_features, w.in_features
+    nb = k // QK_K
+    t = w.q.reshape(n // qk_native.X16_ROWS, nb, qk_native.X16_TILE_BYTES)
+    d = t[:, :, 0:32].reshape(-1, nb, 16, 2).transpose(1, 2).reshape(n, nb, 2)
+    dmin = t[:, :, 32:64].reshape(-1, nb, 16, 2).transpose(1, 2).reshape(n, nb, 2)
+    sc = t[:, :, 64:192].reshape(-1, nb, 8, 16).permute(0, 3, 1, 2).reshape(n, nb, 8)
+    mn = t[:, :, 192:320].reshape(-1, nb, 4, 16, 2).permute(0, 3, 1, 2, 4).reshape(n, nb, 8)
+    # ggml's 12-byte scales (get_scale_min_k4's inverse): bytes 0-3 sc[0:4] | sc[4:8] >> 4 << 6, 4-7 the
+    # mins alike, 8-11 sc[4:8] & 15 | (mn[4:8] & 15) << 4
+    packed = torch.cat(
+        [
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4),
+        ],
+        dim=2,
+    )
+    qs = t[:, :, 320:].reshape(-1, nb, 8, 4, 16, 4)  # [T, nb, j, g, r, i]
+    v = torch.stack([qs & 15, qs >> 4], dim=3)  # [T, nb, j, half, g, r, i]
+    v = v.permute(0, 5, 1, 2, 3, 4, 6).reshape(n, nb, 4, 2, 32)  # k = 64c + 32 nibble + l
+    file_qs = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(n, nb, 128)
+    blocks = torch.cat([d, dmin, packed, file_qs], dim=2).reshape(n, nb * GGUF_SUPER_BLOCK_BYTES["q4_k"])
+    return BlockQuantWeight(blocks.contiguous(), torch.empty(n, 0), None, "q4_k", KQUANT_BITS, QK_K, 0, k, n)
+
+
 def from_gguf_k_super_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
     """GGUF Q4_K / Q6_K data -> a BlockQuantWeight holding a copy of the file's super-blocks as they are
     (KQUANT_BITS: 4.5 / 6.56 bits per weight; run by csrc/qk_native.cpp through qlinear's entry points).
@@ -377,6 +449,10 @@ def _values(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:  # [R, K
 
 def dequantize_reference(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:
     """W (or its rows `rows`, [R] int64) as fp32: [R, K]."""
+    if w.super_blocks and w.fmt == "q4_k_x16":  # tiles: whole, then the rows asked for
+        kb = qk_native.KQuantBlocks(w.q, w.fmt, w.in_features, w.out_features)
+        full = qk_native.dequantize_reference(kb)
+        return full if rows is None else full.index_select(0, rows)
     if w.super_blocks:  # gguf-py's own dequantization of the file's blocks
         q = w.q if rows is None else w.q.index_select(0, rows)
         kb = qk_native.KQuantBlocks(q.contiguous(), w.fmt, w.in_features, q.shape[0])

@@ -5,9 +5,10 @@ mapped per `general.architecture` (gguf_names.py: llama, qwen2, qwen3, granite, 
 gemma, gemma2, gemma3), shapes in ggml order (ne0 = in_features first), q/k projection rows permuted by
 convert_hf_to_gguf.py for ggml's rotary layout in the Llama-converted families, and Gemma's norm weights
 stored + 1. The permutation is undone here on whole rows, so quantized rows move without being touched
-(exactly what transformers' GGUF loader does on the dequantized matrix); the + 1 is taken back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (Q4_K repacked into
-per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks; Q6_K as the file's own super-blocks
-where their kernel runs AVX512-VNNI, `super_blocks_enabled`, else repacked the same way), and so do Q5_0, Q5_1, Q5_K, Q3_K,
+(exactly what transformers' GGUF loader does on the dequantized matrix); the + 1 is taken back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (where their kernel runs
+AVX512-VNNI, `super_blocks_enabled`: Q6_K as the file's own super-blocks and Q4_K as 16-row tiles of
+them, q4_k_x16, experts included; else, and for Q4_K of N not a multiple of 16, repacked into
+per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks), and so do Q5_0, Q5_1, Q5_K, Q3_K,
 Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py); MXFP4 expert stacks
 (gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
@@ -31,11 +32,13 @@ from torch import Tensor
 from server.native import env_switch
 from server.quant import cpu_qk_native
 from server.quant.cpu_mxfp4 import from_gguf_mxfp4
+from server.quant.cpu_qk_native import X16_ROWS
 from server.quant.cpu_qlinear import (
     BlockQuantWeight,
     from_gguf_blocks,
     from_gguf_k_blocks,
     from_gguf_k_super_blocks,
+    interleave_q4k,
 )
 from server.quant.gguf_names import GLOBAL_NAMES, LAYOUTS, GgufLayout
 from server.quant.gguf_repack import REPACKED, from_gguf_repacked
@@ -45,11 +48,13 @@ log = logging.getLogger(__name__)
 _KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 _KEPT_K = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 _FLOAT = ("F32", "F16", "BF16")
-# k-quant types held as the file's own super-blocks (csrc/qk_native.cpp) instead of repacked. Q6_K only:
-# its kernel beats the repack at 1 and 16 rows (1.1-1.6x / 1.35-1.45x) at 6.56 bits instead of 10; Q4_K's
-# batches run 0.5-0.7x the int8 packed copy's, so Q4_K stays repacked (docs/benchmarks-log.md "k-quants in
-# their own blocks").
-SUPER_BLOCK_TYPES = ("Q6_K",)
+# k-quant types held as the file's own super-blocks (csrc/qk_native.cpp) instead of repacked, where the
+# kernel runs AVX512-VNNI. Q6_K: its kernel beats the repack at 1 and 16 rows (1.1-1.6x / 1.35-1.45x) at
+# 6.56 bits instead of 10. Q4_K with N a multiple of 16: re-laid in 16-row tiles (q4_k_x16, 4.625 bits
+# instead of the repack's 6.0 plus its 8.5-bit int8 packed copy): one row of x 1.6-1.9x the repack's speed,
+# 16 rows 0.95-0.98x the packed copy's (docs/benchmarks-log.md "Q4_K in 16-row tiles"); other Q4_K stays
+# repacked (its row-major blocks run batches at 0.5-0.7x).
+SUPER_BLOCK_TYPES = ("Q6_K", "Q4_K")
 SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 
 
@@ -181,7 +186,7 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
         value: Tensor | BlockQuantWeight
         kept = kind in _KEPT or kind in _KEPT_K or kind in REPACKED
         if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kept:
-            ckpt.experts[name] = _split_experts(t.data, kind, shape)
+            ckpt.experts[name] = _split_experts(t.data, kind, shape, super_blocks)
             continue
         if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kind == "MXFP4":
             with warnings.catch_warnings():  # a read-only memory map: from_gguf_mxfp4 copies what it keeps
@@ -195,10 +200,7 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
         elif kind in _KEPT_K and len(shape) == 2:
             # MoE tensors (a shared expert) stay repacked: the experts' code reads the repacked layout
             moe = any(name.endswith(v) for v in _MOE_NAMES.values())
-            if kind in SUPER_BLOCK_TYPES and not moe and super_blocks:
-                value = from_gguf_k_super_blocks(t.data, _KEPT_K[kind], shape[0], shape[1])
-            else:
-                value = from_gguf_k_blocks(t.data, _KEPT_K[kind], shape[0], shape[1])
+            value = _k_quant(t.data, kind, shape[0], shape[1], super_blocks and not moe)
         elif kind in REPACKED and len(shape) == 2:
             value = from_gguf_repacked(t.data, kind, shape[0], shape[1])
         elif kind in _FLOAT:
@@ -230,15 +232,29 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
             value = (
                 value.select_rows(perm) if isinstance(value, BlockQuantWeight) else value[perm].contiguous()
             )
+        if isinstance(value, BlockQuantWeight) and value.super_blocks and value.fmt == "q4_k":
+            value = interleave_q4k(value)  # after the row permutation: tiles are 16 rows as served
         ckpt.tensors[name] = value
     del reader  # unmaps the file
     release_free_heap()
     return ckpt
 
 
-def _split_experts(raw: np.ndarray, kind: str, shape: list[int]) -> list[BlockQuantWeight]:
+def _k_quant(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks: bool) -> BlockQuantWeight:
+    """A Q4_K / Q6_K matrix [N, K] as served: SUPER_BLOCK_TYPES held as the file's super-blocks where
+    `super_blocks` (Q4_K only with N a multiple of 16: it becomes 16-row tiles once its rows are final,
+    `interleave_q4k`), else repacked."""
+    if super_blocks and kind in SUPER_BLOCK_TYPES and (kind != "Q4_K" or n % X16_ROWS == 0):
+        return from_gguf_k_super_blocks(raw, _KEPT_K[kind], n, k)
+    return from_gguf_k_blocks(raw, _KEPT_K[kind], n, k)
+
+
+def _split_experts(
+    raw: np.ndarray, kind: str, shape: list[int], super_blocks: bool
+) -> list[BlockQuantWeight]:
     """A stacked expert tensor [E, N, K] of a kept type -> one BlockQuantWeight [N, K] per expert: the
-    file holds the E matrices one after the other, each rows of ggml blocks."""
+    file holds the E matrices one after the other, each rows of ggml blocks. k-quants as `_k_quant` holds
+    them (Q4_K tiled here: expert rows are never permuted)."""
     e, n, k = shape
     with warnings.catch_warnings():  # a read-only memory map: the converters below copy what they keep
         warnings.simplefilter("ignore", UserWarning)
@@ -248,7 +264,8 @@ def _split_experts(raw: np.ndarray, kind: str, shape: list[int]) -> list[BlockQu
         if kind in _KEPT:
             out.append(from_gguf_blocks(data[i], _KEPT[kind], n, k))
         elif kind in _KEPT_K:
-            out.append(from_gguf_k_blocks(data[i], _KEPT_K[kind], n, k))
+            w = _k_quant(data[i], kind, n, k, super_blocks)
+            out.append(interleave_q4k(w) if w.super_blocks and w.fmt == "q4_k" else w)
         else:
             out.append(from_gguf_repacked(data[i].reshape(n, -1), kind, n, k))
     return out

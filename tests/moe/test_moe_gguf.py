@@ -30,6 +30,7 @@ from server.quant import weight_bytes
 from server.quant.cpu_qgemv_q8 import active_kernel, int8_pack_switch
 from server.quant.cpu_qlinear import try_load_qlinear_kernel
 from server.quant.gemm_dtype import apply_gemm_dtype
+from server.quant.gguf_checkpoint import super_blocks_enabled
 from server.request import SamplingParams
 
 NEW = 10
@@ -139,19 +140,23 @@ def test_k_quant_experts_kept_quantized(files: Callable[..., tuple[Path, Path, P
     assert engine.info.quantization == "gguf-q4_k+q6_k"
     kernel = try_load_qlinear_kernel(cache)
     q8 = None if kernel is None else active_kernel(kernel)
-    # bf16 GEMMs on an AVX512-VNNI CPU: the engine packed the Q4_K experts for the int8 batched path at
-    # load (pack_moe_int8_weights; Q6_K's 16-value groups are not that path's)
+    # Where the super-block kernel runs AVX512-VNNI: Q4_K experts as 16-row tiles (q4_k_x16, 4.625 bits)
+    # and Q6_K as the file's blocks, no int8 packed copies. Elsewhere, repacked, and under bf16 GEMMs the
+    # Q4_K experts packed for the int8 batched path (pack_moe_int8_weights; Q6_K's 16-value groups are not
+    # that path's).
+    tiles = super_blocks_enabled()
     packs = (
-        engine.gemm_dtype == torch.bfloat16
+        not tiles
+        and engine.gemm_dtype == torch.bfloat16
         and q8 is not None
         and q8.isa == "vnni"
         and int8_pack_switch() is not False
     )
     for block in _moe_blocks(engine):
         assert isinstance(block.experts, BlockQuantExperts)
-        assert {w.fmt for w in block.experts.w13} == {"q4_k"} and {w.fmt for w in block.experts.w2} == {
-            "q6_k"
-        }
+        assert {w.fmt for w in block.experts.w13} == {"q4_k_x16" if tiles else "q4_k"}
+        assert {w.fmt for w in block.experts.w2} == {"q6_k"}
+        assert all(w.super_blocks == tiles for w in block.experts.w13 + block.experts.w2)
         assert all((w.packed is not None) == packs for w in block.experts.w13)
         assert all(w.packed is None for w in block.experts.w2)
     _check(engine, hf, dequantized, "Q4_K")

@@ -118,6 +118,59 @@ def test_bad_arguments(kernel: qk.QKNativeKernel) -> None:
     assert kernel.linear(torch.zeros(0, 256), w).shape == (0, 4)
 
 
+# ------------------------------------------------------------------ Q4_K in 16-row tiles (q4_k_x16)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 33])
+@pytest.mark.parametrize("make", [random_blocks, quantized_blocks])
+def test_x16_tiles_match_gguf_dequantize(kernel: qk.QKNativeKernel, path: str, m: int, make) -> None:
+    """The tiles give W @ x^ of the row-major blocks they came from, within the same fp32 slack (the
+    per-lane sums need no horizontal reduction: no looser)."""
+    w = make("q4_k", 48, K, seed=m)
+    tiles = kernel.interleave(w)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(200 + m)) * 3.0
+    if m > 1:
+        x[1, 256:512] = 0.0  # a whole zero block (dx = 0)
+    y = kernel.linear(x, tiles)
+    slack = fp32_slack(x, w)
+    err = (y - qk.linear_reference(x, w)).abs()
+    assert (err <= slack).all(), f"{path} x16 M={m}: max excess {(err - slack).max().item():.3g}"
+    assert torch.equal(qk.dequantize_reference(tiles), qk.dequantize_reference(w))
+
+
+def test_x16_layout_round_trips(kernel: qk.QKNativeKernel) -> None:
+    """The compiled re-lay writes interleave_reference's bytes; de-interleaving gives the file's blocks
+    back byte for byte (every scale/min bit pattern: random bytes); 4.625 bits per weight."""
+    from server.quant import cpu_qlinear as cq
+
+    w = random_blocks("q4_k", 64, 512, seed=5)
+    tiles = kernel.interleave(w)
+    assert torch.equal(tiles.blocks, qk.interleave_reference(w).blocks)
+    assert tiles.bits_per_weight() == 4.625 and tiles.nbytes() == 64 * 512 * 4.625 / 8
+    held = cq.BlockQuantWeight(w.blocks, torch.empty(64, 0), None, "q4_k", cq.KQUANT_BITS, 256, 0, 512, 64)
+    x16 = cq.interleave_q4k(held)
+    assert torch.equal(x16.q, tiles.blocks)
+    assert torch.equal(cq.deinterleave_q4k(x16).q, w.blocks)
+    dense = qk.dequantize_reference(w)
+    # rows: a tile-aligned slice stays tiles, any other selection becomes the file's row blocks
+    aligned = x16.select_rows(torch.arange(16, 48))
+    assert aligned.fmt == "q4_k_x16" and torch.equal(cq.dequantize_reference(aligned), dense[16:48])
+    odd = x16.select_rows(torch.tensor([63, 2, 17]))
+    assert odd.fmt == "q4_k" and torch.equal(cq.dequantize_reference(odd), dense[[63, 2, 17]])
+    both = cq.BlockQuantWeight.concat_rows([x16, aligned])
+    assert torch.equal(cq.dequantize_reference(both), torch.cat([dense, dense[16:48]]))
+    assert torch.equal(cq.dequantize_reference(x16, torch.tensor([5, 40])), dense[[5, 40]])
+
+
+def test_x16_bad_arguments(kernel: qk.QKNativeKernel) -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.interleave(random_blocks("q4_k", 24, 256, seed=0))
+    with pytest.raises(ValueError, match="q4_k"):
+        kernel.interleave(random_blocks("q6_k", 16, 256, seed=0))
+    with pytest.raises(ValueError, match="whole tiles"):
+        qk.KQuantBlocks(torch.zeros(8, 148, dtype=torch.uint8), "q4_k_x16", 256, 8)
+
+
 # ------------------------------------------------------------------ held as the resident format
 
 
@@ -132,9 +185,8 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
     and bf16, the embedding lookup) gives W @ x within its tolerance; KUBEINFER_KQUANT_BLOCKS=0 repacks."""
     from gguf_models import write_tiny_gguf
 
-    from server.quant import cpu_qgemv_q8 as q8
     from server.quant import cpu_qlinear as cq
-    from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
+    from server.quant.block_linear import BlockQuantEmbedding
     from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
 
     hf = tiny_model_factory("llama", tie=True, hidden=256)
@@ -146,7 +198,7 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
     n, k = emb.out_features, emb.in_features
     assert emb.nbytes() == n * k // 256 * 210  # the file's bytes: 6.5625 bits per weight
     proj = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
-    assert isinstance(proj, cq.BlockQuantWeight) and not proj.super_blocks  # Q4_K keeps its repack
+    assert isinstance(proj, cq.BlockQuantWeight) and proj.fmt == "q4_k_x16"  # Q4_K: 16-row tiles
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
     repacked = read_gguf_checkpoint(path).tensors["model.embed_tokens.weight"]
     assert isinstance(repacked, cq.BlockQuantWeight) and not repacked.super_blocks
@@ -158,7 +210,17 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
     rows = torch.tensor([7, 0, n - 1])
     assert torch.equal(BlockQuantEmbedding(emb)(rows), dense[rows])
     head = emb.select_rows(torch.arange(0, n, 3))  # a row subset (odd N) stays super-blocks
-    dense_head = dense[::3]
+    _served_paths_match(head, dense[::3], kernel)
+
+
+def _served_paths_match(head, dense_head: torch.Tensor, kernel) -> None:  # type: ignore[no-untyped-def]
+    """Every path that serves super-blocks `head` ([N, K] of dense values `dense_head`) gives W @ x within
+    its tolerance: fp32 compute exact up to fp32 slack, int8 activations within activation_error_bound."""
+    from server.quant import cpu_qgemv_q8 as q8
+    from server.quant import cpu_qlinear as cq
+    from server.quant.block_linear import BlockQuantLinear
+
+    k = head.in_features
     wabs = dense_head.abs().reshape(head.out_features, k // 256, 256).sum(-1)  # [N', K / 256]
     fast = q8.load_q8_gemv_kernel(kernel)
     for m in (1, 3, 5, 16, 300):
@@ -186,3 +248,54 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
             if m >= lin.gemm_min_rows:  # dequantize + library GEMM (bf16 operands under bf16)
                 bound = slack if dtype == torch.float32 else 1e-2 * (x.abs() @ dense_head.abs().t())
             assert ((lin(x) - exact).abs() <= bound).all(), (m, dtype)
+
+
+def test_gguf_q4_k_held_as_16_row_tiles(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Q4_K file's projections are held as q4_k_x16 tiles (4.625 bits per weight, no int8 packed copy:
+    the repack held 6.0 plus an 8.5-bit copy), the same values as the repack, and every serving path (the
+    qlinear entry, the int8 library's entry, BlockQuantLinear at decode and prefill sizes in fp32 and bf16,
+    an embedding lookup) gives W @ x within its tolerance; a fused q/k/v stays tiles; N not a multiple of
+    16 keeps the repack; KUBEINFER_KQUANT_BLOCKS=0 repacks everything."""
+    from gguf_models import write_tiny_gguf
+
+    from server.quant import cpu_qgemv_q8 as q8
+    from server.quant import cpu_qlinear as cq
+    from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
+    from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
+
+    hf = tiny_model_factory("llama", tie=False, hidden=256)
+    path = write_tiny_gguf(hf, tmp_path / "tiny-q4k.gguf", "Q4_K", tokenizer=False)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
+    ckpt = read_gguf_checkpoint(path)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
+    repacked = read_gguf_checkpoint(path)
+    prefix = "model.layers.0.self_attn."
+    parts = [ckpt.tensors[prefix + p + "_proj.weight"] for p in ("q", "k", "v")]
+    for name, w in ckpt.tensors.items():
+        if not (isinstance(w, cq.BlockQuantWeight) and w.fmt in ("q4_k", "q4_k_x16")):
+            continue
+        old = repacked.tensors[name]
+        assert isinstance(old, cq.BlockQuantWeight)
+        if w.out_features % 16:  # no whole tiles: the repack
+            assert not w.super_blocks and w.fmt == "q4_k", name
+            continue
+        assert w.fmt == "q4_k_x16", name
+        assert w.nbytes() == w.out_features * w.in_features * 4.625 / 8, name
+        assert torch.equal(cq.dequantize_reference(w), cq.dequantize_reference(old)), name
+    kernel = cq.load_qlinear_kernel()
+    held = [p for p in parts if isinstance(p, cq.BlockQuantWeight) and p.fmt == "q4_k_x16"]
+    assert len(held) == 3
+    fused = BlockQuantLinear.fuse([BlockQuantLinear(p, kernel=kernel) for p in held])
+    assert fused is not None and fused.weight_q.fmt == "q4_k_x16"
+    fused.gemm_dtype = torch.bfloat16
+    assert fused.pack_int8(q8.load_q8_gemv_kernel(kernel)) == 0  # no int8 copy: the tiles serve batches
+    w = fused.weight_q
+    dense = cq.dequantize_reference(w)
+    assert torch.equal(kernel.dequantize_rows(w), dense)
+    rows = torch.tensor([7, 0, w.out_features - 1])
+    assert torch.equal(BlockQuantEmbedding(w)(rows), dense[rows])
+    _served_paths_match(w, dense, kernel)

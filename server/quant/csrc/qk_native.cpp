@@ -10,6 +10,17 @@
 //                             k = 128h + 64 + l : ql[64h + l] >> 4  | (qh[32h + l] >> 4 & 3) << 4
 //                             k = 128h + 96 + l : ql[64h+32+l] >> 4 | (qh[32h + l] >> 6 & 3) << 4
 //
+// Q4_K x16 (FMT_Q4_K_X16): the same super-blocks re-laid at load for 16 weight rows at a time, so that one
+// `vpdpbusd` serves 16 output rows (one per int32 lane) instead of 16 k of one row: no horizontal sums,
+// and one sub-block scale per lane. Tile = 16 rows x one super-block, 2368 bytes (148 per row: 4.625
+// bits/weight), the tiles of rows 16t..16t+15 one after another in k, so a [N, K / 256 * 148] byte tensor
+// holds whole tiles in its rows 16t..16t+15 (N a multiple of 16):
+//   +0    fp16 d[16]            +32   fp16 dmin[16]
+//   +64   u8 sc[8][16]          sc[j][r]: sub-block j's 6-bit scale of row r
+//   +192  u8 mn[4][16][2]       mn[p][r] = {m[2p][r], m[2p + 1][r]}: int16 pairs for `vpdpwssd`
+//   +320  u8 qs[8][4][64]       qs[j][g][4r + i] = q[r][32j + 4g + i] | q[r][32j + 16 + 4g + i] << 4
+// (kubeinfer_qk_interleave_q4k writes it; cpu_qk_native.interleave_reference is its torch twin).
+//
 // Activations: ggml's q8_K idea. Each row of x is quantized per 256-value block to int8 with one fp32
 // scale, dx = max|x_b| / 127, q = round-half-even(x * (1 / dx)) (fp32), plus the sums of q per 16
 // values for the min (Q4_K) and offset (Q6_K) terms. Per super-block of a weight row:
@@ -46,8 +57,10 @@
 namespace {
 
 constexpr int QK_K = 256;
-constexpr int FMT_Q4_K = 0, FMT_Q6_K = 1;
+constexpr int FMT_Q4_K = 0, FMT_Q6_K = 1, FMT_Q4_K_X16 = 2;
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210;
+constexpr int64_t X16_ROWS = 16, X16_TILE_BYTES = 2368, X16_ROW_BYTES = 148;  // 16 x 148 = 2368
+constexpr int X16_SC = 64, X16_MN = 192, X16_QS = 320;  // offsets in a tile
 constexpr int TILE_M = 8;  // rows of x per pass over a weight row's super-block
 constexpr int PATH_SCALAR = 0, PATH_VNNI = 2;
 int path_in_use = PATH_SCALAR;
@@ -95,6 +108,8 @@ struct QuantizedX {
   std::vector<int32_t> bsum;  // [M, K / 16]
   // [M, K / 256, 16]: the vnni path's per-block sums (Q4_K: 8 zeros, then the 8 per-32 sums; Q6_K: bsum)
   std::vector<int32_t> sums;
+  // [M, K / 256, 4]: Q4_K x16's min operand, the per-32 sums of sub-blocks 2p and 2p + 1 as an int16 pair
+  std::vector<int32_t> pairs;
 };
 
 void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX& out) {
@@ -103,6 +118,7 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
   out.d.resize(m * nb);
   out.bsum.resize(m * (k / 16));
   out.sums.resize(m * (k / 16));
+  if (fmt == FMT_Q4_K_X16) out.pairs.resize(m * nb * 4);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * ldx + b * QK_K;
@@ -121,6 +137,13 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
       }
       int32_t* v = out.sums.data() + r * (k / 16) + b * 16;
       for (int j = 0; j < 16; ++j) v[j] = fmt == FMT_Q6_K ? s[j] : j < 8 ? 0 : s[2 * (j - 8)] + s[2 * (j - 8) + 1];
+      if (fmt == FMT_Q4_K_X16) {
+        int32_t* pr = out.pairs.data() + (r * nb + b) * 4;
+        for (int p = 0; p < 4; ++p) {  // |sum of 32 q| <= 4064: fits int16
+          const int32_t lo = s[4 * p] + s[4 * p + 1], hi = s[4 * p + 2] + s[4 * p + 3];
+          pr[p] = (int32_t)(((uint32_t)(uint16_t)(int16_t)lo) | ((uint32_t)(uint16_t)(int16_t)hi << 16));
+        }
+      }
     }
   }
 }
@@ -196,6 +219,54 @@ void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, c
       }
     }
   }
+}
+
+
+// Row r of a Q4_K x16 tile: d, dmin, the eight 6-bit scales and mins, and the 256 values in k order.
+inline void x16_row(const uint8_t* tile, int r, float& d, float& dmin, uint8_t* sc, uint8_t* mn, uint8_t* v) {
+  d = fp16_to_fp32(tile + 2 * r);
+  dmin = fp16_to_fp32(tile + 32 + 2 * r);
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = tile[X16_SC + 16 * j + r];
+    mn[j] = tile[X16_MN + 32 * (j / 2) + 2 * r + (j & 1)];
+  }
+  const uint8_t* qs = tile + X16_QS;
+  for (int j = 0; j < 8; ++j)
+    for (int g = 0; g < 4; ++g)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = qs[(4 * j + g) * 64 + 4 * r + i];
+        v[32 * j + 4 * g + i] = byte & 15;
+        v[32 * j + 16 + 4 * g + i] = byte >> 4;
+      }
+}
+
+// The scalar path over x16 tiles t0..t1: the same integer sums as scalar_rows' Q4_K.
+void scalar_x16_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq, int64_t m,
+                      float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K;
+  uint8_t v[QK_K], sc[8], mn[8];
+  for (int64_t t = t0; t < t1; ++t)
+    for (int r = 0; r < X16_ROWS; ++r) {
+      const int64_t n = X16_ROWS * t + r;
+      for (int64_t i = 0; i < m; ++i) y[i * ldy + n] = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        float d, dmin;
+        x16_row(w + (t * nb + b) * X16_TILE_BYTES, r, d, dmin, sc, mn, v);
+        for (int64_t i = 0; i < m; ++i) {
+          const int8_t* q = xq.q.data() + i * k + b * QK_K;
+          const int32_t* bs = xq.bsum.data() + i * (k / 16) + b * 16;
+          int32_t isum = 0, msum = 0;
+          for (int j = 0; j < 8; ++j) {
+            int32_t dot = 0;
+            for (int l = 0; l < 32; ++l) dot += (int32_t)v[32 * j + l] * q[32 * j + l];
+            isum += sc[j] * dot;
+            msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+          }
+          const float dx = xq.d[i * nb + b];
+          y[i * ldy + n] += d * dx * (float)isum - dmin * dx * (float)msum;
+        }
+      }
+    }
 }
 
 // ------------------------------------------------------------------ vnni path
@@ -304,14 +375,76 @@ KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_
     }
   }
 }
+// Q4_K x16 tiles t0..t1 (layout at the top): per sub-block j, eight u8 vectors (16 rows x 4 k, low then
+// high nibbles) dotted with each x row's broadcast 4-byte groups; each lane's two 16-value dots (|.| <=
+// 16 * 15 * 127 < 2^15) times its row's scale by `vpdpwssd`; the mins' term once per super-block as
+// int16 pairs (m[2p], m[2p+1]) x (sum_2p, sum_2p+1); then per lane y += dx (d * isum - dmin * msum).
+// The 16 lanes are 16 outputs: stored as they are, no horizontal sum.
+KI_VNNI void vnni_x16_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq, int64_t m,
+                            float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K;
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
+      const int mt = (int)std::min<int64_t>(TILE_M, m - r0);
+      __m512 acc[TILE_M];
+      for (int i = 0; i < mt; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* tile = w + (t * nb + b) * X16_TILE_BYTES;
+        __m512i isum[TILE_M];
+        for (int i = 0; i < mt; ++i) isum[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+          const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile + X16_SC + 16 * j)));
+          __m512i lo[4], hi[4];
+          for (int g = 0; g < 4; ++g) {
+            const __m512i v = _mm512_loadu_si512((const void*)(tile + X16_QS + (4 * j + g) * 64));
+            lo[g] = _mm512_and_si512(v, lo4);
+            hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+          }
+          for (int i = 0; i < mt; ++i) {
+            const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
+            __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
+            for (int g = 0; g < 4; ++g) {
+              dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
+              dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
+            }
+            isum[i] = _mm512_dpwssd_epi32(isum[i], dl, sc);
+            isum[i] = _mm512_dpwssd_epi32(isum[i], dh, sc);
+          }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + 32)));
+        __m512i mn[4];
+        for (int p = 0; p < 4; ++p)
+          mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tile + X16_MN + 32 * p)));
+        for (int i = 0; i < mt; ++i) {
+          const int64_t row = r0 + i;
+          const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
+          __m512i msum = _mm512_setzero_si512();
+          for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, mn[p], _mm512_set1_epi32(pr[p]));
+          const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
+          acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[i]);
+        }
+      }
+      for (int i = 0; i < mt; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy + X16_ROWS * t, acc[i]);
+    }
+  }
+}
 #endif
 
 // One row of W in fp32, gguf-py's dequantization bit for bit: (d * sc) * q - dmin * m (Q4_K),
 // (d * sc) * (q - 32) (Q6_K), each product rounded (no FMA contraction: -ffp-contract=off).
-void dequant_row(int fmt, const uint8_t* row, int64_t nb, float* o) {
+void dequant_row(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t nb, float* o) {
+  const uint8_t* row = w + n * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     float* ob = o + b * QK_K;
-    if (fmt == FMT_Q4_K) {
+    if (fmt == FMT_Q4_K_X16) {  // row n is row n % 16 of tile n / 16
+      float d, dmin;
+      uint8_t sc[8], mn[8], v[QK_K];
+      x16_row(w + ((n / X16_ROWS) * nb + b) * X16_TILE_BYTES, (int)(n % X16_ROWS), d, dmin, sc, mn, v);
+      for (int i = 0; i < QK_K; ++i) ob[i] = (d * sc[i / 32]) * (float)v[i] - dmin * mn[i / 32];
+    } else if (fmt == FMT_Q4_K) {
       const uint8_t* blk = row + b * Q4_K_BYTES;
       const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
       uint8_t sc[8], mn[8];
@@ -337,7 +470,7 @@ void fp32_rows(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t
                int64_t m, int64_t ldx, float* y, int64_t ldy) {
   std::vector<float> buf(k);
   for (int64_t n = n0; n < n1; ++n) {
-    dequant_row(fmt, w + n * row_bytes, k / QK_K, buf.data());
+    dequant_row(fmt, w, row_bytes, n, k / QK_K, buf.data());
     for (int64_t r = 0; r < m; ++r) {
       const float* xr = x + r * ldx;
       float acc[16] = {0};
@@ -364,10 +497,11 @@ int best_compiled_path() {
 
 extern "C" {
 
-int32_t kubeinfer_qk_native_abi() { return 2; }
+int32_t kubeinfer_qk_native_abi() { return 3; }
 
 // csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
-// super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K); scales, mins unused.
+// super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K), 210 (Q6_K) or 148 (Q4_K x16 tiles);
+// scales, mins unused.
 struct KiQWeight {
   const uint8_t* q;
   const void* scales;
@@ -386,15 +520,35 @@ int32_t kubeinfer_qk_set_path(int32_t path) {
 }
 
 // y[m, n] (row stride ldy) = x[m, k] (row stride ldx, fp32) @ W^T, W [n, k] as `fmt` super-blocks (0 Q4_K,
-// 1 Q6_K), rows of n * k / 256 blocks. Returns 0, or 1 for bad arguments (Python checks them first).
+// 1 Q6_K: rows of k / 256 blocks; 2 Q4_K x16: tiles of 16 rows, n a multiple of 16). Returns 0, or 1 for bad
+// arguments (Python checks them first).
 int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
                             int64_t ldx, float* y, int64_t ldy, int32_t threads) {
-  if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % QK_K || (fmt != FMT_Q4_K && fmt != FMT_Q6_K)) return 1;
+  if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % QK_K) return 1;
+  if (fmt != FMT_Q4_K && fmt != FMT_Q6_K && fmt != FMT_Q4_K_X16) return 1;
+  if (fmt == FMT_Q4_K_X16 && n % X16_ROWS) return 1;
   if (m == 0 || n == 0) return 0;
   QuantizedX xq;
   quantize_rows(fmt, x, m, ldx, k, xq);
-  const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, n / 16 > 0 ? n / 16 : 1));
   const bool vnni = path_in_use == PATH_VNNI;
+  if (fmt == FMT_Q4_K_X16) {
+    const int64_t tiles = n / X16_ROWS;
+    const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, tiles));
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+      const int64_t chunk = (tiles + nth - 1) / nth, t0 = std::min<int64_t>(tiles, t * chunk),
+                    t1 = std::min<int64_t>(tiles, t0 + chunk);
+#if KI_QK_X86
+      if (vnni)
+        vnni_x16_tiles(w, t0, t1, k, xq, m, y, ldy);
+      else
+#endif
+        scalar_x16_tiles(w, t0, t1, k, xq, m, y, ldy);
+    }
+    return 0;
+  }
+  const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, n / 16 > 0 ? n / 16 : 1));
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -411,11 +565,41 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
   return 0;
 }
 
+// Q4_K rows [n, k / 256 * 144] (GGUF's block_q4_K) -> the x16 tiles [n, k / 256 * 148] (layout at the top),
+// n a multiple of 16. Returns 0, or 1 for bad arguments.
+int32_t kubeinfer_qk_interleave_q4k(const uint8_t* src, int64_t n, int64_t k, uint8_t* dst, int32_t threads) {
+  if (!src || !dst || n < 0 || n % X16_ROWS || k <= 0 || k % QK_K) return 1;
+  const int64_t nb = k / QK_K, tiles = n / X16_ROWS;
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static) if (n * k > (1 << 16))
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* tile = dst + (t * nb + b) * X16_TILE_BYTES;
+      for (int r = 0; r < X16_ROWS; ++r) {
+        const uint8_t* blk = src + ((X16_ROWS * t + r) * nb + b) * Q4_K_BYTES;
+        std::memcpy(tile + 2 * r, blk, 2);
+        std::memcpy(tile + 32 + 2 * r, blk + 2, 2);
+        uint8_t sc[8], mn[8], v[QK_K];
+        q4k_scales(blk + 4, sc, mn);
+        q4k_values(blk, v);
+        for (int j = 0; j < 8; ++j) {
+          tile[X16_SC + 16 * j + r] = sc[j];
+          tile[X16_MN + 32 * (j / 2) + 2 * r + (j & 1)] = mn[j];
+          for (int g = 0; g < 4; ++g)
+            for (int i = 0; i < 4; ++i)
+              tile[X16_QS + (4 * j + g) * 64 + 4 * r + i] =
+                  (uint8_t)(v[32 * j + 4 * g + i] | (v[32 * j + 16 + 4 * g + i] << 4));
+        }
+      }
+    }
+  return 0;
+}
+
 // Format code of a descriptor's super-blocks from its row bytes, or -1.
 static int32_t desc_format(const KiQWeight* w) {
   if (!w || !w->q || w->bits != 6 || w->n < 0 || w->k <= 0 || w->k % QK_K) return -1;
   if (w->row_bytes == w->k / QK_K * Q4_K_BYTES) return FMT_Q4_K;
   if (w->row_bytes == w->k / QK_K * Q6_K_BYTES) return FMT_Q6_K;
+  if (w->row_bytes == w->k / QK_K * X16_ROW_BYTES && w->n % X16_ROWS == 0) return FMT_Q4_K_X16;
   return -1;
 }
 
@@ -455,7 +639,7 @@ int32_t kubeinfer_qk_dequant(const KiQWeight* w, const int64_t* rows, int64_t ro
   if (fmt < 0 || nrows < 0) return 1;
 #pragma omp parallel for num_threads(std::max(1, nthreads)) schedule(static) if (nrows * w->k > (1 << 16))
   for (int64_t i = 0; i < nrows; ++i)
-    dequant_row(fmt, w->q + (rows ? rows[i] : row0 + i) * w->row_bytes, w->k / QK_K, out + i * out_stride);
+    dequant_row(fmt, w->q, w->row_bytes, rows ? rows[i] : row0 + i, w->k / QK_K, out + i * out_stride);
   return 0;
 }
 
