@@ -91,8 +91,8 @@ def main() -> None:
                 o.gemm_dtype = torch.bfloat16
                 o.pack_int8(fast)
             nats = [nat] + [qk.KQuantBlocks(nat.blocks.clone(), fmt, k, n) for _ in range(copies - 1)]
-            # Q4_K's 16-row tiles (q4_k_x16): what the loader holds on AVX512-VNNI
-            x16s = [native.interleave(b) for b in nats] if fmt == "q4_k" and n % qk.X16_ROWS == 0 else []
+            # 16-row tiles (q4_k_x16, q6_k_x16): what the loader holds on AVX512-VNNI
+            x16s = [native.interleave(b) for b in nats] if n % qk.X16_ROWS == 0 else []
             for m in [int(s) for s in args.ms.split(",")]:
                 x = torch.randn(m, k)
                 it = {"o": 0, "n": 0, "x": 0}

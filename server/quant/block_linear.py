@@ -41,6 +41,7 @@ from server.quant.cpu_qlinear import (
     BlockQuantWeight,
     QLinearKernel,
     dequantize_reference,
+    file_format,
     try_load_qlinear_kernel,
 )
 from server.quant.layers import QuantLinear
@@ -92,7 +93,7 @@ class BlockQuantLinear(QuantLinear):
         kernel: QLinearKernel | None = None,  # an already loaded kernel (else loaded from cache_dir)
     ) -> None:
         super().__init__(w.in_features, w.out_features)
-        self.method = w.fmt
+        self.method = file_format(w.fmt)  # the format, not its layout (q4_k_x16 is q4_k)
         self._w = w
         _register(self, w)
         if bias is not None and tuple(bias.shape) != (w.out_features,):

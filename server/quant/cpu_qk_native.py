@@ -3,9 +3,10 @@
 `KQuantBlocks` keeps a [N, K] k-quant weight as GGUF stores it: rows of 256-value super-blocks
 (block_q4_K, 144 bytes = 4.5 bits/weight; block_q6_K, 210 bytes = 6.5625 bits/weight; ggml-common.h),
 instead of the repacked BlockQuantWeight (6.0 and 10.0 bits/weight, cpu_qlinear.py's table). Q4_K can
-also be held as `q4_k_x16` (4.625 bits/weight): the same values re-laid at load in tiles of 16 weight rows
-(`interleave`; layout in qk_native.cpp's header), so that each AVX512-VNNI dot product serves 16 output
-rows: the layout batches of rows need (0.5-0.7x of the int8 packed copy's speed in the row-major blocks). The kernel
+Both can also be held as 16-row tiles, `q4_k_x16` (4.625 bits/weight) and `q6_k_x16` (6.5625): the same
+values re-laid at load (`interleave`; layouts in qk_native.cpp's header), so that each AVX512-VNNI dot
+product serves 16 output rows: the layout batches of rows need (the row-major blocks run 16 rows at
+0.5-0.7x of the int8 packed copy's speed). The kernel
 quantizes each row of x per 256 values to int8 (ggml's q8_K idea: fp32 dx = max|x| / 127, round half to
 even, per-16 sums of q for the min and offset terms) and runs the dot products on integers (AVX512-VNNI
 `vpdpbusd`, else scalar C++, chosen at run time from `usable_cpu_features()`), one pass over each weight
@@ -32,8 +33,8 @@ from server.config import default_cache_dir
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
-# 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles
-ABI_VERSION = 3
+# 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles; 4: Q6_K's
+ABI_VERSION = 4
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
 # the dequantized values must equal gguf-py's (each product rounded).
 NATIVE = NativeSource(
@@ -44,10 +45,11 @@ NATIVE = NativeSource(
 )
 QK_K = 256  # values per super-block
 # bytes per row per 256 values: sizeof(block_q4_K), sizeof(block_q6_K), and a 16-row x16 tile's 2368 / 16
-SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q4_k_x16": 148}
-FORMAT_CODES = {"q4_k": 0, "q6_k": 1, "q4_k_x16": 2}  # qk_native.cpp's FMT_*
-X16_ROWS = 16  # weight rows per q4_k_x16 tile
-X16_TILE_BYTES = 2368
+SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q4_k_x16": 148, "q6_k_x16": 210}
+FORMAT_CODES = {"q4_k": 0, "q6_k": 1, "q4_k_x16": 2, "q6_k_x16": 3}  # qk_native.cpp's FMT_*
+TILED = {"q4_k": "q4_k_x16", "q6_k": "q6_k_x16"}  # a file's format -> its 16-row tiles
+X16_ROWS = 16  # weight rows per tile
+X16_TILE_BYTES = {"q4_k_x16": 2368, "q6_k_x16": 3360}
 GGUF_TYPES = {"q4_k": "Q4_K", "q6_k": "Q6_K"}
 PATHS = {"scalar": 0, "vnni": 2}  # kubeinfer_qk_set_path's codes
 
@@ -69,8 +71,8 @@ class KQuantBlocks:
         n, k = self.out_features, self.in_features
         if k <= 0 or k % QK_K:
             raise ValueError(f"K ({k}) must be a positive multiple of {QK_K}")
-        if self.fmt == "q4_k_x16" and n % X16_ROWS:
-            raise ValueError(f"q4_k_x16 holds whole tiles of {X16_ROWS} rows, N={n}")
+        if self.fmt in X16_TILE_BYTES and n % X16_ROWS:
+            raise ValueError(f"{self.fmt} holds whole tiles of {X16_ROWS} rows, N={n}")
         row = k // QK_K * SUPER_BLOCK_BYTES[self.fmt]
         b = self.blocks
         if tuple(b.shape) != (n, row) or b.dtype != torch.uint8:
@@ -102,11 +104,32 @@ def from_gguf(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> KQuantBlock
     return KQuantBlocks(data.reshape(n, row).clone(), fmt, k, n)
 
 
+def _rows(a: Tensor, n: int) -> Tensor:  # [T, nb, ..., 16] per tile -> [N, nb, ...] per row
+    return a.movedim(-1, 1).reshape(n, a.shape[1], *a.shape[2:-1])
+
+
+def _q6x_fields(blocks: Tensor, n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A q6_k_x16 tensor's fields in row order: d [N, nb] fp32, sc [N, nb, 16] int64 (signed) and the
+    six-bit values [N, nb, 256] int64 (0..63, before the -32 offset) in k order."""
+    nb = k // QK_K
+    t = blocks.reshape(n // X16_ROWS, nb, X16_TILE_BYTES["q6_k_x16"])
+    d = t[:, :, 0:32].contiguous().view(torch.float16).float()  # [T, nb, 16]
+    runs = t[:, :, 32:].reshape(-1, nb, 8, 416)  # one run per 32-value chunk J: scales, ql, qh
+    sc = runs[..., 0:32].contiguous().view(torch.int8).long().reshape(-1, nb, 8, 16, 2)  # [T, nb, J, r, h]
+    sc = sc.permute(0, 1, 2, 4, 3).reshape(-1, nb, 16, 16)  # [T, nb, j, r]
+    ql = runs[..., 32:288].reshape(-1, nb, 8, 4, 16, 4).long()  # [T, nb, J, g, r, i]
+    qh = runs[..., 288:].reshape(-1, nb, 8, 2, 16, 4).long()  # [T, nb, J, h, r, i]
+    low = torch.stack([ql & 15, ql >> 4], dim=3)  # [T, nb, J, h, g, r, i]
+    high = torch.stack([(qh >> (2 * g)) & 3 for g in range(4)], dim=4)  # [T, nb, J, h, g, r, i]
+    v = (low | (high << 4)).permute(0, 5, 1, 2, 3, 4, 6).reshape(n, nb, QK_K)  # k = 32J + 16h + 4g + i
+    return _rows(d, n), _rows(sc, n), v
+
+
 def _x16_fields(blocks: Tensor, n: int, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """A q4_k_x16 tensor's fields in row order: d, dmin [N, nb] fp32, sc, mn [N, nb, 8] int64 and the
     values [N, nb, 256] int64 in k order."""
     nb = k // QK_K
-    t = blocks.reshape(n // X16_ROWS, nb, X16_TILE_BYTES)  # [T, nb, 2368]
+    t = blocks.reshape(n // X16_ROWS, nb, X16_TILE_BYTES["q4_k_x16"])  # [T, nb, 2368]
     d = t[:, :, 0:32].contiguous().view(torch.float16).float()  # [T, nb, 16]
     dmin = t[:, :, 32:64].contiguous().view(torch.float16).float()
     sc = t[:, :, 64:192].reshape(-1, nb, 8, 16).long()  # [T, nb, j, r]
@@ -114,19 +137,49 @@ def _x16_fields(blocks: Tensor, n: int, k: int) -> tuple[Tensor, Tensor, Tensor,
     qs = t[:, :, 320:].reshape(-1, nb, 8, 4, 16, 4).long()  # [T, nb, j, g, r, i]
     v = torch.stack([qs & 15, qs >> 4], dim=3)  # [T, nb, j, half, g, r, i]: k = 32j + 16 half + 4g + i
     v = v.permute(0, 5, 1, 2, 3, 4, 6).reshape(n, nb, QK_K)  # [N, nb, 256]
+    return _rows(d, n), _rows(dmin, n), _rows(sc, n), _rows(mn, n), v
 
-    def rows(a: Tensor) -> Tensor:  # [T, nb, ..., 16] -> [N, nb, ...]
-        return a.movedim(-1, 1).reshape(n, nb, *a.shape[2:-1])
 
-    return rows(d), rows(dmin), rows(sc), rows(mn), v
+def _interleave_q6k(w: KQuantBlocks) -> KQuantBlocks:
+    n, k = w.out_features, w.in_features
+    nb, tiles = k // QK_K, n // X16_ROWS
+    blocks = w.blocks.reshape(tiles, X16_ROWS, nb, 210).transpose(1, 2)  # [T, nb, r, 210]
+    ql = blocks[..., :128].reshape(tiles, nb, X16_ROWS, 2, 1, 64)
+    qh = blocks[..., 128:192].reshape(tiles, nb, X16_ROWS, 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=4).reshape(
+        tiles, nb, X16_ROWS, 2, 4, 32
+    )  # [.., half, quarter, l]
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=4)  # [.., half, quarter, l]
+    v = (low | (high << 4)).reshape(tiles, nb, X16_ROWS, 8, 2, 4, 4)  # k = 32J + 16h + 4g + i
+    lo = v & 15
+    packed = lo[..., 0, :, :] | (lo[..., 1, :, :] << 4)  # [T, nb, r, J, g, i]
+    hi = (v >> 4).to(torch.int32)  # [T, nb, r, J, h, g, i]
+    hbits = sum(hi[..., g, :] << (2 * g) for g in range(4))  # [T, nb, r, J, h, i]
+    assert isinstance(hbits, Tensor)
+    sc = blocks[..., 192:208].reshape(tiles, nb, X16_ROWS, 8, 2)  # [T, nb, r, p, h] (int8 bytes)
+    runs = torch.cat(
+        [
+            sc.permute(0, 1, 3, 2, 4).reshape(tiles, nb, 8, 32),  # [J][r, h]
+            packed.permute(0, 1, 3, 4, 2, 5).reshape(tiles, nb, 8, 256),  # [J][g, r, i]
+            hbits.to(torch.uint8).permute(0, 1, 3, 4, 2, 5).reshape(tiles, nb, 8, 128),  # [J][h, r, i]
+        ],
+        dim=3,
+    )
+    out = torch.cat([blocks[..., 208:210].reshape(tiles, nb, 32), runs.reshape(tiles, nb, 3328)], dim=2)
+    return KQuantBlocks(out.reshape(n, nb * 210).contiguous(), "q6_k_x16", k, n)
 
 
 def interleave_reference(w: KQuantBlocks) -> KQuantBlocks:
-    """Q4_K rows -> q4_k_x16 tiles in torch (qk_native.cpp's header gives the layout): what
-    QKNativeKernel.interleave writes, byte for byte. ValueError unless w is q4_k with N a multiple of 16."""
+    """Q4_K / Q6_K rows -> their 16-row tiles in torch (qk_native.cpp's header gives the layouts): what
+    QKNativeKernel.interleave writes, byte for byte. ValueError unless w is q4_k or q6_k with N a multiple
+    of 16."""
     n, k = w.out_features, w.in_features
-    if w.fmt != "q4_k" or n % X16_ROWS:
-        raise ValueError(f"interleaving takes q4_k with N a multiple of {X16_ROWS}, got {w.fmt} N={n}")
+    if w.fmt not in TILED or n % X16_ROWS:
+        raise ValueError(
+            f"interleaving takes q4_k or q6_k with N a multiple of {X16_ROWS}, got {w.fmt} N={n}"
+        )
+    if w.fmt == "q6_k":
+        return _interleave_q6k(w)
     from gguf.quants import Q4_K
 
     nb, tiles = k // QK_K, n // X16_ROWS
@@ -152,7 +205,13 @@ def interleave_reference(w: KQuantBlocks) -> KQuantBlocks:
 
 def dequantize_reference(w: KQuantBlocks) -> Tensor:  # -> [N, K] fp32
     """gguf-py's dequantization of the blocks (`gguf.quants.dequantize`): the values the kernel multiplies.
-    q4_k_x16 tiles: gguf-py's formula, (d * sc) * q - dmin * m in fp32, over the tiles' fields."""
+    Tiles: gguf-py's formulas, (d * sc) * q - dmin * m (Q4_K) and (d * sc) * (q - 32) (Q6_K) in fp32, over
+    the tiles' fields."""
+    if w.fmt == "q6_k_x16":
+        d6, sc6, v6 = _q6x_fields(w.blocks, w.out_features, w.in_features)
+        j16 = torch.arange(QK_K) // 16
+        dense6 = (d6[..., None] * sc6[..., j16].float()) * (v6 - 32).float()
+        return dense6.reshape(w.out_features, w.in_features)
     if w.fmt == "q4_k_x16":
         d, dmin, sc, mn, v = _x16_fields(w.blocks, w.out_features, w.in_features)
         j = torch.arange(QK_K) // 32
@@ -245,18 +304,21 @@ class QKNativeKernel:
         return out
 
     def interleave(self, w: KQuantBlocks) -> KQuantBlocks:
-        """Q4_K rows -> q4_k_x16 tiles (interleave_reference's bytes). ValueError unless w is q4_k with N a
-        multiple of 16."""
+        """Q4_K / Q6_K rows -> their 16-row tiles (interleave_reference's bytes). ValueError unless w is
+        q4_k or q6_k with N a multiple of 16."""
         n, k = w.out_features, w.in_features
-        if w.fmt != "q4_k" or n % X16_ROWS:
-            raise ValueError(f"interleaving takes q4_k with N a multiple of {X16_ROWS}, got {w.fmt} N={n}")
-        out = torch.empty(n, k // QK_K * SUPER_BLOCK_BYTES["q4_k_x16"], dtype=torch.uint8)
-        rc = self.lib.kubeinfer_qk_interleave_q4k(
-            w.blocks.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
+        if w.fmt not in TILED or n % X16_ROWS:
+            raise ValueError(
+                f"interleaving takes q4_k or q6_k with N a multiple of {X16_ROWS}, got {w.fmt} N={n}"
+            )
+        tiled = TILED[w.fmt]
+        out = torch.empty(n, k // QK_K * SUPER_BLOCK_BYTES[tiled], dtype=torch.uint8)
+        rc = self.lib.kubeinfer_qk_interleave(
+            FORMAT_CODES[w.fmt], w.blocks.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
         )
         if rc != 0:
-            raise RuntimeError(f"qk_native interleave returned {rc} for [{n}, {k}]")
-        return KQuantBlocks(out, "q4_k_x16", k, n)
+            raise RuntimeError(f"qk_native interleave returned {rc} for {w.fmt} [{n}, {k}]")
+        return KQuantBlocks(out, tiled, k, n)
 
 
 @functools.cache
@@ -269,8 +331,8 @@ def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
     lib.kubeinfer_qk_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
     lib.kubeinfer_qk_set_path.restype = i32
     lib.kubeinfer_qk_set_path.argtypes = [i32]
-    lib.kubeinfer_qk_interleave_q4k.restype = i32
-    lib.kubeinfer_qk_interleave_q4k.argtypes = [ptr, i64, i64, ptr, i32]
+    lib.kubeinfer_qk_interleave.restype = i32
+    lib.kubeinfer_qk_interleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
     features = usable_cpu_features(cache_dir)
     vnni = features.avx512_vnni and features.avx512vl and features.avx512bw
     got = int(lib.kubeinfer_qk_set_path(PATHS["vnni" if vnni else "scalar"]))

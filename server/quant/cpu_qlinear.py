@@ -18,9 +18,10 @@ min) per group of `group_size` consecutive k:
             210] uint8, scales [N, 0]; run by csrc/qk_native.cpp through this kernel's entry points
             (cpu_qk_native.py). The GGUF loader holds Q6_K so where that kernel runs AVX512-VNNI
             (gguf_checkpoint.super_blocks_enabled): 6.56 bits per weight instead of 10.0
-    q4_k_x16   6 (KQUANT_BITS): Q4_K's super-blocks re-laid in tiles of 16 rows (`interleave_q4k`; q [N,
-            K / 256 * 148], N a multiple of 16): how the loader holds Q4_K where that kernel runs
-            AVX512-VNNI, 4.625 bits per weight, one copy for one row of x and for batches
+    q4_k_x16/q6_k_x16  6 (KQUANT_BITS), group_size X16_GROUP: the super-blocks re-laid in tiles of 16 rows
+            (`interleave_x16`; q [N, K / 256 * 148 or 210], N a multiple of 16): how the loader holds
+            Q4_K and Q6_K where that kernel runs AVX512-VNNI, 4.625 / 6.56 bits per weight, one copy for
+            one row of x and for batches
     q5_0 q5_1 q5_k q3_k q2_k iq4_nl iq4_xs: 8-bit, groups of 32 (16: q3_k, q2_k), repacked at load
             from GGUF's blocks (gguf_repack.py, which gives each one's scales, mins and memory)
 
@@ -76,17 +77,20 @@ QK_K = 256  # values per k-quant super-block
 GGUF_SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # block_q4_K, block_q6_K (ggml-common.h)
 # bytes per row per 256 values of each format held as super-blocks (KQUANT_BITS): the files' two, and
 # Q4_K's 16-row tiles (cpu_qk_native.py: 2368 bytes per 16 rows)
-SUPER_BLOCK_ROW_BYTES = {**GGUF_SUPER_BLOCK_BYTES, "q4_k_x16": 148}
-FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k", "q4_k_x16")
+SUPER_BLOCK_ROW_BYTES = {**GGUF_SUPER_BLOCK_BYTES, "q4_k_x16": 148, "q6_k_x16": 210}
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k", "q4_k_x16", "q6_k_x16")
+# group_size of 16-row tiles (csrc/qk_native.cpp tells them from the files' row-major blocks by it)
+X16_GROUP = qk_native.X16_ROWS * QK_K
 # `bits` of a weight held as GGUF's own k-quant super-blocks (Q4_K, Q6_K; cpu_qk_native.py): q is the
 # blocks, [N, K / 256 * 144 or 210] uint8, scales an empty [N, 0] fp32, no mins, group_size 256.
 KQUANT_BITS = 6
 # layouts of our own -> the format whose values they hold (what /info and the load log name)
-_LAYOUT_OF = {"q4_k_x16": "q4_k"}
+_LAYOUT_OF = {tiled: fmt for fmt, tiled in qk_native.TILED.items()}
 
 
 def file_format(fmt: str) -> str:
-    """The quantization format a held layout `fmt` stores (q4_k_x16 -> q4_k; others are their own)."""
+    """The quantization format a held layout `fmt` stores (q4_k_x16 -> q4_k, q6_k_x16 -> q6_k; others are
+    their own)."""
     return _LAYOUT_OF.get(fmt, fmt)
 
 
@@ -150,10 +154,18 @@ class BlockQuantWeight:
 
     def _check_super_blocks(self) -> None:
         n, k = self.out_features, self.in_features
-        if self.fmt not in SUPER_BLOCK_ROW_BYTES or k % QK_K or self.group_size != QK_K:
-            raise ValueError(f"super-blocks are q4_k/q6_k/q4_k_x16 with K and group_size multiples of {QK_K}")
-        if self.fmt == "q4_k_x16" and n % qk_native.X16_ROWS:
-            raise ValueError(f"q4_k_x16 holds whole tiles of {qk_native.X16_ROWS} rows, N={n}")
+        tiled = self.fmt in _LAYOUT_OF
+        if (
+            self.fmt not in SUPER_BLOCK_ROW_BYTES
+            or k % QK_K
+            or self.group_size != (X16_GROUP if tiled else QK_K)
+        ):
+            raise ValueError(
+                f"super-blocks are q4_k/q6_k (group_size {QK_K}) or their tiles (group_size {X16_GROUP}) "
+                f"with K a multiple of {QK_K}"
+            )
+        if tiled and n % qk_native.X16_ROWS:
+            raise ValueError(f"{self.fmt} holds whole tiles of {qk_native.X16_ROWS} rows, N={n}")
         row = k // QK_K * SUPER_BLOCK_ROW_BYTES[self.fmt]
         if tuple(self.q.shape) != (n, row) or self.q.dtype != torch.uint8:
             raise ValueError(
@@ -182,11 +194,11 @@ class BlockQuantWeight:
         return sum(t.numel() * t.element_size() for t in held)
 
     def select_rows(self, index: Tensor) -> BlockQuantWeight:
-        """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice). A q4_k_x16 weight
-        gives q4_k_x16 again where N' is a multiple of 16, else the rows as Q4_K's own blocks."""
-        if self.fmt == "q4_k_x16":
-            rows = deinterleave_q4k(self).select_rows(index)
-            return interleave_q4k(rows) if rows.out_features % qk_native.X16_ROWS == 0 else rows
+        """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice). Tiles give tiles
+        again where N' is a multiple of 16, else the rows as the file's own blocks."""
+        if self.fmt in _LAYOUT_OF:
+            rows = deinterleave_x16(self).select_rows(index)
+            return interleave_x16(rows) if rows.out_features % qk_native.X16_ROWS == 0 else rows
         return BlockQuantWeight(
             self.q.index_select(0, index).contiguous(),
             self.scales.index_select(0, index).contiguous(),
@@ -307,39 +319,75 @@ def from_gguf_k_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> Bl
     return BlockQuantWeight(q, scales, None, fmt, 8, 16, 0, k, n)
 
 
-def interleave_q4k(w: BlockQuantWeight) -> BlockQuantWeight:
-    """Q4_K super-blocks (fmt q4_k, KQUANT_BITS) -> the same values as q4_k_x16 tiles (cpu_qk_native.py),
-    through the compiled re-lay where it builds, else its torch reference. ValueError unless w is q4_k
-    super-blocks with N a multiple of 16."""
-    if not (w.super_blocks and w.fmt == "q4_k"):
-        raise ValueError(f"interleaving takes q4_k super-blocks, got {w.fmt} ({w.bits} bits)")
-    kb = qk_native.KQuantBlocks(w.q, "q4_k", w.in_features, w.out_features)
+def interleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
+    """Q4_K / Q6_K super-blocks (KQUANT_BITS) -> the same values as 16-row tiles, q4_k_x16 / q6_k_x16
+    (cpu_qk_native.py), through the compiled re-lay where it builds, else its torch reference. ValueError
+    unless w is q4_k or q6_k super-blocks with N a multiple of 16."""
+    if not (w.super_blocks and w.fmt in qk_native.TILED):
+        raise ValueError(f"interleaving takes q4_k or q6_k super-blocks, got {w.fmt} ({w.bits} bits)")
+    kb = qk_native.KQuantBlocks(w.q, w.fmt, w.in_features, w.out_features)
     kernel = qk_native.try_load_qk_native_kernel()
     tiles = kernel.interleave(kb) if kernel is not None else qk_native.interleave_reference(kb)
-    return BlockQuantWeight(
-        tiles.blocks,
-        torch.empty(w.out_features, 0),
-        None,
-        "q4_k_x16",
-        KQUANT_BITS,
-        QK_K,
-        0,
-        w.in_features,
-        w.out_features,
-    )
-
-
-def deinterleave_q4k(w: BlockQuantWeight) -> BlockQuantWeight:
-    """q4_k_x16 tiles -> the rows as GGUF's block_q4_K again (interleave_q4k's inverse; torch, load time)."""
-    if w.fmt != "q4_k_x16":
-        raise ValueError(f"de-interleaving takes q4_k_x16, got {w.fmt}")
     n, k = w.out_features, w.in_features
-    nb = k // QK_K
-    t = w.q.reshape(n // qk_native.X16_ROWS, nb, qk_native.X16_TILE_BYTES)
-    d = t[:, :, 0:32].reshape(-1, nb, 16, 2).transpose(1, 2).reshape(n, nb, 2)
-    dmin = t[:, :, 32:64].reshape(-1, nb, 16, 2).transpose(1, 2).reshape(n, nb, 2)
-    sc = t[:, :, 64:192].reshape(-1, nb, 8, 16).permute(0, 3, 1, 2).reshape(n, nb, 8)
-    mn = t[:, :, 192:320].reshape(-1, nb, 4, 16, 2).permute(0, 3, 1, 2, 4).reshape(n, nb, 8)
+    return BlockQuantWeight(tiles.blocks, torch.empty(n, 0), None, tiles.fmt, KQUANT_BITS, X16_GROUP, 0, k, n)
+
+
+def deinterleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
+    """16-row tiles -> the rows as GGUF's block_q4_K / block_q6_K again (interleave_x16's inverse; torch,
+    load time). ValueError for another format."""
+    if w.fmt not in _LAYOUT_OF:
+        raise ValueError(f"de-interleaving takes q4_k_x16 or q6_k_x16, got {w.fmt}")
+    n, k = w.out_features, w.in_features
+    nb, rows = k // QK_K, qk_native.X16_ROWS
+    t = w.q.reshape(n // rows, nb, qk_native.X16_TILE_BYTES[w.fmt])
+
+    def per_row(a: Tensor, *inner: int) -> Tensor:  # [T, nb, ..., r, ...] with r at dim 2 -> [N, nb, ...]
+        return a.movedim(2, 1).reshape(n, nb, *inner)
+
+    if w.fmt == "q6_k_x16":
+        d6 = t[:, :, 0:32].reshape(-1, nb, rows, 2)
+        runs = t[:, :, 32:].reshape(-1, nb, 8, 416)  # per 32-value chunk J: scales, ql, qh
+        sc6 = runs[..., 0:32].reshape(-1, nb, 8, rows, 2).permute(0, 1, 3, 2, 4).reshape(-1, nb, rows, 16)
+        ql = runs[..., 32:288].reshape(-1, nb, 8, 4, rows, 4)  # [T, nb, J, g, r, i]
+        qh = runs[..., 288:].reshape(-1, nb, 8, 2, rows, 4)  # [T, nb, J, h, r, i]
+        low = torch.stack([ql & 15, ql >> 4], dim=3)  # [T, nb, J, h, g, r, i]
+        high = torch.stack([(qh >> (2 * g)) & 3 for g in range(4)], dim=4)  # [T, nb, J, h, g, r, i]
+        v6 = (
+            (low | (high << 4)).permute(0, 1, 5, 2, 3, 4, 6).reshape(-1, nb, rows, 2, 4, 32)
+        )  # [.., half, q, l]
+        # block_q6_K: ql[64h + l] = low bits of q(128h + l) | of q(128h + 64 + l) << 4, ql[64h + 32 + l]
+        # likewise for +32 and +96; qh[32h + l] = the four quarters' top 2 bits at bits 0, 2, 4, 6
+        file_ql = torch.cat(
+            [
+                (v6[..., 0, :] & 15) | ((v6[..., 2, :] & 15) << 4),
+                (v6[..., 1, :] & 15) | ((v6[..., 3, :] & 15) << 4),
+            ],
+            dim=-1,
+        )  # [T, nb, r, 2, 64]
+        file_qh = (
+            (v6[..., 0, :] >> 4)
+            | ((v6[..., 1, :] >> 4) << 2)
+            | ((v6[..., 2, :] >> 4) << 4)
+            | ((v6[..., 3, :] >> 4) << 6)
+        )  # [T, nb, r, 2, 32]
+        blocks6 = torch.cat(
+            [file_ql.reshape(-1, nb, rows, 128), file_qh.reshape(-1, nb, rows, 64), sc6, d6], dim=3
+        )  # [T, nb, r, 210]
+        return BlockQuantWeight(
+            per_row(blocks6, 210).reshape(n, nb * 210).contiguous(),
+            torch.empty(n, 0),
+            None,
+            "q6_k",
+            KQUANT_BITS,
+            QK_K,
+            0,
+            k,
+            n,
+        )
+    d = t[:, :, 0:32].reshape(-1, nb, rows, 2)
+    dmin = t[:, :, 32:64].reshape(-1, nb, rows, 2)
+    sc = t[:, :, 64:192].reshape(-1, nb, 8, rows).transpose(2, 3)  # [T, nb, r, j]
+    mn = t[:, :, 192:320].reshape(-1, nb, 4, rows, 2).permute(0, 1, 3, 2, 4).reshape(-1, nb, rows, 8)
     # ggml's 12-byte scales (get_scale_min_k4's inverse): bytes 0-3 sc[0:4] | sc[4:8] >> 4 << 6, 4-7 the
     # mins alike, 8-11 sc[4:8] & 15 | (mn[4:8] & 15) << 4
     packed = torch.cat(
@@ -348,14 +396,24 @@ def deinterleave_q4k(w: BlockQuantWeight) -> BlockQuantWeight:
             mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4),
         ],
-        dim=2,
+        dim=3,
     )
-    qs = t[:, :, 320:].reshape(-1, nb, 8, 4, 16, 4)  # [T, nb, j, g, r, i]
-    v = torch.stack([qs & 15, qs >> 4], dim=3)  # [T, nb, j, half, g, r, i]
-    v = v.permute(0, 5, 1, 2, 3, 4, 6).reshape(n, nb, 4, 2, 32)  # k = 64c + 32 nibble + l
-    file_qs = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(n, nb, 128)
-    blocks = torch.cat([d, dmin, packed, file_qs], dim=2).reshape(n, nb * GGUF_SUPER_BLOCK_BYTES["q4_k"])
-    return BlockQuantWeight(blocks.contiguous(), torch.empty(n, 0), None, "q4_k", KQUANT_BITS, QK_K, 0, k, n)
+    qs = t[:, :, 320:].reshape(-1, nb, 8, 4, rows, 4)  # [T, nb, j, g, r, i]
+    v = torch.stack([qs & 15, qs >> 4], dim=3).permute(0, 1, 5, 2, 3, 4, 6)  # [T, nb, r, j, half, g, i]
+    v = v.reshape(-1, nb, rows, 4, 2, 32)  # k = 64c + 32 nibble + l
+    file_qs = (v[:, :, :, :, 0] | (v[:, :, :, :, 1] << 4)).reshape(-1, nb, rows, 128)
+    blocks = torch.cat([d, dmin, packed, file_qs], dim=3)  # [T, nb, r, 144]
+    return BlockQuantWeight(
+        per_row(blocks, 144).reshape(n, nb * 144).contiguous(),
+        torch.empty(n, 0),
+        None,
+        "q4_k",
+        KQUANT_BITS,
+        QK_K,
+        0,
+        k,
+        n,
+    )
 
 
 def from_gguf_k_super_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
@@ -449,7 +507,7 @@ def _values(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:  # [R, K
 
 def dequantize_reference(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:
     """W (or its rows `rows`, [R] int64) as fp32: [R, K]."""
-    if w.super_blocks and w.fmt == "q4_k_x16":  # tiles: whole, then the rows asked for
+    if w.super_blocks and w.fmt in _LAYOUT_OF:  # tiles: whole, then the rows asked for
         kb = qk_native.KQuantBlocks(w.q, w.fmt, w.in_features, w.out_features)
         full = qk_native.dequantize_reference(kb)
         return full if rows is None else full.index_select(0, rows)

@@ -6,8 +6,8 @@ gemma, gemma2, gemma3), shapes in ggml order (ne0 = in_features first), q/k proj
 convert_hf_to_gguf.py for ggml's rotary layout in the Llama-converted families, and Gemma's norm weights
 stored + 1. The permutation is undone here on whole rows, so quantized rows move without being touched
 (exactly what transformers' GGUF loader does on the dequantized matrix); the + 1 is taken back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (where their kernel runs
-AVX512-VNNI, `super_blocks_enabled`: Q6_K as the file's own super-blocks and Q4_K as 16-row tiles of
-them, q4_k_x16, experts included; else, and for Q4_K of N not a multiple of 16, repacked into
+AVX512-VNNI, `super_blocks_enabled`: both as 16-row tiles of the file's own super-blocks
+them (q4_k_x16, q6_k_x16; N a multiple of 16), experts included; else, and for Q4_K of other N, repacked into
 per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks), and so do Q5_0, Q5_1, Q5_K, Q3_K,
 Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py); MXFP4 expert stacks
 (gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
@@ -38,7 +38,7 @@ from server.quant.cpu_qlinear import (
     from_gguf_blocks,
     from_gguf_k_blocks,
     from_gguf_k_super_blocks,
-    interleave_q4k,
+    interleave_x16,
 )
 from server.quant.gguf_names import GLOBAL_NAMES, LAYOUTS, GgufLayout
 from server.quant.gguf_repack import REPACKED, from_gguf_repacked
@@ -49,11 +49,11 @@ _KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 _KEPT_K = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 _FLOAT = ("F32", "F16", "BF16")
 # k-quant types held as the file's own super-blocks (csrc/qk_native.cpp) instead of repacked, where the
-# kernel runs AVX512-VNNI. Q6_K: its kernel beats the repack at 1 and 16 rows (1.1-1.6x / 1.35-1.45x) at
-# 6.56 bits instead of 10. Q4_K with N a multiple of 16: re-laid in 16-row tiles (q4_k_x16, 4.625 bits
-# instead of the repack's 6.0 plus its 8.5-bit int8 packed copy): one row of x 1.6-1.9x the repack's speed,
-# 16 rows 0.95-0.98x the packed copy's (docs/benchmarks-log.md "Q4_K in 16-row tiles"); other Q4_K stays
-# repacked (its row-major blocks run batches at 0.5-0.7x).
+# kernel runs AVX512-VNNI, and where N is a multiple of 16 re-laid in 16-row tiles (q4_k_x16 at 4.625 bits,
+# q6_k_x16 at 6.56, against the repack's 6.0 plus Q4_K's 8.5-bit int8 packed copy and 10.0): each VNNI dot
+# product serves 16 output rows, one row of x 1.6-1.9x the repack's speed, 16 rows about the packed copy's
+# (docs/benchmarks-log.md "k-quants in 16-row tiles"). Other Q4_K stays repacked (its row-major blocks run
+# batches at 0.5-0.7x); other Q6_K stays row-major blocks (1.35-1.45x the repack at 16 rows).
 SUPER_BLOCK_TYPES = ("Q6_K", "Q4_K")
 SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 
@@ -232,18 +232,23 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
             value = (
                 value.select_rows(perm) if isinstance(value, BlockQuantWeight) else value[perm].contiguous()
             )
-        if isinstance(value, BlockQuantWeight) and value.super_blocks and value.fmt == "q4_k":
-            value = interleave_q4k(value)  # after the row permutation: tiles are 16 rows as served
+        if isinstance(value, BlockQuantWeight) and _tileable(value):
+            value = interleave_x16(value)  # after the row permutation: tiles are 16 rows as served
         ckpt.tensors[name] = value
     del reader  # unmaps the file
     release_free_heap()
     return ckpt
 
 
+def _tileable(w: BlockQuantWeight) -> bool:
+    """Super-blocks of whole 16-row tiles (held as tiles once their rows are final)."""
+    return w.super_blocks and w.fmt in ("q4_k", "q6_k") and w.out_features % X16_ROWS == 0
+
+
 def _k_quant(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks: bool) -> BlockQuantWeight:
     """A Q4_K / Q6_K matrix [N, K] as served: SUPER_BLOCK_TYPES held as the file's super-blocks where
-    `super_blocks` (Q4_K only with N a multiple of 16: it becomes 16-row tiles once its rows are final,
-    `interleave_q4k`), else repacked."""
+    `super_blocks` (Q4_K only with N a multiple of 16; both become 16-row tiles once their rows are final,
+    `_tileable`, `interleave_x16`), else repacked."""
     if super_blocks and kind in SUPER_BLOCK_TYPES and (kind != "Q4_K" or n % X16_ROWS == 0):
         return from_gguf_k_super_blocks(raw, _KEPT_K[kind], n, k)
     return from_gguf_k_blocks(raw, _KEPT_K[kind], n, k)
@@ -254,7 +259,7 @@ def _split_experts(
 ) -> list[BlockQuantWeight]:
     """A stacked expert tensor [E, N, K] of a kept type -> one BlockQuantWeight [N, K] per expert: the
     file holds the E matrices one after the other, each rows of ggml blocks. k-quants as `_k_quant` holds
-    them (Q4_K tiled here: expert rows are never permuted)."""
+    them (tiled here: expert rows are never permuted)."""
     e, n, k = shape
     with warnings.catch_warnings():  # a read-only memory map: the converters below copy what they keep
         warnings.simplefilter("ignore", UserWarning)
@@ -265,7 +270,7 @@ def _split_experts(
             out.append(from_gguf_blocks(data[i], _KEPT[kind], n, k))
         elif kind in _KEPT_K:
             w = _k_quant(data[i], kind, n, k, super_blocks)
-            out.append(interleave_q4k(w) if w.super_blocks and w.fmt == "q4_k" else w)
+            out.append(interleave_x16(w) if _tileable(w) else w)
         else:
             out.append(from_gguf_repacked(data[i].reshape(n, -1), kind, n, k))
     return out

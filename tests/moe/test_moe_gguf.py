@@ -140,8 +140,8 @@ def test_k_quant_experts_kept_quantized(files: Callable[..., tuple[Path, Path, P
     assert engine.info.quantization == "gguf-q4_k+q6_k"
     kernel = try_load_qlinear_kernel(cache)
     q8 = None if kernel is None else active_kernel(kernel)
-    # Where the super-block kernel runs AVX512-VNNI: Q4_K experts as 16-row tiles (q4_k_x16, 4.625 bits)
-    # and Q6_K as the file's blocks, no int8 packed copies. Elsewhere, repacked, and under bf16 GEMMs the
+    # Where the super-block kernel runs AVX512-VNNI: Q4_K and Q6_K experts as 16-row tiles (q4_k_x16 at
+    # 4.625 bits, q6_k_x16 at 6.56), no int8 packed copies. Elsewhere, repacked, and under bf16 GEMMs the
     # Q4_K experts packed for the int8 batched path (pack_moe_int8_weights; Q6_K's 16-value groups are not
     # that path's).
     tiles = super_blocks_enabled()
@@ -155,7 +155,7 @@ def test_k_quant_experts_kept_quantized(files: Callable[..., tuple[Path, Path, P
     for block in _moe_blocks(engine):
         assert isinstance(block.experts, BlockQuantExperts)
         assert {w.fmt for w in block.experts.w13} == {"q4_k_x16" if tiles else "q4_k"}
-        assert {w.fmt for w in block.experts.w2} == {"q6_k"}
+        assert {w.fmt for w in block.experts.w2} == {"q6_k_x16" if tiles else "q6_k"}
         assert all(w.super_blocks == tiles for w in block.experts.w13 + block.experts.w2)
         assert all((w.packed is not None) == packs for w in block.experts.w13)
         assert all(w.packed is None for w in block.experts.w2)

@@ -118,15 +118,18 @@ def test_bad_arguments(kernel: qk.QKNativeKernel) -> None:
     assert kernel.linear(torch.zeros(0, 256), w).shape == (0, 4)
 
 
-# ------------------------------------------------------------------ Q4_K in 16-row tiles (q4_k_x16)
+# ------------------------------------------------------------------ 16-row tiles (q4_k_x16, q6_k_x16)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 33])
 @pytest.mark.parametrize("make", [random_blocks, quantized_blocks])
-def test_x16_tiles_match_gguf_dequantize(kernel: qk.QKNativeKernel, path: str, m: int, make) -> None:
+def test_x16_tiles_match_gguf_dequantize(
+    kernel: qk.QKNativeKernel, path: str, fmt: str, m: int, make
+) -> None:
     """The tiles give W @ x^ of the row-major blocks they came from, within the same fp32 slack (the
     per-lane sums need no horizontal reduction: no looser)."""
-    w = make("q4_k", 48, K, seed=m)
+    w = make(fmt, 48, K, seed=m)
     tiles = kernel.interleave(w)
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(200 + m)) * 3.0
     if m > 1:
@@ -134,29 +137,32 @@ def test_x16_tiles_match_gguf_dequantize(kernel: qk.QKNativeKernel, path: str, m
     y = kernel.linear(x, tiles)
     slack = fp32_slack(x, w)
     err = (y - qk.linear_reference(x, w)).abs()
-    assert (err <= slack).all(), f"{path} x16 M={m}: max excess {(err - slack).max().item():.3g}"
+    assert (err <= slack).all(), f"{path} {fmt} x16 M={m}: max excess {(err - slack).max().item():.3g}"
     assert torch.equal(qk.dequantize_reference(tiles), qk.dequantize_reference(w))
 
 
-def test_x16_layout_round_trips(kernel: qk.QKNativeKernel) -> None:
+@pytest.mark.parametrize("fmt,bits", [("q4_k", 4.625), ("q6_k", 6.5625)])
+def test_x16_layout_round_trips(kernel: qk.QKNativeKernel, fmt: str, bits: float) -> None:
     """The compiled re-lay writes interleave_reference's bytes; de-interleaving gives the file's blocks
-    back byte for byte (every scale/min bit pattern: random bytes); 4.625 bits per weight."""
+    back byte for byte (every scale/min/high-bit pattern: random bytes); the bits per weight held."""
     from server.quant import cpu_qlinear as cq
 
-    w = random_blocks("q4_k", 64, 512, seed=5)
+    w = random_blocks(fmt, 64, 512, seed=5)
     tiles = kernel.interleave(w)
+    assert tiles.fmt == qk.TILED[fmt]
     assert torch.equal(tiles.blocks, qk.interleave_reference(w).blocks)
-    assert tiles.bits_per_weight() == 4.625 and tiles.nbytes() == 64 * 512 * 4.625 / 8
-    held = cq.BlockQuantWeight(w.blocks, torch.empty(64, 0), None, "q4_k", cq.KQUANT_BITS, 256, 0, 512, 64)
-    x16 = cq.interleave_q4k(held)
-    assert torch.equal(x16.q, tiles.blocks)
-    assert torch.equal(cq.deinterleave_q4k(x16).q, w.blocks)
+    assert tiles.bits_per_weight() == bits and tiles.nbytes() == 64 * 512 * bits / 8
+    held = cq.BlockQuantWeight(w.blocks, torch.empty(64, 0), None, fmt, cq.KQUANT_BITS, 256, 0, 512, 64)
+    x16 = cq.interleave_x16(held)
+    assert torch.equal(x16.q, tiles.blocks) and cq.file_format(x16.fmt) == fmt
+    assert torch.equal(cq.deinterleave_x16(x16).q, w.blocks)
     dense = qk.dequantize_reference(w)
+    assert torch.equal(qk.dequantize_reference(tiles), dense)
     # rows: a tile-aligned slice stays tiles, any other selection becomes the file's row blocks
     aligned = x16.select_rows(torch.arange(16, 48))
-    assert aligned.fmt == "q4_k_x16" and torch.equal(cq.dequantize_reference(aligned), dense[16:48])
+    assert aligned.fmt == x16.fmt and torch.equal(cq.dequantize_reference(aligned), dense[16:48])
     odd = x16.select_rows(torch.tensor([63, 2, 17]))
-    assert odd.fmt == "q4_k" and torch.equal(cq.dequantize_reference(odd), dense[[63, 2, 17]])
+    assert odd.fmt == fmt and torch.equal(cq.dequantize_reference(odd), dense[[63, 2, 17]])
     both = cq.BlockQuantWeight.concat_rows([x16, aligned])
     assert torch.equal(cq.dequantize_reference(both), torch.cat([dense, dense[16:48]]))
     assert torch.equal(cq.dequantize_reference(x16, torch.tensor([5, 40])), dense[[5, 40]])
@@ -165,10 +171,12 @@ def test_x16_layout_round_trips(kernel: qk.QKNativeKernel) -> None:
 def test_x16_bad_arguments(kernel: qk.QKNativeKernel) -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         kernel.interleave(random_blocks("q4_k", 24, 256, seed=0))
-    with pytest.raises(ValueError, match="q4_k"):
-        kernel.interleave(random_blocks("q6_k", 16, 256, seed=0))
+    with pytest.raises(ValueError, match="q4_k or q6_k"):
+        kernel.interleave(kernel.interleave(random_blocks("q6_k", 16, 256, seed=0)))
     with pytest.raises(ValueError, match="whole tiles"):
         qk.KQuantBlocks(torch.zeros(8, 148, dtype=torch.uint8), "q4_k_x16", 256, 8)
+    with pytest.raises(ValueError, match="whole tiles"):
+        qk.KQuantBlocks(torch.zeros(8, 210, dtype=torch.uint8), "q6_k_x16", 256, 8)
 
 
 # ------------------------------------------------------------------ held as the resident format
@@ -179,10 +187,11 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A Q4_K_M-style file: its Q6_K token embedding (the tied LM head) is held as the file's own bytes
-    (6.56 bits per weight, not the repack's 10), dequantizes as gguf-py does, and every path that serves
-    it (qlinear's entry, the int8 library's fallback, BlockQuantLinear at decode and prefill sizes in fp32
-    and bf16, the embedding lookup) gives W @ x within its tolerance; KUBEINFER_KQUANT_BLOCKS=0 repacks."""
+    """A Q4_K_M-style file: its Q6_K token embedding (the tied LM head) is held at the file's 6.56 bits per
+    weight (not the repack's 10), as 16-row tiles, and a row subset of odd N as the file's row-major
+    blocks; both dequantize as gguf-py does, and every path that serves them (qlinear's entry, the int8
+    library's fallback, BlockQuantLinear at decode and prefill sizes in fp32 and bf16, the embedding
+    lookup) gives W @ x within its tolerance; KUBEINFER_KQUANT_BLOCKS=0 repacks."""
     from gguf_models import write_tiny_gguf
 
     from server.quant import cpu_qlinear as cq
@@ -194,8 +203,9 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
     ckpt = read_gguf_checkpoint(path)
     emb = ckpt.tensors["model.embed_tokens.weight"]
-    assert isinstance(emb, cq.BlockQuantWeight) and emb.super_blocks and emb.fmt == "q6_k"
+    assert isinstance(emb, cq.BlockQuantWeight) and emb.super_blocks and emb.fmt == "q6_k_x16"
     n, k = emb.out_features, emb.in_features
+    assert n % 16 == 0  # whole 16-row tiles
     assert emb.nbytes() == n * k // 256 * 210  # the file's bytes: 6.5625 bits per weight
     proj = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(proj, cq.BlockQuantWeight) and proj.fmt == "q4_k_x16"  # Q4_K: 16-row tiles
@@ -209,8 +219,12 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
     assert torch.equal(kernel.dequantize_rows(emb), dense)
     rows = torch.tensor([7, 0, n - 1])
     assert torch.equal(BlockQuantEmbedding(emb)(rows), dense[rows])
-    head = emb.select_rows(torch.arange(0, n, 3))  # a row subset (odd N) stays super-blocks
-    _served_paths_match(head, dense[::3], kernel)
+    _served_paths_match(emb, dense, kernel)  # the tiles
+    index = torch.arange(0, n, 3)
+    index = index[:-1] if index.numel() % 2 == 0 else index
+    head = emb.select_rows(index)  # a row subset of odd N: the file's row-major super-blocks
+    assert head.fmt == "q6_k" and head.super_blocks
+    _served_paths_match(head, dense[index], kernel)
 
 
 def _served_paths_match(head, dense_head: torch.Tensor, kernel) -> None:  # type: ignore[no-untyped-def]

@@ -19,7 +19,16 @@
 //   +64   u8 sc[8][16]          sc[j][r]: sub-block j's 6-bit scale of row r
 //   +192  u8 mn[4][16][2]       mn[p][r] = {m[2p][r], m[2p + 1][r]}: int16 pairs for `vpdpwssd`
 //   +320  u8 qs[8][4][64]       qs[j][g][4r + i] = q[r][32j + 4g + i] | q[r][32j + 16 + 4g + i] << 4
-// (kubeinfer_qk_interleave_q4k writes it; cpu_qk_native.interleave_reference is its torch twin).
+// Q6_K x16 (FMT_Q6_K_X16), likewise: tile = 16 rows x one super-block, 3360 bytes (210 per row, the file's
+// 6.5625 bits/weight):
+//   +0    fp16 d[16]
+//   then per 32-value chunk J = 0..7, 416 bytes at 32 + 416 J (so that a pass reads the tile in order):
+//   +0    s8 sc[16][2]          sc[r] = {scale of sub-block 2J, of 2J + 1} of row r (16-value sub-blocks)
+//   +32   u8 ql[4][64]          ql[g][4r + i] = low 4 bits of q[r][32J + 4g + i] | of q[r][32J + 16 + 4g + i] << 4
+//   +288  u8 qh[2][64]          qh[h][4r + i] bits 2g..2g+1 = top 2 bits of q[r][32J + 16h + 4g + i]
+// (q the 6-bit value before the -32 offset). kubeinfer_qk_interleave writes both layouts from the file's
+// rows; cpu_qk_native.interleave_reference is its torch twin. Descriptors mark tiles by group_size
+// X16_GROUP (16 rows x 256), the files' row-major blocks by 256.
 //
 // Activations: ggml's q8_K idea. Each row of x is quantized per 256-value block to int8 with one fp32
 // scale, dx = max|x_b| / 127, q = round-half-even(x * (1 / dx)) (fp32), plus the sums of q per 16
@@ -57,10 +66,16 @@
 namespace {
 
 constexpr int QK_K = 256;
-constexpr int FMT_Q4_K = 0, FMT_Q6_K = 1, FMT_Q4_K_X16 = 2;
+constexpr int FMT_Q4_K = 0, FMT_Q6_K = 1, FMT_Q4_K_X16 = 2, FMT_Q6_K_X16 = 3;
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210;
 constexpr int64_t X16_ROWS = 16, X16_TILE_BYTES = 2368, X16_ROW_BYTES = 148;  // 16 x 148 = 2368
-constexpr int X16_SC = 64, X16_MN = 192, X16_QS = 320;  // offsets in a tile
+constexpr int X16_SC = 64, X16_MN = 192, X16_QS = 320;  // offsets in a Q4_K tile
+constexpr int64_t Q6X_TILE_BYTES = 3360, X16_GROUP = 16 * 256;
+// offsets in a Q6_K tile: after d, one 416-byte run per 32-value chunk J (scales, ql, qh), read in order
+constexpr int Q6X_RUN = 416;
+constexpr int q6x_sc(int J) { return 32 + Q6X_RUN * J; }
+constexpr int q6x_ql(int J, int g) { return 32 + Q6X_RUN * J + 32 + 64 * g; }
+constexpr int q6x_qh(int J, int h) { return 32 + Q6X_RUN * J + 288 + 64 * h; }
 constexpr int TILE_M = 8;  // rows of x per pass over a weight row's super-block
 constexpr int PATH_SCALAR = 0, PATH_VNNI = 2;
 int path_in_use = PATH_SCALAR;
@@ -108,7 +123,8 @@ struct QuantizedX {
   std::vector<int32_t> bsum;  // [M, K / 16]
   // [M, K / 256, 16]: the vnni path's per-block sums (Q4_K: 8 zeros, then the 8 per-32 sums; Q6_K: bsum)
   std::vector<int32_t> sums;
-  // [M, K / 256, 4]: Q4_K x16's min operand, the per-32 sums of sub-blocks 2p and 2p + 1 as an int16 pair
+  // [M, K / 256, 4 or 8]: the x16 kernels' second operand as int16 pairs: Q4_K's per-32 sums of sub-blocks
+  // 2p and 2p + 1 (its mins' term), Q6_K's per-16 sums of sub-blocks 2p and 2p + 1 (its -32 offset's)
   std::vector<int32_t> pairs;
 };
 
@@ -119,6 +135,7 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
   out.bsum.resize(m * (k / 16));
   out.sums.resize(m * (k / 16));
   if (fmt == FMT_Q4_K_X16) out.pairs.resize(m * nb * 4);
+  if (fmt == FMT_Q6_K_X16) out.pairs.resize(m * nb * 8);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * ldx + b * QK_K;
@@ -137,6 +154,11 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
       }
       int32_t* v = out.sums.data() + r * (k / 16) + b * 16;
       for (int j = 0; j < 16; ++j) v[j] = fmt == FMT_Q6_K ? s[j] : j < 8 ? 0 : s[2 * (j - 8)] + s[2 * (j - 8) + 1];
+      if (fmt == FMT_Q6_K_X16) {
+        int32_t* pr = out.pairs.data() + (r * nb + b) * 8;
+        for (int p = 0; p < 8; ++p)  // |sum of 16 q| <= 2032
+          pr[p] = (int32_t)(((uint32_t)(uint16_t)(int16_t)s[2 * p]) | ((uint32_t)(uint16_t)(int16_t)s[2 * p + 1] << 16));
+      }
       if (fmt == FMT_Q4_K_X16) {
         int32_t* pr = out.pairs.data() + (r * nb + b) * 4;
         for (int p = 0; p < 4; ++p) {  // |sum of 32 q| <= 4064: fits int16
@@ -238,6 +260,49 @@ inline void x16_row(const uint8_t* tile, int r, float& d, float& dmin, uint8_t* 
         v[32 * j + 4 * g + i] = byte & 15;
         v[32 * j + 16 + 4 * g + i] = byte >> 4;
       }
+}
+
+// Row r of a Q6_K x16 tile: d, the sixteen scales and the 256 six-bit values (0..63) in k order.
+inline void q6x_row(const uint8_t* tile, int r, float& d, int8_t* sc, uint8_t* v) {
+  d = fp16_to_fp32(tile + 2 * r);
+  for (int j = 0; j < 16; ++j) sc[j] = (int8_t)tile[q6x_sc(j / 2) + 2 * r + (j & 1)];
+  for (int J = 0; J < 8; ++J)
+    for (int g = 0; g < 4; ++g)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t lo = tile[q6x_ql(J, g) + 4 * r + i];
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t hi = (tile[q6x_qh(J, h) + 4 * r + i] >> (2 * g)) & 3;
+          v[32 * J + 16 * h + 4 * g + i] = (uint8_t)(((h ? lo >> 4 : lo) & 15) | (hi << 4));
+        }
+      }
+}
+
+// The scalar path over Q6_K x16 tiles t0..t1: the same integer sums as scalar_rows' Q6_K.
+void scalar_q6x_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq, int64_t m,
+                      float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K;
+  uint8_t v[QK_K];
+  int8_t sc[16];
+  for (int64_t t = t0; t < t1; ++t)
+    for (int r = 0; r < X16_ROWS; ++r) {
+      const int64_t n = X16_ROWS * t + r;
+      for (int64_t i = 0; i < m; ++i) y[i * ldy + n] = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        float d;
+        q6x_row(w + (t * nb + b) * Q6X_TILE_BYTES, r, d, sc, v);
+        for (int64_t i = 0; i < m; ++i) {
+          const int8_t* q = xq.q.data() + i * k + b * QK_K;
+          const int32_t* bs = xq.bsum.data() + i * (k / 16) + b * 16;
+          int32_t isum = 0;
+          for (int j = 0; j < 16; ++j) {
+            int32_t dot = 0;
+            for (int l = 0; l < 16; ++l) dot += (int32_t)v[16 * j + l] * q[16 * j + l];
+            isum += sc[j] * (dot - 32 * bs[j]);
+          }
+          y[i * ldy + n] += d * xq.d[i * nb + b] * (float)isum;
+        }
+      }
+    }
 }
 
 // The scalar path over x16 tiles t0..t1: the same integer sums as scalar_rows' Q4_K.
@@ -379,55 +444,145 @@ KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_
 // high nibbles) dotted with each x row's broadcast 4-byte groups; each lane's two 16-value dots (|.| <=
 // 16 * 15 * 127 < 2^15) times its row's scale by `vpdpwssd`; the mins' term once per super-block as
 // int16 pairs (m[2p], m[2p+1]) x (sum_2p, sum_2p+1); then per lane y += dx (d * isum - dmin * msum).
-// The 16 lanes are 16 outputs: stored as they are, no horizontal sum.
-KI_VNNI void vnni_x16_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq, int64_t m,
-                            float* y, int64_t ldy) {
-  const int64_t nb = k / QK_K;
+// The 16 lanes are 16 outputs: stored as they are, no horizontal sum. MT rows of x per pass over a tile's
+// super-blocks, a compile-time count so that the per-row sums stay in registers.
+template <int MT>
+KI_VNNI void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+                      int64_t ldy) {
   const __m512i lo4 = _mm512_set1_epi8(15);
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = tiles + b * X16_TILE_BYTES;
+    __m512i isum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile + X16_SC + 16 * j)));
+      __m512i lo[4], hi[4];
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512((const void*)(tile + X16_QS + (4 * j + g) * 64));
+        lo[g] = _mm512_and_si512(v, lo4);
+        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
+        __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {
+          dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
+          dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
+        }
+        isum[i] = _mm512_dpwssd_epi32(isum[i], dl, sc);
+        isum[i] = _mm512_dpwssd_epi32(isum[i], dh, sc);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + 32)));
+    __m512i mn[4];
+    for (int p = 0; p < 4; ++p)
+      mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tile + X16_MN + 32 * p)));
+    for (int i = 0; i < MT; ++i) {
+      const int64_t row = r0 + i;
+      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
+      __m512i msum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, mn[p], _mm512_set1_epi32(pr[p]));
+      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
+      acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+}
+
+// Q6_K x16 tiles (layout at the top): per 32-value chunk J, eight u8 vectors of 6-bit values (16 rows x
+// 4 k: the low nibbles with qh's bits for sub-block 2J, the high nibbles for 2J + 1), dotted with each x
+// row's broadcast 4-byte groups; each sub-block's dot (|.| <= 16 * 63 * 127) times its row's scale by
+// `vpmulld`; the -32 offset once per super-block as int16 pairs (sc[2p], sc[2p+1]) x (sum_2p, sum_2p+1);
+// then per lane y += d dx (isum - 32 osum). The 16 lanes are 16 outputs; MT rows of x as in q4x_rows.
+template <int MT>
+KI_VNNI void q6x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+                      int64_t ldy) {
+  const __m512i lo4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = tiles + b * Q6X_TILE_BYTES;
+    __m512i isum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
+    for (int J = 0; J < 8; ++J) {
+      const __m512i pv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(tile + q6x_sc(J))));
+      const __m512i sa = _mm512_srai_epi32(_mm512_slli_epi32(pv, 16), 16), sb = _mm512_srai_epi32(pv, 16);
+      const __m512i h0 = _mm512_loadu_si512((const void*)(tile + q6x_qh(J, 0)));
+      const __m512i h1 = _mm512_loadu_si512((const void*)(tile + q6x_qh(J, 1)));
+      // qh's bits 2g..2g+1 moved to bits 4..5 (16-bit shifts: the mask keeps each byte's own bits)
+      const __m512i s0[4] = {_mm512_slli_epi16(h0, 4), _mm512_slli_epi16(h0, 2), h0, _mm512_srli_epi16(h0, 2)};
+      const __m512i s1[4] = {_mm512_slli_epi16(h1, 4), _mm512_slli_epi16(h1, 2), h1, _mm512_srli_epi16(h1, 2)};
+      __m512i a[4], c[4];
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512((const void*)(tile + q6x_ql(J, g)));
+        a[g] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, lo4), s0[g], hi2, 0xF8);  // A | (B & C)
+        c[g] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), lo4), s1[g], hi2, 0xF8);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * J);
+        __m512i da = _mm512_setzero_si512(), dc = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {
+          da = _mm512_dpbusd_epi32(da, a[g], _mm512_set1_epi32(q[g]));
+          dc = _mm512_dpbusd_epi32(dc, c[g], _mm512_set1_epi32(q[4 + g]));
+        }
+        isum[i] =
+            _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(da, sa), _mm512_mullo_epi32(dc, sb)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
+    for (int i = 0; i < MT; ++i) {
+      const int64_t row = r0 + i;
+      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 8;
+      __m512i osum = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) {
+        const __m512i pv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(tile + q6x_sc(p))));
+        osum = _mm512_dpwssd_epi32(osum, pv, _mm512_set1_epi32(pr[p]));
+      }
+      const __m512i tot = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(osum, 5));
+      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dx), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+}
+
+// Tiles t0..t1 of `fmt` (FMT_Q4_K_X16 or FMT_Q6_K_X16), all M rows of x: TILE_M rows per pass over a
+// tile (a tile's bytes come from memory once, then from L1 for the next pass).
+KI_VNNI void vnni_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq,
+                        int64_t m, float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K, tb = fmt == FMT_Q6_K_X16 ? Q6X_TILE_BYTES : X16_TILE_BYTES;
   for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tiles = w + t * nb * tb;
+    float* yt = y + X16_ROWS * t;
     for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
       const int mt = (int)std::min<int64_t>(TILE_M, m - r0);
-      __m512 acc[TILE_M];
-      for (int i = 0; i < mt; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* tile = w + (t * nb + b) * X16_TILE_BYTES;
-        __m512i isum[TILE_M];
-        for (int i = 0; i < mt; ++i) isum[i] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) {
-          const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile + X16_SC + 16 * j)));
-          __m512i lo[4], hi[4];
-          for (int g = 0; g < 4; ++g) {
-            const __m512i v = _mm512_loadu_si512((const void*)(tile + X16_QS + (4 * j + g) * 64));
-            lo[g] = _mm512_and_si512(v, lo4);
-            hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-          }
-          for (int i = 0; i < mt; ++i) {
-            const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
-            __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
-            for (int g = 0; g < 4; ++g) {
-              dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
-              dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
-            }
-            isum[i] = _mm512_dpwssd_epi32(isum[i], dl, sc);
-            isum[i] = _mm512_dpwssd_epi32(isum[i], dh, sc);
-          }
+      if (fmt == FMT_Q6_K_X16) {
+        switch (mt) {
+          case 1: q6x_rows<1>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 2: q6x_rows<2>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 3: q6x_rows<3>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 4: q6x_rows<4>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 5: q6x_rows<5>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 6: q6x_rows<6>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 7: q6x_rows<7>(tiles, nb, k, xq, r0, yt, ldy); break;
+          default: q6x_rows<8>(tiles, nb, k, xq, r0, yt, ldy); break;
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + 32)));
-        __m512i mn[4];
-        for (int p = 0; p < 4; ++p)
-          mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tile + X16_MN + 32 * p)));
-        for (int i = 0; i < mt; ++i) {
-          const int64_t row = r0 + i;
-          const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
-          __m512i msum = _mm512_setzero_si512();
-          for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, mn[p], _mm512_set1_epi32(pr[p]));
-          const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
-          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
-          acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[i]);
+      } else {
+        switch (mt) {
+          case 1: q4x_rows<1>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 2: q4x_rows<2>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 3: q4x_rows<3>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 4: q4x_rows<4>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 5: q4x_rows<5>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 6: q4x_rows<6>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case 7: q4x_rows<7>(tiles, nb, k, xq, r0, yt, ldy); break;
+          default: q4x_rows<8>(tiles, nb, k, xq, r0, yt, ldy); break;
         }
       }
-      for (int i = 0; i < mt; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy + X16_ROWS * t, acc[i]);
     }
   }
 }
@@ -439,7 +594,13 @@ void dequant_row(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_
   const uint8_t* row = w + n * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     float* ob = o + b * QK_K;
-    if (fmt == FMT_Q4_K_X16) {  // row n is row n % 16 of tile n / 16
+    if (fmt == FMT_Q6_K_X16) {  // row n is row n % 16 of tile n / 16
+      float d;
+      int8_t sc[16];
+      uint8_t v[QK_K];
+      q6x_row(w + ((n / X16_ROWS) * nb + b) * Q6X_TILE_BYTES, (int)(n % X16_ROWS), d, sc, v);
+      for (int i = 0; i < QK_K; ++i) ob[i] = (d * sc[i / 16]) * (float)((int)v[i] - 32);
+    } else if (fmt == FMT_Q4_K_X16) {  // row n is row n % 16 of tile n / 16
       float d, dmin;
       uint8_t sc[8], mn[8], v[QK_K];
       x16_row(w + ((n / X16_ROWS) * nb + b) * X16_TILE_BYTES, (int)(n % X16_ROWS), d, dmin, sc, mn, v);
@@ -497,11 +658,11 @@ int best_compiled_path() {
 
 extern "C" {
 
-int32_t kubeinfer_qk_native_abi() { return 3; }
+int32_t kubeinfer_qk_native_abi() { return 4; }
 
 // csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
-// super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K), 210 (Q6_K) or 148 (Q4_K x16 tiles);
-// scales, mins unused.
+// super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K), group_size 256; or the
+// 16-row tiles (group_size X16_GROUP), row_bytes k / 256 * 148 (Q4_K) or 210 (Q6_K); scales, mins unused.
 struct KiQWeight {
   const uint8_t* q;
   const void* scales;
@@ -525,13 +686,14 @@ int32_t kubeinfer_qk_set_path(int32_t path) {
 int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
                             int64_t ldx, float* y, int64_t ldy, int32_t threads) {
   if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % QK_K) return 1;
-  if (fmt != FMT_Q4_K && fmt != FMT_Q6_K && fmt != FMT_Q4_K_X16) return 1;
-  if (fmt == FMT_Q4_K_X16 && n % X16_ROWS) return 1;
+  if (fmt < FMT_Q4_K || fmt > FMT_Q6_K_X16) return 1;
+  const bool tiled = fmt == FMT_Q4_K_X16 || fmt == FMT_Q6_K_X16;
+  if (tiled && n % X16_ROWS) return 1;
   if (m == 0 || n == 0) return 0;
   QuantizedX xq;
   quantize_rows(fmt, x, m, ldx, k, xq);
   const bool vnni = path_in_use == PATH_VNNI;
-  if (fmt == FMT_Q4_K_X16) {
+  if (tiled) {
     const int64_t tiles = n / X16_ROWS;
     const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, tiles));
 #pragma omp parallel num_threads(nt)
@@ -539,11 +701,15 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
       const int t = omp_get_thread_num(), nth = omp_get_num_threads();
       const int64_t chunk = (tiles + nth - 1) / nth, t0 = std::min<int64_t>(tiles, t * chunk),
                     t1 = std::min<int64_t>(tiles, t0 + chunk);
+      const bool q6 = fmt == FMT_Q6_K_X16;
 #if KI_QK_X86
       if (vnni)
-        vnni_x16_tiles(w, t0, t1, k, xq, m, y, ldy);
+        vnni_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
       else
 #endif
+          if (q6)
+        scalar_q6x_tiles(w, t0, t1, k, xq, m, y, ldy);
+      else
         scalar_x16_tiles(w, t0, t1, k, xq, m, y, ldy);
     }
     return 0;
@@ -565,20 +731,39 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
   return 0;
 }
 
-// Q4_K rows [n, k / 256 * 144] (GGUF's block_q4_K) -> the x16 tiles [n, k / 256 * 148] (layout at the top),
-// n a multiple of 16. Returns 0, or 1 for bad arguments.
-int32_t kubeinfer_qk_interleave_q4k(const uint8_t* src, int64_t n, int64_t k, uint8_t* dst, int32_t threads) {
-  if (!src || !dst || n < 0 || n % X16_ROWS || k <= 0 || k % QK_K) return 1;
+// GGUF rows [n, k / 256 * 144 or 210] of `fmt` (0 Q4_K, 1 Q6_K) -> the 16-row tiles of the same bytes per
+// row (148 or 210; layouts at the top), n a multiple of 16. Returns 0, or 1 for bad arguments.
+int32_t kubeinfer_qk_interleave(int32_t fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst,
+                                int32_t threads) {
+  if (!src || !dst || n < 0 || n % X16_ROWS || k <= 0 || k % QK_K || (fmt != FMT_Q4_K && fmt != FMT_Q6_K))
+    return 1;
   const int64_t nb = k / QK_K, tiles = n / X16_ROWS;
+  const bool q6 = fmt == FMT_Q6_K;
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static) if (n * k > (1 << 16))
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* tile = dst + (t * nb + b) * X16_TILE_BYTES;
+      uint8_t* tile = dst + (t * nb + b) * (q6 ? Q6X_TILE_BYTES : X16_TILE_BYTES);
+      if (q6) std::memset(tile, 0, Q6X_TILE_BYTES);  // qh is or-ed in below
       for (int r = 0; r < X16_ROWS; ++r) {
-        const uint8_t* blk = src + ((X16_ROWS * t + r) * nb + b) * Q4_K_BYTES;
+        const uint8_t* blk = src + ((X16_ROWS * t + r) * nb + b) * (q6 ? Q6_K_BYTES : Q4_K_BYTES);
+        uint8_t v[QK_K];
+        if (q6) {
+          std::memcpy(tile + 2 * r, blk + 208, 2);
+          for (int j = 0; j < 16; ++j) tile[q6x_sc(j / 2) + 2 * r + (j & 1)] = blk[192 + j];
+          q6k_values(blk, v);
+          for (int J = 0; J < 8; ++J)
+            for (int g = 0; g < 4; ++g)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t a = v[32 * J + 4 * g + i], c = v[32 * J + 16 + 4 * g + i];
+                tile[q6x_ql(J, g) + 4 * r + i] = (uint8_t)((a & 15) | ((c & 15) << 4));
+                tile[q6x_qh(J, 0) + 4 * r + i] |= (uint8_t)((a >> 4) << (2 * g));
+                tile[q6x_qh(J, 1) + 4 * r + i] |= (uint8_t)((c >> 4) << (2 * g));
+              }
+          continue;
+        }
         std::memcpy(tile + 2 * r, blk, 2);
         std::memcpy(tile + 32 + 2 * r, blk + 2, 2);
-        uint8_t sc[8], mn[8], v[QK_K];
+        uint8_t sc[8], mn[8];
         q4k_scales(blk + 4, sc, mn);
         q4k_values(blk, v);
         for (int j = 0; j < 8; ++j) {
@@ -597,9 +782,14 @@ int32_t kubeinfer_qk_interleave_q4k(const uint8_t* src, int64_t n, int64_t k, ui
 // Format code of a descriptor's super-blocks from its row bytes, or -1.
 static int32_t desc_format(const KiQWeight* w) {
   if (!w || !w->q || w->bits != 6 || w->n < 0 || w->k <= 0 || w->k % QK_K) return -1;
+  if (w->group_size == X16_GROUP) {  // 16-row tiles
+    if (w->n % X16_ROWS) return -1;
+    if (w->row_bytes == w->k / QK_K * X16_ROW_BYTES) return FMT_Q4_K_X16;
+    if (w->row_bytes == w->k / QK_K * Q6_K_BYTES) return FMT_Q6_K_X16;
+    return -1;
+  }
   if (w->row_bytes == w->k / QK_K * Q4_K_BYTES) return FMT_Q4_K;
   if (w->row_bytes == w->k / QK_K * Q6_K_BYTES) return FMT_Q6_K;
-  if (w->row_bytes == w->k / QK_K * X16_ROW_BYTES && w->n % X16_ROWS == 0) return FMT_Q4_K_X16;
   return -1;
 }
 
