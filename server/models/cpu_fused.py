@@ -311,7 +311,8 @@ class FusedOps:
     ) -> Tensor:  # [T, Hq, D] fp32
         """One-token decode attention of row i (sequence i, at position context_lens[i] - 1) with Gemma 2's
         soft-capped scores (attn_logit_softcapping): softmax(cap * tanh(q.k * scale / cap)) v, fp32.
-        softcap_attention.softcap_paged_attention is the torch reference (tests/models/test_softcap_decode.py).
+        kubeinfer_kernels.reference.paged_attention_ref(softcap=) is the torch reference
+        (tests/models/test_softcap_decode.py).
         Raises TypeError/ValueError for bad operands or indices out of the cache."""
         if q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3:
             raise TypeError(f"q must be a [T, Hq, D] CPU fp32 tensor, got {q.dtype} {tuple(q.shape)}")

@@ -22,7 +22,7 @@ cache pointers and the kernels' entry points) and replays the layer loop in C++
 order on the same buffers as `LlamaForCausalLM._forward_fused`: the hidden states are bit-identical.
 Qwen3's q/k norms run in it too (`kubeinfer_head_rms_norm`, as in the Python fused path), and Gemma 2's
 soft-capped attention (`kubeinfer_softcap_paged_decode`, which the Python fused path's decode steps call
-too: softcap_attention.py); the final logit soft-cap stays in `compute_logits`, after either path.
+too: layers.py `_softcap_fused_decode`); the final logit soft-cap stays in `compute_logits`, after either path.
 
 It serves steps whose every row is a one-token decode (no prefill chunk, no speculative verification)
 of a model whose q/k/v, o, gate/up and down are plain `BlockQuantLinear` with the compiled kernel (a

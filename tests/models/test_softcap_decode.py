@@ -1,15 +1,17 @@
-"""cpu_fused.cpp's softcap_paged_decode (Gemma 2's soft-capped scores in one-token paged decode) against
-its torch reference, softcap_attention.softcap_paged_attention: GQA, scattered blocks, an fp32, bf16 or
-fp16 cache, with and without a window shorter than the contexts."""
+"""cpu_fused.cpp's softcap_paged_decode (Gemma 2's soft-capped scores in one-token paged decode, the decode
+graph's kernel for these layers) against the torch reference (kubeinfer_kernels.reference) and the
+attention library's decode kernel with the same soft-cap: GQA, scattered blocks, an fp32, bf16 or fp16
+cache, with and without a window shorter than the contexts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kubeinfer_kernels.reference import paged_attention_decode_ref
 
 from server.attention import AttentionMetadata
+from server.attention.cpu_kernel import load_decode_kernel
 from server.models.cpu_fused import FusedOps, load_fused_ops
-from server.models.softcap_attention import softcap_paged_attention
 
 HQ, HKV, D, BLOCK = 4, 2, 16, 4
 CONTEXTS = [1, 7, 13, 22]  # one per decode row; 1: the query attends to its own key only
@@ -61,17 +63,23 @@ def test_kernel_matches_the_torch_reference(
     q, k, v, k_cache, v_cache, tables, ctx, slots = _decode_batch(cache_dtype)
     meta = _meta(tables, ctx, slots)
     scale, cap = D**-0.5, 2.0
-    # the reference stores k/v (rounded to the cache's dtype) and attends in fp32
-    want = softcap_paged_attention(q, k, v, k_cache, v_cache, meta, scale, cap, window)
+    # k/v stored (rounded to the cache's dtype) as a backend stores them; the reference attends in fp32
+    k_cache.view(-1, HKV, D).index_copy_(0, meta.slot_mapping, k.to(cache_dtype))
+    v_cache.view(-1, HKV, D).index_copy_(0, meta.slot_mapping, v.to(cache_dtype))
+    args = (q, k_cache.float(), v_cache.float(), tables, ctx, scale, window)
+    want = paged_attention_decode_ref(*args, softcap=cap)
     got = ops.softcap_paged_decode(q, k_cache, v_cache, tables, ctx, scale, cap, window)
     # fp32 sums in another order: ~1e-6 on outputs of magnitude ~1
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    # the fused path's entry point takes the kernel and gives the same
-    fused = softcap_paged_attention(q, k, v, k_cache, v_cache, meta, scale, cap, window, ops)
-    assert torch.equal(fused, got)
+    # the attention library's decode kernel (the backends' path) with the same soft-cap agrees
+    lib = torch.empty_like(q)
+    rows = torch.arange(len(CONTEXTS), dtype=torch.int64)
+    load_decode_kernel()(
+        lib, q, k_cache, v_cache, tables, ctx, rows, rows, scale, sliding_window=window, softcap=cap
+    )
+    torch.testing.assert_close(lib, got, atol=2e-5, rtol=1e-5)
     # the cap matters here: without it the result is another
-    uncapped = softcap_paged_attention(q, k, v, k_cache, v_cache, meta, scale, 1e6, window)
-    assert (uncapped - got).abs().max() > 1e-2
+    assert (paged_attention_decode_ref(*args) - got).abs().max() > 1e-2
 
 
 def test_bad_operands_raise(ops: FusedOps) -> None:

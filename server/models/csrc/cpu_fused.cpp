@@ -333,7 +333,7 @@ int32_t kubeinfer_head_rms_norm(float* x, int64_t row_stride, int64_t rows, int6
 // row rows[i]: q [*, Hq, D] and out [*, Hq, D] with row strides in elements, head h of a row at h * D.
 // The query sits at position context_len - 1 and sees keys max(0, context_len - window) .. context_len - 1
 // (window 0: all). Scores: cap * tanh(q.k * scale / cap), then a max-subtracted softmax in fp32 (the
-// reference: server/models/softcap_attention.py, as transformers' eager Gemma 2). Indices are the caller's
+// reference: kubeinfer_kernels.reference.paged_attention_ref's softcap, as transformers' eager Gemma 2). Indices are the caller's
 // to check (cpu_kernel.check_decode_indices). Returns 1 for bad sizes, 2 for an unknown cache dtype.
 int32_t kubeinfer_softcap_paged_decode(int32_t cache_dtype, float* out, const float* q, const void* k_cache,
                                        const void* v_cache, const int32_t* block_tables,
