@@ -49,8 +49,9 @@ from server.attention.metadata import AttentionMetadata
 
 # Metadata whose plans are kept: a step's KV layer groups (two at most) and the previous step's.
 _KEPT_METAS = 4
-# Query rows per matmul in `_capped_attention`: its fp32 scores are [B, Hq, rows, L], kept to tens of MB.
-_CAPPED_ROWS = 256
+# Query rows per matmul in `_capped_attention`: its fp32 scores are [B, Hq, rows, L], kept to a few MB, and
+# each tile reads only the keys its rows see (causal, window).
+_CAPPED_ROWS = 128
 
 
 @dataclass
@@ -162,10 +163,12 @@ def _capped_attention(
     scale: float,
     softcap: float,  # > 0
     sinks: Tensor | None,  # [Hq] fp32
+    window: int,  # 0, or the sliding window the mask holds (only to skip keys no row of a tile sees)
 ) -> Tensor:  # [B, Hq, n, D] fp32
     """What SDPA computes for a prefill group, with every scaled score s taken as cap * tanh(s / cap)
     before the mask (transformers' Gemma 2 eager attention), in fp32; sinks as a last score column. The
-    G query heads of a KV head are G * n rows of one matmul over that head's keys (no repeated K/V)."""
+    G query heads of a KV head are G * rows rows of one matmul over that head's keys (no repeated K/V),
+    `_CAPPED_ROWS` query rows at a time over the keys they see."""
     b, hq, n, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -175,17 +178,21 @@ def _capped_attention(
     out = torch.empty(b, hkv, g, n, d)
     for r0 in range(0, n, _CAPPED_ROWS):
         r1 = min(n, r0 + _CAPPED_ROWS)
-        qg = q[:, :, r0:r1].float().reshape(b, hkv, g * (r1 - r0), d)
-        scores = torch.matmul(qg, kf.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G * rows, L]
-        scores = torch.tanh(scores.div_(softcap)).mul_(softcap).view(b, hkv, g, r1 - r0, length)
-        scores += mask[r0:r1].float()
+        rows = r1 - r0
+        # keys [k0, k1): up to the tile's last query's position, from its first query's window start
+        k1 = length - n + r1
+        k0 = max(0, length - n + r0 - window + 1) if window else 0
+        qg = q[:, :, r0:r1].float().reshape(b, hkv, g * rows, d)
+        scores = torch.matmul(qg, kf[:, :, k0:k1].transpose(-1, -2))  # [B, Hkv, G * rows, k1 - k0]
+        scores = scores.mul_(scale / softcap).tanh_().mul_(softcap).view(b, hkv, g, rows, k1 - k0)
+        scores += mask[r0:r1, k0:k1].float()
         if sinks is None:
             probs = scores.softmax(-1)
         else:
-            sink_col = sinks.view(1, hkv, g, 1, 1).expand(b, -1, -1, r1 - r0, 1)
+            sink_col = sinks.view(1, hkv, g, 1, 1).expand(b, -1, -1, rows, 1)
             probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :-1]
-        out[:, :, :, r0:r1] = torch.matmul(probs.reshape(b, hkv, g * (r1 - r0), length), vf).view(
-            b, hkv, g, r1 - r0, d
+        out[:, :, :, r0:r1] = torch.matmul(probs.reshape(b, hkv, g * rows, k1 - k0), vf[:, :, k0:k1]).view(
+            b, hkv, g, rows, d
         )
     return out.view(b, hq, n, d)
 
@@ -416,7 +423,7 @@ class TorchAttentionBackend:
                 )
                 # ks, vs: [B, Hkv, n, D]
                 if cap:
-                    o = _capped_attention(qs, ks, vs, grp.mask, scale, cap, sinks)
+                    o = _capped_attention(qs, ks, vs, grp.mask, scale, cap, sinks, window)
                 elif sinks is not None:
                     ks, vs, sink_mask = _with_sink_key(ks, vs, grp.mask, sinks, n)
                     o = F.scaled_dot_product_attention(
@@ -440,7 +447,7 @@ class TorchAttentionBackend:
                 ks, vs = ks.transpose(1, 2).to(cd), vs.transpose(1, 2).to(cd)
                 mask = grp.mask
                 if cap:
-                    o = _capped_attention(qs, ks, vs, mask, scale, cap, sinks)
+                    o = _capped_attention(qs, ks, vs, mask, scale, cap, sinks, window)
                 else:
                     if sinks is not None:
                         ks, vs, mask = _with_sink_key(ks, vs, grp.mask, sinks, n)

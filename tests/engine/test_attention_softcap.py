@@ -161,18 +161,25 @@ def test_backends_softcap_with_and_without_windows(
                 assert (uncapped[s0:s1] - ref[s0:s1]).abs().max() > 0.1, msg
 
 
-def test_capped_groups_bound_their_scores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt longer than `_CAPPED_ROWS` is attended in row tiles: the same as one pass."""
+@pytest.mark.parametrize("window", [None, 9])
+def test_capped_groups_tile_their_rows(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """Prompt chunks longer than `_CAPPED_ROWS` are attended in row tiles, each over the keys its rows see
+    (causal, window): the same as one tile over every key, and as the reference."""
     import server.attention.torch_backend as tb
 
     torch.manual_seed(3)
-    meta = make_attention_metadata([70, 1], [30, 9], 16, torch.device("cpu"))
+    meta = make_attention_metadata([70, 1, 40], [30, 9, 0], 16, torch.device("cpu"))
     shape = (int(meta.block_tables.max()) + 2, 16, 2, 32)
-    q, k, v = torch.randn(71, 4, 32) * Q_SCALE, torch.randn(71, 2, 32), torch.randn(71, 2, 32)
+    q, k, v = torch.randn(111, 4, 32) * Q_SCALE, torch.randn(111, 2, 32), torch.randn(111, 2, 32)
     outs = []
     for rows in (256, 16):
         monkeypatch.setattr(tb, "_CAPPED_ROWS", rows)
         kc, vc = torch.zeros(shape), torch.zeros(shape)
-        outs.append(TorchAttentionBackend(16).forward(q, k, v, kc, vc, meta, 32**-0.5, softcap=CAP))
+        be = TorchAttentionBackend(16)
+        outs.append(be.forward(q, k, v, kc, vc, meta, 32**-0.5, sliding_window=window, softcap=CAP))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
-    assert math.isfinite(float(outs[0].abs().max()))
+    ref = paged_attention_ref(
+        q, kc, vc, meta.block_tables, meta.context_lens, meta.query_start_loc, 32**-0.5, window, softcap=CAP
+    )
+    torch.testing.assert_close(outs[1], ref, atol=2e-5, rtol=2e-5)
+    assert math.isfinite(float(outs[1].abs().max()))
