@@ -22,28 +22,6 @@ from server.models.rope import apply_rotary
 from server.quant.block_linear import BlockQuantLinear
 
 
-def _softcap_fused_decode(
-    q: Tensor,  # [T, Hq, D] fp32, one query per sequence
-    k: Tensor,  # [T, Hkv, D]
-    v: Tensor,  # [T, Hkv, D]
-    k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
-    meta: AttentionMetadata,
-    scale: float,
-    softcap: float,
-    sliding_window: int | None,
-    ops: FusedOps,
-) -> Tensor:  # [T, Hq, D] fp32
-    """Stores k/v at their slots and attends through the fused ops' `softcap_paged_decode` (the decode
-    graph's kernel for soft-capped layers)."""
-    hkv, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    return ops.softcap_paged_decode(
-        q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, softcap, sliding_window
-    )
-
-
 class RMSNorm(nn.Module):
     def __init__(
         self, dim: int, eps: float, device: torch.device | str | None = None, kind: NormKind = "rms"
@@ -158,13 +136,6 @@ class Attention(nn.Module):
                 q, k = _head_norm(q, self.q_norm, ops), _head_norm(k, self.k_norm, ops)
             if cos is not None and sin is not None:
                 q, k = _rotate(q, cos, sin, ops), _rotate(k, cos, sin, ops)
-        if self.softcap is not None and ops is not None and meta.is_pure_decode and q.dtype == torch.float32:
-            # The fused CPU path's decode step: the decode graph's own kernel for soft-capped layers, so
-            # the graph and this path agree bit for bit.
-            o = _softcap_fused_decode(
-                q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.sliding_window, ops
-            )
-            return self.o_proj(o.reshape(t, hq * d))
         # a bf16 out_dtype: the o projection's bf16 GEMM takes a bf16 attention output as its operand
         o = backend.forward(
             q,
