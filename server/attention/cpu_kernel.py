@@ -132,7 +132,7 @@ class DecodeKernel:
         """Causal attention of prompt chunks over their whole context in the paged cache, in bf16 products
         with fp32 sums (csrc/paged_decode.cpp, `kubeinfer_paged_prefill`: flash-attention's online softmax,
         q * scale and the probabilities rounded to bf16). Returns False, writing nothing, where this kernel
-        has no such path (no usable AVX512-BF16, head_dim not 64 or 128): the caller attends itself.
+        has no such path (no usable AVX512-BF16, head_dim not 64, 128 or 256): the caller attends itself.
         `indices_checked=True` skips `check_prefill_chunks` for a caller that ran it once per step.
         `sliding_window` W: the query at position p attends to positions p - W + 1 .. p only. `sinks`:
         one logit per query head added to each softmax's denominator (gpt-oss). `softcap`: 0, or the
@@ -178,7 +178,10 @@ class DecodeKernel:
     def prefill_supported(self, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
         """Whether `prefill` runs for fp32/bf16 q over this cache dtype and head_dim here."""
         return (
-            self.bf16 and dtype == torch.float32 and cache_dtype == torch.bfloat16 and head_dim in (64, 128)
+            self.bf16
+            and dtype == torch.float32
+            and cache_dtype == torch.bfloat16
+            and head_dim in (64, 128, 256)
         )
 
     def store_kv(

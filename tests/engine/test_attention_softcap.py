@@ -54,7 +54,7 @@ def test_decode_kernel_softcap_matches_reference(
 
 
 @pytest.mark.parametrize("window", [None, 16, 100])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_prefill_kernel_softcap_matches_reference(
     kernel: DecodeKernel, window: int | None, head_dim: int
 ) -> None:

@@ -960,7 +960,8 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
 // from the first query's window start) and attends.
 KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, int i0, int i1, std::vector<uint32_t>& kp,
                                  std::vector<uint32_t>& vp, std::vector<uint32_t>& qw) {
-  const int D = a.d, W = D / 2, RG = D == 64 ? 4 : 2;
+  // rows per register tile: RG * D / 16 zmm of sums (16 at every head_dim) beside the K/V operands
+  const int D = a.d, W = D / 2, RG = D == 64 ? 4 : D == 128 ? 2 : 1;
   const int G = a.hq / a.hkv, n = a.q_lens[c], pos0 = a.ctx_lens[c] - n, seen = pos0 + i1;
   const int32_t* table = a.block_tables + a.seqs[c] * a.bt_stride;
   const int nb = (seen + 15) / 16;
@@ -988,6 +989,9 @@ KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, int i0,
     if (D == 64)
       attend_rows<4, 4>(a, qw.data(), kp.data(), vp.data(), b0, r0, std::min(RG, rows - r0), G, pos0 + i0,
                         a.q_starts[c] + i0, h, a.out);
+    else if (D == 256)  // Gemma 2/3's head_dim
+      attend_rows<16, 1>(a, qw.data(), kp.data(), vp.data(), b0, r0, std::min(RG, rows - r0), G, pos0 + i0,
+                         a.q_starts[c] + i0, h, a.out);
     else
       attend_rows<8, 2>(a, qw.data(), kp.data(), vp.data(), b0, r0, std::min(RG, rows - r0), G, pos0 + i0,
                         a.q_starts[c] + i0, h, a.out);
@@ -1041,7 +1045,7 @@ void kubeinfer_paged_decode_set_bf16(int32_t allowed) {
 #endif
 }
 // Prompt chunks over a bf16 cache in bf16 compute (see PrefillArgs): q and out fp32 [T, Hq, D] (rows
-// strided), head_dim 64 or 128; `window` 0 or a sliding window, `softcap` 0 or the attention logit
+// strided), head_dim 64, 128 or 256; `window` 0 or a sliding window, `softcap` 0 or the attention logit
 // soft-cap (PrefillArgs). Returns 0; -1 where this build or CPU has no such path (bf16 not enabled, or
 // another head_dim) or for a negative window or soft-cap: the caller uses its own.
 int32_t kubeinfer_paged_prefill(float* out, const float* q, const void* k_cache, const void* v_cache,
@@ -1051,7 +1055,7 @@ int32_t kubeinfer_paged_prefill(float* out, const float* q, const void* k_cache,
                                 int32_t hkv, int32_t d, int32_t block_size, float scale, int32_t window,
                                 const float* sinks, float softcap, int32_t num_threads) {
 #if defined(__AVX512F__)
-  if (!bf16_enabled() || (d != 64 && d != 128) || window < 0 || !(softcap >= 0.0f)) return -1;
+  if (!bf16_enabled() || (d != 64 && d != 128 && d != 256) || window < 0 || !(softcap >= 0.0f)) return -1;
   const PrefillArgs a{out,      q,      static_cast<const bf16*>(k_cache), static_cast<const bf16*>(v_cache),
                       block_tables, seqs, q_starts, q_lens, ctx_lens, num_chunks, q_row_stride, out_row_stride,
                       bt_stride, hq, hkv, d, block_size, scale, window, sinks, softcap};
