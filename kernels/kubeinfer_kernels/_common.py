@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -116,6 +118,29 @@ def check_paged_attention_args(
     check_contiguous("context_lens", context_lens)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+def softcap_arg(softcap: float) -> float:
+    """A launcher's `softcap` (vLLM's `logits_soft_cap`, Gemma 2's `attn_logit_softcapping`): 0 for none,
+    else cap > 0, each scaled score s becoming cap * tanh(s / cap) before the mask and softmax. Returns
+    the cap in the kernels' log2 units (cap * log2(e), which caps the log2-scaled scores alike). Raises
+    ValueError for a negative, NaN or infinite cap or a non-number."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a float >= 0 (0: none), got {softcap!r}")
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0: none), got {softcap!r}")
+    return cap * LOG2E
+
+
+@triton.jit
+def tanh_cap(s, cap):
+    """cap * tanh(s / cap) as sign(y) (1 - e) / (1 + e), y = s / cap, e = exp(-2 |y|) <= 1: no overflow
+    (Triton's libdevice tanh is not in the interpreter)."""
+    y = s / cap
+    e = tl.exp(-2.0 * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(y < 0.0, -t, t)
 
 
 def sinks_arg(sinks: Tensor | None, q: Tensor) -> Tensor:

@@ -21,6 +21,8 @@ from kubeinfer_kernels._common import (
     dot_precision,
     next_pow2,
     sinks_arg,
+    softcap_arg,
+    tanh_cap,
     upcast_loads,
     window_arg,
 )
@@ -43,6 +45,7 @@ def _decode_partition_kernel(
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
     window,  # sliding window W (NO_WINDOW: none): the query at position ctx - 1 sees keys ctx - W .. ctx - 1
     sinks_ptr,  # [num_heads] fp32 attention sinks, natural-log units (read only when HAS_SINKS)
+    softcap_log2,  # the attention logit soft-cap * log2(e) (read only when HAS_SOFTCAP)
     stride_q_s,
     stride_q_h,
     stride_c_b,
@@ -63,6 +66,7 @@ def _decode_partition_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,6 +110,8 @@ def _decode_partition_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        if HAS_SOFTCAP:  # Gemma 2: cap * tanh(s / cap) before the mask, in log2 units as s
+            s = tanh_cap(s, softcap_log2)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -207,13 +213,17 @@ def paged_attention_decode(
     partition_size: int = DEFAULT_PARTITION_SIZE,
     sliding_window: int | None = None,
     sinks: Tensor | None = None,  # [num_heads] fp32 on q's device
+    softcap: float = 0.0,
 ) -> Tensor:  # [num_seqs, num_heads, head_dim] in q.dtype
     """Decode attention. `max_context_len` (a host int, so no device sync) sizes the split-K grid and
     must be >= every context length; block tables must cover each context. `sliding_window` W: each
     query (position context_len - 1) sees its last W keys only (transformers' sliding_window_overlay,
     kv_idx > q_idx - W); blocks before that are not read. ValueError for W < 1. `sinks`: gpt-oss's
-    attention sinks, one logit per query head joining each softmax's denominator (`sinks_arg`)."""
+    attention sinks, one logit per query head joining each softmax's denominator (`sinks_arg`).
+    `softcap`: 0, or the attention logit soft-cap: scaled scores cap * tanh(s / cap) before the softmax
+    (Gemma 2; `softcap_arg`: ValueError for a negative or non-finite cap)."""
     window = window_arg(sliding_window)
+    softcap_log2 = softcap_arg(softcap)
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     sinks_t = sinks_arg(sinks, q)
     num_seqs, num_heads, head_dim = q.shape
@@ -255,6 +265,7 @@ def paged_attention_decode(
         scale_log2=scale * LOG2E,
         window=window,
         sinks_ptr=sinks_t,
+        softcap_log2=softcap_log2,
         stride_q_s=q.stride(0),
         stride_q_h=q.stride(1),
         stride_c_b=k_cache.stride(0),
@@ -275,6 +286,7 @@ def paged_attention_decode(
         UPCAST=upcast_loads(q.dtype),
         PRECISION=dot_precision(q.dtype),
         HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=softcap_log2 > 0,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -23,6 +23,8 @@ from kubeinfer_kernels._common import (
     dot_precision,
     next_pow2,
     sinks_arg,
+    softcap_arg,
+    tanh_cap,
     upcast_loads,
     window_arg,
 )
@@ -40,6 +42,7 @@ def _prefill_kernel(
     scale_log2,  # softmax scale * log2(e)
     window,  # sliding window W (NO_WINDOW: none): the query at position p sees keys p - W + 1 .. p
     sinks_ptr,  # [num_heads] fp32 attention sinks, natural-log units (read only when HAS_SINKS)
+    softcap_log2,  # the attention logit soft-cap * log2(e) (read only when HAS_SOFTCAP)
     stride_q_t,
     stride_q_h,
     stride_c_b,
@@ -57,6 +60,7 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -103,6 +107,8 @@ def _prefill_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:  # Gemma 2: cap * tanh(s / cap) before the mask, in log2 units as s
+            s = tanh_cap(s, softcap_log2)
         visible = (
             (offs_n[None, :] <= q_pos[:, None])
             & (offs_n[None, :] > q_pos[:, None] - window)
@@ -144,13 +150,17 @@ def paged_prefill_attention(
     max_query_len: int,
     sliding_window: int | None = None,
     sinks: Tensor | None = None,  # [num_heads] fp32 on q's device
+    softcap: float = 0.0,
 ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype; rows outside every sequence are left unwritten
     """Causal inside each chunk, full over the sequence's cached prefix. `max_query_len` (host int, no
     sync) sizes the grid and must be >= every chunk length. `sliding_window` W: the query at position p
     sees keys p - W + 1 .. p only (transformers' sliding_window_overlay, kv_idx > q_idx - W), in the
     chunk and in the prefix alike. ValueError for W < 1. `sinks`: gpt-oss's attention sinks, one logit
-    per query head joining each softmax's denominator (`sinks_arg`)."""
+    per query head joining each softmax's denominator (`sinks_arg`). `softcap`: 0, or the attention
+    logit soft-cap: scaled scores cap * tanh(s / cap) before the mask (Gemma 2; `softcap_arg`:
+    ValueError for a negative or non-finite cap)."""
     window = window_arg(sliding_window)
+    softcap_log2 = softcap_arg(softcap)
     check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     sinks_t = sinks_arg(sinks, q)
     num_seqs = block_tables.shape[0]
@@ -180,6 +190,7 @@ def paged_prefill_attention(
         scale_log2=scale * LOG2E,
         window=window,
         sinks_ptr=sinks_t,
+        softcap_log2=softcap_log2,
         stride_q_t=q.stride(0),
         stride_q_h=q.stride(1),
         stride_c_b=k_cache.stride(0),
@@ -197,5 +208,6 @@ def paged_prefill_attention(
         UPCAST=upcast_loads(q.dtype),
         PRECISION=dot_precision(q.dtype),
         HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=softcap_log2 > 0,
     )
     return out

@@ -46,12 +46,14 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     sinks: Tensor | None = None,  # [num_heads], any float dtype
+    softcap: float = 0.0,
 ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype
     """Causal attention inside each sequence's new tokens, full over its earlier cached tokens; fp32 math.
     `sliding_window` W: the query at position p sees keys p - W + 1 .. p only (transformers'
     sliding_window_overlay: kv_idx > q_idx - W). `sinks`: gpt-oss's attention sinks, one logit per head
     joining every softmax's denominator with no value row (transformers' `eager_attention_forward` for
-    GptOss: the sink is concatenated as a last score column, dropped after the softmax)."""
+    GptOss: the sink is concatenated as a last score column, dropped after the softmax). `softcap` > 0:
+    scores cap * tanh(s / cap) before the mask (transformers' eager Gemma 2 attention)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -68,6 +70,8 @@ def paged_attention_ref(
         k = k.repeat_interleave(group, dim=1)  # [ctx, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
         if sliding_window is not None:
@@ -91,10 +95,20 @@ def paged_attention_decode_ref(
     scale: float,
     sliding_window: int | None = None,
     sinks: Tensor | None = None,  # [num_heads]
+    softcap: float = 0.0,
 ) -> Tensor:  # [num_seqs, num_heads, head_dim]
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window, sinks
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        scale,
+        sliding_window,
+        sinks,
+        softcap,
     )
 
 

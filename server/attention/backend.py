@@ -30,6 +30,7 @@ class AttentionBackend(Protocol):
         out_dtype: torch.dtype | None = None,
         sliding_window: int | None = None,
         sinks: Tensor | None = None,  # [num_heads] fp32 on q's device
+        softcap: float = 0.0,
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype, or out_dtype where the backend honours it
         """`out_dtype`: a dtype the caller takes as well (the o projection's bf16 operand), returned as
         is where every row was computed in it (no widening to q's dtype and rounding again); a backend
@@ -39,7 +40,10 @@ class AttentionBackend(Protocol):
         backend honours it; ValueError for W < 1. `sinks`: gpt-oss's attention sinks, one learned logit
         per query head that joins every softmax's denominator with no value row (out = sum_j e^s_j v_j /
         (sum_j e^s_j + e^sink), transformers' GptOss eager attention); every backend honours them, with
-        a window too; None: a plain softmax."""
+        a window too; None: a plain softmax. `softcap`: 0 (none), or the layer's attention logit soft-cap
+        cap > 0 (Gemma 2's `attn_logit_softcapping`, vLLM's `logits_soft_cap`): each scaled score s becomes
+        cap * tanh(s / cap) before the mask and softmax; every backend honours it, with windows and
+        sinks; ValueError for a negative or non-finite cap."""
         ...
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +26,8 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 7  # 3: _set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa; 6: sliding windows;
-# 7: attention sinks
+ABI_VERSION = 8  # 3: _set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa; 6: sliding windows;
+# 7: attention sinks; 8: attention logit soft-cap (kubeinfer_paged_decode_capped, prefill's softcap)
 MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
@@ -70,19 +71,23 @@ class DecodeKernel:
         indices_checked: bool = False,
         sliding_window: int | None = None,
         sinks: Tensor | None = None,  # [Hq] fp32 contiguous: attention sinks (check_sinks)
+        softcap: float = 0.0,
     ) -> None:
         """`indices_checked=True` skips the bounds checks of `check_decode_indices` (a few reductions),
         for a caller that ran them once for a batch it then sends through every layer. `sliding_window` W:
         each query (position context_len - 1) attends to the last W positions only (`check_window`).
-        `sinks`: one logit per query head added to each softmax's denominator (gpt-oss)."""
+        `sinks`: one logit per query head added to each softmax's denominator (gpt-oss). `softcap`: 0, or
+        Gemma 2's attention logit soft-cap, each scaled score s taken as cap * tanh(s / cap) before the
+        softmax (`check_softcap`: ValueError for a negative or non-finite cap)."""
         window = check_window(sliding_window)
+        cap = check_softcap(softcap)
         check_decode_args(out, q, k_cache, v_cache, block_tables, context_lens, seqs, rows)
         check_sinks(sinks, q.shape[1])
         if not indices_checked:
             check_decode_indices(q.shape[0], k_cache.shape, block_tables, context_lens, seqs, rows)
         _, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
-        rc = self.lib.kubeinfer_paged_decode_window(
+        rc = self.lib.kubeinfer_paged_decode_capped(
             _DTYPE_CODES[q.dtype],
             CACHE_DTYPE_CODES[k_cache.dtype],
             out.data_ptr(),
@@ -104,6 +109,7 @@ class DecodeKernel:
             float(scale),
             window,
             None if sinks is None else sinks.data_ptr(),
+            cap,
             torch.get_num_threads(),
         )
         if rc != 0:
@@ -121,15 +127,18 @@ class DecodeKernel:
         indices_checked: bool = False,
         sliding_window: int | None = None,
         sinks: Tensor | None = None,  # [Hq] fp32 contiguous: attention sinks (check_sinks)
+        softcap: float = 0.0,
     ) -> bool:
         """Causal attention of prompt chunks over their whole context in the paged cache, in bf16 products
         with fp32 sums (csrc/paged_decode.cpp, `kubeinfer_paged_prefill`: flash-attention's online softmax,
         q * scale and the probabilities rounded to bf16). Returns False, writing nothing, where this kernel
-        has no such path (no usable AVX512-BF16, head_dim not 64 or 128): the caller attends itself.
+        has no such path (no usable AVX512-BF16, head_dim not 64, 128 or 256): the caller attends itself.
         `indices_checked=True` skips `check_prefill_chunks` for a caller that ran it once per step.
         `sliding_window` W: the query at position p attends to positions p - W + 1 .. p only. `sinks`:
-        one logit per query head added to each softmax's denominator (gpt-oss)."""
+        one logit per query head added to each softmax's denominator (gpt-oss). `softcap`: 0, or the
+        attention logit soft-cap applied to the scaled scores (`check_softcap`)."""
         window = check_window(sliding_window)
+        cap = check_softcap(softcap)
         if not self.prefill_supported(q.dtype, k_cache.dtype, q.shape[2]):
             return False
         _check_operands(out, q, k_cache, v_cache, block_tables)
@@ -161,6 +170,7 @@ class DecodeKernel:
             float(scale),
             window,
             None if sinks is None else sinks.data_ptr(),
+            cap,
             torch.get_num_threads(),
         )
         return rc == 0
@@ -168,7 +178,10 @@ class DecodeKernel:
     def prefill_supported(self, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
         """Whether `prefill` runs for fp32/bf16 q over this cache dtype and head_dim here."""
         return (
-            self.bf16 and dtype == torch.float32 and cache_dtype == torch.bfloat16 and head_dim in (64, 128)
+            self.bf16
+            and dtype == torch.float32
+            and cache_dtype == torch.bfloat16
+            and head_dim in (64, 128, 256)
         )
 
     def store_kv(
@@ -219,6 +232,18 @@ def check_window(sliding_window: int | None) -> int:
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     return sliding_window
+
+
+def check_softcap(softcap: float) -> float:
+    """An attention logit soft-cap as the kernels take it (vLLM's `logits_soft_cap`, Gemma 2's
+    `attn_logit_softcapping`): 0 for none, else cap > 0, each scaled score s becoming cap * tanh(s / cap)
+    before the mask and softmax. Raises ValueError for a negative, NaN or infinite cap or a non-number."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a float >= 0 (0: none), got {softcap!r}")
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0: none), got {softcap!r}")
+    return cap
 
 
 def check_sinks(sinks: Tensor | None, num_heads: int) -> None:
@@ -403,12 +428,16 @@ def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
     fw = lib.kubeinfer_paged_decode_window
     fw.restype = ctypes.c_int32
     fw.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, ptr, i32]
+    fc = lib.kubeinfer_paged_decode_capped
+    fc.restype = ctypes.c_int32
+    f32 = ctypes.c_float
+    fc.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [f32, i32, ptr, f32, i32]
     store = lib.kubeinfer_kv_store
     store.restype = ctypes.c_int32
     store.argtypes = [i32] + [ptr] * 5 + [i64] * 3
     pf = lib.kubeinfer_paged_prefill
     pf.restype = i32
-    pf.argtypes = [ptr] * 9 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, ptr, i32]
+    pf.argtypes = [ptr] * 9 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, ptr, ctypes.c_float, i32]
     lib.kubeinfer_paged_decode_set_bf16.restype = None
     lib.kubeinfer_paged_decode_set_bf16.argtypes = [i32]
     lib.kubeinfer_paged_decode_bf16_enabled.restype = i32

@@ -11,14 +11,20 @@ cached tokens computes in q's dtype (fp32 for a quantized GGUF). A prompt chunk 
 attends over its own K/V rounded the same way, so a prefix-cache hit, a chunked prefill and a whole one
 see the same values.
 
-Exception: with the compiled kernel over a bf16 cache where AVX512-BF16 is usable (fp32 q, head_dim 64 or
-128), every prompt chunk goes through its prefill attention instead (`DecodeKernel.prefill`): bf16
+Exception: with the compiled kernel over a bf16 cache where AVX512-BF16 is usable (fp32 q, head_dim 64,
+128 or 256), every prompt chunk goes through its prefill attention instead (`DecodeKernel.prefill`): bf16
 products of q * scale, K, P and V with fp32 maxima, sums and output, flash-attention style, 2.0-2.3x the
-SDPA path on an AMD EPYC with AVX512-BF16 (benchmarks/cpu_attention.py). All chunks take it, so those
+SDPA path on an AMD EPYC with AVX512-BF16 (benchmarks/cpu_attention.py; head_dim 256, Gemma 2/3's: 1.47x,
+docs/benchmarks-log.md). All chunks take it, so those
 three still compute alike. Where AMX-BF16 is usable too (`DecodeKernel.amx_bf16`), the prompt chunks go
 to the SDPA groups in bf16 instead: q rounded to bf16, K/V as the bf16 cache holds them, torch's bf16
 SDPA (oneDNN's brgemm on AMX tiles: 1.6-3x the kernel there, 2026-12-02), its bf16 output widened to fp32
 (the o projection rounds it to bf16 again at prefill sizes). Again all chunks alike.
+
+A soft-capped layer (`softcap` > 0, Gemma 2's `attn_logit_softcapping`: each scaled score s becomes
+cap * tanh(s / cap) before the mask and softmax) cannot take SDPA, which has no such term: its decode rows
+go to the compiled kernel or the fp32 gather path, its prompt chunks to the compiled prefill kernel where
+it runs (AMX too), else to `_capped_attention`, the groups' SDPA spelled out in fp32 matmuls.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from server.attention.cpu_kernel import (
     check_decode_indices,
     check_prefill_chunks,
     check_sinks,
+    check_softcap,
     check_window,
     supports_dtype,
 )
@@ -43,6 +50,9 @@ from server.attention.metadata import AttentionMetadata
 
 # Metadata whose plans are kept: a step's KV layer groups (two at most) and the previous step's.
 _KEPT_METAS = 4
+# Query rows per matmul in `_capped_attention`: its fp32 scores are [B, Hq, rows, L], kept to a few MB, and
+# each tile reads only the keys its rows see (causal, window).
+_CAPPED_ROWS = 128
 
 
 @dataclass
@@ -126,14 +136,17 @@ def _decode_attention_upcast(
     mask: Tensor,  # [Sd, 1, 1, L] bool
     scale: float,
     sinks: Tensor | None = None,  # [Hq] fp32
+    softcap: float = 0.0,  # 0, or the attention logit soft-cap (check_softcap)
 ) -> Tensor:  # [Sd, Hq, D] fp32
     # CPU SDPA is several times slower than this for one query token in bf16/fp16 (measured here), and
-    # small bf16 batched matmuls are slow too: upcast once and do the little math in fp32. Sinks take this
-    # path in fp32 too: SDPA has no term for them.
+    # small bf16 batched matmuls are slow too: upcast once and do the little math in fp32. Sinks and
+    # soft-caps take this path in fp32 too: SDPA has no term for them.
     sd, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.float().view(sd, hkv, hq // hkv, d)  # [Sd, Hkv, G, D]
     scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [Sd, Hkv, G, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         probs = scores.softmax(-1)
@@ -141,6 +154,48 @@ def _decode_attention_upcast(
         sink_col = sinks.view(1, hkv, hq // hkv, 1).expand(sd, -1, -1, 1)
         probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :-1]
     return torch.matmul(probs, v.float()).view(sd, hq, d)
+
+
+def _capped_attention(
+    q: Tensor,  # [B, Hq, n, D]
+    k: Tensor,  # [B, Hkv, L, D]
+    v: Tensor,  # [B, Hkv, L, D]
+    mask: Tensor | None,  # [n, L] additive, or None: lower-right causal (L == n)
+    scale: float,
+    softcap: float,  # > 0
+    sinks: Tensor | None,  # [Hq] fp32
+    window: int,  # 0, or the sliding window the mask holds (only to skip keys no row of a tile sees)
+) -> Tensor:  # [B, Hq, n, D] fp32
+    """What SDPA computes for a prefill group, with every scaled score s taken as cap * tanh(s / cap)
+    before the mask (transformers' Gemma 2 eager attention), in fp32; sinks as a last score column. The
+    G query heads of a KV head are G * rows rows of one matmul over that head's keys (no repeated K/V),
+    `_CAPPED_ROWS` query rows at a time over the keys they see."""
+    b, hq, n, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    g = hq // hkv
+    if mask is None:
+        mask = torch.full((n, length), float("-inf")).triu_(length - n + 1)
+    kf, vf = k.float(), v.float()
+    out = torch.empty(b, hkv, g, n, d)
+    for r0 in range(0, n, _CAPPED_ROWS):
+        r1 = min(n, r0 + _CAPPED_ROWS)
+        rows = r1 - r0
+        # keys [k0, k1): up to the tile's last query's position, from its first query's window start
+        k1 = length - n + r1
+        k0 = max(0, length - n + r0 - window + 1) if window else 0
+        qg = q[:, :, r0:r1].float().reshape(b, hkv, g * rows, d)
+        scores = torch.matmul(qg, kf[:, :, k0:k1].transpose(-1, -2))  # [B, Hkv, G * rows, k1 - k0]
+        scores = scores.mul_(scale / softcap).tanh_().mul_(softcap).view(b, hkv, g, rows, k1 - k0)
+        scores += mask[r0:r1, k0:k1].float()
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink_col = sinks.view(1, hkv, g, 1, 1).expand(b, -1, -1, rows, 1)
+            probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :-1]
+        out[:, :, :, r0:r1] = torch.matmul(probs.reshape(b, hkv, g * rows, k1 - k0), vf[:, :, k0:k1]).view(
+            b, hkv, g, rows, d
+        )
+    return out.view(b, hq, n, d)
 
 
 def _with_sink_key(
@@ -174,8 +229,11 @@ class TorchAttentionBackend:
         self.decode_kernel = decode_kernel
         self.name = "cpu" if decode_kernel is not None else "torch"
         # per metadata seen lately (a step has one per KV layer group, AttentionMetadata.group): the
-        # metadata itself (so its id stays unique while kept) and its plans per sliding window (0: none)
-        self._plans_by_meta: OrderedDict[int, tuple[AttentionMetadata, dict[int, _Plan]]] = OrderedDict()
+        # metadata itself (so its id stays unique while kept) and its plans per (sliding window (0: none),
+        # soft-capped or not)
+        self._plans_by_meta: OrderedDict[int, tuple[AttentionMetadata, dict[tuple[int, bool], _Plan]]] = (
+            OrderedDict()
+        )
 
     def _make_plan(
         self,
@@ -186,6 +244,7 @@ class TorchAttentionBackend:
         cache_dtype: torch.dtype,
         head_dim: int,
         window: int = 0,  # check_window's: 0 or the layer's sliding window
+        capped: bool = False,  # a soft-capped layer: no SDPA, so not the bf16 SDPA groups either
     ) -> _Plan:
         bs = self.block_size
         device = meta.block_tables.device
@@ -214,7 +273,8 @@ class TorchAttentionBackend:
                 )
             decode = _DecodePlan(seqs=idx, rows=rows, gather=gather)
         kernel = self.decode_kernel
-        if kernel is not None and kernel.amx_bf16 and kernel.prefill_supported(dtype, cache_dtype, head_dim):
+        amx = kernel is not None and kernel.amx_bf16 and not capped
+        if amx and kernel is not None and kernel.prefill_supported(dtype, cache_dtype, head_dim):
             # Every prompt chunk through torch's bf16 SDPA over the bf16 K/V (module docstring).
             return _Plan(
                 decode, _prefill_groups(meta, qsl, bs, torch.bfloat16, window), compute=torch.bfloat16
@@ -248,13 +308,17 @@ class TorchAttentionBackend:
         out_dtype: torch.dtype | None = None,  # honoured where every row comes from the bf16 SDPA groups
         sliding_window: int | None = None,
         sinks: Tensor | None = None,  # [num_heads] fp32, contiguous
+        softcap: float = 0.0,
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype, or bf16 (above)
         """`sliding_window` W (this layer's): the query at position p attends to keys p - W + 1 .. p only
         (transformers' sliding_window_overlay for Mistral, Qwen2, Gemma 2/3); None: p's whole prefix.
         `sinks`: attention sinks (AttentionBackend): the compiled kernels take them in their merge, the
-        torch decode path as a score column, SDPA as a zero key (`_with_sink_key`).
-        Raises ValueError for W < 1, TypeError/ValueError for sinks not [num_heads] fp32."""
+        torch decode path as a score column, SDPA as a zero key (`_with_sink_key`). `softcap`: 0, or the
+        layer's attention logit soft-cap (Gemma 2: scores cap * tanh(s / cap) before the mask; module
+        docstring). Raises ValueError for W < 1 or a negative or non-finite soft-cap, TypeError/ValueError
+        for sinks not [num_heads] fp32."""
         window = check_window(sliding_window)
+        cap = check_softcap(softcap)
         check_sinks(sinks, q.shape[1])
         kept = self._plans_by_meta.get(id(meta))
         if kept is None or kept[0] is not meta:
@@ -262,9 +326,9 @@ class TorchAttentionBackend:
             while len(self._plans_by_meta) > _KEPT_METAS:
                 self._plans_by_meta.popitem(last=False)
         plans = kept[1]
-        plan = plans.get(window)
+        plan = plans.get((window, cap > 0))
         if plan is None:
-            plan = plans[window] = self._make_plan(
+            plan = plans[window, cap > 0] = self._make_plan(
                 meta,
                 self._use_kernel(q.dtype, k_cache.dtype),
                 k_cache.shape,
@@ -272,6 +336,7 @@ class TorchAttentionBackend:
                 k_cache.dtype,
                 q.shape[2],
                 window,
+                cap > 0,
             )
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         sd_shape = (-1, num_kv_heads, head_dim)
@@ -302,6 +367,7 @@ class TorchAttentionBackend:
                 indices_checked=True,
                 sliding_window=window or None,
                 sinks=sinks,
+                softcap=cap,
             )
         elif d is not None and d.gather is not None:
             g = d.gather
@@ -311,7 +377,7 @@ class TorchAttentionBackend:
             kd = k_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
             vd = v_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
             # kd, vd: [Sd, Hkv, L, D]
-            if q.dtype == torch.float32 and sinks is None:
+            if q.dtype == torch.float32 and sinks is None and not cap:
                 kd, vd = kd.float(), vd.float()  # a no-op for an fp32 cache
                 # The G query heads sharing a KV head become G query rows of one attention: each KV
                 # block is read once per KV head instead of once per query head.
@@ -319,7 +385,7 @@ class TorchAttentionBackend:
                 od = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=g.mask, scale=scale)
                 od = od.reshape(sd, -1, head_dim)
             else:
-                od = _decode_attention_upcast(qd, kd, vd, g.mask, scale, sinks).to(q.dtype)
+                od = _decode_attention_upcast(qd, kd, vd, g.mask, scale, sinks, cap).to(q.dtype)
             out.index_copy_(0, d.rows, od)
 
         if plan.chunks is not None:
@@ -335,6 +401,7 @@ class TorchAttentionBackend:
                 indices_checked=True,
                 sliding_window=window or None,
                 sinks=sinks,
+                softcap=cap,
             )
             assert done, "prefill_supported said the kernel serves these chunks"
         for grp in plan.prefill:
@@ -356,7 +423,9 @@ class TorchAttentionBackend:
                     vs.view(b, n, *sd_shape[1:]).transpose(1, 2),
                 )
                 # ks, vs: [B, Hkv, n, D]
-                if sinks is not None:
+                if cap:
+                    o = _capped_attention(qs, ks, vs, grp.mask, scale, cap, sinks, window)
+                elif sinks is not None:
                     ks, vs, sink_mask = _with_sink_key(ks, vs, grp.mask, sinks, n)
                     o = F.scaled_dot_product_attention(
                         qs, ks, vs, attn_mask=sink_mask, scale=scale, enable_gqa=gqa
@@ -378,9 +447,14 @@ class TorchAttentionBackend:
                 # ks, vs: [B, Hkv, ctx, D], widened to q's dtype (a no-op when the cache has it)
                 ks, vs = ks.transpose(1, 2).to(cd), vs.transpose(1, 2).to(cd)
                 mask = grp.mask
-                if sinks is not None:
-                    ks, vs, mask = _with_sink_key(ks, vs, grp.mask, sinks, n)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                if cap:
+                    o = _capped_attention(qs, ks, vs, mask, scale, cap, sinks, window)
+                else:
+                    if sinks is not None:
+                        ks, vs, mask = _with_sink_key(ks, vs, grp.mask, sinks, n)
+                    o = F.scaled_dot_product_attention(
+                        qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
+                    )
             # SDPA's output is [B, Hq, n, D] in memory: one copy into rows [B * n, Hq, D] in out's dtype
             o = (
                 torch.empty(b, n, *q.shape[1:], dtype=out.dtype)

@@ -36,6 +36,7 @@ class TritonAttentionBackend:
         out_dtype: torch.dtype | None = None,  # ignored: q's dtype throughout (AttentionBackend)
         sliding_window: int | None = None,  # this layer's window W: keys p - W + 1 .. p (AttentionBackend)
         sinks: Tensor | None = None,  # [num_heads] fp32 on q's device: attention sinks (AttentionBackend)
+        softcap: float = 0.0,  # 0, or the layer's attention logit soft-cap (AttentionBackend)
     ) -> Tensor:  # [T, num_heads, head_dim] in q.dtype
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_seqs = meta.block_tables.shape[0]
@@ -52,6 +53,7 @@ class TritonAttentionBackend:
                 partition_size=self.decode_partition_size,
                 sliding_window=sliding_window,
                 sinks=sinks,
+                softcap=softcap,
             )
         return paged_prefill_attention(
             q,
@@ -64,4 +66,5 @@ class TritonAttentionBackend:
             max_query_len=meta.max_query_len,
             sliding_window=sliding_window,
             sinks=sinks,
+            softcap=softcap,
         )

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from server.attention.cpu_kernel import CACHE_DTYPE_CODES, check_decode_indices, check_window
 from server.config import default_cache_dir
 from server.native import KernelBuildError, NativeSource, load_library
 
@@ -29,8 +28,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
 # 6: kubeinfer_add_rms_norm_mixed; 7: residual_norm, gelu_tanh_mul, partial rotary; 8: softcap_paged_decode
 # and the decode graph layer record's attn_softcap; 9: the layer record's MoE MLP (KiDecodeMoe),
-# kubeinfer_moe_route
-ABI_VERSION = 9
+# kubeinfer_moe_route; 10: softcap_paged_decode gone, the graph's attention pointer is the attention
+# library's kubeinfer_paged_decode_capped (window, sinks and soft-cap)
+ABI_VERSION = 10
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
 # AVX-512 CPUs keeps loops at 256 bits (libmvec's 8-wide expf); 512-bit loops cut a 16-user prefill step
@@ -298,75 +298,6 @@ class FusedOps:
             raise RuntimeError(f"{activation} kernel returned {rc}")
         return out
 
-    def softcap_paged_decode(
-        self,
-        q: Tensor,  # [T, Hq, D] fp32, heads dense within a row (row stride free): one query per sequence
-        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16, contiguous
-        v_cache: Tensor,  # [num_blocks, block_size, Hkv, D] like k_cache
-        block_tables: Tensor,  # [T, max_blocks] int32 contiguous
-        context_lens: Tensor,  # [T] int32 contiguous, each including this step's token (already stored)
-        scale: float,
-        softcap: float,  # > 0: scores become softcap * tanh(score / softcap)
-        sliding_window: int | None = None,  # keys more than W - 1 positions behind the query are masked
-    ) -> Tensor:  # [T, Hq, D] fp32
-        """One-token decode attention of row i (sequence i, at position context_lens[i] - 1) with Gemma 2's
-        soft-capped scores (attn_logit_softcapping): softmax(cap * tanh(q.k * scale / cap)) v, fp32.
-        softcap_attention.softcap_paged_attention is the torch reference (tests/models/test_softcap_decode.py).
-        Raises TypeError/ValueError for bad operands or indices out of the cache."""
-        if q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3:
-            raise TypeError(f"q must be a [T, Hq, D] CPU fp32 tensor, got {q.dtype} {tuple(q.shape)}")
-        t, hq, d = q.shape
-        if q.stride(2) != 1 or (hq > 1 and q.stride(1) != d):
-            raise ValueError(f"q: each row's heads must be dense, got strides {q.stride()}")
-        if k_cache.dtype not in CACHE_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
-            raise TypeError(f"k_cache/v_cache: unsupported dtypes {k_cache.dtype}/{v_cache.dtype}")
-        if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != d:
-            raise ValueError(f"caches must be [num_blocks, block_size, Hkv, {d}], got {tuple(k_cache.shape)}")
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("k_cache and v_cache must be contiguous")
-        hkv = k_cache.shape[2]
-        if hq % hkv:
-            raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
-        if not softcap > 0:
-            raise ValueError(f"softcap must be positive, got {softcap}")
-        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or not block_tables.is_contiguous():
-            raise ValueError("block_tables must be a contiguous [T, max_blocks] int32 tensor")
-        if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (t,):
-            raise ValueError(f"context_lens must be a [{t}] int32 tensor")
-        context_lens = context_lens.contiguous()
-        if block_tables.shape[0] != t:
-            raise ValueError(f"block_tables: {block_tables.shape[0]} rows, q has {t}")
-        window = check_window(sliding_window)
-        seqs = torch.arange(t, dtype=torch.int64)
-        check_decode_indices(t, k_cache.shape, block_tables, context_lens, seqs, seqs)
-        out = torch.empty(t, hq, d)
-        rc = self.lib.kubeinfer_softcap_paged_decode(
-            CACHE_DTYPE_CODES[k_cache.dtype],
-            out.data_ptr(),
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            seqs.data_ptr(),
-            seqs.data_ptr(),
-            t,
-            q.stride(0),
-            hq * d,
-            block_tables.shape[1],
-            hq,
-            hkv,
-            d,
-            k_cache.shape[1],
-            float(scale),
-            float(softcap),
-            window,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"softcap_paged_decode kernel returned {rc}")
-        return out
-
 
 # layer_spec.Activation -> the library's fp32 and bf16 entry points
 _ACT_FNS = {
@@ -422,16 +353,6 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib.kubeinfer_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
     lib.kubeinfer_moe_route.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i32]
-    lib.kubeinfer_softcap_paged_decode.argtypes = [
-        i32,
-        *(ptr,) * 8,
-        *(i64,) * 4,
-        *(i32,) * 4,
-        f32,
-        f32,
-        i32,
-        i32,
-    ]
     for fn in (
         lib.kubeinfer_add_rms_norm_mixed,
         lib.kubeinfer_rotary,
@@ -443,7 +364,6 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
         lib.kubeinfer_head_rms_norm,
         lib.kubeinfer_decode_forward,
         lib.kubeinfer_moe_route,
-        lib.kubeinfer_softcap_paged_decode,
     ):
         fn.restype = i32
     return FusedOps(lib, path)

@@ -21,8 +21,8 @@ cache pointers and the kernels' entry points) and replays the layer loop in C++
 (`kubeinfer_decode_forward`, server/models/csrc/cpu_fused.cpp) calling the same kernels in the same
 order on the same buffers as `LlamaForCausalLM._forward_fused`: the hidden states are bit-identical.
 Qwen3's q/k norms run in it too (`kubeinfer_head_rms_norm`, as in the Python fused path), and Gemma 2's
-soft-capped attention (`kubeinfer_softcap_paged_decode`, which the Python fused path's decode steps call
-too: softcap_attention.py); the final logit soft-cap stays in `compute_logits`, after either path.
+soft-capped attention (the attention library's `kubeinfer_paged_decode_capped`, which the Python fused
+path reaches through the backend with the layer's `softcap`); the final logit soft-cap stays in `compute_logits`, after either path.
 
 It serves steps whose every row is a one-token decode (no prefill chunk, no speculative verification)
 of a model whose q/k/v, o, gate/up and down are plain `BlockQuantLinear` with the compiled kernel (a
@@ -185,8 +185,8 @@ def _refuse(reason: str) -> None:
 
 def layer_refusal(spec: LayerSpec, moe: MoEConfig | None = None) -> str | None:
     """What of this layer kind the compiled graph cannot run yet, or None: every field of the layer
-    contract is data in the graph's layer record (Gemma 2's attention soft-cap too: its layers attend
-    through cpu_fused.cpp's softcap_paged_decode, as the Python fused path does). A mixture-of-experts
+    contract is data in the graph's layer record (Gemma 2's attention soft-cap too: the attention library's
+    decode kernel takes it, as the Python fused path's backend call does). A mixture-of-experts
     MLP (`moe`: the model's ArchConfig.moe) runs as the record's KiDecodeMoe: an fp32 router GEMV,
     softmax then top-k with Mixtral's / Qwen3's renormalisation (exact ties to the lowest index:
     cpu_fused.cpp's moe_route; torch.topk promises no order among equal values), and the experts' native call (moe_experts.cpp); a shared expert (Qwen2-MoE),
@@ -509,7 +509,7 @@ class DecodeGraph:
             d,
             shape[1],
             entry.address,
-            _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode_window),
+            _fn_address(backend.decode_kernel.lib.kubeinfer_paged_decode_capped),
             _fn_address(backend.decode_kernel.lib.kubeinfer_kv_store),
             CACHE_DTYPE_CODES[k0.dtype],
             _moe_entry(kept_moe),

@@ -19,7 +19,6 @@ from server.models.cpu_fused import FusedOps
 from server.models.layer_spec import LayerSpec, NormKind
 from server.models.moe.block import SparseMoeBlock
 from server.models.rope import apply_rotary
-from server.models.softcap_attention import softcap_paged_attention
 from server.quant.block_linear import BlockQuantLinear
 
 
@@ -137,11 +136,6 @@ class Attention(nn.Module):
                 q, k = _head_norm(q, self.q_norm, ops), _head_norm(k, self.k_norm, ops)
             if cos is not None and sin is not None:
                 q, k = _rotate(q, cos, sin, ops), _rotate(k, cos, sin, ops)
-        if self.softcap is not None:
-            o = softcap_paged_attention(
-                q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.sliding_window, ops
-            ).reshape(t, hq * d)
-            return self.o_proj(o)
         # a bf16 out_dtype: the o projection's bf16 GEMM takes a bf16 attention output as its operand
         o = backend.forward(
             q,
@@ -155,6 +149,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             # the backends take fp32 logits (a no-op for an fp32 model; 64 values otherwise)
             sinks=None if self.sinks is None else self.sinks.float().contiguous(),
+            softcap=self.softcap or 0.0,  # Gemma 2's attn_logit_softcapping; 0: none
         ).reshape(t, hq * d)
         return self.o_proj(o) if out_dtype is None else self.o_proj(o, out_dtype=out_dtype)
 

@@ -77,9 +77,12 @@ class DenseBatchAttention:
         out_dtype: torch.dtype | None = None,
         sliding_window: int | None = None,
         sinks: Tensor | None = None,
+        softcap: float = 0.0,
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype
         if sinks is not None:
             raise ValueError("attention sinks are not supported by the embedding encoder")
+        if softcap:  # DecoderEncoder refuses such models at load; this keeps a caller from losing the cap
+            raise ValueError("attention soft-capping is not supported by the embedding encoder")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         o = F.scaled_dot_product_attention(

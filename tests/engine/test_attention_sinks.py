@@ -56,7 +56,7 @@ def test_decode_kernel_sinks_match_reference(
 
 
 @pytest.mark.parametrize("window", [None, 16, 100])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_prefill_kernel_sinks_match_reference(
     kernel: DecodeKernel, window: int | None, head_dim: int
 ) -> None:

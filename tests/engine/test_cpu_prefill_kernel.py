@@ -47,7 +47,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("gqa", [1, 3, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_prefill_matches_the_fp32_reference(
     kernel: DecodeKernel, case: str, gqa: int, head_dim: int, block_size: int
@@ -75,6 +75,10 @@ def test_prefill_matches_the_fp32_reference(
         batch.q, kc.float(), vc.float(), batch.block_tables, batch.context_lens, batch.query_start_loc, scale
     )
     atol, rtol = ATTN_TOL[torch.bfloat16]
+    # head_dim 256: twice the terms per score under a bf16 q * scale, and up to 200k outputs a case; the
+    # worst one reached 0.040 (mean error 1.0e-3, as 64's and 128's: checked below), so twice the bound
+    if head_dim == 256:
+        atol *= 2
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     # bf16 rounding of q and P, not a structural error: the typical error is far below the bound
     assert (out - ref).abs().mean() < 2e-3

@@ -72,7 +72,7 @@ def test_kernels_refuse_a_window_below_one(kernel: DecodeKernel) -> None:
 
 @pytest.mark.parametrize("window", [1, 7, 16, 33, 100])
 @pytest.mark.parametrize("gqa", [1, 3])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_prefill_kernel_window_matches_reference(
     kernel: DecodeKernel, window: int, gqa: int, head_dim: int
 ) -> None:

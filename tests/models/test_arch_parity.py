@@ -180,13 +180,20 @@ def test_greedy_and_prompt_logprob_parity(tiny: Callable[[str, bool], Path], kin
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
-def test_interleaved_windows_shorter_than_the_text(tiny: Callable[[str, bool], Path], kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "backend"),
+    # Triton's engine case: tests/kernels/test_kern_softcap.py (its interpreter is set up there)
+    [("gemma2", "cpu"), ("gemma2", "torch"), ("gemma3", "auto")],
+)
+def test_interleaved_windows_shorter_than_the_text(
+    tiny: Callable[[str, bool], Path], kind: str, backend: str
+) -> None:
     """Gemma 2/3 with a 6-token window on their sliding layers, prompts and outputs well past it: the
-    engine (each layer's window handed to the backend, or to the soft-capped attention; the global
+    engine (each layer's window and Gemma 2's attention soft-cap handed to the backend; the global
     layers keep the whole context) equals transformers' eager attention token for token, through
-    chunked prefill and a prefix-cache hit. Before the window reached the backends, such a model was
-    refused at load."""
+    chunked prefill and a prefix-cache hit, on each CPU attention backend.
+    Before the window reached the backends, such a model was refused at load; before the soft-cap did,
+    Gemma 2's layers bypassed the backend for a per-sequence torch loop."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -203,10 +210,20 @@ def test_interleaved_windows_shorter_than_the_text(tiny: Callable[[str, bool], P
             model=ModelConfig(model=str(folder), dtype="float32", max_model_len=MAX_LEN),
             cache=CacheConfig(block_size=4, num_kv_blocks=128, enable_prefix_caching=True),
             max_num_batched_tokens=8,
+            attention_backend=backend,
         )
     )
     windows = {s.sliding_window for s in engine.loaded.arch.layers}
     assert windows == {6, None}  # interleaved: windowed and global layers
+    # what each backend call was handed: (query rows, window, soft-cap)
+    calls: list[tuple[int, int | None, float]] = []
+    backend_forward = engine.runner.backend.forward
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args[0].shape[0], kwargs.get("sliding_window"), kwargs.get("softcap", 0.0)))
+        return backend_forward(*args, **kwargs)
+
+    engine.runner.backend.forward = spy  # type: ignore[method-assign]
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     hf_model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=torch.float32, attn_implementation="eager"
@@ -221,6 +238,11 @@ def test_interleaved_windows_shorter_than_the_text(tiny: Callable[[str, bool], P
     params = SamplingParams(max_tokens=16, temperature=0.0)
     assert run_staggered(engine, prompts, params) == ref
     assert [engine.generate([p], params)[0] for p in prompts] == ref
+    # Gemma 2's soft-cap reaches the backend on windowed and global layers, for prompt chunks (and, where
+    # the fused CPU ops do not take pure decode steps, for decodes); Gemma 3 has none
+    want_cap = 2.0 if kind == "gemma2" else 0.0
+    assert {cap for _, _, cap in calls} == {want_cap}
+    assert {w for n, w, _ in calls if n > 1} == {6, None}
 
 
 def test_calibrated_quantization_refuses_other_layers(

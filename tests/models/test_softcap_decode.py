@@ -1,23 +1,25 @@
-"""cpu_fused.cpp's softcap_paged_decode (Gemma 2's soft-capped scores in one-token paged decode) against
-its torch reference, softcap_attention.softcap_paged_attention: GQA, scattered blocks, an fp32, bf16 or
-fp16 cache, with and without a window shorter than the contexts."""
+"""The attention library's decode kernel with Gemma 2's soft-cap (`kubeinfer_paged_decode_capped`, the decode
+graph's attention for every layer and the fused path's through the backend) as those two call it: q and
+out as views into wider rows (row strides), GQA, scattered blocks, an fp32, bf16 or fp16 cache, with and
+without a window shorter than the contexts, against the torch reference (kubeinfer_kernels.reference,
+transformers' eager Gemma 2 attention)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kubeinfer_kernels.reference import paged_attention_decode_ref
 
 from server.attention import AttentionMetadata
-from server.models.cpu_fused import FusedOps, load_fused_ops
-from server.models.softcap_attention import softcap_paged_attention
+from server.attention.cpu_kernel import DecodeKernel, load_decode_kernel
 
 HQ, HKV, D, BLOCK = 4, 2, 16, 4
 CONTEXTS = [1, 7, 13, 22]  # one per decode row; 1: the query attends to its own key only
 
 
 @pytest.fixture(scope="module")
-def ops() -> FusedOps:
-    return load_fused_ops()
+def kernel() -> DecodeKernel:
+    return load_decode_kernel()
 
 
 def _decode_batch(cache_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -56,33 +58,23 @@ def _meta(tables: torch.Tensor, ctx: torch.Tensor, slots: torch.Tensor) -> Atten
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernel_matches_the_torch_reference(
-    ops: FusedOps, cache_dtype: torch.dtype, window: int | None
+    kernel: DecodeKernel, cache_dtype: torch.dtype, window: int | None
 ) -> None:
     q, k, v, k_cache, v_cache, tables, ctx, slots = _decode_batch(cache_dtype)
     meta = _meta(tables, ctx, slots)
     scale, cap = D**-0.5, 2.0
-    # the reference stores k/v (rounded to the cache's dtype) and attends in fp32
-    want = softcap_paged_attention(q, k, v, k_cache, v_cache, meta, scale, cap, window)
-    got = ops.softcap_paged_decode(q, k_cache, v_cache, tables, ctx, scale, cap, window)
+    # k/v stored (rounded to the cache's dtype) as a backend stores them; the reference attends in fp32
+    k_cache.view(-1, HKV, D).index_copy_(0, meta.slot_mapping, k.to(cache_dtype))
+    v_cache.view(-1, HKV, D).index_copy_(0, meta.slot_mapping, v.to(cache_dtype))
+    args = (q, k_cache.float(), v_cache.float(), tables, ctx, scale, window)
+    want = paged_attention_decode_ref(*args, softcap=cap)
+    # out as a view into wider rows too (the graph's attention buffer has its own row stride)
+    out_rows = torch.full((len(CONTEXTS), (HQ + 1) * D), float("nan"))
+    got = out_rows[:, : HQ * D].view(-1, HQ, D)
+    rows = torch.arange(len(CONTEXTS), dtype=torch.int64)
+    kernel(got, q, k_cache, v_cache, tables, ctx, rows, rows, scale, sliding_window=window, softcap=cap)
     # fp32 sums in another order: ~1e-6 on outputs of magnitude ~1
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    # the fused path's entry point takes the kernel and gives the same
-    fused = softcap_paged_attention(q, k, v, k_cache, v_cache, meta, scale, cap, window, ops)
-    assert torch.equal(fused, got)
+    assert out_rows[:, HQ * D :].isnan().all()  # nothing written past each row's heads
     # the cap matters here: without it the result is another
-    uncapped = softcap_paged_attention(q, k, v, k_cache, v_cache, meta, scale, 1e6, window)
-    assert (uncapped - got).abs().max() > 1e-2
-
-
-def test_bad_operands_raise(ops: FusedOps) -> None:
-    q, _, _, k_cache, v_cache, tables, ctx, _ = _decode_batch(torch.float32)
-    with pytest.raises(ValueError, match="softcap"):
-        ops.softcap_paged_decode(q, k_cache, v_cache, tables, ctx, 0.25, 0.0)
-    with pytest.raises(ValueError, match="sliding_window"):
-        ops.softcap_paged_decode(q, k_cache, v_cache, tables, ctx, 0.25, 2.0, 0)
-    with pytest.raises(TypeError, match="q must be"):
-        ops.softcap_paged_decode(q.double(), k_cache, v_cache, tables, ctx, 0.25, 2.0)
-    bad = tables.clone()
-    bad[0, 0] = k_cache.shape[0]  # a block past the cache
-    with pytest.raises(ValueError):
-        ops.softcap_paged_decode(q, k_cache, v_cache, bad, ctx, 0.25, 2.0)
+    assert (paged_attention_decode_ref(*args) - got).abs().max() > 1e-2

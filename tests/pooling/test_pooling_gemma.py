@@ -146,8 +146,8 @@ def test_include_prompt_false_is_refused_in_the_named_format(gemma_dir: Path, tm
 
 
 def test_soft_capped_attention_is_refused_for_embeddings() -> None:
-    """Gemma 2's attention soft-cap bypasses the attention backend (softcap_attention.py): the embedding
-    encoder refuses it rather than running unmasked attention."""
+    """Gemma 2's attention soft-cap: the embedding encoder's dense attention has none, so it refuses such a
+    model rather than attending uncapped."""
     from server.models.llama import LlamaForCausalLM
     from server.models.registry import arch_from_hf
     from server.pooling.decoder import DecoderEncoder

@@ -550,6 +550,9 @@ struct Args {
   // [Hq] fp32 or nullptr: gpt-oss's attention sinks, one learned logit per query head that joins each
   // softmax's denominator (no value row): out = sum_t exp(s_t) v_t / (sum_t exp(s_t) + exp(sink))
   const float* sinks;
+  // 0, or Gemma 2's attention logit soft-cap: each scaled score s becomes cap * tanh(s / cap) before the
+  // window and softmax (transformers' Gemma 2 eager attention, vLLM's logits_soft_cap)
+  float softcap;
 };
 
 // The first position a query at position ctx - 1 sees: ctx - W under a window W (Mistral's, Gemma's:
@@ -653,6 +656,12 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
 #if defined(__AVX512F__)
 k_done:
 #endif
+  if (a.softcap > 0.0f) {
+    const float cap = a.softcap, inv_cap = 1.0f / cap;
+    float* s = scores.data();
+    const size_t count = static_cast<size_t>(HQ) * n_tok;
+    for (size_t j = 0; j < count; ++j) s[j] = cap * std::tanh(s[j] * inv_cap);
+  }
   for (int hh = 0; hh < HQ; ++hh) {
     float* s = scores.data() + static_cast<size_t>(hh) * n_tok;
     float m = s[0];
@@ -780,6 +789,7 @@ struct PrefillArgs {
   float scale;
   int32_t window;  // 0, or a sliding window W: the query at position p sees keys p - W + 1 .. p
   const float* sinks;  // [Hq] fp32 or nullptr: attention sinks (Args::sinks)
+  float softcap;       // 0, or the attention logit soft-cap (Args::softcap)
 };
 
 // Finite stand-ins for -inf (the build's -ffast-math lets the compiler assume no infinities): a masked
@@ -804,6 +814,20 @@ KI_BF16_TARGET inline __m512 exp512(__m512 x) {
   const __m512 y = _mm512_scalef_ps(p, n);
   // a masked score or far below: exactly 0
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), y);
+}
+
+// cap * tanh(x / cap) (Gemma 2's soft-cap; inv_cap = 1 / cap) as sign(y) (1 - e) / (1 + e), y = x / cap,
+// e = exp(-2 |y|) <= 1 (exp512's range): no overflow; absolute error ~cap * 4e-7, below bf16's rounding of q.
+KI_BF16_TARGET inline __m512 softcap512(__m512 x, float cap, float inv_cap) {
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(inv_cap));
+  const __m512 ay = _mm512_abs_ps(y);
+  const __m512 e = exp512(_mm512_mul_ps(ay, _mm512_set1_ps(-2.0f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));  // tanh(|y|)
+  // the sign bit of y on cap * tanh(|y|)
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(_mm512_mul_ps(t, _mm512_set1_ps(cap))), sign));
 }
 
 // Packs tokens [16 b, 16 b + 16) of one KV head: kp[p * 16 + t] = K word p of token t (bf16 pair
@@ -851,6 +875,7 @@ template <int DZ, int RG>
 KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const uint32_t* kp, const uint32_t* vp,
                                 int b0, int r0, int nrows, int G, int pos0, int64_t q_start, int h, float* out) {
   constexpr int D = DZ * 16, W = D / 2;
+  const float cap = a.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   __m512 acc[RG][DZ];
   __m512 lv[RG];  // per row: the running sum of exp(score - max), 16 lanes summed at the end
   float m[RG];
@@ -883,6 +908,7 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
     }
     for (int r = 0; r < RG; ++r) {
       s[r] = _mm512_add_ps(s[r], s1[r]);
+      if (cap > 0.0f) s[r] = softcap512(s[r], cap, inv_cap);  // before the mask, as the reference
       // keys [lo, hi) of this block the row sees (causal: below last + 1; a window: from first on)
       const int lo = std::max(0, first[r] - 16 * b), hi = std::min(16, last[r] - 16 * b + 1);
       if (hi <= lo) {  // none: nothing to add (before the row's window, its running max is not set yet)
@@ -934,7 +960,8 @@ KI_BF16_TARGET void attend_rows(const PrefillArgs& a, const uint32_t* qw, const 
 // from the first query's window start) and attends.
 KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, int i0, int i1, std::vector<uint32_t>& kp,
                                  std::vector<uint32_t>& vp, std::vector<uint32_t>& qw) {
-  const int D = a.d, W = D / 2, RG = D == 64 ? 4 : 2;
+  // rows per register tile: RG * D / 16 zmm of sums (16 at every head_dim) beside the K/V operands
+  const int D = a.d, W = D / 2, RG = D == 64 ? 4 : D == 128 ? 2 : 1;
   const int G = a.hq / a.hkv, n = a.q_lens[c], pos0 = a.ctx_lens[c] - n, seen = pos0 + i1;
   const int32_t* table = a.block_tables + a.seqs[c] * a.bt_stride;
   const int nb = (seen + 15) / 16;
@@ -962,6 +989,9 @@ KI_BF16_TARGET void prefill_task(const PrefillArgs& a, int64_t c, int h, int i0,
     if (D == 64)
       attend_rows<4, 4>(a, qw.data(), kp.data(), vp.data(), b0, r0, std::min(RG, rows - r0), G, pos0 + i0,
                         a.q_starts[c] + i0, h, a.out);
+    else if (D == 256)  // Gemma 2/3's head_dim
+      attend_rows<16, 1>(a, qw.data(), kp.data(), vp.data(), b0, r0, std::min(RG, rows - r0), G, pos0 + i0,
+                         a.q_starts[c] + i0, h, a.out);
     else
       attend_rows<8, 2>(a, qw.data(), kp.data(), vp.data(), b0, r0, std::min(RG, rows - r0), G, pos0 + i0,
                         a.q_starts[c] + i0, h, a.out);
@@ -1003,7 +1033,7 @@ KI_BF16_TARGET void run_prefill(const PrefillArgs& a, int num_threads) {
 extern "C" {
 
 // Bumped whenever a signature below changes; the loader refuses a library reporting another value.
-int32_t kubeinfer_paged_decode_abi() { return 7; }
+int32_t kubeinfer_paged_decode_abi() { return 8; }
 
 // Whether the bf16 K pass may run (set from Python's usable_cpu_features before the first call), and
 // whether it does: this CPU has AVX512-BF16, this build has AVX-512, and it is allowed.
@@ -1015,25 +1045,26 @@ void kubeinfer_paged_decode_set_bf16(int32_t allowed) {
 #endif
 }
 // Prompt chunks over a bf16 cache in bf16 compute (see PrefillArgs): q and out fp32 [T, Hq, D] (rows
-// strided), head_dim 64 or 128; `window` 0 or a sliding window (PrefillArgs). Returns 0; -1 where this
-// build or CPU has no such path (bf16 not enabled, or another head_dim): the caller uses its own.
+// strided), head_dim 64, 128 or 256; `window` 0 or a sliding window, `softcap` 0 or the attention logit
+// soft-cap (PrefillArgs). Returns 0; -1 where this build or CPU has no such path (bf16 not enabled, or
+// another head_dim) or for a negative window or soft-cap: the caller uses its own.
 int32_t kubeinfer_paged_prefill(float* out, const float* q, const void* k_cache, const void* v_cache,
                                 const int32_t* block_tables, const int64_t* seqs, const int64_t* q_starts,
                                 const int32_t* q_lens, const int32_t* ctx_lens, int64_t num_chunks,
                                 int64_t q_row_stride, int64_t out_row_stride, int64_t bt_stride, int32_t hq,
                                 int32_t hkv, int32_t d, int32_t block_size, float scale, int32_t window,
-                                const float* sinks, int32_t num_threads) {
+                                const float* sinks, float softcap, int32_t num_threads) {
 #if defined(__AVX512F__)
-  if (!bf16_enabled() || (d != 64 && d != 128) || window < 0) return -1;
+  if (!bf16_enabled() || (d != 64 && d != 128 && d != 256) || window < 0 || !(softcap >= 0.0f)) return -1;
   const PrefillArgs a{out,      q,      static_cast<const bf16*>(k_cache), static_cast<const bf16*>(v_cache),
                       block_tables, seqs, q_starts, q_lens, ctx_lens, num_chunks, q_row_stride, out_row_stride,
-                      bt_stride, hq, hkv, d, block_size, scale, window, sinks};
+                      bt_stride, hq, hkv, d, block_size, scale, window, sinks, softcap};
   run_prefill(a, num_threads);
   return 0;
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seqs, (void)q_starts, (void)q_lens;
   (void)ctx_lens, (void)num_chunks, (void)q_row_stride, (void)out_row_stride, (void)bt_stride, (void)hq, (void)hkv;
-  (void)d, (void)block_size, (void)scale, (void)window, (void)sinks, (void)num_threads;
+  (void)d, (void)block_size, (void)scale, (void)window, (void)sinks, (void)softcap, (void)num_threads;
   return -1;
 #endif
 }
@@ -1060,17 +1091,19 @@ int32_t kubeinfer_paged_decode_bf16_enabled() {
 // dtype (q and out): 0 = float32, 1 = bfloat16; cache_dtype (k/v caches): 0 = float32, 1 = bfloat16,
 // 2 = float16. Returns 0, or -1 for an unknown dtype.
 // `window` > 0: each decode query (position context_len - 1) sees only the last `window` positions.
-// `sinks`: nullptr, or [hq] fp32 attention sinks (Args::sinks).
-int32_t kubeinfer_paged_decode_window(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
+// `sinks`: nullptr, or [hq] fp32 attention sinks (Args::sinks). `softcap`: 0, or the attention logit
+// soft-cap (Args::softcap); -1 for a negative or NaN one.
+int32_t kubeinfer_paged_decode_capped(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
                                       const void* k_cache, const void* v_cache, const int32_t* block_tables,
                                       const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
                                       int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
                                       int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
-                                      float scale, int32_t window, const float* sinks, int32_t num_threads) {
-  if (window < 0) return -1;
+                                      float scale, int32_t window, const float* sinks, float softcap,
+                                      int32_t num_threads) {
+  if (window < 0 || !(softcap >= 0.0f)) return -1;
   const Args a{out,  q,          k_cache,      v_cache,        block_tables, context_lens,
                seqs, rows,       num_decode,   q_row_stride,   out_row_stride, bt_stride,
-               hq,   hkv,        d,            block_size,     scale,          window, sinks};
+               hq,   hkv,        d,            block_size,     scale,          window, sinks, softcap};
   if (dtype == 0 && cache_dtype == 0) {
     run<float, float>(a, num_threads);
   } else if (dtype == 0 && cache_dtype == 1) {
@@ -1087,6 +1120,19 @@ int32_t kubeinfer_paged_decode_window(int32_t dtype, int32_t cache_dtype, void* 
     return -1;
   }
   return 0;
+}
+
+// kubeinfer_paged_decode_capped without a soft-cap: the decode graph's entry point for its other layers
+// (server/models/csrc/cpu_fused.cpp calls it through a function pointer of this signature).
+int32_t kubeinfer_paged_decode_window(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
+                                      const void* k_cache, const void* v_cache, const int32_t* block_tables,
+                                      const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
+                                      int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
+                                      int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
+                                      float scale, int32_t window, const float* sinks, int32_t num_threads) {
+  return kubeinfer_paged_decode_capped(dtype, cache_dtype, out, q, k_cache, v_cache, block_tables, context_lens,
+                                       seqs, rows, num_decode, q_row_stride, out_row_stride, bt_stride, hq, hkv,
+                                       d, block_size, scale, window, sinks, 0.0f, num_threads);
 }
 
 // The whole context (no window): the decode graph's entry point (server/models/csrc/cpu_fused.cpp), which

@@ -18,15 +18,12 @@
 //                  round, without the two fp32 [T, 2I] / [T, I] tensors in memory
 //   head_rms_norm  each head normalized in place: x = weight * x * rsqrt(mean(x^2) + eps), one [D]
 //                  weight for all heads (Qwen3's q_norm / k_norm, before the rotary)     [T, heads, D]
-//   softcap_paged_decode  one-token paged decode attention with tanh soft-capped scores (Gemma 2's
-//                  attn_logit_softcapping): softmax(cap * tanh(q.k * scale / cap)) v over the paged cache,
-//                  an optional window; the attention library's decode kernel has no soft-cap  [T, Hq, D]
 // Rows are independent; OpenMP over rows only when there is enough work to pay for waking the threads.
 //
 // kubeinfer_decode_forward runs a whole decode step's decoder layers in one call (the "decode graph",
 // server/models/decode_graph.py): per layer residual_norm, the qkv projection, q/k norms (per head or over
 // the projection), rotary (per layer table, partial or none), the K/V store, paged decode attention (the
-// layer's scale, window and sinks, or softcap_paged_decode where the layer soft-caps), o, residual_norm, gate_up, silu_mul or gelu_tanh_mul, down, each the
+// layer's scale, window, sinks and soft-cap), o, residual_norm, gate_up, silu_mul or gelu_tanh_mul, down, each the
 // very function the torch-driven fused path calls (the projections and the attention through function
 // pointers into their own libraries), in the same order on the same buffers: the result is bit-identical,
 // minus ~300 us of Python per layer. The layer kind is data in KiDecodeLayer, not a branch per family.
@@ -100,24 +97,11 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// One cache row of d values (a key or a value of one kv head) as fp32: in place for an fp32 cache, else
-// widened into buf. cache_dtype: paged_decode.cpp's codes (0 float32, 1 bfloat16, 2 float16).
-inline const float* cache_row(int32_t cache_dtype, const void* cache, int64_t offset, int32_t d, float* buf) {
-  if (cache_dtype == 0) return static_cast<const float*>(cache) + offset;
-  const uint16_t* src = static_cast<const uint16_t*>(cache) + offset;
-  if (cache_dtype == 1) {
-    for (int32_t i = 0; i < d; ++i) buf[i] = bf16_to_float(src[i]);
-  } else {
-    for (int32_t i = 0; i < d; ++i) buf[i] = half_to_float(src[i]);
-  }
-  return buf;
-}
-
 }  // namespace
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 9; }
+int32_t kubeinfer_cpu_fused_abi() { return 10; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -328,89 +312,22 @@ int32_t kubeinfer_head_rms_norm(float* x, int64_t row_stride, int64_t rows, int6
   return 0;
 }
 
-// One-token decode attention with soft-capped scores over the paged cache, fp32 q and out, the cache in
-// cache_dtype. Decode row i is sequence seqs[i] (its block table and context length), its query and output
-// row rows[i]: q [*, Hq, D] and out [*, Hq, D] with row strides in elements, head h of a row at h * D.
-// The query sits at position context_len - 1 and sees keys max(0, context_len - window) .. context_len - 1
-// (window 0: all). Scores: cap * tanh(q.k * scale / cap), then a max-subtracted softmax in fp32 (the
-// reference: server/models/softcap_attention.py, as transformers' eager Gemma 2). Indices are the caller's
-// to check (cpu_kernel.check_decode_indices). Returns 1 for bad sizes, 2 for an unknown cache dtype.
-int32_t kubeinfer_softcap_paged_decode(int32_t cache_dtype, float* out, const float* q, const void* k_cache,
-                                       const void* v_cache, const int32_t* block_tables,
-                                       const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
-                                       int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
-                                       int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
-                                       float scale, float softcap, int32_t window, int32_t num_threads) {
-  if (num_decode < 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || block_size <= 0 || window < 0 ||
-      !(softcap > 0.0f))
-    return 1;
-  if (cache_dtype < 0 || cache_dtype > 2) return 2;
-  const int32_t group = hq / hkv;
-  const float inv_cap = 1.0f / softcap;
-#pragma omp parallel num_threads(num_threads) if (num_decode * hq > 1)
-  {
-    std::vector<float> scores, kbuf(d), vbuf(d), acc(d);
-#pragma omp for collapse(2) schedule(dynamic)
-    for (int64_t i = 0; i < num_decode; ++i) {
-      for (int32_t h = 0; h < hq; ++h) {
-        const int64_t seq = seqs[i], row = rows[i];
-        const int64_t ctx = context_lens[seq];
-        const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-        const int32_t* table = block_tables + seq * bt_stride;
-        const float* qh = q + row * q_row_stride + static_cast<int64_t>(h) * d;
-        float* oh = out + row * out_row_stride + static_cast<int64_t>(h) * d;
-        const int64_t kvh = h / group;
-        scores.resize(static_cast<size_t>(std::max<int64_t>(ctx - start, 0)));
-        float mx = -softcap;  // the least a capped score can be (no infinities under -ffast-math)
-        for (int64_t p = start; p < ctx; ++p) {
-          const int64_t offset = ((static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * hkv +
-                                  kvh) * d;
-          const float* kr = cache_row(cache_dtype, k_cache, offset, d, kbuf.data());
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int32_t c = 0; c < d; ++c) dot += qh[c] * kr[c];
-          const float sc = softcap * std::tanh(dot * scale * inv_cap);
-          scores[p - start] = sc;
-          mx = std::max(mx, sc);
-        }
-        float sum = 0.0f;
-        for (float& sc : scores) {
-          sc = std::exp(sc - mx);
-          sum += sc;
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t p = start; p < ctx; ++p) {
-          const int64_t offset = ((static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * hkv +
-                                  kvh) * d;
-          const float* vr = cache_row(cache_dtype, v_cache, offset, d, vbuf.data());
-          const float w = scores[p - start];
-#pragma omp simd
-          for (int32_t c = 0; c < d; ++c) acc[c] += w * vr[c];
-        }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        for (int32_t c = 0; c < d; ++c) oh[c] = acc[c] * inv;
-      }
-    }
-  }
-  return 0;
-}
-
 // ---- the decode graph --------------------------------------------------------------------------------
 
 // server/quant/csrc/qlinear.cpp's kubeinfer_qlinear and server/attention/csrc/paged_decode.cpp's
-// kubeinfer_kv_store and kubeinfer_paged_decode_window (the weight descriptor stays opaque here).
+// kubeinfer_kv_store and kubeinfer_paged_decode_capped (the weight descriptor stays opaque here).
 typedef int32_t (*KiQLinearFn)(const void* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
                                float* y, int64_t y_stride, int32_t nthreads);
 typedef int32_t (*KiKvStoreFn)(int32_t cache_dtype, void* k_cache, void* v_cache, const int64_t* slots,
                                const float* k, const float* v, int64_t src_stride, int64_t t, int64_t width);
 
-typedef int32_t (*KiPagedDecodeWindowFn)(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
+typedef int32_t (*KiPagedDecodeCappedFn)(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
                                          const void* k_cache, const void* v_cache, const int32_t* block_tables,
                                          const int32_t* context_lens, const int64_t* seqs, const int64_t* rows,
                                          int64_t num_decode, int64_t q_row_stride, int64_t out_row_stride,
                                          int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d,
                                          int32_t block_size, float scale, int32_t window, const float* sinks,
-                                         int32_t num_threads);
+                                         float softcap, int32_t num_threads);
 
 // server/models/moe/csrc/moe_experts.cpp's kubeinfer_moe_experts (`spec` a KiMoeExperts*).
 typedef int32_t (*KiMoeExpertsFn)(const void* spec, const float* x, int64_t tokens, int64_t x_stride,
@@ -454,7 +371,7 @@ struct KiDecodeLayer {
   const float* sinks;    // [Hq] fp32 or null
   float residual_mult;   // each sub-block's output scaled before the residual add (Granite)
   int32_t activation;    // 0 silu, 1 gelu_tanh
-  float attn_softcap;    // 0: none; cap > 0: scores cap * tanh(s / cap) (Gemma 2), softcap_paged_decode
+  float attn_softcap;    // 0: none; cap > 0: scores cap * tanh(s / cap) (Gemma 2), in paged_decode
   int32_t kv_group;      // 0 or 1: the step's slots / block tables this layer's caches are indexed by
   const struct KiDecodeMoe* moe;  // null: the dense gate_up / act / down MLP; else this MoE block
 };
@@ -476,7 +393,7 @@ struct KiDecodeModel {
   float final_eps;
   int64_t hidden, inter, hq, hkv, d, block_size;
   KiQLinearFn qlinear;
-  KiPagedDecodeWindowFn paged_decode;  // paged_decode.cpp's kubeinfer_paged_decode_window
+  KiPagedDecodeCappedFn paged_decode;  // paged_decode.cpp's kubeinfer_paged_decode_capped
   KiKvStoreFn kv_store;    // paged_decode.cpp's K/V write, rounding to the cache's dtype
   int32_t cache_dtype;     // 0 = float32, 1 = bfloat16, 2 = float16 (paged_decode.cpp's codes)
   KiMoeExpertsFn moe_experts;  // moe_experts.cpp's kubeinfer_moe_experts; null when no layer is MoE
@@ -637,17 +554,10 @@ int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) 
     if ((rc = m->kv_store(m->cache_dtype, L.k_cache, L.v_cache, slots, s->qkv + o_width,
                           s->qkv + o_width + kv_width, q_width, t, kv_width)))
       return 1200 + rc;
-    if (L.attn_softcap > 0.0f) {
-      if ((rc = kubeinfer_softcap_paged_decode(m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache,
-                                               tables, s->context_lens, s->seqs, s->seqs, t, q_width,
-                                               o_width, bt_stride, m->hq, m->hkv, D, m->block_size, L.scale,
-                                               L.attn_softcap, L.window, nt)))
-        return 1300 + rc;
-    } else if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, tables,
-                                     s->context_lens, s->seqs, s->seqs, t, q_width, o_width, bt_stride, m->hq,
-                                     m->hkv, D, m->block_size, L.scale, L.window, L.sinks, nt))) {
+    if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, tables, s->context_lens,
+                              s->seqs, s->seqs, t, q_width, o_width, bt_stride, m->hq, m->hkv, D, m->block_size,
+                              L.scale, L.window, L.sinks, L.attn_softcap, nt)))
       return 400 + rc;
-    }
     if ((rc = m->qlinear(L.o, s->attn, t, o_width, L.o_bias, s->delta, H, nt))) return 500 + rc;
     if ((rc = kubeinfer_residual_norm(s->h, H, s->delta, H, L.attn_out_norm, L.attn_out_eps, L.residual_mult,
                                       L.mlp_in_norm, L.mlp_in_eps, s->x, H, t, H, nt)))
