@@ -251,7 +251,7 @@ def _quantity_value(value: Any) -> float:
     m = re.match(r"^[+]?([0-9.]+)([KMGTPE]i|[numkMGTPE])?$", str(value))
     if m is None:
         return float("nan")
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+    units: dict[str, float] = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
     units |= {"n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
     return float(m.group(1)) * units.get(m.group(2) or "", 1)
 

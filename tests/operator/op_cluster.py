@@ -32,6 +32,7 @@ import kmock
 import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
+from kmock_builtin import builtin_schemas, invalid_causes, refusal, type_error, update_causes
 from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
 from kmock_params import request_error
 from kmock_pruning import prune_resource
@@ -173,7 +174,10 @@ class ApiServer(KubernetesEmulator):
     _rv: Any = attrs.field(factory=lambda: itertools.count(1000))
     namespace_store: Namespaces = attrs.field(factory=Namespaces)
     # Structural schemas by plural: what every write of those kinds is pruned to (kmock_pruning.py).
-    schemas: dict[str, dict[str, Any]] = attrs.field(factory=lambda: {"inferencemodels": crd_schema()})
+    # The built-in kinds' come from kube-apiserver's /openapi/v3 (kmock_builtin.py).
+    schemas: dict[str, dict[str, Any]] = attrs.field(
+        factory=lambda: {"inferencemodels": crd_schema(), **builtin_schemas()}
+    )
     # (field manager, plural, subresource, path) of every field pruned so far
     pruned: list[tuple[str, str, str, str]] = attrs.field(factory=list)
 
@@ -230,6 +234,16 @@ class ApiServer(KubernetesEmulator):
         schema = self.schemas.get(request.resource.plural or "") if request.resource is not None else None
         # POST, PATCH and PUT (kmock gives PUT no action); not a DELETE's DeleteOptions body
         writes = request.action in (enums.action.CREATE, enums.action.UPDATE) or is_replace(request)
+        if (
+            writes
+            and isinstance(request.data, dict)
+            and request.subresource is None
+            and (request.action == enums.action.CREATE or is_replace(request))
+        ):
+            # The JSON decoder's type errors come before the strict decoder's unknown fields.
+            wrong_type = type_error(request.resource.plural or "", request.data)  # type: ignore[union-attr]
+            if wrong_type is not None:
+                raise wrong_type
         if schema is not None and writes and isinstance(request.data, dict):
             # Every write, on the main resource or /status, whole or a merge patch (JSON patches, lists,
             # are kopf's finalizer tests on metadata only); an apply of an undeclared field is refused.
@@ -254,6 +268,8 @@ class ApiServer(KubernetesEmulator):
                 body=request.data,
             )
         response = await self._serve(request)
+        if request.action == enums.action.CREATE and response.status == 200:
+            response.set_status(201)  # kmock answers a create with 200; the API server with 201 Created
         for warning in warnings:
             response.headers.add("Warning", warning)
         return response
@@ -292,6 +308,8 @@ class ApiServer(KubernetesEmulator):
                 and "apply-patch" in (request.headers.get("Content-Type") or "")
             )
             if whole and request.subresource is None:
+                if request.action == enums.action.CREATE:
+                    self._refuse_invalid(request, data)
                 # The refusals kmock does not make itself (names, labels, strategy): a real 422.
                 kind = PLURAL_KIND.get(request.resource.plural or "", "")
                 if kind in GATEWAY_KINDS:
@@ -324,6 +342,7 @@ class ApiServer(KubernetesEmulator):
                     (data.get("metadata") or {}).get("name"),
                 )
                 drop_status_on_create(PLURAL_KIND.get(request.resource.plural or "", ""), data)
+                self._allocate_cluster_ip(request.resource.plural or "", data)
                 self._own_replicas(request, data, None)
                 self._stamp(data, request.namespace)
             elif request.action == enums.action.UPDATE and request.name is not None:
@@ -335,6 +354,7 @@ class ApiServer(KubernetesEmulator):
                     if live is None or live.deleted:
                         if "apply-patch" in (request.headers.get("Content-Type") or ""):
                             # Server-side apply of a missing object creates it.
+                            self._refuse_invalid(request, data)
                             refuse_create(
                                 self.namespace_store, request.resource, request.namespace, request.name
                             )
@@ -349,6 +369,9 @@ class ApiServer(KubernetesEmulator):
                         if request.subresource is None and isinstance(data.get("spec"), dict):
                             # Immutable fields (a Job's template, a claim's spec): the real 422.
                             merged = kmock._internal.dicts.patch_dict(old.get("spec") or {}, data["spec"])
+                            causes = update_causes(request.resource.plural or "", old, dict(merged))
+                            if causes:
+                                raise refusal(request.resource.plural or "", old, request.name, causes)
                             refused = update_errors(old.get("kind", ""), old, dict(merged))
                             if refused:
                                 raise KubernetesError(
@@ -390,6 +413,38 @@ class ApiServer(KubernetesEmulator):
         if key is not None and deleted_uid is not None and self._objects[key].deleted:
             await self._collect_garbage(deleted_uid)
         return response
+
+    def _allocate_cluster_ip(self, plural: str, data: dict[str, Any]) -> None:
+        """A Service gets a cluster IP at create, as the API server allocates one from
+        --service-cluster-ip-range (10.96.0.0/16 on the probed server); clusterIPs mirrors it."""
+        spec = data.get("spec")
+        if plural != "services" or not isinstance(spec, dict) or spec.get("type") == "ExternalName":
+            return
+        if not spec.get("clusterIP"):
+            serial = next(self._rv)
+            spec["clusterIP"] = f"10.96.{serial // 250 % 250}.{serial % 250 + 1}"
+        spec.setdefault("clusterIPs", [spec["clusterIP"]])
+
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        # The API server's 500s (a failed typed patch) carry no reason; kmock would name its class.
+        response = await super()._render_error(exc)
+        if (
+            isinstance(exc, KubernetesError)
+            and exc.reason is None
+            and isinstance(response, aiohttp.web.Response)
+        ):
+            body = json.loads(response.body)  # type: ignore[arg-type]
+            body.pop("reason", None)
+            return aiohttp.web.json_response(body, status=response.status)
+        return response
+
+    def _refuse_invalid(self, request: rendering.Request, data: dict[str, Any]) -> None:
+        """A create of a built-in kind that its validation refuses: the real 422 with its causes."""
+        plural = request.resource.plural or "" if request.resource is not None else ""
+        causes = invalid_causes(plural, data)
+        if causes:
+            name = str((data.get("metadata") or {}).get("name") or request.name or "")
+            raise refusal(plural, data, name, causes)
 
     def _own_replicas(
         self, request: rendering.Request, data: dict[str, Any], old: dict[str, Any] | None

@@ -19,7 +19,11 @@ HF = {"uri": "hf://org/model"}
 def _dep(replicas: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "selector": {"matchLabels": {"a": "b"}},
-        "template": {"metadata": {"labels": {"a": "b"}}},
+        # a pod template the API server admits (a container with a name and an image)
+        "template": {
+            "metadata": {"labels": {"a": "b"}},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+        },
     }
     if replicas is not None:
         spec["replicas"] = replicas
