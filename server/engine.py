@@ -20,7 +20,7 @@ from server.config import EngineConfig
 from server.core.burst_bound import BurstBound
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
-from server.core.kv_groups import KVGroupSpec, KVLayout, plan_kv_layout
+from server.core.kv_groups import KVLayout, budget_layer_blocks, plan_kv_layout
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.prefill_cap import AdaptivePrefillCap, step_shape
 from server.core.scheduler import Scheduler, SchedulerConfig
@@ -110,6 +110,9 @@ class EngineInfo:
     gguf_dequantized: tuple[DequantizedTensor, ...] | None = None
     # where the memory goes, estimated from the files before loading (server/memory_estimate.py)
     memory: MemoryEstimate | None = None
+    # the KV cache's layer groups (server/core/kv_groups.py): one, or full-attention layers beside
+    # sliding-window ones, each group with its own block count (/info's kv_groups)
+    kv_layout: KVLayout | None = None
 
 
 class LLMEngine:
@@ -247,25 +250,22 @@ class LLMEngine:
         num_blocks = config.cache.num_kv_blocks or max(1, config.cache.kv_cache_memory_bytes // block_bytes)
         log.info("KV cache: %d blocks of %s", num_blocks, dtype_name(self.kv_cache_dtype))
         # Windowed layers beside global ones get their own group (server/core/kv_groups.py); tensor
-        # parallel ranks allocate one group of num_blocks, so there the whole table stays.
+        # parallel ranks plan the same layout from the same per-rank shapes (distributed/worker.py).
         arch = self.loaded.arch
-        if self.tp is None:
-            layer_block_bytes = block_bytes // max(1, arch.num_layers)
-            layout = plan_kv_layout(
-                [spec.sliding_window for spec in arch.layers],
-                # the budget in blocks of one layer: --kv-cache-memory's bytes, or --num-kv-blocks of all
-                num_blocks * arch.num_layers
-                if config.cache.num_kv_blocks
-                else max(
-                    num_blocks * arch.num_layers, config.cache.kv_cache_memory_bytes // layer_block_bytes
-                ),
-                block_size,
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                self.max_model_len,
-            )
-        else:
-            layout = KVLayout((KVGroupSpec(num_blocks, arch.kv_window),), (0,) * len(arch.layers))
+        layout = plan_kv_layout(
+            [spec.sliding_window for spec in arch.layers],
+            budget_layer_blocks(
+                num_blocks,
+                arch.num_layers,
+                config.cache.num_kv_blocks,
+                config.cache.kv_cache_memory_bytes,
+                block_bytes,
+            ),
+            block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+        )
         if len(layout.groups) > 1:
             log.info(
                 "KV cache groups: %d blocks for the full-attention layers, %d for the sliding-window layers "
@@ -287,7 +287,7 @@ class LLMEngine:
             layout=layout,
         )
         if self.tp is not None:
-            self.tp.wait_ready(num_blocks)
+            self.tp.wait_ready(layout)
         # KV-cache events: the block pool records them, step() hands them to the publisher's queue.
         self.kv_events: KVEventPublisher | None = make_publisher(config.kv_events)
         self.kv = KVCacheManager(
@@ -355,6 +355,7 @@ class LLMEngine:
             weight_bytes=self.loaded.weight_bytes,
             block_size=block_size,
             num_kv_blocks=num_blocks,
+            kv_layout=layout,
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

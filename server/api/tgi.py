@@ -482,6 +482,19 @@ async def info(request: Request) -> Response:
             "memory": None if i.memory is None else asdict(i.memory),
             "kv_block_size": i.block_size,
             "kv_blocks": i.num_kv_blocks,
+            # the KV cache's layer groups (server/core/kv_groups.py): group 0 the full-attention layers,
+            # group 1 (models that interleave sliding-window layers) the windowed ones, each with its
+            # own blocks of one layer; blocks behind a window go back to group 1's pool
+            "kv_groups": [
+                {
+                    "layers": [n for n, lg in enumerate(i.kv_layout.layer_group) if lg == g],
+                    "blocks": spec.num_blocks,
+                    "sliding_window": spec.sliding_window,
+                }
+                for g, spec in enumerate(i.kv_layout.groups)
+            ]
+            if i.kv_layout is not None
+            else None,
             "kv_cache_dtype": i.kv_cache_dtype,
             "max_num_seqs": i.max_num_seqs,
             "max_num_batched_tokens": i.max_num_batched_tokens,

@@ -80,6 +80,18 @@ def window_blocks_per_sequence(
     )
 
 
+def budget_layer_blocks(
+    num_blocks: int, num_layers: int, num_kv_blocks: int | None, kv_cache_memory_bytes: int, block_bytes: int
+) -> int:
+    """The KV budget in blocks of one layer: `--num-kv-blocks`' `num_blocks` of every layer where it is
+    set, else `--kv-cache-memory`'s bytes over one layer's share of `block_bytes` (the bytes of one block
+    of every layer), never less than `num_blocks` of every layer. Rank 0 and every tensor-parallel rank
+    compute it alike (the same per-rank shapes), so their layouts agree."""
+    if num_kv_blocks:
+        return num_blocks * num_layers
+    return max(num_blocks * num_layers, kv_cache_memory_bytes // max(1, block_bytes // max(1, num_layers)))
+
+
 def plan_kv_layout(
     layer_windows: Sequence[int | None],
     layer_blocks: int,

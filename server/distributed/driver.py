@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from server.config import EngineConfig
+from server.core.kv_groups import KVLayout
 from server.core.outputs import SchedulerOutput
 from server.distributed.parallel_state import (
     STARTUP_TIMEOUT_FLOOR_S,
@@ -32,7 +33,7 @@ from server.distributed.parallel_state import (
     init_parallel_state,
 )
 from server.distributed.sharding import check_shardable, shard_model
-from server.distributed.worker import READY, Heartbeat, StopWorkers, spawn_local_workers
+from server.distributed.worker import Heartbeat, StopWorkers, ready_status, spawn_local_workers
 from server.models.llama import LlamaForCausalLM
 
 __all__ = ["TensorParallelDriver", "TensorParallelError"]
@@ -93,16 +94,18 @@ class TensorParallelDriver:
             store.port,
         )
 
-    def wait_ready(self, num_blocks: int) -> None:
-        """Call once rank 0 has its shard: every rank reports whether it built its own (start-up
-        timeout; a local worker that exits meanwhile fails it at once)."""
+    def wait_ready(self, layout: KVLayout) -> None:
+        """Call once rank 0 has its shard and KV layout: every rank reports whether it built its own
+        (start-up timeout; a local worker that exits meanwhile fails it at once) and with which KV
+        groups' block counts, which must be rank 0's."""
+        mine = ready_status(layout)
         try:
-            statuses = exchange_status(self.state, (READY, num_blocks), poll=self.check_workers)
+            statuses = exchange_status(self.state, mine, poll=self.check_workers)
         except TensorParallelError as e:
             self.close(graceful=False)
             raise TensorParallelError(f"tensor-parallel workers did not start: {e}") from e
         errors = [s for s in statuses if not isinstance(s, tuple)]
-        mismatched = [s for s in statuses if isinstance(s, tuple) and s != (READY, num_blocks)]
+        mismatched = [s for s in statuses if isinstance(s, tuple) and s != mine]
         if errors or mismatched:
             self.close(graceful=False)
             raise TensorParallelError(f"tensor-parallel startup failed: {errors or mismatched}")

@@ -114,7 +114,7 @@ def init_parallel_state(
     )
 
 
-Status = tuple[str, int] | str  # (READY, num_blocks), or a rank's error text
+Status = tuple[str, list[int]] | str  # (READY, each KV group's block count), or a rank's error text
 
 
 def exchange_status(
@@ -126,7 +126,7 @@ def exchange_status(
     in TCPStore), so statuses travel as JSON, never pickle: a forged value is a start-up failure, not
     code run on rank 0. Waits up to `startup_timeout_s`, calling `poll` about once a second (it may
     raise, e.g. when a local worker process died). Raises TensorParallelError on timeout or on a
-    status that is not a JSON string or [string, integer] pair.
+    status that is not a JSON string or [string, [integer, ...]] pair.
     """
     assert _store is not None, "init_parallel_state first"
     _store.set(f"kubeinfer/status/{state.rank}", json.dumps(status))
@@ -145,8 +145,8 @@ def _decode_status(rank: int, raw: bytes) -> Status:
         isinstance(value, list)
         and len(value) == 2
         and isinstance(value[0], str)
-        and isinstance(value[1], int)
-        and not isinstance(value[1], bool)
+        and isinstance(value[1], list)
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in value[1])
     ):
         return (value[0], value[1])
     raise TensorParallelError(f"rank {rank} published a malformed start-up status")

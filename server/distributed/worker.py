@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from server.attention import make_attention_backend
 from server.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from server.config import EngineConfig
+from server.core.kv_groups import KVLayout, budget_layer_blocks, plan_kv_layout
 from server.core.outputs import SchedulerOutput
 from server.distributed.parallel_state import (
     ParallelState,
@@ -67,9 +68,17 @@ def spawn_local_workers(
     return procs
 
 
-def build_shard_runner(config: EngineConfig, state: ParallelState) -> tuple[ModelRunner, int]:
-    """Loads the model, keeps this rank's shard and builds its runner with the same number of KV blocks
-    rank 0 computes (the same formula over the same per-rank shape). Returns (runner, num_blocks)."""
+def ready_status(layout: KVLayout) -> Status:
+    """What a rank publishes once its shard is built: READY and its KV groups' block counts, which every
+    rank must share (one scheduler's block ids index every rank's caches)."""
+    return (READY, [g.num_blocks for g in layout.groups])
+
+
+def build_shard_runner(config: EngineConfig, state: ParallelState) -> ModelRunner:
+    """Loads the model, keeps this rank's shard and builds its runner with the KV layout rank 0 plans
+    (the same formulas over the same per-rank shapes: block count, and the groups of a model that
+    interleaves sliding-window layers with global ones, server/core/kv_groups.py). The runner's
+    `layout` is what this rank reports (`ready_status`)."""
     device = rank_device(config.device, state.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -89,12 +98,26 @@ def build_shard_runner(config: EngineConfig, state: ParallelState) -> tuple[Mode
     )
     # the same cache dtype as rank 0's (engine.py): tensor parallelism loads dense weights (no GGUF)
     kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, dtype, dtype, device.type)
-    num_blocks = config.cache.num_kv_blocks or max(
-        1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block(loaded.model, block_size, kv_dtype)
+    block_bytes = kv_bytes_per_block(loaded.model, block_size, kv_dtype)
+    num_blocks = config.cache.num_kv_blocks or max(1, config.cache.kv_cache_memory_bytes // block_bytes)
+    arch = loaded.arch
+    layout = plan_kv_layout(
+        [spec.sliding_window for spec in arch.layers],
+        budget_layer_blocks(
+            num_blocks,
+            arch.num_layers,
+            config.cache.num_kv_blocks,
+            config.cache.kv_cache_memory_bytes,
+            block_bytes,
+        ),
+        block_size,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        max_model_len,
     )
-    runner = ModelRunner(loaded.model, backend, num_blocks, block_size, kv_dtype, device)
+    runner = ModelRunner(loaded.model, backend, num_blocks, block_size, kv_dtype, device, layout=layout)
     runner.is_driver = False
-    return runner, num_blocks
+    return runner
 
 
 def worker_main(
@@ -109,8 +132,9 @@ def worker_main(
     try:
         runner: ModelRunner | None = None
         try:
-            runner, num_blocks = build_shard_runner(config, state)
-            status: Status = (READY, num_blocks)
+            runner = build_shard_runner(config, state)
+            assert runner.layout is not None
+            status: Status = ready_status(runner.layout)
         except Exception as e:
             log.exception("rank %d could not build its shard", state.rank)
             status = f"rank {state.rank}: {type(e).__name__}: {e}"

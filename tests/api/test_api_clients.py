@@ -52,6 +52,8 @@ def test_api_probes_info_models(live_server: LiveServer) -> None:
     assert info["max_concurrent_requests"] == 64
     assert info["dtype"] == "float32"
     assert info["kv_blocks"] == 192 and info["kv_block_size"] == 16
+    # SmolLM2's 30 layers all attend globally: one KV group of every block
+    assert info["kv_groups"] == [{"layers": list(range(30)), "blocks": 192, "sliding_window": None}]
     assert info["max_input_tokens"] < info["max_total_tokens"]
     models = httpx.get(f"{url}/v1/models", timeout=60).json()
     assert models["object"] == "list" and models["data"][0]["id"] == SERVED_NAME

@@ -224,3 +224,52 @@ def test_ngram_speculation_parity(model_dir: Path) -> None:
     stats = engine.stats()
     assert stats.spec_num_draft_tokens > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_info_shows_the_kv_groups(model_dir: Path) -> None:
+    """/info names each KV layer group (kv_groups.py) with its layers, blocks of one layer and window,
+    over real HTTP: one group for Mistral's every-layer window, the global layer's group and the windowed
+    layers' smaller one for Qwen2 and Gemma 3, as the runner sized their caches."""
+    import httpx
+    from serving import free_port, serve_in_thread
+
+    from server.api.app import create_app
+    from server.api.state import ServerState
+    from server.config import ServerConfig
+
+    engine_cfg = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32"),
+        cache=CacheConfig(block_size=8, num_kv_blocks=128),
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=16,
+        num_threads=1,
+    )
+    llm = LLMEngine(engine_cfg)
+    windows = windows_of(llm)
+    sizes = [k.shape[0] for k, _ in llm.runner.kv_caches]
+    port = free_port()
+    state = ServerState(
+        ServerConfig(engine=engine_cfg, host="127.0.0.1", port=port), engine_factory=lambda: llm
+    )
+    running = serve_in_thread(create_app(state), port)
+    try:
+        groups = httpx.get(f"{running.url}/info", timeout=60).json()["kv_groups"]
+    finally:
+        running.stop()
+    if None in windows:
+        assert groups == [
+            {
+                "layers": [i for i, w in enumerate(windows) if w is None],
+                "blocks": 128 * 3 - 2 * 10,
+                "sliding_window": None,
+            },
+            {
+                "layers": [i for i, w in enumerate(windows) if w is not None],
+                "blocks": 10,
+                "sliding_window": WINDOW,
+            },
+        ]
+    else:
+        assert groups == [{"layers": [0, 1, 2], "blocks": 128, "sliding_window": WINDOW}]
+    assert [groups[0 if w is None else len(groups) - 1]["blocks"] for w in windows] == sizes

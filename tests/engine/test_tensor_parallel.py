@@ -292,3 +292,63 @@ def test_idle_heartbeat_notices_a_hung_worker(tiny_model_factory) -> None:  # ty
     finally:
         os.kill(pid, signal.SIGKILL)
         engine.close(graceful=False)
+
+
+def test_tp2_windowed_layers_keep_their_own_kv_group(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A Qwen2 whose layers 1-2 are windowed beside the global layer 0 keeps the windowed layers' own
+    group under tensor parallelism, as on one device (server/core/kv_groups.py): rank 0 and rank 1 plan
+    the same layout (a rank that differs fails the start-up), blocks behind the window go back to the
+    windowed pool, and greedy tokens equal transformers' through chunked prefill and prefix hits past
+    the window edge."""
+    from transformers import AutoModelForCausalLM
+    from window_models import WINDOW, build_window_model
+
+    folder = build_window_model(tmp_path / "swa-qwen2", smollm2_dir, "qwen2")
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 49152, (4 * WINDOW,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (3, 11, 19)]
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    with torch.inference_mode():
+        ref = [
+            hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    cache = CacheConfig(block_size=8, num_kv_blocks=128, enable_prefix_caching=True)
+    engine = make_engine(
+        folder, 2, cache, max_num_batched_tokens=16, long_prefill_token_threshold=16, max_num_seqs=2
+    )
+    try:
+        windows = [layer.self_attn.sliding_window for layer in engine.loaded.model.decoder_layers()]
+        assert windows == [None, WINDOW, WINDOW]
+        # two seats' windows and a 16-token step in the windowed group (2 x 4 + 2 blocks), the rest of the
+        # 128 blocks of 3 layers to the global layer: what one device plans
+        assert [k.shape[0] for k, _ in engine.runner.kv_caches] == [128 * 3 - 2 * 10, 10, 10]
+        got = [engine.generate([p], GREEDY)[0] for p in prompts]
+        assert engine.stats().prefix_cache_hits >= 2 * 4 * WINDOW
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+    finally:
+        engine.close()
+    assert got == ref
+    assert engine.tp is not None
+    assert [p.exitcode for p in engine.tp.procs] == [0]
+
+
+def test_a_rank_with_another_kv_layout_is_refused() -> None:
+    """The start-up status carries each KV group's block count: what a rank publishes decodes to what
+    rank 0 compares, and a status that is not [string, [integer, ...]] is refused."""
+    import json
+
+    from server.core.kv_groups import KVGroupSpec, KVLayout
+    from server.distributed.parallel_state import _decode_status
+    from server.distributed.worker import ready_status
+
+    layout = KVLayout((KVGroupSpec(364), KVGroupSpec(10, 16)), (0, 1, 1))
+    mine = ready_status(layout)
+    assert _decode_status(1, json.dumps(mine).encode()) == mine
+    other = ready_status(KVLayout((KVGroupSpec(128),), (0, 0, 0)))
+    assert _decode_status(1, json.dumps(other).encode()) != mine
+    for bad in (["ready", 128], ["ready", [1, True]], ["ready", ["1"]], ["ready"]):
+        with pytest.raises(TensorParallelError, match="malformed"):
+            _decode_status(1, json.dumps(bad).encode())
