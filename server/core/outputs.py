@@ -129,7 +129,9 @@ class StepTokenHistogram:
 class SchedulerStats:
     num_running: int
     num_waiting: int
-    kv_cache_usage: float  # fraction of blocks held by live requests, 0..1
+    kv_cache_usage: float  # the fullest KV group's fraction of blocks held by live requests, 0..1
+    # over every KV layer group (server/core/kv_groups.py; blocks of one layer each), so that free ==
+    # total means nothing is held anywhere, the windowed group included
     num_free_blocks: int
     num_total_blocks: int
     prefix_cache_queries: int  # cumulative, in tokens

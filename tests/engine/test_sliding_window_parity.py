@@ -229,7 +229,8 @@ def test_ngram_speculation_parity(model_dir: Path) -> None:
 def test_info_shows_the_kv_groups(model_dir: Path) -> None:
     """/info names each KV layer group (kv_groups.py) with its layers, blocks of one layer and window,
     over real HTTP: one group for Mistral's every-layer window, the global layer's group and the windowed
-    layers' smaller one for Qwen2 and Gemma 3, as the runner sized their caches."""
+    layers' smaller one for Qwen2 and Gemma 3, as the runner sized their caches; the engine's stats count
+    the blocks of every group."""
     import httpx
     from serving import free_port, serve_in_thread
 
@@ -273,3 +274,6 @@ def test_info_shows_the_kv_groups(model_dir: Path) -> None:
     else:
         assert groups == [{"layers": [0, 1, 2], "blocks": 128, "sliding_window": WINDOW}]
     assert [groups[0 if w is None else len(groups) - 1]["blocks"] for w in windows] == sizes
+    # the engine's block counts cover every group, so free == total means no group holds a block
+    stats = llm.stats()
+    assert stats.num_total_blocks == stats.num_free_blocks == sum(g["blocks"] for g in groups)
