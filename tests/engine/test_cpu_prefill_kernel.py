@@ -149,8 +149,52 @@ def test_prefill_rejects_bad_chunks(kernel: DecodeKernel, field: str, value: lis
         kernel.prefill(torch.empty_like(batch.q), batch.q, kc, vc, batch.block_tables, chunks, 0.125)
 
 
+def test_prefill_of_bf16_queries_is_the_fp32_kernel_rounded(kernel: DecodeKernel) -> None:
+    """A bf16 model's q (a strided view, as from its fused qkv output) is widened exactly: each chunk's rows
+    are the fp32 kernel's rows on q.float() rounded to bf16, bit for bit, and close to the fp32 reference;
+    other rows stay untouched; an out of another dtype is refused."""
+    hq, hkv, d, bs = 8, 2, 128, 16
+    batch = make_paged_batch(
+        [40, 7], [300, 7], num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    kc, vc = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+    t = 50
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).bfloat16()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    chunks = PrefillChunks(
+        seqs=torch.tensor([0, 1], dtype=torch.int64),
+        q_starts=torch.tensor([1, 43], dtype=torch.int64),
+        q_lens=torch.tensor([40, 7], dtype=torch.int32),
+        ctx_lens=torch.tensor([300, 7], dtype=torch.int32),
+    )
+    scale = d**-0.5
+    out = torch.full((t, hq, d), float("nan"), dtype=torch.bfloat16)
+    assert kernel.prefill_supported(torch.bfloat16, torch.bfloat16, d)
+    assert kernel.prefill(out, q, kc, vc, batch.block_tables, chunks, scale)
+    wide = torch.full((t, hq, d), float("nan"))
+    assert kernel.prefill(wide, q.float(), kc, vc, batch.block_tables, chunks, scale)
+    rows = list(range(1, 41)) + list(range(43, 50))
+    assert torch.equal(out[rows], wide[rows].bfloat16())
+    untouched = [r for r in range(t) if r not in rows]
+    assert out[untouched].isnan().all()
+    for start, n, seq, ctx in ((1, 40, 0, 300), (43, 7, 1, 7)):
+        ref = paged_attention_ref(
+            q[start : start + n].float().contiguous(),
+            kc.float(),
+            vc.float(),
+            batch.block_tables[seq : seq + 1],
+            torch.tensor([ctx], dtype=torch.int32),
+            torch.tensor([0, n], dtype=torch.int32),
+            scale,
+        )
+        torch.testing.assert_close(out[start : start + n].float(), ref, atol=3e-2, rtol=2e-2)
+    with pytest.raises(TypeError, match="bf16"):
+        kernel.prefill(torch.empty(t, hq, d), q, kc, vc, batch.block_tables, chunks, scale)
+
+
 def test_prefill_declines_what_it_does_not_serve(kernel: DecodeKernel) -> None:
-    """fp32 caches, bf16 queries and other head sizes: False and nothing written (the caller attends)."""
+    """fp32 caches and other head sizes: False and nothing written (the caller attends)."""
     batch = make_paged_batch(
         [4], [4], num_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
         dtype=torch.float32, device=torch.device("cpu"),
@@ -158,25 +202,37 @@ def test_prefill_declines_what_it_does_not_serve(kernel: DecodeKernel) -> None:
     out = torch.full_like(batch.q, float("nan"))
     chunks = _chunks([4], [4])
     assert not kernel.prefill(out, batch.q, batch.k_cache, batch.v_cache, batch.block_tables, chunks, 0.125)
-    assert not kernel.prefill_supported(torch.bfloat16, torch.bfloat16, 64)
+    assert not kernel.prefill_supported(torch.bfloat16, torch.float32, 64)
     assert not kernel.prefill_supported(torch.float32, torch.bfloat16, 96)
+    assert not kernel.prefill_supported(torch.float16, torch.bfloat16, 64)
     assert out.isnan().all()
 
 
-def test_backend_sends_every_prompt_chunk_through_the_kernel(kernel: DecodeKernel) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_sends_every_prompt_chunk_through_the_kernel(
+    kernel: DecodeKernel, dtype: torch.dtype
+) -> None:
     """Decode rows between chunks with and without a cached prefix: the chunks' rows equal the kernel's
     own output for them (so a prefix-cache hit and a whole prefill compute alike), the decode rows the
-    decode kernel's fp32 result."""
+    decode kernel's result; a bf16 model's q (bf16) alike, not through torch's bf16 SDPA."""
     block_size, hq, hkv, d = 16, 9, 3, 64
     query_lens, prefix_lens = [1, 12, 20, 1, 3], [30, 0, 9, 64, 16]
     meta = make_attention_metadata(query_lens, prefix_lens, block_size, torch.device("cpu"))
     n = sum(query_lens)
     shape = (int(meta.block_tables.max()) + 2, block_size, hkv, d)
     kc, vc = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
-    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    q, k, v = (torch.randn(n, h, d).to(dtype) for h in (hq, hkv, hkv))
     # Without AMX-BF16 (where it is usable, the chunks go to bf16 SDPA: the test below)
     backend = TorchAttentionBackend(block_size, dataclasses.replace(kernel, amx_bf16=False))
-    out = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = None  # type: ignore[assignment]  # no prompt chunk may take SDPA
+    try:
+        out = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    finally:
+        F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    assert out.dtype == dtype
 
     starts = meta.query_start_loc.tolist()
     idx = [i for i, m in enumerate(query_lens) if m > 1]
@@ -191,10 +247,11 @@ def test_backend_sends_every_prompt_chunk_through_the_kernel(kernel: DecodeKerne
     rows = [r for i in idx for r in range(starts[i], starts[i] + query_lens[i])]
     assert torch.equal(out[rows], direct[rows])
     ref = paged_attention_ref(
-        q, kc.float(), vc.float(), meta.block_tables, meta.context_lens, meta.query_start_loc, 0.125
+        q.float(), kc.float(), vc.float(), meta.block_tables, meta.context_lens, meta.query_start_loc, 0.125
     )
     decode = [starts[i] for i, m in enumerate(query_lens) if m == 1]
-    torch.testing.assert_close(out[decode], ref[decode], atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if dtype == torch.float32 else ATTN_TOL[torch.bfloat16][0]
+    torch.testing.assert_close(out[decode].float(), ref[decode], atol=tol, rtol=tol)
 
 
 def test_with_amx_the_backend_sends_every_prompt_chunk_through_bf16_sdpa(kernel: DecodeKernel) -> None:
