@@ -50,7 +50,7 @@ def test_a_pickled_status_in_the_store_is_never_unpickled(
     marker = tmp_path / "pwned"
     client.set("kubeinfer/status/1", pickle.dumps(_Payload(marker)))
     with pytest.raises(TensorParallelError, match="rank 1"):
-        exchange_status(state, ("ready", 4))  # type: ignore[arg-type]
+        exchange_status(state, ("ready", [4]))
     assert not marker.exists()
 
 
@@ -58,7 +58,8 @@ def test_statuses_round_trip_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
     from server.distributed.parallel_state import exchange_status
 
     state, _master, client = _rank0_with_store(monkeypatch)
-    client.set("kubeinfer/status/1", '["ready", 4]')
-    assert exchange_status(state, ("ready", 4)) == [("ready", 4), ("ready", 4)]  # type: ignore[arg-type]
+    # (READY, each KV layer group's block count): worker.ready_status
+    client.set("kubeinfer/status/1", '["ready", [364, 10]]')
+    assert exchange_status(state, ("ready", [364, 10])) == [("ready", [364, 10]), ("ready", [364, 10])]
     client.set("kubeinfer/status/1", '"rank 1: OSError: no shard"')
-    assert exchange_status(state, ("ready", 4))[1] == "rank 1: OSError: no shard"  # type: ignore[arg-type]
+    assert exchange_status(state, ("ready", [364, 10]))[1] == "rank 1: OSError: no shard"
