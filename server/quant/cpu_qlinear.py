@@ -373,17 +373,7 @@ def deinterleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
         blocks6 = torch.cat(
             [file_ql.reshape(-1, nb, rows, 128), file_qh.reshape(-1, nb, rows, 64), sc6, d6], dim=3
         )  # [T, nb, r, 210]
-        return BlockQuantWeight(
-            per_row(blocks6, 210).reshape(n, nb * 210).contiguous(),
-            torch.empty(n, 0),
-            None,
-            "q6_k",
-            KQUANT_BITS,
-            QK_K,
-            0,
-            k,
-            n,
-        )
+        return _super_blocks(per_row(blocks6, 210).reshape(n, nb * 210).contiguous(), "q6_k", n, k)
     d = t[:, :, 0:32].reshape(-1, nb, rows, 2)
     dmin = t[:, :, 32:64].reshape(-1, nb, rows, 2)
     sc = t[:, :, 64:192].reshape(-1, nb, 8, rows).transpose(2, 3)  # [T, nb, r, j]
@@ -403,24 +393,18 @@ def deinterleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
     v = v.reshape(-1, nb, rows, 4, 2, 32)  # k = 64c + 32 nibble + l
     file_qs = (v[:, :, :, :, 0] | (v[:, :, :, :, 1] << 4)).reshape(-1, nb, rows, 128)
     blocks = torch.cat([d, dmin, packed, file_qs], dim=3)  # [T, nb, r, 144]
-    return BlockQuantWeight(
-        per_row(blocks, 144).reshape(n, nb * 144).contiguous(),
-        torch.empty(n, 0),
-        None,
-        "q4_k",
-        KQUANT_BITS,
-        QK_K,
-        0,
-        k,
-        n,
-    )
+    return _super_blocks(per_row(blocks, 144).reshape(n, nb * 144).contiguous(), "q4_k", n, k)
 
 
 def from_gguf_k_super_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
     """GGUF Q4_K / Q6_K data -> a BlockQuantWeight holding a copy of the file's super-blocks as they are
     (KQUANT_BITS: 4.5 / 6.56 bits per weight; run by csrc/qk_native.cpp through qlinear's entry points).
     ValueError as cpu_qk_native.from_gguf."""
-    blocks = qk_native.from_gguf(raw, fmt, n, k).blocks
+    return _super_blocks(qk_native.from_gguf(raw, fmt, n, k).blocks, fmt, n, k)
+
+
+def _super_blocks(blocks: Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
+    """blocks [N, K / 256 * 144 or 210] uint8, GGUF's block_q4_K / block_q6_K per row -> their BlockQuantWeight."""
     return BlockQuantWeight(blocks, torch.empty(n, 0), None, fmt, KQUANT_BITS, QK_K, 0, k, n)
 
 
