@@ -20,7 +20,7 @@ from server.config import EngineConfig
 from server.core.burst_bound import BurstBound
 from server.core.finish import decide_finish
 from server.core.kv_cache_manager import KVCacheManager
-from server.core.kv_groups import KVLayout, budget_layer_blocks, plan_kv_layout
+from server.core.kv_groups import KVLayout, plan_engine_kv
 from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.prefill_cap import AdaptivePrefillCap, step_shape
 from server.core.scheduler import Scheduler, SchedulerConfig
@@ -247,25 +247,20 @@ class LLMEngine:
         # Compiles structured-output grammars (the API compiles off the event loop, before admission).
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.loaded.arch.vocab_size, sorted(eos))
         block_bytes = kv_bytes_per_block(self.loaded.model, block_size, self.kv_cache_dtype)
-        num_blocks = config.cache.num_kv_blocks or max(1, config.cache.kv_cache_memory_bytes // block_bytes)
-        log.info("KV cache: %d blocks of %s", num_blocks, dtype_name(self.kv_cache_dtype))
         # Windowed layers beside global ones get their own group (server/core/kv_groups.py); tensor
-        # parallel ranks plan the same layout from the same per-rank shapes (distributed/worker.py).
-        arch = self.loaded.arch
-        layout = plan_kv_layout(
-            [spec.sliding_window for spec in arch.layers],
-            budget_layer_blocks(
-                num_blocks,
-                arch.num_layers,
-                config.cache.num_kv_blocks,
-                config.cache.kv_cache_memory_bytes,
-                block_bytes,
-            ),
+        # parallel ranks plan the same cache from the same per-rank shapes (distributed/worker.py).
+        plan = plan_engine_kv(
+            [spec.sliding_window for spec in self.loaded.arch.layers],
+            block_bytes,
+            config.cache.num_kv_blocks,
+            config.cache.kv_cache_memory_bytes,
             block_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
         )
+        num_blocks, layout = plan.num_blocks, plan.layout
+        log.info("KV cache: %d blocks of %s", num_blocks, dtype_name(self.kv_cache_dtype))
         if len(layout.groups) > 1:
             log.info(
                 "KV cache groups: %d blocks for the full-attention layers, %d for the sliding-window layers "

@@ -80,16 +80,39 @@ def window_blocks_per_sequence(
     )
 
 
-def budget_layer_blocks(
-    num_blocks: int, num_layers: int, num_kv_blocks: int | None, kv_cache_memory_bytes: int, block_bytes: int
-) -> int:
-    """The KV budget in blocks of one layer: `--num-kv-blocks`' `num_blocks` of every layer where it is
-    set, else `--kv-cache-memory`'s bytes over one layer's share of `block_bytes` (the bytes of one block
-    of every layer), never less than `num_blocks` of every layer. Rank 0 and every tensor-parallel rank
-    compute it alike (the same per-rank shapes), so their layouts agree."""
-    if num_kv_blocks:
-        return num_blocks * num_layers
-    return max(num_blocks * num_layers, kv_cache_memory_bytes // max(1, block_bytes // max(1, num_layers)))
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV cache an engine allocates: `num_blocks` blocks of every layer in one pool's terms (the
+    scheduler's and the logs' count) and the `layout` its layers' caches follow."""
+
+    num_blocks: int
+    layout: KVLayout
+
+
+def plan_engine_kv(
+    layer_windows: Sequence[int | None],
+    block_bytes: int,
+    num_kv_blocks: int | None,
+    kv_cache_memory_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+) -> KVPlan:
+    """The engine's KV cache from its settings: `--num-kv-blocks` blocks, else `--kv-cache-memory` over
+    `block_bytes` (one block of every layer) and at least one; the layer budget (`--num-kv-blocks`' blocks
+    of every layer, else the memory over one layer's share of a block, never less) split by
+    `plan_kv_layout`. Rank 0 and every tensor-parallel rank call it with the same per-rank shapes, so
+    their layouts agree. ValueError as plan_kv_layout."""
+    layers = len(layer_windows)
+    num_blocks = num_kv_blocks or max(1, kv_cache_memory_bytes // block_bytes)
+    budget = num_blocks * layers
+    if not num_kv_blocks:
+        budget = max(budget, kv_cache_memory_bytes // max(1, block_bytes // max(1, layers)))
+    layout = plan_kv_layout(
+        layer_windows, budget, block_size, max_num_seqs, max_num_batched_tokens, max_model_len
+    )
+    return KVPlan(num_blocks, layout)
 
 
 def plan_kv_layout(

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from server.attention import make_attention_backend
 from server.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from server.config import EngineConfig
-from server.core.kv_groups import KVLayout, budget_layer_blocks, plan_kv_layout
+from server.core.kv_groups import KVLayout, plan_engine_kv
 from server.core.outputs import SchedulerOutput
 from server.distributed.parallel_state import (
     ParallelState,
@@ -75,9 +75,9 @@ def ready_status(layout: KVLayout) -> Status:
 
 
 def build_shard_runner(config: EngineConfig, state: ParallelState) -> ModelRunner:
-    """Loads the model, keeps this rank's shard and builds its runner with the KV layout rank 0 plans
-    (the same formulas over the same per-rank shapes: block count, and the groups of a model that
-    interleaves sliding-window layers with global ones, server/core/kv_groups.py). The runner's
+    """Loads the model, keeps this rank's shard and builds its runner with the KV cache rank 0 plans
+    (`kv_groups.plan_engine_kv` over the same per-rank shapes: block count, and the groups of a model
+    that interleaves sliding-window layers with global ones). The runner's
     `layout` is what this rank reports (`ready_status`)."""
     device = rank_device(config.device, state.local_rank)
     if device.type == "cuda":
@@ -98,24 +98,19 @@ def build_shard_runner(config: EngineConfig, state: ParallelState) -> ModelRunne
     )
     # the same cache dtype as rank 0's (engine.py): tensor parallelism loads dense weights (no GGUF)
     kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, dtype, dtype, device.type)
-    block_bytes = kv_bytes_per_block(loaded.model, block_size, kv_dtype)
-    num_blocks = config.cache.num_kv_blocks or max(1, config.cache.kv_cache_memory_bytes // block_bytes)
-    arch = loaded.arch
-    layout = plan_kv_layout(
-        [spec.sliding_window for spec in arch.layers],
-        budget_layer_blocks(
-            num_blocks,
-            arch.num_layers,
-            config.cache.num_kv_blocks,
-            config.cache.kv_cache_memory_bytes,
-            block_bytes,
-        ),
+    plan = plan_engine_kv(
+        [spec.sliding_window for spec in loaded.arch.layers],
+        kv_bytes_per_block(loaded.model, block_size, kv_dtype),
+        config.cache.num_kv_blocks,
+        config.cache.kv_cache_memory_bytes,
         block_size,
         config.max_num_seqs,
         config.max_num_batched_tokens,
         max_model_len,
     )
-    runner = ModelRunner(loaded.model, backend, num_blocks, block_size, kv_dtype, device, layout=layout)
+    runner = ModelRunner(
+        loaded.model, backend, plan.num_blocks, block_size, kv_dtype, device, layout=plan.layout
+    )
     runner.is_driver = False
     return runner
 
