@@ -197,6 +197,38 @@ inline void q6k_values(const uint8_t* blk, uint8_t* v) {
 
 // ------------------------------------------------------------------ scalar path
 
+// Row i of x against one Q4_K super-block b (values v in k order, 6-bit scales and mins, d, dmin): ggml's
+// integer sums, d dx sum_j sc_j dot_j - dmin dx sum_j mn_j sum(q_j). Every scalar path's Q4_K term.
+inline float q4k_block_dot(const uint8_t* v, const uint8_t* sc, const uint8_t* mn, float d, float dmin,
+                           const QuantizedX& xq, int64_t i, int64_t b, int64_t k) {
+  const int8_t* q = xq.q.data() + i * k + b * QK_K;
+  const int32_t* bs = xq.bsum.data() + i * (k / 16) + b * 16;
+  int32_t isum = 0, msum = 0;
+  for (int j = 0; j < 8; ++j) {
+    int32_t dot = 0;
+    for (int l = 0; l < 32; ++l) dot += (int32_t)v[32 * j + l] * q[32 * j + l];
+    isum += sc[j] * dot;
+    msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+  }
+  const float dx = xq.d[i * (k / QK_K) + b];
+  return d * dx * (float)isum - dmin * dx * (float)msum;
+}
+
+// Row i of x against one Q6_K super-block b (six-bit values v, 0..63, in k order; sixteen scales; d):
+// d dx sum_j sc_j (dot_j - 32 sum(q_j)). Every scalar path's Q6_K term.
+inline float q6k_block_dot(const uint8_t* v, const int8_t* sc, float d, const QuantizedX& xq, int64_t i,
+                           int64_t b, int64_t k) {
+  const int8_t* q = xq.q.data() + i * k + b * QK_K;
+  const int32_t* bs = xq.bsum.data() + i * (k / 16) + b * 16;
+  int32_t isum = 0;
+  for (int j = 0; j < 16; ++j) {
+    int32_t dot = 0;
+    for (int l = 0; l < 16; ++l) dot += (int32_t)v[16 * j + l] * q[16 * j + l];
+    isum += sc[j] * (dot - 32 * bs[j]);
+  }
+  return d * xq.d[i * (k / QK_K) + b] * (float)isum;
+}
+
 void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, const QuantizedX& xq,
                  int64_t m, float* y, int64_t ldy) {
   const int64_t nb = k / QK_K, bytes = fmt == FMT_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
@@ -210,34 +242,12 @@ void scalar_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_t k, c
         uint8_t sc[8], mn[8];
         q4k_scales(blk + 4, sc, mn);
         q4k_values(blk, v);
-        for (int64_t r = 0; r < m; ++r) {
-          const int8_t* q = xq.q.data() + r * k + b * QK_K;
-          const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
-          int32_t isum = 0, msum = 0;
-          for (int j = 0; j < 8; ++j) {
-            int32_t dot = 0;
-            for (int i = 0; i < 32; ++i) dot += (int32_t)v[32 * j + i] * q[32 * j + i];
-            isum += sc[j] * dot;
-            msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-          }
-          const float dx = xq.d[r * nb + b];
-          y[r * ldy + n] += d * dx * (float)isum - dmin * dx * (float)msum;
-        }
+        for (int64_t r = 0; r < m; ++r) y[r * ldy + n] += q4k_block_dot(v, sc, mn, d, dmin, xq, r, b, k);
       } else {
         const int8_t* sc = (const int8_t*)(blk + 192);
         const float d = fp16_to_fp32(blk + 208);
         q6k_values(blk, v);
-        for (int64_t r = 0; r < m; ++r) {
-          const int8_t* q = xq.q.data() + r * k + b * QK_K;
-          const int32_t* bs = xq.bsum.data() + r * (k / 16) + b * 16;
-          int32_t isum = 0;
-          for (int j = 0; j < 16; ++j) {
-            int32_t dot = 0;
-            for (int i = 0; i < 16; ++i) dot += (int32_t)v[16 * j + i] * q[16 * j + i];
-            isum += sc[j] * (dot - 32 * bs[j]);
-          }
-          y[r * ldy + n] += d * xq.d[r * nb + b] * (float)isum;
-        }
+        for (int64_t r = 0; r < m; ++r) y[r * ldy + n] += q6k_block_dot(v, sc, d, xq, r, b, k);
       }
     }
   }
@@ -290,17 +300,7 @@ void scalar_q6x_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const
       for (int64_t b = 0; b < nb; ++b) {
         float d;
         q6x_row(w + (t * nb + b) * Q6X_TILE_BYTES, r, d, sc, v);
-        for (int64_t i = 0; i < m; ++i) {
-          const int8_t* q = xq.q.data() + i * k + b * QK_K;
-          const int32_t* bs = xq.bsum.data() + i * (k / 16) + b * 16;
-          int32_t isum = 0;
-          for (int j = 0; j < 16; ++j) {
-            int32_t dot = 0;
-            for (int l = 0; l < 16; ++l) dot += (int32_t)v[16 * j + l] * q[16 * j + l];
-            isum += sc[j] * (dot - 32 * bs[j]);
-          }
-          y[i * ldy + n] += d * xq.d[i * nb + b] * (float)isum;
-        }
+        for (int64_t i = 0; i < m; ++i) y[i * ldy + n] += q6k_block_dot(v, sc, d, xq, i, b, k);
       }
     }
 }
@@ -317,19 +317,7 @@ void scalar_x16_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const
       for (int64_t b = 0; b < nb; ++b) {
         float d, dmin;
         x16_row(w + (t * nb + b) * X16_TILE_BYTES, r, d, dmin, sc, mn, v);
-        for (int64_t i = 0; i < m; ++i) {
-          const int8_t* q = xq.q.data() + i * k + b * QK_K;
-          const int32_t* bs = xq.bsum.data() + i * (k / 16) + b * 16;
-          int32_t isum = 0, msum = 0;
-          for (int j = 0; j < 8; ++j) {
-            int32_t dot = 0;
-            for (int l = 0; l < 32; ++l) dot += (int32_t)v[32 * j + l] * q[32 * j + l];
-            isum += sc[j] * dot;
-            msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-          }
-          const float dx = xq.d[i * nb + b];
-          y[i * ldy + n] += d * dx * (float)isum - dmin * dx * (float)msum;
-        }
+        for (int64_t i = 0; i < m; ++i) y[i * ldy + n] += q4k_block_dot(v, sc, mn, d, dmin, xq, i, b, k);
       }
     }
 }
