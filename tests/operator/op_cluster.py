@@ -18,6 +18,7 @@ import json
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -638,6 +639,26 @@ class MockCluster:
         return path
 
     # --- a minimal kubectl
+
+    def answer(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> tuple[int, list[str], dict[str, Any]]:
+        """(HTTP status, Warning headers, JSON body) of one request, errors included: what the tests of
+        the mock's answers compare with a real API server's."""
+        query = "?" + urllib.parse.urlencode(params) if params else ""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path + query, data=data, method=method)
+        req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.headers.get_all("Warning") or [], json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers.get_all("Warning") or [], json.loads(exc.read())
 
     def request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"

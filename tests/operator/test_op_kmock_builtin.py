@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,40 +25,20 @@ def cluster() -> Iterator[MockCluster]:
     mock.stop()
 
 
-def _send(
-    cluster: MockCluster,
-    method: str,
-    path: str,
-    body: Any,
-    params: dict[str, str] | None = None,
-    content_type: str = "application/json",
-) -> tuple[int, list[str], dict[str, Any]]:
-    """(HTTP status, Warning headers, JSON body) of one request, errors included."""
-    query = "?" + urllib.parse.urlencode(params) if params else ""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(cluster.url + path + query, data=data, method=method)
-    req.add_header("Content-Type", content_type)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.headers.get_all("Warning") or [], json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers.get_all("Warning") or [], json.loads(exc.read())
-
-
 @pytest.mark.parametrize("case", ANSWERS, ids=[c["case"] for c in ANSWERS])
 def test_kmock_answers_as_the_real_server_did(cluster: MockCluster, case: dict[str, Any]) -> None:
     base = PATHS[case["kind"]].format(ns="default")
     seed = case.get("create")
     name = (seed or case["body"])["metadata"]["name"]
-    _send(cluster, "DELETE", f"{base}/{name}", None)  # the cases that patch share one object's name
+    cluster.answer("DELETE", f"{base}/{name}", None)  # the cases that patch share one object's name
     if seed is not None:
-        code, _, created = _send(cluster, "POST", base, seed)
+        code, _, created = cluster.answer("POST", base, seed)
         assert code == 201, created
-        code, warnings, answer = _send(
-            cluster, "PATCH", f"{base}/{name}", case["body"], case["params"], case["content_type"]
+        code, warnings, answer = cluster.answer(
+            "PATCH", f"{base}/{name}", case["body"], case["params"], case["content_type"]
         )
     else:
-        code, warnings, answer = _send(cluster, "POST", base, case["body"], case["params"])
+        code, warnings, answer = cluster.answer("POST", base, case["body"], case["params"])
     real = case["answer"]
     assert code == real["code"], answer
     assert warnings == real["warnings"]
@@ -76,5 +53,5 @@ def test_kmock_answers_as_the_real_server_did(cluster: MockCluster, case: dict[s
             (c["reason"], c["field"]) for c in real["causes"]
         ]
     else:
-        _, _, stored = _send(cluster, "GET", f"{base}/{name}", None)
+        _, _, stored = cluster.answer("GET", f"{base}/{name}", None)
         assert ("bogusField" in json.dumps(stored)) == real.get("stored_has_unknown", False)

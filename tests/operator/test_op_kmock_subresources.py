@@ -5,9 +5,6 @@ fieldValidation (kmock_subresources.py). Each verdict below was seen on kube-api
 from __future__ import annotations
 
 import copy
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,19 +44,6 @@ def cluster() -> Iterator[MockCluster]:
     mock.stop()
 
 
-def _send(
-    cluster: MockCluster, method: str, path: str, body: Any, content_type: str = "application/json"
-) -> tuple[int, list[str], dict[str, Any]]:
-    """(HTTP status, Warning headers, JSON body) of one request, errors included."""
-    req = urllib.request.Request(cluster.url + path, data=json.dumps(body).encode(), method=method)
-    req.add_header("Content-Type", content_type)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.headers.get_all("Warning") or [], json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers.get_all("Warning") or [], json.loads(exc.read())
-
-
 def _named(obj: dict[str, Any], name: str) -> dict[str, Any]:
     return {**copy.deepcopy(obj), "metadata": {"name": name}}
 
@@ -91,7 +75,7 @@ def test_a_status_write_changes_status_only(cluster: MockCluster) -> None:
     live["spec"]["model"] = {"uri": "hf://org/changed-by-put"}
     live["status"] = {"phase": "Failed"}
     path = PATHS["InferenceModel"].format(ns="default") + "/status-only/status"
-    code, _, replaced = _send(cluster, "PUT", path, live)
+    code, _, replaced = cluster.answer("PUT", path, live)
     assert code == 200
     assert replaced["spec"]["model"] == {"uri": "hf://org/m"}
     assert replaced["status"] == {"phase": "Failed"}
@@ -110,7 +94,7 @@ def test_field_validation_on_a_custom_resource(cluster: MockCluster) -> None:
     base = PATHS["InferenceModel"].format(ns="default")
     unknown = {**_named(MODEL, "fv-strict"), "bogusTop": 2}
     unknown["spec"]["bogus"] = 1
-    code, _, refused = _send(cluster, "POST", base + "?fieldValidation=Strict", unknown)
+    code, _, refused = cluster.answer("POST", base + "?fieldValidation=Strict", unknown)
     assert code == 400
     assert refused["reason"] == "BadRequest"
     assert refused["message"].startswith(
@@ -124,23 +108,25 @@ def test_field_validation_on_a_custom_resource(cluster: MockCluster) -> None:
         name = f"fv-{mode.lower() or 'default'}"
         body = {**copy.deepcopy(unknown), "metadata": {"name": name}}
         query = f"?fieldValidation={mode}" if mode else ""
-        code, warnings, created = _send(cluster, "POST", base + query, body)
+        code, warnings, created = cluster.answer("POST", base + query, body)
         assert code in (200, 201)  # kmock answers a create 200; the API server 201
         assert "bogusTop" not in created and "bogus" not in created["spec"]
         expected = ['299 - "unknown field \\"bogusTop\\""', '299 - "unknown field \\"spec.bogus\\""']
         assert sorted(warnings) == (expected if warned else [])
-        code, warnings, patched = _send(
-            cluster, "PATCH", f"{base}/{name}{query}", {"spec": {"bogus2": 1}}, "application/merge-patch+json"
+        code, warnings, patched = cluster.answer(
+            "PATCH",
+            f"{base}/{name}{query}",
+            {"spec": {"bogus2": 1}},
+            content_type="application/merge-patch+json",
         )
         assert code == 200 and "bogus2" not in patched["spec"]
         assert warnings == (['299 - "unknown field \\"spec.bogus2\\""'] if warned else [])
 
-    code, _, refused = _send(
-        cluster,
+    code, _, refused = cluster.answer(
         "PATCH",
         f"{base}/fv-warn/status?fieldValidation=Strict",
         {"status": {"bogus3": 1}},
-        "application/merge-patch+json",
+        content_type="application/merge-patch+json",
     )
     assert code == 422
     assert refused["reason"] == "Invalid"
