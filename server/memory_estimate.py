@@ -48,7 +48,8 @@ _DTYPE_ALIASES = {
 }
 # GGUF type -> bits per weight resident on CPU (docs/quantization.md's table; kept types at file size).
 # Q4_K and Q6_K at their repack's bits: the estimate runs where the serving node's CPU is unknown, and
-# only an AVX512-VNNI node holds them near the file's size (4.625 / 6.56): an upper bound there.
+# only an AVX512-VNNI node holds them near the file's size (4.625 / 6.56; Q5_0 5.5 there too, as 16-row
+# tiles): an upper bound there.
 GGUF_RESIDENT_BITS = {
     "Q8_0": 8.5,
     "Q4_0": 4.5,

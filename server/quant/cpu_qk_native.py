@@ -33,8 +33,9 @@ from server.config import default_cache_dir
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
-# 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles; 4: Q6_K's
-ABI_VERSION = 4
+# 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles; 4: Q6_K's;
+# 5: Q8_0's (32-value blocks, cpu_qlinear.interleave_q8_x16; run through qlinear's descriptor only); 6: Q5_0's
+ABI_VERSION = 6
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
 # the dequantized values must equal gguf-py's (each product rounded).
 NATIVE = NativeSource(

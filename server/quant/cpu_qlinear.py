@@ -22,6 +22,13 @@ min) per group of `group_size` consecutive k:
             (`interleave_x16`; q [N, K / 256 * 148 or 210], N a multiple of 16): how the loader holds
             Q4_K and Q6_K where that kernel runs AVX512-VNNI, 4.625 / 6.56 bits per weight, one copy for
             one row of x and for batches
+    q8_0_x16/iq4_nl_x16/q5_0_x16  6 (KQUANT_BITS), group_size Q8X_GROUP: 8-bit values in 32-blocks
+            with fp16 scales, no zero point or min (Q8_0, IQ4_NL as repacked), or Q5_0's 5-bit values,
+            re-laid in tiles of 16 rows (`interleave_q8_x16`; q [N, K / 32 * 34, or 22 for Q5_0], N a
+            multiple of 16; csrc/qk_native.cpp's header): how the loader holds them where that kernel
+            runs AVX512-VNNI, at the file's 8.5 (5.5) bits per weight, one copy for one row of x and for
+            batches (the row-major layout held Q5_0 at 8.5 bits and took an int8 packed copy of 10 bits
+            more for batches)
     q5_0 q5_1 q5_k q3_k q2_k iq4_nl iq4_xs: 8-bit, groups of 32 (16: q3_k, q2_k), repacked at load
             from GGUF's blocks (gguf_repack.py, which gives each one's scales, mins and memory)
 
@@ -78,19 +85,26 @@ GGUF_SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # block_q4_K, block_q6_K (g
 # bytes per row per 256 values of each format held as super-blocks (KQUANT_BITS): the files' two, and
 # Q4_K's 16-row tiles (cpu_qk_native.py: 2368 bytes per 16 rows)
 SUPER_BLOCK_ROW_BYTES = {**GGUF_SUPER_BLOCK_BYTES, "q4_k_x16": 148, "q6_k_x16": 210}
-FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k", "q4_k_x16", "q6_k_x16")
+# 8-bit 32-value formats with fp16 scales and neither zero point nor min -> their 16-row tiles (one
+# layout for 8-bit values, csrc/qk_native.cpp's FMT_Q8_0_X16, named after the format whose values it
+# holds; Q5_0's values, q - 16 in -16..15, in 5 bits: FMT_Q5_0_X16)
+Q8_TILED = {"q8_0": "q8_0_x16", "q5_0": "q5_0_x16", "iq4_nl": "iq4_nl_x16"}
+Q8X_TILE_ROW_BYTES = {"q8_0_x16": 34, "iq4_nl_x16": 34, "q5_0_x16": 22}  # per row per 32-block
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k", "q4_k_x16", "q6_k_x16", *Q8_TILED.values())
 # group_size of 16-row tiles (csrc/qk_native.cpp tells them from the files' row-major blocks by it)
 X16_GROUP = qk_native.X16_ROWS * QK_K
+Q8X_GROUP = qk_native.X16_ROWS * BLOCK  # the same for Q8_0's tiles
 # `bits` of a weight held as GGUF's own k-quant super-blocks (Q4_K, Q6_K; cpu_qk_native.py): q is the
 # blocks, [N, K / 256 * 144 or 210] uint8, scales an empty [N, 0] fp32, no mins, group_size 256.
 KQUANT_BITS = 6
 # layouts of our own -> the format whose values they hold (what /info and the load log name)
-_LAYOUT_OF = {tiled: fmt for fmt, tiled in qk_native.TILED.items()}
+_LAYOUT_OF = {tiled: fmt for fmt, tiled in (qk_native.TILED | Q8_TILED).items()}
+_Q8_LAYOUT_OF = {tiled: fmt for fmt, tiled in Q8_TILED.items()}
 
 
 def file_format(fmt: str) -> str:
-    """The quantization format a held layout `fmt` stores (q4_k_x16 -> q4_k, q6_k_x16 -> q6_k; others are
-    their own)."""
+    """The quantization format a held layout `fmt` stores (q4_k_x16 -> q4_k, q8_0_x16 -> q8_0, ...; others
+    are their own)."""
     return _LAYOUT_OF.get(fmt, fmt)
 
 
@@ -154,6 +168,9 @@ class BlockQuantWeight:
 
     def _check_super_blocks(self) -> None:
         n, k = self.out_features, self.in_features
+        if self.fmt in _Q8_LAYOUT_OF:
+            self._check_q8_tiles()
+            return
         tiled = self.fmt in _LAYOUT_OF
         if (
             self.fmt not in SUPER_BLOCK_ROW_BYTES
@@ -173,6 +190,21 @@ class BlockQuantWeight:
             )
         if tuple(self.scales.shape) != (n, 0) or self.mins is not None or self.zero_point:
             raise ValueError("super-blocks carry their own scales: scales [N, 0], no mins, zero_point 0")
+        if self.q.device.type != "cpu" or not self.q.is_contiguous():
+            raise ValueError("q must be a contiguous CPU tensor")
+
+    def _check_q8_tiles(self) -> None:
+        n, k = self.out_features, self.in_features
+        if k % BLOCK or self.group_size != Q8X_GROUP or n % qk_native.X16_ROWS:
+            raise ValueError(
+                f"{self.fmt} holds whole tiles of {qk_native.X16_ROWS} rows of {BLOCK}-value blocks "
+                f"(group_size {Q8X_GROUP}), got N={n}, K={k}, group_size {self.group_size}"
+            )
+        row = k // BLOCK * Q8X_TILE_ROW_BYTES[self.fmt]
+        if tuple(self.q.shape) != (n, row) or self.q.dtype != torch.uint8:
+            raise ValueError(f"q must be [{n}, {row}] uint8 tiles, got {tuple(self.q.shape)} {self.q.dtype}")
+        if tuple(self.scales.shape) != (n, 0) or self.mins is not None or self.zero_point:
+            raise ValueError("tiles carry their own scales: scales [N, 0], no mins, zero_point 0")
         if self.q.device.type != "cpu" or not self.q.is_contiguous():
             raise ValueError("q must be a contiguous CPU tensor")
 
@@ -196,6 +228,9 @@ class BlockQuantWeight:
     def select_rows(self, index: Tensor) -> BlockQuantWeight:
         """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice). Tiles give tiles
         again where N' is a multiple of 16, else the rows as the file's own blocks."""
+        if self.fmt in _Q8_LAYOUT_OF:
+            rows = deinterleave_q8_x16(self).select_rows(index)
+            return interleave_q8_x16(rows) if q8_tileable(rows) else rows
         if self.fmt in _LAYOUT_OF:
             rows = deinterleave_x16(self).select_rows(index)
             return interleave_x16(rows) if rows.out_features % qk_native.X16_ROWS == 0 else rows
@@ -332,10 +367,89 @@ def interleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
     return BlockQuantWeight(tiles.blocks, torch.empty(n, 0), None, tiles.fmt, KQUANT_BITS, X16_GROUP, 0, k, n)
 
 
+def q8_tileable(w: BlockQuantWeight) -> bool:
+    """Whether `w` can be held as Q8_0 16-row tiles (interleave_q8_x16): 8-bit values in 32-value blocks
+    with fp16 scales, no zero point or min, of a format in Q8_TILED, N a multiple of 16."""
+    return (
+        w.fmt in Q8_TILED
+        and w.bits == 8
+        and w.group_size == BLOCK
+        and w.in_features % BLOCK == 0
+        and w.out_features % qk_native.X16_ROWS == 0
+        and w.scales.dtype == torch.float16
+        and w.mins is None
+        and w.zero_point == 0
+    )
+
+
+def interleave_q8_x16(w: BlockQuantWeight) -> BlockQuantWeight:
+    """8-bit 32-blocks (q8_tileable) -> the same values (held as q + 128; Q5_0's as 5-bit q) and scales
+    as 16-row tiles (q8_0_x16, iq4_nl_x16: 8.5 bits per weight as before; q5_0_x16: the file's 5.5;
+    layouts in csrc/qk_native.cpp's header). Torch, at load (~1 s for Gemma-3's 262,144 x 1,152 table).
+    ValueError unless q8_tileable(w)."""
+    if not q8_tileable(w):
+        raise ValueError(
+            f"Q8_0 tiles take {sorted(Q8_TILED)} in 32-blocks with fp16 scales and N a multiple of "
+            f"{qk_native.X16_ROWS}, got {w.fmt} ({w.bits} bits, group_size {w.group_size}, N={w.out_features})"
+        )
+    n, k = w.out_features, w.in_features
+    t, nb, rows = n // qk_native.X16_ROWS, k // BLOCK, qk_native.X16_ROWS
+    d = w.scales.reshape(t, rows, nb).transpose(1, 2).contiguous().view(torch.uint8)  # [T, b, 2r]
+    if w.fmt == "q5_0":
+        if w.q.numel() and (int(w.q.min()) < -16 or int(w.q.max()) > 15):
+            raise ValueError("q5_0 values must lie in -16..15 (q - 16 of a 5-bit q)")
+        v = (w.q + 16).view(torch.uint8).reshape(t, rows, nb, 8, 4)  # 5-bit q, [T, r, b, g, i]
+        nib = (v[:, :, :, :4] & 15) | ((v[:, :, :, 4:] & 15) << 4)  # [T, r, b, g < 4, i]: k and k + 16
+        nib = nib.permute(0, 2, 3, 1, 4).reshape(t, nb, 256)
+        bit = (
+            ((v >> 4) & 1).permute(0, 2, 3, 1, 4).reshape(t, nb, 8, 8, 8)
+        )  # [T, b, g, byte, bit]: e = 4r + i
+        qh = (bit << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(t, nb, 64)
+        values = torch.cat([nib, qh], dim=2)  # [T, b, 320]
+    else:
+        values = (w.q.view(torch.uint8) ^ 0x80).reshape(t, rows, nb, 8, 4).permute(0, 2, 3, 1, 4)  # q + 128
+    tiles = torch.cat([values.reshape(t, -1), d.reshape(t, nb * 32)], dim=1)
+    fmt = Q8_TILED[w.fmt]
+    return BlockQuantWeight(
+        tiles.reshape(n, nb * Q8X_TILE_ROW_BYTES[fmt]).contiguous(),
+        torch.empty(n, 0),
+        None,
+        fmt,
+        KQUANT_BITS,
+        Q8X_GROUP,
+        0,
+        k,
+        n,
+    )
+
+
+def deinterleave_q8_x16(w: BlockQuantWeight) -> BlockQuantWeight:
+    """Q8_0 16-row tiles -> the row-major 8-bit blocks again (interleave_q8_x16's inverse; torch).
+    ValueError for another format."""
+    if w.fmt not in _Q8_LAYOUT_OF:
+        raise ValueError(f"de-interleaving takes {sorted(_Q8_LAYOUT_OF)}, got {w.fmt}")
+    n, k = w.out_features, w.in_features
+    t, nb, rows = n // qk_native.X16_ROWS, k // BLOCK, qk_native.X16_ROWS
+    tiles = w.q.reshape(t, nb * Q8X_TILE_ROW_BYTES[w.fmt] * rows)
+    vb = 320 if w.fmt == "q5_0_x16" else 512  # bytes of one block's values
+    d = tiles[:, nb * vb :].contiguous().view(torch.float16).reshape(t, nb, rows).transpose(1, 2)
+    if w.fmt == "q5_0_x16":
+        blocks = tiles[:, : nb * vb].reshape(t, nb, vb)
+        nib = blocks[:, :, :256].reshape(t, nb, 4, rows, 4)  # [T, b, g < 4, r, i]
+        low = torch.cat([nib & 15, nib >> 4], dim=2)  # [T, b, g, r, i]
+        bits = (blocks[:, :, 256:].reshape(t, nb, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        v = low | (bits.reshape(t, nb, 8, rows, 4) << 4)
+        q = (v.permute(0, 3, 1, 2, 4).reshape(n, k).to(torch.int16) - 16).to(torch.int8)
+    else:
+        values = tiles[:, : nb * vb].reshape(t, nb, 8, rows, 4).permute(0, 3, 1, 2, 4)  # [T, r, b, g, i]
+        q = (values.reshape(n, k) ^ 0x80).view(torch.int8)  # held as q + 128
+    return BlockQuantWeight(q, d.reshape(n, nb).contiguous(), None, _Q8_LAYOUT_OF[w.fmt], 8, BLOCK, 0, k, n)
+
+
 def deinterleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
     """16-row tiles -> the rows as GGUF's block_q4_K / block_q6_K again (interleave_x16's inverse; torch,
     load time). ValueError for another format."""
-    if w.fmt not in _LAYOUT_OF:
+    if w.fmt not in qk_native.X16_TILE_BYTES:
         raise ValueError(f"de-interleaving takes q4_k_x16 or q6_k_x16, got {w.fmt}")
     n, k = w.out_features, w.in_features
     nb, rows = k // QK_K, qk_native.X16_ROWS
@@ -491,6 +605,8 @@ def _values(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:  # [R, K
 
 def dequantize_reference(w: BlockQuantWeight, rows: Tensor | None = None) -> Tensor:
     """W (or its rows `rows`, [R] int64) as fp32: [R, K]."""
+    if w.fmt in _Q8_LAYOUT_OF:
+        return dequantize_reference(deinterleave_q8_x16(w), rows)
     if w.super_blocks and w.fmt in _LAYOUT_OF:  # tiles: whole, then the rows asked for
         kb = qk_native.KQuantBlocks(w.q, w.fmt, w.in_features, w.out_features)
         full = qk_native.dequantize_reference(kb)

@@ -13,6 +13,10 @@ Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py); MX
 (gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
 `GgufCheckpoint.dequantized` with the memory it costs beyond its bytes in the file (/info shows it).
+Where the k-quant tiles are held, so are Q8_0's: Q8_0, Q5_0 and IQ4_NL matrices (8-bit values with fp16
+scales once read) of whole 16-row tiles, outside MoE blocks, become q8_0_x16 / q5_0_x16 / iq4_nl_x16
+(cpu_qlinear.interleave_q8_x16): 8.5 bits per weight, one copy for decode and batches, instead of the
+row-major blocks plus the batched path's 10-bit int8 packed copy.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from server.quant.cpu_qlinear import (
     from_gguf_blocks,
     from_gguf_k_blocks,
     from_gguf_k_super_blocks,
+    interleave_q8_x16,
     interleave_x16,
+    q8_tileable,
 )
 from server.quant.gguf_names import GLOBAL_NAMES, LAYOUTS, GgufLayout
 from server.quant.gguf_repack import REPACKED, from_gguf_repacked
@@ -53,13 +59,17 @@ _FLOAT = ("F32", "F16", "BF16")
 # q6_k_x16 at 6.56, against the repack's 6.0 plus Q4_K's 8.5-bit int8 packed copy and 10.0): each VNNI dot
 # product serves 16 output rows, one row of x 1.6-1.9x the repack's speed, 16 rows about the packed copy's
 # (docs/benchmarks-log.md "k-quants in 16-row tiles"). Other Q4_K stays repacked (its row-major blocks run
-# batches at 0.5-0.7x); other Q6_K stays row-major blocks (1.35-1.45x the repack at 16 rows).
+# batches at 0.5-0.7x); other Q6_K stays row-major blocks (1.35-1.45x the repack at 16 rows). Under the same
+# switch Q8_0 (and Q5_0 / IQ4_NL, repacked to 8 bits) of whole tiles are held as q8_0_x16 tiles: 8.5 bits
+# per weight against 8.5 plus the int8 packed copy's 10.0; one row of x 1.0-1.9x, 4 rows 3-5x, 16-64 rows
+# 0.8-1.0x the row-major GEMV and packed batched path (docs/benchmarks-log.md "Q8_0 in 16-row tiles").
 SUPER_BLOCK_TYPES = ("Q6_K", "Q4_K")
 SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 
 
 def super_blocks_enabled() -> bool:
-    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks, `0` repack them; unset: where
+    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0's 16-row tiles), `0`
+    repack them (Q8_0 row-major); unset: where
     the super-block kernel runs its AVX512-VNNI path (its scalar path is slower than the repacked
     formats' AVX2 GEMV). ValueError for another value."""
     explicit = env_switch(SUPER_BLOCKS_ENV)
@@ -194,12 +204,12 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
                 raw = torch.as_tensor(np.ascontiguousarray(t.data)).view(torch.uint8)
             ckpt.mxfp4_experts[name] = from_gguf_mxfp4(raw, (shape[0], shape[1], shape[2]))
             continue
+        # MoE tensors (a shared expert) stay row-major: the experts' code reads the repacked layout
+        moe = any(name.endswith(v) for v in _MOE_NAMES.values())
         if kind in _KEPT and len(shape) == 2:
             # t.data is a view of the file's memory map: only the repacked copies stay resident.
             value = from_gguf_blocks(t.data, _KEPT[kind], shape[0], shape[1])
         elif kind in _KEPT_K and len(shape) == 2:
-            # MoE tensors (a shared expert) stay repacked: the experts' code reads the repacked layout
-            moe = any(name.endswith(v) for v in _MOE_NAMES.values())
             value = _k_quant(t.data, kind, shape[0], shape[1], super_blocks and not moe)
         elif kind in REPACKED and len(shape) == 2:
             value = from_gguf_repacked(t.data, kind, shape[0], shape[1])
@@ -232,17 +242,21 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
             value = (
                 value.select_rows(perm) if isinstance(value, BlockQuantWeight) else value[perm].contiguous()
             )
-        if isinstance(value, BlockQuantWeight) and _tileable(value):
-            value = interleave_x16(value)  # after the row permutation: tiles are 16 rows as served
+        if isinstance(value, BlockQuantWeight) and _tileable(value, super_blocks and not moe):
+            # after the row permutation: tiles are 16 rows as served
+            value = interleave_x16(value) if value.super_blocks else interleave_q8_x16(value)
         ckpt.tensors[name] = value
     del reader  # unmaps the file
     release_free_heap()
     return ckpt
 
 
-def _tileable(w: BlockQuantWeight) -> bool:
-    """Super-blocks of whole 16-row tiles (held as tiles once their rows are final)."""
-    return w.super_blocks and w.fmt in ("q4_k", "q6_k") and w.out_features % X16_ROWS == 0
+def _tileable(w: BlockQuantWeight, q8: bool = False) -> bool:
+    """Super-blocks of whole 16-row tiles, or (where `q8`) 8-bit 32-blocks that Q8_0's tiles hold
+    (cpu_qlinear.q8_tileable): held as tiles once their rows are final."""
+    if w.super_blocks:
+        return w.fmt in ("q4_k", "q6_k") and w.out_features % X16_ROWS == 0
+    return q8 and q8_tileable(w)
 
 
 def _k_quant(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks: bool) -> BlockQuantWeight:

@@ -29,6 +29,24 @@
 // (q the 6-bit value before the -32 offset). kubeinfer_qk_interleave writes both layouts from the file's
 // rows; cpu_qk_native.interleave_reference is its torch twin. Descriptors mark tiles by group_size
 // X16_GROUP (16 rows x 256), the files' row-major blocks by 256.
+// Q8_0 x16 (FMT_Q8_0_X16): 8-bit values in 32-value blocks with one fp16 scale each, w = d * q (GGUF's
+// block_q8_0, and IQ4_NL as server/quant/gguf_repack.py rewrites it: the codebook value),
+// 16 rows per tile over the whole row: nb = K / 32 blocks, 34 bytes per row per block (the file's 8.5
+// bits/weight), the values first so that each block's 512 bytes start on a cache line:
+//   +512 b           u8 qs[8][64]   qs[g][4r + i] = q[r][32b + 4g + i] + 128 (= q ^ 0x80)
+//   +512 nb + 32 b   fp16 d[16]     d[r]: row r's scale of block b
+// so a [N, K / 32 * 34] byte tensor holds tile t in its rows 16t..16t+15 (cpu_qlinear.interleave_q8_x16
+// writes it, in torch). Its activations are ggml's Q8_0 ones (per 32 values, the int8 GEMV's in
+// csrc/qgemv_q8.cpp): vpdpbusd multiplies u8 by s8, so the weights are held as q + 128 and 128 * sum(q_x)
+// comes off each block's int32 sum, exact. Descriptors mark these tiles by group_size Q8X_GROUP (16 rows x 32)
+// and row_bytes k / 32 * 34.
+// Q5_0 x16 (FMT_Q5_0_X16): GGUF's block_q5_0 (w = d * (q - 16), q 5-bit) in the same tiles at the file's 22
+// bytes per row per block (5.5 bits/weight):
+//   +320 b           u8 qs[4][64]   qs[g][4r + i] = low 4 bits of q[r][32b + 4g + i] | of q[r][32b + 16 + 4g + i] << 4
+//   +320 b + 256     u64 qh[8]      bit 4r + i of qh[g] = bit 4 of q[r][32b + 4g + i]
+//   +320 nb + 32 b   fp16 d[16]
+// unpacked in registers to u8 q (0..31: a nibble mask, and 16 added under qh's bit mask), 16 sum(q_x) off.
+// Descriptors: group_size Q8X_GROUP, row_bytes k / 32 * 22.
 //
 // Activations: ggml's q8_K idea. Each row of x is quantized per 256-value block to int8 with one fp32
 // scale, dx = max|x_b| / 127, q = round-half-even(x * (1 / dx)) (fp32), plus the sums of q per 16
@@ -76,6 +94,20 @@ constexpr int Q6X_RUN = 416;
 constexpr int q6x_sc(int J) { return 32 + Q6X_RUN * J; }
 constexpr int q6x_ql(int J, int g) { return 32 + Q6X_RUN * J + 32 + 64 * g; }
 constexpr int q6x_qh(int J, int h) { return 32 + Q6X_RUN * J + 288 + 64 * h; }
+constexpr int FMT_Q8_0_X16 = 4, FMT_Q5_0_X16 = 5;  // 32-value blocks in 16-row tiles
+constexpr int64_t Q8X_BLOCK = 32, Q8X_ROW_BYTES = 34, Q5X_ROW_BYTES = 22, Q8X_GROUP = 16 * 32;
+// Per 32-block tile format: bytes of one block's values (16 rows), bytes per row per block, q's offset.
+constexpr int64_t q32_values_bytes(int fmt) { return fmt == FMT_Q5_0_X16 ? 320 : 512; }
+constexpr int64_t q32_row_bytes(int fmt) { return fmt == FMT_Q5_0_X16 ? Q5X_ROW_BYTES : Q8X_ROW_BYTES; }
+constexpr int32_t q32_offset(int fmt) { return fmt == FMT_Q5_0_X16 ? 16 : 128; }
+// The stored value (0..255, or 0..31 for Q5_0; w = d * (value - q32_offset)) of row r, k = 32b + 4g + i, in
+// one block's values `v` of a tile.
+inline int q32_value(int fmt, const uint8_t* v, int r, int g, int i) {
+  if (fmt != FMT_Q5_0_X16) return v[64 * g + 4 * r + i];
+  const uint8_t byte = v[64 * (g & 3) + 4 * r + i];
+  const int e = 4 * r + i;
+  return (g < 4 ? byte & 15 : byte >> 4) | (((v[256 + 8 * g + e / 8] >> (e % 8)) & 1) << 4);
+}
 constexpr int TILE_M = 8;  // rows of x per pass over a weight row's super-block
 constexpr int PATH_SCALAR = 0, PATH_VNNI = 2;
 int path_in_use = PATH_SCALAR;
@@ -166,6 +198,57 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
           pr[p] = (int32_t)(((uint32_t)(uint16_t)(int16_t)lo) | ((uint32_t)(uint16_t)(int16_t)hi << 16));
         }
       }
+    }
+  }
+}
+
+// One row of x per 32-block (Q8_0 tiles): q (k order), dx and sum(q) per block.
+struct QuantizedX32 {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> d;      // [M, K / 32]
+  std::vector<int32_t> sum;  // [M, K / 32]
+  // The vnni path's copy, per block of TILE_M rows (zero past M) so that a pass reads one stream with fixed
+  // offsets: xi [M / 8, K / 32, 8, 8] the dwords (4 q each, g-major), dt and st [M / 8, K / 32, 8]
+  // dx and q32_offset * sum(q)
+  std::vector<int32_t> xi, st;
+  std::vector<float> dt;
+};
+
+// ggml's quantize_row_q8_0 arithmetic (cpu_qgemv_q8.quantize_activations_reference): dx = max|x| / 127,
+// q = round-half-even(x * (1 / dx)), q = 0 where dx = 0.
+void quantize_rows32(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX32& out) {
+  const int64_t nb = k / Q8X_BLOCK;
+  out.q.resize(m * k);
+  out.d.resize(m * nb);
+  out.sum.resize(m * nb);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * ldx + b * Q8X_BLOCK;
+      float amax = 0.0f;
+      for (int i = 0; i < Q8X_BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 1.0f / d : 0.0f;
+      int8_t* q = out.q.data() + r * k + b * Q8X_BLOCK;
+      int32_t t = 0;
+      for (int i = 0; i < Q8X_BLOCK; ++i) {
+        q[i] = (int8_t)std::nearbyint(xb[i] * id);
+        t += q[i];
+      }
+      out.d[r * nb + b] = d;
+      out.sum[r * nb + b] = t;
+    }
+  const int64_t blocks = (m + TILE_M - 1) / TILE_M;
+  out.xi.assign(blocks * nb * 8 * TILE_M, 0);
+  out.st.assign(blocks * nb * TILE_M, 0);
+  out.dt.assign(blocks * nb * TILE_M, 0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t rb = r / TILE_M, i = r % TILE_M;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t at = (rb * nb + b) * TILE_M + i;
+      for (int g = 0; g < 8; ++g)
+        std::memcpy(&out.xi[((rb * nb + b) * 8 + g) * TILE_M + i], out.q.data() + r * k + b * Q8X_BLOCK + 4 * g, 4);
+      out.st[at] = q32_offset(fmt) * out.sum[r * nb + b];
+      out.dt[at] = out.d[r * nb + b];
     }
   }
 }
@@ -320,6 +403,31 @@ void scalar_x16_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const
         for (int64_t i = 0; i < m; ++i) y[i * ldy + n] += q4k_block_dot(v, sc, mn, d, dmin, xq, i, b, k);
       }
     }
+}
+
+// The scalar path over Q8_0 / Q5_0 x16 tiles t0..t1: per block d dx dot(q_w, q_x), the vnni path's terms.
+void scalar_q8x_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX32& xq,
+                      int64_t m, float* y, int64_t ldy) {
+  const int64_t nb = k / Q8X_BLOCK, vb = q32_values_bytes(fmt);
+  const int32_t off = q32_offset(fmt);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * nb * (X16_ROWS * q32_row_bytes(fmt));
+    for (int r = 0; r < X16_ROWS; ++r) {
+      const int64_t n = X16_ROWS * t + r;
+      for (int64_t i = 0; i < m; ++i) y[i * ldy + n] = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* qs = tile + vb * b;
+        const float d = fp16_to_fp32(tile + vb * nb + 32 * b + 2 * r);
+        for (int64_t i = 0; i < m; ++i) {
+          const int8_t* q = xq.q.data() + i * k + b * Q8X_BLOCK;
+          int32_t dot = 0;
+          for (int g = 0; g < 8; ++g)
+            for (int l = 0; l < 4; ++l) dot += (q32_value(fmt, qs, r, g, l) - off) * q[4 * g + l];
+          y[i * ldy + n] += (float)dot * (d * xq.d[i * nb + b]);
+        }
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------ vnni path
@@ -574,11 +682,98 @@ KI_VNNI void vnni_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64
     }
   }
 }
+
+// Rows r0..r0+MT of x against one Q8_0 x16 tile (16 output columns): per block eight vpdpbusd of the
+// values (+ 128) with a broadcast dword of x, minus 128 sum(q_x), times d dx in fp32. Up to 4 rows, two int32
+// accumulators per row (even and odd g) halve each dependency chain; with more rows there are chains enough
+// (measured on a 2-core Zen 5: one or two accumulators alike at 16-64 rows, 8 chains alone too few).
+// Q5_0 (BITS 5): each of the four nibble vectors gives two of the eight, 16 added where qh's bit is set.
+template <int BITS, int MT>
+KI_VNNI void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq, int64_t r0, float* y,
+                      int64_t ldy) {
+  constexpr int64_t VB = BITS == 5 ? 320 : 512;
+  const __m512i lo4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* dp = tile + VB * nb;
+  const int64_t rb = r0 / TILE_M;
+  const int32_t* xi = xq.xi.data() + rb * nb * 8 * TILE_M;
+  const int32_t* st = xq.st.data() + rb * nb * TILE_M;
+  const float* dt = xq.dt.data() + rb * nb * TILE_M;
+  for (int64_t b = 0; b < nb; ++b, xi += 8 * TILE_M, st += TILE_M, dt += TILE_M) {
+    const uint8_t* qs = tile + VB * b;
+    __m512i s0[MT], s1[MT];
+    for (int i = 0; i < MT; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      __m512i wv;
+      if constexpr (BITS == 5) {
+        const __m512i nib = _mm512_loadu_si512((const void*)(qs + 64 * (g & 3)));
+        wv = _mm512_and_si512(g < 4 ? nib : _mm512_srli_epi16(nib, 4), lo4);
+        uint64_t hbits;
+        std::memcpy(&hbits, qs + 256 + 8 * g, 8);
+        wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(hbits), wv, sixteen);
+      } else {
+        wv = _mm512_loadu_si512((const void*)(qs + 64 * g));
+      }
+      for (int i = 0; i < MT; ++i) {
+        const __m512i xv = _mm512_set1_epi32(xi[g * TILE_M + i]);
+        if ((g & 1) && MT <= 4)
+          s1[i] = _mm512_dpbusd_epi32(s1[i], wv, xv);
+        else
+          s0[i] = _mm512_dpbusd_epi32(s0[i], wv, xv);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + 32 * b)));
+    for (int i = 0; i < MT; ++i) {
+      const __m512i dot = _mm512_add_epi32(s0[i], s1[i]);
+      const __m512i tot = _mm512_sub_epi32(dot, _mm512_set1_epi32(st[i]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, _mm512_set1_ps(dt[i])), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+}
+
+// Q8_0 (BITS 8) or Q5_0 (5) x16 tiles t0..t1, all M rows of x, TILE_M rows per pass over a tile (as
+// vnni_tiles).
+template <int BITS>
+KI_VNNI void vnni_q8x_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX32& xq, int64_t m,
+                            float* y, int64_t ldy) {
+  const int64_t nb = k / Q8X_BLOCK;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * nb * (X16_ROWS * (BITS == 5 ? Q5X_ROW_BYTES : Q8X_ROW_BYTES));
+    float* yt = y + X16_ROWS * t;
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
+      switch ((int)std::min<int64_t>(TILE_M, m - r0)) {
+        case 1: q8x_rows<BITS, 1>(tile, nb, k, xq, r0, yt, ldy); break;
+        case 2: q8x_rows<BITS, 2>(tile, nb, k, xq, r0, yt, ldy); break;
+        case 3: q8x_rows<BITS, 3>(tile, nb, k, xq, r0, yt, ldy); break;
+        case 4: q8x_rows<BITS, 4>(tile, nb, k, xq, r0, yt, ldy); break;
+        case 5: q8x_rows<BITS, 5>(tile, nb, k, xq, r0, yt, ldy); break;
+        case 6: q8x_rows<BITS, 6>(tile, nb, k, xq, r0, yt, ldy); break;
+        case 7: q8x_rows<BITS, 7>(tile, nb, k, xq, r0, yt, ldy); break;
+        default: q8x_rows<BITS, 8>(tile, nb, k, xq, r0, yt, ldy); break;
+      }
+    }
+  }
+}
 #endif
 
 // One row of W in fp32, gguf-py's dequantization bit for bit: (d * sc) * q - dmin * m (Q4_K),
 // (d * sc) * (q - 32) (Q6_K), each product rounded (no FMA contraction: -ffp-contract=off).
-void dequant_row(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t nb, float* o) {
+void dequant_row(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, float* o) {
+  if (fmt == FMT_Q8_0_X16 || fmt == FMT_Q5_0_X16) {  // d * q (q less its offset) as the references compute
+    const int64_t nb = k / Q8X_BLOCK, vb = q32_values_bytes(fmt);  // row n is row n % 16 of tile n / 16
+    const int r = (int)(n % X16_ROWS);
+    const uint8_t* tile = w + (n / X16_ROWS) * nb * (X16_ROWS * q32_row_bytes(fmt));
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = fp16_to_fp32(tile + vb * nb + 32 * b + 2 * r);
+      for (int g = 0; g < 8; ++g)
+        for (int l = 0; l < 4; ++l)
+          o[b * Q8X_BLOCK + 4 * g + l] = (float)(q32_value(fmt, tile + vb * b, r, g, l) - q32_offset(fmt)) * d;
+    }
+    return;
+  }
+  const int64_t nb = k / QK_K;
   const uint8_t* row = w + n * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     float* ob = o + b * QK_K;
@@ -619,7 +814,7 @@ void fp32_rows(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t
                int64_t m, int64_t ldx, float* y, int64_t ldy) {
   std::vector<float> buf(k);
   for (int64_t n = n0; n < n1; ++n) {
-    dequant_row(fmt, w, row_bytes, n, k / QK_K, buf.data());
+    dequant_row(fmt, w, row_bytes, n, k, buf.data());
     for (int64_t r = 0; r < m; ++r) {
       const float* xr = x + r * ldx;
       float acc[16] = {0};
@@ -646,11 +841,12 @@ int best_compiled_path() {
 
 extern "C" {
 
-int32_t kubeinfer_qk_native_abi() { return 4; }
+int32_t kubeinfer_qk_native_abi() { return 6; }
 
 // csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
 // super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K), group_size 256; or the
-// 16-row tiles (group_size X16_GROUP), row_bytes k / 256 * 148 (Q4_K) or 210 (Q6_K); scales, mins unused.
+// 16-row tiles (group_size X16_GROUP), row_bytes k / 256 * 148 (Q4_K) or 210 (Q6_K); or Q8_0's 16-row tiles
+// (group_size Q8X_GROUP), row_bytes k / 32 * 34, or Q5_0's, k / 32 * 22; scales, mins unused.
 struct KiQWeight {
   const uint8_t* q;
   const void* scales;
@@ -669,18 +865,40 @@ int32_t kubeinfer_qk_set_path(int32_t path) {
 }
 
 // y[m, n] (row stride ldy) = x[m, k] (row stride ldx, fp32) @ W^T, W [n, k] as `fmt` super-blocks (0 Q4_K,
-// 1 Q6_K: rows of k / 256 blocks; 2 Q4_K x16: tiles of 16 rows, n a multiple of 16). Returns 0, or 1 for bad
-// arguments (Python checks them first).
+// 1 Q6_K: rows of k / 256 blocks; 2 Q4_K x16, 3 Q6_K x16, 4 Q8_0 x16, 5 Q5_0 x16 (k a multiple of 32): tiles of 16 rows,
+// n a multiple of 16). Returns 0, or 1 for bad arguments (Python checks them first).
 int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
                             int64_t ldx, float* y, int64_t ldy, int32_t threads) {
-  if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % QK_K) return 1;
-  if (fmt < FMT_Q4_K || fmt > FMT_Q6_K_X16) return 1;
-  const bool tiled = fmt == FMT_Q4_K_X16 || fmt == FMT_Q6_K_X16;
+  const bool q32 = fmt == FMT_Q8_0_X16 || fmt == FMT_Q5_0_X16;
+  if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % (q32 ? Q8X_BLOCK : QK_K)) return 1;
+  if (fmt < FMT_Q4_K || fmt > FMT_Q5_0_X16) return 1;
+  const bool tiled = fmt >= FMT_Q4_K_X16;
   if (tiled && n % X16_ROWS) return 1;
   if (m == 0 || n == 0) return 0;
+  const bool vnni = path_in_use == PATH_VNNI;
+  if (q32) {
+    QuantizedX32 xq;
+    quantize_rows32(fmt, x, m, ldx, k, xq);
+    const int64_t tiles = n / X16_ROWS;
+    const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, tiles));
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+      const int64_t chunk = (tiles + nth - 1) / nth, t0 = std::min<int64_t>(tiles, t * chunk),
+                    t1 = std::min<int64_t>(tiles, t0 + chunk);
+#if KI_QK_X86
+      if (vnni && fmt == FMT_Q5_0_X16)
+        vnni_q8x_tiles<5>(w, t0, t1, k, xq, m, y, ldy);
+      else if (vnni)
+        vnni_q8x_tiles<8>(w, t0, t1, k, xq, m, y, ldy);
+      else
+#endif
+        scalar_q8x_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
+    }
+    return 0;
+  }
   QuantizedX xq;
   quantize_rows(fmt, x, m, ldx, k, xq);
-  const bool vnni = path_in_use == PATH_VNNI;
   if (tiled) {
     const int64_t tiles = n / X16_ROWS;
     const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, tiles));
@@ -769,7 +987,14 @@ int32_t kubeinfer_qk_interleave(int32_t fmt, const uint8_t* src, int64_t n, int6
 
 // Format code of a descriptor's super-blocks from its row bytes, or -1.
 static int32_t desc_format(const KiQWeight* w) {
-  if (!w || !w->q || w->bits != 6 || w->n < 0 || w->k <= 0 || w->k % QK_K) return -1;
+  if (!w || !w->q || w->bits != 6 || w->n < 0 || w->k <= 0) return -1;
+  if (w->group_size == Q8X_GROUP) {  // Q8_0 / Q5_0 x16 tiles
+    if (w->k % Q8X_BLOCK || w->n % X16_ROWS) return -1;
+    if (w->row_bytes == w->k / Q8X_BLOCK * Q8X_ROW_BYTES) return FMT_Q8_0_X16;
+    if (w->row_bytes == w->k / Q8X_BLOCK * Q5X_ROW_BYTES) return FMT_Q5_0_X16;
+    return -1;
+  }
+  if (w->k % QK_K) return -1;
   if (w->group_size == X16_GROUP) {  // 16-row tiles
     if (w->n % X16_ROWS) return -1;
     if (w->row_bytes == w->k / QK_K * X16_ROW_BYTES) return FMT_Q4_K_X16;
@@ -817,7 +1042,7 @@ int32_t kubeinfer_qk_dequant(const KiQWeight* w, const int64_t* rows, int64_t ro
   if (fmt < 0 || nrows < 0) return 1;
 #pragma omp parallel for num_threads(std::max(1, nthreads)) schedule(static) if (nrows * w->k > (1 << 16))
   for (int64_t i = 0; i < nrows; ++i)
-    dequant_row(fmt, w->q, w->row_bytes, rows ? rows[i] : row0 + i, w->k / QK_K, out + i * out_stride);
+    dequant_row(fmt, w->q, w->row_bytes, rows ? rows[i] : row0 + i, w->k, out + i * out_stride);
   return 0;
 }
 

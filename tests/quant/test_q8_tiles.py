@@ -1,0 +1,242 @@
+"""32-value blocks held as 16-row tiles (q8_0_x16 and iq4_nl_x16 at 8 bits, q5_0_x16 at 5:
+csrc/qk_native.cpp's FMT_Q8_0_X16 / FMT_Q5_0_X16, cpu_qlinear.interleave_q8_x16): one copy at the file's
+8.5 (Q5_0: 5.5) bits per weight that serves one row of x and batches, on every code path this CPU runs,
+through every entry point that serves a weight.
+
+Tolerances:
+- int8 activations (layers computing in bf16): against `cpu_qgemv_q8.linear_reference` (W @ x^ in
+  float64, x^ = x quantized per 32 values as ggml's Q8_0, bit for bit): fp32 accumulation only,
+  |err| <= 2e-5 * (|x^| @ |W|^T) + 1e-5 (per-block int32 sums are exact; K / 32 <= 36 blocks summed in
+  fp32, relative error under ~40 * 2^-24 ~ 2.4e-6);
+- fp32 activations (layers computing in fp32): against x @ W^T with the same slack on |x| @ |W|^T;
+- dequantized values and layouts: exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from server.quant import cpu_qgemv_q8 as q8m
+from server.quant import cpu_qk_native as qk
+from server.quant import cpu_qlinear as cq
+from server.quant.gguf_repack import from_gguf_repacked
+
+N, K = 48, 160  # three tiles, five 32-blocks (K no multiple of 256, as Gemma's 1,152)
+
+
+def q8_weight(fmt: str, n: int, k: int, seed: int) -> cq.BlockQuantWeight:
+    """A weight of format `fmt` as the loader reads it: q8_0 round-to-nearest from a Gaussian; q5_0 and
+    iq4_nl from random GGUF blocks (every 5-bit and codebook value), repacked to 8 bits (gguf_repack.py)."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "q8_0":
+        return cq.quantize_block(torch.randn(n, k, generator=g) * 0.05, "q8_0")
+    from gguf_models import random_blocks
+
+    blocks = random_blocks(fmt.upper(), n, k, np.random.default_rng(seed))
+    return from_gguf_repacked(blocks, fmt.upper(), n, k)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cq.QLinearKernel:
+    return cq.load_qlinear_kernel()
+
+
+@pytest.fixture(params=["scalar", "vnni"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    qkk = qk.load_qk_native_kernel()  # the library qlinear hands tiles to (kubeinfer_qlinear_set_kquant)
+    default = qkk.isa
+    if qkk.set_path(request.param) != request.param:
+        qkk.set_path(default)
+        pytest.skip(f"this CPU does not run the {request.param} path")
+    yield request.param
+    qkk.set_path(default)
+
+
+def slack(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:  # -> [M, N]
+    return 2e-5 * (x.abs() @ dense.abs().t()) + 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "iq4_nl"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 33])
+def test_tiles_match_the_references(kernel: cq.QLinearKernel, path: str, fmt: str, m: int) -> None:
+    """Through qlinear's entry (what BlockQuantLinear, the decode graph and the int8 library's fallback
+    call): bf16 layers get W @ x^ with x^ ggml's Q8_0 activations, fp32 layers x @ W^T; a zero 32-block
+    of x (dx = 0) and a bias included; the tiles hold the row-major weight's values exactly."""
+    w = q8_weight(fmt, N, K, seed=m)
+    tiles = cq.interleave_q8_x16(w)
+    dense = cq.dequantize_reference(w)
+    assert torch.equal(cq.dequantize_reference(tiles), dense)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(100 + m)) * 3.0
+    if m > 1:
+        x[1, 32:64] = 0.0
+    bias = torch.randn(N)
+    y = kernel.linear(x, tiles, bias, compute=torch.bfloat16)
+    want = q8m.linear_reference(x, w, bias)
+    err = (y - want).abs()
+    bound = slack(q8m.dequantize_activations_reference(x), dense)
+    assert (err <= bound).all(), f"{path} {fmt} M={m}: max excess {(err - bound).max().item():.3g}"
+    y32 = kernel.linear(x, tiles, bias)
+    assert ((y32 - (x @ dense.t() + bias)).abs() <= slack(x, dense)).all(), f"{path} {fmt} fp32 M={m}"
+
+
+def test_layout_round_trips(kernel: cq.QLinearKernel) -> None:
+    """interleave/deinterleave give the weight back bit for bit; the tiles hold the file's bytes (8.5
+    bits per weight; Q5_0 5.5, where the row-major repack held 8.5); a tile-aligned row selection stays tiles, any other becomes row-major
+    blocks; concatenated tiles are the tiles of the concatenation; the kernel dequantizes any rows."""
+    for fmt in ("q8_0", "q5_0", "iq4_nl"):
+        w = q8_weight(fmt, 64, 96, seed=3)
+        t = cq.interleave_q8_x16(w)
+        assert t.fmt == cq.Q8_TILED[fmt] and cq.file_format(t.fmt) == fmt and t.super_blocks
+        assert w.nbytes() == 64 * 96 * 34 // 32
+        assert t.nbytes() == 64 * 96 * (22 if fmt == "q5_0" else 34) // 32
+        back = cq.deinterleave_q8_x16(t)
+        assert torch.equal(back.q, w.q) and torch.equal(back.scales, w.scales) and back.fmt == fmt
+    dense = cq.dequantize_reference(w)
+    assert torch.equal(kernel.dequantize_rows(t), dense)
+    rows = torch.tensor([63, 0, 17, 17])
+    assert torch.equal(kernel.dequantize_rows(t, rows), dense[rows])
+    assert torch.equal(kernel.dequantize_rows(t, start=20, count=9), dense[20:29])
+    aligned = t.select_rows(torch.arange(16, 48))
+    assert aligned.fmt == t.fmt and torch.equal(cq.dequantize_reference(aligned), dense[16:48])
+    odd = t.select_rows(torch.tensor([63, 2, 17]))
+    assert odd.fmt == w.fmt and not odd.super_blocks
+    assert torch.equal(cq.dequantize_reference(odd), dense[[63, 2, 17]])
+    both = cq.BlockQuantWeight.concat_rows([t, aligned])
+    assert torch.equal(
+        both.q,
+        cq.interleave_q8_x16(cq.BlockQuantWeight.concat_rows([w, w.select_rows(torch.arange(16, 48))])).q,
+    )
+    assert torch.equal(cq.dequantize_reference(t, torch.tensor([5, 40])), dense[[5, 40]])
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cq.interleave_q8_x16(q8_weight("q8_0", 24, 64, seed=0))
+    with pytest.raises(ValueError, match="Q8_0 tiles take"):
+        cq.interleave_q8_x16(cq.quantize_block(torch.randn(16, 64), "q4_0"))  # 4-bit
+    with pytest.raises(ValueError, match="Q8_0 tiles take"):
+        cq.interleave_q8_x16(
+            from_gguf_repacked(  # Q5_1 has mins
+                __import__("gguf_models").random_blocks("Q5_1", 16, 64, np.random.default_rng(0)),
+                "Q5_1",
+                16,
+                64,
+            )
+        )
+    with pytest.raises(ValueError, match="whole tiles"):
+        cq.BlockQuantWeight(
+            torch.zeros(8, 68, dtype=torch.uint8),
+            torch.empty(8, 0),
+            None,
+            "q8_0_x16",
+            cq.KQUANT_BITS,
+            cq.Q8X_GROUP,
+            0,
+            64,
+            8,
+        )
+    with pytest.raises(ValueError, match=r"q must be \[16, 68\]"):
+        cq.BlockQuantWeight(
+            torch.zeros(16, 64, dtype=torch.uint8),
+            torch.empty(16, 0),
+            None,
+            "q8_0_x16",
+            cq.KQUANT_BITS,
+            cq.Q8X_GROUP,
+            0,
+            64,
+            16,
+        )
+    bad = q8_weight("q5_0", 16, 64, seed=0)
+    bad.q[3, 5] = 16  # no q - 16 of a 5-bit q
+    with pytest.raises(ValueError, match=r"-16\.\.15"):
+        cq.interleave_q8_x16(bad)
+    with pytest.raises(ValueError, match="de-interleaving"):
+        cq.deinterleave_q8_x16(q8_weight("q8_0", 16, 64, seed=0))
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("Q8_0", 34), ("Q5_0", 22)])
+def test_gguf_32_blocks_held_as_tiles(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    bits: int,
+) -> None:
+    """A Q8_0 (Q5_0) file with a tied head: every matrix of whole 16-row tiles is held as q8_0_x16
+    (q5_0_x16) at the file's 8.5 (5.5) bits per weight with no int8 packed copy (the row-major blocks took
+    one of 10 bits more for batches, and Q5_0 was held at 8.5), the same values as
+    KUBEINFER_KQUANT_BLOCKS=0 reads; fused q/k/v stay tiles; every serving
+    path (qlinear's entry, the int8 library's entry, BlockQuantLinear at decode, batch and prefill sizes
+    in fp32 and bf16, the embedding lookup) gives W @ x within its tolerance."""
+    from gguf_models import write_tiny_gguf
+
+    from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
+    from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
+
+    hf = tiny_model_factory("llama", tie=True, hidden=96)
+    gguf_path = write_tiny_gguf(hf, tmp_path / "tiny.gguf", kind, tokenizer=False)
+    fmt = kind.lower()
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
+    ckpt = read_gguf_checkpoint(gguf_path)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
+    rowmajor = read_gguf_checkpoint(gguf_path)
+    kernel = cq.load_qlinear_kernel()
+    q8 = q8m.load_q8_gemv_kernel(kernel)
+    tiled = 0
+    for name, w in ckpt.tensors.items():
+        if not isinstance(w, cq.BlockQuantWeight):
+            continue
+        old = rowmajor.tensors[name]
+        assert isinstance(old, cq.BlockQuantWeight) and old.fmt == fmt, name
+        if w.out_features % 16:
+            assert w.fmt == fmt, name
+            continue
+        tiled += 1
+        assert w.fmt == fmt + "_x16" and w.nbytes() == w.out_features * w.in_features * bits // 32, name
+        assert torch.equal(cq.dequantize_reference(w), cq.dequantize_reference(old)), name
+        lin = BlockQuantLinear(w, kernel=kernel)
+        lin.gemm_dtype = torch.bfloat16
+        assert lin.pack_int8(q8) == 0, name  # the tiles serve batches: no second copy
+    assert tiled >= 5
+    emb = ckpt.tensors["model.embed_tokens.weight"]
+    assert isinstance(emb, cq.BlockQuantWeight) and emb.fmt == fmt + "_x16"  # the tied LM head too
+    dense = cq.dequantize_reference(emb)
+    ids = torch.tensor([7, 0, emb.out_features - 1])
+    assert torch.equal(BlockQuantEmbedding(emb)(ids), dense[ids])
+    _served_paths_match(emb, dense, kernel, q8)
+    prefix = "model.layers.0.self_attn."
+    parts = [ckpt.tensors[prefix + p + "_proj.weight"] for p in ("q", "k", "v")]
+    fused = BlockQuantLinear.fuse([BlockQuantLinear(p, kernel=kernel) for p in parts])  # type: ignore[arg-type]
+    assert fused is not None and fused.weight_q.fmt == fmt + "_x16"
+    _served_paths_match(fused.weight_q, cq.dequantize_reference(fused.weight_q), kernel, q8)
+
+
+def _served_paths_match(w: cq.BlockQuantWeight, dense: torch.Tensor, kernel, q8) -> None:  # type: ignore[no-untyped-def]
+    from server.quant.block_linear import BlockQuantLinear
+
+    k = w.in_features
+    wabs = dense.abs().reshape(w.out_features, k // 32, 32).sum(-1)  # [N, K / 32]
+    for m in (1, 3, 5, 16, 300):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        exact = x @ dense.t()
+        fp32 = slack(x, dense)
+        dx = x.reshape(m, k // 32, 32).abs().amax(-1) / 127.0
+        int8_bound = (dx / 2) @ wabs.t() + fp32  # activation_error_bound, W's |values| summed once
+        assert ((kernel.linear(x, w) - exact).abs() <= fp32).all(), m
+        via_entry = cq.call_linear(
+            q8.lib.kubeinfer_qgemv_q8, "qgemv_q8", x, w, None, torch.empty(m, w.out_features), torch.bfloat16
+        )
+        assert ((via_entry - exact).abs() <= int8_bound).all(), m
+        for dtype in (torch.float32, torch.bfloat16):
+            lin = BlockQuantLinear(w, kernel=kernel)
+            lin.gemm_dtype = dtype
+            bound = fp32 if dtype == torch.float32 else int8_bound
+            if m >= lin.gemm_min_rows and dtype == torch.bfloat16:  # dequantize + bf16 library GEMM
+                bound = 1e-2 * (x.abs() @ dense.abs().t())
+            assert ((lin(x) - exact).abs() <= bound).all(), (m, dtype)
