@@ -15,7 +15,10 @@ With `--gemm-dtypes`, the modes are the decode graph under each projection gemm_
 speedup is over the first dtype. With `--int8-pack`, the modes are the decode graph reading the packed
 copies the batched int8 path gets at load (`packed`, cpu_qgemv_q8.Q8GemvKernel.pack) and the same
 weights without them (`unpacked`: that path transposes 16 rows per 16 columns on every call), rotated the
-same way, with the copies' MiB: whether the second copy of each weight pays for its memory.
+same way, with the copies' MiB: whether the second copy of each weight pays for its memory. With
+`--q8-tiles`, the modes are the decode graph over the Q8_0 / Q5_0 / IQ4_NL 16-row tiles the loader holds
+(`tiles`, cpu_qlinear.interleave_q8_x16) and over the same weights row-major with their packed copies
+(`rowmajor`: the layout before the tiles), rotated the same way.
 The engine is driven directly (no HTTP); benchmarks/peers_side_by_side.py measures the served whole.
 """
 
@@ -47,6 +50,7 @@ from server.request import SamplingParams
 
 MODES = ("graph", "fused", "torch")
 PACK_MODES = ("packed", "unpacked")
+TILE_MODES = ("tiles", "rowmajor")
 
 
 def pack_variants(
@@ -61,6 +65,22 @@ def pack_variants(
     return out
 
 
+def tile_variants(
+    model: torch.nn.Module,
+) -> list[tuple[BlockQuantLinear, BlockQuantWeight, BlockQuantWeight]]:
+    """(module, its 16-row tiles, the same weight row-major with its packed copy) for every layer held as
+    Q8_0 / Q5_0 / IQ4_NL tiles."""
+    from server.quant import cpu_qgemv_q8, cpu_qlinear
+
+    q8 = cpu_qgemv_q8.load_q8_gemv_kernel(cpu_qlinear.load_qlinear_kernel())
+    out = []
+    for m in model.modules():
+        if isinstance(m, BlockQuantLinear) and m.weight_q.fmt in cpu_qlinear.Q8_TILED.values():
+            w = m.weight_q
+            out.append((m, w, q8.pack(cpu_qlinear.deinterleave_q8_x16(w))))
+    return out
+
+
 def copies_mib(variants: list[tuple[BlockQuantLinear, BlockQuantWeight, BlockQuantWeight]]) -> float:
     copies = {p.packed.data_ptr(): p.packed.numel() for _, p, _ in variants if p.packed is not None}
     return round(sum(copies.values()) / 2**20, 1)
@@ -72,7 +92,8 @@ def set_packed(
     packed: bool,
 ) -> None:
     for m, with_copy, without in variants:
-        m._w = with_copy if packed else without
+        w = with_copy if packed else without
+        m._w, m.q, m.scales, m.mins = w, w.q, w.scales, w.mins  # the buffers too (tiles: another layout)
     model._decode_graph = None  # type: ignore[assignment]  # descriptors hold the copies: rebuilt next step
 
 
@@ -83,6 +104,7 @@ def measure(
     steps: int,
     gemm_dtypes: list[str] | None = None,
     int8_pack: bool = False,
+    q8_tiles: bool = False,
 ) -> dict[str, object]:
     model = engine.loaded.model
     default_dtype = next((m.gemm_dtype for m in model.modules() if hasattr(m, "gemm_dtype")), torch.float32)
@@ -97,8 +119,20 @@ def measure(
         )
     while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
         engine.step()  # every prompt prefilled: from here on each step is a pure decode step
-    modes = tuple(f"graph_{d}" for d in gemm_dtypes) if gemm_dtypes else PACK_MODES if int8_pack else MODES
-    variants = pack_variants(model) if int8_pack else []
+    modes = (
+        tuple(f"graph_{d}" for d in gemm_dtypes)
+        if gemm_dtypes
+        else PACK_MODES
+        if int8_pack
+        else TILE_MODES
+        if q8_tiles
+        else MODES
+    )
+    variants = pack_variants(model) if int8_pack else tile_variants(model) if q8_tiles else []
+    if q8_tiles and not variants:
+        raise SystemExit(
+            "no layer is held as Q8_0 / Q5_0 tiles (KUBEINFER_KQUANT_BLOCKS, vnni): nothing to compare"
+        )
     if int8_pack and not variants:
         raise SystemExit(
             "no weight was packed at load (KUBEINFER_INT8_PACK, vnni path, bf16): nothing to compare"
@@ -109,8 +143,8 @@ def measure(
         for mode in modes[j:] + modes[:j]:
             if gemm_dtypes:
                 apply_gemm_dtype(model, getattr(torch, mode.removeprefix("graph_")))
-            elif int8_pack:
-                set_packed(model, variants, mode == "packed")
+            elif int8_pack or q8_tiles:
+                set_packed(model, variants, mode in ("packed", "tiles"))
                 engine.step()  # rebuilds the graph outside the timed step
             else:
                 model.fused_ops = None if mode == "torch" else ops
@@ -125,10 +159,10 @@ def measure(
     for i in range(users):
         engine.abort_request(f"u{users}-{i}")
     p50 = {m: statistics.median(v) * 1e3 for m, v in times.items()}
-    base = modes[0] if gemm_dtypes or int8_pack else "torch"
+    base = modes[0] if gemm_dtypes or int8_pack or q8_tiles else "torch"
     return {
         "users": users,
-        **({"packed_copies_mib": copies_mib(variants)} if variants else {}),
+        **({"packed_copies_mib": copies_mib(variants)} if int8_pack else {}),
         "step_ms_p50": {m: round(v, 3) for m, v in p50.items()},
         "step_ms_min": {m: round(min(v) * 1e3, 3) for m, v in times.items()},
         f"speedup_vs_{base}_p50": {m: round(p50[base] / p50[m], 3) for m in modes if m != base},
@@ -149,6 +183,11 @@ def main() -> None:
     ap.add_argument(
         "--int8-pack", action="store_true", help="compare the graph with and without packed copies"
     )
+    ap.add_argument(
+        "--q8-tiles",
+        action="store_true",
+        help="compare the graph over Q8_0/Q5_0 tiles and row-major + copies",
+    )
     args = ap.parse_args()
     engine = LLMEngine(
         EngineConfig(
@@ -162,7 +201,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()),
         "runs": [
-            measure(engine, u, args.prompt_len, args.steps, args.gemm_dtypes, args.int8_pack)
+            measure(engine, u, args.prompt_len, args.steps, args.gemm_dtypes, args.int8_pack, args.q8_tiles)
             for u in args.users
         ],
         "load_average_at_end": list(os.getloadavg()),

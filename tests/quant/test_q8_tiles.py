@@ -203,6 +203,10 @@ def test_gguf_32_blocks_held_as_tiles(
         lin = BlockQuantLinear(w, kernel=kernel)
         lin.gemm_dtype = torch.bfloat16
         assert lin.pack_int8(q8) == 0, name  # the tiles serve batches: no second copy
+        if q8.isa == "vnni" and q8.gemm_max_rows is None:  # prefill chunks too, as the int8 batched path
+            assert lin.gemm_min_rows > 1 << 20, name
+            with q8m.int8_gemm(False):  # that path switched off: dequantize + bf16 GEMM as for any weight
+                assert lin.gemm_min_rows == 256, name
     assert tiled >= 5
     emb = ckpt.tensors["model.embed_tokens.weight"]
     assert isinstance(emb, cq.BlockQuantWeight) and emb.fmt == fmt + "_x16"  # the tied LM head too
