@@ -401,9 +401,8 @@ def interleave_q8_x16(w: BlockQuantWeight) -> BlockQuantWeight:
         v = (w.q + 16).view(torch.uint8).reshape(t, rows, nb, 8, 4)  # 5-bit q, [T, r, b, g, i]
         nib = (v[:, :, :, :4] & 15) | ((v[:, :, :, 4:] & 15) << 4)  # [T, r, b, g < 4, i]: k and k + 16
         nib = nib.permute(0, 2, 3, 1, 4).reshape(t, nb, 256)
-        bit = (
-            ((v >> 4) & 1).permute(0, 2, 3, 1, 4).reshape(t, nb, 8, 8, 8)
-        )  # [T, b, g, byte, bit]: e = 4r + i
+        # the fifth bits as [T, b, g, byte, bit], bit e = 4r + i of g's 64-bit plane
+        bit = ((v >> 4) & 1).permute(0, 2, 3, 1, 4).reshape(t, nb, 8, 8, 8)
         qh = (bit << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(t, nb, 64)
         values = torch.cat([nib, qh], dim=2)  # [T, b, 320]
     else:
