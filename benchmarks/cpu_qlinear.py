@@ -30,6 +30,7 @@ Times are medians of interleaved repetitions, wall clock.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +101,13 @@ def llc_bytes() -> int:
         return int(text.rstrip("K")) << 10 if text.endswith("K") else int(text.rstrip("M")) << 20
     except (OSError, ValueError):
         return 32 << 20
+
+
+def rotating(items: list[Any], call: Callable[[Any], object]) -> Callable[[], object]:
+    """A function calling `call` on the next of `items` in turn: copies of a weight cycled call after call,
+    so that each call streams it from memory as a decode step does."""
+    it = itertools.cycle(items)
+    return lambda: call(next(it))
 
 
 def make(fmt: str, n: int, k: int) -> cq.BlockQuantWeight:

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_qlinear import cpu_model, llc_bytes, median_ratio, timed
+from cpu_qlinear import cpu_model, llc_bytes, median_ratio, rotating, timed
 
 from server.quant import cpu_qgemv_q8 as q8
 from server.quant import cpu_qlinear as cq
@@ -99,20 +99,12 @@ def main() -> None:
             ]
             for m in [int(s) for s in args.ms.split(",")]:
                 x = torch.randn(m, k)
-                it = {"o": 0, "t": 0}
-
-                def run_old(x: torch.Tensor = x, mods: list[BlockQuantLinear] = olds, it: dict = it) -> None:
-                    it["o"] = (it["o"] + 1) % len(mods)
-                    mods[it["o"]](x)
-
-                def run_tiles(
-                    x: torch.Tensor = x, mods: list[BlockQuantLinear] = news, it: dict = it
-                ) -> None:
-                    it["t"] = (it["t"] + 1) % len(mods)
-                    mods[it["t"]](x)
-
                 here = max(3, reps // 8) if n * k > 64 << 20 else reps
-                t = timed({"rowmajor": run_old, "tiles": run_tiles}, here)
+                runs = {
+                    "rowmajor": rotating(olds, lambda mod, x=x: mod(x)),
+                    "tiles": rotating(news, lambda mod, x=x: mod(x)),
+                }
+                t = timed(runs, here)
                 row = {
                     "format": fmt,
                     "shape": name,

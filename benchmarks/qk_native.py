@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_qlinear import cpu_model, llc_bytes, median_ratio, timed
+from cpu_qlinear import cpu_model, llc_bytes, median_ratio, rotating, timed
 
 from server.quant import cpu_qgemv_q8 as q8
 from server.quant import cpu_qk_native as qk
@@ -95,28 +95,11 @@ def main() -> None:
             x16s = [native.interleave(b) for b in nats] if n % qk.X16_ROWS == 0 else []
             for m in [int(s) for s in args.ms.split(",")]:
                 x = torch.randn(m, k)
-                it = {"o": 0, "n": 0, "x": 0}
-
-                def run_old(
-                    x: torch.Tensor = x, olds: list[BlockQuantLinear] = olds, it: dict[str, int] = it
-                ) -> None:
-                    it["o"] = (it["o"] + 1) % len(olds)
-                    olds[it["o"]](x)
-
-                def run_native(
-                    x: torch.Tensor = x, nats: list[qk.KQuantBlocks] = nats, it: dict[str, int] = it
-                ) -> None:
-                    it["n"] = (it["n"] + 1) % len(nats)
-                    native.linear(x, nats[it["n"]])
-
-                def run_x16(
-                    x: torch.Tensor = x, x16s: list[qk.KQuantBlocks] = x16s, it: dict[str, int] = it
-                ) -> None:
-                    it["x"] = (it["x"] + 1) % len(x16s)
-                    native.linear(x, x16s[it["x"]])
-
                 here = max(3, reps // 8) if n * k > 64 << 20 else reps
-                runs = {"repacked": run_old, "native": run_native} | ({"x16": run_x16} if x16s else {})
+                runs = {
+                    "repacked": rotating(olds, lambda mod, x=x: mod(x)),
+                    "native": rotating(nats, lambda w, x=x: native.linear(x, w)),
+                } | ({"x16": rotating(x16s, lambda w, x=x: native.linear(x, w))} if x16s else {})
                 t = timed(runs, here)
                 row = {
                     "format": fmt,

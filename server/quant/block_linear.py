@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from server.quant.cpu_qgemv_q8 import MAX_ROWS as Q8_MAX_ROWS
-from server.quant.cpu_qgemv_q8 import Q8GemvKernel, active_kernel, small_m_linear
+from server.quant.cpu_qgemv_q8 import Q8GemvKernel, active_kernel, batches_take_any_rows, small_m_linear
 from server.quant.cpu_qlinear import (
     Q8_TILED,
     BlockQuantWeight,
@@ -128,10 +128,8 @@ class BlockQuantLinear(QuantLinear):
         (KUBEINFER_INT8_GEMM=0), the bf16 GEMM takes over as for other weights."""
         if self.gemm_dtype != torch.bfloat16:
             return GEMM_MIN_ROWS
-        if self._w.fmt in Q8_TILED_FORMATS and self.kernel is not None:
-            q8 = active_kernel(self.kernel)
-            if q8 is not None and q8.modes[1] and q8.isa == "vnni" and q8.gemm_max_rows is None:
-                return sys.maxsize
+        if self._w.fmt in Q8_TILED_FORMATS and self.kernel is not None and batches_take_any_rows(self.kernel):
+            return sys.maxsize
         return BF16_GEMM_MIN_ROWS
 
     @staticmethod

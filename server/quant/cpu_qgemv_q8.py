@@ -397,6 +397,16 @@ def active_kernel(kernel: QLinearKernel) -> Q8GemvKernel | None:
     return q8
 
 
+def batches_take_any_rows(kernel: QLinearKernel) -> bool:
+    """Whether the batched int8 path takes bf16 layers' batches of any row count here: its switch on
+    (KUBEINFER_INT8_GEMM), the kernel built, the vnni path running and no row limit (AMX-BF16 sets one,
+    gemm_max_rows_for). Reads no more than the switch and the cached kernel: asked per projection call."""
+    if not int8_gemm_enabled():
+        return False
+    q8 = try_load_q8_gemv_kernel(kernel)
+    return q8 is not None and q8.isa == "vnni" and q8.gemm_max_rows is None
+
+
 def int8_paths_text(cache_dir: Path | None = None) -> str:
     """What takes int8 activations here, for the start-up log ("" when nothing does): bf16 layers' batches
     (the switch on, the kernels built, AVX512-VNNI usable; at most gemm_max_rows rows) and the decode GEMV."""

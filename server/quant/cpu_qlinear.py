@@ -430,7 +430,7 @@ def deinterleave_q8_x16(w: BlockQuantWeight) -> BlockQuantWeight:
     n, k = w.out_features, w.in_features
     t, nb, rows = n // qk_native.X16_ROWS, k // BLOCK, qk_native.X16_ROWS
     tiles = w.q.reshape(t, nb * Q8X_TILE_ROW_BYTES[w.fmt] * rows)
-    vb = 320 if w.fmt == "q5_0_x16" else 512  # bytes of one block's values
+    vb = Q8X_TILE_ROW_BYTES[w.fmt] * rows - 32  # one block's values: all but its 16 fp16 d
     d = tiles[:, nb * vb :].contiguous().view(torch.float16).reshape(t, nb, rows).transpose(1, 2)
     if w.fmt == "q5_0_x16":
         blocks = tiles[:, : nb * vb].reshape(t, nb, vb)

@@ -13,10 +13,10 @@ Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py); MX
 (gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
 `GgufCheckpoint.dequantized` with the memory it costs beyond its bytes in the file (/info shows it).
-Where the k-quant tiles are held, so are Q8_0's: Q8_0, Q5_0 and IQ4_NL matrices (8-bit values with fp16
-scales once read) of whole 16-row tiles, outside MoE blocks, become q8_0_x16 / q5_0_x16 / iq4_nl_x16
-(cpu_qlinear.interleave_q8_x16): 8.5 bits per weight, one copy for decode and batches, instead of the
-row-major blocks plus the batched path's 10-bit int8 packed copy.
+Where the k-quant tiles are held, so are Q8_0's: Q8_0, Q5_0 and IQ4_NL matrices of whole 16-row tiles,
+outside MoE blocks, become q8_0_x16 / q5_0_x16 / iq4_nl_x16 (cpu_qlinear.interleave_q8_x16): the file's
+8.5 bits per weight (Q5_0 5.5), one copy for decode and batches, instead of the row-major blocks (Q5_0
+widened to 8.5 bits) plus the batched path's 10-bit int8 packed copy.
 """
 
 from __future__ import annotations
@@ -60,18 +60,19 @@ _FLOAT = ("F32", "F16", "BF16")
 # product serves 16 output rows, one row of x 1.6-1.9x the repack's speed, 16 rows about the packed copy's
 # (docs/benchmarks-log.md "k-quants in 16-row tiles"). Other Q4_K stays repacked (its row-major blocks run
 # batches at 0.5-0.7x); other Q6_K stays row-major blocks (1.35-1.45x the repack at 16 rows). Under the same
-# switch Q8_0 (and Q5_0 / IQ4_NL, repacked to 8 bits) of whole tiles are held as q8_0_x16 tiles: 8.5 bits
-# per weight against 8.5 plus the int8 packed copy's 10.0; one row of x 1.0-1.9x, 4 rows 3-5x, 16-64 rows
-# 0.8-1.0x the row-major GEMV and packed batched path (docs/benchmarks-log.md "Q8_0 in 16-row tiles").
+# switch Q8_0, Q5_0 and IQ4_NL of whole tiles are held as 16-row tiles: 8.5 bits per weight (Q5_0 5.5)
+# against 8.5 plus the int8 packed copy's 10.0; one row of x 1.0-1.9x, 4 rows 3-5x, 16-64 rows 0.8-1.0x the
+# row-major GEMV and packed batched path (docs/benchmarks-log.md "Q8_0 and Q5_0 in 16-row tiles, and the
+# step thread's malloc arena").
 SUPER_BLOCK_TYPES = ("Q6_K", "Q4_K")
 SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 
 
 def super_blocks_enabled() -> bool:
-    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0's 16-row tiles), `0`
-    repack them (Q8_0 row-major); unset: where
-    the super-block kernel runs its AVX512-VNNI path (its scalar path is slower than the repacked
-    formats' AVX2 GEMV). ValueError for another value."""
+    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0, Q5_0, IQ4_NL as 16-row
+    tiles), `0` repack them (and keep those row-major); unset: where the super-block kernel runs its
+    AVX512-VNNI path (its scalar path is slower than the repacked formats' AVX2 GEMV). ValueError for
+    another value."""
     explicit = env_switch(SUPER_BLOCKS_ENV)
     if explicit is not None:
         return explicit

@@ -11,7 +11,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -88,3 +88,18 @@ def heldout_ids(smollm2_dir: Path) -> torch.Tensor:  # [EVAL_TOKENS] int64
     ids = Tokenizer(smollm2_dir).encode(HELDOUT_TEXT, add_special_tokens=False)
     assert len(ids) >= EVAL_TOKENS
     return torch.tensor(ids[:EVAL_TOKENS], dtype=torch.int64)
+
+
+@pytest.fixture(params=["scalar", "vnni"])
+def qk_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each code path of csrc/qk_native.cpp this CPU runs (the library qlinear also hands its tiles to),
+    set for the test and restored after; a path this CPU lacks is skipped."""
+    from server.quant import cpu_qk_native as qk
+
+    kernel = qk.load_qk_native_kernel()
+    default = kernel.isa
+    if kernel.set_path(request.param) != request.param:
+        kernel.set_path(default)
+        pytest.skip(f"this CPU does not run the {request.param} path")
+    yield request.param
+    kernel.set_path(default)

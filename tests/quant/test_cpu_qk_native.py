@@ -13,7 +13,6 @@ Tolerances:
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,16 +52,6 @@ def kernel() -> qk.QKNativeKernel:
     return qk.load_qk_native_kernel()
 
 
-@pytest.fixture(params=["scalar", "vnni"])
-def path(request: pytest.FixtureRequest, kernel: qk.QKNativeKernel) -> Iterator[str]:
-    default = kernel.isa
-    if kernel.set_path(request.param) != request.param:
-        kernel.set_path(default)
-        pytest.skip(f"this CPU does not run the {request.param} path")
-    yield request.param
-    kernel.set_path(default)
-
-
 def fp32_slack(x: torch.Tensor, w: qk.KQuantBlocks) -> torch.Tensor:  # -> [M, N]
     return 2e-5 * (qk.quantize_activations_reference(x).abs() @ qk.dequantize_reference(w).abs().t()) + 1e-5
 
@@ -70,7 +59,7 @@ def fp32_slack(x: torch.Tensor, w: qk.KQuantBlocks) -> torch.Tensor:  # -> [M, N
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 64])
 @pytest.mark.parametrize("make", [random_blocks, quantized_blocks])
-def test_matches_gguf_dequantize(kernel: qk.QKNativeKernel, path: str, fmt: str, m: int, make) -> None:
+def test_matches_gguf_dequantize(kernel: qk.QKNativeKernel, qk_path: str, fmt: str, m: int, make) -> None:
     w = make(fmt, N, K, seed=m)
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(100 + m)) * 3.0
     x[0, :5] = 0.0  # zeros round to zero
@@ -79,12 +68,12 @@ def test_matches_gguf_dequantize(kernel: qk.QKNativeKernel, path: str, fmt: str,
     y = kernel.linear(x, w)
     slack = fp32_slack(x, w)
     err = (y - qk.linear_reference(x, w)).abs()
-    assert (err <= slack).all(), f"{path} {fmt} M={m}: max excess {(err - slack).max().item():.3g}"
+    assert (err <= slack).all(), f"{qk_path} {fmt} M={m}: max excess {(err - slack).max().item():.3g}"
     fp32 = F.linear(x, qk.dequantize_reference(w))
     assert ((y - fp32).abs() <= qk.activation_error_bound(x, w) + slack).all()
 
 
-def test_paths_agree_and_strided_io(kernel: qk.QKNativeKernel, path: str) -> None:
+def test_paths_agree_and_strided_io(kernel: qk.QKNativeKernel, qk_path: str) -> None:
     w = quantized_blocks("q6_k", 19, 512, seed=3)
     big = torch.randn(5, 600)
     x = big[:, 7:519]  # rows strided, unit stride along K
@@ -125,7 +114,7 @@ def test_bad_arguments(kernel: qk.QKNativeKernel) -> None:
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 33])
 @pytest.mark.parametrize("make", [random_blocks, quantized_blocks])
 def test_x16_tiles_match_gguf_dequantize(
-    kernel: qk.QKNativeKernel, path: str, fmt: str, m: int, make
+    kernel: qk.QKNativeKernel, qk_path: str, fmt: str, m: int, make
 ) -> None:
     """The tiles give W @ x^ of the row-major blocks they came from, within the same fp32 slack (the
     per-lane sums need no horizontal reduction: no looser)."""
@@ -137,7 +126,7 @@ def test_x16_tiles_match_gguf_dequantize(
     y = kernel.linear(x, tiles)
     slack = fp32_slack(x, w)
     err = (y - qk.linear_reference(x, w)).abs()
-    assert (err <= slack).all(), f"{path} {fmt} x16 M={m}: max excess {(err - slack).max().item():.3g}"
+    assert (err <= slack).all(), f"{qk_path} {fmt} x16 M={m}: max excess {(err - slack).max().item():.3g}"
     assert torch.equal(qk.dequantize_reference(tiles), qk.dequantize_reference(w))
 
 

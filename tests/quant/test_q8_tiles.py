@@ -14,7 +14,6 @@ Tolerances:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,6 @@ import pytest
 import torch
 
 from server.quant import cpu_qgemv_q8 as q8m
-from server.quant import cpu_qk_native as qk
 from server.quant import cpu_qlinear as cq
 from server.quant.gguf_repack import from_gguf_repacked
 
@@ -46,24 +44,13 @@ def kernel() -> cq.QLinearKernel:
     return cq.load_qlinear_kernel()
 
 
-@pytest.fixture(params=["scalar", "vnni"])
-def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    qkk = qk.load_qk_native_kernel()  # the library qlinear hands tiles to (kubeinfer_qlinear_set_kquant)
-    default = qkk.isa
-    if qkk.set_path(request.param) != request.param:
-        qkk.set_path(default)
-        pytest.skip(f"this CPU does not run the {request.param} path")
-    yield request.param
-    qkk.set_path(default)
-
-
 def slack(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:  # -> [M, N]
     return 2e-5 * (x.abs() @ dense.abs().t()) + 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "iq4_nl"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 33])
-def test_tiles_match_the_references(kernel: cq.QLinearKernel, path: str, fmt: str, m: int) -> None:
+def test_tiles_match_the_references(kernel: cq.QLinearKernel, qk_path: str, fmt: str, m: int) -> None:
     """Through qlinear's entry (what BlockQuantLinear, the decode graph and the int8 library's fallback
     call): bf16 layers get W @ x^ with x^ ggml's Q8_0 activations, fp32 layers x @ W^T; a zero 32-block
     of x (dx = 0) and a bias included; the tiles hold the row-major weight's values exactly."""
@@ -79,9 +66,9 @@ def test_tiles_match_the_references(kernel: cq.QLinearKernel, path: str, fmt: st
     want = q8m.linear_reference(x, w, bias)
     err = (y - want).abs()
     bound = slack(q8m.dequantize_activations_reference(x), dense)
-    assert (err <= bound).all(), f"{path} {fmt} M={m}: max excess {(err - bound).max().item():.3g}"
+    assert (err <= bound).all(), f"{qk_path} {fmt} M={m}: max excess {(err - bound).max().item():.3g}"
     y32 = kernel.linear(x, tiles, bias)
-    assert ((y32 - (x @ dense.t() + bias)).abs() <= slack(x, dense)).all(), f"{path} {fmt} fp32 M={m}"
+    assert ((y32 - (x @ dense.t() + bias)).abs() <= slack(x, dense)).all(), f"{qk_path} {fmt} fp32 M={m}"
 
 
 def test_layout_round_trips(kernel: cq.QLinearKernel) -> None:
@@ -115,43 +102,25 @@ def test_layout_round_trips(kernel: cq.QLinearKernel) -> None:
 
 
 def test_bad_arguments() -> None:
+    from gguf_models import random_blocks
+
+    def tiles(rows: int, row_bytes: int, n: int) -> cq.BlockQuantWeight:  # q8_0_x16 of K = 64
+        q = torch.zeros(rows, row_bytes, dtype=torch.uint8)
+        return cq.BlockQuantWeight(
+            q, torch.empty(rows, 0), None, "q8_0_x16", cq.KQUANT_BITS, cq.Q8X_GROUP, 0, 64, n
+        )
+
     with pytest.raises(ValueError, match="multiple of 16"):
         cq.interleave_q8_x16(q8_weight("q8_0", 24, 64, seed=0))
     with pytest.raises(ValueError, match="Q8_0 tiles take"):
         cq.interleave_q8_x16(cq.quantize_block(torch.randn(16, 64), "q4_0"))  # 4-bit
+    q5_1 = random_blocks("Q5_1", 16, 64, np.random.default_rng(0))
     with pytest.raises(ValueError, match="Q8_0 tiles take"):
-        cq.interleave_q8_x16(
-            from_gguf_repacked(  # Q5_1 has mins
-                __import__("gguf_models").random_blocks("Q5_1", 16, 64, np.random.default_rng(0)),
-                "Q5_1",
-                16,
-                64,
-            )
-        )
+        cq.interleave_q8_x16(from_gguf_repacked(q5_1, "Q5_1", 16, 64))  # Q5_1 has mins
     with pytest.raises(ValueError, match="whole tiles"):
-        cq.BlockQuantWeight(
-            torch.zeros(8, 68, dtype=torch.uint8),
-            torch.empty(8, 0),
-            None,
-            "q8_0_x16",
-            cq.KQUANT_BITS,
-            cq.Q8X_GROUP,
-            0,
-            64,
-            8,
-        )
+        tiles(8, 68, 8)
     with pytest.raises(ValueError, match=r"q must be \[16, 68\]"):
-        cq.BlockQuantWeight(
-            torch.zeros(16, 64, dtype=torch.uint8),
-            torch.empty(16, 0),
-            None,
-            "q8_0_x16",
-            cq.KQUANT_BITS,
-            cq.Q8X_GROUP,
-            0,
-            64,
-            16,
-        )
+        tiles(16, 64, 16)
     bad = q8_weight("q5_0", 16, 64, seed=0)
     bad.q[3, 5] = 16  # no q - 16 of a 5-bit q
     with pytest.raises(ValueError, match=r"-16\.\.15"):

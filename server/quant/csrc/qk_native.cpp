@@ -203,11 +203,10 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
   }
 }
 
-// One row of x per 32-block (Q8_0 tiles): q (k order), dx and sum(q) per block.
+// One row of x per 32-block (Q8_0 / Q5_0 tiles): q (k order) and dx per block (the scalar path's).
 struct QuantizedX32 {
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> d;      // [M, K / 32]
-  std::vector<int32_t> sum;  // [M, K / 32]
+  std::vector<int8_t> q;  // [M, K]
+  std::vector<float> d;   // [M, K / 32]
   // The vnni path's copy, per block of TILE_M rows (zero past M) so that a pass reads one stream with fixed
   // offsets: xi [M / 8, K / 32, 8, 8] the dwords (4 q each, g-major), dt and st [M / 8, K / 32, 8]
   // dx and q32_offset * sum(q)
@@ -251,7 +250,6 @@ void quantize_rows32(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k,
   const int64_t nb = k / Q8X_BLOCK, blocks = (m + TILE_M - 1) / TILE_M;
   out.q.resize(m * k);
   out.d.resize(m * nb);
-  out.sum.resize(m * nb);
   out.xi.assign(blocks * nb * 8 * TILE_M, 0);
   out.st.assign(blocks * nb * TILE_M, 0);
   out.dt.assign(blocks * nb * TILE_M, 0.0f);
@@ -270,7 +268,6 @@ void quantize_rows32(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k,
 #endif
         quantize_block32(x + r * ldx + b * Q8X_BLOCK, q, d, sum);
       out.d[r * nb + b] = d;
-      out.sum[r * nb + b] = sum;
       const int64_t at = (rb * nb + b) * TILE_M + i;
       for (int g = 0; g < 8; ++g) std::memcpy(&out.xi[((rb * nb + b) * 8 + g) * TILE_M + i], q + 4 * g, 4);
       out.st[at] = q32_offset(fmt) * sum;
@@ -852,6 +849,18 @@ void fp32_rows(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t
   }
 }
 
+// f(i0, i1) on `nt` threads, each taking one contiguous span of [0, count) (possibly empty).
+template <typename F>
+void over_spans(int64_t count, int nt, F&& f) {
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t chunk = (count + nth - 1) / nth, i0 = std::min<int64_t>(count, t * chunk),
+                  i1 = std::min<int64_t>(count, i0 + chunk);
+    f(i0, i1);
+  }
+}
+
 int best_compiled_path() {
 #if KI_QK_X86
   __builtin_cpu_init();
@@ -905,12 +914,7 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
     QuantizedX32 xq;
     quantize_rows32(fmt, x, m, ldx, k, xq, vnni, threads);
     const int64_t tiles = n / X16_ROWS;
-    const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, tiles));
-#pragma omp parallel num_threads(nt)
-    {
-      const int t = omp_get_thread_num(), nth = omp_get_num_threads();
-      const int64_t chunk = (tiles + nth - 1) / nth, t0 = std::min<int64_t>(tiles, t * chunk),
-                    t1 = std::min<int64_t>(tiles, t0 + chunk);
+    over_spans(tiles, std::max<int32_t>(1, std::min<int64_t>(threads, tiles)), [&](int64_t t0, int64_t t1) {
 #if KI_QK_X86
       if (vnni && fmt == FMT_Q5_0_X16)
         vnni_q8x_tiles<5>(w, t0, t1, k, xq, m, y, ldy);
@@ -919,38 +923,28 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
       else
 #endif
         scalar_q8x_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
-    }
+    });
     return 0;
   }
   QuantizedX xq;
   quantize_rows(fmt, x, m, ldx, k, xq);
   if (tiled) {
     const int64_t tiles = n / X16_ROWS;
-    const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, tiles));
-#pragma omp parallel num_threads(nt)
-    {
-      const int t = omp_get_thread_num(), nth = omp_get_num_threads();
-      const int64_t chunk = (tiles + nth - 1) / nth, t0 = std::min<int64_t>(tiles, t * chunk),
-                    t1 = std::min<int64_t>(tiles, t0 + chunk);
-      const bool q6 = fmt == FMT_Q6_K_X16;
+    over_spans(tiles, std::max<int32_t>(1, std::min<int64_t>(threads, tiles)), [&](int64_t t0, int64_t t1) {
 #if KI_QK_X86
       if (vnni)
         vnni_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
       else
 #endif
-          if (q6)
+          if (fmt == FMT_Q6_K_X16)
         scalar_q6x_tiles(w, t0, t1, k, xq, m, y, ldy);
       else
         scalar_x16_tiles(w, t0, t1, k, xq, m, y, ldy);
-    }
+    });
     return 0;
   }
   const int nt = std::max<int32_t>(1, std::min<int64_t>(threads, n / 16 > 0 ? n / 16 : 1));
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), nth = omp_get_num_threads();
-    const int64_t chunk = (n + nth - 1) / nth, n0 = std::min<int64_t>(n, t * chunk),
-                  n1 = std::min<int64_t>(n, n0 + chunk);
+  over_spans(n, nt, [&](int64_t n0, int64_t n1) {
 #if KI_QK_X86
     if (vnni)
       vnni_rows(fmt, w, n0, n1, k, xq, m, y, ldy);
@@ -958,7 +952,7 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
 #endif
       scalar_rows(fmt, w, n0, n1, k, xq, m, y, ldy);
     (void)vnni;
-  }
+  });
   return 0;
 }
 
@@ -1043,13 +1037,9 @@ int32_t kubeinfer_qk_qlinear(const KiQWeight* w, const float* x, int64_t m, int6
   if (w->compute == 0) {  // KI_COMPUTE_FP32: fp32 activations
     const int64_t n = w->n;
     const int nt = std::max<int32_t>(1, std::min<int64_t>(nthreads, std::max<int64_t>(1, n / 16)));
-#pragma omp parallel num_threads(nt)
-    {
-      const int t = omp_get_thread_num(), nth = omp_get_num_threads();
-      const int64_t chunk = (n + nth - 1) / nth, n0 = std::min<int64_t>(n, t * chunk),
-                    n1 = std::min<int64_t>(n, n0 + chunk);
+    over_spans(n, nt, [&](int64_t n0, int64_t n1) {
       fp32_rows(fmt, w->q, w->row_bytes, n0, n1, w->k, x, m, x_stride, y, y_stride);
-    }
+    });
   } else {  // bf16 layers: int8 activations (the kernel above)
     rc = kubeinfer_qk_linear(fmt, w->q, w->n, w->k, x, m, x_stride, y, y_stride, nthreads);
   }
