@@ -88,6 +88,35 @@ def configure_malloc() -> bool:
     return done
 
 
+def release_free_heap() -> int | None:
+    """Hands the heap's free pages back to the OS (glibc `malloc_trim(0)` after a garbage collection);
+    the resident bytes released, None where the C library has no `malloc_trim` (not glibc).
+
+    The thresholds above keep what a step frees in the heap; what loading frees (a GGUF's row-major
+    reads, a 262,144-entry tokenizer's JSON parse: ~80 MiB; the warm-up's first steps) would stay
+    resident for the server's life. Called after the loader's phases and once the engine is warm
+    (`LLMEngine.warmup`): a Gemma-3-1B Q4_K_M server 1,535 -> 1,437 MiB (2026-12-05)."""
+    import gc
+
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    before = _rss_bytes()
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return None if before is None else max(0, before - (_rss_bytes() or before))
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def configure_cpu_runtime() -> None:
     configure_malloc()
     for key, value in DEFAULTS.items():

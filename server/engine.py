@@ -25,6 +25,7 @@ from server.core.outputs import RequestMetrics, RequestOutput, SchedulerStats
 from server.core.prefill_cap import AdaptivePrefillCap, step_shape
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.core.step_threads import StepThreads
+from server.cpu_env import release_free_heap
 from server.distributed.driver import TensorParallelDriver
 from server.distributed.sharding import rank_loading, rank_loading_slicer
 from server.kv_events import KVEventPublisher, make_publisher
@@ -631,6 +632,11 @@ class LLMEngine:
             self.grammars.compile(GrammarSpec("json_object"))
         except ValueError as e:
             log.warning("structured outputs unavailable: %s", e)
+        if self.device.type == "cpu":
+            # what loading and the warm-up freed (the tokenizer's parse above all) leaves the RSS
+            released = release_free_heap()
+            if released:
+                log.info("returned %.0f MiB of freed heap to the OS after the warm-up", released / 2**20)
 
 
 _STOP = object()

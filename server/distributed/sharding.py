@@ -32,6 +32,7 @@ from server.distributed.moe_sharding import (
 from server.distributed.parallel_state import TensorParallelConfigError
 from server.models.arch import ArchConfig
 from server.models.layer_spec import LayerSpec
+from server.models.layers import TokenEmbedding
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import TensorSlicer, read_hf_config
 from server.models.moe import SparseMoeBlock
@@ -340,7 +341,10 @@ def check_shardable(model: LlamaForCausalLM, world_size: int) -> None:
             continue
         for name in ("gate_proj", "up_proj", "down_proj"):
             _shardable(getattr(mlp, name, None), f"layer {n} {name}")  # type: ignore[arg-type]
-    if type(model.lm_head) is not nn.Linear or type(model.model.embed_tokens) is not nn.Embedding:
+    if type(model.lm_head) is not nn.Linear or type(model.model.embed_tokens) not in (
+        nn.Embedding,
+        TokenEmbedding,
+    ):
         raise TensorParallelConfigError(
             "tensor parallelism shards a dense embedding and LM head only; got "
             f"{type(model.model.embed_tokens).__name__} / {type(model.lm_head).__name__}"

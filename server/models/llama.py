@@ -22,7 +22,8 @@ from server.models import layers as shared
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
 from server.models.decode_graph import DecodeGraph, cache_pointers
-from server.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from server.models.layer_spec import RopeSpec
+from server.models.layers import MLP, Attention, DecoderLayer, RMSNorm, TokenEmbedding
 from server.models.moe.block import SparseMoeBlock
 from server.models.rope import RotaryEmbedding, apply_rotary
 
@@ -75,18 +76,26 @@ def _residual(
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, device: torch.device | str | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        self.embed_tokens = TokenEmbedding(cfg.vocab_size, cfg.hidden_size, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, device, spec) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, cfg.final_norm)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_positions: int, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, cfg: ArchConfig, max_positions: int | None, device: torch.device | str | None = None
+    ) -> None:
+        """`max_positions`: the rotary tables' length; None leaves them to `build_rotary`, as the loaders
+        do: they build on the meta device, where computing the tables would import torch._dynamo
+        (layers.TokenEmbedding)."""
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
-        self.build_rotary(max_positions)
+        self.rotaries = nn.ModuleList()
+        self._rope_index: dict[RopeSpec, int] = {}
+        if max_positions is not None:
+            self.build_rotary(max_positions)
         # Set by serving_weights.prepare_for_serving on CPU: fp32 steps then run the fused ops.
         self.fused_ops: FusedOps | None = None
         # Pure-decode steps through one compiled call when the model allows (decode_graph.py): recorded

@@ -560,7 +560,7 @@ def load_model(
     if arch.is_moe:
         _log_moe(arch)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions=1)
+        model = LlamaForCausalLM(arch, max_positions=None)
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
     state = load_state_dict(folder, slicer)
@@ -738,7 +738,7 @@ def load_gguf_model(
     if rename is not None:  # Phi-3's fused attn_qkv / ffn_up, split by rows (quantized rows stay so)
         ckpt.tensors = rename(ckpt.tensors, arch)  # type: ignore[arg-type,assignment]
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions=1)
+        model = LlamaForCausalLM(arch, max_positions=None)
     quantized: dict[str, str] = {}
     for name, module in list(model.named_modules()):
         w = ckpt.tensors.get(f"{name}.weight")

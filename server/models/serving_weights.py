@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from server.cpu_env import release_free_heap
 from server.models.cpu_bf16_gemm import Bf16GemmKernel, Bf16PanelLinear, try_load_fast_bf16_gemm
 from server.models.cpu_fused import try_load_fused_ops
 from server.models.layers import MLP
 from server.models.llama import LlamaForCausalLM
 from server.native import env_switch
 from server.quant.block_linear import BlockQuantLinear
-from server.quant.gguf_checkpoint import release_free_heap
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,6 @@ widened to 8.5 bits) plus the batched path's 10-bit int8 packed copy.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import re
 import warnings
@@ -33,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from server.cpu_env import release_free_heap
 from server.native import env_switch
 from server.quant import cpu_qk_native
 from server.quant.cpu_mxfp4 import from_gguf_mxfp4
@@ -289,9 +288,3 @@ def _split_experts(
         else:
             out.append(from_gguf_repacked(data[i].reshape(n, -1), kind, n, k))
     return out
-
-
-def release_free_heap() -> None:
-    """Hands the heap that loading freed back to the OS (glibc keeps it otherwise: ~90 MiB of RSS here)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
