@@ -133,8 +133,8 @@ def test_fused_call_checks_its_arguments() -> None:
 @needs_kernels
 @pytest.mark.slow  # ~20 s on a shared 2-core machine
 def test_a_prefill_sized_call_then_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A call over the scratch the library keeps (10k tokens: its buffers are released after) and the
-    next one-token call, on fresh buffers, both equal the loop."""
+    """A prefill-sized call (10k tokens) and the next one-token call, on the scratch the first left,
+    both equal the loop."""
     moe = _block("qwen3_moe", "q4_0")
     gen = torch.Generator().manual_seed(5)
     for t in (10_000, 1):

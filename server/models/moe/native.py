@@ -27,7 +27,7 @@ from server.native import KernelBuildError, NativeSource, env_switch, load_libra
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "moe_experts.cpp"
-ABI_VERSION = 2  # 2: the packed copies' group strides (w13/w2_packed_group_bytes), task_rows
+ABI_VERSION = 3  # 2: the packed copies' group strides (w13/w2_packed_group_bytes), task_rows; 3: batch_tokens
 # -ffp-contract=off: out += y * w rounds the product first, as the torch path's `ys *= w; index_add_`.
 NATIVE = NativeSource(
     "moe_experts",
@@ -63,6 +63,7 @@ class KiMoeExperts(ctypes.Structure):
         ("w13_packed_group_bytes", ctypes.c_int64),
         ("w2_packed_group_bytes", ctypes.c_int64),
         ("task_rows", ctypes.c_int64),  # rows of W per task, a multiple of 96; 0: the library's choice
+        ("batch_tokens", ctypes.c_int64),  # tokens per batch at most; 0: the library's (its 64 MiB scratch)
     ]
 
 

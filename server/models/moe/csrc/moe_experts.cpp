@@ -57,6 +57,7 @@ struct KiMoeExperts {
   // contiguous stream per 16 rows, so a task's rows r0.. (r0 a multiple of 16) start r0 / 16 groups in.
   int64_t w13_packed_group_bytes, w2_packed_group_bytes;
   int64_t task_rows;  // rows of W per task, a multiple of ROWS; 0: task_rows_for (benchmarks set it for A/B)
+  int64_t batch_tokens;  // tokens per batch at most; 0: as many as BATCH_FLOATS of scratch hold (tests set it)
 };
 }
 
@@ -77,7 +78,16 @@ constexpr int64_t PACK_ROWS = 16;  // rows per group of qgemv_q8's packed copy
 
 constexpr int64_t ROWS = 96;  // rows per task: whole 4-row GEMV tiles, 12-row panels and 16-row groups
 static_assert(ROWS % PACK_ROWS == 0, "a task's rows must start at a packed group");
-constexpr int64_t KEEP_FLOATS = int64_t{1} << 22;  // scratch kept between calls: up to 16 MiB
+// Scratch floats of one batch of tokens (gathered x, gate/up, activation and down rows: top_k * (2H + 3I) per
+// token): 64 MiB at most, kept between calls. A longer prefill chunk runs as consecutive batches of equal
+// size (a token's pairs all in one batch, so its sums keep their order). One call over a whole 2,048-token
+// chunk of the 2.1B Qwen3-MoE shape needed 420 MB, zero-filled by the vectors' growth on the calling
+// thread, page-faulted and unmapped again on every call: 160 us per token, against 87-102 us for one
+// batch of 192-768 tokens in kept buffers (benchmarks/moe_block.py, bf16, 2-core Zen 5, 2026-12-05).
+// Batches stay large because an expert's GEMM gets cheaper per row with more rows (its tiles unpacked
+// once per 8 rows of x, its x quantized once per task). Each buffer stays under the heap's 64 MiB mmap
+// threshold (server/cpu_env.py).
+constexpr int64_t BATCH_FLOATS = int64_t{16} << 20;
 
 // Rows per task: ROWS times as many as keeps TASKS_PER_THREAD tasks a thread in the larger GEMM phase. Each
 // task is one call of the entry point, which quantizes its rows of x to int8 again and opens its own
@@ -142,29 +152,10 @@ int32_t linear_rows(const KiMoeExperts& c, bool down, int64_t e, int64_t r0, int
   return reinterpret_cast<ki_mxfp4_fn>(c.mxfp4)(blocks, scales, nr, k, x, m, x_stride, bias, y, y_stride, 1);
 }
 
-}  // namespace
-
-extern "C" {
-
-int32_t kubeinfer_moe_experts_abi() { return 2; }
-
-// out[t, :] = sum_j weights[t, j] * down_e(act(gate_up_e(x[t, :]))) with e = ids[t, j], for t < tokens.
-// x [tokens, H] fp32 rows `x_stride` apart; ids [tokens, top_k] int64; weights [tokens, top_k] fp32;
-// out [tokens, H] fp32 contiguous, overwritten. Returns 0; 2 for bad arguments (null pointers, sizes,
-// an expert id outside [0, E), a kind without its entry point, a descriptor size other than KiQWeight's);
-// otherwise the first non-zero code of a GEMM (out is then unspecified).
-int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tokens, int64_t x_stride,
-                              const int64_t* ids, const float* weights, int64_t top_k, float* out, int32_t nthreads) {
-  if (!c || !x || !ids || !weights || !out || tokens < 0 || top_k < 1 || c->num_experts < 1 || c->hidden < 1 ||
-      c->inter < 1 || x_stride < c->hidden || !c->w13 || !c->w2)
-    return 2;
-  if (c->kind == 0 ? (!c->qlinear || c->desc_bytes != static_cast<int64_t>(sizeof(KiQWeight)))
-                   : (c->kind != 1 || !c->mxfp4 || !c->w13_scales || !c->w2_scales || c->hidden % 32 ||
-                      c->inter % 32))
-    return 2;
+// kubeinfer_moe_experts over one batch of tokens, arguments checked.
+int32_t run_batch(const KiMoeExperts* c, const float* x, int64_t tokens, int64_t x_stride, const int64_t* ids,
+                  const float* weights, int64_t top_k, float* out, int32_t nthreads) {
   const int64_t E = c->num_experts, H = c->hidden, I = c->inter, P = tokens * top_k;
-  for (int64_t p = 0; p < P; ++p)
-    if (ids[p] < 0 || ids[p] >= E) return 2;
   std::memset(out, 0, sizeof(float) * static_cast<size_t>(tokens * H));
   if (tokens == 0) return 0;
 
@@ -238,9 +229,43 @@ int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tok
       }
     }
   }
-  // Decode-sized buffers stay for the next step; a prefill chunk's (up to ~100 MB at 2k tokens) are not
-  // held between calls: the allocation is small next to that chunk's GEMMs.
-  if (P * (2 * H + 3 * I) > KEEP_FLOATS) s = Scratch();
   return failed;
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t kubeinfer_moe_experts_abi() { return 3; }
+
+// out[t, :] = sum_j weights[t, j] * down_e(act(gate_up_e(x[t, :]))) with e = ids[t, j], for t < tokens.
+// x [tokens, H] fp32 rows `x_stride` apart; ids [tokens, top_k] int64; weights [tokens, top_k] fp32;
+// out [tokens, H] fp32 contiguous, overwritten. Returns 0; 2 for bad arguments (null pointers, sizes,
+// an expert id outside [0, E), a kind without its entry point, a descriptor size other than KiQWeight's);
+// otherwise the first non-zero code of a GEMM (out is then unspecified). Runs in batches of tokens whose
+// scratch fits BATCH_FLOATS, of equal size.
+int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tokens, int64_t x_stride,
+                              const int64_t* ids, const float* weights, int64_t top_k, float* out, int32_t nthreads) {
+  if (!c || !x || !ids || !weights || !out || tokens < 0 || top_k < 1 || c->num_experts < 1 || c->hidden < 1 ||
+      c->inter < 1 || x_stride < c->hidden || !c->w13 || !c->w2)
+    return 2;
+  if (c->kind == 0 ? (!c->qlinear || c->desc_bytes != static_cast<int64_t>(sizeof(KiQWeight)))
+                   : (c->kind != 1 || !c->mxfp4 || !c->w13_scales || !c->w2_scales || c->hidden % 32 ||
+                      c->inter % 32))
+    return 2;
+  const int64_t E = c->num_experts, H = c->hidden, I = c->inter;
+  for (int64_t p = 0; p < tokens * top_k; ++p)
+    if (ids[p] < 0 || ids[p] >= E) return 2;
+  if (tokens == 0) return 0;
+  if (c->batch_tokens < 0) return 2;
+  const int64_t most =
+      c->batch_tokens > 0 ? c->batch_tokens : std::max<int64_t>(1, BATCH_FLOATS / (top_k * (2 * H + 3 * I)));
+  const int64_t batches = (tokens + most - 1) / most, batch = (tokens + batches - 1) / batches;
+  for (int64_t t0 = 0; t0 < tokens; t0 += batch) {
+    const int32_t rc = run_batch(c, x + t0 * x_stride, std::min(batch, tokens - t0), x_stride, ids + t0 * top_k,
+                                 weights + t0 * top_k, top_k, out + t0 * H, nthreads);
+    if (rc != 0) return rc;
+  }
+  return 0;
 }
 }
