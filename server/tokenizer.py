@@ -37,6 +37,39 @@ def _byte_level_decoder() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_decoder()
 
 
+def load_hf_tokenizer(folder: Path) -> Any:
+    """transformers' `AutoTokenizer.from_pretrained(folder)`, without importing the model's config class
+    where tokenizer_config.json names the tokenizer class (and neither file asks for remote code).
+
+    AutoTokenizer reads config.json through AutoConfig, which imports the model's configuration module,
+    and for Llama, Qwen, Mistral and others that module imports transformers.activations and through its
+    hub-kernel integration torch._dynamo (with sympy, torch._inductor and triton where installed: 70-144
+    MiB of resident memory a server never uses; tests/models/test_loader_imports.py). Given a config,
+    AutoTokenizer reads only its model_type, name and tokenizer_class to pick the class (transformers
+    5.23, models/auto/tokenization_auto.py), and the class is named: so it gets transformers' base
+    PreTrainedConfig carrying those three, and picks the same class."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    try:
+        model_cfg = json.loads((folder / "config.json").read_text())
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return AutoTokenizer.from_pretrained(str(folder))
+    if (
+        not isinstance(model_cfg, dict)
+        or not isinstance(tok_cfg, dict)
+        or not tok_cfg.get("tokenizer_class")
+        or "auto_map" in model_cfg
+        or "auto_map" in tok_cfg
+    ):
+        return AutoTokenizer.from_pretrained(str(folder))
+    config = PreTrainedConfig(name_or_path=str(folder), tokenizer_class=model_cfg.get("tokenizer_class"))
+    config.model_type = str(model_cfg.get("model_type", ""))
+    return AutoTokenizer.from_pretrained(str(folder), config=config)
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -50,9 +83,7 @@ class Tokenizer:
         (--allow-special-tokens-in-content); by default they are text (server/chat_tokens.py).
         hf: an already loaded transformers tokenizer to wrap (a pooling model's) instead of loading
         `folder`'s."""
-        from transformers import AutoTokenizer
-
-        self._tok = hf if hf is not None else AutoTokenizer.from_pretrained(str(folder))
+        self._tok = hf if hf is not None else load_hf_tokenizer(Path(folder))
         if chat_template is not None:
             self._tok.chat_template = chat_template
         self._content_text: ContentTextEncoder | None = None
