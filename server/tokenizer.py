@@ -65,7 +65,8 @@ def load_hf_tokenizer(folder: Path) -> Any:
         or "auto_map" in tok_cfg
     ):
         return AutoTokenizer.from_pretrained(str(folder))
-    config = PreTrainedConfig(name_or_path=str(folder), tokenizer_class=model_cfg.get("tokenizer_class"))
+    base: Any = PreTrainedConfig  # its **kwargs become attributes; model_type is a class attribute there
+    config = base(name_or_path=str(folder), tokenizer_class=model_cfg.get("tokenizer_class"))
     config.model_type = str(model_cfg.get("model_type", ""))
     return AutoTokenizer.from_pretrained(str(folder), config=config)
 
