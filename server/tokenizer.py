@@ -42,8 +42,9 @@ def load_hf_tokenizer(folder: Path) -> Any:
     where tokenizer_config.json names the tokenizer class (and neither file asks for remote code).
 
     AutoTokenizer reads config.json through AutoConfig, which imports the model's configuration module,
-    and for Llama, Qwen, Mistral and others that module imports transformers.activations and through its
-    hub-kernel integration torch._dynamo (with sympy, torch._inductor and triton where installed: 70-144
+    and Llama's (model_type llama: Llama 2/3, SmolLM2, their fine-tunes and embedders; a few others in
+    transformers 5.23) imports transformers.activations and through its hub-kernel integration
+    torch._dynamo (with sympy, torch._inductor and triton where installed: 70-144
     MiB of resident memory a server never uses; tests/models/test_loader_imports.py). Given a config,
     AutoTokenizer reads only its model_type, name and tokenizer_class to pick the class (transformers
     5.23, models/auto/tokenization_auto.py), and the class is named: so it gets transformers' base

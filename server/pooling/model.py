@@ -19,10 +19,11 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from server.models.arch import BASE_MODEL_ARCHITECTURES
 from server.models.registry import ARCHITECTURES
+from server.tokenizer import load_hf_tokenizer
 
 from .bert import BertConfig, BertForSequenceClassification, BertModel
 from .bert_cpu import cpu_layers_supported, use_cpu_layers
@@ -188,7 +189,7 @@ def load_pooling_model(
     return PoolingModel(
         task=task,
         module=module,
-        tokenizer=AutoTokenizer.from_pretrained(str(folder)),
+        tokenizer=load_hf_tokenizer(folder),
         pooling=pooling,
         max_model_len=max_len,
         hidden_size=dense.out_features if dense is not None else bc.hidden_size,
@@ -266,7 +267,7 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
     loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len, embedding_only=True)
     prepare_for_pooling(loaded.model)
     module = DecoderEncoder(loaded.model).eval()
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = load_hf_tokenizer(folder)
     hidden = int(cfg["hidden_size"])
     dense = load_dense_stack(folder, pooling.dense, hidden) if pooling.dense else None
     return PoolingModel(

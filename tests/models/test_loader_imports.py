@@ -50,11 +50,38 @@ print(sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy", "triton") 
 
 def test_reading_a_llama_tokenizer_imports_no_compiler(tiny_model_factory: Callable[..., Path]) -> None:
     """AutoTokenizer reads config.json through AutoConfig, and Llama's config module imports
-    transformers.activations and through it torch._dynamo: the server's tokenizer is read with
-    transformers' base config where tokenizer_config.json names the class."""
+    transformers.activations and through it torch._dynamo (Qwen3's, Gemma 3's and most others do not):
+    the server's tokenizer is read with transformers' base config where tokenizer_config.json names the
+    class."""
     folder = tiny_model_factory("llama")
     out = subprocess.run(
         [sys.executable, "-c", _TOKENIZER, str(folder)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr[-2000:]
+
+
+_POOLING = """
+import sys
+from pathlib import Path
+
+from server.pooling.model import load_pooling_model
+
+model = load_pooling_model(Path(sys.argv[1]))
+assert model.tokenizer.encode("Hello there")
+print(sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy", "triton") if m in sys.modules))
+"""
+
+
+def test_loading_a_decoder_embedder_imports_no_compiler(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The pooling loader's tokenizer is read the same way: a Llama-based embedder (its config module is
+    the one that imports torch._dynamo) as sentence-transformers saves it."""
+    from embedding_models import build_qwen3_embedding
+
+    folder = build_qwen3_embedding(tiny_model_factory("llama", tie=True), tmp_path / "llama-embed")
+    out = subprocess.run(
+        [sys.executable, "-c", _POOLING, str(folder)], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr[-2000:]
 

@@ -152,12 +152,11 @@ int32_t linear_rows(const KiMoeExperts& c, bool down, int64_t e, int64_t r0, int
   return reinterpret_cast<ki_mxfp4_fn>(c.mxfp4)(blocks, scales, nr, k, x, m, x_stride, bias, y, y_stride, 1);
 }
 
-// kubeinfer_moe_experts over one batch of tokens, arguments checked.
+// kubeinfer_moe_experts over one batch of tokens >= 1, arguments checked.
 int32_t run_batch(const KiMoeExperts* c, const float* x, int64_t tokens, int64_t x_stride, const int64_t* ids,
                   const float* weights, int64_t top_k, float* out, int32_t nthreads) {
   const int64_t E = c->num_experts, H = c->hidden, I = c->inter, P = tokens * top_k;
   std::memset(out, 0, sizeof(float) * static_cast<size_t>(tokens * H));
-  if (tokens == 0) return 0;
 
   Scratch& s = scratch;
   // counting sort of the pairs by expert, stable: token order within an expert
@@ -247,7 +246,7 @@ int32_t kubeinfer_moe_experts_abi() { return 3; }
 int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tokens, int64_t x_stride,
                               const int64_t* ids, const float* weights, int64_t top_k, float* out, int32_t nthreads) {
   if (!c || !x || !ids || !weights || !out || tokens < 0 || top_k < 1 || c->num_experts < 1 || c->hidden < 1 ||
-      c->inter < 1 || x_stride < c->hidden || !c->w13 || !c->w2)
+      c->inter < 1 || x_stride < c->hidden || !c->w13 || !c->w2 || c->batch_tokens < 0)
     return 2;
   if (c->kind == 0 ? (!c->qlinear || c->desc_bytes != static_cast<int64_t>(sizeof(KiQWeight)))
                    : (c->kind != 1 || !c->mxfp4 || !c->w13_scales || !c->w2_scales || c->hidden % 32 ||
@@ -257,7 +256,6 @@ int32_t kubeinfer_moe_experts(const KiMoeExperts* c, const float* x, int64_t tok
   for (int64_t p = 0; p < tokens * top_k; ++p)
     if (ids[p] < 0 || ids[p] >= E) return 2;
   if (tokens == 0) return 0;
-  if (c->batch_tokens < 0) return 2;
   const int64_t most =
       c->batch_tokens > 0 ? c->batch_tokens : std::max<int64_t>(1, BATCH_FLOATS / (top_k * (2 * H + 3 * I)));
   const int64_t batches = (tokens + most - 1) / most, batch = (tokens + batches - 1) / batches;
