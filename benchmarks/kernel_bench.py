@@ -6,8 +6,8 @@
 
 Without CUDA and without --smoke it prints {"status": "skipped", ...} and exits 0.
 Figures: time in ms (median), achieved GB/s for memory-bound kernels (decode, store, weight-only GEMMs
-at small M) and TFLOP/s for compute-bound ones (prefill, GEMMs), the speedup over the reference, and the
-largest absolute difference from it.
+and experts at small M) and TFLOP/s for compute-bound ones (prefill, GEMMs), the speedup over the
+reference (fused_moe: over a per-expert torch loop, `_moe_loop`), and the largest absolute difference.
 """
 
 from __future__ import annotations
@@ -213,7 +213,60 @@ def bench(smoke: bool) -> list[Result]:
                 flops=flops,
             )
         )
+    results += _bench_fused_moe(smoke, cuda, device)
     return results
+
+
+def _moe_loop(
+    x: torch.Tensor,  # [T, H] bf16
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, top_k] fp32
+    topk_ids: torch.Tensor,  # [T, top_k] int32
+) -> torch.Tensor:  # [T, H] bf16
+    """What a plain-torch MoE block does (transformers' experts loop): per expert with tokens, gather
+    them and run its two GEMMs in x's dtype. fused_moe_ref gathers every pair's weights densely, which
+    at these sizes would take hundreds of GB, so this loop is the baseline and the diff is against it."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    flat = topk_ids.flatten().long()
+    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
+    for e in flat.unique().tolist():
+        pick = (flat == e).nonzero().squeeze(1)
+        rows = tokens[pick]
+        g = x[rows] @ w13[e].t()  # [n, 2I]
+        h = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
+        y = (h @ w2[e].t()).float() * topk_weights.flatten()[pick, None]
+        out.index_add_(0, rows, y)
+    return out.to(x.dtype)
+
+
+def _bench_fused_moe(smoke: bool, cuda: bool, device: torch.device) -> list[Result]:
+    """Qwen3-30B-A3B's expert shapes (hidden 2048, experts of 768, 128 experts, top-8) in bf16, routed
+    uniformly at random; smoke: a tiny block."""
+    hidden, inter, experts, top_k = (64, 32, 8, 2) if smoke else (2048, 768, 128, 8)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=device) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, device=device) * 0.02).to(torch.bfloat16)
+    out: list[Result] = []
+    for t in [1, 16] if smoke else [1, 16, 256, 2048]:
+        x = torch.randn(t, hidden, device=device).to(torch.bfloat16)
+        scores = torch.rand(t, experts, device=device)
+        topk_weights, ids = scores.topk(top_k, dim=-1)
+        topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
+        topk_ids = ids.to(torch.int32)
+        active = int(topk_ids.unique().numel())
+        out.append(
+            _result(
+                "fused_moe",
+                f"T={t} H={hidden} I={inter} E={experts} top{top_k} bf16 ({active} experts hit)",
+                lambda x=x, w=topk_weights, i=topk_ids: kubeinfer_kernels.fused_moe(x, w13, w2, w, i),
+                lambda x=x, w=topk_weights, i=topk_ids: _moe_loop(x, w13, w2, w, i),
+                cuda,
+                nbytes=active * 3 * inter * hidden * 2,  # the experts' weights read once each
+                flops=2.0 * t * top_k * 3 * inter * hidden,
+            )
+        )
+    return out
 
 
 def main() -> int:

@@ -66,6 +66,26 @@ _COMMON: dict[str, Any] = {
     "use_cache": True,
 }
 SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        # the embedded SmolLM2-135M-Instruct's shape: the tests' stand-in for it where its package is
+        # absent (the device machine, benchmarks/gpu_session.sh), and the size of the earlier benchmarks
+        **_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "pad_token_id": 2,
+        "mlp_bias": False,
+    },
     "llama-3.2-1b": {
         **_COMMON,
         "architectures": ["LlamaForCausalLM"],
@@ -202,6 +222,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# what a run with no --models makes: the users' sizes (smollm2-135m is made where it is asked for)
+DEFAULT_MODELS = tuple(name for name in SHAPES if name != "smollm2-135m")
+
+
 def tensor_shapes(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(checkpoint name, shape) of every tensor, in the public checkpoints' names."""
     h, v, mt = cfg["hidden_size"], cfg["vocab_size"], cfg["model_type"]
@@ -281,8 +305,9 @@ def _write_tokenizer(src: Path, folder: Path, cfg: dict[str, Any]) -> None:
         shutil.copy(src / "chat_template.jinja", folder / "chat_template.jinja")
 
 
-def make_hf_folder(name: str, out: Path, seed: int = 0) -> dict[str, Any]:
-    """Writes SHAPES[name] as a Hugging Face folder under out/name; returns what it wrote."""
+def make_hf_folder(name: str, out: Path, seed: int = 0, tokenizer_from: Path | None = None) -> dict[str, Any]:
+    """Writes SHAPES[name] as a Hugging Face folder under out/name; returns what it wrote. `tokenizer_from`:
+    a folder with the embedded SmolLM2's tokenizer files (None: the embedded model's own folder)."""
     from server.models.loader import resolve_model
 
     cfg = SHAPES[name]
@@ -316,7 +341,7 @@ def make_hf_folder(name: str, out: Path, seed: int = 0) -> dict[str, Any]:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    _write_tokenizer(resolve_model(None).folder, folder, cfg)
+    _write_tokenizer(tokenizer_from or resolve_model(None).folder, folder, cfg)
     return {
         "model": name,
         "folder": str(folder),
@@ -382,7 +407,7 @@ def make_gguf(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(SHAPES))
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -395,6 +420,12 @@ def main() -> None:
     ap.add_argument("--convert-python", type=Path, default=DEFAULT_CONVERT_PYTHON)
     ap.add_argument("--keep-bf16-gguf", action="store_true", help="keep the intermediate bf16 GGUF")
     ap.add_argument("--reuse", action="store_true", help="keep a folder already made with the same config")
+    ap.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        default=None,
+        help="folder with the embedded SmolLM2's tokenizer files (default: the embedded model's folder)",
+    )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     made = []
@@ -406,7 +437,7 @@ def main() -> None:
         if args.reuse and same and (folder / "model.safetensors.index.json").is_file():
             row: dict[str, Any] = {"model": name, "folder": str(folder), "reused": True}
         else:
-            row = make_hf_folder(name, args.out, args.seed)
+            row = make_hf_folder(name, args.out, args.seed, args.tokenizer_from)
         todo = [q for q in args.gguf if not (args.reuse and same and gguf_path(folder, q).is_file())]
         if todo:
             row["gguf"] = make_gguf(folder, todo, args.llama_cpp, args.convert_python, args.keep_bf16_gguf)

@@ -93,7 +93,7 @@ from real_shape_loads import (  # noqa: E402
     run_streams,
     summarize_streams,
 )
-from real_shape_models import DEFAULT_OUT, SHAPES, gguf_path  # noqa: E402
+from real_shape_models import DEFAULT_MODELS, DEFAULT_OUT, SHAPES, gguf_path  # noqa: E402
 
 SERVERS = ("ours-gguf", "ours-gguf-loop", "ours-hf", "llama", "vllm-bf16")
 LABELS = {
@@ -423,7 +423,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(SHAPES))
     ap.add_argument("--models-dir", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--gguf-type", default="Q4_K_M", help="the GGUF ours-gguf and llama serve (Q4_K_M, Q8_0)")
     ap.add_argument("--phases", nargs="+", default=list(DEFAULT_PHASES), help="comma-separated servers")

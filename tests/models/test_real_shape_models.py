@@ -45,6 +45,19 @@ def test_real_shapes_have_the_public_models_sizes(name: str, params: int | None)
         assert 2.0e9 < total <= 3.0e9  # issue 49: a MoE of at most 3B total parameters
 
 
+def test_the_smollm2_shape_is_the_embedded_models(smollm2_dir: Path) -> None:
+    """The stand-in for the embedded model (the device machine's tests) has its tensors' names and shapes."""
+    from safetensors import safe_open
+
+    m = _maker()
+    theirs: dict[str, tuple[int, ...]] = {}
+    for f in smollm2_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            theirs |= {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
+    assert dict(m.tensor_shapes(m.SHAPES["smollm2-135m"])) == theirs
+    assert "smollm2-135m" not in m.DEFAULT_MODELS
+
+
 def test_a_made_folder_loads_and_decodes_only_tokenizer_ids(tmp_path: Path, monkeypatch: Any) -> None:
     from server.models.loader import load_model
     from server.quantize.evaluation import SequenceRunner
