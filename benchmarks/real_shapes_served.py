@@ -31,7 +31,8 @@ Loads (the chat API, streaming, greedy, `ignore_eos`, `--max-tokens` new tokens)
 at `--prompt-tokens` (128) after the chat template, and one request with a `--long-prompt-tokens`
 (4,096) prompt (its TTFT; Gemma-3's 512-token windows matter there). Per run: output tokens/s, TTFT p50,
 ITL p99 (peers_side_by_side.py's client). Per server: the resident memory of its process tree once loaded
-and warmed (before any load: weights, KV cache and runtime) and after the runs, from /proc. The CPU
+and warmed (before any load: weights, KV cache and runtime) and after the runs, from /proc, each read at
+rest (`REST_S` idle first; `rss_bytes_warm`: right after the warm-up requests). The CPU
 (model and flags), the usable features and the load average before and after each run are recorded.
 `--quick`: 1 round, 2 requests at 1 user, 16 at 16 users, 16 new tokens: proves every path on a busy
 machine (figures "under load").
@@ -95,6 +96,9 @@ from real_shape_loads import (  # noqa: E402
 )
 from real_shape_models import DEFAULT_MODELS, DEFAULT_OUT, SHAPES, gguf_path  # noqa: E402
 
+# seconds every server is left idle before its resident memory is read (loaded, after the runs): memory
+# at rest, once ours has handed its steps' freed heap back (server/engine.py IDLE_TRIM_S)
+REST_S = 3.0
 SERVERS = ("ours-gguf", "ours-gguf-loop", "ours-hf", "llama", "vllm-bf16")
 LABELS = {
     "ours-gguf": "kubeinfer on the GGUF",
@@ -616,11 +620,14 @@ def main() -> int:
                         "command": srv.command,
                         "model_path": str(t.model_path),
                         "ready_s": srv.ready_s,
-                        "rss_bytes_loaded": rss_bytes(srv.pid),
+                        "rss_bytes_warm": rss_bytes(srv.pid),  # right after the warm-up requests
                         "load_average_at_ready": _loadavg(),
                     }
                     up.append(srv)
                     print(f"{model}/{t.server} up after {srv.ready_s} s", file=sys.stderr, flush=True)
+                time.sleep(REST_S)
+                for srv in up:
+                    report["servers"][model][srv.spec.name]["rss_bytes_loaded"] = rss_bytes(srv.pid)
                 for ld in loads:
                     for rnd in range(args.rounds):
                         for srv in up if rnd % 2 == 0 else list(reversed(up)):
@@ -659,6 +666,7 @@ def main() -> int:
                             report["runs"].append(row)
                             print(json.dumps(row), file=sys.stderr, flush=True)
                             write()
+                time.sleep(REST_S)
                 for srv in up:
                     info = report["servers"][model][srv.spec.name]
                     info["rss_bytes_after_runs"] = rss_bytes(srv.pid)

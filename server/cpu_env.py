@@ -88,17 +88,20 @@ def configure_malloc() -> bool:
     return done
 
 
-def release_free_heap() -> int | None:
-    """Hands the heap's free pages back to the OS (glibc `malloc_trim(0)` after a garbage collection);
-    the resident bytes released, None where the C library has no `malloc_trim` (not glibc).
+def release_free_heap(collect: bool = True) -> int | None:
+    """Hands the heap's free pages back to the OS (glibc `malloc_trim(0)`, after a garbage collection
+    when `collect`); the resident bytes released, None where the C library has no `malloc_trim` (not
+    glibc).
 
     The thresholds above keep what a step frees in the heap; what loading frees (a GGUF's row-major
     reads, a 262,144-entry tokenizer's JSON parse: ~80 MiB; the warm-up's first steps) would stay
     resident for the server's life. Called after the loader's phases and once the engine is warm
-    (`LLMEngine.warmup`): a Gemma-3-1B Q4_K_M server 1,535 -> 1,437 MiB (2026-12-05)."""
+    (`LLMEngine.warmup`): a Gemma-3-1B Q4_K_M server 1,535 -> 1,437 MiB (2026-12-05); and, without
+    the collection, by the engine loop once it has been idle a while (`LLMEngine.release_idle_memory`)."""
     import gc
 
-    gc.collect()
+    if collect:
+        gc.collect()
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc

@@ -624,6 +624,17 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.heartbeat()
 
+    def release_idle_memory(self) -> int | None:
+        """Called once per idle spell by the engine loop (`IDLE_TRIM_S` after the last step): on CPU, hands
+        the heap pages the steps freed back to the OS (`cpu_env.release_free_heap`, no garbage collection:
+        it would hold the GIL from the HTTP loop). The heap keeps up to 256 MiB of freed blocks mapped for
+        the next step (cpu_env, "Heap"), which is what a busy server wants and an idle one need not hold:
+        glibc has no decay of its own (jemalloc's dirty_decay_ms). Returns the bytes released, None where
+        nothing was tried (not CPU, not glibc)."""
+        if self.device.type != "cpu":
+            return None
+        return release_free_heap(collect=False)
+
     def warmup(self) -> None:
         """One short request through every stage, so the first user request pays no start-up cost."""
         prompt = self.tokenizer.encode("Hello") or [0]
@@ -692,6 +703,8 @@ class EngineCore(Protocol):
 
     def check_health(self) -> None: ...
 
+    def release_idle_memory(self) -> int | None: ...
+
     def close(self, graceful: bool = True) -> None: ...
 
 
@@ -699,6 +712,10 @@ E = TypeVar("E", bound=EngineCore)
 
 
 _BURST_SPAN = 8  # the longest wait for a burst, in units of AsyncEngine.batch_wait_s
+# seconds without a step before the engine loop hands the heap's freed pages back (release_idle_memory):
+# far above the gaps inside a load (closed-loop users come back within milliseconds), so a busy server
+# keeps its heap, and an idle one settles to its loaded size
+IDLE_TRIM_S = 2.0
 
 
 class AsyncEngine(Generic[E]):
@@ -895,14 +912,21 @@ class AsyncEngine(Generic[E]):
     def _run(self) -> None:
         try:
             idle = True
+            idle_since: float | None = None  # the last step's end, until the idle spell's heap trim
             while self._drain_commands():
                 if not self.engine.has_unfinished():
                     idle = True
                     self.last_stats = self.engine.stats()
                     self.engine.check_health()
+                    if idle_since is not None and time.monotonic() - idle_since >= IDLE_TRIM_S:
+                        idle_since = None
+                        released = self.engine.release_idle_memory()
+                        if released:
+                            log.debug("idle: returned %.0f MiB of freed heap", released / 2**20)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                idle_since = time.monotonic()
                 if idle:
                     idle = False
                     if self.batch_wait_s > 0:

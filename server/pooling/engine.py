@@ -26,6 +26,7 @@ from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import ModelOutput, RequestMetrics, RequestOutput, SchedulerStats
 from server.core.scheduler import Scheduler, SchedulerConfig
 from server.core.step_threads import StepThreads
+from server.cpu_env import release_free_heap
 from server.engine import AsyncEngine
 from server.request import FinishReason, LoRARequest, PoolingParams, Request, SamplingParams
 from server.spec_decode.proposer import Speculator
@@ -188,6 +189,10 @@ class PoolingEngineCore:
 
     def check_health(self) -> None:
         pass
+
+    def release_idle_memory(self) -> int | None:
+        """As LLMEngine's: the batches' freed heap back to the OS once idle (pooling runs on CPU)."""
+        return release_free_heap(collect=False)
 
     def close(self, graceful: bool = True) -> None:
         pass
