@@ -14,8 +14,8 @@
 # embedded model's 92 MB package cannot travel (64 MiB a call): the tests get a random-weight folder of
 # SmolLM2-135M's shape with its tokenizer (real_shape_models.py smollm2-135m, KUBEINFER_TEST_SMOLLM2_DIR).
 # Environment: OUT (default build/gpu-session), TEST_PATHS, TEST_WORKERS (8), SERVED_MODELS
-# ("llama-3.2-1b qwen3-moe-2b"), SERVED_USERS ("1 16 64"), and each step's limit in seconds:
-# LIMIT_TESTS (200), LIMIT_KERNELS (100), LIMIT_SERVED (210).
+# ("llama-3.2-1b qwen3-moe-2b"), SERVED_USERS ("1 16 64"), each step's limit in seconds: LIMIT_TESTS (200),
+# LIMIT_KERNELS (100), LIMIT_SERVED (210), and DEADLINE_S (480): the whole run's, steps cut to fit it.
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -25,6 +25,7 @@ CARRIED=$REPO/.gpu
 if [ "${1:-}" = "--prepare" ]; then
     set -e
     mkdir -p "$WHEELS" "$CARRIED/smollm2-tokenizer"
+    rm -f "$WHEELS"/*.whl  # one version of each: two would stop the whole install there
     grep -v '^#' benchmarks/gpu_wheels.txt | while read -r req; do
         [ -n "$req" ] || continue
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -45,6 +46,7 @@ mkdir -p "$OUT"
 LOGS=$(mktemp -d /tmp/gpu-session-logs.XXXX)
 export TMPDIR=$LOGS  # the served benchmark's server logs land here, and go back in logs.tar.gz
 exec > >(tee -a "$OUT/session.log") 2>&1
+TEE_PID=$!
 PY=${PYTHON:-python3}
 MODELS_DIR=${MODELS_DIR:-/tmp/real-shapes}
 STEPS=("$@")
@@ -59,12 +61,21 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export PYTHONPATH=$REPO:$REPO/kernels:$REPO/operator:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export KUBEINFER_TEST_SMOLLM2_DIR=$MODELS_DIR/smollm2-135m
 LIMIT_TESTS=${LIMIT_TESTS:-200} LIMIT_KERNELS=${LIMIT_KERNELS:-100} LIMIT_SERVED=${LIMIT_SERVED:-210}
+DEADLINE_S=${DEADLINE_S:-480}
 export REPO WHEELS CARRIED OUT LOGS PY MODELS_DIR TEST_PATHS SERVED_MODELS SERVED_USERS
-export LIMIT_TESTS LIMIT_KERNELS LIMIT_SERVED
+export LIMIT_TESTS LIMIT_KERNELS LIMIT_SERVED DEADLINE_S
 
 step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND under its limit, says how it ended and how long it took
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
+    # within the whole run's DEADLINE_S, with 20 s left for the logs: a device call ends at its timeout_s
+    local left=$((DEADLINE_S - SECONDS - 20))
+    [ "$limit" -le "$left" ] || limit=$left
+    if [ "$limit" -lt 30 ]; then
+        echo "=== $name: skipped, ${left}s left of DEADLINE_S=$DEADLINE_S"
+        return
+    fi
+    export STEP_LIMIT=$limit
     echo "=== $name: start $(date -u +%T), limit ${limit}s"
     timeout --kill-after=10 "$limit" "$@"
     rc=$?
@@ -72,8 +83,12 @@ step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND under its limit, says how
 }
 
 finish() {
-    tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
+    # the logs alone (pytest's folders are under --basetemp, elsewhere): one file, well under 16 MiB
+    (cd "$LOGS" && find . -maxdepth 1 -type f \( -name '*.log' -o -name '*.err' \) -print0 |
+        tar -czf "$OUT/logs.tar.gz" --null -T -) 2>/dev/null
     echo "=== done $(date -u +%T); under $OUT: $(ls "$OUT" | tr '\n' ' ')"
+    exec 1>&- 2>&-
+    wait "$TEE_PID" 2>/dev/null  # session.log complete before the call returns
 }
 trap finish EXIT
 
@@ -102,7 +117,7 @@ tests_step() {
     # shellcheck disable=SC2086  # TEST_PATHS is a list of paths
     # its own limit inside the step's, so that the summary below is still printed
     # 8 workers on 16 cores: transformers' CPU references with 2 threads each
-    OMP_NUM_THREADS=2 timeout $((LIMIT_TESTS - 15)) $PY -m pytest -p no:cacheprovider -q -rfE -n "${TEST_WORKERS:-8}" --dist loadfile --timeout 240 \
+    OMP_NUM_THREADS=2 timeout $((STEP_LIMIT - 15)) $PY -m pytest -p no:cacheprovider -q -rfE --basetemp /tmp/pytest-gpu -n "${TEST_WORKERS:-8}" --dist loadfile --timeout 240 \
         --junitxml "$OUT/junit.xml" $TEST_PATHS > "$LOGS/pytest.log" 2>&1
     local rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed" "$LOGS/pytest.log" | cut -c1-220 | tail -45
@@ -110,7 +125,7 @@ tests_step() {
 }
 
 kernels_step() {
-    timeout $((LIMIT_KERNELS - 10)) $PY benchmarks/kernel_bench.py > "$OUT/kernels.json" 2> "$LOGS/kernel_bench.err"
+    timeout $((STEP_LIMIT - 10)) $PY benchmarks/kernel_bench.py > "$OUT/kernels.json" 2> "$LOGS/kernel_bench.err"
     local rc=$?
     tail -5 "$LOGS/kernel_bench.err"
     $PY - "$OUT/kernels.json" <<'EOF'
@@ -132,7 +147,8 @@ served_step() {
     $PY benchmarks/real_shape_models.py --models $SERVED_MODELS --gguf --reuse --out "$MODELS_DIR" \
         --tokenizer-from "$CARRIED/smollm2-tokenizer" > /dev/null || return 1
     # shellcheck disable=SC2086
-    timeout $((LIMIT_SERVED - 60)) $PY benchmarks/real_shapes_served.py --models $SERVED_MODELS --models-dir "$MODELS_DIR" --phases ours-hf \
+    # the time the models took counted (SECONDS starts at 0 in this bash -c), so this ends before the step
+    timeout $((STEP_LIMIT - 15 - SECONDS)) $PY benchmarks/real_shapes_served.py --models $SERVED_MODELS --models-dir "$MODELS_DIR" --phases ours-hf \
         --users $SERVED_USERS --long-prompt-tokens 4096 --rounds 1 --max-tokens 64 --ready-timeout 150 \
         --out "$OUT/served.json" > /dev/null 2> "$LOGS/served.err"
     local rc=$?

@@ -97,8 +97,9 @@ from real_shape_loads import (  # noqa: E402
 from real_shape_models import DEFAULT_MODELS, DEFAULT_OUT, SHAPES, gguf_path  # noqa: E402
 
 # seconds every server is left idle before its resident memory is read (loaded, after the runs): memory
-# at rest, once ours has handed its steps' freed heap back (server/engine.py IDLE_TRIM_S)
-REST_S = 3.0
+# at rest, once ours has handed its steps' freed heap back (server/engine.py: IDLE_TRIM_S = 2 s after the
+# last step, checked every 0.5 s), with time to spare on a loaded CPU
+REST_S = 4.0
 SERVERS = ("ours-gguf", "ours-gguf-loop", "ours-hf", "llama", "vllm-bf16")
 LABELS = {
     "ours-gguf": "kubeinfer on the GGUF",
@@ -403,7 +404,7 @@ def markdown(report: dict[str, Any]) -> str:
                 fmt(gib.get("vllm-bf16"), " GiB"),
                 "",
             ]
-            rows.append(f"| {model} | loaded, warm | resident memory | " + " | ".join(cells) + " |")
+            rows.append(f"| {model} | loaded, at rest | resident memory | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

@@ -926,7 +926,6 @@ class AsyncEngine(Generic[E]):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                idle_since = time.monotonic()
                 if idle:
                     idle = False
                     if self.batch_wait_s > 0:
@@ -934,6 +933,7 @@ class AsyncEngine(Generic[E]):
                             break
                         continue  # the burst's aborts may have emptied the engine again
                 outputs = self.engine.step()
+                idle_since = time.monotonic()  # from the step's end: a long step is no idle spell
                 self.steps += 1
                 self.last_stats = self.engine.stats()
                 self._log_speculation()

@@ -193,3 +193,30 @@ def test_an_idle_engine_hands_its_freed_heap_back_once_per_idle_spell(
 
     asyncio.run(main())
     assert core.trims == [8, 9]
+
+
+def test_a_step_longer_than_the_idle_wait_is_no_idle_spell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle time counts from a step's end: a request arriving 0.2 s after a 1 s step finds no trim
+    between them, however long that step took."""
+    monkeypatch.setattr(engine_module, "IDLE_TRIM_S", 0.6)
+    core = _Core()
+
+    async def main() -> None:
+        engine = AsyncEngine(core, batch_wait_s=0.0)
+        engine.start()
+        try:
+            core.hold.clear()  # the first step blocks until released
+            first = asyncio.create_task(_arrivals(engine, [0.0]))
+            await asyncio.sleep(1.0)
+            core.hold.set()
+            await asyncio.wait_for(first, 30)
+            await asyncio.sleep(0.2)
+            await _arrivals(engine, [0.0])
+            assert core.trims == []
+            await asyncio.sleep(1.5)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+    assert core.trims == [2]
+
