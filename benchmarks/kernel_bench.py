@@ -68,7 +68,11 @@ def _result(
     diff = float((out.float() - expected.float()).abs().max())
     t_ms, r_ms = _time_ms(fn, cuda), _time_ms(ref_fn, cuda)
     # as each finishes (the JSON comes at the end): a run stopped at its time limit still shows these
-    print(f"{kernel} {config}: {t_ms:.4f} ms, reference {r_ms:.4f} ms, diff {diff:.3g}", file=sys.stderr, flush=True)
+    print(
+        f"{kernel} {config}: {t_ms:.4f} ms, reference {r_ms:.4f} ms, diff {diff:.3g}",
+        file=sys.stderr,
+        flush=True,
+    )
     return Result(
         kernel=kernel,
         config=config,

@@ -219,4 +219,3 @@ def test_a_step_longer_than_the_idle_wait_is_no_idle_spell(monkeypatch: pytest.M
 
     asyncio.run(main())
     assert core.trims == [2]
-
