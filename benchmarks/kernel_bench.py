@@ -230,21 +230,25 @@ def _moe_loop(
     topk_weights: torch.Tensor,  # [T, top_k] fp32
     topk_ids: torch.Tensor,  # [T, top_k] int32
 ) -> torch.Tensor:  # [T, H] bf16
-    """What a plain-torch MoE block does (transformers' experts loop): per expert with tokens, gather
-    them and run its two GEMMs in x's dtype. fused_moe_ref gathers every pair's weights densely, which
-    at these sizes would take hundreds of GB, so this loop is the baseline and the diff is against it."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    """What our torch path without the kernel does (FusedMoE._grouped, over the same group_by_expert):
+    the pairs sorted by expert, each expert with tokens runs its two GEMMs in x's dtype. fused_moe_ref
+    gathers every pair's weights densely, which at these sizes would take hundreds of GB, so this loop is
+    the baseline and the diff is against it."""
+    from server.models.moe.routing import group_by_expert
+
     inter = w2.shape[2]
-    flat = topk_ids.flatten().long()
-    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
-    for e in flat.unique().tolist():
-        pick = (flat == e).nonzero().squeeze(1)
-        rows = tokens[pick]
-        g = x[rows] @ w13[e].t()  # [n, 2I]
+    groups = group_by_expert(topk_ids.long(), w13.shape[0])
+    xs = x.index_select(0, groups.tokens)  # [T * top_k, H], grouped by expert
+    ys = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
+    for e, (start, n) in enumerate(zip(groups.offsets, groups.counts, strict=True)):
+        if n == 0:
+            continue
+        g = xs[start : start + n] @ w13[e].t()  # [n, 2I]
         h = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
-        y = (h @ w2[e].t()).float() * topk_weights.flatten()[pick, None]
-        out.index_add_(0, rows, y)
-    return out.to(x.dtype)
+        ys[start : start + n] = h @ w2[e].t()
+    ys *= topk_weights.reshape(-1).index_select(0, groups.pairs)[:, None]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, groups.tokens, ys).to(x.dtype)
 
 
 def _bench_fused_moe(smoke: bool, cuda: bool, device: torch.device) -> list[Result]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -87,16 +88,22 @@ async def _arrivals(engine: AsyncEngine[_Core], gaps_s: list[float]) -> None:
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
 
 
-def _run(core: _Core, wait_s: float, gaps_s: list[float]) -> list[int]:
+def _drive(core: _Core, wait_s: float, body: Callable[[AsyncEngine[_Core]], Awaitable[None]]) -> None:
+    """Runs `body` against a started AsyncEngine over `core`, and shuts the engine down after it."""
+
     async def main() -> None:
         engine = AsyncEngine(core, batch_wait_s=wait_s)
         engine.start()
         try:
-            await _arrivals(engine, gaps_s)
+            await body(engine)
         finally:
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def _run(core: _Core, wait_s: float, gaps_s: list[float]) -> list[int]:
+    _drive(core, wait_s, lambda engine: _arrivals(engine, gaps_s))
     return core.step_sizes
 
 
@@ -177,21 +184,16 @@ def test_an_idle_engine_hands_its_freed_heap_back_once_per_idle_spell(
     monkeypatch.setattr(engine_module, "IDLE_TRIM_S", 0.6)
     core = _Core()
 
-    async def main() -> None:
-        engine = AsyncEngine(core, batch_wait_s=0.0)
-        engine.start()
-        try:
-            await asyncio.sleep(1.5)  # idle from the start, but no step yet: nothing freed, no trim
-            await _arrivals(engine, [0.1] * 8)  # steps 0.1 s apart: no trim between them
-            assert core.trims == []
-            await asyncio.sleep(1.8)  # one idle spell of 1.8 s: one trim
-            assert core.trims == [8]
-            await _arrivals(engine, [0.0])
-            await asyncio.sleep(1.8)
-        finally:
-            await engine.shutdown()
+    async def body(engine: AsyncEngine[_Core]) -> None:
+        await asyncio.sleep(1.5)  # idle from the start, but no step yet: nothing freed, no trim
+        await _arrivals(engine, [0.1] * 8)  # steps 0.1 s apart: no trim between them
+        assert core.trims == []
+        await asyncio.sleep(1.8)  # one idle spell of 1.8 s: one trim
+        assert core.trims == [8]
+        await _arrivals(engine, [0.0])
+        await asyncio.sleep(1.8)
 
-    asyncio.run(main())
+    _drive(core, 0.0, body)
     assert core.trims == [8, 9]
 
 
@@ -201,21 +203,16 @@ def test_a_step_longer_than_the_idle_wait_is_no_idle_spell(monkeypatch: pytest.M
     monkeypatch.setattr(engine_module, "IDLE_TRIM_S", 0.6)
     core = _Core()
 
-    async def main() -> None:
-        engine = AsyncEngine(core, batch_wait_s=0.0)
-        engine.start()
-        try:
-            core.hold.clear()  # the first step blocks until released
-            first = asyncio.create_task(_arrivals(engine, [0.0]))
-            await asyncio.sleep(1.0)
-            core.hold.set()
-            await asyncio.wait_for(first, 30)
-            await asyncio.sleep(0.2)
-            await _arrivals(engine, [0.0])
-            assert core.trims == []
-            await asyncio.sleep(1.5)
-        finally:
-            await engine.shutdown()
+    async def body(engine: AsyncEngine[_Core]) -> None:
+        core.hold.clear()  # the first step blocks until released
+        first = asyncio.create_task(_arrivals(engine, [0.0]))
+        await asyncio.sleep(1.0)
+        core.hold.set()
+        await asyncio.wait_for(first, 30)
+        await asyncio.sleep(0.2)
+        await _arrivals(engine, [0.0])
+        assert core.trims == []
+        await asyncio.sleep(1.5)
 
-    asyncio.run(main())
+    _drive(core, 0.0, body)
     assert core.trims == [2]

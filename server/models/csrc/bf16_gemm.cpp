@@ -25,9 +25,10 @@ constexpr int TILE_M = 8;      // rows of x per pass over a block
 constexpr int BLOCK_PANELS = 3; // panels a micro-kernel keeps in registers: 8 x 3 accumulators + 3 weights
 
 // Each panel's bytes PF_AHEAD_PAIRS x 64 B (4 KB) further on are fetched into L1 as a pass reads it: the
-// NP panels are NP streams 2K bytes apart per thread, and the hardware prefetcher alone streamed them at
+// NP panels are NP streams 32 K bytes apart per thread, and the hardware prefetcher alone streamed them at
 // 46-50 GB/s (a [16384, 2048] weight not in cache, 2-core Zen 5 whose two threads read 77 GB/s): with it
-// 73-76 GB/s at 1-8 rows, 1.82 -> 1.45 ms at 16 (64 pairs ahead: 16 and 128 were slower).
+// up to 73-76 GB/s at 1-8 rows; 16 rows 1.74-2.09 -> 1.60-1.63 ms over three alternated builds (64 pairs
+// ahead: 16 and 128 were slower).
 constexpr int64_t PF_AHEAD_PAIRS = 64;
 int g_path = 0;  // 1: avx512bf16, 0: scalar; the launcher picks 1 where usable_cpu_features() has AVX512-BF16
 
