@@ -28,6 +28,7 @@ from kmock._internal import enums as kmock_enums  # the emulator's action enum; 
 from kmock_crd import crd_refusal
 from kmock_params import request_error
 from kmock_replace import is_replace, serve_replace
+from kmock_watch import ResumableWatches
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kubeinfer"
@@ -302,10 +303,13 @@ def hadolint_binary() -> str | None:
 # ---- the Kubernetes API mock (kmock) ----
 
 
-class MockApiServer(kmock.KubernetesEmulator):
+class MockApiServer(ResumableWatches, kmock.KubernetesEmulator):
     """kmock plus the API-server behaviours Helm and the operator rely on."""
 
     _list_rv = itertools.count(1)  # shared by every instance: any increasing integer will do
+
+    def _resource_versions(self) -> itertools.count[int]:
+        return self._list_rv  # lists and events on one scale: a watch resumes from either
 
     async def _serve_server_version(self, request: Any) -> Any:
         # kmock reports 1.26; the chart needs 1.30 (kubeVersion), the oldest release we support.

@@ -39,6 +39,7 @@ from kmock_params import request_error
 from kmock_pruning import prune_resource
 from kmock_replace import is_replace, serve_replace
 from kmock_subresources import drop_status_on_create, field_validation, status_patch, status_replace
+from kmock_watch import ResumableWatches
 from kopf.testing import KopfRunner
 from op_apichecks import api_errors, canonicalize_resources, update_errors
 from op_gatewaychecks import GATEWAY_KINDS, gateway_invalid, gateway_undeclared
@@ -137,6 +138,19 @@ class Fault:
 
 
 @dataclass
+class WatchHold:
+    """Hold the next `count` watch requests of `plural` for `seconds` before serving them, as a busy
+    API server or a slow reconnect would: whatever is written meanwhile falls between two streams.
+    `holding` is set while one is held."""
+
+    plural: str
+    seconds: float
+    count: int = 1
+    fired: int = 0
+    holding: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
 class WatchDrop:
     """Close `count` matching watch streams after `after` seconds, as a flaky network or an API server
     restart would."""
@@ -167,9 +181,10 @@ def _now() -> str:
 
 
 @attrs.define(kw_only=True)
-class ApiServer(KubernetesEmulator):
+class ApiServer(ResumableWatches, KubernetesEmulator):
     faults: list[Fault] = attrs.field(factory=list)
     watch_drops: list[WatchDrop] = attrs.field(factory=list)
+    watch_holds: list[WatchHold] = attrs.field(factory=list)
     # Answer every watch with this error, as a real API server answers a watch it cannot parse (issue 29 F3).
     refused_watch: KubernetesError | None = None
     _rv: Any = attrs.field(factory=lambda: itertools.count(1000))
@@ -378,8 +393,7 @@ class ApiServer(KubernetesEmulator):
                                 raise KubernetesError(
                                     status=422, reason="Invalid", message="; ".join(refused)
                                 )
-                        # resourceVersion stays as created: kopf guards finalizer removal with a JSON
-                        # patch `test` on it, and kmock's watch cannot replay versions anyway.
+                        # The write's new resourceVersion comes with its MODIFIED event (kmock_watch).
                         if request.subresource is None and "spec" in data:
                             merged_spec = kmock._internal.dicts.patch_dict(
                                 old.get("spec") or {}, data["spec"]
@@ -527,6 +541,9 @@ class ApiServer(KubernetesEmulator):
             if uid:
                 await self._collect_garbage(uid)
 
+    def _resource_versions(self) -> itertools.count[int]:
+        return self._rv  # type: ignore[no-any-return]
+
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
         drop = None
         for candidate in self.watch_drops:
@@ -536,6 +553,19 @@ class ApiServer(KubernetesEmulator):
             if candidate.fired < candidate.count and plural_ok:
                 candidate.fired += 1
                 drop = candidate
+                break
+        for hold in self.watch_holds:
+            if (
+                hold.fired < hold.count
+                and request.resource is not None
+                and request.resource.plural == hold.plural
+            ):
+                hold.fired += 1
+                hold.holding.set()
+                try:
+                    await asyncio.sleep(hold.seconds)
+                finally:
+                    hold.holding.clear()
                 break
         stream: Any = super()._serve_watch(request)
         # Like the API server, end the stream after ?timeoutSeconds= (kmock itself ignores it).

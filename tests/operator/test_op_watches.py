@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from kubeinfer_operator import handlers
-from op_cluster import MockCluster, run_operator, wait_for, wait_quiet
+from op_cluster import MockCluster, WatchHold, run_operator, wait_for, wait_quiet
 from op_testlib import inference_model
 
 NAME = "llm"
@@ -55,6 +55,40 @@ def test_deleted_network_policy_and_config_map_come_back_before_a_resync(
                 timeout=30.0,
                 what=f"{kind} recreated",
             )
+
+
+@pytest.mark.parametrize("kind", ["ConfigMap", "NetworkPolicy"])
+def test_a_child_deleted_between_two_watch_streams_comes_back(
+    cluster_factory: Callable[..., MockCluster], monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """kopf ends each watch stream after its timeout and watches again from the last resourceVersion
+    it saw, without listing; the API server then replays what was written in between (kmock_watch).
+    Found in CI (stop 58): the mock answered the new watch with the objects that existed, so a ConfigMap
+    deleted in that gap stayed gone until the resync. Here the gap is made on purpose: the next watch
+    of the kind is held while the child is deleted."""
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 600.0)  # only the watch can bring it back in time
+    cluster = cluster_factory()
+    spec: dict[str, Any] = {
+        "model": {"uri": "hf://org/model"},
+        "adapters": [{"name": "sql", "uri": "hf://org/sql-lora"}],
+    }
+    name = {"ConfigMap": f"{NAME}-adapters", "NetworkPolicy": NAME}[kind]
+    plural = {"ConfigMap": "configmaps", "NetworkPolicy": "networkpolicies"}[kind]
+    with run_operator(server_timeout=1):
+        cluster.create("InferenceModel", inference_model(spec, name=NAME))
+        old = wait_for(lambda: cluster.get(kind, name), what=kind)
+        wait_quiet(cluster)
+        hold = WatchHold(plural=plural, seconds=2.0)  # below kopf's connect timeout (5 s)
+        cluster.server.watch_holds.append(hold)
+        wait_for(hold.holding.is_set, timeout=30.0, what=f"the next {kind} watch held")
+        cluster.delete(kind, name)
+        wait_for(
+            lambda: (
+                (o := cluster.get(kind, name)) is not None and o["metadata"]["uid"] != old["metadata"]["uid"]
+            ),
+            timeout=30.0,
+            what=f"{kind} recreated",
+        )
 
 
 def test_every_write_and_event_is_the_operators(cluster: MockCluster, operator: Any) -> None:
