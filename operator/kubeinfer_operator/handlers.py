@@ -36,8 +36,9 @@ from .workload import LWS_CRD_NAME
 RETRY_BASE_SECONDS = float(os.environ.get("KUBEINFER_RETRY_BASE_SECONDS", "5"))
 RETRY_MAX_SECONDS = float(os.environ.get("KUBEINFER_RETRY_MAX_SECONDS", "300"))
 REQUEST_TIMEOUT_SECONDS = float(os.environ.get("KUBEINFER_REQUEST_TIMEOUT_SECONDS", "30"))
-# Full re-reconcile period. Child events repair drift at once, but a watch stream that drops while a
-# child is deleted loses that event (kopf re-lists, and absence is no event); the resync catches it.
+# Full re-reconcile period. Child events repair drift at once, but a watch that fails or whose
+# resourceVersion expired loses the events in between (kopf re-lists, and absence is no event); the
+# resync catches them.
 RESYNC_SECONDS = float(os.environ.get("KUBEINFER_RESYNC_SECONDS", "60"))
 # How long discovery answers are cached: an optional CRD (ServiceMonitor, ScaledObject) installed
 # after the operator started is picked up by the next resync after this.
@@ -67,7 +68,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # One name for every write and Event (kopf's defaults are `kopf` and `dev`).
     settings.posting.reporting_component = FIELD_MANAGER
     settings.posting.reporting_instance = REPORTING_INSTANCE
-    # Ending every watch stream periodically makes kopf re-list, which drives resync_handler.
+    # Every watch stream ends after RESYNC_SECONDS; kopf then watches again from the last
+    # resourceVersion it saw (the API server replays what came in between) and lists afresh only when
+    # that version has expired (410), which drives resync_handler.
     if settings.watching.server_timeout is None:
         # kopf sends it as ?timeoutSeconds=, which the API server parses as an integer (60.0 is a 400).
         settings.watching.server_timeout = max(1, round(RESYNC_SECONDS))
@@ -187,8 +190,9 @@ def reconcile_handler(body: kopf.Body, memo: kopf.Memo, logger: Any, retry: int,
 @kopf.on.event(GROUP, VERSION, PLURAL, id="resync")
 def resync_handler(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     # Every event registers the model with the operator-wide resync thread (resync.Resyncer). Events
-    # without a type come from a (re)listing after a watch stream ended: resync at once, to catch what
-    # a dropped stream lost (e.g. a child deleted while its watch reconnected).
+    # without a type come from a (re)listing: at start, or after a watch's resourceVersion expired
+    # (410) or its connection failed, when the events in between are lost: resync at once, to catch
+    # what they said (e.g. a child deleted meanwhile).
     meta = body.get("metadata") or {}
     resyncer = getattr(memo, "resyncer", None)
     if resyncer is not None:
