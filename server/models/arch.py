@@ -20,6 +20,7 @@ BASE_MODEL_ARCHITECTURES = {
     "MistralModel": "MistralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+    "Gemma2Model": "Gemma2ForCausalLM",  # BAAI/bge-multilingual-gemma2 (attention soft-capped)
     "Gemma3TextModel": "Gemma3ForCausalLM",  # EmbeddingGemma (bidirectional: archs/gemma.py)
 }
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from server.attention import AttentionMetadata
+from server.attention.cpu_kernel import check_softcap
 from server.models.llama import LlamaForCausalLM
 from server.models.serving_weights import ServingWeightsReport, cpu_packing_supported, prepare_for_serving
 
@@ -79,21 +80,46 @@ class DenseBatchAttention:
         sinks: Tensor | None = None,
         softcap: float = 0.0,
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype
-        if sinks is not None:
-            raise ValueError("attention sinks are not supported by the embedding encoder")
-        if softcap:  # DecoderEncoder refuses such models at load; this keeps a caller from losing the cap
-            raise ValueError("attention soft-capping is not supported by the embedding encoder")
+        cap = check_softcap(softcap)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        o = F.scaled_dot_product_attention(
-            self._grid(q),
-            self._grid(k),
-            self._grid(v),
-            attn_mask=self.mask(sliding_window),
-            scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )  # [B, Hq, S, D]
+        qg, kg, vg, mask = self._grid(q), self._grid(k), self._grid(v), self.mask(sliding_window)
+        if cap or sinks is not None:
+            o = _eager_attention(qg, kg, vg, mask, scale, cap, sinks).to(q.dtype)
+        else:
+            o = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            )  # [B, Hq, S, D]
         return o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[self.index]
+
+
+def _eager_attention(
+    q: Tensor,  # [B, Hq, S, D]
+    k: Tensor,  # [B, Hkv, S, D]
+    v: Tensor,  # [B, Hkv, S, D]
+    mask: Tensor,  # [B, 1, S, S] bool, True = attend
+    scale: float,
+    softcap: float,  # 0, or the attention logit soft-cap
+    sinks: Tensor | None,  # [Hq] fp32
+) -> Tensor:  # [B, Hq, S, D] fp32
+    """SDPA's result with what SDPA has no term for, in fp32 as transformers' eager attention computes it
+    (Gemma 2, gpt-oss): each scaled score s taken as cap * tanh(s / cap) before the mask, and a head's
+    sink logit as one more score column that joins the softmax's denominator with no value row. The G
+    query heads of a KV head are one matmul over that head's keys (no repeated K/V)."""
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scores = torch.matmul(q.float().view(b, hkv, g, s, d), k.float().unsqueeze(2).transpose(-1, -2))
+    scores = scores.mul_(scale)  # [B, Hkv, G, S, S]
+    if softcap:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    scores = scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink_col = sinks.float().view(1, hkv, g, 1, 1).expand(b, -1, -1, s, 1)
+        probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v.float().unsqueeze(2)).view(b, hq, s, d)
 
 
 def _no_cache_metadata(device: torch.device) -> AttentionMetadata:
@@ -104,11 +130,6 @@ def _no_cache_metadata(device: torch.device) -> AttentionMetadata:
 class DecoderEncoder(nn.Module):
     def __init__(self, model: LlamaForCausalLM) -> None:
         super().__init__()
-        if any(spec.attn_softcap is not None or spec.attn_sinks for spec in model.config.layers):
-            raise ValueError(
-                f"{model.config.architecture}: attention soft-capping and sinks are not supported for "
-                "embeddings"
-            )
         self.model = model
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, attention_mask: Tensor) -> Tensor:

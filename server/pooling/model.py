@@ -138,8 +138,7 @@ def load_pooling_model(
     path cannot run."""
     cfg = json.loads((folder / "config.json").read_text())
     archs = set(cfg.get("architectures") or [])
-    # auto: the embedder families above; --task embed: any registered architecture (decoder.py refuses
-    # attention soft-capping and sinks)
+    # auto: the embedder families above; --task embed: any registered architecture
     decoders = (
         _DECODER_ARCHS | _BASE_DECODER_ARCHS | (set(ARCHITECTURES) if task is PoolingTask.EMBED else set())
     )

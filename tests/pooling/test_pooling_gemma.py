@@ -145,29 +145,22 @@ def test_include_prompt_false_is_refused_in_the_named_format(gemma_dir: Path, tm
         load_pooling_model(folder)
 
 
-def test_soft_capped_attention_is_refused_for_embeddings() -> None:
-    """Gemma 2's attention soft-cap: the embedding encoder's dense attention has none, so it refuses such a
-    model rather than attending uncapped."""
-    from server.models.llama import LlamaForCausalLM
-    from server.models.registry import arch_from_hf
-    from server.pooling.decoder import DecoderEncoder
+def test_soft_capped_gemma2_embedder_matches_sentence_transformers(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A Gemma 2 embedder as BAAI/bge-multilingual-gemma2 is saved (the headless Gemma2Model, last-token
+    pooling, Normalize), every layer's attention soft-capped at 2.0 (small enough to bend the scores:
+    uncapped, test_pooling_window's parity fails) and windows interleaved: the embedding encoder's
+    attention caps as the generation backends do. It refused such models before."""
+    from embedding_models import QWEN3_QUERY_PROMPT, build_qwen3_embedding
+    from sentence_transformers import SentenceTransformer
+    from window_models import build_window_model
 
-    cfg = {
-        "architectures": ["Gemma2ForCausalLM"],
-        "model_type": "gemma2",
-        "vocab_size": 256,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "max_position_embeddings": 64,
-        "rms_norm_eps": 1e-6,
-        "sliding_window": 8,
-        "attn_logit_softcapping": 50.0,
-    }
-    with torch.device("meta"):
-        model = LlamaForCausalLM(arch_from_hf(cfg), max_positions=1)
-    with pytest.raises(ValueError, match="soft-capping"):
-        DecoderEncoder(model)
+    folder = build_qwen3_embedding(
+        build_window_model(tmp_path / "gemma2", smollm2_dir, "gemma2"), tmp_path / "gemma2-embed"
+    )
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Gemma2Model"]
+    assert resolve_task(str(folder), "auto") == "embed"
+    m = load_pooling_model(folder)
+    assert (m.pooling.mode, m.pooling.normalize) == (PoolingMode.LAST, True)
+    texts = [QWEN3_QUERY_PROMPT + t for t in TEXTS]
+    ref = SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True).float()
+    torch.testing.assert_close(_embed(m, texts), ref, atol=ATOL, rtol=0)
