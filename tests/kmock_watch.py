@@ -55,6 +55,11 @@ class VersionedBus(aiobus.Bus[Any]):
             stamped.append(event)
         await super().put(*stamped)
 
+    @property
+    def oldest(self) -> int:
+        """The lowest version a watch can resume from: every event after it is kept."""
+        return self._dropped
+
     def since(self, version: int) -> list[tuple[int, dict[str, Any]]] | None:
         """The kept events after `version`, oldest first; None when some of them are no longer kept
         (the API server's 410 Expired)."""
@@ -63,8 +68,10 @@ class VersionedBus(aiobus.Bus[Any]):
         return [(v, e) for v, e in self._history if v > version]
 
 
-def expired(version: str) -> dict[str, Any]:
-    """The ERROR event the API server sends for a watch from a version older than its cache keeps."""
+def expired(version: str, oldest: int) -> dict[str, Any]:
+    """The ERROR event the API server sends, in a 200 stream that then ends, for a watch from a version
+    older than its watch cache keeps (`oldest`: the lowest version it would resume from), as v1.36.2
+    answered: `too old resource version: 1 (247)`."""
     return {
         "type": "ERROR",
         "object": {
@@ -72,7 +79,7 @@ def expired(version: str) -> dict[str, Any]:
             "apiVersion": "v1",
             "metadata": {},
             "status": "Failure",
-            "message": f"too old resource version: {version}",
+            "message": f"too old resource version: {version} ({oldest})",
             "reason": "Expired",
             "code": 410,
         },
@@ -93,7 +100,7 @@ async def resumed_watch(
     try:
         backlog = bus.since(int(version))
         if backlog is None:
-            yield expired(version)
+            yield expired(version, bus.oldest)
             return
         replayed = int(version)
         for seen, event in backlog:
