@@ -34,7 +34,14 @@ import kmock
 import kopf
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo
 from kmock._internal import enums, rendering
-from kmock_builtin import builtin_schemas, invalid_causes, refusal, type_error, update_causes
+from kmock_builtin import (
+    builtin_schemas,
+    invalid_causes,
+    patch_type_error,
+    refusal,
+    type_error,
+    update_causes,
+)
 from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
 from kmock_params import request_error
 from kmock_pruning import prune_resource
@@ -383,10 +390,22 @@ class ApiServer(ResumableWatches, KubernetesEmulator):
                             created = raw
                     else:
                         old = live.raw
+                        content_type = request.headers.get("Content-Type") or ""
+                        if request.subresource is None and "merge-patch" in content_type:
+                            # The patched object is decoded again: a type error is a 422 on `patch`.
+                            patched = kmock._internal.dicts.patch_dict(old, data)
+                            wrong_type = patch_type_error(request.resource.plural or "", dict(patched))
+                            if wrong_type is not None:
+                                raise wrong_type
                         if request.subresource is None and isinstance(data.get("spec"), dict):
-                            # Immutable fields (a Job's template, a claim's spec): the real 422.
+                            # The spec validated again, and immutable fields (a Job's template, a claim's spec): the real 422.
                             merged = kmock._internal.dicts.patch_dict(old.get("spec") or {}, data["spec"])
-                            causes = update_causes(request.resource.plural or "", old, dict(merged))
+                            causes = update_causes(
+                                request.resource.plural or "",
+                                old,
+                                dict(merged),
+                                revalidate="apply-patch" not in content_type,
+                            )
                             if causes:
                                 raise refusal(request.resource.plural or "", old, request.name, causes)
                             refused = update_errors(old.get("kind", ""), old, dict(merged))
