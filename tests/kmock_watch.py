@@ -49,7 +49,7 @@ class VersionedBus(aiobus.Bus[Any]):
                 obj.setdefault("metadata", {})["resourceVersion"] = str(version)
             # A copy: a later write must not change what this event said.
             event = copy.deepcopy(event)
-            if len(self._history) == self._history.maxlen:
+            if self._history.maxlen and len(self._history) == self._history.maxlen:
                 self._dropped = self._history[0][0]
             self._history.append((version, event))
             stamped.append(event)

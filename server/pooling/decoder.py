@@ -102,10 +102,11 @@ def _eager_attention(
     softcap: float,  # 0, or the attention logit soft-cap
     sinks: Tensor | None,  # [Hq] fp32
 ) -> Tensor:  # [B, Hq, S, D] fp32
-    """SDPA's result with what SDPA has no term for, in fp32 as transformers' eager attention computes it
-    (Gemma 2, gpt-oss): each scaled score s taken as cap * tanh(s / cap) before the mask, and a head's
-    sink logit as one more score column that joins the softmax's denominator with no value row. The G
-    query heads of a KV head are one matmul over that head's keys (no repeated K/V)."""
+    """SDPA's result with what SDPA has no term for, as transformers' eager attention defines it (Gemma 2,
+    gpt-oss): each scaled score s taken as cap * tanh(s / cap) before the mask, and a head's sink logit as
+    one more score column that joins the softmax's denominator with no value row. All in fp32 (transformers
+    multiplies in the input dtype and softmaxes in fp32). The G query heads of a KV head are one matmul over
+    that head's keys (no repeated K/V); the scores take B * Hq * S^2 * 4 bytes, as SDPA's math path does."""
     b, hq, s, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv

@@ -27,7 +27,7 @@ from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
 from kmock_crd import crd_refusal
 from kmock_params import request_error
-from kmock_replace import is_replace, serve_replace
+from kmock_replace import is_replace, patch_refusal, serve_replace, unchanged_by
 from kmock_watch import ResumableWatches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -374,6 +374,15 @@ class MockApiServer(ResumableWatches, kmock.KubernetesEmulator):
                     if merged == current:
                         return aiohttp.web.json_response(current)
             # The emulator's own update path then applies the body and answers with the object.
+        if request.action == kmock_enums.action.UPDATE and request.resource is not None and request.name:
+            key = (request.resource, request.namespace, request.name)
+            if key in self.objects and not self.objects[key].deleted:
+                live = self.objects[key].raw
+                refused = patch_refusal(request, live)  # a stale resourceVersion, a failed JSON patch test
+                if refused is not None:
+                    raise refused
+                if unchanged_by(request, live) is not None:
+                    return aiohttp.web.json_response(live)  # nothing written, no event
         return await super()._handle(request)
 
 

@@ -12,7 +12,6 @@ KopfRunner, another thread) talks to it over real HTTP on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import copy
 import datetime
 import itertools
 import json
@@ -45,7 +44,7 @@ from kmock_builtin import (
 from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
 from kmock_params import request_error
 from kmock_pruning import prune_resource
-from kmock_replace import is_replace, serve_replace
+from kmock_replace import is_replace, patch_refusal, serve_replace, unchanged_by
 from kmock_subresources import drop_status_on_create, field_validation, status_patch, status_replace
 from kmock_watch import ResumableWatches
 from kopf.testing import KopfRunner
@@ -147,15 +146,16 @@ class Fault:
 
 @dataclass
 class WatchHold:
-    """Hold the next `count` watch requests of `plural` for `seconds` before serving them, as a busy
-    API server or a slow reconnect would: whatever is written meanwhile falls between two streams.
-    `holding` is set while one is held."""
+    """Hold the next `count` watch requests of `plural` until `release` is set (at most `seconds`) before
+    serving them, as a busy API server or a slow reconnect would: whatever is written meanwhile falls
+    between two streams. `holding` is set while one is held."""
 
     plural: str
     seconds: float
     count: int = 1
     fired: int = 0
     holding: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -444,26 +444,17 @@ class ApiServer(ResumableWatches, KubernetesEmulator):
             key = (request.resource, request.namespace, request.name)
         if key is not None and key in self._objects and not self._objects[key].deleted:
             deleted_uid = (self._objects[key].raw.get("metadata") or {}).get("uid")
-            unchanged = self._unchanged_by(request, self._objects[key].raw)
+            if request.action == enums.action.UPDATE:
+                refused = patch_refusal(request, self._objects[key].raw)
+                if refused is not None:
+                    raise refused
+            unchanged = unchanged_by(request, self._objects[key].raw)
             if unchanged is not None:
                 return aiohttp.web.json_response(unchanged)
         response = await super()._handle(request)
         if key is not None and deleted_uid is not None and self._objects[key].deleted:
             await self._collect_garbage(deleted_uid)
         return response
-
-    @staticmethod
-    def _unchanged_by(request: rendering.Request, live: dict[str, Any]) -> dict[str, Any] | None:
-        """`live` when `request` is a patch that changes nothing in it, else None. The API server writes
-        nothing then: no new resourceVersion and no watch event (v1.36.2 answered a repeated patch 200 with
-        the version it had); kmock would store a new version and send MODIFIED."""
-        if request.action != enums.action.UPDATE or not isinstance(request.data, (dict, list)):
-            return None
-        try:
-            merged = kmock._internal.dicts.patch_dict(copy.deepcopy(live), request.data)
-        except Exception:  # a failing JSON patch `test`, a bad path: kmock's own answer
-            return None
-        return live if dict(merged) == live else None
 
     def _allocate_cluster_ip(self, plural: str, data: dict[str, Any]) -> None:
         """A Service gets a cluster IP at create, as the API server allocates one from
@@ -599,7 +590,9 @@ class ApiServer(ResumableWatches, KubernetesEmulator):
                 hold.fired += 1
                 hold.holding.set()
                 try:
-                    await asyncio.sleep(hold.seconds)
+                    deadline = asyncio.get_running_loop().time() + hold.seconds
+                    while not hold.release.is_set() and asyncio.get_running_loop().time() < deadline:
+                        await asyncio.sleep(0.02)
                 finally:
                     hold.holding.clear()
                 break

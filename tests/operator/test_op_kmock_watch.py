@@ -100,3 +100,53 @@ def test_a_patch_that_changes_nothing_writes_nothing(cluster: MockCluster) -> No
     again = cluster.patch("ConfigMap", "a", {"data": {"k": "1"}})
     assert again == before
     assert watch(cluster, f"&resourceVersion={listed}") == []
+
+
+def test_a_patch_on_a_stale_version_is_refused(cluster: MockCluster) -> None:
+    """kopf guards its finalizer changes with a JSON patch `test` on the resourceVersion, which every write
+    now moves: v1.36.2 answered a failed test (or a missing path) 422 Invalid, which kopf retries at its
+    next cycle (kmock answered 500, which kopf retries with backoff on the same stale version), and a merge
+    patch carrying a stale resourceVersion 409 Conflict (kmock applied it)."""
+    first = cluster.create("ConfigMap", config_map("a", k="1"))["metadata"]["resourceVersion"]
+    second = cluster.patch("ConfigMap", "a", {"data": {"k": "2"}})["metadata"]["resourceVersion"]
+    path, json_patch = f"{CM}/a", "application/json-patch+json"
+    invalid = (422, "Invalid", "the server rejected our request due to an error in our request")
+    for ops in (
+        [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": first},
+            {"op": "add", "path": "/data/x", "value": "1"},
+        ],
+        [{"op": "remove", "path": "/data/nope"}],
+    ):
+        code, _, answer = cluster.answer("PATCH", path, ops, content_type=json_patch)
+        assert (code, answer["reason"], answer["message"]) == invalid
+    code, _, answer = cluster.answer(
+        "PATCH",
+        path,
+        [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": second},
+            {"op": "replace", "path": "/data/k", "value": "3"},
+        ],
+        content_type=json_patch,
+    )
+    assert code == 200 and answer["data"] == {"k": "3"} and version(answer) > int(second)
+    code, _, answer = cluster.answer(
+        "PATCH",
+        path,
+        {"metadata": {"resourceVersion": first}, "data": {"k": "4"}},
+        content_type="application/merge-patch+json",
+    )
+    assert (code, answer["reason"]) == (409, "Conflict")
+    assert answer["message"] == (
+        'Operation cannot be fulfilled on configmaps "a": the object has been modified; please apply your '
+        "changes to the latest version and try again"
+    )
+    assert cluster.get("ConfigMap", "a")["data"] == {"k": "3"}  # type: ignore[index]
+
+
+def test_a_replace_that_changes_nothing_writes_nothing(cluster: MockCluster) -> None:
+    cluster.create("ConfigMap", config_map("a", k="1"))
+    listed = cluster.request("GET", CM)["metadata"]["resourceVersion"]
+    live = cluster.get("ConfigMap", "a")
+    assert cluster.replace("ConfigMap", live) == live  # type: ignore[arg-type]
+    assert watch(cluster, f"&resourceVersion={listed}") == []

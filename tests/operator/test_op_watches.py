@@ -78,10 +78,12 @@ def test_a_child_deleted_between_two_watch_streams_comes_back(
         cluster.create("InferenceModel", inference_model(spec, name=NAME))
         old = wait_for(lambda: cluster.get(kind, name), what=kind)
         wait_quiet(cluster)
-        hold = WatchHold(plural=plural, seconds=2.0)  # below kopf's connect timeout (5 s)
+        hold = WatchHold(plural=plural, seconds=4.0)  # below kopf's connect timeout (5 s)
         cluster.server.watch_holds.append(hold)
         wait_for(hold.holding.is_set, timeout=30.0, what=f"the next {kind} watch held")
         cluster.delete(kind, name)
+        assert hold.holding.is_set(), "the deletion came after the held watch started: no gap tested"
+        hold.release.set()
         wait_for(
             lambda: (
                 (o := cluster.get(kind, name)) is not None and o["metadata"]["uid"] != old["metadata"]["uid"]
