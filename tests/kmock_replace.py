@@ -9,7 +9,7 @@ What the API server does for an update (k8s.io/apiserver registry/rest.Update, B
 - otherwise the body replaces the object whole, uid and creationTimestamp kept, with a new
   resourceVersion; watchers get MODIFIED. A body equal to the stored object writes nothing (the same
   resourceVersion, no event: v1.36.2).
-What it does for a patch (`patch_refusal`, seen on v1.36.2): a merge or apply patch whose
+What it does for a patch (`unwritten_patch`, seen on v1.36.2): a merge or apply patch whose
 `metadata.resourceVersion` is not the stored one is the same 409 Conflict; a JSON patch whose `test` fails
 or whose path does not exist (kopf guards finalizer changes with `test` on the resourceVersion) is
 `422 Invalid` "the server rejected our request due to an error in our request" (kmock answered 500).
@@ -56,7 +56,7 @@ def _qualified(request: rendering.Request) -> str:
     return f"{resource.plural}.{resource.group}" if resource.group else str(resource.plural)
 
 
-def unchanged_by(request: rendering.Request, live: dict[str, Any]) -> dict[str, Any] | None:
+def _unchanged_by(request: rendering.Request, live: dict[str, Any]) -> dict[str, Any] | None:
     """`live` when `request` is a patch that changes nothing in it, else None. The API server writes
     nothing then: no new resourceVersion and no watch event (v1.36.2 answered a repeated patch 200 with
     the version it had); kmock would store a new version and send MODIFIED."""
@@ -64,12 +64,12 @@ def unchanged_by(request: rendering.Request, live: dict[str, Any]) -> dict[str, 
         return None
     try:
         merged = kmock_dicts.patch_dict(copy.deepcopy(live), request.data)
-    except Exception:  # a bad JSON patch: patch_refusal's answer, or kmock's
+    except Exception:  # a bad JSON patch: kmock's answer
         return None
     return live if dict(merged) == live else None
 
 
-def patch_refusal(request: rendering.Request, live: dict[str, Any]) -> KubernetesError | None:
+def _patch_refusal(request: rendering.Request, live: dict[str, Any]) -> KubernetesError | None:
     """What the API server answers a PATCH of the stored object `live` instead of applying it, or None."""
     data = request.data
     if isinstance(data, list):  # a JSON patch
@@ -86,6 +86,18 @@ def patch_refusal(request: rendering.Request, live: dict[str, Any]) -> Kubernete
     if wanted and wanted != (live.get("metadata") or {}).get("resourceVersion"):
         return _conflict(_qualified(request), str(request.name))
     return None
+
+
+def unwritten_patch(request: rendering.Request, live: dict[str, Any]) -> dict[str, Any] | None:
+    """For a PATCH of the stored object `live`, what the API server does before it writes: raises its
+    refusal (a stale resourceVersion, a failed JSON patch test), returns `live` when the patch changes
+    nothing (nothing is written, no event), else None (the emulator applies it). None for other methods."""
+    if _method(request) != "PATCH":
+        return None
+    refused = _patch_refusal(request, live)
+    if refused is not None:
+        raise refused
+    return _unchanged_by(request, live)
 
 
 async def serve_replace(

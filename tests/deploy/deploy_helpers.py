@@ -23,11 +23,10 @@ import aiohttp.web
 import kmock
 import promql_parser
 import yaml
-from kmock._internal import dicts as kmock_dicts  # the emulator's own merge, to spot no-op patches
 from kmock._internal import enums as kmock_enums  # the emulator's action enum; no public alias
 from kmock_crd import crd_refusal
 from kmock_params import request_error
-from kmock_replace import is_replace, patch_refusal, serve_replace, unchanged_by
+from kmock_replace import is_replace, serve_replace, unwritten_patch
 from kmock_watch import ResumableWatches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -366,23 +365,15 @@ class MockApiServer(ResumableWatches, kmock.KubernetesEmulator):
                     event = {"type": "ADDED", "object": self.objects[key].raw}
                     await self._buses[request.resource].put(event)
                     return aiohttp.web.json_response(self.objects[key].raw, status=201)
-                else:
-                    # A no-op apply changes nothing and, as on a real API server, emits no event
-                    # (kmock would emit MODIFIED for every patch and start a reconcile storm).
-                    current = self.objects[key].raw
-                    merged = kmock_dicts.patch_dict(json.loads(json.dumps(current)), request.data or {})
-                    if merged == current:
-                        return aiohttp.web.json_response(current)
             # The emulator's own update path then applies the body and answers with the object.
         if request.action == kmock_enums.action.UPDATE and request.resource is not None and request.name:
             key = (request.resource, request.namespace, request.name)
             if key in self.objects and not self.objects[key].deleted:
-                live = self.objects[key].raw
-                refused = patch_refusal(request, live)  # a stale resourceVersion, a failed JSON patch test
-                if refused is not None:
-                    raise refused
-                if unchanged_by(request, live) is not None:
-                    return aiohttp.web.json_response(live)  # nothing written, no event
+                # A no-op patch (apply included) writes nothing and, as on a real API server, emits no
+                # event (kmock would emit MODIFIED for every patch and start a reconcile storm).
+                unchanged = unwritten_patch(request, self.objects[key].raw)
+                if unchanged is not None:
+                    return aiohttp.web.json_response(unchanged)
         return await super()._handle(request)
 
 

@@ -44,7 +44,7 @@ from kmock_builtin import (
 from kmock_lifecycle import Namespaces, refuse_create, serve_namespace
 from kmock_params import request_error
 from kmock_pruning import prune_resource
-from kmock_replace import is_replace, patch_refusal, serve_replace, unchanged_by
+from kmock_replace import is_replace, serve_replace, unwritten_patch
 from kmock_subresources import drop_status_on_create, field_validation, status_patch, status_replace
 from kmock_watch import ResumableWatches
 from kopf.testing import KopfRunner
@@ -397,30 +397,30 @@ class ApiServer(ResumableWatches, KubernetesEmulator):
                             wrong_type = patch_type_error(request.resource.plural or "", dict(patched))
                             if wrong_type is not None:
                                 raise wrong_type
-                        if request.subresource is None and isinstance(data.get("spec"), dict):
+                        merged_spec = (
+                            kmock._internal.dicts.patch_dict(old.get("spec") or {}, data["spec"])
+                            if request.subresource is None and "spec" in data
+                            else None
+                        )
+                        if merged_spec is not None and isinstance(data["spec"], dict):
                             # The spec validated again, and immutable fields (a Job's template, a claim's spec): the real 422.
-                            merged = kmock._internal.dicts.patch_dict(old.get("spec") or {}, data["spec"])
                             causes = update_causes(
                                 request.resource.plural or "",
                                 old,
-                                dict(merged),
+                                dict(merged_spec),
                                 revalidate="apply-patch" not in content_type,
                             )
                             if causes:
                                 raise refusal(request.resource.plural or "", old, request.name, causes)
-                            refused = update_errors(old.get("kind", ""), old, dict(merged))
+                            refused = update_errors(old.get("kind", ""), old, dict(merged_spec))
                             if refused:
                                 raise KubernetesError(
                                     status=422, reason="Invalid", message="; ".join(refused)
                                 )
                         # The write's new resourceVersion comes with its MODIFIED event (kmock_watch).
-                        if request.subresource is None and "spec" in data:
-                            merged_spec = kmock._internal.dicts.patch_dict(
-                                old.get("spec") or {}, data["spec"]
-                            )
-                            if merged_spec != (old.get("spec") or {}):
-                                meta = data.setdefault("metadata", {})
-                                meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
+                        if merged_spec is not None and merged_spec != (old.get("spec") or {}):
+                            meta = data.setdefault("metadata", {})
+                            meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
                         # The API server ignores status on the main resource and everything but status
                         # on /status; the emulator merges whatever comes, so enforce that here.
                         if (
@@ -444,11 +444,7 @@ class ApiServer(ResumableWatches, KubernetesEmulator):
             key = (request.resource, request.namespace, request.name)
         if key is not None and key in self._objects and not self._objects[key].deleted:
             deleted_uid = (self._objects[key].raw.get("metadata") or {}).get("uid")
-            if request.action == enums.action.UPDATE:
-                refused = patch_refusal(request, self._objects[key].raw)
-                if refused is not None:
-                    raise refused
-            unchanged = unchanged_by(request, self._objects[key].raw)
+            unchanged = unwritten_patch(request, self._objects[key].raw)
             if unchanged is not None:
                 return aiohttp.web.json_response(unchanged)
         response = await super()._handle(request)
