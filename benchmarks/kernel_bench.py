@@ -7,7 +7,7 @@
 Without CUDA and without --smoke it prints {"status": "skipped", ...} and exits 0.
 Figures: time in ms (median), achieved GB/s for memory-bound kernels (decode, store, weight-only GEMMs
 and experts at small M) and TFLOP/s for compute-bound ones (prefill, GEMMs), the speedup over the
-reference (fused_moe: over a per-expert torch loop, `_moe_loop`), and the largest absolute difference.
+reference (fused_moe: over our per-expert torch loop, FusedMoE._grouped), and the largest absolute difference.
 """
 
 from __future__ import annotations
@@ -223,32 +223,30 @@ def bench(smoke: bool) -> list[Result]:
     return results
 
 
-def _moe_loop(
-    x: torch.Tensor,  # [T, H] bf16
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
-    topk_weights: torch.Tensor,  # [T, top_k] fp32
-    topk_ids: torch.Tensor,  # [T, top_k] int32
-) -> torch.Tensor:  # [T, H] bf16
-    """What our torch path without the kernel does (FusedMoE._grouped, over the same group_by_expert):
-    the pairs sorted by expert, each expert with tokens runs its two GEMMs in x's dtype. fused_moe_ref
-    gathers every pair's weights densely, which at these sizes would take hundreds of GB, so this loop is
-    the baseline and the diff is against it."""
-    from server.models.moe.routing import group_by_expert
+def _grouped_moe(
+    w13: torch.Tensor,  # [E, 2I, H] bf16
+    w2: torch.Tensor,  # [E, H, I] bf16
+    top_k: int,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Our torch path without the kernel, as the baseline: FusedMoE._grouped (the pairs grouped by
+    expert, each expert with tokens runs its two GEMMs in bf16) over these experts, called as
+    (x [T, H] bf16, topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32) -> [T, H] bf16.
+    fused_moe_ref gathers every pair's weights densely, which at these sizes would take hundreds of GB,
+    so this loop is the baseline and the diff is against it."""
+    from server.models.moe.config import MoEConfig
+    from server.models.moe.layer import FusedMoE
+    from server.models.moe.routing import Routing
+    from server.models.moe.weights import ExpertWeights
 
-    inter = w2.shape[2]
-    groups = group_by_expert(topk_ids.long(), w13.shape[0])
-    xs = x.index_select(0, groups.tokens)  # [T * top_k, H], grouped by expert
-    ys = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
-    for e, (start, n) in enumerate(zip(groups.offsets, groups.counts, strict=True)):
-        if n == 0:
-            continue
-        g = xs[start : start + n] @ w13[e].t()  # [n, 2I]
-        h = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
-        ys[start : start + n] = h @ w2[e].t()
-    ys *= topk_weights.reshape(-1).index_select(0, groups.pairs)[:, None]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    return out.index_add_(0, groups.tokens, ys).to(x.dtype)
+    e, h, i = w2.shape
+    cfg = MoEConfig("qwen3_moe", num_experts=e, top_k=top_k, hidden_size=h, intermediate_size=i)
+    router = torch.zeros(e, h, device=w13.device)  # unused: the routing is given
+    block = FusedMoE(cfg, ExpertWeights(router, None, w13, w2, None, None), gemm_dtype=torch.bfloat16)
+
+    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return block._grouped(x, Routing(topk_weights, topk_ids.long())).to(x.dtype)
+
+    return run
 
 
 def _bench_fused_moe(smoke: bool, cuda: bool, device: torch.device) -> list[Result]:
@@ -257,6 +255,7 @@ def _bench_fused_moe(smoke: bool, cuda: bool, device: torch.device) -> list[Resu
     hidden, inter, experts, top_k = (64, 32, 8, 2) if smoke else (2048, 768, 128, 8)
     w13 = (torch.randn(experts, 2 * inter, hidden, device=device) * 0.02).to(torch.bfloat16)
     w2 = (torch.randn(experts, hidden, inter, device=device) * 0.02).to(torch.bfloat16)
+    baseline = _grouped_moe(w13, w2, top_k)
     out: list[Result] = []
     for t in [1, 16] if smoke else [1, 16, 256, 2048]:
         x = torch.randn(t, hidden, device=device).to(torch.bfloat16)
@@ -270,7 +269,7 @@ def _bench_fused_moe(smoke: bool, cuda: bool, device: torch.device) -> list[Resu
                 "fused_moe",
                 f"T={t} H={hidden} I={inter} E={experts} top{top_k} bf16 ({active} experts hit)",
                 lambda x=x, w=topk_weights, i=topk_ids: kubeinfer_kernels.fused_moe(x, w13, w2, w, i),
-                lambda x=x, w=topk_weights, i=topk_ids: _moe_loop(x, w13, w2, w, i),
+                lambda x=x, w=topk_weights, i=topk_ids: baseline(x, w, i),
                 cuda,
                 nbytes=active * 3 * inter * hidden * 2,  # the experts' weights read once each
                 flops=2.0 * t * top_k * 3 * inter * hidden,
