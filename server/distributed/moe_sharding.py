@@ -34,6 +34,7 @@ from server.models.moe import (
     SparseMoeBlock,
 )
 from server.models.moe.mxfp4 import MXFP4_BLOCK
+from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qlinear import from_int8
 
 
@@ -74,9 +75,10 @@ def shard_moe(
     if w.shared is not None:
         sp = shared // world_size
         s_lo, s_hi = rank * sp, (rank + 1) * sp
+        w13, w2 = w.shared.w13, w.shared.w2  # None: held quantized, cut by shard_int8_shared_expert
         s = SharedExpertWeights(
-            torch.cat([w.shared.w13[s_lo:s_hi], w.shared.w13[shared + s_lo : shared + s_hi]]),
-            w.shared.w2[:, s_lo:s_hi].contiguous(),
+            None if w13 is None else torch.cat([w13[s_lo:s_hi], w13[shared + s_lo : shared + s_hi]]),
+            None if w2 is None else w2[:, s_lo:s_hi].contiguous(),
             w.shared.gate,
         )
     out = ExpertWeights(
@@ -139,9 +141,40 @@ def shard_int8_experts(
     )
 
 
+def shard_int8_shared_expert(
+    gate_up: BlockQuantLinear,  # [2S, H] per-channel int8, gate rows then up rows
+    down: BlockQuantLinear,  # [H, S] per-channel int8
+    rank: int,
+    world_size: int,
+) -> tuple[BlockQuantLinear, BlockQuantLinear]:  # [2S / N, H], [H, S / N]
+    """Rank `rank`'s slice of a shared expert held as int8 projections, cut as shard_moe cuts a dense
+    one: gate and up rows [lo, hi), down's columns [lo, hi) with each row's whole-row scale. Raises
+    TensorParallelConfigError for another format or a size that does not split."""
+    formats = {gate_up.weight_q.fmt, down.weight_q.fmt}
+    if formats != {"int8"}:
+        raise TensorParallelConfigError(
+            f"tensor parallelism shards a dense or int8 shared expert only; this one is {sorted(formats)}"
+        )
+    shared = down.in_features
+    if shared % world_size:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {world_size} must divide the experts' shared_expert_intermediate_size "
+            f"({shared})"
+        )
+    part = shared // world_size
+    lo, hi = rank * part, (rank + 1) * part
+    rows = torch.cat([torch.arange(lo, hi), torch.arange(shared + lo, shared + hi)])
+    w2 = down.weight_q
+    return (
+        BlockQuantLinear(gate_up.weight_q.select_rows(rows), kernel=gate_up.kernel),
+        BlockQuantLinear(from_int8(w2.q[:, lo:hi].contiguous(), w2.scales[:, 0]), kernel=down.kernel),
+    )
+
+
 def check_block_shardable(block: nn.Module, world_size: int, what: str) -> None:
     """Raises TensorParallelConfigError unless `block` is a SparseMoeBlock with dense, MXFP4 or
-    per-channel int8 experts whose sizes split over `world_size` ranks."""
+    per-channel int8 experts (and a dense or int8 shared expert) whose sizes split over `world_size`
+    ranks."""
     if not isinstance(block, SparseMoeBlock):
         raise TensorParallelConfigError(
             f"{what}: expected a mixture-of-experts block, got {type(block).__name__}"
@@ -152,6 +185,14 @@ def check_block_shardable(block: nn.Module, world_size: int, what: str) -> None:
         raise TensorParallelConfigError(
             f"tensor parallelism shards dense, int8 and MXFP4 experts only for now; {what}'s experts are "
             f"{type(experts).__name__}"
+        )
+    shared = [block.shared_gate_up, block.shared_down]
+    if shared[0] is not None and not all(
+        isinstance(m, BlockQuantLinear) and m.weight_q.fmt == "int8" for m in shared
+    ):
+        raise TensorParallelConfigError(
+            f"tensor parallelism shards a dense or int8 shared expert only; {what}'s is held in "
+            f"{sorted({getattr(getattr(m, 'weight_q', None), 'fmt', type(m).__name__) for m in shared})}"
         )
     validate_moe_split(block.cfg, world_size, mxfp4=isinstance(experts, Mxfp4Experts))
 
@@ -171,9 +212,14 @@ class TensorParallelSparseMoeBlock(SparseMoeBlock):
             t = getattr(w, name)
             setattr(out, name, None if t is None else nn.Parameter(t, requires_grad=False))
         if w.shared is not None:
-            out.shared_w13 = nn.Parameter(w.shared.w13, requires_grad=False)
-            out.shared_w2 = nn.Parameter(w.shared.w2, requires_grad=False)
             out.shared_gate = nn.Parameter(w.shared.gate, requires_grad=False)
+            if w.shared.w13 is not None and w.shared.w2 is not None:
+                out.shared_w13 = nn.Parameter(w.shared.w13, requires_grad=False)
+                out.shared_w2 = nn.Parameter(w.shared.w2, requires_grad=False)
+            else:
+                gate_up, down = block.shared_gate_up, block.shared_down
+                assert isinstance(gate_up, BlockQuantLinear) and isinstance(down, BlockQuantLinear)
+                out.set_shared_expert(*shard_int8_shared_expert(gate_up, down, rank, world_size))
         if isinstance(block.experts, Mxfp4Experts):
             out.set_experts(shard_mxfp4_experts(block.experts, block.cfg, rank, world_size))
         elif isinstance(block.experts, BlockQuantExperts):

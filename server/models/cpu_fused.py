@@ -29,8 +29,9 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
 # 6: kubeinfer_add_rms_norm_mixed; 7: residual_norm, gelu_tanh_mul, partial rotary; 8: softcap_paged_decode
 # and the decode graph layer record's attn_softcap; 9: the layer record's MoE MLP (KiDecodeMoe),
 # kubeinfer_moe_route; 10: softcap_paged_decode gone, the graph's attention pointer is the attention
-# library's kubeinfer_paged_decode_capped (window, sinks and soft-cap)
-ABI_VERSION = 10
+# library's kubeinfer_paged_decode_capped (window, sinks and soft-cap); 11: KiDecodeMoe's shared expert
+# and the step's shared_out
+ABI_VERSION = 11
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
 # AVX-512 CPUs keeps loops at 256 bits (libmvec's 8-wide expf); 512-bit loops cut a 16-user prefill step

@@ -110,6 +110,10 @@ class _Moe(ctypes.Structure):  # cpu_fused.cpp's KiDecodeMoe
         ("routing", _i32),
         ("renormalize", _i32),
         ("experts", _ptr),
+        ("shared_gate_up", _ptr),
+        ("shared_down", _ptr),
+        ("shared_gate", _ptr),
+        ("shared_inter", _i64),
     ]
 
 
@@ -158,6 +162,7 @@ class _Step(ctypes.Structure):
         ("router_logits", _ptr),
         ("expert_ids", _ptr),
         ("expert_weights", _ptr),
+        ("shared_out", _ptr),
     ]
 
 
@@ -187,17 +192,18 @@ def layer_refusal(spec: LayerSpec, moe: MoEConfig | None = None) -> str | None:
     """What of this layer kind the compiled graph cannot run yet, or None: every field of the layer
     contract is data in the graph's layer record (Gemma 2's attention soft-cap too: the attention library's
     decode kernel takes it, as the Python fused path's backend call does). A mixture-of-experts
-    MLP (`moe`: the model's ArchConfig.moe) runs as the record's KiDecodeMoe: an fp32 router GEMV,
-    softmax then top-k with Mixtral's / Qwen3's renormalisation (exact ties to the lowest index:
-    cpu_fused.cpp's moe_route; torch.topk promises no order among equal values), and the experts' native call (moe_experts.cpp); a shared expert (Qwen2-MoE),
-    a router bias or another routing or expert activation (gpt-oss) is refused: not covered by tests."""
+    MLP (`moe`: the model's ArchConfig.moe) runs as the record's KiDecodeMoe: an fp32 router GEMV (plus
+    gpt-oss's router bias), softmax then top-k with Mixtral's / Qwen3's renormalisation or gpt-oss's
+    top-k of the logits then a softmax over them (exact ties to the lowest index: cpu_fused.cpp's
+    moe_route; torch.topk promises no order among equal values), the experts' native call
+    (moe_experts.cpp: SiLU or gpt-oss's clamped SwiGLU, expert biases, MXFP4 or block-quantized
+    weights) and Qwen2-MoE's shared expert (its two projections through the qlinear entry, its sigmoid
+    gate in fp32; `build` refuses one held in float weights)."""
     if spec.mlp == "moe":
         if moe is None:
             return "a 'moe' MLP without the model's MoE config"
-        if moe.shared_expert_intermediate_size:
-            return "an MoE block with a shared expert"
-        if moe.router_bias or moe.routing != "softmax_topk" or moe.activation != "silu":
-            return f"MoE routing {moe.routing!r} (router bias {moe.router_bias}), experts {moe.activation!r}"
+        if moe.routing not in _ROUTINGS:
+            return f"MoE routing {moe.routing!r}"
     elif spec.mlp != "dense":
         return f"a {spec.mlp!r} MLP runs its own block"
     if spec.activation not in _ACTIVATIONS:
@@ -205,10 +211,22 @@ def layer_refusal(spec: LayerSpec, moe: MoEConfig | None = None) -> str | None:
     return None
 
 
-def _moe_struct(router: Tensor, cfg: MoEConfig, experts: int | None) -> _Moe:
-    """A KiDecodeMoe for softmax-then-top-k routing without a router bias (what layer_refusal admits):
-    `router` [E, H] fp32 contiguous, kept alive by the caller; `experts` a KiMoeExperts address or None."""
-    return _Moe(router.data_ptr(), None, cfg.num_experts, cfg.top_k, 0, int(cfg.renormalize), experts)
+_ROUTINGS = {"softmax_topk": 0, "topk_softmax": 1}  # cpu_fused.cpp's KiDecodeMoe.routing
+
+
+def _moe_struct(router: Tensor, bias: Tensor | None, cfg: MoEConfig, experts: int | None) -> _Moe:
+    """A KiDecodeMoe: `router` [E, H] and `bias` [E] (or None) fp32 contiguous, kept alive by the caller;
+    `experts` a KiMoeExperts address or None. No shared expert: `build` fills those fields once its
+    projections' descriptors exist."""
+    return _Moe(
+        router.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        cfg.num_experts,
+        cfg.top_k,
+        _ROUTINGS[cfg.routing],
+        int(cfg.renormalize),
+        experts,
+    )
 
 
 def _experts_call(block: SparseMoeBlock) -> tuple[FusedExpertsCall, FusedMoE] | None:
@@ -222,9 +240,19 @@ def _experts_call(block: SparseMoeBlock) -> tuple[FusedExpertsCall, FusedMoE] | 
     return call, fused
 
 
+def _shared_projections(block: SparseMoeBlock) -> list[Any] | None:
+    """The block's shared expert's [gate_up, down] projections ([] for a block without one); None for one
+    held in float weights (a GGUF's F16, or --dtype without --quantize), which the graph does not run."""
+    if not block.cfg.shared_expert_intermediate_size:
+        return []
+    mods = [block.shared_gate_up, block.shared_down]
+    return None if any(m is None for m in mods) else mods
+
+
 def _moe_record(block: SparseMoeBlock, hidden: int, kept: list[object]) -> _Moe | None:
     """The block's KiDecodeMoe, or None where its experts have no native call (dense or CUDA experts,
-    KUBEINFER_MOE_FUSED=0) or its router is not an fp32 [E, hidden] tensor."""
+    KUBEINFER_MOE_FUSED=0) or its router (or shared expert's gate) is not an fp32 [E, hidden] ([1,
+    hidden]) tensor. A shared expert's gate and size are set here, its projections by `build`."""
     bound = _experts_call(block)
     if bound is None or bound[0].spec.hidden != hidden:
         return None
@@ -233,18 +261,34 @@ def _moe_record(block: SparseMoeBlock, hidden: int, kept: list[object]) -> _Moe 
     if router.dtype != torch.float32 or tuple(router.shape) != (cfg.num_experts, hidden):
         return None
     router = router.contiguous()
+    bias = fused.weights.router_bias
+    if bias is not None:  # gpt-oss's
+        if bias.dtype != torch.float32 or tuple(bias.shape) != (cfg.num_experts,):
+            return None
+        bias = bias.contiguous()
+        kept.append(bias)
+    record = _moe_struct(router, bias, cfg, ctypes.addressof(call.spec))
+    shared = fused.weights.shared
+    if shared is not None:
+        if shared.gate.dtype != torch.float32 or tuple(shared.gate.shape) != (1, hidden):
+            return None
+        gate = shared.gate.reshape(hidden).contiguous()
+        kept.append(gate)
+        record.shared_gate = gate.data_ptr()
+        record.shared_inter = cfg.shared_expert_intermediate_size
     kept.extend((router, call, fused))
-    return _moe_struct(router, cfg, ctypes.addressof(call.spec))
+    return record
 
 
 def route(
     ops: FusedOps,
     router: Tensor,  # [E, H] fp32 contiguous
-    cfg: MoEConfig,  # softmax_topk routing, no router bias (layer_refusal)
+    cfg: MoEConfig,
     x: Tensor,  # [T, H] fp32 contiguous
+    bias: Tensor | None = None,  # [E] fp32, where cfg.router_bias
 ) -> tuple[
     Tensor, Tensor, Tensor
-]:  # probabilities [T, E] fp32, ids [T, top_k] int64, weights [T, top_k] fp32
+]:  # probabilities (topk_softmax: the biased logits) [T, E] fp32, ids [T, top_k] int64, weights [T, top_k] fp32
     """The graph's router (cpu_fused.cpp's kubeinfer_moe_route) on its own, as routing.select_experts:
     for tests and benchmarks. Raises ValueError for shapes or dtypes it does not take."""
     t, h = x.shape
@@ -254,10 +298,13 @@ def route(
         or tuple(router.shape) != (cfg.num_experts, h)
     ):
         raise ValueError(f"x [T, H] and router [{cfg.num_experts}, H] must be fp32")
-    if cfg.routing != "softmax_topk" or cfg.router_bias:
-        raise ValueError(f"routing {cfg.routing!r} with router bias {cfg.router_bias}: not the graph's")
+    if cfg.router_bias != (bias is not None):
+        raise ValueError(f"router bias given: {bias is not None}, the config's: {cfg.router_bias}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (cfg.num_experts,)):
+        raise ValueError(f"bias must be [{cfg.num_experts}] fp32")
     x, router = x.contiguous(), router.contiguous()
-    record = _moe_struct(router, cfg, None)
+    bias = None if bias is None else bias.contiguous()  # held here while the call reads it
+    record = _moe_struct(router, bias, cfg, None)
     probs = torch.empty(t, cfg.num_experts)
     ids = torch.empty(t, cfg.top_k, dtype=torch.int64)
     weights = torch.empty(t, cfg.top_k)
@@ -312,7 +359,8 @@ class DecodeGraph:
     group1_cache_shape: torch.Size | None
     dims: tuple[int, int, int, int, int]  # hidden, inter, Hq, Hkv, D
     rotary_dims: tuple[int, ...]  # per rotary table `run` takes: its width R
-    projections: list[list[BlockQuantLinear]]  # per layer: qkv (or q, k, v), o, gate_up, down
+    # per layer: qkv (or q, k, v), o, then the MLP's gate_up, down (an MoE layer's shared expert's, or none)
+    projections: list[list[BlockQuantLinear]]
     descriptors: list[KiQWeight]  # the projections' descriptors, in the same order (flattened)
     entry: DecodeEntry  # the projections' entry point and the int8 modes recorded with it
     moes: list[_Moe | None]  # per layer: its MoE record, None for a dense MLP
@@ -352,6 +400,7 @@ class DecodeGraph:
                 return None
         projections: list[list[BlockQuantLinear]] = []
         moes: list[_Moe | None] = []
+        attn_counts: list[int] = []  # per layer: how many of its projections are attention's (2 or 4)
         kept_moe: list[object] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -365,13 +414,18 @@ class DecodeGraph:
                 if record is None:
                     _refuse(f"{config.architecture}: MoE experts without a native call or an fp32 router")
                     return None
+                shared = _shared_projections(mlp)
+                if shared is None:
+                    _refuse(f"{config.architecture}: a shared expert held in float weights")
+                    return None
                 moes.append(record)
-                mlp_mods: list[Any] = []
+                mlp_mods: list[Any] = shared  # the shared expert's gate_up and down, or none
             else:
                 assert isinstance(mlp, MLP)  # layer_refusal: a dense or an MoE MLP
                 moes.append(None)
                 mlp_mods = [mlp.gate_up_proj, mlp.down_proj]
             mods = [*qkv_mods, attn.o_proj, *mlp_mods]
+            attn_counts.append(len(qkv_mods) + 1)
             # exact type: a LoRA- or tensor-parallel-wrapped projection computes more than the kernel
             if not all(type(m) is BlockQuantLinear and m.kernel is not None for m in mods):
                 return None
@@ -416,10 +470,11 @@ class DecodeGraph:
         kept_norms: list[Tensor] = []
         rotary_dims: dict[int, int] = {}
         structs = (_Layer * len(layers))()
-        for i, (layer, (kc, vc), linears, rope, moe) in enumerate(
-            zip(layers, kv_caches, projections, rope_indices, moes, strict=True)
+        for i, (layer, (kc, vc), linears, rope, moe, n_attn) in enumerate(
+            zip(layers, kv_caches, projections, rope_indices, moes, attn_counts, strict=True)
         ):
-            attn_linears = linears if moe is not None else linears[:-2]
+            # attention's 2 or 4, then the dense MLP's or the shared expert's gate_up and down (or none)
+            attn_linears = linears[:n_attn]
             split = len(attn_linears) == 4  # separate q, k, v
             qkv, o = attn_linears[0], attn_linears[-1]
             kv_projs = attn_linears[1:3] if split else []
@@ -428,8 +483,9 @@ class DecodeGraph:
                 *((m, hidden, hkv * d) for m in kv_projs),
                 (o, hq * d, hidden),
             ]
-            if moe is None:
-                want += [(linears[-2], hidden, 2 * inter), (linears[-1], inter, hidden)]
+            mlp_inter = inter if moe is None else int(moe.shared_inter)
+            if len(linears) > len(attn_linears):
+                want += [(linears[-2], hidden, 2 * mlp_inter), (linears[-1], mlp_inter, hidden)]
             if any((m.in_features, m.out_features) != (k, n) for m, k, n in want):
                 return None
             spec, attn = layer.spec, layer.self_attn
@@ -449,8 +505,12 @@ class DecodeGraph:
             k_norm, _ = _norm_field(attn.k_norm, kept_norms)
             k_desc, v_desc = (descs[1], descs[2]) if split else (None, None)
             o_desc = descs[len(attn_linears) - 1]
-            # an MoE layer's gate_up / down fields are never read (its `moe` record serves the MLP)
+            # an MoE layer's gate_up / down fields are never read (its `moe` record serves the MLP, with
+            # the shared expert's projections, if any)
             gate_up_desc, down_desc = (o_desc, o_desc) if moe is not None else (descs[-2], descs[-1])
+            if moe is not None and len(linears) > len(attn_linears):
+                moe.shared_gate_up = ctypes.addressof(descs[-2])
+                moe.shared_down = ctypes.addressof(descs[-1])
             gate_up_bias, down_bias = (
                 (None, None) if moe is not None else (_bias(linears[-2]), _bias(linears[-1]))
             )
@@ -604,13 +664,17 @@ class DecodeGraph:
         e, k = (moe.num_experts, moe.top_k) if moe is not None else (0, 0)
         routing_scratch = torch.empty(t, e + k)  # router logits [T, E], expert weights [T, top_k]
         expert_ids = torch.empty(t, k, dtype=torch.int64)
-        scratch = torch.empty(t, 2 * hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter)
-        # x, qkv, attn, gate_up, act, delta: consecutive [T, width] fp32 blocks of one allocation
+        # gate_up and act serve the dense MLPs and the shared experts (S may exceed I: Qwen2-MoE's)
+        mlp = max([inter, *(int(r.shared_inter) for r in self.moes if r is not None)])
+        shared = hidden if any(r is not None and r.shared_gate_up for r in self.moes) else 0
+        widths = (hidden, (hq + 2 * hkv) * d, hq * d, 2 * mlp, mlp, hidden, shared)
+        scratch = torch.empty(t, sum(widths))
+        # x, qkv, attn, gate_up, act, delta, shared_out: consecutive [T, width] fp32 blocks of one allocation
         base, step_ptrs, position = scratch.data_ptr(), [], 0
-        for width in (hidden, (hq + 2 * hkv) * d, hq * d, 2 * inter, inter, hidden):
+        for width in widths:
             step_ptrs.append(base + 4 * position * t)
             position += width
-        x, qkv, attn, gate_up, act, delta = step_ptrs
+        x, qkv, attn, gate_up, act, delta, shared_out = step_ptrs
         step = _Step(
             h.data_ptr(),
             out.data_ptr(),
@@ -635,6 +699,7 @@ class DecodeGraph:
             routing_scratch.data_ptr() if moe is not None else None,
             expert_ids.data_ptr() if moe is not None else None,
             routing_scratch.data_ptr() + 4 * t * e if moe is not None else None,
+            shared_out if shared else None,
         )
         rc = self.ops.lib.kubeinfer_decode_forward(ctypes.byref(self.model_struct), ctypes.byref(step))
         if rc != 0:

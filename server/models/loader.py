@@ -39,6 +39,7 @@ from server.models.registry import ARCHITECTURES, arch_from_hf, check_servable
 from server.native import KernelBuildError, usable_cpu_features
 
 if TYPE_CHECKING:
+    from server.models.moe.gguf import GgufMoeTensors
     from server.quant.config import QuantConfig
     from server.quant.gguf_checkpoint import DequantizedTensor, GgufCheckpoint
 
@@ -660,7 +661,9 @@ def _quantize_moe_experts(model: nn.Module, method: str, device: torch.device) -
     kernel = try_load_qlinear_kernel() if device.type == "cpu" and cpu_repack.cpu_kernel_enabled() else None
     n = quantize_moe_blocks(model, method, kernel)
     log.info(
-        "mixture of experts: %d blocks' experts quantized to %s (router and shared expert kept)", n, method
+        "mixture of experts: %d blocks' experts (and shared experts) quantized to %s (routers kept)",
+        n,
+        method,
     )
 
 
@@ -669,8 +672,7 @@ def _log_moe(arch: ArchConfig) -> None:
     assert moe is not None
     n = sum(spec.mlp == "moe" for spec in arch.layers)
     log.info(
-        "%s: %d of %d layers are mixture-of-experts (%d experts, top %d); the model runs eagerly: the decode "
-        "graph and the fused CPU layer ops serve the Llama layer only",
+        "%s: %d of %d layers are mixture-of-experts (%d experts, top %d)",
         arch.architecture,
         n,
         arch.num_layers,
@@ -681,9 +683,10 @@ def _log_moe(arch: ArchConfig) -> None:
 
 def _gguf_moe_blocks(
     model: LlamaForCausalLM, ckpt: GgufCheckpoint, cache_dir: Path | None, file: str
-) -> tuple[dict[str, torch.Tensor], set[str]]:
+) -> tuple[GgufMoeTensors, set[str]]:
     """The MoE layers' tensors into their blocks (server/models/moe/gguf.py): (the float tensors to
-    load by name, the formats of the experts kept quantized)."""
+    load by name and the shared experts' projections kept quantized, the formats of the experts kept
+    quantized)."""
     from server.models.moe.block import SparseMoeBlock
     from server.models.moe.gguf import assemble_gguf_moe
     from server.models.moe.mxfp4 import Mxfp4Experts
@@ -698,7 +701,7 @@ def _gguf_moe_blocks(
     }
     try:
         mx = try_load_mxfp4_kernel(cache_dir) if ckpt.mxfp4_experts else None
-        state = assemble_gguf_moe(blocks, ckpt, try_load_qlinear_kernel(cache_dir), file, mx)
+        moe = assemble_gguf_moe(blocks, ckpt, try_load_qlinear_kernel(cache_dir), file, mx)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
     formats = set()
@@ -711,7 +714,7 @@ def _gguf_moe_blocks(
     if ckpt.experts or ckpt.mxfp4_experts:
         stray = sorted(ckpt.experts) + sorted(ckpt.mxfp4_experts)
         raise ModelLoadError(f"{file} has expert tensors for layers without experts: {stray[:3]}")
-    return state, formats
+    return moe, formats
 
 
 def load_gguf_model(
@@ -767,7 +770,9 @@ def load_gguf_model(
     expert_formats: set[str] = set()
     if arch.is_moe:
         _log_moe(arch)
-        moe_state, expert_formats = _gguf_moe_blocks(model, ckpt, cache_dir, gguf.name)
+        moe, expert_formats = _gguf_moe_blocks(model, ckpt, cache_dir, gguf.name)
+        moe_state = moe.state
+        quantized.update(moe.quantized)
     emb = model.model.embed_tokens
     if (
         "lm_head" not in quantized

@@ -46,8 +46,9 @@ def _ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     return raw.reshape(*raw.shape[:2], -1).numpy()
 
 
-def write_gpt_oss_gguf(folder: Path, out: Path) -> Path:
-    """The MXFP4 checkpoint in `folder` as llama.cpp's converter lays it out."""
+def write_gpt_oss_gguf(folder: Path, out: Path, attn_fmt: str = "F32") -> Path:
+    """The MXFP4 checkpoint in `folder` as llama.cpp's converter lays it out; `attn_fmt` "Q8_0" writes the
+    attention projections' weights as llama-quantize would (gguf-py's reference quantizer)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -90,7 +91,12 @@ def write_gpt_oss_gguf(folder: Path, out: Path) -> Path:
     for n in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{n}."
         for hf, gg in _LAYER.items():
-            f32(f"blk.{n}.{gg}", state[pre + hf])
+            if attn_fmt != "F32" and hf.startswith("self_attn.") and hf.endswith("_proj.weight"):
+                qtype = gguf.GGMLQuantizationType[attn_fmt]
+                data = gguf.quants.quantize(state[pre + hf].float().numpy(), qtype)
+                w.add_tensor(f"blk.{n}.{gg}", data, raw_dtype=qtype)
+            else:
+                f32(f"blk.{n}.{gg}", state[pre + hf])
         gu_bias = state[pre + "mlp.experts.gate_up_proj_bias"]  # [E, 2I], gate and up interleaved
         f32(f"blk.{n}.ffn_gate_exps.bias", gu_bias[:, 0::2])
         f32(f"blk.{n}.ffn_up_exps.bias", gu_bias[:, 1::2])

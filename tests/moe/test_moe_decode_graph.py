@@ -6,8 +6,9 @@ native call). Greedy tokens equal the Python fused path's (FusedMoE between the 
 transformers' on the same (dequantized) weights; logprobs agree with the fused path's within
 LOGPROB_TOL, not bit for bit: the graph's router sums its dot products in another order than torch's
 F.linear, so routing weights differ by fp32 rounding (the expert choices are the same; on exact ties the
-graph takes the lowest index, a rule torch.topk does not promise). Qwen2-MoE's shared expert is refused
-by name (decode_graph.layer_refusal)."""
+graph takes the lowest index, a rule torch.topk does not promise). Qwen2-MoE's shared expert (its two
+projections int8 as every projection, its sigmoid gate fp32) runs in the graph too, beside a dense layer;
+held in float weights it is refused."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def _generate(engine: LLMEngine, graph: bool) -> tuple[list[list[int]], list[flo
     return list(tokens.values()), lps
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_decode_steps_run_in_the_graph(
     tiny: Callable[[str], Path], kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -85,6 +86,25 @@ def test_moe_decode_steps_run_in_the_graph(
     model = engine.loaded.model
     assert model.fused_ops is not None
     assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.decoder_layers())
+    graph, got_tokens = _graph_equals_fused_path(engine, monkeypatch)
+    shared = [r.shared_gate_up is not None for r in graph.moes if r is not None]
+    assert shared and all(shared) == (kind == "qwen2_moe")  # the shared experts run in the graph
+    hf = _hf_on_our_weights(tiny(kind), engine)
+    with torch.inference_mode():
+        for text, ours in zip(PROMPTS, got_tokens, strict=True):
+            ids = engine.tokenizer.encode(text)
+            ref = hf.generate(  # type: ignore[operator]
+                torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, min_new_tokens=len(ours)
+            )
+            assert ref[0, len(ids) :].tolist() == ours, text
+
+
+def _graph_equals_fused_path(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> tuple[DecodeGraph, list[list[int]]]:
+    """Generates with the graph off, then on: the graph served one-row and batched steps, greedy tokens
+    are equal, logprobs within LOGPROB_TOL, no KV block leaked. Returns the recorded graph and tokens."""
+    model = engine.loaded.model
     want_tokens, want_lps = _generate(engine, graph=False)
     graph_steps: list[int] = []
     run = DecodeGraph.run
@@ -101,14 +121,7 @@ def test_moe_decode_steps_run_in_the_graph(
     assert got_tokens == want_tokens
     torch.testing.assert_close(torch.tensor(got_lps), torch.tensor(want_lps), atol=LOGPROB_TOL, rtol=0)
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
-    hf = _hf_on_our_weights(tiny(kind), engine)
-    with torch.inference_mode():
-        for text, ours in zip(PROMPTS, got_tokens, strict=True):
-            ids = engine.tokenizer.encode(text)
-            ref = hf.generate(  # type: ignore[operator]
-                torch.tensor([ids]), max_new_tokens=len(ours), do_sample=False, min_new_tokens=len(ours)
-            )
-            assert ref[0, len(ids) :].tolist() == ours, text
+    return model._decode_graph[1], got_tokens
 
 
 def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
@@ -130,6 +143,12 @@ def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
             new[f"{name}.experts.down_proj"] = torch.stack([dequantize_reference(w) for w in experts.w2])
         elif not isinstance(m, BlockQuantLinear):
             continue
+        elif leaf == "shared_gate_up":  # Qwen2-MoE's shared expert, gate rows then up rows
+            w = dequantize_reference(m.weight_q)
+            for part, rows in zip(("gate_proj", "up_proj"), w.chunk(2), strict=True):
+                new[f"{prefix}.shared_expert.{part}.weight"] = rows
+        elif leaf == "shared_down":
+            new[f"{prefix}.shared_expert.down_proj.weight"] = dequantize_reference(m.weight_q)
         elif f"{name}.weight" in state:
             new[f"{name}.weight"] = dequantize_reference(m.weight_q)
         elif leaf == "qkv_proj":
@@ -171,11 +190,22 @@ def test_graph_follows_the_experts_gemm_dtype(tiny: Callable[[str], Path]) -> No
         apply_gemm_dtype(model, torch.float32)
 
 
-def test_shared_expert_refused_by_name(tiny: Callable[[str], Path]) -> None:
+def test_shared_expert_in_float_weights_refused(tiny: Callable[[str], Path]) -> None:
+    """Held in float weights (here: the int8 projections swapped back for the checkpoint's fp32 tensors)
+    the shared expert is the Python path's; the layer kind itself is the graph's."""
     engine = _engine(tiny("qwen2_moe"))
     arch = engine.loaded.arch
     moe_spec = next(s for s in arch.layers if s.mlp == "moe")
-    assert layer_refusal(moe_spec, arch.moe) == "an MoE block with a shared expert"
+    assert layer_refusal(moe_spec, arch.moe) is None
+    for block in engine.loaded.model.modules():
+        if isinstance(block, SparseMoeBlock) and block.shared_gate_up is not None:
+            assert isinstance(block.shared_gate_up, BlockQuantLinear)
+            assert isinstance(block.shared_down, BlockQuantLinear)
+            w13 = dequantize_reference(block.shared_gate_up.weight_q)
+            w2 = dequantize_reference(block.shared_down.weight_q)
+            block.shared_gate_up = block.shared_down = None
+            block.shared_w13 = torch.nn.Parameter(w13, requires_grad=False)
+            block.shared_w2 = torch.nn.Parameter(w2, requires_grad=False)
     _generate(engine, graph=True)
     assert engine.loaded.model._decode_graph is not None and engine.loaded.model._decode_graph[1] is None
 
@@ -221,3 +251,63 @@ def test_graph_router_matches_select_experts(renormalize: bool) -> None:
 
 def _renorm(top: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:  # [T, top_k] the chosen probabilities
     return top / top.sum(dim=-1, keepdim=True) if cfg.renormalize else top
+
+
+def test_gpt_oss_decode_steps_run_in_the_graph(
+    tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss in the graph: its biased router, top-k of the logits then a softmax, MXFP4 experts with
+    biases and the clamped SwiGLU (the experts' native call), attention sinks and alternating windows.
+    A GGUF with Q8_0 attention (the graph runs block-quantized projections), so every decode step of
+    staggered requests is one call; greedy tokens equal the Python fused path's, logprobs within
+    LOGPROB_TOL (the router's sums). (The Python path equals transformers: tests/models/test_gpt_oss_gguf.py.)"""
+    from models.test_gpt_oss import build_gpt_oss
+    from models.test_gpt_oss_gguf import write_gpt_oss_gguf
+
+    _, packed = build_gpt_oss(tmp_path, smollm2_dir)
+    path = write_gpt_oss_gguf(packed, tmp_path / "gpt-oss-q8.gguf", attn_fmt="Q8_0")
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), max_model_len=MAX_LEN),
+            cache=CacheConfig(
+                cache_dtype="float32", block_size=4, num_kv_blocks=128, enable_prefix_caching=False
+            ),
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+        )
+    )
+    model = engine.loaded.model
+    apply_gemm_dtype(model, torch.float32)
+    arch = engine.loaded.arch
+    assert arch.moe is not None and arch.moe.routing == "topk_softmax" and arch.moe.router_bias
+    assert all(layer_refusal(s, arch.moe) is None for s in arch.layers)
+    graph, _ = _graph_equals_fused_path(engine, monkeypatch)
+    assert all(r is not None and r.routing == 1 and r.router_bias for r in graph.moes)
+
+
+def test_graph_router_matches_gpt_oss_routing() -> None:
+    """topk_softmax with a router bias (gpt-oss): the same experts as select_experts over
+    F.linear(x, router, bias) on every token, weights within fp32 rounding."""
+    ops = try_load_fused_ops()
+    assert ops is not None
+    torch.manual_seed(1)
+    e, h, t = 32, 128, 48
+    cfg = MoEConfig(
+        "gpt_oss",
+        e,
+        4,
+        h,
+        32,
+        routing="topk_softmax",
+        router_bias=True,
+        activation="swigluoai",
+        expert_bias=True,
+    )
+    router, bias, x = torch.randn(e, h) * 0.1, torch.randn(e) * 0.5, torch.randn(t, h)
+    logits, ids, weights = route(ops, router, cfg, x, bias)
+    want = select_experts(F.linear(x, router, bias), cfg)
+    assert torch.equal(ids, want.ids)
+    torch.testing.assert_close(weights, want.weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(logits, F.linear(x, router, bias), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="router bias"):
+        route(ops, router, cfg, x)

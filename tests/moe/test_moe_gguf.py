@@ -8,7 +8,8 @@ Two references: transformers fp32 over exactly the weights the file holds (gguf-
 within 1e-4: only summation order differs); and the original fp32 model, which it must stay within
 the quant type's error of (measured largest prompt-logprob error: F16 9e-4, Q8_0 0.016-0.017, Q4_K/Q6_K
 1.37 on these random N(0, 0.08) weights with a Q4_K embedding; asserted 0.005, 0.1 and 2). Experts of
-a kept type stay quantized (`BlockQuantExperts`); F16 ones are held fp32. Slow (each file's tokenizer
+a kept type stay quantized (`BlockQuantExperts`), Qwen2-MoE's shared expert too (two BlockQuantLinear);
+F16 ones are held fp32. Slow (each file's tokenizer
 is converted from its GGUF metadata, ~30-80 s a file on a loaded 2-core machine)."""
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from server.engine import LLMEngine
 from server.models.moe.block import SparseMoeBlock
 from server.models.moe.quant import BlockQuantExperts
 from server.quant import weight_bytes
+from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import active_kernel, int8_pack_switch
-from server.quant.cpu_qlinear import try_load_qlinear_kernel
+from server.quant.cpu_qlinear import file_format, try_load_qlinear_kernel
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.quant.gguf_checkpoint import super_blocks_enabled
 from server.request import SamplingParams
@@ -121,6 +123,13 @@ def test_q8_0_experts_kept_quantized(
             t.numel() * t.element_size() for w in block.experts.w13 + block.experts.w2 for t in w.tensors()
         )
         assert weight_bytes(block) >= params + stored
+        if kind == "qwen2_moe":  # ffn_*_shexp kept in their blocks (they were an fp32 copy, 3.8x the bytes)
+            shared = [block.shared_gate_up, block.shared_down]
+            assert block.shared_w13 is None and block.shared_w2 is None
+            assert all(
+                isinstance(m, BlockQuantLinear) and file_format(m.weight_q.fmt) == "q8_0" for m in shared
+            )
+    assert not engine.loaded.gguf_dequantized
     _check(engine, hf, dequantized, "Q8_0")
 
 

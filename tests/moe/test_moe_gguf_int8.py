@@ -1,7 +1,7 @@
 """`--quantize int8` on a mixture-of-experts GGUF (server/models/loader.py convert_gguf): the file is read
 by our GGUF reader, dequantized to fp32 safetensors with each MoE layer under SparseMoeBlock's names,
 and that folder is quantized as an HF folder is (`quantize_moe_blocks`: every expert int8 per output
-channel, router and shared expert kept). Accuracy: prompt logprobs within the int8 MoE bound of
+channel, the shared expert's projections too; routers and the shared expert's gate kept). Accuracy: prompt logprobs within the int8 MoE bound of
 tests/moe/test_moe_quantize.py against the same weights unquantized (transformers' layout of the
 file's dequantized weights, served by us in fp32). Mixtral (`llama` layout: q/k rows permuted) and
 Qwen2-MoE (shared expert, a dense layer). Slow: each file's SmolLM2 tokenizer is converted from its
@@ -21,6 +21,7 @@ from test_moe_quantize import MAX_NATS, PPL_RATIO
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.moe import BlockQuantExperts, SparseMoeBlock
+from server.quant.block_linear import BlockQuantLinear
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,12 @@ def test_moe_gguf_quantize_int8_within_the_int8_moe_bound(
     for b in blocks:
         assert isinstance(b.experts, BlockQuantExperts) and b.w13 is None and b.w2 is None
         assert {w.fmt for w in b.experts.w13 + b.experts.w2} == {"int8"}
-        assert (b.shared_w13 is not None) == (kind == "qwen2_moe")
+        # Qwen2-MoE's shared expert is quantized as every dense projection is (its sigmoid gate kept)
+        assert b.shared_w13 is None and b.shared_w2 is None
+        assert (b.shared_gate is not None) == (kind == "qwen2_moe")
+        if kind == "qwen2_moe":
+            shared = [b.shared_gate_up, b.shared_down]
+            assert all(isinstance(m, BlockQuantLinear) and m.weight_q.fmt == "int8" for m in shared)
     prompts = [ref.tokenizer.encode(p) for p in PROMPTS]
     assert [q.tokenizer.encode(p) for p in PROMPTS] == prompts
     ours = torch.cat([engine_prompt_logprobs(q, p) for p in prompts])

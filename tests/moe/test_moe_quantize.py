@@ -1,6 +1,7 @@
 """`--quantize int8` for mixture-of-experts models (server/models/moe/quant.py quantize_moe_blocks): each
 expert's w13 and w2 quantized per output channel on its own (the dense projections' int8, through
-qlinear's CPU kernel), the router and Qwen2-MoE's shared expert kept in the model's dtype. Accuracy:
+qlinear's CPU kernel), Qwen2-MoE's shared expert's projections int8 as every dense projection, the router
+and the shared expert's sigmoid gate kept in the model's dtype. Accuracy:
 a tiny random Mixtral and Qwen2-MoE's prompt logprobs against the same model unquantized, within the
 dense int8 bound (perplexity ratio 1.02, tests/quant/test_quant_accuracy.py); what the experts do not
 take is refused by name."""
@@ -18,6 +19,7 @@ from prompt_logprobs import engine_prompt_logprobs
 from server.models.layer_spec import UnsupportedModelError
 from server.models.loader import load_model
 from server.models.moe import BlockQuantExperts, SparseMoeBlock
+from server.quant.block_linear import BlockQuantLinear
 
 PPL_RATIO = 1.02  # the dense int8 bound (tests/quant/test_quant_accuracy.py BOUNDS["int8"])
 MAX_NATS = 0.15  # any one token; measured up to 0.078 on these models
@@ -36,7 +38,13 @@ def test_int8_experts_prompt_logprobs_within_the_dense_int8_bound(
         assert isinstance(b.experts, BlockQuantExperts) and b.w13 is None and b.w2 is None
         assert {w.fmt for w in b.experts.w13 + b.experts.w2} == {"int8"}
         assert b.router.dtype == torch.float32  # routed in full precision
-        assert (b.shared_w13 is not None) == (kind == "qwen2_moe")
+        assert b.shared_w13 is None and b.shared_w2 is None
+        if kind == "qwen2_moe":
+            assert b.shared_gate is not None and b.shared_gate.dtype == torch.float32
+            assert all(
+                isinstance(m, BlockQuantLinear) and m.weight_q.fmt == "int8"
+                for m in (b.shared_gate_up, b.shared_down)
+            )
     moe = q.loaded.arch.moe
     assert moe is not None
     fp32_experts = len(blocks) * moe.num_experts * 3 * moe.hidden_size * moe.intermediate_size * 4

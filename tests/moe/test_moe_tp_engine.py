@@ -30,6 +30,8 @@ from server.models.moe import (
     block_state,
     dequantize_mxfp4,
 )
+from server.models.moe.quant import quantize_moe_blocks
+from server.quant.block_linear import BlockQuantLinear
 from server.request import SamplingParams
 
 
@@ -156,17 +158,21 @@ def test_mxfp4_split_inside_a_block_is_refused(tmp_path: Path) -> None:
 def test_int8_experts_rank_shards_sum_to_the_whole_int8_block() -> None:
     """--quantize int8 under TP: a Qwen2-MoE-shaped block (shared expert) with per-channel int8 experts,
     cut for 2 ranks (w13 rows with their scales, w2 columns with each row's whole scale), sums to the
-    whole int8 block; GGUF-style block formats are refused."""
+    whole int8 block, the shared expert's int8 projections cut likewise; GGUF-style block formats are
+    refused, experts or shared expert."""
     cfg = MoEConfig("qwen2_moe", 8, 2, 64, 64, renormalize=False, shared_expert_intermediate_size=96)
     block = SparseMoeBlock(cfg, device="cpu")
     g = torch.Generator().manual_seed(4)
     for p in block.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    block.set_experts(BlockQuantExperts.quantize(block.expert_weights(), "int8"))
+    assert quantize_moe_blocks(block, "int8", None) == 1  # experts and the shared expert's projections
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
     shards = [TensorParallelSparseMoeBlock.from_block(block, r, 2) for r in range(2)]
     assert isinstance(shards[1].experts, BlockQuantExperts)
-    assert shards[1].experts.w2[0].in_features == 32 and shards[1].shared_w2 is not None
+    assert shards[1].experts.w2[0].in_features == 32 and shards[1].shared_w2 is None
+    shared = [shards[1].shared_gate_up, shards[1].shared_down]
+    assert all(isinstance(m, BlockQuantLinear) and m.weight_q.fmt == "int8" for m in shared)
+    assert [(m.out_features, m.in_features) for m in shared] == [(96, 64), (64, 48)]
     with torch.no_grad():
         want = block(x)
         got = sum(SparseMoeBlock.forward(s, x) for s in shards)
@@ -174,6 +180,9 @@ def test_int8_experts_rank_shards_sum_to_the_whole_int8_block() -> None:
     q8 = SparseMoeBlock(cfg, device="cpu")
     for p in q8.parameters():
         p.data.normal_()
-    q8.set_experts(BlockQuantExperts.quantize(q8.expert_weights(), "q8_0"))
+    quantize_moe_blocks(q8, "q8_0", None)
     with pytest.raises(TensorParallelConfigError, match="dense, int8 and MXFP4 experts only"):
+        TensorParallelSparseMoeBlock.from_block(q8, 0, 2)
+    q8.set_experts(block.experts)  # int8 experts, a Q8_0 shared expert (a GGUF's): refused by name
+    with pytest.raises(TensorParallelConfigError, match=r"dense or int8 shared expert only.*q8_0"):
         TensorParallelSparseMoeBlock.from_block(q8, 0, 2)

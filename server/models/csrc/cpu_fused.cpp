@@ -101,7 +101,7 @@ inline float half_to_float(uint16_t h) {
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 10; }
+int32_t kubeinfer_cpu_fused_abi() { return 11; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -376,7 +376,9 @@ struct KiDecodeLayer {
   const struct KiDecodeMoe* moe;  // null: the dense gate_up / act / down MLP; else this MoE block
 };
 
-// A mixture-of-experts MLP (server/models/moe): the router, top-k and the experts' one native call.
+// A mixture-of-experts MLP (server/models/moe): the router, top-k and the experts' one native call, and
+// Qwen2-MoE's shared expert: sigmoid(x . shared_gate) * down(silu(gate) * up), its two projections through
+// the model's qlinear entry like every other projection.
 struct KiDecodeMoe {
   const float* router;       // [E, H] fp32
   const float* router_bias;  // [E] or null
@@ -384,6 +386,10 @@ struct KiDecodeMoe {
   int32_t routing;      // 0: softmax over E, then top-k (Mixtral, Qwen); 1: top-k of the logits, then softmax
   int32_t renormalize;  // routing 0: the chosen weights divided by their sum (Mixtral; Qwen3's norm_topk_prob)
   const void* experts;  // moe_experts.cpp's KiMoeExperts (its entry point set by the caller)
+  const void* shared_gate_up;  // qlinear descriptor of [2S, H] (gate rows, then up rows); null: no shared expert
+  const void* shared_down;     // [H, S]
+  const float* shared_gate;    // [H] fp32
+  int64_t shared_inter;        // S
 };
 
 struct KiDecodeModel {
@@ -427,6 +433,9 @@ struct KiDecodeStep {
   float* router_logits;  // [T, E]
   int64_t* expert_ids;   // [T, top_k]
   float* expert_weights; // [T, top_k]
+  // a shared expert's output [T, H] (null when no layer has one); its gate / up and activation rows use
+  // gate_up and act, which the caller sizes for max(I, S)
+  float* shared_out;
 };
 
 // Router logits -> each row's top_k experts and weights, as server/models/moe/routing.py's select_experts.
@@ -462,9 +471,10 @@ static void moe_route(const KiDecodeMoe& r, float* logits, int64_t t, int64_t* i
       w[k] = lg[best];
     }
     if (r.routing == 1) {  // softmax over the chosen logits (descending: w[0] is their max)
+      const float mx = w[0];  // read before the loop overwrites w[0]
       float sum = 0.0f;
       for (int64_t k = 0; k < K; ++k) {
-        w[k] = std::exp(w[k] - w[0]);
+        w[k] = std::exp(w[k] - mx);
         sum += w[k];
       }
       for (int64_t k = 0; k < K; ++k) w[k] /= sum;
@@ -506,7 +516,27 @@ static int32_t moe_mlp(const KiDecodeModel* m, const KiDecodeStep* s, const KiDe
                                    s->expert_weights, s->threads);
   if (rc) return rc;
   rc = m->moe_experts(r.experts, x, s->t, m->hidden, s->expert_ids, s->expert_weights, r.top_k, out, s->threads);
-  return rc ? 10 + rc : 0;
+  if (rc) return 10 + rc;
+  if (!r.shared_gate_up) return 0;
+  const int64_t t = s->t, H = m->hidden, S = r.shared_inter;
+  const int32_t nt = s->threads;
+  if (!r.shared_down || !r.shared_gate || !s->shared_out || S < 1) return 2;
+  if ((rc = m->qlinear(r.shared_gate_up, x, t, H, nullptr, s->gate_up, 2 * S, nt))) return 30 + rc;
+  if ((rc = kubeinfer_silu_mul(s->gate_up, 2 * S, s->act, S, t, S, nt))) return 40 + rc;
+  if ((rc = m->qlinear(r.shared_down, s->act, t, S, nullptr, s->shared_out, H, nt))) return 50 + rc;
+  // out += sigmoid(x . gate) * shared, as FusedMoE: the gate's dot product in another order than F.linear's
+  for (int64_t row = 0; row < t; ++row) {
+    const float* xr = x + row * H;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t c = 0; c < H; ++c) dot += xr[c] * r.shared_gate[c];
+    const float g = 1.0f / (1.0f + std::exp(-dot));
+    float* o = out + row * H;
+    const float* so = s->shared_out + row * H;
+#pragma omp simd
+    for (int64_t c = 0; c < H; ++c) o[c] += g * so[c];
+  }
+  return 0;
 }
 
 // The residual add still owed by the previous sub-block (its output in `delta`, its post-norm, its multiplier).

@@ -7,7 +7,11 @@ device and filled by `load_state_dict(assign=True)` like every other layer; `sta
 turns a checkpoint's per-expert tensors into those names. None of them is an `nn.Linear`: `--quantize`,
 LoRA and the projection fusion (which find projections by module name and class) leave the block alone.
 The computation is `FusedMoE` over those tensors (built once per set of tensors), or over `experts`
-when the loader gives the block quantized expert GEMMs instead of `w13`/`w2`.
+when the loader gives the block quantized expert GEMMs instead of `w13`/`w2`; likewise the shared
+expert's GEMMs may be two quantized projections (`shared_gate_up [2S, H]`, `shared_down [H, S]`,
+submodules, so the engine's GEMM dtype, weight accounting and the decode graph reach them as they reach
+every other projection) in place of `shared_w13`/`shared_w2`: a GGUF's `ffn_*_shexp` kept in their
+blocks, or `--quantize`'s format.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_gate: nn.Parameter | None = param(1, h) if s else None
         # Quantized expert GEMMs (GGUF K-quants, MXFP4, int8) set by the loader in place of w13 / w2.
         self.experts: ExpertGemms | None = None
+        # The shared expert's quantized projections (set_shared_expert) in place of shared_w13 / shared_w2
+        self.shared_gate_up: nn.Module | None = None
+        self.shared_down: nn.Module | None = None
         self._fused: tuple[tuple[object, ...], FusedMoE] | None = None
 
     def set_gemm_dtype(self, dtype: torch.dtype) -> int:
@@ -70,6 +77,21 @@ class SparseMoeBlock(nn.Module):
         self.w2 = None
         self._fused = None
 
+    def set_shared_expert(self, gate_up: nn.Module, down: nn.Module) -> None:
+        """Serve the shared expert through two projections (BlockQuantLinear: x [T, H] fp32 -> [T, 2S]
+        fp32 gate | up; [T, S] -> [T, H]); shared_w13 and shared_w2 are dropped, shared_gate stays.
+        Raises ValueError for a block without a shared expert or projections of other sizes."""
+        s, h = self.cfg.shared_expert_intermediate_size, self.cfg.hidden_size
+        if not s:
+            raise ValueError("this block has no shared expert")
+        got = [(getattr(m, "in_features", None), getattr(m, "out_features", None)) for m in (gate_up, down)]
+        if got != [(h, 2 * s), (s, h)]:
+            raise ValueError(f"shared expert projections must be [{2 * s}, {h}] and [{h}, {s}], got {got}")
+        self.shared_gate_up, self.shared_down = gate_up, down
+        self.shared_w13 = None
+        self.shared_w2 = None
+        self._fused = None
+
     def held_weight_tensors(self) -> list[Tensor]:
         """The quantized experts' tensors (not parameters), for server.quant.weight_bytes."""
         tensors = getattr(self.experts, "tensors", None)
@@ -81,8 +103,8 @@ class SparseMoeBlock(nn.Module):
             return None if t is None else t.data
 
         shared = None
-        if self.shared_w13 is not None and self.shared_w2 is not None and self.shared_gate is not None:
-            shared = SharedExpertWeights(self.shared_w13.data, self.shared_w2.data, self.shared_gate.data)
+        if self.shared_gate is not None:
+            shared = SharedExpertWeights(opt("shared_w13"), opt("shared_w2"), self.shared_gate.data)
         return ExpertWeights(
             router=self.router.data,
             router_bias=opt("router_bias"),
@@ -95,19 +117,39 @@ class SparseMoeBlock(nn.Module):
 
     def fused(self) -> FusedMoE:
         """The FusedMoE over the current tensors (rebuilt when they were replaced or moved)."""
-        key = (*((t.data_ptr(), t.dtype, t.device) for t in self.parameters()), id(self.experts))
+        key = (
+            *((t.data_ptr(), t.dtype, t.device) for t in self.parameters()),
+            id(self.experts),
+            id(self.shared_gate_up),
+        )
         if self._fused is None or self._fused[0] != key:
             w = self.expert_weights()
             experts = self.experts
             if experts is None:
                 assert w.w13 is not None
                 experts = DenseExperts(w, gemm_dtype=w.w13.dtype)
-            self._fused = (key, FusedMoE(self.cfg, w, experts=experts))
+            shared = None
+            if self.shared_gate_up is not None and self.shared_down is not None:
+                shared = _SharedProjections(self.shared_gate_up, self.shared_down)
+            self._fused = (key, FusedMoE(self.cfg, w, experts=experts, shared_gemms=shared))
         return self._fused[1]
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., hidden] -> the same shape
         # tokens are independent: the pooling decoder's [B, S, hidden] batches flatten to [B * S, hidden]
         return self.fused()(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+class _SharedProjections:
+    """SharedGemms over the block's two shared-expert projections."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
+        self._gate_up, self._down = gate_up, down
+
+    def gate_up(self, x: Tensor) -> Tensor:  # x: [T, H] fp32 -> [T, 2S] fp32
+        return self._gate_up(x).float()
+
+    def down(self, h: Tensor) -> Tensor:  # h: [T, S] fp32 -> [T, H] fp32
+        return self._down(h).float()
 
 
 def block_state(w: ExpertWeights, prefix: str) -> dict[str, Tensor]:
@@ -119,8 +161,9 @@ def block_state(w: ExpertWeights, prefix: str) -> dict[str, Tensor]:
         if t is not None:
             out[f"{prefix}.{name}"] = t
     if w.shared is not None:
-        out[f"{prefix}.shared_w13"] = w.shared.w13
-        out[f"{prefix}.shared_w2"] = w.shared.w2
+        if w.shared.w13 is not None and w.shared.w2 is not None:
+            out[f"{prefix}.shared_w13"] = w.shared.w13
+            out[f"{prefix}.shared_w2"] = w.shared.w2
         out[f"{prefix}.shared_gate"] = w.shared.gate
     return out
 

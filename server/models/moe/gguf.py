@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,10 @@ from torch import Tensor
 from server.models.moe.block import SparseMoeBlock
 from server.models.moe.mxfp4 import Mxfp4Experts, Mxfp4Tensor
 from server.models.moe.quant import BlockQuantExperts
+from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_mxfp4 import Mxfp4Kernel, dequantize_mxfp4
-from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel, dequantize_reference
-from server.quant.gguf_checkpoint import GgufCheckpoint
+from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel, dequantize_reference, file_format
+from server.quant.gguf_checkpoint import DequantizedTensor, GgufCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +101,31 @@ def _dense(t: Tensor | BlockQuantWeight) -> Tensor:  # fp32
     return dequantize_reference(t) if isinstance(t, BlockQuantWeight) else t.float()
 
 
+@dataclass(frozen=True)
+class GgufMoeTensors:
+    """What assemble_gguf_moe leaves for the loader."""
+
+    state: dict[str, Tensor]  # the blocks' float tensors under their parameter names (load_state_dict)
+    quantized: dict[str, str]  # module name -> format of the blocks' projections kept quantized
+
+
 def assemble_gguf_moe(
     blocks: dict[int, SparseMoeBlock],
     ckpt: GgufCheckpoint,
     kernel: QLinearKernel | None,
     file: str,
     mxfp4_kernel: Mxfp4Kernel | None = None,
-) -> dict[str, Tensor]:
+) -> GgufMoeTensors:
     """Moves each MoE layer's tensors out of `ckpt` into its block: experts kept quantized (a kept
     type, gate and up alike) become the block's `BlockQuantExperts`, MXFP4 ones (gpt-oss) its
     `Mxfp4Experts` over `mxfp4_kernel` (only the chosen experts' bytes are read per step); others are
-    dequantized into `w13`/`w2`. Router (and its bias), expert biases and shared expert are fp32
-    (small; F32 in llama.cpp's files). Returns the blocks' float tensors under their parameter names,
-    for the loader's load_state_dict. Raises ValueError naming a missing tensor."""
-    state: dict[str, Tensor] = {}
+    dequantized into `w13`/`w2`. Qwen2-MoE's shared expert (`ffn_*_shexp`, quantized by llama-quantize
+    like any projection) stays in its blocks as the block's two BlockQuantLinear projections where
+    gate and up share a format; otherwise it is held fp32 and listed in `ckpt.dequantized`. Router (and
+    its bias), expert biases and the shared expert's gate are fp32 (F32 in llama.cpp's files). Raises
+    ValueError naming a missing tensor."""
+    out = GgufMoeTensors({}, {})
+    state = out.state
     for n, block in blocks.items():
         pre = f"model.layers.{n}.mlp"
 
@@ -131,10 +144,33 @@ def assemble_gguf_moe(
             b2 = _dense(take("experts.down_bias"))
             state[f"{pre}.b13"], state[f"{pre}.b2"] = b13, b2
         if block.cfg.shared_expert_intermediate_size:
-            gate, up = _dense(take("shared_expert.gate")), _dense(take("shared_expert.up"))
-            state[f"{pre}.shared_w13"] = torch.cat([gate, up])
-            state[f"{pre}.shared_w2"] = _dense(take("shared_expert.down"))
             state[f"{pre}.shared_gate"] = _dense(take("shared_expert_gate")).reshape(1, -1)
+            sg, su, sd = (take(f"shared_expert.{p}") for p in ("gate", "up", "down"))
+            if (
+                isinstance(sg, BlockQuantWeight)
+                and isinstance(su, BlockQuantWeight)
+                and isinstance(sd, BlockQuantWeight)
+                and sg.fmt == su.fmt
+            ):  # llama-quantize quantizes ffn_*_shexp like any projection: kept in their blocks
+                shared_gu = BlockQuantWeight.concat_rows([sg, su])
+                block.set_shared_expert(
+                    BlockQuantLinear(shared_gu, kernel=kernel), BlockQuantLinear(sd, kernel=kernel)
+                )
+                out.quantized[f"{pre}.shared_gate_up"] = file_format(shared_gu.fmt)
+                out.quantized[f"{pre}.shared_down"] = file_format(sd.fmt)
+            else:  # float tensors (F32; F16 and others are listed by the reader), or gate and up differ
+                state[f"{pre}.shared_w13"] = torch.cat([_dense(sg), _dense(su)])
+                state[f"{pre}.shared_w2"] = _dense(sd)
+                for part, t in zip(("gate", "up", "down"), (sg, su, sd), strict=True):
+                    if isinstance(t, BlockQuantWeight):
+                        ckpt.dequantized.append(
+                            DequantizedTensor(
+                                f"blk.{n}.ffn_{part}_shexp.weight",
+                                file_format(t.fmt).upper(),
+                                sum(x.numel() * x.element_size() for x in t.tensors()),
+                                t.out_features * t.in_features * 4,
+                            )
+                        )
         names = [f"{pre}.experts.{p}" for p in ("gate", "up", "down")]
         mx = [ckpt.mxfp4_experts.pop(k, None) for k in names]
         if all(m is not None for m in mx):
@@ -163,4 +199,4 @@ def assemble_gguf_moe(
         state[f"{pre}.w2"] = dense[2]  # [E, H, I]
         if any(q is not None for q in quant):
             log.warning("%s: layer %d's experts mix quantization types: served dequantized (fp32)", file, n)
-    return state
+    return out

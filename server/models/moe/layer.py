@@ -51,6 +51,15 @@ class FusedExperts(ExpertGemms, Protocol):
     def fused_entry(self) -> int: ...  # the projection entry point for FusedExpertsCall.run
 
 
+class SharedGemms(Protocol):
+    """Qwen2-MoE's shared expert's two GEMMs held quantized (SparseMoeBlock.set_shared_expert); both
+    return fp32."""
+
+    def gate_up(self, x: Tensor) -> Tensor: ...  # x: [T, H] fp32 -> [T, 2S] fp32, gate | up
+
+    def down(self, h: Tensor) -> Tensor: ...  # h: [T, S] fp32 -> [T, H] fp32
+
+
 class DenseExperts:
     """Float expert weights kept in `gemm_dtype` (bf16 where the CPU computes it natively, fp32 else:
     `default_gemm_dtype`); sums come back as fp32."""
@@ -89,8 +98,9 @@ class FusedMoE(nn.Module):
     """One MoE block: forward(x [T, H]) -> [T, H] in x's dtype.
 
     `experts` defaults to DenseExperts over `weights` in `gemm_dtype` (default_gemm_dtype() when None);
-    the router and the shared expert stay in the weights' dtype. Raises ValueError when `weights` do not
-    match `cfg`.
+    the router and the shared expert stay in the weights' dtype, or the shared expert's GEMMs are
+    `shared_gemms` (quantized; its sigmoid gate stays `weights.shared.gate`). Raises ValueError when
+    `weights` do not match `cfg`, or the shared expert has neither dense weights nor `shared_gemms`.
     """
 
     def __init__(
@@ -99,11 +109,15 @@ class FusedMoE(nn.Module):
         weights: ExpertWeights,
         experts: ExpertGemms | None = None,
         gemm_dtype: torch.dtype | None = None,
+        shared_gemms: SharedGemms | None = None,
     ) -> None:
         super().__init__()
         weights.check(cfg)
+        if weights.shared is not None and (weights.shared.w13 is None) != (shared_gemms is not None):
+            raise ValueError("the shared expert needs either its dense w13 / w2 or shared_gemms")
         self.cfg = cfg
         self.weights = weights
+        self.shared_gemms = shared_gemms
         self.experts: ExpertGemms = (
             experts if experts is not None else DenseExperts(weights, gemm_dtype or default_gemm_dtype())
         )
@@ -125,7 +139,12 @@ class FusedMoE(nn.Module):
             out = self._grouped(x, routing)
         shared = self.weights.shared
         if shared is not None:
-            s = F.linear(act_and_mul(F.linear(x, shared.w13), self.cfg), shared.w2)
+            if self.shared_gemms is not None:
+                q = self.shared_gemms
+                s = q.down(act_and_mul(q.gate_up(x.float()), self.cfg))
+            else:
+                assert shared.w13 is not None and shared.w2 is not None  # __init__ checked
+                s = F.linear(act_and_mul(F.linear(x, shared.w13), self.cfg), shared.w2)
             out = out + (torch.sigmoid(F.linear(x, shared.gate)) * s).float()
         return out.to(x.dtype)
 

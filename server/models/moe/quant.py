@@ -25,6 +25,7 @@ from server.models.moe.native import (
     try_load_moe_experts_kernel,
 )
 from server.models.moe.weights import ExpertWeights
+from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import (
     Q8GemvKernel,
     active_kernel,
@@ -66,6 +67,12 @@ def split_gguf_experts(
     per = data.numel() // num_experts
     conv = from_gguf_k_blocks if fmt in GGUF_SUPER_BLOCK_BYTES else from_gguf_blocks
     return [conv(data[e * per : (e + 1) * per], fmt, n, k) for e in range(num_experts)]
+
+
+def _quantize_one(t: Tensor, fmt: str) -> BlockQuantWeight:  # t: [N, K] one weight
+    """Round-to-nearest into `fmt`: `int8` per output channel (cpu_repack.quantize_int8, --quantize
+    int8's), else q8_0 / q4_0 / q4_1 blocks (cpu_qlinear.quantize_block)."""
+    return from_int8(*quantize_int8(t)) if fmt == "int8" else quantize_block(t, fmt)
 
 
 class BlockQuantExperts:
@@ -115,12 +122,9 @@ class BlockQuantExperts:
         if w.w13 is None or w.w2 is None:
             raise ValueError("quantize needs the dense w13 and w2")
 
-        def one(t: Tensor) -> BlockQuantWeight:  # t: [N, K] one expert's weight
-            return from_int8(*quantize_int8(t)) if fmt == "int8" else quantize_block(t, fmt)
-
         return BlockQuantExperts(
-            [one(w.w13[e]) for e in range(w.w13.shape[0])],
-            [one(w.w2[e]) for e in range(w.w2.shape[0])],
+            [_quantize_one(w.w13[e], fmt) for e in range(w.w13.shape[0])],
+            [_quantize_one(w.w2[e], fmt) for e in range(w.w2.shape[0])],
             w.b13,
             w.b2,
             kernel,
@@ -259,14 +263,27 @@ def pack_moe_int8_weights(model: nn.Module) -> int:
     return sum(experts.pack_int8(q8) for experts, q8 in todo)
 
 
+def _shared_projection(t: Tensor, fmt: str, kernel: QLinearKernel | None) -> BlockQuantLinear:  # t: [N, K]
+    m = BlockQuantLinear(_quantize_one(t.float(), fmt), kernel=kernel)
+    if kernel is None:  # the dense projections' kernel switch is off: qlinear's torch reference, as theirs
+        m.kernel = None
+    return m
+
+
 def quantize_moe_blocks(model: nn.Module, fmt: str, kernel: QLinearKernel | None) -> int:
     """`--quantize` for mixture-of-experts layers: every SparseMoeBlock of `model` with dense experts
     serves them as BlockQuantExperts in `fmt` (each expert's w13 and w2 quantized on its own; biases
-    kept in fp32). The router and Qwen2-MoE's shared expert stay in the model's dtype: the router's
-    top-k is where a rounding error would change which experts run. Returns the blocks converted."""
+    kept in fp32), and Qwen2-MoE's shared expert as two BlockQuantLinear projections in `fmt`, as
+    every dense projection is. The router and the shared expert's sigmoid gate stay in the model's
+    dtype: the router's top-k is where a rounding error would change which experts run. Returns the
+    blocks converted."""
     n = 0
     for block in model.modules():
         if isinstance(block, SparseMoeBlock) and block.experts is None:
-            block.set_experts(BlockQuantExperts.quantize(block.expert_weights(), fmt, kernel))
+            w = block.expert_weights()
+            block.set_experts(BlockQuantExperts.quantize(w, fmt, kernel))
+            if w.shared is not None and w.shared.w13 is not None and w.shared.w2 is not None:
+                gate_up, down = (_shared_projection(t, fmt, kernel) for t in (w.shared.w13, w.shared.w2))
+                block.set_shared_expert(gate_up, down)
             n += 1
     return n

@@ -28,10 +28,11 @@ from server.models.moe.config import MoEConfig
 
 @dataclass(frozen=True)
 class SharedExpertWeights:
-    """Qwen2-MoE's always-on expert, gated by sigmoid(x @ gate.T)."""
+    """Qwen2-MoE's always-on expert, gated by sigmoid(x @ gate.T). `w13` and `w2` are None (both) when
+    the block holds the expert's GEMMs quantized (SparseMoeBlock.set_shared_expert); the gate stays."""
 
-    w13: Tensor  # [2S, H] gate rows then up rows
-    w2: Tensor  # [H, S]
+    w13: Tensor | None  # [2S, H] gate rows then up rows
+    w2: Tensor | None  # [H, S]
     gate: Tensor  # [1, H]
 
 
@@ -61,7 +62,7 @@ class ExpertWeights:
             mv(self.w2),
             mv(self.b13),
             mv(self.b2),
-            None if s is None else SharedExpertWeights(s.w13.to(device), s.w2.to(device), s.gate.to(device)),
+            None if s is None else SharedExpertWeights(mv(s.w13), mv(s.w2), s.gate.to(device)),
         )
 
     def check(self, cfg: MoEConfig) -> None:
@@ -82,8 +83,11 @@ class ExpertWeights:
         if s:
             if self.shared is None:
                 raise ValueError("the config has a shared expert; weights.shared is missing")
-            want["shared.w13"] = (self.shared.w13, (2 * s, h))
-            want["shared.w2"] = (self.shared.w2, (h, s))
+            dense = self.shared.w13 is not None
+            if dense != (self.shared.w2 is not None):
+                raise ValueError("shared.w13 and shared.w2 are both given or both held quantized")
+            want["shared.w13"] = (self.shared.w13, (2 * s, h) if dense else None)
+            want["shared.w2"] = (self.shared.w2, (h, s) if dense else None)
             want["shared.gate"] = (self.shared.gate, (1, h))
         elif self.shared is not None:
             raise ValueError("weights.shared given but the config has no shared expert")
