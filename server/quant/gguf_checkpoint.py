@@ -14,7 +14,7 @@ Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py); MX
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
 `GgufCheckpoint.dequantized` with the memory it costs beyond its bytes in the file (/info shows it).
 Where the k-quant tiles are held, so are Q8_0's: Q8_0, Q5_0 and IQ4_NL matrices of whole 16-row tiles,
-outside MoE blocks, become q8_0_x16 / q5_0_x16 / iq4_nl_x16 (cpu_qlinear.interleave_q8_x16): the file's
+experts included, become q8_0_x16 / q5_0_x16 / iq4_nl_x16 (cpu_qlinear.interleave_q8_x16): the file's
 8.5 bits per weight (Q5_0 5.5), one copy for decode and batches, instead of the row-major blocks (Q5_0
 widened to 8.5 bits) plus the batched path's 10-bit int8 packed copy.
 """
@@ -204,8 +204,9 @@ def read_gguf_checkpoint(path: Path) -> GgufCheckpoint:
                 raw = torch.as_tensor(np.ascontiguousarray(t.data)).view(torch.uint8)
             ckpt.mxfp4_experts[name] = from_gguf_mxfp4(raw, (shape[0], shape[1], shape[2]))
             continue
-        # MoE tensors (a shared expert) stay row-major: the experts' code reads the repacked layout
-        moe = any(name.endswith(v) for v in _MOE_NAMES.values())
+        # MoE block tensors stay row-major (the experts' code reads the repacked layout); a shared expert's
+        # ffn_*_shexp are plain projections (SparseMoeBlock.set_shared_expert) and take tiles as any
+        moe = any(name.endswith(v) for v in _MOE_NAMES.values()) and ".shared_expert." not in name
         if kind in _KEPT and len(shape) == 2:
             # t.data is a view of the file's memory map: only the repacked copies stay resident.
             value = from_gguf_blocks(t.data, _KEPT[kind], shape[0], shape[1])
@@ -273,7 +274,8 @@ def _split_experts(
 ) -> list[BlockQuantWeight]:
     """A stacked expert tensor [E, N, K] of a kept type -> one BlockQuantWeight [N, K] per expert: the
     file holds the E matrices one after the other, each rows of ggml blocks. k-quants as `_k_quant` holds
-    them (tiled here: expert rows are never permuted)."""
+    them; 16-row tiles where a dense matrix of the type takes them (`_tileable`: tiled here, expert rows
+    are never permuted)."""
     e, n, k = shape
     with warnings.catch_warnings():  # a read-only memory map: the converters below copy what they keep
         warnings.simplefilter("ignore", UserWarning)
@@ -281,10 +283,12 @@ def _split_experts(
     out: list[BlockQuantWeight] = []
     for i in range(e):
         if kind in _KEPT:
-            out.append(from_gguf_blocks(data[i], _KEPT[kind], n, k))
+            w = from_gguf_blocks(data[i], _KEPT[kind], n, k)
         elif kind in _KEPT_K:
             w = _k_quant(data[i], kind, n, k, super_blocks)
-            out.append(interleave_x16(w) if _tileable(w) else w)
         else:
-            out.append(from_gguf_repacked(data[i].reshape(n, -1), kind, n, k))
+            w = from_gguf_repacked(data[i].reshape(n, -1), kind, n, k)
+        if _tileable(w, super_blocks):  # Q8_0 / Q5_0 / IQ4_NL as Q8_0's tiles where the k-quants' are
+            w = interleave_x16(w) if w.super_blocks else interleave_q8_x16(w)
+        out.append(w)
     return out

@@ -60,12 +60,12 @@ def _encode(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, object]:
 
 
 def write_moe_gguf(
-    hf_folder: Path, out: Path, fmt: str, down_fmt: str | None = None
+    hf_folder: Path, out: Path, fmt: str, down_fmt: str | None = None, up_fmt: str | None = None
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """The fp32 MoE model in `hf_folder` as a GGUF whose 2-D and expert tensors are `fmt` (F16, Q8_0,
     Q4_K: k-quants need dimensions that are multiples of 256), the experts' down projections `down_fmt`
-    (default fmt: Q4_K_M files mix Q4_K and Q6_K), norms and routers F32. Returns (path, the file's
-    weights dequantized under the HF names)."""
+    (default fmt: Q4_K_M files mix Q4_K and Q6_K) and up projections `up_fmt` (default fmt), norms and
+    routers F32. Returns (path, the file's weights dequantized under the HF names)."""
     import gguf
 
     from server.models.loader import embedded_gguf_path
@@ -148,7 +148,8 @@ def write_moe_gguf(
         ):
             hf = [f"{pre}{block}.experts.{e}.{part}.weight" for e in range(experts)]
             stacked = np.stack([state[h].float().numpy() for h in hf])
-            add(f"blk.{n}.{gname}.weight", stacked, (down_fmt or fmt) if i == 2 else fmt, hf, split=1)
+            kind_ = {1: up_fmt or fmt, 2: down_fmt or fmt}.get(i, fmt)
+            add(f"blk.{n}.{gname}.weight", stacked, kind_, hf, split=1)
         shared_gate = f"{pre}mlp.shared_expert_gate.weight"
         if shared_gate in state:
             add(

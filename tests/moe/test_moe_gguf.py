@@ -30,14 +30,15 @@ from server.models.moe.quant import BlockQuantExperts
 from server.quant import weight_bytes
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import active_kernel, int8_pack_switch
-from server.quant.cpu_qlinear import file_format, try_load_qlinear_kernel
+from server.quant.cpu_qlinear import try_load_qlinear_kernel
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.quant.gguf_checkpoint import super_blocks_enabled
 from server.request import SamplingParams
 
 NEW = 10
 pytestmark = pytest.mark.slow
-QUANT_TOL = {"F16": 5e-3, "Q8_0": 0.1, "Q4_K": 2.0}  # largest prompt-logprob error vs the fp32 model
+# largest prompt-logprob error vs the fp32 model; Q4_0 (the mixed file's up projections) bounded as Q4_K
+QUANT_TOL = {"F16": 5e-3, "Q8_0": 0.1, "Q4_K": 2.0, "Q4_0": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +114,11 @@ def test_q8_0_experts_kept_quantized(
     assert engine.info.quantization == "gguf-q8_0"
     blocks = _moe_blocks(engine)
     assert len(blocks) == {"mixtral": 4, "qwen2_moe": 3, "qwen3_moe": 2}[kind]
+    # 16-row tiles where the tile kernels run, as a dense Q8_0 matrix (experts were kept row-major)
+    layout = "q8_0_x16" if super_blocks_enabled() else "q8_0"
     for block in blocks:
         assert isinstance(block.experts, BlockQuantExperts) and block.w13 is None
-        assert {w.fmt for w in block.experts.w13 + block.experts.w2} == {"q8_0"}
+        assert {w.fmt for w in block.experts.w13 + block.experts.w2} == {layout}
         # the quantized experts count in the weight bytes (/info, the start-up log); their packed copies
         # for int8 batches (made at load under bf16 GEMMs) are reported apart, as the dense layers' are
         params = sum(p.numel() * p.element_size() for p in block.parameters())
@@ -126,9 +129,7 @@ def test_q8_0_experts_kept_quantized(
         if kind == "qwen2_moe":  # ffn_*_shexp kept in their blocks (they were an fp32 copy, 3.8x the bytes)
             shared = [block.shared_gate_up, block.shared_down]
             assert block.shared_w13 is None and block.shared_w2 is None
-            assert all(
-                isinstance(m, BlockQuantLinear) and file_format(m.weight_q.fmt) == "q8_0" for m in shared
-            )
+            assert all(isinstance(m, BlockQuantLinear) and m.weight_q.fmt == layout for m in shared)
     assert not engine.loaded.gguf_dequantized
     _check(engine, hf, dequantized, "Q8_0")
 
@@ -139,6 +140,30 @@ def test_f16_experts_dequantized(files: Callable[..., tuple[Path, Path, Path]], 
     assert all(b.experts is None and b.w13 is not None for b in _moe_blocks(engine))
     assert engine.loaded.gguf_dequantized  # listed: F16 held as fp32
     _check(engine, hf, dequantized, "F16")
+
+
+def test_experts_of_mixed_types_dequantized_and_listed(
+    tmp_path: Path, smollm2_dir: Path, cache: Path
+) -> None:
+    """Gate Q8_0 and up Q4_0 cannot share one w13 in blocks: the layer's three stacks are served fp32 and
+    each is listed (gguf_dequantized: the log, /info) with what it costs; they were dequantized silently."""
+    hf = build(tmp_path / "hf", smollm2_dir, "mixtral")
+    path, weights = write_moe_gguf(hf, tmp_path / "mixed.gguf", "Q8_0", up_fmt="Q4_0")
+    engine = _serve(path, cache)
+    assert all(b.experts is None and b.w13 is not None for b in _moe_blocks(engine))
+    listed = {d.name: d for d in engine.loaded.gguf_dequantized or ()}
+    layers = engine.loaded.arch.num_layers
+    want = {f"blk.{n}.ffn_{p}_exps.weight" for n in range(layers) for p in ("gate", "up", "down")}
+    assert set(listed) == want
+    assert {listed[f"blk.0.ffn_{p}_exps.weight"].gguf_type for p in ("gate", "up", "down")} == {
+        "Q8_0",
+        "Q4_0",
+    }
+    moe = engine.loaded.arch.moe
+    assert moe is not None
+    fp32 = moe.num_experts * moe.hidden_size * moe.intermediate_size * 4
+    assert all(d.resident_bytes == fp32 and 0 < d.file_bytes < fp32 for d in listed.values())
+    _check(engine, hf, save_dequantized(hf, tmp_path / "dequantized", weights), "Q4_0")
 
 
 def test_k_quant_experts_kept_quantized(files: Callable[..., tuple[Path, Path, Path]], cache: Path) -> None:

@@ -109,6 +109,22 @@ class GgufMoeTensors:
     quantized: dict[str, str]  # module name -> format of the blocks' projections kept quantized
 
 
+def _listed(
+    ckpt: GgufCheckpoint, gguf_name: str, gguf_type: str, file_bytes: int, resident_bytes: int
+) -> None:
+    """A block tensor served dequantized to fp32, listed in `ckpt.dequantized` with what it costs (the
+    log, /info), as the reader lists the types it cannot keep."""
+    d = DequantizedTensor(gguf_name, gguf_type, file_bytes, resident_bytes)
+    ckpt.dequantized.append(d)
+    log.warning(
+        "%s (%s) is served as fp32: %d bytes more than in the file", gguf_name, gguf_type, d.extra_bytes
+    )
+
+
+def _stored_bytes(ws: list[BlockQuantWeight]) -> int:
+    return sum(t.numel() * t.element_size() for w in ws for t in w.tensors())
+
+
 def assemble_gguf_moe(
     blocks: dict[int, SparseMoeBlock],
     ckpt: GgufCheckpoint,
@@ -163,14 +179,9 @@ def assemble_gguf_moe(
                 state[f"{pre}.shared_w2"] = _dense(sd)
                 for part, t in zip(("gate", "up", "down"), (sg, su, sd), strict=True):
                     if isinstance(t, BlockQuantWeight):
-                        ckpt.dequantized.append(
-                            DequantizedTensor(
-                                f"blk.{n}.ffn_{part}_shexp.weight",
-                                file_format(t.fmt).upper(),
-                                sum(x.numel() * x.element_size() for x in t.tensors()),
-                                t.out_features * t.in_features * 4,
-                            )
-                        )
+                        fmt = file_format(t.fmt).upper()
+                        resident = 4 * t.out_features * t.in_features
+                        _listed(ckpt, f"blk.{n}.ffn_{part}_shexp.weight", fmt, _stored_bytes([t]), resident)
         names = [f"{pre}.experts.{p}" for p in ("gate", "up", "down")]
         mx = [ckpt.mxfp4_experts.pop(k, None) for k in names]
         if all(m is not None for m in mx):
@@ -181,7 +192,10 @@ def assemble_gguf_moe(
             continue
         for k, m in zip(names, mx, strict=True):  # some MXFP4, some not: served dense
             if m is not None:
-                ckpt.tensors[k] = dequantize_mxfp4(*m)
+                held = dequantize_mxfp4(*m)
+                ckpt.tensors[k] = held
+                gguf_name = f"blk.{n}.ffn_{k.rsplit('.', 1)[1]}_exps.weight"
+                _listed(ckpt, gguf_name, "MXFP4", sum(t.numel() for t in m), 4 * held.numel())
         quant = [ckpt.experts.pop(k, None) for k in names]
         if all(q is not None for q in quant) and quant[0][0].fmt == quant[1][0].fmt:  # type: ignore[index]
             g, u, d = quant
@@ -193,6 +207,9 @@ def assemble_gguf_moe(
         for k, q in zip(names, quant, strict=True):
             if q is not None:
                 dense.append(torch.stack([dequantize_reference(w) for w in q]))
+                gguf_name = f"blk.{n}.ffn_{k.rsplit('.', 1)[1]}_exps.weight"
+                fmt = file_format(q[0].fmt).upper()
+                _listed(ckpt, gguf_name, fmt, _stored_bytes(q), 4 * dense[-1].numel())
             else:
                 dense.append(_dense(take(k.removeprefix(pre + "."))))
         state[f"{pre}.w13"] = torch.cat([dense[0], dense[1]], dim=1)  # [E, 2I, H]
