@@ -9,6 +9,9 @@ from a cache that holds one layer. Per case: median ms per block step for each p
 bf16, as the engine sets them under `--dtype auto` on a CPU with native bf16), the router + top-k
 alone, and at one token the chosen experts' bytes over the step's time (as repacked in memory: Q4_K at
 6.0 bits per weight, Q6_K at 10.0; and as in the file, 4.5 and 6.56) against a 64 MiB copy's bandwidth.
+The experts are laid out as the loader holds them for bf16 layers (`read_gguf_checkpoint`: 16-row tiles
+where the tile kernels run; KUBEINFER_KQUANT_BLOCKS=0 for the row-major / repacked layouts, which fp32
+layers get): the fp32 columns over tiles measure the tiles' slow fp32 path, not what fp32 serving runs.
 The machine may be shared: compare the ratios; the load average is printed before and after.
 
     python benchmarks/moe_block.py [--gguf FILE --layers 4 --tokens 1 16 --rounds 5 --reps 8]
@@ -32,7 +35,8 @@ from server.models.moe.quant import BlockQuantExperts
 from server.models.moe.weights import ExpertWeights
 from server.native import usable_cpu_features
 from server.quant.cpu_qgemv_q8 import active_kernel
-from server.quant.cpu_qlinear import load_qlinear_kernel
+from server.quant.cpu_qlinear import BlockQuantWeight, load_qlinear_kernel
+from server.quant.gguf_checkpoint import read_gguf_checkpoint
 
 DEFAULT_GGUF = Path.home() / ".cache/kubeinfer/real-shapes/qwen3-moe-2b/qwen3-moe-2b-Q4_K_M.gguf"
 FILE_BITS = {"q4_k": 4.5, "q6_k": 6.5625, "q8_0": 8.5, "q4_0": 4.5}
@@ -71,20 +75,21 @@ def _layers(path: Path, count: int) -> tuple[MoEConfig, list[FusedMoE], list[flo
     assert tuple(int(v) for v in router0.shape) == (h, e)
     cfg = MoEConfig(arch.replace("moe", "_moe"), e, top_k, h, i, renormalize=arch == "qwen3moe")
     kernel = load_qlinear_kernel()
+    # the experts as the loader holds them (gguf_checkpoint: 16-row tiles where the tile kernels run,
+    # KUBEINFER_KQUANT_BLOCKS; else row-major / repacked), not a layout of the benchmark's own
+    ckpt = read_gguf_checkpoint(path)
     blocks, file_bytes = [], []
     for n in range(count):
-
-        def t(name: str, n: int = n) -> tuple[object, str]:
-            x = by_name[f"blk.{n}.{name}.weight"]
-            return x.data, x.tensor_type.name.lower()
-
-        gate, up, down = t("ffn_gate_exps"), t("ffn_up_exps"), t("ffn_down_exps")
-        experts = BlockQuantExperts.from_gguf(gate, up, down, cfg, kernel)  # type: ignore[arg-type]
-        router = torch.from_numpy(by_name[f"blk.{n}.ffn_gate_inp.weight"].data.copy()).reshape(e, h)
+        pre = f"model.layers.{n}.mlp"
+        gate, up, down = (ckpt.experts[f"{pre}.experts.{p}"] for p in ("gate", "up", "down"))
+        w13 = [BlockQuantWeight.concat_rows([a, b]) for a, b in zip(gate, up, strict=True)]
+        experts = BlockQuantExperts(w13, down, kernel=kernel)
+        router = ckpt.tensors[f"{pre}.router"]
+        assert isinstance(router, torch.Tensor)
         w = ExpertWeights(router=router.float(), router_bias=None, w13=None, w2=None, b13=None, b2=None)
         blocks.append(FusedMoE(cfg, w, experts=experts))
-        per_expert_weights = (2 * i * h * FILE_BITS[gate[1]] + h * i * FILE_BITS[down[1]]) / 8
-        file_bytes.append(per_expert_weights)
+        kinds = [by_name[f"blk.{n}.ffn_{p}_exps.weight"].tensor_type.name.lower() for p in ("gate", "down")]
+        file_bytes.append((2 * i * h * FILE_BITS[kinds[0]] + h * i * FILE_BITS[kinds[1]]) / 8)
     return cfg, blocks, file_bytes
 
 
@@ -101,6 +106,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     out: dict[str, object] = {
         "file": args.gguf.name,
+        "expert_layouts": sorted({w.fmt for b in blocks for w in b.experts.w13 + b.experts.w2}),  # type: ignore[attr-defined]
         "shape": {"hidden": cfg.hidden_size, "inter": cfg.intermediate_size, "experts": cfg.num_experts},
         "top_k": cfg.top_k,
         "layers": args.layers,

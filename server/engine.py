@@ -156,7 +156,12 @@ class LLMEngine:
             check_memory(self.memory)
         if self.source.gguf is not None:
             self.loaded: LoadedModel = load_gguf_model(
-                self.source.gguf, self.source.folder, self.device, self.max_model_len, config.model.cache_dir
+                self.source.gguf,
+                self.source.folder,
+                self.device,
+                self.max_model_len,
+                config.model.cache_dir,
+                cpu_gemm_dtype(resolve_dtype(config.model.dtype, self.device)),
             )
         else:
             tp = config.parallel.tensor_parallel_size

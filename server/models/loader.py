@@ -718,11 +718,18 @@ def _gguf_moe_blocks(
 
 
 def load_gguf_model(
-    gguf: Path, folder: Path, device: torch.device, max_positions: int, cache_dir: Path | None = None
+    gguf: Path,
+    folder: Path,
+    device: torch.device,
+    max_positions: int,
+    cache_dir: Path | None = None,
+    compute: torch.dtype | None = None,
 ) -> LoadedModel:
     """The GGUF file served as it is, on CPU: Q4_0/Q4_1/Q8_0 projections, embedding and LM head stay
     quantized (BlockQuantLinear / BlockQuantEmbedding, fp32 activations); float tensors load as fp32.
-    `folder` holds its config.json (gguf_metadata_folder); `cache_dir` is where the kernel is built."""
+    `folder` holds its config.json (gguf_metadata_folder); `cache_dir` is where the kernel is built;
+    `compute` the GEMM dtype the engine will set (--dtype resolved; None: `auto`'s), which decides the
+    quantized tensors' layouts (gguf_checkpoint.super_blocks_enabled)."""
     from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
     from server.quant.cpu_qlinear import BlockQuantWeight, file_format
     from server.quant.gguf_checkpoint import read_gguf_checkpoint
@@ -736,7 +743,7 @@ def load_gguf_model(
         raise UnsupportedModelError(f"{folder}/config.json lacks the field {e}") from e
     if not ARCHITECTURES[arch.architecture].gguf:
         raise UnsupportedModelError(f"{arch.architecture} GGUF files are not mapped yet (docs/models.md)")
-    ckpt = read_gguf_checkpoint(gguf)
+    ckpt = read_gguf_checkpoint(gguf, compute if compute is not None else resolve_dtype("auto", device))
     rename = ARCHITECTURES[arch.architecture].rename_weights
     if rename is not None:  # Phi-3's fused attn_qkv / ffn_up, split by rows (quantized rows stay so)
         ckpt.tensors = rename(ckpt.tensors, arch)  # type: ignore[arg-type,assignment]

@@ -15,6 +15,7 @@ Tolerances:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -213,3 +214,32 @@ def _served_paths_match(w: cq.BlockQuantWeight, dense: torch.Tensor, kernel, q8)
             if m >= lin.gemm_min_rows and dtype == torch.bfloat16:  # dequantize + bf16 library GEMM
                 bound = 1e-2 * (x.abs() @ dense.abs().t())
             assert ((lin(x) - exact).abs() <= bound).all(), (m, dtype)
+
+
+def test_tiles_only_where_the_layers_compute_in_bf16(
+    tiny_model_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KUBEINFER_KQUANT_BLOCKS unset: layers computing in fp32 (--dtype float32, or auto on a CPU with
+    AVX512-VNNI but no native bf16) read the file row-major, since the tiles' fp32 path dequantizes a row
+    at a time (~10x the row-major kernel's time at one row); bf16 layers take the tiles where the VNNI
+    kernel runs; the switch overrides both ways."""
+    from gguf_models import write_tiny_gguf
+
+    from server.quant.cpu_qk_native import try_load_qk_native_kernel
+    from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
+
+    hf = tiny_model_factory("llama", tie=True, hidden=96)
+    gguf_path = write_tiny_gguf(hf, tmp_path / "tiny.gguf", "Q8_0", tokenizer=False)
+
+    def layouts(compute: torch.dtype) -> set[str]:
+        ckpt = read_gguf_checkpoint(gguf_path, compute)
+        return {w.fmt for w in ckpt.tensors.values() if isinstance(w, cq.BlockQuantWeight)}
+
+    monkeypatch.delenv(SUPER_BLOCKS_ENV, raising=False)
+    assert layouts(torch.float32) == {"q8_0"}
+    kernel = try_load_qk_native_kernel()
+    assert ("q8_0_x16" in layouts(torch.bfloat16)) == (kernel is not None and kernel.isa == "vnni")
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
+    assert "q8_0_x16" in layouts(torch.float32)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
+    assert layouts(torch.bfloat16) == {"q8_0"}
