@@ -1,13 +1,16 @@
-"""The MoE architectures under the engine's other features, one request each on the tiny Qwen2-MoE (MoE
-layers with a shared expert and one dense layer; tests/moe/moe_models.py): LoRA on attention (equal to
-transformers + peft), n-gram speculation and a grammar (equal to transformers greedy, unconstrained
-and under xgrammar's processor); what is refused at start-up (a LoRA adapter for a MoE layer's MLP,
---quantize); and the config translation (which layers are sparse, the parameter count)."""
+"""The MoE architectures under the engine's other features, one request each on a tiny model of each of
+the four (Mixtral, Qwen2-MoE with its shared expert and a dense layer, Qwen3-MoE with dense layers
+between sparse ones: tests/moe/moe_models.py; gpt-oss with sinks, alternating windows and its biased
+router: tests/models/test_gpt_oss.py's dense folder): LoRA on attention (equal to transformers + peft),
+n-gram speculation and a grammar (equal to transformers greedy, unconstrained and under xgrammar's
+processor); what is refused at start-up (a LoRA adapter for a MoE layer's MLP, --quantize); and the
+config translation (which layers are sparse, the parameter count)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +29,33 @@ from server.request import GrammarSpec, SamplingParams
 from server.spec_decode.config import SpeculativeConfig
 
 NEW = 10
+SPEC_NEW = 24
+
+
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
-def qwen2_moe(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return build(tmp_path_factory.mktemp("tiny-qwen2-moe"), smollm2_dir, "qwen2_moe")
+def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            root = tmp_path_factory.mktemp(f"tiny-{kind}")
+            if kind == "gpt_oss":  # its dense folder: transformers and peft read it as it is
+                from models.test_gpt_oss import build_gpt_oss
+
+                made[kind] = build_gpt_oss(root, smollm2_dir)[0]
+            else:
+                made[kind] = build(root, smollm2_dir, kind)
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tiny: Callable[[str], Path]) -> Path:
+    return tiny("qwen2_moe")
 
 
 def _hf_config(kind: str, **over: Any) -> dict[str, Any]:
@@ -80,20 +105,24 @@ def test_quantize_other_than_int8_is_refused(qwen2_moe: Path) -> None:
         moe_engine(qwen2_moe, quantize="fp8")
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_lora_on_attention_matches_peft_and_moe_mlp_targets_are_refused(
-    qwen2_moe: Path, tmp_path: Path
+    tiny: Callable[[str], Path], tmp_path: Path, kind: str
 ) -> None:
-    adapter = make_adapter(qwen2_moe, tmp_path / "attn", 4, ("q_proj", "v_proj"), seed=1, std=0.15)
+    folder = tiny(kind)
+    adapter = make_adapter(folder, tmp_path / "attn", 4, ("q_proj", "v_proj"), seed=1, std=0.15)
     engine = moe_engine(
-        qwen2_moe,
+        folder,
         lora=LoRAConfig(enable_lora=True, lora_modules=(LoRAModule("attn", str(adapter)),), max_lora_rank=8),
     )
     prompts = [engine.tokenizer.encode(PROMPTS[1])]
-    ref = peft_greedy(qwen2_moe, adapter, prompts, NEW)
-    assert ref != peft_greedy(qwen2_moe, None, prompts, NEW)  # the adapter changes the output
+    ref = peft_greedy(folder, adapter, prompts, NEW)
+    assert ref != peft_greedy(folder, None, prompts, NEW)  # the adapter changes the output
     assert engine.lora is not None
     params = SamplingParams(max_tokens=NEW, temperature=0.0)
     assert engine.generate(prompts, params, [engine.lora.get("attn")]) == ref
+    if kind != "qwen2_moe":
+        return
     # the same adapter plus a gate_proj pair for layer 0, whose MLP is the MoE block
     bad = tmp_path / "moe-mlp"
     shutil.copytree(adapter, bad)
@@ -107,22 +136,26 @@ def test_lora_on_attention_matches_peft_and_moe_mlp_targets_are_refused(
         load_adapter("bad", bad, arch, 8, torch.float32)
 
 
-def test_ngram_speculation_and_a_grammar_equal_transformers(qwen2_moe: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_ngram_speculation_and_a_grammar_equal_transformers(tiny: Callable[[str], Path], kind: str) -> None:
     import xgrammar.contrib.hf as xhf
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
+    folder = tiny(kind)
     spec = moe_engine(
-        qwen2_moe, speculative=SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
+        folder, speculative=SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
     )
     prompt = spec.tokenizer.encode("a b c d e f a b c d e f a b c")
-    params = SamplingParams(max_tokens=NEW, temperature=0.0)
-    assert spec.generate([prompt], params) == hf_greedy(qwen2_moe, [prompt], NEW)
+    # long enough that each model's continuation repeats one of its tokens (gpt-oss's at its 15th), so
+    # drafts are proposed; prompt tokens alone are not copied by every random model
+    params = SamplingParams(max_tokens=SPEC_NEW, temperature=0.0)
+    assert spec.generate([prompt], params) == hf_greedy(folder, [prompt], SPEC_NEW)
     assert spec.stats().spec_num_draft_tokens > 0
 
     grammar = GrammarSpec("choice", json.dumps(["north", "south", "east by west"]))
     prompt = spec.tokenizer.encode(PROMPTS[0])
     got = spec.generate([prompt], SamplingParams(max_tokens=NEW, temperature=0.0, structured=grammar))[0]
-    hf = AutoModelForCausalLM.from_pretrained(str(qwen2_moe), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     proc = xhf.LogitsProcessor(spec.grammars.compile(grammar))
     with torch.no_grad():
         ids = hf.generate(  # type: ignore[misc]

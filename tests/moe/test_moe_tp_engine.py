@@ -1,5 +1,6 @@
 """Mixture-of-experts models under tensor parallelism (server/distributed/moe_sharding.py wired into
-sharding.py): a tiny random Mixtral and Qwen2-MoE (shared expert, a dense layer) served with
+sharding.py): a tiny random Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE (q/k norms,
+dense layers between sparse ones) served with
 tensor_parallel_size 2 over gloo give transformers' greedy tokens (staggered, chunked prefill, a
 prefix-cache hit) and its prompt logprobs within the single-device tolerance. gpt-oss's MXFP4 experts
 are cut along their packed blocks (checked in one process: the ranks' partial sums add up to the whole
@@ -60,13 +61,13 @@ def tp_engine(folder: Path) -> LLMEngine:
     )
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tp2_greedy_and_prompt_logprobs_equal_transformers(tiny: Callable[[str], Path], kind: str) -> None:
     folder = tiny(kind)
     engine = tp_engine(folder)
     try:
         blocks = [m for m in engine.loaded.model.modules() if isinstance(m, TensorParallelSparseMoeBlock)]
-        assert len(blocks) == {"mixtral": 4, "qwen2_moe": 3}[kind]
+        assert len(blocks) == {"mixtral": 4, "qwen2_moe": 3, "qwen3_moe": 2}[kind]
         moe = engine.loaded.arch.moe
         assert moe is not None and blocks[0].cfg.intermediate_size == moe.intermediate_size // 2
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
