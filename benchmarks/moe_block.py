@@ -77,7 +77,7 @@ def _layers(path: Path, count: int) -> tuple[MoEConfig, list[FusedMoE], list[flo
     kernel = load_qlinear_kernel()
     # the experts as the loader holds them (gguf_checkpoint: 16-row tiles where the tile kernels run,
     # KUBEINFER_KQUANT_BLOCKS; else row-major / repacked), not a layout of the benchmark's own
-    ckpt = read_gguf_checkpoint(path)
+    ckpt = read_gguf_checkpoint(path, torch.bfloat16)
     blocks, file_bytes = [], []
     for n in range(count):
         pre = f"model.layers.{n}.mlp"

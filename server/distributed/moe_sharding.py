@@ -165,10 +165,15 @@ def shard_int8_shared_expert(
     lo, hi = rank * part, (rank + 1) * part
     rows = torch.cat([torch.arange(lo, hi), torch.arange(shared + lo, shared + hi)])
     w2 = down.weight_q
-    return (
+    out = (
         BlockQuantLinear(gate_up.weight_q.select_rows(rows), kernel=gate_up.kernel),
         BlockQuantLinear(from_int8(w2.q[:, lo:hi].contiguous(), w2.scales[:, 0]), kernel=down.kernel),
     )
+    for shard, whole in zip(out, (gate_up, down), strict=True):
+        shard.kernel = (
+            whole.kernel
+        )  # None stays None (TP's rank_loading: the torch reference, as for the rest)
+    return out
 
 
 def check_block_shardable(block: nn.Module, world_size: int, what: str) -> None:

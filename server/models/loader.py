@@ -384,7 +384,7 @@ def _dequantized_state(gguf: Path) -> dict[str, torch.Tensor]:
     from server.quant.cpu_qlinear import BlockQuantWeight, dequantize_reference
     from server.quant.gguf_checkpoint import read_gguf_checkpoint
 
-    ckpt = read_gguf_checkpoint(gguf)
+    ckpt = read_gguf_checkpoint(gguf, torch.float32)  # dequantized below: no tiles to undo
     for name, per_expert in ckpt.experts.items():  # stacked experts kept quantized: [E, N, K]
         ckpt.tensors[name] = torch.stack([dequantize_reference(w) for w in per_expert])
     state = {

@@ -101,7 +101,7 @@ def markdown() -> str:
         "experts where a rank's slice is whole 32-blocks). The fused CPU layer ops serve every row's dense",
         "layers and the decode graph every dense layer, Gemma 2's soft-capped attention included, and every",
         "MoE layer whose experts are quantized (GGUF, `--quantize int8`, MXFP4; Qwen2-MoE's shared expert too,",
-        "held in its GGUF blocks or int8) (the",
+        "held in its GGUF blocks or int8), in models served in fp32 (a GGUF as it is, `--dtype float32`) (the",
         "layer contract as data: `server/models/decode_graph.py`); tensor parallelism (MoE models aside) and",
         "calibrated quantization (`python -m server.quantize`) serve the Llama layer only (column 5);",
         "`--quantize` at load replaces projections by name in every architecture. Embeddings",

@@ -67,16 +67,17 @@ SUPER_BLOCK_TYPES = ("Q6_K", "Q4_K")
 SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 
 
-def super_blocks_enabled(compute: torch.dtype = torch.bfloat16) -> bool:
+def super_blocks_enabled(compute: torch.dtype) -> bool:
     """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0, Q5_0, IQ4_NL as 16-row
     tiles), `0` repack them (and keep those row-major); unset: where the super-block kernel runs its
     AVX512-VNNI path (its scalar path is slower than the repacked formats' AVX2 GEMV) and the layers
     compute in bf16 (`compute`, the GEMM dtype --dtype resolves to: server/quant/gemm_dtype.py). The tiles'
     int8-activation kernels serve bf16 layers; fp32 layers dequantize them a row at a time (qk_native.cpp's
     fp32_rows), 10x the row-major kernel's time at one row (Zen 5: a Q8_0 [4096, 2048] 1.89 against 0.18
-    ms; a Qwen3-MoE-2.1B Q4_K_M block's experts at one token 18.5 against 1.4 ms), so under --dtype
-    float32, or auto on a CPU with AVX512-VNNI but no native bf16 (Ice Lake's class), the row-major and
-    repacked layouts serve. ValueError for another value."""
+    ms; a Qwen3-MoE-2.1B Q4_K_M block's experts at one token 18.5 against 1.4 ms), so where the layers
+    compute in fp32 (a GGUF served as it is under `--dtype auto` on a CPU with AVX512-VNNI but no native
+    bf16, Ice Lake's class; a file read to be dequantized) the row-major and repacked layouts serve.
+    ValueError for another value."""
     explicit = env_switch(SUPER_BLOCKS_ENV)
     if explicit is not None:
         return explicit
@@ -175,7 +176,7 @@ def _field_int(reader: object, key: str) -> int | None:
     return int(f.parts[f.data[0]][0])
 
 
-def read_gguf_checkpoint(path: Path, compute: torch.dtype = torch.bfloat16) -> GgufCheckpoint:
+def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
     """Every tensor of `path` under its Hugging Face name, laid out for layers computing in `compute`
     (super_blocks_enabled); raises ValueError for tensor types it cannot read."""
     from gguf import GGUFReader

@@ -115,7 +115,7 @@ def test_q8_0_experts_kept_quantized(
     blocks = _moe_blocks(engine)
     assert len(blocks) == {"mixtral": 4, "qwen2_moe": 3, "qwen3_moe": 2}[kind]
     # 16-row tiles where the tile kernels run, as a dense Q8_0 matrix (experts were kept row-major)
-    layout = "q8_0_x16" if super_blocks_enabled() else "q8_0"
+    layout = "q8_0_x16" if super_blocks_enabled(engine.gemm_dtype) else "q8_0"
     for block in blocks:
         assert isinstance(block.experts, BlockQuantExperts) and block.w13 is None
         assert {w.fmt for w in block.experts.w13 + block.experts.w2} == {layout}
@@ -162,7 +162,9 @@ def test_experts_of_mixed_types_dequantized_and_listed(
     moe = engine.loaded.arch.moe
     assert moe is not None
     fp32 = moe.num_experts * moe.hidden_size * moe.intermediate_size * 4
-    assert all(d.resident_bytes == fp32 and 0 < d.file_bytes < fp32 for d in listed.values())
+    per_32 = {"Q8_0": 34, "Q4_0": 18}  # ggml's block bytes per 32 values: the file's, not the held layout's
+    for d in listed.values():
+        assert d.resident_bytes == fp32 and d.file_bytes == fp32 // 4 // 32 * per_32[d.gguf_type], d
     _check(engine, hf, save_dequantized(hf, tmp_path / "dequantized", weights), "Q4_0")
 
 
@@ -178,7 +180,7 @@ def test_k_quant_experts_kept_quantized(files: Callable[..., tuple[Path, Path, P
     # 4.625 bits, q6_k_x16 at 6.56), no int8 packed copies. Elsewhere, repacked, and under bf16 GEMMs the
     # Q4_K experts packed for the int8 batched path (pack_moe_int8_weights; Q6_K's 16-value groups are not
     # that path's).
-    tiles = super_blocks_enabled()
+    tiles = super_blocks_enabled(engine.gemm_dtype)
     packs = (
         not tiles
         and engine.gemm_dtype == torch.bfloat16

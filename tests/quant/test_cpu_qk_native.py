@@ -190,7 +190,7 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
     hf = tiny_model_factory("llama", tie=True, hidden=256)
     path = write_tiny_gguf(hf, tmp_path / "tiny-k.gguf", "Q4_K", embedding_fmt="Q6_K", tokenizer=False)
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
-    ckpt = read_gguf_checkpoint(path)
+    ckpt = read_gguf_checkpoint(path, torch.bfloat16)
     emb = ckpt.tensors["model.embed_tokens.weight"]
     assert isinstance(emb, cq.BlockQuantWeight) and emb.super_blocks and emb.fmt == "q6_k_x16"
     n, k = emb.out_features, emb.in_features
@@ -199,7 +199,7 @@ def test_gguf_q6_k_held_as_the_files_super_blocks(
     proj = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(proj, cq.BlockQuantWeight) and proj.fmt == "q4_k_x16"  # Q4_K: 16-row tiles
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
-    repacked = read_gguf_checkpoint(path).tensors["model.embed_tokens.weight"]
+    repacked = read_gguf_checkpoint(path, torch.bfloat16).tensors["model.embed_tokens.weight"]
     assert isinstance(repacked, cq.BlockQuantWeight) and not repacked.super_blocks
     dense = cq.dequantize_reference(repacked)
     assert torch.equal(cq.dequantize_reference(emb), dense)
@@ -282,9 +282,9 @@ def test_gguf_q4_k_held_as_16_row_tiles(
     hf = tiny_model_factory("llama", tie=False, hidden=256)
     path = write_tiny_gguf(hf, tmp_path / "tiny-q4k.gguf", "Q4_K", tokenizer=False)
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
-    ckpt = read_gguf_checkpoint(path)
+    ckpt = read_gguf_checkpoint(path, torch.bfloat16)
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
-    repacked = read_gguf_checkpoint(path)
+    repacked = read_gguf_checkpoint(path, torch.bfloat16)
     prefix = "model.layers.0.self_attn."
     parts = [ckpt.tensors[prefix + p + "_proj.weight"] for p in ("q", "k", "v")]
     for name, w in ckpt.tensors.items():

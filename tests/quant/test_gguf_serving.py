@@ -47,7 +47,7 @@ def test_tensors_equal_transformers_reading_of_the_file(tiny_gguf: dict[str, Pat
     from transformers import AutoModelForCausalLM
 
     path = tiny_gguf[fmt]
-    ours = read_gguf_checkpoint(path)
+    ours = read_gguf_checkpoint(path, torch.bfloat16)
     assert ours.formats == {fmt: 15, "F32": 5}  # 2 layers x 7 projections + embedding; 5 norms
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     ref_state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
@@ -89,7 +89,7 @@ def test_k_quant_gguf_kept_quantized_with_greedy_parity(
 
     hf_folder = tiny_model_factory("llama", tie=True, hidden=256)
     path = write_tiny_gguf(hf_folder, tmp_path / "tiny-k.gguf", "Q4_K", embedding_fmt="Q6_K")
-    ours = read_gguf_checkpoint(path)
+    ours = read_gguf_checkpoint(path, torch.bfloat16)
     assert ours.formats == {"Q4_K": 14, "Q6_K": 1, "F32": 5}
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     ref_state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}

@@ -153,9 +153,9 @@ def test_gguf_32_blocks_held_as_tiles(
     gguf_path = write_tiny_gguf(hf, tmp_path / "tiny.gguf", kind, tokenizer=False)
     fmt = kind.lower()
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
-    ckpt = read_gguf_checkpoint(gguf_path)
+    ckpt = read_gguf_checkpoint(gguf_path, torch.bfloat16)
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
-    rowmajor = read_gguf_checkpoint(gguf_path)
+    rowmajor = read_gguf_checkpoint(gguf_path, torch.bfloat16)
     kernel = cq.load_qlinear_kernel()
     q8 = q8m.load_q8_gemv_kernel(kernel)
     tiled = 0

@@ -121,8 +121,16 @@ def _listed(
     )
 
 
-def _stored_bytes(ws: list[BlockQuantWeight]) -> int:
-    return sum(t.numel() * t.element_size() for w in ws for t in w.tensors())
+def _file_bytes(ws: list[BlockQuantWeight]) -> int:
+    """The bytes `ws` take in the file: their GGUF type's blocks (gguf-py's GGML_QUANT_SIZES), not the
+    held layout's (a repacked Q5_K holds 8-bit groups)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    total = 0
+    for w in ws:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[file_format(w.fmt).upper()]]
+        total += w.out_features * w.in_features // block * type_size
+    return total
 
 
 def assemble_gguf_moe(
@@ -181,7 +189,7 @@ def assemble_gguf_moe(
                     if isinstance(t, BlockQuantWeight):
                         fmt = file_format(t.fmt).upper()
                         resident = 4 * t.out_features * t.in_features
-                        _listed(ckpt, f"blk.{n}.ffn_{part}_shexp.weight", fmt, _stored_bytes([t]), resident)
+                        _listed(ckpt, f"blk.{n}.ffn_{part}_shexp.weight", fmt, _file_bytes([t]), resident)
         names = [f"{pre}.experts.{p}" for p in ("gate", "up", "down")]
         mx = [ckpt.mxfp4_experts.pop(k, None) for k in names]
         if all(m is not None for m in mx):
@@ -209,7 +217,7 @@ def assemble_gguf_moe(
                 dense.append(torch.stack([dequantize_reference(w) for w in q]))
                 gguf_name = f"blk.{n}.ffn_{k.rsplit('.', 1)[1]}_exps.weight"
                 fmt = file_format(q[0].fmt).upper()
-                _listed(ckpt, gguf_name, fmt, _stored_bytes(q), 4 * dense[-1].numel())
+                _listed(ckpt, gguf_name, fmt, _file_bytes(q), 4 * dense[-1].numel())
             else:
                 dense.append(_dense(take(k.removeprefix(pre + "."))))
         state[f"{pre}.w13"] = torch.cat([dense[0], dense[1]], dim=1)  # [E, 2I, H]
