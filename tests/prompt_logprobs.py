@@ -1,10 +1,12 @@
 """Prompt logprobs of the chosen tokens, ours and transformers', for the reduced-precision parity tests
 (tests/quant/test_bf16_gemm.py, tests/engine/test_kv_cache_dtype_parity.py), and transformers' greedy
-tokens of a tiny model folder (the architecture parity tests, tests/models and tests/moe)."""
+tokens of a tiny model folder (the architecture parity tests, tests/models and tests/moe) or of a loaded
+transformers model holding the weights a test gave it (the decode-graph tests)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +34,17 @@ def hf_prompt_logprobs(
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0, :-1].double()
     return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def model_greedy(model: Any, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """A loaded transformers model's greedy continuation of each prompt, exactly `lengths[i]` new tokens
+    (eos does not stop it): for engines whose weights were put into `model` by the test."""
+    outs = []
+    with torch.inference_mode():
+        for p, n in zip(prompts, lengths, strict=True):
+            ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+            outs.append(ids[0, len(p) :].tolist())
+    return outs
 
 
 def hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -169,10 +169,10 @@ def shard_int8_shared_expert(
         BlockQuantLinear(gate_up.weight_q.select_rows(rows), kernel=gate_up.kernel),
         BlockQuantLinear(from_int8(w2.q[:, lo:hi].contiguous(), w2.scales[:, 0]), kernel=down.kernel),
     )
+    # the whole one's kernel choice, None included (TP's rank_loading: the torch reference, as for the
+    # rest); the constructor would load one in its place
     for shard, whole in zip(out, (gate_up, down), strict=True):
-        shard.kernel = (
-            whole.kernel
-        )  # None stays None (TP's rank_loading: the torch reference, as for the rest)
+        shard.kernel = whole.kernel
     return out
 
 
