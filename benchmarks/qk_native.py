@@ -1,6 +1,8 @@
-"""Q4_K / Q6_K as GGUF's own super-blocks (server/quant/cpu_qk_native.py) against the repacked layout; prints JSON.
+"""GGUF k-quants as their own super-blocks and 16-row tiles (server/quant/cpu_qk_native.py) against the
+repacked layouts; prints JSON.
 
-    python benchmarks/qk_native.py                 # Llama-3.2-1B's matrices, M = 1 and 16
+    python benchmarks/qk_native.py                 # Llama-3.2-1B's matrices, M = 1 and 16, Q4_K and Q6_K
+    python benchmarks/qk_native.py --formats q5_k,iq4_xs,q3_k,q2_k   # the tile-only k-quants
     python benchmarks/qk_native.py --smoke         # checks the script, timings mean little
 
 Per matrix of Llama-3.2-1B (q/o, k/v, fused gate/up, down, the tied 128,256-row LM head) and format, M
@@ -10,7 +12,9 @@ packed copy where the batched path makes one (the server's default on AVX512-VNN
 super-block kernel on the file's bytes (4.5 / 6.56 bits). The two run interleaved call by call, each on
 copies of its weight cycled so that every call streams from memory (twice the last-level cache), as a
 decode step does. Median us per call, the median per-repetition ratio (repacked / native: > 1 means
-native is faster) and the bytes each holds.
+native is faster) and the bytes each holds. Q5_K / IQ4_XS / Q3_K / Q2_K run only as tiles (`x16`):
+`repacked` is then gguf_repack.py's 8-bit groups (with the int8 packed copy where the batched path makes
+one), `file_MiB` the file's bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from server.quant import cpu_qgemv_q8 as q8
 from server.quant import cpu_qk_native as qk
 from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import BlockQuantLinear
+from server.quant.gguf_repack import from_gguf_repacked
 
 SHAPES = {
     "qo_2048x2048": (2048, 2048),
@@ -43,15 +48,25 @@ SHAPES = {
 }
 
 
+# byte offsets of each block type's fp16 scales (d, and dmin where there is one; ggml-common.h)
+FP16_AT = {"q4_k": (0, 2), "q6_k": (208,), "q5_k": (0, 2), "iq4_xs": (0,), "q3_k": (108,), "q2_k": (80, 82)}
+
+
 def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random super-block bytes with small finite fp16 scales: the kernels' speed does not depend on values."""
     b = rng.integers(0, 256, size=(n * k // qk.QK_K, qk.SUPER_BLOCK_BYTES[fmt]), dtype=np.uint8)
-    d = np.full((b.shape[0], 2), 1e-3, np.float16).view(np.uint8)
-    if fmt == "q4_k":
-        b[:, 0:4] = d
-    else:
-        b[:, 208:210] = d[:, :2]
+    d = np.full((b.shape[0], 1), 1e-3, np.float16).view(np.uint8)
+    for at in FP16_AT[fmt]:
+        b[:, at : at + 2] = d
     return b
+
+
+def repacked(raw: np.ndarray, fmt: str, n: int, k: int) -> cq.BlockQuantWeight:
+    """The layout serving runs where no tiles are held: Q4_K / Q6_K repacked (from_gguf_k_blocks), the
+    others into 8-bit groups (gguf_repack.py)."""
+    if fmt in qk.ROW_MAJOR_RUNS:
+        return cq.from_gguf_k_blocks(raw, fmt, n, k)
+    return from_gguf_repacked(raw, qk.GGUF_TYPES[fmt], n, k)
 
 
 def main() -> None:
@@ -79,13 +94,12 @@ def main() -> None:
         for name, (n, k) in shapes.items():
             raw = random_blocks(fmt, n, k, rng)
             nat = qk.from_gguf(raw, fmt, n, k)
-            old = BlockQuantLinear(cq.from_gguf_k_blocks(raw, fmt, n, k), kernel=kernel)
+            old = BlockQuantLinear(repacked(raw, fmt, n, k), kernel=kernel)
             old.gemm_dtype = torch.bfloat16
             packed = old.pack_int8(fast)
             copies = max(1, min(16, -(-cold // nat.nbytes())))
             olds = [old] + [
-                BlockQuantLinear(cq.from_gguf_k_blocks(raw, fmt, n, k), kernel=kernel)
-                for _ in range(copies - 1)
+                BlockQuantLinear(repacked(raw, fmt, n, k), kernel=kernel) for _ in range(copies - 1)
             ]
             for o in olds[1:]:
                 o.gemm_dtype = torch.bfloat16
@@ -96,22 +110,25 @@ def main() -> None:
             for m in [int(s) for s in args.ms.split(",")]:
                 x = torch.randn(m, k)
                 here = max(3, reps // 8) if n * k > 64 << 20 else reps
-                runs = {
-                    "repacked": rotating(olds, lambda mod, x=x: mod(x)),
-                    "native": rotating(nats, lambda w, x=x: native.linear(x, w)),
-                } | ({"x16": rotating(x16s, lambda w, x=x: native.linear(x, w))} if x16s else {})
+                row_major = fmt in qk.ROW_MAJOR_RUNS  # the others run as tiles only
+                runs = (
+                    {"repacked": rotating(olds, lambda mod, x=x: mod(x))}
+                    | ({"native": rotating(nats, lambda w, x=x: native.linear(x, w))} if row_major else {})
+                    | ({"x16": rotating(x16s, lambda w, x=x: native.linear(x, w))} if x16s else {})
+                )
                 t = timed(runs, here)
                 row = {
                     "format": fmt,
                     "shape": name,
                     "M": m,
                     "repacked_us": round(statistics.median(t["repacked"]) * 1e3, 1),
-                    "native_us": round(statistics.median(t["native"]) * 1e3, 1),
-                    "speedup": round(median_ratio(t["repacked"], t["native"]), 2),
                     "repacked_MiB": round(old.weight_q.nbytes() / 2**20, 1),
                     "of_which_packed_copy_MiB": round(packed / 2**20, 1),
-                    "native_MiB": round(nat.nbytes() / 2**20, 1),
+                    "file_MiB": round(nat.nbytes() / 2**20, 1),
                 }
+                if row_major:
+                    row["native_us"] = round(statistics.median(t["native"]) * 1e3, 1)
+                    row["speedup"] = round(median_ratio(t["repacked"], t["native"]), 2)
                 if x16s:
                     row["x16_us"] = round(statistics.median(t["x16"]) * 1e3, 1)
                     row["speedup_x16"] = round(median_ratio(t["repacked"], t["x16"]), 2)

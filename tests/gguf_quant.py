@@ -6,14 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """[N, K] float -> [N, K / 256 * 144] uint8 block_q4_K bytes, round to nearest (gguf-py has no k-quant
-    quantizer). Per 32-value sub-block: scale (max - min) / 15 and min <= 0, both as 6-bit multiples of
-    the super-block's fp16 d and dmin; the 12 scale bytes packed as gguf-py's Q4_K.get_scale_min reads."""
-    n, k = w.shape
+def _scale_min_blocks(w: np.ndarray, top: int) -> tuple[np.ndarray, ...]:
+    """Q4_K / Q5_K's round to nearest: per 32-value sub-block scale (max - min) / top and min <= 0, both as
+    6-bit multiples of the super-block's fp16 d and dmin. Returns d, dmin [nb] fp16, the 12 packed scale
+    bytes [nb, 12] (as gguf-py's Q4_K.get_scale_min reads them) and q [nb, 8, 32] in 0..top."""
     x = w.astype(np.float32).reshape(-1, 8, 32)  # [nb, sub-block, value]
     lo = np.minimum(x.min(-1), 0.0)
-    scale = (x.max(-1) - lo) / 15.0
+    scale = (x.max(-1) - lo) / float(top)
     d = (scale.max(-1) / 63.0).astype(np.float16)
     dmin = (-lo.min(-1) / 63.0).astype(np.float16)
     d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
@@ -22,8 +21,6 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
         mn = np.clip(np.where(dmin32 > 0, np.round(-lo / dmin32), 0), 0, 63).astype(np.uint8)
         step = (d32 * sc)[..., None]
         q = np.where(step > 0, np.round((x + (dmin32 * mn)[..., None]) / step), 0)
-    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     packed = np.concatenate(
         [
             (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
@@ -32,6 +29,31 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
         ],
         axis=1,
     )
+    return d, dmin, packed, np.clip(q, 0, top).astype(np.uint8)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """[N, K] float -> [N, K / 256 * 176] uint8 block_q5_K bytes, round to nearest: Q4_K's scales and mins
+    with 5-bit values, the low 4 bits as Q4_K's qs, bit 4 of sub-block j's value l at bit j of qh[l]."""
+    n, k = w.shape
+    d, dmin, packed, q = _scale_min_blocks(w, 31)
+    low = (q & 15).reshape(-1, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    qh = (((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)  # [nb, 32]
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qh, qs], 1
+    )
+    return np.ascontiguousarray(blocks.reshape(n, k // 256 * 176))
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """[N, K] float -> [N, K / 256 * 144] uint8 block_q4_K bytes, round to nearest (gguf-py has no k-quant
+    quantizer). Per 32-value sub-block: scale (max - min) / 15 and min <= 0, both as 6-bit multiples of
+    the super-block's fp16 d and dmin; the 12 scale bytes packed as gguf-py's Q4_K.get_scale_min reads."""
+    n, k = w.shape
+    d, dmin, packed, q4 = _scale_min_blocks(w, 15)
+    q = q4.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     blocks = np.concatenate(
         [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], 1
     )
@@ -60,4 +82,4 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks.reshape(n, k // 256 * 210))
 
 
-K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}

@@ -2,11 +2,13 @@
 
 `KQuantBlocks` keeps a [N, K] k-quant weight as GGUF stores it: rows of 256-value super-blocks
 (block_q4_K, 144 bytes = 4.5 bits/weight; block_q6_K, 210 bytes = 6.5625 bits/weight; ggml-common.h),
-instead of the repacked BlockQuantWeight (6.0 and 10.0 bits/weight, cpu_qlinear.py's table). Q4_K can
-Both can also be held as 16-row tiles, `q4_k_x16` (4.625 bits/weight) and `q6_k_x16` (6.5625): the same
-values re-laid at load (`interleave`; layouts in qk_native.cpp's header), so that each AVX512-VNNI dot
-product serves 16 output rows: the layout batches of rows need (the row-major blocks run 16 rows at
-0.5-0.7x of the int8 packed copy's speed). The kernel
+instead of the repacked BlockQuantWeight (6.0 and 10.0 bits/weight, cpu_qlinear.py's table). Both can
+also be held as 16-row tiles, `q4_k_x16` (4.625 bits/weight) and `q6_k_x16` (6.5625): the same values
+re-laid at load (`interleave`; layouts in qk_native.cpp's header), so that each AVX512-VNNI dot product
+serves 16 output rows: the layout batches of rows need (the row-major blocks run 16 rows at 0.5-0.7x of
+the int8 packed copy's speed). Q5_K, IQ4_XS, Q3_K and Q2_K run as such tiles only (`q5_k_x16` 5.625,
+`iq4_xs_x16` 4.3125, `q3_k_x16` 3.5625, `q2_k_x16` 2.625 bits/weight against the files' 5.5, 4.25, 3.4375,
+2.625), written and read back by the compiled library alone (`interleave`, `deinterleave`). The kernel
 quantizes each row of x per 256 values to int8 (ggml's q8_K idea: fp32 dx = max|x| / 127, round half to
 even, per-16 sums of q for the min and offset terms) and runs the dot products on integers (AVX512-VNNI
 `vpdpbusd`, else scalar C++, chosen at run time from `usable_cpu_features()`), one pass over each weight
@@ -34,8 +36,9 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 
 SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
 # 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles; 4: Q6_K's;
-# 5: Q8_0's (32-value blocks, cpu_qlinear.interleave_q8_x16; run through qlinear's descriptor only); 6: Q5_0's
-ABI_VERSION = 6
+# 5: Q8_0's (32-value blocks, cpu_qlinear.interleave_q8_x16; run through qlinear's descriptor only); 6: Q5_0's;
+# 7: Q5_K, IQ4_XS, Q3_K and Q2_K tiles (kubeinfer_qk_deinterleave)
+ABI_VERSION = 7
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
 # the dequantized values must equal gguf-py's (each product rounded).
 NATIVE = NativeSource(
@@ -46,12 +49,58 @@ NATIVE = NativeSource(
 )
 QK_K = 256  # values per super-block
 # bytes per row per 256 values: sizeof(block_q4_K), sizeof(block_q6_K), and a 16-row x16 tile's 2368 / 16
-SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q4_k_x16": 148, "q6_k_x16": 210}
-FORMAT_CODES = {"q4_k": 0, "q6_k": 1, "q4_k_x16": 2, "q6_k_x16": 3}  # qk_native.cpp's FMT_*
-TILED = {"q4_k": "q4_k_x16", "q6_k": "q6_k_x16"}  # a file's format -> its 16-row tiles
+# (block_q4_K, block_q6_K, block_q5_K, block_iq4_xs, block_q3_K, block_q2_K: ggml-common.h)
+SUPER_BLOCK_BYTES = {
+    "q4_k": 144,
+    "q6_k": 210,
+    "q5_k": 176,
+    "iq4_xs": 136,
+    "q3_k": 110,
+    "q2_k": 84,
+    "q4_k_x16": 148,
+    "q6_k_x16": 210,
+    "q5_k_x16": 180,
+    "iq4_xs_x16": 138,
+    "q3_k_x16": 114,
+    "q2_k_x16": 84,
+}
+# qk_native.cpp's FMT_*: what kubeinfer_qk_linear runs (the row-major q5_k .. q2_k codes only feed its re-lay)
+FORMAT_CODES = {
+    "q4_k": 0,
+    "q6_k": 1,
+    "q4_k_x16": 2,
+    "q6_k_x16": 3,
+    "q5_k_x16": 6,
+    "iq4_xs_x16": 7,
+    "q3_k_x16": 8,
+    "q2_k_x16": 9,
+    "q5_k": 10,
+    "iq4_xs": 11,
+    "q3_k": 12,
+    "q2_k": 13,
+}
+ROW_MAJOR_RUNS = ("q4_k", "q6_k")  # the file formats the kernel also runs row-major (the others: tiles only)
+# a file's format -> its 16-row tiles
+TILED = {
+    "q4_k": "q4_k_x16",
+    "q6_k": "q6_k_x16",
+    "q5_k": "q5_k_x16",
+    "iq4_xs": "iq4_xs_x16",
+    "q3_k": "q3_k_x16",
+    "q2_k": "q2_k_x16",
+}
 X16_ROWS = 16  # weight rows per tile
-X16_TILE_BYTES = {"q4_k_x16": 2368, "q6_k_x16": 3360}
-GGUF_TYPES = {"q4_k": "Q4_K", "q6_k": "Q6_K"}
+X16_TILE_BYTES = {t: 16 * SUPER_BLOCK_BYTES[t] for t in TILED.values()}  # 2368, 3360, 2880, 2208, 1824, 1344
+# tiles whose layout only the compiled library writes and reads back (no torch twin of the re-lay)
+COMPILED_TILES = ("q5_k_x16", "iq4_xs_x16", "q3_k_x16", "q2_k_x16")
+GGUF_TYPES = {
+    "q4_k": "Q4_K",
+    "q6_k": "Q6_K",
+    "q5_k": "Q5_K",
+    "iq4_xs": "IQ4_XS",
+    "q3_k": "Q3_K",
+    "q2_k": "Q2_K",
+}
 PATHS = {"scalar": 0, "vnni": 2}  # kubeinfer_qk_set_path's codes
 
 
@@ -60,7 +109,7 @@ class KQuantBlocks:
     """A [N, K] weight as GGUF k-quant super-blocks, row-major: row n is K / 256 blocks of `fmt`."""
 
     blocks: Tensor  # [N, K / 256 * SUPER_BLOCK_BYTES[fmt]] uint8, contiguous, CPU
-    fmt: str  # "q4_k" or "q6_k"
+    fmt: str  # a key of SUPER_BLOCK_BYTES: a file's row-major blocks or their 16-row tiles
     in_features: int  # K, a multiple of 256
     out_features: int  # N
 
@@ -89,7 +138,7 @@ class KQuantBlocks:
 
 
 def from_gguf(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> KQuantBlocks:
-    """GGUF tensor data of type Q4_K or Q6_K (`fmt` "q4_k"/"q6_k"; any shape holding n * k / 256 blocks)
+    """GGUF tensor data of a k-quant type (`fmt` a key of GGUF_TYPES; any shape holding n * k / 256 blocks)
     -> KQuantBlocks holding a copy of its bytes (a memory map stays read-only and unreferenced).
     ValueError for an unknown format, a K that is no whole number of blocks, or the wrong byte count."""
     if fmt not in GGUF_TYPES:
@@ -175,7 +224,7 @@ def interleave_reference(w: KQuantBlocks) -> KQuantBlocks:
     QKNativeKernel.interleave writes, byte for byte. ValueError unless w is q4_k or q6_k with N a multiple
     of 16."""
     n, k = w.out_features, w.in_features
-    if w.fmt not in TILED or n % X16_ROWS:
+    if w.fmt not in ROW_MAJOR_RUNS or n % X16_ROWS:
         raise ValueError(
             f"interleaving takes q4_k or q6_k with N a multiple of {X16_ROWS}, got {w.fmt} N={n}"
         )
@@ -206,8 +255,11 @@ def interleave_reference(w: KQuantBlocks) -> KQuantBlocks:
 
 def dequantize_reference(w: KQuantBlocks) -> Tensor:  # -> [N, K] fp32
     """gguf-py's dequantization of the blocks (`gguf.quants.dequantize`): the values the kernel multiplies.
-    Tiles: gguf-py's formulas, (d * sc) * q - dmin * m (Q4_K) and (d * sc) * (q - 32) (Q6_K) in fp32, over
+    COMPILED_TILES: gguf-py's dequantization of the file blocks they hold (QKNativeKernel.deinterleave). Other
+    tiles: gguf-py's formulas, (d * sc) * q - dmin * m (Q4_K) and (d * sc) * (q - 32) (Q6_K) in fp32, over
     the tiles' fields."""
+    if w.fmt in COMPILED_TILES:  # the file's blocks back (byte for byte), then gguf-py's dequantization
+        return dequantize_reference(load_qk_native_kernel().deinterleave(w))
     if w.fmt == "q6_k_x16":
         d6, sc6, v6 = _q6x_fields(w.blocks, w.out_features, w.in_features)
         j16 = torch.arange(QK_K) // 16
@@ -279,6 +331,8 @@ class QKNativeKernel:
             raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
         if x.dim() != 2 or x.shape[1] != w.in_features:
             raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
+        if w.fmt not in ROW_MAJOR_RUNS and w.fmt not in X16_TILE_BYTES:
+            raise ValueError(f"{w.fmt} runs as its 16-row tiles ({TILED[w.fmt]}: interleave), not row-major")
         if x.stride(1) != 1:
             x = x.contiguous()
         m, n = x.shape[0], w.out_features
@@ -305,12 +359,12 @@ class QKNativeKernel:
         return out
 
     def interleave(self, w: KQuantBlocks) -> KQuantBlocks:
-        """Q4_K / Q6_K rows -> their 16-row tiles (interleave_reference's bytes). ValueError unless w is
-        q4_k or q6_k with N a multiple of 16."""
+        """A file's k-quant rows (a key of TILED) -> their 16-row tiles (for q4_k / q6_k
+        interleave_reference's bytes). ValueError unless w is such rows with N a multiple of 16."""
         n, k = w.out_features, w.in_features
         if w.fmt not in TILED or n % X16_ROWS:
             raise ValueError(
-                f"interleaving takes q4_k or q6_k with N a multiple of {X16_ROWS}, got {w.fmt} N={n}"
+                f"interleaving takes {'/'.join(TILED)} rows with N a multiple of {X16_ROWS}, got {w.fmt} N={n}"
             )
         tiled = TILED[w.fmt]
         out = torch.empty(n, k // QK_K * SUPER_BLOCK_BYTES[tiled], dtype=torch.uint8)
@@ -320,6 +374,24 @@ class QKNativeKernel:
         if rc != 0:
             raise RuntimeError(f"qk_native interleave returned {rc} for {w.fmt} [{n}, {k}]")
         return KQuantBlocks(out, tiled, k, n)
+
+    def deinterleave(self, w: KQuantBlocks) -> KQuantBlocks:
+        """COMPILED_TILES -> the file's rows they were made from, byte for byte (interleave's inverse).
+        ValueError for another format."""
+        if w.fmt not in COMPILED_TILES:
+            raise ValueError(f"the compiled de-interleave takes {'/'.join(COMPILED_TILES)}, got {w.fmt}")
+        n, k = w.out_features, w.in_features
+        rows = FILE_OF[w.fmt]
+        out = torch.empty(n, k // QK_K * SUPER_BLOCK_BYTES[rows], dtype=torch.uint8)
+        rc = self.lib.kubeinfer_qk_deinterleave(
+            FORMAT_CODES[w.fmt], w.blocks.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"qk_native deinterleave returned {rc} for {w.fmt} [{n}, {k}]")
+        return KQuantBlocks(out, rows, k, n)
+
+
+FILE_OF = {tiled: fmt for fmt, tiled in TILED.items()}  # 16-row tiles -> the file format they hold
 
 
 @functools.cache
@@ -334,6 +406,8 @@ def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
     lib.kubeinfer_qk_set_path.argtypes = [i32]
     lib.kubeinfer_qk_interleave.restype = i32
     lib.kubeinfer_qk_interleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
+    lib.kubeinfer_qk_deinterleave.restype = i32
+    lib.kubeinfer_qk_deinterleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
     features = usable_cpu_features(cache_dir)
     vnni = features.avx512_vnni and features.avx512vl and features.avx512bw
     got = int(lib.kubeinfer_qk_set_path(PATHS["vnni" if vnni else "scalar"]))

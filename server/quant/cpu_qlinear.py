@@ -29,8 +29,14 @@ min) per group of `group_size` consecutive k:
             runs AVX512-VNNI, at the file's 8.5 (5.5) bits per weight, one copy for one row of x and for
             batches (the row-major layout held Q5_0 at 8.5 bits and took an int8 packed copy of 10 bits
             more for batches)
+    q5_k_x16/iq4_xs_x16/q3_k_x16/q2_k_x16  6 (KQUANT_BITS), group_size X16_GROUP: Q5_K, IQ4_XS, Q3_K and
+            Q2_K super-blocks in 16-row tiles (q [N, K / 256 * 180, 138, 114 or 84]; 5.625, 4.3125, 3.5625
+            and 2.625 bits per weight, within 1/8 bit of the file's), written and read back only by
+            csrc/qk_native.cpp; how the loader holds them where the Q4_K tiles are. Their row-major
+            super-blocks (KQUANT_BITS, group_size 256) exist only on the way there
     q5_0 q5_1 q5_k q3_k q2_k iq4_nl iq4_xs: 8-bit, groups of 32 (16: q3_k, q2_k), repacked at load
-            from GGUF's blocks (gguf_repack.py, which gives each one's scales, mins and memory)
+            from GGUF's blocks (gguf_repack.py, which gives each one's scales, mins and memory): where no
+            tiles are held
 
 The k-quants' 256-value super-blocks hold 6-bit (Q4_K) or 8-bit (Q6_K) sub-block scales under one fp16
 super-scale: w = d * sc_j * q - dmin * m_j (Q4_K, 32-value sub-blocks), w = d * sc_j * (q - 32) (Q6_K,
@@ -50,6 +56,7 @@ plain-torch references the tests hold the kernel to.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import warnings
@@ -82,15 +89,25 @@ BF16_GEMV_MAX_ROWS = 3  # its bf16_gemv_max_rows: under bf16 compute the batched
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 QK_K = 256  # values per k-quant super-block
 GGUF_SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # block_q4_K, block_q6_K (ggml-common.h)
-# bytes per row per 256 values of each format held as super-blocks (KQUANT_BITS): the files' two, and
-# Q4_K's 16-row tiles (cpu_qk_native.py: 2368 bytes per 16 rows)
-SUPER_BLOCK_ROW_BYTES = {**GGUF_SUPER_BLOCK_BYTES, "q4_k_x16": 148, "q6_k_x16": 210}
+# bytes per row per 256 values of each format held as super-blocks (KQUANT_BITS): the files' blocks, and
+# their 16-row tiles (cpu_qk_native.py: Q4_K's 2368 bytes per 16 rows, ...)
+SUPER_BLOCK_ROW_BYTES = dict(qk_native.SUPER_BLOCK_BYTES)  # + Q5_K / IQ4_XS / Q3_K / Q2_K and their tiles
 # 8-bit 32-value formats with fp16 scales and neither zero point nor min -> their 16-row tiles (one
 # layout for 8-bit values, csrc/qk_native.cpp's FMT_Q8_0_X16, named after the format whose values it
 # holds; Q5_0's values, q - 16 in -16..15, in 5 bits: FMT_Q5_0_X16)
 Q8_TILED = {"q8_0": "q8_0_x16", "q5_0": "q5_0_x16", "iq4_nl": "iq4_nl_x16"}
 Q8X_TILE_ROW_BYTES = {"q8_0_x16": 34, "iq4_nl_x16": 34, "q5_0_x16": 22}  # per row per 32-block
-FORMATS = ("q4_0", "q4_1", "q8_0", "int8", "int4", "q4_k", "q6_k", "q4_k_x16", "q6_k_x16", *Q8_TILED.values())
+FORMATS = (
+    "q4_0",
+    "q4_1",
+    "q8_0",
+    "int8",
+    "int4",
+    "q4_k",
+    "q6_k",
+    *qk_native.TILED.values(),
+    *Q8_TILED.values(),
+)
 # group_size of 16-row tiles (csrc/qk_native.cpp tells them from the files' row-major blocks by it)
 X16_GROUP = qk_native.X16_ROWS * QK_K
 Q8X_GROUP = qk_native.X16_ROWS * BLOCK  # the same for Q8_0's tiles
@@ -178,8 +195,8 @@ class BlockQuantWeight:
             or self.group_size != (X16_GROUP if tiled else QK_K)
         ):
             raise ValueError(
-                f"super-blocks are q4_k/q6_k (group_size {QK_K}) or their tiles (group_size {X16_GROUP}) "
-                f"with K a multiple of {QK_K}"
+                f"super-blocks are a GGUF k-quant's ({'/'.join(qk_native.TILED)}, group_size {QK_K}) or "
+                f"their tiles (group_size {X16_GROUP}) with K a multiple of {QK_K}"
             )
         if tiled and n % qk_native.X16_ROWS:
             raise ValueError(f"{self.fmt} holds whole tiles of {qk_native.X16_ROWS} rows, N={n}")
@@ -227,7 +244,25 @@ class BlockQuantWeight:
 
     def select_rows(self, index: Tensor) -> BlockQuantWeight:
         """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice). Tiles give tiles
-        again where N' is a multiple of 16, else the rows as the file's own blocks."""
+        again where N' is a multiple of 16 (whole tiles in order are sliced as they are), else the rows as
+        the file's own blocks (Q5_K / IQ4_XS / Q3_K / Q2_K, which run only as tiles: repacked,
+        gguf_repack.py)."""
+        tile = _whole_tiles(self, index)
+        if tile is not None:
+            per_tile = qk_native.X16_ROWS
+            q = self.q.reshape(-1, per_tile * self.q.shape[1]).index_select(0, tile)
+            return dataclasses.replace(
+                self,
+                q=q.reshape(-1, self.q.shape[1]),
+                scales=self.scales[: tile.numel() * per_tile],
+                out_features=tile.numel() * per_tile,
+                packed=None,
+            )
+        if self.fmt in qk_native.COMPILED_TILES:
+            rows_w = deinterleave_x16(self).select_rows(index)
+            return (
+                interleave_x16(rows_w) if rows_w.out_features % qk_native.X16_ROWS == 0 else _repack(rows_w)
+            )
         if self.fmt in _Q8_LAYOUT_OF:
             rows = deinterleave_q8_x16(self).select_rows(index)
             return interleave_q8_x16(rows) if q8_tileable(rows) else rows
@@ -270,6 +305,27 @@ class BlockQuantWeight:
             first.in_features,
             sum(p.out_features for p in parts),
         )
+
+
+def _whole_tiles(w: BlockQuantWeight, index: Tensor) -> Tensor | None:
+    """For a weight held in 16-row tiles: the tiles `index` selects whole and in order ([T'] int64), or
+    None where it selects rows of a tile apart (or w is not tiles)."""
+    rows = qk_native.X16_ROWS
+    if not (w.super_blocks and w.group_size in (X16_GROUP, Q8X_GROUP)) or index.numel() % rows:
+        return None
+    per_tile = index.reshape(-1, rows)
+    first = per_tile[:, 0]
+    if (first % rows).any() or not torch.equal(per_tile, first[:, None] + torch.arange(rows)):
+        return None
+    return first // rows
+
+
+def _repack(w: BlockQuantWeight) -> BlockQuantWeight:
+    """A Q5_K / IQ4_XS / Q3_K / Q2_K weight as the file's row-major blocks -> its exact repack into 8-bit
+    groups (gguf_repack.py): how rows of such a type that make no whole tile run."""
+    from server.quant.gguf_repack import from_gguf_repacked
+
+    return from_gguf_repacked(w.q, qk_native.GGUF_TYPES[w.fmt], w.out_features, w.in_features)
 
 
 # ------------------------------------------------------------------ constructors
@@ -355,14 +411,20 @@ def from_gguf_k_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> Bl
 
 
 def interleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
-    """Q4_K / Q6_K super-blocks (KQUANT_BITS) -> the same values as 16-row tiles, q4_k_x16 / q6_k_x16
-    (cpu_qk_native.py), through the compiled re-lay where it builds, else its torch reference. ValueError
-    unless w is q4_k or q6_k super-blocks with N a multiple of 16."""
+    """A GGUF k-quant's super-blocks (KQUANT_BITS, a key of cpu_qk_native.TILED) -> the same values as
+    16-row tiles (q4_k_x16, ..., cpu_qk_native.py), through the compiled re-lay where it builds, else (Q4_K,
+    Q6_K) its torch reference. ValueError unless w is such super-blocks with N a multiple of 16;
+    KernelBuildError for Q5_K / IQ4_XS / Q3_K / Q2_K where the library cannot be built."""
     if not (w.super_blocks and w.fmt in qk_native.TILED):
-        raise ValueError(f"interleaving takes q4_k or q6_k super-blocks, got {w.fmt} ({w.bits} bits)")
+        raise ValueError(
+            f"interleaving takes {'/'.join(qk_native.TILED)} super-blocks, got {w.fmt} ({w.bits} bits)"
+        )
     kb = qk_native.KQuantBlocks(w.q, w.fmt, w.in_features, w.out_features)
-    kernel = qk_native.try_load_qk_native_kernel()
-    tiles = kernel.interleave(kb) if kernel is not None else qk_native.interleave_reference(kb)
+    if w.fmt not in qk_native.ROW_MAJOR_RUNS:
+        tiles = qk_native.load_qk_native_kernel().interleave(kb)
+    else:
+        kernel = qk_native.try_load_qk_native_kernel()
+        tiles = kernel.interleave(kb) if kernel is not None else qk_native.interleave_reference(kb)
     n, k = w.out_features, w.in_features
     return BlockQuantWeight(tiles.blocks, torch.empty(n, 0), None, tiles.fmt, KQUANT_BITS, X16_GROUP, 0, k, n)
 
@@ -446,11 +508,16 @@ def deinterleave_q8_x16(w: BlockQuantWeight) -> BlockQuantWeight:
 
 
 def deinterleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
-    """16-row tiles -> the rows as GGUF's block_q4_K / block_q6_K again (interleave_x16's inverse; torch,
-    load time). ValueError for another format."""
+    """16-row tiles -> the rows as the file's blocks again (interleave_x16's inverse; torch for Q4_K /
+    Q6_K, the compiled library for the others; load time). ValueError for another format."""
     if w.fmt not in qk_native.X16_TILE_BYTES:
-        raise ValueError(f"de-interleaving takes q4_k_x16 or q6_k_x16, got {w.fmt}")
+        raise ValueError(f"de-interleaving takes {'/'.join(qk_native.X16_TILE_BYTES)}, got {w.fmt}")
     n, k = w.out_features, w.in_features
+    if w.fmt in qk_native.COMPILED_TILES:
+        kb = qk_native.KQuantBlocks(w.q, w.fmt, k, n)
+        return _super_blocks(
+            qk_native.load_qk_native_kernel().deinterleave(kb).blocks, qk_native.FILE_OF[w.fmt], n, k
+        )
     nb, rows = k // QK_K, qk_native.X16_ROWS
     t = w.q.reshape(n // rows, nb, qk_native.X16_TILE_BYTES[w.fmt])
 
@@ -510,14 +577,15 @@ def deinterleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
 
 
 def from_gguf_k_super_blocks(raw: np.ndarray | Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
-    """GGUF Q4_K / Q6_K data -> a BlockQuantWeight holding a copy of the file's super-blocks as they are
-    (KQUANT_BITS: 4.5 / 6.56 bits per weight; run by csrc/qk_native.cpp through qlinear's entry points).
-    ValueError as cpu_qk_native.from_gguf."""
+    """GGUF k-quant data (`fmt` a key of cpu_qk_native.GGUF_TYPES) -> a BlockQuantWeight holding a copy of
+    the file's super-blocks as they are (KQUANT_BITS; Q4_K / Q6_K run so by csrc/qk_native.cpp through
+    qlinear's entry points, the others only once interleave_x16 made them tiles). ValueError as
+    cpu_qk_native.from_gguf."""
     return _super_blocks(qk_native.from_gguf(raw, fmt, n, k).blocks, fmt, n, k)
 
 
 def _super_blocks(blocks: Tensor, fmt: str, n: int, k: int) -> BlockQuantWeight:
-    """blocks [N, K / 256 * 144 or 210] uint8, GGUF's block_q4_K / block_q6_K per row -> their BlockQuantWeight."""
+    """blocks [N, K / 256 * block bytes] uint8, a GGUF k-quant's blocks per row -> their BlockQuantWeight."""
     return BlockQuantWeight(blocks, torch.empty(n, 0), None, fmt, KQUANT_BITS, QK_K, 0, k, n)
 
 

@@ -9,7 +9,9 @@ stored + 1. The permutation is undone here on whole rows, so quantized rows move
 AVX512-VNNI, `super_blocks_enabled`: both as 16-row tiles of the file's own super-blocks
 them (q4_k_x16, q6_k_x16; N a multiple of 16), experts included; else, and for Q4_K of other N, repacked into
 per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks), and so do Q5_0, Q5_1, Q5_K, Q3_K,
-Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py); MXFP4 expert stacks
+Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py; where the Q4_K tiles are held,
+Q5_K, IQ4_XS, Q3_K and Q2_K of whole tiles are held as their own 16-row tiles instead, within 1/8 bit per
+weight of the file's bits: `TILE_ONLY_TYPES`); MXFP4 expert stacks
 (gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
 `GgufCheckpoint.dequantized` with the memory it costs beyond its bytes in the file (/info shows it).
@@ -64,6 +66,10 @@ _FLOAT = ("F32", "F16", "BF16")
 # row-major GEMV and packed batched path (docs/benchmarks-log.md "Q8_0 and Q5_0 in 16-row tiles, and the
 # step thread's malloc arena").
 SUPER_BLOCK_TYPES = ("Q6_K", "Q4_K")
+# k-quant types the kernel runs only as 16-row tiles (qk_native.cpp's Q5_K / IQ4_XS / Q3_K / Q2_K x16, within
+# 1/8 bit per weight of the file's bits): held so under the same switch where N is a multiple of 16, else
+# repacked into 8-bit groups (gguf_repack.py: 1.75-3x the file's bits)
+TILE_ONLY_TYPES = {"Q5_K": "q5_k", "IQ4_XS": "iq4_xs", "Q3_K": "q3_k", "Q2_K": "q2_k"}
 SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 
 
@@ -222,7 +228,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
         elif kind in _KEPT_K and len(shape) == 2:
             value = _k_quant(t.data, kind, shape[0], shape[1], super_blocks and not moe)
         elif kind in REPACKED and len(shape) == 2:
-            value = from_gguf_repacked(t.data, kind, shape[0], shape[1])
+            value = _repacked(t.data, kind, shape[0], shape[1], super_blocks and not moe)
         elif kind in _FLOAT:
             value = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
             if kind != "F32":
@@ -265,7 +271,7 @@ def _tileable(w: BlockQuantWeight, q8: bool = False) -> bool:
     """Super-blocks of whole 16-row tiles, or (where `q8`) 8-bit 32-blocks that Q8_0's tiles hold
     (cpu_qlinear.q8_tileable): held as tiles once their rows are final."""
     if w.super_blocks:
-        return w.fmt in ("q4_k", "q6_k") and w.out_features % X16_ROWS == 0
+        return w.fmt in cpu_qk_native.TILED and w.out_features % X16_ROWS == 0
     return q8 and q8_tileable(w)
 
 
@@ -276,6 +282,15 @@ def _k_quant(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks: 
     if super_blocks and kind in SUPER_BLOCK_TYPES and (kind != "Q4_K" or n % X16_ROWS == 0):
         return from_gguf_k_super_blocks(raw, _KEPT_K[kind], n, k)
     return from_gguf_k_blocks(raw, _KEPT_K[kind], n, k)
+
+
+def _repacked(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks: bool) -> BlockQuantWeight:
+    """A matrix [N, K] of a REPACKED type as served: TILE_ONLY_TYPES as the file's super-blocks where
+    `super_blocks` and N is a multiple of 16 (tiled once their rows are final, `_tileable`), else repacked
+    exactly into 8-bit groups (gguf_repack.py)."""
+    if super_blocks and kind in TILE_ONLY_TYPES and n % X16_ROWS == 0:
+        return from_gguf_k_super_blocks(raw, TILE_ONLY_TYPES[kind], n, k)
+    return from_gguf_repacked(raw, kind, n, k)
 
 
 def _split_experts(
@@ -296,7 +311,7 @@ def _split_experts(
         elif kind in _KEPT_K:
             w = _k_quant(data[i], kind, n, k, super_blocks)
         else:
-            w = from_gguf_repacked(data[i].reshape(n, -1), kind, n, k)
+            w = _repacked(data[i].reshape(n, -1), kind, n, k, super_blocks)
         if _tileable(w, super_blocks):  # Q8_0 / Q5_0 / IQ4_NL as Q8_0's tiles where the k-quants' are
             w = interleave_x16(w) if w.super_blocks else interleave_q8_x16(w)
         out.append(w)

@@ -38,7 +38,7 @@ from server.request import SamplingParams
 NEW = 10
 pytestmark = pytest.mark.slow
 # largest prompt-logprob error vs the fp32 model; Q4_0 (the mixed file's up projections) bounded as Q4_K
-QUANT_TOL = {"F16": 5e-3, "Q8_0": 0.1, "Q4_K": 2.0, "Q4_0": 2.0}
+QUANT_TOL = {"F16": 5e-3, "Q8_0": 0.1, "Q4_K": 2.0, "Q4_0": 2.0, "Q5_K": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +196,22 @@ def test_k_quant_experts_kept_quantized(files: Callable[..., tuple[Path, Path, P
         assert all((w.packed is not None) == packs for w in block.experts.w13)
         assert all(w.packed is None for w in block.experts.w2)
     _check(engine, hf, dequantized, "Q4_K")
+
+
+def test_q5_k_experts_held_as_tiles(files: Callable[..., tuple[Path, Path, Path]], cache: Path) -> None:
+    """A Q5_K_M-style file (Q5_K, experts' down projections Q6_K): where the tile kernels run, the Q5_K
+    experts are q5_k_x16 tiles (5.625 bits per weight; the repack held 10.0), else repacked exactly;
+    greedy and prompt logprobs those of transformers on the file's weights."""
+    sizes = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
+    hf, path, dequantized = files("qwen3_moe", "Q5_K", "Q6_K", **sizes)
+    engine = _serve(path, cache)
+    assert engine.info.quantization == "gguf-q5_k+q6_k"
+    assert engine.info.gguf_dequantized == ()
+    tiles = super_blocks_enabled(engine.gemm_dtype)
+    for block in _moe_blocks(engine):
+        assert isinstance(block.experts, BlockQuantExperts)
+        assert {w.fmt for w in block.experts.w13} == {"q5_k_x16" if tiles else "q5_k"}
+        assert all(w.super_blocks == tiles for w in block.experts.w13)
+        if tiles:
+            assert all(w.nbytes() == w.out_features * w.in_features * 5.625 / 8 for w in block.experts.w13)
+    _check(engine, hf, dequantized, "Q5_K")

@@ -103,7 +103,7 @@ def test_bad_arguments(kernel: qk.QKNativeKernel) -> None:
     with pytest.raises(ValueError, match="bytes"):
         qk.from_gguf(np.zeros(143, np.uint8), "q4_k", 1, 256)
     with pytest.raises(ValueError, match="unknown"):
-        qk.from_gguf(np.zeros(144, np.uint8), "q5_k", 1, 256)
+        qk.from_gguf(np.zeros(144, np.uint8), "q5_1", 1, 256)
     assert kernel.linear(torch.zeros(0, 256), w).shape == (0, 4)
 
 
@@ -160,12 +160,95 @@ def test_x16_layout_round_trips(kernel: qk.QKNativeKernel, fmt: str, bits: float
 def test_x16_bad_arguments(kernel: qk.QKNativeKernel) -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         kernel.interleave(random_blocks("q4_k", 24, 256, seed=0))
-    with pytest.raises(ValueError, match="q4_k or q6_k"):
+    with pytest.raises(ValueError, match="interleaving takes"):
         kernel.interleave(kernel.interleave(random_blocks("q6_k", 16, 256, seed=0)))
     with pytest.raises(ValueError, match="whole tiles"):
         qk.KQuantBlocks(torch.zeros(8, 148, dtype=torch.uint8), "q4_k_x16", 256, 8)
     with pytest.raises(ValueError, match="whole tiles"):
         qk.KQuantBlocks(torch.zeros(8, 210, dtype=torch.uint8), "q6_k_x16", 256, 8)
+
+
+# ------------------------------------------------------------------ Q5_K, IQ4_XS, Q3_K, Q2_K: tiles only
+
+TILE_ONLY = ["q5_k", "iq4_xs", "q3_k", "q2_k"]
+# bits per weight of each one's tiles (the files': 5.5, 4.25, 3.4375, 2.625)
+TILE_ONLY_BITS = {"q5_k": 5.625, "iq4_xs": 4.3125, "q3_k": 3.5625, "q2_k": 2.625}
+
+
+def file_blocks(fmt: str, n: int, k: int, seed: int) -> qk.KQuantBlocks:
+    """Valid GGUF blocks of `fmt` from uniformly random bytes (every scale, min, level and high-bit
+    pattern; fp16 scales finite): gguf_models.random_blocks."""
+    from gguf_models import random_blocks as gguf_random_blocks
+
+    raw = gguf_random_blocks(qk.GGUF_TYPES[fmt], n, k, np.random.default_rng(seed))
+    return qk.from_gguf(raw, fmt, n, k)
+
+
+@pytest.mark.parametrize("fmt", TILE_ONLY)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 33])
+def test_tile_only_kquants_match_gguf_dequantize(
+    kernel: qk.QKNativeKernel, qk_path: str, fmt: str, m: int
+) -> None:
+    """Q5_K / IQ4_XS / Q3_K / Q2_K tiles give W @ x^ of the file's blocks (W gguf-py's dequantization)
+    within the fp32 slack, and W @ x within the activations' bound; the row-major blocks do not run."""
+    w = file_blocks(fmt, 48, K, seed=m)
+    tiles = kernel.interleave(w)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(300 + m)) * 3.0
+    x[0, :7] = 0.0
+    if m > 1:
+        x[1, 256:512] = 0.0  # a whole zero block (dx = 0)
+    y = kernel.linear(x, tiles)
+    slack = fp32_slack(x, w)
+    err = (y - qk.linear_reference(x, w)).abs()
+    assert (err <= slack).all(), f"{qk_path} {fmt} x16 M={m}: max excess {(err - slack).max().item():.3g}"
+    fp32 = F.linear(x, qk.dequantize_reference(w))
+    assert ((y - fp32).abs() <= qk.activation_error_bound(x, w) + slack).all()
+    with pytest.raises(ValueError, match="runs as its 16-row tiles"):
+        kernel.linear(x, w)
+
+
+@pytest.mark.parametrize("fmt", TILE_ONLY)
+def test_tile_only_layout_round_trips(kernel: qk.QKNativeKernel, fmt: str) -> None:
+    """The tiles hold the file's blocks exactly (de-interleaving gives its bytes back; the compiled
+    dequantization, fp32 activations' path, is gguf-py's bit for bit) at TILE_ONLY_BITS; selecting rows
+    keeps whole tiles as tiles, 16 rows across tiles re-tiled, any other rows repacked exactly."""
+    from server.quant import cpu_qlinear as cq
+
+    w = file_blocks(fmt, 64, 512, seed=5)
+    tiles = kernel.interleave(w)
+    assert tiles.fmt == qk.TILED[fmt] and cq.file_format(tiles.fmt) == fmt
+    assert (
+        tiles.bits_per_weight() == TILE_ONLY_BITS[fmt]
+        and tiles.nbytes() == 64 * 512 * TILE_ONLY_BITS[fmt] / 8
+    )
+    assert torch.equal(kernel.deinterleave(tiles).blocks, w.blocks)
+    dense = qk.dequantize_reference(w)  # gguf-py's
+    held = cq.BlockQuantWeight(w.blocks, torch.empty(64, 0), None, fmt, cq.KQUANT_BITS, 256, 0, 512, 64)
+    x16 = cq.interleave_x16(held)
+    assert torch.equal(x16.q, tiles.blocks)
+    assert torch.equal(cq.deinterleave_x16(x16).q, w.blocks)
+    assert torch.equal(cq.load_qlinear_kernel().dequantize_rows(x16), dense)  # the compiled dequantization
+    aligned = x16.select_rows(torch.arange(16, 48))
+    assert aligned.fmt == x16.fmt and torch.equal(aligned.q, x16.q[16:48])
+    assert torch.equal(cq.dequantize_reference(aligned), dense[16:48])
+    across = x16.select_rows(torch.arange(8, 24))
+    assert across.fmt == x16.fmt and torch.equal(cq.dequantize_reference(across), dense[8:24])
+    odd = x16.select_rows(torch.tensor([63, 2, 17]))
+    assert odd.fmt == fmt and not odd.super_blocks  # repacked (gguf_repack.py): exact
+    assert torch.equal(cq.dequantize_reference(odd), dense[[63, 2, 17]])
+    both = cq.BlockQuantWeight.concat_rows([x16, aligned])
+    assert torch.equal(cq.dequantize_reference(both), torch.cat([dense, dense[16:48]]))
+
+
+def test_tile_only_bad_arguments(kernel: qk.QKNativeKernel) -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.interleave(file_blocks("q5_k", 24, 256, seed=0))
+    with pytest.raises(ValueError, match="de-interleave takes"):
+        kernel.deinterleave(kernel.interleave(random_blocks("q4_k", 16, 256, seed=0)))
+    with pytest.raises(ValueError, match="whole tiles"):
+        qk.KQuantBlocks(torch.zeros(8, 180, dtype=torch.uint8), "q5_k_x16", 256, 8)
+    with pytest.raises(ValueError, match="bytes"):
+        qk.from_gguf(np.zeros(135, np.uint8), "iq4_xs", 1, 256)
 
 
 # ------------------------------------------------------------------ held as the resident format
@@ -303,6 +386,58 @@ def test_gguf_q4_k_held_as_16_row_tiles(
     assert len(held) == 3
     fused = BlockQuantLinear.fuse([BlockQuantLinear(p, kernel=kernel) for p in held])
     assert fused is not None and fused.weight_q.fmt == "q4_k_x16"
+    fused.gemm_dtype = torch.bfloat16
+    assert fused.pack_int8(q8.load_q8_gemv_kernel(kernel)) == 0  # no int8 copy: the tiles serve batches
+    w = fused.weight_q
+    dense = cq.dequantize_reference(w)
+    assert torch.equal(kernel.dequantize_rows(w), dense)
+    rows = torch.tensor([7, 0, w.out_features - 1])
+    assert torch.equal(BlockQuantEmbedding(w)(rows), dense[rows])
+    _served_paths_match(w, dense, kernel)
+
+
+@pytest.mark.parametrize("kind", ["Q5_K", "IQ4_XS", "Q3_K", "Q2_K"])
+def test_gguf_tile_only_types_held_as_16_row_tiles(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """A file of Q5_K / IQ4_XS / Q3_K / Q2_K projections is held as their tiles (TILE_ONLY_BITS: within
+    1/8 bit of the file's, where the repack held 10.0 / 9.0 / 6.0 / 8.0), the same values as the repack
+    (KUBEINFER_KQUANT_BLOCKS=0), q/k rows permuted before tiling; a fused q/k/v stays tiles; every serving
+    path gives W @ x within its tolerance."""
+    from gguf_models import random_block_model, write_tiny_gguf
+
+    from server.quant import cpu_qgemv_q8 as q8
+    from server.quant import cpu_qlinear as cq
+    from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
+    from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
+
+    template = tiny_model_factory("llama", tie=False, hidden=256)
+    raw = random_block_model(template, tmp_path / "hf", {"*": kind, "model.embed_tokens.weight": "F32"})
+    path = write_tiny_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", "F32", raw=raw, tokenizer=False)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
+    ckpt = read_gguf_checkpoint(path, torch.bfloat16)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
+    repacked = read_gguf_checkpoint(path, torch.bfloat16)
+    fmt = kind.lower()
+    held = 0
+    for name, w in ckpt.tensors.items():
+        if not isinstance(w, cq.BlockQuantWeight):
+            continue
+        old = repacked.tensors[name]
+        assert isinstance(old, cq.BlockQuantWeight) and old.fmt == fmt and not old.super_blocks
+        assert w.fmt == qk.TILED[fmt] and w.out_features % 16 == 0, name
+        assert w.nbytes() == w.out_features * w.in_features * TILE_ONLY_BITS[fmt] / 8, name
+        assert torch.equal(cq.dequantize_reference(w), cq.dequantize_reference(old)), name
+        held += 1
+    assert held == 15  # two layers' seven projections and the untied head
+    kernel = cq.load_qlinear_kernel()
+    prefix = "model.layers.1.self_attn."
+    parts = [ckpt.tensors[prefix + p + "_proj.weight"] for p in ("q", "k", "v")]
+    fused = BlockQuantLinear.fuse([BlockQuantLinear(p, kernel=kernel) for p in parts])  # type: ignore[arg-type]
+    assert fused is not None and fused.weight_q.fmt == qk.TILED[fmt]
     fused.gemm_dtype = torch.bfloat16
     assert fused.pack_int8(q8.load_q8_gemv_kernel(kernel)) == 0  # no int8 copy: the tiles serve batches
     w = fused.weight_q

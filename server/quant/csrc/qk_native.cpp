@@ -47,6 +47,27 @@
 //   +320 nb + 32 b   fp16 d[16]
 // unpacked in registers to u8 q (0..31: a nibble mask, and 16 added under qh's bit mask), 16 sum(q_x) off.
 // Descriptors: group_size Q8X_GROUP, row_bytes k / 32 * 22.
+// Q5_K, IQ4_XS, Q3_K, Q2_K x16 (FMT_Q5_K_X16 .. FMT_Q2_K_X16): 16 rows x one super-block, the file's bits
+// per weight or within 1/8 bit of them; value (r, k = 32J + 16h + 4g + i) always at byte 4r + i of a
+// 64-byte vector, so that one vpdpbusd serves 16 rows (kubeinfer_qk_interleave writes them from the file's
+// blocks, kubeinfer_qk_deinterleave gives those back byte for byte):
+//   Q5_K (block_q5_K: Q4_K's fields + a fifth bit per value; 2880 bytes, 180 per row, 5.625 bits/weight
+//   against the file's 5.5): Q4_K x16's layout, then +2368 u8 qh[8][64], bit 4h + g of qh[J][4r + i] =
+//   the fifth bit of value (r, J, h, g, i)
+//   IQ4_XS (block_iq4_xs: fp16 d, 6-bit ls per 32 values, 4-bit indices into ggml's kvalues_iq4nl,
+//   w = d (ls - 32) level; 2208 bytes, 138 per row, 4.3125 against 4.25):
+//   +0 fp16 d[16]   +32 s8 s[4][16][2] = ls - 32 of sub-blocks 2p, 2p + 1 of row r
+//   +160 u8 qs[8][4][64]   qs[J][g][4r + i] = index of (r, J, 0, g, i) | of (r, J, 1, g, i) << 4
+//   Q3_K (block_q3_K: fp16 d, 6-bit scales per 16 values, 3-bit q, w = d (sc - 32) (q - 4); 1824 bytes,
+//   114 per row, 3.5625 against 3.4375): +0 fp16 d[16], then per chunk J a 224-byte run at 32 + 224 J:
+//   +0 s8 sc[16][2] = sc - 32 of sub-blocks 2J, 2J + 1 of row r
+//   +32 u8 lo[2][64]   bits 2g..2g+1 of lo[h][4r + i] = the low 2 bits of (r, J, h, g, i)
+//   +160 u8 hb[64]     bit 4h + g of hb[4r + i] = its high bit (q = low + 4 high, 0..7)
+//   Q2_K (block_q2_K: fp16 d, dmin, 4-bit scales and mins per 16 values, 2-bit q, w = d sc q - dmin m;
+//   1344 bytes, 84 per row: the file's 2.625): +0 fp16 d[16], +32 fp16 dmin[16], then per chunk J a
+//   160-byte run at 64 + 160 J: +0 u8 sm[16][2] = sc | m << 4 of sub-blocks 2J, 2J + 1 of row r,
+//   +32 u8 lo[2][64] as Q3_K's.
+// Descriptors: group_size X16_GROUP, row_bytes k / 256 * 180, 138, 114 or 84.
 //
 // Activations: ggml's q8_K idea. Each row of x is quantized per 256-value block to int8 with one fp32
 // scale, dx = max|x_b| / 127, q = round-half-even(x * (1 / dx)) (fp32), plus the sums of q per 16
@@ -70,6 +91,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -108,6 +130,36 @@ inline int q32_value(int fmt, const uint8_t* v, int r, int g, int i) {
   const uint8_t byte = v[64 * (g & 3) + 4 * r + i];
   const int e = 4 * r + i;
   return (g < 4 ? byte & 15 : byte >> 4) | (((v[256 + 8 * g + e / 8] >> (e % 8)) & 1) << 4);
+}
+// The other k-quant types in 16-row tiles of 256-value super-blocks (layouts in the header): file rows in
+// (kubeinfer_qk_interleave's FMT_*_ROWS codes), tiles run.
+constexpr int FMT_Q5_K_X16 = 6, FMT_IQ4_XS_X16 = 7, FMT_Q3_K_X16 = 8, FMT_Q2_K_X16 = 9;
+constexpr int FMT_Q5_K_ROWS = 10, FMT_IQ4_XS_ROWS = 11, FMT_Q3_K_ROWS = 12, FMT_Q2_K_ROWS = 13;
+constexpr int64_t Q5_K_BYTES = 176, IQ4_XS_BYTES = 136, Q3_K_BYTES = 110, Q2_K_BYTES = 84;  // the files'
+constexpr int64_t Q5X_TILE_BYTES = 2880, IQ4X_TILE_BYTES = 2208, Q3X_TILE_BYTES = 1824, Q2X_TILE_BYTES = 1344;
+constexpr int Q5X_QH = 2368, IQ4X_S = 32, IQ4X_QS = 160;        // offsets in a Q5_K / IQ4_XS tile
+constexpr int Q3X_RUN = 224, Q3X_BASE = 32, Q2X_RUN = 160, Q2X_BASE = 64;  // per-chunk runs of Q3_K / Q2_K
+// ggml's kvalues_iq4nl (ggml-common.h): IQ4_XS's (and IQ4_NL's) 16 levels; + 128 as the tiles' u8 values
+constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+inline bool new_tiles(int fmt) { return fmt >= FMT_Q5_K_X16 && fmt <= FMT_Q2_K_X16; }
+inline int64_t tile_bytes(int fmt) {
+  switch (fmt) {
+    case FMT_Q4_K_X16: return X16_TILE_BYTES;
+    case FMT_Q6_K_X16: return Q6X_TILE_BYTES;
+    case FMT_Q5_K_X16: return Q5X_TILE_BYTES;
+    case FMT_IQ4_XS_X16: return IQ4X_TILE_BYTES;
+    case FMT_Q3_K_X16: return Q3X_TILE_BYTES;
+    default: return Q2X_TILE_BYTES;
+  }
+}
+inline int64_t file_block_bytes(int tiles_fmt) {  // the file's block of a new tile format's type
+  return tiles_fmt == FMT_Q5_K_X16 ? Q5_K_BYTES : tiles_fmt == FMT_IQ4_XS_X16 ? IQ4_XS_BYTES
+         : tiles_fmt == FMT_Q3_K_X16 ? Q3_K_BYTES : Q2_K_BYTES;
+}
+// Whether a 256-value tile format's x16 kernel takes the activations' sums per 32 values as int16 pairs
+// (Q4_K, Q5_K, IQ4_XS: 32-value sub-blocks) or per 16 (Q6_K, Q3_K, Q2_K).
+inline bool pairs_per_32(int fmt) {
+  return fmt == FMT_Q4_K_X16 || fmt == FMT_Q5_K_X16 || fmt == FMT_IQ4_XS_X16;
 }
 constexpr int TILE_M = 8;  // rows of x per pass over a weight row's super-block
 constexpr int PATH_SCALAR = 0, PATH_VNNI = 2;
@@ -167,8 +219,8 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
   out.d.resize(m * nb);
   out.bsum.resize(m * (k / 16));
   out.sums.resize(m * (k / 16));
-  if (fmt == FMT_Q4_K_X16) out.pairs.resize(m * nb * 4);
-  if (fmt == FMT_Q6_K_X16) out.pairs.resize(m * nb * 8);
+  const bool tiles = fmt == FMT_Q4_K_X16 || fmt == FMT_Q6_K_X16 || new_tiles(fmt);
+  if (tiles) out.pairs.resize(m * nb * (pairs_per_32(fmt) ? 4 : 8));
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * ldx + b * QK_K;
@@ -187,12 +239,12 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
       }
       int32_t* v = out.sums.data() + r * (k / 16) + b * 16;
       for (int j = 0; j < 16; ++j) v[j] = fmt == FMT_Q6_K ? s[j] : j < 8 ? 0 : s[2 * (j - 8)] + s[2 * (j - 8) + 1];
-      if (fmt == FMT_Q6_K_X16) {
+      if (tiles && !pairs_per_32(fmt)) {
         int32_t* pr = out.pairs.data() + (r * nb + b) * 8;
         for (int p = 0; p < 8; ++p)  // |sum of 16 q| <= 2032
           pr[p] = (int32_t)(((uint32_t)(uint16_t)(int16_t)s[2 * p]) | ((uint32_t)(uint16_t)(int16_t)s[2 * p + 1] << 16));
       }
-      if (fmt == FMT_Q4_K_X16) {
+      if (tiles && pairs_per_32(fmt)) {
         int32_t* pr = out.pairs.data() + (r * nb + b) * 4;
         for (int p = 0; p < 4; ++p) {  // |sum of 32 q| <= 4064: fits int16
           const int32_t lo = s[4 * p] + s[4 * p + 1], hi = s[4 * p + 2] + s[4 * p + 3];
@@ -299,6 +351,252 @@ inline void q6k_values(const uint8_t* blk, uint8_t* v) {
       v[128 * h + 64 + l] = (a >> 4) | (((e >> 4) & 3) << 4);
       v[128 * h + 96 + l] = (c >> 4) | (((e >> 6) & 3) << 4);
     }
+}
+
+// ------------------------------------------------------------------ Q5_K, IQ4_XS, Q3_K, Q2_K: one row's fields
+
+// One row's super-block as the x16 kernels see it, whatever its type: w_k = d s_j (v_k - off) - dmin m_j
+// for k in 16-value sub-block j (off: Q3_K 4, IQ4_XS 128, else 0), v_k = code_value(code_k); the fp16
+// scales' bits as stored, so that a block goes back to its file bytes exactly.
+struct KFields {
+  uint16_t d = 0, dmin = 0;
+  int16_t s[16] = {0};    // Q5_K's 6-bit scale, Q3_K's and IQ4_XS's (scale - 32), Q2_K's 4-bit scale
+  int16_t m[16] = {0};    // Q5_K's 6-bit min, Q2_K's 4-bit min, else 0
+  uint8_t code[QK_K];     // the stored code: Q5_K 0..31, Q3_K 0..7 (low 2 bits | high bit << 2), Q2_K 0..3,
+                          // IQ4_XS the 0..15 index into IQ4_VALUES
+};
+
+inline int32_t k_offset(int fmt) { return fmt == FMT_Q3_K_X16 ? 4 : fmt == FMT_IQ4_XS_X16 ? 128 : 0; }
+// The unsigned value the kernels multiply: IQ4_XS's level + 128, else the code.
+inline int32_t code_value(int fmt, uint8_t c) { return fmt == FMT_IQ4_XS_X16 ? IQ4_VALUES[c] + 128 : c; }
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+inline void put_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+inline float fp16_bits(uint16_t h) {
+  uint8_t b[2];
+  std::memcpy(b, &h, 2);
+  return fp16_to_fp32(b);
+}
+
+// A file block of `tiles_fmt`'s type (ggml-common.h's block_q5_K, block_iq4_xs, block_q3_K, block_q2_K) ->
+// its fields. Value k's bits: Q5_K low nibble as Q4_K, fifth bit = bit k / 32 of qh[k % 32]; IQ4_XS per
+// 32 values j, 16 bytes: k = 32j + l low nibble, 32j + 16 + l high; Q3_K / Q2_K per 128 h, 32 l, shift
+// 2s: k = 128h + 32s + l, Q3_K's high bit = bit k / 32 of hmask[k % 32] (ggml adds -4 where it is clear).
+void decode_block(int tiles_fmt, const uint8_t* blk, KFields& f) {
+  if (tiles_fmt == FMT_Q5_K_X16) {
+    f.d = u16_at(blk);
+    f.dmin = u16_at(blk + 2);
+    uint8_t sc[8], mn[8];
+    q4k_scales(blk + 4, sc, mn);
+    for (int j = 0; j < 16; ++j) f.s[j] = sc[j / 2], f.m[j] = mn[j / 2];
+    const uint8_t *qh = blk + 16, *qs = blk + 48;
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        f.code[64 * c + l] = (uint8_t)((qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4));
+        f.code[64 * c + 32 + l] = (uint8_t)((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
+      }
+  } else if (tiles_fmt == FMT_IQ4_XS_X16) {
+    f.d = u16_at(blk);
+    const uint16_t sh = u16_at(blk + 2);
+    for (int j = 0; j < 8; ++j) {
+      const int ls = ((blk[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+      f.s[2 * j] = f.s[2 * j + 1] = (int16_t)(ls - 32);
+      for (int l = 0; l < 16; ++l) {
+        f.code[32 * j + l] = blk[8 + 16 * j + l] & 15;
+        f.code[32 * j + 16 + l] = blk[8 + 16 * j + l] >> 4;
+      }
+    }
+  } else if (tiles_fmt == FMT_Q3_K_X16) {
+    const uint8_t *hm = blk, *qs = blk + 32, *sc = blk + 96;
+    f.d = u16_at(blk + 108);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (j < 8 ? sc[j] : sc[j - 8] >> 4) & 15, hi = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+      f.s[j] = (int16_t)((lo | (hi << 4)) - 32);
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) {
+          const int kk = 128 * h + 32 * s + l;
+          f.code[kk] = (uint8_t)(((qs[32 * h + l] >> (2 * s)) & 3) | (((hm[l] >> (kk / 32)) & 1) << 2));
+        }
+  } else {  // Q2_K
+    const uint8_t* qs = blk + 16;
+    f.d = u16_at(blk + 80);
+    f.dmin = u16_at(blk + 82);
+    for (int j = 0; j < 16; ++j) f.s[j] = blk[j] & 15, f.m[j] = blk[j] >> 4;
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) f.code[128 * h + 32 * s + l] = (qs[32 * h + l] >> (2 * s)) & 3;
+  }
+}
+
+// decode_block's inverse: the fields -> the file's block bytes.
+void encode_block(int tiles_fmt, const KFields& f, uint8_t* blk) {
+  if (tiles_fmt == FMT_Q5_K_X16) {
+    std::memset(blk, 0, Q5_K_BYTES);
+    put_u16(blk, f.d);
+    put_u16(blk + 2, f.dmin);
+    for (int j = 0; j < 4; ++j) {  // get_scale_min_k4's inverse
+      const int sc_lo = f.s[2 * j], mn_lo = f.m[2 * j], sc_hi = f.s[2 * j + 8], mn_hi = f.m[2 * j + 8];
+      blk[4 + j] = (uint8_t)(sc_lo | ((sc_hi >> 4) << 6));
+      blk[8 + j] = (uint8_t)(mn_lo | ((mn_hi >> 4) << 6));
+      blk[12 + j] = (uint8_t)((sc_hi & 15) | ((mn_hi & 15) << 4));
+    }
+    uint8_t *qh = blk + 16, *qs = blk + 48;
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t a = f.code[64 * c + l], b = f.code[64 * c + 32 + l];
+        qs[32 * c + l] = (uint8_t)((a & 15) | ((b & 15) << 4));
+        qh[l] |= (uint8_t)(((a >> 4) << (2 * c)) | ((b >> 4) << (2 * c + 1)));
+      }
+  } else if (tiles_fmt == FMT_IQ4_XS_X16) {
+    std::memset(blk, 0, IQ4_XS_BYTES);
+    put_u16(blk, f.d);
+    uint16_t sh = 0;
+    for (int j = 0; j < 8; ++j) {
+      const int ls = f.s[2 * j] + 32;
+      blk[4 + j / 2] |= (uint8_t)((ls & 15) << (4 * (j & 1)));
+      sh |= (uint16_t)(((ls >> 4) & 3) << (2 * j));
+      for (int l = 0; l < 16; ++l)
+        blk[8 + 16 * j + l] = (uint8_t)(f.code[32 * j + l] | (f.code[32 * j + 16 + l] << 4));
+    }
+    put_u16(blk + 2, sh);
+  } else if (tiles_fmt == FMT_Q3_K_X16) {
+    std::memset(blk, 0, Q3_K_BYTES);
+    uint8_t *hm = blk, *qs = blk + 32, *sc = blk + 96;
+    put_u16(blk + 108, f.d);
+    for (int j = 0; j < 16; ++j) {
+      const int v = f.s[j] + 32;
+      sc[j % 8] |= (uint8_t)((v & 15) << (j < 8 ? 0 : 4));
+      sc[8 + j % 4] |= (uint8_t)(((v >> 4) & 3) << (2 * (j / 4)));
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) {
+          const int kk = 128 * h + 32 * s + l;
+          qs[32 * h + l] |= (uint8_t)((f.code[kk] & 3) << (2 * s));
+          hm[l] |= (uint8_t)((f.code[kk] >> 2) << (kk / 32));
+        }
+  } else {
+    std::memset(blk, 0, Q2_K_BYTES);
+    uint8_t* qs = blk + 16;
+    put_u16(blk + 80, f.d);
+    put_u16(blk + 82, f.dmin);
+    for (int j = 0; j < 16; ++j) blk[j] = (uint8_t)(f.s[j] | (f.m[j] << 4));
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) qs[32 * h + l] |= (uint8_t)(f.code[128 * h + 32 * s + l] << (2 * s));
+  }
+}
+
+// Byte offsets of value (r, J, h, g, i) = k 32J + 16h + 4g + i of row r in a tile: every new tile keeps it
+// at byte 4r + i of a 64-byte vector, so that one vpdpbusd serves 16 rows.
+inline int lane(int r, int i) { return 4 * r + i; }
+
+// Row r of a tile (layouts in the header) -> its fields.
+void read_tile_row(int fmt, const uint8_t* t, int r, KFields& f) {
+  f.d = u16_at(t + 2 * r);
+  if (fmt == FMT_Q5_K_X16 || fmt == FMT_Q2_K_X16) f.dmin = u16_at(t + 32 + 2 * r);
+  for (int J = 0; J < 8; ++J) {
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * J + h;
+      if (fmt == FMT_Q5_K_X16) {
+        f.s[j] = t[X16_SC + 16 * J + r];
+        f.m[j] = t[X16_MN + 32 * (J / 2) + 2 * r + (J & 1)];
+      } else if (fmt == FMT_IQ4_XS_X16) {
+        f.s[j] = (int8_t)t[IQ4X_S + 32 * (J / 2) + 2 * r + (J & 1)];
+      } else if (fmt == FMT_Q3_K_X16) {
+        f.s[j] = (int8_t)t[Q3X_BASE + Q3X_RUN * J + 2 * r + h];
+      } else {
+        const uint8_t sm = t[Q2X_BASE + Q2X_RUN * J + 2 * r + h];
+        f.s[j] = sm & 15, f.m[j] = sm >> 4;
+      }
+      for (int g = 0; g < 4; ++g)
+        for (int i = 0; i < 4; ++i) {
+          uint8_t c;
+          if (fmt == FMT_Q5_K_X16 || fmt == FMT_IQ4_XS_X16) {
+            const uint8_t nib = t[(fmt == FMT_Q5_K_X16 ? X16_QS : IQ4X_QS) + (4 * J + g) * 64 + lane(r, i)];
+            c = h ? nib >> 4 : nib & 15;
+            if (fmt == FMT_Q5_K_X16) c |= (uint8_t)(((t[Q5X_QH + 64 * J + lane(r, i)] >> (4 * h + g)) & 1) << 4);
+          } else {
+            const uint8_t* run = t + (fmt == FMT_Q3_K_X16 ? Q3X_BASE + Q3X_RUN * J : Q2X_BASE + Q2X_RUN * J);
+            c = (run[32 + 64 * h + lane(r, i)] >> (2 * g)) & 3;
+            if (fmt == FMT_Q3_K_X16) c |= (uint8_t)(((run[160 + lane(r, i)] >> (4 * h + g)) & 1) << 2);
+          }
+          f.code[32 * J + 16 * h + 4 * g + i] = c;
+        }
+    }
+  }
+}
+
+// The fields -> row r of a tile (read_tile_row's inverse; bits or-ed in: the tile starts zeroed).
+void write_tile_row(int fmt, const KFields& f, int r, uint8_t* t) {
+  put_u16(t + 2 * r, f.d);
+  if (fmt == FMT_Q5_K_X16 || fmt == FMT_Q2_K_X16) put_u16(t + 32 + 2 * r, f.dmin);
+  for (int J = 0; J < 8; ++J) {
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * J + h;
+      if (fmt == FMT_Q5_K_X16) {
+        t[X16_SC + 16 * J + r] = (uint8_t)f.s[j];
+        t[X16_MN + 32 * (J / 2) + 2 * r + (J & 1)] = (uint8_t)f.m[j];
+      } else if (fmt == FMT_IQ4_XS_X16) {
+        t[IQ4X_S + 32 * (J / 2) + 2 * r + (J & 1)] = (uint8_t)(int8_t)f.s[j];
+      } else if (fmt == FMT_Q3_K_X16) {
+        t[Q3X_BASE + Q3X_RUN * J + 2 * r + h] = (uint8_t)(int8_t)f.s[j];
+      } else {
+        t[Q2X_BASE + Q2X_RUN * J + 2 * r + h] = (uint8_t)(f.s[j] | (f.m[j] << 4));
+      }
+      for (int g = 0; g < 4; ++g)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t c = f.code[32 * J + 16 * h + 4 * g + i];
+          if (fmt == FMT_Q5_K_X16 || fmt == FMT_IQ4_XS_X16) {
+            t[(fmt == FMT_Q5_K_X16 ? X16_QS : IQ4X_QS) + (4 * J + g) * 64 + lane(r, i)] |=
+                (uint8_t)((c & 15) << (4 * h));
+            if (fmt == FMT_Q5_K_X16) t[Q5X_QH + 64 * J + lane(r, i)] |= (uint8_t)((c >> 4) << (4 * h + g));
+          } else {
+            uint8_t* run = t + (fmt == FMT_Q3_K_X16 ? Q3X_BASE + Q3X_RUN * J : Q2X_BASE + Q2X_RUN * J);
+            run[32 + 64 * h + lane(r, i)] |= (uint8_t)((c & 3) << (2 * g));
+            if (fmt == FMT_Q3_K_X16) run[160 + lane(r, i)] |= (uint8_t)((c >> 2) << (4 * h + g));
+          }
+        }
+    }
+  }
+}
+
+// Row i of x against one super-block's fields: d dx sum_j s_j (dot_j - off sum(q_j)) - dmin dx sum_j m_j
+// sum(q_j), the integer sums the vnni kernels form. Every scalar path's term for the new tiles.
+inline float fields_block_dot(int fmt, const KFields& f, const QuantizedX& xq, int64_t i, int64_t b, int64_t k) {
+  const int8_t* q = xq.q.data() + i * k + b * QK_K;
+  const int32_t* bs = xq.bsum.data() + i * (k / 16) + b * 16;
+  const int32_t off = k_offset(fmt);
+  int32_t isum = 0, msum = 0;
+  for (int j = 0; j < 16; ++j) {
+    int32_t dot = 0;
+    for (int l = 0; l < 16; ++l) dot += code_value(fmt, f.code[16 * j + l]) * q[16 * j + l];
+    isum += f.s[j] * (dot - off * bs[j]);
+    msum += f.m[j] * bs[j];
+  }
+  const float dx = xq.d[i * (k / QK_K) + b];
+  return fp16_bits(f.d) * dx * (float)isum - fp16_bits(f.dmin) * dx * (float)msum;
+}
+
+// The fields in fp32 as gguf-py dequantizes the file's block, each product rounded: (d * sc) * q - dmin *
+// m (Q5_K, Q2_K), (d * (sc - 32)) * (q - 4) (Q3_K), (d * (ls - 32)) * level (IQ4_XS).
+inline void fields_dequant(int fmt, const KFields& f, float* o) {
+  const float d = fp16_bits(f.d), dmin = fp16_bits(f.dmin);
+  for (int kk = 0; kk < QK_K; ++kk) {
+    const int j = kk / 16;
+    const float dl = d * (float)f.s[j];
+    if (fmt == FMT_Q5_K_X16 || fmt == FMT_Q2_K_X16)
+      o[kk] = dl * (float)f.code[kk] - dmin * (float)f.m[j];
+    else if (fmt == FMT_Q3_K_X16)
+      o[kk] = dl * (float)((int)f.code[kk] - 4);
+    else
+      o[kk] = dl * (float)IQ4_VALUES[f.code[kk]];
+  }
 }
 
 // ------------------------------------------------------------------ scalar path
@@ -424,6 +722,22 @@ void scalar_x16_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const
         float d, dmin;
         x16_row(w + (t * nb + b) * X16_TILE_BYTES, r, d, dmin, sc, mn, v);
         for (int64_t i = 0; i < m; ++i) y[i * ldy + n] += q4k_block_dot(v, sc, mn, d, dmin, xq, i, b, k);
+      }
+    }
+}
+
+// The scalar path over Q5_K / IQ4_XS / Q3_K / Q2_K tiles t0..t1: the vnni kernels' integer sums.
+void scalar_new_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq,
+                      int64_t m, float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K, tb = tile_bytes(fmt);
+  KFields f;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int r = 0; r < X16_ROWS; ++r) {
+      const int64_t n = X16_ROWS * t + r;
+      for (int64_t i = 0; i < m; ++i) y[i * ldy + n] = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        read_tile_row(fmt, w + (t * nb + b) * tb, r, f);
+        for (int64_t i = 0; i < m; ++i) y[i * ldy + n] += fields_block_dot(fmt, f, xq, i, b, k);
       }
     }
 }
@@ -681,6 +995,239 @@ KI_VNNI void q6x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quantiz
   for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
 }
 
+// Q5_K x16 tiles: q4x_rows with each value's fifth bit from qh (bit g for the low nibble's vector g, 4 + g
+// for the high one's) moved to bit 4; a 32-value dot (|.| <= 32 * 31 * 127 < 2^17) times its row's scale
+// by `vpmulld`; the mins' term as Q4_K's.
+template <int MT>
+KI_VNNI void q5x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+                      int64_t ldy) {
+  const __m512i lo4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = tiles + b * Q5X_TILE_BYTES;
+    // Prefetched from one row up, unlike the Q4_K / Q6_K / Q8_0 tiles (PF_MIN_ROWS): at one row the hardware
+    // prefetcher alone left these kernels' loads uncovered, [16384, 2048] at M = 1 737 against 345 us
+    // (IQ4_XS 404 / 342, Q3_K 315 / 283, Q2_K 244 / 227; Q4_K and Q6_K 0.9-1.04x: left as they were),
+    // same-process alternated calls, 2-core Zen 5.
+    prefetch_ahead(tile, Q5X_TILE_BYTES);
+    __m512i isum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile + X16_SC + 16 * j)));
+      const __m512i h = _mm512_loadu_si512((const void*)(tile + Q5X_QH + 64 * j));
+      const __m512i hl[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 3), _mm512_slli_epi16(h, 2),
+                             _mm512_slli_epi16(h, 1)};
+      const __m512i hh[4] = {h, _mm512_srli_epi16(h, 1), _mm512_srli_epi16(h, 2), _mm512_srli_epi16(h, 3)};
+      __m512i lo[4], hi[4];
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512((const void*)(tile + X16_QS + (4 * j + g) * 64));
+        lo[g] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, lo4), hl[g], b4, 0xF8);  // A | (B & C)
+        hi[g] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), lo4), hh[g], b4, 0xF8);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
+        __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {
+          dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
+          dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
+        }
+        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(dl, dh), sc));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + 32)));
+    __m512i mn[4];
+    for (int p = 0; p < 4; ++p)
+      mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tile + X16_MN + 32 * p)));
+    for (int i = 0; i < MT; ++i) {
+      const int64_t row = r0 + i;
+      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
+      __m512i msum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, mn[p], _mm512_set1_epi32(pr[p]));
+      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
+      acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+}
+
+// IQ4_XS x16 tiles: each nibble looked up (vpshufb) as its level + 128 in u8, dotted as Q4_K's nibbles;
+// a 32-value dot (|.| <= 32 * 241 * 127 < 2^20) times its row's signed scale by `vpmulld`; the + 128 taken
+// off once per super-block as int16 pairs (s[2p], s[2p+1]) x (sum_2p, sum_2p+1) of 32 values, exact:
+// y += d dx (isum - 128 osum).
+template <int MT>
+KI_VNNI void iq4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+                       int64_t ldy) {
+  alignas(16) uint8_t levels[16];
+  for (int c = 0; c < 16; ++c) levels[c] = (uint8_t)(IQ4_VALUES[c] + 128);
+  const __m512i tbl = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)levels));
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = tiles + b * IQ4X_TILE_BYTES;
+    prefetch_ahead(tile, IQ4X_TILE_BYTES);  // from one row up: see q5x_rows
+    __m512i isum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
+    __m512i sp[4];  // (s[2p], s[2p + 1]) of each row as int16 pairs
+    for (int p = 0; p < 4; ++p)
+      sp[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(tile + IQ4X_S + 32 * p)));
+    for (int j = 0; j < 8; ++j) {
+      const __m512i s = (j & 1) ? _mm512_srai_epi32(sp[j / 2], 16)
+                                : _mm512_srai_epi32(_mm512_slli_epi32(sp[j / 2], 16), 16);
+      __m512i lo[4], hi[4];
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512((const void*)(tile + IQ4X_QS + (4 * j + g) * 64));
+        lo[g] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, lo4));
+        hi[g] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
+        __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {
+          dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
+          dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
+        }
+        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(dl, dh), s));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
+    for (int i = 0; i < MT; ++i) {
+      const int64_t row = r0 + i;
+      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
+      __m512i osum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) osum = _mm512_dpwssd_epi32(osum, sp[p], _mm512_set1_epi32(pr[p]));
+      const __m512i tot = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(osum, 7));
+      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dx), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+}
+
+// Q3_K (Q3 true) or Q2_K x16 tiles: per 32-value chunk J one run (scales, two vectors of 2-bit values,
+// Q3_K's high bits), unpacked to u8 values (Q3_K 0..7, the low 2 bits with the high bit at bit 2; Q2_K
+// 0..3); a 16-value dot (|.| <= 16 * 7 * 127 < 2^15) times its row's scale by `vpdpwssd` (the scale in
+// the low half of its lane, the high half zero); then Q3_K: y += d dx (isum - 4 osum), the -4 offset over
+// int16 pairs (s[2p], s[2p+1]) x (sum_2p, sum_2p+1) of 16 values; Q2_K: y += dx (d isum - dmin msum), its
+// 4-bit mins over the same pairs.
+template <bool Q3, int MT>
+KI_VNNI void k2x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+                      int64_t ldy) {
+  constexpr int64_t TB = Q3 ? Q3X_TILE_BYTES : Q2X_TILE_BYTES;
+  constexpr int BASE = Q3 ? Q3X_BASE : Q2X_BASE, RUN = Q3 ? Q3X_RUN : Q2X_RUN;
+  const __m512i m3 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4);
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF), nib = _mm512_set1_epi32(0x0F), nib16 = _mm512_set1_epi16(0x0F);
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = tiles + b * TB;
+    prefetch_ahead(tile, TB);  // from one row up: see q5x_rows
+    __m512i isum[MT];
+    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
+    for (int J = 0; J < 8; ++J) {
+      const uint8_t* run = tile + BASE + RUN * J;
+      const __m256i raw = _mm256_loadu_si256((const __m256i*)run);
+      __m512i sa, sb;  // the scales of sub-blocks 2J and 2J + 1 in the low half of each row's lane
+      if constexpr (Q3) {
+        const __m512i pv = _mm512_cvtepi8_epi16(raw);
+        sa = _mm512_and_si512(pv, lo16);
+        sb = _mm512_srli_epi32(pv, 16);
+      } else {
+        const __m512i pv = _mm512_cvtepu8_epi16(raw);
+        sa = _mm512_and_si512(pv, nib);
+        sb = _mm512_and_si512(_mm512_srli_epi32(pv, 16), nib);
+      }
+      const __m512i l0 = _mm512_loadu_si512((const void*)(run + 32));
+      const __m512i l1 = _mm512_loadu_si512((const void*)(run + 96));
+      __m512i a[4], c[4];
+      for (int g = 0; g < 4; ++g) {
+        a[g] = _mm512_and_si512(_mm512_srli_epi16(l0, 2 * g), m3);
+        c[g] = _mm512_and_si512(_mm512_srli_epi16(l1, 2 * g), m3);
+      }
+      if constexpr (Q3) {  // the high bits: bit g (low half's vector g), 4 + g (high half's), to bit 2
+        const __m512i hb = _mm512_loadu_si512((const void*)(run + 160));
+        const __m512i ha[4] = {_mm512_slli_epi16(hb, 2), _mm512_slli_epi16(hb, 1), hb, _mm512_srli_epi16(hb, 1)};
+        for (int g = 0; g < 4; ++g) {
+          a[g] = _mm512_ternarylogic_epi32(a[g], ha[g], b2, 0xF8);
+          c[g] = _mm512_ternarylogic_epi32(c[g], _mm512_srli_epi16(hb, 2 + g), b2, 0xF8);
+        }
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * J);
+        __m512i da = _mm512_setzero_si512(), dc = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {
+          da = _mm512_dpbusd_epi32(da, a[g], _mm512_set1_epi32(q[g]));
+          dc = _mm512_dpbusd_epi32(dc, c[g], _mm512_set1_epi32(q[4 + g]));
+        }
+        isum[i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[i], da, sa), dc, sb);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
+    __m512i pp[8];  // Q3_K: (s[2p], s[2p+1]); Q2_K: (m[2p], m[2p+1]), int16 pairs per row
+    for (int p = 0; p < 8; ++p) {
+      const __m256i raw = _mm256_loadu_si256((const __m256i*)(tile + BASE + RUN * p));
+      pp[p] = Q3 ? _mm512_cvtepi8_epi16(raw) : _mm512_and_si512(_mm512_srli_epi16(_mm512_cvtepu8_epi16(raw), 4), nib16);
+    }
+    for (int i = 0; i < MT; ++i) {
+      const int64_t row = r0 + i;
+      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 8;
+      __m512i osum = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) osum = _mm512_dpwssd_epi32(osum, pp[p], _mm512_set1_epi32(pr[p]));
+      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
+      if constexpr (Q3) {
+        const __m512i tot = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(osum, 2));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dx), acc[i]);
+      } else {
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + 32)));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
+        acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(osum), _mm512_mul_ps(dmin, dx), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+}
+
+// Runs K<MT> for the row count mt (1..TILE_M) as a compile-time constant.
+template <typename F>
+KI_VNNI inline void with_rows(int mt, F&& f) {
+  switch (mt) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// Q5_K / IQ4_XS / Q3_K / Q2_K tiles t0..t1, all M rows of x, TILE_M rows per pass over a tile (as vnni_tiles).
+KI_VNNI void vnni_new_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq,
+                            int64_t m, float* y, int64_t ldy) {
+  const int64_t nb = k / QK_K, tb = tile_bytes(fmt);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tiles = w + t * nb * tb;
+    float* yt = y + X16_ROWS * t;
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
+      with_rows((int)std::min<int64_t>(TILE_M, m - r0), [&](auto mt) {
+        constexpr int MT = decltype(mt)::value;
+        if (fmt == FMT_Q5_K_X16)
+          q5x_rows<MT>(tiles, nb, k, xq, r0, yt, ldy);
+        else if (fmt == FMT_IQ4_XS_X16)
+          iq4x_rows<MT>(tiles, nb, k, xq, r0, yt, ldy);
+        else if (fmt == FMT_Q3_K_X16)
+          k2x_rows<true, MT>(tiles, nb, k, xq, r0, yt, ldy);
+        else
+          k2x_rows<false, MT>(tiles, nb, k, xq, r0, yt, ldy);
+      });
+    }
+  }
+}
+
 // Tiles t0..t1 of `fmt` (FMT_Q4_K_X16 or FMT_Q6_K_X16), all M rows of x: TILE_M rows per pass over a
 // tile (a tile's bytes come from memory once, then from L1 for the next pass).
 KI_VNNI void vnni_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq,
@@ -816,7 +1363,11 @@ void dequant_row(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_
   const uint8_t* row = w + n * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
     float* ob = o + b * QK_K;
-    if (fmt == FMT_Q6_K_X16) {  // row n is row n % 16 of tile n / 16
+    if (new_tiles(fmt)) {  // row n is row n % 16 of tile n / 16
+      KFields f;
+      read_tile_row(fmt, w + ((n / X16_ROWS) * nb + b) * tile_bytes(fmt), (int)(n % X16_ROWS), f);
+      fields_dequant(fmt, f, ob);
+    } else if (fmt == FMT_Q6_K_X16) {  // row n is row n % 16 of tile n / 16
       float d;
       int8_t sc[16];
       uint8_t v[QK_K];
@@ -892,7 +1443,7 @@ int best_compiled_path() {
 
 extern "C" {
 
-int32_t kubeinfer_qk_native_abi() { return 6; }
+int32_t kubeinfer_qk_native_abi() { return 7; }
 
 // csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
 // super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K), group_size 256; or the
@@ -922,7 +1473,7 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
                             int64_t ldx, float* y, int64_t ldy, int32_t threads) {
   const bool q32 = fmt == FMT_Q8_0_X16 || fmt == FMT_Q5_0_X16;
   if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % (q32 ? Q8X_BLOCK : QK_K)) return 1;
-  if (fmt < FMT_Q4_K || fmt > FMT_Q5_0_X16) return 1;
+  if (fmt < FMT_Q4_K || fmt > FMT_Q2_K_X16) return 1;
   const bool tiled = fmt >= FMT_Q4_K_X16;
   if (tiled && n % X16_ROWS) return 1;
   if (m == 0 || n == 0) return 0;
@@ -949,11 +1500,15 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
     const int64_t tiles = n / X16_ROWS;
     over_spans(tiles, std::max<int32_t>(1, std::min<int64_t>(threads, tiles)), [&](int64_t t0, int64_t t1) {
 #if KI_QK_X86
-      if (vnni)
+      if (vnni && new_tiles(fmt))
+        vnni_new_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
+      else if (vnni)
         vnni_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
       else
 #endif
-          if (fmt == FMT_Q6_K_X16)
+          if (new_tiles(fmt))
+        scalar_new_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
+      else if (fmt == FMT_Q6_K_X16)
         scalar_q6x_tiles(w, t0, t1, k, xq, m, y, ldy);
       else
         scalar_x16_tiles(w, t0, t1, k, xq, m, y, ldy);
@@ -977,8 +1532,24 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
 // row (148 or 210; layouts at the top), n a multiple of 16. Returns 0, or 1 for bad arguments.
 int32_t kubeinfer_qk_interleave(int32_t fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst,
                                 int32_t threads) {
-  if (!src || !dst || n < 0 || n % X16_ROWS || k <= 0 || k % QK_K || (fmt != FMT_Q4_K && fmt != FMT_Q6_K))
-    return 1;
+  if (!src || !dst || n < 0 || n % X16_ROWS || k <= 0 || k % QK_K) return 1;
+  if (fmt >= FMT_Q5_K_ROWS && fmt <= FMT_Q2_K_ROWS) {
+    const int tf = fmt - FMT_Q5_K_ROWS + FMT_Q5_K_X16;
+    const int64_t nb = k / QK_K, tiles = n / X16_ROWS, tb = tile_bytes(tf), fb = file_block_bytes(tf);
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static) if (n * k > (1 << 16))
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* tile = dst + (t * nb + b) * tb;
+        std::memset(tile, 0, tb);
+        KFields f;
+        for (int r = 0; r < X16_ROWS; ++r) {
+          decode_block(tf, src + ((X16_ROWS * t + r) * nb + b) * fb, f);
+          write_tile_row(tf, f, r, tile);
+        }
+      }
+    return 0;
+  }
+  if (fmt != FMT_Q4_K && fmt != FMT_Q6_K) return 1;
   const int64_t nb = k / QK_K, tiles = n / X16_ROWS;
   const bool q6 = fmt == FMT_Q6_K;
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static) if (n * k > (1 << 16))
@@ -1021,6 +1592,25 @@ int32_t kubeinfer_qk_interleave(int32_t fmt, const uint8_t* src, int64_t n, int6
   return 0;
 }
 
+// Q5_K / IQ4_XS / Q3_K / Q2_K 16-row tiles of `fmt` (6..9) [n, k / 256 * row bytes] -> the file's rows
+// again [n, k / 256 * block bytes] (kubeinfer_qk_interleave's inverse, byte for byte). Returns 0, or 1 for
+// bad arguments.
+int32_t kubeinfer_qk_deinterleave(int32_t fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst,
+                                  int32_t threads) {
+  if (!src || !dst || !new_tiles(fmt) || n < 0 || n % X16_ROWS || k <= 0 || k % QK_K) return 1;
+  const int64_t nb = k / QK_K, tiles = n / X16_ROWS, tb = tile_bytes(fmt), fb = file_block_bytes(fmt);
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static) if (n * k > (1 << 16))
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      KFields f;
+      for (int r = 0; r < X16_ROWS; ++r) {
+        read_tile_row(fmt, src + (t * nb + b) * tb, r, f);
+        encode_block(fmt, f, dst + ((X16_ROWS * t + r) * nb + b) * fb);
+      }
+    }
+  return 0;
+}
+
 // Format code of a descriptor's super-blocks from its row bytes, or -1.
 static int32_t desc_format(const KiQWeight* w) {
   if (!w || !w->q || w->bits != 6 || w->n < 0 || w->k <= 0) return -1;
@@ -1035,6 +1625,8 @@ static int32_t desc_format(const KiQWeight* w) {
     if (w->n % X16_ROWS) return -1;
     if (w->row_bytes == w->k / QK_K * X16_ROW_BYTES) return FMT_Q4_K_X16;
     if (w->row_bytes == w->k / QK_K * Q6_K_BYTES) return FMT_Q6_K_X16;
+    for (int fmt = FMT_Q5_K_X16; fmt <= FMT_Q2_K_X16; ++fmt)
+      if (w->row_bytes == w->k / QK_K * (tile_bytes(fmt) / X16_ROWS)) return fmt;
     return -1;
   }
   if (w->row_bytes == w->k / QK_K * Q4_K_BYTES) return FMT_Q4_K;
