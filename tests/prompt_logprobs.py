@@ -61,3 +61,54 @@ def hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]
             )
             outs.append(ids[0, len(p) :].tolist())
     return outs
+
+
+def hf_on_our_weights(folder: Path, engine: LLMEngine) -> Any:
+    """transformers' model of `folder` (fp32, eager attention) with every weight our engine quantized
+    replaced by its dequantized values: projections (fused q/k/v and gate/up split back where the
+    checkpoint keeps them apart), block-quantized experts as transformers' stacked expert tensors, and
+    Qwen2-MoE's shared expert (gate rows then up rows); routers, norms and float weights stay the
+    checkpoint's. AssertionError for a quantized weight transformers has no place for."""
+    from transformers import AutoModelForCausalLM
+
+    from server.models.moe import BlockQuantExperts, SparseMoeBlock
+    from server.quant.block_linear import BlockQuantLinear
+    from server.quant.cpu_qlinear import dequantize_reference
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    arch = engine.loaded.arch
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    state = hf.state_dict()
+    new: dict[str, torch.Tensor] = {}
+    for name, m in engine.loaded.model.named_modules():
+        prefix, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        if isinstance(m, SparseMoeBlock):
+            if isinstance(m.experts, BlockQuantExperts):
+                new[f"{name}.experts.gate_up_proj"] = torch.stack(
+                    [dequantize_reference(w) for w in m.experts.w13]
+                )
+                new[f"{name}.experts.down_proj"] = torch.stack(
+                    [dequantize_reference(w) for w in m.experts.w2]
+                )
+            continue
+        if not isinstance(m, BlockQuantLinear):
+            continue
+        w = dequantize_reference(m.weight_q)  # [out, in] fp32
+        if leaf == "shared_gate_up":
+            for part, rows in zip(("gate_proj", "up_proj"), w.chunk(2), strict=True):
+                new[f"{prefix}.shared_expert.{part}.weight"] = rows
+        elif leaf == "shared_down":
+            new[f"{prefix}.shared_expert.down_proj.weight"] = w
+        elif f"{name}.weight" in state:
+            new[f"{name}.weight"] = w
+        elif leaf == "qkv_proj":
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), w.split((q, kv, kv)), strict=True):
+                new[f"{prefix}.{part}.weight"] = rows
+        elif leaf == "gate_up_proj":
+            for part, rows in zip(("gate_proj", "up_proj"), w.chunk(2), strict=True):
+                new[f"{prefix}.{part}.weight"] = rows
+        else:
+            raise AssertionError(f"no transformers weight for {name}")
+    assert set(new) <= set(state), sorted(set(new) - set(state))[:3]
+    hf.load_state_dict(new, strict=False)
+    return hf

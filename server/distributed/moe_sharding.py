@@ -165,15 +165,11 @@ def shard_int8_shared_expert(
     lo, hi = rank * part, (rank + 1) * part
     rows = torch.cat([torch.arange(lo, hi), torch.arange(shared + lo, shared + hi)])
     w2 = down.weight_q
-    out = (
+    # the whole one's kernel choice, None included (TP's rank_loading: the torch reference, as for the rest)
+    return (
         BlockQuantLinear(gate_up.weight_q.select_rows(rows), kernel=gate_up.kernel),
         BlockQuantLinear(from_int8(w2.q[:, lo:hi].contiguous(), w2.scales[:, 0]), kernel=down.kernel),
     )
-    # the whole one's kernel choice, None included (TP's rank_loading: the torch reference, as for the
-    # rest); the constructor would load one in its place
-    for shard, whole in zip(out, (gate_up, down), strict=True):
-        shard.kernel = whole.kernel
-    return out
 
 
 def check_block_shardable(block: nn.Module, world_size: int, what: str) -> None:

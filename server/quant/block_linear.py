@@ -82,6 +82,14 @@ def _weight(module: BlockQuantLinear | BlockQuantEmbedding, meta: BlockQuantWeig
     )
 
 
+class LoadKernel:
+    """BlockQuantLinear's default `kernel`: find (or build) the compiled kernel in `cache_dir`; passing None
+    instead runs the torch reference (a switched-off kernel, TP's rank loading)."""
+
+
+LOAD_KERNEL = LoadKernel()
+
+
 class BlockQuantLinear(QuantLinear):
     """y = x @ W^T + bias with W block-quantized; fp32 activations and accumulation (with `gemm_dtype`
     torch.bfloat16, GEMMs of 4 rows and more take bf16 operands: module docstring)."""
@@ -96,7 +104,7 @@ class BlockQuantLinear(QuantLinear):
         w: BlockQuantWeight,
         bias: Tensor | None = None,  # [N]
         cache_dir: Path | None = None,
-        kernel: QLinearKernel | None = None,  # an already loaded kernel (else loaded from cache_dir)
+        kernel: QLinearKernel | LoadKernel | None = LOAD_KERNEL,  # a loaded kernel; None: the torch reference
     ) -> None:
         super().__init__(w.in_features, w.out_features)
         self.method = file_format(w.fmt)  # the format, not its layout (q4_k_x16 is q4_k)
@@ -105,7 +113,9 @@ class BlockQuantLinear(QuantLinear):
         if bias is not None and tuple(bias.shape) != (w.out_features,):
             raise ValueError(f"bias must be [{w.out_features}], got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self.kernel: QLinearKernel | None = kernel or try_load_qlinear_kernel(cache_dir)
+        self.kernel: QLinearKernel | None = (
+            try_load_qlinear_kernel(cache_dir) if isinstance(kernel, LoadKernel) else kernel
+        )
         self.gemm_dtype = torch.float32
 
     # Counts gemm_dtype assignments on every instance: DecodeGraph re-reads its projections' dtypes only

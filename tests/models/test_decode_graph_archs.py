@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from prompt_logprobs import model_greedy
+from prompt_logprobs import hf_on_our_weights, model_greedy
 from test_arch_parity import MAX_LEN, build
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.decode_graph import DecodeGraph
 from server.quant.block_linear import BlockQuantLinear
-from server.quant.cpu_qlinear import dequantize_reference
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
 
@@ -90,36 +89,6 @@ def _generate(engine: LLMEngine, graph: bool) -> tuple[list[list[int]], list[lis
     return list(tokens.values()), list(lps.values())
 
 
-def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
-    """transformers' model of `folder` with every projection our engine quantized replaced by its
-    dequantized q8_0 weight (fused q/k/v and gate/up split back where the checkpoint keeps them apart)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
-    arch = engine.loaded.arch
-    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
-    state = hf.state_dict()
-    new: dict[str, torch.Tensor] = {}
-    for name, m in engine.loaded.model.named_modules():
-        if not isinstance(m, BlockQuantLinear):
-            continue
-        w = dequantize_reference(m.weight_q)  # [out, in] fp32
-        prefix, leaf = name.rsplit(".", 1)
-        if f"{name}.weight" in state:
-            new[f"{name}.weight"] = w
-        elif leaf == "qkv_proj":
-            for part, rows in zip(("q_proj", "k_proj", "v_proj"), w.split((q, kv, kv)), strict=True):
-                new[f"{prefix}.{part}.weight"] = rows
-        elif leaf == "gate_up_proj":
-            for part, rows in zip(("gate_proj", "up_proj"), w.split((inter, inter)), strict=True):
-                new[f"{prefix}.{part}.weight"] = rows
-        else:
-            raise AssertionError(f"no transformers weight for {name}")
-    assert set(new) <= set(state), sorted(set(new) - set(state))[:3]
-    hf.load_state_dict(new, strict=False)
-    return hf
-
-
 @pytest.mark.parametrize("kind", ["gemma3", "gemma2", "phi3", "granite", "olmo2", "smollm3", "gemma"])
 def test_graph_bit_identical_and_greedy_parity(tiny: Callable[[str], Path], cache: Path, kind: str) -> None:
     folder = tiny(kind)
@@ -144,7 +113,7 @@ def test_graph_bit_identical_and_greedy_parity(tiny: Callable[[str], Path], cach
     assert got_tokens == want_tokens
     assert got_lps == want_lps  # exact: the same kernels in the same order on the same buffers
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
-    hf = _hf_on_our_weights(folder, engine)
+    hf = hf_on_our_weights(folder, engine)
     prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
     assert model_greedy(hf, prompts, [len(ours) for ours in got_tokens]) == got_tokens
 

@@ -21,13 +21,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from moe_models import MAX_LEN, PROMPTS, build
-from prompt_logprobs import model_greedy
+from prompt_logprobs import hf_on_our_weights, model_greedy
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.cpu_fused import try_load_fused_ops
 from server.models.decode_graph import DecodeGraph, layer_refusal, route
-from server.models.moe import BlockQuantExperts, MoEConfig, SparseMoeBlock, select_experts
+from server.models.moe import MoEConfig, SparseMoeBlock, select_experts
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qlinear import dequantize_reference
 from server.quant.gemm_dtype import apply_gemm_dtype
@@ -90,7 +90,7 @@ def test_moe_decode_steps_run_in_the_graph(
     graph, got_tokens = _graph_equals_fused_path(engine, monkeypatch)
     shared = [r.shared_gate_up is not None for r in graph.moes if r is not None]
     assert shared and all(shared) == (kind == "qwen2_moe")  # the shared experts run in the graph
-    hf = _hf_on_our_weights(tiny(kind), engine)
+    hf = hf_on_our_weights(tiny(kind), engine)
     prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
     assert model_greedy(hf, prompts, [len(ours) for ours in got_tokens]) == got_tokens
 
@@ -118,49 +118,6 @@ def _graph_equals_fused_path(
     torch.testing.assert_close(torch.tensor(got_lps), torch.tensor(want_lps), atol=LOGPROB_TOL, rtol=0)
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
     return model._decode_graph[1], got_tokens
-
-
-def _hf_on_our_weights(folder: Path, engine: LLMEngine) -> torch.nn.Module:
-    """transformers' model of `folder` with every weight our engine quantized (projections and experts)
-    replaced by its dequantized int8 values; the router stays the checkpoint's fp32."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
-    arch = engine.loaded.arch
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    state = hf.state_dict()
-    new: dict[str, torch.Tensor] = {}
-    for name, m in engine.loaded.model.named_modules():
-        prefix, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-        if isinstance(m, SparseMoeBlock):
-            experts = m.experts
-            assert isinstance(experts, BlockQuantExperts)
-            new[f"{name}.experts.gate_up_proj"] = torch.stack([dequantize_reference(w) for w in experts.w13])
-            new[f"{name}.experts.down_proj"] = torch.stack([dequantize_reference(w) for w in experts.w2])
-        elif not isinstance(m, BlockQuantLinear):
-            continue
-        elif leaf == "shared_gate_up":  # Qwen2-MoE's shared expert, gate rows then up rows
-            w = dequantize_reference(m.weight_q)
-            for part, rows in zip(("gate_proj", "up_proj"), w.chunk(2), strict=True):
-                new[f"{prefix}.shared_expert.{part}.weight"] = rows
-        elif leaf == "shared_down":
-            new[f"{prefix}.shared_expert.down_proj.weight"] = dequantize_reference(m.weight_q)
-        elif f"{name}.weight" in state:
-            new[f"{name}.weight"] = dequantize_reference(m.weight_q)
-        elif leaf == "qkv_proj":
-            w = dequantize_reference(m.weight_q)
-            for part, rows in zip(("q_proj", "k_proj", "v_proj"), w.split((q, kv, kv)), strict=True):
-                new[f"{prefix}.{part}.weight"] = rows
-        elif leaf == "gate_up_proj":
-            w = dequantize_reference(m.weight_q)
-            for part, rows in zip(("gate_proj", "up_proj"), w.chunk(2), strict=True):
-                new[f"{prefix}.{part}.weight"] = rows
-        else:
-            raise AssertionError(f"no transformers weight for {name}")
-    assert set(new) <= set(state), sorted(set(new) - set(state))[:3]
-    assert any(k.endswith("experts.gate_up_proj") for k in new)
-    hf.load_state_dict(new, strict=False)
-    return hf
 
 
 def test_graph_follows_the_experts_gemm_dtype(tiny: Callable[[str], Path]) -> None:

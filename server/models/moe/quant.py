@@ -264,10 +264,8 @@ def pack_moe_int8_weights(model: nn.Module) -> int:
 
 
 def _shared_projection(t: Tensor, fmt: str, kernel: QLinearKernel | None) -> BlockQuantLinear:  # t: [N, K]
-    m = BlockQuantLinear(_quantize_one(t.float(), fmt), kernel=kernel)
-    if kernel is None:  # the dense projections' kernel switch is off: qlinear's torch reference, as theirs
-        m.kernel = None
-    return m
+    # None: the dense projections' kernel switch is off, so qlinear's torch reference, as theirs
+    return BlockQuantLinear(_quantize_one(t.float(), fmt), kernel=kernel)
 
 
 def quantize_moe_blocks(model: nn.Module, fmt: str, kernel: QLinearKernel | None) -> int:
