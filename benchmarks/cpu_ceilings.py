@@ -39,6 +39,20 @@ def copy_gb_per_s(reps: int = 5) -> float:
     return 2 * big.numel() / best / 1e9
 
 
+def read_gb_per_s(reps: int = 5, gib: int = 1) -> float:
+    """This machine's memory read bandwidth, GB/s: the best of `reps` torch `sum()`s over `gib` GiB of fp32 on
+    torch's threads (far past any last-level cache, as a decode step's weights are; the 64 MiB copy of
+    `copy_gb_per_s` partly fits a 32 MiB L3)."""
+    big = torch.ones(gib << 28, dtype=torch.float32)
+    big.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t0)
+    return big.numel() * 4 / best / 1e9
+
+
 def _best(fn: Callable[[], object], reps: int) -> float:
     fn()
     t0 = time.perf_counter()

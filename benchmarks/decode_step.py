@@ -19,6 +19,10 @@ same way, with the copies' MiB: whether the second copy of each weight pays for 
 `--q8-tiles`, the modes are the decode graph over the Q8_0 / Q5_0 / IQ4_NL 16-row tiles the loader holds
 (`tiles`, cpu_qlinear.interleave_q8_x16) and over the same weights row-major with their packed copies
 (`rowmajor`: the layout before the tiles), rotated the same way.
+Per run, for a dense model, the weight bytes a decode step reads (`step_weight_bytes`) over each mode's
+step p50 (`weight_gb_per_s_p50`), next to this machine's memory read bandwidth measured in the same go
+(`memory_read_gb_per_s`, a 1 GiB `sum()`, before the engine loads and after the steps and a rest):
+issue 49's single-stream fraction.
 The engine is driven directly (no HTTP); benchmarks/peers_side_by_side.py measures the served whole.
 """
 
@@ -39,6 +43,7 @@ import server  # noqa: F401  (CPU runtime settings before torch loads)
 
 # isort: split
 import torch
+from cpu_ceilings import read_gb_per_s
 from peers_side_by_side import cpu_info
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
@@ -95,6 +100,33 @@ def set_packed(
         w = with_copy if packed else without
         m._w, m.q, m.scales, m.mins = w, w.q, w.scales, w.mins  # the buffers too (tiles: another layout)
     model._decode_graph = None  # type: ignore[assignment]  # descriptors hold the copies: rebuilt next step
+
+
+def read_after_rest(rest_s: float = 2.0) -> float:
+    """read_gb_per_s once the kernels' OpenMP threads have stopped spinning."""
+    time.sleep(rest_s)
+    return read_gb_per_s()
+
+
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a dense model's decode step reads: every block-quantized projection (the LM head
+    included) and float Linear; an untied token embedding is read one row per token (not counted). 0 for
+    a mixture-of-experts model (only the routed experts are read)."""
+    from server.models.moe import SparseMoeBlock
+
+    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        return 0
+    total, seen = 0, set()
+    for m in model.modules():
+        if isinstance(m, BlockQuantLinear):
+            held = m.weight_q.q
+            if held.data_ptr() not in seen:  # a tied head shares the embedding's blocks: read once
+                seen.add(held.data_ptr())
+                total += m.weight_q.nbytes() - (0 if m.weight_q.packed is None else m.weight_q.packed.numel())
+        elif isinstance(m, torch.nn.Linear) and m.weight.data_ptr() not in seen:
+            seen.add(m.weight.data_ptr())
+            total += m.weight.numel() * m.weight.element_size()
+    return total
 
 
 def measure(
@@ -160,9 +192,18 @@ def measure(
         engine.abort_request(f"u{users}-{i}")
     p50 = {m: statistics.median(v) * 1e3 for m, v in times.items()}
     base = modes[0] if gemm_dtypes or int8_pack or q8_tiles else "torch"
+    read = step_weight_bytes(model)
     return {
         "users": users,
         **({"packed_copies_mib": copies_mib(variants)} if int8_pack else {}),
+        **(
+            {
+                "weight_gb_read_per_step": round(read / 1e9, 3),
+                "weight_gb_per_s_p50": {m: round(read / v / 1e6, 1) for m, v in p50.items()},
+            }
+            if read
+            else {}
+        ),
         "step_ms_p50": {m: round(v, 3) for m, v in p50.items()},
         "step_ms_min": {m: round(min(v) * 1e3, 3) for m, v in times.items()},
         f"speedup_vs_{base}_p50": {m: round(p50[base] / p50[m], 3) for m in modes if m != base},
@@ -189,6 +230,9 @@ def main() -> None:
         help="compare the graph over Q8_0/Q5_0 tiles and row-major + copies",
     )
     args = ap.parse_args()
+    # before any kernel runs: the kernels' OpenMP threads spin a while after each call and took half
+    # of this figure when it was read right after the steps (34-46 against 72-79 GB/s, 2 cores)
+    read_at_start = read_gb_per_s()
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=args.model, max_model_len=args.max_model_len), cache=CacheConfig()
@@ -200,11 +244,13 @@ def main() -> None:
         "cpu": cpu_info(),
         "threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()),
+        "memory_read_gb_per_s": round(read_at_start, 1),  # a 1 GiB sum(), this run's threads
         "runs": [
             measure(engine, u, args.prompt_len, args.steps, args.gemm_dtypes, args.int8_pack, args.q8_tiles)
             for u in args.users
         ],
         "load_average_at_end": list(os.getloadavg()),
+        "memory_read_gb_per_s_at_end": round(read_after_rest(), 1),
     }
     print(json.dumps(result, indent=2))
 
