@@ -244,8 +244,8 @@ class BlockQuantWeight:
 
     def select_rows(self, index: Tensor) -> BlockQuantWeight:
         """Rows `index` ([N'] int64) of W, still quantized (a row permutation or a slice). Tiles give tiles
-        again where N' is a multiple of 16 (whole tiles in order are sliced as they are), else the rows as
-        the file's own blocks (Q5_K / IQ4_XS / Q3_K / Q2_K, which run only as tiles: repacked,
+        again where N' is a multiple of 16 (whole tiles, each one's 16 rows in order, are taken as they
+        are), else the rows as the file's own blocks (Q5_K / IQ4_XS / Q3_K / Q2_K, which run only as tiles: repacked,
         gguf_repack.py)."""
         tile = _whole_tiles(self, index)
         if tile is not None:
@@ -254,7 +254,7 @@ class BlockQuantWeight:
             return dataclasses.replace(
                 self,
                 q=q.reshape(-1, self.q.shape[1]),
-                scales=self.scales[: tile.numel() * per_tile],
+                scales=torch.empty(tile.numel() * per_tile, 0),
                 out_features=tile.numel() * per_tile,
                 packed=None,
             )
@@ -308,8 +308,9 @@ class BlockQuantWeight:
 
 
 def _whole_tiles(w: BlockQuantWeight, index: Tensor) -> Tensor | None:
-    """For a weight held in 16-row tiles: the tiles `index` selects whole and in order ([T'] int64), or
-    None where it selects rows of a tile apart (or w is not tiles)."""
+    """For a weight held in 16-row tiles: the tiles `index` selects whole, each one's 16 rows in order
+    ([T'] int64; tiles in any order, repeats allowed), or None where it selects rows of a tile apart (or w
+    is not tiles)."""
     rows = qk_native.X16_ROWS
     if not (w.super_blocks and w.group_size in (X16_GROUP, Q8X_GROUP)) or index.numel() % rows:
         return None

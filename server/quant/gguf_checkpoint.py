@@ -74,8 +74,8 @@ SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 
 
 def super_blocks_enabled(compute: torch.dtype) -> bool:
-    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0, Q5_0, IQ4_NL as 16-row
-    tiles), `0` repack them (and keep those row-major); unset: where the super-block kernel runs its
+    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0, Q5_0, IQ4_NL and
+    TILE_ONLY_TYPES as 16-row tiles), `0` repack them (and keep Q8_0 and the like row-major); unset: where the super-block kernel runs its
     AVX512-VNNI path (its scalar path is slower than the repacked formats' AVX2 GEMV) and the layers
     compute in bf16 (`compute`, the GEMM dtype --dtype resolves to: server/quant/gemm_dtype.py). The tiles'
     int8-activation kernels serve bf16 layers; fp32 layers dequantize them a row at a time (qk_native.cpp's
@@ -288,7 +288,14 @@ def _repacked(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks:
     """A matrix [N, K] of a REPACKED type as served: TILE_ONLY_TYPES as the file's super-blocks where
     `super_blocks` and N is a multiple of 16 (tiled once their rows are final, `_tileable`), else repacked
     exactly into 8-bit groups (gguf_repack.py)."""
-    if super_blocks and kind in TILE_ONLY_TYPES and n % X16_ROWS == 0:
+    if (
+        super_blocks
+        and kind in TILE_ONLY_TYPES
+        and n % X16_ROWS == 0
+        # only the compiled library writes these tiles: where it cannot be built (KUBEINFER_KQUANT_BLOCKS=1
+        # forced without a compiler) the repack serves, as the torch re-lay serves Q4_K / Q6_K there
+        and cpu_qk_native.try_load_qk_native_kernel() is not None
+    ):
         return from_gguf_k_super_blocks(raw, TILE_ONLY_TYPES[kind], n, k)
     return from_gguf_repacked(raw, kind, n, k)
 

@@ -27,7 +27,7 @@ from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.models.cpu_fused import try_load_fused_ops
 from server.models.decode_graph import DecodeGraph, layer_refusal, route
-from server.models.moe import MoEConfig, SparseMoeBlock, select_experts
+from server.models.moe import BlockQuantExperts, MoEConfig, SparseMoeBlock, select_experts
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qlinear import dequantize_reference
 from server.quant.gemm_dtype import apply_gemm_dtype
@@ -90,6 +90,9 @@ def test_moe_decode_steps_run_in_the_graph(
     graph, got_tokens = _graph_equals_fused_path(engine, monkeypatch)
     shared = [r.shared_gate_up is not None for r in graph.moes if r is not None]
     assert shared and all(shared) == (kind == "qwen2_moe")  # the shared experts run in the graph
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    # int8 experts, so that transformers runs on their dequantized values, not the checkpoint's
+    assert blocks and all(isinstance(b.experts, BlockQuantExperts) for b in blocks)
     hf = hf_on_our_weights(tiny(kind), engine)
     prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
     assert model_greedy(hf, prompts, [len(ours) for ours in got_tokens]) == got_tokens

@@ -238,6 +238,9 @@ def test_tile_only_layout_round_trips(kernel: qk.QKNativeKernel, fmt: str) -> No
     assert torch.equal(cq.dequantize_reference(odd), dense[[63, 2, 17]])
     both = cq.BlockQuantWeight.concat_rows([x16, aligned])
     assert torch.equal(cq.dequantize_reference(both), torch.cat([dense, dense[16:48]]))
+    twice = torch.cat([torch.arange(48, 64), torch.arange(64)])  # whole tiles, one repeated: more rows than W
+    picked = x16.select_rows(twice)
+    assert picked.fmt == x16.fmt and torch.equal(cq.dequantize_reference(picked), dense[twice])
 
 
 def test_tile_only_bad_arguments(kernel: qk.QKNativeKernel) -> None:
@@ -446,3 +449,25 @@ def test_gguf_tile_only_types_held_as_16_row_tiles(
     rows = torch.tensor([7, 0, w.out_features - 1])
     assert torch.equal(BlockQuantEmbedding(w)(rows), dense[rows])
     _served_paths_match(w, dense, kernel)
+
+
+def test_tile_only_types_repacked_where_the_library_cannot_be_built(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KUBEINFER_KQUANT_BLOCKS=1 forced where the compiled library cannot be built: Q5_K has no torch re-lay
+    into tiles, so it is repacked exactly (the values gguf-py gives), not a load failure."""
+    from gguf_models import random_block_model, write_tiny_gguf
+
+    from server.quant import cpu_qlinear as cq
+    from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
+
+    template = tiny_model_factory("llama", tie=False, hidden=256)
+    raw = random_block_model(template, tmp_path / "hf", {"*": "Q5_K", "model.embed_tokens.weight": "F32"})
+    path = write_tiny_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", "F32", raw=raw, tokenizer=False)
+    monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
+    monkeypatch.setattr(qk, "try_load_qk_native_kernel", lambda cache_dir=None: None)
+    ckpt = read_gguf_checkpoint(path, torch.bfloat16)
+    held = [w for w in ckpt.tensors.values() if isinstance(w, cq.BlockQuantWeight)]
+    assert len(held) == 15 and all(w.fmt == "q5_k" and not w.super_blocks for w in held)

@@ -81,8 +81,10 @@
 // what libgcc's CPUID check reports):
 //   vnni    AVX512-VNNI `vpdpbusd` on 512-bit vectors: the weights unpacked to u8 (0..15 or 0..63) in k
 //           order, four vectors per super-block, dotted with the s8 activations; each lane's int32 sum
-//           (|.| < 2^15) times its sub-block's scale by `vpdpwssd`, the min (Q4_K) and offset (Q6_K) terms
-//           as int32 vectors too, one fp32 vector per row of x reduced once per output.
+//           times its sub-block's scale by `vpdpwssd` where it fits int16 (|.| < 2^15: Q4_K, Q3_K, Q2_K),
+//           else `vpmulld` (Q6_K, Q5_K < 2^17, IQ4_XS < 2^20), the min and offset terms as int32 vectors
+//           too, one fp32 vector per row of x reduced once per output (the x16 tiles: none, 16 lanes = 16
+//           outputs).
 //   scalar  plain C++, any CPU.
 // Batches: each weight row's super-block is unpacked once and dotted with up to TILE_M rows of x while it
 // sits in registers; a batch of M rows reads every weight byte from memory once (from L1 again for each
@@ -208,8 +210,9 @@ struct QuantizedX {
   std::vector<int32_t> bsum;  // [M, K / 16]
   // [M, K / 256, 16]: the vnni path's per-block sums (Q4_K: 8 zeros, then the 8 per-32 sums; Q6_K: bsum)
   std::vector<int32_t> sums;
-  // [M, K / 256, 4 or 8]: the x16 kernels' second operand as int16 pairs: Q4_K's per-32 sums of sub-blocks
-  // 2p and 2p + 1 (its mins' term), Q6_K's per-16 sums of sub-blocks 2p and 2p + 1 (its -32 offset's)
+  // [M, K / 256, 4 or 8]: the x16 kernels' second operand as int16 pairs: per-32 sums of sub-blocks 2p and
+  // 2p + 1 for Q4_K / Q5_K (their mins' term) and IQ4_XS (its +128 offset's), per-16 sums for Q6_K / Q3_K
+  // (their -32 / -4 offsets') and Q2_K (its mins')
   std::vector<int32_t> pairs;
 };
 
@@ -1447,8 +1450,9 @@ int32_t kubeinfer_qk_native_abi() { return 7; }
 
 // csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
 // super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K), group_size 256; or the
-// 16-row tiles (group_size X16_GROUP), row_bytes k / 256 * 148 (Q4_K) or 210 (Q6_K); or Q8_0's 16-row tiles
-// (group_size Q8X_GROUP), row_bytes k / 32 * 34, or Q5_0's, k / 32 * 22; scales, mins unused.
+// 16-row tiles (group_size X16_GROUP), row_bytes k / 256 * 148 (Q4_K), 210 (Q6_K), 180 (Q5_K), 138 (IQ4_XS),
+// 114 (Q3_K) or 84 (Q2_K); or Q8_0's 16-row tiles (group_size Q8X_GROUP), row_bytes k / 32 * 34, or Q5_0's,
+// k / 32 * 22; scales, mins unused.
 struct KiQWeight {
   const uint8_t* q;
   const void* scales;
@@ -1467,8 +1471,9 @@ int32_t kubeinfer_qk_set_path(int32_t path) {
 }
 
 // y[m, n] (row stride ldy) = x[m, k] (row stride ldx, fp32) @ W^T, W [n, k] as `fmt` super-blocks (0 Q4_K,
-// 1 Q6_K: rows of k / 256 blocks; 2 Q4_K x16, 3 Q6_K x16, 4 Q8_0 x16, 5 Q5_0 x16 (k a multiple of 32): tiles of 16 rows,
-// n a multiple of 16). Returns 0, or 1 for bad arguments (Python checks them first).
+// 1 Q6_K: rows of k / 256 blocks; 2 Q4_K x16, 3 Q6_K x16, 4 Q8_0 x16, 5 Q5_0 x16 (k a multiple of 32), 6 Q5_K
+// x16, 7 IQ4_XS x16, 8 Q3_K x16, 9 Q2_K x16: tiles of 16 rows, n a multiple of 16). Returns 0, or 1 for bad
+// arguments (Python checks them first).
 int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
                             int64_t ldx, float* y, int64_t ldy, int32_t threads) {
   const bool q32 = fmt == FMT_Q8_0_X16 || fmt == FMT_Q5_0_X16;
@@ -1528,8 +1533,9 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
   return 0;
 }
 
-// GGUF rows [n, k / 256 * 144 or 210] of `fmt` (0 Q4_K, 1 Q6_K) -> the 16-row tiles of the same bytes per
-// row (148 or 210; layouts at the top), n a multiple of 16. Returns 0, or 1 for bad arguments.
+// GGUF rows of `fmt` (0 Q4_K, 1 Q6_K, 10 Q5_K, 11 IQ4_XS, 12 Q3_K, 13 Q2_K: [n, k / 256 * 144, 210, 176, 136,
+// 110 or 84]) -> their 16-row tiles (148, 210, 180, 138, 114 or 84 bytes per row per 256; layouts at the top),
+// n a multiple of 16. Returns 0, or 1 for bad arguments.
 int32_t kubeinfer_qk_interleave(int32_t fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst,
                                 int32_t threads) {
   if (!src || !dst || n < 0 || n % X16_ROWS || k <= 0 || k % QK_K) return 1;
