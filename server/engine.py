@@ -47,7 +47,7 @@ from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
 from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype, pack_int8_weights
-from server.quant.gguf_checkpoint import DequantizedTensor
+from server.quant.gguf_checkpoint import DequantizedTensor, super_blocks_enabled
 from server.request import (
     FinishReason,
     GrammarSpec,
@@ -149,8 +149,14 @@ class LLMEngine:
         compute_name = str(
             resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
         ).removeprefix("torch.")
+        # the layout the loader will hold a GGUF's quantized tensors in here (read_gguf_checkpoint)
+        gguf_tiles = (
+            self.source.gguf is not None
+            and self.device.type == "cpu"
+            and super_blocks_enabled(cpu_gemm_dtype(resolve_dtype(config.model.dtype, self.device)))
+        )
         self.memory = serving_estimate(
-            config, self.source.gguf or self.source.folder, compute_name, self.max_model_len
+            config, self.source.gguf or self.source.folder, compute_name, self.max_model_len, gguf_tiles
         )
         if self.device.type == "cpu":
             check_memory(self.memory)

@@ -5,8 +5,9 @@ right after the download and hand the operator the figure (docs/operator.md, "Me
 Weights: a Hugging Face folder's safetensors headers (each tensor's dtype and shape: 8-byte little-endian
 header length, then the JSON header, the safetensors format) at the serving dtype; a GGUF's tensor
 infos at what the CPU loader keeps resident (server/quant/gguf_checkpoint.py: Q4_0/Q4_1/Q8_0 as in the
-file, Q4_K/Q6_K and the repacked types at docs/quantization.md's resident bits per weight, every other
-type and F16/BF16 as fp32). KV: 2 (K and V) x KV heads x head_dim x the cache's element size per layer
+file, Q4_K/Q6_K and the repacked types at docs/quantization.md's resident bits per weight, or, where the
+server estimates for itself on a CPU that holds them in 16-row tiles, at the tiles' bits (GGUF_TILE_BITS,
+`ServingSettings.gguf_tiles`); every other type and F16/BF16 as fp32). KV: 2 (K and V) x KV heads x head_dim x the cache's element size per layer
 and token; a sliding-window layer holds at most its window per sequence (as vLLM's hybrid allocator
 counts it; our paged cache frees out-of-window blocks only when every layer is windowed, so
 `kv_cache_bytes`, the allocation, is what the server actually reserves).
@@ -66,6 +67,21 @@ GGUF_RESIDENT_BITS = {
     "MXFP4": 4.25,  # gpt-oss experts stay packed (16 bytes of e2m1 + one e8m0 scale per 32)
     "F32": 32.0,
 }
+# GGUF type -> bits per weight where the serving CPU holds it in 16-row tiles (server/quant/csrc/qk_native.cpp;
+# gguf_checkpoint.super_blocks_enabled: AVX512-VNNI and bf16 layers), for tensors of whole tiles (N a multiple
+# of 16): within 1/8 bit of the file's, no packed copy. Used where the server estimates for itself
+# (`ServingSettings.gguf_tiles`); the operator, which does not know the node, keeps GGUF_RESIDENT_BITS.
+GGUF_TILE_BITS = {
+    "Q8_0": 8.5,
+    "Q5_0": 5.5,
+    "IQ4_NL": 8.5,
+    "Q4_K": 4.625,
+    "Q6_K": 6.5625,
+    "Q5_K": 5.625,
+    "IQ4_XS": 4.3125,
+    "Q3_K": 3.5625,
+    "Q2_K": 2.625,
+}
 # On-the-fly --quantize methods: resident bits per weight of a quantized linear weight (values plus
 # the per-32 scale (and min) the block formats carry).
 QUANTIZE_BITS = {"int8": 8.5, "q8_0": 8.5, "int4": 4.5, "q4_0": 4.5, "q4_1": 5.0, "fp8": 8.0}
@@ -85,7 +101,9 @@ class ServingSettings:
     caller's device decides: `auto_dtype`), `quantize` (`--quantize`), `max_model_len`, `max_num_seqs`,
     `kv_cache_dtype` (`--kv-cache-dtype`), `kv_cache_memory` (`--kv-cache-memory`, bytes), `block_size`
     (`--block-size`) and `max_num_batched_tokens` (a step's tokens: the prompt chunk a windowed layer
-    holds besides its window, server/core/kv_groups.py)."""
+    holds besides its window, server/core/kv_groups.py). `gguf_tiles`: the serving CPU holds a GGUF served
+    as it is in 16-row tiles (GGUF_TILE_BITS); False, where the node is unknown: the repacks' bits, an
+    upper bound."""
 
     dtype: str = "auto"
     auto_dtype: str = "float32"  # what auto resolves to: fp32 on CPUs without native bf16, the safe bound
@@ -96,6 +114,7 @@ class ServingSettings:
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     block_size: int = 16  # server/config.py CacheConfig.block_size
     max_num_batched_tokens: int = 2048  # server/config.py EngineConfig.max_num_batched_tokens
+    gguf_tiles: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dtype", "auto_dtype", "kv_cache_dtype"):
@@ -306,7 +325,10 @@ def _gguf_weights(reader: Any, settings: ServingSettings) -> tuple[int, int]:
         if explicit is not None:  # --dtype on a GGUF: every tensor converted to it (models/loader.py)
             resident_bits += count * explicit * 8
         else:
-            resident_bits += count * GGUF_RESIDENT_BITS.get(t.tensor_type.name, 32.0)
+            kind = t.tensor_type.name
+            rows = int(t.shape[1]) if len(t.shape) >= 2 else 0  # ggml order: ne0 = K, ne1 = N
+            tiled = settings.gguf_tiles and kind in GGUF_TILE_BITS and rows > 0 and rows % 16 == 0
+            resident_bits += count * (GGUF_TILE_BITS[kind] if tiled else GGUF_RESIDENT_BITS.get(kind, 32.0))
     return int(resident_bits + 7) // 8, in_file
 
 

@@ -83,3 +83,46 @@ def test_warning_is_logged(caplog: pytest.LogCaptureFixture) -> None:
         check_memory(est, headroom=est.weight_bytes + est.kv_bytes_per_sequence)
     assert any("memory estimate" in r.message for r in caplog.records)
     assert any(r.levelno == logging.WARNING and "KV cache allocation" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("kind", ["Q5_K", "Q4_K"])
+def test_gguf_estimate_counts_the_layout_this_cpu_holds(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, kind: str
+) -> None:
+    """The server's own estimate of a GGUF served as it is counts the layout its loader then holds here:
+    16-row tiles where this CPU holds them (a Q5_K file at 5.625 bits per weight, not the repack's 10.0,
+    which a memory limit sized for the file would have failed at start), the repacks elsewhere: the
+    estimate is the bytes the loaded model reports, within 1% of its quantized tensors'."""
+    import torch
+    from quant.gguf_models import random_block_model, write_tiny_gguf
+
+    from server.engine import LLMEngine
+    from server.quant.gguf_checkpoint import super_blocks_enabled
+
+    template = tiny_model_factory("llama", tie=False, hidden=256)
+    raw = random_block_model(template, tmp_path / "hf", {"*": kind, "model.embed_tokens.weight": "F32"})
+    path = write_tiny_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", "F32", raw=raw)
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(path), cache_dir=tmp_path / "cache", max_model_len=512),
+            cache=CacheConfig(kv_cache_memory_bytes=64 * 2**20),
+            max_num_seqs=4,
+        )
+    )
+    from server.quant.block_linear import BlockQuantLinear
+
+    assert engine.memory is not None and engine.memory.source == "gguf"
+    held = engine.info.weight_bytes
+    quantized = sum(
+        m.weight_q.nbytes() for m in engine.loaded.model.modules() if isinstance(m, BlockQuantLinear)
+    )
+    # the F32 embedding and norms count alike; the quantized tensors' bytes within 1% of what is held
+    assert abs(engine.memory.weight_bytes - held) <= 0.01 * quantized, (
+        engine.memory.weight_bytes,
+        held,
+        quantized,
+    )
+    tiles = super_blocks_enabled(engine.gemm_dtype)
+    projections = engine.loaded.model.model.layers[0].mlp.down_proj.weight_q  # type: ignore[union-attr]
+    assert projections.fmt == (f"{kind.lower()}_x16" if tiles else kind.lower())
+    assert engine.gemm_dtype in (torch.float32, torch.bfloat16)

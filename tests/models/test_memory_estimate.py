@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 from server.core.kv_groups import plan_kv_layout
 from server.memory_estimate import (
     GGUF_RESIDENT_BITS,
+    GGUF_TILE_BITS,
     RUNTIME_OVERHEAD_BYTES,
     EstimateError,
     ServingSettings,
@@ -201,6 +202,11 @@ def test_gguf_weights_at_each_quant_type_s_resident_bytes(tmp_path: Path) -> Non
     assert bf16.weight_bytes == (len(GGUF_TYPES) * 64 * 256 + 256) * 2
     # a folder holding the one .gguf reads as the file (the loader's cache layout)
     assert estimate_memory(tmp_path, ServingSettings(max_model_len=1024, max_num_seqs=1)) == est
+    # where the serving CPU holds 16-row tiles (N = 64 here): the tiles' bits, within 1/8 of the file's
+    tiles = estimate_memory(path, ServingSettings(max_model_len=1024, max_num_seqs=1, gguf_tiles=True))
+    tile_bits = [4.625, 6.5625, 4.3125, 8.5, 5.625, 2.625, 32.0, 32.0]
+    assert [GGUF_TILE_BITS.get(t, 32.0) for t in GGUF_TYPES] == tile_bits
+    assert tiles.weight_bytes == int(sum(b * 64 * 256 for b in tile_bits) // 8) + 256 * 4
 
 
 def test_unreadable_inputs_raise_estimate_errors(tmp_path: Path) -> None:
