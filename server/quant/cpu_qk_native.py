@@ -26,6 +26,7 @@ import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -361,34 +362,30 @@ class QKNativeKernel:
     def interleave(self, w: KQuantBlocks) -> KQuantBlocks:
         """A file's k-quant rows (a key of TILED) -> their 16-row tiles (for q4_k / q6_k
         interleave_reference's bytes). ValueError unless w is such rows with N a multiple of 16."""
-        n, k = w.out_features, w.in_features
+        n = w.out_features
         if w.fmt not in TILED or n % X16_ROWS:
             raise ValueError(
                 f"interleaving takes {'/'.join(TILED)} rows with N a multiple of {X16_ROWS}, got {w.fmt} N={n}"
             )
-        tiled = TILED[w.fmt]
-        out = torch.empty(n, k // QK_K * SUPER_BLOCK_BYTES[tiled], dtype=torch.uint8)
-        rc = self.lib.kubeinfer_qk_interleave(
-            FORMAT_CODES[w.fmt], w.blocks.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
-        )
-        if rc != 0:
-            raise RuntimeError(f"qk_native interleave returned {rc} for {w.fmt} [{n}, {k}]")
-        return KQuantBlocks(out, tiled, k, n)
+        return self._relay(self.lib.kubeinfer_qk_interleave, w, TILED[w.fmt])
 
     def deinterleave(self, w: KQuantBlocks) -> KQuantBlocks:
         """COMPILED_TILES -> the file's rows they were made from, byte for byte (interleave's inverse).
         ValueError for another format."""
         if w.fmt not in COMPILED_TILES:
             raise ValueError(f"the compiled de-interleave takes {'/'.join(COMPILED_TILES)}, got {w.fmt}")
+        return self._relay(self.lib.kubeinfer_qk_deinterleave, w, FILE_OF[w.fmt])
+
+    @staticmethod
+    def _relay(fn: Any, w: KQuantBlocks, to: str) -> KQuantBlocks:
+        """`fn` (kubeinfer_qk_interleave or _deinterleave, arguments checked by the caller) writing w's
+        values as format `to`; RuntimeError if the library refuses them."""
         n, k = w.out_features, w.in_features
-        rows = FILE_OF[w.fmt]
-        out = torch.empty(n, k // QK_K * SUPER_BLOCK_BYTES[rows], dtype=torch.uint8)
-        rc = self.lib.kubeinfer_qk_deinterleave(
-            FORMAT_CODES[w.fmt], w.blocks.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
-        )
+        out = torch.empty(n, k // QK_K * SUPER_BLOCK_BYTES[to], dtype=torch.uint8)
+        rc = fn(FORMAT_CODES[w.fmt], w.blocks.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"qk_native deinterleave returned {rc} for {w.fmt} [{n}, {k}]")
-        return KQuantBlocks(out, rows, k, n)
+            raise RuntimeError(f"qk_native {fn.__name__} returned {rc} for {w.fmt} [{n}, {k}]")
+        return KQuantBlocks(out, to, k, n)
 
 
 FILE_OF = {tiled: fmt for fmt, tiled in TILED.items()}  # 16-row tiles -> the file format they hold

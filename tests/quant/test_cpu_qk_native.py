@@ -56,6 +56,16 @@ def fp32_slack(x: torch.Tensor, w: qk.KQuantBlocks) -> torch.Tensor:  # -> [M, N
     return 2e-5 * (qk.quantize_activations_reference(x).abs() @ qk.dequantize_reference(w).abs().t()) + 1e-5
 
 
+def assert_within_bounds(y: torch.Tensor, x: torch.Tensor, w: qk.KQuantBlocks, label: str) -> None:
+    """y, the kernel's product of x [M, K] with w's values ([M, N]): W @ x^ within the fp32 slack, and W @ x
+    within the activations' bound on top."""
+    slack = fp32_slack(x, w)
+    err = (y - qk.linear_reference(x, w)).abs()
+    assert (err <= slack).all(), f"{label}: max excess {(err - slack).max().item():.3g}"
+    fp32 = F.linear(x, qk.dequantize_reference(w))
+    assert ((y - fp32).abs() <= qk.activation_error_bound(x, w) + slack).all(), label
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 64])
 @pytest.mark.parametrize("make", [random_blocks, quantized_blocks])
@@ -65,12 +75,7 @@ def test_matches_gguf_dequantize(kernel: qk.QKNativeKernel, qk_path: str, fmt: s
     x[0, :5] = 0.0  # zeros round to zero
     if m > 1:
         x[1, 256:512] = 0.0  # a whole zero block (dx = 0)
-    y = kernel.linear(x, w)
-    slack = fp32_slack(x, w)
-    err = (y - qk.linear_reference(x, w)).abs()
-    assert (err <= slack).all(), f"{qk_path} {fmt} M={m}: max excess {(err - slack).max().item():.3g}"
-    fp32 = F.linear(x, qk.dequantize_reference(w))
-    assert ((y - fp32).abs() <= qk.activation_error_bound(x, w) + slack).all()
+    assert_within_bounds(kernel.linear(x, w), x, w, f"{qk_path} {fmt} M={m}")
 
 
 def test_paths_agree_and_strided_io(kernel: qk.QKNativeKernel, qk_path: str) -> None:
@@ -197,12 +202,7 @@ def test_tile_only_kquants_match_gguf_dequantize(
     x[0, :7] = 0.0
     if m > 1:
         x[1, 256:512] = 0.0  # a whole zero block (dx = 0)
-    y = kernel.linear(x, tiles)
-    slack = fp32_slack(x, w)
-    err = (y - qk.linear_reference(x, w)).abs()
-    assert (err <= slack).all(), f"{qk_path} {fmt} x16 M={m}: max excess {(err - slack).max().item():.3g}"
-    fp32 = F.linear(x, qk.dequantize_reference(w))
-    assert ((y - fp32).abs() <= qk.activation_error_bound(x, w) + slack).all()
+    assert_within_bounds(kernel.linear(x, tiles), x, w, f"{qk_path} {fmt} x16 M={m}")
     with pytest.raises(ValueError, match="runs as its 16-row tiles"):
         kernel.linear(x, w)
 

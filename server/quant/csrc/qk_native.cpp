@@ -892,15 +892,23 @@ KI_VNNI inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 // int16 pairs (m[2p], m[2p+1]) x (sum_2p, sum_2p+1); then per lane y += dx (d * isum - dmin * msum).
 // The 16 lanes are 16 outputs: stored as they are, no horizontal sum. MT rows of x per pass over a tile's
 // super-blocks, a compile-time count so that the per-row sums stay in registers.
-template <int MT>
+// Q5_K (Q5 true): the same tile with each value's fifth bit from qh (bit g for the low nibble's vector g,
+// 4 + g for the high one's) moved to bit 4; its 32-value dot (|.| <= 32 * 31 * 127 < 2^17) times the row's
+// scale by `vpmulld`.
+template <bool Q5, int MT>
 KI_VNNI void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
                       int64_t ldy) {
-  const __m512i lo4 = _mm512_set1_epi8(15);
+  constexpr int64_t TB = Q5 ? Q5X_TILE_BYTES : X16_TILE_BYTES;
+  const __m512i lo4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = tiles + b * X16_TILE_BYTES;
-    if constexpr (MT >= PF_MIN_ROWS) prefetch_ahead(tile, X16_TILE_BYTES);  // past the tile: the next tile
+    const uint8_t* tile = tiles + b * TB;
+    // Q5_K is prefetched from one row up, unlike the Q4_K / Q6_K / Q8_0 tiles (PF_MIN_ROWS): at one row the
+    // hardware prefetcher alone left its loads uncovered, [16384, 2048] at M = 1 737 against 345 us (IQ4_XS
+    // 404 / 342, Q3_K 315 / 283, Q2_K 244 / 227; Q4_K and Q6_K 0.9-1.04x: left as they were), same-process
+    // alternated calls, 2-core Zen 5. Past the tile: the next tile.
+    if constexpr (Q5 || MT >= PF_MIN_ROWS) prefetch_ahead(tile, TB);
     __m512i isum[MT];
     for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -911,6 +919,16 @@ KI_VNNI void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quantiz
         lo[g] = _mm512_and_si512(v, lo4);
         hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
       }
+      if constexpr (Q5) {
+        const __m512i h = _mm512_loadu_si512((const void*)(tile + Q5X_QH + 64 * j));
+        const __m512i hl[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 3), _mm512_slli_epi16(h, 2),
+                               _mm512_slli_epi16(h, 1)};
+        const __m512i hh[4] = {h, _mm512_srli_epi16(h, 1), _mm512_srli_epi16(h, 2), _mm512_srli_epi16(h, 3)};
+        for (int g = 0; g < 4; ++g) {
+          lo[g] = _mm512_ternarylogic_epi32(lo[g], hl[g], b4, 0xF8);  // A | (B & C)
+          hi[g] = _mm512_ternarylogic_epi32(hi[g], hh[g], b4, 0xF8);
+        }
+      }
       for (int i = 0; i < MT; ++i) {
         const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
         __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
@@ -918,8 +936,12 @@ KI_VNNI void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quantiz
           dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
           dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
         }
-        isum[i] = _mm512_dpwssd_epi32(isum[i], dl, sc);
-        isum[i] = _mm512_dpwssd_epi32(isum[i], dh, sc);
+        if constexpr (Q5) {
+          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(dl, dh), sc));
+        } else {
+          isum[i] = _mm512_dpwssd_epi32(isum[i], dl, sc);
+          isum[i] = _mm512_dpwssd_epi32(isum[i], dh, sc);
+        }
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
@@ -998,64 +1020,6 @@ KI_VNNI void q6x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quantiz
   for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
 }
 
-// Q5_K x16 tiles: q4x_rows with each value's fifth bit from qh (bit g for the low nibble's vector g, 4 + g
-// for the high one's) moved to bit 4; a 32-value dot (|.| <= 32 * 31 * 127 < 2^17) times its row's scale
-// by `vpmulld`; the mins' term as Q4_K's.
-template <int MT>
-KI_VNNI void q5x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
-                      int64_t ldy) {
-  const __m512i lo4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = tiles + b * Q5X_TILE_BYTES;
-    // Prefetched from one row up, unlike the Q4_K / Q6_K / Q8_0 tiles (PF_MIN_ROWS): at one row the hardware
-    // prefetcher alone left these kernels' loads uncovered, [16384, 2048] at M = 1 737 against 345 us
-    // (IQ4_XS 404 / 342, Q3_K 315 / 283, Q2_K 244 / 227; Q4_K and Q6_K 0.9-1.04x: left as they were),
-    // same-process alternated calls, 2-core Zen 5.
-    prefetch_ahead(tile, Q5X_TILE_BYTES);
-    __m512i isum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
-      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile + X16_SC + 16 * j)));
-      const __m512i h = _mm512_loadu_si512((const void*)(tile + Q5X_QH + 64 * j));
-      const __m512i hl[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 3), _mm512_slli_epi16(h, 2),
-                             _mm512_slli_epi16(h, 1)};
-      const __m512i hh[4] = {h, _mm512_srli_epi16(h, 1), _mm512_srli_epi16(h, 2), _mm512_srli_epi16(h, 3)};
-      __m512i lo[4], hi[4];
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_loadu_si512((const void*)(tile + X16_QS + (4 * j + g) * 64));
-        lo[g] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, lo4), hl[g], b4, 0xF8);  // A | (B & C)
-        hi[g] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), lo4), hh[g], b4, 0xF8);
-      }
-      for (int i = 0; i < MT; ++i) {
-        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
-        __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
-        for (int g = 0; g < 4; ++g) {
-          dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
-          dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
-        }
-        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(dl, dh), sc));
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + 32)));
-    __m512i mn[4];
-    for (int p = 0; p < 4; ++p)
-      mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tile + X16_MN + 32 * p)));
-    for (int i = 0; i < MT; ++i) {
-      const int64_t row = r0 + i;
-      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
-      __m512i msum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, mn[p], _mm512_set1_epi32(pr[p]));
-      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
-      acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[i]);
-    }
-  }
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
-}
-
 // IQ4_XS x16 tiles: each nibble looked up (vpshufb) as its level + 128 in u8, dotted as Q4_K's nibbles;
 // a 32-value dot (|.| <= 32 * 241 * 127 < 2^20) times its row's signed scale by `vpmulld`; the + 128 taken
 // off once per super-block as int16 pairs (s[2p], s[2p+1]) x (sum_2p, sum_2p+1) of 32 values, exact:
@@ -1071,7 +1035,7 @@ KI_VNNI void iq4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quanti
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = tiles + b * IQ4X_TILE_BYTES;
-    prefetch_ahead(tile, IQ4X_TILE_BYTES);  // from one row up: see q5x_rows
+    prefetch_ahead(tile, IQ4X_TILE_BYTES);  // from one row up: see q4x_rows
     __m512i isum[MT];
     for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
     __m512i sp[4];  // (s[2p], s[2p + 1]) of each row as int16 pairs
@@ -1127,7 +1091,7 @@ KI_VNNI void k2x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quantiz
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = tiles + b * TB;
-    prefetch_ahead(tile, TB);  // from one row up: see q5x_rows
+    prefetch_ahead(tile, TB);  // from one row up: see q4x_rows
     __m512i isum[MT];
     for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
     for (int J = 0; J < 8; ++J) {
@@ -1193,7 +1157,7 @@ KI_VNNI void k2x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quantiz
   for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
 }
 
-// Runs K<MT> for the row count mt (1..TILE_M) as a compile-time constant.
+// Runs f(std::integral_constant<int, MT>) for the row count mt (1..TILE_M): the kernels' compile-time MT.
 template <typename F>
 KI_VNNI inline void with_rows(int mt, F&& f) {
   switch (mt) {
@@ -1208,9 +1172,10 @@ KI_VNNI inline void with_rows(int mt, F&& f) {
   }
 }
 
-// Q5_K / IQ4_XS / Q3_K / Q2_K tiles t0..t1, all M rows of x, TILE_M rows per pass over a tile (as vnni_tiles).
-KI_VNNI void vnni_new_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq,
-                            int64_t m, float* y, int64_t ldy) {
+// Tiles t0..t1 of a 256-value tile format (Q4_K, Q6_K, Q5_K, IQ4_XS, Q3_K, Q2_K x16), all M rows of x:
+// TILE_M rows per pass over a tile (a tile's bytes come from memory once, then from L1 for the next pass).
+KI_VNNI void vnni_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq,
+                        int64_t m, float* y, int64_t ldy) {
   const int64_t nb = k / QK_K, tb = tile_bytes(fmt);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tiles = w + t * nb * tb;
@@ -1218,52 +1183,15 @@ KI_VNNI void vnni_new_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, i
     for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
       with_rows((int)std::min<int64_t>(TILE_M, m - r0), [&](auto mt) {
         constexpr int MT = decltype(mt)::value;
-        if (fmt == FMT_Q5_K_X16)
-          q5x_rows<MT>(tiles, nb, k, xq, r0, yt, ldy);
-        else if (fmt == FMT_IQ4_XS_X16)
-          iq4x_rows<MT>(tiles, nb, k, xq, r0, yt, ldy);
-        else if (fmt == FMT_Q3_K_X16)
-          k2x_rows<true, MT>(tiles, nb, k, xq, r0, yt, ldy);
-        else
-          k2x_rows<false, MT>(tiles, nb, k, xq, r0, yt, ldy);
+        switch (fmt) {
+          case FMT_Q4_K_X16: q4x_rows<false, MT>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case FMT_Q5_K_X16: q4x_rows<true, MT>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case FMT_Q6_K_X16: q6x_rows<MT>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case FMT_IQ4_XS_X16: iq4x_rows<MT>(tiles, nb, k, xq, r0, yt, ldy); break;
+          case FMT_Q3_K_X16: k2x_rows<true, MT>(tiles, nb, k, xq, r0, yt, ldy); break;
+          default: k2x_rows<false, MT>(tiles, nb, k, xq, r0, yt, ldy); break;
+        }
       });
-    }
-  }
-}
-
-// Tiles t0..t1 of `fmt` (FMT_Q4_K_X16 or FMT_Q6_K_X16), all M rows of x: TILE_M rows per pass over a
-// tile (a tile's bytes come from memory once, then from L1 for the next pass).
-KI_VNNI void vnni_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq,
-                        int64_t m, float* y, int64_t ldy) {
-  const int64_t nb = k / QK_K, tb = fmt == FMT_Q6_K_X16 ? Q6X_TILE_BYTES : X16_TILE_BYTES;
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tiles = w + t * nb * tb;
-    float* yt = y + X16_ROWS * t;
-    for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
-      const int mt = (int)std::min<int64_t>(TILE_M, m - r0);
-      if (fmt == FMT_Q6_K_X16) {
-        switch (mt) {
-          case 1: q6x_rows<1>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 2: q6x_rows<2>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 3: q6x_rows<3>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 4: q6x_rows<4>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 5: q6x_rows<5>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 6: q6x_rows<6>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 7: q6x_rows<7>(tiles, nb, k, xq, r0, yt, ldy); break;
-          default: q6x_rows<8>(tiles, nb, k, xq, r0, yt, ldy); break;
-        }
-      } else {
-        switch (mt) {
-          case 1: q4x_rows<1>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 2: q4x_rows<2>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 3: q4x_rows<3>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 4: q4x_rows<4>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 5: q4x_rows<5>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 6: q4x_rows<6>(tiles, nb, k, xq, r0, yt, ldy); break;
-          case 7: q4x_rows<7>(tiles, nb, k, xq, r0, yt, ldy); break;
-          default: q4x_rows<8>(tiles, nb, k, xq, r0, yt, ldy); break;
-        }
-      }
     }
   }
 }
@@ -1331,18 +1259,9 @@ KI_VNNI void vnni_q8x_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k,
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * nb * (X16_ROWS * (BITS == 5 ? Q5X_ROW_BYTES : Q8X_ROW_BYTES));
     float* yt = y + X16_ROWS * t;
-    for (int64_t r0 = 0; r0 < m; r0 += TILE_M) {
-      switch ((int)std::min<int64_t>(TILE_M, m - r0)) {
-        case 1: q8x_rows<BITS, 1>(tile, nb, k, xq, r0, yt, ldy); break;
-        case 2: q8x_rows<BITS, 2>(tile, nb, k, xq, r0, yt, ldy); break;
-        case 3: q8x_rows<BITS, 3>(tile, nb, k, xq, r0, yt, ldy); break;
-        case 4: q8x_rows<BITS, 4>(tile, nb, k, xq, r0, yt, ldy); break;
-        case 5: q8x_rows<BITS, 5>(tile, nb, k, xq, r0, yt, ldy); break;
-        case 6: q8x_rows<BITS, 6>(tile, nb, k, xq, r0, yt, ldy); break;
-        case 7: q8x_rows<BITS, 7>(tile, nb, k, xq, r0, yt, ldy); break;
-        default: q8x_rows<BITS, 8>(tile, nb, k, xq, r0, yt, ldy); break;
-      }
-    }
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_M)
+      with_rows((int)std::min<int64_t>(TILE_M, m - r0),
+                [&](auto mt) { q8x_rows<BITS, decltype(mt)::value>(tile, nb, k, xq, r0, yt, ldy); });
   }
 }
 #endif
@@ -1505,9 +1424,7 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
     const int64_t tiles = n / X16_ROWS;
     over_spans(tiles, std::max<int32_t>(1, std::min<int64_t>(threads, tiles)), [&](int64_t t0, int64_t t1) {
 #if KI_QK_X86
-      if (vnni && new_tiles(fmt))
-        vnni_new_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
-      else if (vnni)
+      if (vnni)
         vnni_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
       else
 #endif
