@@ -149,11 +149,22 @@ class LLMEngine:
         compute_name = str(
             resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
         ).removeprefix("torch.")
+        # Block-quantized projections' GEMM dtype where --dtype resolves to bf16 (auto: CPUs with native bf16),
+        # int8 activations for auto on AVX512-VNNI CPUs without it; activations stay fp32 around them
+        # (server/quant/gemm_dtype.py). Not under tensor parallelism: the other ranks load their own shards
+        # and would sum partials of another precision.
+        tp = config.parallel.tensor_parallel_size
+        self.gemm_dtype = torch.float32
+        if self.device.type == "cpu" and tp == 1:
+            compute = (
+                resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
+            )
+            self.gemm_dtype = cpu_gemm_dtype(compute, config.model.dtype)
         # the layout the loader will hold a GGUF's quantized tensors in here (read_gguf_checkpoint)
         gguf_tiles = (
             self.source.gguf is not None
             and self.device.type == "cpu"
-            and super_blocks_enabled(cpu_gemm_dtype(resolve_dtype(config.model.dtype, self.device)))
+            and super_blocks_enabled(self.gemm_dtype)
         )
         self.memory = serving_estimate(
             config, self.source.gguf or self.source.folder, compute_name, self.max_model_len, gguf_tiles
@@ -167,7 +178,7 @@ class LLMEngine:
                 self.device,
                 self.max_model_len,
                 config.model.cache_dir,
-                cpu_gemm_dtype(resolve_dtype(config.model.dtype, self.device)),
+                self.gemm_dtype,
             )
         else:
             tp = config.parallel.tensor_parallel_size
@@ -195,20 +206,23 @@ class LLMEngine:
             )
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype, config.model.cache_dir)
-        # Block-quantized projections' large GEMMs in bf16 where --dtype resolves to it (auto: CPUs with
-        # native bf16); activations stay fp32 around them (server/quant/gemm_dtype.py). Not under tensor
-        # parallelism: the other ranks load their own shards and would sum partials of another precision.
-        self.gemm_dtype = torch.float32
-        if self.device.type == "cpu" and tp == 1:
-            compute = (
-                resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
-            )
-            self.gemm_dtype = cpu_gemm_dtype(compute)
-            if apply_gemm_dtype(self.loaded.model, self.gemm_dtype) and self.gemm_dtype == torch.bfloat16:
-                packed = pack_int8_weights(self.loaded.model) + pack_moe_int8_weights(self.loaded.model)
-                if packed:
-                    log.info("int8 batches read packed weights (%.0f MiB more)", packed / 2**20)
-                int8 = int8_paths_text(config.model.cache_dir)
+        quantized_gemms = (
+            self.device.type == "cpu" and tp == 1 and apply_gemm_dtype(self.loaded.model, self.gemm_dtype)
+        )
+        if self.gemm_dtype == torch.int8 and not quantized_gemms:
+            self.gemm_dtype = torch.float32  # nothing block-quantized: the model computes in fp32
+        if quantized_gemms and self.gemm_dtype != torch.float32:
+            packed = pack_int8_weights(self.loaded.model) + pack_moe_int8_weights(self.loaded.model)
+            if packed:
+                log.info("int8 batches read packed weights (%.0f MiB more)", packed / 2**20)
+            int8 = int8_paths_text(config.model.cache_dir)
+            if self.gemm_dtype == torch.int8:
+                log.info(
+                    "block-quantized GEMMs take int8 activations where their kernels have them (GGUF tiles%s), "
+                    "float32 elsewhere: no native bf16 here (--dtype float32 keeps fp32 activations)",
+                    f"; {int8}" if int8 else "",
+                )
+            else:
                 log.info(
                     "block-quantized GEMMs of %d+ rows in bfloat16 (the kernel's AVX512-BF16 path where usable; "
                     "dequantize + GEMM from %d rows)%s",
@@ -345,7 +359,7 @@ class LLMEngine:
             if (
                 proposer is not None
                 and apply_gemm_dtype(proposer.model, self.gemm_dtype)
-                and self.gemm_dtype == torch.bfloat16
+                and self.gemm_dtype in (torch.bfloat16, torch.int8)
             ):
                 pack_int8_weights(proposer.model)
             self.speculator = Speculator(config.speculative, proposer)

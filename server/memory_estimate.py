@@ -68,7 +68,7 @@ GGUF_RESIDENT_BITS = {
     "F32": 32.0,
 }
 # GGUF type -> bits per weight where the serving CPU holds it in 16-row tiles (server/quant/csrc/qk_native.cpp;
-# gguf_checkpoint.super_blocks_enabled: AVX512-VNNI and bf16 layers), for tensors of whole tiles (N a multiple
+# gguf_checkpoint.super_blocks_enabled: AVX512-VNNI and bf16 or int8 layers), for tensors of whole tiles (N a multiple
 # of 16): within 1/8 bit of the file's, no packed copy. Used where the server estimates for itself
 # (`ServingSettings.gguf_tiles`); the operator, which does not know the node, keeps GGUF_RESIDENT_BITS.
 GGUF_TILE_BITS = {

@@ -728,10 +728,11 @@ def load_gguf_model(
     """The GGUF file served as it is, on CPU: Q4_0/Q4_1/Q8_0 projections, embedding and LM head stay
     quantized (BlockQuantLinear / BlockQuantEmbedding, fp32 activations); float tensors load as fp32.
     `folder` holds its config.json (gguf_metadata_folder); `cache_dir` is where the kernel is built;
-    `compute` the GEMM dtype the engine will set (--dtype resolved; None: `auto`'s), which decides the
-    quantized tensors' layouts (gguf_checkpoint.super_blocks_enabled)."""
+    `compute` the GEMM dtype the engine will set (gemm_dtype.cpu_gemm_dtype; None: `auto`'s), which decides
+    the quantized tensors' layouts (gguf_checkpoint.super_blocks_enabled)."""
     from server.quant.block_linear import BlockQuantEmbedding, BlockQuantLinear
     from server.quant.cpu_qlinear import BlockQuantWeight, file_format
+    from server.quant.gemm_dtype import cpu_gemm_dtype
     from server.quant.gguf_checkpoint import read_gguf_checkpoint
 
     if device.type != "cpu":
@@ -743,7 +744,9 @@ def load_gguf_model(
         raise UnsupportedModelError(f"{folder}/config.json lacks the field {e}") from e
     if not ARCHITECTURES[arch.architecture].gguf:
         raise UnsupportedModelError(f"{arch.architecture} GGUF files are not mapped yet (docs/models.md)")
-    ckpt = read_gguf_checkpoint(gguf, compute if compute is not None else resolve_dtype("auto", device))
+    if compute is None:
+        compute = cpu_gemm_dtype(resolve_dtype("auto", device), "auto")
+    ckpt = read_gguf_checkpoint(gguf, compute)
     rename = ARCHITECTURES[arch.architecture].rename_weights
     if rename is not None:  # Phi-3's fused attn_qkv / ffn_up, split by rows (quantized rows stay so)
         ckpt.tensors = rename(ckpt.tensors, arch)  # type: ignore[arg-type,assignment]

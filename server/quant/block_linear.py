@@ -17,12 +17,15 @@ Paths (the compiled kernel, server/quant/csrc/qlinear.cpp):
   residual stream, norms, rotary, softmax and attention stay fp32 around it. Below that M the kernel
   serves, told the layer's dtype (small_m_linear's `compute`): from 4 rows its bf16 batched path where
   AVX512-BF16 is usable (bf16 operands, fp32 sums and output), the fp32 GEMV below;
-- int8 activations (server/quant/cpu_qgemv_q8.py, `int8_kernel`): with gemm_dtype bf16 on an AVX512-VNNI
-  CPU, every batch of 5 rows or more of 4- or 8-bit weights in 32-blocks (prefill included; the Q8_0 LM
+- int8 activations (server/quant/cpu_qgemv_q8.py, `int8_kernel`): with gemm_dtype bf16 or int8 on an
+  AVX512-VNNI CPU, every batch of 5 rows or more of 4- or 8-bit weights in 32-blocks (prefill included; the Q8_0 LM
   head too) takes the batched int8 path ahead of the two bf16 paths above (KUBEINFER_INT8_GEMM, on by
   default), except where AMX-BF16 is usable: there batches of BF16_GEMM_MIN_ROWS rows and more go to the
   dequantize + bf16 GEMM (oneDNN on AMX tiles, faster from ~256 rows: cpu_qgemv_q8.AMX_GEMM_MAX_ROWS);
   1..4 rows the int8 GEMV where KUBEINFER_INT8_GEMV is on;
+- a GGUF's 16-row tiles (INT8_TILED_FORMATS, csrc/qk_native.cpp): their own int8-activation kernel at every
+  row count under gemm_dtype bf16 or int8 (`gemm_min_rows`), fp32 activations (exact, a row dequantized at
+  a time) under fp32;
 - no compiler: the plain-torch reference (dequantize, then matmul), slower but the same function.
 """
 
@@ -40,6 +43,7 @@ from server.quant.cpu_qgemv_q8 import MAX_ROWS as Q8_MAX_ROWS
 from server.quant.cpu_qgemv_q8 import Q8GemvKernel, active_kernel, batches_take_any_rows, small_m_linear
 from server.quant.cpu_qk_native import TILED as KQ_TILED
 from server.quant.cpu_qlinear import (
+    INT8_ACTIVATION_DTYPES,
     Q8_TILED,
     BlockQuantWeight,
     QLinearKernel,
@@ -124,7 +128,8 @@ class BlockQuantLinear(QuantLinear):
 
     @property
     def gemm_dtype(self) -> torch.dtype:
-        """torch.float32 or torch.bfloat16: the dtype of the dequantize + GEMM path (module docstring)."""
+        """torch.float32, torch.bfloat16 or torch.int8 (server/quant/gemm_dtype.py): the dtype of the
+        dequantize + GEMM path (module docstring; int8's is fp32) and what the kernels may take."""
         return self._gemm_dtype
 
     @gemm_dtype.setter
@@ -140,8 +145,9 @@ class BlockQuantLinear(QuantLinear):
         Phi-4-mini Q4_K_M (17.5 -> 12.0 s), 1.18x on Llama-3.2-1B Q4_K_M and 1.2x on Gemma-3-1B than
         dequantize + bf16 GEMM (2-core Zen 5, AVX512-BF16 without AMX). Up to the same limit: where that
         path stops (AMX-BF16: oneDNN's AMX GEMM wins from 256 rows) or is switched off
-        (KUBEINFER_INT8_GEMM=0), the bf16 GEMM takes over as for other weights."""
-        if self.gemm_dtype != torch.bfloat16:
+        (KUBEINFER_INT8_GEMM=0), the bf16 GEMM takes over as for other weights. Under int8 the tiles
+        likewise stay in their kernel, and everything else leaves at GEMM_MIN_ROWS as under fp32."""
+        if self.gemm_dtype == torch.float32:
             return GEMM_MIN_ROWS
         if (
             self._w.fmt in INT8_TILED_FORMATS
@@ -149,7 +155,7 @@ class BlockQuantLinear(QuantLinear):
             and batches_take_any_rows(self.kernel)
         ):
             return sys.maxsize
-        return BF16_GEMM_MIN_ROWS
+        return BF16_GEMM_MIN_ROWS if self.gemm_dtype == torch.bfloat16 else GEMM_MIN_ROWS
 
     @staticmethod
     def fuse(parts: list[BlockQuantLinear]) -> BlockQuantLinear | None:
@@ -178,9 +184,9 @@ class BlockQuantLinear(QuantLinear):
     def int8_kernel(self, rows: int) -> Q8GemvKernel | None:
         """The int8-activation kernel where it takes `rows` rows of x for this layer: its batched path
         (more than 4 rows, at most AMX_GEMM_MAX_ROWS where AMX-BF16 is usable, 4/8-bit weights in
-        32-blocks, AVX512-VNNI, gemm_dtype bf16, KUBEINFER_INT8_GEMM on), or its GEMV (1-4 rows,
+        32-blocks, AVX512-VNNI, gemm_dtype bf16 or int8, KUBEINFER_INT8_GEMM on), or its GEMV (1-4 rows,
         KUBEINFER_INT8_GEMV on); else None."""
-        if self.kernel is None or (rows > Q8_MAX_ROWS and self.gemm_dtype != torch.bfloat16):
+        if self.kernel is None or (rows > Q8_MAX_ROWS and self.gemm_dtype not in INT8_ACTIVATION_DTYPES):
             return None
         q8 = active_kernel(self.kernel)
         return q8 if q8 is not None and q8.supports(self.weight_q, rows, self.gemm_dtype) else None
@@ -227,8 +233,9 @@ class BlockQuantLinear(QuantLinear):
             y = F.linear(x2, dequantize_reference(w), self.bias)
         elif q8 is not None:  # int8 activations (cpu_qgemv_q8.py): batches on VNNI, the GEMV where on
             y = q8.linear(x2, w, self.bias, compute=self.gemm_dtype)
-        elif x2.shape[0] >= self.gemm_min_rows:
-            y = self._dequant_gemm(x2, w, self.kernel, self.gemm_dtype)
+        elif x2.shape[0] >= self.gemm_min_rows:  # int8 layers' GEMMs without an int8 path run in fp32
+            dense = torch.bfloat16 if self.gemm_dtype == torch.bfloat16 else torch.float32
+            y = self._dequant_gemm(x2, w, self.kernel, dense)
         else:  # decode-sized M: int8 activations where that switch is on (cpu_qgemv_q8.py)
             y = small_m_linear(self.kernel, x2, w, self.bias, self.gemm_dtype)
         return y.reshape(*lead, self.out_features).to(dtype)

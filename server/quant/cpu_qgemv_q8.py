@@ -14,15 +14,15 @@ per output (`activation_error_bound`: each value moves by at most half a step of
 
 Batched path: for M > MAX_ROWS rows (decode batches, prefill chunks) of 4- or 8-bit weights in 32-blocks
 (Q4_0/Q4_1/Q4_K/int4 g32, Q8_0: the tied LM head of GGUF models), on
-AVX512-VNNI only, for layers whose GEMMs run in reduced precision (gemm_dtype bf16: `--dtype auto` on a CPU
-with native bf16, server/quant/gemm_dtype.py): x quantized the same way, W's nibbles and scales packed per
+AVX512-VNNI only, for layers whose GEMMs run in reduced precision (gemm_dtype bf16 or int8: `--dtype auto` on
+a CPU with native bf16, or with AVX512-VNNI but no native bf16; server/quant/gemm_dtype.py): x quantized the same way, W's nibbles and scales packed per
 16-column group per call, `vpdpbusd` on 512-bit vectors. 1.3-1.9x the bf16 batched kernel and 1.3-1.45x
 oneDNN's bf16 GEMM on a 2-core Zen 4 (docs/benchmarks.md "int8 activations for batches"); its error
 against fp32 activations is the same bound as the GEMV's (~5e-3 relative on Gaussian x against bf16's
 ~2.4e-3).
 
 Serving: `KUBEINFER_INT8_GEMV` (`1` on for every layer, `0` off; unset: on for layers computing in bf16
-where AVX512-VNNI is usable, off elsewhere: `default_gemv_enabled`, docs/benchmarks.md "int8 activations", "AMX")
+(or int8) where AVX512-VNNI is usable, off elsewhere: `default_gemv_enabled`, docs/benchmarks.md "int8 activations", "AMX")
 routes the decode GEMV of BlockQuantLinear and of the decode graph here, `KUBEINFER_INT8_GEMM` (default
 on) the batches (`small_m_linear`, `BlockQuantLinear.int8_kernel`, `decode_qlinear_address`); what this
 kernel does not take still goes to qlinear.cpp, the library's fallback (`Q8GemvKernel.supports` says which).
@@ -48,6 +48,7 @@ from server.cpu_features import DISABLE_ENV, CpuFeatures
 from server.native import KernelBuildError, NativeSource, env_switch, load_library, usable_cpu_features
 from server.quant.cpu_qlinear import (
     BLOCK,
+    INT8_ACTIVATION_DTYPES,
     BlockQuantWeight,
     KiQWeight,
     QLinearKernel,
@@ -61,8 +62,8 @@ from server.quant.cpu_qlinear import (
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qgemv_q8.cpp"
-ABI_VERSION = 5  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes; 3: 8-bit W batched; 4: packed W
-# 5: the GEMV takes 8-bit W in 16-value groups (Q6_K repacked)
+ABI_VERSION = 6  # 2: the batched int8 path and kubeinfer_qgemv_q8_set_modes; 3: 8-bit W batched; 4: packed W
+# 5: the GEMV takes 8-bit W in 16-value groups (Q6_K repacked); 6: compute COMPUTE_INT8 allows int8 as bf16 does
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit.
 NATIVE = NativeSource(
     "qgemv_q8", SOURCE, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20"), abi_version=ABI_VERSION
@@ -87,7 +88,7 @@ PACK_ENABLE_ENV = "KUBEINFER_INT8_PACK"
 PACK_MEMORY_SHARE = 0.25
 
 
-# KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of layers computing in bf16 where the vnni path
+# KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of layers computing in bf16 (or int8) where the vnni path
 # runs (AVX512-VNNI: Intel Xeon with AMX, AMD Zen 4+). Served one-user decode 1.8x the fp32-activation GEMV
 # on a Xeon with AMX (docs/benchmarks.md "AMX"); on a 2-core Zen 4 the embedded 135M model did not show it
 # in served tok/s (overhead-bound), but a 1B model does: Llama-3.2-1B Q4_K_M decode steps 2.3x (the fp32
@@ -95,7 +96,7 @@ PACK_MEMORY_SHARE = 0.25
 # docs/benchmarks.md "one-user decode on k-quants"). Layers computing in fp32 (--dtype float32, the parity
 # tests) keep fp32 activations unless the switch says 1.
 def default_gemv_enabled() -> bool:
-    """Whether the GEMV is on (for bf16 layers) when KUBEINFER_INT8_GEMV is unset: the vnni path running
+    """Whether the GEMV is on (for bf16 and int8 layers) when KUBEINFER_INT8_GEMV is unset: the vnni path running
     (`usable_cpu_features`: what the OS enables, minus KUBEINFER_CPU_DISABLE); False where the
     feature probe cannot be built. Cached per KUBEINFER_CPU_DISABLE value (it is asked per projection)."""
     return _gemv_default_for(os.environ.get(DISABLE_ENV, ""))
@@ -204,11 +205,13 @@ class Q8GemvKernel:
 
     def supports(self, w: BlockQuantWeight, m: int, compute: torch.dtype = torch.float32) -> bool:
         """Whether `w` with `m` rows of x takes an int8 path (32-value groups; the GEMV for 1 <= m <=
-        MAX_ROWS, the batched path for larger m with 4/8-bit W on the vnni path where `compute` is bf16): the
-        C side's kubeinfer_qgemv_q8_supports, in Python (no ctypes call per projection)."""
+        MAX_ROWS, the batched path for larger m with 4/8-bit W on the vnni path where `compute` is bf16 or
+        int8; fp32 layers only the GEMV, and only where `gemv_fp32`): the C side's kubeinfer_qgemv_q8_supports,
+        in Python (no ctypes call per projection)."""
+        reduced = compute in INT8_ACTIVATION_DTYPES
         k = w.in_features
         if m <= MAX_ROWS and is_g16(w):
-            return self.modes[0] and m >= 1 and (self.modes[2] or compute == torch.bfloat16)
+            return self.modes[0] and m >= 1 and (self.modes[2] or reduced)
         if k % BLOCK or w.group_size != BLOCK or w.groups != k // BLOCK:
             return False
         if m > MAX_ROWS:
@@ -216,10 +219,10 @@ class Q8GemvKernel:
                 self.modes[1]
                 and self.isa == "vnni"
                 and w.bits in (4, 8)
-                and compute == torch.bfloat16
+                and reduced
                 and (self.gemm_max_rows is None or m <= self.gemm_max_rows)
             )
-        return self.modes[0] and m >= 1 and (self.modes[2] or compute == torch.bfloat16)
+        return self.modes[0] and m >= 1 and (self.modes[2] or reduced)
 
     def linear(
         self,
@@ -227,7 +230,7 @@ class Q8GemvKernel:
         w: BlockQuantWeight,  # group_size 32
         bias: Tensor | None = None,  # [N] fp32 contiguous
         out: Tensor | None = None,  # [M, N] fp32, unit stride along N
-        compute: torch.dtype = torch.float32,  # the layer's gemm_dtype: bf16 admits the batched path
+        compute: torch.dtype = torch.float32,  # the layer's gemm_dtype: bf16 or int8 admit the batched path
     ) -> Tensor:  # [M, N] fp32: W @ x^ (+ bias)
         """Raises TypeError/ValueError for a tensor or a call the kernel cannot take (never the fallback
         here: `supports` says which)."""
@@ -336,7 +339,7 @@ def _gemv_explicit() -> bool | None:
 
 
 def int8_gemv_enabled() -> bool:
-    """KUBEINFER_INT8_GEMV (`1`/`0`; unset: `default_gemv_enabled()`, for bf16 layers only), unless
+    """KUBEINFER_INT8_GEMV (`1`/`0`; unset: `default_gemv_enabled()`, for bf16 and int8 layers only), unless
     `int8_gemv(...)` overrides it. Raises ValueError for another value."""
     explicit = _gemv_explicit()
     return default_gemv_enabled() if explicit is None else explicit
@@ -392,13 +395,13 @@ def active_kernel(kernel: QLinearKernel) -> Q8GemvKernel | None:
     if not (gemv or gemm):
         return None
     q8 = try_load_q8_gemv_kernel(kernel)
-    if q8 is not None:  # the GEMV by default (switch unset) only for layers computing in bf16
+    if q8 is not None:  # the GEMV by default (switch unset) only for bf16 and int8 layers
         q8.set_modes(gemv, gemm, gemv_fp32=explicit is not None)
     return q8
 
 
 def batches_take_any_rows(kernel: QLinearKernel) -> bool:
-    """Whether the batched int8 path takes bf16 layers' batches of any row count here: its switch on
+    """Whether the batched int8 path takes bf16 (and int8) layers' batches of any row count here: its switch on
     (KUBEINFER_INT8_GEMM), the kernel built, the vnni path running and no row limit (AMX-BF16 sets one,
     gemm_max_rows_for). Reads no more than the switch and the cached kernel: asked per projection call."""
     if not int8_gemm_enabled():
@@ -408,7 +411,7 @@ def batches_take_any_rows(kernel: QLinearKernel) -> bool:
 
 
 def int8_paths_text(cache_dir: Path | None = None) -> str:
-    """What takes int8 activations here, for the start-up log ("" when nothing does): bf16 layers' batches
+    """What takes int8 activations here, for the start-up log ("" when nothing does): bf16 and int8 layers' batches
     (the switch on, the kernels built, AVX512-VNNI usable; at most gemm_max_rows rows) and the decode GEMV."""
     kernel = try_load_qlinear_kernel(cache_dir)
     q8 = None if kernel is None else active_kernel(kernel)
@@ -417,9 +420,9 @@ def int8_paths_text(cache_dir: Path | None = None) -> str:
     parts = []
     if int8_gemm_enabled() and q8.isa == "vnni":
         rows = "5+" if q8.gemm_max_rows is None else f"5-{q8.gemm_max_rows}"
-        parts.append(f"batches of {rows} rows of 4/8-bit weights ({GEMM_ENABLE_ENV}=0 keeps bf16)")
+        parts.append(f"batches of {rows} rows of 4/8-bit weights ({GEMM_ENABLE_ENV}=0 keeps bf16 or fp32)")
     if int8_gemv_enabled():
-        layers = "every layer's" if _gemv_explicit() else "bf16 layers'"
+        layers = "every layer's" if _gemv_explicit() else "bf16 and int8 layers'"
         parts.append(f"{layers} decode rows 1-{MAX_ROWS} ({ENABLE_ENV}=0 keeps fp32)")
     return "; ".join(parts)
 

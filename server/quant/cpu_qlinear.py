@@ -76,7 +76,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "qlinear.cpp"
 # 3: KiQWeight.compute (was reserved) asks for the bf16 batched path; 4: kubeinfer_qdequant_bf16
-ABI_VERSION = 6  # 5: KiQWeight.packed; 6: bits KQUANT_BITS (k-quant super-blocks, run by csrc/qk_native.cpp)
+ABI_VERSION = 7  # 5: KiQWeight.packed; 6: bits KQUANT_BITS (k-quant super-blocks, run by csrc/qk_native.cpp);
+# 7: KiQWeight.compute COMPUTE_INT8
 # No -ffast-math: dequantized values must equal the reference bit for bit (no contraction into FMA
 # where a rounding would differ, no flush-to-zero).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
@@ -715,26 +716,31 @@ class KiQWeight(ctypes.Structure):
         ("bits", ctypes.c_int32),
         ("zero_point", ctypes.c_int32),
         ("scale_is_f16", ctypes.c_int32),
-        ("compute", ctypes.c_int32),  # COMPUTE_FP32 or COMPUTE_BF16
+        ("compute", ctypes.c_int32),  # COMPUTE_FP32, COMPUTE_BF16 or COMPUTE_INT8
         ("packed", ctypes.c_void_p),  # BlockQuantWeight.packed: qgemv_q8's copy for its batched path, or null
     ]
 
 
-COMPUTE_FP32, COMPUTE_BF16 = 0, 1  # KiQWeight.compute (csrc/qlinear.cpp's KI_COMPUTE_*)
+COMPUTE_FP32, COMPUTE_BF16, COMPUTE_INT8 = 0, 1, 2  # KiQWeight.compute (csrc/qlinear.cpp's KI_COMPUTE_*)
+_COMPUTE_FLAGS = {torch.float32: COMPUTE_FP32, torch.bfloat16: COMPUTE_BF16, torch.int8: COMPUTE_INT8}
+# The gemm_dtypes (server/quant/gemm_dtype.py) that let a GEMM take int8 activations where its kernel has them
+# (csrc/qgemv_q8.cpp's GEMV and batched path, csrc/qk_native.cpp's tiles); fp32 asks for fp32 activations.
+INT8_ACTIVATION_DTYPES = frozenset({torch.bfloat16, torch.int8})
 
 
 def compute_flag(compute: torch.dtype) -> int:
-    """KiQWeight.compute for a layer whose gemm_dtype is `compute` (fp32 or bf16; ValueError otherwise)."""
-    if compute == torch.bfloat16:
-        return COMPUTE_BF16
-    if compute == torch.float32:
-        return COMPUTE_FP32
-    raise ValueError(f"block-quantized kernels compute in float32 or bfloat16, not {compute}")
+    """KiQWeight.compute for a layer whose gemm_dtype is `compute` (fp32, bf16 or int8: gemm_dtype.py);
+    ValueError otherwise."""
+    flag = _COMPUTE_FLAGS.get(compute)
+    if flag is None:
+        raise ValueError(f"block-quantized kernels compute in float32, bfloat16 or int8, not {compute}")
+    return flag
 
 
 def weight_descriptor(w: BlockQuantWeight, compute: torch.dtype = torch.float32) -> KiQWeight:
     """The kernel's view of `w` (struct KiQWeight in csrc/qlinear.cpp); it holds raw pointers into w's tensors.
-    `compute` bf16 lets the batched path (M > BF16_GEMV_MAX_ROWS) run in bf16 where the CPU has AVX512-BF16."""
+    `compute` bf16 lets the batched path (M > BF16_GEMV_MAX_ROWS) run in bf16 where the CPU has AVX512-BF16;
+    bf16 and int8 let the int8-activation kernels take the call (compute_flag)."""
     return KiQWeight(
         w.q.data_ptr(),
         w.scales.data_ptr(),

@@ -3,8 +3,18 @@
 vLLM's `--dtype` semantics, applied to the weights we keep quantized (a GGUF file served as it is, a
 `--quantize`d or pre-quantized checkpoint repacked into BlockQuantLinear): `auto` picks bf16 where the
 CPU computes it natively (AVX512-BF16 or AMX-BF16 usable, server/models/loader.cpu_has_native_bf16:
-what the OS enables, minus KUBEINFER_CPU_DISABLE), fp32 elsewhere; `bfloat16` asks for bf16, `float32`
-(and `float16`, which the CPU kernels do not run) for fp32.
+what the OS enables, minus KUBEINFER_CPU_DISABLE), int8 where it does not but the int8-activation kernels
+run (AVX512-VNNI: Ice Lake's class), fp32 elsewhere (AVX2-only CPUs); `bfloat16` asks for bf16, `float32`
+(and `float16`, which the CPU kernels do not run) for fp32, exact activations.
+
+int8 (`torch.int8` as the gemm_dtype: `cpu_gemm_dtype`) keeps the layers in fp32 and lets every block-quantized
+GEMM whose kernel has an int8-activation path take it, as llama.cpp does on every CPU (ggml's Q8 blocks of
+x, integer dot products): a GGUF's 16-row tiles at every row count (csrc/qk_native.cpp; the loader holds
+them where the layers compute in bf16 or int8, gguf_checkpoint.super_blocks_enabled), the row-major 4/8-bit
+weights' GEMV and batched path (server/quant/cpu_qgemv_q8.py); what has none (the fp32 kernel, dequantize +
+GEMM from GEMM_MIN_ROWS rows) computes in fp32, never in bf16. Without it, such a CPU read the file
+repacked (1.3-3x its bits) with fp32 activations: Llama-3.2-1B Q4_K_M one stream 14 tok/s against the
+tiles' 44 (docs/benchmarks-log.md, "int8 activations where the layers compute in fp32").
 
 Where the CPU also has AVX512-VNNI, a bf16 layer's batches of 5+ rows of 4-bit weights take int8
 activations instead (server/quant/cpu_qgemv_q8.py, KUBEINFER_INT8_GEMM): faster still, and of the same
@@ -31,6 +41,7 @@ import torch
 from torch import nn
 
 from server import cpu_env
+from server.native import KernelBuildError, usable_cpu_features
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import (
     PACK_ENABLE_ENV,
@@ -38,15 +49,40 @@ from server.quant.cpu_qgemv_q8 import (
     active_kernel,
     int8_gemm_enabled,
     int8_pack_switch,
+    path_for,
 )
+from server.quant.cpu_qk_native import try_load_qk_native_kernel
+from server.quant.cpu_qlinear import INT8_ACTIVATION_DTYPES
 
 log = logging.getLogger(__name__)
 
+GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
-def cpu_gemm_dtype(compute: torch.dtype) -> torch.dtype:
-    """The GEMM dtype for a model whose `--dtype` resolved to `compute` (loader.resolve_dtype, which
-    already maps `auto` to bf16 only on CPUs with native bf16): bf16 for bf16, fp32 for the rest."""
-    return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
+
+def cpu_gemm_dtype(compute: torch.dtype, requested: str = "float32") -> torch.dtype:
+    """The GEMM dtype for a model whose `--dtype` (`requested`) resolved to `compute` (loader.resolve_dtype,
+    which already maps `auto` to bf16 only on CPUs with native bf16): bf16 for bf16; int8 for `auto`
+    resolved to fp32 where the int8-activation kernels run (int8_activations_run); fp32 for the rest."""
+    if compute == torch.bfloat16:
+        return torch.bfloat16
+    if requested == "auto" and compute == torch.float32 and int8_activations_run():
+        return torch.int8
+    return torch.float32
+
+
+def int8_activations_run() -> bool:
+    """Whether the int8-activation kernels run their AVX512-VNNI path here (AVX512-VNNI with VL and BW
+    usable: `usable_cpu_features`, minus KUBEINFER_CPU_DISABLE, read now; and csrc/qk_native.cpp, which
+    serves the GGUF tiles, built on it): the tiles have no other fast path, so without VNNI (AVX2-only
+    CPUs) layers stay fp32. False where the feature probe cannot be built."""
+    try:
+        features = usable_cpu_features()
+    except (KernelBuildError, OSError):
+        return False
+    if path_for(features) != "vnni":
+        return False
+    kernel = try_load_qk_native_kernel()
+    return kernel is not None and kernel.isa == "vnni"
 
 
 @runtime_checkable
@@ -56,17 +92,17 @@ class FollowsGemmDtype(Protocol):
     server/models/moe/block.py), so that one walk serves every model, a draft model included."""
 
     def set_gemm_dtype(self, dtype: torch.dtype) -> int:
-        """Sets `dtype` (fp32 or bf16, already checked) on its weight sets; returns how many (0: none
+        """Sets `dtype` (fp32, bf16 or int8, already checked) on its weight sets; returns how many (0: none
         of its weights are quantized)."""
         ...
 
 
 def apply_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
-    """Sets every BlockQuantLinear's `gemm_dtype` to `dtype` (fp32 or bf16) and hands it to every module
-    implementing `FollowsGemmDtype` (quantized experts); returns how many weight sets were set.
+    """Sets every BlockQuantLinear's `gemm_dtype` to `dtype` (fp32, bf16 or int8) and hands it to every
+    module implementing `FollowsGemmDtype` (quantized experts); returns how many weight sets were set.
     Raises ValueError for any other dtype."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"block-quantized GEMMs run in float32 or bfloat16, not {dtype}")
+    if dtype not in GEMM_DTYPES:
+        raise ValueError(f"block-quantized GEMMs run in float32, bfloat16 or int8, not {dtype}")
     count = 0
     for module in model.modules():
         if isinstance(module, BlockQuantLinear):
@@ -78,7 +114,7 @@ def apply_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def pack_int8_weights(model: nn.Module) -> int:
-    """Gives every bf16 BlockQuantLinear the batched int8 path can take its packed copy
+    """Gives every bf16 or int8 BlockQuantLinear the batched int8 path can take its packed copy
     (BlockQuantLinear.pack_int8) when that path is on here; returns the bytes added (0: nothing packed).
     KUBEINFER_INT8_PACK=0 packs nothing, =1 packs all; unset, it packs only if all copies together fit in
     PACK_MEMORY_SHARE of the memory available (cpu_env.available_memory_bytes: MemAvailable, or the
@@ -87,7 +123,9 @@ def pack_int8_weights(model: nn.Module) -> int:
     if switch is False or not int8_gemm_enabled():
         return 0
     modules = [
-        m for m in model.modules() if isinstance(m, BlockQuantLinear) and m.gemm_dtype == torch.bfloat16
+        m
+        for m in model.modules()
+        if isinstance(m, BlockQuantLinear) and m.gemm_dtype in INT8_ACTIVATION_DTYPES
     ]
     kernels = [(m, active_kernel(m.kernel) if m.kernel is not None else None) for m in modules]
     todo = [(m, q8) for m, q8 in kernels if q8 is not None and q8.isa == "vnni" and m.weight_q.packed is None]

@@ -76,18 +76,18 @@ SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 def super_blocks_enabled(compute: torch.dtype) -> bool:
     """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0, Q5_0, IQ4_NL and
     TILE_ONLY_TYPES as 16-row tiles), `0` repack them (and keep Q8_0 and the like row-major); unset: where the super-block kernel runs its
-    AVX512-VNNI path (its scalar path is slower than the repacked formats' AVX2 GEMV) and the layers
-    compute in bf16 (`compute`, the GEMM dtype --dtype resolves to: server/quant/gemm_dtype.py). The tiles'
-    int8-activation kernels serve bf16 layers; fp32 layers dequantize them a row at a time (qk_native.cpp's
+    AVX512-VNNI path (its scalar path is slower than the repacked formats' AVX2 GEMV) and the layers'
+    GEMMs take int8 activations (`compute`, the GEMM dtype: bf16 or int8, server/quant/gemm_dtype.py; a
+    GGUF served as it is under `--dtype auto` gets one of them on every AVX512-VNNI CPU). The tiles'
+    int8-activation kernels serve those; fp32 layers dequantize them a row at a time (qk_native.cpp's
     fp32_rows), 10x the row-major kernel's time at one row (Zen 5: a Q8_0 [4096, 2048] 1.89 against 0.18
-    ms; a Qwen3-MoE-2.1B Q4_K_M block's experts at one token 18.5 against 1.4 ms), so where the layers
-    compute in fp32 (a GGUF served as it is under `--dtype auto` on a CPU with AVX512-VNNI but no native
-    bf16, Ice Lake's class; a file read to be dequantized) the row-major and repacked layouts serve.
+    ms; a Qwen3-MoE-2.1B Q4_K_M block's experts at one token 18.5 against 1.4 ms), so for fp32 (a file
+    read to be dequantized, a CPU without AVX512-VNNI) the row-major and repacked layouts serve.
     ValueError for another value."""
     explicit = env_switch(SUPER_BLOCKS_ENV)
     if explicit is not None:
         return explicit
-    if compute != torch.bfloat16:
+    if compute not in (torch.bfloat16, torch.int8):
         return False
     kernel = cpu_qk_native.try_load_qk_native_kernel()
     return kernel is not None and kernel.isa == "vnni"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gemm_paths import decode_graph_rows
 from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
 
 from server.config import EngineConfig, ModelConfig
@@ -206,15 +207,27 @@ def test_auto_picks_bf16_gemms_for_the_embedded_model(
     assert calls and set(calls) == {torch.bfloat16}
 
 
-def test_bf16_disabled_takes_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KUBEINFER_CPU_DISABLE=avx512_bf16,amx_bf16 (a CPU without bf16): the same prefill runs fp32 GEMMs."""
-    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512_bf16,amx_bf16")
+@pytest.mark.parametrize("vnni", [True, False])
+def test_bf16_disabled_takes_no_bf16_gemm(monkeypatch: pytest.MonkeyPatch, vnni: bool) -> None:
+    """KUBEINFER_CPU_DISABLE=avx512_bf16,amx_bf16 (a CPU without bf16): the same prefill runs no bf16 GEMM.
+    With AVX512-VNNI (Ice Lake's class) the GEMMs take int8 activations where their kernels have them
+    (gemm_dtype int8: the Q4_1 projections' int8 batched path, the Q8_0 head's tiles), and what has none
+    runs fp32; without it (AVX2-only) everything is fp32, past the fp32 path's GEMM_MIN_ROWS included."""
+    from server.quant.gemm_dtype import int8_activations_run
+
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512_bf16,amx_bf16" + ("" if vnni else ",avx512_vnni"))
+    if vnni and not int8_activations_run():
+        pytest.skip("no AVX512-VNNI here")
     engine = _embedded()
-    assert engine.info.gemm_dtype == "float32"
-    assert all(m.gemm_dtype == torch.float32 for m in _gemm_layers(engine))
+    want = torch.int8 if vnni else torch.float32
+    assert engine.info.gemm_dtype == str(want).removeprefix("torch.")
+    assert all(m.gemm_dtype == want for m in _gemm_layers(engine))
     calls = _gemm_calls(monkeypatch)
     engine.generate([engine.tokenizer.encode(TEXT * 3)[:600]], SamplingParams(max_tokens=2, temperature=0.0))
-    assert calls and set(calls) == {torch.float32}  # 600 rows: past the fp32 path's GEMM_MIN_ROWS too
+    if vnni:  # 600 rows: the int8 batched path takes them all
+        assert set(calls) <= {torch.float32}
+    else:
+        assert calls and set(calls) == {torch.float32}
 
 
 @needs_bf16
@@ -234,7 +247,6 @@ def test_prompt_logprobs_against_transformers_fp32_and_bf16(embedded: LLMEngine,
 
 @needs_bf16
 def test_greedy_tokens_agree_with_fp32_gemms(embedded: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    from server.models.decode_graph import DecodeGraph
 
     prompts = _long_prompts(embedded, 16)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -243,14 +255,7 @@ def test_greedy_tokens_agree_with_fp32_gemms(embedded: LLMEngine, monkeypatch: p
         fp32 = embedded.generate(prompts, params)
     finally:
         apply_gemm_dtype(embedded.loaded.model, torch.bfloat16)
-    rows: list[int] = []
-    run = DecodeGraph.run
-
-    def spy(self, h, tables, meta):  # type: ignore[no-untyped-def]
-        rows.append(h.shape[0])
-        return run(self, h, tables, meta)
-
-    monkeypatch.setattr(DecodeGraph, "run", spy)
+    rows = decode_graph_rows(monkeypatch)
     bf16 = embedded.generate(prompts, params)
     assert rows.count(16) >= 20  # the decode steps ran 16-row batches (bf16 kernel path)
     identical = sum(a == b for a, b in zip(fp32, bf16, strict=True))

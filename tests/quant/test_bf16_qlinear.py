@@ -133,8 +133,15 @@ def test_unknown_compute_value_is_refused(kernel: QLinearKernel) -> None:
     w = make_weight("q8_0", 8, 64)
     x, y = torch.randn(8, 64), torch.empty(8, 8)
     desc = cq.weight_descriptor(w)
-    desc.compute = 2
-    rc = kernel.lib.kubeinfer_qlinear(ctypes.byref(desc), x.data_ptr(), 8, 64, None, y.data_ptr(), 8, 1)
-    assert rc == 1
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    for bad in (-1, 3):
+        desc.compute = bad
+        rc = kernel.lib.kubeinfer_qlinear(ctypes.byref(desc), x.data_ptr(), 8, 64, None, y.data_ptr(), 8, 1)
+        assert rc == 1
+    # compute int8 (gemm_dtype int8): this library has no int8 path and computes fp32, bit for bit
+    desc.compute = cq.COMPUTE_INT8
+    assert (
+        kernel.lib.kubeinfer_qlinear(ctypes.byref(desc), x.data_ptr(), 8, 64, None, y.data_ptr(), 8, 1) == 0
+    )
+    assert torch.equal(y, kernel.linear(x, w))
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         cq.weight_descriptor(w, torch.float16)

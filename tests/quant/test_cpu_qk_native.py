@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from server.quant import cpu_qk_native as qk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gemm_paths import check_gemm_dtypes
 from gguf_quant import quantize_q4_k, quantize_q6_k
 
 N, K = 37, 768  # odd N, three super-blocks per row
@@ -339,13 +340,8 @@ def _served_paths_match(head, dense_head: torch.Tensor, kernel) -> None:  # type
             torch.bfloat16,
         )
         assert ((via_entry - exact).abs() <= int8_bound + slack).all()
-        for dtype in (torch.float32, torch.bfloat16):
-            lin = BlockQuantLinear(head, kernel=kernel)
-            lin.gemm_dtype = dtype
-            bound = slack if dtype == torch.float32 else int8_bound + slack
-            if m >= lin.gemm_min_rows:  # dequantize + library GEMM (bf16 operands under bf16)
-                bound = slack if dtype == torch.float32 else 1e-2 * (x.abs() @ dense_head.abs().t())
-            assert ((lin(x) - exact).abs() <= bound).all(), (m, dtype)
+        stay = head.fmt.endswith("_x16") and fast.isa == "vnni" and fast.gemm_max_rows is None
+        check_gemm_dtypes(head, x, dense_head, slack, int8_bound + slack, kernel, stay)
 
 
 def test_gguf_q4_k_held_as_16_row_tiles(

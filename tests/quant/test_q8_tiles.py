@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from gemm_paths import check_gemm_dtypes
 
 from server.quant import cpu_qgemv_q8 as q8m
 from server.quant import cpu_qlinear as cq
@@ -192,8 +193,6 @@ def test_gguf_32_blocks_held_as_tiles(
 
 
 def _served_paths_match(w: cq.BlockQuantWeight, dense: torch.Tensor, kernel, q8) -> None:  # type: ignore[no-untyped-def]
-    from server.quant.block_linear import BlockQuantLinear
-
     k = w.in_features
     wabs = dense.abs().reshape(w.out_features, k // 32, 32).sum(-1)  # [N, K / 32]
     for m in (1, 3, 5, 16, 300):
@@ -207,22 +206,17 @@ def _served_paths_match(w: cq.BlockQuantWeight, dense: torch.Tensor, kernel, q8)
             q8.lib.kubeinfer_qgemv_q8, "qgemv_q8", x, w, None, torch.empty(m, w.out_features), torch.bfloat16
         )
         assert ((via_entry - exact).abs() <= int8_bound).all(), m
-        for dtype in (torch.float32, torch.bfloat16):
-            lin = BlockQuantLinear(w, kernel=kernel)
-            lin.gemm_dtype = dtype
-            bound = fp32 if dtype == torch.float32 else int8_bound
-            if m >= lin.gemm_min_rows and dtype == torch.bfloat16:  # dequantize + bf16 library GEMM
-                bound = 1e-2 * (x.abs() @ dense.abs().t())
-            assert ((lin(x) - exact).abs() <= bound).all(), (m, dtype)
+        stay = w.fmt.endswith("_x16") and q8.isa == "vnni" and q8.gemm_max_rows is None
+        check_gemm_dtypes(w, x, dense, fp32, int8_bound, kernel, stay)
 
 
-def test_tiles_only_where_the_layers_compute_in_bf16(
+def test_tiles_only_where_the_layers_take_int8_activations(
     tiny_model_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """KUBEINFER_KQUANT_BLOCKS unset: layers computing in fp32 (--dtype float32, or auto on a CPU with
-    AVX512-VNNI but no native bf16) read the file row-major, since the tiles' fp32 path dequantizes a row
-    at a time (~10x the row-major kernel's time at one row); bf16 layers take the tiles where the VNNI
-    kernel runs; the switch overrides both ways."""
+    """KUBEINFER_KQUANT_BLOCKS unset: layers computing in fp32 (--dtype float32, a CPU without AVX512-VNNI)
+    read the file row-major, since the tiles' fp32 path dequantizes a row at a time (~10x the row-major
+    kernel's time at one row); bf16 layers and int8 ones (auto on a CPU with AVX512-VNNI but no native
+    bf16) take the tiles where the VNNI kernel runs; the switch overrides both ways."""
     from gguf_models import write_tiny_gguf
 
     from server.quant.cpu_qk_native import try_load_qk_native_kernel
@@ -239,6 +233,7 @@ def test_tiles_only_where_the_layers_compute_in_bf16(
     assert layouts(torch.float32) == {"q8_0"}
     kernel = try_load_qk_native_kernel()
     assert ("q8_0_x16" in layouts(torch.bfloat16)) == (kernel is not None and kernel.isa == "vnni")
+    assert ("q8_0_x16" in layouts(torch.int8)) == (kernel is not None and kernel.isa == "vnni")
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "1")
     assert "q8_0_x16" in layouts(torch.float32)
     monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")

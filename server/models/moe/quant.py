@@ -36,6 +36,7 @@ from server.quant.cpu_qgemv_q8 import (
 )
 from server.quant.cpu_qlinear import (
     GGUF_SUPER_BLOCK_BYTES,
+    INT8_ACTIVATION_DTYPES,
     BlockQuantWeight,
     QLinearKernel,
     from_gguf_blocks,
@@ -86,7 +87,7 @@ class BlockQuantExperts:
         b13: Tensor | None = None,  # [E, 2I] fp32
         b2: Tensor | None = None,  # [E, H] fp32
         kernel: QLinearKernel | None = None,
-        compute: torch.dtype = torch.float32,  # qlinear's compute: bf16 takes its bf16 batched path
+        compute: torch.dtype = torch.float32,  # the gemm_dtype: bf16 takes qlinear's bf16 batched path, bf16/int8 int8 paths
     ) -> None:
         if len(w13) != len(w2) or not w13:
             raise ValueError(f"w13 and w2 need one weight per expert, got {len(w13)} and {len(w2)}")
@@ -106,10 +107,11 @@ class BlockQuantExperts:
     def set_gemm_dtype(self, dtype: torch.dtype) -> int:
         """The engine's GEMM dtype (server/quant/gemm_dtype.py, through SparseMoeBlock.set_gemm_dtype):
         under bf16 an expert's 4+ tokens take qlinear's bf16 batched path (or the int8 batched path
-        where its switch and the weight allow), fewer stay fp32 GEMVs. Returns 1; ValueError for a
-        dtype other than fp32 or bf16."""
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"block-quantized experts compute in float32 or bfloat16, not {dtype}")
+        where its switch and the weight allow), fewer stay fp32 GEMVs; under int8 the tiles and the int8
+        paths take every token count, the rest stays fp32. Returns 1; ValueError for a dtype other than
+        fp32, bf16 or int8."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            raise ValueError(f"block-quantized experts compute in float32, bfloat16 or int8, not {dtype}")
         self.compute = dtype
         return 1
 
@@ -242,7 +244,7 @@ def _packed_group_bytes(ws: list[BlockQuantWeight]) -> int:
 
 
 def pack_moe_int8_weights(model: nn.Module) -> int:
-    """pack_int8_weights (server/quant/gemm_dtype.py) for block-quantized experts: every bf16 expert set
+    """pack_int8_weights (server/quant/gemm_dtype.py) for block-quantized experts: every bf16 or int8 expert set
     gets its packed copies (BlockQuantExperts.pack_int8) when the batched int8 path is on here, under the
     same switch and memory rule: KUBEINFER_INT8_PACK=0 packs nothing, =1 all; unset, only if all copies
     fit in PACK_MEMORY_SHARE of the memory available now (logged when they do not). Returns the bytes
@@ -254,7 +256,7 @@ def pack_moe_int8_weights(model: nn.Module) -> int:
     for block in model.modules():
         experts = block.experts if isinstance(block, SparseMoeBlock) else None
         if isinstance(experts, BlockQuantExperts) and experts.kernel is not None:
-            q8 = active_kernel(experts.kernel) if experts.compute == torch.bfloat16 else None
+            q8 = active_kernel(experts.kernel) if experts.compute in INT8_ACTIVATION_DTYPES else None
             if q8 is not None and q8.isa == "vnni":
                 todo.append((experts, q8))
     need = sum(experts.packed_bytes(q8) for experts, q8 in todo)

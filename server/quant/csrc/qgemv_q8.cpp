@@ -215,14 +215,16 @@ int best_compiled_path() {
 }
 
 // Which calls this library takes (kubeinfer_qgemv_q8_set_modes): the GEMV (M <= MAX_ROWS), and the batched
-// int8 path (M > MAX_ROWS, vnni only, 4- or 8-bit W, layers whose compute is bf16).
-// gemv_fp32: the GEMV also takes layers computing in fp32 (KUBEINFER_INT8_GEMV=1 said so), not only bf16 ones.
+// int8 path (M > MAX_ROWS, vnni only, 4- or 8-bit W, layers that allow reduced precision: compute bf16 or int8).
+// gemv_fp32: the GEMV also takes layers computing in fp32 (KUBEINFER_INT8_GEMV=1 said so), not only those.
 bool gemv_on = true, gemm_on = false, gemv_fp32 = true;
-constexpr int32_t COMPUTE_BF16 = 1;  // qlinear.cpp's KI_COMPUTE_BF16: the layer allows reduced precision
+// qlinear.cpp's KI_COMPUTE_FP32: only this compute flag asks for fp32 activations; KI_COMPUTE_BF16 and
+// KI_COMPUTE_INT8 (gemm_dtype bf16 or int8) allow reduced precision.
+constexpr int32_t COMPUTE_FP32 = 0;
 
 bool gemm_supported(const KiQWeight* w, int64_t m) {
   if (!gemm_on || path_in_use != PATH_VNNI || !w || !w->q || !w->scales || w->n < 0) return false;
-  if (m <= MAX_ROWS || w->compute != COMPUTE_BF16 || (w->bits != 4 && w->bits != 8)) return false;
+  if (m <= MAX_ROWS || w->compute == COMPUTE_FP32 || (w->bits != 4 && w->bits != 8)) return false;
   return w->k >= 32 && w->k % 32 == 0 && w->group_size == 32 && w->groups == w->k / 32 &&
          w->row_bytes == w->k * w->bits / 8;
 }
@@ -236,7 +238,7 @@ bool is_g16(const KiQWeight* w) {
 bool supported(const KiQWeight* w, int64_t m) {
   if (gemm_supported(w, m)) return true;
   if (!gemv_on || !w || !w->q || !w->scales || w->n < 0 || m < 1 || m > MAX_ROWS) return false;
-  if (!gemv_fp32 && w->compute != COMPUTE_BF16) return false;
+  if (!gemv_fp32 && w->compute == COMPUTE_FP32) return false;
   if (is_g16(w)) return true;
   if (w->k < 32 || w->k % 32 || w->group_size != 32 || w->groups != w->k / 32) return false;
   if (w->bits == 4) return w->row_bytes == w->k / 2;
@@ -315,7 +317,7 @@ void q8_gemv(const KiQWeight& w, const float* x, int64_t m, int64_t x_stride, co
 
 extern "C" {
 
-int32_t kubeinfer_qgemv_q8_abi() { return 5; }
+int32_t kubeinfer_qgemv_q8_abi() { return 6; }
 
 // Which calls this library takes: gemv (M <= 4; for descriptors asking for fp32 compute too only where
 // gemv_fp32_layers) and gemm (the batched int8 path, M > 4: vnni, 4- or 8-bit W in 32-blocks, descriptors

@@ -1558,8 +1558,9 @@ static int32_t desc_format(const KiQWeight* w) {
 }
 
 // kubeinfer_qlinear's signature over a k-quant descriptor (qlinear.cpp hands these weights here):
-// y = x @ W^T (+ bias); layers computing in bf16 (w->compute 1) take int8 activations (kubeinfer_qk_linear),
-// fp32 ones fp32 activations (fp32_rows), as the int8 GEMV's default does for the repacked formats.
+// y = x @ W^T (+ bias); layers computing in bf16 or int8 (w->compute 1 or 2: gemm_dtype bf16 or int8) take
+// int8 activations (kubeinfer_qk_linear), fp32 ones (0) fp32 activations (fp32_rows), as the int8 GEMV's
+// default does for the repacked formats.
 // 1 for a descriptor this file does not take.
 int32_t kubeinfer_qk_qlinear(const KiQWeight* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
                              float* y, int64_t y_stride, int32_t nthreads) {

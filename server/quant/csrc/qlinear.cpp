@@ -46,12 +46,16 @@ struct KiQWeight {
   const void* mins;       // [n, groups] like scales, or null
   int64_t n, k, group_size, groups, row_bytes;
   int32_t bits, zero_point, scale_is_f16;
-  int32_t compute;  // KI_COMPUTE_FP32, or KI_COMPUTE_BF16: the batched path may run in bf16 (below)
+  int32_t compute;  // KI_COMPUTE_FP32, KI_COMPUTE_BF16 (the batched path may run in bf16, below) or
+                    // KI_COMPUTE_INT8 (int8 activations where a kernel has them; this file computes in fp32)
   const uint8_t* packed;  // qgemv_q8.cpp's packed copy of W for its batched path, or null; unread here
 };
 }
 
-enum : int32_t { KI_COMPUTE_FP32 = 0, KI_COMPUTE_BF16 = 1 };
+// KI_COMPUTE_INT8: an fp32 layer whose quantized GEMMs may take int8 activations (gemm_dtype int8,
+// server/quant/gemm_dtype.py): qgemv_q8.cpp's and qk_native.cpp's kernels take it as they take bf16; here,
+// which has no int8 path, it computes as fp32.
+enum : int32_t { KI_COMPUTE_FP32 = 0, KI_COMPUTE_BF16 = 1, KI_COMPUTE_INT8 = 2 };
 
 extern "C" {
 }
@@ -887,7 +891,7 @@ void dequant(const KiQWeight& w, const int64_t* rows, int64_t row0, int64_t nrow
 bool valid(const KiQWeight* w) {
   if (!w || !w->q || !w->scales || w->n < 0 || w->k < 1 || w->group_size < 1 || w->groups < 1) return false;
   if (w->bits != 4 && w->bits != 8) return false;
-  if (w->compute != KI_COMPUTE_FP32 && w->compute != KI_COMPUTE_BF16) return false;
+  if (w->compute < KI_COMPUTE_FP32 || w->compute > KI_COMPUTE_INT8) return false;
   if ((w->groups - 1) * w->group_size >= w->k || w->groups * w->group_size < w->k) return false;
   // 4-bit groups: whole 32-blocks, or the 16-value halves of every 32-block (a group never straddles a block)
   if (w->bits == 4 && (w->k % 32 || (w->group_size % 32 && w->group_size != 16) || w->row_bytes != w->k / 2)) {
@@ -923,7 +927,7 @@ int dispatch(const KiQWeight* w, F&& f) {
 
 extern "C" {
 
-int32_t kubeinfer_qlinear_abi() { return 6; }
+int32_t kubeinfer_qlinear_abi() { return 7; }
 
 // The k-quant super-block library's kubeinfer_qk_qlinear and kubeinfer_qk_dequant (see KI_BITS_KQUANT); null
 // leaves such descriptors refused (return code 3). Set once at load, not thread-safe against running kernels.

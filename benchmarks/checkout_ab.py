@@ -1,0 +1,139 @@
+"""One stream's greedy decode and resident memory of a model as several checkouts of this repository load it,
+alternated in fresh processes; prints JSON.
+
+    python benchmarks/checkout_ab.py --model ~/.cache/kubeinfer/real-shapes/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf \
+        --checkout old=/tmp/old-tree --checkout new=. --rounds 2 [--env KUBEINFER_CPU_DISABLE=avx512_bf16,amx_bf16]
+
+For a change whose old behaviour no switch of the new code restores (a load-time layout, a dtype rule), the
+A/B is between commits: `git worktree add /tmp/old-tree HEAD~1`, then this. Each round runs every checkout
+once, in turn, in its own process (the same environment, `--env` added, the checkout first on sys.path):
+`python -m server`'s engine with its defaults over the model, a `--prompt-len`-token prompt, one warm-up
+request, then `--new-tokens` greedy tokens ignoring EOS. Per run: decode tokens/s (the tokens after the first
+over the time from the first token to the last), TTFT ms, resident memory (VmRSS) after load and after the
+run, the engine's `/info` `gemm_dtype` and weight bytes, and the layouts its projections hold. Per checkout:
+the median tokens/s and the ratio to the first checkout's median. The CPU (model name, flags that decide the
+kernels' paths) and the load average are recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import server  # noqa: F401  (CPU runtime settings before torch loads)
+import torch
+from server.config import EngineConfig, ModelConfig
+from server.engine import LLMEngine
+from server.request import SamplingParams
+
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+model, prompt_len, new_tokens = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+engine = LLMEngine(EngineConfig(model=ModelConfig(model=model)))
+loaded_rss = rss_mib()
+vocab = engine.loaded.arch.vocab_size
+prompt = [(7 + 31 * i) % (vocab - 10) + 5 for i in range(prompt_len)]
+params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+engine.generate([prompt[:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+engine.add_request("r", prompt, params)
+t0 = time.perf_counter()
+times = []
+while engine.has_unfinished():
+    for out in engine.step():
+        times.append(time.perf_counter())
+        break
+from server.quant.block_linear import BlockQuantLinear
+layouts = sorted({m.weight_q.fmt for m in engine.loaded.model.modules() if isinstance(m, BlockQuantLinear)})
+print(json.dumps({
+    "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+    "ttft_ms": 1000 * (times[0] - t0),
+    "tokens": len(times),
+    "rss_loaded_mib": round(loaded_rss),
+    "rss_after_mib": round(rss_mib()),
+    "gemm_dtype": engine.info.gemm_dtype,
+    "weight_bytes": engine.info.weight_bytes,
+    "layouts": layouts,
+    "server": server.__file__,
+}))
+"""
+
+
+def cpu_summary() -> dict[str, object]:
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    keep = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    return {"model": name, "flags": [f for f in keep if f in flags], "cores": os.cpu_count()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument(
+        "--checkout", action="append", required=True, help="NAME=PATH, in order; the first is the baseline"
+    )
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for every run")
+    args = ap.parse_args()
+    checkouts = [tuple(c.split("=", 1)) for c in args.checkout]
+    if any(len(c) != 2 for c in checkouts):
+        raise SystemExit("--checkout takes NAME=PATH")
+    env = dict(os.environ)
+    for item in args.env:
+        name, _, value = item.partition("=")
+        env[name] = value
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name, _ in checkouts}
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for _ in range(args.rounds):
+        for name, path in checkouts:
+            root = str(Path(path).resolve())
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, root, args.model, str(args.prompt_len), str(args.new_tokens)],
+                env=env,
+                cwd=root,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if out.returncode != 0:
+                raise SystemExit(f"{name}: exit {out.returncode}\n{out.stderr[-3000:]}")
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = statistics.median(float(r["decode_tok_s"]) for r in runs[checkouts[0][0]])  # type: ignore[arg-type]
+    summary = {}
+    for name, _ in checkouts:
+        med = statistics.median(float(r["decode_tok_s"]) for r in runs[name])  # type: ignore[arg-type]
+        summary[name] = {"decode_tok_s_median": round(med, 2), "ratio_to_first": round(med / base, 3)}
+    print(
+        json.dumps(
+            {
+                "started": started,
+                "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "cpu": cpu_summary(),
+                "loadavg": os.getloadavg(),
+                "model": args.model,
+                "env": args.env,
+                "runs": runs,
+                "summary": summary,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
