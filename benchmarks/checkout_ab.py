@@ -5,8 +5,10 @@ alternated in fresh processes; prints JSON.
         --checkout old=/tmp/old-tree --checkout new=. --rounds 2 [--env KUBEINFER_CPU_DISABLE=avx512_bf16,amx_bf16]
 
 For a change whose old behaviour no switch of the new code restores (a load-time layout, a dtype rule), the
-A/B is between commits: `git worktree add /tmp/old-tree HEAD~1`, then this. Each round runs every checkout
-once, in turn, in its own process (the same environment, `--env` added, the checkout first on sys.path):
+A/B is between commits: `git worktree add /tmp/old-tree HEAD~1`, then this; two settings of one checkout
+are two names for the same path with `--checkout-env NAME:VAR=VALUE` apart. Each round runs every checkout
+once, in turn, in its own process (the same environment, `--env` and its own `--checkout-env` added, the
+checkout first on sys.path):
 `python -m server`'s engine with its defaults over the model, a `--prompt-len`-token prompt, one warm-up
 request, then `--new-tokens` greedy tokens ignoring EOS. Per run: decode tokens/s (the tokens after the first
 over the time from the first token to the last), TTFT ms, resident memory (VmRSS) after load and after the
@@ -88,15 +90,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for every run")
+    ap.add_argument("--env", action="append", default=[], help="VAR=VALUE for every run")
+    ap.add_argument(
+        "--checkout-env", action="append", default=[], help="NAME:VAR=VALUE for one checkout's runs"
+    )
     args = ap.parse_args()
     checkouts = [tuple(c.split("=", 1)) for c in args.checkout]
     if any(len(c) != 2 for c in checkouts):
         raise SystemExit("--checkout takes NAME=PATH")
     env = dict(os.environ)
     for item in args.env:
-        name, _, value = item.partition("=")
-        env[name] = value
+        var, _, value = item.partition("=")
+        env[var] = value
+    own: dict[str, dict[str, str]] = {name: {} for name, _ in checkouts}
+    for item in args.checkout_env:
+        name, _, setting = item.partition(":")
+        var, _, value = setting.partition("=")
+        if name not in own or not var:
+            raise SystemExit(f"--checkout-env {item!r}: expected NAME:VAR=VALUE with NAME a --checkout")
+        own[name][var] = value
     runs: dict[str, list[dict[str, object]]] = {name: [] for name, _ in checkouts}
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for _ in range(args.rounds):
@@ -104,7 +116,7 @@ def main() -> None:
             root = str(Path(path).resolve())
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, root, args.model, str(args.prompt_len), str(args.new_tokens)],
-                env=env,
+                env={**env, **own[name]},
                 cwd=root,
                 capture_output=True,
                 text=True,
@@ -127,6 +139,7 @@ def main() -> None:
                 "loadavg": os.getloadavg(),
                 "model": args.model,
                 "env": args.env,
+                "checkout_env": own,
                 "runs": runs,
                 "summary": summary,
             },

@@ -1,8 +1,8 @@
 """One walker for GEMM dtypes (server/quant/gemm_dtype.apply_gemm_dtype): the engine's GEMM dtype reaches
 a draft model's quantized experts as it reaches the target's. A GGUF target drafts with an MoE GGUF
-(both kept quantized: `keep_gguf`) under bf16 GEMMs (what `--dtype auto` picks on CPUs with native bf16,
-forced here so that the test means the same on every CPU): every BlockQuantLinear and every
-BlockQuantExperts of both models computes in bf16. Before, the draft got the projections' walker only
+(both kept quantized: `keep_gguf`) under bf16 GEMMs (what `--dtype auto` picks on CPUs with native bf16)
+and under int8 ones (its pick on AVX512-VNNI CPUs without), each forced here so that the test means the
+same on every CPU: every BlockQuantLinear and every BlockQuantExperts of both models computes in it. Before, the draft got the projections' walker only
 and kept its experts' batches in fp32. Slow (the GGUF's tokenizer is converted from its metadata)."""
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def _dtypes(model: torch.nn.Module) -> tuple[set[torch.dtype], set[torch.dtype]]
     return linears, experts
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_moe_draft_experts_follow_the_engine_gemm_dtype(
-    tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
-    monkeypatch.setattr("server.engine.cpu_gemm_dtype", lambda compute: torch.bfloat16)
+    monkeypatch.setattr("server.engine.cpu_gemm_dtype", lambda compute, requested="float32": dtype)
     hf = build(tmp_path / "hf", smollm2_dir, "qwen3_moe")
     path, _ = write_moe_gguf(hf, tmp_path / "moe-Q8_0.gguf", "Q8_0")
     engine = LLMEngine(
@@ -51,19 +52,19 @@ def test_moe_draft_experts_follow_the_engine_gemm_dtype(
             speculative=SpeculativeConfig("draft_model", 2, model=str(path)),
         )
     )
-    assert engine.gemm_dtype == torch.bfloat16
+    assert engine.gemm_dtype == dtype
     assert engine.speculator is not None
     draft = engine.speculator.proposer
     assert isinstance(draft, DraftModelProposer)
-    bf16 = {torch.bfloat16}
-    assert _dtypes(engine.loaded.model) == (bf16, bf16)
-    assert _dtypes(draft.model) == (bf16, bf16)  # was ({bf16}, {fp32}): the experts kept fp32
+    want = {dtype}
+    assert _dtypes(engine.loaded.model) == (want, want)
+    assert _dtypes(draft.model) == (want, want)  # was ({bf16}, {fp32}): the experts kept fp32
     # the walker goes both ways, and counts every projection and expert set it set
     linears = sum(isinstance(m, BlockQuantLinear) for m in draft.model.modules())
     blocks = sum(isinstance(m, SparseMoeBlock) for m in draft.model.modules())
     assert blocks and apply_gemm_dtype(draft.model, torch.float32) == linears + blocks
     assert _dtypes(draft.model) == ({torch.float32}, {torch.float32})
-    apply_gemm_dtype(draft.model, torch.bfloat16)
+    apply_gemm_dtype(draft.model, dtype)
     # the drafted run serves and frees every block
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
