@@ -1,7 +1,7 @@
 """One stream's greedy decode and resident memory of a model as several checkouts of this repository load it,
 alternated in fresh processes; prints JSON.
 
-    python benchmarks/checkout_ab.py --model ~/.cache/kubeinfer/real-shapes/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf \
+    python benchmarks/checkout_ab.py [--model ~/.cache/kubeinfer/real-shapes/llama-3.2-1b/llama-3.2-1b-Q4_K_M.gguf] \
         --checkout old=/tmp/old-tree --checkout new=. --rounds 2 [--env KUBEINFER_CPU_DISABLE=avx512_bf16,amx_bf16]
 
 For a change whose old behaviour no switch of the new code restores (a load-time layout, a dtype rule), the
@@ -43,7 +43,7 @@ def rss_mib():
             return int(line.split()[1]) / 1024
     return 0.0
 
-model, prompt_len, new_tokens = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model, prompt_len, new_tokens = sys.argv[2] or None, int(sys.argv[3]), int(sys.argv[4])
 engine = LLMEngine(EngineConfig(model=ModelConfig(model=model)))
 loaded_rss = rss_mib()
 vocab = engine.loaded.arch.vocab_size
@@ -83,7 +83,7 @@ def cpu_summary() -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default="", help="a model path or GGUF file (default: the embedded model)")
     ap.add_argument(
         "--checkout", action="append", required=True, help="NAME=PATH, in order; the first is the baseline"
     )

@@ -217,10 +217,11 @@ class LLMEngine:
                 log.info("int8 batches read packed weights (%.0f MiB more)", packed / 2**20)
             int8 = int8_paths_text(config.model.cache_dir)
             if self.gemm_dtype == torch.int8:
+                paths = ["the GGUF's 16-row tiles at any row count"] if gguf_tiles else []
                 log.info(
-                    "block-quantized GEMMs take int8 activations where their kernels have them (GGUF tiles%s), "
+                    "block-quantized GEMMs take int8 activations where their kernels have them (%s), "
                     "float32 elsewhere: no native bf16 here (--dtype float32 keeps fp32 activations)",
-                    f"; {int8}" if int8 else "",
+                    "; ".join([*paths, int8] if int8 else paths) or "none here",
                 )
             else:
                 log.info(

@@ -22,7 +22,7 @@ against fp32 activations is the same bound as the GEMV's (~5e-3 relative on Gaus
 ~2.4e-3).
 
 Serving: `KUBEINFER_INT8_GEMV` (`1` on for every layer, `0` off; unset: on for layers computing in bf16
-(or int8) where AVX512-VNNI is usable, off elsewhere: `default_gemv_enabled`, docs/benchmarks.md "int8 activations", "AMX")
+or int8 where AVX512-VNNI or AVX2 is usable, off elsewhere: `default_gemv_enabled`, docs/benchmarks.md "int8 activations", "AMX")
 routes the decode GEMV of BlockQuantLinear and of the decode graph here, `KUBEINFER_INT8_GEMM` (default
 on) the batches (`small_m_linear`, `BlockQuantLinear.int8_kernel`, `decode_qlinear_address`); what this
 kernel does not take still goes to qlinear.cpp, the library's fallback (`Q8GemvKernel.supports` says which).
@@ -88,17 +88,20 @@ PACK_ENABLE_ENV = "KUBEINFER_INT8_PACK"
 PACK_MEMORY_SHARE = 0.25
 
 
-# KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of layers computing in bf16 (or int8) where the vnni path
-# runs (AVX512-VNNI: Intel Xeon with AMX, AMD Zen 4+). Served one-user decode 1.8x the fp32-activation GEMV
-# on a Xeon with AMX (docs/benchmarks.md "AMX"); on a 2-core Zen 4 the embedded 135M model did not show it
-# in served tok/s (overhead-bound), but a 1B model does: Llama-3.2-1B Q4_K_M decode steps 2.3x (the fp32
-# GEMV decodes nibbles to floats and is compute-bound at 3-11 GB/s; the int8 one streams 14-24 GB/s a core,
-# docs/benchmarks.md "one-user decode on k-quants"). Layers computing in fp32 (--dtype float32, the parity
-# tests) keep fp32 activations unless the switch says 1.
+# KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of layers computing in bf16 or int8 where the vnni
+# or the avx2 path runs (AVX512-VNNI: Intel Xeon with AMX, Ice Lake, AMD Zen 4+; AVX2: Zen 2/3, Haswell on).
+# Served one-user decode 1.8x the fp32-activation GEMV on a Xeon with AMX (docs/benchmarks.md "AMX"); on a
+# 2-core Zen 4 the embedded 135M model did not show it in served tok/s (overhead-bound), but a 1B model does:
+# Llama-3.2-1B Q4_K_M decode steps 2.3x (the fp32 GEMV decodes nibbles to floats and is compute-bound at 3-11
+# GB/s; the int8 one streams 14-24 GB/s a core, docs/benchmarks.md "one-user decode on k-quants"); with the
+# kernels built for AVX2 only, one stream 2.0x (simulated on a Zen 5; the 135M model 1.01x: not measured on
+# a real AVX2-only CPU). Layers computing in fp32 (--dtype float32, the parity tests) keep fp32 activations
+# unless the switch says 1.
 def default_gemv_enabled() -> bool:
-    """Whether the GEMV is on (for bf16 and int8 layers) when KUBEINFER_INT8_GEMV is unset: the vnni path running
-    (`usable_cpu_features`: what the OS enables, minus KUBEINFER_CPU_DISABLE); False where the
-    feature probe cannot be built. Cached per KUBEINFER_CPU_DISABLE value (it is asked per projection)."""
+    """Whether the GEMV is on (for bf16 and int8 layers) when KUBEINFER_INT8_GEMV is unset: the vnni or
+    avx2 path running (`usable_cpu_features`: what the OS enables, minus KUBEINFER_CPU_DISABLE); False
+    where the feature probe cannot be built. Cached per KUBEINFER_CPU_DISABLE value (it is asked per
+    projection)."""
     return _gemv_default_for(os.environ.get(DISABLE_ENV, ""))
 
 
@@ -109,7 +112,7 @@ def _gemv_default_for(disabled: str) -> bool:  # `disabled`: the cache key; the 
     except (KernelBuildError, OSError) as e:
         log.warning("CPU feature probe unavailable, the int8 GEMV stays off by default: %s", e)
         return False
-    return path_for(features) == "vnni"
+    return path_for(features) in ("vnni", "avx2")
 
 
 def path_for(features: CpuFeatures) -> str:

@@ -391,6 +391,13 @@ class QKNativeKernel:
 FILE_OF = {tiled: fmt for fmt, tiled in TILED.items()}  # 16-row tiles -> the file format they hold
 
 
+def vnni_usable(cache_dir: Path | None = None) -> bool:
+    """Whether the vnni path may run here now: AVX512-VNNI with VL and BW usable (`usable_cpu_features`,
+    minus KUBEINFER_CPU_DISABLE, read on every call; the loaded kernel keeps the path it was loaded with)."""
+    features = usable_cpu_features(cache_dir)
+    return features.avx512_vnni and features.avx512vl and features.avx512bw
+
+
 @functools.cache
 def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
     """Builds (or finds) and loads the kernel with the best path the usable CPU features allow (AVX512-VNNI
@@ -405,9 +412,7 @@ def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
     lib.kubeinfer_qk_interleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
     lib.kubeinfer_qk_deinterleave.restype = i32
     lib.kubeinfer_qk_deinterleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
-    features = usable_cpu_features(cache_dir)
-    vnni = features.avx512_vnni and features.avx512vl and features.avx512bw
-    got = int(lib.kubeinfer_qk_set_path(PATHS["vnni" if vnni else "scalar"]))
+    got = int(lib.kubeinfer_qk_set_path(PATHS["vnni" if vnni_usable(cache_dir) else "scalar"]))
     return QKNativeKernel(lib, path, "vnni" if got == PATHS["vnni"] else "scalar")
 
 

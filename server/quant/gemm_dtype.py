@@ -3,18 +3,20 @@
 vLLM's `--dtype` semantics, applied to the weights we keep quantized (a GGUF file served as it is, a
 `--quantize`d or pre-quantized checkpoint repacked into BlockQuantLinear): `auto` picks bf16 where the
 CPU computes it natively (AVX512-BF16 or AMX-BF16 usable, server/models/loader.cpu_has_native_bf16:
-what the OS enables, minus KUBEINFER_CPU_DISABLE), int8 where it does not but the int8-activation kernels
-run (AVX512-VNNI: Ice Lake's class), fp32 elsewhere (AVX2-only CPUs); `bfloat16` asks for bf16, `float32`
-(and `float16`, which the CPU kernels do not run) for fp32, exact activations.
+what the OS enables, minus KUBEINFER_CPU_DISABLE), int8 where it does not but an int8-activation kernel
+runs (AVX512-VNNI: Ice Lake's class; AVX2-only CPUs, for the decode GEMV), fp32 elsewhere; `bfloat16` asks
+for bf16, `float32` (and `float16`, which the CPU kernels do not run) for fp32, exact activations.
 
 int8 (`torch.int8` as the gemm_dtype: `cpu_gemm_dtype`) keeps the layers in fp32 and lets every block-quantized
 GEMM whose kernel has an int8-activation path take it, as llama.cpp does on every CPU (ggml's Q8 blocks of
 x, integer dot products): a GGUF's 16-row tiles at every row count (csrc/qk_native.cpp; the loader holds
 them where the layers compute in bf16 or int8, gguf_checkpoint.super_blocks_enabled), the row-major 4/8-bit
-weights' GEMV and batched path (server/quant/cpu_qgemv_q8.py); what has none (the fp32 kernel, dequantize +
-GEMM from GEMM_MIN_ROWS rows) computes in fp32, never in bf16. Without it, such a CPU read the file
-repacked (1.3-3x its bits) with fp32 activations: Llama-3.2-1B Q4_K_M one stream 14 tok/s against the
-tiles' 44 (docs/benchmarks-log.md, "int8 activations where the layers compute in fp32").
+weights' GEMV and batched path (server/quant/cpu_qgemv_q8.py; on an AVX2-only CPU only the GEMV of 1-4
+rows, and no tiles); what has none (the fp32 kernel, dequantize + GEMM from GEMM_MIN_ROWS rows) computes in
+fp32, never in bf16. Without it, a VNNI CPU without bf16 read the file repacked (1.3-3x its bits) with
+fp32 activations: Llama-3.2-1B Q4_K_M one stream 15.9 tok/s against the tiles' 47.6, and an AVX2-only one
+decoded it at 15.7 against the int8 GEMV's 32.0 (simulated; docs/benchmarks-log.md, "int8 activations
+where the layers compute in fp32").
 
 Where the CPU also has AVX512-VNNI, a bf16 layer's batches of 5+ rows of 4-bit weights take int8
 activations instead (server/quant/cpu_qgemv_q8.py, KUBEINFER_INT8_GEMM): faster still, and of the same
@@ -51,7 +53,6 @@ from server.quant.cpu_qgemv_q8 import (
     int8_pack_switch,
     path_for,
 )
-from server.quant.cpu_qk_native import try_load_qk_native_kernel
 from server.quant.cpu_qlinear import INT8_ACTIVATION_DTYPES
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 def cpu_gemm_dtype(compute: torch.dtype, requested: str = "float32") -> torch.dtype:
     """The GEMM dtype for a model whose `--dtype` (`requested`) resolved to `compute` (loader.resolve_dtype,
     which already maps `auto` to bf16 only on CPUs with native bf16): bf16 for bf16; int8 for `auto`
-    resolved to fp32 where the int8-activation kernels run (int8_activations_run); fp32 for the rest."""
+    resolved to fp32 where an int8-activation kernel beats fp32 (int8_activations_run); fp32 for the rest."""
     if compute == torch.bfloat16:
         return torch.bfloat16
     if requested == "auto" and compute == torch.float32 and int8_activations_run():
@@ -71,18 +72,18 @@ def cpu_gemm_dtype(compute: torch.dtype, requested: str = "float32") -> torch.dt
 
 
 def int8_activations_run() -> bool:
-    """Whether the int8-activation kernels run their AVX512-VNNI path here (AVX512-VNNI with VL and BW
-    usable: `usable_cpu_features`, minus KUBEINFER_CPU_DISABLE, read now; and csrc/qk_native.cpp, which
-    serves the GGUF tiles, built on it): the tiles have no other fast path, so without VNNI (AVX2-only
-    CPUs) layers stay fp32. False where the feature probe cannot be built."""
+    """Whether an int8-activation kernel beats fp32 activations here (`usable_cpu_features`, minus
+    KUBEINFER_CPU_DISABLE, read now): AVX512-VNNI with VL and BW (the GGUF tiles' kernels, csrc/qk_native.cpp,
+    and csrc/qgemv_q8.cpp's GEMV and batched path), or AVX2 with FMA and F16C (qgemv_q8.cpp's GEMV over the
+    row-major 4/8-bit weights; the tiles and the batched path are VNNI-only, so batches stay fp32 there, and
+    a GGUF stays repacked): one stream's decode of Llama-3.2-1B Q4_K_M 2.0x the fp32 GEMV with the kernels
+    built for AVX2 only (simulated on a Zen 5, docs/benchmarks-log.md). False on neither, and where the
+    feature probe cannot be built."""
     try:
         features = usable_cpu_features()
     except (KernelBuildError, OSError):
         return False
-    if path_for(features) != "vnni":
-        return False
-    kernel = try_load_qk_native_kernel()
-    return kernel is not None and kernel.isa == "vnni"
+    return path_for(features) in ("vnni", "avx2")
 
 
 @runtime_checkable

@@ -90,7 +90,8 @@ def super_blocks_enabled(compute: torch.dtype) -> bool:
     if compute not in (torch.bfloat16, torch.int8):
         return False
     kernel = cpu_qk_native.try_load_qk_native_kernel()
-    return kernel is not None and kernel.isa == "vnni"
+    # the features read now too: KUBEINFER_CPU_DISABLE may have changed since the kernel was loaded
+    return kernel is not None and kernel.isa == "vnni" and cpu_qk_native.vnni_usable()
 
 
 # Mixture-of-experts blocks (llama.cpp's Mixtral in the `llama` architecture, qwen2moe, qwen3moe): full

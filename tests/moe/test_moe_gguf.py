@@ -223,11 +223,12 @@ def test_k_quant_experts_take_int8_activations_without_native_bf16(
     """`--dtype auto` on a CPU with AVX512-VNNI but no native bf16 (simulated): the experts follow the
     engine's gemm_dtype int8, held as 16-row tiles as on a bf16 CPU, and run the int8 kernels bf16 layers
     run (prompt logprobs bit for bit); against fp32 activations on the same weights, within int8's error."""
+    from server.quant.cpu_qk_native import vnni_usable
     from server.quant.gemm_dtype import int8_activations_run
 
     monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512_bf16,amx_bf16")
-    if not int8_activations_run():
-        pytest.skip("the int8-activation kernels' AVX512-VNNI path does not run here")
+    if not int8_activations_run() or not vnni_usable():
+        pytest.skip("the int8-activation kernels' AVX512-VNNI path (the tiles') does not run here")
     sizes = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64}
     _, path, _ = files("qwen3_moe", "Q4_K", "Q6_K", **sizes)
     engine = LLMEngine(

@@ -244,37 +244,50 @@ def test_the_start_log_names_the_int8_paths(
     assert q8.int8_paths_text().endswith(f"every layer's decode rows 1-4 ({q8.ENABLE_ENV}=0 keeps fp32)")
 
 
-@pytest.mark.parametrize("vnni", [False, True], ids=["no-vnni", "vnni"])
-def test_the_gemv_default_follows_vnni_and_the_layer_dtype(
+@pytest.mark.parametrize("path", ["scalar", "avx2", "vnni"])
+def test_the_gemv_default_follows_the_path_and_the_layer_dtype(
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
     kernel: QLinearKernel,
     fast: q8.Q8GemvKernel,
-    vnni: bool,
+    path: str,
 ) -> None:
-    """KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of bf16 layers where the vnni path runs
-    (AVX512-VNNI usable, with or without AMX) and nothing else; fp32 layers keep fp32 activations unless the
-    switch says 1 (the Python launchers and the decode graph's C entry alike)."""
+    """KUBEINFER_INT8_GEMV unset: the GEMV takes the decode rows of bf16 and int8 layers where the vnni or
+    the avx2 path runs (AVX512-VNNI usable, with or without AMX; or AVX2 with FMA and F16C) and nothing else;
+    fp32 layers keep fp32 activations unless the switch says 1 (the Python launchers and the decode graph's
+    C entry alike)."""
     monkeypatch.delenv(q8.ENABLE_ENV, raising=False)
     here = native.usable_cpu_features()
+    avx2 = path != "scalar"
     monkeypatch.setattr(
         q8,
         "usable_cpu_features",
         lambda *_: dataclasses.replace(
-            here, avx512_vnni=vnni, amx_tile=False, amx_int8=False, amx_bf16=False
+            here,
+            avx512_vnni=path == "vnni",
+            avx2=avx2,
+            fma=avx2,
+            f16c=avx2,
+            amx_tile=False,
+            amx_int8=False,
+            amx_bf16=False,
         ),
     )
     q8._gemv_default_for.cache_clear()  # cached per KUBEINFER_CPU_DISABLE value
     request.addfinalizer(q8._gemv_default_for.cache_clear)
-    # the 512-bit VNNI path needs AVX512VL/BW too: without them here, off even with VNNI
-    vnni = vnni and q8.path_for(dataclasses.replace(here, avx512_vnni=True)) == "vnni"
-    assert q8.int8_gemv_enabled() is vnni
+    # the 512-bit VNNI path needs AVX512VL/BW too: without them here, the avx2 path's
+    if path == "vnni" and q8.path_for(dataclasses.replace(here, avx512_vnni=True)) != "vnni":
+        pytest.skip("no AVX512VL/BW here")
+    if path == "avx2" and not (here.avx2 and here.fma and here.f16c):
+        pytest.skip("no AVX2 here")
+    on = path != "scalar"
+    assert q8.int8_gemv_enabled() is on
     w = make_weight("q4_1", 24, 576, seed=6)
     x = torch.randn(1, 576)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
         lin = BlockQuantLinear(w, kernel=kernel)
         lin.gemm_dtype = dtype
-        int8 = vnni and dtype == torch.bfloat16
+        int8 = on and dtype != torch.float32
         want = fast.linear(x, w, compute=dtype) if int8 else kernel.linear(x, w, compute=dtype)
         assert torch.equal(lin(x), want)
         q8.active_kernel(kernel)  # the modes the decode graph's entry runs with

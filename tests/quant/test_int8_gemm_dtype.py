@@ -18,7 +18,9 @@ from prompt_logprobs import engine_prompt_logprobs
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
+from server.native import usable_cpu_features
 from server.quant.block_linear import BlockQuantLinear
+from server.quant.cpu_qk_native import vnni_usable
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype, int8_activations_run
 from server.request import SamplingParams
 
@@ -26,15 +28,21 @@ NO_BF16 = "avx512_bf16,amx_bf16"  # what a CPU with AVX512-VNNI but no native bf
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at"]
 
 
-def test_auto_takes_int8_only_without_native_bf16_and_with_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_takes_int8_only_without_native_bf16_and_with_an_int8_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert cpu_gemm_dtype(torch.bfloat16, "auto") == torch.bfloat16
     assert cpu_gemm_dtype(torch.float32, "float32") == torch.float32  # explicit: exact fp32 activations
     assert cpu_gemm_dtype(torch.float32) == torch.float32
-    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", f"{NO_BF16},avx512_vnni")  # an AVX2-only CPU
-    assert not int8_activations_run()
-    assert cpu_gemm_dtype(torch.float32, "auto") == torch.float32
     monkeypatch.setenv("KUBEINFER_CPU_DISABLE", NO_BF16)
     assert cpu_gemm_dtype(torch.float32, "auto") == (torch.int8 if int8_activations_run() else torch.float32)
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", f"{NO_BF16},avx512_vnni")  # an AVX2-only CPU: the GEMV's path
+    assert int8_activations_run() == usable_cpu_features().avx2
+    monkeypatch.setenv(
+        "KUBEINFER_CPU_DISABLE", f"{NO_BF16},avx512_vnni,avx2"
+    )  # neither: no int8 path beats fp32
+    assert not int8_activations_run()
+    assert cpu_gemm_dtype(torch.float32, "auto") == torch.float32
 
 
 def _projections(engine: LLMEngine) -> list[BlockQuantLinear]:
@@ -50,8 +58,8 @@ def test_gguf_on_a_vnni_cpu_without_bf16_holds_tiles_and_takes_int8_activations(
     10.0), every projection's gemm_dtype is int8, decode runs in the decode graph, and prompt logprobs and
     greedy tokens stay those of the same engine with fp32 activations within int8 activations' error."""
     monkeypatch.setenv("KUBEINFER_CPU_DISABLE", NO_BF16)
-    if not int8_activations_run():
-        pytest.skip("the int8-activation kernels' AVX512-VNNI path does not run here")
+    if not int8_activations_run() or not vnni_usable():
+        pytest.skip("the int8-activation kernels' AVX512-VNNI path (the tiles') does not run here")
     hf_folder = tiny_model_factory("llama", tie=True, hidden=256)
     path = write_tiny_gguf(hf_folder, tmp_path / "tiny-k.gguf", "Q4_K", embedding_fmt="Q6_K")
     engine = LLMEngine(
