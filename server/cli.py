@@ -212,8 +212,10 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--dtype",
         "DTYPE",
-        "Weight and activation dtype (auto: bf16 on GPUs and on CPUs with native bf16, else fp32; a GGUF "
-        "served quantized on CPU keeps fp32 activations and runs its large GEMMs in bf16 there)",
+        "Weight and activation dtype (auto: bf16 on GPUs and on CPUs with native bf16, else fp32; a "
+        "quantized model on CPU (a GGUF is served quantized only under auto) keeps fp32 activations around "
+        "its quantized GEMMs, which run in bf16 where the CPU has native bf16 and take int8 activations "
+        "where it has not but AVX512-VNNI or AVX2 int8 kernels run: /info gemm_dtype)",
         default="auto",
         choices=DTYPE_CHOICES,
     )

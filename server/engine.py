@@ -217,10 +217,11 @@ class LLMEngine:
                 log.info("int8 batches read packed weights (%.0f MiB more)", packed / 2**20)
             int8 = int8_paths_text(config.model.cache_dir)
             if self.gemm_dtype == torch.int8:
-                paths = ["the GGUF's 16-row tiles at any row count"] if gguf_tiles else []
+                paths = ["the GGUF's 16-row tiles"] if gguf_tiles else []
                 log.info(
                     "block-quantized GEMMs take int8 activations where their kernels have them (%s), "
-                    "float32 elsewhere: no native bf16 here (--dtype float32 keeps fp32 activations)",
+                    "float32 elsewhere: no native bf16 here (KUBEINFER_INT8_GEMV=0 KUBEINFER_INT8_GEMM=0 "
+                    "KUBEINFER_KQUANT_BLOCKS=0 keep fp32 activations; --dtype float32 also dequantizes a GGUF)",
                     "; ".join([*paths, int8] if int8 else paths) or "none here",
                 )
             else:
@@ -352,6 +353,7 @@ class LLMEngine:
                     device=self.device,
                     cache_dir=config.model.cache_dir,
                     keep_gguf=self.source.gguf is not None,
+                    gemm_dtype=self.gemm_dtype,
                     optimize_weights=config.model.optimize_weights,
                     kv_cache_dtype=self.kv_cache_dtype,
                 )

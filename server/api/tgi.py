@@ -496,6 +496,9 @@ async def info(request: Request) -> Response:
             if i.kv_layout is not None
             else None,
             "kv_cache_dtype": i.kv_cache_dtype,
+            # the block-quantized GEMMs' dtype on CPU (server/quant/gemm_dtype.py): float32, bfloat16, or
+            # int8 (fp32 layers whose quantized GEMMs take int8 activations where a kernel has them)
+            "gemm_dtype": i.gemm_dtype,
             "max_num_seqs": i.max_num_seqs,
             "max_num_batched_tokens": i.max_num_batched_tokens,
             "attention_backend": i.attention_backend,

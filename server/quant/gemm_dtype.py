@@ -9,7 +9,8 @@ for bf16, `float32` (and `float16`, which the CPU kernels do not run) for fp32, 
 
 int8 (`torch.int8` as the gemm_dtype: `cpu_gemm_dtype`) keeps the layers in fp32 and lets every block-quantized
 GEMM whose kernel has an int8-activation path take it, as llama.cpp does on every CPU (ggml's Q8 blocks of
-x, integer dot products): a GGUF's 16-row tiles at every row count (csrc/qk_native.cpp; the loader holds
+x, integer dot products): a GGUF's 16-row tiles (at every row count where the int8 batched path takes any:
+BlockQuantLinear.gemm_min_rows; csrc/qk_native.cpp; the loader holds
 them where the layers compute in bf16 or int8, gguf_checkpoint.super_blocks_enabled), the row-major 4/8-bit
 weights' GEMV and batched path (server/quant/cpu_qgemv_q8.py; on an AVX2-only CPU only the GEMV of 1-4
 rows, and no tiles); what has none (the fp32 kernel, dequantize + GEMM from GEMM_MIN_ROWS rows) computes in

@@ -213,15 +213,17 @@ def load_draft_proposer(
     keep_gguf: bool = False,
     optimize_weights: bool = False,
     kv_cache_dtype: torch.dtype | None = None,
+    gemm_dtype: torch.dtype | None = None,
 ) -> DraftModelProposer:
     """Loads `config.model` with the target's loader and dtype (a GGUF draft stays quantized when the
-    target is served from GGUF: `keep_gguf`; fused/pre-packed like the target with `optimize_weights`)
-    and checks its vocabulary. Its KV cache has `kv_cache_dtype` (None: the target's dtype). Raises
-    ModelLoadError."""
+    target is served from GGUF: `keep_gguf`, its tensors laid out for `gemm_dtype`, the engine's GEMM
+    dtype that apply_gemm_dtype then sets on it (None: `auto`'s); fused/pre-packed like the target with
+    `optimize_weights`) and checks its vocabulary. Its KV cache has `kv_cache_dtype` (None: the target's
+    dtype). Raises ModelLoadError."""
     assert config.model is not None
     source = resolve_model(config.model, cache_dir, keep_gguf=keep_gguf)
     if source.gguf is not None:
-        draft = load_gguf_model(source.gguf, source.folder, device, max_model_len, cache_dir)
+        draft = load_gguf_model(source.gguf, source.folder, device, max_model_len, cache_dir, gemm_dtype)
     else:
         draft = load_model(source.folder, target.dtype, device, max_model_len)
     check_same_vocabulary(draft, source.folder, target, tokenizer)

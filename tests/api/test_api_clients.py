@@ -51,6 +51,7 @@ def test_api_probes_info_models(live_server: LiveServer) -> None:
         assert key in info, key
     assert info["max_concurrent_requests"] == 64
     assert info["dtype"] == "float32"
+    assert info["gemm_dtype"] == "float32"  # --dtype float32: the GGUF dequantized, nothing block-quantized
     assert info["kv_blocks"] == 192 and info["kv_block_size"] == 16
     # SmolLM2's 30 layers all attend globally: one KV group of every block
     assert info["kv_groups"] == [{"layers": list(range(30)), "blocks": 192, "sliding_window": None}]

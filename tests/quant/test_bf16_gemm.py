@@ -207,35 +207,6 @@ def test_auto_picks_bf16_gemms_for_the_embedded_model(
     assert calls and set(calls) == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("path", ["vnni", "avx2", "neither"])
-def test_bf16_disabled_takes_no_bf16_gemm(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
-    """KUBEINFER_CPU_DISABLE=avx512_bf16,amx_bf16 (a CPU without bf16): the same prefill runs no bf16 GEMM.
-    With AVX512-VNNI (Ice Lake's class) or AVX2 the GEMMs take int8 activations where their kernels have
-    them (gemm_dtype int8: with VNNI the Q4_1 projections' int8 batched path and the Q8_0 head's tiles,
-    with AVX2 the decode GEMV only), and what has none runs fp32; with neither, everything is fp32, past
-    the fp32 path's GEMM_MIN_ROWS included."""
-    from server.native import usable_cpu_features
-    from server.quant.cpu_qgemv_q8 import path_for
-
-    off = {"vnni": "", "avx2": ",avx512_vnni", "neither": ",avx512_vnni,avx2"}[path]
-    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512_bf16,amx_bf16" + off)
-    if path != "neither" and path_for(usable_cpu_features()) != path:
-        pytest.skip(f"no {path} path here")
-    engine = _embedded()
-    want = torch.float32 if path == "neither" else torch.int8
-    assert engine.info.gemm_dtype == str(want).removeprefix("torch.")
-    assert all(m.gemm_dtype == want for m in _gemm_layers(engine))
-    assert {m.weight_q.fmt for m in _gemm_layers(engine)} == (
-        {"q4_1", "q8_0_x16"} if path == "vnni" else {"q4_1", "q8_0"}
-    )
-    calls = _gemm_calls(monkeypatch)
-    engine.generate([engine.tokenizer.encode(TEXT * 3)[:600]], SamplingParams(max_tokens=2, temperature=0.0))
-    if path == "vnni":  # 600 rows: the int8 batched path takes them all
-        assert set(calls) <= {torch.float32}
-    else:
-        assert calls and set(calls) == {torch.float32}
-
-
 @needs_bf16
 def test_prompt_logprobs_against_transformers_fp32_and_bf16(embedded: LLMEngine, smollm2_dir: Path) -> None:
     prompt = _long_prompts(embedded, 1)[0]

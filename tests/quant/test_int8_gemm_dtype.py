@@ -19,8 +19,10 @@ from prompt_logprobs import engine_prompt_logprobs
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.native import usable_cpu_features
+from server.quant import cpu_qgemv_q8 as q8
+from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import BlockQuantLinear
-from server.quant.cpu_qk_native import vnni_usable
+from server.quant.cpu_qk_native import try_load_qk_native_kernel, vnni_usable
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype, int8_activations_run
 from server.request import SamplingParams
 
@@ -43,6 +45,64 @@ def test_auto_takes_int8_only_without_native_bf16_and_with_an_int8_path(
     )  # neither: no int8 path beats fp32
     assert not int8_activations_run()
     assert cpu_gemm_dtype(torch.float32, "auto") == torch.float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_loaded_first() -> None:
+    """The kernels loaded (cached per process and cache folder) with this CPU's own features before a test
+    here disables some: a kernel loaded under KUBEINFER_CPU_DISABLE keeps that path for the rest of the
+    worker's tests (a qlinear without its bf16 path)."""
+    kernel = cq.try_load_qlinear_kernel()
+    if kernel is not None:
+        q8.try_load_q8_gemv_kernel(kernel)
+    try_load_qk_native_kernel()
+
+
+@pytest.mark.parametrize("path", ["vnni", "avx2", "neither"])
+def test_the_embedded_model_without_native_bf16(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """`python -m server`'s defaults on a CPU without native bf16: with AVX512-VNNI (Ice Lake's class) the
+    Q4_1 projections and the Q8_0 head (16-row tiles) take int8 activations, a 600-token prefill through
+    the int8 batched path and no dense GEMM; with AVX2 the GEMV takes the decode rows and the head stays
+    row-major; with neither, fp32 everywhere. No bf16 GEMM in any. (The kernels stay loaded with this CPU's
+    path, so under a simulated AVX2 the batched calls still run VNNI: the AVX2 case checks the choice, not
+    the timing path.)"""
+    off = {"vnni": "", "avx2": ",avx512_vnni", "neither": ",avx512_vnni,avx2"}[path]
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", NO_BF16 + off)
+    if path != "neither" and q8.path_for(usable_cpu_features()) != path:
+        pytest.skip(f"no {path} path here")
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=None)))
+    want = torch.float32 if path == "neither" else torch.int8
+    assert engine.info.gemm_dtype == str(want).removeprefix("torch.")
+    layers = _projections(engine)
+    assert all(m.gemm_dtype == want for m in layers)
+    assert {m.weight_q.fmt for m in layers} == ({"q4_1", "q8_0_x16"} if path == "vnni" else {"q4_1", "q8_0"})
+    kernel = layers[0].kernel
+    assert kernel is not None
+    fast = q8.active_kernel(kernel)  # the int8 GEMV takes int8 layers' decode rows by default
+    assert (fast is not None and fast.supports(layers[0].weight_q, 1, want)) == (path != "neither")
+    dense: list[torch.dtype] = []
+    int8_rows: list[int] = []
+    gemm, linear = BlockQuantLinear._dequant_gemm, q8.Q8GemvKernel.linear
+
+    def dense_spy(self, x, w, kernel, compute=torch.float32, out_dtype=torch.float32):  # type: ignore[no-untyped-def]
+        dense.append(compute)
+        return gemm(self, x, w, kernel, compute, out_dtype)
+
+    def int8_spy(self, x, w, bias=None, out=None, compute=torch.float32):  # type: ignore[no-untyped-def]
+        int8_rows.append(x.shape[0])
+        return linear(self, x, w, bias, out, compute)
+
+    monkeypatch.setattr(BlockQuantLinear, "_dequant_gemm", dense_spy)
+    monkeypatch.setattr(q8.Q8GemvKernel, "linear", int8_spy)
+    words = ("the quick brown fox jumps over the lazy dog and " * 80).strip()
+    prompt = engine.tokenizer.encode(words)[:600]
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    assert torch.bfloat16 not in dense
+    if path == "vnni":
+        assert not dense and 600 in int8_rows  # the int8 batched path took the whole prefill
+    elif path == "neither":
+        assert dense and set(dense) == {torch.float32} and not int8_rows  # past GEMM_MIN_ROWS: fp32
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
 def _projections(engine: LLMEngine) -> list[BlockQuantLinear]:
@@ -89,4 +149,38 @@ def test_gguf_on_a_vnni_cpu_without_bf16_holds_tiles_and_takes_int8_activations(
     assert error.mean() <= 0.07 and error.max() <= 0.3, (error.mean(), error.max())
     identical = sum(a == b for a, b in zip(int8, fp32, strict=True))
     assert identical >= 2, (int8, fp32)
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+@pytest.mark.slow
+def test_a_gguf_draft_is_laid_out_for_the_gemm_dtype_it_gets(
+    tiny_model_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q4_K draft beside an F16 GGUF target (nothing block-quantized, so the engine's GEMM dtype falls
+    back to fp32) on the simulated CPU: the draft is loaded for the dtype the engine sets on it (fp32:
+    repacked, not tiles, whose fp32 path is ~10x slower at decode), and the drafted run serves."""
+    from server.spec_decode.config import SpeculativeConfig
+
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", NO_BF16)
+    if not int8_activations_run() or not vnni_usable():
+        pytest.skip("the int8-activation kernels' AVX512-VNNI path (the tiles') does not run here")
+    hf_folder = tiny_model_factory("llama", tie=True, hidden=256)
+    target = write_tiny_gguf(hf_folder, tmp_path / "target-f16.gguf", "F16")
+    draft_path = write_tiny_gguf(hf_folder, tmp_path / "draft-q4k.gguf", "Q4_K", embedding_fmt="Q6_K")
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=str(target), cache_dir=tmp_path / "cache"),
+            cache=CacheConfig(cache_dtype="float32"),
+            speculative=SpeculativeConfig("draft_model", 2, model=str(draft_path)),
+        )
+    )
+    assert engine.info.gemm_dtype == "float32" and not _projections(engine)
+    assert engine.speculator is not None
+    draft = engine.speculator.proposer.model  # type: ignore[attr-defined]
+    linears = [m for m in draft.modules() if isinstance(m, BlockQuantLinear)]
+    assert linears and all(m.gemm_dtype == torch.float32 for m in linears)
+    assert {m.weight_q.fmt for m in linears} == {"q4_k", "q6_k"}  # tiles were held and run fp32
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert [len(o) for o in outs] == [6, 6]
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks

@@ -1,10 +1,11 @@
 // Linear layers with int8 activations: y[M, N] = Q8(x)[M, K] @ W[N, K]^T (+ bias). Two kinds of call:
-// - the GEMV, M <= 4 (one-user decode; KUBEINFER_INT8_GEMV, by default on only for bf16 layers on CPUs with
-//   AVX512-VNNI), on three code paths below; 32-value groups, or 8-bit values in 16-value groups without
-//   min (Q6_K repacked: row_dot_g16);
+// - the GEMV, M <= 4 (one-user decode; KUBEINFER_INT8_GEMV, by default on only for bf16 and int8 layers on
+//   CPUs with AVX512-VNNI or AVX2), on three code paths below; 32-value groups, or 8-bit values in 16-value
+//   groups without min (Q6_K repacked: row_dot_g16);
 // - the batched path, M > 4 (decode batches and prefill chunks; KUBEINFER_INT8_GEMM, on by default), for
-//   4- or 8-bit weights in 32-blocks of layers whose descriptor asks for reduced precision (compute = bf16:
-//   `--dtype auto` on a CPU with native bf16), on AVX512-VNNI only: "batched" in the body below.
+//   4- or 8-bit weights in 32-blocks of layers whose descriptor asks for reduced precision (compute = bf16
+//   or int8: `--dtype auto` on a CPU with native bf16, or without it: server/quant/gemm_dtype.py), on
+//   AVX512-VNNI only: "batched" in the body below.
 //
 // llama.cpp's approach for its CPU GEMV (ggml-cpu's quantize_row_q8_0/q8_1 and ggml_vec_dot_q4_1_q8_1):
 // each row of x is quantized per 32-block to int8 with one fp32 scale, d = max|x_b| / 127,
@@ -321,7 +322,7 @@ int32_t kubeinfer_qgemv_q8_abi() { return 6; }
 
 // Which calls this library takes: gemv (M <= 4; for descriptors asking for fp32 compute too only where
 // gemv_fp32_layers) and gemm (the batched int8 path, M > 4: vnni, 4- or 8-bit W in 32-blocks, descriptors
-// asking for bf16 compute); the rest goes to the fallback. Set by Python before each layer's call (the
+// asking for bf16 or int8 compute); the rest goes to the fallback. Set by Python before each layer's call (the
 // same values unless a switch changed), never while a kernel runs: not synchronized.
 void kubeinfer_qgemv_q8_set_modes(int32_t gemv, int32_t gemm, int32_t gemv_fp32_layers) {
   gemv_on = gemv != 0;
