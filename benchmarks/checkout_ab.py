@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from peers_side_by_side import cpu_info  # the same CPU record as the served runs
+
 CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -71,14 +73,6 @@ print(json.dumps({
     "server": server.__file__,
 }))
 """
-
-
-def cpu_summary() -> dict[str, object]:
-    info = Path("/proc/cpuinfo").read_text().splitlines()
-    name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    keep = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
-    return {"model": name, "flags": [f for f in keep if f in flags], "cores": os.cpu_count()}
 
 
 def main() -> None:
@@ -135,7 +129,7 @@ def main() -> None:
             {
                 "started": started,
                 "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "cpu": cpu_summary(),
+                "cpu": cpu_info(),
                 "loadavg": os.getloadavg(),
                 "model": args.model,
                 "env": args.env,

@@ -45,7 +45,7 @@ from server.models.moe.quant import pack_moe_int8_weights
 from server.models.serving_weights import prepare_for_serving
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
-from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS
+from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS, INT8_ACTIVATION_DTYPES
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype, pack_int8_weights
 from server.quant.gguf_checkpoint import DequantizedTensor, super_blocks_enabled
 from server.request import (
@@ -362,7 +362,7 @@ class LLMEngine:
             if (
                 proposer is not None
                 and apply_gemm_dtype(proposer.model, self.gemm_dtype)
-                and self.gemm_dtype in (torch.bfloat16, torch.int8)
+                and self.gemm_dtype in INT8_ACTIVATION_DTYPES
             ):
                 pack_int8_weights(proposer.model)
             self.speculator = Speculator(config.speculative, proposer)

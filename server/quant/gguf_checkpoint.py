@@ -39,6 +39,7 @@ from server.quant import cpu_qk_native
 from server.quant.cpu_mxfp4 import from_gguf_mxfp4
 from server.quant.cpu_qk_native import X16_ROWS
 from server.quant.cpu_qlinear import (
+    INT8_ACTIVATION_DTYPES,
     BlockQuantWeight,
     from_gguf_blocks,
     from_gguf_k_blocks,
@@ -87,7 +88,7 @@ def super_blocks_enabled(compute: torch.dtype) -> bool:
     explicit = env_switch(SUPER_BLOCKS_ENV)
     if explicit is not None:
         return explicit
-    if compute not in (torch.bfloat16, torch.int8):
+    if compute not in INT8_ACTIVATION_DTYPES:
         return False
     kernel = cpu_qk_native.try_load_qk_native_kernel()
     # the features read now too: KUBEINFER_CPU_DISABLE may have changed since the kernel was loaded

@@ -47,7 +47,7 @@ from server.quant.cpu_qlinear import (
     weight_descriptor,
 )
 from server.quant.cpu_repack import quantize_int8
-from server.quant.gemm_dtype import packed_copies_fit
+from server.quant.gemm_dtype import GEMM_DTYPES, packed_copies_fit
 
 log = logging.getLogger(__name__)
 PACK_GROUP_ROWS = 16  # rows per group of qgemv_q8's packed copy (csrc/moe_experts.cpp's PACK_ROWS)
@@ -110,7 +110,7 @@ class BlockQuantExperts:
         where its switch and the weight allow), fewer stay fp32 GEMVs; under int8 the tiles and the int8
         paths take every token count, the rest stays fp32. Returns 1; ValueError for a dtype other than
         fp32, bf16 or int8."""
-        if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        if dtype not in GEMM_DTYPES:
             raise ValueError(f"block-quantized experts compute in float32, bfloat16 or int8, not {dtype}")
         self.compute = dtype
         return 1
