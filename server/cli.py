@@ -24,12 +24,14 @@ from server.config import (
     BURST_ITL_FACTOR,
     BURST_ITL_SECONDS,
     CPU_LONG_PREFILL_TOKEN_THRESHOLD,
+    CPU_PREFILL_ITL_FACTOR,
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     KV_CACHE_FP8_NAMES,
     LOG_FORMATS,
     LOGPROBS_MODES,
     POOLING_STEP_TOKENS,
+    PREFILL_ITL_MIN_TOKENS,
     QUANTIZE_CHOICES,
     TASK_CHOICES,
     THREAD_POLICIES,
@@ -300,12 +302,22 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add(
         "--prefill-itl-factor",
         "KUBEINFER_PREFILL_ITL_FACTOR",
-        "Size the prompt tokens per engine step beside decoding sequences from measured step costs, "
-        "so that such a step costs at most this many times a decode-only step (their inter-token latency "
-        "while a long prompt prefills; fewer prompt tokens per step delay that prompt's first token), "
-        "instead of --long-prefill-token-threshold (not both). 0 = off (default)",
+        "Size the chunks of a long prompt (--prefill-itl-min-tokens) beside decoding sequences from "
+        "measured step costs, so that such a step costs at most this many times a decode-only step (their "
+        "inter-token latency while the long prompt prefills; smaller chunks delay its first token). "
+        f"0 = off (every prompt under --long-prefill-token-threshold). Default: {CPU_PREFILL_ITL_FACTOR:g} "
+        "on CPU, 0 on CUDA",
         type=float,
-        default=0.0,
+        default=None,
+    )
+    add(
+        "--prefill-itl-min-tokens",
+        "KUBEINFER_PREFILL_ITL_MIN_TOKENS",
+        "Prompts with more uncached tokens than this are long: --prefill-itl-factor sizes their chunks; "
+        "shorter ones keep --long-prefill-token-threshold. 0 = every prompt (the measured cap replaces the "
+        "threshold; not with --long-prefill-token-threshold)",
+        type=_non_negative_int,
+        default=PREFILL_ITL_MIN_TOKENS,
     )
     add(
         "--burst-itl-factor",
@@ -729,6 +741,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         prefill_itl_factor=args.prefill_itl_factor,
+        prefill_itl_min_tokens=args.prefill_itl_min_tokens,
         burst_itl_factor=args.burst_itl_factor,
         burst_itl_seconds=args.burst_itl_seconds,
         pooling_step_tokens=args.pooling_step_tokens,

@@ -271,6 +271,14 @@ CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 # is out of reach (a mixed step's own overhead beyond (f - 1) quiet steps), at about half the prompt rate
 # of the fixed cap for the embedded model on the 2-core Zen 4 (docs/benchmarks.md).
 PREFILL_CAP_MIN_TOKENS = 16
+# The measured cap's factor on CPU (EngineConfig.prefill_itl_factor_for): issue 49's target, a running
+# stream's ITL p99 during another's 8k prefill within 2x its quiet ITL.
+CPU_PREFILL_ITL_FACTOR = 2.0
+# ... for prompts of more uncached tokens than this (EngineConfig.prefill_itl_min_tokens): shorter ones
+# prefill in at most 8 steps of the fixed share. Applied to every prompt the measured cap fed 64 users'
+# 128-token prompts in small chunks, TTFT p50 2.3x (docs/benchmarks-log.md, "A stream's ITL during
+# another's 8k prefill, quiet").
+PREFILL_ITL_MIN_TOKENS = 1024
 # A burst step costs at most this many quiet decode steps of its streams (server/core/burst_bound.py). On
 # the Llama-3.2-1B shape on 2 cores, 64 users: 16 cut ITL p99 8.4 -> 2.2 s with TTFT p50 0.87x and the same
 # throughput; 4 cut it 4.8x but cost TTFT p50 1.8x and half the throughput (docs/benchmarks-log.md, "A burst
@@ -297,11 +305,15 @@ class EngineConfig:
     # latency when prompts arrive (server/core/scheduler.py). None = by device
     # (`long_prefill_threshold_for`): the value measured on CPU there, vLLM's default (no cap) on CUDA.
     long_prefill_token_threshold: int | None = None
-    # > 1: beside decodes, a step's prompt tokens are sized from measured step costs so that the step costs
-    # at most this many times a decode-only step (server/core/prefill_cap.py), instead of the fixed
-    # threshold; 0 = off. Off by default: docs/benchmarks-log.md, "Long prompts: the prefill cap from
-    # measured step costs" (on the 2-core Zen 4 the 2x target is out of reach and the TTFT pays).
-    prefill_itl_factor: float = 0.0
+    # > 1: beside decodes, a long prefill's chunks (`prefill_itl_min_tokens`) are sized from measured step
+    # costs so that the step costs at most this many times a decode-only step (server/core/prefill_cap.py);
+    # 0 = off (the fixed threshold for every prompt). None = by device (`prefill_itl_factor_for`): 2 on CPU,
+    # off on CUDA.
+    prefill_itl_factor: float | None = None
+    # The measured cap governs prompts admitted with more uncached tokens than this; shorter ones keep the
+    # fixed threshold. 0 = every prompt (the measured cap replaces the threshold; not with an explicit
+    # long_prefill_token_threshold).
+    prefill_itl_min_tokens: int = PREFILL_ITL_MIN_TOKENS
     # > 1: a burst step (scheduler.py) costs at most this many quiet decode steps of its streams
     # (server/core/burst_bound.py); 0 = off (a burst step may take the whole token budget).
     burst_itl_factor: float = BURST_ITL_FACTOR
@@ -348,8 +360,10 @@ class EngineConfig:
             # the draft would run on rank 0 alone; not tested yet
             raise ValueError("a speculative draft model does not work with --tensor-parallel-size > 1 yet")
         f = self.prefill_itl_factor
-        if not (f == 0 or (math.isfinite(f) and f > 1)):
+        if not (f is None or f == 0 or (math.isfinite(f) and f > 1)):
             raise ValueError(f"prefill_itl_factor must be 0 (off) or > 1, got {f}")
+        if self.prefill_itl_min_tokens < 0:
+            raise ValueError(f"prefill_itl_min_tokens must be >= 0, got {self.prefill_itl_min_tokens}")
         b = self.burst_itl_factor
         if not (b == 0 or (math.isfinite(b) and b > 1)):
             raise ValueError(f"burst_itl_factor must be 0 (off) or > 1, got {b}")
@@ -358,9 +372,12 @@ class EngineConfig:
         bs = self.burst_itl_seconds
         if not (bs == 0 or (math.isfinite(bs) and bs > 0)):
             raise ValueError(f"burst_itl_seconds must be 0 (off) or > 0, got {bs}")
-        if f and self.long_prefill_token_threshold is not None:
+        # (a factor left to the device counts as on: it is on CPU)
+        if f != 0 and not self.prefill_itl_min_tokens and self.long_prefill_token_threshold is not None:
             raise ValueError(
-                "prefill_itl_factor sizes the cap that long_prefill_token_threshold fixes: set one of them"
+                "prefill_itl_factor with prefill_itl_min_tokens 0 sizes the cap that "
+                "long_prefill_token_threshold fixes: set one of them (prefill_itl_factor 0 for the fixed "
+                "threshold alone)"
             )
         # Validates the token budget and sequence limits early, with the same messages.
         SchedulerConfig(
@@ -393,11 +410,23 @@ class EngineConfig:
             return None
         return BurstBoundConfig(itl_factor=self.burst_itl_factor, itl_seconds=self.burst_itl_seconds)
 
+    def prefill_itl_factor_for(self, device_type: str) -> float:
+        """`prefill_itl_factor` on a device of this type (0 = off): the configured value, else
+        CPU_PREFILL_ITL_FACTOR on CPU and off elsewhere. Why on CPU: a running stream's ITL while
+        another's 8k prompt prefilled at the fixed 128-token share was 9.6x its quiet ITL (Llama-3.2-1B
+        Q4_K_M, Zen 5); the measured cap for long prefills brings it under 2x for a few percent of that
+        prompt's TTFT, and leaves short prompts' TTFT alone (docs/benchmarks-log.md, "The measured cap
+        for long prefills only"). On a GPU the fixed cap is off too (vLLM's default), unmeasured by us."""
+        if self.prefill_itl_factor is not None:
+            return self.prefill_itl_factor
+        return CPU_PREFILL_ITL_FACTOR if device_type == "cpu" else 0.0
+
     def prefill_cap_for(self, device_type: str) -> PrefillCapConfig | None:
-        """The measured prefill cap's settings (`prefill_itl_factor` > 0), or None for the fixed cap of
-        `long_prefill_threshold_for`. It starts at the fixed CPU value and stays within
-        [PREFILL_CAP_MIN_TOKENS, the token budget] on every device type."""
-        f = self.prefill_itl_factor
+        """The measured prefill cap's settings (`prefill_itl_factor_for` > 0), or None for the fixed cap of
+        `long_prefill_threshold_for` alone. It starts at the fixed CPU value and stays within
+        [PREFILL_CAP_MIN_TOKENS, the token budget] on every device type; it governs prompts of more than
+        `prefill_itl_min_tokens` uncached tokens (0: all)."""
+        f = self.prefill_itl_factor_for(device_type)
         if not f:
             return None
         budget = self.max_num_batched_tokens
@@ -406,6 +435,7 @@ class EngineConfig:
             initial=min(CPU_LONG_PREFILL_TOKEN_THRESHOLD, budget),
             min_tokens=min(PREFILL_CAP_MIN_TOKENS, budget),
             max_tokens=budget,
+            min_prompt_tokens=self.prefill_itl_min_tokens,
         )
 
 

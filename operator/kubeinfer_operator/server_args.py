@@ -153,6 +153,7 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--num-threads": ServerFlag("_positive_int"),
     "--pooling-step-tokens": ServerFlag("_non_negative_int"),
     "--prefill-itl-factor": ServerFlag("float"),
+    "--prefill-itl-min-tokens": ServerFlag("_non_negative_int"),
     "--reasoning-parser": ServerFlag("str"),
     "--responses-store-max-bytes": ServerFlag("_positive_int"),
     "--responses-store-max-entries": ServerFlag("_positive_int"),

@@ -13,10 +13,19 @@ comes off what the chunk may cost, and a step's cost per prompt token grows with
 (attention is O(chunk x context)), which the window follows as the prefill goes on. Until both are
 measured the cap is `initial`.
 
-On only with `--prefill-itl-factor` (EngineConfig.prefill_itl_factor): on the 2-core Zen 4 a step that
-carries prompt tokens costs, before any of them, about one quiet one-stream decode step more (the decode
-graph serves pure decode steps only; the mixed step runs the layer loop from Python), so 2x is out of
-reach there and the cap sits at its floor, which halves a long prompt's prefill rate beside a stream.
+Long prefills only (`PrefillCapConfig.min_prompt_tokens`; on CPU by default: factor 2 for prompts of more
+than 1,024 uncached tokens, EngineConfig.prefill_itl_factor_for): the scheduler gives the measured cap to
+the chunks of a prompt admitted with more uncached tokens than that, every chunk until its prefill ends,
+and keeps the fixed `long_prefill_token_threshold` for shorter prompts (never more than it for long
+ones). A short prompt holds the streams for a few steps; a long one for its whole prefill, tens of seconds
+at 8k, which is what a stream's ITL p99 sees (Llama-3.2-1B Q4_K_M on a 2-core Zen 5: 9.6x its quiet ITL
+under the fixed 128-token share, 1.89x under the measured cap, TTFT +2%). Applied to every prompt, the cap
+fed 64 users' 128-token prompts in small chunks beside 64 streams: TTFT p50 2.3x (docs/benchmarks-log.md,
+"A stream's ITL during another's 8k prefill, quiet"). With `min_prompt_tokens` 0 it governs every prompt,
+instead of the fixed threshold (`--prefill-itl-min-tokens 0`). On the 2-core Zen 4 a step that carries
+prompt tokens cost, before any of them, about one quiet one-stream decode step more (the decode graph
+serves pure decode steps only; the mixed step runs the layer loop from Python), so 2x was out of reach
+there and the cap sat at its floor, halving a long prompt's prefill rate beside a stream.
 
 Why measured rather than a constant: the cost of a prompt token against a decode step differs by model,
 context length, CPU, thread count and load (the embedded 135M on a 2-core Zen 4: 0.65 ms per prompt
@@ -42,6 +51,10 @@ class PrefillCapConfig:
     min_tokens: int = 16  # floor: a long prompt still advances when the target is out of reach
     max_tokens: int = 2048  # ceiling (the step's token budget)
     window: int = 8  # steps per median / fit
+    # The cap governs long prefills only: prompts admitted with more than this many uncached tokens (their
+    # chunks, however many, until the prefill ends); shorter ones keep the fixed cap. 0: every prefill (the
+    # measured cap replaces the fixed one). Why: module docstring, "Long prefills only".
+    min_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.itl_factor > 1.0:
@@ -54,6 +67,8 @@ class PrefillCapConfig:
             raise ValueError(f"initial must be in [{self.min_tokens}, {self.max_tokens}], got {self.initial}")
         if self.window < 2:
             raise ValueError(f"window must be >= 2, got {self.window}")
+        if self.min_prompt_tokens < 0:
+            raise ValueError(f"min_prompt_tokens must be >= 0, got {self.min_prompt_tokens}")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,14 @@ ITL p99 fell 16 -> 3.3 s: smaller steps cost more per row than the line says); a
 with the running streams (~1.8 s at 64 on that shape), so the step is also bounded in seconds
 (`--burst-itl-seconds`, 0.5 by default; burst_bound.py, "Why seconds too").
 
+Long prefills: with a measured cap (`prefill_cap`, server/core/prefill_cap.py; on CPU by default) whose
+`min_prompt_tokens` is set, a prompt admitted with more uncached tokens than that takes, beside decodes,
+at most the measured cap in each of its chunks to the last (within the ordinary share, which short prompts
+arriving meanwhile keep): such a prefill holds the streams for its whole length, tens of seconds at 8k, so
+its chunks are sized for the streams' ITL, while a short prompt's few steps are not. A burst's long prompt
+that ends its prefill in the step is admitted as the burst rule says. With `min_prompt_tokens` 0 the
+measured cap replaces the ordinary share for every prompt.
+
 Waiting order and preemption victims follow `--scheduling-policy` (server/core/request_queue.py): fcfs,
 or priority (`Request.priority`, lower first, FCFS within a level). Under priority a waiting request
 that finds no seat (max_num_seqs) or no blocks preempts running requests of a strictly worse level (worst
@@ -149,6 +157,10 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self._last_batched_tokens = 0
         self.last_prefill_cap = 0  # the cap the last step applied (0: none, no decodes)
+        self.last_long_prefill_cap = 0  # the long prefills' share the last step applied (0: none)
+        # Requests whose prefill runs under the long share (admitted with more uncached tokens than the
+        # measured cap's min_prompt_tokens) until it ends, they are preempted or they finish.
+        self._long_prefills: set[str] = set()
         self.iteration_tokens = StepTokenHistogram()
         self.spec_stats = SpecDecodingStats()
 
@@ -210,14 +222,22 @@ class Scheduler:
         now = time.monotonic()
         decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         threshold = self.config.long_prefill_token_threshold
-        if self.prefill_cap is not None and decoding:
-            threshold = self.prefill_cap.cap(decoding)
+        measured = self.prefill_cap.cap(decoding) if self.prefill_cap is not None and decoding else 0
+        long_min = self.prefill_cap.config.min_prompt_tokens if self.prefill_cap is not None else 0
+        long_only = long_min > 0
+        if measured and not long_only:
+            threshold = measured
         self.last_prefill_cap = threshold if decoding else 0
         # Prompt tokens this step may still take (the cap applies only beside running decodes).
         # (Without chunked prefill a prompt runs whole or not at all: a cap would starve long ones.)
         capped = threshold and decoding and self.config.enable_chunked_prefill
         prefill_left = threshold if capped else budget
         prefill_cap = prefill_left
+        # ... of which long prefills' chunks may take this many (module docstring, "Long prefills"): the
+        # measured cap, never more than the ordinary share.
+        long_capped = bool(measured and long_only and self.config.enable_chunked_prefill)
+        long_left = min(measured, prefill_left) if long_capped else prefill_left
+        self.last_long_prefill_cap = long_left if long_capped else 0
         # A burst (module docstring): at least as many prompts can be admitted as streams decode. Only
         # the admission of waiting prompts is uncapped; prompts already running keep the cap.
         admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
@@ -229,7 +249,7 @@ class Scheduler:
 
         def take_back(victim: Request) -> bool:
             """Preempt `victim`; returns whether it came before index i of the running list."""
-            nonlocal budget, prefill_left
+            nonlocal budget, prefill_left, long_left
             before = self.running.index(victim) < i
             self.running.remove(victim)
             if victim.request_id in given:
@@ -237,6 +257,7 @@ class Scheduler:
                 scheduled[:] = [s for s in scheduled if s.request is not victim]
                 budget += tokens
                 prefill_left += prompt
+                long_left += prompt
             self._preempt(victim)
             preempted.append(victim.request_id)
             return before
@@ -247,10 +268,13 @@ class Scheduler:
             assert req.pooling is None, "a pooling request finishes in the step that schedules it"
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining > 0, "a running request always has at least one token to compute"
-            if remaining > 1 and prefill_left <= 0:
+            if remaining == 1:
+                self._long_prefills.discard(req.request_id)
+            share = long_left if remaining > 1 and req.request_id in self._long_prefills else prefill_left
+            if remaining > 1 and share <= 0:
                 i += 1  # a prompt chunk beyond this step's prefill share: next step
                 continue
-            num_new = min(remaining, budget, prefill_left) if remaining > 1 else 1
+            num_new = min(remaining, budget, share) if remaining > 1 else 1
             spec = self._drafts_to_verify(req, num_new, budget)
             blocks = self.kv.allocate_slots(req, num_new + len(spec))
             if blocks is None and spec:
@@ -269,6 +293,7 @@ class Scheduler:
             budget -= num_new + len(spec)
             prompt = num_new if remaining > 1 else 0
             prefill_left -= prompt
+            long_left -= prompt
             given[req.request_id] = (num_new + len(spec), prompt)
             i += 1
         growth_preempted = bool(preempted)
@@ -330,6 +355,7 @@ class Scheduler:
                 given[req.request_id] = (n, n)
                 budget -= n
                 prefill_left -= n
+                long_left -= n
                 cap_left -= n
                 continue
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
@@ -339,11 +365,21 @@ class Scheduler:
             num_new = req.num_tokens - req.num_computed_tokens - num_cached
             if num_new > min(budget, prefill_left) and not self.config.enable_chunked_prefill:
                 break
+            # A long prefill (more uncached tokens than the measured cap's min_prompt_tokens) takes at most
+            # the long share beside decodes, except as a burst's prompt that ends its prefill in this step.
+            uncached = num_new
+            is_long = 0 < long_min < uncached
+            long = long_capped and is_long
+            finishes_in_burst = burst and num_new <= min(budget, prefill_left)
             if burst and num_new > prefill_left:
                 if cap_left <= 0:
                     break  # FCFS: nobody behind a long prompt overtakes it
                 num_new = cap_left
             num_new = min(num_new, budget, prefill_left)
+            if long and not finishes_in_burst:
+                if long_left <= 0:
+                    break  # FCFS, as above
+                num_new = min(num_new, long_left)
             blocks = self.kv.allocate_slots(req, num_new, computed)
             while blocks is None and make_room(req):
                 blocks = self.kv.allocate_slots(req, num_new, computed)
@@ -353,11 +389,14 @@ class Scheduler:
             if req.lora is not None:
                 running_loras.add(req.lora.lora_int_id)
             self._admit(req, computed, now)
+            if is_long and num_new < uncached:  # its prefill goes on in later steps
+                self._long_prefills.add(req.request_id)
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new, blocks))
             given[req.request_id] = (num_new, num_new)
             budget -= num_new
             prefill_left -= num_new
+            long_left -= num_new
             cap_left -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
@@ -407,6 +446,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        self._long_prefills.discard(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -495,6 +535,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(request_id)
+        self._long_prefills.discard(request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if stop_reason is not None:

@@ -7,7 +7,14 @@ import dataclasses
 import pytest
 
 from server.cli import build_parser, config_from_args, parse_size
-from server.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD, EngineConfig, ModelConfig, ServerConfig
+from server.config import (
+    CPU_LONG_PREFILL_TOKEN_THRESHOLD,
+    CPU_PREFILL_ITL_FACTOR,
+    PREFILL_ITL_MIN_TOKENS,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+)
 
 
 def _config(argv: list[str], env: dict[str, str] | None = None) -> ServerConfig:
@@ -147,17 +154,32 @@ def test_api_cli_scheduling_policy() -> None:
 
 
 def test_api_cli_prefill_itl_factor() -> None:
-    """--prefill-itl-factor (KUBEINFER_PREFILL_ITL_FACTOR): off by default (the fixed threshold); set, the
-    cap is sized from measured step costs for that many decode-only steps, starting at the fixed CPU
-    value; with the threshold set too it is refused (server/core/prefill_cap.py)."""
+    """--prefill-itl-factor (KUBEINFER_PREFILL_ITL_FACTOR) and --prefill-itl-min-tokens: by default on CPU
+    the measured cap (factor 2) governs prompts of more than 1,024 uncached tokens beside the fixed
+    threshold, off on CUDA; 0 turns it off; a factor sizes the cap for that many decode-only steps,
+    starting at the fixed CPU value; with min tokens 0 it replaces the threshold, and setting the
+    threshold too is refused (server/core/prefill_cap.py)."""
     engine = _config([]).engine
-    assert engine.prefill_itl_factor == 0.0 and engine.prefill_cap_for("cpu") is None
+    default = engine.prefill_cap_for("cpu")
+    assert default is not None and default.itl_factor == CPU_PREFILL_ITL_FACTOR == 2.0
+    assert (
+        default.min_prompt_tokens == PREFILL_ITL_MIN_TOKENS == 1024 and engine.prefill_cap_for("cuda") is None
+    )
+    assert _config(["--prefill-itl-factor", "0"]).engine.prefill_cap_for("cpu") is None
     cap = _config(["--prefill-itl-factor", "3"]).engine.prefill_cap_for("cpu")
     assert cap is not None and cap.itl_factor == 3.0 and cap.initial == CPU_LONG_PREFILL_TOKEN_THRESHOLD
     env = _config([], {"KUBEINFER_PREFILL_ITL_FACTOR": "2.5"}).engine.prefill_cap_for("cpu")
     assert env is not None and env.itl_factor == 2.5
+    every = _config(["--prefill-itl-min-tokens", "0"]).engine.prefill_cap_for("cpu")
+    assert every is not None and every.min_prompt_tokens == 0
+    env = _config([], {"KUBEINFER_PREFILL_ITL_MIN_TOKENS": "4096"}).engine.prefill_cap_for("cpu")
+    assert env is not None and env.min_prompt_tokens == 4096
+    both = _config(["--prefill-itl-factor", "2", "--long-prefill-token-threshold", "64"]).engine
+    assert both.long_prefill_threshold_for("cpu") == 64 and both.prefill_cap_for("cpu") is not None
     with pytest.raises((SystemExit, ValueError)):
-        _config(["--prefill-itl-factor", "2", "--long-prefill-token-threshold", "64"])
+        _config(["--prefill-itl-min-tokens", "0", "--long-prefill-token-threshold", "64"])
+    with pytest.raises(SystemExit):
+        _config(["--prefill-itl-min-tokens", "-1"])
 
 
 def test_api_cli_burst_itl_factor() -> None:

@@ -10,7 +10,7 @@ from server.core.kv_cache_manager import KVCacheManager
 from server.core.outputs import ModelOutput, SchedulerOutput
 from server.core.prefill_cap import AdaptivePrefillCap, PrefillCapConfig, StepShape, step_shape
 from server.core.scheduler import Scheduler, SchedulerConfig
-from server.request import Request, SamplingParams
+from server.request import FinishReason, Request, SamplingParams
 
 
 def test_cap_from_measured_costs() -> None:
@@ -156,3 +156,76 @@ def test_measured_cap_keeps_oldest_first_and_starves_nobody() -> None:
         if len(order) == 2:
             break
     assert order == ["old", "new"]
+
+
+def test_measured_cap_governs_long_prefills_only() -> None:
+    """Issue 49, the default on CPU (`min_prompt_tokens`): a 4,000-token prompt's chunks beside a stream,
+    its last one included, follow the measured cap (every such step within ~2x the quiet one), while a
+    prompt of 200 tokens arriving during it, and one of 1,000 (not long), still get the fixed share; a
+    burst's long prompt that ends its prefill in the step is admitted whole as before; nothing is left
+    marked long."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=8192, long_prefill_token_threshold=128
+    )
+    factor = 2.0
+    cap = AdaptivePrefillCap(
+        PrefillCapConfig(
+            itl_factor=factor, initial=128, min_tokens=4, max_tokens=2048, min_prompt_tokens=1024
+        )
+    )
+    s = Scheduler(cfg, KVCacheManager(2048, 16, False), prefill_cap=cap)
+    for rid in ("stream", "stream2"):  # two: one waiting prompt beside them is no burst
+        s.add_request(_req(rid, 8, max_tokens=8000))
+    _run(s, cap, 12)
+    s.add_request(_req("long", 4000, max_tokens=1))
+    log = _run(s, cap, 40)  # the cap measured and the long prompt well under way
+    s.add_request(_req("short", 200, max_tokens=1))
+    log += _run(s, cap, 3000 - len(log))
+    assert all(rows.get("stream") == 1 and rows.get("stream2") == 1 for _, _, rows in log)
+    long_steps = [(t, rows) for _, t, rows in log if rows.get("long", 0) > 1]
+    assert long_steps[-1][1]["long"] < 128, "the last chunk too follows the measured cap"
+    alone = [t / (QUIET * 1.1) for t, rows in long_steps[3:] if "short" not in rows]  # two decodes: 1.1x
+    assert max(alone) <= factor * 1.1, alone
+    short = [rows["short"] for _, _, rows in log if "short" in rows]
+    assert short[0] > max(rows["long"] for _, rows in long_steps[3:]), (short, long_steps[3:])
+    assert sum(short) == 200 and len(short) <= 3
+    # the fixed share, less the long chunk in the same step (all but its last chunk, the rest)
+    shared = [rows["short"] + rows.get("long", 0) for _, _, rows in log if "short" in rows]
+    assert shared[:-1] == [128] * (len(shared) - 1), shared
+    assert not s._long_prefills
+    # a prompt of 1,000 uncached tokens is not long: the fixed 128-token share
+    s.add_request(_req("mid", 1000, max_tokens=1))
+    mid = [rows["mid"] for _, _, rows in _run(s, cap, 40) if rows.get("mid", 0) > 1]
+    assert mid[:-1] == [128] * (len(mid) - 1) and sum(mid) == 1000
+    # a burst (as many waiting as decoding): a long prompt that ends its prefill in the step is admitted whole
+    for rid in ("burst", "burst2"):
+        s.add_request(_req(rid, 1000 if rid == "burst2" else 1025, max_tokens=1))
+    out = s.schedule()
+    assert {i.request.request_id: i.num_new_tokens for i in out.scheduled}["burst"] == 1025
+    assert not s._long_prefills
+
+
+def test_long_prefill_mark_ends_with_preemption_and_abort() -> None:
+    """A long prefill's mark (the measured share) goes when it is preempted or aborted, so a recompute is
+    judged again and no id is left behind."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=256, max_num_seqs=8, max_model_len=8192, long_prefill_token_threshold=128
+    )
+    cap = AdaptivePrefillCap(
+        PrefillCapConfig(initial=64, min_tokens=4, max_tokens=256, min_prompt_tokens=300)
+    )
+    s = Scheduler(cfg, KVCacheManager(512, 16, False), prefill_cap=cap)
+    s.add_request(_req("stream", 8, max_tokens=8000))
+    _run(s, cap, 3)
+    for rid in ("a", "b"):
+        s.add_request(_req(rid, 1000, max_tokens=1))
+    log = _run(s, cap, 4)
+    assert s._long_prefills == {"a"}  # "b" waits behind the older long prompt (first come, first served)
+    assert all(rows.get("a", 64) <= 64 for _, _, rows in log)
+    s.running.remove(s.requests["a"])
+    s._preempt(s.requests["a"])
+    assert not s._long_prefills
+    _run(s, cap, 2)
+    assert "a" in s._long_prefills
+    s.finish_request("a", FinishReason.ABORT)
+    assert "a" not in s._long_prefills

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from server.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD, CacheConfig, EngineConfig, ModelConfig
+from server.config import (
+    CPU_LONG_PREFILL_TOKEN_THRESHOLD,
+    CPU_PREFILL_ITL_FACTOR,
+    PREFILL_ITL_MIN_TOKENS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+)
 from server.engine import LLMEngine
 from server.request import SamplingParams
 
@@ -37,13 +44,19 @@ def test_engine_prefill_share_cap_on_cpu(
 
 
 def test_engine_sizes_the_cap_from_its_own_step_costs(tiny_model_factory: Callable[..., Path]) -> None:
-    """Issue 49: with --prefill-itl-factor the engine measures its steps (core/prefill_cap.py) and each
-    step beside decodes takes at most the cap it then computes, from the fixed value on until both costs
-    are measured; by default (factor 0) the fixed cap holds, and setting both, or a factor in (0, 1], is
-    refused."""
+    """Issue 49: with --prefill-itl-factor and --prefill-itl-min-tokens 0 the engine measures its steps
+    (core/prefill_cap.py) and each step beside decodes takes at most the cap it then computes, from the
+    fixed value on until both costs are measured; with the factor off the fixed cap holds, and setting
+    both, or a factor in (0, 1], is refused."""
     model = ModelConfig(model=str(tiny_model_factory()), dtype="float32")
     engine = LLMEngine(
-        EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=128), device="cpu", prefill_itl_factor=2.0)
+        EngineConfig(
+            model=model,
+            cache=CacheConfig(num_kv_blocks=128),
+            device="cpu",
+            prefill_itl_factor=2.0,
+            prefill_itl_min_tokens=0,
+        )
     )
     cap = engine.scheduler.prefill_cap
     assert cap is not None and cap.config.itl_factor == 2.0 and cap.config.max_tokens == 2048
@@ -60,12 +73,56 @@ def test_engine_sizes_the_cap_from_its_own_step_costs(tiny_model_factory: Callab
     assert caps[0] == CPU_LONG_PREFILL_TOKEN_THRESHOLD  # nothing measured beside decodes yet
     assert cap.quiet_seconds(1) is not None and cap.prompt_cost() is not None
     assert len(set(caps)) > 1  # sized from what the steps cost
-    fixed = LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=64), device="cpu"))
+    fixed = LLMEngine(
+        EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=64), device="cpu", prefill_itl_factor=0)
+    )
     assert fixed.scheduler.prefill_cap is None
     assert EngineConfig(prefill_itl_factor=3.0).prefill_cap_for("cuda") is not None
-    assert EngineConfig().prefill_cap_for("cpu") is None
+    assert EngineConfig().prefill_cap_for("cuda") is None
     with pytest.raises(ValueError, match="set one of them"):
-        EngineConfig(prefill_itl_factor=2.0, long_prefill_token_threshold=64)
+        EngineConfig(prefill_itl_factor=2.0, prefill_itl_min_tokens=0, long_prefill_token_threshold=64)
+    # long prefills only (the default's kind): the fixed threshold set beside it is fine
+    both = EngineConfig(prefill_itl_factor=2.0, long_prefill_token_threshold=64).prefill_cap_for("cpu")
+    assert both is not None and both.min_prompt_tokens == PREFILL_ITL_MIN_TOKENS
+    with pytest.raises(ValueError, match="prefill_itl_min_tokens"):
+        EngineConfig(prefill_itl_min_tokens=-1)
     for bad in (1.0, 0.5, -1.0, float("nan")):
         with pytest.raises(ValueError, match="prefill_itl_factor"):
             EngineConfig(prefill_itl_factor=bad)
+
+
+def test_engine_default_caps_long_prefills_on_cpu(tiny_model_factory: Callable[..., Path]) -> None:
+    """Issue 49's 8k-prompt ITL by default on CPU: the measured cap (factor CPU_PREFILL_ITL_FACTOR) sizes
+    the chunks of a prompt longer than PREFILL_ITL_MIN_TOKENS beside decodes, every one of them; a shorter
+    prompt keeps the fixed 128-token share. Off on CUDA. (The tiny model's context is 1,024 tokens, so
+    the engine runs with a smaller prefill_itl_min_tokens.)"""
+    model = ModelConfig(model=str(tiny_model_factory()), dtype="float32")
+    default = EngineConfig(model=model).prefill_cap_for("cpu")
+    assert default is not None and default.itl_factor == CPU_PREFILL_ITL_FACTOR
+    assert (
+        default.min_prompt_tokens == PREFILL_ITL_MIN_TOKENS and EngineConfig().prefill_cap_for("cuda") is None
+    )
+    min_tokens = 400
+    engine = LLMEngine(
+        EngineConfig(
+            model=model, cache=CacheConfig(num_kv_blocks=256), device="cpu", prefill_itl_min_tokens=min_tokens
+        )
+    )
+    for rid in ("a", "a2"):  # two streams: one waiting prompt beside them is no burst
+        engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    chunks: dict[str, list[tuple[int, int]]] = {}
+    for rid, n, base in (("mid", min_tokens, 10), ("long", min_tokens + 300, 300)):  # no common prefix
+        engine.add_request(
+            rid, [base + i % 200 for i in range(n)], SamplingParams(max_tokens=1, temperature=0.0)
+        )
+        while rid in engine.scheduler.requests:
+            before = engine.scheduler.requests[rid].num_computed_tokens
+            engine.step()
+            req = engine.scheduler.requests.get(rid)
+            done = req.num_computed_tokens if req is not None else n
+            chunks.setdefault(rid, []).append((done - before, engine.scheduler.last_long_prefill_cap))
+    assert [c for c, _ in chunks["mid"]][:-1] == [CPU_LONG_PREFILL_TOKEN_THRESHOLD] * (len(chunks["mid"]) - 1)
+    assert all(0 < c <= cap <= CPU_LONG_PREFILL_TOKEN_THRESHOLD for c, cap in chunks["long"]), chunks
+    assert not engine.scheduler._long_prefills
