@@ -31,7 +31,6 @@ from server.config import (
     LOG_FORMATS,
     LOGPROBS_MODES,
     POOLING_STEP_TOKENS,
-    PREFILL_ITL_MIN_TOKENS,
     QUANTIZE_CHOICES,
     TASK_CHOICES,
     THREAD_POLICIES,
@@ -314,10 +313,11 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "--prefill-itl-min-tokens",
         "KUBEINFER_PREFILL_ITL_MIN_TOKENS",
         "Prompts with more uncached tokens than this are long: --prefill-itl-factor sizes their chunks; "
-        "shorter ones keep --long-prefill-token-threshold. 0 = every prompt (the measured cap replaces the "
-        "threshold; not with --long-prefill-token-threshold)",
+        "shorter ones keep --long-prefill-token-threshold. Default: --max-num-batched-tokens (a prompt "
+        "that needs several steps even alone). 0 = every prompt (the measured cap replaces the threshold; "
+        "not with --long-prefill-token-threshold)",
         type=_non_negative_int,
-        default=PREFILL_ITL_MIN_TOKENS,
+        default=None,
     )
     add(
         "--burst-itl-factor",

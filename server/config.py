@@ -274,11 +274,6 @@ PREFILL_CAP_MIN_TOKENS = 16
 # The measured cap's factor on CPU (EngineConfig.prefill_itl_factor_for): issue 49's target, a running
 # stream's ITL p99 during another's 8k prefill within 2x its quiet ITL.
 CPU_PREFILL_ITL_FACTOR = 2.0
-# ... for prompts of more uncached tokens than this (EngineConfig.prefill_itl_min_tokens): shorter ones
-# prefill in at most 8 steps of the fixed share. Applied to every prompt the measured cap fed 64 users'
-# 128-token prompts in small chunks, TTFT p50 2.3x (docs/benchmarks-log.md, "A stream's ITL during
-# another's 8k prefill, quiet").
-PREFILL_ITL_MIN_TOKENS = 1024
 # A burst step costs at most this many quiet decode steps of its streams (server/core/burst_bound.py). On
 # the Llama-3.2-1B shape on 2 cores, 64 users: 16 cut ITL p99 8.4 -> 2.2 s with TTFT p50 0.87x and the same
 # throughput; 4 cut it 4.8x but cost TTFT p50 1.8x and half the throughput (docs/benchmarks-log.md, "A burst
@@ -311,9 +306,10 @@ class EngineConfig:
     # off on CUDA.
     prefill_itl_factor: float | None = None
     # The measured cap governs prompts admitted with more uncached tokens than this; shorter ones keep the
-    # fixed threshold. 0 = every prompt (the measured cap replaces the threshold; not with an explicit
-    # long_prefill_token_threshold).
-    prefill_itl_min_tokens: int = PREFILL_ITL_MIN_TOKENS
+    # fixed threshold. None = the token budget (`max_num_batched_tokens`): a prompt that needs several steps
+    # even with nothing else running (`prefill_itl_min_tokens_for`). 0 = every prompt (the measured cap
+    # replaces the threshold; not with an explicit long_prefill_token_threshold).
+    prefill_itl_min_tokens: int | None = None
     # > 1: a burst step (scheduler.py) costs at most this many quiet decode steps of its streams
     # (server/core/burst_bound.py); 0 = off (a burst step may take the whole token budget).
     burst_itl_factor: float = BURST_ITL_FACTOR
@@ -362,7 +358,7 @@ class EngineConfig:
         f = self.prefill_itl_factor
         if not (f is None or f == 0 or (math.isfinite(f) and f > 1)):
             raise ValueError(f"prefill_itl_factor must be 0 (off) or > 1, got {f}")
-        if self.prefill_itl_min_tokens < 0:
+        if self.prefill_itl_min_tokens is not None and self.prefill_itl_min_tokens < 0:
             raise ValueError(f"prefill_itl_min_tokens must be >= 0, got {self.prefill_itl_min_tokens}")
         b = self.burst_itl_factor
         if not (b == 0 or (math.isfinite(b) and b > 1)):
@@ -373,7 +369,7 @@ class EngineConfig:
         if not (bs == 0 or (math.isfinite(bs) and bs > 0)):
             raise ValueError(f"burst_itl_seconds must be 0 (off) or > 0, got {bs}")
         # (a factor left to the device counts as on: it is on CPU)
-        if f != 0 and not self.prefill_itl_min_tokens and self.long_prefill_token_threshold is not None:
+        if f != 0 and self.prefill_itl_min_tokens == 0 and self.long_prefill_token_threshold is not None:
             raise ValueError(
                 "prefill_itl_factor with prefill_itl_min_tokens 0 sizes the cap that "
                 "long_prefill_token_threshold fixes: set one of them (prefill_itl_factor 0 for the fixed "
@@ -414,18 +410,29 @@ class EngineConfig:
         """`prefill_itl_factor` on a device of this type (0 = off): the configured value, else
         CPU_PREFILL_ITL_FACTOR on CPU and off elsewhere. Why on CPU: a running stream's ITL while
         another's 8k prompt prefilled at the fixed 128-token share was 9.6x its quiet ITL (Llama-3.2-1B
-        Q4_K_M, Zen 5); the measured cap for long prefills brings it under 2x for a few percent of that
-        prompt's TTFT, and leaves short prompts' TTFT alone (docs/benchmarks-log.md, "The measured cap
-        for long prefills only"). On a GPU the fixed cap is off too (vLLM's default), unmeasured by us."""
+        Q4_K_M, Zen 5); the measured cap for prompts longer than the token budget brought it to 1.79x
+        at the same TTFT, and leaves shorter prompts alone (`prefill_itl_min_tokens_for`). On a GPU the fixed cap is off too (vLLM's default), unmeasured by us."""
         if self.prefill_itl_factor is not None:
             return self.prefill_itl_factor
         return CPU_PREFILL_ITL_FACTOR if device_type == "cpu" else 0.0
+
+    def prefill_itl_min_tokens_for(self) -> int:
+        """The uncached prompt tokens beyond which the measured cap governs a prompt's chunks: the
+        configured value, else the token budget. Why the budget: such a prompt needs several steps even
+        alone, and holds the running streams for all of them. Measured on Llama-3.2-1B Q4_K_M, 2-core Zen 5
+        (docs/benchmarks-log.md, "The measured cap for long prefills only"): four 8,192-token prompts at
+        once, a stream's ITL p99 during another's prefill 10.1x -> 1.79x its quiet p99 at the same TTFT;
+        eight 2,048-token prompts at once (within the budget) would have paid 1.25x TTFT p50 for 5x lower
+        ITL p99 during prefill (at 1,024), and applied to every prompt, 64 short-prompt users 2.3x TTFT p50."""
+        if self.prefill_itl_min_tokens is not None:
+            return self.prefill_itl_min_tokens
+        return self.max_num_batched_tokens
 
     def prefill_cap_for(self, device_type: str) -> PrefillCapConfig | None:
         """The measured prefill cap's settings (`prefill_itl_factor_for` > 0), or None for the fixed cap of
         `long_prefill_threshold_for` alone. It starts at the fixed CPU value and stays within
         [PREFILL_CAP_MIN_TOKENS, the token budget] on every device type; it governs prompts of more than
-        `prefill_itl_min_tokens` uncached tokens (0: all)."""
+        `prefill_itl_min_tokens_for()` uncached tokens (0: all)."""
         f = self.prefill_itl_factor_for(device_type)
         if not f:
             return None
@@ -435,7 +442,7 @@ class EngineConfig:
             initial=min(CPU_LONG_PREFILL_TOKEN_THRESHOLD, budget),
             min_tokens=min(PREFILL_CAP_MIN_TOKENS, budget),
             max_tokens=budget,
-            min_prompt_tokens=self.prefill_itl_min_tokens,
+            min_prompt_tokens=self.prefill_itl_min_tokens_for(),
         )
 
 

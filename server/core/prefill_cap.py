@@ -14,18 +14,21 @@ comes off what the chunk may cost, and a step's cost per prompt token grows with
 measured the cap is `initial`.
 
 Long prefills only (`PrefillCapConfig.min_prompt_tokens`; on CPU by default: factor 2 for prompts of more
-than 1,024 uncached tokens, EngineConfig.prefill_itl_factor_for): the scheduler gives the measured cap to
-the chunks of a prompt admitted with more uncached tokens than that, every chunk until its prefill ends,
-and keeps the fixed `long_prefill_token_threshold` for shorter prompts (never more than it for long
-ones). A short prompt holds the streams for a few steps; a long one for its whole prefill, tens of seconds
-at 8k, which is what a stream's ITL p99 sees (Llama-3.2-1B Q4_K_M on a 2-core Zen 5: 9.6x its quiet ITL
-under the fixed 128-token share, 1.89x under the measured cap, TTFT +2%). Applied to every prompt, the cap
-fed 64 users' 128-token prompts in small chunks beside 64 streams: TTFT p50 2.3x (docs/benchmarks-log.md,
-"A stream's ITL during another's 8k prefill, quiet"). With `min_prompt_tokens` 0 it governs every prompt,
-instead of the fixed threshold (`--prefill-itl-min-tokens 0`). On the 2-core Zen 4 a step that carries
-prompt tokens cost, before any of them, about one quiet one-stream decode step more (the decode graph
-serves pure decode steps only; the mixed step runs the layer loop from Python), so 2x was out of reach
-there and the cap sat at its floor, halving a long prompt's prefill rate beside a stream.
+uncached tokens than the step's token budget, EngineConfig.prefill_itl_factor_for and
+prefill_itl_min_tokens_for): the scheduler gives the measured cap to the chunks of a prompt admitted with
+more uncached tokens than that, every chunk until its prefill ends, and keeps the fixed
+`long_prefill_token_threshold` for shorter prompts (never more than it for long ones). A prompt longer than
+the budget holds the streams for its whole prefill, tens of seconds at 8k, which is what a stream's ITL p99
+sees. Llama-3.2-1B Q4_K_M on a 2-core Zen 5, quiet (docs/benchmarks-log.md, "The measured cap for long
+prefills only"): four 8,192-token prompts at once, a stream's ITL p99 during another's prefill 10.1x its
+quiet p99 under the fixed 128-token share, 1.79x under the measured cap, TTFT p50 0.99x. Shorter prompts
+pay more for it than they gain: eight 2,048-token prompts at once under the cap (then from 1,024 tokens)
+had 5x lower ITL p99 during prefill but 1.25x the TTFT p50 and 0.82x the output rate; 64 users' 128-token
+prompts (under the every-prompt cap) 2.3x the TTFT p50. With `min_prompt_tokens` 0 it governs every
+prompt, instead of the fixed threshold (`--prefill-itl-min-tokens 0`). On the 2-core Zen 4 a step that
+carries prompt tokens cost, before any of them, about one quiet one-stream decode step more (the decode
+graph serves pure decode steps only; the mixed step runs the layer loop from Python), so 2x was out of
+reach there and the cap sat at its floor, halving a long prompt's prefill rate beside a stream.
 
 Why measured rather than a constant: the cost of a prompt token against a decode step differs by model,
 context length, CPU, thread count and load (the embedded 135M on a 2-core Zen 4: 0.65 ms per prompt

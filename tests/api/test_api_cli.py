@@ -10,7 +10,6 @@ from server.cli import build_parser, config_from_args, parse_size
 from server.config import (
     CPU_LONG_PREFILL_TOKEN_THRESHOLD,
     CPU_PREFILL_ITL_FACTOR,
-    PREFILL_ITL_MIN_TOKENS,
     EngineConfig,
     ModelConfig,
     ServerConfig,
@@ -155,16 +154,17 @@ def test_api_cli_scheduling_policy() -> None:
 
 def test_api_cli_prefill_itl_factor() -> None:
     """--prefill-itl-factor (KUBEINFER_PREFILL_ITL_FACTOR) and --prefill-itl-min-tokens: by default on CPU
-    the measured cap (factor 2) governs prompts of more than 1,024 uncached tokens beside the fixed
+    the measured cap (factor 2) governs prompts of more uncached tokens than the token budget beside the fixed
     threshold, off on CUDA; 0 turns it off; a factor sizes the cap for that many decode-only steps,
     starting at the fixed CPU value; with min tokens 0 it replaces the threshold, and setting the
     threshold too is refused (server/core/prefill_cap.py)."""
     engine = _config([]).engine
     default = engine.prefill_cap_for("cpu")
     assert default is not None and default.itl_factor == CPU_PREFILL_ITL_FACTOR == 2.0
-    assert (
-        default.min_prompt_tokens == PREFILL_ITL_MIN_TOKENS == 1024 and engine.prefill_cap_for("cuda") is None
-    )
+    assert default.min_prompt_tokens == engine.max_num_batched_tokens == 2048  # the token budget
+    assert engine.prefill_cap_for("cuda") is None
+    budget = _config(["--max-num-batched-tokens", "4096"]).engine.prefill_cap_for("cpu")
+    assert budget is not None and budget.min_prompt_tokens == 4096
     assert _config(["--prefill-itl-factor", "0"]).engine.prefill_cap_for("cpu") is None
     cap = _config(["--prefill-itl-factor", "3"]).engine.prefill_cap_for("cpu")
     assert cap is not None and cap.itl_factor == 3.0 and cap.initial == CPU_LONG_PREFILL_TOKEN_THRESHOLD

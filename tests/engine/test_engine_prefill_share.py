@@ -11,7 +11,6 @@ import pytest
 from server.config import (
     CPU_LONG_PREFILL_TOKEN_THRESHOLD,
     CPU_PREFILL_ITL_FACTOR,
-    PREFILL_ITL_MIN_TOKENS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -83,7 +82,7 @@ def test_engine_sizes_the_cap_from_its_own_step_costs(tiny_model_factory: Callab
         EngineConfig(prefill_itl_factor=2.0, prefill_itl_min_tokens=0, long_prefill_token_threshold=64)
     # long prefills only (the default's kind): the fixed threshold set beside it is fine
     both = EngineConfig(prefill_itl_factor=2.0, long_prefill_token_threshold=64).prefill_cap_for("cpu")
-    assert both is not None and both.min_prompt_tokens == PREFILL_ITL_MIN_TOKENS
+    assert both is not None and both.min_prompt_tokens == 2048  # the token budget
     with pytest.raises(ValueError, match="prefill_itl_min_tokens"):
         EngineConfig(prefill_itl_min_tokens=-1)
     for bad in (1.0, 0.5, -1.0, float("nan")):
@@ -93,15 +92,14 @@ def test_engine_sizes_the_cap_from_its_own_step_costs(tiny_model_factory: Callab
 
 def test_engine_default_caps_long_prefills_on_cpu(tiny_model_factory: Callable[..., Path]) -> None:
     """Issue 49's 8k-prompt ITL by default on CPU: the measured cap (factor CPU_PREFILL_ITL_FACTOR) sizes
-    the chunks of a prompt longer than PREFILL_ITL_MIN_TOKENS beside decodes, every one of them; a shorter
+    the chunks of a prompt longer than the token budget beside decodes, every one of them; a shorter
     prompt keeps the fixed 128-token share. Off on CUDA. (The tiny model's context is 1,024 tokens, so
     the engine runs with a smaller prefill_itl_min_tokens.)"""
     model = ModelConfig(model=str(tiny_model_factory()), dtype="float32")
     default = EngineConfig(model=model).prefill_cap_for("cpu")
     assert default is not None and default.itl_factor == CPU_PREFILL_ITL_FACTOR
-    assert (
-        default.min_prompt_tokens == PREFILL_ITL_MIN_TOKENS and EngineConfig().prefill_cap_for("cuda") is None
-    )
+    assert default.min_prompt_tokens == EngineConfig().max_num_batched_tokens
+    assert EngineConfig().prefill_cap_for("cuda") is None
     min_tokens = 400
     engine = LLMEngine(
         EngineConfig(
