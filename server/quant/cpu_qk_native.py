@@ -4,15 +4,16 @@
 (block_q4_K, 144 bytes = 4.5 bits/weight; block_q6_K, 210 bytes = 6.5625 bits/weight; ggml-common.h),
 instead of the repacked BlockQuantWeight (6.0 and 10.0 bits/weight, cpu_qlinear.py's table). Both can
 also be held as 16-row tiles, `q4_k_x16` (4.625 bits/weight) and `q6_k_x16` (6.5625): the same values
-re-laid at load (`interleave`; layouts in qk_native.cpp's header), so that each AVX512-VNNI dot product
-serves 16 output rows: the layout batches of rows need (the row-major blocks run 16 rows at 0.5-0.7x of
+re-laid at load (`interleave`; layouts in qk_native.cpp's header), so that each int8 dot product (one
+AVX512-VNNI vector, or two AVX2 halves) serves 16 output rows: the layout batches of rows need (the row-major blocks run 16 rows at 0.5-0.7x of
 the int8 packed copy's speed). Q5_K, IQ4_XS, Q3_K and Q2_K run as such tiles only (`q5_k_x16` 5.625,
 `iq4_xs_x16` 4.3125, `q3_k_x16` 3.5625, `q2_k_x16` 2.625 bits/weight against the files' 5.5, 4.25, 3.4375,
 2.625), written and read back by the compiled library alone (`interleave`, `deinterleave`). The kernel
 quantizes each row of x per 256 values to int8 (ggml's q8_K idea: fp32 dx = max|x| / 127, round half to
 even, per-16 sums of q for the min and offset terms) and runs the dot products on integers (AVX512-VNNI
-`vpdpbusd`, else scalar C++, chosen at run time from `usable_cpu_features()`), one pass over each weight
-super-block serving up to 8 rows of x (qk_native.cpp's TILE_M).
+`vpdpbusd`; AVX2 `vpmaddubsw` + `vpmaddwd` on the tiles, the same integer sums; else scalar C++, chosen at
+run time from `usable_cpu_features()`), one pass over each weight super-block serving up to 8 rows of x
+(qk_native.cpp's TILE_M).
 
 Its result is W @ x^ up to fp32 rounding, x^ = dx q the activations as quantized
 (`quantize_activations_reference`, `linear_reference`); against fp32 activations the error per output
@@ -33,13 +34,14 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
+from server.cpu_features import CpuFeatures
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
 # 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles; 4: Q6_K's;
 # 5: Q8_0's (32-value blocks, cpu_qlinear.interleave_q8_x16; run through qlinear's descriptor only); 6: Q5_0's;
-# 7: Q5_K, IQ4_XS, Q3_K and Q2_K tiles (kubeinfer_qk_deinterleave)
-ABI_VERSION = 7
+# 7: Q5_K, IQ4_XS, Q3_K and Q2_K tiles (kubeinfer_qk_deinterleave); 8: the avx2 path (kubeinfer_qk_set_path 1)
+ABI_VERSION = 8
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
 # the dequantized values must equal gguf-py's (each product rounded).
 NATIVE = NativeSource(
@@ -102,7 +104,10 @@ GGUF_TYPES = {
     "q3_k": "Q3_K",
     "q2_k": "Q2_K",
 }
-PATHS = {"scalar": 0, "vnni": 2}  # kubeinfer_qk_set_path's codes
+# kubeinfer_qk_set_path's codes; avx2 runs the tiles (every format) as vnni does, the row-major q4_k / q6_k
+# blocks scalar
+PATHS = {"scalar": 0, "avx2": 1, "vnni": 2}
+PATH_NAMES = {code: name for name, code in PATHS.items()}
 
 
 @dataclass(frozen=True)
@@ -309,15 +314,16 @@ class QKNativeKernel:
 
     lib: ctypes.CDLL
     path: Path
-    isa: str  # "vnni" or "scalar": the path in use
+    isa: str  # "vnni", "avx2" or "scalar": the path in use
 
     def set_path(self, name: str) -> str:
-        """Runs `name` ("vnni", "scalar") from now on where this CPU can (tests, benchmarks); returns the
-        path in use. Process-wide: never while another thread runs the kernel."""
+        """Runs `name` ("vnni", "avx2", "scalar") from now on where this CPU can (tests, benchmarks; a path
+        this CPU lacks falls to the best below it); returns the path in use. Process-wide: never while
+        another thread runs the kernel."""
         if name not in PATHS:
             raise ValueError(f"unknown path {name!r}; expected one of {sorted(PATHS)}")
         got = int(self.lib.kubeinfer_qk_set_path(PATHS[name]))
-        object.__setattr__(self, "isa", "vnni" if got == PATHS["vnni"] else "scalar")
+        object.__setattr__(self, "isa", PATH_NAMES[got])
         return self.isa
 
     def linear(
@@ -391,17 +397,30 @@ class QKNativeKernel:
 FILE_OF = {tiled: fmt for fmt, tiled in TILED.items()}  # 16-row tiles -> the file format they hold
 
 
+def path_for(features: CpuFeatures) -> str:
+    """The path `features` allow: vnni needs AVX512-VNNI with VL and BW, avx2 AVX2 with FMA and F16C."""
+    if features.avx512_vnni and features.avx512vl and features.avx512bw:
+        return "vnni"
+    if features.avx2 and features.fma and features.f16c:
+        return "avx2"
+    return "scalar"
+
+
+def usable_path(cache_dir: Path | None = None) -> str:
+    """The path that may run here now (`path_for` of `usable_cpu_features`, minus KUBEINFER_CPU_DISABLE,
+    read on every call; the loaded kernel keeps the path it was loaded with)."""
+    return path_for(usable_cpu_features(cache_dir))
+
+
 def vnni_usable(cache_dir: Path | None = None) -> bool:
-    """Whether the vnni path may run here now: AVX512-VNNI with VL and BW usable (`usable_cpu_features`,
-    minus KUBEINFER_CPU_DISABLE, read on every call; the loaded kernel keeps the path it was loaded with)."""
-    features = usable_cpu_features(cache_dir)
-    return features.avx512_vnni and features.avx512vl and features.avx512bw
+    """Whether the vnni path may run here now (`usable_path`)."""
+    return usable_path(cache_dir) == "vnni"
 
 
 @functools.cache
 def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
-    """Builds (or finds) and loads the kernel with the best path the usable CPU features allow (AVX512-VNNI
-    with VL/BW: vnni; else scalar); raises KernelBuildError if it cannot be built."""
+    """Builds (or finds) and loads the kernel with the best path the usable CPU features allow
+    (`usable_path`: vnni, avx2, scalar); raises KernelBuildError if it cannot be built."""
     lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.kubeinfer_qk_linear.restype = i32
@@ -412,8 +431,8 @@ def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
     lib.kubeinfer_qk_interleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
     lib.kubeinfer_qk_deinterleave.restype = i32
     lib.kubeinfer_qk_deinterleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
-    got = int(lib.kubeinfer_qk_set_path(PATHS["vnni" if vnni_usable(cache_dir) else "scalar"]))
-    return QKNativeKernel(lib, path, "vnni" if got == PATHS["vnni"] else "scalar")
+    got = int(lib.kubeinfer_qk_set_path(PATHS[usable_path(cache_dir)]))
+    return QKNativeKernel(lib, path, PATH_NAMES[got])
 
 
 def try_load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel | None:

@@ -90,10 +90,12 @@ def heldout_ids(smollm2_dir: Path) -> torch.Tensor:  # [EVAL_TOKENS] int64
     return torch.tensor(ids[:EVAL_TOKENS], dtype=torch.int64)
 
 
-@pytest.fixture(params=["scalar", "vnni"])
+@pytest.fixture(params=["scalar", "avx2", "vnni"])
 def qk_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each code path of csrc/qk_native.cpp this CPU runs (the library qlinear also hands its tiles to),
-    set for the test and restored after; a path this CPU lacks is skipped."""
+    set for the test and restored after; a path this CPU lacks is skipped. (avx2 here runs in this CPU's
+    own build, which may encode its AVX2 ops as AVX-512 ones: test_cpu_qk_native's avx2_only_kernel is the
+    build without AVX-512.)"""
     from server.quant import cpu_qk_native as qk
 
     kernel = qk.load_qk_native_kernel()

@@ -89,6 +89,7 @@
 // Batches: each weight row's super-block is unpacked once and dotted with up to TILE_M rows of x while it
 // sits in registers; a batch of M rows reads every weight byte from memory once (from L1 again for each
 // further tile of TILE_M rows). Threads split the output columns (weight rows).
+#if !defined(KI_QK_KERNELS)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -102,6 +103,7 @@
 #include <immintrin.h>
 #define KI_QK_X86 1
 #define KI_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KI_AVX2 __attribute__((target("avx2,fma,f16c")))
 #else
 #define KI_QK_X86 0
 #endif
@@ -164,7 +166,7 @@ inline bool pairs_per_32(int fmt) {
   return fmt == FMT_Q4_K_X16 || fmt == FMT_Q5_K_X16 || fmt == FMT_IQ4_XS_X16;
 }
 constexpr int TILE_M = 8;  // rows of x per pass over a weight row's super-block
-constexpr int PATH_SCALAR = 0, PATH_VNNI = 2;
+constexpr int PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2;
 int path_in_use = PATH_SCALAR;
 
 inline float fp16_to_fp32(const uint8_t* p) {
@@ -296,11 +298,36 @@ KI_VNNI void quantize_block32_avx512(const float* x, int8_t* q, float& d, int32_
   _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qb));
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
+
+// And in AVX2, bit for bit too: cvtps rounds by MXCSR, round-to-nearest-even as nearbyint's default mode.
+KI_AVX2 void quantize_block32_avx2(const float* x, int8_t* q, float& d, int32_t& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  d = _mm_cvtss_f32(m4) / 127.0f;
+  const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  __m256i qi[4];
+  for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+  // packs interleave the 128-bit lanes: dwords 0, 4, 1, 5, 2, 6, 3, 7 after the two packs, put back in order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  sum = _mm_cvtsi128_si32(s4);
+}
 #endif
 
 // Every row of x per 32-block into `out` (both layouts), rows split over `threads` (the scalar loop cost a
 // 16-row decode step of Gemma-3-1B ~10% when it ran on one thread before the tiles' parallel region).
-void quantize_rows32(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX32& out, bool avx512,
+void quantize_rows32(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, QuantizedX32& out, int path,
                      int threads) {
   const int64_t nb = k / Q8X_BLOCK, blocks = (m + TILE_M - 1) / TILE_M;
   out.q.resize(m * k);
@@ -308,7 +335,7 @@ void quantize_rows32(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k,
   out.xi.assign(blocks * nb * 8 * TILE_M, 0);
   out.st.assign(blocks * nb * TILE_M, 0);
   out.dt.assign(blocks * nb * TILE_M, 0.0f);
-  (void)avx512;
+  (void)path;
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static) if (m * k >= (1 << 14))
   for (int64_t r = 0; r < m; ++r) {
     const int64_t rb = r / TILE_M, i = r % TILE_M;
@@ -317,8 +344,10 @@ void quantize_rows32(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k,
       float d;
       int32_t sum;
 #if KI_QK_X86
-      if (avx512)
+      if (path == PATH_VNNI)
         quantize_block32_avx512(x + r * ldx + b * Q8X_BLOCK, q, d, sum);
+      else if (path == PATH_AVX2)
+        quantize_block32_avx2(x + r * ldx + b * Q8X_BLOCK, q, d, sum);
       else
 #endif
         quantize_block32(x + r * ldx + b * Q8X_BLOCK, q, d, sum);
@@ -875,6 +904,19 @@ KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_
     }
   }
 }
+#endif  // KI_QK_X86
+#endif  // !KI_QK_KERNELS
+
+// ------------------------------------------------------------------ tile kernels, once per ISA
+//
+// This section is compiled twice (the file includes itself below): for the vnni path under AVX-512 target
+// options with S = Avx512, for the avx2 path under AVX2 ones with S = Avx2 (the shims, further down). A
+// tile's 64-byte vector holds value (r, k) at byte 4r + i, so rows 0-7 lie in its low 32 bytes and rows
+// 8-15 in its high ones: Avx2 runs each kernel body once per half (S::HALVES), on 8 rows at a time, the
+// loads offset by the half, and every op stays within a half. The integer sums are the same on both
+// ISAs, the fp32 ops too, so the two paths agree bit for bit.
+#if defined(KI_QK_KERNELS)
+
 // The bytes a pass over a tile will read PF_AHEAD_BYTES further on, fetched into L1 now. The first pass
 // over a tile streams it from memory and the hardware prefetcher fell behind there: Q4_K [16384, 3072] at
 // M = 8 took 1.71 ms against 0.59 at M = 1 (49 GB/s) and 0.56 for a second pass of 8 rows from cache
@@ -882,9 +924,12 @@ KI_VNNI void vnni_rows(int fmt, const uint8_t* w, int64_t n0, int64_t n1, int64_
 // an 8-row pass: more than a miss takes. A later pass's prefetches hit L1 or L2 and cost an issue slot.
 constexpr int64_t PF_AHEAD_BYTES = 9216;
 constexpr int PF_MIN_ROWS = 2;
-KI_VNNI inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(p + PF_AHEAD_BYTES + o), _MM_HINT_T0);
 }
+using I = S::I;
+using F = S::F;
+constexpr int H = S::HALVES;
 
 // Q4_K x16 tiles t0..t1 (layout at the top): per sub-block j, eight u8 vectors (16 rows x 4 k, low then
 // high nibbles) dotted with each x row's broadcast 4-byte groups; each lane's two 16-value dots (|.| <=
@@ -896,12 +941,13 @@ KI_VNNI inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 // 4 + g for the high one's) moved to bit 4; its 32-value dot (|.| <= 32 * 31 * 127 < 2^17) times the row's
 // scale by `vpmulld`.
 template <bool Q5, int MT>
-KI_VNNI void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
-                      int64_t ldy) {
+void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+              int64_t ldy) {
   constexpr int64_t TB = Q5 ? Q5X_TILE_BYTES : X16_TILE_BYTES;
-  const __m512i lo4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const I lo4 = S::set8(15), b4 = S::set8(16);
+  F acc[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = S::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = tiles + b * TB;
     // Q5_K is prefetched from one row up, unlike the Q4_K / Q6_K / Q8_0 tiles (PF_MIN_ROWS): at one row the
@@ -909,57 +955,52 @@ KI_VNNI void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quantiz
     // 404 / 342, Q3_K 315 / 283, Q2_K 244 / 227; Q4_K and Q6_K 0.9-1.04x: left as they were), same-process
     // alternated calls, 2-core Zen 5. Past the tile: the next tile.
     if constexpr (Q5 || MT >= PF_MIN_ROWS) prefetch_ahead(tile, TB);
-    __m512i isum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
-      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile + X16_SC + 16 * j)));
-      __m512i lo[4], hi[4];
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_loadu_si512((const void*)(tile + X16_QS + (4 * j + g) * 64));
-        lo[g] = _mm512_and_si512(v, lo4);
-        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-      }
-      if constexpr (Q5) {
-        const __m512i h = _mm512_loadu_si512((const void*)(tile + Q5X_QH + 64 * j));
-        const __m512i hl[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 3), _mm512_slli_epi16(h, 2),
-                               _mm512_slli_epi16(h, 1)};
-        const __m512i hh[4] = {h, _mm512_srli_epi16(h, 1), _mm512_srli_epi16(h, 2), _mm512_srli_epi16(h, 3)};
+    for (int hf = 0; hf < H; ++hf) {
+      I isum[MT];
+      for (int i = 0; i < MT; ++i) isum[i] = S::zero();
+      for (int j = 0; j < 8; ++j) {
+        const I sc = S::u8_i32(tile + X16_SC + 16 * j, hf);
+        I lo[4], hi[4];
         for (int g = 0; g < 4; ++g) {
-          lo[g] = _mm512_ternarylogic_epi32(lo[g], hl[g], b4, 0xF8);  // A | (B & C)
-          hi[g] = _mm512_ternarylogic_epi32(hi[g], hh[g], b4, 0xF8);
-        }
-      }
-      for (int i = 0; i < MT; ++i) {
-        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
-        __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
-        for (int g = 0; g < 4; ++g) {
-          dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
-          dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
+          const I v = S::load(tile + X16_QS + (4 * j + g) * 64, hf);
+          lo[g] = S::and_(v, lo4);
+          hi[g] = S::and_(S::srl16(v, 4), lo4);
         }
         if constexpr (Q5) {
-          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(dl, dh), sc));
-        } else {
-          isum[i] = _mm512_dpwssd_epi32(isum[i], dl, sc);
-          isum[i] = _mm512_dpwssd_epi32(isum[i], dh, sc);
+          const I qh = S::load(tile + Q5X_QH + 64 * j, hf);
+          const I hl[4] = {S::sll16(qh, 4), S::sll16(qh, 3), S::sll16(qh, 2), S::sll16(qh, 1)};
+          const I hh[4] = {qh, S::srl16(qh, 1), S::srl16(qh, 2), S::srl16(qh, 3)};
+          for (int g = 0; g < 4; ++g) {
+            lo[g] = S::or_and(lo[g], hl[g], b4);
+            hi[g] = S::or_and(hi[g], hh[g], b4);
+          }
+        }
+        for (int i = 0; i < MT; ++i) {
+          const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
+          const I dl = S::template dot4<Q5 ? 31 : 15>(lo, q), dh = S::template dot4<Q5 ? 31 : 15>(hi, q + 4);
+          if constexpr (Q5) {
+            isum[i] = S::add32(isum[i], S::mul32(S::add32(dl, dh), sc));
+          } else {
+            isum[i] = S::dpwssd(S::dpwssd(isum[i], dl, sc), dh, sc);
+          }
         }
       }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + 32)));
-    __m512i mn[4];
-    for (int p = 0; p < 4; ++p)
-      mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(tile + X16_MN + 32 * p)));
-    for (int i = 0; i < MT; ++i) {
-      const int64_t row = r0 + i;
-      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
-      __m512i msum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, mn[p], _mm512_set1_epi32(pr[p]));
-      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
-      acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[i]);
+      const F d = S::f16(tile, hf), dmin = S::f16(tile + 32, hf);
+      I mn[4];
+      for (int p = 0; p < 4; ++p) mn[p] = S::u8_i16(tile + X16_MN + 32 * p, hf);
+      for (int i = 0; i < MT; ++i) {
+        const int64_t row = r0 + i;
+        const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
+        I msum = S::zero();
+        for (int p = 0; p < 4; ++p) msum = S::dpwssd(msum, mn[p], S::set32(pr[p]));
+        const F dx = S::setf(xq.d[row * nb + b]);
+        acc[hf][i] = S::fmadd(S::cvt(isum[i]), S::mul(d, dx), acc[hf][i]);
+        acc[hf][i] = S::fnmadd(S::cvt(msum), S::mul(dmin, dx), acc[hf][i]);
+      }
     }
   }
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+  for (int hf = 0; hf < H; ++hf)
+    for (int i = 0; i < MT; ++i) S::store(y + (r0 + i) * ldy, hf, acc[hf][i]);
 }
 
 // Q6_K x16 tiles (layout at the top): per 32-value chunk J, eight u8 vectors of 6-bit values (16 rows x
@@ -968,110 +1009,110 @@ KI_VNNI void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quantiz
 // `vpmulld`; the -32 offset once per super-block as int16 pairs (sc[2p], sc[2p+1]) x (sum_2p, sum_2p+1);
 // then per lane y += d dx (isum - 32 osum). The 16 lanes are 16 outputs; MT rows of x as in q4x_rows.
 template <int MT>
-KI_VNNI void q6x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
-                      int64_t ldy) {
-  const __m512i lo4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+void q6x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+              int64_t ldy) {
+  const I lo4 = S::set8(15), hi2 = S::set8(0x30);
+  F acc[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = S::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = tiles + b * Q6X_TILE_BYTES;
     if constexpr (MT >= PF_MIN_ROWS) prefetch_ahead(tile, Q6X_TILE_BYTES);
-    __m512i isum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
-    for (int J = 0; J < 8; ++J) {
-      const __m512i pv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(tile + q6x_sc(J))));
-      const __m512i sa = _mm512_srai_epi32(_mm512_slli_epi32(pv, 16), 16), sb = _mm512_srai_epi32(pv, 16);
-      const __m512i h0 = _mm512_loadu_si512((const void*)(tile + q6x_qh(J, 0)));
-      const __m512i h1 = _mm512_loadu_si512((const void*)(tile + q6x_qh(J, 1)));
-      // qh's bits 2g..2g+1 moved to bits 4..5 (16-bit shifts: the mask keeps each byte's own bits)
-      const __m512i s0[4] = {_mm512_slli_epi16(h0, 4), _mm512_slli_epi16(h0, 2), h0, _mm512_srli_epi16(h0, 2)};
-      const __m512i s1[4] = {_mm512_slli_epi16(h1, 4), _mm512_slli_epi16(h1, 2), h1, _mm512_srli_epi16(h1, 2)};
-      __m512i a[4], c[4];
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_loadu_si512((const void*)(tile + q6x_ql(J, g)));
-        a[g] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, lo4), s0[g], hi2, 0xF8);  // A | (B & C)
-        c[g] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), lo4), s1[g], hi2, 0xF8);
-      }
-      for (int i = 0; i < MT; ++i) {
-        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * J);
-        __m512i da = _mm512_setzero_si512(), dc = _mm512_setzero_si512();
+    for (int hf = 0; hf < H; ++hf) {
+      I isum[MT];
+      for (int i = 0; i < MT; ++i) isum[i] = S::zero();
+      for (int J = 0; J < 8; ++J) {
+        const I pv = S::s8_i16(tile + q6x_sc(J), hf);
+        const I sa = S::sra32(S::sll32(pv, 16), 16), sb = S::sra32(pv, 16);
+        const I h0 = S::load(tile + q6x_qh(J, 0), hf), h1 = S::load(tile + q6x_qh(J, 1), hf);
+        // qh's bits 2g..2g+1 moved to bits 4..5 (16-bit shifts: the mask keeps each byte's own bits)
+        const I s0[4] = {S::sll16(h0, 4), S::sll16(h0, 2), h0, S::srl16(h0, 2)};
+        const I s1[4] = {S::sll16(h1, 4), S::sll16(h1, 2), h1, S::srl16(h1, 2)};
+        I a[4], c[4];
         for (int g = 0; g < 4; ++g) {
-          da = _mm512_dpbusd_epi32(da, a[g], _mm512_set1_epi32(q[g]));
-          dc = _mm512_dpbusd_epi32(dc, c[g], _mm512_set1_epi32(q[4 + g]));
+          const I v = S::load(tile + q6x_ql(J, g), hf);
+          a[g] = S::or_and(S::and_(v, lo4), s0[g], hi2);
+          c[g] = S::or_and(S::and_(S::srl16(v, 4), lo4), s1[g], hi2);
         }
-        isum[i] =
-            _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(da, sa), _mm512_mullo_epi32(dc, sb)));
+        for (int i = 0; i < MT; ++i) {
+          const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * J);
+          const I da = S::template dot4<63>(a, q), dc = S::template dot4<63>(c, q + 4);
+          isum[i] = S::add32(isum[i], S::add32(S::mul32(da, sa), S::mul32(dc, sb)));
+        }
       }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
-    for (int i = 0; i < MT; ++i) {
-      const int64_t row = r0 + i;
-      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 8;
-      __m512i osum = _mm512_setzero_si512();
-      for (int p = 0; p < 8; ++p) {
-        const __m512i pv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(tile + q6x_sc(p))));
-        osum = _mm512_dpwssd_epi32(osum, pv, _mm512_set1_epi32(pr[p]));
+      const F d = S::f16(tile, hf);
+      I pv[8];
+      for (int p = 0; p < 8; ++p) pv[p] = S::s8_i16(tile + q6x_sc(p), hf);
+      for (int i = 0; i < MT; ++i) {
+        const int64_t row = r0 + i;
+        const int32_t* pr = xq.pairs.data() + (row * nb + b) * 8;
+        I osum = S::zero();
+        for (int p = 0; p < 8; ++p) osum = S::dpwssd(osum, pv[p], S::set32(pr[p]));
+        const I tot = S::sub32(isum[i], S::sll32(osum, 5));
+        acc[hf][i] = S::fmadd(S::cvt(tot), S::mul(d, S::setf(xq.d[row * nb + b])), acc[hf][i]);
       }
-      const __m512i tot = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(osum, 5));
-      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dx), acc[i]);
     }
   }
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+  for (int hf = 0; hf < H; ++hf)
+    for (int i = 0; i < MT; ++i) S::store(y + (r0 + i) * ldy, hf, acc[hf][i]);
 }
 
 // IQ4_XS x16 tiles: each nibble looked up (vpshufb) as its level + 128 in u8, dotted as Q4_K's nibbles;
 // a 32-value dot (|.| <= 32 * 241 * 127 < 2^20) times its row's signed scale by `vpmulld`; the + 128 taken
 // off once per super-block as int16 pairs (s[2p], s[2p+1]) x (sum_2p, sum_2p+1) of 32 values, exact:
-// y += d dx (isum - 128 osum).
+// y += d dx (isum - 128 osum). Where S's biased dot leaves the + 128 out (Avx2's: u8 x s8 pairs of the
+// level + 128 would saturate int16) there is nothing to take off.
 template <int MT>
-KI_VNNI void iq4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
-                       int64_t ldy) {
+void iq4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+               int64_t ldy) {
   alignas(16) uint8_t levels[16];
   for (int c = 0; c < 16; ++c) levels[c] = (uint8_t)(IQ4_VALUES[c] + 128);
-  const __m512i tbl = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)levels));
-  const __m512i lo4 = _mm512_set1_epi8(15);
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const I tbl = S::table16(levels), lo4 = S::set8(15);
+  F acc[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = S::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = tiles + b * IQ4X_TILE_BYTES;
     prefetch_ahead(tile, IQ4X_TILE_BYTES);  // from one row up: see q4x_rows
-    __m512i isum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
-    __m512i sp[4];  // (s[2p], s[2p + 1]) of each row as int16 pairs
-    for (int p = 0; p < 4; ++p)
-      sp[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(tile + IQ4X_S + 32 * p)));
-    for (int j = 0; j < 8; ++j) {
-      const __m512i s = (j & 1) ? _mm512_srai_epi32(sp[j / 2], 16)
-                                : _mm512_srai_epi32(_mm512_slli_epi32(sp[j / 2], 16), 16);
-      __m512i lo[4], hi[4];
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_loadu_si512((const void*)(tile + IQ4X_QS + (4 * j + g) * 64));
-        lo[g] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, lo4));
-        hi[g] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
-      }
-      for (int i = 0; i < MT; ++i) {
-        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
-        __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
+    for (int hf = 0; hf < H; ++hf) {
+      I isum[MT];
+      for (int i = 0; i < MT; ++i) isum[i] = S::zero();
+      I sp[4];  // (s[2p], s[2p + 1]) of each row as int16 pairs
+      for (int p = 0; p < 4; ++p) sp[p] = S::s8_i16(tile + IQ4X_S + 32 * p, hf);
+      for (int j = 0; j < 8; ++j) {
+        const I s = (j & 1) ? S::sra32(sp[j / 2], 16) : S::sra32(S::sll32(sp[j / 2], 16), 16);
+        typename S::Biased lo[4], hi[4];
         for (int g = 0; g < 4; ++g) {
-          dl = _mm512_dpbusd_epi32(dl, lo[g], _mm512_set1_epi32(q[g]));
-          dh = _mm512_dpbusd_epi32(dh, hi[g], _mm512_set1_epi32(q[4 + g]));
+          const I v = S::load(tile + IQ4X_QS + (4 * j + g) * 64, hf);
+          lo[g] = S::biased(S::shuffle8(tbl, S::and_(v, lo4)));
+          hi[g] = S::biased(S::shuffle8(tbl, S::and_(S::srl16(v, 4), lo4)));
         }
-        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(dl, dh), s));
+        for (int i = 0; i < MT; ++i) {
+          const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
+          I dl = S::zero(), dh = S::zero();
+          for (int g = 0; g < 4; ++g) {
+            dl = S::dpbusd_biased(dl, lo[g], S::set32(q[g]));
+            dh = S::dpbusd_biased(dh, hi[g], S::set32(q[4 + g]));
+          }
+          isum[i] = S::add32(isum[i], S::mul32(S::add32(dl, dh), s));
+        }
       }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
-    for (int i = 0; i < MT; ++i) {
-      const int64_t row = r0 + i;
-      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
-      __m512i osum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) osum = _mm512_dpwssd_epi32(osum, sp[p], _mm512_set1_epi32(pr[p]));
-      const __m512i tot = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(osum, 7));
-      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dx), acc[i]);
+      const F d = S::f16(tile, hf);
+      for (int i = 0; i < MT; ++i) {
+        const int64_t row = r0 + i;
+        I tot = isum[i];
+        if constexpr (S::BIASED_DOT_HAS_OFFSET) {
+          const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
+          I osum = S::zero();
+          for (int p = 0; p < 4; ++p) osum = S::dpwssd(osum, sp[p], S::set32(pr[p]));
+          tot = S::sub32(tot, S::sll32(osum, 7));
+        }
+        acc[hf][i] = S::fmadd(S::cvt(tot), S::mul(d, S::setf(xq.d[row * nb + b])), acc[hf][i]);
+      }
     }
   }
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+  for (int hf = 0; hf < H; ++hf)
+    for (int i = 0; i < MT; ++i) S::store(y + (r0 + i) * ldy, hf, acc[hf][i]);
 }
 
 // Q3_K (Q3 true) or Q2_K x16 tiles: per 32-value chunk J one run (scales, two vectors of 2-bit values,
@@ -1081,85 +1122,82 @@ KI_VNNI void iq4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const Quanti
 // int16 pairs (s[2p], s[2p+1]) x (sum_2p, sum_2p+1) of 16 values; Q2_K: y += dx (d isum - dmin msum), its
 // 4-bit mins over the same pairs.
 template <bool Q3, int MT>
-KI_VNNI void k2x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
-                      int64_t ldy) {
+void k2x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq, int64_t r0, float* y,
+              int64_t ldy) {
   constexpr int64_t TB = Q3 ? Q3X_TILE_BYTES : Q2X_TILE_BYTES;
   constexpr int BASE = Q3 ? Q3X_BASE : Q2X_BASE, RUN = Q3 ? Q3X_RUN : Q2X_RUN;
-  const __m512i m3 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4);
-  const __m512i lo16 = _mm512_set1_epi32(0xFFFF), nib = _mm512_set1_epi32(0x0F), nib16 = _mm512_set1_epi16(0x0F);
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const I m3 = S::set8(3), b2 = S::set8(4);
+  const I lo16 = S::set32(0xFFFF), nib = S::set32(0x0F), nib16 = S::set16(0x0F);
+  F acc[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = S::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = tiles + b * TB;
     prefetch_ahead(tile, TB);  // from one row up: see q4x_rows
-    __m512i isum[MT];
-    for (int i = 0; i < MT; ++i) isum[i] = _mm512_setzero_si512();
-    for (int J = 0; J < 8; ++J) {
-      const uint8_t* run = tile + BASE + RUN * J;
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)run);
-      __m512i sa, sb;  // the scales of sub-blocks 2J and 2J + 1 in the low half of each row's lane
-      if constexpr (Q3) {
-        const __m512i pv = _mm512_cvtepi8_epi16(raw);
-        sa = _mm512_and_si512(pv, lo16);
-        sb = _mm512_srli_epi32(pv, 16);
-      } else {
-        const __m512i pv = _mm512_cvtepu8_epi16(raw);
-        sa = _mm512_and_si512(pv, nib);
-        sb = _mm512_and_si512(_mm512_srli_epi32(pv, 16), nib);
-      }
-      const __m512i l0 = _mm512_loadu_si512((const void*)(run + 32));
-      const __m512i l1 = _mm512_loadu_si512((const void*)(run + 96));
-      __m512i a[4], c[4];
-      for (int g = 0; g < 4; ++g) {
-        a[g] = _mm512_and_si512(_mm512_srli_epi16(l0, 2 * g), m3);
-        c[g] = _mm512_and_si512(_mm512_srli_epi16(l1, 2 * g), m3);
-      }
-      if constexpr (Q3) {  // the high bits: bit g (low half's vector g), 4 + g (high half's), to bit 2
-        const __m512i hb = _mm512_loadu_si512((const void*)(run + 160));
-        const __m512i ha[4] = {_mm512_slli_epi16(hb, 2), _mm512_slli_epi16(hb, 1), hb, _mm512_srli_epi16(hb, 1)};
+    for (int hf = 0; hf < H; ++hf) {
+      I isum[MT];
+      for (int i = 0; i < MT; ++i) isum[i] = S::zero();
+      for (int J = 0; J < 8; ++J) {
+        const uint8_t* run = tile + BASE + RUN * J;
+        I sa, sb;  // the scales of sub-blocks 2J and 2J + 1 in the low half of each row's lane
+        if constexpr (Q3) {
+          const I pv = S::s8_i16(run, hf);
+          sa = S::and_(pv, lo16);
+          sb = S::srl32(pv, 16);
+        } else {
+          const I pv = S::u8_i16(run, hf);
+          sa = S::and_(pv, nib);
+          sb = S::and_(S::srl32(pv, 16), nib);
+        }
+        const I l0 = S::load(run + 32, hf), l1 = S::load(run + 96, hf);
+        I a[4], c[4];
         for (int g = 0; g < 4; ++g) {
-          a[g] = _mm512_ternarylogic_epi32(a[g], ha[g], b2, 0xF8);
-          c[g] = _mm512_ternarylogic_epi32(c[g], _mm512_srli_epi16(hb, 2 + g), b2, 0xF8);
+          a[g] = S::and_(S::srl16(l0, 2 * g), m3);
+          c[g] = S::and_(S::srl16(l1, 2 * g), m3);
+        }
+        if constexpr (Q3) {  // the high bits: bit g (low half's vector g), 4 + g (high half's), to bit 2
+          const I hb = S::load(run + 160, hf);
+          const I ha[4] = {S::sll16(hb, 2), S::sll16(hb, 1), hb, S::srl16(hb, 1)};
+          for (int g = 0; g < 4; ++g) {
+            a[g] = S::or_and(a[g], ha[g], b2);
+            c[g] = S::or_and(c[g], S::srl16(hb, 2 + g), b2);
+          }
+        }
+        for (int i = 0; i < MT; ++i) {
+          const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * J);
+          const I da = S::template dot4<Q3 ? 7 : 3>(a, q), dc = S::template dot4<Q3 ? 7 : 3>(c, q + 4);
+          isum[i] = S::dpwssd(S::dpwssd(isum[i], da, sa), dc, sb);
         }
       }
+      const F d = S::f16(tile, hf);
+      I pp[8];  // Q3_K: (s[2p], s[2p+1]); Q2_K: (m[2p], m[2p+1]), int16 pairs per row
+      for (int p = 0; p < 8; ++p)
+        pp[p] = Q3 ? S::s8_i16(tile + BASE + RUN * p, hf)
+                   : S::and_(S::srl16(S::u8_i16(tile + BASE + RUN * p, hf), 4), nib16);
       for (int i = 0; i < MT; ++i) {
-        const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * J);
-        __m512i da = _mm512_setzero_si512(), dc = _mm512_setzero_si512();
-        for (int g = 0; g < 4; ++g) {
-          da = _mm512_dpbusd_epi32(da, a[g], _mm512_set1_epi32(q[g]));
-          dc = _mm512_dpbusd_epi32(dc, c[g], _mm512_set1_epi32(q[4 + g]));
+        const int64_t row = r0 + i;
+        const int32_t* pr = xq.pairs.data() + (row * nb + b) * 8;
+        I osum = S::zero();
+        for (int p = 0; p < 8; ++p) osum = S::dpwssd(osum, pp[p], S::set32(pr[p]));
+        const F dx = S::setf(xq.d[row * nb + b]);
+        if constexpr (Q3) {
+          const I tot = S::sub32(isum[i], S::sll32(osum, 2));
+          acc[hf][i] = S::fmadd(S::cvt(tot), S::mul(d, dx), acc[hf][i]);
+        } else {
+          const F dmin = S::f16(tile + 32, hf);
+          acc[hf][i] = S::fmadd(S::cvt(isum[i]), S::mul(d, dx), acc[hf][i]);
+          acc[hf][i] = S::fnmadd(S::cvt(osum), S::mul(dmin, dx), acc[hf][i]);
         }
-        isum[i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[i], da, sa), dc, sb);
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tile));
-    __m512i pp[8];  // Q3_K: (s[2p], s[2p+1]); Q2_K: (m[2p], m[2p+1]), int16 pairs per row
-    for (int p = 0; p < 8; ++p) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)(tile + BASE + RUN * p));
-      pp[p] = Q3 ? _mm512_cvtepi8_epi16(raw) : _mm512_and_si512(_mm512_srli_epi16(_mm512_cvtepu8_epi16(raw), 4), nib16);
-    }
-    for (int i = 0; i < MT; ++i) {
-      const int64_t row = r0 + i;
-      const int32_t* pr = xq.pairs.data() + (row * nb + b) * 8;
-      __m512i osum = _mm512_setzero_si512();
-      for (int p = 0; p < 8; ++p) osum = _mm512_dpwssd_epi32(osum, pp[p], _mm512_set1_epi32(pr[p]));
-      const __m512 dx = _mm512_set1_ps(xq.d[row * nb + b]);
-      if constexpr (Q3) {
-        const __m512i tot = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(osum, 2));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dx), acc[i]);
-      } else {
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + 32)));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, dx), acc[i]);
-        acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(osum), _mm512_mul_ps(dmin, dx), acc[i]);
       }
     }
   }
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+  for (int hf = 0; hf < H; ++hf)
+    for (int i = 0; i < MT; ++i) S::store(y + (r0 + i) * ldy, hf, acc[hf][i]);
 }
 
 // Runs f(std::integral_constant<int, MT>) for the row count mt (1..TILE_M): the kernels' compile-time MT.
-template <typename F>
-KI_VNNI inline void with_rows(int mt, F&& f) {
+template <typename Fn>
+inline void with_rows(int mt, Fn&& f) {
   switch (mt) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
@@ -1174,8 +1212,8 @@ KI_VNNI inline void with_rows(int mt, F&& f) {
 
 // Tiles t0..t1 of a 256-value tile format (Q4_K, Q6_K, Q5_K, IQ4_XS, Q3_K, Q2_K x16), all M rows of x:
 // TILE_M rows per pass over a tile (a tile's bytes come from memory once, then from L1 for the next pass).
-KI_VNNI void vnni_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq,
-                        int64_t m, float* y, int64_t ldy) {
+void tiles_rows(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX& xq, int64_t m,
+                float* y, int64_t ldy) {
   const int64_t nb = k / QK_K, tb = tile_bytes(fmt);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tiles = w + t * nb * tb;
@@ -1197,17 +1235,20 @@ KI_VNNI void vnni_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64
 }
 
 // Rows r0..r0+MT of x against one Q8_0 x16 tile (16 output columns): per block eight vpdpbusd of the
-// values (+ 128) with a broadcast dword of x, minus 128 sum(q_x), times d dx in fp32. Up to 4 rows, two int32
-// accumulators per row (even and odd g) halve each dependency chain; with more rows there are chains enough
-// (measured on a 2-core Zen 5: one or two accumulators alike at 16-64 rows, 8 chains alone too few).
-// Q5_0 (BITS 5): each of the four nibble vectors gives two of the eight, 16 added where qh's bit is set.
+// values (+ 128) with a broadcast dword of x, minus 128 sum(q_x) (where S's biased dot counts the + 128),
+// times d dx in fp32. Up to 4 rows, two int32 accumulators per row (even and odd g) halve each dependency
+// chain; with more rows there are chains enough (measured on a 2-core Zen 5: one or two accumulators alike
+// at 16-64 rows, 8 chains alone too few).
+// Q5_0 (BITS 5): each of the four nibble vectors gives two of the eight, 16 added where qh's bit is set;
+// its values (0..31) take the plain dot, and 16 sum(q_x) comes off on every ISA.
 template <int BITS, int MT>
-KI_VNNI void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq, int64_t r0, float* y,
-                      int64_t ldy) {
+void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq, int64_t r0, float* y,
+              int64_t ldy) {
   constexpr int64_t VB = BITS == 5 ? 320 : 512;
-  const __m512i lo4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const I lo4 = S::set8(15), sixteen = S::set8(16);
+  F acc[H][MT];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = S::fzero();
   const uint8_t* dp = tile + VB * nb;
   const int64_t rb = r0 / TILE_M;
   const int32_t* xi = xq.xi.data() + rb * nb * 8 * TILE_M;
@@ -1219,42 +1260,48 @@ KI_VNNI void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const Quantize
       prefetch_ahead(qs, VB);
       _mm_prefetch((const char*)(dp + 32 * b + PF_AHEAD_BYTES / 16), _MM_HINT_T0);
     }
-    __m512i s0[MT], s1[MT];
-    for (int i = 0; i < MT; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
-    for (int g = 0; g < 8; ++g) {
-      __m512i wv;
-      if constexpr (BITS == 5) {
-        const __m512i nib = _mm512_loadu_si512((const void*)(qs + 64 * (g & 3)));
-        wv = _mm512_and_si512(g < 4 ? nib : _mm512_srli_epi16(nib, 4), lo4);
-        uint64_t hbits;
-        std::memcpy(&hbits, qs + 256 + 8 * g, 8);
-        wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(hbits), wv, sixteen);
-      } else {
-        wv = _mm512_loadu_si512((const void*)(qs + 64 * g));
+    for (int hf = 0; hf < H; ++hf) {
+      I s0[MT], s1[MT];
+      for (int i = 0; i < MT; ++i) s0[i] = s1[i] = S::zero();
+      for (int g = 0; g < 8; ++g) {
+        if constexpr (BITS == 5) {
+          const I nibv = S::load(qs + 64 * (g & 3), hf);
+          const I wv = S::add8_where(S::and_(g < 4 ? nibv : S::srl16(nibv, 4), lo4), qs + 256 + 8 * g, hf, sixteen);
+          for (int i = 0; i < MT; ++i) {
+            const I xv = S::set32(xi[g * TILE_M + i]);
+            if ((g & 1) && MT <= 4)
+              s1[i] = S::dpbusd(s1[i], wv, xv);
+            else
+              s0[i] = S::dpbusd(s0[i], wv, xv);
+          }
+        } else {
+          const typename S::Biased wv = S::biased(S::load(qs + 64 * g, hf));
+          for (int i = 0; i < MT; ++i) {
+            const I xv = S::set32(xi[g * TILE_M + i]);
+            if ((g & 1) && MT <= 4)
+              s1[i] = S::dpbusd_biased(s1[i], wv, xv);
+            else
+              s0[i] = S::dpbusd_biased(s0[i], wv, xv);
+          }
+        }
       }
+      const F d = S::f16(dp + 32 * b, hf);
       for (int i = 0; i < MT; ++i) {
-        const __m512i xv = _mm512_set1_epi32(xi[g * TILE_M + i]);
-        if ((g & 1) && MT <= 4)
-          s1[i] = _mm512_dpbusd_epi32(s1[i], wv, xv);
-        else
-          s0[i] = _mm512_dpbusd_epi32(s0[i], wv, xv);
+        I tot = S::add32(s0[i], s1[i]);
+        if (BITS == 5 || S::BIASED_DOT_HAS_OFFSET) tot = S::sub32(tot, S::set32(st[i]));
+        acc[hf][i] = S::fmadd(S::cvt(tot), S::mul(d, S::setf(dt[i])), acc[hf][i]);
       }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + 32 * b)));
-    for (int i = 0; i < MT; ++i) {
-      const __m512i dot = _mm512_add_epi32(s0[i], s1[i]);
-      const __m512i tot = _mm512_sub_epi32(dot, _mm512_set1_epi32(st[i]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, _mm512_set1_ps(dt[i])), acc[i]);
     }
   }
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (r0 + i) * ldy, acc[i]);
+  for (int hf = 0; hf < H; ++hf)
+    for (int i = 0; i < MT; ++i) S::store(y + (r0 + i) * ldy, hf, acc[hf][i]);
 }
 
 // Q8_0 (BITS 8) or Q5_0 (5) x16 tiles t0..t1, all M rows of x, TILE_M rows per pass over a tile (as
-// vnni_tiles).
+// tiles_rows).
 template <int BITS>
-KI_VNNI void vnni_q8x_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX32& xq, int64_t m,
-                            float* y, int64_t ldy) {
+void q8x_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX32& xq, int64_t m, float* y,
+               int64_t ldy) {
   const int64_t nb = k / Q8X_BLOCK;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * nb * (X16_ROWS * (BITS == 5 ? Q5X_ROW_BYTES : Q8X_ROW_BYTES));
@@ -1264,7 +1311,173 @@ KI_VNNI void vnni_q8x_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k,
                 [&](auto mt) { q8x_rows<BITS, decltype(mt)::value>(tile, nb, k, xq, r0, yt, ldy); });
   }
 }
-#endif
+
+#endif  // KI_QK_KERNELS
+
+#if !defined(KI_QK_KERNELS)
+#if KI_QK_X86
+// ------------------------------------------------------------------ the tile kernels' two ISAs
+//
+// What the kernels above need of a vector of 16 (Avx512) or 8 (Avx2: one half of a tile vector, HALVES 2)
+// int32 / fp32 lanes, one lane per weight row. The loads take a tile field's address and the half `h`:
+//   load     64-byte vector, value (r, k) at byte 4r + i: bytes 32h.. on Avx2
+//   u8_i32   16 bytes, one per row -> int32 lanes
+//   u8_i16, s8_i16   32 bytes, two per row -> int16 pairs (one pair per int32 lane)
+//   f16      16 fp16, one per row -> fp32 lanes
+// dpbusd(acc, u8 w, s8 x) is VNNI's: acc + per lane the sum of four u8 x s8 products. Avx2 forms it as
+// llama.cpp's AVX2 dot products do, maddubs (u8 x s8 pairs summed to int16, saturating) then madd by ones;
+// exact where |w0 x0 + w1 x1| < 2^15, so for w <= 127 (|x| <= 127): every k-quant's code and Q5_0's. Values
+// held + 128 (IQ4_XS's levels, Q8_0's q) go through `biased` / `dpbusd_biased`: Avx512 dots the u8 as
+// stored (the kernel takes 128 sum(x) off: BIASED_DOT_HAS_OFFSET), Avx2 the signed value (w ^ 0x80) as
+// |w| times x with w's sign, each pair within 2 * 128 * 127 < 2^15, and nothing to take off.
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+struct Avx512 {
+  using I = __m512i;
+  using F = __m512;
+  using Biased = __m512i;
+  static constexpr int HALVES = 1;
+  static constexpr bool BIASED_DOT_HAS_OFFSET = true;
+  static I zero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I set8(int v) { return _mm512_set1_epi8((char)v); }
+  static I set16(int v) { return _mm512_set1_epi16((short)v); }
+  static I set32(int32_t v) { return _mm512_set1_epi32(v); }
+  static F setf(float v) { return _mm512_set1_ps(v); }
+  static I load(const uint8_t* p, int) { return _mm512_loadu_si512((const void*)p); }
+  static I u8_i32(const uint8_t* p, int) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static I u8_i16(const uint8_t* p, int) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+  static I s8_i16(const uint8_t* p, int) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+  static F f16(const uint8_t* p, int) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static void store(float* y, int, F v) { _mm512_storeu_ps(y, v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_and(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }  // a | (b & c)
+  static I srl16(I a, int n) { return _mm512_srli_epi16(a, n); }
+  static I sll16(I a, int n) { return _mm512_slli_epi16(a, n); }
+  static I srl32(I a, int n) { return _mm512_srli_epi32(a, n); }
+  static I sll32(I a, int n) { return _mm512_slli_epi32(a, n); }
+  static I sra32(I a, int n) { return _mm512_srai_epi32(a, n); }
+  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I dpbusd(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static I dpwssd(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
+  static Biased biased(I w) { return w; }
+  static I dpbusd_biased(I acc, Biased w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  // sum over g of dpbusd(w[g], x's dword q[g] broadcast); WMAX (the largest w) only matters to Avx2
+  template <int WMAX>
+  static I dot4(const I* w, const int32_t* q) {
+    I acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(q[0]));
+    for (int g = 1; g < 4; ++g) acc = _mm512_dpbusd_epi32(acc, w[g], _mm512_set1_epi32(q[g]));
+    return acc;
+  }
+  static I table16(const uint8_t* t) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)t)); }
+  static I shuffle8(I tbl, I idx) { return _mm512_shuffle_epi8(tbl, idx); }
+  // a + b in the bytes whose bit is set in the 64-bit little-endian mask at `bits`
+  static I add8_where(I a, const uint8_t* bits, int, I b) {
+    uint64_t m;
+    std::memcpy(&m, bits, 8);
+    return _mm512_mask_add_epi8(a, _cvtu64_mask64(m), a, b);
+  }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+};
+namespace isa_vnni {
+using S = Avx512;
+#define KI_QK_KERNELS 1
+#include "qk_native.cpp"
+#undef KI_QK_KERNELS
+}  // namespace isa_vnni
+#pragma GCC pop_options
+
+// Under -march=native on an AVX-512 CPU this region keeps the file's AVX-512 options (a target pragma adds,
+// it does not take away), so the compiler may encode its AVX2 ops in EVEX form: that build only runs on
+// that CPU. The x86-64-v3 build and one with the AVX-512 features disabled (KUBEINFER_CPU_DISABLE) hold
+// AVX2 code only.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+struct Avx2 {
+  using I = __m256i;
+  using F = __m256;
+  struct Biased {
+    __m256i mag, sgn;  // |w - 128| as u8, w - 128 (its sign)
+  };
+  static constexpr int HALVES = 2;
+  static constexpr bool BIASED_DOT_HAS_OFFSET = false;
+  static I zero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I set8(int v) { return _mm256_set1_epi8((char)v); }
+  static I set16(int v) { return _mm256_set1_epi16((short)v); }
+  static I set32(int32_t v) { return _mm256_set1_epi32(v); }
+  static F setf(float v) { return _mm256_set1_ps(v); }
+  static I load(const uint8_t* p, int h) { return _mm256_loadu_si256((const __m256i*)(p + 32 * h)); }
+  static I u8_i32(const uint8_t* p, int h) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))); }
+  static I u8_i16(const uint8_t* p, int h) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16 * h))); }
+  static I s8_i16(const uint8_t* p, int h) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16 * h))); }
+  static F f16(const uint8_t* p, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h))); }
+  static void store(float* y, int h, F v) { _mm256_storeu_ps(y + 8 * h, v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_and(I a, I b, I c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }
+  static I srl16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I sll16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I srl32(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static I sll32(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I sra32(I a, int n) { return _mm256_srai_epi32(a, n); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I pairs(I p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }  // int16 pairs -> int32
+  static I dpbusd(I acc, I w, I x) { return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(w, x))); }
+  static I dpwssd(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+  static Biased biased(I w) {
+    const __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return {_mm256_abs_epi8(s), s};
+  }
+  static I dpbusd_biased(I acc, const Biased& w, I x) {
+    return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(w.mag, _mm256_sign_epi8(x, w.sgn))));
+  }
+  // maddubs's int16 pair sums (|.| <= 2 WMAX 127) added in int16 while they cannot overflow: all four
+  // for WMAX <= 32 (Q4_K, Q5_K, Q3_K, Q2_K), two and two for Q6_K's 63; one madd per int16 sum.
+  template <int WMAX>
+  static I dot4(const I* w, const int32_t* q) {
+    __m256i p[4];
+    for (int g = 0; g < 4; ++g) p[g] = _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(q[g]));
+    if constexpr (4 * 2 * WMAX * 127 < 32768) {
+      return pairs(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])));
+    } else {
+      static_assert(2 * 2 * WMAX * 127 < 32768, "maddubs pair sums would overflow int16");
+      return _mm256_add_epi32(pairs(_mm256_add_epi16(p[0], p[1])), pairs(_mm256_add_epi16(p[2], p[3])));
+    }
+  }
+  static I table16(const uint8_t* t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)t)); }
+  static I shuffle8(I tbl, I idx) { return _mm256_shuffle_epi8(tbl, idx); }  // per 128-bit lane: tbl twice
+  // bytes 4h..4h+3 of the mask: each byte j of the half picks mask byte j / 8, keeps bit j % 8
+  static I add8_where(I a, const uint8_t* bits, int h, I b) {
+    int32_t m;
+    std::memcpy(&m, bits + 4 * h, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(m), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                                               2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_add_epi8(a, _mm256_and_si256(set, b));
+  }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+};
+namespace isa_avx2 {
+using S = Avx2;
+#define KI_QK_KERNELS 1
+#include "qk_native.cpp"
+#undef KI_QK_KERNELS
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif  // KI_QK_X86
 
 // One row of W in fp32, gguf-py's dequantization bit for bit: (d * sc) * q - dmin * m (Q4_K),
 // (d * sc) * (q - 32) (Q6_K), each product rounded (no FMA contraction: -ffp-contract=off).
@@ -1357,6 +1570,7 @@ int best_compiled_path() {
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw"))
     return PATH_VNNI;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;  // F16C: AVX2's CPUs
 #endif
   return PATH_SCALAR;
 }
@@ -1365,7 +1579,7 @@ int best_compiled_path() {
 
 extern "C" {
 
-int32_t kubeinfer_qk_native_abi() { return 7; }
+int32_t kubeinfer_qk_native_abi() { return 8; }
 
 // csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
 // super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K), group_size 256; or the
@@ -1382,10 +1596,11 @@ struct KiQWeight {
   const uint8_t* packed;
 };
 
-// The path to run: 2 vnni, else scalar; lowered to what this CPU reports. Returns the path now in use.
-// Set at load, not thread-safe against running kernels.
+// The path to run: 2 vnni, 1 avx2 (the tiles only: row-major Q4_K / Q6_K run scalar there), 0 scalar;
+// lowered to what this CPU reports. Returns the path now in use. Set at load, not thread-safe against
+// running kernels.
 int32_t kubeinfer_qk_set_path(int32_t path) {
-  path_in_use = path >= PATH_VNNI ? best_compiled_path() : PATH_SCALAR;
+  path_in_use = std::min(std::max(path, PATH_SCALAR), best_compiled_path());
   return path_in_use;
 }
 
@@ -1401,17 +1616,19 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
   const bool tiled = fmt >= FMT_Q4_K_X16;
   if (tiled && n % X16_ROWS) return 1;
   if (m == 0 || n == 0) return 0;
-  const bool vnni = path_in_use == PATH_VNNI;
+  const int path = path_in_use;
+  const bool vnni = path == PATH_VNNI;
   if (q32) {
     QuantizedX32 xq;
-    quantize_rows32(fmt, x, m, ldx, k, xq, vnni, threads);
+    quantize_rows32(fmt, x, m, ldx, k, xq, path, threads);
     const int64_t tiles = n / X16_ROWS;
     over_spans(tiles, std::max<int32_t>(1, std::min<int64_t>(threads, tiles)), [&](int64_t t0, int64_t t1) {
+      const bool q5 = fmt == FMT_Q5_0_X16;
 #if KI_QK_X86
-      if (vnni && fmt == FMT_Q5_0_X16)
-        vnni_q8x_tiles<5>(w, t0, t1, k, xq, m, y, ldy);
-      else if (vnni)
-        vnni_q8x_tiles<8>(w, t0, t1, k, xq, m, y, ldy);
+      if (vnni)
+        q5 ? isa_vnni::q8x_tiles<5>(w, t0, t1, k, xq, m, y, ldy) : isa_vnni::q8x_tiles<8>(w, t0, t1, k, xq, m, y, ldy);
+      else if (path == PATH_AVX2)
+        q5 ? isa_avx2::q8x_tiles<5>(w, t0, t1, k, xq, m, y, ldy) : isa_avx2::q8x_tiles<8>(w, t0, t1, k, xq, m, y, ldy);
       else
 #endif
         scalar_q8x_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
@@ -1425,7 +1642,9 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
     over_spans(tiles, std::max<int32_t>(1, std::min<int64_t>(threads, tiles)), [&](int64_t t0, int64_t t1) {
 #if KI_QK_X86
       if (vnni)
-        vnni_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
+        isa_vnni::tiles_rows(fmt, w, t0, t1, k, xq, m, y, ldy);
+      else if (path == PATH_AVX2)
+        isa_avx2::tiles_rows(fmt, w, t0, t1, k, xq, m, y, ldy);
       else
 #endif
           if (new_tiles(fmt))
@@ -1595,3 +1814,4 @@ int32_t kubeinfer_qk_dequant(const KiQWeight* w, const int64_t* rows, int64_t ro
 }
 
 }  // extern "C"
+#endif  // !KI_QK_KERNELS
