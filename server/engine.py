@@ -150,7 +150,7 @@ class LLMEngine:
             resolve_dtype(config.model.dtype, self.device) if self.source.gguf is not None else dtype
         ).removeprefix("torch.")
         # Block-quantized projections' GEMM dtype where --dtype resolves to bf16 (auto: CPUs with native bf16),
-        # int8 activations for auto on AVX512-VNNI CPUs without it; activations stay fp32 around them
+        # int8 activations for auto on AVX512-VNNI or AVX2 CPUs without it; activations stay fp32 around them
         # (server/quant/gemm_dtype.py). Not under tensor parallelism: the other ranks load their own shards
         # and would sum partials of another precision.
         tp = config.parallel.tensor_parallel_size

@@ -49,7 +49,7 @@ _DTYPE_ALIASES = {
 }
 # GGUF type -> bits per weight resident on CPU (docs/quantization.md's table; kept types at file size).
 # Q4_K and Q6_K at their repack's bits: the estimate runs where the serving node's CPU is unknown, and
-# only an AVX512-VNNI node holds them near the file's size (4.625 / 6.56; Q5_0 5.5 there too, as 16-row
+# only an AVX512-VNNI or AVX2 node holds them near the file's size (4.625 / 6.56; Q5_0 5.5 there too, as 16-row
 # tiles): an upper bound there.
 GGUF_RESIDENT_BITS = {
     "Q8_0": 8.5,
@@ -68,7 +68,7 @@ GGUF_RESIDENT_BITS = {
     "F32": 32.0,
 }
 # GGUF type -> bits per weight where the serving CPU holds it in 16-row tiles (server/quant/csrc/qk_native.cpp;
-# gguf_checkpoint.super_blocks_enabled: AVX512-VNNI and bf16 or int8 layers), for tensors of whole tiles (N a multiple
+# gguf_checkpoint.super_blocks_enabled: AVX512-VNNI or AVX2 and bf16 or int8 layers), for tensors of whole tiles (N a multiple
 # of 16): within 1/8 bit of the file's, no packed copy. Used where the server estimates for itself
 # (`ServingSettings.gguf_tiles`); the operator, which does not know the node, keeps GGUF_RESIDENT_BITS.
 GGUF_TILE_BITS = {

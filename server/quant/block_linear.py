@@ -40,8 +40,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from server.quant.cpu_qgemv_q8 import MAX_ROWS as Q8_MAX_ROWS
-from server.quant.cpu_qgemv_q8 import Q8GemvKernel, active_kernel, batches_take_any_rows, small_m_linear
+from server.quant.cpu_qgemv_q8 import (
+    Q8GemvKernel,
+    active_kernel,
+    batches_take_any_rows,
+    int8_gemm_enabled,
+    small_m_linear,
+)
 from server.quant.cpu_qk_native import TILED as KQ_TILED
+from server.quant.cpu_qk_native import try_load_qk_native_kernel
 from server.quant.cpu_qlinear import (
     INT8_ACTIVATION_DTYPES,
     Q8_TILED,
@@ -60,6 +67,20 @@ BF16_GEMM_MIN_ROWS = 256
 # (gemm_min_rows): Q8_0 / Q5_0 / IQ4_NL and the k-quants' Q4_K / Q6_K
 INT8_TILED_FORMATS = frozenset(Q8_TILED.values()) | frozenset(KQ_TILED.values())
 SLICE_BYTES = 32 << 20  # fp32 scratch per dequantized slice: a whole projection is one slice, one GEMM
+
+
+def tiles_take_any_rows(kernel: QLinearKernel) -> bool:
+    """Whether bf16 and int8 layers' 16-row tiles stay in their int8 kernel at every row count: where the
+    row-major layout's batched int8 path takes any rows (batches_take_any_rows), and where the tiles'
+    kernel runs its avx2 path with KUBEINFER_INT8_GEMM on: there it ran Llama-3.2-1B's Q4_K / Q6_K
+    matrices at 512 rows 2-4x dequantize + fp32 GEMM (benchmarks/qk_avx2.py, an AVX2-only CPU simulated
+    on Zen 5). Reads the switch and cached kernels only: asked per projection call."""
+    if batches_take_any_rows(kernel):
+        return True
+    if not int8_gemm_enabled():
+        return False
+    qk = try_load_qk_native_kernel()
+    return qk is not None and qk.isa == "avx2"
 
 
 def _register(module: nn.Module, w: BlockQuantWeight) -> None:
@@ -146,14 +167,11 @@ class BlockQuantLinear(QuantLinear):
         dequantize + bf16 GEMM (2-core Zen 5, AVX512-BF16 without AMX). Up to the same limit: where that
         path stops (AMX-BF16: oneDNN's AMX GEMM wins from 256 rows) or is switched off
         (KUBEINFER_INT8_GEMM=0), the bf16 GEMM takes over as for other weights. Under int8 the tiles
-        likewise stay in their kernel, and everything else leaves at GEMM_MIN_ROWS as under fp32."""
+        likewise stay in their kernel, and everything else leaves at GEMM_MIN_ROWS as under fp32. On an
+        AVX2-only CPU (no batched int8 path) the tiles stay too (`tiles_take_any_rows`)."""
         if self.gemm_dtype == torch.float32:
             return GEMM_MIN_ROWS
-        if (
-            self._w.fmt in INT8_TILED_FORMATS
-            and self.kernel is not None
-            and batches_take_any_rows(self.kernel)
-        ):
+        if self._w.fmt in INT8_TILED_FORMATS and self.kernel is not None and tiles_take_any_rows(self.kernel):
             return sys.maxsize
         return BF16_GEMM_MIN_ROWS if self.gemm_dtype == torch.bfloat16 else GEMM_MIN_ROWS
 

@@ -6,8 +6,8 @@ gemma, gemma2, gemma3), shapes in ggml order (ne0 = in_features first), q/k proj
 convert_hf_to_gguf.py for ggml's rotary layout in the Llama-converted families, and Gemma's norm weights
 stored + 1. The permutation is undone here on whole rows, so quantized rows move without being touched
 (exactly what transformers' GGUF loader does on the dequantized matrix); the + 1 is taken back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay quantized (where their kernel runs
-AVX512-VNNI, `super_blocks_enabled`: both as 16-row tiles of the file's own super-blocks
-them (q4_k_x16, q6_k_x16; N a multiple of 16), experts included; else, and for Q4_K of other N, repacked into
+AVX512-VNNI or AVX2, `super_blocks_enabled`: both as 16-row tiles of the file's own super-blocks
+(q4_k_x16, q6_k_x16; N a multiple of 16), experts included; else, and for Q4_K of other N, repacked into
 per-sub-block fp32 scales, exactly: cpu_qlinear.from_gguf_k_blocks), and so do Q5_0, Q5_1, Q5_K, Q3_K,
 Q2_K, IQ4_NL and IQ4_XS (repacked exactly into 8-bit groups: gguf_repack.py; where the Q4_K tiles are held,
 Q5_K, IQ4_XS, Q3_K and Q2_K of whole tiles are held as their own 16-row tiles instead, within 1/8 bit per
@@ -57,7 +57,7 @@ _KEPT = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 _KEPT_K = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 _FLOAT = ("F32", "F16", "BF16")
 # k-quant types held as the file's own super-blocks (csrc/qk_native.cpp) instead of repacked, where the
-# kernel runs AVX512-VNNI, and where N is a multiple of 16 re-laid in 16-row tiles (q4_k_x16 at 4.625 bits,
+# kernel runs AVX512-VNNI (or AVX2: tiles only, below), and where N is a multiple of 16 re-laid in 16-row tiles (q4_k_x16 at 4.625 bits,
 # q6_k_x16 at 6.56, against the repack's 6.0 plus Q4_K's 8.5-bit int8 packed copy and 10.0): each VNNI dot
 # product serves 16 output rows, one row of x 1.6-1.9x the repack's speed, 16 rows about the packed copy's
 # (docs/benchmarks-log.md "k-quants in 16-row tiles"). Other Q4_K stays repacked (its row-major blocks run
@@ -65,7 +65,10 @@ _FLOAT = ("F32", "F16", "BF16")
 # switch Q8_0, Q5_0 and IQ4_NL of whole tiles are held as 16-row tiles: 8.5 bits per weight (Q5_0 5.5)
 # against 8.5 plus the int8 packed copy's 10.0; one row of x 1.0-1.9x, 4 rows 3-5x, 16-64 rows 0.8-1.0x the
 # row-major GEMV and packed batched path (docs/benchmarks-log.md "Q8_0 and Q5_0 in 16-row tiles, and the
-# step thread's malloc arena").
+# step thread's malloc arena"). On an AVX2-only CPU the kernel's avx2 path runs the tiles (every format) and
+# the row-major blocks only in scalar code, so there Q6_K of other N is repacked as Q4_K is; its tiles run
+# 1.2-2.6x the repacked layout's int8 GEMV / fp32 kernel at 4-128 rows and 2-4x dequantize + fp32 GEMM at
+# 512 (benchmarks/qk_avx2.py, docs/benchmarks-log.md "k-quant tiles on AVX2").
 SUPER_BLOCK_TYPES = ("Q6_K", "Q4_K")
 # k-quant types the kernel runs only as 16-row tiles (qk_native.cpp's Q5_K / IQ4_XS / Q3_K / Q2_K x16, within
 # 1/8 bit per weight of the file's bits): held so under the same switch where N is a multiple of 16, else
@@ -77,13 +80,13 @@ SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 def super_blocks_enabled(compute: torch.dtype) -> bool:
     """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0, Q5_0, IQ4_NL and
     TILE_ONLY_TYPES as 16-row tiles), `0` repack them (and keep Q8_0 and the like row-major); unset: where the super-block kernel runs its
-    AVX512-VNNI path (its scalar path is slower than the repacked formats' AVX2 GEMV) and the layers'
+    AVX512-VNNI or AVX2 path (its scalar path is slower than the repacked formats' AVX2 GEMV) and the layers'
     GEMMs take int8 activations (`compute`, the GEMM dtype: bf16 or int8, server/quant/gemm_dtype.py; a
-    GGUF served as it is under `--dtype auto` gets one of them on every AVX512-VNNI CPU). The tiles'
+    GGUF served as it is under `--dtype auto` gets one of them on every AVX512-VNNI or AVX2 CPU). The tiles'
     int8-activation kernels serve those; fp32 layers dequantize them a row at a time (qk_native.cpp's
     fp32_rows), 10x the row-major kernel's time at one row (Zen 5: a Q8_0 [4096, 2048] 1.89 against 0.18
     ms; a Qwen3-MoE-2.1B Q4_K_M block's experts at one token 18.5 against 1.4 ms), so for fp32 (a file
-    read to be dequantized, a CPU without AVX512-VNNI) the row-major and repacked layouts serve.
+    read to be dequantized, a CPU without AVX2) the row-major and repacked layouts serve.
     ValueError for another value."""
     explicit = env_switch(SUPER_BLOCKS_ENV)
     if explicit is not None:
@@ -92,7 +95,16 @@ def super_blocks_enabled(compute: torch.dtype) -> bool:
         return False
     kernel = cpu_qk_native.try_load_qk_native_kernel()
     # the features read now too: KUBEINFER_CPU_DISABLE may have changed since the kernel was loaded
-    return kernel is not None and kernel.isa == "vnni" and cpu_qk_native.vnni_usable()
+    return kernel is not None and kernel.isa in TILE_PATHS and kernel.isa == cpu_qk_native.usable_path()
+
+
+TILE_PATHS = ("vnni", "avx2")  # qk_native's paths that run the tiles in SIMD code
+
+
+def _row_major_runs() -> bool:
+    """Whether the kernel runs row-major super-blocks in SIMD code (its vnni path; avx2 runs tiles only)."""
+    kernel = cpu_qk_native.try_load_qk_native_kernel()
+    return kernel is not None and kernel.isa == "vnni"
 
 
 # Mixture-of-experts blocks (llama.cpp's Mixtral in the `llama` architecture, qwen2moe, qwen3moe): full
@@ -279,9 +291,11 @@ def _tileable(w: BlockQuantWeight, q8: bool = False) -> bool:
 
 def _k_quant(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks: bool) -> BlockQuantWeight:
     """A Q4_K / Q6_K matrix [N, K] as served: SUPER_BLOCK_TYPES held as the file's super-blocks where
-    `super_blocks` (Q4_K only with N a multiple of 16; both become 16-row tiles once their rows are final,
-    `_tileable`, `interleave_x16`), else repacked."""
-    if super_blocks and kind in SUPER_BLOCK_TYPES and (kind != "Q4_K" or n % X16_ROWS == 0):
+    `super_blocks` (Q4_K only with N a multiple of 16, Q6_K too where they would run row-major in scalar
+    code, `_row_major_runs`; both become 16-row tiles once their rows are final, `_tileable`,
+    `interleave_x16`), else repacked."""
+    whole_tiles = n % X16_ROWS == 0
+    if super_blocks and kind in SUPER_BLOCK_TYPES and (whole_tiles or (kind == "Q6_K" and _row_major_runs())):
         return from_gguf_k_super_blocks(raw, _KEPT_K[kind], n, k)
     return from_gguf_k_blocks(raw, _KEPT_K[kind], n, k)
 

@@ -13,6 +13,7 @@ Tolerances:
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -467,3 +468,152 @@ def test_tile_only_types_repacked_where_the_library_cannot_be_built(
     ckpt = read_gguf_checkpoint(path, torch.bfloat16)
     held = [w for w in ckpt.tensors.values() if isinstance(w, cq.BlockQuantWeight)]
     assert len(held) == 15 and all(w.fmt == "q5_k" and not w.super_blocks for w in held)
+
+
+# ------------------------------------------------------------------ the avx2 path as an AVX2-only CPU builds it
+
+# KUBEINFER_CPU_DISABLE for an AVX2-only CPU (AMD Zen 2/3, Intel Haswell..Skylake client): the library built
+# with -mno-avx512f and the rest (its own cache entry), so its avx2 path holds no AVX-512 instruction
+AVX2_ONLY = "avx512f,avx512_bf16,avx512_vnni,avx_vnni,amx_tile,amx_bf16"
+# every tile format: the k-quants (file type, tiles through interleave) and the 32-value ones (qlinear's)
+ALL_TILES = ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q3_K", "Q2_K", "Q8_0", "Q5_0"]
+Q32_CODES = {"q8_0_x16": 4, "q5_0_x16": 5}  # qk_native.cpp's FMT_Q8_0_X16, FMT_Q5_0_X16
+FP16_AT = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_K": (0, 2), "IQ4_XS": (0,), "Q3_K": (108,), "Q2_K": (80, 82)}
+FP16_AT |= {"Q8_0": (0,), "Q5_0": (0,)}
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel() -> qk.QKNativeKernel:
+    """The library as an AVX2-only CPU builds and loads it (its own build, loaded fresh: a kernel keeps the
+    path it was loaded with); skipped where this CPU has no AVX2 (+FMA, F16C)."""
+    from server.config import default_cache_dir
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KUBEINFER_CPU_DISABLE", AVX2_ONLY)
+        if qk.usable_path() != "avx2":
+            pytest.skip("no usable AVX2 here")
+        kernel = qk.load_qk_native_kernel(default_cache_dir() / "avx2-only")
+    assert kernel.isa == "avx2" and kernel.path != qk.load_qk_native_kernel().path
+    return kernel
+
+
+def gguf_blocks(kind: str, n: int, k: int, seed: int, fill: int | None = None) -> np.ndarray:
+    """[N, K / block * bytes] GGUF blocks of `kind`: random bytes (fill None) or every byte `fill`, the fp16
+    scales (FP16_AT) set to 1e-3."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    if fill is not None:
+        b[:] = fill
+    for off in FP16_AT[kind]:
+        b[:, off : off + 2] = np.full((b.shape[0], 1), 1e-3, np.float16).view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def tile_weight(kind: str, raw: np.ndarray, n: int, k: int):  # type: ignore[no-untyped-def]
+    """(the tiles, the weight they hold as its reference takes it): KQuantBlocks for the k-quants, qlinear's
+    BlockQuantWeight (q8_0_x16 / q5_0_x16, and the row-major weight) for Q8_0 / Q5_0."""
+    from server.quant import cpu_qlinear as cq
+    from server.quant.gguf_repack import from_gguf_repacked
+
+    if kind in ("Q8_0", "Q5_0"):
+        rows = (
+            cq.from_gguf_blocks(raw, "q8_0", n, k) if kind == "Q8_0" else from_gguf_repacked(raw, kind, n, k)
+        )
+        return cq.interleave_q8_x16(rows), rows
+    w = qk.from_gguf(raw, kind.lower(), n, k)
+    return qk.load_qk_native_kernel().interleave(w), w
+
+
+def run_tiles(
+    kernel: qk.QKNativeKernel, tiles, x: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """x [M, K] (rows may be strided) through `kernel`'s kubeinfer_qk_linear over the tiles -> [M, N]; Q8_0 /
+    Q5_0 tiles called directly (QKNativeKernel.linear takes the k-quants only)."""
+    if isinstance(tiles, qk.KQuantBlocks):
+        return kernel.linear(x, tiles, out=out)
+    m, n = x.shape[0], tiles.out_features
+    out = torch.empty(m, n) if out is None else out
+    rc = kernel.lib.kubeinfer_qk_linear(
+        Q32_CODES[tiles.fmt], tiles.q.data_ptr(), n, tiles.in_features, x.data_ptr(), m, x.stride(0),
+        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    assert rc == 0
+    return out
+
+
+def assert_reference(y: torch.Tensor, x: torch.Tensor, kind: str, ref_w, label: str) -> None:  # type: ignore[no-untyped-def]
+    """y against W @ x^ within the fp32 slack: the k-quants' 256-value activations, Q8_0 / Q5_0's ggml
+    Q8_0 ones (cpu_qgemv_q8's references)."""
+    if isinstance(ref_w, qk.KQuantBlocks):
+        slack = fp32_slack(x, ref_w)
+        err = (y - qk.linear_reference(x, ref_w)).abs()
+    else:
+        from server.quant import cpu_qgemv_q8 as q8m
+        from server.quant import cpu_qlinear as cq
+
+        dense = cq.dequantize_reference(ref_w)
+        slack = 2e-5 * (q8m.dequantize_activations_reference(x).abs() @ dense.abs().t()) + 1e-5
+        err = (y - q8m.linear_reference(x, ref_w, None)).abs()
+    assert (err <= slack).all(), f"{label}: max excess {(err - slack).max().item():.3g}"
+
+
+@pytest.fixture
+def vnni_kernel() -> Iterator[qk.QKNativeKernel | None]:
+    """This CPU's own library on its vnni path (None where it has none), restored after."""
+    kernel = qk.load_qk_native_kernel()
+    default = kernel.isa
+    yield kernel if kernel.set_path("vnni") == "vnni" else None
+    kernel.set_path(default)
+
+
+@pytest.mark.parametrize("kind", ALL_TILES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx2_build_matches_the_references_and_vnni_bit_for_bit(
+    avx2_kernel: qk.QKNativeKernel, vnni_kernel: qk.QKNativeKernel | None, kind: str, threads: int
+) -> None:
+    """Every tile format on the AVX2-only build: W @ x^ within the vnni path's slack at odd and even M (a
+    tile pass of 8 rows, and the rows past it), rows of x and y strided, a zero block of x; and the same
+    floats as the vnni path, bit for bit (the same int8 activations, integer sums and fp32 ops)."""
+    n, k = 48, 768
+    tiles, ref_w = tile_weight(kind, gguf_blocks(kind, n, k, seed=len(kind)), n, k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 3, 8, 9, 17):
+            big = torch.randn(m, k + 40, generator=torch.Generator().manual_seed(m)) * 3.0
+            x = big[:, 13 : 13 + k]  # rows strided
+            if m > 1:
+                x[1, 256:512] = 0.0
+            out = torch.full((m, n + 7), 7.0)
+            y = run_tiles(avx2_kernel, tiles, x, out[:, 5 : 5 + n])
+            assert torch.equal(out[:, :5], torch.full((m, 5), 7.0)) and torch.equal(
+                out[:, 5 + n :], torch.full((m, 2), 7.0)
+            )
+            assert_reference(y, x, kind, ref_w, f"avx2 {kind} M={m} threads={threads}")
+            if vnni_kernel is not None:
+                assert torch.equal(y, run_tiles(vnni_kernel, tiles, x.contiguous())), f"{kind} M={m}"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", ALL_TILES)
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0x80, 0x7F])
+def test_avx2_extreme_values_do_not_saturate(
+    avx2_kernel: qk.QKNativeKernel, vnni_kernel: qk.QKNativeKernel | None, kind: str, fill: int
+) -> None:
+    """Every value at a format's extreme (every byte 0x00 / 0xFF / 0x80 / 0x7F: IQ4_XS's levels -127 and
+    113, held + 128 up to 241; Q8_0's -128 and 127; Q6_K's 63; the largest scales) against activations
+    at +-127 of one sign, the other, and signs alternating: AVX2's u8 x s8 pair sums (maddubs) saturate
+    int16 past 32767, which 241 * 127 * 2 would, so the avx2 path must give what the references and the
+    vnni path give."""
+    n, k = 16, 512
+    tiles, ref_w = tile_weight(kind, gguf_blocks(kind, n, k, seed=1, fill=fill), n, k)
+    alt = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0)
+    x = torch.stack([torch.full((k,), 3.0), torch.full((k,), -3.0), 3.0 * alt, -3.0 * alt])
+    y = run_tiles(avx2_kernel, tiles, x)
+    assert_reference(y, x, kind, ref_w, f"avx2 {kind} fill={fill:#x}")
+    if vnni_kernel is not None:
+        assert torch.equal(y, run_tiles(vnni_kernel, tiles, x)), f"{kind} fill={fill:#x}"
