@@ -47,7 +47,7 @@ from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
 from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS, INT8_ACTIVATION_DTYPES
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype, pack_int8_weights
-from server.quant.gguf_checkpoint import DequantizedTensor, super_blocks_enabled
+from server.quant.gguf_checkpoint import DequantizedTensor, q8_tiles_enabled, super_blocks_enabled
 from server.request import (
     FinishReason,
     GrammarSpec,
@@ -167,7 +167,12 @@ class LLMEngine:
             and super_blocks_enabled(self.gemm_dtype)
         )
         self.memory = serving_estimate(
-            config, self.source.gguf or self.source.folder, compute_name, self.max_model_len, gguf_tiles
+            config,
+            self.source.gguf or self.source.folder,
+            compute_name,
+            self.max_model_len,
+            gguf_tiles,
+            gguf_tiles and q8_tiles_enabled(),
         )
         if self.device.type == "cpu":
             check_memory(self.memory)

@@ -82,6 +82,7 @@ GGUF_TILE_BITS = {
     "Q3_K": 3.5625,
     "Q2_K": 2.625,
 }
+Q8_TILE_TYPES = ("Q8_0", "Q5_0", "IQ4_NL")  # held in Q8_0's tiles (the rest: the k-quants' own)
 # On-the-fly --quantize methods: resident bits per weight of a quantized linear weight (values plus
 # the per-32 scale (and min) the block formats carry).
 QUANTIZE_BITS = {"int8": 8.5, "q8_0": 8.5, "int4": 4.5, "q4_0": 4.5, "q4_1": 5.0, "fp8": 8.0}
@@ -103,7 +104,8 @@ class ServingSettings:
     (`--block-size`) and `max_num_batched_tokens` (a step's tokens: the prompt chunk a windowed layer
     holds besides its window, server/core/kv_groups.py). `gguf_tiles`: the serving CPU holds a GGUF served
     as it is in 16-row tiles (GGUF_TILE_BITS); False, where the node is unknown: the repacks' bits, an
-    upper bound."""
+    upper bound. `gguf_q8_tiles` (with `gguf_tiles`): Q8_TILE_TYPES too (gguf_checkpoint.q8_tiles_enabled:
+    not on an AVX2-only CPU)."""
 
     dtype: str = "auto"
     auto_dtype: str = "float32"  # what auto resolves to: fp32 on CPUs without native bf16, the safe bound
@@ -115,6 +117,7 @@ class ServingSettings:
     block_size: int = 16  # server/config.py CacheConfig.block_size
     max_num_batched_tokens: int = 2048  # server/config.py EngineConfig.max_num_batched_tokens
     gguf_tiles: bool = False
+    gguf_q8_tiles: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dtype", "auto_dtype", "kv_cache_dtype"):
@@ -328,6 +331,7 @@ def _gguf_weights(reader: Any, settings: ServingSettings) -> tuple[int, int]:
             kind = t.tensor_type.name
             rows = int(t.shape[1]) if len(t.shape) >= 2 else 0  # ggml order: ne0 = K, ne1 = N
             tiled = settings.gguf_tiles and kind in GGUF_TILE_BITS and rows > 0 and rows % 16 == 0
+            tiled = tiled and (settings.gguf_q8_tiles or kind not in Q8_TILE_TYPES)
             resident_bits += count * (GGUF_TILE_BITS[kind] if tiled else GGUF_RESIDENT_BITS.get(kind, 32.0))
     return int(resident_bits + 7) // 8, in_file
 

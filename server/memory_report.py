@@ -23,11 +23,17 @@ log = logging.getLogger(__name__)
 
 
 def serving_estimate(
-    config: EngineConfig, model: Path, compute_dtype: str, max_model_len: int, gguf_tiles: bool = False
+    config: EngineConfig,
+    model: Path,
+    compute_dtype: str,
+    max_model_len: int,
+    gguf_tiles: bool = False,
+    gguf_q8_tiles: bool = True,
 ) -> MemoryEstimate | None:
     """The estimate for `model` (a folder, or the GGUF file served as it is) under `config`'s flags;
     `compute_dtype`: what --dtype resolved to here (float32, bfloat16, float16); `gguf_tiles`: this CPU
-    will hold the GGUF's quantized tensors in 16-row tiles (ServingSettings.gguf_tiles). None (logged) when
+    will hold the GGUF's quantized tensors in 16-row tiles (ServingSettings.gguf_tiles; `gguf_q8_tiles`
+    its Q8_0, Q5_0 and IQ4_NL too: gguf_checkpoint.q8_tiles_enabled). None (logged) when
     the files cannot be read for one: the server still starts."""
     cache = config.cache
     try:
@@ -42,6 +48,7 @@ def serving_estimate(
             block_size=cache.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             gguf_tiles=gguf_tiles,
+            gguf_q8_tiles=gguf_q8_tiles,
         )
         return estimate_memory(model, settings)
     except (EstimateError, ValueError, OSError) as e:

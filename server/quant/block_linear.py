@@ -73,7 +73,7 @@ def tiles_take_any_rows(kernel: QLinearKernel) -> bool:
     """Whether bf16 and int8 layers' 16-row tiles stay in their int8 kernel at every row count: where the
     row-major layout's batched int8 path takes any rows (batches_take_any_rows), and where the tiles'
     kernel runs its avx2 path with KUBEINFER_INT8_GEMM on: there it ran Llama-3.2-1B's Q4_K / Q6_K
-    matrices at 512 rows 2-4x dequantize + fp32 GEMM (benchmarks/qk_avx2.py, an AVX2-only CPU simulated
+    matrices at 512 rows 1.5-3.4x dequantize + fp32 GEMM (benchmarks/qk_avx2.py, an AVX2-only CPU simulated
     on Zen 5). Reads the switch and cached kernels only: asked per projection call."""
     if batches_take_any_rows(kernel):
         return True

@@ -15,7 +15,7 @@ weight of the file's bits: `TILE_ONLY_TYPES`); MXFP4 expert stacks
 (gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
 `GgufCheckpoint.dequantized` with the memory it costs beyond its bytes in the file (/info shows it).
-Where the k-quant tiles are held, so are Q8_0's: Q8_0, Q5_0 and IQ4_NL matrices of whole 16-row tiles,
+Where the k-quant tiles are held on AVX512-VNNI (`q8_tiles_enabled`: not on AVX2-only CPUs), so are Q8_0's: Q8_0, Q5_0 and IQ4_NL matrices of whole 16-row tiles,
 experts included, become q8_0_x16 / q5_0_x16 / iq4_nl_x16 (cpu_qlinear.interleave_q8_x16): the file's
 8.5 bits per weight (Q5_0 5.5), one copy for decode and batches, instead of the row-major blocks (Q5_0
 widened to 8.5 bits) plus the batched path's 10-bit int8 packed copy.
@@ -67,8 +67,9 @@ _FLOAT = ("F32", "F16", "BF16")
 # row-major GEMV and packed batched path (docs/benchmarks-log.md "Q8_0 and Q5_0 in 16-row tiles, and the
 # step thread's malloc arena"). On an AVX2-only CPU the kernel's avx2 path runs the tiles (every format) and
 # the row-major blocks only in scalar code, so there Q6_K of other N is repacked as Q4_K is; its tiles run
-# 1.2-2.6x the repacked layout's int8 GEMV / fp32 kernel at 4-128 rows and 2-4x dequantize + fp32 GEMM at
-# 512 (benchmarks/qk_avx2.py, docs/benchmarks-log.md "k-quant tiles on AVX2").
+# 1.4-2.6x the repacked layout's int8 GEMV / fp32 kernel at 4-128 rows and 1.5-3.4x dequantize + fp32 GEMM at
+# 512; one row Q4_K 1.3x, Q6_K 0.8-1.3x (benchmarks/qk_avx2.py, docs/benchmarks-log.md "k-quant tiles on
+# AVX2", an AVX2-only CPU simulated on a 2-core Zen 5).
 SUPER_BLOCK_TYPES = ("Q6_K", "Q4_K")
 # k-quant types the kernel runs only as 16-row tiles (qk_native.cpp's Q5_K / IQ4_XS / Q3_K / Q2_K x16, within
 # 1/8 bit per weight of the file's bits): held so under the same switch where N is a multiple of 16, else
@@ -99,6 +100,19 @@ def super_blocks_enabled(compute: torch.dtype) -> bool:
 
 
 TILE_PATHS = ("vnni", "avx2")  # qk_native's paths that run the tiles in SIMD code
+
+
+def q8_tiles_enabled() -> bool:
+    """Where super_blocks_enabled holds the k-quants' tiles, whether Q8_0, Q5_0 and IQ4_NL of whole tiles are
+    held as Q8_0's tiles too: on the kernel's vnni path, or with KUBEINFER_KQUANT_BLOCKS=1. Not by default on
+    its avx2 path, where their kernel runs (tested like the vnni one) but they would hold Q8_0 and IQ4_NL at
+    the row-major layout's 8.5 bits (no CPU without VNNI makes the packed copy) and their speed against the
+    row-major int8 GEMV was not measured cleanly (benchmarks/qk_avx2.py --formats q8_0: the runs of
+    2026-12-06 were preempted by a neighbour's benchmark); so Q5_0 stays repacked at 8.5 bits there."""
+    if env_switch(SUPER_BLOCKS_ENV):
+        return True
+    kernel = cpu_qk_native.try_load_qk_native_kernel()
+    return kernel is not None and kernel.isa == "vnni"
 
 
 def _row_major_runs() -> bool:
@@ -214,6 +228,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
     n_kv = _field_int(reader, f"{arch}.attention.head_count_kv") or n_head
     ckpt = GgufCheckpoint(arch)
     super_blocks = super_blocks_enabled(compute)
+    q8_tiles = super_blocks and q8_tiles_enabled()
     for t in reader.tensors:
         name = hf_name(t.name, layout)
         if name is None:
@@ -225,7 +240,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
         value: Tensor | BlockQuantWeight
         kept = kind in _KEPT or kind in _KEPT_K or kind in REPACKED
         if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kept:
-            ckpt.experts[name] = _split_experts(t.data, kind, shape, super_blocks)
+            ckpt.experts[name] = _split_experts(t.data, kind, shape, super_blocks, q8_tiles)
             continue
         if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kind == "MXFP4":
             with warnings.catch_warnings():  # a read-only memory map: from_gguf_mxfp4 copies what it keeps
@@ -272,7 +287,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
             value = (
                 value.select_rows(perm) if isinstance(value, BlockQuantWeight) else value[perm].contiguous()
             )
-        if isinstance(value, BlockQuantWeight) and _tileable(value, super_blocks and not moe):
+        if isinstance(value, BlockQuantWeight) and _tileable(value, q8_tiles and not moe):
             # after the row permutation: tiles are 16 rows as served
             value = interleave_x16(value) if value.super_blocks else interleave_q8_x16(value)
         ckpt.tensors[name] = value
@@ -317,7 +332,7 @@ def _repacked(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks:
 
 
 def _split_experts(
-    raw: np.ndarray, kind: str, shape: list[int], super_blocks: bool
+    raw: np.ndarray, kind: str, shape: list[int], super_blocks: bool, q8_tiles: bool
 ) -> list[BlockQuantWeight]:
     """A stacked expert tensor [E, N, K] of a kept type -> one BlockQuantWeight [N, K] per expert: the
     file holds the E matrices one after the other, each rows of ggml blocks. k-quants as `_k_quant` holds
@@ -335,7 +350,7 @@ def _split_experts(
             w = _k_quant(data[i], kind, n, k, super_blocks)
         else:
             w = _repacked(data[i].reshape(n, -1), kind, n, k, super_blocks)
-        if _tileable(w, super_blocks):  # Q8_0 / Q5_0 / IQ4_NL as Q8_0's tiles where the k-quants' are
+        if _tileable(w, q8_tiles):  # Q8_0 / Q5_0 / IQ4_NL as Q8_0's tiles where q8_tiles_enabled
             w = interleave_x16(w) if w.super_blocks else interleave_q8_x16(w)
         out.append(w)
     return out

@@ -109,3 +109,29 @@ def test_a_level_the_os_has_not_enabled_is_not_chosen(
     assert "avx512f" not in native.runnable_cpu_flags(tmp_path / "cache")
     _, path = native.load_library(cq.NATIVE, tmp_path / "cache")
     assert level_of(path) == "x86-64-v3"
+
+
+def test_the_x86_64_v3_build_runs_the_tiles_avx2_path(
+    prebuilt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An AVX2-only CPU gets the x86-64-v3 build of the tile kernel (qk_native), and it runs the tiles on its
+    avx2 path (AVX-512 turned off here as such a CPU lacks it), within the reference's fp32 slack."""
+    from server.quant import cpu_qk_native as qk
+
+    v3 = native.VARIANTS[1]
+    if not v3.cpu_flags <= native.cpu_flags():
+        pytest.skip("this CPU cannot run x86-64-v3 code")
+    monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt))
+    monkeypatch.setattr(native, "cpu_flags", lambda: v3.cpu_flags)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512f,avx512_bf16,avx512_vnni,avx_vnni,amx_tile,amx_bf16")
+    kernel = qk.load_qk_native_kernel(tmp_path / "cache")
+    assert level_of(kernel.path) == v3.march and kernel.isa == "avx2"
+    rng = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (32, 2 * 144), dtype=torch.uint8, generator=rng)
+    raw.view(-1, 144)[:, 0:4] = torch.tensor([1e-3, 1e-3], dtype=torch.float16).view(torch.uint8)
+    w = qk.from_gguf(raw.numpy(), "q4_k", 32, 512)
+    tiles = kernel.interleave(w)
+    x = torch.randn(5, 512, generator=rng)
+    slack = 2e-5 * (qk.quantize_activations_reference(x).abs() @ qk.dequantize_reference(w).abs().t()) + 1e-5
+    assert ((kernel.linear(x, tiles) - qk.linear_reference(x, w)).abs() <= slack).all()

@@ -2,7 +2,8 @@
 (Ice Lake's class, simulated here with KUBEINFER_CPU_DISABLE=avx512_bf16,amx_bf16) keeps the layers in fp32
 and lets every block-quantized GEMM with an int8-activation kernel take it, as llama.cpp does: a GGUF's
 16-row tiles are held (about the file's bits) and run their VNNI kernel at every row count, where before such
-a CPU read the file repacked with fp32 activations. Without VNNI (AVX2-only CPUs) the layers stay fp32.
+a CPU read the file repacked with fp32 activations. On AVX2-only CPUs int8 too: the GEMV's decode rows, and
+a GGUF's k-quant tiles on their AVX2 path.
 The kernels' own int8 results are tested with the tiles (test_cpu_qk_native.py, test_q8_tiles.py)."""
 
 from __future__ import annotations

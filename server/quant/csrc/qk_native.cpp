@@ -85,6 +85,9 @@
 //           else `vpmulld` (Q6_K, Q5_K < 2^17, IQ4_XS < 2^20), the min and offset terms as int32 vectors
 //           too, one fp32 vector per row of x reduced once per output (the x16 tiles: none, 16 lanes = 16
 //           outputs).
+//   avx2    the 16-row tiles only (row-major blocks run scalar there): the vnni tile kernels' own text
+//           compiled for AVX2 (the shims after the kernels), `vpmaddubsw` + `vpmaddwd` for `vpdpbusd`, each
+//           64-byte tile vector as two 32-byte halves of 8 rows; bit for bit the vnni path's results.
 //   scalar  plain C++, any CPU.
 // Batches: each weight row's super-block is unpacked once and dotted with up to TILE_M rows of x while it
 // sits in registers; a batch of M rows reads every weight byte from memory once (from L1 again for each
