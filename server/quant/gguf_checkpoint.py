@@ -106,9 +106,10 @@ def q8_tiles_enabled() -> bool:
     """Where super_blocks_enabled holds the k-quants' tiles, whether Q8_0, Q5_0 and IQ4_NL of whole tiles are
     held as Q8_0's tiles too: on the kernel's vnni path, or with KUBEINFER_KQUANT_BLOCKS=1. Not by default on
     its avx2 path, where their kernel runs (tested like the vnni one) but they would hold Q8_0 and IQ4_NL at
-    the row-major layout's 8.5 bits (no CPU without VNNI makes the packed copy) and their speed against the
-    row-major int8 GEMV was not measured cleanly (benchmarks/qk_avx2.py --formats q8_0: the runs of
-    2026-12-06 were preempted by a neighbour's benchmark); so Q5_0 stays repacked at 8.5 bits there."""
+    the row-major layout's 8.5 bits (no CPU without VNNI makes the packed copy), and one row, decode's
+    common case, ran 0.8-1.15x the row-major int8 GEMV (Q8_0 [8192, 2048] 0.79x; 4-128 rows 1.5-2.4x:
+    benchmarks/qk_avx2.py --formats q8_0, simulated AVX2-only CPU, docs/benchmarks-log.md "k-quant tiles on
+    AVX2"); so Q5_0 stays repacked at 8.5 bits there too."""
     if env_switch(SUPER_BLOCKS_ENV):
         return True
     kernel = cpu_qk_native.try_load_qk_native_kernel()
