@@ -305,7 +305,7 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "measured step costs, so that such a step costs at most this many times a decode-only step (their "
         "inter-token latency while the long prompt prefills; smaller chunks delay its first token). "
         f"0 = off (every prompt under --long-prefill-token-threshold). Default: {CPU_PREFILL_ITL_FACTOR:g} "
-        "on CPU, 0 on CUDA",
+        "on CPU (0 where --long-prefill-token-threshold is 0), 0 on CUDA",
         type=float,
         default=None,
     )

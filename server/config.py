@@ -274,6 +274,11 @@ PREFILL_CAP_MIN_TOKENS = 16
 # The measured cap's factor on CPU (EngineConfig.prefill_itl_factor_for): issue 49's target, a running
 # stream's ITL p99 during another's 8k prefill within 2x its quiet ITL.
 CPU_PREFILL_ITL_FACTOR = 2.0
+_CAP_CONFLICT = (
+    "prefill_itl_min_tokens 0 lets the measured cap (prefill_itl_factor) size every prompt's chunks, the cap "
+    "that long_prefill_token_threshold fixes: set one of them (prefill_itl_factor 0 for the fixed threshold "
+    "alone)"
+)
 # A burst step costs at most this many quiet decode steps of its streams (server/core/burst_bound.py). On
 # the Llama-3.2-1B shape on 2 cores, 64 users: 16 cut ITL p99 8.4 -> 2.2 s with TTFT p50 0.87x and the same
 # throughput; 4 cut it 4.8x but cost TTFT p50 1.8x and half the throughput (docs/benchmarks-log.md, "A burst
@@ -368,12 +373,13 @@ class EngineConfig:
         bs = self.burst_itl_seconds
         if not (bs == 0 or (math.isfinite(bs) and bs > 0)):
             raise ValueError(f"burst_itl_seconds must be 0 (off) or > 0, got {bs}")
-        # (a factor left to the device counts as on: it is on CPU)
-        if f != 0 and self.prefill_itl_min_tokens == 0 and self.long_prefill_token_threshold is not None:
+        # (the same conflict under the device's default factor is refused by prefill_cap_for, per device)
+        if f and self.prefill_itl_min_tokens == 0 and self.long_prefill_token_threshold is not None:
+            raise ValueError(_CAP_CONFLICT)
+        if f == 0 and self.prefill_itl_min_tokens is not None:
             raise ValueError(
-                "prefill_itl_factor with prefill_itl_min_tokens 0 sizes the cap that "
-                "long_prefill_token_threshold fixes: set one of them (prefill_itl_factor 0 for the fixed "
-                "threshold alone)"
+                "prefill_itl_min_tokens chooses the prompts the measured cap governs, and prefill_itl_factor 0 "
+                "turns that cap off: set one of them"
             )
         # Validates the token budget and sequence limits early, with the same messages.
         SchedulerConfig(
@@ -408,12 +414,15 @@ class EngineConfig:
 
     def prefill_itl_factor_for(self, device_type: str) -> float:
         """`prefill_itl_factor` on a device of this type (0 = off): the configured value, else
-        CPU_PREFILL_ITL_FACTOR on CPU and off elsewhere. Why on CPU: a running stream's ITL while
+        CPU_PREFILL_ITL_FACTOR on CPU and off elsewhere, and off where `long_prefill_token_threshold` is
+        explicitly 0 (no cap beyond the token budget). Why on CPU: a running stream's ITL while
         another's 8k prompt prefilled at the fixed 128-token share was 9.6x its quiet ITL (Llama-3.2-1B
         Q4_K_M, Zen 5); the measured cap for prompts longer than the token budget brought it to 1.79x
         at the same TTFT, and leaves shorter prompts alone (`prefill_itl_min_tokens_for`). On a GPU the fixed cap is off too (vLLM's default), unmeasured by us."""
         if self.prefill_itl_factor is not None:
             return self.prefill_itl_factor
+        if self.long_prefill_token_threshold == 0:  # asked for no cap beyond the budget
+            return 0.0
         return CPU_PREFILL_ITL_FACTOR if device_type == "cpu" else 0.0
 
     def prefill_itl_min_tokens_for(self) -> int:
@@ -436,6 +445,10 @@ class EngineConfig:
         f = self.prefill_itl_factor_for(device_type)
         if not f:
             return None
+        if self.prefill_itl_min_tokens == 0 and self.long_prefill_token_threshold is not None:
+            raise ValueError(
+                _CAP_CONFLICT
+            )  # the device's default factor beside both (explicit: __post_init__)
         budget = self.max_num_batched_tokens
         return PrefillCapConfig(
             itl_factor=f,

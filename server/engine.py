@@ -327,6 +327,13 @@ class LLMEngine:
         )
         # The prefill share cap sized from this engine's measured step costs (server/core/prefill_cap.py).
         cap = config.prefill_cap_for(self.device.type) if config.enable_chunked_prefill else None
+        if cap is None and config.prefill_itl_min_tokens is not None:
+            log.warning(
+                "--prefill-itl-min-tokens has no effect here: the measured prefill cap is off on %s%s "
+                "(--prefill-itl-factor F turns it on)",
+                self.device.type,
+                "" if config.enable_chunked_prefill else " without chunked prefill",
+            )
         burst = config.burst_bound_config()
         self.scheduler = Scheduler(
             SchedulerConfig(

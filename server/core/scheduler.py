@@ -39,10 +39,12 @@ with the running streams (~1.8 s at 64 on that shape), so the step is also bound
 
 Long prefills: with a measured cap (`prefill_cap`, server/core/prefill_cap.py; on CPU by default) whose
 `min_prompt_tokens` is set, a prompt admitted with more uncached tokens than that takes, beside decodes,
-at most the measured cap in each of its chunks to the last (within the ordinary share, which short prompts
-arriving meanwhile keep): such a prefill holds the streams for its whole length, tens of seconds at 8k, so
-its chunks are sized for the streams' ITL, while a short prompt's few steps are not. A burst's long prompt
-that ends its prefill in the step is admitted as the burst rule says. With `min_prompt_tokens` 0 the
+at most the measured cap in each of its chunks to the last (within the ordinary share, whose rest a short
+prompt next in line may take): such a prefill holds the streams for its whole length, tens of seconds at 8k,
+so its chunks are sized for the streams' ITL, while a short prompt's few steps are not. A burst's long prompt
+that ends its prefill in the step is admitted as the burst rule says. A waiting long prompt that finds no long
+share left waits, and the prompts behind it with it (first come, first served, as in a burst): long prompts
+prefill one after another beside the streams. With `min_prompt_tokens` 0 the
 measured cap replaces the ordinary share for every prompt.
 
 Waiting order and preemption victims follow `--scheduling-policy` (server/core/request_queue.py): fcfs,

@@ -176,8 +176,28 @@ def test_api_cli_prefill_itl_factor() -> None:
     assert env is not None and env.min_prompt_tokens == 4096
     both = _config(["--prefill-itl-factor", "2", "--long-prefill-token-threshold", "64"]).engine
     assert both.long_prefill_threshold_for("cpu") == 64 and both.prefill_cap_for("cpu") is not None
-    with pytest.raises((SystemExit, ValueError)):
-        _config(["--prefill-itl-min-tokens", "0", "--long-prefill-token-threshold", "64"])
+    # min tokens 0 beside a fixed threshold: refused where the measured cap is on (CPU), nothing to refuse on
+    # CUDA; with the factor given too, refused at once
+    mixed = _config(["--prefill-itl-min-tokens", "0", "--long-prefill-token-threshold", "64"]).engine
+    assert mixed.prefill_cap_for("cuda") is None
+    with pytest.raises(ValueError, match="set one of them"):
+        mixed.prefill_cap_for("cpu")
+    with pytest.raises(ValueError, match="set one of them"):
+        _config(
+            [
+                "--prefill-itl-factor",
+                "2",
+                "--prefill-itl-min-tokens",
+                "0",
+                "--long-prefill-token-threshold",
+                "8",
+            ]
+        )
+    # threshold 0 is "no cap beyond the budget": the device's measured cap steps aside too
+    assert _config(["--long-prefill-token-threshold", "0"]).engine.prefill_cap_for("cpu") is None
+    # min tokens with the cap turned off would do nothing: refused
+    with pytest.raises(ValueError, match="prefill_itl_min_tokens"):
+        _config(["--prefill-itl-factor", "0", "--prefill-itl-min-tokens", "512"])
     with pytest.raises(SystemExit):
         _config(["--prefill-itl-min-tokens", "-1"])
 

@@ -124,3 +124,30 @@ def test_engine_default_caps_long_prefills_on_cpu(tiny_model_factory: Callable[.
     assert [c for c, _ in chunks["mid"]][:-1] == [CPU_LONG_PREFILL_TOKEN_THRESHOLD] * (len(chunks["mid"]) - 1)
     assert all(0 < c <= cap <= CPU_LONG_PREFILL_TOKEN_THRESHOLD for c, cap in chunks["long"]), chunks
     assert not engine.scheduler._long_prefills
+
+
+def test_engine_threshold_zero_and_an_idle_min_tokens(
+    tiny_model_factory: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """--long-prefill-token-threshold 0 ("no cap beyond the budget") turns the device's measured cap off
+    too; --prefill-itl-min-tokens where no measured cap runs (here: chunked prefill off) is logged as doing
+    nothing rather than ignored in silence."""
+    model = ModelConfig(model=str(tiny_model_factory()), dtype="float32")
+    cache = CacheConfig(num_kv_blocks=64)
+    uncapped = LLMEngine(EngineConfig(model=model, cache=cache, device="cpu", long_prefill_token_threshold=0))
+    assert (
+        uncapped.scheduler.prefill_cap is None and uncapped.scheduler.config.long_prefill_token_threshold == 0
+    )
+    with caplog.at_level("WARNING", logger="server.engine"):
+        idle = LLMEngine(
+            EngineConfig(
+                model=model,
+                cache=cache,
+                device="cpu",
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=1024,
+                prefill_itl_min_tokens=512,
+            )
+        )
+    assert idle.scheduler.prefill_cap is None
+    assert any("--prefill-itl-min-tokens has no effect" in r.getMessage() for r in caplog.records)
