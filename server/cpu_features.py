@@ -68,6 +68,16 @@ class CpuFeatures:
         return ",".join(sorted(self.names()))
 
 
+def int8_dot_path(features: CpuFeatures) -> str:
+    """The int8 dot-product kernels' code path these features allow (qgemv_q8.cpp, qk_native.cpp): "vnni"
+    needs AVX512-VNNI with AVX512VL/BW, "avx2" (vpmaddubsw) AVX2 with FMA and F16C, else "scalar"."""
+    if features.avx512_vnni and features.avx512vl and features.avx512bw:
+        return "vnni"
+    if features.avx2 and features.fma and features.f16c:
+        return "avx2"
+    return "scalar"
+
+
 # Groups for KUBEINFER_CPU_DISABLE; disabling a base feature also disables what builds on it.
 _GROUPS = {
     "avx2": ("avx2", "fma", "avx512f", "avx_vnni", "amx_tile"),

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from server.config import default_cache_dir
 from server.cpu_features import DISABLE_ENV, CpuFeatures
+from server.cpu_features import int8_dot_path as path_for  # the path every int8 kernel shares
 from server.native import KernelBuildError, NativeSource, env_switch, load_library, usable_cpu_features
 from server.quant.cpu_qlinear import (
     BLOCK,
@@ -113,15 +114,6 @@ def _gemv_default_for(disabled: str) -> bool:  # `disabled`: the cache key; the 
         log.warning("CPU feature probe unavailable, the int8 GEMV stays off by default: %s", e)
         return False
     return path_for(features) in ("vnni", "avx2")
-
-
-def path_for(features: CpuFeatures) -> str:
-    """The code path `features` allow: vnni needs AVX512-VNNI with AVX512VL/BW, avx2 needs AVX2+FMA+F16C."""
-    if features.avx512_vnni and features.avx512vl and features.avx512bw:
-        return "vnni"
-    if features.avx2 and features.fma and features.f16c:
-        return "avx2"
-    return "scalar"
 
 
 def gemm_max_rows_for(features: CpuFeatures) -> int | None:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
-from server.cpu_features import CpuFeatures
+from server.cpu_features import int8_dot_path as path_for  # qgemv_q8's too
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
@@ -395,15 +395,6 @@ class QKNativeKernel:
 
 
 FILE_OF = {tiled: fmt for fmt, tiled in TILED.items()}  # 16-row tiles -> the file format they hold
-
-
-def path_for(features: CpuFeatures) -> str:
-    """The path `features` allow: vnni needs AVX512-VNNI with VL and BW, avx2 AVX2 with FMA and F16C."""
-    if features.avx512_vnni and features.avx512vl and features.avx512bw:
-        return "vnni"
-    if features.avx2 and features.fma and features.f16c:
-        return "avx2"
-    return "scalar"
 
 
 def usable_path(cache_dir: Path | None = None) -> str:

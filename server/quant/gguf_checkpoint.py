@@ -110,10 +110,7 @@ def q8_tiles_enabled() -> bool:
     common case, ran 0.8-1.15x the row-major int8 GEMV (Q8_0 [8192, 2048] 0.79x; 4-128 rows 1.5-2.4x:
     benchmarks/qk_avx2.py --formats q8_0, simulated AVX2-only CPU, docs/benchmarks-log.md "k-quant tiles on
     AVX2"); so Q5_0 stays repacked at 8.5 bits there too."""
-    if env_switch(SUPER_BLOCKS_ENV):
-        return True
-    kernel = cpu_qk_native.try_load_qk_native_kernel()
-    return kernel is not None and kernel.isa == "vnni"
+    return bool(env_switch(SUPER_BLOCKS_ENV)) or _row_major_runs()
 
 
 def _row_major_runs() -> bool:
