@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="the server's --kv-cache-memory")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the server's --tensor-parallel-size (CPU ranks above 1 hold a GGUF's k-quants repacked)",
+    )
+    p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -204,6 +210,13 @@ def write_memory_estimate(args: argparse.Namespace, model: Path) -> None:
             max_model_len=args.max_model_len,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_memory=args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
+            # A CPU server of one rank holds a GGUF served as it is in the 16-row tiles on every x86 CPU
+            # from AVX2 on (gguf_checkpoint.super_blocks_enabled), the floor of the nodes clouds sell: the
+            # figure for that floor, not the repacks' (~1.7x for Q5_K_M). A CPU below it holds more; the
+            # server's own estimate there (engine.py, check_memory) refuses to start when even the weights
+            # and one sequence do not fit the pod's limit, naming both figures, instead of being OOM-killed.
+            gguf_tiles=args.device == "cpu" and args.tensor_parallel_size == 1,
+            gguf_q8_tiles=False,  # Q8_0 / Q5_0 / IQ4_NL stay row-major on AVX2 (q8_tiles_enabled)
             **given,
         )
         estimate = estimate_memory(model.resolve(), settings)

@@ -6,8 +6,8 @@ Weights: a Hugging Face folder's safetensors headers (each tensor's dtype and sh
 header length, then the JSON header, the safetensors format) at the serving dtype; a GGUF's tensor
 infos at what the CPU loader keeps resident (server/quant/gguf_checkpoint.py: Q4_0/Q4_1/Q8_0 as in the
 file, Q4_K/Q6_K and the repacked types at docs/quantization.md's resident bits per weight, or, where the
-server estimates for itself on a CPU that holds them in 16-row tiles, at the tiles' bits (GGUF_TILE_BITS,
-`ServingSettings.gguf_tiles`); every other type and F16/BF16 as fp32). KV: 2 (K and V) x KV heads x head_dim x the cache's element size per layer
+server estimates for itself on a CPU that holds them in 16-row tiles, or the loader Job for a CPU server, at
+the tiles' bits (GGUF_TILE_BITS, `ServingSettings.gguf_tiles`); every other type and F16/BF16 as fp32). KV: 2 (K and V) x KV heads x head_dim x the cache's element size per layer
 and token; a sliding-window layer holds at most its window per sequence (as vLLM's hybrid allocator
 counts it; our paged cache frees out-of-window blocks only when every layer is windowed, so
 `kv_cache_bytes`, the allocation, is what the server actually reserves).
@@ -48,9 +48,8 @@ _DTYPE_ALIASES = {
     "half": "float16",
 }
 # GGUF type -> bits per weight resident on CPU (docs/quantization.md's table; kept types at file size).
-# Q4_K and Q6_K at their repack's bits: the estimate runs where the serving node's CPU is unknown, and
-# only an AVX512-VNNI or AVX2 node holds them near the file's size (4.625 / 6.56; Q5_0 5.5 there too, as 16-row
-# tiles): an upper bound there.
+# The k-quants at their repack's bits: what a CPU holds where the 16-row tiles do not run (no AVX2, fp32
+# GEMMs, tensor-parallel ranks); where they do, GGUF_TILE_BITS.
 GGUF_RESIDENT_BITS = {
     "Q8_0": 8.5,
     "Q4_0": 4.5,
@@ -70,7 +69,8 @@ GGUF_RESIDENT_BITS = {
 # GGUF type -> bits per weight where the serving CPU holds it in 16-row tiles (server/quant/csrc/qk_native.cpp;
 # gguf_checkpoint.super_blocks_enabled: AVX512-VNNI or AVX2 and bf16 or int8 layers), for tensors of whole tiles (N a multiple
 # of 16): within 1/8 bit of the file's, no packed copy. Used where the server estimates for itself
-# (`ServingSettings.gguf_tiles`); the operator, which does not know the node, keeps GGUF_RESIDENT_BITS.
+# (`ServingSettings.gguf_tiles`), and for the operator by the loader Job (server/download.py), which assumes
+# the AVX2 floor of the nodes clouds sell.
 GGUF_TILE_BITS = {
     "Q8_0": 8.5,
     "Q5_0": 5.5,
@@ -103,8 +103,7 @@ class ServingSettings:
     `kv_cache_dtype` (`--kv-cache-dtype`), `kv_cache_memory` (`--kv-cache-memory`, bytes), `block_size`
     (`--block-size`) and `max_num_batched_tokens` (a step's tokens: the prompt chunk a windowed layer
     holds besides its window, server/core/kv_groups.py). `gguf_tiles`: the serving CPU holds a GGUF served
-    as it is in 16-row tiles (GGUF_TILE_BITS); False, where the node is unknown: the repacks' bits, an
-    upper bound. `gguf_q8_tiles` (with `gguf_tiles`): Q8_TILE_TYPES too (gguf_checkpoint.q8_tiles_enabled:
+    as it is in 16-row tiles (GGUF_TILE_BITS); False: the repacks' bits (GGUF_RESIDENT_BITS). `gguf_q8_tiles` (with `gguf_tiles`): Q8_TILE_TYPES too (gguf_checkpoint.q8_tiles_enabled:
     not on an AVX2-only CPU)."""
 
     dtype: str = "auto"

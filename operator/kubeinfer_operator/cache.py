@@ -105,6 +105,12 @@ def estimate_args(im: InferenceModel) -> list[str]:
     return args + _estimate_extra_args(engine.extra_args)
 
 
+# The loader's estimate for unchanged flags changed (2: a CPU server counts a GGUF's k-quants at their
+# 16-row tiles' bits, not the repacks'): part of the Job's digest, so a model estimated by an older
+# loader gets a new, quick Job and its pods the new figure.
+ESTIMATE_VERSION = 2
+
+
 # Flags a user sets through engine.extraArgs that change the estimate (a windowed layer holds one
 # step's chunk besides its window; sequences take whole blocks): the loader gets them as the server does.
 ESTIMATE_EXTRA_FLAGS = ("--block-size", "--max-num-batched-tokens")
@@ -131,6 +137,7 @@ def load_digest(im: InferenceModel) -> str:
         "revision": im.spec.model.revision,
         "adapters": sorted(a.uri for a in im.spec.adapters if a.uri.startswith("hf://")),
         "estimate": estimate_args(im),
+        "estimate_version": ESTIMATE_VERSION,
     }
     return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:8]
 

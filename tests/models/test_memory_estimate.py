@@ -255,6 +255,7 @@ def test_the_loader_cli_passes_the_step_flags_to_the_estimate(tmp_path: Path) ->
             "memory_estimate_file": out,
             "max_num_seqs": None,
             "block_size": None,
+            "tensor_parallel_size": 1,
             "max_num_batched_tokens": None,
         }
         write_memory_estimate(argparse.Namespace(**(base | flags)), folder)

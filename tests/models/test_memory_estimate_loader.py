@@ -38,3 +38,34 @@ def test_no_estimate_leaves_the_file_alone(tmp_path: Path) -> None:
     args = build_parser().parse_args(["--model", "org/m", "--memory-estimate-file", str(out)])
     write_memory_estimate(args, tmp_path)  # no config.json: logged, nothing written
     assert not out.exists()
+
+
+def test_the_loaders_cpu_estimate_counts_a_ggufs_k_quants_at_the_tiles_bits(tmp_path: Path) -> None:
+    """A CPU server of one rank holds a GGUF's k-quants in 16-row tiles on every CPU from AVX2 on (the
+    node is unknown to the loader; that is the floor it assumes): Q5_K at 5.625 bits, not the repack's 10
+    (the operator's request was ~1.7x a Q5_K_M model's need). Q8_0 as on AVX2 (row-major, 8.5 either way);
+    ranks of a tensor-parallel CPU group hold the repacks."""
+    from test_memory_estimate import GGUF_TYPES, _write_gguf
+
+    from server.memory_estimate import GGUF_RESIDENT_BITS, GGUF_TILE_BITS
+
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, GGUF_TYPES)
+    base = ["--model", "org/m", "--max-model-len", "1024", "--max-num-seqs", "1"]
+
+    def loader_estimate(*flags: str) -> dict[str, int]:
+        out = tmp_path / "termination-log"
+        write_memory_estimate(
+            build_parser().parse_args([*base, "--memory-estimate-file", str(out), *flags]), path
+        )
+        got: dict[str, int] = json.loads(out.read_text())
+        return got
+
+    norms = 256 * 4  # the F32 norm _write_gguf adds
+    tiles = [GGUF_TILE_BITS.get(t, GGUF_RESIDENT_BITS.get(t, 32.0)) for t in GGUF_TYPES]
+    repacks = [GGUF_RESIDENT_BITS.get(t, 32.0) for t in GGUF_TYPES]
+    one_rank = loader_estimate()
+    assert one_rank["weight_bytes"] == int(sum(b * 64 * 256 for b in tiles) // 8) + norms
+    two_ranks = loader_estimate("--tensor-parallel-size", "2")
+    assert two_ranks["weight_bytes"] == int(sum(b * 64 * 256 for b in repacks) // 8) + norms
+    assert one_rank["weight_bytes"] < two_ranks["weight_bytes"] - 64 * 256 * (10 - 5.625) // 8 * 2

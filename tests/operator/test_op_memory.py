@@ -89,6 +89,15 @@ def test_the_loader_job_writes_the_estimate_for_the_serving_flags() -> None:
     assert model_cache.job_name(other) != model_cache.job_name(im)
 
 
+def test_a_changed_estimate_method_is_a_new_loader_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator whose loader estimates the same flags differently (ESTIMATE_VERSION) runs a new Job, so
+    a model estimated by the older loader (a GGUF's k-quants at the repacks' bits) gets the new figure."""
+    im = model(cpu_spec())
+    before = model_cache.job_name(im)
+    monkeypatch.setattr(model_cache, "ESTIMATE_VERSION", model_cache.ESTIMATE_VERSION + 1)
+    assert model_cache.job_name(im) != before
+
+
 def test_the_loader_job_gets_the_step_flags_set_through_extra_args() -> None:
     """--block-size and --max-num-batched-tokens change the estimate (whole blocks; a windowed layer's
     chunk): set in engine.extraArgs in either form, the loader gets them as the server does, and a
