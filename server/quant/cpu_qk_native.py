@@ -40,8 +40,9 @@ from server.native import KernelBuildError, NativeSource, load_library, usable_c
 SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
 # 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles; 4: Q6_K's;
 # 5: Q8_0's (32-value blocks, cpu_qlinear.interleave_q8_x16; run through qlinear's descriptor only); 6: Q5_0's;
-# 7: Q5_K, IQ4_XS, Q3_K and Q2_K tiles (kubeinfer_qk_deinterleave); 8: the avx2 path (kubeinfer_qk_set_path 1)
-ABI_VERSION = 8
+# 7: Q5_K, IQ4_XS, Q3_K and Q2_K tiles (kubeinfer_qk_deinterleave); 8: the avx2 path (kubeinfer_qk_set_path 1);
+# 9: IQ4_NL's tiles at 4 bits (its 8-bit ones gone) and Q5_1's
+ABI_VERSION = 9
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
 # the dequantized values must equal gguf-py's (each product rounded).
 NATIVE = NativeSource(

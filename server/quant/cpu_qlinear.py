@@ -22,13 +22,15 @@ min) per group of `group_size` consecutive k:
             (`interleave_x16`; q [N, K / 256 * 148 or 210], N a multiple of 16): how the loader holds
             Q4_K and Q6_K where that kernel runs AVX512-VNNI, 4.625 / 6.56 bits per weight, one copy for
             one row of x and for batches
-    q8_0_x16/iq4_nl_x16/q5_0_x16  6 (KQUANT_BITS), group_size Q8X_GROUP: 8-bit values in 32-blocks
-            with fp16 scales, no zero point or min (Q8_0, IQ4_NL as repacked), or Q5_0's 5-bit values,
-            re-laid in tiles of 16 rows (`interleave_q8_x16`; q [N, K / 32 * 34, or 22 for Q5_0], N a
-            multiple of 16; csrc/qk_native.cpp's header): how the loader holds them where that kernel
-            runs AVX512-VNNI, at the file's 8.5 (5.5) bits per weight, one copy for one row of x and for
-            batches (the row-major layout held Q5_0 at 8.5 bits and took an int8 packed copy of 10 bits
-            more for batches)
+    q8_0_x16/q5_0_x16/iq4_nl_x16/q5_1_x16  6 (KQUANT_BITS), group_size Q8X_GROUP: 32-value blocks with
+            fp16 scales re-laid in tiles of 16 rows (`interleave_q8_x16` from the row-major weight;
+            q [N, K / 32 * 34, 22, 18 or 24], N a multiple of 16; csrc/qk_native.cpp's header), at the
+            file's bits per weight: Q8_0's 8-bit values (8.5), Q5_0's 5-bit ones (5.5), IQ4_NL's 4-bit
+            codebook indices (4.5; looked up in the kernel), Q5_1's 5-bit values with fp16 d and m (6.0);
+            one copy for one row of x and for batches (the row-major layouts held Q5_0 / IQ4_NL at 8.5
+            bits, Q5_1 at 9.0, and took an int8 packed copy of 10 bits more for batches). How the loader
+            holds them where the k-quant tiles are: IQ4_NL and Q5_1 wherever those are, Q8_0 and Q5_0
+            on AVX512-VNNI (gguf_checkpoint.q8_tiles_enabled)
     q5_k_x16/iq4_xs_x16/q3_k_x16/q2_k_x16  6 (KQUANT_BITS), group_size X16_GROUP: Q5_K, IQ4_XS, Q3_K and
             Q2_K super-blocks in 16-row tiles (q [N, K / 256 * 180, 138, 114 or 84]; 5.625, 4.3125, 3.5625
             and 2.625 bits per weight, within 1/8 bit of the file's), written and read back only by
@@ -93,11 +95,19 @@ GGUF_SUPER_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # block_q4_K, block_q6_K (g
 # bytes per row per 256 values of each format held as super-blocks (KQUANT_BITS): the files' blocks, and
 # their 16-row tiles (cpu_qk_native.py: Q4_K's 2368 bytes per 16 rows, ...)
 SUPER_BLOCK_ROW_BYTES = dict(qk_native.SUPER_BLOCK_BYTES)  # + Q5_K / IQ4_XS / Q3_K / Q2_K and their tiles
-# 8-bit 32-value formats with fp16 scales and neither zero point nor min -> their 16-row tiles (one
-# layout for 8-bit values, csrc/qk_native.cpp's FMT_Q8_0_X16, named after the format whose values it
-# holds; Q5_0's values, q - 16 in -16..15, in 5 bits: FMT_Q5_0_X16)
-Q8_TILED = {"q8_0": "q8_0_x16", "q5_0": "q5_0_x16", "iq4_nl": "iq4_nl_x16"}
-Q8X_TILE_ROW_BYTES = {"q8_0_x16": 34, "iq4_nl_x16": 34, "q5_0_x16": 22}  # per row per 32-block
+# 32-value formats with fp16 scales (as loaded row-major: 8-bit values, Q5_1 with fp16 mins) -> their
+# 16-row tiles (csrc/qk_native.cpp's FMT_Q8_0_X16, FMT_Q5_0_X16, FMT_IQ4_NL_X16, FMT_Q5_1_X16)
+Q8_TILED = {"q8_0": "q8_0_x16", "q5_0": "q5_0_x16", "iq4_nl": "iq4_nl_x16", "q5_1": "q5_1_x16"}
+Q8X_TILE_ROW_BYTES = {
+    "q8_0_x16": 34,
+    "q5_0_x16": 22,
+    "iq4_nl_x16": 18,
+    "q5_1_x16": 24,
+}  # per row per 32-block
+# bytes of one block's values in a tile (16 rows); its fp16 d (and Q5_1's m) make up the rest
+Q8X_VALUE_BYTES = {"q8_0_x16": 512, "q5_0_x16": 320, "iq4_nl_x16": 256, "q5_1_x16": 320}
+# ggml's kvalues_iq4nl (ggml-common.h): the 16 levels IQ4_NL's and IQ4_XS's 4-bit indices stand for
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 FORMATS = (
     "q4_0",
     "q4_1",
@@ -432,8 +442,10 @@ def interleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:
 
 
 def q8_tileable(w: BlockQuantWeight) -> bool:
-    """Whether `w` can be held as Q8_0 16-row tiles (interleave_q8_x16): 8-bit values in 32-value blocks
-    with fp16 scales, no zero point or min, of a format in Q8_TILED, N a multiple of 16."""
+    """Whether `w` can be held as 32-value 16-row tiles (interleave_q8_x16): 8-bit values in 32-value blocks
+    with fp16 scales, no zero point, fp16 mins for Q5_1 and none for the others, of a format in Q8_TILED,
+    N a multiple of 16."""
+    mins_ok = w.mins is not None and w.mins.dtype == torch.float16 if w.fmt == "q5_1" else w.mins is None
     return (
         w.fmt in Q8_TILED
         and w.bits == 8
@@ -441,37 +453,65 @@ def q8_tileable(w: BlockQuantWeight) -> bool:
         and w.in_features % BLOCK == 0
         and w.out_features % qk_native.X16_ROWS == 0
         and w.scales.dtype == torch.float16
-        and w.mins is None
+        and mins_ok
         and w.zero_point == 0
     )
 
 
+def _values_in(q: Tensor, lo: int, hi: int, what: str) -> None:
+    if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
+        raise ValueError(f"{what} values must lie in {lo}..{hi}")
+
+
+def _five_bit_planes(v: Tensor) -> Tensor:  # [T, r, b, g, i] uint8 0..31 -> [T, b, 320] (Q5_0's tile values)
+    t, nb = v.shape[0], v.shape[2]
+    nib = (v[:, :, :, :4] & 15) | ((v[:, :, :, 4:] & 15) << 4)  # [T, r, b, g < 4, i]: k and k + 16
+    nib = nib.permute(0, 2, 3, 1, 4).reshape(t, nb, 256)
+    # the fifth bits as [T, b, g, byte, bit], bit e = 4r + i of g's 64-bit plane
+    bit = ((v >> 4) & 1).permute(0, 2, 3, 1, 4).reshape(t, nb, 8, 8, 8)
+    qh = (bit << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(t, nb, 64)
+    return torch.cat([nib, qh], dim=2)
+
+
 def interleave_q8_x16(w: BlockQuantWeight) -> BlockQuantWeight:
-    """8-bit 32-blocks (q8_tileable) -> the same values (held as q + 128; Q5_0's as 5-bit q) and scales
-    as 16-row tiles (q8_0_x16, iq4_nl_x16: 8.5 bits per weight as before; q5_0_x16: the file's 5.5;
-    layouts in csrc/qk_native.cpp's header). Torch, at load (~1 s for Gemma-3's 262,144 x 1,152 table).
-    ValueError unless q8_tileable(w)."""
+    """32-value blocks (q8_tileable) -> the same values and scales as 16-row tiles at the file's bits per
+    weight (layouts in csrc/qk_native.cpp's header): q8_0_x16 (q + 128, 8.5), q5_0_x16 (q + 16 in 5 bits,
+    5.5), iq4_nl_x16 (each codebook value's 4-bit index, 4.5), q5_1_x16 (q in 5 bits, fp16 d and m, 6.0).
+    Torch, at load (~1 s for Gemma-3's 262,144 x 1,152 table). ValueError unless q8_tileable(w), or for
+    values the format cannot hold (a Q5 value past 5 bits, an IQ4_NL value off the codebook)."""
     if not q8_tileable(w):
         raise ValueError(
-            f"Q8_0 tiles take {sorted(Q8_TILED)} in 32-blocks with fp16 scales and N a multiple of "
-            f"{qk_native.X16_ROWS}, got {w.fmt} ({w.bits} bits, group_size {w.group_size}, N={w.out_features})"
+            f"32-value tiles take {sorted(Q8_TILED)} in 32-blocks with fp16 scales (and Q5_1's fp16 mins) and "
+            f"N a multiple of {qk_native.X16_ROWS}, got {w.fmt} ({w.bits} bits, group_size {w.group_size}, "
+            f"N={w.out_features})"
         )
     n, k = w.out_features, w.in_features
     t, nb, rows = n // qk_native.X16_ROWS, k // BLOCK, qk_native.X16_ROWS
-    d = w.scales.reshape(t, rows, nb).transpose(1, 2).contiguous().view(torch.uint8)  # [T, b, 2r]
+
+    def per_block(a: Tensor) -> Tensor:  # [N, nb] fp16 -> [T, b, 32] bytes: fp16 [r] per block
+        return a.reshape(t, rows, nb).transpose(1, 2).contiguous().view(torch.uint8)
+
+    scales = per_block(w.scales)
     if w.fmt == "q5_0":
-        if w.q.numel() and (int(w.q.min()) < -16 or int(w.q.max()) > 15):
-            raise ValueError("q5_0 values must lie in -16..15 (q - 16 of a 5-bit q)")
-        v = (w.q + 16).view(torch.uint8).reshape(t, rows, nb, 8, 4)  # 5-bit q, [T, r, b, g, i]
-        nib = (v[:, :, :, :4] & 15) | ((v[:, :, :, 4:] & 15) << 4)  # [T, r, b, g < 4, i]: k and k + 16
-        nib = nib.permute(0, 2, 3, 1, 4).reshape(t, nb, 256)
-        # the fifth bits as [T, b, g, byte, bit], bit e = 4r + i of g's 64-bit plane
-        bit = ((v >> 4) & 1).permute(0, 2, 3, 1, 4).reshape(t, nb, 8, 8, 8)
-        qh = (bit << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(t, nb, 64)
-        values = torch.cat([nib, qh], dim=2)  # [T, b, 320]
+        _values_in(w.q, -16, 15, "q5_0")  # q - 16 of a 5-bit q
+        values = _five_bit_planes((w.q + 16).view(torch.uint8).reshape(t, rows, nb, 8, 4))
+    elif w.fmt == "q5_1":
+        assert w.mins is not None  # q8_tileable
+        _values_in(w.q, 0, 31, "q5_1")
+        values = _five_bit_planes(w.q.view(torch.uint8).reshape(t, rows, nb, 8, 4))
+        scales = torch.cat([scales, per_block(w.mins)], dim=2)  # d[16], then m[16]
+    elif w.fmt == "iq4_nl":
+        index = torch.full((256,), -1, dtype=torch.int16)
+        index[torch.tensor(IQ4_LEVELS) + 128] = torch.arange(16, dtype=torch.int16)
+        idx = index[w.q.to(torch.int64) + 128]
+        if (idx < 0).any():
+            raise ValueError("iq4_nl values must be ggml's kvalues_iq4nl levels")
+        v = idx.to(torch.uint8).reshape(t, rows, nb, 8, 4)
+        nib = (v[:, :, :, :4] | (v[:, :, :, 4:] << 4)).permute(0, 2, 3, 1, 4)  # [T, b, g < 4, r, i]
+        values = nib.reshape(t, nb, 256)
     else:
         values = (w.q.view(torch.uint8) ^ 0x80).reshape(t, rows, nb, 8, 4).permute(0, 2, 3, 1, 4)  # q + 128
-    tiles = torch.cat([values.reshape(t, -1), d.reshape(t, nb * 32)], dim=1)
+    tiles = torch.cat([values.reshape(t, -1), scales.reshape(t, -1)], dim=1)
     fmt = Q8_TILED[w.fmt]
     return BlockQuantWeight(
         tiles.reshape(n, nb * Q8X_TILE_ROW_BYTES[fmt]).contiguous(),
@@ -487,26 +527,47 @@ def interleave_q8_x16(w: BlockQuantWeight) -> BlockQuantWeight:
 
 
 def deinterleave_q8_x16(w: BlockQuantWeight) -> BlockQuantWeight:
-    """Q8_0 16-row tiles -> the row-major 8-bit blocks again (interleave_q8_x16's inverse; torch).
-    ValueError for another format."""
+    """32-value 16-row tiles -> the row-major 8-bit blocks again (interleave_q8_x16's inverse; torch): q8_0,
+    q5_0 (q - 16), iq4_nl (the codebook values), q5_1 (q, fp16 mins). ValueError for another format."""
     if w.fmt not in _Q8_LAYOUT_OF:
         raise ValueError(f"de-interleaving takes {sorted(_Q8_LAYOUT_OF)}, got {w.fmt}")
     n, k = w.out_features, w.in_features
     t, nb, rows = n // qk_native.X16_ROWS, k // BLOCK, qk_native.X16_ROWS
     tiles = w.q.reshape(t, nb * Q8X_TILE_ROW_BYTES[w.fmt] * rows)
-    vb = Q8X_TILE_ROW_BYTES[w.fmt] * rows - 32  # one block's values: all but its 16 fp16 d
-    d = tiles[:, nb * vb :].contiguous().view(torch.float16).reshape(t, nb, rows).transpose(1, 2)
-    if w.fmt == "q5_0_x16":
-        blocks = tiles[:, : nb * vb].reshape(t, nb, vb)
+    vb = Q8X_VALUE_BYTES[w.fmt]
+    sb = Q8X_TILE_ROW_BYTES[w.fmt] * rows - vb  # one block's fp16 d (and m)
+    per_block = tiles[:, nb * vb :].reshape(t, nb, sb)
+
+    def per_row(a: Tensor) -> Tensor:  # [T, b, 32] bytes of fp16 [r] -> [N, nb] fp16
+        return (
+            a.contiguous()
+            .view(torch.float16)
+            .reshape(t, nb, rows)
+            .transpose(1, 2)
+            .reshape(n, nb)
+            .contiguous()
+        )
+
+    blocks = tiles[:, : nb * vb].reshape(t, nb, vb)
+    mins = None
+    if w.fmt in ("q5_0_x16", "q5_1_x16", "iq4_nl_x16"):
         nib = blocks[:, :, :256].reshape(t, nb, 4, rows, 4)  # [T, b, g < 4, r, i]
-        low = torch.cat([nib & 15, nib >> 4], dim=2)  # [T, b, g, r, i]
-        bits = (blocks[:, :, 256:].reshape(t, nb, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
-        v = low | (bits.reshape(t, nb, 8, rows, 4) << 4)
-        q = (v.permute(0, 3, 1, 2, 4).reshape(n, k).to(torch.int16) - 16).to(torch.int8)
+        v = torch.cat([nib & 15, nib >> 4], dim=2)  # [T, b, g, r, i]
+        if w.fmt != "iq4_nl_x16":
+            bits = (blocks[:, :, 256:].reshape(t, nb, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+            v = v | (bits.reshape(t, nb, 8, rows, 4) << 4)
+        v = v.permute(0, 3, 1, 2, 4).reshape(n, k)
+        if w.fmt == "iq4_nl_x16":
+            q = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[v.long()]
+        else:
+            q = (v.to(torch.int16) - (16 if w.fmt == "q5_0_x16" else 0)).to(torch.int8)
+        if w.fmt == "q5_1_x16":
+            mins = per_row(per_block[:, :, 32:])
     else:
-        values = tiles[:, : nb * vb].reshape(t, nb, 8, rows, 4).permute(0, 3, 1, 2, 4)  # [T, r, b, g, i]
+        values = blocks.reshape(t, nb, 8, rows, 4).permute(0, 3, 1, 2, 4)  # [T, r, b, g, i]
         q = (values.reshape(n, k) ^ 0x80).view(torch.int8)  # held as q + 128
-    return BlockQuantWeight(q, d.reshape(n, nb).contiguous(), None, _Q8_LAYOUT_OF[w.fmt], 8, BLOCK, 0, k, n)
+    d = per_row(per_block[:, :, :32])
+    return BlockQuantWeight(q, d, mins, _Q8_LAYOUT_OF[w.fmt], 8, BLOCK, 0, k, n)
 
 
 def deinterleave_x16(w: BlockQuantWeight) -> BlockQuantWeight:

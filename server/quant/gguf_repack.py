@@ -22,7 +22,9 @@ quants.py reads them the same way).
                             or the file's own super-blocks (AVX512-VNNI:     6.56    1.0x
                             cpu_qk_native.py, gguf_checkpoint.super_blocks_enabled)
 
-All are still 3.2x (Q5_K) to 5.3x (Q3_K) smaller than the fp32 copy they replace. Q3_K's and Q2_K's
+All are still 3.2x (Q5_K) to 5.3x (Q3_K) smaller than the fp32 copy they replace. Where the CPU kernel's
+16-row tiles run, matrices of whole tiles are held at (or within 1/8 bit of) the file's bits instead, these
+repacks only on the way there (Q5_0, Q5_1, IQ4_NL: cpu_qlinear.interleave_q8_x16; gguf_checkpoint.py). Q3_K's and Q2_K's
 16-value groups are the low and the high nibbles of each 32-block (the kernel's 4-bit order). IQ4's codebook values
 are int8 already (ggml's kvalues_iq4nl), so a lookup at load turns it into Q8_0's arithmetic.
 """
@@ -35,12 +37,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from server.quant.cpu_qlinear import BlockQuantWeight, pack_nibbles
+from server.quant.cpu_qlinear import IQ4_LEVELS, BlockQuantWeight, pack_nibbles
 
 QK = 32  # values per block of the 32-value formats
 QK_K = 256  # values per k-quant super-block
 # ggml's kvalues_iq4nl: the 16 non-linear levels of IQ4_NL and IQ4_XS (ggml-common.h)
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+IQ4_VALUES = np.array(IQ4_LEVELS, np.int8)
 
 # GGUF type name -> (our format name, values per block, bytes per block)
 REPACKED: dict[str, tuple[str, int, int]] = {

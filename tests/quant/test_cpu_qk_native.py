@@ -476,10 +476,11 @@ def test_tile_only_types_repacked_where_the_library_cannot_be_built(
 # with -mno-avx512f and the rest (its own cache entry), so its avx2 path holds no AVX-512 instruction
 AVX2_ONLY = "avx512f,avx512_bf16,avx512_vnni,avx_vnni,amx_tile,amx_bf16"
 # every tile format: the k-quants (file type, tiles through interleave) and the 32-value ones (qlinear's)
-ALL_TILES = ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q3_K", "Q2_K", "Q8_0", "Q5_0"]
-Q32_CODES = {"q8_0_x16": 4, "q5_0_x16": 5}  # qk_native.cpp's FMT_Q8_0_X16, FMT_Q5_0_X16
+ALL_TILES = ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q3_K", "Q2_K", "Q8_0", "Q5_0", "IQ4_NL", "Q5_1"]
+# qk_native.cpp's FMT_Q8_0_X16, FMT_Q5_0_X16, FMT_IQ4_NL_X16, FMT_Q5_1_X16
+Q32_CODES = {"q8_0_x16": 4, "q5_0_x16": 5, "iq4_nl_x16": 14, "q5_1_x16": 15}
 FP16_AT = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_K": (0, 2), "IQ4_XS": (0,), "Q3_K": (108,), "Q2_K": (80, 82)}
-FP16_AT |= {"Q8_0": (0,), "Q5_0": (0,)}
+FP16_AT |= {"Q8_0": (0,), "Q5_0": (0,), "IQ4_NL": (0,), "Q5_1": (0, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -514,11 +515,11 @@ def gguf_blocks(kind: str, n: int, k: int, seed: int, fill: int | None = None) -
 
 def tile_weight(kind: str, raw: np.ndarray, n: int, k: int):  # type: ignore[no-untyped-def]
     """(the tiles, the weight they hold as its reference takes it): KQuantBlocks for the k-quants, qlinear's
-    BlockQuantWeight (q8_0_x16 / q5_0_x16, and the row-major weight) for Q8_0 / Q5_0."""
+    BlockQuantWeight (the 32-value tiles, and the row-major weight) for Q8_0 / Q5_0 / IQ4_NL / Q5_1."""
     from server.quant import cpu_qlinear as cq
     from server.quant.gguf_repack import from_gguf_repacked
 
-    if kind in ("Q8_0", "Q5_0"):
+    if kind in ("Q8_0", "Q5_0", "IQ4_NL", "Q5_1"):
         rows = (
             cq.from_gguf_blocks(raw, "q8_0", n, k) if kind == "Q8_0" else from_gguf_repacked(raw, kind, n, k)
         )
@@ -530,8 +531,8 @@ def tile_weight(kind: str, raw: np.ndarray, n: int, k: int):  # type: ignore[no-
 def run_tiles(
     kernel: qk.QKNativeKernel, tiles, x: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """x [M, K] (rows may be strided) through `kernel`'s kubeinfer_qk_linear over the tiles -> [M, N]; Q8_0 /
-    Q5_0 tiles called directly (QKNativeKernel.linear takes the k-quants only)."""
+    """x [M, K] (rows may be strided) through `kernel`'s kubeinfer_qk_linear over the tiles -> [M, N]; the
+    32-value tiles called directly (QKNativeKernel.linear takes the k-quants only)."""
     if isinstance(tiles, qk.KQuantBlocks):
         return kernel.linear(x, tiles, out=out)
     m, n = x.shape[0], tiles.out_features
@@ -545,8 +546,8 @@ def run_tiles(
 
 
 def assert_reference(y: torch.Tensor, x: torch.Tensor, kind: str, ref_w, label: str) -> None:  # type: ignore[no-untyped-def]
-    """y against W @ x^ within the fp32 slack: the k-quants' 256-value activations, Q8_0 / Q5_0's ggml
-    Q8_0 ones (cpu_qgemv_q8's references)."""
+    """y against W @ x^ within the fp32 slack: the k-quants' 256-value activations, the 32-value tiles'
+    ggml Q8_0 ones (cpu_qgemv_q8's references)."""
     if isinstance(ref_w, qk.KQuantBlocks):
         slack = fp32_slack(x, ref_w)
         err = (y - qk.linear_reference(x, ref_w)).abs()
@@ -604,8 +605,8 @@ def test_avx2_build_matches_the_references_and_vnni_bit_for_bit(
 def test_avx2_extreme_values_do_not_saturate(
     avx2_kernel: qk.QKNativeKernel, vnni_kernel: qk.QKNativeKernel | None, kind: str, fill: int
 ) -> None:
-    """Every value at a format's extreme (every byte 0x00 / 0xFF / 0x80 / 0x7F: IQ4_XS's levels -127 and
-    113, held + 128 up to 241; Q8_0's -128 and 127; Q6_K's 63; the largest scales) against activations
+    """Every value at a format's extreme (every byte 0x00 / 0xFF / 0x80 / 0x7F: IQ4_XS's and IQ4_NL's levels
+    -127 and 113, held + 128 up to 241; Q8_0's -128 and 127; Q6_K's 63; Q5_1's 31; the largest scales) against activations
     at +-127 of one sign, the other, and signs alternating: AVX2's u8 x s8 pair sums (maddubs) saturate
     int16 past 32767, which 241 * 127 * 2 would, so the avx2 path must give what the references and the
     vnni path give."""

@@ -1,7 +1,7 @@
-"""32-value blocks held as 16-row tiles (q8_0_x16 and iq4_nl_x16 at 8 bits, q5_0_x16 at 5:
-csrc/qk_native.cpp's FMT_Q8_0_X16 / FMT_Q5_0_X16, cpu_qlinear.interleave_q8_x16): one copy at the file's
-8.5 (Q5_0: 5.5) bits per weight that serves one row of x and batches, on every code path this CPU runs,
-through every entry point that serves a weight.
+"""32-value blocks held as 16-row tiles (q8_0_x16, q5_0_x16, iq4_nl_x16 as 4-bit codebook indices,
+q5_1_x16: csrc/qk_native.cpp's FMT_Q8_0_X16, FMT_Q5_0_X16, FMT_IQ4_NL_X16, FMT_Q5_1_X16,
+cpu_qlinear.interleave_q8_x16): one copy at the file's bits per weight (8.5, 5.5, 4.5, 6.0) that serves one
+row of x and batches, on every code path this CPU runs, through every entry point that serves a weight.
 
 Tolerances:
 - int8 activations (layers computing in bf16): against `cpu_qgemv_q8.linear_reference` (W @ x^ in
@@ -14,6 +14,7 @@ Tolerances:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,13 @@ from server.quant import cpu_qlinear as cq
 from server.quant.gguf_repack import from_gguf_repacked
 
 N, K = 48, 160  # three tiles, five 32-blocks (K no multiple of 256, as Gemma's 1,152)
+FORMATS = ["q8_0", "q5_0", "iq4_nl", "q5_1"]
+TILE_ROW_BYTES = {"q8_0": 34, "q5_0": 22, "iq4_nl": 18, "q5_1": 24}  # per row per 32-block: the file's
 
 
 def q8_weight(fmt: str, n: int, k: int, seed: int) -> cq.BlockQuantWeight:
-    """A weight of format `fmt` as the loader reads it: q8_0 round-to-nearest from a Gaussian; q5_0 and
-    iq4_nl from random GGUF blocks (every 5-bit and codebook value), repacked to 8 bits (gguf_repack.py)."""
+    """A weight of format `fmt` as the loader reads it: q8_0 round-to-nearest from a Gaussian; q5_0, iq4_nl
+    and q5_1 from random GGUF blocks (every 5-bit and codebook value), repacked to 8 bits (gguf_repack.py)."""
     g = torch.Generator().manual_seed(seed)
     if fmt == "q8_0":
         return cq.quantize_block(torch.randn(n, k, generator=g) * 0.05, "q8_0")
@@ -50,8 +53,8 @@ def slack(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:  # -> [M, N]
     return 2e-5 * (x.abs() @ dense.abs().t()) + 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "iq4_nl"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 33])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33])
 def test_tiles_match_the_references(kernel: cq.QLinearKernel, qk_path: str, fmt: str, m: int) -> None:
     """Through qlinear's entry (what BlockQuantLinear, the decode graph and the int8 library's fallback
     call): bf16 layers get W @ x^ with x^ ggml's Q8_0 activations, fp32 layers x @ W^T; a zero 32-block
@@ -73,18 +76,20 @@ def test_tiles_match_the_references(kernel: cq.QLinearKernel, qk_path: str, fmt:
     assert ((y32 - (x @ dense.t() + bias)).abs() <= slack(x, dense)).all(), f"{qk_path} {fmt} fp32 M={m}"
 
 
-def test_layout_round_trips(kernel: cq.QLinearKernel) -> None:
-    """interleave/deinterleave give the weight back bit for bit; the tiles hold the file's bytes (8.5
-    bits per weight; Q5_0 5.5, where the row-major repack held 8.5); a tile-aligned row selection stays tiles, any other becomes row-major
-    blocks; concatenated tiles are the tiles of the concatenation; the kernel dequantizes any rows."""
-    for fmt in ("q8_0", "q5_0", "iq4_nl"):
-        w = q8_weight(fmt, 64, 96, seed=3)
-        t = cq.interleave_q8_x16(w)
-        assert t.fmt == cq.Q8_TILED[fmt] and cq.file_format(t.fmt) == fmt and t.super_blocks
-        assert w.nbytes() == 64 * 96 * 34 // 32
-        assert t.nbytes() == 64 * 96 * (22 if fmt == "q5_0" else 34) // 32
-        back = cq.deinterleave_q8_x16(t)
-        assert torch.equal(back.q, w.q) and torch.equal(back.scales, w.scales) and back.fmt == fmt
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_layout_round_trips(kernel: cq.QLinearKernel, fmt: str) -> None:
+    """interleave/deinterleave give the weight back bit for bit; the tiles hold the file's bytes (8.5, 5.5,
+    4.5, 6.0 bits per weight, where the row-major repacks held 8.5, 8.5, 8.5, 9.0); a tile-aligned row
+    selection stays tiles, any other becomes row-major blocks; concatenated tiles are the tiles of the
+    concatenation; the kernel dequantizes any rows."""
+    w = q8_weight(fmt, 64, 96, seed=3)
+    t = cq.interleave_q8_x16(w)
+    assert t.fmt == cq.Q8_TILED[fmt] and cq.file_format(t.fmt) == fmt and t.super_blocks
+    assert w.nbytes() == 64 * 96 * (36 if fmt == "q5_1" else 34) // 32
+    assert t.nbytes() == 64 * 96 * TILE_ROW_BYTES[fmt] // 32
+    back = cq.deinterleave_q8_x16(t)
+    assert torch.equal(back.q, w.q) and torch.equal(back.scales, w.scales) and back.fmt == fmt
+    assert (back.mins is None) == (w.mins is None) and (w.mins is None or torch.equal(back.mins, w.mins))
     dense = cq.dequantize_reference(w)
     assert torch.equal(kernel.dequantize_rows(t), dense)
     rows = torch.tensor([63, 0, 17, 17])
@@ -114,11 +119,20 @@ def test_bad_arguments() -> None:
 
     with pytest.raises(ValueError, match="multiple of 16"):
         cq.interleave_q8_x16(q8_weight("q8_0", 24, 64, seed=0))
-    with pytest.raises(ValueError, match="Q8_0 tiles take"):
+    with pytest.raises(ValueError, match="32-value tiles take"):
         cq.interleave_q8_x16(cq.quantize_block(torch.randn(16, 64), "q4_0"))  # 4-bit
-    q5_1 = random_blocks("Q5_1", 16, 64, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="Q8_0 tiles take"):
-        cq.interleave_q8_x16(from_gguf_repacked(q5_1, "Q5_1", 16, 64))  # Q5_1 has mins
+    with pytest.raises(ValueError, match="32-value tiles take"):
+        cq.interleave_q8_x16(cq.quantize_block(torch.randn(16, 64), "q4_1"))  # 4-bit, mins
+    q5_1 = from_gguf_repacked(random_blocks("Q5_1", 16, 64, np.random.default_rng(0)), "Q5_1", 16, 64)
+    with pytest.raises(ValueError, match="32-value tiles take"):
+        cq.interleave_q8_x16(dataclasses.replace(q5_1, mins=None))  # Q5_1 without its mins
+    q5_1.q[2, 7] = 32  # past 5 bits
+    with pytest.raises(ValueError, match=r"0\.\.31"):
+        cq.interleave_q8_x16(q5_1)
+    iq4 = q8_weight("iq4_nl", 16, 64, seed=0)
+    iq4.q[0, 0] = 0  # no kvalues_iq4nl level
+    with pytest.raises(ValueError, match="kvalues_iq4nl"):
+        cq.interleave_q8_x16(iq4)
     with pytest.raises(ValueError, match="whole tiles"):
         tiles(8, 68, 8)
     with pytest.raises(ValueError, match=r"q must be \[16, 68\]"):
@@ -131,7 +145,7 @@ def test_bad_arguments() -> None:
         cq.deinterleave_q8_x16(q8_weight("q8_0", 16, 64, seed=0))
 
 
-@pytest.mark.parametrize(("kind", "bits"), [("Q8_0", 34), ("Q5_0", 22)])
+@pytest.mark.parametrize(("kind", "bits"), [("Q8_0", 34), ("Q5_0", 22), ("Q5_1", 24)])
 def test_gguf_32_blocks_held_as_tiles(
     tiny_model_factory,  # type: ignore[no-untyped-def]
     tmp_path: Path,
@@ -139,9 +153,10 @@ def test_gguf_32_blocks_held_as_tiles(
     kind: str,
     bits: int,
 ) -> None:
-    """A Q8_0 (Q5_0) file with a tied head: every matrix of whole 16-row tiles is held as q8_0_x16
-    (q5_0_x16) at the file's 8.5 (5.5) bits per weight with no int8 packed copy (the row-major blocks took
-    one of 10 bits more for batches, and Q5_0 was held at 8.5), the same values as
+    """A Q8_0 (Q5_0, Q5_1) file with a tied head: every matrix of whole 16-row tiles is held as q8_0_x16
+    (q5_0_x16, q5_1_x16) at the file's 8.5 (5.5, 6.0) bits per weight with no int8 packed copy (the
+    row-major blocks took one of 10 bits more for batches, and Q5_0 was held at 8.5, Q5_1 at 9.0), the same
+    values as
     KUBEINFER_KQUANT_BLOCKS=0 reads; fused q/k/v stay tiles; every serving
     path (qlinear's entry, the int8 library's entry, BlockQuantLinear at decode, batch and prefill sizes
     in fp32 and bf16, the embedding lookup) gives W @ x within its tolerance."""

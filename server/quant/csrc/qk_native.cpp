@@ -30,8 +30,7 @@
 // rows; cpu_qk_native.interleave_reference is its torch twin. Descriptors mark tiles by group_size
 // X16_GROUP (16 rows x 256), the files' row-major blocks by 256.
 // Q8_0 x16 (FMT_Q8_0_X16): 8-bit values in 32-value blocks with one fp16 scale each, w = d * q (GGUF's
-// block_q8_0, and IQ4_NL as server/quant/gguf_repack.py rewrites it: the codebook value),
-// 16 rows per tile over the whole row: nb = K / 32 blocks, 34 bytes per row per block (the file's 8.5
+// block_q8_0), 16 rows per tile over the whole row: nb = K / 32 blocks, 34 bytes per row per block (the file's 8.5
 // bits/weight), the values first so that each block's 512 bytes start on a cache line:
 //   +512 b           u8 qs[8][64]   qs[g][4r + i] = q[r][32b + 4g + i] + 128 (= q ^ 0x80)
 //   +512 nb + 32 b   fp16 d[16]     d[r]: row r's scale of block b
@@ -47,6 +46,17 @@
 //   +320 nb + 32 b   fp16 d[16]
 // unpacked in registers to u8 q (0..31: a nibble mask, and 16 added under qh's bit mask), 16 sum(q_x) off.
 // Descriptors: group_size Q8X_GROUP, row_bytes k / 32 * 22.
+// IQ4_NL x16 (FMT_IQ4_NL_X16): GGUF's block_iq4_nl (w = d * kvalues_iq4nl[idx], idx 4-bit) at the file's 18
+// bytes per row per block (4.5 bits/weight): Q5_0's nibble vectors of the indices, no qh:
+//   +256 b           u8 qs[4][64]   qs[g][4r + i] = idx of (r, 32b + 4g + i) | idx of (r, 32b + 16 + 4g + i) << 4
+//   +256 nb + 32 b   fp16 d[16]
+// each index looked up (vpshufb) to its level + 128 in registers, then dotted as Q8_0's values.
+// Q5_1 x16 (FMT_Q5_1_X16): GGUF's block_q5_1 (w = d * q + m, q 5-bit unsigned) at the file's 24 bytes per row
+// per block (6.0 bits/weight): Q5_0's 320 bytes of values per block, then d and m:
+//   +320 nb + 64 b       fp16 d[16]
+//   +320 nb + 64 b + 32  fp16 m[16]
+// the values (0..31) dotted as they are; per block y += d dx dot + m dx sum(q_x).
+// Descriptors: group_size Q8X_GROUP, row_bytes k / 32 * 18 (IQ4_NL) or 24 (Q5_1).
 // Q5_K, IQ4_XS, Q3_K, Q2_K x16 (FMT_Q5_K_X16 .. FMT_Q2_K_X16): 16 rows x one super-block, the file's bits
 // per weight or within 1/8 bit of them; value (r, k = 32J + 16h + 4g + i) always at byte 4r + i of a
 // 64-byte vector, so that one vpdpbusd serves 16 rows (kubeinfer_qk_interleave writes them from the file's
@@ -124,19 +134,36 @@ constexpr int Q6X_RUN = 416;
 constexpr int q6x_sc(int J) { return 32 + Q6X_RUN * J; }
 constexpr int q6x_ql(int J, int g) { return 32 + Q6X_RUN * J + 32 + 64 * g; }
 constexpr int q6x_qh(int J, int h) { return 32 + Q6X_RUN * J + 288 + 64 * h; }
-constexpr int FMT_Q8_0_X16 = 4, FMT_Q5_0_X16 = 5;  // 32-value blocks in 16-row tiles
+// ggml's kvalues_iq4nl (ggml-common.h): IQ4_XS's (and IQ4_NL's) 16 levels; + 128 as the tiles' u8 values
+constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// 32-value blocks in 16-row tiles (layouts in the header); the codes after the 256-value ones' (10..13)
+constexpr int FMT_Q8_0_X16 = 4, FMT_Q5_0_X16 = 5, FMT_IQ4_NL_X16 = 14, FMT_Q5_1_X16 = 15;
 constexpr int64_t Q8X_BLOCK = 32, Q8X_ROW_BYTES = 34, Q5X_ROW_BYTES = 22, Q8X_GROUP = 16 * 32;
-// Per 32-block tile format: bytes of one block's values (16 rows), bytes per row per block, q's offset.
-constexpr int64_t q32_values_bytes(int fmt) { return fmt == FMT_Q5_0_X16 ? 320 : 512; }
-constexpr int64_t q32_row_bytes(int fmt) { return fmt == FMT_Q5_0_X16 ? Q5X_ROW_BYTES : Q8X_ROW_BYTES; }
-constexpr int32_t q32_offset(int fmt) { return fmt == FMT_Q5_0_X16 ? 16 : 128; }
-// The stored value (0..255, or 0..31 for Q5_0; w = d * (value - q32_offset)) of row r, k = 32b + 4g + i, in
+constexpr int64_t IQ4NLX_ROW_BYTES = 18, Q51X_ROW_BYTES = 24;
+constexpr bool q32_format(int fmt) {
+  return fmt == FMT_Q8_0_X16 || fmt == FMT_Q5_0_X16 || fmt == FMT_IQ4_NL_X16 || fmt == FMT_Q5_1_X16;
+}
+// Per 32-block tile format: bytes of one block's values (16 rows), of its scales (fp16 d, Q5_1's fp16 m
+// after them), bytes per row per block, the offset the stored value carries (w = d * (value - offset)
+// [+ m]), and the factor of sum(q_x) the kernels keep per block of x (QuantizedX32::st): the offset's, or
+// Q5_1's plain sum for its min term.
+constexpr bool q32_has_qh(int fmt) { return fmt == FMT_Q5_0_X16 || fmt == FMT_Q5_1_X16; }
+constexpr int64_t q32_values_bytes(int fmt) { return q32_has_qh(fmt) ? 320 : fmt == FMT_IQ4_NL_X16 ? 256 : 512; }
+constexpr int64_t q32_scale_bytes(int fmt) { return fmt == FMT_Q5_1_X16 ? 64 : 32; }
+constexpr int64_t q32_row_bytes(int fmt) { return (q32_values_bytes(fmt) + q32_scale_bytes(fmt)) / 16; }
+constexpr int32_t q32_offset(int fmt) { return fmt == FMT_Q5_0_X16 ? 16 : fmt == FMT_Q5_1_X16 ? 0 : 128; }
+constexpr int32_t q32_sum_factor(int fmt) { return fmt == FMT_Q5_1_X16 ? 1 : q32_offset(fmt); }
+static_assert(q32_row_bytes(FMT_Q8_0_X16) == Q8X_ROW_BYTES && q32_row_bytes(FMT_Q5_0_X16) == Q5X_ROW_BYTES);
+static_assert(q32_row_bytes(FMT_IQ4_NL_X16) == IQ4NLX_ROW_BYTES && q32_row_bytes(FMT_Q5_1_X16) == Q51X_ROW_BYTES);
+// The stored value (Q8_0 q + 128, IQ4_NL level + 128, Q5_0 / Q5_1 0..31) of row r, k = 32b + 4g + i, in
 // one block's values `v` of a tile.
 inline int q32_value(int fmt, const uint8_t* v, int r, int g, int i) {
-  if (fmt != FMT_Q5_0_X16) return v[64 * g + 4 * r + i];
+  if (fmt == FMT_Q8_0_X16) return v[64 * g + 4 * r + i];
   const uint8_t byte = v[64 * (g & 3) + 4 * r + i];
+  const int nib = g < 4 ? byte & 15 : byte >> 4;
+  if (fmt == FMT_IQ4_NL_X16) return IQ4_VALUES[nib] + 128;
   const int e = 4 * r + i;
-  return (g < 4 ? byte & 15 : byte >> 4) | (((v[256 + 8 * g + e / 8] >> (e % 8)) & 1) << 4);
+  return nib | (((v[256 + 8 * g + e / 8] >> (e % 8)) & 1) << 4);
 }
 // The other k-quant types in 16-row tiles of 256-value super-blocks (layouts in the header): file rows in
 // (kubeinfer_qk_interleave's FMT_*_ROWS codes), tiles run.
@@ -146,8 +173,6 @@ constexpr int64_t Q5_K_BYTES = 176, IQ4_XS_BYTES = 136, Q3_K_BYTES = 110, Q2_K_B
 constexpr int64_t Q5X_TILE_BYTES = 2880, IQ4X_TILE_BYTES = 2208, Q3X_TILE_BYTES = 1824, Q2X_TILE_BYTES = 1344;
 constexpr int Q5X_QH = 2368, IQ4X_S = 32, IQ4X_QS = 160;        // offsets in a Q5_K / IQ4_XS tile
 constexpr int Q3X_RUN = 224, Q3X_BASE = 32, Q2X_RUN = 160, Q2X_BASE = 64;  // per-chunk runs of Q3_K / Q2_K
-// ggml's kvalues_iq4nl (ggml-common.h): IQ4_XS's (and IQ4_NL's) 16 levels; + 128 as the tiles' u8 values
-constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 inline bool new_tiles(int fmt) { return fmt >= FMT_Q5_K_X16 && fmt <= FMT_Q2_K_X16; }
 inline int64_t tile_bytes(int fmt) {
   switch (fmt) {
@@ -263,13 +288,13 @@ void quantize_rows(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k, Q
   }
 }
 
-// One row of x per 32-block (Q8_0 / Q5_0 tiles): q (k order) and dx per block (the scalar path's).
+// One row of x per 32-block (the 32-value tiles): q (k order) and dx per block (the scalar path's).
 struct QuantizedX32 {
   std::vector<int8_t> q;  // [M, K]
   std::vector<float> d;   // [M, K / 32]
   // The vnni path's copy, per block of TILE_M rows (zero past M) so that a pass reads one stream with fixed
   // offsets: xi [M / 8, K / 32, 8, 8] the dwords (4 q each, g-major), dt and st [M / 8, K / 32, 8]
-  // dx and q32_offset * sum(q)
+  // dx and q32_sum_factor * sum(q)
   std::vector<int32_t> xi, st;
   std::vector<float> dt;
 };
@@ -357,7 +382,7 @@ void quantize_rows32(int fmt, const float* x, int64_t m, int64_t ldx, int64_t k,
       out.d[r * nb + b] = d;
       const int64_t at = (rb * nb + b) * TILE_M + i;
       for (int g = 0; g < 8; ++g) std::memcpy(&out.xi[((rb * nb + b) * 8 + g) * TILE_M + i], q + 4 * g, 4);
-      out.st[at] = q32_offset(fmt) * sum;
+      out.st[at] = q32_sum_factor(fmt) * sum;
       out.dt[at] = d;
     }
   }
@@ -777,11 +802,13 @@ void scalar_new_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t
     }
 }
 
-// The scalar path over Q8_0 / Q5_0 x16 tiles t0..t1: per block d dx dot(q_w, q_x), the vnni path's terms.
+// The scalar path over 32-value tiles t0..t1 (Q8_0, Q5_0, IQ4_NL, Q5_1): per block d dx dot(q_w, q_x)
+// (+ m dx sum(q_x) for Q5_1), the vnni path's terms.
 void scalar_q8x_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX32& xq,
                       int64_t m, float* y, int64_t ldy) {
-  const int64_t nb = k / Q8X_BLOCK, vb = q32_values_bytes(fmt);
+  const int64_t nb = k / Q8X_BLOCK, vb = q32_values_bytes(fmt), sb = q32_scale_bytes(fmt);
   const int32_t off = q32_offset(fmt);
+  const bool mins = fmt == FMT_Q5_1_X16;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * nb * (X16_ROWS * q32_row_bytes(fmt));
     for (int r = 0; r < X16_ROWS; ++r) {
@@ -789,13 +816,19 @@ void scalar_q8x_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t
       for (int64_t i = 0; i < m; ++i) y[i * ldy + n] = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qs = tile + vb * b;
-        const float d = fp16_to_fp32(tile + vb * nb + 32 * b + 2 * r);
+        const float d = fp16_to_fp32(tile + vb * nb + sb * b + 2 * r);
+        const float mn = mins ? fp16_to_fp32(tile + vb * nb + sb * b + 32 + 2 * r) : 0.0f;
         for (int64_t i = 0; i < m; ++i) {
           const int8_t* q = xq.q.data() + i * k + b * Q8X_BLOCK;
-          int32_t dot = 0;
+          int32_t dot = 0, sum = 0;
           for (int g = 0; g < 8; ++g)
-            for (int l = 0; l < 4; ++l) dot += (q32_value(fmt, qs, r, g, l) - off) * q[4 * g + l];
-          y[i * ldy + n] += (float)dot * (d * xq.d[i * nb + b]);
+            for (int l = 0; l < 4; ++l) {
+              dot += (q32_value(fmt, qs, r, g, l) - off) * q[4 * g + l];
+              sum += q[4 * g + l];
+            }
+          const float dx = xq.d[i * nb + b];
+          y[i * ldy + n] += (float)dot * (d * dx);
+          if (mins) y[i * ldy + n] += (float)sum * (mn * dx);
         }
       }
     }
@@ -1237,18 +1270,24 @@ void tiles_rows(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, co
   }
 }
 
-// Rows r0..r0+MT of x against one Q8_0 x16 tile (16 output columns): per block eight vpdpbusd of the
-// values (+ 128) with a broadcast dword of x, minus 128 sum(q_x) (where S's biased dot counts the + 128),
-// times d dx in fp32. Up to 4 rows, two int32 accumulators per row (even and odd g) halve each dependency
-// chain; with more rows there are chains enough (measured on a 2-core Zen 5: one or two accumulators alike
-// at 16-64 rows, 8 chains alone too few).
-// Q5_0 (BITS 5): each of the four nibble vectors gives two of the eight, 16 added where qh's bit is set;
-// its values (0..31) take the plain dot, and 16 sum(q_x) comes off on every ISA.
-template <int BITS, int MT>
+// Rows r0..r0+MT of x against one 32-value tile (16 output columns) of format FMT: per block eight
+// vpdpbusd of the values with a broadcast dword of x, times d dx in fp32. Up to 4 rows, two int32
+// accumulators per row (even and odd g) halve each dependency chain; with more rows there are chains
+// enough (measured on a 2-core Zen 5: one or two accumulators alike at 16-64 rows, 8 chains alone too few).
+//   Q8_0: the values held + 128 (S's biased dot; where it counts the + 128, 128 sum(q_x) comes off).
+//   IQ4_NL: each of the four nibble vectors gives two of the eight as indices, looked up (vpshufb) to the
+//     level + 128, then as Q8_0's (iq4x_rows' lookup).
+//   Q5_0, Q5_1: each of the four nibble vectors gives two of the eight, 16 added where qh's bit is set; the
+//     values (0..31) take the plain dot; Q5_0's 16 sum(q_x) comes off on every ISA, Q5_1's min adds
+//     m dx sum(q_x) per block.
+template <int FMT, int MT>
 void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq, int64_t r0, float* y,
               int64_t ldy) {
-  constexpr int64_t VB = BITS == 5 ? 320 : 512;
-  const I lo4 = S::set8(15), sixteen = S::set8(16);
+  constexpr bool Q5 = q32_has_qh(FMT), NL = FMT == FMT_IQ4_NL_X16, MINS = FMT == FMT_Q5_1_X16;
+  constexpr int64_t VB = q32_values_bytes(FMT), SB = q32_scale_bytes(FMT);
+  alignas(16) uint8_t levels[16];
+  for (int c = 0; c < 16; ++c) levels[c] = (uint8_t)(IQ4_VALUES[c] + 128);
+  const I lo4 = S::set8(15), sixteen = S::set8(16), tbl = S::table16(levels);
   F acc[H][MT];
   for (int h = 0; h < H; ++h)
     for (int i = 0; i < MT; ++i) acc[h][i] = S::fzero();
@@ -1259,15 +1298,15 @@ void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq
   const float* dt = xq.dt.data() + rb * nb * TILE_M;
   for (int64_t b = 0; b < nb; ++b, xi += 8 * TILE_M, st += TILE_M, dt += TILE_M) {
     const uint8_t* qs = tile + VB * b;
-    if constexpr (MT >= PF_MIN_ROWS) {  // the values; the scales' 32 bytes a block below
+    if constexpr (MT >= PF_MIN_ROWS) {  // the values; the scales as far ahead in their own stream
       prefetch_ahead(qs, VB);
-      _mm_prefetch((const char*)(dp + 32 * b + PF_AHEAD_BYTES / 16), _MM_HINT_T0);
+      _mm_prefetch((const char*)(dp + SB * (b + PF_AHEAD_BYTES / 512)), _MM_HINT_T0);
     }
     for (int hf = 0; hf < H; ++hf) {
       I s0[MT], s1[MT];
       for (int i = 0; i < MT; ++i) s0[i] = s1[i] = S::zero();
       for (int g = 0; g < 8; ++g) {
-        if constexpr (BITS == 5) {
+        if constexpr (Q5) {
           const I nibv = S::load(qs + 64 * (g & 3), hf);
           const I wv = S::add8_where(S::and_(g < 4 ? nibv : S::srl16(nibv, 4), lo4), qs + 256 + 8 * g, hf, sixteen);
           for (int i = 0; i < MT; ++i) {
@@ -1278,7 +1317,13 @@ void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq
               s0[i] = S::dpbusd(s0[i], wv, xv);
           }
         } else {
-          const typename S::Biased wv = S::biased(S::load(qs + 64 * g, hf));
+          typename S::Biased wv;
+          if constexpr (NL) {
+            const I nibv = S::load(qs + 64 * (g & 3), hf);
+            wv = S::biased(S::shuffle8(tbl, S::and_(g < 4 ? nibv : S::srl16(nibv, 4), lo4)));
+          } else {
+            wv = S::biased(S::load(qs + 64 * g, hf));
+          }
           for (int i = 0; i < MT; ++i) {
             const I xv = S::set32(xi[g * TILE_M + i]);
             if ((g & 1) && MT <= 4)
@@ -1288,11 +1333,13 @@ void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq
           }
         }
       }
-      const F d = S::f16(dp + 32 * b, hf);
+      const F d = S::f16(dp + SB * b, hf);
       for (int i = 0; i < MT; ++i) {
         I tot = S::add32(s0[i], s1[i]);
-        if (BITS == 5 || S::BIASED_DOT_HAS_OFFSET) tot = S::sub32(tot, S::set32(st[i]));
-        acc[hf][i] = S::fmadd(S::cvt(tot), S::mul(d, S::setf(dt[i])), acc[hf][i]);
+        if constexpr (FMT == FMT_Q5_0_X16 || (!Q5 && S::BIASED_DOT_HAS_OFFSET)) tot = S::sub32(tot, S::set32(st[i]));
+        const F dx = S::setf(dt[i]);
+        acc[hf][i] = S::fmadd(S::cvt(tot), S::mul(d, dx), acc[hf][i]);
+        if constexpr (MINS) acc[hf][i] = S::fmadd(S::setf((float)st[i]), S::mul(S::f16(dp + SB * b + 32, hf), dx), acc[hf][i]);
       }
     }
   }
@@ -1300,18 +1347,28 @@ void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq
     for (int i = 0; i < MT; ++i) S::store(y + (r0 + i) * ldy, hf, acc[hf][i]);
 }
 
-// Q8_0 (BITS 8) or Q5_0 (5) x16 tiles t0..t1, all M rows of x, TILE_M rows per pass over a tile (as
-// tiles_rows).
-template <int BITS>
+// 32-value tiles t0..t1 of format FMT, all M rows of x, TILE_M rows per pass over a tile (as tiles_rows).
+template <int FMT>
 void q8x_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX32& xq, int64_t m, float* y,
                int64_t ldy) {
   const int64_t nb = k / Q8X_BLOCK;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * nb * (X16_ROWS * (BITS == 5 ? Q5X_ROW_BYTES : Q8X_ROW_BYTES));
+    const uint8_t* tile = w + t * nb * (X16_ROWS * q32_row_bytes(FMT));
     float* yt = y + X16_ROWS * t;
     for (int64_t r0 = 0; r0 < m; r0 += TILE_M)
       with_rows((int)std::min<int64_t>(TILE_M, m - r0),
-                [&](auto mt) { q8x_rows<BITS, decltype(mt)::value>(tile, nb, k, xq, r0, yt, ldy); });
+                [&](auto mt) { q8x_rows<FMT, decltype(mt)::value>(tile, nb, k, xq, r0, yt, ldy); });
+  }
+}
+
+// q8x_tiles of the 32-value tile format `fmt` (q32_format).
+void q32_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, const QuantizedX32& xq, int64_t m,
+               float* y, int64_t ldy) {
+  switch (fmt) {
+    case FMT_Q5_0_X16: q8x_tiles<FMT_Q5_0_X16>(w, t0, t1, k, xq, m, y, ldy); break;
+    case FMT_IQ4_NL_X16: q8x_tiles<FMT_IQ4_NL_X16>(w, t0, t1, k, xq, m, y, ldy); break;
+    case FMT_Q5_1_X16: q8x_tiles<FMT_Q5_1_X16>(w, t0, t1, k, xq, m, y, ldy); break;
+    default: q8x_tiles<FMT_Q8_0_X16>(w, t0, t1, k, xq, m, y, ldy); break;
   }
 }
 
@@ -1485,15 +1542,18 @@ using S = Avx2;
 // One row of W in fp32, gguf-py's dequantization bit for bit: (d * sc) * q - dmin * m (Q4_K),
 // (d * sc) * (q - 32) (Q6_K), each product rounded (no FMA contraction: -ffp-contract=off).
 void dequant_row(int fmt, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, float* o) {
-  if (fmt == FMT_Q8_0_X16 || fmt == FMT_Q5_0_X16) {  // d * q (q less its offset) as the references compute
-    const int64_t nb = k / Q8X_BLOCK, vb = q32_values_bytes(fmt);  // row n is row n % 16 of tile n / 16
-    const int r = (int)(n % X16_ROWS);
+  if (q32_format(fmt)) {  // d * q (q less its offset) [+ m] as the references compute
+    const int64_t nb = k / Q8X_BLOCK, vb = q32_values_bytes(fmt), sb = q32_scale_bytes(fmt);
+    const int r = (int)(n % X16_ROWS);  // row n is row n % 16 of tile n / 16
     const uint8_t* tile = w + (n / X16_ROWS) * nb * (X16_ROWS * q32_row_bytes(fmt));
     for (int64_t b = 0; b < nb; ++b) {
-      const float d = fp16_to_fp32(tile + vb * nb + 32 * b + 2 * r);
+      const float d = fp16_to_fp32(tile + vb * nb + sb * b + 2 * r);
       for (int g = 0; g < 8; ++g)
-        for (int l = 0; l < 4; ++l)
-          o[b * Q8X_BLOCK + 4 * g + l] = (float)(q32_value(fmt, tile + vb * b, r, g, l) - q32_offset(fmt)) * d;
+        for (int l = 0; l < 4; ++l) {
+          float& v = o[b * Q8X_BLOCK + 4 * g + l];
+          v = (float)(q32_value(fmt, tile + vb * b, r, g, l) - q32_offset(fmt)) * d;
+          if (fmt == FMT_Q5_1_X16) v = v + fp16_to_fp32(tile + vb * nb + sb * b + 32 + 2 * r);
+        }
     }
     return;
   }
@@ -1582,13 +1642,13 @@ int best_compiled_path() {
 
 extern "C" {
 
-int32_t kubeinfer_qk_native_abi() { return 8; }
+int32_t kubeinfer_qk_native_abi() { return 9; }
 
 // csrc/qlinear.cpp's descriptor, field for field. For these weights (bits KI_BITS_KQUANT = 6): q is the
 // super-blocks, [n, row_bytes] with row_bytes = k / 256 * 144 (Q4_K) or 210 (Q6_K), group_size 256; or the
 // 16-row tiles (group_size X16_GROUP), row_bytes k / 256 * 148 (Q4_K), 210 (Q6_K), 180 (Q5_K), 138 (IQ4_XS),
-// 114 (Q3_K) or 84 (Q2_K); or Q8_0's 16-row tiles (group_size Q8X_GROUP), row_bytes k / 32 * 34, or Q5_0's,
-// k / 32 * 22; scales, mins unused.
+// 114 (Q3_K) or 84 (Q2_K); or the 32-value 16-row tiles (group_size Q8X_GROUP), row_bytes k / 32 * 34
+// (Q8_0), 22 (Q5_0), 18 (IQ4_NL) or 24 (Q5_1); scales, mins unused.
 struct KiQWeight {
   const uint8_t* q;
   const void* scales;
@@ -1608,14 +1668,15 @@ int32_t kubeinfer_qk_set_path(int32_t path) {
 }
 
 // y[m, n] (row stride ldy) = x[m, k] (row stride ldx, fp32) @ W^T, W [n, k] as `fmt` super-blocks (0 Q4_K,
-// 1 Q6_K: rows of k / 256 blocks; 2 Q4_K x16, 3 Q6_K x16, 4 Q8_0 x16, 5 Q5_0 x16 (k a multiple of 32), 6 Q5_K
-// x16, 7 IQ4_XS x16, 8 Q3_K x16, 9 Q2_K x16: tiles of 16 rows, n a multiple of 16). Returns 0, or 1 for bad
+// 1 Q6_K: rows of k / 256 blocks; 2 Q4_K x16, 3 Q6_K x16, 4 Q8_0 x16, 5 Q5_0 x16, 14 IQ4_NL x16, 15 Q5_1 x16
+// (k a multiple of 32), 6 Q5_K x16, 7 IQ4_XS x16, 8 Q3_K x16, 9 Q2_K x16: tiles of 16 rows, n a multiple of
+// 16). Returns 0, or 1 for bad
 // arguments (Python checks them first).
 int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
                             int64_t ldx, float* y, int64_t ldy, int32_t threads) {
-  const bool q32 = fmt == FMT_Q8_0_X16 || fmt == FMT_Q5_0_X16;
+  const bool q32 = q32_format(fmt);
   if (!w || !x || !y || n < 0 || m < 0 || k <= 0 || k % (q32 ? Q8X_BLOCK : QK_K)) return 1;
-  if (fmt < FMT_Q4_K || fmt > FMT_Q2_K_X16) return 1;
+  if ((fmt < FMT_Q4_K || fmt > FMT_Q2_K_X16) && !q32) return 1;
   const bool tiled = fmt >= FMT_Q4_K_X16;
   if (tiled && n % X16_ROWS) return 1;
   if (m == 0 || n == 0) return 0;
@@ -1626,12 +1687,11 @@ int32_t kubeinfer_qk_linear(int32_t fmt, const uint8_t* w, int64_t n, int64_t k,
     quantize_rows32(fmt, x, m, ldx, k, xq, path, threads);
     const int64_t tiles = n / X16_ROWS;
     over_spans(tiles, std::max<int32_t>(1, std::min<int64_t>(threads, tiles)), [&](int64_t t0, int64_t t1) {
-      const bool q5 = fmt == FMT_Q5_0_X16;
 #if KI_QK_X86
       if (vnni)
-        q5 ? isa_vnni::q8x_tiles<5>(w, t0, t1, k, xq, m, y, ldy) : isa_vnni::q8x_tiles<8>(w, t0, t1, k, xq, m, y, ldy);
+        isa_vnni::q32_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
       else if (path == PATH_AVX2)
-        q5 ? isa_avx2::q8x_tiles<5>(w, t0, t1, k, xq, m, y, ldy) : isa_avx2::q8x_tiles<8>(w, t0, t1, k, xq, m, y, ldy);
+        isa_avx2::q32_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
       else
 #endif
         scalar_q8x_tiles(fmt, w, t0, t1, k, xq, m, y, ldy);
@@ -1759,10 +1819,12 @@ int32_t kubeinfer_qk_deinterleave(int32_t fmt, const uint8_t* src, int64_t n, in
 // Format code of a descriptor's super-blocks from its row bytes, or -1.
 static int32_t desc_format(const KiQWeight* w) {
   if (!w || !w->q || w->bits != 6 || w->n < 0 || w->k <= 0) return -1;
-  if (w->group_size == Q8X_GROUP) {  // Q8_0 / Q5_0 x16 tiles
+  if (w->group_size == Q8X_GROUP) {  // 32-value tiles: Q8_0, Q5_0, IQ4_NL, Q5_1
     if (w->k % Q8X_BLOCK || w->n % X16_ROWS) return -1;
     if (w->row_bytes == w->k / Q8X_BLOCK * Q8X_ROW_BYTES) return FMT_Q8_0_X16;
     if (w->row_bytes == w->k / Q8X_BLOCK * Q5X_ROW_BYTES) return FMT_Q5_0_X16;
+    if (w->row_bytes == w->k / Q8X_BLOCK * IQ4NLX_ROW_BYTES) return FMT_IQ4_NL_X16;
+    if (w->row_bytes == w->k / Q8X_BLOCK * Q51X_ROW_BYTES) return FMT_Q5_1_X16;
     return -1;
   }
   if (w->k % QK_K) return -1;
