@@ -74,7 +74,8 @@ GGUF_RESIDENT_BITS = {
 GGUF_TILE_BITS = {
     "Q8_0": 8.5,
     "Q5_0": 5.5,
-    "IQ4_NL": 8.5,
+    "Q5_1": 6.0,
+    "IQ4_NL": 4.5,
     "Q4_K": 4.625,
     "Q6_K": 6.5625,
     "Q5_K": 5.625,
@@ -82,7 +83,7 @@ GGUF_TILE_BITS = {
     "Q3_K": 3.5625,
     "Q2_K": 2.625,
 }
-Q8_TILE_TYPES = ("Q8_0", "Q5_0", "IQ4_NL")  # held in Q8_0's tiles (the rest: the k-quants' own)
+Q8_TILE_TYPES = ("Q8_0",)  # tiled only where `gguf_q8_tiles` (gguf_checkpoint.Q8_TILE_FORMATS: AVX512-VNNI)
 # On-the-fly --quantize methods: resident bits per weight of a quantized linear weight (values plus
 # the per-32 scale (and min) the block formats carry).
 QUANTIZE_BITS = {"int8": 8.5, "q8_0": 8.5, "int4": 4.5, "q4_0": 4.5, "q4_1": 5.0, "fp8": 8.0}

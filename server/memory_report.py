@@ -33,7 +33,7 @@ def serving_estimate(
     """The estimate for `model` (a folder, or the GGUF file served as it is) under `config`'s flags;
     `compute_dtype`: what --dtype resolved to here (float32, bfloat16, float16); `gguf_tiles`: this CPU
     will hold the GGUF's quantized tensors in 16-row tiles (ServingSettings.gguf_tiles; `gguf_q8_tiles`
-    its Q8_0, Q5_0 and IQ4_NL too: gguf_checkpoint.q8_tiles_enabled). None (logged) when
+    its Q8_0 too: gguf_checkpoint.q8_tiles_enabled). None (logged) when
     the files cannot be read for one: the server still starts."""
     cache = config.cache
     try:

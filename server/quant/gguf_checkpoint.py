@@ -15,10 +15,11 @@ weight of the file's bits: `TILE_ONLY_TYPES`); MXFP4 expert stacks
 (gpt-oss) stay MXFP4 (`GgufCheckpoint.mxfp4_experts`, cpu_mxfp4.from_gguf_mxfp4). Any other type (IQ2_*,
 IQ3_*, IQ1_*, TQ*, ...) and F16/BF16 are read as fp32; each such tensor is logged and listed in
 `GgufCheckpoint.dequantized` with the memory it costs beyond its bytes in the file (/info shows it).
-Where the k-quant tiles are held on AVX512-VNNI (`q8_tiles_enabled`: not on AVX2-only CPUs), so are Q8_0's: Q8_0, Q5_0 and IQ4_NL matrices of whole 16-row tiles,
-experts included, become q8_0_x16 / q5_0_x16 / iq4_nl_x16 (cpu_qlinear.interleave_q8_x16): the file's
-8.5 bits per weight (Q5_0 5.5), one copy for decode and batches, instead of the row-major blocks (Q5_0
-widened to 8.5 bits) plus the batched path's 10-bit int8 packed copy.
+Where the k-quant tiles are held (`super_blocks_enabled`, the avx2 path included), so are the 32-value
+formats' of whole 16-row tiles, experts included: Q5_0, IQ4_NL and Q5_1 (`TILE_32_FORMATS`) as q5_0_x16 /
+iq4_nl_x16 / q5_1_x16 (cpu_qlinear.interleave_q8_x16) at the file's 5.5 / 4.5 / 6.0 bits per weight, and
+on AVX512-VNNI (`q8_tiles_enabled`) Q8_0 as q8_0_x16 at its 8.5: one copy for decode and batches, instead
+of the row-major repacks (8.5 / 8.5 / 9.0 bits) plus the batched path's 10-bit int8 packed copy.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ _FLOAT = ("F32", "F16", "BF16")
 # product serves 16 output rows, one row of x 1.6-1.9x the repack's speed, 16 rows about the packed copy's
 # (docs/benchmarks-log.md "k-quants in 16-row tiles"). Other Q4_K stays repacked (its row-major blocks run
 # batches at 0.5-0.7x); other Q6_K stays row-major blocks (1.35-1.45x the repack at 16 rows). Under the same
-# switch Q8_0, Q5_0 and IQ4_NL of whole tiles are held as 16-row tiles: 8.5 bits per weight (Q5_0 5.5)
-# against 8.5 plus the int8 packed copy's 10.0; one row of x 1.0-1.9x, 4 rows 3-5x, 16-64 rows 0.8-1.0x the
-# row-major GEMV and packed batched path (docs/benchmarks-log.md "Q8_0 and Q5_0 in 16-row tiles, and the
+# switch the 32-value formats of whole tiles are held as 16-row tiles (tiled_32_formats): the file's bits per
+# weight (Q8_0 8.5, Q5_0 5.5, IQ4_NL 4.5, Q5_1 6.0) against 8.5 or 9.0 plus the int8 packed copy's 10.0;
+# Q8_0 / Q5_0 one row of x 1.0-1.9x, 4 rows 3-5x, 16-64 rows 0.8-1.0x the row-major GEMV and packed batched path (docs/benchmarks-log.md "Q8_0 and Q5_0 in 16-row tiles, and the
 # step thread's malloc arena"). On an AVX2-only CPU the kernel's avx2 path runs the tiles (every format) and
 # the row-major blocks only in scalar code, so there Q6_K of other N is repacked as Q4_K is; its tiles run
 # 1.4-2.6x the repacked layout's int8 GEMV / fp32 kernel at 4-128 rows and 1.5-3.4x dequantize + fp32 GEMM at
@@ -79,7 +80,7 @@ SUPER_BLOCKS_ENV = "KUBEINFER_KQUANT_BLOCKS"
 
 
 def super_blocks_enabled(compute: torch.dtype) -> bool:
-    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0, Q5_0, IQ4_NL and
+    """KUBEINFER_KQUANT_BLOCKS: `1` hold SUPER_BLOCK_TYPES as super-blocks (and Q8_0, Q5_0, IQ4_NL, Q5_1 and
     TILE_ONLY_TYPES as 16-row tiles), `0` repack them (and keep Q8_0 and the like row-major); unset: where the super-block kernel runs its
     AVX512-VNNI or AVX2 path (its scalar path is slower than the repacked formats' AVX2 GEMV) and the layers'
     GEMMs take int8 activations (`compute`, the GEMM dtype: bf16 or int8, server/quant/gemm_dtype.py; a
@@ -102,14 +103,34 @@ def super_blocks_enabled(compute: torch.dtype) -> bool:
 TILE_PATHS = ("vnni", "avx2")  # qk_native's paths that run the tiles in SIMD code
 
 
+# 32-value formats held as their 16-row tiles wherever super_blocks_enabled holds the k-quants' (the avx2
+# path included), for matrices of whole tiles: at the file's bits per weight, Q5_0 5.5, IQ4_NL 4.5, Q5_1
+# 6.0, against the row-major repacks' 8.5, 8.5, 9.0 (cpu_qlinear.interleave_q8_x16); Q8_0 only where
+# q8_tiles_enabled (Q8_TILE_FORMATS)
+TILE_32_FORMATS = ("q5_0", "iq4_nl", "q5_1")
+Q8_TILE_FORMATS = ("q8_0",)
+
+
+def tiled_32_formats(super_blocks: bool) -> frozenset[str]:
+    """The 32-value formats (cpu_qlinear.Q8_TILED's keys) the loader holds as 16-row tiles, given
+    super_blocks_enabled: TILE_32_FORMATS, and Q8_TILE_FORMATS where q8_tiles_enabled; none without."""
+    if not super_blocks:
+        return frozenset()
+    return frozenset(TILE_32_FORMATS) | (frozenset(Q8_TILE_FORMATS) if q8_tiles_enabled() else frozenset())
+
+
 def q8_tiles_enabled() -> bool:
-    """Where super_blocks_enabled holds the k-quants' tiles, whether Q8_0, Q5_0 and IQ4_NL of whole tiles are
-    held as Q8_0's tiles too: on the kernel's vnni path, or with KUBEINFER_KQUANT_BLOCKS=1. Not by default on
-    its avx2 path, where their kernel runs (tested like the vnni one) but they would hold Q8_0 and IQ4_NL at
-    the row-major layout's 8.5 bits (no CPU without VNNI makes the packed copy), and one row, decode's
-    common case, ran 0.8-1.15x the row-major int8 GEMV (Q8_0 [8192, 2048] 0.79x; 4-128 rows 1.5-2.4x:
-    benchmarks/qk_avx2.py --formats q8_0, simulated AVX2-only CPU, docs/benchmarks-log.md "k-quant tiles on
-    AVX2"); so Q5_0 stays repacked at 8.5 bits there too."""
+    """Where super_blocks_enabled holds the k-quants' tiles, whether Q8_TILE_FORMATS (Q8_0) of whole tiles
+    are held as their tiles too: on the kernel's vnni path, or with KUBEINFER_KQUANT_BLOCKS=1. Not by default
+    on its avx2 path, where their kernel runs (tested like the vnni one) but Q8_0's tiles hold the row-major
+    layout's 8.5 bits (no CPU without VNNI makes the packed copy) and one row, decode's common case, ran
+    0.8-1.15x the row-major int8 GEMV (Q8_0 [8192, 2048] 0.79x; 4-128 rows 1.5-2.4x: benchmarks/qk_avx2.py
+    --formats q8_0, simulated AVX2-only CPU, docs/benchmarks-log.md "k-quant tiles on AVX2"). The other
+    32-value formats (TILE_32_FORMATS) are tiled there regardless: their tiles hold fewer bits than the
+    repack (Q5_0 5.5, IQ4_NL 4.5, Q5_1 6.0 against 8.5, 8.5, 9.0), and their one-row kernel ran 1.05-1.21x
+    (Q5_0), 1.22-1.44x (IQ4_NL), 1.17-1.30x (Q5_1) the row-major int8 GEMV, 16 rows 1.7-1.9x, 4 rows
+    0.92-1.5x (Llama-3.2-1B's [2048, 2048], [8192, 2048], [2048, 8192], same simulated CPU,
+    docs/benchmarks-log.md "IQ4_NL and Q5_1 in 16-row tiles")."""
     return bool(env_switch(SUPER_BLOCKS_ENV)) or _row_major_runs()
 
 
@@ -226,7 +247,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
     n_kv = _field_int(reader, f"{arch}.attention.head_count_kv") or n_head
     ckpt = GgufCheckpoint(arch)
     super_blocks = super_blocks_enabled(compute)
-    q8_tiles = super_blocks and q8_tiles_enabled()
+    tiled_32 = tiled_32_formats(super_blocks)
     for t in reader.tensors:
         name = hf_name(t.name, layout)
         if name is None:
@@ -238,7 +259,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
         value: Tensor | BlockQuantWeight
         kept = kind in _KEPT or kind in _KEPT_K or kind in REPACKED
         if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kept:
-            ckpt.experts[name] = _split_experts(t.data, kind, shape, super_blocks, q8_tiles)
+            ckpt.experts[name] = _split_experts(t.data, kind, shape, super_blocks, tiled_32)
             continue
         if len(shape) == 3 and name.endswith(_EXPERT_NAMES) and kind == "MXFP4":
             with warnings.catch_warnings():  # a read-only memory map: from_gguf_mxfp4 copies what it keeps
@@ -285,7 +306,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
             value = (
                 value.select_rows(perm) if isinstance(value, BlockQuantWeight) else value[perm].contiguous()
             )
-        if isinstance(value, BlockQuantWeight) and _tileable(value, q8_tiles and not moe):
+        if isinstance(value, BlockQuantWeight) and _tileable(value, frozenset() if moe else tiled_32):
             # after the row permutation: tiles are 16 rows as served
             value = interleave_x16(value) if value.super_blocks else interleave_q8_x16(value)
         ckpt.tensors[name] = value
@@ -294,12 +315,12 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
     return ckpt
 
 
-def _tileable(w: BlockQuantWeight, q8: bool = False) -> bool:
-    """Super-blocks of whole 16-row tiles, or (where `q8`) 8-bit 32-blocks that Q8_0's tiles hold
-    (cpu_qlinear.q8_tileable): held as tiles once their rows are final."""
+def _tileable(w: BlockQuantWeight, tiled_32: frozenset[str] = frozenset()) -> bool:
+    """Super-blocks of whole 16-row tiles, or 32-blocks of a format in `tiled_32` (tiled_32_formats) that
+    its 16-row tiles hold (cpu_qlinear.q8_tileable): held as tiles once their rows are final."""
     if w.super_blocks:
         return w.fmt in cpu_qk_native.TILED and w.out_features % X16_ROWS == 0
-    return q8 and q8_tileable(w)
+    return w.fmt in tiled_32 and q8_tileable(w)
 
 
 def _k_quant(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks: bool) -> BlockQuantWeight:
@@ -330,7 +351,7 @@ def _repacked(raw: np.ndarray | Tensor, kind: str, n: int, k: int, super_blocks:
 
 
 def _split_experts(
-    raw: np.ndarray, kind: str, shape: list[int], super_blocks: bool, q8_tiles: bool
+    raw: np.ndarray, kind: str, shape: list[int], super_blocks: bool, tiled_32: frozenset[str]
 ) -> list[BlockQuantWeight]:
     """A stacked expert tensor [E, N, K] of a kept type -> one BlockQuantWeight [N, K] per expert: the
     file holds the E matrices one after the other, each rows of ggml blocks. k-quants as `_k_quant` holds
@@ -348,7 +369,7 @@ def _split_experts(
             w = _k_quant(data[i], kind, n, k, super_blocks)
         else:
             w = _repacked(data[i].reshape(n, -1), kind, n, k, super_blocks)
-        if _tileable(w, q8_tiles):  # Q8_0 / Q5_0 / IQ4_NL as Q8_0's tiles where q8_tiles_enabled
+        if _tileable(w, tiled_32):  # the 32-value formats as their tiles where tiled_32_formats says
             w = interleave_x16(w) if w.super_blocks else interleave_q8_x16(w)
         out.append(w)
     return out

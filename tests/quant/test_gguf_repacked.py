@@ -24,7 +24,7 @@ from server.quant import cpu_qgemv_q8 as q8
 from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import BlockQuantLinear
 from server.quant.cpu_qlinear import BlockQuantWeight, QLinearKernel
-from server.quant.gguf_checkpoint import TILE_ONLY_TYPES, super_blocks_enabled
+from server.quant.gguf_checkpoint import TILE_32_FORMATS, TILE_ONLY_TYPES, super_blocks_enabled
 
 TYPES = ["Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
 # Resident bits per weight of each repacked layout (gguf_repack.py's table) and the file's.
@@ -230,10 +230,12 @@ def test_gguf_model_served_quantized_gives_the_hf_folders_logits(
     assert loaded.gguf_dequantized == ()
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type.name == kind)
     resident = sum(p.weight_q.nbytes() for p in projections)
-    # Q5_K / IQ4_XS / Q3_K / Q2_K as their 16-row tiles where the loader holds tiles (the layers computing
-    # in bf16 on an AVX512-VNNI CPU): within 1/8 bit per weight of the file's bits
-    tiles = kind in TILE_ONLY_TYPES and super_blocks_enabled(resolve_dtype("auto", torch.device("cpu")))
-    if kind in TILE_ONLY_TYPES:
+    # Q5_K / IQ4_XS / Q3_K / Q2_K, and Q5_0 / IQ4_NL / Q5_1, as their 16-row tiles where the loader holds
+    # tiles (the layers computing in bf16 or int8 on an AVX512-VNNI or AVX2 CPU): the file's bits per weight
+    # or within 1/8 bit of them
+    tiled_types = {*TILE_ONLY_TYPES, *(f.upper() for f in TILE_32_FORMATS)}
+    tiles = kind in tiled_types and super_blocks_enabled(resolve_dtype("auto", torch.device("cpu")))
+    if kind in tiled_types:
         assert all(p.weight_q.fmt == (f"{kind.lower()}_x16" if tiles else kind.lower()) for p in projections)
     bound = (FILE_BITS[kind] + 0.125) / FILE_BITS[kind] if tiles else MEMORY_BOUND[kind]
     assert resident <= bound * file_bytes, (resident, file_bytes)

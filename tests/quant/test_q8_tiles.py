@@ -207,6 +207,63 @@ def test_gguf_32_blocks_held_as_tiles(
     _served_paths_match(fused.weight_q, cq.dequantize_reference(fused.weight_q), kernel, q8)
 
 
+@pytest.mark.parametrize("path", ["vnni", "avx2"])
+def test_gguf_iq4_nl_and_q5_1_held_at_the_files_bits(
+    tiny_model_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+) -> None:
+    """A file of IQ4_NL attention and Q5_1 MLP projections (random blocks: every codebook index and 5-bit
+    value) with a Q8_0 embedding, read as served (KUBEINFER_KQUANT_BLOCKS unset, bf16 layers) on the vnni
+    path and on the avx2 path (an AVX2-only CPU simulated): IQ4_NL and Q5_1 matrices are held as their
+    16-row tiles at the file's bytes (4.5 and 6.0 bits per weight, where the repacks held 8.5 and 9.0) on
+    both, the same values as the repack (KUBEINFER_KQUANT_BLOCKS=0); Q8_0 as its tiles only on vnni."""
+    from gguf_models import random_block_model, write_tiny_gguf
+    from test_cpu_qk_native import AVX2_ONLY
+
+    from server.quant import cpu_qk_native as qk
+    from server.quant.gguf_checkpoint import SUPER_BLOCKS_ENV, read_gguf_checkpoint
+
+    native = qk.load_qk_native_kernel()
+    default = native.isa
+    if native.set_path(path) != path:
+        native.set_path(default)
+        pytest.skip(f"this CPU does not run the {path} path")
+    monkeypatch.setattr(qk, "try_load_qk_native_kernel", lambda cache_dir=None: native)  # the loader's
+    if path == "avx2":  # the features the loader reads: an AVX2-only CPU's
+        monkeypatch.setenv("KUBEINFER_CPU_DISABLE", AVX2_ONLY)
+    template = tiny_model_factory("llama", tie=True, hidden=96)
+    kinds = {"*": "IQ4_NL", "model.embed_tokens.weight": "F32"}
+    kinds |= {f"model.layers.{i}.mlp.{p}_proj.weight": "Q5_1" for i in (0, 1) for p in ("gate", "up", "down")}
+    raw = random_block_model(template, tmp_path / "hf", kinds)
+    gguf_path = write_tiny_gguf(
+        tmp_path / "hf", tmp_path / "tiny.gguf", "F32", "Q8_0", raw=raw, tokenizer=False
+    )
+    try:
+        monkeypatch.delenv(SUPER_BLOCKS_ENV, raising=False)
+        ckpt = read_gguf_checkpoint(gguf_path, torch.bfloat16)
+        monkeypatch.setenv(SUPER_BLOCKS_ENV, "0")
+        rowmajor = read_gguf_checkpoint(gguf_path, torch.bfloat16)
+    finally:
+        native.set_path(default)
+    held = {"iq4_nl": 0, "q5_1": 0}
+    for name, w in ckpt.tensors.items():
+        if not isinstance(w, cq.BlockQuantWeight):
+            continue
+        old = rowmajor.tensors[name]
+        assert isinstance(old, cq.BlockQuantWeight) and not old.super_blocks, name
+        assert torch.equal(cq.dequantize_reference(w), cq.dequantize_reference(old)), name
+        if old.fmt == "q8_0":
+            assert w.fmt == ("q8_0_x16" if path == "vnni" else "q8_0"), name
+            continue
+        assert w.out_features % 16 == 0 and w.fmt == old.fmt + "_x16", name
+        assert w.nbytes() == w.out_features * w.in_features * TILE_ROW_BYTES[old.fmt] // 32, name
+        assert old.nbytes() == w.out_features * w.in_features * (36 if old.fmt == "q5_1" else 34) // 32
+        held[old.fmt] += 1
+    assert held == {"iq4_nl": 8, "q5_1": 6}  # two layers' q/k/v/o and gate/up/down
+
+
 def _served_paths_match(w: cq.BlockQuantWeight, dense: torch.Tensor, kernel, q8) -> None:  # type: ignore[no-untyped-def]
     k = w.in_features
     wabs = dense.abs().reshape(w.out_features, k // 32, 32).sum(-1)  # [N, K / 32]
