@@ -10,10 +10,11 @@ Per matrix of Llama-3.2-1B ([N, K]: q/o [2048, 2048], k/v [512, 2048], gate or u
 [2048, 8192]), format and M rows of x, each a BlockQuantLinear with gemm_dtype int8 (what `--dtype auto`
 gives a GGUF on an AVX2-only CPU):
   repacked  the weight repacked at load (cpu_qlinear.from_gguf_k_blocks: Q4_K 6.0, Q6_K 10.0 bits per
-            weight): the int8 GEMV's AVX2 path for 1-4 rows, qlinear's fp32 kernel below
+            weight; Q8_0's row-major blocks, 8.5; Q5_0, IQ4_NL, Q5_1 as gguf_repack.py holds them, 8.5, 8.5,
+            9.0): the int8 GEMV's AVX2 path for 1-4 rows, qlinear's fp32 kernel below
             block_linear.GEMM_MIN_ROWS, dequantize + fp32 GEMM from there;
-  tiles     the file's bytes as 16-row tiles (4.625, 6.5625): their int8 kernel below gemm_min_rows,
-            dequantize + fp32 GEMM from there (the same routing);
+  tiles     the file's bytes as 16-row tiles (4.625, 6.5625; the 32-value formats' 8.5, 5.5, 4.5, 6.0):
+            their int8 kernel below gemm_min_rows, dequantize + fp32 GEMM from there (the same routing);
   kernel    the tiles' int8 kernel at every M through qlinear's entry (where `tiles` leaves it: the
             crossover);
   repacked_kernel   the call `repacked` makes below GEMM_MIN_ROWS (cpu_qgemv_q8.small_m_linear) without the
@@ -47,6 +48,7 @@ from server.quant import cpu_qk_native as qk
 from server.quant import cpu_qlinear as cq
 from server.quant.block_linear import GEMM_MIN_ROWS, BlockQuantLinear
 from server.quant.cpu_qgemv_q8 import small_m_linear
+from server.quant.gguf_repack import from_gguf_repacked
 
 SHAPES = {
     "qo_2048x2048": (2048, 2048),
@@ -63,11 +65,27 @@ def q8_0_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return b
 
 
+# the 32-value formats gguf_repack.py holds row-major where no tiles are (fp16 fields: d, and Q5_1's m)
+Q32_REPACKED = {"q5_0": ("Q5_0", 22, (0,)), "iq4_nl": ("IQ4_NL", 18, (0,)), "q5_1": ("Q5_1", 24, (0, 2))}
+
+
+def q32_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF blocks of a Q32_REPACKED format with small finite fp16 fields."""
+    _, size, fp16_at = Q32_REPACKED[fmt]
+    b = rng.integers(0, 256, size=(n * k // 32, size), dtype=np.uint8)
+    for at in fp16_at:
+        b[:, at : at + 2] = np.full((b.shape[0], 1), 1e-3, np.float16).view(np.uint8)
+    return b
+
+
 def layouts(raw: np.ndarray, fmt: str, n: int, k: int) -> tuple[cq.BlockQuantWeight, cq.BlockQuantWeight]:
-    """(the layout served without tiles, the tiles): Q8_0's row-major blocks and q8_0_x16; a k-quant
-    repacked and its x16 tiles."""
+    """(the layout served without tiles, the tiles): Q8_0's row-major blocks and q8_0_x16; Q5_0, IQ4_NL,
+    Q5_1 repacked (gguf_repack.py) and their 32-value tiles; a k-quant repacked and its x16 tiles."""
     if fmt == "q8_0":
         rows = cq.from_gguf_blocks(raw, "q8_0", n, k)
+        return rows, cq.interleave_q8_x16(rows)
+    if fmt in Q32_REPACKED:
+        rows = from_gguf_repacked(raw, Q32_REPACKED[fmt][0], n, k)
         return rows, cq.interleave_q8_x16(rows)
     return repacked(raw, fmt, n, k), cq.interleave_x16(cq.from_gguf_k_super_blocks(raw, fmt, n, k))
 
@@ -95,7 +113,10 @@ def main() -> None:
     rows = []
     for fmt in args.formats.split(","):
         for name, (n, k) in shapes.items():
-            raw = q8_0_blocks(n, k, rng) if fmt == "q8_0" else random_blocks(fmt, n, k, rng)
+            if fmt in Q32_REPACKED:
+                raw = q32_blocks(fmt, n, k, rng)
+            else:
+                raw = q8_0_blocks(n, k, rng) if fmt == "q8_0" else random_blocks(fmt, n, k, rng)
             copies = max(1, min(16, -(-cold // layouts(raw, fmt, n, k)[1].nbytes())))
             olds, news = [], []
             for _ in range(copies):
