@@ -218,7 +218,8 @@ def test_gguf_iq4_nl_and_q5_1_held_at_the_files_bits(
     value) with a Q8_0 embedding, read as served (KUBEINFER_KQUANT_BLOCKS unset, bf16 layers) on the vnni
     path and on the avx2 path (an AVX2-only CPU simulated): IQ4_NL and Q5_1 matrices are held as their
     16-row tiles at the file's bytes (4.5 and 6.0 bits per weight, where the repacks held 8.5 and 9.0) on
-    both, the same values as the repack (KUBEINFER_KQUANT_BLOCKS=0); Q8_0 as its tiles only on vnni."""
+    both, the same values as the repack (KUBEINFER_KQUANT_BLOCKS=0), served within their tolerances; Q8_0
+    as its tiles only on vnni."""
     from gguf_models import random_block_model, write_tiny_gguf
     from test_cpu_qk_native import AVX2_ONLY
 
@@ -262,6 +263,12 @@ def test_gguf_iq4_nl_and_q5_1_held_at_the_files_bits(
         assert old.nbytes() == w.out_features * w.in_features * (36 if old.fmt == "q5_1" else 34) // 32
         held[old.fmt] += 1
     assert held == {"iq4_nl": 8, "q5_1": 6}  # two layers' q/k/v/o and gate/up/down
+    kernel = cq.load_qlinear_kernel()
+    q8 = q8m.load_q8_gemv_kernel(kernel)
+    for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        w = ckpt.tensors[name]
+        assert isinstance(w, cq.BlockQuantWeight)
+        _served_paths_match(w, cq.dequantize_reference(w), kernel, q8)
 
 
 def _served_paths_match(w: cq.BlockQuantWeight, dense: torch.Tensor, kernel, q8) -> None:  # type: ignore[no-untyped-def]
