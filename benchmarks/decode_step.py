@@ -16,7 +16,7 @@ speedup is over the first dtype. With `--int8-pack`, the modes are the decode gr
 copies the batched int8 path gets at load (`packed`, cpu_qgemv_q8.Q8GemvKernel.pack) and the same
 weights without them (`unpacked`: that path transposes 16 rows per 16 columns on every call), rotated the
 same way, with the copies' MiB: whether the second copy of each weight pays for its memory. With
-`--q8-tiles`, the modes are the decode graph over the Q8_0 / Q5_0 / IQ4_NL 16-row tiles the loader holds
+`--q8-tiles`, the modes are the decode graph over the Q8_0 / Q5_0 / IQ4_NL / Q5_1 16-row tiles the loader holds
 (`tiles`, cpu_qlinear.interleave_q8_x16) and over the same weights row-major with their packed copies
 (`rowmajor`: the layout before the tiles), rotated the same way.
 Per run, for a dense model, the weight bytes a decode step reads (`step_weight_bytes`) over each mode's
@@ -74,7 +74,7 @@ def tile_variants(
     model: torch.nn.Module,
 ) -> list[tuple[BlockQuantLinear, BlockQuantWeight, BlockQuantWeight]]:
     """(module, its 16-row tiles, the same weight row-major with its packed copy) for every layer held as
-    Q8_0 / Q5_0 / IQ4_NL tiles."""
+    Q8_0 / Q5_0 / IQ4_NL / Q5_1 tiles."""
     from server.quant import cpu_qgemv_q8, cpu_qlinear
 
     q8 = cpu_qgemv_q8.load_q8_gemv_kernel(cpu_qlinear.load_qlinear_kernel())

@@ -64,7 +64,7 @@ GEMM_MIN_ROWS = 512  # see the module docstring (benchmarks/cpu_qlinear.py `cros
 # bf16 GEMM's crossover against the fp32 kernel (benchmarks/cpu_qlinear.py `crossover`, docs/benchmarks.md)
 BF16_GEMM_MIN_ROWS = 256
 # 16-row tiles whose own int8 kernel serves every row count under bf16 where the int8 batched path does
-# (gemm_min_rows): Q8_0 / Q5_0 / IQ4_NL and the k-quants' Q4_K / Q6_K
+# (gemm_min_rows): the 32-value formats' (Q8_0 / Q5_0 / IQ4_NL / Q5_1) and the k-quants'
 INT8_TILED_FORMATS = frozenset(Q8_TILED.values()) | frozenset(KQ_TILED.values())
 SLICE_BYTES = 32 << 20  # fp32 scratch per dequantized slice: a whole projection is one slice, one GEMM
 
@@ -161,7 +161,7 @@ class BlockQuantLinear(QuantLinear):
     @property
     def gemm_min_rows(self) -> int:
         """The fewest rows of x that leave the compiled kernel for dequantize + torch GEMM. 16-row tiles
-        (Q8_0 / Q5_0 / IQ4_NL, Q4_K / Q6_K) under bf16 stay in their int8 kernel for every M as the
+        (Q8_0 / Q5_0 / IQ4_NL / Q5_1, the k-quants') under bf16 stay in their int8 kernel for every M as the
         row-major layout's int8 batched path does: a 2,048-token prefill step (16 x 128) 1.45x faster on
         Phi-4-mini Q4_K_M (17.5 -> 12.0 s), 1.18x on Llama-3.2-1B Q4_K_M and 1.2x on Gemma-3-1B than
         dequantize + bf16 GEMM (2-core Zen 5, AVX512-BF16 without AMX). Up to the same limit: where that
