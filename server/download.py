@@ -216,7 +216,7 @@ def write_memory_estimate(args: argparse.Namespace, model: Path) -> None:
             # server's own estimate there (engine.py, check_memory) refuses to start when even the weights
             # and one sequence do not fit the pod's limit, naming both figures, instead of being OOM-killed.
             gguf_tiles=args.device == "cpu" and args.tensor_parallel_size == 1,
-            gguf_q8_tiles=False,  # Q8_0 / Q5_0 / IQ4_NL stay row-major on AVX2 (q8_tiles_enabled)
+            gguf_q8_tiles=False,  # Q8_0 stays row-major on AVX2 (q8_tiles_enabled): 8.5 bits either way
             **given,
         )
         estimate = estimate_memory(model.resolve(), settings)

@@ -53,10 +53,10 @@ def test_the_loaders_cpu_estimate_counts_a_ggufs_k_quants_at_the_tiles_bits(tmp_
     _write_gguf(path, GGUF_TYPES)
     base = ["--model", "org/m", "--max-model-len", "1024", "--max-num-seqs", "1"]
 
-    def loader_estimate(*flags: str) -> dict[str, int]:
+    def loader_estimate(file: Path, *flags: str) -> dict[str, int]:
         out = tmp_path / "termination-log"
         write_memory_estimate(
-            build_parser().parse_args([*base, "--memory-estimate-file", str(out), *flags]), path
+            build_parser().parse_args([*base, "--memory-estimate-file", str(out), *flags]), file
         )
         got: dict[str, int] = json.loads(out.read_text())
         return got
@@ -64,8 +64,12 @@ def test_the_loaders_cpu_estimate_counts_a_ggufs_k_quants_at_the_tiles_bits(tmp_
     norms = 256 * 4  # the F32 norm _write_gguf adds
     tiles = [GGUF_TILE_BITS.get(t, GGUF_RESIDENT_BITS.get(t, 32.0)) for t in GGUF_TYPES]
     repacks = [GGUF_RESIDENT_BITS.get(t, 32.0) for t in GGUF_TYPES]
-    one_rank = loader_estimate()
+    one_rank = loader_estimate(path)
     assert one_rank["weight_bytes"] == int(sum(b * 64 * 256 for b in tiles) // 8) + norms
-    two_ranks = loader_estimate("--tensor-parallel-size", "2")
+    two_ranks = loader_estimate(path, "--tensor-parallel-size", "2")
     assert two_ranks["weight_bytes"] == int(sum(b * 64 * 256 for b in repacks) // 8) + norms
     assert one_rank["weight_bytes"] < two_ranks["weight_bytes"] - 64 * 256 * (10 - 5.625) // 8 * 2
+    # the 32-value formats' tiles on AVX2 too: Q5_0 5.5, Q5_1 6.0, IQ4_NL 4.5 bits (repacks: 8.5, 9.0, 8.5)
+    legacy = tmp_path / "legacy.gguf"
+    _write_gguf(legacy, ["Q5_0", "Q5_1", "IQ4_NL", "Q8_0"])
+    assert loader_estimate(legacy)["weight_bytes"] == int((5.5 + 6.0 + 4.5 + 8.5) * 64 * 256 // 8) + norms
