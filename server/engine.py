@@ -106,6 +106,9 @@ class EngineInfo:
     attention_backend: str
     device: str
     gemm_dtype: str = "float32"  # block-quantized projections' large GEMMs (server/quant/gemm_dtype.py)
+    # the int8 batched path's packed copies of block-quantized weights (gemm_dtype.pack_int8_weights), bytes
+    # resident beside weight_bytes
+    packed_weight_bytes: int = 0
     kv_cache_dtype: str = "float32"  # the KV cache's element type (server/attention/kv_cache_dtype.py)
     # a GGUF served as it is: the tensors held as fp32 because no kept layout takes their type (/info)
     gguf_dequantized: tuple[DequantizedTensor, ...] | None = None
@@ -211,15 +214,23 @@ class LLMEngine:
             )
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype, config.model.cache_dir)
+        self.packed_weight_bytes = 0  # int8 packed copies of block-quantized weights (pack_int8_weights)
         quantized_gemms = (
             self.device.type == "cpu" and tp == 1 and apply_gemm_dtype(self.loaded.model, self.gemm_dtype)
         )
         if self.gemm_dtype == torch.int8 and not quantized_gemms:
             self.gemm_dtype = torch.float32  # nothing block-quantized: the model computes in fp32
         if quantized_gemms and self.gemm_dtype != torch.float32:
-            packed = pack_int8_weights(self.loaded.model) + pack_moe_int8_weights(self.loaded.model)
-            if packed:
-                log.info("int8 batches read packed weights (%.0f MiB more)", packed / 2**20)
+            # the KV cache is allocated after the copies: they may not take its room (a pod's limit sized
+            # from the estimate counts weights, KV cache and runtime, not the copies)
+            reserve = self.memory.kv_cache_bytes if self.memory is not None else 0
+            self.packed_weight_bytes = pack_int8_weights(self.loaded.model, reserve)
+            self.packed_weight_bytes += pack_moe_int8_weights(self.loaded.model, reserve)
+            if self.packed_weight_bytes:
+                log.info(
+                    "int8 batches read packed weights (%.1f MiB more: /info packed_weight_bytes)",
+                    self.packed_weight_bytes / 2**20,
+                )
             int8 = int8_paths_text(config.model.cache_dir)
             if self.gemm_dtype == torch.int8:
                 paths = ["the GGUF's 16-row tiles"] if gguf_tiles else []
@@ -376,7 +387,7 @@ class LLMEngine:
                 and apply_gemm_dtype(proposer.model, self.gemm_dtype)
                 and self.gemm_dtype in INT8_ACTIVATION_DTYPES
             ):
-                pack_int8_weights(proposer.model)
+                self.packed_weight_bytes += pack_int8_weights(proposer.model)  # the caches exist by now
             self.speculator = Speculator(config.speculative, proposer)
         if self.speculator is not None:
             log.info("speculative decoding: %s", config.speculative)
@@ -398,6 +409,7 @@ class LLMEngine:
             attention_backend=backend_name,
             device=str(self.device),
             gemm_dtype=str(self.gemm_dtype).removeprefix("torch."),
+            packed_weight_bytes=self.packed_weight_bytes,
             kv_cache_dtype=dtype_name(self.kv_cache_dtype),
             gguf_dequantized=self.loaded.gguf_dequantized,
             memory=self.memory,

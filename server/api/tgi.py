@@ -461,6 +461,9 @@ async def info(request: Request) -> Response:
             "quantization": i.quantization,
             "num_parameters": i.num_parameters,
             "weight_bytes": i.weight_bytes,
+            # the int8 batched path's packed copies of block-quantized weights, resident beside weight_bytes
+            # (made at load only where they fit beside the KV cache still to allocate: gemm_dtype.py)
+            "packed_weight_bytes": i.packed_weight_bytes,
             # a GGUF served as it is: the tensors held as fp32 (no kept layout for their type), each with
             # its bytes resident and beyond the file's; null for other models
             "gguf_dequantized": None

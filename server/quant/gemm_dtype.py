@@ -115,12 +115,14 @@ def apply_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
-def pack_int8_weights(model: nn.Module) -> int:
+def pack_int8_weights(model: nn.Module, reserve_bytes: int = 0) -> int:
     """Gives every bf16 or int8 BlockQuantLinear the batched int8 path can take its packed copy
     (BlockQuantLinear.pack_int8) when that path is on here; returns the bytes added (0: nothing packed).
     KUBEINFER_INT8_PACK=0 packs nothing, =1 packs all; unset, it packs only if all copies together fit in
     PACK_MEMORY_SHARE of the memory available (cpu_env.available_memory_bytes: MemAvailable, or the
-    memory cgroup's headroom where smaller; logged when they do not). Raises ValueError for a bad switch value."""
+    memory cgroup's headroom where smaller) and leave `reserve_bytes` of it (what the caller allocates
+    after them: the engine's KV cache) free; logged when they do not. Raises ValueError for a bad switch
+    value."""
     switch = int8_pack_switch()
     if switch is False or not int8_gemm_enabled():
         return 0
@@ -132,26 +134,29 @@ def pack_int8_weights(model: nn.Module) -> int:
     kernels = [(m, active_kernel(m.kernel) if m.kernel is not None else None) for m in modules]
     todo = [(m, q8) for m, q8 in kernels if q8 is not None and q8.isa == "vnni" and m.weight_q.packed is None]
     need = sum(q8.packed_bytes(m.weight_q) for m, q8 in todo)
-    if not packed_copies_fit(need, switch, "int8 batches"):
+    if not packed_copies_fit(need, switch, "int8 batches", reserve_bytes):
         return 0
     return sum(m.pack_int8(q8) for m, q8 in todo)
 
 
-def packed_copies_fit(need: int, switch: bool | None, what: str) -> bool:
+def packed_copies_fit(need: int, switch: bool | None, what: str, reserve_bytes: int = 0) -> bool:
     """Whether `need` bytes of packed copies are made: some are needed, and the switch (int8_pack_switch:
-    True packs all) says so or, unset, they fit in PACK_MEMORY_SHARE of the memory available now (logged,
-    naming `what`, when they do not)."""
+    True packs all) says so or, unset, they fit in PACK_MEMORY_SHARE of the memory available now and leave
+    `reserve_bytes` of it free (memory still to be allocated after them: a pod whose limit was sized for
+    weights + KV cache + runtime must not spend its KV cache's room on copies); logged, naming `what`,
+    when they do not."""
     if need == 0:
         return False
     avail = cpu_env.available_memory_bytes()
-    if switch is None and (avail is None or need > PACK_MEMORY_SHARE * avail):
+    if switch is None and (avail is None or need > PACK_MEMORY_SHARE * avail or need + reserve_bytes > avail):
         log.info(
             "%s read the weights unpacked: packed copies would take %.0f MiB, over %.0f%% of the "
-            "%s MiB available (%s=1 packs anyway)",
+            "%s MiB available or more than it leaves beside the %.0f MiB still to allocate (%s=1 packs anyway)",
             what,
             need / 2**20,
             100 * PACK_MEMORY_SHARE,
             "?" if avail is None else f"{avail / 2**20:.0f}",
+            reserve_bytes / 2**20,
             PACK_ENABLE_ENV,
         )
         return False

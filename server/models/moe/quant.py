@@ -243,12 +243,12 @@ def _packed_group_bytes(ws: list[BlockQuantWeight]) -> int:
     return strides.pop() if len(strides) == 1 else 0
 
 
-def pack_moe_int8_weights(model: nn.Module) -> int:
+def pack_moe_int8_weights(model: nn.Module, reserve_bytes: int = 0) -> int:
     """pack_int8_weights (server/quant/gemm_dtype.py) for block-quantized experts: every bf16 or int8 expert set
     gets its packed copies (BlockQuantExperts.pack_int8) when the batched int8 path is on here, under the
     same switch and memory rule: KUBEINFER_INT8_PACK=0 packs nothing, =1 all; unset, only if all copies
-    fit in PACK_MEMORY_SHARE of the memory available now (logged when they do not). Returns the bytes
-    added; ValueError for a bad switch value."""
+    fit in PACK_MEMORY_SHARE of the memory available now and leave `reserve_bytes` of it free (logged when
+    they do not). Returns the bytes added; ValueError for a bad switch value."""
     switch = int8_pack_switch()
     if switch is False or not int8_gemm_enabled():
         return 0
@@ -260,7 +260,7 @@ def pack_moe_int8_weights(model: nn.Module) -> int:
             if q8 is not None and q8.isa == "vnni":
                 todo.append((experts, q8))
     need = sum(experts.packed_bytes(q8) for experts, q8 in todo)
-    if not packed_copies_fit(need, switch, "int8 expert batches"):
+    if not packed_copies_fit(need, switch, "int8 expert batches", reserve_bytes):
         return 0
     return sum(experts.pack_int8(q8) for experts, q8 in todo)
 
