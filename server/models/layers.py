@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from server.attention import AttentionBackend, AttentionMetadata
 from server.models.arch import ArchConfig
+from server.models.bf16_linear import Bf16GemmLinear
 from server.models.cpu_fused import FusedOps
 from server.models.layer_spec import LayerSpec, NormKind
 from server.models.moe.block import SparseMoeBlock
@@ -197,9 +198,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, ops: FusedOps | None) -> Tensor
 
 
 def bf16_gemm(proj: nn.Module | None, rows: int) -> bool:
-    """Whether `proj` multiplies `rows` rows in the bf16 library GEMM with nothing after it
-    (BlockQuantLinear.bf16_gemm): it then takes a bf16 x and can return its bf16 result as is."""
-    return isinstance(proj, BlockQuantLinear) and proj.bf16_gemm(rows)
+    """Whether `proj` multiplies `rows` rows in a bf16 GEMM with nothing after it (BlockQuantLinear.bf16_gemm,
+    Bf16GemmLinear.bf16_gemm): it then takes a bf16 x and can return its bf16 result as is."""
+    return isinstance(proj, (BlockQuantLinear, Bf16GemmLinear)) and proj.bf16_gemm(rows)
 
 
 def bf16_chain(gate_up: nn.Module | None, down: nn.Module, rows: int) -> bool:

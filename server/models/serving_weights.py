@@ -15,6 +15,8 @@ modules by their Hugging Face names load without them):
   Where the CPU has AVX512-BF16, bf16 weights go to server/models/cpu_bf16_gemm.py's panels instead
   (`KUBEINFER_BF16_GEMM=0`: oneDNN's): one resident copy read faster at decode-sized rows, outputs within
   one bf16 ulp of oneDNN's (another fp32 summation order).
+- **bf16 GEMMs around an fp32 stream** (`bf16_gemms`, decoder embedders under `--dtype auto` on CPUs with
+  native bf16): fp32 Linear weights held as bf16 in oneDNN's layout instead (server/models/bf16_linear.py).
 - **Fused layer ops** (CPU, fp32): the model gets the compiled add+RMSNorm, rotary and silu*up calls of
   server/models/cpu_fused.py, ~10 calls per layer instead of ~35 torch ops in a decode step.
 """
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from server.cpu_env import release_free_heap
+from server.models.bf16_linear import Bf16GemmLinear
 from server.models.cpu_bf16_gemm import Bf16GemmKernel, Bf16PanelLinear, try_load_fast_bf16_gemm
 from server.models.cpu_fused import try_load_fused_ops
 from server.models.layers import MLP
@@ -107,10 +110,21 @@ def _fuse(linears: list[nn.Module]) -> nn.Module | None:
 
 
 def prepare_for_serving(
-    model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, cache_dir: Path | None = None
+    model: LlamaForCausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dir: Path | None = None,
+    bf16_gemms: bool = False,
 ) -> ServingWeightsReport:
     """Fuses and pre-packs in place (see the module docstring); on CPU in fp32 also gives the model the
-    compiled fused layer ops (server/models/cpu_fused.py), built under `cache_dir` (None: the default)."""
+    compiled fused layer ops (server/models/cpu_fused.py), built under `cache_dir` (None: the default).
+    `bf16_gemms` (fp32 weights, a CPU where oneDNN runs bf16): the Linear weights are held as bf16 and
+    multiplied in bf16 (server/models/bf16_linear.py) around the fp32 residual stream. ValueError where that
+    cannot run."""
+    if bf16_gemms and not (dtype == torch.float32 and cpu_packing_supported(device, torch.bfloat16)):
+        raise ValueError(
+            f"bf16 GEMMs need fp32 weights on a CPU where oneDNN runs bf16, got {dtype} on {device}"
+        )
     fused = 0
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
@@ -132,11 +146,14 @@ def prepare_for_serving(
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and child.weight.dtype == dtype:
-                    setattr(
-                        parent,
-                        name,
-                        PackedLinear(child) if panels is None else Bf16PanelLinear(child, panels),
-                    )
+                    packed_linear: nn.Module
+                    if bf16_gemms:
+                        packed_linear = Bf16GemmLinear(child)
+                    else:
+                        packed_linear = (
+                            PackedLinear(child) if panels is None else Bf16PanelLinear(child, panels)
+                        )
+                    setattr(parent, name, packed_linear)
                     packed += 1
     if device.type == "cpu" and dtype == torch.float32:
         model.fused_ops = try_load_fused_ops(cache_dir)

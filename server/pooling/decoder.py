@@ -148,15 +148,17 @@ class DecoderEncoder(nn.Module):
         return out.view(b, s, -1)
 
 
-def prepare_for_pooling(model: LlamaForCausalLM) -> ServingWeightsReport | None:
+def prepare_for_pooling(model: LlamaForCausalLM, bf16_gemms: bool = False) -> ServingWeightsReport | None:
     """Generation's serving preparation for an fp32 embedder on the CPU (models/serving_weights.py): q/k/v
     and gate/up fused, every projection pre-packed for oneDNN, and for Llama-layer models the compiled
     add+RMSNorm, rotary and silu*up ops; the same function up to fp32 summation order. 80% of a
     Qwen3-Embedding-0.6B-shaped step was fp32 `F.linear`, which re-lays its weight out on every call.
-    The LM head is dropped first (an embedder never computes logits; packing the tied head would copy
-    the vocabulary's embedding). None (nothing done) for other dtypes and devices."""
+    `bf16_gemms`: the projections multiply in bf16 around the fp32 stream (bf16_linear.Bf16GemmLinear;
+    `--dtype auto` where the CPU computes bf16 natively), as a BERT embedder's do. The LM head is dropped
+    first (an embedder never computes logits; packing the tied head would copy the vocabulary's
+    embedding). None (nothing done) for other dtypes and devices."""
     p = next(model.parameters())
     if not cpu_packing_supported(p.device, p.dtype):
         return None
     model.lm_head = nn.Identity()  # type: ignore[assignment]
-    return prepare_for_serving(model, p.device, p.dtype)
+    return prepare_for_serving(model, p.device, p.dtype, bf16_gemms=bf16_gemms)

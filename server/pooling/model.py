@@ -131,8 +131,8 @@ def load_pooling_model(
     dtype: torch.dtype = torch.float32,
     gemm_dtype: torch.dtype | Literal["auto"] = torch.float32,
 ) -> PoolingModel:
-    """`gemm_dtype` "auto" (`--dtype auto`): bf16 GEMMs for a BERT embedder where the CPU computes bf16
-    natively (loader.cpu_has_native_bf16), fp32 for cross-encoders, decoder embedders and elsewhere
+    """`gemm_dtype` "auto" (`--dtype auto`): bf16 GEMMs for an embedder (BERT or decoder) where the CPU
+    computes bf16 natively (loader.cpu_has_native_bf16), fp32 for cross-encoders and elsewhere
     (`auto_gemm_dtype`). Raises ValueError when the folder is not a supported pooling model for
     `task`, or for a bfloat16 `gemm_dtype` (fp32 BERT weights, bf16 GEMMs: bert_cpu.py) where that
     path cannot run."""
@@ -143,8 +143,12 @@ def load_pooling_model(
         _DECODER_ARCHS | _BASE_DECODER_ARCHS | (set(ARCHITECTURES) if task is PoolingTask.EMBED else set())
     )
     if task in (None, PoolingTask.EMBED) and archs & decoders:
-        # our decoder code has no split GEMM dtype: bf16 GEMMs mean bf16 weights there (never auto's)
-        return _load_decoder(folder, cfg, torch.bfloat16 if gemm_dtype == torch.bfloat16 else dtype)
+        # --dtype bfloat16: bf16 weights, the model in bf16 throughout; auto: fp32 weights and stream, bf16
+        # GEMMs where the CPU computes bf16 natively (auto_gemm_dtype, bf16_linear.Bf16GemmLinear)
+        if gemm_dtype == torch.bfloat16:
+            return _load_decoder(folder, cfg, torch.bfloat16)
+        bf16_gemms = gemm_dtype == "auto" and auto_gemm_dtype(PoolingTask.EMBED, dtype) == torch.bfloat16
+        return _load_decoder(folder, cfg, dtype, bf16_gemms)
     found = detect_task(folder)
     if found is None:
         raise ValueError(
@@ -202,8 +206,8 @@ def load_pooling_model(
 
 
 def auto_gemm_dtype(task: PoolingTask, dtype: torch.dtype) -> torch.dtype:
-    """`--dtype auto`'s GEMM dtype for a BERT model with `dtype` weights: bf16 for an embedder on a CPU
-    with native bf16 (AVX512-BF16 or AMX-BF16, what the OS enables minus KUBEINFER_CPU_DISABLE: the
+    """`--dtype auto`'s GEMM dtype for a BERT model or decoder embedder with `dtype` weights: bf16 for an
+    embedder on a CPU with native bf16 (AVX512-BF16 or AMX-BF16, what the OS enables minus KUBEINFER_CPU_DISABLE: the
     rule generation's `--dtype auto` follows, loader.resolve_dtype), fp32 otherwise. all-MiniLM-L6-v2's
     vectors keep cosine >= 0.99997 against sentence-transformers' fp32 that way (tests/pooling/
     test_bert_cpu.py). A cross-encoder stays fp32: its scores are used as values (thresholds, sigmoid
@@ -219,8 +223,9 @@ def auto_gemm_dtype(task: PoolingTask, dtype: torch.dtype) -> torch.dtype:
 def pooling_dtypes(name: str) -> dict[str, Any]:
     """`--dtype` for a pooling model, as `load_pooling_model`'s keyword arguments. float32: fp32
     everywhere; bfloat16: fp32 weights and activations with bf16 GEMMs for a BERT encoder
-    (bert_cpu.py), bf16 weights for a decoder embedder; auto: bf16 GEMMs for a BERT embedder on a
-    CPU with native bf16, fp32 for the rest (`auto_gemm_dtype`). Raises ValueError for float16, which
+    (bert_cpu.py), bf16 weights for a decoder embedder; auto: bf16 GEMMs around fp32 activations for an
+    embedder (BERT: bert_cpu.py; decoder: bf16_linear.py) on a CPU with native bf16, fp32 for the rest
+    (`auto_gemm_dtype`). Raises ValueError for float16, which
     the CPU path does not run."""
     if name == "auto":
         return {"dtype": torch.float32, "gemm_dtype": "auto"}
@@ -249,12 +254,13 @@ def resolve_task(model: str | None, task: str) -> str:
     return found.value if found is not None else "generate"
 
 
-def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
+def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype, bf16_gemms: bool = False) -> PoolingModel:
     """A Llama/Mistral/Qwen2/Qwen3/Gemma 3 checkpoint (or its headless base model: EmbeddingGemma's
     bidirectional Gemma3TextModel) as an embedder: last-token pooling and L2 normalization unless the
     folder's modules.json says otherwise (vLLM's default for decoder embedders too), then its Dense
     modules."""
     from server.models.loader import load_model
+    from server.models.serving_weights import cpu_packing_supported
 
     from .decoder import DecoderEncoder, prepare_for_pooling
 
@@ -264,7 +270,8 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
         pooling = dataclasses.replace(pooling, mode=PoolingMode.LAST, normalize=True)
     max_len = min(pooling.max_seq_length or max_pos, max_pos)
     loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len, embedding_only=True)
-    prepare_for_pooling(loaded.model)
+    bf16_gemms = bf16_gemms and cpu_packing_supported(torch.device("cpu"), torch.bfloat16)
+    prepared = prepare_for_pooling(loaded.model, bf16_gemms)
     module = DecoderEncoder(loaded.model).eval()
     tok = load_hf_tokenizer(folder)
     hidden = int(cfg["hidden_size"])
@@ -280,7 +287,7 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype) -> PoolingModel:
         id2label={},
         dtype=dtype,
         num_parameters=loaded.num_parameters + _parameters(dense),
-        gemm_dtype=dtype,
+        gemm_dtype=torch.bfloat16 if prepared is not None and bf16_gemms else dtype,
         dense=dense,
     )
 

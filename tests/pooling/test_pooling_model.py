@@ -223,7 +223,7 @@ def test_fp32_decoder_embedder_runs_the_prepared_layers(
     assert any(isinstance(x, PackedLinear) for x in model.modules())
     assert model.model.layers[0].self_attn.qkv_proj is not None and model.fused_ops is not None
     assert not isinstance(model.lm_head, torch.nn.Linear)
-    monkeypatch.setattr(decoder, "prepare_for_pooling", lambda m: None)
+    monkeypatch.setattr(decoder, "prepare_for_pooling", lambda m, bf16_gemms=False: None)
     plain = load_pooling_model(qwen3_embed_dir)
     assert not any(isinstance(x, PackedLinear) for x in plain.module.modules())
     for side in ("left", "right"):
@@ -231,6 +231,47 @@ def test_fp32_decoder_embedder_runs_the_prepared_layers(
         enc = plain.tokenizer(TEXTS, padding=True, return_tensors="pt")
         args = (enc["input_ids"], torch.zeros_like(enc["input_ids"]), enc["attention_mask"])
         torch.testing.assert_close(prepared.forward(*args), plain.forward(*args), atol=2e-5, rtol=1e-4)
+
+
+def test_auto_decoder_embedder_runs_bf16_gemms_around_an_fp32_stream(
+    qwen3_embed_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--dtype auto` on a CPU with native bf16: a decoder embedder's projections multiply in bf16 (held once
+    as bf16, half the fp32 bytes) while the residual stream, norms and attention stay fp32, as a BERT
+    embedder's do; its vectors stay within cosine 0.9999 of sentence-transformers' fp32. Without native
+    bf16, auto keeps the fp32 GEMMs."""
+    from sentence_transformers import SentenceTransformer
+
+    from server.models.loader import cpu_has_native_bf16
+    from server.models.serving_weights import PackedLinear
+    from server.pooling.model import pooling_dtypes
+
+    if not cpu_has_native_bf16():
+        pytest.skip("this CPU computes bf16 only by emulation: auto keeps fp32 GEMMs (checked below too)")
+    m = load_pooling_model(qwen3_embed_dir, **pooling_dtypes("auto"))
+    model = m.module.model
+    assert m.gemm_dtype == torch.bfloat16 and m.dtype == torch.float32
+
+    from server.models.bf16_linear import Bf16GemmLinear
+
+    projections = [x for x in model.modules() if isinstance(x, (Bf16GemmLinear, PackedLinear))]
+    assert projections and all(isinstance(x, Bf16GemmLinear) for x in projections)
+    assert model.fused_ops is not None and model.model.embed_tokens.weight.dtype == torch.float32
+    ref = SentenceTransformer(str(qwen3_embed_dir), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    fp32 = load_pooling_model(qwen3_embed_dir, **pooling_dtypes("float32"))
+    for side in ("left", "right"):
+        m.tokenizer.padding_side = side
+        enc = m.tokenizer(TEXTS, padding=True, return_tensors="pt")
+        args = (enc["input_ids"], torch.zeros_like(enc["input_ids"]), enc["attention_mask"])
+        ours = finish_embedding(m.forward(*args), True, None)
+        cos = F.cosine_similarity(ours, ref.float())
+        assert cos.min().item() >= 0.9999, (side, cos)
+        # and the GEMMs really ran in bf16: the vectors differ from the fp32 GEMMs' (which match to 1e-5)
+        assert (ours - finish_embedding(fp32.forward(*args), True, None)).abs().max().item() > 1e-5
+    monkeypatch.setenv("KUBEINFER_CPU_DISABLE", "avx512_bf16,amx_bf16")
+    emulated = load_pooling_model(qwen3_embed_dir, **pooling_dtypes("auto"))
+    assert emulated.gemm_dtype == torch.float32
+    assert not any(isinstance(x, Bf16GemmLinear) for x in emulated.module.modules())
 
 
 def test_base_model_is_refused_for_generation(qwen3_embed_dir: Path) -> None:
