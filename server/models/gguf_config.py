@@ -177,17 +177,17 @@ READERS: dict[str, tuple[str, str, Callable[[dict[str, Any], Get, dict[str, Any]
 
 def gguf_architecture(path: Path) -> str:
     """`general.architecture` of the file (llama.cpp's name: llama, qwen2, gemma3, ...)."""
-    from gguf import GGUFReader
+    from server.quant.gguf_file import open_gguf
 
-    return str(_field(GGUFReader(str(path)), "general.architecture") or "llama")
+    return str(_field(open_gguf(path), "general.architecture") or "llama")
 
 
 def hf_config_from_gguf(path: Path) -> dict[str, Any]:
     """config.json for a GGUF of one of READERS' architectures (UnsupportedModelError otherwise, or
     where a key our layers cannot express is set: a per-layer KV head count, another RoPE scaling)."""
-    from gguf import GGUFReader
+    from server.quant.gguf_file import open_gguf
 
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     arch = str(_field(reader, "general.architecture") or "llama")
     if arch not in READERS:
         raise UnsupportedModelError(f"{path.name}: GGUF architecture {arch!r} has no config reader")

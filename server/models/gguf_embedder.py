@@ -45,10 +45,11 @@ def is_gguf_embedder(path: Path) -> bool:
 def _dense_and_pooling(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
     """(pooling mode, {"dense_2": [out, hidden], "dense_3": [hidden, in]} fp32)."""
     import numpy as np
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    from server.quant.gguf_file import open_gguf
+
+    reader = open_gguf(path)
     field = reader.fields.get(f"{ARCHITECTURE}.pooling_type")
     kind = None if field is None else int(field.contents())
     if kind not in _POOLING:

@@ -40,9 +40,9 @@ def build_as(gguf: Path, architecture: str) -> Any:
 
 
 def _metadata(gguf: Path) -> dict[str, Any]:
-    from gguf import GGUFReader
+    from server.quant.gguf_file import open_gguf
 
-    reader = GGUFReader(str(gguf))
+    reader = open_gguf(gguf)
     out: dict[str, Any] = {}
     keys = ["tokenizer.ggml.model", "tokenizer.ggml.add_space_prefix"]
     if _field(reader, "tokenizer.ggml.model") == "t5":
@@ -60,9 +60,9 @@ def _metadata(gguf: Path) -> dict[str, Any]:
 
 def unigram(gguf: Path) -> bool:
     """Whether the file's vocabulary is a SentencePiece unigram model (`tokenizer.ggml.model = t5`)."""
-    from gguf import GGUFReader
+    from server.quant.gguf_file import open_gguf
 
-    return bool(_field(GGUFReader(str(gguf)), "tokenizer.ggml.model") == "t5")
+    return bool(_field(open_gguf(gguf), "tokenizer.ggml.model") == "t5")
 
 
 def _field(reader: Any, key: str) -> Any:

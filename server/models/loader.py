@@ -279,11 +279,23 @@ def _gguf_config_and_tokenizer(gguf: Path) -> tuple[dict[str, Any], Any]:
 
     from server.models.gguf_config import READERS, gguf_architecture, hf_config_from_gguf
 
-    tok = gguf_tokenizer(gguf)
-    if gguf_architecture(gguf) in READERS:
-        return hf_config_from_gguf(gguf), tok
-    with _alone(gguf) as folder:
-        config = AutoConfig.from_pretrained(folder, gguf_file=gguf.name)
+    arch = gguf_architecture(gguf)
+    try:
+        tok = gguf_tokenizer(gguf)
+        if arch in READERS:
+            return hf_config_from_gguf(gguf), tok
+        with _alone(gguf) as folder:
+            config = AutoConfig.from_pretrained(folder, gguf_file=gguf.name)
+    except ValueError as e:
+        if arch in READERS:
+            raise
+        # transformers' GGUF reader's refusal ("GGUF model with architecture X is not supported yet.")
+        from server.quant.gguf_names import LAYOUTS
+
+        raise UnsupportedModelError(
+            f"{gguf.name}: GGUF architecture {arch!r} is not served; llama.cpp's architectures served: "
+            f"{', '.join(sorted(LAYOUTS))} (transformers' GGUF reader: {e})"
+        ) from e
     return _gguf_hf_config(config, gguf), tok
 
 

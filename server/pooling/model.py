@@ -246,8 +246,12 @@ def resolve_task(model: str | None, task: str) -> str:
     folder = Path(model).expanduser()
     if folder.suffix == ".gguf":  # an EmbeddingGemma GGUF embeds (models/gguf_embedder.py)
         from server.models.gguf_embedder import is_gguf_embedder
+        from server.quant.gguf_file import GgufFileError
 
-        return "embed" if is_gguf_embedder(folder) else "generate"
+        try:
+            return "embed" if is_gguf_embedder(folder) else "generate"
+        except GgufFileError:  # the load reports it, through the server's load-failure path (exit 1)
+            return "generate"
     if not (folder / "config.json").is_file():
         return "generate"
     found = detect_task(folder)

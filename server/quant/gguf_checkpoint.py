@@ -232,10 +232,11 @@ def _field_int(reader: object, key: str) -> int | None:
 def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
     """Every tensor of `path` under its Hugging Face name, laid out for layers computing in `compute`
     (super_blocks_enabled); raises ValueError for tensor types it cannot read."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    from server.quant.gguf_file import open_gguf
+
+    reader = open_gguf(path)
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "llama"
     layout = LAYOUTS.get(arch)

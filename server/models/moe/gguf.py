@@ -50,9 +50,9 @@ def gguf_moe_fields(path: Path) -> dict[str, Any]:
     """The config.json fields of a MoE GGUF that transformers' reader does not write (empty for a
     dense file): the architecture (Mixtral for a `llama` file with experts), expert counts and sizes,
     renormalisation, which layers are dense. Raises ValueError for a layout we do not map."""
-    from gguf import GGUFReader
+    from server.quant.gguf_file import open_gguf
 
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     arch = _field(reader, "general.architecture") or "llama"
     experts = _field(reader, f"{arch}.expert_count")
     if not experts:
