@@ -427,9 +427,9 @@ def main() -> None:
     ap.add_argument(
         "--vllm-dtype",
         default="float32",
-        help="vLLM's --dtype (float32: the same arithmetic as ours under auto for rerankers and decoder "
-        "embedders; bfloat16 beside our --dtype bfloat16; vLLM's own auto would take float16 for a "
-        "float32 pooling model)",
+        help="vLLM's --dtype (float32: the same arithmetic as ours under auto for rerankers; bfloat16: what "
+        "vLLM's own auto takes for a bf16 folder such as the Qwen3-Embedding shape, beside our auto's bf16 "
+        "GEMMs; vLLM's own auto would take float16 for a float32 pooling model)",
     )
     ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds for each server to start")
     ap.add_argument(
