@@ -3,25 +3,8 @@ FLOPs, against torch's own FLOP counter over transformers' Llama at the same sha
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from typing import Any
-
 import torch
-
-
-def _bench() -> Any:
-    name = "kubeinfer_benchmarks_prefill_ceiling"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_ceiling.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from benchmark_modules import load_benchmark
 
 
 def test_prefill_flop_is_the_models_matmul_work_with_causal_attention() -> None:
@@ -49,4 +32,4 @@ def test_prefill_flop_is_the_models_matmul_work_with_causal_attention() -> None:
     full_attention = 2 * 2 * t * t * 4 * 16 * 3  # QK^T and PV over all T x T pairs, 3 layers
     causal_attention = 2 * 2 * t * (t + 1) // 2 * 4 * 16 * 3
     want = counter.get_total_flops() - full_attention + causal_attention
-    assert _bench().prefill_flop(arch, t) == want
+    assert load_benchmark("prefill_ceiling.py").prefill_flop(arch, t) == want

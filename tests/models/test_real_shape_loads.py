@@ -4,27 +4,14 @@ engine state read after a run, and the KV context the harness gives every server
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_modules import load_benchmark
 
 
 def _module(file: str) -> Any:
-    name = f"kubeinfer_benchmarks_{file.removesuffix('.py')}"
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(BENCH))  # they import their neighbours, as when run as scripts
-    spec = importlib.util.spec_from_file_location(name, BENCH / file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(file)
 
 
 def _loads() -> Any:

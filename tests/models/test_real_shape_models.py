@@ -4,26 +4,16 @@ the tokenizer has."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
 
 def _maker() -> Any:
-    name = "kubeinfer_benchmarks_real_shape_models"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "real_shape_models.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("real_shape_models.py")
 
 
 @pytest.mark.parametrize(
