@@ -387,7 +387,9 @@ class LLMEngine:
                 and apply_gemm_dtype(proposer.model, self.gemm_dtype)
                 and self.gemm_dtype in INT8_ACTIVATION_DTYPES
             ):
-                self.packed_weight_bytes += pack_int8_weights(proposer.model)  # the caches exist by now
+                # the caches exist by now, but their untouched pages still read as available
+                kv = self.memory.kv_cache_bytes if self.memory is not None else 0
+                self.packed_weight_bytes += pack_int8_weights(proposer.model, kv)
             self.speculator = Speculator(config.speculative, proposer)
         if self.speculator is not None:
             log.info("speculative decoding: %s", config.speculative)
