@@ -21,7 +21,7 @@ TEXTS = [
     "The cat sat on the mat.",
 ]
 LONG = "a sentence about pods and nodes and the scheduler that places them, " * 20  # > 128 tokens
-ATOL = 2e-5  # fp32 both sides (tests/pooling/test_pooling_gemma.py)
+ATOL = 2e-5  # fp32 both sides: --dtype float32 (auto multiplies in bf16 where native), tests/pooling/test_pooling_gemma.py
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
 
 @pytest.fixture(scope="module")
 def server(gemma_dir: Path) -> Iterator[tuple[str, Any]]:
-    yield from _serve(gemma_dir, "embeddinggemma")
+    yield from _serve(gemma_dir, "embeddinggemma", dtype="float32")
 
 
 @pytest.fixture(scope="module")

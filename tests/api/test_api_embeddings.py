@@ -25,7 +25,7 @@ from server.models.loader import cpu_has_native_bf16
 TEXTS = ["Hello world", "Kubernetes runs containers in pods.", "The cat sat on the mat."]
 
 
-def _serve(model_dir: Path, name: str, **server_kw: Any) -> Iterator[tuple[str, Any]]:
+def _serve(model_dir: Path, name: str, dtype: str = "auto", **server_kw: Any) -> Iterator[tuple[str, Any]]:
 
     from server.api.app import create_app
     from server.api.state import ServerState
@@ -33,7 +33,9 @@ def _serve(model_dir: Path, name: str, **server_kw: Any) -> Iterator[tuple[str, 
 
     port = free_port()
     config = ServerConfig(
-        engine=EngineConfig(model=ModelConfig(model=str(model_dir), served_model_name=name), num_threads=1),
+        engine=EngineConfig(
+            model=ModelConfig(model=str(model_dir), served_model_name=name, dtype=dtype), num_threads=1
+        ),
         host="127.0.0.1",
         port=port,
         **server_kw,

@@ -410,16 +410,28 @@ def test_tei_rerank_top_n(score_url: tuple[str, Any]) -> None:
     full = httpx.post(f"{url}/rerank", json=body, timeout=60).json()
     r = httpx.post(f"{url}/rerank", json={**body, "top_n": 2}, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json() == full[:2]
+    assert _same_ranking(r.json(), full[:2], "score")
     r = httpx.post(f"{url}/rerank", json={**body, "top_n": 0}, timeout=60)
     assert r.status_code == 422 and "top_n" in r.json()["error"]
     # vLLM's body: top_n 0 is vLLM's default, every document (was a 400)
     vbody = {"query": body["query"], "documents": body["texts"]}
     every = httpx.post(f"{url}/v1/rerank", json=vbody, timeout=60).json()["results"]
     r = httpx.post(f"{url}/v1/rerank", json={**vbody, "top_n": 0}, timeout=60)
-    assert r.status_code == 200 and r.json()["results"] == every and len(every) == 4
+    assert r.status_code == 200 and _same_ranking(r.json()["results"], every) and len(every) == 4
     r = httpx.post(f"{url}/v1/rerank", json={**vbody, "top_n": 1}, timeout=60)
-    assert r.json()["results"] == every[:1]
+    assert _same_ranking(r.json()["results"], every[:1])
+
+
+def _same_ranking(
+    got: list[dict[str, Any]], want: list[dict[str, Any]], key: str = "relevance_score"
+) -> bool:
+    """The same documents in the same order with the same scores up to fp32 summation order: the pooling
+    engine picks each step's thread count by measurement (core/step_threads.py), and oneDNN's sums differ
+    in their last bits between counts, so two identical requests need not be bit-equal."""
+    strip = [{k: v for k, v in d.items() if k != key} for d in got]
+    return strip == [{k: v for k, v in d.items() if k != key} for d in want] and all(
+        abs(g[key] - w[key]) <= 1e-5 for g, w in zip(got, want, strict=True)
+    )
 
 
 # ---- item 9: GET /v1/models/{id} (the openai client's models.retrieve) -------------------------------------

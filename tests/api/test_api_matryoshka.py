@@ -36,7 +36,7 @@ def listed_dir(qwen3_embed_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def listed(listed_dir: Path) -> Iterator[tuple[str, Any]]:
-    yield from _serve(listed_dir, "mrl")
+    yield from _serve(listed_dir, "mrl", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_is_matryoshka_takes_any_size_up_to_the_width(
 ) -> None:
     folder = _with_config(qwen3_embed_dir, tmp_path / "m", is_matryoshka=True)
     hidden = reference.shape[1]
-    for url, _ in _serve(folder, "mrl-any"):
+    for url, _ in _serve(folder, "mrl-any", dtype="float32"):
         r = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS, "dimensions": 5}, timeout=60)
         assert r.status_code == 200, r.text
         _close([e["embedding"] for e in r.json()["data"]], _truncated(reference, 5))
@@ -107,7 +107,7 @@ def test_is_matryoshka_takes_any_size_up_to_the_width(
 
 
 def test_a_model_without_matryoshka_refuses_dimensions(qwen3_embed_dir: Path) -> None:
-    for url, _ in _serve(qwen3_embed_dir, "plain"):
+    for url, _ in _serve(qwen3_embed_dir, "plain", dtype="float32"):
         for route, key in (("/v1/embeddings", "input"), ("/embed", "inputs")):
             r = httpx.post(f"{url}{route}", json={key: TEXTS[0], "dimensions": 8}, timeout=60)
             assert r.status_code in (400, 422), r.text
