@@ -215,17 +215,17 @@ class LLMEngine:
         if config.model.optimize_weights:
             prepare_for_serving(self.loaded.model, self.device, dtype, config.model.cache_dir)
         self.packed_weight_bytes = 0  # int8 packed copies of block-quantized weights (pack_int8_weights)
+        # what the copies must leave free: the KV cache, allocated after them, whose untouched pages would
+        # still read as available (a pod's limit sized from the estimate counts weights, KV and runtime only)
+        kv_reserve = self.memory.kv_cache_bytes if self.memory is not None else 0
         quantized_gemms = (
             self.device.type == "cpu" and tp == 1 and apply_gemm_dtype(self.loaded.model, self.gemm_dtype)
         )
         if self.gemm_dtype == torch.int8 and not quantized_gemms:
             self.gemm_dtype = torch.float32  # nothing block-quantized: the model computes in fp32
         if quantized_gemms and self.gemm_dtype != torch.float32:
-            # the KV cache is allocated after the copies: they may not take its room (a pod's limit sized
-            # from the estimate counts weights, KV cache and runtime, not the copies)
-            reserve = self.memory.kv_cache_bytes if self.memory is not None else 0
-            self.packed_weight_bytes = pack_int8_weights(self.loaded.model, reserve)
-            self.packed_weight_bytes += pack_moe_int8_weights(self.loaded.model, reserve)
+            self.packed_weight_bytes = pack_int8_weights(self.loaded.model, kv_reserve)
+            self.packed_weight_bytes += pack_moe_int8_weights(self.loaded.model, kv_reserve)
             if self.packed_weight_bytes:
                 log.info(
                     "int8 batches read packed weights (%.1f MiB more: /info packed_weight_bytes)",
@@ -387,9 +387,7 @@ class LLMEngine:
                 and apply_gemm_dtype(proposer.model, self.gemm_dtype)
                 and self.gemm_dtype in INT8_ACTIVATION_DTYPES
             ):
-                # the caches exist by now, but their untouched pages still read as available
-                kv = self.memory.kv_cache_bytes if self.memory is not None else 0
-                self.packed_weight_bytes += pack_int8_weights(proposer.model, kv)
+                self.packed_weight_bytes += pack_int8_weights(proposer.model, kv_reserve)
             self.speculator = Speculator(config.speculative, proposer)
         if self.speculator is not None:
             log.info("speculative decoding: %s", config.speculative)
