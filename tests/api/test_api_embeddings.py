@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from benchmark_modules import load_benchmark
 from conftest import scrape_metric
 from serving import free_port, serve_in_thread
 
@@ -347,21 +348,7 @@ def test_predict_and_classify(score_server: tuple[str, Any], cross_encoder_dir: 
 
 
 def _light_http() -> Any:
-    """benchmarks/light_http.py, loaded by path (the benchmarks folder is not a package, and putting it
-    on sys.path would put its modules ahead of installed packages of the same name)."""
-    import importlib.util
-    import sys
-
-    name = "kubeinfer_benchmarks_light_http"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "light_http.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("light_http.py")
 
 
 def test_benchmark_light_client_speaks_http_to_the_server(embed_server: tuple[str, Any]) -> None:
