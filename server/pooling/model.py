@@ -266,7 +266,7 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype, bf16_gemms: bool 
     from server.models.loader import load_model
     from server.models.serving_weights import cpu_packing_supported
 
-    from .decoder import DecoderEncoder, prepare_for_pooling
+    from .decoder import DecoderEncoder, bf16_attention_kernel, prepare_for_pooling
 
     max_pos = int(cfg.get("max_position_embeddings") or 8192)
     pooling = PoolingConfig.from_folder(folder, PoolingMode.LAST, cfg)
@@ -276,7 +276,10 @@ def _load_decoder(folder: Path, cfg: dict, dtype: torch.dtype, bf16_gemms: bool 
     loaded = load_model(folder, dtype, torch.device("cpu"), max_positions=max_len, embedding_only=True)
     bf16_gemms = bf16_gemms and cpu_packing_supported(torch.device("cpu"), torch.bfloat16)
     prepared = prepare_for_pooling(loaded.model, bf16_gemms)
-    module = DecoderEncoder(loaded.model).eval()
+    # attention in bf16 products where the GEMMs multiply in bf16 (packed_attention.py)
+    bf16 = (prepared is not None and bf16_gemms) or dtype == torch.bfloat16
+    kernel = bf16_attention_kernel(loaded.model) if bf16 else None
+    module = DecoderEncoder(loaded.model, kernel).eval()
     tok = load_hf_tokenizer(folder)
     hidden = int(cfg["hidden_size"])
     dense = load_dense_stack(folder, pooling.dense, hidden) if pooling.dense else None

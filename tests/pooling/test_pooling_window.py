@@ -49,7 +49,7 @@ def test_dense_batch_attention_sinks_and_soft_cap(softcap: float, window: int | 
     """The embedding encoder's attention with gpt-oss's sinks and Gemma 2's soft-cap, against the
     backend contract's formula per query (out = sum_j e^s_j v_j / (sum_j e^s_j + e^sink), s the capped
     scaled scores of the keys the query sees), over left- and right-padded rows, GQA 4:2."""
-    from server.pooling.decoder import DenseBatchAttention
+    from server.pooling.dense_attention import DenseBatchAttention
 
     g = torch.Generator().manual_seed(5)
     real = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
