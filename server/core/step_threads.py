@@ -28,7 +28,11 @@ threads from one and settling on one, at 0.75-0.87x of fixed two threads at one 
 `long_step_s` or more: a switch's cost (microseconds to a few ms) is nothing beside it, and a long step
 size that always follows steps of another size (a 16-user wave's one prefill between 63 decode steps)
 would otherwise never be sampled on its untried count and try it again at every wave (seen: each
-wave's 2048-token prefill on one thread, 3.0 s against 1.7-1.9 s). A long step's time is also its
+wave's 2048-token prefill on one thread, 3.0 s against 1.7-1.9 s). Nor where a count has no fair sample in
+its bucket yet: its second switched step there stands in until the first fair one replaces it, since a
+size whose steps always follow another size's on another count would otherwise never be sampled on it
+and run it every time (seen: a sequential client's shorter texts on one thread, 85 ms against 48 on
+two). A long step's time is also its
 count's whole sample window (it spans many preemptions already), and a probe's long first step ends
 the probe. With `max_explore_every` above
 `explore_every`, each exploration that leaves the best count unchanged doubles that bucket's interval
@@ -72,6 +76,8 @@ class _Bucket:
     probe: tuple[int, int] | None = None  # (best before, count tried) of the exploration in flight
     probe_left: int = 0  # steps of the probe still to run
     hinted: bool = False  # started on another bucket's best count: untried counts wait for probes
+    fair: set[int] = field(default_factory=set)  # counts with a sample not taken right after a switch
+    switched_tries: dict[int, int] = field(default_factory=dict)  # counts' unrecorded switched steps
 
 
 def _leader(b: _Bucket) -> int:
@@ -181,14 +187,28 @@ class StepThreads:
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         if threads not in self.candidates or seconds < 0:
             return  # a count set outside the policy (warm-up) says nothing about the candidates
-        if self._switched and seconds < self.long_step_s:
-            return  # the first step on a new count: its time includes the switch, not a fair sample
         b = self._buckets.setdefault(self.bucket_of(num_tokens), _Bucket())
+        fair = not self._switched or seconds >= self.long_step_s
+        if not fair:
+            # The first step on a new count: its time includes the switch, not a fair sample. But where
+            # this size's steps always follow another size's on another count (a sequential client's
+            # texts of varying length, each size in its own bucket), a count never gets a fair sample:
+            # it stayed untried and ran every step of its size (seen: 1 of 4 one-text steps of a
+            # Qwen3-Embedding-0.6B shape on one thread, 85 ms against 48). A count without a fair sample
+            # takes its second such step as a stand-in, replaced by the first fair one.
+            if threads in b.fair:
+                return
+            b.switched_tries[threads] = b.switched_tries.get(threads, 0) + 1
+            if b.switched_tries[threads] < 2:
+                return
         if self._switched and b.probe is not None and b.probe[1] == threads:
             b.probe_left = 0  # a long step is a fair sample by itself: the probe needs no second step
         per_token = seconds / max(1, num_tokens)
         leader = _leader(b) if b.cost else None
         samples = b.samples.setdefault(threads, deque(maxlen=self.window))
+        if fair and threads not in b.fair:
+            b.fair.add(threads)
+            samples.clear()  # the stand-ins give way to the first fair sample
         if seconds >= self.long_step_s:
             samples.clear()  # a long step is its own median: its time already spans many preemptions
         samples.append(per_token)

@@ -87,8 +87,14 @@ class PoolingEngineCore:
         # Every step size is measured on its own (no hint from the nearest size): one thread leading for a
         # sequential client's one-text steps put a BERT-large reranker's 64-pair steps (~9 s, GEMM-bound)
         # on one thread, 0.55x the pairs/s of two in a benchmark run (docs/benchmarks-log.md).
+        # Probes back off as generation's do (16 to 256 steps of a size): at every 16th step for good, a
+        # sequential client's one-text steps ran 2 of every 16 on the slower count (one client p50
+        # 57-63 ms against 46-50 under --thread-policy fixed, Qwen3-Embedding-0.6B shape, idle Zen 5).
         self.threads = StepThreads(
-            max_threads or torch.get_num_threads(), adaptive=adaptive_threads, hint_new_buckets=False
+            max_threads or torch.get_num_threads(),
+            max_explore_every=256,
+            adaptive=adaptive_threads,
+            hint_new_buckets=False,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -178,3 +178,26 @@ def test_a_long_step_size_between_others_is_not_run_on_the_slow_count_every_time
     counts = _waves(policy, {1: 0.9e-3, 2: 1.5e-3}, {1: 1e-3, 2: 2e-3}, 100)
     assert policy.best(2048) == 1
     assert counts[-20:].count(1) >= 19, counts
+
+
+def test_a_size_that_always_follows_another_count_still_gets_samples() -> None:
+    """A sequential client's texts of varying length: a rare size's steps each follow a step of a common
+    size, which runs on the count that leads for it. A count tried for the rare size was then never a fair
+    sample (the first step after a switch is not one), stayed untried, and ran every time that size came
+    (seen served: 1 of 4 one-text steps of a Qwen3-Embedding-0.6B shape on one thread, 85 ms against 48).
+    Its second such step stands in until a fair one comes: after that, the slow count runs only on the
+    regular probes."""
+    from server.core.step_threads import StepThreads
+
+    policy = StepThreads(2, max_explore_every=256, hint_new_buckets=False)
+    chosen, last = [], None
+    for step in range(400):
+        tokens = 12 if step % 4 == 3 else 24  # a rare size, each step of it after the common one's
+        t = policy.choose(tokens)
+        seconds = (0.010 + 0.0011 * tokens) * (1.8 if t == 1 else 1.0)
+        policy.record(tokens, t, seconds * (1.5 if last not in (None, t) else 1.0))
+        if tokens == 12:
+            chosen.append(t)
+        last = t
+    assert policy.best(12) == 2 and policy.best(24) == 2
+    assert chosen[10:].count(1) <= 6, chosen  # of 90 rare steps: the probes (2 steps each) only
