@@ -173,6 +173,8 @@ class DecodeKernel:
             raise ValueError("block_tables must be [num_seqs, max_blocks]")
         if not indices_checked:
             check_prefill_chunks(q.shape[0], k_cache.shape, block_tables, chunks)
+        if chunks.seqs.numel() == 0:
+            return True  # nothing to attend; the library's work split divides by the chunk count (SIGFPE)
         _, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
         rc = self.lib.kubeinfer_paged_prefill(

@@ -194,3 +194,18 @@ def test_auto_embedder_attends_with_the_kernel(
         assert counting.calls - before == layers
         cos = F.cosine_similarity(ours, ref.float())
         assert cos.min().item() >= 0.9999, (side, cos)
+
+
+def test_a_batch_without_real_tokens_attends_nothing() -> None:
+    """Every row padding: no chunk reaches the kernel (its work split divided by the chunk count and killed
+    the process with SIGFPE), the rows' result is empty, as the per-row path's."""
+    kernel = _Counting(_kernel())
+    real = torch.zeros(2, 5, dtype=torch.bool)
+    positions = torch.zeros(2, 5, dtype=torch.long)
+    q, k, v = torch.randn(0, HQ, 64), torch.randn(0, HKV, 64), torch.randn(0, HKV, 64)
+    empty = torch.zeros(0)
+    for backend in (kernel, None):
+        attn = PackedRowsAttention(real, positions, False, backend)  # type: ignore[arg-type]
+        got = attn.forward(q, k, v, empty, empty, None, 0.125)  # type: ignore[arg-type]
+        assert got.shape == (0, HQ, 64)
+    assert kernel.calls == 1  # the launcher took the empty step and wrote nothing
