@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from server.attention import AttentionMetadata
-from server.attention.cpu_kernel import check_softcap
+from server.attention.cpu_kernel import check_softcap, check_window
 
 
 class DenseBatchAttention:
@@ -69,8 +69,7 @@ class DenseBatchAttention:
         softcap: float = 0.0,
     ) -> Tensor:  # [T, num_heads, head_dim] in q's dtype
         cap = check_softcap(softcap)
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        check_window(sliding_window)
         qg, kg, vg, mask = self._grid(q), self._grid(k), self._grid(v), self.mask(sliding_window)
         if cap or sinks is not None:
             o = _eager_attention(qg, kg, vg, mask, scale, cap, sinks).to(q.dtype)

@@ -1,6 +1,6 @@
 """Attention for a decoder embedder's batch over each row's real tokens only, without the padding.
 
-`DenseBatchAttention` (decoder.py) scatters a batch's packed tokens into a padded `[B, H, S, S]` problem
+`DenseBatchAttention` (dense_attention.py) scatters a batch's packed tokens into a padded `[B, H, S, S]` problem
 and runs one masked SDPA: on a CPU that is the slow kind of SDPA call (a boolean mask, heads grouped by
 GQA, rows padded to the longest), and for 16 texts of 8-40 words it was 27% of a Qwen3-Embedding-0.6B
 step (5.9 ms a layer for 0.3 GFLOP; docs/benchmarks-log.md, "Decoder embedders' attention without the
