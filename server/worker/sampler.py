@@ -142,8 +142,14 @@ class Sampler:
         if want_logprobs and mode.startswith("raw_"):
             own = logits if model_logits is None else model_logits
             report = own.log_softmax(-1) if mode == "raw_logprobs" else own.clone()
-        logits = apply_penalties(logits.clone(), rows)
-        _ban_eos_early(logits, rows)
+        # A copy only where a row's logits are edited: the caller retries a failed batch row by row on
+        # the same tensor (penalties applied twice otherwise), and a [16, 128k] fp32 copy costs 1.7-1.9 ms
+        # of a 75 ms bf16 decode step (Llama-3.2-1B shape, Zen 5).
+        if any(
+            r.params.uses_penalties or len(r.request.output_token_ids) < r.params.min_tokens for r in rows
+        ):
+            logits = apply_penalties(logits.clone(), rows)
+            _ban_eos_early(logits, rows)
         processed = want_logprobs and mode.startswith("processed_")
         if all(r.params.greedy for r in rows) and not processed:
             tokens = logits.argmax(-1).tolist()

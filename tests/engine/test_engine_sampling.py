@@ -251,3 +251,36 @@ def test_logprobs_mode_under_a_mask(mode: str, greedy: bool) -> None:
         if mode == "processed_logprobs":
             assert sum(math.exp(t.logprob) for t in lp.top) == pytest.approx(1.0, abs=1e-5)
     assert math.isfinite(lp.chosen.logprob) and all(math.isfinite(t.logprob) for t in lp.top)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {},
+        {"repetition_penalty": 1.3},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.5},
+        {"min_tokens": 4, "stop_token_ids": [7]},
+    ],
+    ids=["none", "repetition", "presence-frequency", "min-tokens"],
+)
+def test_the_sampler_leaves_the_callers_logits_as_they_were(edit: dict) -> None:  # type: ignore[type-arg]
+    """The model runner retries a failed batch row by row on the same logits, so the batch's sampling must
+    not edit them (penalties twice otherwise); rows that edit nothing take no copy. The tokens are the
+    edited logits' argmax either way."""
+    from server.request import Request
+    from server.worker.sampler import Sampler, SamplingRow, _ban_eos_early, apply_penalties
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 64) * 3
+    before = logits.clone()
+    rows = []
+    for i in range(3):
+        req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, **edit))
+        req.output_token_ids.extend([int(before[i].argmax()), 5])
+        rows.append(SamplingRow(req))
+    out = Sampler()(logits, rows)
+    assert torch.equal(logits, before)
+    edited = apply_penalties(before.clone(), rows)
+    _ban_eos_early(edited, rows)
+    assert out.token_ids == edited.argmax(-1).tolist()
+    assert torch.equal(edited, before) == (not edit)

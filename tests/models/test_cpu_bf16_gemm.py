@@ -106,3 +106,46 @@ def test_the_drop_in_linear_agrees_with_f_linear(kernel, lead: tuple[int, ...]) 
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     ulp = want.float().abs().clamp_min(2.0**-126) * 2.0**-7
     assert bool(((got.float() - want.float()).abs() <= ulp + 2.0**-8 * (96 / 64)).all())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m", [9, 16, 23, 64, 65])
+def test_rows_in_k_chunks_sum_as_one_pass_per_tile(kernel, m: int, threads: int) -> None:  # type: ignore[no-untyped-def]
+    """9-64 rows walk each block's K in chunks of 512 pairs, the tiles' partial sums kept between chunks
+    (bf16_gemm.cpp run_chunked): K of several chunks and a short last one, blocks split unevenly over the
+    threads. The fp32 sums keep K's order, so the result is bit for bit each 8-row tile's own whole-K pass
+    (1-8 rows take run_whole) and within the fp32 bound of the fp64 reference."""
+    n, k = 16 * 3 * 5 + 7, 2 * (2 * 512 + 300) + 1  # 247 columns: 6 blocks, the last short; K odd
+    g = torch.Generator().manual_seed(m * 10 + threads)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    panels = kernel.pack(w)
+    ref = linear_reference(x, w, b)
+    bound = error_bound(x, w) + 1e-6
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for path in _paths(kernel):
+            kernel.set_path(path)
+            got = kernel.linear(x, panels, b, torch.float32)
+            tiles = torch.cat([kernel.linear(x[r : r + 8], panels, b, torch.float32) for r in range(0, m, 8)])
+            assert torch.equal(got, tiles), path
+            assert bool(((got - ref).abs() <= bound).all()), path
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rows_past_a_group_of_x_sum_as_one_pass_per_tile(kernel) -> None:  # type: ignore[no-untyped-def]
+    """At many rows whose x outgrows 8 MB (bf16_gemm.cpp X_GROUP_BYTES: 512 rows at K = 8192) the blocks
+    walk the rows group by group; groups hold whole 8-row tiles, so the result is bit for bit each tile's
+    own pass, and within the fp32 bound of the fp64 reference."""
+    m, n, k = 1100, 40, 8192  # 3 groups of 368, 368 and 364 rows (at most 512: 8 MB)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    panels = kernel.pack(w)
+    got = kernel.linear(x, panels, out_dtype=torch.float32)
+    tiles = torch.cat([kernel.linear(x[r : r + 8], panels, out_dtype=torch.float32) for r in range(0, m, 8)])
+    assert torch.equal(got, tiles)
+    assert bool(((got - linear_reference(x, w)).abs() <= error_bound(x, w) + 1e-6).all())

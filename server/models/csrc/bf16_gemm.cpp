@@ -30,6 +30,17 @@ constexpr int BLOCK_PANELS = 3; // panels a micro-kernel keeps in registers: 8 x
 // up to 73-76 GB/s at 1-8 rows; 16 rows 1.74-2.09 -> 1.60-1.63 ms over three alternated builds (64 pairs
 // ahead: 16 and 128 were slower).
 constexpr int64_t PF_AHEAD_PAIRS = 64;
+// run_chunked, for 9-64 rows: a block's K in chunks of 512 pairs (3 panels: 96 KB, two of them within a
+// Zen 5's 1 MB L2). Cold [N, K] weights at 16 rows, 2 threads (benchmarks/bf16_gemm.py --cold): 256, 512 and
+// 1024 within noise of each other, 10-13% under one whole-K pass per tile.
+constexpr int64_t CHUNK_PAIRS = 512;
+constexpr int CHUNKED_TILES = 8;
+// run_whole takes rows in groups of at most this many bytes of x: every block's passes read the group's x
+// again, and where x outgrows the last-level cache each block reads it from memory. [2048, 8192] rows into
+// Llama-3.2-1B's down projection (32 MB of x): 88.8-96.8 -> 78-83 ms with 4-8 MB groups, 1-2 MB slower; the
+// same where x fits (K = 2048). Groups as even as whole tiles allow (a short last group reads its blocks for
+// few rows).
+constexpr int64_t X_GROUP_BYTES = 8 << 20;
 int g_path = 0;  // 1: avx512bf16, 0: scalar; the launcher picks 1 where usable_cpu_features() has AVX512-BF16
 
 inline float bf16_to_f32(uint16_t v) {
@@ -73,19 +84,42 @@ inline void store_tile(const Problem& pr, int64_t row, int64_t col, __m512 acc) 
   }
 }
 
+// Where a pass fetches the next chunk of its block (run_chunked): `lines[j]` is panel j's next chunk, `pairs`
+// 64-byte lines each; this pass fetches every `period`-th pair row of them starting at `phase`, so the
+// passes over one chunk share the fetching of the next.
+struct NextChunk {
+  const char* lines[3];
+  int np;
+  int64_t pairs;
+  int phase, period;
+};
+
+// acc over pairs [kk0, kk1) for rows row0.. and panels panel0..: starts from `partial` (kk0 > 0) or zero,
+// ends in `partial` (kk1 < k2) or the output. `partial`: [MR][NP][16] fp32, this pass's own.
 template <int MR, int NP>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void micro(const Problem& pr, int64_t row0, int64_t panel0) {
+void micro(const Problem& pr, int64_t row0, int64_t panel0, int64_t kk0, int64_t kk1, float* partial,
+           const NextChunk* next) {
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NP; ++j)
+      acc[r][j] = kk0 > 0 ? _mm512_loadu_ps(partial + (r * NP + j) * PANEL) : _mm512_setzero_ps();
   const int64_t panel_elems = pr.k2 * 2 * PANEL;
   const uint16_t* w0 = pr.wp + panel0 * panel_elems;
   const uint16_t* xr = pr.x + row0 * pr.ldx;
-  for (int64_t kk = 0; kk < pr.k2; ++kk) {
+  int64_t next_row = next ? next->phase : 0;
+  int countdown = 1;
+  for (int64_t kk = kk0; kk < kk1; ++kk) {
     __m512bh w[NP];
     for (int j = 0; j < NP; ++j)
       _mm_prefetch(reinterpret_cast<const char*>(w0 + j * panel_elems + (kk + PF_AHEAD_PAIRS) * 2 * PANEL), _MM_HINT_T0);
+    if (next && --countdown == 0) {
+      countdown = next->period;
+      if (next_row < next->pairs) {
+        for (int j = 0; j < next->np; ++j) _mm_prefetch(next->lines[j] + next_row * 64, _MM_HINT_T1);
+        next_row += next->period;
+      }
+    }
     for (int j = 0; j < NP; ++j) {
       __m512i v = _mm512_loadu_si512(w0 + j * panel_elems + kk * 2 * PANEL);
       std::memcpy(&w[j], &v, sizeof(v));
@@ -99,11 +133,16 @@ void micro(const Problem& pr, int64_t row0, int64_t panel0) {
       for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], bb, w[j]);
     }
   }
+  if (kk1 < pr.k2) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NP; ++j) _mm512_storeu_ps(partial + (r * NP + j) * PANEL, acc[r][j]);
+    return;
+  }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP; ++j) store_tile(pr, row0 + r, (panel0 + j) * PANEL, acc[r][j]);
 }
 
-using Micro = void (*)(const Problem&, int64_t, int64_t);
+using Micro = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*, const NextChunk*);
 
 template <int NP>
 constexpr Micro pick_rows(int mr) {
@@ -127,18 +166,78 @@ Micro pick(int mr, int np) {
   }
 }
 
-void run_avx512(const Problem& pr, int threads) {
+// One pass of each row tile over a block's whole K: at 1-8 rows (one tile), and at many rows, where each
+// block is read from memory once per group of rows (X_GROUP_BYTES) and the passes after the first are
+// compute-bound from L2. Groups hold whole 8-row tiles: the same tiles, the same sums.
+void run_whole(const Problem& pr, int threads) {
   const int64_t panels = (pr.n + PANEL - 1) / PANEL;
   const int64_t blocks = (panels + BLOCK_PANELS - 1) / BLOCK_PANELS;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t p0 = b * BLOCK_PANELS;
-    const int np = static_cast<int>(panels - p0 < BLOCK_PANELS ? panels - p0 : BLOCK_PANELS);
-    for (int64_t r0 = 0; r0 < pr.m; r0 += TILE_M) {
-      const int mr = static_cast<int>(pr.m - r0 < TILE_M ? pr.m - r0 : TILE_M);
-      pick(mr, np)(pr, r0, p0);
+  const int64_t fit_tiles = X_GROUP_BYTES / (pr.k2 * 4 * TILE_M), tiles = (pr.m + TILE_M - 1) / TILE_M;
+  const int64_t groups = (tiles + (fit_tiles > 1 ? fit_tiles : 1) - 1) / (fit_tiles > 1 ? fit_tiles : 1);
+  const int64_t group = (tiles + groups - 1) / groups * TILE_M;  // rows: the groups as even as whole tiles allow
+#pragma omp parallel num_threads(threads)
+  for (int64_t g0 = 0; g0 < pr.m; g0 += group) {
+    const int64_t g1 = g0 + group < pr.m ? g0 + group : pr.m;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t p0 = b * BLOCK_PANELS;
+      const int np = static_cast<int>(panels - p0 < BLOCK_PANELS ? panels - p0 : BLOCK_PANELS);
+      for (int64_t r0 = g0; r0 < g1; r0 += TILE_M) {
+        const int mr = static_cast<int>(g1 - r0 < TILE_M ? g1 - r0 : TILE_M);
+        pick(mr, np)(pr, r0, p0, 0, pr.k2, nullptr, nullptr);
+      }
     }
   }
+}
+
+// 2..CHUNKED_TILES row tiles: a block's K in chunks of CHUNK_PAIRS, every tile's pass over a chunk before the
+// next chunk, the tiles' partial sums kept in between (fp32, the same K order: the same result). Why: with a
+// whole-K pass per tile the first pass waits on memory (the weights stream in) and the others on arithmetic
+// (the block is in L2), one after the other. Here each pass over a chunk also fetches its share of the next
+// chunk (the thread's next block's first after the last), so the stream runs under the arithmetic.
+void run_chunked(const Problem& pr, int threads) {
+  const int64_t panels = (pr.n + PANEL - 1) / PANEL;
+  const int64_t blocks = (panels + BLOCK_PANELS - 1) / BLOCK_PANELS;
+  const int64_t chunks = (pr.k2 + CHUNK_PAIRS - 1) / CHUNK_PAIRS;
+  const int tiles = static_cast<int>((pr.m + TILE_M - 1) / TILE_M);
+  const int64_t panel_elems = pr.k2 * 2 * PANEL;
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) float partial[CHUNKED_TILES][TILE_M * BLOCK_PANELS * PANEL];
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    // the blocks schedule(static) would give this thread: contiguous, the first `blocks % nt` one longer
+    const int64_t base = blocks / nt, extra = blocks % nt;
+    const int64_t b_begin = t * base + (t < extra ? t : extra);
+    const int64_t b_end = b_begin + base + (t < extra ? 1 : 0);
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const int64_t p0 = b * BLOCK_PANELS;
+      const int np = static_cast<int>(panels - p0 < BLOCK_PANELS ? panels - p0 : BLOCK_PANELS);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t kk0 = c * CHUNK_PAIRS, kk1 = kk0 + CHUNK_PAIRS < pr.k2 ? kk0 + CHUNK_PAIRS : pr.k2;
+        NextChunk next{{nullptr, nullptr, nullptr}, 0, 0, 0, tiles};
+        int64_t next_p0 = p0, next_kk = kk1;
+        if (c + 1 == chunks) next_p0 = b + 1 < b_end ? p0 + BLOCK_PANELS : -1, next_kk = 0;
+        if (next_p0 >= 0) {
+          next.np = static_cast<int>(panels - next_p0 < BLOCK_PANELS ? panels - next_p0 : BLOCK_PANELS);
+          next.pairs = (next_kk + CHUNK_PAIRS < pr.k2 ? next_kk + CHUNK_PAIRS : pr.k2) - next_kk;
+          for (int j = 0; j < next.np; ++j)
+            next.lines[j] = reinterpret_cast<const char*>(pr.wp + (next_p0 + j) * panel_elems + next_kk * 2 * PANEL);
+        }
+        for (int i = 0; i < tiles; ++i) {
+          const int64_t r0 = static_cast<int64_t>(i) * TILE_M;
+          const int mr = static_cast<int>(pr.m - r0 < TILE_M ? pr.m - r0 : TILE_M);
+          next.phase = i;
+          pick(mr, np)(pr, r0, p0, kk0, kk1, partial[i], next_p0 >= 0 ? &next : nullptr);
+        }
+      }
+    }
+  }
+}
+
+void run_avx512(const Problem& pr, int threads) {
+  const int64_t tiles = (pr.m + TILE_M - 1) / TILE_M;
+  if (tiles >= 2 && tiles <= CHUNKED_TILES) run_chunked(pr, threads);
+  else run_whole(pr, threads);
 }
 
 void run_scalar(const Problem& pr, int threads) {
