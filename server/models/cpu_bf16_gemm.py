@@ -4,7 +4,9 @@ oneDNN's pre-packed bf16 GEMM streams weights at ~10 GB/s at 1-64 rows on Zen 4 
 about half the rate of the int8 kernels, and a decode step at those rows is bound by the weight stream.
 `Bf16Panels` holds a [N, K] bf16 weight re-laid once into panels of 16 output columns x pairs of K
 (the operand layout of `vdpbf16ps`, same bytes as the weight); the kernel reads each weight vector once per
-8 rows of x and keeps a thread's block of 3 panels in L2 for the next 8 rows.
+8 rows of x and keeps a thread's block of 3 panels in L2 for the next 8 rows; at 9-64 rows chunk by chunk of
+K, each pass fetching part of the next chunk, so the weight stream runs under the arithmetic (bf16_gemm.cpp
+`run_chunked`; the sums in the same order, so the same result).
 
 Result: x W^T (+ bias) accumulated in fp32 in K order, then rounded to bf16 (nearest even) as F.linear's
 bf16 output is. oneDNN sums in another order, so the two agree to fp32 rounding before the final bf16

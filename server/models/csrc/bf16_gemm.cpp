@@ -3,7 +3,7 @@
 // Why not oneDNN: at 1-64 rows its packed bf16 GEMM streamed weights at ~10 GB/s on Zen 4, about half of
 // what the int8 kernels reach; decode at few rows is bound by the weight stream, so the kernel below reads
 // each weight vector once per tile of up to TILE_M rows of x and keeps the block of panels a thread owns
-// in L2 while further row tiles pass over it.
+// in L2 while further row tiles pass over it (at 9-64 rows chunk by chunk of K: run_chunked).
 //
 // Weight layout (kubeinfer_bf16_pack): W [N, K] -> panels of 16 output columns; panel p holds, for each
 // pair of input values (2kk, 2kk+1), the 16 columns' pairs side by side: packed[p][kk][j][t] =
@@ -216,7 +216,10 @@ void run_chunked(const Problem& pr, int threads) {
         const int64_t kk0 = c * CHUNK_PAIRS, kk1 = kk0 + CHUNK_PAIRS < pr.k2 ? kk0 + CHUNK_PAIRS : pr.k2;
         NextChunk next{{nullptr, nullptr, nullptr}, 0, 0, 0, tiles};
         int64_t next_p0 = p0, next_kk = kk1;
-        if (c + 1 == chunks) next_p0 = b + 1 < b_end ? p0 + BLOCK_PANELS : -1, next_kk = 0;
+        if (c + 1 == chunks) {  // the thread's next block, if it has one, from its first chunk
+          next_p0 = b + 1 < b_end ? p0 + BLOCK_PANELS : -1;
+          next_kk = 0;
+        }
         if (next_p0 >= 0) {
           next.np = static_cast<int>(panels - next_p0 < BLOCK_PANELS ? panels - next_p0 : BLOCK_PANELS);
           next.pairs = (next_kk + CHUNK_PAIRS < pr.k2 ? next_kk + CHUNK_PAIRS : pr.k2) - next_kk;
