@@ -13,6 +13,7 @@
 // denormal inputs and outputs and rounds to nearest even, whatever MXCSR says: Intel SDM, VDPBF16PS).
 // Output: fp32, or bf16 rounded to nearest even (the rounding F.linear's bf16 output has).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
@@ -42,6 +43,14 @@ constexpr int CHUNKED_TILES = 8;
 // few rows).
 constexpr int64_t X_GROUP_BYTES = 8 << 20;
 int g_path = 0;  // 1: avx512bf16, 0: scalar; the launcher picks 1 where usable_cpu_features() has AVX512-BF16
+
+// Panels in the block that starts at panel p0 (the last block may be short).
+inline int block_panels(int64_t panels, int64_t p0) {
+  return static_cast<int>(std::min<int64_t>(panels - p0, BLOCK_PANELS));
+}
+
+// The end of the K chunk (in pairs) that starts at kk.
+inline int64_t chunk_end(int64_t kk, int64_t k2) { return std::min(kk + CHUNK_PAIRS, k2); }
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -172,18 +181,18 @@ Micro pick(int mr, int np) {
 void run_whole(const Problem& pr, int threads) {
   const int64_t panels = (pr.n + PANEL - 1) / PANEL;
   const int64_t blocks = (panels + BLOCK_PANELS - 1) / BLOCK_PANELS;
-  const int64_t fit_tiles = X_GROUP_BYTES / (pr.k2 * 4 * TILE_M), tiles = (pr.m + TILE_M - 1) / TILE_M;
-  const int64_t groups = (tiles + (fit_tiles > 1 ? fit_tiles : 1) - 1) / (fit_tiles > 1 ? fit_tiles : 1);
+  const int64_t fit_tiles = std::max<int64_t>(X_GROUP_BYTES / (pr.k2 * 4 * TILE_M), 1);
+  const int64_t tiles = (pr.m + TILE_M - 1) / TILE_M, groups = (tiles + fit_tiles - 1) / fit_tiles;
   const int64_t group = (tiles + groups - 1) / groups * TILE_M;  // rows: the groups as even as whole tiles allow
 #pragma omp parallel num_threads(threads)
   for (int64_t g0 = 0; g0 < pr.m; g0 += group) {
-    const int64_t g1 = g0 + group < pr.m ? g0 + group : pr.m;
+    const int64_t g1 = std::min(g0 + group, pr.m);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t p0 = b * BLOCK_PANELS;
-      const int np = static_cast<int>(panels - p0 < BLOCK_PANELS ? panels - p0 : BLOCK_PANELS);
+      const int np = block_panels(panels, p0);
       for (int64_t r0 = g0; r0 < g1; r0 += TILE_M) {
-        const int mr = static_cast<int>(g1 - r0 < TILE_M ? g1 - r0 : TILE_M);
+        const int mr = static_cast<int>(std::min<int64_t>(g1 - r0, TILE_M));
         pick(mr, np)(pr, r0, p0, 0, pr.k2, nullptr, nullptr);
       }
     }
@@ -207,13 +216,13 @@ void run_chunked(const Problem& pr, int threads) {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     // the blocks schedule(static) would give this thread: contiguous, the first `blocks % nt` one longer
     const int64_t base = blocks / nt, extra = blocks % nt;
-    const int64_t b_begin = t * base + (t < extra ? t : extra);
+    const int64_t b_begin = t * base + std::min(t, extra);
     const int64_t b_end = b_begin + base + (t < extra ? 1 : 0);
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t p0 = b * BLOCK_PANELS;
-      const int np = static_cast<int>(panels - p0 < BLOCK_PANELS ? panels - p0 : BLOCK_PANELS);
+      const int np = block_panels(panels, p0);
       for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t kk0 = c * CHUNK_PAIRS, kk1 = kk0 + CHUNK_PAIRS < pr.k2 ? kk0 + CHUNK_PAIRS : pr.k2;
+        const int64_t kk0 = c * CHUNK_PAIRS, kk1 = chunk_end(kk0, pr.k2);
         NextChunk next{{nullptr, nullptr, nullptr}, 0, 0, 0, tiles};
         int64_t next_p0 = p0, next_kk = kk1;
         if (c + 1 == chunks) {  // the thread's next block, if it has one, from its first chunk
@@ -221,14 +230,14 @@ void run_chunked(const Problem& pr, int threads) {
           next_kk = 0;
         }
         if (next_p0 >= 0) {
-          next.np = static_cast<int>(panels - next_p0 < BLOCK_PANELS ? panels - next_p0 : BLOCK_PANELS);
-          next.pairs = (next_kk + CHUNK_PAIRS < pr.k2 ? next_kk + CHUNK_PAIRS : pr.k2) - next_kk;
+          next.np = block_panels(panels, next_p0);
+          next.pairs = chunk_end(next_kk, pr.k2) - next_kk;
           for (int j = 0; j < next.np; ++j)
             next.lines[j] = reinterpret_cast<const char*>(pr.wp + (next_p0 + j) * panel_elems + next_kk * 2 * PANEL);
         }
         for (int i = 0; i < tiles; ++i) {
           const int64_t r0 = static_cast<int64_t>(i) * TILE_M;
-          const int mr = static_cast<int>(pr.m - r0 < TILE_M ? pr.m - r0 : TILE_M);
+          const int mr = static_cast<int>(std::min<int64_t>(pr.m - r0, TILE_M));
           next.phase = i;
           pick(mr, np)(pr, r0, p0, kk0, kk1, partial[i], next_p0 >= 0 ? &next : nullptr);
         }
