@@ -1,5 +1,6 @@
-"""Prompt logprobs of the chosen tokens, ours and transformers', for the reduced-precision parity tests
-(tests/quant/test_bf16_gemm.py, tests/engine/test_kv_cache_dtype_parity.py), and transformers' greedy
+"""Prompt logprobs of the chosen tokens, ours and transformers', and prose prompts for the reduced-precision
+parity tests (tests/quant/test_bf16_gemm.py, tests/engine/test_kv_cache_dtype_parity.py,
+tests/engine/test_bf16_stream.py), and transformers' greedy
 tokens of a tiny model folder (the architecture parity tests, tests/models and tests/moe) or of a loaded
 transformers model holding the weights a test gave it (the decode-graph tests)."""
 
@@ -12,6 +13,25 @@ import torch
 
 from server.engine import LLMEngine
 from server.request import SamplingParams
+
+TEXT = (
+    "The history of the bicycle begins in the early nineteenth century, when inventors in Europe built "
+    "wooden frames that riders pushed along with their feet. Pedals came later, first on the front wheel, "
+    "which grew larger and larger until the high-wheeled machines of the 1870s made riding fast but "
+    "dangerous. The safety bicycle, with two wheels of equal size and a chain driving the rear one, "
+    "settled the shape that most bicycles still have. Pneumatic tyres, gears and lighter frames followed, "
+    "and within a few decades the bicycle had changed how people in towns and villages travelled to work."
+)
+
+
+def text_prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of up to `length` tokens of English prose (TEXT twice, rotated by 5 words each)."""
+    words = TEXT.split()
+    out = []
+    for i in range(count):
+        rotated = " ".join(words[5 * i :] + words[: 5 * i])
+        out.append(engine.tokenizer.encode(rotated + " " + rotated)[:length])
+    return out
 
 
 def engine_prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:  # [len - 1] float64

@@ -30,8 +30,8 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
 # and the decode graph layer record's attn_softcap; 9: the layer record's MoE MLP (KiDecodeMoe),
 # kubeinfer_moe_route; 10: softcap_paged_decode gone, the graph's attention pointer is the attention
 # library's kubeinfer_paged_decode_capped (window, sinks and soft-cap); 11: KiDecodeMoe's shared expert
-# and the step's shared_out
-ABI_VERSION = 11
+# and the step's shared_out; 12: the bf16 stream's add_rms_norm, rotary and head_rms_norm
+ABI_VERSION = 12
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
 # AVX-512 CPUs keeps loops at 256 bits (libmvec's 8-wide expf); 512-bit loops cut a 16-user prefill step
@@ -55,14 +55,27 @@ def torch_add_rms_norm(
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def torch_add_rms_norm_bf16(
+    x: Tensor,  # [T, H] bf16, updated in place to the rounded x + delta when delta is given
+    delta: Tensor | None,  # [T, H] bf16
+    weight: Tensor,  # [H] fp32
+    eps: float,
+) -> Tensor:  # [T, H] bf16
+    """The bf16 stream's add + norm: fp32 arithmetic on the widened stream, each written value rounded once."""
+    if delta is not None:
+        x.copy_((x.float() + delta.float()).bfloat16())
+    return torch_add_rms_norm(x.float(), None, weight, eps).bfloat16()
+
+
 def torch_rotary(
-    x: Tensor,  # [T, heads, D] fp32, rotated in place
+    x: Tensor,  # [T, heads, D] fp32 or bf16, rotated in place
     cos: Tensor,  # [T, R] fp32, R <= D: the leading R channels of each head rotate
     sin: Tensor,  # [T, R] fp32, first half negated (RotaryEmbedding's tables)
 ) -> None:
     r = cos.shape[-1]
     rot = x[..., :r]
-    rot.copy_(torch.addcmul(rot * cos[:, None], rot.roll(r // 2, dims=-1), sin[:, None]))
+    wide = rot.float()  # bf16 x: in fp32, rounded once by the copy
+    rot.copy_(torch.addcmul(wide * cos[:, None], wide.roll(r // 2, dims=-1), sin[:, None]))
 
 
 def torch_residual_norm(
@@ -80,11 +93,12 @@ def torch_residual_norm(
 
 
 def torch_head_rms_norm(
-    x: Tensor,  # [T, heads, D] fp32, normalized in place
+    x: Tensor,  # [T, heads, D] fp32 or bf16, normalized in place (bf16: in fp32, rounded once)
     weight: Tensor,  # [D] fp32
     eps: float,
 ) -> None:
-    x.copy_(weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
+    xf = x.float()
+    x.copy_(weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)))
 
 
 def torch_silu_mul(gate_up: Tensor) -> Tensor:  # gate_up: [T, 2I] fp32 or bf16 -> [T, I] same dtype
@@ -135,8 +149,11 @@ class FusedOps:
     ) -> Tensor:  # [T, H] out_dtype: weight * x / sqrt(mean(x^2) + eps), after the add
         """A bf16 delta is widened exactly and a bf16 out rounded to nearest even: bit-identical to
         `add_rms_norm(x, delta.float(), ...).bfloat16()` (tests/engine/test_cpu_fused_ops.py), without
-        the fp32 copies around a bf16 GEMM."""
+        the fp32 copies around a bf16 GEMM. A bf16 x (a bf16 model's stream) takes a bf16 delta and gives a
+        bf16 out: `torch_add_rms_norm_bf16`, bit for bit."""
         t, h = x.shape[0], x.shape[-1]
+        if x.dtype == torch.bfloat16:
+            return self._add_rms_norm_bf16(x, delta, weight, eps, out, out_dtype)
         _check_rows("x", x, h)
         delta_bf16 = delta is not None and delta.dtype == torch.bfloat16
         if delta is not None:
@@ -168,14 +185,54 @@ class FusedOps:
             raise RuntimeError(f"add_rms_norm kernel returned {rc}")
         return out
 
+    def _add_rms_norm_bf16(
+        self,
+        x: Tensor,  # [T, H] bf16, unit stride along H; becomes the rounded x + delta
+        delta: Tensor | None,  # [T, H] bf16, unit stride along H
+        weight: Tensor,  # [H] fp32 contiguous
+        eps: float,
+        out: Tensor | None,  # [T, H] bf16
+        out_dtype: torch.dtype,  # bf16: the stream's own dtype
+    ) -> Tensor:  # [T, H] bf16
+        t, h = x.shape[0], x.shape[-1]
+        _check_rows("x", x, h, torch.bfloat16)
+        if delta is not None:
+            _check_rows("delta", delta, h, torch.bfloat16)
+            if delta.shape[0] != t:
+                raise ValueError(f"delta: {delta.shape[0]} rows, x has {t}")
+        if weight.dtype != torch.float32 or tuple(weight.shape) != (h,) or not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous [{h}] fp32 tensor")
+        if out_dtype != torch.bfloat16:
+            raise TypeError(f"a bf16 stream's norm is bf16, got out_dtype {out_dtype}")
+        out = _output(out, t, h, torch.bfloat16)
+        rc = self.lib.kubeinfer_add_rms_norm_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
+            weight.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            t,
+            h,
+            float(eps),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"add_rms_norm_bf16 kernel returned {rc}")
+        return out
+
     def rotary(
         self,
-        x: Tensor,  # [T, heads, D] fp32, rotated in place; heads dense within a row (row stride free)
+        x: Tensor,  # [T, heads, D] fp32 or bf16, rotated in place; heads dense within a row (row stride free)
         cos: Tensor,  # [T, R] fp32 contiguous, R <= D even: the leading R channels of each head rotate
         sin: Tensor,  # [T, R] fp32 contiguous, first half negated
     ) -> None:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
-            raise TypeError(f"x must be a [T, heads, D] CPU fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+        """bf16 x: each value widened, rotated in fp32, rounded once (`torch_rotary`, bit for bit)."""
+        if x.dtype not in _STREAM_DTYPES or x.device.type != "cpu" or x.dim() != 3:
+            raise TypeError(
+                f"x must be a [T, heads, D] CPU fp32 or bf16 tensor, got {x.dtype} {tuple(x.shape)}"
+            )
         t, heads, d = x.shape
         if x.stride(2) != 1 or (heads > 1 and x.stride(1) != d):
             raise ValueError(f"x: each row's heads must be dense, got strides {x.stride()}")
@@ -185,7 +242,8 @@ class FusedOps:
         for name, table in (("cos", cos), ("sin", sin)):
             if table.dtype != torch.float32 or tuple(table.shape) != (t, r) or not table.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous [{t}, {r}] fp32 tensor")
-        rc = self.lib.kubeinfer_rotary(
+        fn = self.lib.kubeinfer_rotary if x.dtype == torch.float32 else self.lib.kubeinfer_rotary_bf16
+        rc = fn(
             x.data_ptr(), x.stride(0), t, heads, d, r, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
         )
         if rc != 0:
@@ -236,19 +294,27 @@ class FusedOps:
 
     def head_rms_norm(
         self,
-        x: Tensor,  # [T, heads, D] fp32, normalized in place; heads dense within a row (row stride free)
+        x: Tensor,  # [T, heads, D] fp32 or bf16, normalized in place; heads dense within a row (row stride free)
         weight: Tensor,  # [D] fp32 contiguous, shared by all heads
         eps: float,
     ) -> None:
-        """Each head: weight * x / sqrt(mean(x^2) + eps) over D (Qwen3's q_norm / k_norm)."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
-            raise TypeError(f"x must be a [T, heads, D] CPU fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+        """Each head: weight * x / sqrt(mean(x^2) + eps) over D (Qwen3's q_norm / k_norm); bf16 x: in fp32,
+        rounded once."""
+        if x.dtype not in _STREAM_DTYPES or x.device.type != "cpu" or x.dim() != 3:
+            raise TypeError(
+                f"x must be a [T, heads, D] CPU fp32 or bf16 tensor, got {x.dtype} {tuple(x.shape)}"
+            )
         t, heads, d = x.shape
         if x.stride(2) != 1 or (heads > 1 and x.stride(1) != d):
             raise ValueError(f"x: each row's heads must be dense, got strides {x.stride()}")
         if weight.dtype != torch.float32 or tuple(weight.shape) != (d,) or not weight.is_contiguous():
             raise ValueError(f"weight must be a contiguous [{d}] fp32 tensor")
-        rc = self.lib.kubeinfer_head_rms_norm(
+        fn = (
+            self.lib.kubeinfer_head_rms_norm
+            if x.dtype == torch.float32
+            else self.lib.kubeinfer_head_rms_norm_bf16
+        )
+        rc = fn(
             x.data_ptr(), x.stride(0), t, heads, d, weight.data_ptr(), float(eps), torch.get_num_threads()
         )
         if rc != 0:
@@ -299,6 +365,8 @@ class FusedOps:
             raise RuntimeError(f"{activation} kernel returned {rc}")
         return out
 
+
+_STREAM_DTYPES = (torch.float32, torch.bfloat16)  # the rotary's and head norm's in-place dtypes
 
 # layer_spec.Activation -> the library's fp32 and bf16 entry points
 _ACT_FNS = {
@@ -352,6 +420,9 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     ):
         getattr(lib, name).argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.kubeinfer_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
+    lib.kubeinfer_head_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
+    lib.kubeinfer_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.kubeinfer_add_rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
     lib.kubeinfer_moe_route.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i32]
     for fn in (
@@ -363,6 +434,9 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
         lib.kubeinfer_gelu_tanh_mul,
         lib.kubeinfer_gelu_tanh_mul_bf16,
         lib.kubeinfer_head_rms_norm,
+        lib.kubeinfer_head_rms_norm_bf16,
+        lib.kubeinfer_rotary_bf16,
+        lib.kubeinfer_add_rms_norm_bf16,
         lib.kubeinfer_decode_forward,
         lib.kubeinfer_moe_route,
     ):

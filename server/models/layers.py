@@ -52,13 +52,15 @@ class RMSNorm(nn.Module):
         self._applied: tuple[tuple[int, int], Tensor] | None = None
 
     def applied_weight(self) -> Tensor:  # [dim] fp32 contiguous: what multiplies the normalized x
-        """The weight as the fused kernels apply it: w (Llama) or 1 + w in fp32 (Gemma), computed once."""
+        """The weight as the fused kernels apply it, in fp32: w (Llama) or 1 + w (Gemma), computed once (a
+        bf16 model's too: its fused ops take fp32 weights)."""
         w = self.weight
-        if self.kind == "rms":
+        if self.kind == "rms" and w.dtype == torch.float32:
             return w
         key = (w.data_ptr(), w._version)
         if self._applied is None or self._applied[0] != key:
-            self._applied = (key, (1.0 + w.detach().float()).contiguous())
+            one = 1.0 if self.kind == "rms_one_plus" else 0.0
+            self._applied = (key, (one + w.detach().float()).contiguous())
         return self._applied[1]
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., dim]

@@ -145,9 +145,11 @@ class LlamaForCausalLM(nn.Module):
             h = h * torch.tensor(cfg.embedding_multiplier, dtype=h.dtype)
         if (
             self.fused_ops is not None
-            and h.dtype == torch.float32
             and h.device.type == "cpu"
-            and cfg.fused_cpu
+            and (
+                (h.dtype == torch.float32 and cfg.fused_cpu)
+                or (h.dtype == torch.bfloat16 and cfg.fused_cpu_bf16)
+            )
         ):
             return self._forward_fused(h, positions, kv_caches, meta, backend, self.fused_ops)
         tables = [r.cos_sin(positions, h.dtype) for r in self.rotaries if isinstance(r, RotaryEmbedding)]
@@ -165,15 +167,24 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         ops: FusedOps,
-    ) -> Tensor:  # [T, hidden]
+    ) -> Tensor:  # [T, hidden] h's dtype
         # forward() with each residual add folded into the next norm (one call for post-norm + add +
         # norm: _residual), q/k norms and the rotary in place and act * up in one call: ~10 calls per layer
         # instead of ~35 torch ops. Every layer kind as its LayerSpec says; decode_graph.py replays it.
+        # A bf16 h (a bf16 model, ArchConfig.fused_cpu_bf16) stays a bf16 stream: every op computes in
+        # fp32 and rounds what it writes once; its rotary tables rounded to bf16 first, as torch's path's.
         h = h.contiguous() if h._base is None else h.clone()  # the residual stream, updated in place
-        # per rotary: cos, sin [T, rotary_dim] each
+        stream = h.dtype
+        # per rotary: cos, sin [T, rotary_dim] each, fp32
         tables = [
-            (r.cos[positions], r.sin[positions]) for r in self.rotaries if isinstance(r, RotaryEmbedding)
+            (r.cos[positions], r.sin[positions])
+            if stream == torch.float32
+            else (r.cos[positions].to(stream).float(), r.sin[positions].to(stream).float())
+            for r in self.rotaries
+            if isinstance(r, RotaryEmbedding)
         ]
+        if stream == torch.bfloat16:
+            return self._bf16_layers(h, tables, kv_caches, meta, backend, ops)
         if (
             self.use_decode_graph
             and meta.max_query_len == 1
@@ -235,6 +246,33 @@ class LlamaForCausalLM(nn.Module):
         out = _residual(ops, h, pending, self.model.norm, fp32)
         assert out is not None
         return out
+
+    def _bf16_layers(
+        self,
+        h: Tensor,  # [T, hidden] bf16, the residual stream, updated in place
+        tables: list[tuple[Tensor, Tensor]],  # per rotary: cos, sin [T, rotary_dim] fp32
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        ops: FusedOps,
+    ) -> Tensor:  # [T, hidden] bf16: the final norm's output
+        # The Llama layer of _forward_fused over a bf16 stream: each residual add folded into the next norm,
+        # the projections' bf16 results taken as they are (ArchConfig.fused_cpu_bf16 admits only layers
+        # whose residual step is that plain add).
+        bf16 = torch.bfloat16
+        delta: Tensor | None = None
+        for layer, (k_cache, v_cache), rope in zip(
+            self.decoder_layers(), kv_caches, self.rope_indices(), strict=True
+        ):
+            norms, mlp = layer.norms(), layer.mlp
+            assert norms.attn_in is not None and norms.mlp_in is not None and isinstance(mlp, MLP)
+            x = ops.add_rms_norm(h, delta, norms.attn_in.applied_weight(), norms.attn_in.eps, out_dtype=bf16)
+            cos, sin = tables[rope] if rope >= 0 else (None, None)
+            a = layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend, ops)
+            x = ops.add_rms_norm(h, a, norms.mlp_in.applied_weight(), norms.mlp_in.eps, out_dtype=bf16)
+            delta = mlp(x, ops)
+        norm = self.model.norm
+        return ops.add_rms_norm(h, delta, norm.applied_weight(), norm.eps, out_dtype=bf16)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # hidden: [N, hidden] -> [N, vocab] fp32
         logits = self.lm_head(hidden).float()

@@ -11,6 +11,7 @@ from server.models.cpu_fused import (
     FusedOps,
     load_fused_ops,
     torch_add_rms_norm,
+    torch_add_rms_norm_bf16,
     torch_gelu_tanh_mul,
     torch_head_rms_norm,
     torch_residual_norm,
@@ -71,6 +72,68 @@ def test_add_rms_norm_mixed_dtypes_are_the_fp32_kernel_widened_and_rounded(
     ops.add_rms_norm(x2, delta, w, 1e-5, out=out, out_dtype=out_dtype)
     want2 = ops.add_rms_norm(x_ref, None if delta is None else delta.float(), w, 1e-5).to(out_dtype)
     assert torch.equal(out, want2)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:  # the most bf16 steps apart two same-signed tensors are
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
+
+
+@pytest.mark.parametrize("rows", [1, 130])  # one thread, the threaded path
+@pytest.mark.parametrize("dim", [8, 576, 1001])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_over_a_bf16_stream(ops: FusedOps, rows: int, dim: int, with_delta: bool) -> None:
+    # A bf16 model's stream (llama.py's _bf16_layers): x becomes the rounded x + delta; the norm is the
+    # fp32 kernel's arithmetic on that widened x, rounded once (torch's RMSNorm rounds twice: one ulp).
+    g = torch.Generator().manual_seed(rows * dim + 7)
+    x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
+    delta = torch.randn(rows, dim, generator=g).bfloat16() if with_delta else None
+    norm = RMSNorm(dim, 1e-5).bfloat16()
+    norm.weight.data = torch.randn(dim, generator=g).bfloat16()
+    w = norm.applied_weight()
+    assert w.dtype == torch.float32 and torch.equal(w, norm.weight.float())
+    x_ref = x.clone()
+    want = torch_add_rms_norm_bf16(x_ref, delta, w, 1e-5)
+    got = ops.add_rms_norm(x, delta, w, 1e-5, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(x, x_ref)  # one rounded add per value
+    assert torch.equal(got, ops.add_rms_norm(x_ref.float(), None, w, 1e-5).bfloat16())
+    assert _ulps(got, want) <= 1  # fp32 sums in another order, then one rounding
+    with torch.no_grad():
+        assert _ulps(got, norm(x_ref)) <= 1
+    out = torch.full((rows, dim + 5), float("nan"), dtype=torch.bfloat16)[:, 2 : dim + 2]  # a strided out
+    x2 = x_ref.clone()
+    ops.add_rms_norm(x2, None, w, 1e-5, out=out, out_dtype=torch.bfloat16)
+    assert torch.equal(out, got) and torch.equal(x2, x_ref)
+
+
+@pytest.mark.parametrize("rows", [1, 200])
+@pytest.mark.parametrize("heads,d,r", [(12, 64, 64), (6, 16, 12), (3, 128, 64)])
+def test_rotary_and_head_norm_over_a_bf16_stream(
+    ops: FusedOps, rows: int, heads: int, d: int, r: int
+) -> None:
+    # In place on a bf16 projection output: the fp32 kernels' arithmetic on widened values, rounded once.
+    g = torch.Generator().manual_seed(rows + heads * d + r)
+    qkv = (torch.randn(rows, (heads + 2) * d, generator=g) * 2).bfloat16()
+    x = qkv[:, : heads * d].view(rows, heads, d)  # a view into the fused projection's output
+    angles = torch.randn(rows, r // 2, generator=g) * 10
+    cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16().float()  # the stream's rounded tables
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).bfloat16().float()
+    before = qkv.clone()
+    wide = x.float()
+    ops.rotary(wide, cos, sin)
+    ref = x.clone()
+    torch_rotary(ref, cos, sin)
+    ops.rotary(x, cos, sin)
+    assert torch.equal(x, wide.bfloat16()) and _ulps(x, ref) <= 1
+    assert torch.equal(x[..., r:], before[:, : heads * d].view(rows, heads, d)[..., r:])
+    assert torch.equal(qkv[:, heads * d :], before[:, heads * d :])  # the heads past x untouched
+    w = torch.randn(d, generator=g)
+    wide = x.float()
+    ops.head_rms_norm(wide, w, 1e-6)
+    ref = x.clone()
+    torch_head_rms_norm(ref, w, 1e-6)
+    ops.head_rms_norm(x, w, 1e-6)
+    assert torch.equal(x, wide.bfloat16()) and _ulps(x, ref) <= 1
+    assert torch.equal(qkv[:, heads * d :], before[:, heads * d :])
 
 
 def test_add_rms_norm_strided_rows_and_out(ops: FusedOps) -> None:
@@ -303,3 +366,14 @@ def test_launchers_refuse_what_would_read_stray_memory(ops: FusedOps) -> None:
         ops.silu_mul(torch.randn(2, 8, dtype=torch.bfloat16), out=torch.empty(2, 4))
     with pytest.raises(ValueError, match="unit stride"):
         ops.silu_mul(torch.randn(8, 2, dtype=torch.bfloat16).t())
+    xb = x.bfloat16()
+    with pytest.raises(TypeError, match="bf16"):  # a bf16 stream adds a bf16 delta
+        ops.add_rms_norm(xb, torch.randn(2, 8), w, 1e-5, out_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="out_dtype"):  # and its norm is bf16
+        ops.add_rms_norm(xb, None, w, 1e-5)
+    with pytest.raises(ValueError, match="weight"):  # fp32 weights, as applied_weight gives them
+        ops.add_rms_norm(xb, None, w.bfloat16(), 1e-5, out_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        ops.rotary(torch.randn(1, 2, 4, dtype=torch.float16), torch.randn(1, 4), torch.randn(1, 4))
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        ops.head_rms_norm(torch.randn(1, 2, 4, dtype=torch.float16), torch.randn(4), 1e-6)

@@ -16,21 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
+from prompt_logprobs import engine_prompt_logprobs, hf_prompt_logprobs, text_prompts
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.quant.gemm_dtype import apply_gemm_dtype
 from server.request import SamplingParams
-
-TEXT = (
-    "The history of the bicycle begins in the early nineteenth century, when inventors in Europe built "
-    "wooden frames that riders pushed along with their feet. Pedals came later, first on the front wheel, "
-    "which grew larger and larger until the high-wheeled machines of the 1870s made riding fast but "
-    "dangerous. The safety bicycle, with two wheels of equal size and a chain driving the rear one, "
-    "settled the shape that most bicycles still have. Pneumatic tyres, gears and lighter frames followed, "
-    "and within a few decades the bicycle had changed how people in towns and villages travelled to work."
-)
 
 
 def _engine(kv_dtype: str) -> LLMEngine:
@@ -46,15 +37,6 @@ def _engine(kv_dtype: str) -> LLMEngine:
     return engine
 
 
-def _prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
-    words = TEXT.split()
-    out = []
-    for i in range(count):
-        rotated = " ".join(words[5 * i :] + words[: 5 * i])
-        out.append(engine.tokenizer.encode(rotated + " " + rotated)[:length])
-    return out
-
-
 @pytest.fixture(scope="module")
 def fp32_kv() -> LLMEngine:
     return _engine("float32")
@@ -67,7 +49,7 @@ def test_narrow_kv_cache_against_transformers_and_fp32_cache(
     engine = _engine(kv_dtype)
     # twice the blocks of the fp32 cache in the same --kv-cache-memory
     assert engine.info.num_kv_blocks == 2 * fp32_kv.info.num_kv_blocks
-    prompt = _prompts(engine, 1, 300)[0]
+    prompt = text_prompts(engine, 1, 300)[0]
     ours = engine_prompt_logprobs(engine, prompt)
     hf32 = hf_prompt_logprobs(smollm2_dir, prompt, torch.float32)
     hf16 = hf_prompt_logprobs(smollm2_dir, prompt, torch.bfloat16)
@@ -75,7 +57,7 @@ def test_narrow_kv_cache_against_transformers_and_fp32_cache(
     assert ours_err.mean() <= hf16_err.mean(), (ours_err.mean(), hf16_err.mean())
     assert ours_err.max() <= 0.25, ours_err.max()
 
-    prompts = _prompts(engine, 6, 120)
+    prompts = text_prompts(engine, 6, 120)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = fp32_kv.generate(prompts, params)
     got = engine.generate(prompts, params)

@@ -18,6 +18,8 @@
 //                  round, without the two fp32 [T, 2I] / [T, I] tensors in memory
 //   head_rms_norm  each head normalized in place: x = weight * x * rsqrt(mean(x^2) + eps), one [D]
 //                  weight for all heads (Qwen3's q_norm / k_norm, before the rotary)     [T, heads, D]
+//   *_bf16         add_rms_norm, rotary and head_rms_norm over a bf16 residual stream (a bf16 model): the
+//                  fp32 row functions on widened values, each written value rounded once
 // Rows are independent; OpenMP over rows only when there is enough work to pay for waking the threads.
 //
 // kubeinfer_decode_forward runs a whole decode step's decoder layers in one call (the "decode graph",
@@ -97,11 +99,41 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// A stream value widened to fp32 and an fp32 value written back: the identity for fp32, exact widening and
+// rounding to nearest even for bf16 (raw uint16 bits), so one loop serves both streams.
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_float(v); }
+inline void narrow(float v, float* dst) { *dst = v; }
+inline void narrow(float v, uint16_t* dst) { *dst = float_to_bf16(v); }
+
+// The rotary of kubeinfer_rotary / kubeinfer_rotary_bf16 (see there) over a stream of T.
+template <typename T>
+int32_t rotary(T* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_stride, int64_t r_dim,
+               const float* cos, const float* sin, int32_t threads) {
+  if (rows < 0 || heads <= 0 || r_dim <= 0 || r_dim % 2 || r_dim > head_stride) return 1;
+  const int64_t half = r_dim / 2;
+#pragma omp parallel for num_threads(threads) if (rows * heads * r_dim >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * r_dim;
+    const float* s = sin + r * r_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + r * row_stride + h * head_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = widen(v[i]), b = widen(v[i + half]);
+        narrow(a * c[i] + b * s[i], v + i);
+        narrow(b * c[i + half] + a * s[i + half], v + i + half);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 11; }
+int32_t kubeinfer_cpu_fused_abi() { return 12; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -120,23 +152,7 @@ int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, i
 // channels of each head rotate (r_dim <= head_stride, even); cos, sin: [rows, r_dim] contiguous.
 int32_t kubeinfer_rotary(float* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_stride,
                          int64_t r_dim, const float* cos, const float* sin, int32_t threads) {
-  if (rows < 0 || heads <= 0 || r_dim <= 0 || r_dim % 2 || r_dim > head_stride) return 1;
-  const int64_t half = r_dim / 2;
-#pragma omp parallel for num_threads(threads) if (rows * heads * r_dim >= kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* c = cos + r * r_dim;
-    const float* s = sin + r * r_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + r * row_stride + h * head_stride;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = a * c[i] + b * s[i];
-        v[i + half] = b * c[i + half] + a * s[i + half];
-      }
-    }
-  }
-  return 0;
+  return rotary(x, row_stride, rows, heads, head_stride, r_dim, cos, sin, threads);
 }
 
 // One residual step (see the header) over rows: x [rows, dim] the residual stream, updated in place;
@@ -293,21 +309,94 @@ int32_t kubeinfer_add_rms_norm_mixed(float* x, int64_t x_stride, const void* del
   return 0;
 }
 
+// ---- a bf16 residual stream (a bf16 model served in bf16: LlamaForCausalLM's bf16 fused path) ---------
+// Each op widens its bf16 operands exactly, runs the fp32 kernel's own row function and rounds each value it
+// writes once to nearest even, as vLLM's CPU bf16 kernels do; torch's op chains round after every op (the
+// Llama norm twice, the rotary three times), so values differ from those chains by at most one bf16 ulp.
+
+// x, delta, out: [rows, dim] bf16 (raw uint16 bits) with row strides; weight: [dim] fp32. x becomes the
+// rounded x + delta (delta may be null: x as it is) and out = round(weight * x / sqrt(mean(x^2) + eps)) of
+// that rounded x: add_rms_norm_row's arithmetic on the widened stream, bit for bit.
+int32_t kubeinfer_add_rms_norm_bf16(uint16_t* x, int64_t x_stride, const uint16_t* delta, int64_t delta_stride,
+                                    const float* weight, uint16_t* out, int64_t out_stride, int64_t rows,
+                                    int64_t dim, float eps, int32_t threads) {
+  if (rows < 0 || dim <= 0) return 1;
+#pragma omp parallel num_threads(threads) if (rows * dim >= kParallelMin)
+  {
+    std::vector<float> xbuf(dim), obuf(dim);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* xr = x + r * x_stride;
+      if (delta) {
+        const uint16_t* dr = delta + r * delta_stride;
+        for (int64_t i = 0; i < dim; ++i) {
+          xr[i] = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(dr[i]));
+          xbuf[i] = bf16_to_float(xr[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < dim; ++i) xbuf[i] = bf16_to_float(xr[i]);
+      }
+      add_rms_norm_row(xbuf.data(), nullptr, weight, obuf.data(), dim, eps);
+      uint16_t* orow = out + r * out_stride;
+      for (int64_t i = 0; i < dim; ++i) orow[i] = float_to_bf16(obuf[i]);
+    }
+  }
+  return 0;
+}
+
+// kubeinfer_rotary over a bf16 x (raw uint16 bits, same layout and strides); cos, sin fp32 [rows, r_dim]
+// contiguous. Each rotated value is a * c + b * s in fp32, rounded once.
+int32_t kubeinfer_rotary_bf16(uint16_t* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_stride,
+                              int64_t r_dim, const float* cos, const float* sin, int32_t threads) {
+  return rotary(x, row_stride, rows, heads, head_stride, r_dim, cos, sin, threads);
+}
+
+}  // extern "C"
+
+namespace {
+
+// One head of head_rms_norm, in place (noinline: the bf16 entry runs the fp32 entry's arithmetic).
+__attribute__((noinline)) void head_rms_norm_row(float* v, const float* weight, int64_t d, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < d; ++i) ss += v[i] * v[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) v[i] = weight[i] * (v[i] * inv);
+}
+
+}  // namespace
+
+extern "C" {
+
+// kubeinfer_head_rms_norm over a bf16 x (raw uint16 bits, same layout): each head widened, normalized by the
+// fp32 entry's arithmetic, rounded once; weight [d] fp32.
+int32_t kubeinfer_head_rms_norm_bf16(uint16_t* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t d,
+                                     const float* weight, float eps, int32_t threads) {
+  if (rows < 0 || heads <= 0 || d <= 0) return 1;
+#pragma omp parallel num_threads(threads) if (rows * heads * d >= kParallelMin)
+  {
+    std::vector<float> buf(d);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        uint16_t* v = x + r * row_stride + h * d;
+        for (int64_t i = 0; i < d; ++i) buf[i] = bf16_to_float(v[i]);
+        head_rms_norm_row(buf.data(), weight, d, eps);
+        for (int64_t i = 0; i < d; ++i) v[i] = float_to_bf16(buf[i]);
+      }
+    }
+  }
+  return 0;
+}
+
 // x: [rows, heads, d], head h of row r at x + r * row_stride + h * d, normalized in place; weight: [d].
 int32_t kubeinfer_head_rms_norm(float* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t d,
                                 const float* weight, float eps, int32_t threads) {
   if (rows < 0 || heads <= 0 || d <= 0) return 1;
 #pragma omp parallel for num_threads(threads) if (rows * heads * d >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + r * row_stride + h * d;
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < d; ++i) ss += v[i] * v[i];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) v[i] = weight[i] * (v[i] * inv);
-    }
+    for (int64_t h = 0; h < heads; ++h) head_rms_norm_row(x + r * row_stride + h * d, weight, d, eps);
   }
   return 0;
 }
