@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from server.attention import AttentionBackend, AttentionMetadata
 from server.models import layers as shared
 from server.models.arch import ArchConfig
+from server.models.cpu_bf16_gemm import Bf16PanelLinear
 from server.models.cpu_fused import FusedOps
 from server.models.decode_graph import DecodeGraph, cache_pointers
 from server.models.layer_spec import RopeSpec
@@ -275,7 +276,8 @@ class LlamaForCausalLM(nn.Module):
         return ops.add_rms_norm(h, delta, norm.applied_weight(), norm.eps, out_dtype=bf16)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # hidden: [N, hidden] -> [N, vocab] fp32
-        logits = self.lm_head(hidden).float()
+        head = self.lm_head
+        logits = head.widened(hidden) if isinstance(head, Bf16PanelLinear) else head(hidden).float()
         cfg = self.config
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor

@@ -58,6 +58,9 @@ def test_linear_within_the_fp32_summation_bound(kernel, m: int, n: int, k: int, 
         assert bool(((got - ref).abs() <= bound).all()), path
         # bf16 output: the fp32 result rounded to nearest even
         assert torch.equal(kernel.linear(x, panels, b), got.bfloat16()), path
+        # fp32 output of bf16 values (a bf16 model's logits): that bf16 result widened, bit for bit
+        widened = kernel.linear(x, panels, b, torch.float32, bf16_values=True)
+        assert widened.dtype == torch.float32 and torch.equal(widened, got.bfloat16().float()), path
 
 
 def test_strided_rows_of_x_are_read_by_their_stride(kernel) -> None:  # type: ignore[no-untyped-def]
@@ -84,6 +87,8 @@ def test_bad_arguments_are_refused(kernel) -> None:  # type: ignore[no-untyped-d
         kernel.linear(torch.randn(2, 64).bfloat16(), panels, torch.randn(31))
     with pytest.raises(TypeError):
         kernel.linear(torch.randn(2, 64).bfloat16(), panels, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="bf16_values"):  # only an fp32 out is rounded by it
+        kernel.linear(torch.randn(2, 64).bfloat16(), panels, bf16_values=True)
     with pytest.raises(TypeError):
         kernel.pack(torch.randn(4, 4))
     with pytest.raises(ValueError):
@@ -106,6 +111,10 @@ def test_the_drop_in_linear_agrees_with_f_linear(kernel, lead: tuple[int, ...]) 
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     ulp = want.float().abs().clamp_min(2.0**-126) * 2.0**-7
     assert bool(((got.float() - want.float()).abs() <= ulp + 2.0**-8 * (96 / 64)).all())
+    # the logits' entry (LlamaForCausalLM.compute_logits): the same values, widened by the GEMM
+    flat = x.reshape(-1, 96)
+    widened = Bf16PanelLinear(lin, kernel).widened(flat)
+    assert widened.dtype == torch.float32 and torch.equal(widened, got.reshape(-1, 70).float())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

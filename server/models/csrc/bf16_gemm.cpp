@@ -76,6 +76,7 @@ struct Problem {
   uint16_t* out_bf16;  // [m, n] row stride ldo, or null
   float* out_f32;      // [m, n] row stride ldo, or null
   int64_t ldo;
+  bool round_f32;      // out_f32 holds each sum rounded to bf16 (a bf16 model's logits, widened in place)
 };
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -83,12 +84,17 @@ inline void store_tile(const Problem& pr, int64_t row, int64_t col, __m512 acc) 
   const int64_t left = pr.n - col;
   const __mmask16 mask = left >= PANEL ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
   if (pr.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, pr.bias + col));
-  if (pr.out_f32) {
+  if (pr.out_f32 && !pr.round_f32) {
     _mm512_mask_storeu_ps(pr.out_f32 + row * pr.ldo + col, mask, acc);
+    return;
+  }
+  __m256bh h = _mm512_cvtneps_pbh(acc);
+  __m256i hi;
+  std::memcpy(&hi, &h, sizeof(hi));
+  if (pr.out_f32) {  // the bf16 value widened exactly: its bits in the upper half of an fp32
+    const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+    _mm512_mask_storeu_ps(pr.out_f32 + row * pr.ldo + col, mask, wide);
   } else {
-    __m256bh h = _mm512_cvtneps_pbh(acc);
-    __m256i hi;
-    std::memcpy(&hi, &h, sizeof(hi));
     _mm256_mask_storeu_epi16(pr.out_bf16 + row * pr.ldo + col, mask, hi);
   }
 }
@@ -268,7 +274,7 @@ void run_scalar(const Problem& pr, int threads) {
       for (int j = 0; j < PANEL && p * PANEL + j < pr.n; ++j) {
         const int64_t c = p * PANEL + j;
         const float v = acc[j] + (pr.bias ? pr.bias[c] : 0.0f);
-        if (pr.out_f32) pr.out_f32[r * pr.ldo + c] = v;
+        if (pr.out_f32) pr.out_f32[r * pr.ldo + c] = pr.round_f32 ? bf16_to_f32(f32_to_bf16(v)) : v;
         else pr.out_bf16[r * pr.ldo + c] = f32_to_bf16(v);
       }
     }
@@ -279,7 +285,7 @@ void run_scalar(const Problem& pr, int threads) {
 
 extern "C" {
 
-int kubeinfer_bf16_gemm_abi() { return 1; }
+int kubeinfer_bf16_gemm_abi() { return 2; }
 
 // 1: avx512bf16, 0: scalar. Returns the path in use (1 only if this build can run it).
 int kubeinfer_bf16_set_path(int path) {
@@ -305,14 +311,16 @@ int kubeinfer_bf16_pack(const uint16_t* w, int64_t n, int64_t k, int64_t ldw, ui
 }
 
 // out = x @ W^T (+ bias); x [m, 2 k2] bf16 (row stride ldx, values past K zero); exactly one of
-// out_bf16 / out_f32 non-null, [m, n] with row stride ldo.
+// out_bf16 / out_f32 non-null, [m, n] with row stride ldo; round_f32 (out_f32 only): each fp32 value is
+// the bf16 one widened, what out_bf16 then a widening pass would give, without that pass.
 int kubeinfer_bf16_linear(const uint16_t* packed, int64_t n, int64_t k2, const uint16_t* x, int64_t m,
                           int64_t ldx, const float* bias, uint16_t* out_bf16, float* out_f32, int64_t ldo,
-                          int threads) {
+                          int threads, int round_f32) {
   if (!packed || !x || n <= 0 || k2 <= 0 || m < 0 || ldx < 2 * k2 || ldo < n) return 1;
   if ((out_bf16 == nullptr) == (out_f32 == nullptr)) return 2;
+  if (round_f32 && !out_f32) return 3;
   if (m == 0) return 0;
-  const Problem pr{packed, n, k2, x, m, ldx, bias, out_bf16, out_f32, ldo};
+  const Problem pr{packed, n, k2, x, m, ldx, bias, out_bf16, out_f32, ldo, round_f32 != 0};
   const int t = threads > 0 ? threads : 1;
   if (g_path == 1) run_avx512(pr, t);
   else run_scalar(pr, t);
