@@ -7,6 +7,7 @@ same text whatever else runs, and a preempted request continues where it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,8 +132,13 @@ class Sampler:
     = the distribution actually sampled from (after all of them; greedy rows skip temperature and
     filtering, as they sample with neither)."""
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(
+        self, logprobs_mode: str = "raw_logprobs", argmax: Callable[[Tensor], Tensor] | None = None
+    ) -> None:
+        """`argmax`: [S, V] fp32 contiguous rows -> [S] int64, torch.argmax(-1)'s answer bit for bit (the
+        compiled one of server/models/cpu_fused.py, FusedOps.argmax_rows); None: torch's."""
         self.logprobs_mode = logprobs_mode
+        self.argmax = argmax
 
     def __call__(
         self, logits: Tensor, rows: list[SamplingRow], model_logits: Tensor | None = None
@@ -154,7 +160,8 @@ class Sampler:
             _ban_eos_early(logits, rows)
         processed = want_logprobs and mode.startswith("processed_")
         if all(r.params.greedy for r in rows) and not processed:
-            tokens = logits.argmax(-1).tolist()
+            fast = self.argmax is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            tokens = (self.argmax(logits.contiguous()) if fast else logits.argmax(-1)).tolist()  # type: ignore[misc]
         else:
             procs = [processed_row(logits[i], row) for i, row in enumerate(rows)]
             tokens = [_draw(pr, row) for pr, row in zip(procs, rows, strict=True)]

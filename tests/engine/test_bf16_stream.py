@@ -67,6 +67,9 @@ def test_the_fused_bf16_stream_against_transformers_and_torchs_bf16_ops(
     monkeypatch.setattr(FusedOps, "_add_rms_norm_bf16", counted)
     fused, plain = _engine(smollm2_dir, True), _engine(smollm2_dir, False)
     layers = fused.loaded.arch.num_layers
+    ops = fused.loaded.model.fused_ops
+    assert ops is not None  # and the sampler takes its argmax where that runs AVX-512 (greedy tokens)
+    assert (fused.runner.sampler.argmax is not None) == ops.argmax_vectorized
     ours, torchs, hf16s = [], [], []
     for prompt in text_prompts(fused, 2, 300):
         hf32 = hf_prompt_logprobs(smollm2_dir, prompt, torch.float32)

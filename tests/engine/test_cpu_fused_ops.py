@@ -136,6 +136,30 @@ def test_rotary_and_head_norm_over_a_bf16_stream(
     assert torch.equal(qkv[:, heads * d :], before[:, heads * d :])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])  # 64 x 128,256: the threaded path
+@pytest.mark.parametrize("cols", [1, 5, 16, 37, 1000, 128256])  # under, at and past the 16 lanes
+def test_argmax_rows_is_torchs_argmax(ops: FusedOps, rows: int, cols: int) -> None:
+    g = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols + 3, generator=g)[:, :cols]  # a row stride past the row
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    # ties (the first of equal maxima, also across lanes), +-0, infinities and NaNs as torch orders them
+    x = torch.randint(-3, 3, (rows, cols), generator=g).float()
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    special = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, -float("nan")]
+    for row in range(rows):
+        for v in special[: min(cols, len(special))]:
+            x[row, int(torch.randint(cols, (1,), generator=g))] = v
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    for fill in (float("-inf"), -0.0, 0.0, float("nan")):
+        x = torch.full((rows, cols), fill)
+        x[:, cols // 2] = 0.0 if fill == -0.0 else x[:, cols // 2]  # +0 after -0: the first -0 wins
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1)), fill
+    with pytest.raises(ValueError, match="V > 0"):
+        ops.argmax_rows(torch.empty(2, 0))
+    with pytest.raises(TypeError, match="fp32"):
+        ops.argmax_rows(x.bfloat16())
+
+
 def test_add_rms_norm_strided_rows_and_out(ops: FusedOps) -> None:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(4, 64, generator=g)

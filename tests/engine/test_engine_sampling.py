@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 
 from server.config import CacheConfig, EngineConfig, ModelConfig
 from server.engine import AsyncEngine, LLMEngine
@@ -284,3 +285,14 @@ def test_the_sampler_leaves_the_callers_logits_as_they_were(edit: dict) -> None:
     _ban_eos_early(edited, rows)
     assert out.token_ids == edited.argmax(-1).tolist()
     assert torch.equal(edited, before) == (not edit)
+    # the compiled argmax (ModelRunner hands the fused ops' to its Sampler) takes the edited logits too
+    from server.models.cpu_fused import load_fused_ops
+
+    seen: list[Tensor] = []
+
+    def argmax(x: Tensor) -> Tensor:
+        seen.append(x.clone())
+        return load_fused_ops().argmax_rows(x)
+
+    assert Sampler(argmax=argmax)(logits, rows).token_ids == out.token_ids
+    assert len(seen) == 1 and torch.equal(seen[0], edited) and torch.equal(logits, before)

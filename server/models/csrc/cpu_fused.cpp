@@ -20,6 +20,7 @@
 //                  weight for all heads (Qwen3's q_norm / k_norm, before the rotary)     [T, heads, D]
 //   *_bf16         add_rms_norm, rotary and head_rms_norm over a bf16 residual stream (a bf16 model): the
 //                  fp32 row functions on widened values, each written value rounded once
+//   argmax_rows    each fp32 row's torch.argmax (greedy sampling's token), in integer compares
 // Rows are independent; OpenMP over rows only when there is enough work to pay for waking the threads.
 //
 // kubeinfer_decode_forward runs a whole decode step's decoder layers in one call (the "decode graph",
@@ -34,6 +35,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -97,6 +102,59 @@ inline float half_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// kubeinfer_argmax_rows' order on fp32 bits: numbers as their values (negatives' magnitude bits flipped,
+// -0 as +0), every NaN above +inf.
+constexpr int kArgmaxLanes = 16;
+
+inline int32_t argmax_key(int32_t b) {
+  const int32_t mag = b & 0x7fffffff;
+  if (mag > 0x7f800000) return INT32_MAX;
+  return b < 0 ? (mag == 0 ? 0 : b ^ 0x7fffffff) : b;
+}
+
+// Lane l of best / idx: the largest key among bits[i], i = l mod 16, over the leading multiple of 16 values,
+// and its first index (-1 and INT32_MIN where none); returns where the lanes stopped.
+inline int64_t argmax_lanes(const int32_t* bits, int64_t cols, int32_t* best, int32_t* idx) {
+  const int64_t body = cols - cols % kArgmaxLanes;
+#ifdef __AVX512F__
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i nan_key = _mm512_set1_epi32(INT32_MAX), zero = _mm512_setzero_si512();
+  const __m512i step = _mm512_set1_epi32(kArgmaxLanes);
+  __m512i top = _mm512_set1_epi32(INT32_MIN), at = _mm512_set1_epi32(-1);
+  __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t i0 = 0; i0 < body; i0 += kArgmaxLanes) {
+    const __m512i b = _mm512_loadu_si512(bits + i0);
+    const __m512i mag = _mm512_and_si512(b, abs_mask);
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(b, zero);
+    const __mmask16 neg_nonzero = neg & _mm512_cmpneq_epi32_mask(mag, zero);
+    __m512i key = _mm512_mask_xor_epi32(b, neg_nonzero, b, abs_mask);
+    key = _mm512_mask_mov_epi32(key, neg & static_cast<__mmask16>(~neg_nonzero), zero);  // -0 as +0
+    key = _mm512_mask_mov_epi32(key, _mm512_cmpgt_epi32_mask(mag, inf), nan_key);
+    const __mmask16 gt = _mm512_cmpgt_epi32_mask(key, top);
+    top = _mm512_mask_mov_epi32(top, gt, key);
+    at = _mm512_mask_mov_epi32(at, gt, lane);
+    lane = _mm512_add_epi32(lane, step);
+  }
+  _mm512_storeu_si512(best, top);
+  _mm512_storeu_si512(idx, at);
+#else
+  for (int l = 0; l < kArgmaxLanes; ++l) {
+    best[l] = INT32_MIN;
+    idx[l] = -1;
+  }
+  for (int64_t i0 = 0; i0 < body; i0 += kArgmaxLanes) {
+    for (int l = 0; l < kArgmaxLanes; ++l) {
+      const int32_t k = argmax_key(bits[i0 + l]);
+      if (k > best[l]) {
+        best[l] = k;
+        idx[l] = static_cast<int32_t>(i0 + l);
+      }
+    }
+  }
+#endif
+  return body;
 }
 
 // A stream value widened to fp32 and an fp32 value written back: the identity for fp32, exact widening and
@@ -386,6 +444,50 @@ int32_t kubeinfer_head_rms_norm_bf16(uint16_t* x, int64_t row_stride, int64_t ro
         for (int64_t i = 0; i < d; ++i) v[i] = float_to_bf16(buf[i]);
       }
     }
+  }
+  return 0;
+}
+
+// 1 where kubeinfer_argmax_rows runs its AVX-512 lanes; 0: the plain C++ ones, slower than torch's argmax
+// (the sampler keeps torch's there).
+int32_t kubeinfer_argmax_vectorized() {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// out[r] = the index of row r's largest value, the first of equal ones, any NaN larger than every number
+// (the first NaN): torch.argmax's answer. x: [rows, cols] fp32 with row stride, cols < 2^31. Each value's
+// bits become an int32 key ordered as the floats are (argmax_key), and 16 lanes each keep their largest
+// key and its first index: integer compares only, which mean the same under -ffast-math as without (no
+// float compare sees an inf or a NaN). AVX-512 where the build has it (GCC left the plain loop scalar:
+// 10x torch's), else the same lanes in plain C++.
+int32_t kubeinfer_argmax_rows(const float* x, int64_t x_stride, int64_t rows, int64_t cols, int64_t* out,
+                              int32_t threads) {
+  if (rows < 0 || cols <= 0 || cols > INT32_MAX) return 1;
+#pragma omp parallel for num_threads(threads) if (rows * cols >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* bits = reinterpret_cast<const int32_t*>(x + r * x_stride);
+    int32_t best[kArgmaxLanes], idx[kArgmaxLanes];
+    int64_t i0 = argmax_lanes(bits, cols, best, idx);
+    for (int64_t i = i0; i < cols; ++i) {  // the tail, lane by lane
+      const int l = static_cast<int>(i - i0);
+      const int32_t k = argmax_key(bits[i]);
+      if (k > best[l]) {
+        best[l] = k;
+        idx[l] = static_cast<int32_t>(i);
+      }
+    }
+    int32_t pick = -1, top = INT32_MIN;
+    for (int l = 0; l < kArgmaxLanes; ++l) {
+      if (idx[l] >= 0 && (pick < 0 || best[l] > top || (best[l] == top && idx[l] < pick))) {
+        top = best[l];
+        pick = idx[l];
+      }
+    }
+    out[r] = pick;
   }
   return 0;
 }
