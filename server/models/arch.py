@@ -151,17 +151,11 @@ class ArchConfig:
 
     @property
     def fused_cpu_bf16(self) -> bool:
-        """Every layer is one a bf16 residual stream runs through the fused ops (cpu_fused.cpp's *_bf16 and
-        bf16 act_mul; LlamaForCausalLM._forward_fused): pre-norm, no residual multiplier, a dense MLP and
-        per-head or no q/k norms. Post-norm and sandwich placements, multipliers and MoE blocks keep torch's
-        bf16 ops, whose rounding points those layers' references fix."""
-        return all(
-            spec.norm_placement == "pre"
-            and spec.residual_multiplier == 1.0
-            and spec.mlp == "dense"
-            and spec.qk_norm in ("none", "head")
-            for spec in self.layers
-        )
+        """Every layer's MLP is dense: a bf16 model's residual stream then runs the fused ops of every norm
+        placement, multiplier and q/k norm (cpu_fused.cpp's *_bf16 and bf16 act_mul;
+        LlamaForCausalLM._forward_fused). A mixture-of-experts block takes fp32 rows: such bf16 models keep
+        torch's ops."""
+        return all(spec.mlp == "dense" for spec in self.layers)
 
     @property
     def is_llama(self) -> bool:

@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
 # and the decode graph layer record's attn_softcap; 9: the layer record's MoE MLP (KiDecodeMoe),
 # kubeinfer_moe_route; 10: softcap_paged_decode gone, the graph's attention pointer is the attention
 # library's kubeinfer_paged_decode_capped (window, sinks and soft-cap); 11: KiDecodeMoe's shared expert
-# and the step's shared_out; 12: the bf16 stream's add_rms_norm, rotary and head_rms_norm, argmax_rows
+# and the step's shared_out; 12: the bf16 stream's add_rms_norm, residual_norm, rotary and head_rms_norm; argmax_rows
 ABI_VERSION = 12
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
@@ -79,17 +79,17 @@ def torch_rotary(
 
 
 def torch_residual_norm(
-    x: Tensor,  # [T, H] fp32, the residual stream, updated in place
-    delta: Tensor | None,  # [T, H] fp32, normalized in place where post is given
+    x: Tensor,  # [T, H] fp32 or bf16, the residual stream, updated in place
+    delta: Tensor | None,  # [T, H] x's dtype, normalized in place where post is given
     post: tuple[Tensor, float] | None,  # ([H] fp32 weight, eps) of the sub-block's post-norm
     mult: float,
     next_norm: tuple[Tensor, float] | None,  # ([H] fp32 weight, eps) of the next norm
-) -> Tensor | None:  # [T, H] fp32 next_norm(x), or None without a next norm
+) -> Tensor | None:  # [T, H] x's dtype next_norm(x), or None without a next norm
     if delta is not None:
         if post is not None:
-            delta.copy_(torch_add_rms_norm(delta, None, *post))
-        x.add_(delta * mult)
-    return None if next_norm is None else torch_add_rms_norm(x, None, *next_norm)
+            delta.copy_(torch_add_rms_norm(delta.float(), None, *post))
+        x.copy_(x.float() + delta.float() * mult)  # bf16: in fp32, rounded once
+    return None if next_norm is None else torch_add_rms_norm(x.float(), None, *next_norm).to(x.dtype)
 
 
 def torch_head_rms_norm(
@@ -251,19 +251,23 @@ class FusedOps:
 
     def residual_norm(
         self,
-        x: Tensor,  # [T, H] fp32, unit stride along H: the residual stream, updated in place
-        delta: Tensor | None,  # [T, H] fp32, unit stride along H; normalized in place where post is given
+        x: Tensor,  # [T, H] fp32 or bf16, unit stride along H: the residual stream, updated in place
+        delta: Tensor
+        | None,  # [T, H] x's dtype, unit stride along H; normalized in place where post is given
         post: tuple[Tensor, float] | None,  # ([H] fp32 contiguous weight, eps): the sub-block's post-norm
         mult: float,  # the residual multiplier (Granite), 1.0 for none
         next_norm: tuple[Tensor, float] | None,  # ([H] fp32 contiguous weight, eps) of the next norm
-    ) -> Tensor | None:  # [T, H] fp32 next_norm(x), or None without a next norm
+    ) -> Tensor | None:  # [T, H] x's dtype: next_norm(x), or None without a next norm
         """One residual step of any norm placement (layer_spec.NormPlacement): x += mult * post(delta),
         then the next norm. Norm weights are as applied (Gemma's 1 + w already added: RMSNorm.applied_weight).
-        With no post and mult 1 it runs add_rms_norm's own row loop: bit-identical to `add_rms_norm`."""
+        With no post and mult 1 it runs add_rms_norm's own row loop: bit-identical to `add_rms_norm`. A bf16
+        x (a bf16 model's stream) takes a bf16 delta and gives a bf16 out: each value widened, the fp32
+        row functions, each written value (the post-normed delta, x, out) rounded once."""
         t, h = x.shape[0], x.shape[-1]
-        _check_rows("x", x, h)
+        stream = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        _check_rows("x", x, h, stream)
         if delta is not None:
-            _check_rows("delta", delta, h)
+            _check_rows("delta", delta, h, stream)
             if delta.shape[0] != t:
                 raise ValueError(f"delta: {delta.shape[0]} rows, x has {t}")
         for name, pair in (("post", post), ("next_norm", next_norm)):
@@ -271,8 +275,13 @@ class FusedOps:
                 w = pair[0]
                 if w.dtype != torch.float32 or tuple(w.shape) != (h,) or not w.is_contiguous():
                     raise ValueError(f"{name} weight must be a contiguous [{h}] fp32 tensor")
-        out = None if next_norm is None else torch.empty(t, h)
-        rc = self.lib.kubeinfer_residual_norm(
+        out = None if next_norm is None else torch.empty(t, h, dtype=stream)
+        fn = (
+            self.lib.kubeinfer_residual_norm
+            if stream == torch.float32
+            else self.lib.kubeinfer_residual_norm_bf16
+        )
+        rc = fn(
             x.data_ptr(),
             x.stride(0),
             None if delta is None else delta.data_ptr(),
@@ -445,6 +454,7 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib.kubeinfer_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32]
     lib.kubeinfer_add_rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     lib.kubeinfer_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, i32]
+    lib.kubeinfer_residual_norm_bf16.argtypes = lib.kubeinfer_residual_norm.argtypes
     lib.kubeinfer_argmax_vectorized.argtypes = []
     lib.kubeinfer_decode_forward.argtypes = [ptr, ptr]
     lib.kubeinfer_moe_route.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i32]
@@ -461,6 +471,7 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
         lib.kubeinfer_rotary_bf16,
         lib.kubeinfer_add_rms_norm_bf16,
         lib.kubeinfer_argmax_rows,
+        lib.kubeinfer_residual_norm_bf16,
         lib.kubeinfer_argmax_vectorized,
         lib.kubeinfer_decode_forward,
         lib.kubeinfer_moe_route,

@@ -43,7 +43,7 @@ __all__ = [
 class _Pending:
     """The residual add a sub-block still owes: its output, its post-norm (None: none), the multiplier."""
 
-    delta: Tensor  # [T, hidden] fp32 or bf16 (a bf16 GEMM's own result, only where post is None)
+    delta: Tensor  # [T, hidden] the stream's dtype, or a bf16 GEMM's own bf16 result where post is None
     post: RMSNorm | None
     mult: float
 
@@ -54,20 +54,20 @@ class _Pending:
 
 def _residual(
     ops: FusedOps,
-    h: Tensor,  # [T, hidden] fp32, the residual stream, updated in place
+    h: Tensor,  # [T, hidden] fp32 or bf16 (a bf16 model's), the residual stream, updated in place
     pending: _Pending | None,
     norm: RMSNorm | None,  # the next norm; None: the next sub-block reads h itself (post placement)
-    out_dtype: torch.dtype,  # bf16 only with a simple pending (or none) and a next norm
+    out_dtype: torch.dtype,  # an fp32 stream's: bf16 only with a simple pending (or none) and a next norm
 ) -> Tensor | None:  # [T, hidden] out_dtype: norm(h) after the add, None without a norm
     simple = pending is None or pending.simple
     delta = None if pending is None else pending.delta
     if norm is not None and simple:  # the Llama layer's add + norm, any dtype pair
         return ops.add_rms_norm(h, delta, norm.applied_weight(), norm.eps, out_dtype=out_dtype)
-    assert out_dtype == torch.float32
+    assert out_dtype == h.dtype
     post = None if pending is None or pending.post is None else pending.post
     return ops.residual_norm(
         h,
-        None if delta is None else delta.float(),  # a no-op for fp32
+        None if delta is None else delta.to(h.dtype),  # a no-op but for a bf16 GEMM's result in fp32
         None if post is None else (post.applied_weight(), post.eps),
         1.0 if pending is None else pending.mult,
         None if norm is None else (norm.applied_weight(), norm.eps),
@@ -172,8 +172,9 @@ class LlamaForCausalLM(nn.Module):
         # forward() with each residual add folded into the next norm (one call for post-norm + add +
         # norm: _residual), q/k norms and the rotary in place and act * up in one call: ~10 calls per layer
         # instead of ~35 torch ops. Every layer kind as its LayerSpec says; decode_graph.py replays it.
-        # A bf16 h (a bf16 model, ArchConfig.fused_cpu_bf16) stays a bf16 stream: every op computes in
-        # fp32 and rounds what it writes once; its rotary tables rounded to bf16 first, as torch's path's.
+        # A bf16 h (a bf16 model, ArchConfig.fused_cpu_bf16) stays a bf16 stream (`narrow`): every op
+        # computes in fp32 and rounds what it writes once; its rotary tables rounded to bf16 first, as
+        # torch's path's; no decode graph (its projections are not BlockQuantLinear).
         h = h.contiguous() if h._base is None else h.clone()  # the residual stream, updated in place
         stream = h.dtype
         # per rotary: cos, sin [T, rotary_dim] each, fp32
@@ -184,10 +185,9 @@ class LlamaForCausalLM(nn.Module):
             for r in self.rotaries
             if isinstance(r, RotaryEmbedding)
         ]
-        if stream == torch.bfloat16:
-            return self._bf16_layers(h, tables, kv_caches, meta, backend, ops)
         if (
-            self.use_decode_graph
+            stream == torch.float32
+            and self.use_decode_graph
             and meta.max_query_len == 1
             and meta.num_seqs == h.shape[0] <= DecodeGraph.MAX_ROWS
         ):
@@ -208,6 +208,7 @@ class LlamaForCausalLM(nn.Module):
                 return graph.run(h, tables, meta)
         pending: _Pending | None = None
         t, bf16, fp32 = h.shape[0], torch.bfloat16, torch.float32
+        narrow = stream == bf16  # a bf16 model: every operand and every delta is bf16 as it is
         for layer, (k_cache, v_cache), rope in zip(
             self.decoder_layers(), kv_caches, self.rope_indices(), strict=True
         ):
@@ -217,11 +218,11 @@ class LlamaForCausalLM(nn.Module):
             # fp32 stream, without the [T, H] fp32 <-> bf16 copies (the residual stream h stays fp32).
             # Only around a plain add + norm (Llama's placement): a post-norm or multiplier works in fp32.
             plain = (pending is None or pending.simple) and norms.attn_in is not None
-            x_dtype = bf16 if plain and shared.bf16_gemm(attn.qkv_proj, t) else fp32
+            x_dtype = bf16 if narrow or (plain and shared.bf16_gemm(attn.qkv_proj, t)) else fp32
             x = _residual(ops, h, pending, norms.attn_in, x_dtype)
             plain = norms.attn_out is None and mult == 1.0 and norms.mlp_in is not None
-            a_dtype = bf16 if plain and shared.bf16_gemm(attn.o_proj, t) else None
-            qkv_dtype = fp32 if x_dtype == bf16 else None
+            a_dtype = bf16 if not narrow and plain and shared.bf16_gemm(attn.o_proj, t) else None
+            qkv_dtype = fp32 if x_dtype == bf16 and not narrow else None
             cos, sin = tables[rope] if rope >= 0 else (None, None)
             a = attn(
                 h if x is None else x,
@@ -236,44 +237,20 @@ class LlamaForCausalLM(nn.Module):
                 out_dtype=a_dtype,
             )
             if isinstance(mlp, SparseMoeBlock):
-                # the router and the experts' native call take fp32 rows; the block returns fp32
+                # the router and the experts' native call take fp32 rows; the block returns fp32 (a bf16
+                # stream has no MoE layer: ArchConfig.fused_cpu_bf16)
                 x = _residual(ops, h, _Pending(a, norms.attn_out, mult), norms.mlp_in, fp32)
                 pending = _Pending(mlp(h if x is None else x), norms.mlp_out, mult)
                 continue
-            x_dtype = bf16 if plain and shared.bf16_chain(mlp.gate_up_proj, mlp.down_proj, t) else fp32
+            x_dtype = (
+                bf16 if narrow or (plain and shared.bf16_chain(mlp.gate_up_proj, mlp.down_proj, t)) else fp32
+            )
             x = _residual(ops, h, _Pending(a, norms.attn_out, mult), norms.mlp_in, x_dtype)
             # bf16 where x is (MLP.forward's bf16 chain), else fp32
             pending = _Pending(mlp(h if x is None else x, ops), norms.mlp_out, mult)
-        out = _residual(ops, h, pending, self.model.norm, fp32)
+        out = _residual(ops, h, pending, self.model.norm, stream)
         assert out is not None
         return out
-
-    def _bf16_layers(
-        self,
-        h: Tensor,  # [T, hidden] bf16, the residual stream, updated in place
-        tables: list[tuple[Tensor, Tensor]],  # per rotary: cos, sin [T, rotary_dim] fp32
-        kv_caches: list[tuple[Tensor, Tensor]],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        ops: FusedOps,
-    ) -> Tensor:  # [T, hidden] bf16: the final norm's output
-        # The Llama layer of _forward_fused over a bf16 stream: each residual add folded into the next norm,
-        # the projections' bf16 results taken as they are (ArchConfig.fused_cpu_bf16 admits only layers
-        # whose residual step is that plain add).
-        bf16 = torch.bfloat16
-        delta: Tensor | None = None
-        for layer, (k_cache, v_cache), rope in zip(
-            self.decoder_layers(), kv_caches, self.rope_indices(), strict=True
-        ):
-            norms, mlp = layer.norms(), layer.mlp
-            assert norms.attn_in is not None and norms.mlp_in is not None and isinstance(mlp, MLP)
-            x = ops.add_rms_norm(h, delta, norms.attn_in.applied_weight(), norms.attn_in.eps, out_dtype=bf16)
-            cos, sin = tables[rope] if rope >= 0 else (None, None)
-            a = layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend, ops)
-            x = ops.add_rms_norm(h, a, norms.mlp_in.applied_weight(), norms.mlp_in.eps, out_dtype=bf16)
-            delta = mlp(x, ops)
-        norm = self.model.norm
-        return ops.add_rms_norm(h, delta, norm.applied_weight(), norm.eps, out_dtype=bf16)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # hidden: [N, hidden] -> [N, vocab] fp32
         head = self.lm_head

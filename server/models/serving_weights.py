@@ -17,7 +17,7 @@ modules by their Hugging Face names load without them):
   one bf16 ulp of oneDNN's (another fp32 summation order).
 - **bf16 GEMMs around an fp32 stream** (`bf16_gemms`, decoder embedders under `--dtype auto` on CPUs with
   native bf16): fp32 Linear weights held as bf16 in oneDNN's layout instead (server/models/bf16_linear.py).
-- **Fused layer ops** (CPU, fp32; bf16 where every layer is pre-norm and dense, `ArchConfig.fused_cpu_bf16`):
+- **Fused layer ops** (CPU, fp32; bf16 where every MLP is dense, `ArchConfig.fused_cpu_bf16`):
   the model gets the compiled add+RMSNorm, rotary and silu*up calls of server/models/cpu_fused.py, ~10
   calls per layer instead of ~35 torch ops in a decode step.
 """

@@ -1,5 +1,5 @@
 """A bf16 model's residual stream through the fused CPU ops (ArchConfig.fused_cpu_bf16,
-LlamaForCausalLM._bf16_layers): each op computes in fp32 and rounds what it writes once, where torch's bf16
+LlamaForCausalLM._forward_fused): each op computes in fp32 and rounds what it writes once, where torch's bf16
 op chains round after every op.
 
 - the embedded SmolLM2 in bf16, prompt logprobs of two ~300-token prompts against transformers fp32: the
@@ -7,13 +7,12 @@ op chains round after every op.
   ops off) and transformers' own bf16 run's, no token off by more than 0.5 nats;
 - greedy tokens, 6 prompts x 24 new tokens, against transformers fp32: the tokens agreed before the first
   difference at least 0.8x those of torch's bf16 ops;
-- the fused ops serve every norm of a step (their launcher is called); a post-norm, sandwich, multiplied
-  or OLMo-2-normed layer keeps torch's ops.
+- the fused ops serve every norm of a step (their launcher is called); every other dense layer kind:
+  tests/models/test_arch_bf16_stream.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,19 +97,3 @@ def test_the_fused_bf16_stream_against_transformers_and_torchs_bf16_ops(
     assert agreed >= 0.8 * agreed_torch, (agreed, agreed_torch)
     for engine in (fused, plain):
         assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
-
-
-def test_post_norm_sandwich_multiplier_and_full_qk_norm_layers_keep_torchs_bf16_ops(
-    smollm2_dir: Path,
-) -> None:
-    engine = _engine(smollm2_dir, True)
-    cfg = engine.loaded.arch
-    assert cfg.fused_cpu_bf16
-    for change in (
-        {"norm_placement": "post"},
-        {"norm_placement": "sandwich"},
-        {"residual_multiplier": 0.22},
-        {"qk_norm": "full"},
-    ):
-        layers = (replace(cfg.layers[0], **change), *cfg.layers[1:])
-        assert not replace(cfg, layers=layers).fused_cpu_bf16, change

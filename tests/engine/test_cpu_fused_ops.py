@@ -82,7 +82,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:  # the most bf16 steps apart
 @pytest.mark.parametrize("dim", [8, 576, 1001])
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_add_rms_norm_over_a_bf16_stream(ops: FusedOps, rows: int, dim: int, with_delta: bool) -> None:
-    # A bf16 model's stream (llama.py's _bf16_layers): x becomes the rounded x + delta; the norm is the
+    # A bf16 model's stream (llama.py's _forward_fused): x becomes the rounded x + delta; the norm is the
     # fp32 kernel's arithmetic on that widened x, rounded once (torch's RMSNorm rounds twice: one ulp).
     g = torch.Generator().manual_seed(rows * dim + 7)
     x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
@@ -332,6 +332,38 @@ def test_residual_norm_matches_reference(
         assert next_w is not None
         b = ops.add_rms_norm(x4, delta.clone(), next_w[0], next_w[1])
         assert a is not None and torch.equal(a, b) and torch.equal(x3, x4)
+
+
+@pytest.mark.parametrize("rows", [1, 130])
+@pytest.mark.parametrize("post", [False, True])
+@pytest.mark.parametrize("mult", [1.0, 0.22])
+@pytest.mark.parametrize("with_next", [False, True])
+def test_residual_norm_over_a_bf16_stream(
+    ops: FusedOps, rows: int, post: bool, mult: float, with_next: bool
+) -> None:
+    # A bf16 model of any placement (llama.py's _forward_fused, narrow): the post-normed delta, x and out
+    # each rounded once from the fp32 row functions' values on the widened stream.
+    dim = 576
+    g = torch.Generator().manual_seed(rows + int(post) + int(mult * 100) + int(with_next) + 5)
+    x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
+    delta = torch.randn(rows, dim, generator=g).bfloat16()
+    post_w = (torch.randn(dim, generator=g), 1e-6) if post else None
+    next_w = (torch.randn(dim, generator=g), 1e-5) if with_next else None
+    x_ref, d_ref = x.clone(), delta.clone()
+    want = torch_residual_norm(x_ref, d_ref, post_w, mult, next_w)
+    x_wide, d_wide = x.float(), delta.float()
+    if post_w is not None:  # the fp32 kernel's post-norm, rounded: the delta the add reads
+        d_wide = ops.add_rms_norm(d_wide, None, *post_w).bfloat16().float()
+    got = ops.residual_norm(x, delta, post_w, mult, next_w)
+    assert torch.equal(delta, d_wide.bfloat16())  # the post-normed delta, in place
+    assert _ulps(delta, d_ref) <= 1
+    assert torch.equal(x, (x_wide + mult * d_wide).bfloat16()) and _ulps(x, x_ref) <= 1
+    if next_w is None:
+        assert got is None and want is None
+        return
+    assert got is not None and want is not None and got.dtype == torch.bfloat16
+    assert torch.equal(got, ops.add_rms_norm(x.float(), None, *next_w).bfloat16())
+    assert _ulps(got, torch_add_rms_norm(x.float(), None, *next_w).bfloat16()) <= 1
 
 
 @pytest.mark.parametrize("rows", [1, 100])
