@@ -150,7 +150,8 @@ class FusedOps:
         """A bf16 delta is widened exactly and a bf16 out rounded to nearest even: bit-identical to
         `add_rms_norm(x, delta.float(), ...).bfloat16()` (tests/engine/test_cpu_fused_ops.py), without
         the fp32 copies around a bf16 GEMM. A bf16 x (a bf16 model's stream) takes a bf16 delta and gives a
-        bf16 out: `torch_add_rms_norm_bf16`, bit for bit."""
+        bf16 out: the fp32 kernel's values on the widened stream, rounded once (within one ulp of
+        `torch_add_rms_norm_bf16`, whose sums run in another order)."""
         t, h = x.shape[0], x.shape[-1]
         if x.dtype == torch.bfloat16:
             return self._add_rms_norm_bf16(x, delta, weight, eps, out, out_dtype)
@@ -205,21 +206,25 @@ class FusedOps:
         if out_dtype != torch.bfloat16:
             raise TypeError(f"a bf16 stream's norm is bf16, got out_dtype {out_dtype}")
         out = _output(out, t, h, torch.bfloat16)
-        rc = self.lib.kubeinfer_add_rms_norm_bf16(
+        # residual_norm's bf16 entry with no post-norm and mult 1: x = round(x + delta), out = its norm
+        rc = self.lib.kubeinfer_residual_norm_bf16(
             x.data_ptr(),
             x.stride(0),
             None if delta is None else delta.data_ptr(),
             0 if delta is None else delta.stride(0),
+            None,
+            0.0,
+            1.0,
             weight.data_ptr(),
+            float(eps),
             out.data_ptr(),
             out.stride(0),
             t,
             h,
-            float(eps),
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise RuntimeError(f"add_rms_norm_bf16 kernel returned {rc}")
+            raise RuntimeError(f"add_rms_norm's bf16 kernel returned {rc}")
         return out
 
     def rotary(
@@ -228,7 +233,8 @@ class FusedOps:
         cos: Tensor,  # [T, R] fp32 contiguous, R <= D even: the leading R channels of each head rotate
         sin: Tensor,  # [T, R] fp32 contiguous, first half negated
     ) -> None:
-        """bf16 x: each value widened, rotated in fp32, rounded once (`torch_rotary`, bit for bit)."""
+        """bf16 x: each value widened, rotated by the fp32 kernel's arithmetic, rounded once (within one ulp
+        of `torch_rotary`)."""
         if x.dtype not in _STREAM_DTYPES or x.device.type != "cpu" or x.dim() != 3:
             raise TypeError(
                 f"x must be a [T, heads, D] CPU fp32 or bf16 tensor, got {x.dtype} {tuple(x.shape)}"
@@ -452,7 +458,6 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
     lib.kubeinfer_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
     lib.kubeinfer_head_rms_norm_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, i32]
     lib.kubeinfer_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32]
-    lib.kubeinfer_add_rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     lib.kubeinfer_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, i32]
     lib.kubeinfer_residual_norm_bf16.argtypes = lib.kubeinfer_residual_norm.argtypes
     lib.kubeinfer_argmax_vectorized.argtypes = []
@@ -469,7 +474,6 @@ def load_fused_ops(cache_dir: Path | None = None) -> FusedOps:
         lib.kubeinfer_head_rms_norm,
         lib.kubeinfer_head_rms_norm_bf16,
         lib.kubeinfer_rotary_bf16,
-        lib.kubeinfer_add_rms_norm_bf16,
         lib.kubeinfer_argmax_rows,
         lib.kubeinfer_residual_norm_bf16,
         lib.kubeinfer_argmax_vectorized,

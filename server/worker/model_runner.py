@@ -72,8 +72,8 @@ class ModelRunner:
         self.logprobs_mode = logprobs_mode
         # The compiled argmax (greedy rows' tokens) where the model has the fused CPU ops built with AVX-512
         ops = model.fused_ops if device.type == "cpu" else None
-        fast = ops is not None and ops.argmax_vectorized
-        self.sampler = Sampler(logprobs_mode, argmax=ops.argmax_rows if fast else None)  # type: ignore[union-attr]
+        argmax = ops.argmax_rows if ops is not None and ops.argmax_vectorized else None
+        self.sampler = Sampler(logprobs_mode, argmax=argmax)
         self._prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
         self.structured = structured
 

@@ -18,7 +18,7 @@
 //                  round, without the two fp32 [T, 2I] / [T, I] tensors in memory
 //   head_rms_norm  each head normalized in place: x = weight * x * rsqrt(mean(x^2) + eps), one [D]
 //                  weight for all heads (Qwen3's q_norm / k_norm, before the rotary)     [T, heads, D]
-//   *_bf16         add_rms_norm, residual_norm, rotary and head_rms_norm over a bf16 residual stream: the
+//   *_bf16         residual_norm (add + norm too), rotary and head_rms_norm over a bf16 residual stream: the
 //                  fp32 row functions on widened values, each written value rounded once
 //   argmax_rows    each fp32 row's torch.argmax (greedy sampling's token), in integer compares
 // Rows are independent; OpenMP over rows only when there is enough work to pay for waking the threads.
@@ -372,41 +372,12 @@ int32_t kubeinfer_add_rms_norm_mixed(float* x, int64_t x_stride, const void* del
 // writes once to nearest even, as vLLM's CPU bf16 kernels do; torch's op chains round after every op (the
 // Llama norm twice, the rotary three times), so values differ from those chains by at most one bf16 ulp.
 
-// x, delta, out: [rows, dim] bf16 (raw uint16 bits) with row strides; weight: [dim] fp32. x becomes the
-// rounded x + delta (delta may be null: x as it is) and out = round(weight * x / sqrt(mean(x^2) + eps)) of
-// that rounded x: add_rms_norm_row's arithmetic on the widened stream, bit for bit.
-int32_t kubeinfer_add_rms_norm_bf16(uint16_t* x, int64_t x_stride, const uint16_t* delta, int64_t delta_stride,
-                                    const float* weight, uint16_t* out, int64_t out_stride, int64_t rows,
-                                    int64_t dim, float eps, int32_t threads) {
-  if (rows < 0 || dim <= 0) return 1;
-#pragma omp parallel num_threads(threads) if (rows * dim >= kParallelMin)
-  {
-    std::vector<float> xbuf(dim), obuf(dim);
-#pragma omp for
-    for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* xr = x + r * x_stride;
-      if (delta) {
-        const uint16_t* dr = delta + r * delta_stride;
-        for (int64_t i = 0; i < dim; ++i) {
-          xr[i] = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(dr[i]));
-          xbuf[i] = bf16_to_float(xr[i]);
-        }
-      } else {
-        for (int64_t i = 0; i < dim; ++i) xbuf[i] = bf16_to_float(xr[i]);
-      }
-      add_rms_norm_row(xbuf.data(), nullptr, weight, obuf.data(), dim, eps);
-      uint16_t* orow = out + r * out_stride;
-      for (int64_t i = 0; i < dim; ++i) orow[i] = float_to_bf16(obuf[i]);
-    }
-  }
-  return 0;
-}
-
 // kubeinfer_residual_norm over a bf16 stream (every norm placement and multiplier: Gemma 2/3's sandwich,
 // OLMo 2's post-norms, Granite's multiplier): x, delta, out [rows, dim] bf16 (raw uint16 bits) with row
 // strides; post_w, next_w [dim] fp32 or null. delta is widened and, with post_w, normalized and rounded (the
 // sub-block's bf16 output, written back in place); x becomes round(x + mult * delta); out = the next norm of
-// that rounded x, rounded. The fp32 entry's row functions on widened values.
+// that rounded x, rounded. The fp32 entry's row functions on widened values. With no post_w and mult 1 it is
+// the bf16 stream's add + norm (FusedOps.add_rms_norm over bf16): x = round(x + delta), out = its norm.
 int32_t kubeinfer_residual_norm_bf16(uint16_t* x, int64_t x_stride, uint16_t* delta, int64_t delta_stride,
                                      const float* post_w, float post_eps, float mult, const float* next_w,
                                      float next_eps, uint16_t* out, int64_t out_stride, int64_t rows, int64_t dim,
