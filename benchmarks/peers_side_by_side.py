@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,12 +197,23 @@ class Result:
 _RETRYABLE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
+GREEDY: dict[str, float] = {"temperature": 0.0}
+
+
+async def one_stream(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    sampling: Mapping[str, float] = GREEDY,
+) -> Result:
+    """`sampling`: the request's OpenAI sampling fields (temperature, top_p; top_k, min_p as vLLM's extras)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        **sampling,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},

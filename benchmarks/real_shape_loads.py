@@ -22,7 +22,7 @@ import asyncio
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours, as when run as a script
+from peers_side_by_side import GREEDY, one_stream
 from peers_side_by_side import Result as Stream  # one streaming client for every benchmark
-from peers_side_by_side import one_stream
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,16 @@ def named_load(name: str, per_user: int, long_users: int = 8, prompt_tokens: int
 
 
 async def run_streams(
-    url: str, model: str, prompts: Sequence[str], users: int, max_tokens: int, timeout_s: float = 1800.0
+    url: str,
+    model: str,
+    prompts: Sequence[str],
+    users: int,
+    max_tokens: int,
+    timeout_s: float = 1800.0,
+    sampling: Mapping[str, float] = GREEDY,
 ) -> tuple[list[Stream], float]:
-    """`users` concurrent users sending `prompts` in turn; returns the streams in prompt order and the
-    wall seconds."""
+    """`users` concurrent users sending `prompts` in turn (each request with `sampling`'s fields); returns
+    the streams in prompt order and the wall seconds."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):
         queue.put_nowait(i)
@@ -104,7 +110,7 @@ async def run_streams(
         async def user() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
-                out[i] = await one_stream(client, url, model, prompts[i], max_tokens)
+                out[i] = await one_stream(client, url, model, prompts[i], max_tokens, sampling)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(users)))

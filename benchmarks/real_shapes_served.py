@@ -27,7 +27,8 @@ phase come from the same rounds; ratios across phases (e.g. ours-gguf against vl
 `"same_phase": false` and compare runs minutes apart. A model whose bf16 folder does not fit next to
 another server (`--max-bf16-gib`) skips vllm-bf16 and ours-hf with the reason.
 
-Loads (the chat API, streaming, greedy, `ignore_eos`, `--max-tokens` new tokens): 1 user and 16 users
+Loads (the chat API, streaming, greedy unless `--sampling` (e.g. `temperature=0.7,top_p=0.9`: every
+request's sampling fields), `ignore_eos`, `--max-tokens` new tokens): 1 user and 16 users
 at `--prompt-tokens` (128) after the chat template, and one request with a `--long-prompt-tokens`
 (4,096) prompt (its TTFT; Gemma-3's 512-token windows matter there). Per run: output tokens/s, TTFT p50,
 ITL p99 (peers_side_by_side.py's client). Per server: the resident memory of its process tree once loaded
@@ -69,6 +70,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from peers_side_by_side import (  # noqa: E402
     DEFAULT_PEERS_DIR,
+    GREEDY,
     PromptMaker,
     Running,
     _alive,
@@ -153,6 +155,19 @@ def context_tokens(loads: list[Load], max_tokens: int) -> int:
         default=0,
     )
     return max(CONTEXT_TOKENS, -(-need // 1024) * 1024)
+
+
+def _sampling_fields(text: str) -> dict[str, float]:
+    """ "temperature=0.7,top_p=0.9" -> {"temperature": 0.7, "top_p": 0.9} (top_k an int)."""
+    fields: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: want name=value, name one of temperature, top_p, top_k, min_p, seed"
+            )
+        fields[name] = int(value) if name in ("top_k", "seed") else float(value)
+    return fields
 
 
 def base_server(name: str) -> str:
@@ -463,6 +478,12 @@ def main() -> int:
     ap.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR)
     ap.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds (vLLM compiles at start)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--sampling",
+        type=_sampling_fields,
+        default=GREEDY,
+        help="comma-separated name=value sampling fields of every request (default temperature=0: greedy)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here (after every run)")
     ap.add_argument("--markdown", type=Path, default=None, help="only print this JSON report's table")
     args = ap.parse_args()
@@ -512,6 +533,7 @@ def main() -> int:
             "phases": phases,
             "loads": [vars(ld) for ld in loads],
             "max_tokens": args.max_tokens,
+            "sampling": args.sampling,
             "rounds": args.rounds,
             "quick": args.quick,
             "check_load": args.check_load,
@@ -643,6 +665,7 @@ def main() -> int:
                                     prompts[(ld.name, rnd)],
                                     ld.users,
                                     args.max_tokens,
+                                    sampling=args.sampling,
                                 )
                             )
                             res = summarize_streams(streams, wall, ld.split_itl)

@@ -19,9 +19,21 @@ from server.quant.cpu_mxfp4 import NATIVE as MXFP4
 from server.quant.cpu_qgemv_q8 import NATIVE as QGEMV_Q8
 from server.quant.cpu_qk_native import NATIVE as QK_NATIVE
 from server.quant.cpu_qlinear import NATIVE as QLINEAR
+from server.worker.cpu_sampling import NATIVE as SAMPLING
 
 # the CPU probe first: choosing a level at run time needs it (built once, for any x86-64 CPU)
-SOURCES = (PROBE, PAGED_DECODE, CPU_FUSED, QLINEAR, QGEMV_Q8, MXFP4, MOE_EXPERTS, QK_NATIVE, BF16_GEMM)
+SOURCES = (
+    PROBE,
+    PAGED_DECODE,
+    CPU_FUSED,
+    QLINEAR,
+    QGEMV_Q8,
+    MXFP4,
+    MOE_EXPERTS,
+    QK_NATIVE,
+    BF16_GEMM,
+    SAMPLING,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

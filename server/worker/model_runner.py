@@ -14,6 +14,7 @@ from server.lora.manager import LoRAManager
 from server.models.llama import LlamaForCausalLM
 from server.spec_decode.rejection_sampler import verify_drafts
 from server.structured import StructuredOutputManager
+from server.worker.cpu_sampling import try_load_cpu_sampling
 from server.worker.input_batch import ForwardBatch, build_forward_batch
 from server.worker.sampler import Sampler, SamplerOutput, SamplingRow
 
@@ -73,7 +74,9 @@ class ModelRunner:
         # The compiled argmax (greedy rows' tokens) where the model has the fused CPU ops built with AVX-512
         ops = model.fused_ops if device.type == "cpu" else None
         argmax = ops.argmax_rows if ops is not None and ops.argmax_vectorized else None
-        self.sampler = Sampler(logprobs_mode, argmax=argmax)
+        # Sampled rows in one compiled call on CPU (temperature, top-k/p, min-p and the draw)
+        sampling = try_load_cpu_sampling() if device.type == "cpu" else None
+        self.sampler = Sampler(logprobs_mode, argmax=argmax, cpu_sampling=sampling)
         self._prompt_lps: dict[str, list[TokenLogprobs | None]] = {}
         self.structured = structured
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from server.core.outputs import Logprob, TokenLogprobs
 from server.request import Request, SamplingParams
+from server.worker.cpu_sampling import CpuSampling, RowFilters
 
 _MASK64 = (1 << 63) - 1
 
@@ -70,13 +71,17 @@ def _filter(logits: Tensor, p: SamplingParams) -> Tensor:  # logits: [V] fp32, a
     return logits
 
 
-def _noise(row: SamplingRow, vocab: int, device: torch.device) -> Tensor:  # [V] exponential(1)
-    seed = row.params.seed
-    if seed is None:
-        return torch.empty(vocab, device=device).exponential_()
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + len(row.request.output_token_ids)) & _MASK64)
-    return torch.empty(vocab, device=device).exponential_(generator=g)
+def uniform_draws(rows: list[SamplingRow]) -> Tensor:  # -> [S] fp64 in [0, 1)
+    """Each row's uniform draw for this step: a seeded row's from a generator seeded by (seed, output
+    position), the others' from torch's default generator."""
+    u = torch.rand(len(rows), dtype=torch.float64)
+    for i, row in enumerate(rows):
+        seed = row.params.seed
+        if seed is not None:
+            g = torch.Generator()
+            g.manual_seed((seed * 1_000_003 + len(row.request.output_token_ids)) & _MASK64)
+            u[i] = torch.rand((), dtype=torch.float64, generator=g)
+    return u
 
 
 def processed_row(logits: Tensor, row: SamplingRow) -> Tensor:  # logits: [V] fp32, penalties applied
@@ -86,15 +91,24 @@ def processed_row(logits: Tensor, row: SamplingRow) -> Tensor:  # logits: [V] fp
 
 
 def sample_row(logits: Tensor, row: SamplingRow) -> int:  # logits: [V] fp32, penalties applied
-    return _draw(processed_row(logits, row), row)
-
-
-def _draw(processed: Tensor, row: SamplingRow) -> int:  # processed: [V] fp32, from processed_row
+    processed = processed_row(logits, row)
     if row.params.greedy:
         return int(processed.argmax())
-    probs = processed.softmax(-1)
-    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a sample from p.
-    return int((probs / _noise(row, probs.shape[0], probs.device)).argmax())
+    return draw_index(processed, float(uniform_draws([row])[0]))
+
+
+def draw_index(processed: Tensor, u: float) -> int:  # processed: [V] fp32, from processed_row
+    """Inverse-CDF sampling: the first token whose cumulative probability (fp64) exceeds u, u in [0, 1).
+    Raises ValueError where the row has no distribution (a NaN or +inf logit, or none finite)."""
+    probs = processed.softmax(-1).double()
+    cdf = probs.cumsum(0)
+    total = float(cdf[-1])
+    if not total > 0.0 or total != total:
+        raise ValueError("the logits hold a NaN or +inf, or no finite value")
+    i = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True)[0])
+    if i >= probs.shape[0] or not probs[i] > 0:  # u x total rounded up to the total: the last kept token
+        i = int(probs.nonzero()[-1])
+    return i
 
 
 def _before_min_tokens(row: SamplingRow) -> bool:
@@ -133,12 +147,18 @@ class Sampler:
     filtering, as they sample with neither)."""
 
     def __init__(
-        self, logprobs_mode: str = "raw_logprobs", argmax: Callable[[Tensor], Tensor] | None = None
+        self,
+        logprobs_mode: str = "raw_logprobs",
+        argmax: Callable[[Tensor], Tensor] | None = None,
+        cpu_sampling: CpuSampling | None = None,
     ) -> None:
         """`argmax`: [S, V] fp32 contiguous rows -> [S] int64, torch.argmax(-1)'s answer bit for bit (the
-        compiled one of server/models/cpu_fused.py, FusedOps.argmax_rows); None: torch's."""
+        compiled one of server/models/cpu_fused.py, FusedOps.argmax_rows); None: torch's. `cpu_sampling`:
+        the compiled sampled rows (server/worker/cpu_sampling.py) for CPU fp32 logits; None: the torch
+        path row by row."""
         self.logprobs_mode = logprobs_mode
         self.argmax = argmax
+        self.cpu_sampling = cpu_sampling
 
     def __call__(
         self, logits: Tensor, rows: list[SamplingRow], model_logits: Tensor | None = None
@@ -158,16 +178,17 @@ class Sampler:
         if any(r.params.uses_penalties or _before_min_tokens(r) for r in rows):
             logits = apply_penalties(logits.clone(), rows)
             _ban_eos_early(logits, rows)
-        processed = want_logprobs and mode.startswith("processed_")
-        if all(r.params.greedy for r in rows) and not processed:
-            fast = self.argmax is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
-            tokens = (self.argmax(logits.contiguous()) if fast else logits.argmax(-1)).tolist()  # type: ignore[misc]
-        else:
+        if want_logprobs and mode.startswith("processed_"):
             procs = [processed_row(logits[i], row) for i, row in enumerate(rows)]
-            tokens = [_draw(pr, row) for pr, row in zip(procs, rows, strict=True)]
-            if processed:
-                stacked = torch.stack(procs)
-                report = stacked.log_softmax(-1) if mode == "processed_logprobs" else stacked
+            u = uniform_draws(rows)
+            tokens = [
+                int(pr.argmax()) if row.params.greedy else draw_index(pr, float(u[i]))
+                for i, (pr, row) in enumerate(zip(procs, rows, strict=True))
+            ]
+            stacked = torch.stack(procs)
+            report = stacked.log_softmax(-1) if mode == "processed_logprobs" else stacked
+        else:
+            tokens = self._tokens(logits, rows)
         lps: list[TokenLogprobs | None] = []
         for i, row in enumerate(rows):
             n = row.params.logprobs
@@ -175,3 +196,32 @@ class Sampler:
                 compute_logprobs(report[i], tokens[i], n) if report is not None and n is not None else None
             )
         return SamplerOutput(tokens, lps)
+
+    def _tokens(self, logits: Tensor, rows: list[SamplingRow]) -> list[int]:  # logits: [S, V] fp32
+        """Greedy rows by argmax, the others by their filters and one uniform draw each."""
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        tokens: list[int] = []
+        if len(sampled) < len(rows):
+            fast = self.argmax is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            tokens = (self.argmax(logits.contiguous()) if fast else logits.argmax(-1)).tolist()  # type: ignore[misc]
+        if not sampled:
+            return tokens
+        if not tokens:
+            tokens = [0] * len(rows)
+        picked = [rows[i] for i in sampled]
+        u = uniform_draws(picked)
+        on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+        if self.cpu_sampling is not None and on_cpu:
+            p = [r.params for r in picked]
+            filters = RowFilters.of(
+                [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p]
+            )
+            ids = None if len(sampled) == len(rows) else torch.tensor(sampled, dtype=torch.int64)
+            drawn = self.cpu_sampling.sample_rows(logits.contiguous(), ids, filters, u).tolist()
+        else:
+            drawn = [
+                draw_index(processed_row(logits[i], rows[i]), float(u[j])) for j, i in enumerate(sampled)
+            ]
+        for i, token in zip(sampled, drawn, strict=True):
+            tokens[i] = token
+        return tokens

@@ -126,3 +126,16 @@ def test_a_server_that_exits_while_loading_is_reported_not_waited_for(tmp_path: 
     assert (
         "exited before becoming ready" in failed[proc.pid] and "unsupported architecture" in failed[proc.pid]
     )
+
+
+def test_sampling_fields_parse_into_each_requests_body() -> None:
+    served = _served()
+    assert served._sampling_fields("temperature=0.7,top_p=0.9,top_k=40") == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+    }
+    assert served._sampling_fields("") == {}
+    for bad in ("temperature", "beam=2", "top_k=x"):
+        with pytest.raises((served.argparse.ArgumentTypeError, ValueError)):
+            served._sampling_fields(bad)
