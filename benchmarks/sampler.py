@@ -3,7 +3,8 @@
     python benchmarks/sampler.py                                    # JSON, 16 and 64 rows, Llama-3's vocabulary
     python benchmarks/sampler.py --rows 1 16 64 --vocab 49152 128256 262144 --repeats 9
 
-Random fp32 logits (N(0, 3^2), as a model's), every row with the same settings; per vocabulary, row count
+Random fp32 logits (N(0, std^2) for each `--logit-std`: 3 peaked as a trained model's, 0.05 nearly flat
+as a random-weight model's, where top-p keeps most of the vocabulary), every row with the same settings; per vocabulary, row count
 and setting the two paths run alternated `--repeats` times in this process (server/worker/sampler.py's
 Sampler with and without `cpu_sampling`); reported: the median milliseconds a call and the ratio torch /
 compiled (> 1: the compiled path faster). Greedy rows are listed as the reference point of a step that
@@ -13,6 +14,7 @@ samples nothing (the compiled argmax of the fused ops where the build has AVX-51
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -49,6 +51,13 @@ def main() -> None:
     ap.add_argument("--vocab", nargs="+", type=int, default=[128_256])
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument(
+        "--logit-std",
+        nargs="+",
+        type=float,
+        default=[3.0, 0.05],
+        help="the logits' spread: 3 a peaked distribution, 0.05 a nearly flat one (a random-weight model's)",
+    )
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -62,8 +71,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     results = []
     for vocab in args.vocab:
-        for n in args.rows:
-            logits = torch.randn(n, vocab, generator=g) * 3
+        for n, std in itertools.product(args.rows, args.logit_std):
+            logits = torch.randn(n, vocab, generator=g) * std
             for name in args.settings:
                 params = SamplingParams(max_tokens=16, **SETTINGS[name])  # type: ignore[arg-type]
                 rows = [SamplingRow(Request(f"r{i}", [1, 2, 3], params)) for i in range(n)]
@@ -79,6 +88,7 @@ def main() -> None:
                     {
                         "vocab": vocab,
                         "rows": n,
+                        "logit_std": std,
                         "setting": name,
                         "torch_ms": round(med["torch"], 3),
                         "compiled_ms": round(med["compiled"], 3),

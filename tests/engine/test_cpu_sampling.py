@@ -213,3 +213,30 @@ def test_tensors_of_the_wrong_kind_are_refused(cs: CpuSampling) -> None:
         cs.sample_rows(torch.randn(2, 10), torch.tensor([2]), f1, u1)
     with pytest.raises(ValueError, match="probs_out"):
         cs.sample_rows(torch.randn(1, 10), None, f1, u1, torch.empty(1, 9))
+
+
+@pytest.mark.parametrize("zeros", [79_104, 2_000], ids=["padded-vocabulary", "few-ties"])
+def test_a_large_tie_group_at_the_top_p_cut_keeps_its_lowest_indices(cs: CpuSampling, zeros: int) -> None:
+    """bf16 logits of a model whose padded vocabulary rows are zero (79,104 equal logits in a 128,256-token
+    row of our Llama-shaped test model): the cut falls inside one tie group; the kernel keeps every token
+    above it and the group's lowest indices, as many as an fp64 walk of the sorted row keeps."""
+    g = torch.Generator().manual_seed(zeros)
+    vocab = 128_256
+    logits = (torch.randn(vocab, generator=g) * 0.6).bfloat16().float()
+    logits[torch.randperm(vocab, generator=g)[:zeros]] = 0.0
+    for top_p in (0.5, 0.9, 0.99):
+        params = SamplingParams(max_tokens=1, temperature=0.7, top_p=top_p)
+        _, probs = _kernel(cs, logits, params)
+        kept = probs > 0
+        # the fp64 walk: sorted by value (largest first, lowest index among equals)
+        e = ((logits / 0.7).double() - float((logits / 0.7).max())).exp()
+        order = sorted(range(vocab), key=lambda i: (-float(e[i]), i))
+        before = torch.cumsum(e[order], 0) - e[order]
+        n_keep = int((before < top_p * float(e.sum())).sum())
+        cut = float(logits[order[n_keep - 1]])
+        above = logits > cut
+        ties = (logits == cut).nonzero().flatten()
+        assert torch.equal(kept & above, above) and not (kept & (logits < cut)).any(), top_p
+        got_ties = int(kept[ties].sum())
+        assert abs(got_ties - (n_keep - int(above.sum()))) <= 2, top_p  # fp32 e against fp64 e at the cut
+        assert torch.equal(kept[ties], torch.arange(ties.numel()) < got_ties), top_p  # the lowest indices

@@ -93,14 +93,47 @@ float kth_largest(const float* s, int64_t n, int64_t k, std::vector<float>& cand
   return cand[rank];
 }
 
+// A pool too large to sort (a flat distribution puts most of a row in one bin of the top bits: 100k values of
+// a 128k row, 10 ms a row to sort) narrowed to the sub-bin of the next 10 bits, then the last 10, where the
+// cut falls; the mass of the sub-bins above joins `mass_above`. Values in the pool share the bits above.
+constexpr size_t kSortMax = 2048;
+
+void narrow_pool(std::vector<std::pair<float, int64_t>>& pool, double* mass_above, double target) {
+  for (int shift = 10; shift >= 0 && pool.size() > kSortMax; shift -= 10) {
+    const float first = pool[0].first;
+    if (std::all_of(pool.begin(), pool.end(), [first](const auto& e) { return e.first == first; })) return;
+    double split[4][1024] = {};  // four histograms in turn, as in top-p's first level
+    const size_t size = pool.size();
+    for (size_t i = 0; i < size; ++i) {
+      const float v = pool[i].first;
+      split[i & 3][(float_bits(v) >> shift) & 0x3ffu] += v;
+    }
+    double mass[1024];
+    for (int b = 0; b < 1024; ++b) mass[b] = split[0][b] + split[1][b] + split[2][b] + split[3][b];
+    int bin = 1023;
+    for (; bin > 0; --bin) {
+      if (*mass_above + mass[bin] >= target) break;
+      *mass_above += mass[bin];
+    }
+    size_t kept = 0;
+    for (const auto& entry : pool)
+      if (static_cast<int>((float_bits(entry.first) >> shift) & 0x3ffu) == bin) pool[kept++] = entry;
+    pool.resize(kept);
+  }
+}
+
 // Top-p's cut over e (a row's unnormalized probabilities, mass z): every e > *cut stays, and of those equal
-// to *cut the first *ties_kept in index order. `sorted_pool`: the (value, index) pairs that may hold the cut,
+// to *cut the first *ties_kept in index order. `pool`: the (value, index) pairs that may hold the cut (sorted here),
 // sorted largest first, index ascending among equals, with `mass_above` the mass of every e above them.
 void cut_from_pool(std::vector<std::pair<float, int64_t>>& pool, double mass_above, double target, float* cut,
                    int64_t* ties_kept, int64_t* ties_total) {
-  std::sort(pool.begin(), pool.end(), [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
+  // Gathered in index order; a pool narrowed past kSortMax holds one value (a padded vocabulary's zero
+  // logits: 79,104 of a 128,256-token row of our Llama-shaped test model), already in the order wanted.
+  const bool one_value = std::all_of(pool.begin(), pool.end(), [&](const auto& e) { return e.first == pool[0].first; });
+  if (!one_value)
+    std::sort(pool.begin(), pool.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
   double prefix = mass_above;
   *ties_kept = 0;
   for (const auto& [v, idx] : pool) {
@@ -114,6 +147,56 @@ void cut_from_pool(std::vector<std::pair<float, int64_t>>& pool, double mass_abo
   }
   *ties_total = 0;
   for (const auto& entry : pool) *ties_total += entry.first == *cut ? 1 : 0;
+}
+
+// Top-p's cut over e[0..n) (a row's unnormalized probabilities), the mass before a token's `target` = top_p x
+// their sum: as cut_from_pool says. `few`: top-k left few nonzero values (they are sorted whole).
+void top_p_cut(const float* e, int64_t n, bool few, double target, std::vector<std::pair<float, int64_t>>& pool,
+               float* cut, int64_t* ties_kept, int64_t* ties_total) {
+  pool.clear();
+  double mass_above = 0.0;
+  if (few) {
+    for (int64_t i = 0; i < n; ++i)
+      if (e[i] > 0.0f) pool.emplace_back(e[i], i);
+  } else {  // the mass in bins of e's top bits, largest first, finds the bin where the cut falls
+    // four histograms, values taken in turn: a run of values in one bin would wait on each add otherwise
+    double split[4][kMassBins] = {};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+      for (int j = 0; j < 4; ++j) split[j][float_bits(e[i + j]) >> 20] += e[i + j];
+    for (; i < n; ++i) split[0][float_bits(e[i]) >> 20] += e[i];
+    double mass[kMassBins];
+    for (int b = 0; b < kMassBins; ++b) mass[b] = split[0][b] + split[1][b] + split[2][b] + split[3][b];
+    uint32_t bin = kMassBins - 1;
+    for (; bin > 0; --bin) {
+      if (mass_above + mass[bin] >= target) break;
+      mass_above += mass[bin];
+    }
+    // One value in the bin (a padded vocabulary's equal logits: 79,104 zeros in a 128,256-token row of our
+    // Llama-shaped test model) needs no gathering: how many of its ties reach the target is arithmetic.
+    float first = 0.0f;
+    for (i = 0; i < n && first == 0.0f; ++i)
+      if (e[i] > 0.0f && (float_bits(e[i]) >> 20) == bin) first = e[i];
+    int64_t count = 0;
+    int32_t differ = 0;
+#pragma omp simd reduction(+ : count) reduction(| : differ)
+    for (int64_t j = 0; j < n; ++j) {
+      const int32_t in = e[j] > 0.0f && (float_bits(e[j]) >> 20) == bin ? 1 : 0;
+      count += in;
+      differ |= in & (e[j] != first ? 1 : 0);
+    }
+    if (count > 0 && !differ) {  // keep the j-th tie while mass_above + (j - 1) x first < target
+      const double need = std::ceil((target - mass_above) / first);
+      *cut = first;
+      *ties_total = count;
+      *ties_kept = std::min<int64_t>(count, std::max<int64_t>(1, static_cast<int64_t>(need)));
+      return;
+    }
+    for (i = 0; i < n; ++i)
+      if (e[i] > 0.0f && (float_bits(e[i]) >> 20) == bin) pool.emplace_back(e[i], i);
+  }
+  narrow_pool(pool, &mass_above, target);
+  cut_from_pool(pool, mass_above, target, cut, ties_kept, ties_total);
 }
 
 // The token, or -1 where the row has a NaN, a +inf or no finite logit. probs (optional): the distribution drawn
@@ -156,41 +239,18 @@ int64_t sample_row(const Row& row, float* probs, Scratch& scratch) {
   float* p = s;  // from here on e, in place of s
   float cut = 0.0f;
   int64_t ties_kept = 0, ties_total = 0;
-  if (row.top_p < 1.0f) {
-    const double target = static_cast<double>(row.top_p) * z;
-    pool.clear();
-    double mass_above = 0.0;
-    if (top_k) {  // few nonzero values: sort them all
-      for (int64_t i = 0; i < n; ++i)
-        if (p[i] > 0.0f) pool.emplace_back(p[i], i);
-    } else {  // the mass in bins of e's top bits, largest first, finds the bin where the cut falls
-      // four histograms, values taken in turn: a run of values in one bin would wait on each add otherwise
-      double split[4][kMassBins] = {};
-      int64_t i = 0;
-      for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; ++j) split[j][float_bits(p[i + j]) >> 20] += p[i + j];
-      for (; i < n; ++i) split[0][float_bits(p[i]) >> 20] += p[i];
-      double mass[kMassBins];
-      for (int b = 0; b < kMassBins; ++b) mass[b] = split[0][b] + split[1][b] + split[2][b] + split[3][b];
-      int bin = kMassBins - 1;
-      for (; bin > 0; --bin) {
-        if (mass_above + mass[bin] >= target) break;
-        mass_above += mass[bin];
-      }
-      for (int64_t i = 0; i < n; ++i)
-        if (p[i] > 0.0f && static_cast<int>(float_bits(p[i]) >> 20) == bin) pool.emplace_back(p[i], i);
-    }
-    cut_from_pool(pool, mass_above, target, &cut, &ties_kept, &ties_total);
-  }
+  if (row.top_p < 1.0f)
+    top_p_cut(p, n, top_k, static_cast<double>(row.top_p) * z, pool, &cut, &ties_kept, &ties_total);
   // min-p against the largest kept probability, e = 1 at the max (which every filter keeps)
   const float floor_value = std::max(cut, row.min_p);
   if (floor_value > 0.0f) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) p[i] = p[i] >= floor_value ? p[i] : 0.0f;
     if (cut >= row.min_p && ties_total > ties_kept) {  // the cut's ties past the kept ones, in index order
-      int64_t seen = 0;
-      for (int64_t i = 0; i < n; ++i)
-        if (p[i] == cut && ++seen > ties_kept) p[i] = 0.0f;
+      int64_t i = 0, seen = 0;
+      for (; i < n && seen < ties_kept; ++i) seen += p[i] == cut ? 1 : 0;  // no branch on where ties fall
+#pragma omp simd
+      for (int64_t j = i; j < n; ++j) p[j] = p[j] == cut ? 0.0f : p[j];
     }
   }
   // The draw: block sums, the block where u x total falls, then value by value within it.
