@@ -52,7 +52,7 @@ class RowFilters:
     """Per-row sampling settings of one batch, as the kernel reads them (each [R], R sampled rows)."""
 
     temperature: Tensor  # [R] fp32, > 0
-    top_k: Tensor  # [R] int32, 0 = off
+    top_k: Tensor  # [R] int32, 0 = off (k >= V: off too; the caller clamps larger ones to V)
     top_p: Tensor  # [R] fp32 in (0, 1], 1 = off
     min_p: Tensor  # [R] fp32 in [0, 1], 0 = off
 
@@ -117,8 +117,11 @@ class CpuSampling:
                 )
         if probs_out is not None:
             ok = probs_out.dtype == torch.float32 and probs_out.device.type == "cpu" and probs_out.dim() == 2
-            if not ok or tuple(probs_out.shape) != (r, v) or (v > 1 and probs_out.stride(1) != 1):
-                raise ValueError(f"probs_out: must be [{r}, {v}] fp32 on CPU with unit stride along V")
+            strides_ok = (v == 1 or probs_out.stride(1) == 1) and (r <= 1 or probs_out.stride(0) >= v)
+            if not ok or tuple(probs_out.shape) != (r, v) or not strides_ok:
+                raise ValueError(
+                    f"probs_out: must be [{r}, {v}] fp32 on CPU, unit stride along V, rows apart"
+                )
         out = torch.empty(r, dtype=torch.int64)
         rc = self.lib.kubeinfer_sample_rows(
             logits.data_ptr(),
@@ -133,7 +136,7 @@ class CpuSampling:
             u.data_ptr(),
             out.data_ptr(),
             None if probs_out is None else probs_out.data_ptr(),
-            0 if probs_out is None else probs_out.stride(0),
+            0 if probs_out is None else (probs_out.stride(0) if r > 1 else v),
             torch.get_num_threads(),
         )
         if rc != 0:
@@ -143,7 +146,8 @@ class CpuSampling:
             )
         bad = (out < 0).nonzero()
         if bad.numel():
-            raise SamplingRowError(f"row {int(bad[0])}: its logits hold a NaN or +inf, or no finite value")
+            row = int(bad[0]) if row_ids is None else int(row_ids[int(bad[0])])
+            raise SamplingRowError(f"logits row {row}: holds a NaN or +inf, or no finite value")
         return out
 
 

@@ -213,8 +213,12 @@ class Sampler:
         on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
         if self.cpu_sampling is not None and on_cpu:
             p = [r.params for r in picked]
+            vocab = logits.shape[1]  # a top_k past the vocabulary keeps it all (and may not fit int32)
             filters = RowFilters.of(
-                [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p]
+                [x.temperature for x in p],
+                [min(x.top_k, vocab) for x in p],
+                [x.top_p for x in p],
+                [x.min_p for x in p],
             )
             ids = None if len(sampled) == len(rows) else torch.tensor(sampled, dtype=torch.int64)
             drawn = self.cpu_sampling.sample_rows(logits.contiguous(), ids, filters, u).tolist()

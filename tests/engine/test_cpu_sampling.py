@@ -155,13 +155,13 @@ def test_rows_without_a_distribution_are_refused_by_row(cs: CpuSampling) -> None
     logits[2, 7] = float("nan")
     filters = RowFilters.of([1.0] * 4, [0] * 4, [1.0] * 4, [0.0] * 4)
     u = torch.full((4,), 0.5, dtype=torch.float64)
-    with pytest.raises(SamplingRowError, match="row 2"):
+    with pytest.raises(SamplingRowError, match="logits row 2"):
         cs.sample_rows(logits, None, filters, u)
     logits[2, 7] = float("inf")
-    with pytest.raises(SamplingRowError, match="row 2"):
+    with pytest.raises(SamplingRowError, match="logits row 2"):
         cs.sample_rows(logits, None, filters, u)
     logits[2] = float("-inf")
-    with pytest.raises(SamplingRowError, match="row 2"):
+    with pytest.raises(SamplingRowError, match="logits row 2"):
         cs.sample_rows(logits, None, filters, u)
     # the same rows through the torch path: a clear error, never a token from a NaN
     with pytest.raises(ValueError, match="NaN"):
@@ -169,6 +169,8 @@ def test_rows_without_a_distribution_are_refused_by_row(cs: CpuSampling) -> None
     ids = torch.tensor([0, 3], dtype=torch.int64)  # row_ids skip the bad row
     two = RowFilters.of([1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2)
     assert cs.sample_rows(logits, ids, two, u[:2]).shape == (2,)
+    with pytest.raises(SamplingRowError, match="logits row 2"):  # the logits' row, not the position in ids
+        cs.sample_rows(logits, torch.tensor([3, 2]), two, u[:2])
 
 
 @pytest.mark.parametrize(
@@ -240,3 +242,56 @@ def test_a_large_tie_group_at_the_top_p_cut_keeps_its_lowest_indices(cs: CpuSamp
         got_ties = int(kept[ties].sum())
         assert abs(got_ties - (n_keep - int(above.sum()))) <= 2, top_p  # fp32 e against fp64 e at the cut
         assert torch.equal(kept[ties], torch.arange(ties.numel()) < got_ties), top_p  # the lowest indices
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["top_k-past-2048", "tied-kth-value", "tied-kth-padded"],
+)
+def test_top_p_after_a_top_k_that_keeps_thousands(cs: CpuSampling, case: str) -> None:
+    """Top-k leaving more than the kernel sorts whole (2,048 values): top-p's pool narrows by e's bits from the
+    top, as without top-k (it once narrowed by middle bits there and kept an arbitrary set)."""
+    g = torch.Generator().manual_seed(9)
+    if case == "top_k-past-2048":
+        logits, k = torch.randn(5000, generator=g) * 2, 3000
+    elif case == "tied-kth-value":
+        logits, k = (torch.randn(6000, generator=g) * 0.5).bfloat16().float(), 50
+    else:  # one peak, then 2,999 equal logits: top_k 2 keeps every tie of the 2nd largest
+        logits, k = torch.zeros(3000), 2
+        logits[0] = 5.0
+    for top_p in (0.3, 0.5, 0.9, 0.99):
+        params = SamplingParams(max_tokens=1, top_k=k, top_p=top_p)
+        ref = _reference(logits, params)
+        _, got = _kernel(cs, logits, params)
+        assert int((got > 0).sum()) == int((ref > 0).sum()), (case, top_p)
+        if case == "top_k-past-2048":  # distinct logits: the very same tokens
+            assert torch.equal(got > 0, ref > 0), top_p
+        else:  # ties at the cut: as many kept, every larger logit and the ties' lowest indices
+            cut = float(logits[got > 0].min())
+            ties = (logits == cut).nonzero().flatten()
+            assert bool((got[logits > cut] > 0).all()), top_p
+            assert torch.equal(got[ties] > 0, torch.arange(ties.numel()) < int((got[ties] > 0).sum())), top_p
+
+
+def test_a_top_k_past_int32_keeps_the_vocabulary(cs: CpuSampling) -> None:
+    logits = torch.randn(2, 40)
+    rows = [_row(temperature=1.0, top_k=2**40, seed=5), _row(temperature=1.0, seed=5)]
+    assert Sampler(cpu_sampling=cs)(logits[[0, 0]].contiguous(), rows).token_ids == (
+        Sampler()(logits[[0, 0]].contiguous(), rows).token_ids
+    )
+
+
+def test_equal_fp32_probabilities_keep_the_larger_logit(cs: CpuSampling) -> None:
+    """Logits 1e-8 apart have one fp32 probability; top-p keeps by logit as the torch path's sort does."""
+    logits = torch.tensor([-2e-8, -1e-8, 0.0])
+    for top_p in (1e-6, 0.3):
+        params = SamplingParams(max_tokens=1, top_p=top_p)
+        token, probs = _kernel(cs, logits, params, u=0.5)
+        assert token == 2 and (probs > 0).tolist() == [False, False, True]
+
+
+def test_probs_out_of_one_row_takes_any_row_stride(cs: CpuSampling) -> None:
+    f1 = RowFilters.of([1.0], [0], [1.0], [0.0])
+    probs = torch.empty(10, 1).t()  # [1, 10], stride (1, 1)
+    cs.sample_rows(torch.randn(1, 10), None, f1, torch.tensor([0.5], dtype=torch.float64), probs)
+    assert float(probs.sum()) == pytest.approx(1.0, abs=1e-6)

@@ -93,13 +93,23 @@ float kth_largest(const float* s, int64_t n, int64_t k, std::vector<float>& cand
   return cand[rank];
 }
 
+// Top-p's cut: every token whose logit is above `logit` stays, and of those whose logit equals it the first
+// `ties_kept` in index order (`ties_total` of them in all).
+struct Cut {
+  float logit;
+  int64_t ties_kept, ties_total;
+};
+
+using Pool = std::vector<std::pair<float, int64_t>>;  // (e, index) pairs, gathered in index order
+
 // A pool too large to sort (a flat distribution puts most of a row in one bin of the top bits: 100k values of
-// a 128k row, 10 ms a row to sort) narrowed to the sub-bin of the next 10 bits, then the last 10, where the
-// cut falls; the mass of the sub-bins above joins `mass_above`. Values in the pool share the bits above.
+// a 128k row, 10 ms a row to sort) narrowed to the sub-bin of e's bits [shift, shift + 10) where the cut falls,
+// shift from `shift0` down by 10; the mass of the sub-bins above joins `mass_above`. The pool's values share
+// the bits above shift0 + 10 (e <= 1: bit 30 is 0).
 constexpr size_t kSortMax = 2048;
 
-void narrow_pool(std::vector<std::pair<float, int64_t>>& pool, double* mass_above, double target) {
-  for (int shift = 10; shift >= 0 && pool.size() > kSortMax; shift -= 10) {
+void narrow_pool(Pool& pool, double* mass_above, double target, int shift0) {
+  for (int shift = shift0; shift >= 0 && pool.size() > kSortMax; shift -= 10) {
     const float first = pool[0].first;
     if (std::all_of(pool.begin(), pool.end(), [first](const auto& e) { return e.first == first; })) return;
     double split[4][1024] = {};  // four histograms in turn, as in top-p's first level
@@ -109,9 +119,15 @@ void narrow_pool(std::vector<std::pair<float, int64_t>>& pool, double* mass_abov
       split[i & 3][(float_bits(v) >> shift) & 0x3ffu] += v;
     }
     double mass[1024];
-    for (int b = 0; b < 1024; ++b) mass[b] = split[0][b] + split[1][b] + split[2][b] + split[3][b];
+    int lowest = 1023;  // the lowest sub-bin holding a value (every value in the pool is > 0)
+    for (int b = 1023; b >= 0; --b) {
+      mass[b] = split[0][b] + split[1][b] + split[2][b] + split[3][b];
+      if (mass[b] > 0.0) lowest = b;
+    }
+    // Down to the lowest sub-bin at most: these sums, in another order than the ones that chose the pool,
+    // may fall short of the target by a rounding; the pool's last values are then the ones it needs.
     int bin = 1023;
-    for (; bin > 0; --bin) {
+    for (; bin > lowest; --bin) {
       if (*mass_above + mass[bin] >= target) break;
       *mass_above += mass[bin];
     }
@@ -122,88 +138,89 @@ void narrow_pool(std::vector<std::pair<float, int64_t>>& pool, double* mass_abov
   }
 }
 
-// Top-p's cut over e (a row's unnormalized probabilities, mass z): every e > *cut stays, and of those equal
-// to *cut the first *ties_kept in index order. `pool`: the (value, index) pairs that may hold the cut (sorted here),
-// sorted largest first, index ascending among equals, with `mass_above` the mass of every e above them.
-void cut_from_pool(std::vector<std::pair<float, int64_t>>& pool, double mass_above, double target, float* cut,
-                   int64_t* ties_kept, int64_t* ties_total) {
-  // Gathered in index order; a pool narrowed past kSortMax holds one value (a padded vocabulary's zero
-  // logits: 79,104 of a 128,256-token row of our Llama-shaped test model), already in the order wanted.
-  const bool one_value = std::all_of(pool.begin(), pool.end(), [&](const auto& e) { return e.first == pool[0].first; });
+// The cut within `pool` (the tokens that may hold it; `mass_above`: the mass of every e above them), in the
+// torch path's order: probability, then logit (equal fp32 probabilities can hide a logit order), largest
+// first, then index ascending (torch's sort leaves equal logits' order unspecified).
+Cut cut_from_pool(Pool& pool, const float* x, double mass_above, double target) {
+  const float e0 = pool.empty() ? 0.0f : pool[0].first, x0 = pool.empty() ? 0.0f : x[pool[0].second];
+  // A pool narrowed past kSortMax holds one value (a padded vocabulary's zero logits: 79,104 of a
+  // 128,256-token row of our Llama-shaped test model): already in the order wanted.
+  const bool one_value =
+      std::all_of(pool.begin(), pool.end(), [&](const auto& e) { return e.first == e0 && x[e.second] == x0; });
   if (!one_value)
-    std::sort(pool.begin(), pool.end(), [](const auto& a, const auto& b) {
-      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    std::sort(pool.begin(), pool.end(), [x](const auto& a, const auto& b) {
+      if (a.first != b.first) return a.first > b.first;
+      if (x[a.second] != x[b.second]) return x[a.second] > x[b.second];
+      return a.second < b.second;
     });
+  Cut cut{-std::numeric_limits<float>::infinity(), 0, 0};
   double prefix = mass_above;
-  *ties_kept = 0;
   for (const auto& [v, idx] : pool) {
     if (prefix >= target) break;
-    if (*ties_kept == 0 || v != *cut) {
-      *cut = v;
-      *ties_kept = 0;
+    if (cut.ties_kept == 0 || x[idx] != cut.logit) {
+      cut.logit = x[idx];
+      cut.ties_kept = 0;
     }
-    ++*ties_kept;
+    ++cut.ties_kept;
     prefix += v;
   }
-  *ties_total = 0;
-  for (const auto& entry : pool) *ties_total += entry.first == *cut ? 1 : 0;
+  for (const auto& entry : pool) cut.ties_total += x[entry.second] == cut.logit ? 1 : 0;
+  return cut;
 }
 
-// Top-p's cut over e[0..n) (a row's unnormalized probabilities), the mass before a token's `target` = top_p x
-// their sum: as cut_from_pool says. `few`: top-k left few nonzero values (they are sorted whole).
-void top_p_cut(const float* e, int64_t n, bool few, double target, std::vector<std::pair<float, int64_t>>& pool,
-               float* cut, int64_t* ties_kept, int64_t* ties_total) {
+// Top-p's cut over e[0..n) (a row's unnormalized probabilities; x: its logits), `target` = top_p x their sum.
+// `few`: top-k left few nonzero values (gathered whole).
+Cut top_p_cut(const float* e, const float* x, int64_t n, bool few, double target, Pool& pool) {
   pool.clear();
   double mass_above = 0.0;
   if (few) {
     for (int64_t i = 0; i < n; ++i)
       if (e[i] > 0.0f) pool.emplace_back(e[i], i);
-  } else {  // the mass in bins of e's top bits, largest first, finds the bin where the cut falls
-    // four histograms, values taken in turn: a run of values in one bin would wait on each add otherwise
-    double split[4][kMassBins] = {};
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4)
-      for (int j = 0; j < 4; ++j) split[j][float_bits(e[i + j]) >> 20] += e[i + j];
-    for (; i < n; ++i) split[0][float_bits(e[i]) >> 20] += e[i];
-    double mass[kMassBins];
-    for (int b = 0; b < kMassBins; ++b) mass[b] = split[0][b] + split[1][b] + split[2][b] + split[3][b];
-    uint32_t bin = kMassBins - 1;
-    for (; bin > 0; --bin) {
-      if (mass_above + mass[bin] >= target) break;
-      mass_above += mass[bin];
-    }
-    // One value in the bin (a padded vocabulary's equal logits: 79,104 zeros in a 128,256-token row of our
-    // Llama-shaped test model) needs no gathering: how many of its ties reach the target is arithmetic.
-    float first = 0.0f;
-    for (i = 0; i < n && first == 0.0f; ++i)
-      if (e[i] > 0.0f && (float_bits(e[i]) >> 20) == bin) first = e[i];
-    int64_t count = 0;
-    int32_t differ = 0;
-#pragma omp simd reduction(+ : count) reduction(| : differ)
-    for (int64_t j = 0; j < n; ++j) {
-      const int32_t in = e[j] > 0.0f && (float_bits(e[j]) >> 20) == bin ? 1 : 0;
-      count += in;
-      differ |= in & (e[j] != first ? 1 : 0);
-    }
-    if (count > 0 && !differ) {  // keep the j-th tie while mass_above + (j - 1) x first < target
-      const double need = std::ceil((target - mass_above) / first);
-      *cut = first;
-      *ties_total = count;
-      *ties_kept = std::min<int64_t>(count, std::max<int64_t>(1, static_cast<int64_t>(need)));
-      return;
-    }
-    for (i = 0; i < n; ++i)
-      if (e[i] > 0.0f && (float_bits(e[i]) >> 20) == bin) pool.emplace_back(e[i], i);
+    narrow_pool(pool, &mass_above, target, 20);
+    return cut_from_pool(pool, x, mass_above, target);
   }
-  narrow_pool(pool, &mass_above, target);
-  cut_from_pool(pool, mass_above, target, cut, ties_kept, ties_total);
+  // the mass in bins of e's top bits, largest first, finds the bin where the cut falls; four histograms,
+  // values taken in turn: a run of values in one bin would wait on each add otherwise
+  double split[4][kMassBins] = {};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) split[j][float_bits(e[i + j]) >> 20] += e[i + j];
+  for (; i < n; ++i) split[0][float_bits(e[i]) >> 20] += e[i];
+  double mass[kMassBins];
+  for (int b = 0; b < kMassBins; ++b) mass[b] = split[0][b] + split[1][b] + split[2][b] + split[3][b];
+  uint32_t bin = kMassBins - 1;
+  for (; bin > 0; --bin) {
+    if (mass_above + mass[bin] >= target) break;
+    mass_above += mass[bin];
+  }
+  // One logit in the bin (a padded vocabulary's equal logits: 79,104 zeros in a 128,256-token row of our
+  // Llama-shaped test model) needs no gathering: how many of its ties reach the target is arithmetic.
+  float first = 0.0f, first_x = 0.0f;
+  for (i = 0; i < n && first == 0.0f; ++i)
+    if (e[i] > 0.0f && (float_bits(e[i]) >> 20) == bin) first = e[i], first_x = x[i];
+  int64_t count = 0;
+  int32_t differ = 0;
+#pragma omp simd reduction(+ : count) reduction(| : differ)
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t in = e[j] > 0.0f && (float_bits(e[j]) >> 20) == bin ? 1 : 0;
+    count += in;
+    differ |= in & (x[j] != first_x ? 1 : 0);
+  }
+  if (count > 0 && !differ) {  // keep the j-th tie while mass_above + (j - 1) x first < target
+    const double need = std::ceil((target - mass_above) / first);
+    return Cut{first_x, std::min<int64_t>(count, std::max<int64_t>(1, static_cast<int64_t>(need))), count};
+  }
+  for (i = 0; i < n; ++i)
+    if (e[i] > 0.0f && (float_bits(e[i]) >> 20) == bin) pool.emplace_back(e[i], i);
+  narrow_pool(pool, &mass_above, target, 10);
+  return cut_from_pool(pool, x, mass_above, target);
 }
 
 // The token, or -1 where the row has a NaN, a +inf or no finite logit. probs (optional): the distribution drawn
 // from, normalized.
 struct Scratch {
   std::vector<float> e, cand;
-  std::vector<std::pair<float, int64_t>> pool;
+  Pool pool;
   std::vector<double> sums;
 };
 
@@ -230,28 +247,27 @@ int64_t sample_row(const Row& row, float* probs, Scratch& scratch) {
   double z = 0.0;
 #pragma omp simd reduction(+ : z)
   for (int64_t i = 0; i < n; ++i) {
-    const float x = s[i];
-    const float ex = exp_nonpositive(x - m);
-    const float v = x >= kth ? ex : 0.0f;
+    const float si = s[i];
+    const float ex = exp_nonpositive(si - m);
+    const float v = si >= kth ? ex : 0.0f;
     s[i] = v;
     z += v;
   }
   float* p = s;  // from here on e, in place of s
-  float cut = 0.0f;
-  int64_t ties_kept = 0, ties_total = 0;
-  if (row.top_p < 1.0f)
-    top_p_cut(p, n, top_k, static_cast<double>(row.top_p) * z, pool, &cut, &ties_kept, &ties_total);
-  // min-p against the largest kept probability, e = 1 at the max (which every filter keeps)
-  const float floor_value = std::max(cut, row.min_p);
-  if (floor_value > 0.0f) {
+  if (row.top_p < 1.0f) {
+    const Cut cut = top_p_cut(p, x, n, top_k, static_cast<double>(row.top_p) * z, pool);
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) p[i] = p[i] >= floor_value ? p[i] : 0.0f;
-    if (cut >= row.min_p && ties_total > ties_kept) {  // the cut's ties past the kept ones, in index order
+    for (int64_t i = 0; i < n; ++i) p[i] = x[i] >= cut.logit ? p[i] : 0.0f;
+    if (cut.ties_total > cut.ties_kept) {  // the cut's ties past the kept ones, in index order
       int64_t i = 0, seen = 0;
-      for (; i < n && seen < ties_kept; ++i) seen += p[i] == cut ? 1 : 0;  // no branch on where ties fall
+      for (; i < n && seen < cut.ties_kept; ++i) seen += x[i] == cut.logit ? 1 : 0;  // no branch on where ties fall
 #pragma omp simd
-      for (int64_t j = i; j < n; ++j) p[j] = p[j] == cut ? 0.0f : p[j];
+      for (int64_t j = i; j < n; ++j) p[j] = x[j] == cut.logit ? 0.0f : p[j];
     }
+  }
+  if (row.min_p > 0.0f) {  // against the largest kept probability: e = 1 at the max, which every filter keeps
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) p[i] = p[i] >= row.min_p ? p[i] : 0.0f;
   }
   // The draw: block sums, the block where u x total falls, then value by value within it.
   const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -277,14 +293,18 @@ int64_t sample_row(const Row& row, float* probs, Scratch& scratch) {
       acc += sums[b];
       continue;
     }
-    const int64_t i1 = std::min(n, (b + 1) * kBlock);
-    for (int64_t i = b * kBlock; i < i1; ++i) {
+    const int64_t i0 = b * kBlock, i1 = std::min(n, (b + 1) * kBlock);
+    int64_t last = -1;
+    for (int64_t i = i0; i < i1; ++i) {
       acc += p[i];
-      if (p[i] > 0.0f && acc > target) return i;
+      if (p[i] > 0.0f) {
+        if (acc > target) return i;
+        last = i;
+      }
     }
-    break;  // rounding left the block's values short of the target: the last kept value below
+    return last;  // rounding left the block's values short of the target: its last kept one
   }
-  for (int64_t i = n - 1; i >= 0; --i)
+  for (int64_t i = n - 1; i >= 0; --i)  // u x total rounded up to the total
     if (p[i] > 0.0f) return i;
   return -1;  // unreachable: the max always stays
 }
