@@ -22,6 +22,9 @@ class RequestStatus(enum.Enum):
 
 
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: logits / 1e-300 overflow to inf, and the
+# limit of softmax(logits / T) as T -> 0 is the argmax.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples and when it stops. temperature == 0 means greedy."""
+    """How one request samples and when it stops. A temperature below SAMPLING_EPS (1e-5) means greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -112,7 +115,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def uses_penalties(self) -> bool:

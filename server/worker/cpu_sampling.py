@@ -69,7 +69,7 @@ class RowFilters:
 
 
 class SamplingRowError(ValueError):
-    """A row's logits hold a NaN or +inf, or no finite value: no distribution to draw from."""
+    """A row has no candidate token (every logit -inf or NaN): no distribution to draw from."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class CpuSampling:
         probs_out: Tensor | None = None,  # [R, V] fp32: the distribution each row drew from, normalized
     ) -> Tensor:  # [R] int64 tokens
         """Raises TypeError / ValueError for tensors of the wrong dtype, shape or range, and
-        SamplingRowError naming the first row whose logits hold a NaN, +inf or no finite value."""
+        SamplingRowError naming the first logits row with no candidate (every logit -inf or NaN). A NaN logit
+        is no candidate; where a row has +inf logits, they share its mass evenly (softmax's limit)."""
         if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
             raise TypeError(f"logits: must be [S, V] fp32 on CPU, got {tuple(logits.shape)} {logits.dtype}")
         s, v = logits.shape
@@ -147,7 +148,7 @@ class CpuSampling:
         bad = (out < 0).nonzero()
         if bad.numel():
             row = int(bad[0]) if row_ids is None else int(row_ids[int(bad[0])])
-            raise SamplingRowError(f"logits row {row}: holds a NaN or +inf, or no finite value")
+            raise SamplingRowError(f"logits row {row}: no candidate token (every logit is -inf or NaN)")
         return out
 
 

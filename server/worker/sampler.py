@@ -18,6 +18,8 @@ from server.request import Request, SamplingParams
 from server.worker.cpu_sampling import CpuSampling, RowFilters
 
 _MASK64 = (1 << 63) - 1
+# The smallest top_p the compiled path takes (an fp32 > 0): any top_p up to it keeps the first token alone
+_TOP_P_MIN = 1e-37
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,22 @@ def uniform_draws(rows: list[SamplingRow]) -> Tensor:  # -> [S] fp64 in [0, 1)
     return u
 
 
+def _limits(scaled: Tensor) -> Tensor:  # scaled: [V] fp32 logits / temperature
+    """A NaN (extreme penalties' inf - inf) is no candidate; where values are +inf, softmax's limit as they
+    grow: they share the mass evenly (server/worker/csrc/sampling.cpp does the same)."""
+    if bool(torch.isfinite(scaled).all()):
+        return scaled
+    inf = float("inf")
+    scaled = scaled.nan_to_num(nan=-inf, posinf=inf, neginf=-inf)
+    if bool((scaled == inf).any()):
+        scaled = torch.where(scaled == inf, 0.0, -inf)
+    return scaled
+
+
 def processed_row(logits: Tensor, row: SamplingRow) -> Tensor:  # logits: [V] fp32, penalties applied
     """The logits a row samples from: greedy rows as given, others / temperature, then filtered."""
     p = row.params
-    return logits if p.greedy else _filter(logits / p.temperature, p)
+    return logits if p.greedy else _filter(_limits(logits / p.temperature), p)
 
 
 def sample_row(logits: Tensor, row: SamplingRow) -> int:  # logits: [V] fp32, penalties applied
@@ -99,12 +113,12 @@ def sample_row(logits: Tensor, row: SamplingRow) -> int:  # logits: [V] fp32, pe
 
 def draw_index(processed: Tensor, u: float) -> int:  # processed: [V] fp32, from processed_row
     """Inverse-CDF sampling: the first token whose cumulative probability (fp64) exceeds u, u in [0, 1).
-    Raises ValueError where the row has no distribution (a NaN or +inf logit, or none finite)."""
+    Raises ValueError where the row has no candidate (every logit -inf or NaN)."""
     probs = processed.softmax(-1).double()
     cdf = probs.cumsum(0)
     total = float(cdf[-1])
     if not total > 0.0 or total != total:
-        raise ValueError("the logits hold a NaN or +inf, or no finite value")
+        raise ValueError("no candidate token: every logit is -inf or NaN")
     i = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True)[0])
     if i >= probs.shape[0] or not probs[i] > 0:  # u x total rounded up to the total: the last kept token
         i = int(probs.nonzero()[-1])
@@ -217,7 +231,7 @@ class Sampler:
             filters = RowFilters.of(
                 [x.temperature for x in p],
                 [min(x.top_k, vocab) for x in p],
-                [x.top_p for x in p],
+                [max(x.top_p, _TOP_P_MIN) for x in p],
                 [x.min_p for x in p],
             )
             ids = None if len(sampled) == len(rows) else torch.tensor(sampled, dtype=torch.int64)

@@ -150,27 +150,38 @@ def test_seeded_rows_are_independent_of_their_neighbours_and_of_the_path(cs: Cpu
     assert len(set(Sampler(cpu_sampling=cs)(logits[1:2].expand(40, -1).contiguous(), other).token_ids)) > 5
 
 
-def test_rows_without_a_distribution_are_refused_by_row(cs: CpuSampling) -> None:
+def test_rows_without_a_candidate_are_refused_by_row_and_extreme_values_have_limits(cs: CpuSampling) -> None:
+    """Every logit -inf or NaN: a clear error naming the row. A NaN logit (extreme penalties' inf - inf) is no
+    candidate; +inf logits (a repetition penalty of 1e-193 on a positive logit) share the mass evenly. The
+    torch path alike."""
     logits = torch.randn(4, 50)
-    logits[2, 7] = float("nan")
-    filters = RowFilters.of([1.0] * 4, [0] * 4, [1.0] * 4, [0.0] * 4)
+    filters = RowFilters.of([0.7] * 4, [0] * 4, [0.9] * 4, [0.0] * 4)
     u = torch.full((4,), 0.5, dtype=torch.float64)
-    with pytest.raises(SamplingRowError, match="logits row 2"):
-        cs.sample_rows(logits, None, filters, u)
-    logits[2, 7] = float("inf")
-    with pytest.raises(SamplingRowError, match="logits row 2"):
-        cs.sample_rows(logits, None, filters, u)
-    logits[2] = float("-inf")
-    with pytest.raises(SamplingRowError, match="logits row 2"):
-        cs.sample_rows(logits, None, filters, u)
-    # the same rows through the torch path: a clear error, never a token from a NaN
-    with pytest.raises(ValueError, match="NaN"):
-        draw_index(logits[2], 0.5)
-    ids = torch.tensor([0, 3], dtype=torch.int64)  # row_ids skip the bad row
+    rows = [_row(temperature=0.7, top_p=0.9) for _ in range(4)]
+    for fill in (float("-inf"), float("nan")):
+        logits[2] = fill
+        with pytest.raises(SamplingRowError, match="logits row 2"):
+            cs.sample_rows(logits, None, filters, u)
+        with pytest.raises(ValueError, match="no candidate"):
+            draw_index(processed_row(logits[2], rows[2]), 0.5)
+    logits[2] = torch.randn(50)
+    logits[2, [3, 11, 40]] = float("nan")
+    for use in (cs, None):
+        seen = Counter(t for _ in range(60) for t in Sampler(cpu_sampling=use)(logits, rows).token_ids[2:3])
+        assert not seen.keys() & {3, 11, 40}
+    logits[2, [5, 17]] = float("inf")
+    probs = torch.empty(4, 50)
+    cs.sample_rows(logits, None, RowFilters.of([0.7] * 4, [0] * 4, [1.0] * 4, [0.0] * 4), u, probs)
+    assert probs[2].nonzero().flatten().tolist() == [5, 17] and probs[2, 5] == probs[2, 17] == 0.5
+    for use in (cs, None):
+        seen = Counter(t for _ in range(60) for t in Sampler(cpu_sampling=use)(logits, rows).token_ids[2:3])
+        assert set(seen) == {5, 17} and seen[5] > 10 and seen[17] > 10  # top_p 0.9 of two halves keeps both
+    ids = torch.tensor([0, 3], dtype=torch.int64)
+    logits[1] = float("-inf")
     two = RowFilters.of([1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2)
-    assert cs.sample_rows(logits, ids, two, u[:2]).shape == (2,)
-    with pytest.raises(SamplingRowError, match="logits row 2"):  # the logits' row, not the position in ids
-        cs.sample_rows(logits, torch.tensor([3, 2]), two, u[:2])
+    assert cs.sample_rows(logits, ids, two, u[:2]).shape == (2,)  # row_ids skip the bad row
+    with pytest.raises(SamplingRowError, match="logits row 1"):  # the logits' row, not the position in ids
+        cs.sample_rows(logits, torch.tensor([3, 1]), two, u[:2])
 
 
 @pytest.mark.parametrize(

@@ -92,6 +92,7 @@ def test_prebuild_command_builds_every_kernel_for_every_level(prebuilt: Path) ->
         "qgemv_q8",
         "qk_native",
         "qlinear",
+        "sampling",
     )
     # and the CPU probe once, for any x86-64 CPU: it picks the level
     expected = [(v.march, k) for v in native.VARIANTS for k in kernels] + [(native.ANY.march, "cpu_probe")]

@@ -216,8 +216,9 @@ Cut top_p_cut(const float* e, const float* x, int64_t n, bool few, double target
   return cut_from_pool(pool, x, mass_above, target);
 }
 
-// The token, or -1 where the row has a NaN, a +inf or no finite logit. probs (optional): the distribution drawn
-// from, normalized.
+// The token, or -1 where the row has no candidate (every logit -inf or NaN). probs (optional): the distribution
+// drawn from, normalized. NaN logits are no candidates; +inf ones, where there are any, share the mass evenly
+// (softmax's limit), as in the torch path.
 struct Scratch {
   std::vector<float> e, cand;
   Pool pool;
@@ -231,17 +232,20 @@ int64_t sample_row(const Row& row, float* probs, Scratch& scratch) {
   float* s = e.data();
   const float* __restrict x = row.logits;  // a local: GCC gathered through row.logits otherwise
   const float t = row.temperature;
-  float m = -std::numeric_limits<float>::infinity();
-  int32_t nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float m = -kInf;
+#pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i] / t;
-    s[i] = v;
-    m = v > m ? v : m;
-    nan |= v != v ? 1 : 0;
+    s[i] = v != v ? -kInf : v;  // a NaN (penalties' inf - inf) is no candidate
+    m = s[i] > m ? s[i] : m;
   }
-  if (nan || !(m < std::numeric_limits<float>::infinity()) || m == -std::numeric_limits<float>::infinity())
-    return -1;
+  if (m == -kInf) return -1;
+  if (m == kInf) {  // softmax's limit as those logits grow: uniform over the +inf ones (extreme penalties)
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) s[i] = s[i] == kInf ? 0.0f : -kInf;
+    m = 0.0f;
+  }
   const bool top_k = row.top_k > 0 && row.top_k < n;
   const float kth = top_k ? kth_largest(s, n, row.top_k, cand) : -std::numeric_limits<float>::infinity();
   double z = 0.0;
@@ -317,7 +321,7 @@ int32_t kubeinfer_sampling_abi() { return 1; }
 
 // logits: rows of `vocab` fp32 values `stride` apart; row r of the batch is logits row row_ids[r] (or r where
 // row_ids is null). Per row: temperature (> 0), top_k (0 off), top_p ((0, 1], 1 off), min_p ([0, 1], 0 off),
-// u ([0, 1)). out[r]: the token, or -1 where the row holds a NaN or no finite value. probs (optional):
+// u ([0, 1)). out[r]: the token, or -1 where the row has no candidate (every logit -inf or NaN). probs (optional):
 // [rows, vocab] with row stride probs_stride, each row the normalized distribution its token was drawn from.
 // Returns 0, or 1 on a bad argument (nothing written).
 int32_t kubeinfer_sample_rows(const float* logits, int64_t stride, const int64_t* row_ids, int64_t rows,
