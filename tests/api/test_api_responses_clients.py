@@ -137,12 +137,19 @@ def test_api_responses_guidellm(live_server: LiveServer, smollm2_dir: Path, tmp_
         f"kind=json,path={out}",
         "--disable-console",
     ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    bench = json.loads(out.read_text())["benchmarks"][0]
-    state = bench["scheduler_state"]
-    assert (state["successful_requests"], state["errored_requests"], state["cancelled_requests"]) == (3, 0, 0)
+    for _attempt in range(2):
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        bench = json.loads(out.read_text())["benchmarks"][0]
+        state = bench["scheduler_state"]
+        counts = (state["successful_requests"], state["errored_requests"], state["cancelled_requests"])
+        # guidellm 0.8's scheduler drops a completion whose in-progress update it has not yet seen
+        # (worker_group.py, _finalize_terminal_request): on a loaded machine it counted (2, 0, 0) while our
+        # server had answered all three with 200 (CI, 2026-12-07). That signature alone gets one more run.
+        if not (counts[0] < 3 and counts[1:] == (0, 0)):
+            break
+    assert counts == (3, 0, 0)
     records = bench["requests"]
     assert [r["output_tokens"] for r in records["successful"]] == [8, 8, 8]
