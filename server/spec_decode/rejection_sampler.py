@@ -27,7 +27,14 @@ import torch
 from torch import Tensor
 
 from server.request import Request
-from server.worker.sampler import _MASK64, SamplingRow, _ban_eos_early, _filter, apply_penalties, sample_row
+from server.worker.sampler import (
+    _MASK64,
+    SamplingRow,
+    _ban_eos_early,
+    apply_penalties,
+    processed_row,
+    sample_row,
+)
 
 _SALT = 0x5EC0DE
 
@@ -78,7 +85,7 @@ def verify_drafts(logits: Tensor, req: Request, drafts: Sequence[int]) -> list[i
 
     out = []
     for j in range(k):
-        probs = _filter(logits[j] / params.temperature, params).softmax(-1)  # [V]
+        probs = processed_row(logits[j], rows[j]).softmax(-1)  # [V]
         x = drafts[j]
         g = _generator(views[j], probs.device)
         u = torch.rand((), generator=g, device=probs.device)

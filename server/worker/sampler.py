@@ -214,9 +214,10 @@ class Sampler:
     def _tokens(self, logits: Tensor, rows: list[SamplingRow]) -> list[int]:  # logits: [S, V] fp32
         """Greedy rows by argmax, the others by their filters and one uniform draw each."""
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        cpu_fp32 = logits.device.type == "cpu" and logits.dtype == torch.float32
         tokens: list[int] = []
         if len(sampled) < len(rows):
-            fast = self.argmax is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            fast = self.argmax is not None and cpu_fp32
             tokens = (self.argmax(logits.contiguous()) if fast else logits.argmax(-1)).tolist()  # type: ignore[misc]
         if not sampled:
             return tokens
@@ -224,8 +225,7 @@ class Sampler:
             tokens = [0] * len(rows)
         picked = [rows[i] for i in sampled]
         u = uniform_draws(picked)
-        on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
-        if self.cpu_sampling is not None and on_cpu:
+        if self.cpu_sampling is not None and cpu_fp32:
             p = [r.params for r in picked]
             vocab = logits.shape[1]  # a top_k past the vocabulary keeps it all (and may not fit int32)
             filters = RowFilters.of(

@@ -216,15 +216,16 @@ Cut top_p_cut(const float* e, const float* x, int64_t n, bool few, double target
   return cut_from_pool(pool, x, mass_above, target);
 }
 
-// The token, or -1 where the row has no candidate (every logit -inf or NaN). probs (optional): the distribution
-// drawn from, normalized. NaN logits are no candidates; +inf ones, where there are any, share the mass evenly
-// (softmax's limit), as in the torch path.
+// A thread's buffers, kept across rows and calls.
 struct Scratch {
   std::vector<float> e, cand;
   Pool pool;
   std::vector<double> sums;
 };
 
+// The token, or -1 where the row has no candidate (every logit -inf or NaN). probs (optional): the distribution
+// drawn from, normalized. NaN logits are no candidates; +inf ones, where there are any, share the mass evenly
+// (softmax's limit), as in the torch path.
 int64_t sample_row(const Row& row, float* probs, Scratch& scratch) {
   auto& [e, cand, pool, sums] = scratch;
   const int64_t n = row.n;
@@ -247,7 +248,7 @@ int64_t sample_row(const Row& row, float* probs, Scratch& scratch) {
     m = 0.0f;
   }
   const bool top_k = row.top_k > 0 && row.top_k < n;
-  const float kth = top_k ? kth_largest(s, n, row.top_k, cand) : -std::numeric_limits<float>::infinity();
+  const float kth = top_k ? kth_largest(s, n, row.top_k, cand) : -kInf;
   double z = 0.0;
 #pragma omp simd reduction(+ : z)
   for (int64_t i = 0; i < n; ++i) {
