@@ -36,6 +36,9 @@ SETTINGS = {
     "temperature=0.6,top_k=20,top_p=0.95": dict(temperature=0.6, top_k=20, top_p=0.95),
     "temperature=0.8,min_p=0.05": dict(temperature=0.8, min_p=0.05),
     "temperature=0.7,top_p=0.9,seed": dict(temperature=0.7, top_p=0.9, seed=7),
+    # what the OpenAI API's logprobs / top_logprobs cost on top (lm-eval, agents' confidence checks)
+    "greedy,logprobs=5": dict(temperature=0.0, logprobs=5),
+    "temperature=0.7,top_p=0.9,logprobs=5": dict(temperature=0.7, top_p=0.9, logprobs=5),
 }
 
 

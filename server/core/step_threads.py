@@ -17,7 +17,10 @@ of the last `window` (5) samples of wall seconds per token is kept (a median, no
 lost its core to our event loop or a neighbour is an outlier, and a few of them must not hand the place
 to the slower count). A step runs with the count of the lowest median. A bucket never seen starts on the best
 count of the nearest bucket that has measured every count (its other counts wait for its regular probes:
-trying one thread first on a 2048-token prefill cost every waiting request a second); while no bucket has,
+trying one thread first on a 2048-token prefill cost every waiting request a second), unless that count's
+cost there says this step takes `long_step_s` or more: a short step's lead does not carry over to a long,
+GEMM-bound one, which starts as in a bucket without a hint, and a long size hinted all the same gets one
+sample on `max_threads` as soon as its first step shows it long; while no bucket has,
 a count never tried in its bucket is tried first, the largest first (not where the bucket's steps take
 `long_step_s`, 0.1 s, or more on their best count: there the others wait for the regular probes). Every
 `explore_every`-th step of a bucket tries the next other count in turn for two steps, so a change of load
@@ -130,12 +133,20 @@ class StepThreads:
     def bucket_of(num_tokens: int) -> int:
         return max(1, num_tokens).bit_length()
 
-    def _hint(self, key: int) -> int | None:
-        """The best count of the nearest bucket (the larger on a tie) that has measured every candidate."""
+    def _hint(self, key: int, num_tokens: int) -> int | None:
+        """The best count of the nearest bucket (the larger on a tie) that has measured every candidate;
+        None where there is none, or where its best cost says a step of `num_tokens` takes `long_step_s`
+        or more: a short step's lead does not carry over to a long, GEMM-bound one (seen: a server that
+        started beside another's load measured one thread faster for its warm-up's one-row decode, and
+        every 2,048-token prefill of its runs then took one thread, TTFT 27 s against 14 s on two)."""
         full = [k for k, b in self._buckets.items() if len(b.cost) == len(self.candidates)]
         if not full:
             return None
-        return _leader(self._buckets[min(full, key=lambda k: (abs(k - key), -k))])
+        nearest = self._buckets[min(full, key=lambda k: (abs(k - key), -k))]
+        leader = _leader(nearest)
+        if nearest.cost[leader] * max(1, num_tokens) >= self.long_step_s:
+            return None
+        return leader
 
     def best(self, num_tokens: int) -> int | None:
         """The count with the lowest measured cost for steps of this size; None before any record."""
@@ -153,7 +164,7 @@ class StepThreads:
         if not b.interval:
             b.interval = b.next_explore = self.explore_every
         untried = [t for t in reversed(self.candidates) if t not in b.cost]
-        hint = self._hint(key) if untried and not b.cost and self.hint_new_buckets else None
+        hint = self._hint(key, num_tokens) if untried and not b.cost and self.hint_new_buckets else None
         if hint is not None:
             # A new step size starts on the count that leads for the nearest size measured with every
             # count; the others wait for this bucket's regular probes. Trying each count first costs
@@ -161,8 +172,12 @@ class StepThreads:
             # waiting request's first token by a second (TTFT p50 2.5 s against 0.7 s with two).
             b.hinted = True
             threads = hint
-        elif untried and not b.hinted and not self._long(b, num_tokens):
+        elif untried and (not b.cost or not (b.hinted or self._long(b, num_tokens))):
             threads = untried[0]  # the largest first: the right count on an idle machine
+        elif self.max_threads in untried and self._long(b, num_tokens):
+            # a hint that turned out long: a long step size always gets one sample on the largest count
+            # (a switch costs nothing beside it, and it is the count a GEMM-bound step wants)
+            threads = self.max_threads
         elif b.probe is not None and b.probe_left > 0:
             threads = b.probe[1]
             b.probe_left -= 1

@@ -254,6 +254,37 @@ def test_logprobs_mode_under_a_mask(mode: str, greedy: bool) -> None:
     assert math.isfinite(lp.chosen.logprob) and all(math.isfinite(t.logprob) for t in lp.top)
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits"])
+def test_logprobs_of_some_rows_of_a_batch_match_each_rows_own_reference(mode: str) -> None:
+    """Rows asking different top counts (and some none) in one batch: each row reports its own
+    log_softmax (or logits) and top list, as if it were alone; the rows without logprobs report none."""
+    from server.request import Request
+    from server.worker.sampler import Sampler, SamplingRow
+
+    torch.manual_seed(0)
+    vocab = 1000
+    logits = torch.randn(5, vocab) * 4
+    logits[3, :500] = float("-inf")  # a row whose half is masked: log_softmax over the rest
+    asks = [5, None, 0, 20, 1]
+    rows = [
+        SamplingRow(Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4, temperature=0.0, logprobs=n)))
+        for i, n in enumerate(asks)
+    ]
+    out = Sampler(mode)(logits.clone(), rows)
+    for i, n in enumerate(asks):
+        lp = out.logprobs[i]
+        if n is None:
+            assert lp is None
+            continue
+        values = logits[i].log_softmax(-1) if mode == "raw_logprobs" else logits[i]
+        token = out.token_ids[i]
+        assert lp is not None and token == int(logits[i].argmax()) and lp.chosen.token_id == token
+        assert lp.chosen.logprob == pytest.approx(float(values[token]), abs=1e-5)
+        expect = torch.topk(values, n)
+        assert [t.token_id for t in lp.top] == expect.indices.tolist()
+        assert [t.logprob for t in lp.top] == pytest.approx(expect.values.tolist(), abs=1e-5)
+
+
 @pytest.mark.parametrize(
     "edit",
     [

@@ -159,3 +159,17 @@ def test_the_hint_can_be_turned_off() -> None:
     _run(policy, 16, {1: 0.5e-3, 2: 2e-3}, 8)
     assert _run(policy, 2048, {1: 2e-3, 2: 1e-3}, 3) == [2, 2, 2]
     assert _run(policy, 100, {1: 1e-4, 2: 2e-4}, 3) == [2, 1, 1]  # short steps: untried counts first
+
+
+def test_a_short_steps_lead_is_no_hint_for_a_long_step() -> None:
+    """A server that starts beside another's load measures one thread faster for its warm-up's one-row
+    decode; its first 2,048-token prefill must not take that count (seen: every prefill of a run on one
+    thread, TTFT 27 s against 14 s), and a long size that a short bucket's hint sent to the smaller
+    count tries the largest on its next step."""
+    policy = StepThreads(2, explore_every=8)
+    _run(policy, 1, {1: 0.03, 2: 0.06}, 6)  # a contended warm-up: one-row decode steps of 30-60 ms
+    assert _run(policy, 2048, {1: 2e-3, 2: 1e-3}, 3) == [2, 2, 2]  # 4 s / 2 s steps: not hinted
+    # a hint that looked short (the nearest size's steps of ~1 ms) but whose step took 4 s
+    policy = StepThreads(2, explore_every=8)
+    _run(policy, 1024, {1: 1e-6, 2: 2e-6}, 4)
+    assert _run(policy, 2048, {1: 2e-3, 2: 1e-3}, 4) == [1, 2, 2, 2]
