@@ -143,10 +143,7 @@ class StepThreads:
         if not full:
             return None
         nearest = self._buckets[min(full, key=lambda k: (abs(k - key), -k))]
-        leader = _leader(nearest)
-        if nearest.cost[leader] * max(1, num_tokens) >= self.long_step_s:
-            return None
-        return leader
+        return None if self._long(nearest, num_tokens) else _leader(nearest)
 
     def best(self, num_tokens: int) -> int | None:
         """The count with the lowest measured cost for steps of this size; None before any record."""
@@ -172,7 +169,7 @@ class StepThreads:
             # waiting request's first token by a second (TTFT p50 2.5 s against 0.7 s with two).
             b.hinted = True
             threads = hint
-        elif untried and (not b.cost or not (b.hinted or self._long(b, num_tokens))):
+        elif untried and not (b.hinted and b.cost) and not self._long(b, num_tokens):
             threads = untried[0]  # the largest first: the right count on an idle machine
         elif self.max_threads in untried and self._long(b, num_tokens):
             # a hint that turned out long: a long step size always gets one sample on the largest count
@@ -196,7 +193,8 @@ class StepThreads:
         return threads
 
     def _long(self, b: _Bucket, num_tokens: int) -> bool:
-        """Whether steps of this bucket take `long_step_s` or more on their best count so far."""
+        """Whether a step of `num_tokens` takes `long_step_s` or more at bucket b's best cost per token
+        so far (b: the step's own bucket, or the nearest one a hint would come from)."""
         return bool(b.cost) and min(b.cost.values()) * max(1, num_tokens) >= self.long_step_s
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:

@@ -553,12 +553,8 @@ def _copy_out_of_checkpoint_files(model: nn.Module, mapped: list[tuple[int, int]
         i = bisect.bisect_right(starts, t.data_ptr()) - 1
         return i >= 0 and t.data_ptr() < mapped[i][1]
 
-    seen: set[int] = set()
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in seen or id(t) in linear:
-            continue
-        seen.add(id(t))
-        if in_file(t):
+    for t in [*model.parameters(), *model.buffers()]:  # each tied tensor once
+        if id(t) not in linear and in_file(t):
             t.data = t.data.clone()  # in place: tied modules keep sharing the one parameter
 
 
@@ -661,7 +657,6 @@ def load_model(
             _quantize_moe_experts(model, qcfg.method, device)
     model.eval()
     model.requires_grad_(False)
-    del state
     _copy_out_of_checkpoint_files(model, mapped)
     num_params = arch.num_parameters
     return LoadedModel(
