@@ -15,6 +15,10 @@
   its 8-lane register passes, against the same build with them compiled out (-DKI_GENERIC_DECODE: the
   generic loops an AVX2 build ran before), for short and long private contexts and long ones over a
   shared 512-token prefix (held in cache: bound by arithmetic).
+- `decode_int8`: a decode step's attention in Llama-3.2-1B's shape (32 query / 8 KV heads of 64, 16 layers),
+  8 sequences of 512, 2,048 and 8,192 private tokens, over the bf16 cache `auto` gives a CPU with bf16
+  (the bf16 K pass on where it runs) against an int8 cache (`--kv-cache-dtype int8`, server/attention/int8_kv.py:
+  0.56x its bytes) and an fp32 one, with the KV bytes each reads.
 Times are the median and minimum of `--reps` calls, the calls of both sides alternating so that the load
 of this shared machine hits both alike. `decode` and `prefill` only where the CPU has usable AVX512-BF16
 (else it says so).
@@ -44,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from paged_batch import make_paged_batch
 
+from server.attention import int8_kv
 from server.attention.cpu_kernel import (
     NATIVE,
     DecodeKernel,
@@ -170,6 +175,51 @@ def decode_rows(kernel: DecodeKernel, reps: int) -> list[dict[str, object]]:
     return rows
 
 
+def decode_int8_case(kernel: DecodeKernel, reps: int, ctx: int) -> dict[str, object]:
+    seqs, hq, hkv, d, layers = 8, 32, 8, 64, 16  # Llama-3.2-1B
+    q = torch.randn(seqs, hq, d)
+    idx = torch.arange(seqs)
+    nb = -(-ctx // BS)
+    tables = (torch.arange(seqs * nb, dtype=torch.int32).view(seqs, nb) * 7919) % (seqs * nb)  # scattered
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    caches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"bf16": [], "int8": [], "fp32": []}
+    slots = torch.arange(seqs * nb * BS)
+    for _ in range(layers):
+        k, v = torch.randn(seqs * nb, BS, hkv, d), torch.randn(seqs * nb, BS, hkv, d)
+        caches["bf16"].append((k.bfloat16(), v.bfloat16()))
+        caches["fp32"].append((k, v))
+        kc, vc = (int8_kv.allocate(seqs * nb, BS, hkv, d) for _ in range(2))
+        kernel.store_kv(kc, vc, slots, k.view(-1, hkv, d), v.view(-1, hkv, d))
+        caches["int8"].append((kc, vc))
+    out = {name: torch.empty_like(q) for name in caches}
+
+    def step(name: str) -> None:
+        for kc, vc in caches[name]:
+            kernel(out[name], q, kc, vc, tables, lens, idx, idx, 0.125, indices_checked=True)
+
+    t = alternate({name: functools.partial(step, name) for name in caches}, reps)
+    per_row = {"bf16": 2 * d, "int8": int8_kv.block_bytes(1, 1, d), "fp32": 4 * d}
+    return {
+        "sequences": seqs,
+        "context": ctx,
+        "layers": layers,
+        **{
+            f"{name}_kv_MB": round(seqs * nb * BS * hkv * per_row[name] * 2 * layers / 1e6) for name in caches
+        },
+        **{name: summary(t[name]) for name in caches},
+        "int8_over_bf16_time": round(statistics.median(t["int8"]) / statistics.median(t["bf16"]), 2),
+        "int8_max_abs_difference_to_fp32": float((out["int8"] - out["fp32"]).abs().max()),
+    }
+
+
+def decode_int8_rows(kernel: DecodeKernel, reps: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for ctx in (512, 2048, 8192):
+        rows.append(decode_int8_case(kernel, reps, ctx))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def prefill_case(kernel: DecodeKernel, reps: int, chunks: int, n: int, ctx: int) -> dict[str, object]:
     batch = make_paged_batch(
         [n] * chunks,
@@ -243,28 +293,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=8)
+    sections = ("decode_fp32", "decode", "prefill", "decode_int8")
+    ap.add_argument("--only", nargs="+", choices=sections, default=list(sections))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     kernel = load_decode_kernel()
     result: dict[str, object] = {
-        "benchmark": "CPU attention kernels: fp32 decode passes vs generic, decode bf16 K pass on/off, prefill kernel vs SDPA",
+        "benchmark": "CPU attention kernels: fp32 decode passes vs generic, decode bf16 K pass on/off, prefill "
+        "kernel vs SDPA, decode over int8 vs bf16 caches",
         "threads": args.threads,
         "usable_features": [f for f, on in vars(usable_cpu_features()).items() if on],
         "load_average_at_start": os.getloadavg(),
     }
     usable = usable_cpu_features()
-    if usable.avx2 and usable.fma:
-        result["decode_fp32"] = decode_fp32_rows(args.reps)
-    else:
-        result["decode_fp32"] = "skipped: no usable AVX2 + FMA here"
-    if not kernel.bf16:
+    if "decode_fp32" in args.only:
+        if usable.avx2 and usable.fma:
+            result["decode_fp32"] = decode_fp32_rows(args.reps)
+        else:
+            result["decode_fp32"] = "skipped: no usable AVX2 + FMA here"
+    if {"decode", "prefill"} & set(args.only) and not kernel.bf16:
         result["skipped"] = (
             "decode, prefill: no usable AVX512-BF16 here (or KUBEINFER_CPU_DISABLE turned it off)"
         )
     else:
-        result["decode"] = decode_rows(kernel, args.reps)
-        result["prefill"] = prefill_rows(kernel, args.reps)
+        if "decode" in args.only:
+            result["decode"] = decode_rows(kernel, args.reps)
+        if "prefill" in args.only:
+            result["prefill"] = prefill_rows(kernel, args.reps)
+    if "decode_int8" in args.only:
+        result["decode_int8"] = decode_int8_rows(kernel, args.reps)
     result["load_average_at_end"] = os.getloadavg()
     print(json.dumps(result, indent=2))
 

@@ -38,8 +38,9 @@ def default_cache_dir() -> Path:
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # vLLM's --kv-cache-dtype: auto, bfloat16 and float16 are vLLM's; float32 is ours (vLLM's CPU build keeps
-# no fp32 cache). vLLM's fp8 formats are refused (server/attention/kv_cache_dtype.py).
-KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# no fp32 cache), and int8 (CPU: a scale per 32 values, server/attention/int8_kv.py, as llama.cpp's
+# q8_0 cache type). vLLM's fp8 formats are refused (server/attention/kv_cache_dtype.py).
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8")
 KV_CACHE_FP8_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 # vLLM's --logprobs-mode: what sampled-token logprobs report (server/worker/sampler.py)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")

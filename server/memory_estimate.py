@@ -126,6 +126,8 @@ class ServingSettings:
         for name in ("dtype", "auto_dtype", "kv_cache_dtype"):
             value = _DTYPE_ALIASES.get(getattr(self, name), getattr(self, name))
             allowed = ("auto", *DTYPE_BYTES) if name != "auto_dtype" else tuple(DTYPE_BYTES)
+            if name == "kv_cache_dtype":
+                allowed = (*allowed, "int8")
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
             object.__setattr__(self, name, value)
@@ -375,7 +377,10 @@ def _assemble(
     source: str, weights: int, in_file: int, att: _Attention, settings: ServingSettings
 ) -> MemoryEstimate:
     max_len = settings.max_model_len or att.max_position_embeddings
-    layer_token = 2 * att.num_kv_heads * att.head_dim * DTYPE_BYTES[settings.cache_dtype]
+    if settings.cache_dtype == "int8":  # a byte a value, an fp32 scale per 32 (server/attention/int8_kv.py)
+        layer_token = 2 * att.num_kv_heads * (att.head_dim + att.head_dim // 8)
+    else:
+        layer_token = 2 * att.num_kv_heads * att.head_dim * DTYPE_BYTES[settings.cache_dtype]
     full_layers = sum(1 for w in att.windows if w is None)
     per_token = full_layers * layer_token
     bs = settings.block_size

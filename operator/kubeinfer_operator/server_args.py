@@ -127,7 +127,7 @@ SERVER_FLAG_TABLE: dict[str, ServerFlag] = {
     "--distributed-timeout": ServerFlag("float"),
     "--enable-auto-tool-choice": _SWITCH,
     "--enable-responses-store": _SWITCH,
-    "--kv-cache-dtype": ServerFlag("str", ("auto", "bfloat16", "float16", "float32")),
+    "--kv-cache-dtype": ServerFlag("str", ("auto", "bfloat16", "float16", "float32", "int8")),
     "--kv-cache-memory": ServerFlag("parse_size"),
     "--limit-concurrency": ServerFlag("int"),
     "--limit-concurrency-per-client": ServerFlag("int"),

@@ -20,14 +20,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from server.attention.int8_kv import is_int8_cache
 from server.config import default_cache_dir
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-ABI_VERSION = 8  # 3: _set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa; 6: sliding windows;
-# 7: attention sinks; 8: attention logit soft-cap (kubeinfer_paged_decode_capped, prefill's softcap)
+ABI_VERSION = 9  # 3: _set_bf16 / _bf16_enabled; 4: kubeinfer_paged_prefill; 5: _isa; 6: sliding windows;
+# 7: attention sinks; 8: attention logit soft-cap (kubeinfer_paged_decode_capped, prefill's softcap);
+# 9: int8 caches (cache dtype 3), kubeinfer_kv_store takes Hkv, D and block_size
 MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the stack
 # -ffast-math lets the compiler vectorize the dot products and exp (libmvec). It only goes on the compile
 # step: linking a shared library with it would, on older gcc, pull in crtfastmath.o, which turns on
@@ -35,7 +37,8 @@ MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # q and out
-CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # k/v caches, any q dtype
+# k/v caches, any q dtype; int8 in int8_kv's layout (its rows' scales after each block)
+CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 NATIVE = NativeSource("paged_decode", SOURCE, COMPILE_FLAGS, LINK_FLAGS, abi_version=ABI_VERSION)
 
 __all__ = ["DecodeKernel", "KernelBuildError", "PrefillChunks", "load_decode_kernel"]
@@ -61,7 +64,7 @@ class DecodeKernel:
         self,
         out: Tensor,  # [T, Hq, D] fp32 or bf16 like q, rows[i] written for each decode sequence i
         q: Tensor,  # [T, Hq, D] fp32 or bf16
-        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16 (widened to fp32 rows)
+        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16, fp16 (widened to fp32 rows) or int8 (int8_kv)
         v_cache: Tensor,  # [num_blocks, block_size, Hkv, D] like k_cache
         block_tables: Tensor,  # [num_seqs, max_blocks] int32
         context_lens: Tensor,  # [num_seqs] int32
@@ -214,22 +217,22 @@ class DecodeKernel:
 
     def store_kv(
         self,
-        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16, contiguous
+        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] fp32, bf16 or fp16 contiguous, or int8 (int8_kv)
         v_cache: Tensor,  # like k_cache
         slots: Tensor,  # [T] int64, each in [0, num_blocks * block_size)
         k: Tensor,  # [T, Hkv, D] fp32, each row's heads contiguous
         v: Tensor,  # [T, Hkv, D] fp32, strided like k
     ) -> None:
-        """`kubeinfer_kv_store`, the decode graph's K/V write: rounds to the cache dtype to nearest even
-        (as `.to()`). Raises ValueError/TypeError for arguments it cannot take."""
+        """`kubeinfer_kv_store`, the decode graph's K/V write: rounds to a float cache's dtype to nearest
+        even (as `.to()`), quantizes to an int8 cache per row (int8_kv.quantize). Raises ValueError/TypeError
+        for arguments it cannot take."""
         t, hkv, d = k.shape
-        width = hkv * d
         if k_cache.dtype not in CACHE_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
             raise TypeError(f"caches: dtypes {k_cache.dtype}, {v_cache.dtype}; expected one cache dtype")
         if k.dtype != torch.float32 or v.dtype != torch.float32 or slots.dtype != torch.int64:
             raise TypeError("k and v must be fp32, slots int64")
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()):
-            raise ValueError("caches and slots must be contiguous")
+        if not (_cache_layout_ok(k_cache) and _cache_layout_ok(v_cache) and slots.is_contiguous()):
+            raise ValueError("caches must be contiguous (int8: int8_kv's layout), slots contiguous")
         if v.shape != k.shape or v.stride() != k.stride() or k.stride()[1:] != (d, 1):
             raise ValueError("k and v must be [T, Hkv, D] with the same strides and contiguous rows")
         if k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape or slots.shape != (t,):
@@ -245,7 +248,9 @@ class DecodeKernel:
             v.data_ptr(),
             k.stride(0),
             t,
-            width,
+            hkv,
+            d,
+            k_cache.shape[1],
         )
         if rc != 0:
             raise RuntimeError(f"kv store returned {rc}")
@@ -360,7 +365,13 @@ def _check_operands(
             and t.stride(1) == t.shape[2]
             and t.stride(0) >= t.shape[1] * t.shape[2]
         )
-        if not (t.is_contiguous() or (name in ("q", "out") and row_dense)):
+        if name in ("k_cache", "v_cache"):
+            if not _cache_layout_ok(t):
+                raise ValueError(
+                    f"{name}: must be contiguous (int8: int8_kv's layout), got strides {t.stride()} for "
+                    f"{tuple(t.shape)}"
+                )
+        elif not (t.is_contiguous() or (name in ("q", "out") and row_dense)):
             raise ValueError(f"{name}: must be contiguous, got strides {t.stride()} for {tuple(t.shape)}")
     if q.dtype not in _DTYPE_CODES:
         raise TypeError(f"q: dtype {q.dtype} not supported (float32 or bfloat16)")
@@ -369,7 +380,7 @@ def _check_operands(
     if k_cache.dtype not in CACHE_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
         raise TypeError(
             f"k_cache, v_cache: dtypes {k_cache.dtype}, {v_cache.dtype}; expected one of float32, bfloat16, "
-            "float16 for both"
+            "float16, int8 for both"
         )
     if block_tables.dtype != torch.int32:
         raise TypeError(f"block_tables: dtype {block_tables.dtype}, expected {torch.int32}")
@@ -388,6 +399,11 @@ def _check_operands(
         raise ValueError(
             f"head shapes disagree: q has {hq} heads of {d}, the cache {hkv} of {k_cache.shape[3]}"
         )
+
+
+def _cache_layout_ok(cache: Tensor) -> bool:
+    """A float cache contiguous, an int8 one in int8_kv's layout (the kernels address blocks by it)."""
+    return is_int8_cache(cache) if cache.dtype == torch.int8 else cache.is_contiguous()
 
 
 def check_decode_args(
@@ -462,7 +478,7 @@ def bind_decode_kernel(lib: ctypes.CDLL, path: Path) -> DecodeKernel:
     fc.argtypes = [i32, i32] + [ptr] * 8 + [i64] * 4 + [i32] * 4 + [f32, i32, ptr, f32, i32]
     store = lib.kubeinfer_kv_store
     store.restype = ctypes.c_int32
-    store.argtypes = [i32] + [ptr] * 5 + [i64] * 3
+    store.argtypes = [i32] + [ptr] * 5 + [i64] * 2 + [i32] * 3
     pf = lib.kubeinfer_paged_prefill
     pf.restype = i32
     pf.argtypes = [ptr] * 9 + [i64] * 4 + [i32] * 4 + [ctypes.c_float, i32, ptr, ctypes.c_float, i32]

@@ -9,7 +9,8 @@ quantized GGUF): csrc/paged_decode.cpp for decode rows, torch_backend.py for pro
 
 `auto` follows the GEMM decision of server/quant/gemm_dtype.py: bf16 where `--dtype` resolves to bf16
 compute (on CPU: AVX512-BF16 or AMX-BF16 usable, loader.cpu_has_native_bf16), else the model's
-activation dtype, so an fp32 machine keeps today's fp32 cache. vLLM's fp8 names are refused by
+activation dtype, so an fp32 machine keeps today's fp32 cache. `int8` (CPU only) quantizes K/V with a scale
+per 32 values (int8_kv.py): 0.56x a bf16 cache's bytes. vLLM's fp8 names are refused by
 CacheConfig. On CUDA the Triton kernels read a cache of the model's dtype only.
 """
 
@@ -17,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from server.attention import int8_kv
+
+KV_CACHE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int8": torch.int8,  # int8_kv.py's layout: each row's values and an fp32 scale
+}
 
 
 def resolve_kv_cache_dtype(
@@ -36,6 +44,8 @@ def resolve_kv_cache_dtype(
             f"--kv-cache-dtype: unknown value {name!r}; expected auto, {', '.join(KV_CACHE_DTYPES)}"
         )
     dtype = KV_CACHE_DTYPES[name]
+    if device_type != "cpu" and dtype == torch.int8:
+        raise ValueError("--kv-cache-dtype int8: the int8 cache is read by the CPU kernels only; use auto")
     if device_type != "cpu" and dtype != model_dtype:
         raise ValueError(
             f"--kv-cache-dtype {name}: the CUDA (Triton) attention reads a cache of the model's dtype only "
@@ -46,3 +56,17 @@ def resolve_kv_cache_dtype(
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,  # resolve_kv_cache_dtype's
+    device: torch.device | str,
+) -> torch.Tensor:  # [num_blocks, block_size, Hkv, D] zeros: contiguous, or int8_kv's layout for int8
+    """One layer's K or V cache of `dtype`."""
+    if dtype == torch.int8:
+        return int8_kv.allocate(num_blocks, block_size, num_kv_heads, head_dim, device)
+    return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)

@@ -22,6 +22,11 @@ to the SDPA groups in bf16 instead: q rounded to bf16, K/V as the bf16 cache hol
 SDPA (oneDNN's brgemm on AMX tiles: 1.6-3x the kernel there, 2026-12-02), its bf16 output widened to fp32
 (the o projection rounds it to bf16 again at prefill sizes). Again all chunks alike.
 
+An int8 cache (`--kv-cache-dtype int8`, int8_kv.py) needs the compiled kernel: every write goes through
+its quantizing store (`DecodeKernel.store_kv`), decode rows through its decode pass; prompt chunks attend
+over the rows read back dequantized (their own K/V too, as later steps will read them), through the SDPA
+groups, in bf16 where AMX-BF16 is usable (as for a bf16 cache), else in q's dtype.
+
 A soft-capped layer (`softcap` > 0, Gemma 2's `attn_logit_softcapping`: each scaled score s becomes
 cap * tanh(s / cap) before the mask and softmax) cannot take SDPA, which has no such term: its decode rows
 go to the compiled kernel or the fp32 gather path, its prompt chunks to the compiled prefill kernel where
@@ -37,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from server.attention import int8_kv
 from server.attention.cpu_kernel import (
     DecodeKernel,
     PrefillChunks,
@@ -275,7 +281,11 @@ class TorchAttentionBackend:
             decode = _DecodePlan(seqs=idx, rows=rows, gather=gather)
         kernel = self.decode_kernel
         amx = kernel is not None and kernel.amx_bf16 and not capped
-        if amx and kernel is not None and kernel.prefill_supported(dtype, cache_dtype, head_dim):
+        if (
+            amx
+            and kernel is not None
+            and (kernel.prefill_supported(dtype, cache_dtype, head_dim) or cache_dtype == torch.int8)
+        ):
             # Every prompt chunk through torch's bf16 SDPA over the bf16 K/V (module docstring).
             return _Plan(
                 decode, _prefill_groups(meta, qsl, bs, torch.bfloat16, window), compute=torch.bfloat16
@@ -341,11 +351,15 @@ class TorchAttentionBackend:
             )
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         sd_shape = (-1, num_kv_heads, head_dim)
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        k_stored, v_stored = k.to(k_cache.dtype), v.to(v_cache.dtype)  # [T, Hkv, D], k and v when same dtype
-        flat_k.index_copy_(0, meta.slot_mapping, k_stored)
-        flat_v.index_copy_(0, meta.slot_mapping, v_stored)
+        if k_cache.dtype == torch.int8:
+            own = any(grp.blocks is None for grp in plan.prefill)
+            k_stored, v_stored = self._store_int8(k, v, k_cache, v_cache, meta.slot_mapping, q.dtype, own)
+        else:
+            flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+            flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+            k_stored, v_stored = k.to(k_cache.dtype), v.to(v_cache.dtype)  # [T, Hkv, D]
+            flat_k.index_copy_(0, meta.slot_mapping, k_stored)
+            flat_v.index_copy_(0, meta.slot_mapping, v_stored)
         gqa = q.shape[1] != num_kv_heads
         cd = plan.compute or q.dtype  # the SDPA's dtype: K/V as the cache holds them where it is the cache's
         # Every row from the bf16 SDPA groups and a caller that takes bf16: their output as it is
@@ -375,8 +389,8 @@ class TorchAttentionBackend:
             qd = q.index_select(0, d.rows)  # [Sd, Hq, D]
             # Whole blocks are copied with index_select: ~4x faster than gathering token by token.
             sd, length = d.rows.shape[0], g.num_blocks * self.block_size
-            kd = k_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
-            vd = v_cache.index_select(0, g.blocks).view(sd, length, *sd_shape[1:]).transpose(1, 2)
+            kd = _read_blocks(k_cache, g.blocks, q.dtype).view(sd, length, *sd_shape[1:]).transpose(1, 2)
+            vd = _read_blocks(v_cache, g.blocks, q.dtype).view(sd, length, *sd_shape[1:]).transpose(1, 2)
             # kd, vd: [Sd, Hkv, L, D]
             if q.dtype == torch.float32 and sinks is None and not cap:
                 kd, vd = kd.float(), vd.float()  # a no-op for an fp32 cache
@@ -443,8 +457,12 @@ class TorchAttentionBackend:
                     )
             else:
                 length = grp.blocks.shape[0] // b * self.block_size
-                ks = k_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]
-                vs = v_cache.index_select(0, grp.blocks).view(b, length, *sd_shape[1:])[:, : grp.context_len]
+                ks = _read_blocks(k_cache, grp.blocks, cd).view(b, length, *sd_shape[1:])[
+                    :, : grp.context_len
+                ]
+                vs = _read_blocks(v_cache, grp.blocks, cd).view(b, length, *sd_shape[1:])[
+                    :, : grp.context_len
+                ]
                 # ks, vs: [B, Hkv, ctx, D], widened to q's dtype (a no-op when the cache has it)
                 ks, vs = ks.transpose(1, 2).to(cd), vs.transpose(1, 2).to(cd)
                 mask = grp.mask
@@ -472,5 +490,46 @@ class TorchAttentionBackend:
                 out.index_copy_(0, grp.rows, o)
         return out
 
+    def _store_int8(
+        self,
+        k: Tensor,  # [T, Hkv, D]
+        v: Tensor,  # [T, Hkv, D]
+        k_cache: Tensor,  # [num_blocks, block_size, Hkv, D] int8 (int8_kv)
+        v_cache: Tensor,  # like k_cache
+        slots: Tensor,  # [T] int64
+        dtype: torch.dtype,
+        read_back: bool,
+    ) -> tuple[Tensor, Tensor]:  # [T, Hkv, D] in dtype each, or (k, v) as given when not read_back
+        """K/V quantized into an int8 cache by the compiled store; with `read_back`, the rows as stored,
+        dequantized (what a chunk's own attention reads, as later steps read them from the cache)."""
+        if self.decode_kernel is None:
+            raise RuntimeError(
+                "an int8 KV cache needs the compiled CPU attention kernel, which is not loaded"
+            )
+        kf, vf = k.float(), v.float()
+        if kf.stride() != vf.stride() or kf.stride()[1:] != (k.shape[2], 1):
+            # one buffer: the same strides for both (`contiguous()` keeps a size-1 dimension's stride)
+            both = torch.empty((2, *k.shape), dtype=torch.float32)
+            kf, vf = both[0].copy_(k), both[1].copy_(v)
+        self.decode_kernel.store_kv(k_cache, v_cache, slots, kf, vf)
+        if not read_back:
+            return k, v
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        return tuple(  # type: ignore[return-value]
+            int8_kv.dequantize(c[blocks, offsets], int8_kv.scales(c)[blocks, offsets], dtype)
+            for c in (k_cache, v_cache)
+        )
+
     def _use_kernel(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         return self.decode_kernel is not None and supports_dtype(dtype, cache_dtype)
+
+
+def _read_blocks(
+    cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+    blocks: Tensor,  # [B] int64
+    dtype: torch.dtype,
+) -> Tensor:  # [B, block_size, Hkv, D]: a float cache's dtype (the caller widens), an int8 one's in dtype
+    """Whole blocks out of the cache: ~4x faster than gathering token by token."""
+    if cache.dtype == torch.int8:
+        return int8_kv.gather_blocks(cache, blocks, dtype)
+    return cache.index_select(0, blocks)

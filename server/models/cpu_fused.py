@@ -30,8 +30,9 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
 # and the decode graph layer record's attn_softcap; 9: the layer record's MoE MLP (KiDecodeMoe),
 # kubeinfer_moe_route; 10: softcap_paged_decode gone, the graph's attention pointer is the attention
 # library's kubeinfer_paged_decode_capped (window, sinks and soft-cap); 11: KiDecodeMoe's shared expert
-# and the step's shared_out; 12: the bf16 stream's add_rms_norm, residual_norm, rotary and head_rms_norm; argmax_rows
-ABI_VERSION = 12
+# and the step's shared_out; 12: the bf16 stream's add_rms_norm, residual_norm, rotary and head_rms_norm; argmax_rows;
+# 13: the K/V store's signature (Hkv, D, block_size: int8 caches)
+ABI_VERSION = 13
 # -ffast-math: vectorized exp (libmvec) in silu and reassociated sums; compile step only (see
 # server/attention/cpu_kernel.py for why not at link time). -mprefer-vector-width=512: GCC's tuning for
 # AVX-512 CPUs keeps loops at 256 bits (libmvec's 8-wide expf); 512-bit loops cut a 16-user prefill step

@@ -1,7 +1,8 @@
 """A whole decode step's decoder layers in one compiled call (CPU, fp32, block-quantized projections).
 
-The KV cache may be fp32, bf16 or fp16 (--kv-cache-dtype): the graph records its dtype and writes K/V
-through the attention library's `kubeinfer_kv_store`, which rounds as the Python path's `.to()` does.
+The KV cache may be fp32, bf16, fp16 or int8 (--kv-cache-dtype): the graph records its dtype and writes K/V
+through the attention library's `kubeinfer_kv_store`, which rounds as the Python path's `.to()` does (and
+quantizes an int8 cache as the Python path's store, the same function, does).
 
 Under bf16 GEMMs (server/quant/gemm_dtype.py) it serves decode batches below BF16_GEMM_MIN_ROWS
 (`DecodeGraph.max_rows`) with each weight descriptor's `compute` flag set from its projection's
@@ -41,7 +42,7 @@ import torch
 from torch import Tensor
 
 from server.attention import AttentionBackend, AttentionMetadata
-from server.attention.cpu_kernel import CACHE_DTYPE_CODES, check_decode_indices
+from server.attention.cpu_kernel import CACHE_DTYPE_CODES, _cache_layout_ok, check_decode_indices
 from server.attention.torch_backend import TorchAttentionBackend
 from server.models.arch import ArchConfig
 from server.models.cpu_fused import FusedOps
@@ -462,7 +463,7 @@ class DecodeGraph:
             g = layer.self_attn.kv_group
             if g not in (0, 1) or group_shapes.setdefault(g, kv[0].shape) != kv[0].shape:
                 return None
-            if any(c.dtype != k0.dtype or c.shape != kv[0].shape or not c.is_contiguous() for c in kv):
+            if any(c.dtype != k0.dtype or c.shape != kv[0].shape or not _cache_layout_ok(c) for c in kv):
                 return None
         shape = group_shapes.get(0, shape)
         descriptors: list[KiQWeight] = []

@@ -37,7 +37,7 @@ from server.models.cpu_bf16_gemm import Bf16GemmKernel, Bf16PanelLinear, try_loa
 from server.models.cpu_fused import try_load_fused_ops
 from server.models.layers import MLP
 from server.models.llama import LlamaForCausalLM
-from server.native import env_switch
+from server.native import KernelBuildError, env_switch, usable_cpu_features
 from server.quant.block_linear import BlockQuantLinear
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,23 @@ def cpu_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def bf16_panel_kernel(cache_dir: Path | None = None) -> Bf16GemmKernel | None:
-    """cpu_bf16_gemm's kernel for bf16 weights where it runs AVX512-BF16 and KUBEINFER_BF16_GEMM is not
-    `0`; None: oneDNN packs them (read where used: tests flip it per case)."""
-    return None if env_switch(BF16_GEMM_ENV) is False else try_load_fast_bf16_gemm(cache_dir)
+    """cpu_bf16_gemm's kernel for bf16 weights where it runs AVX512-BF16, unless KUBEINFER_BF16_GEMM is `0`,
+    or it is unset and AMX-BF16 is usable: oneDNN's pre-packed GEMM runs on AMX tiles there, 1.9x the panels
+    at 16 rows and 8-10x at 256-2,048 on Llama-3.2-1B's matrices (the panels 1.2x at one row), and a bf16
+    folder served with the panels prefilled at a tenth of vLLM's rate (2-core Xeon with AMX,
+    benchmarks/bf16_gemm.py, docs/benchmarks-log.md "AMX at real shapes"); `1` asks for the panels there
+    too. None: oneDNN packs them (read where used: tests flip it per case)."""
+    switch = env_switch(BF16_GEMM_ENV)
+    if switch is False or (switch is None and _amx_bf16(cache_dir)):
+        return None
+    return try_load_fast_bf16_gemm(cache_dir)
+
+
+def _amx_bf16(cache_dir: Path | None) -> bool:
+    try:
+        return usable_cpu_features(cache_dir).amx_bf16
+    except (KernelBuildError, OSError):  # no probe, no kernels: try_load_fast_bf16_gemm says None too
+        return False
 
 
 def _fuse(linears: list[nn.Module]) -> nn.Module | None:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from server.attention import AttentionBackend
+from server.attention.kv_cache_dtype import allocate_kv_cache
 from server.core.block_pool import BlockPool
 from server.core.outputs import ScheduledRequest, SchedulerOutput
 from server.models.llama import LlamaForCausalLM
@@ -99,8 +100,8 @@ class DraftModelProposer:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: list[tuple[Tensor, Tensor]] = [
             (
-                torch.zeros(shape, dtype=kv_cache_dtype, device=device),
-                torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+                allocate_kv_cache(*shape, kv_cache_dtype, device),
+                allocate_kv_cache(*shape, kv_cache_dtype, device),
             )
             for _ in range(cfg.num_layers)
         ]

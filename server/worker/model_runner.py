@@ -7,7 +7,8 @@ import logging
 import torch
 from torch import Tensor
 
-from server.attention import AttentionBackend
+from server.attention import AttentionBackend, int8_kv
+from server.attention.kv_cache_dtype import allocate_kv_cache
 from server.core.kv_groups import KVLayout
 from server.core.outputs import Logprob, ModelOutput, SchedulerOutput, TokenLogprobs
 from server.lora.manager import LoRAManager
@@ -23,8 +24,11 @@ log = logging.getLogger(__name__)
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block's K and V over all layers, for a cache of `dtype` (--kv-cache-dtype): a bf16
-    or fp16 cache fits twice the blocks of an fp32 one in the same --kv-cache-memory."""
+    or fp16 cache fits twice the blocks of an fp32 one in the same --kv-cache-memory, an int8 one (with
+    its scales, int8_kv.py) 32 / 9 times."""
     cfg = model.config
+    if dtype == torch.int8:
+        return 2 * cfg.num_layers * int8_kv.block_bytes(block_size, cfg.num_kv_heads, cfg.head_dim)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
@@ -63,11 +67,10 @@ class ModelRunner:
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         for i in range(cfg.num_layers):
             n = num_blocks if layout is None else layout.layer_num_blocks(i)
-            shape = (n, block_size, cfg.num_kv_heads, cfg.head_dim)
             self.kv_caches.append(
                 (
-                    torch.zeros(shape, dtype=kv_cache_dtype, device=device),
-                    torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+                    allocate_kv_cache(n, block_size, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype, device),
+                    allocate_kv_cache(n, block_size, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype, device),
                 )
             )
         self.logprobs_mode = logprobs_mode

@@ -1,5 +1,5 @@
-"""The embedded SmolLM2 with a bf16 or fp16 KV cache (--kv-cache-dtype) against transformers in fp32 and
-against our own fp32 cache.
+"""The embedded SmolLM2 with a bf16, fp16 or int8 KV cache (--kv-cache-dtype) against transformers in fp32
+and against our own fp32 cache.
 
 GEMMs are pinned to fp32 here so that the cache is the only thing rounded. Prompts are prefilled in
 64-token chunks, so every chunk after the first attends over the rounded cache, as decode does.
@@ -8,6 +8,10 @@ GEMMs are pinned to fp32 here so that the cache is the only thing rounded. Promp
   fp16 KV mean 0.0005 max 0.007; transformers bf16 mean 0.023 max 0.18);
 - greedy tokens, 6 prompts x 24 new tokens, against the fp32 cache: at least 5 of 6 identical to the end
   (measured here: 6 of 6 for both).
+- int8 (a scale per 32 values, server/attention/int8_kv.py), measured on a Xeon with AMX (whose prompt
+  chunks attend in bf16 over it): mean 0.0158, largest 0.220 (asserted: mean no larger than transformers
+  bf16's, largest within 0.3); greedy 3 of 6 identical (asserted: 2, what the bf16 GEMMs of `auto` keep
+  on that CPU over an fp32 cache).
 """
 
 from __future__ import annotations
@@ -42,25 +46,31 @@ def fp32_kv() -> LLMEngine:
     return _engine("float32")
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16", "int8"])
 def test_narrow_kv_cache_against_transformers_and_fp32_cache(
     kv_dtype: str, fp32_kv: LLMEngine, smollm2_dir: Path
 ) -> None:
     engine = _engine(kv_dtype)
-    # twice the blocks of the fp32 cache in the same --kv-cache-memory
-    assert engine.info.num_kv_blocks == 2 * fp32_kv.info.num_kv_blocks
+    if kv_dtype == "int8":
+        # D + D / 8 bytes a row (the values and their scales) against fp32's 4 D, in the same memory
+        ratio = engine.info.num_kv_blocks / fp32_kv.info.num_kv_blocks
+        assert abs(ratio - 32 / 9) < 0.01, ratio
+    else:  # twice the blocks of the fp32 cache
+        assert engine.info.num_kv_blocks == 2 * fp32_kv.info.num_kv_blocks
     prompt = text_prompts(engine, 1, 300)[0]
     ours = engine_prompt_logprobs(engine, prompt)
     hf32 = hf_prompt_logprobs(smollm2_dir, prompt, torch.float32)
     hf16 = hf_prompt_logprobs(smollm2_dir, prompt, torch.bfloat16)
     ours_err, hf16_err = (ours - hf32).abs(), (hf16 - hf32).abs()
     assert ours_err.mean() <= hf16_err.mean(), (ours_err.mean(), hf16_err.mean())
-    assert ours_err.max() <= 0.25, ours_err.max()
+    assert ours_err.max() <= (0.3 if kv_dtype == "int8" else 0.25), ours_err.max()
 
     prompts = text_prompts(engine, 6, 120)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = fp32_kv.generate(prompts, params)
     got = engine.generate(prompts, params)
     identical = sum(a == b for a, b in zip(want, got, strict=True))
-    assert identical >= 5, (identical, want, got)
+    # int8: 3 of 6 measured on a Xeon with AMX; the bf16 GEMMs that `auto` runs on such a CPU keep 2 of 6
+    # with the fp32 cache (docs/benchmarks-log.md, "An int8 KV cache")
+    assert identical >= (2 if kv_dtype == "int8" else 5), (identical, want, got)
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from server.models.cpu_bf16_gemm import Bf16PanelLinear
+from server.models.cpu_bf16_gemm import Bf16PanelLinear, try_load_fast_bf16_gemm
 from server.models.loader import load_model
 from server.models.serving_weights import (
     BF16_GEMM_ENV,
@@ -15,6 +15,7 @@ from server.models.serving_weights import (
     cpu_packing_supported,
     prepare_for_serving,
 )
+from server.native import usable_cpu_features
 from server.quant import cpu_repack
 from server.quant.block_linear import BlockQuantLinear
 from server.quantize.evaluation import SequenceRunner
@@ -89,6 +90,21 @@ def test_bf16_weights_are_packed_where_the_cpu_computes_bf16(
     else:
         torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_panels_default_leaves_amx_cpus_to_onednn(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KUBEINFER_BF16_GEMM unset: the panels where their AVX512-BF16 path runs, except where AMX-BF16 is
+    usable: there oneDNN's pre-packed GEMM (AMX tiles) ran Llama-3.2-1B's matrices 1.9x faster at 16 rows
+    and 8-10x at 256-2048 (the panels 1.2x at one row; benchmarks/bf16_gemm.py, docs/benchmarks-log.md).
+    `1` asks for the panels wherever they run, `0` never."""
+    monkeypatch.delenv(BF16_GEMM_ENV, raising=False)
+    runs = try_load_fast_bf16_gemm() is not None
+    amx = usable_cpu_features().amx_bf16
+    assert (bf16_panel_kernel() is not None) == (runs and not amx)
+    monkeypatch.setenv(BF16_GEMM_ENV, "1")
+    assert (bf16_panel_kernel() is not None) == runs
+    monkeypatch.setenv(BF16_GEMM_ENV, "0")
+    assert bf16_panel_kernel() is None
 
 
 def test_quantized_projections_keep_their_names(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]

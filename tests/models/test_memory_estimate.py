@@ -106,6 +106,11 @@ def test_kv_per_token_counts_windowed_layers_at_their_window(tmp_path: Path) -> 
         folder, ServingSettings(dtype="bfloat16", kv_cache_dtype="float32", max_model_len=256)
     )
     assert f32.kv_bytes_per_sequence == 2 * short.kv_bytes_per_sequence
+    # an int8 cache: a byte a value and an fp32 scale per 32 (server/attention/int8_kv.py)
+    i8 = estimate_memory(folder, ServingSettings(dtype="bfloat16", kv_cache_dtype="int8", max_model_len=256))
+    assert i8.kv_bytes_per_sequence == 6 * 256 * 2 * 2 * (32 + 4)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ServingSettings(dtype="int8")
 
 
 WINDOW_CONFIGS = {

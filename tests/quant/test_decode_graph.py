@@ -32,6 +32,13 @@ def tiny_q41(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="module")
+def tiny_q41_hd32(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    """head_dim 32: an int8 KV cache's groups (server/attention/int8_kv.py) need a multiple of 32."""
+    hf = tiny_model_factory("llama", tie=True, heads=2, kv_heads=1)
+    return write_tiny_gguf(hf, tmp_path_factory.mktemp("gguf") / "tiny-hd32-Q4_1.gguf", "Q4_1")
+
+
+@pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:  # kernels built once for the module
     return tmp_path_factory.mktemp("cache")
 
@@ -56,16 +63,20 @@ def _generate(
     return list(tokens.values()), list(lps.values())
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
-def test_graph_is_bit_identical_to_the_python_path(tiny_q41: Path, cache: Path, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
+def test_graph_is_bit_identical_to_the_python_path(
+    request: pytest.FixtureRequest, cache: Path, kv_dtype: str
+) -> None:
     """Per --kv-cache-dtype: the graph's K/V write (kubeinfer_kv_store) rounds as the Python path's
-    `.to()` does, and both read the cache with the same kernel."""
+    `.to()` does (an int8 cache: both write through it), and both read the cache with the same kernel."""
+    model_file = request.getfixturevalue("tiny_q41_hd32" if kv_dtype == "int8" else "tiny_q41")
     engine = LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=str(tiny_q41), cache_dir=cache), cache=CacheConfig(cache_dtype=kv_dtype)
+            model=ModelConfig(model=str(model_file), cache_dir=cache), cache=CacheConfig(cache_dtype=kv_dtype)
         )
     )
     assert engine.runner.kv_caches[0][0].dtype == getattr(torch, kv_dtype)
+    assert engine.loaded.model.config.head_dim % 32 == 0 or kv_dtype != "int8"
     assert engine.info.kv_cache_dtype == kv_dtype
     model = engine.loaded.model
     want_tokens, want_lps = _generate(engine, graph=False)

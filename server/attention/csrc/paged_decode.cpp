@@ -88,6 +88,8 @@ inline float to_float(fp16 x) {
   return f;
 #endif
 }
+// An int8 cache row's element, before its row's scale (applied to the scores: attend_part).
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, fp16* dst) {
@@ -166,6 +168,61 @@ inline void widen_row(const fp16* src, float* dst, int n) {
 #endif
   for (; j < n; ++j) dst[j] = to_float(src[j]);
 }
+inline void widen_row(const int8_t* src, float* dst, int n) {
+  int j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(dst + j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)))));
+#elif defined(__AVX2__)
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(dst + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j)))));
+#endif
+  for (; j < n; ++j) dst[j] = to_float(src[j]);
+}
+
+// ---- int8 caches (server/attention/int8_kv.py) ----
+// A block holds block_size * Hkv rows of D int8 values, then their scales: fp32 [block_size][Hkv][D / 32],
+// one per 32 consecutive values of a row (value = q * scale). Each load below takes the row's scales
+// (`rs`, nullptr for a float cache, whose loads ignore it) and the column it starts at.
+constexpr int kI8Group = 32;
+inline int64_t int8_block_elems(int block_size, int hkv, int d) {
+  return static_cast<int64_t>(block_size) * hkv * (d + static_cast<int>(sizeof(float)) * (d / kI8Group));
+}
+template <typename C>
+inline const float* row_scales(const C*, int, int, int, int, int) {
+  return nullptr;
+}
+// `block` is the block's first byte, (off, h) the row's token in the block and KV head.
+template <>
+inline const float* row_scales(const int8_t* block, int off, int h, int BS, int HKV, int D) {
+  return reinterpret_cast<const float*>(block + static_cast<int64_t>(BS) * HKV * D) +
+         (static_cast<int64_t>(off) * HKV + h) * (D / kI8Group);
+}
+// How far the next token's row's scales are from this row's (0 for a float cache: rs stays nullptr).
+template <typename C>
+inline int64_t row_scales_step(int HKV, int D) {
+  return std::is_same_v<C, int8_t> ? static_cast<int64_t>(HKV) * (D / kI8Group) : 0;
+}
+
+template <typename C>
+inline void widen_row_s(const C* src, const float*, float* dst, int n) {
+  widen_row(src, dst, n);
+}
+inline void widen_row_s(const int8_t* src, const float* rs, float* dst, int n) {
+  int j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+    _mm512_storeu_ps(dst + j, _mm512_mul_ps(x, _mm512_set1_ps(rs[j / kI8Group])));
+  }
+#elif defined(__AVX2__)
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j))));
+    _mm256_storeu_ps(dst + j, _mm256_mul_ps(x, _mm256_set1_ps(rs[j / kI8Group])));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = to_float(src[j]) * rs[j / kI8Group];
+}
 
 #if defined(__AVX512F__)
 // The 16 horizontal sums of v[0..15], lane i = sum of v[i]'s lanes: a transpose-and-add tree of 15 adds
@@ -214,6 +271,17 @@ inline __m512 load16(const bf16* src) {
 inline __m512 load16(const fp16* src) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
+inline __m512 load16(const int8_t* src) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
+// load16 of the row's columns [col, col + 16), dequantized for an int8 cache (16 columns lie in one group).
+template <typename C>
+inline __m512 load16s(const C* src, const float*, int) {
+  return load16(src);
+}
+inline __m512 load16s(const int8_t* src, const float* rs, int col) {
+  return _mm512_mul_ps(load16(src), _mm512_set1_ps(rs[col / kI8Group]));
+}
 
 // The V pass of one KV head over columns [16 j0, 16 (j0 + JB)) of its G query heads:
 // acc[g][j] = sum_t p[g][t] * V[t][j], the G * JB sums held in registers for the whole part (the
@@ -225,14 +293,17 @@ void v_head_regs(const C* vc, const int32_t* table, int64_t block_elems, int BS,
   __m512 r[G * JB];
 #pragma GCC unroll 32
   for (int i = 0; i < G * JB; ++i) r[i] = _mm512_setzero_ps();
+  const int64_t rs_step = row_scales_step<C>(HKV, D);
   for (int t = t_begin; t < t_end;) {
     const int off = t % BS, n = std::min(BS - off, t_end - t);
-    const C* row = vc + table[t / BS] * block_elems + (static_cast<int64_t>(off) * HKV + h) * D + 16 * j0;
+    const C* block = vc + table[t / BS] * block_elems;
+    const C* row = block + (static_cast<int64_t>(off) * HKV + h) * D + 16 * j0;
+    const float* rs = row_scales(block, off, h, BS, HKV, D);
     const float* pt = p + (t - t_begin);
-    for (int u = 0; u < n; ++u, row += static_cast<int64_t>(HKV) * D) {
+    for (int u = 0; u < n; ++u, row += static_cast<int64_t>(HKV) * D, rs += rs_step) {
       __m512 v[JB];
 #pragma GCC unroll 8
-      for (int j = 0; j < JB; ++j) v[j] = load16(row + 16 * j);
+      for (int j = 0; j < JB; ++j) v[j] = load16s(row + 16 * j, rs, 16 * (j0 + j));
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         const __m512 pg = _mm512_set1_ps(pt[g * n_tok + u]);
@@ -313,6 +384,16 @@ inline __m256 load8(const fp16* src) {
   return _mm256_load_ps(f);
 #endif
 }
+inline __m256 load8(const int8_t* src) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+}
+template <typename C>
+inline __m256 load8s(const C* src, const float*, int) {
+  return load8(src);
+}
+inline __m256 load8s(const int8_t* src, const float* rs, int col) {
+  return _mm256_mul_ps(load8(src), _mm256_set1_ps(rs[col / kI8Group]));
+}
 
 // Asks for the next block while this one is computed: a sequence's blocks lie anywhere in the cache, so
 // the hardware prefetcher, which follows addresses, cannot know where the next one is.
@@ -338,15 +419,19 @@ template <typename C>
 void k_pass_avx2(const C* kc, const int32_t* table, int64_t block_elems, int BS, int HKV, int G, int D,
                  int t_begin, int t_end, const float* qf, float* scores, int64_t n_tok) {
   alignas(32) static const C zero_row[512] = {};  // head_dim <= 512, checked by the launcher
+  static const float zero_scales[512 / kI8Group] = {};
   const C* rows[8];
+  const float* rss[8];
   for (int t = t_begin; t < t_end;) {
     const int off = t % BS, n = std::min(BS - off, t_end - t);
     const C* block = kc + table[t / BS] * block_elems;
     for (int u0 = 0; u0 < n; u0 += 8) {
       const int m = std::min(8, n - u0);
       for (int h = 0; h < HKV; ++h) {
-        for (int u = 0; u < 8; ++u)
+        for (int u = 0; u < 8; ++u) {
           rows[u] = u < m ? block + (static_cast<int64_t>(off + u0 + u) * HKV + h) * D : zero_row;
+          rss[u] = u < m ? row_scales(block, off + u0 + u, h, BS, HKV, D) : zero_scales;
+        }
         for (int g = 0; g < G; ++g) {
           const float* qh = qf + static_cast<int64_t>(h * G + g) * D;
           __m256 acc[8];
@@ -355,7 +440,7 @@ void k_pass_avx2(const C* kc, const int32_t* table, int64_t block_elems, int BS,
           for (int j = 0; j < D; j += 8) {
             const __m256 qv = _mm256_loadu_ps(qh + j);
 #pragma GCC unroll 8
-            for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(rows[u] + j), acc[u]);
+            for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8s(rows[u] + j, rss[u], j), acc[u]);
           }
           float* dst = scores + static_cast<int64_t>(h * G + g) * n_tok + (t - t_begin) + u0;
           const __m256 sum = reduce8(acc);
@@ -378,17 +463,19 @@ void k_pass_avx2(const C* kc, const int32_t* table, int64_t block_elems, int BS,
 // tokens in order (as the generic pass adds them) and go back. A run is at most a block (a few KB for
 // every head), so the passes over its columns and heads after the first find it in L1.
 template <int G, int JB, typename C>
-inline void v_run_regs8(const C* row0, int n, int64_t row_stride, const float* pt, int64_t n_tok, float* acc, int D) {
+inline void v_run_regs8(const C* row0, const float* rs0, int col0, int n, int64_t row_stride, int64_t rs_step,
+                        const float* pt, int64_t n_tok, float* acc, int D) {
   __m256 r[G * JB];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int j = 0; j < JB; ++j) r[g * JB + j] = _mm256_loadu_ps(acc + g * D + 8 * j);
   const C* row = row0;
-  for (int u = 0; u < n; ++u, row += row_stride) {
+  const float* rs = rs0;
+  for (int u = 0; u < n; ++u, row += row_stride, rs += rs_step) {
     __m256 v[JB];
 #pragma GCC unroll 4
-    for (int j = 0; j < JB; ++j) v[j] = load8(row + 8 * j);
+    for (int j = 0; j < JB; ++j) v[j] = load8s(row + 8 * j, rs, col0 + 8 * j);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const __m256 pg = _mm256_broadcast_ss(pt + g * n_tok + u);
@@ -414,21 +501,22 @@ inline int v_block_cols8(int G, int D) {
 template <typename C, int G>
 bool v_pass_regs8_g(const C* vc, const int32_t* table, int64_t block_elems, int BS, int HKV, int D, int jb,
                     int t_begin, int t_end, const float* scores, int64_t n_tok, float* acc) {
-  using Fn = void (*)(const C*, int, int64_t, const float*, int64_t, float*, int);
+  using Fn = void (*)(const C*, const float*, int, int, int64_t, int64_t, const float*, int64_t, float*, int);
   Fn f = nullptr;
   switch (jb) {
     case 4: f = v_run_regs8<G, (G * 4 + 4 + 1 <= 16 ? 4 : 1), C>; break;
     case 2: f = v_run_regs8<G, (G * 2 + 2 + 1 <= 16 ? 2 : 1), C>; break;
     default: f = v_run_regs8<G, 1, C>; break;
   }
-  const int64_t row_stride = static_cast<int64_t>(HKV) * D;
+  const int64_t row_stride = static_cast<int64_t>(HKV) * D, rs_step = row_scales_step<C>(HKV, D);
   for (int t = t_begin; t < t_end;) {
     const int off = t % BS, n = std::min(BS - off, t_end - t);
-    const C* block = vc + table[t / BS] * block_elems + static_cast<int64_t>(off) * row_stride;
+    const C* block0 = vc + table[t / BS] * block_elems;
+    const C* block = block0 + static_cast<int64_t>(off) * row_stride;
     for (int h = 0; h < HKV; ++h)
       for (int j0 = 0; j0 < D / 8; j0 += jb)
-        f(block + static_cast<int64_t>(h) * D + 8 * j0, n, row_stride,
-          scores + static_cast<int64_t>(h * G) * n_tok + (t - t_begin), n_tok,
+        f(block + static_cast<int64_t>(h) * D + 8 * j0, row_scales(block0, off, h, BS, HKV, D), 8 * j0, n,
+          row_stride, rs_step, scores + static_cast<int64_t>(h * G) * n_tok + (t - t_begin), n_tok,
           acc + static_cast<int64_t>(h * G) * D + 8 * j0, D);
     t += n;
   }
@@ -553,6 +641,9 @@ struct Args {
   // 0, or Gemma 2's attention logit soft-cap: each scaled score s becomes cap * tanh(s / cap) before the
   // window and softmax (transformers' Gemma 2 eager attention, vLLM's logits_soft_cap)
   float softcap;
+  // One cache block's elements: block_size * Hkv * D, and for an int8 cache its rows' scales after them
+  // (int8_block_elems).
+  int64_t block_elems;
 };
 
 // The first position a query at position ctx - 1 sees: ctx - W under a window W (Mistral's, Gemma's:
@@ -565,18 +656,20 @@ struct Part {
   int t_begin, t_end;
 };
 
-// Calls f(t, h, row) for every K or V row of the part: t its position in the part, h its KV head.
+// Calls f(t, h, row, rs) for every K or V row of the part: t its position in the part, h its KV head, rs
+// the row's scales (row_scales).
 // Blocks are walked in order and each is read front to back, so the part streams from memory.
 template <typename T, typename F>
 inline void for_each_row(const Args& a, const Part& part, const int32_t* table, const T* cache, F&& f) {
   const int HKV = a.hkv, D = a.d, BS = a.block_size;
-  const int64_t block_elems = static_cast<int64_t>(BS) * HKV * D;  // one block is contiguous
+  const int64_t block_elems = a.block_elems;
   for (int t = part.t_begin; t < part.t_end;) {
     const int off = t % BS, n = std::min(BS - off, part.t_end - t);
     const T* block = cache + table[t / BS] * block_elems;
     for (int u = 0; u < n; ++u)
       for (int h = 0; h < HKV; ++h)
-        f(t - part.t_begin + u, h, block + (static_cast<int64_t>(off + u) * HKV + h) * D);
+        f(t - part.t_begin + u, h, block + (static_cast<int64_t>(off + u) * HKV + h) * D,
+          row_scales(block, off + u, h, BS, HKV, D));
     t += n;
   }
 }
@@ -603,7 +696,7 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<C, bf16>) {
     if (D % 32 == 0 && bf16_enabled()) {
-      k_pass_bf16x3(kc, table, static_cast<int64_t>(a.block_size) * a.hkv * D, a.block_size, a.hkv, G, D,
+      k_pass_bf16x3(kc, table, a.block_elems, a.block_size, a.hkv, G, D,
                     part.t_begin, part.t_end, qf.data(), scores.data(), n_tok);
       goto k_done;
     }
@@ -617,7 +710,7 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
     thread_local std::vector<float> kb;
     const int HKV = a.hkv, BS = a.block_size;
     kb.assign(static_cast<size_t>(HKV) * 16 * D, 0.0f);
-    const int64_t block_elems = static_cast<int64_t>(BS) * HKV * D;
+    const int64_t block_elems = a.block_elems;
     for (int t = part.t_begin; t < part.t_end;) {
       const int off = t % BS, n = std::min(BS - off, part.t_end - t);
       const C* block = kc + table[t / BS] * block_elems;
@@ -625,7 +718,9 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
         const int m = std::min(16, n - u0);
         const C* rows = block + static_cast<int64_t>(off + u0) * HKV * D;
         for (int u = 0; u < m; ++u)
-          for (int h = 0; h < HKV; ++h) widen_row(rows + (u * HKV + h) * D, kb.data() + (h * 16 + u) * D, D);
+          for (int h = 0; h < HKV; ++h)
+            widen_row_s(rows + (u * HKV + h) * D, row_scales(block, off + u0 + u, h, BS, HKV, D),
+                        kb.data() + (h * 16 + u) * D, D);
         if (m < 16)  // rows past m: zero, so their (masked-off) sums stay finite
           for (int h = 0; h < HKV; ++h) std::fill(kb.data() + (h * 16 + m) * D, kb.data() + (h * 16 + 16) * D, 0.0f);
         for (int h = 0; h < HKV; ++h)
@@ -638,12 +733,12 @@ void attend_part(const Args& a, const Part& part, std::vector<float>& scores, st
 #endif
 #if defined(KI_AVX2_PATH)
   if (D % 8 == 0) {
-    k_pass_avx2(kc, table, static_cast<int64_t>(a.block_size) * a.hkv * D, a.block_size, a.hkv, G, D, part.t_begin,
+    k_pass_avx2(kc, table, a.block_elems, a.block_size, a.hkv, G, D, part.t_begin,
                 part.t_end, qf.data(), scores.data(), n_tok);
   } else
 #endif
-  for_each_row(a, part, table, kc, [&](int t, int h, const C* kr) {
-    widen_row(kr, row_f, D);
+  for_each_row(a, part, table, kc, [&](int t, int h, const C* kr, const float* rs) {
+    widen_row_s(kr, rs, row_f, D);
     for (int g = 0; g < G; ++g) {
       const float* qh = qf.data() + (h * G + g) * D;
       float s = 0.0f;
@@ -677,17 +772,17 @@ k_done:
   }
 
 #if defined(__AVX512F__)
-  if (v_pass_regs<C>(vc, table, static_cast<int64_t>(a.block_size) * a.hkv * D, a.block_size, a.hkv, G, D,
+  if (v_pass_regs<C>(vc, table, a.block_elems, a.block_size, a.hkv, G, D,
                      part.t_begin, part.t_end, scores.data(), n_tok, acc))
     return;
 #endif
 #if defined(KI_AVX2_PATH)
-  if (v_pass_regs8<C>(vc, table, static_cast<int64_t>(a.block_size) * a.hkv * D, a.block_size, a.hkv, G, D,
+  if (v_pass_regs8<C>(vc, table, a.block_elems, a.block_size, a.hkv, G, D,
                       part.t_begin, part.t_end, scores.data(), n_tok, acc))
     return;
 #endif
-  for_each_row(a, part, table, vc, [&](int t, int h, const C* vr) {
-    widen_row(vr, row_f, D);
+  for_each_row(a, part, table, vc, [&](int t, int h, const C* vr, const float* rs) {
+    widen_row_s(vr, rs, row_f, D);
     for (int g = 0; g < G; ++g) {
       const float p = scores[static_cast<size_t>(h * G + g) * n_tok + t];
       float* ah = acc + (h * G + g) * D;
@@ -1033,7 +1128,7 @@ KI_BF16_TARGET void run_prefill(const PrefillArgs& a, int num_threads) {
 extern "C" {
 
 // Bumped whenever a signature below changes; the loader refuses a library reporting another value.
-int32_t kubeinfer_paged_decode_abi() { return 8; }
+int32_t kubeinfer_paged_decode_abi() { return 9; }
 
 // Whether the bf16 K pass may run (set from Python's usable_cpu_features before the first call), and
 // whether it does: this CPU has AVX512-BF16, this build has AVX-512, and it is allowed.
@@ -1089,7 +1184,8 @@ int32_t kubeinfer_paged_decode_bf16_enabled() {
 }
 
 // dtype (q and out): 0 = float32, 1 = bfloat16; cache_dtype (k/v caches): 0 = float32, 1 = bfloat16,
-// 2 = float16. Returns 0, or -1 for an unknown dtype.
+// 2 = float16, 3 = int8 with a scale per 32 values (int8_block_elems' layout; head_dim a multiple of 32).
+// Returns 0, or -1 for an unknown dtype (or an int8 cache's head_dim not a multiple of 32).
 // `window` > 0: each decode query (position context_len - 1) sees only the last `window` positions.
 // `sinks`: nullptr, or [hq] fp32 attention sinks (Args::sinks). `softcap`: 0, or the attention logit
 // soft-cap (Args::softcap); -1 for a negative or NaN one.
@@ -1100,10 +1196,12 @@ int32_t kubeinfer_paged_decode_capped(int32_t dtype, int32_t cache_dtype, void* 
                                       int64_t bt_stride, int32_t hq, int32_t hkv, int32_t d, int32_t block_size,
                                       float scale, int32_t window, const float* sinks, float softcap,
                                       int32_t num_threads) {
-  if (window < 0 || !(softcap >= 0.0f)) return -1;
+  if (window < 0 || !(softcap >= 0.0f) || (cache_dtype == 3 && d % kI8Group != 0)) return -1;
+  const int64_t block_elems =
+      cache_dtype == 3 ? int8_block_elems(block_size, hkv, d) : static_cast<int64_t>(block_size) * hkv * d;
   const Args a{out,  q,          k_cache,      v_cache,        block_tables, context_lens,
                seqs, rows,       num_decode,   q_row_stride,   out_row_stride, bt_stride,
-               hq,   hkv,        d,            block_size,     scale,          window, sinks, softcap};
+               hq,   hkv,        d,            block_size,     scale,          window, sinks, softcap, block_elems};
   if (dtype == 0 && cache_dtype == 0) {
     run<float, float>(a, num_threads);
   } else if (dtype == 0 && cache_dtype == 1) {
@@ -1116,6 +1214,10 @@ int32_t kubeinfer_paged_decode_capped(int32_t dtype, int32_t cache_dtype, void* 
     run<bf16, bf16>(a, num_threads);
   } else if (dtype == 1 && cache_dtype == 2) {
     run<bf16, fp16>(a, num_threads);
+  } else if (dtype == 0 && cache_dtype == 3) {
+    run<float, int8_t>(a, num_threads);
+  } else if (dtype == 1 && cache_dtype == 3) {
+    run<bf16, int8_t>(a, num_threads);
   } else {
     return -1;
   }
@@ -1149,12 +1251,17 @@ int32_t kubeinfer_paged_decode(int32_t dtype, int32_t cache_dtype, void* out, co
 }
 
 // The decode graph's K/V write (server/models/csrc/cpu_fused.cpp): for each row r < t, the fp32 rows
-// k + r * src_stride and v + r * src_stride (width elements each) go to slot slots[r] of the caches,
-// rounded to cache_dtype (codes as above) to nearest even, as torch's .to() and the Python path's
-// index_copy_ do. Returns 0, or -1 for an unknown dtype.
+// k + r * src_stride and v + r * src_stride (Hkv * D elements each, heads contiguous) go to slot slots[r]
+// of the caches ([num_blocks, block_size, Hkv, D], codes as above): rounded to a float cache's dtype to
+// nearest even, as torch's .to() and the Python path's index_copy_ do; into an int8 cache each group x of
+// 32 values of a head's row as round(x * (127 / max|x|)) (ties to even), its scale max|x| * (1 / 127)
+// (int8_block_elems' layout; a group of zeros has scale 0). Returns 0, or -1 for an unknown dtype.
 int32_t kubeinfer_kv_store(int32_t cache_dtype, void* k_cache, void* v_cache, const int64_t* slots,
-                           const float* k, const float* v, int64_t src_stride, int64_t t, int64_t width) {
-  if (cache_dtype < 0 || cache_dtype > 2) return -1;
+                           const float* k, const float* v, int64_t src_stride, int64_t t, int32_t hkv, int32_t d,
+                           int32_t block_size) {
+  if (cache_dtype < 0 || cache_dtype > 3 || hkv < 1 || d < 1 || block_size < 1) return -1;
+  if (cache_dtype == 3 && d % kI8Group != 0) return -1;
+  const int64_t width = static_cast<int64_t>(hkv) * d;
   for (int64_t r = 0; r < t; ++r) {
     const float* kr = k + r * src_stride;
     const float* vr = v + r * src_stride;
@@ -1167,11 +1274,34 @@ int32_t kubeinfer_kv_store(int32_t cache_dtype, void* k_cache, void* v_cache, co
       bf16* vd = static_cast<bf16*>(v_cache) + base;
       for (int64_t j = 0; j < width; ++j) from_float(kr[j], kd + j);
       for (int64_t j = 0; j < width; ++j) from_float(vr[j], vd + j);
-    } else {
+    } else if (cache_dtype == 2) {
       fp16* kd = static_cast<fp16*>(k_cache) + base;
       fp16* vd = static_cast<fp16*>(v_cache) + base;
       for (int64_t j = 0; j < width; ++j) from_float(kr[j], kd + j);
       for (int64_t j = 0; j < width; ++j) from_float(vr[j], vd + j);
+    } else {
+      const int64_t block_elems = int8_block_elems(block_size, hkv, d);
+      const int64_t b = slots[r] / block_size;
+      const int off = static_cast<int>(slots[r] % block_size);
+      for (int which = 0; which < 2; ++which) {
+        int8_t* block = static_cast<int8_t*>(which ? v_cache : k_cache) + b * block_elems;
+        const float* src = which ? vr : kr;
+        for (int h = 0; h < hkv; ++h) {
+          float* sc = const_cast<float*>(row_scales(static_cast<const int8_t*>(block), off, h, block_size, hkv, d));
+          int8_t* dst = block + (static_cast<int64_t>(off) * hkv + h) * d;
+          const float* x = src + static_cast<int64_t>(h) * d;
+          for (int g = 0; g < d / kI8Group; ++g) {
+            const float* xg = x + g * kI8Group;
+            float amax = 0.0f;
+            for (int j = 0; j < kI8Group; ++j) amax = std::max(amax, std::fabs(xg[j]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int j = 0; j < kI8Group; ++j)
+              dst[g * kI8Group + j] =
+                  static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xg[j] * inv))));
+            sc[g] = amax * (1.0f / 127.0f);  // -ffast-math makes a division by 127 this product anyway
+          }
+        }
+      }
     }
   }
   return 0;

@@ -191,7 +191,7 @@ int32_t rotary(T* x, int64_t row_stride, int64_t rows, int64_t heads, int64_t he
 
 extern "C" {
 
-int32_t kubeinfer_cpu_fused_abi() { return 12; }
+int32_t kubeinfer_cpu_fused_abi() { return 13; }
 
 // x, delta, out: [rows, dim] with row strides (elements); weight: [dim]. delta may be null.
 int32_t kubeinfer_add_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
@@ -524,7 +524,8 @@ int32_t kubeinfer_head_rms_norm(float* x, int64_t row_stride, int64_t rows, int6
 typedef int32_t (*KiQLinearFn)(const void* w, const float* x, int64_t m, int64_t x_stride, const float* bias,
                                float* y, int64_t y_stride, int32_t nthreads);
 typedef int32_t (*KiKvStoreFn)(int32_t cache_dtype, void* k_cache, void* v_cache, const int64_t* slots,
-                               const float* k, const float* v, int64_t src_stride, int64_t t, int64_t width);
+                               const float* k, const float* v, int64_t src_stride, int64_t t, int32_t hkv,
+                               int32_t d, int32_t block_size);
 
 typedef int32_t (*KiPagedDecodeCappedFn)(int32_t dtype, int32_t cache_dtype, void* out, const void* q,
                                          const void* k_cache, const void* v_cache, const int32_t* block_tables,
@@ -606,7 +607,7 @@ struct KiDecodeModel {
   KiQLinearFn qlinear;
   KiPagedDecodeCappedFn paged_decode;  // paged_decode.cpp's kubeinfer_paged_decode_capped
   KiKvStoreFn kv_store;    // paged_decode.cpp's K/V write, rounding to the cache's dtype
-  int32_t cache_dtype;     // 0 = float32, 1 = bfloat16, 2 = float16 (paged_decode.cpp's codes)
+  int32_t cache_dtype;     // 0 = float32, 1 = bfloat16, 2 = float16, 3 = int8 (paged_decode.cpp's codes)
   KiMoeExpertsFn moe_experts;  // moe_experts.cpp's kubeinfer_moe_experts; null when no layer is MoE
 };
 
@@ -787,7 +788,7 @@ int32_t kubeinfer_decode_forward(const KiDecodeModel* m, const KiDecodeStep* s) 
     const int32_t* tables = g1 ? s->block_tables_g1 : s->block_tables;
     const int64_t bt_stride = g1 ? s->bt_stride_g1 : s->bt_stride;
     if ((rc = m->kv_store(m->cache_dtype, L.k_cache, L.v_cache, slots, s->qkv + o_width,
-                          s->qkv + o_width + kv_width, q_width, t, kv_width)))
+                          s->qkv + o_width + kv_width, q_width, t, m->hkv, D, m->block_size)))
       return 1200 + rc;
     if ((rc = m->paged_decode(0, m->cache_dtype, s->attn, s->qkv, L.k_cache, L.v_cache, tables, s->context_lens,
                               s->seqs, s->seqs, t, q_width, o_width, bt_stride, m->hq, m->hkv, D, m->block_size,
