@@ -14,8 +14,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from server.attention import int8_kv, make_attention_backend
-from server.attention.kv_cache_dtype import dtype_name, resolve_kv_cache_dtype
+from server.attention import make_attention_backend
+from server.attention.kv_cache_dtype import check_int8_kv_cache, dtype_name, resolve_kv_cache_dtype
 from server.config import EngineConfig
 from server.core.burst_bound import BurstBound
 from server.core.finish import decide_finish
@@ -284,17 +284,9 @@ class LLMEngine:
             config.attention_backend, block_size, self.device.type, config.model.cache_dir
         )
         self.backend_name = backend_name = backend.name
-        if self.kv_cache_dtype == torch.int8 and getattr(backend, "decode_kernel", None) is None:
-            raise ValueError(
-                "--kv-cache-dtype int8 needs the compiled CPU attention kernel (server/attention/cpu_kernel.py), "
-                f"which the {backend.name!r} attention backend does not have here; use auto"
-            )
-        head_dim = self.loaded.model.config.head_dim
-        if self.kv_cache_dtype == torch.int8 and head_dim % int8_kv.GROUP:
-            raise ValueError(
-                f"--kv-cache-dtype int8 needs head_dim divisible by {int8_kv.GROUP} (a scale per "
-                f"{int8_kv.GROUP} values); this model's is {head_dim}: use auto"
-            )
+        check_int8_kv_cache(
+            self.kv_cache_dtype, getattr(backend, "decode_kernel", None), self.loaded.model.config.head_dim
+        )
         eos = set(self.loaded.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -45,11 +45,13 @@ def allocate(
     head_dim that is not a multiple of 32."""
     if head_dim % GROUP:
         raise ValueError(f"an int8 KV cache needs head_dim divisible by {GROUP}, got {head_dim}")
-    values = block_size * num_kv_heads * head_dim
-    buf = torch.zeros(
-        num_blocks, block_bytes(block_size, num_kv_heads, head_dim), dtype=torch.int8, device=device
+    row = block_bytes(block_size, num_kv_heads, head_dim)
+    buf = torch.zeros(num_blocks, row, dtype=torch.int8, device=device)
+    # explicit strides: a view would give a one-block cache the values' own block stride (a size-1
+    # dimension's stride is free), which is_int8_cache and the kernels' checks refuse
+    return buf.as_strided(
+        (num_blocks, block_size, num_kv_heads, head_dim), (row, num_kv_heads * head_dim, head_dim, 1)
     )
-    return buf[:, :values].view(num_blocks, block_size, num_kv_heads, head_dim)
 
 
 def is_int8_cache(cache: Tensor) -> bool:

@@ -58,6 +58,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def check_int8_kv_cache(
+    dtype: torch.dtype,  # resolve_kv_cache_dtype's
+    decode_kernel: object | None,  # TorchAttentionBackend.decode_kernel
+    head_dim: int,
+    what: str = "this model",
+) -> None:
+    """Raises ValueError, naming the flag, where an int8 cache cannot be served: no compiled CPU attention
+    kernel (every int8 write and decode row goes through it), or a head_dim that is not a multiple of
+    int8_kv.GROUP (a scale per 32 values). Nothing for other dtypes."""
+    if dtype != torch.int8:
+        return
+    if decode_kernel is None:
+        raise ValueError(
+            "--kv-cache-dtype int8 needs the compiled CPU attention kernel (server/attention/cpu_kernel.py), "
+            "which this attention backend does not have here; use auto"
+        )
+    if head_dim % int8_kv.GROUP:
+        raise ValueError(
+            f"--kv-cache-dtype int8 needs head_dim divisible by {int8_kv.GROUP} (a scale per {int8_kv.GROUP} "
+            f"values); {what}'s is {head_dim}: use auto"
+        )
+
+
 def allocate_kv_cache(
     num_blocks: int,
     block_size: int,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from server.attention import make_attention_backend
-from server.attention.kv_cache_dtype import resolve_kv_cache_dtype
+from server.attention.kv_cache_dtype import check_int8_kv_cache, resolve_kv_cache_dtype
 from server.config import EngineConfig
 from server.core.kv_groups import KVLayout, plan_engine_kv
 from server.core.outputs import SchedulerOutput
@@ -98,6 +98,7 @@ def build_shard_runner(config: EngineConfig, state: ParallelState) -> ModelRunne
     )
     # the same cache dtype as rank 0's (engine.py): tensor parallelism loads dense weights (no GGUF)
     kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, dtype, dtype, device.type)
+    check_int8_kv_cache(kv_dtype, getattr(backend, "decode_kernel", None), loaded.model.config.head_dim)
     plan = plan_engine_kv(
         [spec.sliding_window for spec in loaded.arch.layers],
         kv_bytes_per_block(loaded.model, block_size, kv_dtype),

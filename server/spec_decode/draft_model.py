@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from server.attention import AttentionBackend
-from server.attention.kv_cache_dtype import allocate_kv_cache
+from server.attention.kv_cache_dtype import allocate_kv_cache, check_int8_kv_cache
 from server.core.block_pool import BlockPool
 from server.core.outputs import ScheduledRequest, SchedulerOutput
 from server.models.llama import LlamaForCausalLM
@@ -228,6 +228,15 @@ def load_draft_proposer(
     else:
         draft = load_model(source.folder, target.dtype, device, max_model_len)
     check_same_vocabulary(draft, source.folder, target, tokenizer)
+    try:
+        check_int8_kv_cache(
+            kv_cache_dtype or target.dtype,
+            getattr(backend, "decode_kernel", None),
+            draft.model.config.head_dim,
+            f"the draft model {source.model_id}",
+        )
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     if optimize_weights:
         prepare_for_serving(draft.model, device, draft.dtype, cache_dir)
     log.info(

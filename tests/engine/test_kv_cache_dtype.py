@@ -329,6 +329,8 @@ def test_int8_layout_scales_and_blocks() -> None:
     got = int8_kv.gather_blocks(cache, blocks, torch.float32)
     assert torch.equal(got, int8_kv.dequantize(q[blocks], scale[blocks], torch.float32))
     assert int8_kv.block_bytes(4, 2, 64) == 4 * 2 * (64 + 2 * 4)
+    one = int8_kv.allocate(1, 4, 2, 64)  # one block: its stride still steps over the scales
+    assert int8_kv.is_int8_cache(one) and int8_kv.scales(one).shape == (1, 4, 2, 2)
     with pytest.raises(ValueError, match="head_dim divisible by 32"):
         int8_kv.allocate(1, 16, 1, 80)
 

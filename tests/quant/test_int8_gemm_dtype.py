@@ -62,7 +62,9 @@ def kernels_loaded_first() -> None:
 
 
 @pytest.mark.parametrize("path", ["vnni", "avx2", "neither"])
-def test_the_embedded_model_without_native_bf16(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+def test_the_embedded_model_without_native_bf16(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, path: str
+) -> None:
     """`python -m server`'s defaults on a CPU without native bf16: with AVX512-VNNI (Ice Lake's class) the
     Q4_1 projections and the Q8_0 head (16-row tiles) take int8 activations, a 600-token prefill through
     the int8 batched path and no dense GEMM; with AVX2 the GEMV takes the decode rows and the head stays
@@ -73,6 +75,15 @@ def test_the_embedded_model_without_native_bf16(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("KUBEINFER_CPU_DISABLE", NO_BF16 + off)
     if path != "neither" and q8.path_for(usable_cpu_features()) != path:
         pytest.skip(f"no {path} path here")
+    qlinear = cq.try_load_qlinear_kernel()
+    loaded = q8.try_load_q8_gemv_kernel(qlinear) if qlinear is not None else None
+    if loaded is not None:
+        # The kernel was loaded with this CPU's features (kernels_loaded_first); where those include AMX-BF16
+        # its batched path stops at AMX_GEMM_MAX_ROWS. A CPU without native bf16 loads it without that limit.
+        # (a frozen dataclass, shared by every caller: set in place, put back after the test)
+        kept = loaded.gemm_max_rows
+        object.__setattr__(loaded, "gemm_max_rows", q8.gemm_max_rows_for(usable_cpu_features()))
+        request.addfinalizer(lambda: object.__setattr__(loaded, "gemm_max_rows", kept))
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=None)))
     want = torch.float32 if path == "neither" else torch.int8
     assert engine.info.gemm_dtype == str(want).removeprefix("torch.")
