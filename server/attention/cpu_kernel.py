@@ -37,7 +37,7 @@ MAX_HEAD_DIM = 512  # the kernel's merge pass keeps one head's output row on the
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # q and out
-# k/v caches, any q dtype; int8 in int8_kv's layout (its rows' scales after each block)
+# k/v caches, any q dtype; int8 in int8_kv's layout (each block's values, then their scales)
 CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 NATIVE = NativeSource("paged_decode", SOURCE, COMPILE_FLAGS, LINK_FLAGS, abi_version=ABI_VERSION)
 
@@ -224,7 +224,7 @@ class DecodeKernel:
         v: Tensor,  # [T, Hkv, D] fp32, strided like k
     ) -> None:
         """`kubeinfer_kv_store`, the decode graph's K/V write: rounds to a float cache's dtype to nearest
-        even (as `.to()`), quantizes to an int8 cache per row (int8_kv.quantize). Raises ValueError/TypeError
+        even (as `.to()`), quantizes to an int8 cache with a scale per 32 values (int8_kv.quantize). Raises ValueError/TypeError
         for arguments it cannot take."""
         t, hkv, d = k.shape
         if k_cache.dtype not in CACHE_DTYPE_CODES or v_cache.dtype != k_cache.dtype:

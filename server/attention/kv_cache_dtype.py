@@ -24,7 +24,7 @@ KV_CACHE_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
-    "int8": torch.int8,  # int8_kv.py's layout: each row's values and an fp32 scale
+    "int8": torch.int8,  # int8_kv.py's layout: the values, then an fp32 scale per 32 of them
 }
 
 

@@ -88,7 +88,7 @@ inline float to_float(fp16 x) {
   return f;
 #endif
 }
-// An int8 cache row's element, before its row's scale (applied to the scores: attend_part).
+// An int8 cache's value before its group's scale (widen_row_s and the scalar tails apply it).
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 inline void from_float(float x, float* dst) { *dst = x; }
@@ -165,17 +165,6 @@ inline void widen_row(const fp16* src, float* dst, int n) {
 #elif defined(__F16C__)
   for (; j + 8 <= n; j += 8)
     _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
-#endif
-  for (; j < n; ++j) dst[j] = to_float(src[j]);
-}
-inline void widen_row(const int8_t* src, float* dst, int n) {
-  int j = 0;
-#if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16)
-    _mm512_storeu_ps(dst + j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)))));
-#elif defined(__AVX2__)
-  for (; j + 8 <= n; j += 8)
-    _mm256_storeu_ps(dst + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j)))));
 #endif
   for (; j < n; ++j) dst[j] = to_float(src[j]);
 }
