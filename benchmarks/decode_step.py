@@ -18,7 +18,10 @@ weights without them (`unpacked`: that path transposes 16 rows per 16 columns on
 same way, with the copies' MiB: whether the second copy of each weight pays for its memory. With
 `--q8-tiles`, the modes are the decode graph over the Q8_0 / Q5_0 / IQ4_NL / Q5_1 16-row tiles the loader holds
 (`tiles`, cpu_qlinear.interleave_q8_x16) and over the same weights row-major with their packed copies
-(`rowmajor`: the layout before the tiles), rotated the same way.
+(`rowmajor`: the layout before the tiles), rotated the same way. With `--qk-amx`, the modes are the
+decode graph with the k-quant tiles' amx path on (`amx`: bf16 layers' batches of AMX_MIN_ROWS rows and more
+over Q4_K / Q6_K x16 tiles on AMX-BF16 tiles, cpu_qk_native.py) and off (`int8`: the VNNI int8 kernels),
+rotated the same way.
 Per run, for a dense model, the weight bytes a decode step reads (`step_weight_bytes`) over each mode's
 step p50 (`weight_gb_per_s_p50`), next to this machine's memory read bandwidth measured in the same go
 (`memory_read_gb_per_s`, a 1 GiB `sum()`, before the engine loads and after the steps and a rest):
@@ -56,6 +59,7 @@ from server.request import SamplingParams
 MODES = ("graph", "fused", "torch")
 PACK_MODES = ("packed", "unpacked")
 TILE_MODES = ("tiles", "rowmajor")
+AMX_MODES = ("amx", "int8")
 
 
 def pack_variants(
@@ -137,6 +141,7 @@ def measure(
     gemm_dtypes: list[str] | None = None,
     int8_pack: bool = False,
     q8_tiles: bool = False,
+    qk_amx: bool = False,
 ) -> dict[str, object]:
     model = engine.loaded.model
     default_dtype = next((m.gemm_dtype for m in model.modules() if hasattr(m, "gemm_dtype")), torch.float32)
@@ -158,8 +163,18 @@ def measure(
         if int8_pack
         else TILE_MODES
         if q8_tiles
+        else AMX_MODES
+        if qk_amx
         else MODES
     )
+    qk = None
+    if qk_amx:
+        from server.quant import cpu_qk_native
+
+        qk = cpu_qk_native.load_qk_native_kernel()
+        if qk.amx_min_rows == 0:
+            raise SystemExit("the k-quant tiles' amx path does not run here (AMX-BF16, KUBEINFER_QK_AMX)")
+    amx_rows = qk.amx_min_rows if qk is not None else 0
     variants = pack_variants(model) if int8_pack else tile_variants(model) if q8_tiles else []
     if q8_tiles and not variants:
         raise SystemExit(
@@ -175,6 +190,8 @@ def measure(
         for mode in modes[j:] + modes[:j]:
             if gemm_dtypes:
                 apply_gemm_dtype(model, getattr(torch, mode.removeprefix("graph_")))
+            elif qk is not None:
+                qk.set_amx(amx_rows if mode == "amx" else 0)
             elif int8_pack or q8_tiles:
                 set_packed(model, variants, mode in ("packed", "tiles"))
                 engine.step()  # rebuilds the graph outside the timed step
@@ -185,13 +202,15 @@ def measure(
             engine.step()
             times[mode].append(time.perf_counter() - t0)
     model.fused_ops, model.use_decode_graph = ops, True
+    if qk is not None:
+        qk.set_amx(amx_rows)
     if variants:
         set_packed(model, variants, True)
     apply_gemm_dtype(model, default_dtype)
     for i in range(users):
         engine.abort_request(f"u{users}-{i}")
     p50 = {m: statistics.median(v) * 1e3 for m, v in times.items()}
-    base = modes[0] if gemm_dtypes or int8_pack or q8_tiles else "torch"
+    base = modes[0] if gemm_dtypes or int8_pack or q8_tiles or qk_amx else "torch"
     read = step_weight_bytes(model)
     return {
         "users": users,
@@ -229,6 +248,9 @@ def main() -> None:
         action="store_true",
         help="compare the graph over Q8_0/Q5_0 tiles and row-major + copies",
     )
+    ap.add_argument(
+        "--qk-amx", action="store_true", help="compare the graph with the k-quant amx path on and off"
+    )
     args = ap.parse_args()
     # before any kernel runs: the kernels' OpenMP threads spin a while after each call and took half
     # of this figure when it was read right after the steps (34-46 against 72-79 GB/s, 2 cores)
@@ -246,7 +268,16 @@ def main() -> None:
         "load_average_at_start": list(os.getloadavg()),
         "memory_read_gb_per_s": round(read_at_start, 1),  # a 1 GiB sum(), this run's threads
         "runs": [
-            measure(engine, u, args.prompt_len, args.steps, args.gemm_dtypes, args.int8_pack, args.q8_tiles)
+            measure(
+                engine,
+                u,
+                args.prompt_len,
+                args.steps,
+                args.gemm_dtypes,
+                args.int8_pack,
+                args.q8_tiles,
+                args.qk_amx,
+            )
             for u in args.users
         ],
         "load_average_at_end": list(os.getloadavg()),

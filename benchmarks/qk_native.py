@@ -4,6 +4,7 @@ repacked layouts; prints JSON.
     python benchmarks/qk_native.py                 # Llama-3.2-1B's matrices, M = 1 and 16, Q4_K and Q6_K
     python benchmarks/qk_native.py --formats q5_k,iq4_xs,q3_k,q2_k   # the tile-only k-quants
     python benchmarks/qk_native.py --smoke         # checks the script, timings mean little
+    python benchmarks/qk_native.py --amx --ms 16,64,255,512   # bf16 layers' batch paths where AMX-BF16 is usable
 
 Per matrix of Llama-3.2-1B (q/o, k/v, fused gate/up, down, the tied 128,256-row LM head) and format, M
 rows of x: `repacked` is what serving runs today on the weight repacked at load (cpu_qlinear's
@@ -15,6 +16,12 @@ decode step does. Median us per call, the median per-repetition ratio (repacked 
 native is faster) and the bytes each holds. Q5_K / IQ4_XS / Q3_K / Q2_K run only as tiles (`x16`):
 `repacked` is then gguf_repack.py's 8-bit groups (with the int8 packed copy where the batched path makes
 one), `file_MiB` the file's bytes.
+
+`--amx` (where the amx path runs: AMX-BF16 usable, KUBEINFER_QK_AMX not 0) times, on the same 16-row tiles,
+the three paths a bf16 layer's batch can take: `x16` (int8 activations, AVX512-VNNI), `x16_amx` (the amx
+path: bf16 B tiles dequantized per call, tdpbf16ps) and `x16_dequant_bf16` (the whole weight dequantized to
+bf16, then torch's bf16 GEMM: oneDNN on AMX tiles, what 256 rows and more took before the amx path);
+`amx_vs_x16` and `amx_vs_dequant` are their median per-repetition ratios (> 1: the amx path is faster).
 """
 
 from __future__ import annotations
@@ -69,6 +76,19 @@ def repacked(raw: np.ndarray, fmt: str, n: int, k: int) -> cq.BlockQuantWeight:
     return from_gguf_repacked(raw, qk.GGUF_TYPES[fmt], n, k)
 
 
+def tiled_module(t: qk.KQuantBlocks, kernel: cq.QLinearKernel) -> BlockQuantLinear:
+    """A bf16 layer over 16-row tiles, as the loader builds one (cpu_qlinear.interleave_x16)."""
+    n, k = t.out_features, t.in_features
+    w = cq.BlockQuantWeight(t.blocks, torch.empty(n, 0), None, t.fmt, cq.KQUANT_BITS, cq.X16_GROUP, 0, k, n)
+    mod = BlockQuantLinear(w, kernel=kernel)
+    mod.gemm_dtype = torch.bfloat16
+    return mod
+
+
+def dequant_gemm(mod: BlockQuantLinear, x: torch.Tensor, kernel: cq.QLinearKernel) -> torch.Tensor:
+    return mod._dequant_gemm(x, mod.weight_q, kernel, torch.bfloat16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
@@ -77,6 +97,9 @@ def main() -> None:
     ap.add_argument("--formats", default="q4_k,q6_k")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: torch's)")
+    ap.add_argument(
+        "--amx", action="store_true", help="the amx path against the int8 one and dequantize + GEMM"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,6 +110,8 @@ def main() -> None:
     kernel = cq.load_qlinear_kernel()
     fast = q8.load_q8_gemv_kernel(kernel)
     native = qk.load_qk_native_kernel()
+    if args.amx and native.amx_min_rows == 0:
+        raise SystemExit("--amx: the amx path does not run here (no usable AMX-BF16, or KUBEINFER_QK_AMX=0)")
     cold = 2 * llc_bytes()
     rng = np.random.default_rng(0)
     rows = []
@@ -107,6 +132,8 @@ def main() -> None:
             nats = [nat] + [qk.KQuantBlocks(nat.blocks.clone(), fmt, k, n) for _ in range(copies - 1)]
             # 16-row tiles (q4_k_x16, q6_k_x16): what the loader holds on AVX512-VNNI
             x16s = [native.interleave(b) for b in nats] if n % qk.X16_ROWS == 0 else []
+            amx = args.amx and bool(x16s) and x16s[0].fmt in qk.AMX_TILED
+            tiled_mods = [tiled_module(t, kernel) for t in x16s] if amx else []
             for m in [int(s) for s in args.ms.split(",")]:
                 x = torch.randn(m, k)
                 here = max(3, reps // 8) if n * k > 64 << 20 else reps
@@ -115,6 +142,16 @@ def main() -> None:
                     {"repacked": rotating(olds, lambda mod, x=x: mod(x))}
                     | ({"native": rotating(nats, lambda w, x=x: native.linear(x, w))} if row_major else {})
                     | ({"x16": rotating(x16s, lambda w, x=x: native.linear(x, w))} if x16s else {})
+                    | ({"x16_amx": rotating(x16s, lambda w, x=x: native.linear_bf16(x, w))} if amx else {})
+                    | (
+                        {
+                            "x16_dequant_bf16": rotating(
+                                tiled_mods, lambda mod, x=x: dequant_gemm(mod, x, kernel)
+                            )
+                        }
+                        if amx
+                        else {}
+                    )
                 )
                 t = timed(runs, here)
                 row = {
@@ -133,10 +170,21 @@ def main() -> None:
                     row["x16_us"] = round(statistics.median(t["x16"]) * 1e3, 1)
                     row["speedup_x16"] = round(median_ratio(t["repacked"], t["x16"]), 2)
                     row["x16_MiB"] = round(x16s[0].nbytes() / 2**20, 1)
+                if amx:
+                    row["x16_amx_us"] = round(statistics.median(t["x16_amx"]) * 1e3, 1)
+                    row["x16_dequant_bf16_us"] = round(statistics.median(t["x16_dequant_bf16"]) * 1e3, 1)
+                    row["amx_vs_x16"] = round(median_ratio(t["x16"], t["x16_amx"]), 2)
+                    row["amx_vs_dequant"] = round(median_ratio(t["x16_dequant_bf16"], t["x16_amx"]), 2)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-            del olds, nats, x16s
-    out = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "native_isa": native.isa, "rows": rows}
+            del olds, nats, x16s, tiled_mods
+    out = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "native_isa": native.isa,
+        "amx_min_rows": native.amx_min_rows,
+        "rows": rows,
+    }
     print(json.dumps(out, indent=1))
 
 

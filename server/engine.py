@@ -45,6 +45,7 @@ from server.models.moe.quant import pack_moe_int8_weights
 from server.models.serving_weights import prepare_for_serving
 from server.quant.block_linear import BF16_GEMM_MIN_ROWS
 from server.quant.cpu_qgemv_q8 import int8_paths_text
+from server.quant.cpu_qk_native import amx_tiles_text
 from server.quant.cpu_qlinear import BF16_GEMV_MAX_ROWS, INT8_ACTIVATION_DTYPES
 from server.quant.gemm_dtype import apply_gemm_dtype, cpu_gemm_dtype, pack_int8_weights
 from server.quant.gguf_checkpoint import DequantizedTensor, q8_tiles_enabled, super_blocks_enabled
@@ -248,6 +249,9 @@ class LLMEngine:
                     BF16_GEMM_MIN_ROWS,
                     f"; int8 activations instead for {int8}" if int8 else "",
                 )
+                amx = amx_tiles_text(config.model.cache_dir) if gguf_tiles else ""
+                if amx:
+                    log.info("%s", amx)
         template = _chat_template(config.model.chat_template)
         if template is None and config.model.model is None:
             # The embedded SmolLM2's own template knows no tools; ours renders the same without them.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,9 @@ SOURCE = Path(__file__).with_name("csrc") / "qk_native.cpp"
 # 2: kubeinfer_qk_qlinear / kubeinfer_qk_dequant over qlinear's descriptor; 3: Q4_K x16 tiles; 4: Q6_K's;
 # 5: Q8_0's (32-value blocks, cpu_qlinear.interleave_q8_x16; run through qlinear's descriptor only); 6: Q5_0's;
 # 7: Q5_K, IQ4_XS, Q3_K and Q2_K tiles (kubeinfer_qk_deinterleave); 8: the avx2 path (kubeinfer_qk_set_path 1);
-# 9: IQ4_NL's tiles at 4 bits (its 8-bit ones gone) and Q5_1's
-ABI_VERSION = 9
+# 9: IQ4_NL's tiles at 4 bits (its 8-bit ones gone) and Q5_1's; 10: the amx path (kubeinfer_qk_set_amx,
+# kubeinfer_qk_linear_bf16)
+ABI_VERSION = 10
 # No -ffast-math: the quantized activations must equal the torch reference's bit for bit; no FMA contraction:
 # the dequantized values must equal gguf-py's (each product rounded).
 NATIVE = NativeSource(
@@ -109,6 +111,13 @@ GGUF_TYPES = {
 # blocks scalar
 PATHS = {"scalar": 0, "avx2": 1, "vnni": 2}
 PATH_NAMES = {code: name for name, code in PATHS.items()}
+# The amx path (qk_native.cpp, "amx path"): bf16 layers' batches over Q4_K / Q6_K x16 tiles from this many
+# rows where AMX-BF16 is usable, as round_bf16(x) @ round_bf16(W)^T with fp32 sums on AMX tiles (the numerics
+# of the dequantize + bf16 GEMM those layers take from 256 rows). KUBEINFER_QK_AMX: unset the default, `0`
+# off, a positive integer the fewest rows.
+AMX_ENV = "KUBEINFER_QK_AMX"
+AMX_TILED = ("q4_k_x16", "q6_k_x16")
+AMX_MIN_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -301,6 +310,14 @@ def linear_reference(x: Tensor, w: KQuantBlocks) -> Tensor:  # x: [M, K] fp32 ->
     return (quantize_activations_reference(x).double() @ dequantize_reference(w).double().t()).float()
 
 
+def linear_bf16_reference(x: Tensor, w: KQuantBlocks) -> Tensor:  # x: [M, K] fp32 -> [M, N] fp32
+    """round_bf16(x) @ round_bf16(W)^T in fp64, rounded to fp32: what the amx path computes, up to its fp32
+    summation order (W as dequantize_reference gives it, then rounded to nearest even)."""
+    xb = x.float().bfloat16().double()
+    wb = dequantize_reference(w).bfloat16().double()
+    return (xb @ wb.t()).float()
+
+
 def activation_error_bound(x: Tensor, w: KQuantBlocks) -> Tensor:  # x: [M, K] -> [M, N] fp32
     """Per output, the most the int8 activations can move W @ x: sum_b (dx_b / 2) sum_{k in b} |w_k|."""
     m, k = x.shape
@@ -316,6 +333,20 @@ class QKNativeKernel:
     lib: ctypes.CDLL
     path: Path
     isa: str  # "vnni", "avx2" or "scalar": the path in use
+
+    @property
+    def amx_min_rows(self) -> int:
+        """The fewest rows of a bf16 layer's batch that take the amx path now; 0 off (the library's state,
+        process-wide: every QKNativeKernel over it reads the same)."""
+        return int(self.lib.kubeinfer_qk_amx_min_rows())
+
+    def set_amx(self, min_rows: int) -> int:
+        """Sends bf16 layers' batches of at least `min_rows` rows over Q4_K / Q6_K x16 tiles to the amx path
+        (0: off) where AMX-BF16 is usable and Linux grants the tile data; returns the value in use (0 where
+        it cannot run). Process-wide: never while another thread runs the kernel."""
+        if min_rows < 0:
+            raise ValueError(f"min_rows must be >= 0, got {min_rows}")
+        return int(self.lib.kubeinfer_qk_set_amx(min_rows))
 
     def set_path(self, name: str) -> str:
         """Runs `name` ("vnni", "avx2", "scalar") from now on where this CPU can (tests, benchmarks; a path
@@ -341,6 +372,41 @@ class QKNativeKernel:
             raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
         if w.fmt not in ROW_MAJOR_RUNS and w.fmt not in X16_TILE_BYTES:
             raise ValueError(f"{w.fmt} runs as its 16-row tiles ({TILED[w.fmt]}: interleave), not row-major")
+        out, rc = self._call(self.lib.kubeinfer_qk_linear, x, w, out)
+        if rc != 0:
+            raise RuntimeError(
+                f"qk_native kernel returned {rc} for {w.fmt} [{w.out_features}, {w.in_features}]"
+            )
+        return out
+
+    def linear_bf16(
+        self,
+        x: Tensor,  # [M, K] fp32, unit stride along K
+        w: KQuantBlocks,  # q4_k_x16 or q6_k_x16
+        out: Tensor | None = None,  # [M, N] fp32, unit stride along N
+    ) -> Tensor:  # [M, N] fp32
+        """round_bf16(x) @ round_bf16(W)^T on the amx path at any M (`linear_bf16_reference`). TypeError for
+        a non-CPU or non-fp32 x, ValueError for another format or a shape the kernel cannot take,
+        RuntimeError where the amx path is off (`set_amx`)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
+        if w.fmt not in AMX_TILED:
+            raise ValueError(f"the amx path takes {'/'.join(AMX_TILED)}, got {w.fmt}")
+        if x.dim() != 2 or x.shape[1] != w.in_features:
+            raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
+        out, rc = self._call(self.lib.kubeinfer_qk_linear_bf16, x, w, out)
+        if rc == 2:
+            raise RuntimeError("the amx path is off (no usable AMX-BF16, or turned off: set_amx)")
+        if rc != 0:
+            raise RuntimeError(
+                f"qk_native amx kernel returned {rc} for {w.fmt} [{w.out_features}, {w.in_features}]"
+            )
+        return out
+
+    def _call(self, fn: Any, x: Tensor, w: KQuantBlocks, out: Tensor | None) -> tuple[Tensor, int]:
+        """`fn` (kubeinfer_qk_linear or _linear_bf16: the same signature) on x [M, K] fp32 (checked by the
+        caller) into out [M, N] (made, or checked: ValueError); returns out and the kernel's code (0 for an
+        empty product, which is not called)."""
         if x.stride(1) != 1:
             x = x.contiguous()
         m, n = x.shape[0], w.out_features
@@ -349,8 +415,8 @@ class QKNativeKernel:
         elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1):
             raise ValueError(f"out must be [{m}, {n}] fp32 with unit stride along N")
         if m == 0 or n == 0:
-            return out
-        rc = self.lib.kubeinfer_qk_linear(
+            return out, 0
+        rc = fn(
             FORMAT_CODES[w.fmt],
             w.blocks.data_ptr(),
             n,
@@ -362,9 +428,7 @@ class QKNativeKernel:
             out.stride(0),
             torch.get_num_threads(),
         )
-        if rc != 0:
-            raise RuntimeError(f"qk_native kernel returned {rc} for {w.fmt} [{n}, {w.in_features}]")
-        return out
+        return out, int(rc)
 
     def interleave(self, w: KQuantBlocks) -> KQuantBlocks:
         """A file's k-quant rows (a key of TILED) -> their 16-row tiles (for q4_k / q6_k
@@ -423,8 +487,46 @@ def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
     lib.kubeinfer_qk_interleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
     lib.kubeinfer_qk_deinterleave.restype = i32
     lib.kubeinfer_qk_deinterleave.argtypes = [i32, ptr, i64, i64, ptr, i32]
+    lib.kubeinfer_qk_linear_bf16.restype = i32
+    lib.kubeinfer_qk_linear_bf16.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
+    lib.kubeinfer_qk_set_amx.restype = i64
+    lib.kubeinfer_qk_set_amx.argtypes = [i64]
+    lib.kubeinfer_qk_amx_min_rows.restype = i64
+    lib.kubeinfer_qk_amx_min_rows.argtypes = []
     got = int(lib.kubeinfer_qk_set_path(PATHS[usable_path(cache_dir)]))
-    return QKNativeKernel(lib, path, PATH_NAMES[got])
+    kernel = QKNativeKernel(lib, path, PATH_NAMES[got])
+    kernel.set_amx(default_amx_min_rows(cache_dir))
+    return kernel
+
+
+def amx_tiles_text(cache_dir: Path | None = None) -> str:
+    """For the start-up log: the rows the amx path takes ("" where it is off or the kernel cannot load)."""
+    kernel = try_load_qk_native_kernel(cache_dir)
+    if kernel is None or kernel.amx_min_rows == 0:
+        return ""
+    return (
+        f"Q4_K / Q6_K tiles: bf16 batches of {kernel.amx_min_rows}+ rows below the dequantize + GEMM's on AMX "
+        f"tiles ({AMX_ENV}=0 keeps the int8 kernels)"
+    )
+
+
+def default_amx_min_rows(cache_dir: Path | None = None) -> int:
+    """The amx path's fewest rows at load: KUBEINFER_QK_AMX's (`0` off, a positive integer), else
+    AMX_MIN_ROWS where AMX-BF16 is usable (`usable_cpu_features`, less KUBEINFER_CPU_DISABLE), else 0.
+    ValueError for another value of the variable."""
+    text = os.environ.get(AMX_ENV, "").strip()
+    if text:
+        try:
+            rows = int(text)
+        except ValueError:
+            rows = -1
+        if rows < 0:
+            raise ValueError(f"{AMX_ENV} must be 0 (off) or a positive number of rows, got {text!r}")
+        if rows == 0:
+            return 0
+    else:
+        rows = AMX_MIN_ROWS
+    return rows if usable_cpu_features(cache_dir).amx_bf16 else 0
 
 
 def try_load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel | None:
