@@ -366,10 +366,6 @@ class QKNativeKernel:
     ) -> Tensor:  # [M, N] fp32
         """W @ x^ (module docstring). TypeError for a non-CPU or non-fp32 x, ValueError for a shape or
         stride the kernel cannot take, RuntimeError if the kernel refuses its arguments."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
-        if x.dim() != 2 or x.shape[1] != w.in_features:
-            raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
         if w.fmt not in ROW_MAJOR_RUNS and w.fmt not in X16_TILE_BYTES:
             raise ValueError(f"{w.fmt} runs as its 16-row tiles ({TILED[w.fmt]}: interleave), not row-major")
         out, rc = self._call(self.lib.kubeinfer_qk_linear, x, w, out)
@@ -388,12 +384,8 @@ class QKNativeKernel:
         """round_bf16(x) @ round_bf16(W)^T on the amx path at any M (`linear_bf16_reference`). TypeError for
         a non-CPU or non-fp32 x, ValueError for another format or a shape the kernel cannot take,
         RuntimeError where the amx path is off (`set_amx`)."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
         if w.fmt not in AMX_TILED:
             raise ValueError(f"the amx path takes {'/'.join(AMX_TILED)}, got {w.fmt}")
-        if x.dim() != 2 or x.shape[1] != w.in_features:
-            raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
         out, rc = self._call(self.lib.kubeinfer_qk_linear_bf16, x, w, out)
         if rc == 2:
             raise RuntimeError("the amx path is off (no usable AMX-BF16, or turned off: set_amx)")
@@ -404,9 +396,13 @@ class QKNativeKernel:
         return out
 
     def _call(self, fn: Any, x: Tensor, w: KQuantBlocks, out: Tensor | None) -> tuple[Tensor, int]:
-        """`fn` (kubeinfer_qk_linear or _linear_bf16: the same signature) on x [M, K] fp32 (checked by the
-        caller) into out [M, N] (made, or checked: ValueError); returns out and the kernel's code (0 for an
-        empty product, which is not called)."""
+        """`fn` (kubeinfer_qk_linear or _linear_bf16: the same signature) on x [M, K] into out [M, N] (made,
+        or checked); returns out and the kernel's code (0 for an empty product, which is not called).
+        TypeError for a non-CPU or non-fp32 x, ValueError for a shape or stride the kernel cannot take."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"x must be a CPU fp32 tensor, got {x.dtype} on {x.device}")
+        if x.dim() != 2 or x.shape[1] != w.in_features:
+            raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
         if x.stride(1) != 1:
             x = x.contiguous()
         m, n = x.shape[0], w.out_features
@@ -473,11 +469,17 @@ def vnni_usable(cache_dir: Path | None = None) -> bool:
     return usable_path(cache_dir) == "vnni"
 
 
-@functools.cache
 def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
     """Builds (or finds) and loads the kernel with the best path the usable CPU features allow
     (`usable_path`: vnni, avx2, scalar); raises KernelBuildError if it cannot be built."""
-    lib, path = load_library(NATIVE, cache_dir or default_cache_dir())
+    # one load per library: a second first-load (None beside the default folder named) would set the
+    # process-wide path and amx rows back to their defaults under a caller that had changed them
+    return _load_qk_native_kernel(cache_dir or default_cache_dir())
+
+
+@functools.cache
+def _load_qk_native_kernel(cache_dir: Path) -> QKNativeKernel:
+    lib, path = load_library(NATIVE, cache_dir)
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.kubeinfer_qk_linear.restype = i32
     lib.kubeinfer_qk_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]
@@ -515,18 +517,10 @@ def default_amx_min_rows(cache_dir: Path | None = None) -> int:
     AMX_MIN_ROWS where AMX-BF16 is usable (`usable_cpu_features`, less KUBEINFER_CPU_DISABLE), else 0.
     ValueError for another value of the variable."""
     text = os.environ.get(AMX_ENV, "").strip()
-    if text:
-        try:
-            rows = int(text)
-        except ValueError:
-            rows = -1
-        if rows < 0:
-            raise ValueError(f"{AMX_ENV} must be 0 (off) or a positive number of rows, got {text!r}")
-        if rows == 0:
-            return 0
-    else:
-        rows = AMX_MIN_ROWS
-    return rows if usable_cpu_features(cache_dir).amx_bf16 else 0
+    if text and not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{AMX_ENV} must be 0 (off) or a positive number of rows, got {text!r}")
+    rows = int(text) if text else AMX_MIN_ROWS
+    return rows if rows and usable_cpu_features(cache_dir).amx_bf16 else 0
 
 
 def try_load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel | None:

@@ -1706,28 +1706,28 @@ void group_tiles(int fmt, const uint8_t* src, int64_t tb, uint8_t* bufs, const u
 }
 #undef KI_AMX_STEP
 
-// C tile i's 16 x 16 fp32 -> y rows row0.. (those below m), columns at y (row stride ldy floats).
-#define KI_AMX_STORE(i)                                                                       \
-  do {                                                                                        \
-    const int64_t row0 = r0 + 16 * (i);                                                       \
-    if (row0 + 16 <= m) {                                                                     \
-      _tile_stored(i, y + row0 * ldy, ldy * (int64_t)sizeof(float));                          \
-    } else if (row0 < m) {                                                                    \
-      _tile_stored(i, tmp, 64);                                                               \
-      for (int64_t r = row0; r < m; ++r) std::memcpy(y + r * ldy, tmp + 16 * (r - row0), 64); \
-    }                                                                                         \
+// C tile i's 16 x 16 fp32 -> rows row0.. of yt (those below m; row stride ldy floats).
+#define KI_AMX_STORE(i)                                                                         \
+  do {                                                                                          \
+    const int64_t row0 = r0 + 16 * (i);                                                         \
+    if (row0 + 16 <= m) {                                                                       \
+      _tile_stored(i, yt + row0 * ldy, ldy * (int64_t)sizeof(float));                           \
+    } else if (row0 < m) {                                                                      \
+      _tile_stored(i, tmp, 64);                                                                 \
+      for (int64_t r = row0; r < m; ++r) std::memcpy(yt + r * ldy, tmp + 16 * (r - row0), 64);  \
+    }                                                                                           \
   } while (0)
-// C tile i = 0, or (accumulate) y's rows row0.. as KI_AMX_STORE wrote them, zeros past m.
+// C tile i = 0, or (accumulate) yt's rows row0.. as KI_AMX_STORE wrote them, zeros past m.
 #define KI_AMX_INIT(i)                                                                          \
   do {                                                                                          \
     const int64_t row0 = r0 + 16 * (i);                                                         \
     if (!accumulate) {                                                                          \
       _tile_zero(i);                                                                            \
     } else if (row0 + 16 <= m) {                                                                \
-      _tile_loadd(i, y + row0 * ldy, ldy * (int64_t)sizeof(float));                             \
+      _tile_loadd(i, yt + row0 * ldy, ldy * (int64_t)sizeof(float));                            \
     } else {                                                                                    \
       std::memset(tmp, 0, sizeof(tmp));                                                         \
-      for (int64_t r = row0; r < m; ++r) std::memcpy(tmp + 16 * (r - row0), y + r * ldy, 64);   \
+      for (int64_t r = row0; r < m; ++r) std::memcpy(tmp + 16 * (r - row0), yt + r * ldy, 64);  \
       compiler_fence();                                                                         \
       _tile_loadd(i, tmp, 64);                                                                  \
     }                                                                                           \
@@ -1758,26 +1758,20 @@ void tiles_bf16(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, in
     for (int64_t r0 = 0; r0 < m; r0 += GROUP_ROWS) {
       const int64_t nc = std::min<int64_t>(4, (m - r0 + 15) / 16);
       const uint8_t* src = m > GROUP_ROWS ? nullptr : tiles;  // one group: dequantized as it goes
-      {
-        float* y = yt;
-        KI_AMX_INIT(0);
-        if (nc > 1) KI_AMX_INIT(1);
-        if (nc > 2) KI_AMX_INIT(2);
-        if (nc > 3) KI_AMX_INIT(3);
-      }
+      KI_AMX_INIT(0);
+      if (nc > 1) KI_AMX_INIT(1);
+      if (nc > 2) KI_AMX_INIT(2);
+      if (nc > 3) KI_AMX_INIT(3);
       switch (nc) {
         case 1: group_tiles<1>(fmt, src, tb, bufs, xb, k, kk, r0); break;
         case 2: group_tiles<2>(fmt, src, tb, bufs, xb, k, kk, r0); break;
         case 3: group_tiles<3>(fmt, src, tb, bufs, xb, k, kk, r0); break;
         default: group_tiles<4>(fmt, src, tb, bufs, xb, k, kk, r0); break;
       }
-      {
-        float* y = yt;
-        KI_AMX_STORE(0);
-        if (nc > 1) KI_AMX_STORE(1);
-        if (nc > 2) KI_AMX_STORE(2);
-        if (nc > 3) KI_AMX_STORE(3);
-      }
+      KI_AMX_STORE(0);
+      if (nc > 1) KI_AMX_STORE(1);
+      if (nc > 2) KI_AMX_STORE(2);
+      if (nc > 3) KI_AMX_STORE(3);
     }
   }
   _tile_release();
