@@ -22,14 +22,22 @@ the three paths a bf16 layer's batch can take: `x16` (int8 activations, AVX512-V
 path: bf16 B tiles dequantized per call, tdpbf16ps) and `x16_dequant_bf16` (the whole weight dequantized to
 bf16, then torch's bf16 GEMM: oneDNN on AMX tiles, what 256 rows and more took before the amx path);
 `amx_vs_x16` and `amx_vs_dequant` are their median per-repetition ratios (> 1: the amx path is faster).
+
+`--against-source FILE` (a kernel change's A/B in one process: e.g. `git show HEAD~1:server/quant/csrc/
+qk_native.cpp > /tmp/before.cpp`) also builds the library from FILE (its own cache folder) and times, on the
+same 16-row tiles, `x16_before` (that library) beside `x16` (this tree's), alternated call by call, after
+checking that both give the same bits; `x16_vs_before` is their median per-repetition ratio (> 1: this
+tree's kernel is faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +108,7 @@ def main() -> None:
     ap.add_argument(
         "--amx", action="store_true", help="the amx path against the int8 one and dequantize + GEMM"
     )
+    ap.add_argument("--against-source", type=Path, help="qk_native.cpp of another version: x16 against it")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,6 +119,11 @@ def main() -> None:
     kernel = cq.load_qlinear_kernel()
     fast = q8.load_q8_gemv_kernel(kernel)
     native = qk.load_qk_native_kernel()
+    before = None
+    if args.against_source:
+        # a second library, from the other source and in its own folder (the build key is the source)
+        source = dataclasses.replace(qk.NATIVE, source=args.against_source.resolve())
+        before = qk._load_qk_native_kernel(Path(tempfile.mkdtemp(prefix="qk-before-")), source)
     if args.amx and native.amx_min_rows == 0:
         raise SystemExit("--amx: the amx path does not run here (no usable AMX-BF16, or KUBEINFER_QK_AMX=0)")
     cold = 2 * llc_bytes()
@@ -133,7 +147,12 @@ def main() -> None:
             # 16-row tiles (q4_k_x16, q6_k_x16): what the loader holds on AVX512-VNNI
             x16s = [native.interleave(b) for b in nats] if n % qk.X16_ROWS == 0 else []
             amx = args.amx and bool(x16s) and x16s[0].fmt in qk.AMX_TILED
-            tiled_mods = [tiled_module(t, kernel) for t in x16s] if amx else []
+
+            # each timed run its own copies: a run that read the copy the run before it had just streamed
+            # would find it in cache (x16_amx after x16 did, before 2026-12-07)
+            x16s_before = [native.interleave(b) for b in nats] if before is not None and x16s else []
+            x16s_amx = [native.interleave(b) for b in nats] if amx else []
+            tiled_mods = [tiled_module(native.interleave(b), kernel) for b in nats] if amx else []
             for m in [int(s) for s in args.ms.split(",")]:
                 x = torch.randn(m, k)
                 here = max(3, reps // 8) if n * k > 64 << 20 else reps
@@ -142,7 +161,16 @@ def main() -> None:
                     {"repacked": rotating(olds, lambda mod, x=x: mod(x))}
                     | ({"native": rotating(nats, lambda w, x=x: native.linear(x, w))} if row_major else {})
                     | ({"x16": rotating(x16s, lambda w, x=x: native.linear(x, w))} if x16s else {})
-                    | ({"x16_amx": rotating(x16s, lambda w, x=x: native.linear_bf16(x, w))} if amx else {})
+                    | (
+                        {"x16_before": rotating(x16s_before, lambda w, x=x: before.linear(x, w))}
+                        if before is not None and x16s
+                        else {}
+                    )
+                    | (
+                        {"x16_amx": rotating(x16s_amx, lambda w, x=x: native.linear_bf16(x, w))}
+                        if amx
+                        else {}
+                    )
                     | (
                         {
                             "x16_dequant_bf16": rotating(
@@ -170,6 +198,11 @@ def main() -> None:
                     row["x16_us"] = round(statistics.median(t["x16"]) * 1e3, 1)
                     row["speedup_x16"] = round(median_ratio(t["repacked"], t["x16"]), 2)
                     row["x16_MiB"] = round(x16s[0].nbytes() / 2**20, 1)
+                if before is not None and x16s:
+                    if not torch.equal(native.linear(x, x16s[0]), before.linear(x, x16s[0])):
+                        raise SystemExit(f"{fmt} {name} M={m}: --against-source gives other bits")
+                    row["x16_before_us"] = round(statistics.median(t["x16_before"]) * 1e3, 1)
+                    row["x16_vs_before"] = round(median_ratio(t["x16_before"], t["x16"]), 2)
                 if amx:
                     row["x16_amx_us"] = round(statistics.median(t["x16_amx"]) * 1e3, 1)
                     row["x16_dequant_bf16_us"] = round(statistics.median(t["x16_dequant_bf16"]) * 1e3, 1)
@@ -177,7 +210,7 @@ def main() -> None:
                     row["amx_vs_dequant"] = round(median_ratio(t["x16_dequant_bf16"], t["x16_amx"]), 2)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-            del olds, nats, x16s, tiled_mods
+            del olds, nats, x16s, x16s_before, x16s_amx, tiled_mods
     out = {
         "cpu": cpu_model(),
         "threads": torch.get_num_threads(),

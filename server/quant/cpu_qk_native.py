@@ -478,8 +478,9 @@ def load_qk_native_kernel(cache_dir: Path | None = None) -> QKNativeKernel:
 
 
 @functools.cache
-def _load_qk_native_kernel(cache_dir: Path) -> QKNativeKernel:
-    lib, path = load_library(NATIVE, cache_dir)
+def _load_qk_native_kernel(cache_dir: Path, source: NativeSource = NATIVE) -> QKNativeKernel:
+    """`source`: another version of the library's source (benchmarks/qk_native.py --against-source)."""
+    lib, path = load_library(source, cache_dir)
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.kubeinfer_qk_linear.restype = i32
     lib.kubeinfer_qk_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32]

@@ -710,6 +710,14 @@ inline void unpack_group(const uint8_t* packed, int64_t g, int64_t nb, uint32_t*
   }
 }
 
+// acc + dpbusd(w, the dword at q broadcast), the broadcast as vpdpbusd's own {1to16} memory operand: GCC 12
+// emits a vpbroadcastd for _mm512_set1_epi32(*q) instead, an extra op for each product here (as in
+// qk_native.cpp's Avx512::dpbusd_at).
+inline __m512i dpbusd_at(__m512i acc, __m512i w, const int32_t* q) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*q));
+  return acc;
+}
+
 // acc[r] (16 columns) += rows r0 + r of the row block, r < R; xp: the block's quantized x interleaved,
 // xp[(b * 8 + q) * R + r] = the four int8 values k = 32 b + 4q.. of row r0 + r; xd, xs: [nb * R].
 template <int R>
@@ -722,7 +730,7 @@ inline void micro_q8(const uint32_t* wq, const float* dw, const float* off, int6
     const int32_t* xb = xp + b * 8 * R;
     for (int q = 0; q < 8; ++q) {
       const __m512i wv = _mm512_loadu_si512(wb + q * GROUP);
-      for (int r = 0; r < R; ++r) ai[r] = _mm512_dpbusd_epi32(ai[r], wv, _mm512_set1_epi32(xb[q * R + r]));
+      for (int r = 0; r < R; ++r) ai[r] = dpbusd_at(ai[r], wv, xb + q * R + r);
     }
     const __m512 dwb = _mm512_loadu_ps(dw + b * GROUP), offb = _mm512_loadu_ps(off + b * GROUP);
     for (int r = 0; r < R; ++r) {
@@ -751,7 +759,7 @@ inline void micro_q8_packed(const uint8_t* src, int64_t nb, const int32_t* xp, c
       } else {
         wv = _mm512_loadu_si512(src + q * 64);
       }
-      for (int r = 0; r < R; ++r) ai[r] = _mm512_dpbusd_epi32(ai[r], wv, _mm512_set1_epi32(xb[q * R + r]));
+      for (int r = 0; r < R; ++r) ai[r] = dpbusd_at(ai[r], wv, xb + q * R + r);
     }
     const __m512 dwb = _mm512_loadu_ps(reinterpret_cast<const float*>(src + PACK_W<BITS>));
     const __m512 offb = _mm512_loadu_ps(reinterpret_cast<const float*>(src + PACK_W<BITS> + GROUP * 4));

@@ -1031,7 +1031,7 @@ void q4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq,
         const int64_t row = r0 + i;
         const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
         I msum = S::zero();
-        for (int p = 0; p < 4; ++p) msum = S::dpwssd(msum, mn[p], S::set32(pr[p]));
+        for (int p = 0; p < 4; ++p) msum = S::dpwssd_at(msum, mn[p], pr + p);
         const F dx = S::setf(xq.d[row * nb + b]);
         acc[hf][i] = S::fmadd(S::cvt(isum[i]), S::mul(d, dx), acc[hf][i]);
         acc[hf][i] = S::fnmadd(S::cvt(msum), S::mul(dmin, dx), acc[hf][i]);
@@ -1086,7 +1086,7 @@ void q6x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq,
         const int64_t row = r0 + i;
         const int32_t* pr = xq.pairs.data() + (row * nb + b) * 8;
         I osum = S::zero();
-        for (int p = 0; p < 8; ++p) osum = S::dpwssd(osum, pv[p], S::set32(pr[p]));
+        for (int p = 0; p < 8; ++p) osum = S::dpwssd_at(osum, pv[p], pr + p);
         const I tot = S::sub32(isum[i], S::sll32(osum, 5));
         acc[hf][i] = S::fmadd(S::cvt(tot), S::mul(d, S::setf(xq.d[row * nb + b])), acc[hf][i]);
       }
@@ -1130,8 +1130,8 @@ void iq4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq
           const int32_t* q = (const int32_t*)(xq.q.data() + (r0 + i) * k + b * QK_K + 32 * j);
           I dl = S::zero(), dh = S::zero();
           for (int g = 0; g < 4; ++g) {
-            dl = S::dpbusd_biased(dl, lo[g], S::set32(q[g]));
-            dh = S::dpbusd_biased(dh, hi[g], S::set32(q[4 + g]));
+            dl = S::dpbusd_biased_at(dl, lo[g], q + g);
+            dh = S::dpbusd_biased_at(dh, hi[g], q + 4 + g);
           }
           isum[i] = S::add32(isum[i], S::mul32(S::add32(dl, dh), s));
         }
@@ -1143,7 +1143,7 @@ void iq4x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq
         if constexpr (S::BIASED_DOT_HAS_OFFSET) {
           const int32_t* pr = xq.pairs.data() + (row * nb + b) * 4;
           I osum = S::zero();
-          for (int p = 0; p < 4; ++p) osum = S::dpwssd(osum, sp[p], S::set32(pr[p]));
+          for (int p = 0; p < 4; ++p) osum = S::dpwssd_at(osum, sp[p], pr + p);
           tot = S::sub32(tot, S::sll32(osum, 7));
         }
         acc[hf][i] = S::fmadd(S::cvt(tot), S::mul(d, S::setf(xq.d[row * nb + b])), acc[hf][i]);
@@ -1217,7 +1217,7 @@ void k2x_rows(const uint8_t* tiles, int64_t nb, int64_t k, const QuantizedX& xq,
         const int64_t row = r0 + i;
         const int32_t* pr = xq.pairs.data() + (row * nb + b) * 8;
         I osum = S::zero();
-        for (int p = 0; p < 8; ++p) osum = S::dpwssd(osum, pp[p], S::set32(pr[p]));
+        for (int p = 0; p < 8; ++p) osum = S::dpwssd_at(osum, pp[p], pr + p);
         const F dx = S::setf(xq.d[row * nb + b]);
         if constexpr (Q3) {
           const I tot = S::sub32(isum[i], S::sll32(osum, 2));
@@ -1313,11 +1313,11 @@ void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq
           const I nibv = S::load(qs + 64 * (g & 3), hf);
           const I wv = S::add8_where(S::and_(g < 4 ? nibv : S::srl16(nibv, 4), lo4), qs + 256 + 8 * g, hf, sixteen);
           for (int i = 0; i < MT; ++i) {
-            const I xv = S::set32(xi[g * TILE_M + i]);
+            const int32_t* xv = xi + g * TILE_M + i;
             if ((g & 1) && MT <= 4)
-              s1[i] = S::dpbusd(s1[i], wv, xv);
+              s1[i] = S::dpbusd_at(s1[i], wv, xv);
             else
-              s0[i] = S::dpbusd(s0[i], wv, xv);
+              s0[i] = S::dpbusd_at(s0[i], wv, xv);
           }
         } else {
           typename S::Biased wv;
@@ -1328,11 +1328,11 @@ void q8x_rows(const uint8_t* tile, int64_t nb, int64_t k, const QuantizedX32& xq
             wv = S::biased(S::load(qs + 64 * g, hf));
           }
           for (int i = 0; i < MT; ++i) {
-            const I xv = S::set32(xi[g * TILE_M + i]);
+            const int32_t* xv = xi + g * TILE_M + i;
             if ((g & 1) && MT <= 4)
-              s1[i] = S::dpbusd_biased(s1[i], wv, xv);
+              s1[i] = S::dpbusd_biased_at(s1[i], wv, xv);
             else
-              s0[i] = S::dpbusd_biased(s0[i], wv, xv);
+              s0[i] = S::dpbusd_biased_at(s0[i], wv, xv);
           }
         }
       }
@@ -1426,13 +1426,26 @@ struct Avx512 {
   static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static I dpbusd(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I dpwssd(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
+  // dpbusd / dpwssd with the dword at q broadcast as the instruction's own {1to16} memory operand. GCC 12
+  // does not fold _mm512_set1_epi32(*q) into it: it emits a vpbroadcastd for each, and here each feeds one
+  // product, so the kernels spent an extra op per product (Q4_K tiles at 16 rows 5-12% slower on a 2-core
+  // Zen 4; docs/benchmarks-log.md, "Broadcast operands folded into the VNNI products").
+  static I dpbusd_at(I acc, I w, const int32_t* q) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*q));
+    return acc;
+  }
+  static I dpwssd_at(I acc, I a, const int32_t* q) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*q));
+    return acc;
+  }
   static Biased biased(I w) { return w; }
   static I dpbusd_biased(I acc, Biased w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static I dpbusd_biased_at(I acc, Biased w, const int32_t* q) { return dpbusd_at(acc, w, q); }
   // sum over g of dpbusd(w[g], x's dword q[g] broadcast); WMAX (the largest w) only matters to Avx2
   template <int WMAX>
   static I dot4(const I* w, const int32_t* q) {
-    I acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(q[0]));
-    for (int g = 1; g < 4; ++g) acc = _mm512_dpbusd_epi32(acc, w[g], _mm512_set1_epi32(q[g]));
+    I acc = dpbusd_at(_mm512_setzero_si512(), w[0], q);
+    for (int g = 1; g < 4; ++g) acc = dpbusd_at(acc, w[g], q + g);
     return acc;
   }
   static I table16(const uint8_t* t) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)t)); }
@@ -1495,6 +1508,8 @@ struct Avx2 {
   static I pairs(I p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }  // int16 pairs -> int32
   static I dpbusd(I acc, I w, I x) { return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(w, x))); }
   static I dpwssd(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+  static I dpbusd_at(I acc, I w, const int32_t* q) { return dpbusd(acc, w, set32(*q)); }
+  static I dpwssd_at(I acc, I a, const int32_t* q) { return dpwssd(acc, a, set32(*q)); }
   static Biased biased(I w) {
     const __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
     return {_mm256_abs_epi8(s), s};
@@ -1502,6 +1517,7 @@ struct Avx2 {
   static I dpbusd_biased(I acc, const Biased& w, I x) {
     return _mm256_add_epi32(acc, pairs(_mm256_maddubs_epi16(w.mag, _mm256_sign_epi8(x, w.sgn))));
   }
+  static I dpbusd_biased_at(I acc, const Biased& w, const int32_t* q) { return dpbusd_biased(acc, w, set32(*q)); }
   // maddubs's int16 pair sums (|.| <= 2 WMAX 127) added in int16 while they cannot overflow: all four
   // for WMAX <= 32 (Q4_K, Q5_K, Q3_K, Q2_K), two and two for Q6_K's 63; one madd per int16 sum.
   template <int WMAX>
