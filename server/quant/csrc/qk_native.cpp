@@ -1428,7 +1428,7 @@ struct Avx512 {
   static I dpwssd(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
   // dpbusd / dpwssd with the dword at q broadcast as the instruction's own {1to16} memory operand. GCC 12
   // does not fold _mm512_set1_epi32(*q) into it: it emits a vpbroadcastd for each, and here each feeds one
-  // product, so the kernels spent an extra op per product (Q4_K tiles at 16 rows 5-12% slower on a 2-core
+  // product, so the kernels spent an extra op per product (the tiles 1.02-1.25x slower a call on a 2-core
   // Zen 4; docs/benchmarks-log.md, "Broadcast operands folded into the VNNI products").
   static I dpbusd_at(I acc, I w, const int32_t* q) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*q));
