@@ -24,8 +24,8 @@ bf16, then torch's bf16 GEMM: oneDNN on AMX tiles, what 256 rows and more took b
 `amx_vs_x16` and `amx_vs_dequant` are their median per-repetition ratios (> 1: the amx path is faster).
 
 `--against-source FILE` (a kernel change's A/B in one process: e.g. `git show HEAD~1:server/quant/csrc/
-qk_native.cpp > /tmp/before.cpp`) also builds the library from FILE (its own cache folder) and times, on the
-same 16-row tiles, `x16_before` (that library) beside `x16` (this tree's), alternated call by call, after
+qk_native.cpp > /tmp/before.cpp`) also builds the library from FILE (beside this tree's in the kernel cache:
+a build is named by its source) and times, on the same 16-row tiles, `x16_before` (that library) beside `x16` (this tree's), alternated call by call, after
 checking that both give the same bits; `x16_vs_before` is their median per-repetition ratio (> 1: this
 tree's kernel is faster).
 """
@@ -35,9 +35,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_qlinear import cpu_model, llc_bytes, median_ratio, rotating, timed
 
+from server.config import default_cache_dir
+from server.native import PREBUILT_ENV
 from server.quant import cpu_qgemv_q8 as q8
 from server.quant import cpu_qk_native as qk
 from server.quant import cpu_qlinear as cq
@@ -121,9 +123,11 @@ def main() -> None:
     native = qk.load_qk_native_kernel()
     before = None
     if args.against_source:
-        # a second library, from the other source and in its own folder (the build key is the source)
+        if os.environ.get(PREBUILT_ENV):
+            raise SystemExit(f"--against-source builds from source: unset {PREBUILT_ENV}")
+        # a second library: its own file in the cache (the build is named by its source), its own handle
         source = dataclasses.replace(qk.NATIVE, source=args.against_source.resolve())
-        before = qk._load_qk_native_kernel(Path(tempfile.mkdtemp(prefix="qk-before-")), source)
+        before = qk._load_qk_native_kernel(default_cache_dir(), source)
     if args.amx and native.amx_min_rows == 0:
         raise SystemExit("--amx: the amx path does not run here (no usable AMX-BF16, or KUBEINFER_QK_AMX=0)")
     cold = 2 * llc_bytes()
@@ -150,7 +154,8 @@ def main() -> None:
 
             # each timed run its own copies: a run that read the copy the run before it had just streamed
             # would find it in cache (x16_amx after x16 did, before 2026-12-07)
-            x16s_before = [native.interleave(b) for b in nats] if before is not None and x16s else []
+            ab = before is not None and bool(x16s)
+            x16s_before = [native.interleave(b) for b in nats] if ab else []
             x16s_amx = [native.interleave(b) for b in nats] if amx else []
             tiled_mods = [tiled_module(native.interleave(b), kernel) for b in nats] if amx else []
             for m in [int(s) for s in args.ms.split(",")]:
@@ -163,7 +168,7 @@ def main() -> None:
                     | ({"x16": rotating(x16s, lambda w, x=x: native.linear(x, w))} if x16s else {})
                     | (
                         {"x16_before": rotating(x16s_before, lambda w, x=x: before.linear(x, w))}
-                        if before is not None and x16s
+                        if ab
                         else {}
                     )
                     | (
@@ -181,6 +186,8 @@ def main() -> None:
                         else {}
                     )
                 )
+                if ab and not torch.equal(native.linear(x, x16s[0]), before.linear(x, x16s[0])):
+                    raise SystemExit(f"{fmt} {name} M={m}: --against-source gives other bits")
                 t = timed(runs, here)
                 row = {
                     "format": fmt,
@@ -198,9 +205,7 @@ def main() -> None:
                     row["x16_us"] = round(statistics.median(t["x16"]) * 1e3, 1)
                     row["speedup_x16"] = round(median_ratio(t["repacked"], t["x16"]), 2)
                     row["x16_MiB"] = round(x16s[0].nbytes() / 2**20, 1)
-                if before is not None and x16s:
-                    if not torch.equal(native.linear(x, x16s[0]), before.linear(x, x16s[0])):
-                        raise SystemExit(f"{fmt} {name} M={m}: --against-source gives other bits")
+                if ab:
                     row["x16_before_us"] = round(statistics.median(t["x16_before"]) * 1e3, 1)
                     row["x16_vs_before"] = round(median_ratio(t["x16_before"], t["x16"]), 2)
                 if amx:
