@@ -1387,10 +1387,11 @@ void q32_tiles(int fmt, const uint8_t* w, int64_t t0, int64_t t1, int64_t k, con
 //   u8_i32   16 bytes, one per row -> int32 lanes
 //   u8_i16, s8_i16   32 bytes, two per row -> int16 pairs (one pair per int32 lane)
 //   f16      16 fp16, one per row -> fp32 lanes
-// dpbusd(acc, u8 w, s8 x) is VNNI's: acc + per lane the sum of four u8 x s8 products. Avx2 forms it as
+// dpbusd_at(acc, u8 w, q) is VNNI's dpbusd with x's s8 dword at q broadcast: acc + per lane the sum of four
+// u8 x s8 products (dpwssd_at likewise for int16 pairs). Avx2 forms it as
 // llama.cpp's AVX2 dot products do, maddubs (u8 x s8 pairs summed to int16, saturating) then madd by ones;
 // exact where |w0 x0 + w1 x1| < 2^15, so for w <= 127 (|x| <= 127): every k-quant's code and Q5_0's. Values
-// held + 128 (IQ4_XS's levels, Q8_0's q) go through `biased` / `dpbusd_biased`: Avx512 dots the u8 as
+// held + 128 (IQ4_XS's levels, Q8_0's q) go through `biased` / `dpbusd_biased_at`: Avx512 dots the u8 as
 // stored (the kernel takes 128 sum(x) off: BIASED_DOT_HAS_OFFSET), Avx2 the signed value (w ^ 0x80) as
 // |w| times x with w's sign, each pair within 2 * 128 * 127 < 2^15, and nothing to take off.
 
@@ -1424,7 +1425,6 @@ struct Avx512 {
   static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  static I dpbusd(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I dpwssd(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
   // dpbusd / dpwssd with the dword at q broadcast as the instruction's own {1to16} memory operand. GCC 12
   // does not fold _mm512_set1_epi32(*q) into it: it emits a vpbroadcastd for each, and here each feeds one
@@ -1439,7 +1439,6 @@ struct Avx512 {
     return acc;
   }
   static Biased biased(I w) { return w; }
-  static I dpbusd_biased(I acc, Biased w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I dpbusd_biased_at(I acc, Biased w, const int32_t* q) { return dpbusd_at(acc, w, q); }
   // sum over g of dpbusd(w[g], x's dword q[g] broadcast); WMAX (the largest w) only matters to Avx2
   template <int WMAX>
