@@ -353,10 +353,10 @@ def estimate_memory(model: Path, settings: ServingSettings) -> MemoryEstimate:
     else:
         gguf_file = None
     if gguf_file is not None:
-        from gguf import GGUFReader
+        from server.gguf_file import open_gguf
 
         try:
-            reader = GGUFReader(str(gguf_file))
+            reader = open_gguf(gguf_file)
         except (ValueError, OSError) as e:
             raise EstimateError(f"{gguf_file.name}: unreadable GGUF: {e}") from e
         cfg = _gguf_config(gguf_file, reader)

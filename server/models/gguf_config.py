@@ -177,7 +177,7 @@ READERS: dict[str, tuple[str, str, Callable[[dict[str, Any], Get, dict[str, Any]
 
 def gguf_architecture(path: Path) -> str:
     """`general.architecture` of the file (llama.cpp's name: llama, qwen2, gemma3, ...)."""
-    from server.quant.gguf_file import open_gguf
+    from server.gguf_file import open_gguf
 
     return str(_field(open_gguf(path), "general.architecture") or "llama")
 
@@ -185,7 +185,7 @@ def gguf_architecture(path: Path) -> str:
 def hf_config_from_gguf(path: Path) -> dict[str, Any]:
     """config.json for a GGUF of one of READERS' architectures (UnsupportedModelError otherwise, or
     where a key our layers cannot express is set: a per-layer KV head count, another RoPE scaling)."""
-    from server.quant.gguf_file import open_gguf
+    from server.gguf_file import open_gguf
 
     reader = open_gguf(path)
     arch = str(_field(reader, "general.architecture") or "llama")

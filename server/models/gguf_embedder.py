@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from server.gguf_file import shared_gguf_readers
 from server.models.layer_spec import UnsupportedModelError
 
 ARCHITECTURE = "gemma-embedding"
@@ -47,7 +48,7 @@ def _dense_and_pooling(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
     import numpy as np
     from gguf.quants import dequantize
 
-    from server.quant.gguf_file import open_gguf
+    from server.gguf_file import open_gguf
 
     reader = open_gguf(path)
     field = reader.fields.get(f"{ARCHITECTURE}.pooling_type")
@@ -105,6 +106,7 @@ def _write_modules(folder: Path, mode: str, dense: dict[str, torch.Tensor], hidd
     (folder / "modules.json").write_text(json.dumps(modules, indent=2))
 
 
+@shared_gguf_readers()
 def gguf_embedder_folder(path: Path, cache_dir: Path) -> Path:
     """The sentence-transformers folder of a gemma-embedding GGUF (weights dequantized to fp32 by our
     GGUF reader), cached under `cache_dir` like a GGUF's conversion (keyed by the file and the writer,

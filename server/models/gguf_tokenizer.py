@@ -40,7 +40,7 @@ def build_as(gguf: Path, architecture: str) -> Any:
 
 
 def _metadata(gguf: Path) -> dict[str, Any]:
-    from server.quant.gguf_file import open_gguf
+    from server.gguf_file import open_gguf
 
     reader = open_gguf(gguf)
     out: dict[str, Any] = {}
@@ -60,7 +60,7 @@ def _metadata(gguf: Path) -> dict[str, Any]:
 
 def unigram(gguf: Path) -> bool:
     """Whether the file's vocabulary is a SentencePiece unigram model (`tokenizer.ggml.model = t5`)."""
-    from server.quant.gguf_file import open_gguf
+    from server.gguf_file import open_gguf
 
     return bool(_field(open_gguf(gguf), "tokenizer.ggml.model") == "t5")
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from server.config import default_cache_dir
 from server.cpu_features import CpuFeatures, apply_disable
+from server.gguf_file import shared_gguf_readers
 from server.models.arch import ArchConfig, UnsupportedModelError
 from server.models.llama import LlamaForCausalLM
 from server.models.registry import ARCHITECTURES, arch_from_hf, check_servable
@@ -76,6 +77,7 @@ class ModelSource:
     gguf: Path | None = None  # set when the GGUF file itself is served (folder then holds no weights)
 
 
+@shared_gguf_readers()  # a conversion asks the file for its architecture, config, tokenizer and tensors
 def resolve_model(model: str | None, cache_dir: Path | None = None, keep_gguf: bool = False) -> ModelSource:
     """`keep_gguf`: a GGUF model is served from the file (ModelSource.gguf), not converted to fp32."""
     cache = cache_dir or default_cache_dir()

@@ -245,8 +245,8 @@ def resolve_task(model: str | None, task: str) -> str:
         return "generate"
     folder = Path(model).expanduser()
     if folder.suffix == ".gguf":  # an EmbeddingGemma GGUF embeds (models/gguf_embedder.py)
+        from server.gguf_file import GgufFileError
         from server.models.gguf_embedder import is_gguf_embedder
-        from server.quant.gguf_file import GgufFileError
 
         try:
             return "embed" if is_gguf_embedder(folder) else "generate"

@@ -234,7 +234,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
     (super_blocks_enabled); raises ValueError for tensor types it cannot read."""
     from gguf.quants import dequantize
 
-    from server.quant.gguf_file import open_gguf
+    from server.gguf_file import open_gguf
 
     reader = open_gguf(path)
     arch_field = reader.fields.get("general.architecture")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from serving import free_port
 
+from server.gguf_file import GgufFileError, open_gguf
 from server.pooling.model import resolve_task
-from server.quant.gguf_file import GgufFileError, open_gguf
 
 
 def _tiny_gguf(path: Path, arch: str = "llama") -> Path:

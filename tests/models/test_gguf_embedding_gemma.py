@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from embedding_models import GEMMA_CONFIG_WINDOW, build_embedding_gemma
+from gguf_vocab import add_embedded_tokenizer
 from safetensors.torch import load_file, save_file
 
 from server.models.layer_spec import UnsupportedModelError
@@ -63,7 +64,6 @@ def _gguf_name(name: str) -> str:
 def write_embedding_gemma_gguf(folder: Path, out: Path, ref: Path, dense: bool = True) -> Path:
     """`folder` (build_embedding_gemma's) as a gemma-embedding GGUF; `ref`: a copy of `folder` holding
     the file's weights (Q8_0 ones as gguf-py dequantizes them)."""
-    from server.models.loader import embedded_gguf_path
 
     cfg = json.loads((folder / "config.json").read_text())
     state = load_file(str(folder / "model.safetensors"))
@@ -83,12 +83,7 @@ def write_embedding_gemma_gguf(folder: Path, out: Path, ref: Path, dense: bool =
     w.add_sliding_window(GEMMA_CONFIG_WINDOW)  # the converter writes config.json's own value
     w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     w.add_pooling_type(gguf.PoolingType.MEAN)
-    source = gguf.GGUFReader(str(embedded_gguf_path()))  # SmolLM2's vocabulary, as the folder has
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    add_embedded_tokenizer(w)  # SmolLM2's vocabulary, as the folder has
     kept: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         x = t.float().numpy()

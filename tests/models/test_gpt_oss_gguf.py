@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from gguf_vocab import add_embedded_tokenizer
 from models.test_gpt_oss import GREEDY, WINDOW, _hf_greedy, _prompts, build_gpt_oss
 from prompt_logprobs import engine_prompt_logprobs
 
@@ -52,8 +53,6 @@ def write_gpt_oss_gguf(folder: Path, out: Path, attn_fmt: str = "F32") -> Path:
     import gguf
     from safetensors.torch import load_file
 
-    from server.models.loader import embedded_gguf_path
-
     cfg = json.loads((folder / "config.json").read_text())
     state = load_file(str(folder / "model.safetensors"))
     rope = cfg["rope_parameters"]
@@ -75,12 +74,7 @@ def write_gpt_oss_gguf(folder: Path, out: Path, attn_fmt: str = "F32") -> Path:
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["intermediate_size"])
     w.add_sliding_window(cfg["sliding_window"])
-    source = gguf.GGUFReader(str(embedded_gguf_path()))
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = {"sub_type": field.types[-1]} if vtype == gguf.GGUFValueType.ARRAY else {}
-            w.add_key_value(key, field.contents(), vtype, **sub)
+    add_embedded_tokenizer(w)
 
     def f32(name: str, t: torch.Tensor) -> None:
         w.add_tensor(name, np.ascontiguousarray(t.float().numpy()))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf_vocab import add_embedded_tokenizer
 from quant.gguf_models import K_QUANTIZERS  # tests/quant/gguf_models.py
 from safetensors.torch import load_file, save_file
 
@@ -68,8 +69,6 @@ def write_moe_gguf(
     routers F32. Returns (path, the file's weights dequantized under the HF names)."""
     import gguf
 
-    from server.models.loader import embedded_gguf_path
-
     cfg = json.loads((hf_folder / "config.json").read_text())
     state = load_file(str(hf_folder / "model.safetensors"))
     kind = cfg["model_type"]
@@ -96,14 +95,7 @@ def write_moe_gguf(
     if kind == "qwen3_moe":
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
-    source = gguf.GGUFReader(str(embedded_gguf_path()))
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            if vtype == gguf.GGUFValueType.ARRAY:
-                writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
-            else:
-                writer.add_key_value(key, field.contents(), vtype)
+    add_embedded_tokenizer(writer)
     block = "block_sparse_moe" if kind == "mixtral" else "mlp"
     names = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     deq: dict[str, torch.Tensor] = {}

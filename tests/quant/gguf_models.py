@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf_quant import K_QUANTIZERS, quantize_q4_k, quantize_q6_k  # noqa: F401  (re-exported: test_cpu_qlinear)
+from gguf_vocab import add_embedded_tokenizer
 
 HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q",
@@ -45,8 +46,6 @@ def write_tiny_gguf(
     import gguf
     from safetensors.torch import load_file
 
-    from server.models.loader import embedded_gguf_path
-
     cfg = json.loads((hf_folder / "config.json").read_text())
     state = load_file(str(hf_folder / "model.safetensors"))
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -61,15 +60,8 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     writer.add_vocab_size(cfg["vocab_size"])
-    source = gguf.GGUFReader(str(embedded_gguf_path()))
-    for key, field in source.fields.items():
-        if not tokenizer or not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(key, field.contents(), vtype)
+    if tokenizer:
+        add_embedded_tokenizer(writer)
     for name, t in state.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue

@@ -50,7 +50,7 @@ def gguf_moe_fields(path: Path) -> dict[str, Any]:
     """The config.json fields of a MoE GGUF that transformers' reader does not write (empty for a
     dense file): the architecture (Mixtral for a `llama` file with experts), expert counts and sizes,
     renormalisation, which layers are dense. Raises ValueError for a layout we do not map."""
-    from server.quant.gguf_file import open_gguf
+    from server.gguf_file import open_gguf
 
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture") or "llama"
