@@ -8,31 +8,46 @@ own error if that fails too)."""
 
 from __future__ import annotations
 
-import importlib
+import concurrent.futures
+import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-# Modules that define a `NATIVE` kernel source (server/native.py builds and caches each one).
-KERNEL_MODULES = ("server.models.cpu_fused", "server.attention.cpu_kernel", "server.quant.cpu_qlinear")
+if TYPE_CHECKING:
+    from server.native import NativeSource
 
 
 def main() -> int:
     from server.config import default_cache_dir
+    from server.prebuild_kernels import SOURCES
 
+    # every kernel the server builds (the image's list), each compiler on a CPU of its own beside the
+    # conversion (one Python thread): the steps overlap instead of leaving a core idle
     steps = [("the embedded model", _embedded_model)]
-    steps += [(name, lambda name=name: _kernel(name)) for name in KERNEL_MODULES]
+    steps += [(f"the {src.name} kernel", lambda src=src: _kernel(src)) for src in SOURCES]
     print(f"warm caches in {default_cache_dir()}", flush=True)
-    for what, step in steps:
-        t0 = time.monotonic()
-        try:
-            step()
-        except Exception:
-            print(f"warning: warming {what} failed; the tests will try themselves:", flush=True)
-            traceback.print_exc()
-        else:
-            print(f"  {what}: {time.monotonic() - t0:.1f} s", flush=True)
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)) + 1) as pool:
+        for what, step in steps:
+            pool.submit(_timed, what, step)
+    print(f"  all: {time.monotonic() - t0:.1f} s", flush=True)
     return 0
+
+
+def _timed(what: str, step: Callable[[], None]) -> None:
+    t0 = time.monotonic()
+    try:
+        step()
+    except Exception:
+        print(
+            f"warning: warming {what} failed; the tests will try themselves:\n{traceback.format_exc()}",
+            flush=True,
+        )
+    else:
+        print(f"  {what}: {time.monotonic() - t0:.1f} s", flush=True)
 
 
 def _embedded_model() -> None:
@@ -41,11 +56,11 @@ def _embedded_model() -> None:
     resolve_model(None)
 
 
-def _kernel(module: str) -> None:
+def _kernel(src: NativeSource) -> None:
     from server.config import default_cache_dir
     from server.native import load_library
 
-    load_library(importlib.import_module(module).NATIVE, default_cache_dir())
+    load_library(src, default_cache_dir())
 
 
 if __name__ == "__main__":

@@ -136,3 +136,19 @@ def test_the_x86_64_v3_build_runs_the_tiles_avx2_path(
     x = torch.randn(5, 512, generator=rng)
     slack = 2e-5 * (qk.quantize_activations_reference(x).abs() @ qk.dequantize_reference(w).abs().t()) + 1e-5
     assert ((kernel.linear(x, tiles) - qk.linear_reference(x, w)).abs() <= slack).all()
+
+
+def test_a_failed_build_fails_the_prebuild_naming_the_source(tmp_path: Path) -> None:
+    """The builds run side by side (one compiler a CPU); one that fails is raised with the compiler's
+    message, and the others' libraries are whole files or absent (each published atomically)."""
+    good = tmp_path / "good.cpp"
+    good.write_text('extern "C" int kubeinfer_good(void) { return 1; }\n')
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int broken( {\n")
+    sources = tuple(
+        native.NativeSource(p.stem, p, ("-O0", "-fPIC", "-march=native"), ("-shared",)) for p in (good, bad)
+    )
+    with pytest.raises(native.KernelBuildError, match="bad.cpp"):
+        native.prebuild(sources, tmp_path / "out")
+    assert not list((tmp_path / "out").rglob("bad-*.so"))
+    assert not list((tmp_path / "out").rglob(".build-*"))
