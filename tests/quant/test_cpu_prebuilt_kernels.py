@@ -148,7 +148,7 @@ def test_a_failed_build_fails_the_prebuild_naming_the_source(tmp_path: Path) -> 
     sources = tuple(
         native.NativeSource(p.stem, p, ("-O0", "-fPIC", "-march=native"), ("-shared",)) for p in (good, bad)
     )
-    with pytest.raises(native.KernelBuildError, match="bad.cpp"):
+    with pytest.raises(native.KernelBuildError, match=r"bad\.cpp"):
         native.prebuild(sources, tmp_path / "out")
     assert not list((tmp_path / "out").rglob("bad-*.so"))
     assert not list((tmp_path / "out").rglob(".build-*"))
