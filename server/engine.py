@@ -28,7 +28,6 @@ from server.core.step_threads import StepThreads
 from server.cpu_env import release_free_heap
 from server.distributed.driver import TensorParallelDriver
 from server.distributed.sharding import rank_loading, rank_loading_slicer
-from server.gguf_file import shared_gguf_readers
 from server.kv_events import KVEventPublisher, make_publisher
 from server.lora.manager import LoRAManager
 from server.lora.registry import LoRARegistry
@@ -123,11 +122,6 @@ class EngineInfo:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        # a GGUF's metadata parsed once for the whole load: resolving, the estimate, the weights, a draft
-        with shared_gguf_readers():
-            self._load(config)
-
-    def _load(self, config: EngineConfig) -> None:
         self.config = config
         if config.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
