@@ -13,8 +13,10 @@ checkout first on sys.path):
 request, then `--new-tokens` greedy tokens ignoring EOS. Per run: decode tokens/s (the tokens after the first
 over the time from the first token to the last), TTFT ms, resident memory (VmRSS) after load and after the
 run, the engine's `/info` `gemm_dtype` and weight bytes, and the layouts its projections hold. Per checkout:
-the median tokens/s and the ratio to the first checkout's median. The CPU (model name, flags that decide the
-kernels' paths) and the load average are recorded.
+the median tokens/s and the ratio to the first checkout's median, the same for the engine's load seconds
+(`load_s`, and the resident peak `VmHWM` at its end). `--fresh-cache`: each run loads into a new, empty cache
+folder: a first start (a GGUF's metadata folder: its tokenizer converted, server/gguf_file.py). The CPU
+(model name, flags that decide the kernels' paths) and the load average are recorded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,15 +42,18 @@ from server.config import EngineConfig, ModelConfig
 from server.engine import LLMEngine
 from server.request import SamplingParams
 
-def rss_mib():
+def rss_mib(field="VmRSS:"):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field):
             return int(line.split()[1]) / 1024
     return 0.0
 
 model, prompt_len, new_tokens = sys.argv[2] or None, int(sys.argv[3]), int(sys.argv[4])
-engine = LLMEngine(EngineConfig(model=ModelConfig(model=model)))
-loaded_rss = rss_mib()
+cache_dir = {"cache_dir": __import__("pathlib").Path(sys.argv[5])} if sys.argv[5] else {}
+t_load = time.perf_counter()
+engine = LLMEngine(EngineConfig(model=ModelConfig(model=model, **cache_dir)))
+load_s = time.perf_counter() - t_load
+loaded_rss, load_peak = rss_mib(), rss_mib("VmHWM:")
 vocab = engine.loaded.arch.vocab_size
 prompt = [(7 + 31 * i) % (vocab - 10) + 5 for i in range(prompt_len)]
 params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -64,6 +70,8 @@ layouts = sorted({m.weight_q.fmt for m in engine.loaded.model.modules() if isins
 print(json.dumps({
     "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
     "ttft_ms": 1000 * (times[0] - t0),
+    "load_s": round(load_s, 2),
+    "rss_load_peak_mib": round(load_peak),
     "tokens": len(times),
     "rss_loaded_mib": round(loaded_rss),
     "rss_after_mib": round(rss_mib()),
@@ -85,6 +93,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--env", action="append", default=[], help="VAR=VALUE for every run")
+    ap.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="each run loads into a new, empty cache folder: a first start (a GGUF's metadata folder, "
+        "conversions), its seconds the load_s figure",
+    )
     ap.add_argument(
         "--checkout-env", action="append", default=[], help="NAME:VAR=VALUE for one checkout's runs"
     )
@@ -108,22 +122,41 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, path in checkouts:
             root = str(Path(path).resolve())
-            out = subprocess.run(
-                [sys.executable, "-c", CHILD, root, args.model, str(args.prompt_len), str(args.new_tokens)],
-                env={**env, **own[name]},
-                cwd=root,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
+            with tempfile.TemporaryDirectory(prefix="checkout-ab-cache-") as fresh:
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        CHILD,
+                        root,
+                        args.model,
+                        str(args.prompt_len),
+                        str(args.new_tokens),
+                        fresh if args.fresh_cache else "",
+                    ],
+                    env={**env, **own[name]},
+                    cwd=root,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
             if out.returncode != 0:
                 raise SystemExit(f"{name}: exit {out.returncode}\n{out.stderr[-3000:]}")
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    base = statistics.median(float(r["decode_tok_s"]) for r in runs[checkouts[0][0]])  # type: ignore[arg-type]
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(float(r[key]) for r in runs[name])  # type: ignore[arg-type]
+
+    first = checkouts[0][0]
     summary = {}
     for name, _ in checkouts:
-        med = statistics.median(float(r["decode_tok_s"]) for r in runs[name])  # type: ignore[arg-type]
-        summary[name] = {"decode_tok_s_median": round(med, 2), "ratio_to_first": round(med / base, 3)}
+        summary[name] = {
+            "decode_tok_s_median": round(median(name, "decode_tok_s"), 2),
+            "ratio_to_first": round(median(name, "decode_tok_s") / median(first, "decode_tok_s"), 3),
+            "load_s_median": round(median(name, "load_s"), 2),
+            "load_s_ratio_to_first": round(median(name, "load_s") / median(first, "load_s"), 3),
+            "rss_load_peak_mib_median": round(median(name, "rss_load_peak_mib")),
+        }
     print(
         json.dumps(
             {
@@ -133,6 +166,7 @@ def main() -> None:
                 "loadavg": os.getloadavg(),
                 "model": args.model,
                 "env": args.env,
+                "fresh_cache": args.fresh_cache,
                 "checkout_env": own,
                 "runs": runs,
                 "summary": summary,
