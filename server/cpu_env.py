@@ -238,6 +238,13 @@ def container_thread_count(limit: float | None, available: int) -> int | None:
     return threads if threads < available else None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may keep busy: its CPU quota rounded down where one binds, else the affinity
+    mask's count (for sizing pools of worker processes, such as the kernels' compilers)."""
+    available = _available_cpus()
+    return container_thread_count(cgroup_cpu_limit(), available) or available
+
+
 def _available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))

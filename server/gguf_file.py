@@ -40,6 +40,7 @@ _FileKey = tuple[int, int, int, int]
 _lock = threading.Lock()
 _depth = 0
 _shared: dict[_FileKey, Any] = {}
+_swapped: Any = _Reader
 
 
 @contextmanager
@@ -48,10 +49,11 @@ def shared_gguf_readers() -> Iterator[None]:
     file; on leaving the outermost scope the readers are dropped. Readers are read-only to every caller."""
     import gguf
 
-    global _depth
+    global _depth, _swapped
     with _lock:
         _depth += 1
         if _depth == 1:
+            _swapped = gguf.GGUFReader  # whatever was there (a test's spy) is put back
             gguf.GGUFReader = _SharedReader  # type: ignore[misc]
     try:
         yield
@@ -60,7 +62,7 @@ def shared_gguf_readers() -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 _shared.clear()
-                gguf.GGUFReader = _Reader  # type: ignore[misc]
+                gguf.GGUFReader = _swapped  # type: ignore[misc]
 
 
 class _SharedReader(_Reader):

@@ -38,6 +38,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.cpu_env import usable_cpus
 from server.cpu_features import CpuFeatures, CpuRegisters, apply_disable, decode, march_flags
 
 log = logging.getLogger(__name__)
@@ -143,8 +144,9 @@ def prebuild(sources: tuple[NativeSource, ...], folder: Path) -> list[Path]:
         for src in sources
         for variant in (VARIANTS if src.cpu_specific else (ANY,))
     ]
-    # one compiler a CPU: 37 builds, ~115 CPU-seconds on a Zen 4 (an image build, the prebuilt tests)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+    # one compiler a CPU (the quota's, in a container): 37 builds, ~115 CPU-seconds on a Zen 4 (an image
+    # build, the prebuilt tests)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), usable_cpus())) as pool:
         futures = [pool.submit(build, job, cxx, target) for job, target in jobs]
         try:
             for done in futures:

@@ -106,7 +106,6 @@ def _write_modules(folder: Path, mode: str, dense: dict[str, torch.Tensor], hidd
     (folder / "modules.json").write_text(json.dumps(modules, indent=2))
 
 
-@shared_gguf_readers()
 def gguf_embedder_folder(path: Path, cache_dir: Path) -> Path:
     """The sentence-transformers folder of a gemma-embedding GGUF (weights dequantized to fp32 by our
     GGUF reader), cached under `cache_dir` like a GGUF's conversion (keyed by the file and the writer,
@@ -127,8 +126,10 @@ def gguf_embedder_folder(path: Path, cache_dir: Path) -> Path:
     )
     if _reusable(target, path, ("embedder",)):
         return target
-    mode, dense = _dense_and_pooling(path)
-    cfg = hf_config_from_gguf(path)
+    with shared_gguf_readers():  # the metadata's questions, one parse; the tensors' read its own
+        mode, dense = _dense_and_pooling(path)
+        cfg = hf_config_from_gguf(path)
+        tok = gguf_tokenizer(path)
     state = _dequantized_state(path)
     state.pop("lm_head.weight", None)  # a headless model: the embedding is not a head here
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -136,7 +137,7 @@ def gguf_embedder_folder(path: Path, cache_dir: Path) -> Path:
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        gguf_tokenizer(path).save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
         _write_modules(tmp, mode, dense, int(cfg["hidden_size"]))
         (tmp / MANIFEST_NAME).write_text(json.dumps(_manifest(path, "embedder"), indent=2))
         _publish(tmp, target)

@@ -77,7 +77,6 @@ class ModelSource:
     gguf: Path | None = None  # set when the GGUF file itself is served (folder then holds no weights)
 
 
-@shared_gguf_readers()  # a conversion asks the file for its architecture, config, tokenizer and tensors
 def resolve_model(model: str | None, cache_dir: Path | None = None, keep_gguf: bool = False) -> ModelSource:
     """`keep_gguf`: a GGUF model is served from the file (ModelSource.gguf), not converted to fp32."""
     cache = cache_dir or default_cache_dir()
@@ -324,6 +323,7 @@ def gguf_tokenizer(gguf: Path) -> Any:
     return tok
 
 
+@shared_gguf_readers()  # its architecture, tokenizer, config and MoE fields: one parse of the file
 def gguf_metadata_folder(gguf: Path, cache_dir: Path) -> Path:
     """config.json and the tokenizer of a GGUF file, as a (weightless) Hugging Face folder; cached."""
     full = _gguf_cache_folder(gguf, cache_dir)
@@ -352,18 +352,26 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         return target
     from server.models.gguf_config import READERS, gguf_architecture
 
-    moe = bool(_moe_fields(gguf))
-    if moe and gguf_architecture(gguf) == "gpt-oss":
-        raise ModelLoadError(
-            f"{gguf.name}: gpt-oss's experts are MXFP4 already: it is served as it is, on CPU (leave "
-            "--dtype auto and --quantize unset, tensor_parallel_size 1)"
-        )
+    # the metadata's questions share one parse of the file; the tensors' read below has its own, so that
+    # no vocabulary is held while the fp32 weights are built (server/gguf_file.py)
+    with shared_gguf_readers():
+        moe = bool(_moe_fields(gguf))
+        arch = gguf_architecture(gguf)
+        if moe and arch == "gpt-oss":
+            raise ModelLoadError(
+                f"{gguf.name}: gpt-oss's experts are MXFP4 already: it is served as it is, on CPU (leave "
+                "--dtype auto and --quantize unset, tensor_parallel_size 1)"
+            )
+        # transformers' GGUF model reader builds MoE files with the wrong expert sizes: ours reads them
+        ours = moe or arch in READERS
+        if ours:
+            cfg, tok = _gguf_config_and_tokenizer(gguf)
+        else:
+            tok = gguf_tokenizer(gguf)
     cache_dir.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to safetensors in %s (once; later starts reuse it)", gguf.name, target)
     t0 = time.monotonic()
-    # transformers' GGUF model reader builds MoE files with the wrong expert sizes: ours reads them
-    if moe or gguf_architecture(gguf) in READERS:
-        cfg, tok = _gguf_config_and_tokenizer(gguf)
+    if ours:
         state = _dequantized_state(gguf)
         if cfg["tie_word_embeddings"]:
             state.pop("lm_head.weight", None)
@@ -372,7 +380,6 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 
         with _alone(gguf) as folder:
             hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
-        tok = gguf_tokenizer(gguf)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)

@@ -92,6 +92,18 @@ def test_thread_count_follows_a_binding_quota() -> None:
     assert container_thread_count(None, 64) is None
 
 
+def test_usable_cpus_is_a_binding_quota_else_the_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the kernels' prebuild sizes its compilers by it: a 64-CPU node with a 2-CPU quota runs 2, not 37
+    monkeypatch.setattr(cpu_env, "_available_cpus", lambda: 64)
+    monkeypatch.setattr(cpu_env, "cgroup_cpu_limit", lambda: 2.5)
+    assert cpu_env.usable_cpus() == 2
+    monkeypatch.setattr(cpu_env, "cgroup_cpu_limit", lambda: None)
+    assert cpu_env.usable_cpus() == 64
+    monkeypatch.setattr(cpu_env, "_available_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_env, "cgroup_cpu_limit", lambda: 8.0)  # the quota does not bind
+    assert cpu_env.usable_cpus() == 2
+
+
 def test_a_cpu_quota_sets_omp_num_threads_unless_the_user_did(
     clean_env: pytest.MonkeyPatch,
 ) -> None:

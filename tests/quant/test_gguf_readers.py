@@ -55,6 +55,25 @@ def test_an_engine_load_parses_the_file_once_and_keeps_no_reader(
     assert len(out[0]) == 2
 
 
+@pytest.mark.slow
+def test_a_conversion_parses_the_metadata_once_and_the_tensors_apart(
+    tiny_model_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--dtype` or tensor parallelism converts a GGUF to a safetensors folder (loader.convert_gguf): its
+    metadata questions share one reader, the fp32 tensors are read apart from it (no vocabulary held while
+    they are built), and nothing is kept."""
+    from server.models.loader import resolve_model
+
+    path = write_tiny_gguf(tiny_model_factory("llama", tie=True), tmp_path / "tiny.gguf", "Q8_0")
+    opened = _count_readers(monkeypatch)
+    source = resolve_model(str(path), tmp_path / "cache", keep_gguf=False)
+    assert (source.folder / "model.safetensors").is_file() and source.gguf is None
+    # the metadata (MoE fields, architecture, tokenizer with transformers' builder) once; transformers'
+    # model loader (a Llama file: its reader, not ours) twice, its config's and its tensors'
+    assert opened == {"tiny.gguf": 3}, opened
+    assert not gguf_file._shared
+
+
 def test_readers_are_shared_only_inside_the_scope_and_per_version_of_the_file(
     tiny_model_factory: Any, tmp_path: Path
 ) -> None:
@@ -73,3 +92,13 @@ def test_readers_are_shared_only_inside_the_scope_and_per_version_of_the_file(
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
         assert open_gguf(path) is not first
     assert not gguf_file._shared
+
+
+def test_the_scope_puts_back_whatever_gguf_reader_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Spy(gguf.GGUFReader):  # type: ignore[misc]
+        pass
+
+    monkeypatch.setattr(gguf, "GGUFReader", Spy)
+    with shared_gguf_readers():
+        assert gguf.GGUFReader is not Spy  # transformers' opens go through the shared reader
+    assert gguf.GGUFReader is Spy
