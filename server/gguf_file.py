@@ -8,12 +8,12 @@ nor what is wrong with it.
 
 It also parses every metadata field when it opens a file, an object and a numpy view per entry of each
 array: SmolLM2's 49,152-token vocabulary and 48,900 merges take ~3 s and ~160 MB, a Llama-3 file's 128,256
-tokens and 280,147 merges several times that. Resolving a GGUF model (`loader.resolve_model`: the cached
-metadata folder or the conversion) asks the file for its architecture, tokenizer, config and MoE fields,
-each through its own open, and transformers' GGUF tokenizer and config builders (`load_gguf_checkpoint`)
-open it with their own `gguf.GGUFReader(path)`: inside `shared_gguf_readers()` all of those share one
+tokens and 280,147 merges several times that. A model's metadata steps (`loader.gguf_metadata_folder`,
+`loader.convert_gguf`'s and the EmbeddingGemma conversion's) ask the file for its architecture, tokenizer,
+config and MoE fields, each through its own open, and transformers' GGUF tokenizer and config builders
+(`load_gguf_checkpoint`) open it with their own `gguf.GGUFReader(path)`: inside `shared_gguf_readers()` all of those share one
 reader per file (transformers' through `gguf.GGUFReader`, swapped for the scope: it imports the name when
-it reads a file), dropped when the scope ends. The memory estimate and the weights' read open the file
+it reads a file), dropped when the scope ends. The memory estimate and the tensors' read open the file
 again, outside any scope: held through the weights' load, a reader raised the embedded model's first
 start's peak by 216 MB (1.19 -> 1.41 GB) for 4 s of its 38. Plain Python (no torch): the loader Job's
 memory estimate opens files through it too.
