@@ -356,7 +356,7 @@ def estimate_memory(model: Path, settings: ServingSettings) -> MemoryEstimate:
         from server.gguf_file import open_gguf
 
         try:
-            reader = open_gguf(gguf_file)
+            reader = open_gguf(gguf_file, long_arrays=False)
         except (ValueError, OSError) as e:
             raise EstimateError(f"{gguf_file.name}: unreadable GGUF: {e}") from e
         cfg = _gguf_config(gguf_file, reader)

@@ -179,7 +179,7 @@ def gguf_architecture(path: Path) -> str:
     """`general.architecture` of the file (llama.cpp's name: llama, qwen2, gemma3, ...)."""
     from server.gguf_file import open_gguf
 
-    return str(_field(open_gguf(path), "general.architecture") or "llama")
+    return str(_field(open_gguf(path, long_arrays=False), "general.architecture") or "llama")
 
 
 def hf_config_from_gguf(path: Path) -> dict[str, Any]:
@@ -187,7 +187,7 @@ def hf_config_from_gguf(path: Path) -> dict[str, Any]:
     where a key our layers cannot express is set: a per-layer KV head count, another RoPE scaling)."""
     from server.gguf_file import open_gguf
 
-    reader = open_gguf(path)
+    reader = open_gguf(path, long_arrays=False)
     arch = str(_field(reader, "general.architecture") or "llama")
     if arch not in READERS:
         raise UnsupportedModelError(f"{path.name}: GGUF architecture {arch!r} has no config reader")

@@ -62,7 +62,7 @@ def unigram(gguf: Path) -> bool:
     """Whether the file's vocabulary is a SentencePiece unigram model (`tokenizer.ggml.model = t5`)."""
     from server.gguf_file import open_gguf
 
-    return bool(_field(open_gguf(gguf), "tokenizer.ggml.model") == "t5")
+    return bool(_field(open_gguf(gguf, long_arrays=False), "tokenizer.ggml.model") == "t5")
 
 
 def _field(reader: Any, key: str) -> Any:

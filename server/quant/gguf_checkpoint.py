@@ -236,7 +236,7 @@ def read_gguf_checkpoint(path: Path, compute: torch.dtype) -> GgufCheckpoint:
 
     from server.gguf_file import open_gguf
 
-    reader = open_gguf(path)
+    reader = open_gguf(path, long_arrays=False)
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "llama"
     layout = LAYOUTS.get(arch)
