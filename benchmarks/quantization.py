@@ -2,10 +2,11 @@
 
     python benchmarks/quantization.py                        # all methods on the embedded SmolLM2
     python benchmarks/quantization.py --methods none int4 awq --decode-tokens 16
-    python benchmarks/quantization.py --compare-cpu-paths --methods int8 int4 awq gptq --rounds 3
+    python benchmarks/quantization.py --compare-cpu-paths --methods int8 int4 awq gptq fp8 --rounds 3
 
 --compare-cpu-paths loads each method twice, with the previous CPU layers (torch's bf16 int4/int8
-kernels) and with the weights repacked for our weight-only kernel (server/quant/cpu_repack.py), and
+kernels, fp8 converted per forward) and with the weights repacked for our weight-only kernel
+(server/quant/cpu_repack.py; fp8: its codes through server/quant/cpu_fp8.py's kernel), and
 alternates 1-user greedy decodes between the two engines (rounds x each), so both see the same machine
 load; it reports the median tokens/s of each, their ratio and the weight bytes each holds.
 
@@ -131,8 +132,8 @@ def _compare_cpu_paths(args: argparse.Namespace) -> dict[str, Any]:
     base_folder = resolve_model(None).folder
     results = []
     for method in args.methods:
-        if method not in ("int8", "int4", "awq", "gptq"):
-            raise SystemExit(f"--compare-cpu-paths covers int8, int4, awq and gptq, not {method}")
+        if method not in ("int8", "int4", "awq", "gptq", "fp8"):
+            raise SystemExit(f"--compare-cpu-paths covers int8, int4, awq, gptq and fp8, not {method}")
         folder = (
             _checkpoint(method, args.work_dir, args.calib_tokens) if method in PREQUANTIZED else base_folder
         )
@@ -179,7 +180,7 @@ def _layer_times(rounds: int, calls: int = 50) -> list[dict[str, Any]]:
     thread-CPU microseconds per call (CPU time leaves out the time this thread waited for a core)."""
     from server.quant.cpu_repack import int4_linear, int8_linear, quantize_int8
     from server.quant.formats import quantize_rtn
-    from server.quant.layers import Int4Linear, Int8Linear
+    from server.quant.layers import Fp8Linear, Int4Linear, Int8Linear
 
     rows = []
     for n, k in ((1536, 576), (576, 1536)):  # SmolLM2's gate/up and down projections
@@ -187,6 +188,7 @@ def _layer_times(rounds: int, calls: int = 50) -> list[dict[str, Any]]:
         pairs: dict[str, tuple[Any, Any]] = {
             "int8": (Int8Linear.quantize(w, None), int8_linear(*quantize_int8(w), None)),
             "int4-g64": (Int4Linear(quantize_rtn(w, 64), None), int4_linear(quantize_rtn(w, 64), None)),
+            "fp8": (Fp8Linear.quantize(w, None, cpu_kernel=False), Fp8Linear.quantize(w, None)),
         }
         x = torch.randn(1, k)
         for name, (old, new) in pairs.items():

@@ -94,17 +94,18 @@ class _SharedReader(_Reader):
 def open_gguf(path: Path | str, *, long_arrays: bool = True) -> Any:
     """gguf-py's `GGUFReader` over `path` (memory-mapped); inside `shared_gguf_readers()`, the one already
     opened for that file. `long_arrays=False`: arrays of more than `LONG_ARRAY` entries are not read (their
-    field's `data` has the array's length and raises ArrayNotRead when indexed); such a reader is never
-    shared, but a shared full one is returned where there is one. Raises GgufFileError for a file gguf-py
+    field's `data` has the array's length and raises ArrayNotRead when indexed); inside the scope, whose
+    steps read the vocabulary anyway, the shared full reader instead (opened by the first question asked). Raises GgufFileError for a file gguf-py
     cannot read as a GGUF, OSError (FileNotFoundError, PermissionError) as the file system raises it."""
     path = Path(path)
     st = path.stat()
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     with _lock:
         reader = _shared.get(key) if _depth else None
+        scoped = _depth > 0
     if reader is not None:
         return reader
-    if not long_arrays:
+    if not long_arrays and not scoped:
         return _open(path, st.st_size, _ShortArraysReader)
     reader = _open(path, st.st_size, _Reader)
     with _lock:
@@ -155,7 +156,7 @@ class _ShortArraysReader(_Reader):
                 return super()._get_field_parts(orig_offs, raw_type)
             finally:
                 self._nested = False
-        offs = orig_offs + 12  # the entry type (u32) and the length (u64)
+        offs, end = orig_offs + 12, len(self.data)  # after the entry type (u32) and the length (u64)
         scalar = self.gguf_scalar_to_np.get(GGUFValueType(itype))
         if scalar is not None:
             offs += length * np.dtype(scalar).itemsize
@@ -163,8 +164,10 @@ class _ShortArraysReader(_Reader):
             view = memoryview(self.data)  # type: ignore[arg-type]
             unpack = struct.Struct("<Q" if self.endianess == GGUFEndian.LITTLE else ">Q").unpack_from
             for _ in range(length):
+                if offs + 8 > end:  # before unpacking: a corrupt length would overflow the next offset
+                    raise ValueError(f"an array of {length} strings runs past the end of the file")
                 offs += 8 + unpack(view, offs)[0]
-        if offs > len(self.data):
+        if offs > end:
             raise ValueError(f"an array of {length} entries runs past the end of the file")
         self._skipped = length
         return offs - orig_offs, [raw_itype, raw_len], [], [GGUFValueType.ARRAY, GGUFValueType(itype)]

@@ -15,6 +15,7 @@ from server.models.cpu_bf16_gemm import NATIVE as BF16_GEMM
 from server.models.cpu_fused import NATIVE as CPU_FUSED
 from server.models.moe.native import NATIVE as MOE_EXPERTS
 from server.native import PROBE, KernelBuildError, prebuild
+from server.quant.cpu_fp8 import NATIVE as FP8
 from server.quant.cpu_mxfp4 import NATIVE as MXFP4
 from server.quant.cpu_qgemv_q8 import NATIVE as QGEMV_Q8
 from server.quant.cpu_qk_native import NATIVE as QK_NATIVE
@@ -29,6 +30,7 @@ SOURCES = (
     QLINEAR,
     QGEMV_Q8,
     MXFP4,
+    FP8,
     MOE_EXPERTS,
     QK_NATIVE,
     BF16_GEMM,

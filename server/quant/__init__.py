@@ -136,7 +136,7 @@ def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, name: str
             raise ValueError(
                 f"fp8 weight_scale has {scale.numel()} values; expected 1 or {module.out_features}"
             )
-        return Fp8Linear(module.weight, scale.contiguous(), bias)
+        return Fp8Linear(module.weight, scale.contiguous(), bias, cpu_repack.kernels_wanted())
     if not isinstance(module, nn.Linear) or qcfg.is_prequantized:
         return None
     weight = module.weight.detach()  # [N, K]
@@ -147,7 +147,7 @@ def _convert(module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, name: str
     if qcfg.method == "int4":
         return _int4(quantize_rtn(weight, pick_group_size(module.in_features, qcfg.group_size)), bias, name)
     if qcfg.method == "fp8":
-        return Fp8Linear.quantize(weight, bias)
+        return Fp8Linear.quantize(weight, bias, cpu_repack.kernels_wanted())
     if qcfg.method in BLOCK_FORMATS:
         if module.in_features % 32:
             raise ValueError(

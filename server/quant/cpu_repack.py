@@ -44,6 +44,11 @@ def previous_cpu_path() -> Iterator[None]:
         _enabled = saved
 
 
+def kernels_wanted() -> bool:
+    """Whether layers converted now take the compiled CPU kernels: False inside previous_cpu_path()."""
+    return _enabled
+
+
 def cpu_kernel_enabled() -> bool:
     """Whether load-time repacking for the CPU kernel is on and the kernel could be built."""
     return _enabled and try_load_qlinear_kernel() is not None

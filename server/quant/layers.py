@@ -376,8 +376,9 @@ class Fp8Linear(QuantLinear):
     """Weight-only fp8 e4m3, one scale per output channel: w = fp8_weight * scale[n]; on-the-fly
     quantization picks each channel's scale by fp8_channel_scales.
 
-    On CUDA with sm_89+ the Triton kernel converts in registers; elsewhere the weight is converted per
-    forward (slow on CPU, which has no fp8 arithmetic: this path is for correctness, not speed).
+    On CUDA with sm_89+ the Triton kernel converts in registers; on CPU decode batches (up to
+    cpu_fp8.MAX_ROWS rows) take the compiled kernel, which widens each code in registers (a byte a weight
+    read, fp32 sums); larger batches and other devices convert the weight per forward.
     """
 
     method = "fp8"
@@ -385,21 +386,28 @@ class Fp8Linear(QuantLinear):
     weight: Tensor  # [N, K] float8_e4m3fn
     scale: Tensor  # [N] fp32
 
-    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None) -> None:
-        # weight: [N, K] float8_e4m3fn; scale: [N] fp32
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, cpu_kernel: bool = True) -> None:
+        # weight: [N, K] float8_e4m3fn; scale: [N] fp32; cpu_kernel False: torch's conversion on CPU too
         super().__init__(weight.shape[1], weight.shape[0])
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scale", scale.float().reshape(-1).contiguous())
         _register_bias(self, bias)
         dev = weight.device
         self.use_triton = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
+        self.cpu_kernel = cpu_kernel and dev.type == "cpu"
+        if dev.type == "cpu":
+            from server.quant.cpu_fp8 import check_codes
+
+            check_codes(self.weight)
 
     @classmethod
-    def quantize(cls, weight: Tensor, bias: Tensor | None) -> Fp8Linear:  # weight: [N, K]
+    def quantize(
+        cls, weight: Tensor, bias: Tensor | None, cpu_kernel: bool = True
+    ) -> Fp8Linear:  # weight: [N, K]
         w = weight.float()
         scale = fp8_channel_scales(w)
         q = (w / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-        return cls(q, scale, bias)
+        return cls(q, scale, bias, cpu_kernel)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, K] -> [T, N]
         if self.use_triton:
@@ -407,10 +415,28 @@ class Fp8Linear(QuantLinear):
 
             y = fp8_gemm(x.contiguous(), self.weight, self.scale)
         else:
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+            kernel_y = self._cpu_kernel_linear(x)
+            y = (
+                F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+                if kernel_y is None
+                else kernel_y
+            )
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _cpu_kernel_linear(self, x: Tensor) -> Tensor | None:  # x: [..., K] -> [..., N], or None
+        from server.quant.cpu_fp8 import MAX_ROWS, try_load_fp8_kernel
+
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if not self.cpu_kernel or x.device.type != "cpu" or not 0 < rows <= MAX_ROWS:
+            return None
+        kernel = try_load_fp8_kernel()
+        if kernel is None:
+            return None
+        x2 = x.reshape(rows, self.in_features).float().contiguous()
+        y = kernel.linear(x2, self.weight, self.scale)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 # ------------------------------------------------------------------ bitsandbytes

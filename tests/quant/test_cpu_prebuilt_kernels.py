@@ -86,6 +86,7 @@ def test_prebuild_command_builds_every_kernel_for_every_level(prebuilt: Path) ->
     kernels = (
         "bf16_gemm",
         "cpu_fused",
+        "fp8",
         "moe_experts",
         "mxfp4",
         "paged_decode",

@@ -58,16 +58,15 @@ def test_an_engine_load_parses_the_file_once_and_a_warm_start_builds_no_vocabula
     # reader; the memory estimate (and its config) and the weights each their own stepping over the
     # vocabulary, so that none is held while the weights load (held through the whole load, the embedded
     # model's first start peaked 216 MB higher)
-    # (the architecture and tokenizer-kind questions, the estimate and the weights: short opens, ~1/50 the
-    # cost of a full one on a real vocabulary)
-    assert opened["tiny.gguf", "full"] == 1, opened
+    # (the estimate and the weights: opens that step over the vocabulary, ~1/50 the cost of a full one)
+    assert opened == {("tiny.gguf", "full"): 1, ("tiny.gguf", "short"): 2}, opened
     assert not gguf_file._shared  # the metadata is not kept for the server's life
     out = engine.generate([engine.tokenizer.encode("Water boils at")], SamplingParams(max_tokens=2))
     assert len(out[0]) == 2
     del engine
     opened.clear()
     engine = load()  # the metadata folder is cached: no vocabulary is built at all
-    assert opened["tiny.gguf", "full"] == 0 and opened["tiny.gguf", "short"] >= 2, opened
+    assert opened == {("tiny.gguf", "short"): 2}, opened
     out = engine.generate([engine.tokenizer.encode("Water boils at")], SamplingParams(max_tokens=2))
     assert len(out[0]) == 2
 
@@ -179,6 +178,7 @@ def test_a_short_arrays_open_reads_all_but_long_arrays_which_refuse_to_be_read(t
             whole = full.fields[key].contents()
             assert whole == (value if key == "test.long_strings" else pytest.approx(value))
             assert len(got.data) == len(value)
+            assert (got.offset, got.types) == (full.fields[key].offset, full.fields[key].types)
             with pytest.raises(ArrayNotRead, match=f"arrays.gguf: {key} \\({len(value)} entries\\)"):
                 got.contents()
             with pytest.raises(ArrayNotRead):
@@ -190,10 +190,9 @@ def test_a_short_arrays_open_reads_all_but_long_arrays_which_refuse_to_be_read(t
     ]
     for a, b in zip(short.tensors, full.tensors, strict=True):
         assert np.array_equal(a.data, b.data)
-    with shared_gguf_readers():  # a shared full reader serves a short open; a short one is never shared
-        assert open_gguf(path, long_arrays=False) is not open_gguf(path, long_arrays=False)
-        shared = open_gguf(path)
-        assert open_gguf(path, long_arrays=False) is shared
+    with shared_gguf_readers():  # the scope's steps read the vocabulary: every open there is the full one
+        shared = open_gguf(path, long_arrays=False)
+        assert shared is open_gguf(path) and len(shared.fields["test.long_ints"].data[0:3]) == 3
 
 
 @pytest.mark.parametrize("before_key", ["test.long_floats", "test.after"])  # a string array, a numeric one
@@ -207,3 +206,38 @@ def test_a_file_cut_inside_a_long_array_is_refused_by_a_short_arrays_open(
     (tmp_path / "cut.gguf").write_bytes(data[:cut])
     with pytest.raises(GgufFileError, match=r"cut\.gguf \(\d+ bytes\) is not a readable GGUF file"):
         open_gguf(tmp_path / "cut.gguf", long_arrays=False)
+
+
+def _long_array_last(path: Path, values: list[int]) -> bytes:
+    """A GGUF whose last field is a long int32 array and that has no tensors: its bytes."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_key_value("test.last", values, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def test_a_long_array_cut_at_the_end_of_the_file_is_refused(tmp_path: Path) -> None:
+    """Nothing after the array to fail on: the short open's own bound (gguf-py's open reads such a file)."""
+    data = _long_array_last(tmp_path / "last.gguf", list(range(LONG_ARRAY + 1)))
+    (tmp_path / "cut.gguf").write_bytes(data[:-64])
+    with pytest.raises(GgufFileError, match="runs past the end of the file"):
+        open_gguf(tmp_path / "cut.gguf", long_arrays=False)
+
+
+def test_a_string_length_past_any_file_is_refused_not_overflowed(tmp_path: Path) -> None:
+    """A corrupt u64 length of 2**63 in a long string array: GgufFileError, as gguf-py's open gives, not an
+    OverflowError from the next offset (found by review)."""
+    path = tmp_path / "strings.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("test.strings", [f"s{i}" for i in range(LONG_ARRAY + 1)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    data = bytearray(path.read_bytes())
+    first = data.index(b"s0") - 8  # the first string's u64 length
+    data[first : first + 8] = (2**63).to_bytes(8, "little")
+    (tmp_path / "corrupt.gguf").write_bytes(bytes(data))
+    with pytest.raises(GgufFileError, match=r"corrupt\.gguf \(\d+ bytes\) is not a readable GGUF file"):
+        open_gguf(tmp_path / "corrupt.gguf", long_arrays=False)
