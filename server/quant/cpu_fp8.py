@@ -53,7 +53,9 @@ def check_codes(weight: Tensor) -> None:  # weight: [N, K] float8_e4m3fn
     """Raises ValueError if `weight` holds a NaN code (S.1111.111): the kernel decodes codes as numbers."""
     codes = weight.view(torch.uint8)
     if bool(((codes & 0x7F) == 0x7F).any()):
-        raise ValueError("fp8 weight holds NaN codes (0x7f / 0xff): the checkpoint is corrupt")
+        raise ValueError(
+            "fp8 weight holds NaN codes (0x7f / 0xff): a corrupt checkpoint, or NaN in the weights quantized"
+        )
 
 
 def path_for(features: CpuFeatures) -> str:
@@ -95,7 +97,7 @@ def check_args(
         )
     m = x.shape[0]
     if out is None:
-        return torch.empty(m, n, dtype=torch.float32)
+        return torch.empty(m, n, dtype=torch.float32, device="cpu")
     if (
         out.dtype != torch.float32
         or tuple(out.shape) != (m, n)
@@ -106,7 +108,24 @@ def check_args(
             f"out must be float32 [{m}, {n}] with unit stride along N, got {out.dtype} {tuple(out.shape)} "
             f"strides {out.stride()}"
         )
+    for name, t in (("x", x), ("weight", weight), ("scale", scale), ("bias", bias)):
+        if t is not None and _overlap(out, t):
+            raise ValueError(f"out must not overlap {name}: the kernel's threads read it while others write")
     return out
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether the byte spans a and b reach (first element to last) intersect: conservative, so two views
+    whose rows interleave in one buffer count as overlapping."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t: Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 @dataclass(frozen=True)
@@ -169,8 +188,10 @@ def load_fp8_kernel(cache_dir: Path | None = None) -> Fp8Kernel:
     return Fp8Kernel(lib, path, isa)
 
 
+@functools.cache
 def try_load_fp8_kernel(cache_dir: Path | None = None) -> Fp8Kernel | None:
-    """The kernel, or None (logged once) when it cannot be built: torch's conversion then serves."""
+    """The kernel, or None (logged once) when it cannot be built: torch's conversion then serves. Cached,
+    the failure too: a layer's forward asks it, and a failed build must not be retried per call."""
     try:
         return load_fp8_kernel(cache_dir)
     except (KernelBuildError, OSError) as e:

@@ -387,18 +387,26 @@ class Fp8Linear(QuantLinear):
     scale: Tensor  # [N] fp32
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, cpu_kernel: bool = True) -> None:
-        # weight: [N, K] float8_e4m3fn; scale: [N] fp32; cpu_kernel False: torch's conversion on CPU too
+        # weight: [N, K] float8 (e4m3fn; another float8 takes torch's conversion); scale: [N] fp32;
+        # cpu_kernel False: torch's conversion on CPU too
         super().__init__(weight.shape[1], weight.shape[0])
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scale", scale.float().reshape(-1).contiguous())
         _register_bias(self, bias)
         dev = weight.device
         self.use_triton = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
-        self.cpu_kernel = cpu_kernel and dev.type == "cpu"
-        if dev.type == "cpu":
-            from server.quant.cpu_fp8 import check_codes
+        # decided once here: a kernel that cannot be built is not asked again per forward
+        self.cpu_kernel = False
+        if (
+            cpu_kernel
+            and dev.type == "cpu"
+            and self.weight.dtype == torch.float8_e4m3fn
+            and self.out_features
+        ):
+            from server.quant.cpu_fp8 import check_codes, try_load_fp8_kernel
 
             check_codes(self.weight)
+            self.cpu_kernel = try_load_fp8_kernel() is not None
 
     @classmethod
     def quantize(
@@ -431,7 +439,7 @@ class Fp8Linear(QuantLinear):
         rows = x.numel() // self.in_features if self.in_features else 0
         if not self.cpu_kernel or x.device.type != "cpu" or not 0 < rows <= MAX_ROWS:
             return None
-        kernel = try_load_fp8_kernel()
+        kernel = try_load_fp8_kernel()  # cached: the one __init__ found
         if kernel is None:
             return None
         x2 = x.reshape(rows, self.in_features).float().contiguous()

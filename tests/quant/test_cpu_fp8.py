@@ -140,3 +140,68 @@ def test_fp8_linear_serves_decode_batches_through_the_kernel(
     assert calls == [1, 5, cpu_fp8.MAX_ROWS]
     x3 = torch.randn(2, 3, 80)  # [B, T, K]: the rows flattened
     assert torch.allclose(layer(x3), layer(x3.reshape(6, 80)).reshape(2, 3, 48), atol=1e-6)
+
+
+def test_out_overlapping_an_input_is_refused(kernel: cpu_fp8.Fp8Kernel) -> None:
+    """N == K lets `out` be x itself: the kernel's threads would read rows others are writing."""
+    w, scale = _codes(32, 32, seed=2), torch.ones(32)
+    x = torch.randn(3, 32)
+    with pytest.raises(ValueError, match="out must not overlap x"):
+        kernel.linear(x, w, scale, out=x)
+    buf = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="out must not overlap x"):
+        kernel.linear(buf[:, :32], w, scale, out=buf[:, 16:48])
+    with pytest.raises(ValueError, match="out must not overlap x"):  # interleaved rows: refused too
+        kernel.linear(buf[:, :32], w, scale, out=buf[:, 32:])
+    _check(kernel.linear(buf[:, :32], w, scale, out=torch.empty(3, 32)), buf[:, :32], w, scale, None)
+
+
+def test_a_kernel_that_cannot_be_built_is_asked_once_not_per_forward(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    asked: list[object] = []
+
+    def unavailable(cache_dir: object = None) -> None:
+        asked.append(cache_dir)
+
+    monkeypatch.setattr(cpu_fp8, "try_load_fp8_kernel", unavailable)
+    layer = Fp8Linear.quantize(torch.randn(8, 32), None)
+    assert not layer.cpu_kernel and len(asked) == 1
+    x = torch.randn(2, 32)
+    ref = torch.nn.functional.linear(x, layer.weight.float()) * layer.scale
+    for _ in range(3):
+        torch.testing.assert_close(layer(x), ref)
+    assert len(asked) == 1
+    # and the loader itself keeps its failure: a failed build is not retried
+    monkeypatch.undo()
+    builds: list[int] = []
+
+    def failing(cache_dir: object = None) -> cpu_fp8.Fp8Kernel:
+        builds.append(1)
+        raise native.KernelBuildError("no compiler")
+
+    monkeypatch.setattr(cpu_fp8, "load_fp8_kernel", failing)
+    try:
+        assert cpu_fp8.try_load_fp8_kernel(tmp_path) is None  # type: ignore[arg-type]
+        assert cpu_fp8.try_load_fp8_kernel(tmp_path) is None  # type: ignore[arg-type]
+        assert builds == [1]
+    finally:
+        cpu_fp8.try_load_fp8_kernel.cache_clear()
+
+
+def test_other_float8_weights_and_the_previous_path_keep_torch_conversion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An e5m2 checkpoint's weight (not e4m3 codes) and `cpu_kernel=False` (quant.cpu_repack.previous_cpu_path)
+    never reach the kernel."""
+    called: list[int] = []
+    monkeypatch.setattr(cpu_fp8.Fp8Kernel, "linear", lambda self, x, *a, **kw: called.append(1))
+    w = torch.randn(8, 32) * 0.1
+    e5m2 = Fp8Linear(w.to(torch.float8_e5m2), torch.ones(8), None)
+    previous = Fp8Linear.quantize(w, None, cpu_kernel=False)
+    x = torch.randn(2, 32)
+    for layer in (e5m2, previous):
+        assert not layer.cpu_kernel
+        ref = torch.nn.functional.linear(x, layer.weight.float()) * layer.scale
+        torch.testing.assert_close(layer(x), ref)
+    assert not called
