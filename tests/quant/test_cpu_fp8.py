@@ -44,9 +44,9 @@ def _check(
 
 @pytest.mark.parametrize("path", cpu_fp8.PATHS)
 @pytest.mark.parametrize("n,k", [(37, 96), (9, 2080), (5, 23), (3, 7)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64])
 def test_linear_matches_the_reference(kernel: cpu_fp8.Fp8Kernel, path: str, n: int, k: int, m: int) -> None:
-    """M = 1..16 (every remainder of the 4-row tile), K with tails after the 16- and 8-code loads (23, 7),
+    """M = 1..64 (every remainder of the 4-row tile), K with tails after the 16- and 8-code loads (23, 7),
     N split across threads unevenly."""
     if path not in _available():
         pytest.skip(f"this CPU (or KUBEINFER_CPU_DISABLE) does not allow the {path} path")
