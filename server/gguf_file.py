@@ -95,8 +95,9 @@ def open_gguf(path: Path | str, *, long_arrays: bool = True) -> Any:
     """gguf-py's `GGUFReader` over `path` (memory-mapped); inside `shared_gguf_readers()`, the one already
     opened for that file. `long_arrays=False`: arrays of more than `LONG_ARRAY` entries are not read (their
     field's `data` has the array's length and raises ArrayNotRead when indexed); inside the scope, whose
-    steps read the vocabulary anyway, the shared full reader instead (opened by the first question asked). Raises GgufFileError for a file gguf-py
-    cannot read as a GGUF, OSError (FileNotFoundError, PermissionError) as the file system raises it."""
+    steps read the vocabulary anyway, the shared full reader instead (opened by the first question asked).
+    Raises GgufFileError for a file gguf-py cannot read as a GGUF, OSError (FileNotFoundError,
+    PermissionError) as the file system raises it."""
     path = Path(path)
     st = path.stat()
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -128,7 +129,7 @@ class _NotRead(Sequence[int]):
         raise ArrayNotRead(f"{self._what} was not read: open the file with open_gguf(path) to read it")
 
     def __iter__(self) -> Iterator[int]:
-        return self.__getitem__(0)  # type: ignore[no-any-return]
+        raise ArrayNotRead(f"{self._what} was not read: open the file with open_gguf(path) to read it")
 
 
 class _ShortArraysReader(_Reader):
@@ -139,9 +140,8 @@ class _ShortArraysReader(_Reader):
     def __init__(self, path: str) -> None:
         self._path = path
         self._nested = False
-        self._skipped: int | None = (
-            None  # the length of the array just stepped over, until its field is pushed
-        )
+        # the length of the array just stepped over, until its field is pushed
+        self._skipped: int | None = None
         super().__init__(path)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
