@@ -78,6 +78,16 @@ def int8_dot_path(features: CpuFeatures) -> str:
     return "scalar"
 
 
+def fp32_fma_path(features: CpuFeatures) -> str:
+    """The fp32-FMA kernels' code path these features allow (mxfp4.cpp, fp8.cpp: codes widened to fp32 in
+    registers): "avx512" needs AVX-512F, "avx2" AVX2 with FMA, else "scalar"."""
+    if features.avx512f:
+        return "avx512"
+    if features.avx2 and features.fma:
+        return "avx2"
+    return "scalar"
+
+
 # Groups for KUBEINFER_CPU_DISABLE; disabling a base feature also disables what builds on it.
 _GROUPS = {
     "avx2": ("avx2", "fma", "avx512f", "avx_vnni", "amx_tile"),

@@ -300,7 +300,7 @@ def _gguf_config(path: Path, reader: Any) -> dict[str, Any]:
 
     arch = str(_gguf_field(reader, "general.architecture") or "llama")
     if arch in READERS:
-        return hf_config_from_gguf(path)
+        return hf_config_from_gguf(path, reader)
 
     def get(key: str) -> Any:
         return _gguf_field(reader, f"{arch}.{key}")

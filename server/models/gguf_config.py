@@ -182,12 +182,14 @@ def gguf_architecture(path: Path) -> str:
     return str(_field(open_gguf(path, long_arrays=False), "general.architecture") or "llama")
 
 
-def hf_config_from_gguf(path: Path) -> dict[str, Any]:
+def hf_config_from_gguf(path: Path, reader: Any | None = None) -> dict[str, Any]:
     """config.json for a GGUF of one of READERS' architectures (UnsupportedModelError otherwise, or
-    where a key our layers cannot express is set: a per-layer KV head count, another RoPE scaling)."""
+    where a key our layers cannot express is set: a per-layer KV head count, another RoPE scaling).
+    `reader`: the caller's open of `path` (server/gguf_file.py), else the file is opened here."""
     from server.gguf_file import open_gguf
 
-    reader = open_gguf(path, long_arrays=False)
+    if reader is None:
+        reader = open_gguf(path, long_arrays=False)
     arch = str(_field(reader, "general.architecture") or "llama")
     if arch not in READERS:
         raise UnsupportedModelError(f"{path.name}: GGUF architecture {arch!r} has no config reader")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
-from server.cpu_features import CpuFeatures
+from server.cpu_features import fp32_fma_path as path_for  # cpu_mxfp4's too
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 log = logging.getLogger(__name__)
@@ -59,15 +59,6 @@ def check_codes(weight: Tensor) -> None:  # weight: [N, K] float8_e4m3fn
         raise ValueError(
             "fp8 weight holds NaN codes (0x7f / 0xff): a corrupt checkpoint, or NaN in the weights quantized"
         )
-
-
-def path_for(features: CpuFeatures) -> str:
-    """The code path `features` allow: avx512 needs AVX-512F, avx2 needs AVX2 and FMA."""
-    if features.avx512f:
-        return "avx512"
-    if features.avx2 and features.fma:
-        return "avx2"
-    return "scalar"
 
 
 def check_args(

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from server.config import default_cache_dir
-from server.cpu_features import CpuFeatures
+from server.cpu_features import fp32_fma_path as path_for  # the path every fp32-FMA kernel shares
 from server.native import KernelBuildError, NativeSource, load_library, usable_cpu_features
 
 log = logging.getLogger(__name__)
@@ -100,15 +100,6 @@ def linear_reference(
     """x @ W^T (+ bias) in float64 over the dequantized W, rounded once to fp32."""
     y = x.double() @ dequantize_mxfp4(blocks, scales).double().t()
     return (y if bias is None else y + bias.double()).float()
-
-
-def path_for(features: CpuFeatures) -> str:
-    """The code path `features` allow: avx512 needs AVX-512F, avx2 needs AVX2 and FMA."""
-    if features.avx512f:
-        return "avx512"
-    if features.avx2 and features.fma:
-        return "avx2"
-    return "scalar"
 
 
 def check_args(

@@ -223,3 +223,22 @@ def test_an_explicit_dtype_converts_through_our_reader(tmp_path: Path) -> None:
         )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert engine.generate([prompt], params)[0] == ids[0, len(prompt) :].tolist()
+
+
+def test_the_memory_estimate_of_a_read_architecture_opens_the_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An architecture our config reader knows (qwen3): the estimate hands its open of the file to
+    `hf_config_from_gguf` instead of opening it again."""
+    from gguf_opens import count_gguf_opens
+
+    from server.memory_estimate import ServingSettings, estimate_memory
+
+    path = write_arch_gguf(
+        _build(tmp_path / "hf", "qwen3"), tmp_path / "q.gguf", tmp_path / "ref", {"*": "Q8_0"}
+    )
+    opened = count_gguf_opens(monkeypatch)
+    estimate = estimate_memory(path, ServingSettings(dtype="auto", auto_dtype="float32"))
+    assert (
+        opened == {("q.gguf", "short"): 1} and estimate.num_layers == _gguf_config("qwen3").num_hidden_layers
+    )

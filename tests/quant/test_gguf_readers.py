@@ -7,7 +7,6 @@ config) step over long arrays (0.05 s against 2.7 s on the embedded model's file
 
 from __future__ import annotations
 
-import collections
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf_models import write_tiny_gguf
+from gguf_opens import count_gguf_opens
 
 from server import gguf_file
 from server.config import CacheConfig, EngineConfig, ModelConfig
@@ -24,26 +24,12 @@ from server.gguf_file import LONG_ARRAY, ArrayNotRead, GgufFileError, open_gguf,
 from server.request import SamplingParams
 
 
-def _count_readers(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[tuple[str, str]]:
-    """(file name, "full" or "short"): gguf-py's readers built, those that step over long arrays apart."""
-    opened: collections.Counter[tuple[str, str]] = collections.Counter()
-    init = gguf.GGUFReader.__init__
-
-    def counting(self: Any, path: Any, *args: Any, **kwargs: Any) -> None:
-        kind = "short" if isinstance(self, gguf_file._ShortArraysReader) else "full"
-        opened[Path(path).name, kind] += 1
-        init(self, path, *args, **kwargs)
-
-    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting)
-    return opened
-
-
 @pytest.mark.slow
 def test_an_engine_load_parses_the_file_once_and_a_warm_start_builds_no_vocabulary(
     tiny_model_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = write_tiny_gguf(tiny_model_factory("llama", tie=True), tmp_path / "tiny.gguf", "Q8_0")
-    opened = _count_readers(monkeypatch)
+    opened = count_gguf_opens(monkeypatch)
 
     def load() -> LLMEngine:
         return LLMEngine(
@@ -81,7 +67,7 @@ def test_a_conversion_parses_the_metadata_once_and_the_tensors_apart(
     from server.models.loader import resolve_model
 
     path = write_tiny_gguf(tiny_model_factory("llama", tie=True), tmp_path / "tiny.gguf", "Q8_0")
-    opened = _count_readers(monkeypatch)
+    opened = count_gguf_opens(monkeypatch)
     source = resolve_model(str(path), tmp_path / "cache", keep_gguf=False)
     assert (source.folder / "model.safetensors").is_file() and source.gguf is None
     # the metadata (MoE fields, architecture, tokenizer with transformers' builder) once; transformers'
